@@ -1,0 +1,1 @@
+"""Rigpilot's desktop GUI (PySide6). A client of the engine service; never imports torch."""

@@ -1,0 +1,3 @@
+"""Rigpilot's headless core: hardware, planner, jobs and the engine service. Never imports Qt."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,319 @@
+"""Simulated machines: GPU workstations described by data files in resources/machines.
+
+They stand in for real GPUs wherever none are present, so every flow (topology,
+planning, jobs, charts) can run and be tested on a CPU. Their telemetry evolves
+over time with first-order lags (utilisation in about a second, power in a few,
+temperature in tens of seconds) and reacts to load that the engine reports for
+the jobs it runs on them. Everything built from them says "simulated".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import resources
+from engine.errors import UserError
+from engine.hardware.machine import P2P, Gpu, GpuPair, Host, Machine, NumaNode, PciePath, Source, parse_cpu_list
+from engine.hardware.telemetry import GpuProcess, GpuSample, Tier
+
+MIB = 1024**2
+GIB = 1024**3
+DEFAULT_PROFILE = "4x-rtx4090"
+
+# NVLink bandwidth per link and direction by generation (GB/s), for simulated traffic ceilings.
+_NVLINK_LINK_GBS = {1: 20.0, 2: 25.0, 3: 25.0, 4: 25.0, 5: 50.0}
+
+
+def profiles_dir() -> Path:
+    return resources.path("machines")
+
+
+def list_profiles() -> list[dict[str, Any]]:
+    """Every simulated profile: id, title and GPU summary, in a stable order."""
+    out = []
+    for f in sorted(profiles_dir().glob("*.json")):
+        m = load_profile(f.stem)
+        out.append({"id": f.stem, "title": _read(f)["title"], "gpus": len(m.gpus), "label": m.label})
+    return out
+
+
+def load_profile(profile_id: str) -> Machine:
+    f = profiles_dir() / f"{profile_id}.json"
+    if not f.is_file():
+        known = ", ".join(p.stem for p in sorted(profiles_dir().glob("*.json")))
+        raise UserError(f"unknown simulated profile {profile_id!r}; known profiles: {known}")
+    return machine_from_profile(_read(f))
+
+
+def _read(f: Path) -> dict[str, Any]:
+    try:
+        return json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read machine profile {f}: {e}") from e
+
+
+def machine_from_profile(p: dict[str, Any]) -> Machine:
+    h = p["host"]
+    numa = [NumaNode(id=int(k), cpus=parse_cpu_list(v)) for k, v in sorted(h["numa"].items(), key=lambda kv: int(kv[0]))]
+    per_node_mem = h["memory_gib"] * GIB // max(len(numa), 1)
+    for n in numa:
+        n.memory_total = per_node_mem
+    host = Host(
+        hostname=h.get("hostname"),
+        cpu_model=h.get("cpu_model"),
+        sockets=h.get("sockets"),
+        cores=h.get("cores"),
+        threads=h.get("threads"),
+        memory_total=h["memory_gib"] * GIB,
+        numa_nodes=numa,
+        driver_version=p.get("driver_version"),
+        cuda_driver_version=p.get("cuda_driver_version"),
+        nvml_version="simulated",
+    )
+    nv = p.get("nvlink") or {}
+    nv_pairs = {(min(a, b), max(a, b)): n for a, b, n in nv.get("pairs", [])}
+    gpus = []
+    for i, g in enumerate(p["gpus"]):
+        spec = {**p.get("gpu", {}), **g}
+        node = spec.get("numa_node")
+        links = spec.get("nvlink_links")
+        if links is None:
+            links = nv.get("links_per_gpu", 0) if nv.get("nvswitch") else sum(n for k, n in nv_pairs.items() if i in k)
+        gpu = Gpu(
+            index=i,
+            name=spec["name"],
+            uuid=_fake_uuid(p["id"], i),
+            pci_bus_id=spec["pci_bus_id"],
+            memory_total=spec["memory_mib"] * MIB,
+            compute_capability=spec.get("compute_capability"),
+            power_limit_w=spec.get("power_limit_w"),
+            max_sm_clock_mhz=spec.get("max_sm_clock_mhz"),
+            max_mem_clock_mhz=spec.get("max_mem_clock_mhz"),
+            pcie_gen_current=spec.get("pcie_gen_current", spec.get("pcie_gen_max")),
+            pcie_gen_max=spec.get("pcie_gen_max"),
+            pcie_width_current=spec.get("pcie_width_current", spec.get("pcie_width_max")),
+            pcie_width_max=spec.get("pcie_width_max"),
+            numa_node=node,
+            cpu_affinity=next((n.cpus for n in numa if n.id == node), None),
+            ecc_enabled=spec.get("ecc"),
+            mig_enabled=False if spec.get("mig_capable", True) else None,
+            persistence_mode=spec.get("persistence"),
+            nvlink_links=links,
+            nvlink_gen=nv.get("gen") if links else None,
+        )
+        gpus.append(gpu)
+    matrix = [row.split() for row in p["pcie"]]
+    if len(matrix) != len(gpus) or any(len(r) != len(gpus) for r in matrix):
+        raise UserError(f"profile {p['id']}: the pcie matrix must be {len(gpus)}×{len(gpus)}")
+    pairs = []
+    for a in range(len(gpus)):
+        for b in range(a + 1, len(gpus)):
+            pcie = PciePath(matrix[a][b])
+            count = nv_pairs.get((a, b), 0)
+            switch = bool(nv.get("nvswitch"))
+            if switch:
+                count = min(gpus[a].nvlink_links or 0, gpus[b].nvlink_links or 0)
+            p2p = _p2p(p.get("p2p", "none"), pcie, count)
+            pairs.append(
+                GpuPair(
+                    a=a, b=b, pcie=pcie, nvlink_count=count, nvlink_gen=nv.get("gen") if count else None,
+                    nvswitch=switch and count > 0, p2p_read=p2p, p2p_write=p2p,
+                )
+            )
+    return Machine(
+        source=Source.SIMULATED, host=host, gpus=gpus, pairs=pairs, profile=p["id"], origin=p.get("title"),
+    )
+
+
+def _p2p(rule: str, pcie: PciePath, nvlinks: int) -> P2P:
+    ok = {
+        "all": True,
+        "none": False,
+        "nvlink-only": nvlinks > 0,
+        "same-socket": nvlinks > 0 or pcie is not PciePath.SYS,
+    }[rule]
+    return P2P.OK if ok else P2P.UNSUPPORTED
+
+
+def _fake_uuid(profile: str, index: int) -> str:
+    h = hashlib.sha1(f"{profile}/{index}".encode()).hexdigest()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+
+# -- telemetry --------------------------------------------------------------
+
+
+@dataclass
+class Load:
+    """What the engine says a job is doing on one simulated GPU."""
+
+    utilization: float = 0.0  # percent of SMs busy
+    memory_bytes: int = 0
+    comm_fraction: float = 0.0  # share of time spent moving data to peers
+    pid: int | None = None
+    command: str | None = None
+
+
+@dataclass
+class _GpuState:
+    util: float
+    mem_util: float
+    memory_used: float
+    power: float
+    temp: float
+    fan: float
+    nvlink_rx: float = 0.0
+    nvlink_tx: float = 0.0
+    pcie_rx: float = 0.0
+    pcie_tx: float = 0.0
+    loads: dict[str, Load] = field(default_factory=dict)
+
+
+class SimulatedBackend:
+    """Telemetry for a simulated machine. Thread-safe; `clock` is injectable for tests."""
+
+    def __init__(self, machine: Machine, *, seed: int | None = None, clock=time.monotonic):
+        if not machine.simulated:
+            raise ValueError("SimulatedBackend needs a simulated machine")
+        self._machine = machine
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._rng = random.Random(seed if seed is not None else machine.profile)
+        self._profile = _read(profiles_dir() / f"{machine.profile}.json") if machine.profile else {}
+        self._last = clock()
+        self._state = [self._idle_state(g) for g in machine.gpus]
+
+    def machine(self) -> Machine:
+        return self._machine
+
+    def set_load(self, gpu: int, key: str, load: Load | None) -> None:
+        """Attach (or with None, remove) a job's load on a GPU; several jobs may share one."""
+        self._machine.gpu(gpu)  # KeyError on a GPU that does not exist
+        with self._lock:
+            loads = self._state[gpu].loads
+            if load is None:
+                loads.pop(key, None)
+            else:
+                loads[key] = load
+
+    def sample_gpus(self, tier: Tier) -> list[GpuSample]:
+        with self._lock:
+            now = self._clock()
+            dt = max(now - self._last, 0.0)
+            self._last = now
+            return [self._advance(g, s, dt, tier) for g, s in zip(self._machine.gpus, self._state, strict=True)]
+
+    def close(self) -> None:
+        pass
+
+    # -- model ----------------------------------------------------------
+    def _gpu_profile(self, index: int) -> dict[str, Any]:
+        p = self._profile
+        return {**p.get("gpu", {}), **(p.get("gpus", [{}] * (index + 1))[index])}
+
+    def _idle_state(self, g: Gpu) -> _GpuState:
+        spec = self._gpu_profile(g.index)
+        base_mem = (spec.get("display_memory_mib", 0) + 4) * MIB
+        return _GpuState(
+            util=0.0, mem_util=0.0, memory_used=base_mem, power=spec.get("idle_power_w", 30.0),
+            temp=spec.get("idle_temp_c", 35.0), fan=30.0,
+        )
+
+    def _advance(self, g: Gpu, s: _GpuState, dt: float, tier: Tier) -> GpuSample:
+        spec = self._gpu_profile(g.index)
+        limit = g.power_limit_w or 300.0
+        idle_power = spec.get("idle_power_w", 30.0)
+        idle_temp = spec.get("idle_temp_c", 35.0)
+        base_mem = (spec.get("display_memory_mib", 0) + 4) * MIB
+        loads = list(s.loads.values())
+        busy = min(sum(x.utilization for x in loads), 100.0)
+        comm = max((x.comm_fraction for x in loads), default=0.0)
+        target_mem = base_mem + sum(x.memory_bytes for x in loads)
+        jitter = self._rng.uniform(-2.0, 2.0) if busy > 0 else self._rng.uniform(0.0, 0.6)
+
+        s.util = _approach(s.util, max(busy + jitter, 0.0), dt, tau=0.8)
+        s.mem_util = _approach(s.mem_util, 0.55 * s.util, dt, tau=0.8)
+        s.memory_used = _approach(s.memory_used, target_mem, dt, tau=0.5)
+        target_power = idle_power + (limit * 0.92 - idle_power) * (s.util / 100.0)
+        s.power = _approach(s.power, target_power, dt, tau=2.0)
+        # Steady-state temperature rises with power; a 40 s time constant is typical of a heatsink.
+        target_temp = idle_temp + 48.0 * (s.power - idle_power) / max(limit - idle_power, 1.0)
+        s.temp = _approach(s.temp, target_temp, dt, tau=40.0)
+        s.fan = _approach(s.fan, 30.0 + max(s.temp - 40.0, 0.0) * 1.6, dt, tau=5.0)
+
+        link_gbs = _NVLINK_LINK_GBS.get(g.nvlink_gen or 0, 25.0) * (g.nvlink_links or 0)
+        s.nvlink_rx = s.nvlink_tx = link_gbs * 1e9 * 0.6 * comm * (s.util / 100.0)
+        pcie_gbs = {3: 16.0, 4: 32.0, 5: 64.0}.get(g.pcie_gen_current or 4, 32.0) * (g.pcie_width_current or 16) / 16
+        host_share = comm if not g.nvlink_links else 0.05
+        s.pcie_rx = pcie_gbs * 1e9 * (0.002 + 0.5 * host_share * s.util / 100.0)
+        s.pcie_tx = s.pcie_rx * 0.8
+
+        sample = GpuSample(
+            index=g.index,
+            gpu_util=round(min(s.util, 100.0), 1),
+            mem_util=round(min(s.mem_util, 100.0), 1),
+            memory_used=int(min(s.memory_used, g.memory_total or s.memory_used)),
+            memory_total=g.memory_total,
+            temperature_c=round(s.temp, 1),
+            power_w=round(s.power, 1),
+            power_limit_w=limit,
+            sm_clock_mhz=self._sm_clock(g, s, limit),
+            mem_clock_mhz=g.max_mem_clock_mhz if s.util > 1 else int((g.max_mem_clock_mhz or 0) * 0.05) or None,
+            fan_pct=round(min(s.fan, 100.0), 0) if spec.get("fan", True) else None,
+            throttle_reasons=self._throttle(s, limit),
+        )
+        if not spec.get("fan", True):
+            sample.unavailable["fan_pct"] = "not supported (passively cooled)"
+        if g.nvlink_links:
+            sample.nvlink_rx_bps, sample.nvlink_tx_bps = s.nvlink_rx, s.nvlink_tx
+        else:
+            sample.na("nvlink_rx_bps", "no NVLink")
+            sample.na("nvlink_tx_bps", "no NVLink")
+        if tier >= Tier.SLOW:
+            sample.pcie_rx_bps, sample.pcie_tx_bps = s.pcie_rx, s.pcie_tx
+            if g.ecc_enabled:
+                sample.ecc_corrected, sample.ecc_uncorrected = 0, 0
+            else:
+                sample.na("ecc_corrected", "ECC disabled")
+                sample.na("ecc_uncorrected", "ECC disabled")
+            sample.health = "ok"
+            sample.processes = [
+                GpuProcess(pid=x.pid, used_memory=x.memory_bytes, user=None, command=x.command)
+                for x in loads
+                if x.pid is not None
+            ]
+        return sample
+
+    def _sm_clock(self, g: Gpu, s: _GpuState, limit: float) -> int | None:
+        if not g.max_sm_clock_mhz:
+            return None
+        if s.util < 1:
+            return int(g.max_sm_clock_mhz * 0.1)
+        # Boost clocks sag as the card nears its power limit.
+        return int(g.max_sm_clock_mhz * (1.0 - 0.12 * max(0.0, s.power / limit - 0.8) / 0.2))
+
+    @staticmethod
+    def _throttle(s: _GpuState, limit: float) -> list[str]:
+        reasons = []
+        if s.util < 1:
+            reasons.append("idle")
+        if s.power >= 0.9 * limit:
+            reasons.append("sw_power_cap")
+        if s.temp >= 85:
+            reasons.append("sw_thermal_slowdown")
+        return reasons
+
+
+def _approach(value: float, target: float, dt: float, tau: float) -> float:
+    """First-order lag: move `value` towards `target` as a system with time constant `tau`."""
+    if dt <= 0:
+        return value
+    return target + (value - target) * math.exp(-dt / tau)
