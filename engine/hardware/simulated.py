@@ -242,7 +242,8 @@ class SimulatedBackend:
         s.util = _approach(s.util, max(busy + jitter, 0.0), dt, tau=0.8)
         s.mem_util = _approach(s.mem_util, 0.55 * s.util, dt, tau=0.8)
         s.memory_used = _approach(s.memory_used, target_mem, dt, tau=0.5)
-        target_power = idle_power + (limit * 0.92 - idle_power) * (s.util / 100.0)
+        # Idle cards still wander a watt or two (display refresh, fan control); a flat line looks dead.
+        target_power = idle_power + (limit * 0.92 - idle_power) * (s.util / 100.0) + self._rng.uniform(-1.5, 1.5)
         s.power = _approach(s.power, target_power, dt, tau=2.0)
         # Steady-state temperature rises with power; a 40 s time constant is typical of a heatsink.
         target_temp = idle_temp + 48.0 * (s.power - idle_power) / max(limit - idle_power, 1.0)

@@ -1,0 +1,238 @@
+"""`rigpilot SUBCOMMAND`: the command line (bare `rigpilot` is app.launcher's).
+
+Every data command takes `--simulate PROFILE` and `--import FILE` (repeatable)
+and prints JSON with `--json` (schemas in docs/cli-json.md). Bad input prints
+one line and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn
+
+from engine import __version__
+from engine.errors import UserError
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # argparse prints the whole usage block; one line that names the problem is kinder.
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def _machine_options() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("machine")
+    g.add_argument("--simulate", metavar="PROFILE", help="use a simulated machine (see 'rigpilot profiles')")
+    g.add_argument(
+        "--import", dest="import_paths", metavar="FILE", action="append", type=Path,
+        help="describe a machine from nvidia-smi output: 'topo -m' text, '-q' text or '-q -x' XML, "
+        "'nvlink --status'; repeat to combine files of one machine",
+    )
+    return p
+
+
+def _json_option() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--json", action="store_true", help="print JSON (schema in docs/cli-json.md)")
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="rigpilot", description="Run AI work on a multi-GPU workstation.")
+    parser.add_argument("--version", action="version", version=f"rigpilot {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    machine, js = _machine_options(), _json_option()
+
+    p = sub.add_parser("gpus", parents=[machine, js], help="the GPUs and what they are doing, like nvidia-smi")
+    p.set_defaults(func=cmd_gpus)
+
+    p = sub.add_parser("topo", parents=[machine, js], help="how the GPUs are wired, in 'nvidia-smi topo -m' notation")
+    p.set_defaults(func=cmd_topo)
+
+    p = sub.add_parser("watch", parents=[machine, js], help="live view of the GPUs, refreshing in place")
+    p.add_argument("--interval", type=_positive_float, default=1.0, metavar="SECONDS", help="refresh period (default 1)")
+    p.add_argument("--count", type=int, default=0, metavar="N", help="stop after N frames (default: until Ctrl-C)")
+    p.set_defaults(func=cmd_watch)
+
+    p = sub.add_parser("profiles", parents=[js], help="the simulated machines")
+    p.set_defaults(func=cmd_profiles)
+
+    try:  # TODO(integration): the planner lands in parallel
+        from engine.planner.command import register as register_plan
+    except ImportError:
+        register_plan = None
+    if register_plan:
+        register_plan(sub, parents=[machine, js])
+    return parser
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError("must be greater than 0")
+    return v
+
+
+def _discover(args: argparse.Namespace):
+    from engine.hardware.discovery import open_backend
+
+    return open_backend(simulate=getattr(args, "simulate", None), import_paths=getattr(args, "import_paths", None))
+
+
+def _notes(notes: list[str]) -> None:
+    for n in notes:
+        print(f"note: {n}", file=sys.stderr)
+
+
+def _print_json(schema: str, payload: dict[str, Any]) -> None:
+    print(json.dumps({"schema": schema, **payload}, indent=2))
+
+
+def cmd_gpus(args: argparse.Namespace) -> int:
+    from engine.hardware.sampler import Sampler
+    from engine.terminal import gpus_table
+
+    d = _discover(args)
+    try:
+        sample = Sampler(d.backend).sample()
+    finally:
+        d.backend.close()
+    if args.json:
+        _print_json("rigpilot.gpus/1", {"machine": d.machine.to_dict(), "telemetry": sample.to_dict(), "notes": d.notes})
+    else:
+        _notes(d.notes)
+        print(gpus_table(d.machine, sample))
+    return 0
+
+
+def cmd_topo(args: argparse.Namespace) -> int:
+    from engine.hardware.topology import describe, render_matrix, summarize
+
+    d = _discover(args)
+    d.backend.close()
+    m = d.machine
+    if args.json:
+        gpus = [g.index for g in m.gpus]
+        cells = [[("X" if a == b else (m.pair(a, b).topo_code if m.pair(a, b) else None)) for b in gpus] for a in gpus]
+        _print_json(
+            "rigpilot.topo/1",
+            {
+                "machine": m.to_dict(),
+                "matrix": {"gpus": gpus, "cells": cells},
+                "summary": summarize(m).to_dict(),
+                "description": describe(m),
+                "notes": d.notes,
+            },
+        )
+        return 0
+    _notes(d.notes)
+    print(m.label)
+    print()
+    print(render_matrix(m))
+    print()
+    print("Summary:")
+    for line in describe(m):
+        print(f"  {line}")
+    for n in m.notes:
+        print(f"  note: {n}")
+    return 0
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    from engine.hardware.sampler import Sampler
+    from engine.terminal import watch_frame
+
+    d = _discover(args)
+    frames: queue.Queue = queue.Queue(maxsize=2)
+    sampler = Sampler(d.backend, period=args.interval, slow_period=max(5.0, args.interval))
+    sampler.subscribe(lambda s: _offer(frames, s))
+    tty = sys.stdout.isatty() and not args.json
+    if not args.json:
+        _notes(d.notes)
+    if tty:
+        sys.stdout.write("\x1b[?1049h\x1b[?25l")  # alternate screen, hide cursor
+    shown = 0
+    try:
+        sampler.start()
+        while not args.count or shown < args.count:
+            sample = frames.get()
+            if args.json:
+                print(json.dumps({"schema": "rigpilot.telemetry/1", **sample.to_dict()}), flush=True)
+            elif tty:
+                body = watch_frame(d.machine, sample).replace("\n", "\x1b[K\n")
+                sys.stdout.write("\x1b[H" + body + "\x1b[K\x1b[J")
+                sys.stdout.flush()
+            else:
+                print(watch_frame(d.machine, sample, width=200) + "\n", flush=True)
+            shown += 1
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sampler.stop()
+        d.backend.close()
+        if tty:
+            sys.stdout.write("\x1b[?25h\x1b[?1049l")
+            sys.stdout.flush()
+    return 0
+
+
+def _offer(q: queue.Queue, item: Any) -> None:
+    # A slow terminal must not back up the sampler: drop the oldest frame instead.
+    while True:
+        try:
+            q.put_nowait(item)
+            return
+        except queue.Full:
+            try:
+                q.get_nowait()
+            except queue.Empty:
+                pass
+
+
+def cmd_profiles(args: argparse.Namespace) -> int:
+    from engine.hardware.simulated import list_profiles
+
+    profiles = list_profiles()
+    if args.json:
+        _print_json("rigpilot.profiles/1", {"profiles": profiles})
+        return 0
+    w = max(len(p["id"]) for p in profiles)
+    print("Simulated machines (use with --simulate PROFILE):")
+    for p in profiles:
+        print(f"  {p['id']:<{w}}  {p['title']}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func: Callable[[argparse.Namespace], int] | None = getattr(args, "func", None)
+    if func is None:
+        parser.print_help()
+        return EXIT_USAGE
+    args.machine_factory = lambda: _discover(args).machine
+    try:
+        return func(args)
+    except UserError as e:
+        print(f"rigpilot: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except BrokenPipeError:
+        # `rigpilot gpus | head` closes the pipe early; that is not an error.
+        sys.stderr.close()
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
