@@ -1,0 +1,1 @@
+"""Jobs: what the engine runs (training, inference, user scripts, calibration) and their records."""

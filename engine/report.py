@@ -1,0 +1,62 @@
+"""The reporting API for code that runs inside a Rigpilot job, user scripts included.
+
+    from engine.report import report
+    report(step=10, loss=2.31, lr=3e-4)
+
+Each call appends one JSON line to this rank's metrics file, which the engine
+service tails and streams to the charts. Outside a Rigpilot job (no
+RIGPILOT_METRICS_DIR) it does nothing, so scripts run unchanged elsewhere.
+Values must be JSON numbers, strings or booleans; anything else is refused
+here, in the script, rather than breaking the charts later.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+from pathlib import Path
+from typing import IO
+
+METRICS_DIR_ENV = "RIGPILOT_METRICS_DIR"
+
+_lock = threading.Lock()
+_file: IO[str] | None = None
+_file_path: Path | None = None
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _target() -> Path | None:
+    d = os.environ.get(METRICS_DIR_ENV)
+    return Path(d) / f"rank{_rank()}.jsonl" if d else None
+
+
+def report(step: int | None = None, **values: float | int | str | bool | None) -> None:
+    """Record metrics for `step` (loss=..., lr=..., tokens_per_s=..., anything numeric)."""
+    global _file, _file_path
+    for k, v in values.items():
+        if v is not None and not isinstance(v, int | float | str | bool):
+            raise TypeError(f"report({k}=...) needs a number, string or bool, not {type(v).__name__}")
+    path = _target()
+    if path is None:
+        return
+    record = {"time": time.time(), "rank": _rank(), "step": step}
+    # JSON has no NaN/inf: send them as null and keep a marker so charts can show a gap.
+    for k, v in values.items():
+        if isinstance(v, float) and not math.isfinite(v):
+            record[k] = None
+            record.setdefault("nonfinite", []).append(k)
+        else:
+            record[k] = v
+    line = json.dumps(record) + "\n"
+    with _lock:
+        if _file is None or _file_path != path:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _file = path.open("a", buffering=1)
+            _file_path = path
+        _file.write(line)
