@@ -57,7 +57,7 @@ def run(cmd: list[str | Path], **kw) -> None:
 
 
 def ensure_env() -> None:
-    if sys.version_info < (3, 11):
+    if sys.version_info < (3, 11):  # noqa: UP036 -- dev.py may be started by an older system python3
         sys.exit(f"Rigpilot needs Python 3.11 or newer; this is {sys.version.split()[0]}.")
     fingerprint = setup_fingerprint()
     if venv_bin("python").exists() and STAMP.exists() and STAMP.read_text() == fingerprint:

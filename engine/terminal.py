@@ -73,7 +73,7 @@ def gpus_table(machine: Machine, sample: TelemetrySample) -> str:
     lines = [machine_header(machine), "", head, "-" * len(head)]
     for g in machine.gpus:
         s = by_index.get(g.index, GpuSample(index=g.index))
-        power = f"{_num(s.power_w)}W / {_num(s.power_limit_w or g.power_limit_w)}W"
+        power = f"{_num(s.power_w, unit='W')} / {_num(s.power_limit_w or g.power_limit_w, unit='W')}"
         mem = f"{_mib(s.memory_used)} / {_mib(s.memory_total or g.memory_total)}"
         lines.append(
             f"{g.index:>3}  {names[g.index]:<{name_w}}  {(g.pci_bus_id or NA):<16}  {_num(s.temperature_c, unit='C'):>5}  "

@@ -26,7 +26,7 @@ def test_the_required_profiles_exist_and_say_they_are_simulated():
 
 
 def test_unknown_profile_is_a_user_error_listing_the_known_ones():
-    with pytest.raises(UserError, match="unknown simulated profile 'nope'.*4x-rtx4090"):
+    with pytest.raises(UserError, match=r"unknown simulated profile 'nope'.*4x-rtx4090"):
         load_profile("nope")
 
 

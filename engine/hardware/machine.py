@@ -14,13 +14,13 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 SCHEMA_VERSION = 1
 
 
-class PciePath(str, Enum):
+class PciePath(StrEnum):
     """How traffic between two devices crosses PCIe, in `nvidia-smi topo -m` terms.
 
     Ordered from closest to farthest, so `max()` over a group gives its worst hop.
@@ -55,7 +55,7 @@ PCIE_LEGEND = {
 }
 
 
-class Source(str, Enum):
+class Source(StrEnum):
     NVML = "nvml"
     SIMULATED = "simulated"
     IMPORTED = "imported"
@@ -105,6 +105,7 @@ class Gpu:
     persistence_mode: bool | None = None
     nvlink_links: int | None = None  # active NVLink links on this GPU
     nvlink_gen: int | None = None
+    nvlink_link_gbps: float | None = None  # speed of one link, per direction, as `nvidia-smi nvlink --status` shows
     unavailable: dict[str, str] = field(default_factory=dict)
 
     def na(self, name: str, reason: str) -> None:
@@ -113,7 +114,7 @@ class Gpu:
         self.unavailable[name] = reason
 
 
-class P2P(str, Enum):
+class P2P(StrEnum):
     OK = "ok"
     UNSUPPORTED = "unsupported"
     UNKNOWN = "unknown"
@@ -291,7 +292,7 @@ def format_cpu_list(cpus: list[int] | None) -> str:
     cpus = sorted(set(cpus))
     runs: list[str] = []
     start = prev = cpus[0]
-    for c in cpus[1:] + [None]:  # type: ignore[list-item]
+    for c in [*cpus[1:], None]:
         if c is not None and c == prev + 1:
             prev = c
             continue

@@ -1,0 +1,83 @@
+import json
+
+import pytest
+
+import engine.hardware.nvml_backend as nvml_backend
+from engine.errors import UserError
+from engine.hardware.discovery import StaticBackend, open_backend
+from engine.hardware.machine import Source
+from engine.hardware.telemetry import Tier
+from engine.settings import Settings
+
+
+@pytest.fixture(autouse=True)
+def isolated_config(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.delenv("RIGPILOT_SIMULATE", raising=False)
+    return tmp_path
+
+
+@pytest.fixture
+def no_driver(monkeypatch):
+    class NoDriver:
+        def __init__(self, *a, **k):
+            raise nvml_backend.NvmlUnavailable("NVIDIA driver not loaded (NVML: Driver Not Loaded)")
+
+    monkeypatch.setattr(nvml_backend, "NvmlBackend", NoDriver)
+
+
+def test_without_a_driver_the_settings_profile_stands_in_and_says_why(no_driver):
+    d = open_backend()
+    assert d.machine.source is Source.SIMULATED and d.machine.profile == "4x-rtx4090"
+    assert len(d.notes) == 1
+    assert "Driver Not Loaded" in d.notes[0] and "simulated: 4×RTX 4090" in d.notes[0]
+
+
+def test_the_settings_profile_is_honoured(no_driver):
+    Settings(simulated_profile="2x-rtx3090-nvlink").save()
+    assert open_backend().machine.profile == "2x-rtx3090-nvlink"
+
+
+def test_a_corrupt_settings_file_is_kept_aside_and_defaults_used(no_driver):
+    f = Settings.path()
+    f.parent.mkdir(parents=True)
+    f.write_text("{not json")
+    d = open_backend()
+    assert d.machine.profile == "4x-rtx4090"
+    assert any("unreadable" in n for n in d.notes)
+    assert f.with_suffix(".json.bad").read_text() == "{not json"
+    assert not f.exists()
+
+
+def test_settings_round_trip_and_ignore_unknown_keys():
+    f = Settings.path()
+    f.parent.mkdir(parents=True)
+    f.write_text(json.dumps({"simulated_profile": "8x-h100-sxm", "from_the_future": 1}))
+    assert Settings.load().simulated_profile == "8x-h100-sxm"
+
+
+def test_environment_forces_simulation(monkeypatch):
+    monkeypatch.setenv("RIGPILOT_SIMULATE", "8x-h100-sxm")
+    d = open_backend()
+    assert d.machine.profile == "8x-h100-sxm" and d.notes == []
+
+
+def test_simulate_and_import_are_exclusive():
+    with pytest.raises(UserError, match="cannot be used together"):
+        open_backend(simulate="1x-rtx4090", import_paths=["x"])
+
+
+def test_imported_machines_have_no_live_telemetry(smi_data):
+    d = open_backend(import_paths=[smi_data / "case08_4xRTX6000Ada_dual_socket_genoa_4nics.txt"])
+    assert isinstance(d.backend, StaticBackend)
+    assert d.machine.source is Source.IMPORTED
+    s = d.backend.sample_gpus(Tier.SLOW)
+    assert len(s) == 4
+    assert s[0].gpu_util is None and s[0].unavailable["gpu_util"] == StaticBackend.REASON
+
+
+def test_unreadable_import_is_a_user_error(tmp_path):
+    bad = tmp_path / "garbage.txt"
+    bad.write_bytes(b"\x00\xff\xfe garbage")
+    with pytest.raises(UserError):
+        open_backend(import_paths=[bad])
