@@ -1,0 +1,140 @@
+"""Put the planner's predictions beside the measurements and say which are within bounds.
+
+The planner is asked only through its public functions
+(`engine.planner.memory.predict_components` and `predict_kv_cache`) with the
+ModelSpec that `describe_model` gives for the very model measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import import_module
+from types import ModuleType
+
+import torch
+
+from engine.accuracy.measure import COMPONENTS, Case, measure_kv_cache, measure_step
+from engine.accuracy.models import spec_for
+from engine.models import ModelSpec
+
+# How far a measurement may be from its prediction, relative to the prediction.
+BOUNDS = {"params": 0.01, "grads": 0.01, "optimizer": 0.01, "activations_saved": 0.10, "kv_cache": 0.0}
+
+DEFAULT_CASES = (
+    Case("llama"),
+    Case("llama", precision="bf16"),
+    Case("llama", checkpointing="full"),
+    Case("llama", precision="bf16", checkpointing="full"),
+    Case("llama", precision="bf16", method="lora", lora_targets=("q_proj", "v_proj")),
+    Case("llama", method="lora", lora_targets=("q_proj", "k_proj", "v_proj", "o_proj")),
+    Case("gpt2"),
+    Case("gpt2", precision="bf16"),
+    Case("qwen2", precision="bf16"),
+    Case("qwen2", method="lora", checkpointing="full", lora_targets=("q_proj", "v_proj")),
+    Case("mixtral"),
+    Case("mixtral", precision="bf16"),
+    Case("minilm"),
+    Case("minilm", precision="bf16", method="lora", lora_targets=("query", "value")),
+)
+
+
+@dataclass(frozen=True)
+class KvCase:
+    model: str
+    dtype: str = "fp32"  # "fp32" | "bf16"
+    batch: int = 2
+    prompt: int = 24
+    new_tokens: int = 9
+
+    @property
+    def name(self) -> str:
+        return f"{self.model} {self.dtype} generate b{self.batch} {self.prompt}+{self.new_tokens}"
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.prompt + self.new_tokens - 1
+
+
+DEFAULT_KV_CASES = (KvCase("llama"), KvCase("llama", "bf16"), KvCase("gpt2"), KvCase("qwen2", "bf16"),
+                    KvCase("mixtral"))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Row:
+    case: str
+    component: str
+    predicted: int | None  # None: the planner's memory model is not available
+    measured: int
+
+    @property
+    def bound(self) -> float:
+        return BOUNDS[self.component]
+
+    @property
+    def error(self) -> float | None:
+        """(measured - predicted) / predicted."""
+        if self.predicted is None:
+            return None
+        if self.predicted == 0:
+            return 0.0 if self.measured == 0 else float("inf")
+        return (self.measured - self.predicted) / self.predicted
+
+    @property
+    def ok(self) -> bool | None:
+        return None if self.error is None else abs(self.error) <= self.bound
+
+
+def planner_memory() -> ModuleType | None:
+    """The planner's memory model, or None while it does not exist (the table then shows measurements only)."""
+    try:
+        return import_module("engine.planner.memory")
+    except ModuleNotFoundError:
+        return None
+
+
+def compare_step(case: Case, memory: ModuleType | None = None) -> list[Row]:
+    measured = measure_step(case)
+    predicted = _predict(spec_for(case.model), case, memory or planner_memory())
+    return [Row(case.name, c, None if predicted is None else predicted[c], measured[c]) for c in COMPONENTS]
+
+
+def compare_kv(case: KvCase, memory: ModuleType | None = None) -> Row:
+    dtype = torch.bfloat16 if case.dtype == "bf16" else torch.float32
+    measured = measure_kv_cache(case.model, batch=case.batch, prompt=case.prompt, new_tokens=case.new_tokens,
+                                dtype=dtype)  # fmt: skip
+    memory = memory or planner_memory()
+    predicted = None
+    if memory is not None:
+        dtype_bytes = 2 if case.dtype == "bf16" else 4
+        predicted = memory.predict_kv_cache(spec_for(case.model), case.batch, case.cached_tokens, dtype_bytes)
+    return Row(case.name, "kv_cache", predicted, measured)
+
+
+def _predict(spec: ModelSpec, case: Case, memory: ModuleType | None) -> dict[str, int] | None:
+    if memory is None:
+        return None
+    return memory.predict_components(
+        spec,
+        precision=case.precision,
+        method=case.method,
+        optimizer=case.optimizer,
+        checkpointing=case.checkpointing,
+        micro_batch=case.micro_batch,
+        seq_len=case.seq_len,
+        lora_rank=case.lora_rank,
+        lora_targets=list(case.lora_targets) if case.lora_targets else None,
+    )
+
+
+def format_table(rows: list[Row]) -> str:
+    """A fixed-width predicted-vs-measured table, one row per case and component."""
+    head = f"{'case':<44} {'component':<18} {'predicted':>12} {'measured':>12} {'error':>8} {'bound':>6}  ok"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        pred = "-" if r.predicted is None else f"{r.predicted:,}"
+        err = "-" if r.error is None else f"{100 * r.error:+.2f}%"
+        ok = "skip" if r.ok is None else ("yes" if r.ok else "NO")
+        lines.append(
+            f"{r.case:<44} {r.component:<18} {pred:>12} {r.measured:>12,} {err:>8} {100 * r.bound:>5.0f}%  {ok}"
+        )
+    return "\n".join(lines)

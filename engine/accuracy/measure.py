@@ -1,0 +1,181 @@
+"""Measure what one real training step holds, component by component, and what a KV cache holds.
+
+Parameters, gradients and optimizer state are the nbytes of their tensors.
+Activations are what autograd saves for backward during the forward pass:
+every tensor packed through `saved_tensors_hooks`, counted once per storage
+(views and tensors saved by several ops share one), the parameters themselves
+left out (they are counted as parameters; autocast's bf16 copies of them are
+not parameters and stay in).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.accuracy.cuda_autocast import CudaAutocastOnCpu
+from engine.accuracy.models import Built, build
+
+COMPONENTS = ("params", "grads", "optimizer", "activations_saved")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One training step, in the planner's vocabulary (`engine.planner.memory.predict_components`)."""
+
+    model: str  # a name from engine.accuracy.models.MODEL_NAMES
+    precision: str = "fp32"  # "fp32", or "bf16": autocast over fp32 weights (LoRA: a bf16 base, fp32 adapters)
+    method: str = "full"  # "full" | "lora"
+    checkpointing: str = "none"  # "none" | "full" (every block keeps only its input)
+    micro_batch: int = 2
+    seq_len: int = 64
+    lora_rank: int = 8
+    lora_targets: tuple[str, ...] | None = None  # None: peft's default for the family
+    optimizer: str = "adamw"
+
+    @property
+    def name(self) -> str:
+        parts = [self.model, self.precision, self.method]
+        if self.method == "lora":
+            parts.append(f"r{self.lora_rank}" + (f":{','.join(self.lora_targets)}" if self.lora_targets else ""))
+        if self.checkpointing != "none":
+            parts.append(f"ckpt={self.checkpointing}")
+        return " ".join(parts)
+
+
+class SavedTensorMeter:
+    """Unique storages autograd packs for backward, the given parameters' own storages excluded."""
+
+    def __init__(self, params: Iterable[torch.Tensor]) -> None:
+        self._params = {p.untyped_storage().data_ptr() for p in params}
+        # Holding each storage keeps its address from being reused by a later, different tensor.
+        self._kept: dict[int, torch.UntypedStorage] = {}
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr and ptr not in self._params:
+            self._kept.setdefault(ptr, storage)
+        return t
+
+    @contextmanager
+    def recording(self) -> Iterator[SavedTensorMeter]:
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+            yield self
+
+    @property
+    def bytes(self) -> int:
+        return sum(s.nbytes() for s in self._kept.values())
+
+
+def measure_step(case: Case, *, device: str = "cpu", cuda_autocast_policy: bool = True) -> dict[str, int]:
+    """Run one forward/backward/AdamW step of `case` and return bytes per component.
+
+    On the CPU, `cuda_autocast_policy` makes bf16 autocast cast the way CUDA's does
+    (see `cuda_autocast`), since the planner predicts what a GPU holds.
+    """
+    built = build(case.model)
+    model = _prepare(built, case).to(device)
+    params = list(model.parameters())  # unique: a tied weight appears once
+    trainable = [p for p in params if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-4)
+    ids = torch.randint(built.vocab_size, (case.micro_batch, case.seq_len), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(device)
+    device_type = torch.device(device).type
+    autocast = case.precision == "bf16"
+    meter = SavedTensorMeter(params)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(meter.recording())
+        stack.enter_context(torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast))
+        if autocast and device_type == "cpu" and cuda_autocast_policy:
+            stack.enter_context(CudaAutocastOnCpu())
+        out, loss = _forward(model, ids, decoder=built.spec.is_decoder)
+    loss.backward()
+    optimizer.step()
+    del out  # kept alive until here, as a training loop keeps its outputs until after backward
+    return {
+        "params": sum(p.nbytes for p in params),
+        "grads": sum(p.grad.nbytes for p in trainable if p.grad is not None),
+        "optimizer": sum(t.nbytes for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)),
+        "activations_saved": meter.bytes,
+    }
+
+
+def _prepare(built: Built, case: Case) -> torch.nn.Module:
+    model: torch.nn.Module = built.model
+    if case.checkpointing == "full":
+        # Reentrant checkpointing saves each block's input through ctx.save_for_backward, where the hooks see
+        # it; the non-reentrant kind keeps the same tensors alive in a closure the hooks never see.
+        _enable_checkpointing(built.model)
+    elif case.checkpointing != "none":
+        raise ValueError(f"the harness measures checkpointing none or full, not {case.checkpointing!r}")
+    if case.method == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        if case.precision == "bf16":
+            model = model.to(torch.bfloat16)  # the base in half; peft keeps the adapters fp32
+        targets = list(case.lora_targets) if case.lora_targets else None
+        config = LoraConfig(r=case.lora_rank, lora_alpha=2 * case.lora_rank, lora_dropout=0.0, target_modules=targets)
+        with warnings.catch_warnings():
+            # peft asks transformers 5 whether checkpointing is on by a name transformers now calls deprecated.
+            warnings.simplefilter("ignore", FutureWarning)
+            model = get_peft_model(model, config)
+    elif case.method != "full":
+        raise ValueError(f"the harness measures full or lora training, not {case.method!r}")
+    return model
+
+
+def _enable_checkpointing(model: Any) -> None:
+    kwargs = {"use_reentrant": True}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.enable_input_require_grads()  # a frozen embedding (LoRA) would otherwise cut the reentrant graph
+
+
+def _forward(model: torch.nn.Module, ids: torch.Tensor, *, decoder: bool) -> tuple[Any, torch.Tensor]:
+    if decoder:
+        out = model(input_ids=ids, labels=ids, use_cache=False)  # training builds no KV cache
+        return out, out.loss
+    # An encoder has no loss of its own; a sum keeps nothing for backward, so only the encoder's tensors count.
+    out = model(input_ids=ids)
+    return out, out.last_hidden_state.float().sum()
+
+
+def measure_kv_cache(
+    case_model: str, *, batch: int, prompt: int, new_tokens: int, dtype: torch.dtype, device: str = "cpu"
+) -> int:
+    """Bytes of the KV cache after generating `new_tokens` greedily after a `prompt`-token prompt.
+
+    The cache then holds prompt + new_tokens - 1 positions: the last token generated is never fed back.
+    """
+    model = build(case_model).model.to(device, dtype).eval()
+    ids = torch.randint(model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(device)
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,  # a random model might otherwise stop at an end-of-text token
+            do_sample=False,
+            use_cache=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    return cache_bytes(out.past_key_values)
+
+
+def cache_bytes(cache: Any) -> int:
+    """nbytes of every key and value tensor in a transformers cache (Cache object or legacy tuples)."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        return sum(t.nbytes for layer in layers for t in (layer.keys, layer.values) if t is not None)
+    return sum(t.nbytes for layer in cache for t in layer)
