@@ -84,12 +84,8 @@ class Row:
         return None if self.error is None else abs(self.error) <= self.bound
 
 
-def planner_memory() -> ModuleType | None:
-    """The planner's memory model, or None while it does not exist (the table then shows measurements only)."""
-    try:
-        return import_module("engine.planner.memory")
-    except ModuleNotFoundError:
-        return None
+def planner_memory() -> ModuleType:
+    return import_module("engine.planner.memory")
 
 
 def compare_step(case: Case, memory: ModuleType | None = None) -> list[Row]:

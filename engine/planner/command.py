@@ -1,0 +1,222 @@
+"""`rigpilot plan`: will a model fit on these GPUs, and what is the fastest way to split it?
+
+    rigpilot plan --model llama-3.1-8b --task train --method lora --gpus 0,1
+    rigpilot plan --model ./my-model --task infer --quant 4bit --json
+    rigpilot plan --model mistral-7b --export deepspeed > ds_config.json
+
+Prints the best plan with its explanation, runners-up and rejected families (or
+the smallest changes that make it fit). With --export the artifact goes to
+stdout and the explanation to stderr, so it can be redirected into a file.
+Exit status: 0 with a plan, 1 when nothing fits, 2 for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from engine.errors import UserError
+from engine.planner.export import EXPORTS, export
+from engine.planner.links import Calibration
+from engine.planner.memory import fmt_gib
+from engine.planner.plan import METHODS, OPTIMIZERS, PRECISIONS, LoraSettings, Plan, Workload
+from engine.planner.search import SearchOptions, SearchResult, search
+
+DEFAULT_SEQ = 2048
+DEFAULT_TRAIN_BATCH = 16
+DEFAULT_NEW_TOKENS = 256
+_QUANT_BITS = {"none": 16, "int8": 8, "4bit": 4}
+
+
+def register(subparsers: Any, parents: list[argparse.ArgumentParser] | None = None) -> argparse.ArgumentParser:
+    """Add the `plan` subcommand to an argparse subparsers object; its handler is `run_plan`."""
+    parents = parents or []
+    p = subparsers.add_parser(
+        "plan",
+        parents=parents,
+        help="will a model fit on these GPUs, and the fastest way to split it",
+        description="Plan training or inference of a model on this machine's GPUs.",
+    )
+    p.add_argument("--model", required=True, metavar="ID|PATH", help="preset name, folder with config.json, or Hugging Face repo id")
+    p.add_argument("--task", choices=("train", "infer"), default="train")
+    p.add_argument("--method", choices=METHODS, default=None, help="training method (default full)")
+    p.add_argument("--seq", type=int, metavar="N", help=f"sequence length in tokens (default {DEFAULT_SEQ} or the model's context)")
+    p.add_argument(
+        "--batch", type=int, metavar="N",
+        help=f"training: sequences per optimizer step (default {DEFAULT_TRAIN_BATCH}); inference: sequences at once (default 1)",
+    )
+    p.add_argument("--dtype", choices=PRECISIONS, default="bf16", help="compute dtype (training: mixed precision)")
+    p.add_argument("--gpus", metavar="0,1,...", help="GPU indices to use (default: all)")
+    if not any(a.option_strings == ["--json"] for parent in parents for a in parent._actions):
+        p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--export", choices=EXPORTS, help="print the best plan as a launcher config")
+    g = p.add_argument_group("details")
+    g.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    g.add_argument("--lora-rank", type=int, default=LoraSettings().rank, metavar="R")
+    g.add_argument("--lora-targets", metavar="NAMES", help="comma-separated linear names, or all-linear (the default)")
+    g.add_argument("--quant", choices=tuple(_QUANT_BITS), default="none", help="inference: load weights in 8 bits or 4-bit NF4")
+    g.add_argument("--new-tokens", type=int, metavar="N", help=f"inference: tokens generated per sequence (default {DEFAULT_NEW_TOKENS})")
+    g.add_argument("--tokens", type=float, metavar="N", help="training: token budget, for a time to finish (e.g. 1e9)")
+    g.add_argument("--force-tp", action="store_true", help="consider tensor parallelism over slow links too")
+    g.add_argument("--calibration", type=Path, metavar="FILE", help="JSON with measured matmul_tflops and bus_bandwidth_gbs")
+    g.add_argument("--nodes", type=int, default=1, metavar="N", help="--export slurm: number of nodes")
+    g.add_argument("--script", metavar="FILE", help="the training or inference script exports launch")
+    p.set_defaults(func=run_plan)
+    return p
+
+
+def parse_gpus(text: str | None) -> list[int] | None:
+    """'0,1,3' -> [0, 1, 3]; None or 'all' -> None (every GPU); '' -> [] (rejected by the search)."""
+    if text is None or text.strip().lower() == "all":
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"--gpus takes GPU indices separated by commas, like 0,1,3 (got {text!r})") from None
+
+
+def workload_from_args(args: argparse.Namespace, context: int | None) -> Workload:
+    task = args.task
+    if task == "infer" and args.method not in (None, "full"):
+        raise UserError(f"--method {args.method} is a way to train; for quantized inference use --quant int8 or --quant 4bit")
+    bits = _QUANT_BITS[args.quant]
+    if task == "train" and bits != 16:
+        raise UserError("--quant applies to inference; to train on 4-bit weights use --method qlora")
+    method = args.method or "full"
+    seq = args.seq if args.seq is not None else min(DEFAULT_SEQ, context or DEFAULT_SEQ)
+    if seq < 1:
+        raise UserError("--seq must be at least 1")
+    batch = args.batch if args.batch is not None else (DEFAULT_TRAIN_BATCH if task == "train" else 1)
+    if batch < 1:
+        raise UserError("--batch must be at least 1")
+    new_tokens = 0
+    if task == "infer":
+        new_tokens = args.new_tokens if args.new_tokens is not None else min(DEFAULT_NEW_TOKENS, max(seq // 4, 1))
+        if new_tokens < 1:
+            raise UserError("--new-tokens must be at least 1")
+    elif args.new_tokens is not None:
+        raise UserError("--new-tokens applies to inference (--task infer)")
+    lora = None
+    if method != "full":
+        if args.lora_rank < 1:
+            raise UserError("--lora-rank must be at least 1")
+        targets = [t.strip() for t in (args.lora_targets or "all-linear").split(",") if t.strip()]
+        lora = LoraSettings(rank=args.lora_rank, alpha=2 * args.lora_rank, targets=targets)
+    elif args.lora_targets:
+        raise UserError("--lora-targets needs --method lora or qlora")
+    budget = None
+    if args.tokens is not None:
+        if args.tokens <= 0:
+            raise UserError("--tokens must be positive")
+        budget = int(args.tokens)
+    return Workload(
+        model=args.model,
+        task=task,
+        method=method,
+        precision=args.dtype,
+        seq_len=seq,
+        global_batch=batch,
+        optimizer=args.optimizer,
+        lora=lora,
+        weight_bits=bits,
+        new_tokens=new_tokens,
+        token_budget=budget,
+    )
+
+
+def _calibration(path: Path | None) -> Calibration | None:
+    if path is None:
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read calibration {path}: {e}") from e
+    if not isinstance(data, dict):
+        raise UserError(f"calibration {path} must hold a JSON object")
+    return Calibration.from_dict(data)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from engine.models.describe import describe_model
+
+    factory = getattr(args, "machine_factory", None)
+    if factory is None:
+        raise UserError("no machine to plan for")
+    machine = factory()
+    spec = describe_model(args.model)
+    workload = workload_from_args(args, spec.max_position_embeddings)
+    if args.export == "slurm" and args.nodes < 1:
+        raise UserError("--nodes must be at least 1")
+    options = SearchOptions(force_tp=args.force_tp, export=args.export)
+    result = search(spec, machine, workload, gpus=parse_gpus(args.gpus), calibration=_calibration(args.calibration), options=options)
+    artifact = None
+    if args.export and result.best is not None:
+        artifact = export(result.best, args.export, script=args.script, nodes=args.nodes)
+    if getattr(args, "json", False):
+        payload = {"schema": "rigpilot.plan-search/1", **result.to_dict()}
+        if args.export:
+            payload["export"] = {"target": args.export, "text": artifact}
+        print(json.dumps(payload, indent=2))
+    elif artifact is not None:
+        print("\n".join(render_text(result)), file=sys.stderr)
+        sys.stdout.write(artifact if artifact.endswith("\n") else artifact + "\n")
+    else:
+        print("\n".join(render_text(result)))
+    return 0 if result.best is not None else 1
+
+
+def render_text(result: SearchResult) -> list[str]:
+    out = [f"{result.machine}, GPUs {','.join(map(str, result.gpu_indices))}", ""]
+    out += [f"  {line}" for line in result.explanation]
+    plans = ([result.best] if result.best else []) + result.runners_up
+    if plans:
+        out += ["", "Plans (fastest first):"]
+        out += [f"  {row}" for row in _table(plans, result.workload)]
+    if result.best is not None:
+        out += ["", "Memory per GPU of the best plan:"]
+        out += [f"  {row}" for row in _memory_table(result.best)]
+    for note in result.notes + (result.best.notes if result.best else []):
+        out.append(f"note: {note}")
+    out.append(f"({result.considered} plans considered, {result.fitting} fit, searched in {result.elapsed_s * 1e3:.0f} ms)")
+    return out
+
+
+def _table(plans: list[Plan], w: Workload) -> list[str]:
+    unit = "tokens/s" if w.training else "gen tok/s"
+    rows = [("", "family", "layout", unit, "step" if w.training else "total", "fullest GPU")]
+    for i, p in enumerate(plans):
+        mb = p.peak_memory
+        rows.append(
+            (
+                "best" if i == 0 else f"#{i + 1}",
+                p.parallelism.family,
+                p.parallelism.describe(),
+                f"{p.timing.tokens_per_s:,.0f}",
+                f"{p.timing.step_s:.2f} s",
+                f"{fmt_gib(mb.total)} / {fmt_gib(mb.capacity)}",
+            )
+        )
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(widths[c]) for c, cell in enumerate(r)).rstrip() for r in rows]
+
+
+def _memory_table(plan: Plan) -> list[str]:
+    head = ("GPU", "weights", "grads", "optimizer", "activations", "KV cache", "buffers", "overhead", "total", "of", "free")
+    rows = [head]
+    for m in plan.memory:
+        rows.append(
+            (
+                str(m.gpu), fmt_gib(m.weights), fmt_gib(m.gradients), fmt_gib(m.optimizer), fmt_gib(m.activations),
+                fmt_gib(m.kv_cache), fmt_gib(m.buffers), fmt_gib(m.overhead), fmt_gib(m.total), fmt_gib(m.capacity),
+                fmt_gib(m.headroom),
+            )
+        )
+    widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
+    lines = ["  ".join(cell.rjust(widths[c]) for c, cell in enumerate(r)) for r in rows]
+    host = plan.host
+    avail = fmt_gib(host.available) if host.available else "unknown"
+    lines.append(f"host RAM: {fmt_gib(host.needed)} needed of {avail}" + (f" ({fmt_gib(host.offloaded)} offloaded)" if host.offloaded else ""))
+    return lines

@@ -1,0 +1,249 @@
+"""Turn a plan into what launchers read: a torchrun line, an Accelerate config, a DeepSpeed config, a SLURM script.
+
+Ranks follow the plan's GPU order (CUDA_VISIBLE_DEVICES lists the plan's
+`gpu_indices` with CUDA_DEVICE_ORDER=PCI_BUS_ID, so local rank i is the plan's
+i-th GPU in nvidia-smi numbering): that order puts tensor-parallel groups and
+FSDP shards on the fastest links.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from typing import Any
+
+from engine.errors import UserError
+from engine.planner.plan import Plan
+
+EXPORTS = ("torchrun", "accelerate", "deepspeed", "slurm")
+RDZV_PORT = 29500
+BUCKET_ELEMENTS = 50_000_000  # what the memory model assumes for DeepSpeed's reduce/all-gather buckets
+DEFAULT_SCRIPT = "train.py"
+
+
+def export(plan: Plan, target: str, *, script: str | None = None, plan_path: str = "plan.json", nodes: int = 1) -> str:
+    if target == "torchrun":
+        return torchrun_command(plan, script=script, plan_path=plan_path)
+    if target == "accelerate":
+        return accelerate_config(plan)
+    if target == "deepspeed":
+        return json.dumps(deepspeed_config(plan), indent=2)
+    if target == "slurm":
+        return slurm_script(plan, nodes=nodes, script=script, plan_path=plan_path)
+    raise UserError(f"unknown export {target!r}; use {', '.join(EXPORTS)}")
+
+
+def _env(plan: Plan) -> dict[str, str]:
+    par = plan.parallelism
+    return {
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in par.gpu_indices),
+        "OMP_NUM_THREADS": "4",
+    }
+
+
+def _script(plan: Plan, script: str | None) -> str:
+    if script:
+        return script
+    return DEFAULT_SCRIPT if plan.workload.training else "infer.py"
+
+
+def torchrun_command(plan: Plan, *, script: str | None = None, plan_path: str = "plan.json") -> str:
+    """One shell line: environment, torchrun on this machine, the training script with the plan."""
+    par = plan.parallelism
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in _env(plan).items())
+    args = f"{shlex.quote(_script(plan, script))} --plan {shlex.quote(plan_path)}"
+    if not plan.workload.training and par.tp == 1:
+        # A layer split (device_map) or a single GPU runs in one process that sees all the plan's GPUs.
+        return f"{env} python {args}"
+    return f"{env} torchrun --standalone --nnodes=1 --nproc-per-node={par.world_size} {args}"
+
+
+def _training_only(plan: Plan, what: str) -> None:
+    if not plan.workload.training:
+        raise UserError(f"{what} configs are for training; use --export torchrun for an inference plan")
+
+
+def accelerate_config(plan: Plan) -> str:
+    """An `accelerate launch --config_file` YAML for the plan."""
+    _training_only(plan, "Accelerate")
+    par, w = plan.parallelism, plan.workload
+    if par.pp > 1:
+        raise UserError("Accelerate cannot run pipeline-parallel plans; use --export torchrun")
+    cfg: dict[str, Any] = {
+        "compute_environment": "LOCAL_MACHINE",
+        "debug": False,
+        "distributed_type": "NO",
+        "downcast_bf16": "no",
+        "enable_cpu_affinity": False,
+        "gpu_ids": ",".join(str(i) for i in par.gpu_indices),
+        "machine_rank": 0,
+        "main_training_function": "main",
+        "mixed_precision": "no" if w.precision == "fp32" else w.precision,
+        "num_machines": 1,
+        "num_processes": par.world_size,
+        "rdzv_backend": "static",
+        "same_network": True,
+        "tpu_env": [],
+        "tpu_use_cluster": False,
+        "tpu_use_sudo": False,
+        "use_cpu": False,
+    }
+    if par.backend == "deepspeed":
+        cfg["distributed_type"] = "DEEPSPEED"
+        cfg["deepspeed_config"] = {
+            "gradient_accumulation_steps": par.grad_accum,
+            "gradient_clipping": 1.0,
+            "offload_optimizer_device": "cpu" if par.offload_optimizer else "none",
+            "offload_param_device": "cpu" if par.offload_params else "none",
+            "zero3_init_flag": par.zero_stage == 3,
+            "zero3_save_16bit_model": par.zero_stage == 3,
+            "zero_stage": par.zero_stage,
+        }
+    elif par.backend == "fsdp":
+        cfg["distributed_type"] = "FSDP"
+        cfg["fsdp_config"] = {
+            "fsdp_activation_checkpointing": par.checkpointing != "none",
+            # Without a class name Accelerate wraps the model's _no_split_modules (its decoder layers).
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_cpu_ram_efficient_loading": True,
+            "fsdp_offload_params": par.offload_params,
+            "fsdp_reshard_after_forward": True,
+            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+            "fsdp_version": 2,
+        }
+    elif par.world_size > 1:
+        cfg["distributed_type"] = "MULTI_GPU"
+    if par.tp > 1 or par.hsdp:
+        cfg["parallelism_config"] = {
+            "parallelism_config_cp_size": 1,
+            "parallelism_config_dp_replicate_size": par.replicate_degree if par.backend == "fsdp" else par.dp,
+            "parallelism_config_dp_shard_size": par.dp // par.replicate_degree if par.backend == "fsdp" else 1,
+            "parallelism_config_tp_size": par.tp,
+        }
+    header = (
+        f"# Rigpilot plan: {par.describe()}\n"
+        f"# Gradient checkpointing: {par.checkpointing}; micro-batch {par.micro_batch}.\n"
+        "# Launch with CUDA_DEVICE_ORDER=PCI_BUS_ID so gpu_ids use nvidia-smi's numbering.\n"
+    )
+    return header + to_yaml(cfg)
+
+
+def deepspeed_config(plan: Plan) -> dict[str, Any]:
+    """A DeepSpeed JSON config (as a dict) for a ZeRO plan."""
+    _training_only(plan, "DeepSpeed")
+    par, w = plan.parallelism, plan.workload
+    if par.tp > 1 or par.pp > 1:
+        raise UserError("this plan uses tensor or pipeline parallelism, which the DeepSpeed export does not cover; "
+                        "plan again with --export deepspeed to get a ZeRO plan")
+    stage = par.zero_stage if par.backend in ("deepspeed", "fsdp") else 0
+    zero: dict[str, Any] = {
+        "stage": stage,
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": BUCKET_ELEMENTS,
+    }
+    if stage in (1, 2):
+        zero["allgather_bucket_size"] = BUCKET_ELEMENTS
+    if stage == 3:
+        zero.update(
+            {
+                "stage3_prefetch_bucket_size": BUCKET_ELEMENTS,
+                "stage3_param_persistence_threshold": 100_000,
+                "stage3_max_live_parameters": 1_000_000_000,
+                "stage3_gather_16bit_weights_on_model_save": True,
+            }
+        )
+    if par.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if par.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    cfg: dict[str, Any] = {
+        "train_batch_size": par.micro_batch * par.grad_accum * par.dp,
+        "train_micro_batch_size_per_gpu": par.micro_batch,
+        "gradient_accumulation_steps": par.grad_accum,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": w.precision == "bf16"},
+        "fp16": {"enabled": w.precision == "fp16"},
+        "zero_optimization": zero,
+        "steps_per_print": 100,
+        "wall_clock_breakdown": False,
+    }
+    if w.precision == "fp16":
+        cfg["fp16"].update({"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1})
+    if par.offload_optimizer or par.offload_params:
+        # ZeRO-Offload steps with DeepSpeed's CPU Adam, which it builds only from a config optimizer.
+        # The learning rate is a placeholder for the training script's own.
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-5, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}}
+    return cfg
+
+
+def slurm_script(plan: Plan, *, nodes: int = 1, script: str | None = None, plan_path: str = "plan.json") -> str:
+    """An sbatch script running the plan's per-node layout on `nodes` nodes, data-parallel across them."""
+    if nodes < 1:
+        raise UserError("--nodes must be at least 1")
+    par, w = plan.parallelism, plan.workload
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", w.model.split("/")[-1]).strip("-") or "job"
+    env = _env(plan)
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name=rigpilot-{name}",
+        f"#SBATCH --nodes={nodes}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --gpus-per-node={par.world_size}",
+        "#SBATCH --exclusive",
+        "#SBATCH --output=%x-%j.out",
+        f"# Rigpilot plan, per node: {par.describe()}.",
+    ]
+    if nodes > 1 and w.training:
+        lines.append(f"# Data parallelism spans the {nodes} nodes: each optimizer step sees {nodes} × {w.global_batch} sequences.")
+    lines += [
+        "set -euo pipefail",
+        "",
+        'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        *(f"export {k}={shlex.quote(v)}" for k, v in env.items()),
+        "",
+        "srun torchrun \\",
+        '    --nnodes="$SLURM_NNODES" \\',
+        f"    --nproc-per-node={par.world_size} \\",
+        '    --rdzv-id="$SLURM_JOB_ID" \\',
+        "    --rdzv-backend=c10d \\",
+        f'    --rdzv-endpoint="$head:{RDZV_PORT}" \\',
+        f"    {shlex.quote(_script(plan, script))} --plan {shlex.quote(plan_path)}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+# -- a small YAML writer (mappings, lists and scalars: all an Accelerate config holds) ---------------------------
+
+_PLAIN = re.compile(r"^[A-Za-z_][A-Za-z0-9_./-]*$")
+_RESERVED = {"yes", "no", "true", "false", "on", "off", "null", "y", "n", "~"}
+
+
+def _scalar(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if v is None:
+        return "null"
+    if isinstance(v, int | float):
+        return repr(v)
+    s = str(v)
+    if _PLAIN.match(s) and s.lower() not in _RESERVED:
+        return s
+    return "'" + s.replace("'", "''") + "'"
+
+
+def to_yaml(d: dict[str, Any], indent: int = 0) -> str:
+    pad = "  " * indent
+    out = []
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.append(f"{pad}{k}:" + (" {}" if not v else ""))
+            if v:
+                out.append(to_yaml(v, indent + 1).rstrip("\n"))
+        elif isinstance(v, list):
+            out.append(f"{pad}{k}: [{', '.join(_scalar(x) for x in v)}]")
+        else:
+            out.append(f"{pad}{k}: {_scalar(v)}")
+    return "\n".join(out) + "\n"

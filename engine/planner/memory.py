@@ -1,0 +1,651 @@
+"""GPU memory: what a training step or a generation batch holds at its peak, per GPU.
+
+Activations follow Korthikanti et al. 2022, "Reducing Activation Recomputation in
+Large Transformer Models" (their s·b·h·(34 + 5·a·s/h) per layer), adapted to what
+PyTorch and Hugging Face transformers actually keep today:
+
+* SDPA / flash attention saves q, k, v, the output and a log-sum-exp per head,
+  never the s×s scores, so the 5·a·s/h term is gone;
+* there is no dropout in modern decoders, so no masks;
+* the sizes come from the model's own shapes (GQA's narrower k and v, SwiGLU's
+  three MLP tensors, the MoE's top-k experts) and dtypes: under torch.autocast
+  with fp32 weights the residual stream stays fp32, RMSNorm saves an fp32 copy
+  of its input, every linear saves its own bf16 cast of an fp32 input, and the
+  bf16 casts of the weights are kept for backward;
+* frozen linears (LoRA's base, QLoRA's 4-bit layers) save nothing for their
+  weights; adapters save their own copy of the input.
+
+Checked tensor by tensor against `saved_tensors_hooks` on the Llama
+implementation of transformers 5 (fp32, bf16 autocast, pure bf16, LoRA, with and
+without checkpointing). Loss and logits add 4·V bytes per token saved (the fp32
+log-softmax) plus transient logits, often the peak for small models.
+
+Sharding follows the ZeRO paper's accounting (Rajbhandari et al. 2020) for
+DeepSpeed and the FSDP2 layout (fp32 shards, bf16 all-gathered units) for FSDP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.errors import UserError
+from engine.models.spec import Linear, ModelSpec
+from engine.planner.links import Topology
+from engine.planner.model import LinearUse, ModelFacts, model_facts
+from engine.planner.plan import HostMemory, LoraSettings, MemoryBreakdown, Parallelism, Workload
+
+GIB = 1024**3
+MIB = 1024**2
+
+DDP_BUCKET_BYTES = 25 * MIB  # torch DDP's default bucket_cap_mb
+DEEPSPEED_BUCKET_ELEMENTS = 50_000_000  # reduce/all-gather bucket sizes the DeepSpeed export sets
+CUDA_CONTEXT_BYTES = int(0.55 * GIB)  # context + cuBLAS/cuDNN workspaces on Ampere/Ada
+CUDA_CONTEXT_BYTES_LARGE = int(0.75 * GIB)  # Hopper/Blackwell load more kernels into the context
+NCCL_BYTES_PER_GROUP = int(0.25 * GIB)  # ring/tree buffers of one communicator
+ALLOCATOR_RESERVE = 0.05  # caching-allocator fragmentation and rounding, as a share of what is allocated
+ALLOCATOR_MIN_BYTES = 128 * MIB
+HOST_BYTES_PER_RANK = int(2.5 * GIB)  # Python, torch, CUDA runtime and pinned staging of one process
+LOAD_SHARD_BYTES = 5 * GIB  # a safetensors shard, what loading straight to the GPUs holds in RAM
+
+# Bytes per parameter of one bitsandbytes NF4 weight: 4 bits + one absmax per 64 weights
+# (uint8 with double quantization, plus an fp32 constant per 256 blocks; fp32 without).
+NF4_BYTES_DQ = 0.5 + 1 / 64 + 4 / (64 * 256)
+NF4_BYTES = 0.5 + 4 / 64
+INT8_BYTES = 1.0  # LLM.int8 weights; the per-row fp32 scales are negligible
+
+
+@dataclass(frozen=True)
+class Regime:
+    """The dtypes a training step runs with (see the module docstring)."""
+
+    autocast: bool  # torch.autocast is on and some weights it casts are fp32
+    resid: int  # bytes per element of the residual stream (the embedding output's dtype)
+    compute: int  # bytes per element of matmul outputs
+    fp32_trainable: bool  # trainable weights are fp32 (autocast keeps bf16 copies of them)
+
+
+@dataclass(frozen=True)
+class Trainable:
+    full: bool  # every parameter trains (else only LoRA adapters)
+    targets: frozenset[str]  # LoRA target names
+    rank: int
+
+
+def parse_precision(precision: str) -> tuple[str, bool]:
+    """('bf16', False) for mixed precision with fp32 weights; ('bf16', True) when weights are held in bf16."""
+    p = precision.strip().lower().replace("_", "-")
+    pure = p.endswith(("-true", "-pure")) or p.startswith("pure-")
+    for dtype in ("bf16", "fp16", "fp32"):
+        if dtype in p or (dtype == "fp32" and p in ("32", "float32", "float")):
+            return dtype, pure and dtype != "fp32"
+    aliases = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "16-mixed": "fp16", "bf16-mixed": "bf16"}
+    if p in aliases:
+        return aliases[p], False
+    raise UserError(f"unknown precision {precision!r}; use bf16, fp16 or fp32")
+
+
+def dtype_bytes(dtype: str) -> int:
+    return 4 if dtype == "fp32" else 2
+
+
+def training_regime(method: str, precision: str, *, half_weights: bool) -> Regime:
+    """The regime of a training recipe.
+
+    `half_weights`: the weights the forward pass sees are already bf16/fp16 (FSDP
+    mixed precision, DeepSpeed, or weights stored in half), so autocast casts nothing
+    and the residual stream is half.
+    """
+    dtype, pure = parse_precision(precision)
+    if dtype == "fp32":
+        return Regime(autocast=False, resid=4, compute=4, fp32_trainable=False)
+    if method == "full":
+        if half_weights or pure:
+            return Regime(autocast=False, resid=2, compute=2, fp32_trainable=False)
+        return Regime(autocast=True, resid=4, compute=2, fp32_trainable=True)
+    # LoRA/QLoRA: the base is loaded in half, peft keeps adapters in fp32, and autocast runs them in half.
+    return Regime(autocast=not pure, resid=2, compute=2, fp32_trainable=not pure)
+
+
+def _trainable(m: ModelFacts, method: str, lora_rank: int, lora_targets: list[str] | str | None) -> Trainable:
+    if method == "full":
+        return Trainable(True, frozenset(), 0)
+    if method not in ("lora", "qlora"):
+        raise UserError(f"unknown method {method!r}; use full, lora or qlora")
+    return Trainable(False, frozenset(m.resolve_targets(lora_targets)), lora_rank)
+
+
+# -- activations ---------------------------------------------------------------------------------------------
+
+
+def _inputs_saved(uses: tuple[LinearUse, ...], in_bytes: int, reg: Regime, tr: Trainable, *, already_saved: bool = False) -> float:
+    """Bytes per token that the linears reading one tensor keep of it for their weight gradients.
+
+    A trainable linear keeps its input; under autocast an fp32 input is cast to
+    bf16 separately by each reader. An adapter keeps its own cast (peft casts the
+    input to the adapter's fp32, autocast casts it back). Expert linears see the
+    tokens gathered per expert, one tensor shared by an expert's linears.
+    """
+    shared = 0.0
+    shared_experts = 0.0
+    separate = 0.0
+    for u in uses:
+        n_in = u.lin.in_features * u.per_token
+        expert = u.copies > 1
+        if tr.full:
+            if expert:
+                # transformers 5 runs each expert's gate and up as one fused matmul: one cast of its tokens.
+                shared_experts = max(shared_experts, (2 if reg.autocast else in_bytes) * n_in)
+            elif reg.autocast and in_bytes != 2:
+                separate += 2 * n_in
+            else:
+                shared = max(shared, (2 if reg.autocast else in_bytes) * n_in)
+        if u.lin.name in tr.targets:
+            if reg.autocast:
+                separate += 2 * n_in
+            elif in_bytes == 4:
+                shared = max(shared, 4 * n_in)
+            else:
+                separate += 4 * n_in
+            separate += (2 if reg.autocast else 4) * tr.rank * u.per_token
+    if already_saved:
+        shared = 0.0
+    return shared + shared_experts + separate
+
+
+def _norm_saved(m: ModelFacts, reg: Regime, trainable_weight: bool) -> tuple[float, int]:
+    """(bytes per token a norm saves, bytes per element of its output)."""
+    h = m.h
+    if m.layernorm:
+        # Native layer_norm saves its input (fp32 under autocast, which lists it as an fp32 op) and mean/rstd.
+        return (4 * h if (reg.autocast or reg.resid == 4) else reg.resid * h) + 8, (4 if reg.autocast else reg.resid)
+    # HF RMSNorm: x.float() (kept by pow and mul), rsqrt, and the normalized x when the weight trains.
+    normed = 4 if m.fp32_norm else reg.resid
+    return 4 * h + 4 + (normed * h if trainable_weight else 0), reg.resid
+
+
+@dataclass(frozen=True)
+class LayerActivations:
+    """Bytes per token one layer saves, split by how tensor parallelism divides them."""
+
+    split: float  # divided by the TP degree (attention heads, MLP columns)
+    replicated: float  # whole on every TP rank unless sequence parallel (norms, inputs of column-parallel linears)
+    weight_copies: float  # bytes per layer (not per token): autocast's bf16 copies of fp32 weights
+
+    def per_gpu(self, tp: int, sp: bool) -> float:
+        return self.split / tp + (self.replicated / tp if sp else self.replicated)
+
+
+def layer_activations(m: ModelFacts, reg: Regime, tr: Trainable, checkpointing: str = "none") -> LayerActivations:
+    """What one transformer block keeps for backward, per token.
+
+    checkpointing "full": only the block's input (HF gradient checkpointing);
+    "selective": the block's input plus every matmul and attention output, with
+    norms, rotary embeddings and activation functions recomputed (PyTorch's
+    selective activation checkpointing policy that saves matmuls; the flash-
+    attention adaptation of Korthikanti's selective scheme, whose s×s tensors no
+    longer exist).
+    """
+    h, c, r = m.h, reg.compute, reg.resid
+    copies = _layer_weight_copies(m, reg, tr)
+    if checkpointing == "full":
+        return LayerActivations(split=0.0, replicated=float(r * h), weight_copies=copies)
+    if checkpointing == "selective":
+        outs = sum(u.lin.out_features * u.per_token for u in m.linears())
+        return LayerActivations(split=c * (outs + m.q_dim) + 4 * m.spec.num_heads, replicated=float(r * h), weight_copies=copies)
+    if checkpointing != "none":
+        raise UserError(f"unknown checkpointing {checkpointing!r}; use none, selective or full")
+
+    norm, norm_out = _norm_saved(m, reg, tr.full)
+    replicated = 2 * norm
+    replicated += _inputs_saved(tuple(u for u in m.attn_in if u.lin.in_features == h), norm_out, reg, tr)
+    replicated += _inputs_saved(m.mlp_in, norm_out, reg, tr)
+    split = 0.0
+    # Linears fed by a latent rather than the norm (multi-head latent attention) keep their own input.
+    split += _inputs_saved(tuple(u for u in m.attn_in if u.lin.in_features != h), c, reg, tr)
+    # SDPA keeps q, k, v, its output and a log-sum-exp per head and query; GQA's k and v stay narrow.
+    heads, kv_heads = m.spec.num_heads, m.spec.num_kv_heads
+    split += c * (2 * m.q_dim + 2 * m.kv_dim) + 4 * heads
+    if m.qk_norm:
+        split += 4 * (m.q_dim + m.kv_dim) + 4 * (heads + kv_heads) + (c * (m.q_dim + m.kv_dim) if tr.full else 0)
+    split += _inputs_saved(m.attn_out, c, reg, tr, already_saved=True)  # its input is SDPA's saved output
+    inter = m.inter_per_token
+    act_out = c
+    if m.gated:
+        split += 3 * c * inter  # SwiGLU: act(gate) keeps gate; gate·up keeps act(gate) and up
+    elif m.act_saves == 1:
+        split += c * inter  # a native GELU keeps its input
+    elif reg.autocast:
+        # gelu_new in Python, 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))): autocast runs pow in fp32, so
+        # pow keeps an fp32 x, tanh its fp32 output, the last product 0.5·x (bf16) and 1 + tanh (fp32).
+        split += (4 + 4 + 2 + 4) * inter
+        act_out = 4
+    else:
+        split += 4 * c * inter  # the same four tensors in one dtype
+    split += _inputs_saved(m.mlp_out, act_out, reg, tr)
+    if m.spec.is_moe:
+        # Router probabilities (fp32) and the expert outputs kept to weight them.
+        split += 4 * m.spec.num_experts + c * h * max(m.spec.experts_per_token, 1)
+    return LayerActivations(split=split, replicated=replicated, weight_copies=copies)
+
+
+def _layer_weight_copies(m: ModelFacts, reg: Regime, tr: Trainable) -> float:
+    if not reg.autocast:
+        return 0.0
+    total = 0.0
+    for u in m.linears():
+        if tr.full and reg.fp32_trainable:
+            total += 2 * u.weight_params
+        if u.lin.name in tr.targets:
+            total += 2 * tr.rank * (u.lin.in_features + u.lin.out_features) * u.copies
+    return total
+
+
+@dataclass(frozen=True)
+class EdgeActivations:
+    """Bytes per token saved outside the blocks, and what the loss needs transiently."""
+
+    first: float  # embedding stage: token ids
+    last_split: float  # head stage, divided by TP (vocab-parallel logits)
+    last_replicated: float  # head stage: final norm (divided only with sequence parallel)
+    head_weight_copy: float  # bytes: autocast's bf16 copy of an fp32 output matrix
+    loss_transient: float  # bytes per token: logits, their fp32 upcast and its gradient, briefly
+    rope_tables: float  # bytes per sequence position: cos and sin shared by all layers
+
+
+def edge_activations(m: ModelFacts, reg: Regime, tr: Trainable, checkpointing: str = "none") -> EdgeActivations:
+    h, c, v = m.h, reg.compute, m.vocab
+    first = 8.0 if tr.full else 0.0  # int64 ids, kept by a trainable embedding
+    norm, norm_out = _norm_saved(m, reg, tr.full)
+    last_rep = norm
+    last_split = 0.0
+    head_copy = 0.0
+    transient = 0.0
+    if m.is_decoder:
+        if tr.full:
+            head = LinearUse(_head_linear(m), 1, 1)
+            last_rep += _inputs_saved((head,), norm_out, reg, tr)
+            if reg.autocast and reg.fp32_trainable:
+                head_copy = 2.0 * v * h
+        # transformers upcasts logits to fp32 for the loss; cross-entropy keeps the fp32 log-softmax and
+        # the int64 labels. Briefly there are also the logits themselves and the log-softmax's gradient.
+        last_split += 4.0 * v + 8.0
+        transient = (2 * c + 4.0) * v
+    rope = 0.0
+    if m.rope and checkpointing != "full":
+        rope = 2.0 * m.spec.head_dim * reg.resid
+    return EdgeActivations(first, last_split, last_rep, head_copy, transient, rope)
+
+
+def _head_linear(m: ModelFacts) -> Linear:
+    return Linear("lm_head", m.h, m.vocab)
+
+
+# -- parameters, gradients, optimizer -------------------------------------------------------------------------
+
+
+def optimizer_state_bytes(optimizer: str, param_bytes: int) -> float:
+    """Bytes of optimizer state per trainable parameter, without master weights."""
+    if optimizer == "adamw":
+        return 2.0 * param_bytes  # exp_avg and exp_avg_sq, created like the parameter
+    if optimizer == "adamw8bit":
+        return 2.0 * (1 + 4 / 256)  # bitsandbytes: uint8 states with an fp32 absmax per 256-value block
+    if optimizer == "sgd":
+        return float(param_bytes)  # momentum buffer
+    raise UserError(f"unknown optimizer {optimizer!r}; use adamw, adamw8bit or sgd")
+
+
+def base_weight_bytes(m: ModelFacts, *, half_bytes: int, bits: int = 16, double_quant: bool = True) -> float:
+    """Bytes of the model weights as loaded: all at `half_bytes`, or the block linears quantized.
+
+    bitsandbytes quantizes only the linears inside the blocks; embeddings, norms
+    and the output layer stay at the compute dtype.
+    """
+    if bits == 16:
+        return float(m.params * half_bytes)
+    quantized = m.quantizable_params()
+    per = INT8_BYTES if bits == 8 else (NF4_BYTES_DQ if double_quant else NF4_BYTES)
+    return quantized * per + (m.params - quantized) * float(half_bytes)
+
+
+def predict_components(
+    spec: ModelSpec,
+    *,
+    precision: str,
+    method: str,
+    optimizer: str,
+    checkpointing: str,
+    micro_batch: int,
+    seq_len: int,
+    lora_rank: int = 16,
+    lora_targets: list[str] | str | None = None,
+    double_quant: bool = True,
+) -> dict[str, int]:
+    """Bytes PyTorch allocates on one GPU training `spec` unsharded, by component.
+
+    "params": weights as allocated (fp32 under autocast mixed precision; for LoRA
+    the half base plus fp32 adapters; for QLoRA NF4 linears with their absmax).
+    "grads": one gradient per trainable parameter, in its dtype.
+    "optimizer": AdamW's exp_avg and exp_avg_sq in the parameter dtype (8-bit
+    AdamW: uint8 with block absmax; SGD: momentum), plus fp32 master weights only
+    when trainable parameters are held in bf16/fp16 ("bf16-true").
+    "activations_saved": what autograd keeps for backward after the forward pass
+    with SDPA attention, the loss included, for `micro_batch` × `seq_len` tokens.
+
+    `precision`: "bf16"/"fp16" (autocast, fp32 weights), "bf16-true"/"fp16-true"
+    (weights in half), or "fp32".
+    """
+    m = model_facts(spec)
+    dtype, pure = parse_precision(precision)
+    tr = _trainable(m, method, lora_rank, lora_targets)
+    reg = training_regime(method, precision, half_weights=False)
+    tokens = micro_batch * seq_len
+    if tr.full:
+        p_bytes = 4 if (dtype == "fp32" or not pure) else 2
+        params = m.params * p_bytes
+        trainable = m.params
+        t_bytes = p_bytes
+    else:
+        lora = m.lora_params(lora_rank, sorted(tr.targets))
+        bits = 4 if method == "qlora" else 16
+        base = base_weight_bytes(m, half_bytes=dtype_bytes(dtype), bits=bits, double_quant=double_quant)
+        params = base + lora * 4
+        trainable = lora
+        t_bytes = 4  # peft keeps adapters in fp32
+    grads = trainable * t_bytes
+    opt = trainable * optimizer_state_bytes(optimizer, t_bytes)
+    if t_bytes == 2:
+        opt += trainable * 4  # fp32 master weights
+    layer = layer_activations(m, reg, tr, checkpointing)
+    edge = edge_activations(m, reg, tr, checkpointing)
+    act = m.layers * layer.per_gpu(1, False) * tokens
+    if checkpointing != "full":
+        act += m.layers * layer.weight_copies
+    act += (edge.first + edge.last_split + edge.last_replicated) * tokens + edge.head_weight_copy
+    act += edge.rope_tables * seq_len
+    if not tr.full and checkpointing != "full":
+        # The frozen embedding's output needs no gradient, so the first block's norm keeps nothing.
+        act -= _norm_saved(m, reg, False)[0] * tokens
+    return {"params": int(params), "grads": int(grads), "optimizer": int(opt), "activations_saved": int(act)}
+
+
+def predict_kv_cache(spec: ModelSpec, batch: int, tokens: int, dtype_bytes: int) -> int:
+    """KV cache bytes: 2 (k and v) × layers × kv_heads × head_dim × tokens × batch × bytes.
+
+    GQA/MQA models cache only their kv heads; encoders cache nothing.
+    """
+    if not spec.is_decoder:
+        return 0
+    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * tokens * batch * dtype_bytes
+
+
+def overhead_bytes(allocated: float, *, architecture: str | None, groups: int) -> int:
+    """CUDA context, NCCL communicators and the caching allocator's reserve on top of `allocated`."""
+    large = (architecture or "").lower() in ("hopper", "blackwell")
+    context = CUDA_CONTEXT_BYTES_LARGE if large else CUDA_CONTEXT_BYTES
+    reserve = max(ALLOCATOR_RESERVE * allocated, ALLOCATOR_MIN_BYTES)
+    return int(context + groups * NCCL_BYTES_PER_GROUP + reserve)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def gib(n: float) -> float:
+    return n / GIB
+
+
+def fmt_gib(n: float) -> str:
+    v = n / GIB
+    if v >= 100:
+        return f"{v:.0f} GiB"
+    return f"{v:.1f} GiB" if v >= 1 or v == 0 else f"{v:.2f} GiB"
+
+
+
+# -- per-GPU memory of a plan --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Bytes on each GPU of one pipeline stage (floats: the search evaluates thousands)."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    kv_cache: float
+    buffers: float
+    overhead: float
+    host_offloaded: float  # bytes this GPU's rank keeps in host RAM instead
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.kv_cache + self.buffers + self.overhead
+
+
+class MemoryModel:
+    """Memory of training or inference plans for one model and workload; caches per-layer formulas."""
+
+    def __init__(self, m: ModelFacts, w: Workload) -> None:
+        self.m = m
+        self.w = w
+        self.dtype, self.pure = parse_precision(w.precision)
+        self.c = dtype_bytes(self.dtype)
+        self.mixed = self.dtype != "fp32"
+        if w.training:
+            lora = w.lora or LoraSettings()
+            self.tr = _trainable(m, w.method, lora.rank, lora.targets if w.method != "full" else None)
+            self.lora_per_layer = m.lora_params(lora.rank, sorted(self.tr.targets)) / m.layers if not self.tr.full else 0.0
+            self.double_quant = lora.double_quant
+        else:
+            self.tr = Trainable(True, frozenset(), 0)
+            self.lora_per_layer = 0.0
+            self.double_quant = True
+        self.state_bytes = optimizer_state_bytes(w.optimizer, 4) if w.training else 0.0
+        self._layers: dict[tuple[bool, str], LayerActivations] = {}
+        self._edges: dict[tuple[bool, str], EdgeActivations] = {}
+
+    # -- formulas, cached ------------------------------------------------------------------------------
+    def regime(self, backend: str) -> Regime:
+        return training_regime(self.w.method, self.w.precision, half_weights=backend in ("fsdp", "deepspeed"))
+
+    def layer(self, backend: str, checkpointing: str) -> LayerActivations:
+        key = (backend in ("fsdp", "deepspeed"), checkpointing)
+        found = self._layers.get(key)
+        if found is None:
+            found = self._layers[key] = layer_activations(self.m, self.regime(backend), self.tr, checkpointing)
+        return found
+
+    def edge(self, backend: str, checkpointing: str) -> EdgeActivations:
+        key = (backend in ("fsdp", "deepspeed"), checkpointing)
+        found = self._edges.get(key)
+        if found is None:
+            found = self._edges[key] = edge_activations(self.m, self.regime(backend), self.tr, checkpointing)
+        return found
+
+    def stage_params(self, par: Parallelism, stage: int) -> tuple[float, float]:
+        """(parameters on one GPU of `stage`, of which block linears), after TP and PP splits."""
+        m, t = self.m, par.tp
+        first_layer, end_layer = stage_range(par, stage, m.layers)
+        n = end_layer - first_layer
+        lin = n * m.layer_linear_params / t
+        p = lin + n * m.layer_other_params
+        if stage == 0:
+            p += m.embedding_params / t
+        if stage == par.pp - 1:
+            p += m.head_params / t
+            if par.pp > 1 and m.spec.tied_embeddings and m.is_decoder:
+                p += m.embedding_params / t  # the last stage keeps its own copy of a tied output matrix
+        return p, lin
+
+    # -- training --------------------------------------------------------------------------------------
+    def train_stage(self, par: Parallelism, stage: int, architecture: str | None) -> StageMemory:
+        m, w, t = self.m, self.w, par.tp
+        c = self.c
+        p, lin = self.stage_params(par, stage)
+        z = par.shard_degree if par.zero_stage >= 1 else 1
+        z3 = par.zero_stage == 3
+        first_layer, end_layer = stage_range(par, stage, m.layers)
+        n_layers = end_layer - first_layer
+        if self.tr.full:
+            trainable = p
+            frozen = 0.0
+        else:
+            trainable = n_layers * self.lora_per_layer / t
+            bits = 4 if w.method == "qlora" else 16
+            if bits == 16:
+                frozen = p * c
+            else:
+                per = NF4_BYTES_DQ if self.double_quant else NF4_BYTES
+                frozen = lin * per + (p - lin) * c
+        state = self.state_bytes
+        host = 0.0
+        if par.backend == "deepspeed":
+            pb = 2 if self.mixed else 4
+            weights = (trainable * pb + frozen) / (z if z3 else 1)
+            grads = trainable * pb / (z if par.zero_stage >= 2 else 1)
+            opt = trainable * (state + (4 if self.mixed else 0)) / z
+            if par.offload_optimizer:
+                host += opt + trainable * 4 / z  # DeepSpeed keeps an fp32 gradient partition next to the optimizer
+                opt = 0.0
+            if par.offload_params:
+                host += weights
+                weights = 0.0
+        elif par.backend == "fsdp":
+            weights = (trainable * 4 + frozen) / z  # FSDP2 shards the fp32 parameters; bf16 copies are gathered
+            grads = trainable * 4 / z
+            opt = trainable * state / z
+        else:  # ddp / single: torch autocast over fp32 weights
+            weights = trainable * 4 + frozen
+            grads = trainable * 4
+            opt = trainable * state
+
+        # Communication and gathering buffers.
+        unit_params = m.layer_linear_params / t + m.layer_other_params
+        unit_bytes = unit_params * c if self.tr.full else (frozen / max(n_layers, 1) if n_layers else 0.0)
+        comm = 0.0
+        if par.dp > 1 and par.backend == "ddp":
+            comm += 2 * DDP_BUCKET_BYTES
+        elif par.backend == "deepspeed" and par.dp > 1:
+            comm += 2 * DEEPSPEED_BUCKET_ELEMENTS * (2 if self.mixed else 4)
+            if z3:
+                comm += 2 * unit_bytes
+        elif par.backend == "fsdp":
+            comm += 2 * unit_bytes + unit_params * c  # this and the prefetched unit, and one unit's unsharded grads
+            root = m.embedding_params if stage == 0 else 0
+            if stage == par.pp - 1:
+                root += m.head_params
+                if par.pp > 1 and m.spec.tied_embeddings and m.is_decoder:
+                    root += m.embedding_params
+            comm += root / t * c  # the root unit (embeddings, head) stays gathered through the step
+        tokens = par.micro_batch * w.seq_len
+        if par.pp > 1:
+            comm += 2 * tokens * m.h * c / (t if par.sequence_parallel else 1)
+
+        # Activations.
+        la = self.layer(par.backend, par.checkpointing)
+        edge = self.edge(par.backend, par.checkpointing)
+        if par.pp == 1:
+            in_flight = 1
+        elif par.pipeline_schedule == "gpipe":
+            in_flight = par.grad_accum
+        else:
+            in_flight = min(par.pp - stage, par.grad_accum)
+        sp = par.sequence_parallel
+        act = n_layers * la.per_gpu(t, sp) * tokens * in_flight
+        if par.checkpointing != "none":
+            # Backward recomputes one layer at a time; its full activations exist briefly.
+            full = self.layer(par.backend, "none")
+            act += max(full.per_gpu(t, sp) - la.per_gpu(t, sp), 0.0) * tokens
+        act += n_layers * la.weight_copies / t
+        if stage == 0:
+            act += edge.first * tokens * in_flight
+        loss = 0.0
+        if stage == par.pp - 1:
+            act += (edge.last_split / t + edge.last_replicated / (t if sp else 1)) * tokens + edge.head_weight_copy / t
+            loss = edge.loss_transient * tokens / t
+        act += edge.rope_tables * w.seq_len * in_flight
+
+        opt_temp = 0.0
+        if par.backend in ("ddp", "fsdp", "single") and w.optimizer == "adamw":
+            opt_temp = trainable * 4 / (z if par.backend == "fsdp" else 1)  # foreach AdamW's sqrt(v) temporary
+        dynamic = max(act + loss + comm, opt_temp + comm)
+        allocated = weights + grads + opt + dynamic
+        groups = (par.dp > 1) + (par.tp > 1) + (par.pp > 1) + par.hsdp
+        over = overhead_bytes(allocated, architecture=architecture, groups=groups)
+        return StageMemory(weights, grads, opt, act, 0.0, dynamic - act, over, host)
+
+    # -- inference -------------------------------------------------------------------------------------
+    def infer_stage(self, par: Parallelism, stage: int, architecture: str | None) -> StageMemory:
+        m, w, t, c = self.m, self.w, par.tp, self.c
+        p, lin = self.stage_params(par, stage)
+        bits = w.weight_bits
+        per = c if bits == 16 else (INT8_BYTES if bits == 8 else NF4_BYTES_DQ)
+        weights = lin * per + (p - lin) * c
+        first_layer, end_layer = stage_range(par, stage, m.layers)
+        n_layers = end_layer - first_layer
+        batch = ceil_div(w.global_batch, par.dp)
+        kv_per_gpu = ceil_div(m.spec.num_kv_heads, t) / max(m.spec.num_kv_heads, 1)
+        kv = predict_kv_cache(m.spec, batch, w.seq_len, c) * n_layers / m.layers * kv_per_gpu
+        prompt = batch * w.prompt_tokens
+        # Prefill runs one layer at a time without grad: the residual, norm output, attention and MLP tensors.
+        act = prompt * c * (3 * m.h + (m.q_dim + 2 * m.kv_dim) / t + 3 * m.inter_per_token / t) if n_layers else 0.0
+        if stage == par.pp - 1 and m.is_decoder:
+            act += batch * m.vocab * 4.0 / t  # generate() keeps only the last position's logits, in fp32
+        buffers = 0.0
+        if bits != 16:
+            buffers = max((u.lin.in_features * u.lin.out_features for u in m.linears()), default=0) / t * c
+        allocated = weights + kv + act + buffers
+        groups = (par.tp > 1) + (par.pp > 1)
+        over = overhead_bytes(allocated, architecture=architecture, groups=groups)
+        return StageMemory(weights, 0.0, 0.0, act, kv, buffers, over, 0.0)
+
+    def stage(self, par: Parallelism, stage: int, architecture: str | None) -> StageMemory:
+        if self.w.training:
+            return self.train_stage(par, stage, architecture)
+        return self.infer_stage(par, stage, architecture)
+
+    # -- host ------------------------------------------------------------------------------------------
+    def host_memory(self, par: Parallelism, stages: list[StageMemory], available: int | None) -> HostMemory:
+        ranks = par.world_size
+        per_stage = par.dp * par.tp
+        offloaded = sum(s.host_offloaded for s in stages) * per_stage
+        if self.w.training and self.tr.full and par.backend in ("ddp", "single"):
+            load_copy = self.m.params * 4.0  # from_pretrained materializes fp32 weights in RAM before .to(cuda)
+        elif self.w.method == "qlora" or not self.w.training:
+            # Quantized as shards load, or loaded straight onto the GPUs (device_map): one shard at a time.
+            load_copy = min(self.m.params * 2.0, LOAD_SHARD_BYTES)
+        else:
+            load_copy = self.m.params * 2.0
+        copies = par.dp if (par.backend in ("ddp", "single") or (par.backend == "deepspeed" and par.zero_stage < 3)) else 1
+        if par.tp > 1 or par.pp > 1 or not self.w.training:
+            copies = 1
+        needed = ranks * HOST_BYTES_PER_RANK + max(load_copy * copies, offloaded)
+        return HostMemory(needed=int(needed), available=available, offloaded=int(offloaded))
+
+
+def stage_range(par: Parallelism, stage: int, layers: int) -> tuple[int, int]:
+    if par.stage_layers:
+        a, b = par.stage_layers[stage]
+        return a, b
+    return 0, layers
+
+
+def plan_memory(mm: MemoryModel, par: Parallelism, topo: Topology) -> tuple[list[MemoryBreakdown], HostMemory]:
+    """Per-GPU breakdowns (in rank order) and the host RAM a plan needs."""
+    per_stage = par.dp * par.tp
+    stages: list[StageMemory] = []
+    out: list[MemoryBreakdown] = []
+    for s in range(par.pp):
+        gpus = par.gpu_indices[s * per_stage : (s + 1) * per_stage]
+        arch = topo.gpus[gpus[0]].architecture
+        sm = mm.stage(par, s, arch)
+        stages.append(sm)
+        for g in gpus:
+            cap = topo.gpus[g].memory
+            parts = [sm.weights, sm.gradients, sm.optimizer, sm.activations, sm.kv_cache, sm.buffers, sm.overhead]
+            ints = [round(x) for x in parts]
+            total = sum(ints)
+            out.append(MemoryBreakdown(g, s, *ints, total=total, capacity=cap, headroom=cap - total))
+    host = mm.host_memory(par, stages, topo.machine.host.memory_total)
+    return out, host

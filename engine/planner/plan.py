@@ -1,0 +1,302 @@
+"""The plan: what to run (workload), how to split it (parallelism) and what to expect (predictions).
+
+A `Plan` is plain data that round-trips exactly through JSON: the engine launches
+jobs from the JSON, the GUI shows it, exports are made from it. Every field is a
+JSON-native type (no tuples, no enums), so `from_dict(to_dict(p)) == p` and
+serialising twice gives the same text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.errors import UserError
+
+PLAN_SCHEMA = "rigpilot.plan"
+PLAN_VERSION = 1
+
+TASKS = ("train", "infer")
+METHODS = ("full", "lora", "qlora")
+PRECISIONS = ("bf16", "fp16", "fp32")
+OPTIMIZERS = ("adamw", "adamw8bit", "sgd")
+CHECKPOINTING = ("none", "selective", "full")
+SCHEDULES = ("none", "1f1b", "gpipe")
+BACKENDS = ("single", "ddp", "deepspeed", "fsdp", "inference")
+WEIGHT_BITS = (16, 8, 4)
+
+
+@dataclass
+class LoraSettings:
+    rank: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    targets: list[str] = field(default_factory=lambda: ["all-linear"])  # resolved names once planned
+    quant_bits: int = 16  # 4 for QLoRA: base linears in NF4
+    double_quant: bool = True  # QLoRA: quantize the absmax constants too (the QLoRA paper's setting)
+
+
+@dataclass
+class Workload:
+    """What the user asked for, independent of how it is split."""
+
+    model: str  # preset name, folder or hub repo id, as given
+    task: str = "train"
+    method: str = "full"
+    precision: str = "bf16"  # training: mixed precision with that dtype; inference: the weights' dtype
+    seq_len: int = 2048
+    global_batch: int = 16  # training: sequences per optimizer step; inference: sequences in flight
+    optimizer: str = "adamw"
+    lora: LoraSettings | None = None
+    weight_bits: int = 16  # inference: 16 (precision), 8 (LLM.int8) or 4 (NF4)
+    new_tokens: int = 0  # inference: tokens generated per sequence (the rest of seq_len is the prompt)
+    token_budget: int | None = None  # training: tokens to train on, for a time to finish
+
+    @property
+    def training(self) -> bool:
+        return self.task == "train"
+
+    @property
+    def prompt_tokens(self) -> int:
+        return max(self.seq_len - self.new_tokens, 1)
+
+
+@dataclass
+class Parallelism:
+    """How a workload is split over GPUs. Ranks map to `gpu_indices` in order (pp, dp, tp; tp fastest)."""
+
+    gpu_indices: list[int]
+    dp: int = 1  # data-parallel replicas (= dp_replicate × dp_shard)
+    tp: int = 1
+    pp: int = 1
+    zero_stage: int = 0  # 0: replicated (DDP); 1: optimizer sharded; 2: + gradients; 3: + parameters (FSDP)
+    shard_degree: int = 1  # ZeRO/FSDP sharding group size; < dp means HSDP (replicate across groups)
+    backend: str = "ddp"
+    sequence_parallel: bool = False
+    pipeline_schedule: str = "none"
+    micro_batch: int = 1
+    grad_accum: int = 1  # micro-batches per optimizer step per replica (= pipeline micro-batches when pp > 1)
+    checkpointing: str = "none"
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    stage_layers: list[list[int]] = field(default_factory=list)  # [first, end) layers of each pipeline stage
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def replicate_degree(self) -> int:
+        return max(self.dp // max(self.shard_degree, 1), 1)
+
+    @property
+    def hsdp(self) -> bool:
+        return self.zero_stage == 3 and 1 < self.shard_degree < self.dp
+
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        """Device-mesh dimensions, outermost first (torch.distributed.init_device_mesh order)."""
+        return {"pp": self.pp, "dp_replicate": self.replicate_degree, "dp_shard": self.dp // self.replicate_degree, "tp": self.tp}
+
+    @property
+    def family(self) -> str:
+        """The family a plan belongs to, for ranking summaries and rejection reasons."""
+        if self.pp > 1:
+            return "pipeline"
+        if self.tp > 1:
+            return "tensor parallel"
+        if self.backend == "inference":
+            return "replicas" if self.dp > 1 else "single GPU"
+        if self.offload_params or self.offload_optimizer:
+            return "offload"
+        if self.world_size == 1:
+            return "single GPU"
+        if self.hsdp:
+            return "HSDP"
+        return {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "FSDP"}[self.zero_stage]
+
+    def describe(self) -> str:
+        """One line: 'FSDP (ZeRO-3) over 8 GPUs, micro-batch 2 × 2 accumulation, full checkpointing'."""
+        parts = []
+        n = self.world_size
+        if self.backend == "inference":
+            if self.tp > 1:
+                parts.append(f"tensor parallel over {self.tp} GPUs")
+            if self.pp > 1:
+                parts.append(f"layers split over {self.pp} GPUs")
+            if self.dp > 1:
+                parts.append(f"{self.dp} independent replicas")
+            return ", ".join(parts) or "one GPU"
+        if n == 1:
+            parts.append("one GPU")
+        elif self.hsdp:
+            parts.append(f"HSDP: sharded over {self.shard_degree}, replicated ×{self.replicate_degree}")
+        elif self.dp > 1:
+            name = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "FSDP (ZeRO-3)"}[self.zero_stage]
+            if self.zero_stage and self.backend == "deepspeed":
+                name = f"DeepSpeed ZeRO-{self.zero_stage}"
+            parts.append(f"{name} over {self.dp}")
+        if self.tp > 1:
+            parts.append(f"tensor parallel {self.tp}" + (" with sequence parallel" if self.sequence_parallel else ""))
+        if self.pp > 1:
+            parts.append(f"{self.pp} pipeline stages ({self.pipeline_schedule.upper()})")
+        parts.append(f"micro-batch {self.micro_batch} × {self.grad_accum} accumulation")
+        if self.checkpointing != "none":
+            parts.append(f"{self.checkpointing} activation checkpointing")
+        if self.offload_params:
+            parts.append("parameters and optimizer offloaded to CPU")
+        elif self.offload_optimizer:
+            parts.append("optimizer offloaded to CPU")
+        return ", ".join(parts)
+
+
+@dataclass
+class MemoryBreakdown:
+    """Predicted peak memory of one GPU, in bytes. `total` is the sum of the parts."""
+
+    gpu: int
+    stage: int
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+    kv_cache: int
+    buffers: int  # communication buckets, gathered FSDP units, logits and loss, optimizer-step temporaries
+    overhead: int  # CUDA context, NCCL, allocator reserve
+    total: int
+    capacity: int  # the GPU's memory
+    headroom: int  # capacity - total (negative: does not fit)
+
+    @property
+    def fits(self) -> bool:
+        return self.headroom >= 0
+
+
+@dataclass
+class HostMemory:
+    needed: int  # bytes of host RAM the job needs at its peak (loading or offloaded state)
+    available: int | None  # the machine's RAM, None when unknown
+    offloaded: int = 0  # of `needed`, optimizer state or parameters moved off the GPUs
+
+    @property
+    def fits(self) -> bool:
+        return self.available is None or self.needed <= self.available
+
+
+@dataclass
+class CommItem:
+    what: str  # "FSDP all-gather + reduce-scatter", "TP all-reduce", ...
+    group: list[int]  # GPU indices of one such group
+    link: str  # the binding link in words
+    bytes_per_step: int
+    seconds: float  # total time on the wire per step
+    exposed_seconds: float  # not hidden behind compute
+
+
+@dataclass
+class Figure:
+    """A number the prediction rests on, and whether it was measured or assumed."""
+
+    name: str
+    value: float
+    unit: str
+    source: str  # "measured" | "spec" | "assumed"
+
+
+@dataclass
+class Timing:
+    """Predicted time of one optimizer step (training) or one generation batch (inference)."""
+
+    step_s: float
+    compute_s: float
+    exposed_comm_s: float
+    bubble_s: float
+    offload_s: float = 0.0
+    tokens_per_s: float = 0.0  # trained tokens/s, or generated tokens/s
+    mfu: float = 0.0  # model FLOPs utilisation over the plan's GPUs
+    time_to_budget_s: float | None = None
+    prefill_s: float = 0.0  # inference: time to first token
+    decode_token_s: float = 0.0  # inference: time per generated token (per sequence)
+    comm: list[CommItem] = field(default_factory=list)
+    figures: list[Figure] = field(default_factory=list)
+
+
+@dataclass
+class Plan:
+    workload: Workload
+    parallelism: Parallelism
+    memory: list[MemoryBreakdown]
+    host: HostMemory
+    timing: Timing
+    machine: str  # the machine's label
+    gpu_names: list[str]  # names of the plan's GPUs, in rank order
+    model_params: int
+    model_type: str = ""
+    architecture: str = ""
+    notes: list[str] = field(default_factory=list)
+    schema_version: int = PLAN_VERSION
+
+    @property
+    def fits(self) -> bool:
+        return all(m.fits for m in self.memory) and self.host.fits
+
+    @property
+    def peak_memory(self) -> MemoryBreakdown:
+        return min(self.memory, key=lambda m: (m.headroom, m.gpu))
+
+    # -- JSON --------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = {"schema": PLAN_SCHEMA, **dataclasses.asdict(self)}
+        # Derived, for launchers that build a device mesh; ignored when read back.
+        d["parallelism"]["world_size"] = self.parallelism.world_size
+        d["parallelism"]["mesh_shape"] = self.parallelism.mesh_shape
+        d["parallelism"]["family"] = self.parallelism.family
+        return d
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
+        if d.get("schema", PLAN_SCHEMA) != PLAN_SCHEMA:
+            raise UserError(f"not a Rigpilot plan (schema {d.get('schema')!r})")
+        version = d.get("schema_version")
+        if not isinstance(version, int) or version > PLAN_VERSION:
+            raise UserError(f"plan schema version {version!r} is newer than this Rigpilot understands ({PLAN_VERSION})")
+        try:
+            w = dict(d["workload"])
+            w["lora"] = LoraSettings(**w["lora"]) if w.get("lora") else None
+            t = dict(d["timing"])
+            t["comm"] = [CommItem(**c) for c in t.get("comm", [])]
+            t["figures"] = [Figure(**f) for f in t.get("figures", [])]
+            return cls(
+                workload=Workload(**w),
+                parallelism=Parallelism(**{k: v for k, v in d["parallelism"].items() if k in _PARALLELISM_FIELDS}),
+                memory=[MemoryBreakdown(**m) for m in d["memory"]],
+                host=HostMemory(**d["host"]),
+                timing=Timing(**t),
+                machine=d["machine"],
+                gpu_names=list(d["gpu_names"]),
+                model_params=d["model_params"],
+                model_type=d.get("model_type", ""),
+                architecture=d.get("architecture", ""),
+                notes=list(d.get("notes", [])),
+                schema_version=version,
+            )
+        except (KeyError, TypeError) as e:
+            raise UserError(f"malformed plan: {e}") from e
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        try:
+            d = json.loads(text)
+        except ValueError as e:
+            raise UserError(f"plan is not valid JSON: {e}") from e
+        if not isinstance(d, dict):
+            raise UserError("plan JSON must be an object")
+        return cls.from_dict(d)
+
+
+_PARALLELISM_FIELDS = {f.name for f in dataclasses.fields(Parallelism)}

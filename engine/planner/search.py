@@ -1,0 +1,713 @@
+"""Search: every valid way to split a workload over the selected GPUs, ranked by predicted throughput.
+
+Training enumerates (tp, pp, dp) factorizations, ZeRO stage / FSDP sharding
+degree (HSDP included), CPU offload, activation checkpointing and micro-batch
+(with gradient accumulation filling the global batch). Pipelines use 1F1B and
+tensor parallelism sequence parallel: the alternatives (GPipe, plain TP) cost the
+same time and hold more memory, so they never win. An offloading plan is only
+tried where the same split without offload does not fit. Tensor parallelism is
+kept inside groups of GPUs joined by NVLink or by P2P behind one PCIe switch
+unless forced; the plans it would give elsewhere are still evaluated, so the
+explanation can say what they would have cost. Mixed GPUs: the smallest card
+binds every symmetric plan (each GPU is checked against its own memory) and
+pipelines give each stage layers in proportion to its memory.
+
+Plans that do not fit are dropped; for each family with no fitting plan the
+result says what its smallest configuration needs. When nothing fits, the
+smallest changes that would make it fit are tried by re-running the search.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.errors import UserError
+from engine.hardware.machine import P2P, GpuPair, Machine, PciePath, short_gpu_name
+from engine.hardware.specs import match_spec
+from engine.models.spec import ModelSpec
+from engine.planner.explain import number_word
+from engine.planner.links import Calibration, Topology
+from engine.planner.memory import GIB, MemoryModel, StageMemory, fmt_gib, plan_memory
+from engine.planner.model import ModelFacts, model_facts
+from engine.planner.plan import (
+    CHECKPOINTING,
+    METHODS,
+    OPTIMIZERS,
+    PRECISIONS,
+    TASKS,
+    WEIGHT_BITS,
+    HostMemory,
+    LoraSettings,
+    Parallelism,
+    Plan,
+    Timing,
+    Workload,
+)
+from engine.planner.speed import SpeedModel
+
+EXPORT_TARGETS = ("torchrun", "accelerate", "deepspeed", "slurm")
+MAX_TP = 8
+# Families from simplest to most involved: ties in throughput go to the simpler plan.
+FAMILY_ORDER = (
+    "single GPU", "replicas", "DDP", "ZeRO-1", "ZeRO-2", "FSDP", "HSDP", "tensor parallel", "pipeline", "offload",
+)
+
+
+@dataclass
+class SearchOptions:
+    force_tp: bool = False  # allow tensor parallelism over slow links
+    export: str | None = None  # only plans this export target can run
+    runners_up: int = 4
+    suggest: bool = True  # when nothing fits, look for the smallest change that fits
+
+
+@dataclass
+class Rejection:
+    family: str
+    reason: str
+    need_bytes: int | None = None  # per GPU, its smallest configuration
+    have_bytes: int | None = None
+
+
+@dataclass
+class Suggestion:
+    change: str  # in words, with the flag: "train LoRA adapters instead (--method lora)"
+    kind: str  # "method" | "quantize" | "seq" | "batch" | "gpus" | "larger-gpus" | "more-gpus"
+    plan: Plan  # the best plan with the change, found by searching again
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"change": self.change, "kind": self.kind, "plan": self.plan.to_dict()}
+
+
+@dataclass
+class SearchResult:
+    workload: Workload
+    machine: str
+    gpu_indices: list[int]
+    best: Plan | None
+    runners_up: list[Plan]
+    rejected: list[Rejection]
+    suggestions: list[Suggestion]
+    explanation: list[str]
+    considered: int
+    fitting: int
+    elapsed_s: float
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "workload": dataclasses.asdict(self.workload),
+            "machine": self.machine,
+            "gpu_indices": self.gpu_indices,
+            "best": self.best.to_dict() if self.best else None,
+            "runners_up": [p.to_dict() for p in self.runners_up],
+            "rejected": [dataclasses.asdict(r) for r in self.rejected],
+            "suggestions": [s.to_dict() for s in self.suggestions],
+            "explanation": self.explanation,
+            "considered": self.considered,
+            "fitting": self.fitting,
+            "elapsed_s": self.elapsed_s,
+            "notes": self.notes,
+        }
+
+
+@dataclass
+class Candidate:
+    par: Parallelism
+    stages: list[StageMemory]
+    host: HostMemory
+    fits: bool
+    worst_total: float  # the fullest GPU's predicted bytes
+    worst_capacity: int
+    blocked: str | None = None  # why the search would not pick it (slow links for TP), though it was evaluated
+    timing: Timing | None = None
+
+    @property
+    def family(self) -> str:
+        return self.par.family
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.timing.tokens_per_s if self.timing else 0.0
+
+
+# -- validation ------------------------------------------------------------------------------------------------
+
+
+def validate_workload(w: Workload, spec: ModelSpec) -> None:
+    if w.task not in TASKS:
+        raise UserError(f"unknown task {w.task!r}; use train or infer")
+    if w.method not in METHODS:
+        raise UserError(f"unknown method {w.method!r}; use full, lora or qlora")
+    if w.task == "infer" and w.method != "full":
+        raise UserError(f"--method {w.method} is a way to train; for quantized inference use --quant int8 or --quant 4bit")
+    if w.precision not in PRECISIONS:
+        raise UserError(f"unknown dtype {w.precision!r}; use bf16, fp16 or fp32")
+    if w.optimizer not in OPTIMIZERS:
+        raise UserError(f"unknown optimizer {w.optimizer!r}; use {', '.join(OPTIMIZERS)}")
+    if w.weight_bits not in WEIGHT_BITS:
+        raise UserError(f"weights can be 16, 8 or 4 bits, not {w.weight_bits}")
+    if w.training and w.weight_bits != 16:
+        raise UserError("--quant applies to inference; to train on 4-bit weights use --method qlora")
+    if w.method == "qlora" and w.precision == "fp32":
+        raise UserError("QLoRA computes in bf16 or fp16; use --dtype bf16")
+    if w.seq_len < 1:
+        raise UserError("the sequence length must be at least 1")
+    if w.global_batch < 1:
+        raise UserError("the batch must be at least 1")
+    ctx = spec.max_position_embeddings
+    if ctx and w.seq_len > ctx:
+        raise UserError(f"sequence length {w.seq_len} is longer than {spec.id or 'the model'}'s context of {ctx} tokens")
+    if not w.training and w.new_tokens >= w.seq_len:
+        raise UserError(f"{w.new_tokens} new tokens leave no room for a prompt in a {w.seq_len}-token context")
+    if w.lora is not None and w.lora.rank < 1:
+        raise UserError("the LoRA rank must be at least 1")
+
+
+def select_gpus(machine: Machine, gpus: list[int] | None) -> list[int]:
+    available = [g.index for g in machine.gpus]
+    if not available:
+        raise UserError(f"{machine.label} has no GPUs to plan for")
+    if gpus is None:
+        return available
+    if not gpus:
+        raise UserError("no GPUs selected: give at least one index to --gpus")
+    seen: list[int] = []
+    for i in gpus:
+        if i not in available:
+            raise UserError(f"GPU {i} does not exist; this machine has GPUs {_ranges(available)}")
+        if i in seen:
+            raise UserError(f"GPU {i} is listed twice in --gpus")
+        seen.append(i)
+    return seen
+
+
+def _ranges(idx: list[int]) -> str:
+    return f"{idx[0]}-{idx[-1]}" if len(idx) > 1 and idx == list(range(idx[0], idx[-1] + 1)) else ", ".join(map(str, idx))
+
+
+def _prepare(spec: ModelSpec, w: Workload) -> tuple[ModelFacts, Workload]:
+    validate_workload(w, spec)
+    m = model_facts(spec)
+    if w.training and w.method != "full":
+        lora = w.lora or LoraSettings()
+        targets = m.resolve_targets(lora.targets)
+        lora = dataclasses.replace(lora, targets=targets, quant_bits=4 if w.method == "qlora" else 16)
+        w = dataclasses.replace(w, lora=lora)
+    elif w.lora is not None:
+        w = dataclasses.replace(w, lora=None)
+    return m, w
+
+
+# -- the search ------------------------------------------------------------------------------------------------
+
+
+def search(
+    spec: ModelSpec,
+    machine: Machine,
+    workload: Workload,
+    *,
+    gpus: list[int] | None = None,
+    calibration: Calibration | None = None,
+    options: SearchOptions | None = None,
+) -> SearchResult:
+    """Find the fastest plan that fits, with runners-up, rejected families and (if needed) suggestions."""
+    from engine.planner.explain import explain  # explain imports this module's types
+
+    start = time.perf_counter()
+    opts = options or SearchOptions()
+    if opts.export is not None and opts.export not in EXPORT_TARGETS:
+        raise UserError(f"unknown export {opts.export!r}; use {', '.join(EXPORT_TARGETS)}")
+    indices = select_gpus(machine, gpus)
+    m, w = _prepare(spec, workload)
+    topo = Topology(machine, indices, calibration)
+    if w.precision == "bf16":
+        for i in indices:
+            if topo.gpus[i].peak.get("bf16") is None and topo.gpus[i].spec_key:
+                raise UserError(f"GPU {i} ({topo.gpus[i].short_name}) has no bf16 support; use --dtype fp16")
+    mm = MemoryModel(m, w)
+    speed = SpeedModel(m, w, topo, mm)
+    cands, skipped = _evaluate(m, w, topo, mm, speed, opts)
+    fitting = [c for c in cands if c.fits and not c.blocked]
+    fitting.sort(key=_rank_key)
+    notes = list(m.notes)
+    best = _materialize(fitting[0], m, w, speed, machine, notes) if fitting else None
+    runners: list[Plan] = []
+    seen_families = {fitting[0].family} if fitting else set()
+    for c in fitting[1:]:
+        if len(runners) >= opts.runners_up:
+            break
+        if c.family in seen_families:
+            continue
+        seen_families.add(c.family)
+        runners.append(_materialize(c, m, w, speed, machine, []))
+    if best is not None and len(runners) < opts.runners_up:
+        # Few families fit: show the next-best variants of the winning one.
+        for c in fitting[1:]:
+            if len(runners) >= opts.runners_up:
+                break
+            if c.family == best.parallelism.family and not _same_shape(c.par, best.parallelism):
+                runners.append(_materialize(c, m, w, speed, machine, []))
+        runners.sort(key=lambda p: -p.timing.tokens_per_s)
+    rejected = _rejections(cands, skipped, fitting)
+    suggestions: list[Suggestion] = []
+    if best is None and opts.suggest:
+        suggestions = suggest(spec, machine, w, indices, calibration, opts)
+    result = SearchResult(
+        workload=w,
+        machine=machine.label,
+        gpu_indices=indices,
+        best=best,
+        runners_up=runners,
+        rejected=rejected,
+        suggestions=suggestions,
+        explanation=[],
+        considered=len(cands),
+        fitting=len(fitting),
+        elapsed_s=0.0,
+        notes=notes,
+    )
+    result.explanation = explain(result, cands, topo, m, speed.timing)
+    result.elapsed_s = time.perf_counter() - start
+    return result
+
+
+def _same_shape(a: Parallelism, b: Parallelism) -> bool:
+    return (a.dp, a.tp, a.pp, a.zero_stage, a.shard_degree, a.checkpointing, a.micro_batch) == (
+        b.dp, b.tp, b.pp, b.zero_stage, b.shard_degree, b.checkpointing, b.micro_batch,
+    )
+
+
+def _rank_key(c: Candidate) -> tuple[float, int, int, float]:
+    # Throughputs within 1% of each other tie; then the simpler family, fewer GPUs, more headroom.
+    tps = c.tokens_per_s
+    bucket = math.floor(math.log(tps) / math.log(1.01)) if tps > 0 else -(10**9)
+    return (-bucket, FAMILY_ORDER.index(c.family), c.par.world_size, c.worst_total / max(c.worst_capacity, 1))
+
+
+def _materialize(c: Candidate, m: ModelFacts, w: Workload, speed: SpeedModel, machine: Machine, notes: list[str]) -> Plan:
+    """A full plan (per-GPU breakdowns, communication items, figures) from a ranked candidate."""
+    memory, host = plan_memory(speed.mm, c.par, speed.topo)
+    timing = speed.timing(c.par)
+    plan_notes = list(notes)
+    if c.par.backend == "ddp" and c.par.dp > 1:
+        plan_notes.append(
+            "assumes DDP(gradient_as_bucket_view=True); PyTorch's default keeps a second copy of the gradients "
+            f"(+{fmt_gib(memory[0].gradients)} per GPU)"
+        )
+    if host.available is None:
+        plan_notes.append("host RAM is unknown; its check was skipped")
+    return Plan(
+        workload=w,
+        parallelism=c.par,
+        memory=memory,
+        host=host,
+        timing=timing,
+        machine=machine.label,
+        gpu_names=[short_gpu_name(machine.gpu(i).name) for i in c.par.gpu_indices],
+        model_params=m.params,
+        model_type=m.spec.model_type,
+        architecture=m.spec.architecture,
+        notes=plan_notes,
+    )
+
+
+def _evaluate(
+    m: ModelFacts, w: Workload, topo: Topology, mm: MemoryModel, speed: SpeedModel, opts: SearchOptions
+) -> tuple[list[Candidate], dict[str, str]]:
+    cands: list[Candidate] = []
+    skipped: dict[str, str] = {}
+    gen = _train_layouts(m, w, topo, opts, skipped) if w.training else _infer_layouts(m, w, topo, opts, skipped)
+    available = topo.machine.host.memory_total
+    caps = {i: g.memory for i, g in topo.gpus.items()}
+    twin_fits: set[tuple] = set()
+    for layout, blocked, micro_batches in gen:
+        for ckpt in (CHECKPOINTING if w.training else ("none",)):
+            for mb in micro_batches:
+                par = dataclasses.replace(layout, checkpointing=ckpt, micro_batch=mb, grad_accum=layout.grad_accum // mb if w.training else 1)
+                # An offloading plan's twin keeps the same split with everything on the GPU.
+                key = (par.tp, par.pp, par.dp, par.zero_stage if par.dp > 1 else 0, ckpt, mb)
+                offloading = par.offload_optimizer or par.offload_params
+                if offloading and key in twin_fits:
+                    continue  # the same plan without offload fits and is faster
+                cand = _check(par, mm, topo, caps, available)
+                cand.blocked = blocked
+                cands.append(cand)
+                if not cand.fits:
+                    break  # a larger micro-batch needs more memory still
+                if not offloading:
+                    twin_fits.add(key)
+                cand.timing = speed.timing(par, detail=False)
+    return cands, skipped
+
+
+def _check(par: Parallelism, mm: MemoryModel, topo: Topology, caps: dict[int, int], available: int | None) -> Candidate:
+    per_stage = par.dp * par.tp
+    stages: list[StageMemory] = []
+    fits = True
+    worst = (-float("inf"), 0.0, 1)
+    for s in range(par.pp):
+        gpus = par.gpu_indices[s * per_stage : (s + 1) * per_stage]
+        sm = mm.stage(par, s, topo.gpus[gpus[0]].architecture)
+        stages.append(sm)
+        total = sm.total
+        for g in gpus:
+            over = total - caps[g]
+            if over > 0:
+                fits = False
+            if over > worst[0]:
+                worst = (over, total, caps[g])
+    host = mm.host_memory(par, stages, available)
+    return Candidate(par, stages, host, fits and host.fits, worst[1], worst[2])
+
+
+# -- layouts -----------------------------------------------------------------------------------------------------
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _tp_ok(m: ModelFacts, tp: int) -> bool:
+    heads, kv = m.spec.num_heads, m.spec.num_kv_heads
+    return tp <= MAX_TP and heads % tp == 0 and (kv % tp == 0 or tp % kv == 0)
+
+
+def _order(topo: Topology, gpus: list[int], pp: int, dp: int, tp: int, z: int) -> list[int]:
+    """GPU order for ranks (pp, dp, tp): stages, then sharding groups, then TP groups on the fastest links."""
+    out: list[int] = []
+    for stage in topo.partition(gpus, dp * tp):
+        for shard in topo.partition(stage, z * tp):
+            for group in topo.partition(shard, tp):
+                out.extend(group)
+    return out
+
+
+def _stage_layers(topo: Topology, order: list[int], pp: int, per_stage: int, layers: int) -> list[list[int]]:
+    """Layer ranges per stage: even, or in proportion to memory when stages differ (mixed GPUs)."""
+    caps = [min(topo.gpus[g].memory for g in order[s * per_stage : (s + 1) * per_stage]) for s in range(pp)]
+    if len(set(caps)) == 1:
+        base, extra = divmod(layers, pp)
+        # Spare layers go to middle stages: the first holds the embeddings, the last the head and loss.
+        counts = [base] * pp
+        middle = list(range(1, pp - 1)) or list(range(pp))
+        for i in range(extra):
+            counts[middle[i % len(middle)]] += 1
+    else:
+        total = sum(caps)
+        counts = [max(1, int(layers * c / total)) for c in caps]
+        while sum(counts) < layers:
+            counts[max(range(pp), key=lambda i: caps[i] / counts[i])] += 1
+        while sum(counts) > layers:
+            counts[min(range(pp), key=lambda i: caps[i] / counts[i] if counts[i] > 1 else float("inf"))] -= 1
+    ranges, start = [], 0
+    for n in counts:
+        ranges.append([start, start + n])
+        start += n
+    return ranges
+
+
+def _train_layouts(
+    m: ModelFacts, w: Workload, topo: Topology, opts: SearchOptions, skipped: dict[str, str]
+) -> Iterator[tuple[Parallelism, str | None, list[int]]]:
+    gpus = topo.indices
+    n = len(gpus)
+    for tp in _divisors(n):
+        if not _tp_ok(m, tp):
+            continue
+        blocked = None
+        if tp > 1:
+            if opts.export == "deepspeed":
+                continue
+            if topo.fast_partition(gpus, tp) is None and not opts.force_tp:
+                blocked = _slow_tp_reason(topo, gpus, tp)
+                skipped.setdefault("tensor parallel", blocked)
+        for pp in _divisors(n // tp):
+            if pp > m.layers:
+                continue
+            if pp > 1 and opts.export in ("accelerate", "deepspeed"):
+                skipped.setdefault("pipeline", f"{opts.export} cannot run pipeline-parallel plans")
+                continue
+            dp = n // (tp * pp)
+            if w.global_batch % dp:
+                why = f"the global batch of {w.global_batch} does not split over {dp} data-parallel replicas"
+                families = ["tensor parallel"] if tp > 1 else ["pipeline"] if pp > 1 else ["DDP", "ZeRO-1", "ZeRO-2", "FSDP", "offload"]
+                for family in families:
+                    skipped.setdefault(family, why)
+                continue
+            per_replica = w.global_batch // dp
+            micro_batches = _divisors(per_replica)
+            for backend, zero, z, off_opt, off_par in _sharding_options(dp, tp, pp, n, opts):
+                order = _order(topo, gpus, pp, dp, tp, z if zero == 3 else dp)
+                stage_layers = _stage_layers(topo, order, pp, dp * tp, m.layers) if pp > 1 else []
+                par = Parallelism(
+                    gpu_indices=order,
+                    dp=dp,
+                    tp=tp,
+                    pp=pp,
+                    zero_stage=zero,
+                    shard_degree=z,
+                    backend=backend,
+                    sequence_parallel=tp > 1,
+                    pipeline_schedule="1f1b" if pp > 1 else "none",
+                    grad_accum=per_replica,  # divided by the micro-batch when evaluated
+                    offload_optimizer=off_opt,
+                    offload_params=off_par,
+                    stage_layers=stage_layers,
+                )
+                yield par, blocked, micro_batches
+
+
+def _sharding_options(dp: int, tp: int, pp: int, n: int, opts: SearchOptions) -> list[tuple[str, int, int, bool, bool]]:
+    """(backend, ZeRO stage, sharding degree, offload optimizer, offload parameters) choices."""
+    ds_only = opts.export == "deepspeed"
+    out: list[tuple[str, int, int, bool, bool]] = []
+    if tp > 1 or pp > 1:
+        # torch TP/PP compose with DDP and FSDP2 (2D/3D meshes), not with DeepSpeed's ZeRO.
+        out.append(("ddp", 0, 1, False, False))
+        if dp > 1:
+            out.append(("fsdp", 3, dp, False, False))
+        return out
+    # DeepSpeed's stage 0 is its plain data parallelism (bf16 weights, fp32 master copy in the optimizer).
+    plain = ("deepspeed", 0, 1, False, False) if ds_only else ("single" if n == 1 else "ddp", 0, 1, False, False)
+    if dp == 1:
+        return [plain, ("deepspeed", 2, 1, True, False), ("deepspeed", 3, 1, True, True)]
+    out.append(plain)
+    out += [("deepspeed", 1, dp, False, False), ("deepspeed", 2, dp, False, False)]
+    out.append(("deepspeed" if ds_only else "fsdp", 3, dp, False, False))
+    if not ds_only:
+        out += [("fsdp", 3, z, False, False) for z in _divisors(dp) if 1 < z < dp]
+    out += [("deepspeed", 2, dp, True, False), ("deepspeed", 3, dp, True, False), ("deepspeed", 3, dp, True, True)]
+    return out
+
+
+def _slow_tp_reason(topo: Topology, gpus: list[int], tp: int) -> str:
+    groups = topo.partition(gpus, tp)
+    worst = min((topo.ring(g) for g in groups), key=lambda x: x.gbs)
+    return (
+        f"no group of {tp} of GPUs {_ranges(sorted(gpus))} is joined by NVLink or a PCIe switch "
+        f"(slowest hop: {worst.label}, about {worst.gbs:.0f} GB/s); --force-tp considers it anyway"
+    )
+
+
+def _infer_layouts(
+    m: ModelFacts, w: Workload, topo: Topology, opts: SearchOptions, skipped: dict[str, str]
+) -> Iterator[tuple[Parallelism, str | None, list[int]]]:
+    # Use the biggest, fastest GPUs first when a plan needs fewer than all of them.
+    ordered = sorted(topo.indices, key=lambda i: (-round(topo.gpus[i].memory / GIB), -topo.gpus[i].peak_tflops("fp16"), i))
+    n = len(ordered)
+    sizes = sorted({k for k in (1, 2, 4, 8, 16, n) if k <= n})
+    for k in sizes:
+        gpus = ordered[:k]
+        for tp in _divisors(k):
+            if not _tp_ok(m, tp):
+                continue
+            blocked = None
+            if tp > 1 and topo.fast_partition(gpus, tp) is None and not opts.force_tp:
+                blocked = _slow_tp_reason(topo, gpus, tp)
+                skipped.setdefault("tensor parallel", blocked)
+            for pp in _divisors(k // tp):
+                if pp > m.layers:
+                    continue
+                dp = k // (tp * pp)
+                if dp > w.global_batch:
+                    continue  # replicas beyond the number of sequences would idle
+                order = _order(topo, gpus, pp, dp, tp, dp)
+                stage_layers = _stage_layers(topo, order, pp, dp * tp, m.layers) if pp > 1 else []
+                par = Parallelism(
+                    gpu_indices=order, dp=dp, tp=tp, pp=pp, backend="inference", sequence_parallel=False,
+                    pipeline_schedule="none", stage_layers=stage_layers,
+                )
+                yield par, blocked, [1]
+
+
+# -- rejections ------------------------------------------------------------------------------------------------
+
+
+def _rejections(cands: list[Candidate], skipped: dict[str, str], fitting: list[Candidate]) -> list[Rejection]:
+    fit_families = {c.family for c in fitting}
+    by_family: dict[str, Candidate] = {}
+    for c in cands:
+        if c.fits or c.blocked:
+            continue
+        best = by_family.get(c.family)
+        if best is None or _need(c) < _need(best):
+            by_family[c.family] = c
+    out: list[Rejection] = []
+    for family in FAMILY_ORDER:
+        if family in fit_families:
+            continue
+        c = by_family.get(family)
+        if c is not None:
+            out.append(_reject_reason(c))
+        elif family in skipped:
+            out.append(Rejection(family, skipped[family]))
+    return out
+
+
+def _need(c: Candidate) -> tuple[float, int, int]:
+    # The leanest configuration; among equals name the one with the most checkpointing and smallest batch.
+    over = (c.worst_total - c.worst_capacity) / max(c.worst_capacity, 1) + (0 if c.host.fits else 10.0)
+    return (round(over, 3), -CHECKPOINTING.index(c.par.checkpointing), c.par.micro_batch)
+
+
+def _reject_reason(c: Candidate) -> Rejection:
+    par = c.par
+    if c.worst_total > c.worst_capacity and par.backend == "inference":
+        return Rejection(
+            c.family,
+            f"{c.family} needs {_gib_round(c.worst_total)} per GPU ({par.describe()}); you have {_gib_round(c.worst_capacity)}",
+            int(c.worst_total),
+            int(c.worst_capacity),
+        )
+    if c.worst_total > c.worst_capacity:
+        how = f"micro-batch {par.micro_batch}"
+        if par.checkpointing != "none":
+            how += f" with {par.checkpointing} checkpointing"
+        if par.offload_optimizer or par.offload_params:
+            how += ", " + ("parameters and optimizer" if par.offload_params else "optimizer") + " offloaded"
+        name = c.family if c.family != "offload" else "CPU offload"
+        return Rejection(
+            c.family,
+            f"{name} needs {_gib_round(c.worst_total)} per GPU even at {how}; you have {_gib_round(c.worst_capacity)}",
+            int(c.worst_total),
+            int(c.worst_capacity),
+        )
+    name = c.family if c.family != "offload" else "CPU offload"
+    return Rejection(
+        c.family,
+        f"{name} needs {_gib_round(c.host.needed)} of host RAM; this machine has {_gib_round(c.host.available or 0)}",
+        c.host.needed,
+        c.host.available,
+    )
+
+
+def _gib_round(n: float) -> str:
+    v = n / GIB
+    return f"{v:.0f} GiB" if v >= 10 else f"{v:.1f} GiB"
+
+
+# -- suggestions -------------------------------------------------------------------------------------------------
+
+
+def suggest(
+    spec: ModelSpec,
+    machine: Machine,
+    w: Workload,
+    gpus: list[int],
+    calibration: Calibration | None,
+    opts: SearchOptions,
+    limit: int = 4,
+) -> list[Suggestion]:
+    """The least invasive changes that make the workload fit, each verified by searching again."""
+    inner = dataclasses.replace(opts, suggest=False, runners_up=0)
+    out: list[Suggestion] = []
+
+    def attempt(change: str, kind: str, work: Workload, mach: Machine = machine, sel: list[int] | None = gpus) -> bool:
+        try:
+            r = search(spec, mach, work, gpus=sel, calibration=calibration, options=inner)
+        except UserError:
+            return False
+        if r.best is None:
+            return False
+        out.append(Suggestion(change, kind, r.best))
+        return True
+
+    all_gpus = [g.index for g in machine.gpus]
+    if len(gpus) < len(all_gpus):
+        attempt(f"use all {len(all_gpus)} GPUs (--gpus {','.join(map(str, all_gpus))})", "gpus", w, machine, all_gpus)
+    if w.training:
+        if w.method == "full":
+            attempt("train LoRA adapters instead of every weight (--method lora)", "method", dataclasses.replace(w, method="lora", lora=LoraSettings()))
+        if w.method in ("full", "lora"):
+            rank = w.lora.rank if w.lora else LoraSettings().rank
+            attempt("train LoRA on 4-bit weights (--method qlora)", "method", dataclasses.replace(w, method="qlora", lora=LoraSettings(rank=rank)))
+        if w.optimizer == "adamw" and w.method == "full":
+            attempt("use 8-bit AdamW (bitsandbytes)", "optimizer", dataclasses.replace(w, optimizer="adamw8bit"))
+    else:
+        if w.weight_bits == 16:
+            attempt("load the weights in 8 bits (--quant int8)", "quantize", dataclasses.replace(w, weight_bits=8))
+        if w.weight_bits > 4:
+            attempt("load the weights in 4 bits (--quant 4bit)", "quantize", dataclasses.replace(w, weight_bits=4))
+        batch = w.global_batch // 2
+        while batch >= 1 and len(out) < limit:
+            if attempt(f"generate for {batch} sequence{'s' if batch > 1 else ''} at a time (--batch {batch})", "batch", dataclasses.replace(w, global_batch=batch)):
+                break
+            batch //= 2
+    seq = w.seq_len // 2
+    while seq >= 256 and len(out) < limit:
+        new = min(w.new_tokens, seq // 2)
+        if attempt(f"use sequences of {seq} tokens (--seq {seq})", "seq", dataclasses.replace(w, seq_len=seq, new_tokens=new)):
+            break
+        seq //= 2
+    if len(out) < limit:
+        _suggest_hardware(spec, machine, w, gpus, attempt)
+    return out[:limit] if len(out) > limit else out
+
+
+def _suggest_hardware(spec: ModelSpec, machine: Machine, w: Workload, gpus: list[int], attempt: Callable[..., bool]) -> None:
+    base = machine.gpu(gpus[0])
+    have = min(machine.gpu(i).memory_total or 0 for i in gpus)
+    n = len(gpus)
+    count = f"{number_word(n)} {'' if n == 1 else '×'}"
+    for key, nvml_name in LARGER_GPUS:
+        spec_row = match_spec(nvml_name)
+        if spec_row is None or spec_row.key != key or spec_row.memory_gib * GIB <= have * 1.02:
+            continue
+        memory = int(spec_row.memory_gib * GIB * 0.99)  # drivers report a little less than the nominal size
+        hypo = _hypothetical(machine, gpus, n, memory=memory, name=nvml_name)
+        what = f"use {count}{short_gpu_name(nvml_name)} ({spec_row.memory_gib:.0f} GiB{' each' if n > 1 else ''}) instead"
+        if attempt(what, "larger-gpus", w, hypo, None):
+            break
+    for more in (2, 4, 8, 16):
+        if more <= n:
+            continue
+        hypo = _hypothetical(machine, gpus, more, memory=base.memory_total or 0, name=base.name)
+        if attempt(f"use {more} {short_gpu_name(base.name)} instead of {n}", "more-gpus", w, hypo, None):
+            break
+
+
+# Larger GPUs to suggest, smallest first: (spec key, the name the driver reports).
+LARGER_GPUS = (
+    ("rtx-5090", "NVIDIA GeForce RTX 5090"),
+    ("rtx-a6000", "NVIDIA RTX A6000"),
+    ("h100-sxm5", "NVIDIA H100 80GB HBM3"),
+    ("rtx-pro-6000-blackwell", "NVIDIA RTX PRO 6000 Blackwell Workstation Edition"),
+    ("h200-sxm", "NVIDIA H200"),
+    ("b200", "NVIDIA B200"),
+)
+
+
+def _hypothetical(machine: Machine, gpus: list[int], count: int, *, memory: int, name: str) -> Machine:
+    """A machine like this one with `count` GPUs called `name`, every pair wired like its slowest selected pair."""
+    proto = machine.gpu(gpus[0])
+    pairs = [p for p in machine.pairs if p.a in gpus and p.b in gpus]
+    worst = min(pairs, key=lambda p: (p.nvlink_count, -(p.pcie.rank if p.pcie else 0)), default=None)
+    if worst is None:
+        # Nothing to copy from one GPU: assume plain PCIe through the CPU without P2P, the common desktop case.
+        worst = GpuPair(a=0, b=1, pcie=PciePath.PHB, p2p_read=P2P.UNSUPPORTED, p2p_write=P2P.UNSUPPORTED)
+    new_gpus = [
+        dataclasses.replace(proto, index=i, name=name, memory_total=memory, uuid=None, nvlink_links=0, unavailable={})
+        for i in range(count)
+    ]
+    new_pairs = [dataclasses.replace(worst, a=a, b=b) for a in range(count) for b in range(a + 1, count)]
+    return dataclasses.replace(machine, gpus=new_gpus, pairs=new_pairs, notes=[*machine.notes, "hypothetical"])
+
+
+__all__ = [
+    "EXPORT_TARGETS",
+    "Candidate",
+    "Rejection",
+    "SearchOptions",
+    "SearchResult",
+    "Suggestion",
+    "search",
+    "select_gpus",
+    "suggest",
+    "validate_workload",
+]

@@ -1,0 +1,395 @@
+"""Step time: compute at each GPU's achievable rate, communication over the links a plan uses, bubbles.
+
+Training FLOPs per token are 6N + 12·L·h·s (4N for frozen base weights), plus a
+forward pass again under full recomputation. Communication volumes are the
+standard ones: a ring all-reduce moves 2(n-1)/n of the buffer over each link,
+reduce-scatter and all-gather (n-1)/n. DDP and ZeRO gradient reduction hides
+behind the last micro-batch's backward pass, FSDP's gathers behind each
+micro-batch's compute; tensor-parallel all-reduces (two per layer forward, two
+backward in Megatron's layout) sit on the critical path. A pipeline of p stages
+and m micro-batches idles for (p-1)/(m+p-1) of its time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.planner.links import MEMORY_BW_EFFICIENCY, Link, Topology
+from engine.planner.memory import DDP_BUCKET_BYTES, MemoryModel, ceil_div, stage_range
+from engine.planner.model import ModelFacts, train_flops_per_token
+from engine.planner.plan import CommItem, Figure, Parallelism, Timing, Workload
+
+OVERLAP = 0.85  # share of compute that communication can hide behind (NCCL kernels take SMs too)
+QLORA_RATE = 0.65  # NF4 weights are dequantized before every matmul
+INT8_RATE = 0.4  # LLM.int8 decomposes outliers: slow
+SELECTIVE_RECOMPUTE = 1.03  # norms and activation functions run twice
+CPU_ADAM_PARAMS_PER_CORE_S = 1.0e8  # DeepSpeed's CPU Adam, AVX2/AVX-512
+CPU_ADAM_MAX_PARAMS_S = 4.0e9  # host memory bandwidth caps it
+OFFLOAD_OVERLAP = 0.5  # share of compute that parameter prefetch from the host can hide behind
+DECODE_OVERHEAD_PER_LAYER_S = 0.25e-3  # eager PyTorch launches a few dozen kernels per layer per token
+DECODE_QUANT_FACTOR = {16: 1.0, 8: 2.5, 4: 1.5}  # dequantization on every decode step
+OPTIMIZER_BYTES = {"adamw": 28.0, "adamw8bit": 12.0, "sgd": 16.0}  # touched per parameter in one step
+REF_TOKENS = 4096  # the micro-batch size (tokens) and width at which the efficiency priors hold
+REF_WIDTH = 4096
+
+
+def shape_factor(tokens: float, width: float) -> float:
+    """How matmul efficiency scales with micro-batch tokens and layer width, relative to 4096 × 4096.
+
+    Small matmuls leave SMs idle and are dominated by launch and memory traffic.
+    """
+    t = (tokens / (tokens + 512)) / (REF_TOKENS / (REF_TOKENS + 512))
+    w = (width / (width + 512)) / (REF_WIDTH / (REF_WIDTH + 512))
+    return min(t * w, 1.1)
+
+
+def bubble_fraction(stages: int, micro_batches: int) -> float:
+    """Share of a pipeline's time its stages idle: (p-1)/(m+p-1), for GPipe and 1F1B alike."""
+    return (stages - 1) / (micro_batches + stages - 1)
+
+
+def allreduce_s(nbytes: float, n: int, link: Link) -> float:
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / (link.gbs * 1e9) + 2 * (n - 1) * link.latency_s
+
+
+def gather_s(nbytes: float, n: int, link: Link) -> float:
+    """All-gather or reduce-scatter of a buffer that is `nbytes` when whole."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return (n - 1) / n * nbytes / (link.gbs * 1e9) + (n - 1) * link.latency_s
+
+
+@dataclass(frozen=True)
+class Groups:
+    """The GPU groups of a plan's mesh (ranks ordered pp, dp, tp with tp fastest)."""
+
+    tp: list[list[int]]
+    dp: list[list[int]]
+    shard: list[list[int]]  # FSDP sharding groups (== dp unless HSDP)
+    replicate: list[list[int]]  # HSDP replica groups
+    stages: list[list[int]]
+    pp_pairs: list[list[int]]  # neighbouring stages' peers
+
+    @classmethod
+    def of(cls, par: Parallelism) -> Groups:
+        g = par.gpu_indices
+        dp, tp, pp = par.dp, par.tp, par.pp
+
+        def gpu(s: int, d: int, j: int) -> int:
+            return g[(s * dp + d) * tp + j]
+
+        z = par.shard_degree if par.zero_stage >= 1 else dp
+        z = max(min(z, dp), 1)
+        return cls(
+            tp=[[gpu(s, d, j) for j in range(tp)] for s in range(pp) for d in range(dp)],
+            dp=[[gpu(s, d, j) for d in range(dp)] for s in range(pp) for j in range(tp)],
+            shard=[[gpu(s, k * z + d, j) for d in range(z)] for s in range(pp) for j in range(tp) for k in range(dp // z)],
+            replicate=[[gpu(s, k * z + d, j) for k in range(dp // z)] for s in range(pp) for j in range(tp) for d in range(z)],
+            stages=[g[s * dp * tp : (s + 1) * dp * tp] for s in range(pp)],
+            pp_pairs=[[gpu(s, d, j), gpu(s + 1, d, j)] for s in range(pp - 1) for d in range(dp) for j in range(tp)],
+        )
+
+
+class SpeedModel:
+    """Step times for one model, workload and machine."""
+
+    def __init__(self, m: ModelFacts, w: Workload, topo: Topology, mm: MemoryModel) -> None:
+        self.m, self.w, self.topo, self.mm = m, w, topo, mm
+        self.peak_dtype = "fp32" if mm.dtype == "fp32" else mm.dtype
+        self.layer_mm = sum(u.lin.in_features * u.lin.out_features * u.per_token for u in m.linears())
+        self.head_mm = m.vocab * m.h if m.is_decoder else 0
+        self.frozen = w.training and w.method != "full"
+        # The search times thousands of plans that share GPU groups; these lookups repeat.
+        self._groups: dict[tuple, Groups] = {}
+        self._rates: dict[tuple[int, ...], float] = {}
+        self._collectives: dict[tuple[tuple[int, ...], ...], Link] = {}
+
+    # -- shared -----------------------------------------------------------------------------------------
+    def _base_rate(self, gpus: list[int]) -> float:
+        key = tuple(gpus)
+        found = self._rates.get(key)
+        if found is None:
+            found = self._rates[key] = min(self.topo.gpus[i].step_tflops(self.peak_dtype) for i in gpus) * 1e12
+        return found
+
+    def _rate(self, gpus: list[int], tokens: float, width: float) -> float:
+        """FLOP/s of the slowest GPU among `gpus` for matmuls of this shape."""
+        return self._base_rate(gpus) * shape_factor(tokens, width)
+
+    def _collective(self, groups: list[list[int]]) -> Link:
+        key = tuple(tuple(g) for g in groups)
+        found = self._collectives.get(key)
+        if found is None:
+            found = self._collectives[key] = self.topo.collective(groups)
+        return found
+
+    def groups(self, par: Parallelism) -> Groups:
+        key = (tuple(par.gpu_indices), par.dp, par.tp, par.pp, par.zero_stage, par.shard_degree)
+        found = self._groups.get(key)
+        if found is None:
+            found = self._groups[key] = Groups.of(par)
+        return found
+
+    def _figures(self, par: Parallelism, comm: list[CommItem], links: dict[str, Link]) -> list[Figure]:
+        figs = self.topo.compute_figures(par.gpu_indices, self.peak_dtype)
+        if not self.w.training:
+            for name in dict.fromkeys(self.topo.gpus[i].short_name for i in par.gpu_indices):
+                g = next(self.topo.gpus[i] for i in par.gpu_indices if self.topo.gpus[i].short_name == name)
+                src = "spec" if g.spec_key else "assumed"
+                figs.append(Figure(f"memory bandwidth, {name}", g.memory_bandwidth_gbs, "GB/s", src))
+        for what, link in links.items():
+            src = "measured" if link.measured else "assumed"
+            figs.append(Figure(f"bus bandwidth, {what} ({link.label})", round(link.gbs, 3), "GB/s", src))
+        return figs
+
+    # -- training ---------------------------------------------------------------------------------------
+    def train(self, par: Parallelism, detail: bool = True) -> Timing:
+        """Step time of a training plan; `detail` adds the communication items and figures it rests on."""
+        m, w, topo, mm = self.m, self.w, self.topo, self.mm
+        groups = self.groups(par)
+        s = w.seq_len
+        k = 4.0 if self.frozen else 6.0
+        layer_flops = k * self.layer_mm + 12.0 * m.q_dim * s + 6.0 * mm.lora_per_layer
+        if par.checkpointing == "full":
+            layer_flops += 2.0 * self.layer_mm + 4.0 * m.q_dim * s
+        head_flops = k * self.head_mm
+        mb_tokens = par.micro_batch * s
+        rate_scale = QLORA_RATE if w.method == "qlora" else 1.0
+        if par.checkpointing == "selective":
+            rate_scale /= SELECTIVE_RECOMPUTE
+        c = mm.c
+        links: dict[str, Link] = {}
+        comm: list[CommItem] = []
+
+        # Per-stage time of one micro-batch: compute, plus tensor-parallel all-reduces on the critical path.
+        tp_link = self._collective(groups.tp) if par.tp > 1 else None
+        stage_compute: list[float] = []
+        stage_tp: list[float] = []
+        for st in range(par.pp):
+            a, b = stage_range(par, st, m.layers)
+            n = b - a
+            flops = mb_tokens * (n * layer_flops + (head_flops if st == par.pp - 1 else 0.0)) / par.tp
+            rate = self._rate(groups.stages[st], mb_tokens, m.h / par.tp) * rate_scale
+            stage_compute.append(flops / rate)
+            tp_s = 0.0
+            if tp_link is not None:
+                n_ar = n * (6 if par.checkpointing == "full" else 4)
+                tp_s = n_ar * allreduce_s(mb_tokens * m.h * c, par.tp, tp_link)
+            stage_tp.append(tp_s)
+        mbs = par.grad_accum
+        slowest = max(range(par.pp), key=lambda i: stage_compute[i] + stage_tp[i])
+        mb_time = stage_compute[slowest] + stage_tp[slowest]
+        compute = mbs * stage_compute[slowest]
+        exposed = mbs * stage_tp[slowest]
+        bubble = (par.pp - 1) * mb_time  # = bubble_fraction(pp, m) of the (m + p - 1) slots the pipeline takes
+        if tp_link is not None:
+            links["tensor parallel"] = tp_link
+            a, b = stage_range(par, slowest, m.layers)
+            n_ar = (b - a) * (6 if par.checkpointing == "full" else 4)
+            nbytes = int(mbs * n_ar * mb_tokens * m.h * c)
+            comm.append(CommItem("tensor-parallel all-reduces", groups.tp[0], tp_link.label, nbytes, exposed, exposed))
+
+        # Optimizer step on the GPU (memory-bound), unless the optimizer lives on the CPU.
+        opt_s = 0.0
+        if not par.offload_optimizer and not par.offload_params:
+            for st in range(par.pp):
+                trainable = self._trainable(par, st)
+                z = par.shard_degree if par.zero_stage >= 1 else 1
+                bw = min(topo.gpus[i].memory_bandwidth_gbs for i in groups.stages[st]) * 1e9 * MEMORY_BW_EFFICIENCY
+                opt_s = max(opt_s, trainable / z * OPTIMIZER_BYTES.get(w.optimizer, 28.0) / bw)
+        compute += opt_s
+
+        # Data-parallel gradient synchronisation and FSDP gathers.
+        dp_exposed = 0.0
+        if par.dp > 1:
+            dp_exposed = self._data_parallel(par, groups, stage_compute, comm, links)
+        exposed += dp_exposed
+
+        # Pipeline point-to-point sends.
+        if par.pp > 1:
+            link = self._collective(groups.pp_pairs)
+            links["pipeline sends"] = link
+            nbytes = mb_tokens * m.h * c / (par.tp if par.sequence_parallel else 1)
+            one = nbytes / (link.gbs * 1e9) + link.latency_s
+            pp_exposed = (mbs + par.pp - 1) * 2 * one * 0.5
+            exposed += pp_exposed
+            comm.append(CommItem("pipeline activations and gradients", groups.pp_pairs[0], link.label, int(2 * mbs * nbytes), 2 * mbs * one, pp_exposed))
+
+        offload = self._offload(par, groups, stage_compute)
+        step = compute + exposed + bubble + offload
+        tokens_per_s = w.global_batch * s / step
+        model_flops = train_flops_per_token(m, s, frozen_base=self.frozen)
+        peak = sum(topo.gpus[i].peak_tflops(self.peak_dtype) for i in par.gpu_indices) * 1e12
+        budget = w.token_budget / tokens_per_s if w.token_budget else None
+        return Timing(
+            step_s=step,
+            compute_s=compute,
+            exposed_comm_s=exposed,
+            bubble_s=bubble,
+            offload_s=offload,
+            tokens_per_s=tokens_per_s,
+            mfu=model_flops * tokens_per_s / peak,
+            time_to_budget_s=budget,
+            comm=comm,
+            figures=self._figures(par, comm, links) if detail else [],
+        )
+
+    def _trainable(self, par: Parallelism, stage: int) -> float:
+        p, _ = self.mm.stage_params(par, stage)
+        if not self.frozen:
+            return p
+        a, b = stage_range(par, stage, self.m.layers)
+        return (b - a) * self.mm.lora_per_layer / par.tp
+
+    def _data_parallel(
+        self, par: Parallelism, groups: Groups, stage_compute: list[float],
+        comm: list[CommItem], links: dict[str, Link],
+    ) -> float:
+        m, mm = self.m, self.mm
+        c = mm.c
+        bwd_share = 0.5 if self.frozen else 2.0 / 3.0
+        worst = 0.0
+        for st in range(par.pp):
+            trainable = self._trainable(par, st)
+            p_local, lin = mm.stage_params(par, st)
+            t_mb = stage_compute[st]
+            if par.zero_stage == 3:
+                shard = [g for g in groups.shard if g[0] in groups.stages[st]]
+                link = self._collective(shard)
+                z = len(shard[0])
+                if self.frozen and self.w.method == "qlora":
+                    gathered = lin * 0.5 + (p_local - lin) * c
+                else:
+                    gathered = p_local * c
+                reduce_bytes = trainable * c
+                per_mb = 2 * gather_s(gathered, z, link) + gather_s(reduce_bytes, z, link)
+                unit = gather_s((m.layer_linear_params / par.tp + m.layer_other_params) * c, z, link)
+                exposed = par.grad_accum * max(per_mb - OVERLAP * t_mb, min(unit, per_mb))
+                total = par.grad_accum * per_mb
+                nbytes = int(par.grad_accum * (2 * gathered + reduce_bytes))
+                what = "FSDP all-gathers and reduce-scatters" if par.backend == "fsdp" else "ZeRO-3 gathers and reduce-scatters"
+                links["sharding group"] = link
+                if par.hsdp:
+                    rep = [g for g in groups.replicate if g[0] in groups.stages[st]]
+                    rlink = self._collective(rep)
+                    ar = allreduce_s(trainable / z * c, len(rep[0]), rlink)
+                    exposed += max(ar - OVERLAP * bwd_share * t_mb, 0.0)
+                    total += ar
+                    links["replica groups"] = rlink
+                    comm.append(CommItem("HSDP gradient all-reduce across replicas", rep[0], rlink.label, int(2 * trainable / z * c), ar, max(ar - OVERLAP * bwd_share * t_mb, 0.0)))
+                comm.append(CommItem(what, shard[0], link.label, nbytes, total, exposed))
+            else:
+                dpg = [g for g in groups.dp if g[0] in groups.stages[st]]
+                link = self._collective(dpg)
+                n = len(dpg[0])
+                grad_bytes = 4 if par.backend in ("ddp", "single") else (2 if mm.mixed else 4)
+                ar = allreduce_s(trainable * grad_bytes, n, link)
+                tail = min(ar, allreduce_s(DDP_BUCKET_BYTES, n, link))
+                exposed = max(ar - OVERLAP * bwd_share * t_mb, tail)
+                total = ar
+                what = "DDP gradient all-reduce"
+                if par.zero_stage in (1, 2):
+                    # ZeRO-1/2: the reduce-scatter overlaps backward like DDP's; the parameter all-gather
+                    # after the optimizer step does not.
+                    ag = gather_s(trainable * (2 if mm.mixed else 4), n, link)
+                    ar = gather_s(trainable * grad_bytes, n, link)
+                    tail = min(ar, gather_s(DDP_BUCKET_BYTES, n, link))
+                    exposed = max(ar - OVERLAP * bwd_share * t_mb, tail) + ag
+                    total = ar + ag
+                    what = f"ZeRO-{par.zero_stage} reduce-scatter and all-gather"
+                links["data-parallel group"] = link
+                comm.append(CommItem(what, dpg[0], link.label, int(2 * trainable * grad_bytes), total, exposed))
+            worst = max(worst, exposed)
+        return worst
+
+    def _offload(self, par: Parallelism, groups: Groups, stage_compute: list[float]) -> float:
+        if not (par.offload_optimizer or par.offload_params):
+            return 0.0
+        mm, topo = self.mm, self.topo
+        pb = 2 if mm.mixed else 4
+        z = par.shard_degree if par.zero_stage >= 1 else 1
+        worst = 0.0
+        for st in range(par.pp):
+            trainable = self._trainable(par, st)
+            pcie = min(topo.gpus[i].pcie_gbs for i in groups.stages[st]) * 1e9
+            xfer = 2 * trainable / z * pb / pcie  # gradients out, updated parameters back
+            if par.offload_params:
+                p_local, _ = mm.stage_params(par, st)
+                per_mb = (2 * p_local + trainable) / z * pb / pcie
+                xfer += par.grad_accum * max(per_mb - OFFLOAD_OVERLAP * stage_compute[st], 0.0)
+            worst = max(worst, xfer)
+        host = topo.machine.host
+        cores = host.cores or 8
+        rate = min(cores * CPU_ADAM_PARAMS_PER_CORE_S, CPU_ADAM_MAX_PARAMS_S)
+        total_trainable = sum(self._trainable(par, st) for st in range(par.pp)) * par.tp
+        return worst + total_trainable / rate
+
+    # -- inference --------------------------------------------------------------------------------------
+    def infer(self, par: Parallelism, detail: bool = True) -> Timing:
+        m, w, topo, mm = self.m, self.w, self.topo, self.mm
+        groups = self.groups(par)
+        c = mm.c
+        batch = ceil_div(w.global_batch, par.dp)
+        prompt = w.prompt_tokens
+        new = max(w.new_tokens, 1)
+        quant_rate = {16: 1.0, 8: INT8_RATE, 4: QLORA_RATE}[w.weight_bits]
+        tp_link = self._collective(groups.tp) if par.tp > 1 else None
+        links: dict[str, Link] = {}
+        comm: list[CommItem] = []
+        prefill = 0.0
+        decode = 0.0
+        tp_total = 0.0
+        kv_token_layer = 2 * m.kv_dim * c  # bytes of k and v per token per layer
+        for st in range(par.pp):
+            a, b = stage_range(par, st, m.layers)
+            n = b - a
+            gpus = groups.stages[st][: par.tp]
+            last = st == par.pp - 1
+            mm_params = (n * self.layer_mm + (self.head_mm if last else 0)) / par.tp
+            flops = batch * prompt * (2 * mm_params + 2 * n * m.q_dim * prompt / par.tp)
+            prefill += flops / (self._rate(gpus, batch * prompt, m.h / par.tp) * quant_rate)
+            sm = mm.infer_stage(par, st, topo.gpus[gpus[0]].architecture)
+            bw = min(topo.gpus[i].memory_bandwidth_gbs for i in gpus) * 1e9 * MEMORY_BW_EFFICIENCY
+            context = prompt + new / 2
+            kv_read = batch * context * kv_token_layer * n / par.tp
+            mem_s = (sm.weights + kv_read) / bw
+            # Decode matmuls are matrix-vector products: memory-bound unless the batch is large, so the
+            # compute side uses the plain achievable rate rather than the small-matmul shape penalty.
+            rate = min(topo.gpus[i].step_tflops(self.peak_dtype) for i in gpus) * 1e12 * quant_rate
+            comp_s = 2 * batch * mm_params / rate
+            decode += max(mem_s, comp_s) * DECODE_QUANT_FACTOR[w.weight_bits] + n * DECODE_OVERHEAD_PER_LAYER_S
+            if tp_link is not None:
+                pre = 2 * n * allreduce_s(batch * prompt * m.h * c, par.tp, tp_link)
+                dec = 2 * n * allreduce_s(batch * m.h * c, par.tp, tp_link)
+                prefill += pre
+                decode += dec
+                tp_total += pre + new * dec
+        if tp_link is not None:
+            links["tensor parallel"] = tp_link
+            comm.append(CommItem("tensor-parallel all-reduces", groups.tp[0], tp_link.label, int(2 * m.layers * batch * (prompt + new) * m.h * c), tp_total, tp_total))
+        if par.pp > 1:
+            link = self._collective(groups.pp_pairs)
+            links["pipeline sends"] = link
+            hop = link.latency_s + batch * m.h * c / (link.gbs * 1e9)
+            prefill += (par.pp - 1) * (link.latency_s + batch * prompt * m.h * c / (link.gbs * 1e9))
+            decode += (par.pp - 1) * hop
+        total = prefill + new * decode
+        tokens_per_s = par.dp * batch * new / total
+        peak = sum(topo.gpus[i].peak_tflops(self.peak_dtype) for i in par.gpu_indices) * 1e12
+        return Timing(
+            step_s=total,
+            compute_s=total - tp_total,
+            exposed_comm_s=tp_total,
+            bubble_s=0.0,
+            tokens_per_s=tokens_per_s,
+            mfu=2 * m.matmul_params_per_token * tokens_per_s / peak,
+            prefill_s=prefill,
+            decode_token_s=decode,
+            comm=comm,
+            figures=self._figures(par, comm, links) if detail else [],
+        )
+
+    def timing(self, par: Parallelism, detail: bool = True) -> Timing:
+        return self.train(par, detail) if self.w.training else self.infer(par, detail)

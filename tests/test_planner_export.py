@@ -1,0 +1,116 @@
+"""Exports: torchrun line, Accelerate YAML, DeepSpeed JSON, SLURM script."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import subprocess
+
+import pytest
+
+from engine.errors import UserError
+from engine.hardware.simulated import load_profile
+from engine.models.spec import Linear, ModelSpec
+from engine.planner.export import accelerate_config, deepspeed_config, export, slurm_script, to_yaml, torchrun_command
+from engine.planner.plan import Workload
+from engine.planner.search import SearchOptions, search
+
+yaml = pytest.importorskip("yaml")
+
+
+def llama_7b() -> ModelSpec:
+    h, inter = 4096, 11008
+    lin = [
+        Linear("q_proj", h, h), Linear("k_proj", h, h), Linear("v_proj", h, h), Linear("o_proj", h, h),
+        Linear("gate_proj", h, inter), Linear("up_proj", h, inter), Linear("down_proj", inter, h),
+    ]
+    return ModelSpec(
+        id="llama-2-7b", architecture="LlamaForCausalLM", model_type="llama", params_total=6_738_415_616,
+        params_active=6_738_415_616, params_embedding=32000 * h, hidden_size=h, num_layers=32, num_heads=32,
+        num_kv_heads=32, head_dim=128, intermediate_size=inter, vocab_size=32000, max_position_embeddings=4096,
+        tied_embeddings=False, layer_linears=lin,
+    )
+
+
+def best(profile: str, export_to: str | None = None, **work):
+    w = Workload(model="meta-llama/Llama-2-7b-hf", **{"seq_len": 2048, "global_batch": 16, **work})
+    return search(llama_7b(), load_profile(profile), w, options=SearchOptions(export=export_to)).best
+
+
+def test_torchrun_line():
+    plan = best("8x-h100-sxm")
+    argv = shlex.split(torchrun_command(plan))
+    env = dict(a.split("=", 1) for a in argv if "=" in a and not a.startswith("-"))
+    assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert env["CUDA_VISIBLE_DEVICES"].split(",") == [str(i) for i in plan.parallelism.gpu_indices]
+    assert "torchrun" in argv and "--standalone" in argv and "--nnodes=1" in argv
+    assert f"--nproc-per-node={plan.parallelism.world_size}" in argv
+    assert argv[-3:] == ["train.py", "--plan", "plan.json"]
+
+
+def test_accelerate_yaml_for_fsdp_and_deepspeed():
+    fsdp = best("8x-h100-sxm", "accelerate")
+    cfg = yaml.safe_load(accelerate_config(fsdp))
+    assert cfg["num_processes"] == 8 and cfg["mixed_precision"] == "bf16" and cfg["num_machines"] == 1
+    assert cfg["distributed_type"] in ("FSDP", "DEEPSPEED", "MULTI_GPU")
+    if cfg["distributed_type"] == "FSDP":
+        assert cfg["fsdp_config"]["fsdp_version"] == 2
+    off = best("4x-rtx4090", "accelerate")
+    cfg = yaml.safe_load(accelerate_config(off))
+    assert cfg["distributed_type"] == "DEEPSPEED"
+    ds = cfg["deepspeed_config"]
+    assert ds["zero_stage"] == off.parallelism.zero_stage
+    assert ds["offload_optimizer_device"] == "cpu"
+    assert ds["gradient_accumulation_steps"] == off.parallelism.grad_accum
+    assert cfg["gpu_ids"] == ",".join(map(str, off.parallelism.gpu_indices))
+
+
+def test_deepspeed_json():
+    plan = best("4x-rtx4090", "deepspeed")
+    par = plan.parallelism
+    cfg = json.loads(export(plan, "deepspeed"))
+    assert cfg == deepspeed_config(plan)
+    assert cfg["zero_optimization"]["stage"] == par.zero_stage
+    assert cfg["train_batch_size"] == par.micro_batch * par.grad_accum * par.dp == 16
+    assert cfg["train_micro_batch_size_per_gpu"] == par.micro_batch
+    assert cfg["bf16"]["enabled"] is True and cfg["fp16"]["enabled"] is False
+    if par.offload_optimizer:
+        assert cfg["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+        assert cfg["optimizer"]["type"] == "AdamW"
+    fp16 = json.loads(export(best("8x-h100-sxm", "deepspeed", precision="fp16"), "deepspeed"))
+    assert fp16["fp16"]["enabled"] is True and fp16["fp16"]["loss_scale"] == 0
+
+
+def test_slurm_script():
+    plan = best("8x-h100-sxm")
+    text = slurm_script(plan, nodes=4)
+    assert text.startswith("#!/bin/bash\n")
+    assert "#SBATCH --nodes=4" in text and "#SBATCH --gpus-per-node=8" in text
+    assert "srun torchrun" in text
+    assert "--rdzv-backend=c10d" in text and '--rdzv-endpoint="$head:29500"' in text
+    assert 'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in text
+    if shutil.which("bash"):
+        subprocess.run(["bash", "-n"], input=text, text=True, check=True)
+    with pytest.raises(UserError):
+        slurm_script(plan, nodes=0)
+
+
+def test_exports_refuse_what_they_cannot_run():
+    infer = search(llama_7b(), load_profile("1x-rtx4090"), Workload(model="x", task="infer", seq_len=2048, global_batch=1, new_tokens=128)).best
+    with pytest.raises(UserError, match="for training"):
+        deepspeed_config(infer)
+    assert shlex.split(torchrun_command(infer))[3] == "python"  # one process, no torch.distributed
+    pipeline = search(llama_7b(), load_profile("8x-a100-pcie"), Workload(model="x", seq_len=2048, global_batch=16),
+                      options=SearchOptions(runners_up=30))
+    pp = next((p for p in [pipeline.best, *pipeline.runners_up] if p.parallelism.pp > 1), None)
+    if pp is not None:
+        with pytest.raises(UserError, match="pipeline"):
+            accelerate_config(pp)
+    with pytest.raises(UserError, match="unknown export"):
+        export(infer, "mpirun")
+
+
+def test_yaml_writer_quotes_what_needs_quoting():
+    text = to_yaml({"a": "no", "b": "0,1", "c": True, "d": {"e": 1, "f": "x y"}, "g": [], "h": "bf16"})
+    assert yaml.safe_load(text) == {"a": "no", "b": "0,1", "c": True, "d": {"e": 1, "f": "x y"}, "g": [], "h": "bf16"}
