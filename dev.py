@@ -75,7 +75,7 @@ def ensure_env() -> None:
     if not has_nvidia_driver() and reachable(CPU_WHEEL_INDEX + "/torch/"):
         torch_args += ["--extra-index-url", CPU_WHEEL_INDEX]
     run([*pip, *torch_args])
-    run([*pip, "-e", f"{ROOT}[dev]"])
+    run([*pip, "-e", f"{ROOT}[workers,dev]"])
     STAMP.write_text(fingerprint)
 
 

@@ -8,16 +8,22 @@ start fast and work without a display.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from engine import cli
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--self-test":
+        from app.selftest import main as self_test
+
+        return self_test(Path(argv[1]) if len(argv) > 1 else None)
     if argv:
         return cli.main(argv)
-    # Until the desktop window exists, the live terminal view is the app.
-    return cli.main(["watch"])
+    from app.main import main as run_app
+
+    return run_app()
 
 
 if __name__ == "__main__":
