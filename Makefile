@@ -7,6 +7,6 @@ test:
 setup:
 	python3 dev.py setup
 lint:
-	.venv/bin/ruff check app engine tests benchmarks dev.py && .venv/bin/lint-imports
+	.venv/bin/ruff check app engine tests benchmarks packaging dev.py && .venv/bin/lint-imports
 bench:
 	.venv/bin/python benchmarks/telemetry_sample.py
