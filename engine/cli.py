@@ -65,12 +65,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("profiles", parents=[js], help="the simulated machines")
     p.set_defaults(func=cmd_profiles)
 
-    try:  # TODO(integration): the planner lands in parallel
-        from engine.planner.command import register as register_plan
-    except ImportError:
-        register_plan = None
-    if register_plan:
-        register_plan(sub, parents=[machine, js])
+    p = sub.add_parser("engine-env", parents=[js], help="the per-user PyTorch environment the job workers run in")
+    p.add_argument("action", choices=["status", "install", "repair"])
+    p.add_argument("--torch-backend", default="auto", metavar="auto|cpu|cu126|…",
+                   help="which PyTorch build (default: auto, chosen for the installed driver)")
+    p.add_argument("--torch-version", metavar="VERSION", help="pin torch, e.g. 2.13.0")
+    p.add_argument("--wheel", type=Path, metavar="FILE", help="install torch from this wheel (offline sites)")
+    p.add_argument("--find-links", type=Path, action="append", metavar="DIR", help="also look for packages here")
+    p.add_argument("--index-url", metavar="URL", help="package index to use instead of PyPI")
+    p.set_defaults(func=cmd_engine_env)
+
+    from engine.planner.command import register as register_plan
+
+    register_plan(sub, parents=[machine, js])
+    from engine.service.commands import register as register_jobs
+
+    register_jobs(sub, parents=[machine, js])
     return parser
 
 
@@ -212,6 +222,29 @@ def cmd_profiles(args: argparse.Namespace) -> int:
     for p in profiles:
         print(f"  {p['id']:<{w}}  {p['title']}")
     return 0
+
+
+def cmd_engine_env(args: argparse.Namespace) -> int:
+    from engine import runtime
+
+    if args.action in ("install", "repair"):
+        fn = runtime.install if args.action == "install" else runtime.repair
+        progress = (lambda line: print(json.dumps({"progress": line}), flush=True)) if args.json else print
+        fn(torch_backend=args.torch_backend, torch_version=args.torch_version, wheel=args.wheel,
+           find_links=args.find_links, index_url=args.index_url, progress=progress)
+    d = _discover(argparse.Namespace())
+    d.backend.close()
+    caps = [] if d.machine.simulated else [g.compute_capability for g in d.machine.gpus if g.compute_capability]
+    st = runtime.status(caps)
+    if args.json:
+        _print_json("rigpilot.engine-env/1", st.to_dict())
+    else:
+        if st.installed:
+            build = f"CUDA {st.cuda_version}" if st.cuda_version else "CPU build"
+            print(f"engine environment: {st.python}: torch {st.torch_version} ({build})")
+        for p in st.problems:
+            print(f"problem: {p}")
+    return 0 if st.installed and not st.problems else 1
 
 
 def main(argv: list[str] | None = None) -> int:

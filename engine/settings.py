@@ -29,6 +29,7 @@ def state_dir() -> Path:
 @dataclass
 class Settings:
     simulated_profile: str = "4x-rtx4090"  # the machine shown when no NVIDIA GPU is present
+    max_cpu_ranks: int = 4  # ranks per job on a simulated machine, each a CPU process (also capped at the CPU count)
     warnings: list[str] = field(default_factory=list, repr=False, compare=False)
 
     @classmethod

@@ -1,0 +1,538 @@
+"""The job commands: `rigpilot engine | run | jobs | logs | metrics | cancel | resume`.
+
+All but `engine` are clients of the engine service and start it when none
+runs. `run` submits and then follows the job; Ctrl-C only stops following.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from engine.errors import UserError
+
+TERMINAL = ("completed", "failed", "cancelled", "interrupted")
+
+
+def register(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
+    js = parents[-1]  # the --json option parser
+
+    p = sub.add_parser("engine", help="run the engine service in the foreground (clients start it on demand)")
+    add_service_arguments(p)
+    p.add_argument("--install-systemd", action="store_true", help="write a systemd user unit and say how to enable it")
+    p.add_argument("--stop", action="store_true", help="stop the running service (its jobs keep running)")
+    p.set_defaults(func=cmd_engine)
+
+    p = sub.add_parser("run", help="submit a job and follow it (Ctrl-C stops following, not the job)")
+    kinds = p.add_subparsers(dest="kind", metavar="KIND", required=True, parser_class=type(p))
+    common = _common_run_options()
+    model = _model_options()
+    degrees = _degree_options()
+
+    k = kinds.add_parser("train", parents=[common, model, degrees], help="train or fine-tune a model")
+    k.add_argument("--data", action="append", default=[], metavar="FILE", help="training data (.txt, .jsonl); repeatable")
+    k.add_argument("--method", choices=["full", "lora", "scratch"], help="full fine-tune, LoRA, or from scratch")
+    k.add_argument("--steps", type=_positive_int, metavar="N", help="optimizer steps (default 100)")
+    k.add_argument("--seq", type=_positive_int, metavar="TOKENS", help="sequence length (default 512)")
+    k.add_argument("--micro-batch", type=_positive_int, metavar="N", help="sequences per rank per step (default 1)")
+    k.add_argument("--grad-accum", type=_positive_int, metavar="N", help="micro-batches per optimizer step")
+    k.add_argument("--lr", type=float, metavar="RATE", help="peak learning rate (default 2e-4)")
+    k.set_defaults(func=cmd_run)
+
+    k = kinds.add_parser("infer", parents=[common, model, degrees], help="generate text with a model")
+    k.add_argument("--prompts", metavar="FILE", help="JSONL file with a \"prompt\" field per line")
+    k.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt; repeatable")
+    k.add_argument("--max-new-tokens", type=_positive_int, metavar="N", help="tokens to generate (default 64)")
+    k.set_defaults(func=cmd_run)
+
+    k = kinds.add_parser("calibrate", parents=[common, model, degrees], help="measure this machine for the planner")
+    k.set_defaults(func=cmd_run)
+
+    k = kinds.add_parser(
+        "script", parents=[common], help="run your own script under torchrun, one rank per GPU",
+        description="rigpilot run script [--gpus 0,1] -- train.py --my-flag 1  "
+        "(report metrics with: from engine.report import report)",
+    )  # fmt: skip
+    k.add_argument("command", nargs=argparse.REMAINDER, metavar="-- SCRIPT [ARGS]", help="the script and its arguments")
+    k.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("jobs", parents=[js], help="the jobs, newest first")
+    p.add_argument("--state", action="append", metavar="STATE", help="only jobs in this state; repeatable")
+    p.add_argument("--limit", type=_positive_int, default=50, metavar="N", help="at most N jobs (default 50)")
+    p.set_defaults(func=cmd_jobs)
+
+    p = sub.add_parser("logs", help="a job's log, one rank at a time")
+    p.add_argument("job", metavar="JOB", help="job id (or a unique prefix, or its name)")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines until the job ends")
+    p.add_argument("--rank", type=int, metavar="N", help="which rank (default: the failed rank, else 0; -1: torchrun)")
+    p.set_defaults(func=cmd_logs)
+
+    p = sub.add_parser("metrics", parents=[js], help="a job's progress and measurements (--json: every record)")
+    p.add_argument("job", metavar="JOB")
+    p.set_defaults(func=cmd_metrics)
+
+    p = sub.add_parser("cancel", help="stop a job (workers get a grace period to checkpoint)")
+    p.add_argument("job", metavar="JOB")
+    p.set_defaults(func=cmd_cancel)
+
+    p = sub.add_parser("resume", help="run a failed, cancelled or interrupted job again from its last checkpoint")
+    p.add_argument("job", metavar="JOB")
+    p.add_argument("--detach", action="store_true", help="queue it and return at once")
+    p.set_defaults(func=cmd_resume)
+
+
+# -- option groups ---------------------------------------------------------------
+
+
+def add_service_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tcp", metavar="ADDR:PORT", help="also accept remote clients here (token required; ADDR defaults to 127.0.0.1)")
+    p.add_argument("--simulate", metavar="PROFILE", help="run on a simulated machine")
+    p.add_argument("--grace", type=float, default=30.0, metavar="SECONDS", help="cancel: time to checkpoint before SIGKILL (default 30)")
+    p.add_argument("--failure-grace", type=float, default=5.0, metavar="SECONDS", help="after a rank fails: time before the rest are killed (default 5)")
+    p.add_argument("--telemetry-period", type=float, default=1.0, metavar="SECONDS", help="telemetry sampling period (default 1)")
+    p.add_argument("--max-cpu-ranks", type=_positive_int, metavar="N", help="ranks per job on a simulated machine (default: setting, else 4; at most the CPU count)")  # fmt: skip
+
+
+def _service_options(args: argparse.Namespace):  # -> ServiceOptions
+    from engine.service.server import ServiceOptions
+
+    if args.telemetry_period <= 0 or args.grace < 0 or args.failure_grace < 0:
+        raise UserError("periods and grace times must be positive")
+    return ServiceOptions(
+        tcp=args.tcp, simulate=args.simulate, telemetry_period=args.telemetry_period, grace_s=args.grace,
+        failure_grace_s=args.failure_grace, max_cpu_ranks=args.max_cpu_ranks,
+    )  # fmt: skip
+
+
+def main_service(argv: list[str]) -> int:
+    """`python -m engine.service`: what clients and the systemd unit start."""
+    p = argparse.ArgumentParser(prog="python -m engine.service")
+    add_service_arguments(p)
+    p.add_argument("--background", action="store_true", help="exit quietly when a service already runs")
+    args = p.parse_args(argv)
+    from engine.service.server import run_service
+
+    try:
+        return run_service(_service_options(args), quiet_if_running=args.background)
+    except UserError as e:
+        print(f"rigpilot engine: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _common_run_options() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--gpus", type=_gpu_list, metavar="0,1", help="GPU indices (default: all, or as many as the degrees need)")
+    p.add_argument("--name", help="a name to recognise the job by")
+    p.add_argument("--detach", action="store_true", help="submit and return at once")
+    p.add_argument("--json", action="store_true", help="print the submitted job as JSON (implies --detach)")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="environment for the ranks; repeatable")
+    return p
+
+
+def _model_options() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--model", help="preset, local folder, hub id, or a config.json (train from scratch)")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the model's own Python code to run")
+    p.add_argument("--plan", type=Path, metavar="FILE", help="a plan from 'rigpilot plan --json' to run under")
+    return p
+
+
+def _degree_options() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("parallelism (the product must equal the number of GPUs)")
+    g.add_argument("--dp", type=_positive_int, metavar="N", help="data-parallel replicas")
+    g.add_argument("--fsdp", type=_positive_int, metavar="N", help="FSDP sharding degree")
+    g.add_argument("--tp", type=_positive_int, metavar="N", help="tensor-parallel degree")
+    g.add_argument("--pp", type=_positive_int, metavar="N", help="pipeline stages")
+    return p
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return v
+
+
+def _gpu_list(text: str) -> list[int]:
+    if text.strip().lower() == "all":
+        return []
+    try:
+        gpus = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected GPU indices like 0,1 not {text!r}") from None
+    if not gpus or any(g < 0 for g in gpus):
+        raise argparse.ArgumentTypeError(f"expected GPU indices like 0,1 not {text!r}")
+    return gpus
+
+
+# -- engine --------------------------------------------------------------------
+
+
+def cmd_engine(args: argparse.Namespace) -> int:
+    if args.install_systemd:
+        from engine.service.systemd import enable_hint, install_unit
+
+        path = install_unit()
+        print(f"wrote {path}\nenable it with:\n  {enable_hint()}")
+        return 0
+    if args.stop:
+        from engine.service.client import EngineClient, EngineUnavailable
+
+        try:
+            with EngineClient(autostart=False) as c:
+                c.request("shutdown")
+        except EngineUnavailable:
+            print("the engine service is not running")
+            return 0
+        print("engine service stopping; running jobs keep running")
+        return 0
+    from engine.service.server import run_service
+
+    return run_service(_service_options(args))
+
+
+# -- run -------------------------------------------------------------------------
+
+
+def build_spec(args: argparse.Namespace) -> dict[str, Any]:
+    """JobSpec fields from `rigpilot run KIND` flags; paths stay as typed (the service resolves them)."""
+    spec: dict[str, Any] = {"kind": args.kind}
+    if args.gpus is not None:
+        spec["gpus"] = args.gpus
+    if args.name:
+        spec["name"] = args.name
+    env = {}
+    for item in args.env:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise UserError(f"--env expects NAME=VALUE, not {item!r}")
+        env[name] = value
+    if env:
+        spec["env"] = env
+    if args.kind == "script":
+        command = list(args.command)
+        if command and command[0] == "--":
+            command = command[1:]
+        if not command:
+            raise UserError("which script? rigpilot run script [--gpus 0,1] -- script.py [args]")
+        spec["script"] = command
+        return spec
+    if args.model:
+        spec["model"] = args.model
+    if args.trust_remote_code:
+        spec["trust_remote_code"] = True
+    degrees = {"dp_replicate": args.dp, "dp_shard": args.fsdp, "tp": args.tp, "pp": args.pp}
+    degrees = {k: v for k, v in degrees.items() if v}
+    if degrees:
+        spec["parallelism"] = degrees
+    if args.kind == "train":
+        train = {
+            "dataset": args.data, "method": args.method, "max_steps": args.steps, "seq_len": args.seq,
+            "micro_batch": args.micro_batch, "grad_accum": args.grad_accum, "learning_rate": args.lr,
+        }  # fmt: skip
+        spec["train"] = {k: v for k, v in train.items() if v is not None}
+    elif args.kind == "infer":
+        infer = {"prompts_file": args.prompts, "prompts": args.prompt, "max_new_tokens": args.max_new_tokens}
+        spec["infer"] = {k: v for k, v in infer.items() if v not in (None, [])}
+    return spec
+
+
+def _read_plan(path: Path | None) -> dict[str, Any] | None:
+    if path is None:
+        return None
+    try:
+        plan = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read plan {path}: {e}") from None
+    if not isinstance(plan, dict):
+        raise UserError(f"plan {path} is not a JSON object")
+    return plan  # a plan or a whole search result; the service takes the best plan from the latter
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from engine.service.client import EngineClient
+
+    spec = build_spec(args)
+    plan = _read_plan(getattr(args, "plan", None))
+    with EngineClient() as client:
+        job = client.request("submit", spec=spec, plan=plan, cwd=os.getcwd())["job"]
+        if args.json:
+            print(json.dumps({"schema": "rigpilot.job/1", "job": job}, indent=2))
+            return 0
+        ranks = f"{job['ranks']} CPU rank{'s' * (job['ranks'] != 1)}" if job["simulated"] else f"{job['ranks']} ranks"
+        print(f"job {job['id']} submitted: {job['kind']} '{job['name']}' on GPUs {_gpus(job['gpus'])} ({ranks})")
+        if args.detach:
+            _print_hints(job["id"])
+            return 0
+        return follow(client, job["id"])
+
+
+def follow(client: Any, job_id: str) -> int:
+    """Print a job's progress until it ends; Ctrl-C detaches. Survives a service restart."""
+    from engine.service.client import EngineUnavailable
+
+    cursor: dict[str, int] = {}
+    state = None
+    printer = _ProgressPrinter()
+    reconnect = False
+    try:
+        while True:
+            try:
+                if reconnect:
+                    client.connect()  # starts a new service if needed, which re-adopts the job
+                    reconnect = False
+                client.request("subscribe", topics=[f"metrics:{job_id}"], metrics_cursors={job_id: cursor})
+                job = client.request("job", job=job_id)["job"]
+                while True:
+                    if job["state"] != state:
+                        state = job["state"]
+                        if state in TERMINAL:
+                            # Metric events always precede the "ended" event; drain what is queued.
+                            while (ev := client.next_event(0.2)) is not None:
+                                if ev.get("event") == "metrics":
+                                    cursor = ev["cursor"]
+                                    printer.records(ev["records"])
+                            return _report_end(job)
+                        print(f"state: {state}" + _waiting(job), flush=True)
+                    ev = client.next_event(1.0)
+                    if ev is None:
+                        continue
+                    if ev.get("event") == "metrics" and ev.get("job") == job_id:
+                        cursor = ev["cursor"]
+                        printer.records(ev["records"])
+                    elif ev.get("event") == "job" and ev["job"].get("id") == job_id:
+                        job = ev["job"]
+            except (ConnectionError, EngineUnavailable):
+                print("(lost the engine service; reconnecting)", file=sys.stderr, flush=True)
+                time.sleep(1.0)
+                reconnect = True
+    except KeyboardInterrupt:
+        print(f"\ndetached; job {job_id} keeps running.")
+        _print_hints(job_id)
+        return 0
+
+
+def _waiting(job: dict[str, Any]) -> str:
+    busy = job.get("waiting_for")
+    return f" (waiting for GPU {_gpus(busy)} to be free)" if busy else ""
+
+
+def _report_end(job: dict[str, Any]) -> int:
+    took = _duration((job.get("ended") or 0) - (job.get("started") or job.get("ended") or 0))
+    if job["state"] == "completed":
+        print(f"job {job['id']} completed in {took}")
+        return 0
+    print(f"job {job['id']} {job['state']}: {job.get('exit_reason') or 'no reason recorded'}")
+    if job.get("last_log"):
+        where = f"rank {job['failed_rank']}" if job.get("failed_rank") is not None else "torchrun"
+        print(f"last lines of the {where} log:")
+        for line in job["last_log"]:
+            print(f"  | {line}")
+    if job.get("resumable"):
+        print(f"resume with: rigpilot resume {job['id']}")
+    return 1
+
+
+class _ProgressPrinter:
+    """One line per step record at most twice a second; status, eval and error records always."""
+
+    def __init__(self) -> None:
+        self._last = 0.0
+
+    def records(self, records: list[dict[str, Any]]) -> None:
+        for r in records:
+            kind = r.get("kind")
+            now = time.monotonic()
+            if kind is None and now - self._last < 0.5 and r is not records[-1]:
+                continue
+            self._last = now
+            print(format_record(r), flush=True)
+
+
+def format_record(r: dict[str, Any]) -> str:
+    kind = r.get("kind")
+    if kind == "status":
+        return f"[rank {r.get('rank')}] {r.get('phase') or r.get('status') or 'status'}"
+    if kind == "error":
+        detail = ", ".join(f"{k}={v}" for k, v in r.items() if k not in ("time", "rank", "step", "kind"))
+        return f"[rank {r.get('rank')}] error: {detail}"
+    parts = [f"step {r['step']}" if r.get("step") is not None else "-"]
+    if kind:
+        parts.insert(0, kind)  # "eval", "checkpoint", "infer", ...
+    for k, v in r.items():
+        if k in ("time", "rank", "step", "kind", "nonfinite") or v is None:
+            continue
+        parts.append(f"{k} {_gib(v) if 'memory' in k and isinstance(v, int) else _num(v)}")
+    return "  ".join(parts) + f"  [rank {r.get('rank')}]"
+
+
+def _num(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def _print_hints(job_id: str) -> None:
+    print(f"  follow:  rigpilot logs {job_id} -f     progress: rigpilot metrics {job_id}     stop: rigpilot cancel {job_id}")
+
+
+# -- jobs, logs, metrics, cancel, resume ---------------------------------------
+
+
+def _client():
+    from engine.service.client import EngineClient
+
+    return EngineClient()
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    with _client() as c:
+        query: dict[str, Any] = {"limit": args.limit}
+        if args.state:
+            query["states"] = args.state
+        jobs = c.request("jobs", **query)["jobs"]
+    if args.json:
+        print(json.dumps({"schema": "rigpilot.jobs/1", "jobs": jobs}, indent=2))
+        return 0
+    if not jobs:
+        print("no jobs yet; start one with 'rigpilot run'")
+        return 0
+    rows = [("ID", "NAME", "KIND", "STATE", "GPUS", "PROGRESS", "TIME", "NOTE")]
+    for j in jobs:
+        rows.append(
+            (j["id"], _clip(j["name"], 24), j["kind"], j["state"], _gpus(j["gpus"]), _progress(j.get("progress")),
+             _job_time(j), _clip(_note(j), 60))
+        )  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    return 0
+
+
+def _note(j: dict[str, Any]) -> str:
+    if j["state"] == "queued":
+        return _waiting(j).strip(" ()")
+    if j["state"] == "failed" and j.get("failed_rank") is not None:
+        return f"rank {j['failed_rank']}: {j.get('exit_reason') or ''}"
+    return j.get("exit_reason") or ""
+
+
+def _progress(p: dict[str, Any] | None) -> str:
+    if not p or p.get("step") is None:
+        return "-"
+    if p.get("max_steps"):
+        return f"{p['step']}/{p['max_steps']} ({100 * (p.get('fraction') or 0):.0f}%)"
+    return f"step {p['step']}"
+
+
+def _job_time(j: dict[str, Any]) -> str:
+    if j.get("started") is None:
+        return _duration(time.time() - j["created"]) + " ago"
+    return _duration((j.get("ended") or time.time()) - j["started"])
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    with _client() as c:
+        offset = 0
+        while True:
+            r = c.request("logs", job=args.job, rank=args.rank, since_offset=offset)
+            if r["text"]:
+                sys.stdout.write(r["text"])
+                sys.stdout.flush()
+            offset = r["next_offset"]
+            if r["more"]:
+                continue
+            if not args.follow or r["state"] in TERMINAL:
+                return 0
+            try:
+                time.sleep(0.5)
+            except KeyboardInterrupt:
+                return 0
+
+
+def cmd_metrics(args: argparse.Namespace) -> int:
+    with _client() as c:
+        job = c.request("job", job=args.job)["job"]
+        if args.json:
+            records, cursor = [], {}
+            while True:
+                r = c.request("metrics", job=job["id"], since_cursor=cursor)
+                records += r["records"]
+                cursor = r["cursor"]
+                if not r["more"]:
+                    break
+            print(json.dumps({"schema": "rigpilot.metrics/1", "job": job, "records": records, "cursor": cursor}))
+            return 0
+    print(f"job {job['id']} ({job['kind']} '{job['name']}'): {job['state']}")
+    p = job.get("progress") or {}
+    if p.get("step") is not None:
+        line = f"  progress: {_progress(p)}"
+        if p.get("eta_s") is not None and job["state"] in ("running", "starting"):
+            line += f", about {_duration(p['eta_s'])} left"
+        print(line)
+    for label, key in (("loss", "loss"), ("tokens/s", "tokens_per_s"), ("phase", "phase")):
+        if p.get(key) is not None:
+            print(f"  {label}: {_num(p[key])}")
+    peaks = p.get("peak_memory_by_rank") or {}
+    if peaks:
+        print("  peak memory: " + ", ".join(f"rank {r} {_gib(v)}" for r, v in peaks.items()))
+    for name, pair in (job.get("comparison") or {}).items():
+        if pair["predicted"] is not None:
+            fmt = _gib if "memory" in name else _num
+            measured = fmt(pair["measured"]) if pair["measured"] is not None else "not yet"
+            print(f"  {name.replace('_', ' ')}: predicted {fmt(pair['predicted'])}, measured {measured}")
+    if job.get("exit_reason"):
+        print(f"  {job['exit_reason']}")
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    with _client() as c:
+        job = c.request("cancel", job=args.job)["job"]
+    if job["state"] == "cancelled":
+        print(f"job {job['id']} cancelled")
+    else:
+        print(f"job {job['id']} is stopping (workers may checkpoint first); 'rigpilot jobs' shows when it has")
+    return 0
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    with _client() as c:
+        job = c.request("resume", job=args.job)["job"]
+        print(f"job {job['id']} queued again (run {job['run']}, from its newest checkpoint)")
+        if args.detach:
+            return 0
+        return follow(c, job["id"])
+
+
+# -- formatting ------------------------------------------------------------------
+
+
+def _gpus(gpus: list[int]) -> str:
+    return ",".join(str(g) for g in gpus) or "-"
+
+
+def _clip(text: str, n: int) -> str:
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def _gib(v: float) -> str:
+    return f"{v / 2**30:.2f} GiB"
+
+
+def _duration(seconds: float) -> str:
+    s = int(max(seconds, 0))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"

@@ -1,0 +1,285 @@
+"""The engine service's wire protocol: newline-delimited JSON over a stream socket.
+
+Every message is one UTF-8 JSON object on one line, at most `MAX_MESSAGE_BYTES`
+long, with `"v"` naming the protocol version. Never pickle: a client is not
+trusted to send code.
+
+    request  {"v": 1, "id": 7, "type": "job", "args": {"job": "a1b2c3"}}
+    reply    {"v": 1, "id": 7, "ok": true, "result": {...}}
+    error    {"v": 1, "id": 7, "ok": false, "error": {"code": "not_found", "message": "..."}}
+    event    {"v": 1, "event": "telemetry" | "job" | "metrics", ...}   (after a `subscribe`)
+
+`id` is the client's, echoed back (null when the request could not be read).
+Each request type's `args` are checked against `REQUEST_SCHEMAS` before the
+service acts on them; unknown arguments are refused so a typo is not ignored.
+A message that cannot be read gets an error reply and the connection goes on,
+except an oversized one, after which the service hangs up. Remote (TCP)
+clients must send `hello` with the token first.
+
+Requests and their results (a "job" is the record the `jobs` CLI shows, plus
+`progress`, `job_dir`, `waiting_for` when queued, `comparison` in details):
+    hello {versions?, client?, token?}      → {service, version, protocol, versions, pid, machine, simulated, notes, tcp}
+    machine {}                              → {machine (Machine JSON), notes}
+    topology {}                             → {matrix: {gpus, cells}, summary, description}
+    telemetry_history {since?, limit?}      → {samples: [TelemetrySample], more, next_since}
+    plan {model, workload?, gpus?, options?, trust_remote_code?} → {result: the planner's SearchResult}
+    submit {spec: JobSpec fields, plan?, cwd?} → {job}
+    jobs {states?, limit?}                  → {jobs: [job]}, newest first
+    job | cancel | resume {job}             → {job}       (job: id, unique id prefix or name)
+    delete {job}                            → {id, deleted}
+    logs {job, rank?, since_offset?, max_bytes?} → {text, offset, next_offset, size, more, rank, ranks, path, state}
+    metrics {job, since_cursor?, max_bytes?} → {records, cursor, more, state}   (cursor: {"<rank>": byte offset})
+    subscribe {topics, metrics_cursors?}    → {topics}; topics: "telemetry", "jobs", "metrics:<job>"
+    unsubscribe {topics?}                   → {topics}
+    shutdown {}                             → {stopping}   (jobs keep running)
+Events after `subscribe`:
+    {"event": "telemetry", "sample": TelemetrySample}
+    {"event": "job", "job": job}             (to "jobs" and to that job's "metrics:" subscribers)
+    {"event": "metrics", "job": id, "records": [...], "cursor": {...}}   (history first, from the given cursor)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import types
+from dataclasses import dataclass, fields, is_dataclass
+from typing import IO, Any, Literal, Union, get_args, get_origin, get_type_hints
+
+PROTOCOL_VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+MAX_MESSAGE_BYTES = 1 << 20
+# Paged replies (metrics, logs, telemetry history) stop adding items at this size,
+# leaving room for the envelope so a reply never exceeds MAX_MESSAGE_BYTES.
+REPLY_BUDGET_BYTES = 768 * 1024
+
+# Error codes. A client shows `message`; `code` is for deciding what to do.
+BAD_MESSAGE = "bad_message"  # not UTF-8, not JSON, not an object
+TOO_LARGE = "too_large"
+UNSUPPORTED_VERSION = "unsupported_version"
+UNKNOWN_TYPE = "unknown_type"
+INVALID = "invalid"  # args do not match the schema
+USER_ERROR = "user_error"  # the request is well formed but asks for something impossible
+NOT_FOUND = "not_found"
+UNAUTHORIZED = "unauthorized"
+UNAVAILABLE = "unavailable"  # e.g. the planner is not installed
+INTERNAL = "internal"
+
+
+class ProtocolError(Exception):
+    """A message the service (or client) cannot accept; `fatal` ones end the connection."""
+
+    def __init__(self, code: str, message: str, *, fatal: bool = False):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.fatal = fatal
+
+
+# -- framing -----------------------------------------------------------------
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    data = json.dumps(message, separators=(",", ":"), allow_nan=False, ensure_ascii=False).encode() + b"\n"
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(TOO_LARGE, f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    return data
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def decode(line: bytes) -> dict[str, Any]:
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ProtocolError(BAD_MESSAGE, f"message is not UTF-8 ({e.reason} at byte {e.start})") from None
+    try:
+        msg = json.loads(text, parse_constant=_reject_constant)
+    except ValueError as e:
+        raise ProtocolError(BAD_MESSAGE, f"message is not valid JSON: {e}") from None
+    if not isinstance(msg, dict):
+        raise ProtocolError(BAD_MESSAGE, f"message must be a JSON object, not {type(msg).__name__}")
+    return msg
+
+
+def read_message(stream: IO[bytes]) -> dict[str, Any] | None:
+    """The next message from a buffered binary stream; None at a clean end of stream."""
+    line = stream.readline(MAX_MESSAGE_BYTES + 1)
+    if not line:
+        return None
+    if not line.endswith(b"\n"):
+        if len(line) > MAX_MESSAGE_BYTES:
+            # The rest of the line is still unread, so the stream cannot be resynchronised.
+            raise ProtocolError(TOO_LARGE, f"message exceeds {MAX_MESSAGE_BYTES} bytes", fatal=True)
+        raise ProtocolError(BAD_MESSAGE, "connection closed in the middle of a message", fatal=True)
+    return decode(line.rstrip(b"\r\n"))
+
+
+# -- requests ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Request:
+    id: int | str | None
+    type: str
+    args: dict[str, Any]
+
+
+Number = float  # ints are accepted wherever a float is expected
+
+# type -> (required args, optional args). Types use the same notation as dataclass fields.
+REQUEST_SCHEMAS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "hello": ({}, {"versions": list[int], "client": str, "token": str}),
+    "machine": ({}, {}),
+    "topology": ({}, {}),
+    "telemetry_history": ({}, {"since": Number | None, "limit": int}),
+    "plan": (
+        {"model": str},
+        {"workload": dict[str, Any], "gpus": list[int] | None, "options": dict[str, Any], "trust_remote_code": bool},
+    ),
+    "submit": ({"spec": dict[str, Any]}, {"plan": dict[str, Any] | None, "cwd": str | None}),
+    "jobs": ({}, {"states": list[str], "limit": int}),
+    "job": ({"job": str}, {}),
+    "cancel": ({"job": str}, {}),
+    "resume": ({"job": str}, {}),
+    "delete": ({"job": str}, {}),
+    "logs": ({"job": str}, {"rank": int | None, "since_offset": int, "max_bytes": int}),
+    "metrics": ({"job": str}, {"since_cursor": dict[str, int] | None, "max_bytes": int}),
+    "subscribe": ({"topics": list[str]}, {"metrics_cursors": dict[str, dict[str, int]]}),
+    "unsubscribe": ({}, {"topics": list[str]}),
+    "shutdown": ({}, {}),
+}
+
+TOPICS = ("telemetry", "jobs")  # plus "metrics:<job id>"
+
+
+def parse_request(msg: dict[str, Any]) -> Request:
+    """Check the envelope and the args of one request; raise ProtocolError when either is wrong."""
+    rid = msg.get("id")
+    if isinstance(rid, bool) or not isinstance(rid, int | str | None):
+        raise ProtocolError(INVALID, "id must be an integer, a string or null")
+    v = msg.get("v")
+    if v not in SUPPORTED_VERSIONS or isinstance(v, bool):
+        raise ProtocolError(
+            UNSUPPORTED_VERSION, f"protocol version {v!r} is not supported; this service speaks {list(SUPPORTED_VERSIONS)}"
+        )
+    rtype = msg.get("type")
+    if not isinstance(rtype, str):
+        raise ProtocolError(INVALID, "type must be a string naming the request")
+    if rtype not in REQUEST_SCHEMAS:
+        raise ProtocolError(UNKNOWN_TYPE, f"unknown request type {rtype!r}; known: {', '.join(sorted(REQUEST_SCHEMAS))}")
+    args = msg.get("args", {})
+    if not isinstance(args, dict):
+        raise ProtocolError(INVALID, "args must be a JSON object")
+    required, optional = REQUEST_SCHEMAS[rtype]
+    for name, tp in required.items():
+        if name not in args:
+            raise ProtocolError(INVALID, f"{rtype}: missing required argument {name!r}")
+        check_value(args[name], tp, f"{rtype}.{name}")
+    for name, value in args.items():
+        if name in required:
+            continue
+        if name not in optional:
+            raise ProtocolError(INVALID, f"{rtype}: unknown argument {name!r}")
+        check_value(value, optional[name], f"{rtype}.{name}")
+    return Request(rid, rtype, args)
+
+
+def request(rid: int | str | None, rtype: str, **args: Any) -> dict[str, Any]:
+    return {"v": PROTOCOL_VERSION, "id": rid, "type": rtype, "args": args}
+
+
+def reply(rid: int | str | None, result: Any) -> dict[str, Any]:
+    return {"v": PROTOCOL_VERSION, "id": rid, "ok": True, "result": result}
+
+
+def error_reply(rid: int | str | None, code: str, message: str) -> dict[str, Any]:
+    return {"v": PROTOCOL_VERSION, "id": rid, "ok": False, "error": {"code": code, "message": message}}
+
+
+def event(name: str, **fields_: Any) -> dict[str, Any]:
+    return {"v": PROTOCOL_VERSION, "event": name, **fields_}
+
+
+# -- validation --------------------------------------------------------------
+
+
+def check_value(value: Any, tp: Any, path: str) -> None:
+    """Raise ProtocolError(INVALID) unless `value` (decoded JSON) fits the type `tp`."""
+    if not _fits(value, tp, path):
+        raise ProtocolError(INVALID, f"{path}: expected {_describe(tp)}, got {_json_type(value)}")
+
+
+def check_dataclass(cls: type, data: Any, path: str, *, ignore: frozenset[str] = frozenset()) -> None:
+    """Check a JSON object against a dataclass's fields: types, and no unknown keys (typos)."""
+    if not isinstance(data, dict):
+        raise ProtocolError(INVALID, f"{path}: expected an object, got {_json_type(data)}")
+    hints = get_type_hints(cls)
+    known = {f.name for f in fields(cls)}
+    for key, value in data.items():
+        if key in ignore:
+            continue
+        if key not in known:
+            raise ProtocolError(INVALID, f"{path}: unknown field {key!r}")
+        check_value(value, hints[key], f"{path}.{key}")
+
+
+def _fits(value: Any, tp: Any, path: str) -> bool:
+    if tp is Any:
+        return True
+    origin, args = get_origin(tp), get_args(tp)
+    if origin in (Union, types.UnionType):
+        return any(_fits(value, a, path) for a in args)
+    if tp is type(None):
+        return value is None
+    if origin is Literal:
+        return any(value == a and type(value) is type(a) for a in args)
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if tp is str:
+        return isinstance(value, str)
+    if origin is list:
+        return isinstance(value, list) and all(_fits(x, args[0], path) for x in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(
+            isinstance(k, str) and _fits(v, args[1], path) for k, v in value.items()
+        )
+    if is_dataclass(tp):
+        check_dataclass(tp, value, path)  # raises with the precise nested path
+        return True
+    raise TypeError(f"no validator for {tp!r}")
+
+
+def _describe(tp: Any) -> str:
+    origin, args = get_origin(tp), get_args(tp)
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in args)
+    if tp is type(None):
+        return "null"
+    if origin is Literal:
+        return "one of " + ", ".join(json.dumps(a) for a in args)
+    if origin is list:
+        return f"a list of {_describe(args[0])}"
+    if origin is dict:
+        return f"an object of {_describe(args[1])}"
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", Any: "any value"}
+    if tp in names:
+        return names[tp]
+    return f"an object ({getattr(tp, '__name__', tp)})"
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    return {str: "a string", list: "a list", dict: "an object"}.get(type(value), type(value).__name__)
+

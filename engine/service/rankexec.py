@@ -1,0 +1,78 @@
+"""What torchrun starts for each rank: `python -m engine.service.rankexec JOB_DIR -- COMMAND...`.
+
+It sends the rank's stdout and stderr to `logs/rank<N>.log` (one file, in the
+order written), records the rank's pid, process group and start time in
+`ranks/rank<N>.json` before COMMAND runs and its exit status after, then exits
+with COMMAND's status. The service reads those files to name the rank that
+failed first and to find every process of a job, even after it was restarted.
+
+Kept to the standard library: it runs once per rank, before the real work.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def _process_start_time(pid: int) -> float | None:
+    """The kernel's start time of `pid` in the same units psutil's create_time() uses."""
+    try:
+        import psutil
+
+        return psutil.Process(pid).create_time()
+    except Exception:
+        return None
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 3 or argv[1] != "--":
+        print("usage: python -m engine.service.rankexec JOB_DIR -- COMMAND [ARGS...]", file=sys.stderr)
+        return 2
+    job_dir, command = Path(argv[0]), argv[2:]
+    rank = int(os.environ.get("RANK", "0"))
+    log = job_dir / "logs" / f"rank{rank}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+    state_file = job_dir / "ranks" / f"rank{rank}.json"
+    state_file.parent.mkdir(parents=True, exist_ok=True)
+    state = {"rank": rank, "pid": os.getpid(), "pgid": os.getpgid(0), "started": time.time()}
+    state["create_time"] = _process_start_time(os.getpid())
+
+    # torchrun signals the whole process group of a rank, so COMMAND gets SIGTERM
+    # directly; this wrapper only has to outlive it to record how it ended. A
+    # Python-level handler (not SIG_IGN) is used because an ignored signal would
+    # stay ignored in COMMAND after exec.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: None)
+    try:
+        child = subprocess.Popen(command)
+    except OSError as e:
+        print(f"rigpilot: cannot start rank {rank}: {e}", flush=True)
+        _write_json(state_file, {**state, "exit": {"code": 127, "signal": None, "time": time.time()}})
+        return 127
+    state["child_pid"] = child.pid
+    _write_json(state_file, state)
+    rc = child.wait()
+    exit_info = {"code": rc if rc >= 0 else None, "signal": -rc if rc < 0 else None, "time": time.time()}
+    _write_json(state_file, {**state, "exit": exit_info})
+    return rc if rc >= 0 else 128 - rc
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

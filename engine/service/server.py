@@ -1,0 +1,604 @@
+"""The engine service process: socket server, telemetry fan-out, and the job supervisor.
+
+One per user, guarded by an fcntl lock in the runtime dir: whoever holds the
+lock owns the socket, so a socket file left by a killed service is stale by
+definition and is replaced. Each client connection gets a reader thread (it
+answers requests in order) and a writer thread (replies and pushed events), so
+a slow subscriber never holds up the sampler or the supervisor: telemetry
+beyond its backlog is dropped for that client, and metrics are read from disk
+at the client's own cursor, so those are never lost.
+
+Stopping the service (SIGTERM, Ctrl-C, `shutdown`) leaves jobs running; the
+next service re-adopts them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hmac
+import logging
+import os
+import selectors
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine import __version__
+from engine.errors import UserError
+from engine.hardware.discovery import open_backend
+from engine.hardware.sampler import Sampler
+from engine.service import paths, protocol
+from engine.service.metrics import read_records
+from engine.service.protocol import ProtocolError, Request
+from engine.service.store import ALL_STATES, JobStore
+from engine.service.supervisor import JobNotFound, Supervisor, SupervisorOptions
+from engine.service.telemetry_store import TelemetryStore
+
+log = logging.getLogger(__name__)
+
+_TELEMETRY_BACKLOG = 64  # queued telemetry events per client before new ones are dropped
+_MAX_BACKLOG = 20_000  # queued must-deliver messages before a client is cut off as stuck
+
+
+class AlreadyRunning(Exception):
+    """Another engine service of this user holds the lock."""
+
+
+@dataclass
+class ServiceOptions:
+    tcp: str | None = None  # "ADDR:PORT" or "PORT" (binds 127.0.0.1) for remote clients; token required
+    simulate: str | None = None  # a simulated profile; default: RIGPILOT_SIMULATE, else real GPUs
+    telemetry_period: float = 1.0
+    grace_s: float = 30.0
+    failure_grace_s: float = 5.0
+    max_cpu_ranks: int | None = None  # None: the setting, else 4
+
+
+class Connection:
+    """One client: an outbox drained by a writer thread, its subscriptions and metric cursors."""
+
+    def __init__(self, service: EngineService, sock: socket.socket, peer: str, *, needs_auth: bool):
+        self.service = service
+        self.sock = sock
+        self.peer = peer
+        self.authenticated = not needs_auth
+        self.topics: set[str] = set()
+        self.metrics_cursors: dict[str, dict[str, int]] = {}
+        self.dropped = 0
+        self._outbox: deque[tuple[bytes, bool]] = deque()
+        self._droppable_queued = 0
+        self._pokes: dict[str, None] = {}  # jobs whose metric files grew, in order, each once
+        self._cond = threading.Condition()
+        self._closing = False
+        self._writer = threading.Thread(target=self._write_loop, name=f"engine-writer-{peer}", daemon=True)
+        self._writer.start()
+
+    def send(self, message: dict[str, Any]) -> None:
+        self.send_bytes(protocol.encode(message))
+
+    def send_bytes(self, data: bytes, *, droppable: bool = False) -> None:
+        with self._cond:
+            if self._closing:
+                return
+            if droppable and self._droppable_queued >= _TELEMETRY_BACKLOG:
+                self.dropped += 1  # live telemetry: the history on disk has the rest
+                return
+            if len(self._outbox) >= _MAX_BACKLOG:
+                log.warning("client %s is not reading; closing its connection", self.peer)
+                self._closing = True
+                self._cond.notify()
+                return
+            self._outbox.append((data, droppable))
+            self._droppable_queued += droppable
+            self._cond.notify()
+
+    def poke_metrics(self, job_id: str) -> None:
+        with self._cond:
+            self._pokes[job_id] = None
+            self._cond.notify()
+
+    def close(self) -> None:
+        """Close once everything queued so far has been written."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+
+    def _write_loop(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._outbox and not self._pokes and not self._closing:
+                        self._cond.wait()
+                    if self._pokes:
+                        # Metrics first: a job's last records then always precede its "ended" event.
+                        job_id = next(iter(self._pokes))
+                        del self._pokes[job_id]
+                        data = None
+                    elif self._outbox:
+                        data, droppable = self._outbox.popleft()
+                        self._droppable_queued -= droppable
+                        job_id = None
+                    else:
+                        break
+                if job_id is not None:
+                    self._push_metrics(job_id)
+                elif data is not None:
+                    self.sock.sendall(data)
+        except OSError:
+            pass  # the client went away
+        finally:
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)
+            self.sock.close()
+
+    def _push_metrics(self, job_id: str) -> None:
+        if f"metrics:{job_id}" not in self.topics:
+            return
+        metrics_dir = self.service.supervisor.job_dir(job_id) / "metrics"
+        cursor = self.metrics_cursors.get(job_id, {})
+        records, cursor, more = read_records(metrics_dir, cursor, max_bytes=protocol.REPLY_BUDGET_BYTES)
+        self.metrics_cursors[job_id] = cursor
+        if records:
+            self.sock.sendall(protocol.encode(protocol.event("metrics", job=job_id, records=records, cursor=cursor)))
+        if more:
+            self.poke_metrics(job_id)
+
+
+class EngineService:
+    def __init__(self, options: ServiceOptions | None = None):
+        self.options = options or ServiceOptions()
+        self._stop = threading.Event()
+        self._lock_file: Any = None
+        self._connections: set[Connection] = set()
+        self._conn_lock = threading.Lock()
+        self._listeners: list[socket.socket] = []
+        self._socket_path: Path | None = None
+        self._socket_inode: int | None = None
+        self.tcp_address: tuple[str, int] | None = None
+        self.started = time.time()
+
+    # -- lifetime -------------------------------------------------------------
+
+    def acquire_lock(self) -> None:
+        path = paths.lock_path()
+        f = path.open("a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip()
+            f.close()
+            raise AlreadyRunning(f"the engine service is already running (pid {holder or '?'})") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        self._lock_file = f
+
+    def setup(self) -> None:
+        """Everything but serving: lock, machine, stores, supervisor, sockets. Raises AlreadyRunning."""
+        self.acquire_lock()
+        self.discovery = open_backend(simulate=self.options.simulate)
+        self.machine = self.discovery.machine
+        self.telemetry = TelemetryStore(paths.telemetry_path(), min_interval=max(1.0, self.options.telemetry_period))
+        self.store = JobStore(paths.database_path())
+        self.supervisor = Supervisor(
+            self.store, paths.jobs_dir(), self.machine, self.discovery.backend,
+            SupervisorOptions(
+                grace_s=self.options.grace_s, failure_grace_s=self.options.failure_grace_s,
+                max_cpu_ranks=self.options.max_cpu_ranks or _setting_max_cpu_ranks(),
+            ),
+            on_job=self._publish_job, on_metrics=self._publish_metrics,
+        )  # fmt: skip
+        period = self.options.telemetry_period
+        self.sampler = Sampler(self.discovery.backend, period=period, slow_period=max(5.0, period))
+        self.sampler.subscribe(self._on_sample)
+        self._listen_unix()
+        if self.options.tcp:
+            self._listen_tcp(self.options.tcp)
+            self.token = paths.read_or_create_token()
+        self.supervisor.start()
+        self.sampler.start()
+
+    def serve_forever(self) -> None:
+        sel = selectors.DefaultSelector()
+        for s in self._listeners:
+            sel.register(s, selectors.EVENT_READ)
+        try:
+            while not self._stop.is_set():
+                for key, _ in sel.select(timeout=0.5):
+                    self._accept(key.fileobj)  # type: ignore[arg-type]
+        finally:
+            sel.close()
+            self.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def close(self) -> None:
+        self._stop.set()
+        for s in self._listeners:
+            with contextlib.suppress(OSError):
+                s.close()
+        self._listeners.clear()
+        self._remove_socket_file()
+        with self._conn_lock:
+            conns = list(self._connections)
+        for c in conns:
+            c.close()
+        with contextlib.suppress(AttributeError):
+            self.sampler.stop()
+        with contextlib.suppress(AttributeError):
+            self.supervisor.stop()
+        with contextlib.suppress(AttributeError):
+            self.telemetry.close()
+        with contextlib.suppress(AttributeError):
+            self.store.close()
+        with contextlib.suppress(AttributeError):
+            self.discovery.backend.close()
+        if self._lock_file:
+            self._lock_file.close()
+            self._lock_file = None
+
+    # -- sockets --------------------------------------------------------------
+
+    def _listen_unix(self) -> None:
+        path = paths.socket_path()
+        # We hold the lock, so any socket file here was left by a service that died.
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o177)  # the socket is born 0600: no window where others could connect
+        try:
+            s.bind(str(path))
+        finally:
+            os.umask(old_umask)
+        os.chmod(path, 0o600)
+        s.listen(64)
+        self._listeners.append(s)
+        self._socket_path = path
+        self._socket_inode = path.stat().st_ino
+
+    def _listen_tcp(self, spec: str) -> None:
+        host, port = parse_address(spec)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        s = socket.socket(family, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            s.close()
+            raise UserError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+        s.listen(16)
+        self._listeners.append(s)
+        self.tcp_address = s.getsockname()[:2]
+        log.info("listening for remote clients on %s:%s (token in %s)", *self.tcp_address, paths.token_path())
+
+    def _remove_socket_file(self) -> None:
+        # Only our own socket: a newer service may already have replaced it.
+        p = self._socket_path
+        if p is not None:
+            with contextlib.suppress(OSError):
+                if p.stat().st_ino == self._socket_inode:
+                    p.unlink()
+            self._socket_path = None
+
+    def _accept(self, listener: socket.socket) -> None:
+        try:
+            sock, addr = listener.accept()
+        except OSError:
+            return
+        is_unix = sock.family == socket.AF_UNIX
+        if is_unix and not _same_user(sock):
+            sock.close()
+            return
+        peer = "unix" if is_unix else f"{addr[0]}:{addr[1]}"
+        conn = Connection(self, sock, peer, needs_auth=not is_unix)
+        with self._conn_lock:
+            self._connections.add(conn)
+        threading.Thread(target=self._serve, args=(conn,), name=f"engine-client-{peer}", daemon=True).start()
+
+    # -- requests -------------------------------------------------------------
+
+    def _serve(self, conn: Connection) -> None:
+        rfile = conn.sock.makefile("rb")
+        try:
+            while not self._stop.is_set():
+                try:
+                    msg = protocol.read_message(rfile)
+                except ProtocolError as e:
+                    conn.send(protocol.error_reply(None, e.code, e.message))
+                    if e.fatal:
+                        break
+                    continue
+                if msg is None:
+                    break
+                rid = msg.get("id") if isinstance(msg.get("id"), int | str) and not isinstance(msg.get("id"), bool) else None
+                if not self._answer(conn, rid, msg):
+                    break
+        except OSError:
+            pass
+        finally:
+            rfile.close()
+            with self._conn_lock:
+                self._connections.discard(conn)
+            conn.close()
+
+    def _answer(self, conn: Connection, rid: Any, msg: dict[str, Any]) -> bool:
+        """Handle one message; False when the connection must end."""
+        try:
+            req = protocol.parse_request(msg)
+            if not conn.authenticated:
+                self._authenticate(conn, req)
+            result = self.handle(conn, req)
+            conn.send(protocol.reply(rid, result))
+        except ProtocolError as e:
+            conn.send(protocol.error_reply(rid, e.code, e.message))
+            return not e.fatal
+        except JobNotFound as e:
+            conn.send(protocol.error_reply(rid, protocol.NOT_FOUND, str(e)))
+        except UserError as e:
+            conn.send(protocol.error_reply(rid, protocol.USER_ERROR, str(e)))
+        except Exception as e:
+            log.exception("request %s failed", msg.get("type"))
+            conn.send(protocol.error_reply(rid, protocol.INTERNAL, f"internal error: {type(e).__name__}: {e}"))
+        return True
+
+    def _authenticate(self, conn: Connection, req: Request) -> None:
+        token = req.args.get("token") if req.type == "hello" else None
+        if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self.token.encode()):
+            raise ProtocolError(
+                protocol.UNAUTHORIZED, f"remote clients must start with hello and the token from {paths.token_path()}",
+                fatal=True,
+            )
+        conn.authenticated = True
+
+    def handle(self, conn: Connection, req: Request) -> Any:
+        handler = getattr(self, f"_do_{req.type}")
+        return handler(conn, **req.args)
+
+    def _do_hello(self, conn: Connection, versions: list[int] | None = None, client: str = "", token: str = "") -> Any:
+        if versions is not None and not set(versions) & set(protocol.SUPPORTED_VERSIONS):
+            raise ProtocolError(
+                protocol.UNSUPPORTED_VERSION,
+                f"client speaks protocol {versions}, this service {list(protocol.SUPPORTED_VERSIONS)}; update Rigpilot",
+            )
+        return {
+            "service": "rigpilot-engine",
+            "version": __version__,
+            "protocol": protocol.PROTOCOL_VERSION,
+            "versions": list(protocol.SUPPORTED_VERSIONS),
+            "pid": os.getpid(),
+            "started": self.started,
+            "machine": self.machine.label,
+            "simulated": self.machine.simulated,
+            "notes": self.discovery.notes,
+            "telemetry_period": self.sampler.period,
+            "tcp": list(self.tcp_address) if self.tcp_address else None,
+        }
+
+    def _do_machine(self, conn: Connection) -> Any:
+        return {"machine": self.machine.to_dict(), "notes": self.discovery.notes}
+
+    def _do_topology(self, conn: Connection) -> Any:
+        from engine.hardware.topology import describe, summarize
+
+        m = self.machine
+        gpus = [g.index for g in m.gpus]
+        cells = [[("X" if a == b else (m.pair(a, b).topo_code if m.pair(a, b) else None)) for b in gpus] for a in gpus]
+        return {"matrix": {"gpus": gpus, "cells": cells}, "summary": summarize(m).to_dict(), "description": describe(m)}
+
+    def _do_telemetry_history(self, conn: Connection, since: float | None = None, limit: int = 3600) -> Any:
+        samples, more = self.telemetry.since(
+            since, limit=max(1, min(limit, 100_000)), max_bytes=protocol.REPLY_BUDGET_BYTES
+        )
+        return {"samples": samples, "more": more, "next_since": samples[-1]["time"] if samples else since}
+
+    def _do_plan(
+        self, conn: Connection, model: str, workload: dict[str, Any] | None = None, gpus: list[int] | None = None,
+        options: dict[str, Any] | None = None, trust_remote_code: bool = False,
+    ) -> Any:  # fmt: skip
+        try:
+            from engine.models import describe_model
+            from engine.planner.plan import LoraSettings, Workload
+            from engine.planner.search import SearchOptions, search
+        except ImportError as e:
+            raise ProtocolError(protocol.UNAVAILABLE, f"planner not available in this build of the engine ({e})") from None
+        work = dict(workload or {})
+        protocol.check_dataclass(Workload, {**work, "model": model}, "plan.workload", ignore=frozenset({"lora"}))
+        protocol.check_dataclass(SearchOptions, options or {}, "plan.options")
+        if work.get("lora") is not None:
+            protocol.check_dataclass(LoraSettings, work["lora"], "plan.workload.lora")
+            work["lora"] = LoraSettings(**work["lora"])
+        spec = describe_model(model, trust_remote_code=trust_remote_code)
+        result = search(spec, self.machine, Workload(model=model, **work), gpus=gpus, options=SearchOptions(**(options or {})))
+        return {"result": result.to_dict()}
+
+    def _do_submit(
+        self, conn: Connection, spec: dict[str, Any], plan: dict[str, Any] | None = None, cwd: str | None = None
+    ) -> Any:
+        return {"job": self.supervisor.submit(spec, plan, cwd)}
+
+    def _do_jobs(self, conn: Connection, states: list[str] | None = None, limit: int = 200) -> Any:
+        unknown = sorted(set(states or []) - ALL_STATES)
+        if unknown:
+            raise ProtocolError(protocol.INVALID, f"jobs.states: unknown state {unknown[0]!r}; states: {', '.join(sorted(ALL_STATES))}")
+        return {"jobs": self.supervisor.jobs(states, max(1, limit))}
+
+    def _do_job(self, conn: Connection, job: str) -> Any:
+        return {"job": self.supervisor.detail(job)}
+
+    def _do_cancel(self, conn: Connection, job: str) -> Any:
+        return {"job": self.supervisor.cancel(job)}
+
+    def _do_resume(self, conn: Connection, job: str) -> Any:
+        return {"job": self.supervisor.resume(job)}
+
+    def _do_delete(self, conn: Connection, job: str) -> Any:
+        return self.supervisor.delete(job)
+
+    def _do_logs(
+        self, conn: Connection, job: str, rank: int | None = None, since_offset: int = 0, max_bytes: int = 256 * 1024
+    ) -> Any:
+        rec = self.supervisor.resolve(job)
+        logs_dir = self.supervisor.job_dir(rec.id) / "logs"
+        if rank is None:
+            rank = rec.failed_rank if rec.failed_rank is not None else 0
+        name = "launcher.log" if rank < 0 else f"rank{rank}.log"  # rank -1: torchrun's own output
+        path = logs_dir / name
+        ranks = sorted(int(p.stem[4:]) for p in logs_dir.glob("rank*.log") if p.stem[4:].isdigit())
+        if rank >= 0 and rank >= rec.ranks and rank not in ranks:
+            raise UserError(f"job {rec.id} has ranks 0–{rec.ranks - 1}; there is no rank {rank}")
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            size = 0
+        start = max(size + since_offset, 0) if since_offset < 0 else min(since_offset, size)
+        budget = max(1, min(max_bytes, protocol.REPLY_BUDGET_BYTES // 2))  # escaping can double the size
+        data = b""
+        if size > start:
+            with path.open("rb") as f:
+                f.seek(start)
+                data = f.read(budget)
+        end = start + len(data)
+        if end < size and b"\n" in data:
+            data = data[: data.rfind(b"\n") + 1]  # whole lines only, so no character is split either
+            end = start + len(data)
+        return {
+            "job": rec.id, "rank": rank, "ranks": ranks, "path": str(path), "offset": start,
+            "next_offset": end, "size": size, "more": end < size, "text": data.decode("utf-8", "replace"),
+            "state": rec.state,
+        }  # fmt: skip
+
+    def _do_metrics(
+        self, conn: Connection, job: str, since_cursor: dict[str, int] | None = None, max_bytes: int = 512 * 1024
+    ) -> Any:
+        rec = self.supervisor.resolve(job)
+        records, cursor, more = read_records(
+            self.supervisor.job_dir(rec.id) / "metrics", since_cursor,
+            max_bytes=max(4096, min(max_bytes, protocol.REPLY_BUDGET_BYTES)),
+        )  # fmt: skip
+        return {"job": rec.id, "records": records, "cursor": cursor, "more": more, "state": rec.state}
+
+    def _do_subscribe(self, conn: Connection, topics: list[str], metrics_cursors: dict[str, dict[str, int]] | None = None) -> Any:
+        resolved = []
+        cursors = {}
+        for t in topics:
+            if t in protocol.TOPICS:
+                resolved.append(t)
+            elif t.startswith("metrics:"):
+                rec = self.supervisor.resolve(t.removeprefix("metrics:"))
+                resolved.append(f"metrics:{rec.id}")
+                given = (metrics_cursors or {}).get(t.removeprefix("metrics:"), (metrics_cursors or {}).get(rec.id))
+                cursors[rec.id] = dict(given or {})  # {} replays the whole history
+            else:
+                raise ProtocolError(protocol.INVALID, f"unknown topic {t!r}; topics: telemetry, jobs, metrics:<job>")
+        conn.topics |= set(resolved)
+        conn.metrics_cursors.update(cursors)
+        for job_id in cursors:
+            conn.poke_metrics(job_id)
+        return {"topics": sorted(conn.topics)}
+
+    def _do_unsubscribe(self, conn: Connection, topics: list[str] | None = None) -> Any:
+        conn.topics -= set(topics) if topics is not None else set(conn.topics)
+        return {"topics": sorted(conn.topics)}
+
+    def _do_shutdown(self, conn: Connection) -> Any:
+        threading.Timer(0.2, self.stop).start()  # after the reply is on its way
+        return {"stopping": True, "jobs_keep_running": True}
+
+    # -- fan-out --------------------------------------------------------------
+
+    def _subscribers(self, topic: str) -> list[Connection]:
+        with self._conn_lock:
+            return [c for c in self._connections if topic in c.topics]
+
+    def _on_sample(self, sample: Any) -> None:
+        try:
+            self.telemetry.add(sample)
+        except Exception:
+            log.exception("cannot store telemetry")
+        subs = self._subscribers("telemetry")
+        if subs:
+            data = protocol.encode(protocol.event("telemetry", sample=sample.to_dict()))
+            for c in subs:
+                c.send_bytes(data, droppable=True)
+
+    def _publish_job(self, job: dict[str, Any]) -> None:
+        subs = self._subscribers("jobs") + [
+            c for c in self._subscribers(f"metrics:{job.get('id')}") if "jobs" not in c.topics
+        ]
+        if subs:
+            data = protocol.encode(protocol.event("job", job=job))
+            for c in subs:
+                c.send_bytes(data)
+
+    def _publish_metrics(self, job_id: str) -> None:
+        for c in self._subscribers(f"metrics:{job_id}"):
+            c.poke_metrics(job_id)
+
+
+def parse_address(spec: str) -> tuple[str, int]:
+    """'PORT', ':PORT', 'HOST:PORT' or '[V6]:PORT' → (host, port); the host defaults to 127.0.0.1."""
+    host, sep, port_text = spec.rpartition(":")
+    if not sep:
+        host, port_text = "", spec
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise UserError(f"--tcp expects ADDR:PORT or PORT, not {spec!r}") from None
+    if not 0 <= port <= 65535:
+        raise UserError(f"port {port} is out of range")
+    return host, port
+
+
+def _same_user(sock: socket.socket) -> bool:
+    # The socket is 0600 in a 0700 folder; this is the second lock on the door (e.g. root-run tools).
+    try:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except OSError:
+        return True
+    _, uid, _ = struct.unpack("3i", creds)
+    return uid in (os.getuid(), 0)
+
+
+def _setting_max_cpu_ranks() -> int:
+    from engine.settings import Settings
+
+    value = Settings.load().max_cpu_ranks
+    return value if isinstance(value, int) and value > 0 else 4
+
+
+def run_service(options: ServiceOptions | None = None, *, quiet_if_running: bool = False) -> int:
+    """Run the service in the foreground until SIGTERM/SIGINT or a `shutdown` request."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    service = EngineService(options)
+    try:
+        service.setup()
+    except AlreadyRunning as e:
+        if quiet_if_running:
+            return 0
+        raise UserError(str(e)) from None
+    except BaseException:
+        service.close()
+        raise
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: service.stop())
+    log.info(
+        "engine service %s ready: pid %d, %s, socket %s", __version__, os.getpid(), service.machine.label,
+        paths.socket_path(),
+    )  # fmt: skip
+    print(f"engine service ready on {paths.socket_path()} ({service.machine.label})", file=sys.stderr, flush=True)
+    service.serve_forever()
+    log.info("engine service stopped; running jobs keep running")
+    return 0
+

@@ -1,0 +1,180 @@
+"""The job table: one SQLite row per job, in `<state dir>/engine.db` (WAL).
+
+The row is the service's memory across restarts: the queue order, which
+process runs a job (pid plus start time, so a recycled pid is never mistaken
+for it), and how each job ended. Everything bulky (logs, metrics, checkpoints)
+stays in the job folder; the row keeps only the last log lines of a failure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sqlite3
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+QUEUED, STARTING, RUNNING = "queued", "starting", "running"
+COMPLETED, FAILED, CANCELLED, INTERRUPTED = "completed", "failed", "cancelled", "interrupted"
+ACTIVE_STATES = frozenset({STARTING, RUNNING})
+TERMINAL_STATES = frozenset({COMPLETED, FAILED, CANCELLED, INTERRUPTED})
+ALL_STATES = frozenset({QUEUED}) | ACTIVE_STATES | TERMINAL_STATES
+RESUMABLE_STATES = frozenset({FAILED, CANCELLED, INTERRUPTED})
+
+_SCHEMA_VERSION = 1
+
+
+@dataclass
+class JobRecord:
+    id: str
+    seq: int  # submission order; the queue is served in this order
+    kind: str
+    name: str
+    state: str
+    gpus: list[int]
+    ranks: int  # processes torchrun starts (one per GPU; capped for CPU ranks on simulated machines)
+    simulated: bool
+    created: float
+    cwd: str | None = None
+    started: float | None = None
+    ended: float | None = None
+    run: int = 1  # 1 for the first run, +1 for each resume
+    exit_reason: str | None = None
+    exit_code: int | None = None
+    failed_rank: int | None = None
+    last_log: list[str] = field(default_factory=list)
+    launcher_pid: int | None = None
+    launcher_start: float | None = None  # psutil create_time of launcher_pid
+    port: int | None = None
+    cancel_requested: bool = False
+    resumable: bool = False
+    predicted: dict[str, Any] | None = None  # from the plan: peak memory, tokens/s, step time
+    measured: dict[str, Any] | None = None  # the metrics summary, frozen when the job ends
+    error: dict[str, Any] | None = None  # an "error" metrics record (e.g. out_of_memory) with the plan's advice
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_FIELDS = [f.name for f in dataclasses.fields(JobRecord)]
+_JSON_FIELDS = {"gpus", "last_log", "predicted", "measured", "error"}
+_BOOL_FIELDS = {"simulated", "cancel_requested", "resumable"}
+
+
+def _to_sql(name: str, value: Any) -> Any:
+    if name in _JSON_FIELDS:
+        return None if value is None else json.dumps(value)
+    if name in _BOOL_FIELDS:
+        return int(bool(value))
+    return value
+
+
+def _from_row(row: sqlite3.Row) -> JobRecord:
+    values = {}
+    for name in _FIELDS:
+        v = row[name]
+        if name in _JSON_FIELDS and v is not None:
+            v = json.loads(v)
+        elif name in _BOOL_FIELDS:
+            v = bool(v)
+        values[name] = v
+    if values["last_log"] is None:
+        values["last_log"] = []
+    return JobRecord(**values)
+
+
+class JobStore:
+    """Thread-safe access to the job table (one connection, one lock: the load is tiny)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=10)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        # NORMAL in WAL mode may lose the last commits on power loss but never corrupts the file.
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._migrate()
+
+    def _migrate(self) -> None:
+        with self._lock:
+            version = self._db.execute("PRAGMA user_version").fetchone()[0]
+            if version == 0:
+                self._db.execute(
+                    """CREATE TABLE IF NOT EXISTS jobs (
+                        id TEXT PRIMARY KEY, seq INTEGER NOT NULL, kind TEXT NOT NULL, name TEXT NOT NULL,
+                        state TEXT NOT NULL, gpus TEXT NOT NULL, ranks INTEGER NOT NULL, simulated INTEGER NOT NULL,
+                        created REAL NOT NULL, cwd TEXT, started REAL, ended REAL, run INTEGER NOT NULL,
+                        exit_reason TEXT, exit_code INTEGER, failed_rank INTEGER, last_log TEXT,
+                        launcher_pid INTEGER, launcher_start REAL, port INTEGER,
+                        cancel_requested INTEGER NOT NULL, resumable INTEGER NOT NULL,
+                        predicted TEXT, measured TEXT, error TEXT)"""
+                )
+                self._db.execute("CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state, seq)")
+                self._db.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")
+            elif version > _SCHEMA_VERSION:
+                raise RuntimeError(f"{self.path} was written by a newer Rigpilot (schema {version})")
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def next_seq(self) -> int:
+        with self._lock:
+            return self._db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM jobs").fetchone()[0]
+
+    def insert(self, rec: JobRecord) -> None:
+        cols = ", ".join(_FIELDS)
+        marks = ", ".join("?" for _ in _FIELDS)
+        with self._lock:
+            self._db.execute(f"INSERT INTO jobs ({cols}) VALUES ({marks})", [_to_sql(n, getattr(rec, n)) for n in _FIELDS])
+
+    def update(self, rec: JobRecord, **changes: Any) -> JobRecord:
+        """Apply `changes` to the record and to its row, in one statement."""
+        for name, value in changes.items():
+            if name not in _FIELDS or name == "id":
+                raise KeyError(name)
+            setattr(rec, name, value)
+        sets = ", ".join(f"{n} = ?" for n in changes)
+        with self._lock:
+            self._db.execute(f"UPDATE jobs SET {sets} WHERE id = ?", [*(_to_sql(n, v) for n, v in changes.items()), rec.id])
+        return rec
+
+    def get(self, job_id: str) -> JobRecord | None:
+        with self._lock:
+            row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        return _from_row(row) if row else None
+
+    def find(self, ref: str) -> list[JobRecord]:
+        """Jobs a user could mean by `ref`: the exact id, else a unique id prefix, else the name."""
+        exact = self.get(ref)
+        if exact:
+            return [exact]
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT * FROM jobs WHERE substr(id, 1, ?) = ? ORDER BY seq", (len(ref), ref)
+            ).fetchall()
+            if not rows:
+                rows = self._db.execute("SELECT * FROM jobs WHERE name = ? ORDER BY seq", (ref,)).fetchall()
+        return [_from_row(r) for r in rows]
+
+    def list(self, states: frozenset[str] | set[str] | None = None, limit: int | None = None) -> list[JobRecord]:
+        sql, params = "SELECT * FROM jobs", []
+        if states is not None:
+            sql += f" WHERE state IN ({', '.join('?' for _ in states)})"
+            params += sorted(states)
+        # Newest first for listings; the scheduler sorts queued jobs by seq itself.
+        sql += " ORDER BY seq DESC"
+        if limit is not None:
+            sql += " LIMIT ?"
+            params.append(limit)
+        with self._lock:
+            rows = self._db.execute(sql, params).fetchall()
+        return [_from_row(r) for r in rows]
+
+    def delete(self, job_id: str) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))

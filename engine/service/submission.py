@@ -1,0 +1,273 @@
+"""Checking a submitted job before anything is created for it.
+
+Everything a user can get wrong (no dataset, an empty or missing file, a
+corrupt config.json, a GPU the machine does not have, degrees that do not
+multiply to the rank count) is found here and raised as one `UserError`, so a
+bad submission leaves no folder and no row behind.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.errors import UserError
+from engine.hardware.machine import Machine
+from engine.jobs.spec import InferSettings, JobSpec, TrainSettings
+from engine.service.protocol import check_dataclass
+
+KINDS = ("train", "infer", "script", "calibrate")
+TRAIN_METHODS = ("full", "lora", "scratch")
+
+
+@dataclass
+class Submission:
+    spec: JobSpec
+    plan: dict[str, Any] | None
+    ranks: int
+    cwd: str | None
+    predicted: dict[str, Any] | None
+
+
+def prepare(
+    spec_data: dict[str, Any],
+    plan: dict[str, Any] | None,
+    cwd: str | None,
+    *,
+    job_id: str,
+    machine: Machine,
+    max_cpu_ranks: int,
+) -> Submission:
+    """A checked, complete JobSpec for `spec_data` (JobSpec fields; `id` is the service's to give)."""
+    check_dataclass(JobSpec, spec_data, "spec", ignore=frozenset({"id", "spec_version", "simulated"}))
+    data = {k: v for k, v in spec_data.items() if k not in ("id", "spec_version", "simulated")}
+    if data.get("kind") not in KINDS:
+        raise UserError(f"unknown job kind {data.get('kind')!r}; choose one of {', '.join(KINDS)}")
+    base = Path(cwd) if cwd else None
+    if base is not None and not (base.is_absolute() and base.is_dir()):
+        raise UserError(f"working folder {cwd} does not exist")
+    spec = JobSpec.from_dict({**data, "id": job_id})
+    spec.simulated = machine.simulated
+    if plan is not None and spec.kind != "script":
+        apply_plan_layout(spec, plan)
+    spec.gpus = _check_gpus(spec.gpus or _default_gpus(spec, machine), machine)
+    ranks = len(spec.gpus)
+    if machine.simulated:
+        # Simulated GPUs become CPU ranks; more ranks than cores only makes every rank slower.
+        ranks = max(1, min(ranks, max_cpu_ranks))
+
+    if spec.kind == "script":
+        _check_script(spec, base)
+    elif spec.kind == "train":
+        spec.train = spec.train or TrainSettings()
+        _check_train(spec, base)
+        _check_degrees(spec, ranks)
+    elif spec.kind == "infer":
+        spec.infer = spec.infer or InferSettings()
+        _check_infer(spec, base)
+        _check_degrees(spec, ranks)
+    elif spec.kind == "calibrate":
+        _check_degrees(spec, ranks)
+        if spec.model:
+            spec.model = _check_model(spec.model, base)
+    return Submission(spec, plan, ranks, str(base) if base else None, plan_prediction(plan))
+
+
+def _default_gpus(spec: JobSpec, machine: Machine) -> list[int]:
+    want = spec.parallelism.world_size
+    all_gpus = [g.index for g in machine.gpus]
+    return all_gpus[:want] if want > 1 else all_gpus
+
+
+def _check_gpus(gpus: list[int], machine: Machine) -> list[int]:
+    known = [g.index for g in machine.gpus]
+    if not known:
+        raise UserError("this machine has no GPU to run a job on")
+    for g in gpus:
+        if g not in known:
+            raise UserError(f"GPU {g} does not exist; this machine has GPUs {_ranges(known)} ({machine.label})")
+    if len(set(gpus)) != len(gpus):
+        raise UserError(f"GPU list {gpus} names a GPU twice")
+    return list(gpus)
+
+
+def _ranges(indices: list[int]) -> str:
+    return f"{indices[0]}–{indices[-1]}" if len(indices) > 1 else str(indices[0])
+
+
+def _resolve(path: str, base: Path | None) -> Path:
+    p = Path(path).expanduser()
+    if not p.is_absolute():
+        if base is None:
+            raise UserError(f"{path}: give an absolute path (no working folder was sent)")
+        p = base / p
+    return p
+
+
+def _check_script(spec: JobSpec, base: Path | None) -> None:
+    if not spec.script:
+        raise UserError("a script job needs the script to run: rigpilot run script -- path/to/script.py [args]")
+    script = _resolve(spec.script[0], base)
+    if not script.is_file():
+        raise UserError(f"script {script} does not exist")
+    spec.script = [str(script), *spec.script[1:]]
+
+
+def _check_train(spec: JobSpec, base: Path | None) -> None:
+    t = spec.train
+    assert t is not None
+    if t.method not in TRAIN_METHODS:
+        raise UserError(f"unknown training method {t.method!r}; choose one of {', '.join(TRAIN_METHODS)}")
+    if not spec.model:
+        raise UserError("a training job needs a model (--model PRESET, FOLDER, HUB-ID or config.json)")
+    spec.model = _check_model(spec.model, base)
+    if not t.dataset:
+        raise UserError("a training job needs a dataset (--data FILE, repeatable)")
+    t.dataset = [str(_check_data_file(f, base)) for f in t.dataset]
+    for name in ("max_steps", "seq_len", "micro_batch", "grad_accum"):
+        if getattr(t, name) < 1:
+            raise UserError(f"{name.replace('_', ' ')} must be at least 1, not {getattr(t, name)}")
+    if t.learning_rate <= 0:
+        raise UserError(f"learning rate must be greater than 0, not {t.learning_rate}")
+
+
+def _check_infer(spec: JobSpec, base: Path | None) -> None:
+    i = spec.infer
+    assert i is not None
+    if not spec.model:
+        raise UserError("an inference job needs a model (--model PRESET, FOLDER or HUB-ID)")
+    spec.model = _check_model(spec.model, base)
+    if i.prompts_file:
+        i.prompts_file = str(_check_data_file(i.prompts_file, base))
+    elif not [p for p in i.prompts if p.strip()]:
+        raise UserError("an inference job needs prompts (--prompts FILE or --prompt TEXT)")
+
+
+def _check_data_file(path: str, base: Path | None) -> Path:
+    p = _resolve(path, base)
+    if not p.exists():
+        raise UserError(f"data file {p} does not exist")
+    if not p.is_file():
+        raise UserError(f"data file {p} is not a file")
+    try:
+        with p.open("rb") as f:
+            has_text = any(line.strip() for line in f)
+    except OSError as e:
+        raise UserError(f"cannot read data file {p}: {e.strerror}") from None
+    if not has_text:
+        raise UserError(f"data file {p} is empty")
+    return p
+
+
+def _looks_like_path(model: str) -> bool:
+    return model.startswith(("/", ".", "~")) or model.endswith(".json")
+
+
+def _check_model(model: str, base: Path | None) -> str:
+    """Local models must be readable now; presets and hub ids are the worker's to resolve."""
+    if _looks_like_path(model):
+        candidate = _resolve(model, base)
+    elif base is not None and (base / model).exists():
+        candidate = base / model  # a folder name relative to where the user stands
+    else:
+        return model  # a preset name or a hub id such as "Qwen/Qwen2.5-0.5B"
+    if candidate.is_dir():
+        config = candidate / "config.json"
+        if not config.is_file():
+            raise UserError(f"model folder {candidate} has no config.json")
+    elif candidate.is_file():
+        config = candidate
+    else:
+        raise UserError(f"model {candidate} does not exist")
+    try:
+        raw = json.loads(config.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise UserError(f"model config {config} is not valid JSON ({e})") from None
+    if not isinstance(raw, dict) or not raw:
+        raise UserError(f"model config {config} is not a JSON object with the model's settings")
+    return str(candidate)
+
+
+def _check_degrees(spec: JobSpec, ranks: int) -> None:
+    p = spec.parallelism
+    for name in ("dp_replicate", "dp_shard", "tp", "pp"):
+        if getattr(p, name) < 1:
+            raise UserError(f"parallel degree {name} must be at least 1")
+    if p.world_size == 1 and ranks > 1:
+        p.dp_replicate = ranks  # no degrees given: plain data parallel over every rank
+    elif p.world_size != ranks:
+        raise UserError(
+            f"the parallel degrees (dp {p.dp_replicate} × fsdp {p.dp_shard} × tp {p.tp} × pp {p.pp} = {p.world_size}) "
+            f"must multiply to the number of ranks ({ranks})"
+        )
+
+
+def plan_of(plan: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The plan itself, from a plan or a whole search result (`rigpilot plan --json`: its best plan)."""
+    if plan and isinstance(plan.get("best"), dict):
+        return plan["best"]
+    if plan and isinstance(plan.get("result"), dict):
+        return plan_of(plan["result"])
+    return plan
+
+
+def plan_prediction(plan: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What the planner predicted for a job: the fields measurements are compared with.
+
+    Reads the planner's `Plan` JSON (engine.planner.plan): the largest `memory[].total`
+    is the peak per GPU, `timing.tokens_per_s` and `timing.step_s` the speed.
+    """
+    plan = plan_of(plan)
+    if not plan:
+        return None
+    out: dict[str, Any] = {}
+    memory = plan.get("memory")
+    if isinstance(memory, list):
+        totals = [m["total"] for m in memory if isinstance(m, dict) and _is_number(m.get("total"))]
+        if totals:
+            out["peak_memory_bytes"] = max(totals)
+    timing = plan.get("timing")
+    if isinstance(timing, dict):
+        if _is_number(timing.get("tokens_per_s")) and timing["tokens_per_s"] > 0:
+            out["tokens_per_s"] = timing["tokens_per_s"]
+        if _is_number(timing.get("step_s")) and timing["step_s"] > 0:
+            out["step_time_s"] = timing["step_s"]
+    if out:
+        out["suggestion"] = _oom_suggestion(plan.get("parallelism"))
+    return out or None
+
+
+def _oom_suggestion(par: Any) -> str:
+    """The first memory saver the plan did not use yet, as the flag or setting to change."""
+    par = par if isinstance(par, dict) else {}
+    if par.get("checkpointing", "none") == "none":
+        return "turn on activation checkpointing, or re-plan with 'rigpilot plan' for this machine"
+    if (par.get("micro_batch") or 1) > 1:
+        return f"halve the micro-batch (--micro-batch {max(par['micro_batch'] // 2, 1)}) and double gradient accumulation"
+    if (par.get("zero_stage") or 0) < 3 and (par.get("dp") or 1) > 1:
+        return "shard parameters, gradients and optimizer state (--fsdp) instead of replicating them"
+    return "train LoRA adapters instead (--method lora), or use more GPUs"
+
+
+def apply_plan_layout(spec: JobSpec, plan: dict[str, Any] | None) -> None:
+    """Take GPUs and parallel degrees from the plan where the submission left them open."""
+    par = (plan_of(plan) or {}).get("parallelism")
+    if not isinstance(par, dict):
+        return
+    indices = par.get("gpu_indices")
+    if not spec.gpus and isinstance(indices, list) and all(isinstance(g, int) for g in indices):
+        spec.gpus = list(indices)
+    p = spec.parallelism
+    if p.world_size == 1 and all(isinstance(par.get(k), int) for k in ("dp", "tp", "pp")):
+        dp = par["dp"]
+        shard = (par.get("shard_degree") or 1) if par.get("zero_stage") == 3 else 1
+        p.dp_shard = shard if isinstance(shard, int) and shard >= 1 and dp % shard == 0 else 1
+        p.dp_replicate = dp // p.dp_shard
+        p.tp, p.pp = par["tp"], par["pp"]
+        p.sequence_parallel = bool(par.get("sequence_parallel"))
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)

@@ -1,0 +1,769 @@
+"""Running jobs: the queue, launching through torchrun, watching, tearing down, re-adopting.
+
+Each job runs as `python -m torch.distributed.run ... -m engine.service.rankexec
+JOB_DIR -- COMMAND` in a session of its own, one rank per GPU (CPU ranks on
+simulated machines). torchrun starts every rank in a session of its own too,
+so the service finds a job's processes through what the ranks record
+(`ranks/rank<N>.json`) and an environment marker every process of the job
+inherits (`RIGPILOT_RUN_TOKEN`), not through one process group.
+
+Lifecycle: queued → starting → running (first step reported) → completed |
+failed | cancelled, or interrupted when the service was gone while the job's
+processes died. A queued job starts once none of its GPUs is used by a running
+job or wanted by a job queued before it, so a big job is never starved by a
+stream of small ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import psutil
+
+from engine.errors import UserError
+from engine.hardware.machine import Machine
+from engine.hardware.simulated import Load, SimulatedBackend
+from engine.jobs.spec import JobSpec
+from engine.runtime import worker_python
+from engine.service import submission
+from engine.service.metrics import Cursor, MetricsSummary, read_records, summarize
+from engine.service.store import (
+    ACTIVE_STATES,
+    CANCELLED,
+    COMPLETED,
+    FAILED,
+    INTERRUPTED,
+    QUEUED,
+    RESUMABLE_STATES,
+    RUNNING,
+    STARTING,
+    TERMINAL_STATES,
+    JobRecord,
+    JobStore,
+)
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+RUN_TOKEN_ENV = "RIGPILOT_RUN_TOKEN"
+LAST_LOG_LINES = 20
+_TRAINING_UTILIZATION = 90.0
+_STARTING_UTILIZATION = 15.0  # loading a model keeps a GPU mostly idle
+
+
+class JobNotFound(UserError):
+    """No job matches what the user typed."""
+
+
+@dataclass
+class SupervisorOptions:
+    grace_s: float = 30.0  # cancel: time between SIGTERM (workers checkpoint) and SIGKILL
+    failure_grace_s: float = 5.0  # after a rank fails, time the others get before SIGKILL
+    max_cpu_ranks: int = 4  # ranks per job on a simulated machine (also capped at the CPU count)
+    tick_s: float = 0.1  # how often running jobs are checked: bounds metric push latency
+    monitor_interval_s: float = 0.5  # torchrun's own check of its ranks
+
+
+@dataclass
+class _Run:
+    """A job that has processes (or had, until the next tick notices)."""
+
+    rec: JobRecord
+    job_dir: Path
+    popen: subprocess.Popen | None  # None for a job re-adopted after a service restart
+    launcher_log: IO[bytes] | None = None
+    summary: MetricsSummary = field(default_factory=MetricsSummary)
+    cursor: Cursor = field(default_factory=dict)
+    ranks: dict[int, dict[str, Any]] = field(default_factory=dict)
+    stop_reason: str | None = None  # "cancel" | "rank_failed"
+    kill_at: float | None = None
+    killed: bool = False
+    last_publish: float = 0.0
+    dirty: bool = False
+
+    @property
+    def token(self) -> str:
+        return f"{self.rec.id}:{self.rec.run}"
+
+
+class Supervisor:
+    def __init__(
+        self,
+        store: JobStore,
+        jobs_root: Path,
+        machine: Machine,
+        backend: Any = None,
+        options: SupervisorOptions | None = None,
+        *,
+        on_job: Callable[[dict[str, Any]], None] = lambda job: None,
+        on_metrics: Callable[[str], None] = lambda job_id: None,
+    ):
+        self.store = store
+        self.jobs_root = jobs_root
+        self.machine = machine
+        self.options = options or SupervisorOptions()
+        self._simulated_backend = backend if isinstance(backend, SimulatedBackend) else None
+        self._on_job = on_job
+        self._on_metrics = on_metrics
+        self._lock = threading.RLock()
+        self._runs: dict[str, _Run] = {}
+        self._queue_dirty = True
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def max_cpu_ranks(self) -> int:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(1, min(self.options.max_cpu_ranks, cpus))
+
+    # -- service lifetime -----------------------------------------------------
+
+    def start(self) -> None:
+        with self._lock:
+            self._recover()
+        self._thread = threading.Thread(target=self._loop, name="job-supervisor", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop watching. Jobs keep running; the next service re-adopts them."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread:
+            self._thread.join(10)
+        with self._lock:
+            for run in self._runs.values():
+                if run.launcher_log:
+                    run.launcher_log.close()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.tick()
+            except Exception:
+                log.exception("supervisor tick failed")
+            self._wake.wait(self.options.tick_s)
+            self._wake.clear()
+
+    def tick(self) -> None:
+        with self._lock:
+            for run in list(self._runs.values()):
+                self._poll(run)
+            if self._queue_dirty:
+                self._schedule()
+
+    # -- requests -------------------------------------------------------------
+
+    def submit(self, spec_data: dict[str, Any], plan: dict[str, Any] | None, cwd: str | None) -> dict[str, Any]:
+        worker_python()  # no PyTorch environment yet: say so now, not after the job has queued
+        job_id = self._new_id()
+        sub = submission.prepare(
+            spec_data, plan, cwd, job_id=job_id, machine=self.machine, max_cpu_ranks=self.max_cpu_ranks
+        )
+        spec = sub.spec
+        if not spec.name:
+            spec.name = _default_name(spec)
+        job_dir = self.job_dir(job_id)
+        rec = JobRecord(
+            id=job_id, seq=self.store.next_seq(), kind=spec.kind, name=spec.name, state=QUEUED, gpus=spec.gpus,
+            ranks=sub.ranks, simulated=spec.simulated, created=time.time(), cwd=sub.cwd, predicted=sub.predicted,
+        )
+        try:
+            for sub_dir in ("logs", "metrics", "checkpoints", "output", "ranks"):
+                (job_dir / sub_dir).mkdir(parents=True, exist_ok=True)
+            spec.write(job_dir)
+            if plan is not None:
+                _write_json_atomic(job_dir / "plan.json", plan)
+            with self._lock:
+                self.store.insert(rec)
+                self._queue_dirty = True
+                view = self.view(rec)
+        except BaseException:
+            shutil.rmtree(job_dir, ignore_errors=True)  # no half-created job behind
+            raise
+        self._wake.set()
+        self._on_job(view)
+        return view
+
+    def cancel(self, ref: str) -> dict[str, Any]:
+        with self._lock:
+            rec = self.resolve(ref)
+            if rec.state in TERMINAL_STATES:
+                raise UserError(f"job {rec.id} has already ended ({rec.state})")
+            run = self._runs.get(rec.id)
+            if run is None:  # queued: nothing to stop
+                self.store.update(
+                    rec, state=CANCELLED, ended=time.time(), exit_reason="cancelled before it started", resumable=True
+                )
+                self._queue_dirty = True
+            elif not rec.cancel_requested:
+                self.store.update(rec, cancel_requested=True)
+                run.stop_reason = "cancel"
+                run.kill_at = time.monotonic() + self.options.grace_s
+                # torchrun passes SIGTERM on to every rank's process group and waits for them,
+                # so workers get their chance to checkpoint before the grace period ends.
+                self._signal_launcher(run, signal.SIGTERM)
+            view = self.view(rec)
+        self._on_job(view)
+        self._wake.set()
+        return view
+
+    def resume(self, ref: str) -> dict[str, Any]:
+        with self._lock:
+            rec = self.resolve(ref)
+            if rec.state not in RESUMABLE_STATES:
+                raise UserError(f"job {rec.id} is {rec.state}; only failed, cancelled or interrupted jobs resume")
+            job_dir = self.job_dir(rec.id)
+            try:
+                spec = JobSpec.read(job_dir)
+            except (OSError, ValueError) as e:
+                raise UserError(f"cannot resume {rec.id}: its job.json is unreadable ({e})") from None
+            missing = [g for g in spec.gpus if g not in {x.index for x in self.machine.gpus}]
+            if missing:
+                raise UserError(f"cannot resume {rec.id}: GPU {missing[0]} is no longer on this machine")
+            spec.resume = True
+            spec.write(job_dir)
+            self.store.update(
+                rec, state=QUEUED, seq=self.store.next_seq(), run=rec.run + 1, cancel_requested=False, started=None,
+                ended=None, exit_reason=None, exit_code=None, failed_rank=None, last_log=[], error=None,
+                resumable=False, launcher_pid=None, launcher_start=None,
+            )
+            self._queue_dirty = True
+            view = self.view(rec)
+        self._on_job(view)
+        self._wake.set()
+        return view
+
+    def delete(self, ref: str) -> dict[str, Any]:
+        with self._lock:
+            rec = self.resolve(ref)
+            if rec.state in ACTIVE_STATES:
+                raise UserError(f"job {rec.id} is {rec.state}; cancel it before deleting it")
+            self.store.delete(rec.id)
+            self._queue_dirty = True
+        shutil.rmtree(self.job_dir(rec.id), ignore_errors=True)
+        self._on_job({"id": rec.id, "state": "deleted"})
+        return {"id": rec.id, "deleted": True}
+
+    def jobs(self, states: list[str] | None = None, limit: int | None = None) -> list[dict[str, Any]]:
+        with self._lock:
+            recs = self.store.list(set(states) if states else None, limit)
+            return [self.view(r, detail=False) for r in recs]
+
+    def detail(self, ref: str) -> dict[str, Any]:
+        with self._lock:
+            return self.view(self.resolve(ref))
+
+    def resolve(self, ref: str) -> JobRecord:
+        matches = self.store.find(ref)
+        if not matches:
+            raise JobNotFound(f"no job {ref!r} (see 'rigpilot jobs')")
+        if len(matches) > 1:
+            ids = ", ".join(m.id for m in matches[:5])
+            raise UserError(f"{ref!r} could mean several jobs ({ids}); give more of the id")
+        run = self._runs.get(matches[0].id)
+        return run.rec if run else matches[0]  # the live record carries fields not yet re-read
+
+    def job_dir(self, job_id: str) -> Path:
+        return self.jobs_root / job_id
+
+    def view(self, rec: JobRecord, *, detail: bool = True) -> dict[str, Any]:
+        """A job as clients see it: the record, progress, and predictions beside measurements."""
+        run = self._runs.get(rec.id)
+        d = rec.to_dict()
+        d["job_dir"] = str(self.job_dir(rec.id))
+        progress = run.summary.to_dict(time.time()) if run else (rec.measured or None)
+        d["progress"] = progress
+        if rec.state == QUEUED:
+            d["waiting_for"] = self._waiting_for(rec)
+        if detail:
+            d["comparison"] = _compare(rec.predicted, progress)
+        return d
+
+    def _waiting_for(self, rec: JobRecord) -> list[int]:
+        busy = {g for r in self._runs.values() for g in r.rec.gpus}
+        return sorted(busy & set(rec.gpus))
+
+    def _new_id(self) -> str:
+        while True:
+            job_id = secrets.token_hex(3)
+            if not job_id.isdigit() and self.store.get(job_id) is None and not self.job_dir(job_id).exists():
+                return job_id  # all-digit ids would read like GPU indices or counts
+
+    # -- scheduling -----------------------------------------------------------
+
+    def _schedule(self) -> None:
+        self._queue_dirty = False
+        busy = {g for r in self._runs.values() for g in r.rec.gpus}
+        reserved: set[int] = set()
+        for rec in sorted(self.store.list({QUEUED}), key=lambda r: r.seq):
+            want = set(rec.gpus)
+            if want & (busy | reserved):
+                reserved |= want  # later jobs may not take GPUs an earlier job waits for
+                continue
+            self._launch(rec)
+            busy |= want
+
+    def _launch(self, rec: JobRecord) -> None:
+        job_dir = self.job_dir(rec.id)
+        shutil.rmtree(job_dir / "ranks", ignore_errors=True)
+        (job_dir / "ranks").mkdir(parents=True, exist_ok=True)
+        (job_dir / "logs").mkdir(parents=True, exist_ok=True)
+        try:
+            spec = JobSpec.read(job_dir)
+        except (OSError, ValueError) as e:
+            self._end_without_run(rec, f"job.json is unreadable: {e}")
+            return
+        try:
+            python = worker_python()
+        except UserError as e:
+            self._end_without_run(rec, str(e))
+            return
+        port = _free_port()
+        cmd = self._command(rec, spec, job_dir, port, python)
+        env = self._environment(rec, spec, job_dir, python)
+        launcher_log = (job_dir / "logs" / "launcher.log").open("ab")
+        launcher_log.write(f"--- run {rec.run}: {' '.join(cmd)}\n".encode())
+        launcher_log.flush()
+        cwd = rec.cwd if rec.kind == "script" and rec.cwd and Path(rec.cwd).is_dir() else str(job_dir)
+        try:
+            popen = subprocess.Popen(
+                cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=launcher_log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        except OSError as e:
+            launcher_log.close()
+            self._end_without_run(rec, f"cannot start torchrun: {e}")
+            return
+        try:
+            started_at = psutil.Process(popen.pid).create_time()
+        except psutil.Error:
+            started_at = None
+        self.store.update(
+            rec, state=STARTING, started=time.time(), ended=None, launcher_pid=popen.pid, launcher_start=started_at,
+            port=port,
+        )
+        run = _Run(rec, job_dir, popen, launcher_log)
+        # A resumed job appends to its metric files; the summary carries on from the last run.
+        run.summary, run.cursor = summarize(job_dir / "metrics", _max_steps(spec))
+        self._runs[rec.id] = run
+        self._apply_load(run)
+        self._on_job(self.view(rec))
+
+    def _command(self, rec: JobRecord, spec: JobSpec, job_dir: Path, port: int, python: str) -> list[str]:
+        if rec.kind == "script":
+            assert spec.script
+            target = [python, "-u", *spec.script]
+        else:
+            target = [python, "-u", "-m", "engine.workers", str(job_dir)]
+        return [
+            python, "-m", "torch.distributed.run",
+            "--nnodes", "1",
+            "--nproc-per-node", str(rec.ranks),
+            "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}",
+            "--rdzv-id", f"{rec.id}-{rec.run}",
+            "--max-restarts", "0",
+            "--monitor-interval", str(self.options.monitor_interval_s),
+            "-m", "engine.service.rankexec", str(job_dir), "--", *target,
+        ]  # fmt: skip
+
+    def _environment(self, rec: JobRecord, spec: JobSpec, job_dir: Path, python: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(spec.env)
+        path = env.get("PYTHONPATH")
+        if (REPO_ROOT / "pyproject.toml").is_file() or python == sys.executable:
+            # A source checkout: ranks and user scripts import engine (engine.report) from it. An
+            # installed service's site-packages must not leak into the engine environment's Python,
+            # which has its own copy of the engine package.
+            env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + path if path else "")
+        env["PYTHONUNBUFFERED"] = "1"
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")  # ranks fork dataloader workers after tokenizing
+        env.update(
+            RIGPILOT_JOB_ID=rec.id,
+            RIGPILOT_JOB_DIR=str(job_dir),
+            RIGPILOT_METRICS_DIR=str(job_dir / "metrics"),
+            RIGPILOT_RUN=str(rec.run),
+            RIGPILOT_GPUS=",".join(str(g) for g in rec.gpus),
+        )
+        env[RUN_TOKEN_ENV] = f"{rec.id}:{rec.run}"
+        if rec.simulated:
+            env["CUDA_VISIBLE_DEVICES"] = ""  # simulated GPUs: ranks must not grab a real one
+            env["RIGPILOT_SIMULATED"] = "1"
+            env["RIGPILOT_DIST_BACKEND"] = "gloo"
+            cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            env.setdefault("OMP_NUM_THREADS", str(max(1, cpus // max(rec.ranks, 1))))
+        else:
+            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # so CUDA's numbering matches nvidia-smi's and ours
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in rec.gpus)
+            env["RIGPILOT_SIMULATED"] = "0"
+            env["RIGPILOT_DIST_BACKEND"] = "nccl"
+        return env
+
+    def _end_without_run(self, rec: JobRecord, reason: str) -> None:
+        self.store.update(rec, state=FAILED, ended=time.time(), exit_reason=reason, resumable=True)
+        self._on_job(self.view(rec))
+
+    # -- watching -------------------------------------------------------------
+
+    def _poll(self, run: _Run) -> None:
+        rec = run.rec
+        self._read_metrics(run)
+        self._read_ranks(run)
+        if rec.state == STARTING and self._has_started(run):
+            self.store.update(rec, state=RUNNING)
+            run.dirty = True
+            run.last_publish = 0.0  # a state change goes out now; progress alone at most once a second
+        self._apply_load(run)
+        if not self._launcher_alive(run):
+            self._finish(run)
+            return
+        if run.kill_at is not None and time.monotonic() >= run.kill_at and not run.killed:
+            log.warning("job %s: still running after the grace period; killing it", rec.id)
+            run.killed = True
+            self._kill(run)
+        now = time.monotonic()
+        if run.dirty and now - run.last_publish >= 1.0:
+            run.dirty = False
+            run.last_publish = now
+            self._on_job(self.view(rec, detail=False))
+
+    def _read_metrics(self, run: _Run) -> None:
+        got = False
+        while True:
+            records, run.cursor, more = read_records(run.job_dir / "metrics", run.cursor)
+            for r in records:
+                run.summary.add(r)
+            got = got or bool(records)
+            if not more:
+                break
+        if got:
+            run.dirty = True
+            self._on_metrics(run.rec.id)
+
+    def _read_ranks(self, run: _Run) -> None:
+        for f in (run.job_dir / "ranks").glob("rank*.json"):
+            try:
+                state = _read_json(f)
+                rank = int(state["rank"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # written atomically, so this is a foreign file; ignore it
+            run.ranks[rank] = state
+            ex = state.get("exit")
+            if ex and run.stop_reason is None and not _clean_exit(ex):
+                run.stop_reason = "rank_failed"
+                # torchrun notices within its monitor interval and stops the other ranks itself;
+                # this bounds how long that may take when a rank hangs in a collective.
+                run.kill_at = time.monotonic() + self.options.failure_grace_s
+
+    def _has_started(self, run: _Run) -> bool:
+        if run.summary.step is not None:
+            return True
+        # A script need not report steps; it runs once every rank has started it.
+        if run.rec.kind == "script":
+            if run.summary.records:
+                return True
+            started = [r for r in run.ranks.values() if "child_pid" in r or "exit" in r]
+            return len(started) >= run.rec.ranks
+        return False
+
+    def _apply_load(self, run: _Run) -> None:
+        """Make the simulated GPUs show the job: busy while it runs, holding its memory."""
+        backend = self._simulated_backend
+        if backend is None or not run.rec.simulated:
+            return
+        rec = run.rec
+        util = _TRAINING_UTILIZATION if rec.state == RUNNING else _STARTING_UTILIZATION
+        predicted = (rec.predicted or {}).get("peak_memory_bytes")
+        for i, gpu in enumerate(rec.gpus):
+            rank = i % max(rec.ranks, 1)
+            memory = run.summary.peak_memory.get(rank) or predicted or 0
+            pid = run.ranks.get(rank, {}).get("child_pid") or rec.launcher_pid
+            load = Load(
+                utilization=util, memory_bytes=int(memory), comm_fraction=0.15 if len(rec.gpus) > 1 else 0.0,
+                pid=pid, command=f"rigpilot {rec.kind} {rec.name} (rank {rank})",
+            )
+            with contextlib.suppress(KeyError):
+                backend.set_load(gpu, rec.id, load)
+
+    def _clear_load(self, rec: JobRecord) -> None:
+        if self._simulated_backend is None:
+            return
+        for gpu in rec.gpus:
+            with contextlib.suppress(KeyError):
+                self._simulated_backend.set_load(gpu, rec.id, None)
+
+    def _launcher_alive(self, run: _Run) -> bool:
+        if run.popen is not None:
+            return run.popen.poll() is None
+        return _alive(run.rec.launcher_pid, run.rec.launcher_start)
+
+    # -- stopping -------------------------------------------------------------
+
+    def _signal_launcher(self, run: _Run, sig: signal.Signals) -> None:
+        rec = run.rec
+        if run.popen is not None and run.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(run.popen.pid, sig)  # torchrun leads its own session
+        elif run.popen is None and _alive(rec.launcher_pid, rec.launcher_start):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(rec.launcher_pid, sig)  # type: ignore[arg-type]
+
+    def _kill(self, run: _Run) -> None:
+        """SIGKILL every process of the job: the launcher, each rank's group, and stragglers."""
+        self._signal_launcher(run, signal.SIGKILL)
+        for state in run.ranks.values():
+            pgid = state.get("pgid")
+            if isinstance(pgid, int) and _alive(state.get("pid"), state.get("create_time")):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pgid, signal.SIGKILL)
+        for p in job_processes(run.token):
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+
+    def _finish(self, run: _Run) -> None:
+        rec = run.rec
+        rc = run.popen.returncode if run.popen is not None else None
+        if run.launcher_log:
+            run.launcher_log.close()
+        self._read_metrics(run)
+        self._read_ranks(run)
+        left = self._sweep(run)
+        outcome = _outcome(run, rc)
+        if left:
+            outcome["exit_reason"] += f"; {len(left)} leftover process(es) had to be killed"
+        self._clear_load(rec)
+        measured = run.summary.to_dict(time.time())
+        self.store.update(rec, ended=time.time(), measured=measured, **outcome)
+        del self._runs[rec.id]
+        self._queue_dirty = True
+        self._on_metrics(rec.id)
+        self._on_job(self.view(rec))
+
+    def _sweep(self, run: _Run, timeout: float = 5.0) -> list[int]:
+        """Kill whatever of the job outlived its launcher; return their pids, after they are gone."""
+        procs = job_processes(run.token)
+        for state in run.ranks.values():
+            for key in ("pid", "child_pid"):
+                pid = state.get(key)
+                if isinstance(pid, int) and pid not in {p.pid for p in procs} and _alive(pid, None, run.token):
+                    with contextlib.suppress(psutil.Error):
+                        procs.append(psutil.Process(pid))
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        _, alive = psutil.wait_procs(procs, timeout=timeout)
+        if alive:
+            log.error("job %s: processes %s survived SIGKILL", run.rec.id, [p.pid for p in alive])
+        return [p.pid for p in procs]
+
+    # -- restart --------------------------------------------------------------
+
+    def _recover(self) -> None:
+        """After a restart: re-adopt jobs whose launcher still runs; settle the others."""
+        for rec in self.store.list(ACTIVE_STATES):
+            job_dir = self.job_dir(rec.id)
+            try:
+                max_steps = _max_steps(JobSpec.read(job_dir))
+            except (OSError, ValueError):
+                max_steps = None
+            run = _Run(rec, job_dir, None)
+            run.summary, run.cursor = summarize(job_dir / "metrics", max_steps)
+            if rec.cancel_requested:
+                run.stop_reason = "cancel"
+                run.kill_at = time.monotonic() + self.options.grace_s
+            if _alive(rec.launcher_pid, rec.launcher_start):
+                log.info("re-adopting job %s (launcher pid %s)", rec.id, rec.launcher_pid)
+                self._runs[rec.id] = run
+                continue
+            self._read_ranks(run)
+            self._sweep(run)
+            outcome = _outcome(run, None, service_was_down=True)
+            self._clear_load(rec)
+            self.store.update(rec, ended=time.time(), measured=run.summary.to_dict(), **outcome)
+        self._queue_dirty = True
+
+
+# -- outcome ------------------------------------------------------------------
+
+
+def _outcome(run: _Run, rc: int | None, *, service_was_down: bool = False) -> dict[str, Any]:
+    """How a job ended, from the launcher's status, the ranks' exit records and the metrics."""
+    rec = run.rec
+    job_dir = run.job_dir
+    exits = {r: s["exit"] for r, s in run.ranks.items() if s.get("exit")}
+    failures = sorted(((e.get("time") or 0.0, r) for r, e in exits.items() if not _clean_exit(e)))
+    oom = next((e for e in reversed(run.summary.errors) if e.get("error") == "out_of_memory"), None)
+    base: dict[str, Any] = {"cancel_requested": rec.cancel_requested, "exit_code": rc}
+
+    if run.stop_reason == "cancel" or rec.cancel_requested:
+        how = "killed after the grace period" if run.killed else "stopped"
+        return {**base, "state": CANCELLED, "exit_reason": f"cancelled by the user ({how})", "resumable": True,
+                "failed_rank": None, "last_log": []}  # fmt: skip
+
+    all_clean = len(exits) >= rec.ranks and not failures
+    if not failures and oom is None and (rc == 0 or (rc is None and all_clean)):
+        return {**base, "state": COMPLETED, "exit_reason": None, "failed_rank": None, "last_log": [], "resumable": False}
+
+    if service_was_down and not failures and oom is None:
+        return {**base, "state": INTERRUPTED, "failed_rank": None, "resumable": True,
+                "exit_reason": "the engine service stopped while the job ran and its processes are gone; "
+                               "resume continues from the newest checkpoint",
+                "last_log": _tail(job_dir / "logs" / "launcher.log")}  # fmt: skip
+
+    failed_rank = oom.get("rank") if oom else (failures[0][1] if failures else None)
+    if oom is not None:
+        reason = _oom_reason(oom, rec.predicted)
+        error: dict[str, Any] | None = {**oom, "predicted": rec.predicted}
+    elif failed_rank is not None:
+        reason = f"rank {failed_rank} {_describe_exit(exits[failed_rank])}"
+        # engine.workers reports why it gave up ("user_error", "crash") before exiting.
+        said = next((e for e in reversed(run.summary.errors) if e.get("rank") == failed_rank), None)
+        if said and isinstance(said.get("message"), str) and said["message"]:
+            reason += f": {said['message']}"
+        error = said
+    else:
+        reason = f"torchrun exited with code {rc} before any rank ended" if rc is not None else "the launcher vanished"
+        error = None
+    log_file = job_dir / "logs" / (f"rank{failed_rank}.log" if failed_rank is not None else "launcher.log")
+    return {**base, "state": FAILED, "exit_reason": reason, "failed_rank": failed_rank, "resumable": True,
+            "last_log": _tail(log_file), "error": error}  # fmt: skip
+
+
+def _oom_reason(oom: dict[str, Any], predicted: dict[str, Any] | None) -> str:
+    parts = [f"out of memory on rank {oom.get('rank', '?')}"]
+    # engine.workers reports the allocator's numbers as allocated/reserved/max_allocated/free/total (bytes).
+    for key in ("allocated", "reserved", "max_allocated", "free", "total", "tried"):
+        value = oom.get(key, oom.get(f"{key}_bytes"))
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            parts.append(f"{key.replace('_', ' ')} {value / 2**30:.2f} GiB")
+    if predicted and isinstance(predicted.get("peak_memory_bytes"), int | float):
+        parts.append(f"the plan predicted a peak of {predicted['peak_memory_bytes'] / 2**30:.2f} GiB per GPU")
+    if predicted and predicted.get("suggestion"):
+        parts.append(f"suggested fix: {predicted['suggestion']}")
+    return "; ".join(parts)
+
+
+def _clean_exit(ex: dict[str, Any]) -> bool:
+    return ex.get("code") == 0 and not ex.get("signal")
+
+
+def _describe_exit(ex: dict[str, Any]) -> str:
+    if ex.get("signal"):
+        try:
+            name = signal.Signals(ex["signal"]).name
+        except ValueError:
+            name = f"signal {ex['signal']}"
+        return f"was killed by {name}"
+    return f"exited with code {ex.get('code')}"
+
+
+def _compare(predicted: dict[str, Any] | None, progress: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not predicted:
+        return None
+    progress = progress or {}
+    peaks = (progress.get("peak_memory_by_rank") or {}).values()
+    measured = {
+        "peak_memory_bytes": max(peaks) if peaks else None,
+        "tokens_per_s": progress.get("tokens_per_s"),
+        "step_time_s": 1 / progress["steps_per_s"] if progress.get("steps_per_s") else None,
+    }
+    return {k: {"predicted": predicted.get(k), "measured": v} for k, v in measured.items()}
+
+
+# -- processes ----------------------------------------------------------------
+
+
+def job_processes(token: str) -> list[psutil.Process]:
+    """Every live process of this user that carries the job run's environment marker."""
+    me = os.getuid()
+    found = []
+    for p in psutil.process_iter(["uids", "status"]):
+        try:
+            if p.info["uids"] is None or p.info["uids"].real != me or p.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            if p.environ().get(RUN_TOKEN_ENV) == token:
+                found.append(p)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def _alive(pid: Any, create_time: Any, token: str | None = None) -> bool:
+    """Whether `pid` is still the process we started (same start time or marker), not a recycled pid."""
+    if not isinstance(pid, int):
+        return False
+    try:
+        p = psutil.Process(pid)
+        if p.status() == psutil.STATUS_ZOMBIE:
+            return False
+        if isinstance(create_time, int | float):
+            return abs(p.create_time() - create_time) < 0.5
+        if token is not None:
+            return p.environ().get(RUN_TOKEN_ENV) == token
+        return True
+    except (psutil.Error, OSError):
+        return False
+
+
+# -- small helpers ------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _max_steps(spec: JobSpec) -> int | None:
+    return spec.train.max_steps if spec.kind == "train" and spec.train else None
+
+
+def _default_name(spec: JobSpec) -> str:
+    if spec.kind == "script" and spec.script:
+        return Path(spec.script[0]).name
+    if spec.model:
+        model = Path(spec.model)
+        if spec.model.startswith("/"):  # a folder, or a config.json named after its folder
+            model = model.parent if model.suffix == ".json" else model
+        return f"{spec.kind} {model.name if spec.model.startswith('/') else spec.model}"
+    return spec.kind
+
+
+def _tail(path: Path, lines: int = LAST_LOG_LINES) -> list[str]:
+    try:
+        with path.open("rb") as f:
+            size = f.seek(0, 2)
+            f.seek(max(size - 16384, 0))
+            data = f.read()
+    except OSError:
+        return []
+    return data.decode("utf-8", "replace").splitlines()[-lines:]
+
+
+def _read_json(path: Path) -> Any:
+    import json
+
+    return json.loads(path.read_text())
+
+
+def _write_json_atomic(path: Path, data: Any) -> None:
+    import json
+
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)
