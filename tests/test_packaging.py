@@ -133,7 +133,7 @@ def test_install_start_remove_leaves_nothing(deb, tmp_path):
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         assert "self-test passed" in r.stdout and "simulated: 4×RTX 4090" in r.stdout
         assert shot.stat().st_size > 10_000
-        run(["/usr/bin/rigpilot", "engine", "stop"], env=user_env, timeout=60)
+        run(["/usr/bin/rigpilot", "engine", "--stop"], env=user_env, timeout=60)
     finally:
         remove = run(["apt-get", "remove", "-y", "-q", "rigpilot"], env=env, timeout=600)
     assert remove.returncode == 0, remove.stdout[-2000:] + remove.stderr[-2000:]

@@ -1,0 +1,1 @@
+"""The Dashboard page: GPU cards, the telemetry chart, host and processes."""

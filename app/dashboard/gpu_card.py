@@ -1,0 +1,158 @@
+"""One GPU at a glance: memory, utilisation, temperature and power with their recent history, flags, its job."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from PySide6.QtGui import QFont
+from PySide6.QtWidgets import QFrame, QGridLayout, QLabel, QSizePolicy, QWidget
+
+from app.widgets.meter import Meter
+from app.widgets.palette import BAD, series_color
+from app.widgets.sparkline import Sparkline
+from app.widgets.units import NA, celsius, gib, mhz, percent, watts
+from app.widgets.value_label import ValueLabel
+from engine.hardware.machine import Gpu, short_gpu_name
+
+SPARK_METRICS = ["gpu_util", "temperature_c", "power_w"]
+SPARK_SECONDS = 60.0
+_FORMATS = {"gpu_util": percent, "temperature_c": celsius, "power_w": watts, "fan_pct": percent, "sm_clock_mhz": mhz}
+
+
+def flag_text(sample: dict[str, Any]) -> tuple[str, str]:
+    """What is wrong with a GPU in a few words, and a longer tooltip; ("ok", ...) when nothing is."""
+    flags = []
+    health = sample.get("health")
+    if health and health != "ok":
+        flags.append(health.upper())
+    flags += [r.replace("_", " ") for r in (sample.get("throttle_reasons") or []) if r != "idle"]
+    if sample.get("ecc_uncorrected"):
+        flags.append(f"ECC ×{sample['ecc_uncorrected']}")
+    if sample.get("xid"):
+        flags.append(f"XID {sample['xid']}")
+    if flags:
+        return ", ".join(flags), "Throttle reasons and health: " + ", ".join(flags)
+    throttle = sample.get("throttle_reasons")
+    if throttle is None and health is None:
+        na = sample.get("unavailable") or {}
+        return NA, f"Throttle reasons and health: {na.get('throttle_reasons') or na.get('health') or 'not reported'}"
+    return ("ok (idle)" if throttle and "idle" in throttle else "ok"), "No throttling, no errors"
+
+
+class GpuCard(QFrame):
+    def __init__(self, gpu: Gpu, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.index = gpu.index
+        self.gpu = gpu
+        self.setObjectName(f"gpuCard{gpu.index}")
+        self.setFrameShape(QFrame.Shape.StyledPanel)
+        self.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Maximum)
+        self._shown: tuple[Any, ...] | None = None
+
+        self.title = QLabel(f"GPU {gpu.index} · {short_gpu_name(gpu.name)}")
+        font = QFont(self.title.font())
+        font.setBold(True)
+        self.title.setFont(font)
+        self.title.setToolTip(f"{gpu.name}\nBus {gpu.pci_bus_id or NA}\nUUID {gpu.uuid or NA}")
+        self.title.setStyleSheet(f"border-left: 4px solid {series_color(gpu.index).name()}; padding-left: 4px;")
+        self.flags = QLabel(NA)
+        self.flags.setObjectName("flags")
+
+        self.memory = Meter(f"GPU {gpu.index} memory")
+        self.memory.setObjectName("memory")
+
+        self.util = ValueLabel("Utilisation")
+        self.temp = ValueLabel("Temperature")
+        self.power = ValueLabel("Power draw")
+        self.fan = ValueLabel("Fan speed")
+        self.clock = ValueLabel("SM clock")
+        self.values = {
+            "gpu_util": self.util,
+            "temperature_c": self.temp,
+            "power_w": self.power,
+            "fan_pct": self.fan,
+            "sm_clock_mhz": self.clock,
+        }
+        limit = gpu.power_limit_w
+        self.sparks = {
+            "gpu_util": Sparkline(series_color(gpu.index), (0.0, 100.0)),
+            "temperature_c": Sparkline(series_color(gpu.index), None, min_span=10.0),
+            "power_w": Sparkline(series_color(gpu.index), (0.0, limit) if limit else None),
+        }
+        self.job = QLabel("No job")
+        self.job.setObjectName("job")
+        self.job.setWordWrap(True)
+
+        grid = QGridLayout(self)
+        grid.setContentsMargins(8, 6, 8, 6)
+        grid.setVerticalSpacing(2)
+        grid.addWidget(self.title, 0, 0, 1, 2)
+        grid.addWidget(self.flags, 0, 2)
+        grid.addWidget(QLabel("Memory"), 1, 0)
+        grid.addWidget(self.memory, 1, 1, 1, 2)
+        for row, (name, key) in enumerate(
+            (("Util", "gpu_util"), ("Temp", "temperature_c"), ("Power", "power_w")), start=2
+        ):
+            grid.addWidget(QLabel(name), row, 0)
+            grid.addWidget(self.values[key], row, 1)
+            grid.addWidget(self.sparks[key], row, 2)
+        grid.addWidget(QLabel("Fan · SM"), 5, 0)
+        grid.addWidget(self.fan, 5, 1)
+        grid.addWidget(self.clock, 5, 2)
+        grid.addWidget(self.job, 6, 0, 1, 3)
+        grid.setColumnStretch(2, 1)
+
+    def show_sample(self, sample: dict[str, Any] | None, jobs: list[dict[str, Any]]) -> None:
+        """The newest readings; labels change only when what they say changes."""
+        sample = sample or {"unavailable": {}}
+        na = sample.get("unavailable") or {}
+        key = (
+            tuple(sample.get(k) for k in ("memory_used", "memory_total", *self.values)),
+            tuple(sorted(na.items())),
+            tuple(sample.get("throttle_reasons") or ()),
+            sample.get("health"),
+            sample.get("ecc_uncorrected"),
+            sample.get("xid"),
+            tuple((j["id"], j.get("name"), j.get("state")) for j in jobs),
+        )
+        if key == self._shown:
+            return
+        self._shown = key
+        has_reading = "index" in sample
+        for field, label in self.values.items():
+            v = sample.get(field)
+            reason = na.get(field) or (None if has_reading else "no reading yet")
+            label.show_value(None if v is None else _FORMATS[field](v), reason)
+        self._show_memory(sample, na)
+        text, tip = flag_text(sample) if has_reading else (NA, "no reading yet")
+        self.flags.setText(text)
+        self.flags.setToolTip(tip)
+        self.flags.setStyleSheet("" if text.startswith("ok") or text == NA else f"color: {BAD.name()};")
+        if jobs:
+            self.job.setText("Job: " + ", ".join(f"{j.get('name') or j['id']} ({j.get('state')})" for j in jobs))
+            self.job.setToolTip("\n".join(f"{j['id']}: {j.get('name', '')}" for j in jobs))
+        else:
+            self.job.setText("No job")
+            self.job.setToolTip("")
+
+    def _show_memory(self, sample: dict[str, Any], na: dict[str, str]) -> None:
+        used, total = sample.get("memory_used"), sample.get("memory_total") or self.gpu.memory_total
+        if used is None or not total:
+            self.memory.set_value(None, NA)
+            self.memory.setToolTip(f"Memory: {na.get('memory_used') or na.get('memory_total') or 'no reading yet'}")
+        else:
+            self.memory.set_value(used / total, f"{used / 2**30:.1f} / {gib(total)}")
+            self.memory.setToolTip(f"{used / 2**20:.0f} MiB of {total / 2**20:.0f} MiB in use")
+
+    def show_history(self, t: np.ndarray, rows: np.ndarray) -> None:
+        """Sparklines: `rows` follow SPARK_METRICS."""
+        if not len(t):
+            return
+        span = (float(t[-1]) - SPARK_SECONDS, float(t[-1]))
+        for key, row in zip(SPARK_METRICS, rows, strict=True):
+            self.sparks[key].set_data(t, row, span)
+
+    def value_reason(self, field: str) -> str | None:
+        """The n/a reason a value shows (for tests and accessibility), None when it shows a value."""
+        return self.values[field].reason

@@ -1,0 +1,157 @@
+"""The GUI's connection to the engine service, as Qt signals.
+
+One `EngineLink` per window. A stream thread holds a subscription connection
+(telemetry, job changes, metrics of the jobs on screen) and turns pushed
+events into `sig_*` signals on the GUI thread; when the service goes away it
+says so (`sig_state("lost", why)`) and reconnects with backoff, starting the
+service again if it is local. Requests go through `call()`, which runs them on
+a worker thread with its own client and hands the result back on the GUI
+thread. Nothing here blocks the GUI thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from PySide6.QtCore import QObject, Signal
+
+from app.tasks import run_in_background
+from engine.service.client import EngineClient
+
+log = logging.getLogger(__name__)
+
+CONNECTING, CONNECTED, LOST = "connecting", "connected", "lost"
+
+
+class EngineLink(QObject):
+    sig_state = Signal(str, str)  # CONNECTING | CONNECTED | LOST, and a detail ("local", the error)
+    sig_hello = Signal(dict)
+    sig_machine = Signal(dict)  # Machine.to_dict()
+    sig_telemetry = Signal(dict)  # TelemetrySample.to_dict()
+    sig_job = Signal(dict)  # a job record whose state or progress changed
+    sig_metrics = Signal(str, list)  # job id, new metric records
+
+    def __init__(
+        self,
+        *,
+        tcp: str | None = None,
+        token: str | None = None,
+        client_factory: Callable[..., EngineClient] | None = None,
+    ):
+        super().__init__()
+        self._factory = client_factory or (lambda **kw: EngineClient(tcp=tcp, token=token, **kw))
+        self.remote = tcp
+        self.state = CONNECTING
+        self.machine: dict[str, Any] | None = None
+        self.notes: list[str] = []  # e.g. why a simulated machine stands in
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._watched: dict[str, dict[str, int] | None] = {}  # job id -> metrics cursor to resume from
+        self._pending: list[tuple[str, str]] = []  # ("subscribe" | "unsubscribe", topic)
+
+    # -- lifecycle --------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._stream, name="engine-stream", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=3)
+            self._thread = None
+
+    # -- requests ---------------------------------------------------------------
+    def call(
+        self,
+        rtype: str,
+        on_done: Callable[[Any], None] | None = None,
+        on_error: Callable[[BaseException], None] | None = None,
+        **args: Any,
+    ) -> None:
+        """Send one request off the GUI thread; `on_done(result)` runs back on it."""
+        run_in_background(lambda: self._client().request(rtype, **args), on_done, on_error)
+
+    def _client(self) -> EngineClient:
+        client = getattr(self._local, "client", None)
+        if client is None:
+            client = self._local.client = self._factory(client_name="gui")
+        return client
+
+    # -- metrics of the jobs on screen ------------------------------------------
+    def watch_metrics(self, job_id: str) -> None:
+        """Stream new metric records of `job_id` (the history comes from a `metrics` request)."""
+        with self._lock:
+            if job_id not in self._watched:
+                self._watched[job_id] = None
+                self._pending.append(("subscribe", f"metrics:{job_id}"))
+
+    def unwatch_metrics(self, job_id: str) -> None:
+        with self._lock:
+            if self._watched.pop(job_id, "absent") != "absent":
+                self._pending.append(("unsubscribe", f"metrics:{job_id}"))
+
+    # -- the stream thread --------------------------------------------------------
+    def _set_state(self, state: str, detail: str) -> None:
+        self.state = state
+        self.sig_state.emit(state, detail)
+
+    def _stream(self) -> None:
+        backoff = 0.5
+        while not self._stop.is_set():
+            self._set_state(CONNECTING, self.remote or "local")
+            client = None
+            try:
+                client = self._factory(client_name="gui-stream")
+                self.sig_hello.emit(client.connect())
+                reply = client.request("machine")
+                self.machine, self.notes = reply["machine"], reply.get("notes", [])
+                self.sig_machine.emit(self.machine)
+                with self._lock:
+                    self._pending.clear()
+                    topics = ["telemetry", "jobs", *(f"metrics:{j}" for j in self._watched)]
+                    cursors = {j: c for j, c in self._watched.items() if c}
+                client.request("subscribe", topics=topics, metrics_cursors=cursors)
+                self._set_state(CONNECTED, f"remote {self.remote}" if self.remote else "local")
+                backoff = 0.5
+                while not self._stop.is_set():
+                    self._apply_pending(client)
+                    ev = client.next_event(timeout=0.2)
+                    if ev is not None:
+                        self._dispatch(ev)
+            except Exception as e:  # any failure means: say so, then reconnect
+                if self._stop.is_set():
+                    break
+                log.info("engine connection lost: %s", e)
+                self._set_state(LOST, str(e) or type(e).__name__)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+            finally:
+                if client is not None:
+                    client.close()
+
+    def _apply_pending(self, client: EngineClient) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for action, topic in pending:
+            client.request(action, topics=[topic])
+
+    def _dispatch(self, ev: dict[str, Any]) -> None:
+        kind = ev.get("event")
+        if kind == "telemetry":
+            self.sig_telemetry.emit(ev["sample"])
+        elif kind == "job":
+            self.sig_job.emit(ev["job"])
+        elif kind == "metrics":
+            job = ev["job"]
+            with self._lock:
+                if job in self._watched:
+                    # After a reconnect, the subscription resumes here: no record is lost or repeated.
+                    self._watched[job] = ev.get("cursor")
+            self.sig_metrics.emit(job, ev.get("records", []))

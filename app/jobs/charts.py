@@ -1,0 +1,261 @@
+"""Live charts of one job: loss (raw, smoothed, eval, and a second run to compare), learning rate,
+tokens/s, step time, MFU, peak memory per rank against the plan, and its GPUs' memory and utilisation.
+
+The charts read a `JobSeries` and a `GpuUsage` (bounded ring buffers) and are
+redrawn by `refresh()`, which the page calls on a timer; a redraw happens only
+while the charts are visible and only when something they show has changed.
+Curves are made once and then fed with `setData`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import QEvent, Qt
+from PySide6.QtWidgets import QGridLayout, QWidget
+
+from app.jobs.series import GIB, GpuUsage, JobSeries
+from app.widgets.palette import BAD, apply_plot_theme, series_color
+from app.widgets.time_chart import TimeChart
+
+TELEMETRY_WINDOW_S = 600.0
+EMPTY = np.empty(0)
+
+
+class StepPlot(pg.PlotWidget):
+    """A plot against the training step, with an optional dashed line for the plan's prediction."""
+
+    def __init__(self, title: str, unit: str = "", name: str = ""):
+        super().__init__()
+        self.setObjectName(name or title)
+        self.setAccessibleName(f"{title} chart")
+        self.setFocusPolicy(Qt.FocusPolicy.NoFocus)  # mouse-only zoom; the numbers are in the tables
+        self.setMinimumHeight(170)
+        item = self.getPlotItem()
+        item.setTitle(title)
+        item.showGrid(x=True, y=True, alpha=0.15)
+        item.setLabel("bottom", "step")
+        if unit:
+            item.setLabel("left", unit)
+        item.setMenuEnabled(False)
+        self.legend = item.addLegend(offset=(-10, 10))
+        self.prediction = pg.InfiniteLine(
+            angle=0, movable=False, pen=pg.mkPen(BAD, width=1.5, style=Qt.PenStyle.DashLine)
+        )
+        self.prediction.setVisible(False)
+        item.addItem(self.prediction, ignoreBounds=False)
+        apply_plot_theme(self, self.palette())
+
+    def curve(
+        self, name: str, color_index: int, *, width: float = 1.5, dashed: bool = False, alpha: int = 255
+    ) -> pg.PlotDataItem:
+        color = series_color(color_index)
+        color.setAlpha(alpha)
+        pen = pg.mkPen(color, width=width, style=Qt.PenStyle.DashLine if dashed else Qt.PenStyle.SolidLine)
+        curve = self.getPlotItem().plot(pen=pen, name=name, connect="finite")
+        curve.setDownsampling(auto=True, method="peak")
+        curve.setClipToView(True)
+        return curve
+
+    def show_prediction(self, value: float | None, label: str = "plan") -> None:
+        if value is None or not math.isfinite(value):
+            self.prediction.setVisible(False)
+            return
+        self.prediction.setPos(value)
+        self.prediction.setToolTip(f"{label}: {value:.4g}")
+        self.prediction.setVisible(True)
+
+    def changeEvent(self, event: QEvent) -> None:
+        # GraphicsView's own set-up changes the palette before the plot item exists.
+        themed = event.type() in (QEvent.Type.PaletteChange, QEvent.Type.ApplicationPaletteChange)
+        if themed and getattr(self, "plotItem", None) is not None:
+            apply_plot_theme(self, self.palette())
+        super().changeEvent(event)
+
+
+class MemoryPerRankPlot(pg.PlotWidget):
+    """Peak memory of each rank as bars, beside the plan's predicted peak per GPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setObjectName("peakMemoryChart")
+        self.setAccessibleName("Peak memory per rank chart")
+        self.setFocusPolicy(Qt.FocusPolicy.NoFocus)
+        self.setMinimumHeight(170)
+        item = self.getPlotItem()
+        item.setTitle("Peak memory per rank: measured vs plan")
+        item.setLabel("left", "GiB")
+        item.setLabel("bottom", "rank")
+        item.setMenuEnabled(False)
+        item.showGrid(y=True, alpha=0.15)
+        self.bars = pg.BarGraphItem(x=[], height=[], width=0.6, brush=series_color(0))
+        item.addItem(self.bars)
+        self.prediction = pg.InfiniteLine(
+            angle=0, movable=False, pen=pg.mkPen(BAD, width=1.5, style=Qt.PenStyle.DashLine)
+        )
+        self.prediction.setVisible(False)
+        item.addItem(self.prediction)
+        apply_plot_theme(self, self.palette())
+
+    def show_memory(self, peak_by_rank: dict[int, float], predicted_bytes: float | None) -> None:
+        ranks = sorted(peak_by_rank)
+        self.bars.setOpts(x=ranks, height=[peak_by_rank[r] / GIB for r in ranks], width=0.6)
+        if predicted_bytes:
+            self.prediction.setPos(predicted_bytes / GIB)
+            self.prediction.setToolTip(f"plan: {predicted_bytes / GIB:.1f} GiB per GPU")
+        self.prediction.setVisible(bool(predicted_bytes))
+
+    def bar_heights(self) -> list[float]:
+        return [float(h) for h in (self.bars.opts.get("height") if self.bars.opts.get("height") is not None else [])]
+
+
+class JobCharts(QWidget):
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.series: JobSeries | None = None
+        self.compare: JobSeries | None = None
+        self.compare_name = ""
+        self.usage = GpuUsage()
+        self.predicted: dict[str, Any] | None = None
+        self.ranks = 1
+        self.smoothing = 0.9
+        self._drawn: tuple[Any, ...] | None = None
+
+        self.loss = StepPlot("Loss", name="lossChart")
+        self.loss_raw = self.loss.curve("loss", 0, width=1.0, alpha=90)
+        self.loss_ema = self.loss.curve("loss (smoothed)", 0, width=2.0)
+        self.eval_loss = self.loss.getPlotItem().plot(
+            pen=None, symbol="o", symbolSize=6, symbolBrush=series_color(2), name="eval loss"
+        )
+        self.compare_raw = self.loss.curve("compared: loss", 1, width=1.0, dashed=True, alpha=90)
+        self.compare_ema = self.loss.curve("compared: loss (smoothed)", 1, width=2.0, dashed=True)
+        self._show_compare_in_legend("")
+        self.lr = StepPlot("Learning rate", name="lrChart")
+        self.lr_curve = self.lr.curve("lr", 3)
+        self.speed = StepPlot("Tokens/s per GPU (rank 0)", "tokens/s", name="speedChart")
+        self.speed_curve = self.speed.curve("tokens/s", 4)
+        self.step_time = StepPlot("Step time", "s", name="stepTimeChart")
+        self.step_time_curve = self.step_time.curve("step time", 5)
+        self.mfu = StepPlot("MFU", "%", name="mfuChart")
+        self.mfu_curve = self.mfu.curve("MFU", 6)
+        self.memory_per_rank = MemoryPerRankPlot()
+        self.gpu_memory = TimeChart()
+        self.gpu_memory.setObjectName("gpuMemoryChart")
+        self.gpu_memory.plot.setAccessibleName("Memory used on the job's GPUs")
+        self.gpu_memory.set_quantity("Memory used", "GiB")
+        self.gpu_memory.set_window(TELEMETRY_WINDOW_S)
+        self.gpu_util = TimeChart()
+        self.gpu_util.setObjectName("gpuUtilChart")
+        self.gpu_util.plot.setAccessibleName("Utilisation of the job's GPUs")
+        self.gpu_util.set_quantity("Utilisation", "%", "{:.0f}", (0.0, 100.0))
+        self.gpu_util.set_window(TELEMETRY_WINDOW_S)
+        for chart in (self.gpu_memory, self.gpu_util):
+            chart.plot.setFocusPolicy(Qt.FocusPolicy.NoFocus)
+
+        grid = QGridLayout(self)
+        grid.setContentsMargins(0, 0, 0, 0)
+        grid.addWidget(self.loss, 0, 0, 1, 2)
+        grid.addWidget(self.lr, 1, 0)
+        grid.addWidget(self.speed, 1, 1)
+        grid.addWidget(self.step_time, 2, 0)
+        grid.addWidget(self.mfu, 2, 1)
+        grid.addWidget(self.memory_per_rank, 3, 0)
+        grid.addWidget(self.gpu_memory, 3, 1)
+        grid.addWidget(self.gpu_util, 4, 0, 1, 2)
+        grid.setRowMinimumHeight(0, 240)
+
+    # -- what to show ---------------------------------------------------------------------------
+    def set_job(self, series: JobSeries | None, gpus: list[int], ranks: int, predicted: dict[str, Any] | None) -> None:
+        """Show another job (or the same one with a new record): its series, GPUs and the plan's figures."""
+        if series is not self.series:
+            self.series = series
+            self.usage = GpuUsage()
+        self.usage.set_gpus(gpus)
+        names = [f"GPU {g}" for g in gpus]
+        self.gpu_memory.set_series(names)
+        self.gpu_util.set_series(names)
+        self.ranks = max(ranks, 1)
+        self.predicted = predicted
+        self._drawn = None
+
+    def set_compare(self, series: JobSeries | None, name: str = "") -> None:
+        if series is self.compare and name == self.compare_name:
+            return
+        self.compare, self.compare_name = series, name
+        self._show_compare_in_legend(name if series is not None else "")
+        self._drawn = None
+
+    def _show_compare_in_legend(self, name: str) -> None:
+        legend = self.loss.legend
+        legend.removeItem(self.compare_raw)
+        legend.removeItem(self.compare_ema)
+        if name:
+            legend.addItem(self.compare_raw, f"{name}: loss")
+            legend.addItem(self.compare_ema, f"{name}: loss (smoothed)")
+
+    def set_smoothing(self, weight: float) -> None:
+        self.smoothing = min(max(weight, 0.0), 0.999)
+        self._drawn = None
+
+    def add_telemetry(self, samples: list[dict[str, Any]]) -> None:
+        self.usage.add_samples(samples)
+
+    # -- drawing --------------------------------------------------------------------------------
+    def _state(self) -> tuple[Any, ...]:
+        return (
+            id(self.series), self.series.revision if self.series else None,
+            id(self.compare), self.compare.revision if self.compare else None,
+            id(self.usage), self.usage.revision, self.smoothing,
+        )  # fmt: skip
+
+    def refresh(self, force: bool = False) -> bool:
+        """Redraw if visible and changed (or forced); True when it drew."""
+        state = self._state()
+        if not force and (not self.isVisible() or state == self._drawn):
+            return False
+        self._drawn = state
+        self._draw_series()
+        self._draw_compare()
+        self._draw_usage()
+        return True
+
+    def _draw_series(self) -> None:
+        s = self.series
+        if s is None:
+            for curve in (self.loss_raw, self.loss_ema, self.eval_loss, self.lr_curve, self.speed_curve,
+                          self.step_time_curve, self.mfu_curve):  # fmt: skip
+                curve.setData(EMPTY, EMPTY)
+            self.memory_per_rank.show_memory({}, None)
+            return
+        steps, loss = s.series("loss")
+        self.loss_raw.setData(steps, loss)
+        self.loss_ema.setData(*s.smoothed_loss(self.smoothing))
+        self.eval_loss.setData(*s.eval_loss())
+        self.lr_curve.setData(*s.series("lr"))
+        self.speed_curve.setData(*s.series("tokens_per_s"))
+        self.step_time_curve.setData(*s.series("step_time"))
+        mfu_steps, mfu = s.series("mfu")
+        self.mfu_curve.setData(mfu_steps, mfu * 100.0)
+        p = self.predicted or {}
+        total = p.get("tokens_per_s")
+        # The plan predicts the job's rate; the chart shows one GPU's, as the ranks report it.
+        self.speed.show_prediction(total / self.ranks if isinstance(total, int | float) else None, "plan, per GPU")
+        self.step_time.show_prediction(p.get("step_time_s"), "plan")
+        self.memory_per_rank.show_memory(s.peak_memory, p.get("peak_memory_bytes"))
+
+    def _draw_compare(self) -> None:
+        c = self.compare
+        if c is None:
+            self.compare_raw.setData(EMPTY, EMPTY)
+            self.compare_ema.setData(EMPTY, EMPTY)
+            return
+        self.compare_raw.setData(*c.series("loss"))
+        self.compare_ema.setData(*c.smoothed_loss(self.smoothing))
+
+    def _draw_usage(self) -> None:
+        since = (self.usage.last_time or 0.0) - TELEMETRY_WINDOW_S
+        self.gpu_memory.set_data(*self.usage.memory(since))
+        self.gpu_util.set_data(*self.usage.utilization(since))

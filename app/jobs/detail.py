@@ -1,0 +1,218 @@
+"""The detail pane of one job: what it is and how far it got, what can be done with it,
+why it failed, and its charts, plan-versus-measured figures and log.
+
+It shows a `JobHandle` and redraws from it; the page owns the handles and
+answers the buttons.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import (
+    QDoubleSpinBox,
+    QHBoxLayout,
+    QLabel,
+    QProgressBar,
+    QPushButton,
+    QScrollArea,
+    QStackedWidget,
+    QTabWidget,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.jobs.charts import JobCharts
+from app.jobs.compare import ComparePicker
+from app.jobs.failure import FailurePanel
+from app.jobs.handle import JobHandle
+from app.jobs.log_view import LogView
+from app.jobs.model import duration, eta_of, gpus_text, progress_of
+from app.jobs.prediction import PredictionTable
+from app.jobs.series import DEFAULT_SMOOTHING
+from app.widgets.units import NA
+
+CHARTS_TAB, PLAN_TAB, LOG_TAB = range(3)
+
+
+class JobDetail(QWidget):
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.handle: JobHandle | None = None
+        self._local_folder = True
+
+        self.title = QLabel()
+        self.title.setObjectName("jobTitle")
+        font = self.title.font()
+        font.setBold(True)
+        font.setPointSizeF(font.pointSizeF() * 1.3)
+        self.title.setFont(font)
+        self.title.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.summary = QLabel()
+        self.summary.setObjectName("jobSummary")
+        self.summary.setWordWrap(True)
+        self.progress = QProgressBar()
+        self.progress.setObjectName("jobProgress")
+        self.progress.setRange(0, 1000)
+        self.progress.setTextVisible(True)
+
+        self.cancel_button = QPushButton("&Cancel job")
+        self.cancel_button.setObjectName("cancelJob")
+        self.cancel_button.setToolTip("Stop the job; workers save a checkpoint first, so it can be resumed")
+        self.resume_button = QPushButton("&Resume")
+        self.resume_button.setObjectName("resumeJob")
+        self.resume_button.setToolTip("Run the job again from its newest checkpoint")
+        self.clone_button = QPushButton("C&lone into wizard…")
+        self.clone_button.setObjectName("cloneJob")
+        self.clone_button.setToolTip("Start a new job with this one's settings")
+        self.folder_button = QPushButton("Open job &folder")
+        self.folder_button.setObjectName("openJobFolder")
+        self.folder_button.setToolTip("Logs, metrics, checkpoints and output of this job")
+        buttons = QHBoxLayout()
+        for b in (self.cancel_button, self.resume_button, self.clone_button, self.folder_button):
+            buttons.addWidget(b)
+        buttons.addStretch(1)
+
+        self.failure = FailurePanel()
+
+        self.compare = ComparePicker()
+        self.smoothing = QDoubleSpinBox()
+        self.smoothing.setObjectName("smoothing")
+        self.smoothing.setAccessibleName("Loss smoothing")
+        self.smoothing.setToolTip("Weight of the exponential moving average drawn over the loss (0: none)")
+        self.smoothing.setRange(0.0, 0.99)
+        self.smoothing.setSingleStep(0.05)
+        self.smoothing.setValue(DEFAULT_SMOOTHING)
+        smoothing_label = QLabel("&Smoothing")
+        smoothing_label.setBuddy(self.smoothing)
+        self.charts = JobCharts()
+        self.smoothing.valueChanged.connect(self.charts.set_smoothing)
+        chart_controls = QHBoxLayout()
+        chart_controls.addWidget(self.compare)
+        chart_controls.addSpacing(16)
+        chart_controls.addWidget(smoothing_label)
+        chart_controls.addWidget(self.smoothing)
+        chart_controls.addStretch(1)
+        charts_area = QScrollArea()
+        charts_area.setObjectName("chartsArea")
+        charts_area.setWidgetResizable(True)
+        charts_area.setFocusPolicy(Qt.FocusPolicy.NoFocus)  # the charts hold no controls
+        charts_area.setWidget(self.charts)
+        charts_tab = QWidget()
+        charts_layout = QVBoxLayout(charts_tab)
+        charts_layout.addLayout(chart_controls)
+        charts_layout.addWidget(charts_area, 1)
+
+        self.prediction = PredictionTable()
+        self.plan_note = QLabel()
+        self.plan_note.setObjectName("planNote")
+        self.plan_note.setWordWrap(True)
+        plan_tab = QWidget()
+        plan_layout = QVBoxLayout(plan_tab)
+        plan_layout.addWidget(self.prediction)
+        plan_layout.addWidget(self.plan_note)
+        plan_layout.addStretch(1)
+
+        self.log = LogView()
+        self.tabs = QTabWidget()
+        self.tabs.setObjectName("jobTabs")
+        self.tabs.addTab(charts_tab, "Charts")
+        self.tabs.addTab(plan_tab, "Plan vs measured")
+        self.tabs.addTab(self.log, "Log")
+        self.failure.sig_show_log.connect(self.show_log)
+
+        body = QWidget()
+        body_layout = QVBoxLayout(body)
+        body_layout.setContentsMargins(0, 0, 0, 0)
+        body_layout.addWidget(self.title)
+        body_layout.addWidget(self.summary)
+        body_layout.addWidget(self.progress)
+        body_layout.addLayout(buttons)
+        body_layout.addWidget(self.failure)
+        body_layout.addWidget(self.tabs, 1)
+        self.empty = QLabel("Select a job to see its charts, its log and what it predicted.")
+        self.empty.setObjectName("noJob")
+        self.empty.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self.empty.setWordWrap(True)
+        self.stack = QStackedWidget()
+        self.stack.addWidget(self.empty)
+        self.stack.addWidget(body)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addWidget(self.stack)
+
+    # -- the shown job -------------------------------------------------------------------------
+    def show_handle(self, handle: JobHandle | None, *, local_folder: bool = True) -> None:
+        self.handle = handle
+        self._local_folder = local_folder
+        self.stack.setCurrentIndex(0 if handle is None else 1)
+        self.log.set_handle(handle)
+        if handle is None:
+            self.charts.set_job(None, [], 1, None)
+            return
+        self.update_record()
+
+    def update_record(self) -> None:
+        """The record changed: header, buttons, failure cause, plan figures."""
+        h = self.handle
+        if h is None:
+            return
+        job = h.record
+        self.title.setText(f"{h.name}  ({h.id})")
+        state = job.get("state") or NA
+        if job.get("cancel_requested") and h.active:
+            state += " — cancelling, waiting for the checkpoint"
+        parts = [f"<b>{state}</b>", f"{job.get('kind') or 'job'}", f"GPUs {gpus_text(job.get('gpus'))}"]
+        if job.get("simulated"):
+            parts.append("simulated machine: CPU ranks")
+        if job.get("run", 1) > 1:
+            parts.append(f"run {job['run']}")
+        if job.get("waiting_for"):
+            parts.append(f"waiting for GPU {gpus_text(job['waiting_for'])}")
+        self.summary.setText(" · ".join(parts))
+        self.cancel_button.setEnabled(h.can_cancel)
+        self.resume_button.setEnabled(h.can_resume)
+        self.clone_button.setEnabled(bool(job.get("kind")))
+        has_folder = bool(job.get("job_dir")) and self._local_folder
+        self.folder_button.setEnabled(has_folder)
+        self.folder_button.setToolTip(
+            f"Open {job['job_dir']}" if has_folder
+            else "The job runs on a remote engine; its folder is on that machine" if job.get("job_dir")
+            else "The engine has not said where this job's folder is"
+        )  # fmt: skip
+        self.charts.set_job(h.series, list(job.get("gpus") or []), int(job.get("ranks") or 1), job.get("predicted"))
+        self.update_live()
+
+    def update_live(self) -> None:
+        """What moves with the metrics: progress, ETA, phase, plan-vs-measured, an out-of-memory error."""
+        h = self.handle
+        if h is None:
+            return
+        job = h.record
+        fraction, text = progress_of(job)
+        if fraction is None:
+            self.progress.setRange(0, 0 if h.state == "running" else 1000)  # busy bar when running without a length
+            self.progress.setValue(0)
+            self.progress.setFormat(text or " ")
+        else:
+            self.progress.setRange(0, 1000)
+            self.progress.setValue(int(fraction * 1000))
+            eta = eta_of(job)
+            self.progress.setFormat(f"{text} — {duration(eta)} left" if eta is not None else text)
+        phase = h.series.phase
+        self.progress.setToolTip(f"phase: {phase}" if phase else "")
+        predicted = job.get("predicted")
+        self.prediction.show_values(predicted, h.series.measured())
+        self.plan_note.setText(
+            "The plan's figures are from the Planner, attached when the job was submitted."
+            if predicted else "No plan was attached when this job was submitted, so there is nothing to compare with."
+        )  # fmt: skip
+        self.failure.show_job(job, h.series.oom)
+
+    def show_log(self, rank: int) -> None:
+        self.tabs.setCurrentIndex(LOG_TAB)
+        self.log.select_rank(rank)
+
+    def set_compare(self, series: Any, name: str) -> None:
+        self.charts.set_compare(series, name)

@@ -1,0 +1,517 @@
+"""The Jobs page: every job the engine knows, and the one picked, in detail.
+
+The list is a table model kept current by `sig_job` events and a `jobs`
+request on every (re)connect. Picking a job opens a `JobHandle` for it, which
+loads its whole metric history and then follows the stream; a second job
+picked for comparison gets a handle of its own. Drawing happens on a timer,
+only while the page is visible and only when something new arrived.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import time
+from typing import Any
+
+from PySide6.QtCore import QByteArray, QModelIndex, QPersistentModelIndex, QSettings, Qt, QTimer, QUrl, Signal
+from PySide6.QtGui import QDesktopServices, QHideEvent, QPainter, QShowEvent
+from PySide6.QtWidgets import (
+    QAbstractItemView,
+    QApplication,
+    QComboBox,
+    QHBoxLayout,
+    QHeaderView,
+    QLabel,
+    QSplitter,
+    QStyle,
+    QStyledItemDelegate,
+    QStyleOptionProgressBar,
+    QStyleOptionViewItem,
+    QTableView,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.jobs.charts import TELEMETRY_WINDOW_S
+from app.jobs.detail import JobDetail
+from app.jobs.handle import DELETED, JobHandle
+from app.jobs.model import ACTIVE, FRACTION_ROLE, ID_ROLE, PROGRESS, STATES, SUBMITTED, JobFilterModel, JobListModel
+
+CONNECTED = "connected"  # EngineLink's state name
+REFRESH_MS = 500
+FILTERS: list[tuple[str, frozenset[str] | None]] = [
+    ("All states", None),
+    ("Active (queued, starting, running)", frozenset(ACTIVE)),
+    *((state.capitalize(), frozenset({state})) for state in STATES),
+]
+WIZARD_MODULES = ("app.wizard", "app.wizard.wizard", "app.wizard.page")
+
+
+class ProgressDelegate(QStyledItemDelegate):
+    """Draws the progress column as a bar when the job knows how far it is."""
+
+    def paint(
+        self, painter: QPainter, option: QStyleOptionViewItem, index: QModelIndex | QPersistentModelIndex
+    ) -> None:
+        fraction = index.data(FRACTION_ROLE)
+        if fraction is None:
+            super().paint(painter, option, index)
+            return
+        bar = QStyleOptionProgressBar()
+        bar.rect = option.rect.adjusted(2, 3, -2, -3)
+        bar.minimum, bar.maximum = 0, 1000
+        bar.progress = int(max(0.0, min(1.0, fraction)) * 1000)
+        bar.text = str(index.data(Qt.ItemDataRole.DisplayRole) or "")
+        bar.textVisible = True
+        bar.state = option.state
+        bar.palette = option.palette
+        QApplication.style().drawControl(QStyle.ControlElement.CE_ProgressBar, bar, painter)
+
+
+class JobsPage(QWidget):
+    sig_job_opened = Signal(str)  # the job shown in the detail pane
+    sig_clone_requested = Signal(dict)  # the record of a job to start a new one from
+    sig_message = Signal(str)  # a line for the user (errors of requests, folder not found)
+
+    def __init__(self, link: Any, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.link = link
+        self.opens_wizard = True  # False when the window handles sig_clone_requested itself
+        self.model = JobListModel(self)
+        self.proxy = JobFilterModel(self)
+        self.proxy.setSourceModel(self.model)
+        self._handles: dict[str, JobHandle] = {}
+        self._users: dict[str, int] = {}
+        self._current: str | None = None
+        self._compare: str | None = None
+        self._job_events: dict[str, dict[str, Any]] | None = None  # events while a `jobs` request is out
+        self._live_drawn: tuple[Any, ...] | None = None
+        self._wizard: QWidget | None = None
+        self._selecting = False  # the page moves the table's selection itself: not a user's pick
+        self._telemetry_for: str | None = None  # the job whose telemetry history was asked for
+
+        self.state_filter = QComboBox()
+        self.state_filter.setObjectName("stateFilter")
+        self.state_filter.setAccessibleName("Show jobs that are")
+        for title, _ in FILTERS:
+            self.state_filter.addItem(title)
+        self.state_filter.currentIndexChanged.connect(lambda i: self.proxy.set_states(FILTERS[i][1]))
+        self.count_label = QLabel()
+        self.count_label.setObjectName("jobCount")
+        self.table = QTableView()
+        self.table.setObjectName("jobTable")
+        self.table.setAccessibleName("Jobs")
+        self.table.setModel(self.proxy)
+        self.table.setSortingEnabled(True)
+        self.table.sortByColumn(SUBMITTED, Qt.SortOrder.DescendingOrder)
+        self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
+        self.table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
+        self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.table.setTabKeyNavigation(False)  # Tab leaves the table; arrows move in it
+        self.table.setAlternatingRowColors(True)
+        self.table.verticalHeader().hide()
+        self.table.horizontalHeader().setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
+        self.table.horizontalHeader().setSectionResizeMode(PROGRESS, QHeaderView.ResizeMode.Interactive)
+        self.table.setColumnWidth(PROGRESS, 170)
+        self._progress_delegate = ProgressDelegate(self.table)
+        self.table.setItemDelegateForColumn(PROGRESS, self._progress_delegate)
+        self.table.selectionModel().currentRowChanged.connect(self._on_row_changed)
+
+        filter_label = QLabel("S&how")
+        filter_label.setBuddy(self.state_filter)
+        list_head = QHBoxLayout()
+        list_head.addWidget(QLabel("<b>Jobs</b>"))
+        list_head.addSpacing(12)
+        list_head.addWidget(filter_label)
+        list_head.addWidget(self.state_filter)
+        list_head.addStretch(1)
+        list_head.addWidget(self.count_label)
+        list_box = QWidget()
+        list_layout = QVBoxLayout(list_box)
+        list_layout.addLayout(list_head)
+        list_layout.addWidget(self.table)
+
+        self.detail = JobDetail()
+        self.detail.cancel_button.clicked.connect(self.cancel_job)
+        self.detail.resume_button.clicked.connect(self.resume_job)
+        self.detail.clone_button.clicked.connect(self.clone_job)
+        self.detail.folder_button.clicked.connect(self.open_job_folder)
+        self.detail.compare.sig_compare_changed.connect(lambda job_id: self._set_compare(job_id or None))
+
+        self.status = QLabel()
+        self.status.setObjectName("jobsStatus")
+        self.status.setWordWrap(True)
+        self.sig_message.connect(self.status.setText)
+
+        self.splitter = QSplitter(Qt.Orientation.Vertical)
+        self.splitter.setObjectName("jobsSplitter")
+        self.splitter.addWidget(list_box)
+        self.splitter.addWidget(self.detail)
+        self.splitter.setStretchFactor(1, 1)
+        self.splitter.setSizes([220, 680])
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addWidget(self.splitter, 1)
+        layout.addWidget(self.status)
+
+        for signal in (self.model.rowsInserted, self.model.rowsRemoved, self.model.modelReset):
+            signal.connect(self._on_list_changed)
+        self.proxy.rowsInserted.connect(self._update_count)
+        self.proxy.rowsRemoved.connect(self._update_count)
+        self.proxy.modelReset.connect(self._update_count)
+        self._update_count()
+
+        self.timer = QTimer(self)
+        self.timer.setInterval(REFRESH_MS)
+        self.timer.timeout.connect(self.refresh)
+
+        link.sig_state.connect(self._on_state)
+        link.sig_job.connect(self._on_job_event)
+        link.sig_telemetry.connect(self._on_telemetry)
+        if getattr(link, "state", None) == CONNECTED:
+            self._on_state(CONNECTED, "")
+
+    # -- public API ---------------------------------------------------------------------------
+    @property
+    def current_job_id(self) -> str | None:
+        return self._current
+
+    @property
+    def current_handle(self) -> JobHandle | None:
+        return self._handles.get(self._current) if self._current else None
+
+    def handle(self, job_id: str) -> JobHandle | None:
+        return self._handles.get(job_id)
+
+    def open_job(self, job_id: str) -> None:
+        """Select `job_id` in the list and show it; works before the engine has told us about the job."""
+        if self.model.job(job_id) is None:
+            self.model.upsert({"id": job_id})  # a just-submitted job: its record follows
+        self._select_row(job_id)
+        if job_id == self._current:
+            return
+        previous, self._current = self._current, job_id
+        handle = self._acquire(job_id)
+        self.detail.show_handle(handle, local_folder=not getattr(self.link, "remote", None))
+        if previous is not None:
+            self._release(previous)
+        self._offer_compare()
+        self._telemetry_for = None
+        self._load_telemetry(handle)
+        self._live_drawn = None
+        self.refresh()
+        self.sig_job_opened.emit(job_id)
+
+    def set_state_filter(self, states: frozenset[str] | set[str] | None) -> None:
+        wanted = frozenset(states) if states is not None else None
+        for i, (_, s) in enumerate(FILTERS):
+            if s == wanted:
+                self.state_filter.setCurrentIndex(i)
+                return
+        self.proxy.set_states(wanted)  # a set the menu does not offer
+
+    def compare_with(self, job_id: str | None) -> bool:
+        """Overlay `job_id`'s loss on the shown job's loss chart ("" or None: no overlay).
+
+        False when the job is not one the picker offers (the shown job itself, a queued one).
+        """
+        if job_id and not self.detail.compare.set_job(job_id):
+            return False
+        if not job_id:
+            self.detail.compare.set_job("")
+        self._set_compare(job_id or None)
+        return True
+
+    def _set_compare(self, job_id: str | None) -> None:
+        if job_id == self._compare:
+            return
+        previous, self._compare = self._compare, job_id
+        if job_id is None:
+            self.detail.set_compare(None, "")
+        else:
+            handle = self._acquire(job_id)
+            self.detail.set_compare(handle.series, handle.name)
+        if previous is not None:
+            self._release(previous)
+
+    @property
+    def compared_job_id(self) -> str | None:
+        return self._compare
+
+    def cancel_job(self) -> None:
+        if self.current_handle is not None:
+            self.current_handle.cancel()
+
+    def resume_job(self) -> None:
+        if self.current_handle is not None:
+            self.current_handle.resume()
+
+    def clone_job(self) -> None:
+        """Start a new job from the shown one's settings: sig_clone_requested, and the wizard when it exists."""
+        handle = self.current_handle
+        if handle is None:
+            return
+        self.sig_clone_requested.emit(dict(handle.record))
+        if self.opens_wizard:
+            self._open_wizard(dict(handle.record))
+
+    def open_job_folder(self) -> bool:
+        handle = self.current_handle
+        folder = handle.record.get("job_dir") if handle else None
+        if not folder:
+            return False
+        if not QDesktopServices.openUrl(QUrl.fromLocalFile(folder)):
+            self.sig_message.emit(f"Could not open {folder}: no file manager answered")
+            return False
+        return True
+
+    # -- engine events ------------------------------------------------------------------------
+    def _on_state(self, state: str, detail: str) -> None:
+        if state == CONNECTED:
+            self._job_events = {}
+            self.link.call("jobs", on_done=self._on_jobs, on_error=self._on_jobs_error)
+
+    def _on_jobs(self, reply: dict[str, Any]) -> None:
+        # Events that arrived while the request was out are newer than the reply.
+        events = self._job_events or {}
+        self._job_events = None
+        jobs = {j["id"]: j for j in reply.get("jobs") or [] if j.get("id")}
+        for job_id, job in events.items():
+            if job.get("state") == DELETED:
+                jobs.pop(job_id, None)
+            else:
+                jobs[job_id] = {**jobs.get(job_id, {}), **job}
+        for job_id in (self._current, self._compare):
+            if job_id and job_id not in jobs and job_id in self._handles:
+                jobs[job_id] = self._handles[job_id].record  # the list may stop before an old job
+        self.model.set_jobs(sorted(jobs.values(), key=lambda j: j.get("seq") or 0))
+        if self._current:
+            self._select_row(self._current)
+
+    def _on_jobs_error(self, error: BaseException) -> None:
+        self._job_events = None
+        self.sig_message.emit(f"Engine: could not list jobs: {error}")
+
+    def _on_job_event(self, job: dict[str, Any]) -> None:
+        if not job.get("id"):
+            return
+        if self._job_events is not None:
+            self._job_events[job["id"]] = job
+        if job.get("state") == DELETED:
+            self._forget(job["id"])
+            return
+        self.model.upsert(job)
+
+    def _forget(self, job_id: str) -> None:
+        if job_id == self._compare:
+            self.compare_with(None)
+        if job_id == self._current:
+            self._current = None
+            self.detail.show_handle(None)
+            self._release(job_id)
+        # Removing the current row would move the selection on, and open a job nobody picked.
+        self._selecting = True
+        try:
+            if self._current is None:
+                self.table.setCurrentIndex(QModelIndex())
+            self.model.remove(job_id)
+        finally:
+            self._selecting = False
+        if self._current is not None:
+            self._select_row(self._current)
+
+    def _on_telemetry(self, sample: dict[str, Any]) -> None:
+        if self._current is not None:
+            self.detail.charts.add_telemetry([sample])
+
+    def _load_telemetry(self, handle: JobHandle) -> None:
+        """The job's GPUs over the last minutes, so the usage charts do not start empty.
+
+        Asked once the record says which GPUs the job has: samples of unknown GPUs have nowhere to go.
+        """
+        if self._telemetry_for == handle.id or not handle.record.get("gpus"):
+            return
+        self._telemetry_for = job_id = handle.id
+        since = time.time() - TELEMETRY_WINDOW_S
+
+        def done(reply: dict[str, Any]) -> None:
+            if self._current == job_id:
+                self.detail.charts.add_telemetry(reply.get("samples") or [])
+
+        # Without the history the charts fill from live samples: nothing to tell the user.
+        self.link.call(
+            "telemetry_history", since=since, limit=int(TELEMETRY_WINDOW_S) * 2, on_done=done, on_error=_ignore
+        )
+
+    # -- handles --------------------------------------------------------------------------------
+    def _acquire(self, job_id: str) -> JobHandle:
+        handle = self._handles.get(job_id)
+        if handle is None:
+            handle = JobHandle(self.link, job_id, self.model.job(job_id))
+            handle.sig_record.connect(self._on_handle_record)
+            handle.sig_error.connect(self.sig_message.emit)
+            self._handles[job_id] = handle
+            handle.open()
+        self._users[job_id] = self._users.get(job_id, 0) + 1
+        return handle
+
+    def _release(self, job_id: str) -> None:
+        self._users[job_id] = self._users.get(job_id, 1) - 1
+        if self._users[job_id] > 0:
+            return
+        del self._users[job_id]
+        handle = self._handles.pop(job_id, None)
+        if handle is not None:
+            handle.close()
+            handle.sig_record.disconnect(self._on_handle_record)
+            handle.sig_error.disconnect(self.sig_message.emit)
+
+    def _on_handle_record(self, record: dict[str, Any]) -> None:
+        job_id = record.get("id")
+        if not job_id:
+            return
+        if record.get("state") == DELETED:
+            self._forget(job_id)
+            return
+        self.model.upsert(record)
+        if job_id == self._current:
+            self.detail.update_record()
+            self._load_telemetry(self._handles[job_id])
+            self._live_drawn = None
+        if job_id == self._compare:
+            self.detail.set_compare(self._handles[job_id].series, self._handles[job_id].name)
+
+    # -- list -------------------------------------------------------------------------------------
+    def _select_row(self, job_id: str) -> None:
+        row = self.model.row_of(job_id)
+        if row is None:
+            return
+        source = self.model.index(row, 0)
+        index = self.proxy.mapFromSource(source)
+        if not index.isValid():  # hidden by the state filter: show everything rather than hide the job
+            self.state_filter.setCurrentIndex(0)
+            index = self.proxy.mapFromSource(source)
+        if self.table.currentIndex() != index:
+            self._selecting = True
+            try:
+                self.table.setCurrentIndex(index)
+            finally:
+                self._selecting = False
+        self.table.scrollTo(index)
+
+    def _on_row_changed(self, current: QModelIndex, _previous: QModelIndex) -> None:
+        if self._selecting:
+            return
+        job_id = current.data(ID_ROLE) if current.isValid() else None
+        if job_id and job_id != self._current:
+            self.open_job(job_id)
+
+    def _on_list_changed(self, *_: Any) -> None:
+        self._offer_compare()
+
+    def _offer_compare(self) -> None:
+        self.detail.compare.set_jobs(self.model.jobs(), self._current)
+
+    def _update_count(self, *_: Any) -> None:
+        shown, total = self.proxy.rowCount(), self.model.rowCount()
+        self.count_label.setText(
+            f"{shown} of {total} jobs" if shown != total else f"{total} job{'s' if total != 1 else ''}"
+        )
+
+    # -- drawing ----------------------------------------------------------------------------------
+    def refresh(self, force: bool = False) -> None:
+        """Redraw the shown job if something changed; a no-op while hidden."""
+        if not force and not self.isVisible():
+            return
+        handle = self.current_handle
+        if handle is None:
+            return
+        live = (id(handle), handle.series.revision, id(handle.record))
+        if force or live != self._live_drawn:
+            self._live_drawn = live
+            self.detail.update_live()
+        self.detail.charts.refresh(force)
+
+    def showEvent(self, event: QShowEvent) -> None:
+        super().showEvent(event)
+        self.timer.start()
+        self.refresh(force=True)
+
+    def hideEvent(self, event: QHideEvent) -> None:
+        super().hideEvent(event)
+        self.timer.stop()
+
+    # -- the wizard ---------------------------------------------------------------------------------
+    def _open_wizard(self, job: dict[str, Any]) -> None:
+        try:
+            wizard_class = _find_wizard()
+            if wizard_class is None:
+                self.sig_message.emit("The job wizard is not available in this build.")
+                return
+            if inspect.ismethod(wizard_class.from_job):  # a classmethod: it builds the wizard
+                takes_link = "link" in inspect.signature(wizard_class.from_job).parameters
+                wizard = wizard_class.from_job(job, link=self.link) if takes_link else wizard_class.from_job(job)
+            else:
+                wizard = wizard_class(self.link)
+                wizard.from_job(job)
+        except Exception as e:  # a wizard that cannot take this job must not take the page down
+            self.sig_message.emit(f"Could not clone {job.get('id')} into the wizard: {e}")
+            return
+        if isinstance(wizard, QWidget):
+            self._wizard = wizard
+            if hasattr(wizard, "sig_submitted"):
+                wizard.sig_submitted.connect(self._on_wizard_submitted)
+            wizard.show()  # a new top-level window comes up in front; raise_() is not needed
+
+    def _on_wizard_submitted(self, job: Any) -> None:
+        job_id = job.get("id") if isinstance(job, dict) else job
+        if isinstance(job_id, str):
+            self.open_job(job_id)
+
+    # -- persistence ----------------------------------------------------------------------------------
+    def save_state(self, settings: QSettings, prefix: str) -> None:
+        settings.setValue(f"{prefix}/splitter", self.splitter.saveState())
+        settings.setValue(f"{prefix}/filter", self.state_filter.currentIndex())
+        settings.setValue(f"{prefix}/header", self.table.horizontalHeader().saveState())
+        settings.setValue(f"{prefix}/tab", self.detail.tabs.currentIndex())
+        settings.setValue(f"{prefix}/smoothing", self.detail.smoothing.value())
+
+    def restore_state(self, settings: QSettings, prefix: str) -> None:
+        for key, target in (("splitter", self.splitter), ("header", self.table.horizontalHeader())):
+            state = settings.value(f"{prefix}/{key}")
+            if isinstance(state, QByteArray):
+                target.restoreState(state)
+        for key, setter, count in (
+            ("filter", self.state_filter.setCurrentIndex, len(FILTERS)),
+            ("tab", self.detail.tabs.setCurrentIndex, self.detail.tabs.count()),
+        ):
+            try:
+                value = int(settings.value(f"{prefix}/{key}", 0))
+            except (TypeError, ValueError):
+                continue
+            if 0 <= value < count:
+                setter(value)
+        try:
+            self.detail.smoothing.setValue(float(settings.value(f"{prefix}/smoothing", self.detail.smoothing.value())))
+        except (TypeError, ValueError):
+            pass
+
+
+def _ignore(_error: BaseException) -> None:
+    pass
+
+
+def _find_wizard() -> Any:
+    """The wizard page's `JobWizard`, wherever its module puts it; None while it does not exist."""
+    for name in WIZARD_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name is not None and name.startswith(e.name):
+                continue  # that module does not exist (yet); a broken import inside one does raise
+            raise
+        wizard = getattr(module, "JobWizard", None)
+        if wizard is not None and hasattr(wizard, "from_job"):
+            return wizard
+    return None

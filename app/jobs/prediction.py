@@ -1,0 +1,69 @@
+"""The plan's predictions beside what the job measures: peak memory per GPU, tokens/s, step time.
+
+Predictions come with the job record when a plan was attached at submission
+(`predicted`, engine/service/submission.py); measurements from the job's own
+metrics (`JobSeries.measured`), so they move while the job runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QAbstractItemView, QHeaderView, QTableWidget, QTableWidgetItem, QWidget
+
+from app.widgets.units import NA, gib
+
+ROWS = [
+    ("peak_memory_bytes", "Peak memory per GPU"),
+    ("tokens_per_s", "Tokens/s (whole job)"),
+    ("step_time_s", "Step time"),
+]
+COLUMNS = ["Plan", "Measured", "Measured ÷ plan"]
+
+
+def _format(key: str, value: float | None) -> str:
+    if value is None:
+        return NA
+    if key == "peak_memory_bytes":
+        return gib(value, 2)
+    if key == "tokens_per_s":
+        return f"{value:,.0f}"
+    return f"{value * 1000:.0f} ms" if value < 10 else f"{value:.1f} s"
+
+
+class PredictionTable(QTableWidget):
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(len(ROWS), len(COLUMNS), parent)
+        self.setObjectName("predictionTable")
+        self.setAccessibleName("Predicted versus measured")
+        self.setHorizontalHeaderLabels(COLUMNS)
+        self.setVerticalHeaderLabels([title for _, title in ROWS])
+        self.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.setTabKeyNavigation(False)
+        self.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
+        self.setMaximumHeight(self.verticalHeader().length() + self.horizontalHeader().height() + 6)
+        self.show_values(None, {})
+
+    def show_values(self, predicted: dict[str, Any] | None, measured: dict[str, float | None]) -> None:
+        for row, (key, title) in enumerate(ROWS):
+            plan = (predicted or {}).get(key)
+            plan = float(plan) if isinstance(plan, int | float) and not isinstance(plan, bool) else None
+            got = measured.get(key)
+            ratio = f"{got / plan:.2f} ×" if plan and got is not None else NA
+            cells = [_format(key, plan), _format(key, got), ratio]
+            for col, text in enumerate(cells):
+                item = self.item(row, col)
+                if item is None:
+                    item = QTableWidgetItem()
+                    item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+                    self.setItem(row, col, item)
+                item.setText(text)
+            if predicted is None:
+                self.item(row, 0).setToolTip("No plan was attached to this job")
+            else:
+                self.item(row, 0).setToolTip(f"{title} the planner predicted")
+
+    def text(self, key: str, column: int) -> str:
+        row = [k for k, _ in ROWS].index(key)
+        return self.item(row, column).text()

@@ -1,0 +1,257 @@
+"""A job's metrics and its GPUs' telemetry as the charts read them: bounded, plain numpy, no Qt.
+
+`JobSeries` folds the metric records of one job (engine/report.py's JSON lines)
+into ring buffers, so an hour-long or a week-long job costs the same memory.
+Step records of rank 0 feed the line charts, as the engine's own summary does;
+every rank adds its peak memory and speed, which the predicted-vs-measured
+view compares with the plan. `GpuUsage` keeps the memory and utilisation of
+the job's GPUs from the telemetry stream.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from app.widgets.ring_buffer import RingBuffer
+from engine.service.metrics import PEAK_MEMORY_KEYS
+
+GIB = 1024**3
+CHART_RANK = 0
+STEP_FIELDS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time", "mfu", "peak_memory")
+# The train worker reports "peak_memory"; scripts and the engine's summary may use the longer names.
+PEAK_MEMORY_FIELDS = ("peak_memory", *PEAK_MEMORY_KEYS)
+STEP_ROWS = 100_000
+EVAL_ROWS = 10_000
+TELEMETRY_ROWS = 3600 * 4  # four hours at the sampler's usual 1 Hz
+RECENT = 10  # steps the measured speed is the median of: single steps jitter, the first ones compile
+KEPT_ERRORS = 5
+DEFAULT_SMOOTHING = 0.9
+_STEP_TIME_COLUMN = 1 + STEP_FIELDS.index("step_time")
+
+
+def _number(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return None
+    return float(v) if math.isfinite(v) else None
+
+
+def final_timeline(steps: np.ndarray) -> np.ndarray:
+    """A mask over rows in time order keeping, for each step, the run that finally got past it.
+
+    A resumed job repeats the steps after its last checkpoint; the rows of the
+    run that failed there are replaced by the rerun's, so the line never doubles back.
+    """
+    keep = np.ones(len(steps), dtype=bool)
+    if len(steps) > 1:
+        later_min = np.minimum.accumulate(steps[::-1])[::-1]
+        keep[:-1] = steps[:-1] < later_min[1:]
+    return keep
+
+
+def ema(values: np.ndarray, weight: float, start: float = math.nan) -> np.ndarray:
+    """Exponential moving average (TensorBoard's smoothing): NaN gaps carry the last value on.
+
+    `start` is the average before the first value, to continue an earlier computation.
+    """
+    out = np.empty(len(values), dtype=np.float64)
+    last = start
+    keep, take = weight, 1.0 - weight
+    for i, v in enumerate(values.tolist()):
+        if v == v:  # not NaN
+            last = v if last != last else last * keep + v * take
+        out[i] = last
+    return out
+
+
+class JobSeries:
+    """Everything charted about one job, fed record by record (deduplicated by the caller)."""
+
+    def __init__(self, capacity: int = STEP_ROWS):
+        # Rows are keyed by the record's time (file order); column 0 is the step, then STEP_FIELDS.
+        self._steps = RingBuffer(capacity, 1 + len(STEP_FIELDS))
+        self._evals = RingBuffer(min(capacity, EVAL_ROWS), 2)
+        self.peak_memory: dict[int, float] = {}  # rank -> bytes, the highest reported
+        self._speed: dict[int, deque[float]] = {}  # rank -> recent tokens/s
+        self._step_times: deque[float] = deque(maxlen=RECENT)
+        self.errors: list[dict[str, Any]] = []  # the newest few kind="error" records
+        self.phase: str | None = None
+        self.records = 0
+        self.revision = 0  # bumps on every change, so charts redraw only when something is new
+        self._view: tuple[int, np.ndarray, np.ndarray, np.ndarray] | None = None  # revision, times, steps, values
+        self._smoothed: tuple[float, float, np.ndarray] | None = None  # weight, time of the last row, the EMA
+
+    # -- input ----------------------------------------------------------------------------
+    def add(self, records: list[dict[str, Any]]) -> None:
+        step_t, step_rows, eval_t, eval_rows = [], [], [], []
+        for rec in records:
+            self.records += 1
+            rank = rec.get("rank") if isinstance(rec.get("rank"), int) else 0
+            t = _number(rec.get("time"))
+            kind = rec.get("kind")
+            for key in PEAK_MEMORY_FIELDS:
+                v = _number(rec.get(key))
+                if v is not None:
+                    self.peak_memory[rank] = max(self.peak_memory.get(rank, 0.0), v)
+            if kind == "error":
+                self.errors = [*self.errors[-(KEPT_ERRORS - 1) :], rec]
+                continue
+            if kind == "status":
+                if rank == CHART_RANK and isinstance(rec.get("phase"), str):
+                    self.phase = rec["phase"]
+                continue
+            step = _number(rec.get("step"))
+            if t is None or step is None:
+                continue
+            if kind == "eval":
+                loss = _number(rec.get("eval_loss"))
+                if rank == CHART_RANK and loss is not None:
+                    eval_t.append(t)
+                    eval_rows.append((step, loss))
+                continue
+            if kind is not None:
+                continue  # checkpoint timings, calibration rows: not charted here
+            tps = _number(rec.get("tokens_per_s"))
+            if tps is not None:
+                self._speed.setdefault(rank, deque(maxlen=RECENT)).append(tps)
+            if rank != CHART_RANK:
+                continue
+            row = [step, *(self._field(rec, f) for f in STEP_FIELDS)]
+            step_t.append(t)
+            step_rows.append(row)
+            if not math.isnan(row[_STEP_TIME_COLUMN]):
+                self._step_times.append(row[_STEP_TIME_COLUMN])
+        if step_t:
+            self._steps.merge(np.array(step_t), np.array(step_rows, dtype=np.float64))
+        if eval_t:
+            self._evals.merge(np.array(eval_t), np.array(eval_rows, dtype=np.float64))
+        if records:
+            self.revision += 1
+
+    @staticmethod
+    def _field(rec: dict[str, Any], name: str) -> float:
+        names = PEAK_MEMORY_FIELDS if name == "peak_memory" else (name,)
+        for key in names:
+            v = _number(rec.get(key))
+            if v is not None:
+                return v
+        return math.nan  # a gap in the chart: not reported, or not finite (report() sends NaN as null)
+
+    # -- output -----------------------------------------------------------------------------
+    def _rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Times, steps and the STEP_FIELDS rows of the final timeline, computed once per revision."""
+        if self._view is None or self._view[0] != self.revision:
+            times, values = self._steps.window()
+            keep = final_timeline(values[0])
+            steps, fields = values[0][keep].astype(np.float64), values[1:, keep].astype(np.float64)
+            self._view = (self.revision, times[keep], steps, fields)
+        return self._view[1], self._view[2], self._view[3]
+
+    def steps(self) -> np.ndarray:
+        return self._rows()[1]
+
+    def series(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """(steps, values) of one STEP_FIELDS entry, in step order; NaN where a step did not report it."""
+        _, steps, values = self._rows()
+        return steps, values[STEP_FIELDS.index(name)]
+
+    def smoothed_loss(self, weight: float = DEFAULT_SMOOTHING) -> tuple[np.ndarray, np.ndarray]:
+        times, steps, values = self._rows()
+        loss = values[STEP_FIELDS.index("loss")]
+        # A live job only appends: carry on from the last average instead of redoing a long history.
+        # The time of a row names its record, so a changed prefix (a merge, a resumed run) is noticed.
+        cached = self._smoothed
+        n = len(cached[2]) if cached else 0
+        if cached and cached[0] == weight and 0 < n <= len(times) and times[n - 1] == cached[1]:
+            smoothed = np.concatenate([cached[2], ema(loss[n:], weight, float(cached[2][-1]))])
+        else:
+            smoothed = ema(loss, weight)
+        self._smoothed = (weight, float(times[-1]), smoothed) if len(times) else None
+        return steps, smoothed
+
+    def eval_loss(self) -> tuple[np.ndarray, np.ndarray]:
+        _, values = self._evals.window()
+        keep = final_timeline(values[0])
+        return values[0][keep].astype(np.float64), values[1][keep].astype(np.float64)
+
+    @property
+    def last_step(self) -> int | None:
+        steps = self.steps()
+        return int(steps[-1]) if len(steps) else None
+
+    @property
+    def oom(self) -> dict[str, Any] | None:
+        """The newest out-of-memory error record, if a rank reported one."""
+        return next((e for e in reversed(self.errors) if e.get("error") == "out_of_memory"), None)
+
+    def measured(self) -> dict[str, float | None]:
+        """What the plan's predictions are compared with: peak memory per GPU, job tokens/s, step time."""
+        # Ranks report their own device's rate (engine/workers/train.py), so the job's is the sum.
+        speeds = [statistics.median(d) for d in self._speed.values() if d]
+        return {
+            "peak_memory_bytes": max(self.peak_memory.values()) if self.peak_memory else None,
+            "tokens_per_s": sum(speeds) if speeds else None,
+            "step_time_s": statistics.median(self._step_times) if self._step_times else None,
+        }
+
+
+class GpuUsage:
+    """Memory used (GiB) and utilisation (%) of a job's GPUs over time, from telemetry samples."""
+
+    def __init__(self, capacity: int = TELEMETRY_ROWS):
+        self.capacity = capacity
+        self.gpus: list[int] = []
+        self._buffer = RingBuffer(capacity, 1)
+        self.memory_total: dict[int, float] = {}  # GPU -> bytes
+        self.revision = 0
+
+    def set_gpus(self, gpus: list[int]) -> None:
+        if list(gpus) == self.gpus:
+            return
+        self.gpus = list(gpus)
+        self._buffer = RingBuffer(self.capacity, 2 * max(len(self.gpus), 1))
+        self.revision += 1
+
+    def add_samples(self, samples: list[dict[str, Any]]) -> None:
+        """Telemetry samples (TelemetrySample.to_dict()), live or from history, in any order."""
+        if not self.gpus:
+            return
+        times, rows = [], []
+        for sample in samples:
+            t = _number(sample.get("time"))
+            if t is None:
+                continue
+            by_index = {g.get("index"): g for g in sample.get("gpus") or []}
+            row = []
+            for index in self.gpus:
+                g = by_index.get(index) or {}
+                used = _number(g.get("memory_used"))
+                total = _number(g.get("memory_total"))
+                if total:
+                    self.memory_total[index] = total
+                row.append(used / GIB if used is not None else math.nan)
+            for index in self.gpus:
+                util = _number((by_index.get(index) or {}).get("gpu_util"))
+                row.append(util if util is not None else math.nan)
+            times.append(t)
+            rows.append(row)
+        if times:
+            order = np.argsort(times, kind="stable")
+            self._buffer.merge(np.array(times)[order], np.array(rows, dtype=np.float64)[order])
+            self.revision += 1
+
+    def memory(self, since: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+        n = len(self.gpus)
+        return self._buffer.window(since, slice(0, n))
+
+    def utilization(self, since: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+        n = len(self.gpus)
+        return self._buffer.window(since, slice(n, 2 * n))
+
+    @property
+    def last_time(self) -> float | None:
+        return self._buffer.last_time

@@ -1,0 +1,41 @@
+"""Starting the desktop app."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from app.identity import APP_ID, APP_NAME, ORGANIZATION
+
+NO_DISPLAY = (
+    "rigpilot: no display found (DISPLAY and WAYLAND_DISPLAY are unset, e.g. over SSH); "
+    "use 'rigpilot watch' for a live terminal view"
+)
+
+
+def has_display() -> bool:
+    if os.environ.get("QT_QPA_PLATFORM", "").split(":")[0] in ("offscreen", "minimal", "vnc", "eglfs", "linuxfb"):
+        return True
+    return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    if not has_display():
+        print(NO_DISPLAY, file=sys.stderr)
+        return 2
+    from PySide6.QtGui import QGuiApplication, QIcon
+    from PySide6.QtWidgets import QApplication
+
+    from app.engine_link import EngineLink
+    from app.main_window import MainWindow
+    from app.settings.model import engine_link_options
+
+    QGuiApplication.setDesktopFileName(APP_ID)
+    app = QApplication.instance() or QApplication([sys.argv[0], *(argv or [])])
+    app.setApplicationName(APP_NAME)
+    app.setOrganizationName(ORGANIZATION)
+    app.setWindowIcon(QIcon.fromTheme(APP_ID))
+    # A remote engine (Settings → Engine address) drives a workstation from another computer.
+    window = MainWindow(EngineLink(**engine_link_options()))
+    window.show()
+    return app.exec()

@@ -1,0 +1,255 @@
+"""The main window: a navigation rail of pages, the simulated-machine banner, the status bar, the tray."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from PySide6.QtCore import QSettings, Qt, QTimer
+from PySide6.QtGui import QAction, QCloseEvent, QIcon, QKeySequence
+from PySide6.QtWidgets import (
+    QApplication,
+    QLabel,
+    QListWidget,
+    QListWidgetItem,
+    QMainWindow,
+    QMenu,
+    QMessageBox,
+    QSplitter,
+    QStackedWidget,
+    QSystemTrayIcon,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app import tasks
+from app.engine_link import CONNECTED, CONNECTING, EngineLink
+from app.identity import APP_ID, APP_NAME
+
+# (key, title, "module:Class"): each page lives in its own folder and is built with the EngineLink.
+PAGES: list[tuple[str, str, str]] = [
+    ("dashboard", "Dashboard", "app.dashboard.page:DashboardPage"),
+    ("topology", "Topology", "app.topology.page:TopologyPage"),
+    ("planner", "Planner", "app.planner.page:PlannerPage"),
+    ("jobs", "Jobs", "app.jobs.page:JobsPage"),
+    ("settings", "Settings", "app.settings.page:SettingsPage"),
+]
+
+RUNNING_STATES = ("queued", "starting", "running")
+
+
+def _load_page(target: str) -> Callable[..., QWidget]:
+    module, cls = target.split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+class MainWindow(QMainWindow):
+    def __init__(self, link: EngineLink | None = None):
+        super().__init__()
+        self.setWindowTitle(APP_NAME)
+        self.setWindowIcon(QIcon.fromTheme(APP_ID))
+        self.link = link or EngineLink()
+        self.settings = QSettings()
+        self.jobs: dict[str, dict[str, Any]] = {}
+        self._asked_on_close = False
+
+        self.banner = QLabel()
+        self.banner.setObjectName("simulatedBanner")
+        self.banner.setWordWrap(True)
+        self.banner.setStyleSheet(
+            "#simulatedBanner { background: #fff3cd; color: #664d03; padding: 6px 10px; font-weight: bold; }"
+        )
+        self.banner.hide()
+
+        self.nav = QListWidget()
+        self.nav.setObjectName("navigation")
+        self.nav.setMinimumWidth(110)
+        self.stack = QStackedWidget()
+        self.pages: dict[str, QWidget] = {}
+        for key, title, target in PAGES:
+            page = _load_page(target)(self.link)
+            page.setObjectName(f"page-{key}")
+            self.pages[key] = page
+            self.stack.addWidget(page)
+            item = QListWidgetItem(title)
+            item.setData(Qt.ItemDataRole.UserRole, key)
+            self.nav.addItem(item)
+        self.nav.currentRowChanged.connect(self.stack.setCurrentIndex)
+
+        self.splitter = QSplitter()
+        self.splitter.addWidget(self.nav)
+        self.splitter.addWidget(self.stack)
+        self.splitter.setStretchFactor(1, 1)
+        self.splitter.setCollapsible(0, False)
+        self.splitter.setSizes([150, 1130])
+        central = QWidget()
+        layout = QVBoxLayout(central)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.setSpacing(0)
+        layout.addWidget(self.banner)
+        layout.addWidget(self.splitter, 1)
+        self.setCentralWidget(central)
+
+        self.connection_label = QLabel("Engine: connecting…")
+        self.machine_label = QLabel("")
+        self.statusBar().addWidget(self.connection_label)
+        self.statusBar().addPermanentWidget(self.machine_label)
+        tasks.set_error_sink(lambda e: self.statusBar().showMessage(f"Error: {e}", 10000))
+
+        for i, (key, _, _) in enumerate(PAGES):
+            action = QAction(self)
+            action.setShortcut(QKeySequence(f"Ctrl+{i + 1}"))
+            action.triggered.connect(lambda _=False, k=key: self.show_page(k))
+            self.addAction(action)
+
+        self._build_tray()
+        self.link.sig_state.connect(self._on_state)
+        self.link.sig_machine.connect(self._on_machine)
+        self.link.sig_job.connect(self._on_job)
+        self._restore()
+        self.link.start()
+        # The job list is not pushed on connect; ask once connected, and again after each reconnect.
+        self._refresh_jobs_timer = QTimer(self, singleShot=True, interval=0, timeout=self._refresh_jobs)
+
+    # -- navigation -----------------------------------------------------------------
+    def show_page(self, key: str) -> QWidget:
+        keys = [k for k, _, _ in PAGES]
+        self.nav.setCurrentRow(keys.index(key))
+        return self.pages[key]
+
+    def current_page_key(self) -> str:
+        return PAGES[max(self.nav.currentRow(), 0)][0]
+
+    # -- engine state -----------------------------------------------------------------
+    def _on_state(self, state: str, detail: str) -> None:
+        if state == CONNECTED:
+            self.connection_label.setText(f"Engine: connected ({detail})")
+            self._refresh_jobs_timer.start()
+        elif state == CONNECTING:
+            self.connection_label.setText(f"Engine: connecting ({detail})…")
+        else:
+            self.connection_label.setText(f"Engine: connection lost ({detail}); reconnecting…")
+
+    def _on_machine(self, machine: dict) -> None:
+        label = machine.get("label", "")
+        self.machine_label.setText(label)
+        self.setWindowTitle(f"{APP_NAME} — {label}")
+        if machine.get("source") == "simulated":
+            self.banner.setText(
+                f"{label[:1].upper()}{label[1:]} — this is a simulated machine: jobs run on the CPU, one process per "
+                "simulated GPU. " + " ".join(self.link.notes)
+            )
+            self.banner.show()
+        else:
+            self.banner.hide()
+
+    def _refresh_jobs(self) -> None:
+        self.link.call("jobs", on_done=self._on_jobs, on_error=lambda e: None)
+
+    def _on_jobs(self, result: dict) -> None:
+        self.jobs = {j["id"]: j for j in result.get("jobs", [])}
+        self._update_tray()
+
+    def _on_job(self, job: dict) -> None:
+        before = self.jobs.get(job["id"], {}).get("state")
+        self.jobs[job["id"]] = job
+        self._update_tray()
+        state = job.get("state")
+        if before != state and state in ("completed", "failed"):
+            name = job.get("name") or job["id"]
+            if state == "completed":
+                self._notify(f"{name} finished", "The job completed.", QSystemTrayIcon.MessageIcon.Information)
+            else:
+                reason = job.get("exit_reason") or "see its page for the cause"
+                self._notify(f"{name} failed", reason, QSystemTrayIcon.MessageIcon.Critical)
+
+    def running_jobs(self) -> list[dict]:
+        return [j for j in self.jobs.values() if j.get("state") in RUNNING_STATES]
+
+    # -- tray ----------------------------------------------------------------------
+    def _build_tray(self) -> None:
+        self.tray: QSystemTrayIcon | None = None
+        if not QSystemTrayIcon.isSystemTrayAvailable():
+            return
+        self.tray = QSystemTrayIcon(self.windowIcon(), self)
+        menu = QMenu(self)
+        menu.addAction("Show Rigpilot", self._raise)
+        menu.addAction("Quit", QApplication.quit)
+        self.tray.setContextMenu(menu)
+        self.tray.activated.connect(lambda *_: self._raise())
+        self._update_tray()
+        self.tray.show()
+
+    def _update_tray(self) -> None:
+        n = len(self.running_jobs())
+        text = f"{APP_NAME}: {n} job{'s' if n != 1 else ''} running" if n else f"{APP_NAME}: no jobs running"
+        if self.tray is not None:
+            self.tray.setToolTip(text)
+
+    def _notify(self, title: str, message: str, icon: QSystemTrayIcon.MessageIcon) -> None:
+        if self.tray is not None and self.tray.supportsMessages():
+            self.tray.showMessage(title, message, icon, 10000)
+        else:
+            self.statusBar().showMessage(f"{title}: {message}", 15000)
+
+    def _raise(self) -> None:
+        self.showNormal()
+        self.raise_()
+        self.activateWindow()
+
+    # -- persistence ---------------------------------------------------------------
+    def _restore(self) -> None:
+        geometry = self.settings.value("window/geometry")
+        if geometry is not None:
+            self.restoreGeometry(geometry)
+        else:
+            self.resize(1280, 820)
+        splitter = self.settings.value("window/splitter")
+        if splitter is not None:
+            self.splitter.restoreState(splitter)
+        keys = [k for k, _, _ in PAGES]
+        last = self.settings.value("window/page", "dashboard")
+        self.nav.setCurrentRow(keys.index(last) if last in keys else 0)
+        for key, page in self.pages.items():
+            restore = getattr(page, "restore_state", None)
+            if restore is not None:
+                restore(self.settings, f"pages/{key}")
+
+    def save_state(self) -> None:
+        self.settings.setValue("window/geometry", self.saveGeometry())
+        self.settings.setValue("window/splitter", self.splitter.saveState())
+        self.settings.setValue("window/page", self.current_page_key())
+        for key, page in self.pages.items():
+            save = getattr(page, "save_state", None)
+            if save is not None:
+                save(self.settings, f"pages/{key}")
+        self.settings.sync()
+
+    def closeEvent(self, event: QCloseEvent) -> None:
+        running = self.running_jobs()
+        if running and not self._asked_on_close:
+            self._asked_on_close = True
+            box = QMessageBox(self)
+            box.setIcon(QMessageBox.Icon.Question)
+            box.setWindowTitle("Jobs are running")
+            n = len(running)
+            box.setText(f"{n} job{'s are' if n > 1 else ' is'} running. Keep {'them' if n > 1 else 'it'} running in the background?")
+            box.setInformativeText("The engine service keeps running jobs when the window closes; reopen Rigpilot to see them.")
+            keep = box.addButton("Keep running", QMessageBox.ButtonRole.AcceptRole)
+            stop = box.addButton("Stop jobs", QMessageBox.ButtonRole.DestructiveRole)
+            cancel = box.addButton(QMessageBox.StandardButton.Cancel)
+            box.setDefaultButton(keep)
+            box.exec()
+            if box.clickedButton() is cancel:
+                self._asked_on_close = False
+                event.ignore()
+                return
+            if box.clickedButton() is stop:
+                for job in running:
+                    self.link.call("cancel", job=job["id"], on_error=lambda e: None)
+        self.save_state()
+        self.link.stop()
+        if self.tray is not None:
+            self.tray.hide()
+        event.accept()

@@ -1,0 +1,211 @@
+"""The Planner page's view-model: what the form asks for, and a search result turned into rows and bars.
+
+Plain Python over the engine's plan JSON (docs/cli-json.md): no Qt, so it is
+tested without widgets and shared with the job wizard. `search_locally` is the
+work function the page runs in a background task when there is no engine to ask.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.errors import UserError
+from engine.hardware.machine import Machine
+from engine.planner.plan import LoraSettings, Plan, Workload
+
+GIB = 1024**3
+
+# The parts of one GPU's memory, bottom of the stack first, as the plan JSON names them.
+MEMORY_PARTS: list[tuple[str, str]] = [
+    ("weights", "Weights"),
+    ("gradients", "Gradients"),
+    ("optimizer", "Optimizer state"),
+    ("activations", "Activations"),
+    ("kv_cache", "KV cache"),
+    ("buffers", "Buffers"),
+    ("overhead", "Overhead"),
+]
+
+TASKS = [("train", "Training"), ("infer", "Inference")]
+METHODS = [("full", "Full fine-tune"), ("lora", "LoRA"), ("qlora", "QLoRA (4-bit base)")]
+PRECISIONS = [("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32")]
+QUANTIZATION = [(16, "16-bit (the dtype)"), (8, "8-bit (LLM.int8)"), (4, "4-bit (NF4)")]
+
+
+@dataclass
+class PlanRequest:
+    """What the form asks the planner; `workload_args` is the `plan` request's `workload`."""
+
+    model: str
+    task: str = "train"
+    method: str = "full"
+    precision: str = "bf16"
+    seq_len: int = 2048
+    batch: int = 16  # training: sequences per optimizer step; inference: sequences at once
+    gpus: list[int] = field(default_factory=list)
+    lora_rank: int = 16
+    weight_bits: int = 16  # inference only
+    new_tokens: int = 256  # inference only
+    token_budget: int | None = None  # training: tokens to train on, for a predicted time to finish
+
+    def problem(self) -> str | None:
+        """What is wrong with the request before anything is asked, in the user's words."""
+        if not self.model.strip():
+            return "Choose a model: a preset, a local folder or a Hugging Face id."
+        if not self.gpus:
+            return "Select at least one GPU."
+        if self.task == "infer" and self.new_tokens >= self.seq_len:
+            return f"{self.new_tokens} new tokens leave no room for a prompt in {self.seq_len} tokens of context."
+        return None
+
+    def workload_args(self) -> dict[str, Any]:
+        training = self.task == "train"
+        method = self.method if training else "full"
+        lora = None
+        if training and method != "full":
+            lora = dataclasses.asdict(LoraSettings(rank=self.lora_rank, alpha=2 * self.lora_rank))
+        return {
+            "task": self.task,
+            "method": method,
+            "precision": self.precision,
+            "seq_len": self.seq_len,
+            "global_batch": self.batch,
+            "lora": lora,
+            "weight_bits": 16 if training else self.weight_bits,
+            "new_tokens": 0 if training else self.new_tokens,
+            "token_budget": self.token_budget if training and self.token_budget else None,
+        }
+
+    def workload(self) -> Workload:
+        args = self.workload_args()
+        lora = args.pop("lora")
+        return Workload(model=self.model.strip(), lora=LoraSettings(**lora) if lora else None, **args)
+
+
+def search_locally(request: PlanRequest, machine: dict[str, Any], trust_remote_code: bool = False) -> dict[str, Any]:
+    """The `plan` request's reply, computed here: a work function for a background task."""
+    from engine.models import describe_model
+    from engine.planner.search import search
+
+    spec = describe_model(request.model.strip(), trust_remote_code=trust_remote_code)
+    result = search(spec, Machine.from_dict(machine), request.workload(), gpus=list(request.gpus))
+    return {"result": result.to_dict()}
+
+
+# -- reading a search result -----------------------------------------------------------------------------------
+
+
+@dataclass
+class PlanRow:
+    """One line of the ranked-plans table."""
+
+    rank: str  # "best", "2", "3", ...
+    family: str
+    layout: str  # Parallelism.describe()
+    gpus: str
+    tokens_per_s: str
+    step: str
+    peak: str  # the fullest GPU: "21.4 / 24.0 GiB"
+    to_budget: str
+    fits: bool
+
+
+def plans_of(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The best plan and the runners-up, fastest first (empty when nothing fits)."""
+    best = result.get("best")
+    return ([best] if best else []) + list(result.get("runners_up") or [])
+
+
+def plan_row(plan: dict[str, Any], rank: str) -> PlanRow:
+    par = Plan.from_dict(plan).parallelism
+    timing = plan.get("timing") or {}
+    memory = plan.get("memory") or []
+    peak = max(memory, key=lambda m: m["total"] / max(m["capacity"], 1), default=None)
+    training = (plan.get("workload") or {}).get("task", "train") == "train"
+    return PlanRow(
+        rank=rank,
+        family=par.family,
+        layout=par.describe(),
+        gpus=", ".join(str(g) for g in par.gpu_indices),
+        tokens_per_s=tokens_per_s(timing.get("tokens_per_s"), training),
+        step=seconds(timing.get("step_s")),
+        peak=f"{peak['total'] / GIB:.1f} / {peak['capacity'] / GIB:.1f} GiB" if peak else "n/a",
+        to_budget=seconds(timing.get("time_to_budget_s")) if timing.get("time_to_budget_s") else "—",
+        fits=all(m["headroom"] >= 0 for m in memory),
+    )
+
+
+def plan_rows(result: dict[str, Any]) -> list[PlanRow]:
+    return [plan_row(p, "best" if i == 0 else str(i + 1)) for i, p in enumerate(plans_of(result))]
+
+
+def memory_stack(memory: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Per part, GiB on each GPU in the plan's order: the heights of the stacked bars."""
+    return {key: [m[key] / GIB for m in memory] for key, _ in MEMORY_PARTS}
+
+
+def summary_lines(plan: dict[str, Any]) -> list[str]:
+    """Prediction headlines of one plan: speed, step time, time to finish, the fullest GPU."""
+    timing = plan.get("timing") or {}
+    work = plan.get("workload") or {}
+    training = work.get("task", "train") == "train"
+    lines = [Plan.from_dict(plan).parallelism.describe()]
+    speed = f"Predicted {tokens_per_s(timing.get('tokens_per_s'), training)}"
+    if training:
+        speed += f", {seconds(timing.get('step_s'))} per optimizer step"
+    else:
+        speed += f", first token after {seconds(timing.get('prefill_s'))}"
+    if timing.get("mfu"):
+        speed += f", {100 * timing['mfu']:.0f}% of peak compute"
+    lines.append(speed)
+    if timing.get("time_to_budget_s"):
+        lines.append(f"About {seconds(timing['time_to_budget_s'])} to train on the token budget")
+    memory = plan.get("memory") or []
+    if memory:
+        peak = max(memory, key=lambda m: m["total"] / max(m["capacity"], 1))
+        lines.append(
+            f"Fullest GPU: GPU {peak['gpu']} holds {peak['total'] / GIB:.1f} of {peak['capacity'] / GIB:.1f} GiB"
+            + (f" ({peak['headroom'] / GIB:.1f} GiB free)" if peak["headroom"] >= 0 else " — does not fit")
+        )
+    return lines
+
+
+def tokens_per_s(v: float | None, training: bool = True) -> str:
+    if not v:
+        return "n/a"
+    what = "tokens/s" if training else "generated tokens/s"
+    if v >= 10_000:
+        return f"{v / 1000:.0f}k {what}"
+    if v >= 1000:
+        return f"{v / 1000:.1f}k {what}"
+    return f"{v:.0f} {what}" if v >= 10 else f"{v:.2f} {what}"
+
+
+def seconds(v: float | None) -> str:
+    if v is None:
+        return "n/a"
+    if v < 0.001:
+        return f"{v * 1e6:.0f} µs"
+    if v < 0.01:
+        return f"{v * 1000:.1f} ms"
+    if v < 1:
+        return f"{v * 1000:.0f} ms"
+    if v < 120:
+        return f"{v:.1f} s"
+    if v < 7200:
+        return f"{v / 60:.0f} min"
+    if v < 3 * 86400:
+        return f"{v / 3600:.1f} h"
+    return f"{v / 86400:.1f} days"
+
+
+def error_text(error: BaseException) -> str:
+    """One line for an inline message, whatever failed (an engine error, a UserError, a bug)."""
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else ""
+    if isinstance(error, UserError):
+        return first or type(error).__name__
+    # Not the user's mistake: name the exception so a bug report says what broke.
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__

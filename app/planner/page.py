@@ -1,0 +1,565 @@
+"""The Planner page: will this model fit on these GPUs, and what is the fastest way to split it?
+
+The form on the left asks; the engine's `plan` request answers (or, with no
+engine connected, the same planner runs here in a background task). The right
+side shows the ranked plans, the chosen plan's memory per GPU against each
+GPU's capacity, why it won and why the others lost, suggestions when nothing
+fits, exports, and "Launch with this plan…", which opens the job wizard.
+Every failure ends up as one line above the results, never a dialog.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from PySide6.QtCore import QByteArray, QSettings, Qt, Signal
+from PySide6.QtGui import QShowEvent
+from PySide6.QtWidgets import (
+    QAbstractItemView,
+    QComboBox,
+    QDoubleSpinBox,
+    QFormLayout,
+    QGroupBox,
+    QHBoxLayout,
+    QHeaderView,
+    QLabel,
+    QListWidget,
+    QListWidgetItem,
+    QPlainTextEdit,
+    QPushButton,
+    QScrollArea,
+    QSpinBox,
+    QSplitter,
+    QTableWidget,
+    QTableWidgetItem,
+    QTabWidget,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.planner.export_bar import ExportBar
+from app.planner.gpu_selector import BusyGpus, GpuSelector
+from app.planner.memory_chart import MemoryChart
+from app.planner.model import (
+    METHODS,
+    PRECISIONS,
+    QUANTIZATION,
+    TASKS,
+    PlanRequest,
+    error_text,
+    plan_rows,
+    plans_of,
+    search_locally,
+    summary_lines,
+)
+from app.planner.model_picker import ModelPicker
+from app.tasks import run_in_background
+from app.widgets.engine_messages import machine_dict
+from app.widgets.palette import BAD, GOOD
+
+TABLE_COLUMNS = ["#", "Plan", "Layout", "GPUs", "Speed", "Step", "To finish", "Fullest GPU"]
+# Suggestions that change what is asked on this machine can be applied to the form; hardware ones cannot.
+APPLICABLE_SUGGESTIONS = ("method", "quantize", "seq", "batch", "gpus")
+
+
+def _combo(name: str, items: list[tuple[Any, str]]) -> QComboBox:
+    box = QComboBox()
+    box.setObjectName(name)
+    for value, text in items:
+        box.addItem(text, value)
+    return box
+
+
+def _spin(name: str, low: int, high: int, value: int, step: int = 1) -> QSpinBox:
+    box = QSpinBox()
+    box.setObjectName(name)
+    box.setRange(low, high)
+    box.setValue(value)
+    box.setSingleStep(step)
+    box.setAccelerated(True)
+    return box
+
+
+def _select(box: QComboBox, value: Any) -> None:
+    index = box.findData(value)
+    if index >= 0:
+        box.setCurrentIndex(index)
+
+
+class PlannerPage(QWidget):
+    sig_plan_ready = Signal(dict)  # the search result (SearchResult.to_dict()) now shown
+    sig_plan_failed = Signal(str)  # the message shown instead
+    sig_plan_shown = Signal(dict)  # the plan (Plan.to_dict()) the chart, exports and launch now use
+    sig_wizard_opened = Signal(object)  # the JobWizard "Launch with this plan…" opened
+    sig_job_submitted = Signal(str)  # a job id, submitted from a wizard this page opened
+
+    def __init__(self, link: Any, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.link = link
+        self.machine: dict[str, Any] | None = None
+        self.result: dict[str, Any] | None = None
+        self.plan: dict[str, Any] | None = None  # the plan shown in the chart
+        self.wizard: Any = None
+        self._serial = 0  # replies to older requests are dropped
+
+        # -- the form ------------------------------------------------------------------------
+        self.picker = ModelPicker()
+        self.picker.sig_model_chosen.connect(lambda _: self.request_plan())
+        self.task = _combo("task", TASKS)
+        self.method = _combo("method", METHODS)
+        self.method.setToolTip(
+            "Full: every weight trains. LoRA: small adapters train. QLoRA: adapters over a 4-bit base"
+        )
+        self.lora_rank = _spin("loraRank", 1, 1024, 16)
+        self.lora_rank.setToolTip("Rank of the LoRA adapters: more capacity, more memory")
+        self.quant = _combo("quantization", QUANTIZATION)
+        self.seq_len = _spin("seqLen", 1, 1_048_576, 2048, 256)
+        self.seq_len.setToolTip("Tokens per sequence (training) or context of prompt plus answer (inference)")
+        self.batch = _spin("batch", 1, 65_536, 16)
+        self.new_tokens = _spin("newTokens", 1, 1_048_576, 256, 64)
+        self.new_tokens.setToolTip("Tokens generated per sequence; the rest of the context is the prompt")
+        self.tokens = QDoubleSpinBox()
+        self.tokens.setObjectName("tokenBudget")
+        self.tokens.setRange(0.0, 1_000_000.0)
+        self.tokens.setDecimals(2)
+        self.tokens.setSuffix(" B tokens")
+        self.tokens.setSpecialValueText("not set")
+        self.tokens.setToolTip("Tokens to train on (billions), for a predicted time to finish")
+        self.precision = _combo("precision", PRECISIONS)
+        self.precision.setToolTip("Training: mixed precision in this dtype. Inference: the weights' dtype")
+        workload = QFormLayout()
+        workload.addRow("Task", self.task)
+        workload.addRow("Method", self.method)
+        workload.addRow("LoRA rank", self.lora_rank)
+        workload.addRow("Weights", self.quant)
+        workload.addRow("Sequence length", self.seq_len)
+        self.batch_label = QLabel("Batch")
+        workload.addRow(self.batch_label, self.batch)
+        workload.addRow("New tokens", self.new_tokens)
+        workload.addRow("Train on", self.tokens)
+        workload.addRow("Precision", self.precision)
+        self.workload_form = workload
+        self.task.currentIndexChanged.connect(self._task_changed)
+        self.method.currentIndexChanged.connect(self._task_changed)
+
+        self.gpus = GpuSelector()
+        self.busy = BusyGpus(link, self)
+        self.busy.sig_changed.connect(self._busy_changed)
+        self.gpus.sig_selection_changed.connect(self._user_selected)
+        self._default_selection = True  # until the user picks, the selection follows which GPUs are free
+        self.plan_button = QPushButton("Plan")
+        self.plan_button.setObjectName("planButton")
+        self.plan_button.setDefault(True)
+        self.plan_button.setToolTip("Find the fastest way to split this workload over the selected GPUs")
+        self.plan_button.clicked.connect(self.request_plan)
+        self.status = QLabel("")
+        self.status.setObjectName("planStatus")
+        self.status.setWordWrap(True)
+
+        form = QWidget()
+        form_layout = QVBoxLayout(form)
+        model_box = QGroupBox("Model")
+        QVBoxLayout(model_box).addWidget(self.picker)
+        workload_box = QGroupBox("Workload")
+        workload_box.setLayout(workload)
+        gpu_box = QGroupBox("GPUs")
+        QVBoxLayout(gpu_box).addWidget(self.gpus)
+        form_layout.addWidget(model_box)
+        form_layout.addWidget(workload_box)
+        form_layout.addWidget(gpu_box)
+        form_layout.addWidget(self.plan_button)
+        form_layout.addWidget(self.status)
+        form_layout.addStretch(1)
+        self.form_area = QScrollArea()
+        self.form_area.setWidgetResizable(True)
+        self.form_area.setWidget(form)
+        self.form_area.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.form_area.setFocusPolicy(Qt.FocusPolicy.NoFocus)
+
+        # -- the results ----------------------------------------------------------------------
+        self.message = QLabel()
+        self.message.setObjectName("planMessage")
+        self.message.setWordWrap(True)
+        self.message.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.message.setStyleSheet(f"color: {BAD.name()}; font-weight: bold;")
+        self.message.hide()
+        self.summary = QLabel("Choose a model and GPUs, then Plan.")
+        self.summary.setObjectName("planSummary")
+        self.summary.setWordWrap(True)
+        self.summary.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        # The splitter below takes any height it is given; keep the headlines readable.
+        self.summary.setMinimumHeight(self.summary.fontMetrics().lineSpacing() * 4 + 4)
+        self.summary.setAlignment(Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft)
+
+        self.table = QTableWidget(0, len(TABLE_COLUMNS))
+        self.table.setObjectName("planTable")
+        self.table.setAccessibleName("Ranked plans, fastest first")
+        self.table.setHorizontalHeaderLabels(TABLE_COLUMNS)
+        self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
+        self.table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
+        self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.table.setTabKeyNavigation(False)  # Tab leaves the table; arrows move between plans
+        self.table.verticalHeader().hide()
+        header = self.table.horizontalHeader()
+        header.setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
+        header.setSectionResizeMode(2, QHeaderView.ResizeMode.Stretch)
+        self.table.itemSelectionChanged.connect(self._row_selected)
+
+        self.chart = MemoryChart()
+        self.explanation = QPlainTextEdit()
+        self.explanation.setObjectName("planExplanation")
+        self.explanation.setReadOnly(True)
+        self.explanation.setTabChangesFocus(True)
+        self.rejected = QTableWidget(0, 3)
+        self.rejected.setObjectName("rejectedPlans")
+        self.rejected.setHorizontalHeaderLabels(["Family", "Why not", "Needs per GPU"])
+        self.rejected.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.rejected.setTabKeyNavigation(False)
+        self.rejected.verticalHeader().hide()
+        self.rejected.setWordWrap(True)
+        rh = self.rejected.horizontalHeader()
+        rh.setSectionResizeMode(0, QHeaderView.ResizeMode.ResizeToContents)
+        rh.setSectionResizeMode(1, QHeaderView.ResizeMode.Stretch)
+        rh.setSectionResizeMode(2, QHeaderView.ResizeMode.ResizeToContents)
+        self.suggestions = QListWidget()
+        self.suggestions.setObjectName("planSuggestions")
+        self.suggestions.setWordWrap(True)
+        self.suggestions.currentRowChanged.connect(self._suggestion_selected)
+        self.apply_button = QPushButton("Apply this change")
+        self.apply_button.setObjectName("applySuggestion")
+        self.apply_button.setEnabled(False)
+        self.apply_button.clicked.connect(self.apply_suggestion)
+        suggestions_box = QWidget()
+        sl = QVBoxLayout(suggestions_box)
+        sl.setContentsMargins(0, 0, 0, 0)
+        sl.addWidget(QLabel("The smallest changes that make it fit, each checked by planning again:"))
+        sl.addWidget(self.suggestions, 1)
+        sl.addWidget(self.apply_button, 0, Qt.AlignmentFlag.AlignLeft)
+        self.tabs = QTabWidget()
+        self.tabs.setObjectName("planDetails")
+        self.tabs.addTab(self.explanation, "Why this plan")
+        self.tabs.addTab(self.rejected, "Rejected")
+        self.tabs.addTab(suggestions_box, "Suggestions")
+
+        self.exports = ExportBar()
+        self.exports.sig_exported.connect(self._exported)
+        self.exports.sig_export_failed.connect(self._show_message)
+        self.launch_button = QPushButton("Launch with this plan…")
+        self.launch_button.setObjectName("launchPlan")
+        self.launch_button.setEnabled(False)
+        self.launch_button.clicked.connect(self.open_wizard)
+        actions = QHBoxLayout()
+        actions.addWidget(self.exports, 1)
+        actions.addWidget(self.launch_button)
+        self.export_note = QLabel("")
+        self.export_note.setObjectName("exportNote")
+        self.export_note.setWordWrap(True)
+        self.export_note.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+
+        self.results_splitter = QSplitter(Qt.Orientation.Vertical)
+        self.results_splitter.setObjectName("plannerResultsSplitter")
+        self.results_splitter.addWidget(self.table)
+        self.results_splitter.addWidget(self.chart)
+        self.results_splitter.addWidget(self.tabs)
+        self.results_splitter.setSizes([170, 300, 170])
+        results = QWidget()
+        rl = QVBoxLayout(results)
+        rl.setContentsMargins(0, 0, 0, 0)
+        rl.addWidget(self.message)
+        rl.addWidget(self.summary)
+        rl.addWidget(self.results_splitter, 1)
+        rl.addLayout(actions)
+        rl.addWidget(self.export_note)
+
+        self.splitter = QSplitter(Qt.Orientation.Horizontal)
+        self.splitter.setObjectName("plannerSplitter")
+        self.splitter.addWidget(self.form_area)
+        self.splitter.addWidget(results)
+        self.splitter.setStretchFactor(1, 1)
+        self.splitter.setSizes([360, 760])
+        layout = QVBoxLayout(self)
+        layout.addWidget(self.splitter)
+        self._task_changed()
+        self._show_result(None)
+
+        link.sig_machine.connect(self.on_machine)
+        if getattr(link, "machine", None):
+            self.on_machine(link.machine)
+
+    def showEvent(self, event: QShowEvent) -> None:
+        super().showEvent(event)
+        # Scroll up and down only: the form is as wide as its widest row (known once styled), plus the scroll bar.
+        form = self.form_area.widget()
+        scroll_bar = self.form_area.verticalScrollBar().sizeHint().width()
+        self.form_area.setMinimumWidth(form.minimumSizeHint().width() + scroll_bar + 2 * self.form_area.frameWidth())
+
+    # -- engine events ---------------------------------------------------------------------------
+    def on_machine(self, message: dict[str, Any]) -> None:
+        d = machine_dict(message)
+        if not d:
+            return
+        self.machine = d
+        self.gpus.set_machine(d)
+        if self._default_selection or not self.gpus.selected():
+            self._default_selection = True
+            self.gpus.set_selected(self.gpus.free() or sorted(self.gpus.boxes), emit=False)
+
+    def _busy_changed(self, busy: dict[int, list[str]]) -> None:
+        self.gpus.set_busy(busy)
+        if self._default_selection:
+            self.gpus.set_selected(self.gpus.free() or sorted(self.gpus.boxes), emit=False)
+
+    def _user_selected(self, gpus: list[int]) -> None:
+        self._default_selection = False
+
+    # -- the form ------------------------------------------------------------------------------------
+    def _task_changed(self) -> None:
+        training = self.task.currentData() == "train"
+        lora = training and self.method.currentData() in ("lora", "qlora")
+        rows = self.workload_form
+        rows.setRowVisible(self.method, training)
+        rows.setRowVisible(self.lora_rank, lora)
+        rows.setRowVisible(self.quant, not training)
+        rows.setRowVisible(self.new_tokens, not training)
+        rows.setRowVisible(self.tokens, training)
+        self.batch_label.setText("Batch (sequences per step)" if training else "Sequences at once")
+        self.batch.setToolTip(
+            "Sequences per optimizer step, over all GPUs" if training else "Sequences generated at the same time"
+        )
+
+    def plan_request(self) -> PlanRequest:
+        return PlanRequest(
+            model=self.picker.model(),
+            task=self.task.currentData(),
+            method=self.method.currentData(),
+            precision=self.precision.currentData(),
+            seq_len=self.seq_len.value(),
+            batch=self.batch.value(),
+            gpus=self.gpus.selected(),
+            lora_rank=self.lora_rank.value(),
+            weight_bits=self.quant.currentData(),
+            new_tokens=self.new_tokens.value(),
+            token_budget=round(self.tokens.value() * 1e9) or None,
+        )
+
+    def set_request(self, r: PlanRequest) -> None:
+        """Fill the form (a suggestion applied, restored settings, a test)."""
+        self.picker.set_model(r.model, chosen=False)
+        _select(self.task, r.task)
+        _select(self.method, r.method)
+        _select(self.precision, r.precision)
+        _select(self.quant, r.weight_bits)
+        self.seq_len.setValue(r.seq_len)
+        self.batch.setValue(r.batch)
+        self.lora_rank.setValue(r.lora_rank)
+        self.new_tokens.setValue(r.new_tokens)
+        self.tokens.setValue((r.token_budget or 0) / 1e9)
+        if r.gpus:
+            self.gpus.set_selected(r.gpus)
+
+    # -- planning --------------------------------------------------------------------------------------
+    def request_plan(self) -> None:
+        """Plan what the form asks; the answer (or the reason there is none) shows when it arrives."""
+        request = self.plan_request()
+        problem = request.problem()
+        if problem:
+            self._show_message(problem)
+            return
+        self._serial += 1
+        serial = self._serial
+        self.message.hide()
+        self.status.setText(f"Planning {request.model}…")
+        self.plan_button.setEnabled(False)
+        on_done = lambda reply: self._on_plan(serial, reply)  # noqa: E731
+        on_error = lambda e: self._on_plan_error(serial, e)  # noqa: E731
+        if getattr(self.link, "state", None) == "connected":
+            self.link.call(
+                "plan", on_done=on_done, on_error=on_error,
+                model=request.model, workload=request.workload_args(), gpus=request.gpus, options={},
+            )  # fmt: skip
+        elif self.machine is not None:
+            machine = self.machine
+            run_in_background(lambda: search_locally(request, machine), on_done, on_error)
+        else:
+            self.plan_button.setEnabled(True)
+            self.status.setText("")
+            self._show_message("Not connected to the engine yet, and no machine is known to plan for.")
+
+    def _on_plan(self, serial: int, reply: dict[str, Any]) -> None:
+        if serial != self._serial:
+            return
+        self.plan_button.setEnabled(True)
+        result = reply.get("result", reply)
+        self.status.setText(
+            f"Planned in {result.get('elapsed_s', 0):.2f} s: {result.get('considered', 0)} layouts tried."
+        )
+        self.message.hide()
+        self._show_result(result)
+        self.sig_plan_ready.emit(result)
+
+    def _on_plan_error(self, serial: int, error: BaseException) -> None:
+        if serial != self._serial:
+            return
+        self.plan_button.setEnabled(True)
+        self.status.setText("")
+        self._show_result(None)
+        self._show_message(error_text(error))
+        self.sig_plan_failed.emit(self.message.text())
+
+    def _show_message(self, text: str) -> None:
+        self.message.setText(text)
+        self.message.show()
+
+    # -- showing a result --------------------------------------------------------------------------------
+    def _show_result(self, result: dict[str, Any] | None) -> None:
+        self.result = result
+        rows = plan_rows(result) if result else []
+        self.table.setRowCount(len(rows))
+        for r, row in enumerate(rows):
+            values = [row.rank, row.family, row.layout, row.gpus, row.tokens_per_s, row.step, row.to_budget, row.peak]
+            for c, value in enumerate(values):
+                item = QTableWidgetItem(value)
+                item.setToolTip(value)
+                self.table.setItem(r, c, item)
+        self.explanation.setPlainText("\n".join(f"• {line}" for line in (result or {}).get("explanation", [])))
+        self._show_rejected((result or {}).get("rejected", []))
+        self._show_suggestions((result or {}).get("suggestions", []))
+        if rows:
+            self.table.selectRow(0)
+            self.tabs.setCurrentIndex(0)
+        else:
+            self._show_plan(None)
+            if result is not None:
+                self.summary.setText(f"Nothing fits on GPU {', '.join(map(str, result.get('gpu_indices', [])))}.")
+                self.tabs.setCurrentIndex(2 if result.get("suggestions") else 1)
+            else:
+                self.summary.setText("Choose a model and GPUs, then Plan.")
+
+    def _show_rejected(self, rejected: list[dict[str, Any]]) -> None:
+        self.rejected.setRowCount(len(rejected))
+        for r, rej in enumerate(rejected):
+            need = rej.get("need_bytes")
+            have = rej.get("have_bytes")
+            needs = f"{need / 2**30:.1f} of {have / 2**30:.1f} GiB" if need and have else ""
+            for c, value in enumerate([rej.get("family", ""), rej.get("reason", ""), needs]):
+                item = QTableWidgetItem(value)
+                item.setToolTip(value)
+                self.rejected.setItem(r, c, item)
+        self.rejected.resizeRowsToContents()
+
+    def _show_suggestions(self, suggestions: list[dict[str, Any]]) -> None:
+        self.suggestions.clear()
+        for s in suggestions:
+            item = QListWidgetItem(s["change"])
+            item.setData(Qt.ItemDataRole.UserRole, s)
+            self.suggestions.addItem(item)
+        self.apply_button.setEnabled(False)
+
+    def _row_selected(self) -> None:
+        rows = self.table.selectionModel().selectedRows()
+        plans = plans_of(self.result or {})
+        if rows and rows[0].row() < len(plans):
+            self._show_plan(plans[rows[0].row()])
+
+    def _suggestion_selected(self, row: int) -> None:
+        item = self.suggestions.item(row)
+        s = item.data(Qt.ItemDataRole.UserRole) if item else None
+        applicable = bool(s) and s.get("kind") in APPLICABLE_SUGGESTIONS
+        self.apply_button.setEnabled(applicable)
+        if s:
+            self._show_plan(s["plan"], heading=f"With this change ({s['change']}):")
+            # Other hardware is for comparing and exporting; a job can only launch on this machine.
+            self.launch_button.setEnabled(applicable)
+
+    def _show_plan(self, plan: dict[str, Any] | None, heading: str = "") -> None:
+        self.plan = plan
+        self.exports.set_plan(plan)
+        self.launch_button.setEnabled(plan is not None)
+        if plan is None:
+            self.chart.clear()
+            return
+        self.chart.show_memory(plan.get("memory") or [])
+        lines = summary_lines(plan)
+        fits = all(m["headroom"] >= 0 for m in plan.get("memory") or [])
+        colour = GOOD if fits else BAD
+        head = f"<b>{heading or 'Plan'}</b> <span style='color:{colour.name()}'>{lines[0]}</span>"
+        self.summary.setText("<br>".join([head, *lines[1:]]))
+        self.sig_plan_shown.emit(plan)
+
+    def apply_suggestion(self) -> None:
+        """Put the selected suggestion's workload and GPUs into the form, and plan again."""
+        item = self.suggestions.currentItem()
+        s = item.data(Qt.ItemDataRole.UserRole) if item else None
+        if not s:
+            return
+        plan = s["plan"]
+        w = plan["workload"]
+        r = self.plan_request()
+        r.task, r.method, r.precision = w["task"], w["method"], w["precision"]
+        r.seq_len, r.batch, r.weight_bits = w["seq_len"], w["global_batch"], w.get("weight_bits", 16)
+        if w.get("new_tokens"):
+            r.new_tokens = w["new_tokens"]
+        if s.get("kind") == "gpus":
+            r.gpus = list(plan["parallelism"]["gpu_indices"])
+        self.set_request(r)
+        self.request_plan()
+
+    # -- exports and launching -------------------------------------------------------------------------
+    def _exported(self, target: str, paths: list[str]) -> None:
+        self.message.hide()
+        self.export_note.setText("Saved " + " and ".join(paths))
+
+    def open_wizard(self) -> Any:
+        """Open the job wizard filled from the plan shown; returns it."""
+        if self.plan is None:
+            return None
+        from app.wizard.wizard import JobWizard
+
+        wizard = JobWizard.from_plan(self.plan, link=self.link, parent=self)
+        wizard.sig_submitted.connect(self.sig_job_submitted.emit)
+        self.wizard = wizard
+        wizard.show()
+        self.sig_wizard_opened.emit(wizard)
+        return wizard
+
+    # -- persistence -------------------------------------------------------------------------------------
+    def save_state(self, settings: QSettings, prefix: str) -> None:
+        r = self.plan_request()
+        settings.setValue(f"{prefix}/model", r.model)
+        settings.setValue(f"{prefix}/task", r.task)
+        settings.setValue(f"{prefix}/method", r.method)
+        settings.setValue(f"{prefix}/precision", r.precision)
+        settings.setValue(f"{prefix}/seq_len", r.seq_len)
+        settings.setValue(f"{prefix}/batch", r.batch)
+        settings.setValue(f"{prefix}/lora_rank", r.lora_rank)
+        settings.setValue(f"{prefix}/weight_bits", r.weight_bits)
+        settings.setValue(f"{prefix}/new_tokens", r.new_tokens)
+        settings.setValue(f"{prefix}/splitter", self.splitter.saveState())
+        settings.setValue(f"{prefix}/results_splitter", self.results_splitter.saveState())
+
+    def restore_state(self, settings: QSettings, prefix: str) -> None:
+        def value(key: str, default: Any, kind: type) -> Any:
+            v = settings.value(f"{prefix}/{key}", default)
+            try:
+                return kind(v)
+            except (TypeError, ValueError):
+                return default
+
+        d = PlanRequest(model="")
+        self.set_request(
+            PlanRequest(
+                model=value("model", "", str),
+                task=value("task", d.task, str),
+                method=value("method", d.method, str),
+                precision=value("precision", d.precision, str),
+                seq_len=value("seq_len", d.seq_len, int),
+                batch=value("batch", d.batch, int),
+                lora_rank=value("lora_rank", d.lora_rank, int),
+                weight_bits=value("weight_bits", d.weight_bits, int),
+                new_tokens=value("new_tokens", d.new_tokens, int),
+            )
+        )
+        for key, splitter in (("splitter", self.splitter), ("results_splitter", self.results_splitter)):
+            state = settings.value(f"{prefix}/{key}")
+            if isinstance(state, QByteArray):
+                splitter.restoreState(state)

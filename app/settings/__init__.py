@@ -1,0 +1,1 @@
+"""The Settings page: simulated profile, remote engine, chart refresh, CPU ranks."""

@@ -1,0 +1,271 @@
+"""The Settings page: the simulated machine, how to reach the engine, chart refresh, CPU ranks.
+
+Values load off the GUI thread (the profile list and the engine settings are
+files); Save checks every field first and shows each problem beside its field,
+and writes nothing until all are valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QPalette
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QComboBox,
+    QDoubleSpinBox,
+    QFormLayout,
+    QGroupBox,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QPushButton,
+    QScrollArea,
+    QSpinBox,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.settings.model import (
+    DEFAULT_CPU_RANKS,
+    MAX_CPU_RANKS,
+    REFRESH_RANGE,
+    SettingsValues,
+    cpu_ranks_note,
+    load_engine_side,
+    load_gui_side,
+    save_engine_side,
+    save_gui_side,
+)
+from app.tasks import run_in_background
+from app.widgets.palette import BAD
+
+
+def _error_label(name: str) -> QLabel:
+    label = QLabel()
+    label.setObjectName(f"error-{name}")
+    label.setWordWrap(True)
+    label.setStyleSheet(f"color: {BAD.name()};")
+    label.hide()
+    return label
+
+
+def _note(text: str) -> QLabel:
+    label = QLabel(text)
+    label.setWordWrap(True)
+    label.setForegroundRole(QPalette.ColorRole.PlaceholderText)  # muted, in light and dark themes alike
+    return label
+
+
+class SettingsPage(QWidget):
+    sig_loaded = Signal()
+    sig_saved = Signal(dict)  # the SettingsValues saved, as a dict
+    sig_invalid = Signal(dict)  # field name -> message, when Save found problems
+
+    def __init__(self, link: Any = None, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.link = link
+        self.profile_ids: list[str] = []
+        self.loaded = False
+
+        self.profile = QComboBox()
+        self.profile.setObjectName("simulatedProfile")
+        self.profile.setAccessibleName("Simulated machine")
+        self.profile.addItem("Loading…")
+        self.profile_error = _error_label("simulated_profile")
+        self.cpu_ranks = QSpinBox()
+        self.cpu_ranks.setObjectName("maxCpuRanks")
+        self.cpu_ranks.setAccessibleName("CPU ranks per simulated job")
+        self.cpu_ranks.setRange(1, MAX_CPU_RANKS)
+        self.cpu_ranks.setValue(DEFAULT_CPU_RANKS)
+        self.cpu_ranks_error = _error_label("max_cpu_ranks")
+        self.cpu_ranks_note = _note("")
+        self.cpu_ranks_note.setObjectName("cpuRanksNote")
+        self.cpu_ranks.valueChanged.connect(lambda n: self.cpu_ranks_note.setText(cpu_ranks_note(n)))
+        sim = QGroupBox("Simulated machine (used when no NVIDIA GPU is present)")
+        sim_form = QFormLayout(sim)
+        sim_form.addRow("Profile", self.profile)
+        sim_form.addRow("", self.profile_error)
+        sim_form.addRow("CPU ranks per job", self.cpu_ranks)
+        sim_form.addRow("", self.cpu_ranks_error)
+        sim_form.addRow("", self.cpu_ranks_note)
+        self.settings_path = _note("")
+        sim_form.addRow(_note("A simulated job runs one process per simulated GPU, at most this many. "
+                              "Both take effect when the engine service restarts."))  # fmt: skip
+        sim_form.addRow(self.settings_path)
+
+        self.address = QLineEdit()
+        self.address.setObjectName("engineAddress")
+        self.address.setAccessibleName("Remote engine address")
+        self.address.setPlaceholderText("empty: the engine on this computer; or host:port")
+        self.address_error = _error_label("engine_address")
+        self.token = QLineEdit()
+        self.token.setObjectName("engineToken")
+        self.token.setAccessibleName("Remote engine token")
+        self.token.setEchoMode(QLineEdit.EchoMode.Password)
+        self.show_token = QCheckBox("Show")
+        self.show_token.setObjectName("showToken")
+        self.show_token.toggled.connect(
+            lambda on: self.token.setEchoMode(QLineEdit.EchoMode.Normal if on else QLineEdit.EchoMode.Password)
+        )
+        token_row = QHBoxLayout()
+        token_row.addWidget(self.token, 1)
+        token_row.addWidget(self.show_token)
+        self.token_error = _error_label("engine_token")
+        remote = QGroupBox("Engine")
+        remote_form = QFormLayout(remote)
+        remote_form.addRow("Address", self.address)
+        remote_form.addRow("", self.address_error)
+        remote_form.addRow("Token", token_row)
+        remote_form.addRow("", self.token_error)
+        remote_form.addRow(_note(
+            "To drive a workstation from this computer, start its engine with `rigpilot engine --tcp ADDR:PORT` "
+            "and copy its token here. The token is stored in this app's settings file in plain text. "
+            "Takes effect the next time Rigpilot starts."
+        ))  # fmt: skip
+
+        self.refresh_hz = QDoubleSpinBox()
+        self.refresh_hz.setObjectName("refreshHz")
+        self.refresh_hz.setAccessibleName("Chart refresh rate")
+        self.refresh_hz.setDecimals(1)
+        self.refresh_hz.setSingleStep(0.5)
+        self.refresh_hz.setSuffix(" per second")
+        # Wider than the valid range, so an out-of-range value gets a message rather than a silent clamp.
+        self.refresh_hz.setRange(0.0, 60.0)
+        self.refresh_error = _error_label("refresh_hz")
+        display = QGroupBox("Display")
+        display_form = QFormLayout(display)
+        display_form.addRow("Chart refresh", self.refresh_hz)
+        display_form.addRow("", self.refresh_error)
+        display_form.addRow(_note(
+            f"Charts redraw at most this often ({REFRESH_RANGE[0]:g}–{REFRESH_RANGE[1]:g}), and only while visible. "
+            "The engine samples the GPUs about once a second."
+        ))  # fmt: skip
+        display_form.addRow(_note("Light or dark: Rigpilot follows the system theme."))
+
+        self.save_button = QPushButton("Save")
+        self.save_button.setObjectName("save")
+        self.save_button.setDefault(True)
+        self.save_button.clicked.connect(self.save)
+        self.revert_button = QPushButton("Revert")
+        self.revert_button.setObjectName("revert")
+        self.revert_button.clicked.connect(self.load)
+        self.status = QLabel()
+        self.status.setObjectName("settingsStatus")
+        self.status.setWordWrap(True)
+        buttons = QHBoxLayout()
+        buttons.addWidget(self.status, 1)
+        buttons.addWidget(self.revert_button)
+        buttons.addWidget(self.save_button)
+
+        body = QWidget()
+        body_layout = QVBoxLayout(body)
+        body_layout.addWidget(sim)
+        body_layout.addWidget(remote)
+        body_layout.addWidget(display)
+        body_layout.addStretch(1)
+        area = QScrollArea()
+        area.setWidgetResizable(True)
+        area.setWidget(body)
+        area.setFocusPolicy(Qt.FocusPolicy.NoFocus)
+        layout = QVBoxLayout(self)
+        layout.addWidget(area, 1)
+        layout.addLayout(buttons)
+
+        self.errors = {
+            "simulated_profile": self.profile_error,
+            "max_cpu_ranks": self.cpu_ranks_error,
+            "engine_address": self.address_error,
+            "engine_token": self.token_error,
+            "refresh_hz": self.refresh_error,
+        }
+        # Fields re-check as they are edited, once Save has shown a problem with them.
+        self.address.textEdited.connect(lambda _: self._recheck())
+        self.token.textEdited.connect(lambda _: self._recheck())
+        self.refresh_hz.valueChanged.connect(lambda _: self._recheck())
+        self.cpu_ranks.valueChanged.connect(lambda _: self._recheck())
+        self.load()
+
+    # -- values -------------------------------------------------------------------------------------
+    def values(self) -> SettingsValues:
+        return SettingsValues(
+            simulated_profile=self.profile.currentData() or "",
+            max_cpu_ranks=self.cpu_ranks.value(),
+            engine_address=self.address.text().strip(),
+            engine_token=self.token.text().strip(),
+            refresh_hz=self.refresh_hz.value(),
+        )
+
+    def load(self) -> None:
+        """Read both stores: QSettings here, the engine's files off the GUI thread."""
+        gui = load_gui_side()
+        self.address.setText(gui["engine_address"])
+        self.token.setText(gui["engine_token"])
+        self.refresh_hz.setValue(gui["refresh_hz"])
+        self.save_button.setEnabled(False)
+        run_in_background(load_engine_side, self._on_engine_loaded, self._on_failed("read"))
+
+    def _on_engine_loaded(self, data: dict[str, Any]) -> None:
+        self.profile.clear()
+        self.profile_ids = [p["id"] for p in data["profiles"]]
+        for p in data["profiles"]:
+            self.profile.addItem(f"{p['title']}", p["id"])
+            self.profile.setItemData(self.profile.count() - 1, p["label"], Qt.ItemDataRole.ToolTipRole)
+        self.profile.setCurrentIndex(max(self.profile.findData(data["simulated_profile"]), 0))
+        self.cpu_ranks.setValue(data["max_cpu_ranks"])
+        self.cpu_ranks_note.setText(cpu_ranks_note(self.cpu_ranks.value()))
+        self.settings_path.setText(f"Saved in {data['path']}")
+        self.status.setText("\n".join(data["warnings"]))
+        self._show_errors({})
+        self.save_button.setEnabled(True)
+        self.loaded = True
+        self.sig_loaded.emit()
+
+    def _on_failed(self, verb: str):
+        def report(error: BaseException) -> None:
+            self.save_button.setEnabled(self.loaded)
+            self.status.setText(f"Could not {verb} the settings: {error}")
+
+        return report
+
+    # -- saving -------------------------------------------------------------------------------------
+    def validate(self) -> dict[str, str]:
+        errors = self.values().errors(self.profile_ids)
+        self._show_errors(errors)
+        return errors
+
+    def save(self) -> bool:
+        """Check every field; when all are valid, write them. False when something needs fixing."""
+        errors = self.validate()
+        if errors:
+            self.status.setText("Please correct the highlighted fields.")
+            first = {"engine_address": self.address, "engine_token": self.token, "refresh_hz": self.refresh_hz,
+                     "max_cpu_ranks": self.cpu_ranks, "simulated_profile": self.profile}  # fmt: skip
+            next(w for k, w in first.items() if k in errors).setFocus()
+            self.sig_invalid.emit(errors)
+            return False
+        values = self.values()
+        save_gui_side(values)
+        self.save_button.setEnabled(False)
+        self.status.setText("Saving…")
+        run_in_background(
+            lambda: save_engine_side(values), lambda path: self._on_saved(values, path), self._on_failed("save")
+        )
+        return True
+
+    def _on_saved(self, values: SettingsValues, path: str) -> None:
+        self.save_button.setEnabled(True)
+        self.status.setText(f"Saved. The simulated profile and CPU ranks apply when the engine restarts ({path}).")
+        self.sig_saved.emit(dataclasses.asdict(values))
+
+    def _show_errors(self, errors: dict[str, str]) -> None:
+        for field, label in self.errors.items():
+            message = errors.get(field)
+            label.setText(message or "")
+            label.setVisible(bool(message))
+
+    def _recheck(self) -> None:
+        if any(label.isVisible() for label in self.errors.values()):
+            self.validate()

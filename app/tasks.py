@@ -1,0 +1,69 @@
+"""The one way the GUI runs work off its thread.
+
+    run_in_background(lambda: client.request("jobs"), on_done=self._show_jobs, on_error=self._show_error)
+
+`fn` runs on a worker thread and must not touch widgets; `on_done` and
+`on_error` run on the GUI thread. Errors never vanish: without an `on_error`
+they go to the application's error sink (a status-bar message).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from PySide6.QtCore import QObject, Signal
+
+log = logging.getLogger(__name__)
+
+
+class _Dispatcher(QObject):
+    """Lives on the GUI thread; a signal emitted from a worker is queued to it."""
+
+    sig_call = Signal(object, object)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sig_call.connect(lambda fn, arg: fn(arg))
+
+
+_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="gui-task")
+_dispatcher: _Dispatcher | None = None
+_error_sink: Callable[[BaseException], None] = lambda e: log.error("background task failed: %s", e)  # noqa: E731
+
+
+def set_error_sink(sink: Callable[[BaseException], None]) -> None:
+    global _error_sink
+    _error_sink = sink
+
+
+def _dispatch() -> _Dispatcher:
+    global _dispatcher
+    if _dispatcher is None:  # created lazily, on the GUI thread, after QApplication exists
+        _dispatcher = _Dispatcher()
+    return _dispatcher
+
+
+def run_on_gui_thread(fn: Callable[[Any], None], arg: Any = None) -> None:
+    _dispatch().sig_call.emit(fn, arg)
+
+
+def run_in_background(
+    fn: Callable[[], Any],
+    on_done: Callable[[Any], None] | None = None,
+    on_error: Callable[[BaseException], None] | None = None,
+) -> None:
+    d = _dispatch()
+
+    def work() -> None:
+        try:
+            result = fn()
+        except BaseException as e:  # every failure is reported on the GUI thread
+            d.sig_call.emit(on_error or _error_sink, e)
+            return
+        if on_done is not None:
+            d.sig_call.emit(on_done, result)
+
+    _pool.submit(work)

@@ -1,0 +1,173 @@
+"""The `nvidia-smi topo -m` matrix as a colour-coded table, its legend, and the measured-bandwidth heat map."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QEvent, Qt
+from PySide6.QtGui import QBrush, QColor, QPalette, QPixmap
+from PySide6.QtWidgets import (
+    QAbstractItemView,
+    QAbstractScrollArea,
+    QGridLayout,
+    QHeaderView,
+    QLabel,
+    QTableWidget,
+    QTableWidgetItem,
+    QWidget,
+)
+
+from app.topology.model import Matrix, code_category
+from app.widgets.palette import ACCENT, BAD, GOOD, WARN, blend, tint
+from engine.hardware.machine import PCIE_LEGEND
+
+CATEGORY_COLOR = {"nvlink": GOOD, "switch": ACCENT, "bridge": WARN, "sys": BAD}
+CATEGORY_OF_LEGEND = {
+    "X": "self",
+    "SYS": "sys",
+    "NODE": "bridge",
+    "PHB": "bridge",
+    "PXB": "switch",
+    "PIX": "switch",
+    "NV#": "nvlink",
+}
+
+
+def _read_only(table: QTableWidget) -> None:
+    table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+    table.setTabKeyNavigation(False)  # Tab leaves the table, as everywhere else on the page
+    table.setSelectionMode(QAbstractItemView.SelectionMode.NoSelection)
+    table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
+    table.verticalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
+    table.setSizeAdjustPolicy(QAbstractScrollArea.SizeAdjustPolicy.AdjustToContents)
+
+
+class TopoMatrixTable(QTableWidget):
+    """Cells hold exactly the `topo -m` codes; colours follow the link class and the palette."""
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setObjectName("topoMatrix")
+        self.setAccessibleName("Topology matrix in nvidia-smi topo -m notation")
+        _read_only(self)
+        self._matrix: Matrix | None = None
+
+    def show_matrix(self, matrix: Matrix) -> None:
+        self._matrix = matrix
+        self.clear()
+        self.setRowCount(len(matrix.rows))
+        self.setColumnCount(len(matrix.headers))
+        self.setHorizontalHeaderLabels(matrix.headers)
+        self.setVerticalHeaderLabels(matrix.rows)
+        for r, row in enumerate(matrix.cells):
+            for c, code in enumerate(row):
+                item = QTableWidgetItem(code)
+                item.setTextAlignment(Qt.AlignmentFlag.AlignCenter)
+                self.setItem(r, c, item)
+        self._colour()
+
+    def _colour(self) -> None:
+        if self._matrix is None:
+            return
+        pal = self.palette()
+        for r in range(self.rowCount()):
+            for c in range(self.columnCount()):
+                item = self.item(r, c)
+                if item is None:
+                    continue
+                color = CATEGORY_COLOR.get(code_category(item.text()))
+                item.setBackground(QBrush(tint(color, pal)) if color else QBrush())
+                code = item.text()
+                item.setToolTip(
+                    PCIE_LEGEND["NV#"].replace("#", code[2:]) if code.startswith("NV") else PCIE_LEGEND.get(code, "")
+                )
+
+    def code(self, row: int, column: int) -> str:
+        item = self.item(row, column)
+        return item.text() if item else ""
+
+    def changeEvent(self, event: QEvent) -> None:
+        super().changeEvent(event)
+        if event.type() in (QEvent.Type.PaletteChange, QEvent.Type.ApplicationPaletteChange):
+            self._colour()
+
+
+class TopoLegend(QWidget):
+    """What each code means, with the colour it has in the matrix."""
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setObjectName("topoLegend")
+        self._grid = QGridLayout(self)
+        self._grid.setContentsMargins(0, 0, 0, 0)
+        self._grid.setColumnStretch(2, 1)
+        self._swatches: list[tuple[QLabel, str]] = []
+        for row, (code, text) in enumerate(PCIE_LEGEND.items()):
+            swatch = QLabel()
+            self._swatches.append((swatch, CATEGORY_OF_LEGEND.get(code, "")))
+            self._grid.addWidget(swatch, row, 0)
+            self._grid.addWidget(QLabel(f"<b>{code}</b>"), row, 1)
+            label = QLabel(text)
+            label.setWordWrap(True)
+            self._grid.addWidget(label, row, 2)
+        self._colour()
+
+    def _colour(self) -> None:
+        pal = self.palette()
+        for swatch, category in self._swatches:
+            pixmap = QPixmap(14, 14)
+            color = CATEGORY_COLOR.get(category)
+            pixmap.fill(tint(color, pal) if color else pal.color(QPalette.ColorRole.Base))
+            swatch.setPixmap(pixmap)
+
+    def changeEvent(self, event: QEvent) -> None:
+        super().changeEvent(event)
+        if event.type() in (QEvent.Type.PaletteChange, QEvent.Type.ApplicationPaletteChange):
+            self._colour()
+
+
+class BandwidthHeatMap(QTableWidget):
+    """Measured GPU-to-GPU bandwidth (GB/s): faint for slow pairs, strong for fast ones."""
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setObjectName("bandwidthHeatMap")
+        self.setAccessibleName("Measured bandwidth between GPUs")
+        _read_only(self)
+        self._values: dict[tuple[int, int], float] = {}
+        self._gpus: list[int] = []
+
+    def show_values(self, gpus: list[int], values: dict[tuple[int, int], float]) -> None:
+        self._gpus, self._values = list(gpus), dict(values)
+        self.clear()
+        self.setRowCount(len(gpus))
+        self.setColumnCount(len(gpus))
+        labels = [f"GPU{i}" for i in gpus]
+        self.setHorizontalHeaderLabels(labels)
+        self.setVerticalHeaderLabels(labels)
+        for r, a in enumerate(gpus):
+            for c, b in enumerate(gpus):
+                v = values.get((min(a, b), max(a, b)))
+                text = "X" if a == b else ("" if v is None else f"{v:.1f}")
+                item = QTableWidgetItem(text)
+                item.setTextAlignment(Qt.AlignmentFlag.AlignCenter)
+                item.setToolTip("" if v is None else f"GPU {a} ↔ GPU {b}: {v:.1f} GB/s measured")
+                self.setItem(r, c, item)
+        self._colour()
+
+    def _colour(self) -> None:
+        if not self._values:
+            return
+        pal = self.palette()
+        top = max(self._values.values())
+        for r, a in enumerate(self._gpus):
+            for c, b in enumerate(self._gpus):
+                v = self._values.get((min(a, b), max(a, b)))
+                item = self.item(r, c)
+                if item is not None and v is not None:
+                    share = v / top
+                    hue = blend(GOOD, BAD, share) if share < 1 else QColor(GOOD)
+                    item.setBackground(QBrush(tint(hue, pal, 0.2 + 0.6 * share)))
+
+    def changeEvent(self, event: QEvent) -> None:
+        super().changeEvent(event)
+        if event.type() in (QEvent.Type.PaletteChange, QEvent.Type.ApplicationPaletteChange):
+            self._colour()

@@ -1,0 +1,1 @@
+"""Widgets and helpers shared by the pages: charts, ring buffers, meters, units, palette."""

@@ -1,0 +1,140 @@
+"""What every wizard page shares: the wizard's state, an inline message, and checks that run in the background.
+
+A page writes each change straight into `wizard.state`, so Back and Next keep
+everything, and `load()` (on entering) fills the widgets from it. A page is
+complete when its check found no problem and no check is still running; the
+message label says what is missing. Nothing here opens a dialog.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from PySide6.QtCore import Qt
+from PySide6.QtGui import QFont, QPalette
+from PySide6.QtWidgets import QFormLayout, QLabel, QVBoxLayout, QWidget, QWizardPage
+
+from app.planner.model import error_text
+from app.tasks import run_in_background
+from app.widgets.palette import BAD, GOOD, WARN
+
+if TYPE_CHECKING:
+    from app.wizard.state import WizardState
+    from app.wizard.wizard import JobWizard
+
+TASK, MODEL, DATA, GPUS, PLAN, HYPER, REVIEW, LAUNCH = range(8)
+
+
+class StepPage(QWizardPage):
+    def __init__(self, wizard: JobWizard, title: str, subtitle: str = ""):
+        super().__init__()
+        self.wiz = wizard
+        self.setTitle(title)
+        if subtitle:
+            self.setSubTitle(subtitle)
+        self.problem: str | None = None
+        self.busy = False
+        self._loading = False
+        self._serial = 0
+        self.message = QLabel()
+        self.message.setObjectName("pageMessage")
+        self.message.setWordWrap(True)
+        self.message.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.message.hide()
+        self.body = QVBoxLayout(self)
+        self.body.setContentsMargins(0, 0, 0, 0)
+
+    @property
+    def state(self) -> WizardState:
+        return self.wiz.state
+
+    # -- entering the page ---------------------------------------------------------------------
+    def initializePage(self) -> None:
+        with self.quietly():
+            self.load()
+        self.validate()
+
+    def load(self) -> None:
+        """Fill the widgets from the state."""
+
+    def validate(self) -> None:
+        """Check the page's choices; call `set_problem` (now or from a background check)."""
+
+    # -- the verdict -------------------------------------------------------------------------------
+    def set_problem(self, problem: str | None, *, note: str | None = None, tone: str = "info") -> None:
+        """`problem` blocks Next and shows in red; a `note` (with no problem) only informs.
+
+        A note's `tone` is "info" (plain), "ok" (green: it fits) or "warn" (amber: allowed, but mind it).
+        """
+        self.problem = problem
+        text = problem or note
+        if text:
+            colour = BAD if problem else {"ok": GOOD.darker(120), "warn": WARN.darker(130)}.get(tone)
+            self.message.setStyleSheet(f"color: {colour.name()}; font-weight: bold;" if colour else "")
+            self.message.setText(text)
+        self.message.setVisible(bool(text))
+        self.completeChanged.emit()
+
+    def isComplete(self) -> bool:
+        return self.problem is None and not self.busy
+
+    def check_in_background(
+        self, work: Callable[[], Any], done: Callable[[Any], None], waiting: str = "Checking…"
+    ) -> None:
+        """Run `work` off the GUI thread; `done(result)` runs only if no newer check started meanwhile."""
+        self._serial += 1
+        serial = self._serial
+        self.busy = True
+        self.set_problem(None, note=waiting)
+
+        def finished(result: Any) -> None:
+            if serial == self._serial:
+                self.busy = False
+                done(result)
+                self.completeChanged.emit()
+
+        def failed(error: BaseException) -> None:
+            if serial == self._serial:
+                self.busy = False
+                self.set_problem(error_text(error))
+
+        run_in_background(work, finished, failed)
+
+    def cancel_checks(self) -> None:
+        self._serial += 1
+        self.busy = False
+
+    def changing(self) -> bool:
+        """True while the page fills its own widgets: their change signals are not the user's edits."""
+        return self._loading
+
+    @contextmanager
+    def quietly(self) -> Iterator[None]:
+        """Fill widgets without their change signals counting as edits (see `changing`)."""
+        before, self._loading = self._loading, True
+        try:
+            yield
+        finally:
+            self._loading = before
+
+
+def explained(form: QFormLayout, label: str, control: QWidget, why: str) -> QWidget:
+    """A form row with a one-line explanation under the control; returns the row's widget (to hide the row)."""
+    box = QWidget()
+    layout = QVBoxLayout(box)
+    layout.setContentsMargins(0, 0, 0, 2)
+    layout.setSpacing(0)
+    layout.addWidget(control)
+    note = QLabel(why)
+    note.setObjectName("explanation")
+    note.setWordWrap(True)
+    note.setForegroundRole(QPalette.ColorRole.PlaceholderText)
+    font = QFont(note.font())
+    font.setPointSizeF(font.pointSizeF() * 0.9)
+    note.setFont(font)
+    layout.addWidget(note)
+    control.setToolTip(why)
+    form.addRow(label, box)
+    return box

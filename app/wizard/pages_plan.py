@@ -1,0 +1,492 @@
+"""The plan page (the engine's recommendation, alternatives, overrides checked live) and the hyper-parameters."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QComboBox,
+    QDoubleSpinBox,
+    QFormLayout,
+    QGroupBox,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QListWidget,
+    QListWidgetItem,
+    QPlainTextEdit,
+    QPushButton,
+    QScrollArea,
+    QSpinBox,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.planner.memory_chart import MemoryChart
+from app.planner.model import plans_of, summary_lines, tokens_per_s
+from app.widgets.palette import WARN
+from app.wizard.page_base import HYPER, REVIEW, StepPage, explained
+from app.wizard.plan_check import CheckResult, Overrides
+from app.wizard.state import INFER
+
+if TYPE_CHECKING:
+    from app.wizard.wizard import JobWizard
+
+CHECKPOINTING = [
+    ("none", "none (fastest, most memory)"),
+    ("selective", "selective (recompute attention)"),
+    ("full", "full (recompute every layer: least memory)"),
+]
+
+
+def _spin(name: str, low: int, high: int) -> QSpinBox:
+    box = QSpinBox()
+    box.setObjectName(name)
+    box.setRange(low, high)
+    box.setAccelerated(True)
+    return box
+
+
+class PlanPage(StepPage):
+    def __init__(self, wizard: JobWizard):
+        super().__init__(
+            wizard, "Plan", "How the job is split over the GPUs. Change it if you like: memory is re-checked as you go."
+        )
+        self.result: dict[str, Any] | None = None  # the search result the alternatives come from
+        self.base: dict[str, Any] | None = None  # the alternative the overrides apply to
+        self.headline = QLabel()
+        self.headline.setObjectName("planHeadline")
+        self.headline.setWordWrap(True)
+        self.headline.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.alternatives = QListWidget()
+        self.alternatives.setObjectName("planAlternatives")
+        self.alternatives.setAccessibleName("Recommended plan and alternatives")
+        self.alternatives.setWordWrap(True)
+        self.alternatives.currentRowChanged.connect(self._alternative_chosen)
+        self.dp = _spin("overrideDp", 1, 1024)
+        self.tp = _spin("overrideTp", 1, 64)
+        self.pp = _spin("overridePp", 1, 1024)
+        self.micro = _spin("overrideMicroBatch", 1, 4096)
+        self.checkpointing = QComboBox()
+        self.checkpointing.setObjectName("overrideCheckpointing")
+        for key, text in CHECKPOINTING:
+            self.checkpointing.addItem(text, key)
+        self.reset_button = QPushButton("Back to this alternative as planned")
+        self.reset_button.setObjectName("resetOverrides")
+        self.reset_button.clicked.connect(lambda: self._show_alternative(self.base))
+        self.replan_button = QPushButton("Plan again")
+        self.replan_button.setObjectName("replan")
+        self.replan_button.clicked.connect(self.request_plan)
+        overrides = QGroupBox("Your changes")
+        form = QFormLayout(overrides)
+        form.addRow("Data parallel (dp)", self.dp)
+        form.addRow("Tensor parallel (tp)", self.tp)
+        form.addRow("Pipeline stages (pp)", self.pp)
+        form.addRow("Micro-batch", self.micro)
+        form.addRow("Activation checkpointing", self.checkpointing)
+        form.addRow(self.reset_button)
+        form.addRow(self.replan_button)
+        self.override_form = form
+        for box in (self.dp, self.tp, self.pp, self.micro):
+            box.valueChanged.connect(self._override_changed)
+        self.checkpointing.currentIndexChanged.connect(self._override_changed)
+        self.chart = MemoryChart()
+        self.explanation = QPlainTextEdit()
+        self.explanation.setObjectName("planWhy")
+        self.explanation.setReadOnly(True)
+        self.explanation.setTabChangesFocus(True)
+        self.explanation.setMaximumHeight(90)
+
+        left = QVBoxLayout()
+        left.addWidget(QLabel("Recommended first, then alternatives:"))
+        left.addWidget(self.alternatives, 1)
+        left.addWidget(overrides)
+        right = QVBoxLayout()
+        right.addWidget(self.chart, 1)
+        right.addWidget(self.explanation)
+        row = QHBoxLayout()
+        row.addLayout(left, 2)
+        row.addLayout(right, 3)
+        self.body.addWidget(self.headline)
+        self.body.addLayout(row, 1)
+        self.body.addWidget(self.message)
+
+    # -- entering -------------------------------------------------------------------------------------
+    def load(self) -> None:
+        training = self.state.training
+        self.override_form.setRowVisible(self.micro, training)
+        self.override_form.setRowVisible(self.checkpointing, training)
+        if self.state.plan_is_current() and self.state.plan is not None:
+            self.wiz.need_checker()
+            self._show_overrides(self.state.plan)
+            self._show_plan(self.state.plan)
+            if self.result is None:
+                self.result = {"best": self.state.plan, "runners_up": [], "explanation": []}
+                self._fill_alternatives()
+            return
+        self.result = None
+        self.request_plan()
+
+    def validate(self) -> None:
+        if not self.busy and self.state.plan is not None:
+            self._verdict(self.state.plan)
+
+    def request_plan(self) -> None:
+        """Ask for a recommendation (the engine when connected, else the planner here)."""
+        self.state.take_plan(None)
+        self.base = None
+        self.alternatives.clear()
+        self.chart.clear()
+        self.headline.setText("")
+        self.explanation.setPlainText("")
+        self.wiz.need_checker()
+        self.busy = True
+        self.set_problem(None, note="Asking the planner for the best way to split this job…")
+        self.wiz.request_plan(self._planned, self._plan_failed)
+
+    def _planned(self, result: dict[str, Any]) -> None:
+        self.busy = False
+        self.result = result
+        self._fill_alternatives()
+        lines = list(result.get("explanation") or [])
+        if result.get("best") is None:
+            changes = [s["change"] for s in result.get("suggestions") or []]
+            self.headline.setText("Nothing fits on the selected GPUs.")
+            self.explanation.setPlainText("\n".join(f"• {line}" for line in lines))
+            self.set_problem(
+                "Nothing fits. " + (f"Try: {'; '.join(changes)}." if changes else "Choose more or larger GPUs.")
+            )
+            return
+        self.explanation.setPlainText("\n".join(f"• {line}" for line in lines))
+        self.alternatives.setCurrentRow(0)
+
+    def _plan_failed(self, message: str) -> None:
+        self.busy = False
+        self.result = None
+        self.set_problem(f"No plan: {message}")
+
+    def _fill_alternatives(self) -> None:
+        self.alternatives.blockSignals(True)
+        self.alternatives.clear()
+        for i, plan in enumerate(plans_of(self.result or {})):
+            speed = tokens_per_s(plan["timing"].get("tokens_per_s"), plan["workload"]["task"] == "train")
+            label = "Recommended" if i == 0 else f"Alternative {i}"
+            item = QListWidgetItem(f"{label}: {plan['parallelism']['family']} — {speed}\n{summary_lines(plan)[0]}")
+            item.setData(Qt.ItemDataRole.UserRole, plan)
+            self.alternatives.addItem(item)
+        self.alternatives.blockSignals(False)
+
+    # -- choosing and changing -------------------------------------------------------------------------
+    def _alternative_chosen(self, row: int) -> None:
+        item = self.alternatives.item(row)
+        if item is not None:
+            self._show_alternative(item.data(Qt.ItemDataRole.UserRole))
+
+    def _show_alternative(self, plan: dict[str, Any] | None) -> None:
+        if plan is None:
+            return
+        self.base = plan
+        self.state.take_plan(plan)
+        self._show_overrides(plan)
+        self._show_plan(plan)
+        self._verdict(plan)
+
+    def _show_overrides(self, plan: dict[str, Any]) -> None:
+        par = plan["parallelism"]
+        with self.quietly():
+            self.dp.setValue(par["dp"])
+            self.tp.setValue(par["tp"])
+            self.pp.setValue(par["pp"])
+            self.micro.setValue(par["micro_batch"])
+            self.checkpointing.setCurrentIndex(max(self.checkpointing.findData(par["checkpointing"]), 0))
+        if self.base is None:
+            self.base = plan
+
+    def overrides(self) -> Overrides:
+        return Overrides(
+            dp=self.dp.value(), tp=self.tp.value(), pp=self.pp.value(),
+            micro_batch=self.micro.value() if self.state.training else None,
+            checkpointing=self.checkpointing.currentData() if self.state.training else None,
+        )  # fmt: skip
+
+    def _override_changed(self) -> None:
+        if self.changing() or self.base is None:
+            return
+        checker = self.wiz.checker
+        if checker is None:
+            self.set_problem(None, note="Re-checking needs the model's description; it is still loading…")
+            return
+        result = checker.check(self.base, self.overrides(), self.state.gpus)
+        self.apply_check(result)
+
+    def apply_check(self, result: CheckResult) -> None:
+        if result.plan is None:
+            self.set_problem(result.message)
+            return
+        self.state.take_plan(result.plan)
+        self._show_plan(result.plan)
+        self._verdict(result.plan)
+
+    def _show_plan(self, plan: dict[str, Any]) -> None:
+        self.chart.show_memory(plan.get("memory") or [])
+        self.headline.setText("\n".join(summary_lines(plan)))
+
+    def _verdict(self, plan: dict[str, Any]) -> None:
+        memory = plan.get("memory") or []
+        worst = min(memory, key=lambda m: m["headroom"], default=None)
+        host = plan.get("host") or {}
+        if host.get("available") and host["needed"] > host["available"]:
+            self.set_problem(
+                f"Does not fit: the host needs {host['needed'] / 2**30:.0f} GiB of RAM and has "
+                f"{host['available'] / 2**30:.0f} GiB."
+            )
+        elif worst is not None and worst["headroom"] < 0:
+            self.set_problem(
+                f"Does not fit: GPU {worst['gpu']} needs {worst['total'] / 2**30:.1f} GiB of "
+                f"{worst['capacity'] / 2**30:.1f} GiB. Lower the micro-batch, checkpoint activations or shard more."
+            )
+        else:
+            changed = any("changed in the wizard" in n for n in plan.get("notes") or [])
+            self.set_problem(None, note="Your changes fit." if changed else None, tone="ok")
+
+    def nextId(self) -> int:
+        return HYPER
+
+
+class HyperPage(StepPage):
+    def __init__(self, wizard: JobWizard):
+        super().__init__(wizard, "Hyper-parameters", "Sensible defaults are filled in; each says what it does.")
+        t = QFormLayout()
+        self.train_form = t
+        self.steps = _spin("steps", 1, 10_000_000)
+        self.lr = QDoubleSpinBox()
+        self.lr.setObjectName("learningRate")
+        self.lr.setDecimals(6)
+        self.lr.setRange(1e-6, 1.0)
+        self.lr.setSingleStep(1e-4)
+        self.warmup = _spin("warmup", 0, 1_000_000)
+        self.micro = _spin("microBatch", 1, 4096)
+        self.accum = _spin("gradAccum", 1, 65_536)
+        self.seq_len = _spin("seqLen", 8, 1_048_576)
+        self.seq_len.setSingleStep(64)
+        self.lora_rank = _spin("loraRank", 1, 1024)
+        self.lora_alpha = _spin("loraAlpha", 1, 4096)
+        self.lora_targets = QLineEdit()
+        self.lora_targets.setObjectName("loraTargets")
+        self.lora_targets.setPlaceholderText("q_proj,k_proj,v_proj,o_proj (empty: attention and MLP projections)")
+        self.checkpoint_every = _spin("checkpointEvery", 1, 10_000_000)
+        self.eval_every = _spin("evalEvery", 1, 10_000_000)
+        self.seed = _spin("seed", 0, 2**31 - 1)
+        explained(t, "Steps", self.steps, "Optimizer updates to run; each sees one global batch of sequences.")
+        explained(
+            t, "Learning rate", self.lr, "Peak step size after warm-up; LoRA takes larger rates than full training."
+        )
+        explained(
+            t, "Warm-up steps", self.warmup, "Steps over which the rate rises from zero, so early updates stay small."
+        )
+        explained(t, "Micro-batch", self.micro, "Sequences each GPU processes at once; the biggest lever on memory.")
+        explained(
+            t,
+            "Gradient accumulation",
+            self.accum,
+            "Micro-batches summed before each update: a bigger batch for no memory.",
+        )
+        explained(t, "Sequence length", self.seq_len, "Tokens per training sequence; memory grows with it.")
+        self.lora_rows = [
+            explained(t, "LoRA rank", self.lora_rank, "Size of the adapter matrices: more capacity, more memory."),
+            explained(t, "LoRA alpha", self.lora_alpha, "Scale of the adapters' update; twice the rank is common."),
+            explained(
+                t, "LoRA targets", self.lora_targets, "Which linear layers get adapters (comma-separated names)."
+            ),
+        ]
+        explained(
+            t,
+            "Checkpoint every",
+            self.checkpoint_every,
+            "Steps between checkpoints a failed or stopped job resumes from.",
+        )
+        explained(t, "Evaluate every", self.eval_every, "Steps between loss measurements on held-out data (5% of it).")
+        explained(t, "Seed", self.seed, "Makes data order and initial weights repeatable.")
+        self.train_box = QWidget()
+        self.train_box.setLayout(t)
+
+        i = QFormLayout()
+        self.new_tokens = _spin("maxNewTokens", 1, 1_000_000)
+        self.batch = _spin("inferBatch", 1, 65_536)
+        self.context = _spin("context", 8, 1_048_576)
+        self.temperature = QDoubleSpinBox()
+        self.temperature.setObjectName("temperature")
+        self.temperature.setRange(0.0, 5.0)
+        self.temperature.setSingleStep(0.1)
+        self.top_p = QDoubleSpinBox()
+        self.top_p.setObjectName("topP")
+        self.top_p.setRange(0.01, 1.0)
+        self.top_p.setSingleStep(0.05)
+        self.infer_seed = _spin("inferSeed", 0, 2**31 - 1)
+        explained(i, "New tokens", self.new_tokens, "Tokens generated for each prompt at most.")
+        explained(i, "Batch", self.batch, "Prompts generated together: faster, and more KV-cache memory.")
+        explained(i, "Context", self.context, "Prompt plus answer tokens the KV cache is planned for.")
+        explained(i, "Temperature", self.temperature, "0 always picks the likeliest token; higher is more varied.")
+        explained(i, "Top-p", self.top_p, "Sample only from the likeliest tokens covering this probability.")
+        explained(i, "Seed", self.infer_seed, "Makes sampling repeatable.")
+        self.infer_box = QWidget()
+        self.infer_box.setLayout(i)
+
+        self.trust = QCheckBox("Trust remote code")
+        self.trust.setObjectName("trustRemoteCode")
+        # The warning stays in view whether the box is ticked or not: it is why the default is off.
+        self.trust_warning = QLabel(
+            "⚠ Runs Python code from the model's repository on this machine, with your rights. "
+            "Turn it on only for models whose code you trust."
+        )
+        self.trust_warning.setObjectName("trustWarning")
+        self.trust_warning.setWordWrap(True)
+        self.trust_warning.setStyleSheet(f"color: {WARN.darker(140).name()};")
+        self.trust.toggled.connect(self._changed)
+
+        content = QWidget()
+        cl = QVBoxLayout(content)
+        cl.addWidget(self.train_box)
+        cl.addWidget(self.infer_box)
+        cl.addWidget(self.trust)
+        cl.addWidget(self.trust_warning)
+        cl.addStretch(1)
+        self.scroll = QScrollArea()
+        self.scroll.setWidgetResizable(True)
+        self.scroll.setWidget(content)
+        self.scroll.setFocusPolicy(Qt.FocusPolicy.NoFocus)
+        self.coverage = QLabel()
+        self.coverage.setObjectName("dataCoverage")
+        self.coverage.setWordWrap(True)
+        self.body.addWidget(self.coverage)
+        self.body.addWidget(self.scroll, 1)
+        self.body.addWidget(self.message)
+        for box in (self.steps, self.warmup, self.micro, self.accum, self.seq_len, self.lora_rank, self.lora_alpha,
+                    self.checkpoint_every, self.eval_every, self.seed, self.new_tokens, self.batch, self.context,
+                    self.infer_seed):  # fmt: skip
+            box.valueChanged.connect(self._changed)
+        for dbox in (self.lr, self.temperature, self.top_p):
+            dbox.valueChanged.connect(self._changed)
+        self.lora_targets.editingFinished.connect(self._changed)
+
+    def load(self) -> None:
+        s = self.state
+        infer = s.kind == INFER
+        self.train_box.setVisible(not infer)
+        self.infer_box.setVisible(infer)
+        lora = s.training and s.train_method == "lora"
+        for row in self.lora_rows:
+            self.train_form.setRowVisible(row, lora)
+        t, i = s.train, s.infer
+        self.steps.setValue(t.max_steps)
+        self.lr.setValue(t.learning_rate)
+        self.warmup.setValue(t.warmup_steps)
+        self.micro.setValue(t.micro_batch)
+        self.accum.setValue(t.grad_accum)
+        self.seq_len.setValue(t.seq_len)
+        self.lora_rank.setValue(t.lora_rank)
+        self.lora_alpha.setValue(t.lora_alpha)
+        self.lora_targets.setText(",".join(t.lora_targets or []))
+        self.checkpoint_every.setValue(t.checkpoint_every)
+        self.eval_every.setValue(t.eval_every)
+        self.seed.setValue(t.seed)
+        self.new_tokens.setValue(i.max_new_tokens)
+        self.batch.setValue(i.batch_size)
+        self.context.setValue(t.seq_len)
+        self.temperature.setValue(i.temperature)
+        self.top_p.setValue(i.top_p)
+        self.infer_seed.setValue(i.seed)
+        self.trust.setChecked(s.trust_remote_code)
+
+    def _changed(self) -> None:
+        if self.changing():
+            return
+        s, t, i = self.state, self.state.train, self.state.infer
+        t.max_steps, t.learning_rate, t.warmup_steps = self.steps.value(), self.lr.value(), self.warmup.value()
+        t.checkpoint_every, t.eval_every, t.seed = (
+            self.checkpoint_every.value(),
+            self.eval_every.value(),
+            self.seed.value(),
+        )
+        t.lora_rank, t.lora_alpha = self.lora_rank.value(), self.lora_alpha.value()
+        targets = [x.strip() for x in self.lora_targets.text().split(",") if x.strip()]
+        t.lora_targets = targets or None
+        i.temperature, i.top_p, i.seed = self.temperature.value(), self.top_p.value(), self.infer_seed.value()
+        s.trust_remote_code = self.trust.isChecked()
+        self.validate()
+
+    def overrides(self) -> Overrides:
+        s = self.state
+        if s.kind == INFER:
+            return Overrides(seq_len=self.context.value(), global_batch=self.batch.value(),
+                             new_tokens=self.new_tokens.value())  # fmt: skip
+        lora = s.train_method == "lora"
+        return Overrides(
+            micro_batch=self.micro.value(), grad_accum=self.accum.value(), seq_len=self.seq_len.value(),
+            lora_rank=self.lora_rank.value() if lora else None, lora_alpha=self.lora_alpha.value() if lora else None,
+            lora_targets=self.state.train.lora_targets if lora else None,
+        )  # fmt: skip
+
+    def validate(self) -> None:
+        self._check()
+        self._show_coverage()
+
+    def _check(self) -> None:
+        s = self.state
+        if s.training and self.warmup.value() >= self.steps.value():
+            self.set_problem("Warm-up must be shorter than the run: fewer warm-up steps or more steps.")
+            return
+        if s.kind == INFER and self.new_tokens.value() >= self.context.value():
+            self.set_problem("New tokens must leave room for the prompt in the context.")
+            return
+        if s.plan is None:
+            self._store_unchecked()
+            self.set_problem(None)
+            return
+        checker = self.wiz.checker
+        if checker is None:
+            self._store_unchecked()
+            self.set_problem(
+                None, note="Memory is not re-checked: the model's description is not available.", tone="warn"
+            )
+            return
+        result = checker.check(s.plan, self.overrides(), s.gpus)
+        if result.plan is None:
+            self.set_problem(result.message)
+            return
+        s.take_plan(result.plan)
+        if result.fits:
+            self.set_problem(None, note=result.message, tone="ok")
+        else:
+            self.set_problem(result.message)
+
+    def _show_coverage(self) -> None:
+        """How much of the data the run sees: too few steps learn little, too many repeat it."""
+        s, report = self.state, self.wiz.data_page.report
+        if not s.training or report is None or not report.token_estimate:
+            self.coverage.hide()
+            return
+        seen = s.train.max_steps * s.global_batch * s.train.seq_len
+        passes = seen / report.token_estimate
+        self.coverage.setText(
+            f"{s.train.max_steps} steps × {s.global_batch} sequences × {s.train.seq_len} tokens ≈ {seen:,} tokens: "
+            f"about {passes:.1f} passes over the data (from its size estimate)."
+        )
+        self.coverage.show()
+
+    def _store_unchecked(self) -> None:
+        """Without a plan to re-check, the fields go into the job as they are."""
+        s = self.state
+        s.train.micro_batch, s.train.grad_accum, s.train.seq_len = (
+            self.micro.value(),
+            self.accum.value(),
+            self.seq_len.value(),
+        )
+        if s.kind == INFER:
+            s.train.seq_len = self.context.value()
+            s.infer.max_new_tokens, s.infer.batch_size = self.new_tokens.value(), self.batch.value()
+
+    def nextId(self) -> int:
+        return REVIEW

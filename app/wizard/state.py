@@ -1,0 +1,410 @@
+"""The wizard's view-model: every choice so far, and what it becomes (a JobSpec, a plan, a command line).
+
+Plain Python: the pages read and write one `WizardState`, so Back keeps every
+choice and the whole state can be saved in QSettings, rebuilt from a job
+("clone") or from a plan ("launch with this plan"). `default_state` makes the
+first-run defaults: the shipped tiny model and data, so Next, Next, ... Launch
+on a simulated machine runs a small real CPU job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.jobs.spec import InferSettings, JobSpec, Parallelism, TrainSettings
+from engine.service.store import ACTIVE_STATES
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO / "examples"
+TINY_MODEL = "models/tiny-llama"
+TINY_DATA = "data/shakespeare.txt"
+
+FINETUNE, SCRATCH, SCRIPT, INFER, CALIBRATE = "finetune", "scratch", "script", "infer", "calibrate"
+# (key, title, one line on what it does)
+KINDS: list[tuple[str, str, str]] = [
+    (FINETUNE, "Fine-tune a model", "Continue training a pretrained model on your data, fully or with LoRA adapters."),
+    (SCRATCH, "Train from scratch", "Train a fresh model from a config.json (random weights) on your data."),
+    (SCRIPT, "Run my script", "Run your own training script under torchrun, one process per GPU."),
+    (INFER, "Sharded inference", "Generate text from prompts with a model split over the GPUs."),
+    (CALIBRATE, "Calibrate", "Measure this machine's matmul speed and GPU-to-GPU bandwidth for the planner."),
+]
+KIND_TITLES = {k: t for k, t, _ in KINDS}
+PLANNED_KINDS = (FINETUNE, SCRATCH, INFER)
+JOB_KIND = {FINETUNE: "train", SCRATCH: "train", SCRIPT: "script", INFER: "infer", CALIBRATE: "calibrate"}
+SIMULATED_DEFAULT_GPUS = 2  # CPU ranks on a simulated machine: enough to show data parallelism, light on cores
+
+
+@dataclass
+class WizardState:
+    kind: str = FINETUNE
+    name: str = ""
+    model: str = ""  # preset, folder or hub id; from scratch: a config.json or a folder holding one
+    method: str = "lora"  # fine-tune: "full" | "lora"
+    script: str = ""
+    script_args: str = ""  # shell words after the script
+    dataset: list[str] = field(default_factory=list)
+    text_field: str = "text"
+    prompts_file: str = ""
+    prompts: list[str] = field(default_factory=list)
+    gpus: list[int] = field(default_factory=list)
+    queue_if_busy: bool = False  # submit even when a chosen GPU is busy: the job waits for it
+    global_batch: int = 16  # training: sequences per optimizer step the plan is made for
+    plan: dict[str, Any] | None = None  # Plan.to_dict() the job runs under, overrides included
+    plan_for: list[Any] | None = None  # plan_key() the plan was made for; another key means plan again
+    train: TrainSettings = field(default_factory=TrainSettings)
+    infer: InferSettings = field(default_factory=InferSettings)
+    trust_remote_code: bool = False
+
+    # -- what the choices mean -------------------------------------------------------------------
+    @property
+    def job_kind(self) -> str:
+        return JOB_KIND[self.kind]
+
+    @property
+    def planned(self) -> bool:
+        return self.kind in PLANNED_KINDS
+
+    @property
+    def training(self) -> bool:
+        return self.kind in (FINETUNE, SCRATCH)
+
+    @property
+    def train_method(self) -> str:
+        return "scratch" if self.kind == SCRATCH else self.method
+
+    @property
+    def precision(self) -> str:
+        return self.infer.precision if self.kind == INFER else self.train.precision
+
+    def set_precision(self, precision: str) -> None:
+        self.train.precision = precision
+        self.infer.precision = precision
+
+    def planning_model(self) -> str:
+        """The model as the planner takes it: a folder rather than the config.json inside it."""
+        p = Path(self.model).expanduser()
+        if p.name == "config.json" and p.is_file():
+            return str(p.parent)
+        return self.model
+
+    def workload_args(self) -> dict[str, Any]:
+        """The `plan` request's `workload` for these choices."""
+        if self.kind == INFER:
+            new_tokens = min(self.infer.max_new_tokens, max(self.train.seq_len - 1, 1))
+            return {
+                "task": "infer", "method": "full", "precision": self.infer.precision, "seq_len": self.train.seq_len,
+                "global_batch": self.infer.batch_size, "new_tokens": new_tokens, "lora": None,
+            }  # fmt: skip
+        method = "lora" if self.train_method == "lora" else "full"
+        lora = None
+        if method == "lora":
+            t = self.train
+            lora = {"rank": t.lora_rank, "alpha": t.lora_alpha, "dropout": t.lora_dropout,
+                    "targets": list(t.lora_targets or ["all-linear"])}  # fmt: skip
+        return {
+            "task": "train", "method": method, "precision": self.train.precision, "seq_len": self.train.seq_len,
+            "global_batch": self.global_batch, "lora": lora,
+        }  # fmt: skip
+
+    def plan_key(self) -> list[Any]:
+        """Everything the plan depends on; when it changes, the plan is made again."""
+        return [self.kind, self.planning_model(), sorted(self.gpus), json.dumps(self.workload_args(), sort_keys=True)]
+
+    def plan_is_current(self) -> bool:
+        return self.plan is not None and self.plan_for == self.plan_key()
+
+    def take_plan(self, plan: dict[str, Any] | None) -> None:
+        """Run under `plan`: its batch shape, sequence length and checkpointing become the job's."""
+        self.plan = plan
+        if plan is None:
+            self.plan_for = None
+            return
+        par, w = plan["parallelism"], plan["workload"]
+        self.train.seq_len = w["seq_len"]
+        if self.training:
+            self.train.micro_batch = par["micro_batch"]
+            self.train.grad_accum = par["grad_accum"]
+            self.train.activation_checkpointing = par["checkpointing"]
+            self.global_batch = w["global_batch"]
+        elif self.kind == INFER:
+            self.infer.batch_size = w["global_batch"]
+            if w.get("new_tokens"):
+                self.infer.max_new_tokens = w["new_tokens"]
+        self.plan_for = self.plan_key()
+
+    # -- what is submitted ---------------------------------------------------------------------------
+    def parallelism(self) -> Parallelism:
+        par = (self.plan or {}).get("parallelism") if self.planned else None
+        if not par:
+            return Parallelism()
+        dp = par["dp"]
+        shard = (par.get("shard_degree") or 1) if par.get("zero_stage") == 3 else 1
+        shard = shard if dp % shard == 0 else 1
+        schedule = {"gpipe": "GPipe"}.get(par.get("pipeline_schedule", ""), "1F1B")
+        return Parallelism(
+            dp_replicate=dp // shard, dp_shard=shard, tp=par["tp"], pp=par["pp"],
+            sequence_parallel=bool(par.get("sequence_parallel")), pp_schedule=schedule,
+            pp_microbatches=par.get("grad_accum", 1) if par["pp"] > 1 else 1,
+        )  # fmt: skip
+
+    def job_gpus(self) -> list[int]:
+        """The GPUs in rank order: the plan's order puts tensor-parallel groups on the fastest links."""
+        if self.planned and self.plan:
+            return list(self.plan["parallelism"]["gpu_indices"])
+        return sorted(self.gpus)
+
+    def to_spec(self) -> dict[str, Any]:
+        """A JobSpec dict for the `submit` request (`id` is the engine's to give)."""
+        kind = self.job_kind
+        spec = JobSpec(
+            id="",
+            kind=kind,  # type: ignore[arg-type]
+            name=self.name.strip() or default_name(self),
+            model=self.model.strip() or None,
+            trust_remote_code=self.trust_remote_code if kind in ("train", "infer") else False,
+            gpus=self.job_gpus(),
+            parallelism=self.parallelism(),
+        )
+        if kind == "train":
+            spec.train = dataclasses.replace(self.train, dataset=list(self.dataset), method=self.train_method,
+                                             text_field=self.text_field)  # fmt: skip
+            if spec.train.method != "lora":
+                spec.train.lora_targets = None
+        elif kind == "infer":
+            prompts = [p for p in self.prompts if p.strip()]
+            spec.infer = dataclasses.replace(
+                self.infer, prompts_file=self.prompts_file or None, prompts=[] if self.prompts_file else prompts
+            )
+        elif kind == "script":
+            spec.model = None
+            spec.script = [self.script, *shlex.split(self.script_args)]
+        else:
+            spec.model = None  # calibration measures the machine; the wizard asks for no model
+        # Parts the job does not have are left out rather than sent as null.
+        return {k: v for k, v in spec.to_dict().items() if v is not None}
+
+    def command(self) -> str:
+        """The `rigpilot run ...` line that submits the same job from a terminal."""
+        return run_command(self)
+
+    # -- saving and rebuilding ------------------------------------------------------------------------
+    def to_json(self) -> str:
+        d = dataclasses.asdict(self)
+        d.pop("plan", None)  # a plan is of one machine and moment; it is made again
+        d.pop("plan_for", None)
+        return json.dumps(d)
+
+    @classmethod
+    def from_json(cls, text: str) -> WizardState:
+        d = json.loads(text)
+        if not isinstance(d, dict):
+            raise ValueError("wizard state must be a JSON object")
+        return cls.from_dict(d)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> WizardState:
+        known = {f.name for f in dataclasses.fields(cls)}
+        d = {k: v for k, v in d.items() if k in known}
+        train_fields = {f.name for f in dataclasses.fields(TrainSettings)}
+        infer_fields = {f.name for f in dataclasses.fields(InferSettings)}
+        d["train"] = TrainSettings(**{k: v for k, v in (d.get("train") or {}).items() if k in train_fields})
+        d["infer"] = InferSettings(**{k: v for k, v in (d.get("infer") or {}).items() if k in infer_fields})
+        state = cls(**d)
+        if state.kind not in JOB_KIND:
+            state.kind = FINETUNE
+        return state
+
+    def copy(self) -> WizardState:
+        return dataclasses.replace(
+            self, train=dataclasses.replace(self.train), infer=dataclasses.replace(self.infer),
+            dataset=list(self.dataset), prompts=list(self.prompts), gpus=list(self.gpus),
+        )  # fmt: skip
+
+
+def default_name(state: WizardState) -> str:
+    model = Path(state.model.rstrip("/")).name if state.model else ""
+    if model == "config.json":
+        model = Path(state.model).parent.name
+    if state.kind == SCRIPT:
+        return Path(state.script).stem or "script"
+    words = {
+        FINETUNE: f"{state.method} fine-tune",
+        SCRATCH: "from scratch",
+        INFER: "inference",
+        CALIBRATE: "calibration",
+    }
+    return " ".join(w for w in (model, words[state.kind]) if w)
+
+
+# -- the first-run defaults ------------------------------------------------------------------------------
+
+
+def examples_present(examples: Path = EXAMPLES) -> bool:
+    return (examples / TINY_MODEL / "config.json").is_file() and (examples / TINY_DATA).is_file()
+
+
+def default_gpus(machine: dict[str, Any] | None, jobs: list[dict[str, Any]] | None = None) -> list[int]:
+    if not machine:
+        return []
+    busy = {g for j in jobs or [] if j.get("state") in ACTIVE_STATES for g in j.get("gpus") or []}
+    free = [g["index"] for g in machine.get("gpus", []) if g["index"] not in busy]
+    if machine.get("source") == "simulated":
+        return free[:SIMULATED_DEFAULT_GPUS]
+    return free
+
+
+def default_state(machine: dict[str, Any] | None = None, examples: Path = EXAMPLES) -> WizardState:
+    """A job that runs as it is: the shipped tiny model on the shipped text, a few dozen steps."""
+    simulated = bool(machine and machine.get("source") == "simulated")
+    state = WizardState(gpus=default_gpus(machine))
+    # CPU ranks run fp32 faster than emulated bf16, and a simulated machine has no other kind.
+    state.set_precision("fp32" if simulated else "bf16")
+    if examples_present(examples):
+        state.kind = SCRATCH
+        state.model = str(examples / TINY_MODEL)
+        state.dataset = [str(examples / TINY_DATA)]
+        t = state.train
+        t.max_steps, t.seq_len, t.micro_batch, t.grad_accum = 30, 128, 4, 1
+        t.learning_rate, t.warmup_steps, t.eval_every, t.checkpoint_every = 1e-3, 3, 10, 30
+        state.global_batch = 4 * max(len(state.gpus), 1)
+        state.infer.max_new_tokens = 32
+    else:
+        # Nothing shipped to fall back on: a LoRA fine-tune whose model and data the user picks.
+        state.kind, state.method = FINETUNE, "lora"
+        t = state.train
+        t.max_steps, t.eval_every, t.checkpoint_every = 100, 50, 50
+    return state
+
+
+# -- from a job or a plan ("clone into the wizard") -------------------------------------------------------
+
+
+def state_from_spec(spec: dict[str, Any], plan: dict[str, Any] | None = None) -> WizardState:
+    """The wizard's choices that would submit `spec` (a JobSpec dict) again."""
+    s = JobSpec.from_dict({"id": "", **spec})
+    state = WizardState(name=s.name, model=s.model or "", gpus=list(s.gpus), trust_remote_code=s.trust_remote_code)
+    if s.kind == "train":
+        t = s.train or TrainSettings()
+        state.kind = SCRATCH if t.method == "scratch" else FINETUNE
+        state.method = t.method if t.method in ("full", "lora") else "lora"
+        state.dataset, state.text_field = list(t.dataset), t.text_field
+        state.train = dataclasses.replace(t)
+        dp = s.parallelism.dp_replicate * s.parallelism.dp_shard
+        state.global_batch = t.micro_batch * t.grad_accum * max(dp, 1)
+    elif s.kind == "infer":
+        i = s.infer or InferSettings()
+        state.kind = INFER
+        state.infer = dataclasses.replace(i)
+        state.prompts_file, state.prompts = i.prompts_file or "", list(i.prompts)
+    elif s.kind == "script":
+        state.kind = SCRIPT
+        argv = list(s.script or [])
+        state.script = argv[0] if argv else ""
+        state.script_args = shlex.join(argv[1:])
+        state.model = ""
+    else:
+        state.kind = CALIBRATE
+    if plan is not None and state.planned:
+        state.take_plan(plan)
+    return state
+
+
+def state_from_plan(plan: dict[str, Any], base: WizardState | None = None) -> WizardState:
+    """Launch under `plan` (a Plan dict or a whole search result): its model, workload and GPUs."""
+    if isinstance(plan.get("best"), dict):
+        plan = plan["best"]
+    state = base.copy() if base is not None else WizardState()
+    w = plan["workload"]
+    state.model = w["model"]
+    state.gpus = sorted(plan["parallelism"]["gpu_indices"])
+    state.set_precision(w["precision"])
+    state.train.seq_len = w["seq_len"]
+    if w["task"] == "infer":
+        state.kind = INFER
+        state.infer.batch_size = w["global_batch"]
+        if w.get("new_tokens"):
+            state.infer.max_new_tokens = w["new_tokens"]
+    else:
+        # From scratch only when the plan is for the configuration the last scratch run used.
+        same_config = base is not None and base.kind == SCRATCH and base.planning_model() == w["model"]
+        state.kind = SCRATCH if same_config else FINETUNE
+        # Jobs train LoRA adapters over 16-bit weights: a QLoRA plan is launched as LoRA.
+        state.method = "full" if w["method"] == "full" else "lora"
+        if state.kind == SCRATCH and state.method == "lora":
+            state.kind = FINETUNE
+        state.global_batch = w["global_batch"]
+        lora = w.get("lora")
+        if lora:
+            state.train.lora_rank, state.train.lora_alpha = lora["rank"], lora["alpha"]
+        if w["method"] == "qlora":
+            state.take_plan(None)  # its memory is of a 4-bit base: the Plan page plans LoRA afresh
+            return state
+    state.take_plan(plan)
+    return state
+
+
+# -- the command line -------------------------------------------------------------------------------------
+
+
+def run_command(state: WizardState) -> str:
+    """`rigpilot run KIND ...` with the flags the command line has; the rest is listed after it."""
+    spec = JobSpec.from_dict(state.to_spec())
+    words = ["rigpilot", "run", spec.kind]
+    if spec.gpus:
+        words += ["--gpus", ",".join(map(str, spec.gpus))]
+    words += ["--name", spec.name]
+    if spec.kind == "script":
+        return shlex.join([*words, "--", *(spec.script or [])])
+    if spec.model:
+        words += ["--model", spec.model]
+    if spec.trust_remote_code:
+        words.append("--trust-remote-code")
+    p = spec.parallelism
+    for flag, value in (("--dp", p.dp_replicate), ("--fsdp", p.dp_shard), ("--tp", p.tp), ("--pp", p.pp)):
+        if value > 1:
+            words += [flag, str(value)]
+    if state.planned and state.plan:
+        words += ["--plan", "plan.json"]
+    extras: list[str] = []
+    if spec.kind == "train" and spec.train is not None:
+        t = spec.train
+        for f in t.dataset:
+            words += ["--data", f]
+        words += ["--method", t.method, "--steps", str(t.max_steps), "--seq", str(t.seq_len),
+                  "--micro-batch", str(t.micro_batch), "--grad-accum", str(t.grad_accum),
+                  "--lr", f"{t.learning_rate:g}"]  # fmt: skip
+        extras += [f"precision {t.precision}", f"warmup {t.warmup_steps}", f"eval every {t.eval_every}",
+                   f"checkpoint every {t.checkpoint_every}", f"seed {t.seed}",
+                   f"activation checkpointing {t.activation_checkpointing}"]  # fmt: skip
+        if t.text_field != "text":
+            extras.append(f"text field {t.text_field!r}")
+        if t.method == "lora":
+            targets = ",".join(t.lora_targets or ["attention and MLP projections"])
+            extras.append(f"LoRA rank {t.lora_rank}, alpha {t.lora_alpha}, targets {targets}")
+    elif spec.kind == "infer" and spec.infer is not None:
+        i = spec.infer
+        if i.prompts_file:
+            words += ["--prompts", i.prompts_file]
+        for prompt in i.prompts:
+            words += ["--prompt", prompt]
+        words += ["--max-new-tokens", str(i.max_new_tokens)]
+        extras += [f"precision {i.precision}", f"batch {i.batch_size}", f"temperature {i.temperature:g}",
+                   f"top-p {i.top_p:g}", f"seed {i.seed}"]  # fmt: skip
+    line = shlex.join(words)
+    if state.planned and state.plan:
+        line += "\n# plan.json: export the plan as JSON (Review page) next to where you run this"
+    if extras:
+        line += "\n# set in the wizard, no flag: " + "; ".join(extras)
+    return line
+
+
+def steps_for(tokens: int, state: WizardState) -> int:
+    """Optimizer steps to see `tokens` once: a hint for the steps field."""
+    per_step = max(state.global_batch, 1) * max(state.train.seq_len, 1)
+    return max(1, math.ceil(tokens / per_step))

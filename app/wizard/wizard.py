@@ -1,0 +1,250 @@
+"""`JobWizard`: a guided way to a running job, one question per page.
+
+Task → Model → Data → GPUs → Plan → Hyper-parameters → Review → Launch; pages a
+task does not need are skipped (a script has no data or plan, calibration no
+model). All choices live in one `WizardState`, so Back keeps them, the last
+ones are remembered in QSettings, and a job or a plan can be cloned into a new
+wizard. Launch submits to the engine; on success the wizard emits
+`sig_submitted(job_id)`, closes, and the main window shows the job.
+
+    wizard = JobWizard(link, parent=self)                    # last choices, or the shipped tiny example
+    wizard = JobWizard.from_plan(plan_dict, link=link, parent=self)
+    wizard = JobWizard.from_job(job_dict, link=link, parent=self)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from PySide6.QtCore import QSettings, Signal
+from PySide6.QtWidgets import QWidget, QWizard
+
+from app.planner.gpu_selector import BusyGpus
+from app.planner.model import error_text
+from app.tasks import run_in_background
+from app.widgets.engine_messages import machine_dict
+from app.wizard.page_base import DATA, GPUS, HYPER, LAUNCH, MODEL, PLAN, REVIEW, TASK
+from app.wizard.pages_finish import LaunchPage, ReviewPage
+from app.wizard.pages_plan import HyperPage, PlanPage
+from app.wizard.pages_setup import DataPage, GpuPage, ModelPage, TaskPage
+from app.wizard.plan_check import PlanChecker, describe_for_job, plan_here
+from app.wizard.state import (
+    CALIBRATE,
+    FINETUNE,
+    INFER,
+    SCRIPT,
+    WizardState,
+    default_gpus,
+    default_state,
+    state_from_plan,
+    state_from_spec,
+)
+
+SETTINGS_KEY = "wizard/last"
+_KIND_OF_JOB = {"train": FINETUNE, "infer": INFER, "script": SCRIPT, "calibrate": CALIBRATE}
+
+
+def land_on_job(widget: QWidget | None, job_id: str) -> None:
+    """Show the job's page in the main window `widget` lives in, if it has a jobs page."""
+    main = widget.window() if widget is not None else None
+    show_page = getattr(main, "show_page", None)
+    if show_page is None:
+        return
+    jobs = show_page("jobs")
+    open_job = getattr(jobs, "open_job", None)
+    if open_job is not None:
+        open_job(job_id)
+
+
+class JobWizard(QWizard):
+    sig_submitted = Signal(str)  # the new job's id
+    sig_submit_failed = Signal(str)  # the message shown on the Launch page
+
+    def __init__(
+        self,
+        link: Any,
+        parent: QWidget | None = None,
+        *,
+        state: WizardState | None = None,
+        settings: QSettings | None = None,
+    ):
+        super().__init__(parent)
+        self.setObjectName("jobWizard")
+        self.setWindowTitle("New job")
+        self.link = link
+        self.settings = settings if settings is not None else QSettings()
+        self.machine: dict[str, Any] | None = machine_dict(getattr(link, "machine", None))
+        self.busy = BusyGpus(link, self)
+        self.checker: PlanChecker | None = None
+        self._checker_key: tuple[str, bool, str] | None = None
+        self._specs: dict[tuple[str, bool], Any] = {}  # (model, trust_remote_code) -> ModelSpec
+        self.job_id: str | None = None
+        self.state = state or self.remembered() or default_state(self.machine)
+        if not self.state.gpus:
+            self.state.gpus = default_gpus(self.machine)
+
+        self.task_page = TaskPage(self)
+        self.model_page = ModelPage(self)
+        self.data_page = DataPage(self)
+        self.gpu_page = GpuPage(self)
+        self.plan_page = PlanPage(self)
+        self.hyper_page = HyperPage(self)
+        self.review_page = ReviewPage(self)
+        self.launch_page = LaunchPage(self)
+        for page_id, page in (
+            (TASK, self.task_page), (MODEL, self.model_page), (DATA, self.data_page), (GPUS, self.gpu_page),
+            (PLAN, self.plan_page), (HYPER, self.hyper_page), (REVIEW, self.review_page), (LAUNCH, self.launch_page),
+        ):  # fmt: skip
+            self.setPage(page_id, page)
+        self.setStartId(TASK)
+        self.setButtonText(QWizard.WizardButton.FinishButton, "Close")
+        self.resize(1000, 720)
+        link.sig_machine.connect(self._on_machine)
+
+    # -- other ways in ---------------------------------------------------------------------------
+    @classmethod
+    def from_plan(cls, plan: dict[str, Any], link: Any, parent: QWidget | None = None, **kw: Any) -> JobWizard:
+        """A wizard to launch under `plan` (a Plan dict or a search result); data and settings as last time."""
+        wizard = cls(link, parent, **kw)
+        wizard.apply_state(state_from_plan(plan, base=wizard.state))
+        wizard.state.name = ""
+        return wizard
+
+    @classmethod
+    def from_job(cls, job: dict[str, Any], link: Any, parent: QWidget | None = None, **kw: Any) -> JobWizard:
+        """A wizard filled from a job: a JobSpec dict, a job record carrying `spec` (and `plan`), or a job
+        record whose folder (`job_dir`) holds job.json and plan.json, read in the background."""
+        spec = job if ("spec_version" in job or "parallelism" in job) else job.get("spec")
+        if isinstance(spec, dict):
+            state = state_from_spec(spec, job.get("plan"))
+        else:
+            state = WizardState(
+                kind=_KIND_OF_JOB.get(job.get("kind", ""), FINETUNE), name=job.get("name", ""),
+                gpus=list(job.get("gpus") or []),
+            )  # fmt: skip
+        wizard = cls(link, parent, state=state, **kw)
+        if not isinstance(spec, dict) and job.get("job_dir"):
+            wizard._load_job_folder(Path(job["job_dir"]))
+        return wizard
+
+    def _load_job_folder(self, folder: Path) -> None:
+        def read() -> WizardState:
+            spec = json.loads((folder / "job.json").read_text())
+            plan_file = folder / "plan.json"
+            plan = json.loads(plan_file.read_text()) if plan_file.is_file() else None
+            return state_from_spec(spec, plan)
+
+        # A job whose folder cannot be read still gives its kind, name and GPUs.
+        run_in_background(read, self.apply_state, lambda e: None)
+
+    def apply_state(self, state: WizardState) -> None:
+        """Start over with `state` (a clone whose files arrived, a plan to launch)."""
+        self.state = state
+        if not state.gpus:
+            state.gpus = default_gpus(self.machine)
+        self.restart()
+
+    # -- remembering -------------------------------------------------------------------------------
+    def remembered(self) -> WizardState | None:
+        text = self.settings.value(SETTINGS_KEY)
+        if not isinstance(text, str) or not text:
+            return None
+        try:
+            return WizardState.from_json(text)
+        except (ValueError, TypeError, KeyError):
+            return None  # settings from another version: start from the defaults
+
+    def remember(self) -> None:
+        self.settings.setValue(SETTINGS_KEY, self.state.to_json())
+
+    def done(self, result: int) -> None:
+        self.remember()
+        super().done(result)
+
+    # -- the machine and the model's description ------------------------------------------------------
+    def _on_machine(self, message: dict[str, Any]) -> None:
+        d = machine_dict(message)
+        if not d:
+            return
+        self.machine = d
+        self.checker = None
+        self._checker_key = None
+        if not self.state.gpus:
+            self.state.gpus = default_gpus(d)
+        self.gpu_page.machine_changed(d)
+
+    def model_described(self, model: str, spec: Any) -> None:
+        self._specs[(model, self.state.trust_remote_code)] = spec
+
+    def need_checker(self) -> None:
+        """Make sure `checker` is for the chosen model on this machine (describing it in the background)."""
+        s = self.state
+        if self.machine is None or not s.model:
+            return
+        key = (s.model, s.trust_remote_code, self.machine.get("label", ""))
+        if self._checker_key == key and self.checker is not None:
+            return
+        self.checker, self._checker_key = None, key
+        spec = self._specs.get(key[:2])
+        machine = self.machine
+        if spec is not None:
+            self.checker = PlanChecker(spec, machine)
+            return
+
+        def ready(spec: Any) -> None:
+            if self._checker_key == key:
+                self._specs[key[:2]] = spec
+                self.checker = PlanChecker(spec, machine)
+
+        ref, trust = s.model, s.trust_remote_code
+        run_in_background(lambda: describe_for_job(ref, trust), ready, lambda e: None)
+
+    # -- talking to the engine ---------------------------------------------------------------------------
+    def request_plan(self, on_done: Callable[[dict[str, Any]], None], on_error: Callable[[str], None]) -> None:
+        """A plan for the current choices: the engine's when connected, else the planner here."""
+        s = self.state
+        ref, workload, gpus = s.planning_model(), s.workload_args(), sorted(s.gpus)
+        engine_reads_it = not Path(ref).expanduser().is_file()  # the engine describes folders, presets, hub ids
+        if getattr(self.link, "state", None) == "connected" and engine_reads_it:
+            self.link.call(
+                "plan",
+                on_done=lambda reply: on_done(reply.get("result", reply)),
+                on_error=lambda e: on_error(error_text(e)),
+                model=ref, workload=workload, gpus=gpus, options={}, trust_remote_code=s.trust_remote_code,
+            )  # fmt: skip
+        elif self.machine is not None:
+            machine, trust = self.machine, s.trust_remote_code
+            run_in_background(
+                lambda: plan_here(ref, machine, workload, gpus, trust), on_done, lambda e: on_error(error_text(e))
+            )
+        else:
+            on_error("Not connected to the engine, and no machine is known to plan for.")
+
+    def submit(self, on_done: Callable[[str], None], on_error: Callable[[str], None]) -> None:
+        """Submit the job once; on success announce it, show it in the main window and close."""
+        if self.job_id is not None:
+            on_done(self.job_id)
+            return
+        s = self.state
+        args: dict[str, Any] = {"spec": s.to_spec(), "plan": s.plan if s.planned else None}
+        if getattr(self.link, "remote", None) is None:
+            args["cwd"] = os.getcwd()  # relative paths typed by the user mean: from here
+
+        def submitted(reply: dict[str, Any]) -> None:
+            self.job_id = reply["job"]["id"]
+            self.remember()
+            on_done(self.job_id)
+            self.sig_submitted.emit(self.job_id)
+            land_on_job(self.parentWidget(), self.job_id)
+            self.accept()
+
+        def failed(error: BaseException) -> None:
+            message = error_text(error)
+            on_error(message)
+            self.sig_submit_failed.emit(message)
+
+        self.link.call("submit", on_done=submitted, on_error=failed, **args)

@@ -1,0 +1,652 @@
+"""The Jobs page, driven by a fake engine link: the list, a job's history and stream, failures, controls."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+from gui_fakes import FakeLink, fail_on_qt_warnings, focusable_widgets, isolated_config, make_job, tab_through
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QApplication
+
+from app.jobs.handle import LAUNCHER_RANK, RecordDeduper
+from app.jobs.model import STATE, STATES, duration
+from app.jobs.page import JobsPage
+from app.jobs.series import JobSeries, ema, final_timeline
+from engine.service.client import EngineError
+
+T0 = 1_700_000_000.0
+GIB = 1024**3
+
+
+@pytest.fixture(autouse=True)
+def no_qt_warnings():
+    yield from fail_on_qt_warnings()
+
+
+@pytest.fixture(autouse=True)
+def config(tmp_path, monkeypatch):
+    yield from isolated_config(tmp_path, monkeypatch)
+
+
+def step_record(step: int, rank: int = 0, loss: float | None = None, **extra: Any) -> dict[str, Any]:
+    return {
+        "time": T0 + step + rank * 1e-3, "rank": rank, "step": step,
+        "loss": 4.0 / (1 + 0.1 * step) if loss is None else loss, "lr": 3e-4, "grad_norm": 1.0,
+        "tokens_per_s": 1000.0 + step, "step_time": 0.5, "mfu": 0.4, "peak_memory": (10 + rank) * GIB, **extra,
+    }  # fmt: skip
+
+
+class FakeJobs:
+    """The engine's job requests (metrics, logs, cancel, resume, job) over canned data, in server.py's shapes.
+
+    Metric cursors count records per rank, standing in for the byte offsets the engine uses;
+    pages hold at most `page_records` records of each rank, so a test decides how many pages there are.
+    """
+
+    def __init__(self, link: FakeLink, jobs: list[dict[str, Any]], page_records: int = 10):
+        self.link = link
+        self.page_records = page_records
+        self.records: dict[str, list[dict[str, Any]]] = {}
+        self.logs: dict[tuple[str, int], str] = {}
+        link.jobs = jobs
+        link.replies.update(
+            job=self.job, metrics=self.metrics, logs=self.log, cancel=self.cancel, resume=self.resume,
+            telemetry_history=lambda **_: {"samples": [], "more": False, "next_since": None},
+        )  # fmt: skip
+
+    def record(self, job_id: str) -> dict[str, Any]:
+        return next(j for j in self.link.jobs if j["id"] == job_id)
+
+    def job(self, job: str) -> dict[str, Any]:
+        if not any(j["id"] == job for j in self.link.jobs):
+            raise EngineError("not_found", f"no job {job!r}")
+        return {"job": self.record(job)}
+
+    def metrics(self, job: str, since_cursor: dict[str, int] | None = None, max_bytes: int = 0) -> dict[str, Any]:
+        cursor = dict(since_cursor or {})
+        by_rank: dict[int, list[dict[str, Any]]] = {}
+        for rec in self.records.get(job, []):
+            by_rank.setdefault(rec["rank"], []).append(rec)
+        out, more = [], False
+        for rank, recs in sorted(by_rank.items()):
+            start = cursor.get(str(rank), 0)
+            page = recs[start : start + self.page_records]
+            out += page
+            cursor[str(rank)] = start + len(page)
+            more = more or cursor[str(rank)] < len(recs)
+        out.sort(key=lambda r: (r["time"], r["rank"]))
+        return {"job": job, "records": out, "cursor": cursor, "more": more, "state": self.record(job)["state"]}
+
+    def log(self, job: str, rank: int | None = None, since_offset: int = 0, max_bytes: int = 1 << 20) -> dict[str, Any]:
+        rank = 0 if rank is None else rank
+        data = self.logs.get((job, rank), "").encode()
+        size = len(data)
+        start = max(size + since_offset, 0) if since_offset < 0 else min(since_offset, size)
+        chunk = data[start : start + max_bytes]
+        end = start + len(chunk)
+        return {
+            "job": job, "rank": rank, "ranks": sorted({r for j, r in self.logs if j == job and r >= 0}),
+            "path": f"/jobs/{job}/logs/rank{rank}.log", "offset": start, "next_offset": end, "size": size,
+            "more": end < size, "text": chunk.decode(), "state": self.record(job)["state"],
+        }  # fmt: skip
+
+    def cancel(self, job: str) -> dict[str, Any]:
+        rec = self.record(job)
+        rec["cancel_requested"] = True
+        return {"job": rec}
+
+    def resume(self, job: str) -> dict[str, Any]:
+        rec = self.record(job)
+        rec.update(state="queued", run=rec.get("run", 1) + 1, exit_reason=None, failed_rank=None, last_log=[])
+        return {"job": rec}
+
+
+def a_job(job_id: str, state: str = "running", **fields: Any) -> dict[str, Any]:
+    job = make_job(job_id, gpus=[0, 1], state=state, name=f"run {job_id}")
+    job.update(job_dir=f"/tmp/rigpilot-jobs/{job_id}", run=1, cancel_requested=False, progress=None, **fields)
+    return job
+
+
+def open_page(qtbot, link: FakeLink) -> JobsPage:
+    page = JobsPage(link)
+    qtbot.addWidget(page)
+    page.resize(1280, 1000)
+    page.show()
+    qtbot.waitExposed(page)
+    link.connect_engine()
+    qtbot.waitUntil(lambda: page.model.rowCount() == len(link.jobs))
+    return page
+
+
+def open_job(qtbot, page: JobsPage, job_id: str) -> None:
+    page.open_job(job_id)
+    handle = page.current_handle
+    assert handle is not None
+    qtbot.waitUntil(lambda: handle.history_loaded and handle.record.get("state") is not None)
+    page.refresh(force=True)
+
+
+def loss_steps(page: JobsPage) -> list[int]:
+    x, _ = page.detail.charts.loss_raw.getData()
+    return [] if x is None else [int(s) for s in x]
+
+
+# -- the list --------------------------------------------------------------------------------------------------
+
+
+def test_the_list_shows_jobs_of_every_state_and_filters_and_sorts_them(qtbot):
+    link = FakeLink()
+    jobs = []
+    for i, state in enumerate(STATES):
+        job = a_job(f"j{i}", state)
+        job["seq"] = i
+        job["created"] = T0 + i
+        if state == "running":
+            job["progress"] = {"fraction": 0.25, "step": 25, "max_steps": 100, "eta_s": 750.0}
+        jobs.append(job)
+    FakeJobs(link, jobs)
+    page = open_page(qtbot, link)
+    shown = {page.proxy.index(r, STATE).data() for r in range(page.proxy.rowCount())}
+    assert shown == set(STATES)
+    assert page.count_label.text() == f"{len(STATES)} jobs"
+    running = page.model.row_of("j2")
+    assert page.model.index(running, 2).data() == "25 % (25/100)"
+    assert page.model.index(running, 3).data() == "12 min"
+    assert page.model.index(running, 4).data() == "0, 1"
+
+    page.set_state_filter({"failed"})
+    assert page.proxy.rowCount() == 1 and page.proxy.index(0, 0).data(Qt.ItemDataRole.UserRole + 1) == "j4"
+    page.set_state_filter({"queued", "starting", "running"})
+    assert page.proxy.rowCount() == 3
+    assert page.count_label.text() == f"3 of {len(STATES)} jobs"
+    page.set_state_filter(None)
+
+    page.table.sortByColumn(STATE, Qt.SortOrder.AscendingOrder)
+    order = [page.proxy.index(r, STATE).data() for r in range(page.proxy.rowCount())]
+    assert order == list(STATES)
+
+    # A job event updates its row; a deleted job leaves the list.
+    link.push_job({**jobs[2], "state": "completed", "progress": {"fraction": 1.0, "step": 100, "max_steps": 100}})
+    assert page.model.index(running, STATE).data() == "completed"
+    link.push_job({"id": "j0", "state": "deleted"})
+    assert page.model.row_of("j0") is None
+
+
+def test_open_job_selects_a_job_the_list_has_not_heard_of_yet(qtbot):
+    link = FakeLink()
+    engine = FakeJobs(link, [a_job("old", "completed")])
+    page = open_page(qtbot, link)
+    page.set_state_filter({"completed"})
+    link.jobs.append(a_job("new", "queued"))  # just submitted by the wizard; no event has come yet
+    engine.records["new"] = []
+    with qtbot.waitSignal(page.sig_job_opened) as opened:
+        page.open_job("new")
+    assert opened.args == ["new"]
+    qtbot.waitUntil(lambda: page.current_handle.record.get("state") == "queued")
+    assert page.current_job_id == "new"
+    assert page.table.currentIndex().data(Qt.ItemDataRole.UserRole + 1) == "new"
+    assert page.proxy.states is None  # the filter gave way so the job can be seen
+    assert page.detail.title.text() == "run new  (new)"
+
+
+def test_a_job_the_engine_does_not_know_leaves_the_list(qtbot):
+    link = FakeLink()
+    FakeJobs(link, [a_job("a"), a_job("b")])
+    page = open_page(qtbot, link)
+    open_job(qtbot, page, "a")
+    with qtbot.waitSignal(page.sig_message):
+        page.open_job("ghost")
+    qtbot.waitUntil(lambda: page.model.row_of("ghost") is None)
+    assert page.current_job_id is None and page.handle("ghost") is None
+    assert not page.table.currentIndex().isValid()
+    assert "no job 'ghost'" in page.status.text()
+    assert page.detail.stack.currentWidget() is page.detail.empty
+
+
+# -- history and stream -------------------------------------------------------------------------------------
+
+
+def test_opening_a_job_loads_paged_history_then_appends_streamed_records_without_duplicates(qtbot):
+    link = FakeLink()
+    engine = FakeJobs(link, [a_job("j1")], page_records=10)
+    engine.records["j1"] = [step_record(s, rank) for s in range(1, 31) for rank in (0, 1)]
+    page = open_page(qtbot, link)
+    open_job(qtbot, page, "j1")
+    handle = page.current_handle
+
+    pages = link.requests("metrics")
+    assert len(pages) == 3
+    assert [p["since_cursor"] for p in pages] == [{}, {"0": 10, "1": 10}, {"0": 20, "1": 20}]
+    assert handle.metrics_cursor == {"0": 30, "1": 30}
+    assert "j1" in link.watched
+    assert loss_steps(page) == list(range(1, 31))
+
+    # The stream replays what the history already had, then goes on.
+    link.push_metrics("j1", [step_record(s, rank) for s in range(25, 36) for rank in (0, 1)])
+    link.push_metrics("j1", [step_record(36), step_record(36)])
+    link.push_metrics("other-job", [step_record(99)])
+    page.refresh()
+    assert loss_steps(page) == list(range(1, 37))
+    assert handle.series.records == 36 * 2 - 1  # rank 1 has no step 36
+    _, loss = page.detail.charts.loss_raw.getData()
+    assert loss[-1] == pytest.approx(4.0 / 4.6)
+    x, smoothed = page.detail.charts.loss_ema.getData()
+    assert len(x) == 36 and smoothed[-1] > loss[-1]  # the smoothed loss lags behind a falling loss
+    assert handle.series.peak_memory == {0: 10 * GIB, 1: 11 * GIB}
+
+
+def test_after_a_reconnect_the_history_resumes_from_the_cursor(qtbot):
+    link = FakeLink()
+    engine = FakeJobs(link, [a_job("j1")], page_records=50)
+    engine.records["j1"] = [step_record(s) for s in range(1, 11)]
+    page = open_page(qtbot, link)
+    open_job(qtbot, page, "j1")
+    handle = page.current_handle
+    link.push_metrics("j1", [step_record(11)])
+    engine.records["j1"].append(step_record(11))
+
+    # Written while the link was down: no stream event ever carries these.
+    link.lose_engine()
+    engine.records["j1"] += [step_record(s) for s in range(12, 16)]
+    link.connect_engine()
+    qtbot.waitUntil(lambda: len(link.requests("metrics")) == 2 and not handle._metrics_busy)
+    assert link.requests("metrics")[-1]["since_cursor"] == {"0": 10}
+    # The resubscribed stream resumes where it was; its overlap with the refetch is dropped.
+    link.push_metrics("j1", [step_record(s) for s in range(12, 17)])
+    page.refresh()
+    assert loss_steps(page) == list(range(1, 17))
+    assert handle.series.records == 16
+
+
+def test_the_cursor_catches_up_with_the_stream(qtbot, monkeypatch):
+    monkeypatch.setattr("app.jobs.handle.CATCH_UP_MS", 20)
+    link = FakeLink()
+    engine = FakeJobs(link, [a_job("j1")])
+    engine.records["j1"] = [step_record(s) for s in range(1, 4)]
+    page = open_page(qtbot, link)
+    open_job(qtbot, page, "j1")
+    engine.records["j1"] += [step_record(s) for s in range(4, 7)]
+    link.push_metrics("j1", engine.records["j1"][3:])
+    qtbot.waitUntil(lambda: page.current_handle.metrics_cursor == {"0": 6})
+    assert page.current_handle.series.records == 6
+
+
+def test_a_resumed_run_replaces_the_steps_it_repeats():
+    series = JobSeries()
+    series.add([step_record(s, loss=1.0) for s in range(1, 61)])
+    rerun = [{**step_record(s, loss=2.0), "time": T0 + 1000 + s} for s in range(51, 71)]
+    series.add(rerun)
+    steps, loss = series.series("loss")
+    assert steps.tolist() == list(range(1, 71))
+    assert loss[49] == 1.0 and loss[50] == 2.0 and loss[-1] == 2.0
+    assert series.smoothed_loss(0.5)[1].tolist() == ema(loss, 0.5).tolist()
+
+
+def test_the_smoothed_loss_carries_on_as_records_arrive():
+    series = JobSeries()
+    rng = np.random.default_rng(1)
+    for start in range(1, 200, 20):
+        series.add([step_record(s, loss=float(rng.random())) for s in range(start, start + 20)])
+        _, smoothed = series.smoothed_loss(0.9)
+        assert np.allclose(smoothed, ema(series.series("loss")[1], 0.9))
+    # An older record arriving late changes the prefix: the average is computed again.
+    series.add([{**step_record(0, loss=100.0), "time": T0 - 1}])
+    _, smoothed = series.smoothed_loss(0.9)
+    assert smoothed[0] == 100.0 and np.allclose(smoothed, ema(series.series("loss")[1], 0.9))
+
+
+def test_deduplication_and_smoothing_helpers():
+    dedupe = RecordDeduper()
+    status = {"time": T0, "rank": 0, "kind": "status", "phase": "training", "step": None}
+    later = {**status, "time": T0 + 5, "phase": "saving"}
+    assert dedupe.fresh([status, step_record(1), step_record(1, rank=1)]) == [
+        status,
+        step_record(1),
+        step_record(1, rank=1),
+    ]
+    assert dedupe.fresh([status, later, step_record(1), {**step_record(1), "step": [1]}]) == [
+        later,
+        {**step_record(1), "step": [1]},
+    ]
+    assert len(dedupe) == 5
+    smoothed = ema(np.array([1.0, math.nan, 3.0]), 0.5)
+    assert smoothed.tolist() == [1.0, 1.0, 2.0]
+    assert final_timeline(np.array([1.0, 2.0, 3.0, 2.0, 3.0, 4.0])).tolist() == [True, False, False, True, True, True]
+    assert [duration(s) for s in (None, 5, 125, 3 * 3600 + 300, 2 * 86400 + 4 * 3600)] == [
+        "n/a", "5 s", "2 min", "3 h 05 min", "2 d 4 h"
+    ]  # fmt: skip
+
+
+# -- failures --------------------------------------------------------------------------------------------------
+
+
+def test_a_failed_job_shows_the_rank_the_cause_and_the_last_log_lines(qtbot):
+    link = FakeLink()
+    last = ["step 7 loss 2.1", "Traceback (most recent call last):", "RuntimeError: NCCL timeout"]
+    failed = a_job("bad", "failed", failed_rank=2, exit_reason="rank 2 exited with code 1", last_log=last, ranks=4)
+    engine = FakeJobs(link, [a_job("ok", "completed"), failed])
+    engine.logs[("bad", 2)] = "\n".join(last) + "\n"
+    page = open_page(qtbot, link)
+    open_job(qtbot, page, "bad")
+    panel = page.detail.failure
+    assert panel.isVisible()
+    assert panel.title.text() == "Failed on rank 2"
+    assert panel.reason.text() == "rank 2 exited with code 1"
+    assert panel.last_log.toPlainText().splitlines() == last
+    assert not panel.fix.isVisible()
+    assert (
+        page.model.index(page.model.row_of("bad"), STATE).data(Qt.ItemDataRole.ToolTipRole)
+        == "rank 2 exited with code 1"
+    )
+
+    # The log tab opens on the failed rank.
+    assert page.detail.log.rank == 2
+    panel.show_log.click()
+    assert page.detail.tabs.currentWidget() is page.detail.log
+    qtbot.waitUntil(lambda: page.detail.log.lines() == last)
+
+    open_job(qtbot, page, "ok")
+    assert not panel.isVisible()
+
+
+def test_an_out_of_memory_record_shows_the_planners_suggested_fix(qtbot):
+    link = FakeLink()
+    predicted = {"peak_memory_bytes": 20 * GIB, "tokens_per_s": 8000.0, "step_time_s": 0.5,
+                 "suggestion": "halve the micro-batch (--micro-batch 2) and double gradient accumulation"}  # fmt: skip
+    engine = FakeJobs(link, [a_job("oom", predicted=predicted), a_job("noplan")])
+    engine.records["oom"] = [step_record(1), step_record(1, rank=1)]
+    page = open_page(qtbot, link)
+    open_job(qtbot, page, "oom")
+    assert not page.detail.failure.isVisible()
+
+    oom = {"time": T0 + 2, "rank": 1, "step": None, "kind": "error", "error": "out_of_memory",
+           "message": "CUDA out of memory. Tried to allocate 2.00 GiB", "allocated": 23 * GIB, "total": 24 * GIB}  # fmt: skip
+    link.push_metrics("oom", [oom])
+    page.refresh()
+    panel = page.detail.failure
+    assert panel.isVisible()
+    assert panel.title.text() == "Out of GPU memory on rank 1"
+    assert "--micro-batch 2" in panel.fix.text()
+    assert "allocated 23.00 GiB" in panel.reason.text() and "predicted 20.00 GiB" in panel.reason.text()
+
+    # Without a plan the panel still says what to try.
+    engine.records["noplan"] = [oom]
+    open_job(qtbot, page, "noplan")
+    assert page.detail.failure.isVisible() and "Planner" in page.detail.failure.fix.text()
+
+
+def test_predictions_sit_beside_the_measured_memory_and_speed(qtbot):
+    link = FakeLink()
+    predicted = {"peak_memory_bytes": 10 * GIB, "tokens_per_s": 4000.0, "step_time_s": 0.25}
+    engine = FakeJobs(link, [a_job("j1", predicted=predicted)])
+    engine.records["j1"] = [step_record(s, rank) for s in range(1, 21) for rank in (0, 1)]
+    page = open_page(qtbot, link)
+    open_job(qtbot, page, "j1")
+    table = page.detail.prediction
+    assert table.text("peak_memory_bytes", 0) == "10.00 GiB"
+    assert table.text("peak_memory_bytes", 1) == "11.00 GiB"
+    assert table.text("peak_memory_bytes", 2) == "1.10 ×"
+    assert table.text("tokens_per_s", 1) == f"{2 * 1015.5:,.0f}"  # both ranks' median of the last ten steps
+    assert table.text("step_time_s", 0) == "250 ms" and table.text("step_time_s", 1) == "500 ms"
+    charts = page.detail.charts
+    assert charts.memory_per_rank.bar_heights() == [10.0, 11.0]
+    assert charts.memory_per_rank.prediction.isVisible() and charts.memory_per_rank.prediction.value() == 10.0
+    assert charts.speed.prediction.value() == 2000.0  # the plan's job rate, per GPU (two ranks)
+
+
+# -- controls ----------------------------------------------------------------------------------------------------
+
+
+def test_cancel_and_resume_send_the_right_requests(qtbot):
+    link = FakeLink()
+    FakeJobs(link, [a_job("run"), a_job("dead", "failed", exit_reason="rank 0 was killed by SIGKILL", failed_rank=0)])
+    page = open_page(qtbot, link)
+    open_job(qtbot, page, "run")
+    d = page.detail
+    assert d.cancel_button.isEnabled() and not d.resume_button.isEnabled()
+    d.cancel_button.click()
+    qtbot.waitUntil(lambda: page.current_handle.record.get("cancel_requested") is True)
+    assert link.requests("cancel") == [{"job": "run"}]
+    assert not d.cancel_button.isEnabled()
+    assert "cancelling" in d.summary.text()
+
+    open_job(qtbot, page, "dead")
+    assert d.resume_button.isEnabled() and not d.cancel_button.isEnabled()
+    d.resume_button.click()
+    qtbot.waitUntil(lambda: page.current_handle.state == "queued")
+    assert link.requests("resume") == [{"job": "dead"}]
+    assert not d.resume_button.isEnabled() and d.cancel_button.isEnabled()
+    assert not d.failure.isVisible()
+
+
+def test_a_refused_request_is_told_to_the_user(qtbot):
+    link = FakeLink()
+    FakeJobs(link, [a_job("run")])
+    link.replies["cancel"] = EngineError("user_error", "job run has already ended (completed)")
+    page = open_page(qtbot, link)
+    open_job(qtbot, page, "run")
+    with qtbot.waitSignal(page.sig_message) as message:
+        page.cancel_job()
+    assert "already ended" in message.args[0]
+    assert "already ended" in page.status.text()
+
+
+def test_clone_and_open_folder(qtbot, monkeypatch):
+    link = FakeLink()
+    FakeJobs(link, [a_job("j1")])
+    page = open_page(qtbot, link)
+    open_job(qtbot, page, "j1")
+    page.opens_wizard = False
+    with qtbot.waitSignal(page.sig_clone_requested) as cloned:
+        page.detail.clone_button.click()
+    assert cloned.args[0]["id"] == "j1" and cloned.args[0]["gpus"] == [0, 1]
+
+    opened = []
+    monkeypatch.setattr("app.jobs.page.QDesktopServices.openUrl", lambda url: opened.append(url.toLocalFile()) or True)
+    page.detail.folder_button.click()
+    assert opened == ["/tmp/rigpilot-jobs/j1"]
+
+
+def test_clone_opens_the_wizard_when_there_is_one(qtbot, monkeypatch):
+    import types
+
+    from PySide6.QtWidgets import QWidget
+
+    class JobWizard(QWidget):
+        made: ClassVar[list[dict[str, Any]]] = []
+
+        @classmethod
+        def from_job(cls, job: dict[str, Any], link: Any = None) -> JobWizard:
+            cls.made.append(job)
+            wizard = cls()
+            wizard.link = link
+            return wizard
+
+    monkeypatch.setitem(__import__("sys").modules, "app.wizard", types.SimpleNamespace(JobWizard=JobWizard))
+    link = FakeLink()
+    FakeJobs(link, [a_job("j1")])
+    page = open_page(qtbot, link)
+    open_job(qtbot, page, "j1")
+    page.clone_job()
+    assert [j["id"] for j in JobWizard.made] == ["j1"]
+    assert page._wizard is not None and page._wizard.isVisible() and page._wizard.link is link
+    page._wizard.close()
+
+
+def test_the_job_folder_of_a_remote_engine_is_not_offered(qtbot):
+    link = FakeLink()
+    link.remote = "gpu-box:7777"
+    FakeJobs(link, [a_job("j1")])
+    page = open_page(qtbot, link)
+    open_job(qtbot, page, "j1")
+    assert not page.detail.folder_button.isEnabled()
+    assert "remote" in page.detail.folder_button.toolTip()
+
+
+def test_compare_overlays_a_second_runs_loss(qtbot):
+    link = FakeLink()
+    engine = FakeJobs(link, [a_job("a", "completed"), a_job("b"), a_job("q", "queued")])
+    engine.records["a"] = [step_record(s, loss=3.0 - s * 0.1) for s in range(1, 21)]
+    engine.records["b"] = [step_record(s, loss=2.0) for s in range(1, 11)]
+    page = open_page(qtbot, link)
+    open_job(qtbot, page, "a")
+    picker = page.detail.compare
+    offered = [picker.box.itemData(i) for i in range(picker.box.count())]
+    assert offered == ["", "b"]  # not the shown job, not one that never ran
+
+    picker.box.setCurrentIndex(1)
+    handle_b = page.handle("b")
+    qtbot.waitUntil(lambda: handle_b.history_loaded)
+    page.refresh(force=True)
+    charts = page.detail.charts
+    x_a, y_a = charts.loss_raw.getData()
+    x_b, y_b = charts.compare_raw.getData()
+    assert len(x_a) == 20 and len(x_b) == 10
+    assert y_a[0] == pytest.approx(2.9) and set(y_b.tolist()) == {2.0}
+    assert len(charts.compare_ema.getData()[0]) == 10
+    assert page.compared_job_id == "b" and "b" in link.watched
+
+    # The overlay follows the compared job's stream too.
+    link.push_metrics("b", [step_record(11, loss=1.5)])
+    page.refresh()
+    assert len(charts.compare_raw.getData()[0]) == 11
+
+    assert page.compare_with(None)
+    page.refresh(force=True)
+    assert charts.compare_raw.getData()[0] is None or len(charts.compare_raw.getData()[0]) == 0
+    assert page.handle("b") is None and "b" not in link.watched
+    assert not page.compare_with("q")
+
+
+def test_charts_are_drawn_only_while_visible(qtbot):
+    link = FakeLink()
+    engine = FakeJobs(link, [a_job("j1")])
+    engine.records["j1"] = [step_record(s) for s in range(1, 6)]
+    page = open_page(qtbot, link)
+    open_job(qtbot, page, "j1")
+    assert page.detail.charts.refresh() is False  # nothing new since the last draw
+    link.push_metrics("j1", [step_record(6)])
+    page.hide()
+    page.refresh()
+    assert len(loss_steps(page)) == 5 and not page.timer.isActive()
+    page.show()
+    qtbot.waitExposed(page)
+    assert page.timer.isActive()
+    assert len(loss_steps(page)) == 6
+
+
+def test_gpu_memory_and_utilisation_come_from_telemetry_of_the_jobs_gpus(qtbot):
+    link = FakeLink("4x-rtx4090")
+    FakeJobs(link, [a_job("j1")])
+    link.feed.set_load(0, utilization=80.0, memory_gib=12.0)
+    link.feed.set_load(1, utilization=60.0, memory_gib=6.0)
+    page = open_page(qtbot, link)
+    open_job(qtbot, page, "j1")
+    link.push_telemetry(3)
+    page.refresh(force=True)
+    charts = page.detail.charts
+    t, memory = charts.gpu_memory.data()
+    _, util = charts.gpu_util.data()
+    assert len(t) == 3 and memory.shape == (2, 3) and util.shape == (2, 3)
+    assert memory[0, -1] > memory[1, -1] > 0
+    assert [c.text() for c in charts.gpu_memory.checkboxes] == ["GPU 0", "GPU 1"]
+
+
+# -- the log -----------------------------------------------------------------------------------------------------
+
+
+def test_log_follow_appends_new_lines_and_switches_rank(qtbot):
+    link = FakeLink()
+    engine = FakeJobs(link, [a_job("j1", ranks=2)])
+    engine.logs[("j1", 0)] = "".join(f"step {i}\n" for i in range(3))
+    engine.logs[("j1", 1)] = "rank one says hi\n"
+    engine.logs[("j1", LAUNCHER_RANK)] = "--- run 1: torchrun ...\n"
+    page = open_page(qtbot, link)
+    open_job(qtbot, page, "j1")
+    log = page.detail.log
+    page.detail.tabs.setCurrentWidget(log)
+    qtbot.waitUntil(lambda: log.lines() == ["step 0", "step 1", "step 2"])
+    assert log.follow.isChecked() and log.timer.isActive()
+    assert [log.rank_box.itemText(i) for i in range(log.rank_box.count())] == [
+        "Rank 0",
+        "Rank 1",
+        "torchrun (launcher)",
+    ]
+
+    engine.logs[("j1", 0)] += "step 3\nstep 4 is half"  # a line still being written waits for its end
+    log.poll()
+    qtbot.waitUntil(lambda: log.lines()[-1] == "step 3")
+    engine.logs[("j1", 0)] += " done\n"
+    log.poll()
+    qtbot.waitUntil(lambda: log.lines()[-1] == "step 4 is half done")
+    assert log.lines() == [f"step {i}" for i in range(4)] + ["step 4 is half done"]
+    assert log.text.verticalScrollBar().value() == log.text.verticalScrollBar().maximum()
+    assert all(r["since_offset"] >= 0 for r in link.requests("logs")[1:])
+
+    log.select_rank(1)
+    qtbot.waitUntil(lambda: log.lines() == ["rank one says hi"])
+    log.select_rank(LAUNCHER_RANK)
+    qtbot.waitUntil(lambda: log.lines() == ["--- run 1: torchrun ..."])
+
+    log.follow.setChecked(False)
+    assert not log.timer.isActive()
+
+
+def test_the_log_keeps_a_bounded_number_of_lines(qtbot):
+    from app.jobs.log_view import MAX_LINES
+
+    link = FakeLink()
+    engine = FakeJobs(link, [a_job("j1", "completed")])
+    engine.logs[("j1", 0)] = "".join(f"line {i}\n" for i in range(MAX_LINES + 500))
+    page = open_page(qtbot, link)
+    open_job(qtbot, page, "j1")
+    log = page.detail.log
+    page.detail.tabs.setCurrentWidget(log)
+    qtbot.waitUntil(lambda: log.lines() and log.lines()[-1] == f"line {MAX_LINES + 499}")
+    assert log.text.blockCount() <= MAX_LINES
+    assert not log.timer.isActive()  # a finished job writes no more
+
+
+# -- keyboard ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tab", [0, 1, 2])
+def test_tab_reaches_every_control(qtbot, tab):
+    link = FakeLink()
+    engine = FakeJobs(link, [a_job("a"), a_job("b", "failed", failed_rank=0, exit_reason="rank 0 exited with code 1",
+                                              last_log=["boom"])])  # fmt: skip
+    engine.logs[("b", 0)] = "boom\n"
+    page = open_page(qtbot, link)
+    open_job(qtbot, page, "b")
+    page.detail.tabs.setCurrentIndex(tab)
+    QApplication.processEvents()
+    expected = set(focusable_widgets(page))
+    names = {w.objectName() for w in expected}
+    # A failed job: cancel is disabled, so Tab rightly skips it.
+    assert {"jobTable", "stateFilter", "resumeJob", "cloneJob", "openJobFolder", "failureShowLog"} <= names
+    assert {"compareWith", "smoothing"} <= names if tab == 0 else True
+    assert {"logRank", "logFollow", "logText"} <= names if tab == 2 else True
+    visited = set(tab_through(page, qtbot))
+    missing = {w.objectName() or type(w).__name__ for w in expected - visited}
+    assert not missing
+
+
+def test_state_survives_a_restart(qtbot):
+    from PySide6.QtCore import QSettings
+
+    link = FakeLink()
+    FakeJobs(link, [a_job("a")])
+    page = open_page(qtbot, link)
+    page.set_state_filter({"failed"})
+    page.detail.tabs.setCurrentIndex(2)
+    page.detail.smoothing.setValue(0.5)
+    settings = QSettings()
+    page.save_state(settings, "pages/jobs")
+    again = open_page(qtbot, link)
+    again.restore_state(settings, "pages/jobs")
+    assert again.proxy.states == frozenset({"failed"})
+    assert again.detail.tabs.currentIndex() == 2
+    assert again.detail.smoothing.value() == 0.5

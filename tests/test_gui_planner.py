@@ -1,0 +1,371 @@
+"""The Planner page: plans from the real planner through a fake engine link, the memory chart, exports, hub search."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from gui_fakes import (
+    FakeLink,
+    fail_on_qt_warnings,
+    focusable_widgets,
+    isolated_config,
+    make_job,
+    real_plan_reply,
+    tab_through,
+)
+from PySide6.QtCore import QSettings
+from PySide6.QtWidgets import QFileDialog
+
+from app.planner import hub_search
+from app.planner.exports import EXPORT_TARGETS, plan_sidecar
+from app.planner.model import GIB, MEMORY_PARTS, PlanRequest, plans_of, search_locally
+from app.planner.page import PlannerPage
+from engine.hardware.simulated import list_profiles
+from engine.planner.plan import Plan
+from engine.service.client import EngineError
+
+PROFILES = [p["id"] for p in list_profiles()]
+PRESET_7B = "llama-2-7b"
+
+
+@pytest.fixture(autouse=True)
+def no_qt_warnings():
+    yield from fail_on_qt_warnings()
+
+
+@pytest.fixture(autouse=True)
+def config(tmp_path, monkeypatch):
+    yield from isolated_config(tmp_path, monkeypatch)
+
+
+def open_page(qtbot, profile: str = "8x-a100-pcie", *, connect: bool = True, jobs=None) -> tuple[PlannerPage, FakeLink]:
+    link = FakeLink(profile, jobs=jobs)
+    link.replies["plan"] = real_plan_reply(link.machine_obj)
+    page = PlannerPage(link)
+    qtbot.addWidget(page)
+    page.resize(1130, 780)  # what the main window leaves a page at 1280×820
+    page.show()
+    qtbot.waitExposed(page)
+    if connect:
+        link.connect_engine()
+    return page, link
+
+
+def plan_for(qtbot, page: PlannerPage, model: str = PRESET_7B, **form) -> dict:
+    page.picker.set_model(model, chosen=False)
+    if form:
+        r = page.plan_request()
+        for k, v in form.items():
+            setattr(r, k, v)
+        page.set_request(r)
+    with qtbot.waitSignal(page.sig_plan_ready, timeout=20000) as ready:
+        page.plan_button.click()
+    return ready.args[0]
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_renders_every_profile_and_plans_a_7b_preset(qtbot, profile):
+    page, link = open_page(qtbot, profile)
+    gpus = [g.index for g in link.machine_obj.gpus]
+    assert sorted(page.gpus.boxes) == gpus
+    assert page.gpus.selected() == gpus  # every free GPU, to start with
+    result = plan_for(qtbot, page)
+    assert link.requests("plan")[-1]["model"] == PRESET_7B
+    assert link.requests("plan")[-1]["gpus"] == gpus
+    plans = plans_of(result)
+    assert page.table.rowCount() == len(plans)
+    assert not page.message.isVisible()
+    if plans:
+        best = plans[0]
+        assert page.plan == best
+        assert Plan.from_dict(best).parallelism.describe() in page.summary.text()
+        assert page.chart.heights("weights") == pytest.approx([m["weights"] / GIB for m in best["memory"]])
+        assert page.launch_button.isEnabled()
+    else:
+        # Full fine-tuning of 7B does not fit here: say so, and offer the changes that would.
+        assert "Nothing fits" in page.summary.text()
+        assert page.suggestions.count() == len(result["suggestions"]) > 0
+        assert not page.launch_button.isEnabled()
+    assert page.explanation.toPlainText().startswith("• ")
+
+
+def test_memory_chart_stacks_equal_the_plans_breakdown(qtbot):
+    page, _ = open_page(qtbot, "8x-a100-pcie")
+    plan_for(qtbot, page)
+    for row in range(page.table.rowCount()):
+        page.table.selectRow(row)
+        memory = page.plan["memory"]
+        bottom = [0.0] * len(memory)
+        for key, _ in MEMORY_PARTS:
+            assert page.chart.heights(key) == pytest.approx([m[key] / GIB for m in memory])
+            assert page.chart.bottoms(key) == pytest.approx(bottom)
+            bottom = [b + m[key] / GIB for b, m in zip(bottom, memory, strict=True)]
+        # The stack's top is the predicted total; each GPU's capacity line sits over its own bar.
+        assert bottom == pytest.approx([m["total"] / GIB for m in memory], rel=1e-6)
+        xs, ys = page.chart.capacity.getData()
+        assert list(ys[::2]) == pytest.approx([m["capacity"] / GIB for m in memory])
+        assert list((xs[::2] + xs[1::2]) / 2) == pytest.approx(list(range(len(memory))))
+
+
+def test_runner_up_rows_show_their_own_plan(qtbot):
+    page, _ = open_page(qtbot, "8x-h100-sxm")
+    result = plan_for(qtbot, page)
+    plans = plans_of(result)
+    assert len(plans) > 1
+    page.table.selectRow(1)
+    assert page.plan == plans[1]
+    assert page.exports.plan == plans[1]
+
+
+def test_unknown_model_and_engine_errors_are_one_inline_line(qtbot):
+    page, link = open_page(qtbot)
+    page.picker.set_model("no/such/model/anywhere", chosen=False)
+    with qtbot.waitSignal(page.sig_plan_failed, timeout=10000) as failed:
+        page.plan_button.click()
+    assert "no such folder" in failed.args[0]
+    assert page.message.isVisible() and page.message.text() == failed.args[0]
+    assert page.table.rowCount() == 0 and not page.launch_button.isEnabled()
+
+    link.replies["plan"] = EngineError("user_error", "sequence length 9000 is longer than llama-2-7b's context")
+    page.picker.set_model(PRESET_7B, chosen=False)
+    with qtbot.waitSignal(page.sig_plan_failed, timeout=10000) as failed:
+        page.plan_button.click()
+    assert failed.args[0] == "sequence length 9000 is longer than llama-2-7b's context"
+
+    # A good plan afterwards clears the message.
+    link.replies["plan"] = real_plan_reply(link.machine_obj)
+    plan_for(qtbot, page)
+    assert not page.message.isVisible()
+
+
+def test_missing_model_or_gpus_asks_before_planning(qtbot):
+    page, link = open_page(qtbot)
+    page.picker.set_model("", chosen=False)
+    page.plan_button.click()
+    assert page.message.text().startswith("Choose a model")
+    page.picker.set_model(PRESET_7B, chosen=False)
+    page.gpus.set_selected([])
+    page.plan_button.click()
+    assert page.message.text() == "Select at least one GPU."
+    assert link.requests("plan") == []
+
+
+def test_busy_gpus_are_marked_and_left_out_at_first(qtbot):
+    page, _ = open_page(qtbot, "4x-rtx4090", jobs=[make_job("j1", gpus=[1], name="bert-ft")])
+    qtbot.waitUntil(lambda: "busy" in page.gpus.boxes[1].text())
+    assert "bert-ft" in page.gpus.boxes[1].text()
+    assert "busy" not in page.gpus.boxes[0].text()
+    assert page.gpus.free() == [0, 2, 3]
+    assert page.gpus.selected() == [0, 2, 3]
+    # Once the user picks, a busy GPU may be chosen on purpose (the planner plans for it).
+    page.gpus.boxes[1].click()
+    assert page.gpus.selected() == [0, 1, 2, 3]
+    assert page.plan_request().gpus == [0, 1, 2, 3]
+
+
+def test_plans_here_when_the_engine_is_not_connected(qtbot):
+    page, link = open_page(qtbot, "4x-rtxa6000-bridged", connect=False)
+    page.on_machine(link.machine_obj.to_dict())  # known from an earlier connection
+    page.gpus.set_selected([0, 1])
+    result = plan_for(qtbot, page, "qwen2.5-0.5b")
+    assert link.requests("plan") == []
+    assert result["gpu_indices"] == [0, 1] and result["best"] is not None
+
+
+def test_a_token_budget_gives_a_time_to_finish(qtbot):
+    page, link = open_page(qtbot, "8x-h100-sxm")
+    result = plan_for(qtbot, page, token_budget=2 * 10**9)
+    assert link.requests("plan")[-1]["workload"]["token_budget"] == 2 * 10**9
+    best = result["best"]
+    assert best["timing"]["time_to_budget_s"] > 0
+    assert "to train on the token budget" in page.summary.text()
+    assert page.table.item(0, 6).text() not in ("", "—")
+
+
+def test_inference_and_lora_requests(qtbot):
+    page, link = open_page(qtbot, "2x-rtx3090-nvlink")
+    page.task.setCurrentIndex(page.task.findData("infer"))
+    assert page.workload_form.isRowVisible(page.new_tokens) and not page.workload_form.isRowVisible(page.method)
+    result = plan_for(qtbot, page, "mistral-7b", seq_len=4096, batch=4, new_tokens=512, weight_bits=8)
+    sent = link.requests("plan")[-1]["workload"]
+    assert sent["task"] == "infer" and sent["weight_bits"] == 8 and sent["new_tokens"] == 512
+    assert result["best"]["workload"]["task"] == "infer"
+    # Accelerate and DeepSpeed configs describe training: not offered for an inference plan.
+    assert not page.exports.buttons["accelerate"].isEnabled() and page.exports.buttons["torchrun"].isEnabled()
+
+    page.task.setCurrentIndex(page.task.findData("train"))
+    page.method.setCurrentIndex(page.method.findData("qlora"))
+    assert page.workload_form.isRowVisible(page.lora_rank)
+    plan_for(qtbot, page, "mistral-7b", lora_rank=32, seq_len=2048)
+    sent = link.requests("plan")[-1]["workload"]
+    assert sent["method"] == "qlora" and sent["lora"]["rank"] == 32
+
+
+def test_applying_a_suggestion_plans_again_and_fits(qtbot):
+    page, link = open_page(qtbot, "1x-rtx4090")
+    result = plan_for(qtbot, page)  # full fine-tuning of 7B on one 24 GB card: nothing fits
+    assert result["best"] is None
+    kinds = [s["kind"] for s in result["suggestions"]]
+    row = next(i for i, k in enumerate(kinds) if k in ("method", "quantize", "seq", "batch", "gpus"))
+    page.suggestions.setCurrentRow(row)
+    assert page.apply_button.isEnabled()
+    assert page.plan == result["suggestions"][row]["plan"]  # the chart previews the change
+    with qtbot.waitSignal(page.sig_plan_ready, timeout=20000) as ready:
+        page.apply_button.click()
+    assert ready.args[0]["best"] is not None
+    assert len(link.requests("plan")) == 2
+
+
+def test_exports_write_valid_files(qtbot, tmp_path):
+    page, _ = open_page(qtbot, "8x-h100-sxm")
+    plan_for(qtbot, page)
+    plan = page.plan
+    assert plan["parallelism"]["pp"] == plan["parallelism"]["tp"] == 1  # every launcher can run it
+    assert all(b.isEnabled() for b in page.exports.buttons.values())
+    for t in EXPORT_TARGETS:
+        path = tmp_path / t.default_name
+        with qtbot.waitSignal(page.exports.sig_exported, timeout=10000) as done:
+            page.exports.export_to(t.key, str(path))
+        assert done.args[0] == t.key and done.args[1][0] == str(path)
+        text = path.read_text()
+        if t.key == "json":
+            assert Plan.from_json(text).to_dict() == Plan.from_dict(plan).to_dict()
+        elif t.key == "deepspeed":
+            config = json.loads(text)
+            assert config["train_micro_batch_size_per_gpu"] == plan["parallelism"]["micro_batch"]
+        elif t.key == "accelerate":
+            assert isinstance(yaml.safe_load(text), dict)
+        else:
+            # Launchers read the plan from a file written beside them.
+            sidecar = plan_sidecar(path)
+            assert done.args[1] == [str(path), str(sidecar)]
+            assert f"--plan {sidecar.name}" in text
+            assert Plan.from_json(sidecar.read_text()).parallelism.world_size == plan["parallelism"]["world_size"]
+            assert text.startswith("#!/bin/sh" if t.key == "torchrun" else "#!/bin/bash")
+    assert page.export_note.text().startswith("Saved ")
+
+
+def test_exports_a_launcher_cannot_express_are_disabled_with_the_reason(qtbot):
+    page, _ = open_page(qtbot, "8x-a100-pcie")
+    plan_for(qtbot, page)
+    assert page.plan["parallelism"]["pp"] > 1  # pipeline stages over NVLink pairs win here
+    button = page.exports.buttons["accelerate"]
+    assert not button.isEnabled() and "pipeline" in button.toolTip()
+    assert page.exports.buttons["torchrun"].isEnabled() and page.exports.buttons["json"].isEnabled()
+
+
+def test_export_button_asks_where_and_failures_are_inline(qtbot, tmp_path, monkeypatch):
+    page, _ = open_page(qtbot, "4x-rtxa6000-bridged")
+    plan_for(qtbot, page, "qwen2.5-1.5b")
+    target = tmp_path / "chosen.json"
+    monkeypatch.setattr(QFileDialog, "getSaveFileName", lambda *a, **k: (str(target), ""))
+    with qtbot.waitSignal(page.exports.sig_exported, timeout=10000):
+        page.exports.buttons["json"].click()
+    assert Plan.from_json(target.read_text())
+
+    with qtbot.waitSignal(page.exports.sig_export_failed, timeout=10000):
+        page.exports.export_to("json", str(tmp_path / "no-such-folder" / "plan.json"))
+    assert page.message.isVisible() and "Could not export JSON" in page.message.text()
+
+
+def test_offline_hub_search_says_so_and_offers_cache_and_presets(qtbot, tmp_path, monkeypatch):
+    cache = tmp_path / "hf" / "hub"
+    repo = cache / "models--acme--llama-mini"
+    (repo / "snapshots" / "abc").mkdir(parents=True)
+    (repo / "snapshots" / "abc" / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc")
+    (repo / "blobs").mkdir()
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    page, _ = open_page(qtbot)
+    page.picker.edit.setText("llama")
+    with qtbot.waitSignal(page.picker.sig_hub_results, timeout=10000) as found:
+        page.picker.search_button.click()
+    results = found.args[0]
+    assert results.offline and results.hub == []
+    assert page.picker.message.isVisible() and "Offline" in page.picker.message.text()
+    refs = [page.picker.results.item(i).data(256) for i in range(page.picker.results.count())]
+    assert "acme/llama-mini" in refs and PRESET_7B in refs
+    page.picker.results.setCurrentRow(refs.index("acme/llama-mini"))
+    page.picker._result_chosen(page.picker.results.currentItem())
+    assert page.picker.model() == "acme/llama-mini"
+
+
+def test_hub_search_online_and_when_the_hub_fails(monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(hub_search, "cached_models", lambda q="": [])
+
+    class Model:
+        def __init__(self, id: str):
+            self.id = id
+
+    asked = {}
+
+    def list_models(**kw):
+        asked.update(kw)
+        return [Model(f"org/llama-{i}") for i in range(25)]
+
+    r = hub_search.search_hub("llama", list_models=list_models, reachable=lambda: True)
+    assert asked["search"] == "llama" and asked["limit"] == 20
+    assert r.hub[:2] == ["org/llama-0", "org/llama-1"] and len(r.hub) == 20 and not r.message
+
+    def broken(**kw):
+        raise OSError("connection reset by peer")
+
+    r = hub_search.search_hub("llama", list_models=broken, reachable=lambda: True)
+    assert r.offline and "connection reset by peer" in r.message and "llama-2-7b" in r.presets
+    r = hub_search.search_hub("llama", list_models=broken, reachable=lambda: False)
+    assert r.offline and "cannot be reached" in r.message
+
+
+def test_launch_opens_the_wizard_filled_from_the_plan(qtbot):
+    page, _ = open_page(qtbot, "4x-rtxa6000-bridged")
+    page.gpus.set_selected([0, 1])
+    plan_for(qtbot, page, "qwen2.5-0.5b")
+    plan = page.plan
+    with qtbot.waitSignal(page.sig_wizard_opened) as opened:
+        page.launch_button.click()
+    wizard = opened.args[0]
+    qtbot.addWidget(wizard)
+    assert wizard.state.model == "qwen2.5-0.5b"
+    assert wizard.state.gpus == sorted(plan["parallelism"]["gpu_indices"])
+    assert wizard.state.plan == plan and wizard.state.plan_is_current()
+    wizard.reject()
+
+
+def test_keyboard_reaches_every_control(qtbot):
+    page, _ = open_page(qtbot, "4x-rtx4090")
+    plan_for(qtbot, page, "qwen2.5-0.5b")
+    expected = focusable_widgets(page)
+    visited = tab_through(page, qtbot)
+    assert not [w.objectName() or type(w).__name__ for w in expected if w not in visited]
+    names = {w.objectName() for w in visited}
+    assert {"modelEdit", "planButton", "planTable", "export-json", "launchPlan", "gpu-0"} <= names
+
+
+def test_form_is_saved_and_restored(qtbot, tmp_path):
+    page, _ = open_page(qtbot)
+    page.set_request(
+        PlanRequest(model="mixtral-8x7b", task="train", method="lora", seq_len=4096, batch=32, lora_rank=8)
+    )
+    settings = QSettings(str(tmp_path / "s.ini"), QSettings.Format.IniFormat)
+    page.save_state(settings, "pages/planner")
+    other, _ = open_page(qtbot)
+    other.restore_state(settings, "pages/planner")
+    r = other.plan_request()
+    assert (r.model, r.method, r.seq_len, r.batch, r.lora_rank) == ("mixtral-8x7b", "lora", 4096, 32, 8)
+
+
+def test_search_locally_matches_the_engine_reply_shape():
+    from engine.hardware.simulated import load_profile
+
+    machine = load_profile("2x-rtx3090-nvlink")
+    request = PlanRequest(model="gpt2", seq_len=1024, batch=8, gpus=[0, 1])
+    here = search_locally(request, machine.to_dict())
+    engine = real_plan_reply(machine)(model="gpt2", workload=request.workload_args(), gpus=[0, 1], options={})
+    assert here["result"]["best"]["parallelism"] == engine["result"]["best"]["parallelism"]

@@ -1,0 +1,219 @@
+"""The Topology page: the drawn graph, the topo -m matrix, imports, selection. No engine, no GPU."""
+
+from __future__ import annotations
+
+import pytest
+from gui_fakes import FakeLink, fail_on_qt_warnings, focusable_widgets, isolated_config, make_job, tab_through
+from PySide6.QtCore import QPoint, Qt
+from PySide6.QtGui import QColor, QPalette
+from PySide6.QtTest import QTest
+
+from app.topology.model import build_graph, measured_bandwidth, nvlink_link_gbs, topo_matrix
+from app.topology.page import TopologyPage
+from engine.hardware.importers import import_machine
+from engine.hardware.simulated import list_profiles, load_profile
+
+PROFILES = [p["id"] for p in list_profiles()]
+# NVLink edges as drawn: one per bridged pair, or one spoke per GPU into an NVSwitch.
+NVLINK_EDGES = {
+    "1x-rtx4090": 0, "2x-rtx3090-nvlink": 1, "4x-rtx4090": 0, "4x-rtxa6000-bridged": 2,
+    "8x-a100-pcie": 4, "8x-h100-sxm": 8, "mixed-4090-3090": 0,
+}  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def no_qt_warnings():
+    yield from fail_on_qt_warnings()
+
+
+@pytest.fixture(autouse=True)
+def config(tmp_path, monkeypatch):
+    yield from isolated_config(tmp_path, monkeypatch)
+
+
+def open_page(qtbot, link: FakeLink) -> TopologyPage:
+    page = TopologyPage(link)
+    qtbot.addWidget(page)
+    page.resize(1280, 900)
+    page.show()
+    qtbot.waitExposed(page)
+    link.connect_engine()
+    return page
+
+
+def expected_nvlink_edges(profile: str) -> int:
+    if profile in NVLINK_EDGES:
+        return NVLINK_EDGES[profile]
+    m = load_profile(profile)  # a profile added later: count from its machine
+    if any(p.nvswitch for p in m.pairs):
+        return len({i for p in m.pairs if p.nvswitch for i in p.key})
+    return sum(1 for p in m.pairs if p.nvlink_count)
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_renders_every_profile_with_its_nvlink_edges_and_matrix(qtbot, profile):
+    link = FakeLink(profile)
+    page = open_page(qtbot, link)
+    machine = link.machine_obj
+    assert page.title.text() == machine.label
+    assert len(page.graph.nvlink_edges) == expected_nvlink_edges(profile)
+    assert sorted(page.graph_view.gpu_items) == [g.index for g in machine.gpus]
+    # The matrix cells are the engine's own topo codes (as the `topology` request returns them).
+    cells = link._topology()["matrix"]["cells"]
+    for a, row in enumerate(cells):
+        for b, code in enumerate(row):
+            assert page.matrix.code(a, b) == code
+    assert page.summary.text().lstrip("• ").startswith(("NVLink", "NVSwitch", "No NVLink", "One GPU"))
+
+
+def test_nvlink_edges_carry_link_count_and_bandwidth():
+    a100 = build_graph(load_profile("8x-a100-pcie"))
+    assert [e.label for e in a100.nvlink_edges] == ["NV12 · 300 GB/s"] * 4  # 12 links × 25 GB/s each way
+    rtx = build_graph(load_profile("2x-rtx3090-nvlink"))
+    assert rtx.nvlink_edges[0].label == "NV4 · 56 GB/s"  # the spec's 112.5 GB/s over 4 links, both ways
+    h100 = build_graph(load_profile("8x-h100-sxm"))
+    assert {e.b for e in h100.nvlink_edges} == {"nvswitch"}
+    assert h100.nvlink_edges[0].label == "NV18 · 450 GB/s"
+
+
+def test_reported_link_speed_wins_over_the_spec_table():
+    machine = load_profile("2x-rtx3090-nvlink")
+    machine.gpus[0].nvlink_link_gbps = 14.062
+    speed, why = nvlink_link_gbs(machine, machine.gpus[0])
+    assert speed == 14.062 and "driver" in why
+
+
+def test_pcie_paths_become_switches_bridges_and_sockets():
+    graph = build_graph(load_profile("8x-a100-pcie"))
+    kinds = [n.kind for n in graph.nodes]
+    assert kinds.count("cpu") == 2 and kinds.count("switch") == 4 and kinds.count("bridge") == 4
+    assert [b.gpus for b in graph.boxes] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [e for e in graph.edges if e.kind == "smp"]  # SYS pairs cross the socket interconnect
+    switch_of = {e.a: e.b for e in graph.edges if e.kind == "pcie" and e.a.startswith("gpu")}
+    assert switch_of["gpu0"] == switch_of["gpu1"] != switch_of["gpu2"]  # PIX pairs share a switch
+    flat = build_graph(load_profile("4x-rtx4090"))
+    assert not [n for n in flat.nodes if n.kind == "switch"]
+
+
+def test_live_nvlink_throughput_on_the_edges(qtbot):
+    link = FakeLink("8x-h100-sxm")
+    page = open_page(qtbot, link)
+    link.feed.set_load(0, utilization=90)
+    link.push_telemetry(3)
+    labels = {edge.gpus: text.text() for edge, _, text in page.graph_view.edge_items if edge.kind == "nvlink"}
+    assert "⇄" in labels[(0,)] and "GB/s" in labels[(0,)].splitlines()[1]
+    assert float(labels[(0,)].splitlines()[1].split("⇄")[0]) > 1.0
+
+
+def test_busy_gpus_are_marked(qtbot):
+    link = FakeLink("4x-rtx4090")
+    page = open_page(qtbot, link)
+    link.push_job(make_job("j1", [1, 2], name="bert"))
+    assert page.graph_view.busy == {1: ["bert"], 2: ["bert"]}
+    assert "In use by: bert" in page.graph_view.gpu_items[1].toolTip()
+    assert "●" in page.graph_view.gpu_items[1].text.text()
+    link.push_job(make_job("j1", [1, 2], name="bert", state="completed"))
+    assert page.graph_view.busy == {}
+
+
+def test_clicking_gpus_selects_them(qtbot):
+    link = FakeLink("4x-rtxa6000-bridged")
+    page = open_page(qtbot, link)
+    view = page.graph_view
+    with qtbot.waitSignal(page.sig_gpus_selected) as selected:
+        item = view.gpu_items[2]
+        point = view.mapFromScene(item.sceneBoundingRect().center())
+        QTest.mouseClick(view.viewport(), Qt.MouseButton.LeftButton, Qt.KeyboardModifier.NoModifier, QPoint(point))
+    assert selected.args == [[2]]
+    assert page.selected_gpus() == [2] and "GPU 2" in page.selection_label.text()
+
+
+def test_keyboard_selects_gpus(qtbot):
+    link = FakeLink("4x-rtx4090")
+    page = open_page(qtbot, link)
+    view = page.graph_view
+    view.setFocus()
+    qtbot.waitUntil(view.hasFocus)
+    QTest.keyClick(view, Qt.Key.Key_Right)
+    QTest.keyClick(view, Qt.Key.Key_Space)
+    assert page.selected_gpus() == [1]
+    QTest.keyClick(view, Qt.Key.Key_A, Qt.KeyboardModifier.ControlModifier)
+    assert page.selected_gpus() == [0, 1, 2, 3]
+    with qtbot.waitSignal(page.sig_gpus_selected) as selected:
+        QTest.keyClick(view, Qt.Key.Key_Escape)
+    assert selected.args == [[]]
+
+
+def test_import_topo_file_shows_that_machine_and_back(qtbot, smi_data):
+    link = FakeLink("4x-rtx4090")
+    page = open_page(qtbot, link)
+    with qtbot.waitSignal(page.sig_machine_shown, timeout=10000) as shown:
+        page.import_files([smi_data / "case08_4xRTX6000Ada_dual_socket_genoa_4nics.txt"])
+    assert shown.args[0]["source"] == "imported"
+    assert page.imported and page.title.text().startswith("imported:")
+    assert page.back_button.isVisible() and not page.error.isVisible()
+    expected = import_machine(smi_data / "case08_4xRTX6000Ada_dual_socket_genoa_4nics.txt")
+    matrix = topo_matrix(expected)
+    assert page.matrix.rowCount() == len(matrix.rows) == 4 + len(expected.nics)
+    assert page.matrix.code(0, 1) == "NODE" and page.matrix.code(0, 2) == "SYS"
+    assert [b.gpus for b in page.graph.boxes] == [[0, 1], [2, 3]]
+    # Telemetry of this machine does not paint the imported one.
+    link.push_telemetry(1)
+    page.back_button.click()
+    assert not page.imported and page.title.text() == link.machine_obj.label
+    assert not page.back_button.isVisible()
+
+
+def test_import_xml_file(qtbot, smi_data):
+    link = FakeLink("1x-rtx4090")
+    page = open_page(qtbot, link)
+    with qtbot.waitSignal(page.sig_machine_shown, timeout=10000):
+        page.import_files([smi_data / "case25_smiqx_8xV100S_pcie_nvidia-smi-q-x_xml.txt"])
+    assert len(page.graph_view.gpu_items) == 8
+    assert "V100S" in page.graph_view.gpu_items[0].text.text()
+
+
+def test_garbage_file_shows_an_error(qtbot, tmp_path):
+    bad = tmp_path / "notes.txt"
+    bad.write_text("this is a shopping list\neggs\nmilk\n")
+    link = FakeLink("4x-rtx4090")
+    page = open_page(qtbot, link)
+    with qtbot.waitSignal(page.sig_import_failed, timeout=10000) as failed:
+        page.import_files([bad])
+    assert "notes.txt" in failed.args[0]
+    assert page.error.isVisible() and page.error.text() == failed.args[0]
+    assert not page.imported and page.title.text() == link.machine_obj.label
+    assert page.import_button.isEnabled()
+
+
+def test_measured_bandwidth_heat_map(qtbot):
+    link = FakeLink("4x-rtx4090")
+    page = open_page(qtbot, link)
+    assert not page.heat_map.isVisible()
+    d = link.machine_obj.to_dict()
+    d["calibration"] = {"bus_bandwidth_gbs": {"0,1": 21.5, "2,3": 20.0, "0,1,2,3": 9.0}}
+    assert measured_bandwidth(d) == {(0, 1): 21.5, (2, 3): 20.0}
+    link.sig_machine.emit(d)
+    assert page.heat_map.isVisible()
+    assert page.heat_map.item(0, 1).text() == "21.5" and page.heat_map.item(1, 0).text() == "21.5"
+    assert page.heat_map.item(0, 2).text() == ""
+
+
+def test_tab_reaches_every_control(qtbot):
+    link = FakeLink("8x-a100-pcie")
+    page = open_page(qtbot, link)
+    expected = focusable_widgets(page)
+    visited = tab_through(page, qtbot)
+    assert not [w.objectName() or type(w).__name__ for w in expected if w not in visited]
+    assert {"importMachine", "topologyGraph", "topoMatrix"} <= {w.objectName() for w in visited}
+
+
+def test_drawing_follows_a_dark_palette(qtbot):
+    link = FakeLink("2x-rtx3090-nvlink")
+    page = open_page(qtbot, link)
+    dark = QPalette(page.palette())
+    dark.setColor(QPalette.ColorRole.Base, QColor("#17181a"))
+    dark.setColor(QPalette.ColorRole.Text, QColor("#e8eaed"))
+    page.setPalette(dark)
+    assert page.graph_view.scene().backgroundBrush().color() == QColor("#17181a")
+    assert page.graph_view.gpu_items[0].text.brush().color() == QColor("#e8eaed")

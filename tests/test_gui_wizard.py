@@ -1,0 +1,475 @@
+"""The job wizard: walking its pages, inline validation, overrides re-checked live, and what it submits."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+from gui_fakes import (
+    FakeLink,
+    accept_submissions,
+    fail_on_qt_warnings,
+    focusable_widgets,
+    isolated_config,
+    make_job,
+    real_plan_reply,
+    tab_through,
+)
+from PySide6.QtCore import QSettings
+from PySide6.QtWidgets import QMainWindow, QWidget, QWizard
+
+from app.wizard.data_check import CHAT, INSTRUCTION, JSONL_TEXT, TEXT, inspect_dataset, inspect_file
+from app.wizard.page_base import DATA, GPUS, HYPER, LAUNCH, MODEL, PLAN, REVIEW, TASK
+from app.wizard.state import (
+    EXAMPLES,
+    TINY_DATA,
+    TINY_MODEL,
+    WizardState,
+    default_state,
+    examples_present,
+    state_from_plan,
+    state_from_spec,
+)
+from app.wizard.wizard import SETTINGS_KEY, JobWizard
+from engine.hardware.simulated import load_profile
+from engine.jobs.spec import JobSpec
+from engine.service.client import EngineError
+
+ALL_PAGES = [TASK, MODEL, DATA, GPUS, PLAN, HYPER, REVIEW, LAUNCH]
+
+
+@pytest.fixture(autouse=True)
+def no_qt_warnings():
+    yield from fail_on_qt_warnings()
+
+
+@pytest.fixture(autouse=True)
+def config(tmp_path, monkeypatch):
+    yield from isolated_config(tmp_path, monkeypatch)
+
+
+@pytest.fixture
+def settings(tmp_path) -> QSettings:
+    return QSettings(str(tmp_path / "wizard.ini"), QSettings.Format.IniFormat)
+
+
+def make_link(profile: str = "4x-rtx4090", jobs=None) -> tuple[FakeLink, list[dict]]:
+    link = FakeLink(profile, jobs=jobs)
+    link.replies["plan"] = real_plan_reply(link.machine_obj)
+    submitted = accept_submissions(link)
+    link.connect_engine()
+    return link, submitted
+
+
+def open_wizard(qtbot, link: FakeLink, settings: QSettings, **kw) -> JobWizard:
+    wizard = JobWizard(link, settings=settings, **kw)
+    qtbot.addWidget(wizard)
+    wizard.resize(1000, 720)
+    wizard.show()
+    qtbot.waitExposed(wizard)
+    return wizard
+
+
+def settled(qtbot, wizard: JobWizard):
+    """The current page, once its background checks have answered."""
+    page = wizard.currentPage()
+    qtbot.waitUntil(lambda: not page.busy, timeout=20000)
+    return page
+
+
+def next_page(qtbot, wizard: JobWizard) -> int:
+    page = settled(qtbot, wizard)
+    assert page.isComplete(), page.message.text()
+    wizard.next()
+    settled(qtbot, wizard)
+    return wizard.currentId()
+
+
+def go_to(qtbot, wizard: JobWizard, target: int) -> None:
+    while wizard.currentId() != target:
+        next_page(qtbot, wizard)
+
+
+def blocked(qtbot, wizard: JobWizard, text: str) -> None:
+    """The current page refuses Next and says `text`."""
+    page = settled(qtbot, wizard)
+    assert not page.isComplete()
+    assert not wizard.button(QWizard.WizardButton.NextButton).isEnabled()
+    assert page.message.isVisible() and text in page.message.text(), page.message.text()
+
+
+@pytest.mark.skipif(not examples_present(), reason="the shipped examples are missing")
+def test_defaults_walk_every_page_and_submit_the_tiny_example(qtbot, settings):
+    link, submitted = make_link()
+    wizard = open_wizard(qtbot, link, settings)
+    seen = [wizard.currentId()]
+    with qtbot.waitSignal(wizard.sig_submitted, timeout=20000) as done:
+        while wizard.currentId() != LAUNCH:
+            seen.append(next_page(qtbot, wizard))
+    assert seen == ALL_PAGES
+    assert done.args == ["job-new"] and not wizard.isVisible()
+
+    sent = submitted[-1]
+    spec = JobSpec.from_dict(sent["spec"])
+    assert spec.to_dict() == JobSpec.from_dict(spec.to_dict()).to_dict()
+    assert spec.kind == "train" and spec.train.method == "scratch"
+    assert spec.model == str(EXAMPLES / TINY_MODEL)
+    assert spec.train.dataset == [str(EXAMPLES / TINY_DATA)]
+    assert spec.train.max_steps <= 50 and spec.train.seq_len <= 256 and spec.train.precision == "fp32"
+    # Two CPU ranks on a simulated machine, laid out as the plan says.
+    assert spec.gpus == sent["plan"]["parallelism"]["gpu_indices"] and len(spec.gpus) == 2
+    assert spec.parallelism.world_size == len(spec.gpus)
+    assert spec.train.micro_batch == sent["plan"]["parallelism"]["micro_batch"]
+    assert sent["cwd"]
+    assert json.loads(settings.value(SETTINGS_KEY))["kind"] == "scratch"
+
+
+def test_back_keeps_every_choice(qtbot, settings):
+    link, _ = make_link()
+    wizard = open_wizard(qtbot, link, settings, state=default_state(link.machine))
+    wizard.task_page.buttons["finetune"].click()
+    next_page(qtbot, wizard)
+    wizard.model_page.picker.set_model("qwen2.5-0.5b")
+    wizard.model_page.method.setCurrentIndex(wizard.model_page.method.findData("full"))
+    go_to(qtbot, wizard, HYPER)
+    wizard.hyper_page.steps.setValue(42)
+    wizard.hyper_page.lr.setValue(3e-5)
+    wizard.hyper_page.seed.setValue(7)
+    for expected in (PLAN, GPUS, DATA, MODEL, TASK):
+        wizard.back()
+        assert wizard.currentId() == expected
+    assert wizard.task_page.buttons["finetune"].isChecked()
+    go_to(qtbot, wizard, MODEL)
+    assert wizard.model_page.picker.model() == "qwen2.5-0.5b"
+    assert wizard.model_page.method.currentData() == "full"
+    go_to(qtbot, wizard, HYPER)
+    assert (wizard.hyper_page.steps.value(), wizard.hyper_page.seed.value()) == (42, 7)
+    assert wizard.hyper_page.lr.value() == pytest.approx(3e-5)
+    # Going back and forth with nothing changed keeps the plan: it is not asked for again.
+    assert len(link.requests("plan")) == 1
+
+
+def test_model_page_blocks_with_the_reason(qtbot, settings, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    link, _ = make_link()
+    wizard = open_wizard(qtbot, link, settings, state=WizardState(kind="finetune"))
+    go_to(qtbot, wizard, MODEL)
+    blocked(qtbot, wizard, "Choose a model")
+    wizard.model_page.picker.set_model(str(tmp_path / "nowhere"))
+    blocked(qtbot, wizard, "no such folder")
+    empty = tmp_path / "empty-model"
+    empty.mkdir()
+    wizard.model_page.picker.set_model(str(empty))
+    blocked(qtbot, wizard, "config.json")
+    wizard.model_page.picker.set_model("llama-3.1-8b")
+    page = settled(qtbot, wizard)
+    assert page.isComplete() and "8.0B parameters" in wizard.model_page.about.text()
+
+
+def test_data_page_blocks_with_the_reason(qtbot, settings, tmp_path):
+    link, _ = make_link()
+    state = default_state(link.machine)
+    state.dataset = []
+    wizard = open_wizard(qtbot, link, settings, state=state)
+    go_to(qtbot, wizard, DATA)
+    blocked(qtbot, wizard, "Add at least one data file")
+    data = wizard.data_page
+    data.add_files([str(tmp_path / "missing.txt")])
+    blocked(qtbot, wizard, "does not exist")
+    data.files.setCurrentRow(0)
+    data.remove_button.click()
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    data.add_files([str(empty)])
+    blocked(qtbot, wizard, "empty.jsonl is empty")
+    data.files.setCurrentRow(0)
+    data.remove_button.click()
+    other = tmp_path / "notes.jsonl"
+    other.write_text('{"body": "hello there", "id": 1}\n{"body": "general kenobi", "id": 2}\n')
+    data.add_files([str(other)])
+    blocked(qtbot, wizard, "no 'text' text field")
+    # The fields found are offered; picking the right one unblocks the page.
+    assert data.text_field.findText("body") >= 0
+    data.text_field.setCurrentText("body")
+    page = settled(qtbot, wizard)
+    assert page.isComplete() and wizard.state.text_field == "body"
+    assert "hello there" in data.preview.toPlainText()
+    assert "estimate" in data.summary.text()
+
+
+def test_gpu_page_blocks_on_no_gpu_and_busy_gpus_unless_queued(qtbot, settings):
+    link, _ = make_link(jobs=[make_job("j1", gpus=[0], name="bert-ft")])
+    state = default_state(link.machine)
+    state.gpus = [0, 1]
+    wizard = open_wizard(qtbot, link, settings, state=state)
+    go_to(qtbot, wizard, DATA)
+    wizard.next()
+    assert wizard.currentId() == GPUS
+    blocked(qtbot, wizard, "GPU 0 runs bert-ft")
+    assert "busy" in wizard.gpu_page.selector.boxes[0].text()
+    wizard.gpu_page.queue.click()
+    page = settled(qtbot, wizard)
+    assert page.isComplete() and "waits" in page.message.text()
+    wizard.gpu_page.selector.set_selected([])
+    blocked(qtbot, wizard, "Select at least one GPU")
+    wizard.gpu_page.selector.boxes[2].click()
+    assert settled(qtbot, wizard).isComplete() and wizard.state.gpus == [2]
+
+
+def test_plan_page_rechecks_overrides_and_blocks_what_does_not_fit(qtbot, settings):
+    link, _ = make_link("4x-rtxa6000-bridged")
+    state = default_state(link.machine)
+    state.kind, state.model, state.method = "finetune", "llama-2-7b", "lora"
+    state.set_precision("bf16")
+    state.train.seq_len, state.global_batch, state.gpus = 2048, 16, [0, 1, 2, 3]
+    wizard = open_wizard(qtbot, link, settings, state=state)
+    go_to(qtbot, wizard, PLAN)
+    plan_page = wizard.plan_page
+    recommended = wizard.state.plan
+    assert recommended is not None and plan_page.alternatives.count() >= 2
+    qtbot.waitUntil(lambda: wizard.checker is not None)
+
+    plan_page.micro.setValue(64)  # far too many sequences at once
+    blocked(qtbot, wizard, "Does not fit")
+    assert plan_page.chart.memory == wizard.state.plan["memory"]
+    assert wizard.state.plan["parallelism"]["micro_batch"] == 64
+
+    plan_page.checkpointing.setCurrentIndex(plan_page.checkpointing.findData("full"))
+    plan_page.micro.setValue(1)
+    page = settled(qtbot, wizard)
+    assert page.isComplete() and "fit" in page.message.text()
+    assert wizard.state.plan["parallelism"]["checkpointing"] == "full"
+
+    plan_page.tp.setValue(3)
+    blocked(qtbot, wizard, "GPUs, but 4 are selected")
+    plan_page.reset_button.click()
+    assert settled(qtbot, wizard).isComplete()
+    assert wizard.state.plan["parallelism"] == plan_page.base["parallelism"]
+
+    # The hyper-parameters page re-checks its own changes with the same model.
+    go_to(qtbot, wizard, HYPER)
+    wizard.hyper_page.micro.setValue(64)
+    blocked(qtbot, wizard, "Does not fit")
+    wizard.hyper_page.micro.setValue(1)
+    assert settled(qtbot, wizard).isComplete()
+    assert wizard.state.train.micro_batch == 1 == wizard.state.plan["parallelism"]["micro_batch"]
+
+
+def test_plan_page_blocks_when_nothing_fits(qtbot, settings):
+    link, _ = make_link("1x-rtx4090")
+    state = WizardState(kind="finetune", model="llama-3.1-70b", method="full", gpus=[0])
+    state.dataset = [str(EXAMPLES / TINY_DATA)]
+    wizard = open_wizard(qtbot, link, settings, state=state)
+    go_to(qtbot, wizard, GPUS)
+    wizard.next()
+    blocked(qtbot, wizard, "Nothing fits")
+
+
+def test_script_job_skips_data_and_plan(qtbot, settings, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    link, submitted = make_link()
+    wizard = open_wizard(qtbot, link, settings, state=default_state(link.machine))
+    wizard.task_page.buttons["script"].click()
+    assert next_page(qtbot, wizard) == MODEL
+    blocked(qtbot, wizard, "Choose the script")
+    wizard.model_page.script.setText(str(tmp_path / "missing.py"))
+    blocked(qtbot, wizard, "does not exist")
+    wizard.model_page.script.setText(str(script))
+    wizard.model_page.script_args.setText('--epochs 2 --name "my run')
+    blocked(qtbot, wizard, "check the quotes")
+    wizard.model_page.script_args.setText('--epochs 2 --name "my run"')
+    assert next_page(qtbot, wizard) == GPUS
+    assert next_page(qtbot, wizard) == REVIEW
+    command = wizard.review_page.command.toPlainText()
+    assert shlex.split(command)[-6:] == ["--", str(script), "--epochs", "2", "--name", "my run"]
+    with qtbot.waitSignal(wizard.sig_submitted, timeout=10000):
+        next_page(qtbot, wizard)
+    spec = JobSpec.from_dict(submitted[-1]["spec"])
+    assert spec.kind == "script" and spec.script == [str(script), "--epochs", "2", "--name", "my run"]
+    assert submitted[-1]["plan"] is None and spec.model is None
+
+
+def test_calibration_needs_only_gpus(qtbot, settings):
+    link, submitted = make_link()
+    wizard = open_wizard(qtbot, link, settings, state=default_state(link.machine))
+    wizard.task_page.buttons["calibrate"].click()
+    assert next_page(qtbot, wizard) == GPUS
+    assert next_page(qtbot, wizard) == REVIEW
+    with qtbot.waitSignal(wizard.sig_submitted, timeout=10000):
+        next_page(qtbot, wizard)
+    assert JobSpec.from_dict(submitted[-1]["spec"]).kind == "calibrate"
+
+
+def test_inference_job_with_typed_prompts(qtbot, settings):
+    link, submitted = make_link("2x-rtx3090-nvlink")
+    state = WizardState(kind="infer", model="qwen2.5-0.5b", gpus=[0, 1])
+    wizard = open_wizard(qtbot, link, settings, state=state)
+    go_to(qtbot, wizard, DATA)
+    blocked(qtbot, wizard, "Give a prompts file or type at least one prompt")
+    wizard.data_page.prompts.setPlainText("Write a haiku about GPUs\n\nName three rivers")
+    go_to(qtbot, wizard, HYPER)
+    assert wizard.state.plan["workload"]["task"] == "infer"
+    wizard.hyper_page.new_tokens.setValue(wizard.hyper_page.context.value())
+    blocked(qtbot, wizard, "room for the prompt")
+    wizard.hyper_page.new_tokens.setValue(48)
+    with qtbot.waitSignal(wizard.sig_submitted, timeout=20000):
+        go_to(qtbot, wizard, LAUNCH)
+    spec = JobSpec.from_dict(submitted[-1]["spec"])
+    assert spec.kind == "infer" and spec.infer.prompts == ["Write a haiku about GPUs", "Name three rivers"]
+    assert spec.infer.max_new_tokens == 48 and spec.train is None
+
+
+def test_submit_failure_is_inline_and_can_be_retried(qtbot, settings):
+    link, _ = make_link()
+    link.replies["submit"] = EngineError("user_error", "data file /x.txt does not exist")
+    wizard = open_wizard(qtbot, link, settings, state=WizardState(kind="calibrate", gpus=[0]))
+    with qtbot.waitSignal(wizard.sig_submit_failed, timeout=10000) as failed:
+        go_to(qtbot, wizard, LAUNCH)
+    assert failed.args == ["data file /x.txt does not exist"]
+    blocked(qtbot, wizard, "data file /x.txt does not exist")
+    assert wizard.launch_page.retry.isVisible() and wizard.isVisible()
+    accept_submissions(link, "job-2")
+    with qtbot.waitSignal(wizard.sig_submitted, timeout=10000) as done:
+        wizard.launch_page.retry.click()
+    assert done.args == ["job-2"]
+
+
+def test_submitting_lands_on_the_jobs_page(qtbot, settings):
+    class JobsPage(QWidget):
+        def __init__(self):
+            super().__init__()
+            self.opened: list[str] = []
+
+        def open_job(self, job_id: str) -> None:
+            self.opened.append(job_id)
+
+    class Main(QMainWindow):
+        def __init__(self):
+            super().__init__()
+            self.jobs = JobsPage()
+            self.shown: list[str] = []
+            self.setCentralWidget(QWidget())
+
+        def show_page(self, key: str) -> QWidget:
+            self.shown.append(key)
+            return self.jobs
+
+    main = Main()
+    qtbot.addWidget(main)
+    link, _ = make_link()
+    wizard = JobWizard(link, main.centralWidget(), state=WizardState(kind="calibrate", gpus=[1]), settings=settings)
+    wizard.show()
+    with qtbot.waitSignal(wizard.sig_submitted, timeout=10000):
+        go_to(qtbot, wizard, LAUNCH)
+    assert main.shown == ["jobs"] and main.jobs.opened == ["job-new"]
+
+
+def test_from_plan_and_from_job_fill_the_wizard(qtbot, settings, tmp_path):
+    link, _ = make_link("8x-h100-sxm")
+    plan = real_plan_reply(link.machine_obj)(
+        model="qwen2.5-7b",
+        workload={"task": "train", "method": "lora", "seq_len": 1024, "global_batch": 8, "lora": None},
+        gpus=[4, 5, 6, 7],
+    )["result"]["best"]
+    wizard = JobWizard.from_plan(plan, link=link, settings=settings)
+    qtbot.addWidget(wizard)
+    s = wizard.state
+    assert (s.kind, s.model, s.method, s.gpus, s.train.seq_len) == (
+        "finetune",
+        "qwen2.5-7b",
+        "lora",
+        [4, 5, 6, 7],
+        1024,
+    )
+    assert s.plan == plan and s.plan_is_current()
+    assert s.to_spec()["gpus"] == plan["parallelism"]["gpu_indices"]
+
+    spec = s.to_spec()
+    clone = JobWizard.from_job({"id": "abc", "spec": spec, "plan": plan}, link=link, settings=settings)
+    qtbot.addWidget(clone)
+    assert clone.state.to_spec() == spec
+
+    folder = tmp_path / "jobs" / "abc"
+    folder.mkdir(parents=True)
+    (folder / "job.json").write_text(json.dumps({**spec, "id": "abc"}))
+    (folder / "plan.json").write_text(json.dumps(plan))
+    record = make_job("abc", gpus=spec["gpus"], state="failed", name=spec["name"])
+    record["job_dir"] = str(folder)
+    later = JobWizard.from_job(record, link=link, settings=settings)
+    qtbot.addWidget(later)
+    qtbot.waitUntil(lambda: later.state.model == "qwen2.5-7b")
+    assert later.state.to_spec() == spec and later.state.plan == plan
+
+
+def test_last_choices_are_remembered(qtbot, settings):
+    link, _ = make_link()
+    state = default_state(link.machine)
+    state.train.max_steps, state.name = 24, "remember me"
+    wizard = open_wizard(qtbot, link, settings, state=state)
+    with qtbot.waitSignal(wizard.sig_submitted, timeout=30000):
+        go_to(qtbot, wizard, LAUNCH)
+    again = open_wizard(qtbot, link, settings)
+    assert again.state.train.max_steps == 24 and again.state.name == "remember me"
+    assert again.state.plan is None  # plans are made again for the machine of the day
+
+
+def test_every_page_fits_the_window_and_tab_reaches_every_control(qtbot, settings):
+    link, _ = make_link("8x-h100-sxm")
+    state = default_state(link.machine)
+    state.kind, state.method, state.model = "finetune", "lora", "qwen2.5-0.5b"
+    state.dataset = [str(EXAMPLES / TINY_DATA)]
+    wizard = open_wizard(qtbot, link, settings, state=state)
+    while True:
+        page = settled(qtbot, wizard)
+        hint = wizard.minimumSizeHint()
+        assert hint.width() <= 1280 and hint.height() <= 820, (wizard.currentId(), hint)
+        expected = focusable_widgets(page)
+        visited = tab_through(wizard, qtbot)
+        missing = [w.objectName() or type(w).__name__ for w in expected if w not in visited]
+        assert not missing, (wizard.currentId(), missing)
+        if wizard.currentId() == REVIEW:
+            break
+        next_page(qtbot, wizard)
+
+
+def test_data_formats_of_the_shipped_examples_and_jsonl_text(tmp_path):
+    data = EXAMPLES / "data"
+    assert inspect_file(str(data / "shakespeare.txt")).kind == TEXT
+    assert inspect_file(str(data / "instructions.jsonl")).kind == INSTRUCTION
+    chat = inspect_file(str(data / "chat.jsonl"))
+    assert chat.kind == CHAT and chat.preview[0].startswith("user: ")
+    text = tmp_path / "t.jsonl"
+    text.write_text('{"text": "one"}\n{"text": "two"}\n')
+    report = inspect_dataset([str(text), str(data / "shakespeare.txt")])
+    assert [f.kind for f in report.files] == [JSONL_TEXT, TEXT]
+    assert report.token_estimate == report.total_bytes // 4 and report.problem is None
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{not json}\n')
+    assert "line 2 is not valid JSON" in inspect_file(str(bad)).problem
+    csv = tmp_path / "x.csv"
+    csv.write_text("a,b\n1,2\n")
+    assert ".csv is not supported" in inspect_file(str(csv)).problem
+
+
+def test_state_round_trips_and_the_command_line():
+    state = default_state({"source": "simulated", "gpus": [{"index": 0}, {"index": 1}, {"index": 2}]})
+    assert state.gpus == [0, 1]
+    copy = WizardState.from_json(state.to_json())
+    assert copy.to_spec() == state.to_spec()
+    spec = state.to_spec()
+    assert state_from_spec(spec).to_spec() == spec
+    words = shlex.split(state.command().splitlines()[0])
+    assert words[:3] == ["rigpilot", "run", "train"]
+    assert words[words.index("--steps") + 1] == str(state.train.max_steps)
+    assert words[words.index("--data") + 1] == state.dataset[0]
+
+
+def test_a_qlora_plan_is_launched_as_lora_and_planned_again():
+    machine = load_profile("1x-rtx4090")
+    workload = {"task": "train", "method": "qlora", "seq_len": 1024, "global_batch": 8, "lora": None}
+    plan = real_plan_reply(machine)(model="llama-2-7b", workload=workload, gpus=[0])["result"]["best"]
+    state = state_from_plan(plan)
+    assert (state.kind, state.method, state.model) == ("finetune", "lora", "llama-2-7b")
+    assert state.plan is None and not state.plan_is_current()
