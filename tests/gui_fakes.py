@@ -113,6 +113,7 @@ class FakeLink(QObject):
         self.remote: str | None = None
         self.state = CONNECTING
         self.machine: dict[str, Any] | None = None  # set on connect, as the real link does
+        self.notes: list[str] = []
         self.calls: list[tuple[str, dict[str, Any]]] = []
         self.watched: set[str] = set()
         self.jobs = list(jobs or [])
