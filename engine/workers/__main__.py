@@ -1,0 +1,156 @@
+"""`python -m engine.workers <job_dir>`: one rank of a job (see engine/workers/__init__.py for the contract)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+from engine.errors import UserError
+from engine.jobs.spec import JobSpec
+from engine.report import METRICS_DIR_ENV, report
+from engine.workers import (
+    ERROR_PREFIX,
+    EXIT_CANCELLED,
+    EXIT_CRASH,
+    EXIT_OUT_OF_MEMORY,
+    EXIT_USER_ERROR,
+)
+from engine.workers.script import ScriptExit
+
+
+def read_spec(job_dir: Path) -> JobSpec:
+    path = job_dir / "job.json"
+    if not path.is_file():
+        raise UserError(f"{path} not found: not a job folder")
+    try:
+        return JobSpec.read(job_dir)
+    except (ValueError, TypeError, KeyError) as e:
+        raise UserError(f"{path}: not a valid job spec ({e})") from e
+
+
+# Set once a kind whose resources the worker owns has started (not "script": a user's script may
+# register atexit handlers that must run).
+_skip_interpreter_teardown = False
+
+
+class JobCancelled(BaseException):
+    """SIGTERM while there is nothing to save (loading, generating, measuring): stop at once.
+
+    A BaseException, so no library's `except Exception` swallows it.
+    """
+
+
+def _stop_now(signum: int, frame: Any) -> None:
+    raise JobCancelled
+
+
+def run(spec: JobSpec, job_dir: Path) -> int:
+    global _skip_interpreter_teardown
+    if spec.kind in {"train", "infer", "calibrate"}:
+        _skip_interpreter_teardown = True
+        # The training loop swaps in its own handler, which finishes the step and checkpoints.
+        signal.signal(signal.SIGTERM, _stop_now)
+    if spec.kind == "train":
+        from engine.workers.train import run_train
+
+        return run_train(spec, job_dir)
+    if spec.kind == "infer":
+        from engine.workers.infer import run_infer
+
+        return run_infer(spec, job_dir)
+    if spec.kind == "calibrate":
+        from engine.workers.calibrate import run_calibrate
+
+        return run_calibrate(spec, job_dir)
+    if spec.kind == "script":
+        from engine.workers.script import run_script
+
+        return run_script(spec, job_dir)
+    raise UserError(f"unknown job kind {spec.kind!r}: use train, infer, calibrate or script")
+
+
+def first_line(e: BaseException) -> str:
+    """`Type: first non-blank line of the message` (some errors start their message with a newline)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+def fail(message: str) -> None:
+    """The last line of the rank's log: one line a person (and the service) can read."""
+    sys.stdout.flush()
+    print(f"{ERROR_PREFIX} {' '.join(message.split())}", file=sys.stderr, flush=True)
+
+
+def _report_oom(error: BaseException) -> None:
+    import torch
+
+    numbers: dict[str, int | str] = {}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        device = torch.cuda.current_device()
+        free, total = torch.cuda.mem_get_info(device)
+        numbers = {
+            "allocated": torch.cuda.memory_allocated(device),
+            "reserved": torch.cuda.memory_reserved(device),
+            "max_allocated": torch.cuda.max_memory_allocated(device),
+            "free": free,
+            "total": total,
+        }
+    report(kind="error", error="out_of_memory", message=str(error).splitlines()[0] if str(error) else "", **numbers)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        fail("usage: python -m engine.workers <job_dir>")
+        return EXIT_USER_ERROR
+    job_dir = Path(argv[0]).resolve()
+    os.environ.setdefault(METRICS_DIR_ENV, str(job_dir / "metrics"))
+    try:
+        spec = read_spec(job_dir)
+        # Before torch and transformers are imported: some of them are read at import time.
+        os.environ.update(spec.env)
+        return run(spec, job_dir)
+    except UserError as e:
+        report(kind="error", error="user_error", message=str(e))
+        fail(str(e))
+        return EXIT_USER_ERROR
+    except JobCancelled:
+        report(kind="status", phase="cancelled", exit_code=EXIT_CANCELLED)
+        print("rigpilot-worker: cancelled (SIGTERM) before there was anything to save", file=sys.stderr, flush=True)
+        return EXIT_CANCELLED
+    except ScriptExit as e:
+        report(kind="error", error="script_exit", message=str(e), exit_code=e.code)
+        fail(str(e))
+        return e.code
+    except Exception as e:
+        if type(e).__name__ == "OutOfMemoryError" and type(e).__module__.startswith("torch"):
+            _report_oom(e)
+            fail(f"out of GPU memory: {str(e).splitlines()[0] if str(e) else ''}")
+            return EXIT_OUT_OF_MEMORY
+        traceback.print_exc()
+        report(kind="error", error="crash", message=first_line(e))
+        fail(first_line(e))
+        return EXIT_CRASH
+    finally:
+        if "torch" in sys.modules:
+            from engine.workers.parallel_dims import shutdown
+
+            try:
+                shutdown()
+            except Exception:  # a broken group must not hide the job's own outcome
+                pass
+
+
+if __name__ == "__main__":
+    code = main(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if _skip_interpreter_teardown:
+        # Tearing down an interpreter that holds torch and transformers takes a second or more on
+        # every rank, and nothing is left to clean up: the process group is gone, metrics are written
+        # line by line, and the outputs were written and renamed into place already.
+        os._exit(code)
+    sys.exit(code)

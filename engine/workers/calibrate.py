@@ -1,0 +1,146 @@
+"""Calibration (kind "calibrate"): what this machine really delivers, measured on the job's ranks.
+
+- matmul TFLOP/s of every rank at a few square sizes, in the job's precision;
+- all-reduce bandwidth of the whole group, as nccl-tests report it:
+  algbw = bytes / time, busbw = algbw * 2(n-1)/n (the per-link rate a ring needs);
+- point-to-point copy bandwidth for every ordered pair of ranks (send/recv).
+
+Results go to output/calibration.json (rank 0) and to every rank's metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine.jobs.spec import JobSpec
+from engine.report import report
+from engine.workers import EXIT_OK
+from engine.workers.metrics import status
+from engine.workers.parallel_dims import init_runtime
+from engine.workers.parallelize import precision_dtype
+
+MIB = 1 << 20
+GPU_MATMUL_SIZES = (1024, 2048, 4096, 8192)
+CPU_MATMUL_SIZES = (128, 256, 512)
+GPU_COMM_BYTES = (1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB)
+CPU_COMM_BYTES = (256 * 1024, 1 * MIB, 4 * MIB)  # gloo on loopback: keep a CPU run short
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], Any], device: torch.device, iters: int, warmup: int = 2) -> float:
+    """Mean seconds per call after warm-up."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - t0) / iters
+
+
+def matmul_tflops(device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...]) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for n in sizes:
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        iters = 20 if device.type == "cuda" else 3
+        seconds = _timed(lambda a=a, b=b: torch.mm(a, b), device, iters)
+        out[n] = 2 * n**3 / seconds / 1e12
+    return out
+
+
+def all_reduce_bandwidth(device: torch.device, world: int, sizes: tuple[int, ...]) -> list[dict[str, float]]:
+    rows = []
+    for nbytes in sizes:
+        t = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+        iters = 20 if device.type == "cuda" else 3
+        dist.barrier()
+        seconds = _timed(lambda t=t: dist.all_reduce(t), device, iters)
+        algbw = nbytes / seconds / 1e9
+        rows.append(
+            {"bytes": nbytes, "time_s": seconds, "algbw_gbps": algbw, "busbw_gbps": algbw * 2 * (world - 1) / world}
+        )
+    return rows
+
+
+def p2p_bandwidth(device: torch.device, rank: int, world: int, nbytes: int) -> list[dict[str, float]]:
+    """Every ordered pair in turn (the others wait), so each figure is one link alone."""
+    rows = []
+    t = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    iters = 10 if device.type == "cuda" else 3
+    for src in range(world):
+        for dst in range(world):
+            if src == dst:
+                continue
+            dist.barrier()
+            if rank == src:
+                seconds = _timed(lambda dst=dst: dist.send(t, dst=dst), device, iters, warmup=1)
+            elif rank == dst:
+                seconds = _timed(lambda src=src: dist.recv(t, src=src), device, iters, warmup=1)
+            else:
+                continue
+            if rank == dst:  # the receiver's clock includes the whole transfer
+                rows.append(
+                    {"src": src, "dst": dst, "bytes": nbytes, "time_s": seconds, "gbps": nbytes / seconds / 1e9}
+                )
+    return rows
+
+
+def run_calibrate(spec: JobSpec, job_dir: Path) -> int:
+    runtime = init_runtime(spec)
+    device, rank, world = runtime.device, runtime.rank, runtime.world_size
+    precision = (
+        (spec.train.precision if spec.train else None) or (spec.infer.precision if spec.infer else None) or "bf16"
+    )
+    dtype = precision_dtype(precision)
+    gpu = device.type == "cuda"
+    status("calibrating", precision=precision)
+    tflops = matmul_tflops(device, dtype, GPU_MATMUL_SIZES if gpu else CPU_MATMUL_SIZES)
+    for n, value in tflops.items():
+        report(kind="calibration", test="matmul", size=n, tflops=value)
+    all_reduce = all_reduce_bandwidth(device, world, GPU_COMM_BYTES if gpu else CPU_COMM_BYTES) if world > 1 else []
+    for row in all_reduce:
+        report(kind="calibration", test="all_reduce", **row)
+    p2p = p2p_bandwidth(device, rank, world, (GPU_COMM_BYTES if gpu else CPU_COMM_BYTES)[-1]) if world > 1 else []
+    for row in p2p:
+        report(kind="calibration", test="p2p", **row)
+    gathered: list[Any] | None = [None] * world if rank == 0 else None
+    name = torch.cuda.get_device_name(device) if gpu else platform.processor() or platform.machine()
+    dist.gather_object({"rank": rank, "device": name, "matmul_tflops": tflops, "p2p": p2p}, gathered, dst=0)
+    if rank == 0:
+        per_rank = sorted(gathered or [], key=lambda r: r["rank"])
+        result = {
+            "device_type": device.type,
+            "backend": runtime.backend,
+            "world_size": world,
+            "precision": precision,
+            "ranks": [
+                {
+                    "rank": r["rank"],
+                    "device": r["device"],
+                    "matmul_tflops": {str(k): v for k, v in r["matmul_tflops"].items()},
+                }
+                for r in per_rank
+            ],
+            "all_reduce": all_reduce,
+            "p2p": [row for r in per_rank for row in r["p2p"]],
+        }
+        out = job_dir / "output"
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "calibration.json").write_text(json.dumps(result, indent=2) + "\n")
+        print(f"[rank0] calibration written to {out / 'calibration.json'}", flush=True)
+    status("done", exit_code=EXIT_OK)
+    return EXIT_OK

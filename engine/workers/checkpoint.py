@@ -1,0 +1,265 @@
+"""Checkpoints (torch.distributed.checkpoint, sharded, atomic) and the final Hugging Face folder.
+
+A checkpoint holds everything that decides the next step: model and optimizer
+state (sharded as they live on the ranks, so any rank layout that DCP can
+reshard to can load it), the LR scheduler, the data position and every rank's
+RNG states. It is written to `checkpoints/step-N.tmp`, renamed to `step-N`,
+and only then marked with a `COMPLETE` file: a folder without one is never
+loaded, whatever killed the job while writing it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
+
+from engine.workers.model_loading import LoadedModel, auto_class, offline
+from engine.workers.parallel_dims import Runtime
+
+COMPLETE = "COMPLETE"
+
+
+class _ModelAndOptimizer(Stateful):
+    """DCP-facing view of one model part and its optimizer, in the model's own parameter names."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool) -> None:
+        self.model, self.optimizer = model, optimizer
+        # LoRA: frozen base weights come from the base model again on resume; saving them is waste.
+        self.options = StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
+
+    def state_dict(self) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.options)
+        return {"model": model_sd, "optimizer": optim_sd}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=self.options,
+        )
+
+
+class _Plain(Stateful):
+    """Anything with state_dict()/load_state_dict() (scheduler, data position) as DCP Stateful."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.obj.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.obj.load_state_dict(state)
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class Checkpointer:
+    def __init__(
+        self,
+        job_dir: Path,
+        runtime: Runtime,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        data_position: Any,
+        trainable_only: bool,
+    ) -> None:
+        self.folder = job_dir / "checkpoints"
+        self.runtime = runtime
+        self.app = _ModelAndOptimizer(model, optimizer, trainable_only)
+        self.scheduler = _Plain(scheduler)
+        self.data = _Plain(data_position)
+
+    def _state(self, step: int) -> dict[str, Any]:
+        return {
+            "app": self.app,
+            "scheduler": self.scheduler,
+            "data": self.data,
+            "train": {"step": step},
+            # Per rank: dropout and other randomness differ between ranks and must each come back.
+            f"rng_rank{self.runtime.rank}": rng_state(),
+        }
+
+    def save(self, step: int) -> Path:
+        final = self.folder / f"step-{step}"
+        tmp = self.folder / f"step-{step}.tmp"
+        if self.runtime.is_main:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+        dist.barrier()
+        dcp.save(self._state(step), checkpoint_id=str(tmp))
+        dist.barrier()  # every rank's shard is on disk before the checkpoint is declared whole
+        if self.runtime.is_main:
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+            info = {"step": step, "time": time.time(), "world_size": self.runtime.world_size}
+            info["parallelism"] = dict(
+                zip(("pp", "dp_replicate", "dp_shard", "tp"), self.runtime.dims.shape, strict=True)
+            )
+            (final / COMPLETE).write_text(json.dumps(info) + "\n")
+        dist.barrier()
+        return final
+
+    def latest(self) -> Path | None:
+        return latest_checkpoint(self.folder)
+
+    def load(self, path: Path) -> tuple[int, list[str]]:
+        """Restore everything from `path`; returns the step it was taken after, and notes for the log."""
+        notes: list[str] = []
+        state = self._state(0)
+        rng_key = f"rng_rank{self.runtime.rank}"
+        stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        if not any(k == rng_key or k.startswith(rng_key + ".") for k in stored):
+            state.pop(rng_key)
+            notes.append(f"{path.name} was written by a different number of ranks: RNG states start fresh")
+        dcp.load(state, checkpoint_id=str(path))
+        if rng_key in state:
+            set_rng_state(state[rng_key])
+        return int(state["train"]["step"]), notes
+
+
+def latest_checkpoint(folder: Path) -> Path | None:
+    """The complete checkpoint with the highest step, or None."""
+    best: tuple[int, Path] | None = None
+    if not folder.is_dir():
+        return None
+    for d in folder.iterdir():
+        if not d.is_dir() or not d.name.startswith("step-") or not (d / COMPLETE).is_file():
+            continue
+        try:
+            step = int(d.name.removeprefix("step-"))
+        except ValueError:
+            continue
+        if best is None or step > best[0]:
+            best = (step, d)
+    return best[1] if best else None
+
+
+# --- the final model ------------------------------------------------------------------------------
+
+
+def gather_full_state(model: nn.Module, runtime: Runtime, trainable_only: bool) -> dict[str, torch.Tensor]:
+    """The whole model's weights on rank 0 (CPU), gathered one tensor at a time; empty on other ranks.
+
+    Each DTensor is made whole with full_tensor() (a collective within its own
+    mesh), copied to the CPU by the one rank that keeps it, and dropped, so no
+    device ever holds more than one full tensor. Pipeline stages then send
+    their part to rank 0.
+    """
+    sd = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=trainable_only))
+    coord = runtime.coord
+    keeper = coord["dp_replicate"] == 0 and coord["dp_shard"] == 0 and coord["tp"] == 0
+    part: dict[str, torch.Tensor] = {}
+    for name, value in sd.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        if keeper:
+            part[name] = full.detach().to("cpu", copy=True)
+        del full
+    if runtime.dims.pp == 1:
+        return part if runtime.is_main else {}
+    gathered: list[Any] | None = [None] * runtime.world_size if runtime.is_main else None
+    dist.gather_object(part if keeper else {}, gathered, dst=0)
+    merged: dict[str, torch.Tensor] = {}
+    for p in gathered or []:
+        merged.update(p)
+    return merged
+
+
+def save_final_model(
+    out_dir: Path,
+    loaded: LoadedModel,
+    state: dict[str, torch.Tensor],
+    *,
+    untied: bool,
+    save_merged: bool,
+    trust_remote_code: bool,
+) -> None:
+    """Rank 0 only: write `out_dir` as a Hugging Face folder (LoRA: the adapter; merged weights in merged/)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if loaded.lora:
+        _lora_skeleton(loaded, trust_remote_code).save_pretrained(str(out_dir), state_dict=state)
+        loaded.tokenizer.save_pretrained(str(out_dir))
+        if save_merged:
+            _save_merged(out_dir, loaded, trust_remote_code)
+        return
+    config = copy.deepcopy(loaded.config)
+    if untied:
+        config.tie_word_embeddings = False
+    _write_hf_folder(out_dir, loaded, config, state, trust_remote_code)
+
+
+def _write_hf_folder(
+    out_dir: Path, loaded: LoadedModel, config: Any, state: dict[str, torch.Tensor], trust_remote_code: bool
+) -> None:
+    # A skeleton on the meta device costs no memory; assigning the gathered tensors gives
+    # transformers' own save_pretrained (tied weights, shards, key renames) a real model to save.
+    with torch.device("meta"):
+        skeleton = auto_class(loaded.objective).from_config(config, trust_remote_code=trust_remote_code)
+    dtype = loaded.saved_dtype
+    state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
+    skeleton.load_state_dict(state, strict=False, assign=True)
+    skeleton.tie_weights()
+    still_meta = [n for n, p in skeleton.named_parameters() if p.is_meta]
+    if still_meta:
+        raise RuntimeError(f"final save: weights missing from the gathered state: {still_meta[:5]}")
+    skeleton.save_pretrained(str(out_dir))
+    loaded.tokenizer.save_pretrained(str(out_dir))
+
+
+def _lora_skeleton(loaded: LoadedModel, trust_remote_code: bool) -> nn.Module:
+    """The whole PeftModel on the meta device: peft finds the adapter's entries by walking the model's
+    LoRA layers, and this rank's own copy may be one pipeline stage of it."""
+    from peft import get_peft_model
+
+    peft_config = copy.deepcopy(loaded.model.peft_config["default"])
+    with torch.device("meta"):
+        base = auto_class(loaded.objective).from_config(loaded.config, trust_remote_code=trust_remote_code)
+        return get_peft_model(base, peft_config)
+
+
+def _save_merged(out_dir: Path, loaded: LoadedModel, trust_remote_code: bool) -> None:
+    from peft import PeftModel
+
+    src = loaded.source
+    base = auto_class(loaded.objective).from_pretrained(
+        src.location, dtype=loaded.saved_dtype, trust_remote_code=trust_remote_code, local_files_only=offline()
+    )
+    merged = PeftModel.from_pretrained(base, str(out_dir)).merge_and_unload()
+    merged.save_pretrained(str(out_dir / "merged"))
+    loaded.tokenizer.save_pretrained(str(out_dir / "merged"))

@@ -1,0 +1,281 @@
+"""Training data: read text / JSONL / chat files, tokenize, pack into blocks, split, shard per data-parallel rank.
+
+Every rank does the same reading and tokenizing on its own. That costs some
+CPU, but no rank ever waits for another here, so a bad file fails all ranks at
+once with the same clear message instead of one rank failing and the others
+hanging in a barrier.
+
+Determinism is the point of this module: the blocks, the train/eval split and
+the order of batches depend only on the files, the tokenizer, the settings and
+the seed, so a resumed run sees exactly the batches the uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.errors import UserError
+
+TEXT_SUFFIXES = {".txt", ".md", ".text"}
+JSONL_SUFFIXES = {".jsonl", ".json", ".ndjson"}
+MAX_EVAL_BATCHES = 50  # per data-parallel rank: an evaluation must stay a small fraction of a run
+TEXT_CHUNK_CHARS = 1 << 18  # tokenize big text files in pieces so memory stays flat
+FALLBACK_ROLES = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}
+
+Messages = list[dict[str, str]]
+
+
+@dataclass
+class Document:
+    """One training document: plain text, or a conversation to render with the chat template."""
+
+    text: str | None = None
+    messages: Messages | None = None
+
+
+def dataset_files(paths: list[str]) -> list[Path]:
+    """The files behind the dataset entries (a folder stands for its text and JSONL files, sorted)."""
+    if not paths:
+        raise UserError("no dataset given: add a .txt or .jsonl file to the job's train settings")
+    files: list[Path] = []
+    for entry in paths:
+        p = Path(entry).expanduser()
+        if p.is_dir():
+            found = sorted(
+                f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES | JSONL_SUFFIXES
+            )
+            if not found:
+                raise UserError(f"dataset folder {p} has no .txt or .jsonl files")
+            files.extend(found)
+        elif p.is_file():
+            if p.suffix.lower() not in TEXT_SUFFIXES | JSONL_SUFFIXES:
+                raise UserError(f"dataset {p}: unsupported format {p.suffix or '(no suffix)'}; use .txt or .jsonl")
+            files.append(p)
+        else:
+            raise UserError(f"dataset {p} not found")
+    return files
+
+
+def read_documents(path: Path, text_field: str = "text") -> list[Document]:
+    """The documents of one file; raises UserError naming the file (and line) when it cannot be used."""
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"dataset {path} is not UTF-8 text ({e.reason} at byte {e.start})") from e
+    except OSError as e:
+        raise UserError(f"dataset {path}: cannot read ({e.strerror or e})") from e
+    if not raw.strip():
+        raise UserError(f"dataset {path} is empty")
+    if path.suffix.lower() in TEXT_SUFFIXES:
+        return [Document(text=raw)]
+    records = _json_records(path, raw)
+    docs = [_record_document(path, line, rec, text_field) for line, rec in records]
+    if not docs:
+        raise UserError(f"dataset {path} is empty")
+    return docs
+
+
+def _json_records(path: Path, raw: str) -> list[tuple[int, Any]]:
+    stripped = raw.lstrip()
+    if path.suffix.lower() == ".json" and stripped.startswith("["):
+        try:
+            return list(enumerate(json.loads(raw), start=1))
+        except json.JSONDecodeError as e:
+            raise UserError(f"dataset {path}: not valid JSON ({e})") from e
+    records = []
+    for n, line in enumerate(raw.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append((n, json.loads(line)))
+        except json.JSONDecodeError as e:
+            raise UserError(f"dataset {path} line {n}: not valid JSON ({e.msg})") from e
+    return records
+
+
+def _record_document(path: Path, line: int, rec: Any, text_field: str) -> Document:
+    where = f"dataset {path} line {line}"
+    if not isinstance(rec, dict):
+        raise UserError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+    if "messages" in rec:
+        msgs = rec["messages"]
+        if (
+            not isinstance(msgs, list)
+            or not msgs
+            or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in msgs
+            )
+        ):
+            raise UserError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} strings")
+        return Document(messages=[{"role": m["role"], "content": m["content"]} for m in msgs])
+    if "instruction" in rec:
+        prompt = str(rec["instruction"])
+        if rec.get("input"):
+            prompt += "\n" + str(rec["input"])
+        return Document(
+            messages=[{"role": "user", "content": prompt}, {"role": "assistant", "content": str(rec.get("output", ""))}]
+        )
+    if text_field in rec and isinstance(rec[text_field], str):
+        return Document(text=rec[text_field])
+    raise UserError(
+        f"{where}: no '{text_field}' text field, 'messages' list or 'instruction' (keys: {sorted(rec)[:8]})"
+    )
+
+
+def render_chat(messages: Messages, tokenizer: Any) -> str:
+    """The conversation as the model was trained to see it: its chat template, else a plain fallback."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, tokenize=False)
+    eos = tokenizer.eos_token or ""
+    return "".join(f"{FALLBACK_ROLES.get(m['role'], '<|' + m['role'] + '|>')}\n{m['content']}{eos}\n" for m in messages)
+
+
+def tokenize_document(doc: Document, tokenizer: Any) -> list[int]:
+    """Token ids of one document, ending with the end-of-sequence token so packed documents stay apart."""
+    if doc.messages is not None:
+        # Chat templates write their own BOS where they want one; adding special tokens would double it.
+        ids = tokenizer(render_chat(doc.messages, tokenizer), add_special_tokens=False, verbose=False)["input_ids"]
+    else:
+        text = doc.text or ""
+        ids = []
+        for start in range(0, len(text), TEXT_CHUNK_CHARS):
+            piece = text[start : start + TEXT_CHUNK_CHARS]
+            # verbose=False: packing makes long documents fine, so no "longer than the model's maximum" warning.
+            ids.extend(tokenizer(piece, add_special_tokens=start == 0, verbose=False)["input_ids"])
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        eos = tokenizer.sep_token_id
+    if eos is not None and (not ids or ids[-1] != eos):
+        ids.append(eos)
+    return ids
+
+
+def pack(token_ids: list[int], block_len: int) -> torch.Tensor:
+    """Consecutive, non-overlapping blocks of block_len tokens (the tail that does not fill one is dropped)."""
+    n = len(token_ids) // block_len
+    return torch.tensor(token_ids[: n * block_len], dtype=torch.long).view(n, block_len)
+
+
+def split_blocks(blocks: torch.Tensor, eval_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A seeded random split into (train, eval); eval gets at least one block when eval_fraction > 0."""
+    n = blocks.shape[0]
+    n_eval = 0
+    if eval_fraction > 0 and n > 1:
+        n_eval = min(max(1, round(n * eval_fraction)), n - 1)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    eval_idx, train_idx = perm[:n_eval].sort().values, perm[n_eval:].sort().values
+    return blocks[train_idx], blocks[eval_idx]
+
+
+@dataclass
+class Dataset:
+    train: torch.Tensor  # (n, block_len) token ids
+    eval: torch.Tensor
+    block_len: int
+    num_tokens: int
+    files: list[Path]
+
+
+def read_dataset(paths: list[str], text_field: str) -> tuple[list[Path], list[Document]]:
+    """Every document of the dataset; read before the model loads, so a bad file fails in seconds."""
+    files = dataset_files(paths)
+    return files, [doc for f in files for doc in read_documents(f, text_field)]
+
+
+def build_dataset(
+    files: list[Path], docs: list[Document], tokenizer: Any, block_len: int, eval_fraction: float, seed: int
+) -> Dataset:
+    ids: list[int] = []
+    for doc in docs:
+        ids.extend(tokenize_document(doc, tokenizer))
+    if len(ids) < block_len:
+        names = ", ".join(str(f) for f in files)
+        raise UserError(
+            f"dataset {names} has {len(ids)} tokens, fewer than one training sequence of {block_len}: "
+            "lower seq_len or add data"
+        )
+    blocks = pack(ids, block_len)
+    train, evaluation = split_blocks(blocks, eval_fraction, seed)
+    return Dataset(train=train, eval=evaluation, block_len=block_len, num_tokens=len(ids), files=files)
+
+
+class ShardedBatches:
+    """Deterministic batches of block indices for one data-parallel rank (a stateful DistributedSampler).
+
+    Each epoch is a seeded permutation of all training blocks, cut into global
+    batches of dp_size * batch_size; rank r takes its slice of every global
+    batch. The leftover that does not fill a global batch is skipped, so every
+    rank does the same number of steps. The position is checkpointed.
+    """
+
+    def __init__(self, num_blocks: int, batch_size: int, dp_rank: int, dp_size: int, seed: int) -> None:
+        self.num_blocks, self.batch_size = num_blocks, batch_size
+        self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
+        self.batches_per_epoch = num_blocks // (batch_size * dp_size)
+        if self.batches_per_epoch == 0:
+            raise UserError(
+                f"dataset gives {num_blocks} training sequences, fewer than one step needs "
+                f"({dp_size} data-parallel ranks x {batch_size} sequences): lower seq_len or micro_batch, or add data"
+            )
+        self.epoch = 0
+        self.position = 0  # batches of this epoch already handed out
+        self._perm: torch.Tensor | None = None
+
+    def _permutation(self) -> torch.Tensor:
+        if self._perm is None:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            self._perm = torch.randperm(self.num_blocks, generator=g)
+        return self._perm
+
+    def next_indices(self) -> torch.Tensor:
+        if self.position >= self.batches_per_epoch:
+            self.epoch, self.position, self._perm = self.epoch + 1, 0, None
+        start = (self.position * self.dp_size + self.dp_rank) * self.batch_size
+        self.position += 1
+        return self._permutation()[start : start + self.batch_size]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.position, self._perm = int(state["epoch"]), int(state["position"]), None
+
+
+def eval_batches(blocks: torch.Tensor, batch_size: int, dp_rank: int, dp_size: int) -> Iterator[torch.Tensor]:
+    """This rank's share of the eval blocks in equal-sized batches (the same count on every rank)."""
+    per_rank = min(blocks.shape[0] // (batch_size * dp_size), MAX_EVAL_BATCHES)
+    for b in range(per_rank):
+        start = (b * dp_size + dp_rank) * batch_size
+        yield blocks[start : start + batch_size]
+
+
+def mask_for_mlm(
+    block: torch.Tensor,
+    mask_id: int,
+    vocab_size: int,
+    special_ids: list[int],
+    generator: torch.Generator,
+    prob: float = 0.15,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """BERT's masking: (inputs, labels). 15% of tokens are predicted; of those 80% become [MASK], 10% random, 10% kept."""
+    labels = block.clone()
+    chance = torch.full(block.shape, prob)
+    if special_ids:
+        chance[torch.isin(block, torch.tensor(special_ids))] = 0.0
+    picked = torch.bernoulli(chance, generator=generator).bool()
+    if not picked.any():  # a batch with nothing to predict would give a NaN loss
+        picked.view(-1)[0] = True
+    labels[~picked] = -100
+    inputs = block.clone()
+    to_mask = torch.bernoulli(torch.full(block.shape, 0.8), generator=generator).bool() & picked
+    inputs[to_mask] = mask_id
+    to_random = torch.bernoulli(torch.full(block.shape, 0.5), generator=generator).bool() & picked & ~to_mask
+    inputs[to_random] = torch.randint(vocab_size, block.shape, generator=generator)[to_random]
+    return inputs, labels

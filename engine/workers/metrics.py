@@ -1,0 +1,66 @@
+"""Small measurements every worker reports: memory, MFU, phases, and the consensus helpers behind them."""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+import torch
+import torch.distributed as dist
+
+from engine.report import report
+
+PEAK_TFLOPS_ENV = "RIGPILOT_PEAK_TFLOPS"
+
+_rss_peak = 0
+
+
+def peak_memory(device: torch.device) -> int:
+    """Bytes: the allocator's peak on a GPU; on the CPU the highest process RSS seen so far."""
+    global _rss_peak
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    _rss_peak = max(_rss_peak, psutil.Process().memory_info().rss)
+    return _rss_peak
+
+
+def assumed_peak_tflops() -> float | None:
+    """Peak dense TFLOP/s of one device in the job's precision, when the service knows it (else no MFU)."""
+    raw = os.environ.get(PEAK_TFLOPS_ENV, "").strip()
+    try:
+        value = float(raw)
+    except ValueError:
+        return None
+    return value if value > 0 else None
+
+
+def mfu(flops_per_token: float, tokens_per_s_per_device: float) -> float | None:
+    """Model FLOPs utilisation as a fraction of the device's peak (0..1), or None without a known peak."""
+    peak = assumed_peak_tflops()
+    if peak is None:
+        return None
+    return flops_per_token * tokens_per_s_per_device / (peak * 1e12)
+
+
+def status(phase: str, **extra: float | int | str | bool | None) -> None:
+    report(kind="status", phase=phase, **extra)
+
+
+def world_mean_and_any(value: float | None, flag: bool, device: torch.device) -> tuple[float | None, bool]:
+    """(mean of `value` over the ranks that have one, whether `flag` is set on any rank), in one all-reduce.
+
+    A collective: every rank must call it.
+    """
+    t = torch.tensor(
+        [value if value is not None else 0.0, 1.0 if value is not None else 0.0, 1.0 if flag else 0.0],
+        device=device,
+        dtype=torch.float64,
+    )
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return (float(t[0] / t[1]) if t[1] > 0 else None), bool(t[2] > 0)
+
+
+def world_mean(value: float | None, device: torch.device) -> float | None:
+    """The mean of `value` over the ranks that have one (None elsewhere); every rank must call it."""
+    return world_mean_and_any(value, False, device)[0]

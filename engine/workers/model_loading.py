@@ -1,0 +1,286 @@
+"""What model a job runs: resolve JobSpec.model, load config, tokenizer and weights, add LoRA.
+
+`JobSpec.model` may be a local folder (config.json + weights), a config.json
+file (train from scratch), a Rigpilot preset name, or a Hugging Face repo id,
+which is read only from the local cache when HF_HUB_OFFLINE is set (the
+service pre-fetches; a worker never downloads on N ranks at once).
+
+Decoder families (anything with a causal-LM head) train on next-token
+prediction. Encoders (BERT and friends: their model type has a masked-LM head
+in transformers and their checkpoint is not a causal LM) train on masked-LM, so
+an encoder such as all-MiniLM-L6-v2 can be fine-tuned as well.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from engine.errors import UserError
+from engine.jobs.spec import JobSpec
+from engine.models.config_file import read_config
+from engine.models.presets import find_preset
+
+Objective = Literal["causal", "masked"]
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "model.safetensors.index.json")
+LORA_LINEAR_TYPES = ("Linear", "Conv1D")  # nn.Linear, and GPT-2's transposed Conv1D that peft also wraps
+
+
+@dataclass
+class ModelSource:
+    ref: str
+    kind: Literal["folder", "config", "preset", "hub"]
+    location: str  # folder path, config.json path, or hub repo id
+    has_weights: bool
+    preset_config: dict[str, Any] | None = None
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module  # the HF model, or the PeftModel around it
+    tokenizer: Any
+    config: Any  # transformers PreTrainedConfig
+    objective: Objective
+    source: ModelSource
+    lora: bool = False
+    new_modules: list[str] = field(default_factory=list)  # modules the checkpoint lacked (freshly initialised)
+    saved_dtype: torch.dtype = torch.float32  # the dtype the weights came in, used again when saving
+
+
+def offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def resolve_source(ref: str | None) -> ModelSource:
+    if not ref or not ref.strip():
+        raise UserError("no model given: name a folder, a config.json, a preset or a Hugging Face repo id")
+    ref = ref.strip()
+    path = Path(ref).expanduser()
+    if path.is_file():
+        if path.name != "config.json" and path.suffix != ".json":
+            raise UserError(f"model {ref} is a file but not a config.json")
+        read_config(path)  # one clear line for a corrupt file, before transformers sees it
+        return ModelSource(ref, "config", str(path), has_weights=False)
+    if path.is_dir():
+        cfg = path / "config.json"
+        if not cfg.is_file():
+            raise UserError(f"model folder {ref} has no config.json")
+        read_config(cfg)
+        has_weights = any(any(path.glob(p)) for p in WEIGHT_PATTERNS)
+        return ModelSource(ref, "folder", str(path), has_weights=has_weights)
+    if ref.startswith(("/", "./", "../", "~")):
+        raise UserError(f"model folder {ref} not found")
+    preset = find_preset(ref)
+    if preset is not None:
+        return ModelSource(ref, "preset", preset.repo_id, has_weights=True, preset_config=dict(preset.config))
+    return ModelSource(ref, "hub", ref, has_weights=True)
+
+
+def _hub_kwargs(spec: JobSpec) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"trust_remote_code": spec.trust_remote_code}
+    if offline():
+        kwargs["local_files_only"] = True
+    return kwargs
+
+
+def _not_found(source: ModelSource, what: str, e: Exception) -> UserError:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    where = "offline: only the local Hugging Face cache is read" if offline() else "local cache or hub"
+    return UserError(f"model {source.ref}: cannot load its {what} ({where}): {first}")
+
+
+def load_config(source: ModelSource, spec: JobSpec) -> Any:
+    from transformers import AutoConfig
+
+    location = str(Path(source.location).parent) if source.kind == "config" else source.location
+    try:
+        return AutoConfig.from_pretrained(location, **_hub_kwargs(spec))
+    except (OSError, ValueError, KeyError) as e:
+        if source.preset_config is not None:  # the preset ships its config: enough to train from scratch
+            cfg = dict(source.preset_config)
+            return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+        raise _not_found(source, "config", e) from e
+
+
+def load_tokenizer(source: ModelSource, spec: JobSpec) -> Any:
+    from transformers import AutoTokenizer
+
+    where = str(Path(source.location).parent) if source.kind == "config" else source.location
+    try:
+        tok = AutoTokenizer.from_pretrained(where, **_hub_kwargs(spec))
+    except (OSError, ValueError, KeyError) as e:
+        if source.kind == "config":
+            raise UserError(
+                f"model {source.ref}: no tokenizer next to the config.json (put tokenizer.json beside it)"
+            ) from e
+        raise _not_found(source, "tokenizer", e) from e
+    if tok.pad_token_id is None:
+        # Batched generation pads; the end-of-sequence token is the usual stand-in.
+        tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.unk_token
+    return tok
+
+
+def detect_objective(config: Any) -> Objective:
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    archs = [a for a in (getattr(config, "architectures", None) or []) if isinstance(a, str)]
+    if any(a.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")) for a in archs):
+        return "causal"
+    auto_map = getattr(config, "auto_map", None) or {}
+    if "AutoModelForCausalLM" in auto_map:
+        return "causal"
+    if config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES or "AutoModelForMaskedLM" in auto_map:
+        return "masked"
+    if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return "causal"
+    raise UserError(f"model type {config.model_type!r} has neither a causal-LM nor a masked-LM head in transformers")
+
+
+def auto_class(objective: Objective) -> Any:
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+    return AutoModelForCausalLM if objective == "causal" else AutoModelForMaskedLM
+
+
+def config_dtype(config: Any) -> torch.dtype:
+    dtype = getattr(config, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
+
+
+def load_model(spec: JobSpec, *, dtype: torch.dtype, for_training: bool, seed: int) -> LoadedModel:
+    """Config, tokenizer and weights of the job's model, on the CPU (the parallelizer moves them).
+
+    `seed` is set before any random initialisation (scratch weights, missing
+    heads, LoRA matrices), so every rank builds bit-identical weights: FSDP and
+    tensor parallelism shard each rank's own copy and rely on that.
+    """
+    method = spec.train.method if (for_training and spec.train is not None) else "full"
+    if method not in {"full", "lora", "scratch"}:
+        raise UserError(f"train method {method!r}: use 'full', 'lora' or 'scratch'")
+    source = resolve_source(spec.model)
+    config = load_config(source, spec)
+    objective = detect_objective(config)
+    tokenizer = load_tokenizer(source, spec)
+    cls = auto_class(objective)
+    scratch = method == "scratch" or (source.kind == "config" and for_training)
+    if scratch and method == "lora":
+        raise UserError(f"model {source.ref} has no weights: LoRA needs pretrained weights (use method 'scratch')")
+    if not scratch and not source.has_weights:
+        raise UserError(f"model {source.ref} has no weights (only config.json): train it with method 'scratch' first")
+    torch.manual_seed(seed)
+    new_modules: list[str] = []
+    saved_dtype = config_dtype(config)
+    if scratch:
+        model = cls.from_config(config, trust_remote_code=spec.trust_remote_code, dtype=dtype)
+        saved_dtype = torch.float32
+    else:
+        try:
+            model, info = cls.from_pretrained(
+                source.location, dtype=dtype, output_loading_info=True, **_hub_kwargs(spec)
+            )
+        except (OSError, ValueError) as e:
+            raise _not_found(source, "weights", e) from e
+        new_modules = fresh_modules(model, set(info.get("missing_keys", ())))
+    if objective == "masked" and tokenizer.mask_token_id is None:
+        raise UserError(f"model {source.ref} is an encoder but its tokenizer has no mask token for masked-LM training")
+    loaded = LoadedModel(
+        model, tokenizer, model.config, objective, source, new_modules=new_modules, saved_dtype=saved_dtype
+    )
+    if method == "lora":
+        apply_lora(loaded, spec)
+    return loaded
+
+
+def fresh_modules(model: nn.Module, missing: set[str]) -> list[str]:
+    """Modules whose parameters all came out of random init because the checkpoint lacked them (new heads)."""
+    fresh = []
+    for name, module in model.named_modules():
+        params = [f"{name}.{p}" if name else p for p, _ in module.named_parameters(recurse=True)]
+        if params and all(p in missing for p in params) and not any(name.startswith(f + ".") for f in fresh):
+            fresh.append(name)
+    return fresh
+
+
+def transformer_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The repeated blocks of a model: the ModuleList holding the most parameters."""
+    best: tuple[int, str, nn.ModuleList] | None = None
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            n = sum(p.numel() for p in module.parameters())
+            if best is None or n > best[0]:
+                best = (n, name, module)
+    if best is None:
+        raise UserError(f"{type(model).__name__} has no list of transformer blocks to shard or checkpoint")
+    return best[1], best[2]
+
+
+def default_lora_targets(model: nn.Module) -> str:
+    """A peft regex matching every linear projection inside the blocks (attention and MLP), nothing outside."""
+    prefix, blocks = transformer_blocks(model)
+    names = sorted(
+        {
+            sub.rsplit(".", 1)[-1]
+            for block in blocks
+            for sub, m in block.named_modules()
+            if sub and type(m).__name__ in LORA_LINEAR_TYPES
+        }
+    )
+    if not names:
+        raise UserError(f"{type(model).__name__}: no linear layers in its blocks for LoRA to adapt")
+    alternatives = "|".join(re.escape(n) for n in names)
+    return rf"(.*\.)?{re.escape(prefix)}\.\d+\.(.*\.)?({alternatives})"
+
+
+def apply_lora(loaded: LoadedModel, spec: JobSpec) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    settings = spec.train
+    assert settings is not None
+    targets: list[str] | str = settings.lora_targets or default_lora_targets(loaded.model)
+    # A frozen, randomly initialised head (e.g. BERT's masked-LM transform) would cap what LoRA can
+    # learn, so modules the checkpoint lacked are trained in full, as peft does for classifier heads.
+    config = LoraConfig(
+        r=settings.lora_rank,
+        lora_alpha=settings.lora_alpha,
+        lora_dropout=settings.lora_dropout,
+        target_modules=targets,
+        modules_to_save=loaded.new_modules or None,
+        task_type="CAUSAL_LM" if loaded.objective == "causal" else None,
+    )
+    try:
+        loaded.model = get_peft_model(loaded.model, config)
+    except ValueError as e:
+        raise UserError(f"LoRA targets {targets}: {str(e).splitlines()[0]}") from e
+    loaded.lora = True
+
+
+def count_params(model: nn.Module) -> dict[str, int]:
+    """Total, trainable and per-token-compute (the 6N of MFU) parameter counts, tied weights once."""
+    seen: set[int] = set()
+    total = trainable = 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel()
+        trainable += p.numel() if p.requires_grad else 0
+    compute = total
+    get_in = getattr(model, "get_input_embeddings", None)
+    get_out = getattr(model, "get_output_embeddings", None)
+    emb = get_in() if callable(get_in) else None
+    out = get_out() if callable(get_out) else None
+    # A lookup table costs no FLOPs, unless the same matrix is also the output projection.
+    if emb is not None and (out is None or out.weight is not emb.weight):
+        compute -= emb.weight.numel()
+    return {"total": total, "trainable": trainable, "compute": compute}

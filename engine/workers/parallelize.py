@@ -1,0 +1,208 @@
+"""How a model is spread over the ranks, with PyTorch's own APIs, in torchtitan's order:
+tensor parallel, then activation checkpointing, then data parallel (FSDP2 / HSDP / DDP).
+
+Nothing here knows about the training loop; `train.py` and `infer.py` call
+these on the module (or pipeline stage) they run.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from engine.errors import UserError
+from engine.workers.model_loading import transformer_blocks
+from engine.workers.parallel_dims import Runtime
+from engine.workers.pipeline import ATTENTION_PROJECTIONS, MLP_PROJECTIONS, decoder_parts
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def precision_dtype(name: str) -> torch.dtype:
+    try:
+        return PRECISIONS[name]
+    except KeyError:
+        raise UserError(f"precision {name!r}: use one of {', '.join(PRECISIONS)}") from None
+
+
+@dataclass(frozen=True)
+class PrecisionPlan:
+    """Where low precision comes from: FSDP's mixed-precision policy on GPUs, autocast otherwise.
+
+    Parameters and optimizer state stay fp32 either way (master weights).
+    """
+
+    compute: torch.dtype
+    fsdp_params: bool  # FSDP casts parameters for compute (MixedPrecisionPolicy); no autocast needed
+    autocast: bool
+    device_type: str
+
+    def autocast_context(self) -> Any:
+        if not self.autocast:
+            return torch.autocast(self.device_type, enabled=False)
+        return torch.autocast(self.device_type, dtype=self.compute)
+
+
+def precision_plan(name: str, runtime: Runtime) -> PrecisionPlan:
+    dtype = precision_dtype(name)
+    on_gpu = runtime.device.type == "cuda"
+    if dtype == torch.float32:
+        return PrecisionPlan(dtype, False, False, runtime.device.type)
+    if not on_gpu and dtype == torch.float16:
+        # CPU kernels for fp16 are few and slow; bf16 has the same memory cost and fp32's range.
+        dtype = torch.bfloat16
+    fsdp = on_gpu and runtime.dims.dp_shard > 1
+    return PrecisionPlan(dtype, fsdp, not fsdp, runtime.device.type)
+
+
+# --- tensor parallel -------------------------------------------------------------------------------
+
+
+def apply_tensor_parallel(root: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> list[str]:
+    """Megatron-style TP on every Llama-style block: q/k/v and gate/up column-wise, o and down row-wise.
+
+    Embedding and LM head stay replicated (their outputs are needed whole on
+    every rank). Returns notes for the log.
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    parts = decoder_parts(root, "tensor parallel")
+    notes: list[str] = []
+    tp = tp_mesh.size()
+    config = parts.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if heads % tp or kv_heads % tp:
+        raise UserError(f"tensor parallel {tp} must divide the attention heads ({heads}) and KV heads ({kv_heads})")
+    inter = getattr(config, "intermediate_size", 0)
+    if inter % tp:
+        raise UserError(f"tensor parallel {tp} must divide the MLP width ({inter})")
+    if sequence_parallel:
+        notes.append("sequence parallel is not implemented for Hugging Face decoders: running plain tensor parallel")
+    if getattr(parts.root, "peft_config", None):
+        raise UserError("LoRA with tensor parallel is not supported: use FSDP (dp_shard) or pipeline parallel for LoRA")
+    plan = {f"self_attn.{n}": ColwiseParallel() for n in ATTENTION_PROJECTIONS[:3]}
+    plan["self_attn.o_proj"] = RowwiseParallel()
+    plan.update({f"mlp.{n}": ColwiseParallel() for n in MLP_PROJECTIONS[:2]})
+    plan["mlp.down_proj"] = RowwiseParallel()
+    layers = parts.inner.layers.values() if isinstance(parts.inner.layers, nn.ModuleDict) else parts.inner.layers
+    for layer in layers:
+        parallelize_module(layer, tp_mesh, plan)
+        attn = layer.self_attn
+        # transformers' attention reshapes with -1 heads, so only explicit head counts need shrinking.
+        for attr in ("num_heads", "num_attention_heads", "num_key_value_heads"):
+            if isinstance(getattr(attn, attr, None), int):
+                setattr(attn, attr, getattr(attn, attr) // tp)
+    return notes
+
+
+# --- activation checkpointing ---------------------------------------------------------------------
+
+
+def _matmul_ops() -> list[Any]:
+    aten = torch.ops.aten
+    names = [
+        "mm",
+        "addmm",
+        "bmm",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    ]
+    return [getattr(aten, n).default for n in names if hasattr(aten, n)]
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
+    """Recompute activations in backward, block by block.
+
+    "full" keeps only each block's input and recomputes the whole block.
+    "selective" keeps the outputs of the matmuls and attention and recomputes
+    only the cheap rest (norms, activations, elementwise ops): less memory than
+    no checkpointing, much less recompute than full.
+    """
+    if mode == "none":
+        return
+    if mode not in {"full", "selective"}:
+        raise UserError(f"activation_checkpointing {mode!r}: use 'none', 'selective' or 'full'")
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    kwargs: dict[str, Any] = {"preserve_rng_state": True}
+    if mode == "selective":
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _matmul_ops())
+    container = _blocks_container(model)
+    for key, block in list(container.named_children()):
+        container.register_module(key, checkpoint_wrapper(block, **kwargs))
+
+
+def _blocks_container(model: nn.Module) -> nn.Module:
+    """The ModuleList (or a pipeline stage's ModuleDict) holding the blocks."""
+    stage_decoder = getattr(getattr(model, "parts", None), "inner", None)
+    if stage_decoder is not None:
+        return stage_decoder.layers
+    return transformer_blocks(model)[1]
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    return list(_blocks_container(model).children())
+
+
+# --- data parallel --------------------------------------------------------------------------------
+
+
+def apply_data_parallel(model: nn.Module, runtime: Runtime, precision: PrecisionPlan) -> nn.Module:
+    """Wrap `model` for data parallelism over the dp dims of the mesh; returns the module to call.
+
+    dp_shard > 1: FSDP2 per block then the root (HSDP over a 2-D mesh when
+    dp_replicate > 1 too). Only dp_replicate > 1: DDP on a purely data-parallel
+    mesh; next to tensor or pipeline parallelism DDP breaks (it cannot take
+    DTensor parameters, and its reducer miscounts the several backward passes
+    of a pipeline step), so FSDP2 over a (replicate, shard=1) mesh does plain
+    replication instead.
+    """
+    dims, mesh = runtime.dims, runtime.mesh
+    if dims.dp_shard > 1 or (dims.dp_replicate > 1 and dims.non_dp > 1):
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+        mp = MixedPrecisionPolicy()
+        if precision.fsdp_params:
+            mp = MixedPrecisionPolicy(param_dtype=precision.compute, reduce_dtype=torch.float32)
+        block_list = blocks(model)
+        for i, block in enumerate(block_list):
+            # The last block is needed again right at the start of backward: keep it gathered. Under
+            # pipeline parallelism every micro-batch's backward needs them all again: keep all gathered.
+            reshard = dims.pp == 1 and i < len(block_list) - 1
+            fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+        return model
+    model.to(runtime.device)
+    if dims.dp_replicate > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids, process_group=mesh["dp_replicate"].get_group())
+    return model
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> Any:
+    """Skip the gradient reduction on all but the last micro-batch of gradient accumulation.
+
+    Returns a context manager (DDP's no_sync) or a null context after setting FSDP's flag.
+    """
+    import contextlib
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        return contextlib.nullcontext() if enabled else model.no_sync()
+    setter = getattr(model, "set_requires_gradient_sync", None)
+    if callable(setter):
+        setter(enabled)
+    return contextlib.nullcontext()

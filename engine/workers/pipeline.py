@@ -1,0 +1,160 @@
+"""Pipeline stages of Llama-style decoders, built by hand (the torchtitan way).
+
+A stage keeps the layers [first, last) of the decoder, plus the embedding on
+the first stage and the final norm and LM head on the last. It is built by
+pruning the loaded model in place and adopting the model's own children, so
+every parameter keeps its original name ("model.layers.7.mlp.up_proj.weight",
+or peft's "base_model.model.model.layers.7...."): checkpoints written by
+different stages merge into the names of the whole model, and the final save
+is an ordinary Hugging Face folder.
+
+The forward pass calls the transformers decoder layers themselves with the
+causal mask and rotary embeddings transformers would build, so a split model
+computes exactly what the whole one does.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.errors import UserError
+
+# Decoders whose blocks are Llama's: q/k/v/o and gate/up/down projections, rotary
+# embeddings at the model level, no embedding scaling. Others are refused
+# rather than split wrongly.
+LLAMA_STYLE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class DecoderParts:
+    root: nn.Module  # the module whose parameter names are the model's names (a PeftModel or the HF model)
+    causal_lm: nn.Module  # the transformers *ForCausalLM
+    inner: nn.Module  # its decoder: embed_tokens, layers, norm, rotary_emb
+    config: Any
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.inner.layers)
+
+
+def decoder_parts(root: nn.Module, what: str) -> DecoderParts:
+    """The pieces of a Llama-style decoder, or a UserError saying `what` (e.g. "pipeline parallel") cannot run it."""
+    if isinstance(getattr(root, "parts", None), DecoderParts):  # already a pipeline stage
+        return root.parts
+    get_base = getattr(root, "get_base_model", None)
+    causal_lm = get_base() if callable(get_base) else root
+    config = getattr(causal_lm, "config", None)
+    model_type = getattr(config, "model_type", type(causal_lm).__name__)
+    inner = getattr(causal_lm, "model", None)
+    ok = (
+        model_type in LLAMA_STYLE_TYPES
+        and inner is not None
+        and all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb"))
+        and hasattr(causal_lm, "lm_head")
+        and isinstance(inner.layers, nn.ModuleList | nn.ModuleDict)
+    )
+    if ok:
+        layer = next(iter(inner.layers.values() if isinstance(inner.layers, nn.ModuleDict) else inner.layers))
+        params = inspect.signature(type(layer).forward).parameters
+        ok = "position_embeddings" in params
+    if not ok:
+        raise UserError(
+            f"{what} supports Llama-style decoders ({', '.join(LLAMA_STYLE_TYPES)}); "
+            f"model type {model_type!r} is not one of them"
+        )
+    return DecoderParts(root, causal_lm, inner, config)
+
+
+def stage_layer_ranges(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
+    """Contiguous [first, last) layer ranges, as even as possible (earlier stages take the remainder)."""
+    if num_layers < num_stages:
+        raise UserError(
+            f"pipeline of {num_stages} stages needs at least {num_stages} layers; the model has {num_layers}"
+        )
+    base, extra = divmod(num_layers, num_stages)
+    ranges, start = [], 0
+    for s in range(num_stages):
+        size = base + (1 if s < extra else 0)
+        ranges.append((start, start + size))
+        start += size
+    return ranges
+
+
+class DecoderStage(nn.Module):
+    """One pipeline stage: input ids or hidden states in; hidden states, or logits on the last stage, out."""
+
+    def __init__(self, parts: DecoderParts, stage_index: int, num_stages: int) -> None:
+        super().__init__()
+        self.first_layer, self.last_layer = stage_layer_ranges(parts.num_layers, num_stages)[stage_index]
+        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
+        inner, lm = parts.inner, parts.causal_lm
+        layers = list(inner.layers.values()) if isinstance(inner.layers, nn.ModuleDict) else list(inner.layers)
+        # A ModuleDict keyed by the global index keeps "model.layers.<i>" names for the kept layers.
+        inner.layers = nn.ModuleDict({str(i): layers[i] for i in range(self.first_layer, self.last_layer)})
+        self.untied = bool(getattr(parts.config, "tie_word_embeddings", False)) and num_stages > 1
+        if self.untied and self.is_last:
+            # The embedding lives on the first stage, the head on the last: each trains its own copy.
+            lm.lm_head.weight = nn.Parameter(lm.lm_head.weight.detach().clone())
+        if not self.is_first:
+            inner.embed_tokens = None
+        if not self.is_last:
+            inner.norm = None
+            lm.lm_head = None
+        for name, child in parts.root.named_children():
+            self.add_module(name, child)
+        # Kept out of _modules so they are not registered twice under other names.
+        self.__dict__["parts"] = parts
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: Any = None,
+    ) -> torch.Tensor:
+        inner, config = self.parts.inner, self.parts.config
+        hidden = inner.embed_tokens(x) if self.is_first else x
+        if position_ids is None:  # training on packed blocks: positions 0..S-1, no padding
+            position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        masks = self._masks(hidden, attention_mask, position_ids, past_key_values)
+        position_embeddings = inner.rotary_emb(hidden, position_ids)
+        layer_types = getattr(config, "layer_types", None)
+        for key, layer in inner.layers.items():
+            kind = layer_types[int(key)] if layer_types else "full_attention"
+            hidden = layer(
+                hidden,
+                attention_mask=masks.get(kind, masks["full_attention"]),
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                use_cache=past_key_values is not None,
+                position_embeddings=position_embeddings,
+            )
+        if not self.is_last:
+            return hidden
+        return self.parts.causal_lm.lm_head(inner.norm(hidden))
+
+    def _masks(
+        self, hidden: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor, cache: Any
+    ) -> dict:
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        config = self.parts.config
+        # The cache holds only this stage's layers: size the mask against the first of them.
+        kwargs = {"layer_idx": self.first_layer} if cache is not None else {}
+        full_fn = create_causal_mask
+        if config.model_type == "mistral" and getattr(config, "sliding_window", None):
+            full_fn = create_sliding_window_causal_mask
+        masks = {"full_attention": full_fn(config, hidden, attention_mask, cache, position_ids, **kwargs)}
+        layer_types = getattr(config, "layer_types", None) or []
+        if "sliding_attention" in layer_types[self.first_layer : self.last_layer]:
+            masks["sliding_attention"] = create_sliding_window_causal_mask(
+                config, hidden, attention_mask, cache, position_ids, **kwargs
+            )
+        return masks

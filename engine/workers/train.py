@@ -1,0 +1,427 @@
+"""The training loop (kind "train"): model, parallelism and data come from the other modules.
+
+One step = grad_accum micro-batches (each a pipeline batch of pp_microbatches
+micro-batches under pipeline parallelism), one clipped AdamW update, one LR
+scheduler step. Between steps the ranks agree whether a SIGTERM arrived; if so
+they checkpoint and exit with EXIT_CANCELLED.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from engine.errors import UserError
+from engine.jobs.spec import JobSpec, TrainSettings
+from engine.report import report
+from engine.workers import EXIT_CANCELLED, EXIT_OK
+from engine.workers.checkpoint import Checkpointer, gather_full_state, save_final_model
+from engine.workers.data import Dataset, ShardedBatches, build_dataset, eval_batches, mask_for_mlm, read_dataset
+from engine.workers.metrics import mfu, peak_memory, status, world_mean, world_mean_and_any
+from engine.workers.model_loading import LoadedModel, count_params, load_model
+from engine.workers.parallel_dims import Runtime, init_runtime
+from engine.workers.parallelize import (
+    PrecisionPlan,
+    apply_activation_checkpointing,
+    apply_data_parallel,
+    apply_tensor_parallel,
+    precision_dtype,
+    precision_plan,
+    set_gradient_sync,
+)
+from engine.workers.pipeline import DecoderStage, decoder_parts
+
+MIN_LR_RATIO = 0.1  # cosine decays to this fraction of the peak LR
+
+
+class CancelFlag:
+    """Remembers a SIGTERM; the loop polls it between steps, so a step is never cut in half."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def install(self) -> None:
+        signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if not self.requested:
+            print("rigpilot-worker: SIGTERM received: finishing the current step, then checkpointing", flush=True)
+        self.requested = True
+
+
+def validate_settings(s: TrainSettings) -> None:
+    positive = {
+        "seq_len": s.seq_len,
+        "micro_batch": s.micro_batch,
+        "grad_accum": s.grad_accum,
+        "max_steps": s.max_steps,
+    }
+    for name, value in positive.items():
+        if value < 1:
+            raise UserError(f"train setting {name}={value}: must be at least 1")
+    if not 0 <= s.eval_fraction < 1:
+        raise UserError(f"train setting eval_fraction={s.eval_fraction}: must be in [0, 1)")
+    if s.learning_rate <= 0:
+        raise UserError(f"train setting learning_rate={s.learning_rate}: must be positive")
+    if s.method not in {"full", "lora", "scratch"}:
+        raise UserError(f"train method {s.method!r}: use 'full', 'lora' or 'scratch'")
+    if s.activation_checkpointing not in {"none", "selective", "full"}:
+        raise UserError(f"activation_checkpointing {s.activation_checkpointing!r}: use 'none', 'selective' or 'full'")
+    precision_dtype(s.precision)
+
+
+def lr_lambda(warmup_steps: int, max_steps: int) -> Any:
+    """Linear warmup to the peak, then cosine decay to MIN_LR_RATIO of it at max_steps."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+        return MIN_LR_RATIO + (1 - MIN_LR_RATIO) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group: Any | None) -> float:
+    """Global L2 norm of all gradients (clipped to max_norm when > 0), correct for DTensor and pipeline splits.
+
+    Gradients are grouped by the mesh they live on (FSDP, TP, FSDP x TP, or
+    plain tensors), each group's norm made whole with full_tensor(), and stage
+    norms summed over the pipeline group.
+    """
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    groups: dict[Any, list[torch.Tensor]] = defaultdict(list)
+    for g in grads:
+        groups[g.device_mesh if isinstance(g, DTensor) else None].append(g)
+    device = grads[0].device if grads else torch.device("cpu")
+    square = torch.zeros((), dtype=torch.float32, device=device)
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(group, 2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        square = square + norm.float() ** 2
+    if pp_group is not None:
+        dist.all_reduce(square, group=pp_group)
+    total = float(square.sqrt())
+    if max_norm > 0 and math.isfinite(total) and total > max_norm:
+        coef = max_norm / (total + 1e-6)
+        for g in grads:
+            g.mul_(coef)
+    return total
+
+
+def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over the labelled tokens (next tokens, or the masked ones for masked-LM)."""
+    return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=-100)
+
+
+@dataclass
+class Batch:
+    inputs: torch.Tensor
+    labels: torch.Tensor
+
+    @property
+    def tokens(self) -> int:
+        return self.inputs.numel()
+
+
+class Trainer:
+    def __init__(self, spec: JobSpec, job_dir: Path, runtime: Runtime) -> None:
+        assert spec.train is not None
+        self.spec, self.s, self.job_dir, self.rt = spec, spec.train, job_dir, runtime
+        self.cancel = CancelFlag()
+        self.dims = runtime.dims
+        self.precision: PrecisionPlan = precision_plan(self.s.precision, runtime)
+        self.notes: list[str] = []
+
+    # --- set-up -----------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        s, rt = self.s, self.rt
+        files, docs = read_dataset(s.dataset, s.text_field)
+        status("loading model")
+        self.loaded: LoadedModel = load_model(self.spec, dtype=torch.float32, for_training=True, seed=s.seed)
+        counts = count_params(self.loaded.model)
+        self.flops_per_token = 6.0 * counts["compute"]
+        self.log(
+            f"model {self.loaded.source.ref}: {counts['total'] / 1e6:.2f}M parameters, "
+            f"{counts['trainable'] / 1e6:.3f}M trainable, objective {self.loaded.objective}"
+        )
+        causal = self.loaded.objective == "causal"
+        self.data: Dataset = build_dataset(
+            files, docs, self.loaded.tokenizer, s.seq_len + 1 if causal else s.seq_len, s.eval_fraction, s.seed
+        )
+        self.log(
+            f"data: {self.data.num_tokens} tokens, {len(self.data.train)} train / {len(self.data.eval)} eval sequences"
+        )
+        self.pp_microbatches = self.spec.parallelism.pp_microbatches if self.dims.pp > 1 else 1
+        self.sampler = ShardedBatches(
+            len(self.data.train), s.micro_batch * self.pp_microbatches, rt.dp_rank, self.dims.dp, s.seed
+        )
+        # Same seed within a model replica (TP ranks must drop the same activations), different across replicas.
+        torch.manual_seed(s.seed + 1 + rt.dp_rank)
+        self._parallelize()
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        self.params = params
+        self.optimizer = torch.optim.AdamW(params, lr=s.learning_rate, weight_decay=s.weight_decay, betas=(0.9, 0.95))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(s.warmup_steps, s.max_steps))
+        self.checkpointer = Checkpointer(
+            self.job_dir, rt, self.module, self.optimizer, self.scheduler, self.sampler, trainable_only=self.loaded.lora
+        )
+        for note in self.notes:
+            self.log(note)
+            report(kind="note", message=note)
+
+    def _parallelize(self) -> None:
+        rt, dims = self.rt, self.dims
+        model = self.loaded.model
+        self.untied = False
+        if dims.pp > 1:
+            if self.precision.compute == torch.float16 and self.precision.device_type == "cuda":
+                raise UserError(
+                    "fp16 with pipeline parallel is not supported (no loss scaling across stages): use bf16"
+                )
+            model = DecoderStage(decoder_parts(model, "pipeline parallel"), rt.pp_rank, dims.pp)
+            self.untied = model.untied
+            self.log(f"pipeline stage {rt.pp_rank}: layers {model.first_layer}..{model.last_layer - 1}")
+        if dims.tp > 1:
+            self.notes += apply_tensor_parallel(model, rt.mesh["tp"], self.spec.parallelism.sequence_parallel)
+        apply_activation_checkpointing(model, self.s.activation_checkpointing)
+        self.module: nn.Module = model  # the module whose parameters and state dict are this rank's part
+        self.wrapped = apply_data_parallel(model, rt, self.precision)
+        self.module.train()
+        self.scaler = None
+        if self.precision.compute == torch.float16 and self.precision.device_type == "cuda":
+            self.scaler = torch.amp.GradScaler("cuda")
+        self.schedule = self._pipeline_schedule() if dims.pp > 1 else None
+
+    def _pipeline_schedule(self) -> Any:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        p = self.spec.parallelism
+        name = p.pp_schedule.lower()
+        schedules = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+        if name not in schedules:
+            raise UserError(f"pipeline schedule {p.pp_schedule!r}: use 'GPipe' or '1F1B'")
+        if name == "1f1b" and p.pp_microbatches < self.dims.pp:
+            raise UserError(
+                f"1F1B needs at least as many micro-batches as stages ({self.dims.pp}); pp_microbatches={p.pp_microbatches}"
+            )
+        stage = PipelineStage(
+            self.wrapped, self.rt.pp_rank, self.dims.pp, self.rt.device, group=self.rt.mesh["pp"].get_group()
+        )
+        # scale_grads=False: the schedule would divide all accumulated gradients at the end of every
+        # step, weighting earlier accumulation steps less; train_step averages once at the end instead.
+        return schedules[name](stage, n_microbatches=p.pp_microbatches, loss_fn=token_loss, scale_grads=False)
+
+    # --- batches ----------------------------------------------------------------------------------
+
+    def _batch(self, block: torch.Tensor, step: int, micro: int) -> Batch:
+        if self.loaded.objective == "causal":
+            return Batch(block[:, :-1].to(self.rt.device), block[:, 1:].to(self.rt.device))
+        tok = self.loaded.tokenizer
+        g = torch.Generator().manual_seed(self.s.seed * 1_000_003 + step * 7919 + micro * 131 + self.rt.dp_rank)
+        inputs, labels = mask_for_mlm(block, tok.mask_token_id, len(tok), list(tok.all_special_ids), g)
+        return Batch(inputs.to(self.rt.device), labels.to(self.rt.device))
+
+    # --- one step ---------------------------------------------------------------------------------
+
+    def _forward_loss(self, batch: Batch) -> torch.Tensor:
+        # use_cache=False: a KV cache in training only costs memory, and checkpointed blocks would
+        # find it filled by their first run when they recompute. Encoders have no cache to turn off.
+        kwargs = {"use_cache": False} if self.loaded.objective == "causal" else {}
+        with self.precision.autocast_context():
+            logits = self.wrapped(input_ids=batch.inputs, **kwargs).logits
+        return token_loss(logits, batch.labels)
+
+    def train_step(self, step: int) -> tuple[float | None, int]:
+        """Run one optimizer step's forward/backward passes; returns (this rank's mean loss or None, tokens)."""
+        accum = self.s.grad_accum
+        losses: list[float] = []
+        tokens = 0
+        for micro in range(accum):
+            batch = self._batch(self.data.train[self.sampler.next_indices()], step, micro)
+            tokens += batch.tokens
+            last = micro == accum - 1
+            if self.schedule is not None:
+                mb_losses: list[torch.Tensor] = []
+                with self.precision.autocast_context():
+                    if self.rt.pp_rank == 0:
+                        self.schedule.step(batch.inputs, target=batch.labels, losses=mb_losses)
+                    else:
+                        self.schedule.step(target=batch.labels, losses=mb_losses)
+                if mb_losses:
+                    losses.append(float(torch.stack([x.detach().float() for x in mb_losses]).mean()))
+                continue
+            with set_gradient_sync(self.wrapped, last):
+                loss = self._forward_loss(batch)
+                scaled = loss / accum
+                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+            losses.append(float(loss.detach()))
+        if self.schedule is not None:
+            # The schedule summed the gradients of every micro-batch of every accumulation step.
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.div_(accum * self.pp_microbatches)
+        return (sum(losses) / len(losses) if losses else None), tokens
+
+    def _optimizer_step(self) -> float:
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        pp_group = self.rt.mesh["pp"].get_group() if self.dims.pp > 1 else None
+        norm = clip_grad_norm(self.params, self.s.grad_clip, pp_group)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.scheduler.step()
+        return norm
+
+    # --- evaluation -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self, step: int) -> float | None:
+        self.module.eval()
+        total, count = 0.0, 0
+        batch_size = self.s.micro_batch * self.pp_microbatches
+        for i, block in enumerate(eval_batches(self.data.eval, batch_size, self.rt.dp_rank, self.dims.dp)):
+            batch = self._batch(block, -1 - i, 0)  # negative steps: masking never repeats a training batch's
+            if self.schedule is not None:
+                mb_losses: list[torch.Tensor] = []
+                with self.precision.autocast_context():
+                    if self.rt.pp_rank == 0:
+                        self.schedule.eval(batch.inputs, target=batch.labels, losses=mb_losses)
+                    else:
+                        self.schedule.eval(target=batch.labels, losses=mb_losses)
+                if mb_losses:
+                    total += float(torch.stack([x.float() for x in mb_losses]).mean())
+                    count += 1
+            else:
+                total += float(self._forward_loss(batch))
+                count += 1
+        self.module.train()
+        mine = total / count if count and self._reports_loss() else None
+        return world_mean(mine, self.rt.device)
+
+    def _reports_loss(self) -> bool:
+        """One rank per data-parallel replica holds the loss: the last stage's first tensor-parallel rank."""
+        return self.rt.pp_rank == self.dims.pp - 1 and self.rt.tp_rank == 0
+
+    # --- the loop ---------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        s, rt = self.s, self.rt
+        step = 0
+        if self.spec.resume:
+            path = self.checkpointer.latest()
+            if path is None:
+                note = "resume requested but there is no complete checkpoint: starting from step 0"
+                self.log(note)
+                report(kind="note", message=note)
+            else:
+                step, notes = self.checkpointer.load(path)
+                for note in [*notes, f"resumed from {path.name} at step {step}"]:
+                    self.log(note)
+                    report(step=step, kind="note", message=note)
+        # From here on a SIGTERM has work to save: finish the step, checkpoint, then exit.
+        self.cancel.install()
+        status("training", max_steps=s.max_steps)
+        while step < s.max_steps:
+            t0 = time.perf_counter()
+            self.optimizer.zero_grad(set_to_none=True)
+            lr = self.scheduler.get_last_lr()[0]
+            loss, tokens = self.train_step(step)
+            grad_norm = self._optimizer_step()
+            step += 1
+            # One collective per step agrees on the loss to report and on whether a SIGTERM arrived anywhere.
+            mean_loss, cancelled = world_mean_and_any(
+                loss if self._reports_loss() else None, self.cancel.requested, rt.device
+            )
+            if rt.device.type == "cuda":
+                torch.cuda.synchronize(rt.device)
+            dt = time.perf_counter() - t0
+            # Per device, as torchtitan counts: the replica's tokens over the ranks that share it.
+            tps = tokens / dt / self.dims.non_dp
+            report(
+                step=step,
+                loss=mean_loss,
+                lr=lr,
+                grad_norm=grad_norm,
+                tokens_per_s=tps,
+                step_time=dt,
+                mfu=mfu(self.flops_per_token, tps),
+                peak_memory=peak_memory(rt.device),
+            )
+            self.log(
+                f"step {step}/{s.max_steps} loss {_fmt(mean_loss)} lr {lr:.3g} grad_norm {grad_norm:.3g} {dt * 1000:.0f} ms"
+            )
+            if s.eval_every > 0 and (step % s.eval_every == 0 or step == s.max_steps) and len(self.data.eval):
+                eval_loss = self.evaluate(step)
+                if eval_loss is not None:
+                    report(step=step, kind="eval", eval_loss=eval_loss)
+                    self.log(f"step {step} eval_loss {eval_loss:.4f}")
+            if cancelled or (s.checkpoint_every > 0 and step % s.checkpoint_every == 0):
+                self._checkpoint(step, resume_phase=not cancelled)
+            if cancelled:
+                status("cancelled", step=step, exit_code=EXIT_CANCELLED)
+                self.log(f"cancelled after step {step}; checkpoint saved")
+                return EXIT_CANCELLED
+        status("saving")
+        self.save_output()
+        status("done", step=step, exit_code=EXIT_OK)
+        return EXIT_OK
+
+    def _checkpoint(self, step: int, resume_phase: bool) -> None:
+        status("checkpointing", step=step)
+        t0 = time.perf_counter()
+        path = self.checkpointer.save(step)
+        report(step=step, kind="checkpoint", checkpoint_time=time.perf_counter() - t0)
+        self.log(f"checkpoint {path}")
+        if resume_phase:
+            status("training")
+
+    def save_output(self) -> None:
+        state = gather_full_state(self.module, self.rt, trainable_only=self.loaded.lora)
+        if self.rt.is_main:
+            out = self.job_dir / "output"
+            save_final_model(
+                out,
+                self.loaded,
+                state,
+                untied=self.untied,
+                save_merged=self.s.save_merged,
+                trust_remote_code=self.spec.trust_remote_code,
+            )
+            self.log(f"model saved to {out}")
+        dist.barrier()
+
+    def log(self, message: str) -> None:
+        if self.rt.is_main:
+            print(f"[rank0] {message}", flush=True)
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.4f}"
+
+
+def run_train(spec: JobSpec, job_dir: Path) -> int:
+    if spec.train is None:
+        raise UserError("train job without train settings")
+    validate_settings(spec.train)
+    runtime = init_runtime(spec)
+    trainer = Trainer(spec, job_dir, runtime)
+    trainer.setup()
+    return trainer.run()

@@ -1,0 +1,325 @@
+"""The worker's pieces in one process: mesh arithmetic, data, schedules, model loading, pipeline stages.
+
+The multi-rank jobs themselves are in test_workers_jobs.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.errors import UserError
+from engine.jobs.spec import Parallelism
+from engine.workers.data import (
+    Document,
+    ShardedBatches,
+    build_dataset,
+    eval_batches,
+    mask_for_mlm,
+    pack,
+    read_dataset,
+    read_documents,
+    render_chat,
+)
+from engine.workers.parallel_dims import ParallelDims
+from engine.workers.train import lr_lambda
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_LLAMA = REPO / "examples" / "models" / "tiny-llama"
+SHAKESPEARE = REPO / "examples" / "data" / "shakespeare.txt"
+
+
+# --- parallel dims --------------------------------------------------------------------------------
+
+
+def test_parallel_dims_rejects_a_layout_that_does_not_fill_the_world() -> None:
+    with pytest.raises(UserError, match=r"tp=4 needs 8 ranks, but the job was started with 4"):
+        ParallelDims.from_parallelism(Parallelism(dp_shard=2, tp=4), world_size=4)
+    with pytest.raises(UserError, match="at least 1"):
+        ParallelDims.from_parallelism(Parallelism(tp=0), world_size=1)
+
+
+def test_coordinates_follow_the_mesh_order_with_tp_innermost() -> None:
+    dims = ParallelDims.from_parallelism(Parallelism(pp=2, dp_replicate=1, dp_shard=2, tp=2), world_size=8)
+    grid = torch.arange(8).view(dims.shape)  # init_device_mesh lays ranks out row-major like this
+    for rank in range(8):
+        c = dims.coordinate(rank)
+        assert grid[c["pp"], c["dp_replicate"], c["dp_shard"], c["tp"]] == rank
+    assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert dims.dp == 2 and dims.non_dp == 4
+
+
+# --- data -----------------------------------------------------------------------------------------
+
+
+def test_jsonl_formats_become_documents(tmp_path: Path) -> None:
+    f = tmp_path / "mixed.jsonl"
+    rows = [
+        {"text": "plain"},
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+        {"instruction": "Add.", "input": "1 2", "output": "3"},
+    ]
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    docs = read_documents(f)
+    assert docs[0] == Document(text="plain")
+    assert docs[1].messages == rows[1]["messages"]
+    assert docs[2].messages == [{"role": "user", "content": "Add.\n1 2"}, {"role": "assistant", "content": "3"}]
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("", r"dataset .*empty\.jsonl is empty"),
+        ('{"text": "ok"}\n{broken\n', r"line 2: not valid JSON"),
+        ('{"body": "x"}\n', r"line 1: no 'text' text field, 'messages' list or 'instruction'"),
+        ('{"messages": []}\n', r"line 1: 'messages' must be a non-empty list"),
+    ],
+)
+def test_bad_jsonl_gives_one_clear_line(tmp_path: Path, content: str, message: str) -> None:
+    f = tmp_path / "empty.jsonl"
+    f.write_text(content)
+    with pytest.raises(UserError, match=message):
+        read_documents(f)
+
+
+def test_missing_and_unsupported_datasets(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match=r"dataset .*nope\.txt not found"):
+        read_dataset([str(tmp_path / "nope.txt")], "text")
+    (tmp_path / "data.parquet").write_bytes(b"PAR1")
+    with pytest.raises(UserError, match=r"unsupported format \.parquet"):
+        read_dataset([str(tmp_path / "data.parquet")], "text")
+    with pytest.raises(UserError, match="no dataset given"):
+        read_dataset([], "text")
+
+
+class _Tok:
+    """The slice of a tokenizer the data code uses: one id per character."""
+
+    eos_token, eos_token_id, sep_token_id, chat_template = "</s>", 1, None, None
+
+    def __call__(self, text: str, add_special_tokens: bool = True, verbose: bool = True) -> dict:
+        return {"input_ids": [2 + ord(c) % 250 for c in text]}
+
+
+def test_chat_falls_back_to_a_plain_template_without_one() -> None:
+    text = render_chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], _Tok())
+    assert text == "<|user|>\nhi</s>\n<|assistant|>\nyo</s>\n"
+
+
+def test_packing_split_and_sharding_are_deterministic_and_disjoint(tmp_path: Path) -> None:
+    assert pack(list(range(10)), 4).tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    files, docs = read_dataset([str(SHAKESPEARE)], "text")
+    data = build_dataset(files, docs, _Tok(), block_len=33, eval_fraction=0.1, seed=5)
+    again = build_dataset(files, docs, _Tok(), block_len=33, eval_fraction=0.1, seed=5)
+    assert torch.equal(data.train, again.train) and torch.equal(data.eval, again.eval)
+    assert len(data.eval) == round((len(data.train) + len(data.eval)) * 0.1)
+    train_rows = {tuple(r) for r in data.train.tolist()}
+    assert not train_rows & {tuple(r) for r in data.eval.tolist()}
+
+    # Two data-parallel ranks see disjoint blocks within an epoch; every rank gets the same number of batches.
+    ranks = [ShardedBatches(len(data.train), 4, r, 2, seed=5) for r in range(2)]
+    seen = [torch.cat([s.next_indices() for _ in range(s.batches_per_epoch)]) for s in ranks]
+    assert not set(seen[0].tolist()) & set(seen[1].tolist())
+    assert len(seen[0]) == len(seen[1]) == ranks[0].batches_per_epoch * 4
+
+    # The position round-trips through state_dict, across an epoch boundary too.
+    a = ShardedBatches(len(data.train), 4, 0, 2, seed=5)
+    for _ in range(a.batches_per_epoch + 3):
+        a.next_indices()
+    b = ShardedBatches(len(data.train), 4, 0, 2, seed=5)
+    b.load_state_dict(a.state_dict())
+    assert torch.equal(a.next_indices(), b.next_indices())
+
+    per_rank = [list(eval_batches(data.eval, 2, r, 2)) for r in range(2)]
+    assert len(per_rank[0]) == len(per_rank[1]) > 0
+
+
+def test_too_little_data_says_what_to_change(tmp_path: Path) -> None:
+    f = tmp_path / "tiny.txt"
+    f.write_text("short")
+    files, docs = read_dataset([str(f)], "text")
+    with pytest.raises(UserError, match="fewer than one training sequence of 65: lower seq_len"):
+        build_dataset(files, docs, _Tok(), block_len=65, eval_fraction=0.0, seed=0)
+    with pytest.raises(UserError, match="fewer than one step needs"):
+        ShardedBatches(3, 2, 0, 2, seed=0)
+
+
+def test_mlm_masking_predicts_about_15_percent_and_never_special_tokens() -> None:
+    block = torch.randint(10, 100, (8, 64))
+    block[:, 0] = 1  # a special token
+    g = torch.Generator().manual_seed(0)
+    inputs, labels = mask_for_mlm(block, mask_id=5, vocab_size=100, special_ids=[1], generator=g)
+    picked = labels != -100
+    assert 0.08 < picked.float().mean() < 0.22
+    assert not picked[:, 0].any()
+    assert torch.equal(labels[picked], block[picked])
+    assert (inputs[picked] == 5).float().mean() > 0.6
+    assert torch.equal(inputs[~picked], block[~picked])
+
+
+def test_lr_warms_up_then_decays_by_cosine() -> None:
+    f = lr_lambda(warmup_steps=4, max_steps=20)
+    warm = [f(s) for s in range(4)]
+    assert warm == sorted(warm) and warm[0] > 0 and f(4) == pytest.approx(1.0)
+    decay = [f(s) for s in range(4, 21)]
+    assert decay == sorted(decay, reverse=True) and decay[-1] == pytest.approx(0.1)
+
+
+# --- models ---------------------------------------------------------------------------------------
+
+
+def test_model_sources_fail_with_clear_lines(tmp_path: Path) -> None:
+    from engine.workers.model_loading import resolve_source
+
+    with pytest.raises(UserError, match=r"not found"):
+        resolve_source(str(tmp_path / "missing"))
+    (tmp_path / "m").mkdir()
+    with pytest.raises(UserError, match=r"has no config\.json"):
+        resolve_source(str(tmp_path / "m"))
+    (tmp_path / "m" / "config.json").write_text("{not json")
+    with pytest.raises(UserError, match=r"corrupt config\.json"):
+        resolve_source(str(tmp_path / "m"))
+    src = resolve_source(str(TINY_LLAMA / "config.json"))
+    assert src.kind == "config" and not src.has_weights
+
+
+@pytest.fixture(scope="module")
+def tiny_llama() -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(TINY_LLAMA, initializer_range=0.3)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_objective_and_lora_targets_come_from_the_model(tiny_llama: torch.nn.Module) -> None:
+    import re
+
+    from engine.workers.model_loading import count_params, default_lora_targets, detect_objective
+
+    assert detect_objective(tiny_llama.config) == "causal"
+    pattern = default_lora_targets(tiny_llama)
+    matched = {n.rsplit(".", 1)[-1] for n, _ in tiny_llama.named_modules() if re.fullmatch(pattern, n)}
+    assert matched == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert not re.fullmatch(pattern, "lm_head")
+    counts = count_params(tiny_llama)
+    assert counts["compute"] == counts["total"] - tiny_llama.get_input_embeddings().weight.numel()
+
+
+def test_pipeline_stages_compute_what_the_whole_model_does(tiny_llama: torch.nn.Module) -> None:
+    from engine.workers.pipeline import DecoderStage, decoder_parts, stage_layer_ranges
+
+    assert stage_layer_ranges(5, 2) == [(0, 3), (3, 5)]
+    with pytest.raises(UserError, match="at least 3 layers"):
+        stage_layer_ranges(2, 3)
+    ids = torch.randint(0, 512, (2, 16))
+    with torch.no_grad():
+        expected = tiny_llama(input_ids=ids).logits
+        stages = [DecoderStage(decoder_parts(copy.deepcopy(tiny_llama), "pp"), i, 2) for i in range(2)]
+        got = stages[1](stages[0](ids))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    # The stages keep the model's own parameter names, so their checkpoints merge into the whole model.
+    names = [n for s in stages for n, _ in s.named_parameters()]
+    assert sorted(names) == sorted(n for n, _ in tiny_llama.named_parameters())
+    assert not {n for n, _ in stages[0].named_parameters()} & {n for n, _ in stages[1].named_parameters()}
+
+
+def test_pipeline_refuses_non_llama_models() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from engine.workers.pipeline import decoder_parts
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(UserError, match="pipeline parallel supports Llama-style decoders"):
+        decoder_parts(gpt2, "pipeline parallel")
+
+
+def test_sampling_is_seeded_and_greedy_is_argmax() -> None:
+    from engine.workers.infer import select_tokens
+
+    logits = torch.randn(4, 50)
+    g = torch.Generator().manual_seed(3)
+    assert torch.equal(select_tokens(logits, 0.0, 1.0, g), logits.argmax(-1))
+    a = select_tokens(logits, 0.8, 0.9, torch.Generator().manual_seed(3))
+    b = select_tokens(logits, 0.8, 0.9, torch.Generator().manual_seed(3))
+    assert torch.equal(a, b)
+    # top_p that small keeps only the most likely token.
+    assert torch.equal(select_tokens(logits, 1.0, 1e-6, g), logits.argmax(-1))
+
+
+# --- the entry point's error contract -------------------------------------------------------------
+
+
+def _run_main(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: BaseException) -> int:
+    from engine.jobs.spec import JobSpec
+    from engine.workers import __main__ as worker
+
+    JobSpec(id="x", kind="infer").write(tmp_path)
+    monkeypatch.setenv("RIGPILOT_METRICS_DIR", str(tmp_path / "metrics"))
+    monkeypatch.delenv("RANK", raising=False)
+
+    def fails(spec: JobSpec, job_dir: Path) -> int:
+        raise error
+
+    monkeypatch.setattr(worker, "run", fails)
+    return worker.main([str(tmp_path)])
+
+
+def _last_record(tmp_path: Path) -> dict:
+    return json.loads((tmp_path / "metrics" / "rank0.jsonl").read_text().splitlines()[-1])
+
+
+def test_out_of_memory_has_its_own_exit_code_and_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from engine.workers import ERROR_PREFIX, EXIT_OUT_OF_MEMORY
+
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+    assert _run_main(tmp_path, monkeypatch, oom) == EXIT_OUT_OF_MEMORY
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == f"{ERROR_PREFIX} out of GPU memory: CUDA out of memory. Tried to allocate 2.00 GiB"
+    record = _last_record(tmp_path)
+    assert record["kind"] == "error" and record["error"] == "out_of_memory"
+
+
+def test_a_crash_ends_with_its_first_meaningful_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from engine.workers import ERROR_PREFIX, EXIT_CRASH
+
+    assert _run_main(tmp_path, monkeypatch, RuntimeError("\n   stage 0 failed\n details")) == EXIT_CRASH
+    err = capsys.readouterr().err
+    assert "Traceback" in err  # a bug keeps its traceback, above the one line
+    assert err.strip().splitlines()[-1] == f"{ERROR_PREFIX} RuntimeError: stage 0 failed"
+    assert _last_record(tmp_path)["error"] == "crash"
+
+
+def test_a_folder_without_job_json_is_a_user_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from engine.workers import EXIT_USER_ERROR
+    from engine.workers.__main__ import main
+
+    monkeypatch.setenv("RIGPILOT_METRICS_DIR", str(tmp_path / "metrics"))
+    assert main([str(tmp_path)]) == EXIT_USER_ERROR
+    assert capsys.readouterr().err.strip().endswith("job.json not found: not a job folder")
+
+
+def test_train_settings_are_checked_before_anything_loads() -> None:
+    from engine.jobs.spec import TrainSettings
+    from engine.workers.train import validate_settings
+
+    validate_settings(TrainSettings())
+    for bad, message in [
+        ({"micro_batch": 0}, "micro_batch=0: must be at least 1"),
+        ({"eval_fraction": 1.0}, r"eval_fraction=1.0: must be in \[0, 1\)"),
+        ({"method": "qlora"}, "train method 'qlora'"),
+        ({"activation_checkpointing": "some"}, "activation_checkpointing 'some'"),
+        ({"precision": "fp8"}, "precision 'fp8'"),
+    ]:
+        with pytest.raises(UserError, match=message):
+            validate_settings(TrainSettings(**bad))
