@@ -11,6 +11,7 @@ import argparse
 import json
 import queue
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
@@ -109,15 +110,58 @@ def _print_json(schema: str, payload: dict[str, Any]) -> None:
     print(json.dumps({"schema": schema, **payload}, indent=2))
 
 
+def _running_engine(args: argparse.Namespace):
+    """The engine service, when one runs and the user named no machine.
+
+    Its telemetry is the one to show: on a simulated machine only the engine
+    knows the load its jobs put on the GPUs. Never starts a service.
+    """
+    if args.simulate or args.import_paths:
+        return None
+    from engine.service.client import EngineClient, EngineUnavailable, service_running
+
+    if not service_running():
+        return None
+    try:
+        client = EngineClient(autostart=False, client_name="cli")
+        client.connect()
+        return client
+    except EngineUnavailable:
+        return None
+
+
+def _engine_machine(client):
+    from engine.hardware.machine import Machine
+
+    reply = client.request("machine")
+    return Machine.from_dict(reply["machine"]), list(reply.get("notes", []))
+
+
+def _engine_latest_sample(client):
+    from engine.hardware.telemetry import TelemetrySample
+
+    reply = client.request("telemetry_history", since=time.time() - 30, limit=100)
+    samples = reply.get("samples") or []
+    return TelemetrySample.from_dict(samples[-1]) if samples else None
+
+
 def cmd_gpus(args: argparse.Namespace) -> int:
     from engine.hardware.sampler import Sampler
     from engine.terminal import gpus_table
 
-    d = _discover(args)
-    try:
-        sample = Sampler(d.backend).sample()
-    finally:
-        d.backend.close()
+    client = _running_engine(args)
+    sample = None
+    if client is not None:
+        with client:
+            machine, notes = _engine_machine(client)
+            sample = _engine_latest_sample(client)
+        d = type("FromEngine", (), {"machine": machine, "notes": notes})()
+    if sample is None:
+        d = _discover(args)
+        try:
+            sample = Sampler(d.backend).sample()
+        finally:
+            d.backend.close()
     if args.json:
         _print_json("rigpilot.gpus/1", {"machine": d.machine.to_dict(), "telemetry": sample.to_dict(), "notes": d.notes})
     else:
@@ -159,38 +203,64 @@ def cmd_topo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine_samples(client):
+    from engine.hardware.telemetry import TelemetrySample
+
+    client.request("subscribe", topics=["telemetry"])
+    for ev in client.events():
+        if ev.get("event") == "telemetry":
+            yield TelemetrySample.from_dict(ev["sample"])
+
+
+def _local_samples(sampler, frames: queue.Queue):
+    sampler.start()
+    while True:
+        yield frames.get()
+
+
 def cmd_watch(args: argparse.Namespace) -> int:
     from engine.hardware.sampler import Sampler
     from engine.terminal import watch_frame
 
-    d = _discover(args)
-    frames: queue.Queue = queue.Queue(maxsize=2)
-    sampler = Sampler(d.backend, period=args.interval, slow_period=max(5.0, args.interval))
-    sampler.subscribe(lambda s: _offer(frames, s))
+    client = _running_engine(args)
+    sampler = None
+    if client is not None:
+        machine, notes = _engine_machine(client)
+        samples = _engine_samples(client)
+    else:
+        d = _discover(args)
+        machine, notes = d.machine, d.notes
+        frames: queue.Queue = queue.Queue(maxsize=2)
+        sampler = Sampler(d.backend, period=args.interval, slow_period=max(5.0, args.interval))
+        sampler.subscribe(lambda s: _offer(frames, s))
+        samples = _local_samples(sampler, frames)
     tty = sys.stdout.isatty() and not args.json
     if not args.json:
-        _notes(d.notes)
+        _notes(notes)
     if tty:
         sys.stdout.write("\x1b[?1049h\x1b[?25l")  # alternate screen, hide cursor
     shown = 0
     try:
-        sampler.start()
-        while not args.count or shown < args.count:
-            sample = frames.get()
+        for sample in samples:
+            if args.count and shown >= args.count:
+                break
             if args.json:
                 print(json.dumps({"schema": "rigpilot.telemetry/1", **sample.to_dict()}), flush=True)
             elif tty:
-                body = watch_frame(d.machine, sample).replace("\n", "\x1b[K\n")
+                body = watch_frame(machine, sample).replace("\n", "\x1b[K\n")
                 sys.stdout.write("\x1b[H" + body + "\x1b[K\x1b[J")
                 sys.stdout.flush()
             else:
-                print(watch_frame(d.machine, sample, width=200) + "\n", flush=True)
+                print(watch_frame(machine, sample, width=200) + "\n", flush=True)
             shown += 1
     except KeyboardInterrupt:
         pass
     finally:
-        sampler.stop()
-        d.backend.close()
+        if sampler is not None:
+            sampler.stop()
+            sampler.backend.close()
+        if client is not None:
+            client.close()
         if tty:
             sys.stdout.write("\x1b[?25h\x1b[?1049l")
             sys.stdout.flush()
