@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.jobs.datasets import parse_record
+
 TEXT_SUFFIXES = {".txt", ".md", ".text"}
 JSONL_SUFFIXES = {".jsonl", ".json", ".ndjson"}
 HEAD_BYTES = 64 * 1024
@@ -171,40 +173,21 @@ def _inspect_json(report: FileReport, text: str, whole: bool, text_field: str, p
 
 
 def _classify(rec: Any, text_field: str, prompts: bool) -> tuple[str, str, str | None]:
-    if not isinstance(rec, dict):
-        return "", "", f"expected a JSON object, got {type(rec).__name__}."
     if prompts:
-        if isinstance(rec.get("prompt"), str):
+        if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
             return PROMPTS, _clip(rec["prompt"]), None
-        return "", "", f'no "prompt" field (fields: {", ".join(sorted(rec)[:8])}).'
-    if "messages" in rec:
-        msgs = rec["messages"]
-        if (
-            not isinstance(msgs, list)
-            or not msgs
-            or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in msgs
-            )
-        ):
-            return "", "", "'messages' must be a non-empty list of {role, content} strings."
-        return CHAT, _clip("  ".join(f"{m['role']}: {m['content']}" for m in msgs)), None
-    if "instruction" in rec:
-        parts = [f"instruction: {rec['instruction']}"]
-        if rec.get("input"):
-            parts.append(f"input: {rec['input']}")
-        parts.append(f"→ {rec.get('output', '')}")
-        return INSTRUCTION, _clip("  ".join(str(p) for p in parts)), None
-    if isinstance(rec.get(text_field), str):
-        return JSONL_TEXT, _clip(rec[text_field]), None
-    return (
-        "",
-        "",
-        (
-            f"no '{text_field}' text field, 'messages' list or 'instruction' "
-            f"(fields: {', '.join(sorted(rec)[:8])}); choose the text field."
-        ),
-    )
+        fields = ", ".join(sorted(rec)[:8]) if isinstance(rec, dict) else type(rec).__name__
+        return "", "", f'no "prompt" field (fields: {fields}).'
+    # The workers' own reader decides what is valid, so the wizard never accepts a file a job would refuse.
+    try:
+        doc = parse_record(rec, text_field)
+    except ValueError as e:
+        hint = "; choose the text field." if isinstance(rec, dict) and "messages" not in rec else "."
+        return "", "", f"{e}{hint}"
+    if doc.text is not None:
+        return JSONL_TEXT, _clip(doc.text), None
+    kind = INSTRUCTION if "instruction" in rec else CHAT
+    return kind, _clip("  ".join(f"{m['role']}: {m['content']}" for m in doc.messages or [])), None
 
 
 def _clip(text: str) -> str:

@@ -21,22 +21,13 @@ from typing import Any
 import torch
 
 from engine.errors import UserError
+from engine.jobs.datasets import Document, Messages, record_document
 
 TEXT_SUFFIXES = {".txt", ".md", ".text"}
 JSONL_SUFFIXES = {".jsonl", ".json", ".ndjson"}
 MAX_EVAL_BATCHES = 50  # per data-parallel rank: an evaluation must stay a small fraction of a run
 TEXT_CHUNK_CHARS = 1 << 18  # tokenize big text files in pieces so memory stays flat
 FALLBACK_ROLES = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}
-
-Messages = list[dict[str, str]]
-
-
-@dataclass
-class Document:
-    """One training document: plain text, or a conversation to render with the chat template."""
-
-    text: str | None = None
-    messages: Messages | None = None
 
 
 def dataset_files(paths: list[str]) -> list[Path]:
@@ -75,7 +66,7 @@ def read_documents(path: Path, text_field: str = "text") -> list[Document]:
     if path.suffix.lower() in TEXT_SUFFIXES:
         return [Document(text=raw)]
     records = _json_records(path, raw)
-    docs = [_record_document(path, line, rec, text_field) for line, rec in records]
+    docs = [record_document(path, line, rec, text_field) for line, rec in records]
     if not docs:
         raise UserError(f"dataset {path} is empty")
     return docs
@@ -97,36 +88,6 @@ def _json_records(path: Path, raw: str) -> list[tuple[int, Any]]:
         except json.JSONDecodeError as e:
             raise UserError(f"dataset {path} line {n}: not valid JSON ({e.msg})") from e
     return records
-
-
-def _record_document(path: Path, line: int, rec: Any, text_field: str) -> Document:
-    where = f"dataset {path} line {line}"
-    if not isinstance(rec, dict):
-        raise UserError(f"{where}: expected a JSON object, got {type(rec).__name__}")
-    if "messages" in rec:
-        msgs = rec["messages"]
-        if (
-            not isinstance(msgs, list)
-            or not msgs
-            or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in msgs
-            )
-        ):
-            raise UserError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} strings")
-        return Document(messages=[{"role": m["role"], "content": m["content"]} for m in msgs])
-    if "instruction" in rec:
-        prompt = str(rec["instruction"])
-        if rec.get("input"):
-            prompt += "\n" + str(rec["input"])
-        return Document(
-            messages=[{"role": "user", "content": prompt}, {"role": "assistant", "content": str(rec.get("output", ""))}]
-        )
-    if text_field in rec and isinstance(rec[text_field], str):
-        return Document(text=rec[text_field])
-    raise UserError(
-        f"{where}: no '{text_field}' text field, 'messages' list or 'instruction' (keys: {sorted(rec)[:8]})"
-    )
 
 
 def render_chat(messages: Messages, tokenizer: Any) -> str:
