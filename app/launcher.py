@@ -19,6 +19,13 @@ def main(argv: list[str] | None = None) -> int:
         from app.selftest import main as self_test
 
         return self_test(Path(argv[1]) if len(argv) > 1 else None)
+    if argv and argv[0] == "--screenshots":
+        if len(argv) != 2:
+            print("usage: rigpilot --screenshots DIR", file=sys.stderr)
+            return 2
+        from app.screenshots import main as screenshots
+
+        return screenshots(Path(argv[1]))
     if argv:
         return cli.main(argv)
     from app.main import main as run_app

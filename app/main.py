@@ -7,6 +7,8 @@ import sys
 
 from app.identity import APP_ID, APP_NAME, ORGANIZATION
 
+STARTUP_CHECK_DELAY_MS = 1500  # the engine-environment check waits until the window is up and drawn
+
 NO_DISPLAY = (
     "rigpilot: no display found (DISPLAY and WAYLAND_DISPLAY are unset, e.g. over SSH); "
     "use 'rigpilot watch' for a live terminal view"
@@ -38,4 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     # A remote engine (Settings → Engine address) drives a workstation from another computer.
     window = MainWindow(EngineLink(**engine_link_options()))
     window.show()
+    if window.link.remote is None:
+        # Packaged installs provision PyTorch per user: offer to install it when it is not there yet.
+        from PySide6.QtCore import QTimer
+
+        from app.engine_env.dialog import check_at_startup
+
+        QTimer.singleShot(STARTUP_CHECK_DELAY_MS, lambda: check_at_startup(window))
     return app.exec()

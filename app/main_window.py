@@ -1,13 +1,19 @@
-"""The main window: a navigation rail of pages, the simulated-machine banner, the status bar, the tray."""
+"""The main window: a navigation rail of pages, the simulated-machine banner, the status bar, the tray.
+
+For measuring start-up (benchmarks/gui_startup.py): with RIGPILOT_EXIT_AFTER_FIRST_PAINT=1 in the
+environment, the window prints `first-paint <time.time()>` once its first frame is painted, and quits.
+"""
 
 from __future__ import annotations
 
 import importlib
+import os
+import time
 from collections.abc import Callable
 from typing import Any
 
 from PySide6.QtCore import QSettings, Qt, QTimer
-from PySide6.QtGui import QAction, QCloseEvent, QIcon, QKeySequence
+from PySide6.QtGui import QAction, QCloseEvent, QIcon, QKeySequence, QPaintEvent
 from PySide6.QtWidgets import (
     QApplication,
     QLabel,
@@ -37,6 +43,7 @@ PAGES: list[tuple[str, str, str]] = [
 ]
 
 RUNNING_STATES = ("queued", "starting", "running")
+EXIT_AFTER_FIRST_PAINT = "RIGPILOT_EXIT_AFTER_FIRST_PAINT"
 
 
 def _load_page(target: str) -> Callable[..., QWidget]:
@@ -53,6 +60,7 @@ class MainWindow(QMainWindow):
         self.settings = QSettings()
         self.jobs: dict[str, dict[str, Any]] = {}
         self._asked_on_close = False
+        self._exit_after_first_paint = os.environ.get(EXIT_AFTER_FIRST_PAINT) == "1"
 
         self.banner = QLabel()
         self.banner.setObjectName("simulatedBanner")
@@ -197,6 +205,18 @@ class MainWindow(QMainWindow):
         self.showNormal()
         self.raise_()
         self.activateWindow()
+
+    # -- start-up measurement ------------------------------------------------------------
+    def paintEvent(self, event: QPaintEvent) -> None:
+        super().paintEvent(event)
+        if self._exit_after_first_paint:
+            self._exit_after_first_paint = False
+            QTimer.singleShot(0, self._first_frame_done)  # runs once the children of this frame are painted too
+
+    def _first_frame_done(self) -> None:
+        print(f"first-paint {time.time():.6f}", flush=True)
+        self.link.stop()
+        QApplication.quit()
 
     # -- persistence ---------------------------------------------------------------
     def _restore(self) -> None:

@@ -62,7 +62,7 @@ def worker_python() -> str:
         return str(env_python())
     raise UserError(
         "the PyTorch engine environment is not installed yet: run 'rigpilot engine-env install' "
-        "(or Settings → Engine → Install in the app)"
+        "(or, in the app, the install dialog shown at start-up or Settings → Repair engine environment)"
     )
 
 

@@ -12,7 +12,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.models import hub
 from engine.models.presets import list_presets
 
 HUB_LIMIT = 20
@@ -31,6 +30,9 @@ class HubResults:
 
 def hub_offline() -> bool:
     """HF_HUB_OFFLINE as huggingface_hub read it at import, or as set since (a test, a user's shell)."""
+    # Imported here: huggingface_hub's client costs a third of a second, which the app's start-up should not pay.
+    from engine.models import hub
+
     return hub.offline() or os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE
 
 
@@ -65,6 +67,8 @@ def search_hub(
         out.offline = True
         out.message = "Offline (HF_HUB_OFFLINE is set): showing presets and models in the local Hugging Face cache."
         return out
+    from engine.models import hub
+
     if not (reachable or hub.reachable)():
         out.offline = True
         out.message = "The Hugging Face hub cannot be reached: showing presets and models in the local cache."

@@ -1,4 +1,5 @@
-"""The Settings page: the simulated machine, how to reach the engine, chart refresh, CPU ranks.
+"""The Settings page: the simulated machine, how to reach the engine, chart refresh, CPU ranks,
+and repairing the engine environment (the per-user PyTorch the jobs run in).
 
 Values load off the GUI thread (the profile list and the engine settings are
 files); Save checks every field first and shows each problem beside its field,
@@ -96,6 +97,19 @@ class SettingsPage(QWidget):
                               "Both take effect when the engine service restarts."))  # fmt: skip
         sim_form.addRow(self.settings_path)
 
+        # The program `engine-env repair` is run with (tests point it at a stand-in); None: the real one.
+        self.engine_env_command: list[str] | None = None
+        self.engine_env_dialog: QWidget | None = None
+        self.repair_button = QPushButton("Repair engine environment…")
+        self.repair_button.setObjectName("repairEngineEnv")
+        self.repair_button.clicked.connect(self.repair_engine_env)
+        repair_row = QHBoxLayout()
+        repair_row.addWidget(self.repair_button)
+        repair_row.addWidget(_note(
+            "Jobs run in a Python environment with PyTorch, set up once for your user on this computer. If "
+            "jobs fail because PyTorch is missing or broken, Repair removes it and installs it again."
+        ), 1)  # fmt: skip
+
         self.address = QLineEdit()
         self.address.setObjectName("engineAddress")
         self.address.setAccessibleName("Remote engine address")
@@ -125,6 +139,7 @@ class SettingsPage(QWidget):
             "and copy its token here. The token is stored in this app's settings file in plain text. "
             "Takes effect the next time Rigpilot starts."
         ))  # fmt: skip
+        remote_form.addRow("Environment", repair_row)
 
         self.refresh_hz = QDoubleSpinBox()
         self.refresh_hz.setObjectName("refreshHz")
@@ -187,6 +202,22 @@ class SettingsPage(QWidget):
         self.refresh_hz.valueChanged.connect(lambda _: self._recheck())
         self.cpu_ranks.valueChanged.connect(lambda _: self._recheck())
         self.load()
+
+    # -- the engine environment ------------------------------------------------------------------------
+    def repair_engine_env(self) -> QWidget:
+        """Open the dialog that runs `rigpilot engine-env repair` (nothing runs until its Repair button)."""
+        from app.engine_env.dialog import REPAIR, EngineEnvDialog
+
+        dialog = self.engine_env_dialog
+        if dialog is not None and not dialog.isVisible():  # closed: start afresh
+            dialog.deleteLater()
+            dialog = None
+        if dialog is None:
+            dialog = EngineEnvDialog(self, action=REPAIR, command=self.engine_env_command)
+            self.engine_env_dialog = dialog
+        dialog.show()
+        dialog.activateWindow()  # bring an open one forward
+        return dialog
 
     # -- values -------------------------------------------------------------------------------------
     def values(self) -> SettingsValues:

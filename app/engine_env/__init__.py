@@ -1,0 +1,1 @@
+"""The engine environment: installing and repairing the per-user PyTorch environment the job workers run in."""
