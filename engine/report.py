@@ -8,6 +8,18 @@ service tails and streams to the charts. Outside a Rigpilot job (no
 RIGPILOT_METRICS_DIR) it does nothing, so scripts run unchanged elsewhere.
 Values must be JSON numbers, strings or booleans; anything else is refused
 here, in the script, rather than breaking the charts later.
+
+Conventions the engine reads records by:
+- `tokens_per_s` is PER RANK, torchtitan's per-device figure: the tokens the
+  whole job processed in the step / the step's time / the world size (a rank
+  that shares its model replica with tensor- or pipeline-parallel peers counts
+  its replica's tokens divided by their number). Every rank reports its own;
+  the job's rate is the sum over ranks of each rank's latest value, for the
+  Rigpilot workers and user scripts alike. A script that only knows the
+  global rate reports it from one rank only.
+- `peak_memory` is this rank's peak memory in bytes (the allocator's peak on a
+  GPU); the highest value a rank reports is its peak.
+- `step` counts optimizer steps; the job shows rank 0's `loss` (another rank's until rank 0 reports one).
 """
 
 from __future__ import annotations

@@ -11,11 +11,13 @@ import pytest
 from engine.errors import UserError
 from engine.hardware.simulated import load_profile
 from engine.hardware.telemetry import GpuSample, TelemetrySample
+from engine.planner.plan import HostMemory, MemoryBreakdown, Parallelism, Plan, Timing, Workload
 from engine.service import protocol
-from engine.service.metrics import MetricsSummary, read_records
+from engine.service.metrics import PEAK_MEMORY_KEYS, MetricsSummary, read_records, summarize
 from engine.service.protocol import ProtocolError
 from engine.service.store import QUEUED, JobRecord, JobStore
-from engine.service.submission import plan_prediction, prepare
+from engine.service.submission import OFFLOAD_REFUSAL, plan_prediction, prepare
+from engine.service.supervisor import _compare
 from engine.service.telemetry_store import TelemetryStore
 
 
@@ -154,6 +156,93 @@ def test_plan_layout_fills_in_gpus_and_degrees(submit, tmp_path):
     assert sub.predicted["peak_memory_bytes"] == 6 * 2**30
 
 
+def planner_plan(task="train", seq_len=256, precision="fp32", **par) -> dict:
+    """A plan as the planner writes it (Plan.to_dict), so the field names are the real ones."""
+    layout = {"gpu_indices": [0, 1], "dp": 2, "micro_batch": 2, "grad_accum": 4, "checkpointing": "selective", **par}
+    gpus = layout["gpu_indices"]
+    mem = [MemoryBreakdown(gpu=g, stage=0, weights=1, gradients=1, optimizer=1, activations=1, kv_cache=0, buffers=0,
+                           overhead=0, total=3 * 2**30, capacity=24 * 2**30, headroom=21 * 2**30) for g in gpus]  # fmt: skip
+    plan = Plan(
+        workload=Workload(model="tiny", task=task, seq_len=seq_len, precision=precision, global_batch=16),
+        parallelism=Parallelism(**layout), memory=mem, host=HostMemory(needed=2**30, available=None),
+        timing=Timing(step_s=0.5, compute_s=0.4, exposed_comm_s=0.1, bubble_s=0.0, tokens_per_s=8192.0),
+        machine="simulated: 4×RTX 4090", gpu_names=["RTX 4090"] * len(gpus), model_params=10**6,
+    )  # fmt: skip
+    return json.loads(json.dumps(plan.to_dict()))
+
+
+TRAIN = {"kind": "train", "model": "gpt2", "train": {"dataset": ["data.txt"], "micro_batch": 8, "grad_accum": 1,
+         "seq_len": 64, "precision": "bf16", "activation_checkpointing": "none"}}  # fmt: skip
+
+
+def test_plan_settings_decide_over_the_submissions_and_are_recorded(submit, tmp_path):
+    (tmp_path / "data.txt").write_text("hello\n")
+    sub = submit(TRAIN, plan=planner_plan())
+    t, p = sub.spec.train, sub.spec.parallelism
+    assert (t.micro_batch, t.grad_accum, t.activation_checkpointing, t.seq_len, t.precision) == (
+        2, 4, "selective", 256, "fp32")  # fmt: skip
+    assert sub.spec.gpus == [0, 1] and (p.dp_replicate, p.dp_shard, p.tp, p.pp) == (2, 1, 1, 1)
+    taken = {"gpus": [0, 1], "micro_batch": 2, "grad_accum": 4, "activation_checkpointing": "selective",
+             "seq_len": 256, "precision": "fp32"}  # fmt: skip
+    assert {k: sub.from_plan[k] for k in taken} == taken and sub.from_plan["parallelism"]["dp_replicate"] == 2
+    # The record keeps it: `predicted` is what the supervisor stores in the job's row.
+    assert sub.predicted["from_plan"] == sub.from_plan and sub.predicted["plan_notes"] == []
+    assert sub.predicted["peak_memory_bytes"] == 3 * 2**30 and sub.predicted["tokens_per_s"] == 8192.0
+    # A search result runs under its best plan.
+    best = submit(TRAIN, plan={"schema": "rigpilot.plan-search/1", "best": planner_plan(seq_len=128)})
+    assert best.spec.train.seq_len == 128
+
+
+def test_zero_1_and_2_plans_run_as_fsdp2_over_dp_with_a_note(submit, tmp_path):
+    (tmp_path / "data.txt").write_text("hello\n")
+    for stage in (1, 2):
+        plan = planner_plan(gpu_indices=[0, 1, 2, 3], dp=4, zero_stage=stage, shard_degree=4, backend="deepspeed")
+        sub = submit(TRAIN, plan=plan)
+        p = sub.spec.parallelism
+        assert (p.dp_replicate, p.dp_shard, sub.ranks) == (1, 4, 4) and sub.from_plan["zero_stage"] == stage
+        (note,) = sub.predicted["plan_notes"]
+        assert f"ZeRO-{stage}" in note and "FSDP2 sharding over the 4 data-parallel ranks" in note
+    hsdp_plan = planner_plan(gpu_indices=[0, 1, 2, 3], dp=4, zero_stage=3, shard_degree=2, backend="fsdp")
+    hsdp = submit(TRAIN, plan=hsdp_plan)
+    p = hsdp.spec.parallelism
+    assert (p.dp_replicate, p.dp_shard) == (2, 2) and hsdp.notes == []
+
+
+def test_pipeline_plans_accumulate_through_the_schedule(submit, tmp_path):
+    (tmp_path / "data.txt").write_text("hello\n")
+    sub = submit(TRAIN, plan=planner_plan(dp=1, pp=2, grad_accum=4, pipeline_schedule="1f1b"))
+    p, t = sub.spec.parallelism, sub.spec.train
+    assert (p.pp, p.pp_microbatches, p.pp_schedule, t.grad_accum) == (2, 4, "1F1B", 1)
+    sub = submit(TRAIN, plan=planner_plan(dp=1, pp=2, grad_accum=1, pipeline_schedule="1f1b"))
+    assert sub.spec.parallelism.pp_schedule == "GPipe"  # 1F1B needs a micro-batch per stage
+    assert "GPipe runs instead" in sub.predicted["plan_notes"][0]
+
+
+def test_offloading_plans_are_refused_in_one_line(submit, tmp_path):
+    (tmp_path / "data.txt").write_text("hello\n")
+    for flags in ({"offload_optimizer": True}, {"offload_optimizer": True, "offload_params": True}):
+        plan = planner_plan(zero_stage=2, backend="deepspeed", **flags)
+        with pytest.raises(UserError) as e:
+            submit(TRAIN, plan=plan)
+        assert str(e.value) == OFFLOAD_REFUSAL and "\n" not in str(e.value)
+        assert "rigpilot plan --export deepspeed" in str(e.value)
+    # A script splits its work itself: the plan only brings predictions.
+    (tmp_path / "s.py").write_text("pass\n")
+    sub = submit({"kind": "script", "script": ["s.py"]}, plan=planner_plan(offload_optimizer=True, backend="deepspeed"))
+    assert sub.spec.gpus == [0, 1, 2, 3] and "from_plan" not in sub.predicted
+
+
+def test_plans_for_another_task_and_user_degrees(submit, tmp_path):
+    (tmp_path / "data.txt").write_text("hello\n")
+    with pytest.raises(UserError, match="made for inference, not for a train job"):
+        submit(TRAIN, plan=planner_plan(task="infer"))
+    sub = submit({**TRAIN, "gpus": [0, 1], "parallelism": {"dp_shard": 2}}, plan=planner_plan())
+    assert (sub.spec.parallelism.dp_replicate, sub.spec.parallelism.dp_shard) == (1, 2)
+    assert "parallelism" not in sub.from_plan and sub.spec.train.micro_batch == 2
+    with pytest.raises(UserError, match="unknown precision 'fp8'"):
+        submit({**TRAIN, "train": {**TRAIN["train"], "precision": "fp8"}})
+
+
 # -- metrics ------------------------------------------------------------------------------
 
 
@@ -199,6 +288,44 @@ def test_summary_progress_eta_memory_and_tokens():
     assert d["step"] == 10 and d["fraction"] == 0.1 and d["eta_s"] == pytest.approx(90.0)
     assert d["loss"] == pytest.approx(4.0) and d["tokens_per_s"] == 900.0 and d["phase"] == "training"
     assert d["peak_memory_by_rank"] == {"1": 2**30 + 10}
+
+
+def test_tokens_per_s_is_the_sum_of_each_ranks_latest_value():
+    s = MetricsSummary()
+    s.add({"time": 1.0, "rank": 0, "step": 1, "tokens_per_s": 100.0})
+    s.add({"time": 1.0, "rank": 1, "step": 1, "tokens_per_s": 110.0})
+    assert s.tokens_per_s == 210.0  # rank 0 is one rank, not the job
+    s.add({"time": 2.0, "rank": 0, "step": 2, "tokens_per_s": 120.0})
+    assert s.tokens_per_s == 230.0
+    s.add({"time": 2.0, "rank": 1, "step": 2, "loss": 1.0})  # no rate in this record: the last one stands
+    s.add({"time": 3.0, "rank": 2, "step": 2, "tokens_per_s": 50})
+    assert s.to_dict()["tokens_per_s"] == 280.0
+
+
+def test_train_worker_records_feed_peak_memory_and_the_comparison(tmp_path):
+    """Records shaped exactly as engine.workers.train writes them, through the files and the summary."""
+    assert "peak_memory" in PEAK_MEMORY_KEYS and "max_allocated" in PEAK_MEMORY_KEYS
+    d = tmp_path / "metrics"
+    d.mkdir()
+    for rank in (0, 1):
+        lines = [{"time": 10.0, "rank": rank, "step": None, "kind": "status", "phase": "training", "max_steps": 4}]
+        for step in range(1, 5):
+            lines.append({"time": 10.0 + step, "rank": rank, "step": step, "loss": 3.0 - step * 0.1, "lr": 1e-3,
+                          "grad_norm": 1.5, "tokens_per_s": 1000.0 + rank, "step_time": 0.256, "mfu": None,
+                          "peak_memory": (2 + rank) * 2**30 + step})  # fmt: skip
+        (d / f"rank{rank}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    summary, _ = summarize(d, max_steps=4)
+    progress = summary.to_dict()
+    assert progress["peak_memory_by_rank"] == {"0": 2 * 2**30 + 4, "1": 3 * 2**30 + 4}
+    assert progress["tokens_per_s"] == 2001.0 and progress["step"] == 4 and progress["fraction"] == 1.0
+    predicted = {"peak_memory_bytes": 4 * 2**30, "tokens_per_s": 1800.0, "step_time_s": 0.3}
+    comparison = _compare(predicted, progress)
+    assert comparison["peak_memory_bytes"] == {"predicted": 4 * 2**30, "measured": 3 * 2**30 + 4}
+    assert comparison["tokens_per_s"] == {"predicted": 1800.0, "measured": 2001.0}
+    assert comparison["step_time_s"]["measured"] == pytest.approx(1.0)  # one step per second of records
+    # An out-of-memory record's allocator peak counts too.
+    summary.add({"time": 20.0, "rank": 1, "kind": "error", "error": "out_of_memory", "max_allocated": 5 * 2**30})
+    assert summary.to_dict()["peak_memory_by_rank"]["1"] == 5 * 2**30
 
 
 # -- stores -------------------------------------------------------------------------------

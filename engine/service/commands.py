@@ -1,4 +1,4 @@
-"""The job commands: `rigpilot engine | run | jobs | logs | metrics | cancel | resume`.
+"""The job commands: `rigpilot engine | run | jobs | logs | metrics | cancel | resume | delete`.
 
 All but `engine` are clients of the engine service and start it when none
 runs. `run` submits and then follows the job; Ctrl-C only stops following.
@@ -17,6 +17,7 @@ from typing import Any
 from engine.errors import UserError
 
 TERMINAL = ("completed", "failed", "cancelled", "interrupted")
+ACTIVE = ("starting", "running")
 
 
 def register(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
@@ -84,6 +85,10 @@ def register(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     p.add_argument("job", metavar="JOB")
     p.add_argument("--detach", action="store_true", help="queue it and return at once")
     p.set_defaults(func=cmd_resume)
+
+    p = sub.add_parser("delete", help="remove a job that is not running, with its folder (logs, checkpoints, output)")
+    p.add_argument("job", metavar="JOB")
+    p.set_defaults(func=cmd_delete)
 
 
 # -- option groups ---------------------------------------------------------------
@@ -512,6 +517,17 @@ def cmd_resume(args: argparse.Namespace) -> int:
         if args.detach:
             return 0
         return follow(c, job["id"])
+
+
+def cmd_delete(args: argparse.Namespace) -> int:
+    with _client() as c:
+        job = c.request("job", job=args.job)["job"]
+        if job["state"] in ACTIVE:
+            # The service refuses too; this says what to do about it.
+            raise UserError(f"job {job['id']} is {job['state']}; stop it first with 'rigpilot cancel {job['id']}'")
+        c.request("delete", job=job["id"])
+    print(f"job {job['id']} ({job['kind']} '{job['name']}') deleted with its folder {job['job_dir']}")
+    return 0
 
 
 # -- formatting ------------------------------------------------------------------

@@ -6,6 +6,11 @@ reader hands back only complete lines and the cursor after them, so a client
 that reconnects resumes exactly where it stopped, or from `{}` to get the whole
 history. `MetricsSummary` folds records into what the job views show: step,
 loss, tokens/s, progress and ETA, peak memory per rank, phase and errors.
+
+tokens/s is reported per rank (torchtitan's per-device convention: the job's
+tokens per step / step time / world size; see engine.report), by the workers
+and by scripts alike, so the job's rate is the sum over ranks of each rank's
+latest value.
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ from pathlib import Path
 from typing import Any
 
 _RANK_FILE = re.compile(r"^rank(\d+)\.jsonl$")
-# Names a peak-memory figure (bytes) may go by in a record; engine.workers reports "peak_memory".
-PEAK_MEMORY_KEYS = ("peak_memory", "peak_memory_bytes", "max_memory_allocated")
+# Names a peak-memory figure (bytes) may go by in a record. engine.workers reports "peak_memory" with
+# every step (the allocator's peak on a GPU, the process's peak RSS on a CPU) and "max_allocated" in
+# its out-of-memory error record; scripts may use the longer names.
+PEAK_MEMORY_KEYS = ("peak_memory", "peak_memory_bytes", "max_memory_allocated", "max_allocated")
 Cursor = dict[str, int]
 
 
@@ -100,8 +107,7 @@ class MetricsSummary:
         self.last_time: float | None = None
         self._rate_start: tuple[float, int] | None = None  # (time, step) of the first step record
         self._rate_end: tuple[float, int] | None = None
-        self._tokens_by_rank: dict[int, float] = {}
-        self._rank0_reports_tokens = False
+        self._tokens_by_rank: dict[int, float] = {}  # each rank's latest tokens/s (per rank)
 
     def add(self, rec: dict[str, Any]) -> None:
         self.records += 1
@@ -142,13 +148,9 @@ class MetricsSummary:
             self.loss = float(loss)
         tps = rec.get("tokens_per_s")
         if isinstance(tps, int | float) and not isinstance(tps, bool):
-            # Workers report the global rate on rank 0; scripts may report per rank, which then adds up.
-            if rank == 0:
-                self._rank0_reports_tokens = True
+            # Per rank, by convention (engine.report): the job's rate is the sum of each rank's latest.
             self._tokens_by_rank[rank] = float(tps)
-            self.tokens_per_s = (
-                self._tokens_by_rank[0] if self._rank0_reports_tokens else sum(self._tokens_by_rank.values())
-            )
+            self.tokens_per_s = sum(self._tokens_by_rank.values())
 
     def to_dict(self, now: float | None = None) -> dict[str, Any]:
         fraction = eta = rate = None

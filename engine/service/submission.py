@@ -4,12 +4,20 @@ Everything a user can get wrong (no dataset, an empty or missing file, a
 corrupt config.json, a GPU the machine does not have, degrees that do not
 multiply to the rank count) is found here and raised as one `UserError`, so a
 bad submission leaves no folder and no row behind.
+
+A job submitted with a plan (the planner's `Plan` JSON, engine.planner.plan)
+runs under it: GPUs and parallel degrees where the submission left them open,
+and for training the micro-batch, gradient accumulation (pipeline micro-batches
+under pipeline parallelism), activation checkpointing, sequence length and
+precision, which the plan decides over the submission's own values because its
+memory and speed figures were computed for them. What was taken is recorded in
+the job (`predicted.from_plan`, with `predicted.plan_notes`).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +28,13 @@ from engine.service.protocol import check_dataclass
 
 KINDS = ("train", "infer", "script", "calibrate")
 TRAIN_METHODS = ("full", "lora", "scratch")
+PRECISIONS = ("fp32", "bf16", "fp16")
+CHECKPOINTING = ("none", "selective", "full")
+OFFLOAD_REFUSAL = (
+    "this plan offloads to the CPU with DeepSpeed, which Rigpilot jobs do not run yet; "
+    "export it with 'rigpilot plan --export deepspeed' or pick a plan without offload"
+)
+_SCHEDULES = {"1f1b": "1F1B", "gpipe": "GPipe"}
 
 
 @dataclass
@@ -28,7 +43,9 @@ class Submission:
     plan: dict[str, Any] | None
     ranks: int
     cwd: str | None
-    predicted: dict[str, Any] | None
+    predicted: dict[str, Any] | None  # plan_prediction(), plus `from_plan` and `plan_notes` when a plan was applied
+    from_plan: dict[str, Any] = field(default_factory=dict)  # job settings taken from the plan, by name
+    notes: list[str] = field(default_factory=list)  # how the plan was mapped onto what jobs can run
 
 
 def prepare(
@@ -50,8 +67,13 @@ def prepare(
         raise UserError(f"working folder {cwd} does not exist")
     spec = JobSpec.from_dict({**data, "id": job_id})
     spec.simulated = machine.simulated
-    if plan is not None and spec.kind != "script":
-        apply_plan_layout(spec, plan)
+    from_plan: dict[str, Any] = {}
+    notes: list[str] = []
+    # A script only gets the plan's predictions: how it splits the work is its own business.
+    applies_plan = plan is not None and spec.kind != "script"
+    if applies_plan:
+        check_plan_runs(spec, plan)
+        from_plan, notes = apply_plan_layout(spec, plan)
     spec.gpus = _check_gpus(spec.gpus or _default_gpus(spec, machine), machine)
     ranks = len(spec.gpus)
     if machine.simulated:
@@ -62,6 +84,10 @@ def prepare(
         _check_script(spec, base)
     elif spec.kind == "train":
         spec.train = spec.train or TrainSettings()
+        if applies_plan:
+            taken, more = apply_plan_training(spec, plan)
+            from_plan.update(taken)
+            notes += more
         _check_train(spec, base)
         _check_degrees(spec, ranks)
     elif spec.kind == "infer":
@@ -72,7 +98,10 @@ def prepare(
         _check_degrees(spec, ranks)
         if spec.model:
             spec.model = _check_model(spec.model, base)
-    return Submission(spec, plan, ranks, str(base) if base else None, plan_prediction(plan))
+    predicted = plan_prediction(plan)
+    if applies_plan and (from_plan or notes):
+        predicted = {**(predicted or {}), "from_plan": from_plan, "plan_notes": notes}
+    return Submission(spec, plan, ranks, str(base) if base else None, predicted, from_plan, notes)
 
 
 def _default_gpus(spec: JobSpec, machine: Machine) -> list[int]:
@@ -131,6 +160,12 @@ def _check_train(spec: JobSpec, base: Path | None) -> None:
             raise UserError(f"{name.replace('_', ' ')} must be at least 1, not {getattr(t, name)}")
     if t.learning_rate <= 0:
         raise UserError(f"learning rate must be greater than 0, not {t.learning_rate}")
+    if t.precision not in PRECISIONS:
+        raise UserError(f"unknown precision {t.precision!r}; choose one of {', '.join(PRECISIONS)}")
+    if t.activation_checkpointing not in CHECKPOINTING:
+        raise UserError(
+            f"unknown activation checkpointing {t.activation_checkpointing!r}; choose one of {', '.join(CHECKPOINTING)}"
+        )
 
 
 def _check_infer(spec: JobSpec, base: Path | None) -> None:
@@ -251,22 +286,127 @@ def _oom_suggestion(par: Any) -> str:
     return "train LoRA adapters instead (--method lora), or use more GPUs"
 
 
-def apply_plan_layout(spec: JobSpec, plan: dict[str, Any] | None) -> None:
-    """Take GPUs and parallel degrees from the plan where the submission left them open."""
+def check_plan_runs(spec: JobSpec, plan: dict[str, Any] | None) -> None:
+    """Refuse, in one line, a plan that a job of this kind cannot run as planned."""
+    p = plan_of(plan) or {}
+    par = p.get("parallelism") if isinstance(p.get("parallelism"), dict) else {}
+    if par.get("offload_optimizer") or par.get("offload_params"):
+        raise UserError(OFFLOAD_REFUSAL)
+    workload = p.get("workload") if isinstance(p.get("workload"), dict) else {}
+    task = workload.get("task")
+    if spec.kind in ("train", "infer") and task in ("train", "infer") and task != spec.kind:
+        made_for = "training" if task == "train" else "inference"
+        raise UserError(
+            f"this plan was made for {made_for}, not for a {spec.kind} job; "
+            f"plan this job with 'rigpilot plan' and submit that plan"
+        )
+
+
+def apply_plan_layout(spec: JobSpec, plan: dict[str, Any] | None) -> tuple[dict[str, Any], list[str]]:
+    """Take GPUs and parallel degrees from the plan where the submission left them open.
+
+    ZeRO-3 plans shard with FSDP2 over the plan's sharding degree (HSDP when it
+    is smaller than dp). ZeRO-1 and ZeRO-2 plans (optimizer state, and
+    gradients, sharded; parameters replicated) have no exact FSDP2 form; they
+    run as FSDP2 sharding over the whole dp degree, the closest equivalent,
+    which shards the parameters too: less memory per GPU than planned, one
+    parameter all-gather more per step. Returns (what was taken, notes).
+    """
+    taken: dict[str, Any] = {}
+    notes: list[str] = []
     par = (plan_of(plan) or {}).get("parallelism")
     if not isinstance(par, dict):
-        return
+        return taken, notes
     indices = par.get("gpu_indices")
-    if not spec.gpus and isinstance(indices, list) and all(isinstance(g, int) for g in indices):
+    if not spec.gpus and isinstance(indices, list) and indices and all(_is_int(g) for g in indices):
         spec.gpus = list(indices)
+        taken["gpus"] = list(indices)
     p = spec.parallelism
-    if p.world_size == 1 and all(isinstance(par.get(k), int) for k in ("dp", "tp", "pp")):
-        dp = par["dp"]
-        shard = (par.get("shard_degree") or 1) if par.get("zero_stage") == 3 else 1
-        p.dp_shard = shard if isinstance(shard, int) and shard >= 1 and dp % shard == 0 else 1
-        p.dp_replicate = dp // p.dp_shard
-        p.tp, p.pp = par["tp"], par["pp"]
-        p.sequence_parallel = bool(par.get("sequence_parallel"))
+    if not all(_is_int(par.get(k)) and par[k] >= 1 for k in ("dp", "tp", "pp")):
+        return taken, notes
+    if p.world_size != 1:
+        if (par["dp"], par["tp"], par["pp"]) != (p.dp_replicate * p.dp_shard, p.tp, p.pp):
+            notes.append(
+                f"the submission's own parallel degrees (dp {p.dp_replicate * p.dp_shard}, tp {p.tp}, pp {p.pp}) "
+                f"were kept instead of the plan's (dp {par['dp']}, tp {par['tp']}, pp {par['pp']})"
+            )
+        return taken, notes
+    dp = par["dp"]
+    zero = par.get("zero_stage") if _is_int(par.get("zero_stage")) else 0
+    shard = 1
+    if zero == 3:
+        degree = par.get("shard_degree") or 1
+        shard = degree if _is_int(degree) and degree >= 1 and dp % degree == 0 else 1
+    elif zero in (1, 2) and dp > 1:
+        shard = dp
+        what = "optimizer state" if zero == 1 else "optimizer state and gradients"
+        via = "DeepSpeed " if par.get("backend") == "deepspeed" else ""
+        notes.append(
+            f"the plan's {via}ZeRO-{zero} ({what} sharded over {dp} GPUs) runs as FSDP2 sharding over the "
+            f"{dp} data-parallel ranks, its closest equivalent here: parameters are sharded too, so each GPU "
+            "holds less than planned and each step all-gathers the parameters once more"
+        )
+    p.dp_shard = shard
+    p.dp_replicate = dp // shard
+    p.tp, p.pp = par["tp"], par["pp"]
+    p.sequence_parallel = bool(par.get("sequence_parallel")) and p.tp > 1
+    taken["parallelism"] = {
+        "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "tp": p.tp, "pp": p.pp,
+        "sequence_parallel": p.sequence_parallel,
+    }  # fmt: skip
+    if zero:
+        taken["zero_stage"] = zero
+    return taken, notes
+
+
+def apply_plan_training(spec: JobSpec, plan: dict[str, Any] | None) -> tuple[dict[str, Any], list[str]]:
+    """Put the plan's training settings into spec.train; returns (what was taken, by JobSpec name; notes).
+
+    The plan decides over the submission's values: its memory and speed were
+    computed for exactly these. Its `grad_accum` counts micro-batches per
+    optimizer step per replica; under pipeline parallelism they are the
+    pipeline's micro-batches (one schedule run per step), otherwise plain
+    gradient accumulation.
+    """
+    t = spec.train
+    p = plan_of(plan) or {}
+    par = p.get("parallelism") if isinstance(p.get("parallelism"), dict) else {}
+    workload = p.get("workload") if isinstance(p.get("workload"), dict) else {}
+    taken: dict[str, Any] = {}
+    notes: list[str] = []
+    if t is None:
+        return taken, notes
+    if _is_int(par.get("micro_batch")) and par["micro_batch"] >= 1:
+        t.micro_batch = taken["micro_batch"] = par["micro_batch"]
+    accum = par.get("grad_accum")
+    if _is_int(accum) and accum >= 1:
+        pipeline = spec.parallelism.pp > 1 and _is_int(par.get("pp")) and par["pp"] > 1
+        if pipeline:
+            layout = spec.parallelism
+            layout.pp_microbatches = taken["pp_microbatches"] = accum
+            t.grad_accum = taken["grad_accum"] = 1
+            schedule = _SCHEDULES.get(str(par.get("pipeline_schedule", "")).lower())
+            if schedule == "1F1B" and accum < layout.pp:
+                schedule = "GPipe"
+                notes.append(
+                    f"the plan's 1F1B schedule needs at least {layout.pp} pipeline micro-batches and it has {accum}: "
+                    "GPipe runs instead"
+                )
+            if schedule:
+                layout.pp_schedule = taken["pp_schedule"] = schedule
+        else:
+            t.grad_accum = taken["grad_accum"] = accum
+    if par.get("checkpointing") in CHECKPOINTING:
+        t.activation_checkpointing = taken["activation_checkpointing"] = par["checkpointing"]
+    if _is_int(workload.get("seq_len")) and workload["seq_len"] >= 1:
+        t.seq_len = taken["seq_len"] = workload["seq_len"]
+    if workload.get("precision") in PRECISIONS:
+        t.precision = taken["precision"] = workload["precision"]
+    return taken, notes
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _is_number(v: Any) -> bool:

@@ -213,6 +213,9 @@ def run_infer(spec: JobSpec, job_dir: Path) -> int:
     mine = list(range(runtime.dp_rank, len(prompts), runtime.dims.dp))
     status("generating", prompts=len(mine))
     results: list[dict[str, Any]] = []
+    # Every rank of a model replica (its tp × pp ranks) sees the replica's tokens; report this rank's share,
+    # so the job's rate is the sum over ranks as for training (engine/report.py).
+    share = 1 / (runtime.dims.tp * runtime.dims.pp)
     t_start = time.perf_counter()
     first_ttft: float | None = None
     new_tokens = 0
@@ -227,7 +230,7 @@ def run_infer(spec: JobSpec, job_dir: Path) -> int:
             kind="infer",
             batch_size=len(idx),
             time_to_first_token=out.ttft,
-            tokens_per_s=count / out.seconds if out.seconds > 0 else None,
+            tokens_per_s=share * count / out.seconds if out.seconds > 0 else None,
             peak_memory=peak_memory(runtime.device),
         )
         for i, toks in zip(idx, out.tokens, strict=True):
@@ -245,7 +248,7 @@ def run_infer(spec: JobSpec, job_dir: Path) -> int:
         prompts=len(mine),
         new_tokens=new_tokens,
         time_to_first_token=first_ttft,
-        tokens_per_s=new_tokens / elapsed if elapsed > 0 else None,
+        tokens_per_s=share * new_tokens / elapsed if elapsed > 0 else None,
         peak_memory=peak_memory(runtime.device),
     )
     keeper = gen.holds_logits and runtime.tp_rank == 0
