@@ -533,3 +533,24 @@ def test_service_module_does_not_import_torch():
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False"
 
+
+
+def test_gpus_and_watch_show_the_engines_telemetry_with_the_jobs_load(engine, capsys):
+    engine.start()
+    script = engine.script("gate.py", GATE_SCRIPT)
+    with engine.client() as c:
+        job = engine.submit(c, script, str(gate(engine, "g")), gpus=[2], name="load")
+        engine.wait_state(c, job["id"], "running")
+
+        # Only the engine knows what its jobs do to simulated GPUs: the CLI must ask it, not sample on its own.
+        def gpu2_busy() -> bool:
+            assert cli_main(["gpus", "--json"]) == 0
+            g = {x["index"]: x for x in json.loads(capsys.readouterr().out)["telemetry"]["gpus"]}
+            return g[2]["gpu_util"] > 60 and g[0]["gpu_util"] < 10
+
+        wait_for(gpu2_busy, 20, 0.5, "rigpilot gpus to show the job's load on GPU 2")
+        assert cli_main(["watch", "--count", "1", "--json"]) == 0
+        sample = json.loads(capsys.readouterr().out.splitlines()[-1])
+        assert sample["simulated"] and sample["gpus"][2]["gpu_util"] > 60
+        gate(engine, "g").touch()
+        assert engine.wait_state(c, job["id"], "completed", "failed")["state"] == "completed"
