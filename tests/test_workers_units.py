@@ -138,6 +138,14 @@ def test_packing_split_and_sharding_are_deterministic_and_disjoint(tmp_path: Pat
     assert len(per_rank[0]) == len(per_rank[1]) > 0
 
 
+def test_a_small_eval_split_is_still_evaluated_in_smaller_batches() -> None:
+    blocks = torch.arange(3 * 4).reshape(3, 4)
+    per_rank = [list(eval_batches(blocks, 8, r, 2)) for r in range(2)]
+    assert [len(b) for b in per_rank] == [1, 1]  # the same count on every rank, or the collectives would hang
+    assert not torch.equal(per_rank[0][0], per_rank[1][0])
+    assert list(eval_batches(blocks[:1], 8, 0, 2)) == []
+
+
 def test_too_little_data_says_what_to_change(tmp_path: Path) -> None:
     f = tmp_path / "tiny.txt"
     f.write_text("short")

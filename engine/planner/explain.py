@@ -25,7 +25,11 @@ def number_word(n: int) -> str:
 def params_text(n: int) -> str:
     if n >= 1e9:
         return f"{n / 1e9:.1f}B"
-    return f"{n / 1e6:.0f}M"
+    if n >= 1e7:
+        return f"{n / 1e6:.0f}M"
+    if n >= 1e5:  # small test models: "0.2M", not "0M"
+        return f"{n / 1e6:.1f}M"
+    return f"{n:,}"
 
 
 def duration_text(s: float) -> str:

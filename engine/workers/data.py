@@ -211,6 +211,10 @@ class ShardedBatches:
 
 def eval_batches(blocks: torch.Tensor, batch_size: int, dp_rank: int, dp_size: int) -> Iterator[torch.Tensor]:
     """This rank's share of the eval blocks in equal-sized batches (the same count on every rank)."""
+    # A small eval split still gets evaluated: shrink the batch rather than skip evaluation altogether.
+    batch_size = min(batch_size, blocks.shape[0] // dp_size)
+    if batch_size == 0:
+        return
     per_rank = min(blocks.shape[0] // (batch_size * dp_size), MAX_EVAL_BATCHES)
     for b in range(per_rank):
         start = (b * dp_size + dp_rank) * batch_size
