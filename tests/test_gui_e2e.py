@@ -111,7 +111,8 @@ def open_window(qtbot) -> MainWindow:
     window = MainWindow(EngineLink())
     qtbot.addWidget(window)
     window.show()
-    qtbot.waitUntil(lambda: window.link.state == CONNECTED and window.link.machine is not None, timeout=30_000)
+    # The link's state changes on its own thread; wait until the GUI thread has shown the machine too.
+    qtbot.waitUntil(lambda: window.link.state == CONNECTED and window.machine_label.text() != "", timeout=30_000)
     return window
 
 
