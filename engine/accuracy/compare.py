@@ -91,7 +91,7 @@ def planner_memory() -> ModuleType:
 def compare_step(case: Case, memory: ModuleType | None = None) -> list[Row]:
     measured = measure_step(case)
     predicted = _predict(spec_for(case.model), case, memory or planner_memory())
-    return [Row(case.name, c, None if predicted is None else predicted[c], measured[c]) for c in COMPONENTS]
+    return [Row(case.name, c, predicted[c], measured[c]) for c in COMPONENTS]
 
 
 def compare_kv(case: KvCase, memory: ModuleType | None = None) -> Row:
@@ -99,16 +99,12 @@ def compare_kv(case: KvCase, memory: ModuleType | None = None) -> Row:
     measured = measure_kv_cache(case.model, batch=case.batch, prompt=case.prompt, new_tokens=case.new_tokens,
                                 dtype=dtype)  # fmt: skip
     memory = memory or planner_memory()
-    predicted = None
-    if memory is not None:
-        dtype_bytes = 2 if case.dtype == "bf16" else 4
-        predicted = memory.predict_kv_cache(spec_for(case.model), case.batch, case.cached_tokens, dtype_bytes)
+    dtype_bytes = 2 if case.dtype == "bf16" else 4
+    predicted = memory.predict_kv_cache(spec_for(case.model), case.batch, case.cached_tokens, dtype_bytes)
     return Row(case.name, "kv_cache", predicted, measured)
 
 
-def _predict(spec: ModelSpec, case: Case, memory: ModuleType | None) -> dict[str, int] | None:
-    if memory is None:
-        return None
+def _predict(spec: ModelSpec, case: Case, memory: ModuleType) -> dict[str, int]:
     return memory.predict_components(
         spec,
         precision=case.precision,
