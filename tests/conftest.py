@@ -15,3 +15,26 @@ def smi_data() -> Path:
     if not SMI_DATA.is_dir():
         pytest.fail(f"test data missing: {SMI_DATA} (the shared/ folder must sit beside the checkout)")
     return SMI_DATA
+
+
+@pytest.fixture(autouse=True)
+def _gui_test_isolation(request):
+    """In every GUI test, a Qt warning fails the test and settings go to a temporary folder, never the user's.
+
+    The end-to-end test sets up its own (it also runs a real engine service).
+    """
+    module = request.module.__name__
+    if not module.startswith("test_gui_") or module == "test_gui_e2e":
+        yield
+        return
+    from gui_fakes import fail_on_qt_warnings, isolated_config
+
+    config = isolated_config(request.getfixturevalue("tmp_path"), request.getfixturevalue("monkeypatch"))
+    warnings = fail_on_qt_warnings()
+    next(config)
+    next(warnings)
+    yield
+    try:
+        next(warnings, None)  # fails the test here if Qt warned
+    finally:
+        next(config, None)

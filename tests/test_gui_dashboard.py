@@ -6,7 +6,7 @@ import csv
 
 import numpy as np
 import pytest
-from gui_fakes import FakeLink, fail_on_qt_warnings, focusable_widgets, isolated_config, make_job, tab_through
+from gui_fakes import FakeLink, focusable_widgets, make_job, tab_through
 from PySide6.QtCore import QSettings
 from PySide6.QtGui import QColor, QImage, QPalette
 
@@ -18,14 +18,6 @@ from engine.hardware.simulated import list_profiles
 PROFILES = [p["id"] for p in list_profiles()]
 
 
-@pytest.fixture(autouse=True)
-def no_qt_warnings():
-    yield from fail_on_qt_warnings()
-
-
-@pytest.fixture(autouse=True)
-def config(tmp_path, monkeypatch):
-    yield from isolated_config(tmp_path, monkeypatch)
 
 
 def open_page(qtbot, link: FakeLink) -> DashboardPage:

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from gui_fakes import FakeLink, fail_on_qt_warnings, isolated_config
+from gui_fakes import FakeLink
 from PySide6.QtWidgets import QWidget
 
 from app.engine_env.dialog import (
@@ -63,15 +63,10 @@ print(json.dumps({"schema": "rigpilot.engine-env/1", "python": "/fake/engine-env
 """
 
 
-@pytest.fixture(autouse=True)
-def no_qt_warnings():
-    yield from fail_on_qt_warnings()
-
 
 @pytest.fixture(autouse=True)
-def config(tmp_path, monkeypatch):
+def data_home(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
-    yield from isolated_config(tmp_path, monkeypatch)
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 import pytest
-from gui_fakes import FakeLink, fail_on_qt_warnings, focusable_widgets, isolated_config, make_job, tab_through
+from gui_fakes import FakeLink, focusable_widgets, make_job, tab_through
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QApplication
 
@@ -21,14 +21,6 @@ T0 = 1_700_000_000.0
 GIB = 1024**3
 
 
-@pytest.fixture(autouse=True)
-def no_qt_warnings():
-    yield from fail_on_qt_warnings()
-
-
-@pytest.fixture(autouse=True)
-def config(tmp_path, monkeypatch):
-    yield from isolated_config(tmp_path, monkeypatch)
 
 
 def step_record(step: int, rank: int = 0, loss: float | None = None, **extra: Any) -> dict[str, Any]:

@@ -5,22 +5,12 @@ import subprocess
 import sys
 
 import pytest
-from gui_fakes import FakeLink, fail_on_qt_warnings, isolated_config, make_job
+from gui_fakes import FakeLink, make_job
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtWidgets import QApplication, QMessageBox
 
 from app.main_window import PAGES, MainWindow
 from engine.hardware.simulated import list_profiles
-
-
-@pytest.fixture(autouse=True)
-def _no_qt_warnings():
-    yield from fail_on_qt_warnings()
-
-
-@pytest.fixture(autouse=True)
-def _config(tmp_path, monkeypatch):
-    yield from isolated_config(tmp_path, monkeypatch)
 
 
 def open_window(qtbot, link):

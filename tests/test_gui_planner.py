@@ -8,9 +8,7 @@ import pytest
 import yaml
 from gui_fakes import (
     FakeLink,
-    fail_on_qt_warnings,
     focusable_widgets,
-    isolated_config,
     make_job,
     real_plan_reply,
     tab_through,
@@ -30,14 +28,6 @@ PROFILES = [p["id"] for p in list_profiles()]
 PRESET_7B = "llama-2-7b"
 
 
-@pytest.fixture(autouse=True)
-def no_qt_warnings():
-    yield from fail_on_qt_warnings()
-
-
-@pytest.fixture(autouse=True)
-def config(tmp_path, monkeypatch):
-    yield from isolated_config(tmp_path, monkeypatch)
 
 
 def open_page(qtbot, profile: str = "8x-a100-pcie", *, connect: bool = True, jobs=None) -> tuple[PlannerPage, FakeLink]:

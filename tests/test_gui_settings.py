@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from gui_fakes import FakeLink, fail_on_qt_warnings, focusable_widgets, isolated_config, tab_through
+from gui_fakes import FakeLink, focusable_widgets, tab_through
 from PySide6.QtCore import QSettings
 
 from app.settings import model
@@ -20,16 +20,6 @@ from app.settings.model import (
 from app.settings.page import SettingsPage
 from engine.hardware.simulated import list_profiles
 from engine.settings import Settings
-
-
-@pytest.fixture(autouse=True)
-def no_qt_warnings():
-    yield from fail_on_qt_warnings()
-
-
-@pytest.fixture(autouse=True)
-def config(tmp_path, monkeypatch):
-    yield from isolated_config(tmp_path, monkeypatch)
 
 
 def open_page(qtbot) -> SettingsPage:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from gui_fakes import FakeLink, fail_on_qt_warnings, focusable_widgets, isolated_config, make_job, tab_through
+from gui_fakes import FakeLink, focusable_widgets, make_job, tab_through
 from PySide6.QtCore import QPoint, Qt
 from PySide6.QtGui import QColor, QPalette
 from PySide6.QtTest import QTest
@@ -21,14 +21,6 @@ NVLINK_EDGES = {
 }  # fmt: skip
 
 
-@pytest.fixture(autouse=True)
-def no_qt_warnings():
-    yield from fail_on_qt_warnings()
-
-
-@pytest.fixture(autouse=True)
-def config(tmp_path, monkeypatch):
-    yield from isolated_config(tmp_path, monkeypatch)
 
 
 def open_page(qtbot, link: FakeLink) -> TopologyPage:

@@ -9,9 +9,7 @@ import pytest
 from gui_fakes import (
     FakeLink,
     accept_submissions,
-    fail_on_qt_warnings,
     focusable_widgets,
-    isolated_config,
     make_job,
     real_plan_reply,
     tab_through,
@@ -39,14 +37,6 @@ from engine.service.client import EngineError
 ALL_PAGES = [TASK, MODEL, DATA, GPUS, PLAN, HYPER, REVIEW, LAUNCH]
 
 
-@pytest.fixture(autouse=True)
-def no_qt_warnings():
-    yield from fail_on_qt_warnings()
-
-
-@pytest.fixture(autouse=True)
-def config(tmp_path, monkeypatch):
-    yield from isolated_config(tmp_path, monkeypatch)
 
 
 @pytest.fixture
