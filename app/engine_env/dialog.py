@@ -19,6 +19,7 @@ after a failure or Stop the button says Resume and runs `install` again, which c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -410,9 +411,17 @@ class EngineEnvDialog(QDialog):
     def _error(self, error: QProcess.ProcessError) -> None:
         if error == QProcess.ProcessError.FailedToStart and self.process is not None:
             why = self.process.errorString()
-            self.process.deleteLater()
-            self.process = None
+            self._discard_process()
             self._done(False, f"Could not start {self.command[0]}: {why}")
+
+    def _discard_process(self) -> None:
+        # Disconnect first: a signal the finished process still has queued must not reach a deleted sender.
+        process, self.process = self.process, None
+        for sig in (process.readyReadStandardOutput, process.readyReadStandardError, process.finished,
+                    process.errorOccurred):
+            with contextlib.suppress(RuntimeError, TypeError):
+                sig.disconnect()
+        process.deleteLater()
 
     def _finished(self, exit_code: int, exit_status: QProcess.ExitStatus) -> None:
         if self.process is None:
@@ -422,8 +431,7 @@ class EngineEnvDialog(QDialog):
         for rest in (self._stdout, self._stderr):
             if rest.strip():
                 self.log_view.appendPlainText(rest.decode(errors="replace"))
-        self.process.deleteLater()
-        self.process = None
+        self._discard_process()
         st = self.result_status
         ok = exit_status == QProcess.ExitStatus.NormalExit and (exit_code == 0 or bool(st.get("installed")))
         if ok:
