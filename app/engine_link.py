@@ -18,7 +18,7 @@ from typing import Any
 
 from PySide6.QtCore import QObject, Signal
 
-from app.tasks import run_in_background
+from app.tasks import report_error, run_in_background
 from engine.service.client import EngineClient
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,7 @@ class EngineLink(QObject):
         self.machine: dict[str, Any] | None = None
         self.notes: list[str] = []  # e.g. why a simulated machine stands in
         self._stop = threading.Event()
+        self._closed = False  # stopped for good: its window is gone
         self._thread: threading.Thread | None = None
         self._local = threading.local()
         self._lock = threading.Lock()
@@ -56,12 +57,18 @@ class EngineLink(QObject):
 
     # -- lifecycle --------------------------------------------------------------
     def start(self) -> None:
-        if self._thread is None:
+        if self._thread is None and not self._closed:
             self._stop.clear()
             self._thread = threading.Thread(target=self._stream, name="engine-stream", daemon=True)
             self._thread.start()
 
     def stop(self) -> None:
+        """Close the link for good: no more events, no new requests, and no answers to requests in flight.
+
+        The window that owned it is closing; a late answer must not reach its deleted widgets, and a
+        late request must not start an engine service nobody will look at.
+        """
+        self._closed = True
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=3)
@@ -75,8 +82,23 @@ class EngineLink(QObject):
         on_error: Callable[[BaseException], None] | None = None,
         **args: Any,
     ) -> None:
-        """Send one request off the GUI thread; `on_done(result)` runs back on it."""
-        run_in_background(lambda: self._client().request(rtype, **args), on_done, on_error)
+        """Send one request off the GUI thread; `on_done(result)` runs back on it.
+
+        After `stop()` nothing is sent, and answers that arrive after it are dropped.
+        """
+        if self._closed:
+            log.debug("engine link closed: %s not sent", rtype)
+            return
+
+        def done(result: Any) -> None:
+            if not self._closed and on_done is not None:
+                on_done(result)
+
+        def failed(error: BaseException) -> None:
+            if not self._closed:
+                (on_error or report_error)(error)
+
+        run_in_background(lambda: self._client().request(rtype, **args), done, failed)
 
     def _client(self) -> EngineClient:
         client = getattr(self._local, "client", None)
@@ -100,7 +122,8 @@ class EngineLink(QObject):
     # -- the stream thread --------------------------------------------------------
     def _set_state(self, state: str, detail: str) -> None:
         self.state = state
-        self.sig_state.emit(state, detail)
+        if not self._closed:
+            self.sig_state.emit(state, detail)
 
     def _stream(self) -> None:
         backoff = 0.5
@@ -144,6 +167,8 @@ class EngineLink(QObject):
 
     def _dispatch(self, ev: dict[str, Any]) -> None:
         kind = ev.get("event")
+        if self._closed:
+            return
         if kind == "telemetry":
             self.sig_telemetry.emit(ev["sample"])
         elif kind == "job":

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import shiboken6
 from PySide6.QtCore import QObject, Signal
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,15 @@ class _Dispatcher(QObject):
 
     def __init__(self) -> None:
         super().__init__()
-        self.sig_call.connect(lambda fn, arg: fn(arg))
+        self.sig_call.connect(self._call)
+
+    @staticmethod
+    def _call(fn: Callable[[Any], None], arg: Any) -> None:
+        owner = getattr(fn, "__self__", None)
+        if isinstance(owner, QObject) and not shiboken6.isValid(owner):
+            log.debug("dropped a result for a deleted %s", type(owner).__name__)  # its window closed meanwhile
+            return
+        fn(arg)
 
 
 _pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="gui-task")
@@ -37,6 +46,11 @@ _error_sink: Callable[[BaseException], None] = lambda e: log.error("background t
 def set_error_sink(sink: Callable[[BaseException], None]) -> None:
     global _error_sink
     _error_sink = sink
+
+
+def report_error(error: BaseException) -> None:
+    """Hand an error nobody else handles to the application's error sink (on the GUI thread)."""
+    _error_sink(error)
 
 
 def _dispatch() -> _Dispatcher:
@@ -61,7 +75,7 @@ def run_in_background(
         try:
             result = fn()
         except BaseException as e:  # every failure is reported on the GUI thread
-            d.sig_call.emit(on_error or _error_sink, e)
+            d.sig_call.emit(on_error or report_error, e)
             return
         if on_done is not None:
             d.sig_call.emit(on_done, result)

@@ -125,11 +125,6 @@ def test_install_streams_json_progress_and_reports_the_result(qtbot, fake):
     assert not dialog.run_button.isEnabled() and not dialog.stop_button.isEnabled()
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="in the full suite only, Qt sometimes reports 'Signal source has been deleted' during this test; "
-    "the cause (a deleted QObject from an earlier GUI test, or the installer QProcess) is not found yet",
-)
 def test_a_failed_install_says_why_and_resume_continues_where_it_stopped(qtbot, fake):
     (fake / "fail-at").write_text("1")
     dialog = open_dialog(qtbot, fake)
