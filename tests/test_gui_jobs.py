@@ -21,8 +21,6 @@ T0 = 1_700_000_000.0
 GIB = 1024**3
 
 
-
-
 def step_record(step: int, rank: int = 0, loss: float | None = None, **extra: Any) -> dict[str, Any]:
     return {
         "time": T0 + step + rank * 1e-3, "rank": rank, "step": step,
@@ -304,8 +302,15 @@ def test_deduplication_and_smoothing_helpers():
         {**step_record(1), "step": [1]},
     ]
     assert len(dedupe) == 5
+    # Debiased: the two values weigh 1/3 and 2/3, not 1/2 and 1/2 as an average started from the first.
     smoothed = ema(np.array([1.0, math.nan, 3.0]), 0.5)
-    assert smoothed.tolist() == [1.0, 1.0, 2.0]
+    assert np.allclose(smoothed, [1.0, 1.0, 1 / 3 + 2 * 3 / 3])
+    assert ema(np.array([2.0, 4.0]), 0.0).tolist() == [2.0, 4.0]  # no smoothing
+    # A falling loss: each point is the mean of the values so far weighted 0.9**age (about 2.9 here; an
+    # average started from the first value would still say 7.6).
+    falling = ema(np.array([10.0, 1.0, 1.0, 1.0]), 0.9)
+    weights = 0.9 ** np.arange(3, -1, -1)
+    assert falling[0] == 10.0 and np.isclose(falling[-1], np.dot(weights, [10, 1, 1, 1]) / weights.sum())
     assert final_timeline(np.array([1.0, 2.0, 3.0, 2.0, 3.0, 4.0])).tolist() == [True, False, False, True, True, True]
     assert [duration(s) for s in (None, 5, 125, 3 * 3600 + 300, 2 * 86400 + 4 * 3600)] == [
         "n/a", "5 s", "2 min", "3 h 05 min", "2 d 4 h"

@@ -10,6 +10,7 @@ the job's GPUs from the telemetry stream.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections import deque
@@ -53,19 +54,35 @@ def final_timeline(steps: np.ndarray) -> np.ndarray:
     return keep
 
 
-def ema(values: np.ndarray, weight: float, start: float = math.nan) -> np.ndarray:
-    """Exponential moving average (TensorBoard's smoothing): NaN gaps carry the last value on.
+def ema(values: np.ndarray, weight: float) -> np.ndarray:
+    """Debiased exponential moving average (TensorBoard's smoothing); NaN gaps carry the last value on.
 
-    `start` is the average before the first value, to continue an earlier computation.
+    Without the debiasing the first value weighs as much as all the steps after it until the average
+    forgets it, so on a short run whose loss falls fast the smoothed line lags far above the raw one.
     """
+    return ema_from(values, weight, EmaState())[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class EmaState:
+    """Where an average stopped, to carry it on over values that arrive later."""
+
+    biased: float = 0.0  # the average as if it started from 0
+    count: int = 0  # values averaged so far
+    last: float = math.nan  # the last output
+
+
+def ema_from(values: np.ndarray, weight: float, state: EmaState) -> tuple[np.ndarray, EmaState]:
     out = np.empty(len(values), dtype=np.float64)
-    last = start
+    biased, count, last = state.biased, state.count, state.last
     keep, take = weight, 1.0 - weight
     for i, v in enumerate(values.tolist()):
         if v == v:  # not NaN
-            last = v if last != last else last * keep + v * take
+            biased = biased * keep + v * take
+            count += 1
+            last = biased / (1.0 - keep**count) if keep > 0 else v
         out[i] = last
-    return out
+    return out, EmaState(biased, count, last)
 
 
 class JobSeries:
@@ -83,7 +100,8 @@ class JobSeries:
         self.records = 0
         self.revision = 0  # bumps on every change, so charts redraw only when something is new
         self._view: tuple[int, np.ndarray, np.ndarray, np.ndarray] | None = None  # revision, times, steps, values
-        self._smoothed: tuple[float, float, np.ndarray] | None = None  # weight, time of the last row, the EMA
+        # The weight, the time of the last row, the EMA and where it stopped.
+        self._smoothed: tuple[float, float, np.ndarray, EmaState] | None = None
 
     # -- input ----------------------------------------------------------------------------
     def add(self, records: list[dict[str, Any]]) -> None:
@@ -167,10 +185,11 @@ class JobSeries:
         cached = self._smoothed
         n = len(cached[2]) if cached else 0
         if cached and cached[0] == weight and 0 < n <= len(times) and times[n - 1] == cached[1]:
-            smoothed = np.concatenate([cached[2], ema(loss[n:], weight, float(cached[2][-1]))])
+            more, state = ema_from(loss[n:], weight, cached[3])
+            smoothed = np.concatenate([cached[2], more])
         else:
-            smoothed = ema(loss, weight)
-        self._smoothed = (weight, float(times[-1]), smoothed) if len(times) else None
+            smoothed, state = ema_from(loss, weight, EmaState())
+        self._smoothed = (weight, float(times[-1]), smoothed, state) if len(times) else None
         return steps, smoothed
 
     def eval_loss(self) -> tuple[np.ndarray, np.ndarray]:
