@@ -51,6 +51,8 @@ class EngineLink(QObject):
         self._closed = False  # stopped for good: its window is gone
         self._thread: threading.Thread | None = None
         self._local = threading.local()
+        self._clients: list[EngineClient] = []  # every request thread's client, to disarm them on stop()
+        self._stream_client: EngineClient | None = None
         self._lock = threading.Lock()
         self._watched: dict[str, dict[str, int] | None] = {}  # job id -> metrics cursor to resume from
         self._pending: list[tuple[str, str]] = []  # ("subscribe" | "unsubscribe", topic)
@@ -70,6 +72,12 @@ class EngineLink(QObject):
         """
         self._closed = True
         self._stop.set()
+        with self._lock:
+            clients = [*self._clients, self._stream_client]
+        for client in filter(None, clients):
+            # A request still in flight that loses its engine must not start a new one on reconnecting:
+            # by then the user (or a test) may have moved on to another engine.
+            client.autostart = False
         if self._thread is not None:
             self._thread.join(timeout=3)
             self._thread = None
@@ -104,6 +112,10 @@ class EngineLink(QObject):
         client = getattr(self._local, "client", None)
         if client is None:
             client = self._local.client = self._factory(client_name="gui")
+            with self._lock:
+                self._clients.append(client)
+                if self._closed:
+                    client.autostart = False
         return client
 
     # -- metrics of the jobs on screen ------------------------------------------
@@ -132,6 +144,10 @@ class EngineLink(QObject):
             client = None
             try:
                 client = self._factory(client_name="gui-stream")
+                with self._lock:
+                    self._stream_client = client
+                    if self._closed:
+                        client.autostart = False
                 self.sig_hello.emit(client.connect())
                 reply = client.request("machine")
                 self.machine, self.notes = reply["machine"], reply.get("notes", [])

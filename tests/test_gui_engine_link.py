@@ -17,6 +17,7 @@ class SlowClient:
     def __init__(self, asked: list[str], release: threading.Event):
         self.asked = asked
         self.release = release
+        self.autostart = True
 
     def request(self, rtype: str, **args: Any) -> dict[str, Any]:
         self.asked.append(rtype)
@@ -30,21 +31,23 @@ class SlowClient:
             self.asked.append(f"{rtype} answered")
 
 
-def make_link(asked: list[str], release: threading.Event) -> tuple[EngineLink, list[str]]:
+def make_link(asked: list[str], release: threading.Event) -> tuple[EngineLink, list[str], list[SlowClient]]:
     made: list[str] = []
+    clients: list[SlowClient] = []
 
     def factory(**kw: Any) -> SlowClient:
         made.append(kw["client_name"])
-        return SlowClient(asked, release)
+        clients.append(SlowClient(asked, release))
+        return clients[-1]
 
-    return EngineLink(client_factory=factory), made
+    return EngineLink(client_factory=factory), made, clients
 
 
 def test_answers_arrive_while_the_link_is_open(qtbot):
     asked: list[str] = []
     release = threading.Event()
     release.set()
-    link, _ = make_link(asked, release)
+    link, _, _ = make_link(asked, release)
     answers: list[Any] = []
     link.call("jobs", on_done=answers.append)
     link.call("broken", on_error=answers.append)
@@ -56,12 +59,15 @@ def test_answers_arrive_while_the_link_is_open(qtbot):
 def test_after_stop_answers_in_flight_are_dropped_and_nothing_new_is_sent(qtbot):
     asked: list[str] = []
     release = threading.Event()
-    link, made = make_link(asked, release)
+    link, made, clients = make_link(asked, release)
     answers: list[Any] = []
     link.call("cancel", on_done=answers.append, on_error=answers.append, job="j1")
     link.call("broken", on_done=answers.append, on_error=answers.append)
     qtbot.waitUntil(lambda: len(asked) == 2, timeout=5000)  # both are with the engine
+    assert clients and all(c.autostart for c in clients)
     link.stop()
+    # A request that loses its engine after this reconnects without starting one.
+    assert all(not c.autostart for c in clients)
     release.set()
     link.call("jobs", on_done=answers.append, on_error=answers.append)
     link.start()
