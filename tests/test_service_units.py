@@ -193,19 +193,21 @@ def test_plan_settings_decide_over_the_submissions_and_are_recorded(submit, tmp_
     assert best.spec.train.seq_len == 128
 
 
-def test_zero_1_and_2_plans_run_as_fsdp2_over_dp_with_a_note(submit, tmp_path):
+def test_zero_1_and_2_plans_run_as_fsdp2_without_resharding_after_forward(submit, tmp_path):
     (tmp_path / "data.txt").write_text("hello\n")
     for stage in (1, 2):
         plan = planner_plan(gpu_indices=[0, 1, 2, 3], dp=4, zero_stage=stage, shard_degree=4, backend="deepspeed")
         sub = submit(TRAIN, plan=plan)
         p = sub.spec.parallelism
         assert (p.dp_replicate, p.dp_shard, sub.ranks) == (1, 4, 4) and sub.from_plan["zero_stage"] == stage
-        (note,) = sub.predicted["plan_notes"]
-        assert f"ZeRO-{stage}" in note and "FSDP2 sharding over the 4 data-parallel ranks" in note
+        assert p.reshard_after_forward is False and sub.from_plan["parallelism"]["reshard_after_forward"] is False
+        # ZeRO-2 is exactly what runs; ZeRO-1 runs as ZeRO-2, and says so.
+        notes = sub.predicted.get("plan_notes") or []
+        assert notes == [] if stage == 2 else ("ZeRO-1" in notes[0] and "gradients are sharded too" in notes[0])
     hsdp_plan = planner_plan(gpu_indices=[0, 1, 2, 3], dp=4, zero_stage=3, shard_degree=2, backend="fsdp")
     hsdp = submit(TRAIN, plan=hsdp_plan)
     p = hsdp.spec.parallelism
-    assert (p.dp_replicate, p.dp_shard) == (2, 2) and hsdp.notes == []
+    assert (p.dp_replicate, p.dp_shard) == (2, 2) and hsdp.notes == [] and p.reshard_after_forward is True
 
 
 def test_pipeline_plans_accumulate_through_the_schedule(submit, tmp_path):

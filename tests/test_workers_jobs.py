@@ -157,6 +157,11 @@ def tp_run(root: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
+def tp_sp_run(root: Path) -> Path:
+    return llama_job(root, "tp-sp", {"tp": 2, "sequence_parallel": True}, activation_checkpointing="selective")
+
+
+@pytest.fixture(scope="module")
 def pp_run(root: Path) -> Path:
     # micro_batch 1 x 2 pipeline micro-batches = the 2 sequences per step the TP run sees.
     return llama_job(
@@ -201,9 +206,30 @@ def test_fsdp_matches_ddp_and_resumes_bit_exactly(fsdp_run: Path, ddp_run: Path)
         assert torch.equal(tensor, output_tensors(resumed)[name]), name
 
 
+def test_zero2_fsdp_keeps_parameters_gathered_and_matches_ddp(root: Path, ddp_run: Path) -> None:
+    # FSDP2 without resharding after forward (what a ZeRO-1/2 plan runs as): same math, other memory profile.
+    zero2 = llama_job(root, "fsdp-zero2", {"dp_shard": 2, "reshard_after_forward": False})
+    notes = [r["message"] for r in records(zero2) if r.get("kind") == "note"]
+    assert any("gathered from forward through backward (ZeRO-2)" in n for n in notes), notes
+    assert_same_curve(assert_loss_falls(zero2, margin=0.5), losses(ddp_run), tol=1e-4)
+
+
 def test_tensor_parallel_lowers_the_loss(tp_run: Path) -> None:
     assert_loss_falls(tp_run, margin=0.5)
     assert (tp_run / "checkpoints" / "step-12" / "COMPLETE").is_file()
+
+
+def test_sequence_parallel_computes_what_tensor_parallel_does_and_resumes_bit_exactly(
+    tp_sp_run: Path, tp_run: Path
+) -> None:
+    notes = [r["message"] for r in records(tp_sp_run) if r.get("kind") == "note"]
+    assert any(n.startswith("sequence parallel: norms and the residual stream split 2 ways") for n in notes), notes
+    curve = assert_loss_falls(tp_sp_run, margin=0.5)
+    assert_same_curve(curve, losses(tp_run), tol=1e-4)  # reduce-scatter + all-gather instead of all-reduce
+    for name, tensor in output_tensors(tp_run).items():
+        assert torch.allclose(tensor, output_tensors(tp_sp_run)[name], atol=1e-4), name
+    resumed = resume_from(tp_sp_run, 6)  # the norms' weights are DTensors now: they must checkpoint too
+    assert losses(resumed) == {s: curve[s] for s in range(7, 13)}
 
 
 def test_pipeline_parallel_matches_tensor_parallel_and_saves_the_whole_model(pp_run: Path, tp_run: Path) -> None:

@@ -30,6 +30,9 @@ class Parallelism:
 
     dp_replicate: int = 1  # plain data-parallel replicas (DDP, or the replicate dim of HSDP)
     dp_shard: int = 1  # FSDP2 sharding degree (1: no sharding)
+    # False: parameters stay gathered from forward through backward (FSDP's SHARD_GRAD_OP, the
+    # equivalent of ZeRO-2): less communication, more memory than resharding (ZeRO-3).
+    reshard_after_forward: bool = True
     tp: int = 1  # tensor parallel degree
     pp: int = 1  # pipeline stages
     sequence_parallel: bool = False

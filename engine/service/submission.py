@@ -306,11 +306,12 @@ def apply_plan_layout(spec: JobSpec, plan: dict[str, Any] | None) -> tuple[dict[
     """Take GPUs and parallel degrees from the plan where the submission left them open.
 
     ZeRO-3 plans shard with FSDP2 over the plan's sharding degree (HSDP when it
-    is smaller than dp). ZeRO-1 and ZeRO-2 plans (optimizer state, and
-    gradients, sharded; parameters replicated) have no exact FSDP2 form; they
-    run as FSDP2 sharding over the whole dp degree, the closest equivalent,
-    which shards the parameters too: less memory per GPU than planned, one
-    parameter all-gather more per step. Returns (what was taken, notes).
+    is smaller than dp). ZeRO-2 plans (optimizer state and gradients sharded)
+    run as FSDP2 over the whole dp degree with `reshard_after_forward=False`,
+    PyTorch's form of ZeRO-2: parameters are gathered once per step and stay
+    gathered through backward. ZeRO-1 (optimizer state only) has no FSDP2
+    form and runs the same way, which shards gradients too: a little less
+    memory than planned, the same communication. Returns (what was taken, notes).
     """
     taken: dict[str, Any] = {}
     notes: list[str] = []
@@ -339,20 +340,19 @@ def apply_plan_layout(spec: JobSpec, plan: dict[str, Any] | None) -> tuple[dict[
         shard = degree if _is_int(degree) and degree >= 1 and dp % degree == 0 else 1
     elif zero in (1, 2) and dp > 1:
         shard = dp
-        what = "optimizer state" if zero == 1 else "optimizer state and gradients"
-        via = "DeepSpeed " if par.get("backend") == "deepspeed" else ""
-        notes.append(
-            f"the plan's {via}ZeRO-{zero} ({what} sharded over {dp} GPUs) runs as FSDP2 sharding over the "
-            f"{dp} data-parallel ranks, its closest equivalent here: parameters are sharded too, so each GPU "
-            "holds less than planned and each step all-gathers the parameters once more"
-        )
+        p.reshard_after_forward = False
+        if zero == 1:
+            notes.append(
+                f"the plan's ZeRO-1 (optimizer state sharded over {dp} GPUs) runs as FSDP2 without resharding "
+                "after forward (ZeRO-2): gradients are sharded too, so each GPU holds a little less than planned"
+            )
     p.dp_shard = shard
     p.dp_replicate = dp // shard
     p.tp, p.pp = par["tp"], par["pp"]
     p.sequence_parallel = bool(par.get("sequence_parallel")) and p.tp > 1
     taken["parallelism"] = {
         "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "tp": p.tp, "pp": p.pp,
-        "sequence_parallel": p.sequence_parallel,
+        "sequence_parallel": p.sequence_parallel, "reshard_after_forward": p.reshard_after_forward,
     }  # fmt: skip
     if zero:
         taken["zero_stage"] = zero

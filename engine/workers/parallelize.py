@@ -67,9 +67,24 @@ def apply_tensor_parallel(root: nn.Module, tp_mesh: DeviceMesh, sequence_paralle
     """Megatron-style TP on every Llama-style block: q/k/v and gate/up column-wise, o and down row-wise.
 
     Embedding and LM head stay replicated (their outputs are needed whole on
-    every rank). Returns notes for the log.
+    every rank). With `sequence_parallel` (Korthikanti et al. 2022, as in
+    torchtitan) the residual stream between the projections is split along
+    the sequence: each rank keeps 1/tp of the norms' inputs and outputs, and
+    the row-wise projections reduce-scatter instead of all-reducing. The
+    block stack takes and returns whole sequences (the first block splits,
+    the last gathers), so masks and rotary tables, which the decoder builds
+    from the full sequence before the blocks, need no change, and a pipeline
+    stage passes whole activations on. Returns notes for the log.
     """
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     parts = decoder_parts(root, "tensor parallel")
     notes: list[str] = []
@@ -82,15 +97,29 @@ def apply_tensor_parallel(root: nn.Module, tp_mesh: DeviceMesh, sequence_paralle
     inter = getattr(config, "intermediate_size", 0)
     if inter % tp:
         raise UserError(f"tensor parallel {tp} must divide the MLP width ({inter})")
-    if sequence_parallel:
-        notes.append("sequence parallel is not implemented for Hugging Face decoders: running plain tensor parallel")
     if getattr(parts.root, "peft_config", None):
         raise UserError("LoRA with tensor parallel is not supported: use FSDP (dp_shard) or pipeline parallel for LoRA")
-    plan = {f"self_attn.{n}": ColwiseParallel() for n in ATTENTION_PROJECTIONS[:3]}
-    plan["self_attn.o_proj"] = RowwiseParallel()
+    plan: dict[str, Any] = {f"self_attn.{n}": ColwiseParallel() for n in ATTENTION_PROJECTIONS[:3]}
     plan.update({f"mlp.{n}": ColwiseParallel() for n in MLP_PROJECTIONS[:2]})
-    plan["mlp.down_proj"] = RowwiseParallel()
-    layers = parts.inner.layers.values() if isinstance(parts.inner.layers, nn.ModuleDict) else parts.inner.layers
+    if sequence_parallel:
+        seq = Shard(1)
+        plan.update({
+            "input_layernorm": SequenceParallel(),
+            "post_attention_layernorm": SequenceParallel(),
+            "self_attn": PrepareModuleInput(
+                input_kwarg_layouts={"hidden_states": seq},
+                desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                use_local_output=True,
+            ),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=seq),
+            "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True),
+            "mlp.down_proj": RowwiseParallel(output_layouts=seq),
+        })  # fmt: skip
+        notes.append(f"sequence parallel: norms and the residual stream split {tp} ways along the sequence")
+    else:
+        plan["self_attn.o_proj"] = RowwiseParallel()
+        plan["mlp.down_proj"] = RowwiseParallel()
+    layers = list(parts.inner.layers.values() if isinstance(parts.inner.layers, nn.ModuleDict) else parts.inner.layers)
     for layer in layers:
         parallelize_module(layer, tp_mesh, plan)
         attn = layer.self_attn
@@ -98,6 +127,13 @@ def apply_tensor_parallel(root: nn.Module, tp_mesh: DeviceMesh, sequence_paralle
         for attr in ("num_heads", "num_attention_heads", "num_key_value_heads"):
             if isinstance(getattr(attn, attr, None), int):
                 setattr(attn, attr, getattr(attn, attr) // tp)
+    if sequence_parallel and layers:
+        whole, split = Replicate(), Shard(1)
+        # Whole -> split is a local slice (no communication); split -> whole is one all-gather.
+        parallelize_module(layers[0], tp_mesh, PrepareModuleInput(
+            input_layouts=(whole,), desired_input_layouts=(split,), use_local_output=True))  # fmt: skip
+        parallelize_module(layers[-1], tp_mesh, PrepareModuleOutput(
+            output_layouts=split, desired_output_layouts=whole, use_local_output=True))  # fmt: skip
     return notes
 
 
@@ -156,7 +192,9 @@ def blocks(model: nn.Module) -> list[nn.Module]:
 # --- data parallel --------------------------------------------------------------------------------
 
 
-def apply_data_parallel(model: nn.Module, runtime: Runtime, precision: PrecisionPlan) -> nn.Module:
+def apply_data_parallel(
+    model: nn.Module, runtime: Runtime, precision: PrecisionPlan, reshard_after_forward: bool = True
+) -> nn.Module:
     """Wrap `model` for data parallelism over the dp dims of the mesh; returns the module to call.
 
     dp_shard > 1: FSDP2 per block then the root (HSDP over a 2-D mesh when
@@ -164,7 +202,8 @@ def apply_data_parallel(model: nn.Module, runtime: Runtime, precision: Precision
     mesh; next to tensor or pipeline parallelism DDP breaks (it cannot take
     DTensor parameters, and its reducer miscounts the several backward passes
     of a pipeline step), so FSDP2 over a (replicate, shard=1) mesh does plain
-    replication instead.
+    replication instead. `reshard_after_forward=False` keeps each block's
+    parameters gathered until its backward: ZeRO-2 rather than ZeRO-3.
     """
     dims, mesh = runtime.dims, runtime.mesh
     if dims.dp_shard > 1 or (dims.dp_replicate > 1 and dims.non_dp > 1):
@@ -178,9 +217,9 @@ def apply_data_parallel(model: nn.Module, runtime: Runtime, precision: Precision
         for i, block in enumerate(block_list):
             # The last block is needed again right at the start of backward: keep it gathered. Under
             # pipeline parallelism every micro-batch's backward needs them all again: keep all gathered.
-            reshard = dims.pp == 1 and i < len(block_list) - 1
+            reshard = dims.pp == 1 and i < len(block_list) - 1 and reshard_after_forward
             fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
-        fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+        fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
         return model
     model.to(runtime.device)
     if dims.dp_replicate > 1:

@@ -197,10 +197,21 @@ class Trainer:
             self.untied = model.untied
             self.log(f"pipeline stage {rt.pp_rank}: layers {model.first_layer}..{model.last_layer - 1}")
         if dims.tp > 1:
-            self.notes += apply_tensor_parallel(model, rt.mesh["tp"], self.spec.parallelism.sequence_parallel)
+            sequence_parallel = self.spec.parallelism.sequence_parallel
+            if sequence_parallel and self.s.seq_len % dims.tp:
+                # Uneven sequence shards would need padded collectives; a plain TP step computes the same.
+                self.notes.append(
+                    f"sequence parallel needs the sequence length ({self.s.seq_len}) to be a multiple of "
+                    f"tp ({dims.tp}): running plain tensor parallel"
+                )
+                sequence_parallel = False
+            self.notes += apply_tensor_parallel(model, rt.mesh["tp"], sequence_parallel)
         apply_activation_checkpointing(model, self.s.activation_checkpointing)
         self.module: nn.Module = model  # the module whose parameters and state dict are this rank's part
-        self.wrapped = apply_data_parallel(model, rt, self.precision)
+        reshard = self.spec.parallelism.reshard_after_forward
+        if not reshard and dims.dp_shard > 1:
+            self.notes.append("FSDP2 keeps each block's parameters gathered from forward through backward (ZeRO-2)")
+        self.wrapped = apply_data_parallel(model, rt, self.precision, reshard)
         self.module.train()
         self.scaler = None
         if self.precision.compute == torch.float16 and self.precision.device_type == "cuda":
