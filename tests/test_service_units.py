@@ -382,3 +382,15 @@ def test_runtime_dir_falls_back_to_a_private_tmp_folder(tmp_path, monkeypatch):
     d = runtime_dir()
     assert d == tmp_path / f"rigpilot-{os.getuid()}"
     assert stat.S_IMODE(d.stat().st_mode) == 0o700
+
+
+def test_run_train_flags_become_the_job_spec():
+    from engine.cli import build_parser
+    from engine.service.commands import build_spec
+
+    words = ["run", "train", "--model", "gpt2", "--data", "chat.jsonl", "--seq", "128", "--tp", "2"]
+    spec = build_spec(build_parser().parse_args(words))
+    assert spec["train"] == {"dataset": ["chat.jsonl"], "seq_len": 128}  # answers only unless asked
+    assert spec["parallelism"] == {"tp": 2}
+    spec = build_spec(build_parser().parse_args([*words, "--train-on-prompts"]))
+    assert spec["train"]["train_on_prompts"] is True

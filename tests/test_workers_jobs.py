@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import shutil
 import signal
@@ -212,6 +213,18 @@ def test_zero2_fsdp_keeps_parameters_gathered_and_matches_ddp(root: Path, ddp_ru
     notes = [r["message"] for r in records(zero2) if r.get("kind") == "note"]
     assert any("gathered from forward through backward (ZeRO-2)" in n for n in notes), notes
     assert_same_curve(assert_loss_falls(zero2, margin=0.5), losses(ddp_run), tol=1e-4)
+
+
+def test_chat_data_trains_on_the_answers_only(root: Path) -> None:
+    chat = str(REPO / "examples" / "data" / "chat.jsonl")
+    job = llama_job(root, "chat", {}, nproc=1, dataset=[chat], seq_len=64, checkpoint_every=0, eval_every=6)
+    notes = [r["message"] for r in records(job) if r.get("kind") == "note"]
+    (note,) = [n for n in notes if n.startswith("chat data: the loss covers the assistant's answers only")]
+    share = int(note.rsplit("(", 1)[1].split("%")[0])
+    assert 5 < share < 95, note
+    assert_loss_falls(job, margin=0.5)
+    evals = [r["eval_loss"] for r in records(job) if r.get("kind") == "eval"]
+    assert evals and all(math.isfinite(v) for v in evals)
 
 
 def test_tensor_parallel_lowers_the_loss(tp_run: Path) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from engine.workers.data import (
     read_dataset,
     read_documents,
     render_chat,
+    tokenize_document,
 )
 from engine.workers.parallel_dims import ParallelDims
 from engine.workers.train import lr_lambda
@@ -108,6 +110,87 @@ class _Tok:
 def test_chat_falls_back_to_a_plain_template_without_one() -> None:
     text = render_chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], _Tok())
     assert text == "<|user|>\nhi</s>\n<|assistant|>\nyo</s>\n"
+
+
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Name a colour."},
+    {"role": "assistant", "content": "Blue."},
+    {"role": "user", "content": "Another?"},
+    {"role": "assistant", "content": "Green."},
+]
+
+
+@pytest.mark.parametrize("template", ["model", "fallback"])
+def test_chat_answers_alone_are_trained_unless_prompts_are_asked_for(template: str) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(TINY_LLAMA) if template == "model" else _Tok()
+    doc = Document(messages=CHAT)
+    t = tokenize_document(doc, tok, train_on_prompts=False)
+    assert len(t.ids) == len(t.trained) and not t.unmaskable
+    def decode(ids: list[int]) -> str:
+        if template == "model":
+            return tok.decode(ids)
+        return "".join("</s>" if i == tok.eos_token_id else chr(i - 2) for i in ids)
+
+    # The trained spans are exactly the two answers.
+    spans, run = [], []
+    for token, trained in zip(t.ids, t.trained, strict=True):
+        if trained:
+            run.append(token)
+        elif run:
+            spans.append(run)
+            run = []
+    spans += [run] if run else []
+    # Each answer is trained with its end-of-turn marker (the model must learn where to stop); the last
+    # one also with the end-of-sequence token that separates packed documents.
+    texts = [decode(span) for span in spans]
+    assert [re.sub(r"(\s*</s>)+\s*$", "", t).strip() for t in texts] == ["Blue.", "Green."]
+    assert all("</s>" in t for t in texts)
+    assert "Name a colour." in decode([i for i, k in zip(t.ids, t.trained, strict=True) if not k])
+    everything = tokenize_document(doc, tok, train_on_prompts=True)
+    assert everything.ids == t.ids and all(everything.trained)
+
+
+def test_a_template_that_does_not_render_turn_by_turn_trains_the_whole_chat() -> None:
+    class Reordering(_Tok):
+        chat_template = "reversed"
+
+        def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
+            return "|".join(m["content"] for m in reversed(messages)) + ("|A:" if add_generation_prompt else "")
+
+    t = tokenize_document(Document(messages=CHAT), Reordering(), train_on_prompts=False)
+    assert t.unmaskable and all(t.trained)
+
+
+def test_masked_prompts_become_ignored_labels_and_an_all_prompt_batch_costs_nothing(tmp_path: Path) -> None:
+    from engine.workers.train import token_loss
+
+    f = tmp_path / "chat.jsonl"
+    f.write_text("\n".join(json.dumps({"messages": CHAT}) for _ in range(40)) + "\n")
+    files, docs = read_dataset([str(f)], "text")
+    data = build_dataset(files, docs, _Tok(), block_len=33, eval_fraction=0.1, seed=5, train_on_prompts=False)
+    assert data.train_trained is not None and data.train_trained.shape == data.train.shape
+    assert data.eval_trained is not None and data.eval_trained.shape == data.eval.shape
+    assert 0 < data.trained_tokens < data.num_tokens
+    whole = build_dataset(files, docs, _Tok(), block_len=33, eval_fraction=0.1, seed=5, train_on_prompts=True)
+    assert whole.train_trained is None and torch.equal(whole.train, data.train)  # same blocks, same split
+
+    logits = torch.randn(2, 5, 7, requires_grad=True)
+    labels = torch.tensor([[1, -100, 2, -100, 3], [-100] * 5])
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1)[labels.flatten() != -100],
+                                                 labels.flatten()[labels.flatten() != -100])  # fmt: skip
+    assert torch.allclose(token_loss(logits, labels), expected)
+    nothing = token_loss(logits, torch.full((2, 5), -100))
+    nothing.backward()
+    assert nothing.item() == 0.0 and logits.grad is not None and not logits.grad.any()
+
+    only_prompts = tmp_path / "prompts.jsonl"
+    only_prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "hi " * 40}]}) + "\n")
+    files, docs = read_dataset([str(only_prompts)], "text")
+    with pytest.raises(UserError, match="no assistant answers to train on, only prompts"):
+        build_dataset(files, docs, _Tok(), block_len=8, eval_fraction=0.0, seed=0, train_on_prompts=False)
 
 
 def test_packing_split_and_sharding_are_deterministic_and_disjoint(tmp_path: Path) -> None:

@@ -48,6 +48,8 @@ class Parallelism:
 class TrainSettings:
     dataset: list[str] = field(default_factory=list)  # files: .txt, .jsonl (text field), chat/instruction .jsonl
     text_field: str = "text"
+    # Chat and instruction data: False trains on the assistant's answers only (the prompts still give context).
+    train_on_prompts: bool = False
     eval_fraction: float = 0.05
     method: str = "full"  # "full" | "lora" | "scratch"
     lora_rank: int = 16

@@ -43,6 +43,8 @@ def register(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     k.add_argument("--micro-batch", type=_positive_int, metavar="N", help="sequences per rank per step (default 1)")
     k.add_argument("--grad-accum", type=_positive_int, metavar="N", help="micro-batches per optimizer step")
     k.add_argument("--lr", type=float, metavar="RATE", help="peak learning rate (default 2e-4)")
+    k.add_argument("--train-on-prompts", action="store_true",
+                   help="chat/instruction data: train on the prompts too, not only on the answers")  # fmt: skip
     k.set_defaults(func=cmd_run)
 
     k = kinds.add_parser("infer", parents=[common, model, degrees], help="generate text with a model")
@@ -245,6 +247,8 @@ def build_spec(args: argparse.Namespace) -> dict[str, Any]:
             "micro_batch": args.micro_batch, "grad_accum": args.grad_accum, "learning_rate": args.lr,
         }  # fmt: skip
         spec["train"] = {k: v for k, v in train.items() if v is not None}
+        if args.train_on_prompts:
+            spec["train"]["train_on_prompts"] = True
     elif args.kind == "infer":
         infer = {"prompts_file": args.prompts, "prompts": args.prompt, "max_new_tokens": args.max_new_tokens}
         spec["infer"] = {k: v for k, v in infer.items() if v not in (None, [])}

@@ -90,19 +90,57 @@ def _json_records(path: Path, raw: str) -> list[tuple[int, Any]]:
     return records
 
 
-def render_chat(messages: Messages, tokenizer: Any) -> str:
+def render_chat(messages: Messages, tokenizer: Any, add_generation_prompt: bool = False) -> str:
     """The conversation as the model was trained to see it: its chat template, else a plain fallback."""
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False)
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     eos = tokenizer.eos_token or ""
-    return "".join(f"{FALLBACK_ROLES.get(m['role'], '<|' + m['role'] + '|>')}\n{m['content']}{eos}\n" for m in messages)
+    text = "".join(f"{FALLBACK_ROLES.get(m['role'], '<|' + m['role'] + '|>')}\n{m['content']}{eos}\n" for m in messages)
+    return text + (f"{FALLBACK_ROLES['assistant']}\n" if add_generation_prompt else "")
 
 
-def tokenize_document(doc: Document, tokenizer: Any) -> list[int]:
-    """Token ids of one document, ending with the end-of-sequence token so packed documents stay apart."""
+@dataclass
+class Tokenized:
+    ids: list[int]
+    trained: list[bool]  # per token: does the loss predict it (False: prompt tokens, when they are masked)
+    unmaskable: bool = False  # a chat whose template does not render turn by turn: trained on every token
+
+
+def _encode(text: str, tokenizer: Any) -> list[int]:
+    # Chat templates write their own BOS where they want one; adding special tokens would double it.
+    return list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+
+
+def _chat(messages: Messages, tokenizer: Any, train_on_prompts: bool) -> Tokenized:
+    ids = _encode(render_chat(messages, tokenizer), tokenizer)
+    if train_on_prompts:
+        return Tokenized(ids, [True] * len(ids))
+    # Each answer spans from the end of the conversation before it (with the assistant's header, the
+    # generation prompt) to the end of the conversation through it. That holds only when the template
+    # renders a conversation as the concatenation of its turns; where it does not (templates that
+    # drop earlier reasoning, say), the whole conversation is trained and the job says so.
+    trained = [False] * len(ids)
+    try:
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            before = _encode(render_chat(messages[:i], tokenizer, add_generation_prompt=True), tokenizer)
+            through = _encode(render_chat(messages[: i + 1], tokenizer), tokenizer)
+            if ids[: len(before)] != before or ids[: len(through)] != through:
+                raise ValueError("not rendered turn by turn")
+            trained[len(before) : len(through)] = [True] * (len(through) - len(before))
+    except Exception:  # a template may also refuse a partial conversation
+        return Tokenized(ids, [True] * len(ids), unmaskable=True)
+    return Tokenized(ids, trained)
+
+
+def tokenize_document(doc: Document, tokenizer: Any, train_on_prompts: bool = True) -> Tokenized:
+    """Token ids of one document, ending with the end-of-sequence token so packed documents stay apart.
+
+    For a conversation without `train_on_prompts`, only the assistant's answers are marked trained.
+    """
     if doc.messages is not None:
-        # Chat templates write their own BOS where they want one; adding special tokens would double it.
-        ids = tokenizer(render_chat(doc.messages, tokenizer), add_special_tokens=False, verbose=False)["input_ids"]
+        out = _chat(doc.messages, tokenizer, train_on_prompts)
     else:
         text = doc.text or ""
         ids = []
@@ -110,18 +148,21 @@ def tokenize_document(doc: Document, tokenizer: Any) -> list[int]:
             piece = text[start : start + TEXT_CHUNK_CHARS]
             # verbose=False: packing makes long documents fine, so no "longer than the model's maximum" warning.
             ids.extend(tokenizer(piece, add_special_tokens=start == 0, verbose=False)["input_ids"])
+        out = Tokenized(ids, [True] * len(ids))
     eos = tokenizer.eos_token_id
     if eos is None:
         eos = tokenizer.sep_token_id
-    if eos is not None and (not ids or ids[-1] != eos):
-        ids.append(eos)
-    return ids
+    if eos is not None and (not out.ids or out.ids[-1] != eos):
+        out.ids.append(eos)
+        out.trained.append(out.trained[-1] if out.trained else True)  # an answer's end is part of it
+    return out
 
 
-def pack(token_ids: list[int], block_len: int) -> torch.Tensor:
+def pack(token_ids: list[int] | list[bool], block_len: int) -> torch.Tensor:
     """Consecutive, non-overlapping blocks of block_len tokens (the tail that does not fill one is dropped)."""
     n = len(token_ids) // block_len
-    return torch.tensor(token_ids[: n * block_len], dtype=torch.long).view(n, block_len)
+    dtype = torch.bool if token_ids and isinstance(token_ids[0], bool) else torch.long
+    return torch.tensor(token_ids[: n * block_len], dtype=dtype).view(n, block_len)
 
 
 def split_blocks(blocks: torch.Tensor, eval_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,6 +183,11 @@ class Dataset:
     block_len: int
     num_tokens: int
     files: list[Path]
+    # (n, block_len) bools, True where the loss predicts the token; None when it predicts every token.
+    train_trained: torch.Tensor | None = None
+    eval_trained: torch.Tensor | None = None
+    trained_tokens: int = 0  # tokens the loss predicts
+    unmaskable_chats: int = 0  # conversations trained whole because their template could not be split
 
 
 def read_dataset(paths: list[str], text_field: str) -> tuple[list[Path], list[Document]]:
@@ -151,11 +197,22 @@ def read_dataset(paths: list[str], text_field: str) -> tuple[list[Path], list[Do
 
 
 def build_dataset(
-    files: list[Path], docs: list[Document], tokenizer: Any, block_len: int, eval_fraction: float, seed: int
+    files: list[Path],
+    docs: list[Document],
+    tokenizer: Any,
+    block_len: int,
+    eval_fraction: float,
+    seed: int,
+    train_on_prompts: bool = True,
 ) -> Dataset:
     ids: list[int] = []
+    trained: list[bool] = []
+    unmaskable = 0
     for doc in docs:
-        ids.extend(tokenize_document(doc, tokenizer))
+        t = tokenize_document(doc, tokenizer, train_on_prompts)
+        ids.extend(t.ids)
+        trained.extend(t.trained)
+        unmaskable += t.unmaskable
     if len(ids) < block_len:
         names = ", ".join(str(f) for f in files)
         raise UserError(
@@ -164,7 +221,14 @@ def build_dataset(
         )
     blocks = pack(ids, block_len)
     train, evaluation = split_blocks(blocks, eval_fraction, seed)
-    return Dataset(train=train, eval=evaluation, block_len=block_len, num_tokens=len(ids), files=files)
+    data = Dataset(train=train, eval=evaluation, block_len=block_len, num_tokens=len(ids), files=files)
+    data.trained_tokens, data.unmaskable_chats = sum(trained), unmaskable
+    if not all(trained):
+        if not any(trained):
+            names = ", ".join(str(f) for f in files)
+            raise UserError(f"dataset {names} has no assistant answers to train on, only prompts")
+        data.train_trained, data.eval_trained = split_blocks(pack(trained, block_len), eval_fraction, seed)
+    return data
 
 
 class ShardedBatches:

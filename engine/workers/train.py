@@ -8,6 +8,7 @@ they checkpoint and exit with EXIT_CANCELLED.
 
 from __future__ import annotations
 
+import itertools
 import math
 import signal
 import time
@@ -123,8 +124,13 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group: Any | 
 
 
 def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over the labelled tokens (next tokens, or the masked ones for masked-LM)."""
-    return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=-100)
+    """Mean cross-entropy over the labelled tokens (next tokens, or the masked ones for masked-LM).
+
+    A batch with no labelled token (all prompt, with prompts masked) counts 0, not NaN.
+    """
+    labels = labels.flatten()
+    total = F.cross_entropy(logits.float().flatten(0, -2), labels, ignore_index=-100, reduction="sum")
+    return total / (labels != -100).sum().clamp(min=1)
 
 
 @dataclass
@@ -161,11 +167,20 @@ class Trainer:
         )
         causal = self.loaded.objective == "causal"
         self.data: Dataset = build_dataset(
-            files, docs, self.loaded.tokenizer, s.seq_len + 1 if causal else s.seq_len, s.eval_fraction, s.seed
+            files, docs, self.loaded.tokenizer, s.seq_len + 1 if causal else s.seq_len, s.eval_fraction, s.seed,
+            train_on_prompts=s.train_on_prompts or not causal,
         )
         self.log(
             f"data: {self.data.num_tokens} tokens, {len(self.data.train)} train / {len(self.data.eval)} eval sequences"
         )
+        if self.data.train_trained is not None:
+            share = self.data.trained_tokens / max(self.data.num_tokens, 1)
+            self.notes.append(f"chat data: the loss covers the assistant's answers only ({share:.0%} of the tokens)")
+        if self.data.unmaskable_chats:
+            self.notes.append(
+                f"{self.data.unmaskable_chats} conversation(s) are trained whole, prompts included: the model's chat "
+                "template does not render them turn by turn"
+            )
         self.pp_microbatches = self.spec.parallelism.pp_microbatches if self.dims.pp > 1 else 1
         self.sampler = ShardedBatches(
             len(self.data.train), s.micro_batch * self.pp_microbatches, rt.dp_rank, self.dims.dp, s.seed
@@ -239,9 +254,12 @@ class Trainer:
 
     # --- batches ----------------------------------------------------------------------------------
 
-    def _batch(self, block: torch.Tensor, step: int, micro: int) -> Batch:
+    def _batch(self, block: torch.Tensor, step: int, micro: int, trained: torch.Tensor | None = None) -> Batch:
         if self.loaded.objective == "causal":
-            return Batch(block[:, :-1].to(self.rt.device), block[:, 1:].to(self.rt.device))
+            labels = block[:, 1:]
+            if trained is not None:
+                labels = labels.masked_fill(~trained[:, 1:], -100)
+            return Batch(block[:, :-1].to(self.rt.device), labels.to(self.rt.device))
         tok = self.loaded.tokenizer
         g = torch.Generator().manual_seed(self.s.seed * 1_000_003 + step * 7919 + micro * 131 + self.rt.dp_rank)
         inputs, labels = mask_for_mlm(block, tok.mask_token_id, len(tok), list(tok.all_special_ids), g)
@@ -263,7 +281,9 @@ class Trainer:
         losses: list[float] = []
         tokens = 0
         for micro in range(accum):
-            batch = self._batch(self.data.train[self.sampler.next_indices()], step, micro)
+            picked = self.sampler.next_indices()
+            trained = self.data.train_trained
+            batch = self._batch(self.data.train[picked], step, micro, None if trained is None else trained[picked])
             tokens += batch.tokens
             last = micro == accum - 1
             if self.schedule is not None:
@@ -308,8 +328,11 @@ class Trainer:
         self.module.eval()
         total, count = 0.0, 0
         batch_size = self.s.micro_batch * self.pp_microbatches
-        for i, block in enumerate(eval_batches(self.data.eval, batch_size, self.rt.dp_rank, self.dims.dp)):
-            batch = self._batch(block, -1 - i, 0)  # negative steps: masking never repeats a training batch's
+        batches = eval_batches(self.data.eval, batch_size, self.rt.dp_rank, self.dims.dp)
+        masks = eval_batches(self.data.eval_trained, batch_size, self.rt.dp_rank, self.dims.dp) if (
+            self.data.eval_trained is not None) else itertools.repeat(None)  # fmt: skip
+        for i, (block, trained) in enumerate(zip(batches, masks, strict=False)):
+            batch = self._batch(block, -1 - i, 0, trained)  # negative steps: masking never repeats a training batch's
             if self.schedule is not None:
                 mb_losses: list[torch.Tensor] = []
                 with self.precision.autocast_context():
