@@ -215,9 +215,13 @@ def test_zero2_fsdp_keeps_parameters_gathered_and_matches_ddp(root: Path, ddp_ru
     assert_same_curve(assert_loss_falls(zero2, margin=0.5), losses(ddp_run), tol=1e-4)
 
 
-def test_chat_data_trains_on_the_answers_only(root: Path) -> None:
+def test_chat_data_trains_on_the_answers_only_and_old_checkpoints_are_pruned(root: Path) -> None:
     chat = str(REPO / "examples" / "data" / "chat.jsonl")
-    job = llama_job(root, "chat", {}, nproc=1, dataset=[chat], seq_len=64, checkpoint_every=0, eval_every=6)
+    job = llama_job(
+        root, "chat", {}, nproc=1, dataset=[chat], seq_len=64, checkpoint_every=3, keep_checkpoints=2, eval_every=6
+    )
+    # Saved at steps 3, 6, 9 and 12; the newest two are kept.
+    assert sorted(p.name for p in (job / "checkpoints").iterdir()) == ["step-12", "step-9"]
     notes = [r["message"] for r in records(job) if r.get("kind") == "note"]
     (note,) = [n for n in notes if n.startswith("chat data: the loss covers the assistant's answers only")]
     share = int(note.rsplit("(", 1)[1].split("%")[0])

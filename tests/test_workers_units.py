@@ -411,6 +411,26 @@ def test_train_settings_are_checked_before_anything_loads() -> None:
         ({"method": "qlora"}, "train method 'qlora'"),
         ({"activation_checkpointing": "some"}, "activation_checkpointing 'some'"),
         ({"precision": "fp8"}, "precision 'fp8'"),
+        ({"keep_checkpoints": -1}, "keep_checkpoints=-1: must be 0"),
     ]:
         with pytest.raises(UserError, match=message):
             validate_settings(TrainSettings(**bad))
+
+
+def test_old_checkpoints_are_pruned_to_the_newest_few(tmp_path: Path) -> None:
+    from engine.workers.checkpoint import COMPLETE, latest_checkpoint, prune_checkpoints
+
+    folder = tmp_path / "checkpoints"
+    for step in (10, 20, 30, 40):
+        (folder / f"step-{step}").mkdir(parents=True)
+        (folder / f"step-{step}" / COMPLETE).write_text("{}")
+    (folder / "step-25.tmp").mkdir()  # a save a kill interrupted
+    (folder / "step-35").mkdir()  # renamed but never declared complete
+    (folder / "step-50.tmp").mkdir()  # being written right now by a later save: not ours to touch
+    (folder / "notes").mkdir()
+    assert prune_checkpoints(folder, 0) == [] and len(list(folder.iterdir())) == 8
+    removed = prune_checkpoints(folder, 2)
+    assert sorted(p.name for p in removed) == ["step-10", "step-20", "step-25.tmp", "step-35"]
+    assert sorted(p.name for p in folder.iterdir()) == ["notes", "step-30", "step-40", "step-50.tmp"]
+    assert latest_checkpoint(folder) == folder / "step-40"
+    assert prune_checkpoints(tmp_path / "none", 3) == []

@@ -68,6 +68,7 @@ class TrainSettings:
     activation_checkpointing: str = "none"  # "none" | "selective" | "full"
     eval_every: int = 50
     checkpoint_every: int = 50
+    keep_checkpoints: int = 3  # the newest this many checkpoints stay on disk; 0 keeps every one
     seed: int = 1234
     save_merged: bool = False  # LoRA: also save merged full weights
 

@@ -96,8 +96,10 @@ class Checkpointer:
         scheduler: Any,
         data_position: Any,
         trainable_only: bool,
+        keep: int = 0,
     ) -> None:
         self.folder = job_dir / "checkpoints"
+        self.keep = keep  # newest complete checkpoints kept after a save; 0 keeps them all
         self.runtime = runtime
         self.app = _ModelAndOptimizer(model, optimizer, trainable_only)
         self.scheduler = _Plain(scheduler)
@@ -131,6 +133,7 @@ class Checkpointer:
                 zip(("pp", "dp_replicate", "dp_shard", "tp"), self.runtime.dims.shape, strict=True)
             )
             (final / COMPLETE).write_text(json.dumps(info) + "\n")
+            prune_checkpoints(self.folder, self.keep)
         dist.barrier()
         return final
 
@@ -152,21 +155,46 @@ class Checkpointer:
         return int(state["train"]["step"]), notes
 
 
-def latest_checkpoint(folder: Path) -> Path | None:
-    """The complete checkpoint with the highest step, or None."""
-    best: tuple[int, Path] | None = None
+def _checkpoints(folder: Path) -> list[tuple[int, bool, Path]]:
+    """(step, complete, folder) of every step-N folder, a half-written step-N.tmp included, by step."""
+    found: list[tuple[int, bool, Path]] = []
     if not folder.is_dir():
-        return None
+        return found
     for d in folder.iterdir():
-        if not d.is_dir() or not d.name.startswith("step-") or not (d / COMPLETE).is_file():
+        if not d.is_dir() or not d.name.startswith("step-"):
             continue
         try:
-            step = int(d.name.removeprefix("step-"))
+            step = int(d.name.removeprefix("step-").removesuffix(".tmp"))
         except ValueError:
             continue
-        if best is None or step > best[0]:
-            best = (step, d)
-    return best[1] if best else None
+        found.append((step, not d.name.endswith(".tmp") and (d / COMPLETE).is_file(), d))
+    return sorted(found, key=lambda t: (t[0], t[1]))
+
+
+def latest_checkpoint(folder: Path) -> Path | None:
+    """The complete checkpoint with the highest step, or None."""
+    complete = [d for _, ok, d in _checkpoints(folder) if ok]
+    return complete[-1] if complete else None
+
+
+def prune_checkpoints(folder: Path, keep: int) -> list[Path]:
+    """Delete all but the `keep` newest complete checkpoints, and unfinished ones older than the newest.
+
+    A full-model checkpoint is the size of the weights plus twice that in optimizer state; kept at
+    every save, a long run fills the disk. Returns what was removed. keep=0 removes nothing.
+    """
+    if keep <= 0:
+        return []
+    found = _checkpoints(folder)
+    complete = [(step, d) for step, ok, d in found if ok]
+    if not complete:
+        return []
+    newest = complete[-1][0]
+    doomed = [d for _, d in complete[:-keep]]
+    doomed += [d for step, ok, d in found if not ok and step < newest]  # left by a run that was killed
+    for d in doomed:
+        shutil.rmtree(d, ignore_errors=True)
+    return doomed
 
 
 # --- the final model ------------------------------------------------------------------------------

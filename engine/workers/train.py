@@ -72,6 +72,8 @@ def validate_settings(s: TrainSettings) -> None:
             raise UserError(f"train setting {name}={value}: must be at least 1")
     if not 0 <= s.eval_fraction < 1:
         raise UserError(f"train setting eval_fraction={s.eval_fraction}: must be in [0, 1)")
+    if s.keep_checkpoints < 0:
+        raise UserError(f"train setting keep_checkpoints={s.keep_checkpoints}: must be 0 (keep all) or more")
     if s.learning_rate <= 0:
         raise UserError(f"train setting learning_rate={s.learning_rate}: must be positive")
     if s.method not in {"full", "lora", "scratch"}:
@@ -193,7 +195,8 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(params, lr=s.learning_rate, weight_decay=s.weight_decay, betas=(0.9, 0.95))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(s.warmup_steps, s.max_steps))
         self.checkpointer = Checkpointer(
-            self.job_dir, rt, self.module, self.optimizer, self.scheduler, self.sampler, trainable_only=self.loaded.lora
+            self.job_dir, rt, self.module, self.optimizer, self.scheduler, self.sampler,
+            trainable_only=self.loaded.lora, keep=s.keep_checkpoints,
         )
         for note in self.notes:
             self.log(note)
