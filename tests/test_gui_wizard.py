@@ -126,6 +126,11 @@ def test_back_keeps_every_choice(qtbot, settings):
     wizard.hyper_page.steps.setValue(42)
     wizard.hyper_page.lr.setValue(3e-5)
     wizard.hyper_page.seed.setValue(7)
+    wizard.hyper_page.keep_checkpoints.setValue(0)
+    wizard.hyper_page.train_on_prompts.setChecked(True)
+    assert wizard.state.train.keep_checkpoints == 0 and wizard.state.train.train_on_prompts
+    words = shlex.split(wizard.state.command().splitlines()[0])
+    assert "--train-on-prompts" in words and "keep all" in wizard.state.command()
     for expected in (PLAN, GPUS, DATA, MODEL, TASK):
         wizard.back()
         assert wizard.currentId() == expected
@@ -135,6 +140,7 @@ def test_back_keeps_every_choice(qtbot, settings):
     assert wizard.model_page.method.currentData() == "full"
     go_to(qtbot, wizard, HYPER)
     assert (wizard.hyper_page.steps.value(), wizard.hyper_page.seed.value()) == (42, 7)
+    assert wizard.hyper_page.train_on_prompts.isChecked() and wizard.hyper_page.keep_checkpoints.text() == "all"
     assert wizard.hyper_page.lr.value() == pytest.approx(3e-5)
     # Going back and forth with nothing changed keeps the plan: it is not asked for again.
     assert len(link.requests("plan")) == 1

@@ -277,6 +277,10 @@ class HyperPage(StepPage):
         self.lora_targets.setObjectName("loraTargets")
         self.lora_targets.setPlaceholderText("q_proj,k_proj,v_proj,o_proj (empty: attention and MLP projections)")
         self.checkpoint_every = _spin("checkpointEvery", 1, 10_000_000)
+        self.keep_checkpoints = _spin("keepCheckpoints", 0, 100_000)
+        self.keep_checkpoints.setSpecialValueText("all")
+        self.train_on_prompts = QCheckBox("Train on the prompts too")
+        self.train_on_prompts.setObjectName("trainOnPrompts")
         self.eval_every = _spin("evalEvery", 1, 10_000_000)
         self.seed = _spin("seed", 0, 2**31 - 1)
         explained(t, "Steps", self.steps, "Optimizer updates to run; each sees one global batch of sequences.")
@@ -306,6 +310,15 @@ class HyperPage(StepPage):
             "Checkpoint every",
             self.checkpoint_every,
             "Steps between checkpoints a failed or stopped job resumes from.",
+        )
+        explained(
+            t, "Keep checkpoints", self.keep_checkpoints, "The newest this many stay on disk; older ones are deleted."
+        )
+        explained(
+            t,
+            "Chat data",
+            self.train_on_prompts,
+            "Chat and instruction files: off, the loss covers the answers only (the usual way to fine-tune on them).",
         )
         explained(t, "Evaluate every", self.eval_every, "Steps between loss measurements on held-out data (5% of it).")
         explained(t, "Seed", self.seed, "Makes data order and initial weights repeatable.")
@@ -370,6 +383,8 @@ class HyperPage(StepPage):
         for dbox in (self.lr, self.temperature, self.top_p):
             dbox.valueChanged.connect(self._changed)
         self.lora_targets.editingFinished.connect(self._changed)
+        self.keep_checkpoints.valueChanged.connect(self._changed)
+        self.train_on_prompts.toggled.connect(self._changed)
 
     def load(self) -> None:
         s = self.state
@@ -390,6 +405,8 @@ class HyperPage(StepPage):
         self.lora_alpha.setValue(t.lora_alpha)
         self.lora_targets.setText(",".join(t.lora_targets or []))
         self.checkpoint_every.setValue(t.checkpoint_every)
+        self.keep_checkpoints.setValue(t.keep_checkpoints)
+        self.train_on_prompts.setChecked(t.train_on_prompts)
         self.eval_every.setValue(t.eval_every)
         self.seed.setValue(t.seed)
         self.new_tokens.setValue(i.max_new_tokens)
@@ -411,6 +428,7 @@ class HyperPage(StepPage):
             self.seed.value(),
         )
         t.lora_rank, t.lora_alpha = self.lora_rank.value(), self.lora_alpha.value()
+        t.keep_checkpoints, t.train_on_prompts = self.keep_checkpoints.value(), self.train_on_prompts.isChecked()
         targets = [x.strip() for x in self.lora_targets.text().split(",") if x.strip()]
         t.lora_targets = targets or None
         i.temperature, i.top_p, i.seed = self.temperature.value(), self.top_p.value(), self.infer_seed.value()

@@ -379,8 +379,10 @@ def run_command(state: WizardState) -> str:
         words += ["--method", t.method, "--steps", str(t.max_steps), "--seq", str(t.seq_len),
                   "--micro-batch", str(t.micro_batch), "--grad-accum", str(t.grad_accum),
                   "--lr", f"{t.learning_rate:g}"]  # fmt: skip
+        if t.train_on_prompts:
+            words.append("--train-on-prompts")
         extras += [f"precision {t.precision}", f"warmup {t.warmup_steps}", f"eval every {t.eval_every}",
-                   f"checkpoint every {t.checkpoint_every}", f"seed {t.seed}",
+                   f"checkpoint every {t.checkpoint_every} (keep {t.keep_checkpoints or 'all'})", f"seed {t.seed}",
                    f"activation checkpointing {t.activation_checkpointing}"]  # fmt: skip
         if t.text_field != "text":
             extras.append(f"text field {t.text_field!r}")
