@@ -161,6 +161,10 @@ def build(out_dir: Path, python: str) -> Path:
     for size in ICON_SIZES:
         copy(res / "icons" / f"{size}x{size}" / f"{APP_ID}.png",
              stage / f"usr/share/icons/hicolor/{size}x{size}/apps/{APP_ID}.png")
+    # The wizard's ready-to-run first job (a tiny Llama, Shakespeare, chat data): a few hundred KB.
+    for f in sorted((ROOT / "examples").rglob("*")):
+        if f.is_file() and f.suffix in {".json", ".jinja", ".jsonl", ".txt", ".md"}:
+            copy(f, stage / PREFIX.lstrip("/") / "examples" / f.relative_to(ROOT / "examples"))
     doc = stage / "usr/share/doc/rigpilot"
     write(doc / "README.Debian", README_DEBIAN)
     write(doc / "copyright", "Rigpilot\nLicense: Apache-2.0\nSee /usr/share/common-licenses/Apache-2.0\n")

@@ -107,6 +107,11 @@ def test_install_start_remove_leaves_nothing(deb, tmp_path):
         for f in INSTALLED:
             assert Path(f).exists(), f
         assert Path("/opt/rigpilot/venv/bin/python").exists()
+        # The wizard's default first job finds the shipped examples.
+        probe = "from app.wizard.state import EXAMPLES, examples_present; print(EXAMPLES, examples_present())"
+        clean = {**os.environ, "PYTHONPATH": ""}
+        r = run(["/opt/rigpilot/venv/bin/python", "-c", probe], cwd=tmp_path, env=clean, timeout=60)
+        assert r.stdout.split() == ["/opt/rigpilot/examples", "True"], r.stdout + r.stderr
         r = run(["/usr/bin/rigpilot", "--version"], timeout=60)
         assert r.returncode == 0 and r.stdout.startswith("rigpilot "), r.stderr
         for tool, args, f in [

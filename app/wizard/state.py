@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import shlex
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,16 @@ from engine.jobs.spec import InferSettings, JobSpec, Parallelism, TrainSettings
 from engine.service.store import ACTIVE_STATES
 
 REPO = Path(__file__).resolve().parents[2]
-EXAMPLES = REPO / "examples"
+
+
+def _examples() -> Path:
+    """The shipped examples: beside the code in a checkout, beside the virtual environment when installed."""
+    installed = Path(sys.prefix).parent / "examples"  # /opt/rigpilot/venv -> /opt/rigpilot/examples
+    checkout = REPO / "examples"
+    return installed if not checkout.is_dir() and installed.is_dir() else checkout
+
+
+EXAMPLES = _examples()
 TINY_MODEL = "models/tiny-llama"
 TINY_DATA = "data/shakespeare.txt"
 
