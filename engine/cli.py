@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from engine import __version__
+from engine.argtypes import positive_float
 from engine.errors import UserError
 
 EXIT_USAGE = 2
@@ -59,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_topo)
 
     p = sub.add_parser("watch", parents=[machine, js], help="live view of the GPUs, refreshing in place")
-    p.add_argument("--interval", type=_positive_float, default=1.0, metavar="SECONDS", help="refresh period (default 1)")
+    p.add_argument("--interval", type=positive_float, default=1.0, metavar="SECONDS", help="refresh period (default 1)")
     p.add_argument("--count", type=int, default=0, metavar="N", help="stop after N frames (default: until Ctrl-C)")
     p.set_defaults(func=cmd_watch)
 
@@ -83,16 +84,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     register_jobs(sub, parents=[machine, js])
     return parser
-
-
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError("must be greater than 0")
-    return v
 
 
 def _discover(args: argparse.Namespace):

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from engine.argtypes import read_json_object
 from engine.errors import UserError
 from engine.planner.export import EXPORTS, export
 from engine.planner.links import Calibration
@@ -130,13 +131,7 @@ def workload_from_args(args: argparse.Namespace, context: int | None) -> Workloa
 def _calibration(path: Path | None) -> Calibration | None:
     if path is None:
         return None
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"cannot read calibration {path}: {e}") from e
-    if not isinstance(data, dict):
-        raise UserError(f"calibration {path} must hold a JSON object")
-    return Calibration.from_dict(data)
+    return Calibration.from_dict(read_json_object(path, "calibration"))
 
 
 def run_plan(args: argparse.Namespace) -> int:

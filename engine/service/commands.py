@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from engine.argtypes import positive_int, read_json_object
 from engine.errors import UserError
 
 TERMINAL = ("completed", "failed", "cancelled", "interrupted")
@@ -38,10 +39,10 @@ def register(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     k = kinds.add_parser("train", parents=[common, model, degrees], help="train or fine-tune a model")
     k.add_argument("--data", action="append", default=[], metavar="FILE", help="training data (.txt, .jsonl); repeatable")
     k.add_argument("--method", choices=["full", "lora", "scratch"], help="full fine-tune, LoRA, or from scratch")
-    k.add_argument("--steps", type=_positive_int, metavar="N", help="optimizer steps (default 100)")
-    k.add_argument("--seq", type=_positive_int, metavar="TOKENS", help="sequence length (default 512)")
-    k.add_argument("--micro-batch", type=_positive_int, metavar="N", help="sequences per rank per step (default 1)")
-    k.add_argument("--grad-accum", type=_positive_int, metavar="N", help="micro-batches per optimizer step")
+    k.add_argument("--steps", type=positive_int, metavar="N", help="optimizer steps (default 100)")
+    k.add_argument("--seq", type=positive_int, metavar="TOKENS", help="sequence length (default 512)")
+    k.add_argument("--micro-batch", type=positive_int, metavar="N", help="sequences per rank per step (default 1)")
+    k.add_argument("--grad-accum", type=positive_int, metavar="N", help="micro-batches per optimizer step")
     k.add_argument("--lr", type=float, metavar="RATE", help="peak learning rate (default 2e-4)")
     k.add_argument("--train-on-prompts", action="store_true",
                    help="chat/instruction data: train on the prompts too, not only on the answers")  # fmt: skip
@@ -50,7 +51,7 @@ def register(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     k = kinds.add_parser("infer", parents=[common, model, degrees], help="generate text with a model")
     k.add_argument("--prompts", metavar="FILE", help="JSONL file with a \"prompt\" field per line")
     k.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt; repeatable")
-    k.add_argument("--max-new-tokens", type=_positive_int, metavar="N", help="tokens to generate (default 64)")
+    k.add_argument("--max-new-tokens", type=positive_int, metavar="N", help="tokens to generate (default 64)")
     k.set_defaults(func=cmd_run)
 
     k = kinds.add_parser("calibrate", parents=[common, model, degrees], help="measure this machine for the planner")
@@ -66,7 +67,7 @@ def register(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
 
     p = sub.add_parser("jobs", parents=[js], help="the jobs, newest first")
     p.add_argument("--state", action="append", metavar="STATE", help="only jobs in this state; repeatable")
-    p.add_argument("--limit", type=_positive_int, default=50, metavar="N", help="at most N jobs (default 50)")
+    p.add_argument("--limit", type=positive_int, default=50, metavar="N", help="at most N jobs (default 50)")
     p.set_defaults(func=cmd_jobs)
 
     p = sub.add_parser("logs", help="a job's log, one rank at a time")
@@ -102,7 +103,7 @@ def add_service_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grace", type=float, default=30.0, metavar="SECONDS", help="cancel: time to checkpoint before SIGKILL (default 30)")
     p.add_argument("--failure-grace", type=float, default=5.0, metavar="SECONDS", help="after a rank fails: time before the rest are killed (default 5)")
     p.add_argument("--telemetry-period", type=float, default=1.0, metavar="SECONDS", help="telemetry sampling period (default 1)")
-    p.add_argument("--max-cpu-ranks", type=_positive_int, metavar="N", help="ranks per job on a simulated machine (default: setting, else 4; at most the CPU count)")  # fmt: skip
+    p.add_argument("--max-cpu-ranks", type=positive_int, metavar="N", help="ranks per job on a simulated machine (default: setting, else 4; at most the CPU count)")  # fmt: skip
 
 
 def _service_options(args: argparse.Namespace):  # -> ServiceOptions
@@ -152,21 +153,11 @@ def _model_options() -> argparse.ArgumentParser:
 def _degree_options() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("parallelism (the product must equal the number of GPUs)")
-    g.add_argument("--dp", type=_positive_int, metavar="N", help="data-parallel replicas")
-    g.add_argument("--fsdp", type=_positive_int, metavar="N", help="FSDP sharding degree")
-    g.add_argument("--tp", type=_positive_int, metavar="N", help="tensor-parallel degree")
-    g.add_argument("--pp", type=_positive_int, metavar="N", help="pipeline stages")
+    g.add_argument("--dp", type=positive_int, metavar="N", help="data-parallel replicas")
+    g.add_argument("--fsdp", type=positive_int, metavar="N", help="FSDP sharding degree")
+    g.add_argument("--tp", type=positive_int, metavar="N", help="tensor-parallel degree")
+    g.add_argument("--pp", type=positive_int, metavar="N", help="pipeline stages")
     return p
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
-    return v
 
 
 def _gpu_list(text: str) -> list[int]:
@@ -258,13 +249,7 @@ def build_spec(args: argparse.Namespace) -> dict[str, Any]:
 def _read_plan(path: Path | None) -> dict[str, Any] | None:
     if path is None:
         return None
-    try:
-        plan = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"cannot read plan {path}: {e}") from None
-    if not isinstance(plan, dict):
-        raise UserError(f"plan {path} is not a JSON object")
-    return plan  # a plan or a whole search result; the service takes the best plan from the latter
+    return read_json_object(path, "plan")  # a plan or a whole search result; the service takes the best plan from the latter
 
 
 def cmd_run(args: argparse.Namespace) -> int:
