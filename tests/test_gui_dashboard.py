@@ -310,3 +310,24 @@ def test_tab_reaches_every_control(qtbot):
     assert not missing
     names = {w.objectName() for w in visited}
     assert {"metric", "pause", "exportPng", "exportCsv", "processGpu", "processTable", "chartPlot"} <= names
+
+
+@pytest.mark.parametrize("profile", ["1x-rtx4090", "4x-rtx4090", "8x-a100-pcie"])
+def test_the_cards_pane_fits_its_cards_until_the_user_sizes_it(qtbot, profile):
+    page = open_page(qtbot, FakeLink(profile))
+    content = page.cards_area.widget().sizeHint().height() + 2 * page.cards_area.frameWidth()
+    total = sum(page.splitter.sizes())
+    qtbot.waitUntil(lambda: page.splitter.sizes()[0] == min(content, int(total * 0.6)), timeout=3000)
+    top, chart, _ = page.splitter.sizes()
+    assert chart > top / 2  # the chart gets the room the cards do not need
+    # Once the user drags the splitter, their sizes stay, and only theirs are saved.
+    settings = QSettings()
+    page.save_state(settings, "fit")
+    assert settings.value("fit/splitter") is None
+    page.splitter.splitterMoved.emit(100, 1)
+    page.splitter.setSizes([100, total - 200, 100])
+    page.resize(1280, 700)
+    qtbot.wait(50)
+    assert page.splitter.sizes()[0] == 100
+    page.save_state(settings, "fit")
+    assert settings.value("fit/splitter") is not None

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from PySide6.QtCore import QByteArray, QSettings, Qt, QTimer, Signal
-from PySide6.QtGui import QHideEvent, QShowEvent
+from PySide6.QtGui import QHideEvent, QResizeEvent, QShowEvent
 from PySide6.QtWidgets import (
     QComboBox,
     QFileDialog,
@@ -75,6 +75,10 @@ class DashboardPage(QWidget):
         self.splitter.addWidget(proc_box)
         self.splitter.setStretchFactor(1, 1)
         self.splitter.setSizes([420, 360, 160])
+        # Until the user drags the splitter, the cards' pane is as tall as the cards (no empty band on
+        # machines with few GPUs) and the chart takes the rest.
+        self._user_sized = False
+        self.splitter.splitterMoved.connect(self._on_splitter_moved)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(self.splitter)
@@ -277,6 +281,7 @@ class DashboardPage(QWidget):
             self.cards[index] = card
             self._cards_grid.addWidget(card, n // columns, n % columns)
         self.chart.set_series([f"GPU {i}" for i in indices])
+        QTimer.singleShot(0, self, self.fit_cards_pane)  # once the new cards are laid out
         current = self.process_filter.currentData()
         self.process_filter.blockSignals(True)
         self.process_filter.clear()
@@ -392,6 +397,25 @@ class DashboardPage(QWidget):
         )
 
     # -- visibility and persistence --------------------------------------------------------------
+    def _on_splitter_moved(self, *_: object) -> None:
+        self._user_sized = True
+
+    def fit_cards_pane(self) -> None:
+        """Give the cards' pane the height of its content, at most 60 % of the page (it scrolls beyond)."""
+        sizes = self.splitter.sizes()
+        total = sum(sizes)
+        if self._user_sized or total <= 0:
+            return
+        content = self.cards_area.widget().sizeHint().height() + 2 * self.cards_area.frameWidth()
+        top = min(content, int(total * 0.6))
+        rest = total - top
+        proc = min(sizes[2], rest // 3) if sizes[2] else rest // 4
+        self.splitter.setSizes([top, rest - proc, proc])
+
+    def resizeEvent(self, event: QResizeEvent) -> None:
+        super().resizeEvent(event)
+        QTimer.singleShot(0, self, self.fit_cards_pane)  # after the splitter has taken the new size
+
     def _apply_refresh_rate(self) -> None:
         self.timer.setInterval(int(1000 / read_refresh_hz()))
 
@@ -406,14 +430,17 @@ class DashboardPage(QWidget):
         self.timer.stop()
 
     def save_state(self, settings: QSettings, prefix: str) -> None:
-        settings.setValue(f"{prefix}/splitter", self.splitter.saveState())
+        if self._user_sized:  # otherwise the fitted sizes follow the machine's cards
+            settings.setValue(f"{prefix}/splitter", self.splitter.saveState())
+        else:
+            settings.remove(f"{prefix}/splitter")
         settings.setValue(f"{prefix}/metric", self._metric)
         settings.setValue(f"{prefix}/window", float(self.window))
 
     def restore_state(self, settings: QSettings, prefix: str) -> None:
         state = settings.value(f"{prefix}/splitter")
-        if isinstance(state, QByteArray):
-            self.splitter.restoreState(state)
+        if isinstance(state, QByteArray) and self.splitter.restoreState(state):
+            self._user_sized = True
         metric = settings.value(f"{prefix}/metric")
         if metric in METRIC_BY_KEY:
             self.set_metric(metric)
