@@ -274,3 +274,28 @@ def test_gpt2_gelu_new_matches_measurements():
     kw = dict(method="full", optimizer="adamw", checkpointing="none", micro_batch=2, seq_len=64)
     assert predict_components(spec, precision="fp32", **kw)["activations_saved"] == pytest.approx(4_075_012, rel=0.001)
     assert predict_components(spec, precision="bf16", **kw)["activations_saved"] == pytest.approx(4_042_244, rel=0.001)
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "deepseek_v3", "llama"])
+def test_kv_cache_matches_what_transformers_caches(model_type):
+    """The cache a real forward pass fills, byte for byte: MLA keeps one latent per token and layer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from engine.models.formulas import spec_from_config
+
+    small = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}  # fmt: skip
+    if model_type != "llama":
+        small.update(num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+                     n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None,
+                     qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, n_group=1, topk_group=1)  # fmt: skip
+    config = AutoConfig.for_model(model_type, **small)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    batch, tokens = 3, 7
+    with torch.no_grad():
+        cache = model(input_ids=torch.randint(0, 128, (batch, tokens)), use_cache=True).past_key_values
+    cached = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    spec = spec_from_config(config.to_dict())
+    assert predict_kv_cache(spec, batch, tokens, 4) == cached

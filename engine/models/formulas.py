@@ -115,6 +115,7 @@ class _Model:
     num_shared_experts: int = 0
     moe_intermediate_size: int | None = None
     notes: list[str] = field(default_factory=list)
+    kv_latent: int | None = None
 
     @property
     def head(self) -> int:
@@ -159,6 +160,7 @@ def _finish(m: _Model) -> ModelSpec:
         layer_linears=list(typical.linears),
         count_source="config",
         notes=m.notes,
+        kv_latent=m.kv_latent,
     )
 
 
@@ -297,8 +299,8 @@ def _deepseek(c: Config) -> _Model:
         # Every head has its own decompressed key; head_dim is the query/key width.
         d = dataclasses.replace(d, kv_heads=d.heads, head_dim=nope + rope)
         notes.append(
-            f"multi-head latent attention: transformers caches keys ({d.heads}x{nope + rope}) and values "
-            f"({d.heads}x{v_dim}) per token; MLA-aware servers cache only the {kv_lora}+{rope} latent"
+            f"multi-head latent attention: the KV cache holds one {kv_lora}+{rope} latent per token and layer "
+            f"(not {d.heads} heads of keys and values), whole on every tensor-parallel rank"
         )
     blocks = []
     for i in range(c.num("num_hidden_layers")):
@@ -327,9 +329,12 @@ def _deepseek(c: Config) -> _Model:
         else:
             _gated_mlp(b, d.hidden, d.inter)
         blocks.append(b)
-    return _decoder(
+    model = _decoder(
         c, d, blocks, final_norm=d.hidden, num_shared_experts=shared, moe_intermediate_size=moe_inter, notes=notes
     )
+    if mla:
+        model.kv_latent = kv_lora + rope
+    return model
 
 
 # --- Families with their own layouts ------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ class ModelSpec:
     num_layers: int
     num_heads: int
     num_kv_heads: int
-    head_dim: int
+    head_dim: int  # query/key width per head
     intermediate_size: int
     vocab_size: int
     max_position_embeddings: int | None
@@ -50,6 +50,9 @@ class ModelSpec:
     params_by_dtype: dict[str, int] = field(default_factory=dict)  # from safetensors: {"BF16": n, "F32": m}
     count_source: str = "config"  # "safetensors" | "config" | "meta-device" | "preset"
     notes: list[str] = field(default_factory=list)
+    # Elements one layer caches per token where that is one compressed latent shared by all heads instead
+    # of keys and values per KV head: DeepSeek's MLA (kv_lora_rank + qk_rope_head_dim), as transformers runs it.
+    kv_latent: int | None = None
 
     @property
     def is_moe(self) -> bool:

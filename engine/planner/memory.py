@@ -371,11 +371,12 @@ def predict_components(
 def predict_kv_cache(spec: ModelSpec, batch: int, tokens: int, dtype_bytes: int) -> int:
     """KV cache bytes: 2 (k and v) × layers × kv_heads × head_dim × tokens × batch × bytes.
 
-    GQA/MQA models cache only their kv heads; encoders cache nothing.
+    GQA/MQA models cache only their kv heads; encoders cache nothing; MLA caches its latent instead.
     """
     if not spec.is_decoder:
         return 0
-    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * tokens * batch * dtype_bytes
+    per_token_layer = spec.kv_latent or 2 * spec.num_kv_heads * spec.head_dim
+    return spec.num_layers * per_token_layer * tokens * batch * dtype_bytes
 
 
 def overhead_bytes(allocated: float, *, architecture: str | None, groups: int) -> int:
@@ -585,7 +586,8 @@ class MemoryModel:
         first_layer, end_layer = stage_range(par, stage, m.layers)
         n_layers = end_layer - first_layer
         batch = ceil_div(w.global_batch, par.dp)
-        kv_per_gpu = ceil_div(m.spec.num_kv_heads, t) / max(m.spec.num_kv_heads, 1)
+        # TP splits the cache by KV head; a latent shared by all heads is whole on every rank.
+        kv_per_gpu = 1.0 if m.spec.kv_latent else ceil_div(m.spec.num_kv_heads, t) / max(m.spec.num_kv_heads, 1)
         kv = predict_kv_cache(m.spec, batch, w.seq_len, c) * n_layers / m.layers * kv_per_gpu
         prompt = batch * w.prompt_tokens
         # Prefill runs one layer at a time without grad: the residual, norm output, attention and MLP tensors.
