@@ -70,11 +70,13 @@ def torchrun(job_dir: Path, nproc: int = 2, *, log_dir: Path | None = None) -> l
     return [*cmd, "-m", "engine.workers", str(job_dir)]
 
 
-def run_job(job_dir: Path, nproc: int = 2, expect: int = 0, log_dir: Path | None = None) -> subprocess.CompletedProcess:
+def run_job(
+    job_dir: Path, nproc: int = 2, expect: int = 0, log_dir: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     proc = subprocess.run(
         torchrun(job_dir, nproc, log_dir=log_dir),
         cwd=REPO,
-        env=_env(job_dir),
+        env={**_env(job_dir), **(env or {})},
         capture_output=True,
         text=True,
         timeout=JOB_TIMEOUT_S,
@@ -197,7 +199,14 @@ def test_ddp_lowers_the_loss_and_resumes_bit_exactly(ddp_run: Path) -> None:
         assert torch.equal(tensor, output_tensors(resumed)[name]), name
 
 
+def notes_of(job: Path) -> list[str]:
+    return [r["message"] for r in records(job) if r.get("kind") == "note"]
+
+
 def test_fsdp_matches_ddp_and_resumes_bit_exactly(fsdp_run: Path, ddp_run: Path) -> None:
+    # Both got their weights from rank 0 (the other ranks built meta-device skeletons): same start, same curve.
+    for run in (fsdp_run, ddp_run):
+        assert "the weights were read once, by rank 0, and handed out to the other ranks" in notes_of(run)
     curve = assert_loss_falls(fsdp_run, margin=0.5)
     assert_same_curve(curve, losses(ddp_run), tol=1e-4)  # same batches, same math, other reduction order
     resumed = resume_from(fsdp_run, 6)
@@ -254,6 +263,9 @@ def test_pipeline_parallel_matches_tensor_parallel_and_saves_the_whole_model(pp_
 
     curve = assert_loss_falls(pp_run, margin=0.5)
     assert_same_curve(curve, losses(tp_run), tol=1e-3)  # both are one replica over the same batches
+    # A pipeline stage builds its model whole and keeps its own layers; TP ranks got theirs from rank 0.
+    assert not any("read once, by rank 0" in n for n in notes_of(pp_run))
+    assert any("read once, by rank 0" in n for n in notes_of(tp_run))
     # Both stages' weights end up in one ordinary Hugging Face folder.
     model = AutoModelForCausalLM.from_pretrained(pp_run / "output")
     assert set(output_tensors(pp_run)) == {n for n, _ in model.named_parameters()}
@@ -282,7 +294,9 @@ def minilm_folder() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "model"
 
 
-def minilm_job(root: Path, name: str, parallelism: dict[str, Any], **train: Any) -> Path:
+def minilm_job(
+    root: Path, name: str, parallelism: dict[str, Any], env: dict[str, str] | None = None, **train: Any
+) -> Path:
     settings = {
         "dataset": [str(SHAKESPEARE)],
         "precision": "fp32",
@@ -295,7 +309,7 @@ def minilm_job(root: Path, name: str, parallelism: dict[str, Any], **train: Any)
         **train,
     }
     job = write_job(root / name, kind="train", model=str(minilm_folder()), parallelism=parallelism, train=settings)
-    run_job(job)
+    run_job(job, env=env)
     return job
 
 
@@ -304,6 +318,13 @@ def test_minilm_full_fine_tuning_with_ddp(root: Path) -> None:
 
     job = minilm_job(root, "minilm-full", {"dp_replicate": 2}, method="full", learning_rate=5e-4)
     assert_loss_falls(job, margin=1.0)
+    # Rank 0 read the weights and handed them out (its tied decoder bias shared again after allocation);
+    # every rank reading them itself gives the very same run.
+    assert "the weights were read once, by rank 0, and handed out to the other ranks" in notes_of(job)
+    env = {"RIGPILOT_LOAD_ON_EVERY_RANK": "1"}
+    every = minilm_job(root, "minilm-full-every", {"dp_replicate": 2}, env, method="full", learning_rate=5e-4)
+    assert not any("read once" in n for n in notes_of(every))
+    assert losses(every) == losses(job)
     model = AutoModelForMaskedLM.from_pretrained(job / "output")
     assert model.config.model_type == "bert"
     assert (job / "output" / "tokenizer.json").is_file()

@@ -192,6 +192,11 @@ def blocks(model: nn.Module) -> list[nn.Module]:
 # --- data parallel --------------------------------------------------------------------------------
 
 
+def uses_fsdp(dims: Any) -> bool:
+    """Whether apply_data_parallel wraps with FSDP2 (else DDP, or nothing)."""
+    return dims.dp_shard > 1 or (dims.dp_replicate > 1 and dims.non_dp > 1)
+
+
 def apply_data_parallel(
     model: nn.Module, runtime: Runtime, precision: PrecisionPlan, reshard_after_forward: bool = True
 ) -> nn.Module:
@@ -206,7 +211,7 @@ def apply_data_parallel(
     parameters gathered until its backward: ZeRO-2 rather than ZeRO-3.
     """
     dims, mesh = runtime.dims, runtime.mesh
-    if dims.dp_shard > 1 or (dims.dp_replicate > 1 and dims.non_dp > 1):
+    if uses_fsdp(dims):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import signal
 import time
 from collections import defaultdict
@@ -29,7 +30,7 @@ from engine.workers import EXIT_CANCELLED, EXIT_OK
 from engine.workers.checkpoint import Checkpointer, gather_full_state, save_final_model
 from engine.workers.data import Dataset, ShardedBatches, build_dataset, eval_batches, mask_for_mlm, read_dataset
 from engine.workers.metrics import mfu, peak_memory, status, world_mean, world_mean_and_any
-from engine.workers.model_loading import LoadedModel, count_params, load_model
+from engine.workers.model_loading import LoadedModel, count_params, load_model, materialize
 from engine.workers.parallel_dims import Runtime, init_runtime
 from engine.workers.parallelize import (
     PrecisionPlan,
@@ -39,6 +40,7 @@ from engine.workers.parallelize import (
     precision_dtype,
     precision_plan,
     set_gradient_sync,
+    uses_fsdp,
 )
 from engine.workers.pipeline import DecoderStage, decoder_parts
 
@@ -160,7 +162,13 @@ class Trainer:
         s, rt = self.s, self.rt
         files, docs = read_dataset(s.dataset, s.text_field)
         status("loading model")
-        self.loaded: LoadedModel = load_model(self.spec, dtype=torch.float32, for_training=True, seed=s.seed)
+        # Pipeline stages keep only their own layers, so each builds its model whole and drops the rest.
+        # RIGPILOT_LOAD_ON_EVERY_RANK=1: the old way, for a model class that cannot be built on meta.
+        every_rank = os.environ.get("RIGPILOT_LOAD_ON_EVERY_RANK") == "1"
+        rank0_loads = self.dims.world_size > 1 and self.dims.pp == 1 and not every_rank
+        self.loaded: LoadedModel = load_model(
+            self.spec, dtype=torch.float32, for_training=True, seed=s.seed, rank0_loads=rank0_loads
+        )
         counts = count_params(self.loaded.model)
         self.flops_per_token = 6.0 * counts["compute"]
         self.log(
@@ -229,7 +237,14 @@ class Trainer:
         reshard = self.spec.parallelism.reshard_after_forward
         if not reshard and dims.dp_shard > 1:
             self.notes.append("FSDP2 keeps each block's parameters gathered from forward through backward (ZeRO-2)")
+        skeleton = self.loaded.rank0_state is not None
+        if skeleton and not uses_fsdp(dims):
+            materialize(model, self.loaded, rt.device)  # DDP starts from the values it is given
         self.wrapped = apply_data_parallel(model, rt, self.precision, reshard)
+        if skeleton and uses_fsdp(dims):
+            materialize(model, self.loaded, rt.device)  # each rank allocates and receives its shards only
+        if skeleton:
+            self.notes.append("the weights were read once, by rank 0, and handed out to the other ranks")
         self.module.train()
         self.scaler = None
         if self.precision.compute == torch.float16 and self.precision.device_type == "cuda":
