@@ -17,7 +17,16 @@ from gui_fakes import (
 from PySide6.QtCore import QSettings
 from PySide6.QtWidgets import QMainWindow, QWidget, QWizard
 
-from app.wizard.data_check import CHAT, INSTRUCTION, JSONL_TEXT, TEXT, inspect_dataset, inspect_file
+from app.wizard.data_check import (
+    CHAT,
+    INSTRUCTION,
+    JSONL_TEXT,
+    TEXT,
+    DataReport,
+    FileReport,
+    inspect_dataset,
+    inspect_file,
+)
 from app.wizard.page_base import DATA, GPUS, HYPER, LAUNCH, MODEL, PLAN, REVIEW, TASK
 from app.wizard.state import (
     EXAMPLES,
@@ -126,6 +135,15 @@ def test_back_keeps_every_choice(qtbot, settings):
     wizard.hyper_page.steps.setValue(42)
     wizard.hyper_page.lr.setValue(3e-5)
     wizard.hyper_page.seed.setValue(7)
+    # The example is plain text: no prompts to leave out, so the choice is not offered; chat data offers it.
+    hyper = wizard.hyper_page
+    assert not hyper.prompts_row.isVisibleTo(hyper)
+    text_report = wizard.data_page.report
+    wizard.data_page.report = DataReport([FileReport("chat.jsonl", kind=CHAT)])
+    hyper.load()
+    assert hyper.prompts_row.isVisibleTo(hyper)
+    wizard.data_page.report = text_report
+    hyper.load()
     wizard.hyper_page.keep_checkpoints.setValue(0)
     wizard.hyper_page.train_on_prompts.setChecked(True)
     assert wizard.state.train.keep_checkpoints == 0 and wizard.state.train.train_on_prompts

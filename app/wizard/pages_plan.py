@@ -27,6 +27,7 @@ from PySide6.QtWidgets import (
 from app.planner.memory_chart import MemoryChart
 from app.planner.model import plans_of, summary_lines, tokens_per_s
 from app.widgets.palette import WARN
+from app.wizard.data_check import CHAT, INSTRUCTION
 from app.wizard.page_base import HYPER, REVIEW, StepPage, explained
 from app.wizard.plan_check import CheckResult, Overrides
 from app.wizard.state import INFER
@@ -314,7 +315,7 @@ class HyperPage(StepPage):
         explained(
             t, "Keep checkpoints", self.keep_checkpoints, "The newest this many stay on disk; older ones are deleted."
         )
-        explained(
+        self.prompts_row = explained(
             t,
             "Chat data",
             self.train_on_prompts,
@@ -394,6 +395,10 @@ class HyperPage(StepPage):
         lora = s.training and s.train_method == "lora"
         for row in self.lora_rows:
             self.train_form.setRowVisible(row, lora)
+        # Only conversations have prompts to leave out of the loss (unknown data: offer it anyway).
+        report = self.wiz.data_page.report
+        chat = report is None or any(f.kind in (CHAT, INSTRUCTION) for f in report.files)
+        self.train_form.setRowVisible(self.prompts_row, chat)
         t, i = s.train, s.infer
         self.steps.setValue(t.max_steps)
         self.lr.setValue(t.learning_rate)
