@@ -392,6 +392,23 @@ def test_predictions_sit_beside_the_measured_memory_and_speed(qtbot):
     assert charts.memory_per_rank.bar_heights() == [10.0, 11.0]
     assert charts.memory_per_rank.prediction.isVisible() and charts.memory_per_rank.prediction.value() == 10.0
     assert charts.speed.prediction.value() == 2000.0  # the plan's job rate, per GPU (two ranks)
+    assert charts.speed.prediction.isVisible() and not charts.speed.off_scale
+
+
+def test_a_plan_far_off_the_measured_scale_is_named_not_drawn(qtbot):
+    # A simulated machine: planned for its GPUs, measured on CPU ranks about 100x slower.
+    link = FakeLink()
+    predicted = {"peak_memory_bytes": 10 * GIB, "tokens_per_s": 200_000.0, "step_time_s": 0.004}
+    engine = FakeJobs(link, [a_job("sim", predicted=predicted)])
+    engine.records["sim"] = [step_record(s, rank) for s in range(1, 21) for rank in (0, 1)]
+    page = open_page(qtbot, link)
+    open_job(qtbot, page, "sim")
+    speed, step_time = page.detail.charts.speed, page.detail.charts.step_time
+    for plot in (speed, step_time):
+        assert plot.off_scale and not plot.prediction.isVisible()
+        assert "off this scale" in plot.getPlotItem().titleLabel.text
+    # The y-axis follows the measured ~1000 tokens/s, not the plan's 100,000 per GPU.
+    assert speed.getPlotItem().viewRange()[1][1] < 10_000
 
 
 # -- controls ----------------------------------------------------------------------------------------------------

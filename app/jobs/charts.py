@@ -23,6 +23,7 @@ from app.widgets.time_chart import TimeChart
 
 TELEMETRY_WINDOW_S = 600.0
 EMPTY = np.empty(0)
+OFF_SCALE = 10.0  # a plan figure this many times above or below what was measured is not drawn
 
 
 class StepPlot(pg.PlotWidget):
@@ -35,6 +36,7 @@ class StepPlot(pg.PlotWidget):
         self.setFocusPolicy(Qt.FocusPolicy.NoFocus)  # mouse-only zoom; the numbers are in the tables
         self.setMinimumHeight(170)
         item = self.getPlotItem()
+        self.title = title
         item.setTitle(title)
         item.showGrid(x=True, y=True, alpha=0.15)
         item.setLabel("bottom", "step")
@@ -46,6 +48,7 @@ class StepPlot(pg.PlotWidget):
             angle=0, movable=False, pen=pg.mkPen(BAD, width=1.5, style=Qt.PenStyle.DashLine)
         )
         self.prediction.setVisible(False)
+        self.off_scale = False  # the plan's figure is too far from the measured one to draw on this scale
         item.addItem(self.prediction, ignoreBounds=False)
         apply_plot_theme(self, self.palette())
 
@@ -60,13 +63,27 @@ class StepPlot(pg.PlotWidget):
         curve.setClipToView(True)
         return curve
 
-    def show_prediction(self, value: float | None, label: str = "plan") -> None:
+    def show_prediction(self, value: float | None, label: str = "plan", measured: np.ndarray | None = None) -> None:
+        """The plan's figure as a dashed line; in the title instead where it is off the measured scale.
+
+        A simulated machine's plan is for its GPUs while CPU ranks measure: a line 100x above the
+        curve would squash it flat, so beyond OFF_SCALE times either way the figure is only named.
+        """
+        self.off_scale = False
         if value is None or not math.isfinite(value):
             self.prediction.setVisible(False)
+            self.getPlotItem().setTitle(self.title)
             return
+        seen = measured[np.isfinite(measured)] if measured is not None else EMPTY
+        top = float(np.abs(seen).max()) if seen.size else 0.0
+        self.off_scale = top > 0 and not top / OFF_SCALE <= abs(value) <= top * OFF_SCALE
         self.prediction.setPos(value)
         self.prediction.setToolTip(f"{label}: {value:.4g}")
-        self.prediction.setVisible(True)
+        if self.prediction.isVisible() == self.off_scale:
+            self.prediction.setVisible(not self.off_scale)
+            self.getPlotItem().getViewBox().updateAutoRange()  # a hidden line no longer counts
+        suffix = f" ({label}: {value:.4g}, off this scale)" if self.off_scale else ""
+        self.getPlotItem().setTitle(self.title + suffix)
 
     def changeEvent(self, event: QEvent) -> None:
         # GraphicsView's own set-up changes the palette before the plot item exists.
@@ -235,15 +252,18 @@ class JobCharts(QWidget):
         self.loss_ema.setData(*s.smoothed_loss(self.smoothing))
         self.eval_loss.setData(*s.eval_loss())
         self.lr_curve.setData(*s.series("lr"))
-        self.speed_curve.setData(*s.series("tokens_per_s"))
-        self.step_time_curve.setData(*s.series("step_time"))
+        speed_steps, speed = s.series("tokens_per_s")
+        step_time_steps, step_time = s.series("step_time")
+        self.speed_curve.setData(speed_steps, speed)
+        self.step_time_curve.setData(step_time_steps, step_time)
         mfu_steps, mfu = s.series("mfu")
         self.mfu_curve.setData(mfu_steps, mfu * 100.0)
         p = self.predicted or {}
         total = p.get("tokens_per_s")
         # The plan predicts the job's rate; the chart shows one GPU's, as the ranks report it.
-        self.speed.show_prediction(total / self.ranks if isinstance(total, int | float) else None, "plan, per GPU")
-        self.step_time.show_prediction(p.get("step_time_s"), "plan")
+        per_gpu = total / self.ranks if isinstance(total, int | float) else None
+        self.speed.show_prediction(per_gpu, "plan, per GPU", speed)
+        self.step_time.show_prediction(p.get("step_time_s"), "plan", step_time)
         self.memory_per_rank.show_memory(s.peak_memory, p.get("peak_memory_bytes"))
 
     def _draw_compare(self) -> None:
