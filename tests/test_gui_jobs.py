@@ -664,3 +664,19 @@ def test_state_survives_a_restart(qtbot):
     assert again.proxy.states == frozenset({"failed"})
     assert again.detail.tabs.currentIndex() == 2
     assert again.detail.smoothing.value() == 0.5
+
+
+def test_the_engines_and_the_workers_notes_are_shown_once_each(qtbot):
+    link = FakeLink()
+    engine_note = "simulated: 4 GPUs run as 2 CPU ranks (at most 2 per job)"
+    engine = FakeJobs(link, [a_job("n1", predicted={"plan_notes": [engine_note]})])
+    worker_note = {"time": T0, "rank": 0, "kind": "note", "step": None, "message": "sequence parallel: split 2 ways"}
+    engine.records["n1"] = [worker_note, {**worker_note, "rank": 1}, *(step_record(s) for s in range(1, 5))]
+    page = open_page(qtbot, link)
+    open_job(qtbot, page, "n1")
+    detail = page.detail
+    qtbot.waitUntil(lambda: "sequence parallel" in detail.notes.text(), timeout=5000)
+    assert detail.notes.isVisible()
+    assert detail.notes.text().splitlines() == [f"• {engine_note}", "• sequence parallel: split 2 ways"]
+    # Notes alone are not a plan: nothing to compare with.
+    assert "No plan was attached" in detail.plan_note.text()

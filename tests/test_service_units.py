@@ -394,3 +394,22 @@ def test_run_train_flags_become_the_job_spec():
     assert spec["parallelism"] == {"tp": 2}
     spec = build_spec(build_parser().parse_args([*words, "--train-on-prompts"]))
     assert spec["train"]["train_on_prompts"] is True
+
+
+def test_a_layout_wider_than_the_simulated_cpu_ranks_shrinks_its_data_parallelism(submit, tmp_path):
+    (tmp_path / "data.txt").write_text("hello\n")
+    gpus = [0, 1, 2, 3]
+    train = {"kind": "train", "model": "gpt2", "gpus": gpus, "train": {"dataset": ["data.txt"]}}
+    sub = submit({**train, "parallelism": {"dp_shard": 4}}, cap=2)
+    p = sub.spec.parallelism
+    assert (p.dp_replicate, p.dp_shard, sub.ranks, sub.spec.gpus) == (1, 2, 2, gpus)
+    (note,) = sub.predicted["plan_notes"]
+    assert "4 GPUs run as 2 CPU ranks" in note and "fsdp 4 to dp 1 × fsdp 2" in note
+    sub = submit({**train, "parallelism": {"dp_replicate": 2, "tp": 2}}, cap=3)  # tp kept; dp 3 // 2 = 1
+    assert (sub.spec.parallelism.dp_replicate, sub.spec.parallelism.tp, sub.ranks) == (1, 2, 2)
+    with pytest.raises(UserError, match=r"tp 4 × pp 1 = 4 ranks, but this simulated machine runs at most 2"):
+        submit({**train, "parallelism": {"tp": 4}}, cap=2)
+    # A plan for the four GPUs runs the same way.
+    sub = submit(train, plan=planner_plan(gpu_indices=gpus, dp=4, zero_stage=3, shard_degree=4, backend="fsdp"), cap=2)
+    assert (sub.spec.parallelism.dp_shard, sub.ranks) == (2, 2)
+    assert any("run as 2 CPU ranks" in n for n in sub.predicted["plan_notes"])

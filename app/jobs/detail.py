@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from PySide6.QtCore import Qt
+from PySide6.QtGui import QPalette
 from PySide6.QtWidgets import (
     QDoubleSpinBox,
     QHBoxLayout,
@@ -52,6 +53,13 @@ class JobDetail(QWidget):
         self.summary = QLabel()
         self.summary.setObjectName("jobSummary")
         self.summary.setWordWrap(True)
+        # How the engine and the workers mapped the job onto this machine (plan adjustments, fallbacks).
+        self.notes = QLabel()
+        self.notes.setObjectName("jobNotes")
+        self.notes.setWordWrap(True)
+        self.notes.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.notes.setForegroundRole(QPalette.ColorRole.PlaceholderText)
+        self.notes.hide()
         self.progress = QProgressBar()
         self.progress.setObjectName("jobProgress")
         self.progress.setRange(0, 1000)
@@ -127,6 +135,7 @@ class JobDetail(QWidget):
         body_layout.setContentsMargins(0, 0, 0, 0)
         body_layout.addWidget(self.title)
         body_layout.addWidget(self.summary)
+        body_layout.addWidget(self.notes)
         body_layout.addWidget(self.progress)
         body_layout.addLayout(buttons)
         body_layout.addWidget(self.failure)
@@ -171,6 +180,7 @@ class JobDetail(QWidget):
         if job.get("waiting_for"):
             parts.append(f"waiting for GPU {gpus_text(job['waiting_for'])}")
         self.summary.setText(" · ".join(parts))
+        self._show_notes()
         self.cancel_button.setEnabled(h.can_cancel)
         self.resume_button.setEnabled(h.can_resume)
         self.clone_button.setEnabled(bool(job.get("kind")))
@@ -204,11 +214,26 @@ class JobDetail(QWidget):
         self.progress.setToolTip(f"phase: {phase}" if phase else "")
         predicted = job.get("predicted")
         self.prediction.show_values(predicted, h.series.measured())
+        # `predicted` may carry only the engine's notes on a job submitted without a plan.
+        planned = isinstance(predicted, dict) and any(
+            predicted.get(k) is not None for k in ("peak_memory_bytes", "tokens_per_s", "step_time_s")
+        )
         self.plan_note.setText(
             "The plan's figures are from the Planner, attached when the job was submitted."
-            if predicted else "No plan was attached when this job was submitted, so there is nothing to compare with."
+            if planned else "No plan was attached when this job was submitted, so there is nothing to compare with."
         )  # fmt: skip
         self.failure.show_job(job, h.series.oom)
+        self._show_notes()
+
+    def _show_notes(self) -> None:
+        h = self.handle
+        if h is None:
+            return
+        predicted = h.record.get("predicted") if isinstance(h.record.get("predicted"), dict) else {}
+        engine_notes = [n for n in predicted.get("plan_notes") or [] if isinstance(n, str)]
+        notes = [*engine_notes, *(n for n in h.series.notes if n not in engine_notes)]
+        self.notes.setText("\n".join(f"• {n}" for n in notes))
+        self.notes.setVisible(bool(notes))
 
     def show_log(self, rank: int) -> None:
         self.tabs.setCurrentIndex(LOG_TAB)

@@ -32,6 +32,7 @@ TELEMETRY_ROWS = 3600 * 4  # four hours at the sampler's usual 1 Hz
 RECENT = 10  # steps the measured speed is the median of: single steps jitter, the first ones compile
 KEPT_ERRORS = 5
 DEFAULT_SMOOTHING = 0.9
+KEPT_NOTES = 20
 _STEP_TIME_COLUMN = 1 + STEP_FIELDS.index("step_time")
 
 
@@ -96,6 +97,7 @@ class JobSeries:
         self._speed: dict[int, deque[float]] = {}  # rank -> recent tokens/s
         self._step_times: deque[float] = deque(maxlen=RECENT)
         self.errors: list[dict[str, Any]] = []  # the newest few kind="error" records
+        self.notes: list[str] = []  # what the workers noted about how they run the job (each once)
         self.phase: str | None = None
         self.records = 0
         self.revision = 0  # bumps on every change, so charts redraw only when something is new
@@ -117,6 +119,11 @@ class JobSeries:
                     self.peak_memory[rank] = max(self.peak_memory.get(rank, 0.0), v)
             if kind == "error":
                 self.errors = [*self.errors[-(KEPT_ERRORS - 1) :], rec]
+                continue
+            if kind == "note":
+                note = rec.get("message")
+                if isinstance(note, str) and note not in self.notes and len(self.notes) < KEPT_NOTES:
+                    self.notes.append(note)
                 continue
             if kind == "status":
                 if rank == CHART_RANK and isinstance(rec.get("phase"), str):

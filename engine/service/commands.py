@@ -264,6 +264,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             return 0
         ranks = f"{job['ranks']} CPU rank{'s' * (job['ranks'] != 1)}" if job["simulated"] else f"{job['ranks']} ranks"
         print(f"job {job['id']} submitted: {job['kind']} '{job['name']}' on GPUs {_gpus(job['gpus'])} ({ranks})")
+        for note in (job.get("predicted") or {}).get("plan_notes") or []:
+            print(f"  note: {note}")
         if args.detach:
             _print_hints(job["id"])
             return 0

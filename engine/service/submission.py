@@ -79,6 +79,8 @@ def prepare(
     if machine.simulated:
         # Simulated GPUs become CPU ranks; more ranks than cores only makes every rank slower.
         ranks = max(1, min(ranks, max_cpu_ranks))
+        if spec.kind != "script" and spec.parallelism.world_size == len(spec.gpus) > ranks:
+            ranks = _fit_to_cpu_ranks(spec, ranks, notes)  # the degrees fit the GPUs, not the CPU ranks
 
     if spec.kind == "script":
         _check_script(spec, base)
@@ -99,9 +101,33 @@ def prepare(
         if spec.model:
             spec.model = _check_model(spec.model, base)
     predicted = plan_prediction(plan)
-    if applies_plan and (from_plan or notes):
+    if (applies_plan and from_plan) or notes:
         predicted = {**(predicted or {}), "from_plan": from_plan, "plan_notes": notes}
     return Submission(spec, plan, ranks, str(base) if base else None, predicted, from_plan, notes)
+
+
+def _fit_to_cpu_ranks(spec: JobSpec, cap: int, notes: list[str]) -> int:
+    """Shrink the data-parallel degree so the job fits the simulated machine's CPU ranks; returns the ranks.
+
+    Tensor and pipeline degrees shape the model itself, so they are kept; data parallelism only
+    repeats the work. Returns the number of ranks the job then runs (at most `cap`).
+    """
+    p = spec.parallelism
+    model_ranks = p.tp * p.pp
+    if model_ranks > cap:
+        raise UserError(
+            f"this layout needs at least tp {p.tp} × pp {p.pp} = {model_ranks} ranks, but this simulated machine "
+            f"runs at most {cap} CPU ranks per job; raise 'CPU ranks per job' in Settings or plan for fewer GPUs"
+        )
+    dp = cap // model_ranks
+    shard = max(d for d in range(1, min(p.dp_shard, dp) + 1) if dp % d == 0)
+    before = f"dp {p.dp_replicate} × fsdp {p.dp_shard}"
+    p.dp_replicate, p.dp_shard = dp // shard, shard
+    notes.append(
+        f"simulated: {len(spec.gpus)} GPUs run as {dp * model_ranks} CPU ranks (at most {cap} per job), so data "
+        f"parallelism shrinks from {before} to dp {p.dp_replicate} × fsdp {p.dp_shard}; tp and pp are kept"
+    )
+    return dp * model_ranks
 
 
 def _default_gpus(spec: JobSpec, machine: Machine) -> list[int]:
