@@ -97,6 +97,28 @@ def test_live_nvlink_throughput_on_the_edges(qtbot):
     assert float(labels[(0,)].splitlines()[1].split("⇄")[0]) > 1.0
 
 
+def test_live_pcie_traffic_beside_each_gpus_link(qtbot):
+    from app.topology.model import pcie_link_gbs
+
+    link = FakeLink("4x-rtx4090")  # no NVLink: every transfer crosses PCIe
+    page = open_page(qtbot, link)
+    view = page.graph_view
+    pcie = {edge.gpus[0]: (edge, item, text) for edge, item, text in view.edge_items if edge.kind == "pcie" and edge.gpus}
+    assert sorted(pcie) == [0, 1, 2, 3]
+    gpu0 = link.machine_obj.gpu(0)
+    assert pcie[0][0].gbs == pytest.approx(pcie_link_gbs(gpu0)) and 25 < pcie[0][0].gbs < 33  # Gen4 x16
+    link.feed.set_load(0, utilization=95)
+    last = link.push_telemetry(3)[-1]
+    text = pcie[0][2]
+    assert text.parentItem().isVisible() and text.text().startswith("↓") and text.text().endswith("GB/s")
+    rx = float(text.text()[1:].split()[0])
+    sample = next(g for g in last["gpus"] if g["index"] == 0)
+    assert rx == pytest.approx(sample["pcie_rx_bps"] / 1e9, abs=0.05)
+    # The idle GPU 3 shows its trickle; its line keeps the resting colour.
+    assert pcie[3][2].text().startswith("↓0.")
+    assert pcie[3][1].pen().color() == pcie[3][1].data(0)
+
+
 def test_busy_gpus_are_marked(qtbot):
     link = FakeLink("4x-rtx4090")
     page = open_page(qtbot, link)

@@ -21,7 +21,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.topology.model import Edge, Node, TopologyGraph, edge_throughput
+from app.topology.model import Edge, Node, TopologyGraph, edge_throughput, pcie_throughput
 from app.widgets.palette import ACCENT, BAD, GOOD, WARN, blend, tint
 from engine.hardware.machine import Machine
 
@@ -224,14 +224,17 @@ class TopologyGraphView(QGraphicsView):
             path.lineTo(b.x(), mid)
             path.lineTo(b)
             pen = QPen(blend(ink, pal.color(QPalette.ColorRole.Base), 0.6), 1.5)
+            if edge.gpus:  # a GPU's own link: its live traffic goes beside the rising line
+                label_at = QPointF(a.x(), (a.y() + mid) / 2)
         pen.setCosmetic(True)
         item = QGraphicsPathItem(path)
         item.setPen(pen)
+        item.setData(0, QColor(pen.color()))  # the resting colour, back when the traffic calms down
         item.setToolTip(edge.tooltip or edge.label)
         item.setZValue(1)
         self.scene().addItem(item)
         text = None
-        if edge.label and label_at is not None:
+        if (edge.label or edge.kind == "pcie") and label_at is not None:
             text = QGraphicsSimpleTextItem(edge.label)
             font = QFont(text.font())
             font.setPointSizeF(max(font.pointSizeF() * 0.85, 7))
@@ -244,16 +247,19 @@ class TopologyGraphView(QGraphicsView):
             backing.setZValue(3)
             text.setParentItem(backing)
             self.scene().addItem(backing)
-            self._place_label(text, label_at)
+            self._place_label(text, label_at, beside=edge.kind == "pcie")
+            backing.setVisible(bool(edge.label))
         self.edge_items.append((edge, item, text))
 
     @staticmethod
-    def _place_label(text: QGraphicsSimpleTextItem, at: QPointF) -> None:
+    def _place_label(text: QGraphicsSimpleTextItem, at: QPointF, beside: bool = False) -> None:
+        """Centre the label on `at`, or with `beside` start it just right of `at` (next to a vertical line)."""
         b = text.boundingRect()
         backing = text.parentItem()
         assert isinstance(backing, QGraphicsRectItem)
         backing.setRect(QRectF(0, 0, b.width() + 4, b.height()))
-        backing.setPos(at.x() - b.width() / 2 - 2, at.y() - b.height() / 2)
+        left = at.x() + 4 if beside else at.x() - b.width() / 2 - 2
+        backing.setPos(left, at.y() - b.height() / 2)
         text.setPos(2, 0)
 
     def _restyle_gpus(self) -> None:
@@ -278,11 +284,14 @@ class TopologyGraphView(QGraphicsView):
             item.set_text(item.node.label + (" ●" if busy else ""))
 
     def show_throughput(self, sample: dict[str, Any]) -> None:
-        """Live NVLink traffic on the edges, from a TelemetrySample dict of this machine."""
+        """Live NVLink traffic on the edges, and each GPU's PCIe traffic, from a TelemetrySample dict."""
         self._sample = sample
         if self.machine is None:
             return
         for edge, item, text in self.edge_items:
+            if edge.kind == "pcie" and text is not None:
+                self._show_pcie(edge, item, text, pcie_throughput(edge, sample))
+                continue
             if edge.kind != "nvlink" or text is None:
                 continue
             flow = edge_throughput(self.machine, edge, sample)
@@ -301,6 +310,29 @@ class TopologyGraphView(QGraphicsView):
                 center = text.parentItem().sceneBoundingRect().center()
                 text.setText(label)
                 self._place_label(text, center)
+
+    def _show_pcie(
+        self, edge: Edge, item: QGraphicsPathItem, text: QGraphicsSimpleTextItem, flow: tuple[float, float] | None
+    ) -> None:
+        backing = text.parentItem()
+        if flow is None:
+            backing.setVisible(False)
+            return
+        rx, tx = flow
+        label = f"↓{rx / 1e9:.1f} ↑{tx / 1e9:.1f} GB/s"
+        if text.text() != label:
+            anchor = backing.pos() + QPointF(-4, backing.rect().height() / 2)
+            text.setText(label)
+            self._place_label(text, anchor, beside=True)
+        backing.setVisible(True)
+        backing.setToolTip(f"GPU {edge.gpus[0]} PCIe: {rx / 1e9:.2f} GB/s in, {tx / 1e9:.2f} GB/s out"
+                           + (f" of {edge.gbs:.0f} GB/s each way" if edge.gbs else ""))  # fmt: skip
+        if edge.gbs:
+            busy = max(rx, tx) / (edge.gbs * 1e9)
+            pen = item.pen()
+            # A link past half its bandwidth turns towards red; below, its resting colour.
+            pen.setColor(blend(BAD, GOOD, min(busy, 1.0)) if busy > 0.5 else item.data(0))
+            item.setPen(pen)
 
     # -- view behaviour -------------------------------------------------------------------------
     def _fit(self) -> None:

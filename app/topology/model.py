@@ -47,8 +47,8 @@ class Edge:
     label: str = ""
     tooltip: str = ""
     links: int = 0  # NVLink links
-    gbs: float | None = None  # NVLink bandwidth, each way
-    gpus: tuple[int, ...] = ()  # the GPUs whose NVLink counters this edge carries
+    gbs: float | None = None  # the link's bandwidth, each way (NVLink; a GPU's own PCIe link)
+    gpus: tuple[int, ...] = ()  # the GPUs whose NVLink (or, on a PCIe edge, PCIe) counters this edge carries
 
 
 @dataclass
@@ -237,7 +237,8 @@ def _pcie_tree(machine: Machine, boxes: list[Box]) -> tuple[list[Node], list[Edg
                     g = gpus[i]
                     label = f"GPU {i}\n{_clip(short_gpu_name(g.name), 17)}"
                     nodes.append(Node(f"gpu{i}", "gpu", label, box=b, gpu=i, column=column, tooltip=_gpu_tooltip(g)))
-                    edges.append(Edge(f"gpu{i}", up, "pcie", tooltip=_pcie_link(g, known_paths)))
+                    edges.append(Edge(f"gpu{i}", up, "pcie", tooltip=_pcie_link(g, known_paths), gpus=(i,),
+                                      gbs=pcie_link_gbs(g)))  # fmt: skip
                     column += 1
         cpu.column = (box_start + column - 1) / 2
     return nodes, edges
@@ -333,6 +334,33 @@ def _gpu_tooltip(g: Gpu) -> str:
 
 
 # -- live throughput -----------------------------------------------------------------------------------
+# GT/s per lane and line-code efficiency of each PCIe generation (8b/10b up to Gen2, 128b/130b after; Gen6
+# PAM4 with FLIT encoding is close to 1).
+_PCIE_GEN = {1: (2.5, 0.8), 2: (5.0, 0.8), 3: (8.0, 128 / 130), 4: (16.0, 128 / 130), 5: (32.0, 128 / 130),
+             6: (64.0, 242 / 256)}  # fmt: skip
+
+
+def pcie_link_gbs(gpu: Gpu) -> float | None:
+    """A GPU's PCIe link bandwidth in GB/s each way, at its current generation and width (max when idle)."""
+    gen = gpu.pcie_gen_current or gpu.pcie_gen_max
+    width = gpu.pcie_width_current or gpu.pcie_width_max
+    if gen not in _PCIE_GEN or not width:
+        return None
+    gts, efficiency = _PCIE_GEN[gen]
+    return gts * efficiency * width / 8
+
+
+def pcie_throughput(edge: Edge, sample: dict[str, Any]) -> tuple[float, float] | None:
+    """(received, sent) bytes/s over a GPU's own PCIe link, from its PCIe counters; None if not reported."""
+    if edge.kind != "pcie" or len(edge.gpus) != 1:
+        return None
+    g = next((g for g in sample.get("gpus", []) if g.get("index") == edge.gpus[0]), None) or {}
+    rx, tx = g.get("pcie_rx_bps"), g.get("pcie_tx_bps")
+    if not isinstance(rx, int | float) or not isinstance(tx, int | float):
+        return None
+    return float(rx), float(tx)
+
+
 def edge_throughput(machine: Machine, edge: Edge, sample: dict[str, Any]) -> tuple[float, float] | None:
     """Estimated bytes/s over an NVLink edge, each way, from the GPUs' NVLink counters; None if not reported.
 
