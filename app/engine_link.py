@@ -47,8 +47,7 @@ class EngineLink(QObject):
         self.state = CONNECTING
         self.machine: dict[str, Any] | None = None
         self.notes: list[str] = []  # e.g. why a simulated machine stands in
-        self._stop = threading.Event()
-        self._closed = False  # stopped for good: its window is gone
+        self._stop = threading.Event()  # set once, by stop(): the link is closed for good
         self._thread: threading.Thread | None = None
         self._local = threading.local()
         self._clients: list[EngineClient] = []  # every request thread's client, to disarm them on stop()
@@ -60,7 +59,6 @@ class EngineLink(QObject):
     # -- lifecycle --------------------------------------------------------------
     def start(self) -> None:
         if self._thread is None and not self._closed:
-            self._stop.clear()
             self._thread = threading.Thread(target=self._stream, name="engine-stream", daemon=True)
             self._thread.start()
 
@@ -70,7 +68,6 @@ class EngineLink(QObject):
         The window that owned it is closing; a late answer must not reach its deleted widgets, and a
         late request must not start an engine service nobody will look at.
         """
-        self._closed = True
         self._stop.set()
         with self._lock:
             clients = [*self._clients, self._stream_client]
@@ -81,6 +78,10 @@ class EngineLink(QObject):
         if self._thread is not None:
             self._thread.join(timeout=3)
             self._thread = None
+
+    @property
+    def _closed(self) -> bool:
+        return self._stop.is_set()
 
     # -- requests ---------------------------------------------------------------
     def call(

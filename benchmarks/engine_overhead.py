@@ -104,13 +104,7 @@ def run_engine(spec: dict[str, Any], warmup: int) -> tuple[dict[str, float], Pat
                     break
         busy = time.perf_counter() - t0
         service_cpu = sum(service.cpu_times()[:2]) - cpu0
-        records, cursor = [], {}
-        while True:
-            r = c.request("metrics", job=job["id"], since_cursor=cursor)
-            records += r["records"]
-            cursor = r["cursor"]
-            if not r["more"]:
-                break
+        records, _ = c.all_metrics(job["id"])
         job_json = json.loads((Path(job["job_dir"]) / "job.json").read_text())
         done = c.request("job", job=job["id"])["job"]
     figures = step_rate(records, warmup)

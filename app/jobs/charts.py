@@ -72,7 +72,7 @@ class StepPlot(pg.PlotWidget):
         self.off_scale = False
         if value is None or not math.isfinite(value):
             self.prediction.setVisible(False)
-            self.getPlotItem().setTitle(self.title)
+            self._set_title(self.title)
             return
         seen = measured[np.isfinite(measured)] if measured is not None else EMPTY
         top = float(np.abs(seen).max()) if seen.size else 0.0
@@ -83,7 +83,12 @@ class StepPlot(pg.PlotWidget):
             self.prediction.setVisible(not self.off_scale)
             self.getPlotItem().getViewBox().updateAutoRange()  # a hidden line no longer counts
         suffix = f" ({label}: {value:.4g}, off this scale)" if self.off_scale else ""
-        self.getPlotItem().setTitle(self.title + suffix)
+        self._set_title(self.title + suffix)
+
+    def _set_title(self, title: str) -> None:
+        item = self.getPlotItem()
+        if item.titleLabel.text != title:
+            item.setTitle(title)
 
     def changeEvent(self, event: QEvent) -> None:
         # GraphicsView's own set-up changes the palette before the plot item exists.

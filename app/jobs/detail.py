@@ -180,7 +180,6 @@ class JobDetail(QWidget):
         if job.get("waiting_for"):
             parts.append(f"waiting for GPU {gpus_text(job['waiting_for'])}")
         self.summary.setText(" · ".join(parts))
-        self._show_notes()
         self.cancel_button.setEnabled(h.can_cancel)
         self.resume_button.setEnabled(h.can_resume)
         self.clone_button.setEnabled(bool(job.get("kind")))

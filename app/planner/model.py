@@ -13,6 +13,7 @@ from typing import Any
 
 from engine.errors import UserError
 from engine.hardware.machine import Machine
+from engine.planner.explain import duration_text
 from engine.planner.plan import LoraSettings, Plan, Workload
 
 GIB = 1024**3
@@ -184,21 +185,8 @@ def tokens_per_s(v: float | None, training: bool = True) -> str:
 
 
 def seconds(v: float | None) -> str:
-    if v is None:
-        return "n/a"
-    if v < 0.001:
-        return f"{v * 1e6:.0f} µs"
-    if v < 0.01:
-        return f"{v * 1000:.1f} ms"
-    if v < 1:
-        return f"{v * 1000:.0f} ms"
-    if v < 120:
-        return f"{v:.1f} s"
-    if v < 7200:
-        return f"{v / 60:.0f} min"
-    if v < 3 * 86400:
-        return f"{v / 3600:.1f} h"
-    return f"{v / 86400:.1f} days"
+    """A predicted time as the planner's explanation words it (the two stand side by side)."""
+    return "n/a" if v is None else duration_text(v)
 
 
 def error_text(error: BaseException) -> str:

@@ -144,6 +144,17 @@ class EngineClient:
         self.connect()
         return self._call(rtype, args)
 
+    def all_metrics(self, job: str) -> tuple[list[dict[str, Any]], dict[str, int]]:
+        """Every metric record of `job` so far, page by page, and the cursor to follow on from."""
+        records: list[dict[str, Any]] = []
+        cursor: dict[str, int] = {}
+        while True:
+            r = self.request("metrics", job=job, since_cursor=cursor)
+            records += r["records"]
+            cursor = r["cursor"]
+            if not r["more"]:
+                return records, cursor
+
     def _call(self, rtype: str, args: dict[str, Any]) -> Any:
         assert self._sock is not None
         rid = next(self._ids)

@@ -459,13 +459,7 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     with _client() as c:
         job = c.request("job", job=args.job)["job"]
         if args.json:
-            records, cursor = [], {}
-            while True:
-                r = c.request("metrics", job=job["id"], since_cursor=cursor)
-                records += r["records"]
-                cursor = r["cursor"]
-                if not r["more"]:
-                    break
+            records, cursor = c.all_metrics(job["id"])
             print(json.dumps({"schema": "rigpilot.metrics/1", "job": job, "records": records, "cursor": cursor}))
             return 0
     print(f"job {job['id']} ({job['kind']} '{job['name']}'): {job['state']}")
