@@ -38,6 +38,8 @@ class Parallelism:
     sequence_parallel: bool = False
     pp_schedule: str = "1F1B"  # "GPipe" | "1F1B"
     pp_microbatches: int = 1
+    # FSDP2's CPUOffloadPolicy: sharded parameters, gradients and the optimizer step live in host RAM.
+    cpu_offload: bool = False
 
     @property
     def world_size(self) -> int:
@@ -51,7 +53,7 @@ class TrainSettings:
     # Chat and instruction data: False trains on the assistant's answers only (the prompts still give context).
     train_on_prompts: bool = False
     eval_fraction: float = 0.05
-    method: str = "full"  # "full" | "lora" | "scratch"
+    method: str = "full"  # "full" | "lora" | "qlora" (LoRA on a 4-bit NF4 base) | "scratch"
     lora_rank: int = 16
     lora_alpha: int = 32
     lora_dropout: float = 0.0

@@ -22,12 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.capability import LLAMA_STYLE_TYPES
 from engine.errors import UserError
 
-# Decoders whose blocks are Llama's: q/k/v/o and gate/up/down projections, rotary
-# embeddings at the model level, no embedding scaling. Others are refused
-# rather than split wrongly.
-LLAMA_STYLE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 

@@ -1,0 +1,108 @@
+"""What the engine can run: the one answer the planner, the submission path and the workers share.
+
+The planner marks every plan it ranks with `why_not(layout_of_plan(plan))`
+(`runs_here` in the plan's JSON) and ranks plans the engine would refuse
+below every plan it runs; a submission is refused with the same sentence
+before anything is created for it; the workers read their model-family tables
+from here. So a plan shown as "best" is one a job runs, and the reason a plan
+cannot run reads the same everywhere.
+
+Plain Python: the GUI, the CLI and the planner import it without torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+TRAIN_METHODS = ("full", "lora", "qlora", "scratch")
+
+# Decoders whose blocks are Llama's: q/k/v/o and gate/up/down projections, rotary embeddings at
+# the model level, no embedding scaling. Pipeline stages and tensor-parallel plans are built for
+# these; other model types are refused rather than split wrongly.
+LLAMA_STYLE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+PIPELINE_TYPES = LLAMA_STYLE_TYPES
+TENSOR_PARALLEL_TYPES = LLAMA_STYLE_TYPES
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A job's shape, as far as the engine's ability to run it goes."""
+
+    kind: str  # "train" | "infer"
+    method: str = "full"  # training: full | lora | qlora | scratch
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    sequence_parallel: bool = False
+    cpu_offload: bool = False
+    weight_bits: int = 16  # inference: 16 (the precision), 8 or 4
+    model_type: str | None = None  # config.json's model_type; None when not known yet (the worker checks)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+
+
+def why_not(layout: Layout) -> str | None:
+    """None when the engine runs `layout`; otherwise the one-line reason it cannot (no trailing period)."""
+    lt = layout
+    for name in ("dp_replicate", "dp_shard", "tp", "pp"):
+        if getattr(lt, name) < 1:
+            return f"parallel degree {name} must be at least 1"
+    mt = lt.model_type
+    if lt.kind == "train":
+        if lt.method not in TRAIN_METHODS:
+            return f"unknown training method {lt.method!r}; choose one of {', '.join(TRAIN_METHODS)}"
+        if lt.cpu_offload and (lt.tp > 1 or lt.pp > 1):
+            return "CPU offload runs with FSDP2 data parallelism only, not with tensor or pipeline parallel"
+        if lt.method == "qlora" and lt.tp > 1:
+            return "QLoRA's 4-bit base weights cannot be split by tensor parallel: use FSDP or pipeline parallel"
+        if lt.method == "qlora" and lt.cpu_offload:
+            return "QLoRA's 4-bit base weights are not offloaded to the CPU: QLoRA without offload needs less memory"
+    elif lt.kind == "infer":
+        if lt.weight_bits != 16:
+            return f"{lt.weight_bits}-bit inference is not run by Rigpilot jobs yet; plan it in bf16 or fp16"
+        if lt.cpu_offload:
+            return "inference jobs do not offload to the CPU"
+    if lt.tp > 1 and mt is not None and mt not in TENSOR_PARALLEL_TYPES:
+        return f"tensor parallel runs {_types(TENSOR_PARALLEL_TYPES)}; model type {mt!r} is not one of them"
+    if lt.pp > 1 and mt is not None and mt not in PIPELINE_TYPES:
+        return f"pipeline parallel runs {_types(PIPELINE_TYPES)}; model type {mt!r} is not one of them"
+    return None
+
+
+def _types(types: tuple[str, ...]) -> str:
+    return f"Llama-style decoders ({', '.join(types)})" if types == LLAMA_STYLE_TYPES else ", ".join(types)
+
+
+def layout_of_plan(plan: dict[str, Any]) -> Layout:
+    """The layout a planner `Plan` (its JSON) asks the engine to run; see engine.planner.plan."""
+    par = plan.get("parallelism") if isinstance(plan.get("parallelism"), dict) else {}
+    work = plan.get("workload") if isinstance(plan.get("workload"), dict) else {}
+    dp = _int(par.get("dp"))
+    zero = _int(par.get("zero_stage"), 0)
+    shard = 1
+    if zero == 3:
+        degree = _int(par.get("shard_degree"))
+        shard = degree if dp % degree == 0 else 1
+    elif zero in (1, 2):
+        shard = dp  # ZeRO-1/2 run as FSDP2 without resharding after forward
+    task = work.get("task") if work.get("task") in ("train", "infer") else "train"
+    return Layout(
+        kind=task,
+        method=str(work.get("method", "full")) if task == "train" else "full",
+        dp_replicate=max(dp // shard, 1),
+        dp_shard=shard,
+        tp=_int(par.get("tp")),
+        pp=_int(par.get("pp")),
+        sequence_parallel=bool(par.get("sequence_parallel")),
+        cpu_offload=bool(par.get("offload_params") or par.get("offload_optimizer")),
+        weight_bits=_int(work.get("weight_bits"), 16),
+        model_type=plan.get("model_type") or None,
+    )
+
+
+def _int(v: Any, default: int = 1) -> int:
+    return v if isinstance(v, int) and not isinstance(v, bool) else default
