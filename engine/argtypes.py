@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +21,45 @@ def positive_int(text: str) -> int:
     return v
 
 
-def positive_float(text: str) -> float:
+def _finite(text: str) -> float:
     try:
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"must be a finite number, not {text!r}")
+    return v
+
+
+def positive_float(text: str) -> float:
+    v = _finite(text)
     if v <= 0:
         raise argparse.ArgumentTypeError("must be greater than 0")
+    return v
+
+
+def non_negative_float(text: str) -> float:
+    v = _finite(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError("must be 0 or more")
+    return v
+
+
+def probability(text: str) -> float:
+    """A fraction in (0, 1], such as top-p."""
+    v = _finite(text)
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError("must be greater than 0 and at most 1")
+    return v
+
+
+def seed(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if not 0 <= v < 2**63:
+        raise argparse.ArgumentTypeError("must be between 0 and 2^63 - 1")
     return v
 
 

@@ -16,7 +16,7 @@ from engine.service import protocol
 from engine.service.metrics import PEAK_MEMORY_KEYS, MetricsSummary, read_records, summarize
 from engine.service.protocol import ProtocolError
 from engine.service.store import QUEUED, JobRecord, JobStore
-from engine.service.submission import OFFLOAD_REFUSAL, plan_prediction, prepare
+from engine.service.submission import describe, plan_prediction, prepare
 from engine.service.supervisor import _compare
 from engine.service.telemetry_store import TelemetryStore
 
@@ -210,28 +210,73 @@ def test_zero_1_and_2_plans_run_as_fsdp2_without_resharding_after_forward(submit
     assert (p.dp_replicate, p.dp_shard) == (2, 2) and hsdp.notes == [] and p.reshard_after_forward is True
 
 
+LLAMA_TRAIN = {**TRAIN, "model": "llama-2-7b"}  # a Llama-style preset: pipeline and tensor parallel run it
+
+
 def test_pipeline_plans_accumulate_through_the_schedule(submit, tmp_path):
     (tmp_path / "data.txt").write_text("hello\n")
-    sub = submit(TRAIN, plan=planner_plan(dp=1, pp=2, grad_accum=4, pipeline_schedule="1f1b"))
+    sub = submit(LLAMA_TRAIN, plan=planner_plan(dp=1, pp=2, grad_accum=4, pipeline_schedule="1f1b"))
     p, t = sub.spec.parallelism, sub.spec.train
     assert (p.pp, p.pp_microbatches, p.pp_schedule, t.grad_accum) == (2, 4, "1F1B", 1)
-    sub = submit(TRAIN, plan=planner_plan(dp=1, pp=2, grad_accum=1, pipeline_schedule="1f1b"))
+    sub = submit(LLAMA_TRAIN, plan=planner_plan(dp=1, pp=2, grad_accum=1, pipeline_schedule="1f1b"))
     assert sub.spec.parallelism.pp_schedule == "GPipe"  # 1F1B needs a micro-batch per stage
     assert "GPipe runs instead" in sub.predicted["plan_notes"][0]
 
 
-def test_offloading_plans_are_refused_in_one_line(submit, tmp_path):
+def test_pipeline_stages_alone_get_a_micro_batch_per_stage(submit, tmp_path):
     (tmp_path / "data.txt").write_text("hello\n")
-    for flags in ({"offload_optimizer": True}, {"offload_optimizer": True, "offload_params": True}):
-        plan = planner_plan(zero_stage=2, backend="deepspeed", **flags)
-        with pytest.raises(UserError) as e:
-            submit(TRAIN, plan=plan)
-        assert str(e.value) == OFFLOAD_REFUSAL and "\n" not in str(e.value)
-        assert "rigpilot plan --export deepspeed" in str(e.value)
+    sub = submit({**LLAMA_TRAIN, "gpus": [0, 1], "parallelism": {"pp": 2}})
+    p = sub.spec.parallelism
+    assert (p.pp, p.pp_microbatches, p.pp_schedule) == (2, 2, "1F1B")
+    assert any("default to the number of stages (2)" in n for n in sub.notes)
+    # Micro-batches the user chose are kept; 1F1B then falls back to GPipe and says so.
+    sub = submit({**LLAMA_TRAIN, "gpus": [0, 1], "parallelism": {"pp": 2, "pp_microbatches": 1}})
+    assert (sub.spec.parallelism.pp_microbatches, sub.spec.parallelism.pp_schedule) == (1, "GPipe")
+    sub = submit({**LLAMA_TRAIN, "gpus": [0, 1], "parallelism": {"pp": 2, "pp_schedule": "gpipe"}})
+    assert sub.spec.parallelism.pp_schedule == "GPipe"
+    with pytest.raises(UserError, match="unknown pipeline schedule 'zigzag'"):
+        submit({**LLAMA_TRAIN, "gpus": [0, 1], "parallelism": {"pp": 2, "pp_schedule": "zigzag"}})
+
+
+def test_offloading_plans_run_as_fsdp2_with_cpu_offload(submit, tmp_path):
+    (tmp_path / "data.txt").write_text("hello\n")
+    plan = planner_plan(zero_stage=3, shard_degree=2, backend="fsdp", offload_optimizer=True, offload_params=True)
+    sub = submit(TRAIN, plan=plan)
+    p = sub.spec.parallelism
+    assert p.cpu_offload and (p.dp_replicate, p.dp_shard) == (1, 2) and sub.from_plan["cpu_offload"] is True
+    assert any("offloaded to CPU RAM" in line for line in describe(sub))
+    # The plan's host RAM was for the simulated machine; the CPU ranks run on this host: both are named.
+    ram = next(line for line in describe(sub) if line.startswith("host RAM"))
+    assert "simulated machine's" in ram and "this host, which runs the CPU ranks" in ram
     # A script splits its work itself: the plan only brings predictions.
     (tmp_path / "s.py").write_text("pass\n")
-    sub = submit({"kind": "script", "script": ["s.py"]}, plan=planner_plan(offload_optimizer=True, backend="deepspeed"))
-    assert sub.spec.gpus == [0, 1, 2, 3] and "from_plan" not in sub.predicted
+    sub = submit({"kind": "script", "script": ["s.py"]}, plan=plan)
+    assert sub.spec.gpus == [0, 1, 2, 3] and "from_plan" not in sub.predicted and not sub.spec.parallelism.cpu_offload
+
+
+def test_what_the_engine_cannot_run_is_refused_in_the_capability_contracts_words(submit, tmp_path):
+    (tmp_path / "data.txt").write_text("hello\n")
+    with pytest.raises(UserError) as e:
+        submit({**LLAMA_TRAIN, "gpus": [0, 1], "train": {**TRAIN["train"], "method": "qlora"}, "parallelism": {"tp": 2}})
+    assert "QLoRA" in str(e.value) and "tensor parallel" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(UserError, match="CPU offload runs with FSDP2 data parallelism only"):
+        submit({**LLAMA_TRAIN, "gpus": [0, 1], "parallelism": {"tp": 2, "cpu_offload": True}})
+    with pytest.raises(UserError, match=r"pipeline parallel runs .*'gpt2' is not one of them"):
+        submit({**TRAIN, "gpus": [0, 1], "parallelism": {"pp": 2}})
+    with pytest.raises(UserError, match="this plan does not run here: CPU offload"):
+        submit(LLAMA_TRAIN, plan=planner_plan(tp=2, dp=1, offload_params=True, offload_optimizer=True))
+    sub = submit({**LLAMA_TRAIN, "train": {**TRAIN["train"], "method": "qlora"}})
+    assert sub.spec.train.method == "qlora" and sub.model_type == "llama"
+
+
+def test_fewer_cpu_ranks_than_gpus_keep_the_global_batch(submit, tmp_path):
+    (tmp_path / "data.txt").write_text("hello\n")
+    plan = planner_plan(gpu_indices=[0, 1, 2, 3], dp=4, grad_accum=2, micro_batch=1)
+    sub = submit(TRAIN, plan=plan, cap=2)
+    p, t = sub.spec.parallelism, sub.spec.train
+    assert sub.ranks == 2 and p.dp_replicate * p.dp_shard == 2
+    assert t.micro_batch * t.grad_accum * 2 == 1 * 2 * 4  # the plan's 8 sequences per step
+    assert any("gradient accumulation rises from 2 to 4" in n for n in sub.notes)
 
 
 def test_plans_for_another_task_and_user_degrees(submit, tmp_path):
@@ -399,12 +444,13 @@ def test_run_train_flags_become_the_job_spec():
 def test_a_layout_wider_than_the_simulated_cpu_ranks_shrinks_its_data_parallelism(submit, tmp_path):
     (tmp_path / "data.txt").write_text("hello\n")
     gpus = [0, 1, 2, 3]
-    train = {"kind": "train", "model": "gpt2", "gpus": gpus, "train": {"dataset": ["data.txt"]}}
+    train = {"kind": "train", "model": "llama-2-7b", "gpus": gpus, "train": {"dataset": ["data.txt"]}}
     sub = submit({**train, "parallelism": {"dp_shard": 4}}, cap=2)
     p = sub.spec.parallelism
     assert (p.dp_replicate, p.dp_shard, sub.ranks, sub.spec.gpus) == (1, 2, 2, gpus)
-    (note,) = sub.predicted["plan_notes"]
+    note, accumulation = sub.predicted["plan_notes"]
     assert "4 GPUs run as 2 CPU ranks" in note and "fsdp 4 to dp 1 × fsdp 2" in note
+    assert sub.spec.train.grad_accum == 2 and "rises from 1 to 2" in accumulation
     sub = submit({**train, "parallelism": {"dp_replicate": 2, "tp": 2}}, cap=3)  # tp kept; dp 3 // 2 = 1
     assert (sub.spec.parallelism.dp_replicate, sub.spec.parallelism.tp, sub.ranks) == (1, 2, 2)
     with pytest.raises(UserError, match=r"tp 4 × pp 1 = 4 ranks, but this simulated machine runs at most 2"):
@@ -413,3 +459,43 @@ def test_a_layout_wider_than_the_simulated_cpu_ranks_shrinks_its_data_parallelis
     sub = submit(train, plan=planner_plan(gpu_indices=gpus, dp=4, zero_stage=3, shard_degree=4, backend="fsdp"), cap=2)
     assert (sub.spec.parallelism.dp_shard, sub.ranks) == (2, 2)
     assert any("run as 2 CPU ranks" in n for n in sub.predicted["plan_notes"])
+
+
+def test_a_sequence_longer_than_the_models_context_is_refused_before_launch(submit, tmp_path):
+    (tmp_path / "data.txt").write_text("hello\n")
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 64}))
+    train = {"kind": "train", "model": "m", "train": {"dataset": ["data.txt"], "seq_len": 512}}
+    with pytest.raises(UserError, match=r"sequence length 512 is longer than the model's context of 64 tokens; use --seq 64"):
+        submit(train)
+    assert submit({**train, "train": {"dataset": ["data.txt"], "seq_len": 64}}).model_type == "llama"
+
+
+def test_a_simulated_plan_too_big_for_this_hosts_ram_says_so_without_refusing(submit, tmp_path):
+    (tmp_path / "data.txt").write_text("hello\n")
+    plan = planner_plan()
+    plan["model_params"] = 7 * 10**9  # 112 GB of fp32 weights, gradients and AdamW moments
+    sub = submit(TRAIN, plan=plan)
+    assert any("run out of memory; simulated machines run small models" in n for n in sub.notes)
+    assert not any("simulated machines" in n for n in submit(TRAIN, plan=planner_plan()).notes)
+
+
+def test_run_flags_reach_the_job_spec():
+    from engine.cli import build_parser
+    from engine.service.commands import build_spec
+
+    words = ["run", "train", "--model", "m", "--data", "d.txt", "--method", "qlora", "--pp", "2", "--pp-microbatches",
+             "4", "--pp-schedule", "gpipe", "--precision", "fp32", "--checkpointing", "full", "--save-merged",
+             "--cpu-offload", "--seed", "7", "--check"]  # fmt: skip
+    args = build_parser().parse_args(words)
+    spec = build_spec(args)
+    assert args.check and spec["train"]["method"] == "qlora" and spec["train"]["save_merged"] is True
+    assert spec["parallelism"] == {"pp": 2, "pp_microbatches": 4, "pp_schedule": "GPipe", "cpu_offload": True}
+    assert (spec["train"]["precision"], spec["train"]["activation_checkpointing"], spec["train"]["seed"]) == ("fp32", "full", 7)
+    spec = build_spec(build_parser().parse_args(
+        ["run", "infer", "--model", "m", "--prompt", "hi", "--temperature", "0.7", "--top-p", "0.9", "--seed", "3",
+         "--precision", "fp32", "--tp", "2", "--sequence-parallel"]))  # fmt: skip
+    assert spec["infer"] == {"prompts": ["hi"], "precision": "fp32", "temperature": 0.7, "top_p": 0.9, "seed": 3}
+    for bad in (["--lr", "nan"], ["--lr", "inf"], ["--seed", "-1"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["run", "train", "--model", "m", *bad])

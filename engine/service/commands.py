@@ -14,8 +14,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine.argtypes import positive_int, read_json_object
+from engine.argtypes import non_negative_float, positive_float, positive_int, probability, read_json_object, seed
 from engine.errors import UserError
+from engine.service.submission import CHECKPOINTING, PRECISIONS
 
 TERMINAL = ("completed", "failed", "cancelled", "interrupted")
 ACTIVE = ("starting", "running")
@@ -38,20 +39,31 @@ def register(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
 
     k = kinds.add_parser("train", parents=[common, model, degrees], help="train or fine-tune a model")
     k.add_argument("--data", action="append", default=[], metavar="FILE", help="training data (.txt, .jsonl); repeatable")
-    k.add_argument("--method", choices=["full", "lora", "scratch"], help="full fine-tune, LoRA, or from scratch")
+    k.add_argument("--method", choices=["full", "lora", "qlora", "scratch"],
+                   help="full fine-tune, LoRA, QLoRA (LoRA on a 4-bit NF4 base), or from scratch")
     k.add_argument("--steps", type=positive_int, metavar="N", help="optimizer steps (default 100)")
     k.add_argument("--seq", type=positive_int, metavar="TOKENS", help="sequence length (default 512)")
     k.add_argument("--micro-batch", type=positive_int, metavar="N", help="sequences per rank per step (default 1)")
     k.add_argument("--grad-accum", type=positive_int, metavar="N", help="micro-batches per optimizer step")
-    k.add_argument("--lr", type=float, metavar="RATE", help="peak learning rate (default 2e-4)")
+    k.add_argument("--lr", type=positive_float, metavar="RATE", help="peak learning rate (default 2e-4)")
     k.add_argument("--train-on-prompts", action="store_true",
                    help="chat/instruction data: train on the prompts too, not only on the answers")  # fmt: skip
+    k.add_argument("--precision", choices=PRECISIONS, help="mixed-precision compute dtype (default bf16)")
+    k.add_argument("--checkpointing", choices=CHECKPOINTING, help="activation checkpointing (default none)")
+    k.add_argument("--save-merged", action="store_true", help="LoRA/QLoRA: also save the merged full weights")
+    k.add_argument("--cpu-offload", action="store_true",
+                   help="FSDP2 CPU offload: parameters, gradients and optimizer state in host RAM")  # fmt: skip
+    k.add_argument("--seed", type=seed, metavar="N", help="random seed (default 1234)")
     k.set_defaults(func=cmd_run)
 
     k = kinds.add_parser("infer", parents=[common, model, degrees], help="generate text with a model")
     k.add_argument("--prompts", metavar="FILE", help="JSONL file with a \"prompt\" field per line")
     k.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt; repeatable")
     k.add_argument("--max-new-tokens", type=positive_int, metavar="N", help="tokens to generate (default 64)")
+    k.add_argument("--precision", choices=PRECISIONS, help="the weights' dtype (default bf16)")
+    k.add_argument("--temperature", type=non_negative_float, metavar="T", help="sampling temperature (default 0: greedy)")
+    k.add_argument("--top-p", type=probability, metavar="P", help="nucleus sampling: keep this share of probability")
+    k.add_argument("--seed", type=seed, metavar="N", help="sampling seed (default 1234)")
     k.set_defaults(func=cmd_run)
 
     k = kinds.add_parser("calibrate", parents=[common, model, degrees], help="measure this machine for the planner")
@@ -157,7 +169,17 @@ def _degree_options() -> argparse.ArgumentParser:
     g.add_argument("--fsdp", type=positive_int, metavar="N", help="FSDP sharding degree")
     g.add_argument("--tp", type=positive_int, metavar="N", help="tensor-parallel degree")
     g.add_argument("--pp", type=positive_int, metavar="N", help="pipeline stages")
+    g.add_argument("--pp-microbatches", type=positive_int, metavar="N",
+                   help="micro-batches per pipeline run (default: the number of stages)")  # fmt: skip
+    g.add_argument("--pp-schedule", choices=["1F1B", "GPipe"], type=_schedule, help="pipeline schedule (default 1F1B)")
+    g.add_argument("--sequence-parallel", action="store_true", help="with --tp: split norms and residuals along the sequence")
+    p.add_argument("--check", action="store_true",
+                   help="check the job through the whole submission path and print what would run; start nothing")  # fmt: skip
     return p
+
+
+def _schedule(text: str) -> str:
+    return {"1f1b": "1F1B", "gpipe": "GPipe"}.get(text.lower(), text)
 
 
 def _gpu_list(text: str) -> list[int]:
@@ -228,7 +250,11 @@ def build_spec(args: argparse.Namespace) -> dict[str, Any]:
         spec["model"] = args.model
     if args.trust_remote_code:
         spec["trust_remote_code"] = True
-    degrees = {"dp_replicate": args.dp, "dp_shard": args.fsdp, "tp": args.tp, "pp": args.pp}
+    degrees = {
+        "dp_replicate": args.dp, "dp_shard": args.fsdp, "tp": args.tp, "pp": args.pp,
+        "pp_microbatches": args.pp_microbatches, "pp_schedule": args.pp_schedule,
+        "sequence_parallel": args.sequence_parallel or None, "cpu_offload": getattr(args, "cpu_offload", False) or None,
+    }  # fmt: skip
     degrees = {k: v for k, v in degrees.items() if v}
     if degrees:
         spec["parallelism"] = degrees
@@ -236,12 +262,18 @@ def build_spec(args: argparse.Namespace) -> dict[str, Any]:
         train = {
             "dataset": args.data, "method": args.method, "max_steps": args.steps, "seq_len": args.seq,
             "micro_batch": args.micro_batch, "grad_accum": args.grad_accum, "learning_rate": args.lr,
+            "precision": args.precision, "activation_checkpointing": args.checkpointing, "seed": args.seed,
         }  # fmt: skip
         spec["train"] = {k: v for k, v in train.items() if v is not None}
         if args.train_on_prompts:
             spec["train"]["train_on_prompts"] = True
+        if args.save_merged:
+            spec["train"]["save_merged"] = True
     elif args.kind == "infer":
-        infer = {"prompts_file": args.prompts, "prompts": args.prompt, "max_new_tokens": args.max_new_tokens}
+        infer = {
+            "prompts_file": args.prompts, "prompts": args.prompt, "max_new_tokens": args.max_new_tokens,
+            "precision": args.precision, "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
+        }  # fmt: skip
         spec["infer"] = {k: v for k, v in infer.items() if v not in (None, [])}
     return spec
 
@@ -258,6 +290,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     spec = build_spec(args)
     plan = _read_plan(getattr(args, "plan", None))
     with EngineClient() as client:
+        if getattr(args, "check", False):
+            for line in client.request("check", spec=spec, plan=plan, cwd=os.getcwd())["lines"]:
+                print(line)
+            return 0
         job = client.request("submit", spec=spec, plan=plan, cwd=os.getcwd())["job"]
         if args.json:
             print(json.dumps({"schema": "rigpilot.job/1", "job": job}, indent=2))

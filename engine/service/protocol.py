@@ -140,6 +140,8 @@ REQUEST_SCHEMAS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         {"workload": dict[str, Any], "gpus": list[int] | None, "options": dict[str, Any], "trust_remote_code": bool},
     ),
     "submit": ({"spec": dict[str, Any]}, {"plan": dict[str, Any] | None, "cwd": str | None}),
+    # The whole submission path without creating anything: what would run, or the one-line refusal.
+    "check": ({"spec": dict[str, Any]}, {"plan": dict[str, Any] | None, "cwd": str | None}),
     "jobs": ({}, {"states": list[str], "limit": int}),
     "job": ({"job": str}, {}),
     "cancel": ({"job": str}, {}),

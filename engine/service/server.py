@@ -427,6 +427,11 @@ class EngineService:
     ) -> Any:
         return {"job": self.supervisor.submit(spec, plan, cwd)}
 
+    def _do_check(
+        self, conn: Connection, spec: dict[str, Any], plan: dict[str, Any] | None = None, cwd: str | None = None
+    ) -> Any:
+        return self.supervisor.check(spec, plan, cwd)
+
     def _do_jobs(self, conn: Connection, states: list[str] | None = None, limit: int = 200) -> Any:
         unknown = sorted(set(states or []) - ALL_STATES)
         if unknown:

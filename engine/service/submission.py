@@ -21,20 +21,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.capability import TRAIN_METHODS, Layout, layout_of_plan, why_not
 from engine.errors import UserError
 from engine.hardware.machine import Machine
 from engine.jobs.spec import InferSettings, JobSpec, TrainSettings
 from engine.service.protocol import check_dataclass
 
 KINDS = ("train", "infer", "script", "calibrate")
-TRAIN_METHODS = ("full", "lora", "scratch")
 PRECISIONS = ("fp32", "bf16", "fp16")
 CHECKPOINTING = ("none", "selective", "full")
-OFFLOAD_REFUSAL = (
-    "this plan offloads to the CPU with DeepSpeed, which Rigpilot jobs do not run yet; "
-    "export it with 'rigpilot plan --export deepspeed' or pick a plan without offload"
-)
 _SCHEDULES = {"1f1b": "1F1B", "gpipe": "GPipe"}
+GIB = 1024**3
 
 
 @dataclass
@@ -46,6 +43,8 @@ class Submission:
     predicted: dict[str, Any] | None  # plan_prediction(), plus `from_plan` and `plan_notes` when a plan was applied
     from_plan: dict[str, Any] = field(default_factory=dict)  # job settings taken from the plan, by name
     notes: list[str] = field(default_factory=list)  # how the plan was mapped onto what jobs can run
+    model_type: str | None = None  # config.json's model_type, where the model could be read here
+    host_ram: dict[str, Any] = field(default_factory=dict)  # the plan's host-RAM figures beside this host's
 
 
 def prepare(
@@ -76,12 +75,16 @@ def prepare(
         from_plan, notes = apply_plan_layout(spec, plan)
     spec.gpus = _check_gpus(spec.gpus or _default_gpus(spec, machine), machine)
     ranks = len(spec.gpus)
+    dp_shrink = 1.0  # how many times fewer data-parallel replicas run than the layout has
     if machine.simulated:
         # Simulated GPUs become CPU ranks; more ranks than cores only makes every rank slower.
         ranks = max(1, min(ranks, max_cpu_ranks))
         if spec.kind != "script" and spec.parallelism.world_size == len(spec.gpus) > ranks:
+            dp_before = spec.parallelism.dp_replicate * spec.parallelism.dp_shard
             ranks = _fit_to_cpu_ranks(spec, ranks, notes)  # the degrees fit the GPUs, not the CPU ranks
+            dp_shrink = dp_before / (spec.parallelism.dp_replicate * spec.parallelism.dp_shard)
 
+    model_type = None
     if spec.kind == "script":
         _check_script(spec, base)
     elif spec.kind == "train":
@@ -90,20 +93,200 @@ def prepare(
             taken, more = apply_plan_training(spec, plan)
             from_plan.update(taken)
             notes += more
-        _check_train(spec, base)
+        if dp_shrink > 1:
+            _keep_global_batch(spec.train, dp_shrink, notes)
+        _pipeline_defaults(spec, "pp_microbatches" in (data.get("parallelism") or {}) or "pp_microbatches" in from_plan, notes)
+        model_type = _check_train(spec, base)
         _check_degrees(spec, ranks)
     elif spec.kind == "infer":
         spec.infer = spec.infer or InferSettings()
-        _check_infer(spec, base)
+        model_type = _check_infer(spec, base)
         _check_degrees(spec, ranks)
     elif spec.kind == "calibrate":
         _check_degrees(spec, ranks)
         if spec.model:
-            spec.model = _check_model(spec.model, base)
+            spec.model, model_type = _check_model(spec.model, base)
+    if spec.kind in ("train", "infer"):
+        model_type = model_type or (plan_of(plan) or {}).get("model_type") or None
+        reason = why_not(layout_of_spec(spec, model_type))
+        if reason:
+            raise UserError(reason)
+    host_ram = _check_host_ram(plan_of(plan) if applies_plan else None, machine, notes)
     predicted = plan_prediction(plan)
     if (applies_plan and from_plan) or notes:
         predicted = {**(predicted or {}), "from_plan": from_plan, "plan_notes": notes}
-    return Submission(spec, plan, ranks, str(base) if base else None, predicted, from_plan, notes)
+    return Submission(
+        spec, plan, ranks, str(base) if base else None, predicted, from_plan, notes, model_type, host_ram
+    )
+
+
+def layout_of_spec(spec: JobSpec, model_type: str | None) -> Layout:
+    """The layout a job spec asks the engine to run, for engine.capability.why_not."""
+    p = spec.parallelism
+    return Layout(
+        kind=spec.kind,
+        method=spec.train.method if spec.kind == "train" and spec.train else "full",
+        dp_replicate=p.dp_replicate,
+        dp_shard=p.dp_shard,
+        tp=p.tp,
+        pp=p.pp,
+        sequence_parallel=p.sequence_parallel,
+        cpu_offload=p.cpu_offload,
+        model_type=model_type,
+    )
+
+
+def _keep_global_batch(t: TrainSettings, shrink: float, notes: list[str]) -> None:
+    """Fewer replicas each accumulate more micro-batches, so a step still sees the planned global batch."""
+    factor = round(shrink)
+    if abs(shrink - factor) > 1e-9 or factor < 1:
+        notes.append(
+            f"simulated: {shrink:g} times fewer replicas do not divide the accumulation evenly; "
+            f"the global batch is {1 / shrink:.2g} of the plan's"
+        )
+        return
+    before = t.grad_accum
+    t.grad_accum *= factor
+    notes.append(
+        f"simulated: gradient accumulation rises from {before} to {t.grad_accum} so each step still trains "
+        "the plan's global batch"
+    )
+
+
+def _pipeline_defaults(spec: JobSpec, microbatches_given: bool, notes: list[str]) -> None:
+    """A pipeline needs micro-batches to overlap its stages: at least one per stage unless the user said otherwise."""
+    p = spec.parallelism
+    if p.pp <= 1:
+        return
+    if p.pp_schedule not in _SCHEDULES.values():
+        schedule = _SCHEDULES.get(str(p.pp_schedule).lower())
+        if schedule is None:
+            raise UserError(f"unknown pipeline schedule {p.pp_schedule!r}; choose 1F1B or GPipe")
+        p.pp_schedule = schedule
+    if p.pp_microbatches < 1:
+        raise UserError(f"pipeline micro-batches must be at least 1, not {p.pp_microbatches}")
+    if not microbatches_given and p.pp_microbatches < p.pp:
+        p.pp_microbatches = p.pp
+        notes.append(f"pipeline micro-batches default to the number of stages ({p.pp})")
+    if p.pp_schedule == "1F1B" and p.pp_microbatches < p.pp:
+        p.pp_schedule = "GPipe"
+        notes.append(
+            f"1F1B needs at least {p.pp} pipeline micro-batches and the job has {p.pp_microbatches}: GPipe runs instead"
+        )
+
+
+def _check_host_ram(plan: dict[str, Any] | None, machine: Machine, notes: list[str]) -> dict[str, Any]:
+    """Refuse a plan whose host RAM does not fit the host that runs it; returns the figures, named.
+
+    A real machine runs its ranks on this host, so the plan's need is checked against this host's
+    RAM. A simulated machine's plan was checked against the simulated profile's RAM by the planner,
+    while its CPU ranks run here: both figures are kept, each under its own name.
+    """
+    import psutil
+
+    host = plan.get("host") if plan and isinstance(plan.get("host"), dict) else {}
+    needed = host.get("needed") if _is_int(host.get("needed")) else None
+    this_host = psutil.virtual_memory().total
+    out: dict[str, Any] = {"this_host": this_host, "simulated": machine.simulated}
+    if needed is None:
+        return out
+    out["plan_needs"] = needed
+    out["offloaded"] = host.get("offloaded") if _is_int(host.get("offloaded")) else 0
+    if machine.simulated:
+        out["plan_machine"] = machine.host.memory_total
+        params = plan.get("model_params") if plan else None
+        work = plan.get("workload") if plan and isinstance(plan.get("workload"), dict) else {}
+        if _is_int(params) and work.get("task") == "train":
+            # CPU ranks keep every byte a GPU would (fp32 weights, gradients, AdamW moments) in this host's RAM.
+            state = params * 16 if work.get("method", "full") == "full" else params * 4
+            if state > this_host:
+                notes.append(
+                    f"simulated: its CPU ranks would keep about {needed_text(state)} of model state in this host's "
+                    f"{needed_text(this_host)} of RAM and run out of memory; simulated machines run small models"
+                )
+        return out
+    if needed > this_host:
+        offloaded = f", {needed_text(out['offloaded'])} of it offloaded state" if out["offloaded"] else ""
+        raise UserError(
+            f"this plan needs {needed_text(needed)} of host RAM{offloaded}; this machine has {needed_text(this_host)}: "
+            "plan again with fewer offloaded GPUs' worth of state, or without CPU offload"
+        )
+    return out
+
+
+def needed_text(n: float) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def describe(sub: Submission) -> list[str]:
+    """What a submission would run, in lines a person reads (the CLI's --check and the wizard's Review page)."""
+    spec, p = sub.spec, sub.spec.parallelism
+    where = f"{sub.ranks} CPU rank{'s' * (sub.ranks != 1)} (simulated GPUs)" if spec.simulated else f"{sub.ranks} ranks"
+    gpus = ",".join(map(str, spec.gpus))
+    what = spec.kind
+    if spec.kind == "train" and spec.train:
+        what = f"train ({spec.train.method})"
+    lines = [f"would run: {what} of {spec.model or ' '.join(spec.script or [])} on GPUs {gpus} as {where}"]
+    if spec.kind in ("train", "infer"):
+        layout = f"dp {p.dp_replicate} × fsdp {p.dp_shard} × tp {p.tp} × pp {p.pp}"
+        how = []
+        if p.dp_shard > 1 or p.cpu_offload:
+            how.append("FSDP2" + ("" if p.reshard_after_forward else " without resharding after forward (ZeRO-2)"))
+        if p.cpu_offload:
+            how.append("parameters, gradients and optimizer state offloaded to CPU RAM")
+        if p.tp > 1 and p.sequence_parallel:
+            how.append("sequence parallel")
+        if p.pp > 1:
+            how.append(f"pipeline {p.pp_schedule}, {p.pp_microbatches} micro-batches per schedule run")
+        lines.append(f"layout: {layout}" + (f" ({'; '.join(how)})" if how else ""))
+    if spec.kind == "train" and spec.train:
+        t = spec.train
+        lines.append(
+            f"training: {t.precision}, micro-batch {t.micro_batch} × {t.grad_accum} accumulation, "
+            f"sequence {t.seq_len}, {t.max_steps} steps, activation checkpointing {t.activation_checkpointing}"
+        )
+    elif spec.kind == "infer" and spec.infer:
+        i = spec.infer
+        sampling = "greedy" if i.temperature == 0 else f"temperature {i.temperature:g}, top-p {i.top_p:g}, seed {i.seed}"
+        lines.append(f"inference: {i.precision}, up to {i.max_new_tokens} new tokens, batch {i.batch_size}, {sampling}")
+    ram = sub.host_ram
+    if "plan_needs" in ram:
+        if ram.get("simulated"):
+            machine_ram = ram.get("plan_machine")
+            of = f" of the simulated machine's {needed_text(machine_ram)}" if machine_ram else ""
+            lines.append(
+                f"host RAM: the plan needs {needed_text(ram['plan_needs'])}{of}; this host, which runs the CPU ranks, "
+                f"has {needed_text(ram['this_host'])}"
+            )
+        else:
+            lines.append(f"host RAM: the plan needs {needed_text(ram['plan_needs'])} of {needed_text(ram['this_host'])}")
+    lines += [f"note: {n}" for n in sub.notes]
+    return lines
+
+
+def would_run(sub: Submission) -> dict[str, Any]:
+    """The same as `describe`, as data: what the check request answers besides the lines."""
+    import dataclasses
+
+    spec = sub.spec
+    out: dict[str, Any] = {
+        "kind": spec.kind,
+        "model": spec.model,
+        "model_type": sub.model_type,
+        "ranks": sub.ranks,
+        "gpus": list(spec.gpus),
+        "simulated": spec.simulated,
+        "parallelism": dataclasses.asdict(spec.parallelism),
+        "notes": list(sub.notes),
+        "host_ram": dict(sub.host_ram),
+    }
+    if spec.train:
+        t = spec.train
+        out.update(method=t.method, precision=t.precision, micro_batch=t.micro_batch, grad_accum=t.grad_accum,
+                   seq_len=t.seq_len, max_steps=t.max_steps, activation_checkpointing=t.activation_checkpointing)  # fmt: skip
+    elif spec.infer:
+        out.update(method="full", precision=spec.infer.precision, micro_batch=spec.infer.batch_size, grad_accum=1, seq_len=None)
+    return out
 
 
 def _fit_to_cpu_ranks(spec: JobSpec, cap: int, notes: list[str]) -> int:
@@ -170,14 +353,21 @@ def _check_script(spec: JobSpec, base: Path | None) -> None:
     spec.script = [str(script), *spec.script[1:]]
 
 
-def _check_train(spec: JobSpec, base: Path | None) -> None:
+def _check_train(spec: JobSpec, base: Path | None) -> str | None:
     t = spec.train
     assert t is not None
     if t.method not in TRAIN_METHODS:
         raise UserError(f"unknown training method {t.method!r}; choose one of {', '.join(TRAIN_METHODS)}")
     if not spec.model:
         raise UserError("a training job needs a model (--model PRESET, FOLDER, HUB-ID or config.json)")
-    spec.model = _check_model(spec.model, base)
+    spec.model, config = _model_config(spec.model, base)
+    model_type = config.get("model_type") if isinstance(config.get("model_type"), str) else None
+    context = config.get("max_position_embeddings")
+    if _is_int(context) and context > 0 and t.seq_len > context:
+        raise UserError(
+            f"sequence length {t.seq_len} is longer than the model's context of {context} tokens; "
+            f"use --seq {context} or less"
+        )
     if not t.dataset:
         raise UserError("a training job needs a dataset (--data FILE, repeatable)")
     t.dataset = [str(_check_data_file(f, base)) for f in t.dataset]
@@ -192,18 +382,22 @@ def _check_train(spec: JobSpec, base: Path | None) -> None:
         raise UserError(
             f"unknown activation checkpointing {t.activation_checkpointing!r}; choose one of {', '.join(CHECKPOINTING)}"
         )
+    return model_type
 
 
-def _check_infer(spec: JobSpec, base: Path | None) -> None:
+def _check_infer(spec: JobSpec, base: Path | None) -> str | None:
     i = spec.infer
     assert i is not None
     if not spec.model:
         raise UserError("an inference job needs a model (--model PRESET, FOLDER or HUB-ID)")
-    spec.model = _check_model(spec.model, base)
+    spec.model, model_type = _check_model(spec.model, base)
     if i.prompts_file:
         i.prompts_file = str(_check_data_file(i.prompts_file, base))
     elif not [p for p in i.prompts if p.strip()]:
         raise UserError("an inference job needs prompts (--prompts FILE or --prompt TEXT)")
+    if i.precision not in PRECISIONS:
+        raise UserError(f"unknown precision {i.precision!r}; choose one of {', '.join(PRECISIONS)}")
+    return model_type
 
 
 def _check_data_file(path: str, base: Path | None) -> Path:
@@ -226,14 +420,25 @@ def _looks_like_path(model: str) -> bool:
     return model.startswith(("/", ".", "~")) or model.endswith(".json")
 
 
-def _check_model(model: str, base: Path | None) -> str:
-    """Local models must be readable now; presets and hub ids are the worker's to resolve."""
+def _check_model(model: str, base: Path | None) -> tuple[str, str | None]:
+    ref, config = _model_config(model, base)
+    model_type = config.get("model_type")
+    return ref, model_type if isinstance(model_type, str) else None
+
+
+def _model_config(model: str, base: Path | None) -> tuple[str, dict[str, Any]]:
+    """(the model reference, its config.json where it can be read here: a local model or a preset).
+
+    Local models must be readable now; hub ids are the worker's to resolve ({} here)."""
     if _looks_like_path(model):
         candidate = _resolve(model, base)
     elif base is not None and (base / model).exists():
         candidate = base / model  # a folder name relative to where the user stands
     else:
-        return model  # a preset name or a hub id such as "Qwen/Qwen2.5-0.5B"
+        from engine.models.presets import find_preset, preset_for_repo
+
+        preset = find_preset(model) or preset_for_repo(model)
+        return model, dict(preset.config) if preset else {}  # a preset or a hub id
     if candidate.is_dir():
         config = candidate / "config.json"
         if not config.is_file():
@@ -248,7 +453,7 @@ def _check_model(model: str, base: Path | None) -> str:
         raise UserError(f"model config {config} is not valid JSON ({e})") from None
     if not isinstance(raw, dict) or not raw:
         raise UserError(f"model config {config} is not a JSON object with the model's settings")
-    return str(candidate)
+    return str(candidate), raw
 
 
 def _check_degrees(spec: JobSpec, ranks: int) -> None:
@@ -315,9 +520,9 @@ def _oom_suggestion(par: Any) -> str:
 def check_plan_runs(spec: JobSpec, plan: dict[str, Any] | None) -> None:
     """Refuse, in one line, a plan that a job of this kind cannot run as planned."""
     p = plan_of(plan) or {}
-    par = p.get("parallelism") if isinstance(p.get("parallelism"), dict) else {}
-    if par.get("offload_optimizer") or par.get("offload_params"):
-        raise UserError(OFFLOAD_REFUSAL)
+    reason = why_not(layout_of_plan(p)) if isinstance(p.get("parallelism"), dict) else None
+    if reason:
+        raise UserError(f"this plan does not run here: {reason}")
     workload = p.get("workload") if isinstance(p.get("workload"), dict) else {}
     task = workload.get("task")
     if spec.kind in ("train", "infer") and task in ("train", "infer") and task != spec.kind:
@@ -351,6 +556,9 @@ def apply_plan_layout(spec: JobSpec, plan: dict[str, Any] | None) -> tuple[dict[
     p = spec.parallelism
     if not all(_is_int(par.get(k)) and par[k] >= 1 for k in ("dp", "tp", "pp")):
         return taken, notes
+    # FSDP2's CPUOffloadPolicy moves parameters, gradients and the optimizer step to the host together.
+    if par.get("offload_params") or par.get("offload_optimizer"):
+        p.cpu_offload = taken["cpu_offload"] = True
     if p.world_size != 1:
         if (par["dp"], par["tp"], par["pp"]) != (p.dp_replicate * p.dp_shard, p.tp, p.pp):
             notes.append(
@@ -379,6 +587,7 @@ def apply_plan_layout(spec: JobSpec, plan: dict[str, Any] | None) -> tuple[dict[
     taken["parallelism"] = {
         "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "tp": p.tp, "pp": p.pp,
         "sequence_parallel": p.sequence_parallel, "reshard_after_forward": p.reshard_after_forward,
+        "cpu_offload": p.cpu_offload,
     }  # fmt: skip
     if zero:
         taken["zero_stage"] = zero

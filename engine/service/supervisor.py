@@ -168,6 +168,14 @@ class Supervisor:
 
     # -- requests -------------------------------------------------------------
 
+    def check(self, spec_data: dict[str, Any], plan: dict[str, Any] | None, cwd: str | None) -> dict[str, Any]:
+        """What `submit` would run, through the same code, creating nothing; a refusal raises as submit's would."""
+        worker_python()
+        sub = submission.prepare(
+            spec_data, plan, cwd, job_id="check", machine=self.machine, max_cpu_ranks=self.max_cpu_ranks
+        )
+        return {"ok": True, "lines": submission.describe(sub), "would_run": submission.would_run(sub)}
+
     def submit(self, spec_data: dict[str, Any], plan: dict[str, Any] | None, cwd: str | None) -> dict[str, Any]:
         worker_python()  # no PyTorch environment yet: say so now, not after the job has queued
         job_id = self._new_id()
