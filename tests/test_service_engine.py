@@ -504,6 +504,25 @@ TINY_LLAMA = REPO / "examples" / "models" / "tiny-llama" / "config.json"
 SHAKESPEARE = REPO / "examples" / "data" / "shakespeare.txt"
 
 
+def test_check_prints_what_would_run_or_the_refusal_and_starts_nothing(engine, capsys, tmp_path):
+    engine.start()
+    assert cli_main(["plan", "--model", "llama-2-7b", "--task", "train", "--json"]) == 0
+    (tmp_path / "plan.json").write_text(capsys.readouterr().out)
+    base = ["run", "train", "--model", "llama-2-7b", "--method", "scratch", "--data", str(SHAKESPEARE)]
+    assert cli_main([*base, "--plan", str(tmp_path / "plan.json"), "--check"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("would run: train (scratch) of llama-2-7b") and "\nlayout: " in out and "\ntraining: " in out
+    tiny = ["run", "train", "--model", str(TINY_LLAMA), "--data", str(SHAKESPEARE), "--gpus", "0,1"]
+    assert cli_main([*tiny, "--method", "qlora", "--tp", "2", "--check"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rigpilot: error: QLoRA") and err.count("\n") == 1
+    assert cli_main([*tiny, "--method", "scratch", "--pp", "2", "--check"]) == 0
+    assert "pipeline 1F1B, 2 micro-batches" in capsys.readouterr().out
+    assert list(paths.jobs_dir().iterdir()) == []
+    with engine.client() as c:
+        assert c.request("jobs")["jobs"] == []
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(
     not (REPO / "engine" / "workers" / "__main__.py").exists() or not TINY_LLAMA.exists(),

@@ -469,6 +469,9 @@ def test_a_sequence_longer_than_the_models_context_is_refused_before_launch(subm
     with pytest.raises(UserError, match=r"sequence length 512 is longer than the model's context of 64 tokens; use --seq 64"):
         submit(train)
     assert submit({**train, "train": {"dataset": ["data.txt"], "seq_len": 64}}).model_type == "llama"
+    # Left unset, the sequence length follows the model's context, and the job says so.
+    sub = submit({**train, "train": {"dataset": ["data.txt"]}})
+    assert sub.spec.train.seq_len == 64 and any("the model's context" in n for n in sub.notes)
 
 
 def test_a_simulated_plan_too_big_for_this_hosts_ram_says_so_without_refusing(submit, tmp_path):

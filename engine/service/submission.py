@@ -96,7 +96,8 @@ def prepare(
         if dp_shrink > 1:
             _keep_global_batch(spec.train, dp_shrink, notes)
         _pipeline_defaults(spec, "pp_microbatches" in (data.get("parallelism") or {}) or "pp_microbatches" in from_plan, notes)
-        model_type = _check_train(spec, base)
+        seq_given = "seq_len" in (data.get("train") or {}) or "seq_len" in from_plan
+        model_type = _check_train(spec, base, seq_given, notes)
         _check_degrees(spec, ranks)
     elif spec.kind == "infer":
         spec.infer = spec.infer or InferSettings()
@@ -353,7 +354,7 @@ def _check_script(spec: JobSpec, base: Path | None) -> None:
     spec.script = [str(script), *spec.script[1:]]
 
 
-def _check_train(spec: JobSpec, base: Path | None) -> str | None:
+def _check_train(spec: JobSpec, base: Path | None, seq_given: bool = True, notes: list[str] | None = None) -> str | None:
     t = spec.train
     assert t is not None
     if t.method not in TRAIN_METHODS:
@@ -363,6 +364,11 @@ def _check_train(spec: JobSpec, base: Path | None) -> str | None:
     spec.model, config = _model_config(spec.model, base)
     model_type = config.get("model_type") if isinstance(config.get("model_type"), str) else None
     context = config.get("max_position_embeddings")
+    if _is_int(context) and context > 0 and t.seq_len > context and not seq_given:
+        (notes if notes is not None else []).append(
+            f"sequence length {context}: the model's context (the default {t.seq_len} is longer)"
+        )
+        t.seq_len = context
     if _is_int(context) and context > 0 and t.seq_len > context:
         raise UserError(
             f"sequence length {t.seq_len} is longer than the model's context of {context} tokens; "
