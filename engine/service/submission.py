@@ -294,18 +294,22 @@ def _fit_to_cpu_ranks(spec: JobSpec, cap: int, notes: list[str]) -> int:
     """Shrink the data-parallel degree so the job fits the simulated machine's CPU ranks; returns the ranks.
 
     Tensor and pipeline degrees shape the model itself, so they are kept; data parallelism only
-    repeats the work. Returns the number of ranks the job then runs (at most `cap`).
+    repeats the work. A model split wider than the cap still runs, its ranks sharing the cores:
+    the cap is about speed, and refusing would refuse the very plans the planner recommends.
     """
     p = spec.parallelism
     model_ranks = p.tp * p.pp
-    if model_ranks > cap:
-        raise UserError(
-            f"this layout needs at least tp {p.tp} × pp {p.pp} = {model_ranks} ranks, but this simulated machine "
-            f"runs at most {cap} CPU ranks per job; raise 'CPU ranks per job' in Settings or plan for fewer GPUs"
+    before = f"dp {p.dp_replicate} × fsdp {p.dp_shard}"
+    if model_ranks >= cap:
+        p.dp_replicate = p.dp_shard = 1
+        notes.append(
+            f"simulated: {len(spec.gpus)} GPUs run as {model_ranks} CPU ranks (tp {p.tp} × pp {p.pp}); data "
+            f"parallelism shrinks from {before} to 1"
+            + (f", and the ranks share this machine's cores (it runs {cap} per job well)" if model_ranks > cap else "")
         )
+        return model_ranks
     dp = cap // model_ranks
     shard = max(d for d in range(1, min(p.dp_shard, dp) + 1) if dp % d == 0)
-    before = f"dp {p.dp_replicate} × fsdp {p.dp_shard}"
     p.dp_replicate, p.dp_shard = dp // shard, shard
     notes.append(
         f"simulated: {len(spec.gpus)} GPUs run as {dp * model_ranks} CPU ranks (at most {cap} per job), so data "
