@@ -24,6 +24,9 @@ Requests and their results (a "job" is the record the `jobs` CLI shows, plus
     telemetry_history {since?, limit?}      → {samples: [TelemetrySample], more, next_since}
     plan {model, workload?, gpus?, options?, trust_remote_code?} → {result: the planner's SearchResult}
     submit {spec: JobSpec fields, plan?, cwd?} → {job}
+    check {spec, plan?, cwd?} → {ok: true, lines: [what would run, in words], would_run: {ranks, gpus,
+          parallelism, method, precision, micro_batch, grad_accum, seq_len, notes, host_ram, ...}}; creates
+          nothing, and refuses exactly as submit would (error `user_error`, one line)
     jobs {states?, limit?}                  → {jobs: [job]}, newest first
     job | cancel | resume {job}             → {job}       (job: id, unique id prefix or name)
     delete {job}                            → {id, deleted}
