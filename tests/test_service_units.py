@@ -234,7 +234,7 @@ def test_pipeline_stages_alone_get_a_micro_batch_per_stage(submit, tmp_path):
     assert (sub.spec.parallelism.pp_microbatches, sub.spec.parallelism.pp_schedule) == (1, "GPipe")
     sub = submit({**LLAMA_TRAIN, "gpus": [0, 1], "parallelism": {"pp": 2, "pp_schedule": "gpipe"}})
     assert sub.spec.parallelism.pp_schedule == "GPipe"
-    with pytest.raises(UserError, match="unknown pipeline schedule 'zigzag'"):
+    with pytest.raises(UserError, match="pp_schedule='zigzag': must be one of 1F1B, GPipe"):
         submit({**LLAMA_TRAIN, "gpus": [0, 1], "parallelism": {"pp": 2, "pp_schedule": "zigzag"}})
 
 
@@ -286,7 +286,7 @@ def test_plans_for_another_task_and_user_degrees(submit, tmp_path):
     sub = submit({**TRAIN, "gpus": [0, 1], "parallelism": {"dp_shard": 2}}, plan=planner_plan())
     assert (sub.spec.parallelism.dp_replicate, sub.spec.parallelism.dp_shard) == (1, 2)
     assert "parallelism" not in sub.from_plan and sub.spec.train.micro_batch == 2
-    with pytest.raises(UserError, match="unknown precision 'fp8'"):
+    with pytest.raises(UserError, match="precision='fp8': must be one of fp32, bf16, fp16"):
         submit({**TRAIN, "train": {**TRAIN["train"], "precision": "fp8"}})
 
 
@@ -502,3 +502,36 @@ def test_run_flags_reach_the_job_spec():
     for bad in (["--lr", "nan"], ["--lr", "inf"], ["--seed", "-1"]):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["run", "train", "--model", "m", *bad])
+
+
+@pytest.mark.parametrize(
+    ("section", "setting", "value", "words"),
+    [
+        ("train", "max_steps", 10**30, "train setting max_steps=1e+30: must be in [1, 100,000,000]"),
+        ("train", "grad_accum", 10**30, "train setting grad_accum=1e+30: must be in [1, 65536]"),
+        ("train", "eval_fraction", -1, "train setting eval_fraction=-1: must be in [0, 1)"),
+        ("train", "keep_checkpoints", -1, "train setting keep_checkpoints=-1: must be in [0, 1,000,000]"),
+        ("train", "lora_rank", -1, "train setting lora_rank=-1: must be in [1, 65536]"),
+        ("train", "seed", 2**63, "train setting seed=9.22e+18: must be in [0, 9,223,372,036,854,775,807]"),
+        ("train", "learning_rate", 0, "train setting learning_rate=0: must be in (0, 10]"),
+        ("parallelism", "pp_schedule", "bogus", "parallelism setting pp_schedule='bogus': must be one of 1F1B, GPipe"),
+        ("parallelism", "tp", 0, "parallelism setting tp=0: must be in [1, 512]"),
+    ],
+)
+def test_every_job_setting_has_a_range_refused_in_one_line(submit, tmp_path, section, setting, value, words):
+    (tmp_path / "data.txt").write_text("hello\n")
+    spec = json.loads(json.dumps(TRAIN))
+    spec.setdefault(section, {})[setting] = value
+    with pytest.raises(UserError) as e:
+        submit(spec)
+    assert str(e.value).startswith(words) and "\n" not in str(e.value)
+
+
+def test_names_paths_and_environments_are_bounded(submit, tmp_path):
+    (tmp_path / "data.txt").write_text("hello\n")
+    with pytest.raises(UserError, match="model is 100,000 characters long; at most 4,096"):
+        submit({**TRAIN, "model": "m" * 100_000})
+    with pytest.raises(UserError, match="not a valid variable name"):
+        submit({**TRAIN, "env": {"A=B": "1"}})
+    with pytest.raises(UserError, match="GPU index -1 is out of range"):
+        submit({**TRAIN, "gpus": [-1]})

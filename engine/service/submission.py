@@ -24,6 +24,7 @@ from typing import Any
 from engine.capability import TRAIN_METHODS, Layout, layout_of_plan, why_not
 from engine.errors import UserError
 from engine.hardware.machine import Machine
+from engine.jobs.limits import check_job_settings
 from engine.jobs.spec import InferSettings, JobSpec, TrainSettings
 from engine.service.protocol import check_dataclass
 
@@ -65,6 +66,7 @@ def prepare(
     if base is not None and not (base.is_absolute() and base.is_dir()):
         raise UserError(f"working folder {cwd} does not exist")
     spec = JobSpec.from_dict({**data, "id": job_id})
+    check_job_settings(spec)  # the user's own values, named as they gave them
     spec.simulated = machine.simulated
     from_plan: dict[str, Any] = {}
     notes: list[str] = []
@@ -112,6 +114,7 @@ def prepare(
         reason = why_not(layout_of_spec(spec, model_type))
         if reason:
             raise UserError(reason)
+    check_job_settings(spec)  # and once more with what the plan and the defaults filled in
     host_ram = _check_host_ram(plan_of(plan) if applies_plan else None, machine, notes)
     predicted = plan_prediction(plan)
     if (applies_plan and from_plan) or notes:
