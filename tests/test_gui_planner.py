@@ -19,7 +19,7 @@ from PySide6.QtWidgets import QFileDialog
 from app.planner import hub_search
 from app.planner.exports import EXPORT_TARGETS, plan_sidecar
 from app.planner.model import GIB, MEMORY_PARTS, PlanRequest, plans_of, search_locally
-from app.planner.page import PlannerPage
+from app.planner.page import TABLE_COLUMNS, PlannerPage
 from engine.hardware.simulated import list_profiles
 from engine.planner.plan import Plan
 from engine.service.client import EngineError
@@ -359,3 +359,34 @@ def test_search_locally_matches_the_engine_reply_shape():
     here = search_locally(request, machine.to_dict())
     engine = real_plan_reply(machine)(model="gpt2", workload=request.workload_args(), gpus=[0, 1], options={})
     assert here["result"]["best"]["parallelism"] == engine["result"]["best"]["parallelism"]
+
+
+def test_a_plan_the_engine_does_not_run_says_why_and_cannot_be_launched(qtbot):
+    page, link = open_page(qtbot, "4x-rtx4090")
+    planner = real_plan_reply(link.machine_obj)
+    reason = "tensor parallel runs Llama-style decoders (llama, mistral, qwen2, qwen3); model type 'gpt2' is not one of them"
+
+    def plan_with_an_unrunnable_runner_up(**request):
+        reply = planner(**request)
+        result = reply["result"]
+        result["best"] = {**result["best"], "runs_here": True, "runs_here_reason": ""}
+        result["runners_up"][0] = {**result["runners_up"][0], "runs_here": False, "runs_here_reason": reason}
+        return reply
+
+    link.replies["plan"] = plan_with_an_unrunnable_runner_up
+    page.picker.set_model("qwen2.5-0.5b", chosen=False)
+    with qtbot.waitSignal(page.sig_plan_ready, timeout=20000):
+        page.plan_button.click()
+    column = TABLE_COLUMNS.index("Runs here")
+    assert page.table.item(0, column).text() == "yes"
+    cell = page.table.item(1, column)
+    assert cell.text() == reason and reason in cell.toolTip()
+    # The cell is elided to the column, not widened to the sentence.
+    assert page.table.horizontalHeader().sectionSize(column) < page.table.fontMetrics().horizontalAdvance(reason)
+    assert page.launch_button.isEnabled() and not page.launch_note.isVisible()
+    page.table.selectRow(1)
+    assert page.plan["runs_here"] is False
+    assert not page.launch_button.isEnabled()
+    assert reason in page.launch_button.toolTip() and reason in page.launch_note.text() and page.launch_note.isVisible()
+    page.table.selectRow(0)
+    assert page.launch_button.isEnabled() and not page.launch_note.isVisible()

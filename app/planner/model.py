@@ -111,6 +111,7 @@ class PlanRow:
     peak: str  # the fullest GPU: "21.4 / 24.0 GiB"
     to_budget: str
     fits: bool
+    runs_here: str  # "yes", or why the engine cannot run it
 
 
 def plans_of(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -135,7 +136,14 @@ def plan_row(plan: dict[str, Any], rank: str) -> PlanRow:
         peak=f"{peak['total'] / GIB:.1f} / {peak['capacity'] / GIB:.1f} GiB" if peak else "n/a",
         to_budget=seconds(timing.get("time_to_budget_s")) if timing.get("time_to_budget_s") else "—",
         fits=all(m["headroom"] >= 0 for m in memory),
+        runs_here="yes" if plan_runs_here(plan)[0] else (plan_runs_here(plan)[1] or "no"),
     )
+
+
+def plan_runs_here(plan: dict[str, Any]) -> tuple[bool, str]:
+    """(runs, why not) as the plan says: whether a job can run it on this engine. A plan from a planner
+    that does not say is taken to run (the engine still checks it before launching)."""
+    return bool(plan.get("runs_here", True)), str(plan.get("runs_here_reason") or "")
 
 
 def plan_rows(result: dict[str, Any]) -> list[PlanRow]:

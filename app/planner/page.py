@@ -48,6 +48,7 @@ from app.planner.model import (
     PlanRequest,
     error_text,
     plan_rows,
+    plan_runs_here,
     plans_of,
     search_locally,
     summary_lines,
@@ -57,7 +58,9 @@ from app.tasks import run_in_background
 from app.widgets.engine_messages import machine_dict
 from app.widgets.palette import BAD, GOOD
 
-TABLE_COLUMNS = ["#", "Plan", "Layout", "GPUs", "Speed", "Step", "To finish", "Fullest GPU"]
+TABLE_COLUMNS = ["#", "Plan", "Layout", "GPUs", "Speed", "Step", "To finish", "Fullest GPU", "Runs here"]
+RUNS_HERE_COLUMN = TABLE_COLUMNS.index("Runs here")
+RUNS_HERE_WIDTH = 160  # a reason is elided to this; its tooltip has the whole sentence
 # Suggestions that change what is asked on this machine can be applied to the form; hardware ones cannot.
 APPLICABLE_SUGGESTIONS = ("method", "quantize", "seq", "batch", "gpus")
 
@@ -203,6 +206,10 @@ class PlannerPage(QWidget):
         header = self.table.horizontalHeader()
         header.setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
         header.setSectionResizeMode(2, QHeaderView.ResizeMode.Stretch)
+        header.setSectionResizeMode(RUNS_HERE_COLUMN, QHeaderView.ResizeMode.Interactive)
+        header.resizeSection(RUNS_HERE_COLUMN, RUNS_HERE_WIDTH)
+        self.table.setTextElideMode(Qt.TextElideMode.ElideRight)
+        self.table.setWordWrap(False)
         self.table.itemSelectionChanged.connect(self._row_selected)
 
         self.chart = MemoryChart()
@@ -251,8 +258,13 @@ class PlannerPage(QWidget):
         # Two rows, so five export buttons and the launch button fit a 1024-pixel-wide screen.
         actions = QVBoxLayout()
         actions.addWidget(self.exports)
+        self.launch_note = QLabel("")
+        self.launch_note.setObjectName("launchNote")
+        self.launch_note.setWordWrap(True)
+        self.launch_note.setStyleSheet(f"color: {BAD.name()};")
+        self.launch_note.hide()
         launch_row = QHBoxLayout()
-        launch_row.addStretch(1)
+        launch_row.addWidget(self.launch_note, 1)
         launch_row.addWidget(self.launch_button)
         actions.addLayout(launch_row)
         self.export_note = QLabel("")
@@ -420,10 +432,14 @@ class PlannerPage(QWidget):
         rows = plan_rows(result) if result else []
         self.table.setRowCount(len(rows))
         for r, row in enumerate(rows):
-            values = [row.rank, row.family, row.layout, row.gpus, row.tokens_per_s, row.step, row.to_budget, row.peak]
+            values = [row.rank, row.family, row.layout, row.gpus, row.tokens_per_s, row.step, row.to_budget, row.peak,
+                      row.runs_here]  # fmt: skip
             for c, value in enumerate(values):
                 item = QTableWidgetItem(value)
                 item.setToolTip(value)
+                if c == RUNS_HERE_COLUMN and value != "yes":
+                    item.setForeground(BAD)
+                    item.setToolTip(f"The engine does not run this plan: {value}")
                 self.table.setItem(r, c, item)
         self.explanation.setPlainText("\n".join(f"• {line}" for line in (result or {}).get("explanation", [])))
         self._show_rejected((result or {}).get("rejected", []))
@@ -473,12 +489,12 @@ class PlannerPage(QWidget):
         if s:
             self._show_plan(s["plan"], heading=f"With this change ({s['change']}):")
             # Other hardware is for comparing and exporting; a job can only launch on this machine.
-            self.launch_button.setEnabled(applicable)
+            self._offer_launch(s["plan"] if applicable else None)
 
     def _show_plan(self, plan: dict[str, Any] | None, heading: str = "") -> None:
         self.plan = plan
         self.exports.set_plan(plan)
-        self.launch_button.setEnabled(plan is not None)
+        self._offer_launch(plan)
         if plan is None:
             self.chart.clear()
             return
@@ -489,6 +505,16 @@ class PlannerPage(QWidget):
         head = f"<b>{heading or 'Plan'}</b> <span style='color:{colour.name()}'>{lines[0]}</span>"
         self.summary.setText("<br>".join([head, *lines[1:]]))
         self.sig_plan_shown.emit(plan)
+
+    def _offer_launch(self, plan: dict[str, Any] | None) -> None:
+        """Launch only a plan the engine runs; for one it does not, say why beside the disabled button."""
+        runs, why = plan_runs_here(plan) if plan is not None else (False, "")
+        self.launch_button.setEnabled(plan is not None and runs)
+        reason = "" if plan is None or runs else f"Does not run here: {why}"
+        self.launch_button.setToolTip(reason or "Open the job wizard filled from this plan")
+        self.launch_note.setText(reason)
+        self.launch_note.setToolTip(reason)
+        self.launch_note.setVisible(bool(reason))
 
     def apply_suggestion(self) -> None:
         """Put the selected suggestion's workload and GPUs into the form, and plan again."""

@@ -13,22 +13,21 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from PySide6.QtCore import Qt
-from PySide6.QtGui import QFont, QPalette
-from PySide6.QtWidgets import QFormLayout, QLabel, QVBoxLayout, QWidget, QWizardPage
+from PySide6.QtWidgets import QLabel, QVBoxLayout, QWizardPage
 
 from app.planner.model import error_text
 from app.tasks import run_in_background
 from app.widgets.palette import BAD, GOOD, WARN
+from app.wizard.host import DATA, GPUS, HYPER, LAUNCH, MODEL, PLAN, REVIEW, TASK, WizardHost
 
 if TYPE_CHECKING:
     from app.wizard.state import WizardState
-    from app.wizard.wizard import JobWizard
 
-TASK, MODEL, DATA, GPUS, PLAN, HYPER, REVIEW, LAUNCH = range(8)
+__all__ = ["DATA", "GPUS", "HYPER", "LAUNCH", "MODEL", "PLAN", "REVIEW", "TASK", "StepPage"]
 
 
 class StepPage(QWizardPage):
-    def __init__(self, wizard: JobWizard, title: str, subtitle: str = ""):
+    def __init__(self, wizard: WizardHost, title: str, subtitle: str = ""):
         super().__init__()
         self.wiz = wizard
         self.setTitle(title)
@@ -84,6 +83,23 @@ class StepPage(QWizardPage):
         self, work: Callable[[], Any], done: Callable[[Any], None], waiting: str = "Checking…"
     ) -> None:
         """Run `work` off the GUI thread; `done(result)` runs only if no newer check started meanwhile."""
+        finished, failed = self._begin_check(done, lambda e: self.set_problem(error_text(e)), waiting)
+        run_in_background(work, finished, failed)
+
+    def check_with_engine(
+        self,
+        ask: Callable[[Callable[[Any], None], Callable[[BaseException], None]], None],
+        done: Callable[[Any], None],
+        refused: Callable[[BaseException], None],
+        waiting: str = "Asking the engine…",
+    ) -> None:
+        """`ask(on_done, on_error)` sends an engine request (the link answers on the GUI thread); `done` or
+        `refused` runs only if no newer check started meanwhile, and the page is busy until then."""
+        ask(*self._begin_check(done, refused, waiting))
+
+    def _begin_check(
+        self, done: Callable[[Any], None], refused: Callable[[BaseException], None], waiting: str
+    ) -> tuple[Callable[[Any], None], Callable[[BaseException], None]]:
         self._serial += 1
         serial = self._serial
         self.busy = True
@@ -98,9 +114,10 @@ class StepPage(QWizardPage):
         def failed(error: BaseException) -> None:
             if serial == self._serial:
                 self.busy = False
-                self.set_problem(error_text(error))
+                refused(error)
+                self.completeChanged.emit()
 
-        run_in_background(work, finished, failed)
+        return finished, failed
 
     def cancel_checks(self) -> None:
         self._serial += 1
@@ -119,22 +136,3 @@ class StepPage(QWizardPage):
         finally:
             self._loading = before
 
-
-def explained(form: QFormLayout, label: str, control: QWidget, why: str) -> QWidget:
-    """A form row with a one-line explanation under the control; returns the row's widget (to hide the row)."""
-    box = QWidget()
-    layout = QVBoxLayout(box)
-    layout.setContentsMargins(0, 0, 0, 2)
-    layout.setSpacing(0)
-    layout.addWidget(control)
-    note = QLabel(why)
-    note.setObjectName("explanation")
-    note.setWordWrap(True)
-    note.setForegroundRole(QPalette.ColorRole.PlaceholderText)
-    font = QFont(note.font())
-    font.setPointSizeF(font.pointSizeF() * 0.9)
-    note.setFont(font)
-    layout.addWidget(note)
-    control.setToolTip(why)
-    form.addRow(label, box)
-    return box

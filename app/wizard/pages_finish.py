@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 from PySide6.QtGui import QFont, QGuiApplication
-from PySide6.QtWidgets import QFormLayout, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QPushButton
+from PySide6.QtWidgets import QFormLayout, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QPushButton, QWizard
 
 from app.planner.export_bar import ExportBar
-from app.planner.model import summary_lines
-from app.wizard.page_base import LAUNCH, StepPage
+from app.planner.model import error_text, summary_lines
+from app.widgets.form_row import form_row
+from app.wizard.host import LAUNCH, WizardHost
+from app.wizard.page_base import StepPage
 from app.wizard.state import CALIBRATE, INFER, KIND_TITLES, SCRIPT, WizardState, default_name
-
-if TYPE_CHECKING:
-    from app.wizard.wizard import JobWizard
+from engine.service.client import EngineError
+from engine.service.protocol import UNKNOWN_TYPE
 
 
 def describe_state(s: WizardState, machine_label: str = "") -> list[str]:
@@ -44,15 +45,24 @@ def describe_state(s: WizardState, machine_label: str = "") -> list[str]:
             f"Checkpoint every {t.checkpoint_every}, evaluate every {t.eval_every}, seed {t.seed}, "
             f"activation checkpointing {t.activation_checkpointing}"
         )
-        if s.train_method == "lora":
+        if s.adapters:
             lines.append(
-                f"LoRA rank {t.lora_rank}, alpha {t.lora_alpha}, targets {','.join(t.lora_targets or ['default'])}"
+                f"{'QLoRA (4-bit NF4 base)' if s.train_method == 'qlora' else 'LoRA'} rank {t.lora_rank}, "
+                f"alpha {t.lora_alpha}, targets {','.join(t.lora_targets or ['default'])}"
+                + (", merged weights saved too" if t.save_merged else "")
             )
     elif s.kind == INFER:
         i = s.infer
         lines.append(
-            f"New tokens {i.max_new_tokens}, batch {i.batch_size}, temperature {i.temperature:g}, top-p {i.top_p:g}"
+            f"New tokens {i.max_new_tokens}, batch {i.batch_size}, temperature {i.temperature:g}, "
+            f"top-p {i.top_p:g}, seed {i.seed}"
         )
+    if s.planned and s.plan:
+        p = s.parallelism()
+        extras = [f"{p.pp_microbatches} pipeline micro-batches ({p.pp_schedule})"] if p.pp > 1 else []
+        extras += ["sequence parallel"] * p.sequence_parallel + ["CPU offload (FSDP2)"] * p.cpu_offload
+        if extras:
+            lines.append("Parallel settings: " + ", ".join(extras))
     if s.planned:  # the kinds that load a model, where its own code could run
         lines.append(
             f"Trust remote code: {'ON — the model repository code will run' if s.trust_remote_code else 'off'}"
@@ -60,9 +70,31 @@ def describe_state(s: WizardState, machine_label: str = "") -> list[str]:
     return lines
 
 
+def check_lines(reply: dict[str, Any]) -> list[str]:
+    """The engine's `check` answer as the lines shown on Review: what it would run, then its notes."""
+    lines = [str(line) for line in reply.get("lines") or []]
+    notes = (reply.get("would_run") or {}).get("notes") or []
+    return lines + [f"Note: {n}" for n in notes if str(n) not in lines]
+
+
 class ReviewPage(StepPage):
-    def __init__(self, wizard: JobWizard):
-        super().__init__(wizard, "Review", "Everything the job will run with. Back changes any of it.")
+    def __init__(self, wizard: WizardHost):
+        super().__init__(
+            wizard, "Review", "Everything the job will run with, checked by the engine. Back changes any of it."
+        )
+        # Next submits from here: say so on the button.
+        self.setButtonText(QWizard.WizardButton.NextButton, "Launch")
+        self.verdict: dict[str, Any] | None = None  # the engine's last `check` answer
+        self.engine_view = QPlainTextEdit()
+        self.engine_view.setObjectName("engineCheck")
+        self.engine_view.setAccessibleName("What the engine would run")
+        self.engine_view.setReadOnly(True)
+        self.engine_view.setTabChangesFocus(True)
+        self.engine_view.setMaximumHeight(120)
+        self.recheck = QPushButton("Check again")
+        self.recheck.setObjectName("recheck")
+        self.recheck.clicked.connect(self.validate)
+        self.recheck.hide()
         self.name = QLineEdit()
         self.name.setObjectName("jobName")
         self.name.setPlaceholderText("a name to recognise the job by")
@@ -88,8 +120,15 @@ class ReviewPage(StepPage):
         )
         self.exports.sig_export_failed.connect(lambda text: self.set_problem(None, note=text))
         form = QFormLayout()
-        form.addRow("Job name", self.name)
+        form_row(form, "Job name", self.name, "A name to recognise the job by on the Jobs page.", compact=True)
         self.body.addLayout(form)
+        check_row = QHBoxLayout()
+        check_row.addWidget(QLabel("What the engine would run:"))
+        check_row.addStretch(1)
+        check_row.addWidget(self.recheck)
+        self.body.addLayout(check_row)
+        self.body.addWidget(self.engine_view)
+        self.body.addWidget(QLabel("Your choices:"))
         self.body.addWidget(self.summary, 1)
         row = QHBoxLayout()
         row.addWidget(QLabel("Same job from a terminal:"))
@@ -108,12 +147,40 @@ class ReviewPage(StepPage):
         self.exports.setVisible(s.planned)
         self.exports.set_plan(s.plan if s.planned else None)
 
+    def validate(self) -> None:
+        """Ask the engine to run the whole submission path for these choices, creating nothing."""
+        self.verdict = None
+        self.recheck.hide()
+        self.engine_view.setPlainText("Asking the engine what it would run…")
+        self.check_with_engine(self.wiz.check, self._checked, self._refused, "Checking the job with the engine…")
+
+    def _checked(self, reply: dict[str, Any]) -> None:
+        self.verdict = reply
+        self.engine_view.setPlainText("\n".join(check_lines(reply)) or "The engine takes the job as it is.")
+        self.set_problem(None, note="The engine checked the job: Launch starts it.", tone="ok")
+
+    def _refused(self, error: BaseException) -> None:
+        self.recheck.show()
+        if isinstance(error, EngineError) and error.code == UNKNOWN_TYPE:
+            # An engine from before `check`: it still refuses a bad job, only later, on Launch.
+            self.engine_view.setPlainText("This engine cannot check a job before it starts.")
+            self.set_problem(None, note="Not checked: this engine checks the job when it is launched.", tone="warn")
+            return
+        message = error_text(error)
+        message += "" if message.endswith((".", "!", "?")) else "."
+        self.engine_view.setPlainText(f"The engine would refuse this job:\n{message}")
+        self.set_problem(f"The engine would refuse this job: {message} Go Back to change it.")
+
     def refresh(self) -> None:
         s = self.state
         label = (self.wiz.machine or {}).get("label", "")
         spec = json.dumps(s.to_spec(), indent=2)
         self.summary.setPlainText("\n".join([*describe_state(s, label), "", "Job specification (JSON):", spec]))
         self.command.setPlainText(s.command())
+
+    def validatePage(self) -> bool:
+        # Launch goes ahead only on the engine's yes: not while it is being asked, never over a refusal.
+        return self.isComplete()
 
     def _name_changed(self, text: str) -> None:
         if not self.changing():
@@ -125,7 +192,7 @@ class ReviewPage(StepPage):
 
 
 class LaunchPage(StepPage):
-    def __init__(self, wizard: JobWizard):
+    def __init__(self, wizard: WizardHost):
         super().__init__(wizard, "Launch", "Submitting the job to the engine.")
         self.status = QLabel()
         self.status.setObjectName("launchStatus")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import (
@@ -25,16 +25,16 @@ from PySide6.QtWidgets import (
 )
 
 from app.planner.memory_chart import MemoryChart
-from app.planner.model import plans_of, summary_lines, tokens_per_s
-from app.widgets.palette import WARN
+from app.planner.model import plan_runs_here, plans_of, summary_lines, tokens_per_s
+from app.widgets.form_row import form_row
+from app.widgets.palette import BAD, WARN
 from app.wizard.data_check import CHAT, INSTRUCTION
-from app.wizard.page_base import HYPER, REVIEW, StepPage, explained
+from app.wizard.host import HYPER, REVIEW, WizardHost
+from app.wizard.page_base import StepPage
 from app.wizard.plan_check import CheckResult, Overrides
 from app.wizard.state import INFER
 
-if TYPE_CHECKING:
-    from app.wizard.wizard import JobWizard
-
+PIPELINE_SCHEDULES = [("1f1b", "1F1B"), ("gpipe", "GPipe")]  # as the planner writes them
 CHECKPOINTING = [
     ("none", "none (fastest, most memory)"),
     ("selective", "selective (recompute attention)"),
@@ -51,7 +51,7 @@ def _spin(name: str, low: int, high: int) -> QSpinBox:
 
 
 class PlanPage(StepPage):
-    def __init__(self, wizard: JobWizard):
+    def __init__(self, wizard: WizardHost):
         super().__init__(
             wizard, "Plan", "How the job is split over the GPUs. Change it if you like: memory is re-checked as you go."
         )
@@ -74,6 +74,16 @@ class PlanPage(StepPage):
         self.checkpointing.setObjectName("overrideCheckpointing")
         for key, text in CHECKPOINTING:
             self.checkpointing.addItem(text, key)
+        self.schedule = QComboBox()
+        self.schedule.setObjectName("overridePpSchedule")
+        for key, text in PIPELINE_SCHEDULES:
+            self.schedule.addItem(text, key)
+        self.pp_microbatches = _spin("overridePpMicrobatches", 0, 65_536)
+        self.pp_microbatches.setSpecialValueText("as accumulated, at least the stages")
+        self.sequence_parallel = QCheckBox("Sequence parallel")
+        self.sequence_parallel.setObjectName("overrideSequenceParallel")
+        self.cpu_offload = QCheckBox("Offload to host RAM (FSDP2)")
+        self.cpu_offload.setObjectName("overrideCpuOffload")
         self.reset_button = QPushButton("Back to this alternative as planned")
         self.reset_button.setObjectName("resetOverrides")
         self.reset_button.clicked.connect(lambda: self._show_alternative(self.base))
@@ -82,17 +92,50 @@ class PlanPage(StepPage):
         self.replan_button.clicked.connect(self.request_plan)
         overrides = QGroupBox("Your changes")
         form = QFormLayout(overrides)
-        form.addRow("Data parallel (dp)", self.dp)
-        form.addRow("Tensor parallel (tp)", self.tp)
-        form.addRow("Pipeline stages (pp)", self.pp)
-        form.addRow("Micro-batch", self.micro)
-        form.addRow("Activation checkpointing", self.checkpointing)
-        form.addRow(self.reset_button)
-        form.addRow(self.replan_button)
+        form_row(form, "Data parallel (dp)", self.dp, "Replicas (or shards) of the model, each on its own data.",
+                 compact=True)  # fmt: skip
+        form_row(form, "Tensor parallel (tp)", self.tp, "GPUs each layer's matrices are split over.", compact=True)
+        form_row(form, "Pipeline stages (pp)", self.pp, "Groups of layers, one after another.", compact=True)
+        self.micro_row = form_row(
+            form, "Micro-batch", self.micro, "Sequences each GPU processes at once.", compact=True
+        )
+        self.checkpointing_row = form_row(
+            form, "Activation checkpointing", self.checkpointing,
+            "Recompute activations in the backward pass instead of keeping them: less memory, more time.",
+            compact=True,
+        )  # fmt: skip
+        self.schedule_row = form_row(
+            form, "Pipeline schedule", self.schedule,
+            "1F1B interleaves forward and backward passes (less activation memory); GPipe runs all forwards first.",
+            compact=True,
+        )  # fmt: skip
+        self.pp_microbatches_row = form_row(
+            form, "Pipeline micro-batches", self.pp_microbatches,
+            "Micro-batches in flight through the stages per step; fewer than the stages leaves stages idle.",
+            compact=True,
+        )  # fmt: skip
+        self.sequence_parallel_row = form_row(
+            form, "", self.sequence_parallel,
+            "Splits norms and dropout along the sequence over the tensor-parallel GPUs: less activation memory.",
+            compact=True,
+        )  # fmt: skip
+        self.cpu_offload_row = form_row(
+            form, "", self.cpu_offload,
+            "Parameters, gradients and the optimizer step live in host RAM: far less GPU memory, much slower.",
+            compact=True,
+        )  # fmt: skip
+        buttons = QHBoxLayout()
+        buttons.addWidget(self.reset_button)
+        buttons.addWidget(self.replan_button)
+        form.addRow(buttons)
         self.override_form = form
         for box in (self.dp, self.tp, self.pp, self.micro):
             box.valueChanged.connect(self._override_changed)
         self.checkpointing.currentIndexChanged.connect(self._override_changed)
+        self.schedule.currentIndexChanged.connect(self._override_changed)
+        self.sequence_parallel.toggled.connect(self._override_changed)
+        self.cpu_offload.toggled.connect(self._override_changed)
+        self.pp_microbatches.valueChanged.connect(self._pp_microbatches_changed)
         self.chart = MemoryChart()
         self.explanation = QPlainTextEdit()
         self.explanation.setObjectName("planWhy")
@@ -117,8 +160,9 @@ class PlanPage(StepPage):
     # -- entering -------------------------------------------------------------------------------------
     def load(self) -> None:
         training = self.state.training
-        self.override_form.setRowVisible(self.micro, training)
-        self.override_form.setRowVisible(self.checkpointing, training)
+        self.override_form.setRowVisible(self.micro_row, training)
+        self.override_form.setRowVisible(self.checkpointing_row, training)
+        self._show_applicable_rows()
         if self.state.plan_is_current() and self.state.plan is not None:
             self.wiz.need_checker()
             self._show_overrides(self.state.plan)
@@ -174,7 +218,12 @@ class PlanPage(StepPage):
         for i, plan in enumerate(plans_of(self.result or {})):
             speed = tokens_per_s(plan["timing"].get("tokens_per_s"), plan["workload"]["task"] == "train")
             label = "Recommended" if i == 0 else f"Alternative {i}"
-            item = QListWidgetItem(f"{label}: {plan['parallelism']['family']} — {speed}\n{summary_lines(plan)[0]}")
+            runs, why = plan_runs_here(plan)
+            text = f"{label}: {plan['parallelism']['family']} — {speed}\n{summary_lines(plan)[0]}"
+            item = QListWidgetItem(text if runs else f"{text}\nDoes not run here: {why}")
+            if not runs:
+                item.setForeground(BAD)
+                item.setToolTip(f"The engine does not run this plan: {why}")
             item.setData(Qt.ItemDataRole.UserRole, plan)
             self.alternatives.addItem(item)
         self.alternatives.blockSignals(False)
@@ -202,19 +251,42 @@ class PlanPage(StepPage):
             self.pp.setValue(par["pp"])
             self.micro.setValue(par["micro_batch"])
             self.checkpointing.setCurrentIndex(max(self.checkpointing.findData(par["checkpointing"]), 0))
+            self.schedule.setCurrentIndex(max(self.schedule.findData(par.get("pipeline_schedule")), 0))
+            self.sequence_parallel.setChecked(bool(par.get("sequence_parallel")))
+            self.cpu_offload.setChecked(bool(par.get("offload_params") or par.get("offload_optimizer")))
+            self.pp_microbatches.setValue(self.state.pp_microbatches)
         if self.base is None:
             self.base = plan
+        self._show_applicable_rows()
+
+    def _show_applicable_rows(self) -> None:
+        """Each setting only where it means something for the layout in the degrees' boxes."""
+        form, training = self.override_form, self.state.training
+        tp, pp = self.tp.value(), self.pp.value()
+        form.setRowVisible(self.schedule_row, pp > 1)
+        form.setRowVisible(self.pp_microbatches_row, pp > 1)
+        form.setRowVisible(self.sequence_parallel_row, tp > 1)
+        # The engine offloads training with FSDP2 data parallelism only (engine.capability).
+        form.setRowVisible(self.cpu_offload_row, training and tp == 1 and pp == 1 and self.state.train_method != "qlora")
+
+    def _pp_microbatches_changed(self, value: int) -> None:
+        if not self.changing():
+            self.state.pp_microbatches = value
 
     def overrides(self) -> Overrides:
         return Overrides(
             dp=self.dp.value(), tp=self.tp.value(), pp=self.pp.value(),
             micro_batch=self.micro.value() if self.state.training else None,
             checkpointing=self.checkpointing.currentData() if self.state.training else None,
+            pp_schedule=self.schedule.currentData() if self.pp.value() > 1 else None,
+            sequence_parallel=self.sequence_parallel.isChecked() if self.tp.value() > 1 else None,
+            cpu_offload=self.cpu_offload.isChecked() if self.cpu_offload_row.isVisibleTo(self) else None,
         )  # fmt: skip
 
     def _override_changed(self) -> None:
         if self.changing() or self.base is None:
             return
+        self._show_applicable_rows()
         checker = self.wiz.checker
         if checker is None:
             self.set_problem(None, note="Re-checking needs the model's description; it is still loading…")
@@ -235,6 +307,10 @@ class PlanPage(StepPage):
         self.headline.setText("\n".join(summary_lines(plan)))
 
     def _verdict(self, plan: dict[str, Any]) -> None:
+        runs, why = plan_runs_here(plan)
+        if not runs:
+            self.set_problem(f"The engine does not run this plan: {why}. Choose another alternative or change it.")
+            return
         memory = plan.get("memory") or []
         worst = min(memory, key=lambda m: m["headroom"], default=None)
         host = plan.get("host") or {}
@@ -257,7 +333,7 @@ class PlanPage(StepPage):
 
 
 class HyperPage(StepPage):
-    def __init__(self, wizard: JobWizard):
+    def __init__(self, wizard: WizardHost):
         super().__init__(wizard, "Hyper-parameters", "Sensible defaults are filled in; each says what it does.")
         t = QFormLayout()
         self.train_form = t
@@ -280,49 +356,55 @@ class HyperPage(StepPage):
         self.checkpoint_every = _spin("checkpointEvery", 1, 10_000_000)
         self.keep_checkpoints = _spin("keepCheckpoints", 0, 100_000)
         self.keep_checkpoints.setSpecialValueText("all")
+        self.save_merged = QCheckBox("Also save the weights with the adapters merged in")
+        self.save_merged.setObjectName("saveMerged")
         self.train_on_prompts = QCheckBox("Train on the prompts too")
         self.train_on_prompts.setObjectName("trainOnPrompts")
         self.eval_every = _spin("evalEvery", 1, 10_000_000)
         self.seed = _spin("seed", 0, 2**31 - 1)
-        explained(t, "Steps", self.steps, "Optimizer updates to run; each sees one global batch of sequences.")
-        explained(
+        form_row(t, "Steps", self.steps, "Optimizer updates to run; each sees one global batch of sequences.")
+        form_row(
             t, "Learning rate", self.lr, "Peak step size after warm-up; LoRA takes larger rates than full training."
         )
-        explained(
+        form_row(
             t, "Warm-up steps", self.warmup, "Steps over which the rate rises from zero, so early updates stay small."
         )
-        explained(t, "Micro-batch", self.micro, "Sequences each GPU processes at once; the biggest lever on memory.")
-        explained(
+        form_row(t, "Micro-batch", self.micro, "Sequences each GPU processes at once; the biggest lever on memory.")
+        form_row(
             t,
             "Gradient accumulation",
             self.accum,
             "Micro-batches summed before each update: a bigger batch for no memory.",
         )
-        explained(t, "Sequence length", self.seq_len, "Tokens per training sequence; memory grows with it.")
+        form_row(t, "Sequence length", self.seq_len, "Tokens per training sequence; memory grows with it.")
         self.lora_rows = [
-            explained(t, "LoRA rank", self.lora_rank, "Size of the adapter matrices: more capacity, more memory."),
-            explained(t, "LoRA alpha", self.lora_alpha, "Scale of the adapters' update; twice the rank is common."),
-            explained(
+            form_row(t, "LoRA rank", self.lora_rank, "Size of the adapter matrices: more capacity, more memory."),
+            form_row(t, "LoRA alpha", self.lora_alpha, "Scale of the adapters' update; twice the rank is common."),
+            form_row(
                 t, "LoRA targets", self.lora_targets, "Which linear layers get adapters (comma-separated names)."
             ),
+            form_row(
+                t, "Merged weights", self.save_merged,
+                "Besides the adapter, a full model folder that loads without peft (as large as the model).",
+            ),
         ]
-        explained(
+        form_row(
             t,
             "Checkpoint every",
             self.checkpoint_every,
             "Steps between checkpoints a failed or stopped job resumes from.",
         )
-        explained(
+        form_row(
             t, "Keep checkpoints", self.keep_checkpoints, "The newest this many stay on disk; older ones are deleted."
         )
-        self.prompts_row = explained(
+        self.prompts_row = form_row(
             t,
             "Chat data",
             self.train_on_prompts,
             "Chat and instruction files: off, the loss covers the answers only (the usual way to fine-tune on them).",
         )
-        explained(t, "Evaluate every", self.eval_every, "Steps between loss measurements on held-out data (5% of it).")
-        explained(t, "Seed", self.seed, "Makes data order and initial weights repeatable.")
+        form_row(t, "Evaluate every", self.eval_every, "Steps between loss measurements on held-out data (5% of it).")
+        form_row(t, "Seed", self.seed, "Makes data order and initial weights repeatable.")
         self.train_box = QWidget()
         self.train_box.setLayout(t)
 
@@ -339,12 +421,12 @@ class HyperPage(StepPage):
         self.top_p.setRange(0.01, 1.0)
         self.top_p.setSingleStep(0.05)
         self.infer_seed = _spin("inferSeed", 0, 2**31 - 1)
-        explained(i, "New tokens", self.new_tokens, "Tokens generated for each prompt at most.")
-        explained(i, "Batch", self.batch, "Prompts generated together: faster, and more KV-cache memory.")
-        explained(i, "Context", self.context, "Prompt plus answer tokens the KV cache is planned for.")
-        explained(i, "Temperature", self.temperature, "0 always picks the likeliest token; higher is more varied.")
-        explained(i, "Top-p", self.top_p, "Sample only from the likeliest tokens covering this probability.")
-        explained(i, "Seed", self.infer_seed, "Makes sampling repeatable.")
+        form_row(i, "New tokens", self.new_tokens, "Tokens generated for each prompt at most.")
+        form_row(i, "Batch", self.batch, "Prompts generated together: faster, and more KV-cache memory.")
+        form_row(i, "Context", self.context, "Prompt plus answer tokens the KV cache is planned for.")
+        form_row(i, "Temperature", self.temperature, "0 always picks the likeliest token; higher is more varied.")
+        form_row(i, "Top-p", self.top_p, "Sample only from the likeliest tokens covering this probability.")
+        form_row(i, "Seed", self.infer_seed, "Makes sampling repeatable.")
         self.infer_box = QWidget()
         self.infer_box.setLayout(i)
 
@@ -386,17 +468,18 @@ class HyperPage(StepPage):
         self.lora_targets.editingFinished.connect(self._changed)
         self.keep_checkpoints.valueChanged.connect(self._changed)
         self.train_on_prompts.toggled.connect(self._changed)
+        self.save_merged.toggled.connect(self._changed)
 
     def load(self) -> None:
         s = self.state
         infer = s.kind == INFER
         self.train_box.setVisible(not infer)
         self.infer_box.setVisible(infer)
-        lora = s.training and s.train_method == "lora"
+        lora = s.adapters
         for row in self.lora_rows:
             self.train_form.setRowVisible(row, lora)
         # Only conversations have prompts to leave out of the loss (unknown data: offer it anyway).
-        report = self.wiz.data_page.report
+        report = self.wiz.data_report()
         chat = report is None or any(f.kind in (CHAT, INSTRUCTION) for f in report.files)
         self.train_form.setRowVisible(self.prompts_row, chat)
         t, i = s.train, s.infer
@@ -412,6 +495,7 @@ class HyperPage(StepPage):
         self.checkpoint_every.setValue(t.checkpoint_every)
         self.keep_checkpoints.setValue(t.keep_checkpoints)
         self.train_on_prompts.setChecked(t.train_on_prompts)
+        self.save_merged.setChecked(t.save_merged)
         self.eval_every.setValue(t.eval_every)
         self.seed.setValue(t.seed)
         self.new_tokens.setValue(i.max_new_tokens)
@@ -434,6 +518,7 @@ class HyperPage(StepPage):
         )
         t.lora_rank, t.lora_alpha = self.lora_rank.value(), self.lora_alpha.value()
         t.keep_checkpoints, t.train_on_prompts = self.keep_checkpoints.value(), self.train_on_prompts.isChecked()
+        t.save_merged = self.save_merged.isChecked()
         targets = [x.strip() for x in self.lora_targets.text().split(",") if x.strip()]
         t.lora_targets = targets or None
         i.temperature, i.top_p, i.seed = self.temperature.value(), self.top_p.value(), self.infer_seed.value()
@@ -445,7 +530,7 @@ class HyperPage(StepPage):
         if s.kind == INFER:
             return Overrides(seq_len=self.context.value(), global_batch=self.batch.value(),
                              new_tokens=self.new_tokens.value())  # fmt: skip
-        lora = s.train_method == "lora"
+        lora = s.adapters
         return Overrides(
             micro_batch=self.micro.value(), grad_accum=self.accum.value(), seq_len=self.seq_len.value(),
             lora_rank=self.lora_rank.value() if lora else None, lora_alpha=self.lora_alpha.value() if lora else None,
@@ -487,7 +572,7 @@ class HyperPage(StepPage):
 
     def _show_coverage(self) -> None:
         """How much of the data the run sees: too few steps learn little, too many repeat it."""
-        s, report = self.state, self.wiz.data_page.report
+        s, report = self.state, self.wiz.data_report()
         if not s.training or report is None or not report.token_estimate:
             self.coverage.hide()
             return

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import shlex
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from PySide6.QtCore import QTimer
+from PySide6.QtCore import Qt, QTimer
 from PySide6.QtWidgets import (
     QButtonGroup,
     QCheckBox,
@@ -27,20 +27,19 @@ from PySide6.QtWidgets import (
 
 from app.planner.gpu_selector import GpuSelector
 from app.planner.model_picker import ModelPicker
+from app.widgets.form_row import form_row
 from app.wizard.data_check import DataReport, inspect_dataset, inspect_prompts, tokens_text
-from app.wizard.page_base import DATA, GPUS, MODEL, PLAN, REVIEW, StepPage
-from app.wizard.plan_check import describe_for_job
+from app.wizard.host import DATA, GPUS, MODEL, PLAN, REVIEW, WizardHost
+from app.wizard.page_base import StepPage
+from app.wizard.plan_check import describe_for_job, missing_weights
 from app.wizard.state import CALIBRATE, FINETUNE, INFER, KINDS, SCRATCH, SCRIPT
-
-if TYPE_CHECKING:
-    from app.wizard.wizard import JobWizard
 
 CHECK_DELAY_MS = 300  # typing pauses this long before a model or file is checked
 DATA_FILTER = "Text and JSONL (*.txt *.md *.jsonl *.json *.ndjson);;All files (*)"
 
 
 class TaskPage(StepPage):
-    def __init__(self, wizard: JobWizard):
+    def __init__(self, wizard: WizardHost):
         super().__init__(wizard, "What do you want to do?", "Pick a task; the next pages ask only what it needs.")
         self.group = QButtonGroup(self)
         self.buttons: dict[str, QRadioButton] = {}
@@ -73,7 +72,7 @@ class TaskPage(StepPage):
 
 
 class ModelPage(StepPage):
-    def __init__(self, wizard: JobWizard):
+    def __init__(self, wizard: WizardHost):
         super().__init__(wizard, "Model")
         self.described: Any = None  # the ModelSpec of the model last checked
         self.picker = ModelPicker(config_files=True)
@@ -81,6 +80,7 @@ class ModelPage(StepPage):
         self.method = QComboBox()
         self.method.setObjectName("trainMethod")
         self.method.addItem("LoRA adapters (light: only small adapter matrices train)", "lora")
+        self.method.addItem("QLoRA (LoRA adapters over a 4-bit NF4 base: least memory)", "qlora")
         self.method.addItem("Full fine-tune (every weight trains: most memory)", "full")
         self.method.currentIndexChanged.connect(self._method_changed)
         self.precision = QComboBox()
@@ -95,14 +95,26 @@ class ModelPage(StepPage):
         self.about = QLabel()
         self.about.setObjectName("modelAbout")
         self.about.setWordWrap(True)
+        self.scratch_button = QPushButton("Train from scratch instead")
+        self.scratch_button.setObjectName("switchToScratch")
+        self.scratch_button.setToolTip("Start from random weights built from this config.json")
+        self.scratch_button.clicked.connect(self.switch_to_scratch)
+        self.scratch_button.hide()
         self.model_box = QGroupBox("Which model")
         ml = QVBoxLayout(self.model_box)
         ml.addWidget(self.picker)
         ml.addWidget(self.trust)
         ml.addWidget(self.about)
+        ml.addWidget(self.scratch_button, 0, Qt.AlignmentFlag.AlignLeft)
         self.options = QFormLayout()
-        self.options.addRow("Training", self.method)
-        self.options.addRow("Precision", self.precision)
+        self.method_row = form_row(
+            self.options, "Training", self.method,
+            "Full trains every weight; LoRA trains small adapters; QLoRA trains adapters over a 4-bit base.",
+        )  # fmt: skip
+        self.precision_row = form_row(
+            self.options, "Precision", self.precision,
+            "Training: mixed precision in this dtype (fp32: none). Inference: the weights' dtype.",
+        )  # fmt: skip
 
         self.script = QLineEdit()
         self.script.setObjectName("scriptPath")
@@ -138,8 +150,9 @@ class ModelPage(StepPage):
         script = s.kind == SCRIPT
         self.model_box.setVisible(not script)
         self.script_box.setVisible(script)
-        self.options.setRowVisible(self.method, s.kind == FINETUNE)
-        self.options.setRowVisible(self.precision, not script)
+        self.options.setRowVisible(self.method_row, s.kind == FINETUNE)
+        self.options.setRowVisible(self.precision_row, not script)
+        self.scratch_button.hide()
         if self.picker.config_button is not None:
             self.picker.config_button.setVisible(s.kind == SCRATCH)
         if s.kind == SCRATCH:
@@ -172,6 +185,11 @@ class ModelPage(StepPage):
     def _method_changed(self) -> None:
         if not self.changing():
             self.state.method = self.method.currentData()
+
+    def switch_to_scratch(self) -> None:
+        """Train the chosen configuration from random weights: the offer made for a folder without weights."""
+        self.state.kind = SCRATCH
+        self.initializePage()
 
     def _precision_changed(self) -> None:
         if not self.changing():
@@ -210,9 +228,12 @@ class ModelPage(StepPage):
             self.set_problem(f"Choose {what}.")
             return
         ref, trust = s.model, s.trust_remote_code
-        self.check_in_background(lambda: describe_for_job(ref, trust), self._described, "Checking the model…")
+        self.check_in_background(
+            lambda: (describe_for_job(ref, trust), missing_weights(ref)), self._described, "Checking the model…"
+        )
 
-    def _described(self, spec: Any) -> None:
+    def _described(self, found: tuple[Any, str | None]) -> None:
+        spec, no_weights = found
         self.described = spec
         self.wiz.model_described(self.state.model, spec)
         params = spec.params_total / 1e9
@@ -221,6 +242,14 @@ class ModelPage(StepPage):
         self.about.setText(
             f"{spec.architecture or spec.model_type}: {size} parameters, {spec.num_layers} layers{context}."
         )
+        if no_weights and self.state.kind == FINETUNE:
+            self.set_problem(
+                f"{no_weights} has a config.json but no weights (*.safetensors or *.bin): fine-tuning needs "
+                "trained weights. Train from scratch to start from random ones, or choose a folder with weights."
+            )
+            self.scratch_button.show()
+            return
+        self.scratch_button.hide()
         self.set_problem(None)
 
     def set_problem(self, problem: str | None, *, note: str | None = None, tone: str = "info") -> None:
@@ -256,7 +285,7 @@ class ModelPage(StepPage):
 
 
 class DataPage(StepPage):
-    def __init__(self, wizard: JobWizard):
+    def __init__(self, wizard: WizardHost):
         super().__init__(wizard, "Data")
         self.report: DataReport | None = None
         self.files = QListWidget()
@@ -434,7 +463,7 @@ class DataPage(StepPage):
 
 
 class GpuPage(StepPage):
-    def __init__(self, wizard: JobWizard):
+    def __init__(self, wizard: WizardHost):
         super().__init__(wizard, "GPUs", "Click GPUs in the drawing or tick them below. Busy GPUs are marked.")
         self.selector = GpuSelector(with_graph=True)
         self.selector.sig_selection_changed.connect(self._selected)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.capability import layout_of_plan, why_not
 from engine.errors import UserError
 from engine.hardware.machine import Machine
 from engine.models import ModelSpec, describe_config, describe_model
@@ -39,6 +40,24 @@ def describe_for_job(ref: str, trust_remote_code: bool = False) -> ModelSpec:
     return describe_model(ref, trust_remote_code=trust_remote_code)
 
 
+WEIGHT_FILES = ("*.safetensors", "*.bin")
+
+
+def missing_weights(ref: str) -> str | None:
+    """The local model folder `ref` names when it has a config.json but no weight files, else None.
+
+    Such a folder describes a model (the planner is happy) but a fine-tune would have nothing to
+    start from; training from scratch is what it can do.
+    """
+    path = Path(ref.strip()).expanduser()
+    folder = path.parent if path.is_file() and path.name == "config.json" else path
+    if not (folder / "config.json").is_file():
+        return None  # a preset or hub id: the engine fetches the weights
+    if any(next(folder.glob(pattern), None) for pattern in WEIGHT_FILES):
+        return None
+    return folder.name or str(folder)
+
+
 @dataclass
 class Overrides:
     """What the user changed; None keeps the plan's value."""
@@ -55,6 +74,9 @@ class Overrides:
     lora_rank: int | None = None
     lora_alpha: int | None = None
     lora_targets: list[str] | None = None
+    pp_schedule: str | None = None  # "1f1b" | "gpipe", as the planner writes it
+    sequence_parallel: bool | None = None
+    cpu_offload: bool | None = None  # FSDP2 with parameters, gradients and optimizer state in host RAM
 
 
 @dataclass
@@ -133,6 +155,14 @@ class PlanChecker:
         )  # fmt: skip
         if par.backend == "single" and par.world_size > 1:
             par.backend = "ddp"
+        if pp > 1 and o.pp_schedule:
+            par.pipeline_schedule = o.pp_schedule.lower()
+        if o.sequence_parallel is not None:
+            par.sequence_parallel = o.sequence_parallel and tp > 1
+        if o.cpu_offload is not None and o.cpu_offload != (par.offload_params or par.offload_optimizer):
+            par.offload_params = par.offload_optimizer = o.cpu_offload
+            if o.cpu_offload:  # the engine offloads with FSDP2 only: shard over every data-parallel rank
+                par.backend, par.zero_stage, par.shard_degree = "fsdp", 3, dp
 
         topo = Topology(self.machine, order)
         mm = MemoryModel(self.facts, w)
@@ -143,7 +173,10 @@ class PlanChecker:
             p, workload=w, parallelism=par, memory=memory, host=host, timing=timing,
             notes=[*notes, "changed in the wizard from the planner's recommendation"] if par != par0 or w != w0 else notes,
         )  # fmt: skip
-        return CheckResult(new.to_dict(), new.fits, fit_message(new))
+        d = runs_here(new.to_dict())
+        if not d["runs_here"]:
+            return CheckResult(d, False, f"The engine does not run this layout: {d['runs_here_reason']}.")
+        return CheckResult(d, new.fits, fit_message(new))
 
     def _degree_problem(self, dp: int, tp: int, pp: int, world: int, available: int) -> str | None:
         if min(dp, tp, pp) < 1:
@@ -156,6 +189,13 @@ class PlanChecker:
         if pp > self.spec.num_layers:
             return f"{pp} pipeline stages for {self.spec.num_layers} layers: at most one stage per layer."
         return None
+
+
+def runs_here(plan: dict[str, Any]) -> dict[str, Any]:
+    """`plan` with `runs_here` and `runs_here_reason` as the engine's capability contract answers for it now
+    (a plan the user changed is not the one the planner marked)."""
+    reason = why_not(layout_of_plan(plan))
+    return {**plan, "runs_here": reason is None, "runs_here_reason": reason or ""}
 
 
 def even_stages(layers: int, pp: int) -> list[list[int]]:

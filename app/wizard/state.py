@@ -9,7 +9,9 @@ on a simulated machine runs a small real CPU job.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import functools
 import json
 import math
 import shlex
@@ -38,7 +40,8 @@ TINY_DATA = "data/shakespeare.txt"
 FINETUNE, SCRATCH, SCRIPT, INFER, CALIBRATE = "finetune", "scratch", "script", "infer", "calibrate"
 # (key, title, one line on what it does)
 KINDS: list[tuple[str, str, str]] = [
-    (FINETUNE, "Fine-tune a model", "Continue training a pretrained model on your data, fully or with LoRA adapters."),
+    (FINETUNE, "Fine-tune a model",
+     "Continue training a pretrained model on your data: fully, with LoRA adapters, or QLoRA (a 4-bit base)."),
     (SCRATCH, "Train from scratch", "Train a fresh model from a config.json (random weights) on your data."),
     (SCRIPT, "Run my script", "Run your own training script under torchrun, one process per GPU."),
     (INFER, "Sharded inference", "Generate text from prompts with a model split over the GPUs."),
@@ -55,7 +58,7 @@ class WizardState:
     kind: str = FINETUNE
     name: str = ""
     model: str = ""  # preset, folder or hub id; from scratch: a config.json or a folder holding one
-    method: str = "lora"  # fine-tune: "full" | "lora"
+    method: str = "lora"  # fine-tune: "full" | "lora" | "qlora" (LoRA adapters over a 4-bit NF4 base)
     script: str = ""
     script_args: str = ""  # shell words after the script
     dataset: list[str] = field(default_factory=list)
@@ -65,6 +68,7 @@ class WizardState:
     gpus: list[int] = field(default_factory=list)
     queue_if_busy: bool = False  # submit even when a chosen GPU is busy: the job waits for it
     global_batch: int = 16  # training: sequences per optimizer step the plan is made for
+    pp_microbatches: int = 0  # pipeline plans: micro-batches in flight per step; 0: as many as accumulated, >= stages
     plan: dict[str, Any] | None = None  # Plan.to_dict() the job runs under, overrides included
     plan_for: list[Any] | None = None  # plan_key() the plan was made for; another key means plan again
     train: TrainSettings = field(default_factory=TrainSettings)
@@ -89,6 +93,11 @@ class WizardState:
         return "scratch" if self.kind == SCRATCH else self.method
 
     @property
+    def adapters(self) -> bool:
+        """LoRA or QLoRA: only adapter matrices train, and they can be merged into the weights at the end."""
+        return self.training and self.train_method in ("lora", "qlora")
+
+    @property
     def precision(self) -> str:
         return self.infer.precision if self.kind == INFER else self.train.precision
 
@@ -111,9 +120,9 @@ class WizardState:
                 "task": "infer", "method": "full", "precision": self.infer.precision, "seq_len": self.train.seq_len,
                 "global_batch": self.infer.batch_size, "new_tokens": new_tokens, "lora": None,
             }  # fmt: skip
-        method = "lora" if self.train_method == "lora" else "full"
+        method = self.train_method if self.adapters else "full"
         lora = None
-        if method == "lora":
+        if self.adapters:
             t = self.train
             lora = {"rank": t.lora_rank, "alpha": t.lora_alpha, "dropout": t.lora_dropout,
                     "targets": list(t.lora_targets or ["all-linear"])}  # fmt: skip
@@ -153,14 +162,18 @@ class WizardState:
         par = (self.plan or {}).get("parallelism") if self.planned else None
         if not par:
             return Parallelism()
-        dp = par["dp"]
+        dp, pp = par["dp"], par["pp"]
         shard = (par.get("shard_degree") or 1) if par.get("zero_stage") == 3 else 1
         shard = shard if dp % shard == 0 else 1
         schedule = {"gpipe": "GPipe"}.get(par.get("pipeline_schedule", ""), "1F1B")
+        # Fewer micro-batches than stages leaves stages idle for most of the step.
+        microbatches = (self.pp_microbatches or max(par.get("grad_accum", 1), pp)) if pp > 1 else 1
         return Parallelism(
-            dp_replicate=dp // shard, dp_shard=shard, tp=par["tp"], pp=par["pp"],
-            sequence_parallel=bool(par.get("sequence_parallel")), pp_schedule=schedule,
-            pp_microbatches=par.get("grad_accum", 1) if par["pp"] > 1 else 1,
+            dp_replicate=dp // shard, dp_shard=shard, tp=par["tp"], pp=pp,
+            sequence_parallel=bool(par.get("sequence_parallel")) and par["tp"] > 1, pp_schedule=schedule,
+            pp_microbatches=microbatches,
+            # The planner's offload plans are FSDP2 with CPUOffloadPolicy: parameters and optimizer both.
+            cpu_offload=bool(par.get("offload_params") or par.get("offload_optimizer")),
         )  # fmt: skip
 
     def job_gpus(self) -> list[int]:
@@ -184,8 +197,9 @@ class WizardState:
         if kind == "train":
             spec.train = dataclasses.replace(self.train, dataset=list(self.dataset), method=self.train_method,
                                              text_field=self.text_field)  # fmt: skip
-            if spec.train.method != "lora":
+            if not self.adapters:
                 spec.train.lora_targets = None
+                spec.train.save_merged = False
         elif kind == "infer":
             prompts = [p for p in self.prompts if p.strip()]
             spec.infer = dataclasses.replace(
@@ -302,11 +316,13 @@ def state_from_spec(spec: dict[str, Any], plan: dict[str, Any] | None = None) ->
     if s.kind == "train":
         t = s.train or TrainSettings()
         state.kind = SCRATCH if t.method == "scratch" else FINETUNE
-        state.method = t.method if t.method in ("full", "lora") else "lora"
+        state.method = t.method if t.method in ("full", "lora", "qlora") else "lora"
         state.dataset, state.text_field = list(t.dataset), t.text_field
         state.train = dataclasses.replace(t)
         dp = s.parallelism.dp_replicate * s.parallelism.dp_shard
         state.global_batch = t.micro_batch * t.grad_accum * max(dp, 1)
+        if s.parallelism.pp > 1:
+            state.pp_microbatches = s.parallelism.pp_microbatches
     elif s.kind == "infer":
         i = s.infer or InferSettings()
         state.kind = INFER
@@ -344,22 +360,59 @@ def state_from_plan(plan: dict[str, Any], base: WizardState | None = None) -> Wi
         # From scratch only when the plan is for the configuration the last scratch run used.
         same_config = base is not None and base.kind == SCRATCH and base.planning_model() == w["model"]
         state.kind = SCRATCH if same_config else FINETUNE
-        # Jobs train LoRA adapters over 16-bit weights: a QLoRA plan is launched as LoRA.
-        state.method = "full" if w["method"] == "full" else "lora"
-        if state.kind == SCRATCH and state.method == "lora":
+        state.method = w["method"] if w["method"] in ("full", "lora", "qlora") else "full"
+        if state.kind == SCRATCH and state.method != "full":
             state.kind = FINETUNE
         state.global_batch = w["global_batch"]
         lora = w.get("lora")
         if lora:
             state.train.lora_rank, state.train.lora_alpha = lora["rank"], lora["alpha"]
-        if w["method"] == "qlora":
-            state.take_plan(None)  # its memory is of a 4-bit base: the Plan page plans LoRA afresh
-            return state
     state.take_plan(plan)
     return state
 
 
 # -- the command line -------------------------------------------------------------------------------------
+
+
+@functools.cache
+def cli_options(kind: str) -> dict[str, argparse.Action]:
+    """The options `rigpilot run KIND` takes, by flag: the command line is the one word on which flags exist."""
+    from engine.cli import build_parser
+
+    def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                return dict(action.choices)
+        return {}
+
+    run = subcommands(build_parser()).get("run")
+    kind_parser = subcommands(run).get(kind) if run is not None else None
+    if kind_parser is None:
+        return {}
+    return {flag: action for action in kind_parser._actions for flag in action.option_strings}
+
+
+class _Words:
+    """A command line being written: a setting goes in as its flag when the CLI has one, else as a note."""
+
+    def __init__(self, kind: str, words: list[str]):
+        self.options = cli_options(kind)
+        self.words = words
+        self.extras: list[str] = []
+
+    def add(self, flag: str, value: Any, note: str) -> None:
+        """`flag value` (a bool: the bare flag when true), or `note` among the settings with no flag."""
+        action = self.options.get(flag)
+        if isinstance(value, bool):
+            if not value:
+                return
+            if action is not None and action.nargs == 0:
+                self.words.append(flag)
+                return
+        elif action is not None and action.nargs != 0 and (not action.choices or value in action.choices):
+            self.words += [flag, value if isinstance(value, str) else f"{value:g}"]
+            return
+        self.extras.append(note)
 
 
 def run_command(state: WizardState) -> str:
@@ -381,24 +434,34 @@ def run_command(state: WizardState) -> str:
             words += [flag, str(value)]
     if state.planned and state.plan:
         words += ["--plan", "plan.json"]
-    extras: list[str] = []
+    w = _Words(spec.kind, words)
+    if p.pp > 1:
+        w.add("--pp-schedule", p.pp_schedule, f"pipeline schedule {p.pp_schedule}")
+        w.add("--pp-microbatches", p.pp_microbatches, f"{p.pp_microbatches} pipeline micro-batches")
+    w.add("--sequence-parallel", p.sequence_parallel, "sequence parallel")
+    w.add("--cpu-offload", p.cpu_offload, "CPU offload (FSDP2: parameters, gradients and optimizer in host RAM)")
     if spec.kind == "train" and spec.train is not None:
         t = spec.train
         for f in t.dataset:
             words += ["--data", f]
-        words += ["--method", t.method, "--steps", str(t.max_steps), "--seq", str(t.seq_len),
+        w.add("--method", t.method, f"method {t.method}")
+        words += ["--steps", str(t.max_steps), "--seq", str(t.seq_len),
                   "--micro-batch", str(t.micro_batch), "--grad-accum", str(t.grad_accum),
                   "--lr", f"{t.learning_rate:g}"]  # fmt: skip
         if t.train_on_prompts:
             words.append("--train-on-prompts")
-        extras += [f"precision {t.precision}", f"warmup {t.warmup_steps}", f"eval every {t.eval_every}",
-                   f"checkpoint every {t.checkpoint_every} (keep {t.keep_checkpoints or 'all'})", f"seed {t.seed}",
-                   f"activation checkpointing {t.activation_checkpointing}"]  # fmt: skip
+        w.add("--precision", t.precision, f"precision {t.precision}")
+        w.add("--activation-checkpointing", t.activation_checkpointing,
+              f"activation checkpointing {t.activation_checkpointing}")  # fmt: skip
+        w.add("--save-merged", t.save_merged, "save merged weights")
+        w.add("--seed", t.seed, f"seed {t.seed}")
+        w.extras += [f"warmup {t.warmup_steps}", f"eval every {t.eval_every}",
+                     f"checkpoint every {t.checkpoint_every} (keep {t.keep_checkpoints or 'all'})"]  # fmt: skip
         if t.text_field != "text":
-            extras.append(f"text field {t.text_field!r}")
-        if t.method == "lora":
+            w.extras.append(f"text field {t.text_field!r}")
+        if t.method in ("lora", "qlora"):
             targets = ",".join(t.lora_targets or ["attention and MLP projections"])
-            extras.append(f"LoRA rank {t.lora_rank}, alpha {t.lora_alpha}, targets {targets}")
+            w.extras.append(f"LoRA rank {t.lora_rank}, alpha {t.lora_alpha}, targets {targets}")
     elif spec.kind == "infer" and spec.infer is not None:
         i = spec.infer
         if i.prompts_file:
@@ -406,13 +469,16 @@ def run_command(state: WizardState) -> str:
         for prompt in i.prompts:
             words += ["--prompt", prompt]
         words += ["--max-new-tokens", str(i.max_new_tokens)]
-        extras += [f"precision {i.precision}", f"batch {i.batch_size}", f"temperature {i.temperature:g}",
-                   f"top-p {i.top_p:g}", f"seed {i.seed}"]  # fmt: skip
+        w.add("--precision", i.precision, f"precision {i.precision}")
+        w.add("--temperature", i.temperature, f"temperature {i.temperature:g}")
+        w.add("--top-p", i.top_p, f"top-p {i.top_p:g}")
+        w.add("--seed", i.seed, f"seed {i.seed}")
+        w.extras.append(f"batch {i.batch_size}")
     line = shlex.join(words)
     if state.planned and state.plan:
         line += "\n# plan.json: export the plan as JSON (Review page) next to where you run this"
-    if extras:
-        line += "\n# set in the wizard, no flag: " + "; ".join(extras)
+    if w.extras:
+        line += "\n# set in the wizard, no flag: " + "; ".join(w.extras)
     return line
 
 

@@ -27,7 +27,8 @@ from app.planner.gpu_selector import BusyGpus
 from app.planner.model import error_text
 from app.tasks import run_in_background
 from app.widgets.engine_messages import machine_dict
-from app.wizard.page_base import DATA, GPUS, HYPER, LAUNCH, MODEL, PLAN, REVIEW, TASK
+from app.wizard.data_check import DataReport
+from app.wizard.host import DATA, GPUS, HYPER, LAUNCH, MODEL, PLAN, REVIEW, TASK
 from app.wizard.pages_finish import LaunchPage, ReviewPage
 from app.wizard.pages_plan import HyperPage, PlanPage
 from app.wizard.pages_setup import DataPage, GpuPage, ModelPage, TaskPage
@@ -177,6 +178,9 @@ class JobWizard(QWizard):
             self.state.gpus = default_gpus(d)
         self.gpu_page.machine_changed(d)
 
+    def data_report(self) -> DataReport | None:
+        return self.data_page.report
+
     def model_described(self, model: str, spec: Any) -> None:
         self._specs[(model, self.state.trust_remote_code)] = spec
 
@@ -224,15 +228,25 @@ class JobWizard(QWizard):
         else:
             on_error("Not connected to the engine, and no machine is known to plan for.")
 
+    def submission(self) -> dict[str, Any]:
+        """The arguments of the `submit` request for the current choices (and of `check`, the same)."""
+        s = self.state
+        args: dict[str, Any] = {"spec": s.to_spec(), "plan": s.plan if s.planned else None}
+        if getattr(self.link, "remote", None) is None:
+            args["cwd"] = os.getcwd()  # relative paths typed by the user mean: from here
+        return args
+
+    def check(self, on_done: Callable[[dict[str, Any]], None], on_error: Callable[[BaseException], None]) -> None:
+        """Ask the engine what it would run for these choices, creating nothing: `on_done({"lines", "would_run"})`,
+        or `on_error` with the one-line refusal a submission would get."""
+        self.link.call("check", on_done=on_done, on_error=on_error, **self.submission())
+
     def submit(self, on_done: Callable[[str], None], on_error: Callable[[str], None]) -> None:
         """Submit the job once; on success announce it, show it in the main window and close."""
         if self.job_id is not None:
             on_done(self.job_id)
             return
-        s = self.state
-        args: dict[str, Any] = {"spec": s.to_spec(), "plan": s.plan if s.planned else None}
-        if getattr(self.link, "remote", None) is None:
-            args["cwd"] = os.getcwd()  # relative paths typed by the user mean: from here
+        args = self.submission()
 
         def submitted(reply: dict[str, Any]) -> None:
             self.job_id = reply["job"]["id"]
