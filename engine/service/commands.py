@@ -49,7 +49,8 @@ def register(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     k.add_argument("--train-on-prompts", action="store_true",
                    help="chat/instruction data: train on the prompts too, not only on the answers")  # fmt: skip
     k.add_argument("--precision", choices=PRECISIONS, help="mixed-precision compute dtype (default bf16)")
-    k.add_argument("--checkpointing", choices=CHECKPOINTING, help="activation checkpointing (default none)")
+    k.add_argument("--activation-checkpointing", "--checkpointing", dest="checkpointing", choices=CHECKPOINTING,
+                   help="activation checkpointing (default none)")  # fmt: skip
     k.add_argument("--save-merged", action="store_true", help="LoRA/QLoRA: also save the merged full weights")
     k.add_argument("--cpu-offload", action="store_true",
                    help="FSDP2 CPU offload: parameters, gradients and optimizer state in host RAM")  # fmt: skip
