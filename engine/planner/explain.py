@@ -4,16 +4,13 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from engine.hardware.machine import short_gpu_name
 from engine.planner.links import Topology
 from engine.planner.memory import fmt_gib
 from engine.planner.model import ModelFacts
 from engine.planner.plan import Figure, Parallelism, Plan, Timing, Workload
-
-if TYPE_CHECKING:
-    from engine.planner.search import Candidate, SearchResult
+from engine.planner.result import Candidate, SearchResult
 
 _WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve")
 
