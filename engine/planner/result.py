@@ -51,6 +51,7 @@ class SearchResult:
     fitting: int
     elapsed_s: float
     notes: list[str] = field(default_factory=list)
+    runnable: int = 0  # of the fitting plans, those the engine runs (engine.capability.why_not is None)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -64,6 +65,7 @@ class SearchResult:
             "explanation": self.explanation,
             "considered": self.considered,
             "fitting": self.fitting,
+            "runnable": self.runnable,
             "elapsed_s": self.elapsed_s,
             "notes": self.notes,
         }

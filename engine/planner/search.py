@@ -193,6 +193,7 @@ def search(
         explanation=[],
         considered=len(cands),
         fitting=len(fitting),
+        runnable=sum(c.runs_here for c in fitting),
         elapsed_s=0.0,
         notes=notes,
     )
@@ -411,6 +412,13 @@ def _train_layouts(
                     offload_params=off_par,
                     stage_layers=stage_layers,
                 )
+                if par.offload:
+                    # Offload is the last resort, tried only where nothing else fits; a form of it the engine
+                    # refuses (QLoRA's 4-bit base) is not evaluated, and the rejection says why.
+                    refused = cannot_run(par, w, m.spec.model_type)
+                    if refused:
+                        skipped.setdefault("offload", refused)
+                        continue
                 yield par, blocked, micro_batches
 
 
@@ -575,8 +583,8 @@ def suggest(
             r = search(spec, mach, work, gpus=sel, calibration=calibration, options=inner)
         except UserError:
             return False
-        if r.best is None:
-            return False
+        if r.best is None or not r.best.runs_here:
+            return False  # a change is only worth suggesting if the engine then runs the plan
         out.append(Suggestion(change, kind, r.best))
         return True
 
