@@ -133,3 +133,28 @@ def test_qlora_offload_is_not_offered():
     assert "QLoRA" in off.reason
     for s in r.suggestions:
         assert s.plan.runs_here
+
+
+def test_planner_modules_import_without_cycles():
+    """explain reads the search's types from engine.planner.result; no planner module imports one that imports it."""
+    import ast
+
+    folder = Path(__file__).resolve().parents[1] / "engine" / "planner"
+    graph: dict[str, set[str]] = {}
+    for path in folder.glob("*.py"):
+        if path.stem == "__init__":
+            continue
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("engine.planner."):
+                deps.add(node.module.rsplit(".", 1)[1])
+        graph[path.stem] = deps
+
+    def reaches(start: str, target: str, seen: set[str]) -> bool:
+        for d in graph.get(start, ()):
+            if d == target or (d not in seen and reaches(d, target, seen | {d})):
+                return True
+        return False
+
+    assert "search" not in graph["explain"] and "result" in graph["explain"]
+    assert [m for m in graph if reaches(m, m, set())] == []

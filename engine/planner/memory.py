@@ -20,8 +20,13 @@ implementation of transformers 5 (fp32, bf16 autocast, pure bf16, LoRA, with and
 without checkpointing). Loss and logits add 4·V bytes per token saved (the fp32
 log-softmax) plus transient logits, often the peak for small models.
 
-Sharding follows the ZeRO paper's accounting (Rajbhandari et al. 2020) for
-DeepSpeed and the FSDP2 layout (fp32 shards, bf16 all-gathered units) for FSDP.
+Sharding follows the FSDP2 layout the engine runs (fp32 shards, bf16 all-gathered
+units): its ZeRO-2 form keeps every unit gathered from forward through backward,
+so all blocks' compute-dtype parameters are held at the end of forward; its CPU
+offload keeps no sharded state on the GPU (parameter, gradient and AdamW shards,
+16 bytes per parameter over the sharding degree, sit in pinned host RAM) and only
+stages each unit's fp32 shards on the way in and out. DeepSpeed plans (made only
+for --export deepspeed) follow the ZeRO paper's accounting (Rajbhandari et al. 2020).
 """
 
 from __future__ import annotations

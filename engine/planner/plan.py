@@ -154,10 +154,12 @@ class Parallelism:
             if self.backend == "deepspeed":
                 name = f"DeepSpeed ZeRO-{self.zero_stage}" if self.zero_stage else "DeepSpeed data parallel"
             elif self.backend == "fsdp" and self.zero_stage in (1, 2):
-                name = "FSDP2, parameters kept gathered through backward (ZeRO-2),"
+                name = "FSDP2"
             else:
                 name = {0: "DDP", 3: "FSDP2 (ZeRO-3)"}.get(self.zero_stage, f"ZeRO-{self.zero_stage}")
             parts.append(f"{name} over {self.dp}")
+            if not self.reshard_after_forward:
+                parts.append("parameters kept gathered through backward (ZeRO-2)")
         if self.tp > 1:
             parts.append(f"tensor parallel {self.tp}" + (" with sequence parallel" if self.sequence_parallel else ""))
         if self.pp > 1:

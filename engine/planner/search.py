@@ -1,8 +1,10 @@
 """Search: every valid way to split a workload over the selected GPUs, ranked by predicted throughput.
 
-Training enumerates (tp, pp, dp) factorizations, ZeRO stage / FSDP sharding
-degree (HSDP included), CPU offload, activation checkpointing and micro-batch
-(with gradient accumulation filling the global batch). Pipelines use 1F1B and
+Training enumerates (tp, pp, dp) factorizations, the FSDP2 forms the engine runs
+(full sharding and HSDP, ZeRO-2 as FSDP2 without resharding after forward, CPU
+offload as FSDP2's CPUOffloadPolicy), activation checkpointing and micro-batch
+(with gradient accumulation filling the global batch); DeepSpeed's ZeRO stages
+and optimizer-only offload only for --export deepspeed. Pipelines use 1F1B and
 tensor parallelism sequence parallel: the alternatives (GPipe, plain TP) cost the
 same time and hold more memory, so they never win. An offloading plan is only
 tried where the same split without offload does not fit. Tensor parallelism is
@@ -12,6 +14,9 @@ explanation can say what they would have cost. Mixed GPUs: the smallest card
 binds every symmetric plan (each GPU is checked against its own memory) and
 pipelines give each stage layers in proportion to its memory.
 
+Every candidate is judged by the engine's one capability contract,
+`engine.capability.why_not(layout_of_plan(plan))`: plans the engine cannot run
+rank below all those it runs and carry the reason (`Plan.runs_here_reason`).
 Plans that do not fit are dropped; for each family with no fitting plan the
 result says what its smallest configuration needs. When nothing fits, the
 smallest changes that would make it fit are tried by re-running the search.
@@ -246,6 +251,11 @@ def _materialize(c: Candidate, m: ModelFacts, w: Workload, speed: SpeedModel, ma
         )
     if host.available is None:
         plan_notes.append("host RAM is unknown; its check was skipped")
+    if c.par.backend == "fsdp" and c.par.offload:
+        plan_notes.append(
+            f"CPU offload pins {fmt_gib(host.offloaded)} of host RAM (parameters, gradients and optimizer state), "
+            "which cannot be swapped out; the optimizer step's time assumes host memory bandwidth, not measured"
+        )
     plan = Plan(
         workload=w,
         parallelism=c.par,

@@ -7,7 +7,11 @@ reduce-scatter and all-gather (n-1)/n. DDP and ZeRO gradient reduction hides
 behind the last micro-batch's backward pass, FSDP's gathers behind each
 micro-batch's compute; tensor-parallel all-reduces (two per layer forward, two
 backward in Megatron's layout) sit on the critical path. A pipeline of p stages
-and m micro-batches idles for (p-1)/(m+p-1) of its time.
+and m micro-batches idles for (p-1)/(m+p-1) of its time. FSDP2's CPU offload
+copies each unit's parameter shard to the GPU at every all-gather and each
+gradient shard back per micro-batch over the GPU's PCIe link, partly behind
+compute, then runs AdamW on the CPU, bound by the host memory bandwidth that the
+ranks on one socket share.
 """
 
 from __future__ import annotations
