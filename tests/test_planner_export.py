@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 import shutil
@@ -58,12 +59,34 @@ def test_accelerate_yaml_for_fsdp_and_deepspeed():
         assert cfg["fsdp_config"]["fsdp_version"] == 2
     off = best("4x-rtx4090", "accelerate")
     cfg = yaml.safe_load(accelerate_config(off))
-    assert cfg["distributed_type"] == "DEEPSPEED"
-    ds = cfg["deepspeed_config"]
-    assert ds["zero_stage"] == off.parallelism.zero_stage
-    assert ds["offload_optimizer_device"] == "cpu"
-    assert ds["gradient_accumulation_steps"] == off.parallelism.grad_accum
+    # FSDP2's CPU offload is what the engine runs: Accelerate's FSDP config with fsdp_offload_params.
+    assert off.parallelism.backend == "fsdp" and off.parallelism.offload_params and off.parallelism.offload_optimizer
+    assert cfg["distributed_type"] == "FSDP"
+    assert cfg["fsdp_config"]["fsdp_offload_params"] is True and cfg["fsdp_config"]["fsdp_version"] == 2
     assert cfg["gpu_ids"] == ",".join(map(str, off.parallelism.gpu_indices))
+
+
+def test_accelerate_reads_its_config(tmp_path):
+    """Accelerate's own loader takes the YAML: FSDP2 offload and the ZeRO-2 form (no resharding after forward)."""
+    config_args = pytest.importorskip("accelerate.commands.config.config_args")
+    off = best("4x-rtx4090", "accelerate")
+    zero2 = dataclasses.replace(off, parallelism=dataclasses.replace(
+        off.parallelism, zero_stage=2, offload_params=False, offload_optimizer=False))
+    for plan, reshard, offload in ((off, True, True), (zero2, False, False)):
+        path = tmp_path / "accelerate.yaml"
+        path.write_text(accelerate_config(plan))
+        cfg = config_args.load_config_from_file(str(path))
+        assert cfg.distributed_type == "FSDP" and cfg.num_processes == 4
+        assert cfg.fsdp_config["fsdp_reshard_after_forward"] is reshard
+        assert cfg.fsdp_config["fsdp_offload_params"] is offload
+
+
+def test_fsdp_offload_exports_to_deepspeed_zero3_offload():
+    off = best("4x-rtx4090")
+    assert off.parallelism.backend == "fsdp" and off.parallelism.offload
+    zero = deepspeed_config(off)["zero_optimization"]
+    assert zero["stage"] == 3
+    assert zero["offload_param"]["device"] == "cpu" and zero["offload_optimizer"]["device"] == "cpu"
 
 
 def test_deepspeed_json():

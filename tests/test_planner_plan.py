@@ -76,3 +76,18 @@ def test_newer_or_foreign_plans_are_refused(plans):
         Plan.from_dict({k: v for k, v in d.items() if k != "workload"})
     with pytest.raises(UserError, match="not valid JSON"):
         Plan.from_json("{")
+
+
+def test_runs_here_round_trips_and_old_plans_are_judged_by_the_contract(plans):
+    for plan in plans:
+        d = plan.to_dict()
+        assert d["runs_here"] is plan.runs_here and d["runs_here_reason"] == plan.runs_here_reason
+        old = json.loads(plan.to_json())
+        del old["runs_here"], old["runs_here_reason"]
+        back = Plan.from_dict(old)
+        assert back == plan  # judged again by engine.capability, it reads the same
+    infer8 = next(p for p in plans if p.workload.weight_bits == 8)
+    assert not infer8.runs_here and "8-bit inference" in infer8.runs_here_reason
+    stale = json.loads(infer8.to_json())
+    stale["runs_here"], stale["runs_here_reason"] = True, ""
+    assert Plan.from_dict(stale).runs_here is True  # a saved verdict is read back as written, not re-judged

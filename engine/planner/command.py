@@ -170,6 +170,9 @@ def render_text(result: SearchResult) -> list[str]:
     if plans:
         out += ["", "Plans (fastest first):"]
         out += [f"  {row}" for row in _table(plans, result.workload)]
+        for i, p in enumerate(plans):
+            if not p.runs_here:
+                out.append(f"  {_rank(i)} cannot run here: {p.runs_here_reason}")
     if result.best is not None:
         out += ["", "Memory per GPU of the best plan:"]
         out += [f"  {row}" for row in _memory_table(result.best)]
@@ -186,7 +189,7 @@ def _table(plans: list[Plan], w: Workload) -> list[str]:
         mb = p.peak_memory
         rows.append(
             (
-                "best" if i == 0 else f"#{i + 1}",
+                _rank(i) + ("" if p.runs_here else " ✗"),
                 p.parallelism.family,
                 p.parallelism.describe(),
                 f"{p.timing.tokens_per_s:,.0f}",
@@ -196,6 +199,10 @@ def _table(plans: list[Plan], w: Workload) -> list[str]:
         )
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     return ["  ".join(cell.ljust(widths[c]) for c, cell in enumerate(r)).rstrip() for r in rows]
+
+
+def _rank(i: int) -> str:
+    return "best" if i == 0 else f"#{i + 1}"
 
 
 def _memory_table(plan: Plan) -> list[str]:

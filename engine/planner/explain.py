@@ -4,16 +4,13 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from engine.hardware.machine import short_gpu_name
 from engine.planner.links import Topology
 from engine.planner.memory import fmt_gib
 from engine.planner.model import ModelFacts
 from engine.planner.plan import Figure, Parallelism, Plan, Timing, Workload
-
-if TYPE_CHECKING:
-    from engine.planner.search import Candidate, SearchResult
+from engine.planner.result import Candidate, SearchResult
 
 _WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve")
 
@@ -132,7 +129,15 @@ def explain(
             lines.append("No single change tried (LoRA, QLoRA, shorter sequences, more or larger GPUs) makes it fit.")
     else:
         par = best.parallelism
-        lines.append(f"Best plan for {task_text(w)} of {model} on your {who}: {par.describe()}.")
+        if best.runs_here:
+            lines.append(f"Best plan for {task_text(w)} of {model} on your {who}: {par.describe()}.")
+        else:
+            lines.append(
+                f"No plan that fits for {task_text(w)} of {model} on your {who} is one Rigpilot's engine runs. "
+                f"The fastest, {par.describe()}, cannot run here: {best.runs_here_reason}."
+            )
+            for s in result.suggestions:
+                lines.append(f"It runs if you {s.change}: {plan_summary(s.plan)}.")
         lines.append(_timing_line(best))
         lines.append(_memory_line(best))
         if best.host.offloaded:
@@ -140,12 +145,30 @@ def explain(
                 f"Host RAM: {fmt_gib(best.host.needed)} needed of {fmt_gib(best.host.available or 0)}, "
                 f"{fmt_gib(best.host.offloaded)} of it offloaded state."
             )
+    if best is not None and best.runs_here:
+        lines.extend(_passed_over(best, cands))
     lines.extend(_topology_lines(result, cands, topo, timing_of))
     for r in result.rejected:
         lines.append(f"Rejected {r.family}: {r.reason}.")
     if best is not None:
         lines.append(_figures_line(best))
     return [x for x in lines if x]
+
+
+def _passed_over(best: Plan, cands: list[Candidate]) -> list[str]:
+    """The fastest fitting plan the engine cannot run, when it would have beaten the best one."""
+    faster = [
+        c for c in cands
+        if c.fits and not c.blocked and not c.runs_here and c.tokens_per_s > best.timing.tokens_per_s * 1.01
+    ]  # fmt: skip
+    if not faster:
+        return []
+    c = max(faster, key=lambda x: x.tokens_per_s)
+    unit = "tokens/s" if best.workload.training else "generated tokens/s"
+    return [
+        f"Passed over a faster plan ({c.par.describe()}, {c.tokens_per_s:,.0f} {unit}): "
+        f"the engine cannot run it ({c.cannot_run})."
+    ]
 
 
 def _timing_line(plan: Plan) -> str:

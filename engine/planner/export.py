@@ -108,8 +108,10 @@ def accelerate_config(plan: Plan) -> str:
             # Without a class name Accelerate wraps the model's _no_split_modules (its decoder layers).
             "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
             "fsdp_cpu_ram_efficient_loading": True,
-            "fsdp_offload_params": par.offload_params,
-            "fsdp_reshard_after_forward": True,
+            # FSDP2's CPUOffloadPolicy: parameters, gradients and optimizer state on the host together.
+            "fsdp_offload_params": par.offload,
+            # False is FSDP2's ZeRO-2: units stay gathered from forward through backward.
+            "fsdp_reshard_after_forward": par.reshard_after_forward,
             "fsdp_state_dict_type": "SHARDED_STATE_DICT",
             "fsdp_version": 2,
         }
@@ -131,12 +133,14 @@ def accelerate_config(plan: Plan) -> str:
 
 
 def deepspeed_config(plan: Plan) -> dict[str, Any]:
-    """A DeepSpeed JSON config (as a dict) for a ZeRO plan."""
+    """A DeepSpeed JSON config (as a dict) for a ZeRO plan, DeepSpeed's own or the FSDP2 plan it corresponds to."""
     _training_only(plan, "DeepSpeed")
     par, w = plan.parallelism, plan.workload
     if par.tp > 1 or par.pp > 1:
         raise UserError("this plan uses tensor or pipeline parallelism, which the DeepSpeed export does not cover; "
                         "plan again with --export deepspeed to get a ZeRO plan")
+    # An FSDP2 plan's ZeRO stage is DeepSpeed's; FSDP2's CPU offload (parameters, gradients and optimizer state
+    # on the host) is ZeRO-3 with offload_param and offload_optimizer, set from the plan's two flags below.
     stage = par.zero_stage if par.backend in ("deepspeed", "fsdp") else 0
     zero: dict[str, Any] = {
         "stage": stage,

@@ -20,8 +20,13 @@ implementation of transformers 5 (fp32, bf16 autocast, pure bf16, LoRA, with and
 without checkpointing). Loss and logits add 4·V bytes per token saved (the fp32
 log-softmax) plus transient logits, often the peak for small models.
 
-Sharding follows the ZeRO paper's accounting (Rajbhandari et al. 2020) for
-DeepSpeed and the FSDP2 layout (fp32 shards, bf16 all-gathered units) for FSDP.
+Sharding follows the FSDP2 layout the engine runs (fp32 shards, bf16 all-gathered
+units): its ZeRO-2 form keeps every unit gathered from forward through backward,
+so all blocks' compute-dtype parameters are held at the end of forward; its CPU
+offload keeps no sharded state on the GPU (parameter, gradient and AdamW shards,
+16 bytes per parameter over the sharding degree, sit in pinned host RAM) and only
+stages each unit's fp32 shards on the way in and out. DeepSpeed plans (made only
+for --export deepspeed) follow the ZeRO paper's accounting (Rajbhandari et al. 2020).
 """
 
 from __future__ import annotations
@@ -516,12 +521,18 @@ class MemoryModel:
             weights = (trainable * 4 + frozen) / z  # FSDP2 shards the fp32 parameters; bf16 copies are gathered
             grads = trainable * 4 / z
             opt = trainable * state / z
+            if par.offload:
+                # CPUOffloadPolicy: the sharded parameters, their gradients and the optimizer state all live in
+                # pinned host memory, and the optimizer steps there; nothing of them stays on the GPU.
+                host += weights + grads + opt
+                weights = grads = opt = 0.0
         else:  # ddp / single: torch autocast over fp32 weights
             weights = trainable * 4 + frozen
             grads = trainable * 4
             opt = trainable * state
 
         # Communication and gathering buffers.
+        gathered = 0.0  # units held whole from forward through backward (FSDP2 without resharding)
         unit_params = m.layer_linear_params / t + m.layer_other_params
         unit_bytes = unit_params * c if self.tr.full else (frozen / max(n_layers, 1) if n_layers else 0.0)
         comm = 0.0
@@ -532,7 +543,18 @@ class MemoryModel:
             if z3:
                 comm += 2 * unit_bytes
         elif par.backend == "fsdp":
-            comm += 2 * unit_bytes + unit_params * c  # this and the prefetched unit, and one unit's unsharded grads
+            unit_grads = unit_params * c if self.tr.full else 0.0  # one unit's unsharded gradients before reduction
+            if par.reshard_after_forward:
+                comm += 2 * unit_bytes + unit_grads  # this and the prefetched unit
+            else:
+                # ZeRO-2 form: a unit gathered in forward stays gathered until its backward is done, so at the end
+                # of forward every block of the stage is held whole, in the compute dtype, beside the activations.
+                gathered = n_layers * unit_bytes
+                comm += unit_grads
+            if par.offload:
+                # Each unit's fp32 shard is copied to the GPU before its all-gather, and its fp32 gradient shard
+                # waits there for the copy back: two shards of this and the prefetched unit.
+                comm += 2 * 2 * (unit_params * 4 if self.tr.full else unit_bytes) / z
             root = m.embedding_params if stage == 0 else 0
             if stage == par.pp - 1:
                 root += m.head_params
@@ -568,9 +590,9 @@ class MemoryModel:
         act += edge.rope_tables * w.seq_len * in_flight
 
         opt_temp = 0.0
-        if par.backend in ("ddp", "fsdp", "single") and w.optimizer == "adamw":
+        if par.backend in ("ddp", "fsdp", "single") and w.optimizer == "adamw" and not par.offload:
             opt_temp = trainable * 4 / (z if par.backend == "fsdp" else 1)  # foreach AdamW's sqrt(v) temporary
-        dynamic = max(act + loss + comm, opt_temp + comm)
+        dynamic = max(act + loss + gathered + comm, opt_temp + comm)
         allocated = weights + grads + opt + dynamic
         groups = (par.dp > 1) + (par.tp > 1) + (par.pp > 1) + par.hsdp
         over = overhead_bytes(allocated, architecture=architecture, groups=groups)

@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.capability import layout_of_plan, why_not
 from engine.errors import UserError
 
 PLAN_SCHEMA = "rigpilot.plan"
@@ -71,7 +72,9 @@ class Parallelism:
     dp: int = 1  # data-parallel replicas (= dp_replicate × dp_shard)
     tp: int = 1
     pp: int = 1
-    zero_stage: int = 0  # 0: replicated (DDP); 1: optimizer sharded; 2: + gradients; 3: + parameters (FSDP)
+    # 0: replicated (DDP); 1: optimizer sharded (DeepSpeed only); 2: + gradients (FSDP2 without resharding after
+    # forward); 3: + parameters (FSDP2 full sharding)
+    zero_stage: int = 0
     shard_degree: int = 1  # ZeRO/FSDP sharding group size; < dp means HSDP (replicate across groups)
     backend: str = "ddp"
     sequence_parallel: bool = False
@@ -79,6 +82,8 @@ class Parallelism:
     micro_batch: int = 1
     grad_accum: int = 1  # micro-batches per optimizer step per replica (= pipeline micro-batches when pp > 1)
     checkpointing: str = "none"
+    # FSDP2's CPU offload moves parameters, gradients and optimizer state together (both flags set); DeepSpeed
+    # plans (--export deepspeed) may offload the optimizer alone.
     offload_optimizer: bool = False
     offload_params: bool = False
     stage_layers: list[list[int]] = field(default_factory=list)  # [first, end) layers of each pipeline stage
@@ -90,6 +95,15 @@ class Parallelism:
     @property
     def replicate_degree(self) -> int:
         return max(self.dp // max(self.shard_degree, 1), 1)
+
+    @property
+    def offload(self) -> bool:
+        return self.offload_optimizer or self.offload_params
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """False for FSDP2's ZeRO-2 form: every unit stays gathered from its forward through its backward."""
+        return not (self.backend == "fsdp" and self.zero_stage in (1, 2))
 
     @property
     def hsdp(self) -> bool:
@@ -129,15 +143,23 @@ class Parallelism:
             if self.dp > 1:
                 parts.append(f"{self.dp} independent replicas")
             return ", ".join(parts) or "one GPU"
-        if n == 1:
+        fsdp_offload = self.backend == "fsdp" and self.offload
+        if fsdp_offload:
+            parts.append("FSDP2 (ZeRO-3) with CPU offload " + (f"over {self.dp}" if self.dp > 1 else "on one GPU"))
+        elif n == 1:
             parts.append("one GPU")
         elif self.hsdp:
-            parts.append(f"HSDP: sharded over {self.shard_degree}, replicated ×{self.replicate_degree}")
+            parts.append(f"HSDP: FSDP2 sharded over {self.shard_degree}, replicated ×{self.replicate_degree}")
         elif self.dp > 1:
-            name = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "FSDP (ZeRO-3)"}[self.zero_stage]
-            if self.zero_stage and self.backend == "deepspeed":
-                name = f"DeepSpeed ZeRO-{self.zero_stage}"
+            if self.backend == "deepspeed":
+                name = f"DeepSpeed ZeRO-{self.zero_stage}" if self.zero_stage else "DeepSpeed data parallel"
+            elif self.backend == "fsdp" and self.zero_stage in (1, 2):
+                name = "FSDP2"
+            else:
+                name = {0: "DDP", 3: "FSDP2 (ZeRO-3)"}.get(self.zero_stage, f"ZeRO-{self.zero_stage}")
             parts.append(f"{name} over {self.dp}")
+            if not self.reshard_after_forward:
+                parts.append("parameters kept gathered through backward (ZeRO-2)")
         if self.tp > 1:
             parts.append(f"tensor parallel {self.tp}" + (" with sequence parallel" if self.sequence_parallel else ""))
         if self.pp > 1:
@@ -145,9 +167,9 @@ class Parallelism:
         parts.append(f"micro-batch {self.micro_batch} × {self.grad_accum} accumulation")
         if self.checkpointing != "none":
             parts.append(f"{self.checkpointing} activation checkpointing")
-        if self.offload_params:
+        if self.backend != "fsdp" and self.offload_params:
             parts.append("parameters and optimizer offloaded to CPU")
-        elif self.offload_optimizer:
+        elif self.backend != "fsdp" and self.offload_optimizer:
             parts.append("optimizer offloaded to CPU")
         return ", ".join(parts)
 
@@ -237,6 +259,9 @@ class Plan:
     architecture: str = ""
     notes: list[str] = field(default_factory=list)
     schema_version: int = PLAN_VERSION
+    # engine.capability.why_not of the plan's layout: whether a Rigpilot job runs this plan, and if not, why.
+    runs_here: bool = True
+    runs_here_reason: str = ""
 
     @property
     def fits(self) -> bool:
@@ -253,6 +278,7 @@ class Plan:
         d["parallelism"]["world_size"] = self.parallelism.world_size
         d["parallelism"]["mesh_shape"] = self.parallelism.mesh_shape
         d["parallelism"]["family"] = self.parallelism.family
+        d["parallelism"]["reshard_after_forward"] = self.parallelism.reshard_after_forward
         return d
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -284,6 +310,7 @@ class Plan:
                 architecture=d.get("architecture", ""),
                 notes=list(d.get("notes", [])),
                 schema_version=version,
+                **_runs_here(d),
             )
         except (KeyError, TypeError) as e:
             raise UserError(f"malformed plan: {e}") from e
@@ -300,3 +327,16 @@ class Plan:
 
 
 _PARALLELISM_FIELDS = {f.name for f in dataclasses.fields(Parallelism)}
+
+
+def refusal(plan: dict[str, Any]) -> str:
+    """Why the engine would refuse the plan (its JSON), or "" when a job runs it: the one capability contract."""
+    return why_not(layout_of_plan(plan)) or ""
+
+
+def _runs_here(d: dict[str, Any]) -> dict[str, Any]:
+    # Plans saved before these fields existed are judged now, by the same contract.
+    if isinstance(d.get("runs_here"), bool):
+        return {"runs_here": d["runs_here"], "runs_here_reason": str(d.get("runs_here_reason") or "")}
+    reason = refusal(d)
+    return {"runs_here": not reason, "runs_here_reason": reason}

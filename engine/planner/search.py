@@ -1,8 +1,10 @@
 """Search: every valid way to split a workload over the selected GPUs, ranked by predicted throughput.
 
-Training enumerates (tp, pp, dp) factorizations, ZeRO stage / FSDP sharding
-degree (HSDP included), CPU offload, activation checkpointing and micro-batch
-(with gradient accumulation filling the global batch). Pipelines use 1F1B and
+Training enumerates (tp, pp, dp) factorizations, the FSDP2 forms the engine runs
+(full sharding and HSDP, ZeRO-2 as FSDP2 without resharding after forward, CPU
+offload as FSDP2's CPUOffloadPolicy), activation checkpointing and micro-batch
+(with gradient accumulation filling the global batch); DeepSpeed's ZeRO stages
+and optimizer-only offload only for --export deepspeed. Pipelines use 1F1B and
 tensor parallelism sequence parallel: the alternatives (GPipe, plain TP) cost the
 same time and hold more memory, so they never win. An offloading plan is only
 tried where the same split without offload does not fit. Tensor parallelism is
@@ -12,6 +14,9 @@ explanation can say what they would have cost. Mixed GPUs: the smallest card
 binds every symmetric plan (each GPU is checked against its own memory) and
 pipelines give each stage layers in proportion to its memory.
 
+Every candidate is judged by the engine's one capability contract,
+`engine.capability.why_not(layout_of_plan(plan))`: plans the engine cannot run
+rank below all those it runs and carry the reason (`Plan.runs_here_reason`).
 Plans that do not fit are dropped; for each family with no fitting plan the
 result says what its smallest configuration needs. When nothing fits, the
 smallest changes that would make it fit are tried by re-running the search.
@@ -23,14 +28,14 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
+from engine.capability import layout_of_plan, why_not
 from engine.errors import UserError
 from engine.hardware.machine import P2P, GpuPair, Machine, PciePath, short_gpu_name
 from engine.hardware.specs import match_spec
 from engine.models.spec import ModelSpec
-from engine.planner.explain import number_word
+from engine.planner.explain import explain, number_word
 from engine.planner.links import Calibration, Topology
 from engine.planner.memory import GIB, MemoryModel, StageMemory, fmt_gib, plan_memory
 from engine.planner.model import ModelFacts, model_facts
@@ -41,21 +46,16 @@ from engine.planner.plan import (
     PRECISIONS,
     TASKS,
     WEIGHT_BITS,
-    HostMemory,
     LoraSettings,
     Parallelism,
     Plan,
-    Timing,
     Workload,
 )
+from engine.planner.result import FAMILY_ORDER, Candidate, Rejection, SearchResult, Suggestion
 from engine.planner.speed import SpeedModel
 
 EXPORT_TARGETS = ("torchrun", "accelerate", "deepspeed", "slurm")
 MAX_TP = 8
-# Families from simplest to most involved: ties in throughput go to the simpler plan.
-FAMILY_ORDER = (
-    "single GPU", "replicas", "DDP", "ZeRO-1", "ZeRO-2", "FSDP", "HSDP", "tensor parallel", "pipeline", "offload",
-)
 
 
 @dataclass
@@ -64,76 +64,6 @@ class SearchOptions:
     export: str | None = None  # only plans this export target can run
     runners_up: int = 4
     suggest: bool = True  # when nothing fits, look for the smallest change that fits
-
-
-@dataclass
-class Rejection:
-    family: str
-    reason: str
-    need_bytes: int | None = None  # per GPU, its smallest configuration
-    have_bytes: int | None = None
-
-
-@dataclass
-class Suggestion:
-    change: str  # in words, with the flag: "train LoRA adapters instead (--method lora)"
-    kind: str  # "method" | "quantize" | "seq" | "batch" | "gpus" | "larger-gpus" | "more-gpus"
-    plan: Plan  # the best plan with the change, found by searching again
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"change": self.change, "kind": self.kind, "plan": self.plan.to_dict()}
-
-
-@dataclass
-class SearchResult:
-    workload: Workload
-    machine: str
-    gpu_indices: list[int]
-    best: Plan | None
-    runners_up: list[Plan]
-    rejected: list[Rejection]
-    suggestions: list[Suggestion]
-    explanation: list[str]
-    considered: int
-    fitting: int
-    elapsed_s: float
-    notes: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "workload": dataclasses.asdict(self.workload),
-            "machine": self.machine,
-            "gpu_indices": self.gpu_indices,
-            "best": self.best.to_dict() if self.best else None,
-            "runners_up": [p.to_dict() for p in self.runners_up],
-            "rejected": [dataclasses.asdict(r) for r in self.rejected],
-            "suggestions": [s.to_dict() for s in self.suggestions],
-            "explanation": self.explanation,
-            "considered": self.considered,
-            "fitting": self.fitting,
-            "elapsed_s": self.elapsed_s,
-            "notes": self.notes,
-        }
-
-
-@dataclass
-class Candidate:
-    par: Parallelism
-    stages: list[StageMemory]
-    host: HostMemory
-    fits: bool
-    worst_total: float  # the fullest GPU's predicted bytes
-    worst_capacity: int
-    blocked: str | None = None  # why the search would not pick it (slow links for TP), though it was evaluated
-    timing: Timing | None = None
-
-    @property
-    def family(self) -> str:
-        return self.par.family
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.timing.tokens_per_s if self.timing else 0.0
 
 
 # -- validation ------------------------------------------------------------------------------------------------
@@ -217,8 +147,6 @@ def search(
     options: SearchOptions | None = None,
 ) -> SearchResult:
     """Find the fastest plan that fits, with runners-up, rejected families and (if needed) suggestions."""
-    from engine.planner.explain import explain  # explain imports this module's types
-
     start = time.perf_counter()
     opts = options or SearchOptions()
     if opts.export is not None and opts.export not in EXPORT_TARGETS:
@@ -234,29 +162,30 @@ def search(
     speed = SpeedModel(m, w, topo, mm)
     cands, skipped = _evaluate(m, w, topo, mm, speed, opts)
     fitting = [c for c in cands if c.fits and not c.blocked]
+    # Plans the engine refuses rank below every plan it runs: the best plan is one a job runs whenever one fits.
     fitting.sort(key=_rank_key)
     notes = list(m.notes)
     best = _materialize(fitting[0], m, w, speed, machine, notes) if fitting else None
     runners: list[Plan] = []
-    seen_families = {fitting[0].family} if fitting else set()
+    seen_families = {(fitting[0].family, fitting[0].runs_here)} if fitting else set()
     for c in fitting[1:]:
         if len(runners) >= opts.runners_up:
             break
-        if c.family in seen_families:
+        if (c.family, c.runs_here) in seen_families:
             continue
-        seen_families.add(c.family)
+        seen_families.add((c.family, c.runs_here))
         runners.append(_materialize(c, m, w, speed, machine, []))
     if best is not None and len(runners) < opts.runners_up:
         # Few families fit: show the next-best variants of the winning one.
         for c in fitting[1:]:
             if len(runners) >= opts.runners_up:
                 break
-            if c.family == best.parallelism.family and not _same_shape(c.par, best.parallelism):
+            if c.family == best.parallelism.family and c.runs_here and not _same_shape(c.par, best.parallelism):
                 runners.append(_materialize(c, m, w, speed, machine, []))
-        runners.sort(key=lambda p: -p.timing.tokens_per_s)
+    runners.sort(key=lambda p: (not p.runs_here, -p.timing.tokens_per_s))
     rejected = _rejections(cands, skipped, fitting)
     suggestions: list[Suggestion] = []
-    if best is None and opts.suggest:
+    if (best is None or not best.runs_here) and opts.suggest:
         suggestions = suggest(spec, machine, w, indices, calibration, opts)
     result = SearchResult(
         workload=w,
@@ -269,6 +198,7 @@ def search(
         explanation=[],
         considered=len(cands),
         fitting=len(fitting),
+        runnable=sum(c.runs_here for c in fitting),
         elapsed_s=0.0,
         notes=notes,
     )
@@ -283,11 +213,30 @@ def _same_shape(a: Parallelism, b: Parallelism) -> bool:
     )
 
 
-def _rank_key(c: Candidate) -> tuple[float, int, int, float]:
-    # Throughputs within 1% of each other tie; then the simpler family, fewer GPUs, more headroom.
+def _rank_key(c: Candidate) -> tuple[bool, float, int, int, float]:
+    # What the engine runs first; throughputs within 1% of each other tie; then the simpler family, fewer GPUs,
+    # more headroom.
     tps = c.tokens_per_s
     bucket = math.floor(math.log(tps) / math.log(1.01)) if tps > 0 else -(10**9)
-    return (-bucket, FAMILY_ORDER.index(c.family), c.par.world_size, c.worst_total / max(c.worst_capacity, 1))
+    return (not c.runs_here, -bucket, FAMILY_ORDER.index(c.family), c.par.world_size, c.worst_total / max(c.worst_capacity, 1))
+
+
+def cannot_run(par: Parallelism, w: Workload, model_type: str) -> str:
+    """engine.capability.why_not of the layout a plan with `par` asks for ("" when the engine runs it).
+
+    The same function `Plan.from_dict` and the submission path apply to a plan's JSON, given the
+    fields `layout_of_plan` reads.
+    """
+    d = {
+        "parallelism": {
+            "dp": par.dp, "tp": par.tp, "pp": par.pp, "zero_stage": par.zero_stage, "shard_degree": par.shard_degree,
+            "sequence_parallel": par.sequence_parallel, "offload_params": par.offload_params,
+            "offload_optimizer": par.offload_optimizer,
+        },
+        "workload": {"task": w.task, "method": w.method, "weight_bits": w.weight_bits},
+        "model_type": model_type,
+    }  # fmt: skip
+    return why_not(layout_of_plan(d)) or ""
 
 
 def _materialize(c: Candidate, m: ModelFacts, w: Workload, speed: SpeedModel, machine: Machine, notes: list[str]) -> Plan:
@@ -302,7 +251,12 @@ def _materialize(c: Candidate, m: ModelFacts, w: Workload, speed: SpeedModel, ma
         )
     if host.available is None:
         plan_notes.append("host RAM is unknown; its check was skipped")
-    return Plan(
+    if c.par.backend == "fsdp" and c.par.offload:
+        plan_notes.append(
+            f"CPU offload pins {fmt_gib(host.offloaded)} of host RAM (parameters, gradients and optimizer state), "
+            "which cannot be swapped out; the optimizer step's time assumes host memory bandwidth, not measured"
+        )
+    plan = Plan(
         workload=w,
         parallelism=c.par,
         memory=memory,
@@ -314,7 +268,10 @@ def _materialize(c: Candidate, m: ModelFacts, w: Workload, speed: SpeedModel, ma
         model_type=m.spec.model_type,
         architecture=m.spec.architecture,
         notes=plan_notes,
+        runs_here=c.runs_here,
+        runs_here_reason=c.cannot_run,
     )
+    return plan
 
 
 def _evaluate(
@@ -326,6 +283,7 @@ def _evaluate(
     available = topo.machine.host.memory_total
     caps = {i: g.memory for i, g in topo.gpus.items()}
     twin_fits: set[tuple] = set()
+    refusals: dict[tuple, str] = {}
     for layout, blocked, micro_batches in gen:
         for ckpt in (CHECKPOINTING if w.training else ("none",)):
             for mb in micro_batches:
@@ -337,6 +295,10 @@ def _evaluate(
                     continue  # the same plan without offload fits and is faster
                 cand = _check(par, mm, topo, caps, available)
                 cand.blocked = blocked
+                refusals_key = (par.dp, par.tp, par.pp, par.zero_stage, par.shard_degree, par.sequence_parallel, offloading)
+                if refusals_key not in refusals:
+                    refusals[refusals_key] = cannot_run(par, w, m.spec.model_type)
+                cand.cannot_run = refusals[refusals_key]
                 cands.append(cand)
                 if not cand.fits:
                     break  # a larger micro-batch needs more memory still
@@ -460,12 +422,24 @@ def _train_layouts(
                     offload_params=off_par,
                     stage_layers=stage_layers,
                 )
+                if par.offload:
+                    # Offload is the last resort, tried only where nothing else fits; a form of it the engine
+                    # refuses (QLoRA's 4-bit base) is not evaluated, and the rejection says why.
+                    refused = cannot_run(par, w, m.spec.model_type)
+                    if refused:
+                        skipped.setdefault("offload", refused)
+                        continue
                 yield par, blocked, micro_batches
 
 
 def _sharding_options(dp: int, tp: int, pp: int, n: int, opts: SearchOptions) -> list[tuple[str, int, int, bool, bool]]:
-    """(backend, ZeRO stage, sharding degree, offload optimizer, offload parameters) choices."""
-    ds_only = opts.export == "deepspeed"
+    """(backend, ZeRO stage, sharding degree, offload optimizer, offload parameters) choices.
+
+    By default the forms the engine runs: DDP, FSDP2 with parameters kept gathered through backward
+    (ZeRO-2), FSDP2 full sharding (ZeRO-3) and HSDP, and FSDP2 with CPU offload, which moves parameters,
+    gradients and optimizer state to the host together. ZeRO-1 and optimizer-only offload exist only in
+    DeepSpeed, so only a search for --export deepspeed offers them.
+    """
     out: list[tuple[str, int, int, bool, bool]] = []
     if tp > 1 or pp > 1:
         # torch TP/PP compose with DDP and FSDP2 (2D/3D meshes), not with DeepSpeed's ZeRO.
@@ -473,16 +447,22 @@ def _sharding_options(dp: int, tp: int, pp: int, n: int, opts: SearchOptions) ->
         if dp > 1:
             out.append(("fsdp", 3, dp, False, False))
         return out
-    # DeepSpeed's stage 0 is its plain data parallelism (bf16 weights, fp32 master copy in the optimizer).
-    plain = ("deepspeed", 0, 1, False, False) if ds_only else ("single" if n == 1 else "ddp", 0, 1, False, False)
+    if opts.export == "deepspeed":
+        # DeepSpeed's stage 0 is its plain data parallelism (bf16 weights, fp32 master copy in the optimizer).
+        if dp == 1:
+            return [("deepspeed", 0, 1, False, False), ("deepspeed", 2, 1, True, False), ("deepspeed", 3, 1, True, True)]
+        return [
+            ("deepspeed", 0, 1, False, False), ("deepspeed", 1, dp, False, False), ("deepspeed", 2, dp, False, False),
+            ("deepspeed", 3, dp, False, False), ("deepspeed", 2, dp, True, False), ("deepspeed", 3, dp, True, False),
+            ("deepspeed", 3, dp, True, True),
+        ]  # fmt: skip
     if dp == 1:
-        return [plain, ("deepspeed", 2, 1, True, False), ("deepspeed", 3, 1, True, True)]
-    out.append(plain)
-    out += [("deepspeed", 1, dp, False, False), ("deepspeed", 2, dp, False, False)]
-    out.append(("deepspeed" if ds_only else "fsdp", 3, dp, False, False))
-    if not ds_only:
-        out += [("fsdp", 3, z, False, False) for z in _divisors(dp) if 1 < z < dp]
-    out += [("deepspeed", 2, dp, True, False), ("deepspeed", 3, dp, True, False), ("deepspeed", 3, dp, True, True)]
+        return [("single" if n == 1 else "ddp", 0, 1, False, False), ("fsdp", 3, 1, True, True)]
+    out.append(("ddp", 0, 1, False, False))
+    out.append(("fsdp", 2, dp, False, False))
+    out.append(("fsdp", 3, dp, False, False))
+    out += [("fsdp", 3, z, False, False) for z in _divisors(dp) if 1 < z < dp]
+    out.append(("fsdp", 3, dp, True, True))
     return out
 
 
@@ -613,8 +593,8 @@ def suggest(
             r = search(spec, mach, work, gpus=sel, calibration=calibration, options=inner)
         except UserError:
             return False
-        if r.best is None:
-            return False
+        if r.best is None or not r.best.runs_here:
+            return False  # a change is only worth suggesting if the engine then runs the plan
         out.append(Suggestion(change, kind, r.best))
         return True
 

@@ -7,7 +7,11 @@ reduce-scatter and all-gather (n-1)/n. DDP and ZeRO gradient reduction hides
 behind the last micro-batch's backward pass, FSDP's gathers behind each
 micro-batch's compute; tensor-parallel all-reduces (two per layer forward, two
 backward in Megatron's layout) sit on the critical path. A pipeline of p stages
-and m micro-batches idles for (p-1)/(m+p-1) of its time.
+and m micro-batches idles for (p-1)/(m+p-1) of its time. FSDP2's CPU offload
+copies each unit's parameter shard to the GPU at every all-gather and each
+gradient shard back per micro-batch over the GPU's PCIe link, partly behind
+compute, then runs AdamW on the CPU, bound by the host memory bandwidth that the
+ranks on one socket share.
 """
 
 from __future__ import annotations
@@ -26,6 +30,14 @@ SELECTIVE_RECOMPUTE = 1.03  # norms and activation functions run twice
 CPU_ADAM_PARAMS_PER_CORE_S = 1.0e8  # DeepSpeed's CPU Adam, AVX2/AVX-512
 CPU_ADAM_MAX_PARAMS_S = 4.0e9  # host memory bandwidth caps it
 OFFLOAD_OVERLAP = 0.5  # share of compute that parameter prefetch from the host can hide behind
+# torch.optim.AdamW on the CPU (fp32, for-each-tensor): reads parameter, gradient, exp_avg and exp_avg_sq, writes
+# the first three and its sqrt(v)+eps temporary and reads it back: 16 + 12 + 8 bytes per parameter.
+CPU_OPTIMIZER_BYTES = {"adamw": 36.0, "adamw8bit": 16.0, "sgd": 16.0}
+# Host memory bandwidth a socket's cores reach streaming (STREAM-triad-like), assumed: the machine model does not
+# measure it. 8-channel DDR4-3200/DDR5 server and workstation sockets (EPYC, Xeon, Threadripper PRO) peak at
+# 205-300 GB/s and stream about 120; desktops with two DDR5 channels peak near 90 and stream about 60.
+HOST_MEMORY_BW_SERVER_GBS = 120.0
+HOST_MEMORY_BW_DESKTOP_GBS = 60.0
 DECODE_OVERHEAD_PER_LAYER_S = 0.25e-3  # eager PyTorch launches a few dozen kernels per layer per token
 DECODE_QUANT_FACTOR = {16: 1.0, 8: 2.5, 4: 1.5}  # dequantization on every decode step
 OPTIMIZER_BYTES = {"adamw": 28.0, "adamw8bit": 12.0, "sgd": 16.0}  # touched per parameter in one step
@@ -255,7 +267,7 @@ class SpeedModel:
             trainable = self._trainable(par, st)
             p_local, lin = mm.stage_params(par, st)
             t_mb = stage_compute[st]
-            if par.zero_stage == 3:
+            if par.zero_stage == 3 or par.backend == "fsdp":
                 shard = [g for g in groups.shard if g[0] in groups.stages[st]]
                 link = self._collective(shard)
                 z = len(shard[0])
@@ -264,12 +276,14 @@ class SpeedModel:
                 else:
                     gathered = p_local * c
                 reduce_bytes = trainable * c
-                per_mb = 2 * gather_s(gathered, z, link) + gather_s(reduce_bytes, z, link)
+                # Gathered for forward and again for backward, unless kept gathered through backward (ZeRO-2 form).
+                gathers = 2 if par.reshard_after_forward else 1
+                per_mb = gathers * gather_s(gathered, z, link) + gather_s(reduce_bytes, z, link)
                 unit = gather_s((m.layer_linear_params / par.tp + m.layer_other_params) * c, z, link)
                 exposed = par.grad_accum * max(per_mb - OVERLAP * t_mb, min(unit, per_mb))
                 total = par.grad_accum * per_mb
-                nbytes = int(par.grad_accum * (2 * gathered + reduce_bytes))
-                what = "FSDP all-gathers and reduce-scatters" if par.backend == "fsdp" else "ZeRO-3 gathers and reduce-scatters"
+                nbytes = int(par.grad_accum * (gathers * gathered + reduce_bytes))
+                what = "FSDP2 all-gathers and reduce-scatters" if par.backend == "fsdp" else "ZeRO-3 gathers and reduce-scatters"
                 links["sharding group"] = link
                 if par.hsdp:
                     rep = [g for g in groups.replicate if g[0] in groups.stages[st]]
@@ -305,8 +319,10 @@ class SpeedModel:
         return worst
 
     def _offload(self, par: Parallelism, groups: Groups, stage_compute: list[float]) -> float:
-        if not (par.offload_optimizer or par.offload_params):
+        if not par.offload:
             return 0.0
+        if par.backend == "fsdp":
+            return self._fsdp_offload(par, groups, stage_compute)
         mm, topo = self.mm, self.topo
         pb = 2 if mm.mixed else 4
         z = par.shard_degree if par.zero_stage >= 1 else 1
@@ -325,6 +341,70 @@ class SpeedModel:
         rate = min(cores * CPU_ADAM_PARAMS_PER_CORE_S, CPU_ADAM_MAX_PARAMS_S)
         total_trainable = sum(self._trainable(par, st) for st in range(par.pp)) * par.tp
         return worst + total_trainable / rate
+
+    def offload_traffic(self, par: Parallelism, stage: int = 0) -> tuple[float, float, float]:
+        """FSDP2 CPU offload, bytes one rank moves per step: (host→GPU, GPU→host, touched by the CPU optimizer).
+
+        Every all-gather first copies the unit's sharded parameters (fp32, or the frozen base in its own
+        dtype) to the GPU: once in forward and again in backward, since the units are resharded. Each
+        micro-batch's reduce-scatter leaves an fp32 gradient shard that is copied back and accumulated on
+        the host. The optimizer then reads and writes the rank's shard of parameters, gradients and state.
+        """
+        mm = self.mm
+        z = max(par.shard_degree, 1)
+        trainable = self._trainable(par, stage)
+        p_local, _ = mm.stage_params(par, stage)
+        frozen = p_local * mm.c if self.frozen else 0.0  # LoRA's base in the compute dtype (QLoRA is not offloaded)
+        shard = (trainable * 4 + frozen) / z
+        gathers = 2 if par.reshard_after_forward else 1
+        h2d = par.grad_accum * gathers * shard
+        d2h = par.grad_accum * trainable * 4 / z
+        cpu = trainable / z * CPU_OPTIMIZER_BYTES.get(self.w.optimizer, CPU_OPTIMIZER_BYTES["adamw"])
+        return h2d, d2h, cpu
+
+    def host_memory_bandwidth(self) -> tuple[float, bool]:
+        """(bytes/s one NUMA node's CPUs stream from their memory, whether it is known) -- it is assumed today."""
+        host = self.topo.machine.host
+        model = (host.cpu_model or "").lower()
+        server = any(k in model for k in ("epyc", "xeon", "threadripper pro", "threadripper 79", "threadripper 99"))
+        per_socket = HOST_MEMORY_BW_SERVER_GBS if server else HOST_MEMORY_BW_DESKTOP_GBS
+        nodes = max(len(host.numa_nodes), host.sockets or 1, 1)
+        return per_socket * max(host.sockets or 1, 1) / nodes * 1e9, False
+
+    def _fsdp_offload(self, par: Parallelism, groups: Groups, stage_compute: list[float]) -> float:
+        """Seconds a step spends on FSDP2 CPU offload beyond what hides behind the GPU's compute.
+
+        The copies ride each GPU's PCIe link, overlapping compute like the prefetched all-gathers they
+        feed; without NVLink the collectives share that link, so the window left is what they leave. The
+        CPU optimizer step follows backward and hides behind nothing: it is bound by host memory
+        bandwidth, shared by the ranks whose GPUs hang off one NUMA node.
+        """
+        topo, m = self.topo, self.m
+        worst_xfer = 0.0
+        for st in range(par.pp):
+            h2d, d2h, _ = self.offload_traffic(par, st)
+            pcie = min(topo.gpus[i].pcie_gbs for i in groups.stages[st]) * 1e9
+            mbs = max(par.grad_accum, 1)
+            per_mb = max(h2d, d2h) / mbs / pcie  # the two directions of a PCIe link run at once
+            window = OFFLOAD_OVERLAP * stage_compute[st]
+            shard = [g for g in groups.shard if g[0] in groups.stages[st]]
+            link = self._collective(shard) if shard and len(shard[0]) > 1 else None
+            if link is not None and link.kind not in ("nvlink", "nvswitch"):
+                p_local, _ = self.mm.stage_params(par, st)
+                gathers = 2 if par.reshard_after_forward else 1
+                comm = (gathers + 1) * gather_s(p_local * self.mm.c, len(shard[0]), link)
+                window = max(window - comm, 0.0)
+            n_units = max(stage_range(par, st, m.layers)[1] - stage_range(par, st, m.layers)[0], 1)
+            worst_xfer = max(worst_xfer, mbs * max(per_mb - window, per_mb / n_units))
+        bw, _ = self.host_memory_bandwidth()
+        per_node: dict[int, float] = {}
+        for st in range(par.pp):
+            _, _, cpu = self.offload_traffic(par, st)
+            for g in groups.stages[st]:
+                node = topo.machine.gpu(g).numa_node or 0
+                per_node[node] = per_node.get(node, 0.0) + cpu
+        cpu_s = max(per_node.values(), default=0.0) / bw
+        return worst_xfer + cpu_s
 
     # -- inference --------------------------------------------------------------------------------------
     def infer(self, par: Parallelism, detail: bool = True) -> Timing:

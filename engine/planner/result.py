@@ -1,0 +1,96 @@
+"""What a search produces: evaluated candidates, rejected families, suggestions and the result.
+
+Its own module so that the search (which builds these) and the explanation
+(which reads them) both import it without importing each other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.planner.memory import StageMemory
+from engine.planner.plan import HostMemory, Parallelism, Plan, Timing, Workload
+
+# Families from simplest to most involved: ties in throughput go to the simpler plan.
+FAMILY_ORDER = (
+    "single GPU", "replicas", "DDP", "ZeRO-1", "ZeRO-2", "FSDP", "HSDP", "tensor parallel", "pipeline", "offload",
+)
+
+
+@dataclass
+class Rejection:
+    family: str
+    reason: str
+    need_bytes: int | None = None  # per GPU, its smallest configuration
+    have_bytes: int | None = None
+
+
+@dataclass
+class Suggestion:
+    change: str  # in words, with the flag: "train LoRA adapters instead (--method lora)"
+    kind: str  # "method" | "quantize" | "seq" | "batch" | "gpus" | "larger-gpus" | "more-gpus"
+    plan: Plan  # the best plan with the change, found by searching again
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"change": self.change, "kind": self.kind, "plan": self.plan.to_dict()}
+
+
+@dataclass
+class SearchResult:
+    workload: Workload
+    machine: str
+    gpu_indices: list[int]
+    best: Plan | None
+    runners_up: list[Plan]
+    rejected: list[Rejection]
+    suggestions: list[Suggestion]
+    explanation: list[str]
+    considered: int
+    fitting: int
+    elapsed_s: float
+    notes: list[str] = field(default_factory=list)
+    runnable: int = 0  # of the fitting plans, those the engine runs (engine.capability.why_not is None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "workload": dataclasses.asdict(self.workload),
+            "machine": self.machine,
+            "gpu_indices": self.gpu_indices,
+            "best": self.best.to_dict() if self.best else None,
+            "runners_up": [p.to_dict() for p in self.runners_up],
+            "rejected": [dataclasses.asdict(r) for r in self.rejected],
+            "suggestions": [s.to_dict() for s in self.suggestions],
+            "explanation": self.explanation,
+            "considered": self.considered,
+            "fitting": self.fitting,
+            "runnable": self.runnable,
+            "elapsed_s": self.elapsed_s,
+            "notes": self.notes,
+        }
+
+
+@dataclass
+class Candidate:
+    par: Parallelism
+    stages: list[StageMemory]
+    host: HostMemory
+    fits: bool
+    worst_total: float  # the fullest GPU's predicted bytes
+    worst_capacity: int
+    blocked: str | None = None  # why the search would not pick it (slow links for TP), though it was evaluated
+    timing: Timing | None = None
+    cannot_run: str = ""  # engine.capability.why_not of its layout; empty when the engine runs it
+
+    @property
+    def family(self) -> str:
+        return self.par.family
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.timing.tokens_per_s if self.timing else 0.0
+
+    @property
+    def runs_here(self) -> bool:
+        return not self.cannot_run

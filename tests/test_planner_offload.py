@@ -1,0 +1,132 @@
+"""FSDP2 CPU offload and the ZeRO-2 form, against bytes counted by hand on a small Llama.
+
+The model: h 256, MLP 688, 2 layers, 4 heads (2 KV heads of 64), vocabulary 1000, untied.
+Per layer the linears hold 2·256·256 + 2·256·128 + 3·256·688 = 724,992 weights and the two norms 512;
+embeddings and head 256,000 each, the final norm 256: 1,963,264 parameters in all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from engine.hardware.simulated import load_profile
+from engine.models.spec import Linear, ModelSpec
+from engine.planner.links import Topology
+from engine.planner.memory import HOST_BYTES_PER_RANK, MemoryModel, plan_memory
+from engine.planner.model import model_facts
+from engine.planner.plan import LoraSettings, Parallelism, Workload
+from engine.planner.speed import CPU_OPTIMIZER_BYTES, SpeedModel
+
+P = 1_963_264
+UNIT = 724_992 + 512 + 256 // 2  # one block as FSDP2 gathers it; the planner spreads the final norm over the blocks
+
+
+def tiny() -> ModelSpec:
+    h, inter, heads, kv, vocab, layers = 256, 688, 4, 2, 1000, 2
+    d = h // heads
+    lin = [
+        Linear("q_proj", h, heads * d), Linear("k_proj", h, kv * d), Linear("v_proj", h, kv * d),
+        Linear("o_proj", heads * d, h), Linear("gate_proj", h, inter), Linear("up_proj", h, inter),
+        Linear("down_proj", inter, h),
+    ]
+    return ModelSpec(
+        id="tiny", architecture="LlamaForCausalLM", model_type="llama", params_total=P, params_active=P,
+        params_embedding=vocab * h, hidden_size=h, num_layers=layers, num_heads=heads, num_kv_heads=kv, head_dim=d,
+        intermediate_size=inter, vocab_size=vocab, max_position_embeddings=4096, tied_embeddings=False, layer_linears=lin,
+    )
+
+
+def setup(profile: str = "4x-rtx4090"):
+    machine = load_profile(profile)
+    topo = Topology(machine, [g.index for g in machine.gpus])
+    w = Workload(model="tiny", seq_len=512, global_batch=16)
+    m = model_facts(tiny())
+    mm = MemoryModel(m, w)
+    return topo, mm, SpeedModel(m, w, topo, mm)
+
+
+def fsdp(**kw) -> Parallelism:
+    base = dict(gpu_indices=[0, 1, 2, 3], dp=4, zero_stage=3, shard_degree=4, backend="fsdp", micro_batch=1,
+                grad_accum=4, checkpointing="none")
+    return Parallelism(**{**base, **kw})
+
+
+def test_tiny_model_count():
+    m = model_facts(tiny())
+    assert m.params == P
+    assert m.layer_linear_params + m.layer_other_params == UNIT
+
+
+def test_offload_holds_no_sharded_state_on_the_gpu_and_16_bytes_per_parameter_on_the_host():
+    topo, mm, _ = setup()
+    plain = mm.train_stage(fsdp(), 0, "ada")
+    off = mm.train_stage(fsdp(offload_params=True, offload_optimizer=True), 0, "ada")
+    assert (off.weights, off.gradients, off.optimizer) == (0, 0, 0)
+    # Host, per rank: fp32 parameter shard 4 + fp32 gradient shard 4 + AdamW's two fp32 states 8, over 4 ranks.
+    assert off.host_offloaded == pytest.approx(16 * P / 4)
+    assert plain.host_offloaded == 0
+    # The GPU keeps the gathered units and additionally stages two fp32 shards (parameter in, gradient out) of
+    # this and the prefetched unit; no AdamW temporary, as the step runs on the CPU.
+    assert off.activations == pytest.approx(plain.activations)
+    assert off.buffers - plain.buffers == pytest.approx(2 * 2 * UNIT * 4 / 4)
+    # Pinned host memory is not swappable: it counts against the machine's RAM with every rank's runtime.
+    memory, host = plan_memory(mm, fsdp(offload_params=True, offload_optimizer=True), topo)
+    assert host.offloaded == pytest.approx(16 * P, abs=4)
+    assert host.needed == pytest.approx(4 * HOST_BYTES_PER_RANK + 16 * P, abs=4)
+    assert host.available == topo.machine.host.memory_total
+    assert all(m.weights == m.gradients == m.optimizer == 0 for m in memory)
+
+
+def test_lora_offload_moves_the_frozen_base_too():
+    m = model_facts(tiny())
+    w = Workload(model="tiny", method="lora", seq_len=512, global_batch=16, lora=LoraSettings(rank=8, targets=["q_proj"]))
+    mm = MemoryModel(m, w)
+    off = mm.train_stage(fsdp(offload_params=True, offload_optimizer=True), 0, "ada")
+    adapters = 2 * 8 * (256 + 256)  # rank 8 on q_proj (256 → 256) in both layers
+    assert off.host_offloaded == pytest.approx((P * 2 + adapters * 16) / 4)  # bf16 base + fp32 adapter states
+
+
+def test_offload_traffic_per_step():
+    _, _, speed = setup()
+    par = fsdp(offload_params=True, offload_optimizer=True)
+    h2d, d2h, cpu = speed.offload_traffic(par)
+    # 4 micro-batches; each gathers every unit for forward and again for backward, copying its fp32 shard in,
+    # and copies its fp32 gradient shard out once.
+    assert h2d == pytest.approx(4 * 2 * P * 4 / 4)
+    assert d2h == pytest.approx(4 * P * 4 / 4)
+    assert cpu == pytest.approx(P / 4 * CPU_OPTIMIZER_BYTES["adamw"])
+
+
+def test_cpu_optimizer_shares_each_sockets_memory_bandwidth():
+    topo, _, speed = setup()
+    bw, measured = speed.host_memory_bandwidth()
+    assert not measured and bw == pytest.approx(120e9)  # EPYC: 120 GB/s per socket, one NUMA node per socket
+    par = fsdp(offload_params=True, offload_optimizer=True)
+    h2d, d2h, cpu = speed.offload_traffic(par)
+    t = speed.train(par)
+    # GPUs 0-1 and 2-3 share a socket each: two ranks' optimizer steps stream through one socket's memory.
+    cpu_s = 2 * cpu / bw
+    pcie = min(g.pcie_gbs for g in topo.gpus.values()) * 1e9
+    assert cpu_s <= t.offload_s <= cpu_s + max(h2d, d2h) / pcie
+    # On one socket all four ranks share it: the CPU step alone takes twice as long.
+    one = dataclasses.replace(topo.machine, gpus=[dataclasses.replace(g, numa_node=0) for g in topo.machine.gpus])
+    topo1 = Topology(one, [0, 1, 2, 3])
+    t1 = SpeedModel(speed.m, speed.w, topo1, speed.mm).train(par)
+    assert t1.offload_s - t.offload_s == pytest.approx(2 * cpu / bw, rel=1e-6)
+
+
+def test_zero2_form_keeps_every_block_gathered_through_backward():
+    _, mm, speed = setup()
+    z3 = fsdp()
+    z2 = fsdp(zero_stage=2)
+    a, b = mm.train_stage(z3, 0, "ada"), mm.train_stage(z2, 0, "ada")
+    assert (a.weights, a.gradients, a.optimizer) == (b.weights, b.gradients, b.optimizer)
+    assert b.buffers >= 2 * UNIT * 2  # both blocks whole in bf16 at the end of forward
+    # One all-gather per micro-batch instead of two.
+    ta, tb = speed.train(z3), speed.train(z2)
+    fa, fb = ta.comm[0].bytes_per_step, tb.comm[0].bytes_per_step
+    gathered, reduced = P * 2, P * 2
+    assert fa == pytest.approx(4 * (2 * gathered + reduced), abs=8)
+    assert fb == pytest.approx(4 * (gathered + reduced), abs=8)
