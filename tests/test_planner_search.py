@@ -199,3 +199,20 @@ def test_subset_of_gpus_and_suggestion_to_use_all():
     first = r.suggestions[0]
     assert first.kind == "gpus" and "--gpus 0,1,2,3" in first.change
     assert first.plan.fits and first.plan.parallelism.world_size == 4
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"global_batch": 2**63}, "the batch (--batch) must be between 1 and 1,048,576"),
+        ({"seq_len": 10**9}, "the sequence length (--seq) must be between 1 and 2,097,152"),
+        ({"token_budget": 10**30}, "the token budget must be between 1 and"),
+    ],
+)
+def test_absurd_workloads_are_refused_at_once_in_one_line(change, words):
+    from engine.models import describe_model
+
+    # Before the bounds, a batch of 2^63 kept the search enumerating divisors until pytest's timeout.
+    with pytest.raises(UserError) as e:
+        search(describe_model("llama-2-7b"), load_profile("4x-rtx4090"), Workload(model="llama-2-7b", **change))
+    assert str(e.value).startswith(words) and "\n" not in str(e.value)

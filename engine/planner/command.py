@@ -220,5 +220,7 @@ def _memory_table(plan: Plan) -> list[str]:
     lines = ["  ".join(cell.rjust(widths[c]) for c, cell in enumerate(r)) for r in rows]
     host = plan.host
     avail = fmt_gib(host.available) if host.available else "unknown"
+    if host.available and plan.machine.startswith("simulated"):
+        avail = f"the simulated machine's {avail} (jobs' CPU ranks use this host's RAM)"
     lines.append(f"host RAM: {fmt_gib(host.needed)} needed of {avail}" + (f" ({fmt_gib(host.offloaded)} offloaded)" if host.offloaded else ""))
     return lines

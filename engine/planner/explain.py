@@ -101,6 +101,11 @@ def plan_summary(plan: Plan) -> str:
     return f"{plan.parallelism.describe()}: {t.tokens_per_s:,.0f} generated tokens/s"
 
 
+def host_ram_owner(simulated: bool) -> str:
+    """Whose RAM a plan's host figure is: a simulated profile's is not the RAM of the host its CPU ranks use."""
+    return "the simulated machine's " if simulated else ""
+
+
 def explain(
     result: SearchResult,
     cands: list[Candidate],
@@ -142,7 +147,8 @@ def explain(
         lines.append(_memory_line(best))
         if best.host.offloaded:
             lines.append(
-                f"Host RAM: {fmt_gib(best.host.needed)} needed of {fmt_gib(best.host.available or 0)}, "
+                f"Host RAM: {fmt_gib(best.host.needed)} needed of {host_ram_owner(topo.machine.simulated)}"
+                f"{fmt_gib(best.host.available or 0)}, "
                 f"{fmt_gib(best.host.offloaded)} of it offloaded state."
             )
     if best is not None and best.runs_here:

@@ -55,6 +55,10 @@ from engine.planner.result import FAMILY_ORDER, Candidate, Rejection, SearchResu
 from engine.planner.speed import SpeedModel
 
 EXPORT_TARGETS = ("torchrun", "accelerate", "deepspeed", "slurm")
+MAX_SEQ = 2**21  # 2M tokens
+MAX_BATCH = 2**20  # sequences per step
+MAX_TOKEN_BUDGET = 10**16
+MAX_LORA_RANK = 65536
 MAX_TP = 8
 
 
@@ -86,10 +90,19 @@ def validate_workload(w: Workload, spec: ModelSpec) -> None:
         raise UserError("--quant applies to inference; to train on 4-bit weights use --method qlora")
     if w.method == "qlora" and w.precision == "fp32":
         raise UserError("QLoRA computes in bf16 or fp16; use --dtype bf16")
-    if w.seq_len < 1:
-        raise UserError("the sequence length must be at least 1")
-    if w.global_batch < 1:
-        raise UserError("the batch must be at least 1")
+    # Finite bounds far past any real run: the search enumerates divisors of the batch, so an absurd
+    # value would make it explode (2^63 once kept a request spinning for half an hour).
+    for name, value, lo, hi in (
+        ("sequence length (--seq)", w.seq_len, 1, MAX_SEQ),
+        ("batch (--batch)", w.global_batch, 1, MAX_BATCH),
+        ("new tokens", w.new_tokens, 0, MAX_SEQ),
+    ):
+        if not lo <= value <= hi:
+            raise UserError(f"the {name} must be between {lo:,} and {hi:,}, not {value:,}")
+    if w.token_budget is not None and not 1 <= w.token_budget <= MAX_TOKEN_BUDGET:
+        raise UserError(f"the token budget must be between 1 and {MAX_TOKEN_BUDGET:.0e}, not {w.token_budget:,}")
+    if w.lora is not None and w.lora.rank > MAX_LORA_RANK:
+        raise UserError(f"the LoRA rank must be at most {MAX_LORA_RANK:,}, not {w.lora.rank:,}")
     ctx = spec.max_position_embeddings
     if ctx and w.seq_len > ctx:
         raise UserError(f"sequence length {w.seq_len} is longer than {spec.id or 'the model'}'s context of {ctx} tokens")
