@@ -184,7 +184,7 @@ def test_validation_errors():
     empty = Machine(source=Source.SIMULATED, host=Host(), gpus=[])
     with pytest.raises(UserError, match="has no GPUs"):
         search(LLAMA_7B, empty, train())
-    with pytest.raises(UserError, match="batch must be at least 1"):
+    with pytest.raises(UserError, match=r"the batch \(--batch\) must be between 1 and"):
         search(LLAMA_7B, machine, train(global_batch=0))
     with pytest.raises(UserError):
         search(LLAMA_7B, machine, train(precision="int3"))
