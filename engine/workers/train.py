@@ -37,6 +37,8 @@ from engine.workers.parallelize import (
     apply_activation_checkpointing,
     apply_data_parallel,
     apply_tensor_parallel,
+    offload_device,
+    offloaded_shards,
     precision_dtype,
     precision_plan,
     set_gradient_sync,
@@ -238,13 +240,22 @@ class Trainer:
         if not reshard and dims.dp_shard > 1:
             self.notes.append("FSDP2 keeps each block's parameters gathered from forward through backward (ZeRO-2)")
         skeleton = self.loaded.rank0_state is not None
-        if skeleton and not uses_fsdp(dims):
+        offload = self.spec.parallelism.cpu_offload
+        fsdp = uses_fsdp(dims, offload)
+        if skeleton and not fsdp:
             materialize(model, self.loaded, rt.device)  # DDP starts from the values it is given
-        self.wrapped = apply_data_parallel(model, rt, self.precision, reshard)
-        if skeleton and uses_fsdp(dims):
-            materialize(model, self.loaded, rt.device)  # each rank allocates and receives its shards only
+        self.wrapped = apply_data_parallel(model, rt, self.precision, reshard, cpu_offload=offload)
+        if skeleton and fsdp:
+            # Each rank allocates and receives its shards only; offloaded shards are allocated in host memory.
+            materialize(model, self.loaded, offload_device(rt, offload))
         if skeleton:
             self.notes.append("the weights were read once, by rank 0, and handed out to the other ranks")
+        if offload:
+            on_host, total = offloaded_shards(model)
+            self.notes.append(
+                f"CPU offload (FSDP2 CPUOffloadPolicy over {dims.dp} rank(s)): {on_host} of {total} parameter shards, "
+                "their gradients and the optimizer step in host memory"
+            )
         self.module.train()
         self.scaler = None
         if self.precision.compute == torch.float16 and self.precision.device_type == "cuda":
