@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from engine.errors import UserError
-from engine.workers.model_loading import transformer_blocks
+from engine.workers.model_loading import is_nf4, transformer_blocks
 from engine.workers.parallel_dims import Runtime
 from engine.workers.pipeline import ATTENTION_PROJECTIONS, MLP_PROJECTIONS, decoder_parts
 
@@ -261,6 +261,11 @@ def apply_data_parallel(
         from torch.nn.parallel import DistributedDataParallel
 
         device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
+        # QLoRA's NF4 base weights are frozen and identical on every rank (each quantised the same
+        # weights); DDP's start-up broadcast cannot send a tensor subclass, and need not.
+        frozen_nf4 = [n for n, p in model.named_parameters() if is_nf4(p)]
+        if frozen_nf4:
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, frozen_nf4)
         return DistributedDataParallel(model, device_ids=device_ids, process_group=mesh["dp_replicate"].get_group())
     return model
 

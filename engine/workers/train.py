@@ -80,8 +80,8 @@ def validate_settings(s: TrainSettings) -> None:
         raise UserError(f"train setting keep_checkpoints={s.keep_checkpoints}: must be 0 (keep all) or more")
     if s.learning_rate <= 0:
         raise UserError(f"train setting learning_rate={s.learning_rate}: must be positive")
-    if s.method not in {"full", "lora", "scratch"}:
-        raise UserError(f"train method {s.method!r}: use 'full', 'lora' or 'scratch'")
+    if s.method not in {"full", "lora", "qlora", "scratch"}:
+        raise UserError(f"train method {s.method!r}: use 'full', 'lora', 'qlora' or 'scratch'")
     if s.activation_checkpointing not in {"none", "selective", "full"}:
         raise UserError(f"activation_checkpointing {s.activation_checkpointing!r}: use 'none', 'selective' or 'full'")
     precision_dtype(s.precision)
@@ -172,6 +172,11 @@ class Trainer:
             self.spec, dtype=torch.float32, for_training=True, seed=s.seed, rank0_loads=rank0_loads
         )
         counts = count_params(self.loaded.model)
+        if self.loaded.nf4_linears:
+            self.notes.append(
+                f"QLoRA: the base weights of {self.loaded.nf4_linears} adapted linear layers are 4-bit NF4 "
+                "(torchao); each rank loaded and quantised its own copy"
+            )
         self.flops_per_token = 6.0 * counts["compute"]
         self.log(
             f"model {self.loaded.source.ref}: {counts['total'] / 1e6:.2f}M parameters, "
