@@ -34,7 +34,7 @@ from engine.errors import UserError
 
 ENV_OVERRIDE = "RIGPILOT_WORKER_PYTHON"  # use this interpreter for workers (tests, unusual set-ups)
 SHIPPED_WHEELS = Path("/opt/rigpilot/wheels")  # where the .deb puts its wheels
-WORKER_PACKAGES = ["transformers>=4.45", "peft>=0.12", "safetensors>=0.4", "accelerate>=0.30"]
+WORKER_PACKAGES = ["transformers>=4.45", "peft>=0.12", "safetensors>=0.4", "accelerate>=0.30", "torchao==0.18.0"]
 
 Progress = Callable[[str], None]
 

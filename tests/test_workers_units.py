@@ -408,7 +408,7 @@ def test_train_settings_are_checked_before_anything_loads() -> None:
     for bad, message in [
         ({"micro_batch": 0}, "micro_batch=0: must be at least 1"),
         ({"eval_fraction": 1.0}, r"eval_fraction=1.0: must be in \[0, 1\)"),
-        ({"method": "qlora"}, "train method 'qlora'"),
+        ({"method": "dora"}, "train method 'dora'"),
         ({"activation_checkpointing": "some"}, "activation_checkpointing 'some'"),
         ({"precision": "fp8"}, "precision 'fp8'"),
         ({"keep_checkpoints": -1}, "keep_checkpoints=-1: must be 0"),

@@ -55,6 +55,7 @@ class LoadedModel:
     # device until `materialize()`; rank 0 keeps the whole state here to hand out, the others {}.
     rank0_state: dict[str, torch.Tensor] | None = None
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # the skeleton's (real) buffers
+    nf4_linears: int = 0  # QLoRA: adapted linears whose frozen base weight is a 4-bit NF4 tensor
 
 
 def offline() -> bool:
@@ -178,18 +179,20 @@ def load_model(
     Host memory then holds one copy of the model instead of one per rank: on
     8 GPUs, a 70B model is 280 GB of fp32 instead of 2.2 TB.
     """
-    if rank0_loads:
-        return _load_on_rank0(spec, dtype=dtype, for_training=for_training, seed=seed)
     method = spec.train.method if (for_training and spec.train is not None) else "full"
-    if method not in {"full", "lora", "scratch"}:
-        raise UserError(f"train method {method!r}: use 'full', 'lora' or 'scratch'")
+    # QLoRA: every rank loads and quantises its own copy. A meta skeleton filled from rank 0 would
+    # need NF4 tensors sent through the state-dict broadcast, and the quantised copy is small anyway.
+    if rank0_loads and method != "qlora":
+        return _load_on_rank0(spec, dtype=dtype, for_training=for_training, seed=seed)
+    if method not in {"full", "lora", "qlora", "scratch"}:
+        raise UserError(f"train method {method!r}: use 'full', 'lora', 'qlora' or 'scratch'")
     source = resolve_source(spec.model)
     config = load_config(source, spec)
     objective = detect_objective(config)
     tokenizer = load_tokenizer(source, spec)
     cls = auto_class(objective)
     scratch = method == "scratch" or (source.kind == "config" and for_training)
-    if scratch and method == "lora":
+    if scratch and method in {"lora", "qlora"}:
         raise UserError(f"model {source.ref} has no weights: LoRA needs pretrained weights (use method 'scratch')")
     if not scratch and not source.has_weights:
         raise UserError(f"model {source.ref} has no weights (only config.json): train it with method 'scratch' first")
@@ -212,8 +215,10 @@ def load_model(
     loaded = LoadedModel(
         model, tokenizer, model.config, objective, source, new_modules=new_modules, saved_dtype=saved_dtype
     )
-    if method == "lora":
+    if method in {"lora", "qlora"}:
         apply_lora(loaded, spec)
+    if method == "qlora":
+        loaded.nf4_linears = quantize_lora_bases_nf4(loaded.model)
     return loaded
 
 
@@ -364,6 +369,58 @@ def apply_lora(loaded: LoadedModel, spec: JobSpec) -> None:
     except ValueError as e:
         raise UserError(f"LoRA targets {targets}: {str(e).splitlines()[0]}") from e
     loaded.lora = True
+
+
+# torchtune's QLoRA block sizes: 64 weights share an absmax scale, 256 scales share a second-level one.
+NF4_BLOCK_SIZE = 64
+NF4_SCALER_BLOCK_SIZE = 256
+
+
+def to_nf4(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` as torchao's NF4 tensor (4-bit NormalFloat, double-quantised scales, as in QLoRA).
+
+    A weight too small for 256 scale blocks per second-level block (tiny test models) uses the
+    largest power of two that fits instead.
+    """
+    import math
+
+    from torchao.quantization import to_nf4 as torchao_to_nf4
+
+    if weight.numel() % NF4_BLOCK_SIZE:
+        raise UserError(
+            f"QLoRA: a {tuple(weight.shape)} weight does not split into {NF4_BLOCK_SIZE}-value NF4 blocks; "
+            "adapt other layers (lora_targets) or use LoRA"
+        )
+    blocks = weight.numel() // NF4_BLOCK_SIZE
+    scaler_block = math.gcd(NF4_SCALER_BLOCK_SIZE, blocks)
+    return torchao_to_nf4(weight.detach(), NF4_BLOCK_SIZE, scaler_block)
+
+
+def quantize_lora_bases_nf4(model: nn.Module) -> int:
+    """Replace the frozen base weight of every LoRA-adapted linear by its NF4 form; returns how many.
+
+    torchao's NF4Tensor dequantises block by block inside F.linear (forward and
+    backward), so peft's LoRA layers run unchanged around it, and the adapter
+    stays in full precision. Embeddings, norms and heads keep their weights, as in QLoRA.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    count = 0
+    for module in model.modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        base = module.get_base_layer()
+        if type(base).__name__ != "Linear" or base.weight.dim() != 2:
+            raise UserError(f"QLoRA quantises nn.Linear weights only; {type(base).__name__} cannot be: use LoRA")
+        base.weight = nn.Parameter(to_nf4(base.weight), requires_grad=False)
+        count += 1
+    if count == 0:
+        raise UserError("QLoRA: no linear layer was adapted, so nothing was quantised")
+    return count
+
+
+def is_nf4(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "NF4Tensor"
 
 
 def count_params(model: nn.Module) -> dict[str, int]:

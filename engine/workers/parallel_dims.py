@@ -139,8 +139,11 @@ def init_runtime(spec: JobSpec) -> Runtime:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "1800")))
+        # CPU offload keeps gradients (DTensors) in host memory: their norm and the final gather are
+        # collectives on CPU tensors, which NCCL cannot run, so gloo serves the CPU side.
+        offload_on_gpu = spec.parallelism.cpu_offload and device.type == "cuda"
         dist.init_process_group(
-            backend=backend,
+            backend="cuda:nccl,cpu:gloo" if offload_on_gpu else backend,
             timeout=timeout,
             device_id=device if device.type == "cuda" else None,
         )

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from engine.errors import UserError
-from engine.workers.model_loading import transformer_blocks
+from engine.workers.model_loading import is_nf4, transformer_blocks
 from engine.workers.parallel_dims import Runtime
 from engine.workers.pipeline import ATTENTION_PROJECTIONS, MLP_PROJECTIONS, decoder_parts
 
@@ -192,13 +192,25 @@ def blocks(model: nn.Module) -> list[nn.Module]:
 # --- data parallel --------------------------------------------------------------------------------
 
 
-def uses_fsdp(dims: Any) -> bool:
-    """Whether apply_data_parallel wraps with FSDP2 (else DDP, or nothing)."""
-    return dims.dp_shard > 1 or (dims.dp_replicate > 1 and dims.non_dp > 1)
+def uses_fsdp(dims: Any, cpu_offload: bool = False) -> bool:
+    """Whether apply_data_parallel wraps with FSDP2 (else DDP, or nothing).
+
+    CPU offload is FSDP2's CPUOffloadPolicy, so it always means FSDP2, on one rank too.
+    """
+    return cpu_offload or dims.dp_shard > 1 or (dims.dp_replicate > 1 and dims.non_dp > 1)
+
+
+def offload_device(runtime: Runtime, cpu_offload: bool) -> torch.device:
+    """Where the sharded parameters live: host memory under CPU offload, else the rank's device."""
+    return torch.device("cpu") if cpu_offload else runtime.device
 
 
 def apply_data_parallel(
-    model: nn.Module, runtime: Runtime, precision: PrecisionPlan, reshard_after_forward: bool = True
+    model: nn.Module,
+    runtime: Runtime,
+    precision: PrecisionPlan,
+    reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
 ) -> nn.Module:
     """Wrap `model` for data parallelism over the dp dims of the mesh; returns the module to call.
 
@@ -209,30 +221,72 @@ def apply_data_parallel(
     of a pipeline step), so FSDP2 over a (replicate, shard=1) mesh does plain
     replication instead. `reshard_after_forward=False` keeps each block's
     parameters gathered until its backward: ZeRO-2 rather than ZeRO-3.
+
+    `cpu_offload`: FSDP2 with CPUOffloadPolicy whatever the layout, so the
+    sharded parameters, their gradients and the optimizer step stay in host
+    RAM and only the block being computed is copied to the GPU. A purely
+    replicated layout is sharded over its replicate dim instead (offload is
+    asked for to save memory, and sharding saves more; the math is the same),
+    a single rank shards over a mesh of one. Host memory is pinned on CUDA
+    only (pinning needs a CUDA context; on the CPU the copies are no-ops).
     """
     dims, mesh = runtime.dims, runtime.mesh
-    if uses_fsdp(dims):
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    if uses_fsdp(dims, cpu_offload):
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-        dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+        if cpu_offload and dims.dp_shard == 1 and dims.dp_replicate > 1 and dims.non_dp == 1:
+            dp_mesh = mesh["dp_replicate"]
+        elif dims.dp_replicate > 1:
+            dp_mesh = mesh["dp_replicate", "dp_shard"]
+        else:
+            dp_mesh = mesh["dp_shard"]
         mp = MixedPrecisionPolicy()
         if precision.fsdp_params:
             mp = MixedPrecisionPolicy(param_dtype=precision.compute, reduce_dtype=torch.float32)
+        offload: OffloadPolicy = OffloadPolicy()
+        if cpu_offload:
+            offload = CPUOffloadPolicy(pin_memory=runtime.device.type == "cuda")
         block_list = blocks(model)
         for i, block in enumerate(block_list):
             # The last block is needed again right at the start of backward: keep it gathered. Under
             # pipeline parallelism every micro-batch's backward needs them all again: keep all gathered.
             reshard = dims.pp == 1 and i < len(block_list) - 1 and reshard_after_forward
-            fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
-        fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+            fully_shard(block, mesh=dp_mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
+        fully_shard(
+            model, mesh=dp_mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard_after_forward
+        )
         return model
     model.to(runtime.device)
     if dims.dp_replicate > 1:
         from torch.nn.parallel import DistributedDataParallel
 
         device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
+        # QLoRA's NF4 base weights are frozen and identical on every rank (each quantised the same
+        # weights); DDP's start-up broadcast cannot send a tensor subclass, and need not.
+        frozen_nf4 = [n for n, p in model.named_parameters() if is_nf4(p)]
+        if frozen_nf4:
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, frozen_nf4)
         return DistributedDataParallel(model, device_ids=device_ids, process_group=mesh["dp_replicate"].get_group())
     return model
+
+
+def offloaded_shards(model: nn.Module) -> tuple[int, int]:
+    """(parameters FSDP2 manages under a CPUOffloadPolicy with their shard in host memory, all parameters).
+
+    Read from FSDP2's own per-module state (a private attribute, hence the guard), so it tells an
+    offloaded CPU run from a plain one, whose shards are on the CPU as well.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+
+    on_host = 0
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+        if group is None or not isinstance(getattr(group, "offload_policy", None), CPUOffloadPolicy):
+            continue
+        on_host += sum(1 for fp in group.fsdp_params if fp.sharded_param.to_local().device.type == "cpu")
+    return on_host, sum(1 for _ in model.parameters())
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> Any:

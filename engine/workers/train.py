@@ -37,6 +37,8 @@ from engine.workers.parallelize import (
     apply_activation_checkpointing,
     apply_data_parallel,
     apply_tensor_parallel,
+    offload_device,
+    offloaded_shards,
     precision_dtype,
     precision_plan,
     set_gradient_sync,
@@ -78,8 +80,8 @@ def validate_settings(s: TrainSettings) -> None:
         raise UserError(f"train setting keep_checkpoints={s.keep_checkpoints}: must be 0 (keep all) or more")
     if s.learning_rate <= 0:
         raise UserError(f"train setting learning_rate={s.learning_rate}: must be positive")
-    if s.method not in {"full", "lora", "scratch"}:
-        raise UserError(f"train method {s.method!r}: use 'full', 'lora' or 'scratch'")
+    if s.method not in {"full", "lora", "qlora", "scratch"}:
+        raise UserError(f"train method {s.method!r}: use 'full', 'lora', 'qlora' or 'scratch'")
     if s.activation_checkpointing not in {"none", "selective", "full"}:
         raise UserError(f"activation_checkpointing {s.activation_checkpointing!r}: use 'none', 'selective' or 'full'")
     precision_dtype(s.precision)
@@ -170,6 +172,11 @@ class Trainer:
             self.spec, dtype=torch.float32, for_training=True, seed=s.seed, rank0_loads=rank0_loads
         )
         counts = count_params(self.loaded.model)
+        if self.loaded.nf4_linears:
+            self.notes.append(
+                f"QLoRA: the base weights of {self.loaded.nf4_linears} adapted linear layers are 4-bit NF4 "
+                "(torchao); each rank loaded and quantised its own copy"
+            )
         self.flops_per_token = 6.0 * counts["compute"]
         self.log(
             f"model {self.loaded.source.ref}: {counts['total'] / 1e6:.2f}M parameters, "
@@ -238,13 +245,22 @@ class Trainer:
         if not reshard and dims.dp_shard > 1:
             self.notes.append("FSDP2 keeps each block's parameters gathered from forward through backward (ZeRO-2)")
         skeleton = self.loaded.rank0_state is not None
-        if skeleton and not uses_fsdp(dims):
+        offload = self.spec.parallelism.cpu_offload
+        fsdp = uses_fsdp(dims, offload)
+        if skeleton and not fsdp:
             materialize(model, self.loaded, rt.device)  # DDP starts from the values it is given
-        self.wrapped = apply_data_parallel(model, rt, self.precision, reshard)
-        if skeleton and uses_fsdp(dims):
-            materialize(model, self.loaded, rt.device)  # each rank allocates and receives its shards only
+        self.wrapped = apply_data_parallel(model, rt, self.precision, reshard, cpu_offload=offload)
+        if skeleton and fsdp:
+            # Each rank allocates and receives its shards only; offloaded shards are allocated in host memory.
+            materialize(model, self.loaded, offload_device(rt, offload))
         if skeleton:
             self.notes.append("the weights were read once, by rank 0, and handed out to the other ranks")
+        if offload:
+            on_host, total = offloaded_shards(model)
+            self.notes.append(
+                f"CPU offload (FSDP2 CPUOffloadPolicy over {dims.dp} rank(s)): {on_host} of {total} parameter shards, "
+                "their gradients and the optimizer step in host memory"
+            )
         self.module.train()
         self.scaler = None
         if self.precision.compute == torch.float16 and self.precision.device_type == "cuda":
