@@ -134,8 +134,8 @@ class EngineClient:
 
     def request(self, rtype: str, **args: Any) -> Any:
         """Send one request and return its result; raise EngineError on an error reply."""
-        if self._sock is None:
-            self.connect()
+        if self._sock is None or self._hung_up():
+            self.connect()  # safe for any request: this one was not sent yet
         try:
             return self._call(rtype, args)
         except (ConnectionError, BrokenPipeError, EOFError):
@@ -190,6 +190,19 @@ class EngineClient:
             ev = self.next_event(None)
             if ev is not None:
                 yield ev
+
+    def _hung_up(self) -> bool:
+        """Whether the service closed this connection while it sat idle (a TCP idle timeout, a restart)."""
+        assert self._sock is not None
+        try:
+            while select.select([self._sock], [], [], 0)[0]:
+                chunk = self._sock.recv(1 << 16)
+                if not chunk:
+                    return True
+                self._buf += chunk  # events that arrived meanwhile; read in order later
+        except OSError:
+            return True
+        return False
 
     # -- framing --------------------------------------------------------------
 

@@ -596,7 +596,7 @@ class EngineService:
         assert self.planners is not None
         budget = min(deadline_s or self.options.plan_deadline_s, self.options.plan_deadline_s)
         args = {"model": model, "workload": workload, "gpus": gpus, "options": options, "trust_remote_code": trust_remote_code}
-        return self.planners.plan(args, time.monotonic() + budget, conn.client_gone)
+        return {"result": self.planners.plan(args, time.monotonic() + budget, conn.client_gone)}
 
     def _do_submit(
         self, conn: Connection, spec: dict[str, Any], plan: dict[str, Any] | None = None, cwd: str | None = None
