@@ -216,7 +216,9 @@ REQUEST_SCHEMAS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "hello": ({}, {"versions": Annotated[list[int], Limit(max_len=64)], "client": Text, "token": Text}),
     "machine": ({}, {}),
     "topology": ({}, {}),
-    "telemetry_history": ({}, {"since": Number | None, "limit": Annotated[int, Limit(1, 100_000)]}),
+    "telemetry_history": (
+        {}, {"since": Annotated[Number, Limit(-1e12, 1e12)] | None, "limit": Annotated[int, Limit(1, 100_000)]}
+    ),  # since: a Unix time
     "plan": (
         {"model": Path_},
         {

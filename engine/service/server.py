@@ -28,6 +28,7 @@ next service re-adopts them.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import hmac
 import logging
@@ -254,6 +255,8 @@ class EngineService:
         self._refused = 0  # connections refused since the last log line about it
         self._refused_logged = 0.0
         self.planners: PlannerPool | None = None
+        self._ended_since_trim = 0  # connections ended since memory was last handed back
+        self._trimmed = 0.0
 
     # -- lifetime -------------------------------------------------------------
 
@@ -440,9 +443,13 @@ class EngineService:
         """Close connections that never logged in, idle ones, and ones whose client stopped reading."""
         while not self._stop.wait(_REAP_PERIOD_S):
             try:
-                self._reap(time.monotonic())
+                now = time.monotonic()
+                self._reap(now)
                 if self.planners is not None:
                     self.planners.trim()
+                if self._ended_since_trim and now - self._trimmed > 5:
+                    self._ended_since_trim, self._trimmed = 0, now
+                    _LIBC.release_memory()
             except Exception:
                 log.exception("the connection reaper failed")
 
@@ -501,6 +508,7 @@ class EngineService:
             rfile.close()
             with self._conn_lock:
                 self._connections.discard(conn)
+                self._ended_since_trim += 1
             conn.close()
 
     def _answer(self, conn: Connection, rid: Any, msg: dict[str, Any]) -> bool:
@@ -583,6 +591,7 @@ class EngineService:
         return {"matrix": {"gpus": gpus, "cells": cells}, "summary": summarize(m).to_dict(), "description": describe(m)}
 
     def _do_telemetry_history(self, conn: Connection, since: float | None = None, limit: int = 3600) -> Any:
+        since = None if since is None else float(since)  # SQLite takes any float, not any int
         samples, more = self.telemetry.since(
             since, limit=max(1, min(limit, 100_000)), max_bytes=protocol.REPLY_BUDGET_BYTES
         )
@@ -752,6 +761,30 @@ def _same_user(sock: socket.socket) -> bool:
     return uid in (os.getuid(), 0)
 
 
+class _Libc:
+    """glibc's allocator knobs, where there is glibc: big frames must not leave the heap big."""
+
+    def __init__(self) -> None:
+        try:
+            self._libc: Any = ctypes.CDLL("libc.so.6")
+            self._libc.malloc_trim  # noqa: B018  (present: glibc)
+        except (OSError, AttributeError):
+            self._libc = None
+
+    def limit_arenas(self, n: int) -> None:
+        # Each thread may otherwise get its own arena (up to 8 per core), each keeping the high-water
+        # mark of what its client sent; two arenas serve the service's handful of busy threads.
+        if self._libc is not None:
+            self._libc.mallopt(-8, n)  # M_ARENA_MAX
+
+    def release_memory(self) -> None:
+        if self._libc is not None:
+            self._libc.malloc_trim(0)
+
+
+_LIBC = _Libc()
+
+
 def _log_location() -> str:
     """Where this process's log lines go, for "logged in …": the file behind stderr, else the service log."""
     try:
@@ -773,6 +806,7 @@ def _setting_max_cpu_ranks() -> int:
 def run_service(options: ServiceOptions | None = None, *, quiet_if_running: bool = False) -> int:
     """Run the service in the foreground until SIGTERM/SIGINT or a `shutdown` request."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _LIBC.limit_arenas(2)
     service = EngineService(options)
     try:
         service.setup()
