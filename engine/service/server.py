@@ -81,7 +81,8 @@ class ServiceOptions:
     failure_grace_s: float = 5.0
     max_cpu_ranks: int | None = None  # None: the setting, else 4
     max_connections: int = 256  # per listener (each connection is two threads)
-    max_connections_per_host: int = 32  # per remote address, on TCP
+    max_connections_per_host: int = 64  # per remote address, on TCP
+    max_logins_per_host: int = 16  # of those, not yet logged in: an idle flood leaves room for real clients
     login_timeout_s: float = 10.0  # TCP: from connect to a hello with the token
     idle_timeout_s: float = 900.0  # TCP: no request and no subscription for this long
     send_stall_s: float = 60.0  # a write blocked this long means the client stopped reading
@@ -401,11 +402,14 @@ class EngineService:
         peer = "unix" if is_unix else f"{addr[0]}:{addr[1]}"
         with self._conn_lock:
             on_listener = sum(1 for c in self._connections if c.listener == listener)
-            from_host = sum(1 for c in self._connections if host and c.host == host)
+            from_host = [c for c in self._connections if host and c.host == host]
+            logging_in = sum(1 for c in from_host if not c.authenticated)
             if on_listener >= self.options.max_connections:
                 why = f"the engine already serves {on_listener} connections, its limit; close some and try again"
-            elif host and from_host >= self.options.max_connections_per_host:
-                why = f"{host} already has {from_host} connections to the engine, the limit per host"
+            elif host and len(from_host) >= self.options.max_connections_per_host:
+                why = f"{host} already has {len(from_host)} connections to the engine, the limit per host"
+            elif host and logging_in >= self.options.max_logins_per_host:
+                why = f"{host} already has {logging_in} connections waiting to log in, the limit per host"
             else:
                 why = None
         if why is not None:
