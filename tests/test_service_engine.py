@@ -243,6 +243,141 @@ def test_socket_is_private_and_bad_messages_get_error_replies(engine):
     assert stat.S_IMODE(paths.token_path().stat().st_mode) == 0o600
 
 
+def planner_processes(engine: Engine) -> list[psutil.Process]:
+    return [c for c in psutil.Process(engine.proc.pid).children() if "engine.service.planworker" in c.cmdline()]
+
+
+def engine_log_tracebacks(engine: Engine) -> int:
+    return (engine.tmp / "engine.log").read_text(errors="replace").count("Traceback")
+
+
+def test_a_plan_past_its_deadline_answers_timeout_and_an_abandoned_one_stops(engine):
+    engine.start()
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(str(paths.socket_path()))
+    s.settimeout(30)
+    # The first plan starts a planner process (imports alone take longer than 0.1 s): past its deadline.
+    r = raw_exchange(s, protocol.encode(protocol.request(1, "plan", model="llama-2-7b", deadline_s=0.1)))
+    assert (r["id"], r["error"]["code"]) == (1, protocol.TIMEOUT)
+    assert planner_processes(engine) == []  # killed, not left searching
+    # 2^63 sequences made the search spin for 25+ minutes; now it ends by its deadline (or is refused).
+    t0 = time.monotonic()
+    r = raw_exchange(s, protocol.encode(protocol.request(
+        2, "plan", model="llama-2-7b", workload={"global_batch": 2**63}, deadline_s=3
+    )))  # fmt: skip
+    assert r["error"]["code"] in (protocol.TIMEOUT, protocol.INVALID, protocol.USER_ERROR)
+    assert time.monotonic() - t0 < 10
+    r = raw_exchange(s, protocol.encode(protocol.request(3, "plan", model="qwen2.5-0.5b", workload={"global_batch": 8})))
+    assert r["ok"] and r["result"]["result"]["best"] is not None  # the service and its planner are fine
+    # A client that leaves takes its search with it.
+    s.sendall(protocol.encode(protocol.request(4, "plan", model="llama-2-7b", workload={"global_batch": 2**63})))
+    time.sleep(0.5)
+    s.close()
+
+    def planners_idle():
+        try:
+            procs = planner_processes(engine)
+            before = [p.cpu_times().user + p.cpu_times().system for p in procs]
+            time.sleep(1.0)
+            return all(p.cpu_times().user + p.cpu_times().system - b < 0.3 for p, b in zip(procs, before, strict=True))
+        except psutil.NoSuchProcess:
+            return False  # one was being killed: look again
+
+    wait_for(planners_idle, 15, what="the abandoned search to stop")
+    assert engine_log_tracebacks(engine) == 0
+
+
+def test_malformed_frames_and_extreme_values_get_one_line_replies(engine):
+    engine.start()
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(str(paths.socket_path()))
+    s.settimeout(30)
+    for frame in (b"[" * 5000 + b"]" * 5000, b'{"a": ' + b"[" * 999 + b"]" * 999 + b"}",
+                  b'{"v": 1, "id": "\\ud800", "type": "jobs"}', b'{"v": 1, "id": 1, "type": "jobs", "args": "\\udfff"}'):  # fmt: skip
+        r = raw_exchange(s, frame + b"\n")
+        assert r["error"]["code"] == protocol.BAD_MESSAGE, r
+    paired = raw_exchange(s, b'{"v": 1, "id": "\\ud83d\\ude00", "type": "jobs"}\n')  # a real emoji, escaped
+    assert paired["ok"] and paired["id"] == "\U0001f600"
+    cases = [
+        ("jobs", {"limit": 10**30}, "jobs.limit"),
+        ("jobs", {"limit": -1}, "jobs.limit"),
+        ("metrics", {"job": "x", "since_cursor": {"0": -1}}, "metrics.since_cursor"),
+        ("subscribe", {"topics": ["jobs"], "metrics_cursors": {"x": {"0": -5}}}, "subscribe.metrics_cursors"),
+        ("logs", {"job": "x", "since_offset": 10**30}, "logs.since_offset"),
+        ("logs", {"job": "x", "max_bytes": 2**63}, "logs.max_bytes"),
+        ("plan", {"model": "m" * 100_000}, "plan.model"),
+        ("job", {"job": "j" * 100_000}, "job.job"),
+        ("telemetry_history", {"limit": 2**64}, "telemetry_history.limit"),
+    ]
+    for i, (rtype, args, field) in enumerate(cases):
+        r = raw_exchange(s, protocol.encode(protocol.request(i, rtype, **args)))
+        assert (r["id"], r["error"]["code"]) == (i, protocol.INVALID), r
+        message = r["error"]["message"]
+        assert message.startswith(field) and "\n" not in message and len(message) < 200, message
+    # A path the file system refuses (a component over NAME_MAX) is the user's error, not an OSError.
+    r = raw_exchange(s, protocol.encode(protocol.request(99, "plan", model="/tmp/" + "m" * 300)))
+    assert r["error"]["code"] == protocol.USER_ERROR and "File name too long" in r["error"]["message"]
+    assert raw_exchange(s, protocol.encode(protocol.request(100, "hello")))["ok"]  # the same connection goes on
+    s.close()
+    assert engine_log_tracebacks(engine) == 0
+
+
+def test_connections_are_capped_tcp_logins_time_out_and_a_client_that_does_not_read_is_held(engine):
+    engine.start("--tcp", "127.0.0.1:0")
+    with engine.client() as c:
+        host, port = c.request("hello")["tcp"]
+    proc = psutil.Process(engine.proc.pid)
+    # Over the cap: a `busy` line, then the connection is closed; those within it are all served.
+    socks = []
+    for _ in range(256):
+        socks.append(socket.socket(socket.AF_UNIX))
+        socks[-1].connect(str(paths.socket_path()))
+    extra = socket.socket(socket.AF_UNIX)
+    extra.connect(str(paths.socket_path()))
+    extra.settimeout(10)
+    refusal = json.loads(extra.makefile("rb").readline())
+    assert refusal["error"]["code"] == protocol.BUSY and "limit" in refusal["error"]["message"]
+    assert proc.num_threads() < 2 * 256 + 40
+    for s in socks[:5]:
+        s.settimeout(10)
+        assert raw_exchange(s, protocol.encode(protocol.request(1, "hello")))["ok"]
+    for s in socks:
+        s.close()
+    extra.close()
+    wait_for(lambda: proc.num_threads() < 40, 10, what="the closed connections' threads to end")
+
+    # TCP without a login is closed after the login timeout (10 s), saying why and naming no path.
+    t = socket.create_connection((host, port), timeout=20)
+    t0 = time.monotonic()
+    line = t.makefile("rb").readline()
+    assert 9 < time.monotonic() - t0 < 14
+    assert json.loads(line)["error"]["code"] == protocol.UNAUTHORIZED and b"/" not in line
+    assert t.recv(10) == b""
+    t.close()
+
+    # Pipelining without reading: the service stops reading this client instead of queueing without end.
+    rss = proc.memory_info().rss
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(str(paths.socket_path()))
+    s.setblocking(False)
+    sent, frame = 0, protocol.encode(protocol.request(7, "topology"))
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            s.send(frame)
+            sent += 1
+        except BlockingIOError:
+            time.sleep(0.05)
+    assert sent < 20_000, "the service kept reading requests whose replies were not read"
+    assert proc.memory_info().rss - rss < 32 * 2**20
+    s.setblocking(True)
+    s.settimeout(10)
+    f = s.makefile("rb")
+    assert all(json.loads(f.readline())["ok"] for _ in range(sent))  # every request is answered once read
+    s.close()
+    assert engine_log_tracebacks(engine) == 0
+
+
 def test_clients_start_the_service_and_replace_a_stale_socket(engine):
     stale = paths.socket_path()
     s = socket.socket(socket.AF_UNIX)

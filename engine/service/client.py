@@ -134,8 +134,8 @@ class EngineClient:
 
     def request(self, rtype: str, **args: Any) -> Any:
         """Send one request and return its result; raise EngineError on an error reply."""
-        if self._sock is None:
-            self.connect()
+        if self._sock is None or self._hung_up():
+            self.connect()  # safe for any request: this one was not sent yet
         try:
             return self._call(rtype, args)
         except (ConnectionError, BrokenPipeError, EOFError):
@@ -158,7 +158,16 @@ class EngineClient:
     def _call(self, rtype: str, args: dict[str, Any]) -> Any:
         assert self._sock is not None
         rid = next(self._ids)
-        self._sock.sendall(protocol.encode(protocol.request(rid, rtype, **args)))
+        try:
+            self._sock.sendall(protocol.encode(protocol.request(rid, rtype, **args)))
+        except OSError:
+            # Refused (`busy`) or timed out: the service said why before it hung up; show that line.
+            with contextlib.suppress(OSError, ValueError, protocol.ProtocolError):
+                said = self._read(0.5)
+                if said and not said.get("ok", True):
+                    err = said.get("error") or {}
+                    raise EngineError(err.get("code", protocol.INTERNAL), err.get("message", "refused")) from None
+            raise
         deadline = time.monotonic() + self.timeout
         while True:
             msg = self._read(deadline - time.monotonic())
@@ -191,6 +200,19 @@ class EngineClient:
             if ev is not None:
                 yield ev
 
+    def _hung_up(self) -> bool:
+        """Whether the service closed this connection while it sat idle (a TCP idle timeout, a restart)."""
+        assert self._sock is not None
+        try:
+            while _readable(self._sock, 0):
+                chunk = self._sock.recv(1 << 16)
+                if not chunk:
+                    return True
+                self._buf += chunk  # events that arrived meanwhile; read in order later
+        except OSError:
+            return True
+        return False
+
     # -- framing --------------------------------------------------------------
 
     def _read(self, timeout: float | None) -> dict[str, Any] | None:
@@ -206,13 +228,19 @@ class EngineClient:
             if len(self._buf) > protocol.MAX_MESSAGE_BYTES:
                 raise ConnectionError("the engine service sent an oversized message")
             wait = None if deadline is None else max(deadline - time.monotonic(), 0)
-            ready, _, _ = select.select([self._sock], [], [], wait)
-            if not ready:
+            if not _readable(self._sock, wait):
                 return None
             chunk = self._sock.recv(1 << 16)
             if not chunk:
                 raise ConnectionError("the engine service closed the connection")
             self._buf += chunk
+
+
+def _readable(sock: socket.socket, timeout: float | None) -> bool:
+    # poll, not select: a process with over 1024 open files (a GUI, a test) has descriptors select cannot take.
+    p = select.poll()
+    p.register(sock, select.POLLIN)
+    return bool(p.poll(None if timeout is None else timeout * 1000))
 
 
 def _connect_unix(path: Path) -> socket.socket:

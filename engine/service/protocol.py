@@ -12,9 +12,14 @@ trusted to send code.
 `id` is the client's, echoed back (null when the request could not be read).
 Each request type's `args` are checked against `REQUEST_SCHEMAS` before the
 service acts on them; unknown arguments are refused so a typo is not ignored.
-A message that cannot be read gets an error reply and the connection goes on,
+Numbers, strings and lists carry ranges (`Limit`), so a value SQLite, `seek`
+or the file system cannot take is refused here in one line. A message that
+cannot be read (not UTF-8, not JSON, nested deeper than `MAX_DEPTH`, a lone
+UTF-16 surrogate) gets a `bad_message` reply and the connection goes on,
 except an oversized one, after which the service hangs up. Remote (TCP)
-clients must send `hello` with the token first.
+clients must send `hello` with the token first, within the login timeout.
+Every request has a deadline: one that passes it (a `plan` search) is stopped
+and answered `timeout`; a client may ask for a shorter one with `deadline_s`.
 
 Requests and their results (a "job" is the record the `jobs` CLI shows, plus
 `progress`, `job_dir`, `waiting_for` when queued, `comparison` in details):
@@ -22,7 +27,7 @@ Requests and their results (a "job" is the record the `jobs` CLI shows, plus
     machine {}                              → {machine (Machine JSON), notes}
     topology {}                             → {matrix: {gpus, cells}, summary, description}
     telemetry_history {since?, limit?}      → {samples: [TelemetrySample], more, next_since}
-    plan {model, workload?, gpus?, options?, trust_remote_code?} → {result: the planner's SearchResult}
+    plan {model, workload?, gpus?, options?, trust_remote_code?, deadline_s?} → {result: the planner's SearchResult}
     submit {spec: JobSpec fields, plan?, cwd?} → {job}
     check {spec, plan?, cwd?} → {ok: true, lines: [what would run, in words], would_run: {ranks, gpus,
           parallelism, method, precision, micro_batch, grad_accum, seq_len, notes, host_ram, ...}}; creates
@@ -45,9 +50,10 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import types
 from dataclasses import dataclass, fields, is_dataclass
-from typing import IO, Any, Literal, Union, get_args, get_origin, get_type_hints
+from typing import IO, Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
 
 PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
@@ -55,6 +61,8 @@ MAX_MESSAGE_BYTES = 1 << 20
 # Paged replies (metrics, logs, telemetry history) stop adding items at this size,
 # leaving room for the envelope so a reply never exceeds MAX_MESSAGE_BYTES.
 REPLY_BUDGET_BYTES = 768 * 1024
+# Deeper nesting than any request needs; json and the checks below recurse, so it is refused before parsing.
+MAX_DEPTH = 32
 
 # Error codes. A client shows `message`; `code` is for deciding what to do.
 BAD_MESSAGE = "bad_message"  # not UTF-8, not JSON, not an object
@@ -66,7 +74,9 @@ USER_ERROR = "user_error"  # the request is well formed but asks for something i
 NOT_FOUND = "not_found"
 UNAUTHORIZED = "unauthorized"
 UNAVAILABLE = "unavailable"  # e.g. the planner is not installed
-INTERNAL = "internal"
+TIMEOUT = "timeout"  # the request ran past its deadline and was stopped
+BUSY = "busy"  # too many connections (or planner runs) at once; try again later
+INTERNAL = "internal"  # a bug in Rigpilot: the message says where the traceback was logged
 
 
 class ProtocolError(Exception):
@@ -83,7 +93,12 @@ class ProtocolError(Exception):
 
 
 def encode(message: dict[str, Any]) -> bytes:
-    data = json.dumps(message, separators=(",", ":"), allow_nan=False, ensure_ascii=False).encode() + b"\n"
+    text = json.dumps(message, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
+    try:
+        data = text.encode() + b"\n"
+    except UnicodeEncodeError:
+        # A lone surrogate (e.g. from a file name): \uXXXX escapes keep the line valid UTF-8.
+        data = json.dumps(message, separators=(",", ":"), allow_nan=False).encode() + b"\n"
     if len(data) > MAX_MESSAGE_BYTES:
         raise ProtocolError(TOO_LARGE, f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
     return data
@@ -93,17 +108,41 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def nesting_depth(line: bytes) -> int:
+    """How deeply the JSON text nests arrays and objects (brackets inside strings do not count)."""
+    if line.count(b"[") + line.count(b"{") <= MAX_DEPTH:
+        return 0  # cannot be too deep: skip the scan for ordinary messages
+    depth = deepest = 0
+    for b in _STRING.sub(b"", line).translate(None, _NOT_BRACKETS):
+        depth += 1 if b in b"[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
 def decode(line: bytes) -> dict[str, Any]:
     try:
         text = line.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ProtocolError(BAD_MESSAGE, f"message is not UTF-8 ({e.reason} at byte {e.start})") from None
+    if nesting_depth(line) > MAX_DEPTH:
+        raise ProtocolError(BAD_MESSAGE, f"message nests deeper than {MAX_DEPTH} levels")
     try:
         msg = json.loads(text, parse_constant=_reject_constant)
-    except ValueError as e:
-        raise ProtocolError(BAD_MESSAGE, f"message is not valid JSON: {e}") from None
+    except (ValueError, RecursionError) as e:
+        raise ProtocolError(BAD_MESSAGE, f"message is not valid JSON: {str(e)[:200]}") from None
     if not isinstance(msg, dict):
         raise ProtocolError(BAD_MESSAGE, f"message must be a JSON object, not {type(msg).__name__}")
+    if _SURROGATE_ESCAPE.search(line):
+        try:
+            json.dumps(msg, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            # Valid JSON but no valid text: it could reach no file name, database or reply intact.
+            raise ProtocolError(BAD_MESSAGE, "message has a lone UTF-16 surrogate (\\ud800–\\udfff) in a string") from None
     return msg
 
 
@@ -132,28 +171,81 @@ class Request:
 
 Number = float  # ints are accepted wherever a float is expected
 
+
+@dataclass(frozen=True)
+class Limit:
+    """The allowed range of a number, or the longest string, list or object, for `Annotated[...]`."""
+
+    lo: float | None = None
+    hi: float | None = None
+    max_len: int | None = None
+
+    def problem(self, value: Any) -> str | None:
+        if self.max_len is not None and isinstance(value, str | list | dict) and len(value) > self.max_len:
+            unit = "characters" if isinstance(value, str) else "items"
+            return f"of at most {self.max_len} {unit}, got {len(value)}"
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            if (self.lo is not None and value < self.lo) or (self.hi is not None and value > self.hi):
+                return f"{_range_words(self.lo, self.hi)}, got {_short_number(value)}"
+        return None
+
+
+def _range_words(lo: float | None, hi: float | None) -> str:
+    if lo is not None and hi is not None:
+        return f"from {_short_number(lo)} to {_short_number(hi)}"
+    return f"at least {_short_number(lo)}" if lo is not None else f"at most {_short_number(hi)}"
+
+
+def _short_number(x: float) -> str:
+    text = repr(x)
+    return text if len(text) <= 20 else f"a {len(text.lstrip('-'))}-digit number"
+
+
+MAX_PATH = 4096  # PATH_MAX on Linux: no longer path can name a file
+MAX_BYTES = 1 << 31
+MAX_OFFSET = 1 << 62  # within SQLite's INTEGER and lseek's off_t
+Path_ = Annotated[str, Limit(max_len=MAX_PATH)]
+Text = Annotated[str, Limit(max_len=1024)]  # job references, topics, client names
+Bytes = Annotated[int, Limit(1, MAX_BYTES)]
+Offset = Annotated[int, Limit(0, MAX_OFFSET)]
+Cursor = Annotated[dict[str, Offset], Limit(max_len=4096)]  # {"<rank>": byte offset}
+Topics = Annotated[list[Text], Limit(max_len=1024)]
+
 # type -> (required args, optional args). Types use the same notation as dataclass fields.
 REQUEST_SCHEMAS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
-    "hello": ({}, {"versions": list[int], "client": str, "token": str}),
+    "hello": ({}, {"versions": Annotated[list[int], Limit(max_len=64)], "client": Text, "token": Text}),
     "machine": ({}, {}),
     "topology": ({}, {}),
-    "telemetry_history": ({}, {"since": Number | None, "limit": int}),
+    "telemetry_history": (
+        {}, {"since": Annotated[Number, Limit(-1e12, 1e12)] | None, "limit": Annotated[int, Limit(1, 100_000)]}
+    ),  # since: a Unix time
     "plan": (
-        {"model": str},
-        {"workload": dict[str, Any], "gpus": list[int] | None, "options": dict[str, Any], "trust_remote_code": bool},
+        {"model": Path_},
+        {
+            "workload": dict[str, Any], "options": dict[str, Any], "trust_remote_code": bool,
+            "gpus": Annotated[list[Annotated[int, Limit(0, 4095)]], Limit(max_len=4096)] | None,
+            "deadline_s": Annotated[float, Limit(0.1, 3600)],
+        },
     ),
-    "submit": ({"spec": dict[str, Any]}, {"plan": dict[str, Any] | None, "cwd": str | None}),
+    "submit": ({"spec": dict[str, Any]}, {"plan": dict[str, Any] | None, "cwd": Path_ | None}),
     # The whole submission path without creating anything: what would run, or the one-line refusal.
-    "check": ({"spec": dict[str, Any]}, {"plan": dict[str, Any] | None, "cwd": str | None}),
-    "jobs": ({}, {"states": list[str], "limit": int}),
-    "job": ({"job": str}, {}),
-    "cancel": ({"job": str}, {}),
-    "resume": ({"job": str}, {}),
-    "delete": ({"job": str}, {}),
-    "logs": ({"job": str}, {"rank": int | None, "since_offset": int, "max_bytes": int}),
-    "metrics": ({"job": str}, {"since_cursor": dict[str, int] | None, "max_bytes": int}),
-    "subscribe": ({"topics": list[str]}, {"metrics_cursors": dict[str, dict[str, int]]}),
-    "unsubscribe": ({}, {"topics": list[str]}),
+    "check": ({"spec": dict[str, Any]}, {"plan": dict[str, Any] | None, "cwd": Path_ | None}),
+    "jobs": ({}, {"states": Annotated[list[Text], Limit(max_len=64)], "limit": Annotated[int, Limit(1, 100_000)]}),
+    "job": ({"job": Text}, {}),
+    "cancel": ({"job": Text}, {}),
+    "resume": ({"job": Text}, {}),
+    "delete": ({"job": Text}, {}),
+    "logs": (
+        {"job": Text},
+        {
+            "rank": Annotated[int, Limit(-1, 1 << 20)] | None,  # -1: torchrun's own output
+            "since_offset": Annotated[int, Limit(-MAX_OFFSET, MAX_OFFSET)],  # negative: from the end
+            "max_bytes": Bytes,
+        },
+    ),
+    "metrics": ({"job": Text}, {"since_cursor": Cursor | None, "max_bytes": Bytes}),
+    "subscribe": ({"topics": Topics}, {"metrics_cursors": Annotated[dict[str, Cursor], Limit(max_len=1024)]}),
+    "unsubscribe": ({}, {"topics": Topics}),
     "shutdown": ({}, {}),
 }
 
@@ -235,6 +327,14 @@ def _fits(value: Any, tp: Any, path: str) -> bool:
     if tp is Any:
         return True
     origin, args = get_origin(tp), get_args(tp)
+    if origin is Annotated:
+        if not _fits(value, args[0], path):
+            return False
+        for limit in args[1:]:
+            problem = limit.problem(value) if isinstance(limit, Limit) else None
+            if problem:
+                raise ProtocolError(INVALID, f"{path}: expected {_describe(tp)} {problem}")
+        return True
     if origin in (Union, types.UnionType):
         return any(_fits(value, a, path) for a in args)
     if tp is type(None):
@@ -263,6 +363,8 @@ def _fits(value: Any, tp: Any, path: str) -> bool:
 
 def _describe(tp: Any) -> str:
     origin, args = get_origin(tp), get_args(tp)
+    if origin is Annotated:
+        return _describe(args[0])
     if origin in (Union, types.UnionType):
         return " or ".join(_describe(a) for a in args)
     if tp is type(None):

@@ -8,6 +8,19 @@ a slow subscriber never holds up the sampler or the supervisor: telemetry
 beyond its backlog is dropped for that client, and metrics are read from disk
 at the client's own cursor, so those are never lost.
 
+Nothing a client sends can hold the service's resources without bound:
+- connections are capped per listener and per remote host (two threads each,
+  so the cap is what bounds memory; the excess gets a `busy` line and is closed);
+- a TCP client that has not logged in within the login timeout, or that sent
+  nothing for the idle timeout while subscribed to nothing, is closed;
+- a client that does not read first stops being read (its replies queue up to
+  a soft cap), and is cut off when pushed events pass a hard byte cap or a
+  write stalls;
+- the one request whose work grows with its input, `plan`, runs in a planner
+  process (engine.service.planworker) that is killed at its deadline or when
+  its client hangs up; every other request is bounded by construction (paged
+  reads, LIMITs, ranges checked by the protocol).
+
 Stopping the service (SIGTERM, Ctrl-C, `shutdown`) leaves jobs running; the
 next service re-adopts them.
 """
@@ -15,6 +28,7 @@ next service re-adopts them.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import hmac
 import logging
@@ -26,6 +40,7 @@ import struct
 import sys
 import threading
 import time
+import traceback
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +52,7 @@ from engine.hardware.discovery import open_backend
 from engine.hardware.sampler import Sampler
 from engine.service import paths, protocol
 from engine.service.metrics import read_records
+from engine.service.planworker import ClientGone, PlannerBug, PlannerPool, PlanTimeout
 from engine.service.protocol import ProtocolError, Request
 from engine.service.store import ALL_STATES, JobStore
 from engine.service.supervisor import JobNotFound, Supervisor, SupervisorOptions
@@ -45,7 +61,11 @@ from engine.service.telemetry_store import TelemetryStore
 log = logging.getLogger(__name__)
 
 _TELEMETRY_BACKLOG = 64  # queued telemetry events per client before new ones are dropped
-_MAX_BACKLOG = 20_000  # queued must-deliver messages before a client is cut off as stuck
+# A client's replies queue up to this before its next request is read (it then waits, as TCP would).
+_SOFT_QUEUE_BYTES = 1 << 20
+# Pushed events cannot wait: past this the client is not reading and its connection is closed.
+_HARD_QUEUE_BYTES = 8 << 20
+_REAP_PERIOD_S = 0.5
 
 
 class AlreadyRunning(Exception):
@@ -60,21 +80,39 @@ class ServiceOptions:
     grace_s: float = 30.0
     failure_grace_s: float = 5.0
     max_cpu_ranks: int | None = None  # None: the setting, else 4
+    max_connections: int = 256  # per listener (each connection is two threads)
+    max_connections_per_host: int = 64  # per remote address, on TCP
+    max_logins_per_host: int = 16  # of those, not yet logged in: an idle flood leaves room for real clients
+    login_timeout_s: float = 10.0  # TCP: from connect to a hello with the token
+    idle_timeout_s: float = 900.0  # TCP: no request and no subscription for this long
+    send_stall_s: float = 60.0  # a write blocked this long means the client stopped reading
+    plan_deadline_s: float = 45.0  # under the client's 60 s timeout, so the `timeout` reply arrives
+    planners: int = 2  # planner processes at most
 
 
 class Connection:
     """One client: an outbox drained by a writer thread, its subscriptions and metric cursors."""
 
-    def __init__(self, service: EngineService, sock: socket.socket, peer: str, *, needs_auth: bool):
+    def __init__(
+        self, service: EngineService, sock: socket.socket, peer: str, *, needs_auth: bool, listener: str, host: str
+    ):
         self.service = service
         self.sock = sock
         self.peer = peer
+        self.listener = listener  # "unix" or "tcp": the connection counts against that listener's cap
+        self.host = host  # the remote address, for the per-host cap ("" on the unix socket)
+        self.remote = needs_auth
         self.authenticated = not needs_auth
         self.topics: set[str] = set()
         self.metrics_cursors: dict[str, dict[str, int]] = {}
         self.dropped = 0
+        self.created = self.last_request = time.monotonic()
+        self.busy = False  # a request is being answered
+        self.kill_at: float | None = None  # a closing connection is cut off here if its writer has not finished
         self._outbox: deque[tuple[bytes, bool]] = deque()
         self._droppable_queued = 0
+        self._queued_bytes = 0
+        self.sending_since: float | None = None
         self._pokes: dict[str, None] = {}  # jobs whose metric files grew, in order, each once
         self._cond = threading.Condition()
         self._closing = False
@@ -91,25 +129,52 @@ class Connection:
             if droppable and self._droppable_queued >= _TELEMETRY_BACKLOG:
                 self.dropped += 1  # live telemetry: the history on disk has the rest
                 return
-            if len(self._outbox) >= _MAX_BACKLOG:
-                log.warning("client %s is not reading; closing its connection", self.peer)
-                self._closing = True
-                self._cond.notify()
+            if self._outbox and self._queued_bytes + len(data) > _HARD_QUEUE_BYTES:
+                log.warning("client %s is not reading (%d bytes queued); closing its connection", self.peer,
+                            self._queued_bytes)  # fmt: skip
+                self._abort_locked()
                 return
             self._outbox.append((data, droppable))
             self._droppable_queued += droppable
-            self._cond.notify()
+            self._queued_bytes += len(data)
+            self._cond.notify_all()
+
+    def wait_for_room(self) -> None:
+        """Hold the reader while this client's replies are unread: pipelining cannot queue without end."""
+        with self._cond:
+            while self._queued_bytes > _SOFT_QUEUE_BYTES and not self._closing:
+                self._cond.wait(1.0)
 
     def poke_metrics(self, job_id: str) -> None:
         with self._cond:
             self._pokes[job_id] = None
-            self._cond.notify()
+            self._cond.notify_all()
 
-    def close(self) -> None:
-        """Close once everything queued so far has been written."""
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    def close(self, grace_s: float = 5.0) -> None:
+        """Close once everything queued so far has been written (cut off after `grace_s` if it is not read)."""
         with self._cond:
             self._closing = True
-            self._cond.notify()
+            if self.kill_at is None:
+                self.kill_at = time.monotonic() + grace_s
+            self._cond.notify_all()
+
+    def abort(self) -> None:
+        """Close now, dropping whatever is queued: a blocked write or read returns at once."""
+        with self._cond:
+            self._abort_locked()
+
+    def _abort_locked(self) -> None:
+        self._closing = True
+        self._outbox.clear()
+        self._pokes.clear()
+        self._queued_bytes = self._droppable_queued = 0
+        self._cond.notify_all()
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the writer in sendall and the reader in recv
 
     def _write_loop(self) -> None:
         try:
@@ -125,19 +190,42 @@ class Connection:
                     elif self._outbox:
                         data, droppable = self._outbox.popleft()
                         self._droppable_queued -= droppable
+                        self._queued_bytes -= len(data)
+                        self._cond.notify_all()  # the reader may be waiting for room
                         job_id = None
                     else:
                         break
+                self.sending_since = time.monotonic()
                 if job_id is not None:
                     self._push_metrics(job_id)
                 elif data is not None:
                     self.sock.sendall(data)
+                self.sending_since = None
         except OSError:
             pass  # the client went away
+        except Exception:
+            log.exception("writing to client %s failed", self.peer)
         finally:
+            self.sending_since = None
             with contextlib.suppress(OSError):
                 self.sock.shutdown(socket.SHUT_RDWR)
             self.sock.close()
+            with self._cond:
+                self._closing = True
+                self._outbox.clear()
+                self._queued_bytes = 0
+                self._cond.notify_all()
+
+    def client_gone(self) -> bool:
+        """Whether the client hung up (checked while a long request runs; pipelined bytes are left unread)."""
+        if self._closing:
+            return True
+        try:
+            return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
 
     def _push_metrics(self, job_id: str) -> None:
         if f"metrics:{job_id}" not in self.topics:
@@ -164,6 +252,12 @@ class EngineService:
         self._socket_inode: int | None = None
         self.tcp_address: tuple[str, int] | None = None
         self.started = time.time()
+        self.log_location = _log_location()
+        self._refused = 0  # connections refused since the last log line about it
+        self._refused_logged = 0.0
+        self.planners: PlannerPool | None = None
+        self._ended_since_trim = 0  # connections ended since memory was last handed back
+        self._trimmed = 0.0
 
     # -- lifetime -------------------------------------------------------------
 
@@ -205,8 +299,10 @@ class EngineService:
         if self.options.tcp:
             self._listen_tcp(self.options.tcp)
             self.token = paths.read_or_create_token()
+        self.planners = PlannerPool(self.machine, size=self.options.planners)
         self.supervisor.start()
         self.sampler.start()
+        threading.Thread(target=self._reap_loop, name="engine-reaper", daemon=True).start()
 
     def serve_forever(self) -> None:
         sel = selectors.DefaultSelector()
@@ -234,6 +330,8 @@ class EngineService:
             conns = list(self._connections)
         for c in conns:
             c.close()
+        if self.planners is not None:
+            self.planners.close()
         with contextlib.suppress(AttributeError):
             self.sampler.stop()
         with contextlib.suppress(AttributeError):
@@ -262,7 +360,7 @@ class EngineService:
         finally:
             os.umask(old_umask)
         os.chmod(path, 0o600)
-        s.listen(64)
+        s.listen(256)
         self._listeners.append(s)
         self._socket_path = path
         self._socket_inode = path.stat().st_ino
@@ -277,7 +375,7 @@ class EngineService:
         except OSError as e:
             s.close()
             raise UserError(f"cannot listen on {host}:{port}: {e.strerror}") from None
-        s.listen(16)
+        s.listen(256)  # a burst of idle connections must not keep a real client out of the queue
         self._listeners.append(s)
         self.tcp_address = s.getsockname()[:2]
         log.info("listening for remote clients on %s:%s (token in %s)", *self.tcp_address, paths.token_path())
@@ -300,18 +398,93 @@ class EngineService:
         if is_unix and not _same_user(sock):
             sock.close()
             return
+        listener, host = ("unix", "") if is_unix else ("tcp", str(addr[0]))
         peer = "unix" if is_unix else f"{addr[0]}:{addr[1]}"
-        conn = Connection(self, sock, peer, needs_auth=not is_unix)
+        with self._conn_lock:
+            on_listener = sum(1 for c in self._connections if c.listener == listener)
+            from_host = [c for c in self._connections if host and c.host == host]
+            logging_in = sum(1 for c in from_host if not c.authenticated)
+            if on_listener >= self.options.max_connections:
+                why = f"the engine already serves {on_listener} connections, its limit; close some and try again"
+            elif host and len(from_host) >= self.options.max_connections_per_host:
+                why = f"{host} already has {len(from_host)} connections to the engine, the limit per host"
+            elif host and logging_in >= self.options.max_logins_per_host:
+                why = f"{host} already has {logging_in} connections waiting to log in, the limit per host"
+            else:
+                why = None
+        if why is not None:
+            self._refuse(sock, why)
+            return
+        # Only this thread adds connections, so the counts above still hold.
+        try:
+            conn = Connection(self, sock, peer, needs_auth=not is_unix, listener=listener, host=host)
+        except RuntimeError:  # "can't start new thread": the system's limit, below ours
+            self._refuse(sock, "the engine cannot start another thread now; close some connections")
+            return
         with self._conn_lock:
             self._connections.add(conn)
-        threading.Thread(target=self._serve, args=(conn,), name=f"engine-client-{peer}", daemon=True).start()
+        try:
+            threading.Thread(target=self._serve, args=(conn,), name=f"engine-client-{peer}", daemon=True).start()
+        except RuntimeError:
+            with self._conn_lock:
+                self._connections.discard(conn)
+            conn.abort()
+
+    def _refuse(self, sock: socket.socket, why: str) -> None:
+        with contextlib.suppress(OSError):
+            sock.setblocking(False)  # one short line into an empty buffer; never wait on this client
+            sock.send(protocol.encode(protocol.error_reply(None, protocol.BUSY, why)))
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+        sock.close()
+        self._refused += 1
+        now = time.monotonic()
+        if now - self._refused_logged > 10:  # a flood of refusals is one log line per 10 s
+            log.warning("refused %d connection(s): %s", self._refused, why)
+            self._refused, self._refused_logged = 0, now
+
+    def _reap_loop(self) -> None:
+        """Close connections that never logged in, idle ones, and ones whose client stopped reading."""
+        while not self._stop.wait(_REAP_PERIOD_S):
+            try:
+                now = time.monotonic()
+                self._reap(now)
+                if self.planners is not None:
+                    self.planners.trim()
+                if self._ended_since_trim and now - self._trimmed > 5:
+                    self._ended_since_trim, self._trimmed = 0, now
+                    _LIBC.release_memory()
+            except Exception:
+                log.exception("the connection reaper failed")
+
+    def _reap(self, now: float) -> None:
+        o = self.options
+        with self._conn_lock:
+            conns = list(self._connections)
+        for c in conns:
+            if c.kill_at is not None and now > c.kill_at:
+                c.abort()
+            elif c.closing:
+                continue
+            elif c.sending_since is not None and now - c.sending_since > o.send_stall_s:
+                log.warning("client %s has not read for %.0f s; closing its connection", c.peer, o.send_stall_s)
+                c.abort()
+            elif c.remote and not c.authenticated and now - c.created > o.login_timeout_s:
+                c.send(protocol.error_reply(
+                    None, protocol.UNAUTHORIZED, f"no hello with the token within {o.login_timeout_s:g} s; closing"
+                ))  # fmt: skip
+                c.close(grace_s=1.0)
+            elif c.remote and not c.busy and not c.topics and now - c.last_request > o.idle_timeout_s:
+                c.send(protocol.error_reply(None, protocol.TIMEOUT, f"closed after {o.idle_timeout_s:g} s without a request"))
+                c.close(grace_s=1.0)
 
     # -- requests -------------------------------------------------------------
 
     def _serve(self, conn: Connection) -> None:
         rfile = conn.sock.makefile("rb")
         try:
-            while not self._stop.is_set():
+            while not self._stop.is_set() and not conn.closing:
+                conn.wait_for_room()
                 try:
                     msg = protocol.read_message(rfile)
                 except ProtocolError as e:
@@ -321,15 +494,25 @@ class EngineService:
                     continue
                 if msg is None:
                     break
+                conn.last_request = time.monotonic()
                 rid = msg.get("id") if isinstance(msg.get("id"), int | str) and not isinstance(msg.get("id"), bool) else None
-                if not self._answer(conn, rid, msg):
-                    break
+                conn.busy = True
+                try:
+                    if not self._answer(conn, rid, msg):
+                        break
+                finally:
+                    conn.busy = False
+                    conn.last_request = time.monotonic()
         except OSError:
             pass
+        except Exception as e:  # a bug in the framing itself: say so, then end this connection only
+            with contextlib.suppress(Exception):
+                conn.send(protocol.error_reply(None, protocol.INTERNAL, self._bug(e, "reading a request")))
         finally:
             rfile.close()
             with self._conn_lock:
                 self._connections.discard(conn)
+                self._ended_since_trim += 1
             conn.close()
 
     def _answer(self, conn: Connection, rid: Any, msg: dict[str, Any]) -> bool:
@@ -347,18 +530,33 @@ class EngineService:
             conn.send(protocol.error_reply(rid, protocol.NOT_FOUND, str(e)))
         except UserError as e:
             conn.send(protocol.error_reply(rid, protocol.USER_ERROR, str(e)))
+        except PlanTimeout:
+            conn.send(protocol.error_reply(rid, protocol.TIMEOUT, (
+                "the plan search ran past its deadline and was stopped; "
+                "ask for fewer GPUs, a smaller batch or a shorter sequence"
+            )))  # fmt: skip
+        except ClientGone:
+            return False
+        except PlannerBug as e:
+            conn.send(protocol.error_reply(rid, protocol.INTERNAL, f"Rigpilot hit a bug: {e} (logged in {self.log_location})"))
         except Exception as e:
-            log.exception("request %s failed", msg.get("type"))
-            conn.send(protocol.error_reply(rid, protocol.INTERNAL, f"internal error: {type(e).__name__}: {e}"))
+            conn.send(protocol.error_reply(rid, protocol.INTERNAL, self._bug(e, f"request {str(msg.get('type'))[:40]!r}")))
         return True
+
+    def _bug(self, e: BaseException, during: str) -> str:
+        """Log an unexpected exception with its traceback; the one line a client is told about it."""
+        log.error("bug while %s:\n%s", during, "".join(traceback.format_exception(e)))
+        line = (str(e).splitlines() or [""])[0][:200]
+        return f"Rigpilot hit a bug: {type(e).__name__}{': ' + line if line else ''} (logged in {self.log_location})"
 
     def _authenticate(self, conn: Connection, req: Request) -> None:
         token = req.args.get("token") if req.type == "hello" else None
         if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self.token.encode()):
+            # No path here: the client is not yet known to be this user.
             raise ProtocolError(
-                protocol.UNAUTHORIZED, f"remote clients must start with hello and the token from {paths.token_path()}",
-                fatal=True,
-            )
+                protocol.UNAUTHORIZED, "remote clients must start with hello and the engine's token "
+                "(set RIGPILOT_ENGINE_TOKEN to the token from the engine machine's Rigpilot config folder)", fatal=True,
+            )  # fmt: skip
         conn.authenticated = True
 
     def handle(self, conn: Connection, req: Request) -> Any:
@@ -397,6 +595,7 @@ class EngineService:
         return {"matrix": {"gpus": gpus, "cells": cells}, "summary": summarize(m).to_dict(), "description": describe(m)}
 
     def _do_telemetry_history(self, conn: Connection, since: float | None = None, limit: int = 3600) -> Any:
+        since = None if since is None else float(since)  # SQLite takes any float, not any int
         samples, more = self.telemetry.since(
             since, limit=max(1, min(limit, 100_000)), max_bytes=protocol.REPLY_BUDGET_BYTES
         )
@@ -404,23 +603,13 @@ class EngineService:
 
     def _do_plan(
         self, conn: Connection, model: str, workload: dict[str, Any] | None = None, gpus: list[int] | None = None,
-        options: dict[str, Any] | None = None, trust_remote_code: bool = False,
+        options: dict[str, Any] | None = None, trust_remote_code: bool = False, deadline_s: float | None = None,
     ) -> Any:  # fmt: skip
-        try:
-            from engine.models import describe_model
-            from engine.planner.plan import LoraSettings, Workload
-            from engine.planner.search import SearchOptions, search
-        except ImportError as e:
-            raise ProtocolError(protocol.UNAVAILABLE, f"planner not available in this build of the engine ({e})") from None
-        work = dict(workload or {})
-        protocol.check_dataclass(Workload, {**work, "model": model}, "plan.workload", ignore=frozenset({"lora"}))
-        protocol.check_dataclass(SearchOptions, options or {}, "plan.options")
-        if work.get("lora") is not None:
-            protocol.check_dataclass(LoraSettings, work["lora"], "plan.workload.lora")
-            work["lora"] = LoraSettings(**work["lora"])
-        spec = describe_model(model, trust_remote_code=trust_remote_code)
-        result = search(spec, self.machine, Workload(model=model, **work), gpus=gpus, options=SearchOptions(**(options or {})))
-        return {"result": result.to_dict()}
+        # In a planner process: a search cannot be stopped inside this one, and it may run a model's own code.
+        assert self.planners is not None
+        budget = min(deadline_s or self.options.plan_deadline_s, self.options.plan_deadline_s)
+        args = {"model": model, "workload": workload, "gpus": gpus, "options": options, "trust_remote_code": trust_remote_code}
+        return {"result": self.planners.plan(args, time.monotonic() + budget, conn.client_gone)}
 
     def _do_submit(
         self, conn: Connection, spec: dict[str, Any], plan: dict[str, Any] | None = None, cwd: str | None = None
@@ -576,6 +765,41 @@ def _same_user(sock: socket.socket) -> bool:
     return uid in (os.getuid(), 0)
 
 
+class _Libc:
+    """glibc's allocator knobs, where there is glibc: big frames must not leave the heap big."""
+
+    def __init__(self) -> None:
+        try:
+            self._libc: Any = ctypes.CDLL("libc.so.6")
+            self._libc.malloc_trim  # noqa: B018  (present: glibc)
+        except (OSError, AttributeError):
+            self._libc = None
+
+    def limit_arenas(self, n: int) -> None:
+        # Each thread may otherwise get its own arena (up to 8 per core), each keeping the high-water
+        # mark of what its client sent; two arenas serve the service's handful of busy threads.
+        if self._libc is not None:
+            self._libc.mallopt(-8, n)  # M_ARENA_MAX
+
+    def release_memory(self) -> None:
+        if self._libc is not None:
+            self._libc.malloc_trim(0)
+
+
+_LIBC = _Libc()
+
+
+def _log_location() -> str:
+    """Where this process's log lines go, for "logged in …": the file behind stderr, else the service log."""
+    try:
+        target = os.readlink("/proc/self/fd/2")
+    except OSError:
+        target = ""
+    if target.startswith("/") and os.path.isfile(target):
+        return target
+    return f"the engine's output (normally {paths.service_log_path()})"
+
+
 def _setting_max_cpu_ranks() -> int:
     from engine.settings import Settings
 
@@ -586,6 +810,7 @@ def _setting_max_cpu_ranks() -> int:
 def run_service(options: ServiceOptions | None = None, *, quiet_if_running: bool = False) -> int:
     """Run the service in the foreground until SIGTERM/SIGINT or a `shutdown` request."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _LIBC.limit_arenas(2)
     service = EngineService(options)
     try:
         service.setup()

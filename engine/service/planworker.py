@@ -1,0 +1,221 @@
+"""`python -m engine.service.planworker`: the planner in a child process of the engine service.
+
+A plan search is the one request whose work grows with its inputs, and a
+Python thread cannot be stopped from outside. Running the search in a child
+lets the service kill it when it passes its deadline or its client leaves,
+and keeps a model's own code (`trust_remote_code`) out of the service. The
+child is reused between requests, so a plan costs the imports once.
+
+Wire: the first stdin line is the machine (hex of a pickle: it comes from the
+service, the one trusted side); then one JSON request per line. Each answer is
+one JSON line on stdout, `{"result": ...}` or `{"error": {"code", "message"}}`
+or `{"bug": traceback}`; only JSON flows back to the service.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import pickle
+import select
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from engine.errors import UserError
+from engine.service import protocol
+from engine.service.protocol import ProtocolError
+
+log = logging.getLogger(__name__)
+_REPO_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+def plan(machine: Any, model: str, workload: dict[str, Any] | None = None, gpus: list[int] | None = None,
+         options: dict[str, Any] | None = None, trust_remote_code: bool = False) -> dict[str, Any]:  # fmt: skip
+    from engine.models import describe_model
+    from engine.planner.plan import LoraSettings, Workload
+    from engine.planner.search import SearchOptions, search
+
+    work = dict(workload or {})
+    protocol.check_dataclass(Workload, {**work, "model": model}, "plan.workload", ignore=frozenset({"lora"}))
+    protocol.check_dataclass(SearchOptions, options or {}, "plan.options")
+    if work.get("lora") is not None:
+        protocol.check_dataclass(LoraSettings, work["lora"], "plan.workload.lora")
+        work["lora"] = LoraSettings(**work["lora"])
+    try:
+        spec = describe_model(model, trust_remote_code=trust_remote_code)
+    except OSError as e:
+        raise UserError(f"cannot read the model {_short(model)}: {e.strerror or e}") from None
+    result = search(spec, machine, Workload(model=model, **work), gpus=gpus, options=SearchOptions(**(options or {})))
+    return {"result": result.to_dict()}
+
+
+def _short(text: str, n: int = 80) -> str:
+    return repr(text if len(text) <= n else text[:n] + "…")
+
+
+def _answer(machine: Any, line: bytes) -> dict[str, Any]:
+    try:
+        return plan(machine, **json.loads(line))
+    except ProtocolError as e:
+        return {"error": {"code": e.code, "message": e.message}}
+    except UserError as e:
+        return {"error": {"code": protocol.USER_ERROR, "message": str(e)}}
+    except Exception:
+        return {"bug": traceback.format_exc()}
+
+
+def main() -> int:
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # a stray print must not corrupt the answers
+    stdin = sys.stdin.buffer
+    machine = pickle.loads(bytes.fromhex(stdin.readline().decode()))
+    for line in stdin:
+        out.write(json.dumps(_answer(machine, line), separators=(",", ":")).encode() + b"\n")
+        out.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+# -- the service's side ------------------------------------------------------------
+
+
+class PlanTimeout(Exception):
+    """The search passed its deadline (or no planner process came free before it); the child was killed."""
+
+
+class ClientGone(Exception):
+    """The client that asked hung up; its search was stopped."""
+
+
+class PlannerBug(Exception):
+    """The planner process raised something unexpected; its traceback is in the engine log."""
+
+
+class _Child:
+    def __init__(self, machine_hex: str):
+        env = dict(os.environ)
+        env["PYTHONPATH"] = _REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "engine.service.planworker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+        )  # stderr: the engine's own log
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
+        self.stdin.write(machine_hex.encode() + b"\n")
+        self.stdin.flush()
+        self.idle_since = time.monotonic()
+
+    def ask(self, args: dict[str, Any], deadline: float, client_gone: Callable[[], bool]) -> dict[str, Any]:
+        self.stdin.write(json.dumps(args).encode() + b"\n")
+        self.stdin.flush()
+        fd = self.stdout.fileno()
+        buf = bytearray()
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise PlanTimeout
+            ready, _, _ = select.select([fd], [], [], min(left, 0.25))
+            if ready:
+                chunk = os.read(fd, 1 << 20)
+                if not chunk:
+                    code = self.proc.wait()
+                    raise PlannerBug(f"the planner process exited with code {code} in the middle of a search")
+                buf += chunk
+                if buf.endswith(b"\n"):
+                    return json.loads(buf)
+            elif client_gone():
+                raise ClientGone
+
+    def kill(self) -> None:
+        with contextlib.suppress(OSError):
+            self.proc.kill()
+        for f in (self.stdin, self.stdout):
+            with contextlib.suppress(OSError):
+                f.close()
+        self.proc.wait()
+
+
+class PlannerPool:
+    """At most `size` planner processes; a search runs in one, with a deadline, and is killed past it."""
+
+    def __init__(self, machine: Any, size: int = 2, idle_s: float = 300.0):
+        self._machine_hex = pickle.dumps(machine).hex()
+        self._size = size
+        self._idle_s = idle_s
+        self._idle: list[_Child] = []
+        self._out = 0  # children handed to requests
+        self._cond = threading.Condition()
+        self._closed = False
+
+    def plan(self, args: dict[str, Any], deadline: float, client_gone: Callable[[], bool]) -> dict[str, Any]:
+        child = self._take(deadline)
+        answer = None
+        try:
+            answer = child.ask(args, deadline, client_gone)
+        finally:
+            self._give_back(child, reusable=answer is not None)
+        if "bug" in answer:
+            log.error("the planner failed:\n%s", answer["bug"])
+            raise PlannerBug(answer["bug"].strip().splitlines()[-1])
+        if "error" in answer:
+            raise ProtocolError(answer["error"]["code"], answer["error"]["message"])
+        return answer["result"]
+
+    def _take(self, deadline: float) -> _Child:
+        with self._cond:
+            while not self._idle and self._out >= self._size:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    raise PlanTimeout
+                self._cond.wait(left)
+            self._out += 1
+            if self._idle:
+                return self._idle.pop()
+        try:
+            return _Child(self._machine_hex)
+        except BaseException:
+            with self._cond:
+                self._out -= 1
+                self._cond.notify()
+            raise
+
+    def _give_back(self, child: _Child, *, reusable: bool) -> None:
+        """Reuse a child that answered; kill one stopped midway (it may still be searching)."""
+        if reusable and child.proc.poll() is None and not self._closed:
+            child.idle_since = time.monotonic()
+            with self._cond:
+                self._idle.append(child)
+                self._out -= 1
+                self._cond.notify()
+            return
+        child.kill()
+        with self._cond:
+            self._out -= 1
+            self._cond.notify()
+
+    def trim(self) -> None:
+        """Let children idle for a while go: each holds the planner's imports in memory."""
+        now = time.monotonic()
+        with self._cond:
+            old = [c for c in self._idle if now - c.idle_since > self._idle_s]
+            self._idle = [c for c in self._idle if c not in old]
+        for c in old:
+            c.kill()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            self._cond.notify_all()
+        for c in idle:
+            c.kill()
