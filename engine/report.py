@@ -68,7 +68,8 @@ def report(step: int | None = None, **values: float | int | str | bool | None) -
     line = json.dumps(record) + "\n"
     with _lock:
         if _file is None or _file_path != path:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            _file = path.open("a", buffering=1)
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            # 0600 whatever the umask: a job's metrics are its user's alone.
+            _file = os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "a", buffering=1)
             _file_path = path
         _file.write(line)

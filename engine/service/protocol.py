@@ -148,7 +148,7 @@ REQUEST_SCHEMAS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "jobs": ({}, {"states": list[str], "limit": int}),
     "job": ({"job": str}, {}),
     "cancel": ({"job": str}, {}),
-    "resume": ({"job": str}, {}),
+    "resume": ({"job": str}, {"env": dict[str, str] | None}),
     "delete": ({"job": str}, {}),
     "logs": ({"job": str}, {"rank": int | None, "since_offset": int, "max_bytes": int}),
     "metrics": ({"job": str}, {"since_cursor": dict[str, int] | None, "max_bytes": int}),
