@@ -165,6 +165,10 @@ def test_job_data_is_private_and_secrets_stay_in_memory(shared_engine, capsys):
     assert cli_main(["resume", job["id"], "--env", f"WANDB_API_KEY={WANDB_KEY}"]) == 0
     out = capsys.readouterr().out
     assert "queued again (run 2" in out and "completed" in out
+    # The step both runs reported: the first run's record is superseded by the resumed run's.
+    assert cli_main(["metrics", job["id"], "--json"]) == 0
+    steps = [r for r in json.loads(capsys.readouterr().out)["records"] if r.get("step") == 1 and r["rank"] == 0]
+    assert [(r["run"], r.get("superseded", False)) for r in steps] == [(1, True), (2, False)]
     assert cli_main(["jobs"]) == 0
     listing = capsys.readouterr().out
     assert "secret \\x1b[31mred" in listing and "\x1b" not in listing  # the name's escape is shown, not obeyed

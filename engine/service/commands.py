@@ -16,6 +16,7 @@ from typing import Any
 
 from engine.argtypes import non_negative_float, positive_float, positive_int, probability, read_json_object, seed
 from engine.errors import UserError
+from engine.service.metrics import mark_superseded
 from engine.service.submission import CHECKPOINTING, PRECISIONS
 from engine.terminal import printable
 
@@ -506,6 +507,7 @@ def cmd_metrics(args: argparse.Namespace) -> int:
         job = c.request("job", job=args.job)["job"]
         if args.json:
             records, cursor = c.all_metrics(job["id"])
+            mark_superseded(records)  # a resumed run's repeat of a step replaces the earlier run's
             print(json.dumps({"schema": "rigpilot.metrics/1", "job": job, "records": records, "cursor": cursor}))
             return 0
     print(f"job {job['id']} ({job['kind']} '{printable(job['name'])}'): {job['state']}")
