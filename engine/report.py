@@ -20,6 +20,9 @@ Conventions the engine reads records by:
 - `peak_memory` is this rank's peak memory in bytes (the allocator's peak on a
   GPU); the highest value a rank reports is its peak.
 - `step` counts optimizer steps; the job shows rank 0's `loss` (another rank's until rank 0 reports one).
+- `run` is added to every record: 1 for a job's first run, one more per resume (RIGPILOT_RUN). A resumed
+  run repeats the steps after its checkpoint; readers keep the latest run's record of a step and mark
+  the earlier ones superseded (engine.service.metrics.mark_superseded).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from pathlib import Path
 from typing import IO
 
 METRICS_DIR_ENV = "RIGPILOT_METRICS_DIR"
+RUN_ENV = "RIGPILOT_RUN"
 
 _lock = threading.Lock()
 _file: IO[str] | None = None
@@ -41,6 +45,13 @@ _file_path: Path | None = None
 
 def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
+
+
+def _run() -> int:
+    try:
+        return max(int(os.environ.get(RUN_ENV, "1")), 1)
+    except ValueError:
+        return 1
 
 
 def _target() -> Path | None:
@@ -57,7 +68,7 @@ def report(step: int | None = None, **values: float | int | str | bool | None) -
     path = _target()
     if path is None:
         return
-    record = {"time": time.time(), "rank": _rank(), "step": step}
+    record = {"time": time.time(), "rank": _rank(), "run": _run(), "step": step}
     # JSON has no NaN/inf: send them as null and keep a marker so charts can show a gap.
     for k, v in values.items():
         if isinstance(v, float) and not math.isfinite(v):
@@ -68,7 +79,8 @@ def report(step: int | None = None, **values: float | int | str | bool | None) -
     line = json.dumps(record) + "\n"
     with _lock:
         if _file is None or _file_path != path:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            _file = path.open("a", buffering=1)
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            # 0600 whatever the umask: a job's metrics are its user's alone.
+            _file = os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "a", buffering=1)
             _file_path = path
         _file.write(line)

@@ -35,6 +35,15 @@ def _rate(bps: float | None) -> str:
     return f"{bps:.0f}"
 
 
+def printable(text: object) -> str:
+    """`text` safe to print on a terminal: control and format characters (ANSI escapes, bidi overrides,
+    newlines) shown as Python escapes, so a job name cannot move the cursor, recolour or hide output."""
+    s = str(text)
+    if s.isprintable():
+        return s
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in s)
+
+
 def bar(fraction: float | None, width: int = 10) -> str:
     if fraction is None:
         return "[" + "n/a".center(width) + "]"

@@ -341,3 +341,39 @@ def test_missing_file_and_folder(tmp_path: Path) -> None:
 def test_two_topo_files_are_refused(smi_data: Path) -> None:
     with pytest.raises(MachineImportError, match="both `topo -m` outputs"):
         import_machine([_case(smi_data, "case01"), _case(smi_data, "case09")])
+
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def test_blank_cpu_affinity_cells_inside_a_slurm_allocation_are_read_by_position() -> None:
+    # `srun nvidia-smi topo -m`, space-aligned: srun's lines above, GPU2 and GPU3 with no CPU Affinity.
+    machine = import_machine(DATA / "topo_slurm_empty_cpu_affinity.txt")
+    assert [format_cpu_list(g.cpu_affinity) if g.cpu_affinity else None for g in machine.gpus] == [
+        "0-15", "0-15", None, None
+    ]  # fmt: skip
+    assert [g.numa_node for g in machine.gpus] == [0, 0, 1, 1]  # the cells after the blank one stay in place
+    assert "blank in topo -m" in machine.gpus[2].unavailable["cpu_affinity"]
+    assert _codes(machine) == {"NV4": 6}
+    assert {n.label: n.device for n in machine.nics} == {"NIC0": "mlx5_0", "NIC1": "mlx5_1"}
+    assert machine.nics[1].gpu_paths == {0: "SYS", 1: "SYS", 2: "PXB", 3: "PXB"}
+
+
+def test_a_blank_matrix_cell_is_still_refused_by_line() -> None:
+    text = (DATA / "topo_slurm_empty_cpu_affinity.txt").read_text().replace("GPU1    NV4      X      NV4", "GPU1            X      NV4")
+    with pytest.raises(MachineImportError, match="line 5: expected 9 cells after 'GPU1', found 8"):
+        parse_topo(text)
+
+
+def test_tab_separated_rows_still_count_cells() -> None:
+    text = "\tGPU0\tGPU1\tCPU Affinity\tNUMA Affinity\nGPU0\t X \tNV2\t1\nGPU1\tNV2\t X \t0-7\t0\n"
+    with pytest.raises(MachineImportError, match="line 2: expected 4 cells after 'GPU0', found 3"):
+        parse_topo(text)
+
+
+def test_a_nic_legend_shorter_than_the_matrix_names_what_it_lists() -> None:
+    machine = import_machine(DATA / "topo_short_nic_legend.txt")
+    assert {n.label: n.device for n in machine.nics} == {"NIC0": "mlx5_0", "NIC1": None}
+    assert "the NIC Legend of topo -m does not list NIC1: their device names are unknown" in machine.notes
+    assert not any(note.startswith("no NIC Legend") for note in machine.notes)
+    assert [format_cpu_list(g.cpu_affinity) for g in machine.gpus] == ["0-15", "0-15", "16-31", "16-31"]

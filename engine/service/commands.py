@@ -16,7 +16,9 @@ from typing import Any
 
 from engine.argtypes import non_negative_float, positive_float, positive_int, probability, read_json_object, seed
 from engine.errors import UserError
+from engine.service.metrics import mark_superseded
 from engine.service.submission import CHECKPOINTING, PRECISIONS
+from engine.terminal import printable
 
 TERMINAL = ("completed", "failed", "cancelled", "interrupted")
 ACTIVE = ("starting", "running")
@@ -99,6 +101,10 @@ def register(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
 
     p = sub.add_parser("resume", help="run a failed, cancelled or interrupted job again from its last checkpoint")
     p.add_argument("job", metavar="JOB")
+    p.add_argument(
+        "--env", action="append", default=[], metavar="NAME=VALUE",
+        help="environment for the ranks, e.g. a secret the engine no longer holds; repeatable",
+    )  # fmt: skip
     p.add_argument("--detach", action="store_true", help="queue it and return at once")
     p.set_defaults(func=cmd_resume)
 
@@ -231,12 +237,7 @@ def build_spec(args: argparse.Namespace) -> dict[str, Any]:
         spec["gpus"] = args.gpus
     if args.name:
         spec["name"] = args.name
-    env = {}
-    for item in args.env:
-        name, sep, value = item.partition("=")
-        if not sep or not name:
-            raise UserError(f"--env expects NAME=VALUE, not {item!r}")
-        env[name] = value
+    env = _env_flags(args.env)
     if env:
         spec["env"] = env
     if args.kind == "script":
@@ -279,6 +280,16 @@ def build_spec(args: argparse.Namespace) -> dict[str, Any]:
     return spec
 
 
+def _env_flags(items: list[str]) -> dict[str, str]:
+    env = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise UserError(f"--env expects NAME=VALUE, not {printable(item)!r}")
+        env[name] = value
+    return env
+
+
 def _read_plan(path: Path | None) -> dict[str, Any] | None:
     if path is None:
         return None
@@ -300,7 +311,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(json.dumps({"schema": "rigpilot.job/1", "job": job}, indent=2))
             return 0
         ranks = f"{job['ranks']} CPU rank{'s' * (job['ranks'] != 1)}" if job["simulated"] else f"{job['ranks']} ranks"
-        print(f"job {job['id']} submitted: {job['kind']} '{job['name']}' on GPUs {_gpus(job['gpus'])} ({ranks})")
+        print(f"job {job['id']} submitted: {job['kind']} '{printable(job['name'])}' on GPUs {_gpus(job['gpus'])} ({ranks})")
         for note in (job.get("predicted") or {}).get("plan_notes") or []:
             print(f"  note: {note}")
         if args.detach:
@@ -364,7 +375,7 @@ def _report_end(job: dict[str, Any]) -> int:
     if job["state"] == "completed":
         print(f"job {job['id']} completed in {took}")
         return 0
-    print(f"job {job['id']} {job['state']}: {job.get('exit_reason') or 'no reason recorded'}")
+    print(f"job {job['id']} {job['state']}: {printable(job.get('exit_reason') or 'no reason recorded')}")
     if job.get("last_log"):
         where = f"rank {job['failed_rank']}" if job.get("failed_rank") is not None else "torchrun"
         print(f"last lines of the {where} log:")
@@ -442,8 +453,8 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     rows = [("ID", "NAME", "KIND", "STATE", "GPUS", "PROGRESS", "TIME", "NOTE")]
     for j in jobs:
         rows.append(
-            (j["id"], _clip(j["name"], 24), j["kind"], j["state"], _gpus(j["gpus"]), _progress(j.get("progress")),
-             _job_time(j), _clip(_note(j), 60))
+            (j["id"], _clip(printable(j["name"]), 24), j["kind"], j["state"], _gpus(j["gpus"]),
+             _progress(j.get("progress")), _job_time(j), _clip(printable(_note(j)), 60))
         )  # fmt: skip
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
@@ -497,9 +508,10 @@ def cmd_metrics(args: argparse.Namespace) -> int:
         job = c.request("job", job=args.job)["job"]
         if args.json:
             records, cursor = c.all_metrics(job["id"])
+            mark_superseded(records)  # a resumed run's repeat of a step replaces the earlier run's
             print(json.dumps({"schema": "rigpilot.metrics/1", "job": job, "records": records, "cursor": cursor}))
             return 0
-    print(f"job {job['id']} ({job['kind']} '{job['name']}'): {job['state']}")
+    print(f"job {job['id']} ({job['kind']} '{printable(job['name'])}'): {job['state']}")
     p = job.get("progress") or {}
     if p.get("step") is not None:
         line = f"  progress: {_progress(p)}"
@@ -534,11 +546,21 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 def cmd_resume(args: argparse.Namespace) -> int:
     with _client() as c:
-        job = c.request("resume", job=args.job)["job"]
-        print(f"job {job['id']} queued again (run {job['run']}, from its newest checkpoint)")
+        env = _env_flags(args.env)
+        job = c.request("resume", job=args.job, **({"env": env} if env else {}))["job"]
+        print(f"job {job['id']} queued again (run {job['run']}, {_resumes_from(job)})")
         if args.detach:
             return 0
         return follow(c, job["id"])
+
+
+def _resumes_from(job: dict[str, Any]) -> str:
+    where = job.get("resumes_from")
+    if job.get("kind") == "script":
+        return "the script starts again from its beginning"
+    if where:
+        return f"from its checkpoint at step {where['step']}"
+    return "no checkpoint was saved, so it starts from step 0"
 
 
 def cmd_delete(args: argparse.Namespace) -> int:
@@ -548,7 +570,7 @@ def cmd_delete(args: argparse.Namespace) -> int:
             # The service refuses too; this says what to do about it.
             raise UserError(f"job {job['id']} is {job['state']}; stop it first with 'rigpilot cancel {job['id']}'")
         c.request("delete", job=job["id"])
-    print(f"job {job['id']} ({job['kind']} '{job['name']}') deleted with its folder {job['job_dir']}")
+    print(f"job {job['id']} ({job['kind']} '{printable(job['name'])}') deleted with its folder {job['job_dir']}")
     return 0
 
 

@@ -79,6 +79,36 @@ def read_records(
     return records, cursor, more
 
 
+def mark_superseded(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Mark (`superseded: True`) each step record a later run of the job repeated; returns `records`.
+
+    A resumed job repeats the steps between its last checkpoint and where the previous run stopped, so
+    the metric files hold those steps twice. The latest run's record of a (rank, kind, step) is the one
+    that counts; records without a run number (written before runs were numbered) count as run 1 and,
+    between equals, the later one in file order wins. Records without a step are never superseded.
+    """
+    latest: dict[tuple[Any, Any, int], tuple[int, int]] = {}
+    for i, rec in enumerate(records):
+        step = rec.get("step")
+        if not isinstance(step, int) or isinstance(step, bool):
+            continue
+        key = (rec.get("rank"), rec.get("kind"), step)
+        order = (_run_of(rec), i)
+        if key not in latest or order > latest[key]:
+            latest[key] = order
+    for i, rec in enumerate(records):
+        step = rec.get("step")
+        if isinstance(step, int) and not isinstance(step, bool):
+            if latest[(rec.get("rank"), rec.get("kind"), step)][1] != i:
+                rec["superseded"] = True
+    return records
+
+
+def _run_of(rec: dict[str, Any]) -> int:
+    run = rec.get("run")
+    return run if isinstance(run, int) and not isinstance(run, bool) else 1
+
+
 def _parse(line: bytes, rank: int) -> dict[str, Any] | None:
     try:
         rec = json.loads(line)

@@ -4,6 +4,12 @@ Runtime files (socket, lock) live in the user's runtime dir, which the OS
 keeps private and wipes at logout; without XDG_RUNTIME_DIR they go in a 0700
 folder under /tmp that this user must own, so no one else can plant a socket
 there. State (database, job folders, telemetry) lives in the XDG state dir.
+
+Everything the engine keeps is its user's alone: `make_private()` (called once
+when the service starts) sets the umask to 077 for the service and every rank
+it launches, and brings the state, config, data and cache folders to 0700 and
+the files under the state folder to 0600, so files left by an older version or
+written under a looser umask are tightened too.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ import platformdirs
 
 from engine.errors import UserError
 from engine.settings import APP, config_dir, state_dir
+
+PRIVATE_UMASK = 0o077
 
 SOCKET_NAME = "engine.sock"
 LOCK_NAME = "engine.lock"
@@ -56,8 +64,67 @@ def lock_path() -> Path:
 
 def engine_state_dir() -> Path:
     d = state_dir()
-    d.mkdir(parents=True, exist_ok=True)
+    _private_dir(d)
     return d
+
+
+def private_dirs() -> list[Path]:
+    """The folders Rigpilot keeps per user; each is made 0700 when it exists (state and config always do)."""
+    return [
+        state_dir(),
+        config_dir(),
+        Path(platformdirs.user_data_dir(APP)),
+        Path(platformdirs.user_cache_dir(APP)),
+    ]
+
+
+def make_private() -> None:
+    """umask 077 for this process and its children; the engine's folders 0700 and its state files 0600."""
+    os.umask(PRIVATE_UMASK)
+    for i, d in enumerate(private_dirs()):
+        if i < 2:
+            _private_dir(d)
+        elif d.is_dir():
+            with _suppress_oserror():
+                os.chmod(d, 0o700)
+    tighten_tree(state_dir())
+
+
+def tighten_tree(root: Path) -> None:
+    """Drop group and other permissions from everything under `root` (symlinks are left alone)."""
+    for top, dirs, files in os.walk(root):
+        for name in dirs + files:
+            p = os.path.join(top, name)
+            with _suppress_oserror():
+                st = os.lstat(p)
+                if stat.S_ISLNK(st.st_mode) or st.st_uid != os.getuid():
+                    continue
+                if stat.S_IMODE(st.st_mode) & 0o077:
+                    os.chmod(p, stat.S_IMODE(st.st_mode) & 0o700)
+
+
+def open_private(path: Path, mode: str = "ab"):
+    """Open for writing, creating the file 0600 whatever the umask (an existing file is tightened too)."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if mode.startswith("a") else os.O_TRUNC)
+    fd = os.open(path, flags, 0o600)
+    with _suppress_oserror():
+        if stat.S_IMODE(os.fstat(fd).st_mode) & 0o077:
+            os.fchmod(fd, 0o600)
+    return os.fdopen(fd, mode)
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write `text` to `path` atomically as a 0600 file."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open_private(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _suppress_oserror():
+    import contextlib
+
+    return contextlib.suppress(OSError)
 
 
 def database_path() -> Path:
@@ -70,7 +137,7 @@ def telemetry_path() -> Path:
 
 def jobs_dir() -> Path:
     d = engine_state_dir() / "jobs"
-    d.mkdir(parents=True, exist_ok=True)
+    _private_dir(d)
     return d
 
 
@@ -87,7 +154,7 @@ def read_or_create_token() -> str:
     import secrets
 
     p = token_path()
-    p.parent.mkdir(parents=True, exist_ok=True)
+    _private_dir(p.parent)
     try:
         token = p.read_text().strip()
         if token:

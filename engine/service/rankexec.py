@@ -22,7 +22,9 @@ from pathlib import Path
 
 def _write_json(path: Path, data: dict) -> None:
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(data))
     os.replace(tmp, path)
 
 
@@ -43,14 +45,14 @@ def main(argv: list[str]) -> int:
     job_dir, command = Path(argv[0]), argv[2:]
     rank = int(os.environ.get("RANK", "0"))
     log = job_dir / "logs" / f"rank{rank}.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    log.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)  # the job's data is its user's alone
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
 
     state_file = job_dir / "ranks" / f"rank{rank}.json"
-    state_file.parent.mkdir(parents=True, exist_ok=True)
+    state_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     state = {"rank": rank, "pid": os.getpid(), "pgid": os.getpgid(0), "started": time.time()}
     state["create_time"] = _process_start_time(os.getpid())
 

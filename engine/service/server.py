@@ -279,6 +279,7 @@ class EngineService:
 
     def setup(self) -> None:
         """Everything but serving: lock, machine, stores, supervisor, sockets. Raises AlreadyRunning."""
+        paths.make_private()  # before anything is written: the service's files and its ranks' are 0600
         self.acquire_lock()
         self.discovery = open_backend(simulate=self.options.simulate)
         self.machine = self.discovery.machine
@@ -633,8 +634,8 @@ class EngineService:
     def _do_cancel(self, conn: Connection, job: str) -> Any:
         return {"job": self.supervisor.cancel(job)}
 
-    def _do_resume(self, conn: Connection, job: str) -> Any:
-        return {"job": self.supervisor.resume(job)}
+    def _do_resume(self, conn: Connection, job: str, env: dict[str, str] | None = None) -> Any:
+        return {"job": self.supervisor.resume(job, env)}
 
     def _do_delete(self, conn: Connection, job: str) -> Any:
         return self.supervisor.delete(job)

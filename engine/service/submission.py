@@ -356,6 +356,8 @@ def _check_script(spec: JobSpec, base: Path | None) -> None:
     if not spec.script:
         raise UserError("a script job needs the script to run: rigpilot run script -- path/to/script.py [args]")
     script = _resolve(spec.script[0], base)
+    if script.is_dir():
+        raise UserError(f"script {script} is a folder; give the Python file to run: rigpilot run script -- FILE.py")
     if not script.is_file():
         raise UserError(f"script {script} does not exist")
     spec.script = [str(script), *spec.script[1:]]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -37,9 +38,10 @@ import psutil
 from engine.errors import UserError
 from engine.hardware.machine import Machine
 from engine.hardware.simulated import Load, SimulatedBackend
+from engine.jobs import secrets as job_secrets
 from engine.jobs.spec import JobSpec
 from engine.runtime import worker_python
-from engine.service import submission
+from engine.service import paths, submission
 from engine.service.metrics import Cursor, MetricsSummary, read_records, summarize
 from engine.service.store import (
     ACTIVE_STATES,
@@ -125,6 +127,8 @@ class Supervisor:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        # Secret env values by job id, never written to disk (engine.jobs.secrets); gone when the engine stops.
+        self._secrets: dict[str, dict[str, str]] = {}
 
     @property
     def max_cpu_ranks(self) -> int:
@@ -185,18 +189,22 @@ class Supervisor:
         spec = sub.spec
         if not spec.name:
             spec.name = _default_name(spec)
+        spec.env, hidden = job_secrets.split(spec.env)
+        hidden = self._find_secrets(job_secrets.masked_names(spec.env), hidden, "rigpilot run --env NAME=VALUE")
         job_dir = self.job_dir(job_id)
         rec = JobRecord(
             id=job_id, seq=self.store.next_seq(), kind=spec.kind, name=spec.name, state=QUEUED, gpus=spec.gpus,
             ranks=sub.ranks, simulated=spec.simulated, created=time.time(), cwd=sub.cwd, predicted=sub.predicted,
         )
         try:
+            job_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
             for sub_dir in ("logs", "metrics", "checkpoints", "output", "ranks"):
-                (job_dir / sub_dir).mkdir(parents=True, exist_ok=True)
-            spec.write(job_dir)
+                (job_dir / sub_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
+            _write_spec(spec, job_dir)
             if plan is not None:
                 _write_json_atomic(job_dir / "plan.json", plan)
             with self._lock:
+                self._secrets[job_id] = hidden
                 self.store.insert(rec)
                 self._queue_dirty = True
                 view = self.view(rec)
@@ -230,7 +238,8 @@ class Supervisor:
         self._wake.set()
         return view
 
-    def resume(self, ref: str) -> dict[str, Any]:
+    def resume(self, ref: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+        """Queue a job again; `env` gives secrets again (or changes plain values) for this and later runs."""
         with self._lock:
             rec = self.resolve(ref)
             if rec.state not in RESUMABLE_STATES:
@@ -243,8 +252,15 @@ class Supervisor:
             missing = [g for g in spec.gpus if g not in {x.index for x in self.machine.gpus}]
             if missing:
                 raise UserError(f"cannot resume {rec.id}: GPU {missing[0]} is no longer on this machine")
+            given_shown, given_hidden = job_secrets.split({str(k): str(v) for k, v in (env or {}).items()})
+            spec.env = {**spec.env, **given_shown}
+            known = {**self._secrets.get(rec.id, {}), **given_hidden}
+            hidden = self._find_secrets(
+                job_secrets.masked_names(spec.env), known, f"rigpilot resume {rec.id} --env NAME=VALUE"
+            )
             spec.resume = True
-            spec.write(job_dir)
+            _write_spec(spec, job_dir)
+            self._secrets[rec.id] = hidden
             self.store.update(
                 rec, state=QUEUED, seq=self.store.next_seq(), run=rec.run + 1, cancel_requested=False, started=None,
                 ended=None, exit_reason=None, exit_code=None, failed_rank=None, last_log=[], error=None,
@@ -252,6 +268,7 @@ class Supervisor:
             )
             self._queue_dirty = True
             view = self.view(rec)
+        view["resumes_from"] = _newest_checkpoint(job_dir) if spec.kind == "train" else None
         self._on_job(view)
         self._wake.set()
         return view
@@ -262,6 +279,7 @@ class Supervisor:
             if rec.state in ACTIVE_STATES:
                 raise UserError(f"job {rec.id} is {rec.state}; cancel it before deleting it")
             self.store.delete(rec.id)
+            self._secrets.pop(rec.id, None)
             self._queue_dirty = True
         shutil.rmtree(self.job_dir(rec.id), ignore_errors=True)
         self._on_job({"id": rec.id, "state": "deleted"})
@@ -341,10 +359,19 @@ class Supervisor:
         except UserError as e:
             self._end_without_run(rec, str(e))
             return
+        try:
+            hidden = self._find_secrets(
+                job_secrets.masked_names(spec.env), self._secrets.get(rec.id, {}),
+                f"rigpilot resume {rec.id} --env NAME=VALUE",
+            )  # fmt: skip
+        except UserError as e:
+            self._end_without_run(rec, str(e))
+            return
         port = _free_port()
         cmd = self._command(rec, spec, job_dir, port, python)
         env = self._environment(rec, spec, job_dir, python)
-        launcher_log = (job_dir / "logs" / "launcher.log").open("ab")
+        env.update(hidden)
+        launcher_log = paths.open_private(job_dir / "logs" / "launcher.log", "ab")
         launcher_log.write(f"--- run {rec.run}: {' '.join(cmd)}\n".encode())
         launcher_log.flush()
         cwd = rec.cwd if rec.kind == "script" and rec.cwd and Path(rec.cwd).is_dir() else str(job_dir)
@@ -392,7 +419,7 @@ class Supervisor:
 
     def _environment(self, rec: JobRecord, spec: JobSpec, job_dir: Path, python: str) -> dict[str, str]:
         env = dict(os.environ)
-        env.update(spec.env)
+        env.update({k: v for k, v in spec.env.items() if v != job_secrets.MASK})  # the caller adds the secrets
         path = env.get("PYTHONPATH")
         if (REPO_ROOT / "pyproject.toml").is_file() or python == sys.executable:
             # A source checkout: ranks and user scripts import engine (engine.report) from it. An
@@ -421,6 +448,25 @@ class Supervisor:
             env["RIGPILOT_SIMULATED"] = "0"
             env["RIGPILOT_DIST_BACKEND"] = "nccl"
         return env
+
+    def _find_secrets(self, names: list[str], known: dict[str, str], how: str) -> dict[str, str]:
+        """The values of the masked `names`: from `known` (memory, or given now), else the user's secrets file."""
+        found = {n: known[n] for n in names if n in known}
+        lacking = [n for n in names if n not in found]
+        if lacking:
+            try:
+                from_file = job_secrets.read_secrets_file()
+            except ValueError as e:
+                raise UserError(f"secrets file refused: {e}") from None
+            found.update({n: from_file[n] for n in lacking if n in from_file})
+            lacking = [n for n in lacking if n not in found]
+        if lacking:
+            names_text = ", ".join(lacking)
+            raise UserError(
+                f"the job needs {names_text} again (secrets are kept in the engine's memory only, not on disk): "
+                f"{how}, or keep them in {job_secrets.secrets_file()} (chmod 600)"
+            )
+        return found
 
     def _end_without_run(self, rec: JobRecord, reason: str) -> None:
         self.store.update(rec, state=FAILED, ended=time.time(), exit_reason=reason, resumable=True)
@@ -634,6 +680,12 @@ def _outcome(run: _Run, rc: int | None, *, service_was_down: bool = False) -> di
                 "last_log": _tail(job_dir / "logs" / "launcher.log")}  # fmt: skip
 
     failed_rank = oom.get("rank") if oom else (failures[0][1] if failures else None)
+    # torchrun names the first rank it saw fail. A rank whose wrapper was killed outright leaves no exit
+    # record, and the ranks torchrun then stopped would otherwise be blamed for exiting on its SIGTERM.
+    root = _torchrun_root_cause(job_dir / "logs" / "launcher.log", rec.run) if oom is None else None
+    if root is not None and not _clean_exit(exits.get(root[0], {"code": None})):
+        failed_rank = root[0]
+        exits.setdefault(failed_rank, root[1])
     if oom is not None:
         reason = _oom_reason(oom, rec.predicted)
         error: dict[str, Any] | None = {**oom, "predicted": rec.predicted}
@@ -650,6 +702,31 @@ def _outcome(run: _Run, rc: int | None, *, service_was_down: bool = False) -> di
     log_file = job_dir / "logs" / (f"rank{failed_rank}.log" if failed_rank is not None else "launcher.log")
     return {**base, "state": FAILED, "exit_reason": reason, "failed_rank": failed_rank, "resumable": True,
             "last_log": _tail(log_file), "error": error}  # fmt: skip
+
+
+_ROOT_CAUSE = re.compile(
+    r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+)\b.*?exitcode\s*:\s*(-?\d+)", re.DOTALL
+)
+
+
+def _torchrun_root_cause(launcher_log: Path, run: int) -> tuple[int, dict[str, Any]] | None:
+    """(rank, exit record) of the failure torchrun's ChildFailedError report names as the root cause in
+    this run's part of the launcher log, or None."""
+    try:
+        with launcher_log.open("rb") as f:
+            size = f.seek(0, 2)
+            f.seek(max(size - (256 << 10), 0))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return None
+    marker = text.rfind(f"--- run {run}:")
+    if marker < 0:
+        return None
+    m = _ROOT_CAUSE.search(text, marker)
+    if m is None:
+        return None
+    code = int(m.group(2))
+    return int(m.group(1)), {"code": code if code >= 0 else None, "signal": -code if code < 0 else None}
 
 
 def _oom_reason(oom: dict[str, Any], predicted: dict[str, Any] | None) -> str:
@@ -737,6 +814,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _newest_checkpoint(job_dir: Path) -> dict[str, Any] | None:
+    """The checkpoint a resumed training job will start from, by the workers' rule
+    (engine.workers.checkpoint.latest_checkpoint: a `step-N` folder marked COMPLETE), without importing torch."""
+    best: tuple[int, str] | None = None
+    with contextlib.suppress(OSError):
+        for d in (job_dir / "checkpoints").iterdir():
+            step_text = d.name.removeprefix("step-")
+            if d.name.startswith("step-") and step_text.isdigit() and (d / "COMPLETE").is_file():
+                if best is None or int(step_text) > best[0]:
+                    best = (int(step_text), d.name)
+    return {"step": best[0], "name": best[1]} if best else None
+
+
 def _max_steps(spec: JobSpec) -> int | None:
     return spec.train.max_steps if spec.kind == "train" and spec.train else None
 
@@ -772,6 +862,10 @@ def _read_json(path: Path) -> Any:
 def _write_json_atomic(path: Path, data: Any) -> None:
     import json
 
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, path)
+    paths.write_private(path, json.dumps(data, indent=2))
+
+
+def _write_spec(spec: JobSpec, job_dir: Path) -> None:
+    spec.write(job_dir)
+    with contextlib.suppress(OSError):
+        os.chmod(job_dir / "job.json", 0o600)  # spec.write follows the umask; the engine's own is 077 anyway

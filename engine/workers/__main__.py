@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import UserError
+from engine.jobs.secrets import MASK
 from engine.jobs.spec import JobSpec
 from engine.report import METRICS_DIR_ENV, report
 from engine.workers import (
@@ -111,7 +112,8 @@ def main(argv: list[str]) -> int:
     try:
         spec = read_spec(job_dir)
         # Before torch and transformers are imported: some of them are read at import time.
-        os.environ.update(spec.env)
+        # Masked secrets (engine.jobs.secrets) reach the ranks through the environment the engine set.
+        os.environ.update({k: v for k, v in spec.env.items() if v != MASK})
         return run(spec, job_dir)
     except UserError as e:
         report(kind="error", error="user_error", message=str(e))

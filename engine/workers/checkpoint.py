@@ -6,12 +6,23 @@ reshard to can load it), the LR scheduler, the data position and every rank's
 RNG states. It is written to `checkpoints/step-N.tmp`, renamed to `step-N`,
 and only then marked with a `COMPLETE` file: a folder without one is never
 loaded, whatever killed the job while writing it.
+
+Loading runs no code from the job folder, which anyone who can write to it
+could have planted: DCP's `.metadata` is a pickle and its non-tensor values are
+torch.save'd, and it loads both with the unrestricted unpickler. Here the
+COMPLETE marker is checked as JSON first, `.metadata` goes through an
+unpickler that knows only DCP's own metadata classes (`_MetadataUnpickler`),
+and non-tensor values are read with `torch.load(weights_only=True)` (tensors
+already are). A checkpoint holding anything else is refused with one line
+(`UnsafeCheckpoint`).
 """
 
 from __future__ import annotations
 
 import copy
+import io
 import json
+import pickle
 import random
 import shutil
 import time
@@ -22,6 +33,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -31,10 +47,105 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from engine.errors import UserError
 from engine.workers.model_loading import LoadedModel, auto_class, offline
 from engine.workers.parallel_dims import Runtime
 
 COMPLETE = "COMPLETE"
+
+
+class UnsafeCheckpoint(UserError):
+    """A checkpoint holds something that is not plain data: it is not loaded."""
+
+
+# What DCP's FileSystemWriter pickles into `.metadata` (torch 2.x): its metadata dataclasses, tensor
+# sizes, dtypes and layouts, and the checkpoint's path. Nothing here runs code when constructed.
+_DCP = "torch.distributed.checkpoint"
+_METADATA_GLOBALS = {
+    *((f"{_DCP}.metadata", n) for n in (
+        "Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "StorageMeta", "_MEM_FORMAT_ENCODING",
+    )),
+    (f"{_DCP}.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+}  # fmt: skip
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_GLOBALS or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's file reader with `.metadata` read through `_MetadataUnpickler`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            try:
+                metadata = _MetadataUnpickler(f).load()
+            except Exception as e:  # any way it fails, it is not DCP's metadata
+                raise UnsafeCheckpoint(f"checkpoint {Path(self.path).name}: its .metadata is refused ({e})") from None
+        if not isinstance(metadata, Metadata):
+            raise UnsafeCheckpoint(f"checkpoint {Path(self.path).name}: its .metadata is not DCP metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _PlainDataPlanner(DefaultLoadPlanner):
+    """DCP's load planner with non-tensor values read by torch's weights-only unpickler."""
+
+    def __init__(self, checkpoint: str) -> None:
+        super().__init__()
+        self.checkpoint = checkpoint
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)  # raises on anything but plain data, running nothing
+        except Exception as e:
+            first = next((ln for ln in str(e).splitlines() if "Unsupported global" in ln), str(e).splitlines()[0])
+            raise UnsafeCheckpoint(
+                f"checkpoint {self.checkpoint}: {read_item.dest_index.fqn} is not plain data ({first.strip()})"
+            ) from None
+        # As DefaultLoadPlanner.load_bytes places it, minus its weights_only=False load.
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def check_marker(path: Path) -> dict[str, Any]:
+    """The COMPLETE marker, read as the JSON Rigpilot wrote at save time, before DCP reads anything."""
+    try:
+        info = json.loads((path / COMPLETE).read_text())
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise UnsafeCheckpoint(f"checkpoint {path.name}: its {COMPLETE} marker is not Rigpilot's JSON ({e})") from None
+    step = info.get("step") if isinstance(info, dict) else None
+    if not isinstance(step, int) or f"step-{step}" != path.name:
+        raise UnsafeCheckpoint(f"checkpoint {path.name}: its {COMPLETE} marker names step {step!r}")
+    return info
+
+
+def _unsafe_in(e: BaseException) -> UnsafeCheckpoint | None:
+    """The UnsafeCheckpoint some rank raised inside DCP, which wraps it in a CheckpointException."""
+    if isinstance(e, UnsafeCheckpoint):
+        return e
+    if isinstance(e, CheckpointException):
+        for exc, _ in e.failures.values():
+            found = _unsafe_in(exc)
+            if found:
+                return found
+    return _unsafe_in(e.__cause__) if e.__cause__ is not None else None
 
 
 class _ModelAndOptimizer(Stateful):
@@ -143,13 +254,20 @@ class Checkpointer:
     def load(self, path: Path) -> tuple[int, list[str]]:
         """Restore everything from `path`; returns the step it was taken after, and notes for the log."""
         notes: list[str] = []
+        check_marker(path)
         state = self._state(0)
         rng_key = f"rng_rank{self.runtime.rank}"
-        stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        stored = SafeReader(str(path)).read_metadata().state_dict_metadata
         if not any(k == rng_key or k.startswith(rng_key + ".") for k in stored):
             state.pop(rng_key)
             notes.append(f"{path.name} was written by a different number of ranks: RNG states start fresh")
-        dcp.load(state, checkpoint_id=str(path))
+        try:
+            dcp.load(state, storage_reader=SafeReader(str(path)), planner=_PlainDataPlanner(path.name))
+        except BaseException as e:
+            unsafe = _unsafe_in(e)
+            if unsafe is None:
+                raise
+            raise UnsafeCheckpoint(str(unsafe)) from None
         if rng_key in state:
             set_rng_state(state[rng_key])
         return int(state["train"]["step"]), notes

@@ -7,7 +7,10 @@ It is strict about content: every row must have its cells, every cell must be a 
 matrix must be symmetric, otherwise `MachineImportError` names the line and what is wrong.
 
 Cells are separated by whitespace: no cell contains a space, only the column titles do
-("CPU Affinity", "NUMA Affinity", "GPU NUMA ID").
+("CPU Affinity", "NUMA Affinity", "GPU NUMA ID"). A row with fewer cells than the header has columns
+is read by position when the text is space-aligned (no tabs): each cell goes to the header column it
+lies under, so an empty cell (a blank CPU Affinity inside some SLURM allocations) stays empty instead
+of shifting the cells after it.
 """
 
 from __future__ import annotations
@@ -115,7 +118,14 @@ def _find_header(lines: list[str]) -> int | None:
 
 def _read_header(line: str, lineno: int) -> tuple[list[str], list[str]]:
     """Split the header into device labels and the titles of the columns after the matrix."""
+    labels, titles, _ = _header_columns(line, lineno)
+    return labels, titles
+
+
+def _header_columns(line: str, lineno: int) -> tuple[list[str], list[str], list[int]]:
+    """Device labels, the titles after them, and where each column (labels, then titles) starts in `line`."""
     labels: list[str] = []
+    starts: list[int] = []
     end = 0
     for m in re.finditer(r"\S+", line):
         if not _DEVICE_LABEL.fullmatch(m.group()):
@@ -123,18 +133,43 @@ def _read_header(line: str, lineno: int) -> tuple[list[str], list[str]]:
         if m.group() in labels:
             raise MachineImportError(f"line {lineno}: column '{m.group()}' appears twice in the header")
         labels.append(m.group())
+        starts.append(m.start())
         end = m.end()
     for label in labels:
         if label.startswith("GPU") and not _GPU_LABEL.fullmatch(label):
             raise MachineImportError(f"line {lineno}: cannot read GPU column '{label}'")
 
     titles: list[str] = []
-    rest = line[end:].strip()
-    while rest:
-        title, length = _next_title(rest)
+    pos = end
+    while line[pos:].strip():
+        pos += len(line[pos:]) - len(line[pos:].lstrip())
+        title, length = _next_title(line[pos:])
         titles.append(title)
-        rest = rest[length:].strip()
-    return labels, titles
+        starts.append(pos)
+        pos += length
+    return labels, titles, starts
+
+
+def _cells_by_position(line: str, starts: list[int]) -> list[str] | None:
+    """The cells of a space-aligned row after its label, one per header column ("" where a cell is blank).
+
+    Each cell goes to the column its text overlaps most (columns run from one header start to the next),
+    so cells may sit a little left or right of their title, as hand-aligned and centred ones do. None when
+    two cells fall under one column: then position says nothing reliable.
+    """
+    tokens = list(re.finditer(r"\S+", line))[1:]
+    bounds = [*starts[1:], max(len(line), starts[-1]) + 1]
+    cells = [""] * len(starts)
+    taken = [False] * len(starts)
+    for tok in tokens:
+        overlap = [min(tok.end(), bounds[c]) - max(tok.start(), starts[c]) for c in range(len(starts))]
+        c = max(range(len(starts)), key=lambda i: (overlap[i], -i))
+        if overlap[c] <= 0:
+            c = max(i for i in range(len(starts)) if starts[i] <= tok.start()) if tok.start() >= starts[0] else 0
+        if taken[c]:
+            return None
+        cells[c], taken[c] = tok.group(), True
+    return cells
 
 
 def _next_title(rest: str) -> tuple[str, int]:
@@ -149,7 +184,7 @@ def _next_title(rest: str) -> tuple[str, int]:
 
 
 def _read_matrix(lines: list[str], header: int) -> _Matrix:
-    labels, titles = _read_header(lines[header], header + 1)
+    labels, titles, starts = _header_columns(lines[header], header + 1)
     n = len(labels)
     matrix = _Matrix(labels=labels, rows=[], end=header + 1 + n)
     for title in titles:
@@ -170,6 +205,10 @@ def _read_matrix(lines: list[str], header: int) -> _Matrix:
         is_gpu = _GPU_LABEL.fullmatch(label) is not None
         # NIC rows end after the matrix; GPU rows carry the affinity columns too.
         allowed = [n + len(titles)] if is_gpu else [n, n + len(titles)]
+        if len(cells) < allowed[-1] and "\t" not in lines[i] + lines[header]:
+            placed = _cells_by_position(lines[i], starts)
+            if placed is not None and all(placed[:n]):
+                cells = placed if any(placed[n:]) or is_gpu else placed[:n]
         if len(cells) not in allowed:
             raise MachineImportError(f"line {lineno}: expected {allowed[-1]} cells after '{label}', found {len(cells)}")
         codes = [_read_cell(cell, label, labels[c], lineno, r == c, matrix.notes) for c, cell in enumerate(cells[:n])]
@@ -237,8 +276,11 @@ def _build_machine(matrix: _Matrix, legend: dict[str, str], origin: str | None) 
         device = legend.get(row.label) if _NIC_LABEL.fullmatch(row.label) else row.label
         paths = {index: row.codes[column[gpu_row.label]] for index, gpu_row in sorted(gpu_rows.items())}
         nics.append(Nic(label=row.label, device=device, gpu_paths=paths))
-    if any(nic.device is None for nic in nics):
+    unnamed = [nic.label for nic in nics if nic.device is None]
+    if unnamed and not legend:
         notes.append("no NIC Legend in topo -m: the NICs' device names are unknown")
+    elif unnamed:
+        notes.append(f"the NIC Legend of topo -m does not list {', '.join(unnamed)}: their device names are unknown")
 
     host = _build_host(gpus, pairs, notes)
     return Machine(source=Source.IMPORTED, host=host, gpus=gpus, pairs=pairs, nics=nics, origin=origin, notes=notes)
@@ -251,6 +293,8 @@ def _build_gpu(index: int, row: _Row, notes: list[str]) -> Gpu:
     cpu = row.extra.get("cpu")
     if cpu is None:
         gpu.na("cpu_affinity", "no CPU Affinity column in topo -m")
+    elif cpu == "":
+        gpu.na("cpu_affinity", "blank in topo -m (a SLURM allocation may hide the CPUs)")
     elif cpu.upper() == "N/A":
         gpu.na("cpu_affinity", "N/A in topo -m")
     else:
@@ -264,6 +308,8 @@ def _build_gpu(index: int, row: _Row, notes: list[str]) -> Gpu:
     numa = row.extra.get("numa")
     if numa is None:
         gpu.na("numa_node", "no NUMA Affinity column in topo -m (older driver)")
+    elif numa == "":
+        gpu.na("numa_node", "blank in topo -m")
     elif numa.upper() == "N/A":
         gpu.na("numa_node", "N/A in topo -m (the system reports no NUMA node for this GPU)")
     else:
@@ -279,7 +325,7 @@ def _build_gpu(index: int, row: _Row, notes: list[str]) -> Gpu:
             gpu.na("numa_node", f"topo -m gives several NUMA nodes ({numa})")
 
     gpu_numa = row.extra.get("gpu_numa")
-    if gpu_numa is not None and gpu_numa.upper() != "N/A":
+    if gpu_numa and gpu_numa.upper() != "N/A":
         if not gpu_numa.isdigit():
             raise MachineImportError(f"line {row.line}: GPU NUMA ID '{gpu_numa}' of '{row.label}' is not a number")
         # Coherent systems (Grace Hopper) expose GPU memory as a NUMA node of its own.
