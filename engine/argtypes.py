@@ -11,11 +11,15 @@ from typing import Any
 from engine.errors import UserError
 
 
-def positive_int(text: str) -> int:
+def _whole(text: str) -> int:
     try:
-        v = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    v = _whole(text)
     if v < 1:
         raise argparse.ArgumentTypeError("must be at least 1")
     return v
@@ -54,10 +58,7 @@ def probability(text: str) -> float:
 
 
 def seed(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    v = _whole(text)
     if not 0 <= v < 2**63:
         raise argparse.ArgumentTypeError("must be between 0 and 2^63 - 1")
     return v

@@ -13,7 +13,6 @@ import pytest
 from engine.capability import layout_of_plan, why_not
 from engine.hardware.simulated import load_profile
 from engine.models.describe import describe_model
-from engine.models.spec import Linear, ModelSpec
 from engine.planner.command import render_text
 from engine.planner.plan import LoraSettings, Workload
 from engine.planner.search import SearchOptions, search
@@ -22,27 +21,7 @@ PROFILES = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "resour
 TASKS = [("train", "full"), ("train", "lora"), ("train", "qlora"), ("infer", "full")]
 
 
-def llama(h: int, inter: int, layers: int, heads: int, kv: int, vocab: int, params: int, name: str, ctx: int) -> ModelSpec:
-    d = h // heads
-    lin = [
-        Linear("q_proj", h, heads * d), Linear("k_proj", h, kv * d), Linear("v_proj", h, kv * d),
-        Linear("o_proj", heads * d, h), Linear("gate_proj", h, inter), Linear("up_proj", h, inter),
-        Linear("down_proj", inter, h),
-    ]
-    return ModelSpec(
-        id=name, architecture="LlamaForCausalLM", model_type="llama", params_total=params, params_active=params,
-        params_embedding=vocab * h, hidden_size=h, num_layers=layers, num_heads=heads, num_kv_heads=kv, head_dim=d,
-        intermediate_size=inter, vocab_size=vocab, max_position_embeddings=ctx, tied_embeddings=False, layer_linears=lin,
-    )
-
-
-# Llama-2-13B and Llama-3-70B are not presets (gated on the hub); their published shapes.
-MODELS = {
-    "llama-2-7b": lambda: describe_model("llama-2-7b"),
-    "llama-2-13b": lambda: llama(5120, 13824, 40, 40, 40, 32000, 13_015_864_320, "llama-2-13b", 4096),
-    "llama-3-70b": lambda: llama(8192, 28672, 80, 64, 8, 128256, 70_553_706_496, "llama-3-70b", 8192),
-    "mixtral-8x7b": lambda: describe_model("mixtral-8x7b"),
-}
+MODELS = ("llama-2-7b", "llama-2-13b", "llama-3-70b", "mixtral-8x7b")  # presets: no network needed
 
 
 def workload(model: str, task: str, method: str) -> Workload:
@@ -54,7 +33,7 @@ def workload(model: str, task: str, method: str) -> Workload:
 
 @pytest.fixture(scope="module")
 def specs():
-    return {name: make() for name, make in MODELS.items()}
+    return {name: describe_model(name) for name in MODELS}
 
 
 @pytest.fixture(scope="module")
@@ -121,13 +100,13 @@ def test_issue_case_mixtral_lora_on_8_a100_pcie_ranks_what_runs_first():
 
 @pytest.mark.parametrize("profile", ["8x-a100-pcie", "8x-h100-sxm"])
 def test_issue_case_llama_3_70b_lora(profile):
-    r = search(MODELS["llama-3-70b"](), load_profile(profile), workload("llama-3-70b", "train", "lora"))
+    r = search(describe_model("llama-3-70b"), load_profile(profile), workload("llama-3-70b", "train", "lora"))
     assert r.best is not None and r.best.runs_here and r.best.fits
 
 
 def test_qlora_offload_is_not_offered():
     # 70B in NF4 does not fit one 24 GiB card; offloading QLoRA's base is refused by the engine, so nothing fits.
-    r = search(MODELS["llama-3-70b"](), load_profile("1x-rtx4090"), workload("llama-3-70b", "train", "qlora"))
+    r = search(describe_model("llama-3-70b"), load_profile("1x-rtx4090"), workload("llama-3-70b", "train", "qlora"))
     assert r.best is None or r.best.runs_here
     off = next(x for x in r.rejected if x.family == "offload")
     assert "QLoRA" in off.reason
