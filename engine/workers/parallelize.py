@@ -78,10 +78,8 @@ def apply_tensor_parallel(root: nn.Module, tp_mesh: DeviceMesh, sequence_paralle
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
         PrepareModuleInput,
         PrepareModuleOutput,
-        RowwiseParallel,
         SequenceParallel,
         parallelize_module,
     )
@@ -97,12 +95,9 @@ def apply_tensor_parallel(root: nn.Module, tp_mesh: DeviceMesh, sequence_paralle
     inter = getattr(config, "intermediate_size", 0)
     if inter % tp:
         raise UserError(f"tensor parallel {tp} must divide the MLP width ({inter})")
-    if getattr(parts.root, "peft_config", None):
-        raise UserError("LoRA with tensor parallel is not supported: use FSDP (dp_shard) or pipeline parallel for LoRA")
-    plan: dict[str, Any] = {f"self_attn.{n}": ColwiseParallel() for n in ATTENTION_PROJECTIONS[:3]}
-    plan.update({f"mlp.{n}": ColwiseParallel() for n in MLP_PROJECTIONS[:2]})
+    seq = Shard(1)
+    plan: dict[str, Any] = {}
     if sequence_parallel:
-        seq = Shard(1)
         plan.update({
             "input_layernorm": SequenceParallel(),
             "post_attention_layernorm": SequenceParallel(),
@@ -111,22 +106,28 @@ def apply_tensor_parallel(root: nn.Module, tp_mesh: DeviceMesh, sequence_paralle
                 desired_input_kwarg_layouts={"hidden_states": Replicate()},
                 use_local_output=True,
             ),
-            "self_attn.o_proj": RowwiseParallel(output_layouts=seq),
             "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True),
-            "mlp.down_proj": RowwiseParallel(output_layouts=seq),
         })  # fmt: skip
         notes.append(f"sequence parallel: norms and the residual stream split {tp} ways along the sequence")
-    else:
-        plan["self_attn.o_proj"] = RowwiseParallel()
-        plan["mlp.down_proj"] = RowwiseParallel()
+    columns = [f"self_attn.{n}" for n in ATTENTION_PROJECTIONS[:3]] + [f"mlp.{n}" for n in MLP_PROJECTIONS[:2]]
+    rows = ["self_attn.o_proj", "mlp.down_proj"]
     layers = list(parts.inner.layers.values() if isinstance(parts.inner.layers, nn.ModuleDict) else parts.inner.layers)
+    # parallelize_module re-creates parameters as DTensors, and SequenceParallel's re-created norm
+    # weights come back trainable: frozen weights (LoRA's base model) must stay frozen.
+    frozen = {n for n, p in parts.root.named_parameters() if not p.requires_grad}
     for layer in layers:
-        parallelize_module(layer, tp_mesh, plan)
+        layer_plan = dict(plan)
+        for path in columns:
+            layer_plan.update(_column_plan(layer, path))
+        for path in rows:
+            layer_plan.update(_row_plan(layer, path, seq if sequence_parallel else Replicate()))
+        parallelize_module(layer, tp_mesh, layer_plan)
         attn = layer.self_attn
         # transformers' attention reshapes with -1 heads, so only explicit head counts need shrinking.
         for attr in ("num_heads", "num_attention_heads", "num_key_value_heads"):
             if isinstance(getattr(attn, attr, None), int):
                 setattr(attn, attr, getattr(attn, attr) // tp)
+    _refreeze(parts.root, frozen)
     if sequence_parallel and layers:
         whole, split = Replicate(), Shard(1)
         # Whole -> split is a local slice (no communication); split -> whole is one all-gather.
@@ -135,6 +136,62 @@ def apply_tensor_parallel(root: nn.Module, tp_mesh: DeviceMesh, sequence_paralle
         parallelize_module(layers[-1], tp_mesh, PrepareModuleOutput(
             output_layouts=split, desired_output_layouts=whole, use_local_output=True))  # fmt: skip
     return notes
+
+
+def _refreeze(root: nn.Module, frozen: set[str]) -> None:
+    for name, param in root.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
+
+
+def _lora_adapters(module: nn.Module) -> list[str] | None:
+    """The adapter names of a peft LoRA layer (a wrapper holding base_layer, lora_A, lora_B), else None."""
+    lora_a = getattr(module, "lora_A", None)
+    if isinstance(getattr(module, "base_layer", None), nn.Module) and isinstance(lora_a, nn.ModuleDict):
+        if getattr(module, "lora_magnitude_vector", None):  # DoRA normalises by the whole weight's norm
+            raise UserError("DoRA with tensor parallel is not supported: use plain LoRA, FSDP or pipeline parallel")
+        return list(lora_a.keys())
+    return None
+
+
+def _column_plan(layer: nn.Module, path: str) -> dict[str, Any]:
+    """A column-wise projection: its output features split over the TP ranks.
+
+    Under LoRA, y = W x + B(A x): B is split like W (by output feature) and
+    the small A stays whole on every rank. A's gradient is still whole, not
+    partial: B's ColwiseParallel all-reduces the gradient of its replicated
+    input A x in backward, as it does for x itself.
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    adapters = _lora_adapters(layer.get_submodule(path))
+    if adapters is None:
+        return {path: ColwiseParallel()}
+    return {f"{path}.base_layer": ColwiseParallel(), **{f"{path}.lora_B.{a}": ColwiseParallel() for a in adapters}}
+
+
+def _row_plan(layer: nn.Module, path: str, output: Any) -> dict[str, Any]:
+    """A row-wise projection: input features split, the output reduced to `output` (whole, or split by sequence).
+
+    Under LoRA, A is split like W (by input feature), so A x is reduced the
+    same way as W x (a rank-r tensor: a small all-reduce), and B stays whole.
+    With the output whole, every rank sees the same gradient for B. With
+    sequence parallel each rank sees only its part of the sequence: B is then
+    a replicated DTensor (SequenceParallel), whose partial gradients DTensor
+    sums over the TP ranks, as it does for the norms' weights.
+    """
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel
+
+    adapters = _lora_adapters(layer.get_submodule(path))
+    if adapters is None:
+        return {path: RowwiseParallel(output_layouts=output)}
+    plan: dict[str, Any] = {f"{path}.base_layer": RowwiseParallel(output_layouts=output)}
+    for a in adapters:
+        plan[f"{path}.lora_A.{a}"] = RowwiseParallel(output_layouts=output)
+        if isinstance(output, Shard):
+            plan[f"{path}.lora_B.{a}"] = SequenceParallel(sequence_dim=output.dim, use_local_output=True)
+    return plan
 
 
 # --- activation checkpointing ---------------------------------------------------------------------

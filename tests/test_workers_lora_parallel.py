@@ -1,0 +1,115 @@
+"""LoRA jobs split by tensor and pipeline parallelism: the same losses as one rank, adapters peft loads.
+
+Real torchrun jobs (gloo CPU ranks) on a tiny Llama with random weights,
+fp32, the same batches in every run (data-parallel degree 1 throughout).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.test_workers_jobs import (
+    LLAMA_TRAIN,
+    TINY_LLAMA_CONFIG,
+    assert_loss_falls,
+    assert_same_curve,
+    losses,
+    notes_of,
+    run_job,
+    write_job,
+)
+
+pytestmark = pytest.mark.slow
+
+LORA_TRAIN: dict[str, Any] = {
+    **LLAMA_TRAIN,
+    "method": "lora",
+    "lora_rank": 8,
+    "learning_rate": 2e-2,
+    "max_steps": 8,
+    "eval_every": 4,
+    "checkpoint_every": 0,
+}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("lora-jobs")
+
+
+@pytest.fixture(scope="module")
+def base_llama(root: Path) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder = root / "base-llama"
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(TINY_LLAMA_CONFIG.parent, initializer_range=0.1)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(TINY_LLAMA_CONFIG.parent).save_pretrained(folder)
+    return folder
+
+
+def lora_job(root: Path, base: Path, name: str, parallelism: dict[str, Any], nproc: int, **train: Any) -> Path:
+    job = write_job(root / name, kind="train", model=str(base), parallelism=parallelism, train={**LORA_TRAIN, **train})
+    run_job(job, nproc)
+    return job
+
+
+@pytest.fixture(scope="module")
+def single_run(root: Path, base_llama: Path) -> Path:
+    return lora_job(root, base_llama, "lora-1", {}, 1)
+
+
+def adapter_logits(base: Path, adapter: Path) -> torch.Tensor:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = PeftModel.from_pretrained(model, adapter).eval()
+    ids = torch.arange(3, 3 + 24).reshape(2, 12)
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def base_logits(base: Path) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(input_ids=torch.arange(3, 3 + 24).reshape(2, 12)).logits
+
+
+def assert_same_adapter(job: Path, reference: Path, base: Path) -> None:
+    got = adapter_logits(base, job / "output")
+    want = adapter_logits(base, reference / "output")
+    assert not torch.allclose(got, base_logits(base), atol=1e-3)  # the adapter learned something
+    assert torch.allclose(got, want, atol=1e-4), float((got - want).abs().max())
+
+
+def test_lora_with_tensor_parallel_equals_one_rank(root: Path, base_llama: Path, single_run: Path) -> None:
+    job = lora_job(root, base_llama, "lora-tp", {"tp": 2}, 2)
+    curve = assert_loss_falls(job, margin=0.3)
+    assert_same_curve(curve, losses(single_run), tol=1e-5)
+    assert_same_adapter(job, single_run, base_llama)
+
+
+def test_lora_with_tensor_and_sequence_parallel_equals_one_rank(
+    root: Path, base_llama: Path, single_run: Path
+) -> None:
+    job = lora_job(root, base_llama, "lora-tp-sp", {"tp": 2, "sequence_parallel": True}, 2)
+    assert any(n.startswith("sequence parallel: norms and the residual stream") for n in notes_of(job))
+    assert_same_curve(assert_loss_falls(job, margin=0.3), losses(single_run), tol=1e-5)
+    assert_same_adapter(job, single_run, base_llama)
+
+
+def test_lora_with_pipeline_parallel_equals_one_rank(root: Path, base_llama: Path, single_run: Path) -> None:
+    # micro_batch 1 x 2 pipeline micro-batches = the 2 sequences per micro-batch the one-rank run sees.
+    job = lora_job(
+        root, base_llama, "lora-pp", {"pp": 2, "pp_microbatches": 2, "pp_schedule": "1F1B"}, 2, micro_batch=1
+    )
+    assert_same_curve(assert_loss_falls(job, margin=0.3), losses(single_run), tol=1e-5)
+    assert_same_adapter(job, single_run, base_llama)
