@@ -97,9 +97,7 @@ def test_lora_with_tensor_parallel_equals_one_rank(root: Path, base_llama: Path,
     assert_same_adapter(job, single_run, base_llama)
 
 
-def test_lora_with_tensor_and_sequence_parallel_equals_one_rank(
-    root: Path, base_llama: Path, single_run: Path
-) -> None:
+def test_lora_with_tensor_and_sequence_parallel_equals_one_rank(root: Path, base_llama: Path, single_run: Path) -> None:
     job = lora_job(root, base_llama, "lora-tp-sp", {"tp": 2, "sequence_parallel": True}, 2)
     assert any(n.startswith("sequence parallel: norms and the residual stream") for n in notes_of(job))
     assert_same_curve(assert_loss_falls(job, margin=0.3), losses(single_run), tol=1e-5)

@@ -50,7 +50,9 @@ def tiny_config(model_type: str) -> Any:
         "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
         "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                           shared_expert_intermediate_size=24),
-        "qwen3_moe": dict(head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+        # Layer 0 dense, layer 1 experts: both kinds of MLP in one model.
+        "qwen3_moe": dict(head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                          mlp_only_layers=[0]),
     }.get(model_type, {})  # fmt: skip
     config = AutoConfig.for_model(model_type, **{**common, **extra})
     config._attn_implementation = "eager"
@@ -155,10 +157,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+TP_FAMILIES = ("mistral", "qwen2", "qwen3", "gemma", "gemma2", "mixtral", "qwen2_moe", "qwen3_moe")
 TP_CASES = [
     ("llama", False, False),
     ("llama", True, False),
     ("llama", True, True),
+    *[(m, False, False) for m in TP_FAMILIES],
+    *[(m, False, True) for m in TP_FAMILIES],
+    ("gemma2", True, True),
+    ("mixtral", True, True),
 ]
 
 
@@ -172,7 +179,9 @@ def tp_results() -> dict[tuple[str, bool, bool], str | None]:
         return dict(results)
 
 
-@pytest.mark.parametrize("case", TP_CASES, ids=[f"{m}{'-lora' if lo else ''}{'-sp' if sp else ''}" for m, lo, sp in TP_CASES])
+@pytest.mark.parametrize(
+    "case", TP_CASES, ids=[f"{m}{'-lora' if lo else ''}{'-sp' if sp else ''}" for m, lo, sp in TP_CASES]
+)
 def test_tensor_parallel_computes_the_unsplit_loss_and_gradients(
     tp_results: dict[tuple[str, bool, bool], str | None], case: tuple[str, bool, bool]
 ) -> None:
@@ -183,7 +192,44 @@ def test_tensor_parallel_computes_the_unsplit_loss_and_gradients(
 # --- pipeline stages --------------------------------------------------------------------------------
 
 
-def test_capability_tables_name_the_families_the_workers_split() -> None:
-    assert why_not(Layout(kind="train", method="lora", tp=2, model_type="llama")) is None
-    assert why_not(Layout(kind="train", method="lora", pp=2, model_type="llama")) is None
-    assert set(TENSOR_PARALLEL_TYPES) <= set(PIPELINE_TYPES) | set(TENSOR_PARALLEL_TYPES)
+@pytest.mark.parametrize("model_type", PIPELINE_TYPES)
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_pipeline_stages_compute_the_unsplit_logits(model_type: str, lora: bool) -> None:
+    import copy
+
+    from engine.workers.pipeline import DecoderStage, decoder_parts
+
+    model = build(model_type, lora).eval()
+    inputs, _ = batch()
+    with torch.no_grad():
+        expected = model(input_ids=inputs, use_cache=False).logits
+        stages = [DecoderStage(decoder_parts(copy.deepcopy(model), "pp"), i, 2) for i in range(2)]
+        got = stages[1](stages[0](inputs))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    names = [n for s in stages for n, _ in s.named_parameters()]
+    untied = [n for n in names if n.endswith("lm_head.weight")] if model.config.tie_word_embeddings else []
+    assert sorted(set(names) - set(untied)) == sorted(n for n, _ in model.named_parameters())
+
+
+def test_capability_tables_say_what_the_workers_split() -> None:
+    for mt in TENSOR_PARALLEL_TYPES:
+        assert why_not(Layout(kind="train", method="lora", tp=2, sequence_parallel=True, model_type=mt)) is None
+    for mt in PIPELINE_TYPES:
+        assert why_not(Layout(kind="train", method="lora", pp=2, model_type=mt)) is None
+    reason = why_not(Layout(kind="train", tp=2, model_type="phi3"))
+    assert reason is not None and "fused qkv_proj" in reason and "\n" not in reason
+    assert "not one of them" in (why_not(Layout(kind="infer", tp=2, model_type="gpt2")) or "")
+    assert "not one of them" in (why_not(Layout(kind="train", pp=2, model_type="gpt2")) or "")
+
+
+def test_tensor_parallel_refuses_fused_projections_with_the_capability_reason() -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from engine.errors import UserError
+    from engine.workers.parallelize import apply_tensor_parallel
+
+    with pytest.raises(UserError, match=r"tensor parallel supports .*model type 'phi3' is not one of them"):
+        # The model type is checked before the mesh is used.
+        apply_tensor_parallel(build("phi3", False), DeviceMesh.__new__(DeviceMesh))
+    assert not dist.is_initialized()

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from engine.capability import TENSOR_PARALLEL_TYPES
 from engine.errors import UserError
 from engine.workers.model_loading import transformer_blocks
 from engine.workers.parallel_dims import Runtime
@@ -79,12 +80,13 @@ def apply_tensor_parallel(root: nn.Module, tp_mesh: DeviceMesh, sequence_paralle
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         PrepareModuleInput,
+        PrepareModuleInputOutput,
         PrepareModuleOutput,
         SequenceParallel,
         parallelize_module,
     )
 
-    parts = decoder_parts(root, "tensor parallel")
+    parts = decoder_parts(root, "tensor parallel", TENSOR_PARALLEL_TYPES)
     notes: list[str] = []
     tp = tp_mesh.size()
     config = parts.config
@@ -92,31 +94,51 @@ def apply_tensor_parallel(root: nn.Module, tp_mesh: DeviceMesh, sequence_paralle
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if heads % tp or kv_heads % tp:
         raise UserError(f"tensor parallel {tp} must divide the attention heads ({heads}) and KV heads ({kv_heads})")
-    inter = getattr(config, "intermediate_size", 0)
-    if inter % tp:
-        raise UserError(f"tensor parallel {tp} must divide the MLP width ({inter})")
+    layers = list(parts.inner.layers.values() if isinstance(parts.inner.layers, nn.ModuleDict) else parts.inner.layers)
+    for layer in layers:
+        if _dense_mlp(layer):
+            inter = _out_features(layer.mlp.get_submodule(MLP_PROJECTIONS[0]))
+            if inter % tp:
+                raise UserError(f"tensor parallel {tp} must divide the MLP width ({inter})")
+    if not all(_dense_mlp(layer) for layer in layers):
+        notes.append(f"tensor parallel splits the attention {tp} ways; the mixture-of-experts MLPs are replicated")
     seq = Shard(1)
     plan: dict[str, Any] = {}
     if sequence_parallel:
-        plan.update({
-            "input_layernorm": SequenceParallel(),
-            "post_attention_layernorm": SequenceParallel(),
-            "self_attn": PrepareModuleInput(
-                input_kwarg_layouts={"hidden_states": seq},
-                desired_input_kwarg_layouts={"hidden_states": Replicate()},
-                use_local_output=True,
-            ),
-            "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True),
-        })  # fmt: skip
+        plan["self_attn"] = PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": seq},
+            desired_input_kwarg_layouts={"hidden_states": Replicate()},
+            use_local_output=True,
+        )
+        plan["mlp"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True)
         notes.append(f"sequence parallel: norms and the residual stream split {tp} ways along the sequence")
-    columns = [f"self_attn.{n}" for n in ATTENTION_PROJECTIONS[:3]] + [f"mlp.{n}" for n in MLP_PROJECTIONS[:2]]
-    rows = ["self_attn.o_proj", "mlp.down_proj"]
-    layers = list(parts.inner.layers.values() if isinstance(parts.inner.layers, nn.ModuleDict) else parts.inner.layers)
     # parallelize_module re-creates parameters as DTensors, and SequenceParallel's re-created norm
     # weights come back trainable: frozen weights (LoRA's base model) must stay frozen.
     frozen = {n for n, p in parts.root.named_parameters() if not p.requires_grad}
     for layer in layers:
         layer_plan = dict(plan)
+        columns = [f"self_attn.{n}" for n in ATTENTION_PROJECTIONS[:3]]
+        rows = ["self_attn.o_proj"]
+        if _dense_mlp(layer):
+            columns += [f"mlp.{n}" for n in MLP_PROJECTIONS[:2]]
+            rows.append("mlp.down_proj")
+        elif sequence_parallel:
+            # A replicated MLP returns the whole sequence; the residual stream keeps this rank's part.
+            layer_plan["mlp"] = PrepareModuleInputOutput(
+                input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=True,
+                output_layouts=(Replicate(),), desired_output_layouts=(seq,), use_local_output=True,
+            )  # fmt: skip
+        if sequence_parallel:
+            # Every norm of the block (Gemma 2 has four) sees the residual stream's sequence shard.
+            # Local outputs: Gemma 2 adds its post-norms' outputs to the (plain) residual itself.
+            for name, _ in layer.named_children():
+                if name.endswith("layernorm") or name.endswith("_norm"):
+                    layer_plan[name] = SequenceParallel(use_local_output=True)
+        for name in ("q_norm", "k_norm"):
+            if isinstance(getattr(layer.self_attn, name, None), nn.Module):
+                # Qwen 3 normalises each head: a rank holds its heads only (dim 2 of batch, seq, heads,
+                # head_dim), so the weight's gradient is partial; a replicated DTensor sums it over TP.
+                layer_plan[f"self_attn.{name}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         for path in columns:
             layer_plan.update(_column_plan(layer, path))
         for path in rows:
@@ -136,6 +158,17 @@ def apply_tensor_parallel(root: nn.Module, tp_mesh: DeviceMesh, sequence_paralle
         parallelize_module(layers[-1], tp_mesh, PrepareModuleOutput(
             output_layouts=split, desired_output_layouts=whole, use_local_output=True))  # fmt: skip
     return notes
+
+
+def _dense_mlp(layer: nn.Module) -> bool:
+    """Whether the block's MLP is Llama's gate/up/down (else a mixture of experts, replicated under TP)."""
+    mlp = getattr(layer, "mlp", None)
+    return mlp is not None and all(hasattr(mlp, n) for n in MLP_PROJECTIONS)
+
+
+def _out_features(module: nn.Module) -> int:
+    base = getattr(module, "base_layer", module)
+    return int(base.weight.shape[0])
 
 
 def _refreeze(root: nn.Module, frozen: set[str]) -> None:
