@@ -209,6 +209,10 @@ def test_pipeline_stages_compute_the_unsplit_logits(model_type: str, lora: bool)
     names = [n for s in stages for n, _ in s.named_parameters()]
     untied = [n for n in names if n.endswith("lm_head.weight")] if model.config.tie_word_embeddings else []
     assert sorted(set(names) - set(untied)) == sorted(n for n, _ in model.named_parameters())
+    # Under LoRA only the adapters train, on every stage (the untied head copy included).
+    trainable = {n for s in stages for n, p in s.named_parameters() if p.requires_grad}
+    assert trainable - set(untied) == {n for n, p in model.named_parameters() if p.requires_grad}
+    assert bool(trainable & set(untied)) == (bool(untied) and not lora)
 
 
 def test_capability_tables_say_what_the_workers_split() -> None:

@@ -101,7 +101,9 @@ class DecoderStage(nn.Module):
         self.untied = bool(getattr(parts.config, "tie_word_embeddings", False)) and num_stages > 1
         if self.untied and self.is_last:
             # The embedding lives on the first stage, the head on the last: each trains its own copy.
-            lm.lm_head.weight = nn.Parameter(lm.lm_head.weight.detach().clone())
+            # Frozen stays frozen: under LoRA the head is part of the base model, not trained.
+            head = lm.lm_head.weight
+            lm.lm_head.weight = nn.Parameter(head.detach().clone(), requires_grad=head.requires_grad)
         if not self.is_first:
             inner.embed_tokens = None
         if not self.is_last:
