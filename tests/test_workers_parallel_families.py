@@ -105,24 +105,43 @@ def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 # --- tensor parallel on 2 gloo ranks --------------------------------------------------------------
 
 
-def _tp_case(model_type: str, lora: bool, sequence_parallel: bool) -> str | None:
-    """None when the 2-rank TP model's loss and gradients equal the unsplit model's, else what differs."""
-    from torch.distributed.device_mesh import init_device_mesh
+def _tp_case(model_type: str, lora: bool, sequence_parallel: bool, vocab: bool = False) -> str | None:
+    """None when the 2-rank TP model's loss and gradients equal the unsplit model's, else what differs.
 
-    from engine.workers.parallelize import apply_tensor_parallel
+    `vocab`: the LM head split by vocabulary and the training loop's own token_loss (labels partly
+    ignored) under loss_parallel(), which must then see logits that are never whole on a rank.
+    """
+    import contextlib
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from engine.workers.parallelize import apply_tensor_parallel, logits_split
+    from engine.workers.train import token_loss
 
     inputs, labels = batch()
+    labels = labels.clone()
+    labels[0, :3] = -100  # a prompt that is not trained on
     ref = build(model_type, lora)
-    ref_loss = loss_of(ref, inputs, labels)
+    ref_loss = token_loss(ref(input_ids=inputs, use_cache=False).logits, labels)
     ref_loss.backward()
     expected = grads(ref)
     model = build(model_type, lora)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    apply_tensor_parallel(model, mesh["tp"], sequence_parallel)
-    loss = loss_of(model, inputs, labels)
-    loss.backward()
-    got = grads(model)
+    apply_tensor_parallel(model, mesh["tp"], sequence_parallel, vocab_parallel=vocab)
     problems = []
+    tied = model.config.tie_word_embeddings
+    if logits_split(model) != (vocab and not tied):
+        problems.append(f"logits_split {logits_split(model)} with vocab={vocab}, tied={tied}")
+    with loss_parallel() if logits_split(model) else contextlib.nullcontext():
+        logits = model(input_ids=inputs, use_cache=False).logits
+        if vocab and not tied:
+            if not isinstance(logits, DTensor) or logits.to_local().shape[-1] != VOCAB // 2:
+                problems.append(f"logits not vocabulary-sharded: {type(logits).__name__} {tuple(logits.shape)}")
+        loss = token_loss(logits, labels)
+        loss.backward()
+    got = grads(model)
     if abs(float(loss) - float(ref_loss)) > 1e-5:
         problems.append(f"loss {float(loss)} != {float(ref_loss)}")
     if got.keys() != expected.keys():
@@ -133,7 +152,7 @@ def _tp_case(model_type: str, lora: bool, sequence_parallel: bool) -> str | None
     return "; ".join(problems[:6]) or None
 
 
-def _tp_worker(rank: int, port: int, cases: list[tuple[str, bool, bool]], results: Any) -> None:
+def _tp_worker(rank: int, port: int, cases: list[tuple], results: Any) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
@@ -166,11 +185,15 @@ TP_CASES = [
     *[(m, False, True) for m in TP_FAMILIES],
     ("gemma2", True, True),
     ("mixtral", True, True),
+    ("llama", False, False, True),
+    ("llama", True, True, True),
+    ("qwen3_moe", True, False, True),
+    ("gemma2", False, False, True),  # tied: the head stays whole
 ]
 
 
 @pytest.fixture(scope="module")
-def tp_results() -> dict[tuple[str, bool, bool], str | None]:
+def tp_results() -> dict[tuple, str | None]:
     import torch.multiprocessing as mp
 
     with mp.Manager() as manager:
@@ -179,11 +202,13 @@ def tp_results() -> dict[tuple[str, bool, bool], str | None]:
         return dict(results)
 
 
-@pytest.mark.parametrize(
-    "case", TP_CASES, ids=[f"{m}{'-lora' if lo else ''}{'-sp' if sp else ''}" for m, lo, sp in TP_CASES]
-)
+def _case_id(case: tuple) -> str:
+    return "-".join([case[0], *(flag for flag, on in zip(("lora", "sp", "vocab"), case[1:], strict=False) if on)])
+
+
+@pytest.mark.parametrize("case", TP_CASES, ids=[_case_id(c) for c in TP_CASES])
 def test_tensor_parallel_computes_the_unsplit_loss_and_gradients(
-    tp_results: dict[tuple[str, bool, bool], str | None], case: tuple[str, bool, bool]
+    tp_results: dict[tuple, str | None], case: tuple
 ) -> None:
     assert case[0] in TENSOR_PARALLEL_TYPES
     assert tp_results[case] is None, tp_results[case]

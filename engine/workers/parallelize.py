@@ -64,11 +64,16 @@ def precision_plan(name: str, runtime: Runtime) -> PrecisionPlan:
 # --- tensor parallel -------------------------------------------------------------------------------
 
 
-def apply_tensor_parallel(root: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> list[str]:
+def apply_tensor_parallel(
+    root: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False, vocab_parallel: bool = False
+) -> list[str]:
     """Megatron-style TP on every Llama-style block: q/k/v and gate/up column-wise, o and down row-wise.
 
-    Embedding and LM head stay replicated (their outputs are needed whole on
-    every rank). With `sequence_parallel` (Korthikanti et al. 2022, as in
+    The embedding stays replicated. The LM head does too, unless
+    `vocab_parallel`: then it is split column-wise by vocabulary and returns
+    DTensor logits sharded on the last dim, for a cross-entropy computed
+    under `loss_parallel()` (see `logits_split`), so no rank holds the whole
+    logits. A head tied to the embedding stays whole (a note says so). With `sequence_parallel` (Korthikanti et al. 2022, as in
     torchtitan) the residual stream between the projections is split along
     the sequence: each rank keeps 1/tp of the norms' inputs and outputs, and
     the row-wise projections reduce-scatter instead of all-reducing. The
@@ -149,7 +154,6 @@ def apply_tensor_parallel(root: nn.Module, tp_mesh: DeviceMesh, sequence_paralle
         for attr in ("num_heads", "num_attention_heads", "num_key_value_heads"):
             if isinstance(getattr(attn, attr, None), int):
                 setattr(attn, attr, getattr(attn, attr) // tp)
-    _refreeze(parts.root, frozen)
     if sequence_parallel and layers:
         whole, split = Replicate(), Shard(1)
         # Whole -> split is a local slice (no communication); split -> whole is one all-gather.
@@ -157,7 +161,36 @@ def apply_tensor_parallel(root: nn.Module, tp_mesh: DeviceMesh, sequence_paralle
             input_layouts=(whole,), desired_input_layouts=(split,), use_local_output=True))  # fmt: skip
         parallelize_module(layers[-1], tp_mesh, PrepareModuleOutput(
             output_layouts=split, desired_output_layouts=whole, use_local_output=True))  # fmt: skip
+    head = getattr(parts.causal_lm, "lm_head", None)  # None on a pipeline stage before the last
+    if vocab_parallel and head is not None:
+        embed = getattr(parts.inner, "embed_tokens", None)
+        if embed is not None and getattr(head, "weight", None) is embed.weight:
+            # Splitting one of the pair would untie it (a different model); a vocabulary-parallel
+            # embedding too would need a masked lookup. Whole logits on every rank instead.
+            notes.append("the LM head is tied to the embedding: it stays whole on every rank, with the whole logits")
+        else:
+            plan = _column_plan(parts.causal_lm, "lm_head", output_layouts=Shard(-1), use_local_output=False)
+            parallelize_module(parts.causal_lm, tp_mesh, plan)
+            notes.append(f"the LM head and the loss split the vocabulary {tp} ways: no rank holds the whole logits")
+    _refreeze(parts.root, frozen)
     return notes
+
+
+def logits_split(module: nn.Module) -> bool:
+    """Whether `module`'s LM head returns vocabulary-sharded DTensor logits (apply_tensor_parallel's vocab_parallel).
+
+    Their cross-entropy, forward and backward, must then run under
+    `torch.distributed.tensor.parallel.loss_parallel()`.
+    """
+    from torch.distributed.tensor import DTensor
+
+    get_base = getattr(module, "get_base_model", None)
+    lm = get_base() if callable(get_base) else module
+    head = getattr(getattr(lm, "parts", None), "causal_lm", lm)
+    head = getattr(head, "lm_head", None)
+    head = getattr(head, "base_layer", head)
+    weight = getattr(head, "weight", None)
+    return isinstance(weight, DTensor) and weight.placements[0].is_shard(0)
 
 
 def _dense_mlp(layer: nn.Module) -> bool:
@@ -187,7 +220,7 @@ def _lora_adapters(module: nn.Module) -> list[str] | None:
     return None
 
 
-def _column_plan(layer: nn.Module, path: str) -> dict[str, Any]:
+def _column_plan(layer: nn.Module, path: str, **style: Any) -> dict[str, Any]:
     """A column-wise projection: its output features split over the TP ranks.
 
     Under LoRA, y = W x + B(A x): B is split like W (by output feature) and
@@ -199,8 +232,9 @@ def _column_plan(layer: nn.Module, path: str) -> dict[str, Any]:
 
     adapters = _lora_adapters(layer.get_submodule(path))
     if adapters is None:
-        return {path: ColwiseParallel()}
-    return {f"{path}.base_layer": ColwiseParallel(), **{f"{path}.lora_B.{a}": ColwiseParallel() for a in adapters}}
+        return {path: ColwiseParallel(**style)}
+    lora_b = {f"{path}.lora_B.{a}": ColwiseParallel(**style) for a in adapters}
+    return {f"{path}.base_layer": ColwiseParallel(**style), **lora_b}
 
 
 def _row_plan(layer: nn.Module, path: str, output: Any) -> dict[str, Any]:

@@ -8,6 +8,7 @@ they checkpoint and exit with EXIT_CANCELLED.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
@@ -37,6 +38,7 @@ from engine.workers.parallelize import (
     apply_activation_checkpointing,
     apply_data_parallel,
     apply_tensor_parallel,
+    logits_split,
     precision_dtype,
     precision_plan,
     set_gradient_sync,
@@ -214,6 +216,7 @@ class Trainer:
         rt, dims = self.rt, self.dims
         model = self.loaded.model
         self.untied = False
+        self.loss_parallel = False
         if dims.pp > 1:
             if self.precision.compute == torch.float16 and self.precision.device_type == "cuda":
                 raise UserError(
@@ -231,7 +234,9 @@ class Trainer:
                     f"tp ({dims.tp}): running plain tensor parallel"
                 )
                 sequence_parallel = False
-            self.notes += apply_tensor_parallel(model, rt.mesh["tp"], sequence_parallel)
+            # A pipeline schedule passes plain tensors to its loss function: vocabulary-parallel logits without PP.
+            self.notes += apply_tensor_parallel(model, rt.mesh["tp"], sequence_parallel, vocab_parallel=dims.pp == 1)
+            self.loss_parallel = logits_split(model)
         apply_activation_checkpointing(model, self.s.activation_checkpointing)
         self.module: nn.Module = model  # the module whose parameters and state dict are this rank's part
         reshard = self.spec.parallelism.reshard_after_forward
@@ -293,6 +298,14 @@ class Trainer:
             logits = self.wrapped(input_ids=batch.inputs, **kwargs).logits
         return token_loss(logits, batch.labels)
 
+    def _loss_context(self) -> Any:
+        """loss_parallel() around the forward and backward of vocabulary-sharded logits, else nothing."""
+        if not self.loss_parallel:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+
     def train_step(self, step: int) -> tuple[float | None, int]:
         """Run one optimizer step's forward/backward passes; returns (this rank's mean loss or None, tokens)."""
         accum = self.s.grad_accum
@@ -314,7 +327,7 @@ class Trainer:
                 if mb_losses:
                     losses.append(float(torch.stack([x.detach().float() for x in mb_losses]).mean()))
                 continue
-            with set_gradient_sync(self.wrapped, last):
+            with set_gradient_sync(self.wrapped, last), self._loss_context():
                 loss = self._forward_loss(batch)
                 scaled = loss / accum
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
@@ -362,7 +375,8 @@ class Trainer:
                     total += float(torch.stack([x.float() for x in mb_losses]).mean())
                     count += 1
             else:
-                total += float(self._forward_loss(batch))
+                with self._loss_context():
+                    total += float(self._forward_loss(batch))
                 count += 1
         self.module.train()
         mine = total / count if count and self._reports_loss() else None
