@@ -92,6 +92,7 @@ def assert_same_adapter(job: Path, reference: Path, base: Path) -> None:
 
 def test_lora_with_tensor_parallel_equals_one_rank(root: Path, base_llama: Path, single_run: Path) -> None:
     job = lora_job(root, base_llama, "lora-tp", {"tp": 2}, 2)
+    assert "the LM head and the loss split the vocabulary 2 ways: no rank holds the whole logits" in notes_of(job)
     curve = assert_loss_falls(job, margin=0.3)
     assert_same_curve(curve, losses(single_run), tol=1e-5)
     assert_same_adapter(job, single_run, base_llama)

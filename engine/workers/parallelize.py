@@ -69,12 +69,15 @@ def apply_tensor_parallel(
 ) -> list[str]:
     """Megatron-style TP on every Llama-style block: q/k/v and gate/up column-wise, o and down row-wise.
 
-    The embedding stays replicated. The LM head does too, unless
-    `vocab_parallel`: then it is split column-wise by vocabulary and returns
-    DTensor logits sharded on the last dim, for a cross-entropy computed
-    under `loss_parallel()` (see `logits_split`), so no rank holds the whole
-    logits. A head tied to the embedding stays whole (a note says so). With `sequence_parallel` (Korthikanti et al. 2022, as in
-    torchtitan) the residual stream between the projections is split along
+    LoRA layers are split with their base layer (see `_column_plan` and
+    `_row_plan`). Mixture-of-experts MLPs (experts, router, shared experts)
+    stay replicated: every rank computes them whole. The embedding stays
+    replicated. The LM head does too, unless `vocab_parallel`: then it is
+    split column-wise by vocabulary and returns DTensor logits sharded on the
+    last dim, for a cross-entropy computed under `loss_parallel()` (see
+    `logits_split`), so no rank holds the whole logits; a head tied to the
+    embedding stays whole (a note says so). With `sequence_parallel`
+    (Korthikanti et al. 2022, as in torchtitan) the residual stream between the projections is split along
     the sequence: each rank keeps 1/tp of the norms' inputs and outputs, and
     the row-wise projections reduce-scatter instead of all-reducing. The
     block stack takes and returns whole sequences (the first block splits,
