@@ -19,6 +19,7 @@ from tests.test_workers_jobs import (
     assert_same_curve,
     losses,
     notes_of,
+    records,
     run_job,
     write_job,
 )
@@ -112,3 +113,26 @@ def test_lora_with_pipeline_parallel_equals_one_rank(root: Path, base_llama: Pat
     )
     assert_same_curve(assert_loss_falls(job, margin=0.3), losses(single_run), tol=1e-5)
     assert_same_adapter(job, single_run, base_llama)
+
+
+# Four processes share two cores here: short runs, against runs with the same data-parallel degree.
+SHORT = {"max_steps": 3, "eval_every": 3}
+
+
+def test_lora_with_fsdp_and_tensor_parallel_on_four_ranks_equals_ddp(root: Path, base_llama: Path) -> None:
+    ddp = lora_job(root, base_llama, "lora-ddp", {"dp_replicate": 2}, 2, **SHORT)
+    job = lora_job(root, base_llama, "lora-fsdp-tp", {"dp_shard": 2, "tp": 2}, 4, **SHORT)
+    assert_same_curve(losses(job), losses(ddp), tol=1e-5)
+    assert_same_adapter(job, ddp, base_llama)
+
+
+def test_lora_with_pipeline_and_tensor_parallel_on_four_ranks_equals_one_rank(root: Path, base_llama: Path) -> None:
+    one = lora_job(root, base_llama, "lora-1-short", {}, 1, **SHORT)
+    job = lora_job(root, base_llama, "lora-pp-tp", {"pp": 2, "tp": 2, "pp_microbatches": 2}, 4, micro_batch=1, **SHORT)
+    # The last stage's TP ranks (2 and 3) hold the head, split by vocabulary under the pipeline too.
+    head_notes = [r["message"] for r in records(job, rank=2) if r.get("kind") == "note"]
+    assert "the LM head and the loss split the vocabulary 2 ways: no rank holds the whole logits" in head_notes
+    assert_same_curve(losses(job), losses(one), tol=1e-5)
+    evals = [[r["eval_loss"] for r in records(j) if r.get("kind") == "eval"] for j in (job, one)]
+    assert len(evals[0]) == 1 and abs(evals[0][0] - evals[1][0]) < 1e-5, evals
+    assert_same_adapter(job, one, base_llama)

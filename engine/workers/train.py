@@ -234,8 +234,7 @@ class Trainer:
                     f"tp ({dims.tp}): running plain tensor parallel"
                 )
                 sequence_parallel = False
-            # A pipeline schedule passes plain tensors to its loss function: vocabulary-parallel logits without PP.
-            self.notes += apply_tensor_parallel(model, rt.mesh["tp"], sequence_parallel, vocab_parallel=dims.pp == 1)
+            self.notes += apply_tensor_parallel(model, rt.mesh["tp"], sequence_parallel, vocab_parallel=True)
             self.loss_parallel = logits_split(model)
         apply_activation_checkpointing(model, self.s.activation_checkpointing)
         self.module: nn.Module = model  # the module whose parameters and state dict are this rank's part
@@ -319,7 +318,7 @@ class Trainer:
             last = micro == accum - 1
             if self.schedule is not None:
                 mb_losses: list[torch.Tensor] = []
-                with self.precision.autocast_context():
+                with self.precision.autocast_context(), self._loss_context():
                     if self.rt.pp_rank == 0:
                         self.schedule.step(batch.inputs, target=batch.labels, losses=mb_losses)
                     else:
@@ -366,7 +365,7 @@ class Trainer:
             batch = self._batch(block, -1 - i, 0, trained)  # negative steps: masking never repeats a training batch's
             if self.schedule is not None:
                 mb_losses: list[torch.Tensor] = []
-                with self.precision.autocast_context():
+                with self.precision.autocast_context(), self._loss_context():
                     if self.rt.pp_rank == 0:
                         self.schedule.eval(batch.inputs, target=batch.labels, losses=mb_losses)
                     else:
