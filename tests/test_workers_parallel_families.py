@@ -3,7 +3,7 @@
 Tensor parallel runs in-process on 2 gloo ranks (torch.multiprocessing
 spawn), one process group for all cases so the start-up is paid once; every
 rank also builds the unsplit model from the same seed and compares the loss
-and every gradient. Pipeline stages are plain modules: two stages of one
+and every gradient, and the logits of a KV-cached decode (as inference runs). Pipeline stages are plain modules: two stages of one
 model, run one after the other in one process, must give the whole model's
 logits.
 """
@@ -152,6 +152,32 @@ def _tp_case(model_type: str, lora: bool, sequence_parallel: bool, vocab: bool =
     return "; ".join(problems[:6]) or None
 
 
+def _tp_decode_case(model_type: str) -> str | None:
+    """None when the TP model (as inference builds it) decodes with a KV cache to the unsplit model's logits."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import DynamicCache
+
+    from engine.workers.parallelize import apply_tensor_parallel
+
+    def decode(model: torch.nn.Module) -> list[torch.Tensor]:
+        ids, _ = batch(seed=2)
+        cache = DynamicCache(config=model.config)
+        out, positions = [], torch.arange(SEQ).expand(BATCH, SEQ)
+        with torch.no_grad():
+            for _ in range(3):  # a prefill, then one token at a time against the cache
+                logits = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True).logits
+                out.append(logits[:, -1].float())
+                ids, positions = logits[:, -1:].argmax(-1), positions[:, -1:] + 1
+        return out
+
+    expected = decode(build(model_type, False).eval())
+    model = build(model_type, False).eval()
+    apply_tensor_parallel(model, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))["tp"])
+    got = decode(model)
+    worst = max(float((g - e).abs().max()) for g, e in zip(got, expected, strict=True))
+    return None if worst < 1e-4 else f"decoded logits off by {worst:.3g}"
+
+
 def _tp_worker(rank: int, port: int, cases: list[tuple], results: Any) -> None:
     import torch.distributed as dist
 
@@ -161,7 +187,7 @@ def _tp_worker(rank: int, port: int, cases: list[tuple], results: Any) -> None:
     try:
         for case in cases:
             try:
-                outcome = _tp_case(*case)
+                outcome = _tp_decode_case(case[1]) if case[0] == "decode" else _tp_case(*case)
             except Exception:  # one failing family must not hide the others' results
                 outcome = traceback.format_exc(limit=-4)
             if rank == 0:
@@ -190,6 +216,7 @@ TP_CASES = [
     ("qwen3_moe", True, False, True),
     ("gemma2", False, False, True),  # tied: the head stays whole
 ]
+DECODE_CASES = [("decode", m) for m in ("llama", *TP_FAMILIES)]
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +225,7 @@ def tp_results() -> dict[tuple, str | None]:
 
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_tp_worker, args=(_free_port(), TP_CASES, results), nprocs=2, join=True)
+        mp.spawn(_tp_worker, args=(_free_port(), TP_CASES + DECODE_CASES, results), nprocs=2, join=True)
         return dict(results)
 
 
@@ -206,6 +233,7 @@ def _case_id(case: tuple) -> str:
     return "-".join([case[0], *(flag for flag, on in zip(("lora", "sp", "vocab"), case[1:], strict=False) if on)])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", TP_CASES, ids=[_case_id(c) for c in TP_CASES])
 def test_tensor_parallel_computes_the_unsplit_loss_and_gradients(
     tp_results: dict[tuple, str | None], case: tuple
@@ -262,3 +290,9 @@ def test_tensor_parallel_refuses_fused_projections_with_the_capability_reason() 
         # The model type is checked before the mesh is used.
         apply_tensor_parallel(build("phi3", False), DeviceMesh.__new__(DeviceMesh))
     assert not dist.is_initialized()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", DECODE_CASES, ids=[m for _, m in DECODE_CASES])
+def test_tensor_parallel_decodes_with_a_kv_cache_as_the_unsplit_model(tp_results: dict, case: tuple) -> None:
+    assert tp_results[case] is None, tp_results[case]
