@@ -59,7 +59,7 @@ def tiny_config(model_type: str) -> Any:
     return config
 
 
-def build(model_type: str, lora: bool, seed: int = 0) -> torch.nn.Module:
+def build(model_type: str, lora: bool, seed: int = 0, dropout: float = 0.0) -> torch.nn.Module:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -72,7 +72,7 @@ def build(model_type: str, lora: bool, seed: int = 0) -> torch.nn.Module:
     if lora:
         from engine.workers.model_loading import default_lora_targets
 
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=default_lora_targets(model)))
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=default_lora_targets(model)))
         with torch.no_grad():  # peft starts B at zero: make the adapter do something
             for n, p in model.named_parameters():
                 if "lora_B" in n:
@@ -178,6 +178,26 @@ def _tp_decode_case(model_type: str) -> str | None:
     return None if worst < 1e-4 else f"decoded logits off by {worst:.3g}"
 
 
+def _tp_dropout_case() -> str | None:
+    """LoRA dropout under TP: row-wise layers draw a mask per rank, and the ranks' random streams stay together."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from engine.workers.parallelize import ShardDropout, apply_tensor_parallel
+
+    model = build("llama", True, dropout=0.5).train()
+    apply_tensor_parallel(model, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))["tp"])
+    layer = model.base_model.model.model.layers[0]
+    kinds = {n: type(layer.get_submodule(n).lora_dropout["default"]).__name__ for n in ("self_attn.q_proj", "mlp.down_proj")}
+    if kinds != {"self_attn.q_proj": "Dropout", "mlp.down_proj": ShardDropout.__name__}:
+        return f"dropout modules {kinds}"
+    inputs, labels = batch()
+    loss_of(model, inputs, labels).backward()
+    states: list[Any] = [None, None]
+    dist.all_gather_object(states, torch.get_rng_state())
+    return None if torch.equal(states[0], states[1]) else "the TP ranks' random streams diverged"
+
+
 def _tp_worker(rank: int, port: int, cases: list[tuple], results: Any) -> None:
     import torch.distributed as dist
 
@@ -187,7 +207,12 @@ def _tp_worker(rank: int, port: int, cases: list[tuple], results: Any) -> None:
     try:
         for case in cases:
             try:
-                outcome = _tp_decode_case(case[1]) if case[0] == "decode" else _tp_case(*case)
+                if case[0] == "decode":
+                    outcome = _tp_decode_case(case[1])
+                elif case[0] == "dropout":
+                    outcome = _tp_dropout_case()
+                else:
+                    outcome = _tp_case(*case)
             except Exception:  # one failing family must not hide the others' results
                 outcome = traceback.format_exc(limit=-4)
             if rank == 0:
@@ -225,7 +250,7 @@ def tp_results() -> dict[tuple, str | None]:
 
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_tp_worker, args=(_free_port(), TP_CASES + DECODE_CASES, results), nprocs=2, join=True)
+        mp.spawn(_tp_worker, args=(_free_port(), TP_CASES + DECODE_CASES + [("dropout",)], results), nprocs=2, join=True)
         return dict(results)
 
 
@@ -296,3 +321,26 @@ def test_tensor_parallel_refuses_fused_projections_with_the_capability_reason() 
 @pytest.mark.parametrize("case", DECODE_CASES, ids=[m for _, m in DECODE_CASES])
 def test_tensor_parallel_decodes_with_a_kv_cache_as_the_unsplit_model(tp_results: dict, case: tuple) -> None:
     assert tp_results[case] is None, tp_results[case]
+
+
+@pytest.mark.slow
+def test_lora_dropout_under_tensor_parallel_keeps_the_ranks_together(tp_results: dict) -> None:
+    assert tp_results[("dropout",)] is None, tp_results[("dropout",)]
+
+
+def test_shard_dropout_draws_a_mask_per_rank_from_the_shared_stream() -> None:
+    from engine.workers.parallelize import ShardDropout
+
+    x = torch.ones(2, 8, 512)
+    outs, states = [], []
+    for rank in (0, 1):
+        torch.manual_seed(7)
+        outs.append(ShardDropout(0.25, rank).train()(x))
+        states.append(torch.get_rng_state())
+    assert torch.equal(states[0], states[1])  # one draw each from the shared generator
+    assert not torch.equal(outs[0], outs[1])  # but masks of their own
+    assert 0.7 < float((outs[0] != 0).float().mean()) < 0.8
+    torch.testing.assert_close(outs[0].unique(), torch.tensor([0.0, 1 / 0.75]))
+    torch.manual_seed(7)
+    assert torch.equal(ShardDropout(0.25, 0).train()(x), outs[0])  # recomputation redraws the same mask
+    assert torch.equal(ShardDropout(0.25, 0).eval()(x), x)

@@ -152,6 +152,8 @@ def apply_tensor_parallel(
         for path in rows:
             layer_plan.update(_row_plan(layer, path, seq if sequence_parallel else Replicate()))
         parallelize_module(layer, tp_mesh, layer_plan)
+        for path in rows:
+            _shard_lora_dropout(layer.get_submodule(path), tp_mesh.get_local_rank())
         attn = layer.self_attn
         # transformers' attention reshapes with -1 heads, so only explicit head counts need shrinking.
         for attr in ("num_heads", "num_attention_heads", "num_key_value_heads"):
@@ -211,6 +213,41 @@ def _refreeze(root: nn.Module, frozen: set[str]) -> None:
     for name, param in root.named_parameters():
         if name in frozen:
             param.requires_grad_(False)
+
+
+class ShardDropout(nn.Module):
+    """Dropout on this TP rank's slice of the features, with a mask of its own.
+
+    A row-wise LoRA layer drops features of its input shard. nn.Dropout
+    there would draw the same mask on every TP rank (they share the seed),
+    so feature i of one shard and feature i of the next would always drop
+    together. Here every rank takes one number from the shared generator (so
+    the ranks' random streams stay together, and recomputation under
+    activation checkpointing redraws the same mask) and seeds its own mask
+    from it and its rank.
+    """
+
+    def __init__(self, p: float, rank: int) -> None:
+        super().__init__()
+        self.p, self.rank = p, rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        seed = int(torch.randint(0, 2**62, (1,)))
+        g = torch.Generator(device=x.device).manual_seed(seed + self.rank)
+        keep = torch.empty_like(x).bernoulli_(1 - self.p, generator=g)
+        return x * keep / (1 - self.p)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, rank={self.rank}"
+
+
+def _shard_lora_dropout(module: nn.Module, rank: int) -> None:
+    dropouts = getattr(module, "lora_dropout", None) if _lora_adapters(module) else None
+    for name, dropout in list((dropouts or {}).items()):
+        if isinstance(dropout, nn.Dropout) and dropout.p > 0:
+            dropouts[name] = ShardDropout(dropout.p, rank)
 
 
 def _lora_adapters(module: nn.Module) -> list[str] | None:
