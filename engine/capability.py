@@ -18,11 +18,21 @@ from typing import Any
 TRAIN_METHODS = ("full", "lora", "qlora", "scratch")
 
 # Decoders whose blocks are Llama's: q/k/v/o and gate/up/down projections, rotary embeddings at
-# the model level, no embedding scaling. Pipeline stages and tensor-parallel plans are built for
-# these; other model types are refused rather than split wrongly.
+# the model level. Other model types are refused rather than split wrongly.
 LLAMA_STYLE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-PIPELINE_TYPES = LLAMA_STYLE_TYPES
-TENSOR_PARALLEL_TYPES = LLAMA_STYLE_TYPES
+# Llama's blocks with other norms around them, a scaled embedding (in the embedding module) and,
+# for Gemma 2, soft-capped attention and final logits.
+GEMMA_TYPES = ("gemma", "gemma2")
+# Llama's attention with mixture-of-experts MLPs. Under tensor parallel the attention is split and
+# the experts (fused 3-D parameters in transformers 5), router and shared experts are replicated:
+# every TP rank computes every expert, so TP saves attention memory only; the MLP of a dense layer
+# (Qwen-MoE's mlp_only_layers) is split as usual.
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+# Phi-3's fused qkv_proj and gate_up_proj cannot be split column-wise as one matrix (each rank
+# would get all of q, none of v), so it runs with pipeline parallel but not tensor parallel.
+FUSED_PROJECTION_TYPES = ("phi3",)
+TENSOR_PARALLEL_TYPES = LLAMA_STYLE_TYPES + GEMMA_TYPES + MOE_TYPES
+PIPELINE_TYPES = TENSOR_PARALLEL_TYPES + FUSED_PROJECTION_TYPES
 
 
 @dataclass(frozen=True)
@@ -67,6 +77,8 @@ def why_not(layout: Layout) -> str | None:
             return f"{lt.weight_bits}-bit inference is not run by Rigpilot jobs yet; plan it in bf16 or fp16"
         if lt.cpu_offload:
             return "inference jobs do not offload to the CPU"
+    if lt.tp > 1 and mt in FUSED_PROJECTION_TYPES:
+        return f"tensor parallel cannot split {mt!r}'s fused qkv_proj and gate_up_proj: use pipeline parallel or FSDP"
     if lt.tp > 1 and mt is not None and mt not in TENSOR_PARALLEL_TYPES:
         return f"tensor parallel runs {_types(TENSOR_PARALLEL_TYPES)}; model type {mt!r} is not one of them"
     if lt.pp > 1 and mt is not None and mt not in PIPELINE_TYPES:
@@ -75,7 +87,7 @@ def why_not(layout: Layout) -> str | None:
 
 
 def _types(types: tuple[str, ...]) -> str:
-    return f"Llama-style decoders ({', '.join(types)})" if types == LLAMA_STYLE_TYPES else ", ".join(types)
+    return f"Llama-style decoders ({', '.join(types)})"
 
 
 def layout_of_plan(plan: dict[str, Any]) -> Layout:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from engine.capability import TENSOR_PARALLEL_TYPES
 from engine.errors import UserError
 from engine.workers.model_loading import is_nf4, transformer_blocks
 from engine.workers.parallel_dims import Runtime
@@ -63,12 +64,20 @@ def precision_plan(name: str, runtime: Runtime) -> PrecisionPlan:
 # --- tensor parallel -------------------------------------------------------------------------------
 
 
-def apply_tensor_parallel(root: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> list[str]:
+def apply_tensor_parallel(
+    root: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False, vocab_parallel: bool = False
+) -> list[str]:
     """Megatron-style TP on every Llama-style block: q/k/v and gate/up column-wise, o and down row-wise.
 
-    Embedding and LM head stay replicated (their outputs are needed whole on
-    every rank). With `sequence_parallel` (Korthikanti et al. 2022, as in
-    torchtitan) the residual stream between the projections is split along
+    LoRA layers are split with their base layer (see `_column_plan` and
+    `_row_plan`). Mixture-of-experts MLPs (experts, router, shared experts)
+    stay replicated: every rank computes them whole. The embedding stays
+    replicated. The LM head does too, unless `vocab_parallel`: then it is
+    split column-wise by vocabulary and returns DTensor logits sharded on the
+    last dim, for a cross-entropy computed under `loss_parallel()` (see
+    `logits_split`), so no rank holds the whole logits; a head tied to the
+    embedding stays whole (a note says so). With `sequence_parallel`
+    (Korthikanti et al. 2022, as in torchtitan) the residual stream between the projections is split along
     the sequence: each rank keeps 1/tp of the norms' inputs and outputs, and
     the row-wise projections reduce-scatter instead of all-reducing. The
     block stack takes and returns whole sequences (the first block splits,
@@ -78,15 +87,14 @@ def apply_tensor_parallel(root: nn.Module, tp_mesh: DeviceMesh, sequence_paralle
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
         PrepareModuleInput,
+        PrepareModuleInputOutput,
         PrepareModuleOutput,
-        RowwiseParallel,
         SequenceParallel,
         parallelize_module,
     )
 
-    parts = decoder_parts(root, "tensor parallel")
+    parts = decoder_parts(root, "tensor parallel", TENSOR_PARALLEL_TYPES)
     notes: list[str] = []
     tp = tp_mesh.size()
     config = parts.config
@@ -94,34 +102,58 @@ def apply_tensor_parallel(root: nn.Module, tp_mesh: DeviceMesh, sequence_paralle
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if heads % tp or kv_heads % tp:
         raise UserError(f"tensor parallel {tp} must divide the attention heads ({heads}) and KV heads ({kv_heads})")
-    inter = getattr(config, "intermediate_size", 0)
-    if inter % tp:
-        raise UserError(f"tensor parallel {tp} must divide the MLP width ({inter})")
-    if getattr(parts.root, "peft_config", None):
-        raise UserError("LoRA with tensor parallel is not supported: use FSDP (dp_shard) or pipeline parallel for LoRA")
-    plan: dict[str, Any] = {f"self_attn.{n}": ColwiseParallel() for n in ATTENTION_PROJECTIONS[:3]}
-    plan.update({f"mlp.{n}": ColwiseParallel() for n in MLP_PROJECTIONS[:2]})
-    if sequence_parallel:
-        seq = Shard(1)
-        plan.update({
-            "input_layernorm": SequenceParallel(),
-            "post_attention_layernorm": SequenceParallel(),
-            "self_attn": PrepareModuleInput(
-                input_kwarg_layouts={"hidden_states": seq},
-                desired_input_kwarg_layouts={"hidden_states": Replicate()},
-                use_local_output=True,
-            ),
-            "self_attn.o_proj": RowwiseParallel(output_layouts=seq),
-            "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True),
-            "mlp.down_proj": RowwiseParallel(output_layouts=seq),
-        })  # fmt: skip
-        notes.append(f"sequence parallel: norms and the residual stream split {tp} ways along the sequence")
-    else:
-        plan["self_attn.o_proj"] = RowwiseParallel()
-        plan["mlp.down_proj"] = RowwiseParallel()
     layers = list(parts.inner.layers.values() if isinstance(parts.inner.layers, nn.ModuleDict) else parts.inner.layers)
     for layer in layers:
-        parallelize_module(layer, tp_mesh, plan)
+        if _dense_mlp(layer):
+            inter = _out_features(layer.mlp.get_submodule(MLP_PROJECTIONS[0]))
+            if inter % tp:
+                raise UserError(f"tensor parallel {tp} must divide the MLP width ({inter})")
+    if not all(_dense_mlp(layer) for layer in layers):
+        notes.append(f"tensor parallel splits the attention {tp} ways; the mixture-of-experts MLPs are replicated")
+    seq = Shard(1)
+    plan: dict[str, Any] = {}
+    if sequence_parallel:
+        plan["self_attn"] = PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": seq},
+            desired_input_kwarg_layouts={"hidden_states": Replicate()},
+            use_local_output=True,
+        )
+        plan["mlp"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True)
+        notes.append(f"sequence parallel: norms and the residual stream split {tp} ways along the sequence")
+    # parallelize_module re-creates parameters as DTensors, and SequenceParallel's re-created norm
+    # weights come back trainable: frozen weights (LoRA's base model) must stay frozen.
+    frozen = {n for n, p in parts.root.named_parameters() if not p.requires_grad}
+    for layer in layers:
+        layer_plan = dict(plan)
+        columns = [f"self_attn.{n}" for n in ATTENTION_PROJECTIONS[:3]]
+        rows = ["self_attn.o_proj"]
+        if _dense_mlp(layer):
+            columns += [f"mlp.{n}" for n in MLP_PROJECTIONS[:2]]
+            rows.append("mlp.down_proj")
+        elif sequence_parallel:
+            # A replicated MLP returns the whole sequence; the residual stream keeps this rank's part.
+            layer_plan["mlp"] = PrepareModuleInputOutput(
+                input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=True,
+                output_layouts=(Replicate(),), desired_output_layouts=(seq,), use_local_output=True,
+            )  # fmt: skip
+        if sequence_parallel:
+            # Every norm of the block (Gemma 2 has four) sees the residual stream's sequence shard.
+            # Local outputs: Gemma 2 adds its post-norms' outputs to the (plain) residual itself.
+            for name, _ in layer.named_children():
+                if name.endswith("layernorm") or name.endswith("_norm"):
+                    layer_plan[name] = SequenceParallel(use_local_output=True)
+        for name in ("q_norm", "k_norm"):
+            if isinstance(getattr(layer.self_attn, name, None), nn.Module):
+                # Qwen 3 normalises each head: a rank holds its heads only (dim 2 of batch, seq, heads,
+                # head_dim), so the weight's gradient is partial; a replicated DTensor sums it over TP.
+                layer_plan[f"self_attn.{name}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        for path in columns:
+            layer_plan.update(_column_plan(layer, path))
+        for path in rows:
+            layer_plan.update(_row_plan(layer, path, seq if sequence_parallel else Replicate()))
+        parallelize_module(layer, tp_mesh, layer_plan)
+        for path in rows:
+            _shard_lora_dropout(layer.get_submodule(path), tp_mesh.get_local_rank())
         attn = layer.self_attn
         # transformers' attention reshapes with -1 heads, so only explicit head counts need shrinking.
         for attr in ("num_heads", "num_attention_heads", "num_key_value_heads"):
@@ -134,7 +166,139 @@ def apply_tensor_parallel(root: nn.Module, tp_mesh: DeviceMesh, sequence_paralle
             input_layouts=(whole,), desired_input_layouts=(split,), use_local_output=True))  # fmt: skip
         parallelize_module(layers[-1], tp_mesh, PrepareModuleOutput(
             output_layouts=split, desired_output_layouts=whole, use_local_output=True))  # fmt: skip
+    head = getattr(parts.causal_lm, "lm_head", None)  # None on a pipeline stage before the last
+    if vocab_parallel and head is not None:
+        embed = getattr(parts.inner, "embed_tokens", None)
+        if embed is not None and getattr(head, "weight", None) is embed.weight:
+            # Splitting one of the pair would untie it (a different model); a vocabulary-parallel
+            # embedding too would need a masked lookup. Whole logits on every rank instead.
+            notes.append("the LM head is tied to the embedding: it stays whole on every rank, with the whole logits")
+        else:
+            plan = _column_plan(parts.causal_lm, "lm_head", output_layouts=Shard(-1), use_local_output=False)
+            parallelize_module(parts.causal_lm, tp_mesh, plan)
+            notes.append(f"the LM head and the loss split the vocabulary {tp} ways: no rank holds the whole logits")
+    _refreeze(parts.root, frozen)
     return notes
+
+
+def logits_split(module: nn.Module) -> bool:
+    """Whether `module`'s LM head returns vocabulary-sharded DTensor logits (apply_tensor_parallel's vocab_parallel).
+
+    Their cross-entropy, forward and backward, must then run under
+    `torch.distributed.tensor.parallel.loss_parallel()`.
+    """
+    from torch.distributed.tensor import DTensor
+
+    get_base = getattr(module, "get_base_model", None)
+    lm = get_base() if callable(get_base) else module
+    head = getattr(getattr(lm, "parts", None), "causal_lm", lm)
+    head = getattr(head, "lm_head", None)
+    head = getattr(head, "base_layer", head)
+    weight = getattr(head, "weight", None)
+    return isinstance(weight, DTensor) and weight.placements[0].is_shard(0)
+
+
+def _dense_mlp(layer: nn.Module) -> bool:
+    """Whether the block's MLP is Llama's gate/up/down (else a mixture of experts, replicated under TP)."""
+    mlp = getattr(layer, "mlp", None)
+    return mlp is not None and all(hasattr(mlp, n) for n in MLP_PROJECTIONS)
+
+
+def _out_features(module: nn.Module) -> int:
+    base = getattr(module, "base_layer", module)
+    return int(base.weight.shape[0])
+
+
+def _refreeze(root: nn.Module, frozen: set[str]) -> None:
+    for name, param in root.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
+
+
+class ShardDropout(nn.Module):
+    """Dropout on this TP rank's slice of the features, with a mask of its own.
+
+    A row-wise LoRA layer drops features of its input shard. nn.Dropout
+    there would draw the same mask on every TP rank (they share the seed),
+    so feature i of one shard and feature i of the next would always drop
+    together. Here every rank takes one number from the shared generator (so
+    the ranks' random streams stay together, and recomputation under
+    activation checkpointing redraws the same mask) and seeds its own mask
+    from it and its rank.
+    """
+
+    def __init__(self, p: float, rank: int) -> None:
+        super().__init__()
+        self.p, self.rank = p, rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        seed = int(torch.randint(0, 2**62, (1,)))
+        g = torch.Generator(device=x.device).manual_seed(seed + self.rank)
+        keep = torch.empty_like(x).bernoulli_(1 - self.p, generator=g)
+        return x * keep / (1 - self.p)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, rank={self.rank}"
+
+
+def _shard_lora_dropout(module: nn.Module, rank: int) -> None:
+    dropouts = getattr(module, "lora_dropout", None) if _lora_adapters(module) else None
+    for name, dropout in list((dropouts or {}).items()):
+        if isinstance(dropout, nn.Dropout) and dropout.p > 0:
+            dropouts[name] = ShardDropout(dropout.p, rank)
+
+
+def _lora_adapters(module: nn.Module) -> list[str] | None:
+    """The adapter names of a peft LoRA layer (a wrapper holding base_layer, lora_A, lora_B), else None."""
+    lora_a = getattr(module, "lora_A", None)
+    if isinstance(getattr(module, "base_layer", None), nn.Module) and isinstance(lora_a, nn.ModuleDict):
+        if getattr(module, "lora_magnitude_vector", None):  # DoRA normalises by the whole weight's norm
+            raise UserError("DoRA with tensor parallel is not supported: use plain LoRA, FSDP or pipeline parallel")
+        return list(lora_a.keys())
+    return None
+
+
+def _column_plan(layer: nn.Module, path: str, **style: Any) -> dict[str, Any]:
+    """A column-wise projection: its output features split over the TP ranks.
+
+    Under LoRA, y = W x + B(A x): B is split like W (by output feature) and
+    the small A stays whole on every rank. A's gradient is still whole, not
+    partial: B's ColwiseParallel all-reduces the gradient of its replicated
+    input A x in backward, as it does for x itself.
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    adapters = _lora_adapters(layer.get_submodule(path))
+    if adapters is None:
+        return {path: ColwiseParallel(**style)}
+    lora_b = {f"{path}.lora_B.{a}": ColwiseParallel(**style) for a in adapters}
+    return {f"{path}.base_layer": ColwiseParallel(**style), **lora_b}
+
+
+def _row_plan(layer: nn.Module, path: str, output: Any) -> dict[str, Any]:
+    """A row-wise projection: input features split, the output reduced to `output` (whole, or split by sequence).
+
+    Under LoRA, A is split like W (by input feature), so A x is reduced the
+    same way as W x (a rank-r tensor: a small all-reduce), and B stays whole.
+    With the output whole, every rank sees the same gradient for B. With
+    sequence parallel each rank sees only its part of the sequence: B is then
+    a replicated DTensor (SequenceParallel), whose partial gradients DTensor
+    sums over the TP ranks, as it does for the norms' weights.
+    """
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel
+
+    adapters = _lora_adapters(layer.get_submodule(path))
+    if adapters is None:
+        return {path: RowwiseParallel(output_layouts=output)}
+    plan: dict[str, Any] = {f"{path}.base_layer": RowwiseParallel(output_layouts=output)}
+    for a in adapters:
+        plan[f"{path}.lora_A.{a}"] = RowwiseParallel(output_layouts=output)
+        if isinstance(output, Shard):
+            plan[f"{path}.lora_B.{a}"] = SequenceParallel(sequence_dim=output.dim, use_local_output=True)
+    return plan
 
 
 # --- activation checkpointing ---------------------------------------------------------------------

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.capability import LLAMA_STYLE_TYPES
+from engine.capability import PIPELINE_TYPES
 from engine.errors import UserError
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -41,8 +41,11 @@ class DecoderParts:
         return len(self.inner.layers)
 
 
-def decoder_parts(root: nn.Module, what: str) -> DecoderParts:
-    """The pieces of a Llama-style decoder, or a UserError saying `what` (e.g. "pipeline parallel") cannot run it."""
+def decoder_parts(root: nn.Module, what: str, types: tuple[str, ...] = PIPELINE_TYPES) -> DecoderParts:
+    """The pieces of a Llama-style decoder, or a UserError saying `what` (e.g. "pipeline parallel") cannot run it.
+
+    `types`: the model types `what` runs (engine.capability's tables).
+    """
     if isinstance(getattr(root, "parts", None), DecoderParts):  # already a pipeline stage
         return root.parts
     get_base = getattr(root, "get_base_model", None)
@@ -51,7 +54,7 @@ def decoder_parts(root: nn.Module, what: str) -> DecoderParts:
     model_type = getattr(config, "model_type", type(causal_lm).__name__)
     inner = getattr(causal_lm, "model", None)
     ok = (
-        model_type in LLAMA_STYLE_TYPES
+        model_type in types
         and inner is not None
         and all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb"))
         and hasattr(causal_lm, "lm_head")
@@ -63,7 +66,7 @@ def decoder_parts(root: nn.Module, what: str) -> DecoderParts:
         ok = "position_embeddings" in params
     if not ok:
         raise UserError(
-            f"{what} supports Llama-style decoders ({', '.join(LLAMA_STYLE_TYPES)}); "
+            f"{what} supports Llama-style decoders ({', '.join(types)}); "
             f"model type {model_type!r} is not one of them"
         )
     return DecoderParts(root, causal_lm, inner, config)
@@ -98,7 +101,9 @@ class DecoderStage(nn.Module):
         self.untied = bool(getattr(parts.config, "tie_word_embeddings", False)) and num_stages > 1
         if self.untied and self.is_last:
             # The embedding lives on the first stage, the head on the last: each trains its own copy.
-            lm.lm_head.weight = nn.Parameter(lm.lm_head.weight.detach().clone())
+            # Frozen stays frozen: under LoRA the head is part of the base model, not trained.
+            head = lm.lm_head.weight
+            lm.lm_head.weight = nn.Parameter(head.detach().clone(), requires_grad=head.requires_grad)
         if not self.is_first:
             inner.embed_tokens = None
         if not self.is_last:
@@ -135,7 +140,11 @@ class DecoderStage(nn.Module):
             )
         if not self.is_last:
             return hidden
-        return self.parts.causal_lm.lm_head(inner.norm(hidden))
+        logits = self.parts.causal_lm.lm_head(inner.norm(hidden))
+        cap = getattr(config, "final_logit_softcapping", None)
+        if cap:  # Gemma 2 bounds its logits in the causal-LM wrapper, outside the decoder
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def _masks(
         self, hidden: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor, cache: Any
@@ -146,7 +155,7 @@ class DecoderStage(nn.Module):
         # The cache holds only this stage's layers: size the mask against the first of them.
         kwargs = {"layer_idx": self.first_layer} if cache is not None else {}
         full_fn = create_causal_mask
-        if config.model_type == "mistral" and getattr(config, "sliding_window", None):
+        if config.model_type in ("mistral", "mixtral", "qwen3_moe") and getattr(config, "sliding_window", None):
             full_fn = create_sliding_window_causal_mask
         masks = {"full_attention": full_fn(config, hidden, attention_mask, cache, position_ids, **kwargs)}
         layer_types = getattr(config, "layer_types", None) or []

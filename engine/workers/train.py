@@ -8,6 +8,7 @@ they checkpoint and exit with EXIT_CANCELLED.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
@@ -37,6 +38,7 @@ from engine.workers.parallelize import (
     apply_activation_checkpointing,
     apply_data_parallel,
     apply_tensor_parallel,
+    logits_split,
     offload_device,
     offloaded_shards,
     precision_dtype,
@@ -221,6 +223,7 @@ class Trainer:
         rt, dims = self.rt, self.dims
         model = self.loaded.model
         self.untied = False
+        self.loss_parallel = False
         if dims.pp > 1:
             if self.precision.compute == torch.float16 and self.precision.device_type == "cuda":
                 raise UserError(
@@ -238,7 +241,8 @@ class Trainer:
                     f"tp ({dims.tp}): running plain tensor parallel"
                 )
                 sequence_parallel = False
-            self.notes += apply_tensor_parallel(model, rt.mesh["tp"], sequence_parallel)
+            self.notes += apply_tensor_parallel(model, rt.mesh["tp"], sequence_parallel, vocab_parallel=True)
+            self.loss_parallel = logits_split(model)
         apply_activation_checkpointing(model, self.s.activation_checkpointing)
         self.module: nn.Module = model  # the module whose parameters and state dict are this rank's part
         reshard = self.spec.parallelism.reshard_after_forward
@@ -309,6 +313,14 @@ class Trainer:
             logits = self.wrapped(input_ids=batch.inputs, **kwargs).logits
         return token_loss(logits, batch.labels)
 
+    def _loss_context(self) -> Any:
+        """loss_parallel() around the forward and backward of vocabulary-sharded logits, else nothing."""
+        if not self.loss_parallel:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+
     def train_step(self, step: int) -> tuple[float | None, int]:
         """Run one optimizer step's forward/backward passes; returns (this rank's mean loss or None, tokens)."""
         accum = self.s.grad_accum
@@ -322,7 +334,7 @@ class Trainer:
             last = micro == accum - 1
             if self.schedule is not None:
                 mb_losses: list[torch.Tensor] = []
-                with self.precision.autocast_context():
+                with self.precision.autocast_context(), self._loss_context():
                     if self.rt.pp_rank == 0:
                         self.schedule.step(batch.inputs, target=batch.labels, losses=mb_losses)
                     else:
@@ -330,7 +342,7 @@ class Trainer:
                 if mb_losses:
                     losses.append(float(torch.stack([x.detach().float() for x in mb_losses]).mean()))
                 continue
-            with set_gradient_sync(self.wrapped, last):
+            with set_gradient_sync(self.wrapped, last), self._loss_context():
                 loss = self._forward_loss(batch)
                 scaled = loss / accum
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
@@ -369,7 +381,7 @@ class Trainer:
             batch = self._batch(block, -1 - i, 0, trained)  # negative steps: masking never repeats a training batch's
             if self.schedule is not None:
                 mb_losses: list[torch.Tensor] = []
-                with self.precision.autocast_context():
+                with self.precision.autocast_context(), self._loss_context():
                     if self.rt.pp_rank == 0:
                         self.schedule.eval(batch.inputs, target=batch.labels, losses=mb_losses)
                     else:
@@ -378,7 +390,8 @@ class Trainer:
                     total += float(torch.stack([x.float() for x in mb_losses]).mean())
                     count += 1
             else:
-                total += float(self._forward_loss(batch))
+                with self._loss_context():
+                    total += float(self._forward_loss(batch))
                 count += 1
         self.module.train()
         mine = total / count if count and self._reports_loss() else None
