@@ -87,13 +87,20 @@ def test_issue_case_four_4090s_full_fine_tuning_runs_as_fsdp2_offload():
         assert p.parallelism.offload_params == p.parallelism.offload_optimizer
 
 
-def test_issue_case_mixtral_lora_on_8_a100_pcie_ranks_what_runs_first():
+def test_issue_case_mixtral_lora_on_8_a100_pcie_runs_every_listed_plan():
+    # Mixtral's tensor- and pipeline-parallel plans run now (experts whole on every rank under TP).
     r = search(describe_model("mixtral-8x7b"), load_profile("8x-a100-pcie"), workload("mixtral-8x7b", "train", "lora"),
-               options=SearchOptions(runners_up=8))
-    assert r.best.runs_here and r.best.parallelism.tp == r.best.parallelism.pp == 1
+               options=SearchOptions(runners_up=8))  # fmt: skip
+    assert r.best.runs_here and all(p.runs_here for p in r.runners_up)
+    assert any(p.parallelism.tp > 1 or p.parallelism.pp > 1 for p in r.runners_up)
+
+
+def test_plans_the_engine_cannot_run_are_listed_last_and_marked():
+    r = search(describe_model("llama-3-70b"), load_profile("8x-a100-pcie"), workload("llama-3-70b", "train", "qlora"),
+               options=SearchOptions(runners_up=8))  # fmt: skip
+    assert r.best.runs_here
     refused = [p for p in r.runners_up if not p.runs_here]
-    assert refused, "tensor- or pipeline-parallel Mixtral plans fit; they must be listed as not running here"
-    assert all("mixtral" in p.runs_here_reason for p in refused)
+    assert refused and all("QLoRA" in p.runs_here_reason for p in refused)
     text = "\n".join(render_text(r))
     assert "✗" in text and "cannot run here: " in text
 

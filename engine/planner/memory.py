@@ -474,14 +474,18 @@ class MemoryModel:
         m, t = self.m, par.tp
         first_layer, end_layer = stage_range(par, stage, m.layers)
         n = end_layer - first_layer
-        lin = n * m.layer_linear_params / t
+        # As the engine splits them (engine/workers/parallelize.py): attention and dense MLP linears by t;
+        # MoE experts, the embedding and a tied head whole on every rank; an untied head by vocabulary
+        # in training (inference keeps it whole to sample from).
+        experts = m.layer_expert_params
+        lin = n * ((m.layer_linear_params - experts) / t + experts)
         p = lin + n * m.layer_other_params
         if stage == 0:
-            p += m.embedding_params / t
+            p += m.embedding_params
         if stage == par.pp - 1:
-            p += m.head_params / t
+            p += m.head_params / (t if self.w.training else 1)
             if par.pp > 1 and m.spec.tied_embeddings and m.is_decoder:
-                p += m.embedding_params / t  # the last stage keeps its own copy of a tied output matrix
+                p += m.embedding_params  # the last stage keeps its own copy of a tied output matrix
         return p, lin
 
     # -- training --------------------------------------------------------------------------------------

@@ -80,6 +80,8 @@ class ModelFacts:
     qk_norm: bool
     head_params: int  # untied output matrix (0 when tied or absent)
     layer_linear_params: int  # weights + biases of one block's linears
+    # of which MoE experts: the engine keeps experts whole on every tensor-parallel rank (engine.capability)
+    layer_expert_params: int
     layer_other_params: float  # norms, router tables: what TP does not split
     matmul_params_per_token: int  # parameters a token multiplies by (active, embedding lookup excluded, head included)
     notes: tuple[str, ...] = field(default=())
@@ -207,6 +209,7 @@ def model_facts(spec: ModelSpec) -> ModelFacts:
         qk_norm=spec.model_type in ("qwen3", "qwen3_moe", "olmo2"),
         head_params=head,
         layer_linear_params=linear_params,
+        layer_expert_params=sum(u.params for u in (*attn_in, *attn_out, *mlp_in, *mlp_out) if u.lin.expert),
         layer_other_params=max(spec.params_per_layer - linear_params, 0.0),
         matmul_params_per_token=int(matmul),
         notes=tuple(notes),
