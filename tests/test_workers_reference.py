@@ -21,13 +21,16 @@ eval batches), and checkpoints that step before evaluating.
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from test_workers_jobs import REPO, SHAKESPEARE, TINY_LLAMA_CONFIG, records, run_job, write_job
+from test_workers_jobs import REPO, SHAKESPEARE, TINY_LLAMA_CONFIG, output_tensors, records, run_job, write_job
+
+from engine.jobs.spec import JobSpec
 
 pytestmark = pytest.mark.slow
 
@@ -135,15 +138,16 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("reference")
 
 
-@pytest.mark.parametrize(("data", "layout"), CASES, ids=[f"{d}-{n}" for d, n in CASES])
-def test_every_layout_trains_what_the_plain_loop_trains(
-    root: Path, references: dict[str, dict[str, Any]], data: str, layout: str
-) -> None:
+_jobs: dict[str, Path] = {}
+
+
+def run_case(root: Path, data: str, layout: str) -> Path:
+    """The job of one (data, layout) case, run once per module."""
+    name = f"{data}-{layout}"
+    if name in _jobs:
+        return _jobs[name]
     parallelism, nproc, micro_batch, grad_accum = LAYOUTS[layout]
     path, eval_fraction = DATASETS[data]
-    pipeline_batch = micro_batch * parallelism.get("pp_microbatches", 1)
-    dp = parallelism.get("dp_replicate", 1) * parallelism.get("dp_shard", 1)
-    assert pipeline_batch * dp * grad_accum == GLOBAL_BATCH
     job = write_job(
         root / f"{data}-{layout}",
         kind="train",
@@ -158,6 +162,19 @@ def test_every_layout_trains_what_the_plain_loop_trains(
         },
     )
     run_job(job, nproc)
+    _jobs[name] = job
+    return job
+
+
+@pytest.mark.parametrize(("data", "layout"), CASES, ids=[f"{d}-{n}" for d, n in CASES])
+def test_every_layout_trains_what_the_plain_loop_trains(
+    root: Path, references: dict[str, dict[str, Any]], data: str, layout: str
+) -> None:
+    parallelism, _, micro_batch, grad_accum = LAYOUTS[layout]
+    pipeline_batch = micro_batch * parallelism.get("pp_microbatches", 1)
+    dp = parallelism.get("dp_replicate", 1) * parallelism.get("dp_shard", 1)
+    assert pipeline_batch * dp * grad_accum == GLOBAL_BATCH
+    job = run_case(root, data, layout)
     ref = references[data]
     steps = [r for r in records(job) if r.get("loss") is not None]
     assert [r["step"] for r in steps] == list(range(1, RECIPE["max_steps"] + 1))
@@ -177,3 +194,22 @@ def test_every_layout_trains_what_the_plain_loop_trains(
     (evaluation,) = [r for r in records(job) if r.get("kind") == "eval"]
     assert evaluation["eval_loss"] == pytest.approx(ref["eval_loss"], abs=1e-5)
     assert (job / "output" / "model.safetensors").is_file()
+
+
+def test_a_job_resumed_from_its_last_step_evaluates_and_exports_again(root: Path) -> None:
+    # A job that failed in its final evaluation or export resumes from the last step's checkpoint:
+    # nothing is trained again, and the evaluation and the model are what the run would have given.
+    job = run_case(root, "chat", "pp-gpipe")
+    last = RECIPE["max_steps"]
+    again = root / "chat-pp-gpipe-resumed"
+    spec = JobSpec.read(job)
+    spec.resume = True
+    spec.write(again)
+    shutil.copytree(job / "checkpoints" / f"step-{last}", again / "checkpoints" / f"step-{last}")
+    run_job(again, spec.parallelism.world_size)
+    assert not [r for r in records(again) if r.get("loss") is not None]
+    (before,) = [r["eval_loss"] for r in records(job) if r.get("kind") == "eval"]
+    (after,) = [r["eval_loss"] for r in records(again) if r.get("kind") == "eval"]
+    assert after == pytest.approx(before, abs=1e-6)
+    for name, tensor in output_tensors(job).items():
+        assert torch.equal(tensor, output_tensors(again)[name]), name

@@ -315,8 +315,8 @@ class Trainer:
         batches = []
         for micro in range(accum):
             picked = self.sampler.next_indices()
-            trained = self.data.train_trained
-            batches.append(self._batch(self.data.train[picked], step, micro, None if trained is None else trained[picked]))
+            trained = None if self.data.train_trained is None else self.data.train_trained[picked]
+            batches.append(self._batch(self.data.train[picked], step, micro, trained))
         count = self._global_trained_tokens(batches)
         # DDP and FSDP average the gradients over the data-parallel ranks; the dp factor undoes that.
         # A step without a trained token anywhere has a zero loss and zero gradients, not NaN.
@@ -429,7 +429,7 @@ class Trainer:
             step += 1
             # One collective per step adds up the replicas' shares of the loss and agrees on whether a
             # SIGTERM arrived anywhere.
-            mean_loss, cancelled = world_sum_and_any(loss, self.cancel.requested, rt.device)
+            step_loss, cancelled = world_sum_and_any(loss, self.cancel.requested, rt.device)
             if rt.device.type == "cuda":
                 torch.cuda.synchronize(rt.device)
             dt = time.perf_counter() - t0
@@ -437,7 +437,7 @@ class Trainer:
             tps = tokens / dt / self.dims.non_dp
             report(
                 step=step,
-                loss=mean_loss,
+                loss=step_loss,
                 lr=lr,
                 grad_norm=grad_norm,
                 tokens_per_s=tps,
@@ -446,7 +446,7 @@ class Trainer:
                 peak_memory=peak_memory(rt.device),
             )
             self.log(
-                f"step {step}/{s.max_steps} loss {_fmt(mean_loss)} lr {lr:.3g} grad_norm {grad_norm:.3g} {dt * 1000:.0f} ms"
+                f"step {step}/{s.max_steps} loss {_fmt(step_loss)} lr {lr:.3g} grad_norm {grad_norm:.3g} {dt * 1000:.0f} ms"
             )
             last = step == s.max_steps
             # The trained steps are saved before anything that could fail without touching them
