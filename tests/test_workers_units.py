@@ -180,8 +180,8 @@ def test_masked_prompts_become_ignored_labels_and_an_all_prompt_batch_costs_noth
     logits = torch.randn(2, 5, 7, requires_grad=True)
     labels = torch.tensor([[1, -100, 2, -100, 3], [-100] * 5])
     expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1)[labels.flatten() != -100],
-                                                 labels.flatten()[labels.flatten() != -100])  # fmt: skip
-    assert torch.allclose(token_loss(logits, labels), expected)
+                                                 labels.flatten()[labels.flatten() != -100], reduction="sum")  # fmt: skip
+    assert torch.allclose(token_loss(logits, labels), expected)  # a sum: train.py divides by the global count
     nothing = token_loss(logits, torch.full((2, 5), -100))
     nothing.backward()
     assert nothing.item() == 0.0 and logits.grad is not None and not logits.grad.any()
@@ -221,12 +221,26 @@ def test_packing_split_and_sharding_are_deterministic_and_disjoint(tmp_path: Pat
     assert len(per_rank[0]) == len(per_rank[1]) > 0
 
 
-def test_a_small_eval_split_is_still_evaluated_in_smaller_batches() -> None:
+def test_eval_batches_are_full_and_cover_every_block_once_whatever_the_split() -> None:
+    # A pipeline schedule is built for exactly batch_size sequences: a partial batch used to crash it.
     blocks = torch.arange(3 * 4).reshape(3, 4)
     per_rank = [list(eval_batches(blocks, 8, r, 2)) for r in range(2)]
     assert [len(b) for b in per_rank] == [1, 1]  # the same count on every rank, or the collectives would hang
-    assert not torch.equal(per_rank[0][0], per_rank[1][0])
-    assert list(eval_batches(blocks[:1], 8, 0, 2)) == []
+    assert all(rows.shape == (8, 4) and mask.shape == (8, 4) for b in per_rank for rows, mask in b)
+    real = [rows[mask.all(1)] for b in per_rank for rows, mask in b]
+    assert torch.equal(torch.cat(real), blocks)  # padding rows carry no trained token
+    assert int(sum(mask.sum() for b in per_rank for _, mask in b)) == blocks.numel()
+
+    # A block's own mask (chat prompts) is kept; 7 blocks over 2 ranks x batches of 2: two rounds, one padded row.
+    blocks = torch.arange(7 * 4).reshape(7, 4)
+    trained = torch.rand(7, 4, generator=torch.Generator().manual_seed(0)) > 0.5
+    per_rank = [list(eval_batches(blocks, 2, r, 2, trained)) for r in range(2)]
+    assert [len(b) for b in per_rank] == [2, 2]
+    # In global order (batch by batch, rank by rank): the blocks with their masks, then one padding row.
+    rows = torch.cat([per_rank[r][b][0] for b in range(2) for r in range(2)])
+    masks = torch.cat([per_rank[r][b][1] for b in range(2) for r in range(2)])
+    assert torch.equal(rows[:7], blocks) and torch.equal(masks[:7], trained) and not masks[7].any()
+    assert list(eval_batches(blocks[:0], 2, 0, 2)) == []
 
 
 def test_too_little_data_says_what_to_change(tmp_path: Path) -> None:

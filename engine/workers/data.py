@@ -273,16 +273,28 @@ class ShardedBatches:
         self.epoch, self.position, self._perm = int(state["epoch"]), int(state["position"]), None
 
 
-def eval_batches(blocks: torch.Tensor, batch_size: int, dp_rank: int, dp_size: int) -> Iterator[torch.Tensor]:
-    """This rank's share of the eval blocks in equal-sized batches (the same count on every rank)."""
-    # A small eval split still gets evaluated: shrink the batch rather than skip evaluation altogether.
-    batch_size = min(batch_size, blocks.shape[0] // dp_size)
-    if batch_size == 0:
+def eval_batches(
+    blocks: torch.Tensor, batch_size: int, dp_rank: int, dp_size: int, trained: torch.Tensor | None = None
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's share of the eval blocks as (blocks, trained mask) batches, always batch_size rows.
+
+    Every rank gets the same number of batches (the collectives inside a forward pass need that) and
+    every batch is full (a pipeline schedule splits exactly the batch it was built for): the last
+    global batch is filled up with copies of the last block whose mask is all False, so a loss
+    normalised by the trained tokens ignores them. `trained` is the blocks' own mask (None: every
+    token is trained).
+    """
+    n = blocks.shape[0]
+    if n == 0:
         return
-    per_rank = min(blocks.shape[0] // (batch_size * dp_size), MAX_EVAL_BATCHES)
+    mask = trained if trained is not None else torch.ones(blocks.shape, dtype=torch.bool)
+    per_rank = min(-(-n // (batch_size * dp_size)), MAX_EVAL_BATCHES)
     for b in range(per_rank):
         start = (b * dp_size + dp_rank) * batch_size
-        yield blocks[start : start + batch_size]
+        rows = torch.arange(start, start + batch_size)
+        real = rows < n
+        rows = rows.clamp(max=n - 1)
+        yield blocks[rows], mask[rows] & real.unsqueeze(1)
 
 
 def mask_for_mlm(
@@ -299,8 +311,6 @@ def mask_for_mlm(
     if special_ids:
         chance[torch.isin(block, torch.tensor(special_ids))] = 0.0
     picked = torch.bernoulli(chance, generator=generator).bool()
-    if not picked.any():  # a batch with nothing to predict would give a NaN loss
-        picked.view(-1)[0] = True
     labels[~picked] = -100
     inputs = block.clone()
     to_mask = torch.bernoulli(torch.full(block.shape, 0.8), generator=generator).bool() & picked

@@ -46,21 +46,20 @@ def status(phase: str, **extra: float | int | str | bool | None) -> None:
     report(kind="status", phase=phase, **extra)
 
 
-def world_mean_and_any(value: float | None, flag: bool, device: torch.device) -> tuple[float | None, bool]:
-    """(mean of `value` over the ranks that have one, whether `flag` is set on any rank), in one all-reduce.
-
-    A collective: every rank must call it.
-    """
-    t = torch.tensor(
-        [value if value is not None else 0.0, 1.0 if value is not None else 0.0, 1.0 if flag else 0.0],
-        device=device,
-        dtype=torch.float64,
-    )
+def world_sums(values: list[float], device: torch.device) -> list[float]:
+    """Each of `values` summed over all ranks, in float64, in one all-reduce; every rank must call it."""
+    t = torch.tensor(values, device=device, dtype=torch.float64)
     if dist.is_initialized():
         dist.all_reduce(t)
-    return (float(t[0] / t[1]) if t[1] > 0 else None), bool(t[2] > 0)
+    return t.tolist()
 
 
-def world_mean(value: float | None, device: torch.device) -> float | None:
-    """The mean of `value` over the ranks that have one (None elsewhere); every rank must call it."""
-    return world_mean_and_any(value, False, device)[0]
+def world_sum_and_any(value: float | None, flag: bool, device: torch.device) -> tuple[float | None, bool]:
+    """(sum of `value` over the ranks that have one, or None if none has, whether `flag` is set on any rank).
+
+    One all-reduce; a collective: every rank must call it.
+    """
+    total, holders, flags = world_sums(
+        [value if value is not None else 0.0, 1.0 if value is not None else 0.0, 1.0 if flag else 0.0], device
+    )
+    return (total if holders > 0 else None), flags > 0

@@ -4,12 +4,17 @@ One step = grad_accum micro-batches (each a pipeline batch of pp_microbatches
 micro-batches under pipeline parallelism), one clipped AdamW update, one LR
 scheduler step. Between steps the ranks agree whether a SIGTERM arrived; if so
 they checkpoint and exit with EXIT_CANCELLED.
+
+One loss whatever the layout: a step's loss and gradients are the mean over
+every trained token of the global batch (all micro-batches of all data-parallel
+replicas), so 1 rank or 8, one micro-batch or four, with or without padding,
+train the same model. Each micro-batch's loss is its summed token cross-entropy
+over that global count, counted once per step before the forward passes.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 import os
 import signal
@@ -30,7 +35,7 @@ from engine.report import report
 from engine.workers import EXIT_CANCELLED, EXIT_OK
 from engine.workers.checkpoint import Checkpointer, gather_full_state, save_final_model
 from engine.workers.data import Dataset, ShardedBatches, build_dataset, eval_batches, mask_for_mlm, read_dataset
-from engine.workers.metrics import mfu, peak_memory, status, world_mean, world_mean_and_any
+from engine.workers.metrics import mfu, peak_memory, status, world_sum_and_any, world_sums
 from engine.workers.model_loading import LoadedModel, count_params, load_model, materialize
 from engine.workers.parallel_dims import Runtime, init_runtime
 from engine.workers.parallelize import (
@@ -132,13 +137,12 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group: Any | 
 
 
 def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over the labelled tokens (next tokens, or the masked ones for masked-LM).
+    """Summed cross-entropy over the labelled tokens (next tokens, or the masked ones for masked-LM).
 
-    A batch with no labelled token (all prompt, with prompts masked) counts 0, not NaN.
+    A sum, not a mean: the caller divides by the trained tokens of the whole global batch, which
+    no single micro-batch knows. A batch with no labelled token (all prompt) adds 0.
     """
-    labels = labels.flatten()
-    total = F.cross_entropy(logits.float().flatten(0, -2), labels, ignore_index=-100, reduction="sum")
-    return total / (labels != -100).sum().clamp(min=1)
+    return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=-100, reduction="sum")
 
 
 @dataclass
@@ -159,6 +163,8 @@ class Trainer:
         self.dims = runtime.dims
         self.precision: PrecisionPlan = precision_plan(self.s.precision, runtime)
         self.notes: list[str] = []
+        # What turns a micro-batch's summed token loss into its share of the step's loss (set per step).
+        self.loss_scale = 1.0
 
     # --- set-up -----------------------------------------------------------------------------------
 
@@ -286,13 +292,17 @@ class Trainer:
         stage = PipelineStage(
             self.wrapped, self.rt.pp_rank, self.dims.pp, self.rt.device, group=self.rt.mesh["pp"].get_group()
         )
-        # scale_grads=False: the schedule would divide all accumulated gradients at the end of every
-        # step, weighting earlier accumulation steps less; train_step averages once at the end instead.
-        return schedules[name](stage, n_microbatches=p.pp_microbatches, loss_fn=token_loss, scale_grads=False)
+        # scale_grads=False: every micro-batch's loss is already its share of the step's token mean.
+        return schedules[name](stage, n_microbatches=p.pp_microbatches, loss_fn=self._scaled_loss, scale_grads=False)
+
+    def _scaled_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # No side effects: the schedule also calls it once to infer gradient shapes on its first step.
+        return token_loss(logits, labels) * self.loss_scale
 
     # --- batches ----------------------------------------------------------------------------------
 
     def _batch(self, block: torch.Tensor, step: int, micro: int, trained: torch.Tensor | None = None) -> Batch:
+        """Inputs and labels of a batch; tokens outside `trained` (prompts, eval padding) get no label."""
         if self.loaded.objective == "causal":
             labels = block[:, 1:]
             if trained is not None:
@@ -301,6 +311,8 @@ class Trainer:
         tok = self.loaded.tokenizer
         g = torch.Generator().manual_seed(self.s.seed * 1_000_003 + step * 7919 + micro * 131 + self.rt.dp_rank)
         inputs, labels = mask_for_mlm(block, tok.mask_token_id, len(tok), list(tok.all_special_ids), g)
+        if trained is not None:
+            labels = labels.masked_fill(~trained, -100)
         return Batch(inputs.to(self.rt.device), labels.to(self.rt.device))
 
     # --- one step ---------------------------------------------------------------------------------
@@ -322,37 +334,53 @@ class Trainer:
         return loss_parallel()
 
     def train_step(self, step: int) -> tuple[float | None, int]:
-        """Run one optimizer step's forward/backward passes; returns (this rank's mean loss or None, tokens)."""
+        """Run one optimizer step's forward/backward passes.
+
+        Returns (this replica's share of the step's loss, or None on ranks that hold no loss; tokens).
+        The shares of all replicas add up to the step's loss.
+        """
         accum = self.s.grad_accum
-        losses: list[float] = []
-        tokens = 0
+        batches = []
         for micro in range(accum):
             picked = self.sampler.next_indices()
-            trained = self.data.train_trained
-            batch = self._batch(self.data.train[picked], step, micro, None if trained is None else trained[picked])
+            trained = None if self.data.train_trained is None else self.data.train_trained[picked]
+            batches.append(self._batch(self.data.train[picked], step, micro, trained))
+        count = self._global_trained_tokens(batches)
+        # DDP and FSDP average the gradients over the data-parallel ranks; the dp factor undoes that.
+        # A step without a trained token anywhere has a zero loss and zero gradients, not NaN.
+        self.loss_scale = self.dims.dp / max(count, 1)
+        shares: list[torch.Tensor] = []  # the micro-batches' losses as backpropagated
+        tokens = 0
+        for micro, batch in enumerate(batches):
             tokens += batch.tokens
-            last = micro == accum - 1
             if self.schedule is not None:
-                mb_losses: list[torch.Tensor] = []
+                mb_losses: list[torch.Tensor] = []  # the schedule's loss_fn (_scaled_loss) scales them
                 with self.precision.autocast_context(), self._loss_context():
                     if self.rt.pp_rank == 0:
                         self.schedule.step(batch.inputs, target=batch.labels, losses=mb_losses)
                     else:
                         self.schedule.step(target=batch.labels, losses=mb_losses)
-                if mb_losses:
-                    losses.append(float(torch.stack([x.detach().float() for x in mb_losses]).mean()))
+                shares += [plain(x.detach()) for x in mb_losses]
                 continue
-            with set_gradient_sync(self.wrapped, last), self._loss_context():
-                loss = self._forward_loss(batch)
-                scaled = loss / accum
+            with set_gradient_sync(self.wrapped, micro == accum - 1), self._loss_context():
+                scaled = self._forward_loss(batch) * self.loss_scale
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-            losses.append(float(loss.detach()))
-        if self.schedule is not None:
-            # The schedule summed the gradients of every micro-batch of every accumulation step.
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.div_(accum * self.pp_microbatches)
-        return (sum(losses) / len(losses) if losses else None), tokens
+            shares.append(plain(scaled.detach()))
+        if not self._reports_loss():
+            return None, tokens
+        return float(torch.stack(shares).double().sum()) / self.dims.dp, tokens
+
+    def _global_trained_tokens(self, batches: list[Batch]) -> int:
+        """Trained tokens in this step's micro-batches on every data-parallel replica.
+
+        The ranks of one replica (tensor and pipeline parallel) hold the same labels, so the sum runs
+        over the data-parallel dims of the mesh only.
+        """
+        count = torch.stack([(b.labels != -100).sum() for b in batches]).sum().to(torch.int64)
+        for dim in ("dp_replicate", "dp_shard"):
+            if self.rt.mesh[dim].size() > 1:
+                dist.all_reduce(count, group=self.rt.mesh[dim].get_group())
+        return int(count)
 
     def _optimizer_step(self) -> float:
         if self.scaler is not None:
@@ -371,15 +399,17 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, step: int) -> float | None:
+        """The eval loss: summed token cross-entropy over every trained eval token, over their count."""
         self.module.eval()
-        total, count = 0.0, 0
+        total = torch.zeros((), dtype=torch.float64)
+        count = 0
         batch_size = self.s.micro_batch * self.pp_microbatches
-        batches = eval_batches(self.data.eval, batch_size, self.rt.dp_rank, self.dims.dp)
-        masks = eval_batches(self.data.eval_trained, batch_size, self.rt.dp_rank, self.dims.dp) if (
-            self.data.eval_trained is not None) else itertools.repeat(None)  # fmt: skip
-        for i, (block, trained) in enumerate(zip(batches, masks, strict=False)):
+        batches = eval_batches(self.data.eval, batch_size, self.rt.dp_rank, self.dims.dp, self.data.eval_trained)
+        for i, (block, trained) in enumerate(batches):
             batch = self._batch(block, -1 - i, 0, trained)  # negative steps: masking never repeats a training batch's
+            count += int((batch.labels != -100).sum())
             if self.schedule is not None:
+                self.loss_scale = 1.0  # plain sums
                 mb_losses: list[torch.Tensor] = []
                 with self.precision.autocast_context(), self._loss_context():
                     if self.rt.pp_rank == 0:
@@ -387,15 +417,14 @@ class Trainer:
                     else:
                         self.schedule.eval(target=batch.labels, losses=mb_losses)
                 if mb_losses:
-                    total += float(torch.stack([x.float() for x in mb_losses]).mean())
-                    count += 1
+                    total += torch.stack([plain(x) for x in mb_losses]).double().sum().cpu()
             else:
                 with self._loss_context():
-                    total += float(self._forward_loss(batch))
-                count += 1
+                    total += plain(self._forward_loss(batch)).double().cpu()
         self.module.train()
-        mine = total / count if count and self._reports_loss() else None
-        return world_mean(mine, self.rt.device)
+        mine = [float(total), float(count)] if self._reports_loss() else [0.0, 0.0]
+        loss_sum, tokens = world_sums(mine, self.rt.device)
+        return loss_sum / tokens if tokens > 0 else None
 
     def _reports_loss(self) -> bool:
         """One rank per data-parallel replica holds the loss: the last stage's first tensor-parallel rank."""
@@ -427,10 +456,9 @@ class Trainer:
             loss, tokens = self.train_step(step)
             grad_norm = self._optimizer_step()
             step += 1
-            # One collective per step agrees on the loss to report and on whether a SIGTERM arrived anywhere.
-            mean_loss, cancelled = world_mean_and_any(
-                loss if self._reports_loss() else None, self.cancel.requested, rt.device
-            )
+            # One collective per step adds up the replicas' shares of the loss and agrees on whether a
+            # SIGTERM arrived anywhere.
+            step_loss, cancelled = world_sum_and_any(loss, self.cancel.requested, rt.device)
             if rt.device.type == "cuda":
                 torch.cuda.synchronize(rt.device)
             dt = time.perf_counter() - t0
@@ -438,7 +466,7 @@ class Trainer:
             tps = tokens / dt / self.dims.non_dp
             report(
                 step=step,
-                loss=mean_loss,
+                loss=step_loss,
                 lr=lr,
                 grad_norm=grad_norm,
                 tokens_per_s=tps,
@@ -447,23 +475,34 @@ class Trainer:
                 peak_memory=peak_memory(rt.device),
             )
             self.log(
-                f"step {step}/{s.max_steps} loss {_fmt(mean_loss)} lr {lr:.3g} grad_norm {grad_norm:.3g} {dt * 1000:.0f} ms"
+                f"step {step}/{s.max_steps} loss {_fmt(step_loss)} lr {lr:.3g} grad_norm {grad_norm:.3g} {dt * 1000:.0f} ms"
             )
-            if s.eval_every > 0 and (step % s.eval_every == 0 or step == s.max_steps) and len(self.data.eval):
-                eval_loss = self.evaluate(step)
-                if eval_loss is not None:
-                    report(step=step, kind="eval", eval_loss=eval_loss)
-                    self.log(f"step {step} eval_loss {eval_loss:.4f}")
-            if cancelled or (s.checkpoint_every > 0 and step % s.checkpoint_every == 0):
+            last = step == s.max_steps
+            # The trained steps are saved before anything that could fail without touching them
+            # (evaluation, the export): the last step is always checkpointed, unless checkpoints are off.
+            if cancelled or (s.checkpoint_every > 0 and (step % s.checkpoint_every == 0 or last)):
                 self._checkpoint(step, resume_phase=not cancelled)
             if cancelled:
                 status("cancelled", step=step, exit_code=EXIT_CANCELLED)
                 self.log(f"cancelled after step {step}; checkpoint saved")
                 return EXIT_CANCELLED
+            if not last and s.eval_every > 0 and step % s.eval_every == 0:
+                self._evaluate_and_report(step)
+        # A job resumed from its last step's checkpoint evaluates and exports again, as one that got there.
+        if s.eval_every > 0:
+            self._evaluate_and_report(step)
         status("saving")
         self.save_output()
         status("done", step=step, exit_code=EXIT_OK)
         return EXIT_OK
+
+    def _evaluate_and_report(self, step: int) -> None:
+        if not len(self.data.eval):
+            return
+        eval_loss = self.evaluate(step)
+        if eval_loss is not None:
+            report(step=step, kind="eval", eval_loss=eval_loss)
+            self.log(f"step {step} eval_loss {eval_loss:.4f}")
 
     def _checkpoint(self, step: int, resume_phase: bool) -> None:
         status("checkpointing", step=step)
@@ -492,6 +531,13 @@ class Trainer:
     def log(self, message: str) -> None:
         if self.rt.is_main:
             print(f"[rank0] {message}", flush=True)
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain tensor: under loss_parallel it is a replicated DTensor, which plain sums refuse."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _fmt(x: float | None) -> str:
