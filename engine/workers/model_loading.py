@@ -374,16 +374,23 @@ def apply_lora(loaded: LoadedModel, spec: JobSpec) -> None:
 # torchtune's QLoRA block sizes: 64 weights share an absmax scale, 256 scales share a second-level one.
 NF4_BLOCK_SIZE = 64
 NF4_SCALER_BLOCK_SIZE = 256
+# FSDP2 shards an NF4 weight by splitting each of its inner tensors (codes, scales, second-level
+# factors) into equal parts, so a weight needs at least as many second-level blocks as shards.
+# Real weights have thousands; a small one gets smaller second-level blocks, so that it still has
+# this many, whatever the layout (DDP and FSDP runs then quantise identically).
+NF4_MIN_SCALER_BLOCKS = 8
+
+
+def nf4_scaler_block(blocks: int) -> int:
+    """Scales per second-level block: 256, or the largest power of two that leaves >= 8 such blocks."""
+    size = NF4_SCALER_BLOCK_SIZE
+    while size > 1 and (blocks % size or blocks // size < NF4_MIN_SCALER_BLOCKS):
+        size //= 2
+    return size
 
 
 def to_nf4(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` as torchao's NF4 tensor (4-bit NormalFloat, double-quantised scales, as in QLoRA).
-
-    A weight too small for 256 scale blocks per second-level block (tiny test models) uses the
-    largest power of two that fits instead.
-    """
-    import math
-
+    """`weight` as torchao's NF4 tensor (4-bit NormalFloat, double-quantised scales, as in QLoRA)."""
     from torchao.quantization import to_nf4 as torchao_to_nf4
 
     if weight.numel() % NF4_BLOCK_SIZE:
@@ -392,8 +399,25 @@ def to_nf4(weight: torch.Tensor) -> torch.Tensor:
             "adapt other layers (lora_targets) or use LoRA"
         )
     blocks = weight.numel() // NF4_BLOCK_SIZE
-    scaler_block = math.gcd(NF4_SCALER_BLOCK_SIZE, blocks)
-    return torchao_to_nf4(weight.detach(), NF4_BLOCK_SIZE, scaler_block)
+    return torchao_to_nf4(weight.detach(), NF4_BLOCK_SIZE, nf4_scaler_block(blocks))
+
+
+def nf4_unshardable(model: nn.Module, shards: int) -> str | None:
+    """Why FSDP2 cannot split `model`'s NF4 weights `shards` ways (one line), or None when it can.
+
+    torchao splits an NF4 weight's rows and each inner tensor into equal parts, without
+    padding: rows, scale blocks and second-level blocks must all divide by the shard count.
+    """
+    for name, p in model.named_parameters():
+        if not is_nf4(p):
+            continue
+        factors = p.quantization_factor.numel()
+        if p.size(0) % shards or factors % shards or (p.size(0) // shards * p.size(1)) % (p.numel() // factors):
+            return (
+                f"QLoRA: the 4-bit weight {name} {tuple(p.shape)} does not split evenly into {shards} FSDP shards "
+                f"({factors} second-level scale blocks); use fewer dp_shard ranks, or dp_replicate"
+            )
+    return None
 
 
 def quantize_lora_bases_nf4(model: nn.Module) -> int:

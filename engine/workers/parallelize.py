@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from engine.errors import UserError
-from engine.workers.model_loading import is_nf4, transformer_blocks
+from engine.workers.model_loading import is_nf4, nf4_unshardable, transformer_blocks
 from engine.workers.parallel_dims import Runtime
 from engine.workers.pipeline import ATTENTION_PROJECTIONS, MLP_PROJECTIONS, decoder_parts
 
@@ -240,6 +240,11 @@ def apply_data_parallel(
             dp_mesh = mesh["dp_replicate", "dp_shard"]
         else:
             dp_mesh = mesh["dp_shard"]
+        # QLoRA: torchao's NF4Tensor implements FSDP2's all-gather hooks, so its frozen 4-bit weights shard
+        # and gather in their packed form (a quarter of bf16's traffic), but only in equal parts.
+        reason = nf4_unshardable(model, dp_mesh.size(dp_mesh.ndim - 1))
+        if reason:
+            raise UserError(reason)
         mp = MixedPrecisionPolicy()
         if precision.fsdp_params:
             mp = MixedPrecisionPolicy(param_dtype=precision.compute, reduce_dtype=torch.float32)
