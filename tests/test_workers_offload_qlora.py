@@ -206,9 +206,10 @@ def test_qlora_under_fsdp_computes_what_ddp_does_resumes_and_exports_its_adapter
 ) -> None:
     import torch.distributed.checkpoint as dcp
 
-    assert "QLoRA: the base weights of 28 adapted linear layers are 4-bit NF4 (torchao)" in " ".join(
-        notes_of(qlora_fsdp_run)
-    )
+    notes = notes_of(qlora_fsdp_run)
+    assert "QLoRA: the base weights of 28 adapted linear layers are 4-bit NF4 (torchao)" in notes
+    # Rank 0 loaded and quantised the base; the other rank received only its shard of the 4-bit weights.
+    assert "the weights were read once, by rank 0, and handed out to the other ranks" in notes
     # Both layouts quantise the same weights the same way, and FSDP2 gathers the NF4 codes, not a dequantised
     # copy: the curves agree to float rounding (measured: equal to the last digit on 2 CPU ranks).
     curve = losses(qlora_fsdp_run)

@@ -177,12 +177,12 @@ def load_model(
     skeleton of the model with its parameters on the meta device, which the
     parallelizer shards as usual and `materialize()` then fills from rank 0.
     Host memory then holds one copy of the model instead of one per rank: on
-    8 GPUs, a 70B model is 280 GB of fp32 instead of 2.2 TB.
+    8 GPUs, a 70B model is 280 GB of fp32 instead of 2.2 TB. QLoRA too: rank 0
+    quantises its copy, the skeletons hold NF4 tensors on the meta device, and
+    `materialize()` sends the 4-bit weights, each rank keeping its FSDP shard.
     """
     method = spec.train.method if (for_training and spec.train is not None) else "full"
-    # QLoRA: every rank loads and quantises its own copy. A meta skeleton filled from rank 0 would
-    # need NF4 tensors sent through the state-dict broadcast, and the quantised copy is small anyway.
-    if rank0_loads and method != "qlora":
+    if rank0_loads:
         return _load_on_rank0(spec, dtype=dtype, for_training=for_training, seed=seed)
     if method not in {"full", "lora", "qlora", "scratch"}:
         raise UserError(f"train method {method!r}: use 'full', 'lora', 'qlora' or 'scratch'")
@@ -249,8 +249,13 @@ def _load_on_rank0(spec: JobSpec, *, dtype: torch.dtype, for_training: bool, see
     if hasattr(skeleton, "tie_weights"):
         skeleton.tie_weights()  # creating parameters on meta unties them
     loaded = LoadedModel(skeleton, tokenizer, config, objective, source, new_modules=detail, saved_dtype=saved_dtype)
-    if for_training and spec.train is not None and spec.train.method == "lora":  # as load_model decides
+    method = spec.train.method if (for_training and spec.train is not None) else "full"
+    if method in {"lora", "qlora"}:  # as load_model decides
         apply_lora(loaded, spec)
+    if method == "qlora":
+        # NF4 tensors on the meta device: the skeleton's shapes, block sizes and split points are the
+        # real ones, so FSDP2 shards it as it will the quantised weights that rank 0 hands out.
+        loaded.nf4_linears = quantize_lora_bases_nf4(loaded.model)
     # The skeleton must be the loaded model's twin, tied weights included; where a model class builds
     # differently from its config, every rank falls back to loading the whole model itself.
     mine = _signature(loaded.model)
@@ -292,10 +297,63 @@ def materialize(model: nn.Module, loaded: LoadedModel, device: torch.device) -> 
             saved = loaded.buffers.get(_plain_name(name))
             if saved is not None:
                 buf.copy_(saved)
+    nf4 = _broadcast_nf4(model, loaded.rank0_state)
+    # Not strict under QLoRA: the NF4 weights, already in place, have left rank 0's state.
     set_model_state_dict(
-        model, loaded.rank0_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        model,
+        loaded.rank0_state,
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=not nf4),
     )
     loaded.rank0_state, loaded.buffers = {}, {}  # rank 0's whole copy is no longer needed
+
+
+def _broadcast_nf4(model: nn.Module, rank0_state: dict[str, torch.Tensor]) -> int:
+    """QLoRA: hand rank 0's NF4 base weights out in their 4-bit form; each rank keeps its FSDP shard.
+
+    The state-dict broadcast cannot send a tensor subclass, so the NF4 entries leave `rank0_state`
+    and their inner tensors (codes, scales, second-level factors, the scales' mean, the NF4 levels)
+    go out one weight at a time: the traffic and the transient memory are a quarter of bf16's, and
+    every rank ends up with exactly the quantisation rank 0 made (quantising each shard on its own
+    rank would scale the blocks differently). Returns how many weights were sent.
+    """
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard
+
+    count = 0
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            # The very tensor FSDP2 gathers from (its own `_sharded_local_tensor`); to_local() of a
+            # Parameter returns a view of it, and inner tensors set on a view would not reach FSDP2.
+            local = param._local_tensor if isinstance(param, DTensor) else param
+            if not is_nf4(local):
+                continue
+            count += 1
+            key = _plain_name(name)
+            whole = rank0_state.pop(key, None)
+            if dist.get_rank() == 0 and (whole is None or not is_nf4(whole)):
+                raise RuntimeError(f"QLoRA: rank 0 has no NF4 weight {key} to hand out")
+            device = local.quantized_data.device
+            if whole is None:  # the whole weight's block layout, as the skeleton's meta copy has it
+                whole = to_nf4(torch.empty(param.shape, dtype=local.dtype, device="meta"))
+            for inner in whole.__tensor_flatten__()[0]:
+                tensor = getattr(whole, inner)
+                received = tensor.to(device) if not tensor.is_meta else torch.empty_like(tensor, device=device)
+                dist.broadcast(received, src=0)
+                setattr(whole, inner, received)
+            part = whole
+            if isinstance(param, DTensor):
+                for dim, placement in enumerate(param.placements):
+                    if isinstance(placement, Shard):
+                        n, i = param.device_mesh.size(dim), param.device_mesh.get_local_rank(dim)
+                        part = part.split(part.size(0) // n)[i]
+            # to_empty() gave the skeleton's codes and scales memory but left the scales' mean and the
+            # level table (inner tensors torchao does not shard) on the meta device: take them over.
+            for inner in part.__tensor_flatten__()[0]:
+                if getattr(local, inner).is_meta:
+                    setattr(local, inner, getattr(part, inner).clone())
+                else:
+                    getattr(local, inner).copy_(getattr(part, inner))
+    return count
 
 
 def _tied_groups(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:

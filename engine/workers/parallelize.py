@@ -266,8 +266,9 @@ def apply_data_parallel(
         from torch.nn.parallel import DistributedDataParallel
 
         device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
-        # QLoRA's NF4 base weights are frozen and identical on every rank (each quantised the same
-        # weights); DDP's start-up broadcast cannot send a tensor subclass, and need not.
+        # QLoRA's NF4 base weights are frozen and identical on every rank (rank 0 handed out its
+        # quantisation, or each rank quantised the same weights); DDP's start-up broadcast cannot send
+        # a tensor subclass, and need not.
         frozen_nf4 = [n for n, p in model.named_parameters() if is_nf4(p)]
         if frozen_nf4:
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, frozen_nf4)
