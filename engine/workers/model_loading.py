@@ -464,13 +464,13 @@ def nf4_unshardable(model: nn.Module, shards: int) -> str | None:
     """Why FSDP2 cannot split `model`'s NF4 weights `shards` ways (one line), or None when it can.
 
     torchao splits an NF4 weight's rows and each inner tensor into equal parts, without
-    padding: rows, scale blocks and second-level blocks must all divide by the shard count.
+    padding: its rows and its second-level scale blocks must divide by the shard count.
     """
     for name, p in model.named_parameters():
         if not is_nf4(p):
             continue
         factors = p.quantization_factor.numel()
-        if p.size(0) % shards or factors % shards or (p.size(0) // shards * p.size(1)) % (p.numel() // factors):
+        if p.size(0) % shards or factors % shards:  # then the codes and first-level scales split evenly too
             return (
                 f"QLoRA: the 4-bit weight {name} {tuple(p.shape)} does not split evenly into {shards} FSDP shards "
                 f"({factors} second-level scale blocks); use fewer dp_shard ranks, or dp_replicate"
