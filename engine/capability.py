@@ -67,9 +67,10 @@ def why_not(layout: Layout) -> str | None:
             return f"unknown training method {lt.method!r}; choose one of {', '.join(TRAIN_METHODS)}"
         if lt.cpu_offload and (lt.tp > 1 or lt.pp > 1):
             return "CPU offload runs with FSDP2 data parallelism only, not with tensor or pipeline parallel"
-        if lt.method == "qlora" and (lt.tp > 1 or lt.pp > 1 or lt.dp_shard > 1):
-            # Tested with DDP only: torchao's NF4 tensors under FSDP2, TP or pipeline stages are not yet.
-            return "QLoRA runs with plain data parallelism (dp_replicate) only, not with FSDP, tensor or pipeline parallel"
+        if lt.method == "qlora" and (lt.tp > 1 or lt.pp > 1):
+            # torchao's NF4 tensors shard under FSDP2 (their all-gather hooks) and replicate under DDP;
+            # splitting them across tensor-parallel ranks or pipeline stages is not built or tested.
+            return "QLoRA runs with data parallelism (DDP or FSDP), not with tensor parallel or pipeline parallel"
         if lt.method == "qlora" and lt.cpu_offload:
             return "QLoRA's 4-bit base weights are not offloaded to the CPU: QLoRA without offload needs less memory"
     elif lt.kind == "infer":

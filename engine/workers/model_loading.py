@@ -177,12 +177,12 @@ def load_model(
     skeleton of the model with its parameters on the meta device, which the
     parallelizer shards as usual and `materialize()` then fills from rank 0.
     Host memory then holds one copy of the model instead of one per rank: on
-    8 GPUs, a 70B model is 280 GB of fp32 instead of 2.2 TB.
+    8 GPUs, a 70B model is 280 GB of fp32 instead of 2.2 TB. QLoRA too: rank 0
+    quantises its copy, the skeletons hold NF4 tensors on the meta device, and
+    `materialize()` sends the 4-bit weights, each rank keeping its FSDP shard.
     """
     method = spec.train.method if (for_training and spec.train is not None) else "full"
-    # QLoRA: every rank loads and quantises its own copy. A meta skeleton filled from rank 0 would
-    # need NF4 tensors sent through the state-dict broadcast, and the quantised copy is small anyway.
-    if rank0_loads and method != "qlora":
+    if rank0_loads:
         return _load_on_rank0(spec, dtype=dtype, for_training=for_training, seed=seed)
     if method not in {"full", "lora", "qlora", "scratch"}:
         raise UserError(f"train method {method!r}: use 'full', 'lora', 'qlora' or 'scratch'")
@@ -249,8 +249,13 @@ def _load_on_rank0(spec: JobSpec, *, dtype: torch.dtype, for_training: bool, see
     if hasattr(skeleton, "tie_weights"):
         skeleton.tie_weights()  # creating parameters on meta unties them
     loaded = LoadedModel(skeleton, tokenizer, config, objective, source, new_modules=detail, saved_dtype=saved_dtype)
-    if for_training and spec.train is not None and spec.train.method == "lora":  # as load_model decides
+    method = spec.train.method if (for_training and spec.train is not None) else "full"
+    if method in {"lora", "qlora"}:  # as load_model decides
         apply_lora(loaded, spec)
+    if method == "qlora":
+        # NF4 tensors on the meta device: the skeleton's shapes, block sizes and split points are the
+        # real ones, so FSDP2 shards it as it will the quantised weights that rank 0 hands out.
+        loaded.nf4_linears = quantize_lora_bases_nf4(loaded.model)
     # The skeleton must be the loaded model's twin, tied weights included; where a model class builds
     # differently from its config, every rank falls back to loading the whole model itself.
     mine = _signature(loaded.model)
@@ -292,10 +297,63 @@ def materialize(model: nn.Module, loaded: LoadedModel, device: torch.device) -> 
             saved = loaded.buffers.get(_plain_name(name))
             if saved is not None:
                 buf.copy_(saved)
+    nf4 = _broadcast_nf4(model, loaded.rank0_state)
+    # Not strict under QLoRA: the NF4 weights, already in place, have left rank 0's state.
     set_model_state_dict(
-        model, loaded.rank0_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        model,
+        loaded.rank0_state,
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=not nf4),
     )
     loaded.rank0_state, loaded.buffers = {}, {}  # rank 0's whole copy is no longer needed
+
+
+def _broadcast_nf4(model: nn.Module, rank0_state: dict[str, torch.Tensor]) -> int:
+    """QLoRA: hand rank 0's NF4 base weights out in their 4-bit form; each rank keeps its FSDP shard.
+
+    The state-dict broadcast cannot send a tensor subclass, so the NF4 entries leave `rank0_state`
+    and their inner tensors (codes, scales, second-level factors, the scales' mean, the NF4 levels)
+    go out one weight at a time: the traffic and the transient memory are a quarter of bf16's, and
+    every rank ends up with exactly the quantisation rank 0 made (quantising each shard on its own
+    rank would scale the blocks differently). Returns how many weights were sent.
+    """
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard
+
+    count = 0
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            # The very tensor FSDP2 gathers from (its own `_sharded_local_tensor`); to_local() of a
+            # Parameter returns a view of it, and inner tensors set on a view would not reach FSDP2.
+            local = param._local_tensor if isinstance(param, DTensor) else param
+            if not is_nf4(local):
+                continue
+            count += 1
+            key = _plain_name(name)
+            whole = rank0_state.pop(key, None)
+            if dist.get_rank() == 0 and (whole is None or not is_nf4(whole)):
+                raise RuntimeError(f"QLoRA: rank 0 has no NF4 weight {key} to hand out")
+            device = local.quantized_data.device
+            if whole is None:  # the whole weight's block layout, as the skeleton's meta copy has it
+                whole = to_nf4(torch.empty(param.shape, dtype=local.dtype, device="meta"))
+            for inner in whole.__tensor_flatten__()[0]:
+                tensor = getattr(whole, inner)
+                received = tensor.to(device) if not tensor.is_meta else torch.empty_like(tensor, device=device)
+                dist.broadcast(received, src=0)
+                setattr(whole, inner, received)
+            part = whole
+            if isinstance(param, DTensor):
+                for dim, placement in enumerate(param.placements):
+                    if isinstance(placement, Shard):
+                        n, i = param.device_mesh.size(dim), param.device_mesh.get_local_rank(dim)
+                        part = part.split(part.size(0) // n)[i]
+            # to_empty() gave the skeleton's codes and scales memory but left the scales' mean and the
+            # level table (inner tensors torchao does not shard) on the meta device: take them over.
+            for inner in part.__tensor_flatten__()[0]:
+                if getattr(local, inner).is_meta:
+                    setattr(local, inner, getattr(part, inner).clone())
+                else:
+                    getattr(local, inner).copy_(getattr(part, inner))
+    return count
 
 
 def _tied_groups(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
@@ -374,16 +432,23 @@ def apply_lora(loaded: LoadedModel, spec: JobSpec) -> None:
 # torchtune's QLoRA block sizes: 64 weights share an absmax scale, 256 scales share a second-level one.
 NF4_BLOCK_SIZE = 64
 NF4_SCALER_BLOCK_SIZE = 256
+# FSDP2 shards an NF4 weight by splitting each of its inner tensors (codes, scales, second-level
+# factors) into equal parts, so a weight needs at least as many second-level blocks as shards.
+# Real weights have thousands; a small one gets smaller second-level blocks, so that it still has
+# this many, whatever the layout (DDP and FSDP runs then quantise identically).
+NF4_MIN_SCALER_BLOCKS = 8
+
+
+def nf4_scaler_block(blocks: int) -> int:
+    """Scales per second-level block: 256, or the largest power of two that leaves >= 8 such blocks."""
+    size = NF4_SCALER_BLOCK_SIZE
+    while size > 1 and (blocks % size or blocks // size < NF4_MIN_SCALER_BLOCKS):
+        size //= 2
+    return size
 
 
 def to_nf4(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` as torchao's NF4 tensor (4-bit NormalFloat, double-quantised scales, as in QLoRA).
-
-    A weight too small for 256 scale blocks per second-level block (tiny test models) uses the
-    largest power of two that fits instead.
-    """
-    import math
-
+    """`weight` as torchao's NF4 tensor (4-bit NormalFloat, double-quantised scales, as in QLoRA)."""
     from torchao.quantization import to_nf4 as torchao_to_nf4
 
     if weight.numel() % NF4_BLOCK_SIZE:
@@ -392,8 +457,25 @@ def to_nf4(weight: torch.Tensor) -> torch.Tensor:
             "adapt other layers (lora_targets) or use LoRA"
         )
     blocks = weight.numel() // NF4_BLOCK_SIZE
-    scaler_block = math.gcd(NF4_SCALER_BLOCK_SIZE, blocks)
-    return torchao_to_nf4(weight.detach(), NF4_BLOCK_SIZE, scaler_block)
+    return torchao_to_nf4(weight.detach(), NF4_BLOCK_SIZE, nf4_scaler_block(blocks))
+
+
+def nf4_unshardable(model: nn.Module, shards: int) -> str | None:
+    """Why FSDP2 cannot split `model`'s NF4 weights `shards` ways (one line), or None when it can.
+
+    torchao splits an NF4 weight's rows and each inner tensor into equal parts, without
+    padding: its rows and its second-level scale blocks must divide by the shard count.
+    """
+    for name, p in model.named_parameters():
+        if not is_nf4(p):
+            continue
+        factors = p.quantization_factor.numel()
+        if p.size(0) % shards or factors % shards:  # then the codes and first-level scales split evenly too
+            return (
+                f"QLoRA: the 4-bit weight {name} {tuple(p.shape)} does not split evenly into {shards} FSDP shards "
+                f"({factors} second-level scale blocks); use fewer dp_shard ranks, or dp_replicate"
+            )
+    return None
 
 
 def quantize_lora_bases_nf4(model: nn.Module) -> int:

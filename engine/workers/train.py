@@ -182,8 +182,7 @@ class Trainer:
         counts = count_params(self.loaded.model)
         if self.loaded.nf4_linears:
             self.notes.append(
-                f"QLoRA: the base weights of {self.loaded.nf4_linears} adapted linear layers are 4-bit NF4 "
-                "(torchao); each rank loaded and quantised its own copy"
+                f"QLoRA: the base weights of {self.loaded.nf4_linears} adapted linear layers are 4-bit NF4 (torchao)"
             )
         self.flops_per_token = 6.0 * counts["compute"]
         self.log(
