@@ -123,8 +123,9 @@ def _tp_case(model_type: str, lora: bool, sequence_parallel: bool, vocab: bool =
     inputs, labels = batch()
     labels = labels.clone()
     labels[0, :3] = -100  # a prompt that is not trained on
+    trained = int((labels != -100).sum())  # token_loss sums; the loop divides by the trained tokens
     ref = build(model_type, lora)
-    ref_loss = token_loss(ref(input_ids=inputs, use_cache=False).logits, labels)
+    ref_loss = token_loss(ref(input_ids=inputs, use_cache=False).logits, labels) / trained
     ref_loss.backward()
     expected = grads(ref)
     model = build(model_type, lora)
@@ -139,7 +140,7 @@ def _tp_case(model_type: str, lora: bool, sequence_parallel: bool, vocab: bool =
         if vocab and not tied:
             if not isinstance(logits, DTensor) or logits.to_local().shape[-1] != VOCAB // 2:
                 problems.append(f"logits not vocabulary-sharded: {type(logits).__name__} {tuple(logits.shape)}")
-        loss = token_loss(logits, labels)
+        loss = token_loss(logits, labels) / trained
         loss.backward()
     got = grads(model)
     if abs(float(loss) - float(ref_loss)) > 1e-5:
