@@ -708,3 +708,48 @@ def test_gpus_and_watch_show_the_engines_telemetry_with_the_jobs_load(engine, ca
         assert sample["simulated"] and sample["gpus"][2]["gpu_util"] > 60
         gate(engine, "g").touch()
         assert engine.wait_state(c, job["id"], "completed", "failed")["state"] == "completed"
+
+
+def _offload_plan(gpus: list[int]) -> dict:
+    """An FSDP2 CPU-offload plan as the planner writes it, for the tiny example model."""
+    from engine.planner.plan import HostMemory, MemoryBreakdown, Parallelism, Plan, Timing, Workload
+
+    mem = [MemoryBreakdown(gpu=g, stage=0, weights=0, gradients=0, optimizer=0, activations=1, kv_cache=0, buffers=0,
+                           overhead=0, total=2**20, capacity=24 * 2**30, headroom=24 * 2**30 - 2**20) for g in gpus]  # fmt: skip
+    plan = Plan(
+        workload=Workload(model=str(TINY_LLAMA), task="train", seq_len=64, precision="fp32", global_batch=4),
+        parallelism=Parallelism(gpu_indices=gpus, dp=len(gpus), zero_stage=3, shard_degree=len(gpus), backend="fsdp",
+                                micro_batch=2, grad_accum=1, offload_params=True, offload_optimizer=True),
+        memory=mem, host=HostMemory(needed=2**28, available=256 * 2**30, offloaded=2**24),
+        timing=Timing(step_s=0.1, compute_s=0.1, exposed_comm_s=0.0, bubble_s=0.0, tokens_per_s=2560.0),
+        machine="simulated: 4×RTX 4090", gpu_names=["RTX 4090"] * len(gpus), model_params=2 * 10**6, model_type="llama",
+    )  # fmt: skip
+    return json.loads(plan.to_json())
+
+
+@pytest.mark.slow
+def test_an_offload_plan_and_pipeline_stages_alone_run_to_completion_under_the_service(engine):
+    """The whole chain: a plan (or bare --pp 2) → submission → torchrun ranks, each to a falling loss."""
+    engine.start()
+    train = {"dataset": [str(SHAKESPEARE)], "method": "scratch", "max_steps": 8, "learning_rate": 1e-2,
+             "warmup_steps": 0, "eval_every": 0, "checkpoint_every": 0, "precision": "fp32"}  # fmt: skip
+    runs = {
+        "offload": ({"kind": "train", "model": str(TINY_LLAMA), "train": train}, _offload_plan([0, 1])),
+        "pp": ({"kind": "train", "model": str(TINY_LLAMA), "gpus": [0, 1], "parallelism": {"pp": 2},
+                "train": {**train, "seq_len": 64}}, None),
+    }
+    with engine.client() as c:
+        for name, (spec, plan) in runs.items():
+            job = c.request("submit", spec={**spec, "env": {"HF_HUB_OFFLINE": "1"}}, plan=plan)["job"]
+            done = engine.wait_state(c, job["id"], "completed", "failed", "cancelled", timeout=300)
+            assert done["state"] == "completed", (name, done["exit_reason"], done["last_log"])
+            written = json.loads((Path(done["job_dir"]) / "job.json").read_text())["parallelism"]
+            records, _ = c.all_metrics(job["id"])
+            curve = [r["loss"] for r in sorted((r for r in records if r.get("loss") is not None and r.get("rank") == 0), key=lambda r: r["step"])]
+            assert len(curve) == 8 and sum(curve[-3:]) / 3 < curve[0] - 0.3, (name, curve)
+            if name == "offload":
+                assert written["cpu_offload"] and written["dp_shard"] == 2
+                notes = [r.get("message", "") for r in records if r.get("kind") == "note"]
+                assert any("CPU offload (FSDP2 CPUOffloadPolicy" in n for n in notes), notes
+            else:
+                assert (written["pp"], written["pp_microbatches"], written["pp_schedule"]) == (2, 2, "1F1B")
