@@ -413,8 +413,8 @@ def format_record(r: dict[str, Any]) -> str:
     if kind:
         parts.insert(0, kind)  # "eval", "checkpoint", "infer", ...
     for k, v in r.items():
-        if k in ("time", "rank", "step", "kind", "nonfinite") or v is None:
-            continue
+        if k in ("time", "rank", "step", "kind", "nonfinite") or v is None or (k == "run" and v == 1):
+            continue  # a run number matters only once a job was resumed
         parts.append(f"{k} {_gib(v) if 'memory' in k and isinstance(v, int) else _num(v)}")
     return "  ".join(parts) + f"  [rank {r.get('rank')}]"
 
