@@ -60,6 +60,7 @@ from engine.service.telemetry_store import TelemetryStore
 
 log = logging.getLogger(__name__)
 
+SAMPLES_IN_MEMORY = 16
 _TELEMETRY_BACKLOG = 64  # queued telemetry events per client before new ones are dropped
 # A client's replies queue up to this before its next request is read (it then waits, as TCP would).
 _SOFT_QUEUE_BYTES = 1 << 20
@@ -294,7 +295,9 @@ class EngineService:
             on_job=self._publish_job, on_metrics=self._publish_metrics,
         )  # fmt: skip
         period = self.options.telemetry_period
-        self.sampler = Sampler(self.discovery.backend, period=period, slow_period=max(5.0, period))
+        # The telemetry store on disk answers history requests; in memory only the latest few samples are kept
+        # (an hour of them held about 8 MiB for nothing, and made a long-running engine's RSS climb for that hour).
+        self.sampler = Sampler(self.discovery.backend, period=period, slow_period=max(5.0, period), history=SAMPLES_IN_MEMORY)
         self.sampler.subscribe(self._on_sample)
         self._listen_unix()
         if self.options.tcp:
