@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -10,7 +9,7 @@ import pytest
 from engine.capability import PIPELINE_TYPES, TENSOR_PARALLEL_TYPES, Layout, layout_of_plan, why_not
 from engine.hardware.simulated import list_profiles, load_profile
 from engine.models import describe_model
-from engine.planner.plan import Workload
+from engine.planner.plan import LoraSettings, Workload
 from engine.planner.search import SearchOptions, search
 from engine.service.submission import describe, prepare
 
@@ -56,22 +55,36 @@ def test_a_plans_layout_is_what_the_submission_maps_it_to() -> None:
     assert (zero2.dp_replicate, zero2.dp_shard) == (1, 4)
 
 
+# (workload, the job spec `rigpilot run … --plan FILE --check` sends for it)
+TASKS = {
+    "full": (dict(task="train"), {"kind": "train", "train": {"method": "scratch", "dataset": [str(SHAKESPEARE)]}}),
+    "lora": (dict(task="train", method="lora", lora=LoraSettings()),
+             {"kind": "train", "train": {"method": "lora", "dataset": [str(SHAKESPEARE)]}}),
+    "qlora": (dict(task="train", method="qlora", lora=LoraSettings()),
+              {"kind": "train", "train": {"method": "qlora", "dataset": [str(SHAKESPEARE)]}}),
+    "infer": (dict(task="infer", seq_len=2048, global_batch=1, new_tokens=256),
+              {"kind": "infer", "infer": {"prompts": ["Once upon a time"]}}),
+}  # fmt: skip
+
+
 @pytest.mark.parametrize("profile", [p["id"] for p in list_profiles()])
-def test_the_best_full_training_plan_passes_the_submission_check(profile: str, tmp_path: Path) -> None:
-    """`rigpilot run train --model PRESET --method scratch --data … --plan FILE --check`, in-process, per profile."""
+def test_every_best_plan_passes_the_submission_check_on_its_machine(profile: str, tmp_path: Path) -> None:
+    """`rigpilot run KIND --model PRESET … --plan FILE --check`, in-process, for every task on every profile."""
     machine = load_profile(profile)
     for preset in PRESETS:
-        result = search(describe_model(preset), machine, Workload(model=preset, task="train"), options=SearchOptions())
-        if result.best is None:
-            continue  # nothing fits at all: the planner's suggestions take over
-        plan = result.to_dict()
-        assert plan["best"].get("runs_here", True), (profile, preset, plan["best"].get("runs_here_reason"))
-        spec = {"kind": "train", "model": preset, "train": {"method": "scratch", "dataset": [str(SHAKESPEARE)]}}
-        sub = prepare(spec, plan, str(tmp_path), job_id="check", machine=machine, max_cpu_ranks=2)
-        lines = describe(sub)
-        assert lines[0].startswith(f"would run: train (scratch) of {preset}"), lines
-        p = sub.spec.parallelism
-        best = result.best.parallelism
-        assert p.cpu_offload == (best.offload_params or best.offload_optimizer)
-        assert (p.tp, p.pp) == (best.tp, best.pp)
-        assert dataclasses.asdict(sub.spec.train)["seq_len"] == result.best.workload.seq_len
+        spec_model = describe_model(preset)
+        for task, (work, job) in TASKS.items():
+            result = search(spec_model, machine, Workload(model=preset, **work), options=SearchOptions())
+            if result.best is None:
+                continue  # nothing fits at all: the planner's suggestions take over
+            plan = result.to_dict()
+            where = (profile, preset, task)
+            assert plan["best"]["runs_here"], (*where, plan["best"]["runs_here_reason"])
+            sub = prepare({**job, "model": preset}, plan, str(tmp_path), job_id="check", machine=machine, max_cpu_ranks=2)
+            lines = describe(sub)
+            assert lines[0].startswith(f"would run: {job['kind']}"), (*where, lines)
+            p, best = sub.spec.parallelism, result.best.parallelism
+            assert p.cpu_offload == (best.offload_params or best.offload_optimizer), where
+            assert (p.tp, p.pp) == (best.tp, best.pp), where
+            if job["kind"] == "train":
+                assert sub.spec.train.seq_len == result.best.workload.seq_len, where
