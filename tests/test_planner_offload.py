@@ -10,9 +10,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from test_planner_search import llama
 
 from engine.hardware.simulated import load_profile
-from engine.models.spec import Linear, ModelSpec
+from engine.models.spec import ModelSpec
 from engine.planner.links import Topology
 from engine.planner.memory import HOST_BYTES_PER_RANK, MemoryModel, plan_memory
 from engine.planner.model import model_facts
@@ -24,18 +25,7 @@ UNIT = 724_992 + 512 + 256 // 2  # one block as FSDP2 gathers it; the planner sp
 
 
 def tiny() -> ModelSpec:
-    h, inter, heads, kv, vocab, layers = 256, 688, 4, 2, 1000, 2
-    d = h // heads
-    lin = [
-        Linear("q_proj", h, heads * d), Linear("k_proj", h, kv * d), Linear("v_proj", h, kv * d),
-        Linear("o_proj", heads * d, h), Linear("gate_proj", h, inter), Linear("up_proj", h, inter),
-        Linear("down_proj", inter, h),
-    ]
-    return ModelSpec(
-        id="tiny", architecture="LlamaForCausalLM", model_type="llama", params_total=P, params_active=P,
-        params_embedding=vocab * h, hidden_size=h, num_layers=layers, num_heads=heads, num_kv_heads=kv, head_dim=d,
-        intermediate_size=inter, vocab_size=vocab, max_position_embeddings=4096, tied_embeddings=False, layer_linears=lin,
-    )
+    return llama(256, 688, 2, 4, 2, 1000, P, "tiny")
 
 
 def setup(profile: str = "4x-rtx4090"):

@@ -161,14 +161,19 @@ def leftover_job_processes(root: Path) -> list[psutil.Process]:
     return out
 
 
-@pytest.fixture
-def engine(tmp_path, monkeypatch):
-    run_dir = tmp_path / "r"
+def engine_home(base: Path, monkeypatch) -> None:
+    """Point the engine's XDG folders into `base`, on the simulated 4×RTX 4090."""
+    run_dir = base / "r"
     run_dir.mkdir(mode=0o700)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(run_dir))
-    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("XDG_STATE_HOME", str(base / "state"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(base / "config"))
     monkeypatch.setenv("RIGPILOT_SIMULATE", "4x-rtx4090")
+
+
+@pytest.fixture
+def engine(tmp_path, monkeypatch):
+    engine_home(tmp_path, monkeypatch)
     e = Engine(tmp_path)
     yield e
     e.stop()

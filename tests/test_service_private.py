@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from test_service_engine import Engine, leftover_job_processes
+from test_service_engine import Engine, engine_home, leftover_job_processes
 
 from engine.cli import main as cli_main
 from engine.jobs.secrets import MASK, is_secret, read_secrets_file, split
@@ -102,12 +102,7 @@ def shared_engine(monkeypatch):
         pytest.skip("needs setpriv and /usr/bin/python3 to read as nobody")
     base = Path(tempfile.mkdtemp(prefix="rigpilot-private-"))
     os.chmod(base, 0o755)
-    run_dir = base / "r"
-    run_dir.mkdir(mode=0o700)
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(run_dir))
-    monkeypatch.setenv("XDG_STATE_HOME", str(base / "state"))
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(base / "config"))
-    monkeypatch.setenv("RIGPILOT_SIMULATE", "4x-rtx4090")
+    engine_home(base, monkeypatch)
     old_umask = os.umask(0o022)  # a usual umask: the engine must not depend on a strict one
     e = Engine(base)
     try:

@@ -359,11 +359,15 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def random_llama(root: Path) -> Path:
     """A tiny Llama with random weights, large enough (init 0.3) that greedy decoding does not repeat one token."""
+    return save_random_llama(root / "random-llama", initializer_range=0.3)
+
+
+def save_random_llama(folder: Path, initializer_range: float) -> Path:
+    """The tiny example Llama with seeded random weights, saved as a Hugging Face folder with its tokenizer."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    folder = root / "random-llama"
     torch.manual_seed(0)
-    config = AutoConfig.from_pretrained(TINY_LLAMA_CONFIG.parent, initializer_range=0.3)
+    config = AutoConfig.from_pretrained(TINY_LLAMA_CONFIG.parent, initializer_range=initializer_range)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     AutoTokenizer.from_pretrained(TINY_LLAMA_CONFIG.parent).save_pretrained(folder)
     return folder

@@ -14,13 +14,13 @@ import torch
 
 from tests.test_workers_jobs import (
     LLAMA_TRAIN,
-    TINY_LLAMA_CONFIG,
     assert_loss_falls,
     assert_same_curve,
     losses,
     notes_of,
     records,
     run_job,
+    save_random_llama,
     write_job,
 )
 
@@ -44,14 +44,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def base_llama(root: Path) -> Path:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    folder = root / "base-llama"
-    torch.manual_seed(0)
-    config = AutoConfig.from_pretrained(TINY_LLAMA_CONFIG.parent, initializer_range=0.1)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    AutoTokenizer.from_pretrained(TINY_LLAMA_CONFIG.parent).save_pretrained(folder)
-    return folder
+    return save_random_llama(root / "base-llama", initializer_range=0.1)
 
 
 def lora_job(root: Path, base: Path, name: str, parallelism: dict[str, Any], nproc: int, **train: Any) -> Path:
