@@ -46,13 +46,11 @@ class Layout:
     tp: int = 1
     pp: int = 1
     sequence_parallel: bool = False
+    # False: FSDP2 keeps parameters gathered from forward through backward (how ZeRO-1/2 plans run)
+    reshard_after_forward: bool = True
     cpu_offload: bool = False
     weight_bits: int = 16  # inference: 16 (the precision), 8 or 4
     model_type: str | None = None  # config.json's model_type; None when not known yet (the worker checks)
-
-    @property
-    def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.pp
 
 
 def why_not(layout: Layout) -> str | None:
@@ -111,7 +109,8 @@ def layout_of_plan(plan: dict[str, Any]) -> Layout:
         dp_shard=shard,
         tp=_int(par.get("tp")),
         pp=_int(par.get("pp")),
-        sequence_parallel=bool(par.get("sequence_parallel")),
+        sequence_parallel=bool(par.get("sequence_parallel")) and _int(par.get("tp")) > 1,
+        reshard_after_forward=zero not in (1, 2) or dp == 1,
         cpu_offload=bool(par.get("offload_params") or par.get("offload_optimizer")),
         weight_bits=_int(work.get("weight_bits"), 16),
         model_type=plan.get("model_type") or None,

@@ -673,3 +673,19 @@ def test_the_pages_and_the_wizard_do_not_import_each_other():
             continue
         modules = {n.module for n in ast.walk(ast.parse(f.read_text())) if isinstance(n, ast.ImportFrom)}
         assert "app.wizard.wizard" not in modules, f.name
+
+
+def test_a_zero2_plan_is_launched_as_fsdp2_without_resharding_as_the_engine_maps_it(settings):
+    """The wizard's degrees come from the engine's mapping of a plan (a ZeRO-2 plan once launched as DDP)."""
+    from engine.capability import layout_of_plan
+
+    link, _ = make_link("4x-rtxa6000-bridged")
+    state = default_state(link.machine)
+    state.plan = {"model_type": "llama", "workload": {"task": "train", "method": "full"},
+                  "parallelism": {"gpu_indices": [0, 1, 2, 3], "dp": 4, "tp": 1, "pp": 1, "zero_stage": 2,
+                                  "shard_degree": 4, "backend": "fsdp"}}  # fmt: skip
+    state.kind = "scratch"
+    p = state.parallelism()
+    assert (p.dp_replicate, p.dp_shard, p.reshard_after_forward) == (1, 4, False)
+    lt = layout_of_plan(state.plan)
+    assert (p.dp_replicate, p.dp_shard, p.reshard_after_forward) == (lt.dp_replicate, lt.dp_shard, lt.reshard_after_forward)

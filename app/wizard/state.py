@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.capability import layout_of_plan
 from engine.jobs.spec import InferSettings, JobSpec, Parallelism, TrainSettings
 from engine.service.store import ACTIVE_STATES
 
@@ -162,18 +163,15 @@ class WizardState:
         par = (self.plan or {}).get("parallelism") if self.planned else None
         if not par:
             return Parallelism()
-        dp, pp = par["dp"], par["pp"]
-        shard = (par.get("shard_degree") or 1) if par.get("zero_stage") == 3 else 1
-        shard = shard if dp % shard == 0 else 1
+        # The engine's own mapping of a plan onto degrees (ZeRO-1/2 as FSDP2 without resharding, offload, HSDP).
+        lt = layout_of_plan(self.plan or {})
         schedule = {"gpipe": "GPipe"}.get(par.get("pipeline_schedule", ""), "1F1B")
         # Fewer micro-batches than stages leaves stages idle for most of the step.
-        microbatches = (self.pp_microbatches or max(par.get("grad_accum", 1), pp)) if pp > 1 else 1
+        microbatches = (self.pp_microbatches or max(par.get("grad_accum", 1), lt.pp)) if lt.pp > 1 else 1
         return Parallelism(
-            dp_replicate=dp // shard, dp_shard=shard, tp=par["tp"], pp=pp,
-            sequence_parallel=bool(par.get("sequence_parallel")) and par["tp"] > 1, pp_schedule=schedule,
-            pp_microbatches=microbatches,
-            # The planner's offload plans are FSDP2 with CPUOffloadPolicy: parameters and optimizer both.
-            cpu_offload=bool(par.get("offload_params") or par.get("offload_optimizer")),
+            dp_replicate=lt.dp_replicate, dp_shard=lt.dp_shard, tp=lt.tp, pp=lt.pp,
+            sequence_parallel=lt.sequence_parallel, reshard_after_forward=lt.reshard_after_forward,
+            pp_schedule=schedule, pp_microbatches=microbatches, cpu_offload=lt.cpu_offload,
         )  # fmt: skip
 
     def job_gpus(self) -> list[int]:

@@ -581,24 +581,15 @@ def apply_plan_layout(spec: JobSpec, plan: dict[str, Any] | None) -> tuple[dict[
                 f"were kept instead of the plan's (dp {par['dp']}, tp {par['tp']}, pp {par['pp']})"
             )
         return taken, notes
-    dp = par["dp"]
+    lt = layout_of_plan(plan_of(plan) or {})  # the one mapping of a plan onto degrees, the wizard's too
+    p.dp_replicate, p.dp_shard, p.tp, p.pp = lt.dp_replicate, lt.dp_shard, lt.tp, lt.pp
+    p.sequence_parallel, p.reshard_after_forward = lt.sequence_parallel, lt.reshard_after_forward
     zero = par.get("zero_stage") if _is_int(par.get("zero_stage")) else 0
-    shard = 1
-    if zero == 3:
-        degree = par.get("shard_degree") or 1
-        shard = degree if _is_int(degree) and degree >= 1 and dp % degree == 0 else 1
-    elif zero in (1, 2) and dp > 1:
-        shard = dp
-        p.reshard_after_forward = False
-        if zero == 1:
-            notes.append(
-                f"the plan's ZeRO-1 (optimizer state sharded over {dp} GPUs) runs as FSDP2 without resharding "
-                "after forward (ZeRO-2): gradients are sharded too, so each GPU holds a little less than planned"
-            )
-    p.dp_shard = shard
-    p.dp_replicate = dp // shard
-    p.tp, p.pp = par["tp"], par["pp"]
-    p.sequence_parallel = bool(par.get("sequence_parallel")) and p.tp > 1
+    if zero == 1 and par["dp"] > 1:
+        notes.append(
+            f"the plan's ZeRO-1 (optimizer state sharded over {par['dp']} GPUs) runs as FSDP2 without resharding "
+            "after forward (ZeRO-2): gradients are sharded too, so each GPU holds a little less than planned"
+        )
     taken["parallelism"] = {
         "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "tp": p.tp, "pp": p.pp,
         "sequence_parallel": p.sequence_parallel, "reshard_after_forward": p.reshard_after_forward,
