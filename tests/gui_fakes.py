@@ -354,31 +354,15 @@ def accept_checks(link: FakeLink, max_cpu_ranks: int = 4) -> list[dict[str, Any]
 
     def check(spec: dict[str, Any], plan: dict[str, Any] | None = None, cwd: str | None = None) -> dict[str, Any]:
         from engine.errors import UserError
-        from engine.service.submission import prepare
+        from engine.service.submission import describe, prepare, would_run
 
         checked.append({"spec": spec, "plan": plan, "cwd": cwd})
         try:
             sub = prepare(spec, plan, cwd, job_id="check", machine=link.machine_obj, max_cpu_ranks=max_cpu_ranks)
         except UserError as e:
             raise EngineError("user_error", str(e)) from None
-        s, p = sub.spec, sub.spec.parallelism
-        t = s.train
-        par = {"dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "tp": p.tp, "pp": p.pp,
-               "pp_schedule": p.pp_schedule, "pp_microbatches": p.pp_microbatches,
-               "sequence_parallel": p.sequence_parallel, "cpu_offload": p.cpu_offload}  # fmt: skip
-        would = {
-            "ranks": sub.ranks, "gpus": list(s.gpus), "parallelism": par,
-            "method": t.method if t else s.kind, "precision": (t or s.infer).precision if (t or s.infer) else "",
-            "micro_batch": t.micro_batch if t else 1, "grad_accum": t.grad_accum if t else 1,
-            "seq_len": t.seq_len if t else None, "notes": list(sub.notes),
-        }  # fmt: skip
-        lines = [f"{sub.ranks} rank{'s' * (sub.ranks != 1)} on GPUs {','.join(map(str, s.gpus))}",
-                 f"dp {p.dp_replicate}×{p.dp_shard} (replicate×shard), tp {p.tp}, pp {p.pp}"
-                 + (f", {p.pp_microbatches} micro-batches {p.pp_schedule}" if p.pp > 1 else "")
-                 + (", CPU offload" if p.cpu_offload else "")]  # fmt: skip
-        if t:
-            lines.append(f"{t.method}, {t.precision}, micro-batch {t.micro_batch} × {t.grad_accum}, seq {t.seq_len}")
-        return {"ok": True, "lines": lines, "would_run": would}
+        # What the engine's `check` request answers (Supervisor.check), from the same functions.
+        return {"ok": True, "lines": describe(sub), "would_run": would_run(sub)}
 
     link.replies["check"] = check
     return checked

@@ -580,7 +580,7 @@ def test_review_shows_what_the_engine_would_run_and_launch_says_launch(qtbot, se
     checked = link.requests("check")[-1]
     assert checked["spec"] == wizard.state.to_spec() and checked["cwd"]
     shown = page.engine_view.toPlainText()
-    assert f"{len(wizard.state.job_gpus())} ranks" in shown and "micro-batch" in shown
+    assert f"{len(wizard.state.job_gpus())} CPU ranks" in shown and "micro-batch" in shown
 
 
 def test_review_shows_the_engines_refusal_and_disables_launch(qtbot, settings, tmp_path):

@@ -533,5 +533,7 @@ def test_names_paths_and_environments_are_bounded(submit, tmp_path):
         submit({**TRAIN, "model": "m" * 100_000})
     with pytest.raises(UserError, match="not a valid variable name"):
         submit({**TRAIN, "env": {"A=B": "1"}})
+    with pytest.raises(UserError, match=r"train\.text_field is 10,000 characters long; at most 256"):
+        submit({**TRAIN, "train": {**TRAIN["train"], "text_field": "t" * 10_000}})
     with pytest.raises(UserError, match="GPU index -1 is out of range"):
         submit({**TRAIN, "gpus": [-1]})

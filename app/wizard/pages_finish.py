@@ -71,10 +71,9 @@ def describe_state(s: WizardState, machine_label: str = "") -> list[str]:
 
 
 def check_lines(reply: dict[str, Any]) -> list[str]:
-    """The engine's `check` answer as the lines shown on Review: what it would run, then its notes."""
-    lines = [str(line) for line in reply.get("lines") or []]
-    notes = (reply.get("would_run") or {}).get("notes") or []
-    return lines + [f"Note: {n}" for n in notes if str(n) not in lines]
+    """The engine's `check` answer as the lines shown on Review: what it would run, its notes included
+    (engine.service.submission.describe words them; adding `would_run.notes` again showed each twice)."""
+    return [str(line) for line in reply.get("lines") or []]
 
 
 class ReviewPage(StepPage):

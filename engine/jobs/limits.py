@@ -89,7 +89,7 @@ LIMITS: dict[str, Range | Choice] = {
     "infer.precision": Choice(("fp32", "bf16", "fp16")),
     "infer.seed": Range(0, 2**63 - 1),
 }
-STRING_MAX = {"name": 256, "text_field": 256, "model": PATH_MAX}
+STRING_MAX = {"name": 256, "train.text_field": 256, "model": PATH_MAX}
 LIST_MAX = {"gpus": 4096, "train.dataset": 1024, "train.lora_targets": 1024, "infer.prompts": 100_000, "script": 10_000}
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 ENV_MAX = 1024
@@ -108,13 +108,11 @@ def check_job_settings(spec: Any) -> None:
             value = getattr(part, f.name)
             _check_value(key, value)
     for key, limit in STRING_MAX.items():
-        value = getattr(spec, key, None)
+        value = _setting(spec, key)
         if isinstance(value, str) and len(value) > limit:
             raise UserError(f"{key} is {len(value):,} characters long; at most {limit:,} are allowed")
     for key, limit in LIST_MAX.items():
-        section, _, name = key.rpartition(".")
-        owner = getattr(spec, section, None) if section else spec
-        value = getattr(owner, name, None) if owner is not None else None
+        value = _setting(spec, key)
         if isinstance(value, list) and len(value) > limit:
             raise UserError(f"{key} has {len(value):,} entries; at most {limit:,} are allowed")
     for g in spec.gpus or []:
@@ -138,6 +136,13 @@ def check_job_settings(spec: Any) -> None:
             raise UserError(f"env name {name[:60]!r} is not a valid variable name (letters, digits and _)")
         if len(value) > ENV_VALUE_MAX:
             raise UserError(f"env {name} is {len(value):,} characters long; at most {ENV_VALUE_MAX:,} are allowed")
+
+
+def _setting(spec: Any, key: str) -> Any:
+    """The value of "field" or "section.field" in a JobSpec; None where the section is absent."""
+    section, _, name = key.rpartition(".")
+    owner = getattr(spec, section, None) if section else spec
+    return getattr(owner, name, None) if owner is not None else None
 
 
 def _check_value(key: str, value: Any) -> None:
