@@ -537,3 +537,12 @@ def test_names_paths_and_environments_are_bounded(submit, tmp_path):
         submit({**TRAIN, "train": {**TRAIN["train"], "text_field": "t" * 10_000}})
     with pytest.raises(UserError, match="GPU index -1 is out of range"):
         submit({**TRAIN, "gpus": [-1]})
+
+
+def test_resume_checks_its_environment_as_submit_does():
+    from engine.jobs.limits import ENV_VALUE_MAX, check_env
+
+    check_env({"HF_TOKEN": "hf_x" * 10, "A_1": ""})
+    for env, words in (({"A=B": "1"}, "not a valid variable name"), ({"X": "v" * (ENV_VALUE_MAX + 1)}, "characters long")):
+        with pytest.raises(UserError, match=words):
+            check_env(env)

@@ -128,7 +128,11 @@ def check_job_settings(spec: Any) -> None:
         for prompt in spec.infer.prompts:
             if len(prompt) > PROMPT_MAX:
                 raise UserError(f"a prompt is {len(prompt):,} characters long; at most {PROMPT_MAX:,} are allowed")
-    env = spec.env or {}
+    check_env(spec.env or {})
+
+
+def check_env(env: dict[str, str]) -> None:
+    """The environment a job's ranks get: names a shell accepts, sizes bounded (submit and resume alike)."""
     if len(env) > ENV_MAX:
         raise UserError(f"env has {len(env):,} variables; at most {ENV_MAX:,} are allowed")
     for name, value in env.items():

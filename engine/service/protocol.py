@@ -233,7 +233,7 @@ REQUEST_SCHEMAS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "jobs": ({}, {"states": Annotated[list[Text], Limit(max_len=64)], "limit": Annotated[int, Limit(1, 100_000)]}),
     "job": ({"job": Text}, {}),
     "cancel": ({"job": Text}, {}),
-    "resume": ({"job": Text}, {"env": Annotated[dict[str, Text], Limit(max_len=1024)] | None}),
+    "resume": ({"job": Text}, {"env": Annotated[dict[str, str], Limit(max_len=1024)] | None}),  # values: limits.check_env
     "delete": ({"job": Text}, {}),
     "logs": (
         {"job": Text},

@@ -39,6 +39,7 @@ from engine.errors import UserError
 from engine.hardware.machine import Machine
 from engine.hardware.simulated import Load, SimulatedBackend
 from engine.jobs import secrets as job_secrets
+from engine.jobs.limits import check_env
 from engine.jobs.spec import JobSpec
 from engine.runtime import worker_python
 from engine.service import paths, submission
@@ -252,7 +253,8 @@ class Supervisor:
             missing = [g for g in spec.gpus if g not in {x.index for x in self.machine.gpus}]
             if missing:
                 raise UserError(f"cannot resume {rec.id}: GPU {missing[0]} is no longer on this machine")
-            given_shown, given_hidden = job_secrets.split({str(k): str(v) for k, v in (env or {}).items()})
+            check_env(env or {})
+            given_shown, given_hidden = job_secrets.split(dict(env or {}))
             spec.env = {**spec.env, **given_shown}
             known = {**self._secrets.get(rec.id, {}), **given_hidden}
             hidden = self._find_secrets(
