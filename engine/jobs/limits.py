@@ -11,8 +11,11 @@ import re
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
 
+from engine.capability import TRAIN_METHODS
 from engine.errors import UserError
 
+PRECISIONS = ("fp32", "bf16", "fp16")
+CHECKPOINTING = ("none", "selective", "full")
 PATH_MAX = 4096  # Linux's PATH_MAX: a longer path cannot name a file
 MANY = 10**8
 
@@ -63,9 +66,9 @@ LIMITS: dict[str, Range | Choice] = {
     "parallelism.pp": Range(1, 512),
     "parallelism.pp_microbatches": Range(1, 4096),
     "parallelism.pp_schedule": Choice(("1F1B", "GPipe"), any_case=True),
-    "train.method": Choice(("full", "lora", "qlora", "scratch")),
-    "train.precision": Choice(("fp32", "bf16", "fp16")),
-    "train.activation_checkpointing": Choice(("none", "selective", "full")),
+    "train.method": Choice(TRAIN_METHODS),
+    "train.precision": Choice(PRECISIONS),
+    "train.activation_checkpointing": Choice(CHECKPOINTING),
     "train.max_steps": Range(1, MANY),
     "train.seq_len": Range(1, 2**21),
     "train.micro_batch": Range(1, 2**16),
@@ -86,7 +89,7 @@ LIMITS: dict[str, Range | Choice] = {
     "infer.temperature": Range(0, 100),
     "infer.top_p": Range(0, 1, lo_open=True),
     "infer.batch_size": Range(1, 4096),
-    "infer.precision": Choice(("fp32", "bf16", "fp16")),
+    "infer.precision": Choice(PRECISIONS),
     "infer.seed": Range(0, 2**63 - 1),
 }
 STRING_MAX = {"name": 256, "train.text_field": 256, "model": PATH_MAX}

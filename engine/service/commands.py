@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from engine.argtypes import non_negative_float, positive_float, positive_int, probability, read_json_object, seed
+from engine.capability import TRAIN_METHODS
 from engine.errors import UserError
+from engine.jobs.limits import CHECKPOINTING, PRECISIONS
 from engine.service.metrics import mark_superseded
-from engine.service.submission import CHECKPOINTING, PRECISIONS
 from engine.terminal import printable
 
 TERMINAL = ("completed", "failed", "cancelled", "interrupted")
@@ -41,7 +42,7 @@ def register(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
 
     k = kinds.add_parser("train", parents=[common, model, degrees], help="train or fine-tune a model")
     k.add_argument("--data", action="append", default=[], metavar="FILE", help="training data (.txt, .jsonl); repeatable")
-    k.add_argument("--method", choices=["full", "lora", "qlora", "scratch"],
+    k.add_argument("--method", choices=TRAIN_METHODS,
                    help="full fine-tune, LoRA, QLoRA (LoRA on a 4-bit NF4 base), or from scratch")
     k.add_argument("--steps", type=positive_int, metavar="N", help="optimizer steps (default 100)")
     k.add_argument("--seq", type=positive_int, metavar="TOKENS", help="sequence length (default 512)")

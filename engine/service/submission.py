@@ -21,18 +21,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.capability import TRAIN_METHODS, Layout, layout_of_plan, why_not
+from engine.capability import Layout, layout_of_plan, why_not
 from engine.errors import UserError
 from engine.hardware.machine import Machine
-from engine.jobs.limits import check_job_settings
+from engine.jobs.limits import CHECKPOINTING, PRECISIONS, check_job_settings
 from engine.jobs.spec import InferSettings, JobSpec, TrainSettings
+from engine.planner.memory import fmt_gib
 from engine.service.protocol import check_dataclass
 
 KINDS = ("train", "infer", "script", "calibrate")
-PRECISIONS = ("fp32", "bf16", "fp16")
-CHECKPOINTING = ("none", "selective", "full")
 _SCHEDULES = {"1f1b": "1F1B", "gpipe": "GPipe"}
-GIB = 1024**3
 
 
 @dataclass
@@ -190,10 +188,10 @@ def _check_host_ram(plan: dict[str, Any] | None, machine: Machine, notes: list[s
 
     host = plan.get("host") if plan and isinstance(plan.get("host"), dict) else {}
     needed = host.get("needed") if _is_int(host.get("needed")) else None
+    if needed is None:
+        return {}
     this_host = psutil.virtual_memory().total
     out: dict[str, Any] = {"this_host": this_host, "simulated": machine.simulated}
-    if needed is None:
-        return out
     out["plan_needs"] = needed
     out["offloaded"] = host.get("offloaded") if _is_int(host.get("offloaded")) else 0
     if machine.simulated:
@@ -205,21 +203,17 @@ def _check_host_ram(plan: dict[str, Any] | None, machine: Machine, notes: list[s
             state = params * 16 if work.get("method", "full") == "full" else params * 4
             if state > this_host:
                 notes.append(
-                    f"simulated: its CPU ranks would keep about {needed_text(state)} of model state in this host's "
-                    f"{needed_text(this_host)} of RAM and run out of memory; simulated machines run small models"
+                    f"simulated: its CPU ranks would keep about {fmt_gib(state)} of model state in this host's "
+                    f"{fmt_gib(this_host)} of RAM and run out of memory; simulated machines run small models"
                 )
         return out
     if needed > this_host:
-        offloaded = f", {needed_text(out['offloaded'])} of it offloaded state" if out["offloaded"] else ""
+        offloaded = f", {fmt_gib(out['offloaded'])} of it offloaded state" if out["offloaded"] else ""
         raise UserError(
-            f"this plan needs {needed_text(needed)} of host RAM{offloaded}; this machine has {needed_text(this_host)}: "
+            f"this plan needs {fmt_gib(needed)} of host RAM{offloaded}; this machine has {fmt_gib(this_host)}: "
             "plan again with fewer offloaded GPUs' worth of state, or without CPU offload"
         )
     return out
-
-
-def needed_text(n: float) -> str:
-    return f"{n / GIB:.1f} GiB"
 
 
 def describe(sub: Submission) -> list[str]:
@@ -257,13 +251,13 @@ def describe(sub: Submission) -> list[str]:
     if "plan_needs" in ram:
         if ram.get("simulated"):
             machine_ram = ram.get("plan_machine")
-            of = f" of the simulated machine's {needed_text(machine_ram)}" if machine_ram else ""
+            of = f" of the simulated machine's {fmt_gib(machine_ram)}" if machine_ram else ""
             lines.append(
-                f"host RAM: the plan needs {needed_text(ram['plan_needs'])}{of}; this host, which runs the CPU ranks, "
-                f"has {needed_text(ram['this_host'])}"
+                f"host RAM: the plan needs {fmt_gib(ram['plan_needs'])}{of}; this host, which runs the CPU ranks, "
+                f"has {fmt_gib(ram['this_host'])}"
             )
         else:
-            lines.append(f"host RAM: the plan needs {needed_text(ram['plan_needs'])} of {needed_text(ram['this_host'])}")
+            lines.append(f"host RAM: the plan needs {fmt_gib(ram['plan_needs'])} of {fmt_gib(ram['this_host'])}")
     lines += [f"note: {n}" for n in sub.notes]
     return lines
 
@@ -363,41 +357,26 @@ def _check_script(spec: JobSpec, base: Path | None) -> None:
     spec.script = [str(script), *spec.script[1:]]
 
 
-def _check_train(spec: JobSpec, base: Path | None, seq_given: bool = True, notes: list[str] | None = None) -> str | None:
+def _check_train(spec: JobSpec, base: Path | None, seq_given: bool, notes: list[str]) -> str | None:
+    """Model and data of a training job (the settings' ranges are engine.jobs.limits'); returns the model type."""
     t = spec.train
     assert t is not None
-    if t.method not in TRAIN_METHODS:
-        raise UserError(f"unknown training method {t.method!r}; choose one of {', '.join(TRAIN_METHODS)}")
     if not spec.model:
         raise UserError("a training job needs a model (--model PRESET, FOLDER, HUB-ID or config.json)")
     spec.model, config = _model_config(spec.model, base)
-    model_type = config.get("model_type") if isinstance(config.get("model_type"), str) else None
     context = config.get("max_position_embeddings")
-    if _is_int(context) and context > 0 and t.seq_len > context and not seq_given:
-        (notes if notes is not None else []).append(
-            f"sequence length {context}: the model's context (the default {t.seq_len} is longer)"
-        )
-        t.seq_len = context
     if _is_int(context) and context > 0 and t.seq_len > context:
-        raise UserError(
-            f"sequence length {t.seq_len} is longer than the model's context of {context} tokens; "
-            f"use --seq {context} or less"
-        )
+        if seq_given:
+            raise UserError(
+                f"sequence length {t.seq_len} is longer than the model's context of {context} tokens; "
+                f"use --seq {context} or less"
+            )
+        notes.append(f"sequence length {context}: the model's context (the default {t.seq_len} is longer)")
+        t.seq_len = context
     if not t.dataset:
         raise UserError("a training job needs a dataset (--data FILE, repeatable)")
     t.dataset = [str(_check_data_file(f, base)) for f in t.dataset]
-    for name in ("max_steps", "seq_len", "micro_batch", "grad_accum"):
-        if getattr(t, name) < 1:
-            raise UserError(f"{name.replace('_', ' ')} must be at least 1, not {getattr(t, name)}")
-    if t.learning_rate <= 0:
-        raise UserError(f"learning rate must be greater than 0, not {t.learning_rate}")
-    if t.precision not in PRECISIONS:
-        raise UserError(f"unknown precision {t.precision!r}; choose one of {', '.join(PRECISIONS)}")
-    if t.activation_checkpointing not in CHECKPOINTING:
-        raise UserError(
-            f"unknown activation checkpointing {t.activation_checkpointing!r}; choose one of {', '.join(CHECKPOINTING)}"
-        )
-    return model_type
+    return _model_type(config)
 
 
 def _check_infer(spec: JobSpec, base: Path | None) -> str | None:
@@ -410,8 +389,6 @@ def _check_infer(spec: JobSpec, base: Path | None) -> str | None:
         i.prompts_file = str(_check_data_file(i.prompts_file, base))
     elif not [p for p in i.prompts if p.strip()]:
         raise UserError("an inference job needs prompts (--prompts FILE or --prompt TEXT)")
-    if i.precision not in PRECISIONS:
-        raise UserError(f"unknown precision {i.precision!r}; choose one of {', '.join(PRECISIONS)}")
     return model_type
 
 
@@ -437,8 +414,12 @@ def _looks_like_path(model: str) -> bool:
 
 def _check_model(model: str, base: Path | None) -> tuple[str, str | None]:
     ref, config = _model_config(model, base)
+    return ref, _model_type(config)
+
+
+def _model_type(config: dict[str, Any]) -> str | None:
     model_type = config.get("model_type")
-    return ref, model_type if isinstance(model_type, str) else None
+    return model_type if isinstance(model_type, str) else None
 
 
 def _model_config(model: str, base: Path | None) -> tuple[str, dict[str, Any]]:
@@ -453,7 +434,7 @@ def _model_config(model: str, base: Path | None) -> tuple[str, dict[str, Any]]:
         from engine.models.presets import find_preset, preset_for_repo
 
         preset = find_preset(model) or preset_for_repo(model)
-        return model, dict(preset.config) if preset else {}  # a preset or a hub id
+        return model, preset.config if preset else {}  # a preset or a hub id
     if candidate.is_dir():
         config = candidate / "config.json"
         if not config.is_file():
@@ -626,13 +607,8 @@ def apply_plan_training(spec: JobSpec, plan: dict[str, Any] | None) -> tuple[dic
             layout = spec.parallelism
             layout.pp_microbatches = taken["pp_microbatches"] = accum
             t.grad_accum = taken["grad_accum"] = 1
+            # Too few micro-batches for 1F1B fall back to GPipe in _pipeline_defaults, with a note.
             schedule = _SCHEDULES.get(str(par.get("pipeline_schedule", "")).lower())
-            if schedule == "1F1B" and accum < layout.pp:
-                schedule = "GPipe"
-                notes.append(
-                    f"the plan's 1F1B schedule needs at least {layout.pp} pipeline micro-batches and it has {accum}: "
-                    "GPipe runs instead"
-                )
             if schedule:
                 layout.pp_schedule = taken["pp_schedule"] = schedule
         else:

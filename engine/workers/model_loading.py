@@ -22,6 +22,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from engine.capability import TRAIN_METHODS
 from engine.errors import UserError
 from engine.jobs.spec import JobSpec
 from engine.models.config_file import read_config
@@ -184,7 +185,7 @@ def load_model(
     method = spec.train.method if (for_training and spec.train is not None) else "full"
     if rank0_loads:
         return _load_on_rank0(spec, dtype=dtype, for_training=for_training, seed=seed)
-    if method not in {"full", "lora", "qlora", "scratch"}:
+    if method not in TRAIN_METHODS:
         raise UserError(f"train method {method!r}: use 'full', 'lora', 'qlora' or 'scratch'")
     source = resolve_source(spec.model)
     config = load_config(source, spec)

@@ -29,7 +29,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from engine.capability import TRAIN_METHODS
 from engine.errors import UserError
+from engine.jobs.limits import CHECKPOINTING
 from engine.jobs.spec import JobSpec, TrainSettings
 from engine.report import report
 from engine.workers import EXIT_CANCELLED, EXIT_OK
@@ -87,9 +89,9 @@ def validate_settings(s: TrainSettings) -> None:
         raise UserError(f"train setting keep_checkpoints={s.keep_checkpoints}: must be 0 (keep all) or more")
     if s.learning_rate <= 0:
         raise UserError(f"train setting learning_rate={s.learning_rate}: must be positive")
-    if s.method not in {"full", "lora", "qlora", "scratch"}:
+    if s.method not in TRAIN_METHODS:
         raise UserError(f"train method {s.method!r}: use 'full', 'lora', 'qlora' or 'scratch'")
-    if s.activation_checkpointing not in {"none", "selective", "full"}:
+    if s.activation_checkpointing not in CHECKPOINTING:
         raise UserError(f"activation_checkpointing {s.activation_checkpointing!r}: use 'none', 'selective' or 'full'")
     precision_dtype(s.precision)
 
