@@ -126,6 +126,7 @@ def plan_row(plan: dict[str, Any], rank: str) -> PlanRow:
     memory = plan.get("memory") or []
     peak = max(memory, key=lambda m: m["total"] / max(m["capacity"], 1), default=None)
     training = (plan.get("workload") or {}).get("task", "train") == "train"
+    runs, why = plan_runs_here(plan)
     return PlanRow(
         rank=rank,
         family=par.family,
@@ -136,7 +137,7 @@ def plan_row(plan: dict[str, Any], rank: str) -> PlanRow:
         peak=f"{peak['total'] / GIB:.1f} / {peak['capacity'] / GIB:.1f} GiB" if peak else "n/a",
         to_budget=seconds(timing.get("time_to_budget_s")) if timing.get("time_to_budget_s") else "—",
         fits=all(m["headroom"] >= 0 for m in memory),
-        runs_here="yes" if plan_runs_here(plan)[0] else (plan_runs_here(plan)[1] or "no"),
+        runs_here="yes" if runs else (why or "no"),
     )
 
 

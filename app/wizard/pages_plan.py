@@ -33,6 +33,7 @@ from app.wizard.host import HYPER, REVIEW, WizardHost
 from app.wizard.page_base import StepPage
 from app.wizard.plan_check import CheckResult, Overrides
 from app.wizard.state import INFER
+from engine.capability import Layout, why_not
 
 PIPELINE_SCHEDULES = [("1f1b", "1F1B"), ("gpipe", "GPipe")]  # as the planner writes them
 CHECKPOINTING = [
@@ -266,8 +267,9 @@ class PlanPage(StepPage):
         form.setRowVisible(self.schedule_row, pp > 1)
         form.setRowVisible(self.pp_microbatches_row, pp > 1)
         form.setRowVisible(self.sequence_parallel_row, tp > 1)
-        # The engine offloads training with FSDP2 data parallelism only (engine.capability).
-        form.setRowVisible(self.cpu_offload_row, training and tp == 1 and pp == 1 and self.state.train_method != "qlora")
+        # Offered where the engine's capability contract runs an offloaded layout of this job.
+        offloaded = Layout("train", method=self.state.train_method, tp=tp, pp=pp, cpu_offload=True)
+        form.setRowVisible(self.cpu_offload_row, training and why_not(offloaded) is None)
 
     def _pp_microbatches_changed(self, value: int) -> None:
         if not self.changing():

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.capability import layout_of_plan, why_not
 from engine.errors import UserError
 from engine.hardware.machine import Machine
 from engine.models import ModelSpec, describe_config, describe_model
@@ -23,7 +22,7 @@ from engine.models.config_file import read_config
 from engine.planner.links import Topology
 from engine.planner.memory import MemoryModel, plan_memory
 from engine.planner.model import ModelFacts, model_facts
-from engine.planner.plan import CHECKPOINTING, Plan
+from engine.planner.plan import CHECKPOINTING, Plan, refusal
 from engine.planner.speed import SpeedModel
 
 GIB = 1024**3
@@ -194,8 +193,8 @@ class PlanChecker:
 def runs_here(plan: dict[str, Any]) -> dict[str, Any]:
     """`plan` with `runs_here` and `runs_here_reason` as the engine's capability contract answers for it now
     (a plan the user changed is not the one the planner marked)."""
-    reason = why_not(layout_of_plan(plan))
-    return {**plan, "runs_here": reason is None, "runs_here_reason": reason or ""}
+    reason = refusal(plan)
+    return {**plan, "runs_here": not reason, "runs_here_reason": reason}
 
 
 def even_stages(layers: int, pp: int) -> list[list[int]]:

@@ -30,7 +30,6 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from engine.capability import layout_of_plan, why_not
 from engine.errors import UserError
 from engine.hardware.machine import P2P, GpuPair, Machine, PciePath, short_gpu_name
 from engine.hardware.specs import match_spec
@@ -50,6 +49,7 @@ from engine.planner.plan import (
     Parallelism,
     Plan,
     Workload,
+    refusal,
 )
 from engine.planner.result import FAMILY_ORDER, Candidate, Rejection, SearchResult, Suggestion
 from engine.planner.speed import SpeedModel
@@ -249,7 +249,7 @@ def cannot_run(par: Parallelism, w: Workload, model_type: str) -> str:
         "workload": {"task": w.task, "method": w.method, "weight_bits": w.weight_bits},
         "model_type": model_type,
     }  # fmt: skip
-    return why_not(layout_of_plan(d)) or ""
+    return refusal(d)
 
 
 def _materialize(c: Candidate, m: ModelFacts, w: Workload, speed: SpeedModel, machine: Machine, notes: list[str]) -> Plan:
