@@ -50,10 +50,6 @@ def split(env: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
     return shown, hidden
 
 
-def masked(env: dict[str, str]) -> dict[str, str]:
-    return split(env)[0]
-
-
 def masked_names(env: dict[str, str]) -> list[str]:
     return [name for name, value in env.items() if value == MASK]
 

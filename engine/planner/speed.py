@@ -362,14 +362,14 @@ class SpeedModel:
         cpu = trainable / z * CPU_OPTIMIZER_BYTES.get(self.w.optimizer, CPU_OPTIMIZER_BYTES["adamw"])
         return h2d, d2h, cpu
 
-    def host_memory_bandwidth(self) -> tuple[float, bool]:
-        """(bytes/s one NUMA node's CPUs stream from their memory, whether it is known) -- it is assumed today."""
+    def host_memory_bandwidth(self) -> float:
+        """Bytes/s one NUMA node's CPUs stream from their memory: assumed from the CPU's class (plans say so)."""
         host = self.topo.machine.host
         model = (host.cpu_model or "").lower()
         server = any(k in model for k in ("epyc", "xeon", "threadripper pro", "threadripper 79", "threadripper 99"))
         per_socket = HOST_MEMORY_BW_SERVER_GBS if server else HOST_MEMORY_BW_DESKTOP_GBS
         nodes = max(len(host.numa_nodes), host.sockets or 1, 1)
-        return per_socket * max(host.sockets or 1, 1) / nodes * 1e9, False
+        return per_socket * max(host.sockets or 1, 1) / nodes * 1e9
 
     def _fsdp_offload(self, par: Parallelism, groups: Groups, stage_compute: list[float]) -> float:
         """Seconds a step spends on FSDP2 CPU offload beyond what hides behind the GPU's compute.
@@ -396,7 +396,7 @@ class SpeedModel:
                 window = max(window - comm, 0.0)
             n_units = max(stage_range(par, st, m.layers)[1] - stage_range(par, st, m.layers)[0], 1)
             worst_xfer = max(worst_xfer, mbs * max(per_mb - window, per_mb / n_units))
-        bw, _ = self.host_memory_bandwidth()
+        bw = self.host_memory_bandwidth()
         per_node: dict[int, float] = {}
         for st in range(par.pp):
             _, _, cpu = self.offload_traffic(par, st)

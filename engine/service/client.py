@@ -204,7 +204,7 @@ class EngineClient:
         """Whether the service closed this connection while it sat idle (a TCP idle timeout, a restart)."""
         assert self._sock is not None
         try:
-            while _readable(self._sock, 0):
+            while readable(self._sock, 0):
                 chunk = self._sock.recv(1 << 16)
                 if not chunk:
                     return True
@@ -228,7 +228,7 @@ class EngineClient:
             if len(self._buf) > protocol.MAX_MESSAGE_BYTES:
                 raise ConnectionError("the engine service sent an oversized message")
             wait = None if deadline is None else max(deadline - time.monotonic(), 0)
-            if not _readable(self._sock, wait):
+            if not readable(self._sock, wait):
                 return None
             chunk = self._sock.recv(1 << 16)
             if not chunk:
@@ -236,10 +236,13 @@ class EngineClient:
             self._buf += chunk
 
 
-def _readable(sock: socket.socket, timeout: float | None) -> bool:
-    # poll, not select: a process with over 1024 open files (a GUI, a test) has descriptors select cannot take.
+def readable(source: socket.socket | int, timeout: float | None) -> bool:
+    """Whether `source` (a socket or a file descriptor) has data within `timeout` seconds (None: wait).
+
+    poll, not select: a process with over 1024 open files (a GUI, a test, a busy engine) has descriptors
+    select cannot take."""
     p = select.poll()
-    p.register(sock, select.POLLIN)
+    p.register(source, select.POLLIN)
     return bool(p.poll(None if timeout is None else timeout * 1000))
 
 

@@ -14,6 +14,7 @@ written under a looser umask are tightened too.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import tempfile
@@ -81,13 +82,18 @@ def private_dirs() -> list[Path]:
 def make_private() -> None:
     """umask 077 for this process and its children; the engine's folders 0700 and its state files 0600."""
     os.umask(PRIVATE_UMASK)
-    for i, d in enumerate(private_dirs()):
-        if i < 2:
-            _private_dir(d)
-        elif d.is_dir():
-            with _suppress_oserror():
+    state, config, data, cache = private_dirs()
+    _private_dir(state)
+    _private_dir(config)
+    for d in (data, cache):
+        if d.is_dir():
+            with contextlib.suppress(OSError):
                 os.chmod(d, 0o700)
-    tighten_tree(state_dir())
+    # Everything written since the first private start is 0600 already: walk the old files once, not every start.
+    marker = state / ".private"
+    if not marker.exists():
+        tighten_tree(state)
+        write_private(marker, "state files tightened to 0600/0700\n")
 
 
 def tighten_tree(root: Path) -> None:
@@ -95,7 +101,7 @@ def tighten_tree(root: Path) -> None:
     for top, dirs, files in os.walk(root):
         for name in dirs + files:
             p = os.path.join(top, name)
-            with _suppress_oserror():
+            with contextlib.suppress(OSError):
                 st = os.lstat(p)
                 if stat.S_ISLNK(st.st_mode) or st.st_uid != os.getuid():
                     continue
@@ -107,7 +113,7 @@ def open_private(path: Path, mode: str = "ab"):
     """Open for writing, creating the file 0600 whatever the umask (an existing file is tightened too)."""
     flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if mode.startswith("a") else os.O_TRUNC)
     fd = os.open(path, flags, 0o600)
-    with _suppress_oserror():
+    with contextlib.suppress(OSError):
         if stat.S_IMODE(os.fstat(fd).st_mode) & 0o077:
             os.fchmod(fd, 0o600)
     return os.fdopen(fd, mode)
@@ -119,12 +125,6 @@ def write_private(path: Path, text: str) -> None:
     with open_private(tmp, "w") as f:
         f.write(text)
     os.replace(tmp, path)
-
-
-def _suppress_oserror():
-    import contextlib
-
-    return contextlib.suppress(OSError)
 
 
 def database_path() -> Path:

@@ -6,8 +6,8 @@ lets the service kill it when it passes its deadline or its client leaves,
 and keeps a model's own code (`trust_remote_code`) out of the service. The
 child is reused between requests, so a plan costs the imports once.
 
-Wire: the first stdin line is the machine (hex of a pickle: it comes from the
-service, the one trusted side); then one JSON request per line. Each answer is
+Wire: the first stdin line is the machine (Machine.to_dict as JSON); then one
+JSON request per line. Each answer is
 one JSON line on stdout, `{"result": ...}` or `{"error": {"code", "message"}}`
 or `{"bug": traceback}`; only JSON flows back to the service.
 """
@@ -18,8 +18,6 @@ import contextlib
 import json
 import logging
 import os
-import pickle
-import select
 import subprocess
 import sys
 import threading
@@ -31,6 +29,7 @@ from typing import Any
 
 from engine.errors import UserError
 from engine.service import protocol
+from engine.service.client import readable
 from engine.service.protocol import ProtocolError
 
 log = logging.getLogger(__name__)
@@ -76,7 +75,9 @@ def main() -> int:
     out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # a stray print must not corrupt the answers
     stdin = sys.stdin.buffer
-    machine = pickle.loads(bytes.fromhex(stdin.readline().decode()))
+    from engine.hardware.machine import Machine
+
+    machine = Machine.from_dict(json.loads(stdin.readline()))
     for line in stdin:
         out.write(json.dumps(_answer(machine, line), separators=(",", ":")).encode() + b"\n")
         out.flush()
@@ -103,7 +104,7 @@ class PlannerBug(Exception):
 
 
 class _Child:
-    def __init__(self, machine_hex: str):
+    def __init__(self, machine_line: str):
         env = dict(os.environ)
         env["PYTHONPATH"] = _REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self.proc = subprocess.Popen(
@@ -111,7 +112,7 @@ class _Child:
         )  # stderr: the engine's own log
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
-        self.stdin.write(machine_hex.encode() + b"\n")
+        self.stdin.write(machine_line.encode() + b"\n")
         self.stdin.flush()
         self.idle_since = time.monotonic()
 
@@ -124,8 +125,7 @@ class _Child:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise PlanTimeout
-            ready, _, _ = select.select([fd], [], [], min(left, 0.25))
-            if ready:
+            if readable(fd, min(left, 0.25)):
                 chunk = os.read(fd, 1 << 20)
                 if not chunk:
                     code = self.proc.wait()
@@ -149,7 +149,7 @@ class PlannerPool:
     """At most `size` planner processes; a search runs in one, with a deadline, and is killed past it."""
 
     def __init__(self, machine: Any, size: int = 2, idle_s: float = 300.0):
-        self._machine_hex = pickle.dumps(machine).hex()
+        self._machine_line = json.dumps(machine.to_dict())
         self._size = size
         self._idle_s = idle_s
         self._idle: list[_Child] = []
@@ -182,7 +182,7 @@ class PlannerPool:
             if self._idle:
                 return self._idle.pop()
         try:
-            return _Child(self._machine_hex)
+            return _Child(self._machine_line)
         except BaseException:
             with self._cond:
                 self._out -= 1

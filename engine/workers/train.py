@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from engine.capability import TRAIN_METHODS
 from engine.errors import UserError
@@ -115,8 +117,6 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group: Any | 
     plain tensors), each group's norm made whole with full_tensor(), and stage
     norms summed over the pipeline group.
     """
-    from torch.distributed.tensor import DTensor
-
     grads = [p.grad for p in params if p.grad is not None]
     groups: dict[Any, list[torch.Tensor]] = defaultdict(list)
     for g in grads:
@@ -124,9 +124,7 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group: Any | 
     device = grads[0].device if grads else torch.device("cpu")
     square = torch.zeros((), dtype=torch.float32, device=device)
     for group in groups.values():
-        norm = torch.nn.utils.get_total_norm(group, 2.0)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
+        norm = plain(torch.nn.utils.get_total_norm(group, 2.0))
         square = square + norm.float() ** 2
     if pp_group is not None:
         dist.all_reduce(square, group=pp_group)
@@ -328,11 +326,7 @@ class Trainer:
 
     def _loss_context(self) -> Any:
         """loss_parallel() around the forward and backward of vocabulary-sharded logits, else nothing."""
-        if not self.loss_parallel:
-            return contextlib.nullcontext()
-        from torch.distributed.tensor.parallel import loss_parallel
-
-        return loss_parallel()
+        return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
 
     def train_step(self, step: int) -> tuple[float | None, int]:
         """Run one optimizer step's forward/backward passes.
@@ -406,11 +400,11 @@ class Trainer:
         count = 0
         batch_size = self.s.micro_batch * self.pp_microbatches
         batches = eval_batches(self.data.eval, batch_size, self.rt.dp_rank, self.dims.dp, self.data.eval_trained)
+        self.loss_scale = 1.0  # the pipeline's loss_fn gives plain sums here
         for i, (block, trained) in enumerate(batches):
             batch = self._batch(block, -1 - i, 0, trained)  # negative steps: masking never repeats a training batch's
             count += int((batch.labels != -100).sum())
             if self.schedule is not None:
-                self.loss_scale = 1.0  # plain sums
                 mb_losses: list[torch.Tensor] = []
                 with self.precision.autocast_context(), self._loss_context():
                     if self.rt.pp_rank == 0:
@@ -535,9 +529,7 @@ class Trainer:
 
 
 def plain(t: torch.Tensor) -> torch.Tensor:
-    """A loss as a plain tensor: under loss_parallel it is a replicated DTensor, which plain sums refuse."""
-    from torch.distributed.tensor import DTensor
-
+    """A loss or norm as a plain tensor: under loss_parallel or TP it is a replicated DTensor, which plain sums refuse."""
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
