@@ -17,13 +17,10 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import psutil
-
-REPO = Path(__file__).resolve().parents[1]
+from engine_common import scratch_engine
 
 
 def hello_time(tcp: tuple[str, int] | None = None) -> float:
@@ -69,109 +66,93 @@ def main() -> int:
     ap.add_argument("--local", type=int, default=2000, help="local connections at once")
     ap.add_argument("--stuck", type=int, default=4, help="clients that never read")
     args = ap.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="rigpilot-limits-"))
-    (tmp / "run").mkdir(mode=0o700)
-    os.environ.update(
-        XDG_RUNTIME_DIR=str(tmp / "run"), XDG_STATE_HOME=str(tmp / "state"), XDG_CONFIG_HOME=str(tmp / "config"),
-        RIGPILOT_SIMULATE="4x-rtx4090", PYTHONPATH=str(REPO),
-    )  # fmt: skip
-    from engine.service import paths, protocol
-    from engine.service.client import EngineClient, EngineError
-
-    log = (tmp / "engine.log").open("wb")
-    engine = subprocess.Popen([sys.executable, "-m", "engine.service", "--tcp", "127.0.0.1:0"], cwd=REPO, stdout=log, stderr=log)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with EngineClient(autostart=False, timeout=5) as c:
-                    tcp = tuple(c.hello["tcp"])
-                break
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
-        proc = psutil.Process(engine.pid)
-        os.environ["RIGPILOT_ENGINE_TOKEN"] = paths.token_path().read_text().strip()
-        print(f"engine pid {engine.pid}: {mib(proc)}, {proc.num_threads()} threads; hello {hello_time(tcp) * 1e3:.1f} ms (tcp)")
-
-        # 1. idle TCP connections, no login
-        idle = []
-        t0 = time.monotonic()
-        for _ in range(args.idle):
-            try:
-                idle.append(socket.create_connection(tcp, timeout=5))
-            except OSError:
-                break
-        time.sleep(0.5)
-        held = open_count(idle)
-        print(f"idle TCP, no login, from 127.0.0.1: {len(idle)} opened, {held} held, the rest refused; {mib(proc)}, "
-              f"{proc.num_threads()} threads; hello from 127.0.0.2 {hello_time(tcp) * 1e3:.1f} ms, "
-              f"local {hello_time() * 1e3:.1f} ms")  # fmt: skip
-        while open_count(idle) and time.monotonic() - t0 < 120:
-            time.sleep(0.25)
-        print(f"  all closed by the service {time.monotonic() - t0:.1f} s after connecting"
-              if not open_count(idle) else "  still open after 120 s")  # fmt: skip
-        for s in idle:
-            s.close()
-
-        # 2. many local connections
-        time.sleep(1)
-        local = []
-        for _ in range(args.local):
-            s = socket.socket(socket.AF_UNIX)
-            try:
-                s.connect(str(paths.socket_path()))
-            except OSError:
-                s.close()
-                break
-            local.append(s)
-        time.sleep(1.0)
-        served = open_count(local)
-        try:
-            local_hello = f"{hello_time() * 1e3:.1f} ms"
-        except EngineError as e:
-            local_hello = f"refused at once ({e.code}: {e})"
-        print(f"{len(local)} local connections: {served} served, {len(local) - served} refused (busy); "
-              f"{mib(proc)}, {proc.num_threads()} threads; another local hello: {local_hello}")  # fmt: skip
-        for s in local:
-            s.close()
-        time.sleep(2)
-        print(f"  after they closed: {mib(proc)}, {proc.num_threads()} threads")
-
-        # 3. clients that never read: subscribed, and pipelining requests with large replies
-        stuck = []
-        for _ in range(args.stuck):
-            s = socket.socket(socket.AF_UNIX)
-            s.connect(str(paths.socket_path()))
-            s.setblocking(False)
-            s.send(protocol.encode(protocol.request(0, "subscribe", topics=["telemetry", "jobs"])))
-            stuck.append(s)
-        frame = protocol.encode(protocol.request(1, "telemetry_history", limit=100_000))
-        sent = [0] * len(stuck)
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < 20:
-            for i, s in enumerate(stuck):
-                try:
-                    s.send(frame)
-                    sent[i] += 1
-                except (BlockingIOError, OSError):
-                    pass
-            time.sleep(0.01)
-        print(f"{len(stuck)} clients that never read, 20 s: requests taken {sent}; {mib(proc)}, "
-              f"{proc.num_threads()} threads; hello {hello_time() * 1e3:.1f} ms")  # fmt: skip
-        for s in stuck:
-            s.close()
-        time.sleep(2)
-        print(f"  after they closed: {mib(proc)}, {proc.num_threads()} threads")
-    finally:
-        engine.terminate()
-        engine.wait(15)
-        log.close()
-    text = (tmp / "engine.log").read_text(errors="replace")
+    with scratch_engine("--tcp", "127.0.0.1:0") as (engine, tmp):
+        measure(engine, args)
+        text = (tmp / "engine.log").read_text(errors="replace")
     print(f"engine log: {text.count('Traceback')} tracebacks; warnings: "
           + "; ".join(sorted({line.split(': ', 1)[-1][:90] for line in text.splitlines() if ' WARNING ' in line})[:4]))
     return 0
+
+
+def measure(engine: subprocess.Popen, args: argparse.Namespace) -> None:
+    from engine.service import paths, protocol
+    from engine.service.client import EngineClient, EngineError
+
+    with EngineClient(autostart=False, timeout=5) as c:
+        tcp = tuple(c.hello["tcp"])
+    proc = psutil.Process(engine.pid)
+    os.environ["RIGPILOT_ENGINE_TOKEN"] = paths.token_path().read_text().strip()
+    print(f"engine pid {engine.pid}: {mib(proc)}, {proc.num_threads()} threads; hello {hello_time(tcp) * 1e3:.1f} ms (tcp)")
+
+    # 1. idle TCP connections, no login
+    idle = []
+    t0 = time.monotonic()
+    for _ in range(args.idle):
+        try:
+            idle.append(socket.create_connection(tcp, timeout=5))
+        except OSError:
+            break
+    time.sleep(0.5)
+    held = open_count(idle)
+    print(f"idle TCP, no login, from 127.0.0.1: {len(idle)} opened, {held} held, the rest refused; {mib(proc)}, "
+          f"{proc.num_threads()} threads; hello from 127.0.0.2 {hello_time(tcp) * 1e3:.1f} ms, "
+          f"local {hello_time() * 1e3:.1f} ms")  # fmt: skip
+    while open_count(idle) and time.monotonic() - t0 < 120:
+        time.sleep(0.25)
+    print(f"  all closed by the service {time.monotonic() - t0:.1f} s after connecting"
+          if not open_count(idle) else "  still open after 120 s")  # fmt: skip
+    for s in idle:
+        s.close()
+
+    # 2. many local connections
+    time.sleep(1)
+    local = []
+    for _ in range(args.local):
+        s = socket.socket(socket.AF_UNIX)
+        try:
+            s.connect(str(paths.socket_path()))
+        except OSError:
+            s.close()
+            break
+        local.append(s)
+    time.sleep(1.0)
+    served = open_count(local)
+    try:
+        local_hello = f"{hello_time() * 1e3:.1f} ms"
+    except EngineError as e:
+        local_hello = f"refused at once ({e.code}: {e})"
+    print(f"{len(local)} local connections: {served} served, {len(local) - served} refused (busy); "
+          f"{mib(proc)}, {proc.num_threads()} threads; another local hello: {local_hello}")  # fmt: skip
+    for s in local:
+        s.close()
+    time.sleep(2)
+    print(f"  after they closed: {mib(proc)}, {proc.num_threads()} threads")
+
+    # 3. clients that never read: subscribed, and pipelining requests with large replies
+    stuck = []
+    for _ in range(args.stuck):
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(str(paths.socket_path()))
+        s.setblocking(False)
+        s.send(protocol.encode(protocol.request(0, "subscribe", topics=["telemetry", "jobs"])))
+        stuck.append(s)
+    frame = protocol.encode(protocol.request(1, "telemetry_history", limit=100_000))
+    sent = [0] * len(stuck)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 20:
+        for i, s in enumerate(stuck):
+            try:
+                s.send(frame)
+                sent[i] += 1
+            except (BlockingIOError, OSError):
+                pass
+        time.sleep(0.01)
+    print(f"{len(stuck)} clients that never read, 20 s: requests taken {sent}; {mib(proc)}, "
+          f"{proc.num_threads()} threads; hello {hello_time() * 1e3:.1f} ms")  # fmt: skip
+    for s in stuck:
+        s.close()
+    time.sleep(2)
+    print(f"  after they closed: {mib(proc)}, {proc.num_threads()} threads")
 
 
 if __name__ == "__main__":
