@@ -83,7 +83,7 @@ def cmd_test(args: list[str]) -> int:
     ensure_env()
     env = {**os.environ, "QT_QPA_PLATFORM": os.environ.get("QT_QPA_PLATFORM", "offscreen")}
     steps: list[list[str | Path]] = [
-        [venv_bin("ruff"), "check", "app", "engine", "tests", "benchmarks", "packaging", "dev.py"],
+        [venv_bin("ruff"), "check", "app", "engine", "tests", "benchmarks", "packaging", "examples", "rigpilot/__init__.py", "dev.py"],
         [venv_bin("lint-imports")],
         [venv_bin("python"), "-m", "pytest", *args],
     ]

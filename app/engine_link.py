@@ -18,8 +18,8 @@ from typing import Any
 
 from PySide6.QtCore import QObject, Signal
 
-from app.tasks import report_error, run_in_background
-from engine.service.client import EngineClient
+from rigpilot.app.tasks import report_error, run_in_background
+from rigpilot.engine.service.client import EngineClient
 
 log = logging.getLogger(__name__)
 

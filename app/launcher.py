@@ -10,25 +10,25 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from engine import cli
+from rigpilot.engine import cli
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--self-test":
-        from app.selftest import main as self_test
+        from rigpilot.app.selftest import main as self_test
 
         return self_test(Path(argv[1]) if len(argv) > 1 else None)
     if argv and argv[0] == "--screenshots":
         if len(argv) != 2:
             print("usage: rigpilot --screenshots DIR", file=sys.stderr)
             return 2
-        from app.screenshots import main as screenshots
+        from rigpilot.app.screenshots import main as screenshots
 
         return screenshots(Path(argv[1]))
     if argv:
         return cli.main(argv)
-    from app.main import main as run_app
+    from rigpilot.app.main import main as run_app
 
     return run_app()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from app.identity import APP_ID, APP_NAME, ORGANIZATION
+from rigpilot.app.identity import APP_ID, APP_NAME, ORGANIZATION
 
 STARTUP_CHECK_DELAY_MS = 1500  # the engine-environment check waits until the window is up and drawn
 
@@ -28,9 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     from PySide6.QtGui import QGuiApplication, QIcon
     from PySide6.QtWidgets import QApplication
 
-    from app.engine_link import EngineLink
-    from app.main_window import MainWindow
-    from app.settings.model import engine_link_options
+    from rigpilot.app.engine_link import EngineLink
+    from rigpilot.app.main_window import MainWindow
+    from rigpilot.app.settings.model import engine_link_options
 
     QGuiApplication.setDesktopFileName(APP_ID)
     app = QApplication.instance() or QApplication([sys.argv[0], *(argv or [])])
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         # Packaged installs provision PyTorch per user: offer to install it when it is not there yet.
         from PySide6.QtCore import QTimer
 
-        from app.engine_env.dialog import check_at_startup
+        from rigpilot.app.engine_env.dialog import check_at_startup
 
         QTimer.singleShot(STARTUP_CHECK_DELAY_MS, lambda: check_at_startup(window))
     return app.exec()

@@ -29,17 +29,17 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app import tasks
-from app.engine_link import CONNECTED, CONNECTING, EngineLink
-from app.identity import APP_ID, APP_NAME
+from rigpilot.app import tasks
+from rigpilot.app.engine_link import CONNECTED, CONNECTING, EngineLink
+from rigpilot.app.identity import APP_ID, APP_NAME
 
 # (key, title, "module:Class"): each page lives in its own folder and is built with the EngineLink.
 PAGES: list[tuple[str, str, str]] = [
-    ("dashboard", "Dashboard", "app.dashboard.page:DashboardPage"),
-    ("topology", "Topology", "app.topology.page:TopologyPage"),
-    ("planner", "Planner", "app.planner.page:PlannerPage"),
-    ("jobs", "Jobs", "app.jobs.page:JobsPage"),
-    ("settings", "Settings", "app.settings.page:SettingsPage"),
+    ("dashboard", "Dashboard", "rigpilot.app.dashboard.page:DashboardPage"),
+    ("topology", "Topology", "rigpilot.app.topology.page:TopologyPage"),
+    ("planner", "Planner", "rigpilot.app.planner.page:PlannerPage"),
+    ("jobs", "Jobs", "rigpilot.app.jobs.page:JobsPage"),
+    ("settings", "Settings", "rigpilot.app.settings.page:SettingsPage"),
 ]
 
 RUNNING_STATES = ("queued", "starting", "running")

@@ -60,18 +60,15 @@ def isolate(tmp: Path) -> dict[str, str]:
 
 def start_engine(tmp: Path) -> subprocess.Popen:
     """The engine service for the pictures, with its log in `tmp`."""
-    repo = Path(__file__).resolve().parents[1]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(repo) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     log = (tmp / "engine.log").open("ab")
     return subprocess.Popen(
-        [sys.executable, "-m", "engine.service", "--simulate", PROFILE, "--telemetry-period", TELEMETRY_PERIOD_S],
-        stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd=tmp, env=env, start_new_session=True,
+        [sys.executable, "-m", "rigpilot.engine.service", "--simulate", PROFILE, "--telemetry-period", TELEMETRY_PERIOD_S],
+        stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd=tmp, start_new_session=True,
     )  # fmt: skip
 
 
 def wait_for_engine(proc: subprocess.Popen, log: Path) -> None:
-    from engine.service.client import EngineClient
+    from rigpilot.engine.service.client import EngineClient
 
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
@@ -89,7 +86,7 @@ def wait_for_engine(proc: subprocess.Popen, log: Path) -> None:
 
 
 def stop_engine(proc: subprocess.Popen) -> None:
-    from engine.service.client import EngineClient
+    from rigpilot.engine.service.client import EngineClient
 
     try:
         with EngineClient(autostart=False, timeout=10) as c:
@@ -159,11 +156,11 @@ class Shooter:
 def take(shooter: Shooter, settings_dir: Path) -> None:
     from PySide6.QtCore import QSettings
 
-    from app.engine_link import CONNECTED, EngineLink
-    from app.main_window import MainWindow
-    from app.planner.model import PlanRequest
-    from app.wizard import page_base
-    from app.wizard.wizard import JobWizard
+    from rigpilot.app.engine_link import CONNECTED, EngineLink
+    from rigpilot.app.main_window import MainWindow
+    from rigpilot.app.planner.model import PlanRequest
+    from rigpilot.app.wizard import page_base
+    from rigpilot.app.wizard.wizard import JobWizard
 
     window = MainWindow(EngineLink())
     window.resize(*SIZE)
@@ -263,7 +260,7 @@ def main(out: Path) -> int:
     from PySide6.QtCore import QSettings
     from PySide6.QtWidgets import QApplication
 
-    from app.identity import APP_NAME, ORGANIZATION
+    from rigpilot.app.identity import APP_NAME, ORGANIZATION
 
     app = QApplication.instance() or QApplication([sys.argv[0]])
     app.setApplicationName(f"{APP_NAME}-screenshots")

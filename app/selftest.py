@@ -21,9 +21,9 @@ def main(screenshot: Path | None = None) -> int:
     from PySide6.QtCore import QTimer
     from PySide6.QtWidgets import QApplication
 
-    from app.engine_link import CONNECTED
-    from app.identity import APP_NAME, ORGANIZATION
-    from app.main_window import MainWindow
+    from rigpilot.app.engine_link import CONNECTED
+    from rigpilot.app.identity import APP_NAME, ORGANIZATION
+    from rigpilot.app.main_window import MainWindow
 
     app = QApplication.instance() or QApplication([sys.argv[0]])
     app.setApplicationName(f"{APP_NAME}-selftest")  # keep the user's window settings out of it

@@ -18,7 +18,7 @@ sys.path.insert(0, str(REPO))
 @contextmanager
 def scratch_engine(*service_args: str, profile: str = "4x-rtx4090") -> Iterator[tuple[subprocess.Popen, Path]]:
     """Start a service in a temporary home; yield (process, folder); stop it and its jobs after."""
-    from engine.service.client import EngineClient
+    from rigpilot.engine.service.client import EngineClient
 
     with tempfile.TemporaryDirectory(prefix="rpbench") as tmp:
         root = Path(tmp)
@@ -29,7 +29,7 @@ def scratch_engine(*service_args: str, profile: str = "4x-rtx4090") -> Iterator[
             RIGPILOT_SIMULATE=profile,
         )  # fmt: skip
         log = (root / "engine.log").open("ab")
-        proc = subprocess.Popen([sys.executable, "-m", "engine.service", *service_args], cwd=REPO, stdout=log, stderr=log)
+        proc = subprocess.Popen([sys.executable, "-m", "rigpilot.engine.service", *service_args], cwd=REPO, stdout=log, stderr=log)
         try:
             deadline = time.monotonic() + 30
             while True:

@@ -20,7 +20,7 @@ from engine_common import scratch_engine
 
 METRICS_SCRIPT = """
 import time
-from engine.report import report
+from rigpilot import report
 step = 0
 while True:
     report(step=step, loss=1.0 / (step + 1), tokens_per_s=1234.0)
@@ -30,7 +30,7 @@ while True:
 
 
 def subscriber(job_id: str, stop: threading.Event, out: dict) -> None:
-    from engine.service.client import EngineClient
+    from rigpilot.engine.service.client import EngineClient
 
     with EngineClient(autostart=False, timeout=30) as c:
         c.request("subscribe", topics=["telemetry", f"metrics:{job_id}"])
@@ -61,7 +61,7 @@ def main() -> None:
 
     import psutil
 
-    from engine.service.client import EngineClient
+    from rigpilot.engine.service.client import EngineClient
 
     with scratch_engine("--telemetry-period", "0.1") as (proc, root):
         script = root / "metrics.py"

@@ -17,7 +17,7 @@ import time
 from engine_common import scratch_engine
 
 FIRST_STEP_SCRIPT = """
-from engine.report import report
+from rigpilot import report
 report(step=0, loss=1.0)
 """
 
@@ -28,7 +28,7 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=2)
     args = ap.parse_args()
 
-    from engine.service.client import EngineClient
+    from rigpilot.engine.service.client import EngineClient
 
     times, running = [], []
     with scratch_engine() as (_, root):

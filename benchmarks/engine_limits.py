@@ -25,8 +25,8 @@ from engine_common import scratch_engine
 
 def hello_time(tcp: tuple[str, int] | None = None) -> float:
     """A full client's connect + hello; over TCP from 127.0.0.2, another host to the per-host limits."""
-    from engine.service import protocol
-    from engine.service.client import EngineClient
+    from rigpilot.engine.service import protocol
+    from rigpilot.engine.service.client import EngineClient
 
     t0 = time.perf_counter()
     if tcp is None:
@@ -75,8 +75,8 @@ def main() -> int:
 
 
 def measure(engine: subprocess.Popen, args: argparse.Namespace) -> None:
-    from engine.service import paths, protocol
-    from engine.service.client import EngineClient, EngineError
+    from rigpilot.engine.service import paths, protocol
+    from rigpilot.engine.service.client import EngineClient, EngineError
 
     with EngineClient(autostart=False, timeout=5) as c:
         tcp = tuple(c.hello["tcp"])

@@ -11,7 +11,7 @@ eval or checkpoints. It runs
           end; the service launches it as it launches every job (torchrun,
           c10d rendezvous, the rankexec wrapper, its tailing of the metrics);
   plain   `python -m torch.distributed.run --standalone --nproc-per-node N
-          -m engine.workers JOB_DIR` on a copy of the engine job's job.json,
+          -m rigpilot.engine.workers JOB_DIR` on a copy of the engine job's job.json,
           with the ranks' environment the service would give them, and no
           service running,
 
@@ -75,7 +75,7 @@ def run_engine(spec: dict[str, Any], warmup: int) -> tuple[dict[str, float], Pat
     """Through the service: submit, follow, read the metrics; returns the figures and a copy of job.json."""
     import psutil
 
-    from engine.service.client import EngineClient
+    from rigpilot.engine.service.client import EngineClient
 
     with scratch_engine() as (proc, _), EngineClient(autostart=False, timeout=60) as c:
         service = psutil.Process(proc.pid)
@@ -134,7 +134,7 @@ def rank_environment(ranks: int, spec_env: dict[str, str]) -> dict[str, str]:
 
 def run_plain(job_json: Path, ranks: int, warmup: int) -> dict[str, float]:
     """The same job.json under a bare torchrun, no service anywhere."""
-    from engine.service.metrics import read_records
+    from rigpilot.engine.service.metrics import read_records
 
     spec = json.loads(job_json.read_text())
     with tempfile.TemporaryDirectory(prefix="rpbench-plain") as tmp:
@@ -145,7 +145,7 @@ def run_plain(job_json: Path, ranks: int, warmup: int) -> dict[str, float]:
         env = rank_environment(ranks, spec.get("env") or {})
         env["RIGPILOT_METRICS_DIR"] = str(job_dir / "metrics")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-               "-m", "engine.workers", str(job_dir)]  # fmt: skip
+               "-m", "rigpilot.engine.workers", str(job_dir)]  # fmt: skip
         with (job_dir / "logs" / "torchrun.log").open("wb") as log:
             t0 = time.perf_counter()
             proc = subprocess.Popen(

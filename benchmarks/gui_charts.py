@@ -35,10 +35,10 @@ import numpy as np
 from PySide6.QtCore import QObject, QTimer, Signal
 from PySide6.QtWidgets import QApplication
 
-from app.dashboard.model import HISTORY_ROWS, WINDOWS
-from app.dashboard.page import DashboardPage
-from engine.hardware.simulated import Load, SimulatedBackend, load_profile
-from engine.hardware.telemetry import TelemetrySample, Tier
+from rigpilot.app.dashboard.model import HISTORY_ROWS, WINDOWS
+from rigpilot.app.dashboard.page import DashboardPage
+from rigpilot.engine.hardware.simulated import Load, SimulatedBackend, load_profile
+from rigpilot.engine.hardware.telemetry import TelemetrySample, Tier
 
 PROFILE = "8x-h100-sxm"
 RATE_HZ = 10.0

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/gui_startup.py [--runs 5]
 
-Each run starts `python -m app.launcher` (what the `rigpilot` command runs)
+Each run starts `python -m rigpilot.app.launcher` (what the `rigpilot` command runs)
 offscreen, with RIGPILOT_EXIT_AFTER_FIRST_PAINT=1: the main window prints
 `first-paint <time>` once its first frame is painted and quits (see
 app/main_window.py). The figure is that time minus the moment just before the
@@ -52,7 +52,7 @@ def start_once(pycache: Path) -> tuple[float, float]:
     cpu0 = _children_cpu()
     t0 = time.time()
     proc = subprocess.run(
-        [sys.executable, "-m", "app.launcher"], cwd=REPO, env=env, capture_output=True, text=True,
+        [sys.executable, "-m", "rigpilot.app.launcher"], cwd=REPO, env=env, capture_output=True, text=True,
         timeout=RUN_TIMEOUT_S,
     )  # fmt: skip
     for line in proc.stdout.splitlines():

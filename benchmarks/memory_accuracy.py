@@ -16,7 +16,7 @@ import argparse
 import sys
 import time
 
-from engine.accuracy.compare import (
+from rigpilot.engine.accuracy.compare import (
     DEFAULT_CASES,
     DEFAULT_KV_CASES,
     compare_kv,
@@ -33,7 +33,7 @@ def main() -> int:
     args = parser.parse_args()
     memory = planner_memory()
     if memory is None:
-        print("engine.planner.memory is not there yet: measurements only", file=sys.stderr)
+        print("rigpilot.engine.planner.memory is not there yet: measurements only", file=sys.stderr)
     started = time.perf_counter()
     rows = []
     for case in DEFAULT_CASES:

@@ -30,7 +30,7 @@ WARMUP_STEPS = 3
 
 def run(root: Path, name: str, ranks: int, steps: int, seq_len: int, offload: bool) -> tuple[float, float]:
     """(steps/s over the measured steps, wall seconds of the whole job)."""
-    from engine.jobs.spec import JobSpec
+    from rigpilot.engine.jobs.spec import JobSpec
 
     job = root / name
     JobSpec.from_dict({
@@ -49,7 +49,7 @@ def run(root: Path, name: str, ranks: int, steps: int, seq_len: int, offload: bo
     env.pop("CUDA_VISIBLE_DEVICES", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
     t0 = time.perf_counter()
-    proc = subprocess.run([*cmd, "-m", "engine.workers", str(job)], cwd=REPO, env=env, capture_output=True, text=True)
+    proc = subprocess.run([*cmd, "-m", "rigpilot.engine.workers", str(job)], cwd=REPO, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         sys.exit(f"{name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")

@@ -19,10 +19,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.hardware.simulated import load_profile
-from engine.models.describe import describe_model
-from engine.planner.plan import Workload
-from engine.planner.search import SearchOptions, search
+from rigpilot.engine.hardware.simulated import load_profile
+from rigpilot.engine.models.describe import describe_model
+from rigpilot.engine.planner.plan import Workload
+from rigpilot.engine.planner.search import SearchOptions, search
 
 CASES = [
     ("8x-h100-sxm", Workload(model="llama-2-7b", task="train", method="full", seq_len=2048, global_batch=64)),

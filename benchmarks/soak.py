@@ -22,7 +22,7 @@ from engine_common import scratch_engine
 
 JOB_SCRIPT = """
 import time
-from engine.report import report
+from rigpilot import report
 for step in range(1, 301):
     report(step=step, loss=1.0 / step, tokens_per_s=1000.0)
     time.sleep(0.1)
@@ -40,7 +40,7 @@ def main() -> int:
 
 
 def soak(proc: psutil.Process, tmp: Path, minutes: float, every: float) -> None:
-    from engine.service.client import EngineClient
+    from rigpilot.engine.service.client import EngineClient
 
     script = tmp / "job.py"
     script.write_text(JOB_SCRIPT)

@@ -15,9 +15,9 @@ import contextlib
 import statistics
 import time
 
-from engine.hardware.sampler import Sampler
-from engine.hardware.simulated import SimulatedBackend, load_profile
-from engine.hardware.telemetry import Tier
+from rigpilot.engine.hardware.sampler import Sampler
+from rigpilot.engine.hardware.simulated import SimulatedBackend, load_profile
+from rigpilot.engine.hardware.telemetry import Tier
 
 
 def per_sample_us(backend, tier: Tier, n: int = 300) -> float:
@@ -66,8 +66,8 @@ def main() -> None:
     machine = load_profile("8x-h100-sxm")
     report("simulated 8×H100 SXM", SimulatedBackend(machine), args.seconds)
 
-    from engine.hardware.nvml_backend import NvmlBackend, NvmlUnavailable
-    from engine.hardware.nvml_replay import FakeNvml
+    from rigpilot.engine.hardware.nvml_backend import NvmlBackend, NvmlUnavailable
+    from rigpilot.engine.hardware.nvml_replay import FakeNvml
 
     fake = FakeNvml(machine, SimulatedBackend(machine))
     report("NVML code on fake-NVML 8×H100", NvmlBackend(nvml=fake), args.seconds)

@@ -66,7 +66,7 @@ def run(
     if every_rank:
         env["RIGPILOT_LOAD_ON_EVERY_RANK"] = "1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-           "-m", "engine.workers", str(job)]  # fmt: skip
+           "-m", "rigpilot.engine.workers", str(job)]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     launcher = psutil.Process(proc.pid)
     samples: dict[int, list[tuple[float, int]]] = {}  # pid -> (time, rss)
@@ -74,7 +74,7 @@ def run(
     while proc.poll() is None:
         try:
             for w in launcher.children(recursive=True):
-                if "engine.workers" not in " ".join(w.cmdline()):
+                if "rigpilot.engine.workers" not in " ".join(w.cmdline()):
                     continue
                 if w.pid not in ranks_of:
                     ranks_of[w.pid] = int(w.environ().get("RANK", len(ranks_of)))

@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from engine.errors import UserError
+from rigpilot.engine.errors import UserError
 
 
 def _whole(text: str) -> int:

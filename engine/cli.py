@@ -16,9 +16,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-from engine import __version__
-from engine.argtypes import positive_float
-from engine.errors import UserError
+from rigpilot.engine import __version__
+from rigpilot.engine.argtypes import positive_float
+from rigpilot.engine.errors import UserError
 
 EXIT_USAGE = 2
 
@@ -77,17 +77,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--index-url", metavar="URL", help="package index to use instead of PyPI")
     p.set_defaults(func=cmd_engine_env)
 
-    from engine.planner.command import register as register_plan
+    from rigpilot.engine.planner.command import register as register_plan
 
     register_plan(sub, parents=[machine, js])
-    from engine.service.commands import register as register_jobs
+    from rigpilot.engine.service.commands import register as register_jobs
 
     register_jobs(sub, parents=[machine, js])
     return parser
 
 
 def _discover(args: argparse.Namespace):
-    from engine.hardware.discovery import open_backend
+    from rigpilot.engine.hardware.discovery import open_backend
 
     return open_backend(simulate=getattr(args, "simulate", None), import_paths=getattr(args, "import_paths", None))
 
@@ -109,7 +109,7 @@ def _running_engine(args: argparse.Namespace):
     """
     if args.simulate or args.import_paths:
         return None
-    from engine.service.client import EngineClient, EngineUnavailable, service_running
+    from rigpilot.engine.service.client import EngineClient, EngineUnavailable, service_running
 
     if not service_running():
         return None
@@ -122,14 +122,14 @@ def _running_engine(args: argparse.Namespace):
 
 
 def _engine_machine(client):
-    from engine.hardware.machine import Machine
+    from rigpilot.engine.hardware.machine import Machine
 
     reply = client.request("machine")
     return Machine.from_dict(reply["machine"]), list(reply.get("notes", []))
 
 
 def _engine_latest_sample(client):
-    from engine.hardware.telemetry import TelemetrySample
+    from rigpilot.engine.hardware.telemetry import TelemetrySample
 
     reply = client.request("telemetry_history", since=time.time() - 30, limit=100)
     samples = reply.get("samples") or []
@@ -137,8 +137,8 @@ def _engine_latest_sample(client):
 
 
 def cmd_gpus(args: argparse.Namespace) -> int:
-    from engine.hardware.sampler import Sampler
-    from engine.terminal import gpus_table
+    from rigpilot.engine.hardware.sampler import Sampler
+    from rigpilot.engine.terminal import gpus_table
 
     client = _running_engine(args)
     sample = None
@@ -162,7 +162,7 @@ def cmd_gpus(args: argparse.Namespace) -> int:
 
 
 def cmd_topo(args: argparse.Namespace) -> int:
-    from engine.hardware.topology import describe, render_matrix, summarize
+    from rigpilot.engine.hardware.topology import describe, render_matrix, summarize
 
     d = _discover(args)
     d.backend.close()
@@ -195,7 +195,7 @@ def cmd_topo(args: argparse.Namespace) -> int:
 
 
 def _engine_samples(client):
-    from engine.hardware.telemetry import TelemetrySample
+    from rigpilot.engine.hardware.telemetry import TelemetrySample
 
     client.request("subscribe", topics=["telemetry"])
     for ev in client.events():
@@ -210,8 +210,8 @@ def _local_samples(sampler, frames: queue.Queue):
 
 
 def cmd_watch(args: argparse.Namespace) -> int:
-    from engine.hardware.sampler import Sampler
-    from engine.terminal import watch_frame
+    from rigpilot.engine.hardware.sampler import Sampler
+    from rigpilot.engine.terminal import watch_frame
 
     client = _running_engine(args)
     sampler = None
@@ -272,7 +272,7 @@ def _offer(q: queue.Queue, item: Any) -> None:
 
 
 def cmd_profiles(args: argparse.Namespace) -> int:
-    from engine.hardware.simulated import list_profiles
+    from rigpilot.engine.hardware.simulated import list_profiles
 
     profiles = list_profiles()
     if args.json:
@@ -286,7 +286,7 @@ def cmd_profiles(args: argparse.Namespace) -> int:
 
 
 def cmd_engine_env(args: argparse.Namespace) -> int:
-    from engine import runtime
+    from rigpilot.engine import runtime
 
     if args.action in ("install", "repair"):
         fn = runtime.install if args.action == "install" else runtime.repair

@@ -1,6 +1,6 @@
 """The reporting API for code that runs inside a Rigpilot job, user scripts included.
 
-    from engine.report import report
+    from rigpilot import report
     report(step=10, loss=2.31, lr=3e-4)
 
 Each call appends one JSON line to this rank's metrics file, which the engine

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import platformdirs
 
-from engine.errors import UserError
+from rigpilot.engine.errors import UserError
 
 ENV_OVERRIDE = "RIGPILOT_WORKER_PYTHON"  # use this interpreter for workers (tests, unusual set-ups)
 SHIPPED_WHEELS = Path("/opt/rigpilot/wheels")  # where the .deb puts its wheels

@@ -5,8 +5,8 @@ from __future__ import annotations
 import shutil
 import time
 
-from engine.hardware.machine import Machine, short_gpu_name
-from engine.hardware.telemetry import GpuSample, HostSample, TelemetrySample
+from rigpilot.engine.hardware.machine import Machine, short_gpu_name
+from rigpilot.engine.hardware.telemetry import GpuSample, HostSample, TelemetrySample
 
 NA = "n/a"
 MIB = 1024**2

@@ -1,4 +1,4 @@
-"""A stand-in for `app.engine_link.EngineLink`, for testing pages without an engine service.
+"""A stand-in for `rigpilot.app.engine_link.EngineLink`, for testing pages without an engine service.
 
 `FakeLink` has the same signals and a `call()` that answers from canned
 replies built from real engine objects (simulated machines and their
@@ -23,11 +23,11 @@ from typing import Any
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
-from engine.hardware.machine import Machine
-from engine.hardware.simulated import Load, SimulatedBackend, load_profile
-from engine.hardware.telemetry import TelemetrySample, Tier
-from engine.hardware.topology import describe, summarize
-from engine.service.client import EngineError
+from rigpilot.engine.hardware.machine import Machine
+from rigpilot.engine.hardware.simulated import Load, SimulatedBackend, load_profile
+from rigpilot.engine.hardware.telemetry import TelemetrySample, Tier
+from rigpilot.engine.hardware.topology import describe, summarize
+from rigpilot.engine.service.client import EngineError
 
 CONNECTING, CONNECTED, LOST = "connecting", "connected", "lost"
 
@@ -330,9 +330,9 @@ def real_plan_reply(machine: Machine) -> Callable[..., dict[str, Any]]:
 
     def plan(model: str, workload: dict[str, Any] | None = None, gpus: list[int] | None = None,
              options: dict[str, Any] | None = None, trust_remote_code: bool = False) -> dict[str, Any]:  # fmt: skip
-        from engine.models import describe_model
-        from engine.planner.plan import LoraSettings, Workload
-        from engine.planner.search import SearchOptions, search
+        from rigpilot.engine.models import describe_model
+        from rigpilot.engine.planner.plan import LoraSettings, Workload
+        from rigpilot.engine.planner.search import SearchOptions, search
 
         work = dict(workload or {})
         if work.get("lora") is not None:
@@ -353,8 +353,8 @@ def accept_checks(link: FakeLink, max_cpu_ranks: int = 4) -> list[dict[str, Any]
     checked: list[dict[str, Any]] = []
 
     def check(spec: dict[str, Any], plan: dict[str, Any] | None = None, cwd: str | None = None) -> dict[str, Any]:
-        from engine.errors import UserError
-        from engine.service.submission import describe, prepare, would_run
+        from rigpilot.engine.errors import UserError
+        from rigpilot.engine.service.submission import describe, prepare, would_run
 
         checked.append({"spec": spec, "plan": plan, "cwd": cwd})
         try:

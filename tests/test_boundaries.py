@@ -40,8 +40,8 @@ def test_import_linter_contracts_hold():
 
 def test_cli_and_hardware_layer_do_not_load_torch():
     code = (
-        "import sys, engine.cli, engine.hardware.discovery, engine.hardware.simulated, engine.terminal;"
-        "engine.cli.build_parser();"
+        "import sys, rigpilot.engine.cli, rigpilot.engine.hardware.discovery, rigpilot.engine.hardware.simulated, rigpilot.engine.terminal;"
+        "rigpilot.engine.cli.build_parser();"
         "print('torch' in sys.modules)"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)

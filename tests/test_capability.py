@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from engine.capability import PIPELINE_TYPES, TENSOR_PARALLEL_TYPES, Layout, layout_of_plan, why_not
-from engine.hardware.simulated import list_profiles, load_profile
-from engine.models import describe_model
-from engine.planner.plan import LoraSettings, Workload
-from engine.planner.search import SearchOptions, search
-from engine.service.submission import describe, prepare
+from rigpilot.engine.capability import PIPELINE_TYPES, TENSOR_PARALLEL_TYPES, Layout, layout_of_plan, why_not
+from rigpilot.engine.hardware.simulated import list_profiles, load_profile
+from rigpilot.engine.models import describe_model
+from rigpilot.engine.planner.plan import LoraSettings, Workload
+from rigpilot.engine.planner.search import SearchOptions, search
+from rigpilot.engine.service.submission import describe, prepare
 
 REPO = Path(__file__).resolve().parents[1]
 SHAKESPEARE = REPO / "examples" / "data" / "shakespeare.txt"

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from engine.cli import main
+from rigpilot.engine.cli import main
 
 
 def run(capsys, *argv):
@@ -78,9 +78,9 @@ def test_errors_are_one_line_and_exit_2(capsys, argv, message):
 
 
 def test_console_script_runs_in_a_fresh_process():
-    r = subprocess.run([sys.executable, "-m", "engine.cli", "topo", "--simulate", "4x-rtx4090"],
+    r = subprocess.run([sys.executable, "-m", "rigpilot.engine.cli", "topo", "--simulate", "4x-rtx4090"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "No NVLink" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "engine.cli", "--version"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-m", "rigpilot.engine.cli", "--version"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.startswith("rigpilot ")

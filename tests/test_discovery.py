@@ -2,12 +2,12 @@ import json
 
 import pytest
 
-import engine.hardware.nvml_backend as nvml_backend
-from engine.errors import UserError
-from engine.hardware.discovery import StaticBackend, open_backend
-from engine.hardware.machine import Source
-from engine.hardware.telemetry import Tier
-from engine.settings import Settings
+import rigpilot.engine.hardware.nvml_backend as nvml_backend
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.hardware.discovery import StaticBackend, open_backend
+from rigpilot.engine.hardware.machine import Source
+from rigpilot.engine.hardware.telemetry import Tier
+from rigpilot.engine.settings import Settings
 
 
 @pytest.fixture(autouse=True)

@@ -10,10 +10,10 @@ from gui_fakes import FakeLink, focusable_widgets, make_job, tab_through
 from PySide6.QtCore import QSettings
 from PySide6.QtGui import QColor, QImage, QPalette
 
-from app.dashboard.model import HISTORY_ROWS, METRICS, DashboardModel
-from app.dashboard.page import DashboardPage
-from app.widgets.ring_buffer import RingBuffer
-from engine.hardware.simulated import list_profiles
+from rigpilot.app.dashboard.model import HISTORY_ROWS, METRICS, DashboardModel
+from rigpilot.app.dashboard.page import DashboardPage
+from rigpilot.app.widgets.ring_buffer import RingBuffer
+from rigpilot.engine.hardware.simulated import list_profiles
 
 PROFILES = [p["id"] for p in list_profiles()]
 
@@ -101,7 +101,7 @@ def test_history_fills_the_chart_on_connect_and_after_a_reconnect(qtbot):
 
 
 def test_history_is_read_page_by_page(qtbot, monkeypatch):
-    monkeypatch.setattr("app.dashboard.page.HISTORY_PAGE", 100)
+    monkeypatch.setattr("rigpilot.app.dashboard.page.HISTORY_PAGE", 100)
     link = FakeLink("1x-rtx4090", history_seconds=350)
     page = open_page(qtbot, link)
     assert len(page.model.history) == 350
@@ -254,7 +254,7 @@ def test_redraws_only_while_visible(qtbot):
 
 def test_history_memory_is_bounded():
     model = DashboardModel()
-    from app.dashboard.model import GIB  # noqa: F401 -- the module's unit, used by the figures below
+    from rigpilot.app.dashboard.model import GIB  # noqa: F401 -- the module's unit, used by the figures below
 
     link_machine = FakeLink("8x-h100-sxm").machine_obj
     model.set_machine(link_machine)

@@ -23,19 +23,19 @@ from PySide6.QtCore import QTimer
 from PySide6.QtGui import QImage
 from PySide6.QtWidgets import QApplication, QMessageBox
 
-from app.engine_link import CONNECTED, EngineLink
-from app.main_window import MainWindow
-from app.wizard.page_base import LAUNCH
-from app.wizard.state import examples_present
-from app.wizard.wizard import JobWizard
-from engine.service.client import EngineClient
+from rigpilot.app.engine_link import CONNECTED, EngineLink
+from rigpilot.app.main_window import MainWindow
+from rigpilot.app.wizard.page_base import LAUNCH
+from rigpilot.app.wizard.state import examples_present
+from rigpilot.app.wizard.wizard import JobWizard
+from rigpilot.engine.service.client import EngineClient
 
 REPO = Path(__file__).resolve().parents[1]
 JOB_TIMEOUT_MS = 75_000
 # A job that runs until its gate file appears: the one still running when the window closes.
 GATED_SCRIPT = """
 import pathlib, sys, time
-from engine.report import report
+from rigpilot import report
 gate = pathlib.Path(sys.argv[1])
 step = 0
 while not gate.exists() and step < 900:
@@ -71,7 +71,7 @@ def engine(tmp_path, monkeypatch):
     next(config)
     log = (tmp_path / "engine.log").open("ab")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.service", "--telemetry-period", "0.5", "--grace", "3"],
+        [sys.executable, "-m", "rigpilot.engine.service", "--telemetry-period", "0.5", "--grace", "3"],
         cwd=REPO, stdout=log, stderr=log,
     )  # fmt: skip
     try:
@@ -207,7 +207,7 @@ def test_first_paint_hook_prints_the_time_and_quits(engine, tmp_path):
     """What benchmarks/gui_startup.py measures with: the real `rigpilot` start, offscreen."""
     env = dict(os.environ, QT_QPA_PLATFORM="offscreen", RIGPILOT_EXIT_AFTER_FIRST_PAINT="1")
     start = time.time()
-    r = subprocess.run([sys.executable, "-m", "app.launcher"], cwd=tmp_path, env=env, capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "rigpilot.app.launcher"], cwd=tmp_path, env=env, capture_output=True,
                        text=True, timeout=60)  # fmt: skip
     assert r.returncode == 0, r.stderr
     lines = [line for line in r.stdout.splitlines() if line.startswith("first-paint ")]
@@ -219,7 +219,7 @@ def test_screenshots_of_every_view_and_wizard_page(tmp_path):
     """`rigpilot --screenshots DIR` against its own engine, in its own folders (nothing of this test's)."""
     out = tmp_path / "shots"
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    r = subprocess.run([sys.executable, "-m", "app.launcher", "--screenshots", str(out)], cwd=tmp_path, env=env,
+    r = subprocess.run([sys.executable, "-m", "rigpilot.app.launcher", "--screenshots", str(out)], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     names = {"dashboard", "topology", "planner", "jobs", "settings", "wizard-task", "wizard-model", "wizard-data",
@@ -233,6 +233,6 @@ def test_screenshots_of_every_view_and_wizard_page(tmp_path):
 
 
 def test_screenshots_needs_a_folder():
-    r = subprocess.run([sys.executable, "-m", "app.launcher", "--screenshots"], cwd=REPO, capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "rigpilot.app.launcher", "--screenshots"], cwd=REPO, capture_output=True,
                        text=True, timeout=60)  # fmt: skip
     assert r.returncode == 2 and "usage: rigpilot --screenshots DIR" in r.stderr

@@ -15,7 +15,7 @@ import pytest
 from gui_fakes import FakeLink
 from PySide6.QtWidgets import QWidget
 
-from app.engine_env.dialog import (
+from rigpilot.app.engine_env.dialog import (
     INSTALL,
     REPAIR,
     EngineEnvDialog,
@@ -24,8 +24,8 @@ from app.engine_env.dialog import (
     step_of,
     validate_backend,
 )
-from app.settings.page import SettingsPage
-from engine.cli import build_parser
+from rigpilot.app.settings.page import SettingsPage
+from rigpilot.engine.cli import build_parser
 
 FAKE_INSTALLER = r"""
 import json, sys, time
@@ -200,7 +200,7 @@ def test_backend_choices(backend, valid):
 
 
 def test_the_words_are_the_ones_the_real_command_takes(qtbot, fake, tmp_path):
-    assert default_command()[1:] == ["-m", "app.launcher", "engine-env"]
+    assert default_command()[1:] == ["-m", "rigpilot.app.launcher", "engine-env"]
     wheel = tmp_path / "torch-2.13.0-cp311-cp311-linux_x86_64.whl"
     wheel.write_bytes(b"")
     for action in (INSTALL, REPAIR):

@@ -8,7 +8,7 @@ from typing import Any
 
 import shiboken6
 
-from app.engine_link import EngineLink
+from rigpilot.app.engine_link import EngineLink
 
 
 class SlowClient:
@@ -81,7 +81,7 @@ def test_after_stop_answers_in_flight_are_dropped_and_nothing_new_is_sent(qtbot)
 def test_a_result_for_a_deleted_widget_is_dropped(qtbot):
     from PySide6.QtWidgets import QLabel
 
-    from app.tasks import run_in_background
+    from rigpilot.app.tasks import run_in_background
 
     label, alive = QLabel(), QLabel()
     qtbot.addWidget(alive)

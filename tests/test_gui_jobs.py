@@ -11,11 +11,11 @@ from gui_fakes import FakeLink, focusable_widgets, make_job, tab_through
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QApplication
 
-from app.jobs.handle import LAUNCHER_RANK, RecordDeduper
-from app.jobs.model import STATE, STATES, duration
-from app.jobs.page import JobsPage
-from app.jobs.series import JobSeries, ema, final_timeline
-from engine.service.client import EngineError
+from rigpilot.app.jobs.handle import LAUNCHER_RANK, RecordDeduper
+from rigpilot.app.jobs.model import STATE, STATES, duration
+from rigpilot.app.jobs.page import JobsPage
+from rigpilot.app.jobs.series import JobSeries, ema, final_timeline
+from rigpilot.engine.service.client import EngineError
 
 T0 = 1_700_000_000.0
 GIB = 1024**3
@@ -252,7 +252,7 @@ def test_after_a_reconnect_the_history_resumes_from_the_cursor(qtbot):
 
 
 def test_the_cursor_catches_up_with_the_stream(qtbot, monkeypatch):
-    monkeypatch.setattr("app.jobs.handle.CATCH_UP_MS", 20)
+    monkeypatch.setattr("rigpilot.app.jobs.handle.CATCH_UP_MS", 20)
     link = FakeLink()
     engine = FakeJobs(link, [a_job("j1")])
     engine.records["j1"] = [step_record(s) for s in range(1, 4)]
@@ -459,7 +459,7 @@ def test_clone_and_open_folder(qtbot, monkeypatch):
     assert cloned.args[0]["id"] == "j1" and cloned.args[0]["gpus"] == [0, 1]
 
     opened = []
-    monkeypatch.setattr("app.jobs.page.QDesktopServices.openUrl", lambda url: opened.append(url.toLocalFile()) or True)
+    monkeypatch.setattr("rigpilot.app.jobs.page.QDesktopServices.openUrl", lambda url: opened.append(url.toLocalFile()) or True)
     page.detail.folder_button.click()
     assert opened == ["/tmp/rigpilot-jobs/j1"]
 
@@ -479,7 +479,7 @@ def test_clone_opens_the_wizard_when_there_is_one(qtbot, monkeypatch):
             wizard.link = link
             return wizard
 
-    monkeypatch.setitem(__import__("sys").modules, "app.wizard", types.SimpleNamespace(JobWizard=JobWizard))
+    monkeypatch.setitem(__import__("sys").modules, "rigpilot.app.wizard", types.SimpleNamespace(JobWizard=JobWizard))
     link = FakeLink()
     FakeJobs(link, [a_job("j1")])
     page = open_page(qtbot, link)
@@ -610,7 +610,7 @@ def test_log_follow_appends_new_lines_and_switches_rank(qtbot):
 
 
 def test_the_log_keeps_a_bounded_number_of_lines(qtbot):
-    from app.jobs.log_view import MAX_LINES
+    from rigpilot.app.jobs.log_view import MAX_LINES
 
     link = FakeLink()
     engine = FakeJobs(link, [a_job("j1", "completed")])

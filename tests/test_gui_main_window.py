@@ -9,8 +9,8 @@ from gui_fakes import FakeLink, make_job
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtWidgets import QApplication, QMessageBox
 
-from app.main_window import PAGES, MainWindow
-from engine.hardware.simulated import list_profiles
+from rigpilot.app.main_window import PAGES, MainWindow
+from rigpilot.engine.hardware.simulated import list_profiles
 
 
 def open_window(qtbot, link):
@@ -105,7 +105,7 @@ def test_closing_and_choosing_stop_cancels_the_running_jobs(qtbot):
 
 def test_without_a_display_the_app_says_so_in_one_line():
     env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM")}
-    r = subprocess.run([sys.executable, "-m", "app.launcher"], env=env, capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-m", "rigpilot.app.launcher"], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0
     assert "no display found" in r.stderr and "rigpilot watch" in r.stderr

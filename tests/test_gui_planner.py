@@ -16,13 +16,13 @@ from gui_fakes import (
 from PySide6.QtCore import QSettings
 from PySide6.QtWidgets import QFileDialog
 
-from app.planner import hub_search
-from app.planner.exports import EXPORT_TARGETS, plan_sidecar
-from app.planner.model import GIB, MEMORY_PARTS, PlanRequest, plans_of, search_locally
-from app.planner.page import TABLE_COLUMNS, PlannerPage
-from engine.hardware.simulated import list_profiles
-from engine.planner.plan import Plan
-from engine.service.client import EngineError
+from rigpilot.app.planner import hub_search
+from rigpilot.app.planner.exports import EXPORT_TARGETS, plan_sidecar
+from rigpilot.app.planner.model import GIB, MEMORY_PARTS, PlanRequest, plans_of, search_locally
+from rigpilot.app.planner.page import TABLE_COLUMNS, PlannerPage
+from rigpilot.engine.hardware.simulated import list_profiles
+from rigpilot.engine.planner.plan import Plan
+from rigpilot.engine.service.client import EngineError
 
 PROFILES = [p["id"] for p in list_profiles()]
 PRESET_7B = "llama-2-7b"
@@ -352,7 +352,7 @@ def test_form_is_saved_and_restored(qtbot, tmp_path):
 
 
 def test_search_locally_matches_the_engine_reply_shape():
-    from engine.hardware.simulated import load_profile
+    from rigpilot.engine.hardware.simulated import load_profile
 
     machine = load_profile("2x-rtx3090-nvlink")
     request = PlanRequest(model="gpt2", seq_len=1024, batch=8, gpus=[0, 1])

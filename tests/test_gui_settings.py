@@ -8,8 +8,8 @@ import pytest
 from gui_fakes import FakeLink, focusable_widgets, tab_through
 from PySide6.QtCore import QSettings
 
-from app.settings import model
-from app.settings.model import (
+from rigpilot.app.settings import model
+from rigpilot.app.settings.model import (
     KEY_ADDRESS,
     KEY_REFRESH_HZ,
     KEY_TOKEN,
@@ -17,9 +17,9 @@ from app.settings.model import (
     read_refresh_hz,
     validate_address,
 )
-from app.settings.page import SettingsPage
-from engine.hardware.simulated import list_profiles
-from engine.settings import Settings
+from rigpilot.app.settings.page import SettingsPage
+from rigpilot.engine.hardware.simulated import list_profiles
+from rigpilot.engine.settings import Settings
 
 
 def open_page(qtbot) -> SettingsPage:

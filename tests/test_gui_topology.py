@@ -8,10 +8,10 @@ from PySide6.QtCore import QPoint, Qt
 from PySide6.QtGui import QColor, QPalette
 from PySide6.QtTest import QTest
 
-from app.topology.model import build_graph, measured_bandwidth, nvlink_link_gbs, topo_matrix
-from app.topology.page import TopologyPage
-from engine.hardware.importers import import_machine
-from engine.hardware.simulated import list_profiles, load_profile
+from rigpilot.app.topology.model import build_graph, measured_bandwidth, nvlink_link_gbs, topo_matrix
+from rigpilot.app.topology.page import TopologyPage
+from rigpilot.engine.hardware.importers import import_machine
+from rigpilot.engine.hardware.simulated import list_profiles, load_profile
 
 PROFILES = [p["id"] for p in list_profiles()]
 # NVLink edges as drawn: one per bridged pair, or one spoke per GPU into an NVSwitch.
@@ -98,7 +98,7 @@ def test_live_nvlink_throughput_on_the_edges(qtbot):
 
 
 def test_live_pcie_traffic_beside_each_gpus_link(qtbot):
-    from app.topology.model import pcie_link_gbs
+    from rigpilot.app.topology.model import pcie_link_gbs
 
     link = FakeLink("4x-rtx4090")  # no NVLink: every transfer crosses PCIe
     page = open_page(qtbot, link)

@@ -18,7 +18,7 @@ from gui_fakes import (
 from PySide6.QtCore import QSettings
 from PySide6.QtWidgets import QMainWindow, QWidget, QWizard
 
-from app.wizard.data_check import (
+from rigpilot.app.wizard.data_check import (
     CHAT,
     INSTRUCTION,
     JSONL_TEXT,
@@ -28,8 +28,8 @@ from app.wizard.data_check import (
     inspect_dataset,
     inspect_file,
 )
-from app.wizard.page_base import DATA, GPUS, HYPER, LAUNCH, MODEL, PLAN, REVIEW, TASK
-from app.wizard.state import (
+from rigpilot.app.wizard.page_base import DATA, GPUS, HYPER, LAUNCH, MODEL, PLAN, REVIEW, TASK
+from rigpilot.app.wizard.state import (
     EXAMPLES,
     TINY_DATA,
     TINY_MODEL,
@@ -39,10 +39,10 @@ from app.wizard.state import (
     state_from_plan,
     state_from_spec,
 )
-from app.wizard.wizard import SETTINGS_KEY, JobWizard
-from engine.hardware.simulated import load_profile
-from engine.jobs.spec import JobSpec
-from engine.service.client import EngineError
+from rigpilot.app.wizard.wizard import SETTINGS_KEY, JobWizard
+from rigpilot.engine.hardware.simulated import load_profile
+from rigpilot.engine.jobs.spec import JobSpec
+from rigpilot.engine.service.client import EngineError
 
 ALL_PAGES = [TASK, MODEL, DATA, GPUS, PLAN, HYPER, REVIEW, LAUNCH]
 
@@ -643,7 +643,7 @@ def test_a_model_folder_without_weights_offers_training_from_scratch(qtbot, sett
 
 
 def test_the_command_line_parses_with_the_real_cli():
-    from engine.cli import build_parser
+    from rigpilot.engine.cli import build_parser
 
     state = state_from_plan(qlora_plan())
     state.dataset = [str(EXAMPLES / TINY_DATA)]
@@ -672,12 +672,12 @@ def test_the_pages_and_the_wizard_do_not_import_each_other():
         if f.name == "wizard.py":
             continue
         modules = {n.module for n in ast.walk(ast.parse(f.read_text())) if isinstance(n, ast.ImportFrom)}
-        assert "app.wizard.wizard" not in modules, f.name
+        assert "rigpilot.app.wizard.wizard" not in modules, f.name
 
 
 def test_a_zero2_plan_is_launched_as_fsdp2_without_resharding_as_the_engine_maps_it(settings):
     """The wizard's degrees come from the engine's mapping of a plan (a ZeRO-2 plan once launched as DDP)."""
-    from engine.capability import layout_of_plan
+    from rigpilot.engine.capability import layout_of_plan
 
     link, _ = make_link("4x-rtxa6000-bridged")
     state = default_state(link.machine)

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.hardware.importers import FileKind, MachineImportError, import_machine, import_text, sniff
-from engine.hardware.importers.smi_query import NOTE_NO_TOPOLOGY
-from engine.hardware.importers.topo_text import NOTE_NO_GPU_NAMES
-from engine.hardware.machine import PciePath
+from rigpilot.engine.hardware.importers import FileKind, MachineImportError, import_machine, import_text, sniff
+from rigpilot.engine.hardware.importers.smi_query import NOTE_NO_TOPOLOGY
+from rigpilot.engine.hardware.importers.topo_text import NOTE_NO_GPU_NAMES
+from rigpilot.engine.hardware.machine import PciePath
 
 MiB = 1024 * 1024
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.hardware.importers import MachineImportError, import_machine, import_text, sniff
-from engine.hardware.importers.topo_text import GPU_PLACEHOLDER_NAME, NOTE_NO_GPU_NAMES, parse_topo
-from engine.hardware.machine import Machine, PciePath, Source, format_cpu_list
+from rigpilot.engine.hardware.importers import MachineImportError, import_machine, import_text, sniff
+from rigpilot.engine.hardware.importers.topo_text import GPU_PLACEHOLDER_NAME, NOTE_NO_GPU_NAMES, parse_topo
+from rigpilot.engine.hardware.machine import Machine, PciePath, Source, format_cpu_list
 
 
 def _case(smi_data: Path, prefix: str) -> Path:

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from engine.hardware.machine import (
+from rigpilot.engine.hardware.machine import (
     P2P,
     Gpu,
     GpuPair,
@@ -14,7 +14,7 @@ from engine.hardware.machine import (
     parse_cpu_list,
     short_gpu_name,
 )
-from engine.hardware.simulated import list_profiles, load_profile
+from rigpilot.engine.hardware.simulated import list_profiles, load_profile
 
 
 @pytest.mark.parametrize("profile", [p["id"] for p in list_profiles()])

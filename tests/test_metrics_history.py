@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 
-from engine.service.metrics import mark_superseded, read_records
+from rigpilot.engine.service.metrics import mark_superseded, read_records
 
 
 def test_report_numbers_the_run(tmp_path, monkeypatch):
-    import engine.report as report_module
+    import rigpilot.engine.report as report_module
 
     monkeypatch.setenv("RIGPILOT_METRICS_DIR", str(tmp_path))
     monkeypatch.setenv("RANK", "0")

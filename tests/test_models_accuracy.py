@@ -11,9 +11,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from engine.accuracy.compare import BOUNDS, KvCase, compare_kv, compare_step  # noqa: E402
-from engine.accuracy.measure import Case, SavedTensorMeter, measure_kv_cache, measure_step  # noqa: E402
-from engine.accuracy.models import MODEL_NAMES, spec_for  # noqa: E402
+from rigpilot.engine.accuracy.compare import BOUNDS, KvCase, compare_kv, compare_step  # noqa: E402
+from rigpilot.engine.accuracy.measure import Case, SavedTensorMeter, measure_kv_cache, measure_step  # noqa: E402
+from rigpilot.engine.accuracy.models import MODEL_NAMES, spec_for  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

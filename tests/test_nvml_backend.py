@@ -19,9 +19,9 @@ import psutil
 import pynvml
 import pytest
 
-from engine.hardware import nvml_backend
-from engine.hardware.machine import P2P, Gpu, GpuPair, Host, Machine, NumaNode, PciePath, Source
-from engine.hardware.nvml_backend import (
+from rigpilot.engine.hardware import nvml_backend
+from rigpilot.engine.hardware.machine import P2P, Gpu, GpuPair, Host, Machine, NumaNode, PciePath, Source
+from rigpilot.engine.hardware.nvml_backend import (
     CLOCK_EVENT_REASONS,
     ECC_DISABLED,
     FAST_FIELDS,
@@ -39,9 +39,9 @@ from engine.hardware.nvml_backend import (
     encode_clock_event_reasons,
     is_throttled,
 )
-from engine.hardware.nvml_replay import FakeHandle, FakeNvml, api_functions, idle_samples, install
-from engine.hardware.simulated import Load, SimulatedBackend, load_profile
-from engine.hardware.telemetry import SLOW_FIELDS, GpuProcess, GpuSample, TelemetrySample, Tier
+from rigpilot.engine.hardware.nvml_replay import FakeHandle, FakeNvml, api_functions, idle_samples, install
+from rigpilot.engine.hardware.simulated import Load, SimulatedBackend, load_profile
+from rigpilot.engine.hardware.telemetry import SLOW_FIELDS, GpuProcess, GpuSample, TelemetrySample, Tier
 
 PROFILES = [
     "8x-h100-sxm",

@@ -55,7 +55,7 @@ def test_desktop_metadata_validates(tool, args, path):
 
 
 def test_one_id_everywhere():
-    from app.identity import APP_ID as code_id
+    from rigpilot.app.identity import APP_ID as code_id
 
     desktop = (REPO / f"resources/desktop/{APP_ID}.desktop").read_text()
     metainfo = (REPO / f"resources/desktop/{APP_ID}.metainfo.xml").read_text()
@@ -108,7 +108,7 @@ def test_install_start_remove_leaves_nothing(deb, tmp_path):
             assert Path(f).exists(), f
         assert Path("/opt/rigpilot/venv/bin/python").exists()
         # The wizard's default first job finds the shipped examples.
-        probe = "from app.wizard.state import EXAMPLES, examples_present; print(EXAMPLES, examples_present())"
+        probe = "from rigpilot.app.wizard.state import EXAMPLES, examples_present; print(EXAMPLES, examples_present())"
         clean = {**os.environ, "PYTHONPATH": ""}
         r = run(["/opt/rigpilot/venv/bin/python", "-c", probe], cwd=tmp_path, env=clean, timeout=60)
         assert r.stdout.split() == ["/opt/rigpilot/examples", "True"], r.stdout + r.stderr

@@ -10,12 +10,19 @@ import subprocess
 
 import pytest
 
-from engine.errors import UserError
-from engine.hardware.simulated import load_profile
-from engine.models.spec import Linear, ModelSpec
-from engine.planner.export import accelerate_config, deepspeed_config, export, slurm_script, to_yaml, torchrun_command
-from engine.planner.plan import Workload
-from engine.planner.search import SearchOptions, search
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.hardware.simulated import load_profile
+from rigpilot.engine.models.spec import Linear, ModelSpec
+from rigpilot.engine.planner.export import (
+    accelerate_config,
+    deepspeed_config,
+    export,
+    slurm_script,
+    to_yaml,
+    torchrun_command,
+)
+from rigpilot.engine.planner.plan import Workload
+from rigpilot.engine.planner.search import SearchOptions, search
 
 yaml = pytest.importorskip("yaml")
 

@@ -6,11 +6,11 @@ import dataclasses
 
 import pytest
 
-from engine.errors import UserError
-from engine.hardware.simulated import load_profile
-from engine.models.spec import Linear, ModelSpec
-from engine.planner.links import Topology
-from engine.planner.memory import (
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.hardware.simulated import load_profile
+from rigpilot.engine.models.spec import Linear, ModelSpec
+from rigpilot.engine.planner.links import Topology
+from rigpilot.engine.planner.memory import (
     GIB,
     NF4_BYTES_DQ,
     MemoryModel,
@@ -18,8 +18,8 @@ from engine.planner.memory import (
     predict_components,
     predict_kv_cache,
 )
-from engine.planner.model import model_facts, train_flops_per_token
-from engine.planner.plan import LoraSettings, Parallelism, Workload
+from rigpilot.engine.planner.model import model_facts, train_flops_per_token
+from rigpilot.engine.planner.plan import LoraSettings, Parallelism, Workload
 
 
 def llama(h: int, inter: int, layers: int, heads: int, kv: int, vocab: int, *, tied: bool = False, ctx: int = 4096) -> ModelSpec:
@@ -284,7 +284,7 @@ def test_kv_cache_matches_what_transformers_caches(model_type):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from engine.models.formulas import spec_from_config
+    from rigpilot.engine.models.formulas import spec_from_config
 
     small = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}  # fmt: skip

@@ -12,13 +12,13 @@ import dataclasses
 import pytest
 from test_planner_search import llama
 
-from engine.hardware.simulated import load_profile
-from engine.models.spec import ModelSpec
-from engine.planner.links import Topology
-from engine.planner.memory import HOST_BYTES_PER_RANK, MemoryModel, plan_memory
-from engine.planner.model import model_facts
-from engine.planner.plan import LoraSettings, Parallelism, Workload
-from engine.planner.speed import CPU_OPTIMIZER_BYTES, SpeedModel
+from rigpilot.engine.hardware.simulated import load_profile
+from rigpilot.engine.models.spec import ModelSpec
+from rigpilot.engine.planner.links import Topology
+from rigpilot.engine.planner.memory import HOST_BYTES_PER_RANK, MemoryModel, plan_memory
+from rigpilot.engine.planner.model import model_facts
+from rigpilot.engine.planner.plan import LoraSettings, Parallelism, Workload
+from rigpilot.engine.planner.speed import CPU_OPTIMIZER_BYTES, SpeedModel
 
 P = 1_963_264
 UNIT = 724_992 + 512 + 256 // 2  # one block as FSDP2 gathers it; the planner spreads the final norm over the blocks

@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from engine.errors import UserError
-from engine.hardware.simulated import load_profile
-from engine.models.spec import Linear, ModelSpec
-from engine.planner.plan import PLAN_VERSION, LoraSettings, Plan, Workload
-from engine.planner.search import search
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.hardware.simulated import load_profile
+from rigpilot.engine.models.spec import Linear, ModelSpec
+from rigpilot.engine.planner.plan import PLAN_VERSION, LoraSettings, Plan, Workload
+from rigpilot.engine.planner.search import search
 
 
 def small_llama() -> ModelSpec:

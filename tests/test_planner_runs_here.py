@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from engine.capability import layout_of_plan, why_not
-from engine.hardware.simulated import load_profile
-from engine.models.describe import describe_model
-from engine.planner.command import render_text
-from engine.planner.plan import LoraSettings, Workload
-from engine.planner.search import SearchOptions, search
+from rigpilot.engine.capability import layout_of_plan, why_not
+from rigpilot.engine.hardware.simulated import load_profile
+from rigpilot.engine.models.describe import describe_model
+from rigpilot.engine.planner.command import render_text
+from rigpilot.engine.planner.plan import LoraSettings, Workload
+from rigpilot.engine.planner.search import SearchOptions, search
 
 PROFILES = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "resources" / "machines").glob("*.json"))
 TASKS = [("train", "full"), ("train", "lora"), ("train", "qlora"), ("infer", "full")]
@@ -132,7 +132,7 @@ def test_planner_modules_import_without_cycles():
             continue
         deps = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("engine.planner."):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("rigpilot.engine.planner."):
                 deps.add(node.module.rsplit(".", 1)[1])
         graph[path.stem] = deps
 

@@ -7,13 +7,13 @@ import re
 
 import pytest
 
-from engine.errors import UserError
-from engine.hardware.machine import Host, Machine, Source
-from engine.hardware.simulated import load_profile
-from engine.models.spec import Linear, ModelSpec
-from engine.planner.links import Topology
-from engine.planner.plan import LoraSettings, Workload
-from engine.planner.search import SearchOptions, _stage_layers, search
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.hardware.machine import Host, Machine, Source
+from rigpilot.engine.hardware.simulated import load_profile
+from rigpilot.engine.models.spec import Linear, ModelSpec
+from rigpilot.engine.planner.links import Topology
+from rigpilot.engine.planner.plan import LoraSettings, Workload
+from rigpilot.engine.planner.search import SearchOptions, _stage_layers, search
 
 PROFILES = [
     "8x-h100-sxm", "8x-a100-pcie", "4x-rtx4090", "2x-rtx3090-nvlink", "4x-rtxa6000-bridged", "mixed-4090-3090", "1x-rtx4090",
@@ -210,7 +210,7 @@ def test_subset_of_gpus_and_suggestion_to_use_all():
     ],
 )
 def test_absurd_workloads_are_refused_at_once_in_one_line(change, words):
-    from engine.models import describe_model
+    from rigpilot.engine.models import describe_model
 
     # Before the bounds, a batch of 2^63 kept the search enumerating divisors until pytest's timeout.
     with pytest.raises(UserError) as e:

@@ -6,13 +6,13 @@ import dataclasses
 
 import pytest
 
-from engine.hardware.simulated import load_profile
-from engine.models.spec import Linear, ModelSpec
-from engine.planner.links import Calibration, Topology
-from engine.planner.memory import MemoryModel
-from engine.planner.model import model_facts
-from engine.planner.plan import Parallelism, Workload
-from engine.planner.speed import SpeedModel, allreduce_s, bubble_fraction, gather_s, shape_factor
+from rigpilot.engine.hardware.simulated import load_profile
+from rigpilot.engine.models.spec import Linear, ModelSpec
+from rigpilot.engine.planner.links import Calibration, Topology
+from rigpilot.engine.planner.memory import MemoryModel
+from rigpilot.engine.planner.model import model_facts
+from rigpilot.engine.planner.plan import Parallelism, Workload
+from rigpilot.engine.planner.speed import SpeedModel, allreduce_s, bubble_fraction, gather_s, shape_factor
 
 
 def llama_7b() -> ModelSpec:

@@ -3,9 +3,9 @@ import time
 
 import pytest
 
-from engine.hardware.sampler import Sampler
-from engine.hardware.simulated import SimulatedBackend, load_profile
-from engine.hardware.telemetry import Tier
+from rigpilot.engine.hardware.sampler import Sampler
+from rigpilot.engine.hardware.simulated import SimulatedBackend, load_profile
+from rigpilot.engine.hardware.telemetry import Tier
 
 
 class CountingBackend:

@@ -17,17 +17,17 @@ from pathlib import Path
 import psutil
 import pytest
 
-from engine.cli import main as cli_main
-from engine.service import paths, protocol
-from engine.service.client import EngineClient, EngineError
-from engine.service.supervisor import job_processes
+from rigpilot.engine.cli import main as cli_main
+from rigpilot.engine.service import paths, protocol
+from rigpilot.engine.service.client import EngineClient, EngineError
+from rigpilot.engine.service.supervisor import job_processes
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 2**30
 
 GATE_SCRIPT = """
 import os, sys, time, pathlib
-from engine.report import report
+from rigpilot import report
 rank = int(os.environ["RANK"])
 gate = pathlib.Path(sys.argv[1])
 print(f"rank {rank} of {os.environ['WORLD_SIZE']} starts (run {os.environ['RIGPILOT_RUN']})", flush=True)
@@ -44,7 +44,7 @@ print(f"rank {rank} done", flush=True)
 
 QUICK_SCRIPT = """
 import os
-from engine.report import report
+from rigpilot import report
 for step in range(1, 4):
     report(step=step, loss=4.0 - step, max_steps=3)
 print("quick rank", os.environ["RANK"], "finished")
@@ -52,7 +52,7 @@ print("quick rank", os.environ["RANK"], "finished")
 
 CRASH_SCRIPT = """
 import os, sys, time
-from engine.report import report
+from rigpilot import report
 rank = int(os.environ["RANK"])
 report(step=0, loss=1.0)
 if rank == 1:
@@ -65,7 +65,7 @@ while True:
 
 STUBBORN_SCRIPT = """
 import signal, time
-from engine.report import report
+from rigpilot import report
 signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a worker that never checkpoints: SIGKILL must follow
 step = 0
 while True:
@@ -97,7 +97,7 @@ class Engine:
 
     def start(self, *extra: str) -> None:
         self.log = (self.tmp / "engine.log").open("ab")
-        cmd = [sys.executable, "-m", "engine.service", "--grace", "3", "--failure-grace", "2",
+        cmd = [sys.executable, "-m", "rigpilot.engine.service", "--grace", "3", "--failure-grace", "2",
                "--telemetry-period", "0.25", *extra]  # fmt: skip
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=self.log)
         wait_for(self._answers, 30, what="the engine service to start")
@@ -249,7 +249,7 @@ def test_socket_is_private_and_bad_messages_get_error_replies(engine):
 
 
 def planner_processes(engine: Engine) -> list[psutil.Process]:
-    return [c for c in psutil.Process(engine.proc.pid).children() if "engine.service.planworker" in c.cmdline()]
+    return [c for c in psutil.Process(engine.proc.pid).children() if "rigpilot.engine.service.planworker" in c.cmdline()]
 
 
 def engine_log_tracebacks(engine: Engine) -> int:
@@ -392,10 +392,10 @@ def test_clients_start_the_service_and_replace_a_stale_socket(engine):
         pid = c.hello["pid"]
         assert psutil.pid_exists(pid)
         # A second service refuses to run beside the first (one per user).
-        second = subprocess.run([sys.executable, "-m", "engine.service"], cwd=REPO, capture_output=True, text=True,
+        second = subprocess.run([sys.executable, "-m", "rigpilot.engine.service"], cwd=REPO, capture_output=True, text=True,
                                 timeout=60)  # fmt: skip
         assert second.returncode == 2 and "already running" in second.stderr
-        quiet = subprocess.run([sys.executable, "-m", "engine.service", "--background"], cwd=REPO, timeout=60)
+        quiet = subprocess.run([sys.executable, "-m", "rigpilot.engine.service", "--background"], cwd=REPO, timeout=60)
         assert quiet.returncode == 0
         c.request("shutdown")
     wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 15,
@@ -490,12 +490,38 @@ def test_crashing_rank_fails_the_job_within_seconds_naming_the_rank(engine):
 
 OOM_SCRIPT = """
 import sys
-from engine.report import report
+from rigpilot import report
 report(step=1, loss=2.0, peak_memory=20 * 2**30)
 report(kind="error", error="out_of_memory", allocated=22 * 2**30, total=24 * 2**30)
 print("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", file=sys.stderr)
 sys.exit(1)
 """
+
+
+def test_script_job_imports_its_own_engine_app_and_resources_not_rigpilots(engine, tmp_path):
+    """Research code often has its own engine.py (DETR), app.py or resources/: a script job imports those,
+    and Rigpilot only as `rigpilot`, from the worker's environment (nothing of ours on PYTHONPATH)."""
+    engine.start()
+    project = tmp_path / "my-research"
+    (project / "resources").mkdir(parents=True)
+    (project / "engine.py").write_text("def train_one_epoch():\n    return 0.25\n")
+    (project / "app.py").write_text("NAME = 'my app'\n")
+    (project / "resources" / "__init__.py").write_text("WEIGHTS = 'mine'\n")
+    (project / "main.py").write_text(
+        "import os, engine, app, resources\n"
+        "from rigpilot import report\n"
+        "assert not any('rigpilot' in p or 'site-packages' in p for p in os.environ.get('PYTHONPATH', '').split(':') if p), os.environ['PYTHONPATH']\n"
+        "print('imports', engine.__file__, app.NAME, resources.WEIGHTS, flush=True)\n"
+        "report(step=1, loss=engine.train_one_epoch())\n"
+    )
+    with engine.client() as c:
+        spec = {"kind": "script", "script": [str(project / "main.py")], "gpus": [0]}
+        job = c.request("submit", spec=spec, cwd=str(project))["job"]
+        done = engine.wait_state(c, job["id"], "completed", "failed")
+        log = c.request("logs", job=job["id"], rank=0)["text"]
+        assert done["state"] == "completed", (done.get("exit_reason"), log)
+        assert f"imports {project / 'engine.py'} my app mine" in log
+        assert [r["loss"] for r in c.request("metrics", job=job["id"])["records"] if "loss" in r] == [0.25]
 
 
 def test_out_of_memory_is_reported_with_the_plans_prediction(engine):
@@ -666,7 +692,7 @@ def test_check_prints_what_would_run_or_the_refusal_and_starts_nothing(engine, c
 @pytest.mark.slow
 @pytest.mark.skipif(
     not (REPO / "engine" / "workers" / "__main__.py").exists() or not TINY_LLAMA.exists(),
-    reason="engine.workers (the train/infer worker entry point) or its tiny example model is not in this checkout",
+    reason="rigpilot.engine.workers (the train/infer worker entry point) or its tiny example model is not in this checkout",
 )
 def test_train_job_runs_under_the_service(engine):
     engine.start()
@@ -687,7 +713,7 @@ def test_train_job_runs_under_the_service(engine):
 
 
 def test_service_module_does_not_import_torch():
-    code = "import sys, engine.service.server, engine.service.client, engine.service.commands; print('torch' in sys.modules)"
+    code = "import sys, rigpilot.engine.service.server, rigpilot.engine.service.client, rigpilot.engine.service.commands; print('torch' in sys.modules)"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False"
@@ -717,7 +743,7 @@ def test_gpus_and_watch_show_the_engines_telemetry_with_the_jobs_load(engine, ca
 
 def _offload_plan(gpus: list[int]) -> dict:
     """An FSDP2 CPU-offload plan as the planner writes it, for the tiny example model."""
-    from engine.planner.plan import HostMemory, MemoryBreakdown, Parallelism, Plan, Timing, Workload
+    from rigpilot.engine.planner.plan import HostMemory, MemoryBreakdown, Parallelism, Plan, Timing, Workload
 
     mem = [MemoryBreakdown(gpu=g, stage=0, weights=0, gradients=0, optimizer=0, activations=1, kv_cache=0, buffers=0,
                            overhead=0, total=2**20, capacity=24 * 2**30, headroom=24 * 2**30 - 2**20) for g in gpus]  # fmt: skip

@@ -19,8 +19,8 @@ import psutil
 import pytest
 from test_service_engine import Engine, engine  # noqa: F401  (the fixture)
 
-from engine.jobs.spec import InferSettings, JobSpec, Parallelism, TrainSettings
-from engine.service import paths, protocol
+from rigpilot.engine.jobs.spec import InferSettings, JobSpec, Parallelism, TrainSettings
+from rigpilot.engine.service import paths, protocol
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +76,7 @@ def fuzz_args(rng: random.Random, rtype: str, tmp) -> dict:
 
 
 def _workload_class():
-    from engine.planner.plan import Workload
+    from rigpilot.engine.planner.plan import Workload
 
     return Workload
 

@@ -17,16 +17,16 @@ from pathlib import Path
 import pytest
 from test_service_engine import Engine, engine_home, leftover_job_processes
 
-from engine.cli import main as cli_main
-from engine.jobs.secrets import MASK, is_secret, read_secrets_file, split
-from engine.service.client import EngineError
+from rigpilot.engine.cli import main as cli_main
+from rigpilot.engine.jobs.secrets import MASK, is_secret, read_secrets_file, split
+from rigpilot.engine.service.client import EngineError
 
 HF_TOKEN = "hf_" + "Zq7" * 12
 WANDB_KEY = "0123456789abcdef" * 2 + "-wandb"
 
 SECRET_SCRIPT = """
 import hashlib, os, sys, pathlib
-from engine.report import report
+from rigpilot import report
 def h(name):
     return hashlib.sha256(os.environ.get(name, "").encode()).hexdigest()
 ok = [h("HF_TOKEN"), h("WANDB_API_KEY")] == sys.argv[1:3] and os.environ.get("PLAIN_SETTING") == "1"

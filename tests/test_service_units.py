@@ -8,17 +8,17 @@ import time
 
 import pytest
 
-from engine.errors import UserError
-from engine.hardware.simulated import load_profile
-from engine.hardware.telemetry import GpuSample, TelemetrySample
-from engine.planner.plan import HostMemory, MemoryBreakdown, Parallelism, Plan, Timing, Workload
-from engine.service import protocol
-from engine.service.metrics import PEAK_MEMORY_KEYS, MetricsSummary, read_records, summarize
-from engine.service.protocol import ProtocolError
-from engine.service.store import QUEUED, JobRecord, JobStore
-from engine.service.submission import describe, plan_prediction, prepare
-from engine.service.supervisor import _compare
-from engine.service.telemetry_store import TelemetryStore
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.hardware.simulated import load_profile
+from rigpilot.engine.hardware.telemetry import GpuSample, TelemetrySample
+from rigpilot.engine.planner.plan import HostMemory, MemoryBreakdown, Parallelism, Plan, Timing, Workload
+from rigpilot.engine.service import protocol
+from rigpilot.engine.service.metrics import PEAK_MEMORY_KEYS, MetricsSummary, read_records, summarize
+from rigpilot.engine.service.protocol import ProtocolError
+from rigpilot.engine.service.store import QUEUED, JobRecord, JobStore
+from rigpilot.engine.service.submission import describe, plan_prediction, prepare
+from rigpilot.engine.service.supervisor import _compare
+from rigpilot.engine.service.telemetry_store import TelemetryStore
 
 
 def req(rtype, **args):
@@ -411,18 +411,18 @@ def test_telemetry_store_thins_old_samples_and_pages(tmp_path):
 
 def test_systemd_unit_keeps_jobs_alive_on_stop(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
-    from engine.service.systemd import install_unit
+    from rigpilot.engine.service.systemd import install_unit
 
     path = install_unit()
     assert path == tmp_path / "systemd" / "user" / "rigpilot-engine.service"
     text = path.read_text()
-    assert "KillMode=process" in text and "-m engine.service" in text and "WantedBy=default.target" in text
+    assert "KillMode=process" in text and "-m rigpilot.engine.service" in text and "WantedBy=default.target" in text
 
 
 def test_runtime_dir_falls_back_to_a_private_tmp_folder(tmp_path, monkeypatch):
     monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
-    from engine.service.paths import runtime_dir
+    from rigpilot.engine.service.paths import runtime_dir
 
     d = runtime_dir()
     assert d == tmp_path / f"rigpilot-{os.getuid()}"
@@ -430,8 +430,8 @@ def test_runtime_dir_falls_back_to_a_private_tmp_folder(tmp_path, monkeypatch):
 
 
 def test_run_train_flags_become_the_job_spec():
-    from engine.cli import build_parser
-    from engine.service.commands import build_spec
+    from rigpilot.engine.cli import build_parser
+    from rigpilot.engine.service.commands import build_spec
 
     words = ["run", "train", "--model", "gpt2", "--data", "chat.jsonl", "--seq", "128", "--tp", "2"]
     spec = build_spec(build_parser().parse_args(words))
@@ -484,8 +484,8 @@ def test_a_simulated_plan_too_big_for_this_hosts_ram_says_so_without_refusing(su
 
 
 def test_run_flags_reach_the_job_spec():
-    from engine.cli import build_parser
-    from engine.service.commands import build_spec
+    from rigpilot.engine.cli import build_parser
+    from rigpilot.engine.service.commands import build_spec
 
     words = ["run", "train", "--model", "m", "--data", "d.txt", "--method", "qlora", "--pp", "2", "--pp-microbatches",
              "4", "--pp-schedule", "gpipe", "--precision", "fp32", "--checkpointing", "full", "--save-merged",
@@ -540,7 +540,7 @@ def test_names_paths_and_environments_are_bounded(submit, tmp_path):
 
 
 def test_resume_checks_its_environment_as_submit_does():
-    from engine.jobs.limits import ENV_VALUE_MAX, check_env
+    from rigpilot.engine.jobs.limits import ENV_VALUE_MAX, check_env
 
     check_env({"HF_TOKEN": "hf_x" * 10, "A_1": ""})
     for env, words in (({"A=B": "1"}, "not a valid variable name"), ({"X": "v" * (ENV_VALUE_MAX + 1)}, "characters long")):

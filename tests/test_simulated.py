@@ -1,10 +1,10 @@
 import pytest
 
-from engine.errors import UserError
-from engine.hardware.machine import P2P, PciePath
-from engine.hardware.simulated import GIB, Load, SimulatedBackend, list_profiles, load_profile
-from engine.hardware.telemetry import Tier
-from engine.hardware.topology import summarize
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.hardware.machine import P2P, PciePath
+from rigpilot.engine.hardware.simulated import GIB, Load, SimulatedBackend, list_profiles, load_profile
+from rigpilot.engine.hardware.telemetry import Tier
+from rigpilot.engine.hardware.topology import summarize
 
 REQUIRED = {"8x-h100-sxm", "8x-a100-pcie", "4x-rtx4090", "2x-rtx3090-nvlink", "4x-rtxa6000-bridged", "mixed-4090-3090",
             "1x-rtx4090"}

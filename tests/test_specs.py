@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.hardware.specs import (
+from rigpilot.engine.hardware.specs import (
     DTYPES,
     GpuSpec,
     SpecTableError,

@@ -1,5 +1,5 @@
-from engine.hardware.simulated import load_profile
-from engine.hardware.topology import describe, render_matrix, summarize
+from rigpilot.engine.hardware.simulated import load_profile
+from rigpilot.engine.hardware.topology import describe, render_matrix, summarize
 
 
 def test_describe_names_islands_switches_and_socket_crossings():

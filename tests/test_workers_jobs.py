@@ -1,4 +1,4 @@
-"""Real jobs: `python -m torch.distributed.run ... -m engine.workers <job_dir>` on CPU ranks with gloo.
+"""Real jobs: `python -m torch.distributed.run ... -m rigpilot.engine.workers <job_dir>` on CPU ranks with gloo.
 
 Each run is a module-scoped fixture, shared by the tests that read it, so
 every launch happens once. Training runs use the shipped tiny-llama config and
@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 import torch
 
-from engine.jobs.spec import JobSpec
-from engine.workers import ERROR_PREFIX, EXIT_USER_ERROR
+from rigpilot.engine.jobs.spec import JobSpec
+from rigpilot.engine.workers import ERROR_PREFIX, EXIT_USER_ERROR
 
 pytestmark = pytest.mark.slow
 
@@ -67,7 +67,7 @@ def torchrun(job_dir: Path, nproc: int = 2, *, log_dir: Path | None = None) -> l
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     if log_dir is not None:
         cmd += ["--log-dir", str(log_dir), "--redirects", "3"]
-    return [*cmd, "-m", "engine.workers", str(job_dir)]
+    return [*cmd, "-m", "rigpilot.engine.workers", str(job_dir)]
 
 
 def run_job(
@@ -482,7 +482,7 @@ def test_a_script_reports_metrics_and_a_failing_one_fails_the_rank(root: Path) -
     script.write_text(
         "import sys\n"
         "import torch.distributed as dist\n"
-        "from engine.report import report\n"
+        "from rigpilot import report\n"
         "dist.init_process_group('gloo')\n"
         "for step in range(1, 4):\n"
         "    report(step=step, loss=1.0 / step, world=dist.get_world_size(), arg=sys.argv[1])\n"
@@ -500,7 +500,7 @@ def test_a_script_reports_metrics_and_a_failing_one_fails_the_rank(root: Path) -
     bad.write_text("raise ValueError('the data is wrong')\n")
     failing = write_job(root / "script-fail", kind="script", script=[str(bad)])
     proc = subprocess.run(
-        [sys.executable, "-m", "engine.workers", str(failing)],
+        [sys.executable, "-m", "rigpilot.engine.workers", str(failing)],
         cwd=REPO,
         env=_env(failing),
         capture_output=True,
@@ -536,7 +536,7 @@ def test_a_corrupt_config_json_fails_with_one_clear_line(root: Path) -> None:
     (model / "config.json").write_text('{"model_type": "llama",')
     job = write_job(root / "broken", kind="infer", model=str(model), infer={"prompts": ["hi"]})
     proc = subprocess.run(
-        [sys.executable, "-m", "engine.workers", str(job)], cwd=REPO, env=_env(job), capture_output=True, text=True
+        [sys.executable, "-m", "rigpilot.engine.workers", str(job)], cwd=REPO, env=_env(job), capture_output=True, text=True
     )
     assert proc.returncode == EXIT_USER_ERROR
     last = proc.stderr.strip().splitlines()[-1]

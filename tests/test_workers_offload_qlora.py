@@ -131,7 +131,7 @@ def qlora_run(root: Path, base_run: Path) -> Path:
 def test_nf4_quantisation_replaces_the_adapted_linears_only() -> None:
     from peft import LoraConfig, get_peft_model
 
-    from engine.workers.model_loading import default_lora_targets, is_nf4, quantize_lora_bases_nf4
+    from rigpilot.engine.workers.model_loading import default_lora_targets, is_nf4, quantize_lora_bases_nf4
 
     torch.manual_seed(0)
     model = _tiny_llama()
@@ -158,7 +158,7 @@ def test_qlora_trains_and_its_adapter_loads_on_the_unquantised_base(
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from engine.workers.model_loading import quantize_lora_bases_nf4
+    from rigpilot.engine.workers.model_loading import quantize_lora_bases_nf4
 
     assert "QLoRA: the base weights of 28 adapted linear layers are 4-bit NF4 (torchao)" in " ".join(notes_of(qlora_run))
     curve = assert_loss_falls(qlora_run, margin=0.02)
@@ -256,9 +256,9 @@ def _shard_nf4_on_two_ranks(rank: int, port: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from engine.workers.model_loading import default_lora_targets, is_nf4, quantize_lora_bases_nf4
-    from engine.workers.parallel_dims import MESH_DIMS, ParallelDims, Runtime
-    from engine.workers.parallelize import apply_data_parallel, precision_plan
+    from rigpilot.engine.workers.model_loading import default_lora_targets, is_nf4, quantize_lora_bases_nf4
+    from rigpilot.engine.workers.parallel_dims import MESH_DIMS, ParallelDims, Runtime
+    from rigpilot.engine.workers.parallelize import apply_data_parallel, precision_plan
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -302,7 +302,7 @@ def _shard_nf4_on_two_ranks(rank: int, port: int) -> None:
 
 
 def test_fsdp2_shards_the_nf4_base_weights_and_computes_what_the_whole_model_does() -> None:
-    from engine.workers.parallel_dims import _free_port
+    from rigpilot.engine.workers.parallel_dims import _free_port
 
     torch.multiprocessing.spawn(_shard_nf4_on_two_ranks, args=(_free_port(),), nprocs=2)
 
@@ -310,7 +310,7 @@ def test_fsdp2_shards_the_nf4_base_weights_and_computes_what_the_whole_model_doe
 def test_an_nf4_weight_fsdp_cannot_split_evenly_is_named() -> None:
     from peft import LoraConfig, get_peft_model
 
-    from engine.workers.model_loading import default_lora_targets, nf4_unshardable, quantize_lora_bases_nf4
+    from rigpilot.engine.workers.model_loading import default_lora_targets, nf4_unshardable, quantize_lora_bases_nf4
 
     model = _tiny_llama()
     model = get_peft_model(model, LoraConfig(r=4, target_modules=default_lora_targets(model)))
@@ -321,7 +321,7 @@ def test_an_nf4_weight_fsdp_cannot_split_evenly_is_named() -> None:
 
 
 def test_capability_names_the_layouts_qlora_and_offload_run() -> None:
-    from engine.capability import Layout, why_not
+    from rigpilot.engine.capability import Layout, why_not
 
     for shape in ({"dp_replicate": 2}, {"dp_shard": 2}, {"dp_shard": 2, "dp_replicate": 2}):
         assert why_not(Layout("train", method="qlora", **shape)) is None

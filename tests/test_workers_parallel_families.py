@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine.capability import PIPELINE_TYPES, TENSOR_PARALLEL_TYPES, Layout, why_not
+from rigpilot.engine.capability import PIPELINE_TYPES, TENSOR_PARALLEL_TYPES, Layout, why_not
 
 VOCAB = 96
 SEQ = 8
@@ -70,7 +70,7 @@ def build(model_type: str, lora: bool, seed: int = 0, dropout: float = 0.0) -> t
             if p.dim() > 1:
                 p.normal_(0, 0.2)
     if lora:
-        from engine.workers.model_loading import default_lora_targets
+        from rigpilot.engine.workers.model_loading import default_lora_targets
 
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=default_lora_targets(model)))
         with torch.no_grad():  # peft starts B at zero: make the adapter do something
@@ -117,8 +117,8 @@ def _tp_case(model_type: str, lora: bool, sequence_parallel: bool, vocab: bool =
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from engine.workers.parallelize import apply_tensor_parallel, logits_split
-    from engine.workers.train import token_loss
+    from rigpilot.engine.workers.parallelize import apply_tensor_parallel, logits_split
+    from rigpilot.engine.workers.train import token_loss
 
     inputs, labels = batch()
     labels = labels.clone()
@@ -158,7 +158,7 @@ def _tp_decode_case(model_type: str) -> str | None:
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import DynamicCache
 
-    from engine.workers.parallelize import apply_tensor_parallel
+    from rigpilot.engine.workers.parallelize import apply_tensor_parallel
 
     def decode(model: torch.nn.Module) -> list[torch.Tensor]:
         ids, _ = batch(seed=2)
@@ -184,7 +184,7 @@ def _tp_dropout_case() -> str | None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from engine.workers.parallelize import ShardDropout, apply_tensor_parallel
+    from rigpilot.engine.workers.parallelize import ShardDropout, apply_tensor_parallel
 
     model = build("llama", True, dropout=0.5).train()
     apply_tensor_parallel(model, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))["tp"])
@@ -276,7 +276,7 @@ def test_tensor_parallel_computes_the_unsplit_loss_and_gradients(
 def test_pipeline_stages_compute_the_unsplit_logits(model_type: str, lora: bool) -> None:
     import copy
 
-    from engine.workers.pipeline import DecoderStage, decoder_parts
+    from rigpilot.engine.workers.pipeline import DecoderStage, decoder_parts
 
     model = build(model_type, lora).eval()
     inputs, _ = batch()
@@ -309,8 +309,8 @@ def test_tensor_parallel_refuses_fused_projections_with_the_capability_reason() 
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    from engine.errors import UserError
-    from engine.workers.parallelize import apply_tensor_parallel
+    from rigpilot.engine.errors import UserError
+    from rigpilot.engine.workers.parallelize import apply_tensor_parallel
 
     with pytest.raises(UserError, match=r"tensor parallel supports .*model type 'phi3' is not one of them"):
         # The model type is checked before the mesh is used.
@@ -330,7 +330,7 @@ def test_lora_dropout_under_tensor_parallel_keeps_the_ranks_together(tp_results:
 
 
 def test_shard_dropout_draws_a_mask_per_rank_from_the_shared_stream() -> None:
-    from engine.workers.parallelize import ShardDropout
+    from rigpilot.engine.workers.parallelize import ShardDropout
 
     x = torch.ones(2, 8, 512)
     outs, states = [], []

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from test_workers_jobs import REPO, SHAKESPEARE, TINY_LLAMA_CONFIG, output_tensors, records, run_job, write_job
 
-from engine.jobs.spec import JobSpec
+from rigpilot.engine.jobs.spec import JobSpec
 
 pytestmark = pytest.mark.slow
 
@@ -89,7 +89,7 @@ def reference_run(dataset: Path, eval_fraction: float) -> dict[str, Any]:
     """Per-step loss, grad norm and LR, and the final eval loss, of the plain loop."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from engine.workers.data import ShardedBatches, build_dataset, read_dataset
+    from rigpilot.engine.workers.data import ShardedBatches, build_dataset, read_dataset
 
     r = RECIPE
     folder = TINY_LLAMA_CONFIG.parent

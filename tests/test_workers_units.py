@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.errors import UserError
-from engine.jobs.spec import Parallelism
-from engine.workers.data import (
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.jobs.spec import Parallelism
+from rigpilot.engine.workers.data import (
     Document,
     ShardedBatches,
     build_dataset,
@@ -27,8 +27,8 @@ from engine.workers.data import (
     render_chat,
     tokenize_document,
 )
-from engine.workers.parallel_dims import ParallelDims
-from engine.workers.train import lr_lambda
+from rigpilot.engine.workers.parallel_dims import ParallelDims
+from rigpilot.engine.workers.train import lr_lambda
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_LLAMA = REPO / "examples" / "models" / "tiny-llama"
@@ -165,7 +165,7 @@ def test_a_template_that_does_not_render_turn_by_turn_trains_the_whole_chat() ->
 
 
 def test_masked_prompts_become_ignored_labels_and_an_all_prompt_batch_costs_nothing(tmp_path: Path) -> None:
-    from engine.workers.train import token_loss
+    from rigpilot.engine.workers.train import token_loss
 
     f = tmp_path / "chat.jsonl"
     f.write_text("\n".join(json.dumps({"messages": CHAT}) for _ in range(40)) + "\n")
@@ -278,7 +278,7 @@ def test_lr_warms_up_then_decays_by_cosine() -> None:
 
 
 def test_model_sources_fail_with_clear_lines(tmp_path: Path) -> None:
-    from engine.workers.model_loading import resolve_source
+    from rigpilot.engine.workers.model_loading import resolve_source
 
     with pytest.raises(UserError, match=r"not found"):
         resolve_source(str(tmp_path / "missing"))
@@ -304,7 +304,7 @@ def tiny_llama() -> torch.nn.Module:
 def test_objective_and_lora_targets_come_from_the_model(tiny_llama: torch.nn.Module) -> None:
     import re
 
-    from engine.workers.model_loading import count_params, default_lora_targets, detect_objective
+    from rigpilot.engine.workers.model_loading import count_params, default_lora_targets, detect_objective
 
     assert detect_objective(tiny_llama.config) == "causal"
     pattern = default_lora_targets(tiny_llama)
@@ -316,7 +316,7 @@ def test_objective_and_lora_targets_come_from_the_model(tiny_llama: torch.nn.Mod
 
 
 def test_pipeline_stages_compute_what_the_whole_model_does(tiny_llama: torch.nn.Module) -> None:
-    from engine.workers.pipeline import DecoderStage, decoder_parts, stage_layer_ranges
+    from rigpilot.engine.workers.pipeline import DecoderStage, decoder_parts, stage_layer_ranges
 
     assert stage_layer_ranges(5, 2) == [(0, 3), (3, 5)]
     with pytest.raises(UserError, match="at least 3 layers"):
@@ -336,7 +336,7 @@ def test_pipeline_stages_compute_what_the_whole_model_does(tiny_llama: torch.nn.
 def test_pipeline_refuses_non_llama_models() -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from engine.workers.pipeline import decoder_parts
+    from rigpilot.engine.workers.pipeline import decoder_parts
 
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64))
     with pytest.raises(UserError, match="pipeline parallel supports Llama-style decoders"):
@@ -344,7 +344,7 @@ def test_pipeline_refuses_non_llama_models() -> None:
 
 
 def test_sampling_is_seeded_and_greedy_is_argmax() -> None:
-    from engine.workers.infer import select_tokens
+    from rigpilot.engine.workers.infer import select_tokens
 
     logits = torch.randn(4, 50)
     g = torch.Generator().manual_seed(3)
@@ -360,8 +360,8 @@ def test_sampling_is_seeded_and_greedy_is_argmax() -> None:
 
 
 def _run_main(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: BaseException) -> int:
-    from engine.jobs.spec import JobSpec
-    from engine.workers import __main__ as worker
+    from rigpilot.engine.jobs.spec import JobSpec
+    from rigpilot.engine.workers import __main__ as worker
 
     JobSpec(id="x", kind="infer").write(tmp_path)
     monkeypatch.setenv("RIGPILOT_METRICS_DIR", str(tmp_path / "metrics"))
@@ -381,7 +381,7 @@ def _last_record(tmp_path: Path) -> dict:
 def test_out_of_memory_has_its_own_exit_code_and_report(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    from engine.workers import ERROR_PREFIX, EXIT_OUT_OF_MEMORY
+    from rigpilot.engine.workers import ERROR_PREFIX, EXIT_OUT_OF_MEMORY
 
     oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
     assert _run_main(tmp_path, monkeypatch, oom) == EXIT_OUT_OF_MEMORY
@@ -394,7 +394,7 @@ def test_out_of_memory_has_its_own_exit_code_and_report(
 def test_a_crash_ends_with_its_first_meaningful_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    from engine.workers import ERROR_PREFIX, EXIT_CRASH
+    from rigpilot.engine.workers import ERROR_PREFIX, EXIT_CRASH
 
     assert _run_main(tmp_path, monkeypatch, RuntimeError("\n   stage 0 failed\n details")) == EXIT_CRASH
     err = capsys.readouterr().err
@@ -406,8 +406,8 @@ def test_a_crash_ends_with_its_first_meaningful_line(
 def test_a_folder_without_job_json_is_a_user_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    from engine.workers import EXIT_USER_ERROR
-    from engine.workers.__main__ import main
+    from rigpilot.engine.workers import EXIT_USER_ERROR
+    from rigpilot.engine.workers.__main__ import main
 
     monkeypatch.setenv("RIGPILOT_METRICS_DIR", str(tmp_path / "metrics"))
     assert main([str(tmp_path)]) == EXIT_USER_ERROR
@@ -415,8 +415,8 @@ def test_a_folder_without_job_json_is_a_user_error(
 
 
 def test_train_settings_are_checked_before_anything_loads() -> None:
-    from engine.jobs.spec import TrainSettings
-    from engine.workers.train import validate_settings
+    from rigpilot.engine.jobs.spec import TrainSettings
+    from rigpilot.engine.workers.train import validate_settings
 
     validate_settings(TrainSettings())
     for bad, message in [
@@ -432,7 +432,7 @@ def test_train_settings_are_checked_before_anything_loads() -> None:
 
 
 def test_old_checkpoints_are_pruned_to_the_newest_few(tmp_path: Path) -> None:
-    from engine.workers.checkpoint import COMPLETE, latest_checkpoint, prune_checkpoints
+    from rigpilot.engine.workers.checkpoint import COMPLETE, latest_checkpoint, prune_checkpoints
 
     folder = tmp_path / "checkpoints"
     for step in (10, 20, 30, 40):

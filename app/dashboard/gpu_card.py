@@ -8,12 +8,12 @@ import numpy as np
 from PySide6.QtGui import QFont
 from PySide6.QtWidgets import QFrame, QGridLayout, QLabel, QSizePolicy, QWidget
 
-from app.widgets.meter import Meter
-from app.widgets.palette import BAD, series_color
-from app.widgets.sparkline import Sparkline
-from app.widgets.units import NA, celsius, gib, mhz, percent, watts
-from app.widgets.value_label import ValueLabel
-from engine.hardware.machine import Gpu, short_gpu_name
+from rigpilot.app.widgets.meter import Meter
+from rigpilot.app.widgets.palette import BAD, series_color
+from rigpilot.app.widgets.sparkline import Sparkline
+from rigpilot.app.widgets.units import NA, celsius, gib, mhz, percent, watts
+from rigpilot.app.widgets.value_label import ValueLabel
+from rigpilot.engine.hardware.machine import Gpu, short_gpu_name
 
 SPARK_METRICS = ["gpu_util", "temperature_c", "power_w"]
 SPARK_SECONDS = 60.0

@@ -7,9 +7,9 @@ from typing import Any
 import numpy as np
 from PySide6.QtWidgets import QFrame, QGridLayout, QLabel, QWidget
 
-from app.widgets.meter import Meter
-from app.widgets.sparkline import Sparkline
-from app.widgets.units import NA, gib
+from rigpilot.app.widgets.meter import Meter
+from rigpilot.app.widgets.sparkline import Sparkline
+from rigpilot.app.widgets.units import NA, gib
 
 SPARK_SECONDS = 60.0
 

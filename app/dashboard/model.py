@@ -13,10 +13,10 @@ from typing import Any
 
 import numpy as np
 
-from app.widgets.ring_buffer import RingBuffer
-from engine.hardware.machine import Machine
-from engine.hardware.telemetry import SLOW_FIELDS
-from engine.service.store import ACTIVE_STATES
+from rigpilot.app.widgets.ring_buffer import RingBuffer
+from rigpilot.engine.hardware.machine import Machine
+from rigpilot.engine.hardware.telemetry import SLOW_FIELDS
+from rigpilot.engine.service.store import ACTIVE_STATES
 
 GIB = 1024**3
 HISTORY_SECONDS = 3600

@@ -27,15 +27,15 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.dashboard.gpu_card import SPARK_METRICS, SPARK_SECONDS, GpuCard
-from app.dashboard.host_panel import HostPanel
-from app.dashboard.model import HISTORY_SECONDS, METRIC_BY_KEY, METRICS, WINDOWS, DashboardModel
-from app.dashboard.process_table import ProcessTable
-from app.engine_link import CONNECTED
-from app.settings.model import read_refresh_hz
-from app.widgets.engine_messages import machine_from_message
-from app.widgets.time_chart import TimeChart
-from engine.hardware.machine import Gpu
+from rigpilot.app.dashboard.gpu_card import SPARK_METRICS, SPARK_SECONDS, GpuCard
+from rigpilot.app.dashboard.host_panel import HostPanel
+from rigpilot.app.dashboard.model import HISTORY_SECONDS, METRIC_BY_KEY, METRICS, WINDOWS, DashboardModel
+from rigpilot.app.dashboard.process_table import ProcessTable
+from rigpilot.app.engine_link import CONNECTED
+from rigpilot.app.settings.model import read_refresh_hz
+from rigpilot.app.widgets.engine_messages import machine_from_message
+from rigpilot.app.widgets.time_chart import TimeChart
+from rigpilot.engine.hardware.machine import Gpu
 
 HISTORY_PAGE = 3600  # samples per telemetry_history request
 HISTORY_MAX_PAGES = 20  # a bound on paging, in case the engine keeps answering "more"

@@ -7,7 +7,7 @@ from typing import Any
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QAbstractItemView, QHeaderView, QTableWidget, QTableWidgetItem, QWidget
 
-from app.widgets.units import NA, mib
+from rigpilot.app.widgets.units import NA, mib
 
 COLUMNS = ["GPU", "PID", "User", "GPU memory", "Command"]
 

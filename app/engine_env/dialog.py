@@ -1,12 +1,12 @@
 """Installing or repairing the engine environment: the per-user PyTorch environment the job workers run in.
 
 An installed Rigpilot provisions PyTorch per user on first run (engine/runtime.py): the right build depends on
-the machine's driver, and a CUDA build is gigabytes. At start-up the app asks `engine.runtime.status()` in the
+the machine's driver, and a CUDA build is gigabytes. At start-up the app asks `rigpilot.engine.runtime.status()` in the
 background (`check_at_startup`; the GUI may import engine.runtime, which never imports torch). When no worker
 environment exists, `EngineEnvDialog` explains, offers the PyTorch build (auto, cpu or a CUDA tag such as
 cu126) and an optional local torch wheel, and on Install runs
 
-    python -m app.launcher engine-env install --json --torch-backend auto [--wheel FILE]
+    python -m rigpilot.app.launcher engine-env install --json --torch-backend auto [--wheel FILE]
 
 in a QProcess, streaming its JSON progress lines into a log view under a busy bar. Installing is resumable:
 after a failure or Stop the button says Resume and runs `install` again, which continues where it stopped
@@ -47,8 +47,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.tasks import run_in_background
-from app.widgets.palette import BAD, GOOD, WARN
+from rigpilot.app.tasks import run_in_background
+from rigpilot.app.widgets.palette import BAD, GOOD, WARN
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +57,11 @@ BACKENDS = ["auto", "cpu", "cu126", "cu128", "cu130"]  # offered; any other uv -
 _BACKEND = re.compile(r"^(auto|cpu|cu\d{2,3}|rocm\d+(\.\d+)*|xpu)$")
 STOP_GRACE_MS = 5000  # after Stop: SIGTERM, then SIGKILL this much later
 LOG_LINES = 10_000
-REPO = Path(__file__).resolve().parents[2]
 
 
 def default_command() -> list[str]:
     """The program and first words of `rigpilot engine-env`, run with this very interpreter."""
-    return [sys.executable, "-m", "app.launcher", "engine-env"]
+    return [sys.executable, "-m", "rigpilot.app.launcher", "engine-env"]
 
 
 def validate_backend(text: str) -> str | None:
@@ -105,7 +104,7 @@ def _note(text: str = "") -> QLabel:
 
 
 def _env_dir() -> str:
-    from engine.runtime import env_dir
+    from rigpilot.engine.runtime import env_dir
 
     return str(env_dir())
 
@@ -294,8 +293,6 @@ class EngineEnvDialog(QDialog):
         self.log_view.appendPlainText("$ " + " ".join([Path(self.command[0]).name, *args]))
         process = QProcess(self)
         env = QProcessEnvironment.systemEnvironment()
-        path = env.value("PYTHONPATH", "")
-        env.insert("PYTHONPATH", str(REPO) + (os.pathsep + path if path else ""))  # `-m app.launcher` from a checkout
         env.insert("PYTHONUNBUFFERED", "1")
         process.setProcessEnvironment(env)
         # Its own session, so Stop reaches uv and whatever else the installer started.
@@ -499,8 +496,8 @@ def _escape(text: str) -> str:
 
 
 def probe_status() -> dict[str, Any]:
-    """engine.runtime.status() as a dict (runs the worker interpreter: call it off the GUI thread)."""
-    from engine import runtime
+    """rigpilot.engine.runtime.status() as a dict (runs the worker interpreter: call it off the GUI thread)."""
+    from rigpilot.engine import runtime
 
     return runtime.status().to_dict()
 

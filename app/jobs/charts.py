@@ -17,9 +17,9 @@ import pyqtgraph as pg
 from PySide6.QtCore import QEvent, Qt
 from PySide6.QtWidgets import QGridLayout, QWidget
 
-from app.jobs.series import GIB, GpuUsage, JobSeries
-from app.widgets.palette import BAD, apply_plot_theme, series_color
-from app.widgets.time_chart import TimeChart
+from rigpilot.app.jobs.series import GIB, GpuUsage, JobSeries
+from rigpilot.app.widgets.palette import BAD, apply_plot_theme, series_color
+from rigpilot.app.widgets.time_chart import TimeChart
 
 TELEMETRY_WINDOW_S = 600.0
 EMPTY = np.empty(0)

@@ -24,15 +24,15 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.jobs.charts import JobCharts
-from app.jobs.compare import ComparePicker
-from app.jobs.failure import FailurePanel
-from app.jobs.handle import JobHandle
-from app.jobs.log_view import LogView
-from app.jobs.model import duration, eta_of, gpus_text, progress_of
-from app.jobs.prediction import PredictionTable
-from app.jobs.series import DEFAULT_SMOOTHING
-from app.widgets.units import NA
+from rigpilot.app.jobs.charts import JobCharts
+from rigpilot.app.jobs.compare import ComparePicker
+from rigpilot.app.jobs.failure import FailurePanel
+from rigpilot.app.jobs.handle import JobHandle
+from rigpilot.app.jobs.log_view import LogView
+from rigpilot.app.jobs.model import duration, eta_of, gpus_text, progress_of
+from rigpilot.app.jobs.prediction import PredictionTable
+from rigpilot.app.jobs.series import DEFAULT_SMOOTHING
+from rigpilot.app.widgets.units import NA
 
 CHARTS_TAB, PLAN_TAB, LOG_TAB = range(3)
 

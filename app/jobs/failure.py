@@ -14,9 +14,9 @@ from PySide6.QtCore import Signal
 from PySide6.QtGui import QFontDatabase
 from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QVBoxLayout, QWidget
 
-from app.widgets.palette import BAD, tint
-from app.widgets.units import gib
-from engine.service.store import FAILED, INTERRUPTED
+from rigpilot.app.widgets.palette import BAD, tint
+from rigpilot.app.widgets.units import gib
+from rigpilot.engine.service.store import FAILED, INTERRUPTED
 
 GENERIC_OOM_FIX = (
     "re-plan the job on the Planner page for this machine, or turn on activation checkpointing "

@@ -22,9 +22,9 @@ from typing import Any
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
-from app.jobs.series import JobSeries
-from engine.service.protocol import NOT_FOUND
-from engine.service.store import ACTIVE_STATES, QUEUED, RESUMABLE_STATES
+from rigpilot.app.jobs.series import JobSeries
+from rigpilot.engine.service.protocol import NOT_FOUND
+from rigpilot.engine.service.store import ACTIVE_STATES, QUEUED, RESUMABLE_STATES
 
 CONNECTED = "connected"  # EngineLink's state name
 METRICS_PAGE_BYTES = 512 * 1024

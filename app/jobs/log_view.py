@@ -11,7 +11,7 @@ from PySide6.QtCore import QTimer, Signal
 from PySide6.QtGui import QFontDatabase, QHideEvent, QShowEvent, QTextCursor
 from PySide6.QtWidgets import QCheckBox, QComboBox, QHBoxLayout, QLabel, QPlainTextEdit, QVBoxLayout, QWidget
 
-from app.jobs.handle import LAUNCHER_RANK, JobHandle
+from rigpilot.app.jobs.handle import LAUNCHER_RANK, JobHandle
 
 MAX_LINES = 5000
 POLL_MS = 1000

@@ -15,9 +15,9 @@ from PySide6.QtCore import QAbstractTableModel, QModelIndex, QPersistentModelInd
 from PySide6.QtGui import QBrush, QPalette
 from PySide6.QtWidgets import QApplication
 
-from app.widgets.palette import BAD, GOOD, WARN, tint
-from app.widgets.units import NA
-from engine.service.store import CANCELLED, COMPLETED, FAILED, INTERRUPTED, QUEUED, RUNNING, STARTING
+from rigpilot.app.widgets.palette import BAD, GOOD, WARN, tint
+from rigpilot.app.widgets.units import NA
+from rigpilot.engine.service.store import CANCELLED, COMPLETED, FAILED, INTERRUPTED, QUEUED, RUNNING, STARTING
 
 STATES = (QUEUED, STARTING, RUNNING, COMPLETED, FAILED, CANCELLED, INTERRUPTED)
 ACTIVE = (QUEUED, STARTING, RUNNING)

@@ -33,10 +33,19 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.jobs.charts import TELEMETRY_WINDOW_S
-from app.jobs.detail import JobDetail
-from app.jobs.handle import DELETED, JobHandle
-from app.jobs.model import ACTIVE, FRACTION_ROLE, ID_ROLE, PROGRESS, STATES, SUBMITTED, JobFilterModel, JobListModel
+from rigpilot.app.jobs.charts import TELEMETRY_WINDOW_S
+from rigpilot.app.jobs.detail import JobDetail
+from rigpilot.app.jobs.handle import DELETED, JobHandle
+from rigpilot.app.jobs.model import (
+    ACTIVE,
+    FRACTION_ROLE,
+    ID_ROLE,
+    PROGRESS,
+    STATES,
+    SUBMITTED,
+    JobFilterModel,
+    JobListModel,
+)
 
 CONNECTED = "connected"  # EngineLink's state name
 REFRESH_MS = 500
@@ -45,7 +54,7 @@ FILTERS: list[tuple[str, frozenset[str] | None]] = [
     ("Active (queued, starting, running)", frozenset(ACTIVE)),
     *((state.capitalize(), frozenset({state})) for state in STATES),
 ]
-WIZARD_MODULES = ("app.wizard", "app.wizard.wizard", "app.wizard.page")
+WIZARD_MODULES = ("rigpilot.app.wizard", "rigpilot.app.wizard.wizard", "rigpilot.app.wizard.page")
 
 
 class ProgressDelegate(QStyledItemDelegate):

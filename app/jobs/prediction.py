@@ -12,7 +12,7 @@ from typing import Any
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QAbstractItemView, QHeaderView, QTableWidget, QTableWidgetItem, QWidget
 
-from app.widgets.units import NA, gib
+from rigpilot.app.widgets.units import NA, gib
 
 ROWS = [
     ("peak_memory_bytes", "Peak memory per GPU"),

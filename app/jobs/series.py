@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from app.widgets.ring_buffer import RingBuffer
-from engine.service.metrics import PEAK_MEMORY_KEYS
+from rigpilot.app.widgets.ring_buffer import RingBuffer
+from rigpilot.engine.service.metrics import PEAK_MEMORY_KEYS
 
 GIB = 1024**3
 CHART_RANK = 0

@@ -8,9 +8,9 @@ from typing import Any
 from PySide6.QtCore import Signal
 from PySide6.QtWidgets import QFileDialog, QHBoxLayout, QLabel, QPushButton, QWidget
 
-from app.planner.exports import EXPORT_TARGETS, TARGETS, unsupported, write_export
-from app.planner.model import error_text
-from app.tasks import run_in_background
+from rigpilot.app.planner.exports import EXPORT_TARGETS, TARGETS, unsupported, write_export
+from rigpilot.app.planner.model import error_text
+from rigpilot.app.tasks import run_in_background
 
 
 class ExportBar(QWidget):

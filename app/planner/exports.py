@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.errors import UserError
-from engine.planner.export import export
-from engine.planner.plan import Plan
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.planner.export import export
+from rigpilot.engine.planner.plan import Plan
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,12 @@ from typing import Any
 from PySide6.QtCore import QObject, QSignalBlocker, Signal
 from PySide6.QtWidgets import QCheckBox, QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
 
-from app.topology.graph_view import TopologyGraphView
-from app.topology.model import build_graph
-from app.widgets.engine_messages import machine_dict
-from app.widgets.palette import WARN
-from engine.hardware.machine import Machine, short_gpu_name
-from engine.service.store import ACTIVE_STATES
+from rigpilot.app.topology.graph_view import TopologyGraphView
+from rigpilot.app.topology.model import build_graph
+from rigpilot.app.widgets.engine_messages import machine_dict
+from rigpilot.app.widgets.palette import WARN
+from rigpilot.engine.hardware.machine import Machine, short_gpu_name
+from rigpilot.engine.service.store import ACTIVE_STATES
 
 GIB = 1024**3
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.models.presets import list_presets
+from rigpilot.engine.models.presets import list_presets
 
 HUB_LIMIT = 20
 _TRUE = {"1", "true", "yes", "on"}
@@ -31,7 +31,7 @@ class HubResults:
 def hub_offline() -> bool:
     """HF_HUB_OFFLINE as huggingface_hub read it at import, or as set since (a test, a user's shell)."""
     # Imported here: huggingface_hub's client costs a third of a second, which the app's start-up should not pay.
-    from engine.models import hub
+    from rigpilot.engine.models import hub
 
     return hub.offline() or os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE
 
@@ -67,7 +67,7 @@ def search_hub(
         out.offline = True
         out.message = "Offline (HF_HUB_OFFLINE is set): showing presets and models in the local Hugging Face cache."
         return out
-    from engine.models import hub
+    from rigpilot.engine.models import hub
 
     if not (reachable or hub.reachable)():
         out.offline = True

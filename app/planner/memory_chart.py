@@ -14,8 +14,8 @@ import pyqtgraph as pg
 from PySide6.QtCore import QEvent, QPointF, Qt
 from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
 
-from app.planner.model import GIB, MEMORY_PARTS, memory_stack
-from app.widgets.palette import BAD, apply_plot_theme, series_color
+from rigpilot.app.planner.model import GIB, MEMORY_PARTS, memory_stack
+from rigpilot.app.widgets.palette import BAD, apply_plot_theme, series_color
 
 BAR_WIDTH = 0.6
 

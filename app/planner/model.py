@@ -11,10 +11,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.errors import UserError
-from engine.hardware.machine import Machine
-from engine.planner.explain import duration_text
-from engine.planner.plan import LoraSettings, Plan, Workload
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.hardware.machine import Machine
+from rigpilot.engine.planner.explain import duration_text
+from rigpilot.engine.planner.plan import LoraSettings, Plan, Workload
 
 GIB = 1024**3
 
@@ -87,8 +87,8 @@ class PlanRequest:
 
 def search_locally(request: PlanRequest, machine: dict[str, Any], trust_remote_code: bool = False) -> dict[str, Any]:
     """The `plan` request's reply, computed here: a work function for a background task."""
-    from engine.models import describe_model
-    from engine.planner.search import search
+    from rigpilot.engine.models import describe_model
+    from rigpilot.engine.planner.search import search
 
     spec = describe_model(request.model.strip(), trust_remote_code=trust_remote_code)
     result = search(spec, Machine.from_dict(machine), request.workload(), gpus=list(request.gpus))

@@ -23,10 +23,10 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.planner.hub_search import HubResults, search_hub
-from app.planner.model import error_text
-from app.tasks import run_in_background
-from engine.models.presets import list_presets
+from rigpilot.app.planner.hub_search import HubResults, search_hub
+from rigpilot.app.planner.model import error_text
+from rigpilot.app.tasks import run_in_background
+from rigpilot.engine.models.presets import list_presets
 
 PRESET_PROMPT = "Presets…"
 

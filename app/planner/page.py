@@ -37,10 +37,10 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.planner.export_bar import ExportBar
-from app.planner.gpu_selector import BusyGpus, GpuSelector
-from app.planner.memory_chart import MemoryChart
-from app.planner.model import (
+from rigpilot.app.planner.export_bar import ExportBar
+from rigpilot.app.planner.gpu_selector import BusyGpus, GpuSelector
+from rigpilot.app.planner.memory_chart import MemoryChart
+from rigpilot.app.planner.model import (
     METHODS,
     PRECISIONS,
     QUANTIZATION,
@@ -53,10 +53,10 @@ from app.planner.model import (
     search_locally,
     summary_lines,
 )
-from app.planner.model_picker import ModelPicker
-from app.tasks import run_in_background
-from app.widgets.engine_messages import machine_dict
-from app.widgets.palette import BAD, GOOD
+from rigpilot.app.planner.model_picker import ModelPicker
+from rigpilot.app.tasks import run_in_background
+from rigpilot.app.widgets.engine_messages import machine_dict
+from rigpilot.app.widgets.palette import BAD, GOOD
 
 TABLE_COLUMNS = ["#", "Plan", "Layout", "GPUs", "Speed", "Step", "To finish", "Fullest GPU", "Runs here"]
 RUNS_HERE_COLUMN = TABLE_COLUMNS.index("Runs here")
@@ -543,7 +543,7 @@ class PlannerPage(QWidget):
         """Open the job wizard filled from the plan shown; returns it."""
         if self.plan is None:
             return None
-        from app.wizard.wizard import JobWizard
+        from rigpilot.app.wizard.wizard import JobWizard
 
         wizard = JobWizard.from_plan(self.plan, link=self.link, parent=self)
         wizard.sig_submitted.connect(self.sig_job_submitted.emit)

@@ -17,8 +17,8 @@ from typing import Any
 
 from PySide6.QtCore import QSettings
 
-from engine.hardware.simulated import DEFAULT_PROFILE, list_profiles
-from engine.settings import Settings
+from rigpilot.engine.hardware.simulated import DEFAULT_PROFILE, list_profiles
+from rigpilot.engine.settings import Settings
 
 KEY_ADDRESS = "engine/address"
 KEY_TOKEN = "engine/token"

@@ -29,7 +29,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.settings.model import (
+from rigpilot.app.settings.model import (
     DEFAULT_CPU_RANKS,
     MAX_CPU_RANKS,
     REFRESH_RANGE,
@@ -40,8 +40,8 @@ from app.settings.model import (
     save_engine_side,
     save_gui_side,
 )
-from app.tasks import run_in_background
-from app.widgets.palette import BAD
+from rigpilot.app.tasks import run_in_background
+from rigpilot.app.widgets.palette import BAD
 
 
 def _error_label(name: str) -> QLabel:
@@ -206,7 +206,7 @@ class SettingsPage(QWidget):
     # -- the engine environment ------------------------------------------------------------------------
     def repair_engine_env(self) -> QWidget:
         """Open the dialog that runs `rigpilot engine-env repair` (nothing runs until its Repair button)."""
-        from app.engine_env.dialog import REPAIR, EngineEnvDialog
+        from rigpilot.app.engine_env.dialog import REPAIR, EngineEnvDialog
 
         dialog = self.engine_env_dialog
         if dialog is not None and not dialog.isVisible():  # closed: start afresh

@@ -21,9 +21,9 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.topology.model import Edge, Node, TopologyGraph, edge_throughput, pcie_throughput
-from app.widgets.palette import ACCENT, BAD, GOOD, WARN, blend, tint
-from engine.hardware.machine import Machine
+from rigpilot.app.topology.model import Edge, Node, TopologyGraph, edge_throughput, pcie_throughput
+from rigpilot.app.widgets.palette import ACCENT, BAD, GOOD, WARN, blend, tint
+from rigpilot.engine.hardware.machine import Machine
 
 COL = 134.0  # horizontal pitch of one GPU column
 BOX_GAP = 36.0

@@ -15,9 +15,9 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.topology.model import Matrix, code_category
-from app.widgets.palette import ACCENT, BAD, GOOD, WARN, blend, tint
-from engine.hardware.machine import PCIE_LEGEND
+from rigpilot.app.topology.model import Matrix, code_category
+from rigpilot.app.widgets.palette import ACCENT, BAD, GOOD, WARN, blend, tint
+from rigpilot.engine.hardware.machine import PCIE_LEGEND
 
 CATEGORY_COLOR = {"nvlink": GOOD, "switch": ACCENT, "bridge": WARN, "sys": BAD}
 CATEGORY_OF_LEGEND = {

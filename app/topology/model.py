@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.hardware.machine import Gpu, GpuPair, Machine, PciePath, format_cpu_list, short_gpu_name
-from engine.hardware.specs import match_spec
+from rigpilot.engine.hardware.machine import Gpu, GpuPair, Machine, PciePath, format_cpu_list, short_gpu_name
+from rigpilot.engine.hardware.specs import match_spec
 
 # NVLink speed of one link in one direction by generation (GB/s), for GPUs the spec table does not know.
 NVLINK_LINK_GBS_BY_GEN = {1: 20.0, 2: 25.0, 3: 25.0, 4: 25.0, 5: 50.0}

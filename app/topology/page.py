@@ -23,17 +23,17 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.engine_link import CONNECTED
-from app.tasks import run_in_background
-from app.topology.graph_view import TopologyGraphView
-from app.topology.matrix import BandwidthHeatMap, TopoLegend, TopoMatrixTable
-from app.topology.model import TopologyGraph, build_graph, measured_bandwidth, topo_matrix
-from app.widgets.engine_messages import machine_dict
-from app.widgets.palette import BAD
-from engine.hardware.importers import import_machine
-from engine.hardware.machine import Machine
-from engine.hardware.topology import describe
-from engine.service.store import ACTIVE_STATES
+from rigpilot.app.engine_link import CONNECTED
+from rigpilot.app.tasks import run_in_background
+from rigpilot.app.topology.graph_view import TopologyGraphView
+from rigpilot.app.topology.matrix import BandwidthHeatMap, TopoLegend, TopoMatrixTable
+from rigpilot.app.topology.model import TopologyGraph, build_graph, measured_bandwidth, topo_matrix
+from rigpilot.app.widgets.engine_messages import machine_dict
+from rigpilot.app.widgets.palette import BAD
+from rigpilot.engine.hardware.importers import import_machine
+from rigpilot.engine.hardware.machine import Machine
+from rigpilot.engine.hardware.topology import describe
+from rigpilot.engine.service.store import ACTIVE_STATES
 
 IMPORT_FILTER = "nvidia-smi output (*.txt *.xml *.log *.out);;All files (*)"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.hardware.machine import Machine
+from rigpilot.engine.hardware.machine import Machine
 
 
 def machine_dict(message: dict[str, Any] | None) -> dict[str, Any] | None:

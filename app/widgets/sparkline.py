@@ -8,7 +8,7 @@ from PySide6.QtCore import QRectF, QSize, Qt
 from PySide6.QtGui import QColor, QPainter, QPaintEvent, QPalette, QPen
 from PySide6.QtWidgets import QSizePolicy, QWidget
 
-from app.widgets.decimate import minmax_bins
+from rigpilot.app.widgets.decimate import minmax_bins
 
 
 class Sparkline(QWidget):

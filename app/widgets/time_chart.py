@@ -25,10 +25,10 @@ from PySide6.QtCore import QEvent, QObject, QPointF, Qt, Signal
 from PySide6.QtGui import QColor, QIcon, QPalette, QPixmap
 from PySide6.QtWidgets import QCheckBox, QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
-from app.tasks import run_in_background
-from app.widgets.decimate import IncrementalMinMax
-from app.widgets.palette import apply_plot_theme, series_color
-from app.widgets.units import NA
+from rigpilot.app.tasks import run_in_background
+from rigpilot.app.widgets.decimate import IncrementalMinMax
+from rigpilot.app.widgets.palette import apply_plot_theme, series_color
+from rigpilot.app.widgets.units import NA
 
 # The y range is widened to the data plus this share of its span, and narrowed only when
 # the data uses less than KEEP_SHARE of it: a range that twitches every frame is unreadable.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from PySide6.QtWidgets import QLabel, QWidget
 
-from app.widgets.units import NA
+from rigpilot.app.widgets.units import NA
 
 
 class ValueLabel(QLabel):

@@ -1,6 +1,6 @@
 """What a wizard page may ask of the wizard it sits in: the one interface pages and `JobWizard` share.
 
-The pages are built by `app.wizard.wizard` and talk back to it; naming that
+The pages are built by `rigpilot.app.wizard.wizard` and talk back to it; naming that
 conversation here (a Protocol) lets both import this module instead of each
 other, so there is no import cycle between the wizard and its pages.
 """
@@ -11,10 +11,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from app.planner.gpu_selector import BusyGpus
-    from app.wizard.data_check import DataReport
-    from app.wizard.plan_check import PlanChecker
-    from app.wizard.state import WizardState
+    from rigpilot.app.planner.gpu_selector import BusyGpus
+    from rigpilot.app.wizard.data_check import DataReport
+    from rigpilot.app.wizard.plan_check import PlanChecker
+    from rigpilot.app.wizard.state import WizardState
 
 # The pages' ids, in the order Next walks them (pages a task does not need are skipped).
 TASK, MODEL, DATA, GPUS, PLAN, HYPER, REVIEW, LAUNCH = range(8)

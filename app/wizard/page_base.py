@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Any
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QLabel, QVBoxLayout, QWizardPage
 
-from app.planner.model import error_text
-from app.tasks import run_in_background
-from app.widgets.palette import BAD, GOOD, WARN
-from app.wizard.host import DATA, GPUS, HYPER, LAUNCH, MODEL, PLAN, REVIEW, TASK, WizardHost
+from rigpilot.app.planner.model import error_text
+from rigpilot.app.tasks import run_in_background
+from rigpilot.app.widgets.palette import BAD, GOOD, WARN
+from rigpilot.app.wizard.host import DATA, GPUS, HYPER, LAUNCH, MODEL, PLAN, REVIEW, TASK, WizardHost
 
 if TYPE_CHECKING:
-    from app.wizard.state import WizardState
+    from rigpilot.app.wizard.state import WizardState
 
 __all__ = ["DATA", "GPUS", "HYPER", "LAUNCH", "MODEL", "PLAN", "REVIEW", "TASK", "StepPage"]
 

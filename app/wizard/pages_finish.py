@@ -9,14 +9,14 @@ from typing import Any
 from PySide6.QtGui import QFont, QGuiApplication
 from PySide6.QtWidgets import QFormLayout, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QPushButton, QWizard
 
-from app.planner.export_bar import ExportBar
-from app.planner.model import error_text, summary_lines
-from app.widgets.form_row import form_row
-from app.wizard.host import LAUNCH, WizardHost
-from app.wizard.page_base import StepPage
-from app.wizard.state import CALIBRATE, INFER, KIND_TITLES, SCRIPT, WizardState, default_name
-from engine.service.client import EngineError
-from engine.service.protocol import UNKNOWN_TYPE
+from rigpilot.app.planner.export_bar import ExportBar
+from rigpilot.app.planner.model import error_text, summary_lines
+from rigpilot.app.widgets.form_row import form_row
+from rigpilot.app.wizard.host import LAUNCH, WizardHost
+from rigpilot.app.wizard.page_base import StepPage
+from rigpilot.app.wizard.state import CALIBRATE, INFER, KIND_TITLES, SCRIPT, WizardState, default_name
+from rigpilot.engine.service.client import EngineError
+from rigpilot.engine.service.protocol import UNKNOWN_TYPE
 
 
 def describe_state(s: WizardState, machine_label: str = "") -> list[str]:

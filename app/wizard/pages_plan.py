@@ -24,16 +24,16 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.planner.memory_chart import MemoryChart
-from app.planner.model import plan_runs_here, plans_of, summary_lines, tokens_per_s
-from app.widgets.form_row import form_row
-from app.widgets.palette import BAD, WARN
-from app.wizard.data_check import CHAT, INSTRUCTION
-from app.wizard.host import HYPER, REVIEW, WizardHost
-from app.wizard.page_base import StepPage
-from app.wizard.plan_check import CheckResult, Overrides
-from app.wizard.state import INFER
-from engine.capability import Layout, why_not
+from rigpilot.app.planner.memory_chart import MemoryChart
+from rigpilot.app.planner.model import plan_runs_here, plans_of, summary_lines, tokens_per_s
+from rigpilot.app.widgets.form_row import form_row
+from rigpilot.app.widgets.palette import BAD, WARN
+from rigpilot.app.wizard.data_check import CHAT, INSTRUCTION
+from rigpilot.app.wizard.host import HYPER, REVIEW, WizardHost
+from rigpilot.app.wizard.page_base import StepPage
+from rigpilot.app.wizard.plan_check import CheckResult, Overrides
+from rigpilot.app.wizard.state import INFER
+from rigpilot.engine.capability import Layout, why_not
 
 PIPELINE_SCHEDULES = [("1f1b", "1F1B"), ("gpipe", "GPipe")]  # as the planner writes them
 CHECKPOINTING = [

@@ -25,14 +25,14 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.planner.gpu_selector import GpuSelector
-from app.planner.model_picker import ModelPicker
-from app.widgets.form_row import form_row
-from app.wizard.data_check import DataReport, inspect_dataset, inspect_prompts, tokens_text
-from app.wizard.host import DATA, GPUS, MODEL, PLAN, REVIEW, WizardHost
-from app.wizard.page_base import StepPage
-from app.wizard.plan_check import describe_for_job, missing_weights
-from app.wizard.state import CALIBRATE, FINETUNE, INFER, KINDS, SCRATCH, SCRIPT
+from rigpilot.app.planner.gpu_selector import GpuSelector
+from rigpilot.app.planner.model_picker import ModelPicker
+from rigpilot.app.widgets.form_row import form_row
+from rigpilot.app.wizard.data_check import DataReport, inspect_dataset, inspect_prompts, tokens_text
+from rigpilot.app.wizard.host import DATA, GPUS, MODEL, PLAN, REVIEW, WizardHost
+from rigpilot.app.wizard.page_base import StepPage
+from rigpilot.app.wizard.plan_check import describe_for_job, missing_weights
+from rigpilot.app.wizard.state import CALIBRATE, FINETUNE, INFER, KINDS, SCRATCH, SCRIPT
 
 CHECK_DELAY_MS = 300  # typing pauses this long before a model or file is checked
 DATA_FILTER = "Text and JSONL (*.txt *.md *.jsonl *.json *.ndjson);;All files (*)"
@@ -134,7 +134,7 @@ class ModelPage(StepPage):
         row.addWidget(browse)
         sl.addRow("Script", row)
         sl.addRow("Arguments", self.script_args)
-        hint = QLabel("Each GPU gets one process (torchrun). Report metrics with: from engine.report import report")
+        hint = QLabel("Each GPU gets one process (torchrun). Report metrics with: from rigpilot import report")
         hint.setWordWrap(True)
         sl.addRow(hint)
 

@@ -15,15 +15,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.errors import UserError
-from engine.hardware.machine import Machine
-from engine.models import ModelSpec, describe_config, describe_model
-from engine.models.config_file import read_config
-from engine.planner.links import Topology
-from engine.planner.memory import MemoryModel, plan_memory
-from engine.planner.model import ModelFacts, model_facts
-from engine.planner.plan import CHECKPOINTING, Plan, refusal
-from engine.planner.speed import SpeedModel
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.hardware.machine import Machine
+from rigpilot.engine.models import ModelSpec, describe_config, describe_model
+from rigpilot.engine.models.config_file import read_config
+from rigpilot.engine.planner.links import Topology
+from rigpilot.engine.planner.memory import MemoryModel, plan_memory
+from rigpilot.engine.planner.model import ModelFacts, model_facts
+from rigpilot.engine.planner.plan import CHECKPOINTING, Plan, refusal
+from rigpilot.engine.planner.speed import SpeedModel
 
 GIB = 1024**3
 MAX_TP = 8
@@ -231,8 +231,8 @@ def plan_here(
     ref: str, machine: dict[str, Any], workload: dict[str, Any], gpus: list[int], trust_remote_code: bool = False
 ) -> dict[str, Any]:
     """The `plan` request's result, computed in this process (no engine, or a model only this side can read)."""
-    from engine.planner.plan import LoraSettings, Workload
-    from engine.planner.search import search
+    from rigpilot.engine.planner.plan import LoraSettings, Workload
+    from rigpilot.engine.planner.search import search
 
     spec = describe_for_job(ref, trust_remote_code)
     args = dict(workload)

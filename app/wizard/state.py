@@ -15,26 +15,16 @@ import functools
 import json
 import math
 import shlex
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.capability import layout_of_plan
-from engine.jobs.spec import InferSettings, JobSpec, Parallelism, TrainSettings
-from engine.service.store import ACTIVE_STATES
+from rigpilot.engine.capability import layout_of_plan
+from rigpilot.engine.jobs.spec import InferSettings, JobSpec, Parallelism, TrainSettings
+from rigpilot.engine.service.store import ACTIVE_STATES
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _examples() -> Path:
-    """The shipped examples: beside the code in a checkout, beside the virtual environment when installed."""
-    installed = Path(sys.prefix).parent / "examples"  # /opt/rigpilot/venv -> /opt/rigpilot/examples
-    checkout = REPO / "examples"
-    return installed if not checkout.is_dir() and installed.is_dir() else checkout
-
-
-EXAMPLES = _examples()
+# The shipped examples are package data (rigpilot/examples): the same folder in a checkout, a wheel and the .deb.
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 TINY_MODEL = "models/tiny-llama"
 TINY_DATA = "data/shakespeare.txt"
 
@@ -375,7 +365,7 @@ def state_from_plan(plan: dict[str, Any], base: WizardState | None = None) -> Wi
 @functools.cache
 def cli_options(kind: str) -> dict[str, argparse.Action]:
     """The options `rigpilot run KIND` takes, by flag: the command line is the one word on which flags exist."""
-    from engine.cli import build_parser
+    from rigpilot.engine.cli import build_parser
 
     def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
         for action in parser._actions:

@@ -23,17 +23,17 @@ from typing import Any
 from PySide6.QtCore import QSettings, Signal
 from PySide6.QtWidgets import QWidget, QWizard
 
-from app.planner.gpu_selector import BusyGpus
-from app.planner.model import error_text
-from app.tasks import run_in_background
-from app.widgets.engine_messages import machine_dict
-from app.wizard.data_check import DataReport
-from app.wizard.host import DATA, GPUS, HYPER, LAUNCH, MODEL, PLAN, REVIEW, TASK
-from app.wizard.pages_finish import LaunchPage, ReviewPage
-from app.wizard.pages_plan import HyperPage, PlanPage
-from app.wizard.pages_setup import DataPage, GpuPage, ModelPage, TaskPage
-from app.wizard.plan_check import PlanChecker, describe_for_job, plan_here
-from app.wizard.state import (
+from rigpilot.app.planner.gpu_selector import BusyGpus
+from rigpilot.app.planner.model import error_text
+from rigpilot.app.tasks import run_in_background
+from rigpilot.app.widgets.engine_messages import machine_dict
+from rigpilot.app.wizard.data_check import DataReport
+from rigpilot.app.wizard.host import DATA, GPUS, HYPER, LAUNCH, MODEL, PLAN, REVIEW, TASK
+from rigpilot.app.wizard.pages_finish import LaunchPage, ReviewPage
+from rigpilot.app.wizard.pages_plan import HyperPage, PlanPage
+from rigpilot.app.wizard.pages_setup import DataPage, GpuPage, ModelPage, TaskPage
+from rigpilot.app.wizard.plan_check import PlanChecker, describe_for_job, plan_here
+from rigpilot.app.wizard.state import (
     CALIBRATE,
     FINETUNE,
     INFER,

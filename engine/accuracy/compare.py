@@ -1,7 +1,7 @@
 """Put the planner's predictions beside the measurements and say which are within bounds.
 
 The planner is asked only through its public functions
-(`engine.planner.memory.predict_components` and `predict_kv_cache`) with the
+(`rigpilot.engine.planner.memory.predict_components` and `predict_kv_cache`) with the
 ModelSpec that `describe_model` gives for the very model measured.
 """
 
@@ -13,9 +13,9 @@ from types import ModuleType
 
 import torch
 
-from engine.accuracy.measure import COMPONENTS, Case, measure_kv_cache, measure_step
-from engine.accuracy.models import spec_for
-from engine.models import ModelSpec
+from rigpilot.engine.accuracy.measure import COMPONENTS, Case, measure_kv_cache, measure_step
+from rigpilot.engine.accuracy.models import spec_for
+from rigpilot.engine.models import ModelSpec
 
 # How far a measurement may be from its prediction, relative to the prediction.
 BOUNDS = {"params": 0.01, "grads": 0.01, "optimizer": 0.01, "activations_saved": 0.10, "kv_cache": 0.0}
@@ -85,7 +85,7 @@ class Row:
 
 
 def planner_memory() -> ModuleType:
-    return import_module("engine.planner.memory")
+    return import_module("rigpilot.engine.planner.memory")
 
 
 def compare_step(case: Case, memory: ModuleType | None = None) -> list[Row]:

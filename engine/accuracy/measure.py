@@ -19,15 +19,15 @@ from typing import Any
 
 import torch
 
-from engine.accuracy.cuda_autocast import CudaAutocastOnCpu
-from engine.accuracy.models import Built, build
+from rigpilot.engine.accuracy.cuda_autocast import CudaAutocastOnCpu
+from rigpilot.engine.accuracy.models import Built, build
 
 COMPONENTS = ("params", "grads", "optimizer", "activations_saved")
 
 
 @dataclass(frozen=True)
 class Case:
-    """One training step, in the planner's vocabulary (`engine.planner.memory.predict_components`)."""
+    """One training step, in the planner's vocabulary (`rigpilot.engine.planner.memory.predict_components`)."""
 
     model: str  # a name from engine.accuracy.models.MODEL_NAMES
     precision: str = "fp32"  # "fp32", or "bf16": autocast over fp32 weights (LoRA: a bf16 base, fp32 adapters)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PreTrainedModel
 
-from engine.models import ModelSpec, describe_config, describe_model
+from rigpilot.engine.models import ModelSpec, describe_config, describe_model
 
 SEED = 0
 

@@ -12,11 +12,11 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.errors import UserError
-from engine.hardware.machine import Machine
-from engine.hardware.simulated import SimulatedBackend, load_profile
-from engine.hardware.telemetry import Backend, GpuSample, Tier
-from engine.settings import Settings
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.hardware.machine import Machine
+from rigpilot.engine.hardware.simulated import SimulatedBackend, load_profile
+from rigpilot.engine.hardware.telemetry import Backend, GpuSample, Tier
+from rigpilot.engine.settings import Settings
 
 SIMULATE_ENV = "RIGPILOT_SIMULATE"
 
@@ -67,7 +67,7 @@ def open_backend(
         backend = SimulatedBackend(load_profile(simulate))
         return Discovery(backend, backend.machine())
     if import_paths:
-        from engine.hardware.importers import MachineImportError, import_machine
+        from rigpilot.engine.hardware.importers import MachineImportError, import_machine
 
         try:
             machine = import_machine(list(import_paths))
@@ -75,7 +75,7 @@ def open_backend(
             raise UserError(str(e)) from e
         return Discovery(StaticBackend(machine), machine, list(machine.notes))
 
-    from engine.hardware.nvml_backend import NvmlBackend, NvmlUnavailable
+    from rigpilot.engine.hardware.nvml_backend import NvmlBackend, NvmlUnavailable
 
     try:
         nvml = NvmlBackend()

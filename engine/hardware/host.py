@@ -8,8 +8,8 @@ from pathlib import Path
 
 import psutil
 
-from engine.hardware.machine import Host, NumaNode, parse_cpu_list
-from engine.hardware.telemetry import HostSample
+from rigpilot.engine.hardware.machine import Host, NumaNode, parse_cpu_list
+from rigpilot.engine.hardware.telemetry import HostSample
 
 SYS = Path("/sys")
 PROC = Path("/proc")

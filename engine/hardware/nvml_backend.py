@@ -23,9 +23,9 @@ from typing import Any
 
 import psutil
 
-from engine.hardware.host import SYS, pci_numa_node, read_host
-from engine.hardware.machine import P2P, Gpu, GpuPair, Host, Machine, PciePath, Source
-from engine.hardware.telemetry import SLOW_FIELDS, GpuProcess, GpuSample, Tier
+from rigpilot.engine.hardware.host import SYS, pci_numa_node, read_host
+from rigpilot.engine.hardware.machine import P2P, Gpu, GpuPair, Host, Machine, PciePath, Source
+from rigpilot.engine.hardware.telemetry import SLOW_FIELDS, GpuProcess, GpuSample, Tier
 
 # Reasons shown to users; tests and the GUI match on them.
 NOT_SUPPORTED = "not supported"
@@ -305,7 +305,7 @@ class NvmlBackend:
     """The `Backend` for real NVIDIA GPUs.
 
     `nvml` is the `pynvml` module (default) or a stand-in such as
-    `engine.hardware.nvml_replay.FakeNvml`. Raises `NvmlUnavailable` when NVML
+    `rigpilot.engine.hardware.nvml_replay.FakeNvml`. Raises `NvmlUnavailable` when NVML
     cannot start, so the caller can fall back to a simulated machine.
     """
 

@@ -34,9 +34,9 @@ from typing import Any, Protocol
 
 import pynvml
 
-from engine.hardware.machine import P2P, Gpu, Machine, PciePath
-from engine.hardware.nvml_backend import encode_clock_event_reasons
-from engine.hardware.telemetry import GpuSample, Tier
+from rigpilot.engine.hardware.machine import P2P, Gpu, Machine, PciePath
+from rigpilot.engine.hardware.nvml_backend import encode_clock_event_reasons
+from rigpilot.engine.hardware.telemetry import GpuSample, Tier
 
 MIB = 1024**2
 UINT_MAX = 0xFFFFFFFF
@@ -756,7 +756,7 @@ def _build_links(machine: Machine, gpus: list[Gpu], inactive: int, switches: int
 
 def _default_telemetry(machine: Machine, clock: Callable[[], float]) -> TelemetrySource | Callable[[], list[GpuSample]]:
     if machine.simulated and machine.profile:
-        from engine.hardware.simulated import SimulatedBackend
+        from rigpilot.engine.hardware.simulated import SimulatedBackend
 
         return SimulatedBackend(machine, seed=0, clock=clock)
     return functools.partial(idle_samples, machine)

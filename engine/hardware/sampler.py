@@ -14,8 +14,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from engine.hardware.host import read_host_sample
-from engine.hardware.telemetry import SLOW_FIELDS, Backend, GpuSample, TelemetrySample, Tier
+from rigpilot.engine.hardware.host import read_host_sample
+from rigpilot.engine.hardware.telemetry import SLOW_FIELDS, Backend, GpuSample, TelemetrySample, Tier
 
 log = logging.getLogger(__name__)
 

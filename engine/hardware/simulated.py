@@ -19,10 +19,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import resources
-from engine.errors import UserError
-from engine.hardware.machine import P2P, Gpu, GpuPair, Host, Machine, NumaNode, PciePath, Source, parse_cpu_list
-from engine.hardware.telemetry import GpuProcess, GpuSample, Tier
+from rigpilot import resources
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.hardware.machine import (
+    P2P,
+    Gpu,
+    GpuPair,
+    Host,
+    Machine,
+    NumaNode,
+    PciePath,
+    Source,
+    parse_cpu_list,
+)
+from rigpilot.engine.hardware.telemetry import GpuProcess, GpuSample, Tier
 
 MIB = 1024**2
 GIB = 1024**3

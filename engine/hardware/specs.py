@@ -21,7 +21,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import resources
+from rigpilot import resources
 
 SCHEMA_VERSION = 1
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, Protocol
 
-from engine.hardware.machine import Machine
+from rigpilot.engine.hardware.machine import Machine
 
 
 class Tier(IntEnum):

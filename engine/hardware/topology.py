@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.hardware.machine import P2P, PCIE_LEGEND, GpuPair, Machine, PciePath, format_cpu_list
+from rigpilot.engine.hardware.machine import P2P, PCIE_LEGEND, GpuPair, Machine, PciePath, format_cpu_list
 
 
 def _components(nodes: list[int], edges: list[tuple[int, int]]) -> list[list[int]]:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.errors import UserError
+from rigpilot.engine.errors import UserError
 
 Messages = list[dict[str, str]]
 

@@ -11,8 +11,8 @@ import re
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
 
-from engine.capability import TRAIN_METHODS
-from engine.errors import UserError
+from rigpilot.engine.capability import TRAIN_METHODS
+from rigpilot.engine.errors import UserError
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 CHECKPOINTING = ("none", "selective", "full")

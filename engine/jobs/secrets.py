@@ -55,7 +55,7 @@ def masked_names(env: dict[str, str]) -> list[str]:
 
 
 def secrets_file() -> Path:
-    from engine.settings import config_dir
+    from rigpilot.engine.settings import config_dir
 
     return config_dir() / "secrets.env"
 

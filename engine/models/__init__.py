@@ -4,10 +4,10 @@ Importing this package never imports torch or huggingface_hub; the hub is
 imported when a repo id is described, torch only in a child process.
 """
 
-from engine.models.describe import describe_config, describe_model
-from engine.models.formulas import SUPPORTED_MODEL_TYPES
-from engine.models.presets import Preset, list_presets
-from engine.models.spec import Linear, ModelSpec
+from rigpilot.engine.models.describe import describe_config, describe_model
+from rigpilot.engine.models.formulas import SUPPORTED_MODEL_TYPES
+from rigpilot.engine.models.presets import Preset, list_presets
+from rigpilot.engine.models.spec import Linear, ModelSpec
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from engine.errors import UserError
+from rigpilot.engine.errors import UserError
 
 
 def read_config(path: Path) -> dict[str, Any]:

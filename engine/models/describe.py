@@ -17,12 +17,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from engine.errors import UserError
-from engine.models.config_file import read_config
-from engine.models.formulas import Config, has_formula, spec_from_config
-from engine.models.meta_count import MetaCount, count_on_meta
-from engine.models.presets import Preset, find_preset, preset_for_repo
-from engine.models.safetensors_meta import (
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.models.config_file import read_config
+from rigpilot.engine.models.formulas import Config, has_formula, spec_from_config
+from rigpilot.engine.models.meta_count import MetaCount, count_on_meta
+from rigpilot.engine.models.presets import Preset, find_preset, preset_for_repo
+from rigpilot.engine.models.safetensors_meta import (
     TensorCount,
     TensorHeader,
     checkpoint_files,
@@ -30,7 +30,7 @@ from engine.models.safetensors_meta import (
     read_checkpoint,
     stored_elements_by_dtype,
 )
-from engine.models.spec import Linear, ModelSpec
+from rigpilot.engine.models.spec import Linear, ModelSpec
 
 
 def describe_model(ref: str, *, token: str | None = None, trust_remote_code: bool = False) -> ModelSpec:
@@ -122,7 +122,7 @@ def _describe_folder(folder: Path, *, token: str | None, trust_remote_code: bool
 
 
 def _describe_hub(repo_id: str, *, token: str | None, trust_remote_code: bool) -> ModelSpec:
-    from engine.models import hub  # huggingface_hub is imported only when a repo is asked for
+    from rigpilot.engine.models import hub  # huggingface_hub is imported only when a repo is asked for
 
     try:
         model = hub.fetch(repo_id, token=token)

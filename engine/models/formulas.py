@@ -17,8 +17,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.errors import UserError
-from engine.models.spec import Linear, ModelSpec
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.models.spec import Linear, ModelSpec
 
 _MISSING = object()
 

@@ -28,9 +28,9 @@ from huggingface_hub.errors import (
     SafetensorsParsingError,
 )
 
-from engine.errors import UserError
-from engine.models.config_file import read_config
-from engine.models.safetensors_meta import TensorHeader, checkpoint_files, read_checkpoint
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.models.config_file import read_config
+from rigpilot.engine.models.safetensors_meta import TensorHeader, checkpoint_files, read_checkpoint
 
 # Transport failures: requests' errors are OSErrors; httpx-based releases raise their own HTTPError family.
 _NETWORK_ERRORS: tuple[type[BaseException], ...] = (OSError, getattr(hf_errors, "HTTPError", OSError))

@@ -14,8 +14,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from engine.errors import UserError
-from engine.models.spec import Linear
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.models.spec import Linear
 
 TIMEOUT_S = 300  # importing transformers and, with remote code, fetching it
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-import resources
+from rigpilot import resources
 
 
 @dataclass(frozen=True)

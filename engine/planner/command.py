@@ -18,13 +18,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from engine.argtypes import read_json_object
-from engine.errors import UserError
-from engine.planner.export import EXPORTS, export
-from engine.planner.links import Calibration
-from engine.planner.memory import fmt_gib
-from engine.planner.plan import METHODS, OPTIMIZERS, PRECISIONS, LoraSettings, Plan, Workload
-from engine.planner.search import SearchOptions, SearchResult, search
+from rigpilot.engine.argtypes import read_json_object
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.planner.export import EXPORTS, export
+from rigpilot.engine.planner.links import Calibration
+from rigpilot.engine.planner.memory import fmt_gib
+from rigpilot.engine.planner.plan import METHODS, OPTIMIZERS, PRECISIONS, LoraSettings, Plan, Workload
+from rigpilot.engine.planner.search import SearchOptions, SearchResult, search
 
 DEFAULT_SEQ = 2048
 DEFAULT_TRAIN_BATCH = 16
@@ -135,7 +135,7 @@ def _calibration(path: Path | None) -> Calibration | None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from engine.models.describe import describe_model
+    from rigpilot.engine.models.describe import describe_model
 
     factory = getattr(args, "machine_factory", None)
     if factory is None:

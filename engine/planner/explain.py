@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
-from engine.hardware.machine import short_gpu_name
-from engine.planner.links import Topology
-from engine.planner.memory import fmt_gib
-from engine.planner.model import ModelFacts
-from engine.planner.plan import Figure, Parallelism, Plan, Timing, Workload
-from engine.planner.result import Candidate, SearchResult
+from rigpilot.engine.hardware.machine import short_gpu_name
+from rigpilot.engine.planner.links import Topology
+from rigpilot.engine.planner.memory import fmt_gib
+from rigpilot.engine.planner.model import ModelFacts
+from rigpilot.engine.planner.plan import Figure, Parallelism, Plan, Timing, Workload
+from rigpilot.engine.planner.result import Candidate, SearchResult
 
 _WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve")
 

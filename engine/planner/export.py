@@ -13,8 +13,8 @@ import re
 import shlex
 from typing import Any
 
-from engine.errors import UserError
-from engine.planner.plan import Plan
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.planner.plan import Plan
 
 EXPORTS = ("torchrun", "accelerate", "deepspeed", "slurm")
 RDZV_PORT = 29500

@@ -16,10 +16,10 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.errors import UserError
-from engine.hardware.machine import P2P, Gpu, GpuPair, Machine, PciePath, short_gpu_name
-from engine.hardware.specs import match_spec
-from engine.planner.plan import Figure
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.hardware.machine import P2P, Gpu, GpuPair, Machine, PciePath, short_gpu_name
+from rigpilot.engine.hardware.specs import match_spec
+from rigpilot.engine.planner.plan import Figure
 
 # NVLink per link and direction by generation, GB/s, for GPUs the spec table does not know.
 NVLINK_LINK_GBS = {1: 20.0, 2: 25.0, 3: 25.0, 4: 25.0, 5: 50.0}

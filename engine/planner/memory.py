@@ -33,11 +33,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.errors import UserError
-from engine.models.spec import Linear, ModelSpec
-from engine.planner.links import Topology
-from engine.planner.model import LinearUse, ModelFacts, model_facts
-from engine.planner.plan import HostMemory, LoraSettings, MemoryBreakdown, Parallelism, Workload
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.models.spec import Linear, ModelSpec
+from rigpilot.engine.planner.links import Topology
+from rigpilot.engine.planner.model import LinearUse, ModelFacts, model_facts
+from rigpilot.engine.planner.plan import HostMemory, LoraSettings, MemoryBreakdown, Parallelism, Workload
 
 GIB = 1024**3
 MIB = 1024**2

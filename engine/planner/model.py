@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.errors import UserError
-from engine.models.spec import Linear, ModelSpec
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.models.spec import Linear, ModelSpec
 
 # Linears that read the attention norm's output (or, for multi-head latent attention, a latent made from it).
 _ATTN_IN = frozenset(

@@ -13,8 +13,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.capability import layout_of_plan, why_not
-from engine.errors import UserError
+from rigpilot.engine.capability import layout_of_plan, why_not
+from rigpilot.engine.errors import UserError
 
 PLAN_SCHEMA = "rigpilot.plan"
 PLAN_VERSION = 1

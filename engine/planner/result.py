@@ -10,8 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.planner.memory import StageMemory
-from engine.planner.plan import HostMemory, Parallelism, Plan, Timing, Workload
+from rigpilot.engine.planner.memory import StageMemory
+from rigpilot.engine.planner.plan import HostMemory, Parallelism, Plan, Timing, Workload
 
 # Families from simplest to most involved: ties in throughput go to the simpler plan.
 FAMILY_ORDER = (

@@ -15,7 +15,7 @@ binds every symmetric plan (each GPU is checked against its own memory) and
 pipelines give each stage layers in proportion to its memory.
 
 Every candidate is judged by the engine's one capability contract,
-`engine.capability.why_not(layout_of_plan(plan))`: plans the engine cannot run
+`rigpilot.engine.capability.why_not(layout_of_plan(plan))`: plans the engine cannot run
 rank below all those it runs and carry the reason (`Plan.runs_here_reason`).
 Plans that do not fit are dropped; for each family with no fitting plan the
 result says what its smallest configuration needs. When nothing fits, the
@@ -30,15 +30,15 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from engine.errors import UserError
-from engine.hardware.machine import P2P, GpuPair, Machine, PciePath, short_gpu_name
-from engine.hardware.specs import match_spec
-from engine.models.spec import ModelSpec
-from engine.planner.explain import explain, number_word
-from engine.planner.links import Calibration, Topology
-from engine.planner.memory import GIB, MemoryModel, StageMemory, fmt_gib, plan_memory
-from engine.planner.model import ModelFacts, model_facts
-from engine.planner.plan import (
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.hardware.machine import P2P, GpuPair, Machine, PciePath, short_gpu_name
+from rigpilot.engine.hardware.specs import match_spec
+from rigpilot.engine.models.spec import ModelSpec
+from rigpilot.engine.planner.explain import explain, number_word
+from rigpilot.engine.planner.links import Calibration, Topology
+from rigpilot.engine.planner.memory import GIB, MemoryModel, StageMemory, fmt_gib, plan_memory
+from rigpilot.engine.planner.model import ModelFacts, model_facts
+from rigpilot.engine.planner.plan import (
     CHECKPOINTING,
     METHODS,
     OPTIMIZERS,
@@ -51,8 +51,8 @@ from engine.planner.plan import (
     Workload,
     refusal,
 )
-from engine.planner.result import FAMILY_ORDER, Candidate, Rejection, SearchResult, Suggestion
-from engine.planner.speed import SpeedModel
+from rigpilot.engine.planner.result import FAMILY_ORDER, Candidate, Rejection, SearchResult, Suggestion
+from rigpilot.engine.planner.speed import SpeedModel
 
 EXPORT_TARGETS = ("torchrun", "accelerate", "deepspeed", "slurm")
 MAX_SEQ = 2**21  # 2M tokens
@@ -235,7 +235,7 @@ def _rank_key(c: Candidate) -> tuple[bool, float, int, int, float]:
 
 
 def cannot_run(par: Parallelism, w: Workload, model_type: str) -> str:
-    """engine.capability.why_not of the layout a plan with `par` asks for ("" when the engine runs it).
+    """rigpilot.engine.capability.why_not of the layout a plan with `par` asks for ("" when the engine runs it).
 
     The same function `Plan.from_dict` and the submission path apply to a plan's JSON, given the
     fields `layout_of_plan` reads.

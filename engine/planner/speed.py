@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.planner.links import MEMORY_BW_EFFICIENCY, Link, Topology
-from engine.planner.memory import DDP_BUCKET_BYTES, MemoryModel, ceil_div, stage_range
-from engine.planner.model import ModelFacts, train_flops_per_token
-from engine.planner.plan import CommItem, Figure, Parallelism, Timing, Workload
+from rigpilot.engine.planner.links import MEMORY_BW_EFFICIENCY, Link, Topology
+from rigpilot.engine.planner.memory import DDP_BUCKET_BYTES, MemoryModel, ceil_div, stage_range
+from rigpilot.engine.planner.model import ModelFacts, train_flops_per_token
+from rigpilot.engine.planner.plan import CommItem, Figure, Parallelism, Timing, Workload
 
 OVERLAP = 0.85  # share of compute that communication can hide behind (NCCL kernels take SMs too)
 QLORA_RATE = 0.65  # NF4 weights are dequantized before every matmul

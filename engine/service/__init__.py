@@ -7,5 +7,5 @@ launches and watches them through torchrun (`supervisor`), persists telemetry
 
 This package never imports torch: the service must start fast and stay small;
 torch lives only in the job processes it starts. Keep this file free of imports
-because every job rank imports `engine.service.rankexec` at start.
+because every job rank imports `rigpilot.engine.service.rankexec` at start.
 """

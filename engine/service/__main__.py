@@ -1,8 +1,8 @@
-"""`python -m engine.service`: the engine service (what `rigpilot engine` and clients start)."""
+"""`python -m rigpilot.engine.service`: the engine service (what `rigpilot engine` and clients start)."""
 
 import sys
 
-from engine.service.commands import main_service
+from rigpilot.engine.service.commands import main_service
 
 if __name__ == "__main__":
     sys.exit(main_service(sys.argv[1:]))

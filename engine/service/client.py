@@ -27,10 +27,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from engine.errors import UserError
-from engine.service import paths, protocol
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.service import paths, protocol
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 _IDEMPOTENT = frozenset(
     {"hello", "machine", "topology", "telemetry_history", "jobs", "job", "logs", "metrics", "cancel", "plan"}
 )
@@ -93,7 +92,7 @@ class EngineClient:
 
     def _open(self) -> socket.socket:
         if self.tcp:
-            from engine.service.server import parse_address
+            from rigpilot.engine.service.server import parse_address
 
             host, port = parse_address(self.tcp)
             try:
@@ -259,12 +258,10 @@ def _connect_unix(path: Path) -> socket.socket:
 def start_service(extra_args: list[str] | None = None) -> subprocess.Popen:
     """Start the service detached from this process (its own session, output to engine.log)."""
     log_path = paths.service_log_path()
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     with log_path.open("ab") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "engine.service", "--background", *(extra_args or [])],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, cwd="/", env=env,
+            [sys.executable, "-m", "rigpilot.engine.service", "--background", *(extra_args or [])],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, cwd="/",
         )  # fmt: skip
 
 

@@ -14,12 +14,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine.argtypes import non_negative_float, positive_float, positive_int, probability, read_json_object, seed
-from engine.capability import TRAIN_METHODS
-from engine.errors import UserError
-from engine.jobs.limits import CHECKPOINTING, PRECISIONS
-from engine.service.metrics import mark_superseded
-from engine.terminal import printable
+from rigpilot.engine.argtypes import (
+    non_negative_float,
+    positive_float,
+    positive_int,
+    probability,
+    read_json_object,
+    seed,
+)
+from rigpilot.engine.capability import TRAIN_METHODS
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.jobs.limits import CHECKPOINTING, PRECISIONS
+from rigpilot.engine.service.metrics import mark_superseded
+from rigpilot.engine.terminal import printable
 
 TERMINAL = ("completed", "failed", "cancelled", "interrupted")
 ACTIVE = ("starting", "running")
@@ -76,7 +83,7 @@ def register(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     k = kinds.add_parser(
         "script", parents=[common], help="run your own script under torchrun, one rank per GPU",
         description="rigpilot run script [--gpus 0,1] -- train.py --my-flag 1  "
-        "(report metrics with: from engine.report import report)",
+        "(report metrics with: from rigpilot import report)",
     )  # fmt: skip
     k.add_argument("command", nargs=argparse.REMAINDER, metavar="-- SCRIPT [ARGS]", help="the script and its arguments")
     k.set_defaults(func=cmd_run)
@@ -127,7 +134,7 @@ def add_service_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _service_options(args: argparse.Namespace):  # -> ServiceOptions
-    from engine.service.server import ServiceOptions
+    from rigpilot.engine.service.server import ServiceOptions
 
     if args.telemetry_period <= 0 or args.grace < 0 or args.failure_grace < 0:
         raise UserError("periods and grace times must be positive")
@@ -138,12 +145,12 @@ def _service_options(args: argparse.Namespace):  # -> ServiceOptions
 
 
 def main_service(argv: list[str]) -> int:
-    """`python -m engine.service`: what clients and the systemd unit start."""
-    p = argparse.ArgumentParser(prog="python -m engine.service")
+    """`python -m rigpilot.engine.service`: what clients and the systemd unit start."""
+    p = argparse.ArgumentParser(prog="python -m rigpilot.engine.service")
     add_service_arguments(p)
     p.add_argument("--background", action="store_true", help="exit quietly when a service already runs")
     args = p.parse_args(argv)
-    from engine.service.server import run_service
+    from rigpilot.engine.service.server import run_service
 
     try:
         return run_service(_service_options(args), quiet_if_running=args.background)
@@ -207,13 +214,13 @@ def _gpu_list(text: str) -> list[int]:
 
 def cmd_engine(args: argparse.Namespace) -> int:
     if args.install_systemd:
-        from engine.service.systemd import enable_hint, install_unit
+        from rigpilot.engine.service.systemd import enable_hint, install_unit
 
         path = install_unit()
         print(f"wrote {path}\nenable it with:\n  {enable_hint()}")
         return 0
     if args.stop:
-        from engine.service.client import EngineClient, EngineUnavailable
+        from rigpilot.engine.service.client import EngineClient, EngineUnavailable
 
         try:
             with EngineClient(autostart=False) as c:
@@ -223,7 +230,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
             return 0
         print("engine service stopping; running jobs keep running")
         return 0
-    from engine.service.server import run_service
+    from rigpilot.engine.service.server import run_service
 
     return run_service(_service_options(args))
 
@@ -298,7 +305,7 @@ def _read_plan(path: Path | None) -> dict[str, Any] | None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from engine.service.client import EngineClient
+    from rigpilot.engine.service.client import EngineClient
 
     spec = build_spec(args)
     plan = _read_plan(getattr(args, "plan", None))
@@ -323,7 +330,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def follow(client: Any, job_id: str) -> int:
     """Print a job's progress until it ends; Ctrl-C detaches. Survives a service restart."""
-    from engine.service.client import EngineUnavailable
+    from rigpilot.engine.service.client import EngineUnavailable
 
     cursor: dict[str, int] = {}
     state = None
@@ -434,7 +441,7 @@ def _print_hints(job_id: str) -> None:
 
 
 def _client():
-    from engine.service.client import EngineClient
+    from rigpilot.engine.service.client import EngineClient
 
     return EngineClient()
 

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import platformdirs
 
-from engine.errors import UserError
-from engine.settings import APP, config_dir, state_dir
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.settings import APP, config_dir, state_dir
 
 PRIVATE_UMASK = 0o077
 

@@ -1,4 +1,4 @@
-"""`python -m engine.service.planworker`: the planner in a child process of the engine service.
+"""`python -m rigpilot.engine.service.planworker`: the planner in a child process of the engine service.
 
 A plan search is the one request whose work grows with its inputs, and a
 Python thread cannot be stopped from outside. Running the search in a child
@@ -24,23 +24,21 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from engine.errors import UserError
-from engine.service import protocol
-from engine.service.client import readable
-from engine.service.protocol import ProtocolError
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.service import protocol
+from rigpilot.engine.service.client import readable
+from rigpilot.engine.service.protocol import ProtocolError
 
 log = logging.getLogger(__name__)
-_REPO_ROOT = str(Path(__file__).resolve().parents[2])
 
 
 def plan(machine: Any, model: str, workload: dict[str, Any] | None = None, gpus: list[int] | None = None,
          options: dict[str, Any] | None = None, trust_remote_code: bool = False) -> dict[str, Any]:  # fmt: skip
-    from engine.models import describe_model
-    from engine.planner.plan import LoraSettings, Workload
-    from engine.planner.search import SearchOptions, search
+    from rigpilot.engine.models import describe_model
+    from rigpilot.engine.planner.plan import LoraSettings, Workload
+    from rigpilot.engine.planner.search import SearchOptions, search
 
     work = dict(workload or {})
     protocol.check_dataclass(Workload, {**work, "model": model}, "plan.workload", ignore=frozenset({"lora"}))
@@ -75,7 +73,7 @@ def main() -> int:
     out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # a stray print must not corrupt the answers
     stdin = sys.stdin.buffer
-    from engine.hardware.machine import Machine
+    from rigpilot.engine.hardware.machine import Machine
 
     machine = Machine.from_dict(json.loads(stdin.readline()))
     for line in stdin:
@@ -105,10 +103,8 @@ class PlannerBug(Exception):
 
 class _Child:
     def __init__(self, machine_line: str):
-        env = dict(os.environ)
-        env["PYTHONPATH"] = _REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "engine.service.planworker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+            [sys.executable, "-m", "rigpilot.engine.service.planworker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE
         )  # stderr: the engine's own log
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.stdin, self.stdout = self.proc.stdin, self.proc.stdout

@@ -1,4 +1,4 @@
-"""What torchrun starts for each rank: `python -m engine.service.rankexec JOB_DIR -- COMMAND...`.
+"""What torchrun starts for each rank: `python -m rigpilot.engine.service.rankexec JOB_DIR -- COMMAND...`.
 
 It sends the rank's stdout and stderr to `logs/rank<N>.log` (one file, in the
 order written), records the rank's pid, process group and start time in
@@ -40,7 +40,7 @@ def _process_start_time(pid: int) -> float | None:
 
 def main(argv: list[str]) -> int:
     if len(argv) < 3 or argv[1] != "--":
-        print("usage: python -m engine.service.rankexec JOB_DIR -- COMMAND [ARGS...]", file=sys.stderr)
+        print("usage: python -m rigpilot.engine.service.rankexec JOB_DIR -- COMMAND [ARGS...]", file=sys.stderr)
         return 2
     job_dir, command = Path(argv[0]), argv[2:]
     rank = int(os.environ.get("RANK", "0"))

@@ -46,17 +46,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine import __version__
-from engine.errors import UserError
-from engine.hardware.discovery import open_backend
-from engine.hardware.sampler import Sampler
-from engine.service import paths, protocol
-from engine.service.metrics import read_records
-from engine.service.planworker import ClientGone, PlannerBug, PlannerPool, PlanTimeout
-from engine.service.protocol import ProtocolError, Request
-from engine.service.store import ALL_STATES, JobStore
-from engine.service.supervisor import JobNotFound, Supervisor, SupervisorOptions
-from engine.service.telemetry_store import TelemetryStore
+from rigpilot.engine import __version__
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.hardware.discovery import open_backend
+from rigpilot.engine.hardware.sampler import Sampler
+from rigpilot.engine.service import paths, protocol
+from rigpilot.engine.service.metrics import read_records
+from rigpilot.engine.service.planworker import ClientGone, PlannerBug, PlannerPool, PlanTimeout
+from rigpilot.engine.service.protocol import ProtocolError, Request
+from rigpilot.engine.service.store import ALL_STATES, JobStore
+from rigpilot.engine.service.supervisor import JobNotFound, Supervisor, SupervisorOptions
+from rigpilot.engine.service.telemetry_store import TelemetryStore
 
 log = logging.getLogger(__name__)
 
@@ -591,7 +591,7 @@ class EngineService:
         return {"machine": self.machine.to_dict(), "notes": self.discovery.notes}
 
     def _do_topology(self, conn: Connection) -> Any:
-        from engine.hardware.topology import describe, summarize
+        from rigpilot.engine.hardware.topology import describe, summarize
 
         m = self.machine
         gpus = [g.index for g in m.gpus]
@@ -805,7 +805,7 @@ def _log_location() -> str:
 
 
 def _setting_max_cpu_ranks() -> int:
-    from engine.settings import Settings
+    from rigpilot.engine.settings import Settings
 
     value = Settings.load().max_cpu_ranks
     return value if isinstance(value, int) and value > 0 else 4

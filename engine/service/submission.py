@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.capability import Layout, layout_of_plan, why_not
-from engine.errors import UserError
-from engine.hardware.machine import Machine
-from engine.jobs.limits import CHECKPOINTING, PRECISIONS, check_job_settings
-from engine.jobs.spec import InferSettings, JobSpec, TrainSettings
-from engine.planner.memory import fmt_gib
-from engine.service.protocol import check_dataclass
+from rigpilot.engine.capability import Layout, layout_of_plan, why_not
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.hardware.machine import Machine
+from rigpilot.engine.jobs.limits import CHECKPOINTING, PRECISIONS, check_job_settings
+from rigpilot.engine.jobs.spec import InferSettings, JobSpec, TrainSettings
+from rigpilot.engine.planner.memory import fmt_gib
+from rigpilot.engine.service.protocol import check_dataclass
 
 KINDS = ("train", "infer", "script", "calibrate")
 _SCHEDULES = {"1f1b": "1F1B", "gpipe": "GPipe"}
@@ -431,7 +431,7 @@ def _model_config(model: str, base: Path | None) -> tuple[str, dict[str, Any]]:
     elif base is not None and (base / model).exists():
         candidate = base / model  # a folder name relative to where the user stands
     else:
-        from engine.models.presets import find_preset, preset_for_repo
+        from rigpilot.engine.models.presets import find_preset, preset_for_repo
 
         preset = find_preset(model) or preset_for_repo(model)
         return model, preset.config if preset else {}  # a preset or a hub id

@@ -1,6 +1,6 @@
 """Running jobs: the queue, launching through torchrun, watching, tearing down, re-adopting.
 
-Each job runs as `python -m torch.distributed.run ... -m engine.service.rankexec
+Each job runs as `python -m torch.distributed.run ... -m rigpilot.engine.service.rankexec
 JOB_DIR -- COMMAND` in a session of its own, one rank per GPU (CPU ranks on
 simulated machines). torchrun starts every rank in a session of its own too,
 so the service finds a job's processes through what the ranks record
@@ -25,7 +25,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -35,16 +34,16 @@ from typing import IO, Any
 
 import psutil
 
-from engine.errors import UserError
-from engine.hardware.machine import Machine
-from engine.hardware.simulated import Load, SimulatedBackend
-from engine.jobs import secrets as job_secrets
-from engine.jobs.limits import check_env
-from engine.jobs.spec import JobSpec
-from engine.runtime import worker_python
-from engine.service import paths, submission
-from engine.service.metrics import Cursor, MetricsSummary, read_records, summarize
-from engine.service.store import (
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.hardware.machine import Machine
+from rigpilot.engine.hardware.simulated import Load, SimulatedBackend
+from rigpilot.engine.jobs import secrets as job_secrets
+from rigpilot.engine.jobs.limits import check_env
+from rigpilot.engine.jobs.spec import JobSpec
+from rigpilot.engine.runtime import worker_python
+from rigpilot.engine.service import paths, submission
+from rigpilot.engine.service.metrics import Cursor, MetricsSummary, read_records, summarize
+from rigpilot.engine.service.store import (
     ACTIVE_STATES,
     CANCELLED,
     COMPLETED,
@@ -61,7 +60,6 @@ from engine.service.store import (
 
 log = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 RUN_TOKEN_ENV = "RIGPILOT_RUN_TOKEN"
 LAST_LOG_LINES = 20
 _TRAINING_UTILIZATION = 90.0
@@ -406,7 +404,7 @@ class Supervisor:
             assert spec.script
             target = [python, "-u", *spec.script]
         else:
-            target = [python, "-u", "-m", "engine.workers", str(job_dir)]
+            target = [python, "-u", "-m", "rigpilot.engine.workers", str(job_dir)]
         return [
             python, "-m", "torch.distributed.run",
             "--nnodes", "1",
@@ -416,18 +414,15 @@ class Supervisor:
             "--rdzv-id", f"{rec.id}-{rec.run}",
             "--max-restarts", "0",
             "--monitor-interval", str(self.options.monitor_interval_s),
-            "-m", "engine.service.rankexec", str(job_dir), "--", *target,
+            "-m", "rigpilot.engine.service.rankexec", str(job_dir), "--", *target,
         ]  # fmt: skip
 
     def _environment(self, rec: JobRecord, spec: JobSpec, job_dir: Path, python: str) -> dict[str, str]:
         env = dict(os.environ)
         env.update({k: v for k, v in spec.env.items() if v != job_secrets.MASK})  # the caller adds the secrets
-        path = env.get("PYTHONPATH")
-        if (REPO_ROOT / "pyproject.toml").is_file() or python == sys.executable:
-            # A source checkout: ranks and user scripts import engine (engine.report) from it. An
-            # installed service's site-packages must not leak into the engine environment's Python,
-            # which has its own copy of the engine package.
-            env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + path if path else "")
+        # Nothing of the service's own environment goes on PYTHONPATH: ranks and user scripts import
+        # rigpilot (rigpilot.report) from the worker interpreter's environment, and a user's `engine`
+        # package stays theirs.
         env["PYTHONUNBUFFERED"] = "1"
         env.setdefault("TOKENIZERS_PARALLELISM", "false")  # ranks fork dataloader workers after tokenizing
         env.update(

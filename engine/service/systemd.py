@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 UNIT_NAME = "rigpilot-engine.service"
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def unit_dir() -> Path:
@@ -25,12 +24,13 @@ def unit_text(python: str | None = None) -> str:
     python = python or sys.executable
     return f"""[Unit]
 Description=Rigpilot engine service (runs GPU jobs and serves telemetry)
-Documentation=file://{REPO_ROOT}/README.md
+Documentation=man:rigpilot(1)
+# Once Rigpilot is removed the unit is skipped, not failed and restarted.
+ConditionPathExists={python}
 
 [Service]
 Type=simple
-ExecStart={shlex.quote(python)} -m engine.service
-Environment=PYTHONPATH={REPO_ROOT}
+ExecStart={shlex.quote(python)} -m rigpilot.engine.service
 WorkingDirectory=%h
 Restart=on-failure
 RestartSec=2

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from engine.hardware.telemetry import TelemetrySample
+from rigpilot.engine.hardware.telemetry import TelemetrySample
 
 
 class TelemetryStore:

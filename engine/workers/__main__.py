@@ -1,4 +1,4 @@
-"""`python -m engine.workers <job_dir>`: one rank of a job (see engine/workers/__init__.py for the contract)."""
+"""`python -m rigpilot.engine.workers <job_dir>`: one rank of a job (see engine/workers/__init__.py for the contract)."""
 
 from __future__ import annotations
 
@@ -9,18 +9,18 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from engine.errors import UserError
-from engine.jobs.secrets import MASK
-from engine.jobs.spec import JobSpec
-from engine.report import METRICS_DIR_ENV, report
-from engine.workers import (
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.jobs.secrets import MASK
+from rigpilot.engine.jobs.spec import JobSpec
+from rigpilot.engine.report import METRICS_DIR_ENV, report
+from rigpilot.engine.workers import (
     ERROR_PREFIX,
     EXIT_CANCELLED,
     EXIT_CRASH,
     EXIT_OUT_OF_MEMORY,
     EXIT_USER_ERROR,
 )
-from engine.workers.script import ScriptExit
+from rigpilot.engine.workers.script import ScriptExit
 
 
 def read_spec(job_dir: Path) -> JobSpec:
@@ -56,19 +56,19 @@ def run(spec: JobSpec, job_dir: Path) -> int:
         # The training loop swaps in its own handler, which finishes the step and checkpoints.
         signal.signal(signal.SIGTERM, _stop_now)
     if spec.kind == "train":
-        from engine.workers.train import run_train
+        from rigpilot.engine.workers.train import run_train
 
         return run_train(spec, job_dir)
     if spec.kind == "infer":
-        from engine.workers.infer import run_infer
+        from rigpilot.engine.workers.infer import run_infer
 
         return run_infer(spec, job_dir)
     if spec.kind == "calibrate":
-        from engine.workers.calibrate import run_calibrate
+        from rigpilot.engine.workers.calibrate import run_calibrate
 
         return run_calibrate(spec, job_dir)
     if spec.kind == "script":
-        from engine.workers.script import run_script
+        from rigpilot.engine.workers.script import run_script
 
         return run_script(spec, job_dir)
     raise UserError(f"unknown job kind {spec.kind!r}: use train, infer, calibrate or script")
@@ -105,7 +105,7 @@ def _report_oom(error: BaseException) -> None:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        fail("usage: python -m engine.workers <job_dir>")
+        fail("usage: python -m rigpilot.engine.workers <job_dir>")
         return EXIT_USER_ERROR
     job_dir = Path(argv[0]).resolve()
     os.environ.setdefault(METRICS_DIR_ENV, str(job_dir / "metrics"))
@@ -138,7 +138,7 @@ def main(argv: list[str]) -> int:
         return EXIT_CRASH
     finally:
         if "torch" in sys.modules:
-            from engine.workers.parallel_dims import shutdown
+            from rigpilot.engine.workers.parallel_dims import shutdown
 
             try:
                 shutdown()

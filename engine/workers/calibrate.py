@@ -20,12 +20,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.jobs.spec import JobSpec
-from engine.report import report
-from engine.workers import EXIT_OK
-from engine.workers.metrics import status
-from engine.workers.parallel_dims import init_runtime
-from engine.workers.parallelize import precision_dtype
+from rigpilot.engine.jobs.spec import JobSpec
+from rigpilot.engine.report import report
+from rigpilot.engine.workers import EXIT_OK
+from rigpilot.engine.workers.metrics import status
+from rigpilot.engine.workers.parallel_dims import init_runtime
+from rigpilot.engine.workers.parallelize import precision_dtype
 
 MIB = 1 << 20
 GPU_MATMUL_SIZES = (1024, 2048, 4096, 8192)

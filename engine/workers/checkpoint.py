@@ -47,9 +47,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from engine.errors import UserError
-from engine.workers.model_loading import LoadedModel, auto_class, offline
-from engine.workers.parallel_dims import Runtime
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.workers.model_loading import LoadedModel, auto_class, offline
+from rigpilot.engine.workers.parallel_dims import Runtime
 
 COMPLETE = "COMPLETE"
 

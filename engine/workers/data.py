@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from engine.errors import UserError
-from engine.jobs.datasets import Document, Messages, record_document
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.jobs.datasets import Document, Messages, record_document
 
 TEXT_SUFFIXES = {".txt", ".md", ".text"}
 JSONL_SUFFIXES = {".jsonl", ".json", ".ndjson"}

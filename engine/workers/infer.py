@@ -22,15 +22,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.errors import UserError
-from engine.jobs.spec import InferSettings, JobSpec
-from engine.report import report
-from engine.workers import EXIT_OK
-from engine.workers.metrics import peak_memory, status
-from engine.workers.model_loading import load_model
-from engine.workers.parallel_dims import Runtime, init_runtime
-from engine.workers.parallelize import apply_tensor_parallel, precision_dtype
-from engine.workers.pipeline import DecoderStage, decoder_parts
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.jobs.spec import InferSettings, JobSpec
+from rigpilot.engine.report import report
+from rigpilot.engine.workers import EXIT_OK
+from rigpilot.engine.workers.metrics import peak_memory, status
+from rigpilot.engine.workers.model_loading import load_model
+from rigpilot.engine.workers.parallel_dims import Runtime, init_runtime
+from rigpilot.engine.workers.parallelize import apply_tensor_parallel, precision_dtype
+from rigpilot.engine.workers.pipeline import DecoderStage, decoder_parts
 
 
 def load_prompts(s: InferSettings) -> list[str]:

@@ -8,7 +8,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from engine.report import report
+from rigpilot.engine.report import report
 
 PEAK_TFLOPS_ENV = "RIGPILOT_PEAK_TFLOPS"
 

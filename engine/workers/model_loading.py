@@ -22,11 +22,11 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from engine.capability import TRAIN_METHODS
-from engine.errors import UserError
-from engine.jobs.spec import JobSpec
-from engine.models.config_file import read_config
-from engine.models.presets import find_preset
+from rigpilot.engine.capability import TRAIN_METHODS
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.jobs.spec import JobSpec
+from rigpilot.engine.models.config_file import read_config
+from rigpilot.engine.models.presets import find_preset
 
 Objective = Literal["causal", "masked"]
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "model.safetensors.index.json")

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from engine.errors import UserError
-from engine.jobs.spec import JobSpec, Parallelism
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.jobs.spec import JobSpec, Parallelism
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 TIMEOUT_ENV = "RIGPILOT_COLLECTIVE_TIMEOUT_S"

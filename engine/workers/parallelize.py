@@ -15,11 +15,11 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from engine.capability import TENSOR_PARALLEL_TYPES
-from engine.errors import UserError
-from engine.workers.model_loading import is_nf4, nf4_unshardable, transformer_blocks
-from engine.workers.parallel_dims import Runtime
-from engine.workers.pipeline import ATTENTION_PROJECTIONS, MLP_PROJECTIONS, decoder_parts
+from rigpilot.engine.capability import TENSOR_PARALLEL_TYPES
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.workers.model_loading import is_nf4, nf4_unshardable, transformer_blocks
+from rigpilot.engine.workers.parallel_dims import Runtime
+from rigpilot.engine.workers.pipeline import ATTENTION_PROJECTIONS, MLP_PROJECTIONS, decoder_parts
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.capability import PIPELINE_TYPES
-from engine.errors import UserError
+from rigpilot.engine.capability import PIPELINE_TYPES
+from rigpilot.engine.errors import UserError
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")

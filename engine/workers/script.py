@@ -2,7 +2,7 @@
 
 torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) is already set, so
 the script can call torch.distributed.init_process_group() itself, and
-`from engine.report import report` sends its metrics to the job's charts. An
+`from rigpilot import report` sends its metrics to the job's charts. An
 exception or a non-zero sys.exit() fails the rank.
 """
 
@@ -12,9 +12,9 @@ import runpy
 import sys
 from pathlib import Path
 
-from engine.errors import UserError
-from engine.jobs.spec import JobSpec
-from engine.report import report
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.jobs.spec import JobSpec
+from rigpilot.engine.report import report
 
 
 def run_script(spec: JobSpec, job_dir: Path) -> int:

@@ -31,18 +31,25 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from engine.capability import TRAIN_METHODS
-from engine.errors import UserError
-from engine.jobs.limits import CHECKPOINTING
-from engine.jobs.spec import JobSpec, TrainSettings
-from engine.report import report
-from engine.workers import EXIT_CANCELLED, EXIT_OK
-from engine.workers.checkpoint import Checkpointer, gather_full_state, save_final_model
-from engine.workers.data import Dataset, ShardedBatches, build_dataset, eval_batches, mask_for_mlm, read_dataset
-from engine.workers.metrics import mfu, peak_memory, status, world_sum_and_any, world_sums
-from engine.workers.model_loading import LoadedModel, count_params, load_model, materialize
-from engine.workers.parallel_dims import Runtime, init_runtime
-from engine.workers.parallelize import (
+from rigpilot.engine.capability import TRAIN_METHODS
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.jobs.limits import CHECKPOINTING
+from rigpilot.engine.jobs.spec import JobSpec, TrainSettings
+from rigpilot.engine.report import report
+from rigpilot.engine.workers import EXIT_CANCELLED, EXIT_OK
+from rigpilot.engine.workers.checkpoint import Checkpointer, gather_full_state, save_final_model
+from rigpilot.engine.workers.data import (
+    Dataset,
+    ShardedBatches,
+    build_dataset,
+    eval_batches,
+    mask_for_mlm,
+    read_dataset,
+)
+from rigpilot.engine.workers.metrics import mfu, peak_memory, status, world_sum_and_any, world_sums
+from rigpilot.engine.workers.model_loading import LoadedModel, count_params, load_model, materialize
+from rigpilot.engine.workers.parallel_dims import Runtime, init_runtime
+from rigpilot.engine.workers.parallelize import (
     PrecisionPlan,
     apply_activation_checkpointing,
     apply_data_parallel,
@@ -55,7 +62,7 @@ from engine.workers.parallelize import (
     set_gradient_sync,
     uses_fsdp,
 )
-from engine.workers.pipeline import DecoderStage, decoder_parts
+from rigpilot.engine.workers.pipeline import DecoderStage, decoder_parts
 
 MIN_LR_RATIO = 0.1  # cosine decays to this fraction of the peak LR
 

@@ -31,8 +31,8 @@ def mark_unavailable(obj: Any, reason: str) -> None:
 
 
 # The readers import MachineImportError and mark_unavailable from this package, so they load after them.
-from engine.hardware.importers import nvlink_status, smi_query, topo_text  # noqa: E402
-from engine.hardware.machine import Gpu, Host, Machine  # noqa: E402
+from rigpilot.engine.hardware.importers import nvlink_status, smi_query, topo_text  # noqa: E402
+from rigpilot.engine.hardware.machine import Gpu, Host, Machine  # noqa: E402
 
 __all__ = ["FileKind", "MachineImportError", "decode_text", "import_machine", "import_text", "sniff"]
 

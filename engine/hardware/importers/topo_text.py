@@ -18,8 +18,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from engine.hardware.importers import MachineImportError, mark_unavailable
-from engine.hardware.machine import (
+from rigpilot.engine.hardware.importers import MachineImportError, mark_unavailable
+from rigpilot.engine.hardware.machine import (
     Gpu,
     GpuPair,
     Host,
