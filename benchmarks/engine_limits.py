@@ -1,6 +1,6 @@
 """How the engine service holds up under connection floods: prints what it held, for how long, at what memory.
 
-    PYTHONPATH=. python benchmarks/engine_limits.py [--idle 1000] [--local 2000] [--stuck 4]
+    .venv/bin/python benchmarks/engine_limits.py [--idle 1000] [--local 2000] [--stuck 4]
 
 Starts a private engine (simulated 4×RTX 4090, XDG folders in a temporary
 directory, TCP on loopback) and measures, each beside the time a `hello`

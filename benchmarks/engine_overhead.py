@@ -122,8 +122,6 @@ def rank_environment(ranks: int, spec_env: dict[str, str]) -> dict[str, str]:
     for name in ("RIGPILOT_SIMULATE", "XDG_RUNTIME_DIR", "XDG_STATE_HOME", "XDG_CONFIG_HOME"):
         env.pop(name, None)
     env.update(spec_env)
-    path = env.get("PYTHONPATH")
-    env["PYTHONPATH"] = str(REPO) + (os.pathsep + path if path else "")
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.update(CUDA_VISIBLE_DEVICES="", RIGPILOT_SIMULATED="1", RIGPILOT_DIST_BACKEND="gloo")

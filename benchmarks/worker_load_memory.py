@@ -61,7 +61,7 @@ def run(
                   "checkpoint_every": 0},
     }  # fmt: skip
     (job / "job.json").write_text(json.dumps(spec))
-    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
                RIGPILOT_METRICS_DIR=str(job / "metrics"))  # fmt: skip
     if every_rank:
         env["RIGPILOT_LOAD_ON_EVERY_RANK"] = "1"
