@@ -3,28 +3,34 @@
 
     python3 dev.py app      # set up .venv if needed, then launch Rigpilot
     python3 dev.py test     # set up .venv if needed, then lint and run the whole test suite
+    python3 dev.py setup    # only set up .venv
 
-Needs only python3 (>= 3.11) with the venv module. The set-up is skipped when
-nothing it depends on changed since the last run.
+Needs only python3 (>= 3.11) with its venv and ensurepip modules (Debian/Ubuntu: python3-venv).
+The set-up is skipped when nothing it depends on changed since the last run. On a machine without
+an NVIDIA driver it installs PyTorch's CPU build, and stops rather than fall back to the CUDA one;
+RIGPILOT_ALLOW_CUDA_TORCH=1 accepts the CUDA build there.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import tempfile
+import threading
 import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 VENV = Path(os.environ.get("RIGPILOT_VENV", ROOT / ".venv"))
 STAMP = VENV / ".rigpilot-setup"
-# The test set-up pins torch: pip then takes the CPU build on machines without a GPU here,
-# and the CUDA build where one exists. An unpinned torch would pull the newest CUDA wheels.
-TORCH_PIN = "torch==2.13.0"
 CPU_WHEEL_INDEX = "https://download.pytorch.org/whl/cpu"
+PROBE_SECONDS = 3.0
 
 
 def venv_bin(name: str) -> Path:
@@ -35,12 +41,121 @@ def has_nvidia_driver() -> bool:
     return Path("/proc/driver/nvidia/version").exists() or shutil.which("nvidia-smi") is not None
 
 
-def reachable(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=3):
-            return True
-    except Exception:
-        return False
+def reachable(url: str, seconds: float = PROBE_SECONDS) -> bool:
+    """Whether url answers within `seconds`, name lookup included.
+
+    urlopen's timeout does not cover getaddrinfo, which waits 10 s and more on a silent resolver,
+    so the request runs in a daemon thread that is left behind when the time is up.
+    """
+    answers: list[bool] = []
+
+    def probe() -> None:
+        try:
+            with urllib.request.urlopen(url, timeout=seconds):
+                answers.append(True)
+        except Exception:
+            answers.append(False)
+
+    thread = threading.Thread(target=probe, name="dev.py probe", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return answers == [True]
+
+
+def torch_pin() -> str:
+    """The workers extra's exact torch requirement: the one torch version the suite is tested with."""
+    import tomllib  # not at the top: an older python3 must get as far as main's version message
+
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        extras = tomllib.load(f).get("project", {}).get("optional-dependencies", {})
+    for requirement in extras.get("workers", []):
+        if re.fullmatch(r"torch\s*==\s*[\w.+!]+", requirement.strip()):
+            return requirement.replace(" ", "")
+    sys.exit("pyproject.toml: the workers extra has no exact torch pin (torch==X.Y.Z) for dev.py to install.")
+
+
+def cuda_packages(report: dict) -> list[str]:
+    """The CUDA builds in a pip installation report (pip install --dry-run --report): a torch whose
+    local version is not +cpu, and NVIDIA's libraries. Empty when pip would install CPU torch, or
+    none because the pinned one is already there."""
+    found = []
+    for item in report.get("install", []):
+        name = re.sub(r"[-_.]+", "-", item["metadata"]["name"]).lower()
+        version = item["metadata"]["version"]
+        local = version.partition("+")[2]
+        if name.startswith("nvidia-") or (name == "torch" and local.split(".")[0] != "cpu"):
+            found.append(f"{name} {version}")
+    return found
+
+
+def require_cpu_torch(pip: list[str | Path], torch_args: list[str | Path], index_reachable: bool) -> None:
+    """Stop unless pip would install a CPU build of torch: this machine has no NVIDIA driver, and
+    PyPI's Linux torch brings gigabytes of CUDA libraries.
+
+    pip is asked with --dry-run, which fetches metadata only where the index serves it apart
+    (PEP 658, as PyPI does; else the torch wheel itself), and --no-deps: the CUDA libraries are
+    torch's dependencies, a torch without +cpu is reason enough and theirs need not be fetched.
+    """
+    if os.environ.get("RIGPILOT_ALLOW_CUDA_TORCH") == "1":
+        return
+    with tempfile.TemporaryDirectory(prefix="rigpilot-dev-") as tmp:
+        report = Path(tmp) / "report.json"
+        dry_run = [*pip, "--dry-run", "--quiet", "--no-deps", "--report", report, *torch_args]
+        step("ask pip which torch build it would install", dry_run)
+        cuda = cuda_packages(json.loads(report.read_text()))
+    if cuda:
+        sys.exit(cuda_message(str(torch_args[0]), cuda, index_reachable))
+
+
+def cuda_message(pin: str, cuda: list[str], index_reachable: bool) -> str:
+    version = pin.partition("==")[2]
+    why = (
+        f"PyTorch's CPU index ({CPU_WHEEL_INDEX}) has no {pin} wheel for this Python"
+        if index_reachable
+        else f"PyTorch's CPU index ({CPU_WHEEL_INDEX}) cannot be reached"
+    )
+    wheel = f"torch-{version}+cpu-cp{sys.version_info.major}{sys.version_info.minor}-*.whl"
+    return (
+        f"{why}, and this machine has no NVIDIA driver: pip would install the CUDA build ({', '.join(cuda)}), "
+        f"gigabytes of libraries it cannot use. Make download.pytorch.org reachable, or put {wheel} in a folder "
+        "and set PIP_FIND_LINKS=that-folder, or set RIGPILOT_ALLOW_CUDA_TORCH=1 to install the CUDA build anyway; "
+        "then run dev.py again."
+    )
+
+
+def venv_tools_missing() -> str | None:
+    """What to install when this python3 cannot make a virtual environment with pip in it, else None.
+
+    Debian and Ubuntu ship venv without ensurepip (it is in python3.X-venv): `python3 -m venv` then
+    fails half-way, leaving an environment without pip.
+    """
+    ensurepip = importlib.util.find_spec("ensurepip")
+    if importlib.util.find_spec("venv") is not None and ensurepip is not None and ensurepip.origin:
+        return None
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    return (
+        f"python3 {version} ({sys.executable}) cannot create a virtual environment with pip: its venv/ensurepip "
+        f"modules are missing. On Debian/Ubuntu: sudo apt install python{version}-venv"
+    )
+
+
+def venv_has_pip() -> bool:
+    python = venv_bin("python")
+    return python.exists() and subprocess.run([python, "-c", "import pip"], capture_output=True).returncode == 0
+
+
+def ensure_venv() -> None:
+    if venv_has_pip():
+        return
+    missing = venv_tools_missing()
+    if missing:
+        sys.exit(missing)
+    create: list[str | Path] = [sys.executable, "-m", "venv"]
+    if (VENV / "pyvenv.cfg").exists():
+        # Left without pip by a run that failed half-way (no ensurepip), or its Python is gone.
+        print(f"{VENV} has no working pip: creating it again.", flush=True)
+        create.append("--clear")
+    step("create the virtual environment", [*create, VENV])
 
 
 def setup_fingerprint() -> str:
@@ -51,31 +166,32 @@ def setup_fingerprint() -> str:
     return h.hexdigest()
 
 
-def run(cmd: list[str | Path], **kw) -> None:
+def step(what: str, cmd: list[str | Path]) -> None:
+    """One set-up step; when it fails, dev.py ends with one line (the tool said why above it)."""
     print("+", " ".join(str(c) for c in cmd), flush=True)
-    subprocess.run([str(c) for c in cmd], check=True, **kw)
+    try:
+        failed = subprocess.run([str(c) for c in cmd]).returncode != 0
+    except OSError as e:
+        print(e, file=sys.stderr)
+        failed = True
+    if failed:
+        sys.exit(f"Set-up failed at: {what}. Fix what is said above and run dev.py again: it picks up from there.")
 
 
 def ensure_env() -> None:
-    if sys.version_info < (3, 11):  # noqa: UP036 -- dev.py may be started by an older system python3
-        sys.exit(f"Rigpilot needs Python 3.11 or newer; this is {sys.version.split()[0]}.")
     fingerprint = setup_fingerprint()
     if venv_bin("python").exists() and STAMP.exists() and STAMP.read_text() == fingerprint:
         return
-    if not venv_bin("python").exists():
-        try:
-            import venv  # noqa: F401
-        except ImportError:
-            sys.exit("python3's venv module is missing: install it (Debian/Ubuntu: apt install python3-venv).")
-        run([sys.executable, "-m", "venv", VENV])
-    pip = [venv_bin("python"), "-m", "pip", "install", "--disable-pip-version-check"]
-    torch_args: list[str | Path] = [TORCH_PIN]
-    # Without an NVIDIA driver, PyPI's Linux torch wheel would still bring gigabytes of CUDA
-    # libraries. Prefer PyTorch's CPU wheel index when it can be reached.
-    if not has_nvidia_driver() and reachable(CPU_WHEEL_INDEX + "/torch/"):
-        torch_args += ["--extra-index-url", CPU_WHEEL_INDEX]
-    run([*pip, *torch_args])
-    run([*pip, "-e", f"{ROOT}[workers,dev]"])
+    ensure_venv()
+    pip: list[str | Path] = [venv_bin("python"), "-m", "pip", "install", "--disable-pip-version-check"]
+    torch_args: list[str | Path] = [torch_pin()]
+    if not has_nvidia_driver():
+        index_reachable = reachable(CPU_WHEEL_INDEX + "/torch/")
+        if index_reachable:
+            torch_args += ["--extra-index-url", CPU_WHEEL_INDEX]
+        require_cpu_torch(pip, torch_args, index_reachable)
+    step("install PyTorch", [*pip, *torch_args])
+    step("install Rigpilot and its dependencies", [*pip, "-e", f"{ROOT}[workers,dev]"])
     STAMP.write_text(fingerprint)
 
 
@@ -87,9 +203,9 @@ def cmd_test(args: list[str]) -> int:
         [venv_bin("lint-imports")],
         [venv_bin("python"), "-m", "pytest", *args],
     ]
-    for step in steps:
-        print("+", " ".join(str(c) for c in step), flush=True)
-        rc = subprocess.run([str(c) for c in step], cwd=ROOT, env=env).returncode
+    for command in steps:
+        print("+", " ".join(str(c) for c in command), flush=True)
+        rc = subprocess.run([str(c) for c in command], cwd=ROOT, env=env).returncode
         if rc != 0:
             return rc
     return 0
@@ -102,14 +218,19 @@ def cmd_app(args: list[str]) -> int:
 
 
 def main() -> int:
+    if sys.version_info < (3, 11):  # noqa: UP036 -- dev.py may be started by an older system python3
+        sys.exit(f"Rigpilot needs Python 3.11 or newer; this is {sys.version.split()[0]}.")
     if len(sys.argv) < 2 or sys.argv[1] not in ("app", "test", "setup"):
         print(__doc__.strip())
         return 2
     verb, rest = sys.argv[1], sys.argv[2:]
-    if verb == "setup":
-        ensure_env()
-        return 0
-    return cmd_test(rest) if verb == "test" else cmd_app(rest)
+    try:
+        if verb == "setup":
+            ensure_env()
+            return 0
+        return cmd_test(rest) if verb == "test" else cmd_app(rest)
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":
