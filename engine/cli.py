@@ -307,13 +307,13 @@ def cmd_profiles(args: argparse.Namespace) -> int:
 
 
 def cmd_engine_env(args: argparse.Namespace) -> int:
-    from rigpilot.engine import runtime
+    from rigpilot.engine import provision, runtime
     from rigpilot.engine.userdata import human_size
 
     progress = (lambda line: print(json.dumps({"progress": line}), flush=True)) if args.json else print
     if args.action == "wheels":
         folder = (args.find_links or [Path("rigpilot-wheels")])[0]
-        commands = runtime.wheels_commands(folder=folder, torch_backend=args.torch_backend, base_python=args.python)
+        commands = provision.wheels_commands(folder=folder, torch_backend=args.torch_backend, base_python=args.python)
         if args.json:
             _print_json("rigpilot.engine-env-wheels/1", {"folder": str(folder.expanduser().absolute()), "commands": commands})
         else:
@@ -322,7 +322,7 @@ def cmd_engine_env(args: argparse.Namespace) -> int:
             print("\n".join(commands))
         return 0
     if args.action == "remove":
-        removed = runtime.remove(progress=progress)
+        removed = provision.remove(progress=progress)
         if args.json:
             _print_json("rigpilot.engine-env-removed/1", {"removed": [{"path": str(p), "bytes": n} for p, n in removed]})
         elif not removed:
@@ -331,7 +331,7 @@ def cmd_engine_env(args: argparse.Namespace) -> int:
             print(f"removed the engine environment and its cache ({human_size(sum(n for _, n in removed))})")
         return 0
     if args.action in ("install", "repair"):
-        fn = runtime.install if args.action == "install" else runtime.repair
+        fn = provision.install if args.action == "install" else provision.repair
         fn(torch_backend=args.torch_backend, torch_version=args.torch_version, wheel=args.wheel,
            find_links=args.find_links, index_url=args.index_url, base_python=args.python, offline=args.offline,
            progress=progress)  # fmt: skip

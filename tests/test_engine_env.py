@@ -1,5 +1,6 @@
-"""The engine environment's install logic without installing: the torch pin, the commands, uv's environment,
-what a failure says, the build checks, `engine-env remove`, and that jobs get nothing of Rigpilot's on PYTHONPATH.
+"""The engine environment (engine/runtime.py, engine/provision.py) without installing: the torch pin, the
+commands, uv's environment, what a failure says, the build checks, `engine-env remove`, and that jobs get
+nothing of Rigpilot's on PYTHONPATH.
 
 uv itself is replaced by a small script where a test needs it to run; its failure outputs are the ones uv
 0.13 printed here (offline without a wheel, a DNS failure, a refused connection, a wrong Python ABI).
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from rigpilot.engine import __version__, runtime
+from rigpilot.engine import __version__, provision, runtime
 from rigpilot.engine.cli import main as cli_main
 from rigpilot.engine.errors import UserError
 
@@ -109,7 +110,7 @@ def fake_uv(tmp_path, monkeypatch) -> Path:
     uv = folder / "uv"
     uv.write_text(FAKE_UV.format(python=sys.executable, major=sys.version_info.major, minor=sys.version_info.minor))
     uv.chmod(0o755)
-    monkeypatch.setattr(runtime, "_uv", lambda: str(uv))
+    monkeypatch.setattr(provision, "_uv", lambda: str(uv))
     return folder
 
 
@@ -130,50 +131,50 @@ def wheels(tmp_path) -> Path:
 def test_the_torch_pin_and_worker_packages_come_from_pyproject_in_a_checkout():
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     workers = project["optional-dependencies"]["workers"]
-    reqs = runtime.worker_requirements()
+    reqs = provision.worker_requirements()
     assert f"torch=={reqs.torch}" in workers
     assert set(reqs.packages) == {w for w in workers if not w.startswith("torch==")} | {
         d for d in project["dependencies"] if not d.lower().startswith(("pyside6", "pyqtgraph", "uv"))
     }
-    assert not any(runtime.normalized_name(p) == "torch" for p in reqs.packages)
+    assert not any(provision.normalized_name(p) == "torch" for p in reqs.packages)
     assert "setuptools>=68" in reqs.build  # what uv needs to build this checkout
 
 
 def test_the_pin_comes_from_the_installed_metadata_outside_a_checkout(monkeypatch):
-    monkeypatch.setattr(runtime, "checkout_root", lambda: None)
+    monkeypatch.setattr(provision, "checkout_root", lambda: None)
     requires = ["numpy>=1.26", "PySide6-Essentials!=6.12.0,>=6.6", "uv>=0.5", "psutil>=5.9; sys_platform == 'linux'",
                 'torch==2.13.0; extra == "workers"', 'peft>=0.12; extra == "workers"',
                 'torchao==0.18.0; python_version >= "3.10" and extra == "workers"', 'pytest>=8; extra == "dev"']  # fmt: skip
-    monkeypatch.setattr(runtime.importlib.metadata, "requires", lambda name: requires)
-    monkeypatch.setattr(runtime.importlib.metadata, "version", lambda name: "9.9")
-    reqs = runtime.worker_requirements()
+    monkeypatch.setattr(provision.importlib.metadata, "requires", lambda name: requires)
+    monkeypatch.setattr(provision.importlib.metadata, "version", lambda name: "9.9")
+    reqs = provision.worker_requirements()
     assert reqs.torch == "2.13.0" and reqs.build == ()
     assert reqs.packages == ("peft>=0.12", 'torchao==0.18.0; python_version >= "3.10"', "numpy>=1.26",
                              "psutil>=5.9; sys_platform == 'linux'")  # fmt: skip
     requires[4] = 'torch>=2.6; extra == "workers"'
     with pytest.raises(UserError, match=r"must pin torch as torch==X \(found 'torch>=2.6'"):
-        runtime.worker_requirements()
+        provision.worker_requirements()
 
 
 # -- which build, which commands ------------------------------------------------------------------------------
 
 
 def test_cpu_machines_get_the_cpu_build_and_auto_only_where_a_driver_is():
-    assert runtime.choose_backend("auto", driver=False) == "cpu"
-    assert runtime.choose_backend("auto", driver=True) == "auto"
-    assert runtime.choose_backend("cu126", driver=False) == "cu126"  # asked for: the check afterwards says so
-    assert runtime.torch_requirement("2.13.0", "cpu", offline=False) == "torch==2.13.0"
-    if runtime.platform.machine() == "x86_64":
+    assert provision.choose_backend("auto", driver=False) == "cpu"
+    assert provision.choose_backend("auto", driver=True) == "auto"
+    assert provision.choose_backend("cu126", driver=False) == "cu126"  # asked for: the check afterwards says so
+    assert provision.torch_requirement("2.13.0", "cpu", offline=False) == "torch==2.13.0"
+    if provision.platform.machine() == "x86_64":
         # Offline, the folder may hold several builds of the pin: the CPU one is asked for by name.
-        assert runtime.torch_requirement("2.13.0", "cpu", offline=True) == "torch==2.13.0+cpu"
-    assert runtime.torch_requirement("2.13.0", "auto", offline=True) == "torch==2.13.0"
+        assert provision.torch_requirement("2.13.0", "cpu", offline=True) == "torch==2.13.0+cpu"
+    assert provision.torch_requirement("2.13.0", "auto", offline=True) == "torch==2.13.0"
 
 
 def commands(**kw) -> list[list[str]]:
     args = dict(uv="uv", target=Path("/e"), create_with="/usr/bin/python3", clear=False, offline=False,
                 find_links=[], index_url=None, backend="cpu", torch_req="torch==2.13.0", torch_pin="2.13.0",
                 packages=["transformers>=4.45", "numpy>=1.26"], self_req="/src/rigpilot")  # fmt: skip
-    return runtime.install_commands(**{**args, **kw})
+    return provision.install_commands(**{**args, **kw})
 
 
 def test_offline_commands_never_reach_the_network():
@@ -207,7 +208,7 @@ def test_uv_runs_with_rigpilots_cache_and_without_ambient_install_settings(xdg):
                "PIP_CONSTRAINT": "bad.txt", "PIP_INDEX_URL": "https://evil/simple", "UV_NATIVE_TLS": "1",
                "UV_HTTP_TIMEOUT": "90", "HTTPS_PROXY": "http://proxy:3128", "PYTHONPATH": "/app/site-packages",
                "HOME": "/home/u"}  # fmt: skip
-    env = runtime.uv_environment(ambient)
+    env = provision.uv_environment(ambient)
     assert env["UV_CACHE_DIR"] == str(xdg / "cache" / "rigpilot" / "uv") == str(runtime.uv_cache_dir())
     assert env["UV_NO_CONFIG"] == "1" and env["UV_PYTHON_DOWNLOADS"] == "never"
     for dropped in ("UV_INDEX_URL", "UV_EXTRA_INDEX_URL", "UV_FIND_LINKS", "UV_TORCH_BACKEND", "UV_OFFLINE",
@@ -220,12 +221,12 @@ def test_uv_runs_with_rigpilots_cache_and_without_ambient_install_settings(xdg):
 # -- what a failure says --------------------------------------------------------------------------------------
 
 
-def failure(output: str, cmd: list[str] | None = None) -> runtime._Failed:
-    return runtime._Failed(cmd or ["/x/uv", "pip", "install", "--python", "/e/bin/python"], 1, output.splitlines())
+def failure(output: str, cmd: list[str] | None = None) -> provision._Failed:
+    return provision._Failed(cmd or ["/x/uv", "pip", "install", "--python", "/e/bin/python"], 1, output.splitlines())
 
 
-HINT = runtime.download_commands(
-    Path("/media/usb/wheels"), runtime.WorkerRequirements("2.13.0", ("transformers>=4.45", "numpy>=1.26")),
+HINT = provision.download_commands(
+    Path("/media/usb/wheels"), provision.WorkerRequirements("2.13.0", ("transformers>=4.45", "numpy>=1.26")),
     python_version="3.12", backend="cpu",
 )
 
@@ -236,14 +237,14 @@ def test_download_commands_fetch_the_cpu_build_then_the_rest_from_pypi():
     assert torch.endswith("-d /media/usb/wheels --no-deps torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu")
     assert "--find-links /media/usb/wheels torch==2.13.0 'transformers>=4.45' 'numpy>=1.26'" in rest
     assert "--index-url" not in rest and "--platform manylinux_2_28_" in rest
-    cuda = runtime.download_commands(Path("w"), runtime.WorkerRequirements("2.13.0", ()), python_version="3.11",
+    cuda = provision.download_commands(Path("w"), provision.WorkerRequirements("2.13.0", ()), python_version="3.11",
                                      backend="cu128")  # fmt: skip
     assert cuda[0].endswith("torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128")
 
 
 @pytest.mark.parametrize("output, name", [(UV_OFFLINE_NO_TORCH, "torch"), (UV_OFFLINE_NO_FILELOCK, "filelock")])
 def test_an_offline_failure_names_the_missing_wheel_and_how_to_fetch_it(output, name):
-    message = str(runtime._explain(failure(output), offline=True, folders=[Path("/media/usb/wheels")], hint=HINT))
+    message = str(provision._explain(failure(output), offline=True, folders=[Path("/media/usb/wheels")], hint=HINT))
     first, *rest = message.splitlines()
     assert first == f"the offline install found no {name} wheel in /media/usb/wheels."
     assert [line.strip() for line in rest[1:]] == HINT
@@ -251,7 +252,7 @@ def test_an_offline_failure_names_the_missing_wheel_and_how_to_fetch_it(output, 
 
 
 def test_an_offline_failure_for_another_python_says_so():
-    message = str(runtime._explain(failure(UV_OFFLINE_WRONG_ABI), offline=True, folders=[Path("/w")], hint=HINT))
+    message = str(provision._explain(failure(UV_OFFLINE_WRONG_ABI), offline=True, folders=[Path("/w")], hint=HINT))
     assert message.startswith("the offline install found no torch wheel (no wheel with a matching Python ABI tag) in /w.")
 
 
@@ -260,7 +261,7 @@ def test_an_offline_failure_for_another_python_says_so():
     (UV_REFUSED, "http://127.0.0.1:9/simple/six/ (Connection refused (os error 111))"),
 ])  # fmt: skip
 def test_a_network_failure_ends_pointing_to_the_offline_install(output, reached):
-    message = str(runtime._explain(failure(output), offline=False, folders=[], hint=HINT))
+    message = str(provision._explain(failure(output), offline=False, folders=[], hint=HINT))
     lines = message.splitlines()
     assert lines[0] == f"installing the engine environment failed: cannot reach {reached}."
     assert len(lines) == 2 and "'rigpilot engine-env install --offline --find-links DIR'" in lines[1]
@@ -268,10 +269,10 @@ def test_a_network_failure_ends_pointing_to_the_offline_install(output, reached)
 
 
 def test_other_failures_say_what_uv_said_and_that_install_resumes():
-    message = str(runtime._explain(failure(UV_CONFLICT), offline=False, folders=[], hint=HINT))
+    message = str(provision._explain(failure(UV_CONFLICT), offline=False, folders=[], hint=HINT))
     assert message.startswith("installing the engine environment failed at: uv pip install --python … (exit 1): ")
     assert "depends on torch>=2.14" in message and message.endswith("run 'rigpilot engine-env install' again to resume")
-    assert runtime.network_failure(UV_CONFLICT.splitlines()) is None and runtime.missing_package([]) is None
+    assert provision.network_failure(UV_CONFLICT.splitlines()) is None and provision.missing_package([]) is None
 
 
 # -- install() with a stand-in uv -----------------------------------------------------------------------------
@@ -345,7 +346,7 @@ def test_an_old_python_is_refused(xdg, fake_uv):
     old.write_text("#!/bin/sh\necho 3 9\n")
     old.chmod(0o755)
     with pytest.raises(UserError, match=r"is Python 3\.9; the engine environment needs 3\.11 or newer"):
-        runtime.install(offline=True, find_links=[wheels(xdg)], base_python=str(old), progress=lambda _: None)
+        provision.install(offline=True, find_links=[wheels(xdg)], base_python=str(old), progress=lambda _: None)
 
 
 def test_wheels_prints_the_commands_for_this_machine(xdg, capsys):
@@ -427,7 +428,7 @@ def test_remove_refuses_while_jobs_run_in_the_environment(xdg):
     proc = subprocess.Popen([str(python), "-c", "import time; time.sleep(60)"])
     try:
         with pytest.raises(UserError, match=rf"the engine environment is in use \(pid {proc.pid}\)"):
-            runtime.remove(progress=lambda _: None)
+            provision.remove(progress=lambda _: None)
         assert python.is_symlink()
     finally:
         proc.kill()
@@ -459,4 +460,4 @@ def test_ranks_get_no_pythonpath_from_rigpilot(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", "/home/u/research")
     assert _rank_environment(tmp_path)["PYTHONPATH"] == "/home/u/research"
     # The engine environment's own tools (uv, the status probe) drop the app's PYTHONPATH too.
-    assert "PYTHONPATH" not in runtime.uv_environment()
+    assert "PYTHONPATH" not in provision.uv_environment() and "PYTHONPATH" not in runtime.standalone_environment()

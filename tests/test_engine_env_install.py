@@ -26,14 +26,14 @@ from pathlib import Path
 
 import pytest
 
-from rigpilot.engine import __version__, runtime
+from rigpilot.engine import __version__, provision
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 TORCH_WHEELS = Path("/opt/wheels")
 WHEELS = Path(os.environ.get("RIGPILOT_TEST_WHEELS") or Path.home() / ".cache" / "rigpilot-test-wheels")
-BASE_PYTHON = runtime.default_base_python()
+BASE_PYTHON = provision.default_base_python()
 
 
 def _no_network() -> list[str]:
@@ -46,12 +46,12 @@ def _no_network() -> list[str]:
 @pytest.fixture(scope="module")
 def wheel_folders() -> list[Path]:
     """[/opt/wheels, the cached folder of every other wheel], filled on first use."""
-    version = runtime.python_version(BASE_PYTHON)
+    version = provision.python_version(BASE_PYTHON)
     tag = f"cp{version.replace('.', '')}"
     if not list(TORCH_WHEELS.glob(f"torch-*+cpu-{tag}-{tag}-*.whl")):
         pytest.skip(f"no CPU torch wheel for Python {version} in {TORCH_WHEELS}")
-    reqs = runtime.worker_requirements()
-    _, rest = runtime.download_commands(WHEELS, reqs, python_version=version, backend="cpu", from_source=True)
+    reqs = provision.worker_requirements()
+    _, rest = provision.download_commands(WHEELS, reqs, python_version=version, backend="cpu", from_source=True)
     stamp = WHEELS / f".complete-{hashlib.sha256(rest.encode()).hexdigest()[:16]}"
     if not stamp.exists():
         WHEELS.mkdir(parents=True, exist_ok=True)
@@ -108,7 +108,7 @@ def test_offline_install_from_local_wheels_then_remove(tmp_path, wheel_folders):
         " 'file': rigpilot.__file__, 'examples': (pathlib.Path(rigpilot.__file__).parent / 'examples/models/"
         "tiny-llama/config.json').is_file()}))"
     )))  # fmt: skip
-    assert info["torch"] == f"{runtime.worker_requirements().torch}+cpu" and info["cuda"] is None
+    assert info["torch"] == f"{provision.worker_requirements().torch}+cpu" and info["cuda"] is None
     assert info["rigpilot"] == __version__ and info["examples"]
     assert info["file"].startswith(str(data / "engine-env" / "lib"))  # its own copy, not this checkout
     assert not (REPO / "rigpilot.egg-info").exists()  # built from a copy: nothing written into the checkout
@@ -182,8 +182,8 @@ def test_a_pip_installed_rigpilot_provisions_the_engine_with_itself(tmp_path, wh
                            timeout=300)  # fmt: skip
     assert build.returncode == 0, build.stderr
     (original,) = dist.glob("rigpilot-*.whl")
-    uv = runtime._uv()
-    quiet = {**runtime.uv_environment(), "UV_CACHE_DIR": str(tmp_path / "uv-cache")}
+    uv = provision._uv()
+    quiet = {**provision.uv_environment(), "UV_CACHE_DIR": str(tmp_path / "uv-cache")}
 
     def uv_run(*args: str) -> None:
         done = subprocess.run([uv, *args], env=quiet, capture_output=True, text=True, timeout=300)
@@ -197,8 +197,8 @@ def test_a_pip_installed_rigpilot_provisions_the_engine_with_itself(tmp_path, wh
     out.mkdir()
     made = json.loads(in_env(app / "bin" / "python", (
         "import json, pathlib\n"
-        "from rigpilot.engine import runtime\n"
-        f"print(json.dumps(runtime.self_requirement(pathlib.Path({str(out)!r}))))"
+        "from rigpilot.engine import provision\n"
+        f"print(json.dumps(provision.self_requirement(pathlib.Path({str(out)!r}))))"
     )))  # fmt: skip
     wheel, how = Path(made[0]), made[1]
     assert how == "installed distribution" and wheel.parent == out and wheel.name == original.name

@@ -1,6 +1,6 @@
 """Installing or repairing the engine environment: the per-user PyTorch environment the job workers run in.
 
-An installed Rigpilot provisions PyTorch per user on first run (engine/runtime.py): the right build depends on
+An installed Rigpilot provisions PyTorch per user on first run (engine/provision.py): the right build depends on
 the machine's driver, and a CUDA build is gigabytes. At start-up the app asks `rigpilot.engine.runtime.status()` in the
 background (`check_at_startup`; the GUI may import engine.runtime, which never imports torch). When no worker
 environment exists, `EngineEnvDialog` explains, offers the PyTorch build (auto, cpu or a CUDA tag such as
