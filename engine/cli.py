@@ -391,7 +391,7 @@ def cmd_forget(args: argparse.Namespace) -> int:
         try:
             userdata.delete(i.path)
         except OSError as e:
-            raise UserError(f"could not delete {e.filename or i.path}: {e.strerror}") from None
+            raise UserError(f"could not delete all of {i.path} ({e.filename}: {e.strerror})") from None
     if had_unit:
         userdata.reload_systemd()
     print(f"deleted: {userdata.human_size(userdata.total_size(items))} freed")

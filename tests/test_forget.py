@@ -5,10 +5,13 @@ Every folder is under tmp_path (XDG_*), with `~/.cache` a link to another disk a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -189,3 +192,41 @@ def test_forget_stops_the_engine_service_first(home, tmp_path, monkeypatch, caps
         if engine.poll() is None:
             engine.kill()
             engine.wait()
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root to act as another user")
+def test_another_user_forgets_their_own_data_read_only_folders_included():
+    """As `nobody`, for whom permissions count (root's rmtree ignores them): a read-only folder goes too."""
+    uid = gid = 65534
+    base = Path(tempfile.mkdtemp(prefix="rigpilot-forget-"))
+    try:
+        os.chmod(base, 0o755)
+        home = base / "home"
+        state = home / ".local" / "state" / "rigpilot"
+        write(state / "jobs" / "ab12cd" / "output" / "model.safetensors", b"weights")
+        write(home / ".cache" / "rigpilot" / "uv" / "x", b"cache")
+        theirs = base / "root-owned"
+        write(theirs / "keep.txt", "root's")
+        (state / "jobs" / "ab12cd" / "data").symlink_to(theirs)
+        (home / "run").mkdir(mode=0o700)
+        for top, dirs, files in os.walk(home):
+            for name in [*dirs, *files, "."]:
+                os.lchown(os.path.join(top, name), uid, gid)
+        os.chmod(state / "jobs" / "ab12cd" / "output", 0o500)  # read-only, as some job outputs are
+        env = {"PATH": os.environ["PATH"], "HOME": str(home), "PYTHONPATH": str(REPO),
+               "XDG_RUNTIME_DIR": str(home / "run"), "XDG_CONFIG_HOME": str(home / ".config"),
+               "XDG_STATE_HOME": str(home / ".local" / "state"), "XDG_DATA_HOME": str(home / ".local" / "share"),
+               "XDG_CACHE_HOME": str(home / ".cache")}  # fmt: skip
+        done = subprocess.run(
+            ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", sys.executable, "-m", "rigpilot.engine.cli",
+             "forget", "--yes"], env=env, capture_output=True, text=True, timeout=120, cwd="/",
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert not state.exists() and not (home / ".cache" / "rigpilot").exists()
+        assert (theirs / "keep.txt").read_text() == "root's"
+    finally:
+        for top, dirs, _files in os.walk(base):
+            for name in dirs:
+                with contextlib.suppress(OSError):
+                    os.chmod(os.path.join(top, name), 0o700)
+        shutil.rmtree(base)
