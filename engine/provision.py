@@ -49,7 +49,7 @@ from pathlib import Path
 
 from rigpilot.engine import __version__, runtime
 from rigpilot.engine.errors import UserError
-from rigpilot.engine.runtime import EnvStatus, env_dir, env_python, uv_cache_dir
+from rigpilot.engine.runtime import env_dir, env_python, uv_cache_dir
 
 SHIPPED_WHEELS = Path("/opt/rigpilot/wheels")  # where the .deb puts its wheels
 PYTORCH_INDEX = "https://download.pytorch.org/whl"
@@ -148,11 +148,13 @@ def choose_backend(requested: str, driver: bool) -> str:
     return requested
 
 
-def _driver_version() -> tuple[int, ...] | None:
-    try:
-        text = Path("/proc/driver/nvidia/version").read_text()
-    except OSError:
-        return None
+def driver_version(text: str | None = None) -> tuple[int, ...] | None:
+    """The NVIDIA kernel module's version, (570, 86), from /proc/driver/nvidia/version (or `text`)."""
+    if text is None:
+        try:
+            text = Path("/proc/driver/nvidia/version").read_text()
+        except OSError:
+            return None
     m = re.search(r"Kernel Module\s+(?:for \S+\s+)?(\d+)\.(\d+)", text)
     return (int(m.group(1)), int(m.group(2))) if m else None
 
@@ -161,7 +163,7 @@ def cuda_tag(backend: str) -> str:
     """The PyTorch index suffix for `backend`: cpu, an explicit cuXXX, or the newest CUDA the driver runs."""
     if backend != "auto":
         return backend
-    version = _driver_version()
+    version = driver_version()
     if version is None:
         return "cu128"
     # The CUDA runtime a driver supports (NVIDIA's table): 580+ runs CUDA 13.0, 570+ 12.8, older 12.6.
@@ -488,8 +490,8 @@ def install(
     base_python: str | None = None,
     offline: bool = False,
     progress: Progress = print,
-) -> EnvStatus:
-    """Create (or complete) the per-user engine environment with uv."""
+) -> None:
+    """Create (or complete) the per-user engine environment with uv; `runtime.status()` says what it holds."""
     reqs = worker_requirements()
     folders = [Path(d).expanduser().absolute() for d in find_links or []]
     for d in folders:
@@ -546,7 +548,6 @@ def install(
                 _run(cmd, progress, env)
             except _Failed as failed:
                 raise _explain(failed, offline=offline, folders=folders, hint=hint) from None
-    return runtime.status()
 
 
 def wheels_commands(*, folder: Path, torch_backend: str = "auto", base_python: str | None = None) -> list[str]:
@@ -595,7 +596,7 @@ def remove(progress: Progress = print) -> list[tuple[Path, int]]:
     return removed
 
 
-def repair(progress: Progress = print, **kw) -> EnvStatus:
+def repair(progress: Progress = print, **kw) -> None:
     """Start over: remove the environment and its cache, and install it again."""
     remove(progress)
-    return install(progress=progress, **kw)
+    install(progress=progress, **kw)

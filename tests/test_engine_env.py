@@ -170,6 +170,17 @@ def test_cpu_machines_get_the_cpu_build_and_auto_only_where_a_driver_is():
     assert provision.torch_requirement("2.13.0", "auto", offline=True) == "torch==2.13.0"
 
 
+def test_the_cuda_index_for_auto_follows_the_driver(monkeypatch):
+    proprietary = "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.14  Thu Feb 22 01:44:30 UTC 2024\n"
+    open_module = "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.65.06  Release Build  (dvs-builder@U16)\n"
+    assert provision.driver_version(proprietary) == (550, 54)
+    assert provision.driver_version(open_module) == (580, 65)
+    for driver, tag in (((580, 65), "cu130"), ((570, 86), "cu128"), ((550, 54), "cu126")):
+        monkeypatch.setattr(provision, "driver_version", lambda driver=driver: driver)
+        assert provision.cuda_tag("auto") == tag
+    assert provision.cuda_tag("cu126") == "cu126" and provision.cuda_tag("cpu") == "cpu"
+
+
 def commands(**kw) -> list[list[str]]:
     args = dict(uv="uv", target=Path("/e"), create_with="/usr/bin/python3", clear=False, offline=False,
                 find_links=[], index_url=None, backend="cpu", torch_req="torch==2.13.0", torch_pin="2.13.0",
