@@ -286,7 +286,7 @@ def missing_package(output: Iterable[str]) -> tuple[str, str] | None:
         m = pattern.search(text)
         if m:
             why = m.groupdict().get("why") or ""
-            return m.group("name"), (f"no wheel with a matching {why.removeprefix('matching ')}" if why else "")
+            return m.group("name"), (f"no wheel with a matching {why}" if why else "")
     return None
 
 
@@ -331,9 +331,11 @@ def _explain(failed: _Failed, *, offline: bool, folders: list[Path], hint: list[
         if missing is not None:
             name, why = missing
             where = ", ".join(str(d) for d in folders)
+            uv_hint = [line.strip().removeprefix("hint: ") for line in failed.output if line.startswith("hint: ")]
             return UserError(
                 f"the offline install found no {name} wheel{f' ({why})' if why else ''} in {where}.\n"
-                "On a machine with internet access, fetch every wheel it needs into that folder, copy the folder "
+                + "".join(f"uv: {h}\n" for h in uv_hint[:1])
+                + f"On a machine with internet access, fetch every wheel it needs into {folders[0]}, copy the folder "
                 "back here and run the same command again:\n" + "\n".join(f"  {c}" for c in hint)
             )
         return UserError(f"installing the engine environment offline failed at: {step} … (exit {failed.rc}): {last}")

@@ -264,7 +264,10 @@ def test_an_offline_failure_names_the_missing_wheel_and_how_to_fetch_it(output, 
 
 def test_an_offline_failure_for_another_python_says_so():
     message = str(provision._explain(failure(UV_OFFLINE_WRONG_ABI), offline=True, folders=[Path("/w")], hint=HINT))
-    assert message.startswith("the offline install found no torch wheel (no wheel with a matching Python ABI tag) in /w.")
+    lines = message.splitlines()
+    assert lines[0] == "the offline install found no torch wheel (no wheel with a matching Python ABI tag) in /w."
+    assert lines[1].startswith("uv: You require CPython 3.12 (`cp312`), but we only found wheels for `torch`")
+    assert lines[2].startswith("On a machine with internet access, fetch every wheel it needs into /w,")
 
 
 @pytest.mark.parametrize("output, reached", [
