@@ -67,15 +67,36 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("profiles", parents=[js], help="the simulated machines")
     p.set_defaults(func=cmd_profiles)
 
-    p = sub.add_parser("engine-env", parents=[js], help="the per-user PyTorch environment the job workers run in")
-    p.add_argument("action", choices=["status", "install", "repair"])
+    p = sub.add_parser(
+        "engine-env", parents=[js], help="the per-user PyTorch environment the job workers run in",
+        description="status: what it has; install: create or complete it (resumable); repair: delete it and its "
+        "cache, then install; remove: delete it and its cache; wheels: the 'pip download' commands that fetch, on "
+        "a machine with internet access, the wheels for 'install --offline --find-links DIR'.",
+    )  # fmt: skip
+    p.add_argument("action", choices=["status", "install", "repair", "remove", "wheels"])
     p.add_argument("--torch-backend", default="auto", metavar="auto|cpu|cu126|…",
-                   help="which PyTorch build (default: auto, chosen for the installed driver)")
-    p.add_argument("--torch-version", metavar="VERSION", help="pin torch, e.g. 2.13.0")
-    p.add_argument("--wheel", type=Path, metavar="FILE", help="install torch from this wheel (offline sites)")
-    p.add_argument("--find-links", type=Path, action="append", metavar="DIR", help="also look for packages here")
+                   help="which PyTorch build (default: auto, the CUDA build for the installed NVIDIA driver, "
+                   "the CPU build where there is none)")
+    p.add_argument("--torch-version", metavar="VERSION",
+                   help="another torch than the tested one (default: the version Rigpilot pins)")
+    p.add_argument("--wheel", type=Path, metavar="FILE", help="install torch from this wheel")
+    p.add_argument("--find-links", type=Path, action="append", metavar="DIR",
+                   help="look for wheels in this folder too (repeatable); with --offline, only there")
+    p.add_argument("--offline", action="store_true",
+                   help="no network at all: install from the --find-links folders (see the 'wheels' action)")
     p.add_argument("--index-url", metavar="URL", help="package index to use instead of PyPI")
+    p.add_argument("--python", metavar="PATH",
+                   help="the Python 3.11+ interpreter to build the environment on (default: the app's)")
     p.set_defaults(func=cmd_engine_env)
+
+    p = sub.add_parser(
+        "forget", help="delete all your Rigpilot data: settings, jobs, checkpoints, the engine environment, caches",
+        description="Stops your engine service, lists what it deletes with sizes, asks, then deletes it. Links "
+        "inside Rigpilot's folders are removed, never followed: what they point to stays. Other users' data and "
+        "the installed program are not touched.",
+    )  # fmt: skip
+    p.add_argument("--yes", action="store_true", help="do not ask")
+    p.set_defaults(func=cmd_forget)
 
     from rigpilot.engine.planner.command import register as register_plan
 
@@ -286,13 +307,34 @@ def cmd_profiles(args: argparse.Namespace) -> int:
 
 
 def cmd_engine_env(args: argparse.Namespace) -> int:
-    from rigpilot.engine import runtime
+    from rigpilot.engine import provision, runtime
+    from rigpilot.engine.userdata import human_size
 
+    progress = (lambda line: print(json.dumps({"progress": line}), flush=True)) if args.json else print
+    if args.action == "wheels":
+        folder = (args.find_links or [Path("rigpilot-wheels")])[0]
+        commands = provision.wheels_commands(folder=folder, torch_backend=args.torch_backend, base_python=args.python)
+        if args.json:
+            _print_json("rigpilot.engine-env-wheels/1", {"folder": str(folder.expanduser().absolute()), "commands": commands})
+        else:
+            print(f"On a machine with internet access, fetch the wheels into {folder}, copy it here, then run "
+                  f"'rigpilot engine-env install --offline --find-links {folder}':")  # fmt: skip
+            print("\n".join(commands))
+        return 0
+    if args.action == "remove":
+        removed = provision.remove(progress=progress)
+        if args.json:
+            _print_json("rigpilot.engine-env-removed/1", {"removed": [{"path": str(p), "bytes": n} for p, n in removed]})
+        elif not removed:
+            print("no engine environment to remove")
+        else:
+            print(f"removed the engine environment and its cache ({human_size(sum(n for _, n in removed))})")
+        return 0
     if args.action in ("install", "repair"):
-        fn = runtime.install if args.action == "install" else runtime.repair
-        progress = (lambda line: print(json.dumps({"progress": line}), flush=True)) if args.json else print
+        fn = provision.install if args.action == "install" else provision.repair
         fn(torch_backend=args.torch_backend, torch_version=args.torch_version, wheel=args.wheel,
-           find_links=args.find_links, index_url=args.index_url, progress=progress)
+           find_links=args.find_links, index_url=args.index_url, base_python=args.python, offline=args.offline,
+           progress=progress)  # fmt: skip
     d = _discover(argparse.Namespace())
     d.backend.close()
     caps = [] if d.machine.simulated else [g.compute_capability for g in d.machine.gpus if g.compute_capability]
@@ -306,6 +348,54 @@ def cmd_engine_env(args: argparse.Namespace) -> int:
         for p in st.problems:
             print(f"problem: {p}")
     return 0 if st.installed and not st.problems else 1
+
+
+def cmd_forget(args: argparse.Namespace) -> int:
+    import getpass
+
+    from rigpilot.engine import userdata
+
+    items = userdata.plan()
+    if not items:
+        print("Rigpilot keeps nothing for you on this machine: nothing to delete")
+        return 0
+    blockers = userdata.blockers()
+    if blockers:
+        raise UserError("; ".join(blockers))
+    width = max(len(str(i.path)) for i in items)
+    print(f"This deletes everything Rigpilot keeps for {getpass.getuser()}:")
+    for i in items:
+        if i.link_to is not None:
+            print(f"  {i.path!s:<{width}}  {'link':>9}  a link to {i.link_to}: the link goes, what it points to stays")
+        else:
+            print(f"  {i.path!s:<{width}}  {userdata.human_size(i.size):>9}  {i.what}")
+    pid = userdata.engine_pid()
+    print(f"Total {userdata.human_size(userdata.total_size(items))}."
+          + (f" Your engine service (pid {pid}) is stopped first." if pid is not None else "")
+          + " Links inside these folders are removed, not followed: your own datasets and models elsewhere stay."
+          + " Rigpilot itself stays installed.")  # fmt: skip
+    if not args.yes:
+        if not sys.stdin.isatty():
+            raise UserError("nothing deleted: there is no terminal to ask on; run 'rigpilot forget --yes' to delete")
+        try:
+            answer = input("Delete all of this? [y/N] ")
+        except EOFError:
+            answer = ""
+        if answer.strip().lower() not in ("y", "yes"):
+            print("nothing deleted")
+            return 1
+    userdata.stop_engine()
+    had_unit = bool(userdata.systemd_files())
+    items = userdata.plan()  # again: the engine may have written while it stopped
+    for i in items:
+        try:
+            userdata.delete(i.path)
+        except OSError as e:
+            raise UserError(f"could not delete all of {i.path} ({e.filename}: {e.strerror})") from None
+    if had_unit:
+        userdata.reload_systemd()
+    print(f"deleted: {userdata.human_size(userdata.total_size(items))} freed")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

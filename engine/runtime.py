@@ -1,19 +1,17 @@
-"""The Python environment the worker processes run in.
+"""Where the job workers' Python is, and what it can do.
 
 The GUI and the engine service need no PyTorch. The workers do, and the right
 PyTorch build depends on the machine: a CUDA build matching the driver where
 NVIDIA GPUs are, the CPU build elsewhere. So an installed Rigpilot provisions a
-per-user "engine environment" in the XDG data directory with uv on first run.
-A source checkout (python3 dev.py ...) already has torch in its .venv and uses
-that.
+per-user "engine environment" in the XDG data directory on first run
+(engine/provision.py, `rigpilot engine-env install`). A source checkout
+(python3 dev.py ...) already has torch in its .venv and uses that.
 
-    rigpilot engine-env status
-    rigpilot engine-env install [--torch-backend auto|cpu|cu126|...] [--torch-version 2.13.0]
-                                [--wheel FILE] [--find-links DIR] [--index-url URL]
-    rigpilot engine-env repair
-
-Installation is resumable: uv keeps what it downloaded in its cache, and a
-step already done (the environment exists, torch imports) is not redone.
+`worker_python()` says which interpreter the ranks start with; `status()` asks
+it what torch it has and whether that build suits this machine (a CUDA build
+without an NVIDIA driver, a CPU build with one, GPUs its kernels do not cover)
+and, for the provisioned environment, whether it holds this very Rigpilot.
+Nothing here imports torch: the GUI may use this module.
 """
 
 from __future__ import annotations
@@ -24,19 +22,16 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import platformdirs
 
+from rigpilot.engine import __version__
 from rigpilot.engine.errors import UserError
 
 ENV_OVERRIDE = "RIGPILOT_WORKER_PYTHON"  # use this interpreter for workers (tests, unusual set-ups)
-SHIPPED_WHEELS = Path("/opt/rigpilot/wheels")  # where the .deb puts its wheels
-WORKER_PACKAGES = ["transformers>=4.45", "peft>=0.12", "safetensors>=0.4", "accelerate>=0.30", "torchao==0.18.0"]
-
-Progress = Callable[[str], None]
 
 
 def env_dir() -> Path:
@@ -45,6 +40,10 @@ def env_dir() -> Path:
 
 def env_python() -> Path:
     return env_dir() / "bin" / "python"
+
+
+def uv_cache_dir() -> Path:
+    return Path(platformdirs.user_cache_dir("rigpilot")) / "uv"
 
 
 def _has_torch_here() -> bool:
@@ -66,13 +65,27 @@ def worker_python() -> str:
     )
 
 
+def has_nvidia_driver() -> bool:
+    return Path("/proc/driver/nvidia/version").exists() or shutil.which("nvidia-smi") is not None
+
+
+def standalone_environment(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment without the app's own Python path: the engine environment must stand on its own."""
+    return {k: v for k, v in (os.environ if base is None else base).items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+
+
+# -- status --------------------------------------------------------------------------------------------------
+
+
 @dataclass
 class EnvStatus:
     python: str | None
     installed: bool
     torch_version: str | None = None
-    cuda_version: str | None = None  # None: a CPU build
+    cuda_version: str | None = None  # None: a CPU build (or ROCm: hip_version)
+    hip_version: str | None = None
     arch_list: list[str] = field(default_factory=list)  # e.g. ["sm_80", "sm_90"]
+    rigpilot_version: str | None = None  # the Rigpilot the workers import there
     problems: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -80,9 +93,13 @@ class EnvStatus:
 
 
 _PROBE = (
-    "import json, torch; "
-    "print(json.dumps({'torch': torch.__version__, 'cuda': torch.version.cuda, "
-    "'arch': torch.cuda.get_arch_list() if torch.version.cuda else []}))"
+    "import json, torch\n"
+    "try:\n"
+    "    import rigpilot; rp = rigpilot.__version__\n"
+    "except Exception:\n"
+    "    rp = None\n"
+    "print(json.dumps({'torch': torch.__version__, 'cuda': torch.version.cuda, 'hip': torch.version.hip,\n"
+    "                  'arch': torch.cuda.get_arch_list() if torch.version.cuda else [], 'rigpilot': rp}))\n"
 )
 
 
@@ -92,8 +109,12 @@ def status(compute_capabilities: Iterable[str] = ()) -> EnvStatus:
         python = worker_python()
     except UserError as e:
         return EnvStatus(python=None, installed=False, problems=[str(e)])
+    provisioned = python == str(env_python())
+    # The provisioned environment is probed as the ranks use it: nothing of the app's on the path.
+    env = standalone_environment() if provisioned else None
     try:
-        out = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=120)
+        out = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=120, env=env,
+                             cwd="/" if provisioned else None)  # fmt: skip
     except (OSError, subprocess.TimeoutExpired) as e:
         return EnvStatus(python=python, installed=False, problems=[f"cannot run {python}: {e}"])
     if out.returncode != 0:
@@ -101,9 +122,34 @@ def status(compute_capabilities: Iterable[str] = ()) -> EnvStatus:
         return EnvStatus(python=python, installed=False, problems=[f"torch does not import in {python}: {last}"])
     info = json.loads(out.stdout.strip().splitlines()[-1])
     st = EnvStatus(python=python, installed=True, torch_version=info["torch"], cuda_version=info["cuda"],
-                   arch_list=info["arch"])
-    st.problems = check_gpu_support(st, compute_capabilities)
+                   hip_version=info.get("hip"), arch_list=info["arch"], rigpilot_version=info.get("rigpilot"))  # fmt: skip
+    st.problems = check_gpu_support(st, compute_capabilities) or check_build(st, has_nvidia_driver())
+    if provisioned:
+        st.problems += check_rigpilot(st)
     return st
+
+
+def check_build(st: EnvStatus, driver: bool) -> list[str]:
+    """A CUDA build on a machine without an NVIDIA driver, or a CPU build on one with it."""
+    if st.hip_version:
+        return []
+    if st.cuda_version and not driver:
+        return [f"torch {st.torch_version} is a CUDA {st.cuda_version} build but this machine has no NVIDIA driver: "
+                "jobs run on the CPU and its CUDA libraries take gigabytes for nothing "
+                "(reinstall with 'rigpilot engine-env repair --torch-backend cpu')"]  # fmt: skip
+    if not st.cuda_version and driver:
+        return [f"torch {st.torch_version} is a CPU build but this machine has an NVIDIA driver: the GPUs will not "
+                "be used (reinstall with 'rigpilot engine-env repair --torch-backend auto')"]  # fmt: skip
+    return []
+
+
+def check_rigpilot(st: EnvStatus) -> list[str]:
+    if st.rigpilot_version is None:
+        return ["Rigpilot's own engine package is missing from the environment: run 'rigpilot engine-env install'"]
+    if st.rigpilot_version != __version__:
+        return [f"the environment has Rigpilot {st.rigpilot_version} and this is {__version__}: "
+                "run 'rigpilot engine-env install' to bring it up to date"]  # fmt: skip
+    return []
 
 
 def check_gpu_support(st: EnvStatus, compute_capabilities: Iterable[str]) -> list[str]:
@@ -138,81 +184,3 @@ def _runs_on(capability: str, arch_list: list[str]) -> bool:
         if kind == "compute" and (a_major, a_minor) <= (major, minor):
             return True
     return False
-
-
-def _uv() -> str:
-    try:
-        from uv import find_uv_bin  # the uv wheel ships its binary
-
-        return find_uv_bin()
-    except (ImportError, FileNotFoundError):
-        found = shutil.which("uv")
-        if found:
-            return found
-    raise UserError("uv is missing: reinstall Rigpilot (the package ships it)")
-
-
-def _run(cmd: list[str], progress: Progress) -> None:
-    progress("$ " + " ".join(cmd))
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            progress(line.rstrip())
-        rc = proc.wait()
-    if rc != 0:
-        raise UserError(f"installing the engine environment failed at: {' '.join(cmd[:4])} … (exit {rc}); "
-                        "run 'rigpilot engine-env install' again to resume")
-
-
-def install(
-    *,
-    torch_backend: str = "auto",
-    torch_version: str | None = None,
-    wheel: Path | None = None,
-    find_links: list[Path] | None = None,
-    index_url: str | None = None,
-    base_python: str | None = None,
-    progress: Progress = print,
-) -> EnvStatus:
-    """Create (or complete) the per-user engine environment with uv."""
-    uv = _uv()
-    target = env_dir()
-    python = env_python()
-    source = [] if index_url is None else ["--index-url", index_url]
-    # The package's own wheels cover Rigpilot and its light dependencies, even offline.
-    for d in [*(find_links or []), *([SHIPPED_WHEELS] if SHIPPED_WHEELS.is_dir() else [])]:
-        source += ["--find-links", str(d)]
-    if not python.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        base = base_python or ("/usr/bin/python3" if Path("/usr/bin/python3").exists() else sys.executable)
-        _run([uv, "venv", "--python", base, str(target)], progress)
-    if wheel is not None:
-        if not wheel.is_file():
-            raise UserError(f"no such torch wheel: {wheel}")
-        torch_req = [str(wheel)]
-    else:
-        torch_req = [f"torch=={torch_version}" if torch_version else "torch"]
-    backend = [] if wheel is not None else ["--torch-backend", torch_backend]
-    _run([uv, "pip", "install", "--python", str(python), *source, *backend, *torch_req], progress)
-    _run([uv, "pip", "install", "--python", str(python), *source, *WORKER_PACKAGES], progress)
-    # The workers import Rigpilot's own engine package: install this very version, without its GUI.
-    _run([uv, "pip", "install", "--python", str(python), *source, "--no-deps", _self_requirement()], progress)
-    _run([uv, "pip", "install", "--python", str(python), *source, "psutil", "platformdirs", "numpy",
-          "huggingface_hub", "nvidia-ml-py"], progress)
-    return status()
-
-
-def _self_requirement() -> str:
-    """What to install for the engine package: the shipped wheel, else this source tree."""
-    shipped = sorted(SHIPPED_WHEELS.glob("rigpilot-*.whl"))
-    if shipped:
-        return str(shipped[-1])
-    return str(Path(__file__).resolve().parents[1])
-
-
-def repair(progress: Progress = print, **kw) -> EnvStatus:
-    """Start over: remove the environment and install it again (uv's cache makes this quick)."""
-    if env_dir().exists():
-        progress(f"removing {env_dir()}")
-        shutil.rmtree(env_dir())
-    return install(progress=progress, **kw)

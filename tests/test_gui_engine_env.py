@@ -17,6 +17,7 @@ from PySide6.QtWidgets import QWidget
 
 from rigpilot.app.engine_env.dialog import (
     INSTALL,
+    OFFLINE_CHOICE,
     REPAIR,
     EngineEnvDialog,
     check_at_startup,
@@ -50,7 +51,9 @@ for i, step in enumerate(steps):
     fail_at = here / "fail-at"
     if fail_at.exists() and int(fail_at.read_text()) == i:
         fail_at.unlink()
-        print("rigpilot: error: installing the engine environment failed at: uv pip install … (exit 1); "
+        error = here / "error"
+        print(error.read_text() if error.exists() else
+              "rigpilot: error: installing the engine environment failed at: uv pip install … (exit 1); "
               "run 'rigpilot engine-env install' again to resume", file=sys.stderr, flush=True)
         sys.exit(2)
     if (here / "hang").exists():
@@ -214,6 +217,10 @@ def test_the_words_are_the_ones_the_real_command_takes(qtbot, fake, tmp_path):
         "Installing PyTorch"
     )
     assert step_of("$ uv pip install --python /x/bin/python --no-deps /src") == "Installing Rigpilot's engine"
+    # The step after torch names the pin again: it is the libraries' step.
+    assert step_of("$ uv pip install --python /x/bin/python torch==2.13.0 transformers>=4.45 peft>=0.12").startswith(
+        "Installing transformers"
+    )
 
 
 def test_settings_repair_runs_engine_env_repair_and_a_failed_repair_resumes_as_install(qtbot, fake):
@@ -287,3 +294,57 @@ def test_a_failing_check_shows_nothing(qtbot, caplog):
     qtbot.waitUntil(lambda: bool(failed))
     qtbot.wait(100)
     assert parent.findChild(EngineEnvDialog) is None
+
+
+def test_the_offline_choice_installs_from_a_folder_of_wheels(qtbot, fake, tmp_path):
+    dialog = open_dialog(qtbot, fake)
+    assert dialog.offline.text() == OFFLINE_CHOICE and OFFLINE_CHOICE in dialog.intro.text()
+    assert not dialog.folder.isVisible()  # only once chosen
+    dialog.offline.setChecked(True)
+    assert dialog.folder.isVisible() and "rigpilot engine-env wheels" in dialog.folder_note.text()
+    assert dialog.start() is False and "Choose the folder" in dialog.form_error.text()
+    folder = tmp_path / "wheels"
+    dialog.folder.setText(str(folder))
+    assert dialog.start() is False and "No such folder" in dialog.form_error.text()
+    folder.mkdir()
+    assert dialog.start() is False and "holds no wheels" in dialog.form_error.text()
+    (folder / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl").write_bytes(b"")
+    assert dialog.terminal.text().endswith(f"install --torch-backend auto --offline --find-links {folder}")
+    ok, _ = run(qtbot, dialog)
+    assert ok
+    assert calls(fake) == [["install", "--json", "--torch-backend", "auto", "--offline", "--find-links", str(folder)]]
+    args = build_parser().parse_args(["engine-env", *dialog.arguments()])
+    assert args.offline and args.find_links == [folder]
+
+
+DNS_ERROR = """rigpilot: error: installing the engine environment failed: cannot reach https://download.pytorch.org/whl/cpu/torch/ (failed to lookup address information: Name or service not known).
+Without internet access, install from downloaded wheels: 'rigpilot engine-env wheels' prints the commands to fetch them elsewhere, then 'rigpilot engine-env install --offline --find-links DIR'."""
+MISSING_WHEEL = """rigpilot: error: the offline install found no torch wheel in /media/usb/wheels.
+On a machine with internet access, fetch every wheel it needs into that folder, copy the folder back here and run the same command again:
+  pip download --only-binary=:all: --python-version 3.11 -d /media/usb/wheels --no-deps torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+  pip download --only-binary=:all: --python-version 3.11 -d /media/usb/wheels --find-links /media/usb/wheels torch==2.13.0 'transformers>=4.45'"""
+
+
+def test_a_failure_points_to_the_offline_choice_and_an_offline_failure_to_the_wheels_it_lacks(qtbot, fake, tmp_path):
+    (fake / "fail-at").write_text("1")
+    (fake / "error").write_text(DNS_ERROR)
+    dialog = open_dialog(qtbot, fake)
+    ok, _ = run(qtbot, dialog)
+    assert not ok
+    step = dialog.step.text()
+    # The error's first line says what happened (not its last, the advice), then where to turn.
+    assert "It did not finish: installing the engine environment failed: cannot reach https://download.pytorch.org" in step
+    assert "No internet access? Choose “Install from a folder of wheels (offline)”" in step
+    folder = tmp_path / "wheels"
+    folder.mkdir()
+    (folder / "numpy-2.4.6-cp311-cp311-manylinux_2_28_x86_64.whl").write_bytes(b"")
+    dialog.offline.setChecked(True)
+    dialog.folder.setText(str(folder))
+    (fake / "fail-at").write_text("1")
+    (fake / "error").write_text(MISSING_WHEEL)
+    ok, _ = run(qtbot, dialog)
+    assert not ok
+    assert "found no torch wheel in /media/usb/wheels" in dialog.step.text()
+    assert "The log says which wheels to fetch" in dialog.step.text() and "No internet access" not in dialog.step.text()
+    log = log_text(dialog).splitlines()
+    assert sum(line.strip().startswith("pip download ") for line in log) == 2

@@ -1,17 +1,19 @@
 """Installing or repairing the engine environment: the per-user PyTorch environment the job workers run in.
 
-An installed Rigpilot provisions PyTorch per user on first run (engine/runtime.py): the right build depends on
+An installed Rigpilot provisions PyTorch per user on first run (engine/provision.py): the right build depends on
 the machine's driver, and a CUDA build is gigabytes. At start-up the app asks `rigpilot.engine.runtime.status()` in the
 background (`check_at_startup`; the GUI may import engine.runtime, which never imports torch). When no worker
 environment exists, `EngineEnvDialog` explains, offers the PyTorch build (auto, cpu or a CUDA tag such as
-cu126) and an optional local torch wheel, and on Install runs
+cu126), an optional local torch wheel and "Install from a folder of wheels (offline)", and on Install runs
 
     python -m rigpilot.app.launcher engine-env install --json --torch-backend auto [--wheel FILE]
+                                                      [--offline --find-links DIR]
 
 in a QProcess, streaming its JSON progress lines into a log view under a busy bar. Installing is resumable:
 after a failure or Stop the button says Resume and runs `install` again, which continues where it stopped
-(uv keeps its downloads; finished steps are not redone). The Settings page opens the same dialog for
-`engine-env repair` (remove the environment, install it again).
+(uv keeps its downloads; finished steps are not redone); a failure also points to the offline choice, whose
+own failure names the missing wheel and the `pip download` commands (in the log). The Settings page opens
+the same dialog for `engine-env repair` (remove the environment and its cache, install it again).
 
     dialog = EngineEnvDialog(parent, action=REPAIR)                         # the real command
     dialog = EngineEnvDialog(parent, command=[sys.executable, "fake.py"])   # tests: any program taking the same words
@@ -33,6 +35,7 @@ from typing import Any
 from PySide6.QtCore import QProcess, QProcessEnvironment, Qt, QTimer, Signal
 from PySide6.QtGui import QCloseEvent, QFont, QPalette
 from PySide6.QtWidgets import (
+    QCheckBox,
     QComboBox,
     QDialog,
     QFileDialog,
@@ -55,6 +58,7 @@ log = logging.getLogger(__name__)
 INSTALL, REPAIR = "install", "repair"
 BACKENDS = ["auto", "cpu", "cu126", "cu128", "cu130"]  # offered; any other uv --torch-backend tag can be typed
 _BACKEND = re.compile(r"^(auto|cpu|cu\d{2,3}|rocm\d+(\.\d+)*|xpu)$")
+OFFLINE_CHOICE = "Install from a folder of wheels (offline)"
 STOP_GRACE_MS = 5000  # after Stop: SIGTERM, then SIGKILL this much later
 LOG_LINES = 10_000
 
@@ -82,6 +86,18 @@ def validate_wheel(text: str) -> str | None:
     return None
 
 
+def validate_folder(text: str) -> str | None:
+    text = text.strip()
+    if not text:
+        return "Choose the folder holding the downloaded wheels."
+    p = Path(text).expanduser()
+    if not p.is_dir():
+        return f"No such folder: {p}"
+    if not any(p.glob("*.whl")):
+        return f"{p} holds no wheels (.whl files)."
+    return None
+
+
 def step_of(command_line: str) -> str:
     """What a `$ uv ...` line of the installer is doing, in words."""
     words = command_line[2:].split()
@@ -89,10 +105,11 @@ def step_of(command_line: str) -> str:
         return "Creating the environment"
     if "--no-deps" in words:
         return "Installing Rigpilot's engine"
-    if any(w == "torch" or w.startswith("torch==") or (w.endswith(".whl") and "torch" in w) for w in words):
-        return "Installing PyTorch (the big download)"
+    # Before torch: this step names the torch pin again.
     if any(w.startswith("transformers") for w in words):
         return "Installing transformers, peft and accelerate"
+    if any(w == "torch" or w.startswith("torch==") or (w.endswith(".whl") and "torch" in w) for w in words):
+        return "Installing PyTorch (the big download)"
     return "Installing the engine's other packages"
 
 
@@ -135,6 +152,7 @@ class EngineEnvDialog(QDialog):
         self._stderr = b""
         self._json: list[str] | None = None  # lines of a multi-line JSON object being read
         self._last_error = ""
+        self._error_line = ""  # the first line of the installer's error (the rest, commands, is in the log)
         self._steps = 0
 
         where = _env_dir()
@@ -145,13 +163,14 @@ class EngineEnvDialog(QDialog):
                 f"environment of their own, with the PyTorch build that suits this machine; {_escape(why)}."
                 f"<br><br>Install downloads PyTorch and a few libraries into {_escape(where)} (about 1 GB for "
                 "the CPU build, several GB for a CUDA build). The app stays usable meanwhile. If it stops "
-                "(Stop, a lost connection), press Resume: it continues where it stopped."
+                "(Stop, a lost connection), press Resume: it continues where it stopped. No internet access "
+                "here? Choose “Install from a folder of wheels (offline)”."
             )
         else:
             intro = (
                 "<b>Repair the engine environment.</b><br>Repair removes the Python environment the jobs run in "
-                f"({_escape(where)}) and installs it again: use it when jobs fail because PyTorch is missing or "
-                "broken. Downloads are cached, so it is quicker than the first install."
+                f"({_escape(where)}) and its download cache, and installs it again: use it when jobs fail "
+                "because PyTorch is missing or broken."
             )
         self.intro = QLabel(intro)
         self.intro.setObjectName("engineEnvIntro")
@@ -165,7 +184,8 @@ class EngineEnvDialog(QDialog):
         self.backend.setEditable(True)
         self.backend.addItems(BACKENDS)
         self.backend.setMinimumContentsLength(8)
-        self.backend.setToolTip("auto: the build for the installed NVIDIA driver; cpu: no GPU; cuXXX: that CUDA")
+        self.backend.setToolTip("auto: the CUDA build for the installed NVIDIA driver, the CPU build where there is "
+                                "none; cpu: no GPU; cuXXX: that CUDA")  # fmt: skip
         self.wheel = QLineEdit()
         self.wheel.setObjectName("torchWheel")
         self.wheel.setAccessibleName("Local torch wheel")
@@ -182,15 +202,38 @@ class EngineEnvDialog(QDialog):
         self.form_error.setWordWrap(True)
         self.form_error.setStyleSheet(f"color: {BAD.name()};")
         self.form_error.hide()
+        self.offline = QCheckBox(OFFLINE_CHOICE)
+        self.offline.setObjectName("offlineInstall")
+        self.offline.setToolTip("No network at all: every wheel comes from the folder (see the note below it)")
+        self.folder = QLineEdit()
+        self.folder.setObjectName("wheelFolder")
+        self.folder.setAccessibleName("Folder of wheels")
+        self.folder.setPlaceholderText("the folder holding the downloaded wheels")
+        self.folder.setClearButtonEnabled(True)
+        self.browse_folder = QPushButton("Browse…")
+        self.browse_folder.setObjectName("browseWheelFolder")
+        self.browse_folder.clicked.connect(self._browse_folder)
+        folder_row = QHBoxLayout()
+        folder_row.addWidget(self.folder, 1)
+        folder_row.addWidget(self.browse_folder)
+        self.folder_note = _note("To fill it, run 'rigpilot engine-env wheels' here: it prints the 'pip download' "
+                                 "commands to run on a machine with internet access.")  # fmt: skip
+        self.folder_widgets = [self.folder, self.browse_folder, self.folder_note]
         backend_row = QHBoxLayout()
         backend_row.addWidget(self.backend)
-        backend_row.addWidget(_note("auto: the build for this machine's NVIDIA driver; cpu: no NVIDIA GPU; "
-                                    "or a CUDA tag such as cu126"), 1)  # fmt: skip
+        backend_row.addWidget(_note("auto: the CUDA build for this machine's NVIDIA driver, the CPU build where "
+                                    "there is none; or cpu, or a CUDA tag such as cu126"), 1)  # fmt: skip
         form = QFormLayout()
         form.addRow("PyTorch build", backend_row)
         form.addRow("Local wheel", wheel_row)
+        form.addRow("", self.offline)
+        form.addRow("Wheels folder", folder_row)
+        form.addRow("", self.folder_note)
+        self.folder_label = form.labelForField(folder_row)
         self.backend.currentTextChanged.connect(lambda _: self._recheck())
         self.wheel.textChanged.connect(lambda _: self._recheck())
+        self.folder.textChanged.connect(lambda _: self._recheck())
+        self.offline.toggled.connect(self._offline_toggled)
 
         self.progress = QProgressBar()
         self.progress.setObjectName("engineEnvProgress")
@@ -241,20 +284,24 @@ class EngineEnvDialog(QDialog):
         layout.addWidget(self.log_view, 1)
         layout.addWidget(self.terminal)
         layout.addLayout(buttons)
-        self._update_terminal_line()
+        self._offline_toggled(False)
         self.resize(760, 560)
 
     # -- the form -----------------------------------------------------------------------------------
     def arguments(self) -> list[str]:
-        """The words after the command: `install --json --torch-backend B [--wheel FILE]`."""
+        """The words after the command: `install --json --torch-backend B [--wheel FILE] [--offline --find-links DIR]`."""
         args = [self.action, "--json", "--torch-backend", self.backend.currentText().strip()]
         wheel = self.wheel.text().strip()
         if wheel:
             args += ["--wheel", str(Path(wheel).expanduser())]
+        if self.offline.isChecked():
+            args += ["--offline", "--find-links", str(Path(self.folder.text().strip()).expanduser())]
         return args
 
     def validate(self) -> str | None:
         problem = validate_backend(self.backend.currentText()) or validate_wheel(self.wheel.text())
+        if problem is None and self.offline.isChecked():
+            problem = validate_folder(self.folder.text())
         self.form_error.setText(problem or "")
         self.form_error.setVisible(bool(problem))
         return problem
@@ -267,6 +314,17 @@ class EngineEnvDialog(QDialog):
     def _update_terminal_line(self) -> None:
         words = ["rigpilot", "engine-env", *(a for a in self.arguments() if a != "--json")]
         self.terminal.setText("Same from a terminal: " + " ".join(words))
+
+    def _offline_toggled(self, on: bool) -> None:
+        for w in [*self.folder_widgets, self.folder_label]:
+            if w is not None:
+                w.setVisible(on)
+        self._recheck()
+
+    def _browse_folder(self) -> None:
+        path = QFileDialog.getExistingDirectory(self, "The folder of wheels", self.folder.text() or str(Path.home()))
+        if path:
+            self.folder.setText(path)
 
     def _browse(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "A torch wheel", str(Path.home()), "Wheels (*.whl)")
@@ -287,7 +345,7 @@ class EngineEnvDialog(QDialog):
         self._stopping = False
         self._stdout = self._stderr = b""
         self._json = None
-        self._last_error = ""
+        self._last_error = self._error_line = ""
         self._steps = 0
         args = [*self.command[1:], *self.arguments()]
         self.log_view.appendPlainText("$ " + " ".join([Path(self.command[0]).name, *args]))
@@ -339,6 +397,8 @@ class EngineEnvDialog(QDialog):
         self.backend.setEnabled(not running)
         self.wheel.setEnabled(not running)
         self.browse.setEnabled(not running)
+        for w in (self.offline, self.folder, self.browse_folder):
+            w.setEnabled(not running)
         if running:
             self.progress.setRange(0, 0)  # busy: the installer does not know how long a download takes
             self.progress.show()
@@ -403,6 +463,8 @@ class EngineEnvDialog(QDialog):
         if line.strip():
             self.log_view.appendPlainText(line)
             self._last_error = line.strip()
+            if line.startswith("rigpilot: error: "):
+                self._error_line = line.strip()
 
     # -- the end --------------------------------------------------------------------------------------
     def _error(self, error: QProcess.ProcessError) -> None:
@@ -436,7 +498,8 @@ class EngineEnvDialog(QDialog):
         elif self._stopping:
             self._done(False, "Stopped.")
         else:
-            cause = self._last_error.removeprefix("rigpilot: error: ") or f"the installer exited with {exit_code}"
+            cause = (self._error_line or self._last_error).removeprefix("rigpilot: error: ")
+            cause = cause or f"the installer exited with {exit_code}"
             cause = cause.split("; run 'rigpilot engine-env install' again")[0]  # Resume is how, here
             self._done(False, f"It did not finish: {cause}")
 
@@ -463,7 +526,11 @@ class EngineEnvDialog(QDialog):
             # Whatever stopped it, installing again continues: a repair resumes as an install.
             self.action = INSTALL
             self.run_button.setText("Resume")
-            self.step.setText(_escape(f"{message.rstrip('.')}. Press Resume to continue where it stopped."))
+            text = f"{message.rstrip('.')}. Press Resume to continue where it stopped."
+            if not self._stopping:
+                text += (" The log says which wheels to fetch, and how." if self.offline.isChecked()
+                         else f" No internet access? Choose “{OFFLINE_CHOICE}”.")  # fmt: skip
+            self.step.setText(_escape(text))
             self._update_terminal_line()
         self.step.setTextFormat(Qt.TextFormat.RichText)
         self.step.setStyleSheet(f"color: {colour.name()}; font-weight: bold;")
