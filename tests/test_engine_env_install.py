@@ -89,6 +89,8 @@ def in_env(python: Path, code: str) -> str:
 
 def test_offline_install_from_local_wheels_then_remove(tmp_path, wheel_folders):
     env = user_env(tmp_path)
+    # The editable install of the dev set-up made rigpilot.egg-info; the engine environment's build must not touch it.
+    build_outputs = _build_outputs()
     # Ambient settings that would send uv elsewhere: ignored.
     env.update(UV_INDEX_URL="http://127.0.0.1:9/simple", PIP_CONSTRAINT=str(tmp_path / "missing.txt"),
                UV_CACHE_DIR=str(tmp_path / "global-uv"))  # fmt: skip
@@ -111,7 +113,8 @@ def test_offline_install_from_local_wheels_then_remove(tmp_path, wheel_folders):
     assert info["torch"] == f"{provision.worker_requirements().torch}+cpu" and info["cuda"] is None
     assert info["rigpilot"] == __version__ and info["examples"]
     assert info["file"].startswith(str(data / "engine-env" / "lib"))  # its own copy, not this checkout
-    assert not (REPO / "rigpilot.egg-info").exists()  # built from a copy: nothing written into the checkout
+    # Built from a copy: nothing written into the checkout.
+    assert _build_outputs() == build_outputs
 
     # The environment's own status, as the engine sees it: this Rigpilot, the CPU build, no problem.
     status = subprocess.run([str(python), "-m", "rigpilot.engine.cli", "engine-env", "status", "--json"],
@@ -146,6 +149,11 @@ def test_a_missing_wheel_offline_is_named_with_the_commands_to_fetch_it(tmp_path
     assert lines[0] == f"rigpilot: error: the offline install found no torch wheel in {wheel_folders[1]}."
     assert lines[2].strip().startswith("pip download ") and "download.pytorch.org/whl/cpu" in lines[2]
     assert "Traceback" not in done.stderr
+
+
+def _build_outputs() -> dict[Path, int]:
+    """What a setuptools build in the checkout would write or rewrite: its files and their times."""
+    return {f: f.stat().st_mtime_ns for d in ("rigpilot.egg-info", "build") for f in (REPO / d).rglob("*") if f.is_file()}
 
 
 def _copy_checkout(dst: Path) -> Path:
