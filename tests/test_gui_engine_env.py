@@ -303,6 +303,7 @@ def test_the_offline_choice_installs_from_a_folder_of_wheels(qtbot, fake, tmp_pa
     dialog.offline.setChecked(True)
     assert dialog.folder.isVisible() and "rigpilot engine-env wheels" in dialog.folder_note.text()
     assert dialog.start() is False and "Choose the folder" in dialog.form_error.text()
+    assert dialog.terminal.text().endswith("--offline --find-links FOLDER")  # not "." (the empty path)
     folder = tmp_path / "wheels"
     dialog.folder.setText(str(folder))
     assert dialog.start() is False and "No such folder" in dialog.form_error.text()

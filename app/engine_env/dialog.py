@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import signal
 import sys
 from collections.abc import Callable
@@ -295,7 +296,9 @@ class EngineEnvDialog(QDialog):
         if wheel:
             args += ["--wheel", str(Path(wheel).expanduser())]
         if self.offline.isChecked():
-            args += ["--offline", "--find-links", str(Path(self.folder.text().strip()).expanduser())]
+            folder = self.folder.text().strip()
+            # Until one is chosen the terminal line names the argument; validate() stops a run without it.
+            args += ["--offline", "--find-links", str(Path(folder).expanduser()) if folder else "FOLDER"]
         return args
 
     def validate(self) -> str | None:
@@ -313,7 +316,7 @@ class EngineEnvDialog(QDialog):
 
     def _update_terminal_line(self) -> None:
         words = ["rigpilot", "engine-env", *(a for a in self.arguments() if a != "--json")]
-        self.terminal.setText("Same from a terminal: " + " ".join(words))
+        self.terminal.setText("Same from a terminal: " + shlex.join(words))
 
     def _offline_toggled(self, on: bool) -> None:
         for w in [*self.folder_widgets, self.folder_label]:
