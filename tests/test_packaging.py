@@ -30,7 +30,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("debcopyright", REPO / "packaging" / "debcopyright.py")
-debcopyright = importlib.util.module_from_spec(_spec)
+debcopyright = sys.modules["debcopyright"] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(debcopyright)
 
 APP_ID = "io.rigpilot.Rigpilot"
