@@ -139,10 +139,12 @@ def test_x11_wm_class_is_the_desktop_files(tmp_path):
     script = (
         f"{sys.executable} -m rigpilot.app.launcher & pid=$!\n"
         "for i in $(seq 60); do\n"
-        "  w=$(xwininfo -root -tree | awk '/\"Rigpilot/ {print $1; exit}')\n"
-        "  [ -n \"$w\" ] && break; sleep 1\n"
+        "  for w in $(xwininfo -root -tree | awk '/\"Rigpilot/ {print $1}'); do\n"
+        "    xprop -id \"$w\" WM_CLASS | grep STRING && found=1\n"
+        "  done\n"
+        "  [ -n \"$found\" ] && break; sleep 1\n"
         "done\n"
-        "xprop -id \"$w\" WM_CLASS; kill $pid; wait $pid\n"
+        "kill $pid; wait $pid\n"
     )
     try:
         r = run(["xvfb-run", "-a", "sh", "-c", script], env=env, timeout=180)
