@@ -242,7 +242,7 @@ def test_package_contents_and_metadata(deb, unpacked):
     paragraphs = _paragraphs((doc / "copyright").read_text())
     assert paragraphs[0]["Format"].startswith("https://www.debian.org/doc/packaging-manuals/copyright-format/1.0")
     files = [p for p in paragraphs if "Files" in p]
-    standalone = {p["License"] for p in paragraphs if "License" in p and "Files" not in p}
+    standalone = {p["License"].split("\n")[0] for p in paragraphs if "License" in p and "Files" not in p}
     assert files[0]["Files"] == "*" and files[0]["License"] == "Apache-2.0"
     for p in files:
         assert p.get("Copyright") and p.get("License"), p
