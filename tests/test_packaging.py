@@ -531,6 +531,10 @@ def test_install_use_remove_purge_in_debian13(deb, tmp_path):
             return debian_root.run(root, ["dpkg", "-i", *args], env=env, timeout=900)
 
         assert sh(["python3", "-c", "import sys; print(sys.version_info[:2])"]).stdout == "(3, 13)\n"
+        # An installed system resolves its own host name (the installer writes it to /etc/hosts); a fresh
+        # root does not, and torchrun's rendezvous on that name would wait for ever.
+        hosts = root / "etc/hosts"
+        hosts.write_text(hosts.read_text() + f"127.0.1.1\t{os.uname().nodename}\n")
         debian_root.copy_in(root, deb, f"/tmp/{deb.name}")
         py311 = debian_root.python311(root)
         for user in ("alice", "bob"):
