@@ -53,8 +53,9 @@ QT_RUNTIME = [
     "libxcb-shape0", "libxcb-xinerama0", "libxcb-xkb1", "libxrender1", "libxi6", "libsm6", "libice6",
     "libwayland-client0", "libwayland-cursor0",
 ]  # fmt: skip
-# The interpreters the bundled libraries are built for (bundle.PYTHONS); python3-venv for `venv` on Debian.
-PYTHON_DEPENDS = ["python3 (>= 3.11)", "python3 (<< 3.14)", "python3-venv"]
+# The interpreters the bundled libraries are built for (bundle.PYTHONS). Not python3-venv: Debian splits
+# off only ensurepip and pip's wheels, and `venv --without-pip` (all the postinst runs) works without them.
+PYTHON_DEPENDS = ["python3 (>= 3.11)", "python3 (<< 3.14)"]
 
 DESCRIPTION = """\
 run AI training and inference on a multi-GPU workstation
@@ -134,8 +135,12 @@ def man_page(python: str, lib: Path, out: Path, when: int) -> None:
     tag = python_tag(python)
     if not (lib / tag).is_dir():
         raise SystemExit(f"build_deb: the build Python must be one of {', '.join(bundle.PYTHONS)} (it is {tag})")
-    env = {**os.environ, "PYTHONPATH": f"{lib / tag}{os.pathsep}{lib / 'common'}", "SOURCE_DATE_EPOCH": str(when),
-           "PYTHONDONTWRITEBYTECODE": "1"}  # nothing may be written into the staged tree
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{lib / tag}{os.pathsep}{lib / 'common'}",
+        "SOURCE_DATE_EPOCH": str(when),
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }  # nothing may be written into the staged tree
     with tempfile.TemporaryDirectory() as tmp:
         page = Path(tmp) / "rigpilot.1"
         run([python, "-s", str(HERE / "manpage.py"), "--out", str(page)], env=env, cwd=tmp)

@@ -199,7 +199,9 @@ def _rewrite_record(record: Path) -> None:
             rows.append([rel, "", ""])
         elif path.is_file():
             digest = hashlib.sha256(path.read_bytes()).digest()
-            rows.append([rel, "sha256=" + base64.urlsafe_b64encode(digest).rstrip(b"=").decode(), str(path.stat().st_size)])
+            rows.append(
+                [rel, "sha256=" + base64.urlsafe_b64encode(digest).rstrip(b"=").decode(), str(path.stat().st_size)]
+            )
     out = io.StringIO()
     csv.writer(out, lineterminator="\n").writerows(rows)
     record.write_text(out.getvalue())

@@ -69,7 +69,8 @@ QT_COMMENT = (
 # module licensing (doc.qt.io/qt-6/qtmodules.html, and the SPDX headers of the Qt sources).
 EXTRA: dict[str, Extra] = {
     "nvidia-ml-py": Extra(
-        license="BSD-3-clause", comment="The wheel ships no license file; the text is the header of pynvml.py.",
+        license="BSD-3-clause",
+        comment="The wheel ships no license file; the text is the header of pynvml.py.",
     ),
     "pyside6-essentials": Extra(copyright="The Qt Company Ltd."),
     "shiboken6": Extra(copyright="The Qt Company Ltd."),
@@ -180,7 +181,7 @@ def _split_bundled(text: str) -> tuple[str, list[dict]]:
     own = re.sub(r"(\s*-{4,}\s*)+$", "", text[: marker.start()]).rstrip()
     blocks: list[dict] = []
     current: dict | None = None
-    for ln in text[marker.end():].splitlines():
+    for ln in text[marker.end() :].splitlines():
         if ln.startswith("Name: "):
             current = {"name": ln[6:].strip(), "files": "", "license": "", "body": []}
             blocks.append(current)
@@ -217,8 +218,13 @@ def _copyrights(texts: list[str]) -> list[str]:
     for text in texts:
         for ln in text.splitlines():
             m = re.match(r"^\s*(?:Copyright\s*)?(?:\(c\)|\(C\)|©)?\s*Copyright\s*(?:\(c\)|\(C\)|©)?\s*(.+)$", ln)
-            if m and re.search(r"\d{4}|[A-Z][a-z]", m.group(1)) and "notice" not in m.group(1).lower() \
-                    and "holder" not in m.group(1).lower() and "[yyyy]" not in m.group(1):
+            if (
+                m
+                and re.search(r"\d{4}|[A-Z][a-z]", m.group(1))
+                and "notice" not in m.group(1).lower()
+                and "holder" not in m.group(1).lower()
+                and "[yyyy]" not in m.group(1)
+            ):
                 c = m.group(1).strip().rstrip(".")
                 if c not in found:
                     found.append(c)

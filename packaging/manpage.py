@@ -20,8 +20,12 @@ from pathlib import Path
 
 # app/launcher.py handles these before handing anything to argparse.
 LAUNCHER_OPTIONS = [
-    ("--self-test", "[PNG]", "start the app offscreen against a simulated machine, check every page, and exit; "
-     "with PNG, also save a screenshot there"),
+    (
+        "--self-test",
+        "[PNG]",
+        "start the app offscreen against a simulated machine, check every page, and exit; "
+        "with PNG, also save a screenshot there",
+    ),
     ("--screenshots", "DIR", "save a screenshot of every page into DIR (documentation)"),
 ]
 
