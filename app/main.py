@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from rigpilot.app.identity import APP_ID, APP_NAME, ORGANIZATION
+from rigpilot.app.identity import APP_ID, APP_NAME, COMMAND, ORGANIZATION
 
 STARTUP_CHECK_DELAY_MS = 1500  # the engine-environment check waits until the window is up and drawn
 
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     from rigpilot.app.settings.model import engine_link_options
 
     QGuiApplication.setDesktopFileName(APP_ID)
-    app = QApplication.instance() or QApplication([sys.argv[0], *(argv or [])])
+    app = QApplication.instance() or QApplication([COMMAND, *(argv or [])])
     app.setApplicationName(APP_NAME)
     app.setOrganizationName(ORGANIZATION)
     app.setWindowIcon(QIcon.fromTheme(APP_ID))
