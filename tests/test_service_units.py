@@ -4,7 +4,9 @@ import io
 import json
 import os
 import stat
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -417,6 +419,24 @@ def test_systemd_unit_keeps_jobs_alive_on_stop(tmp_path, monkeypatch):
     assert path == tmp_path / "systemd" / "user" / "rigpilot-engine.service"
     text = path.read_text()
     assert "KillMode=process" in text and "-m rigpilot.engine.service" in text and "WantedBy=default.target" in text
+
+
+def test_install_systemd_uses_the_packaged_unit_when_rigpilot_is_the_package(tmp_path, monkeypatch, capsys):
+    from rigpilot.engine.cli import main
+    from rigpilot.engine.service import systemd
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    shipped = tmp_path / "usr-lib" / systemd.UNIT_NAME
+    shipped.parent.mkdir()
+    shipped.write_text("[Unit]\n")
+    monkeypatch.setattr(systemd, "PACKAGED_UNIT", shipped)
+    monkeypatch.setattr(systemd, "PACKAGED_PREFIX", Path(sys.prefix).resolve())  # as if this were /opt/rigpilot
+    assert main(["engine", "--install-systemd"]) == 0
+    assert f"the package installed the unit already ({shipped})" in capsys.readouterr().out
+    assert not (tmp_path / "config").exists()  # nothing written into the home folder
+    monkeypatch.setattr(systemd, "PACKAGED_PREFIX", tmp_path / "elsewhere")  # a pip or source install
+    assert main(["engine", "--install-systemd"]) == 0
+    assert (tmp_path / "config" / "systemd" / "user" / systemd.UNIT_NAME).is_file()
 
 
 def test_runtime_dir_falls_back_to_a_private_tmp_folder(tmp_path, monkeypatch):

@@ -214,8 +214,12 @@ def _gpu_list(text: str) -> list[int]:
 
 def cmd_engine(args: argparse.Namespace) -> int:
     if args.install_systemd:
-        from rigpilot.engine.service.systemd import enable_hint, install_unit
+        from rigpilot.engine.service.systemd import enable_hint, install_unit, packaged_unit
 
+        shipped = packaged_unit()
+        if shipped is not None:
+            print(f"the package installed the unit already ({shipped})\nenable it with:\n  {enable_hint()}")
+            return 0
         path = install_unit()
         print(f"wrote {path}\nenable it with:\n  {enable_hint()}")
         return 0

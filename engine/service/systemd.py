@@ -13,6 +13,10 @@ import sys
 from pathlib import Path
 
 UNIT_NAME = "rigpilot-engine.service"
+# The .deb ships this unit (ExecStart=/usr/bin/rigpilot engine); dpkg removes it with the package, so nothing
+# is left in a home folder pointing at a removed Python.
+PACKAGED_UNIT = Path("/usr/lib/systemd/user") / UNIT_NAME
+PACKAGED_PREFIX = Path("/opt/rigpilot")
 
 
 def unit_dir() -> Path:
@@ -39,6 +43,13 @@ KillMode=process
 [Install]
 WantedBy=default.target
 """
+
+
+def packaged_unit() -> Path | None:
+    """The package's own unit, when this Rigpilot is the packaged one and the unit is there."""
+    if PACKAGED_UNIT.is_file() and Path(sys.prefix).resolve().is_relative_to(PACKAGED_PREFIX):
+        return PACKAGED_UNIT
+    return None
 
 
 def install_unit() -> Path:
