@@ -43,7 +43,6 @@ from PySide6.QtWidgets import (
     QFormLayout,
     QHBoxLayout,
     QLabel,
-    QLineEdit,
     QPlainTextEdit,
     QProgressBar,
     QPushButton,
@@ -53,6 +52,7 @@ from PySide6.QtWidgets import (
 
 from rigpilot.app.tasks import run_in_background
 from rigpilot.app.widgets.palette import BAD, GOOD, WARN
+from rigpilot.app.widgets.path_field import path_field
 
 log = logging.getLogger(__name__)
 
@@ -187,17 +187,10 @@ class EngineEnvDialog(QDialog):
         self.backend.setMinimumContentsLength(8)
         self.backend.setToolTip("auto: the CUDA build for the installed NVIDIA driver, the CPU build where there is "
                                 "none; cpu: no GPU; cuXXX: that CUDA")  # fmt: skip
-        self.wheel = QLineEdit()
-        self.wheel.setObjectName("torchWheel")
-        self.wheel.setAccessibleName("Local torch wheel")
-        self.wheel.setPlaceholderText("optional: a torch .whl file to install instead of downloading one")
-        self.wheel.setClearButtonEnabled(True)
-        self.browse = QPushButton("Browse…")
-        self.browse.setObjectName("browseWheel")
-        self.browse.clicked.connect(self._browse)
-        wheel_row = QHBoxLayout()
-        wheel_row.addWidget(self.wheel, 1)
-        wheel_row.addWidget(self.browse)
+        self.wheel, self.browse, wheel_row = path_field(
+            "torchWheel", "browseWheel", "optional: a torch .whl file to install instead of downloading one",
+            self._browse, accessible="Local torch wheel", clear_button=True,
+        )  # fmt: skip
         self.form_error = QLabel()
         self.form_error.setObjectName("engineEnvFormError")
         self.form_error.setWordWrap(True)
@@ -206,17 +199,10 @@ class EngineEnvDialog(QDialog):
         self.offline = QCheckBox(OFFLINE_CHOICE)
         self.offline.setObjectName("offlineInstall")
         self.offline.setToolTip("No network at all: every wheel comes from the folder (see the note below it)")
-        self.folder = QLineEdit()
-        self.folder.setObjectName("wheelFolder")
-        self.folder.setAccessibleName("Folder of wheels")
-        self.folder.setPlaceholderText("the folder holding the downloaded wheels")
-        self.folder.setClearButtonEnabled(True)
-        self.browse_folder = QPushButton("Browse…")
-        self.browse_folder.setObjectName("browseWheelFolder")
-        self.browse_folder.clicked.connect(self._browse_folder)
-        folder_row = QHBoxLayout()
-        folder_row.addWidget(self.folder, 1)
-        folder_row.addWidget(self.browse_folder)
+        self.folder, self.browse_folder, folder_row = path_field(
+            "wheelFolder", "browseWheelFolder", "the folder holding the downloaded wheels", self._browse_folder,
+            accessible="Folder of wheels", clear_button=True,
+        )  # fmt: skip
         self.folder_note = _note("To fill it, run 'rigpilot engine-env wheels' here: it prints the 'pip download' "
                                  "commands to run on a machine with internet access.")  # fmt: skip
         self.folder_widgets = [self.folder, self.browse_folder, self.folder_note]

@@ -28,6 +28,7 @@ from PySide6.QtWidgets import (
 from rigpilot.app.planner.gpu_selector import GpuSelector
 from rigpilot.app.planner.model_picker import ModelPicker
 from rigpilot.app.widgets.form_row import form_row
+from rigpilot.app.widgets.path_field import path_field
 from rigpilot.app.wizard.data_check import DataReport, inspect_dataset, inspect_prompts, tokens_text
 from rigpilot.app.wizard.host import DATA, GPUS, MODEL, PLAN, REVIEW, WizardHost
 from rigpilot.app.wizard.page_base import StepPage
@@ -116,22 +117,14 @@ class ModelPage(StepPage):
             "Training: mixed precision in this dtype (fp32: none). Inference: the weights' dtype.",
         )  # fmt: skip
 
-        self.script = QLineEdit()
-        self.script.setObjectName("scriptPath")
-        self.script.setPlaceholderText("path/to/train.py")
+        self.script, _, row = path_field("scriptPath", "scriptBrowse", "path/to/train.py", self._ask_script)
         self.script.textChanged.connect(self._script_changed)
-        browse = QPushButton("Browse…")
-        browse.setObjectName("scriptBrowse")
-        browse.clicked.connect(self._ask_script)
         self.script_args = QLineEdit()
         self.script_args.setObjectName("scriptArgs")
         self.script_args.setPlaceholderText("--epochs 1 --lr 3e-4")
         self.script_args.textChanged.connect(self._script_changed)
         self.script_box = QGroupBox("Your script")
         sl = QFormLayout(self.script_box)
-        row = QHBoxLayout()
-        row.addWidget(self.script, 1)
-        row.addWidget(browse)
         sl.addRow("Script", row)
         sl.addRow("Arguments", self.script_args)
         hint = QLabel("Each GPU gets one process (torchrun). Report metrics with: from rigpilot import report")
@@ -319,13 +312,11 @@ class DataPage(StepPage):
         field_row.addRow("Text field (JSONL)", self.text_field)
         tl.addLayout(field_row)
 
-        self.prompts_file = QLineEdit()
-        self.prompts_file.setObjectName("promptsFile")
-        self.prompts_file.setPlaceholderText('prompts.jsonl with a "prompt" field per line (or type prompts below)')
+        self.prompts_file, _, prow = path_field(
+            "promptsFile", "promptsBrowse", 'prompts.jsonl with a "prompt" field per line (or type prompts below)',
+            self._ask_prompts,
+        )  # fmt: skip
         self.prompts_file.textChanged.connect(self._prompts_changed)
-        browse = QPushButton("Browse…")
-        browse.setObjectName("promptsBrowse")
-        browse.clicked.connect(self._ask_prompts)
         self.prompts = QPlainTextEdit()
         self.prompts.setObjectName("promptsText")
         self.prompts.setPlaceholderText("One prompt per line")
@@ -335,9 +326,6 @@ class DataPage(StepPage):
         self.infer_box = QWidget()
         il = QFormLayout(self.infer_box)
         il.setContentsMargins(0, 0, 0, 0)
-        prow = QHBoxLayout()
-        prow.addWidget(self.prompts_file, 1)
-        prow.addWidget(browse)
         il.addRow("Prompts file", prow)
         il.addRow("Or prompts", self.prompts)
 
