@@ -29,6 +29,7 @@ import sys
 import tempfile
 import textwrap
 import time
+import zipfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -119,9 +120,18 @@ def changelog(deb_version: str, when: int) -> str:
 
 def own_wheel(python: str, dest: Path) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
+    # setuptools builds in build/lib and never deletes from it: a module removed or moved since an earlier
+    # build (the top-level engine/ and app/ of before the rigpilot package) would ride along into the wheel.
+    for stale in (ROOT / "build" / "lib", *(ROOT / "build").glob("bdist.*")):
+        shutil.rmtree(stale, ignore_errors=True)
     run([python, "-m", "pip", "wheel", "--quiet", "--no-deps", "--disable-pip-version-check", "-w", str(dest),
          str(ROOT)])  # fmt: skip
-    return next(dest.glob("rigpilot-*.whl"))
+    wheel = next(dest.glob("rigpilot-*.whl"))
+    with zipfile.ZipFile(wheel) as z:
+        top = {name.split("/")[0] for name in z.namelist()}
+    if {t for t in top if not t.endswith(".dist-info")} != {"rigpilot"}:
+        raise SystemExit(f"build_deb: {wheel.name} installs more than the rigpilot package: {sorted(top)}")
+    return wheel
 
 
 def python_tag(python: str) -> str:
