@@ -388,25 +388,35 @@ def _env_python_version() -> str | None:
 # -- Rigpilot itself -----------------------------------------------------------------------------------------
 
 
-def self_requirement(scratch: Path) -> tuple[str, str]:
-    """What to install for Rigpilot itself at exactly the running version, with no network: (path, how).
+def self_source() -> tuple[str, Path | None]:
+    """Where Rigpilot itself comes from, at exactly the running version, with no network: (how, path).
 
-    The .deb's shipped wheel; else this source checkout (uv builds it); else a wheel made here from the
-    installed distribution's own files (pip, pipx and `uv tool` installs).
+    The .deb's shipped wheel; else this source checkout (uv builds it); else the installed distribution's own
+    files (pip, pipx and `uv tool` installs), zipped back into a wheel.
     """
     shipped = [w for w in sorted(SHIPPED_WHEELS.glob("rigpilot-*.whl")) if wheel_version(w) == __version__]
     if shipped:
-        return str(shipped[-1]), "shipped wheel"
+        return "shipped wheel", shipped[-1]
     root = checkout_root()
     if root is not None:
-        return str(_copy_checkout(root, scratch / "src")), "source checkout"
-    return str(wheel_from_installed(scratch)), "installed distribution"
+        return "source checkout", root
+    return "installed distribution", None
+
+
+def self_requirement(scratch: Path) -> tuple[str, str]:
+    """What to install for Rigpilot itself (see self_source), made ready in `scratch`: (path, how)."""
+    how, path = self_source()
+    if how == "shipped wheel":
+        return str(path), how
+    if how == "source checkout":
+        return str(copy_checkout(path, scratch / "src")), how
+    return str(wheel_from_installed(scratch)), how
 
 
 _NOT_SOURCE = shutil.ignore_patterns("__pycache__", "*.pyc", "build", "dist", "*.egg-info")
 
 
-def _copy_checkout(root: Path, dest: Path) -> Path:
+def copy_checkout(root: Path, dest: Path) -> Path:
     """What a wheel of the checkout is built from, copied: uv builds a folder in place, and setuptools would
     write build/ and *.egg-info into the checkout (maybe not writable; build/ carries stale files along)."""
     dest.mkdir(parents=True)
@@ -464,17 +474,19 @@ def wheel_from_installed(out_dir: Path, dist_name: str = "rigpilot") -> Path:
             except OSError as e:
                 raise UserError(f"the installed {dist_name} is incomplete ({path}: {e.strerror}): reinstall Rigpilot") from None
             arcname = f.as_posix()
-            zi = zipfile.ZipInfo(arcname, date_time=(1980, 1, 1, 0, 0, 0))
-            zi.external_attr = 0o644 << 16
-            zi.compress_type = zipfile.ZIP_DEFLATED
-            zf.writestr(zi, data)
+            _add_member(zf, arcname, data)
             digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
             writer.writerow([arcname, f"sha256={digest}", len(data)])
         writer.writerow([f"{info}/RECORD", "", ""])
-        zi = zipfile.ZipInfo(f"{info}/RECORD", date_time=(1980, 1, 1, 0, 0, 0))
-        zi.external_attr = 0o644 << 16
-        zf.writestr(zi, record.getvalue(), compress_type=zipfile.ZIP_DEFLATED)
+        _add_member(zf, f"{info}/RECORD", record.getvalue().encode())
     return wheel
+
+
+def _add_member(zf: zipfile.ZipFile, arcname: str, data: bytes) -> None:
+    """A wheel member: a fixed time (the same files make the same wheel) and plain 0644 permissions."""
+    zi = zipfile.ZipInfo(arcname, date_time=(1980, 1, 1, 0, 0, 0))
+    zi.external_attr = 0o644 << 16
+    zf.writestr(zi, data, compress_type=zipfile.ZIP_DEFLATED)
 
 
 # -- install, remove, repair ---------------------------------------------------------------------------------
@@ -558,11 +570,8 @@ def wheels_commands(*, folder: Path, torch_backend: str = "auto", base_python: s
     have = _env_python_version() if env_python().exists() and base_python is None else None
     version = have or python_version(base_python or default_base_python())
     backend = choose_backend(torch_backend, runtime.has_nvidia_driver())
-    from_source = not any(wheel_version(w) == __version__ for w in SHIPPED_WHEELS.glob("rigpilot-*.whl")) and (
-        checkout_root() is not None
-    )
     return download_commands(folder.expanduser().absolute(), reqs, python_version=version, backend=backend,
-                             from_source=from_source)  # fmt: skip
+                             from_source=self_source()[0] == "source checkout")  # fmt: skip
 
 
 def processes_using(folder: Path) -> list[int]:

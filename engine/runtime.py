@@ -26,16 +26,15 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import platformdirs
-
 from rigpilot.engine import __version__
 from rigpilot.engine.errors import UserError
+from rigpilot.engine.settings import cache_dir, data_dir
 
 ENV_OVERRIDE = "RIGPILOT_WORKER_PYTHON"  # use this interpreter for workers (tests, unusual set-ups)
 
 
 def env_dir() -> Path:
-    return Path(platformdirs.user_data_dir("rigpilot")) / "engine-env"
+    return data_dir() / "engine-env"
 
 
 def env_python() -> Path:
@@ -43,7 +42,7 @@ def env_python() -> Path:
 
 
 def uv_cache_dir() -> Path:
-    return Path(platformdirs.user_cache_dir("rigpilot")) / "uv"
+    return cache_dir() / "uv"
 
 
 def _has_torch_here() -> bool:

@@ -26,6 +26,14 @@ def state_dir() -> Path:
     return Path(platformdirs.user_state_dir(APP))
 
 
+def data_dir() -> Path:
+    return Path(platformdirs.user_data_dir(APP))
+
+
+def cache_dir() -> Path:
+    return Path(platformdirs.user_cache_dir(APP))
+
+
 @dataclass
 class Settings:
     simulated_profile: str = "4x-rtx4090"  # the machine shown when no NVIDIA GPU is present

@@ -20,9 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-import platformdirs
-
-from rigpilot.engine.settings import APP, config_dir, state_dir
+from rigpilot.engine.settings import APP, cache_dir, config_dir, data_dir, state_dir
 
 
 @dataclass(frozen=True)
@@ -33,14 +31,6 @@ class Item:
     what: str  # in the user's words
     size: int  # bytes on disk it gives back (hard links counted once)
     link_to: str | None = None  # set when `path` is itself a link: the link goes, its target stays
-
-
-def data_dir() -> Path:
-    return Path(platformdirs.user_data_dir(APP))
-
-
-def cache_dir() -> Path:
-    return Path(platformdirs.user_cache_dir(APP))
 
 
 def runtime_dir() -> Path:
@@ -200,7 +190,9 @@ def _is_app(cmd: list[str]) -> bool:
     args = cmd[1:]
     if len(args) == 1 and os.path.basename(args[0]) == APP:
         return True
-    return args in (["-m", "rigpilot.app.launcher"], ["-m", "rigpilot.app.main"])
+    # Interpreter options may come first: the .deb runs `python -I -m rigpilot.app.launcher`.
+    module = args[args.index("-m") + 1 :] if "-m" in args else []
+    return module in (["rigpilot.app.launcher"], ["rigpilot.app.main"])
 
 
 def _state_dir_of(env: dict[str, str]) -> str:

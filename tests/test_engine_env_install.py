@@ -156,13 +156,6 @@ def _build_outputs() -> dict[Path, int]:
     return {f: f.stat().st_mtime_ns for d in ("rigpilot.egg-info", "build") for f in (REPO / d).rglob("*") if f.is_file()}
 
 
-def _copy_checkout(dst: Path) -> Path:
-    ignore = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".*cache", "tests",
-                                    "benchmarks", "docs", "packaging", "out")  # fmt: skip
-    shutil.copytree(REPO, dst, symlinks=True, ignore=ignore)
-    return dst
-
-
 def _check_record(wheel: Path) -> set[str]:
     """The wheel's RECORD lists every member with its true hash and size; returns the member names."""
     with zipfile.ZipFile(wheel) as zf:
@@ -183,7 +176,7 @@ def _check_record(wheel: Path) -> set[str]:
 
 def test_a_pip_installed_rigpilot_provisions_the_engine_with_itself(tmp_path, wheel_folders):
     """pip, pipx and `uv tool` installs: no checkout, no .deb wheel; Rigpilot rebuilds its wheel from its RECORD."""
-    src = _copy_checkout(tmp_path / "src")
+    src = provision.copy_checkout(REPO, tmp_path / "src")
     dist = tmp_path / "dist"
     build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-index", "--find-links",
                             str(wheel_folders[1]), "-w", str(dist), str(src)], capture_output=True, text=True,

@@ -23,7 +23,7 @@ from pathlib import Path
 import platformdirs
 
 from rigpilot.engine.errors import UserError
-from rigpilot.engine.settings import APP, config_dir, state_dir
+from rigpilot.engine.settings import APP, cache_dir, config_dir, data_dir, state_dir
 
 PRIVATE_UMASK = 0o077
 
@@ -74,8 +74,8 @@ def private_dirs() -> list[Path]:
     return [
         state_dir(),
         config_dir(),
-        Path(platformdirs.user_data_dir(APP)),
-        Path(platformdirs.user_cache_dir(APP)),
+        data_dir(),
+        cache_dir(),
     ]
 
 
