@@ -103,16 +103,3 @@ def test_planner_never_imports_torch():
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
-
-
-def test_calibration_file_marks_numbers_as_measured(capsys, tmp_path):
-    cal = tmp_path / "cal.json"
-    cal.write_text(json.dumps({"matmul_tflops": {"0": 140, "1": 140}, "bus_bandwidth_gbs": {"0,1": 40}}))
-    rc, out, _ = run(capsys, "--simulate", "2x-rtx3090-nvlink", "--model", "qwen2.5-1.5b", "--calibration", str(cal), "--json")
-    assert rc == 0
-    figures = json.loads(out)["best"]["timing"]["figures"]
-    assert {f["source"] for f in figures} >= {"measured"}
-    bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"matmul_tflops": {"0": -1}}))
-    rc, _, err = run(capsys, "--simulate", "2x-rtx3090-nvlink", "--model", "qwen2.5-1.5b", "--calibration", str(bad))
-    assert rc == 2 and "positive" in err

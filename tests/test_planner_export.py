@@ -17,6 +17,7 @@ from rigpilot.engine.planner.export import (
     accelerate_config,
     deepspeed_config,
     export,
+    export_best,
     slurm_script,
     to_yaml,
     torchrun_command,
@@ -41,9 +42,17 @@ def llama_7b() -> ModelSpec:
     )
 
 
-def best(profile: str, export_to: str | None = None, **work):
+def result(profile: str, **work):
     w = Workload(model="meta-llama/Llama-2-7b-hf", **{"seq_len": 2048, "global_batch": 16, **work})
-    return search(llama_7b(), load_profile(profile), w, options=SearchOptions(export=export_to)).best
+    return search(llama_7b(), load_profile(profile), w, options=SearchOptions(runners_up=8))
+
+
+def best(profile: str, **work):
+    return result(profile, **work).best
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
 
 
 def test_torchrun_line():
@@ -54,17 +63,66 @@ def test_torchrun_line():
     assert env["CUDA_VISIBLE_DEVICES"].split(",") == [str(i) for i in plan.parallelism.gpu_indices]
     assert "torchrun" in argv and "--standalone" in argv and "--nnodes=1" in argv
     assert f"--nproc-per-node={plan.parallelism.world_size}" in argv
-    assert argv[-3:] == ["train.py", "--plan", "plan.json"]
+    i = argv.index("train.py")
+    assert argv[i : i + 3] == ["train.py", "--plan", "plan.json"]
+    par = plan.parallelism
+    # What the plan's memory depends on is on the script's command line, as `rigpilot run train` names it.
+    assert flag(argv, "--precision") == "bf16"
+    assert flag(argv, "--micro-batch") == str(par.micro_batch) and flag(argv, "--grad-accum") == str(par.grad_accum)
+    assert flag(argv, "--activation-checkpointing") == par.checkpointing
+    if par.tp > 1:
+        assert flag(argv, "--tp") == str(par.tp)
+    if par.backend == "fsdp":
+        assert flag(argv, "--fsdp") == str(par.dp // par.replicate_degree)
+
+
+def test_the_4090_offload_plan_carries_every_memory_setting_into_every_export(tmp_path):
+    """The 4×4090 7B plan, followed literally from each export, is the plan: checkpointing, batch, offload, precision."""
+    plan = best("4x-rtx4090")
+    par = plan.parallelism
+    assert par.backend == "fsdp" and par.offload and par.checkpointing == "full"
+    argv = shlex.split(torchrun_command(plan))
+    assert flag(argv, "--activation-checkpointing") == "full" and "--cpu-offload" in argv
+    assert flag(argv, "--micro-batch") == str(par.micro_batch) and flag(argv, "--fsdp") == "4"
+    slurm = slurm_script(plan)
+    assert "--activation-checkpointing full" in slurm and "--cpu-offload" in slurm
+    acc = yaml.safe_load(accelerate_config(plan))
+    assert acc["fsdp_config"]["fsdp_activation_checkpointing"] is True
+    assert acc["fsdp_config"]["fsdp_offload_params"] is True and acc["mixed_precision"] == "bf16"
+    ds = deepspeed_config(plan)
+    assert ds["activation_checkpointing"]["partition_activations"] is False
+    assert ds["rigpilot"]["activation_checkpointing"] == "full"
+    assert ds["train_micro_batch_size_per_gpu"] == par.micro_batch and ds["gradient_accumulation_steps"] == par.grad_accum
+    assert ds["zero_optimization"]["stage"] == 3 and ds["bf16"]["enabled"] is True
+    assert ds["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    no_ckpt = dataclasses.replace(plan, parallelism=dataclasses.replace(par, checkpointing="none"))
+    assert "activation_checkpointing" not in deepspeed_config(no_ckpt)
+    assert yaml.safe_load(accelerate_config(no_ckpt))["fsdp_config"]["fsdp_activation_checkpointing"] is False
+
+
+def ddp_with_checkpointing():
+    plan = best("8x-h100-sxm")
+    return dataclasses.replace(plan, parallelism=dataclasses.replace(
+        plan.parallelism, backend="ddp", zero_stage=0, shard_degree=1, tp=1, pp=1, dp=8, sequence_parallel=False,
+        checkpointing="full", offload_params=False, offload_optimizer=False, stage_layers=[]))
+
+
+def test_accelerate_checkpoints_a_ddp_plan_through_unsharded_fsdp():
+    cfg = yaml.safe_load(accelerate_config(ddp_with_checkpointing()))
+    assert cfg["distributed_type"] == "FSDP" and cfg["num_processes"] == 8
+    assert cfg["fsdp_config"]["fsdp_sharding_strategy"] == "NO_SHARD"
+    assert cfg["fsdp_config"]["fsdp_activation_checkpointing"] is True
 
 
 def test_accelerate_yaml_for_fsdp_and_deepspeed():
-    fsdp = best("8x-h100-sxm", "accelerate")
+    fsdp = next(p for p in [result("8x-h100-sxm").best, *result("8x-h100-sxm").runners_up] if p.parallelism.pp == 1)
     cfg = yaml.safe_load(accelerate_config(fsdp))
     assert cfg["num_processes"] == 8 and cfg["mixed_precision"] == "bf16" and cfg["num_machines"] == 1
     assert cfg["distributed_type"] in ("FSDP", "DEEPSPEED", "MULTI_GPU")
     if cfg["distributed_type"] == "FSDP":
         assert cfg["fsdp_config"]["fsdp_version"] == 2
-    off = best("4x-rtx4090", "accelerate")
+    off = best("4x-rtx4090")
     cfg = yaml.safe_load(accelerate_config(off))
     # FSDP2's CPU offload is what the engine runs: Accelerate's FSDP config with fsdp_offload_params.
     assert off.parallelism.backend == "fsdp" and off.parallelism.offload_params and off.parallelism.offload_optimizer
@@ -76,7 +134,7 @@ def test_accelerate_yaml_for_fsdp_and_deepspeed():
 def test_accelerate_reads_its_config(tmp_path):
     """Accelerate's own loader takes the YAML: FSDP2 offload and the ZeRO-2 form (no resharding after forward)."""
     config_args = pytest.importorskip("accelerate.commands.config.config_args")
-    off = best("4x-rtx4090", "accelerate")
+    off = best("4x-rtx4090")
     zero2 = dataclasses.replace(off, parallelism=dataclasses.replace(
         off.parallelism, zero_stage=2, offload_params=False, offload_optimizer=False))
     for plan, reshard, offload in ((off, True, True), (zero2, False, False)):
@@ -86,6 +144,31 @@ def test_accelerate_reads_its_config(tmp_path):
         assert cfg.distributed_type == "FSDP" and cfg.num_processes == 4
         assert cfg.fsdp_config["fsdp_reshard_after_forward"] is reshard
         assert cfg.fsdp_config["fsdp_offload_params"] is offload
+        assert cfg.fsdp_config["fsdp_activation_checkpointing"] is True
+    path.write_text(accelerate_config(ddp_with_checkpointing()))
+    cfg = config_args.load_config_from_file(str(path))
+    assert cfg.distributed_type == "FSDP" and cfg.fsdp_config["fsdp_activation_checkpointing"] is True
+    assert cfg.fsdp_config["fsdp_sharding_strategy"] == "NO_SHARD"
+
+
+def test_deepspeed_reads_its_config(monkeypatch):
+    """DeepSpeed's own config loader takes the JSON, its activation-checkpointing section and Rigpilot's note."""
+    ds_config = pytest.importorskip("deepspeed.runtime.config")
+    # The loader checks the batch against the data-parallel world, which it asks of a process group; give it
+    # the plan's instead of starting one rank per GPU.
+    monkeypatch.setattr(ds_config.dist, "get_rank", lambda *a, **k: 0)
+    for plan in (best("4x-rtx4090"), ddp_with_checkpointing()):
+        text = export(plan, "deepspeed")
+        mpu = type("Mpu", (), {"get_data_parallel_world_size": lambda self, dp=plan.parallelism.dp: dp})()
+        cfg = ds_config.DeepSpeedConfig(json.loads(text), mpu=mpu)
+        assert cfg.train_micro_batch_size_per_gpu == plan.parallelism.micro_batch
+        assert cfg.gradient_accumulation_steps == plan.parallelism.grad_accum
+        assert cfg.zero_optimization_stage == plan.parallelism.zero_stage and cfg.bfloat16_config.enabled
+        ckpt = cfg.activation_checkpointing_config
+        assert ckpt.partition_activations is False and ckpt.cpu_checkpointing is False
+        assert json.loads(text)["rigpilot"]["activation_checkpointing"] == "full"
+        if plan.parallelism.offload:
+            assert cfg.zero_config.offload_param.device == "cpu" and cfg.zero_config.offload_optimizer.device == "cpu"
 
 
 def test_fsdp_offload_exports_to_deepspeed_zero3_offload():
@@ -97,7 +180,7 @@ def test_fsdp_offload_exports_to_deepspeed_zero3_offload():
 
 
 def test_deepspeed_json():
-    plan = best("4x-rtx4090", "deepspeed")
+    plan = best("4x-rtx4090")
     par = plan.parallelism
     cfg = json.loads(export(plan, "deepspeed"))
     assert cfg == deepspeed_config(plan)
@@ -108,7 +191,9 @@ def test_deepspeed_json():
     if par.offload_optimizer:
         assert cfg["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
         assert cfg["optimizer"]["type"] == "AdamW"
-    fp16 = json.loads(export(best("8x-h100-sxm", "deepspeed", precision="fp16"), "deepspeed"))
+    r = result("8x-h100-sxm", precision="fp16")
+    text, _, _ = export_best([r.best, *r.runners_up], "deepspeed")
+    fp16 = json.loads(text)
     assert fp16["fp16"]["enabled"] is True and fp16["fp16"]["loss_scale"] == 0
 
 
@@ -144,3 +229,33 @@ def test_exports_refuse_what_they_cannot_run():
 def test_yaml_writer_quotes_what_needs_quoting():
     text = to_yaml({"a": "no", "b": "0,1", "c": True, "d": {"e": 1, "f": "x y"}, "g": [], "h": "bf16"})
     assert yaml.safe_load(text) == {"a": "no", "b": "0,1", "c": True, "d": {"e": 1, "f": "x y"}, "g": [], "h": "bf16"}
+
+
+def test_an_export_that_cannot_express_the_best_plan_takes_the_next_and_says_so():
+    fsdp = best("8x-h100-sxm")
+    tp = dataclasses.replace(fsdp, parallelism=dataclasses.replace(fsdp.parallelism, tp=2, dp=4, sequence_parallel=True))
+    text, index, note = export_best([tp, fsdp], "deepspeed")
+    assert index == 1 and json.loads(text) == deepspeed_config(fsdp)
+    assert note.startswith("exported plan #2") and "tensor or pipeline parallelism" in note
+    assert export_best([fsdp, tp], "deepspeed")[1:] == (0, None)
+    with pytest.raises(UserError, match="tensor or pipeline"):
+        export_best([tp], "deepspeed")
+
+
+@pytest.mark.parametrize("target", ["torchrun", "accelerate", "deepspeed", "slurm"])
+def test_plan_and_plan_export_are_one_search(capsys, target):
+    """`plan --export X` searches as `plan` does: the same result, rejection figures included, plus the export."""
+    from rigpilot.engine.cli import main
+
+    def run(*extra: str) -> dict:
+        assert main(["plan", "--simulate", "4x-rtx4090", "--model", "llama-2-7b", "--json", *extra]) == 0
+        d = json.loads(capsys.readouterr().out)
+        d.pop("elapsed_s")
+        return d
+
+    plain, exported = run(), run("--export", target)
+    export_part = exported.pop("export")
+    assert exported == plain
+    assert export_part["target"] == target and export_part["plan"] == 0 and export_part["text"]
+    ddp = next(r for r in plain["rejected"] if r["family"] == "DDP")
+    assert "133 GiB" in ddp["reason"]

@@ -547,9 +547,13 @@ def test_calibration_measures_matmul_all_reduce_and_p2p(root: Path) -> None:
     job = write_job(root / "calibrate", kind="calibrate", parallelism={"dp_replicate": 2})
     run_job(job)
     result = json.loads((job / "output" / "calibration.json").read_text())
-    assert result["world_size"] == 2 and result["backend"] == "gloo"
-    assert all(v > 0 for r in result["ranks"] for v in r["matmul_tflops"].values())
-    for row in result["all_reduce"]:
+    # The planner's calibration format: `rigpilot plan --calibration` reads this very file.
+    assert result["schema"] == "rigpilot.calibration/1" and result["simulated"] is True
+    assert result["backend"] == "gloo" and result["device_type"] == "cpu"
+    assert set(result["machine"]["gpus"]) == {"0", "1"}
+    assert set(result["matmul_tflops"]) == {"bf16"} and all(v > 0 for v in result["matmul_tflops"]["bf16"].values())
+    assert set(result["bus_bandwidth_gbs"]) == {"0,1"} and result["bus_bandwidth_gbs"]["0,1"] > 0
+    for row in result["detail"]["all_reduce"]:
         assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * 2 * (2 - 1) / 2)
-    assert {(r["src"], r["dst"]) for r in result["p2p"]} == {(0, 1), (1, 0)}
+    assert set(result["p2p_gbs"]) == {"0->1", "1->0"}
     assert any(r.get("test") == "matmul" for r in records(job, 1))

@@ -18,10 +18,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rigpilot.engine.argtypes import read_json_object
 from rigpilot.engine.errors import UserError
-from rigpilot.engine.planner.export import EXPORTS, export
-from rigpilot.engine.planner.links import Calibration
+from rigpilot.engine.planner.calibration import CalibrationStatus, MachineCalibration
+from rigpilot.engine.planner.calibration import apply as apply_calibration
+from rigpilot.engine.planner.export import EXPORTS, export_best
 from rigpilot.engine.planner.memory import fmt_gib
 from rigpilot.engine.planner.plan import METHODS, OPTIMIZERS, PRECISIONS, LoraSettings, Plan, Workload
 from rigpilot.engine.planner.search import SearchOptions, SearchResult, search
@@ -62,7 +62,7 @@ def register(subparsers: Any, parents: list[argparse.ArgumentParser] | None = No
     g.add_argument("--new-tokens", type=int, metavar="N", help=f"inference: tokens generated per sequence (default {DEFAULT_NEW_TOKENS})")
     g.add_argument("--tokens", type=float, metavar="N", help="training: token budget, for a time to finish (e.g. 1e9)")
     g.add_argument("--force-tp", action="store_true", help="consider tensor parallelism over slow links too")
-    g.add_argument("--calibration", type=Path, metavar="FILE", help="JSON with measured matmul_tflops and bus_bandwidth_gbs")
+    g.add_argument("--calibration", type=Path, metavar="FILE", help="what `rigpilot run calibrate` measured on this machine (its output/calibration.json)")
     g.add_argument("--nodes", type=int, default=1, metavar="N", help="--export slurm: number of nodes")
     g.add_argument("--script", metavar="FILE", help="the training or inference script exports launch")
     p.set_defaults(func=run_plan)
@@ -128,10 +128,8 @@ def workload_from_args(args: argparse.Namespace, context: int | None) -> Workloa
     )
 
 
-def _calibration(path: Path | None) -> Calibration | None:
-    if path is None:
-        return None
-    return Calibration.from_dict(read_json_object(path, "calibration"))
+def _calibration(path: Path | None) -> MachineCalibration | None:
+    return None if path is None else MachineCalibration.load(path)
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -145,22 +143,33 @@ def run_plan(args: argparse.Namespace) -> int:
     workload = workload_from_args(args, spec.max_position_embeddings)
     if args.export == "slurm" and args.nodes < 1:
         raise UserError("--nodes must be at least 1")
-    options = SearchOptions(force_tp=args.force_tp, export=args.export)
-    result = search(spec, machine, workload, gpus=parse_gpus(args.gpus), calibration=_calibration(args.calibration), options=options)
-    artifact = None
+    numbers, calibrated = apply_calibration(_calibration(args.calibration), machine, workload.precision)
+    # One search, with or without --export: the export translates the plan `plan` shows into the tool's terms.
+    options = SearchOptions(force_tp=args.force_tp)
+    result = search(spec, machine, workload, gpus=parse_gpus(args.gpus), calibration=numbers, options=options)
+    note_calibration(result, calibrated)
+    artifact, exported, instead = None, None, None
     if args.export and result.best is not None:
-        artifact = export(result.best, args.export, script=args.script, nodes=args.nodes)
+        plans = [result.best, *result.runners_up]
+        artifact, exported, instead = export_best(plans, args.export, script=args.script, nodes=args.nodes)
     if getattr(args, "json", False):
-        payload = {"schema": "rigpilot.plan-search/1", **result.to_dict()}
+        payload = {"schema": "rigpilot.plan-search/1", **result.to_dict(), "calibration": calibrated.to_dict()}
         if args.export:
-            payload["export"] = {"target": args.export, "text": artifact}
+            payload["export"] = {"target": args.export, "text": artifact, "plan": exported, "note": instead}
         print(json.dumps(payload, indent=2))
     elif artifact is not None:
         print("\n".join(render_text(result)), file=sys.stderr)
+        if instead:
+            print(f"note: {instead}", file=sys.stderr)
         sys.stdout.write(artifact if artifact.endswith("\n") else artifact + "\n")
     else:
         print("\n".join(render_text(result)))
     return 0 if result.best is not None else 1
+
+
+def note_calibration(result: SearchResult, status: CalibrationStatus) -> None:
+    """The explanation says which numbers were measured and when, or that none were."""
+    result.explanation.append(status.line)
 
 
 def render_text(result: SearchResult) -> list[str]:

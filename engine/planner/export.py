@@ -20,6 +20,11 @@ EXPORTS = ("torchrun", "accelerate", "deepspeed", "slurm")
 RDZV_PORT = 29500
 BUCKET_ELEMENTS = 50_000_000  # what the memory model assumes for DeepSpeed's reduce/all-gather buckets
 DEFAULT_SCRIPT = "train.py"
+CHECKPOINTING_NOTE = (
+    "The plan's memory assumes activation checkpointing of every decoder layer: the training script must turn it on "
+    "(Transformers: model.gradient_checkpointing_enable(); otherwise run each layer through "
+    "deepspeed.checkpointing.checkpoint). The activation_checkpointing section configures it; it does not turn it on."
+)
 
 
 def export(plan: Plan, target: str, *, script: str | None = None, plan_path: str = "plan.json", nodes: int = 1) -> str:
@@ -32,6 +37,32 @@ def export(plan: Plan, target: str, *, script: str | None = None, plan_path: str
     if target == "slurm":
         return slurm_script(plan, nodes=nodes, script=script, plan_path=plan_path)
     raise UserError(f"unknown export {target!r}; use {', '.join(EXPORTS)}")
+
+
+def export_best(plans: list[Plan], target: str, **kw: Any) -> tuple[str, int, str | None]:
+    """Export the first of `plans` (the search's ranking, best first) that `target` can express.
+
+    Returns the text, the index of the plan exported and, when it is not the best, a line saying why.
+    The search is the same with or without an export; a tool that cannot express the best plan
+    (DeepSpeed and tensor parallelism, Accelerate and pipelines) gets the next plan it can, said so.
+    """
+    first: UserError | None = None
+    for i, plan in enumerate(plans):
+        try:
+            text = export(plan, target, **kw)
+        except UserError as e:
+            first = first or e
+            if i == 0 and not plans[0].workload.training:
+                break  # the training-only configs refuse every plan of an inference search alike
+            continue
+        if i == 0:
+            return text, 0, None
+        slower = 1 - plan.timing.tokens_per_s / plans[0].timing.tokens_per_s if plans[0].timing.tokens_per_s else 0.0
+        why = str(first).split(";")[0]
+        return text, i, (f"exported plan #{i + 1} ({plan.parallelism.describe()}, {slower:.0%} slower): "
+                         f"the best plan cannot be expressed for {target}: {why}")  # fmt: skip
+    assert first is not None
+    raise first
 
 
 def _env(plan: Plan) -> dict[str, str]:
@@ -49,11 +80,41 @@ def _script(plan: Plan, script: str | None) -> str:
     return DEFAULT_SCRIPT if plan.workload.training else "infer.py"
 
 
+def script_args(plan: Plan) -> list[str]:
+    """The settings the plan's memory depends on, as the script's flags (named as `rigpilot run train` names them).
+
+    The plan file holds them too; spelled out on the command line, a script that reads flags and not the
+    plan cannot run the plan without them unnoticed.
+    """
+    par, w = plan.parallelism, plan.workload
+    args = ["--precision", w.precision]
+    if w.training:
+        args += ["--micro-batch", str(par.micro_batch), "--grad-accum", str(par.grad_accum)]
+        args += ["--activation-checkpointing", par.checkpointing]
+    if par.tp > 1:
+        args += ["--tp", str(par.tp)] + (["--sequence-parallel"] if par.sequence_parallel else [])
+    if par.pp > 1:
+        args += ["--pp", str(par.pp), "--pp-microbatches", str(par.grad_accum)]
+    if w.training and par.backend == "fsdp":
+        shard = par.dp // par.replicate_degree
+        args += ["--fsdp", str(shard)] + (["--dp", str(par.replicate_degree)] if par.replicate_degree > 1 else [])
+        if par.offload:
+            args.append("--cpu-offload")
+    elif par.dp > 1:
+        args += ["--dp", str(par.dp)]
+    return args
+
+
+def _script_line(plan: Plan, script: str | None, plan_path: str) -> str:
+    argv = [_script(plan, script), "--plan", plan_path, *script_args(plan)]
+    return " ".join(shlex.quote(a) for a in argv)
+
+
 def torchrun_command(plan: Plan, *, script: str | None = None, plan_path: str = "plan.json") -> str:
-    """One shell line: environment, torchrun on this machine, the training script with the plan."""
+    """One shell line: environment, torchrun on this machine, the training script with the plan and its settings."""
     par = plan.parallelism
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in _env(plan).items())
-    args = f"{shlex.quote(_script(plan, script))} --plan {shlex.quote(plan_path)}"
+    args = _script_line(plan, script, plan_path)
     if not plan.workload.training and par.tp == 1:
         # A layer split (device_map) or a single GPU runs in one process that sees all the plan's GPUs.
         return f"{env} python {args}"
@@ -115,6 +176,22 @@ def accelerate_config(plan: Plan) -> str:
             "fsdp_state_dict_type": "SHARDED_STATE_DICT",
             "fsdp_version": 2,
         }
+    elif par.checkpointing != "none" and par.tp == 1:
+        # Accelerate turns activation checkpointing on only through its FSDP plugin. FSDP1 without sharding
+        # holds what DDP holds (whole weights, gradients and optimizer state on every GPU), so the plan's
+        # memory stands; a lone GPU is the one-rank case of it.
+        cfg["distributed_type"] = "FSDP"
+        cfg["fsdp_config"] = {
+            "fsdp_activation_checkpointing": True,
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_offload_params": False,
+            "fsdp_sharding_strategy": "NO_SHARD",
+            "fsdp_state_dict_type": "FULL_STATE_DICT",
+            "fsdp_version": 1,
+        }
+    elif par.checkpointing != "none":
+        raise UserError("Accelerate's config turns activation checkpointing on only with FSDP, and this plan is "
+                        "tensor-parallel DDP; use --export torchrun")  # fmt: skip
     elif par.world_size > 1:
         cfg["distributed_type"] = "MULTI_GPU"
     if par.tp > 1 or par.hsdp:
@@ -124,9 +201,11 @@ def accelerate_config(plan: Plan) -> str:
             "parallelism_config_dp_shard_size": par.dp // par.replicate_degree if par.backend == "fsdp" else 1,
             "parallelism_config_tp_size": par.tp,
         }
+    # Accelerate's config has no key for the batch: the script's DataLoader and Accelerator take these.
     header = (
         f"# Rigpilot plan: {par.describe()}\n"
-        f"# Gradient checkpointing: {par.checkpointing}; micro-batch {par.micro_batch}.\n"
+        f"# In the script: DataLoader(batch_size={par.micro_batch}), "
+        f"Accelerator(gradient_accumulation_steps={par.grad_accum}).\n"
         "# Launch with CUDA_DEVICE_ORDER=PCI_BUS_ID so gpu_ids use nvidia-smi's numbering.\n"
     )
     return header + to_yaml(cfg)
@@ -159,6 +238,10 @@ def deepspeed_config(plan: Plan) -> dict[str, Any]:
                 "stage3_gather_16bit_weights_on_model_save": True,
             }
         )
+    if stage == 3 and par.hsdp:
+        # HSDP shards within groups of shard_degree GPUs; ZeRO++'s secondary partition keeps a parameter shard
+        # per group of that size, so the all-gathers stay inside it as the plan's do.
+        zero["zero_hpz_partition_size"] = par.shard_degree
     if par.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if par.offload_params:
@@ -174,6 +257,22 @@ def deepspeed_config(plan: Plan) -> dict[str, Any]:
         "steps_per_print": 100,
         "wall_clock_breakdown": False,
     }
+    if par.checkpointing != "none":
+        # DeepSpeed's section configures its checkpointing; the model's layers must still be run through it
+        # (Transformers: model.gradient_checkpointing_enable(); otherwise deepspeed.checkpointing.checkpoint).
+        # DeepSpeed ignores top-level keys it does not know, so the note below travels with the file.
+        cfg["activation_checkpointing"] = {
+            "partition_activations": False,
+            "cpu_checkpointing": False,
+            "contiguous_memory_optimization": False,
+            "number_checkpoints": None,
+            "synchronize_checkpoint_boundary": False,
+            "profile": False,
+        }
+        cfg["rigpilot"] = {
+            "activation_checkpointing": par.checkpointing,
+            "note": CHECKPOINTING_NOTE,
+        }
     if w.precision == "fp16":
         cfg["fp16"].update({"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1})
     if par.offload_optimizer or par.offload_params:
@@ -214,7 +313,7 @@ def slurm_script(plan: Plan, *, nodes: int = 1, script: str | None = None, plan_
         '    --rdzv-id="$SLURM_JOB_ID" \\',
         "    --rdzv-backend=c10d \\",
         f'    --rdzv-endpoint="$head:{RDZV_PORT}" \\',
-        f"    {shlex.quote(_script(plan, script))} --plan {shlex.quote(plan_path)}",
+        f"    {_script_line(plan, script, plan_path)}",
     ]
     return "\n".join(lines) + "\n"
 
