@@ -90,7 +90,7 @@ class MachineCalibration:
         try:
             machine = d["machine"]
             measured_at = str(d["measured_at"])
-            _parse_time(measured_at)
+            parse_time(measured_at)
             simulated = d["simulated"]
             if not isinstance(simulated, bool):
                 raise ValueError("simulated must be true or false")
@@ -139,7 +139,7 @@ class MachineCalibration:
     # -- what it says ------------------------------------------------------------------------------
     @property
     def date(self) -> str:
-        return _parse_time(self.measured_at).strftime("%Y-%m-%d")
+        return parse_time(self.measured_at).strftime("%Y-%m-%d")
 
     def mismatch(self, machine: Machine) -> str | None:
         """Why these numbers are not this machine's (other GPUs, another count), or None."""
@@ -221,7 +221,7 @@ def now_iso() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _parse_time(text: str) -> datetime.datetime:
+def parse_time(text: str) -> datetime.datetime:
     try:
         return datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError:

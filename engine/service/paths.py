@@ -135,6 +135,11 @@ def telemetry_path() -> Path:
     return engine_state_dir() / "telemetry.db"
 
 
+def calibration_path() -> Path:
+    """The latest calibration of this machine (a finished calibrate job's output), which the planner applies."""
+    return engine_state_dir() / "calibration.json"
+
+
 def jobs_dir() -> Path:
     d = engine_state_dir() / "jobs"
     _private_dir(d)

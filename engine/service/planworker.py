@@ -35,9 +35,11 @@ log = logging.getLogger(__name__)
 
 
 def plan(machine: Any, model: str, workload: dict[str, Any] | None = None, gpus: list[int] | None = None,
-         options: dict[str, Any] | None = None, trust_remote_code: bool = False) -> dict[str, Any]:  # fmt: skip
+         options: dict[str, Any] | None = None, trust_remote_code: bool = False,
+         calibration: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """One search. `calibration`: the machine's stored calibration file (the service's, never a client's)."""
     from rigpilot.engine.models import describe_model
-    from rigpilot.engine.planner.plan import LoraSettings, Workload
+    from rigpilot.engine.planner.plan import PRECISIONS, LoraSettings, Workload
     from rigpilot.engine.planner.search import SearchOptions, search
 
     work = dict(workload or {})
@@ -50,8 +52,26 @@ def plan(machine: Any, model: str, workload: dict[str, Any] | None = None, gpus:
         spec = describe_model(model, trust_remote_code=trust_remote_code)
     except OSError as e:
         raise UserError(f"cannot read the model {_short(model)}: {e.strerror or e}") from None
-    result = search(spec, machine, Workload(model=model, **work), gpus=gpus, options=SearchOptions(**(options or {})))
-    return {"result": result.to_dict()}
+    w = Workload(model=model, **work)
+    numbers, status = _calibration(calibration, machine, w.precision if w.precision in PRECISIONS else "bf16")
+    result = search(spec, machine, w, gpus=gpus, calibration=numbers, options=SearchOptions(**(options or {})))
+    result.explanation.append(status.line)
+    return {"result": {**result.to_dict(), "calibration": status.to_dict()}}
+
+
+def _calibration(raw: dict[str, Any] | None, machine: Any, dtype: str) -> tuple[Any, Any]:
+    """The stored calibration as the search uses it; one that cannot be read is said and left out, never fatal."""
+    from rigpilot.engine.planner.calibration import CalibrationStatus, MachineCalibration, apply
+
+    if raw is None:
+        return apply(None, machine, dtype)
+    try:
+        if "unreadable" in raw and "schema" not in raw:
+            raise UserError(str(raw["unreadable"]))
+        cal = MachineCalibration.from_dict(raw, "the engine's stored calibration")
+    except UserError as e:
+        return None, CalibrationStatus("unreadable", f"Calibration not applied: {e}; calibrate again.")
+    return apply(cal, machine, dtype, strict=False)
 
 
 def _short(text: str, n: int = 80) -> str:

@@ -50,11 +50,11 @@ from rigpilot.engine import __version__
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.discovery import open_backend
 from rigpilot.engine.hardware.sampler import Sampler
-from rigpilot.engine.service import paths, protocol
+from rigpilot.engine.service import calibration_store, paths, protocol
 from rigpilot.engine.service.metrics import read_records
 from rigpilot.engine.service.planworker import ClientGone, PlannerBug, PlannerPool, PlanTimeout
 from rigpilot.engine.service.protocol import ProtocolError, Request
-from rigpilot.engine.service.store import ALL_STATES, JobStore
+from rigpilot.engine.service.store import ALL_STATES, COMPLETED, JobStore
 from rigpilot.engine.service.supervisor import JobNotFound, Supervisor, SupervisorOptions
 from rigpilot.engine.service.telemetry_store import TelemetryStore
 
@@ -613,6 +613,8 @@ class EngineService:
         assert self.planners is not None
         budget = min(deadline_s or self.options.plan_deadline_s, self.options.plan_deadline_s)
         args = {"model": model, "workload": workload, "gpus": gpus, "options": options, "trust_remote_code": trust_remote_code}
+        # The machine's latest calibration travels with each request, so a new one counts from the next plan on.
+        args["calibration"] = calibration_store.stored(paths.calibration_path())
         return {"result": self.planners.plan(args, time.monotonic() + budget, conn.client_gone)}
 
     def _do_submit(
@@ -731,6 +733,8 @@ class EngineService:
                 c.send_bytes(data, droppable=True)
 
     def _publish_job(self, job: dict[str, Any]) -> None:
+        if job.get("kind") == "calibrate" and job.get("state") == COMPLETED and job.get("job_dir"):
+            calibration_store.keep(Path(job["job_dir"]), paths.calibration_path())
         subs = self._subscribers("jobs") + [
             c for c in self._subscribers(f"metrics:{job.get('id')}") if "jobs" not in c.topics
         ]
