@@ -187,3 +187,34 @@ def test_the_engine_keeps_its_machines_latest_calibration_for_its_planner(tmp_pa
             assert after["best"]["timing"] != first["best"]["timing"]  # the priors again
     finally:
         e.stop()
+
+
+@pytest.mark.parametrize(
+    ("stored", "says"),
+    [
+        (None, "Not calibrated (priors from published runs)."),
+        ({**h100_calibration(), "simulated": True, "device_type": "cpu", "backend": "gloo"},
+         "Calibrated 2026-11-23 on CPU ranks (gloo, a simulated machine): not applied to GPU predictions."),
+        (h100_calibration(),
+         "Calibrated 2026-11-23 (measured on this machine): matmul 312 TFLOPS bf16, all-reduce 0,1,2,3,4,5,6,7: 180 GB/s."),
+    ],
+)  # fmt: skip
+def test_the_planner_page_says_whether_and_when_the_machine_was_calibrated(qtbot, stored, says):
+    from gui_fakes import FakeLink
+
+    from rigpilot.app.planner.page import PlannerPage
+    from rigpilot.engine.service import planworker
+
+    link = FakeLink("8x-h100-sxm")
+    # The engine's planner process, handed the stored calibration as the service hands it.
+    link.replies["plan"] = lambda **args: planworker.plan(link.machine_obj, **args, calibration=stored)
+    page = PlannerPage(link)
+    qtbot.addWidget(page)
+    page.show()
+    link.connect_engine()
+    assert page.calibration.isHidden()
+    page.picker.set_model("llama-2-7b", chosen=False)
+    with qtbot.waitSignal(page.sig_plan_ready, timeout=20000):
+        page.plan_button.click()
+    assert page.calibration.text() == says and page.calibration.isVisible()
+    assert says in page.explanation.toPlainText()

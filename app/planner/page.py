@@ -57,6 +57,7 @@ from rigpilot.app.planner.model_picker import ModelPicker
 from rigpilot.app.tasks import run_in_background
 from rigpilot.app.widgets.engine_messages import machine_dict
 from rigpilot.app.widgets.palette import BAD, GOOD
+from rigpilot.engine.planner.calibration import NOT_CALIBRATED
 
 TABLE_COLUMNS = ["#", "Plan", "Layout", "GPUs", "Speed", "Step", "To finish", "Fullest GPU", "Runs here"]
 RUNS_HERE_COLUMN = TABLE_COLUMNS.index("Runs here")
@@ -194,6 +195,13 @@ class PlannerPage(QWidget):
         self.summary.setMinimumHeight(self.summary.fontMetrics().lineSpacing() * 4 + 4)
         self.summary.setAlignment(Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft)
 
+        # Which speed numbers were measured (and when), or that the priors stand: the engine's planner says.
+        self.calibration = QLabel("")
+        self.calibration.setObjectName("planCalibration")
+        self.calibration.setWordWrap(True)
+        self.calibration.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.calibration.hide()
+
         self.table = QTableWidget(0, len(TABLE_COLUMNS))
         self.table.setObjectName("planTable")
         self.table.setAccessibleName("Ranked plans, fastest first")
@@ -283,6 +291,7 @@ class PlannerPage(QWidget):
         rl.setContentsMargins(0, 0, 0, 0)
         rl.addWidget(self.message)
         rl.addWidget(self.summary)
+        rl.addWidget(self.calibration)
         rl.addWidget(self.results_splitter, 1)
         rl.addLayout(actions)
         rl.addWidget(self.export_note)
@@ -442,6 +451,7 @@ class PlannerPage(QWidget):
                     item.setToolTip(f"The engine does not run this plan: {value}")
                 self.table.setItem(r, c, item)
         self.explanation.setPlainText("\n".join(f"• {line}" for line in (result or {}).get("explanation", [])))
+        self._show_calibration(result)
         self._show_rejected((result or {}).get("rejected", []))
         self._show_suggestions((result or {}).get("suggestions", []))
         if rows:
@@ -454,6 +464,17 @@ class PlannerPage(QWidget):
                 self.tabs.setCurrentIndex(2 if result.get("suggestions") else 1)
             else:
                 self.summary.setText("Choose a model and GPUs, then Plan.")
+
+    def _show_calibration(self, result: dict[str, Any] | None) -> None:
+        # A search made here, without the engine, used no calibration.
+        cal = (result or {}).get("calibration") or {}
+        text = "" if result is None else cal.get("line") or NOT_CALIBRATED
+        self.calibration.setText(text)
+        self.calibration.setToolTip(
+            "Measured numbers replace the speed priors of the GPUs and links they measured. "
+            "Measure them with a calibration job (the job wizard, or `rigpilot run calibrate`)."
+        )
+        self.calibration.setVisible(bool(text))
 
     def _show_rejected(self, rejected: list[dict[str, Any]]) -> None:
         self.rejected.setRowCount(len(rejected))
