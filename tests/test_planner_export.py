@@ -157,7 +157,10 @@ def test_deepspeed_reads_its_config(monkeypatch):
     # The loader checks the batch against the data-parallel world, which it asks of a process group; give it
     # the plan's instead of starting one rank per GPU.
     monkeypatch.setattr(ds_config.dist, "get_rank", lambda *a, **k: 0)
-    for plan in (best("4x-rtx4090"), ddp_with_checkpointing()):
+    h100 = result("8x-h100-sxm")
+    hsdp = next(p for p in [h100.best, *h100.runners_up] if p.parallelism.hsdp)
+    hsdp = dataclasses.replace(hsdp, parallelism=dataclasses.replace(hsdp.parallelism, checkpointing="full"))
+    for plan in (best("4x-rtx4090"), ddp_with_checkpointing(), hsdp):
         text = export(plan, "deepspeed")
         mpu = type("Mpu", (), {"get_data_parallel_world_size": lambda self, dp=plan.parallelism.dp: dp})()
         cfg = ds_config.DeepSpeedConfig(json.loads(text), mpu=mpu)
@@ -169,6 +172,8 @@ def test_deepspeed_reads_its_config(monkeypatch):
         assert json.loads(text)["rigpilot"]["activation_checkpointing"] == "full"
         if plan.parallelism.offload:
             assert cfg.zero_config.offload_param.device == "cpu" and cfg.zero_config.offload_optimizer.device == "cpu"
+        if plan.parallelism.hsdp:  # sharded within groups of shard_degree GPUs, as the plan is
+            assert cfg.zero_config.zero_hpz_partition_size == plan.parallelism.shard_degree
 
 
 def test_fsdp_offload_exports_to_deepspeed_zero3_offload():

@@ -52,6 +52,8 @@ UNKNOWN_MEMORY_BW = 500.0
 class Calibration:
     """Numbers the user measured; each replaces the prior it corresponds to.
 
+    What a search uses; the file a calibrate job writes, and when it applies, is engine/planner/calibration.py.
+
     matmul_tflops: GPU index -> dense matmul TFLOP/s in the plan's dtype.
     bus_bandwidth_gbs: GPU group ("0,1,2,3") -> all-reduce bus bandwidth, GB/s (nccl-tests' busbw).
     """

@@ -39,8 +39,12 @@ def keep(job_dir: Path, target: Path) -> bool:
         except ValueError:
             pass  # the stored one is unreadable: the new one replaces it
     tmp = target.with_name(f".{target.name}.tmp")
-    tmp.write_text(json.dumps(new.to_dict(), indent=2) + "\n")
-    os.replace(tmp, target)
+    try:
+        tmp.write_text(json.dumps(new.to_dict(), indent=2) + "\n")
+        os.replace(tmp, target)
+    except OSError as e:  # a full disk must not stop the supervisor that reported the job
+        log.warning("calibration not kept: cannot write %s: %s", target, e)
+        return False
     log.info("calibration of %s kept for the planner (%s)", new.measured_at, job_dir.name)
     return True
 
