@@ -264,3 +264,19 @@ def test_plan_and_plan_export_are_one_search(capsys, target):
     assert export_part["target"] == target and export_part["plan"] == 0 and export_part["text"]
     ddp = next(r for r in plain["rejected"] if r["family"] == "DDP")
     assert "133 GiB" in ddp["reason"]
+
+
+def test_the_gui_export_bar_writes_what_the_cli_exports(tmp_path):
+    """The Planner page's exports go through the same functions, from the plan JSON the engine sends."""
+    from rigpilot.app.planner.exports import write_export
+
+    plan = best("4x-rtx4090")
+    for target in ("deepspeed", "accelerate", "torchrun"):
+        path = tmp_path / f"out.{target}"
+        write_export(json.loads(plan.to_json()), target, path)
+        text = path.read_text()
+        if target == "torchrun":
+            assert export(plan, target, plan_path="out.plan.json") in text
+        else:
+            assert text.rstrip("\n") == export(plan, target).rstrip("\n")
+    assert json.loads((tmp_path / "out.deepspeed").read_text())["rigpilot"]["activation_checkpointing"] == "full"
