@@ -57,6 +57,7 @@ class Row:
     published: float
     predicted: float
     mfu: float  # predicted
+    published_mfu: float | None = None  # as the source computes it
 
     @property
     def error(self) -> float:
@@ -94,7 +95,7 @@ def predict(run: dict[str, Any], models: dict[str, Any]) -> Row:
         backend="fsdp", micro_batch=lay["micro_batch"], grad_accum=lay["grad_accum"], checkpointing=lay["checkpointing"],
     )
     t = SpeedModel(m, w, topo, mm).train(par, detail=False)
-    return Row(run["id"], run["gpu"], float(run["tokens_per_s_per_gpu"]), t.tokens_per_s / n, t.mfu)
+    return Row(run["id"], run["gpu"], float(run["tokens_per_s_per_gpu"]), t.tokens_per_s / n, t.mfu, run.get("mfu"))
 
 
 def table() -> list[Row]:
@@ -124,9 +125,10 @@ def fit() -> dict[str, Any]:
 
 
 def print_table(rows: list[Row]) -> tuple[float, float]:
-    print(f"{'run':28} {'published':>10} {'predicted':>10} {'error':>7} {'pred. MFU':>9}")
+    print(f"{'run':28} {'published':>10} {'predicted':>10} {'error':>7} {'pub. MFU':>9} {'pred. MFU':>9}")
     for r in rows:
-        print(f"{r.id:28} {r.published:>10,.0f} {r.predicted:>10,.0f} {r.error:>+7.1%} {r.mfu:>9.1%}")
+        pub = f"{r.published_mfu:.1%}" if r.published_mfu is not None else "-"
+        print(f"{r.id:28} {r.published:>10,.0f} {r.predicted:>10,.0f} {r.error:>+7.1%} {pub:>9} {r.mfu:>9.1%}")
     med = statistics.median(abs(r.error) for r in rows)
     worst = max(r.error for r in rows)
     print(f"median |error| {med:.1%} (limit {MEDIAN_LIMIT:.0%}); most optimistic {worst:+.1%} (limit +{OPTIMISTIC_LIMIT:.0%}); {len(rows)} runs")

@@ -15,8 +15,8 @@ binds every symmetric plan (each GPU is checked against its own memory) and
 pipelines give each stage layers in proportion to its memory.
 
 Ranking (`rank`): the model's speeds are good to about 5%, so among plans that close the one with the
-most free memory wins, and offload is recommended only where it is more than 15% faster than the
-best plan without it.
+most free memory wins, and offload is recommended only where the best plan without it is more than
+15% slower.
 
 Every candidate is judged by the engine's one capability contract,
 `rigpilot.engine.capability.why_not(layout_of_plan(plan))`: plans the engine cannot run
@@ -234,11 +234,14 @@ def _same_shape(a: Parallelism, b: Parallelism) -> bool:
 # them the plan with the most free memory wins, since running out of memory costs more than 5%.
 SPEED_TIE = 0.05
 # CPU offload pins host RAM, leans on host memory bandwidth that other work shares and is the least predictable
-# part of the model: a plan without it is recommended unless offload is more than this much faster.
+# part of the model: a plan without it is recommended unless it is more than this much slower than the offload.
 OFFLOAD_MARGIN = 0.15
+# Plans that leave at least this share of their fullest GPU free count as equally roomy: beyond the formula's 10%
+# error bound and the allocator's fragmentation, more free memory buys nothing, and the faster plan wins.
+ROOMY_FILL = 0.80
 RANKING = (
-    "best first: plans the engine runs, offload only where it is more than 15% faster than the best plan "
-    "without it, and among plans within 5% of the fastest the one with the most free memory"
+    "best first: within 5% of the fastest, the one with the most free memory (up to 20% free); "
+    "offload only where the best plan without it is more than 15% slower"
 )
 
 
@@ -255,8 +258,8 @@ def rank(fitting: list[Candidate]) -> list[Candidate]:
 
     Plans the engine refuses come after every plan it runs. Among the rest, the next plan is taken from
     those within SPEED_TIE of the fastest left (offload counted at its speed less OFFLOAD_MARGIN): the one
-    with the most free memory on its fullest GPU (in steps of 1% of capacity), then the faster, the simpler
-    family, fewer GPUs. An offloading plan is taken by headroom only while the fastest left offloads too,
+    with the most free memory on its fullest GPU (in steps of 1% of capacity, every plan using at most
+    ROOMY_FILL of it counting as equal), then the faster, the simpler family, fewer GPUs. An offloading plan is taken by headroom only while the fastest left offloads too,
     so a plan without offload within the margin always comes first.
     """
     out: list[Candidate] = []
@@ -269,7 +272,7 @@ def rank(fitting: list[Candidate]) -> list[Candidate]:
             top = _score(by_speed[head])
             while nxt < len(by_speed) and _score(by_speed[nxt]) >= top * (1.0 - SPEED_TIE):
                 c = by_speed[nxt]
-                key = (round(_fill(c), 2), -_score(c), FAMILY_ORDER.index(c.family), c.par.world_size, nxt)
+                key = (round(max(_fill(c), ROOMY_FILL), 2), -_score(c), FAMILY_ORDER.index(c.family), c.par.world_size, nxt)
                 heapq.heappush(heaps[c.par.offload], key)
                 nxt += 1
             pools = [heaps[False], heaps[True]] if by_speed[head].par.offload else [heaps[False]]
@@ -315,7 +318,15 @@ def _materialize(c: Candidate, m: ModelFacts, w: Workload, speed: SpeedModel, ma
     if c.par.backend == "fsdp" and c.par.offload:
         plan_notes.append(
             f"CPU offload pins {fmt_gib(host.offloaded)} of host RAM (parameters, gradients and optimizer state), "
-            "which cannot be swapped out; the optimizer step's time assumes host memory bandwidth, not measured"
+            "which cannot be swapped out"
+        )
+    if c.par.offload:
+        gbs, cpu_class = speed.host_memory_class()
+        ranks = max(speed.ranks_per_node(c.par).values())
+        plan_notes.append(
+            f"offload time assumes {gbs:.0f} GB/s of host memory bandwidth per socket (a {cpu_class}, from the CPU "
+            f"model; not measured), shared by the up to {ranks} ranks on one NUMA node: the copies to and from "
+            "the GPUs, the gradient accumulation on the host and the CPU optimizer step all stream through it"
         )
     plan = Plan(
         workload=w,
