@@ -281,6 +281,7 @@ def test_mixtral_inference_on_a6000s_takes_the_roomy_plan_of_equal_speed():
     assert best.total / best.capacity < 0.6
     fastest = max([r.best, *r.runners_up], key=lambda p: p.timing.tokens_per_s)
     assert fastest is not r.best and fastest.timing.tokens_per_s < r.best.timing.tokens_per_s / (1 - SPEED_TIE)
+    assert any(n.startswith("ranked above") and "free on its fullest GPU" in n for n in r.best.notes)
 
 
 def test_70b_lora_on_h100s_does_not_recommend_offload_for_a_few_percent():
@@ -290,6 +291,7 @@ def test_70b_lora_on_h100s_does_not_recommend_offload_for_a_few_percent():
     off = [p for p in r.runners_up if p.parallelism.offload]
     assert off and off[0].timing.tokens_per_s > r.best.timing.tokens_per_s  # faster, but not by 15%
     assert off[0].timing.tokens_per_s * (1 - OFFLOAD_MARGIN) <= r.best.timing.tokens_per_s
+    assert any("offload is recommended only where" in n for n in r.best.notes)
 
 
 def test_equal_speed_zero2_and_fsdp_go_to_the_one_with_headroom():

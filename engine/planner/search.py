@@ -200,6 +200,10 @@ def search(
     # The variants were appended after the other families: show every plan in the ranking's order.
     position = {id(c.par): i for i, c in enumerate(fitting)}
     runners.sort(key=lambda p: position.get(id(p.parallelism), len(position)))
+    if best is not None:
+        why = _why_not_fastest(best, runners)
+        if why:
+            best.notes.append(why)
     rejected = _rejections(cands, skipped, fitting)
     suggestions: list[Suggestion] = []
     if (best is None or not best.runs_here) and opts.suggest:
@@ -283,6 +287,25 @@ def rank(fitting: list[Candidate]) -> list[Candidate]:
             while head < len(by_speed) and taken[head]:
                 head += 1
     return out
+
+
+def _why_not_fastest(best: Plan, runners: list[Plan]) -> str:
+    """Why a faster runner-up the engine runs ranks below the best plan, in one line ("" when none is faster)."""
+    faster = [p for p in runners if p.runs_here == best.runs_here and p.timing.tokens_per_s > best.timing.tokens_per_s * 1.001]
+    if not faster:
+        return ""
+    f = max(faster, key=lambda p: p.timing.tokens_per_s)
+    gain = f.timing.tokens_per_s / best.timing.tokens_per_s - 1
+    name = f"{f.parallelism.family} ({f.parallelism.describe()})"
+    if f.parallelism.offload and not best.parallelism.offload:
+        return (
+            f"ranked above {name}, which is {gain:.0%} faster: offload is recommended only where the best plan "
+            f"without it is more than {OFFLOAD_MARGIN:.0%} slower"
+        )
+    return (
+        f"ranked above {name}, which is {gain:.1%} faster: within {SPEED_TIE:.0%} this plan leaves "
+        f"{fmt_gib(best.peak_memory.headroom)} free on its fullest GPU against {fmt_gib(f.peak_memory.headroom)}"
+    )
 
 
 def cannot_run(par: Parallelism, w: Workload, model_type: str) -> str:
