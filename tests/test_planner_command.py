@@ -35,7 +35,7 @@ def test_json_plan_for_four_4090s(capsys):
 def test_text_output(capsys):
     rc, out, _ = run(capsys, "--simulate", "2x-rtx3090-nvlink", "--model", "qwen2.5-0.5b", "--method", "lora", "--seq", "1024", "--batch", "8")
     assert rc == 0
-    assert "Best plan for LoRA fine-tuning" in out and "Plans (fastest first):" in out and "Memory per GPU" in out
+    assert "Best plan for LoRA fine-tuning" in out and "Plans, best first" in out and "Memory per GPU" in out
 
 
 def test_nothing_fits_exits_1_with_suggestions(capsys):

@@ -204,7 +204,7 @@ class PlannerPage(QWidget):
 
         self.table = QTableWidget(0, len(TABLE_COLUMNS))
         self.table.setObjectName("planTable")
-        self.table.setAccessibleName("Ranked plans, fastest first")
+        self.table.setAccessibleName("Ranked plans, best first: within 5% of the fastest, the most free memory")
         self.table.setHorizontalHeaderLabels(TABLE_COLUMNS)
         self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
         self.table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)

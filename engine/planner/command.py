@@ -24,7 +24,7 @@ from rigpilot.engine.planner.calibration import apply as apply_calibration
 from rigpilot.engine.planner.export import EXPORTS, export_best
 from rigpilot.engine.planner.memory import fmt_gib
 from rigpilot.engine.planner.plan import METHODS, OPTIMIZERS, PRECISIONS, LoraSettings, Plan, Workload
-from rigpilot.engine.planner.search import SearchOptions, SearchResult, search
+from rigpilot.engine.planner.search import RANKING, SearchOptions, SearchResult, search
 
 DEFAULT_SEQ = 2048
 DEFAULT_TRAIN_BATCH = 16
@@ -177,7 +177,7 @@ def render_text(result: SearchResult) -> list[str]:
     out += [f"  {line}" for line in result.explanation]
     plans = ([result.best] if result.best else []) + result.runners_up
     if plans:
-        out += ["", "Plans (fastest first):"]
+        out += ["", f"Plans, {RANKING}:"]
         out += [f"  {row}" for row in _table(plans, result.workload)]
         for i, p in enumerate(plans):
             if not p.runs_here:

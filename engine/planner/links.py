@@ -13,9 +13,12 @@ user measured that group.
 from __future__ import annotations
 
 import itertools
+import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from rigpilot import resources
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.machine import P2P, Gpu, GpuPair, Machine, PciePath, short_gpu_name
 from rigpilot.engine.hardware.specs import match_spec
@@ -29,18 +32,21 @@ NCCL_EFFICIENCY = {"nvswitch": 0.85, "nvlink": 0.85, "p2p": 0.8, "host": 0.8, "s
 HOST_BOUNCE = 0.5  # no P2P: copied into host memory and out again
 CROSS_SOCKET = 0.4  # through both sockets' memory and the socket interconnect
 LATENCY_S = {"nvswitch": 6e-6, "nvlink": 6e-6, "p2p": 10e-6, "host": 20e-6, "sys": 25e-6, "self": 0.0}
-# Share of the dense spec peak that a training step's matmul work reaches, by architecture (priors from
-# published MFU of FSDP/Megatron runs at 7B scale; GeForce figures already use the halved fp32-accumulate rate).
-EFFICIENCY_PRIOR = {
-    "hopper": 0.45,
-    "blackwell": 0.40,
-    "ampere": 0.52,
-    "ada lovelace": 0.50,
-    "volta": 0.45,
-    "turing": 0.40,
-    "pascal": 0.35,
-}
-DEFAULT_EFFICIENCY = 0.40
+
+
+def _efficiency_priors() -> tuple[dict[str, float], float]:
+    """Share of the dense spec peak a training step's matmuls reach, by GPU class (resources/speed_priors.json).
+
+    Datacenter Ampere and Hopper are fitted to published measured runs (resources/published_runs.json,
+    benchmarks/published_runs.py --fit); the other classes are priors the file marks as not fitted.
+    """
+    doc = json.loads(resources.path("speed_priors.json").read_text())
+    return {k: float(v["efficiency"]) for k, v in doc["efficiency"].items()}, float(doc["default"])
+
+
+EFFICIENCY_PRIOR, DEFAULT_EFFICIENCY = _efficiency_priors()
+# GeForce and RTX workstation cards: their own class where the file has one (the datacenter fit does not carry over).
+_WORKSTATION_KEY = re.compile(r"^(rtx|gtx|titan)")
 MEASURED_TO_STEP = 0.80  # a step reaches ~80% of a large measured GEMM's rate (other kernels, launch gaps)
 MEMORY_BW_EFFICIENCY = 0.75
 # Unknown GPUs: deliberately modest figures, flagged as assumed so the user can calibrate them.
@@ -292,7 +298,10 @@ def gpu_perf(gpu: Gpu, calibration: Calibration | None = None) -> GpuPerf:
         peak: dict[str, float | None] = {d: spec.peak_tflops(d) for d in ("bf16", "fp16", "tf32", "fp32", "int8")}
         arch = spec.architecture
         mem_bw = spec.memory_bandwidth_gbs
-        eff = EFFICIENCY_PRIOR.get(arch.lower(), DEFAULT_EFFICIENCY)
+        cls = arch.lower()
+        if _WORKSTATION_KEY.match(spec.key) and f"{cls} workstation" in EFFICIENCY_PRIOR:
+            cls = f"{cls} workstation"
+        eff = EFFICIENCY_PRIOR.get(cls, DEFAULT_EFFICIENCY)
         nv_total = spec.nvlink_bandwidth_gbs / 2 if spec.nvlink_bandwidth_gbs else None
     else:
         peak = dict(UNKNOWN_PEAK)

@@ -1,4 +1,4 @@
-"""Search: every valid way to split a workload over the selected GPUs, ranked by predicted throughput.
+"""Search: every valid way to split a workload over the selected GPUs, ranked by predicted throughput and headroom.
 
 Training enumerates (tp, pp, dp) factorizations, the FSDP2 forms the engine runs
 (full sharding and HSDP, ZeRO-2 as FSDP2 without resharding after forward, CPU
@@ -14,6 +14,10 @@ explanation can say what they would have cost. Mixed GPUs: the smallest card
 binds every symmetric plan (each GPU is checked against its own memory) and
 pipelines give each stage layers in proportion to its memory.
 
+Ranking (`rank`): the model's speeds are good to about 5%, so among plans that close the one with the
+most free memory wins, and offload is recommended only where the best plan without it is more than
+15% slower.
+
 Every candidate is judged by the engine's one capability contract,
 `rigpilot.engine.capability.why_not(layout_of_plan(plan))`: plans the engine cannot run
 rank below all those it runs and carry the reason (`Plan.runs_here_reason`).
@@ -25,7 +29,7 @@ smallest changes that would make it fit are tried by re-running the search.
 from __future__ import annotations
 
 import dataclasses
-import math
+import heapq
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -159,7 +163,7 @@ def search(
     calibration: Calibration | None = None,
     options: SearchOptions | None = None,
 ) -> SearchResult:
-    """Find the fastest plan that fits, with runners-up, rejected families and (if needed) suggestions."""
+    """Find the best plan that fits (`rank`), with runners-up, rejected families and (if needed) suggestions."""
     start = time.perf_counter()
     opts = options or SearchOptions()
     if opts.export is not None and opts.export not in EXPORT_TARGETS:
@@ -174,9 +178,7 @@ def search(
     mm = MemoryModel(m, w)
     speed = SpeedModel(m, w, topo, mm)
     cands, skipped = _evaluate(m, w, topo, mm, speed, opts)
-    fitting = [c for c in cands if c.fits and not c.blocked]
-    # Plans the engine refuses rank below every plan it runs: the best plan is one a job runs whenever one fits.
-    fitting.sort(key=_rank_key)
+    fitting = rank([c for c in cands if c.fits and not c.blocked])
     notes = list(m.notes)
     best = _materialize(fitting[0], m, w, speed, machine, notes) if fitting else None
     runners: list[Plan] = []
@@ -195,7 +197,13 @@ def search(
                 break
             if c.family == best.parallelism.family and c.runs_here and not _same_shape(c.par, best.parallelism):
                 runners.append(_materialize(c, m, w, speed, machine, []))
-    runners.sort(key=lambda p: (not p.runs_here, -p.timing.tokens_per_s))
+    # The variants were appended after the other families: show every plan in the ranking's order.
+    position = {id(c.par): i for i, c in enumerate(fitting)}
+    runners.sort(key=lambda p: position.get(id(p.parallelism), len(position)))
+    if best is not None:
+        why = _why_not_fastest(best, runners)
+        if why:
+            best.notes.append(why)
     rejected = _rejections(cands, skipped, fitting)
     suggestions: list[Suggestion] = []
     if (best is None or not best.runs_here) and opts.suggest:
@@ -226,12 +234,78 @@ def _same_shape(a: Parallelism, b: Parallelism) -> bool:
     )
 
 
-def _rank_key(c: Candidate) -> tuple[bool, float, int, int, float]:
-    # What the engine runs first; throughputs within 1% of each other tie; then the simpler family, fewer GPUs,
-    # more headroom.
-    tps = c.tokens_per_s
-    bucket = math.floor(math.log(tps) / math.log(1.01)) if tps > 0 else -(10**9)
-    return (not c.runs_here, -bucket, FAMILY_ORDER.index(c.family), c.par.world_size, c.worst_total / max(c.worst_capacity, 1))
+# Predicted speeds closer than this are within the model's error (tests/test_published_runs.py): among
+# them the plan with the most free memory wins, since running out of memory costs more than 5%.
+SPEED_TIE = 0.05
+# CPU offload pins host RAM, leans on host memory bandwidth that other work shares and is the least predictable
+# part of the model: a plan without it is recommended unless it is more than this much slower than the offload.
+OFFLOAD_MARGIN = 0.15
+# Plans that leave at least this share of their fullest GPU free count as equally roomy: beyond the formula's 10%
+# error bound and the allocator's fragmentation, more free memory buys nothing, and the faster plan wins.
+ROOMY_FILL = 0.80
+RANKING = (
+    "best first: within 5% of the fastest, the one with the most free memory (up to 20% free); "
+    "offload only where the best plan without it is more than 15% slower"
+)
+
+
+def _score(c: Candidate) -> float:
+    return c.tokens_per_s * (1.0 - OFFLOAD_MARGIN) if c.par.offload else c.tokens_per_s
+
+
+def _fill(c: Candidate) -> float:
+    return c.worst_total / max(c.worst_capacity, 1)
+
+
+def rank(fitting: list[Candidate]) -> list[Candidate]:
+    """Fitting candidates in the order the plan table shows them, best first.
+
+    Plans the engine refuses come after every plan it runs. Among the rest, the next plan is taken from
+    those within SPEED_TIE of the fastest left (offload counted at its speed less OFFLOAD_MARGIN): the one
+    with the most free memory on its fullest GPU (in steps of 1% of capacity, every plan using at most
+    ROOMY_FILL of it counting as equal), then the faster, the simpler family, fewer GPUs. An offloading plan is taken by headroom only while the fastest left offloads too,
+    so a plan without offload within the margin always comes first.
+    """
+    out: list[Candidate] = []
+    for group in ([c for c in fitting if c.runs_here], [c for c in fitting if not c.runs_here]):
+        by_speed = sorted(group, key=lambda c: -_score(c))
+        taken = [False] * len(by_speed)
+        heaps: dict[bool, list[tuple]] = {False: [], True: []}
+        head = nxt = 0
+        while head < len(by_speed):
+            top = _score(by_speed[head])
+            while nxt < len(by_speed) and _score(by_speed[nxt]) >= top * (1.0 - SPEED_TIE):
+                c = by_speed[nxt]
+                key = (round(max(_fill(c), ROOMY_FILL), 2), -_score(c), FAMILY_ORDER.index(c.family), c.par.world_size, nxt)
+                heapq.heappush(heaps[c.par.offload], key)
+                nxt += 1
+            pools = [heaps[False], heaps[True]] if by_speed[head].par.offload else [heaps[False]]
+            pool = min((h for h in pools if h), key=lambda h: h[0])
+            i = heapq.heappop(pool)[-1]
+            taken[i] = True
+            out.append(by_speed[i])
+            while head < len(by_speed) and taken[head]:
+                head += 1
+    return out
+
+
+def _why_not_fastest(best: Plan, runners: list[Plan]) -> str:
+    """Why a faster runner-up the engine runs ranks below the best plan, in one line ("" when none is faster)."""
+    faster = [p for p in runners if p.runs_here == best.runs_here and p.timing.tokens_per_s > best.timing.tokens_per_s * 1.001]
+    if not faster:
+        return ""
+    f = max(faster, key=lambda p: p.timing.tokens_per_s)
+    gain = f.timing.tokens_per_s / best.timing.tokens_per_s - 1
+    name = f"{f.parallelism.family} ({f.parallelism.describe()})"
+    if f.parallelism.offload and not best.parallelism.offload:
+        return (
+            f"ranked above {name}, which is {gain:.0%} faster: offload is recommended only where the best plan "
+            f"without it is more than {OFFLOAD_MARGIN:.0%} slower"
+        )
+    return (
+        f"ranked above {name}, which is {gain:.1%} faster: within {SPEED_TIE:.0%} this plan leaves "
+        f"{fmt_gib(best.peak_memory.headroom)} free on its fullest GPU against {fmt_gib(f.peak_memory.headroom)}"
+    )
 
 
 def cannot_run(par: Parallelism, w: Workload, model_type: str) -> str:
@@ -267,7 +341,15 @@ def _materialize(c: Candidate, m: ModelFacts, w: Workload, speed: SpeedModel, ma
     if c.par.backend == "fsdp" and c.par.offload:
         plan_notes.append(
             f"CPU offload pins {fmt_gib(host.offloaded)} of host RAM (parameters, gradients and optimizer state), "
-            "which cannot be swapped out; the optimizer step's time assumes host memory bandwidth, not measured"
+            "which cannot be swapped out"
+        )
+    if c.par.offload:
+        gbs, cpu_class = speed.host_memory_class()
+        ranks = max(speed.ranks_per_node(c.par).values())
+        plan_notes.append(
+            f"offload time assumes {gbs:.0f} GB/s of host memory bandwidth per socket (a {cpu_class}, from the CPU "
+            f"model; not measured), shared by the up to {ranks} ranks on one NUMA node: the copies to and from "
+            "the GPUs, the gradient accumulation on the host and the CPU optimizer step all stream through it"
         )
     plan = Plan(
         workload=w,

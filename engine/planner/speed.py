@@ -9,13 +9,15 @@ micro-batch's compute; tensor-parallel all-reduces (two per layer forward, two
 backward in Megatron's layout) sit on the critical path. A pipeline of p stages
 and m micro-batches idles for (p-1)/(m+p-1) of its time. FSDP2's CPU offload
 copies each unit's parameter shard to the GPU at every all-gather and each
-gradient shard back per micro-batch over the GPU's PCIe link, partly behind
-compute, then runs AdamW on the CPU, bound by the host memory bandwidth that the
-ranks on one socket share.
+gradient shard back per micro-batch over the GPU's PCIe link, prefetched one
+unit ahead so only what the compute cannot cover (and the first unit) shows;
+the host accumulates the gradient shards and runs AdamW on the CPU, all of it
+streaming through host memory whose bandwidth the ranks on one NUMA node share.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from rigpilot.engine.planner.links import MEMORY_BW_EFFICIENCY, Link, Topology
@@ -28,16 +30,26 @@ QLORA_RATE = 0.65  # NF4 weights are dequantized before every matmul
 INT8_RATE = 0.4  # LLM.int8 decomposes outliers: slow
 SELECTIVE_RECOMPUTE = 1.03  # norms and activation functions run twice
 CPU_ADAM_PARAMS_PER_CORE_S = 1.0e8  # DeepSpeed's CPU Adam, AVX2/AVX-512
-CPU_ADAM_MAX_PARAMS_S = 4.0e9  # host memory bandwidth caps it
-OFFLOAD_OVERLAP = 0.5  # share of compute that parameter prefetch from the host can hide behind
 # torch.optim.AdamW on the CPU (fp32, for-each-tensor): reads parameter, gradient, exp_avg and exp_avg_sq, writes
 # the first three and its sqrt(v)+eps temporary and reads it back: 16 + 12 + 8 bytes per parameter.
 CPU_OPTIMIZER_BYTES = {"adamw": 36.0, "adamw8bit": 16.0, "sgd": 16.0}
-# Host memory bandwidth a socket's cores reach streaming (STREAM-triad-like), assumed: the machine model does not
-# measure it. 8-channel DDR4-3200/DDR5 server and workstation sockets (EPYC, Xeon, Threadripper PRO) peak at
-# 205-300 GB/s and stream about 120; desktops with two DDR5 channels peak near 90 and stream about 60.
-HOST_MEMORY_BW_SERVER_GBS = 120.0
-HOST_MEMORY_BW_DESKTOP_GBS = 60.0
+# DeepSpeed's fused CPU Adam: reads fp32 parameter, gradient and both moments, writes three back and the bf16 copy.
+DEEPSPEED_CPU_ADAM_BYTES = 30.0
+# Accumulating an offloaded fp32 gradient shard on the host (a += b): two reads and a write per element.
+HOST_ACCUMULATE_BYTES = 12.0
+# Host memory bandwidth a NUMA node's cores reach streaming (STREAM-triad-like), by CPU class, assumed: the machine
+# model does not measure it, and plans that offload say which figure they used. (pattern, GB/s, class in words)
+HOST_MEMORY_CLASSES = (
+    # 8- and 12-channel DDR5 sockets (Xeon 4th/5th gen Scalable, EPYC 9004/9005): 307-614 GB/s peak.
+    (re.compile(r"xeon.*\b(platinum|gold|silver|bronze) [3-9][45]\d\d|xeon.*\bw[579]-[23]\d\d\d|epyc 9\d\d[45]|threadripper pro 7\d\d\d"),
+     200.0, "DDR5 server or workstation socket"),
+    # 8-channel DDR4-3200 sockets (older Xeon Scalable, EPYC 7002/7003, Threadripper PRO 3000/5000): 205 GB/s peak.
+    (re.compile(r"epyc|xeon|threadripper pro"), 120.0, "DDR4 server or workstation socket"),
+    # 4-channel HEDT (Threadripper 2000/3000/7000 non-PRO): 100-166 GB/s peak.
+    (re.compile(r"threadripper"), 80.0, "four-channel HEDT socket"),
+)
+HOST_MEMORY_DESKTOP = (60.0, "two-channel desktop socket")  # DDR4/DDR5 desktops: 50-90 GB/s peak
+HOST_STREAM_PER_CORE_GBS = 10.0  # one core streaming: caps a rank's share when it has few cores (OMP threads)
 DECODE_OVERHEAD_PER_LAYER_S = 0.25e-3  # eager PyTorch launches a few dozen kernels per layer per token
 DECODE_QUANT_FACTOR = {16: 1.0, 8: 2.5, 4: 1.5}  # dequantization on every decode step
 OPTIMIZER_BYTES = {"adamw": 28.0, "adamw8bit": 12.0, "sgd": 16.0}  # touched per parameter in one step
@@ -323,24 +335,7 @@ class SpeedModel:
             return 0.0
         if par.backend == "fsdp":
             return self._fsdp_offload(par, groups, stage_compute)
-        mm, topo = self.mm, self.topo
-        pb = 2 if mm.mixed else 4
-        z = par.shard_degree if par.zero_stage >= 1 else 1
-        worst = 0.0
-        for st in range(par.pp):
-            trainable = self._trainable(par, st)
-            pcie = min(topo.gpus[i].pcie_gbs for i in groups.stages[st]) * 1e9
-            xfer = 2 * trainable / z * pb / pcie  # gradients out, updated parameters back
-            if par.offload_params:
-                p_local, _ = mm.stage_params(par, st)
-                per_mb = (2 * p_local + trainable) / z * pb / pcie
-                xfer += par.grad_accum * max(per_mb - OFFLOAD_OVERLAP * stage_compute[st], 0.0)
-            worst = max(worst, xfer)
-        host = topo.machine.host
-        cores = host.cores or 8
-        rate = min(cores * CPU_ADAM_PARAMS_PER_CORE_S, CPU_ADAM_MAX_PARAMS_S)
-        total_trainable = sum(self._trainable(par, st) for st in range(par.pp)) * par.tp
-        return worst + total_trainable / rate
+        return self._deepspeed_offload(par, groups, stage_compute)
 
     def offload_traffic(self, par: Parallelism, stage: int = 0) -> tuple[float, float, float]:
         """FSDP2 CPU offload, bytes one rank moves per step: (host→GPU, GPU→host, touched by the CPU optimizer).
@@ -362,49 +357,107 @@ class SpeedModel:
         cpu = trainable / z * CPU_OPTIMIZER_BYTES.get(self.w.optimizer, CPU_OPTIMIZER_BYTES["adamw"])
         return h2d, d2h, cpu
 
+    def host_accumulate_bytes(self, par: Parallelism, stage: int = 0) -> float:
+        """Bytes one rank's host-side gradient accumulation streams per step: every micro-batch after the first."""
+        z = max(par.shard_degree if par.zero_stage >= 1 else 1, 1)
+        return max(par.grad_accum - 1, 0) * self._trainable(par, stage) / z * HOST_ACCUMULATE_BYTES
+
+    def host_memory_class(self) -> tuple[float, str]:
+        """(GB/s one NUMA node's CPUs stream from their memory, the CPU class it was assumed from)."""
+        model = (self.topo.machine.host.cpu_model or "").lower()
+        for pattern, gbs, words in HOST_MEMORY_CLASSES:
+            if pattern.search(model):
+                return gbs, words
+        return HOST_MEMORY_DESKTOP
+
     def host_memory_bandwidth(self) -> float:
         """Bytes/s one NUMA node's CPUs stream from their memory: assumed from the CPU's class (plans say so)."""
         host = self.topo.machine.host
-        model = (host.cpu_model or "").lower()
-        server = any(k in model for k in ("epyc", "xeon", "threadripper pro", "threadripper 79", "threadripper 99"))
-        per_socket = HOST_MEMORY_BW_SERVER_GBS if server else HOST_MEMORY_BW_DESKTOP_GBS
+        per_socket, _ = self.host_memory_class()
         nodes = max(len(host.numa_nodes), host.sockets or 1, 1)
         return per_socket * max(host.sockets or 1, 1) / nodes * 1e9
+
+    def ranks_per_node(self, par: Parallelism) -> dict[int, int]:
+        """How many of the plan's ranks hang off each NUMA node (their host-side work shares its memory)."""
+        out: dict[int, int] = {}
+        for g in par.gpu_indices:
+            node = self.topo.machine.gpu(g).numa_node or 0
+            out[node] = out.get(node, 0) + 1
+        return out
+
+    def host_rate(self, par: Parallelism, gpu: int) -> float:
+        """Bytes/s the host-side work of the rank on `gpu` streams: its node's bandwidth shared by the ranks
+        there, capped by the cores it gets (the engine gives each rank cores / ranks OpenMP threads)."""
+        host = self.topo.machine.host
+        ranks = self.ranks_per_node(par)
+        share = self.host_memory_bandwidth() / ranks[self.topo.machine.gpu(gpu).numa_node or 0]
+        cores = (host.cores or 8) / max(par.world_size, 1)
+        return min(share, max(cores, 1.0) * HOST_STREAM_PER_CORE_GBS * 1e9)
+
+    def _window(self, par: Parallelism, groups: Groups, st: int, compute_mb: float) -> float:
+        """Compute time a micro-batch's host copies can hide behind: without NVLink the collectives ride the same
+        PCIe link, so the window is what they leave."""
+        shard = [g for g in groups.shard if g[0] in groups.stages[st]]
+        link = self._collective(shard) if shard and len(shard[0]) > 1 else None
+        if link is None or link.kind in ("nvlink", "nvswitch"):
+            return compute_mb
+        p_local, _ = self.mm.stage_params(par, st)
+        gathers = 2 if par.reshard_after_forward else 1
+        return max(compute_mb - (gathers + 1) * gather_s(p_local * self.mm.c, len(shard[0]), link), 0.0)
 
     def _fsdp_offload(self, par: Parallelism, groups: Groups, stage_compute: list[float]) -> float:
         """Seconds a step spends on FSDP2 CPU offload beyond what hides behind the GPU's compute.
 
-        The copies ride each GPU's PCIe link, overlapping compute like the prefetched all-gathers they
-        feed; without NVLink the collectives share that link, so the window left is what they leave. The
-        CPU optimizer step follows backward and hides behind nothing: it is bound by host memory
-        bandwidth, shared by the ranks whose GPUs hang off one NUMA node.
+        The copies ride each GPU's PCIe link and stream through host memory (DMA), prefetched one unit
+        ahead like the all-gathers they feed: each pass shows its first unit and whatever the micro-batch's
+        compute cannot cover. Accumulating gradient shards on the host and the CPU optimizer step hide
+        behind nothing; both stream host memory, shared by the ranks on one NUMA node.
         """
         topo, m = self.topo, self.m
-        worst_xfer = 0.0
+        mbs = max(par.grad_accum, 1)
+        worst = 0.0
         for st in range(par.pp):
-            h2d, d2h, _ = self.offload_traffic(par, st)
-            pcie = min(topo.gpus[i].pcie_gbs for i in groups.stages[st]) * 1e9
-            mbs = max(par.grad_accum, 1)
-            per_mb = max(h2d, d2h) / mbs / pcie  # the two directions of a PCIe link run at once
-            window = OFFLOAD_OVERLAP * stage_compute[st]
-            shard = [g for g in groups.shard if g[0] in groups.stages[st]]
-            link = self._collective(shard) if shard and len(shard[0]) > 1 else None
-            if link is not None and link.kind not in ("nvlink", "nvswitch"):
-                p_local, _ = self.mm.stage_params(par, st)
-                gathers = 2 if par.reshard_after_forward else 1
-                comm = (gathers + 1) * gather_s(p_local * self.mm.c, len(shard[0]), link)
-                window = max(window - comm, 0.0)
-            n_units = max(stage_range(par, st, m.layers)[1] - stage_range(par, st, m.layers)[0], 1)
-            worst_xfer = max(worst_xfer, mbs * max(per_mb - window, per_mb / n_units))
-        bw = self.host_memory_bandwidth()
-        per_node: dict[int, float] = {}
-        for st in range(par.pp):
-            _, _, cpu = self.offload_traffic(par, st)
+            h2d, d2h, cpu = self.offload_traffic(par, st)
+            accumulate = self.host_accumulate_bytes(par, st)
+            a, b = stage_range(par, st, m.layers)
+            n_units = max(b - a, 1)
+            window = self._window(par, groups, st, stage_compute[st])
             for g in groups.stages[st]:
-                node = topo.machine.gpu(g).numa_node or 0
-                per_node[node] = per_node.get(node, 0.0) + cpu
-        cpu_s = max(per_node.values(), default=0.0) / bw
-        return worst_xfer + cpu_s
+                rate = self.host_rate(par, g)
+                pcie = topo.gpus[g].pcie_gbs * 1e9
+                # The two directions of a PCIe link run at once; host memory serves both.
+                per_mb = max(max(h2d, d2h) / pcie, (h2d + d2h) / rate) / mbs
+                xfer = mbs * (per_mb / n_units + max(per_mb - window, 0.0))
+                worst = max(worst, xfer + (accumulate + cpu) / rate)
+        return worst
+
+    def _deepspeed_offload(self, par: Parallelism, groups: Groups, stage_compute: list[float]) -> float:
+        """DeepSpeed ZeRO-Offload (and ZeRO-3 parameter offload): gradients out and updated parameters back once
+        per step, gradient accumulation and Adam on the CPU, parameters fetched per micro-batch when offloaded."""
+        mm, topo, m = self.mm, self.topo, self.m
+        pb = 2 if mm.mixed else 4
+        z = par.shard_degree if par.zero_stage >= 1 else 1
+        mbs = max(par.grad_accum, 1)
+        host = topo.machine.host
+        cores = (host.cores or 8) / max(par.world_size, 1)
+        adam_bytes = DEEPSPEED_CPU_ADAM_BYTES if self.w.optimizer == "adamw" else CPU_OPTIMIZER_BYTES.get(self.w.optimizer, 16.0)
+        worst = 0.0
+        for st in range(par.pp):
+            trainable = self._trainable(par, st)
+            accumulate = self.host_accumulate_bytes(par, st)
+            a, b = stage_range(par, st, m.layers)
+            n_units = max(b - a, 1)
+            for g in groups.stages[st]:
+                rate = self.host_rate(par, g)
+                link = min(topo.gpus[g].pcie_gbs * 1e9, rate)
+                xfer = 2 * trainable / z * pb / link  # gradients out, updated parameters back
+                if par.offload_params:
+                    p_local, _ = mm.stage_params(par, st)
+                    per_mb = (2 * p_local + trainable) / z * pb / link
+                    xfer += mbs * (per_mb / n_units + max(per_mb - stage_compute[st], 0.0))
+                adam = max(trainable / z / (max(cores, 1.0) * CPU_ADAM_PARAMS_PER_CORE_S), trainable / z * adam_bytes / rate)
+                worst = max(worst, xfer + accumulate / rate + adam)
+        return worst
 
     # -- inference --------------------------------------------------------------------------------------
     def infer(self, par: Parallelism, detail: bool = True) -> Timing:
