@@ -34,17 +34,22 @@ CROSS_SOCKET = 0.4  # through both sockets' memory and the socket interconnect
 LATENCY_S = {"nvswitch": 6e-6, "nvlink": 6e-6, "p2p": 10e-6, "host": 20e-6, "sys": 25e-6, "self": 0.0}
 
 
-def _efficiency_priors() -> tuple[dict[str, float], float]:
+def _efficiency_priors() -> tuple[dict[str, float], float, dict[str, str]]:
     """Share of the dense spec peak a training step's matmuls reach, by GPU class (resources/speed_priors.json).
 
-    Datacenter Ampere and Hopper are fitted to published measured runs (resources/published_runs.json,
-    benchmarks/published_runs.py --fit); the other classes are priors the file marks as not fitted.
+    Datacenter Ampere and Hopper are fitted to published measured runs of a stack like the engine's
+    (resources/published_runs.json, benchmarks/published_runs.py --fit); the other classes are priors the
+    file marks as not fitted. The third map says which is which, in the words a plan shows.
     """
     doc = json.loads(resources.path("speed_priors.json").read_text())
-    return {k: float(v["efficiency"]) for k, v in doc["efficiency"].items()}, float(doc["default"])
+    sources = {
+        k: f"fitted to {len(v['runs'])} published runs" if v.get("fitted") and v.get("runs") else "assumed"
+        for k, v in doc["efficiency"].items()
+    }
+    return {k: float(v["efficiency"]) for k, v in doc["efficiency"].items()}, float(doc["default"]), sources
 
 
-EFFICIENCY_PRIOR, DEFAULT_EFFICIENCY = _efficiency_priors()
+EFFICIENCY_PRIOR, DEFAULT_EFFICIENCY, EFFICIENCY_SOURCE = _efficiency_priors()
 # GeForce and RTX workstation cards: their own class where the file has one (the datacenter fit does not carry over).
 _WORKSTATION_KEY = re.compile(r"^(rtx|gtx|titan)")
 MEASURED_TO_STEP = 0.80  # a step reaches ~80% of a large measured GEMM's rate (other kernels, launch gaps)
@@ -110,6 +115,7 @@ class GpuPerf:
     pcie_gbs: float  # achievable, one direction
     nvlink_link_gbs: float | None  # one link, one direction
     nvlink_total_gbs: float | None  # all links, one direction (what an NVSwitch gives one peer)
+    efficiency_source: str = "assumed"  # or "fitted to N published runs"
 
     @property
     def short_name(self) -> str:
@@ -286,7 +292,7 @@ class Topology:
             seen.add(key)
             src = "spec" if g.spec_key else "assumed"
             out.append(Figure(f"peak {dtype} TFLOP/s, {g.short_name}", g.peak_tflops(dtype), "TFLOP/s", src))
-            out.append(Figure(f"share of that peak reached, {g.short_name}", g.efficiency, "", "assumed"))
+            out.append(Figure(f"share of that peak reached, {g.short_name}", g.efficiency, "", g.efficiency_source))
         return out
 
 
@@ -302,12 +308,14 @@ def gpu_perf(gpu: Gpu, calibration: Calibration | None = None) -> GpuPerf:
         if _WORKSTATION_KEY.match(spec.key) and f"{cls} workstation" in EFFICIENCY_PRIOR:
             cls = f"{cls} workstation"
         eff = EFFICIENCY_PRIOR.get(cls, DEFAULT_EFFICIENCY)
+        eff_source = EFFICIENCY_SOURCE.get(cls, "assumed") if cls in EFFICIENCY_PRIOR else "assumed"
         nv_total = spec.nvlink_bandwidth_gbs / 2 if spec.nvlink_bandwidth_gbs else None
     else:
         peak = dict(UNKNOWN_PEAK)
         arch = "unknown"
         mem_bw = UNKNOWN_MEMORY_BW
         eff = DEFAULT_EFFICIENCY
+        eff_source = "assumed"
         nv_total = None
     links = gpu.nvlink_links or 0
     per_link = None
@@ -332,6 +340,7 @@ def gpu_perf(gpu: Gpu, calibration: Calibration | None = None) -> GpuPerf:
         pcie_gbs=pcie,
         nvlink_link_gbs=per_link,
         nvlink_total_gbs=nv_total,
+        efficiency_source=eff_source,
     )
 
 
