@@ -8,8 +8,9 @@ from its preset or the shape its source defines, a simulated 8-GPU NVSwitch node
 `SpeedModel.train` on that Parallelism. A multi-node run is predicted per GPU as one of its 8-GPU nodes
 running the same per-GPU micro-batch, with the sharding ring's bus bandwidth set to the run's inter-node
 network (bits per node × NCCL's 0.8, as a measured figure the way a calibration enters it): every ring of
-a flat FSDP group crosses each node's network once. HSDP runs shard within the node, so the node's own
-NVSwitch binds. Checkpointing that recomputes a share f of the forward (torchtitan's per-op policy,
+a flat FSDP group crosses each node's network once. HSDP runs shard within the node over its NVSwitch, and
+all-reduce each GPU's gradient shard across the nodes: the node's 8 replica rings share its network, and
+what of that all-reduce the backward pass cannot hide (speed.py's rule for HSDP) is added to the step. Checkpointing that recomputes a share f of the forward (torchtitan's per-op policy,
 every second matmul: f = 0.5) is predicted as (1 - f) × no-checkpointing + f × full-checkpointing step time.
 
 Runs have a stack: "eager-pytorch" (a stack like Rigpilot's engine: PyTorch FSDP, SDPA, no torch.compile,
@@ -39,11 +40,11 @@ from rigpilot.engine.hardware.simulated import machine_from_profile
 from rigpilot.engine.models.describe import describe_model
 from rigpilot.engine.models.formulas import spec_from_config
 from rigpilot.engine.planner import links
-from rigpilot.engine.planner.links import Calibration, Topology
+from rigpilot.engine.planner.links import LATENCY_S, Calibration, Link, Topology
 from rigpilot.engine.planner.memory import MemoryModel
 from rigpilot.engine.planner.model import model_facts
 from rigpilot.engine.planner.plan import Parallelism, Workload
-from rigpilot.engine.planner.speed import SpeedModel
+from rigpilot.engine.planner.speed import OVERLAP, SpeedModel, allreduce_s
 
 MEDIAN_LIMIT = 0.15
 OPTIMISTIC_LIMIT = 0.30
@@ -72,6 +73,7 @@ class Row:
     mfu: float  # predicted
     exposed: float  # share of the predicted step that is communication not hidden behind compute
     published_mfu: float | None = None  # as the source computes it
+    half_network: float | None = None  # multi-node runs: the prediction at half the run's network
 
     @property
     def error(self) -> float:
@@ -98,7 +100,8 @@ def node(gpu: str, count: int) -> Any:
     return machine_from_profile(p)
 
 
-def predict(run: dict[str, Any], models: dict[str, Any]) -> Row:
+def predict(run: dict[str, Any], models: dict[str, Any], network_scale: float = 1.0) -> Row:
+    """The run's tokens/s/GPU as the planner predicts it; `network_scale` scales a multi-node run's network."""
     cfg = models.get(run["model"])
     spec = spec_from_config({k: v for k, v in cfg.items() if not k.startswith("_")}) if cfg else describe_model(run["model"])
     lay = run["layout"]
@@ -112,9 +115,9 @@ def predict(run: dict[str, Any], models: dict[str, Any]) -> Row:
     m = model_facts(spec)
     machine = node(run["gpu"], n)
     cal = None
+    net_gbs = run.get("internode_gbits_per_node", 0) / 8 * NETWORK_EFFICIENCY * network_scale
     if multi and not hsdp:
-        gbs = run["internode_gbits_per_node"] / 8 * NETWORK_EFFICIENCY
-        cal = Calibration(bus_bandwidth_gbs={",".join(str(i) for i in range(n)): gbs})
+        cal = Calibration(bus_bandwidth_gbs={",".join(str(i) for i in range(n)): net_gbs})
     topo = Topology(machine, list(range(n)), cal)
     mm = MemoryModel(m, w)
     par = Parallelism(
@@ -125,21 +128,37 @@ def predict(run: dict[str, Any], models: dict[str, Any]) -> Row:
     frac = lay.get("recompute_fraction")
     if frac is None:
         t = speed.train(par, detail=False)
-        step, exposed, mfu = t.step_s, t.exposed_comm_s, t.mfu
+        step, exposed, compute, mfu_step = t.step_s, t.exposed_comm_s, t.compute_s, t.mfu * t.step_s
     else:
         a = speed.train(replace(par, checkpointing="none"), detail=False)
         b = speed.train(replace(par, checkpointing="full"), detail=False)
         step = (1 - frac) * a.step_s + frac * b.step_s
         exposed = (1 - frac) * a.exposed_comm_s + frac * b.exposed_comm_s
-        mfu = a.mfu * a.step_s / step
+        compute = (1 - frac) * a.compute_s + frac * b.compute_s
+        mfu_step = a.mfu * a.step_s
+    if multi and hsdp:
+        replicas = run["gpus"] // n
+        ring = Link("sys", net_gbs / n, LATENCY_S["sys"], "inter-node network")
+        ar = allreduce_s(m.params / n * mm.c, replicas, ring)
+        hidden = OVERLAP * 2.0 / 3.0 * compute  # the backward pass's share of compute, as speed.py has it for HSDP
+        extra = max(ar - hidden, 0.0)
+        step += extra
+        exposed += extra
+    mfu = mfu_step / step
     tokens = w.global_batch * w.seq_len / step / n
     return Row(run["id"], run["gpu"], run.get("stack", EAGER), float(run["tokens_per_s_per_gpu"]), tokens, mfu,
                exposed / step, run.get("mfu"))
 
 
-def table() -> list[Row]:
+def table(sensitivity: bool = False) -> list[Row]:
     doc = load_runs()
-    return [predict(r, doc["models"]) for r in doc["runs"]]
+    rows = []
+    for r in doc["runs"]:
+        row = predict(r, doc["models"])
+        if sensitivity and r.get("internode_gbits_per_node"):
+            row.half_network = predict(r, doc["models"], 0.5).predicted
+        rows.append(row)
+    return rows
 
 
 def fit() -> dict[str, Any]:
@@ -182,11 +201,12 @@ def summary(rows: list[Row]) -> dict[str, float]:
 
 
 def print_table(rows: list[Row]) -> tuple[float, float]:
-    print(f"{'run':34} {'stack':6} {'published':>10} {'predicted':>10} {'error':>7} {'pub. MFU':>9} {'pred. MFU':>9} {'comm':>5}")
+    print(f"{'run':34} {'stack':6} {'published':>10} {'predicted':>10} {'error':>7} {'pub. MFU':>9} {'pred. MFU':>9} {'comm':>5} {'net/2':>7}")
     for r in sorted(rows, key=lambda r: (not r.eager, r.id)):
         pub = f"{r.published_mfu:.1%}" if r.published_mfu is not None else "-"
         tag = "eager" if r.eager else "tuned"
-        print(f"{r.id:34} {tag:6} {r.published:>10,.0f} {r.predicted:>10,.0f} {r.error:>+7.1%} {pub:>9} {r.mfu:>9.1%} {r.exposed:>5.0%}")
+        half = f"{r.half_network / r.predicted - 1:+.1%}" if r.half_network else "-"
+        print(f"{r.id:34} {tag:6} {r.published:>10,.0f} {r.predicted:>10,.0f} {r.error:>+7.1%} {pub:>9} {r.mfu:>9.1%} {r.exposed:>5.0%} {half:>7}")
     s = summary(rows)
     print(f"eager runs: median |error| {s['median_abs_error']:.1%} (limit {MEDIAN_LIMIT:.0%}); most optimistic "
           f"{s['most_optimistic']:+.1%} (limit +{OPTIMISTIC_LIMIT:.0%}); {s['runs']} runs")
@@ -211,7 +231,7 @@ def main() -> int:
                       **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in s.items()}}
         path.write_text(json.dumps(doc, indent=1) + "\n")
         print(f"wrote {path}: " + ", ".join(f"{k} {v['efficiency']}" for k, v in fitted.items()))
-    med, worst = print_table(table())
+    med, worst = print_table(table(sensitivity=True))
     return 0 if med <= MEDIAN_LIMIT and worst <= OPTIMISTIC_LIMIT else 1
 
 

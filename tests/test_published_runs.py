@@ -47,8 +47,9 @@ def test_every_run_is_cited_and_complete():
         lay = r["layout"]
         assert r["stack"] in ("eager-pytorch", "tuned") and r["stack_why"], r["id"]
         assert 0 < r["node_gpus"] <= 8 and r["gpus"] % r["node_gpus"] == 0
-        if r["node_gpus"] < r["gpus"] and not lay["sharding"].startswith("HSDP"):
-            assert r["internode_gbits_per_node"] > 0, r["id"]  # the network binds the sharding ring
+        if r["node_gpus"] < r["gpus"]:
+            # Multi-node: the network binds the sharding ring (FSDP) or the replicas' all-reduce (HSDP).
+            assert r["internode_gbits_per_node"] > 0 and r["internode_source"] in ("stated", "assumed"), r["id"]
         assert 0 < lay.get("recompute_fraction", 0.5) < 1
         assert r["source"]["url"].startswith("https://") and r["source"]["where"]
         assert r["tokens_per_s_per_gpu"] > 0 and r["seq_len"] > 0 and r["precision"] == "bf16"
