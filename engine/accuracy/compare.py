@@ -115,6 +115,8 @@ def _predict(spec: ModelSpec, case: Case, memory: ModuleType) -> dict[str, int]:
         seq_len=case.seq_len,
         lora_rank=case.lora_rank,
         lora_targets=list(case.lora_targets) if case.lora_targets else None,
+        tp=case.tp,
+        sequence_parallel=case.sequence_parallel,
     )
 
 

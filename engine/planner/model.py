@@ -29,6 +29,12 @@ _LAYERNORM_TYPES = frozenset({"gpt2", "bert", "distilbert", "gpt_neox", "falcon"
 _COMPOSITE_GELU_TYPES = frozenset({"gpt2", "phi", "gptj"})
 # Gemma's RMSNorm multiplies by (1 + weight) in fp32, so it keeps the normalized input in fp32.
 _FP32_NORM_TYPES = frozenset({"gemma", "gemma2", "gemma3_text"})
+# Gemma 2 and 3 wrap attention and MLP in "sandwich" norms: four RMSNorms a block instead of two.
+_SANDWICH_NORM_TYPES = frozenset({"gemma2", "gemma3_text", "gemma3"})
+# Families that normalise queries and keys (per head, or OLMoE's over the whole projection).
+_QK_NORM_TYPES = frozenset({"qwen3", "qwen3_moe", "olmo2", "olmoe"})
+# MLP linears that write the block's output, whatever their shapes (an expert's width may equal h).
+_MLP_OUT = frozenset({"down_proj", "w2"})
 # Families that apply rotary position embeddings from cos/sin tables shared by all layers.
 _ABSOLUTE_POSITION_TYPES = frozenset({"gpt2", "bert", "distilbert", "opt", "bloom", "roberta"})
 _ALL_LINEAR = "all-linear"
@@ -78,6 +84,7 @@ class ModelFacts:
     act_saves: int  # tensors of MLP width an activation function saves
     rope: bool
     qk_norm: bool
+    norms_per_layer: int  # RMSNorm/LayerNorm modules on a block's residual path
     head_params: int  # untied output matrix (0 when tied or absent)
     layer_linear_params: int  # weights + biases of one block's linears
     # of which MoE experts: the engine keeps experts whole on every tensor-parallel rank (engine.capability)
@@ -165,7 +172,7 @@ def model_facts(spec: ModelSpec) -> ModelFacts:
                 continue
             attn_out.append(use)
             stage = "mlp"
-        elif lin.out_features == h and lin.in_features != h:
+        elif lin.name in _MLP_OUT or (lin.out_features == h and lin.in_features != h):
             mlp_out.append(use)
         else:
             mlp_in.append(use)
@@ -206,7 +213,8 @@ def model_facts(spec: ModelSpec) -> ModelFacts:
         fp32_norm=spec.model_type in _FP32_NORM_TYPES,
         act_saves=4 if spec.model_type in _COMPOSITE_GELU_TYPES else 1,
         rope=spec.model_type not in _ABSOLUTE_POSITION_TYPES,
-        qk_norm=spec.model_type in ("qwen3", "qwen3_moe", "olmo2"),
+        qk_norm=spec.model_type in _QK_NORM_TYPES,
+        norms_per_layer=4 if spec.model_type in _SANDWICH_NORM_TYPES else 2,
         head_params=head,
         layer_linear_params=linear_params,
         layer_expert_params=sum(u.params for u in (*attn_in, *attn_out, *mlp_in, *mlp_out) if u.lin.expert),
