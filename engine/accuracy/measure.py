@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from rigpilot.engine.accuracy.cuda_autocast import CudaAutocastOnCpu
+from rigpilot.engine.accuracy.cuda_autocast import CudaAutocastOnCpu, CudaDropoutOnCpu
 from rigpilot.engine.accuracy.models import Built, build
 
 COMPONENTS = ("params", "grads", "optimizer", "activations_saved")
@@ -92,7 +92,8 @@ def measure_step(
     """Run one forward/backward/AdamW step of `case` and return bytes per component.
 
     On the CPU, `cuda_autocast_policy` makes bf16 autocast cast the way CUDA's does
-    (see `cuda_autocast`), since the planner predicts what a GPU holds. With a
+    and dropout keep CUDA's bool mask (see `cuda_autocast`), since the planner
+    predicts what a GPU holds. With a
     `tp_mesh` (see `engine.accuracy.tp`) the model is split as a training job's
     workers split it and the step runs as theirs does (their loss, under
     `loss_parallel` when the LM head is vocabulary-parallel); bytes are this rank's.
@@ -124,6 +125,8 @@ def measure_step(
             stack.enter_context(torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast))
             if autocast and device_type == "cpu" and cuda_autocast_policy:
                 stack.enter_context(CudaAutocastOnCpu())
+            if device_type == "cpu" and cuda_autocast_policy:
+                stack.enter_context(CudaDropoutOnCpu())
             if tp_mesh is not None:
                 out, loss = _worker_forward(model, ids)
             else:

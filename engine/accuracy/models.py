@@ -1,9 +1,10 @@
 """The models the harness trains: small random Llama, GPT-2, Qwen2 and Mixtral-style MoE, and real MiniLM.
 
 The random ones keep their family's structure (GQA, biases, Conv1D, routed
-experts) at sizes that train in milliseconds on a CPU. Dropout is off, as in
-the modern decoders the planner models; MiniLM's real config.json is used
-with its dropout turned off for the same reason.
+experts, eager soft-capped attention, sliding windows, fused experts) at
+sizes that train in milliseconds on a CPU. Dropout is off except where a case
+is about it; MiniLM's real config.json is used as it is, its attention dropout
+aside (see gpt2-dropout).
 """
 
 from __future__ import annotations
@@ -41,6 +42,13 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "intermediate_size": 192, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
         "vocab_size": 512, "max_position_embeddings": 256, "num_local_experts": 4, "num_experts_per_tok": 2,
         "sliding_window": None, "router_jitter_noise": 0.0,
+    },
+    # GPT-2 with its residual and embedding dropout on (attention dropout stays off: on a GPU, SDPA draws
+    # it inside the kernel and keeps no mask, while the CPU's math fallback would keep one).
+    "gpt2-dropout": {
+        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 128, "n_head": 4, "n_layer": 2,
+        "n_positions": 256, "vocab_size": 512, "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.0,
+        "bos_token_id": 0, "eos_token_id": 0,
     },
     # Gemma 2 as transformers 5 runs it: eager attention (it refuses SDPA, which cannot soft-cap), scores
     # and final logits soft-capped, every other layer a sliding window (seq_len beyond it in the cases).
@@ -110,9 +118,8 @@ def build(name: str) -> Built:
     """
     torch.manual_seed(SEED)
     if name == "minilm":
-        model = AutoModel.from_pretrained(
-            minilm_folder(), attn_implementation="sdpa", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
-        )
+        # Its config's hidden dropout stays on; attention dropout is off for the reason gpt2-dropout gives.
+        model = AutoModel.from_pretrained(minilm_folder(), attn_implementation="sdpa", attention_probs_dropout_prob=0.0)
     else:
         config = TINY_CONFIGS[name]
         kwargs = {k: v for k, v in config.items() if k != "model_type"}

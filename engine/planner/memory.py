@@ -236,7 +236,7 @@ def layer_activations(
     # Linears fed by a latent rather than the norm (multi-head latent attention) keep their own input.
     split += _inputs_saved(tuple(u for u in m.attn_in if u.lin.in_features != h), c, reg, tr)
     heads, kv_heads = spec.num_heads, spec.num_kv_heads
-    windowed = spec.sliding_window is not None and seq_len > spec.sliding_window and not spec.attn_eager
+    windowed = spec.sliding_window is not None and seq_len >= spec.sliding_window and not spec.attn_eager
     if spec.attn_eager:
         # Eager attention: the score matmul keeps q and the key repeated to every query head, the
         # probability matmul its probabilities and the repeated value, o_proj its own input.
