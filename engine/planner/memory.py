@@ -221,7 +221,9 @@ def layer_activations(
         return LayerActivations(split=0.0, norms=float(r * h), whole=0.0, weight_copies=copies)
     if checkpointing == "selective":
         outs = sum(u.lin.out_features * u.per_token for u in m.linears())
-        split = c * (outs + m.q_dim) + 4 * m.spec.num_heads + _scores_saved(m, reg, seq_len)
+        split = c * (outs + m.q_dim) + 4 * m.spec.num_heads
+        if m.spec.attn_eager:
+            split += c * m.spec.num_heads * seq_len  # the score matmul's output is a matmul output kept
         return LayerActivations(split=split, norms=float(r * h), whole=0.0, weight_copies=copies)
     if checkpointing != "none":
         raise UserError(f"unknown checkpointing {checkpointing!r}; use none, selective or full")
