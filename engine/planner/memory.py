@@ -753,8 +753,13 @@ class MemoryModel:
         prompt = batch * w.prompt_tokens
         # Prefill runs one layer at a time without grad: the residual, norm output, attention and MLP tensors.
         act = prompt * c * (3 * m.h + (m.q_dim + 2 * m.kv_dim) / t + 3 * m.inter_per_token / t) if n_layers else 0.0
+        if n_layers and m.spec.attn_eager:
+            # Eager attention materialises the layer's scores: fp32 softmax output and its compute-dtype cast.
+            act += prompt * w.prompt_tokens * m.spec.num_heads / t * (4 + c)
         if stage == par.pp - 1 and m.is_decoder:
-            act += batch * m.vocab * 4.0 / t  # generate() keeps only the last position's logits, in fp32
+            # generate() keeps only the last position's logits, in fp32; inference keeps the head whole on
+            # every TP rank (apply_tensor_parallel without vocab_parallel), so each holds all of them.
+            act += batch * m.vocab * 4.0
         buffers = 0.0
         if bits != 16:
             buffers = max((u.lin.in_features * u.lin.out_features for u in m.linears()), default=0) / t * c
