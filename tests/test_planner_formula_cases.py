@@ -115,6 +115,8 @@ FORMULA_CASES = [
     ("gemma2", "bf16", 128),
     ("mistral-swa", "fp32", 128),
     ("mistral-swa", "bf16", 32),  # the sequence exactly at the window
+    ("qwen2-swa", "fp32", 64),  # a window in two layers of three
+    ("phi3-swa", "bf16", 64),  # fused projections, concatenating rotary embedding
     pytest.param("olmoe", "bf16", 64, marks=pytest.mark.slow),  # counted on the meta device in a child process
     ("qwen3_moe", "bf16", 64),
     ("gpt2-dropout", "fp32", 64),

@@ -64,6 +64,27 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "intermediate_size": 352, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
         "vocab_size": 512, "max_position_embeddings": 512, "sliding_window": 32, "tie_word_embeddings": False,
     },
+    # Qwen2 with its window on from layer 1 (max_window_layers): two of three layers get the mask.
+    "qwen2-swa": {
+        "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 128, "intermediate_size": 320,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 3, "vocab_size": 512,
+        "max_position_embeddings": 256, "tie_word_embeddings": True, "use_sliding_window": True,
+        "sliding_window": 32, "max_window_layers": 1,
+    },
+    # Phi-3: fused qkv_proj and gate_up_proj, a rotary embedding that concatenates, a window.
+    "phi3-swa": {
+        "model_type": "phi3", "architectures": ["Phi3ForCausalLM"], "hidden_size": 128, "intermediate_size": 320,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 2, "vocab_size": 512,
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attention_dropout": 0.0, "max_position_embeddings": 256,
+        "tie_word_embeddings": False, "sliding_window": 32, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+    },
+    # GPT-NeoX: fused query_key_value, partial rotary embedding, parallel residual.
+    "neox": {
+        "model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"], "hidden_size": 128,
+        "intermediate_size": 512, "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 512,
+        "max_position_embeddings": 256, "rotary_pct": 0.25, "hidden_dropout": 0.0, "attention_dropout": 0.0,
+        "tie_word_embeddings": False, "use_parallel_residual": True,
+    },
     "qwen3_moe": {
         "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 128,
         "intermediate_size": 256, "moe_intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,

@@ -246,11 +246,18 @@ def layer_activations(
     else:
         # SDPA keeps q, k, v, its output and a log-sum-exp per head and query; GQA's k and v stay narrow
         # unless a mask is passed, when transformers repeats them to every head (enable_gqa needs no mask).
-        kv = m.q_dim if (windowed and kv_heads != heads) else m.kv_dim
-        split += c * (2 * m.q_dim + 2 * kv) + 4 * heads
+        split += c * (2 * m.q_dim + 2 * m.kv_dim) + 4 * heads
         if windowed:
-            # Beyond the window the mask is explicit; SDPA converts it to the query's dtype in every layer.
-            whole += c * seq_len * spec.sliding_layers / max(m.layers, 1)
+            share = spec.sliding_layers / max(m.layers, 1)  # of the layers, those with a window
+            split += share * c * 2 * (m.q_dim - m.kv_dim)
+            # From the window on the mask is explicit; SDPA converts it to the query's dtype in every layer.
+            whole += share * c * seq_len
+    if m.fused_qkv and m.rope and not spec.attn_eager:
+        # q and k are views of one fused output, rotated into new tensors; v stays a view, so its saved
+        # storage is the whole fused output, q's and k's part included.
+        split += c * (m.q_dim + m.kv_dim)
+    if m.cat_rope and not spec.attn_eager:
+        split += c * m.q_dim  # o_proj keeps a copy of SDPA's output (saved by SDPA too)
     if m.qk_norm:
         split += 4 * (m.q_dim + m.kv_dim) + 4 * (heads + kv_heads) + (c * (m.q_dim + m.kv_dim) if tr.full else 0)
     # o_proj's input is SDPA's saved output, or counted with eager attention's tensors.
