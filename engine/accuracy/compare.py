@@ -61,6 +61,9 @@ DEFAULT_TP_CASES = (
     Case("llama", precision="bf16", tp=2, sequence_parallel=True),
     Case("qwen2", tp=2),  # a tied head: whole logits on every rank
     Case("qwen2", precision="bf16", tp=2, sequence_parallel=True),
+    Case("gemma2", precision="bf16", tp=2, sequence_parallel=True),  # four norms, eager heads split, tied head
+    Case("qwen3_moe", precision="bf16", tp=2, sequence_parallel=True),  # experts and router whole on every rank
+    Case("mistral-swa", tp=2, seq_len=128),  # one KV head per rank: the repeat for the mask is a view
 )
 
 

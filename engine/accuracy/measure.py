@@ -81,9 +81,15 @@ class SavedTensorMeter:
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a DTensor (what its memory holds); any other tensor itself."""
-    inner = getattr(t, "_local_tensor", None)
-    return inner if isinstance(inner, torch.Tensor) else t
+    """The plain tensor whose memory `t` is: a DTensor's local part, a pending collective's result, or `t`."""
+    for _ in range(4):  # wrappers may nest (a DTensor over an AsyncCollectiveTensor)
+        inner = getattr(t, "_local_tensor", None)
+        if not isinstance(inner, torch.Tensor):
+            inner = getattr(t, "elem", None) if type(t).__name__ == "AsyncCollectiveTensor" else None
+        if not isinstance(inner, torch.Tensor):
+            return t
+        t = inner
+    return t
 
 
 def measure_step(

@@ -183,9 +183,16 @@ class LayerActivations:
     norms: float  # divided by the TP degree under sequence parallel only (norms, residual-path dropout)
     whole: float  # on every TP rank whole (inputs of column-parallel linears, masks, replicated experts)
     weight_copies: float  # bytes per layer (not per token): autocast's bf16 copies of fp32 weights
+    # GQA's k and v repeated to every query head where SDPA is given a mask (split like the heads); the
+    # repeat is a view, not a copy, where a rank holds a single KV head.
+    kv_repeat: float = 0.0
+    kv_heads: int = 0
 
     def per_gpu(self, tp: int, sp: bool) -> float:
-        return self.split / tp + (self.norms / tp if sp else self.norms) + self.whole
+        per = self.split / tp + (self.norms / tp if sp else self.norms) + self.whole
+        if self.kv_repeat and self.kv_heads // tp > 1:
+            per += self.kv_repeat / tp
+        return per
 
 
 def _expert_bytes(reg: Regime, tr: Trainable) -> int:
@@ -238,6 +245,7 @@ def layer_activations(
     # Linears fed by a latent rather than the norm (multi-head latent attention) keep their own input.
     split += _inputs_saved(tuple(u for u in m.attn_in if u.lin.in_features != h), c, reg, tr)
     heads, kv_heads = spec.num_heads, spec.num_kv_heads
+    kv_repeat = 0.0
     windowed = spec.sliding_window is not None and seq_len >= spec.sliding_window and not spec.attn_eager
     if spec.attn_eager:
         # Eager attention: the score matmul keeps q and the key repeated to every query head, the
@@ -249,7 +257,7 @@ def layer_activations(
         split += c * (2 * m.q_dim + 2 * m.kv_dim) + 4 * heads
         if windowed:
             share = spec.sliding_layers / max(m.layers, 1)  # of the layers, those with a window
-            split += share * c * 2 * (m.q_dim - m.kv_dim)
+            kv_repeat = share * c * 2 * (m.q_dim - m.kv_dim)
             # From the window on the mask is explicit; SDPA converts it to the query's dtype in every layer.
             whole += share * c * seq_len
     if m.fused_qkv and m.rope and not spec.attn_eager:
@@ -293,7 +301,10 @@ def layer_activations(
         # The engine keeps mixture-of-experts MLPs whole on every TP rank (their dense shared part too).
         mlp_whole += mlp_split
         mlp_split = 0.0
-    return LayerActivations(split=split + mlp_split, norms=norms, whole=whole + mlp_whole, weight_copies=copies)
+    return LayerActivations(
+        split=split + mlp_split, norms=norms, whole=whole + mlp_whole, weight_copies=copies,
+        kv_repeat=kv_repeat, kv_heads=kv_heads,
+    )  # fmt: skip
 
 
 def _scores_saved(m: ModelFacts, reg: Regime, seq_len: int) -> float:

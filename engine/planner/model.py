@@ -112,7 +112,7 @@ class ModelFacts:
     cat_rope: bool  # o_proj's input is a copy of SDPA's output (see _CAT_ROPE_TYPES)
     head_params: int  # untied output matrix (0 when tied or absent)
     layer_linear_params: int  # weights + biases of one block's linears
-    # of which MoE experts: the engine keeps experts whole on every tensor-parallel rank (engine.capability)
+    # of which the MoE MLP (experts, router, shared experts): whole on every tensor-parallel rank (engine.capability)
     layer_expert_params: int
     layer_other_params: float  # norms, router tables: what TP does not split
     matmul_params_per_token: int  # parameters a token multiplies by (active, embedding lookup excluded, head included)
@@ -248,7 +248,8 @@ def model_facts(spec: ModelSpec) -> ModelFacts:
         cat_rope=spec.model_type in _CAT_ROPE_TYPES,
         head_params=head,
         layer_linear_params=linear_params,
-        layer_expert_params=sum(u.params for u in (*attn_in, *attn_out, *mlp_in, *mlp_out) if u.lin.expert),
+        # Tensor parallel keeps a mixture-of-experts MLP whole: experts, router and shared experts alike.
+        layer_expert_params=sum(u.params for u in (*mlp_in, *mlp_out)) if spec.is_moe else 0,
         layer_other_params=max(spec.params_per_layer - linear_params, 0.0),
         matmul_params_per_token=int(matmul),
         notes=tuple(notes),
