@@ -1,6 +1,6 @@
 """How close the planner's memory model is to what real training steps hold: predicted vs measured.
 
-    .venv/bin/python benchmarks/memory_accuracy.py [--model llama] [--quick]
+    .venv/bin/python benchmarks/memory_accuracy.py [--model llama] [--no-tp]
 
 Trains small random Llama, GPT-2 (with and without dropout), Qwen2,
 Mixtral-style, Qwen3-MoE and OLMoE models, Gemma 2 (eager, soft-capped

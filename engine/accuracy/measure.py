@@ -5,7 +5,9 @@ Activations are what autograd saves for backward during the forward pass:
 every tensor packed through `saved_tensors_hooks`, counted once per storage
 (views and tensors saved by several ops share one), the parameters themselves
 left out (they are counted as parameters; autocast's bf16 copies of them are
-not parameters and stay in).
+not parameters and stay in). Under tensor parallel (`engine.accuracy.tp`) every
+figure is one rank's: the local parts of DTensor parameters, gradients, state
+and saved tensors.
 """
 
 from __future__ import annotations
