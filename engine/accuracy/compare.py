@@ -51,6 +51,8 @@ DEFAULT_CASES = (
     Case("qwen3_moe", precision="bf16"),
     Case("olmoe"),
     Case("olmoe", precision="bf16"),
+    Case("olmoe", precision="bf16", method="lora", lora_targets=("q_proj", "v_proj")),  # frozen experts
+    Case("gemma2", precision="bf16", method="lora", lora_targets=("q_proj", "v_proj")),
     Case("gpt2-dropout"),
 )
 

@@ -297,7 +297,12 @@ def layer_activations(
         expert_inter = sum(u.lin.in_features * u.per_token for u in expert_out)
         # Per routed token: its gathered input, the gate/up output, act(gate), their product (the down
         # projection's input) and the down output kept to weight it; the router's fp32 probabilities.
-        mlp_split += e * (2 * h * k + 4 * expert_inter) + 4 * spec.num_experts
+        if tr.full:
+            mlp_split += e * (2 * h * k + 4 * expert_inter) + 4 * spec.num_experts
+        else:
+            # Frozen experts (LoRA's base) keep no inputs for weight gradients: only what the activation and
+            # the routing weights' gradients need.
+            mlp_split += e * (h * k + 3 * expert_inter) + 4 * spec.num_experts
         # The engine keeps mixture-of-experts MLPs whole on every TP rank (their dense shared part too).
         mlp_whole += mlp_split
         mlp_split = 0.0
