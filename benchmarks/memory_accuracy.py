@@ -1,13 +1,18 @@
 """How close the planner's memory model is to what real training steps hold: predicted vs measured.
 
-    .venv/bin/python benchmarks/memory_accuracy.py [--model llama] [--quick]
+    .venv/bin/python benchmarks/memory_accuracy.py [--model llama] [--no-tp]
 
-Trains small random Llama, GPT-2, Qwen2 and Mixtral-style models and the real
+Trains small random Llama, GPT-2 (with and without dropout), Qwen2,
+Mixtral-style, Qwen3-MoE and OLMoE models, Gemma 2 (eager, soft-capped
+attention), a sliding-window Mistral beyond its window and the real
 all-MiniLM-L6-v2 on the CPU (fp32 and bf16 autocast, with and without gradient
-checkpointing, full and LoRA), measures parameter, gradient, optimizer-state,
-saved-activation and KV-cache bytes, and prints them beside the prediction of
+checkpointing, full and LoRA), and Llama and Qwen2 split by the engine's tensor
+parallelism (TP 2, with and without sequence parallel) on 2 gloo CPU ranks;
+measures parameter, gradient, optimizer-state, saved-activation and KV-cache
+bytes (per rank under TP), and prints them beside the prediction of
 engine.planner.memory. Targets: params/grads/optimizer within 1%, activations
-within 10%, KV cache exact. Exits 1 when a row is out of bounds.
+within 10%, KV cache exact, and no prediction more than 3% below its
+measurement. Exits 1 when a row is out of bounds.
 """
 
 from __future__ import annotations
@@ -19,8 +24,10 @@ import time
 from rigpilot.engine.accuracy.compare import (
     DEFAULT_CASES,
     DEFAULT_KV_CASES,
+    DEFAULT_TP_CASES,
     compare_kv,
     compare_step,
+    compare_tp,
     format_table,
     planner_memory,
 )
@@ -30,6 +37,7 @@ def main() -> int:
     quiet_transformers()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", action="append", help="only cases of this model (repeatable)")
+    parser.add_argument("--no-tp", action="store_true", help="skip the tensor-parallel cases (2 gloo ranks)")
     args = parser.parse_args()
     memory = planner_memory()
     if memory is None:
@@ -39,6 +47,9 @@ def main() -> int:
     for case in DEFAULT_CASES:
         if not args.model or case.model in args.model:
             rows += compare_step(case, memory)
+    tp_cases = [c for c in DEFAULT_TP_CASES if not args.model or c.model in args.model]
+    if tp_cases and not args.no_tp:
+        rows += compare_tp(tp_cases, memory)
     for kv in DEFAULT_KV_CASES:
         if not args.model or kv.model in args.model:
             rows.append(compare_kv(kv, memory))
@@ -59,5 +70,5 @@ def quiet_transformers() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # the guard matters: the TP cases spawn ranks that import this file
     sys.exit(main())

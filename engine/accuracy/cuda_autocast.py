@@ -50,3 +50,23 @@ class CudaAutocastOnCpu(TorchFunctionMode):
 
 def _to_fp32(x: Any) -> Any:
     return x.float() if isinstance(x, torch.Tensor) and x.dtype in _LOWER else x
+
+
+class CudaDropoutOnCpu(TorchFunctionMode):
+    """Dropout as CUDA runs it: one fused kernel that keeps a bool mask for backward.
+
+    On the CPU, aten's dropout multiplies by a noise tensor of the input's dtype and keeps that
+    (4 bytes an element in fp32, where CUDA's native_dropout keeps 1). native_dropout has a CPU
+    kernel too; routing dropout to it makes a CPU step save what a GPU step saves.
+    """
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") == "dropout" and func is torch.nn.functional.dropout:
+            x = args[0] if args else kwargs["input"]
+            p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+            training = args[2] if len(args) > 2 else kwargs.get("training", True)
+            inplace = args[3] if len(args) > 3 else kwargs.get("inplace", False)
+            if training and 0 < p < 1 and not inplace and isinstance(x, torch.Tensor):
+                return torch.native_dropout(x, p, True)[0]
+        return func(*args, **kwargs)

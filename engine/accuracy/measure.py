@@ -5,7 +5,9 @@ Activations are what autograd saves for backward during the forward pass:
 every tensor packed through `saved_tensors_hooks`, counted once per storage
 (views and tensors saved by several ops share one), the parameters themselves
 left out (they are counted as parameters; autocast's bf16 copies of them are
-not parameters and stay in).
+not parameters and stay in). Under tensor parallel (`engine.accuracy.tp`) every
+figure is one rank's: the local parts of DTensor parameters, gradients, state
+and saved tensors.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 import torch
 
-from rigpilot.engine.accuracy.cuda_autocast import CudaAutocastOnCpu
+from rigpilot.engine.accuracy.cuda_autocast import CudaAutocastOnCpu, CudaDropoutOnCpu
 from rigpilot.engine.accuracy.models import Built, build
 
 COMPONENTS = ("params", "grads", "optimizer", "activations_saved")
@@ -38,14 +40,20 @@ class Case:
     lora_rank: int = 8
     lora_targets: tuple[str, ...] | None = None  # None: peft's default for the family
     optimizer: str = "adamw"
+    tp: int = 1  # > 1: measured per rank on tp gloo CPU ranks, split by the engine's apply_tensor_parallel
+    sequence_parallel: bool = False
 
     @property
     def name(self) -> str:
         parts = [self.model, self.precision, self.method]
+        if self.tp > 1:
+            parts.append(f"tp{self.tp}" + (" sp" if self.sequence_parallel else ""))
         if self.method == "lora":
             parts.append(f"r{self.lora_rank}" + (f":{','.join(self.lora_targets)}" if self.lora_targets else ""))
         if self.checkpointing != "none":
             parts.append(f"ckpt={self.checkpointing}")
+        if self.seq_len != 64:
+            parts.append(f"s{self.seq_len}")
         return " ".join(parts)
 
 
@@ -53,12 +61,12 @@ class SavedTensorMeter:
     """Unique storages autograd packs for backward, the given parameters' own storages excluded."""
 
     def __init__(self, params: Iterable[torch.Tensor]) -> None:
-        self._params = {p.untyped_storage().data_ptr() for p in params}
+        self._params = {local(p).untyped_storage().data_ptr() for p in params}
         # Holding each storage keeps its address from being reused by a later, different tensor.
         self._kept: dict[int, torch.UntypedStorage] = {}
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
+        storage = local(t).untyped_storage()
         ptr = storage.data_ptr()
         if ptr and ptr not in self._params:
             self._kept.setdefault(ptr, storage)
@@ -74,14 +82,38 @@ class SavedTensorMeter:
         return sum(s.nbytes() for s in self._kept.values())
 
 
-def measure_step(case: Case, *, device: str = "cpu", cuda_autocast_policy: bool = True) -> dict[str, int]:
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor whose memory `t` is: a DTensor's local part, a pending collective's result, or `t`."""
+    for _ in range(4):  # wrappers may nest (a DTensor over an AsyncCollectiveTensor)
+        inner = getattr(t, "_local_tensor", None)
+        if not isinstance(inner, torch.Tensor):
+            inner = getattr(t, "elem", None) if type(t).__name__ == "AsyncCollectiveTensor" else None
+        if not isinstance(inner, torch.Tensor):
+            return t
+        t = inner
+    return t
+
+
+def measure_step(
+    case: Case, *, device: str = "cpu", cuda_autocast_policy: bool = True, tp_mesh: Any = None
+) -> dict[str, int]:
     """Run one forward/backward/AdamW step of `case` and return bytes per component.
 
     On the CPU, `cuda_autocast_policy` makes bf16 autocast cast the way CUDA's does
-    (see `cuda_autocast`), since the planner predicts what a GPU holds.
+    and dropout keep CUDA's bool mask (see `cuda_autocast`), since the planner
+    predicts what a GPU holds. With a
+    `tp_mesh` (see `engine.accuracy.tp`) the model is split as a training job's
+    workers split it and the step runs as theirs does (their loss, under
+    `loss_parallel` when the LM head is vocabulary-parallel); bytes are this rank's.
     """
     built = build(case.model)
     model = _prepare(built, case).to(device)
+    loss_parallel = False
+    if tp_mesh is not None:
+        from rigpilot.engine.workers.parallelize import apply_tensor_parallel, logits_split
+
+        apply_tensor_parallel(model, tp_mesh, case.sequence_parallel, vocab_parallel=True)  # as train.py does
+        loss_parallel = logits_split(model)
     params = list(model.parameters())  # unique: a tied weight appears once
     trainable = [p for p in params if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-4)
@@ -90,19 +122,32 @@ def measure_step(case: Case, *, device: str = "cpu", cuda_autocast_policy: bool 
     device_type = torch.device(device).type
     autocast = case.precision == "bf16"
     meter = SavedTensorMeter(params)
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(meter.recording())
-        stack.enter_context(torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast))
-        if autocast and device_type == "cpu" and cuda_autocast_policy:
-            stack.enter_context(CudaAutocastOnCpu())
-        out, loss = _forward(model, ids, decoder=built.spec.is_decoder)
-    loss.backward()
+    with contextlib.ExitStack() as outer:
+        if loss_parallel:
+            # The worker runs forward and backward of vocabulary-sharded logits under loss_parallel.
+            from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_context
+
+            outer.enter_context(loss_parallel_context())
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(meter.recording())
+            stack.enter_context(torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast))
+            if autocast and device_type == "cpu" and cuda_autocast_policy:
+                stack.enter_context(CudaAutocastOnCpu())
+            if device_type == "cpu" and cuda_autocast_policy:
+                stack.enter_context(CudaDropoutOnCpu())
+            if tp_mesh is not None:
+                out, loss = _worker_forward(model, ids)
+            else:
+                out, loss = _forward(model, ids, decoder=built.spec.is_decoder)
+        loss.backward()
     optimizer.step()
     del out  # kept alive until here, as a training loop keeps its outputs until after backward
     return {
-        "params": sum(p.nbytes for p in params),
-        "grads": sum(p.grad.nbytes for p in trainable if p.grad is not None),
-        "optimizer": sum(t.nbytes for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)),
+        "params": sum(local(p).nbytes for p in params),
+        "grads": sum(local(p.grad).nbytes for p in trainable if p.grad is not None),
+        "optimizer": sum(
+            local(t).nbytes for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)
+        ),
         "activations_saved": meter.bytes,
     }
 
@@ -138,6 +183,14 @@ def _enable_checkpointing(model: Any) -> None:
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model.enable_input_require_grads()  # a frozen embedding (LoRA) would otherwise cut the reentrant graph
+
+
+def _worker_forward(model: torch.nn.Module, ids: torch.Tensor) -> tuple[Any, torch.Tensor]:
+    """The training worker's forward and loss (engine.workers.train), the ids standing in for labels."""
+    from rigpilot.engine.workers.train import token_loss
+
+    out = model(input_ids=ids, use_cache=False)
+    return out, token_loss(out.logits, ids)
 
 
 def _forward(model: torch.nn.Module, ids: torch.Tensor, *, decoder: bool) -> tuple[Any, torch.Tensor]:

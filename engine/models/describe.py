@@ -22,6 +22,7 @@ from rigpilot.engine.models.config_file import read_config
 from rigpilot.engine.models.formulas import Config, has_formula, spec_from_config
 from rigpilot.engine.models.meta_count import MetaCount, count_on_meta
 from rigpilot.engine.models.presets import Preset, find_preset, preset_for_repo
+from rigpilot.engine.models.runtime import apply_runtime_facts
 from rigpilot.engine.models.safetensors_meta import (
     TensorCount,
     TensorHeader,
@@ -292,7 +293,7 @@ def _generic_spec(
         raise UserError(f"config.json of {config.get('model_type')!r} gives no {', '.join(missing)}: cannot size it")
     hidden, heads = int(dims["hidden_size"] or 0), int(dims["num_heads"] or 0)
     arch = Config(config).architecture
-    return ModelSpec(
+    spec = ModelSpec(
         id="",
         architecture=arch,
         model_type=str(config.get("model_type")),
@@ -312,6 +313,7 @@ def _generic_spec(
         experts_per_token=dims["experts_per_token"] or 0,
         layer_linears=linears,
     )
+    return apply_runtime_facts(spec, config)
 
 
 def _tied(config: Mapping[str, Any]) -> bool:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rigpilot.engine.errors import UserError
+from rigpilot.engine.models.runtime import apply_runtime_facts
 from rigpilot.engine.models.spec import Linear, ModelSpec
 
 _MISSING = object()
@@ -530,4 +531,4 @@ def spec_from_config(config: Mapping[str, Any]) -> ModelSpec:
         # Old Falcon configs: multi_query unless the new decoder layout says otherwise, n_head_kv for grouped KV.
         c.raw.setdefault("new_decoder_architecture", c.model_type == "RefinedWeb")
         c.raw.setdefault("num_kv_heads", c.raw.get("n_head_kv"))
-    return _finish(formula(c))
+    return apply_runtime_facts(_finish(formula(c)), c.raw)

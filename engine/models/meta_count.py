@@ -45,27 +45,6 @@ embedding = sum(
 if not embedding and inp is not None:
     embedding = inp.weight.numel()
 
-# The repeated block: the longest ModuleList.
-lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
-blocks = max(lists, key=len) if lists else None
-linears, expert_params, num_experts = [], 0, 0
-if blocks is not None:
-    for name, mod in blocks[0].named_modules():
-        in_expert = ".experts." in f".{name}." or name.startswith("experts")
-        if in_expert and any(part.isdigit() and part != "0" for part in name.split(".")):
-            continue  # one expert stands for all
-        w = getattr(mod, "weight", None)
-        if isinstance(mod, nn.Linear) or type(mod).__name__ == "Conv1D":
-            conv = type(mod).__name__ == "Conv1D"  # GPT-2 stores (in, out)
-            fin, fout = (w.shape[0], w.shape[1]) if conv else (w.shape[1], w.shape[0])
-            linears.append({"name": name.rsplit(".", 1)[-1], "in_features": int(fin), "out_features": int(fout),
-                            "bias": getattr(mod, "bias", None) is not None, "expert": in_expert})
-    for name, p in blocks[0].named_parameters():
-        if "experts" in name:
-            expert_params += p.numel()
-            if p.dim() == 3:  # fused experts: (experts, out, in)
-                num_experts = max(num_experts, p.shape[0])
-
 text = config.get_text_config() if hasattr(config, "get_text_config") else config
 def attr(*names):
     for n in names:
@@ -73,6 +52,49 @@ def attr(*names):
         if isinstance(v, int) and not isinstance(v, bool):
             return v
     return None
+hidden = attr("hidden_size", "n_embd", "d_model", "dim")
+
+def fused_expert(pname, shape):
+    # (in, out) of one expert of a fused 3-D expert weight, whichever way round the family stores it.
+    _, a, b = shape
+    if "down" in pname:  # writes the hidden size
+        return (b, a) if a == hidden or b != hidden else (a, b)
+    return (b, a) if b == hidden or a != hidden else (a, b)
+
+# The repeated block: the longest ModuleList.
+lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+blocks = max(lists, key=len) if lists else None
+linears, expert_params, num_experts = [], 0, 0
+if blocks is not None:
+    for name, mod in blocks[0].named_modules():
+        in_expert = ".experts." in f".{name}." or name.startswith("experts") or name.endswith("experts")
+        if in_expert and any(part.isdigit() and part != "0" for part in name.split(".")):
+            continue  # one expert stands for all
+        w = getattr(mod, "weight", None)
+        short = name.rsplit(".", 1)[-1]
+        if isinstance(mod, nn.Linear) or type(mod).__name__ == "Conv1D":
+            conv = type(mod).__name__ == "Conv1D"  # GPT-2 stores (in, out)
+            fin, fout = (w.shape[0], w.shape[1]) if conv else (w.shape[1], w.shape[0])
+            linears.append({"name": short, "in_features": int(fin), "out_features": int(fout),
+                            "bias": getattr(mod, "bias", None) is not None, "expert": in_expert})
+            continue
+        own = dict(mod.named_parameters(recurse=False))
+        if short in ("gate", "router") and isinstance(w, nn.Parameter) and w.dim() == 2:
+            # A router kept as a bare weight rather than an nn.Linear (OLMoE, Qwen3-MoE, gpt-oss, ...).
+            linears.append({"name": short, "in_features": int(w.shape[1]), "out_features": int(w.shape[0]),
+                            "bias": own.get("bias") is not None, "expert": False})
+            continue
+        for pname, p in own.items():
+            if p.dim() == 3 and not pname.endswith("bias") and hidden:
+                # Fused experts (transformers 5): one 3-D weight (experts, out, in) or (experts, in, out).
+                fin, fout = fused_expert(pname, p.shape)
+                linears.append({"name": pname, "in_features": int(fin), "out_features": int(fout),
+                                "bias": f"{pname}_bias" in own, "expert": True})
+    for name, p in blocks[0].named_parameters():
+        if "experts" in name:
+            expert_params += p.numel()
+            if p.dim() == 3:  # fused experts: (experts, out, in)
+                num_experts = max(num_experts, p.shape[0])
 
 print(json.dumps({
     "architecture": type(model).__name__,

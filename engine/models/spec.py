@@ -53,6 +53,14 @@ class ModelSpec:
     # Elements one layer caches per token where that is one compressed latent shared by all heads instead
     # of keys and values per KV head: DeepSeek's MLA (kv_lora_rank + qk_rope_head_dim), as transformers runs it.
     kv_latent: int | None = None
+    # How transformers runs attention and what it keeps besides the linears' tensors (see runtime.py):
+    attn_eager: bool = False  # eager attention (the family refuses SDPA): s×s scores and probabilities kept
+    attn_softcap: float | None = None  # tanh soft-capping of the scores (Gemma 2)
+    final_softcap: float | None = None  # tanh soft-capping of the final logits (Gemma 2)
+    sliding_window: int | None = None  # tokens a sliding-window layer attends to
+    sliding_layers: int = 0  # layers that use it (beyond the window SDPA gets an explicit s×s mask)
+    attention_dropout: float = 0.0  # dropout on the attention probabilities
+    hidden_dropout: float = 0.0  # dropout on the attention and MLP outputs (and the embedding)
 
     @property
     def is_moe(self) -> bool:

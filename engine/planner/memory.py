@@ -170,18 +170,46 @@ def _norm_saved(m: ModelFacts, reg: Regime, trainable_weight: bool) -> tuple[flo
 
 @dataclass(frozen=True)
 class LayerActivations:
-    """Bytes per token one layer saves, split by how tensor parallelism divides them."""
+    """Bytes per token one layer saves, split by how the engine's tensor parallelism divides them.
 
-    split: float  # divided by the TP degree (attention heads, MLP columns)
-    replicated: float  # whole on every TP rank unless sequence parallel (norms, inputs of column-parallel linears)
+    `apply_tensor_parallel` (engine/workers/parallelize.py) splits attention heads and dense MLP
+    columns; with sequence parallel it splits the norms along the sequence, but each column-parallel
+    linear saves the all-gathered, whole-sequence input it multiplies (PyTorch's TP, unlike
+    Megatron's, keeps the gathered tensor for backward), and mixture-of-experts MLPs run whole on
+    every rank.
+    """
+
+    split: float  # divided by the TP degree (attention heads, dense MLP columns)
+    norms: float  # divided by the TP degree under sequence parallel only (norms, residual-path dropout)
+    whole: float  # on every TP rank whole (inputs of column-parallel linears, masks, replicated experts)
     weight_copies: float  # bytes per layer (not per token): autocast's bf16 copies of fp32 weights
+    # GQA's k and v repeated to every query head where SDPA is given a mask (split like the heads); the
+    # repeat is a view, not a copy, where a rank holds a single KV head.
+    kv_repeat: float = 0.0
+    kv_heads: int = 0
 
     def per_gpu(self, tp: int, sp: bool) -> float:
-        return self.split / tp + (self.replicated / tp if sp else self.replicated)
+        per = self.split / tp + (self.norms / tp if sp else self.norms) + self.whole
+        if self.kv_repeat and self.kv_heads // tp > 1:
+            per += self.kv_repeat / tp
+        return per
 
 
-def layer_activations(m: ModelFacts, reg: Regime, tr: Trainable, checkpointing: str = "none") -> LayerActivations:
-    """What one transformer block keeps for backward, per token.
+def _expert_bytes(reg: Regime, tr: Trainable) -> int:
+    """Bytes per element of routed-expert tensors.
+
+    transformers 5 runs fused experts with grouped_mm, which autocast does not cover: it casts the
+    input to the weights' dtype, so fp32 master weights under autocast compute (and save) in fp32.
+    """
+    if tr.full and reg.autocast and reg.fp32_trainable:
+        return 4
+    return reg.compute
+
+
+def layer_activations(
+    m: ModelFacts, reg: Regime, tr: Trainable, checkpointing: str = "none", seq_len: int = 0
+) -> LayerActivations:
+    """What one transformer block keeps for backward, per token, averaged over the layers.
 
     checkpointing "full": only the block's input (HF gradient checkpointing);
     "selective": the block's input plus every matmul and attention output, with
@@ -189,48 +217,115 @@ def layer_activations(m: ModelFacts, reg: Regime, tr: Trainable, checkpointing: 
     selective activation checkpointing policy that saves matmuls; the flash-
     attention adaptation of Korthikanti's selective scheme, whose s×s tensors no
     longer exist).
+
+    `seq_len` sizes what grows with the sequence: eager attention's scores and
+    probabilities (a·s per token), and the explicit mask SDPA is handed beyond a
+    sliding window (s per token).
     """
     h, c, r = m.h, reg.compute, reg.resid
     copies = _layer_weight_copies(m, reg, tr)
     if checkpointing == "full":
-        return LayerActivations(split=0.0, replicated=float(r * h), weight_copies=copies)
+        return LayerActivations(split=0.0, norms=float(r * h), whole=0.0, weight_copies=copies)
     if checkpointing == "selective":
         outs = sum(u.lin.out_features * u.per_token for u in m.linears())
-        return LayerActivations(split=c * (outs + m.q_dim) + 4 * m.spec.num_heads, replicated=float(r * h), weight_copies=copies)
+        split = c * (outs + m.q_dim) + 4 * m.spec.num_heads
+        if m.spec.attn_eager:
+            split += c * m.spec.num_heads * seq_len  # the score matmul's output is a matmul output kept
+        return LayerActivations(split=split, norms=float(r * h), whole=0.0, weight_copies=copies)
     if checkpointing != "none":
         raise UserError(f"unknown checkpointing {checkpointing!r}; use none, selective or full")
 
+    spec = m.spec
     norm, norm_out = _norm_saved(m, reg, tr.full)
-    replicated = 2 * norm
-    replicated += _inputs_saved(tuple(u for u in m.attn_in if u.lin.in_features == h), norm_out, reg, tr)
-    replicated += _inputs_saved(m.mlp_in, norm_out, reg, tr)
+    norms = m.norms_per_layer * norm
+    if spec.hidden_dropout > 0:
+        norms += 2.0 * h  # bool masks of the dropouts on the attention and MLP outputs
+    whole = _inputs_saved(tuple(u for u in m.attn_in if u.lin.in_features == h), norm_out, reg, tr)
     split = 0.0
     # Linears fed by a latent rather than the norm (multi-head latent attention) keep their own input.
     split += _inputs_saved(tuple(u for u in m.attn_in if u.lin.in_features != h), c, reg, tr)
-    # SDPA keeps q, k, v, its output and a log-sum-exp per head and query; GQA's k and v stay narrow.
-    heads, kv_heads = m.spec.num_heads, m.spec.num_kv_heads
-    split += c * (2 * m.q_dim + 2 * m.kv_dim) + 4 * heads
+    heads, kv_heads = spec.num_heads, spec.num_kv_heads
+    kv_repeat = 0.0
+    windowed = spec.sliding_window is not None and seq_len >= spec.sliding_window and not spec.attn_eager
+    if spec.attn_eager:
+        # Eager attention: the score matmul keeps q and the key repeated to every query head, the
+        # probability matmul its probabilities and the repeated value, o_proj its own input.
+        split += 4 * c * m.q_dim + _scores_saved(m, reg, seq_len)
+    else:
+        # SDPA keeps q, k, v, its output and a log-sum-exp per head and query; GQA's k and v stay narrow
+        # unless a mask is passed, when transformers repeats them to every head (enable_gqa needs no mask).
+        split += c * (2 * m.q_dim + 2 * m.kv_dim) + 4 * heads
+        if windowed:
+            share = spec.sliding_layers / max(m.layers, 1)  # of the layers, those with a window
+            kv_repeat = share * c * 2 * (m.q_dim - m.kv_dim)
+            # From the window on the mask is explicit; SDPA converts it to the query's dtype in every layer.
+            whole += share * c * seq_len
+    if m.fused_qkv and m.rope and not spec.attn_eager:
+        # q and k are views of one fused output, rotated into new tensors; v stays a view, so its saved
+        # storage is the whole fused output, q's and k's part included.
+        split += c * (m.q_dim + m.kv_dim)
+    if m.cat_rope and not spec.attn_eager:
+        split += c * m.q_dim  # o_proj keeps a copy of SDPA's output (saved by SDPA too)
     if m.qk_norm:
         split += 4 * (m.q_dim + m.kv_dim) + 4 * (heads + kv_heads) + (c * (m.q_dim + m.kv_dim) if tr.full else 0)
-    split += _inputs_saved(m.attn_out, c, reg, tr, already_saved=True)  # its input is SDPA's saved output
-    inter = m.inter_per_token
+    # o_proj's input is SDPA's saved output, or counted with eager attention's tensors.
+    split += _inputs_saved(m.attn_out, c, reg, tr, already_saved=True)
+
+    dense_in = tuple(u for u in m.mlp_in if u.copies == 1)
+    dense_out = tuple(u for u in m.mlp_out if u.copies == 1)
+    expert_out = tuple(u for u in m.mlp_out if u.copies > 1)
+    inter = sum(u.lin.in_features for u in dense_out) if m.spec.is_moe else m.inter_per_token
+    mlp_split = 0.0
     act_out = c
-    if m.gated:
-        split += 3 * c * inter  # SwiGLU: act(gate) keeps gate; gate·up keeps act(gate) and up
-    elif m.act_saves == 1:
-        split += c * inter  # a native GELU keeps its input
-    elif reg.autocast:
-        # gelu_new in Python, 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))): autocast runs pow in fp32, so
-        # pow keeps an fp32 x, tanh its fp32 output, the last product 0.5·x (bf16) and 1 + tanh (fp32).
-        split += (4 + 4 + 2 + 4) * inter
-        act_out = 4
-    else:
-        split += 4 * c * inter  # the same four tensors in one dtype
-    split += _inputs_saved(m.mlp_out, act_out, reg, tr)
-    if m.spec.is_moe:
-        # Router probabilities (fp32) and the expert outputs kept to weight them.
-        split += 4 * m.spec.num_experts + c * h * max(m.spec.experts_per_token, 1)
-    return LayerActivations(split=split, replicated=replicated, weight_copies=copies)
+    if inter:
+        if m.gated:
+            mlp_split += 3 * c * inter  # SwiGLU: act(gate) keeps gate; gate·up keeps act(gate) and up
+        elif m.act_saves == 1:
+            mlp_split += c * inter  # a native GELU keeps its input
+        elif reg.autocast:
+            # gelu_new in Python, 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))): autocast runs pow in fp32, so
+            # pow keeps an fp32 x, tanh its fp32 output, the last product 0.5·x (bf16) and 1 + tanh (fp32).
+            mlp_split += (4 + 4 + 2 + 4) * inter
+            act_out = 4
+        else:
+            mlp_split += 4 * c * inter  # the same four tensors in one dtype
+        mlp_split += _inputs_saved(dense_out, act_out, reg, tr)
+    mlp_whole = _inputs_saved(dense_in, norm_out, reg, tr)
+    if spec.is_moe:
+        e = _expert_bytes(reg, tr)
+        k = max(spec.experts_per_token, 1)
+        expert_inter = sum(u.lin.in_features * u.per_token for u in expert_out)
+        # Per routed token: its gathered input, the gate/up output, act(gate), their product (the down
+        # projection's input) and the down output kept to weight it; the router's fp32 probabilities.
+        if tr.full:
+            mlp_split += e * (2 * h * k + 4 * expert_inter) + 4 * spec.num_experts
+        else:
+            # Frozen experts (LoRA's base) keep no inputs for weight gradients: only what the activation and
+            # the routing weights' gradients need.
+            mlp_split += e * (h * k + 3 * expert_inter) + 4 * spec.num_experts
+        # The engine keeps mixture-of-experts MLPs whole on every TP rank (their dense shared part too).
+        mlp_whole += mlp_split
+        mlp_split = 0.0
+    return LayerActivations(
+        split=split + mlp_split, norms=norms, whole=whole + mlp_whole, weight_copies=copies,
+        kv_repeat=kv_repeat, kv_heads=kv_heads,
+    )  # fmt: skip
+
+
+def _scores_saved(m: ModelFacts, reg: Regime, seq_len: int) -> float:
+    """Bytes per token eager attention keeps of its a×s scores (nothing under SDPA)."""
+    spec = m.spec
+    if not spec.attn_eager:
+        return 0.0
+    c = reg.compute
+    per = 4.0  # softmax upcasts to fp32 and keeps its output
+    if spec.attn_softcap:
+        per += c  # tanh keeps its output
+    if spec.attention_dropout > 0:
+        per += 1 + c  # dropout's bool mask; the probability matmul keeps the dropped probabilities
+    elif c != 4:
+        per += c  # the probability matmul keeps the fp32 probabilities cast back to the compute dtype
+    return per * spec.num_heads * seq_len
 
 
 def _layer_weight_copies(m: ModelFacts, reg: Regime, tr: Trainable) -> float:
@@ -238,8 +333,8 @@ def _layer_weight_copies(m: ModelFacts, reg: Regime, tr: Trainable) -> float:
         return 0.0
     total = 0.0
     for u in m.linears():
-        if tr.full and reg.fp32_trainable:
-            total += 2 * u.weight_params
+        if tr.full and reg.fp32_trainable and u.copies == 1:
+            total += 2 * u.weight_params  # grouped_mm experts are not cast (see _expert_bytes)
         if u.lin.name in tr.targets:
             total += 2 * tr.rank * (u.lin.in_features + u.lin.out_features) * u.copies
     return total
@@ -249,9 +344,9 @@ def _layer_weight_copies(m: ModelFacts, reg: Regime, tr: Trainable) -> float:
 class EdgeActivations:
     """Bytes per token saved outside the blocks, and what the loss needs transiently."""
 
-    first: float  # embedding stage: token ids
-    last_split: float  # head stage, divided by TP (vocab-parallel logits)
-    last_replicated: float  # head stage: final norm (divided only with sequence parallel)
+    first: float  # embedding stage: token ids (and the embedding dropout's mask)
+    logits: float  # head stage: what scales with the vocabulary (divided by TP when the head is split)
+    head_input: float  # head stage: final norm and the head's input, whole on every TP rank
     head_weight_copy: float  # bytes: autocast's bf16 copy of an fp32 output matrix
     loss_transient: float  # bytes per token: logits, their fp32 upcast and its gradient, briefly
     rope_tables: float  # bytes per sequence position: cos and sin shared by all layers
@@ -260,25 +355,85 @@ class EdgeActivations:
 def edge_activations(m: ModelFacts, reg: Regime, tr: Trainable, checkpointing: str = "none") -> EdgeActivations:
     h, c, v = m.h, reg.compute, m.vocab
     first = 8.0 if tr.full else 0.0  # int64 ids, kept by a trainable embedding
+    if m.spec.hidden_dropout > 0:
+        first += h  # the embedding dropout's bool mask
     norm, norm_out = _norm_saved(m, reg, tr.full)
-    last_rep = norm
-    last_split = 0.0
+    head_input = norm
+    logits = 0.0
     head_copy = 0.0
     transient = 0.0
     if m.is_decoder:
         if tr.full:
             head = LinearUse(_head_linear(m), 1, 1)
-            last_rep += _inputs_saved((head,), norm_out, reg, tr)
+            head_input += _inputs_saved((head,), norm_out, reg, tr)
             if reg.autocast and reg.fp32_trainable:
                 head_copy = 2.0 * v * h
         # transformers upcasts logits to fp32 for the loss; cross-entropy keeps the fp32 log-softmax and
         # the int64 labels. Briefly there are also the logits themselves and the log-softmax's gradient.
-        last_split += 4.0 * v + 8.0
+        logits += 4.0 * v + 8.0
+        if m.spec.final_softcap:
+            logits += c * v  # tanh(logits / cap) keeps its output
         transient = (2 * c + 4.0) * v
     rope = 0.0
     if m.rope and checkpointing != "full":
         rope = 2.0 * m.spec.head_dim * reg.resid
-    return EdgeActivations(first, last_split, last_rep, head_copy, transient, rope)
+    return EdgeActivations(first, logits, head_input, head_copy, transient, rope)
+
+
+def head_split(m: ModelFacts, training: bool) -> bool:
+    """Whether tensor parallel splits the LM head (and the logits) by vocabulary, as the engine runs it.
+
+    Training asks apply_tensor_parallel for a vocabulary-parallel head, which it grants unless the
+    head is tied to the embedding (then every rank holds the whole head and the whole logits).
+    Inference keeps the head whole to sample from.
+    """
+    return training and m.is_decoder and not m.spec.tied_embeddings
+
+
+def stage_activations(
+    m: ModelFacts,
+    layer: LayerActivations,
+    full_layer: LayerActivations,
+    edge: EdgeActivations,
+    *,
+    n_layers: int,
+    tokens: int,
+    seq_len: int,
+    tp: int,
+    sp: bool,
+    in_flight: int,
+    first: bool,
+    last: bool,
+    checkpointing: str,
+    training: bool = True,
+    recompute: bool = True,
+) -> tuple[float, float]:
+    """(bytes saved for backward on one GPU of a stage, the loss's transient bytes there).
+
+    `recompute`: add what a checkpointed layer briefly holds again in backward (the peak);
+    without it, what is saved at the end of the forward pass.
+    """
+    act = n_layers * layer.per_gpu(tp, sp) * tokens * in_flight
+    if not recompute:
+        pass
+    elif checkpointing != "none" and n_layers:
+        # Backward recomputes one layer at a time; its full activations (and weight casts) exist briefly.
+        act += max(full_layer.per_gpu(tp, sp) - layer.per_gpu(tp, sp), 0.0) * tokens
+    if checkpointing != "full":
+        act += n_layers * layer.weight_copies / tp
+    elif n_layers and recompute:
+        act += full_layer.weight_copies / tp
+    if first:
+        act += edge.first * tokens * in_flight
+    loss = 0.0
+    if last:
+        v = tp if head_split(m, training) else 1
+        # The block stack returns whole sequences (sequence parallel gathers after the last block), so
+        # the final norm and the head's input are whole on every rank.
+        act += (edge.logits / v + edge.head_input) * tokens + edge.head_weight_copy / v
+        loss = edge.loss_transient * tokens / v
+    act += edge.rope_tables * seq_len * in_flight
+    return act, loss
 
 
 def _head_linear(m: ModelFacts) -> Linear:
@@ -324,8 +479,10 @@ def predict_components(
     lora_rank: int = 16,
     lora_targets: list[str] | str | None = None,
     double_quant: bool = True,
+    tp: int = 1,
+    sequence_parallel: bool = False,
 ) -> dict[str, int]:
-    """Bytes PyTorch allocates on one GPU training `spec` unsharded, by component.
+    """Bytes PyTorch allocates on one GPU training `spec` unsharded (or split `tp` ways), by component.
 
     "params": weights as allocated (fp32 under autocast mixed precision; for LoRA
     the half base plus fp32 adapters; for QLoRA NF4 linears with their absmax).
@@ -334,7 +491,11 @@ def predict_components(
     AdamW: uint8 with block absmax; SGD: momentum), plus fp32 master weights only
     when trainable parameters are held in bf16/fp16 ("bf16-true").
     "activations_saved": what autograd keeps for backward after the forward pass
-    with SDPA attention, the loss included, for `micro_batch` × `seq_len` tokens.
+    with the attention transformers runs the family with, the loss included, for
+    `micro_batch` × `seq_len` tokens.
+
+    `tp` > 1: one rank of the engine's tensor parallelism (`apply_tensor_parallel`
+    with the vocabulary-parallel head a training job asks for), with `sequence_parallel`.
 
     `precision`: "bf16"/"fp16" (autocast, fp32 weights), "bf16-true"/"fp16-true"
     (weights in half), or "fp32".
@@ -346,8 +507,14 @@ def predict_components(
     tokens = micro_batch * seq_len
     if tr.full:
         p_bytes = 4 if (dtype == "fp32" or not pure) else 2
-        params = m.params * p_bytes
         trainable = m.params
+        if tp > 1:
+            # As apply_tensor_parallel splits them: attention and dense MLP linears by tp, experts, norms and
+            # the embedding whole, an untied head by vocabulary.
+            dense = m.layer_linear_params - m.layer_expert_params
+            per_layer = dense / tp + m.layer_expert_params + m.layer_other_params
+            trainable = int(m.layers * per_layer + m.embedding_params + m.head_params / tp)
+        params = trainable * p_bytes
         t_bytes = p_bytes
     else:
         lora = m.lora_params(lora_rank, sorted(tr.targets))
@@ -360,16 +527,15 @@ def predict_components(
     opt = trainable * optimizer_state_bytes(optimizer, t_bytes)
     if t_bytes == 2:
         opt += trainable * 4  # fp32 master weights
-    layer = layer_activations(m, reg, tr, checkpointing)
+    layer = layer_activations(m, reg, tr, checkpointing, seq_len)
     edge = edge_activations(m, reg, tr, checkpointing)
-    act = m.layers * layer.per_gpu(1, False) * tokens
-    if checkpointing != "full":
-        act += m.layers * layer.weight_copies
-    act += (edge.first + edge.last_split + edge.last_replicated) * tokens + edge.head_weight_copy
-    act += edge.rope_tables * seq_len
+    act, _ = stage_activations(
+        m, layer, layer, edge, n_layers=m.layers, tokens=tokens, seq_len=seq_len, tp=tp, sp=sequence_parallel,
+        in_flight=1, first=True, last=True, checkpointing=checkpointing, recompute=False,
+    )  # fmt: skip
     if not tr.full and checkpointing != "full":
         # The frozen embedding's output needs no gradient, so the first block's norm keeps nothing.
-        act -= _norm_saved(m, reg, False)[0] * tokens
+        act -= _norm_saved(m, reg, False)[0] * tokens / (tp if sequence_parallel else 1)
     return {"params": int(params), "grads": int(grads), "optimizer": int(opt), "activations_saved": int(act)}
 
 
@@ -459,7 +625,8 @@ class MemoryModel:
         key = (backend in ("fsdp", "deepspeed"), checkpointing)
         found = self._layers.get(key)
         if found is None:
-            found = self._layers[key] = layer_activations(self.m, self.regime(backend), self.tr, checkpointing)
+            reg = self.regime(backend)
+            found = self._layers[key] = layer_activations(self.m, reg, self.tr, checkpointing, self.w.seq_len)
         return found
 
     def edge(self, backend: str, checkpointing: str) -> EdgeActivations:
@@ -567,7 +734,7 @@ class MemoryModel:
             comm += root / t * c  # the root unit (embeddings, head) stays gathered through the step
         tokens = par.micro_batch * w.seq_len
         if par.pp > 1:
-            comm += 2 * tokens * m.h * c / (t if par.sequence_parallel else 1)
+            comm += 2 * tokens * m.h * c  # stages pass whole sequences on, sequence parallel or not
 
         # Activations.
         la = self.layer(par.backend, par.checkpointing)
@@ -578,20 +745,11 @@ class MemoryModel:
             in_flight = par.grad_accum
         else:
             in_flight = min(par.pp - stage, par.grad_accum)
-        sp = par.sequence_parallel
-        act = n_layers * la.per_gpu(t, sp) * tokens * in_flight
-        if par.checkpointing != "none":
-            # Backward recomputes one layer at a time; its full activations exist briefly.
-            full = self.layer(par.backend, "none")
-            act += max(full.per_gpu(t, sp) - la.per_gpu(t, sp), 0.0) * tokens
-        act += n_layers * la.weight_copies / t
-        if stage == 0:
-            act += edge.first * tokens * in_flight
-        loss = 0.0
-        if stage == par.pp - 1:
-            act += (edge.last_split / t + edge.last_replicated / (t if sp else 1)) * tokens + edge.head_weight_copy / t
-            loss = edge.loss_transient * tokens / t
-        act += edge.rope_tables * w.seq_len * in_flight
+        act, loss = stage_activations(
+            m, la, self.layer(par.backend, "none"), edge,
+            n_layers=n_layers, tokens=tokens, seq_len=w.seq_len, tp=t, sp=par.sequence_parallel,
+            in_flight=in_flight, first=stage == 0, last=stage == par.pp - 1, checkpointing=par.checkpointing,
+        )  # fmt: skip
 
         opt_temp = 0.0
         if par.backend in ("ddp", "fsdp", "single") and w.optimizer == "adamw" and not par.offload:
@@ -618,8 +776,13 @@ class MemoryModel:
         prompt = batch * w.prompt_tokens
         # Prefill runs one layer at a time without grad: the residual, norm output, attention and MLP tensors.
         act = prompt * c * (3 * m.h + (m.q_dim + 2 * m.kv_dim) / t + 3 * m.inter_per_token / t) if n_layers else 0.0
+        if n_layers and m.spec.attn_eager:
+            # Eager attention materialises the layer's scores: fp32 softmax output and its compute-dtype cast.
+            act += prompt * w.prompt_tokens * m.spec.num_heads / t * (4 + c)
         if stage == par.pp - 1 and m.is_decoder:
-            act += batch * m.vocab * 4.0 / t  # generate() keeps only the last position's logits, in fp32
+            # generate() keeps only the last position's logits, in fp32; inference keeps the head whole on
+            # every TP rank (apply_tensor_parallel without vocab_parallel), so each holds all of them.
+            act += batch * m.vocab * 4.0
         buffers = 0.0
         if bits != 16:
             buffers = max((u.lin.in_features * u.lin.out_features for u in m.linears()), default=0) / t * c

@@ -18,17 +18,44 @@ from rigpilot.engine.models.spec import Linear, ModelSpec
 # Linears that read the attention norm's output (or, for multi-head latent attention, a latent made from it).
 _ATTN_IN = frozenset(
     {
-        "q_proj", "k_proj", "v_proj", "query", "key", "value", "c_attn", "qkv_proj", "query_key_value", "Wqkv",
-        "q_lin", "k_lin", "v_lin", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "qkv",
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "query",
+        "key",
+        "value",
+        "c_attn",
+        "qkv_proj",
+        "query_key_value",
+        "Wqkv",
+        "q_lin",
+        "k_lin",
+        "v_lin",
+        "q_a_proj",
+        "q_b_proj",
+        "kv_a_proj_with_mqa",
+        "kv_b_proj",
+        "qkv",
     }
 )
 _GATED = frozenset({"gate_proj", "up_proj", "w1", "w3", "gate_up_proj"})
 # Families whose blocks use LayerNorm (input, mean and rstd saved) rather than RMSNorm.
-_LAYERNORM_TYPES = frozenset({"gpt2", "bert", "distilbert", "gpt_neox", "falcon", "phi", "opt", "gptj", "bloom", "roberta"})
+_LAYERNORM_TYPES = frozenset(
+    {"gpt2", "bert", "distilbert", "gpt_neox", "falcon", "phi", "opt", "gptj", "bloom", "roberta"}
+)
 # GPT-2 and Phi use "gelu_new", written in Python: autograd keeps about four intermediates of the MLP width.
 _COMPOSITE_GELU_TYPES = frozenset({"gpt2", "phi", "gptj"})
 # Gemma's RMSNorm multiplies by (1 + weight) in fp32, so it keeps the normalized input in fp32.
 _FP32_NORM_TYPES = frozenset({"gemma", "gemma2", "gemma3_text"})
+# Gemma 2 and 3 wrap attention and MLP in "sandwich" norms: four RMSNorms a block instead of two.
+_SANDWICH_NORM_TYPES = frozenset({"gemma2", "gemma3_text", "gemma3"})
+# Families that normalise queries and keys (per head, or OLMoE's over the whole projection).
+_QK_NORM_TYPES = frozenset({"qwen3", "qwen3_moe", "olmo2", "olmoe"})
+# Families whose rotary embedding concatenates the rotated and passed-through parts (torch.cat): q comes out
+# contiguous per head, so does SDPA's output, and o_proj's input is a fresh copy of it.
+_CAT_ROPE_TYPES = frozenset({"phi3"})
+# MLP linears that write the block's output, whatever their shapes (an expert's width may equal h).
+_MLP_OUT = frozenset({"down_proj", "w2"})
 # Families that apply rotary position embeddings from cos/sin tables shared by all layers.
 _ABSOLUTE_POSITION_TYPES = frozenset({"gpt2", "bert", "distilbert", "opt", "bloom", "roberta"})
 _ALL_LINEAR = "all-linear"
@@ -59,7 +86,9 @@ class LinearUse:
 
     @property
     def params(self) -> int:
-        return (self.lin.in_features * self.lin.out_features + (self.lin.out_features if self.lin.bias else 0)) * self.copies
+        return (
+            self.lin.in_features * self.lin.out_features + (self.lin.out_features if self.lin.bias else 0)
+        ) * self.copies
 
 
 @dataclass(frozen=True)
@@ -78,9 +107,12 @@ class ModelFacts:
     act_saves: int  # tensors of MLP width an activation function saves
     rope: bool
     qk_norm: bool
+    norms_per_layer: int  # RMSNorm/LayerNorm modules on a block's residual path
+    fused_qkv: bool  # one linear makes q, k and v (its output stays alive while a view of it is saved)
+    cat_rope: bool  # o_proj's input is a copy of SDPA's output (see _CAT_ROPE_TYPES)
     head_params: int  # untied output matrix (0 when tied or absent)
     layer_linear_params: int  # weights + biases of one block's linears
-    # of which MoE experts: the engine keeps experts whole on every tensor-parallel rank (engine.capability)
+    # of which the MoE MLP (experts, router, shared experts): whole on every tensor-parallel rank (engine.capability)
     layer_expert_params: int
     layer_other_params: float  # norms, router tables: what TP does not split
     matmul_params_per_token: int  # parameters a token multiplies by (active, embedding lookup excluded, head included)
@@ -139,7 +171,9 @@ class ModelFacts:
 
     def lora_params(self, rank: int, targets: list[str]) -> int:
         """Adapter parameters: rank × (in + out) for every targeted linear (and every expert copy) of every layer."""
-        per_layer = sum(rank * (u.lin.in_features + u.lin.out_features) * u.copies for u in self.linears() if u.lin.name in targets)
+        per_layer = sum(
+            rank * (u.lin.in_features + u.lin.out_features) * u.copies for u in self.linears() if u.lin.name in targets
+        )
         return per_layer * self.layers
 
     def quantizable_params(self) -> int:
@@ -165,7 +199,7 @@ def model_facts(spec: ModelSpec) -> ModelFacts:
                 continue
             attn_out.append(use)
             stage = "mlp"
-        elif lin.out_features == h and lin.in_features != h:
+        elif lin.name in _MLP_OUT or (lin.out_features == h and lin.in_features != h):
             mlp_out.append(use)
         else:
             mlp_in.append(use)
@@ -176,7 +210,9 @@ def model_facts(spec: ModelSpec) -> ModelFacts:
         # No structure known: assume a Llama-style block so the formulas still have shapes.
         notes.append("the model's layer structure is unknown; assumed a Llama-style block")
         inter = spec.intermediate_size
-        attn_in = [LinearUse(Linear(n, h, d), 1, 1) for n, d in (("q_proj", q_dim), ("k_proj", kv_dim), ("v_proj", kv_dim))]
+        attn_in = [
+            LinearUse(Linear(n, h, d), 1, 1) for n, d in (("q_proj", q_dim), ("k_proj", kv_dim), ("v_proj", kv_dim))
+        ]
         attn_out = [LinearUse(Linear("o_proj", q_dim, h), 1, 1)]
         mlp_in = [LinearUse(Linear(n, h, inter), 1, 1) for n in ("gate_proj", "up_proj")]
         mlp_out = [LinearUse(Linear("down_proj", inter, h), 1, 1)]
@@ -206,10 +242,14 @@ def model_facts(spec: ModelSpec) -> ModelFacts:
         fp32_norm=spec.model_type in _FP32_NORM_TYPES,
         act_saves=4 if spec.model_type in _COMPOSITE_GELU_TYPES else 1,
         rope=spec.model_type not in _ABSOLUTE_POSITION_TYPES,
-        qk_norm=spec.model_type in ("qwen3", "qwen3_moe", "olmo2"),
+        qk_norm=spec.model_type in _QK_NORM_TYPES,
+        norms_per_layer=4 if spec.model_type in _SANDWICH_NORM_TYPES else 2,
+        fused_qkv=len([u for u in attn_in if u.lin.in_features == h]) == 1,
+        cat_rope=spec.model_type in _CAT_ROPE_TYPES,
         head_params=head,
         layer_linear_params=linear_params,
-        layer_expert_params=sum(u.params for u in (*attn_in, *attn_out, *mlp_in, *mlp_out) if u.lin.expert),
+        # Tensor parallel keeps a mixture-of-experts MLP whole: experts, router and shared experts alike.
+        layer_expert_params=sum(u.params for u in (*mlp_in, *mlp_out)) if spec.is_moe else 0,
         layer_other_params=max(spec.params_per_layer - linear_params, 0.0),
         matmul_params_per_token=int(matmul),
         notes=tuple(notes),
