@@ -386,6 +386,11 @@ def _report_end(job: dict[str, Any]) -> int:
     took = _duration((job.get("ended") or 0) - (job.get("started") or job.get("ended") or 0))
     if job["state"] == "completed":
         print(f"job {job['id']} completed in {took}")
+        if job.get("kind") == "calibrate" and job.get("job_dir"):
+            # The engine keeps it for its own planner; `rigpilot plan` reads it when named.
+            where = Path(job["job_dir"]) / "output" / "calibration.json"
+            print(f"calibration written to {where}")
+            print("the engine's planner reads it from now on; `rigpilot plan --calibration FILE` reads it too")
         return 0
     print(f"job {job['id']} {job['state']}: {printable(job.get('exit_reason') or 'no reason recorded')}")
     if job.get("last_log"):
