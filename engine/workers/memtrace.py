@@ -1,0 +1,380 @@
+"""`python -m rigpilot.engine.workers.memtrace`: the memory of one training step of a plan, traced, not estimated.
+
+The planner's formula is fast but sees only what it was told about. This
+builds the engine's own model for a plan the way a training rank does (the
+same transformers class and attention implementation, `apply_tensor_parallel`,
+`apply_activation_checkpointing`, `apply_data_parallel`, the same loss) on
+fake tensors (`FakeTensorMode`: shapes and dtypes, no memory, no weights) in
+a fake process group of the plan's world size as rank 0, runs one steady-state
+step (the optimizer state already exists, as from the second step on: forward
+and backward of up to two micro-batches, then the optimizer step) and reads
+the peak of every tensor alive at once from PyTorch's memory trackers
+(`MemTracker`, `FSDPMemTracker`).
+
+A model with many blocks is traced with 2 and 4 of them and the per-block
+difference scaled to its layer count, per phase (forward/backward and
+optimizer step): block memory is linear in the block count, and 2 and 4 keep
+alternating layer patterns (Gemma's sliding and global layers) whole.
+
+What it does not see: the CUDA context, NCCL and the allocator's reserve
+(the plan's `overhead`, added back by the caller), and collectives' own
+buffers. Training only; pipeline and CPU-offload plans are refused with a
+reason. No GPU, no weights (config.json only), no network when offline.
+
+Wire: one JSON object on stdin, `{"plan": Plan.to_dict(), "trust_remote_code": false}`;
+one JSON object on stdout: `{"ok": true, "peak": bytes, "phases": {...}, "method": "...", ...}`
+or `{"ok": false, "reason": "one line"}`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+WHOLE_MODEL_LAYERS = 4  # up to this many blocks the whole model is traced
+SCALE_FROM = (2, 4)  # else traced with this many blocks and scaled to the layer count
+
+
+class NotTraced(Exception):
+    """A plan the tracer cannot verify; the message is the one-line reason."""
+
+
+@dataclass
+class Phases:
+    """Peak bytes of one traced step: during forward/backward, during the optimizer step, and by category."""
+
+    forward_backward: int
+    optimizer: int
+    categories: dict[str, int]  # at the step's peak: Parameter, Gradient, Activation, Optstate, Temp, ...
+    snapshots: dict[str, dict[str, int]] = field(default_factory=dict)  # categories after forward, backward, step
+
+    @property
+    def peak(self) -> int:
+        return max(self.forward_backward, self.optimizer)
+
+
+def trace_plan(plan: dict[str, Any], trust_remote_code: bool = False) -> dict[str, Any]:
+    """The traced peak bytes per GPU of `plan` (Plan.to_dict), or NotTraced saying why not."""
+    started = time.perf_counter()
+    workload, par = plan["workload"], plan["parallelism"]
+    _check_supported(workload, par)
+    config = _load_config(workload["model"], trust_remote_code)
+    layers = _num_layers(config)
+    if layers <= WHOLE_MODEL_LAYERS:
+        phases = _trace_step(config, layers, workload, par, trust_remote_code)
+        method = f"whole model ({layers} blocks)"
+    else:
+        low, high = (_trace_step(config, n, workload, par, trust_remote_code) for n in SCALE_FROM)
+        phases = _extrapolate(low, high, SCALE_FROM, layers)
+        method = f"{SCALE_FROM[0]} and {SCALE_FROM[1]} of {layers} blocks traced, scaled to {layers}"
+    return {
+        "ok": True,
+        "peak": phases.peak,
+        "phases": {"forward_backward": phases.forward_backward, "optimizer": phases.optimizer},
+        "categories": phases.categories,
+        "method": method,
+        "seconds": round(time.perf_counter() - started, 3),
+    }
+
+
+def _check_supported(workload: dict[str, Any], par: dict[str, Any]) -> None:
+    if workload.get("task") != "train":
+        raise NotTraced("traced verification covers training plans only")
+    if par.get("pp", 1) > 1:
+        raise NotTraced("pipeline-parallel plans are not traced (one stage's schedule is not modelled yet)")
+    if par.get("offload_params") or par.get("offload_optimizer"):
+        raise NotTraced("CPU-offload plans are not traced (the trace has one device, not GPU and host)")
+    if par.get("backend") == "deepspeed":
+        raise NotTraced("DeepSpeed plans are not traced: the engine runs FSDP2, DDP and tensor parallel")
+    if workload.get("method") == "qlora":
+        raise NotTraced("QLoRA plans are not traced (4-bit NF4 weights do not run on fake tensors)")
+
+
+def _load_config(model: str, trust_remote_code: bool) -> Any:
+    from rigpilot.engine.workers.model_loading import load_config, resolve_source
+
+    source = resolve_source(model)
+    return load_config(source, SimpleNamespace(trust_remote_code=trust_remote_code))
+
+
+def _num_layers(config: Any) -> int:
+    n = getattr(config, "num_hidden_layers", None)
+    if not isinstance(n, int) or n < 1:
+        raise NotTraced(f"model type {config.model_type!r}: its config has no num_hidden_layers to trace")
+    return n
+
+
+def _with_layers(config: Any, n: int) -> Any:
+    config = copy.deepcopy(config)
+    config.num_hidden_layers = n
+    types = getattr(config, "layer_types", None)
+    if isinstance(types, list) and len(types) > n:
+        config.layer_types = types[:n]
+    return config
+
+
+def _extrapolate(low: Phases, high: Phases, counts: tuple[int, int], layers: int) -> Phases:
+    a, b = counts
+
+    def scale(x: int, y: int) -> int:
+        return round(x + (y - x) * (layers - a) / (b - a))
+
+    cats = {k: scale(low.categories.get(k, 0), high.categories.get(k, 0)) for k in high.categories}
+    return Phases(scale(low.forward_backward, high.forward_backward), scale(low.optimizer, high.optimizer), cats)
+
+
+# --- one traced step ------------------------------------------------------------------------------
+
+
+def _trace_step(
+    config: Any, n_layers: int, workload: dict[str, Any], par: dict[str, Any], trust_remote_code: bool, real: bool = False
+) -> Phases:
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from rigpilot.engine.workers.parallel_dims import MESH_DIMS, ParallelDims
+
+    shape = par["mesh_shape"]
+    dims = ParallelDims(pp=shape["pp"], dp_replicate=shape["dp_replicate"], dp_shard=shape["dp_shard"], tp=shape["tp"],
+                        world_size=par["world_size"])  # fmt: skip
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=dims.world_size)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", dims.shape, mesh_dim_names=MESH_DIMS)
+        # Built and parallelised on the meta device, as a worker builds its skeleton (and device meshes
+        # are sliced there: inside the fake mode their coordinates would be data-dependent); then
+        # given fake storage, as `materialize` gives it real storage.
+        with torch.device("meta"):
+            built = _build(_with_layers(config, n_layers), workload, par, dims, mesh, trust_remote_code)
+        # real=True runs the same step on real CPU tensors (for tests of the fake trace itself).
+        with FakeTensorMode(allow_non_fake_inputs=True) if not real else contextlib.nullcontext():
+            _materialize(built.model)
+            return _fake_step(built, workload, par)
+    finally:
+        dist.destroy_process_group()
+
+
+@dataclass
+class _Built:
+    model: Any  # the module whose parameters the optimizer steps
+    wrapped: Any  # the module called (FSDP2-wrapped model, or the model)
+    fsdp: bool
+    precision: Any  # parallelize.PrecisionPlan
+    loss_parallel: bool
+    ddp_buckets: int
+    vocab: int
+
+
+def _build(config: Any, workload: dict[str, Any], par: dict[str, Any], dims: Any, mesh: Any, trust_remote_code: bool) -> _Built:
+    import torch
+
+    from rigpilot.engine.workers.model_loading import LoadedModel, ModelSource, apply_lora, auto_class, detect_objective
+    from rigpilot.engine.workers.parallel_dims import Runtime
+    from rigpilot.engine.workers.parallelize import (
+        PrecisionPlan,
+        apply_activation_checkpointing,
+        apply_data_parallel,
+        apply_tensor_parallel,
+        logits_split,
+        precision_dtype,
+        uses_fsdp,
+    )
+
+    objective = detect_objective(config)
+    if objective != "causal":
+        raise NotTraced(f"model type {config.model_type!r} is an encoder: traced verification covers decoders")
+    torch.manual_seed(0)
+    # The worker loads fp32 master weights whatever the precision (load_model(dtype=torch.float32)).
+    model = auto_class(objective).from_config(config, trust_remote_code=trust_remote_code, dtype=torch.float32)
+    loaded = LoadedModel(model, None, model.config, objective, ModelSource("", "config", "", False))
+    lora = workload.get("lora") or {}
+    if workload.get("method") == "lora":
+        targets = [t for t in lora.get("targets") or [] if t != "all-linear"] or None
+        train = SimpleNamespace(lora_rank=lora.get("rank", 16), lora_alpha=lora.get("alpha", 32),
+                                lora_dropout=lora.get("dropout", 0.0), lora_targets=targets)  # fmt: skip
+        apply_lora(loaded, SimpleNamespace(train=train))
+    model = loaded.model
+    runtime = Runtime(0, 0, dims.world_size, torch.device("cpu"), "fake", dims, mesh)
+    # The plan is for GPUs: the precision the worker picks there (precision_plan with a CUDA device).
+    compute = precision_dtype(workload.get("precision", "bf16"))
+    if compute == torch.float32:
+        precision = PrecisionPlan(compute, False, False, "cpu")
+    else:
+        fsdp = dims.dp_shard > 1
+        precision = PrecisionPlan(compute, fsdp, not fsdp, "cpu")
+    loss_parallel = False
+    if dims.tp > 1:
+        sp = bool(par.get("sequence_parallel")) and workload["seq_len"] % dims.tp == 0
+        apply_tensor_parallel(model, mesh["tp"], sp, vocab_parallel=True)
+        loss_parallel = logits_split(model)
+    apply_activation_checkpointing(model, par.get("checkpointing", "none"))
+    fsdp = uses_fsdp(dims)
+    ddp_buckets = 0
+    if fsdp:
+        wrapped = apply_data_parallel(model, runtime, precision, bool(par.get("reshard_after_forward", True)))
+    else:
+        # DDP checks and broadcasts real parameter storage in C++, which fake tensors lack: the trace runs
+        # the model unwrapped and adds what DDP holds besides, its gradient buckets (without
+        # gradient_as_bucket_view, as the engine runs it, a flat copy of every trainable gradient, kept
+        # from construction on). A single rank is not wrapped at all.
+        wrapped = model
+        if dims.dp_replicate > 1:
+            ddp_buckets = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return _Built(model, wrapped, fsdp, precision, loss_parallel, ddp_buckets, int(config.vocab_size))
+
+
+def _materialize(model: Any) -> None:
+    from rigpilot.engine.workers.model_loading import _tied_groups
+
+    tied = _tied_groups(model)
+    model.to_empty(device="cpu")
+    for group in tied:  # to_empty gives every module its own tensor: share tied weights again
+        first = getattr(group[0][0], group[0][1])
+        for module, name in group[1:]:
+            setattr(module, name, first)
+
+
+def _fake_step(built: _Built, workload: dict[str, Any], par: dict[str, Any]) -> Phases:
+    import torch
+
+    from rigpilot.engine.accuracy.cuda_autocast import CudaAutocastOnCpu
+    from rigpilot.engine.workers.parallelize import set_gradient_sync
+    from rigpilot.engine.workers.train import token_loss
+
+    model, wrapped, fsdp, precision = built.model, built.wrapped, built.fsdp, built.precision
+    loss_parallel, ddp_buckets, vocab = built.loss_parallel, built.ddp_buckets, built.vocab
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95))
+    # Steady state: the optimizer's moments exist before the step begins, as from the second step on.
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+    micro, seq = int(par.get("micro_batch", 1)), int(workload["seq_len"])
+    accum = min(int(par.get("grad_accum", 1)), 2)  # the second micro-batch sees the first one's gradients
+    batches = [(torch.randint(vocab, (micro, seq)), torch.randint(vocab, (micro, seq))) for _ in range(accum)]
+    tracker = _tracker(wrapped if fsdp else model, optimizer, fsdp)
+    autocast_on = precision.autocast
+    snapshots: dict[str, dict[str, int]] = {}
+    with tracker:
+        for i, (ids, labels) in enumerate(batches):
+            if i:
+                tracker.reset_mod_stats()  # FSDPMemTracker's per-module records take one pass at a time
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(set_gradient_sync(wrapped, i == len(batches) - 1))
+                if loss_parallel:
+                    from torch.distributed.tensor.parallel import loss_parallel as lp
+
+                    stack.enter_context(lp())
+                with precision.autocast_context(), (CudaAutocastOnCpu() if autocast_on else contextlib.nullcontext()):
+                    logits = wrapped(input_ids=ids, use_cache=False).logits
+                loss = token_loss(logits, labels)
+                del logits
+                snapshots["after_forward"] = _categories(tracker, "current")
+                loss.backward()
+                del loss
+        snapshots["after_backward"] = _categories(tracker, "current")
+        fb = _peak(tracker)
+        cats_fb = _categories(tracker)
+        _reset_peak(tracker)
+        optimizer.step()
+        opt = _peak(tracker)
+        cats_opt = _categories(tracker)
+        snapshots["after_step"] = _categories(tracker, "current")
+        optimizer.zero_grad(set_to_none=True)
+    cats = cats_fb if fb >= opt else cats_opt
+    if ddp_buckets:
+        cats["DDP gradient buckets"] = ddp_buckets
+    return Phases(fb + ddp_buckets, opt + ddp_buckets, cats, snapshots)
+
+
+def _tracker(module: Any, optimizer: Any, fsdp: bool) -> Any:
+    if fsdp:
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+        return FSDPMemTracker(module, optimizer)
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(module, optimizer)
+    return tracker
+
+
+def _peak(tracker: Any) -> int:
+    return sum(snap.get("Total", 0) for snap in tracker.get_tracker_snapshot("peak").values())
+
+
+def _categories(tracker: Any, which: str = "peak") -> dict[str, int]:
+    out: dict[str, int] = {}
+    for snap in tracker.get_tracker_snapshot(which).values():
+        for k, v in snap.items():
+            if k != "Total":
+                out[str(getattr(k, "value", k))] = out.get(str(getattr(k, "value", k)), 0) + int(v)
+    return out
+
+
+def _reset_peak(tracker: Any) -> None:
+    # The trackers keep their peak in these (no public reset); the next update starts a new one.
+    tracker._peak_mem = {dev: 0 for dev in tracker._peak_mem}
+    tracker._peak_mem_snap = {}
+
+
+# --- the subprocess -------------------------------------------------------------------------------
+
+
+def main() -> int:
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints must not corrupt the answer
+    try:
+        request = json.loads(sys.stdin.read())
+        if not isinstance(request, dict) or not isinstance(request.get("plan"), dict):
+            raise NotTraced("the tracer takes {\"plan\": Plan.to_dict(), ...} on stdin")
+        _quiet()
+        answer = trace_plan(request["plan"], bool(request.get("trust_remote_code", False)))
+    except NotTraced as e:
+        answer = {"ok": False, "reason": str(e)}
+    except Exception as e:
+        import traceback
+
+        traceback.print_exc()
+        answer = {"ok": False, "reason": _one_line(e)}
+    out.write(json.dumps(answer) + "\n")
+    out.flush()
+    return 0
+
+
+def _one_line(e: Exception) -> str:
+    from rigpilot.engine.errors import UserError
+
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    if isinstance(e, UserError):
+        return text
+    return f"the trace failed: {type(e).__name__}" + (f": {text[:200]}" if text else "")
+
+
+def _quiet() -> None:
+    warnings.filterwarnings("ignore")
+    with contextlib.suppress(ImportError):
+        from transformers.utils import logging
+
+        logging.set_verbosity_error()
+        logging.disable_progress_bar()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
