@@ -121,7 +121,8 @@ def verify(
         else:
             lines.append("the traced step of the best plan does not fit its GPUs: the formula under-counts it")
     result.explanation = result.explanation + lines
-    result.notes = result.notes + [f"memory traced for {min(top, len(plans))} plan(s) in {time.perf_counter() - started:.1f} s"]
+    seconds = time.perf_counter() - started
+    result.notes = [*result.notes, f"memory traced for {min(top, len(plans))} plan(s) in {seconds:.1f} s"]
     return result
 
 

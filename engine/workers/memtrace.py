@@ -147,9 +147,13 @@ def _trace_step(
     shape = par["mesh_shape"]
     dims = ParallelDims(pp=shape["pp"], dp_replicate=shape["dp_replicate"], dp_shard=shape["dp_shard"], tp=shape["tp"],
                         world_size=par["world_size"])  # fmt: skip
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=dims.world_size)
+    # real=True inside an initialised process group (gloo ranks of a test) steps real tensors there;
+    # otherwise this process is rank 0 of a fake group of the plan's size.
+    own_group = not (real and dist.is_initialized())
+    if own_group:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=dims.world_size)
     try:
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -160,11 +164,82 @@ def _trace_step(
         with torch.device("meta"):
             built = _build(_with_layers(config, n_layers), workload, par, dims, mesh, trust_remote_code)
         # real=True runs the same step on real CPU tensors (for tests of the fake trace itself).
-        with FakeTensorMode(allow_non_fake_inputs=True) if not real else contextlib.nullcontext():
+        fake = FakeTensorMode(allow_non_fake_inputs=True) if not real else contextlib.nullcontext()
+        with fake, _real_masks(), _untracked_sharding_propagation():
             _materialize(built.model)
             return _fake_step(built, workload, par)
     finally:
-        dist.destroy_process_group()
+        if own_group:
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _untracked_sharding_propagation() -> Any:
+    """Keep DTensor's shape inference out of the tracker, as it is on real tensors.
+
+    DTensor infers an op's output shape by running it on fake tensors, in the fake mode it finds
+    active: inside the trace that is ours, under the tracker, which would count a global-size
+    output for a moment (a transient whole-vocabulary logits tensor, say). With the modes set
+    aside it gets a fake mode of its own, as it does beside real tensors.
+    """
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def propagate(self: Any, op_schema: Any) -> Any:
+        with _disable_current_modes():
+            return original(self, op_schema)
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = propagate  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _real_masks() -> Any:
+    """Let transformers skip the causal mask as it does for a worker's real tensors.
+
+    Its `_ignore_causal_mask_sdpa` takes a fake tensor for a graph being traced and then builds an
+    explicit s×s mask instead of SDPA's `is_causal`. A training step has no cache, so its query
+    offset is 0: the check gets that 0 (data-dependent checks elsewhere still fail loudly).
+    """
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    original = getattr(masking_utils, "_ignore_causal_mask_sdpa", None)
+    if original is None:
+        yield
+        return
+
+    def ignore_causal_mask(padding_mask: Any, q_length: int, kv_length: int, q_offset: Any, kv_offset: Any, *args: Any, **kwargs: Any) -> bool:
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        q_offset = 0 if isinstance(q_offset, FakeTensor) else q_offset
+        kv_offset = 0 if isinstance(kv_offset, FakeTensor) else kv_offset
+        return original(padding_mask, q_length, kv_length, q_offset, kv_offset, *args, **kwargs)
+
+    packed = getattr(masking_utils, "find_packed_sequence_indices", None)
+
+    def find_packed(position_ids: Any) -> Any:
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        # The worker's batches are whole sequences with positions 0..s-1: never packed.
+        return None if isinstance(position_ids, FakeTensor) else packed(position_ids)
+
+    masking_utils._ignore_causal_mask_sdpa = ignore_causal_mask
+    if packed is not None:
+        masking_utils.find_packed_sequence_indices = find_packed
+    try:
+        yield
+    finally:
+        masking_utils._ignore_causal_mask_sdpa = original
+        if packed is not None:
+            masking_utils.find_packed_sequence_indices = packed
 
 
 @dataclass
@@ -207,7 +282,7 @@ def _build(config: Any, workload: dict[str, Any], par: dict[str, Any], dims: Any
                                 lora_dropout=lora.get("dropout", 0.0), lora_targets=targets)  # fmt: skip
         apply_lora(loaded, SimpleNamespace(train=train))
     model = loaded.model
-    runtime = Runtime(0, 0, dims.world_size, torch.device("cpu"), "fake", dims, mesh)
+    runtime = Runtime(mesh.get_rank(), 0, dims.world_size, torch.device("cpu"), "fake", dims, mesh)
     # The plan is for GPUs: the precision the worker picks there (precision_plan with a CUDA device).
     compute = precision_dtype(workload.get("precision", "bf16"))
     if compute == torch.float32:
