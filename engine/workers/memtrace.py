@@ -18,7 +18,8 @@ alternating layer patterns (Gemma's sliding and global layers) whole.
 
 What it does not see: the CUDA context, NCCL and the allocator's reserve
 (the plan's `overhead`, added back by the caller), and collectives' own
-buffers. Training only; pipeline and CPU-offload plans are refused with a
+buffers. Under FSDP2's CPU offload the host-resident shards, gradients and
+optimizer state are left out of the GPU's peak. Training only; pipeline plans are refused with a
 reason. No GPU, no weights (config.json only), no network when offline.
 
 Wire: one JSON object on stdin, `{"plan": Plan.to_dict(), "trust_remote_code": false}`;
@@ -90,8 +91,8 @@ def _check_supported(workload: dict[str, Any], par: dict[str, Any]) -> None:
         raise NotTraced("traced verification covers training plans only")
     if par.get("pp", 1) > 1:
         raise NotTraced("pipeline-parallel plans are not traced (one stage's schedule is not modelled yet)")
-    if par.get("offload_params") or par.get("offload_optimizer"):
-        raise NotTraced("CPU-offload plans are not traced (the trace has one device, not GPU and host)")
+    if par.get("offload_optimizer") and not par.get("offload_params"):
+        raise NotTraced("optimizer-only offload is DeepSpeed's: the engine offloads with FSDP2 (parameters too)")
     if par.get("backend") == "deepspeed":
         raise NotTraced("DeepSpeed plans are not traced: the engine runs FSDP2, DDP and tensor parallel")
     if workload.get("method") == "qlora":
@@ -251,6 +252,7 @@ class _Built:
     loss_parallel: bool
     ddp_buckets: int
     vocab: int
+    offload: bool = False  # FSDP2's CPUOffloadPolicy: shards, their gradients and the optimizer in host memory
 
 
 def _build(config: Any, workload: dict[str, Any], par: dict[str, Any], dims: Any, mesh: Any, trust_remote_code: bool) -> _Built:
@@ -296,10 +298,12 @@ def _build(config: Any, workload: dict[str, Any], par: dict[str, Any], dims: Any
         apply_tensor_parallel(model, mesh["tp"], sp, vocab_parallel=True)
         loss_parallel = logits_split(model)
     apply_activation_checkpointing(model, par.get("checkpointing", "none"))
-    fsdp = uses_fsdp(dims)
+    offload = bool(par.get("offload_params"))
+    fsdp = uses_fsdp(dims, offload)
     ddp_buckets = 0
     if fsdp:
-        wrapped = apply_data_parallel(model, runtime, precision, bool(par.get("reshard_after_forward", True)))
+        reshard = bool(par.get("reshard_after_forward", True))
+        wrapped = apply_data_parallel(model, runtime, precision, reshard, cpu_offload=offload)
     else:
         # DDP checks and broadcasts real parameter storage in C++, which fake tensors lack: the trace runs
         # the model unwrapped and adds what DDP holds besides, its gradient buckets (without
@@ -308,7 +312,7 @@ def _build(config: Any, workload: dict[str, Any], par: dict[str, Any], dims: Any
         wrapped = model
         if dims.dp_replicate > 1:
             ddp_buckets = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    return _Built(model, wrapped, fsdp, precision, loss_parallel, ddp_buckets, int(config.vocab_size))
+    return _Built(model, wrapped, fsdp, precision, loss_parallel, ddp_buckets, int(config.vocab_size), offload)
 
 
 def _materialize(model: Any) -> None:
@@ -344,6 +348,7 @@ def _fake_step(built: _Built, workload: dict[str, Any], par: dict[str, Any]) -> 
     accum = min(int(par.get("grad_accum", 1)), 2)  # the second micro-batch sees the first one's gradients
     batches = [(torch.randint(vocab, (micro, seq)), torch.randint(vocab, (micro, seq))) for _ in range(accum)]
     tracker = _tracker(wrapped if fsdp else model, optimizer, fsdp)
+    gpu = _GpuPeak(tracker, HOST_CATEGORIES if built.offload else frozenset())
     autocast_on = precision.autocast
     snapshots: dict[str, dict[str, int]] = {}
     with tracker:
@@ -364,12 +369,11 @@ def _fake_step(built: _Built, workload: dict[str, Any], par: dict[str, Any]) -> 
                 loss.backward()
                 del loss
         snapshots["after_backward"] = _categories(tracker, "current")
-        fb = _peak(tracker)
-        cats_fb = _categories(tracker)
-        _reset_peak(tracker)
+        cats_fb = gpu.at_peak
+        fb = gpu.take()
         optimizer.step()
-        opt = _peak(tracker)
-        cats_opt = _categories(tracker)
+        cats_opt = gpu.at_peak
+        opt = gpu.take()
         snapshots["after_step"] = _categories(tracker, "current")
         optimizer.zero_grad(set_to_none=True)
     cats = cats_fb if fb >= opt else cats_opt
@@ -390,8 +394,44 @@ def _tracker(module: Any, optimizer: Any, fsdp: bool) -> Any:
     return tracker
 
 
-def _peak(tracker: Any) -> int:
-    return sum(snap.get("Total", 0) for snap in tracker.get_tracker_snapshot("peak").values())
+# Under CPU offload these live in host memory: the GPU holds the rest.
+HOST_CATEGORIES = frozenset({"Sharded Param", "Sharded Grad", "OptState"})
+
+
+class _GpuPeak:
+    """The largest sum of the tracker's categories, host-resident ones left out, over every update.
+
+    The trackers' own peak counts every device's tensors; under CPU offload the trace's one device
+    holds both, so the GPU's peak is followed here, at each of the tracker's snapshot updates.
+    """
+
+    def __init__(self, tracker: Any, host: frozenset[str]) -> None:
+        self.tracker, self.host, self.peak = tracker, host, 0
+        self.at_peak: dict[str, int] = {}
+        original = tracker._update_snap
+
+        def update(*args: Any, **kwargs: Any) -> None:
+            original(*args, **kwargs)
+            self._observe()
+
+        tracker._update_snap = update
+
+    def _observe(self) -> None:
+        total = 0
+        for snap in self.tracker._curr_mem_snap.values():
+            for key, value in snap.items():
+                name = str(getattr(key, "value", key))
+                if name != "Total" and name not in self.host:
+                    total += value
+        if total > self.peak:
+            self.peak = total
+            self.at_peak = _categories(self.tracker, "current")
+
+    def take(self) -> int:
+        """The peak since the last take; the next one starts from the current bytes."""
+        peak, self.peak = self.peak, 0
+        self._observe()
+        return peak
 
 
 def _categories(tracker: Any, which: str = "peak") -> dict[str, int]:
@@ -401,12 +441,6 @@ def _categories(tracker: Any, which: str = "peak") -> dict[str, int]:
             if k != "Total":
                 out[str(getattr(k, "value", k))] = out.get(str(getattr(k, "value", k)), 0) + int(v)
     return out
-
-
-def _reset_peak(tracker: Any) -> None:
-    # The trackers keep their peak in these (no public reset); the next update starts a new one.
-    tracker._peak_mem = {dev: 0 for dev in tracker._peak_mem}
-    tracker._peak_mem_snap = {}
 
 
 # --- the subprocess -------------------------------------------------------------------------------
