@@ -152,9 +152,10 @@ def run_plan(args: argparse.Namespace) -> int:
     options = SearchOptions(force_tp=args.force_tp, export=args.export)
     result = search(spec, machine, workload, gpus=parse_gpus(args.gpus), calibration=_calibration(args.calibration), options=options)
     if not getattr(args, "no_verify", False) and result.best is not None:
-        from rigpilot.engine.planner.verify import verify
+        from rigpilot.engine.planner import verify
 
-        verify(result)
+        if verify.enabled():
+            verify.verify(result)
     artifact = None
     if args.export and result.best is not None:
         artifact = export(result.best, args.export, script=args.script, nodes=args.nodes)

@@ -30,7 +30,14 @@ log = logging.getLogger(__name__)
 VERIFY_TOP = 3  # the best plan and the next two
 DEFECT_GAP = 0.05  # formula and trace further apart than this (of the formula's tensor bytes) is a defect
 TRACE_TIMEOUT_S = 120.0
+VERIFY_BUDGET_S = 25.0  # the engine's planner: its plan request has 45 s in all
 TRACER = "rigpilot.engine.workers.memtrace"
+ENV_SWITCH = "RIGPILOT_PLAN_VERIFY"  # "0": plans are not verified unless asked for explicitly
+
+
+def enabled() -> bool:
+    """Whether verification is on by default (RIGPILOT_PLAN_VERIFY is not "0")."""
+    return os.environ.get(ENV_SWITCH, "1").strip() not in {"0", "false", "no", "off"}
 
 
 def trace(plan: Plan, *, trust_remote_code: bool = False, timeout_s: float = TRACE_TIMEOUT_S) -> dict[str, Any]:
@@ -95,17 +102,23 @@ def apply_trace(plan: Plan, answer: dict[str, Any]) -> str | None:
 
 
 def verify(
-    result: SearchResult, *, top: int = VERIFY_TOP, trust_remote_code: bool = False, timeout_s: float = TRACE_TIMEOUT_S
-) -> SearchResult:
+    result: SearchResult, *, top: int = VERIFY_TOP, trust_remote_code: bool = False,
+    timeout_s: float = TRACE_TIMEOUT_S, budget_s: float | None = None,
+) -> SearchResult:  # fmt: skip
     """Trace the top `top` plans of `result` in place; a best plan the trace shows does not fit gives way.
 
+    `budget_s` bounds the whole verification: plans left when it runs out stay "not verified".
     Returns `result`, whose explanation gains a line per disagreement.
     """
     plans = ([result.best] if result.best else []) + result.runners_up
     started = time.perf_counter()
     lines: list[str] = []
     for plan in plans[:top]:
-        line = apply_trace(plan, trace(plan, trust_remote_code=trust_remote_code, timeout_s=timeout_s))
+        left = timeout_s if budget_s is None else min(timeout_s, budget_s - (time.perf_counter() - started))
+        if left < 1.0:
+            plan.verification = "not verified: no time left for it in this request"
+            continue
+        line = apply_trace(plan, trace(plan, trust_remote_code=trust_remote_code, timeout_s=left))
         if line:
             lines.append(line)
     if result.best is not None and not result.best.fits:

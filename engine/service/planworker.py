@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 
 
 def plan(machine: Any, model: str, workload: dict[str, Any] | None = None, gpus: list[int] | None = None,
-         options: dict[str, Any] | None = None, trust_remote_code: bool = False) -> dict[str, Any]:  # fmt: skip
+         options: dict[str, Any] | None = None, trust_remote_code: bool = False,
+         verify: bool = True) -> dict[str, Any]:  # fmt: skip
     from rigpilot.engine.models import describe_model
     from rigpilot.engine.planner.plan import LoraSettings, Workload
     from rigpilot.engine.planner.search import SearchOptions, search
@@ -51,6 +52,12 @@ def plan(machine: Any, model: str, workload: dict[str, Any] | None = None, gpus:
     except OSError as e:
         raise UserError(f"cannot read the model {_short(model)}: {e.strerror or e}") from None
     result = search(spec, machine, Workload(model=model, **work), gpus=gpus, options=SearchOptions(**(options or {})))
+    if verify and result.best is not None:
+        from rigpilot.engine.planner import verify as verification
+
+        if verification.enabled():
+            # Within the service's deadline for a plan: past the budget the rest stay "not verified".
+            verification.verify(result, trust_remote_code=trust_remote_code, budget_s=verification.VERIFY_BUDGET_S)
     return {"result": result.to_dict()}
 
 
