@@ -166,7 +166,7 @@ def _trace_step(
             built = _build(_with_layers(config, n_layers), workload, par, dims, mesh, trust_remote_code)
         # real=True runs the same step on real CPU tensors (for tests of the fake trace itself).
         fake = FakeTensorMode(allow_non_fake_inputs=True) if not real else contextlib.nullcontext()
-        with fake, _real_masks(), _untracked_sharding_propagation():
+        with fake, _real_masks(), _untracked_sharding_propagation(), _fake_grouped_mm():
             _materialize(built.model)
             return _fake_step(built, workload, par)
     finally:
@@ -197,6 +197,39 @@ def _untracked_sharding_propagation() -> Any:
         yield
     finally:
         ShardingPropagator._propagate_tensor_meta_non_cached = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _fake_grouped_mm() -> Any:
+    """Mixture-of-experts layers on fake tensors in any dtype.
+
+    transformers runs the experts through `torch._grouped_mm`, whose CPU kernel takes fp32 but whose
+    shape function (all fake tensors have) accepts bf16 only. For other dtypes transformers' own
+    fallback custom op stands in: the same inputs saved for backward, the same output.
+    """
+    try:
+        from transformers.integrations import moe
+    except ImportError:
+        yield
+        return
+    original = getattr(moe, "_can_use_grouped_mm", None)
+    if original is None:
+        yield
+        return
+
+    def can_use(input: Any, weight: Any, offs: Any) -> bool:
+        import torch
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if isinstance(weight, FakeTensor) and weight.dtype != torch.bfloat16:
+            return False
+        return original(input, weight, offs)
+
+    moe._can_use_grouped_mm = can_use
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = original
 
 
 @contextlib.contextmanager
@@ -277,6 +310,8 @@ def _build(config: Any, workload: dict[str, Any], par: dict[str, Any], dims: Any
     # The worker loads fp32 master weights whatever the precision (load_model(dtype=torch.float32)).
     model = auto_class(objective).from_config(config, trust_remote_code=trust_remote_code, dtype=torch.float32)
     loaded = LoadedModel(model, None, model.config, objective, ModelSource("", "config", "", False))
+    if workload.get("base_dtype"):  # the accuracy harness's LoRA runs a half-precision base (trace_compare)
+        model.to(precision_dtype(workload["base_dtype"]))
     lora = workload.get("lora") or {}
     if workload.get("method") == "lora":
         targets = [t for t in lora.get("targets") or [] if t != "all-linear"] or None
@@ -389,9 +424,23 @@ def _tracker(module: Any, optimizer: Any, fsdp: bool) -> Any:
         return FSDPMemTracker(module, optimizer)
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    tracker = MemTracker()
+    class Tracker(MemTracker):
+        # MemTracker hooks every parameter's gradient, and a frozen one (LoRA's base) refuses hooks:
+        # mark those as hooked already, with handles that remove nothing.
+        def _track_module_params_and_buffers(self, module: Any, install_grad_hooks: bool = True) -> Any:
+            for param in module.parameters():
+                if not param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
+                    self._param_to_grad_hook_handles[param] = (_NoHook(), _NoHook())
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+    tracker = Tracker()
     tracker.track_external(module, optimizer)
     return tracker
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
 
 
 # Under CPU offload these live in host memory: the GPU holds the rest.
