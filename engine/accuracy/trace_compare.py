@@ -5,9 +5,10 @@ way `rigpilot.engine.workers.memtrace` traces a plan, on fake tensors, and
 reads the same components `measure.measure_step` measures on real ones:
 parameters, gradients, optimizer state (after the step), and what the forward
 pass leaves alive for backward. The trace steps the model as the engine's
-workers do (their loss, their activation checkpointing), with the harness's
-precision: fp32 master weights under bf16 autocast with CUDA's cast policy,
-and a bf16 base under LoRA.
+workers do (their loss), with the harness's precision (fp32 master weights
+under bf16 autocast with CUDA's cast policy, a bf16 base under LoRA) and its
+checkpointing (transformers' reentrant kind, whose saved tensors it can see;
+the engine's non-reentrant wrapper keeps them in a closure).
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ def _get(snap: dict[str, int], *names: str) -> int:
 def _workload(case: Case, folder: str) -> dict[str, Any]:
     work: dict[str, Any] = {"model": folder, "task": "train", "method": case.method, "precision": case.precision,
                             "seq_len": case.seq_len, "lora": None}  # fmt: skip
+    if case.checkpointing == "full":
+        work["harness_checkpointing"] = True  # transformers' reentrant kind, as measure._prepare enables it
     if case.method == "lora":
         targets = list(case.lora_targets) if case.lora_targets else ["all-linear"]
         work["lora"] = {"rank": case.lora_rank, "alpha": 2 * case.lora_rank, "dropout": 0.0, "targets": targets}

@@ -166,7 +166,7 @@ def _trace_step(
             built = _build(_with_layers(config, n_layers), workload, par, dims, mesh, trust_remote_code)
         # real=True runs the same step on real CPU tensors (for tests of the fake trace itself).
         fake = FakeTensorMode(allow_non_fake_inputs=True) if not real else contextlib.nullcontext()
-        with fake, _real_masks(), _untracked_sharding_propagation(), _fake_grouped_mm():
+        with fake, _real_masks(), _untracked_sharding_propagation(), _fake_grouped_mm(), _host_rng_state():
             _materialize(built.model)
             return _fake_step(built, workload, par)
     finally:
@@ -197,6 +197,24 @@ def _untracked_sharding_propagation() -> Any:
         yield
     finally:
         ShardingPropagator._propagate_tensor_meta_non_cached = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _host_rng_state() -> Any:
+    """Keep the CPU generator's state, which checkpointing saves per block, out of the GPU's count.
+
+    Activation checkpointing keeps the CPU RNG state (5 KB) with every block; on a GPU run that is
+    host memory, but the trace has one device. One state taken before the step stands in for all.
+    """
+    import torch
+
+    original = torch.get_rng_state
+    state = original()
+    torch.get_rng_state = lambda: state  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.get_rng_state = original
 
 
 @contextlib.contextmanager
@@ -310,7 +328,14 @@ def _build(config: Any, workload: dict[str, Any], par: dict[str, Any], dims: Any
     # The worker loads fp32 master weights whatever the precision (load_model(dtype=torch.float32)).
     model = auto_class(objective).from_config(config, trust_remote_code=trust_remote_code, dtype=torch.float32)
     loaded = LoadedModel(model, None, model.config, objective, ModelSource("", "config", "", False))
-    if workload.get("base_dtype"):  # the accuracy harness's LoRA runs a half-precision base (trace_compare)
+    # Two settings of the accuracy harness's own step (trace_compare), never in a plan: a LoRA base in
+    # half precision, and transformers' reentrant checkpointing, whose saved tensors the harness can see.
+    harness_checkpointing = bool(workload.get("harness_checkpointing")) and par.get("checkpointing") == "full"
+    if harness_checkpointing:
+        from rigpilot.engine.accuracy.measure import _enable_checkpointing
+
+        _enable_checkpointing(model)
+    if workload.get("base_dtype"):
         model.to(precision_dtype(workload["base_dtype"]))
     lora = workload.get("lora") or {}
     if workload.get("method") == "lora":
@@ -332,7 +357,8 @@ def _build(config: Any, workload: dict[str, Any], par: dict[str, Any], dims: Any
         sp = bool(par.get("sequence_parallel")) and workload["seq_len"] % dims.tp == 0
         apply_tensor_parallel(model, mesh["tp"], sp, vocab_parallel=True)
         loss_parallel = logits_split(model)
-    apply_activation_checkpointing(model, par.get("checkpointing", "none"))
+    if not harness_checkpointing:
+        apply_activation_checkpointing(model, par.get("checkpointing", "none"))
     offload = bool(par.get("offload_params"))
     fsdp = uses_fsdp(dims, offload)
     ddp_buckets = 0
