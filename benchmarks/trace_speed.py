@@ -27,10 +27,10 @@ from rigpilot.engine.planner.plan import LoraSettings, Workload
 from rigpilot.engine.planner.search import SearchOptions, search
 from rigpilot.engine.planner.verify import apply_trace, trace
 
+LORA = LoraSettings(rank=16, alpha=32)
 CASES = [
     ("8x-h100-sxm", Workload(model="llama-3.1-70b", task="train", method="full", seq_len=4096, global_batch=64)),
-    ("8x-h100-sxm", Workload(model="llama-3.1-70b", task="train", method="lora", seq_len=4096, global_batch=64,
-                             lora=LoraSettings(rank=16, alpha=32))),  # fmt: skip
+    ("8x-h100-sxm", Workload(model="llama-3.1-70b", method="lora", seq_len=4096, global_batch=64, lora=LORA)),
     ("8x-h100-sxm", Workload(model="llama-2-7b", task="train", method="full", seq_len=2048, global_batch=64)),
 ]
 LIMIT_S = 10.0

@@ -254,3 +254,34 @@ def test_fake_trace_matches_a_real_single_rank_step_with_checkpointing_and_lora(
     ]
     real, fake = _real_vs_fake(tmp_path, 1, cases, 29632)
     _within(real, fake)
+
+
+def test_planner_page_shows_both_figures(tiny):
+    from rigpilot.app.planner.model import plan_row, summary_lines
+
+    plan = tiny_result(tiny).best
+    m = plan.peak_memory
+    verify.apply_trace(plan, {"ok": True, "peak": 3 * (m.total - m.overhead), "method": "whole model"})
+    d = plan.to_dict()
+    lines = summary_lines(d)
+    gib = 2**30
+    assert f"Memory: formula {m.total / gib:.1f} GiB · traced {m.traced / gib:.1f} GiB" in lines
+    assert plan_row(d, "best").peak.startswith(f"{m.traced / gib:.1f} / ")  # the larger figure is the one shown
+    plan.memory[0].traced, plan.verification = None, "not verified: the trace took longer than 120 s"
+    for g in plan.memory:
+        g.traced = None
+    assert "Memory: formula" in summary_lines(plan.to_dict())[-1]
+    assert "not verified: the trace took longer than 120 s" in summary_lines(plan.to_dict())[-1]
+
+
+def test_the_engines_planner_verifies_within_its_budget(tiny, monkeypatch):
+    from rigpilot.engine.service import planworker
+
+    monkeypatch.setenv(verify.ENV_SWITCH, "1")
+    monkeypatch.setattr(verify, "VERIFY_BUDGET_S", 0.5)  # less than one trace: every plan says so
+    answer = planworker.plan(load_profile("8x-h100-sxm"), str(tiny), {"seq_len": 64, "global_batch": 8})
+    best = answer["result"]["best"]
+    assert best["verification"] == "not verified: no time left for it in this request"
+    monkeypatch.setenv(verify.ENV_SWITCH, "0")
+    answer = planworker.plan(load_profile("8x-h100-sxm"), str(tiny), {"seq_len": 64, "global_batch": 8})
+    assert answer["result"]["best"]["verification"] == ""

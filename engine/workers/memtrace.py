@@ -136,7 +136,12 @@ def _extrapolate(low: Phases, high: Phases, counts: tuple[int, int], layers: int
 
 
 def _trace_step(
-    config: Any, n_layers: int, workload: dict[str, Any], par: dict[str, Any], trust_remote_code: bool, real: bool = False
+    config: Any,
+    n_layers: int,
+    workload: dict[str, Any],
+    par: dict[str, Any],
+    trust_remote_code: bool,
+    real: bool = False,
 ) -> Phases:
     import torch
     import torch.distributed as dist
@@ -268,7 +273,9 @@ def _real_masks() -> Any:
         yield
         return
 
-    def ignore_causal_mask(padding_mask: Any, q_length: int, kv_length: int, q_offset: Any, kv_offset: Any, *args: Any, **kwargs: Any) -> bool:
+    def ignore_causal_mask(
+        padding_mask: Any, q_length: int, kv_length: int, q_offset: Any, kv_offset: Any, *args: Any, **kwargs: Any
+    ) -> bool:
         from torch._subclasses.fake_tensor import FakeTensor
 
         q_offset = 0 if isinstance(q_offset, FakeTensor) else q_offset
@@ -306,7 +313,9 @@ class _Built:
     offload: bool = False  # FSDP2's CPUOffloadPolicy: shards, their gradients and the optimizer in host memory
 
 
-def _build(config: Any, workload: dict[str, Any], par: dict[str, Any], dims: Any, mesh: Any, trust_remote_code: bool) -> _Built:
+def _build(
+    config: Any, workload: dict[str, Any], par: dict[str, Any], dims: Any, mesh: Any, trust_remote_code: bool
+) -> _Built:
     import torch
 
     from rigpilot.engine.workers.model_loading import LoadedModel, ModelSource, apply_lora, auto_class, detect_objective
@@ -422,7 +431,7 @@ def _fake_step(built: _Built, workload: dict[str, Any], par: dict[str, Any]) -> 
                     from torch.distributed.tensor.parallel import loss_parallel as lp
 
                     stack.enter_context(lp())
-                with precision.autocast_context(), (CudaAutocastOnCpu() if autocast_on else contextlib.nullcontext()):
+                with precision.autocast_context(), CudaAutocastOnCpu() if autocast_on else contextlib.nullcontext():
                     logits = wrapped(input_ids=ids, use_cache=False).logits
                 loss = token_loss(logits, labels)
                 del logits
@@ -527,7 +536,7 @@ def main() -> int:
     try:
         request = json.loads(sys.stdin.read())
         if not isinstance(request, dict) or not isinstance(request.get("plan"), dict):
-            raise NotTraced("the tracer takes {\"plan\": Plan.to_dict(), ...} on stdin")
+            raise NotTraced('the tracer takes {"plan": Plan.to_dict(), ...} on stdin')
         _quiet()
         answer = trace_plan(request["plan"], bool(request.get("trust_remote_code", False)))
     except NotTraced as e:
