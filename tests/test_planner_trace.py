@@ -114,8 +114,8 @@ def test_pipeline_and_inference_plans_are_refused_with_a_reason(tiny):
     d["parallelism"]["pp"] = 2
     answer = _tracer(d)
     assert answer == {"ok": False, "reason": "pipeline-parallel plans are not traced (one stage's schedule is not modelled yet)"}
-    d["parallelism"]["pp"], d["workload"]["task"] = 1, "infer"
-    assert _tracer(d) == {"ok": False, "reason": "traced verification covers training plans only"}
+    d["parallelism"]["pp"], d["workload"]["task"], d["workload"]["weight_bits"] = 1, "infer", 4
+    assert _tracer(d) == {"ok": False, "reason": "quantised inference (8-bit, 4-bit weights) is not traced"}
 
 
 def _tracer(plan: dict) -> dict:
@@ -246,7 +246,10 @@ def test_fake_trace_matches_two_gloo_ranks_under_fsdp_and_tensor_parallel(tiny, 
 def test_fake_trace_matches_a_real_single_rank_step_with_checkpointing_and_lora(tiny, tmp_path):
     one = {"dp_replicate": 1, "dp_shard": 1, "tp": 1}
     lora = {"rank": 8, "alpha": 16, "dropout": 0.0, "targets": ["all-linear"]}
+    generate = _case(tiny, one)
+    generate[0].update(task="infer", global_batch=3, new_tokens=9)  # prefill of 55 tokens, 9 generated
     cases = [
+        generate,
         _case(tiny, one),
         _case(tiny, one, checkpointing="full"),
         _case(tiny, one, checkpointing="selective"),

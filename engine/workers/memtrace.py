@@ -19,8 +19,11 @@ alternating layer patterns (Gemma's sliding and global layers) whole.
 What it does not see: the CUDA context, NCCL and the allocator's reserve
 (the plan's `overhead`, added back by the caller), and collectives' own
 buffers. Under FSDP2's CPU offload the host-resident shards, gradients and
-optimizer state are left out of the GPU's peak. Training only; pipeline plans are refused with a
-reason. No GPU, no weights (config.json only), no network when offline.
+optimizer state are left out of the GPU's peak. Inference plans are traced as
+`infer.Generator` runs them: the prefill of the prompt (with its logits), then
+the last decode step with the KV cache at its final length. Pipeline plans,
+quantised inference and QLoRA are refused with a reason. No GPU, no weights
+(config.json only), no network when offline.
 
 Wire: one JSON object on stdin, `{"plan": Plan.to_dict(), "trust_remote_code": false}`;
 one JSON object on stdout: `{"ok": true, "peak": bytes, "phases": {...}, "method": "...", ...}`
@@ -56,6 +59,7 @@ class Phases:
     optimizer: int
     categories: dict[str, int]  # at the step's peak: Parameter, Gradient, Activation, Optstate, Temp, ...
     snapshots: dict[str, dict[str, int]] = field(default_factory=dict)  # categories after forward, backward, step
+    labels: tuple[str, str] = ("forward_backward", "optimizer")  # inference: ("prefill", "last_decode")
 
     @property
     def peak(self) -> int:
@@ -79,7 +83,7 @@ def trace_plan(plan: dict[str, Any], trust_remote_code: bool = False) -> dict[st
     return {
         "ok": True,
         "peak": phases.peak,
-        "phases": {"forward_backward": phases.forward_backward, "optimizer": phases.optimizer},
+        "phases": dict(zip(phases.labels, (phases.forward_backward, phases.optimizer), strict=True)),
         "categories": phases.categories,
         "method": method,
         "seconds": round(time.perf_counter() - started, 3),
@@ -87,8 +91,10 @@ def trace_plan(plan: dict[str, Any], trust_remote_code: bool = False) -> dict[st
 
 
 def _check_supported(workload: dict[str, Any], par: dict[str, Any]) -> None:
-    if workload.get("task") != "train":
-        raise NotTraced("traced verification covers training plans only")
+    if workload.get("task") not in ("train", "infer"):
+        raise NotTraced(f"task {workload.get('task')!r} is not traced")
+    if workload.get("task") == "infer" and int(workload.get("weight_bits", 16)) != 16:
+        raise NotTraced("quantised inference (8-bit, 4-bit weights) is not traced")
     if par.get("pp", 1) > 1:
         raise NotTraced("pipeline-parallel plans are not traced (one stage's schedule is not modelled yet)")
     if par.get("offload_optimizer") and not par.get("offload_params"):
@@ -129,7 +135,8 @@ def _extrapolate(low: Phases, high: Phases, counts: tuple[int, int], layers: int
         return round(x + (y - x) * (layers - a) / (b - a))
 
     cats = {k: scale(low.categories.get(k, 0), high.categories.get(k, 0)) for k in high.categories}
-    return Phases(scale(low.forward_backward, high.forward_backward), scale(low.optimizer, high.optimizer), cats)
+    fb, opt = scale(low.forward_backward, high.forward_backward), scale(low.optimizer, high.optimizer)
+    return Phases(fb, opt, cats, labels=high.labels)
 
 
 # --- one traced step ------------------------------------------------------------------------------
@@ -167,13 +174,15 @@ def _trace_step(
         # Built and parallelised on the meta device, as a worker builds its skeleton (and device meshes
         # are sliced there: inside the fake mode their coordinates would be data-dependent); then
         # given fake storage, as `materialize` gives it real storage.
+        inference = workload.get("task") == "infer"
         with torch.device("meta"):
-            built = _build(_with_layers(config, n_layers), workload, par, dims, mesh, trust_remote_code)
+            build = _build_inference if inference else _build
+            built = build(_with_layers(config, n_layers), workload, par, dims, mesh, trust_remote_code)
         # real=True runs the same step on real CPU tensors (for tests of the fake trace itself).
         fake = FakeTensorMode(allow_non_fake_inputs=True) if not real else contextlib.nullcontext()
         with fake, _real_masks(), _untracked_sharding_propagation(), _fake_grouped_mm(), _host_rng_state():
             _materialize(built.model)
-            return _fake_step(built, workload, par)
+            return _generation(built, workload, par) if inference else _fake_step(built, workload, par)
     finally:
         if own_group:
             dist.destroy_process_group()
@@ -278,6 +287,8 @@ def _real_masks() -> Any:
     ) -> bool:
         from torch._subclasses.fake_tensor import FakeTensor
 
+        # The planner's prompts are whole (no padding): a fake all-ones mask is as good as none.
+        padding_mask = None if isinstance(padding_mask, FakeTensor) else padding_mask
         q_offset = 0 if isinstance(q_offset, FakeTensor) else q_offset
         kv_offset = 0 if isinstance(kv_offset, FakeTensor) else kv_offset
         return original(padding_mask, q_length, kv_length, q_offset, kv_offset, *args, **kwargs)
@@ -383,6 +394,78 @@ def _build(
         if dims.dp_replicate > 1:
             ddp_buckets = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     return _Built(model, wrapped, fsdp, precision, loss_parallel, ddp_buckets, int(config.vocab_size), offload)
+
+
+def _build_inference(
+    config: Any, workload: dict[str, Any], par: dict[str, Any], dims: Any, mesh: Any, trust_remote_code: bool
+) -> _Built:
+    """The model as `infer.build_replica_model` builds it: weights in the plan's dtype, tensor parallel, eval."""
+
+    from rigpilot.engine.workers.model_loading import auto_class, detect_objective
+    from rigpilot.engine.workers.parallelize import PrecisionPlan, apply_tensor_parallel, precision_dtype
+
+    objective = detect_objective(config)
+    if objective != "causal":
+        raise NotTraced(f"model type {config.model_type!r} is an encoder: it does not generate text")
+    dtype = precision_dtype(workload.get("precision", "bf16"))
+    model = auto_class(objective).from_config(config, trust_remote_code=trust_remote_code, dtype=dtype)
+    if dims.tp > 1:
+        apply_tensor_parallel(model, mesh["tp"])
+    model.eval()
+    precision = PrecisionPlan(dtype, False, False, "cpu")
+    return _Built(model, model, False, precision, False, 0, int(config.vocab_size))
+
+
+def _generation(built: _Built, workload: dict[str, Any], par: dict[str, Any]) -> Phases:
+    """`infer.Generator.generate`'s memory: the prefill, then the last decode step with the cache full.
+
+    Decoding token by token only grows the cache, so the steps between are not run: before the
+    last one each layer's cache is given its final length (prompt + new tokens - 1, at most the
+    window of a sliding layer), and that step's peak is the decode phase's.
+    """
+    import math
+
+    import torch
+    from transformers import DynamicCache
+
+    model = built.model
+    batch = math.ceil(int(workload.get("global_batch", 1)) / max(int(par.get("dp", 1)), 1))
+    new_tokens = max(int(workload.get("new_tokens", 0)), 1)
+    prompt = max(int(workload["seq_len"]) - new_tokens, 1)
+    final = prompt + new_tokens - 1
+    tracker = _tracker(model, None, False)
+    gpu = _GpuPeak(tracker, frozenset())
+    snapshots: dict[str, dict[str, int]] = {}
+    with tracker, torch.no_grad():
+        ids = torch.randint(built.vocab, (batch, prompt))
+        mask = torch.ones_like(ids)
+        positions = torch.arange(prompt).expand(batch, prompt)
+        cache = DynamicCache(config=model.config)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+        logits = out.logits[:, -1, :].float()
+        del out
+        snapshots["after_prefill"] = _categories(tracker, "current")
+        prefill = gpu.take()
+        for layer in getattr(cache, "layers", []):
+            keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+            if keys is None or values is None or keys.dim() != 4:
+                continue
+            window = getattr(layer, "sliding_window", None)
+            length = min(final - 1, window - 1) if isinstance(window, int) and window > 0 else final - 1
+            layer.keys = keys.new_empty((*keys.shape[:2], length, keys.shape[3]))
+            layer.values = values.new_empty((*values.shape[:2], length, values.shape[3]))
+        del logits
+        tracker.reset_mod_stats()  # the trackers' per-module records take one call at a time
+        token = torch.randint(built.vocab, (batch, 1))
+        mask = torch.ones((batch, final), dtype=torch.long)
+        out = model(input_ids=token, attention_mask=mask, position_ids=torch.full((batch, 1), final - 1),
+                    past_key_values=cache, use_cache=True)  # fmt: skip
+        logits = out.logits[:, -1, :].float()
+        del out
+        snapshots["after_last_decode"] = _categories(tracker, "current")
+        decode = gpu.take()
+        del logits
+    return Phases(prefill, decode, dict(gpu.at_peak), snapshots, labels=("prefill", "last_decode"))
 
 
 def _materialize(model: Any) -> None:
