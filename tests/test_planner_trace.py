@@ -288,3 +288,20 @@ def test_the_engines_planner_verifies_within_its_budget(tiny, monkeypatch):
     monkeypatch.setenv(verify.ENV_SWITCH, "0")
     answer = planworker.plan(load_profile("8x-h100-sxm"), str(tiny), {"seq_len": 64, "global_batch": 8})
     assert answer["result"]["best"]["verification"] == ""
+
+
+@pytest.mark.slow
+def test_two_and_four_blocks_scale_to_the_whole_model(tmp_path):
+    from rigpilot.engine.workers import memtrace
+
+    folder = tmp_path / "eight-blocks"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**TINY_LLAMA, "num_hidden_layers": 8}))
+    config = memtrace._load_config(str(folder), False)
+    workload, par = _case(folder, {"dp_replicate": 1, "dp_shard": 2, "tp": 2}, sequence_parallel=True,
+                          checkpointing="full", grad_accum=2)  # fmt: skip
+    whole = memtrace._trace_step(config, 8, workload, par, False)
+    low, high = (memtrace._trace_step(config, n, workload, par, False) for n in memtrace.SCALE_FROM)
+    scaled = memtrace._extrapolate(low, high, memtrace.SCALE_FROM, 8)
+    assert abs(scaled.peak - whole.peak) <= 0.03 * whole.peak
+    assert abs(scaled.optimizer - whole.optimizer) <= 0.03 * whole.optimizer
