@@ -108,14 +108,21 @@ def test_a_trace_past_its_timeout_says_so(tiny):
     assert answer == {"ok": False, "reason": "the trace took longer than 0 s"}
 
 
-def test_pipeline_and_inference_plans_are_refused_with_a_reason(tiny):
-    plan = tiny_result(tiny).best
-    d = plan.to_dict()
-    d["parallelism"]["pp"] = 2
-    answer = _tracer(d)
-    assert answer == {"ok": False, "reason": "pipeline-parallel plans are not traced (one stage's schedule is not modelled yet)"}
-    d["parallelism"]["pp"], d["workload"]["task"], d["workload"]["weight_bits"] = 1, "infer", 4
+def test_quantised_inference_is_refused_with_a_reason(tiny):
+    d = tiny_result(tiny).best.to_dict()
+    d["workload"]["task"], d["workload"]["weight_bits"] = "infer", 4
     assert _tracer(d) == {"ok": False, "reason": "quantised inference (8-bit, 4-bit weights) is not traced"}
+
+
+@pytest.mark.slow
+def test_a_pipeline_plan_is_traced_stage_by_stage(tiny):
+    result = tiny_result(tiny)
+    plan = next(p for p in [result.best, *result.runners_up] if p.parallelism.pp > 1)
+    answer = _tracer(plan.to_dict())
+    assert answer["ok"] and set(answer["stages"]) == {str(s) for s in range(plan.parallelism.pp)}
+    verify.apply_trace(plan, answer)
+    for m in plan.memory:
+        assert m.traced == answer["stages"][str(m.stage)] + m.overhead
 
 
 def _tracer(plan: dict) -> dict:

@@ -79,9 +79,11 @@ def apply_trace(plan: Plan, answer: dict[str, Any]) -> str | None:
         plan.verification = f"not verified: {answer.get('reason') or 'no reason given'}"
         return None
     peak = int(answer["peak"])
+    stages = answer.get("stages") or {}  # pipeline plans: the traced peak of each stage
     worst: tuple[float, Any] | None = None
     for m in plan.memory:
-        m.traced = peak + m.overhead  # the trace sees tensors only; the CUDA context and NCCL are the formula's
+        # The trace sees tensors only; the CUDA context and NCCL are the formula's.
+        m.traced = int(stages.get(str(m.stage), peak)) + m.overhead
         m.headroom = m.capacity - max(m.total, m.traced)
         tensors = max(m.total - m.overhead, 1)
         gap = (m.traced - m.total) / tensors

@@ -73,6 +73,8 @@ def trace_plan(plan: dict[str, Any], trust_remote_code: bool = False) -> dict[st
     _check_supported(workload, par)
     config = _load_config(workload["model"], trust_remote_code)
     layers = _num_layers(config)
+    if int(par.get("pp", 1)) > 1:
+        return _trace_pipeline(config, layers, workload, par, trust_remote_code, started)
     if layers <= WHOLE_MODEL_LAYERS:
         phases = _trace_step(config, layers, workload, par, trust_remote_code)
         method = f"whole model ({layers} blocks)"
@@ -90,13 +92,48 @@ def trace_plan(plan: dict[str, Any], trust_remote_code: bool = False) -> dict[st
     }
 
 
+def _trace_pipeline(
+    config: Any, layers: int, workload: dict[str, Any], par: dict[str, Any], trust_remote_code: bool, started: float
+) -> dict[str, Any]:
+    """Each kind of stage traced on its own: the first (embedding, the most micro-batches in flight),
+    the last (head and loss), and the second as the fullest of the middle ones."""
+    from rigpilot.engine.workers.pipeline import stage_layer_ranges
+
+    pp = int(par["pp"])
+    ranges = stage_layer_ranges(layers, pp)
+    traced = sorted({0, pp - 1} | ({1} if pp > 2 else set()))
+    peaks: dict[int, Phases] = {}
+    whole = max(end - first for first, end in ranges) <= WHOLE_MODEL_LAYERS
+    for s in traced:
+        stage_par = {**par, "_stage": s}
+        if whole:
+            peaks[s] = _trace_step(config, layers, workload, stage_par, trust_remote_code)
+            continue
+        # n blocks on every stage: a model of n × stages blocks, evenly split as DecoderStage splits it.
+        low, high = (_trace_step(config, n * pp, workload, stage_par, trust_remote_code) for n in SCALE_FROM)
+        first, end = ranges[s]
+        peaks[s] = _extrapolate(low, high, SCALE_FROM, end - first)
+    per_stage = {s: peaks[s if s in peaks else 1].peak for s in range(pp)}
+    worst = max(peaks.values(), key=lambda ph: ph.peak)
+    how = "whole stages" if whole else f"{SCALE_FROM[0]} and {SCALE_FROM[1]} blocks per stage, scaled"
+    return {
+        "ok": True,
+        "peak": worst.peak,
+        "stages": {str(s): v for s, v in per_stage.items()},
+        "phases": dict(zip(worst.labels, (worst.forward_backward, worst.optimizer), strict=True)),
+        "categories": worst.categories,
+        "method": f"pipeline stages {', '.join(map(str, traced))} of {pp} traced ({how}); middle stages as stage 1",
+        "seconds": round(time.perf_counter() - started, 3),
+    }
+
+
 def _check_supported(workload: dict[str, Any], par: dict[str, Any]) -> None:
     if workload.get("task") not in ("train", "infer"):
         raise NotTraced(f"task {workload.get('task')!r} is not traced")
     if workload.get("task") == "infer" and int(workload.get("weight_bits", 16)) != 16:
         raise NotTraced("quantised inference (8-bit, 4-bit weights) is not traced")
-    if par.get("pp", 1) > 1:
-        raise NotTraced("pipeline-parallel plans are not traced (one stage's schedule is not modelled yet)")
+    if par.get("pp", 1) > 1 and workload.get("task") != "train":
+        raise NotTraced("pipelined inference is not traced (its stages pass hidden states token by token)")
     if par.get("offload_optimizer") and not par.get("offload_params"):
         raise NotTraced("optimizer-only offload is DeepSpeed's: the engine offloads with FSDP2 (parameters too)")
     if par.get("backend") == "deepspeed":
@@ -322,6 +359,8 @@ class _Built:
     ddp_buckets: int
     vocab: int
     offload: bool = False  # FSDP2's CPUOffloadPolicy: shards, their gradients and the optimizer in host memory
+    stage: Any = None  # pipeline.DecoderStage when the plan is pipelined: this trace's stage
+    in_flight: int = 1  # micro-batches whose activations a pipeline stage holds at once
 
 
 def _build(
@@ -364,6 +403,16 @@ def _build(
                                 lora_dropout=lora.get("dropout", 0.0), lora_targets=targets)  # fmt: skip
         apply_lora(loaded, SimpleNamespace(train=train))
     model = loaded.model
+    stage, in_flight = None, 1
+    if dims.pp > 1:
+        from rigpilot.engine.workers.pipeline import DecoderStage, decoder_parts
+
+        index = int(par["_stage"])
+        model = stage = DecoderStage(decoder_parts(model, "pipeline parallel"), index, dims.pp)
+        # 1F1B runs at most (stages - index) forwards before this stage's first backward; GPipe all of them.
+        micro_batches = int(par.get("grad_accum", 1))
+        gpipe = str(par.get("pipeline_schedule", "1f1b")).lower() == "gpipe"
+        in_flight = micro_batches if gpipe else min(dims.pp - index, micro_batches)
     runtime = Runtime(mesh.get_rank(), 0, dims.world_size, torch.device("cpu"), "fake", dims, mesh)
     # The plan is for GPUs: the precision the worker picks there (precision_plan with a CUDA device).
     compute = precision_dtype(workload.get("precision", "bf16"))
@@ -393,7 +442,9 @@ def _build(
         wrapped = model
         if dims.dp_replicate > 1:
             ddp_buckets = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    return _Built(model, wrapped, fsdp, precision, loss_parallel, ddp_buckets, int(config.vocab_size), offload)
+    return _Built(
+        model, wrapped, fsdp, precision, loss_parallel, ddp_buckets, int(config.vocab_size), offload, stage, in_flight
+    )
 
 
 def _build_inference(
@@ -500,11 +551,16 @@ def _fake_step(built: _Built, workload: dict[str, Any], par: dict[str, Any]) -> 
     micro, seq = int(par.get("micro_batch", 1)), int(workload["seq_len"])
     accum = min(int(par.get("grad_accum", 1)), 2)  # the second micro-batch sees the first one's gradients
     batches = [(torch.randint(vocab, (micro, seq)), torch.randint(vocab, (micro, seq))) for _ in range(accum)]
-    tracker = _tracker(wrapped if fsdp else model, optimizer, fsdp)
+    tracker = _tracker(wrapped if fsdp else model, optimizer, fsdp, built.in_flight)
     gpu = _GpuPeak(tracker, HOST_CATEGORIES if built.offload else frozenset())
     autocast_on = precision.autocast
     snapshots: dict[str, dict[str, int]] = {}
+    if built.stage is not None:
+        batches = batches[:1]  # the stage's own micro-batches are run below
     with tracker:
+        if built.stage is not None:
+            _stage_passes(built, tracker, micro, seq, snapshots)
+            batches = []
         for i, (ids, labels) in enumerate(batches):
             if i:
                 tracker.reset_mod_stats()  # FSDPMemTracker's per-module records take one pass at a time
@@ -535,12 +591,53 @@ def _fake_step(built: _Built, workload: dict[str, Any], par: dict[str, Any]) -> 
     return Phases(fb + ddp_buckets, opt + ddp_buckets, cats, snapshots)
 
 
-def _tracker(module: Any, optimizer: Any, fsdp: bool) -> Any:
+def _stage_passes(built: _Built, tracker: Any, micro: int, seq: int, snapshots: dict[str, Any]) -> None:
+    """A pipeline stage's forwards of its micro-batches in flight, then their backwards, as a schedule runs them.
+
+    The first stage takes token ids, the others the previous stage's hidden states (with a gradient
+    to send back); the last computes the loss, the others receive their output's gradient.
+    """
+    import torch
+
+    from rigpilot.engine.accuracy.cuda_autocast import CudaAutocastOnCpu
+    from rigpilot.engine.workers.parallelize import set_gradient_sync
+    from rigpilot.engine.workers.train import token_loss
+
+    stage, wrapped, precision = built.stage, built.wrapped, built.precision
+    hidden_size = int(stage.parts.config.hidden_size)
+    hidden_dtype = precision.compute if precision.fsdp_params else torch.float32
+    pending = []
+    for _ in range(built.in_flight):
+        if stage.is_first:
+            x = torch.randint(built.vocab, (micro, seq))
+        else:
+            x = torch.empty((micro, seq, hidden_size), dtype=hidden_dtype, requires_grad=True)
+        autocast = CudaAutocastOnCpu() if precision.autocast else contextlib.nullcontext()
+        with precision.autocast_context(), autocast:
+            out = wrapped(x)
+        if stage.is_last:
+            out = token_loss(out, torch.randint(built.vocab, (micro, seq)))
+        pending.append((x, out))
+    snapshots["after_forward"] = _categories(tracker, "current")
+    for i, (x, out) in enumerate(pending):
+        with set_gradient_sync(wrapped, i == len(pending) - 1):
+            if stage.is_last:
+                out.backward()
+            else:
+                out.backward(torch.empty_like(out))
+        pending[i] = (None, None)
+        del x, out
+
+
+def _tracker(module: Any, optimizer: Any, fsdp: bool, in_flight: int = 1) -> Any:
     if fsdp:
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-        return FSDPMemTracker(module, optimizer)
+        return (_tolerant(FSDPMemTracker) if in_flight > 1 else FSDPMemTracker)(module, optimizer)
     from torch.distributed._tools.mem_tracker import MemTracker
+
+    if in_flight > 1:
+        MemTracker = _tolerant(MemTracker)
 
     class Tracker(MemTracker):
         # MemTracker hooks every parameter's gradient, and a frozen one (LoRA's base) refuses hooks:
@@ -554,6 +651,28 @@ def _tracker(module: Any, optimizer: Any, fsdp: bool) -> Any:
     tracker = Tracker()
     tracker.track_external(module, optimizer)
     return tracker
+
+
+def _tolerant(base: type) -> type:
+    """A tracker that lets a module run forward again before its backward (a pipeline's micro-batches).
+
+    The trackers' per-module records take one pass at a time and refuse a second; the bytes of
+    every tensor are followed below the modules (`_GpuPeak`), so those records may just lapse.
+    """
+
+    def tolerant(name: str) -> Any:
+        hook = getattr(base, name)
+
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return hook(self, *args, **kwargs)
+            except (NotImplementedError, KeyError):
+                return None
+
+        return call
+
+    hooks = ("_pre_fw_hook", "_post_fw_hook", "_pre_bw_hook", "_post_bw_hook")
+    return type(f"Tolerant{base.__name__}", (base,), {name: tolerant(name) for name in hooks})
 
 
 class _NoHook:
