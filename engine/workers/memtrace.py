@@ -630,10 +630,12 @@ def _stage_passes(built: _Built, tracker: Any, micro: int, seq: int, snapshots: 
 
 
 def _tracker(module: Any, optimizer: Any, fsdp: bool, in_flight: int = 1) -> Any:
-    if fsdp:
+    # With micro-batches in flight the FSDP tracker's per-module records refuse a second forward; the
+    # plain tracker counts the same storages (it follows FSDP2's resize_ of unsharded parameters too).
+    if fsdp and in_flight == 1:
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-        return (_tolerant(FSDPMemTracker) if in_flight > 1 else FSDPMemTracker)(module, optimizer)
+        return FSDPMemTracker(module, optimizer)
     from torch.distributed._tools.mem_tracker import MemTracker
 
     if in_flight > 1:
