@@ -4,6 +4,8 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+# Plans are verified by a traced step (seconds each): only the tests of that turn it on.
+os.environ.setdefault("RIGPILOT_PLAN_VERIFY", "0")
 
 REPO = Path(__file__).resolve().parents[1]
 # Real nvidia-smi outputs live beside the checkout (../shared), also in CI.

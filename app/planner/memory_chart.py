@@ -99,12 +99,12 @@ class MemoryChart(QWidget):
         if over:
             worst = min(over, key=lambda m: m["headroom"])
             return (
-                f"Does not fit: GPU {worst['gpu']} needs {worst['total'] / GIB:.1f} GiB "
+                f"Does not fit: GPU {worst['gpu']} needs {_shown(worst) / GIB:.1f} GiB{_traced(worst)} "
                 f"of {worst['capacity'] / GIB:.1f} GiB. Hover a bar for its parts."
             )
-        peak = max(self.memory, key=lambda m: m["total"] / max(m["capacity"], 1))
+        peak = max(self.memory, key=lambda m: _shown(m) / max(m["capacity"], 1))
         return (
-            f"Fullest GPU {peak['gpu']}: {peak['total'] / GIB:.1f} of {peak['capacity'] / GIB:.1f} GiB. "
+            f"Fullest GPU {peak['gpu']}: {_shown(peak) / GIB:.1f} of {peak['capacity'] / GIB:.1f} GiB{_traced(peak)}. "
             "Hover a bar for its parts."
         )
 
@@ -124,3 +124,14 @@ class MemoryChart(QWidget):
         super().changeEvent(event)
         if event.type() in (QEvent.Type.PaletteChange, QEvent.Type.ApplicationPaletteChange):
             apply_plot_theme(self.plot, self.palette())
+
+
+def _shown(m: dict[str, Any]) -> int:
+    return max(int(m["total"]), int(m.get("traced") or 0))
+
+
+def _traced(m: dict[str, Any]) -> str:
+    """' (formula 12.4 GiB · traced 13.1 GiB)' when the plan's memory was traced, else ''."""
+    if m.get("traced") is None:
+        return ""
+    return f" (formula {m['total'] / GIB:.1f} GiB · traced {m['traced'] / GIB:.1f} GiB)"

@@ -124,7 +124,7 @@ def plan_row(plan: dict[str, Any], rank: str) -> PlanRow:
     par = Plan.from_dict(plan).parallelism
     timing = plan.get("timing") or {}
     memory = plan.get("memory") or []
-    peak = max(memory, key=lambda m: m["total"] / max(m["capacity"], 1), default=None)
+    peak = max(memory, key=lambda m: shown_total(m) / max(m["capacity"], 1), default=None)
     training = (plan.get("workload") or {}).get("task", "train") == "train"
     runs, why = plan_runs_here(plan)
     return PlanRow(
@@ -134,7 +134,7 @@ def plan_row(plan: dict[str, Any], rank: str) -> PlanRow:
         gpus=", ".join(str(g) for g in par.gpu_indices),
         tokens_per_s=tokens_per_s(timing.get("tokens_per_s"), training),
         step=seconds(timing.get("step_s")),
-        peak=f"{peak['total'] / GIB:.1f} / {peak['capacity'] / GIB:.1f} GiB" if peak else "n/a",
+        peak=f"{shown_total(peak) / GIB:.1f} / {peak['capacity'] / GIB:.1f} GiB" if peak else "n/a",
         to_budget=seconds(timing.get("time_to_budget_s")) if timing.get("time_to_budget_s") else "—",
         fits=all(m["headroom"] >= 0 for m in memory),
         runs_here="yes" if runs else (why or "no"),
@@ -174,12 +174,27 @@ def summary_lines(plan: dict[str, Any]) -> list[str]:
         lines.append(f"About {seconds(timing['time_to_budget_s'])} to train on the token budget")
     memory = plan.get("memory") or []
     if memory:
-        peak = max(memory, key=lambda m: m["total"] / max(m["capacity"], 1))
+        peak = max(memory, key=lambda m: shown_total(m) / max(m["capacity"], 1))
         lines.append(
-            f"Fullest GPU: GPU {peak['gpu']} holds {peak['total'] / GIB:.1f} of {peak['capacity'] / GIB:.1f} GiB"
+            f"Fullest GPU: GPU {peak['gpu']} holds {shown_total(peak) / GIB:.1f} of {peak['capacity'] / GIB:.1f} GiB"
             + (f" ({peak['headroom'] / GIB:.1f} GiB free)" if peak["headroom"] >= 0 else " — does not fit")
         )
+        lines.append(memory_figures(plan, peak))
     return lines
+
+
+def shown_total(m: dict[str, Any]) -> int:
+    """The larger of the formula's and the traced figure of one GPU (MemoryBreakdown.shown_total)."""
+    return max(int(m["total"]), int(m.get("traced") or 0))
+
+
+def memory_figures(plan: dict[str, Any], m: dict[str, Any]) -> str:
+    """'Memory: formula 12.4 GiB · traced 13.1 GiB', or the formula with why it was not traced."""
+    formula = f"Memory: formula {m['total'] / GIB:.1f} GiB"
+    if m.get("traced") is not None:
+        return f"{formula} · traced {m['traced'] / GIB:.1f} GiB"
+    why = plan.get("verification") or ""
+    return formula + (f" ({why})" if why.startswith("not verified") else "")
 
 
 def tokens_per_s(v: float | None, training: bool = True) -> str:

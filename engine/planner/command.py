@@ -65,6 +65,10 @@ def register(subparsers: Any, parents: list[argparse.ArgumentParser] | None = No
     g.add_argument("--calibration", type=Path, metavar="FILE", help="what `rigpilot run calibrate` measured on this machine (its output/calibration.json)")
     g.add_argument("--nodes", type=int, default=1, metavar="N", help="--export slurm: number of nodes")
     g.add_argument("--script", metavar="FILE", help="the training or inference script exports launch")
+    g.add_argument(
+        "--no-verify", action="store_true",
+        help="skip tracing the top plans' memory on the engine's own model (the formula alone)",
+    )  # fmt: skip
     p.set_defaults(func=run_plan)
     return p
 
@@ -148,6 +152,11 @@ def run_plan(args: argparse.Namespace) -> int:
     options = SearchOptions(force_tp=args.force_tp)
     result = search(spec, machine, workload, gpus=parse_gpus(args.gpus), calibration=numbers, options=options)
     note_calibration(result, calibrated)
+    if not getattr(args, "no_verify", False) and result.best is not None:
+        from rigpilot.engine.planner import verify
+
+        if verify.enabled():
+            verify.verify(result)
     artifact, exported, instead = None, None, None
     if args.export and result.best is not None:
         plans = [result.best, *result.runners_up]
@@ -185,6 +194,8 @@ def render_text(result: SearchResult) -> list[str]:
     if result.best is not None:
         out += ["", "Memory per GPU of the best plan:"]
         out += [f"  {row}" for row in _memory_table(result.best)]
+        if result.best.verification:
+            out.append(f"  memory {result.best.verification}")
     for note in result.notes + (result.best.notes if result.best else []):
         out.append(f"note: {note}")
     out.append(f"({result.considered} plans considered, {result.fitting} fit, searched in {result.elapsed_s * 1e3:.0f} ms)")
@@ -203,7 +214,7 @@ def _table(plans: list[Plan], w: Workload) -> list[str]:
                 p.parallelism.describe(),
                 f"{p.timing.tokens_per_s:,.0f}",
                 f"{p.timing.step_s:.2f} s",
-                f"{fmt_gib(mb.total)} / {fmt_gib(mb.capacity)}",
+                f"{fmt_gib(mb.shown_total)} / {fmt_gib(mb.capacity)}" + (" (traced)" if (mb.traced or 0) > mb.total else ""),
             )
         )
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
@@ -215,13 +226,16 @@ def _rank(i: int) -> str:
 
 
 def _memory_table(plan: Plan) -> list[str]:
-    head = ("GPU", "weights", "grads", "optimizer", "activations", "KV cache", "buffers", "overhead", "total", "of", "free")
+    traced = any(m.traced is not None for m in plan.memory)
+    head = ("GPU", "weights", "grads", "optimizer", "activations", "KV cache", "buffers", "overhead", "total",
+            *(("traced",) if traced else ()), "of", "free")  # fmt: skip
     rows = [head]
     for m in plan.memory:
         rows.append(
             (
                 str(m.gpu), fmt_gib(m.weights), fmt_gib(m.gradients), fmt_gib(m.optimizer), fmt_gib(m.activations),
-                fmt_gib(m.kv_cache), fmt_gib(m.buffers), fmt_gib(m.overhead), fmt_gib(m.total), fmt_gib(m.capacity),
+                fmt_gib(m.kv_cache), fmt_gib(m.buffers), fmt_gib(m.overhead), fmt_gib(m.total),
+                *((fmt_gib(m.traced) if m.traced is not None else "-",) if traced else ()), fmt_gib(m.capacity),
                 fmt_gib(m.headroom),
             )
         )

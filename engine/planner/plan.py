@@ -189,11 +189,18 @@ class MemoryBreakdown:
     overhead: int  # CUDA context, NCCL, allocator reserve
     total: int
     capacity: int  # the GPU's memory
-    headroom: int  # capacity - total (negative: does not fit)
+    headroom: int  # capacity - the larger of total and traced (negative: does not fit)
+    # Bytes of a traced step of the engine's own model plus `overhead` (planner.verify), None when not traced.
+    traced: int | None = None
 
     @property
     def fits(self) -> bool:
         return self.headroom >= 0
+
+    @property
+    def shown_total(self) -> int:
+        """The larger of the formula's and the trace's figure: the one the plan counts."""
+        return max(self.total, self.traced or 0)
 
 
 @dataclass
@@ -262,6 +269,8 @@ class Plan:
     # engine.capability.why_not of the plan's layout: whether a Rigpilot job runs this plan, and if not, why.
     runs_here: bool = True
     runs_here_reason: str = ""
+    # planner.verify: "traced: <how>, <seconds>" or "not verified: <reason>"; empty when not attempted.
+    verification: str = ""
 
     @property
     def fits(self) -> bool:
@@ -310,6 +319,7 @@ class Plan:
                 architecture=d.get("architecture", ""),
                 notes=list(d.get("notes", [])),
                 schema_version=version,
+                verification=str(d.get("verification") or ""),
                 **_runs_here(d),
             )
         except (KeyError, TypeError) as e:

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 def plan(machine: Any, model: str, workload: dict[str, Any] | None = None, gpus: list[int] | None = None,
          options: dict[str, Any] | None = None, trust_remote_code: bool = False,
-         calibration: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+         calibration: dict[str, Any] | None = None, verify: bool = True) -> dict[str, Any]:  # fmt: skip
     """One search. `calibration`: the machine's stored calibration file (the service's, never a client's)."""
     from rigpilot.engine.models import describe_model
     from rigpilot.engine.planner.plan import PRECISIONS, LoraSettings, Workload
@@ -56,6 +56,12 @@ def plan(machine: Any, model: str, workload: dict[str, Any] | None = None, gpus:
     numbers, status = _calibration(calibration, machine, w.precision if w.precision in PRECISIONS else "bf16")
     result = search(spec, machine, w, gpus=gpus, calibration=numbers, options=SearchOptions(**(options or {})))
     result.explanation.append(status.line)
+    if verify and result.best is not None:
+        from rigpilot.engine.planner import verify as verification
+
+        if verification.enabled():
+            # Within the service's deadline for a plan: past the budget the rest stay "not verified".
+            verification.verify(result, trust_remote_code=trust_remote_code, budget_s=verification.VERIFY_BUDGET_S)
     return {"result": {**result.to_dict(), "calibration": status.to_dict()}}
 
 

@@ -1,0 +1,149 @@
+"""Check the formula's memory for the top plans against a traced step of the engine's own model.
+
+The search ranks thousands of layouts with the formula (`memory.py`); the few
+plans it puts on top are then built the way a worker builds them and stepped on
+fake tensors by `rigpilot.engine.workers.memtrace`, in a subprocess of the
+interpreter that has PyTorch (this module imports no torch: the GUI and the
+planner import it for its types). Each verified plan carries both figures per
+GPU (`MemoryBreakdown.total` and `.traced`); its headroom and `fits` use the
+larger. A gap over `DEFECT_GAP` is a defect of the formula: it is shown in the
+explanation and logged. A plan that cannot be traced says why, in one line,
+in `Plan.verification`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import time
+from typing import Any
+
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.planner.memory import fmt_gib
+from rigpilot.engine.planner.plan import Plan
+from rigpilot.engine.planner.result import SearchResult
+
+log = logging.getLogger(__name__)
+
+VERIFY_TOP = 3  # the best plan and the next two
+DEFECT_GAP = 0.05  # formula and trace further apart than this (of the formula's tensor bytes) is a defect
+TRACE_TIMEOUT_S = 120.0
+VERIFY_BUDGET_S = 25.0  # the engine's planner: its plan request has 45 s in all
+TRACER = "rigpilot.engine.workers.memtrace"
+ENV_SWITCH = "RIGPILOT_PLAN_VERIFY"  # "0": plans are not verified unless asked for explicitly
+
+
+def enabled() -> bool:
+    """Whether verification is on by default (RIGPILOT_PLAN_VERIFY is not "0")."""
+    return os.environ.get(ENV_SWITCH, "1").strip() not in {"0", "false", "no", "off"}
+
+
+def trace(plan: Plan, *, trust_remote_code: bool = False, timeout_s: float = TRACE_TIMEOUT_S) -> dict[str, Any]:
+    """The tracer's answer for `plan`: {"ok": True, "peak": bytes, ...} or {"ok": False, "reason": one line}."""
+    from rigpilot.engine.runtime import worker_python
+
+    try:
+        python = worker_python()
+    except UserError as e:
+        return {"ok": False, "reason": str(e)}
+    request = json.dumps({"plan": plan.to_dict(), "trust_remote_code": trust_remote_code})
+    # Config only, never a download: the planner has read the config already, the cache has it.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    try:
+        done = subprocess.run(
+            [python, "-m", TRACER], input=request, capture_output=True, text=True, timeout=timeout_s,
+            env=env, cwd="/",  # not the caller's folder: nothing there may shadow a module
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "reason": f"the trace took longer than {timeout_s:.0f} s"}
+    except OSError as e:
+        return {"ok": False, "reason": f"cannot start the tracer ({python}): {e.strerror or e}"}
+    lines = done.stdout.strip().splitlines()
+    try:
+        answer = json.loads(lines[-1]) if lines else None
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict) or "ok" not in answer:
+        log.warning("memory tracer exited with %s without an answer:\n%s", done.returncode, done.stderr[-4000:])
+        return {"ok": False, "reason": f"the tracer exited with code {done.returncode} without an answer"}
+    if not answer["ok"] and done.stderr.strip():
+        log.info("memory tracer: %s\n%s", answer.get("reason"), done.stderr[-4000:])
+    return answer
+
+
+def apply_trace(plan: Plan, answer: dict[str, Any]) -> str | None:
+    """Record the tracer's answer on `plan`; returns the line to show when formula and trace disagree."""
+    if not answer.get("ok"):
+        plan.verification = f"not verified: {answer.get('reason') or 'no reason given'}"
+        return None
+    peak = int(answer["peak"])
+    stages = answer.get("stages") or {}  # pipeline plans: the traced peak of each stage
+    worst: tuple[float, Any] | None = None
+    for m in plan.memory:
+        # The trace sees tensors only; the CUDA context and NCCL are the formula's.
+        m.traced = int(stages.get(str(m.stage), peak)) + m.overhead
+        m.headroom = m.capacity - max(m.total, m.traced)
+        tensors = max(m.total - m.overhead, 1)
+        gap = (m.traced - m.total) / tensors
+        if worst is None or abs(gap) > abs(worst[0]):
+            worst = (gap, m)
+    plan.verification = f"traced: {answer.get('method', 'traced')}, {float(answer.get('seconds', 0)):.1f} s"
+    if worst is None or abs(worst[0]) <= DEFECT_GAP:
+        return None
+    gap, m = worst
+    log.warning(
+        "planner defect: memory formula %s from the traced step for %s (%s): formula %d bytes, traced %d bytes per GPU",
+        f"{100 * gap:+.1f}%", plan.parallelism.describe(), plan.workload.model, m.total, m.traced,
+    )  # fmt: skip
+    return (
+        f"memory check ({plan.parallelism.family}): formula {fmt_gib(m.total)} · traced {fmt_gib(m.traced)} per GPU "
+        f"({100 * gap:+.0f}%); the plan counts the larger"
+    )
+
+
+def verify(
+    result: SearchResult, *, top: int = VERIFY_TOP, trust_remote_code: bool = False,
+    timeout_s: float = TRACE_TIMEOUT_S, budget_s: float | None = None,
+) -> SearchResult:  # fmt: skip
+    """Trace the top `top` plans of `result` in place; a best plan the trace shows does not fit gives way.
+
+    `budget_s` bounds the whole verification: plans left when it runs out stay "not verified".
+    Returns `result`, whose explanation gains a line per disagreement.
+    """
+    plans = ([result.best] if result.best else []) + result.runners_up
+    started = time.perf_counter()
+    lines: list[str] = []
+    for plan in plans[:top]:
+        left = timeout_s if budget_s is None else min(timeout_s, budget_s - (time.perf_counter() - started))
+        if left < 1.0:
+            plan.verification = "not verified: no time left for it in this request"
+            continue
+        line = apply_trace(plan, trace(plan, trust_remote_code=trust_remote_code, timeout_s=left))
+        if line:
+            lines.append(line)
+    if result.best is not None and not result.best.fits:
+        fitting = [p for p in plans[:top] if p.fits]
+        if fitting:
+            new_best = fitting[0]
+            lines.append(
+                f"the traced step of {result.best.parallelism.family} does not fit: "
+                f"{new_best.parallelism.family} ({new_best.parallelism.describe()}) is recommended instead"
+            )
+            result.runners_up = [p for p in plans if p is not new_best]
+            result.best = new_best
+        else:
+            lines.append("the traced step of the best plan does not fit its GPUs: the formula under-counts it")
+    result.explanation = result.explanation + lines
+    seconds = time.perf_counter() - started
+    result.notes = [*result.notes, f"memory traced for {min(top, len(plans))} plan(s) in {seconds:.1f} s"]
+    return result
+
+
+def figures(plan: Plan) -> str:
+    """'formula 12.4 GiB · traced 13.1 GiB' for the fullest GPU, or the formula alone with the reason."""
+    m = plan.peak_memory
+    if m.traced is None:
+        return f"formula {fmt_gib(m.total)}" + (f" ({plan.verification})" if plan.verification else "")
+    return f"formula {fmt_gib(m.total)} · traced {fmt_gib(m.traced)}"

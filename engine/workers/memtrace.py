@@ -1,0 +1,779 @@
+"""`python -m rigpilot.engine.workers.memtrace`: the memory of one training step of a plan, traced, not estimated.
+
+The planner's formula is fast but sees only what it was told about. This
+builds the engine's own model for a plan the way a training rank does (the
+same transformers class and attention implementation, `apply_tensor_parallel`,
+`apply_activation_checkpointing`, `apply_data_parallel`, the same loss) on
+fake tensors (`FakeTensorMode`: shapes and dtypes, no memory, no weights) in
+a fake process group of the plan's world size as rank 0, runs one steady-state
+step (the optimizer state already exists, as from the second step on: forward
+and backward of up to two micro-batches, then the optimizer step) and reads
+the peak of every tensor alive at once from PyTorch's memory trackers
+(`MemTracker`, `FSDPMemTracker`).
+
+A model with many blocks is traced with 2 and 4 of them and the per-block
+difference scaled to its layer count, per phase (forward/backward and
+optimizer step): block memory is linear in the block count, and 2 and 4 keep
+alternating layer patterns (Gemma's sliding and global layers) whole.
+
+What it does not see: the CUDA context, NCCL and the allocator's reserve
+(the plan's `overhead`, added back by the caller), and collectives' own
+buffers. Under FSDP2's CPU offload the host-resident shards, gradients and
+optimizer state are left out of the GPU's peak. Inference plans are traced as
+`infer.Generator` runs them: the prefill of the prompt (with its logits), then
+the last decode step with the KV cache at its final length. Pipeline plans,
+quantised inference and QLoRA are refused with a reason. No GPU, no weights
+(config.json only), no network when offline.
+
+Wire: one JSON object on stdin, `{"plan": Plan.to_dict(), "trust_remote_code": false}`;
+one JSON object on stdout: `{"ok": true, "peak": bytes, "phases": {...}, "method": "...", ...}`
+or `{"ok": false, "reason": "one line"}`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+WHOLE_MODEL_LAYERS = 4  # up to this many blocks the whole model is traced
+SCALE_FROM = (2, 4)  # else traced with this many blocks and scaled to the layer count
+
+
+class NotTraced(Exception):
+    """A plan the tracer cannot verify; the message is the one-line reason."""
+
+
+@dataclass
+class Phases:
+    """Peak bytes of one traced step: during forward/backward, during the optimizer step, and by category."""
+
+    forward_backward: int
+    optimizer: int
+    categories: dict[str, int]  # at the step's peak: Parameter, Gradient, Activation, Optstate, Temp, ...
+    snapshots: dict[str, dict[str, int]] = field(default_factory=dict)  # categories after forward, backward, step
+    labels: tuple[str, str] = ("forward_backward", "optimizer")  # inference: ("prefill", "last_decode")
+
+    @property
+    def peak(self) -> int:
+        return max(self.forward_backward, self.optimizer)
+
+
+def trace_plan(plan: dict[str, Any], trust_remote_code: bool = False) -> dict[str, Any]:
+    """The traced peak bytes per GPU of `plan` (Plan.to_dict), or NotTraced saying why not."""
+    started = time.perf_counter()
+    workload, par = plan["workload"], plan["parallelism"]
+    _check_supported(workload, par)
+    config = _load_config(workload["model"], trust_remote_code)
+    layers = _num_layers(config)
+    if int(par.get("pp", 1)) > 1:
+        return _trace_pipeline(config, layers, workload, par, trust_remote_code, started)
+    if layers <= WHOLE_MODEL_LAYERS:
+        phases = _trace_step(config, layers, workload, par, trust_remote_code)
+        method = f"whole model ({layers} blocks)"
+    else:
+        low, high = (_trace_step(config, n, workload, par, trust_remote_code) for n in SCALE_FROM)
+        phases = _extrapolate(low, high, SCALE_FROM, layers)
+        method = f"{SCALE_FROM[0]} and {SCALE_FROM[1]} of {layers} blocks traced, scaled to {layers}"
+    return {
+        "ok": True,
+        "peak": phases.peak,
+        "phases": dict(zip(phases.labels, (phases.forward_backward, phases.optimizer), strict=True)),
+        "categories": phases.categories,
+        "method": method,
+        "seconds": round(time.perf_counter() - started, 3),
+    }
+
+
+def _trace_pipeline(
+    config: Any, layers: int, workload: dict[str, Any], par: dict[str, Any], trust_remote_code: bool, started: float
+) -> dict[str, Any]:
+    """Each kind of stage traced on its own: the first (embedding, the most micro-batches in flight),
+    the last (head and loss), and the second as the fullest of the middle ones."""
+    from rigpilot.engine.workers.pipeline import stage_layer_ranges
+
+    pp = int(par["pp"])
+    ranges = stage_layer_ranges(layers, pp)
+    traced = sorted({0, pp - 1} | ({1} if pp > 2 else set()))
+    peaks: dict[int, Phases] = {}
+    whole = max(end - first for first, end in ranges) <= WHOLE_MODEL_LAYERS
+    for s in traced:
+        stage_par = {**par, "_stage": s}
+        if whole:
+            peaks[s] = _trace_step(config, layers, workload, stage_par, trust_remote_code)
+            continue
+        # n blocks on every stage: a model of n × stages blocks, evenly split as DecoderStage splits it.
+        low, high = (_trace_step(config, n * pp, workload, stage_par, trust_remote_code) for n in SCALE_FROM)
+        first, end = ranges[s]
+        peaks[s] = _extrapolate(low, high, SCALE_FROM, end - first)
+    per_stage = {s: peaks[s if s in peaks else 1].peak for s in range(pp)}
+    worst = max(peaks.values(), key=lambda ph: ph.peak)
+    how = "whole stages" if whole else f"{SCALE_FROM[0]} and {SCALE_FROM[1]} blocks per stage, scaled"
+    return {
+        "ok": True,
+        "peak": worst.peak,
+        "stages": {str(s): v for s, v in per_stage.items()},
+        "phases": dict(zip(worst.labels, (worst.forward_backward, worst.optimizer), strict=True)),
+        "categories": worst.categories,
+        "method": f"pipeline stages {', '.join(map(str, traced))} of {pp} traced ({how}); middle stages as stage 1",
+        "seconds": round(time.perf_counter() - started, 3),
+    }
+
+
+def _check_supported(workload: dict[str, Any], par: dict[str, Any]) -> None:
+    if workload.get("task") not in ("train", "infer"):
+        raise NotTraced(f"task {workload.get('task')!r} is not traced")
+    if workload.get("task") == "infer" and int(workload.get("weight_bits", 16)) != 16:
+        raise NotTraced("quantised inference (8-bit, 4-bit weights) is not traced")
+    if par.get("pp", 1) > 1 and workload.get("task") != "train":
+        raise NotTraced("pipelined inference is not traced (its stages pass hidden states token by token)")
+    if par.get("offload_optimizer") and not par.get("offload_params"):
+        raise NotTraced("optimizer-only offload is DeepSpeed's: the engine offloads with FSDP2 (parameters too)")
+    if par.get("backend") == "deepspeed":
+        raise NotTraced("DeepSpeed plans are not traced: the engine runs FSDP2, DDP and tensor parallel")
+    if workload.get("method") == "qlora":
+        raise NotTraced("QLoRA plans are not traced (4-bit NF4 weights do not run on fake tensors)")
+
+
+def _load_config(model: str, trust_remote_code: bool) -> Any:
+    from rigpilot.engine.workers.model_loading import load_config, resolve_source
+
+    source = resolve_source(model)
+    return load_config(source, SimpleNamespace(trust_remote_code=trust_remote_code))
+
+
+def _num_layers(config: Any) -> int:
+    n = getattr(config, "num_hidden_layers", None)
+    if not isinstance(n, int) or n < 1:
+        raise NotTraced(f"model type {config.model_type!r}: its config has no num_hidden_layers to trace")
+    return n
+
+
+def _with_layers(config: Any, n: int) -> Any:
+    config = copy.deepcopy(config)
+    config.num_hidden_layers = n
+    types = getattr(config, "layer_types", None)
+    if isinstance(types, list) and len(types) > n:
+        config.layer_types = types[:n]
+    return config
+
+
+def _extrapolate(low: Phases, high: Phases, counts: tuple[int, int], layers: int) -> Phases:
+    a, b = counts
+
+    def scale(x: int, y: int) -> int:
+        return round(x + (y - x) * (layers - a) / (b - a))
+
+    cats = {k: scale(low.categories.get(k, 0), high.categories.get(k, 0)) for k in high.categories}
+    fb, opt = scale(low.forward_backward, high.forward_backward), scale(low.optimizer, high.optimizer)
+    return Phases(fb, opt, cats, labels=high.labels)
+
+
+# --- one traced step ------------------------------------------------------------------------------
+
+
+def _trace_step(
+    config: Any,
+    n_layers: int,
+    workload: dict[str, Any],
+    par: dict[str, Any],
+    trust_remote_code: bool,
+    real: bool = False,
+) -> Phases:
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from rigpilot.engine.workers.parallel_dims import MESH_DIMS, ParallelDims
+
+    shape = par["mesh_shape"]
+    dims = ParallelDims(pp=shape["pp"], dp_replicate=shape["dp_replicate"], dp_shard=shape["dp_shard"], tp=shape["tp"],
+                        world_size=par["world_size"])  # fmt: skip
+    # real=True inside an initialised process group (gloo ranks of a test) steps real tensors there;
+    # otherwise this process is rank 0 of a fake group of the plan's size.
+    own_group = not (real and dist.is_initialized())
+    if own_group:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=dims.world_size)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", dims.shape, mesh_dim_names=MESH_DIMS)
+        # Built and parallelised on the meta device, as a worker builds its skeleton (and device meshes
+        # are sliced there: inside the fake mode their coordinates would be data-dependent); then
+        # given fake storage, as `materialize` gives it real storage.
+        inference = workload.get("task") == "infer"
+        with torch.device("meta"):
+            build = _build_inference if inference else _build
+            built = build(_with_layers(config, n_layers), workload, par, dims, mesh, trust_remote_code)
+        # real=True runs the same step on real CPU tensors (for tests of the fake trace itself).
+        fake = FakeTensorMode(allow_non_fake_inputs=True) if not real else contextlib.nullcontext()
+        with fake, _real_masks(), _untracked_sharding_propagation(), _fake_grouped_mm(), _host_rng_state():
+            _materialize(built.model)
+            return _generation(built, workload, par) if inference else _fake_step(built, workload, par)
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _untracked_sharding_propagation() -> Any:
+    """Keep DTensor's shape inference out of the tracker, as it is on real tensors.
+
+    DTensor infers an op's output shape by running it on fake tensors, in the fake mode it finds
+    active: inside the trace that is ours, under the tracker, which would count a global-size
+    output for a moment (a transient whole-vocabulary logits tensor, say). With the modes set
+    aside it gets a fake mode of its own, as it does beside real tensors.
+    """
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def propagate(self: Any, op_schema: Any) -> Any:
+        with _disable_current_modes():
+            return original(self, op_schema)
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = propagate  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _host_rng_state() -> Any:
+    """Keep the CPU generator's state, which checkpointing saves per block, out of the GPU's count.
+
+    Activation checkpointing keeps the CPU RNG state (5 KB) with every block; on a GPU run that is
+    host memory, but the trace has one device. One state taken before the step stands in for all.
+    """
+    import torch
+
+    original = torch.get_rng_state
+    state = original()
+    torch.get_rng_state = lambda: state  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.get_rng_state = original
+
+
+@contextlib.contextmanager
+def _fake_grouped_mm() -> Any:
+    """Mixture-of-experts layers on fake tensors in any dtype.
+
+    transformers runs the experts through `torch._grouped_mm`, whose CPU kernel takes fp32 but whose
+    shape function (all fake tensors have) accepts bf16 only. For other dtypes transformers' own
+    fallback custom op stands in: the same inputs saved for backward, the same output.
+    """
+    try:
+        from transformers.integrations import moe
+    except ImportError:
+        yield
+        return
+    original = getattr(moe, "_can_use_grouped_mm", None)
+    if original is None:
+        yield
+        return
+
+    def can_use(input: Any, weight: Any, offs: Any) -> bool:
+        import torch
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if isinstance(weight, FakeTensor) and weight.dtype != torch.bfloat16:
+            return False
+        return original(input, weight, offs)
+
+    moe._can_use_grouped_mm = can_use
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = original
+
+
+@contextlib.contextmanager
+def _real_masks() -> Any:
+    """Let transformers skip the causal mask as it does for a worker's real tensors.
+
+    Its `_ignore_causal_mask_sdpa` takes a fake tensor for a graph being traced and then builds an
+    explicit s×s mask instead of SDPA's `is_causal`. A training step has no cache, so its query
+    offset is 0: the check gets that 0 (data-dependent checks elsewhere still fail loudly).
+    """
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    original = getattr(masking_utils, "_ignore_causal_mask_sdpa", None)
+    if original is None:
+        yield
+        return
+
+    def ignore_causal_mask(
+        padding_mask: Any, q_length: int, kv_length: int, q_offset: Any, kv_offset: Any, *args: Any, **kwargs: Any
+    ) -> bool:
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        # The planner's prompts are whole (no padding): a fake all-ones mask is as good as none.
+        padding_mask = None if isinstance(padding_mask, FakeTensor) else padding_mask
+        q_offset = 0 if isinstance(q_offset, FakeTensor) else q_offset
+        kv_offset = 0 if isinstance(kv_offset, FakeTensor) else kv_offset
+        return original(padding_mask, q_length, kv_length, q_offset, kv_offset, *args, **kwargs)
+
+    packed = getattr(masking_utils, "find_packed_sequence_indices", None)
+
+    def find_packed(position_ids: Any) -> Any:
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        # The worker's batches are whole sequences with positions 0..s-1: never packed.
+        return None if isinstance(position_ids, FakeTensor) else packed(position_ids)
+
+    masking_utils._ignore_causal_mask_sdpa = ignore_causal_mask
+    if packed is not None:
+        masking_utils.find_packed_sequence_indices = find_packed
+    try:
+        yield
+    finally:
+        masking_utils._ignore_causal_mask_sdpa = original
+        if packed is not None:
+            masking_utils.find_packed_sequence_indices = packed
+
+
+@dataclass
+class _Built:
+    model: Any  # the module whose parameters the optimizer steps
+    wrapped: Any  # the module called (FSDP2-wrapped model, or the model)
+    fsdp: bool
+    precision: Any  # parallelize.PrecisionPlan
+    loss_parallel: bool
+    ddp_buckets: int
+    vocab: int
+    offload: bool = False  # FSDP2's CPUOffloadPolicy: shards, their gradients and the optimizer in host memory
+    stage: Any = None  # pipeline.DecoderStage when the plan is pipelined: this trace's stage
+    in_flight: int = 1  # micro-batches whose activations a pipeline stage holds at once
+
+
+def _build(
+    config: Any, workload: dict[str, Any], par: dict[str, Any], dims: Any, mesh: Any, trust_remote_code: bool
+) -> _Built:
+    import torch
+
+    from rigpilot.engine.workers.model_loading import LoadedModel, ModelSource, apply_lora, auto_class, detect_objective
+    from rigpilot.engine.workers.parallel_dims import Runtime
+    from rigpilot.engine.workers.parallelize import (
+        PrecisionPlan,
+        apply_activation_checkpointing,
+        apply_data_parallel,
+        apply_tensor_parallel,
+        logits_split,
+        precision_dtype,
+        uses_fsdp,
+    )
+
+    objective = detect_objective(config)
+    if objective != "causal":
+        raise NotTraced(f"model type {config.model_type!r} is an encoder: traced verification covers decoders")
+    torch.manual_seed(0)
+    # The worker loads fp32 master weights whatever the precision (load_model(dtype=torch.float32)).
+    model = auto_class(objective).from_config(config, trust_remote_code=trust_remote_code, dtype=torch.float32)
+    loaded = LoadedModel(model, None, model.config, objective, ModelSource("", "config", "", False))
+    # Two settings of the accuracy harness's own step (trace_compare), never in a plan: a LoRA base in
+    # half precision, and transformers' reentrant checkpointing, whose saved tensors the harness can see.
+    harness_checkpointing = bool(workload.get("harness_checkpointing")) and par.get("checkpointing") == "full"
+    if harness_checkpointing:
+        from rigpilot.engine.accuracy.measure import _enable_checkpointing
+
+        _enable_checkpointing(model)
+    if workload.get("base_dtype"):
+        model.to(precision_dtype(workload["base_dtype"]))
+    lora = workload.get("lora") or {}
+    if workload.get("method") == "lora":
+        targets = [t for t in lora.get("targets") or [] if t != "all-linear"] or None
+        train = SimpleNamespace(lora_rank=lora.get("rank", 16), lora_alpha=lora.get("alpha", 32),
+                                lora_dropout=lora.get("dropout", 0.0), lora_targets=targets)  # fmt: skip
+        apply_lora(loaded, SimpleNamespace(train=train))
+    model = loaded.model
+    stage, in_flight = None, 1
+    if dims.pp > 1:
+        from rigpilot.engine.workers.pipeline import DecoderStage, decoder_parts
+
+        index = int(par["_stage"])
+        model = stage = DecoderStage(decoder_parts(model, "pipeline parallel"), index, dims.pp)
+        # 1F1B runs at most (stages - index) forwards before this stage's first backward; GPipe all of them.
+        micro_batches = int(par.get("grad_accum", 1))
+        gpipe = str(par.get("pipeline_schedule", "1f1b")).lower() == "gpipe"
+        in_flight = micro_batches if gpipe else min(dims.pp - index, micro_batches)
+    runtime = Runtime(mesh.get_rank(), 0, dims.world_size, torch.device("cpu"), "fake", dims, mesh)
+    # The plan is for GPUs: the precision the worker picks there (precision_plan with a CUDA device).
+    compute = precision_dtype(workload.get("precision", "bf16"))
+    if compute == torch.float32:
+        precision = PrecisionPlan(compute, False, False, "cpu")
+    else:
+        fsdp = dims.dp_shard > 1
+        precision = PrecisionPlan(compute, fsdp, not fsdp, "cpu")
+    loss_parallel = False
+    if dims.tp > 1:
+        sp = bool(par.get("sequence_parallel")) and workload["seq_len"] % dims.tp == 0
+        apply_tensor_parallel(model, mesh["tp"], sp, vocab_parallel=True)
+        loss_parallel = logits_split(model)
+    if not harness_checkpointing:
+        apply_activation_checkpointing(model, par.get("checkpointing", "none"))
+    offload = bool(par.get("offload_params"))
+    fsdp = uses_fsdp(dims, offload)
+    ddp_buckets = 0
+    if fsdp:
+        reshard = bool(par.get("reshard_after_forward", True))
+        wrapped = apply_data_parallel(model, runtime, precision, reshard, cpu_offload=offload)
+    else:
+        # DDP checks and broadcasts real parameter storage in C++, which fake tensors lack: the trace runs
+        # the model unwrapped and adds what DDP holds besides, its gradient buckets (without
+        # gradient_as_bucket_view, as the engine runs it, a flat copy of every trainable gradient, kept
+        # from construction on). A single rank is not wrapped at all.
+        wrapped = model
+        if dims.dp_replicate > 1:
+            ddp_buckets = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return _Built(
+        model, wrapped, fsdp, precision, loss_parallel, ddp_buckets, int(config.vocab_size), offload, stage, in_flight
+    )
+
+
+def _build_inference(
+    config: Any, workload: dict[str, Any], par: dict[str, Any], dims: Any, mesh: Any, trust_remote_code: bool
+) -> _Built:
+    """The model as `infer.build_replica_model` builds it: weights in the plan's dtype, tensor parallel, eval."""
+
+    from rigpilot.engine.workers.model_loading import auto_class, detect_objective
+    from rigpilot.engine.workers.parallelize import PrecisionPlan, apply_tensor_parallel, precision_dtype
+
+    objective = detect_objective(config)
+    if objective != "causal":
+        raise NotTraced(f"model type {config.model_type!r} is an encoder: it does not generate text")
+    dtype = precision_dtype(workload.get("precision", "bf16"))
+    model = auto_class(objective).from_config(config, trust_remote_code=trust_remote_code, dtype=dtype)
+    if dims.tp > 1:
+        apply_tensor_parallel(model, mesh["tp"])
+    model.eval()
+    precision = PrecisionPlan(dtype, False, False, "cpu")
+    return _Built(model, model, False, precision, False, 0, int(config.vocab_size))
+
+
+def _generation(built: _Built, workload: dict[str, Any], par: dict[str, Any]) -> Phases:
+    """`infer.Generator.generate`'s memory: the prefill, then the last decode step with the cache full.
+
+    Decoding token by token only grows the cache, so the steps between are not run: before the
+    last one each layer's cache is given its final length (prompt + new tokens - 1, at most the
+    window of a sliding layer), and that step's peak is the decode phase's.
+    """
+    import math
+
+    import torch
+    from transformers import DynamicCache
+
+    model = built.model
+    batch = math.ceil(int(workload.get("global_batch", 1)) / max(int(par.get("dp", 1)), 1))
+    new_tokens = max(int(workload.get("new_tokens", 0)), 1)
+    prompt = max(int(workload["seq_len"]) - new_tokens, 1)
+    final = prompt + new_tokens - 1
+    tracker = _tracker(model, None, False)
+    gpu = _GpuPeak(tracker, frozenset())
+    snapshots: dict[str, dict[str, int]] = {}
+    with tracker, torch.no_grad():
+        ids = torch.randint(built.vocab, (batch, prompt))
+        mask = torch.ones_like(ids)
+        positions = torch.arange(prompt).expand(batch, prompt)
+        cache = DynamicCache(config=model.config)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+        logits = out.logits[:, -1, :].float()
+        del out
+        snapshots["after_prefill"] = _categories(tracker, "current")
+        prefill = gpu.take()
+        for layer in getattr(cache, "layers", []):
+            keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+            if keys is None or values is None or keys.dim() != 4:
+                continue
+            window = getattr(layer, "sliding_window", None)
+            length = min(final - 1, window - 1) if isinstance(window, int) and window > 0 else final - 1
+            layer.keys = keys.new_empty((*keys.shape[:2], length, keys.shape[3]))
+            layer.values = values.new_empty((*values.shape[:2], length, values.shape[3]))
+        del logits
+        tracker.reset_mod_stats()  # the trackers' per-module records take one call at a time
+        token = torch.randint(built.vocab, (batch, 1))
+        mask = torch.ones((batch, final), dtype=torch.long)
+        out = model(input_ids=token, attention_mask=mask, position_ids=torch.full((batch, 1), final - 1),
+                    past_key_values=cache, use_cache=True)  # fmt: skip
+        logits = out.logits[:, -1, :].float()
+        del out
+        snapshots["after_last_decode"] = _categories(tracker, "current")
+        decode = gpu.take()
+        del logits
+    return Phases(prefill, decode, dict(gpu.at_peak), snapshots, labels=("prefill", "last_decode"))
+
+
+def _materialize(model: Any) -> None:
+    from rigpilot.engine.workers.model_loading import _tied_groups
+
+    tied = _tied_groups(model)
+    model.to_empty(device="cpu")
+    for group in tied:  # to_empty gives every module its own tensor: share tied weights again
+        first = getattr(group[0][0], group[0][1])
+        for module, name in group[1:]:
+            setattr(module, name, first)
+
+
+def _fake_step(built: _Built, workload: dict[str, Any], par: dict[str, Any]) -> Phases:
+    import torch
+
+    from rigpilot.engine.accuracy.cuda_autocast import CudaAutocastOnCpu, CudaDropoutOnCpu
+    from rigpilot.engine.workers.parallelize import set_gradient_sync
+    from rigpilot.engine.workers.train import token_loss
+
+    model, wrapped, fsdp, precision = built.model, built.wrapped, built.fsdp, built.precision
+    loss_parallel, ddp_buckets, vocab = built.loss_parallel, built.ddp_buckets, built.vocab
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95))
+    # Steady state: the optimizer's moments exist before the step begins, as from the second step on.
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+    micro, seq = int(par.get("micro_batch", 1)), int(workload["seq_len"])
+    accum = min(int(par.get("grad_accum", 1)), 2)  # the second micro-batch sees the first one's gradients
+    batches = [(torch.randint(vocab, (micro, seq)), torch.randint(vocab, (micro, seq))) for _ in range(accum)]
+    tracker = _tracker(wrapped if fsdp else model, optimizer, fsdp, built.in_flight)
+    gpu = _GpuPeak(tracker, HOST_CATEGORIES if built.offload else frozenset())
+    autocast_on = precision.autocast
+    snapshots: dict[str, dict[str, int]] = {}
+    if built.stage is not None:
+        batches = batches[:1]  # the stage's own micro-batches are run below
+    with tracker:
+        if built.stage is not None:
+            _stage_passes(built, tracker, micro, seq, snapshots)
+            batches = []
+        for i, (ids, labels) in enumerate(batches):
+            if i:
+                tracker.reset_mod_stats()  # FSDPMemTracker's per-module records take one pass at a time
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(set_gradient_sync(wrapped, i == len(batches) - 1))
+                if loss_parallel:
+                    from torch.distributed.tensor.parallel import loss_parallel as lp
+
+                    stack.enter_context(lp())
+                # The GPU's ops on the CPU: CUDA's autocast policy and its bool dropout masks.
+                autocast = CudaAutocastOnCpu() if autocast_on else contextlib.nullcontext()
+                with precision.autocast_context(), autocast, CudaDropoutOnCpu():
+                    logits = wrapped(input_ids=ids, use_cache=False).logits
+                loss = token_loss(logits, labels)
+                del logits
+                snapshots["after_forward"] = _categories(tracker, "current")
+                loss.backward()
+                del loss
+        snapshots["after_backward"] = _categories(tracker, "current")
+        cats_fb = gpu.at_peak
+        fb = gpu.take()
+        optimizer.step()
+        cats_opt = gpu.at_peak
+        opt = gpu.take()
+        snapshots["after_step"] = _categories(tracker, "current")
+        optimizer.zero_grad(set_to_none=True)
+    cats = cats_fb if fb >= opt else cats_opt
+    if ddp_buckets:
+        cats["DDP gradient buckets"] = ddp_buckets
+    return Phases(fb + ddp_buckets, opt + ddp_buckets, cats, snapshots)
+
+
+def _stage_passes(built: _Built, tracker: Any, micro: int, seq: int, snapshots: dict[str, Any]) -> None:
+    """A pipeline stage's forwards of its micro-batches in flight, then their backwards, as a schedule runs them.
+
+    The first stage takes token ids, the others the previous stage's hidden states (with a gradient
+    to send back); the last computes the loss, the others receive their output's gradient.
+    """
+    import torch
+
+    from rigpilot.engine.accuracy.cuda_autocast import CudaAutocastOnCpu, CudaDropoutOnCpu
+    from rigpilot.engine.workers.parallelize import set_gradient_sync
+    from rigpilot.engine.workers.train import token_loss
+
+    stage, wrapped, precision = built.stage, built.wrapped, built.precision
+    hidden_size = int(stage.parts.config.hidden_size)
+    hidden_dtype = precision.compute if precision.fsdp_params else torch.float32
+    pending = []
+    for _ in range(built.in_flight):
+        if stage.is_first:
+            x = torch.randint(built.vocab, (micro, seq))
+        else:
+            x = torch.empty((micro, seq, hidden_size), dtype=hidden_dtype, requires_grad=True)
+        autocast = CudaAutocastOnCpu() if precision.autocast else contextlib.nullcontext()
+        with precision.autocast_context(), autocast, CudaDropoutOnCpu():
+            out = wrapped(x)
+        if stage.is_last:
+            out = token_loss(out, torch.randint(built.vocab, (micro, seq)))
+        pending.append((x, out))
+    snapshots["after_forward"] = _categories(tracker, "current")
+    for i, (x, out) in enumerate(pending):
+        with set_gradient_sync(wrapped, i == len(pending) - 1):
+            if stage.is_last:
+                out.backward()
+            else:
+                out.backward(torch.empty_like(out))
+        pending[i] = (None, None)
+        del x, out
+
+
+def _tracker(module: Any, optimizer: Any, fsdp: bool, in_flight: int = 1) -> Any:
+    # With micro-batches in flight the FSDP tracker's per-module records refuse a second forward; the
+    # plain tracker counts the same storages (it follows FSDP2's resize_ of unsharded parameters too).
+    if fsdp and in_flight == 1:
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+        return FSDPMemTracker(module, optimizer)
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    if in_flight > 1:
+        MemTracker = _tolerant(MemTracker)
+
+    class Tracker(MemTracker):
+        # MemTracker hooks every parameter's gradient, and a frozen one (LoRA's base) refuses hooks:
+        # mark those as hooked already, with handles that remove nothing.
+        def _track_module_params_and_buffers(self, module: Any, install_grad_hooks: bool = True) -> Any:
+            for param in module.parameters():
+                if not param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
+                    self._param_to_grad_hook_handles[param] = (_NoHook(), _NoHook())
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+    tracker = Tracker()
+    tracker.track_external(module, optimizer)
+    return tracker
+
+
+def _tolerant(base: type) -> type:
+    """A tracker that lets a module run forward again before its backward (a pipeline's micro-batches).
+
+    The trackers' per-module records take one pass at a time and refuse a second; the bytes of
+    every tensor are followed below the modules (`_GpuPeak`), so those records may just lapse.
+    """
+
+    def tolerant(name: str) -> Any:
+        hook = getattr(base, name)
+
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return hook(self, *args, **kwargs)
+            except (NotImplementedError, KeyError):
+                return None
+
+        return call
+
+    hooks = ("_pre_fw_hook", "_post_fw_hook", "_pre_bw_hook", "_post_bw_hook")
+    return type(f"Tolerant{base.__name__}", (base,), {name: tolerant(name) for name in hooks})
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+# Under CPU offload these live in host memory: the GPU holds the rest.
+HOST_CATEGORIES = frozenset({"Sharded Param", "Sharded Grad", "OptState"})
+
+
+class _GpuPeak:
+    """The largest sum of the tracker's categories, host-resident ones left out, over every update.
+
+    The trackers' own peak counts every device's tensors; under CPU offload the trace's one device
+    holds both, so the GPU's peak is followed here, at each of the tracker's snapshot updates.
+    """
+
+    def __init__(self, tracker: Any, host: frozenset[str]) -> None:
+        self.tracker, self.host, self.peak = tracker, host, 0
+        self.at_peak: dict[str, int] = {}
+        original = tracker._update_snap
+
+        def update(*args: Any, **kwargs: Any) -> None:
+            original(*args, **kwargs)
+            self._observe()
+
+        tracker._update_snap = update
+
+    def _observe(self) -> None:
+        total = 0
+        for snap in self.tracker._curr_mem_snap.values():
+            for key, value in snap.items():
+                name = str(getattr(key, "value", key))
+                if name != "Total" and name not in self.host:
+                    total += value
+        if total > self.peak:
+            self.peak = total
+            self.at_peak = _categories(self.tracker, "current")
+
+    def take(self) -> int:
+        """The peak since the last take; the next one starts from the current bytes."""
+        peak, self.peak = self.peak, 0
+        self._observe()
+        return peak
+
+
+def _categories(tracker: Any, which: str = "peak") -> dict[str, int]:
+    out: dict[str, int] = {}
+    for snap in tracker.get_tracker_snapshot(which).values():
+        for k, v in snap.items():
+            if k != "Total":
+                out[str(getattr(k, "value", k))] = out.get(str(getattr(k, "value", k)), 0) + int(v)
+    return out
+
+
+# --- the subprocess -------------------------------------------------------------------------------
+
+
+def main() -> int:
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints must not corrupt the answer
+    try:
+        request = json.loads(sys.stdin.read())
+        if not isinstance(request, dict) or not isinstance(request.get("plan"), dict):
+            raise NotTraced('the tracer takes {"plan": Plan.to_dict(), ...} on stdin')
+        _quiet()
+        answer = trace_plan(request["plan"], bool(request.get("trust_remote_code", False)))
+    except NotTraced as e:
+        answer = {"ok": False, "reason": str(e)}
+    except Exception as e:
+        import traceback
+
+        traceback.print_exc()
+        answer = {"ok": False, "reason": _one_line(e)}
+    out.write(json.dumps(answer) + "\n")
+    out.flush()
+    return 0
+
+
+def _one_line(e: Exception) -> str:
+    from rigpilot.engine.errors import UserError
+
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    if isinstance(e, UserError):
+        return text
+    return f"the trace failed: {type(e).__name__}" + (f": {text[:200]}" if text else "")
+
+
+def _quiet() -> None:
+    warnings.filterwarnings("ignore")
+    with contextlib.suppress(ImportError):
+        from transformers.utils import logging
+
+        logging.set_verbosity_error()
+        logging.disable_progress_bar()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
