@@ -113,6 +113,13 @@ def _discover(args: argparse.Namespace):
     return open_backend(simulate=getattr(args, "simulate", None), import_paths=getattr(args, "import_paths", None))
 
 
+def _stored_calibration() -> dict[str, Any] | None:
+    """The engine's latest calibration of this machine (what a finished `rigpilot run calibrate` left)."""
+    from rigpilot.engine.service import calibration_store, paths
+
+    return calibration_store.stored(paths.calibration_path())
+
+
 def _notes(notes: list[str]) -> None:
     for n in notes:
         print(f"note: {n}", file=sys.stderr)
@@ -407,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     args.machine_factory = lambda: _discover(args).machine
+    if not (getattr(args, "simulate", None) or getattr(args, "import_paths", None)):
+        args.stored_calibration = _stored_calibration
     try:
         return func(args)
     except UserError as e:

@@ -218,3 +218,29 @@ def test_the_planner_page_says_whether_and_when_the_machine_was_calibrated(qtbot
         page.plan_button.click()
     assert page.calibration.text() == says and page.calibration.isVisible()
     assert says in page.explanation.toPlainText()
+
+
+def test_plan_on_the_engines_machine_reads_the_engines_stored_calibration(capsys, tmp_path, monkeypatch):
+    from rigpilot.engine.service import paths
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    base = ["--model", "llama-2-7b", "--task", "train", "--json"]
+    rc, out, _ = plan(capsys, *base)
+    assert rc == 0 and json.loads(out)["calibration"]["state"] == "none"
+
+    # What a finished calibrate job on the (simulated) machine leaves for the engine's planner.
+    simulated = h100_calibration(simulated=True, device_type="cpu", backend="gloo")
+    paths.calibration_path().write_text(json.dumps(simulated))
+    rc, out, _ = plan(capsys, *base)
+    cal = json.loads(out)["calibration"]
+    assert rc == 0 and cal["state"] == "simulated" and cal["measured_at"] == "2026-11-23T20:15:00Z"
+
+    # A machine the user names is not the engine's: its calibration is not read for it.
+    rc, out, _ = plan(capsys, *base, "--simulate", "8x-h100-sxm")
+    assert rc == 0 and json.loads(out)["calibration"]["state"] == "none"
+
+    paths.calibration_path().write_text("{not json")
+    rc, out, _ = plan(capsys, *base)
+    cal = json.loads(out)["calibration"]
+    assert rc == 0 and cal["state"] == "unreadable" and cal["line"].endswith("calibrate again.")

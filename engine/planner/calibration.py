@@ -217,6 +217,19 @@ def apply(
     return cal.numbers(dtype), CalibrationStatus("applied", line, cal.measured_at)
 
 
+def apply_stored(raw: dict[str, Any] | None, machine: Machine, dtype: str) -> tuple[Calibration | None, CalibrationStatus]:
+    """`apply` for the engine's stored calibration (JSON as kept): one that cannot be read is said and left out."""
+    if raw is None:
+        return apply(None, machine, dtype)
+    try:
+        if "unreadable" in raw and "schema" not in raw:
+            raise UserError(str(raw["unreadable"]))
+        cal = MachineCalibration.from_dict(raw, "the engine's stored calibration")
+    except UserError as e:
+        return None, CalibrationStatus("unreadable", f"Calibration not applied: {e}; calibrate again.")
+    return apply(cal, machine, dtype, strict=False)
+
+
 def now_iso() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from rigpilot.engine.errors import UserError
-from rigpilot.engine.planner.calibration import CalibrationStatus, MachineCalibration
+from rigpilot.engine.planner.calibration import CalibrationStatus, MachineCalibration, apply_stored
 from rigpilot.engine.planner.calibration import apply as apply_calibration
 from rigpilot.engine.planner.export import EXPORTS, export_best
 from rigpilot.engine.planner.memory import fmt_gib
@@ -147,7 +147,12 @@ def run_plan(args: argparse.Namespace) -> int:
     workload = workload_from_args(args, spec.max_position_embeddings)
     if args.export == "slurm" and args.nodes < 1:
         raise UserError("--nodes must be at least 1")
-    numbers, calibrated = apply_calibration(_calibration(args.calibration), machine, workload.precision)
+    stored = getattr(args, "stored_calibration", None)
+    if args.calibration is None and stored is not None:
+        # The machine the engine runs on: its latest calibration counts here as in the engine's planner.
+        numbers, calibrated = apply_stored(stored(), machine, workload.precision)
+    else:
+        numbers, calibrated = apply_calibration(_calibration(args.calibration), machine, workload.precision)
     # One search, with or without --export: the export translates the plan `plan` shows into the tool's terms.
     options = SearchOptions(force_tp=args.force_tp)
     result = search(spec, machine, workload, gpus=parse_gpus(args.gpus), calibration=numbers, options=options)

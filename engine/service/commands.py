@@ -390,7 +390,7 @@ def _report_end(job: dict[str, Any]) -> int:
             # The engine keeps it for its own planner; `rigpilot plan` reads it when named.
             where = Path(job["job_dir"]) / "output" / "calibration.json"
             print(f"calibration written to {where}")
-            print("the engine's planner reads it from now on; `rigpilot plan --calibration FILE` reads it too")
+            print("the engine's planner and `rigpilot plan` use it from now on")
         return 0
     print(f"job {job['id']} {job['state']}: {printable(job.get('exit_reason') or 'no reason recorded')}")
     if job.get("last_log"):

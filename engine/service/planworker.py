@@ -39,6 +39,7 @@ def plan(machine: Any, model: str, workload: dict[str, Any] | None = None, gpus:
          calibration: dict[str, Any] | None = None, verify: bool = True) -> dict[str, Any]:  # fmt: skip
     """One search. `calibration`: the machine's stored calibration file (the service's, never a client's)."""
     from rigpilot.engine.models import describe_model
+    from rigpilot.engine.planner.calibration import apply_stored
     from rigpilot.engine.planner.plan import PRECISIONS, LoraSettings, Workload
     from rigpilot.engine.planner.search import SearchOptions, search
 
@@ -53,7 +54,7 @@ def plan(machine: Any, model: str, workload: dict[str, Any] | None = None, gpus:
     except OSError as e:
         raise UserError(f"cannot read the model {_short(model)}: {e.strerror or e}") from None
     w = Workload(model=model, **work)
-    numbers, status = _calibration(calibration, machine, w.precision if w.precision in PRECISIONS else "bf16")
+    numbers, status = apply_stored(calibration, machine, w.precision if w.precision in PRECISIONS else "bf16")
     result = search(spec, machine, w, gpus=gpus, calibration=numbers, options=SearchOptions(**(options or {})))
     result.explanation.append(status.line)
     if verify and result.best is not None:
@@ -63,21 +64,6 @@ def plan(machine: Any, model: str, workload: dict[str, Any] | None = None, gpus:
             # Within the service's deadline for a plan: past the budget the rest stay "not verified".
             verification.verify(result, trust_remote_code=trust_remote_code, budget_s=verification.VERIFY_BUDGET_S)
     return {"result": {**result.to_dict(), "calibration": status.to_dict()}}
-
-
-def _calibration(raw: dict[str, Any] | None, machine: Any, dtype: str) -> tuple[Any, Any]:
-    """The stored calibration as the search uses it; one that cannot be read is said and left out, never fatal."""
-    from rigpilot.engine.planner.calibration import CalibrationStatus, MachineCalibration, apply
-
-    if raw is None:
-        return apply(None, machine, dtype)
-    try:
-        if "unreadable" in raw and "schema" not in raw:
-            raise UserError(str(raw["unreadable"]))
-        cal = MachineCalibration.from_dict(raw, "the engine's stored calibration")
-    except UserError as e:
-        return None, CalibrationStatus("unreadable", f"Calibration not applied: {e}; calibrate again.")
-    return apply(cal, machine, dtype, strict=False)
 
 
 def _short(text: str, n: int = 80) -> str:
