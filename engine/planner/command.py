@@ -155,13 +155,15 @@ def run_plan(args: argparse.Namespace) -> int:
         numbers, calibrated = apply_calibration(_calibration(args.calibration), machine, workload.precision)
     # One search, with or without --export: the export translates the plan `plan` shows into the tool's terms.
     options = SearchOptions(force_tp=args.force_tp)
-    result = search(spec, machine, workload, gpus=parse_gpus(args.gpus), calibration=numbers, options=options)
-    note_calibration(result, calibrated)
-    if not getattr(args, "no_verify", False) and result.best is not None:
+    verifier = None
+    if not getattr(args, "no_verify", False):
         from rigpilot.engine.planner import verify
 
-        if verify.enabled():
-            verify.verify(result)
+        verifier = verify.check if verify.enabled() else None
+    result = search(
+        spec, machine, workload, gpus=parse_gpus(args.gpus), calibration=numbers, options=options, verifier=verifier
+    )
+    note_calibration(result, calibrated)
     artifact, exported, instead = None, None, None
     if args.export and result.best is not None:
         plans = [result.best, *result.runners_up]

@@ -162,8 +162,13 @@ def search(
     gpus: list[int] | None = None,
     calibration: Calibration | None = None,
     options: SearchOptions | None = None,
+    verifier: Callable[[SearchResult], list[str]] | None = None,
 ) -> SearchResult:
-    """Find the best plan that fits (`rank`), with runners-up, rejected families and (if needed) suggestions."""
+    """Find the best plan that fits (`rank`), with runners-up, rejected families and (if needed) suggestions.
+
+    `verifier` (verify.check) checks the top plans once they are ranked and may change which is best,
+    before the explanation is written, so that the explanation is of the plan recommended.
+    """
     start = time.perf_counter()
     opts = options or SearchOptions()
     if opts.export is not None and opts.export not in EXPORT_TARGETS:
@@ -223,8 +228,9 @@ def search(
         elapsed_s=0.0,
         notes=notes,
     )
-    result.explanation = explain(result, cands, topo, m, speed.timing)
-    result.elapsed_s = time.perf_counter() - start
+    result.elapsed_s = time.perf_counter() - start  # the search alone, not its verification
+    checked = verifier(result) if verifier is not None and best is not None else []
+    result.explanation = explain(result, cands, topo, m, speed.timing) + checked
     return result
 
 

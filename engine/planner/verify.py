@@ -108,14 +108,14 @@ def apply_trace(plan: Plan, answer: dict[str, Any]) -> str | None:
     )
 
 
-def verify(
+def check(
     result: SearchResult, *, top: int = VERIFY_TOP, trust_remote_code: bool = False,
     timeout_s: float = TRACE_TIMEOUT_S, budget_s: float | None = None,
-) -> SearchResult:  # fmt: skip
+) -> list[str]:  # fmt: skip
     """Trace the top `top` plans of `result` in place; a best plan the trace shows does not fit gives way.
 
     `budget_s` bounds the whole verification: plans left when it runs out stay "not verified".
-    Returns `result`, whose explanation gains a line per disagreement.
+    Returns the explanation's lines about it (`search` runs this before it explains the best plan).
     """
     plans = ([result.best] if result.best else []) + result.runners_up
     started = time.perf_counter()
@@ -136,16 +136,22 @@ def verify(
         if fitting:
             new_best = fitting[0]
             lines.append(
-                f"the traced step of {result.best.parallelism.family} does not fit: "
-                f"{new_best.parallelism.family} ({new_best.parallelism.describe()}) is recommended instead"
+                f"The traced step of {result.best.parallelism.family} ({result.best.parallelism.describe()}) "
+                f"needs {fmt_gib(result.best.peak_memory.traced or 0)} per GPU and does not fit: "
+                f"{new_best.parallelism.family} is recommended instead."
             )
             result.runners_up = [p for p in plans if p is not new_best]
             result.best = new_best
         else:
             lines.append("the traced step of the best plan does not fit its GPUs: the formula under-counts it")
-    result.explanation = result.explanation + lines
     seconds = time.perf_counter() - started
     result.notes = [*result.notes, f"memory traced for {min(top, len(plans))} plan(s) in {seconds:.1f} s"]
+    return lines
+
+
+def verify(result: SearchResult, **kwargs: Any) -> SearchResult:
+    """`check` on a result already explained: its lines go at the end of the explanation."""
+    result.explanation = result.explanation + check(result, **kwargs)
     return result
 
 

@@ -15,6 +15,7 @@ or `{"bug": traceback}`; only JSON flows back to the service.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -55,14 +56,18 @@ def plan(machine: Any, model: str, workload: dict[str, Any] | None = None, gpus:
         raise UserError(f"cannot read the model {_short(model)}: {e.strerror or e}") from None
     w = Workload(model=model, **work)
     numbers, status = apply_stored(calibration, machine, w.precision if w.precision in PRECISIONS else "bf16")
-    result = search(spec, machine, w, gpus=gpus, calibration=numbers, options=SearchOptions(**(options or {})))
-    result.explanation.append(status.line)
-    if verify and result.best is not None:
+    verifier = None
+    if verify:
         from rigpilot.engine.planner import verify as verification
 
         if verification.enabled():
             # Within the service's deadline for a plan: past the budget the rest stay "not verified".
-            verification.verify(result, trust_remote_code=trust_remote_code, budget_s=verification.VERIFY_BUDGET_S)
+            verifier = functools.partial(
+                verification.check, trust_remote_code=trust_remote_code, budget_s=verification.VERIFY_BUDGET_S
+            )
+    options_ = SearchOptions(**(options or {}))
+    result = search(spec, machine, w, gpus=gpus, calibration=numbers, options=options_, verifier=verifier)
+    result.explanation.append(status.line)
     return {"result": {**result.to_dict(), "calibration": status.to_dict()}}
 
 
