@@ -167,7 +167,8 @@ def _tp_decode_case(model_type: str) -> str | None:
         out, positions = [], torch.arange(SEQ).expand(BATCH, SEQ)
         with torch.no_grad():
             for _ in range(3):  # a prefill, then one token at a time against the cache
-                logits = step(model, ids, torch.ones(BATCH, int(positions[0, -1]) + 1, dtype=torch.long), positions, cache)
+                mask = torch.ones(BATCH, int(positions[0, -1]) + 1, dtype=torch.long)
+                logits = step(model, ids, mask, positions, cache)
                 out.append(logits)
                 ids, positions = logits.argmax(-1)[:, None], positions[:, -1:] + 1
         return out
