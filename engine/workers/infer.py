@@ -93,7 +93,7 @@ def next_token_logits(
 @functools.cache
 def _keep_last(cls: type) -> dict[str, int]:
     params = inspect.signature(cls.forward).parameters
-    for name in ("logits_to_keep", "num_logits_to_keep"):  # the second: transformers before 4.50
+    for name in ("logits_to_keep", "num_logits_to_keep"):  # the second: its older name, in older transformers
         if name in params:
             return {name: 1}
     return {}
