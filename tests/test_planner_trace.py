@@ -125,6 +125,32 @@ def test_a_pipeline_plan_is_traced_stage_by_stage(tiny):
         assert m.traced == answer["stages"][str(m.stage)] + m.overhead
 
 
+@pytest.mark.slow
+def test_an_inference_plans_traced_prefill_agrees_with_the_formula(tmp_path, caplog):
+    """The prefill's head runs on the last position only, as the formula counts it, on one rank and under TP.
+
+    A 32k vocabulary on a tiny model: logits for every prompt position would be 4-7 times the formula's
+    tensor bytes, so a prefill that computed them could not pass.
+    """
+    folder = tmp_path / "tiny-llama-32k"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**TINY_LLAMA, "vocab_size": 32000, "max_position_embeddings": 1024}))
+    w = Workload(model=str(folder), task="infer", seq_len=512, global_batch=8, new_tokens=16)
+    result = search(describe_model(str(folder)), load_profile("8x-h100-sxm"), w,
+                    options=SearchOptions(suggest=False, force_tp=True))  # fmt: skip
+    plans = [result.best, next(p for p in result.runners_up if p.parallelism.tp == 2 and p.parallelism.pp == 1)]
+    assert result.best.parallelism.tp == 1 and result.best.parallelism.pp == 1
+    for plan in plans:
+        m = plan.peak_memory
+        tensors = m.total - m.overhead
+        answer = verify.trace(plan)
+        assert answer["ok"], answer
+        assert abs(answer["phases"]["prefill"] - tensors) <= 0.05 * tensors, (plan.parallelism.describe(), answer)
+        with caplog.at_level(logging.WARNING, logger="rigpilot.engine.planner.verify"):
+            assert verify.apply_trace(plan, answer) is None
+    assert not [r for r in caplog.records if "planner defect" in r.getMessage()]
+
+
 def _tracer(plan: dict) -> dict:
     done = subprocess.run(
         [sys.executable, "-m", "rigpilot.engine.workers.memtrace"], input=json.dumps({"plan": plan}),

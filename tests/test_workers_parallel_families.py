@@ -158,23 +158,29 @@ def _tp_decode_case(model_type: str) -> str | None:
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import DynamicCache
 
+    from rigpilot.engine.workers.infer import next_token_logits
     from rigpilot.engine.workers.parallelize import apply_tensor_parallel
 
-    def decode(model: torch.nn.Module) -> list[torch.Tensor]:
+    def decode(model: torch.nn.Module, step: Any) -> list[torch.Tensor]:
         ids, _ = batch(seed=2)
         cache = DynamicCache(config=model.config)
         out, positions = [], torch.arange(SEQ).expand(BATCH, SEQ)
         with torch.no_grad():
             for _ in range(3):  # a prefill, then one token at a time against the cache
-                logits = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True).logits
-                out.append(logits[:, -1].float())
-                ids, positions = logits[:, -1:].argmax(-1), positions[:, -1:] + 1
+                mask = torch.ones(BATCH, int(positions[0, -1]) + 1, dtype=torch.long)
+                logits = step(model, ids, mask, positions, cache)
+                out.append(logits)
+                ids, positions = logits.argmax(-1)[:, None], positions[:, -1:] + 1
         return out
 
-    expected = decode(build(model_type, False).eval())
+    def whole_head(model: torch.nn.Module, ids: Any, mask: Any, positions: Any, cache: Any) -> torch.Tensor:
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+        return out.logits[:, -1].float()
+
+    expected = decode(build(model_type, False).eval(), whole_head)
     model = build(model_type, False).eval()
     apply_tensor_parallel(model, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))["tp"])
-    got = decode(model)
+    got = decode(model, next_token_logits)  # the worker's own step: the head on the last position only
     worst = max(float((g - e).abs().max()) for g, e in zip(got, expected, strict=True))
     return None if worst < 1e-4 else f"decoded logits off by {worst:.3g}"
 
@@ -284,7 +290,11 @@ def test_pipeline_stages_compute_the_unsplit_logits(model_type: str, lora: bool)
         expected = model(input_ids=inputs, use_cache=False).logits
         stages = [DecoderStage(decoder_parts(copy.deepcopy(model), "pp"), i, 2) for i in range(2)]
         got = stages[1](stages[0](inputs))
+        # Inference's prefill: the last stage's head on the last position only (Gemma 2's soft-cap included).
+        last = stages[1](stages[0](inputs), logits_to_keep=1)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert last.shape == (BATCH, 1, expected.shape[-1])
+    torch.testing.assert_close(last, expected[:, -1:], rtol=1e-5, atol=1e-5)
     names = [n for s in stages for n, _ in s.named_parameters()]
     untied = [n for n in names if n.endswith("lm_head.weight")] if model.config.tie_word_embeddings else []
     assert sorted(set(names) - set(untied)) == sorted(n for n, _ in model.named_parameters())

@@ -356,6 +356,42 @@ def test_sampling_is_seeded_and_greedy_is_argmax() -> None:
     assert torch.equal(select_tokens(logits, 1.0, 1e-6, g), logits.argmax(-1))
 
 
+def test_prefill_computes_the_last_positions_logits_only_and_generates_as_transformers(
+    tiny_llama: torch.nn.Module,
+) -> None:
+    """One rank's Generator: the head sees (batch, 1, hidden) at every step, and greedy text equals generate()'s."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from rigpilot.engine.jobs.spec import InferSettings
+    from rigpilot.engine.workers.infer import Generator
+
+    tok = AutoTokenizer.from_pretrained(TINY_LLAMA)
+    tok.padding_side = "left"
+    one = SimpleNamespace(mesh=torch.tensor([0]))
+    runtime = SimpleNamespace(
+        dims=ParallelDims(1, 1, 1, 1, 1), mesh={"pp": one, "tp": one}, pp_rank=0, device=torch.device("cpu")
+    )
+    settings = InferSettings(max_new_tokens=6, batch_size=3, precision="fp32")
+    gen = Generator(runtime, tiny_llama, tok, tiny_llama.config, settings, torch.float32)  # type: ignore[arg-type]
+    prompts = ["Shall I compare thee", "O", "Now is the winter of our discontent"]
+    heads: list[tuple[int, ...]] = []
+    hook = tiny_llama.lm_head.register_forward_hook(lambda m, i, o: heads.append(tuple(o.shape)))
+    try:
+        tokens = gen.generate(prompts).tokens
+    finally:
+        hook.remove()
+    vocab = tiny_llama.config.vocab_size
+    assert heads and all(shape == (3, 1, vocab) for shape in heads), heads  # the prefill's included
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        ref = tiny_llama.generate(**enc, max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)
+    expected = [r[: r.index(tok.eos_token_id) + 1] if tok.eos_token_id in r else r
+                for r in ref[:, enc["input_ids"].shape[1] :].tolist()]  # fmt: skip
+    assert tokens == expected
+
+
 # --- the entry point's error contract -------------------------------------------------------------
 
 

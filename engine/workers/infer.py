@@ -13,6 +13,8 @@ model's token for token.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import time
 from dataclasses import dataclass
@@ -71,6 +73,32 @@ def select_tokens(logits: torch.Tensor, temperature: float, top_p: float, genera
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def next_token_logits(
+    model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any
+) -> torch.Tensor:
+    """One forward of a whole causal LM (or its TP shard) against `cache`: each row's next-token logits, fp32.
+
+    The head runs on the last position only (transformers' `logits_to_keep`, as its generate() does):
+    over every prompt position a prefill would hold batch × prompt × vocab logits, on a 128k vocabulary
+    more than all of a layer's activations. A model whose forward lacks the argument (some remote
+    code) gets the whole head: whatever it does after the head (scaling, soft-capping) stays its own.
+    """
+    out = model(
+        input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
+        **_keep_last(type(model)),
+    )  # fmt: skip
+    return out.logits[:, -1, :].float()
+
+
+@functools.cache
+def _keep_last(cls: type) -> dict[str, int]:
+    params = inspect.signature(cls.forward).parameters
+    for name in ("logits_to_keep", "num_logits_to_keep"):  # the second: its older name, in older transformers
+        if name in params:
+            return {name: 1}
+    return {}
+
+
 @dataclass
 class BatchResult:
     tokens: list[list[int]]
@@ -112,20 +140,18 @@ class Generator:
         self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any
     ) -> torch.Tensor | None:
         if self.pp == 1:
-            out = self.model(
-                input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
-            )
-            return out.logits[:, -1, :].float()
+            return next_token_logits(self.model, ids, mask, positions, cache)
         if self.prev is None:
             x = ids
         else:
             x = torch.empty((*ids.shape, self.config.hidden_size), dtype=self.dtype, device=self.rt.device)
             dist.recv(x, src=self.prev)
-        out = self.model(x, attention_mask=mask, position_ids=positions, past_key_values=cache)
         if self.next is not None:
-            dist.send(out.contiguous(), dst=self.next)
+            hidden = self.model(x, attention_mask=mask, position_ids=positions, past_key_values=cache)
+            dist.send(hidden.contiguous(), dst=self.next)
             return None
-        return out[:, -1, :].float()
+        logits = self.model(x, attention_mask=mask, position_ids=positions, past_key_values=cache, logits_to_keep=1)
+        return logits[:, -1, :].float()
 
     def _choose(self, logits: torch.Tensor | None, batch: int) -> torch.Tensor:
         """The next token of every row, identical on every rank of the replica."""

@@ -20,8 +20,9 @@ What it does not see: the CUDA context, NCCL and the allocator's reserve
 (the plan's `overhead`, added back by the caller), and collectives' own
 buffers. Under FSDP2's CPU offload the host-resident shards, gradients and
 optimizer state are left out of the GPU's peak. Inference plans are traced as
-`infer.Generator` runs them: the prefill of the prompt (with its logits), then
-the last decode step with the KV cache at its final length. Pipeline plans,
+`infer.Generator` runs them, through its own `next_token_logits`: the prefill
+of the prompt (the head on its last position only), then the last decode step
+with the KV cache at its final length. Pipeline plans,
 quantised inference and QLoRA are refused with a reason. No GPU, no weights
 (config.json only), no network when offline.
 
@@ -479,6 +480,8 @@ def _generation(built: _Built, workload: dict[str, Any], par: dict[str, Any]) ->
     import torch
     from transformers import DynamicCache
 
+    from rigpilot.engine.workers.infer import next_token_logits
+
     model = built.model
     batch = math.ceil(int(workload.get("global_batch", 1)) / max(int(par.get("dp", 1)), 1))
     new_tokens = max(int(workload.get("new_tokens", 0)), 1)
@@ -492,9 +495,7 @@ def _generation(built: _Built, workload: dict[str, Any], par: dict[str, Any]) ->
         mask = torch.ones_like(ids)
         positions = torch.arange(prompt).expand(batch, prompt)
         cache = DynamicCache(config=model.config)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
-        logits = out.logits[:, -1, :].float()
-        del out
+        logits = next_token_logits(model, ids, mask, positions, cache)
         snapshots["after_prefill"] = _categories(tracker, "current")
         prefill = gpu.take()
         for layer in getattr(cache, "layers", []):
@@ -509,10 +510,7 @@ def _generation(built: _Built, workload: dict[str, Any], par: dict[str, Any]) ->
         tracker.reset_mod_stats()  # the trackers' per-module records take one call at a time
         token = torch.randint(built.vocab, (batch, 1))
         mask = torch.ones((batch, final), dtype=torch.long)
-        out = model(input_ids=token, attention_mask=mask, position_ids=torch.full((batch, 1), final - 1),
-                    past_key_values=cache, use_cache=True)  # fmt: skip
-        logits = out.logits[:, -1, :].float()
-        del out
+        logits = next_token_logits(model, token, mask, torch.full((batch, 1), final - 1), cache)
         snapshots["after_last_decode"] = _categories(tracker, "current")
         decode = gpu.take()
         del logits

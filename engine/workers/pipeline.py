@@ -120,7 +120,9 @@ class DecoderStage(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         past_key_values: Any = None,
+        logits_to_keep: int = 0,
     ) -> torch.Tensor:
+        """`logits_to_keep` (last stage): the head on the last n positions only, as transformers' argument; 0: all."""
         inner, config = self.parts.inner, self.parts.config
         hidden = inner.embed_tokens(x) if self.is_first else x
         if position_ids is None:  # training on packed blocks: positions 0..S-1, no padding
@@ -140,6 +142,8 @@ class DecoderStage(nn.Module):
             )
         if not self.is_last:
             return hidden
+        if logits_to_keep:  # the norm is per position: normalising the kept ones alone gives the same values
+            hidden = hidden[:, -logits_to_keep:, :]
         logits = self.parts.causal_lm.lm_head(inner.norm(hidden))
         cap = getattr(config, "final_logit_softcapping", None)
         if cap:  # Gemma 2 bounds its logits in the causal-LM wrapper, outside the decoder
