@@ -780,9 +780,10 @@ class MemoryModel:
             # Eager attention materialises the layer's scores: fp32 softmax output and its compute-dtype cast.
             act += prompt * w.prompt_tokens * m.spec.num_heads / t * (4 + c)
         if stage == par.pp - 1 and m.is_decoder:
-            # generate() keeps only the last position's logits, in fp32; inference keeps the head whole on
-            # every TP rank (apply_tensor_parallel without vocab_parallel), so each holds all of them.
-            act += batch * m.vocab * 4.0
+            # The worker keeps only the last position's logits: the head's output in the compute dtype is
+            # alive while its fp32 copy is made. Inference keeps the head whole on every TP rank
+            # (apply_tensor_parallel without vocab_parallel), so each holds all of them.
+            act += batch * m.vocab * (4.0 + c)
         buffers = 0.0
         if bits != 16:
             buffers = max((u.lin.in_features * u.lin.out_features for u in m.linears()), default=0) / t * c
