@@ -114,3 +114,30 @@ def test_a_bf16_lora_job_holds_a_bf16_base_and_trains_what_the_peft_loop_trains(
     # The worker evaluates in micro-batches, the reference in one batch: bf16 sums in another order.
     (evaluation,) = [r for r in records(job) if r.get("kind") == "eval"]
     assert evaluation["eval_loss"] == pytest.approx(ref["eval_loss"], abs=1e-3)
+
+
+def logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=torch.arange(3, 3 + 24).reshape(2, 12)).logits.float()
+
+
+def test_bf16_lora_and_qlora_under_fsdp_keep_their_dtypes_and_export_what_peft_loads(tmp_path: Path) -> None:
+    # FSDP2 units mixing a bf16 frozen base with fp32 adapters (and QLoRA's NF4 linears with bf16 norms).
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = save_random_llama(tmp_path / "base-llama", initializer_range=0.1)
+    untrained = logits(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval())
+    for method, frozen in (("lora", "bfloat16"), ("qlora", "bfloat16/nf4")):
+        train = {**RECIPE, "method": method, "micro_batch": 2, "save_merged": method == "lora"}
+        job = write_job(tmp_path / method, kind="train", model=str(base), parallelism={"dp_shard": 2}, train=train)
+        run_job(job, 2)
+        assert f"LoRA: the frozen base weights are {frozen}, the trainable adapters float32" in notes_of(job)
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        adapted = logits(PeftModel.from_pretrained(model, job / "output").eval())
+        assert not torch.allclose(adapted, untrained, atol=1e-3), method  # the adapter learned something
+        if method == "lora":
+            # Merged into the base as saved (fp32 here), not into the bf16 copy the job trained against.
+            merged = AutoModelForCausalLM.from_pretrained(job / "output" / "merged", dtype=torch.float32).eval()
+            assert merged.dtype == torch.float32
+            assert torch.allclose(logits(merged), adapted, atol=1e-4), float((logits(merged) - adapted).abs().max())
