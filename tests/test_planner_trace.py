@@ -338,3 +338,28 @@ def test_two_and_four_blocks_scale_to_the_whole_model(tmp_path):
     scaled = memtrace._extrapolate(low, high, memtrace.SCALE_FROM, 8)
     assert abs(scaled.peak - whole.peak) <= 0.03 * whole.peak
     assert abs(scaled.optimizer - whole.optimizer) <= 0.03 * whole.optimizer
+
+
+# Big enough that the weights, not the framework's fixed buffers, make the peak; fake tensors cost nothing.
+LORA_LLAMA = {**TINY_LLAMA, "hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 16,
+              "num_key_value_heads": 4, "vocab_size": 32000, "max_position_embeddings": 4096}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_bf16_lora_plan_traces_as_the_formula_predicts(tmp_path):
+    # The worker holds LoRA's frozen base in bf16, as the formula assumes: an fp32 base traced 20% above it.
+    from rigpilot.engine.planner.plan import LoraSettings
+
+    folder = tmp_path / "lora-llama"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(LORA_LLAMA))
+    w = Workload(model=str(folder), task="train", method="lora", precision="bf16", seq_len=2048, global_batch=8,
+                 lora=LoraSettings(rank=8, alpha=16))  # fmt: skip
+    result = search(describe_model(str(folder)), load_profile("8x-h100-sxm"), w, options=SearchOptions(suggest=False))
+    plan = next(
+        p for p in [result.best, *result.runners_up] if p.parallelism.backend == "ddp" and p.parallelism.pp == 1
+    )
+    answer = verify.trace(plan)
+    assert answer["ok"], answer
+    formula = plan.peak_memory.total - plan.peak_memory.overhead
+    assert abs(answer["peak"] - formula) <= 0.05 * formula, (answer["peak"], formula)

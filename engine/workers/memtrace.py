@@ -369,7 +369,14 @@ def _build(
 ) -> _Built:
     import torch
 
-    from rigpilot.engine.workers.model_loading import LoadedModel, ModelSource, apply_lora, auto_class, detect_objective
+    from rigpilot.engine.workers.model_loading import (
+        LoadedModel,
+        ModelSource,
+        apply_lora,
+        auto_class,
+        detect_objective,
+        training_load_dtype,
+    )
     from rigpilot.engine.workers.parallel_dims import Runtime
     from rigpilot.engine.workers.parallelize import (
         PrecisionPlan,
@@ -385,8 +392,10 @@ def _build(
     if objective != "causal":
         raise NotTraced(f"model type {config.model_type!r} is an encoder: traced verification covers decoders")
     torch.manual_seed(0)
-    # The worker loads fp32 master weights whatever the precision (load_model(dtype=torch.float32)).
-    model = auto_class(objective).from_config(config, trust_remote_code=trust_remote_code, dtype=torch.float32)
+    # As the worker loads it: fp32 master weights, or a LoRA base in the compute dtype (training_load_dtype).
+    compute = precision_dtype(workload.get("precision", "bf16"))
+    load_dtype = training_load_dtype(str(workload.get("method", "full")), compute)
+    model = auto_class(objective).from_config(config, trust_remote_code=trust_remote_code, dtype=load_dtype)
     loaded = LoadedModel(model, None, model.config, objective, ModelSource("", "config", "", False))
     # Two settings of the accuracy harness's own step (trace_compare), never in a plan: a LoRA base in
     # half precision, and transformers' reentrant checkpointing, whose saved tensors the harness can see.
@@ -416,7 +425,6 @@ def _build(
         in_flight = micro_batches if gpipe else min(dims.pp - index, micro_batches)
     runtime = Runtime(mesh.get_rank(), 0, dims.world_size, torch.device("cpu"), "fake", dims, mesh)
     # The plan is for GPUs: the precision the worker picks there (precision_plan with a CUDA device).
-    compute = precision_dtype(workload.get("precision", "bf16"))
     if compute == torch.float32:
         precision = PrecisionPlan(compute, False, False, "cpu")
     else:
@@ -605,7 +613,9 @@ def _stage_passes(built: _Built, tracker: Any, micro: int, seq: int, snapshots: 
 
     stage, wrapped, precision = built.stage, built.wrapped, built.precision
     hidden_size = int(stage.parts.config.hidden_size)
-    hidden_dtype = precision.compute if precision.fsdp_params else torch.float32
+    # Half hidden states where the weights the stage computes with are half: FSDP's policy, or a LoRA base.
+    half = precision.fsdp_params or any(p.dtype == precision.compute for p in stage.parameters())
+    hidden_dtype = precision.compute if half else torch.float32
     pending = []
     for _ in range(built.in_flight):
         if stage.is_first:

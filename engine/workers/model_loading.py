@@ -164,6 +164,17 @@ def config_dtype(config: Any) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
 
 
+def training_load_dtype(method: str, compute: torch.dtype) -> torch.dtype:
+    """The dtype a training job loads its weights in, given the compute dtype of its precision plan.
+
+    Full and scratch training keep fp32 master weights (autocast or FSDP's policy casts them for
+    compute). LoRA and QLoRA load the frozen base in the compute dtype, as peft users do: nothing
+    updates it, so fp32 would only double its memory. The adapters (and modules_to_save) are
+    trainable and stay fp32 (`apply_lora`).
+    """
+    return compute if method in {"lora", "qlora"} else torch.float32
+
+
 def load_model(
     spec: JobSpec, *, dtype: torch.dtype, for_training: bool, seed: int, rank0_loads: bool = False
 ) -> LoadedModel:
@@ -427,6 +438,13 @@ def apply_lora(loaded: LoadedModel, spec: JobSpec) -> None:
         loaded.model = get_peft_model(loaded.model, config)
     except ValueError as e:
         raise UserError(f"LoRA targets {targets}: {str(e).splitlines()[0]}") from e
+    # peft casts its adapters to fp32 over a half base, but modules_to_save are copies of base modules,
+    # in the base's dtype: every trainable parameter needs fp32 for AdamW's updates to land (and FSDP2
+    # wants one dtype for the trainable parameters of a unit).
+    with torch.no_grad():
+        for param in loaded.model.parameters():
+            if param.requires_grad and param.is_floating_point() and param.dtype != torch.float32:
+                param.data = param.data.float()
     loaded.lora = True
 
 

@@ -35,7 +35,8 @@ def precision_dtype(name: str) -> torch.dtype:
 class PrecisionPlan:
     """Where low precision comes from: FSDP's mixed-precision policy on GPUs, autocast otherwise.
 
-    Parameters and optimizer state stay fp32 either way (master weights).
+    Trainable parameters and optimizer state stay fp32 either way (master weights); LoRA's frozen
+    base is held in `compute` itself (model_loading.training_load_dtype).
     """
 
     compute: torch.dtype

@@ -47,7 +47,14 @@ from rigpilot.engine.workers.data import (
     read_dataset,
 )
 from rigpilot.engine.workers.metrics import mfu, peak_memory, status, world_sum_and_any, world_sums
-from rigpilot.engine.workers.model_loading import LoadedModel, count_params, load_model, materialize
+from rigpilot.engine.workers.model_loading import (
+    LoadedModel,
+    count_params,
+    is_nf4,
+    load_model,
+    materialize,
+    training_load_dtype,
+)
 from rigpilot.engine.workers.parallel_dims import Runtime, init_runtime
 from rigpilot.engine.workers.parallelize import (
     PrecisionPlan,
@@ -143,6 +150,20 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group: Any | 
     return total
 
 
+def lora_dtypes_note(model: nn.Module) -> str:
+    """The dtypes the frozen and the trainable parameters are held in, as the log states them."""
+
+    def names(params: list[nn.Parameter]) -> str:
+        # QLoRA's NF4 weights report the dtype they dequantise to; the note counts them apart.
+        kinds = sorted({"nf4" if is_nf4(p) else str(p.dtype).removeprefix("torch.") for p in params})
+        return "/".join(kinds) or "none"
+
+    params = list(model.parameters())
+    frozen = names([p for p in params if not p.requires_grad])
+    trainable = names([p for p in params if p.requires_grad])
+    return f"LoRA: the frozen base weights are {frozen}, the trainable adapters {trainable}"
+
+
 def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed cross-entropy over the labelled tokens (next tokens, or the masked ones for masked-LM).
 
@@ -183,14 +204,18 @@ class Trainer:
         # RIGPILOT_LOAD_ON_EVERY_RANK=1: the old way, for a model class that cannot be built on meta.
         every_rank = os.environ.get("RIGPILOT_LOAD_ON_EVERY_RANK") == "1"
         rank0_loads = self.dims.world_size > 1 and self.dims.pp == 1 and not every_rank
+        # Full training: fp32 master weights. LoRA/QLoRA: the frozen base in the compute dtype, adapters fp32.
+        dtype = training_load_dtype(s.method, self.precision.compute)
         self.loaded: LoadedModel = load_model(
-            self.spec, dtype=torch.float32, for_training=True, seed=s.seed, rank0_loads=rank0_loads
+            self.spec, dtype=dtype, for_training=True, seed=s.seed, rank0_loads=rank0_loads
         )
         counts = count_params(self.loaded.model)
         if self.loaded.nf4_linears:
             self.notes.append(
                 f"QLoRA: the base weights of {self.loaded.nf4_linears} adapted linear layers are 4-bit NF4 (torchao)"
             )
+        if self.loaded.lora:
+            self.notes.append(lora_dtypes_note(self.loaded.model))
         self.flops_per_token = 6.0 * counts["compute"]
         self.log(
             f"model {self.loaded.source.ref}: {counts['total'] / 1e6:.2f}M parameters, "
