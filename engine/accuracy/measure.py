@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from rigpilot.engine.accuracy.cuda_autocast import CudaAutocastOnCpu, CudaDropoutOnCpu
 from rigpilot.engine.accuracy.models import Built, build
@@ -34,7 +35,9 @@ class Case:
     model: str  # a name from engine.accuracy.models.MODEL_NAMES
     precision: str = "fp32"  # "fp32", or "bf16": autocast over fp32 weights (LoRA: a bf16 base, fp32 adapters)
     method: str = "full"  # "full" | "lora"
-    checkpointing: str = "none"  # "none" | "full" (every block keeps only its input)
+    # "none" | "full" (every block keeps only its input) | "selective" (the engine's policy: matmul and
+    # attention outputs kept, the rest recomputed; measured as live storages, see LiveStorageMeter)
+    checkpointing: str = "none"
     micro_batch: int = 2
     seq_len: int = 64
     lora_rank: int = 8
@@ -82,6 +85,41 @@ class SavedTensorMeter:
         return sum(s.nbytes() for s in self._kept.values())
 
 
+class LiveStorageMeter(TorchDispatchMode):
+    """Storages the ops of a forward pass create that are still alive after it, the given ones left out.
+
+    Selective checkpointing keeps its tensors where `saved_tensors_hooks` never see them (the
+    non-reentrant checkpoint's own hooks replace the tensors, the policy's cache holds the matmul
+    outputs): what a forward pass leaves alive is what it keeps for backward, besides the outputs
+    the caller holds (`exclude`).
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor]) -> None:
+        super().__init__()
+        self._params = {local(p).untyped_storage().data_ptr() for p in params}
+        self._seen: dict[int, Any] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        import weakref
+
+        from torch.utils._pytree import tree_leaves
+
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = local(t).untyped_storage()
+                ptr = storage.data_ptr()
+                known = self._seen.get(ptr)
+                if ptr and ptr not in self._params and (known is None or known() is None):
+                    self._seen[ptr] = weakref.ref(storage)  # a freed storage's address may be reused
+        return out
+
+    def bytes(self, exclude: Iterable[torch.Tensor] = ()) -> int:
+        skip = {local(t).untyped_storage().data_ptr() for t in exclude}
+        alive = (ref() for ptr, ref in self._seen.items() if ptr not in skip)
+        return sum(s.nbytes() for s in alive if s is not None and s.data_ptr())
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """The plain tensor whose memory `t` is: a DTensor's local part, a pending collective's result, or `t`."""
     for _ in range(4):  # wrappers may nest (a DTensor over an AsyncCollectiveTensor)
@@ -114,6 +152,10 @@ def measure_step(
 
         apply_tensor_parallel(model, tp_mesh, case.sequence_parallel, vocab_parallel=True)  # as train.py does
         loss_parallel = logits_split(model)
+    if case.checkpointing == "selective":
+        from rigpilot.engine.workers.parallelize import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model, "selective")  # after tensor parallel, as the workers apply it
     params = list(model.parameters())  # unique: a tied weight appears once
     trainable = [p for p in params if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-4)
@@ -122,6 +164,7 @@ def measure_step(
     device_type = torch.device(device).type
     autocast = case.precision == "bf16"
     meter = SavedTensorMeter(params)
+    live = LiveStorageMeter(params) if case.checkpointing == "selective" else contextlib.nullcontext()
     with contextlib.ExitStack() as outer:
         if loss_parallel:
             # The worker runs forward and backward of vocabulary-sharded logits under loss_parallel.
@@ -130,6 +173,7 @@ def measure_step(
             outer.enter_context(loss_parallel_context())
         with contextlib.ExitStack() as stack:
             stack.enter_context(meter.recording())
+            stack.enter_context(live)
             stack.enter_context(torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast))
             if autocast and device_type == "cpu" and cuda_autocast_policy:
                 stack.enter_context(CudaAutocastOnCpu())
@@ -139,6 +183,10 @@ def measure_step(
                 out, loss = _worker_forward(model, ids)
             else:
                 out, loss = _forward(model, ids, decoder=built.spec.is_decoder)
+        saved = meter.bytes
+        if isinstance(live, LiveStorageMeter):
+            # The logits the loop holds are alive but not kept for backward; the loss is its own output.
+            saved = live.bytes(exclude=[out.logits, loss] if hasattr(out, "logits") else [loss])
         loss.backward()
     optimizer.step()
     del out  # kept alive until here, as a training loop keeps its outputs until after backward
@@ -148,7 +196,7 @@ def measure_step(
         "optimizer": sum(
             local(t).nbytes for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)
         ),
-        "activations_saved": meter.bytes,
+        "activations_saved": saved,
     }
 
 
@@ -158,8 +206,8 @@ def _prepare(built: Built, case: Case) -> torch.nn.Module:
         # Reentrant checkpointing saves each block's input through ctx.save_for_backward, where the hooks see
         # it; the non-reentrant kind keeps the same tensors alive in a closure the hooks never see.
         _enable_checkpointing(built.model)
-    elif case.checkpointing != "none":
-        raise ValueError(f"the harness measures checkpointing none or full, not {case.checkpointing!r}")
+    elif case.checkpointing not in ("none", "selective"):  # selective: applied in measure_step, as the workers do
+        raise ValueError(f"the harness measures checkpointing none, selective or full, not {case.checkpointing!r}")
     if case.method == "lora":
         from peft import LoraConfig, get_peft_model
 
