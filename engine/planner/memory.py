@@ -187,6 +187,8 @@ class LayerActivations:
     # repeat is a view, not a copy, where a rank holds a single KV head.
     kv_repeat: float = 0.0
     kv_heads: int = 0
+    # Checkpointed blocks: the bytes per token of the input each keeps (its sequence shard under SP).
+    block_input: float = 0.0
 
     def per_gpu(self, tp: int, sp: bool) -> float:
         per = self.split / tp + (self.norms / tp if sp else self.norms) + self.whole
@@ -225,13 +227,9 @@ def layer_activations(
     h, c, r = m.h, reg.compute, reg.resid
     copies = _layer_weight_copies(m, reg, tr)
     if checkpointing == "full":
-        return LayerActivations(split=0.0, norms=float(r * h), whole=0.0, weight_copies=copies)
+        return LayerActivations(split=0.0, norms=float(r * h), whole=0.0, weight_copies=copies, block_input=r * h)
     if checkpointing == "selective":
-        outs = sum(u.lin.out_features * u.per_token for u in m.linears())
-        split = c * (outs + m.q_dim) + 4 * m.spec.num_heads
-        if m.spec.attn_eager:
-            split += c * m.spec.num_heads * seq_len  # the score matmul's output is a matmul output kept
-        return LayerActivations(split=split, norms=float(r * h), whole=0.0, weight_copies=copies)
+        return _selective_layer(m, reg, tr, seq_len, copies)
     if checkpointing != "none":
         raise UserError(f"unknown checkpointing {checkpointing!r}; use none, selective or full")
 
@@ -310,6 +308,64 @@ def layer_activations(
         split=split + mlp_split, norms=norms, whole=whole + mlp_whole, weight_copies=copies,
         kv_repeat=kv_repeat, kv_heads=kv_heads,
     )  # fmt: skip
+
+
+def _selective_layer(m: ModelFacts, reg: Regime, tr: Trainable, seq_len: int, copies: float) -> LayerActivations:
+    """What the engine's selective policy keeps: the block's input and the output of every matmul and attention.
+
+    Every matmul counts, the frozen ones too: a LoRA layer keeps its base output, A's rank-r output
+    and B's full-width output, so LoRA saves more here than without checkpointing (where a frozen
+    linear keeps nothing). Under tensor parallel a column-parallel matmul's output is split, but a
+    row-parallel one (o_proj, down_proj) outputs the whole width before its reduction; A's output is
+    whole on every rank; a row-parallel layer's B runs on the sequence shard under sequence parallel
+    (whole without). Weight casts are recomputed, not kept. Mixture-of-experts MLPs run whole.
+    """
+    spec, c = m.spec, reg.compute
+    split = c * m.q_dim + 4.0 * spec.num_heads  # SDPA's output (or eager's probability matmul) and log-sum-exp
+    if spec.attn_eager:
+        split += c * spec.num_heads * seq_len  # the score matmul's output
+    norms = float(reg.resid * m.h)  # the block's input
+    whole = 0.0
+    rows = {id(u) for u in (*m.attn_out, *m.mlp_out)}
+    mlp = {id(u) for u in (*m.mlp_in, *m.mlp_out)}
+    for u in m.linears():
+        out = c * u.lin.out_features * u.per_token
+        lora = u.lin.name in tr.targets
+        adapter_a = c * tr.rank * u.per_token if lora else 0.0
+        if spec.is_moe and id(u) in mlp:
+            whole += out * (2 if lora else 1) + adapter_a
+            continue
+        row = id(u) in rows
+        whole += adapter_a
+        if row:
+            whole += out
+            norms += out if lora else 0.0
+        else:
+            split += out * (2 if lora else 1)
+    return LayerActivations(split=split, norms=norms, whole=whole, weight_copies=copies, block_input=reg.resid * m.h)
+
+
+def lora_params_per_rank(m: ModelFacts, rank: int, targets: frozenset[str] | set[str], tp: int) -> float:
+    """Adapter parameters of one layer on one TP rank, split as apply_tensor_parallel splits them.
+
+    A column-parallel layer's B is split by output feature and its A is whole on every rank; a
+    row-parallel layer's A is split by input feature and its B is whole. Mixture-of-experts MLPs
+    stay whole.
+    """
+    rows = {id(u) for u in (*m.attn_out, *m.mlp_out)}
+    mlp = {id(u) for u in (*m.mlp_in, *m.mlp_out)}
+    total = 0.0
+    for u in m.linears():
+        if u.lin.name not in targets:
+            continue
+        a, b = rank * u.lin.in_features * u.copies, rank * u.lin.out_features * u.copies
+        if tp == 1 or (m.spec.is_moe and id(u) in mlp):
+            total += a + b
+        elif id(u) in rows:
+            total += a / tp + b
+        else:
+            total += a + b / tp
+    return total
 
 
 def _scores_saved(m: ModelFacts, reg: Regime, seq_len: int) -> float:
@@ -419,12 +475,16 @@ def stage_activations(
     elif checkpointing != "none" and n_layers:
         # Backward recomputes one layer at a time; its full activations (and weight casts) exist briefly.
         act += max(full_layer.per_gpu(tp, sp) - layer.per_gpu(tp, sp), 0.0) * tokens
-    if checkpointing != "full":
+    if checkpointing == "none":
         act += n_layers * layer.weight_copies / tp
     elif n_layers and recompute:
-        act += full_layer.weight_copies / tp
+        act += full_layer.weight_copies / tp  # checkpointed blocks recompute their weight casts
     if first:
         act += edge.first * tokens * in_flight
+        if sp and tp > 1 and n_layers and layer.block_input:
+            # The first checkpointed block is handed the embedding's whole output (sequence parallel's
+            # split happens inside it), so it keeps the whole tensor, not a shard.
+            act += layer.block_input * (1 - 1 / tp) * tokens * in_flight
     loss = 0.0
     if last:
         v = tp if head_split(m, training) else 1
@@ -517,9 +577,14 @@ def predict_components(
         params = trainable * p_bytes
         t_bytes = p_bytes
     else:
-        lora = m.lora_params(lora_rank, sorted(tr.targets))
+        lora = lora_params_per_rank(m, lora_rank, tr.targets, tp) * m.layers
         bits = 4 if method == "qlora" else 16
         base = base_weight_bytes(m, half_bytes=dtype_bytes(dtype), bits=bits, double_quant=double_quant)
+        if tp > 1:
+            # The frozen base is split as the full model's weights are (LoRA under TP runs in half, unquantised).
+            dense = m.layer_linear_params - m.layer_expert_params
+            per_layer = dense / tp + m.layer_expert_params + m.layer_other_params
+            base = int(m.layers * per_layer + m.embedding_params + m.head_params / tp) * dtype_bytes(dtype)
         params = base + lora * 4
         trainable = lora
         t_bytes = 4  # peft keeps adapters in fp32
@@ -533,7 +598,7 @@ def predict_components(
         m, layer, layer, edge, n_layers=m.layers, tokens=tokens, seq_len=seq_len, tp=tp, sp=sequence_parallel,
         in_flight=1, first=True, last=True, checkpointing=checkpointing, recompute=False,
     )  # fmt: skip
-    if not tr.full and checkpointing != "full":
+    if not tr.full and checkpointing == "none":
         # The frozen embedding's output needs no gradient, so the first block's norm keeps nothing.
         act -= _norm_saved(m, reg, False)[0] * tokens / (tp if sequence_parallel else 1)
     return {"params": int(params), "grads": int(grads), "optimizer": int(opt), "activations_saved": int(act)}
@@ -668,7 +733,7 @@ class MemoryModel:
             trainable = p
             frozen = 0.0
         else:
-            trainable = n_layers * self.lora_per_layer / t
+            trainable = n_layers * lora_params_per_rank(m, self.tr.rank, self.tr.targets, t)
             bits = 4 if w.method == "qlora" else 16
             if bits == 16:
                 frozen = p * c
