@@ -58,7 +58,11 @@ def main() -> int:
         rows, traced_bad = with_traces(rows, [c for c in DEFAULT_CASES if not args.model or c.model in args.model])
     tp_cases = [c for c in DEFAULT_TP_CASES if not args.model or c.model in args.model]
     if tp_cases and not args.no_tp:
-        rows += compare_tp(tp_cases, memory)
+        tp_rows = compare_tp(tp_cases, memory)
+        if not args.no_trace:
+            tp_rows, tp_bad = with_traces(tp_rows, tp_cases)
+            traced_bad += tp_bad
+        rows += tp_rows
     for kv in DEFAULT_KV_CASES:
         if not args.model or kv.model in args.model:
             rows.append(compare_kv(kv, memory))

@@ -23,6 +23,8 @@ BOUNDS = {"params": 0.01, "grads": 0.01, "optimizer": 0.01, "activations_saved":
 # that runs a planned job out of memory.
 UNDER_BOUND = 0.03
 
+LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # all-linear
+
 DEFAULT_CASES = (
     Case("llama"),
     Case("llama", precision="bf16"),
@@ -54,6 +56,9 @@ DEFAULT_CASES = (
     Case("olmoe", precision="bf16", method="lora", lora_targets=("q_proj", "v_proj")),  # frozen experts
     Case("gemma2", precision="bf16", method="lora", lora_targets=("q_proj", "v_proj")),
     Case("gpt2-dropout"),
+    # The engine's selective checkpointing keeps every matmul's output, LoRA's frozen ones and adapters too.
+    Case("llama", precision="bf16", checkpointing="selective"),
+    Case("llama", precision="bf16", method="lora", checkpointing="selective", lora_targets=LLAMA_LINEARS),
 )
 
 # Measured per rank on 2 gloo CPU ranks (engine.accuracy.tp), split by the engine's apply_tensor_parallel.
@@ -66,6 +71,13 @@ DEFAULT_TP_CASES = (
     Case("gemma2", precision="bf16", tp=2, sequence_parallel=True),  # four norms, eager heads split, tied head
     Case("qwen3_moe", precision="bf16", tp=2, sequence_parallel=True),  # experts and router whole on every rank
     Case("mistral-swa", tp=2, seq_len=128),  # one KV head per rank: the repeat for the mask is a view
+    # LoRA split with its base layers (A whole beside a column-parallel base, B whole beside a row-parallel one).
+    Case("llama", precision="bf16", method="lora", tp=2, lora_targets=LLAMA_LINEARS),
+    Case("llama", precision="bf16", method="lora", tp=2, sequence_parallel=True, lora_targets=LLAMA_LINEARS),
+    # Selective checkpointing under TP: row-parallel matmuls output the whole width before their reduction.
+    Case("llama", precision="bf16", tp=2, sequence_parallel=True, checkpointing="selective"),
+    Case("llama", precision="bf16", method="lora", tp=2, sequence_parallel=True, checkpointing="selective",
+         lora_targets=LLAMA_LINEARS),
 )
 
 

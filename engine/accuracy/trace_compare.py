@@ -36,8 +36,10 @@ def trace_case(case: Case, *, layers: int | None = None) -> dict[str, int]:
     with tempfile.TemporaryDirectory(prefix="rigpilot-trace-") as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(config_dict))
         workload = _workload(case, tmp)
-        par = {"mesh_shape": {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 1}, "world_size": 1,
-               "micro_batch": case.micro_batch, "grad_accum": 1, "checkpointing": case.checkpointing}  # fmt: skip
+        # Under TP this process is rank 0 of a fake group of case.tp ranks, as verify traces a plan.
+        par = {"mesh_shape": {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": case.tp}, "world_size": case.tp,
+               "micro_batch": case.micro_batch, "grad_accum": 1, "checkpointing": case.checkpointing,
+               "sequence_parallel": case.sequence_parallel}  # fmt: skip
         try:
             config = memtrace._load_config(tmp, False)
             n = layers or memtrace._num_layers(config)
