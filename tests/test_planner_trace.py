@@ -88,6 +88,7 @@ def test_a_plan_that_does_not_fit_once_traced_gives_way(tiny, monkeypatch):
     verify.verify(result)
     assert not first.fits and result.best is not first and result.best.fits
     assert first in result.runners_up
+    assert result.runners_up[-1] is first  # listed, with both figures, below every plan that fits
     assert any("does not fit" in line for line in result.explanation)
 
 
