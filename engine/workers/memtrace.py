@@ -602,7 +602,6 @@ def _stage_passes(built: _Built, tracker: Any, micro: int, seq: int, snapshots: 
     import torch
 
     from rigpilot.engine.accuracy.cuda_autocast import CudaAutocastOnCpu, CudaDropoutOnCpu
-    from rigpilot.engine.workers.parallelize import set_gradient_sync
     from rigpilot.engine.workers.train import token_loss
 
     stage, wrapped, precision = built.stage, built.wrapped, built.precision
@@ -621,12 +620,16 @@ def _stage_passes(built: _Built, tracker: Any, micro: int, seq: int, snapshots: 
             out = token_loss(out, torch.randint(built.vocab, (micro, seq)))
         pending.append((x, out))
     snapshots["after_forward"] = _categories(tracker, "current")
+    # As torch's schedule runs them (PipelineStage.backward_maybe_with_nosync), unlike the worker's
+    # gradient accumulation: FSDP2 keeps the unsharded gradients until the last micro-batch's backward.
+    sync = getattr(wrapped, "set_requires_gradient_sync", None)
     for i, (x, out) in enumerate(pending):
-        with set_gradient_sync(wrapped, i == len(pending) - 1):
-            if stage.is_last:
-                out.backward()
-            else:
-                out.backward(torch.empty_like(out))
+        if callable(sync):
+            sync(i == len(pending) - 1)
+        if stage.is_last:
+            out.backward()
+        else:
+            out.backward(torch.empty_like(out))
         pending[i] = (None, None)
         del x, out
 
