@@ -11,10 +11,13 @@ and backward of up to two micro-batches, then the optimizer step) and reads
 the peak of every tensor alive at once from PyTorch's memory trackers
 (`MemTracker`, `FSDPMemTracker`).
 
-A model with many blocks is traced with 2 and 4 of them and the per-block
+A model with many blocks is traced with 3 and 5 of them and the per-block
 difference scaled to its layer count, per phase (forward/backward and
-optimizer step): block memory is linear in the block count, and 2 and 4 keep
-alternating layer patterns (Gemma's sliding and global layers) whole.
+optimizer step): block memory is linear in the block count once there is a
+middle block (with 2, no block's backward has a neighbour's all-gather
+prefetched and another's reduce-scatter in flight, as every deeper FSDP
+model's peak has), and a difference of 2 keeps alternating layer patterns
+(Gemma's sliding and global layers) whole.
 
 What it does not see: the CUDA context, NCCL and the allocator's reserve
 (the plan's `overhead`, added back by the caller), and collectives' own
@@ -44,7 +47,7 @@ from types import SimpleNamespace
 from typing import Any
 
 WHOLE_MODEL_LAYERS = 4  # up to this many blocks the whole model is traced
-SCALE_FROM = (2, 4)  # else traced with this many blocks and scaled to the layer count
+SCALE_FROM = (3, 5)  # else traced with this many blocks and scaled to the layer count
 
 
 class NotTraced(Exception):
