@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from rigpilot.engine.accuracy.tp import _free_port as free_port
+from rigpilot.engine.accuracy.tp import free_port
 from rigpilot.engine.hardware.simulated import load_profile
 from rigpilot.engine.models.describe import describe_model
 from rigpilot.engine.planner import verify
