@@ -11,13 +11,13 @@ ranks) sums its reduce-scattered shards until the last micro-batch and all-reduc
 from __future__ import annotations
 
 import os
-import socket
 from typing import Any
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from rigpilot.engine.accuracy.tp import free_port
 from tests.test_workers_jobs import TINY_LLAMA_CONFIG
 
 pytestmark = pytest.mark.slow
@@ -109,16 +109,10 @@ def _accumulate(rank: int, world: int, port: int, shape: dict[str, int], offload
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(world: int, shape: dict[str, int], offload: bool = False) -> None:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_accumulate, args=(r, world, port, shape, offload, queue)) for r in range(world)]
     for p in procs:
         p.start()
