@@ -172,3 +172,16 @@ def test_selective_and_full_recompute_cost_time():
     steps = [sm.train(dataclasses.replace(par, checkpointing=c)).compute_s for c in ("none", "selective", "full")]
     assert steps[0] < steps[1] < steps[2]
     assert steps[2] / steps[0] == pytest.approx(4 / 3, rel=0.08)  # one more forward pass
+
+
+def test_fsdp_accumulation_reduce_scatters_every_micro_batch():
+    # The engine reduce-scatters each micro-batch into the sharded gradients (parallelize.set_gradient_sync):
+    # the FSDP traffic grows with the accumulation count, one gather-and-reduce-scatter round per micro-batch.
+    t = topo("8x-h100-sxm")
+    kw = dict(gpu_indices=list(range(8)), dp=8, zero_stage=3, shard_degree=8, backend="fsdp", micro_batch=2,
+              checkpointing="none")  # fmt: skip
+    one = speed_model(t, global_batch=16).train(Parallelism(grad_accum=1, **kw)).comm[0]
+    four = speed_model(t, global_batch=64).train(Parallelism(grad_accum=4, **kw)).comm[0]
+    assert one.what.startswith("FSDP2") and four.what == one.what
+    assert four.bytes_per_step == 4 * one.bytes_per_step
+    assert four.seconds == pytest.approx(4 * one.seconds)

@@ -56,6 +56,7 @@ DATASETS = {"chat": (CHAT, 0.02), "text": (SHAKESPEARE, 0.01)}
 LAYOUTS: dict[str, tuple[dict[str, Any], int, int, int]] = {
     "ddp": ({"dp_replicate": 2}, 2, 1, 2),
     "fsdp": ({"dp_shard": 2}, 2, 2, 1),
+    "fsdp-accum": ({"dp_shard": 2}, 2, 1, 2),  # reduce-scattered every micro-batch, summed in the shards
     "tp": ({"tp": 2}, 2, 2, 2),
     "tp-sp": ({"tp": 2, "sequence_parallel": True}, 2, 4, 1),
     "pp-gpipe": ({"pp": 2, "pp_microbatches": 2, "pp_schedule": "GPipe"}, 2, 2, 1),

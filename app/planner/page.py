@@ -61,6 +61,7 @@ from rigpilot.engine.planner.calibration import NOT_CALIBRATED
 
 TABLE_COLUMNS = ["#", "Plan", "Layout", "GPUs", "Speed", "Step", "To finish", "Fullest GPU", "Runs here"]
 RUNS_HERE_COLUMN = TABLE_COLUMNS.index("Runs here")
+FULLEST_COLUMN = TABLE_COLUMNS.index("Fullest GPU")
 RUNS_HERE_WIDTH = 160  # a reason is elided to this; its tooltip has the whole sentence
 # Suggestions that change what is asked on this machine can be applied to the form; hardware ones cannot.
 APPLICABLE_SUGGESTIONS = ("method", "quantize", "seq", "batch", "gpus")
@@ -415,8 +416,10 @@ class PlannerPage(QWidget):
             return
         self.plan_button.setEnabled(True)
         result = reply.get("result", reply)
+        traced = [n for n in result.get("notes") or [] if n.startswith("memory traced for")]
         self.status.setText(
             f"Planned in {result.get('elapsed_s', 0):.2f} s: {result.get('considered', 0)} layouts tried."
+            + (f" {traced[0][0].upper()}{traced[0][1:]}." if traced else "")
         )
         self.message.hide()
         self._show_result(result)
@@ -449,6 +452,9 @@ class PlannerPage(QWidget):
                 if c == RUNS_HERE_COLUMN and value != "yes":
                     item.setForeground(BAD)
                     item.setToolTip(f"The engine does not run this plan: {value}")
+                if c == FULLEST_COLUMN and not row.fits:
+                    item.setForeground(BAD)
+                    item.setToolTip(f"Does not fit: the fullest GPU would need {value}")
                 self.table.setItem(r, c, item)
         self.explanation.setPlainText("\n".join(f"• {line}" for line in (result or {}).get("explanation", [])))
         self._show_calibration(result)

@@ -32,7 +32,7 @@ def measure_tp_steps(cases: list[Case]) -> list[dict[str, int]]:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="rigpilot-tp-") as tmp:
-        mp.spawn(_rank, args=(tp, _free_port(), [asdict(c) for c in cases], tmp), nprocs=tp, join=True)
+        mp.spawn(_rank, args=(tp, free_port(), [asdict(c) for c in cases], tmp), nprocs=tp, join=True)
         ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(tp)]
     return [{k: max(r[i][k] for r in ranks) for k in ranks[0][i]} for i in range(len(cases))]
 
@@ -70,7 +70,7 @@ def _quiet() -> None:
     warnings.filterwarnings("ignore")
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

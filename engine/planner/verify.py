@@ -144,6 +144,8 @@ def check(
             result.best = new_best
         else:
             lines.append("the traced step of the best plan does not fit its GPUs: the formula under-counts it")
+    # Plans the trace shows do not fit stay listed (with both figures) but below every plan that fits.
+    result.runners_up.sort(key=lambda p: not p.fits)
     seconds = time.perf_counter() - started
     result.notes = [*result.notes, f"memory traced for {min(top, len(plans))} plan(s) in {seconds:.1f} s"]
     return lines

@@ -11,10 +11,13 @@ and backward of up to two micro-batches, then the optimizer step) and reads
 the peak of every tensor alive at once from PyTorch's memory trackers
 (`MemTracker`, `FSDPMemTracker`).
 
-A model with many blocks is traced with 2 and 4 of them and the per-block
+A model with many blocks is traced with 3 and 5 of them and the per-block
 difference scaled to its layer count, per phase (forward/backward and
-optimizer step): block memory is linear in the block count, and 2 and 4 keep
-alternating layer patterns (Gemma's sliding and global layers) whole.
+optimizer step): block memory is linear in the block count once there is a
+middle block (with 2, no block's backward has a neighbour's all-gather
+prefetched and another's reduce-scatter in flight, as every deeper FSDP
+model's peak has), and a difference of 2 keeps alternating layer patterns
+(Gemma's sliding and global layers) whole.
 
 What it does not see: the CUDA context, NCCL and the allocator's reserve
 (the plan's `overhead`, added back by the caller), and collectives' own
@@ -45,7 +48,7 @@ from types import SimpleNamespace
 from typing import Any
 
 WHOLE_MODEL_LAYERS = 4  # up to this many blocks the whole model is traced
-SCALE_FROM = (2, 4)  # else traced with this many blocks and scaled to the layer count
+SCALE_FROM = (3, 5)  # else traced with this many blocks and scaled to the layer count
 
 
 class NotTraced(Exception):
@@ -608,7 +611,6 @@ def _stage_passes(built: _Built, tracker: Any, micro: int, seq: int, snapshots: 
     import torch
 
     from rigpilot.engine.accuracy.cuda_autocast import CudaAutocastOnCpu, CudaDropoutOnCpu
-    from rigpilot.engine.workers.parallelize import set_gradient_sync
     from rigpilot.engine.workers.train import token_loss
 
     stage, wrapped, precision = built.stage, built.wrapped, built.precision
@@ -629,12 +631,16 @@ def _stage_passes(built: _Built, tracker: Any, micro: int, seq: int, snapshots: 
             out = token_loss(out, torch.randint(built.vocab, (micro, seq)))
         pending.append((x, out))
     snapshots["after_forward"] = _categories(tracker, "current")
+    # As torch's schedule runs them (PipelineStage.backward_maybe_with_nosync), unlike the worker's
+    # gradient accumulation: FSDP2 keeps the unsharded gradients until the last micro-batch's backward.
+    sync = getattr(wrapped, "set_requires_gradient_sync", None)
     for i, (x, out) in enumerate(pending):
-        with set_gradient_sync(wrapped, i == len(pending) - 1):
-            if stage.is_last:
-                out.backward()
-            else:
-                out.backward(torch.empty_like(out))
+        if callable(sync):
+            sync(i == len(pending) - 1)
+        if stage.is_last:
+            out.backward()
+        else:
+            out.backward(torch.empty_like(out))
         pending[i] = (None, None)
         del x, out
 

@@ -461,17 +461,23 @@ def offloaded_shards(model: nn.Module) -> tuple[int, int]:
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> Any:
-    """Skip the gradient reduction on all but the last micro-batch of gradient accumulation.
+    """What one micro-batch's backward reduces under gradient accumulation; `enabled` on the last one.
 
-    Returns a context manager (DDP's no_sync) or a null context after setting FSDP's flag.
+    DDP: nothing until the last (its no_sync; its gradients are whole either way). FSDP2: a
+    reduce-scatter every micro-batch, accumulated into the sharded gradients, as torchtitan does:
+    FSDP2's requires_gradient_sync(False) would instead keep every block's unsharded fp32 gradient
+    between micro-batches, the whole model's gradients on every rank, which neither the planner's
+    formula nor a ZeRO-3 memory budget allows for. HSDP: the all-reduce across replicas waits for
+    the last micro-batch (FSDP2 sums the reduce-scattered shards until then, still sharded).
+    Returns a context manager to hold around the micro-batch's forward and backward.
     """
     import contextlib
 
+    from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 
     if isinstance(model, DistributedDataParallel):
         return contextlib.nullcontext() if enabled else model.no_sync()
-    setter = getattr(model, "set_requires_gradient_sync", None)
-    if callable(setter):
-        setter(enabled)
+    if isinstance(model, FSDPModule):
+        model.set_requires_all_reduce(enabled)
     return contextlib.nullcontext()
