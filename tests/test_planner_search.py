@@ -285,14 +285,15 @@ def test_mixtral_inference_on_a6000s_takes_the_roomy_plan_of_equal_speed():
 
 
 def test_70b_lora_on_h100s_does_not_recommend_offload_for_a_few_percent():
-    # The issue: ZeRO-3 offload at 2.9 GiB headroom over ZeRO-3 without it for ~9% more tokens/s. At s=1024:
-    # at 2048, selective checkpointing under LoRA (every matmul output kept) no longer fits without offload,
-    # and full checkpointing is more than 15% slower, so offload is rightly chosen there.
+    # The issue: ZeRO-3 offload at 2.9 GiB headroom over ZeRO-3 without it for ~9% more tokens/s. At s=2048
+    # LoRA's activations (counted as ZeRO-3's half adapters and selective checkpointing keep them) no longer
+    # fit without offload except fully checkpointed, over 15% slower: offload is rightly chosen there. At
+    # s=1024 offload is 18% faster, which its margin brings within the 5% tie, where headroom decides.
     r = search(LLAMA_70B, load_profile("8x-h100-sxm"), Workload(model="x", method="lora", seq_len=1024, global_batch=16), options=SearchOptions(export="deepspeed"))
     assert not r.best.parallelism.offload
     off = [p for p in r.runners_up if p.parallelism.offload]
     assert off and off[0].timing.tokens_per_s > r.best.timing.tokens_per_s  # faster, but not by 15%
-    assert off[0].timing.tokens_per_s * (1 - OFFLOAD_MARGIN) <= r.best.timing.tokens_per_s
+    assert off[0].timing.tokens_per_s * (1 - OFFLOAD_MARGIN) <= r.best.timing.tokens_per_s / (1 - SPEED_TIE)
     assert any("offload is recommended only where" in n for n in r.best.notes)
 
 

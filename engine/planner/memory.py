@@ -67,6 +67,9 @@ class Regime:
     resid: int  # bytes per element of the residual stream (the embedding output's dtype)
     compute: int  # bytes per element of matmul outputs
     fp32_trainable: bool  # trainable weights are fp32 (autocast keeps bf16 copies of them)
+    # LoRA adapters compute in the half dtype without autocast (FSDP2's mixed-precision policy casts
+    # them with the base): every adapter reading a tensor shares it, as the frozen base does.
+    half_adapters: bool = False
 
 
 @dataclass(frozen=True)
@@ -107,7 +110,10 @@ def training_regime(method: str, precision: str, *, half_weights: bool) -> Regim
         if half_weights or pure:
             return Regime(autocast=False, resid=2, compute=2, fp32_trainable=False)
         return Regime(autocast=True, resid=4, compute=2, fp32_trainable=True)
-    # LoRA/QLoRA: the base is loaded in half, peft keeps adapters in fp32, and autocast runs them in half.
+    # LoRA/QLoRA: the base is loaded in half, peft keeps adapters in fp32, and autocast runs them in half;
+    # under FSDP2 (half_weights) its policy gathers them in half, and no autocast runs.
+    if half_weights:
+        return Regime(autocast=False, resid=2, compute=2, fp32_trainable=False, half_adapters=True)
     return Regime(autocast=not pure, resid=2, compute=2, fp32_trainable=not pure)
 
 
@@ -145,13 +151,15 @@ def _inputs_saved(uses: tuple[LinearUse, ...], in_bytes: int, reg: Regime, tr: T
             else:
                 shared = max(shared, (2 if reg.autocast else in_bytes) * n_in)
         if u.lin.name in tr.targets:
-            if reg.autocast:
+            if reg.half_adapters:
+                shared = max(shared, in_bytes * n_in)
+            elif reg.autocast:
                 separate += 2 * n_in
             elif in_bytes == 4:
                 shared = max(shared, 4 * n_in)
             else:
                 separate += 4 * n_in
-            separate += (2 if reg.autocast else 4) * tr.rank * u.per_token
+            separate += (2 if reg.autocast or reg.half_adapters else 4) * tr.rank * u.per_token
     if already_saved:
         shared = 0.0
     return shared + shared_experts + separate
