@@ -799,12 +799,14 @@ class MemoryModel:
                 # Each unit's fp32 shard is copied to the GPU before its all-gather, and its fp32 gradient shard
                 # waits there for the copy back: two shards of this and the prefetched unit.
                 comm += 2 * 2 * (unit_params * 4 if self.tr.full else unit_bytes) / z
-            root = m.embedding_params if stage == 0 else 0
+            # The root unit (embeddings, head) stays gathered through the step; TP keeps the embedding whole
+            # on every rank and splits an untied head by vocabulary (as stage_params counts them).
+            root = m.embedding_params if stage == 0 else 0.0
             if stage == par.pp - 1:
-                root += m.head_params
+                root += m.head_params / t
                 if par.pp > 1 and m.spec.tied_embeddings and m.is_decoder:
                     root += m.embedding_params
-            comm += root / t * c  # the root unit (embeddings, head) stays gathered through the step
+            comm += root * c
         tokens = par.micro_batch * w.seq_len
         if par.pp > 1:
             comm += 2 * tokens * m.h * c  # stages pass whole sequences on, sequence parallel or not
