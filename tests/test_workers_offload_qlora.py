@@ -213,11 +213,14 @@ def test_qlora_under_fsdp_computes_what_ddp_does_resumes_and_exports_its_adapter
     # Rank 0 loaded and quantised the base; the other rank received only its shard of the 4-bit weights.
     assert "the weights were read once, by rank 0, and handed out to the other ranks" in notes
     # Both layouts quantise the same weights the same way, and FSDP2 gathers the NF4 codes, not a dequantised
-    # copy: the curves agree to float rounding (measured: equal to the last digit on 2 CPU ranks).
-    curve = losses(qlora_fsdp_run)
-    worst = max(abs(curve[s] - losses(qlora_run)[s]) for s in curve)
+    # copy: the curves agree to float rounding. FSDP2 reduce-scatters every micro-batch (its gradients stay
+    # sharded) where DDP adds its micro-batches locally first, so the sums add in another order, and Adam at
+    # this learning rate amplifies that over the steps (measured: 8e-6 by step 4, 1.1e-3 by step 8), as for HSDP.
+    curve, ddp = losses(qlora_fsdp_run), losses(qlora_run)
+    worst = max(abs(curve[s] - ddp[s]) for s in curve)
     print(f"QLoRA per-step loss, FSDP2 (dp_shard 2) vs DDP (dp_replicate 2): max |diff| {worst:.2e}")
-    assert_same_curve(curve, losses(qlora_run), tol=1e-4)
+    assert_same_curve({s: curve[s] for s in range(1, 5)}, {s: ddp[s] for s in range(1, 5)}, tol=1e-5)
+    assert_same_curve(curve, ddp, tol=5e-3)
     assert_loss_falls(qlora_fsdp_run, margin=0.02)
 
     # The checkpoint holds the adapter and its optimizer state only: the 4-bit base is quantised again from
@@ -233,7 +236,15 @@ def test_qlora_under_fsdp_computes_what_ddp_does_resumes_and_exports_its_adapter
 
     tokens = torch.randint(3, 512, (2, 24), generator=torch.Generator().manual_seed(0))
     fsdp = adapter_logits(base_run, qlora_fsdp_run, tokens)
-    assert torch.allclose(fsdp, adapter_logits(base_run, qlora_run, tokens), atol=1e-4)
+    # The two adapters differ by the drift above (measured 4.8e-2 on logits the training moved by far more).
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        bare = AutoModelForCausalLM.from_pretrained(base_run / "output", dtype=torch.float32)(input_ids=tokens).logits
+    gap = (fsdp - adapter_logits(base_run, qlora_run, tokens)).abs().max().item()
+    moved = (fsdp - bare).abs().max().item()
+    print(f"adapter logits, FSDP2 vs DDP: max |diff| {gap:.2e}; moved from the base by {moved:.2e}")
+    assert gap < 0.1 * moved
     assert torch.allclose(fsdp, adapter_logits(base_run, resumed, tokens), atol=1e-5)
 
 
