@@ -55,7 +55,7 @@ def test_a_gpu_calibration_changes_the_plan_and_says_what_was_measured(capsys, t
     assert rc == 0
     prior = json.loads(out)
     assert prior["calibration"]["state"] == "none" and prior["calibration"]["applied"] is False
-    assert prior["explanation"][-1] == "Not calibrated (priors from published runs)."
+    assert prior["explanation"][-1] == "Not calibrated: speeds come from spec-sheet peaks and priors (see 'Numbers used')."
 
     cal = tmp_path / "calibration.json"
     cal.write_text(json.dumps(h100_calibration()))
@@ -192,7 +192,7 @@ def test_the_engine_keeps_its_machines_latest_calibration_for_its_planner(tmp_pa
 @pytest.mark.parametrize(
     ("stored", "says"),
     [
-        (None, "Not calibrated (priors from published runs)."),
+        (None, "Not calibrated: speeds come from spec-sheet peaks and priors (see 'Numbers used')."),
         ({**h100_calibration(), "simulated": True, "device_type": "cpu", "backend": "gloo"},
          "Calibrated 2026-11-23 on CPU ranks (gloo, a simulated machine): not applied to GPU predictions."),
         (h100_calibration(),

@@ -40,7 +40,7 @@ from rigpilot.engine.planner.links import Calibration
 
 SCHEMA = "rigpilot.calibration/1"
 DTYPES = ("bf16", "fp16", "fp32")
-NOT_CALIBRATED = "Not calibrated (priors from published runs)."
+NOT_CALIBRATED = "Not calibrated: speeds come from spec-sheet peaks and priors (see 'Numbers used')."
 
 
 @dataclass
