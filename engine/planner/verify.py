@@ -147,7 +147,9 @@ def check(
     # Plans the trace shows do not fit stay listed (with both figures) but below every plan that fits.
     result.runners_up.sort(key=lambda p: not p.fits)
     seconds = time.perf_counter() - started
-    result.notes = [*result.notes, f"memory traced for {min(top, len(plans))} plan(s) in {seconds:.1f} s"]
+    traced = sum(bool(a.get("ok")) for a in answers)
+    tried = min(top, len(plans))
+    result.notes = [*result.notes, f"memory traced for {traced} of {tried} plan(s) in {seconds:.1f} s"]
     return lines
 
 
