@@ -93,6 +93,23 @@ def test_a_plan_that_does_not_fit_once_traced_gives_way(tiny, monkeypatch):
     assert any("does not fit" in line for line in result.explanation)
 
 
+def test_the_plan_that_takes_the_best_ones_place_is_one_the_engine_runs(tiny, monkeypatch):
+    result = tiny_result(tiny)
+    first = result.best
+    assert len(result.runners_up) >= 2
+    result.runners_up[0].runs_here, result.runners_up[0].runs_here_reason = False, "not in this engine"
+
+    def fake_trace(plan, **kwargs):
+        if plan is first:
+            return {"ok": True, "peak": plan.peak_memory.capacity * 2, "method": "whole model"}
+        return {"ok": True, "peak": plan.peak_memory.total - plan.peak_memory.overhead, "method": "whole model"}
+
+    monkeypatch.setattr(verify, "trace", fake_trace)
+    runnable = result.runners_up[1]
+    verify.verify(result)
+    assert result.best is runnable and result.best.runs_here and result.best.fits
+
+
 def test_a_failing_trace_is_one_line(tiny):
     plan = tiny_result(tiny).best
     # An architecture transformers does not know: a reason, not a traceback.

@@ -132,7 +132,8 @@ def check(
         answers = list(pool.map(one, plans[:top]))
     lines = [line for plan, answer in zip(plans[:top], answers, strict=True) if (line := apply_trace(plan, answer))]
     if result.best is not None and not result.best.fits:
-        fitting = [p for p in plans[:top] if p.fits]
+        # The plan that takes its place must fit once traced and be one the engine runs, as the best had to be.
+        fitting = [p for p in plans[:top] if p.fits and (p.runs_here or not result.best.runs_here)]
         if fitting:
             new_best = fitting[0]
             lines.append(
