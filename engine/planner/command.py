@@ -19,12 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from rigpilot.engine.errors import UserError
-from rigpilot.engine.planner.calibration import CalibrationStatus, MachineCalibration, apply_stored
+from rigpilot.engine.planner.calibration import MachineCalibration, apply_stored
 from rigpilot.engine.planner.calibration import apply as apply_calibration
 from rigpilot.engine.planner.export import EXPORTS, export_best
 from rigpilot.engine.planner.memory import fmt_gib
 from rigpilot.engine.planner.plan import METHODS, OPTIMIZERS, PRECISIONS, LoraSettings, Plan, Workload
-from rigpilot.engine.planner.search import RANKING, SearchOptions, SearchResult, search
+from rigpilot.engine.planner.search import RANKING, SearchOptions, SearchResult
+from rigpilot.engine.planner.verify import search_checked
 
 DEFAULT_SEQ = 2048
 DEFAULT_TRAIN_BATCH = 16
@@ -150,26 +151,21 @@ def run_plan(args: argparse.Namespace) -> int:
     stored = getattr(args, "stored_calibration", None)
     if args.calibration is None and stored is not None:
         # The machine the engine runs on: its latest calibration counts here as in the engine's planner.
-        numbers, calibrated = apply_stored(stored(), machine, workload.precision)
+        calibrated = apply_stored(stored(), machine, workload.precision)
     else:
-        numbers, calibrated = apply_calibration(_calibration(args.calibration), machine, workload.precision)
+        calibrated = apply_calibration(_calibration(args.calibration), machine, workload.precision)
     # One search, with or without --export: the export translates the plan `plan` shows into the tool's terms.
-    options = SearchOptions(force_tp=args.force_tp)
-    verifier = None
-    if not getattr(args, "no_verify", False):
-        from rigpilot.engine.planner import verify
-
-        verifier = verify.check if verify.enabled() else None
-    result = search(
-        spec, machine, workload, gpus=parse_gpus(args.gpus), calibration=numbers, options=options, verifier=verifier
-    )
-    note_calibration(result, calibrated)
+    result = search_checked(
+        spec, machine, workload, calibrated, gpus=parse_gpus(args.gpus), options=SearchOptions(force_tp=args.force_tp),
+        verify=not getattr(args, "no_verify", False),
+    )  # fmt: skip
+    calibrated_status = calibrated[1]
     artifact, exported, instead = None, None, None
     if args.export and result.best is not None:
         plans = [result.best, *result.runners_up]
         artifact, exported, instead = export_best(plans, args.export, script=args.script, nodes=args.nodes)
     if getattr(args, "json", False):
-        payload = {"schema": "rigpilot.plan-search/1", **result.to_dict(), "calibration": calibrated.to_dict()}
+        payload = {"schema": "rigpilot.plan-search/1", **result.to_dict(), "calibration": calibrated_status.to_dict()}
         if args.export:
             payload["export"] = {"target": args.export, "text": artifact, "plan": exported, "note": instead}
         print(json.dumps(payload, indent=2))
@@ -181,11 +177,6 @@ def run_plan(args: argparse.Namespace) -> int:
     else:
         print("\n".join(render_text(result)))
     return 0 if result.best is not None else 1
-
-
-def note_calibration(result: SearchResult, status: CalibrationStatus) -> None:
-    """The explanation says which numbers were measured and when, or that none were."""
-    result.explanation.append(status.line)
 
 
 def render_text(result: SearchResult) -> list[str]:

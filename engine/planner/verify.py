@@ -13,6 +13,7 @@ in `Plan.verification`.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -22,9 +23,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from rigpilot.engine.errors import UserError
+from rigpilot.engine.hardware.machine import Machine
+from rigpilot.engine.models.spec import ModelSpec
+from rigpilot.engine.planner.calibration import CalibrationStatus
+from rigpilot.engine.planner.links import Calibration
 from rigpilot.engine.planner.memory import fmt_gib
-from rigpilot.engine.planner.plan import Plan
+from rigpilot.engine.planner.plan import Plan, Workload
 from rigpilot.engine.planner.result import SearchResult
+from rigpilot.engine.planner.search import SearchOptions, search
 
 log = logging.getLogger(__name__)
 # A defect goes to the engine's log (its handlers sit on the root logger); `rigpilot plan` in a terminal
@@ -157,6 +163,22 @@ def check(
 def verify(result: SearchResult, **kwargs: Any) -> SearchResult:
     """`check` on a result already explained: its lines go at the end of the explanation."""
     result.explanation = result.explanation + check(result, **kwargs)
+    return result
+
+
+def search_checked(
+    spec: ModelSpec, machine: Machine, workload: Workload, calibrated: tuple[Calibration | None, CalibrationStatus], *,
+    gpus: list[int] | None = None, options: SearchOptions | None = None, verify: bool = True,
+    trust_remote_code: bool = False, budget_s: float | None = None,
+) -> SearchResult:  # fmt: skip
+    """The search `rigpilot plan` and the engine's planner both run: calibrated, its top plans traced (unless
+    `verify` is off or RIGPILOT_PLAN_VERIFY=0), and the explanation ending with what the calibration did."""
+    numbers, status = calibrated
+    verifier = None
+    if verify and enabled():
+        verifier = functools.partial(check, trust_remote_code=trust_remote_code, budget_s=budget_s)
+    result = search(spec, machine, workload, gpus=gpus, calibration=numbers, options=options, verifier=verifier)
+    result.explanation.append(status.line)
     return result
 
 

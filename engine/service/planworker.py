@@ -15,7 +15,6 @@ or `{"bug": traceback}`; only JSON flows back to the service.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 import os
@@ -42,7 +41,8 @@ def plan(machine: Any, model: str, workload: dict[str, Any] | None = None, gpus:
     from rigpilot.engine.models import describe_model
     from rigpilot.engine.planner.calibration import apply_stored
     from rigpilot.engine.planner.plan import PRECISIONS, LoraSettings, Workload
-    from rigpilot.engine.planner.search import SearchOptions, search
+    from rigpilot.engine.planner.search import SearchOptions
+    from rigpilot.engine.planner.verify import VERIFY_BUDGET_S, search_checked
 
     work = dict(workload or {})
     protocol.check_dataclass(Workload, {**work, "model": model}, "plan.workload", ignore=frozenset({"lora"}))
@@ -55,19 +55,13 @@ def plan(machine: Any, model: str, workload: dict[str, Any] | None = None, gpus:
     except OSError as e:
         raise UserError(f"cannot read the model {_short(model)}: {e.strerror or e}") from None
     w = Workload(model=model, **work)
-    numbers, status = apply_stored(calibration, machine, w.precision if w.precision in PRECISIONS else "bf16")
-    verifier = None
-    if verify:
-        from rigpilot.engine.planner import verify as verification
-
-        if verification.enabled():
-            # Within the service's deadline for a plan: past the budget the rest stay "not verified".
-            verifier = functools.partial(
-                verification.check, trust_remote_code=trust_remote_code, budget_s=verification.VERIFY_BUDGET_S
-            )
-    options_ = SearchOptions(**(options or {}))
-    result = search(spec, machine, w, gpus=gpus, calibration=numbers, options=options_, verifier=verifier)
-    result.explanation.append(status.line)
+    calibrated = apply_stored(calibration, machine, w.precision if w.precision in PRECISIONS else "bf16")
+    # Within the service's deadline for a plan: past the budget the rest stay "not verified".
+    result = search_checked(
+        spec, machine, w, calibrated, gpus=gpus, options=SearchOptions(**(options or {})), verify=verify,
+        trust_remote_code=trust_remote_code, budget_s=VERIFY_BUDGET_S,
+    )  # fmt: skip
+    status = calibrated[1]
     return {"result": {**result.to_dict(), "calibration": status.to_dict()}}
 
 
