@@ -250,8 +250,9 @@ OFFLOAD_MARGIN = 0.15
 # error bound and the allocator's fragmentation, more free memory buys nothing, and the faster plan wins.
 ROOMY_FILL = 0.80
 RANKING = (
-    "best first: within 5% of the fastest, the one with the most free memory (up to 20% free); "
-    "offload only where the best plan without it is more than 15% slower"
+    f"best first: within {SPEED_TIE:.0%} of the fastest, the one with the most free memory "
+    f"(up to {1 - ROOMY_FILL:.0%} free); offload only where the best plan without it is more than "
+    f"{OFFLOAD_MARGIN:.0%} slower"
 )
 
 
