@@ -280,3 +280,17 @@ def test_the_gui_export_bar_writes_what_the_cli_exports(tmp_path):
         else:
             assert text.rstrip("\n") == export(plan, target).rstrip("\n")
     assert json.loads((tmp_path / "out.deepspeed").read_text())["rigpilot"]["activation_checkpointing"] == "full"
+
+
+@pytest.mark.parametrize("profile", ["4x-rtx4090", "8x-h100-sxm"])
+def test_the_exported_script_flags_are_rigpilot_run_trains_own(profile):
+    """The flags exports spell out parse with `rigpilot run train`'s own parser, to the plan's settings."""
+    from rigpilot.engine.cli import build_parser
+    from rigpilot.engine.planner.export import script_args
+
+    for plan in [r for r in [result(profile).best, *result(profile).runners_up] if r is not None]:
+        par = plan.parallelism
+        args = build_parser().parse_args(["run", "train", "--model", "llama-2-7b", *script_args(plan)])
+        assert (args.micro_batch, args.grad_accum, args.checkpointing) == (par.micro_batch, par.grad_accum, par.checkpointing)
+        assert args.precision == plan.workload.precision and bool(args.cpu_offload) == par.offload
+        assert (args.tp or 1, args.pp or 1) == (par.tp, par.pp)
