@@ -327,19 +327,30 @@ def real_plan_reply(machine: Machine) -> Callable[..., dict[str, Any]]:
 
     link.replies["plan"] = real_plan_reply(link.machine_obj)
     """
+    default_machine = machine
 
     def plan(model: str, workload: dict[str, Any] | None = None, gpus: list[int] | None = None,
-             options: dict[str, Any] | None = None, trust_remote_code: bool = False) -> dict[str, Any]:  # fmt: skip
+             options: dict[str, Any] | None = None, trust_remote_code: bool = False,
+             machine: Any = None) -> dict[str, Any]:  # fmt: skip
+        from rigpilot.engine.errors import UserError
         from rigpilot.engine.models import describe_model
         from rigpilot.engine.planner.plan import LoraSettings, Workload
         from rigpilot.engine.planner.search import SearchOptions, search
+        from rigpilot.engine.service.planworker import plan_machine
+        from rigpilot.engine.service.protocol import ProtocolError
 
+        try:  # the machine asked for, checked as the engine's planner process checks it
+            target = plan_machine(machine) if machine is not None else default_machine
+        except ProtocolError as e:
+            raise EngineError(e.code, e.message) from None
+        except UserError as e:
+            raise EngineError("user_error", str(e)) from None
         work = dict(workload or {})
         if work.get("lora") is not None:
             work["lora"] = LoraSettings(**work["lora"])
         spec = describe_model(model, trust_remote_code=trust_remote_code)
         result = search(
-            spec, machine, Workload(model=model, **work), gpus=gpus, options=SearchOptions(**(options or {}))
+            spec, target, Workload(model=model, **work), gpus=gpus, options=SearchOptions(**(options or {}))
         )
         return {"result": result.to_dict()}
 

@@ -9,23 +9,41 @@ import yaml
 from gui_fakes import (
     FakeLink,
     focusable_widgets,
+    isolated_config,
     make_job,
     real_plan_reply,
     tab_through,
 )
-from PySide6.QtCore import QSettings
+from PySide6.QtCore import QPointF, QSettings, Qt
 from PySide6.QtWidgets import QFileDialog
 
 from rigpilot.app.planner import hub_search
 from rigpilot.app.planner.exports import EXPORT_TARGETS, plan_sidecar
-from rigpilot.app.planner.model import GIB, MEMORY_PARTS, PlanRequest, plans_of, search_locally
+from rigpilot.app.planner.model import (
+    FORCE_TP_TEXT,
+    GIB,
+    MEMORY_PARTS,
+    PlanRequest,
+    gui_words,
+    plans_of,
+    search_locally,
+    summary_lines,
+)
 from rigpilot.app.planner.page import TABLE_COLUMNS, PlannerPage
+from rigpilot.app.topology.imported import ImportedMachines
+from rigpilot.engine.hardware.importers import import_machine
 from rigpilot.engine.hardware.simulated import list_profiles
 from rigpilot.engine.planner.plan import Plan
 from rigpilot.engine.service.client import EngineError
 
 PROFILES = [p["id"] for p in list_profiles()]
 PRESET_7B = "llama-2-7b"
+
+
+@pytest.fixture(autouse=True)
+def _private_settings(tmp_path, monkeypatch):
+    # The page keeps imported machines in QSettings: never the user's, never another test's.
+    yield from isolated_config(tmp_path, monkeypatch)
 
 
 
@@ -390,3 +408,146 @@ def test_a_plan_the_engine_does_not_run_says_why_and_cannot_be_launched(qtbot):
     assert reason in page.launch_button.toolTip() and reason in page.launch_note.text() and page.launch_note.isVisible()
     page.table.selectRow(0)
     assert page.launch_button.isEnabled() and not page.launch_note.isVisible()
+
+
+def test_a_new_result_shows_its_own_best_plan_in_the_headline_and_the_chart(qtbot):
+    """Planning llama-2-7b then mistral-7b: row 0 stays selected, and everything shown must follow it."""
+    page, _ = open_page(qtbot, "4x-rtx4090")
+    first = plan_for(qtbot, page, PRESET_7B, method="lora")["best"]
+    page.chart._hover(page.chart.plot.getPlotItem().vb.mapViewToScene(QPointF(0, 1)))
+    second = plan_for(qtbot, page, "mistral-7b", method="lora")["best"]
+    assert summary_lines(first)[1] != summary_lines(second)[1]  # the two answers differ where the headline shows
+    assert page.table.selectionModel().selectedRows()[0].row() == 0
+    assert page.plan == second and page.exports.plan == second
+    for line in summary_lines(second)[1:]:
+        assert line in page.summary.text()
+    assert summary_lines(first)[1] not in page.summary.text()
+    assert page.chart.memory == second["memory"]
+    assert page.chart.heights("weights") == pytest.approx([m["weights"] / GIB for m in second["memory"]])
+    # Hovering reads the new plan's parts.
+    page.chart._hover(page.chart.plot.getPlotItem().vb.mapViewToScene(QPointF(0, 1)))
+    m = second["memory"][0]
+    assert page.chart.readout.text().startswith(f"GPU {m['gpu']}: ")
+    assert f"total {m['total'] / GIB:.2f}" in page.chart.readout.text()
+
+
+def test_plans_for_a_simulated_profile_through_the_engine(qtbot):
+    page, link = open_page(qtbot, "4x-rtx4090")
+    profiles = [page.target.itemData(i) for i in range(page.target.count())]
+    assert profiles[0] == "here" and {f"profile:{p}" for p in PROFILES} <= set(profiles)
+    assert page.target.itemText(0) == f"This machine ({link.machine_obj.label})"
+    assert page.select_machine("profile:8x-h100-sxm")
+    assert sorted(page.gpus.boxes) == list(range(8)) and page.gpus.selected() == list(range(8))
+    result = plan_for(qtbot, page)
+    sent = link.requests("plan")[-1]
+    assert sent["machine"] == "8x-h100-sxm" and sent["gpus"] == list(range(8))
+    assert len(result["best"]["parallelism"]["gpu_indices"]) == 8
+    assert "H100" in page.summary.text() and page.target_note.isVisible()
+    # Exports work for the machine planned for; a job launches only on the engine's.
+    assert page.exports.plan == result["best"] and page.exports.buttons["torchrun"].isEnabled()
+    assert not page.launch_button.isEnabled() and page.launch_note.isVisible()
+    assert link.machine_obj.label in page.launch_note.text() and "Export" in page.launch_note.text()
+    # Back to this machine: no machine argument, launch offered again.
+    assert page.select_machine("here")
+    plan_for(qtbot, page)
+    assert "machine" not in link.requests("plan")[-1]
+    assert page.launch_button.isEnabled() and not page.target_note.isVisible()
+
+
+def test_plans_for_an_imported_machine_from_the_shared_list(qtbot, tmp_path, smi_data):
+    machines = ImportedMachines(QSettings(str(tmp_path / "m.ini"), QSettings.Format.IniFormat))
+    imported = import_machine(smi_data / "case21_smiq_4xA100_sxm4_80gb_nvidia-smi-q.txt").to_dict()
+    topo_only = import_machine(smi_data / "case08_4xRTX6000Ada_dual_socket_genoa_4nics.txt").to_dict()
+    entry = machines.add(imported)
+    link = FakeLink("1x-rtx4090")
+    link.replies["plan"] = real_plan_reply(link.machine_obj)
+    page = PlannerPage(link, machines=machines)
+    qtbot.addWidget(page)
+    page.show()
+    link.connect_engine()
+    assert page.select_machine(entry.key)  # the key the Topology page names it by
+    assert sorted(page.gpus.boxes) == [0, 1, 2, 3] and "A100" in page.gpus.boxes[0].text()
+    result = plan_for(qtbot, page, method="lora")
+    assert link.requests("plan")[-1]["machine"] == imported
+    assert result["best"] is not None and "A100" in page.explanation.toPlainText()
+    assert not page.launch_button.isEnabled()
+    # An import made later (on the Topology page) shows up at once; one with no GPU memory cannot be chosen.
+    blocked = machines.add(topo_only)
+    index = page.target.findData("import:" + blocked.key)
+    assert index > 0 and not page.target.model().item(index).isEnabled()
+    assert "nvidia-smi -q" in page.target.itemData(index, Qt.ItemDataRole.ToolTipRole)
+    assert page.target_key() == "import:" + entry.key  # the choice stayed
+    # Forgotten while chosen: back to this machine.
+    machines.forget(entry.key)
+    assert page.target_key() == "here" and sorted(page.gpus.boxes) == [0]
+
+
+def test_the_engine_refusing_a_machine_is_one_inline_line(qtbot):
+    page, link = open_page(qtbot, "4x-rtx4090")
+    planner = real_plan_reply(link.machine_obj)
+    link.replies["plan"] = lambda **r: planner(**{**r, "machine": {"source": "imported", "gpus": []}})
+    page.picker.set_model(PRESET_7B, chosen=False)
+    with qtbot.waitSignal(page.sig_plan_failed, timeout=20000) as failed:
+        page.plan_button.click()
+    assert failed.args[0] == "plan.machine.gpus: expected a list of at least one GPU"
+    assert "\n" not in page.message.text() and page.message.isVisible()
+
+
+def test_every_suggestion_has_a_control_and_is_worded_for_it(qtbot):
+    """Explanations name the Planner's controls, never `rigpilot plan` flags; the controls exist and work."""
+    page, link = open_page(qtbot, "4x-rtx4090")
+    page.offload.setCurrentIndex(page.offload.findData("off"))
+    result = plan_for(qtbot, page)  # full fine-tuning of 7B, no offload: nothing fits on four 24 GB cards
+    assert link.requests("plan")[-1]["options"] == {"offload": "off"}
+    assert result["best"] is None
+    raw = "\n".join(result["explanation"] + [s["change"] for s in result["suggestions"]])
+    assert "--force-tp" in raw and "--method qlora" in raw  # the planner's own words, for the CLI
+    shown = [page.explanation.toPlainText(), page.message.text()]
+    shown += [page.suggestions.item(i).text() for i in range(page.suggestions.count())]
+    shown += [page.rejected.item(r, 1).text() for r in range(page.rejected.rowCount())]
+    assert not [t for t in shown if "--" in t]
+    text = "\n".join(shown)
+    assert f"“{FORCE_TP_TEXT}”" in text and page.force_tp.text() == FORCE_TP_TEXT
+    assert "Method “QLoRA (4-bit base)”" in text and page.method.findText("QLoRA (4-bit base)") >= 0
+    assert "CPU offload is turned off" in text
+    # Each control reaches the planner.
+    page.force_tp.setChecked(True)
+    page.offload.setCurrentIndex(page.offload.findData("on"))
+    page.method.setCurrentIndex(page.method.findData("qlora"))
+    result = plan_for(qtbot, page)
+    sent = link.requests("plan")[-1]
+    assert sent["options"] == {"force_tp": True, "offload": "on"} and sent["workload"]["method"] == "qlora"
+    assert not [line for line in result["explanation"] if "tensor parallelism was left out" in line]
+
+
+def test_gui_words_cover_every_flag_the_planner_names():
+    assert gui_words("use all 4 GPUs (--gpus 0,1,2,3)") == "use all 4 GPUs (GPUs 0, 1, 2, 3)"
+    assert gui_words("load the weights in 4 bits (--quant 4bit)") == "load the weights in 4 bits (Weights “4-bit (NF4)”)"
+    assert gui_words("use sequences of 1024 tokens (--seq 1024)") == "use sequences of 1024 tokens (Sequence length 1024)"
+    assert gui_words("QLoRA computes in bf16 or fp16; use --dtype bf16") == "QLoRA computes in bf16 or fp16; use Precision “bf16”"
+    assert gui_words("(--force-tp allows it)") == f"(“{FORCE_TP_TEXT}” allows it)"
+
+
+def test_train_on_says_what_not_set_means(qtbot):
+    page, _ = open_page(qtbot, "8x-h100-sxm")
+    assert page.tokens.value() == 0 and page.tokens.text() == "not set: no time to finish"
+    assert "time to finish" in page.tokens.toolTip()
+    plan_for(qtbot, page, "qwen2.5-0.5b")
+    assert page.table.item(0, TABLE_COLUMNS.index("To finish")).text() == "—"
+    assert "tokens/s" in page.table.item(0, TABLE_COLUMNS.index("Speed")).text()
+    page.tokens.setValue(1.5)
+    assert page.tokens.text() == "1.50 billion tokens"
+
+
+def test_the_machine_planned_for_and_the_options_are_restored(qtbot, tmp_path):
+    page, _ = open_page(qtbot)
+    page.select_machine("profile:2x-rtx3090-nvlink")
+    page.force_tp.setChecked(True)
+    page.offload.setCurrentIndex(page.offload.findData("off"))
+    settings = QSettings(str(tmp_path / "s.ini"), QSettings.Format.IniFormat)
+    page.save_state(settings, "pages/planner")
+    other, _ = open_page(qtbot)
+    other.restore_state(settings, "pages/planner")
+    assert other.target_key() == "profile:2x-rtx3090-nvlink" and sorted(other.gpus.boxes) == [0, 1]
+    r = other.plan_request()
+    assert r.force_tp and r.offload == "off"

@@ -14,10 +14,10 @@ from PySide6.QtCore import QObject, QSignalBlocker, Signal
 from PySide6.QtWidgets import QCheckBox, QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
 
 from rigpilot.app.topology.graph_view import TopologyGraphView
-from rigpilot.app.topology.model import build_graph
+from rigpilot.app.topology.model import build_graph, gpu_model, gpu_title
 from rigpilot.app.widgets.engine_messages import machine_dict
 from rigpilot.app.widgets.palette import WARN
-from rigpilot.engine.hardware.machine import Machine, short_gpu_name
+from rigpilot.engine.hardware.machine import Machine
 from rigpilot.engine.service.store import ACTIVE_STATES
 
 GIB = 1024**3
@@ -147,8 +147,9 @@ class GpuSelector(QWidget):
             return
         for g in self.machine.gpus:
             box = self.boxes[g.index]
-            text = f"GPU {g.index} · {short_gpu_name(g.name)} · {g.memory_total / GIB:.0f} GiB"
-            tip = f"{g.name}, PCI {g.pci_bus_id}" if g.pci_bus_id else g.name
+            memory = f"{g.memory_total / GIB:.0f} GiB" if g.memory_total else "memory unknown"
+            text = f"GPU {g.index} · {gpu_model(g)} · {memory}"
+            tip = gpu_title(g) + (f", PCI {g.pci_bus_id}" if g.pci_bus_id else "")
             jobs = self.busy.get(g.index)
             if jobs:
                 names = ", ".join(jobs)

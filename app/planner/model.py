@@ -8,6 +8,8 @@ work function the page runs in a background task when there is no engine to ask.
 from __future__ import annotations
 
 import dataclasses
+import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +35,8 @@ TASKS = [("train", "Training"), ("infer", "Inference")]
 METHODS = [("full", "Full fine-tune"), ("lora", "LoRA"), ("qlora", "QLoRA (4-bit base)")]
 PRECISIONS = [("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32")]
 QUANTIZATION = [(16, "16-bit (the dtype)"), (8, "8-bit (LLM.int8)"), (4, "4-bit (NF4)")]
+OFFLOAD = [("auto", "Auto: only where nothing else fits"), ("on", "On: always"), ("off", "Off: never")]
+FORCE_TP_TEXT = "Allow tensor parallelism over slow links"
 
 
 @dataclass
@@ -50,6 +54,8 @@ class PlanRequest:
     weight_bits: int = 16  # inference only
     new_tokens: int = 256  # inference only
     token_budget: int | None = None  # training: tokens to train on, for a predicted time to finish
+    force_tp: bool = False  # SearchOptions.force_tp
+    offload: str = "auto"  # SearchOptions.offload (training)
 
     def problem(self) -> str | None:
         """What is wrong with the request before anything is asked, in the user's words."""
@@ -79,6 +85,15 @@ class PlanRequest:
             "token_budget": self.token_budget if training and self.token_budget else None,
         }
 
+    def options_args(self) -> dict[str, Any]:
+        """The `plan` request's `options` (SearchOptions fields): only what differs from the defaults."""
+        out: dict[str, Any] = {}
+        if self.force_tp:
+            out["force_tp"] = True
+        if self.task == "train" and self.offload != "auto":
+            out["offload"] = self.offload
+        return out
+
     def workload(self) -> Workload:
         args = self.workload_args()
         lora = args.pop("lora")
@@ -88,11 +103,51 @@ class PlanRequest:
 def search_locally(request: PlanRequest, machine: dict[str, Any], trust_remote_code: bool = False) -> dict[str, Any]:
     """The `plan` request's reply, computed here: a work function for a background task."""
     from rigpilot.engine.models import describe_model
-    from rigpilot.engine.planner.search import search
+    from rigpilot.engine.planner.search import SearchOptions, search
 
     spec = describe_model(request.model.strip(), trust_remote_code=trust_remote_code)
-    result = search(spec, Machine.from_dict(machine), request.workload(), gpus=list(request.gpus))
+    options = SearchOptions(**request.options_args())
+    result = search(spec, Machine.from_dict(machine), request.workload(), gpus=list(request.gpus), options=options)
     return {"result": result.to_dict()}
+
+
+# -- the planner's words, with the Planner page's controls for its command-line flags ---------------------------
+
+
+def _label(items: list[tuple[Any, str]], value: Any) -> str:
+    return next((text for v, text in items if str(v) == str(value)), str(value))
+
+
+_QUANT_BITS = {"int8": 8, "4bit": 4, "none": 16}
+# The planner words its advice for `rigpilot plan`; on this page each flag is the control that does the same.
+_FLAG_WORDS: list[tuple[re.Pattern[str], Callable[[re.Match[str]], str]]] = [
+    (re.compile(r"--force-tp\b"), lambda m: f"“{FORCE_TP_TEXT}”"),
+    (re.compile(r"--method (full|lora|qlora)\b"), lambda m: f"Method “{_label(METHODS, m[1])}”"),
+    (re.compile(r"--quant (int8|4bit|none)\b"), lambda m: f"Weights “{_label(QUANTIZATION, _QUANT_BITS[m[1]])}”"),
+    (re.compile(r"--dtype (bf16|fp16|fp32)\b"), lambda m: f"Precision “{m[1]}”"),
+    (re.compile(r"--offload (auto|on|off)\b"), lambda m: f"CPU offload “{_label(OFFLOAD, m[1])}”"),
+    (re.compile(r"--batch (\d+)"), lambda m: f"Batch {m[1]}"),
+    (re.compile(r"--seq (\d+)"), lambda m: f"Sequence length {m[1]}"),
+    (re.compile(r"--gpus ([\d,]+\d)"), lambda m: "GPUs " + ", ".join(m[1].split(","))),
+    (re.compile(r"--new-tokens\b"), lambda m: "New tokens"),
+    (re.compile(r"--lora-rank\b"), lambda m: "LoRA rank"),
+    (re.compile(r"--tokens\b"), lambda m: "Train on"),
+    (re.compile(r"--method\b"), lambda m: "Method"),
+    (re.compile(r"--quant\b"), lambda m: "Weights"),
+    (re.compile(r"--dtype\b"), lambda m: "Precision"),
+    (re.compile(r"--offload\b"), lambda m: "CPU offload"),
+    (re.compile(r"--batch\b"), lambda m: "Batch"),
+    (re.compile(r"--seq\b"), lambda m: "Sequence length"),
+    (re.compile(r"--gpus\b"), lambda m: "GPUs"),
+    (re.compile(r"--export (\w+)"), lambda m: f"the {m[1]} export"),
+]
+
+
+def gui_words(text: str) -> str:
+    """The planner's text with each `rigpilot plan` flag it names replaced by the Planner page control."""
+    for pattern, words in _FLAG_WORDS:
+        text = pattern.sub(words, text)
+    return text
 
 
 # -- reading a search result -----------------------------------------------------------------------------------

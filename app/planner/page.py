@@ -6,16 +6,23 @@ side shows the ranked plans, the chosen plan's memory per GPU against each
 GPU's capacity, why it won and why the others lost, suggestions when nothing
 fits, exports, and "Launch with this plan…", which opens the job wizard.
 Every failure ends up as one line above the results, never a dialog.
+
+The machine planned for is this one (the engine's), a simulated profile or
+an imported machine (the list the Topology page keeps): another machine is
+planned by the engine too (the `plan` request's `machine`), without this
+machine's calibration; its plans export, and launch only on this machine.
 """
 
 from __future__ import annotations
 
+import html
 from typing import Any
 
-from PySide6.QtCore import QByteArray, QSettings, Qt, Signal
-from PySide6.QtGui import QShowEvent
+from PySide6.QtCore import QByteArray, QSettings, QSignalBlocker, Qt, Signal
+from PySide6.QtGui import QShowEvent, QStandardItemModel
 from PySide6.QtWidgets import (
     QAbstractItemView,
+    QCheckBox,
     QComboBox,
     QDoubleSpinBox,
     QFormLayout,
@@ -41,12 +48,15 @@ from rigpilot.app.planner.export_bar import ExportBar
 from rigpilot.app.planner.gpu_selector import BusyGpus, GpuSelector
 from rigpilot.app.planner.memory_chart import MemoryChart
 from rigpilot.app.planner.model import (
+    FORCE_TP_TEXT,
     METHODS,
+    OFFLOAD,
     PRECISIONS,
     QUANTIZATION,
     TASKS,
     PlanRequest,
     error_text,
+    gui_words,
     plan_rows,
     plan_runs_here,
     plans_of,
@@ -55,8 +65,10 @@ from rigpilot.app.planner.model import (
 )
 from rigpilot.app.planner.model_picker import ModelPicker
 from rigpilot.app.tasks import run_in_background
+from rigpilot.app.topology.imported import HERE, ImportedMachines, plan_block
 from rigpilot.app.widgets.engine_messages import machine_dict
 from rigpilot.app.widgets.palette import BAD, GOOD
+from rigpilot.engine.hardware.simulated import list_profiles, load_profile
 from rigpilot.engine.planner.calibration import NOT_CALIBRATED
 
 TABLE_COLUMNS = ["#", "Plan", "Layout", "GPUs", "Speed", "Step", "To finish", "Fullest GPU", "Runs here"]
@@ -65,6 +77,8 @@ FULLEST_COLUMN = TABLE_COLUMNS.index("Fullest GPU")
 RUNS_HERE_WIDTH = 160  # a reason is elided to this; its tooltip has the whole sentence
 # Suggestions that change what is asked on this machine can be applied to the form; hardware ones cannot.
 APPLICABLE_SUGGESTIONS = ("method", "quantize", "seq", "batch", "gpus")
+PROFILE, IMPORTED = "profile:", "import:"  # prefixes of the machine list's keys (HERE is the engine's machine)
+TARGET_WIDTH = 26  # characters the machine list shows before eliding; each item's tooltip has its whole name
 
 
 def _combo(name: str, items: list[tuple[Any, str]]) -> QComboBox:
@@ -98,10 +112,12 @@ class PlannerPage(QWidget):
     sig_wizard_opened = Signal(object)  # the JobWizard "Launch with this plan…" opened
     sig_job_submitted = Signal(str)  # a job id, submitted from a wizard this page opened
 
-    def __init__(self, link: Any, parent: QWidget | None = None):
+    def __init__(self, link: Any, parent: QWidget | None = None, *, machines: ImportedMachines | None = None):
         super().__init__(parent)
         self.link = link
-        self.machine: dict[str, Any] | None = None
+        self.machines = machines if machines is not None else ImportedMachines(parent=self)
+        self.machine: dict[str, Any] | None = None  # the engine's machine
+        self._profiles: dict[str, dict[str, Any]] = {}  # simulated profiles loaded, by id
         self.result: dict[str, Any] | None = None
         self.plan: dict[str, Any] | None = None  # the plan shown in the chart
         self.wizard: Any = None
@@ -127,11 +143,26 @@ class PlannerPage(QWidget):
         self.tokens.setObjectName("tokenBudget")
         self.tokens.setRange(0.0, 1_000_000.0)
         self.tokens.setDecimals(2)
-        self.tokens.setSuffix(" B tokens")
-        self.tokens.setSpecialValueText("not set")
-        self.tokens.setToolTip("Tokens to train on (billions), for a predicted time to finish")
+        self.tokens.setSuffix(" billion tokens")
+        # Nothing else depends on it: without a budget the plans still say tokens/s and time per step.
+        self.tokens.setSpecialValueText("not set: no time to finish")
+        self.tokens.setToolTip(
+            "How many tokens to train on, in billions. Set it to get a predicted time to finish "
+            "(the “To finish” column); plans are the same either way"
+        )
         self.precision = _combo("precision", PRECISIONS)
         self.precision.setToolTip("Training: mixed precision in this dtype. Inference: the weights' dtype")
+        self.offload = _combo("offload", OFFLOAD)
+        self.offload.setToolTip(
+            "CPU offload moves parameters, gradients and optimizer state to host RAM (FSDP2's CPUOffloadPolicy): "
+            "it fits larger models and runs slower. Auto tries it only where nothing else fits"
+        )
+        self.force_tp = QCheckBox(FORCE_TP_TEXT)
+        self.force_tp.setObjectName("forceTp")
+        self.force_tp.setToolTip(
+            "Tensor parallelism is kept within GPUs joined by NVLink or one PCIe switch; "
+            "check this to consider it over slower links too"
+        )
         workload = QFormLayout()
         workload.addRow("Task", self.task)
         workload.addRow("Method", self.method)
@@ -143,6 +174,8 @@ class PlannerPage(QWidget):
         workload.addRow("New tokens", self.new_tokens)
         workload.addRow("Train on", self.tokens)
         workload.addRow("Precision", self.precision)
+        workload.addRow("CPU offload", self.offload)
+        workload.addRow(self.force_tp)
         self.workload_form = workload
         self.task.currentIndexChanged.connect(self._task_changed)
         self.method.currentIndexChanged.connect(self._task_changed)
@@ -157,6 +190,17 @@ class PlannerPage(QWidget):
         self.plan_button.setDefault(True)
         self.plan_button.setToolTip("Find the fastest way to split this workload over the selected GPUs")
         self.plan_button.clicked.connect(self.request_plan)
+        self.target = QComboBox()
+        self.target.setObjectName("planMachine")
+        self.target.setAccessibleName("Machine to plan for")
+        # A long imported file name elides here instead of widening the form (each item's tooltip has it whole).
+        self.target.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+        self.target.setMinimumContentsLength(TARGET_WIDTH)
+        self.target.currentIndexChanged.connect(self._target_changed)
+        self.target_note = QLabel("")
+        self.target_note.setObjectName("planMachineNote")
+        self.target_note.setWordWrap(True)
+        self.target_note.hide()
         self.status = QLabel("")
         self.status.setObjectName("planStatus")
         self.status.setWordWrap(True)
@@ -168,7 +212,11 @@ class PlannerPage(QWidget):
         workload_box = QGroupBox("Workload")
         workload_box.setLayout(workload)
         gpu_box = QGroupBox("GPUs")
-        QVBoxLayout(gpu_box).addWidget(self.gpus)
+        gpu_layout = QVBoxLayout(gpu_box)
+        gpu_layout.addWidget(QLabel("Plan for:"))
+        gpu_layout.addWidget(self.target)
+        gpu_layout.addWidget(self.target_note)
+        gpu_layout.addWidget(self.gpus)
         form_layout.addWidget(model_box)
         form_layout.addWidget(workload_box)
         form_layout.addWidget(gpu_box)
@@ -307,6 +355,8 @@ class PlannerPage(QWidget):
         layout.addWidget(self.splitter)
         self._task_changed()
         self._show_result(None)
+        self.machines.sig_changed.connect(self._fill_targets)
+        self._fill_targets()
 
         link.sig_machine.connect(self.on_machine)
         if getattr(link, "machine", None):
@@ -325,15 +375,122 @@ class PlannerPage(QWidget):
         if not d:
             return
         self.machine = d
+        self.target.setItemText(0, f"This machine ({d.get('label', '')})")
+        self.target.setItemData(0, f"This machine ({d.get('label', '')}): the one the engine runs jobs on",
+                                Qt.ItemDataRole.ToolTipRole)  # fmt: skip
+        if self.target_key() != HERE:
+            return
         self.gpus.set_machine(d)
         if self._default_selection or not self.gpus.selected():
             self._default_selection = True
             self.gpus.set_selected(self.gpus.free() or sorted(self.gpus.boxes), emit=False)
 
     def _busy_changed(self, busy: dict[int, list[str]]) -> None:
+        if self.target_key() != HERE:
+            return  # jobs run here; another machine's GPUs are all free
         self.gpus.set_busy(busy)
         if self._default_selection:
             self.gpus.set_selected(self.gpus.free() or sorted(self.gpus.boxes), emit=False)
+
+    # -- the machine planned for -------------------------------------------------------------------
+    def _fill_targets(self) -> None:
+        """This machine, each simulated profile, each imported machine; the choice stays where it was."""
+        key = self.target_key() or HERE
+        with QSignalBlocker(self.target):
+            self.target.clear()
+            here = f"This machine ({self.machine.get('label', '')})" if self.machine else "This machine"
+            self.target.addItem(here, HERE)
+            self.target.setItemData(0, f"{here}: the one the engine runs jobs on", Qt.ItemDataRole.ToolTipRole)
+            for p in list_profiles():
+                self._add_target(f"Simulated: {p['title']}", PROFILE + p["id"], f"{p['label']} ({p['title']})")
+            for entry in self.machines.items():
+                self._add_target(entry.title, IMPORTED + entry.key, entry.title, plan_block(entry.machine))
+            index = self.target.findData(key)
+            self.target.setCurrentIndex(max(index, 0))
+        if index < 0:
+            self._target_changed()  # the machine chosen went away: back to this one
+
+    def _add_target(self, text: str, key: str, tip: str, blocked: str = "") -> None:
+        self.target.addItem(text, key)
+        i = self.target.count() - 1
+        self.target.setItemData(i, f"{tip}\n{blocked}" if blocked else tip, Qt.ItemDataRole.ToolTipRole)
+        if blocked:
+            model = self.target.model()
+            if isinstance(model, QStandardItemModel):
+                model.item(i).setEnabled(False)
+
+    def use_machines(self, machines: ImportedMachines) -> None:
+        """Share another page's list of imported machines (the main window gives the Topology page's)."""
+        self.machines.sig_changed.disconnect(self._fill_targets)
+        self.machines = machines
+        machines.sig_changed.connect(self._fill_targets)
+        self._fill_targets()
+
+    def target_key(self) -> str:
+        return str(self.target.currentData() or HERE)
+
+    def target_machine(self) -> dict[str, Any] | None:
+        """Machine.to_dict() of the machine planned for (None until the engine says what this one is)."""
+        key = self.target_key()
+        if key.startswith(PROFILE):
+            pid = key[len(PROFILE) :]
+            if pid not in self._profiles:
+                self._profiles[pid] = load_profile(pid).to_dict()
+            return self._profiles[pid]
+        if key.startswith(IMPORTED):
+            entry = self.machines.get(key[len(IMPORTED) :])
+            return entry.machine if entry else None
+        return self.machine
+
+    def _machine_arg(self) -> str | dict[str, Any] | None:
+        """The `plan` request's `machine`: None for this one, a profile's id, or an imported machine."""
+        key = self.target_key()
+        if key.startswith(PROFILE):
+            return key[len(PROFILE) :]
+        if key.startswith(IMPORTED):
+            return self.target_machine()
+        return None
+
+    def select_machine(self, key: str) -> bool:
+        """Plan for HERE, a "profile:<id>" or an imported machine's key (as the Topology page names it)."""
+        if key != HERE and not key.startswith(PROFILE) and not key.startswith(IMPORTED):
+            key = IMPORTED + key
+        index = self.target.findData(key)
+        if index < 0:
+            return False
+        self.target.setCurrentIndex(index)
+        return True
+
+    def _target_changed(self) -> None:
+        d = self.target_machine()
+        self._serial += 1  # a reply for the machine before is not for this one
+        self.plan_button.setEnabled(True)
+        self.status.setText("")
+        self.message.hide()
+        self._show_result(None)
+        self._show_target_note()
+        if d is None:
+            return
+        here = self.target_key() == HERE
+        self.gpus.set_busy(self.busy.busy if here else {})
+        self.gpus.set_machine(d)
+        self._default_selection = True
+        self.gpus.set_selected((self.gpus.free() if here else []) or sorted(self.gpus.boxes), emit=False)
+        if self.picker.model().strip():
+            self.request_plan()
+
+    def _show_target_note(self) -> None:
+        d = self.target_machine()
+        if self.target_key() == HERE or d is None:
+            self.target_note.hide()
+            return
+        here = (self.machine or {}).get("label", "the engine's machine")
+        self.target_note.setText(
+            f"Planning for another machine, {d.get('label', '')}: this machine's calibration does not apply, "
+            f"and jobs launch only on {here}. Export its plans to run them there."
+        )
+        self.target_note.setToolTip(self.target_note.text())
+        self.target_note.show()
 
     def _user_selected(self, gpus: list[int]) -> None:
         self._default_selection = False
@@ -348,6 +505,7 @@ class PlannerPage(QWidget):
         rows.setRowVisible(self.quant, not training)
         rows.setRowVisible(self.new_tokens, not training)
         rows.setRowVisible(self.tokens, training)
+        rows.setRowVisible(self.offload, training)
         self.batch_label.setText("Batch (sequences per step)" if training else "Sequences at once")
         self.batch.setToolTip(
             "Sequences per optimizer step, over all GPUs" if training else "Sequences generated at the same time"
@@ -366,6 +524,8 @@ class PlannerPage(QWidget):
             weight_bits=self.quant.currentData(),
             new_tokens=self.new_tokens.value(),
             token_budget=round(self.tokens.value() * 1e9) or None,
+            force_tp=self.force_tp.isChecked(),
+            offload=self.offload.currentData(),
         )
 
     def set_request(self, r: PlanRequest) -> None:
@@ -380,6 +540,8 @@ class PlannerPage(QWidget):
         self.lora_rank.setValue(r.lora_rank)
         self.new_tokens.setValue(r.new_tokens)
         self.tokens.setValue((r.token_budget or 0) / 1e9)
+        self.force_tp.setChecked(r.force_tp)
+        _select(self.offload, r.offload)
         if r.gpus:
             self.gpus.set_selected(r.gpus)
 
@@ -398,14 +560,16 @@ class PlannerPage(QWidget):
         self.plan_button.setEnabled(False)
         on_done = lambda reply: self._on_plan(serial, reply)  # noqa: E731
         on_error = lambda e: self._on_plan_error(serial, e)  # noqa: E731
+        target = self.target_machine()
         if getattr(self.link, "state", None) == "connected":
+            other = self._machine_arg()
             self.link.call(
                 "plan", on_done=on_done, on_error=on_error,
-                model=request.model, workload=request.workload_args(), gpus=request.gpus, options={},
+                model=request.model, workload=request.workload_args(), gpus=request.gpus,
+                options=request.options_args(), **({"machine": other} if other is not None else {}),
             )  # fmt: skip
-        elif self.machine is not None:
-            machine = self.machine
-            run_in_background(lambda: search_locally(request, machine), on_done, on_error)
+        elif target is not None:
+            run_in_background(lambda: search_locally(request, target), on_done, on_error)
         else:
             self.plan_button.setEnabled(True)
             self.status.setText("")
@@ -431,7 +595,7 @@ class PlannerPage(QWidget):
         self.plan_button.setEnabled(True)
         self.status.setText("")
         self._show_result(None)
-        self._show_message(error_text(error))
+        self._show_message(gui_words(error_text(error)))
         self.sig_plan_failed.emit(self.message.text())
 
     def _show_message(self, text: str) -> None:
@@ -456,12 +620,17 @@ class PlannerPage(QWidget):
                     item.setForeground(BAD)
                     item.setToolTip(f"Does not fit: the fullest GPU would need {value}")
                 self.table.setItem(r, c, item)
-        self.explanation.setPlainText("\n".join(f"• {line}" for line in (result or {}).get("explanation", [])))
+        lines = (result or {}).get("explanation", [])
+        self.explanation.setPlainText("\n".join(f"• {gui_words(line)}" for line in lines))
         self._show_calibration(result)
         self._show_rejected((result or {}).get("rejected", []))
         self._show_suggestions((result or {}).get("suggestions", []))
         if rows:
-            self.table.selectRow(0)
+            # Shown outright: when row 0 was already selected, selecting it again signals nothing, and the
+            # headline and chart would go on showing the previous result's best plan.
+            with QSignalBlocker(self.table.selectionModel()):
+                self.table.selectRow(0)
+            self._show_plan(plans_of(result or {})[0])
             self.tabs.setCurrentIndex(0)
         else:
             self._show_plan(None)
@@ -488,7 +657,7 @@ class PlannerPage(QWidget):
             need = rej.get("need_bytes")
             have = rej.get("have_bytes")
             needs = f"{need / 2**30:.1f} of {have / 2**30:.1f} GiB" if need and have else ""
-            for c, value in enumerate([rej.get("family", ""), rej.get("reason", ""), needs]):
+            for c, value in enumerate([rej.get("family", ""), gui_words(rej.get("reason", "")), needs]):
                 item = QTableWidgetItem(value)
                 item.setToolTip(value)
                 self.rejected.setItem(r, c, item)
@@ -497,7 +666,7 @@ class PlannerPage(QWidget):
     def _show_suggestions(self, suggestions: list[dict[str, Any]]) -> None:
         self.suggestions.clear()
         for s in suggestions:
-            item = QListWidgetItem(s["change"])
+            item = QListWidgetItem(gui_words(s["change"]))
             item.setData(Qt.ItemDataRole.UserRole, s)
             self.suggestions.addItem(item)
         self.apply_button.setEnabled(False)
@@ -514,7 +683,7 @@ class PlannerPage(QWidget):
         applicable = bool(s) and s.get("kind") in APPLICABLE_SUGGESTIONS
         self.apply_button.setEnabled(applicable)
         if s:
-            self._show_plan(s["plan"], heading=f"With this change ({s['change']}):")
+            self._show_plan(s["plan"], heading=f"With this change ({gui_words(s['change'])}):")
             # Other hardware is for comparing and exporting; a job can only launch on this machine.
             self._offer_launch(s["plan"] if applicable else None)
 
@@ -529,6 +698,8 @@ class PlannerPage(QWidget):
         lines = summary_lines(plan)
         fits = all(m["headroom"] >= 0 for m in plan.get("memory") or [])
         colour = GOOD if fits else BAD
+        if not heading and self.target_key() != HERE:
+            heading = f"Plan for {html.escape((self.target_machine() or {}).get('label', 'another machine'))}:"
         head = f"<b>{heading or 'Plan'}</b> <span style='color:{colour.name()}'>{lines[0]}</span>"
         self.summary.setText("<br>".join([head, *lines[1:]]))
         self.sig_plan_shown.emit(plan)
@@ -536,6 +707,10 @@ class PlannerPage(QWidget):
     def _offer_launch(self, plan: dict[str, Any] | None) -> None:
         """Launch only a plan the engine runs; for one it does not, say why beside the disabled button."""
         runs, why = plan_runs_here(plan) if plan is not None else (False, "")
+        if runs and self.target_key() != HERE:
+            runs = False
+            here = (self.machine or {}).get("label", "the engine's machine")
+            why = f"it is for another machine; jobs launch only on {here}. Export it instead"
         self.launch_button.setEnabled(plan is not None and runs)
         reason = "" if plan is None or runs else f"Does not run here: {why}"
         self.launch_button.setToolTip(reason or "Open the job wizard filled from this plan")
@@ -591,6 +766,9 @@ class PlannerPage(QWidget):
         settings.setValue(f"{prefix}/lora_rank", r.lora_rank)
         settings.setValue(f"{prefix}/weight_bits", r.weight_bits)
         settings.setValue(f"{prefix}/new_tokens", r.new_tokens)
+        settings.setValue(f"{prefix}/force_tp", int(r.force_tp))
+        settings.setValue(f"{prefix}/offload", r.offload)
+        settings.setValue(f"{prefix}/machine", self.target_key())
         settings.setValue(f"{prefix}/splitter", self.splitter.saveState())
         settings.setValue(f"{prefix}/results_splitter", self.results_splitter.saveState())
 
@@ -614,8 +792,11 @@ class PlannerPage(QWidget):
                 lora_rank=value("lora_rank", d.lora_rank, int),
                 weight_bits=value("weight_bits", d.weight_bits, int),
                 new_tokens=value("new_tokens", d.new_tokens, int),
+                force_tp=bool(value("force_tp", 0, int)),
+                offload=value("offload", d.offload, str),
             )
         )
+        self.select_machine(value("machine", HERE, str))
         for key, splitter in (("splitter", self.splitter), ("results_splitter", self.results_splitter)):
             state = settings.value(f"{prefix}/{key}")
             if isinstance(state, QByteArray):

@@ -235,7 +235,7 @@ def _pcie_tree(machine: Machine, boxes: list[Box]) -> tuple[list[Node], list[Edg
                     up = switch.id
                 for i in members:
                     g = gpus[i]
-                    label = f"GPU {i}\n{_clip(short_gpu_name(g.name), 17)}"
+                    label = f"GPU {i}\n{_clip(gpu_model(g), 17)}"
                     nodes.append(Node(f"gpu{i}", "gpu", label, box=b, gpu=i, column=column, tooltip=_gpu_tooltip(g)))
                     edges.append(Edge(f"gpu{i}", up, "pcie", tooltip=_pcie_link(g, known_paths), gpus=(i,),
                                       gbs=pcie_link_gbs(g)))  # fmt: skip
@@ -323,8 +323,39 @@ def _clip(text: str, n: int) -> str:
     return text if len(text) <= n else text[: n - 1] + "…"
 
 
+def name_unknown(g: Gpu) -> bool:
+    """Whether the source named no model for this GPU (`topo -m` alone lists none)."""
+    return "name" in g.unavailable
+
+
+def gpu_model(g: Gpu) -> str:
+    """The model as a GPU's box shows it: 'RTX 4090', or 'name unknown'."""
+    return "name unknown" if name_unknown(g) else short_gpu_name(g.name)
+
+
+def gpu_title(g: Gpu) -> str:
+    """'GPU 0 (NVIDIA GeForce RTX 4090)', or 'GPU 0 (name unknown: topo -m lists no model)'."""
+    if name_unknown(g):
+        why = "topo -m lists no model" if "topo -m" in g.unavailable["name"] else g.unavailable["name"]
+        return f"GPU {g.index} (name unknown: {why})"
+    return f"GPU {g.index} ({g.name})"
+
+
+def machine_title(machine: Machine) -> str:
+    """The machine's label, with GPUs no source named counted as such rather than under a placeholder name."""
+    unknown = [g for g in machine.gpus if name_unknown(g)]
+    if not unknown or len(unknown) != len(machine.gpus):
+        return machine.label
+    n = len(unknown)
+    what = f"{n} GPU{'s' if n != 1 else ''}, model{'s' if n != 1 else ''} unknown (topo -m lists none)"
+    kind = {"imported": "imported", "simulated": "simulated"}.get(
+        machine.source.value, machine.host.hostname or "this machine"
+    )
+    return f"{kind}: {what}" + (f" ({machine.origin})" if machine.origin else "")
+
+
 def _gpu_tooltip(g: Gpu) -> str:
-    lines = [g.name, f"Bus {g.pci_bus_id or 'n/a'}"]
+    lines = [gpu_title(g), f"Bus {g.pci_bus_id or 'n/a'}"]
     if g.memory_total:
         lines.append(f"{g.memory_total / 2**30:.0f} GiB")
     if g.nvlink_links:

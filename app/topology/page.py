@@ -2,7 +2,10 @@
 
 It can also show another machine, imported from saved `nvidia-smi` output, to
 compare or plan for it; "Back to this machine" returns to the engine's one.
-GPUs are selected by clicking them; other pages listen to `sig_gpus_selected`.
+Imported machines are kept in one list (`ImportedMachines`) the Planner shares,
+and "Plan for this machine" asks the main window to open the Planner on the
+machine shown. GPUs are selected by clicking them; other pages listen to
+`sig_gpus_selected`.
 """
 
 from __future__ import annotations
@@ -13,11 +16,13 @@ from typing import Any
 from PySide6.QtCore import QByteArray, QSettings, Qt, Signal
 from PySide6.QtGui import QFont
 from PySide6.QtWidgets import (
+    QComboBox,
     QFileDialog,
     QHBoxLayout,
     QLabel,
     QPushButton,
     QScrollArea,
+    QSizePolicy,
     QSplitter,
     QVBoxLayout,
     QWidget,
@@ -26,8 +31,10 @@ from PySide6.QtWidgets import (
 from rigpilot.app.engine_link import CONNECTED
 from rigpilot.app.tasks import run_in_background
 from rigpilot.app.topology.graph_view import TopologyGraphView
+from rigpilot.app.topology.imported import HERE, ImportedMachines, plan_block
 from rigpilot.app.topology.matrix import BandwidthHeatMap, TopoLegend, TopoMatrixTable
-from rigpilot.app.topology.model import TopologyGraph, build_graph, measured_bandwidth, topo_matrix
+from rigpilot.app.topology.model import TopologyGraph, build_graph, machine_title, measured_bandwidth, topo_matrix
+from rigpilot.app.widgets.elided_label import ElidedLabel
 from rigpilot.app.widgets.engine_messages import machine_dict
 from rigpilot.app.widgets.palette import BAD
 from rigpilot.engine.hardware.importers import import_machine
@@ -36,16 +43,20 @@ from rigpilot.engine.hardware.topology import describe
 from rigpilot.engine.service.store import ACTIVE_STATES
 
 IMPORT_FILTER = "nvidia-smi output (*.txt *.xml *.log *.out);;All files (*)"
+CHOICE_WIDTH = 28  # characters a machine list shows before eliding; the tooltip has the whole name
 
 
 class TopologyPage(QWidget):
     sig_gpus_selected = Signal(list)  # GPU indices chosen on the graph, of the machine shown
     sig_machine_shown = Signal(dict)  # Machine.to_dict() of what the page now shows (this machine or an import)
     sig_import_failed = Signal(str)  # the message shown to the user
+    sig_plan_for_machine = Signal(str)  # HERE, or the ImportedMachines key of the machine shown
 
-    def __init__(self, link: Any, parent: QWidget | None = None):
+    def __init__(self, link: Any, parent: QWidget | None = None, *, machines: ImportedMachines | None = None):
         super().__init__(parent)
         self.link = link
+        self.machines = machines if machines is not None else ImportedMachines(parent=self)
+        self.shown_key = HERE
         self.local: dict[str, Any] | None = None  # the engine's machine
         self.shown: Machine | None = None
         self.shown_dict: dict[str, Any] | None = None
@@ -54,7 +65,8 @@ class TopologyPage(QWidget):
         self.jobs: dict[str, dict[str, Any]] = {}
         self._job_events: dict[str, dict[str, Any]] | None = None  # job events since the `jobs` request went out
 
-        self.title = QLabel("Waiting for the engine…")
+        # Elided: an imported machine's title names its files, and a long name must not widen the window.
+        self.title = ElidedLabel("Waiting for the engine…")
         self.title.setObjectName("machineTitle")
         font = QFont(self.title.font())
         font.setBold(True)
@@ -68,10 +80,21 @@ class TopologyPage(QWidget):
         self.back_button.setObjectName("backToLocal")
         self.back_button.clicked.connect(self.show_local)
         self.back_button.hide()
+        self.choice = QComboBox()
+        self.choice.setObjectName("shownMachine")
+        self.choice.setAccessibleName("Machine shown")
+        self.choice.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+        self.choice.setMinimumContentsLength(CHOICE_WIDTH)
+        self.choice.activated.connect(self._choice_activated)
+        self.plan_button = QPushButton("Plan for this machine")
+        self.plan_button.setObjectName("planForMachine")
+        self.plan_button.clicked.connect(lambda: self.sig_plan_for_machine.emit(self.shown_key))
         head = QHBoxLayout()
         head.addWidget(self.title, 1)
+        head.addWidget(self.choice)
         head.addWidget(self.import_button)
         head.addWidget(self.back_button)
+        head.addWidget(self.plan_button)
         self.error = QLabel()
         self.error.setObjectName("importError")
         self.error.setWordWrap(True)
@@ -82,6 +105,9 @@ class TopologyPage(QWidget):
         self.notes.setObjectName("machineNotes")
         self.notes.setWordWrap(True)
         self.notes.hide()
+        # A file name has no place to wrap: these wrap at the width they are given instead of asking for more.
+        for label in (self.error, self.notes):
+            label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
 
         self.graph_view = TopologyGraphView()
         self.graph_view.sig_gpus_selected.connect(self.sig_gpus_selected.emit)
@@ -142,6 +168,8 @@ class TopologyPage(QWidget):
         layout.addWidget(self.notes)
         layout.addWidget(self.splitter, 1)
         self.set_measured_bandwidth({})
+        self.machines.sig_changed.connect(self._fill_choice)
+        self._fill_choice()
 
         link.sig_machine.connect(self.on_machine)
         link.sig_telemetry.connect(self.on_telemetry)
@@ -191,15 +219,19 @@ class TopologyPage(QWidget):
         self.graph_view.set_busy(busy)
 
     # -- showing a machine ---------------------------------------------------------------------------
-    def _show(self, d: dict[str, Any], imported: bool) -> None:
+    def _show(self, d: dict[str, Any], imported: bool, key: str = HERE) -> None:
         machine = Machine.from_dict(d)
         if self.shown_dict is not None and (
             imported != self.imported or d.get("label") != self.shown_dict.get("label")
         ):
             self.graph_view.set_selection([])  # a selection names GPUs of the machine it was made on
-        self.shown, self.shown_dict, self.imported = machine, d, imported
-        self.title.setText(d.get("label") or machine.label)
+        self.shown, self.shown_dict, self.imported, self.shown_key = machine, d, imported, key
+        self.title.setText(machine_title(machine) if imported else d.get("label") or machine.label)
         self.back_button.setVisible(imported)
+        self._select_choice(key)
+        blocked = plan_block(d)
+        self.plan_button.setEnabled(not blocked)
+        self.plan_button.setToolTip(blocked or "Open the Planner with this machine as the one to plan for")
         notes = list(d.get("notes") or [])
         self.notes.setText("\n".join(f"• {n}" for n in notes))
         self.notes.setVisible(bool(notes))
@@ -219,7 +251,43 @@ class TopologyPage(QWidget):
             self._show(self.local, imported=False)
         else:
             self.imported = False
+            self.shown_key = HERE
             self.back_button.hide()
+            self._select_choice(HERE)
+
+    def show_imported(self, key: str) -> None:
+        """Show a machine from the imported list."""
+        entry = self.machines.get(key)
+        if entry is not None:
+            self.error.hide()
+            self._show(entry.machine, imported=True, key=key)
+
+    def _fill_choice(self) -> None:
+        self.choice.blockSignals(True)
+        self.choice.clear()
+        self.choice.addItem("This machine", HERE)
+        self.choice.setItemData(0, "The machine the engine runs on", Qt.ItemDataRole.ToolTipRole)
+        for entry in self.machines.items():
+            self.choice.addItem(entry.title, entry.key)
+            self.choice.setItemData(self.choice.count() - 1, entry.title, Qt.ItemDataRole.ToolTipRole)
+        self.choice.blockSignals(False)
+        self._select_choice(self.shown_key)
+        self.choice.setVisible(self.choice.count() > 1)
+        self.choice.setToolTip("Show this machine or one imported before")
+
+    def _select_choice(self, key: str) -> None:
+        i = self.choice.findData(key)
+        if i >= 0:
+            self.choice.blockSignals(True)
+            self.choice.setCurrentIndex(i)
+            self.choice.blockSignals(False)
+
+    def _choice_activated(self, index: int) -> None:
+        key = self.choice.itemData(index)
+        if key == HERE:
+            self.show_local()
+        elif key:
+            self.show_imported(key)
 
     def set_measured_bandwidth(self, values: dict[tuple[int, int], float]) -> None:
         """The hook for calibration results: GPU pair (a < b) -> measured GB/s; empty hides the heat map."""
@@ -242,7 +310,8 @@ class TopologyPage(QWidget):
 
     def _on_imported(self, d: dict[str, Any]) -> None:
         self.import_button.setEnabled(True)
-        self._show(d, imported=True)
+        entry = self.machines.add(d)
+        self._show(d, imported=True, key=entry.key)
 
     def _on_import_failed(self, error: BaseException) -> None:
         self.import_button.setEnabled(True)

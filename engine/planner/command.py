@@ -24,7 +24,7 @@ from rigpilot.engine.planner.calibration import apply as apply_calibration
 from rigpilot.engine.planner.export import EXPORTS, export_best
 from rigpilot.engine.planner.memory import fmt_gib
 from rigpilot.engine.planner.plan import METHODS, OPTIMIZERS, PRECISIONS, LoraSettings, Plan, Workload
-from rigpilot.engine.planner.search import RANKING, SearchOptions, SearchResult
+from rigpilot.engine.planner.search import OFFLOAD_CHOICES, RANKING, SearchOptions, SearchResult
 from rigpilot.engine.planner.verify import search_checked
 
 DEFAULT_SEQ = 2048
@@ -63,6 +63,8 @@ def register(subparsers: Any, parents: list[argparse.ArgumentParser] | None = No
     g.add_argument("--new-tokens", type=int, metavar="N", help=f"inference: tokens generated per sequence (default {DEFAULT_NEW_TOKENS})")
     g.add_argument("--tokens", type=float, metavar="N", help="training: token budget, for a time to finish (e.g. 1e9)")
     g.add_argument("--force-tp", action="store_true", help="consider tensor parallelism over slow links too")
+    g.add_argument("--offload", choices=OFFLOAD_CHOICES, default="auto",
+                   help="training: CPU offload only where nothing else fits (auto), always (on) or never (off)")  # fmt: skip
     g.add_argument("--calibration", type=Path, metavar="FILE", help="what `rigpilot run calibrate` measured on this machine (its output/calibration.json)")
     g.add_argument("--nodes", type=int, default=1, metavar="N", help="--export slurm: number of nodes")
     g.add_argument("--script", metavar="FILE", help="the training or inference script exports launch")
@@ -156,7 +158,7 @@ def run_plan(args: argparse.Namespace) -> int:
         calibrated = apply_calibration(_calibration(args.calibration), machine, workload.precision)
     # One search, with or without --export: the export translates the plan `plan` shows into the tool's terms.
     result = search_checked(
-        spec, machine, workload, calibrated, gpus=parse_gpus(args.gpus), options=SearchOptions(force_tp=args.force_tp),
+        spec, machine, workload, calibrated, gpus=parse_gpus(args.gpus), options=SearchOptions(force_tp=args.force_tp, offload=args.offload),
         verify=not getattr(args, "no_verify", False),
     )  # fmt: skip
     calibrated_status = calibrated[1]

@@ -59,6 +59,7 @@ from rigpilot.engine.planner.result import FAMILY_ORDER, Candidate, Rejection, S
 from rigpilot.engine.planner.speed import SpeedModel
 
 EXPORT_TARGETS = ("torchrun", "accelerate", "deepspeed", "slurm")
+OFFLOAD_CHOICES = ("auto", "on", "off")  # SearchOptions.offload
 MAX_SEQ = 2**21  # 2M tokens
 MAX_BATCH = 2**20  # sequences per step
 MAX_TOKEN_BUDGET = 10**16
@@ -69,6 +70,7 @@ MAX_TP = 8
 @dataclass
 class SearchOptions:
     force_tp: bool = False  # allow tensor parallelism over slow links
+    offload: str = "auto"  # CPU offload (training): "auto" only where nothing else fits, "on" only, "off" never
     export: str | None = None  # only plans this export target can run
     runners_up: int = 4
     suggest: bool = True  # when nothing fits, look for the smallest change that fits
@@ -173,6 +175,8 @@ def search(
     opts = options or SearchOptions()
     if opts.export is not None and opts.export not in EXPORT_TARGETS:
         raise UserError(f"unknown export {opts.export!r}; use {', '.join(EXPORT_TARGETS)}")
+    if opts.offload not in OFFLOAD_CHOICES:
+        raise UserError(f"CPU offload can be {', '.join(OFFLOAD_CHOICES)}, not {opts.offload!r}")
     indices = select_gpus(machine, gpus)
     m, w = _prepare(spec, workload)
     topo = Topology(machine, indices, calibration)
@@ -524,6 +528,10 @@ def _train_layouts(
                     offload_params=off_par,
                     stage_layers=stage_layers,
                 )
+                if par.offload != (opts.offload == "on") and opts.offload != "auto":
+                    if opts.offload == "off":
+                        skipped.setdefault("offload", "CPU offload is turned off")
+                    continue
                 if par.offload:
                     # Offload is the last resort, tried only where nothing else fits; a form of it the engine
                     # refuses (QLoRA's 4-bit base) is not evaluated, and the rejection says why.

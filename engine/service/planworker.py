@@ -7,7 +7,9 @@ and keeps a model's own code (`trust_remote_code`) out of the service. The
 child is reused between requests, so a plan costs the imports once.
 
 Wire: the first stdin line is the machine (Machine.to_dict as JSON); then one
-JSON request per line. Each answer is
+JSON request per line. A request may name another machine to plan for
+(`machine`: a simulated profile's id or a machine description, checked by
+`plan_machine`); it is planned without this machine's calibration. Each answer is
 one JSON line on stdout, `{"result": ...}` or `{"error": {"code", "message"}}`
 or `{"bug": traceback}`; only JSON flows back to the service.
 """
@@ -15,6 +17,7 @@ or `{"bug": traceback}`; only JSON flows back to the service.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -69,9 +72,89 @@ def _short(text: str, n: int = 80) -> str:
     return repr(text if len(text) <= n else text[:n] + "…")
 
 
+# What Machine.to_dict writes besides the fields, and what the engine's `machine` message adds: read, not used.
+_MACHINE_EXTRAS = frozenset({"label", "schema_version", "calibration"})
+_PAIR_ENUMS = {"pcie": "PciePath", "p2p_read": "P2P", "p2p_write": "P2P"}
+MAX_GPUS = 4096
+
+
+def plan_machine(value: Any) -> Any:
+    """The machine a `plan` request names: a simulated profile's id, or a machine description (Machine.to_dict,
+    e.g. an imported `nvidia-smi` output). Anything else is refused in one line naming what is wrong."""
+    from rigpilot.engine.hardware import machine as hw
+    from rigpilot.engine.hardware.simulated import list_profiles, load_profile
+
+    if isinstance(value, str):
+        known = [p["id"] for p in list_profiles()]
+        if value not in known:  # also keeps a path out of the profiles folder
+            raise UserError(f"unknown simulated profile {_short(value)}; known profiles: {', '.join(known)}")
+        return load_profile(value)
+    if not isinstance(value, dict):
+        raise ProtocolError(
+            protocol.INVALID, "plan.machine: expected a simulated profile's id or a machine description"
+        )
+    d = {k: v for k, v in value.items() if k not in _MACHINE_EXTRAS}
+    where = "plan.machine"
+    try:
+        source = hw.Source(d.get("source"))
+    except ValueError:
+        choices = ", ".join(s.value for s in hw.Source)
+        raise ProtocolError(protocol.INVALID, f"{where}.source: expected one of {choices}") from None
+    gpus = d.get("gpus")
+    if not isinstance(gpus, list) or not gpus:
+        raise ProtocolError(protocol.INVALID, f"{where}.gpus: expected a list of at least one GPU")
+    if len(gpus) > MAX_GPUS:
+        raise ProtocolError(protocol.INVALID, f"{where}.gpus: at most {MAX_GPUS} GPUs, got {len(gpus)}")
+    if d.get("host") is not None:
+        protocol.check_dataclass(hw.Host, d["host"], f"{where}.host")
+    for i, g in enumerate(gpus):
+        protocol.check_dataclass(hw.Gpu, g, f"{where}.gpus[{i}]")
+        for name in ("index", "name"):
+            if name not in g:
+                raise ProtocolError(protocol.INVALID, f"{where}.gpus[{i}]: missing {name!r}")
+    pairs = d.get("pairs") or []
+    if not isinstance(pairs, list):
+        raise ProtocolError(protocol.INVALID, f"{where}.pairs: expected a list")
+    for i, p in enumerate(pairs):
+        protocol.check_dataclass(hw.GpuPair, p, f"{where}.pairs[{i}]", ignore=frozenset({"topo", *_PAIR_ENUMS}))
+        for key, enum in _PAIR_ENUMS.items():
+            v = p.get(key)
+            if v is not None and v not in {e.value for e in getattr(hw, enum)}:
+                raise ProtocolError(protocol.INVALID, f"{where}.pairs[{i}].{key}: unknown value {_short(str(v))}")
+    for key in ("nics", "notes"):
+        if not isinstance(d.get(key) or [], list):
+            raise ProtocolError(protocol.INVALID, f"{where}.{key}: expected a list")
+    for key in ("profile", "origin"):
+        if not isinstance(d.get(key), str | None):
+            raise ProtocolError(protocol.INVALID, f"{where}.{key}: expected a string or null")
+    unknown = sorted(set(d) - {f.name for f in dataclasses.fields(hw.Machine)})
+    if unknown:
+        raise ProtocolError(protocol.INVALID, f"{where}: unknown field {unknown[0]!r}")
+    try:
+        machine = hw.Machine.from_dict({**d, "source": source.value})
+    except (KeyError, TypeError, ValueError) as e:
+        raise ProtocolError(protocol.INVALID, f"{where}: not a machine description ({e})") from None
+    indices = [g.index for g in machine.gpus]
+    if len(set(indices)) != len(indices) or min(indices) < 0:
+        raise ProtocolError(protocol.INVALID, f"{where}.gpus: GPU indices must be distinct and not negative")
+    unknown_memory = [g.index for g in machine.gpus if not g.memory_total]
+    if unknown_memory:
+        # `topo -m` alone names neither the GPUs nor their memory: nothing to plan against.
+        raise UserError(
+            f"the memory of GPU {', '.join(map(str, unknown_memory))} on {machine.label} is unknown; "
+            "import that machine's `nvidia-smi -q` output too (it names each GPU and its memory)"
+        )
+    return machine
+
+
 def _answer(machine: Any, line: bytes) -> dict[str, Any]:
     try:
-        return plan(machine, **json.loads(line))
+        args = json.loads(line)
+        if args.get("machine") is not None:
+            # Another machine: this machine's calibration measured other GPUs and links, so it does not apply.
+            machine, args["calibration"] = plan_machine(args["machine"]), None
+        args.pop("machine", None)
+        return plan(machine, **args)
     except ProtocolError as e:
         return {"error": {"code": e.code, "message": e.message}}
     except UserError as e:

@@ -27,7 +27,8 @@ Requests and their results (a "job" is the record the `jobs` CLI shows, plus
     machine {}                              → {machine (Machine JSON), notes}
     topology {}                             → {matrix: {gpus, cells}, summary, description}
     telemetry_history {since?, limit?}      → {samples: [TelemetrySample], more, next_since}
-    plan {model, workload?, gpus?, options?, trust_remote_code?, deadline_s?} → {result: the planner's SearchResult}
+    plan {model, workload?, gpus?, options?, trust_remote_code?, deadline_s?, machine?} → {result: the planner's
+          SearchResult}; machine: a simulated profile's id or a machine (Machine JSON) to plan for instead of this one
     submit {spec: JobSpec fields, plan?, cwd?} → {job}
     check {spec, plan?, cwd?} → {ok: true, lines: [what would run, in words], would_run: {ranks, gpus,
           parallelism, method, precision, micro_batch, grad_accum, seq_len, notes, host_ram, ...}}; creates
@@ -225,6 +226,8 @@ REQUEST_SCHEMAS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
             "workload": dict[str, Any], "options": dict[str, Any], "trust_remote_code": bool,
             "gpus": Annotated[list[Annotated[int, Limit(0, 4095)]], Limit(max_len=4096)] | None,
             "deadline_s": Annotated[float, Limit(0.1, 3600)],
+            # Another machine to plan for: a simulated profile's id or Machine.to_dict (the planner checks it).
+            "machine": Text | dict[str, Any] | None,
         },
     ),
     "submit": ({"spec": dict[str, Any]}, {"plan": dict[str, Any] | None, "cwd": Path_ | None}),
