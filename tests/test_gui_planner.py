@@ -521,11 +521,15 @@ def test_every_suggestion_has_a_control_and_is_worded_for_it(qtbot):
 
 
 def test_gui_words_cover_every_flag_the_planner_names():
-    assert gui_words("use all 4 GPUs (--gpus 0,1,2,3)") == "use all 4 GPUs (GPUs 0, 1, 2, 3)"
-    assert gui_words("load the weights in 4 bits (--quant 4bit)") == "load the weights in 4 bits (Weights “4-bit (NF4)”)"
-    assert gui_words("use sequences of 1024 tokens (--seq 1024)") == "use sequences of 1024 tokens (Sequence length 1024)"
-    assert gui_words("QLoRA computes in bf16 or fp16; use --dtype bf16") == "QLoRA computes in bf16 or fp16; use Precision “bf16”"
-    assert gui_words("(--force-tp allows it)") == f"(“{FORCE_TP_TEXT}” allows it)"
+    cases = {
+        "use all 4 GPUs (--gpus 0,1,2,3)": "use all 4 GPUs (GPUs 0, 1, 2, 3)",
+        "the weights in 4 bits (--quant 4bit)": "the weights in 4 bits (Weights “4-bit (NF4)”)",
+        "sequences of 1024 tokens (--seq 1024)": "sequences of 1024 tokens (Sequence length 1024)",
+        "QLoRA computes in bf16 or fp16; use --dtype bf16": "QLoRA computes in bf16 or fp16; use Precision “bf16”",
+        "(--force-tp allows it)": f"(“{FORCE_TP_TEXT}” allows it)",
+        "CPU offload (--offload off)": "CPU offload (CPU offload “Off: never”)",
+    }
+    assert {text: gui_words(text) for text in cases} == cases
 
 
 def test_train_on_says_what_not_set_means(qtbot):

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from gui_fakes import FakeLink, focusable_widgets, make_job, tab_through
-from PySide6.QtCore import QPoint, Qt
+from gui_fakes import FakeLink, focusable_widgets, isolated_config, make_job, real_plan_reply, tab_through
+from PySide6.QtCore import QPoint, QSettings, Qt
 from PySide6.QtGui import QColor, QPalette
 from PySide6.QtTest import QTest
 
+from rigpilot.app.topology.imported import ImportedMachines
 from rigpilot.app.topology.model import build_graph, measured_bandwidth, nvlink_link_gbs, topo_matrix
 from rigpilot.app.topology.page import TopologyPage
 from rigpilot.engine.hardware.importers import import_machine
@@ -21,6 +22,10 @@ NVLINK_EDGES = {
 }  # fmt: skip
 
 
+@pytest.fixture(autouse=True)
+def _private_settings(tmp_path, monkeypatch):
+    # Imported machines are kept in QSettings: never the user's, never another test's.
+    yield from isolated_config(tmp_path, monkeypatch)
 
 
 def open_page(qtbot, link: FakeLink) -> TopologyPage:
@@ -231,3 +236,98 @@ def test_drawing_follows_a_dark_palette(qtbot):
     page.setPalette(dark)
     assert page.graph_view.scene().backgroundBrush().color() == QColor("#17181a")
     assert page.graph_view.gpu_items[0].text.brush().color() == QColor("#e8eaed")
+
+
+TOPO_ONLY = "case08_4xRTX6000Ada_dual_socket_genoa_4nics.txt"
+SMI_Q = "case21_smiq_4xA100_sxm4_80gb_nvidia-smi-q.txt"
+
+
+def test_a_long_file_name_elides_and_never_widens_the_window(qtbot, smi_data, tmp_path):
+    long_name = tmp_path / ("nvidia-smi-q-of-the-big-training-box-in-the-basement-" * 4)[:196]
+    long_name = long_name.with_suffix(".txt")
+    assert len(long_name.name) == 200
+    long_name.write_text((smi_data / SMI_Q).read_text())
+    link = FakeLink("4x-rtx4090")
+    page = open_page(qtbot, link)
+    width = page.width()
+    assert width == 1280
+    with qtbot.waitSignal(page.sig_machine_shown, timeout=10000):
+        page.import_files([long_name])
+    qtbot.wait(50)  # layouts settle on the next turn of the event loop
+    assert page.width() == width and page.minimumSizeHint().width() < width
+    assert long_name.name in page.title.text() and long_name.name in page.title.toolTip()
+    assert "…" in page.title.shown_text() and long_name.name not in page.title.shown_text()
+    assert page.back_button.isVisible() and page.back_button.geometry().right() <= page.width()
+    assert page.plan_button.isVisible() and page.plan_button.geometry().right() <= page.width()
+    # The same for a file that cannot be read: the message wraps, the window keeps its width.
+    bad = tmp_path / ("x" * 196 + ".txt")
+    bad.write_text("eggs\nmilk\n")
+    with qtbot.waitSignal(page.sig_import_failed, timeout=10000):
+        page.import_files([bad])
+    qtbot.wait(50)
+    assert page.error.isVisible() and page.width() == width
+
+
+def test_gpus_from_topo_m_alone_say_their_name_is_unknown(qtbot, smi_data):
+    link = FakeLink("4x-rtx4090")
+    page = open_page(qtbot, link)
+    with qtbot.waitSignal(page.sig_machine_shown, timeout=10000):
+        page.import_files([smi_data / TOPO_ONLY])
+    labels = [item.text.text() for item in page.graph_view.gpu_items.values()]
+    assert labels and all("name unknown" in t and "from topo" not in t for t in labels)
+    tip = next(n.tooltip for n in page.graph.nodes if n.gpu == 0)
+    assert tip.splitlines()[0] == "GPU 0 (name unknown: topo -m lists no model)"
+    assert page.title.text() == f"imported: 4 GPUs, models unknown (topo -m lists none) ({TOPO_ONLY})"
+    # Nothing to plan against without the GPUs' memory: the button says what to import.
+    assert not page.plan_button.isEnabled() and "nvidia-smi -q" in page.plan_button.toolTip()
+
+
+def test_imports_are_kept_in_one_list_and_shown_again(qtbot, smi_data, tmp_path):
+    settings = QSettings(str(tmp_path / "m.ini"), QSettings.Format.IniFormat)
+    link = FakeLink("4x-rtx4090")
+    page = TopologyPage(link, machines=ImportedMachines(settings))
+    qtbot.addWidget(page)
+    page.show()
+    link.connect_engine()
+    assert not page.choice.isVisible()  # nothing imported yet
+    for name in (SMI_Q, TOPO_ONLY, SMI_Q):  # the same file twice: one entry
+        with qtbot.waitSignal(page.sig_machine_shown, timeout=10000):
+            page.import_files([smi_data / name])
+    assert [m.machine["origin"] for m in page.machines.items()] == [SMI_Q, TOPO_ONLY]
+    # Another window (or the next start) reads the same list.
+    again = ImportedMachines(QSettings(str(tmp_path / "m.ini"), QSettings.Format.IniFormat))
+    later = TopologyPage(link, machines=again)
+    qtbot.addWidget(later)
+    later.show()
+    assert later.choice.isVisible() and later.choice.count() == 3
+    assert later.choice.itemData(2, Qt.ItemDataRole.ToolTipRole) == later.machines.items()[1].title
+    with qtbot.waitSignal(later.sig_machine_shown) as shown:
+        later.choice.activated.emit(2)
+    assert shown.args[0]["origin"] == TOPO_ONLY and later.imported and later.back_button.isVisible()
+    later.choice.activated.emit(0)
+    assert not later.imported and later.title.text() == link.machine_obj.label
+
+
+def test_plan_for_this_machine_opens_the_planner_with_it(qtbot, smi_data):
+    from rigpilot.app.main_window import MainWindow
+
+    link = FakeLink("4x-rtx4090")
+    link.replies["plan"] = real_plan_reply(link.machine_obj)
+    w = MainWindow(link)
+    qtbot.addWidget(w)
+    w.show()
+    link.connect_engine()
+    topology, planner = w.show_page("topology"), w.pages["planner"]
+    assert planner.machines is topology.machines
+    with qtbot.waitSignal(topology.sig_machine_shown, timeout=10000):
+        topology.import_files([smi_data / SMI_Q])
+    assert topology.plan_button.isEnabled()
+    topology.plan_button.click()
+    assert w.current_page_key() == "planner"
+    assert planner.target_key() == "import:" + topology.shown_key
+    assert "A100" in planner.gpus.boxes[0].text()
+    topology.show_local()
+    w.show_page("topology")
+    topology.plan_button.click()
+    assert w.current_page_key() == "planner" and planner.target_key() == "here"
+    w.close()
