@@ -38,6 +38,7 @@ from rigpilot.engine.service.client import EngineError
 
 PROFILES = [p["id"] for p in list_profiles()]
 PRESET_7B = "llama-2-7b"
+SMI_Q = "case21_smiq_4xA100_sxm4_80gb_nvidia-smi-q.txt"
 
 
 @pytest.fixture(autouse=True)
@@ -446,7 +447,10 @@ def test_plans_for_a_simulated_profile_through_the_engine(qtbot):
     # Exports work for the machine planned for; a job launches only on the engine's.
     assert page.exports.plan == result["best"] and page.exports.buttons["torchrun"].isEnabled()
     assert not page.launch_button.isEnabled() and page.launch_note.isVisible()
-    assert link.machine_obj.label in page.launch_note.text() and "Export" in page.launch_note.text()
+    assert page.launch_note.text() == (
+        f"Planned for another machine: jobs launch only on this one ({link.machine_obj.label}). Export the plan instead."
+    )
+    assert page.summary.text().startswith("<b>Plan for simulated: 8×H100")
     # Back to this machine: no machine argument, launch offered again.
     assert page.select_machine("here")
     plan_for(qtbot, page)
@@ -456,7 +460,7 @@ def test_plans_for_a_simulated_profile_through_the_engine(qtbot):
 
 def test_plans_for_an_imported_machine_from_the_shared_list(qtbot, tmp_path, smi_data):
     machines = ImportedMachines(QSettings(str(tmp_path / "m.ini"), QSettings.Format.IniFormat))
-    imported = import_machine(smi_data / "case21_smiq_4xA100_sxm4_80gb_nvidia-smi-q.txt").to_dict()
+    imported = import_machine(smi_data / SMI_Q).to_dict()
     topo_only = import_machine(smi_data / "case08_4xRTX6000Ada_dual_socket_genoa_4nics.txt").to_dict()
     entry = machines.add(imported)
     link = FakeLink("1x-rtx4090")
@@ -471,6 +475,7 @@ def test_plans_for_an_imported_machine_from_the_shared_list(qtbot, tmp_path, smi
     assert link.requests("plan")[-1]["machine"] == imported
     assert result["best"] is not None and "A100" in page.explanation.toPlainText()
     assert not page.launch_button.isEnabled()
+    assert "Plan for imported: 4×A100-SXM4-80GB:" in page.summary.text() and SMI_Q not in page.summary.text()
     # An import made later (on the Topology page) shows up at once; one with no GPU memory cannot be chosen.
     blocked = machines.add(topo_only)
     index = page.target.findData("import:" + blocked.key)
@@ -555,3 +560,11 @@ def test_the_machine_planned_for_and_the_options_are_restored(qtbot, tmp_path):
     assert other.target_key() == "profile:2x-rtx3090-nvlink" and sorted(other.gpus.boxes) == [0, 1]
     r = other.plan_request()
     assert r.force_tp and r.offload == "off"
+
+
+def test_speeds_read_in_k_and_m_never_thousands_of_k():
+    from rigpilot.app.planner.model import tokens_per_s
+
+    assert tokens_per_s(14_719_000) == "15M tokens/s"
+    assert tokens_per_s(4_200_000, training=False) == "4.2M generated tokens/s"
+    assert tokens_per_s(14_719) == "15k tokens/s" and tokens_per_s(3_900) == "3.9k tokens/s"

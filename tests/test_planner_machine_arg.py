@@ -91,7 +91,10 @@ def test_the_engine_plans_for_the_machine_a_request_names(engine, smi_data):  # 
         ]  # fmt: skip
         with pytest.raises(EngineError) as e:
             c.request("plan", model="qwen2.5-0.5b", machine={"source": "imported", "gpus": []})
-        assert e.value.code == protocol.INVALID and str(e.value) == "plan.machine.gpus: expected a list of at least one GPU"
+        assert (
+            e.value.code == protocol.INVALID
+            and str(e.value) == "plan.machine.gpus: expected a list of at least one GPU"
+        )
         with pytest.raises(EngineError) as e:
             c.request("plan", model="qwen2.5-0.5b", machine="x" * 2000)
         assert e.value.code == protocol.INVALID and str(e.value).startswith("plan.machine: expected")

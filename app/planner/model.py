@@ -256,6 +256,8 @@ def tokens_per_s(v: float | None, training: bool = True) -> str:
     if not v:
         return "n/a"
     what = "tokens/s" if training else "generated tokens/s"
+    if v >= 1e6:  # "14.7M", never "14719k"
+        return f"{v / 1e6:.{0 if v >= 1e7 else 1}f}M {what}"
     if v >= 10_000:
         return f"{v / 1000:.0f}k {what}"
     if v >= 1000:

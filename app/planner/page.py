@@ -66,8 +66,10 @@ from rigpilot.app.planner.model import (
 from rigpilot.app.planner.model_picker import ModelPicker
 from rigpilot.app.tasks import run_in_background
 from rigpilot.app.topology.imported import HERE, ImportedMachines, plan_block
+from rigpilot.app.topology.model import machine_title
 from rigpilot.app.widgets.engine_messages import machine_dict
 from rigpilot.app.widgets.palette import BAD, GOOD
+from rigpilot.engine.hardware.machine import Machine
 from rigpilot.engine.hardware.simulated import list_profiles, load_profile
 from rigpilot.engine.planner.calibration import NOT_CALIBRATED
 
@@ -483,14 +485,21 @@ class PlannerPage(QWidget):
         d = self.target_machine()
         if self.target_key() == HERE or d is None:
             self.target_note.hide()
+            self.target.setToolTip("The machine to plan for: this one, a simulated profile, or an imported one")
             return
         here = (self.machine or {}).get("label", "the engine's machine")
         self.target_note.setText(
-            f"Planning for another machine, {d.get('label', '')}: this machine's calibration does not apply, "
-            f"and jobs launch only on {here}. Export its plans to run them there."
+            f"Planning for {self._target_title()}: this machine's calibration does not apply, "
+            f"and jobs launch only on this one ({here}). Export the plans to run them there."
         )
-        self.target_note.setToolTip(self.target_note.text())
+        self.target_note.setToolTip(self.target.currentText())
         self.target_note.show()
+        self.target.setToolTip(self.target.currentText())
+
+    def _target_title(self) -> str:
+        """The machine planned for, in a few words (an imported machine's file names are in the list's tooltip)."""
+        d = self.target_machine()
+        return machine_title(Machine.from_dict(d), origin=False) if d else "another machine"
 
     def _user_selected(self, gpus: list[int]) -> None:
         self._default_selection = False
@@ -699,7 +708,7 @@ class PlannerPage(QWidget):
         fits = all(m["headroom"] >= 0 for m in plan.get("memory") or [])
         colour = GOOD if fits else BAD
         if not heading and self.target_key() != HERE:
-            heading = f"Plan for {html.escape((self.target_machine() or {}).get('label', 'another machine'))}:"
+            heading = f"Plan for {html.escape(self._target_title())}:"
         head = f"<b>{heading or 'Plan'}</b> <span style='color:{colour.name()}'>{lines[0]}</span>"
         self.summary.setText("<br>".join([head, *lines[1:]]))
         self.sig_plan_shown.emit(plan)
@@ -707,12 +716,12 @@ class PlannerPage(QWidget):
     def _offer_launch(self, plan: dict[str, Any] | None) -> None:
         """Launch only a plan the engine runs; for one it does not, say why beside the disabled button."""
         runs, why = plan_runs_here(plan) if plan is not None else (False, "")
-        if runs and self.target_key() != HERE:
+        reason = "" if plan is None or runs else f"Does not run here: {why}"
+        if plan is not None and runs and self.target_key() != HERE:
             runs = False
             here = (self.machine or {}).get("label", "the engine's machine")
-            why = f"it is for another machine; jobs launch only on {here}. Export it instead"
+            reason = f"Planned for another machine: jobs launch only on this one ({here}). Export the plan instead."
         self.launch_button.setEnabled(plan is not None and runs)
-        reason = "" if plan is None or runs else f"Does not run here: {why}"
         self.launch_button.setToolTip(reason or "Open the job wizard filled from this plan")
         self.launch_note.setText(reason)
         self.launch_note.setToolTip(reason)

@@ -341,17 +341,20 @@ def gpu_title(g: Gpu) -> str:
     return f"GPU {g.index} ({g.name})"
 
 
-def machine_title(machine: Machine) -> str:
-    """The machine's label, with GPUs no source named counted as such rather than under a placeholder name."""
+def machine_title(machine: Machine, *, origin: bool = True) -> str:
+    """The machine's label, with GPUs no source named counted as such rather than under a placeholder name;
+    without `origin`, an imported machine's files are left out (for headlines: file names can be long)."""
     unknown = [g for g in machine.gpus if name_unknown(g)]
     if not unknown or len(unknown) != len(machine.gpus):
+        if not origin and machine.source.value == "imported":
+            return f"imported: {machine.summary_name}"
         return machine.label
     n = len(unknown)
     what = f"{n} GPU{'s' if n != 1 else ''}, model{'s' if n != 1 else ''} unknown (topo -m lists none)"
     kind = {"imported": "imported", "simulated": "simulated"}.get(
         machine.source.value, machine.host.hostname or "this machine"
     )
-    return f"{kind}: {what}" + (f" ({machine.origin})" if machine.origin else "")
+    return f"{kind}: {what}" + (f" ({machine.origin})" if machine.origin and origin else "")
 
 
 def _gpu_tooltip(g: Gpu) -> str:

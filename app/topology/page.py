@@ -273,7 +273,6 @@ class TopologyPage(QWidget):
         self.choice.blockSignals(False)
         self._select_choice(self.shown_key)
         self.choice.setVisible(self.choice.count() > 1)
-        self.choice.setToolTip("Show this machine or one imported before")
 
     def _select_choice(self, key: str) -> None:
         i = self.choice.findData(key)
@@ -281,6 +280,8 @@ class TopologyPage(QWidget):
             self.choice.blockSignals(True)
             self.choice.setCurrentIndex(i)
             self.choice.blockSignals(False)
+        # The list is narrower than a long file name: the whole name is a hover away.
+        self.choice.setToolTip(f"Showing {self.choice.currentText()}. Show this machine or one imported before")
 
     def _choice_activated(self, index: int) -> None:
         key = self.choice.itemData(index)

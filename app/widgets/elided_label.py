@@ -12,7 +12,7 @@ class ElidedLabel(QLabel):
     this one shows as much as fits, ending in "…", and keeps the full text for `text()` and the tooltip."""
 
     def __init__(
-        self, text: str = "", parent: QWidget | None = None, *, mode: Qt.TextElideMode = Qt.TextElideMode.ElideMiddle
+        self, text: str = "", parent: QWidget | None = None, *, mode: Qt.TextElideMode = Qt.TextElideMode.ElideRight
     ):
         super().__init__(parent)
         self._full = ""
