@@ -100,3 +100,25 @@ def test_the_engine_plans_for_the_machine_a_request_names(engine, smi_data):  # 
         assert e.value.code == protocol.INVALID and str(e.value).startswith("plan.machine: expected")
         # The service and its planner go on: this machine, as before.
         assert c.request("plan", model="qwen2.5-0.5b", workload=WORK)["result"]["gpu_indices"] == [0, 1, 2, 3]
+
+
+def test_cpu_offload_on_off_auto_from_the_command_line(capsys):
+    """The Planner's CPU offload choice is SearchOptions.offload; `rigpilot plan --offload` is the same knob."""
+    from rigpilot.engine.cli import main
+
+    base = ["plan", "--simulate", "4x-rtx4090", "--model", "llama-2-7b", "--task", "train", "--json"]
+    assert main([*base]) == 0
+    auto = json.loads(capsys.readouterr().out)
+    assert auto["best"]["parallelism"]["offload_params"]  # full 7B on 24 GB cards fits only by offloading
+    assert main([*base, "--offload", "off"]) == 1  # nothing fits: the exit status says so
+    off = json.loads(capsys.readouterr().out)
+    assert (
+        off["best"] is None
+        and {"family": "offload", "reason": "CPU offload is turned off"}.items()
+        <= next(r for r in off["rejected"] if r["family"] == "offload").items()
+    )
+    assert main(["plan", "--simulate", "8x-h100-sxm", "--model", "qwen2.5-0.5b", "--json", "--offload", "on"]) == 0
+    on = json.loads(capsys.readouterr().out)
+    assert on["best"]["parallelism"]["offload_params"]  # fits without, offloads because asked
+    assert main(["plan", "--simulate", "8x-h100-sxm", "--model", "qwen2.5-0.5b", "--json"]) == 0
+    assert not json.loads(capsys.readouterr().out)["best"]["parallelism"]["offload_params"]
