@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -432,7 +433,7 @@ def test_a_new_result_shows_its_own_best_plan_in_the_headline_and_the_chart(qtbo
     assert f"total {m['total'] / GIB:.2f}" in page.chart.readout.text()
 
 
-def test_plans_for_a_simulated_profile_through_the_engine(qtbot):
+def test_plans_for_a_simulated_profile_through_the_engine(qtbot, tmp_path):
     page, link = open_page(qtbot, "4x-rtx4090")
     profiles = [page.target.itemData(i) for i in range(page.target.count())]
     assert profiles[0] == "here" and {f"profile:{p}" for p in PROFILES} <= set(profiles)
@@ -446,6 +447,10 @@ def test_plans_for_a_simulated_profile_through_the_engine(qtbot):
     assert "H100" in page.summary.text() and page.target_note.isVisible()
     # Exports work for the machine planned for; a job launches only on the engine's.
     assert page.exports.plan == result["best"] and page.exports.buttons["torchrun"].isEnabled()
+    with qtbot.waitSignal(page.exports.sig_exported, timeout=10000) as done:
+        page.exports.export_to("torchrun", str(tmp_path / "launch.sh"))
+    assert "--nproc-per-node=8" in (tmp_path / "launch.sh").read_text()
+    assert Plan.from_json(Path(done.args[1][1]).read_text()).parallelism.world_size == 8
     assert not page.launch_button.isEnabled() and page.launch_note.isVisible()
     assert page.launch_note.text() == (
         f"Planned for another machine: jobs launch only on this one ({link.machine_obj.label}). Export the plan instead."
