@@ -86,7 +86,9 @@ class MainWindow(QMainWindow):
         self.nav.currentRowChanged.connect(self.stack.setCurrentIndex)
         # One list of imported machines for the two pages that show them; "Plan for this machine" opens the Planner.
         self.pages["planner"].use_machines(self.pages["topology"].machines)
-        self.pages["topology"].sig_plan_for_machine.connect(lambda key: self.show_page("planner").select_machine(key))
+        self.pages["topology"].sig_plan_for_machine.connect(
+            lambda key: self.show_page("planner").select_machine(key, plan=True)
+        )
 
         self.splitter = QSplitter()
         self.splitter.addWidget(self.nav)

@@ -560,9 +560,10 @@ def test_the_machine_planned_for_and_the_options_are_restored(qtbot, tmp_path):
     page.offload.setCurrentIndex(page.offload.findData("off"))
     settings = QSettings(str(tmp_path / "s.ini"), QSettings.Format.IniFormat)
     page.save_state(settings, "pages/planner")
-    other, _ = open_page(qtbot)
+    other, other_link = open_page(qtbot)
     other.restore_state(settings, "pages/planner")
     assert other.target_key() == "profile:2x-rtx3090-nvlink" and sorted(other.gpus.boxes) == [0, 1]
+    assert other_link.requests("plan") == []  # restored, not planned: starting the app asks nothing
     r = other.plan_request()
     assert r.force_tp and r.offload == "off"
 

@@ -322,7 +322,12 @@ def test_plan_for_this_machine_opens_the_planner_with_it(qtbot, smi_data):
     with qtbot.waitSignal(topology.sig_machine_shown, timeout=10000):
         topology.import_files([smi_data / SMI_Q])
     assert topology.plan_button.isEnabled()
-    topology.plan_button.click()
+    planner.picker.set_model("llama-2-7b", chosen=False)
+    planner.method.setCurrentIndex(planner.method.findData("lora"))
+    with qtbot.waitSignal(planner.sig_plan_ready, timeout=20000) as ready:
+        topology.plan_button.click()  # the model in the form is planned for that machine at once
+    assert "A100" in ready.args[0]["explanation"][0]
+    assert link.requests("plan")[-1]["machine"]["origin"] == SMI_Q
     assert w.current_page_key() == "planner"
     assert planner.target_key() == "import:" + topology.shown_key
     assert "A100" in planner.gpus.boxes[0].text()

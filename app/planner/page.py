@@ -199,6 +199,7 @@ class PlannerPage(QWidget):
         self.target.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
         self.target.setMinimumContentsLength(TARGET_WIDTH)
         self.target.currentIndexChanged.connect(self._target_changed)
+        self.target.activated.connect(lambda _: self._plan_if_asked())
         self.target_note = QLabel("")
         self.target_note.setObjectName("planMachineNote")
         self.target_note.setWordWrap(True)
@@ -453,15 +454,23 @@ class PlannerPage(QWidget):
             return self.target_machine()
         return None
 
-    def select_machine(self, key: str) -> bool:
-        """Plan for HERE, a "profile:<id>" or an imported machine's key (as the Topology page names it)."""
+    def select_machine(self, key: str, *, plan: bool = False) -> bool:
+        """Plan for HERE, a "profile:<id>" or an imported machine's key (as the Topology page names it);
+        with `plan`, plan the form's model for it at once."""
         if key != HERE and not key.startswith(PROFILE) and not key.startswith(IMPORTED):
             key = IMPORTED + key
         index = self.target.findData(key)
         if index < 0:
             return False
         self.target.setCurrentIndex(index)
+        if plan:
+            self._plan_if_asked()
         return True
+
+    def _plan_if_asked(self) -> None:
+        # A machine picked by the user: plan the model already in the form for it.
+        if self.picker.model().strip():
+            self.request_plan()
 
     def _target_changed(self) -> None:
         d = self.target_machine()
@@ -478,8 +487,6 @@ class PlannerPage(QWidget):
         self.gpus.set_machine(d)
         self._default_selection = True
         self.gpus.set_selected((self.gpus.free() if here else []) or sorted(self.gpus.boxes), emit=False)
-        if self.picker.model().strip():
-            self.request_plan()
 
     def _show_target_note(self) -> None:
         d = self.target_machine()
