@@ -452,6 +452,7 @@ def test_plans_for_a_simulated_profile_through_the_engine(qtbot, tmp_path):
     assert "--nproc-per-node=8" in (tmp_path / "launch.sh").read_text()
     assert Plan.from_json(Path(done.args[1][1]).read_text()).parallelism.world_size == 8
     assert not page.launch_button.isEnabled() and page.launch_note.isVisible()
+    assert page.table.horizontalHeaderItem(TABLE_COLUMNS.index("Runs here")).text() == "Rigpilot runs it"
     assert page.launch_note.text() == (
         f"Planned for another machine: jobs launch only on this one ({link.machine_obj.label}). Export the plan instead."
     )

@@ -483,6 +483,13 @@ class PlannerPage(QWidget):
         if d is None:
             return
         here = self.target_key() == HERE
+        # The engine's verdict on a layout holds on any machine; on another one, "here" would say the wrong thing.
+        header = self.table.horizontalHeaderItem(RUNS_HERE_COLUMN)
+        header.setText("Runs here" if here else "Rigpilot runs it")
+        header.setToolTip(
+            "Whether Rigpilot's engine runs this layout"
+            + ("" if here else " (on that machine, were it installed there)")
+        )
         self.gpus.set_busy(self.busy.busy if here else {})
         self.gpus.set_machine(d)
         self._default_selection = True
