@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 TRAIN_METHODS = ("full", "lora", "qlora", "scratch")
+# The workers step with torch.optim.AdamW; a plan sized for another optimizer (8-bit AdamW, SGD)
+# would run with AdamW's larger state and need memory the plan did not count.
+TRAIN_OPTIMIZERS = ("adamw",)
 
 # Decoders whose blocks are Llama's: q/k/v/o and gate/up/down projections, rotary embeddings at
 # the model level. Other model types are refused rather than split wrongly.
@@ -49,6 +52,7 @@ class Layout:
     # False: FSDP2 keeps parameters gathered from forward through backward (how ZeRO-1/2 plans run)
     reshard_after_forward: bool = True
     cpu_offload: bool = False
+    optimizer: str = "adamw"  # training only
     weight_bits: int = 16  # inference: 16 (the precision), 8 or 4
     model_type: str | None = None  # config.json's model_type; None when not known yet (the worker checks)
 
@@ -63,6 +67,8 @@ def why_not(layout: Layout) -> str | None:
     if lt.kind == "train":
         if lt.method not in TRAIN_METHODS:
             return f"unknown training method {lt.method!r}; choose one of {', '.join(TRAIN_METHODS)}"
+        if lt.optimizer not in TRAIN_OPTIMIZERS:
+            return f"Rigpilot jobs train with AdamW; optimizer {lt.optimizer!r} is not run by the engine yet"
         if lt.cpu_offload and (lt.tp > 1 or lt.pp > 1):
             return "CPU offload runs with FSDP2 data parallelism only, not with tensor or pipeline parallel"
         if lt.method == "qlora" and (lt.tp > 1 or lt.pp > 1):
@@ -112,6 +118,7 @@ def layout_of_plan(plan: dict[str, Any]) -> Layout:
         sequence_parallel=bool(par.get("sequence_parallel")) and _int(par.get("tp")) > 1,
         reshard_after_forward=zero not in (1, 2) or dp == 1,
         cpu_offload=bool(par.get("offload_params") or par.get("offload_optimizer")),
+        optimizer=str(work.get("optimizer") or "adamw") if task == "train" else "adamw",
         weight_bits=_int(work.get("weight_bits"), 16),
         model_type=plan.get("model_type") or None,
     )

@@ -331,7 +331,7 @@ def cannot_run(par: Parallelism, w: Workload, model_type: str) -> str:
             "sequence_parallel": par.sequence_parallel, "offload_params": par.offload_params,
             "offload_optimizer": par.offload_optimizer,
         },
-        "workload": {"task": w.task, "method": w.method, "weight_bits": w.weight_bits},
+        "workload": {"task": w.task, "method": w.method, "weight_bits": w.weight_bits, "optimizer": w.optimizer},
         "model_type": model_type,
     }  # fmt: skip
     return refusal(d)
