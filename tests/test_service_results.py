@@ -15,7 +15,10 @@ from rigpilot.engine.errors import UserError
 from rigpilot.engine.service import protocol
 from rigpilot.engine.service.client import EngineError
 from rigpilot.engine.service.results import MAX_TEXT, check_name, describe_output, job_settings, read_results
-from tests.test_service_engine import QUICK_SCRIPT, REPO, SHAKESPEARE, TINY_LLAMA, engine  # noqa: F401 -- fixture
+from tests import test_service_engine as service
+from tests.test_service_engine import QUICK_SCRIPT, SHAKESPEARE, TINY_LLAMA
+
+engine = service.engine  # the fixture: a real service in tmp_path
 
 
 def write_results(path: Path, records: list) -> Path:
@@ -91,7 +94,9 @@ def test_output_folder_and_settings_are_described(tmp_path):
     assert job_settings(tmp_path) == {"kind": "train", "model": "m"}
 
 
-@pytest.mark.parametrize(("name", "words"), [("  ", "cannot be empty"), ("a\nb", "one line"), ("x" * 101, "at most 100")])
+@pytest.mark.parametrize(
+    ("name", "words"), [("  ", "cannot be empty"), ("a\nb", "one line"), ("x" * 101, "at most 100")]
+)
 def test_bad_names_are_refused(name, words):
     with pytest.raises(UserError, match=words):
         check_name(name)
@@ -168,7 +173,10 @@ def test_an_inference_jobs_completions_come_back_through_results(engine, capsys)
         output = c.request("job", job=trained["id"])["job"]["output"]
         assert output["model"] == "full"
         infer = {
-            "kind": "infer", "model": output["folder"], "gpus": [0], "env": env,
+            "kind": "infer",
+            "model": output["folder"],
+            "gpus": [0],
+            "env": env,
             "infer": {"prompts": ["To be", "or not"], "max_new_tokens": 4, "precision": "fp32"},
         }
         job = c.request("submit", spec=infer)["job"]

@@ -52,7 +52,9 @@ def read_results(path: Path, *, start: int = 0, limit: int = 1000, max_bytes: in
             if not line:
                 break
             if len(line) > MAX_LINE:
-                raise UserError(f"{path}: line {index + 2} is longer than {MAX_LINE >> 20} MiB; not a completion record")
+                raise UserError(
+                    f"{path}: line {index + 2} is longer than {MAX_LINE >> 20} MiB; not a completion record"
+                )
             if not line.strip():
                 continue
             index += 1
@@ -73,7 +75,11 @@ def _completion(line: bytes, path: Path, number: int) -> dict[str, Any]:
         rec = json.loads(line)
     except (UnicodeDecodeError, ValueError):
         raise UserError(f"{path}: line {number} is not valid JSON") from None
-    if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str) or not isinstance(rec.get("completion"), str):
+    if (
+        not isinstance(rec, dict)
+        or not isinstance(rec.get("prompt"), str)
+        or not isinstance(rec.get("completion"), str)
+    ):
         raise UserError(f"{path}: line {number} is not a completion record (it needs text 'prompt' and 'completion')")
     tokens = rec.get("tokens")
     prompt, completion = rec["prompt"], rec["completion"]

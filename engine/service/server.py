@@ -54,8 +54,8 @@ from rigpilot.engine.service import calibration_store, paths, protocol
 from rigpilot.engine.service.metrics import read_records
 from rigpilot.engine.service.planworker import ClientGone, PlannerBug, PlannerPool, PlanTimeout
 from rigpilot.engine.service.protocol import ProtocolError, Request
-from rigpilot.engine.service.store import ALL_STATES, COMPLETED, JobStore
 from rigpilot.engine.service.results import RESULTS_FILE, read_results
+from rigpilot.engine.service.store import ALL_STATES, COMPLETED, JobStore
 from rigpilot.engine.service.supervisor import JobNotFound, Supervisor, SupervisorOptions
 from rigpilot.engine.service.telemetry_store import TelemetryStore
 

@@ -42,8 +42,8 @@ from rigpilot.engine.jobs.limits import check_env
 from rigpilot.engine.jobs.spec import JobSpec
 from rigpilot.engine.runtime import worker_python
 from rigpilot.engine.service import paths, submission
-from rigpilot.engine.service.results import check_name, describe_output, job_settings
 from rigpilot.engine.service.metrics import Cursor, MetricsSummary, read_records, summarize
+from rigpilot.engine.service.results import check_name, describe_output, job_settings
 from rigpilot.engine.service.store import (
     ACTIVE_STATES,
     CANCELLED,
