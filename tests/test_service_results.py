@@ -83,12 +83,15 @@ def test_output_folder_and_settings_are_described(tmp_path):
     assert describe_output(tmp_path)["model"] is None  # no folder yet
     (out / "merged").mkdir(parents=True)
     (out / "adapter_config.json").write_text("{}")
-    (out / "merged" / "config.json").write_text("{}")
+    (out / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "org/base", "r": 8}))
+    (out / "merged" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     d = describe_output(tmp_path)
     assert d["model"] == "lora" and d["merged"] == str(out / "merged") and not d["results"]
+    assert d["base_model"] == "org/base" and d["architectures"] == ["LlamaForCausalLM"]
     (out / "adapter_config.json").unlink()
-    (out / "config.json").write_text("{}")
-    assert describe_output(tmp_path)["model"] == "full"
+    (out / "config.json").write_text("[not a dict]")
+    d = describe_output(tmp_path)
+    assert d["model"] == "full" and d["architectures"] == [] and d["base_model"] is None
     assert job_settings(tmp_path) is None
     (tmp_path / "job.json").write_text(json.dumps({"kind": "train", "env": {"HF_TOKEN": "***"}, "model": "m"}))
     assert job_settings(tmp_path) == {"kind": "train", "model": "m"}

@@ -14,8 +14,8 @@ import inspect
 import time
 from typing import Any
 
-from PySide6.QtCore import QByteArray, QModelIndex, QPersistentModelIndex, QSettings, Qt, QTimer, QUrl, Signal
-from PySide6.QtGui import QDesktopServices, QHideEvent, QPainter, QShowEvent
+from PySide6.QtCore import QByteArray, QModelIndex, QPersistentModelIndex, QRect, QSettings, Qt, QTimer, QUrl, Signal
+from PySide6.QtGui import QDesktopServices, QHideEvent, QPainter, QPalette, QShowEvent
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QApplication,
@@ -58,7 +58,12 @@ WIZARD_MODULES = ("rigpilot.app.wizard", "rigpilot.app.wizard.wizard", "rigpilot
 
 
 class ProgressDelegate(QStyledItemDelegate):
-    """Draws the progress column as a bar when the job knows how far it is."""
+    """Draws the progress column as a bar when the job knows how far it is.
+
+    The style's own bar text is drawn in one colour over both the filled and the empty part,
+    and some styles (Fusion's highlight on its chunk) make it vanish; so the text is drawn
+    here, twice, clipped: the highlight's text colour over the filled part, the view's over the rest.
+    """
 
     def paint(
         self, painter: QPainter, option: QStyleOptionViewItem, index: QModelIndex | QPersistentModelIndex
@@ -67,15 +72,29 @@ class ProgressDelegate(QStyledItemDelegate):
         if fraction is None:
             super().paint(painter, option, index)
             return
+        fraction = max(0.0, min(1.0, fraction))
         bar = QStyleOptionProgressBar()
         bar.rect = option.rect.adjusted(2, 3, -2, -3)
         bar.minimum, bar.maximum = 0, 1000
-        bar.progress = int(max(0.0, min(1.0, fraction)) * 1000)
-        bar.text = str(index.data(Qt.ItemDataRole.DisplayRole) or "")
-        bar.textVisible = True
+        bar.progress = int(fraction * 1000)
+        bar.textVisible = False
         bar.state = option.state
         bar.palette = option.palette
         QApplication.style().drawControl(QStyle.ControlElement.CE_ProgressBar, bar, painter)
+        text = str(index.data(Qt.ItemDataRole.DisplayRole) or "")
+        filled = QRect(bar.rect)
+        filled.setWidth(round(bar.rect.width() * fraction))
+        empty = QRect(bar.rect)
+        empty.setLeft(filled.right() + 1)
+        align = Qt.AlignmentFlag.AlignCenter
+        painter.save()
+        for part, role in ((filled, QPalette.ColorRole.HighlightedText), (empty, QPalette.ColorRole.Text)):
+            if part.width() <= 0:
+                continue
+            painter.setClipRect(part)
+            painter.setPen(option.palette.color(role))
+            painter.drawText(bar.rect, align, text)
+        painter.restore()
 
 
 class JobsPage(QWidget):

@@ -99,13 +99,30 @@ def describe_output(job_dir: Path) -> dict[str, Any]:
     except OSError:
         names = []
     model = "lora" if "adapter_config.json" in names else "full" if "config.json" in names else None
+    config = _small_json(out / "config.json") if model == "full" else _small_json(out / "merged" / "config.json")
+    adapter = _small_json(out / "adapter_config.json") if model == "lora" else {}
+    architectures = config.get("architectures")
+    base = adapter.get("base_model_name_or_path")
     return {
         "folder": str(out),
         "files": names[:MAX_LISTED],
         "model": model,  # how to load it: transformers (full) or peft (lora)
         "merged": str(out / "merged") if (out / "merged" / "config.json").is_file() else None,
         "results": "results.jsonl" in names,
+        # Which transformers class loads it (config.json's "architectures"), and the adapter's base.
+        "architectures": [a for a in architectures if isinstance(a, str)] if isinstance(architectures, list) else [],
+        "base_model": base if isinstance(base, str) and base else None,
     }
+
+
+def _small_json(path: Path, limit: int = 1 << 20) -> dict[str, Any]:
+    try:
+        if not path.is_file() or path.stat().st_size > limit:
+            return {}
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def job_settings(job_dir: Path) -> dict[str, Any] | None:
