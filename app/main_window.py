@@ -84,6 +84,8 @@ class MainWindow(QMainWindow):
             item.setData(Qt.ItemDataRole.UserRole, key)
             self.nav.addItem(item)
         self.nav.currentRowChanged.connect(self.stack.setCurrentIndex)
+        if hasattr(self.pages.get("jobs"), "sig_plan_model"):  # "Plan from this model" opens the Planner with it
+            self.pages["jobs"].sig_plan_model.connect(self.plan_model)
 
         self.splitter = QSplitter()
         self.splitter.addWidget(self.nav)
@@ -125,6 +127,12 @@ class MainWindow(QMainWindow):
         keys = [k for k, _, _ in PAGES]
         self.nav.setCurrentRow(keys.index(key))
         return self.pages[key]
+
+    def plan_model(self, model: str) -> None:
+        planner = self.show_page("planner")
+        picker = getattr(planner, "picker", None)
+        if picker is not None:
+            picker.set_model(model)  # a deliberate pick: the Planner plans it at once
 
     def current_page_key(self) -> str:
         return PAGES[max(self.nav.currentRow(), 0)][0]
