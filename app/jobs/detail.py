@@ -245,13 +245,13 @@ class JobDetail(QWidget):
         self.update_live()
 
     def _show_tabs(self, inference: bool, summary: bool) -> None:
-        self.tabs.setTabVisible(CHARTS_TAB, not inference)
-        self.tabs.setTabVisible(RESULTS_TAB, inference)
-        self.tabs.setTabVisible(SUMMARY_TAB, summary)
-        if inference and self.tabs.currentIndex() in (CHARTS_TAB, SUMMARY_TAB):
-            self.tabs.setCurrentIndex(RESULTS_TAB)
-        elif not self.tabs.isTabVisible(self.tabs.currentIndex()):
-            self.tabs.setCurrentIndex(SUMMARY_TAB if summary else CHARTS_TAB)
+        current = self.tabs.currentIndex()  # hiding the current tab moves Qt's choice on to a neighbour
+        visible = {CHARTS_TAB: not inference, RESULTS_TAB: inference, SUMMARY_TAB: summary}
+        for tab, shown in visible.items():
+            self.tabs.setTabVisible(tab, shown)
+        if not visible.get(current, True) or (inference and current == CHARTS_TAB):
+            current = RESULTS_TAB if inference else SUMMARY_TAB if summary else CHARTS_TAB
+        self.tabs.setCurrentIndex(current)
 
     def _show_model_actions(self) -> None:
         h = self.handle
