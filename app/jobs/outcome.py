@@ -227,4 +227,3 @@ def settings_diff(jobs: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
     """(label, value per job) for each compared setting whose values are not all the same."""
     values = [[_value(settings_of(j), path) for j in jobs] for _, path in COMPARED]
     return [(label, row) for (label, _), row in zip(COMPARED, values, strict=True) if len(set(row)) > 1]
-
