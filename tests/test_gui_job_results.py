@@ -114,6 +114,12 @@ def test_progress_text_is_drawn_in_a_contrasting_colour_on_both_parts_of_the_bar
     # "50 % (5/10)" is centred, so it crosses the edge of the filled half: each part draws its own colour.
     assert has(on_bar, 150, 198) and has(text, 202, 250) and not has(text, 150, 198)
 
+    def bluish(x0: int, x1: int, y: int) -> bool:
+        return any((c := image.pixelColor(x, y)).blue() > c.red() + 40 for x in range(x0, x1))
+
+    # Filled from the left, top to bottom (an upright bar fills from the bottom, under the text's top half).
+    assert bluish(20, 60, 7) and bluish(20, 60, 23) and not bluish(340, 380, 7) and not bluish(340, 380, 23)
+
 
 # -- inference ------------------------------------------------------------------------------------------------
 

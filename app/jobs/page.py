@@ -82,7 +82,8 @@ class ProgressDelegate(QStyledItemDelegate):
         bar.minimum, bar.maximum = 0, 1000
         bar.progress = int(fraction * 1000)
         bar.textVisible = False
-        bar.state = option.state
+        # Without State_Horizontal a style draws the bar upright: filled from the bottom, under its own text.
+        bar.state = option.state | QStyle.StateFlag.State_Horizontal
         bar.palette = option.palette
         QApplication.style().drawControl(QStyle.ControlElement.CE_ProgressBar, bar, painter)
         text = str(index.data(Qt.ItemDataRole.DisplayRole) or "")
