@@ -22,7 +22,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from rigpilot.app.jobs.outcome import eval_trend, load_snippets, model_of, settings_diff, summary_rows
+from rigpilot.app.jobs.outcome import eval_trend, load_snippets, model_of, output_of, settings_diff, summary_rows
 from rigpilot.app.widgets.palette import WARN
 
 
@@ -35,7 +35,9 @@ class SummaryPanel(QWidget):
         self.warning = QLabel()
         self.warning.setObjectName("evalWarning")
         self.warning.setWordWrap(True)
-        self.warning.setStyleSheet(f"#evalWarning {{ border-left: 4px solid {WARN.name()}; padding: 4px 8px; }}")
+        self.warning.setStyleSheet(
+            f"#evalWarning {{ background: {WARN.lighter(170).name()}; color: #3d2e00; padding: 4px 8px; }}"
+        )
         self.warning.hide()
         self.form = QFormLayout()
         self.form.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.AllNonFixedFieldsGrow)
@@ -68,10 +70,11 @@ class SummaryPanel(QWidget):
             field.setWordWrap(True)
             self.form.addRow(label, field)
         trend = eval_trend(*series.eval_loss())
-        self.warning.setText(trend or "")
+        self.warning.setText(f"⚠ {trend}" if trend else "")
         self.warning.setVisible(bool(trend))
         choice = model_of(job)
-        if job.get("kind") == "train":
+        saved = output_of(job).get("folder")
+        if job.get("kind") == "train" and choice.path != saved:  # the saved folder is a row already
             self.model_note.setText(
                 f"Use {choice.what}: {choice.path}" if choice.path else f"No model to use: {choice.why}."
             )
