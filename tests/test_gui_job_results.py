@@ -443,6 +443,24 @@ def test_comparing_runs_shows_only_the_settings_that_differ(qtbot):
     assert not diff.isVisibleTo(page)
 
 
+def test_three_runs_compared_by_the_context_menu(qtbot):
+    link = FakeLink()
+    FakeJobs(link, [a_training_job("a"), a_training_job("b", seq_len=128), a_training_job("c", method="lora")])
+    page = open_page(qtbot, link)
+    open_job(qtbot, page, "a")
+    for job_id in ("b", "c"):
+        menu = page.context_menu(job_id)
+        page.open_job("a")  # the menu opened b or c; the comparison is of the shown job with the added ones
+        next(a for a in menu.actions() if a.text() == "Add to settings co&mparison").trigger()
+    diff = page.detail.diff
+    qtbot.waitUntil(lambda: diff.columnCount() == 3)
+    labels = [diff.verticalHeaderItem(r).text() for r in range(diff.rowCount())]
+    assert labels == ["Method", "Sequence length"]
+    assert [diff.item(1, c).text() for c in range(3)] == ["64", "128", "64"]
+    page.clear_comparison()
+    assert not diff.isVisibleTo(page)
+
+
 def test_settings_diff_of_three_runs_and_layouts():
     runs = [a_training_job("a"), a_training_job("b"), a_training_job("c", method="lora")]
     runs[1]["settings"]["parallelism"] = {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 1}

@@ -171,6 +171,8 @@ class JobDetail(QWidget):
         self.tabs.setTabVisible(SUMMARY_TAB, False)
         self.tabs.setTabVisible(RESULTS_TAB, False)
         self.link: Any = None
+        self._compared: dict[str, Any] | None = None  # the record of the job whose loss is overlaid
+        self.diff_jobs: dict[str, dict[str, Any]] = {}  # more runs in the settings comparison, by id
         self.failure.sig_show_log.connect(self.show_log)
 
         body = QWidget()
@@ -241,6 +243,7 @@ class JobDetail(QWidget):
         else:
             self.charts.set_job(h.series, list(job.get("gpus") or []), int(job.get("ranks") or 1), job.get("predicted"))
         self._show_tabs(inference, job.get("state") in FINISHED and job.get("kind") == "train")
+        self.show_diff()
         self._show_model_actions()
         self.update_live()
 
@@ -322,5 +325,16 @@ class JobDetail(QWidget):
 
     def set_compare(self, series: Any, name: str, record: dict[str, Any] | None = None) -> None:
         self.charts.set_compare(series, name)
+        self._compared = record
+        self.show_diff()
+
+    def show_diff(self) -> list[tuple[str, list[str]]]:
+        """The settings that differ between the shown job, the one overlaid and those added to the comparison."""
         shown = self.handle.record if self.handle is not None else None
-        self.diff.show_jobs([shown, record] if shown and record else [])
+        if shown is None:
+            return self.diff.show_jobs([])
+        jobs = [shown]
+        for record in (self._compared, *self.diff_jobs.values()):
+            if record and all(record.get("id") != j.get("id") for j in jobs):
+                jobs.append(record)
+        return self.diff.show_jobs(jobs)

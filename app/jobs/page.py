@@ -392,6 +392,23 @@ class JobsPage(QWidget):
             on_error=lambda e: self.sig_message.emit(f"Could not delete job {job_id}: {e}"),
         )  # fmt: skip
 
+    def add_to_comparison(self, job_id: str) -> None:
+        """Put `job_id`'s settings beside the shown job's (and any others added): only what differs is listed."""
+
+        def done(reply: dict[str, Any]) -> None:
+            if isinstance(reply.get("job"), dict):
+                self.detail.diff_jobs[job_id] = reply["job"]
+                self.detail.show_diff()
+
+        self.link.call(
+            "job", job=job_id, on_done=done,
+            on_error=lambda e: self.sig_message.emit(f"Could not compare job {job_id}: {e}"),
+        )  # fmt: skip
+
+    def clear_comparison(self) -> None:
+        self.detail.diff_jobs.clear()
+        self.detail.show_diff()
+
     def _open_current_row(self) -> None:
         index = self.table.currentIndex()
         job_id = index.data(ID_ROLE) if index.isValid() else None
@@ -417,6 +434,10 @@ class JobsPage(QWidget):
         for action in (self.detail.plan_action, self.detail.infer_action, self.detail.finetune_action):
             action.setEnabled(has_model)
             menu.addAction(action)
+        menu.addSeparator()
+        menu.addAction("Add to settings co&mparison", lambda: self.add_to_comparison(job_id))
+        if self.detail.diff_jobs:
+            menu.addAction("Clear settings comparison", self.clear_comparison)
         menu.addSeparator()
         menu.addAction("Re&name…\tF2", self.rename_job)
         menu.addAction("&Delete…\tDel", self.delete_job).setEnabled(not handle.active)
