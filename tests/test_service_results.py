@@ -106,6 +106,7 @@ def test_bad_names_are_refused(name, words):
     assert check_name("  run 1 ") == "run 1"
 
 
+@pytest.mark.slow
 def test_rename_and_results_requests_on_a_real_service(engine, capsys):
     engine.start()
     script = engine.script("quick.py", QUICK_SCRIPT)
