@@ -31,6 +31,7 @@ from rigpilot.app.widgets.units import NA, gib, si
 
 COLUMNS = ["#", "Prompt", "Completion", "New tokens"]
 MAX_ROWS = 10_000  # a results file past this is read from its file; the table would not be read anyway
+FIT_ROWS = 500  # rows sized to their text; past this, one line each (the tooltip has the rest)
 Index = QModelIndex | QPersistentModelIndex
 
 
@@ -214,7 +215,8 @@ class ResultsView(QWidget):
                 self._ask(serial, len(self._loaded))
                 return
             self.model.set_rows(self._loaded)
-            self.table.resizeRowsToContents()
+            if len(self._loaded) <= FIT_ROWS:  # measuring every wrapped row of a long file would stall the GUI
+                self.table.resizeRowsToContents()
             n = len(self._loaded)
             where = reply.get("path") or "the job's output folder"
             self.status.setText(
