@@ -74,6 +74,7 @@ class TryIt(QWidget):
                 link.sig_job.connect(self._on_job)
         if model != self.model:
             self.running = None
+            self.prompt.clear()
             self.status.setText("")
             self.output.clear()
             self.output.hide()
