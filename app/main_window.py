@@ -89,6 +89,7 @@ class MainWindow(QMainWindow):
         self.pages["topology"].sig_plan_for_machine.connect(
             lambda key: self.show_page("planner").select_machine(key, plan=True)
         )
+        self.pages["jobs"].sig_plan_model.connect(self.plan_model)  # "Plan from this model" opens the Planner
 
         self.splitter = QSplitter()
         self.splitter.addWidget(self.nav)
@@ -130,6 +131,9 @@ class MainWindow(QMainWindow):
         keys = [k for k, _, _ in PAGES]
         self.nav.setCurrentRow(keys.index(key))
         return self.pages[key]
+
+    def plan_model(self, model: str) -> None:
+        self.show_page("planner").picker.set_model(model)  # a deliberate pick: the Planner plans it at once
 
     def current_page_key(self) -> str:
         return PAGES[max(self.nav.currentRow(), 0)][0]

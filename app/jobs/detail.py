@@ -10,16 +10,18 @@ from __future__ import annotations
 from typing import Any
 
 from PySide6.QtCore import Qt
-from PySide6.QtGui import QPalette
+from PySide6.QtGui import QAction, QPalette
 from PySide6.QtWidgets import (
     QDoubleSpinBox,
     QHBoxLayout,
     QLabel,
+    QMenu,
     QProgressBar,
     QPushButton,
     QScrollArea,
     QStackedWidget,
     QTabWidget,
+    QToolButton,
     QVBoxLayout,
     QWidget,
 )
@@ -30,11 +32,16 @@ from rigpilot.app.jobs.failure import FailurePanel
 from rigpilot.app.jobs.handle import JobHandle
 from rigpilot.app.jobs.log_view import LogView
 from rigpilot.app.jobs.model import duration, eta_of, gpus_text, progress_of
+from rigpilot.app.jobs.outcome import model_of
 from rigpilot.app.jobs.prediction import PredictionTable
+from rigpilot.app.jobs.results_view import ResultsView
 from rigpilot.app.jobs.series import DEFAULT_SMOOTHING
+from rigpilot.app.jobs.summary_view import SettingsDiff, SummaryPanel
+from rigpilot.app.jobs.try_it import TryIt
 from rigpilot.app.widgets.units import NA
 
-CHARTS_TAB, PLAN_TAB, LOG_TAB = range(3)
+CHARTS_TAB, PLAN_TAB, LOG_TAB, SUMMARY_TAB, RESULTS_TAB = range(5)
+FINISHED = ("completed", "failed", "cancelled", "interrupted")
 
 
 class JobDetail(QWidget):
@@ -77,10 +84,33 @@ class JobDetail(QWidget):
         self.folder_button = QPushButton("Open job &folder")
         self.folder_button.setObjectName("openJobFolder")
         self.folder_button.setToolTip("Logs, metrics, checkpoints and output of this job")
+        # What a finished job's model is good for; the page answers each action.
+        self.plan_action = QAction("&Plan from this model", self)
+        self.infer_action = QAction("&Infer from this model…", self)
+        self.finetune_action = QAction("&Fine-tune from this model…", self)
+        self.use_menu = QMenu(self)
+        for a in (self.plan_action, self.infer_action, self.finetune_action):
+            self.use_menu.addAction(a)
+        self.use_button = QToolButton()
+        self.use_button.setObjectName("useModel")
+        self.use_button.setText("&Use this model")
+        self.use_button.setMenu(self.use_menu)
+        self.use_button.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)
+        self.rename_button = QPushButton("Re&name…")
+        self.rename_button.setObjectName("renameJob")
+        self.rename_button.setToolTip("Give the job a new name (F2 in the job list)")
+        self.delete_button = QPushButton("&Delete…")
+        self.delete_button.setObjectName("deleteJob")
+        self.delete_button.setToolTip(
+            "Remove the job with its folder: logs, checkpoints, output (Delete in the job list)"
+        )
         buttons = QHBoxLayout()
-        for b in (self.cancel_button, self.resume_button, self.clone_button, self.folder_button):
+        for b in (self.cancel_button, self.resume_button, self.clone_button, self.folder_button, self.use_button,
+                  self.rename_button, self.delete_button):  # fmt: skip
             buttons.addWidget(b)
         buttons.addStretch(1)
+        self.try_it = TryIt()
+        self.try_it.hide()
 
         self.failure = FailurePanel()
 
@@ -107,9 +137,11 @@ class JobDetail(QWidget):
         charts_area.setWidgetResizable(True)
         charts_area.setFocusPolicy(Qt.FocusPolicy.NoFocus)  # the charts hold no controls
         charts_area.setWidget(self.charts)
+        self.diff = SettingsDiff()
         charts_tab = QWidget()
         charts_layout = QVBoxLayout(charts_tab)
         charts_layout.addLayout(chart_controls)
+        charts_layout.addWidget(self.diff)
         charts_layout.addWidget(charts_area, 1)
 
         self.prediction = PredictionTable()
@@ -128,6 +160,19 @@ class JobDetail(QWidget):
         self.tabs.addTab(charts_tab, "Charts")
         self.tabs.addTab(plan_tab, "Plan vs measured")
         self.tabs.addTab(self.log, "Log")
+        self.summary_panel = SummaryPanel()
+        summary_area = QScrollArea()
+        summary_area.setObjectName("summaryArea")
+        summary_area.setWidgetResizable(True)
+        summary_area.setWidget(self.summary_panel)
+        self.tabs.addTab(summary_area, "Summary")
+        self.results = ResultsView()
+        self.tabs.addTab(self.results, "Results")
+        self.tabs.setTabVisible(SUMMARY_TAB, False)
+        self.tabs.setTabVisible(RESULTS_TAB, False)
+        self.link: Any = None
+        self._compared: dict[str, Any] | None = None  # the record of the job whose loss is overlaid
+        self.diff_jobs: dict[str, dict[str, Any]] = {}  # more runs in the settings comparison, by id
         self.failure.sig_show_log.connect(self.show_log)
 
         body = QWidget()
@@ -138,6 +183,7 @@ class JobDetail(QWidget):
         body_layout.addWidget(self.notes)
         body_layout.addWidget(self.progress)
         body_layout.addLayout(buttons)
+        body_layout.addWidget(self.try_it)
         body_layout.addWidget(self.failure)
         body_layout.addWidget(self.tabs, 1)
         self.empty = QLabel("Select a job to see its charts, its log and what it predicted.")
@@ -159,6 +205,7 @@ class JobDetail(QWidget):
         self.log.set_handle(handle)
         if handle is None:
             self.charts.set_job(None, [], 1, None)
+            self.try_it.set_model(self.link, None, {})
             return
         self.update_record()
 
@@ -190,8 +237,42 @@ class JobDetail(QWidget):
             else "The job runs on a remote engine; its folder is on that machine" if job.get("job_dir")
             else "The engine has not said where this job's folder is"
         )  # fmt: skip
-        self.charts.set_job(h.series, list(job.get("gpus") or []), int(job.get("ranks") or 1), job.get("predicted"))
+        inference = job.get("kind") == "infer"
+        if inference:  # no loss or learning rate to draw, and nothing of the job shown before may stay
+            self.charts.set_job(None, [], 1, None)
+        else:
+            self.charts.set_job(h.series, list(job.get("gpus") or []), int(job.get("ranks") or 1), job.get("predicted"))
+        self._show_tabs(inference, job.get("state") in FINISHED and job.get("kind") == "train")
+        self.show_diff()
+        self._show_model_actions()
         self.update_live()
+
+    def _show_tabs(self, inference: bool, summary: bool) -> None:
+        current = self.tabs.currentIndex()  # hiding the current tab moves Qt's choice on to a neighbour
+        visible = {CHARTS_TAB: not inference, RESULTS_TAB: inference, SUMMARY_TAB: summary}
+        for tab, shown in visible.items():
+            self.tabs.setTabVisible(tab, shown)
+        if not visible.get(current, True) or (inference and current == CHARTS_TAB):
+            current = RESULTS_TAB if inference else SUMMARY_TAB if summary else CHARTS_TAB
+        self.tabs.setCurrentIndex(current)
+
+    def _show_model_actions(self) -> None:
+        h = self.handle
+        if h is None:
+            return
+        choice = model_of(h.record)
+        self.use_button.setEnabled(choice.path is not None)
+        self.use_button.setToolTip(
+            f"Plan, infer or fine-tune from {choice.what}: {choice.path}" if choice.path
+            else f"No model to use: {choice.why}"
+        )  # fmt: skip
+        self.try_it.set_model(self.link, choice.path, h.record)
+        busy = h.active
+        self.delete_button.setEnabled(not busy)
+        self.delete_button.setToolTip(
+            "Cancel the job before deleting it" if busy
+            else "Remove the job with its folder: logs, checkpoints, output (Delete in the job list)"
+        )  # fmt: skip
 
     def update_live(self) -> None:
         """What moves with the metrics: progress, ETA, phase, plan-vs-measured, an out-of-memory error."""
@@ -223,6 +304,10 @@ class JobDetail(QWidget):
         )  # fmt: skip
         self.failure.show_job(job, h.series.oom)
         self._show_notes()
+        if job.get("kind") == "infer":
+            self.results.show_job(self.link, job)
+        elif self.tabs.isTabVisible(SUMMARY_TAB):
+            self.summary_panel.show_job(job, h.series)
 
     def _show_notes(self) -> None:
         h = self.handle
@@ -238,5 +323,18 @@ class JobDetail(QWidget):
         self.tabs.setCurrentIndex(LOG_TAB)
         self.log.select_rank(rank)
 
-    def set_compare(self, series: Any, name: str) -> None:
+    def set_compare(self, series: Any, name: str, record: dict[str, Any] | None = None) -> None:
         self.charts.set_compare(series, name)
+        self._compared = record
+        self.show_diff()
+
+    def show_diff(self) -> list[tuple[str, list[str]]]:
+        """The settings that differ between the shown job, the one overlaid and those added to the comparison."""
+        shown = self.handle.record if self.handle is not None else None
+        if shown is None:
+            return self.diff.show_jobs([])
+        jobs = [shown]
+        for record in (self._compared, *self.diff_jobs.values()):
+            if record and all(record.get("id") != j.get("id") for j in jobs):
+                jobs.append(record)
+        return self.diff.show_jobs(jobs)

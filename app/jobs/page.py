@@ -14,15 +14,18 @@ import inspect
 import time
 from typing import Any
 
-from PySide6.QtCore import QByteArray, QModelIndex, QPersistentModelIndex, QSettings, Qt, QTimer, QUrl, Signal
-from PySide6.QtGui import QDesktopServices, QHideEvent, QPainter, QShowEvent
+from PySide6.QtCore import QByteArray, QModelIndex, QPersistentModelIndex, QRect, QSettings, Qt, QTimer, QUrl, Signal
+from PySide6.QtGui import QDesktopServices, QHideEvent, QKeySequence, QPainter, QPalette, QShortcut, QShowEvent
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QApplication,
     QComboBox,
     QHBoxLayout,
     QHeaderView,
+    QInputDialog,
     QLabel,
+    QMenu,
+    QMessageBox,
     QSplitter,
     QStyle,
     QStyledItemDelegate,
@@ -46,6 +49,7 @@ from rigpilot.app.jobs.model import (
     JobFilterModel,
     JobListModel,
 )
+from rigpilot.app.jobs.outcome import model_of, settings_of
 
 CONNECTED = "connected"  # EngineLink's state name
 REFRESH_MS = 500
@@ -58,7 +62,12 @@ WIZARD_MODULES = ("rigpilot.app.wizard", "rigpilot.app.wizard.wizard", "rigpilot
 
 
 class ProgressDelegate(QStyledItemDelegate):
-    """Draws the progress column as a bar when the job knows how far it is."""
+    """Draws the progress column as a bar when the job knows how far it is.
+
+    The style's own bar text is drawn in one colour over both the filled and the empty part,
+    and some styles (Fusion's highlight on its chunk) make it vanish; so the text is drawn
+    here, twice, clipped: the highlight's text colour over the filled part, the view's over the rest.
+    """
 
     def paint(
         self, painter: QPainter, option: QStyleOptionViewItem, index: QModelIndex | QPersistentModelIndex
@@ -67,21 +76,37 @@ class ProgressDelegate(QStyledItemDelegate):
         if fraction is None:
             super().paint(painter, option, index)
             return
+        fraction = max(0.0, min(1.0, fraction))
         bar = QStyleOptionProgressBar()
         bar.rect = option.rect.adjusted(2, 3, -2, -3)
         bar.minimum, bar.maximum = 0, 1000
-        bar.progress = int(max(0.0, min(1.0, fraction)) * 1000)
-        bar.text = str(index.data(Qt.ItemDataRole.DisplayRole) or "")
-        bar.textVisible = True
-        bar.state = option.state
+        bar.progress = int(fraction * 1000)
+        bar.textVisible = False
+        # Without State_Horizontal a style draws the bar upright: filled from the bottom, under its own text.
+        bar.state = option.state | QStyle.StateFlag.State_Horizontal
         bar.palette = option.palette
         QApplication.style().drawControl(QStyle.ControlElement.CE_ProgressBar, bar, painter)
+        text = str(index.data(Qt.ItemDataRole.DisplayRole) or "")
+        filled = QRect(bar.rect)
+        filled.setWidth(round(bar.rect.width() * fraction))
+        empty = QRect(bar.rect)
+        empty.setLeft(filled.right() + 1)
+        align = Qt.AlignmentFlag.AlignCenter
+        painter.save()
+        for part, role in ((filled, QPalette.ColorRole.HighlightedText), (empty, QPalette.ColorRole.Text)):
+            if part.width() <= 0:
+                continue
+            painter.setClipRect(part)
+            painter.setPen(option.palette.color(role))
+            painter.drawText(bar.rect, align, text)
+        painter.restore()
 
 
 class JobsPage(QWidget):
     sig_job_opened = Signal(str)  # the job shown in the detail pane
     sig_clone_requested = Signal(dict)  # the record of a job to start a new one from
     sig_message = Signal(str)  # a line for the user (errors of requests, folder not found)
+    sig_plan_model = Signal(str)  # "Plan from this model": the model for the Planner to plan
 
     def __init__(self, link: Any, parent: QWidget | None = None):
         super().__init__(parent)
@@ -126,6 +151,16 @@ class JobsPage(QWidget):
         self._progress_delegate = ProgressDelegate(self.table)
         self.table.setItemDelegateForColumn(PROGRESS, self._progress_delegate)
         self.table.selectionModel().currentRowChanged.connect(self._on_row_changed)
+        self.table.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
+        self.table.customContextMenuRequested.connect(self._context_menu)
+        for keys, slot in (
+            ((QKeySequence.StandardKey.Delete,), self.delete_job),
+            ((QKeySequence(Qt.Key.Key_F2),), self.rename_job),
+            ((QKeySequence(Qt.Key.Key_Return), QKeySequence(Qt.Key.Key_Enter)), self._open_current_row),
+        ):
+            for key in keys:
+                shortcut = QShortcut(key, self.table, slot)
+                shortcut.setContext(Qt.ShortcutContext.WidgetShortcut)
 
         filter_label = QLabel("S&how")
         filter_label.setBuddy(self.state_filter)
@@ -147,6 +182,13 @@ class JobsPage(QWidget):
         self.detail.clone_button.clicked.connect(self.clone_job)
         self.detail.folder_button.clicked.connect(self.open_job_folder)
         self.detail.compare.sig_compare_changed.connect(lambda job_id: self._set_compare(job_id or None))
+        self.detail.link = link
+        self.detail.plan_action.triggered.connect(self.plan_from_model)
+        self.detail.infer_action.triggered.connect(self.infer_from_model)
+        self.detail.finetune_action.triggered.connect(self.finetune_from_model)
+        self.detail.rename_button.clicked.connect(self.rename_job)
+        self.detail.delete_button.clicked.connect(self.delete_job)
+        self.detail.results.sig_message.connect(self.sig_message.emit)
 
         self.status = QLabel()
         self.status.setObjectName("jobsStatus")
@@ -164,7 +206,7 @@ class JobsPage(QWidget):
         layout.addWidget(self.splitter, 1)
         layout.addWidget(self.status)
 
-        for signal in (self.model.rowsInserted, self.model.rowsRemoved, self.model.modelReset):
+        for signal in (self.model.rowsInserted, self.model.rowsRemoved, self.model.modelReset, self.model.dataChanged):
             signal.connect(self._on_list_changed)
         self.proxy.rowsInserted.connect(self._update_count)
         self.proxy.rowsRemoved.connect(self._update_count)
@@ -240,7 +282,7 @@ class JobsPage(QWidget):
             self.detail.set_compare(None, "")
         else:
             handle = self._acquire(job_id)
-            self.detail.set_compare(handle.series, handle.name)
+            self.detail.set_compare(handle.series, handle.name, handle.record)
         if previous is not None:
             self._release(previous)
 
@@ -274,6 +316,138 @@ class JobsPage(QWidget):
             self.sig_message.emit(f"Could not open {folder}: no file manager answered")
             return False
         return True
+
+    # -- what a finished job's model is good for, rename, delete -----------------------------------
+    def _model(self) -> str | None:
+        handle = self.current_handle
+        if handle is None:
+            return None
+        choice = model_of(handle.record)
+        if choice.path is None:
+            self.sig_message.emit(f"Job {handle.id} has no model to use: {choice.why}")
+        return choice.path
+
+    def plan_from_model(self) -> None:
+        model = self._model()
+        if model:
+            self.sig_plan_model.emit(model)
+
+    def infer_from_model(self) -> None:
+        model = self._model()
+        if model and self.current_handle is not None:
+            gpus = list(self.current_handle.record.get("gpus") or [])
+            self._open_wizard({"spec_version": 1, "kind": "infer", "model": model, "gpus": gpus, "infer": {}})
+
+    def finetune_from_model(self) -> None:
+        model = self._model()
+        handle = self.current_handle
+        if not model or handle is None:
+            return
+        settings = settings_of(handle.record)
+        train = dict(settings.get("train") or {}) if settings.get("kind") == "train" else {}
+        # A model trained from scratch is fine-tuned like any pretrained one; its data comes along.
+        if train.get("method") not in ("full", "lora", "qlora"):
+            train["method"] = "lora"
+        gpus = list(handle.record.get("gpus") or [])
+        self._open_wizard({"spec_version": 1, "kind": "train", "model": model, "gpus": gpus, "train": train})
+
+    def rename_job(self) -> None:
+        handle = self.current_handle
+        if handle is None:
+            return
+        name, ok = QInputDialog.getText(self, "Rename job", f"New name for job {handle.id}:", text=handle.name)
+        if not ok or not name.strip() or name.strip() == handle.name:
+            return
+
+        def done(reply: dict[str, Any]) -> None:
+            job = reply.get("job")
+            if isinstance(job, dict):
+                self._on_job_event(job)  # the engine's event follows; the list need not wait for it
+                if job.get("id") in self._handles:
+                    self._handles[job["id"]].refresh_record()
+
+        self.link.call(
+            "rename", job=handle.id, name=name.strip(), on_done=done,
+            on_error=lambda e: self.sig_message.emit(f"Could not rename job {handle.id}: {e}"),
+        )  # fmt: skip
+
+    def delete_job(self) -> None:
+        handle = self.current_handle
+        if handle is None:
+            return
+        job_id = handle.id
+        if handle.active:
+            self.sig_message.emit(f"Job {job_id} is {handle.state}; cancel it before deleting it")
+            return
+        answer = QMessageBox.question(
+            self, "Delete job",
+            f"Delete job {handle.name} ({job_id}) with its folder: logs, checkpoints and output?\n"
+            f"{handle.record.get('job_dir') or ''}",
+            QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.Cancel, QMessageBox.StandardButton.Cancel,
+        )  # fmt: skip
+        if answer != QMessageBox.StandardButton.Yes:
+            return
+        self.link.call(
+            "delete", job=job_id, on_done=lambda _reply: self._forget(job_id),
+            on_error=lambda e: self.sig_message.emit(f"Could not delete job {job_id}: {e}"),
+        )  # fmt: skip
+
+    def add_to_comparison(self, job_id: str) -> None:
+        """Put `job_id`'s settings beside the shown job's (and any others added): only what differs is listed."""
+
+        def done(reply: dict[str, Any]) -> None:
+            if isinstance(reply.get("job"), dict):
+                self.detail.diff_jobs[job_id] = reply["job"]
+                self.detail.show_diff()
+
+        self.link.call(
+            "job", job=job_id, on_done=done,
+            on_error=lambda e: self.sig_message.emit(f"Could not compare job {job_id}: {e}"),
+        )  # fmt: skip
+
+    def clear_comparison(self) -> None:
+        self.detail.diff_jobs.clear()
+        self.detail.show_diff()
+
+    def _open_current_row(self) -> None:
+        index = self.table.currentIndex()
+        job_id = index.data(ID_ROLE) if index.isValid() else None
+        if job_id:
+            self.open_job(job_id)
+            self.detail.tabs.setFocus()
+
+    def context_menu(self, job_id: str) -> QMenu:
+        """The job list's menu for `job_id` (shown, so its actions act on it)."""
+        self.open_job(job_id)
+        handle = self.current_handle
+        menu = QMenu(self)
+        if handle is None:
+            return menu
+        for text, slot, enabled in (
+            ("&Cancel job", self.cancel_job, handle.can_cancel),
+            ("&Resume", self.resume_job, handle.can_resume),
+            ("C&lone into wizard…", self.clone_job, bool(handle.record.get("kind"))),
+        ):
+            menu.addAction(text, slot).setEnabled(enabled)
+        menu.addSeparator()
+        has_model = model_of(handle.record).path is not None
+        for action in (self.detail.plan_action, self.detail.infer_action, self.detail.finetune_action):
+            action.setEnabled(has_model)
+            menu.addAction(action)
+        menu.addSeparator()
+        menu.addAction("Add to settings co&mparison", lambda: self.add_to_comparison(job_id))
+        if self.detail.diff_jobs:
+            menu.addAction("Clear settings comparison", self.clear_comparison)
+        menu.addSeparator()
+        menu.addAction("Re&name…\tF2", self.rename_job)
+        menu.addAction("&Delete…\tDel", self.delete_job).setEnabled(not handle.active)
+        return menu
+
+    def _context_menu(self, pos: Any) -> None:
+        index = self.table.indexAt(pos)
+        job_id = index.data(ID_ROLE) if index.isValid() else None
+        if job_id:
+            self.context_menu(job_id).popup(self.table.viewport().mapToGlobal(pos))
 
     # -- engine events ------------------------------------------------------------------------
     def _on_state(self, state: str, detail: str) -> None:
@@ -388,8 +562,9 @@ class JobsPage(QWidget):
             self.detail.update_record()
             self._load_telemetry(self._handles[job_id])
             self._live_drawn = None
-        if job_id == self._compare:
-            self.detail.set_compare(self._handles[job_id].series, self._handles[job_id].name)
+        if job_id == self._compare or (job_id == self._current and self._compare in self._handles):
+            compared = self._handles[self._compare]  # type: ignore[index]
+            self.detail.set_compare(compared.series, compared.name, compared.record)
 
     # -- list -------------------------------------------------------------------------------------
     def _select_row(self, job_id: str) -> None:
@@ -465,7 +640,8 @@ class JobsPage(QWidget):
                 wizard = wizard_class(self.link)
                 wizard.from_job(job)
         except Exception as e:  # a wizard that cannot take this job must not take the page down
-            self.sig_message.emit(f"Could not clone {job.get('id')} into the wizard: {e}")
+            what = f"clone {job['id']}" if job.get("id") else f"open the wizard for {job.get('model')}"
+            self.sig_message.emit(f"Could not {what} into the wizard: {e}")
             return
         if isinstance(wizard, QWidget):
             self._wizard = wizard

@@ -120,6 +120,15 @@ def register(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     p.add_argument("job", metavar="JOB")
     p.set_defaults(func=cmd_delete)
 
+    p = sub.add_parser("rename", help="give a job a new name (shown in the app and in 'rigpilot jobs')")
+    p.add_argument("job", metavar="JOB")
+    p.add_argument("name", metavar="NAME")
+    p.set_defaults(func=cmd_rename)
+
+    p = sub.add_parser("results", parents=[js], help="an inference job's prompts and completions")
+    p.add_argument("job", metavar="JOB")
+    p.set_defaults(func=cmd_results)
+
 
 # -- option groups ---------------------------------------------------------------
 
@@ -588,6 +597,33 @@ def cmd_delete(args: argparse.Namespace) -> int:
             raise UserError(f"job {job['id']} is {job['state']}; stop it first with 'rigpilot cancel {job['id']}'")
         c.request("delete", job=job["id"])
     print(f"job {job['id']} ({job['kind']} '{printable(job['name'])}') deleted with its folder {job['job_dir']}")
+    return 0
+
+
+def cmd_rename(args: argparse.Namespace) -> int:
+    with _client() as c:
+        job = c.request("rename", job=args.job, name=args.name)["job"]
+    print(f"job {job['id']} is now named '{printable(job['name'])}'")
+    return 0
+
+
+def cmd_results(args: argparse.Namespace) -> int:
+    results: list[dict[str, Any]] = []
+    with _client() as c:
+        while True:
+            reply = c.request("results", job=args.job, start=len(results))
+            results += reply["results"]
+            if not reply["more"] or not reply["results"]:
+                break
+    if args.json:
+        print(json.dumps({"schema": "rigpilot.results/1", "job": reply["job"], "results": results,
+                          "path": reply["path"]}, indent=2))  # fmt: skip
+        return 0
+    for r in results:
+        print(f"--- prompt {r['index'] + 1}: {printable(r['prompt'])}")
+        # Generated text keeps its lines; anything else that could drive the terminal is escaped.
+        print("\n".join(printable(line) for line in r["completion"].split("\n")))
+    print(f"{len(results)} completion(s) of job {reply['job']}; all of it in {reply['path']}")
     return 0
 
 

@@ -22,7 +22,8 @@ Every request has a deadline: one that passes it (a `plan` search) is stopped
 and answered `timeout`; a client may ask for a shorter one with `deadline_s`.
 
 Requests and their results (a "job" is the record the `jobs` CLI shows, plus
-`progress`, `job_dir`, `waiting_for` when queued, `comparison` in details):
+`progress`, `job_dir`, `waiting_for` when queued, `comparison` in details; the `job` request's answer also
+has `settings`, the job's spec without its environment, and `output`, what its output folder holds):
     hello {versions?, client?, token?}      → {service, version, protocol, versions, pid, machine, simulated, notes, tcp}
     machine {}                              → {machine (Machine JSON), notes}
     topology {}                             → {matrix: {gpus, cells}, summary, description}
@@ -36,6 +37,10 @@ Requests and their results (a "job" is the record the `jobs` CLI shows, plus
     jobs {states?, limit?}                  → {jobs: [job]}, newest first
     job | cancel | resume {job}             → {job}       (job: id, unique id prefix or name)
     delete {job}                            → {id, deleted}
+    rename {job, name}                      → {job}       (name: one printable line, 1–100 characters)
+    results {job, start?, limit?, max_bytes?} → {results: [{index, prompt, completion, new_tokens, cut}], start,
+          more, path, size, state}: an inference job's completions (output/results.jsonl, read as JSON only);
+          a missing file, another kind of job or a line that is not a completion: `user_error`, one line
     logs {job, rank?, since_offset?, max_bytes?} → {text, offset, next_offset, size, more, rank, ranks, path, state}
     metrics {job, since_cursor?, max_bytes?} → {records, cursor, more, state}   (cursor: {"<rank>": byte offset})
     subscribe {topics, metrics_cursors?}    → {topics}; topics: "telemetry", "jobs", "metrics:<job>"
@@ -238,6 +243,11 @@ REQUEST_SCHEMAS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "cancel": ({"job": Text}, {}),
     "resume": ({"job": Text}, {"env": Annotated[dict[str, str], Limit(max_len=1024)] | None}),  # values: limits.check_env
     "delete": ({"job": Text}, {}),
+    "rename": ({"job": Text, "name": Text}, {}),
+    "results": (
+        {"job": Text},
+        {"start": Annotated[int, Limit(0, 1 << 30)], "limit": Annotated[int, Limit(1, 10_000)], "max_bytes": Bytes},
+    ),
     "logs": (
         {"job": Text},
         {

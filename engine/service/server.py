@@ -54,6 +54,7 @@ from rigpilot.engine.service import calibration_store, paths, protocol
 from rigpilot.engine.service.metrics import read_records
 from rigpilot.engine.service.planworker import ClientGone, PlannerBug, PlannerPool, PlanTimeout
 from rigpilot.engine.service.protocol import ProtocolError, Request
+from rigpilot.engine.service.results import RESULTS_FILE, read_results
 from rigpilot.engine.service.store import ALL_STATES, COMPLETED, JobStore
 from rigpilot.engine.service.supervisor import JobNotFound, Supervisor, SupervisorOptions
 from rigpilot.engine.service.telemetry_store import TelemetryStore
@@ -647,6 +648,19 @@ class EngineService:
 
     def _do_delete(self, conn: Connection, job: str) -> Any:
         return self.supervisor.delete(job)
+
+    def _do_rename(self, conn: Connection, job: str, name: str) -> Any:
+        return {"job": self.supervisor.rename(job, name)}
+
+    def _do_results(
+        self, conn: Connection, job: str, start: int = 0, limit: int = 1000, max_bytes: int = 512 * 1024
+    ) -> Any:
+        rec = self.supervisor.resolve(job)
+        if rec.kind != "infer":
+            raise UserError(f"job {rec.id} is a {rec.kind} job; only inference jobs write completions")
+        budget = max(4096, min(max_bytes, protocol.REPLY_BUDGET_BYTES // 2))  # escaping can double the size
+        reply = read_results(self.supervisor.job_dir(rec.id) / RESULTS_FILE, start=start, limit=limit, max_bytes=budget)
+        return {"job": rec.id, "state": rec.state, **reply}
 
     def _do_logs(
         self, conn: Connection, job: str, rank: int | None = None, since_offset: int = 0, max_bytes: int = 256 * 1024

@@ -43,6 +43,7 @@ from rigpilot.engine.jobs.spec import JobSpec
 from rigpilot.engine.runtime import worker_python
 from rigpilot.engine.service import paths, submission
 from rigpilot.engine.service.metrics import Cursor, MetricsSummary, read_records, summarize
+from rigpilot.engine.service.results import check_name, describe_output, job_settings
 from rigpilot.engine.service.store import (
     ACTIVE_STATES,
     CANCELLED,
@@ -285,6 +286,19 @@ class Supervisor:
         self._on_job({"id": rec.id, "state": "deleted"})
         return {"id": rec.id, "deleted": True}
 
+    def rename(self, ref: str, name: str) -> dict[str, Any]:
+        name = check_name(name)
+        with self._lock:
+            rec = self.resolve(ref)
+            other = self.store.get(name)
+            if other is not None and other.id != rec.id:
+                # `job` references try ids before names: this name could never reach its job.
+                raise UserError(f"{name!r} is the id of another job; choose another name")
+            self.store.update(rec, name=name)
+            view = self.view(rec)
+        self._on_job(view)
+        return view
+
     def jobs(self, states: list[str] | None = None, limit: int | None = None) -> list[dict[str, Any]]:
         with self._lock:
             recs = self.store.list(set(states) if states else None, limit)
@@ -292,7 +306,12 @@ class Supervisor:
 
     def detail(self, ref: str) -> dict[str, Any]:
         with self._lock:
-            return self.view(self.resolve(ref))
+            d = self.view(self.resolve(ref))
+        # Small files, read outside the lock: what the job was asked to do and what it left behind.
+        job_dir = self.job_dir(d["id"])
+        d["settings"] = job_settings(job_dir)
+        d["output"] = describe_output(job_dir)
+        return d
 
     def resolve(self, ref: str) -> JobRecord:
         matches = self.store.find(ref)

@@ -1,0 +1,134 @@
+""" "Try it": one prompt to a finished job's model, run as a small inference job, and its completion.
+
+The job is built by the wizard's own spec builder (`WizardState.to_spec`), so it is
+exactly what the wizard would submit for an inference job with that prompt.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from PySide6.QtCore import Signal
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QVBoxLayout, QWidget
+
+from rigpilot.app.jobs.outcome import settings_of
+from rigpilot.app.wizard.state import INFER, WizardState
+from rigpilot.engine.jobs.spec import InferSettings
+from rigpilot.engine.service.store import COMPLETED, TERMINAL_STATES
+
+MAX_NEW_TOKENS = 64
+
+
+def try_spec(model: str, prompt: str, job: dict[str, Any]) -> dict[str, Any]:
+    """The `submit` spec of a one-prompt inference job on `model`, on the first GPU `job` ran on."""
+    settings = settings_of(job)
+    precision = (settings.get("train") or settings.get("infer") or {}).get("precision") or InferSettings().precision
+    state = WizardState(
+        kind=INFER, model=model, prompts=[prompt], gpus=list(job.get("gpus") or [])[:1],
+        name=f"try: {' '.join(prompt.split())[:40]}", trust_remote_code=bool(settings.get("trust_remote_code")),
+        infer=InferSettings(max_new_tokens=MAX_NEW_TOKENS, batch_size=1, precision=precision),
+    )  # fmt: skip
+    return state.to_spec()
+
+
+class TryIt(QWidget):
+    sig_submitted = Signal(str)  # the id of the inference job a prompt started
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.link: Any = None
+        self.model: str | None = None
+        self.job: dict[str, Any] = {}
+        self.running: str | None = None  # the try job we wait for
+        self.prompt = QLineEdit()
+        self.prompt.setObjectName("tryPrompt")
+        self.prompt.setAccessibleName("Try it: a prompt for this model")
+        self.prompt.setPlaceholderText("Type a prompt and press Enter: a small inference job runs it on this model")
+        self.prompt.returnPressed.connect(self.submit)
+        label = QLabel("&Try it")
+        label.setBuddy(self.prompt)
+        self.status = QLabel()
+        self.status.setObjectName("tryStatus")
+        self.status.setWordWrap(True)
+        self.output = QPlainTextEdit()
+        self.output.setObjectName("tryOutput")
+        self.output.setAccessibleName("Completion")
+        self.output.setReadOnly(True)
+        self.output.setMaximumHeight(90)
+        self.output.hide()
+        row = QHBoxLayout()
+        row.addWidget(label)
+        row.addWidget(self.prompt, 1)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addLayout(row)
+        layout.addWidget(self.status)
+        layout.addWidget(self.output)
+
+    def set_model(self, link: Any, model: str | None, job: dict[str, Any]) -> None:
+        if link is not self.link:
+            if self.link is not None:
+                self.link.sig_job.disconnect(self._on_job)
+            self.link = link
+            if link is not None:
+                link.sig_job.connect(self._on_job)
+        if model != self.model:
+            self.running = None
+            self.prompt.clear()
+            self.status.setText("")
+            self.output.clear()
+            self.output.hide()
+        self.model, self.job = model, job
+        self.setVisible(model is not None)
+
+    def submit(self) -> None:
+        text = self.prompt.text().strip()
+        if not text or self.model is None or self.link is None:
+            return
+        if self.running:
+            self.status.setText(f"Still waiting for job {self.running}; its completion comes first.")
+            return
+        spec = try_spec(self.model, text, self.job)
+        self.status.setText("Submitting…")
+        model = self.model
+
+        def done(reply: dict[str, Any]) -> None:
+            job = reply.get("job") or {}
+            if model != self.model or not job.get("id"):
+                return
+            self.running = job["id"]
+            self.status.setText(
+                f"Job {job['id']} generates up to {MAX_NEW_TOKENS} tokens; the completion appears here."
+            )
+            self.sig_submitted.emit(job["id"])
+
+        def failed(error: BaseException) -> None:
+            if model == self.model:
+                self.status.setText(f"Could not run the prompt: {error}")
+
+        self.link.call("submit", spec=spec, on_done=done, on_error=failed)
+
+    def _on_job(self, job: dict[str, Any]) -> None:
+        if not self.running or job.get("id") != self.running or job.get("state") not in TERMINAL_STATES:
+            return
+        job_id, self.running = self.running, None
+        if job["state"] != COMPLETED:
+            self.status.setText(f"Job {job_id} {job['state']}: {job.get('exit_reason') or 'see its log'}")
+            return
+
+        def done(reply: dict[str, Any]) -> None:
+            results = reply.get("results") or []
+            if not results:
+                self.status.setText(f"Job {job_id} wrote no completion.")
+                return
+            self.status.setText(f"Completion from job {job_id}:")
+            self.output.setPlainText(results[0].get("completion", ""))
+            self.output.show()
+
+        def failed(error: BaseException) -> None:
+            self.status.setText(f"Job {job_id}: {error}")
+
+        self.link.call("results", job=job_id, limit=1, on_done=done, on_error=failed)
+
+    def completion(self) -> str:
+        return self.output.toPlainText() if self.output.isVisible() else ""
