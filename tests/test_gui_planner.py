@@ -572,6 +572,8 @@ def test_the_machine_planned_for_and_the_options_are_restored(qtbot, tmp_path):
 def test_speeds_read_in_k_and_m_never_thousands_of_k():
     from rigpilot.app.planner.model import tokens_per_s
 
-    assert tokens_per_s(14_719_000) == "15M tokens/s"
+    # The Planner words speeds with the GUI's one formatter, as the Jobs page does.
+    assert tokens_per_s(14_719_000) == "14.7M tokens/s"
     assert tokens_per_s(4_200_000, training=False) == "4.2M generated tokens/s"
-    assert tokens_per_s(14_719) == "15k tokens/s" and tokens_per_s(3_900) == "3.9k tokens/s"
+    assert tokens_per_s(14_719) == "14.7k tokens/s" and tokens_per_s(3_900) == "3.9k tokens/s"
+    assert tokens_per_s(None) == tokens_per_s(0) == "n/a"

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rigpilot.app.widgets import units
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.machine import Machine
 from rigpilot.engine.planner.explain import duration_text
@@ -253,16 +254,7 @@ def memory_figures(plan: dict[str, Any], m: dict[str, Any]) -> str:
 
 
 def tokens_per_s(v: float | None, training: bool = True) -> str:
-    if not v:
-        return "n/a"
-    what = "tokens/s" if training else "generated tokens/s"
-    if v >= 1e6:  # "14.7M", never "14719k"
-        return f"{v / 1e6:.{0 if v >= 1e7 else 1}f}M {what}"
-    if v >= 10_000:
-        return f"{v / 1000:.0f}k {what}"
-    if v >= 1000:
-        return f"{v / 1000:.1f}k {what}"
-    return f"{v:.0f} {what}" if v >= 10 else f"{v:.2f} {what}"
+    return units.si(v or None, "tokens/s" if training else "generated tokens/s")
 
 
 def seconds(v: float | None) -> str:
