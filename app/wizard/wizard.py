@@ -10,12 +10,13 @@ wizard. Launch submits to the engine; on success the wizard emits
     wizard = JobWizard(link, parent=self)                    # last choices, or the shipped tiny example
     wizard = JobWizard.from_plan(plan_dict, link=link, parent=self)
     wizard = JobWizard.from_job(job_dict, link=link, parent=self)
+
+Everything in the app opens it through `open_wizard` (Ctrl+N, the Jobs page, clone).
 """
 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,12 +28,13 @@ from rigpilot.app.planner.gpu_selector import BusyGpus
 from rigpilot.app.planner.model import error_text
 from rigpilot.app.tasks import run_in_background
 from rigpilot.app.widgets.engine_messages import machine_dict
+from rigpilot.app.wizard import engine_requests
 from rigpilot.app.wizard.data_check import DataReport
 from rigpilot.app.wizard.host import DATA, GPUS, HYPER, LAUNCH, MODEL, PLAN, REVIEW, TASK
 from rigpilot.app.wizard.pages_finish import LaunchPage, ReviewPage
 from rigpilot.app.wizard.pages_plan import HyperPage, PlanPage
 from rigpilot.app.wizard.pages_setup import DataPage, GpuPage, ModelPage, TaskPage
-from rigpilot.app.wizard.plan_check import PlanChecker, describe_for_job, plan_here
+from rigpilot.app.wizard.plan_check import PlanChecker, describe_for_job
 from rigpilot.app.wizard.state import (
     CALIBRATE,
     FINETUNE,
@@ -59,6 +61,21 @@ def land_on_job(widget: QWidget | None, job_id: str) -> None:
     open_job = getattr(jobs, "open_job", None)
     if open_job is not None:
         open_job(job_id)
+
+
+def open_wizard(
+    link: Any, parent: QWidget | None, *, job: dict[str, Any] | None = None, plan: dict[str, Any] | None = None
+) -> JobWizard:
+    """Show a wizard: filled from `job` (clone) or `plan` (launch with it), else with the last choices (or the
+    shipped tiny example). With the main window as `parent`, Launch lands on the new job's page."""
+    if job is not None:
+        wizard = JobWizard.from_job(job, link=link, parent=parent)
+    elif plan is not None:
+        wizard = JobWizard.from_plan(plan, link=link, parent=parent)
+    else:
+        wizard = JobWizard(link, parent)
+    wizard.show()  # a window of its own, in front of its parent
+    return wizard
 
 
 class JobWizard(QWizard):
@@ -210,31 +227,11 @@ class JobWizard(QWizard):
     # -- talking to the engine ---------------------------------------------------------------------------
     def request_plan(self, on_done: Callable[[dict[str, Any]], None], on_error: Callable[[str], None]) -> None:
         """A plan for the current choices: the engine's when connected, else the planner here."""
-        s = self.state
-        ref, workload, gpus = s.planning_model(), s.workload_args(), sorted(s.gpus)
-        engine_reads_it = not Path(ref).expanduser().is_file()  # the engine describes folders, presets, hub ids
-        if getattr(self.link, "state", None) == "connected" and engine_reads_it:
-            self.link.call(
-                "plan",
-                on_done=lambda reply: on_done(reply.get("result", reply)),
-                on_error=lambda e: on_error(error_text(e)),
-                model=ref, workload=workload, gpus=gpus, options={}, trust_remote_code=s.trust_remote_code,
-            )  # fmt: skip
-        elif self.machine is not None:
-            machine, trust = self.machine, s.trust_remote_code
-            run_in_background(
-                lambda: plan_here(ref, machine, workload, gpus, trust), on_done, lambda e: on_error(error_text(e))
-            )
-        else:
-            on_error("Not connected to the engine, and no machine is known to plan for.")
+        engine_requests.request_plan(self.link, self.machine, self.state, on_done, on_error)
 
     def submission(self) -> dict[str, Any]:
         """The arguments of the `submit` request for the current choices (and of `check`, the same)."""
-        s = self.state
-        args: dict[str, Any] = {"spec": s.to_spec(), "plan": s.plan if s.planned else None}
-        if getattr(self.link, "remote", None) is None:
-            args["cwd"] = os.getcwd()  # relative paths typed by the user mean: from here
-        return args
+        return engine_requests.submission(self.link, self.state)
 
     def check(self, on_done: Callable[[dict[str, Any]], None], on_error: Callable[[BaseException], None]) -> None:
         """Ask the engine what it would run for these choices, creating nothing: `on_done({"lines", "would_run"})`,
