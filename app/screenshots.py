@@ -153,14 +153,11 @@ class Shooter:
         return path
 
 
-def take(shooter: Shooter, settings_dir: Path) -> None:
-    from PySide6.QtCore import QSettings
-
+def take(shooter: Shooter) -> None:
     from rigpilot.app.engine_link import CONNECTED, EngineLink
     from rigpilot.app.main_window import MainWindow
     from rigpilot.app.planner.model import PlanRequest
     from rigpilot.app.wizard import page_base
-    from rigpilot.app.wizard.wizard import JobWizard
 
     window = MainWindow(EngineLink())
     window.resize(*SIZE)
@@ -172,11 +169,12 @@ def take(shooter: Shooter, settings_dir: Path) -> None:
                      "connection to the engine")  # fmt: skip
         shooter.wait(lambda: telemetry["n"] >= 4, 30, "live telemetry")
 
-        # The wizard, page by page, with its defaults: it submits the tiny example job.
-        wizard = JobWizard(window.link, window, settings=QSettings(str(settings_dir / "wizard.ini"),
-                                                                   QSettings.Format.IniFormat))  # fmt: skip
+        # The wizard, page by page, with its defaults: it submits the tiny example job. It is opened as a user
+        # does (New job…, Ctrl+N); its settings are the throw-away ones `main` set up.
+        window.new_job_action.trigger()
+        wizard = shooter.wait(lambda: window.wizard if window.wizard is not None and window.wizard.isVisible()
+                              else None, 10, "job wizard after New job…")  # fmt: skip
         wizard.resize(*SIZE)
-        wizard.show()
         submitted: list[str] = []
         failed: list[str] = []
         wizard.sig_submitted.connect(submitted.append)
@@ -273,7 +271,7 @@ def main(out: Path) -> int:
     rc = 0
     try:
         wait_for_engine(engine, tmp / "engine.log")
-        take(shooter, tmp)
+        take(shooter)
     except ShotError as e:
         print(f"screenshots: {e}; engine log: {tmp / 'engine.log'}", file=sys.stderr)
         rc = 1

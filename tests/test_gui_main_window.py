@@ -130,7 +130,7 @@ def test_ctrl_n_opens_the_wizard_from_every_page_and_launch_lands_on_the_job(qtb
         assert isinstance(w.wizard, JobWizard) and w.wizard.link is link
         again = w.wizard
         raised = []
-        again.raise_ = lambda: raised.append(True)  # the offscreen platform warns on a real raise()
+        again.raise_ = lambda r=raised: r.append(True)  # the offscreen platform warns on a real raise()
         w.new_job_action.trigger()
         assert raised
         assert w.wizard is again  # one wizard at a time: the open one comes to the front

@@ -575,7 +575,7 @@ def test_review_shows_what_the_engine_would_run_and_launch_says_launch(qtbot, se
     wizard = open_wizard(qtbot, link, settings, state=default_state(link.machine))
     go_to(qtbot, wizard, REVIEW)
     page = settled(qtbot, wizard)
-    assert wizard.button(QWizard.WizardButton.NextButton).text() == "Launch"
+    assert wizard.button(QWizard.WizardButton.NextButton).text() == "&Launch"
     assert page.isComplete() and wizard.button(QWizard.WizardButton.NextButton).isEnabled()
     checked = link.requests("check")[-1]
     assert checked["spec"] == wizard.state.to_spec() and checked["cwd"]
