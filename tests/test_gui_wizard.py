@@ -751,3 +751,26 @@ def test_the_fix_reads_the_context_from_every_refusals_wording():
     assert state.fit_to_context(None) is None and state.fit_to_context(4096) is None
     state.train.seq_len, state.infer.max_new_tokens = 512, 300
     assert state.fit_to_context(256) and (state.train.seq_len, state.infer.max_new_tokens) == (256, 128)
+
+
+def test_ctrl_enter_is_next_and_launch_and_waits_for_checks(qtbot, settings):
+    from PySide6.QtCore import Qt
+
+    link, submitted = make_link()
+    wizard = open_wizard(qtbot, link, settings, state=default_state(link.machine))
+    wizard.activateWindow()
+    qtbot.waitUntil(wizard.isActiveWindow)
+    assert "Ctrl+Enter" in wizard.button(QWizard.WizardButton.NextButton).toolTip()
+    qtbot.keyClick(wizard.focusWidget() or wizard, Qt.Key.Key_Return, Qt.KeyboardModifier.ControlModifier)
+    assert wizard.currentId() == MODEL
+    page = wizard.currentPage()
+    page.busy = True  # a check still running: the key must not skip it
+    page.completeChanged.emit()
+    qtbot.keyClick(wizard.focusWidget() or wizard, Qt.Key.Key_Return, Qt.KeyboardModifier.ControlModifier)
+    assert wizard.currentId() == MODEL and wizard.state.model.endswith("tiny-llama")  # nothing typed either
+    page.validate()
+    with qtbot.waitSignal(wizard.sig_submitted, timeout=30000):
+        while wizard.currentId() != LAUNCH:
+            settled(qtbot, wizard)
+            qtbot.keyClick(wizard.focusWidget() or wizard, Qt.Key.Key_Return, Qt.KeyboardModifier.ControlModifier)
+    assert len(submitted) == 1

@@ -3,7 +3,7 @@
 Xvfb (and openbox, where it is installed) start in a fixture on a display Xvfb picks itself; the engine
 service and the app (`python -m rigpilot.app.launcher`, the console script's code) run as their own processes
 with their own XDG folders, on a simulated 4×RTX 4090. Ctrl+N reaches the real window through XTEST
-(xdotool), the wizard is walked with its mnemonics (Alt+N Next, Alt+L Launch) with its defaults, which are
+(xdotool), the wizard is walked with Ctrl+Enter (Next, and Launch on Review) with its defaults, which are
 the shipped tiny example, and the job's loss, read back from the engine, must fall. Screenshots of the whole
 screen (`import -window root`) go to tmp_path, and to $RIGPILOT_E2E_SHOTS when it is set.
 
@@ -232,28 +232,22 @@ def jobs(d: Desktop) -> list[dict[str, Any]]:
 
 
 def launch_with_the_defaults(d: Desktop, wizard: str) -> str:
-    """Next (Alt+N) through every page, then Launch (Alt+L) on Review; returns the submitted job's id.
+    """Next through every page and Launch on Review, all with Ctrl+Enter; returns the submitted job's id.
 
-    A page whose check is still running keeps Next disabled and the key does nothing, so keys are pressed
-    until the engine has the job; the engine's list is read before each press, so no key lands on the main
-    window after the wizard closed (Alt+L there is "Clone into wizard")."""
+    While a page's check runs, Next is disabled and Ctrl+Enter does nothing (unlike Alt+N, it types nothing
+    into the focused field), so it is pressed until the engine has the job; the engine's list is read before
+    each press, so no key lands on the main window once the wizard has closed."""
     before = {j["id"] for j in jobs(d)}
     deadline = time.monotonic() + 90
-    shots = 0
-    while True:
-        new = [j for j in jobs(d) if j["id"] not in before]
-        if new:
-            break
+    presses = 0
+    while not (new := [j for j in jobs(d) if j["id"] not in before]):
         assert time.monotonic() < deadline, "the wizard did not submit a job within 90 s"
         assert d.windows(f"^{WIZARD_TITLE}$"), "the wizard closed without submitting a job"
-        for keys in ("alt+n", "alt+l"):
-            d.press(wizard, keys)
-            time.sleep(0.4)
-            if shots < 8:
-                shots += 1
-                d.screenshot(f"wizard-{keys.replace('+', '-')}")
-            if any(j["id"] not in before for j in jobs(d)):
-                break
+        d.press(wizard, "ctrl+Return")
+        presses += 1
+        time.sleep(0.5)
+        if presses <= 10:
+            d.screenshot("wizard-next")
     (job,) = new
     assert job["kind"] == "train" and "tiny-llama" in (job.get("name") or ""), job
     wait_for("the wizard to close after Launch", lambda: not d.windows(f"^{WIZARD_TITLE}$"), 20)

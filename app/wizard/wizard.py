@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from PySide6.QtCore import QSettings, Signal
+from PySide6.QtGui import QKeySequence, QShortcut
 from PySide6.QtWidgets import QWidget, QWizard
 
 from rigpilot.app.planner.gpu_selector import BusyGpus
@@ -120,8 +121,18 @@ class JobWizard(QWizard):
             self.setPage(page_id, page)
         self.setStartId(TASK)
         self.setButtonText(QWizard.WizardButton.FinishButton, "Close")
+        # Ctrl+Enter is Next (and Launch on Review) wherever the focus is; while Next waits for a check it does
+        # nothing, where Alt+N would type an "n" into the focused field.
+        for keys in ("Ctrl+Return", "Ctrl+Enter"):
+            QShortcut(QKeySequence(keys), self, self._next_by_key)
+        self.button(QWizard.WizardButton.NextButton).setToolTip("Next (Ctrl+Enter)")
         self.resize(1000, 720)
         link.sig_machine.connect(self._on_machine)
+
+    def _next_by_key(self) -> None:
+        button = self.button(QWizard.WizardButton.NextButton)
+        if button.isVisible() and button.isEnabled():
+            button.click()
 
     # -- other ways in ---------------------------------------------------------------------------
     @classmethod
