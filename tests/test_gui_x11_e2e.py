@@ -17,6 +17,7 @@ further steps (open the job's summary, "Try it", switch the simulated machine in
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -299,6 +300,26 @@ def the_cli_lists_the_job(d: Desktop, job_id: str) -> None:
     assert out.returncode == 0 and job_id in out.stdout, out.stdout + out.stderr
 
 
+def cli_machine(d: Desktop) -> dict[str, Any]:
+    """The machine `rigpilot gpus --json` reports in a terminal of the same user (its `label` and `gpus`)."""
+    out = d.rigpilot("gpus", "--json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)["machine"]
+
+
+def the_cli_and_the_window_show_the_same_machine(d: Desktop, main: str) -> None:
+    """The window's title names the machine `rigpilot gpus` reports (after a switch in Settings, too)."""
+    label = cli_machine(d)["label"]
+    title = d.xdotool("getwindowname", main)
+    assert title == f"{MAIN_TITLE}{label}", (title, label)
+
+
+def no_traceback_reached_the_user(d: Desktop) -> None:
+    """The app said nothing on its terminal that a user would read as a crash."""
+    log = (d.tmp / "app.log").read_text(errors="replace")
+    assert "Traceback" not in log, log
+
+
 # -- the flow --------------------------------------------------------------------------------------------------
 
 
@@ -313,4 +334,6 @@ def test_a_user_starts_the_example_job_with_ctrl_n_and_watches_its_loss_fall(des
     job_id = launch_with_the_defaults(desktop, wizard)
     watch_the_loss_fall(desktop, job_id)
     the_cli_lists_the_job(desktop, job_id)
+    the_cli_and_the_window_show_the_same_machine(desktop, main)
     assert desktop.app is not None and desktop.app.poll() is None, "the app exited"
+    no_traceback_reached_the_user(desktop)
