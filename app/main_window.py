@@ -115,6 +115,7 @@ class MainWindow(QMainWindow):
         self.wizard: QWidget | None = None  # the last wizard "New job…" opened
         self.new_job_action = QAction(QIcon.fromTheme("document-new"), "&New job…", self)
         self.new_job_action.setObjectName("newJob")
+        self.new_job_action.setIconText("New job…")  # a tool button would drop the "…" of the text
         self.new_job_action.setShortcut(QKeySequence.StandardKey.New)
         self.new_job_action.setStatusTip("Open the job wizard: train, fine-tune, infer, run a script or calibrate")
         # A window-wide shortcut: it works on every page, whichever widget has the focus.

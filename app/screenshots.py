@@ -2,8 +2,9 @@
 
 It runs offscreen against a real engine service on a simulated 4×RTX 4090, in
 a throw-away set of XDG folders and Qt settings (the user's jobs, settings and
-window state are never read or touched): it waits for live telemetry, walks
-the job wizard with its defaults (the shipped tiny example: train tiny-llama
+window state are never read or touched): it waits for live telemetry, shows
+the empty Jobs page, opens the job wizard with New job… (Ctrl+N) and walks it
+with its defaults (the shipped tiny example: train tiny-llama
 from scratch on Shakespeare), takes the dashboard and topology while that job
 runs, plans llama-2-7b on the Planner page, waits for the job to complete so
 the Jobs page shows its loss curve, and saves every picture at 1280×820. It
@@ -168,6 +169,10 @@ def take(shooter: Shooter) -> None:
         shooter.wait(lambda: window.link.state == CONNECTED and window.link.machine, START_TIMEOUT_S,
                      "connection to the engine")  # fmt: skip
         shooter.wait(lambda: telemetry["n"] >= 4, 30, "live telemetry")
+
+        # What a new user sees first on the Jobs page: no jobs, and the two ways to start one.
+        window.show_page("jobs")
+        shooter.shoot(window, "jobs-empty")
 
         # The wizard, page by page, with its defaults: it submits the tiny example job. It is opened as a user
         # does (New job…, Ctrl+N); its settings are the throw-away ones `main` set up.

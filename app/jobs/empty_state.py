@@ -15,8 +15,11 @@ from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWi
 
 from rigpilot.app.widgets.engine_messages import machine_dict
 
-NO_JOBS = "No jobs yet. Run the example job to see a training run from start to finish, or start your own."
-NO_JOB_OPEN = "Select a job to see its charts, its log and what it predicted — or start a new one."
+NO_JOBS = (
+    "No jobs yet. Run the example job to see a training run from start to finish, "
+    "or start your own (New job…, Ctrl+N on any page)."
+)
+NO_JOB_OPEN = "Select a job to see its charts, its log and what it predicted — or start a new one (Ctrl+N)."
 
 
 class JobsEmptyState(QWidget):
@@ -33,7 +36,7 @@ class JobsEmptyState(QWidget):
         self.text.setObjectName("noJobText")
         self.text.setAlignment(Qt.AlignmentFlag.AlignCenter)
         self.text.setWordWrap(True)
-        self.example_button = QPushButton("Run the example job")
+        self.example_button = QPushButton("&Run the example job")
         self.example_button.setObjectName("runExample")
         self.example_button.setToolTip(
             "Trains the shipped tiny model (tiny-llama) on the shipped text for 30 steps, "
