@@ -112,8 +112,8 @@ class Desktop:
 
 
 def _start(desktop: Desktop, words: list[str], log_name: str, **kw: Any) -> subprocess.Popen:
-    log = (desktop.tmp / log_name).open("ab")
-    proc = subprocess.Popen(words, env=desktop.env, stdin=subprocess.DEVNULL, stdout=log, stderr=log, **kw)
+    with (desktop.tmp / log_name).open("ab") as log:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(words, env=desktop.env, stdin=subprocess.DEVNULL, stdout=log, stderr=log, **kw)
     desktop.processes.append(proc)
     return proc
 
@@ -137,6 +137,14 @@ def _stop_engine(proc: subprocess.Popen) -> None:
         proc.wait(20)
     except Exception:  # not answering: the hard way
         _stop(proc)
+
+
+def _window_manager_up(d: Desktop) -> bool:
+    """Up once it has put its check window on the root window (EWMH); without xprop, after a second."""
+    if shutil.which("xprop") is None:
+        time.sleep(1.0)
+        return True
+    return "window id" in d.run("xprop", "-root", "_NET_SUPPORTING_WM_CHECK").stdout
 
 
 @pytest.fixture
@@ -171,9 +179,7 @@ def desktop(tmp_path, monkeypatch):
     try:
         if shutil.which("openbox"):
             _start(d, ["openbox"], "openbox.log")
-            # Up once it has put its check window on the root window (EWMH).
-            wait_for("window manager", lambda: "window id" in d.run("xprop", "-root", "_NET_SUPPORTING_WM_CHECK")
-                     .stdout if shutil.which("xprop") else time.sleep(1.0) or True, 10)  # fmt: skip
+            wait_for("window manager", lambda: _window_manager_up(d), 10)
         yield d
     finally:
         if d.engine is not None:
@@ -181,6 +187,8 @@ def desktop(tmp_path, monkeypatch):
         for proc in reversed(d.processes):
             _stop(proc)
         _stop(xvfb)
+        if xvfb.stdout is not None:
+            xvfb.stdout.close()
 
 
 # -- steps: each a small function of the desktop, in the order a user takes them --------------------------------
