@@ -724,7 +724,7 @@ def test_the_example_job_takes_free_gpus_and_says_why_it_did_not_start(qtbot):
     link, submitted = example_link([a_job("j1")])  # running on GPUs 0 and 1
     page = open_page(qtbot, link)
     page.empty_state.example_button.click()
-    qtbot.waitUntil(lambda: len(submitted) == 1, timeout=20000)
+    qtbot.waitUntil(lambda: page.current_job_id == "job-new", timeout=20000)  # submitted, and the reply in
     assert submitted[0]["spec"]["gpus"] == [2, 3]
 
     link.replies["plan"] = EngineError("unavailable", "the planner is busy")
@@ -745,3 +745,14 @@ def test_new_job_on_the_empty_page_opens_the_wizard(qtbot):
     wizards = page.findChildren(JobWizard)
     assert len(wizards) == 1 and wizards[0].isVisible() and wizards[0].link is link
     wizards[0].close()
+
+
+def test_without_the_shipped_example_its_button_says_why(qtbot, monkeypatch):
+    monkeypatch.setattr("rigpilot.app.jobs.empty_state.examples_present", lambda: False)
+    link = FakeLink()
+    FakeJobs(link, [])
+    page = open_page(qtbot, link)
+    button = page.empty_state.example_button
+    assert not button.isEnabled() and "not installed" in button.toolTip()
+    page.empty_state.run_example()
+    assert "not installed" in page.empty_state.status.text() and not link.requests("plan")

@@ -14,11 +14,13 @@ from PySide6.QtCore import QAbstractItemModel, Qt, Signal
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
 
 from rigpilot.app.widgets.engine_messages import machine_dict
+from rigpilot.app.wizard.state import examples_present
 
 NO_JOBS = (
     "No jobs yet. Run the example job to see a training run from start to finish, "
     "or start your own (New job…, Ctrl+N on any page)."
 )
+NO_EXAMPLE = "The example model and data are not installed with this copy of Rigpilot."
 NO_JOB_OPEN = "Select a job to see its charts, its log and what it predicted — or start a new one (Ctrl+N)."
 
 
@@ -43,6 +45,9 @@ class JobsEmptyState(QWidget):
             "under the plan recommended for this machine: a minute or two."
         )
         self.example_button.clicked.connect(self.run_example)
+        if not examples_present():
+            self.example_button.setEnabled(False)
+            self.example_button.setToolTip(NO_EXAMPLE)
         self.new_button = QPushButton("New job…")
         self.new_button.setObjectName("newJobButton")
         self.new_button.setToolTip("Open the job wizard (Ctrl+N, from any page)")
@@ -88,6 +93,9 @@ class JobsEmptyState(QWidget):
             return
         from rigpilot.app.wizard.engine_requests import run_example
 
+        if not examples_present():
+            self.sig_message.emit(NO_EXAMPLE)
+            return
         jobs = getattr(self.jobs, "jobs", lambda: [])()
         self._set_submitting(True, "Planning the example job for this machine…")
         run_example(self.link, machine_dict(getattr(self.link, "machine", None)), jobs, self._submitted, self._failed)

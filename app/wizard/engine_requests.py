@@ -64,10 +64,10 @@ def run_example(
     """Plan the wizard's first-run job (the shipped tiny model and text) on free GPUs and submit it under the
     recommended plan: `on_done(job_id)`, or `on_error(one line)`. Returns the state it submits."""
     if not examples_present():
-        on_error("The example model and data are not installed with this copy of Rigpilot.")
+        on_error("the example model and data are not installed with this copy of Rigpilot")
         return None
     if machine is None:
-        on_error("The engine has not said which machine it runs on yet; try again once it is connected.")
+        on_error("the engine has not said which machine it runs on yet; try again once it is connected")
         return None
     state = default_state(machine)
     state.gpus = default_gpus(machine, jobs) or state.gpus  # all busy: the job queues for the usual ones
@@ -76,7 +76,7 @@ def run_example(
     def planned(result: dict[str, Any]) -> None:
         best = result.get("best")
         if best is None:
-            on_error("The example job does not fit on the free GPUs: " + "; ".join(result.get("explanation") or []))
+            on_error("it does not fit on the free GPUs: " + "; ".join(result.get("explanation") or []))
             return
         state.take_plan(best)
         link.call(
