@@ -22,9 +22,11 @@ from PySide6.QtWidgets import (
     QMainWindow,
     QMenu,
     QMessageBox,
+    QSizePolicy,
     QSplitter,
     QStackedWidget,
     QSystemTrayIcon,
+    QToolButton,
     QVBoxLayout,
     QWidget,
 )
@@ -91,8 +93,13 @@ class MainWindow(QMainWindow):
         )
         self.pages["jobs"].sig_plan_model.connect(self.plan_model)  # "Plan from this model" opens the Planner
 
+        rail = QWidget()
+        rail_layout = QVBoxLayout(rail)
+        rail_layout.setContentsMargins(0, 0, 0, 0)
+        rail_layout.setSpacing(2)
+        rail_layout.addWidget(self.nav, 1)
         self.splitter = QSplitter()
-        self.splitter.addWidget(self.nav)
+        self.splitter.addWidget(rail)
         self.splitter.addWidget(self.stack)
         self.splitter.setStretchFactor(1, 1)
         self.splitter.setCollapsible(0, False)
@@ -110,6 +117,26 @@ class MainWindow(QMainWindow):
         self.statusBar().addWidget(self.connection_label)
         self.statusBar().addPermanentWidget(self.machine_label)
         tasks.set_error_sink(lambda e: self.statusBar().showMessage(f"Error: {e}", 10000))
+
+        self.wizard: QWidget | None = None  # the last wizard "New job…" opened
+        self.new_job_action = QAction(QIcon.fromTheme("document-new"), "&New job…", self)
+        self.new_job_action.setObjectName("newJob")
+        self.new_job_action.setIconText("New job…")  # a tool button would drop the "…" of the text
+        self.new_job_action.setShortcut(QKeySequence.StandardKey.New)
+        self.new_job_action.setStatusTip("Open the job wizard: train, fine-tune, infer, run a script or calibrate")
+        # A window-wide shortcut: it works on every page, whichever widget has the focus.
+        self.new_job_action.setShortcutContext(Qt.ShortcutContext.WindowShortcut)
+        self.new_job_action.triggered.connect(self.new_job)
+        self.addAction(self.new_job_action)
+        # On top of the navigation rather than in a menu bar or toolbar: in view on every page, and no height
+        # taken from them (the window fits 650 px high with the simulated banner shown).
+        self.new_job_button = QToolButton()
+        self.new_job_button.setObjectName("newJobButton")
+        self.new_job_button.setDefaultAction(self.new_job_action)
+        self.new_job_button.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
+        self.new_job_button.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
+        self.new_job_button.setToolTip("Open the job wizard (Ctrl+N)")
+        rail_layout.insertWidget(0, self.new_job_button)
 
         for i, (key, _, _) in enumerate(PAGES):
             action = QAction(self)
@@ -137,6 +164,20 @@ class MainWindow(QMainWindow):
 
     def current_page_key(self) -> str:
         return PAGES[max(self.nav.currentRow(), 0)][0]
+
+    def new_job(self) -> QWidget:
+        """Open the job wizard (or bring the open one to the front); Launch lands on the new job's page."""
+        if self.wizard is not None and self.wizard.isVisible():
+            self.wizard.raise_()
+            self.wizard.activateWindow()
+            return self.wizard
+        if self.wizard is not None:
+            self.wizard.deleteLater()  # closed: its choices are remembered in the settings
+        # Imported on first use: the wizard's modules are not needed to paint the first frame.
+        from rigpilot.app.wizard.wizard import open_wizard
+
+        self.wizard = open_wizard(self.link, self)
+        return self.wizard
 
     # -- engine state -----------------------------------------------------------------
     def _on_state(self, state: str, detail: str) -> None:

@@ -2,8 +2,9 @@
 
 It runs offscreen against a real engine service on a simulated 4×RTX 4090, in
 a throw-away set of XDG folders and Qt settings (the user's jobs, settings and
-window state are never read or touched): it waits for live telemetry, walks
-the job wizard with its defaults (the shipped tiny example: train tiny-llama
+window state are never read or touched): it waits for live telemetry, shows
+the empty Jobs page, opens the job wizard with New job… (Ctrl+N) and walks it
+with its defaults (the shipped tiny example: train tiny-llama
 from scratch on Shakespeare), takes the dashboard and topology while that job
 runs, plans llama-2-7b on the Planner page, waits for the job to complete so
 the Jobs page shows its loss curve, and saves every picture at 1280×820. It
@@ -153,14 +154,11 @@ class Shooter:
         return path
 
 
-def take(shooter: Shooter, settings_dir: Path) -> None:
-    from PySide6.QtCore import QSettings
-
+def take(shooter: Shooter) -> None:
     from rigpilot.app.engine_link import CONNECTED, EngineLink
     from rigpilot.app.main_window import MainWindow
     from rigpilot.app.planner.model import PlanRequest
     from rigpilot.app.wizard import page_base
-    from rigpilot.app.wizard.wizard import JobWizard
 
     window = MainWindow(EngineLink())
     window.resize(*SIZE)
@@ -172,11 +170,16 @@ def take(shooter: Shooter, settings_dir: Path) -> None:
                      "connection to the engine")  # fmt: skip
         shooter.wait(lambda: telemetry["n"] >= 4, 30, "live telemetry")
 
-        # The wizard, page by page, with its defaults: it submits the tiny example job.
-        wizard = JobWizard(window.link, window, settings=QSettings(str(settings_dir / "wizard.ini"),
-                                                                   QSettings.Format.IniFormat))  # fmt: skip
+        # What a new user sees first on the Jobs page: no jobs, and the two ways to start one.
+        window.show_page("jobs")
+        shooter.shoot(window, "jobs-empty")
+
+        # The wizard, page by page, with its defaults: it submits the tiny example job. It is opened as a user
+        # does (New job…, Ctrl+N); its settings are the throw-away ones `main` set up.
+        window.new_job_action.trigger()
+        wizard = shooter.wait(lambda: window.wizard if window.wizard is not None and window.wizard.isVisible()
+                              else None, 10, "job wizard after New job…")  # fmt: skip
         wizard.resize(*SIZE)
-        wizard.show()
         submitted: list[str] = []
         failed: list[str] = []
         wizard.sig_submitted.connect(submitted.append)
@@ -273,7 +276,7 @@ def main(out: Path) -> int:
     rc = 0
     try:
         wait_for_engine(engine, tmp / "engine.log")
-        take(shooter, tmp)
+        take(shooter)
     except ShotError as e:
         print(f"screenshots: {e}; engine log: {tmp / 'engine.log'}", file=sys.stderr)
         rc = 1

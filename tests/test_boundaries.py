@@ -47,3 +47,58 @@ def test_cli_and_hardware_layer_do_not_load_torch():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False"
+
+
+def module_imports(package: str) -> dict[str, set[str]]:
+    """rigpilot.PACKAGE's modules and the modules of it each one imports (anywhere in the file)."""
+    modules: dict[str, set[str]] = {}
+    for f in (REPO / package).rglob("*.py"):
+        parts = f.relative_to(REPO).with_suffix("").parts
+        name = ".".join(("rigpilot", *parts[: -1 if parts[-1] == "__init__" else None]))
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(f.read_text(), filename=str(f))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                deps |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+        modules[name] = deps
+    return {m: {d for d in deps if d in modules and d != m} for m, deps in modules.items()}
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan): each is an import cycle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_the_gui_modules_import_each_other_as_a_tree():
+    """No import cycles in app/ (the wizard and its pages share app/wizard/host.py instead of importing each
+    other), counting imports inside functions and under TYPE_CHECKING too."""
+    assert import_cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]  # the check can fail
+    assert import_cycles(module_imports("app")) == []

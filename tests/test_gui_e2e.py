@@ -222,7 +222,7 @@ def test_screenshots_of_every_view_and_wizard_page(tmp_path):
     r = subprocess.run([sys.executable, "-m", "rigpilot.app.launcher", "--screenshots", str(out)], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
-    names = {"dashboard", "topology", "planner", "jobs", "settings", "wizard-task", "wizard-model", "wizard-data",
+    names = {"dashboard", "topology", "planner", "jobs", "jobs-empty", "settings", "wizard-task", "wizard-model", "wizard-data",
              "wizard-gpus", "wizard-plan", "wizard-hyper", "wizard-review", "wizard-launch"}  # fmt: skip
     assert {p.stem for p in out.glob("*.png")} == names
     assert {str(out / f"{n}.png") for n in names} <= set(r.stdout.splitlines())

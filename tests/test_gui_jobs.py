@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import pytest
@@ -464,30 +464,18 @@ def test_clone_and_open_folder(qtbot, monkeypatch):
     assert opened == ["/tmp/rigpilot-jobs/j1"]
 
 
-def test_clone_opens_the_wizard_when_there_is_one(qtbot, monkeypatch):
-    import types
+def test_clone_opens_the_wizard_filled_from_the_job(qtbot):
+    from rigpilot.app.wizard.wizard import JobWizard
 
-    from PySide6.QtWidgets import QWidget
-
-    class JobWizard(QWidget):
-        made: ClassVar[list[dict[str, Any]]] = []
-
-        @classmethod
-        def from_job(cls, job: dict[str, Any], link: Any = None) -> JobWizard:
-            cls.made.append(job)
-            wizard = cls()
-            wizard.link = link
-            return wizard
-
-    monkeypatch.setitem(__import__("sys").modules, "rigpilot.app.wizard", types.SimpleNamespace(JobWizard=JobWizard))
     link = FakeLink()
     FakeJobs(link, [a_job("j1")])
     page = open_page(qtbot, link)
     open_job(qtbot, page, "j1")
     page.clone_job()
-    assert [j["id"] for j in JobWizard.made] == ["j1"]
-    assert page._wizard is not None and page._wizard.isVisible() and page._wizard.link is link
-    page._wizard.close()
+    wizard = page._wizard
+    assert isinstance(wizard, JobWizard) and wizard.isVisible() and wizard.link is link
+    assert wizard.state.name == "run j1" and wizard.state.gpus == [0, 1]
+    wizard.close()
 
 
 def test_the_job_folder_of_a_remote_engine_is_not_offered(qtbot):
@@ -680,3 +668,91 @@ def test_the_engines_and_the_workers_notes_are_shown_once_each(qtbot):
     assert detail.notes.text().splitlines() == [f"• {engine_note}", "• sequence parallel: split 2 ways"]
     # Notes alone are not a plan: nothing to compare with.
     assert "No plan was attached" in detail.plan_note.text()
+
+
+# -- starting a job from the empty page ---------------------------------------------------------------------------
+
+
+def example_link(jobs: list[dict[str, Any]]) -> tuple[FakeLink, list[dict[str, Any]]]:
+    """A link whose `plan` is the real planner's and whose `submit` adds the job to the engine's list."""
+    from gui_fakes import accept_submissions, real_plan_reply
+
+    link = FakeLink()
+    FakeJobs(link, jobs)
+    link.replies["plan"] = real_plan_reply(link.machine_obj)
+    submitted = accept_submissions(link)
+    submit = link.replies["submit"]
+
+    def submit_and_list(**args: Any) -> dict[str, Any]:
+        reply = submit(**args)
+        link.jobs.append(reply["job"])
+        return reply
+
+    link.replies["submit"] = submit_and_list
+    return link, submitted
+
+
+@pytest.mark.skipif(not __import__("rigpilot.app.wizard.state").app.wizard.state.examples_present(),
+                    reason="the shipped examples are missing")  # fmt: skip
+def test_the_empty_page_runs_the_example_job_in_one_click_as_the_wizard_would(qtbot):
+    from rigpilot.app.jobs.empty_state import NO_JOB_OPEN, NO_JOBS
+    from rigpilot.app.wizard.state import default_state
+
+    link, submitted = example_link([])
+    page = open_page(qtbot, link)
+    empty = page.empty_state
+    assert page.detail.stack.currentWidget() is empty and empty.isVisible()
+    assert empty.text.text() == NO_JOBS
+    empty.example_button.click()
+    assert not empty.example_button.isEnabled()  # one click, one job
+    qtbot.waitUntil(lambda: page.current_job_id == "job-new", timeout=20000)
+    assert empty.example_button.isEnabled() and empty.text.text() == NO_JOB_OPEN
+    (sent,) = submitted
+    # The wizard's first-run job under the plan the planner recommends: the same spec, written once.
+    expected = default_state(link.machine)
+    expected.name = sent["spec"]["name"]
+    expected.take_plan(sent["plan"])
+    assert sent["spec"] == expected.to_spec()
+    assert sent["plan"]["parallelism"]["gpu_indices"] == sent["spec"]["gpus"] == [0, 1]
+    assert sent["spec"]["train"]["seq_len"] <= 256 and "example" in sent["spec"]["name"]
+    assert page.detail.stack.currentWidget() is not empty
+
+
+@pytest.mark.skipif(not __import__("rigpilot.app.wizard.state").app.wizard.state.examples_present(),
+                    reason="the shipped examples are missing")  # fmt: skip
+def test_the_example_job_takes_free_gpus_and_says_why_it_did_not_start(qtbot):
+    link, submitted = example_link([a_job("j1")])  # running on GPUs 0 and 1
+    page = open_page(qtbot, link)
+    page.empty_state.example_button.click()
+    qtbot.waitUntil(lambda: page.current_job_id == "job-new", timeout=20000)  # submitted, and the reply in
+    assert submitted[0]["spec"]["gpus"] == [2, 3]
+
+    link.replies["plan"] = EngineError("unavailable", "the planner is busy")
+    page.empty_state.example_button.click()
+    qtbot.waitUntil(lambda: "did not start" in page.empty_state.status.text())
+    assert "the planner is busy" in page.empty_state.status.text()
+    assert page.empty_state.example_button.isEnabled() and len(submitted) == 1
+
+
+def test_new_job_on_the_empty_page_opens_the_wizard(qtbot):
+    from rigpilot.app.wizard.wizard import JobWizard
+
+    link = FakeLink()
+    FakeJobs(link, [])
+    page = open_page(qtbot, link)
+    assert page.empty_state.new_button.text() == "New job…"
+    page.empty_state.new_button.click()
+    wizards = page.findChildren(JobWizard)
+    assert len(wizards) == 1 and wizards[0].isVisible() and wizards[0].link is link
+    wizards[0].close()
+
+
+def test_without_the_shipped_example_its_button_says_why(qtbot, monkeypatch):
+    monkeypatch.setattr("rigpilot.app.jobs.empty_state.examples_present", lambda: False)
+    link = FakeLink()
+    FakeJobs(link, [])
+    page = open_page(qtbot, link)
+    button = page.empty_state.example_button
+    assert not button.isEnabled() and "not installed" in button.toolTip()
+    page.empty_state.run_example()
+    assert "not installed" in page.empty_state.status.text() and not link.requests("plan")

@@ -109,3 +109,36 @@ def test_without_a_display_the_app_says_so_in_one_line():
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0
     assert "no display found" in r.stderr and "rigpilot watch" in r.stderr
+
+
+def test_ctrl_n_opens_the_wizard_from_every_page_and_launch_lands_on_the_job(qtbot):
+    from gui_fakes import accept_submissions
+
+    from rigpilot.app.wizard.wizard import JobWizard
+
+    link = FakeLink("4x-rtx4090")
+    w = open_window(qtbot, link)
+    assert w.new_job_action.shortcut().toString() == "Ctrl+N"
+    assert w.new_job_button.defaultAction() is w.new_job_action and w.new_job_button.isVisible()
+    for key, _, _ in PAGES:
+        w.show_page(key)
+        w.activateWindow()
+        qtbot.waitUntil(w.isActiveWindow)
+        w.pages[key].focusNextChild()  # wherever the focus is on the page
+        qtbot.keyClick(QApplication.focusWidget() or w, Qt.Key.Key_N, Qt.KeyboardModifier.ControlModifier)
+        qtbot.waitUntil(lambda: w.wizard is not None and w.wizard.isVisible())
+        assert isinstance(w.wizard, JobWizard) and w.wizard.link is link
+        again = w.wizard
+        raised = []
+        again.raise_ = lambda r=raised: r.append(True)  # the offscreen platform warns on a real raise()
+        w.new_job_action.trigger()
+        assert raised
+        assert w.wizard is again  # one wizard at a time: the open one comes to the front
+        again.close()
+
+    submitted = accept_submissions(link)
+    wizard = w.new_job()
+    wizard.submit(lambda job_id: None, lambda message: None)
+    qtbot.waitUntil(lambda: w.current_page_key() == "jobs")
+    assert len(submitted) == 1 and w.pages["jobs"].current_job_id == "job-new"
+    w.close()

@@ -575,7 +575,7 @@ def test_review_shows_what_the_engine_would_run_and_launch_says_launch(qtbot, se
     wizard = open_wizard(qtbot, link, settings, state=default_state(link.machine))
     go_to(qtbot, wizard, REVIEW)
     page = settled(qtbot, wizard)
-    assert wizard.button(QWizard.WizardButton.NextButton).text() == "Launch"
+    assert wizard.button(QWizard.WizardButton.NextButton).text() == "&Launch"
     assert page.isComplete() and wizard.button(QWizard.WizardButton.NextButton).isEnabled()
     checked = link.requests("check")[-1]
     assert checked["spec"] == wizard.state.to_spec() and checked["cwd"]
@@ -689,3 +689,88 @@ def test_a_zero2_plan_is_launched_as_fsdp2_without_resharding_as_the_engine_maps
     assert (p.dp_replicate, p.dp_shard, p.reshard_after_forward) == (1, 4, False)
     lt = layout_of_plan(state.plan)
     assert (p.dp_replicate, p.dp_shard, p.reshard_after_forward) == (lt.dp_replicate, lt.dp_shard, lt.reshard_after_forward)
+
+
+# -- settings that fit the model ----------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not examples_present(), reason="the shipped examples are missing")
+def test_a_model_with_a_shorter_context_gets_a_sequence_length_within_it(qtbot, settings):
+    link, _ = make_link()
+    state = default_state(link.machine)
+    state.train.seq_len = 2048  # left over from a bigger model: longer than tiny-llama's 256
+    wizard = open_wizard(qtbot, link, settings, state=state)
+    go_to(qtbot, wizard, MODEL)
+    page = settled(qtbot, wizard)
+    assert wizard.state.train.seq_len == 256 and page.isComplete()
+    assert "Sequence length set to 256 tokens, the model's context (it was 2048)" in page.message.text()
+    go_to(qtbot, wizard, PLAN)
+    assert settled(qtbot, wizard).isComplete() and wizard.state.plan["workload"]["seq_len"] == 256
+
+
+@pytest.mark.skipif(not examples_present(), reason="the shipped examples are missing")
+def test_a_plan_refused_for_the_models_context_offers_the_fix(qtbot, settings):
+    link, _ = make_link()
+    wizard = open_wizard(qtbot, link, settings, state=default_state(link.machine))
+    go_to(qtbot, wizard, GPUS)
+    wizard.state.train.seq_len = 2048  # as a remembered state or a clone could bring it
+    wizard.next()
+    blocked(qtbot, wizard, "is longer than")
+    page = wizard.plan_page
+    assert page.fix_button.isVisible() and page.fix_button.text() == "Use 256 tokens (the model's context)"
+    page.fix_button.click()
+    assert settled(qtbot, wizard).isComplete(), page.message.text()
+    assert wizard.state.train.seq_len == 256 and not page.fix_button.isVisible()
+    assert link.requests("plan")[-1]["workload"]["seq_len"] == 256
+
+
+@pytest.mark.skipif(not examples_present(), reason="the shipped examples are missing")
+def test_a_sequence_length_past_the_context_on_hyper_parameters_offers_the_fix(qtbot, settings):
+    link, _ = make_link()
+    wizard = open_wizard(qtbot, link, settings, state=default_state(link.machine))
+    go_to(qtbot, wizard, HYPER)
+    qtbot.waitUntil(lambda: wizard.checker is not None, timeout=20000)
+    page = wizard.hyper_page
+    page.seq_len.setValue(1024)
+    blocked(qtbot, wizard, "longer than the model's 256 tokens")
+    assert page.fix_button.isVisible() and "Use 256 tokens" in page.fix_button.text()
+    page.fix_button.click()
+    assert page.seq_len.value() == 256 and settled(qtbot, wizard).isComplete(), page.message.text()
+    assert wizard.state.train.seq_len == 256 and not page.fix_button.isVisible()
+
+
+def test_the_fix_reads_the_context_from_every_refusals_wording():
+    from rigpilot.app.wizard.state import context_limit
+
+    assert context_limit("sequence length 2048 is longer than tiny-llama's context of 256 tokens; "
+                         "use a sequence length of 256 or less") == 256  # fmt: skip
+    assert context_limit("sequence length 512 is longer than the model's context of 64 tokens; use --seq 64") == 64
+    assert context_limit("Sequence length 1024 is longer than the model's 256 tokens.") == 256
+    assert context_limit("GPU 0 needs 30 GiB of 24 GiB") is None
+    state = default_state(None)
+    assert state.fit_to_context(None) is None and state.fit_to_context(4096) is None
+    state.train.seq_len, state.infer.max_new_tokens = 512, 300
+    assert state.fit_to_context(256) and (state.train.seq_len, state.infer.max_new_tokens) == (256, 128)
+
+
+def test_ctrl_enter_is_next_and_launch_and_waits_for_checks(qtbot, settings):
+    from PySide6.QtCore import Qt
+
+    link, submitted = make_link()
+    wizard = open_wizard(qtbot, link, settings, state=default_state(link.machine))
+    wizard.activateWindow()
+    qtbot.waitUntil(wizard.isActiveWindow)
+    assert "Ctrl+Enter" in wizard.button(QWizard.WizardButton.NextButton).toolTip()
+    qtbot.keyClick(wizard.focusWidget() or wizard, Qt.Key.Key_Return, Qt.KeyboardModifier.ControlModifier)
+    assert wizard.currentId() == MODEL
+    page = wizard.currentPage()
+    page.busy = True  # a check still running: the key must not skip it
+    page.completeChanged.emit()
+    qtbot.keyClick(wizard.focusWidget() or wizard, Qt.Key.Key_Return, Qt.KeyboardModifier.ControlModifier)
+    assert wizard.currentId() == MODEL and wizard.state.model.endswith("tiny-llama")  # nothing typed either
+    page.validate()
+    with qtbot.waitSignal(wizard.sig_submitted, timeout=30000):
+        while wizard.currentId() != LAUNCH:
+            settled(qtbot, wizard)
+            qtbot.keyClick(wizard.focusWidget() or wizard, Qt.Key.Key_Return, Qt.KeyboardModifier.ControlModifier)
+    assert len(submitted) == 1

@@ -197,6 +197,14 @@ class JobDetail(QWidget):
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(self.stack)
 
+    def set_placeholder(self, widget: QWidget) -> None:
+        """Show `widget` instead of the "select a job" line while no job is open."""
+        self.stack.insertWidget(0, widget)
+        self.stack.removeWidget(self.empty)
+        self.empty.deleteLater()
+        self.empty = widget
+        self.stack.setCurrentIndex(0 if self.handle is None else 1)
+
     # -- the shown job -------------------------------------------------------------------------
     def show_handle(self, handle: JobHandle | None, *, local_folder: bool = True) -> None:
         self.handle = handle

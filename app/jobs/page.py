@@ -9,8 +9,6 @@ only while the page is visible and only when something new arrived.
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import time
 from typing import Any
 
@@ -38,6 +36,7 @@ from PySide6.QtWidgets import (
 
 from rigpilot.app.jobs.charts import TELEMETRY_WINDOW_S
 from rigpilot.app.jobs.detail import JobDetail
+from rigpilot.app.jobs.empty_state import JobsEmptyState
 from rigpilot.app.jobs.handle import DELETED, JobHandle
 from rigpilot.app.jobs.model import (
     ACTIVE,
@@ -58,7 +57,6 @@ FILTERS: list[tuple[str, frozenset[str] | None]] = [
     ("Active (queued, starting, running)", frozenset(ACTIVE)),
     *((state.capitalize(), frozenset({state})) for state in STATES),
 ]
-WIZARD_MODULES = ("rigpilot.app.wizard", "rigpilot.app.wizard.wizard", "rigpilot.app.wizard.page")
 
 
 class ProgressDelegate(QStyledItemDelegate):
@@ -189,6 +187,10 @@ class JobsPage(QWidget):
         self.detail.rename_button.clicked.connect(self.rename_job)
         self.detail.delete_button.clicked.connect(self.delete_job)
         self.detail.results.sig_message.connect(self.sig_message.emit)
+        # With no job open, the detail pane offers to start one (in place of its "select a job" line).
+        self.empty_state = JobsEmptyState(link, self.model)
+        self.empty_state.sig_submitted.connect(self.open_job)
+        self.detail.set_placeholder(self.empty_state)
 
         self.status = QLabel()
         self.status.setObjectName("jobsStatus")
@@ -628,26 +630,15 @@ class JobsPage(QWidget):
 
     # -- the wizard ---------------------------------------------------------------------------------
     def _open_wizard(self, job: dict[str, Any]) -> None:
+        from rigpilot.app.wizard.wizard import open_wizard  # on first use: not needed to paint the page
+
         try:
-            wizard_class = _find_wizard()
-            if wizard_class is None:
-                self.sig_message.emit("The job wizard is not available in this build.")
-                return
-            if inspect.ismethod(wizard_class.from_job):  # a classmethod: it builds the wizard
-                takes_link = "link" in inspect.signature(wizard_class.from_job).parameters
-                wizard = wizard_class.from_job(job, link=self.link) if takes_link else wizard_class.from_job(job)
-            else:
-                wizard = wizard_class(self.link)
-                wizard.from_job(job)
+            self._wizard = open_wizard(self.link, None, job=job)
         except Exception as e:  # a wizard that cannot take this job must not take the page down
             what = f"clone {job['id']}" if job.get("id") else f"open the wizard for {job.get('model')}"
             self.sig_message.emit(f"Could not {what} into the wizard: {e}")
             return
-        if isinstance(wizard, QWidget):
-            self._wizard = wizard
-            if hasattr(wizard, "sig_submitted"):
-                wizard.sig_submitted.connect(self._on_wizard_submitted)
-            wizard.show()  # a new top-level window comes up in front; raise_() is not needed
+        self._wizard.sig_submitted.connect(self._on_wizard_submitted)
 
     def _on_wizard_submitted(self, job: Any) -> None:
         job_id = job.get("id") if isinstance(job, dict) else job
@@ -685,18 +676,3 @@ class JobsPage(QWidget):
 
 def _ignore(_error: BaseException) -> None:
     pass
-
-
-def _find_wizard() -> Any:
-    """The wizard page's `JobWizard`, wherever its module puts it; None while it does not exist."""
-    for name in WIZARD_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name is not None and name.startswith(e.name):
-                continue  # that module does not exist (yet); a broken import inside one does raise
-            raise
-        wizard = getattr(module, "JobWizard", None)
-        if wizard is not None and hasattr(wizard, "from_job"):
-            return wizard
-    return None

@@ -768,12 +768,11 @@ class PlannerPage(QWidget):
         """Open the job wizard filled from the plan shown; returns it."""
         if self.plan is None:
             return None
-        from rigpilot.app.wizard.wizard import JobWizard
+        from rigpilot.app.wizard.wizard import open_wizard
 
-        wizard = JobWizard.from_plan(self.plan, link=self.link, parent=self)
+        wizard = open_wizard(self.link, self, plan=self.plan)
         wizard.sig_submitted.connect(self.sig_job_submitted.emit)
         self.wizard = wizard
-        wizard.show()
         self.sig_wizard_opened.emit(wizard)
         return wizard
 

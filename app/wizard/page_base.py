@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QLabel, QVBoxLayout, QWizardPage
+from PySide6.QtWidgets import QLabel, QPushButton, QVBoxLayout, QWizardPage
 
 from rigpilot.app.planner.model import error_text
 from rigpilot.app.tasks import run_in_background
@@ -42,6 +42,12 @@ class StepPage(QWizardPage):
         self.message.setWordWrap(True)
         self.message.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.message.hide()
+        # The one-click fix for the problem shown (a page that offers fixes puts it under its message).
+        self.fix_button = QPushButton()
+        self.fix_button.setObjectName("offeredFix")
+        self.fix_button.clicked.connect(self._apply_fix)
+        self.fix_button.hide()
+        self._fix: Callable[[], None] | None = None
         self.body = QVBoxLayout(self)
         self.body.setContentsMargins(0, 0, 0, 0)
 
@@ -66,7 +72,10 @@ class StepPage(QWizardPage):
         """`problem` blocks Next and shows in red; a `note` (with no problem) only informs.
 
         A note's `tone` is "info" (plain), "ok" (green: it fits) or "warn" (amber: allowed, but mind it).
+        A fix offered for an earlier problem is withdrawn (`offer_fix` after this call offers one).
         """
+        self._fix = None
+        self.fix_button.hide()
         self.problem = problem
         text = problem or note
         if text:
@@ -75,6 +84,18 @@ class StepPage(QWizardPage):
             self.message.setText(text)
         self.message.setVisible(bool(text))
         self.completeChanged.emit()
+
+    def offer_fix(self, label: str, fix: Callable[[], None]) -> None:
+        """A button under the message that fixes the problem shown, e.g. "Use 256 tokens (the model's context)"."""
+        self._fix = fix
+        self.fix_button.setText(label)
+        self.fix_button.show()
+
+    def _apply_fix(self) -> None:
+        fix, self._fix = self._fix, None
+        self.fix_button.hide()
+        if fix is not None:
+            fix()
 
     def isComplete(self) -> bool:
         return self.problem is None and not self.busy

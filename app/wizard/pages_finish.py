@@ -81,8 +81,8 @@ class ReviewPage(StepPage):
         super().__init__(
             wizard, "Review", "Everything the job will run with, checked by the engine. Back changes any of it."
         )
-        # Next submits from here: say so on the button.
-        self.setButtonText(QWizard.WizardButton.NextButton, "Launch")
+        # Next submits from here: say so on the button (Alt+L, as Next is Alt+N on the other pages).
+        self.setButtonText(QWizard.WizardButton.NextButton, "&Launch")
         self.verdict: dict[str, Any] | None = None  # the engine's last `check` answer
         self.engine_view = QPlainTextEdit()
         self.engine_view.setObjectName("engineCheck")

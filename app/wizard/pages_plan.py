@@ -32,7 +32,7 @@ from rigpilot.app.wizard.data_check import CHAT, INSTRUCTION
 from rigpilot.app.wizard.host import HYPER, REVIEW, WizardHost
 from rigpilot.app.wizard.page_base import StepPage
 from rigpilot.app.wizard.plan_check import CheckResult, Overrides
-from rigpilot.app.wizard.state import INFER
+from rigpilot.app.wizard.state import INFER, context_limit
 from rigpilot.engine.capability import Layout, why_not
 
 PIPELINE_SCHEDULES = [("1f1b", "1F1B"), ("gpipe", "GPipe")]  # as the planner writes them
@@ -157,6 +157,7 @@ class PlanPage(StepPage):
         self.body.addWidget(self.headline)
         self.body.addLayout(row, 1)
         self.body.addWidget(self.message)
+        self.body.addWidget(self.fix_button, 0, Qt.AlignmentFlag.AlignLeft)
 
     # -- entering -------------------------------------------------------------------------------------
     def load(self) -> None:
@@ -212,6 +213,13 @@ class PlanPage(StepPage):
         self.busy = False
         self.result = None
         self.set_problem(f"No plan: {message}")
+        context = context_limit(message)
+        if context is not None:
+            self.offer_fix(f"Use {context} tokens (the model's context)", lambda: self._use_context(context))
+
+    def _use_context(self, context: int) -> None:
+        self.state.fit_to_context(context)
+        self.request_plan()
 
     def _fill_alternatives(self) -> None:
         self.alternatives.blockSignals(True)
@@ -461,6 +469,7 @@ class HyperPage(StepPage):
         self.body.addWidget(self.coverage)
         self.body.addWidget(self.scroll, 1)
         self.body.addWidget(self.message)
+        self.body.addWidget(self.fix_button, 0, Qt.AlignmentFlag.AlignLeft)
         for box in (self.steps, self.warmup, self.micro, self.accum, self.seq_len, self.lora_rank, self.lora_alpha,
                     self.checkpoint_every, self.eval_every, self.seed, self.new_tokens, self.batch, self.context,
                     self.infer_seed):  # fmt: skip
@@ -565,6 +574,10 @@ class HyperPage(StepPage):
         result = checker.check(s.plan, self.overrides(), s.gpus)
         if result.plan is None:
             self.set_problem(result.message)
+            context = context_limit(result.message)
+            if context is not None:
+                box = self.context if s.kind == INFER else self.seq_len
+                self.offer_fix(f"Use {context} tokens (the model's context)", lambda: box.setValue(context))
             return
         s.take_plan(result.plan)
         if result.fits:

@@ -243,7 +243,8 @@ class ModelPage(StepPage):
             self.scratch_button.show()
             return
         self.scratch_button.hide()
-        self.set_problem(None)
+        # A sequence length from another model (or the defaults) that this one cannot take is set within it.
+        self.set_problem(None, note=self.state.fit_to_context(spec.max_position_embeddings))
 
     def set_problem(self, problem: str | None, *, note: str | None = None, tone: str = "info") -> None:
         if problem and "remote code" in problem.lower():

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import json
 import math
+import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -147,6 +148,16 @@ class WizardState:
             if w.get("new_tokens"):
                 self.infer.max_new_tokens = w["new_tokens"]
         self.plan_for = self.plan_key()
+
+    def fit_to_context(self, context: int | None) -> str | None:
+        """Keep the sequence length within a model's `context` (max_position_embeddings); the note saying what
+        changed, or None when it already fits (or the model does not say)."""
+        if not context or context <= 0 or self.train.seq_len <= context:
+            return None
+        before, self.train.seq_len = self.train.seq_len, context
+        if self.infer.max_new_tokens >= context:
+            self.infer.max_new_tokens = max(context // 2, 1)  # room for the prompt too
+        return f"Sequence length set to {context} tokens, the model's context (it was {before})."
 
     # -- what is submitted ---------------------------------------------------------------------------
     def parallelism(self) -> Parallelism:
@@ -474,3 +485,13 @@ def steps_for(tokens: int, state: WizardState) -> int:
     """Optimizer steps to see `tokens` once: a hint for the steps field."""
     per_step = max(state.global_batch, 1) * max(state.train.seq_len, 1)
     return max(1, math.ceil(tokens / per_step))
+
+
+_CONTEXT_LIMIT = re.compile(r"sequence length (\d+) is longer than .*?(?:context of )?(\d+) tokens", re.IGNORECASE)
+
+
+def context_limit(message: str) -> int | None:
+    """The model's context from a "sequence length N is longer than ... context of M tokens" refusal (the
+    planner's, the engine's or the plan checker's words), so the fix can be offered; None for other messages."""
+    m = _CONTEXT_LIMIT.search(message)
+    return int(m.group(2)) if m else None

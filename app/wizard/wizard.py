@@ -10,29 +10,32 @@ wizard. Launch submits to the engine; on success the wizard emits
     wizard = JobWizard(link, parent=self)                    # last choices, or the shipped tiny example
     wizard = JobWizard.from_plan(plan_dict, link=link, parent=self)
     wizard = JobWizard.from_job(job_dict, link=link, parent=self)
+
+Everything in the app opens it through `open_wizard` (Ctrl+N, the Jobs page, clone).
 """
 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from PySide6.QtCore import QSettings, Signal
+from PySide6.QtGui import QKeySequence, QShortcut
 from PySide6.QtWidgets import QWidget, QWizard
 
 from rigpilot.app.planner.gpu_selector import BusyGpus
 from rigpilot.app.planner.model import error_text
 from rigpilot.app.tasks import run_in_background
 from rigpilot.app.widgets.engine_messages import machine_dict
+from rigpilot.app.wizard import engine_requests
 from rigpilot.app.wizard.data_check import DataReport
 from rigpilot.app.wizard.host import DATA, GPUS, HYPER, LAUNCH, MODEL, PLAN, REVIEW, TASK
 from rigpilot.app.wizard.pages_finish import LaunchPage, ReviewPage
 from rigpilot.app.wizard.pages_plan import HyperPage, PlanPage
 from rigpilot.app.wizard.pages_setup import DataPage, GpuPage, ModelPage, TaskPage
-from rigpilot.app.wizard.plan_check import PlanChecker, describe_for_job, plan_here
+from rigpilot.app.wizard.plan_check import PlanChecker, describe_for_job
 from rigpilot.app.wizard.state import (
     CALIBRATE,
     FINETUNE,
@@ -59,6 +62,21 @@ def land_on_job(widget: QWidget | None, job_id: str) -> None:
     open_job = getattr(jobs, "open_job", None)
     if open_job is not None:
         open_job(job_id)
+
+
+def open_wizard(
+    link: Any, parent: QWidget | None, *, job: dict[str, Any] | None = None, plan: dict[str, Any] | None = None
+) -> JobWizard:
+    """Show a wizard: filled from `job` (clone) or `plan` (launch with it), else with the last choices (or the
+    shipped tiny example). With the main window as `parent`, Launch lands on the new job's page."""
+    if job is not None:
+        wizard = JobWizard.from_job(job, link=link, parent=parent)
+    elif plan is not None:
+        wizard = JobWizard.from_plan(plan, link=link, parent=parent)
+    else:
+        wizard = JobWizard(link, parent)
+    wizard.show()  # a window of its own, in front of its parent
+    return wizard
 
 
 class JobWizard(QWizard):
@@ -103,8 +121,18 @@ class JobWizard(QWizard):
             self.setPage(page_id, page)
         self.setStartId(TASK)
         self.setButtonText(QWizard.WizardButton.FinishButton, "Close")
+        # Ctrl+Enter is Next (and Launch on Review) wherever the focus is; while Next waits for a check it does
+        # nothing, where Alt+N would type an "n" into the focused field.
+        for keys in ("Ctrl+Return", "Ctrl+Enter"):
+            QShortcut(QKeySequence(keys), self, self._next_by_key)
+        self.button(QWizard.WizardButton.NextButton).setToolTip("Next (Ctrl+Enter)")
         self.resize(1000, 720)
         link.sig_machine.connect(self._on_machine)
+
+    def _next_by_key(self) -> None:
+        button = self.button(QWizard.WizardButton.NextButton)
+        if button.isVisible() and button.isEnabled():
+            button.click()
 
     # -- other ways in ---------------------------------------------------------------------------
     @classmethod
@@ -210,31 +238,11 @@ class JobWizard(QWizard):
     # -- talking to the engine ---------------------------------------------------------------------------
     def request_plan(self, on_done: Callable[[dict[str, Any]], None], on_error: Callable[[str], None]) -> None:
         """A plan for the current choices: the engine's when connected, else the planner here."""
-        s = self.state
-        ref, workload, gpus = s.planning_model(), s.workload_args(), sorted(s.gpus)
-        engine_reads_it = not Path(ref).expanduser().is_file()  # the engine describes folders, presets, hub ids
-        if getattr(self.link, "state", None) == "connected" and engine_reads_it:
-            self.link.call(
-                "plan",
-                on_done=lambda reply: on_done(reply.get("result", reply)),
-                on_error=lambda e: on_error(error_text(e)),
-                model=ref, workload=workload, gpus=gpus, options={}, trust_remote_code=s.trust_remote_code,
-            )  # fmt: skip
-        elif self.machine is not None:
-            machine, trust = self.machine, s.trust_remote_code
-            run_in_background(
-                lambda: plan_here(ref, machine, workload, gpus, trust), on_done, lambda e: on_error(error_text(e))
-            )
-        else:
-            on_error("Not connected to the engine, and no machine is known to plan for.")
+        engine_requests.request_plan(self.link, self.machine, self.state, on_done, on_error)
 
     def submission(self) -> dict[str, Any]:
         """The arguments of the `submit` request for the current choices (and of `check`, the same)."""
-        s = self.state
-        args: dict[str, Any] = {"spec": s.to_spec(), "plan": s.plan if s.planned else None}
-        if getattr(self.link, "remote", None) is None:
-            args["cwd"] = os.getcwd()  # relative paths typed by the user mean: from here
-        return args
+        return engine_requests.submission(self.link, self.state)
 
     def check(self, on_done: Callable[[dict[str, Any]], None], on_error: Callable[[BaseException], None]) -> None:
         """Ask the engine what it would run for these choices, creating nothing: `on_done({"lines", "would_run"})`,

@@ -111,7 +111,10 @@ def validate_workload(w: Workload, spec: ModelSpec) -> None:
         raise UserError(f"the LoRA rank must be at most {MAX_LORA_RANK:,}, not {w.lora.rank:,}")
     ctx = spec.max_position_embeddings
     if ctx and w.seq_len > ctx:
-        raise UserError(f"sequence length {w.seq_len} is longer than {spec.id or 'the model'}'s context of {ctx} tokens")
+        raise UserError(
+            f"sequence length {w.seq_len} is longer than {spec.id or 'the model'}'s context of {ctx} tokens; "
+            f"use a sequence length of {ctx} or less"
+        )
     if not w.training and w.new_tokens >= w.seq_len:
         raise UserError(f"{w.new_tokens} new tokens leave no room for a prompt in a {w.seq_len}-token context")
     if w.lora is not None and w.lora.rank < 1:

@@ -1,0 +1,90 @@
+"""Planning and submitting a `WizardState`: the requests the wizard sends, shared with "Run the example job".
+
+The wizard walks these steps page by page; the Jobs page's one-click example
+takes the same steps with the wizard's first-run defaults (`default_state`),
+so the example job is exactly the one Next, Next, ... Launch would submit.
+No widgets here: the link answers on the GUI thread, local planning runs in
+the background through `run_in_background`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rigpilot.app.planner.model import error_text
+from rigpilot.app.tasks import run_in_background
+from rigpilot.app.wizard.plan_check import plan_here
+from rigpilot.app.wizard.state import WizardState, default_gpus, default_state, examples_present
+
+
+def request_plan(
+    link: Any,
+    machine: dict[str, Any] | None,
+    state: WizardState,
+    on_done: Callable[[dict[str, Any]], None],
+    on_error: Callable[[str], None],
+) -> None:
+    """A plan (search result) for `state`: the engine's when connected, else the planner here."""
+    ref, workload, gpus = state.planning_model(), state.workload_args(), sorted(state.gpus)
+    engine_reads_it = not Path(ref).expanduser().is_file()  # the engine describes folders, presets, hub ids
+    if getattr(link, "state", None) == "connected" and engine_reads_it:
+        link.call(
+            "plan",
+            on_done=lambda reply: on_done(reply.get("result", reply)),
+            on_error=lambda e: on_error(error_text(e)),
+            model=ref, workload=workload, gpus=gpus, options={}, trust_remote_code=state.trust_remote_code,
+        )  # fmt: skip
+    elif machine is not None:
+        trust = state.trust_remote_code
+        run_in_background(
+            lambda: plan_here(ref, machine, workload, gpus, trust), on_done, lambda e: on_error(error_text(e))
+        )
+    else:
+        on_error("Not connected to the engine, and no machine is known to plan for.")
+
+
+def submission(link: Any, state: WizardState) -> dict[str, Any]:
+    """The arguments of the `submit` request for `state` (and of `check`, the same)."""
+    args: dict[str, Any] = {"spec": state.to_spec(), "plan": state.plan if state.planned else None}
+    if getattr(link, "remote", None) is None:
+        args["cwd"] = os.getcwd()  # relative paths typed by the user mean: from here
+    return args
+
+
+def run_example(
+    link: Any,
+    machine: dict[str, Any] | None,
+    jobs: list[dict[str, Any]],
+    on_done: Callable[[str], None],
+    on_error: Callable[[str], None],
+) -> WizardState | None:
+    """Plan the wizard's first-run job (the shipped tiny model and text) on free GPUs and submit it under the
+    recommended plan: `on_done(job_id)`, or `on_error(one line)`. Returns the state it submits."""
+    if not examples_present():
+        on_error("the example model and data are not installed with this copy of Rigpilot")
+        return None
+    if machine is None:
+        on_error("the engine has not said which machine it runs on yet; try again once it is connected")
+        return None
+    state = default_state(machine)
+    state.gpus = default_gpus(machine, jobs) or state.gpus  # all busy: the job queues for the usual ones
+    state.name = "example: tiny-llama from scratch"
+
+    def planned(result: dict[str, Any]) -> None:
+        best = result.get("best")
+        if best is None:
+            on_error("it does not fit on the free GPUs: " + "; ".join(result.get("explanation") or []))
+            return
+        state.take_plan(best)
+        link.call(
+            "submit",
+            on_done=lambda reply: on_done(reply["job"]["id"]),
+            on_error=lambda e: on_error(error_text(e)),
+            **submission(link, state),
+        )
+
+    request_plan(link, machine, state, planned, on_error)
+    return state
