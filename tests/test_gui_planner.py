@@ -577,3 +577,20 @@ def test_speeds_read_in_k_and_m_never_thousands_of_k():
     assert tokens_per_s(4_200_000, training=False) == "4.2M generated tokens/s"
     assert tokens_per_s(14_719) == "14.7k tokens/s" and tokens_per_s(3_900) == "3.9k tokens/s"
     assert tokens_per_s(None) == tokens_per_s(0) == "n/a"
+
+
+def test_a_sequence_longer_than_the_models_context_is_fixed_in_one_click(qtbot):
+    # Planned by the real planner: its own refusal carries the context the fix uses.
+    from rigpilot.app.wizard.state import EXAMPLES, TINY_MODEL
+
+    page, _ = open_page(qtbot)
+    page.seq_len.setValue(2048)
+    page.picker.set_model(str(EXAMPLES / TINY_MODEL), chosen=False)
+    with qtbot.waitSignal(page.sig_plan_failed, timeout=20000) as failed:
+        page.plan_button.click()
+    assert "context of 256 tokens" in failed.args[0]
+    assert page.fix_button.isVisibleTo(page) and page.fix_button.text() == "Use 256 tokens (the model's context)"
+    with qtbot.waitSignal(page.sig_plan_ready, timeout=20000):
+        page.fix_button.click()
+    assert page.seq_len.value() == 256 and not page.fix_button.isVisibleTo(page) and not page.message.isVisibleTo(page)
+    assert page.plan is not None and page.plan["workload"]["seq_len"] == 256

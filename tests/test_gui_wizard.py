@@ -740,7 +740,7 @@ def test_a_sequence_length_past_the_context_on_hyper_parameters_offers_the_fix(q
 
 
 def test_the_fix_reads_the_context_from_every_refusals_wording():
-    from rigpilot.app.wizard.state import context_limit
+    from rigpilot.app.planner.model import context_limit
 
     assert context_limit("sequence length 2048 is longer than tiny-llama's context of 256 tokens; "
                          "use a sequence length of 256 or less") == 256  # fmt: skip

@@ -144,6 +144,16 @@ _FLAG_WORDS: list[tuple[re.Pattern[str], Callable[[re.Match[str]], str]]] = [
 ]
 
 
+_CONTEXT_LIMIT = re.compile(r"sequence length (\d+) is longer than .*?(?:context of )?(\d+) tokens", re.IGNORECASE)
+
+
+def context_limit(message: str) -> int | None:
+    """The model's context from a "sequence length N is longer than ... context of M tokens" refusal (the
+    planner's, the engine's or the plan checker's words), so the fix can be offered; None for other messages."""
+    m = _CONTEXT_LIMIT.search(message)
+    return int(m.group(2)) if m else None
+
+
 def gui_words(text: str) -> str:
     """The planner's text with each `rigpilot plan` flag it names replaced by the Planner page control."""
     for pattern, words in _FLAG_WORDS:

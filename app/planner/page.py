@@ -16,6 +16,7 @@ machine's calibration; its plans export, and launch only on this machine.
 from __future__ import annotations
 
 import html
+from collections.abc import Callable
 from typing import Any
 
 from PySide6.QtCore import QByteArray, QSettings, QSignalBlocker, Qt, Signal
@@ -55,6 +56,7 @@ from rigpilot.app.planner.model import (
     QUANTIZATION,
     TASKS,
     PlanRequest,
+    context_limit,
     error_text,
     gui_words,
     plan_rows,
@@ -239,6 +241,12 @@ class PlannerPage(QWidget):
         self.message.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.message.setStyleSheet(f"color: {BAD.name()}; font-weight: bold;")
         self.message.hide()
+        # A refusal with a known fix (a sequence longer than the model's context) offers it in one click.
+        self.fix_button = QPushButton()
+        self.fix_button.setObjectName("planFix")
+        self.fix_button.clicked.connect(self._apply_fix)
+        self.fix_button.hide()
+        self._fix: Callable[[], None] | None = None
         self.summary = QLabel("Choose a model and GPUs, then Plan.")
         self.summary.setObjectName("planSummary")
         self.summary.setWordWrap(True)
@@ -341,7 +349,10 @@ class PlannerPage(QWidget):
         results = QWidget()
         rl = QVBoxLayout(results)
         rl.setContentsMargins(0, 0, 0, 0)
-        rl.addWidget(self.message)
+        message_row = QHBoxLayout()
+        message_row.addWidget(self.message, 1)
+        message_row.addWidget(self.fix_button, 0, Qt.AlignmentFlag.AlignTop)
+        rl.addLayout(message_row)
         rl.addWidget(self.summary)
         rl.addWidget(self.calibration)
         rl.addWidget(self.results_splitter, 1)
@@ -477,7 +488,7 @@ class PlannerPage(QWidget):
         self._serial += 1  # a reply for the machine before is not for this one
         self.plan_button.setEnabled(True)
         self.status.setText("")
-        self.message.hide()
+        self._hide_message()
         self._show_result(None)
         self._show_target_note()
         if d is None:
@@ -578,7 +589,7 @@ class PlannerPage(QWidget):
             return
         self._serial += 1
         serial = self._serial
-        self.message.hide()
+        self._hide_message()
         self.status.setText(f"Planning {request.model}…")
         self.plan_button.setEnabled(False)
         on_done = lambda reply: self._on_plan(serial, reply)  # noqa: E731
@@ -608,7 +619,7 @@ class PlannerPage(QWidget):
             f"Planned in {result.get('elapsed_s', 0):.2f} s: {result.get('considered', 0)} layouts tried."
             + (f" {traced[0][0].upper()}{traced[0][1:]}." if traced else "")
         )
-        self.message.hide()
+        self._hide_message()
         self._show_result(result)
         self.sig_plan_ready.emit(result)
 
@@ -618,12 +629,37 @@ class PlannerPage(QWidget):
         self.plan_button.setEnabled(True)
         self.status.setText("")
         self._show_result(None)
-        self._show_message(gui_words(error_text(error)))
+        message = error_text(error)
+        self._show_message(gui_words(message))
+        context = context_limit(message)
+        if context is not None:
+            self._offer_fix(f"Use {context} tokens (the model's context)", lambda: self._use_seq_len(context))
         self.sig_plan_failed.emit(self.message.text())
 
     def _show_message(self, text: str) -> None:
         self.message.setText(text)
         self.message.show()
+        self._offer_fix("", None)
+
+    def _hide_message(self) -> None:
+        self.message.hide()
+        self._offer_fix("", None)
+
+    def _offer_fix(self, label: str, fix: Callable[[], None] | None) -> None:
+        self._fix = fix
+        self.fix_button.setText(label)
+        self.fix_button.setVisible(fix is not None)
+
+    def _apply_fix(self) -> None:
+        fix, self._fix = self._fix, None
+        self.fix_button.hide()
+        if fix is not None:
+            fix()
+
+    def _use_seq_len(self, tokens: int) -> None:
+        self.seq_len.setValue(tokens)
+        self.new_tokens.setValue(min(self.new_tokens.value(), max(tokens // 2, 1)))
+        self.request_plan()
 
     # -- showing a result --------------------------------------------------------------------------------
     def _show_result(self, result: dict[str, Any] | None) -> None:
@@ -761,7 +797,7 @@ class PlannerPage(QWidget):
 
     # -- exports and launching -------------------------------------------------------------------------
     def _exported(self, target: str, paths: list[str]) -> None:
-        self.message.hide()
+        self._hide_message()
         self.export_note.setText("Saved " + " and ".join(paths))
 
     def open_wizard(self) -> Any:

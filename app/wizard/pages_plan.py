@@ -25,14 +25,14 @@ from PySide6.QtWidgets import (
 )
 
 from rigpilot.app.planner.memory_chart import MemoryChart
-from rigpilot.app.planner.model import plan_runs_here, plans_of, summary_lines, tokens_per_s
+from rigpilot.app.planner.model import context_limit, gui_words, plan_runs_here, plans_of, summary_lines, tokens_per_s
 from rigpilot.app.widgets.form_row import form_row
 from rigpilot.app.widgets.palette import BAD, WARN
 from rigpilot.app.wizard.data_check import CHAT, INSTRUCTION
 from rigpilot.app.wizard.host import HYPER, REVIEW, WizardHost
 from rigpilot.app.wizard.page_base import StepPage
 from rigpilot.app.wizard.plan_check import CheckResult, Overrides
-from rigpilot.app.wizard.state import INFER, context_limit
+from rigpilot.app.wizard.state import INFER
 from rigpilot.engine.capability import Layout, why_not
 
 PIPELINE_SCHEDULES = [("1f1b", "1F1B"), ("gpipe", "GPipe")]  # as the planner writes them
@@ -197,9 +197,9 @@ class PlanPage(StepPage):
         self.busy = False
         self.result = result
         self._fill_alternatives()
-        lines = list(result.get("explanation") or [])
+        lines = [gui_words(line) for line in result.get("explanation") or []]  # controls, not CLI flags
         if result.get("best") is None:
-            changes = [s["change"] for s in result.get("suggestions") or []]
+            changes = [gui_words(s["change"]) for s in result.get("suggestions") or []]
             self.headline.setText("Nothing fits on the selected GPUs.")
             self.explanation.setPlainText("\n".join(f"• {line}" for line in lines))
             self.set_problem(
@@ -212,7 +212,7 @@ class PlanPage(StepPage):
     def _plan_failed(self, message: str) -> None:
         self.busy = False
         self.result = None
-        self.set_problem(f"No plan: {message}")
+        self.set_problem(f"No plan: {gui_words(message)}")
         context = context_limit(message)
         if context is not None:
             self.offer_fix(f"Use {context} tokens (the model's context)", lambda: self._use_context(context))

@@ -14,7 +14,6 @@ import dataclasses
 import functools
 import json
 import math
-import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -485,13 +484,3 @@ def steps_for(tokens: int, state: WizardState) -> int:
     """Optimizer steps to see `tokens` once: a hint for the steps field."""
     per_step = max(state.global_batch, 1) * max(state.train.seq_len, 1)
     return max(1, math.ceil(tokens / per_step))
-
-
-_CONTEXT_LIMIT = re.compile(r"sequence length (\d+) is longer than .*?(?:context of )?(\d+) tokens", re.IGNORECASE)
-
-
-def context_limit(message: str) -> int | None:
-    """The model's context from a "sequence length N is longer than ... context of M tokens" refusal (the
-    planner's, the engine's or the plan checker's words), so the fix can be offered; None for other messages."""
-    m = _CONTEXT_LIMIT.search(message)
-    return int(m.group(2)) if m else None
