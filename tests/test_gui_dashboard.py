@@ -215,11 +215,11 @@ def test_cards_show_the_job_on_each_gpu(qtbot):
     qtbot.waitUntil(lambda: bool(page.model.jobs))
     link.push_telemetry(1)
     page.refresh(force=True)
-    assert "llama-ft" in page.cards[0].job.text() and "llama-ft" in page.cards[1].job.text()
-    assert page.cards[2].job.text() == "No job"
+    assert "llama-ft" in page.cards[0].job.full_text and "llama-ft" in page.cards[1].job.full_text
+    assert page.cards[2].job.full_text == "No job"
     link.push_job(make_job("j1", [0, 1], state="completed", name="llama-ft"))
     page.refresh(force=True)
-    assert page.cards[0].job.text() == "No job"
+    assert page.cards[0].job.full_text == "No job"
 
 
 def test_process_table_lists_gpu_processes_per_gpu(qtbot):

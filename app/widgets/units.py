@@ -28,4 +28,4 @@ def celsius(v: float | None) -> str:
 
 
 def mhz(v: float | None) -> str:
-    return NA if v is None else f"{v:.0f} MHz"
+    return NA if v is None else f"{v:,.0f} MHz"
