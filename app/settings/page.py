@@ -69,11 +69,15 @@ def restart_consequences(active: int | None) -> str:
     after = "The engine reads Settings anew as it starts, and every page reconnects by itself."
     if active == 0:
         return f"No job is queued or running. {after}"
-    jobs = f"{active} job{'s are' if active != 1 else ' is'} queued or running. They keep" if active else "Jobs keep"
+    if active == 1:
+        jobs, them, their = "1 job is queued or running. It keeps", "it", "its"
+    else:
+        jobs = f"{active} jobs are queued or running. They keep" if active else "Jobs keep"
+        them, their = "them", "their"
     return (
-        f"{jobs} running: their processes do not belong to the engine, and the new engine picks them up again "
-        "(their charts pause for a few seconds). Secret values given to a job, such as tokens, are forgotten: "
-        f"resuming that job later asks for them again. {after}"
+        f"{jobs} running: {their} processes do not belong to the engine, and the new engine picks {them} up "
+        f"again ({their} charts pause for a few seconds). Secret values given to a job, such as tokens, are "
+        f"forgotten: resuming that job later asks for them again. {after}"
     )
 
 
