@@ -275,7 +275,7 @@ def cmd_topo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _engine_samples(client, shown: dict[str, Any]):
+def _engine_samples(client, current: dict[str, Any]):
     from rigpilot.engine.hardware.machine import Machine
     from rigpilot.engine.hardware.telemetry import TelemetrySample
 
@@ -284,7 +284,7 @@ def _engine_samples(client, shown: dict[str, Any]):
         if ev.get("event") == "telemetry":
             yield TelemetrySample.from_dict(ev["sample"])
         elif ev.get("event") == "machine":  # the engine switched machines: draw the new one from now on
-            shown["machine"] = Machine.from_dict(ev["machine"])
+            current["machine"] = Machine.from_dict(ev["machine"])
 
 
 def _local_samples(sampler, frames: queue.Queue):
@@ -299,13 +299,13 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
     client = _running_engine(args)
     sampler = None
-    shown: dict[str, Any] = {}
+    current: dict[str, Any] = {}  # the machine drawn: the engine may switch it while this runs
     if client is not None:
-        shown["machine"], notes = _engine_machine(client)
-        samples = _engine_samples(client, shown)
+        current["machine"], notes = _engine_machine(client)
+        samples = _engine_samples(client, current)
     else:
         d = _discover(args)
-        shown["machine"], notes = d.machine, d.notes
+        current["machine"], notes = d.machine, d.notes
         frames: queue.Queue = queue.Queue(maxsize=2)
         sampler = Sampler(d.backend, period=args.interval, slow_period=max(5.0, args.interval))
         sampler.subscribe(lambda s: _offer(frames, s))
@@ -323,11 +323,11 @@ def cmd_watch(args: argparse.Namespace) -> int:
             if args.json:
                 print(json.dumps({"schema": "rigpilot.telemetry/1", **sample.to_dict()}), flush=True)
             elif tty:
-                body = watch_frame(shown["machine"], sample).replace("\n", "\x1b[K\n")
+                body = watch_frame(current["machine"], sample).replace("\n", "\x1b[K\n")
                 sys.stdout.write("\x1b[H" + body + "\x1b[K\x1b[J")
                 sys.stdout.flush()
             else:
-                print(watch_frame(shown["machine"], sample, width=200) + "\n", flush=True)
+                print(watch_frame(current["machine"], sample, width=200) + "\n", flush=True)
             shown += 1
     except KeyboardInterrupt:
         pass
