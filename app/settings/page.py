@@ -240,6 +240,9 @@ class SettingsPage(QWidget):
         self.token.textEdited.connect(lambda _: self._recheck())
         self.refresh_hz.valueChanged.connect(lambda _: self._recheck())
         self.cpu_ranks.valueChanged.connect(lambda _: self._recheck())
+        self.saved_profile = ""  # the profile in the settings file, as last read or written here
+        if link is not None and hasattr(link, "sig_machine"):
+            link.sig_machine.connect(self.on_machine)
         self.load()
 
     # -- the engine environment ------------------------------------------------------------------------
@@ -284,6 +287,7 @@ class SettingsPage(QWidget):
             self.profile.addItem(f"{p['title']}", p["id"])
             self.profile.setItemData(self.profile.count() - 1, p["label"], Qt.ItemDataRole.ToolTipRole)
         self.profile.setCurrentIndex(max(self.profile.findData(data["simulated_profile"]), 0))
+        self.saved_profile = data["simulated_profile"]
         self.cpu_ranks.setValue(data["max_cpu_ranks"])
         self.cpu_ranks_note.setText(cpu_ranks_note(self.cpu_ranks.value()))
         self.settings_path.setText(f"Saved in {data['path']}")
@@ -327,6 +331,7 @@ class SettingsPage(QWidget):
 
     def _on_saved(self, values: SettingsValues, path: str) -> None:
         self.save_button.setEnabled(True)
+        self.saved_profile = values.simulated_profile
         self.sig_saved.emit(dataclasses.asdict(values))
         if self.link is None:
             self.status.setText(f"Saved in {path}. The engine uses them when it starts.")
@@ -337,6 +342,18 @@ class SettingsPage(QWidget):
             "reload_machine", on_done=self._on_applied, on_error=self._on_not_applied,
             simulated_profile=values.simulated_profile,
         )  # fmt: skip
+
+    def on_machine(self, machine: dict[str, Any]) -> None:
+        """The engine's machine changed, maybe by `rigpilot settings set …`: show the profile now in the
+        settings file, unless the user is choosing one here."""
+        if self.loaded and machine.get("source") == "simulated":
+            run_in_background(load_engine_side, self._on_file_changed, lambda _e: None)
+
+    def _on_file_changed(self, data: dict[str, Any]) -> None:
+        profile = data["simulated_profile"]
+        if profile != self.saved_profile and self.profile.currentData() == self.saved_profile:
+            self.profile.setCurrentIndex(max(self.profile.findData(profile), 0))
+            self.saved_profile = profile
 
     def _on_applied(self, reply: dict[str, Any]) -> None:
         label = (reply.get("machine") or {}).get("label", "")
