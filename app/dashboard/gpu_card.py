@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from PySide6.QtCore import Qt
+from PySide6.QtCore import QEvent, QSize, Qt
 from PySide6.QtGui import QFont, QResizeEvent
 from PySide6.QtWidgets import QFrame, QGridLayout, QHBoxLayout, QLabel, QSizePolicy, QWidget
 
@@ -54,18 +54,32 @@ class ElidedLabel(QLabel):
         self.setMinimumWidth(40)
         self.set_full_text(text)
 
+    def minimumSizeHint(self) -> QSize:
+        return QSize(40, super().minimumSizeHint().height())  # never what makes a card wider
+
     def set_full_text(self, text: str, tooltip: str | None = None) -> None:
         self.full_text = text
         self.setToolTip(tooltip if tooltip is not None else text)
         self._elide()
 
+    def sizeHint(self) -> QSize:
+        # The whole text's width, measured afresh: QLabel's own hint is of the (maybe elided) text shown.
+        hint = super().sizeHint()
+        extra = hint.width() - self.fontMetrics().horizontalAdvance(self.text())
+        return QSize(self.fontMetrics().horizontalAdvance(self.full_text) + max(extra, 0), hint.height())
+
     def resizeEvent(self, event: QResizeEvent) -> None:
         super().resizeEvent(event)
         self._elide()
 
+    def changeEvent(self, event: QEvent) -> None:
+        super().changeEvent(event)
+        if event.type() in (QEvent.Type.FontChange, QEvent.Type.StyleChange):
+            self._elide()
+
     def _elide(self) -> None:
-        width = max(self.width() - 2 * self.margin(), 0)
-        shown = self.fontMetrics().elidedText(self.full_text, Qt.TextElideMode.ElideRight, width) if width else self.full_text
+        width = self.contentsRect().width() - 2 * self.margin()
+        shown = self.fontMetrics().elidedText(self.full_text, Qt.TextElideMode.ElideRight, width) if width > 0 else self.full_text
         if shown != self.text():
             self.setText(shown)
 
@@ -128,13 +142,17 @@ class GpuCard(QFrame):
             grid.addWidget(self.sparks[key], row, 2)
         # Labelled one by one: "Fan · SM" over two numbers read as one cryptic pair.
         grid.addWidget(QLabel("Fan"), 5, 0)
-        grid.addWidget(self.fan, 5, 1)
-        clock_row = QHBoxLayout()
-        clock_row.setContentsMargins(0, 0, 0, 0)
-        clock_row.addWidget(QLabel("SM clock"))
-        clock_row.addWidget(self.clock)
-        clock_row.addStretch(1)
-        grid.addLayout(clock_row, 5, 2)
+        # The fan's value, then the SM clock with its own label, across the value and sparkline columns:
+        # the title already makes those wide enough, so the card gets no wider.
+        fan_clock = QHBoxLayout()
+        fan_clock.setContentsMargins(0, 0, 0, 0)
+        fan_clock.setSpacing(6)
+        fan_clock.addWidget(self.fan)
+        fan_clock.addSpacing(10)
+        fan_clock.addWidget(QLabel("SM clock"))
+        fan_clock.addWidget(self.clock)
+        fan_clock.addStretch(1)
+        grid.addLayout(fan_clock, 5, 1, 1, 2)
         grid.addWidget(self.job, 6, 0, 1, 3)
         grid.setColumnStretch(2, 1)
 
