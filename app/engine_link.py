@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +30,7 @@ CONNECTING, CONNECTED, LOST = "connecting", "connected", "lost"
 class EngineLink(QObject):
     sig_state = Signal(str, str)  # CONNECTING | CONNECTED | LOST, and a detail ("local", the error)
     sig_hello = Signal(dict)
-    sig_machine = Signal(dict)  # Machine.to_dict()
+    sig_machine = Signal(dict)  # Machine.to_dict(): on connecting, and whenever the engine switches machines
     sig_telemetry = Signal(dict)  # TelemetrySample.to_dict()
     sig_job = Signal(dict)  # a job record whose state or progress changed
     sig_metrics = Signal(str, list)  # job id, new metric records
@@ -46,7 +47,9 @@ class EngineLink(QObject):
         self.remote = tcp
         self.state = CONNECTING
         self.machine: dict[str, Any] | None = None
-        self.notes: list[str] = []  # e.g. why a simulated machine stands in
+        self.notes: list[str] = []  # e.g. why a simulated machine stands in, in plain words
+        self.details: list[str] = []  # the technical causes behind the notes (for a tooltip)
+        self._restarting = threading.Event()  # the stream waits for restart_engine instead of starting a service
         self._stop = threading.Event()  # set once, by stop(): the link is closed for good
         self._thread: threading.Thread | None = None
         self._local = threading.local()
@@ -150,9 +153,7 @@ class EngineLink(QObject):
                     if self._closed:
                         client.autostart = False
                 self.sig_hello.emit(client.connect())
-                reply = client.request("machine")
-                self.machine, self.notes = reply["machine"], reply.get("notes", [])
-                self.sig_machine.emit(self.machine)
+                self._set_machine(client.request("machine"))
                 with self._lock:
                     self._pending.clear()
                     topics = ["telemetry", "jobs", *(f"metrics:{j}" for j in self._watched)]
@@ -171,10 +172,70 @@ class EngineLink(QObject):
                 log.info("engine connection lost: %s", e)
                 self._set_state(LOST, str(e) or type(e).__name__)
                 self._stop.wait(backoff)
+                while self._restarting.is_set() and not self._stop.wait(0.1):
+                    pass  # restart_engine starts the new service; a second start here would only race it
                 backoff = min(backoff * 2, 5.0)
             finally:
                 if client is not None:
                     client.close()
+
+    def _set_machine(self, message: dict[str, Any]) -> None:
+        self.machine = message["machine"]
+        self.notes, self.details = list(message.get("notes") or []), list(message.get("details") or [])
+        if not self._closed:
+            self.sig_machine.emit(self.machine)
+
+    # -- restarting the engine ----------------------------------------------------
+    def restart_engine(
+        self, on_done: Callable[[Any], None] | None = None, on_error: Callable[[BaseException], None] | None = None
+    ) -> None:
+        """Stop the local engine service, wait for it to be gone, start a new one; the stream reconnects.
+
+        Jobs keep running through it (the engine's `shutdown`); the new service re-adopts them.
+        """
+        if self._closed:
+            return
+        if self.remote:
+            raise ValueError("a remote engine is restarted on its own computer")
+        self._restarting.set()
+
+        def work() -> dict[str, Any]:
+            import psutil
+
+            try:
+                old = self._factory(client_name="gui-restart", autostart=False)
+                try:
+                    pid = old.connect()["pid"]
+                    old.request("shutdown")
+                finally:
+                    old.close()
+                deadline = time.monotonic() + 60  # the supervisor takes up to 10 s to let go of its jobs
+                while time.monotonic() < deadline:
+                    try:
+                        if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                            break
+                    except psutil.NoSuchProcess:
+                        break
+                    time.sleep(0.1)
+                else:
+                    raise TimeoutError(f"the engine service (pid {pid}) did not stop within a minute")
+                new = self._factory(client_name="gui-restart")
+                try:
+                    return new.connect()
+                finally:
+                    new.close()
+            finally:
+                self._restarting.clear()
+
+        def done(hello: Any) -> None:
+            if not self._closed and on_done is not None:
+                on_done(hello)
+
+        def failed(error: BaseException) -> None:
+            if not self._closed:
+                (on_error or report_error)(error)
+
+        run_in_background(work, done, failed)
 
     def _apply_pending(self, client: EngineClient) -> None:
         with self._lock:
@@ -190,6 +251,8 @@ class EngineLink(QObject):
             self.sig_telemetry.emit(ev["sample"])
         elif kind == "job":
             self.sig_job.emit(ev["job"])
+        elif kind == "machine":
+            self._set_machine(ev)
         elif kind == "metrics":
             job = ev["job"]
             with self._lock:

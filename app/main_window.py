@@ -194,10 +194,12 @@ class MainWindow(QMainWindow):
         self.machine_label.setText(label)
         self.setWindowTitle(f"{APP_NAME} — {label}")
         if machine.get("source") == "simulated":
+            # Plain sentences for the user; the driver's own words (link.details) in the tooltip.
             self.banner.setText(
-                f"{label[:1].upper()}{label[1:]} — this is a simulated machine: jobs run on the CPU, one process per "
-                "simulated GPU. " + " ".join(self.link.notes)
+                f"Simulated machine: {label.removeprefix('simulated: ')}. Jobs run on this computer's CPU, one "
+                "process per simulated GPU. " + " ".join(self.link.notes)
             )
+            self.banner.setToolTip("\n".join(getattr(self.link, "details", [])))
             self.banner.show()
         else:
             self.banner.hide()

@@ -68,6 +68,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_profiles)
 
     p = sub.add_parser(
+        "settings", parents=[js], help="show or change your settings (the simulated machine, CPU ranks)",
+        description="rigpilot settings: what is set and which machine the engine serves. "
+        "rigpilot settings set simulated-profile 8x-h100-sxm: the machine shown when no NVIDIA GPU is present; "
+        "a running engine switches to it at once unless jobs are queued or running. "
+        "rigpilot settings set max-cpu-ranks N: processes per simulated job.",
+    )  # fmt: skip
+    p.add_argument("action", nargs="?", choices=["show", "set"], default="show")
+    p.add_argument("key", nargs="?", choices=sorted(SETTING_KEYS), metavar="KEY", help=", ".join(sorted(SETTING_KEYS)))
+    p.add_argument("value", nargs="?", metavar="VALUE")
+    p.set_defaults(func=cmd_settings)
+
+    p = sub.add_parser(
         "engine-env", parents=[js], help="the per-user PyTorch environment the job workers run in",
         description="status: what it has; install: create or complete it (resumable); repair: delete it and its "
         "cache, then install; remove: delete it and its cache; wheels: the 'pip download' commands that fetch, on "
@@ -113,6 +125,27 @@ def _discover(args: argparse.Namespace):
     return open_backend(simulate=getattr(args, "simulate", None), import_paths=getattr(args, "import_paths", None))
 
 
+def _machine(args: argparse.Namespace):
+    """The machine a command shows or plans for, and its notes.
+
+    The one the engine serves when it runs and the user named none (it may have switched since it
+    started); else found as the engine would find it, by the same `open_backend`. So `gpus`, `topo`,
+    `plan` and `run` never disagree.
+    """
+    from rigpilot.engine.service.client import EngineUnavailable
+
+    client = _running_engine(args)
+    if client is not None:
+        try:
+            with client:
+                return _engine_machine(client)
+        except (OSError, EngineUnavailable):
+            pass  # it stopped in between: find the machine as it would have
+    d = _discover(args)
+    d.backend.close()
+    return d.machine, d.notes
+
+
 def _stored_calibration() -> dict[str, Any] | None:
     """The engine's latest calibration of this machine (what a finished `rigpilot run calibrate` left)."""
     from rigpilot.engine.service import calibration_store, paths
@@ -135,7 +168,7 @@ def _running_engine(args: argparse.Namespace):
     Its telemetry is the one to show: on a simulated machine only the engine
     knows the load its jobs put on the GPUs. Never starts a service.
     """
-    if args.simulate or args.import_paths:
+    if getattr(args, "simulate", None) or getattr(args, "import_paths", None):
         return None
     from rigpilot.engine.service.client import EngineClient, EngineUnavailable, service_running
 
@@ -156,12 +189,30 @@ def _engine_machine(client):
     return Machine.from_dict(reply["machine"]), list(reply.get("notes", []))
 
 
-def _engine_latest_sample(client):
+def _engine_latest_sample(client, machine):
+    """The engine's newest sample of `machine` (one from before a machine switch does not count)."""
     from rigpilot.engine.hardware.telemetry import TelemetrySample
 
     reply = client.request("telemetry_history", since=time.time() - 30, limit=100)
-    samples = reply.get("samples") or []
-    return TelemetrySample.from_dict(samples[-1]) if samples else None
+    for raw in reversed(reply.get("samples") or []):
+        sample = TelemetrySample.from_dict(raw)
+        if _sample_of(sample, machine):
+            return sample
+    client.request("subscribe", topics=["telemetry"])
+    deadline = time.monotonic() + 5.0
+    while (left := deadline - time.monotonic()) > 0:
+        ev = client.next_event(left)
+        if ev is not None and ev.get("event") == "telemetry":
+            sample = TelemetrySample.from_dict(ev["sample"])
+            if _sample_of(sample, machine):
+                return sample
+    return None
+
+
+def _sample_of(sample, machine) -> bool:
+    have = {g.index: g.memory_total for g in sample.gpus}
+    want = {g.index: g.memory_total for g in machine.gpus}
+    return have.keys() == want.keys() and all(have[i] in (None, want[i]) for i in want)
 
 
 def cmd_gpus(args: argparse.Namespace) -> int:
@@ -173,14 +224,17 @@ def cmd_gpus(args: argparse.Namespace) -> int:
     if client is not None:
         with client:
             machine, notes = _engine_machine(client)
-            sample = _engine_latest_sample(client)
+            sample = _engine_latest_sample(client, machine)
         d = type("FromEngine", (), {"machine": machine, "notes": notes})()
     if sample is None:
-        d = _discover(args)
+        local = _discover(args)
         try:
+            if client is not None and local.machine.to_dict() != d.machine.to_dict():
+                raise UserError(f"the engine serves {d.machine.label} but sent no telemetry of it yet; try again")
+            d = local
             sample = Sampler(d.backend).sample()
         finally:
-            d.backend.close()
+            local.backend.close()
     if args.json:
         _print_json("rigpilot.gpus/1", {"machine": d.machine.to_dict(), "telemetry": sample.to_dict(), "notes": d.notes})
     else:
@@ -192,9 +246,8 @@ def cmd_gpus(args: argparse.Namespace) -> int:
 def cmd_topo(args: argparse.Namespace) -> int:
     from rigpilot.engine.hardware.topology import describe, render_matrix, summarize
 
-    d = _discover(args)
-    d.backend.close()
-    m = d.machine
+    m, notes = _machine(args)
+    d = type("Found", (), {"machine": m, "notes": notes})()
     if args.json:
         gpus = [g.index for g in m.gpus]
         cells = [[("X" if a == b else (m.pair(a, b).topo_code if m.pair(a, b) else None)) for b in gpus] for a in gpus]
@@ -222,13 +275,16 @@ def cmd_topo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _engine_samples(client):
+def _engine_samples(client, current: dict[str, Any]):
+    from rigpilot.engine.hardware.machine import Machine
     from rigpilot.engine.hardware.telemetry import TelemetrySample
 
     client.request("subscribe", topics=["telemetry"])
     for ev in client.events():
         if ev.get("event") == "telemetry":
             yield TelemetrySample.from_dict(ev["sample"])
+        elif ev.get("event") == "machine":  # the engine switched machines: draw the new one from now on
+            current["machine"] = Machine.from_dict(ev["machine"])
 
 
 def _local_samples(sampler, frames: queue.Queue):
@@ -243,12 +299,13 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
     client = _running_engine(args)
     sampler = None
+    current: dict[str, Any] = {}  # the machine drawn: the engine may switch it while this runs
     if client is not None:
-        machine, notes = _engine_machine(client)
-        samples = _engine_samples(client)
+        current["machine"], notes = _engine_machine(client)
+        samples = _engine_samples(client, current)
     else:
         d = _discover(args)
-        machine, notes = d.machine, d.notes
+        current["machine"], notes = d.machine, d.notes
         frames: queue.Queue = queue.Queue(maxsize=2)
         sampler = Sampler(d.backend, period=args.interval, slow_period=max(5.0, args.interval))
         sampler.subscribe(lambda s: _offer(frames, s))
@@ -266,11 +323,11 @@ def cmd_watch(args: argparse.Namespace) -> int:
             if args.json:
                 print(json.dumps({"schema": "rigpilot.telemetry/1", **sample.to_dict()}), flush=True)
             elif tty:
-                body = watch_frame(machine, sample).replace("\n", "\x1b[K\n")
+                body = watch_frame(current["machine"], sample).replace("\n", "\x1b[K\n")
                 sys.stdout.write("\x1b[H" + body + "\x1b[K\x1b[J")
                 sys.stdout.flush()
             else:
-                print(watch_frame(machine, sample, width=200) + "\n", flush=True)
+                print(watch_frame(current["machine"], sample, width=200) + "\n", flush=True)
             shown += 1
     except KeyboardInterrupt:
         pass
@@ -313,6 +370,68 @@ def cmd_profiles(args: argparse.Namespace) -> int:
     return 0
 
 
+SETTING_KEYS = {"simulated-profile": "simulated_profile", "max-cpu-ranks": "max_cpu_ranks"}
+
+
+def cmd_settings(args: argparse.Namespace) -> int:
+    from rigpilot.engine.hardware.simulated import load_profile
+    from rigpilot.engine.settings import Settings
+
+    settings = Settings.load()
+    for w in settings.warnings:
+        print(f"note: {w}", file=sys.stderr)
+    applied: dict[str, Any] | None = None
+    refused = None
+    if args.action == "set":
+        if args.key is None or args.value is None:
+            raise UserError("set what? rigpilot settings set simulated-profile PROFILE | max-cpu-ranks N")
+        field = SETTING_KEYS[args.key]
+        if field == "simulated_profile":
+            load_profile(args.value)  # an unknown profile: one line naming the known ones
+            value: Any = args.value
+        else:
+            try:
+                value = int(args.value)
+            except ValueError:
+                value = 0
+            if not 1 <= value <= 1024:
+                raise UserError(f"max-cpu-ranks takes a whole number from 1 to 1024, not {args.value!r}")
+        setattr(settings, field, value)
+        settings.save()
+        applied, refused = _apply_to_engine(args)
+    machine, _ = _machine(argparse.Namespace())
+    if args.json:
+        _print_json("rigpilot.settings/1", {
+            "settings": {k: getattr(settings, f) for k, f in SETTING_KEYS.items()}, "path": str(Settings.path()),
+            "machine": machine.to_dict(), "engine_running": applied is not None or refused is not None
+            or _running_engine(argparse.Namespace()) is not None, "not_applied": refused,
+        })  # fmt: skip
+    else:
+        for key, f in SETTING_KEYS.items():
+            print(f"{key}: {getattr(settings, f)}")
+        print(f"(stored in {Settings.path()})")
+        print(f"machine: {machine.label}")
+        if refused:
+            print(f"saved, but the engine keeps its machine for now: {refused}", file=sys.stderr)
+    return 1 if refused else 0
+
+
+def _apply_to_engine(args: argparse.Namespace) -> tuple[dict[str, Any] | None, str | None]:
+    """Ask a running engine to act on the saved settings now: (its answer, None) or (None, why it refused)."""
+    from rigpilot.engine.service.client import EngineError, EngineUnavailable
+
+    client = _running_engine(argparse.Namespace())
+    if client is None:
+        return None, None
+    try:
+        with client:
+            return client.request("reload_machine"), None
+    except (OSError, EngineUnavailable):
+        return None, None  # it stopped in between: the next one starts on the saved settings
+    except EngineError as e:
+        return None, str(e)
+
+
 def cmd_engine_env(args: argparse.Namespace) -> int:
     from rigpilot.engine import provision, runtime
     from rigpilot.engine.userdata import human_size
@@ -342,9 +461,8 @@ def cmd_engine_env(args: argparse.Namespace) -> int:
         fn(torch_backend=args.torch_backend, torch_version=args.torch_version, wheel=args.wheel,
            find_links=args.find_links, index_url=args.index_url, base_python=args.python, offline=args.offline,
            progress=progress)  # fmt: skip
-    d = _discover(argparse.Namespace())
-    d.backend.close()
-    caps = [] if d.machine.simulated else [g.compute_capability for g in d.machine.gpus if g.compute_capability]
+    machine, _ = _machine(argparse.Namespace())
+    caps = [] if machine.simulated else [g.compute_capability for g in machine.gpus if g.compute_capability]
     st = runtime.status(caps)
     if args.json:
         _print_json("rigpilot.engine-env/1", st.to_dict())
@@ -413,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     if func is None:
         parser.print_help()
         return EXIT_USAGE
-    args.machine_factory = lambda: _discover(args).machine
+    args.machine_factory = lambda: _machine(args)[0]
     if not (getattr(args, "simulate", None) or getattr(args, "import_paths", None)):
         args.stored_calibration = _stored_calibration
     try:

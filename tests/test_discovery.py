@@ -29,8 +29,11 @@ def no_driver(monkeypatch):
 def test_without_a_driver_the_settings_profile_stands_in_and_says_why(no_driver):
     d = open_backend()
     assert d.machine.source is Source.SIMULATED and d.machine.profile == "4x-rtx4090"
-    assert len(d.notes) == 1
-    assert "Driver Not Loaded" in d.notes[0] and "simulated: 4×RTX 4090" in d.notes[0]
+    assert d.notes == [
+        "The NVIDIA driver is installed but not loaded, so Rigpilot shows a simulated machine; "
+        "choose which in Settings or with --simulate."
+    ]
+    assert "Driver Not Loaded" in d.details[0]  # the driver's own words stay, for a tooltip and the log
 
 
 def test_the_settings_profile_is_honoured(no_driver):

@@ -9,6 +9,7 @@ import pytest
 from gui_fakes import FakeLink, focusable_widgets, make_job, tab_through
 from PySide6.QtCore import QSettings
 from PySide6.QtGui import QColor, QImage, QPalette
+from PySide6.QtWidgets import QLabel
 
 from rigpilot.app.dashboard.model import HISTORY_ROWS, METRICS, DashboardModel
 from rigpilot.app.dashboard.page import DashboardPage
@@ -215,11 +216,11 @@ def test_cards_show_the_job_on_each_gpu(qtbot):
     qtbot.waitUntil(lambda: bool(page.model.jobs))
     link.push_telemetry(1)
     page.refresh(force=True)
-    assert "llama-ft" in page.cards[0].job.text() and "llama-ft" in page.cards[1].job.text()
-    assert page.cards[2].job.text() == "No job"
+    assert "llama-ft" in page.cards[0].job.full_text and "llama-ft" in page.cards[1].job.full_text
+    assert page.cards[2].job.full_text == "No job"
     link.push_job(make_job("j1", [0, 1], state="completed", name="llama-ft"))
     page.refresh(force=True)
-    assert page.cards[0].job.text() == "No job"
+    assert page.cards[0].job.full_text == "No job"
 
 
 def test_process_table_lists_gpu_processes_per_gpu(qtbot):
@@ -331,3 +332,26 @@ def test_the_cards_pane_fits_its_cards_until_the_user_sizes_it(qtbot, profile):
     assert page.splitter.sizes()[0] == 100
     page.save_state(settings, "fit")
     assert settings.value("fit/splitter") is not None
+
+
+def test_a_long_job_name_is_elided_on_the_card_and_whole_in_its_tooltip(qtbot):
+    from rigpilot.app.dashboard.gpu_card import GpuCard
+    from rigpilot.engine.hardware.simulated import load_profile
+
+    card = GpuCard(load_profile("8x-h100-sxm").gpus[0])
+    qtbot.addWidget(card)
+    name = "a-rather-long-job-name-for-the-card-that-never-fits"
+    card.show_sample({"index": 0, "sm_clock_mhz": 1940, "fan_pct": 40.0}, [{"id": "j1", "name": name, "state": "running"}])
+    card.resize(card.minimumSizeHint().width(), card.sizeHint().height())
+    card.show()
+    qtbot.waitExposed(card)
+    shown = card.job.text()
+    assert shown.endswith("…") and shown[:-1] in f"Job: {name} (running)"  # one line, cut at the end
+    assert card.job.fontMetrics().horizontalAdvance(shown) <= card.job.width()
+    assert card.job.toolTip() == f"j1: {name} (running)"
+    card.resize(2000, card.height())
+    qtbot.waitUntil(lambda: card.job.text() == f"Job: {name} (running)")
+    # Each number has its own label: "Fan · SM" over two numbers read as one.
+    labels = {w.text() for w in card.findChildren(QLabel)}
+    assert {"Fan", "SM clock"} <= labels and "Fan · SM" not in labels
+    assert card.clock.text() == "1,940 MHz" and card.fan.text() == "40 %"

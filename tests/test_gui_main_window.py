@@ -26,7 +26,7 @@ def open_window(qtbot, link):
 def test_every_page_renders_for_every_profile(qtbot, profile):
     link = FakeLink(profile)
     w = open_window(qtbot, link)
-    assert w.banner.isVisible() and w.banner.text().startswith("Simulated: ")
+    assert w.banner.isVisible() and w.banner.text().startswith("Simulated machine: ")
     assert w.machine_label.text() == link.machine_obj.label
     assert w.windowTitle().endswith(link.machine_obj.label)
     assert w.connection_label.text() == "Engine: connected (local)"

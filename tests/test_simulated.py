@@ -108,3 +108,37 @@ def test_load_on_a_missing_gpu_is_refused():
     b = SimulatedBackend(load_profile("1x-rtx4090"))
     with pytest.raises(KeyError):
         b.set_load(3, "j", Load(utilization=50))
+
+
+# Published boost clocks (MHz): what a loaded card runs near, below the ceiling NVML reports as its maximum.
+BOOST = {"RTX 4090": 2520, "RTX 3090": 1695, "RTX A6000": 1800, "A100 80GB PCIe": 1410, "H100 80GB HBM3": 1980}
+
+
+@pytest.mark.parametrize("profile", sorted(REQUIRED))
+def test_a_loaded_gpu_runs_near_its_published_boost_clock_not_its_maximum(profile):
+    clock = Clock()
+    machine = load_profile(profile)
+    b = SimulatedBackend(machine, seed=1, clock=clock)
+    for g in machine.gpus:
+        b.set_load(g.index, "job", Load(utilization=97))
+    for _ in range(60):
+        clock.t += 1.0
+        busy = b.sample_gpus(Tier.FAST)
+    for g, s in zip(machine.gpus, busy, strict=True):
+        boost = next(v for name, v in BOOST.items() if g.name.endswith(name))
+        assert 0.85 * boost <= s.sm_clock_mhz <= boost <= g.max_sm_clock_mhz, (g.name, s.sm_clock_mhz)
+
+
+def test_the_served_machine_names_both_host_rams():
+    from rigpilot.engine.hardware.simulated import host_ram_note, served_machine
+
+    m = served_machine("4x-rtx4090")
+    assert m.host.memory_total == 256 * GIB  # plans are for the simulated workstation, its RAM included
+    note = host_ram_note(m, this_computer=int(23.5 * GIB))
+    assert note == (
+        "Host RAM: the simulated machine has 256 GiB and plans count that; this computer has 23.5 GiB, "
+        "where its jobs run as CPU processes."
+    )
+    assert host_ram_note(m, this_computer=256 * GIB) is None
+    assert any(n.startswith("Host RAM: the simulated machine has 256 GiB") for n in m.notes)
+    assert load_profile("4x-rtx4090").notes == []  # a profile as such (plan for any machine) carries no note

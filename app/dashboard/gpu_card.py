@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from PySide6.QtGui import QFont
-from PySide6.QtWidgets import QFrame, QGridLayout, QLabel, QSizePolicy, QWidget
+from PySide6.QtCore import QEvent, QSize, Qt
+from PySide6.QtGui import QFont, QResizeEvent
+from PySide6.QtWidgets import QFrame, QGridLayout, QHBoxLayout, QLabel, QSizePolicy, QWidget
 
 from rigpilot.app.widgets.meter import Meter
 from rigpilot.app.widgets.palette import BAD, series_color
@@ -38,6 +39,49 @@ def flag_text(sample: dict[str, Any]) -> tuple[str, str]:
         na = sample.get("unavailable") or {}
         return NA, f"Throttle reasons and health: {na.get('throttle_reasons') or na.get('health') or 'not reported'}"
     return ("ok (idle)" if throttle and "idle" in throttle else "ok"), "No throttling, no errors"
+
+
+class ElidedLabel(QLabel):
+    """One line that ends in "…" when it does not fit; the tooltip always has the whole text.
+
+    A wrapped label in a card of fixed height is cut off at the bottom instead (the job line was).
+    """
+
+    def __init__(self, text: str = "", parent: QWidget | None = None):
+        super().__init__(parent)
+        self.full_text = ""
+        self.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Fixed)
+        self.setMinimumWidth(40)
+        self.set_full_text(text)
+
+    def minimumSizeHint(self) -> QSize:
+        return QSize(40, super().minimumSizeHint().height())  # never what makes a card wider
+
+    def set_full_text(self, text: str, tooltip: str | None = None) -> None:
+        self.full_text = text
+        self.setToolTip(tooltip if tooltip is not None else text)
+        self._elide()
+
+    def sizeHint(self) -> QSize:
+        # The whole text's width, measured afresh: QLabel's own hint is of the (maybe elided) text shown.
+        hint = super().sizeHint()
+        extra = hint.width() - self.fontMetrics().horizontalAdvance(self.text())
+        return QSize(self.fontMetrics().horizontalAdvance(self.full_text) + max(extra, 0), hint.height())
+
+    def resizeEvent(self, event: QResizeEvent) -> None:
+        super().resizeEvent(event)
+        self._elide()
+
+    def changeEvent(self, event: QEvent) -> None:
+        super().changeEvent(event)
+        if event.type() in (QEvent.Type.FontChange, QEvent.Type.StyleChange):
+            self._elide()
+
+    def _elide(self) -> None:
+        width = self.contentsRect().width() - 2 * self.margin()
+        shown = self.fontMetrics().elidedText(self.full_text, Qt.TextElideMode.ElideRight, width) if width > 0 else self.full_text
+        if shown != self.text():
+            self.setText(shown)
 
 
 class GpuCard(QFrame):
@@ -80,9 +124,8 @@ class GpuCard(QFrame):
             "temperature_c": Sparkline(series_color(gpu.index), None, min_span=10.0),
             "power_w": Sparkline(series_color(gpu.index), (0.0, limit) if limit else None),
         }
-        self.job = QLabel("No job")
+        self.job = ElidedLabel("No job")
         self.job.setObjectName("job")
-        self.job.setWordWrap(True)
 
         grid = QGridLayout(self)
         grid.setContentsMargins(8, 6, 8, 6)
@@ -97,9 +140,19 @@ class GpuCard(QFrame):
             grid.addWidget(QLabel(name), row, 0)
             grid.addWidget(self.values[key], row, 1)
             grid.addWidget(self.sparks[key], row, 2)
-        grid.addWidget(QLabel("Fan · SM"), 5, 0)
-        grid.addWidget(self.fan, 5, 1)
-        grid.addWidget(self.clock, 5, 2)
+        # Labelled one by one: "Fan · SM" over two numbers read as one cryptic pair.
+        grid.addWidget(QLabel("Fan"), 5, 0)
+        # The fan's value, then the SM clock with its own label, across the value and sparkline columns:
+        # the title already makes those wide enough, so the card gets no wider.
+        fan_clock = QHBoxLayout()
+        fan_clock.setContentsMargins(0, 0, 0, 0)
+        fan_clock.setSpacing(6)
+        fan_clock.addWidget(self.fan)
+        fan_clock.addSpacing(10)
+        fan_clock.addWidget(QLabel("SM clock"))
+        fan_clock.addWidget(self.clock)
+        fan_clock.addStretch(1)
+        grid.addLayout(fan_clock, 5, 1, 1, 2)
         grid.addWidget(self.job, 6, 0, 1, 3)
         grid.setColumnStretch(2, 1)
 
@@ -130,11 +183,12 @@ class GpuCard(QFrame):
         self.flags.setToolTip(tip)
         self.flags.setStyleSheet("" if text.startswith("ok") or text == NA else f"color: {BAD.name()};")
         if jobs:
-            self.job.setText("Job: " + ", ".join(f"{j.get('name') or j['id']} ({j.get('state')})" for j in jobs))
-            self.job.setToolTip("\n".join(f"{j['id']}: {j.get('name', '')}" for j in jobs))
+            self.job.set_full_text(
+                "Job: " + ", ".join(f"{j.get('name') or j['id']} ({j.get('state')})" for j in jobs),
+                "\n".join(f"{j['id']}: {j.get('name', '')} ({j.get('state')})" for j in jobs),
+            )
         else:
-            self.job.setText("No job")
-            self.job.setToolTip("")
+            self.job.set_full_text("No job", "")
 
     def _show_memory(self, sample: dict[str, Any], na: dict[str, str]) -> None:
         used, total = sample.get("memory_used"), sample.get("memory_total") or self.gpu.memory_total

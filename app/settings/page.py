@@ -1,9 +1,11 @@
 """The Settings page: the simulated machine, how to reach the engine, chart refresh, CPU ranks,
-and repairing the engine environment (the per-user PyTorch the jobs run in).
+restarting the engine, and repairing the engine environment (the per-user PyTorch the jobs run in).
 
 Values load off the GUI thread (the profile list and the engine settings are
 files); Save checks every field first and shows each problem beside its field,
-and writes nothing until all are valid.
+and writes nothing until all are valid. Saved engine settings apply at once:
+the engine reloads its machine (or says which jobs hold it) and pushes it to
+every page through the EngineLink.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from PySide6.QtWidgets import (
     QHBoxLayout,
     QLabel,
     QLineEdit,
+    QMessageBox,
     QPushButton,
     QScrollArea,
     QSpinBox,
@@ -42,6 +45,7 @@ from rigpilot.app.settings.model import (
 )
 from rigpilot.app.tasks import run_in_background
 from rigpilot.app.widgets.palette import BAD
+from rigpilot.engine.service.client import EngineUnavailable
 
 
 def _error_label(name: str) -> QLabel:
@@ -60,9 +64,29 @@ def _note(text: str) -> QLabel:
     return label
 
 
+def restart_consequences(active: int | None) -> str:
+    """What restarting the engine does, truthfully: the service stops, its jobs do not (engine `shutdown`)."""
+    after = "The engine reads Settings anew as it starts, and every page reconnects by itself."
+    if active == 0:
+        return f"No job is queued or running. {after}"
+    if active == 1:
+        jobs, them, their = "1 job is queued or running. It keeps", "it", "its"
+    else:
+        jobs = f"{active} jobs are queued or running. They keep" if active else "Jobs keep"
+        them, their = "them", "their"
+    return (
+        f"{jobs} running: {their} processes do not belong to the engine, and the new engine picks {them} up "
+        f"again ({their} charts pause for a few seconds). Secret values given to a job, such as tokens, are "
+        f"forgotten: resuming that job later asks for them again. {after}"
+    )
+
+
 class SettingsPage(QWidget):
     sig_loaded = Signal()
     sig_saved = Signal(dict)  # the SettingsValues saved, as a dict
+    sig_applied = Signal(dict)  # the engine's reload_machine reply after a save
+    sig_not_applied = Signal(str)  # why the engine kept its machine (or could not be asked)
+    sig_restarted = Signal(dict)  # the new engine's hello
     sig_invalid = Signal(dict)  # field name -> message, when Save found problems
 
     def __init__(self, link: Any = None, parent: QWidget | None = None):
@@ -94,7 +118,8 @@ class SettingsPage(QWidget):
         sim_form.addRow("", self.cpu_ranks_note)
         self.settings_path = _note("")
         sim_form.addRow(_note("A simulated job runs one process per simulated GPU, at most this many. "
-                              "Both take effect when the engine service restarts."))  # fmt: skip
+                              "Both apply when you save: the engine switches machines at once, unless jobs are "
+                              "queued or running (it says which)."))  # fmt: skip
         sim_form.addRow(self.settings_path)
 
         # The program `engine-env repair` is run with (tests point it at a stand-in); None: the real one.
@@ -140,6 +165,20 @@ class SettingsPage(QWidget):
             "Takes effect the next time Rigpilot starts."
         ))  # fmt: skip
         remote_form.addRow("Environment", repair_row)
+        self.restart_button = QPushButton("Restart engine…")
+        self.restart_button.setObjectName("restartEngine")
+        self.restart_button.clicked.connect(self.ask_restart)
+        restart_row = QHBoxLayout()
+        restart_row.addWidget(self.restart_button)
+        self.restart_note = _note(
+            "Stops the engine service and starts it again. Running jobs keep running and the new engine picks "
+            "them up; it asks first."
+        )
+        restart_row.addWidget(self.restart_note, 1)
+        remote_form.addRow("Service", restart_row)
+        if getattr(link, "remote", None):
+            self.restart_button.setEnabled(False)
+            self.restart_note.setText("A remote engine is restarted on its own computer.")
 
         self.refresh_hz = QDoubleSpinBox()
         self.refresh_hz.setObjectName("refreshHz")
@@ -201,6 +240,9 @@ class SettingsPage(QWidget):
         self.token.textEdited.connect(lambda _: self._recheck())
         self.refresh_hz.valueChanged.connect(lambda _: self._recheck())
         self.cpu_ranks.valueChanged.connect(lambda _: self._recheck())
+        self.saved_profile = ""  # the profile in the settings file, as last read or written here
+        if link is not None and hasattr(link, "sig_machine"):
+            link.sig_machine.connect(self.on_machine)
         self.load()
 
     # -- the engine environment ------------------------------------------------------------------------
@@ -245,6 +287,7 @@ class SettingsPage(QWidget):
             self.profile.addItem(f"{p['title']}", p["id"])
             self.profile.setItemData(self.profile.count() - 1, p["label"], Qt.ItemDataRole.ToolTipRole)
         self.profile.setCurrentIndex(max(self.profile.findData(data["simulated_profile"]), 0))
+        self.saved_profile = data["simulated_profile"]
         self.cpu_ranks.setValue(data["max_cpu_ranks"])
         self.cpu_ranks_note.setText(cpu_ranks_note(self.cpu_ranks.value()))
         self.settings_path.setText(f"Saved in {data['path']}")
@@ -288,8 +331,88 @@ class SettingsPage(QWidget):
 
     def _on_saved(self, values: SettingsValues, path: str) -> None:
         self.save_button.setEnabled(True)
-        self.status.setText(f"Saved. The simulated profile and CPU ranks apply when the engine restarts ({path}).")
+        self.saved_profile = values.simulated_profile
         self.sig_saved.emit(dataclasses.asdict(values))
+        if self.link is None:
+            self.status.setText(f"Saved in {path}. The engine uses them when it starts.")
+            return
+        self.status.setText("Saved. Asking the engine to apply them…")
+        # The profile travels with the request too: a remote engine keeps its own settings file.
+        self.link.call(
+            "reload_machine", on_done=self._on_applied, on_error=self._on_not_applied,
+            simulated_profile=values.simulated_profile,
+        )  # fmt: skip
+
+    def on_machine(self, machine: dict[str, Any]) -> None:
+        """The engine's machine changed, maybe by `rigpilot settings set …`: show the profile now in the
+        settings file, unless the user is choosing one here."""
+        if self.loaded and machine.get("source") == "simulated":
+            run_in_background(load_engine_side, self._on_file_changed, lambda _e: None)
+
+    def _on_file_changed(self, data: dict[str, Any]) -> None:
+        profile = data["simulated_profile"]
+        if profile != self.saved_profile and self.profile.currentData() == self.saved_profile:
+            self.profile.setCurrentIndex(max(self.profile.findData(profile), 0))
+            self.saved_profile = profile
+
+    def _on_applied(self, reply: dict[str, Any]) -> None:
+        label = (reply.get("machine") or {}).get("label", "")
+        if reply.get("changed"):
+            self.status.setText(f"Saved. The engine now serves {label}; every page shows it.")
+        else:
+            self.status.setText(f"Saved. The engine serves {label}, as before.")
+        self.sig_applied.emit(reply)
+
+    def _on_not_applied(self, error: BaseException) -> None:
+        if isinstance(error, EngineUnavailable):
+            self.status.setText("Saved. The engine is not running; it uses these settings when it starts.")
+        else:
+            now = (getattr(self.link, "machine", None) or {}).get("label", "its machine")
+            self.status.setText(f"Saved, but the engine keeps {now} for now: {error}")
+        self.sig_not_applied.emit(str(error))
+
+    # -- restarting the engine ----------------------------------------------------------------------
+    def ask_restart(self) -> None:
+        """Count the jobs a restart concerns, then ask; nothing happens unless the user agrees."""
+        self.restart_button.setEnabled(False)
+        self.link.call(
+            "jobs", states=["queued", "starting", "running"],
+            on_done=lambda r: self._confirm_then_restart(len(r.get("jobs") or [])),
+            on_error=lambda _e: self._confirm_then_restart(None),
+        )  # fmt: skip
+
+    def _confirm_then_restart(self, active: int | None) -> None:
+        if self.confirm_restart(active):
+            self.restart_engine()
+        else:
+            self.restart_button.setEnabled(True)
+
+    def confirm_restart(self, active: int | None) -> bool:
+        """The question, with what a restart does to jobs (tests answer it in their place)."""
+        box = QMessageBox(self)
+        box.setIcon(QMessageBox.Icon.Question)
+        box.setWindowTitle("Restart the engine?")
+        box.setText("Restart the engine service?")
+        box.setInformativeText(restart_consequences(active))
+        restart = box.addButton("Restart", QMessageBox.ButtonRole.AcceptRole)
+        box.addButton(QMessageBox.StandardButton.Cancel)
+        box.setDefaultButton(restart)
+        box.exec()
+        return box.clickedButton() is restart
+
+    def restart_engine(self) -> None:
+        self.restart_button.setEnabled(False)
+        self.status.setText("Restarting the engine…")
+        self.link.restart_engine(on_done=self._on_restarted, on_error=self._on_restart_failed)
+
+    def _on_restarted(self, hello: dict[str, Any]) -> None:
+        self.restart_button.setEnabled(True)
+        self.status.setText(f"Engine restarted (pid {hello.get('pid')}, {hello.get('machine', '')}).")
+        self.sig_restarted.emit(hello)
+
+    def _on_restart_failed(self, error: BaseException) -> None:
+        self.restart_button.setEnabled(True)
+        self.status.setText(f"Could not restart the engine: {error}")
 
     def _show_errors(self, errors: dict[str, str]) -> None:
         for field, label in self.errors.items():

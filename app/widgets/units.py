@@ -28,7 +28,7 @@ def celsius(v: float | None) -> str:
 
 
 def mhz(v: float | None) -> str:
-    return NA if v is None else f"{v:.0f} MHz"
+    return NA if v is None else f"{v:,.0f} MHz"
 
 
 _SI_PREFIXES = ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))

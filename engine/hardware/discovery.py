@@ -3,7 +3,11 @@
 Order: an explicit `--simulate PROFILE`, an explicit `--import FILE...`, then
 the real GPUs through NVML. When NVML cannot be used (no driver, no GPU, no
 library) the simulated profile from settings stands in, and the reason is
-kept as a note that every client shows once.
+kept as a note that every client shows once: one plain sentence, with the
+driver's own words kept apart as detail (a tooltip, the log).
+
+`open_backend` is the one place a machine is chosen: the engine service at
+start-up and on `reload_machine`, and the CLI when no engine runs.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from pathlib import Path
 
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.machine import Machine
-from rigpilot.engine.hardware.simulated import SimulatedBackend, load_profile
+from rigpilot.engine.hardware.simulated import SimulatedBackend, served_machine
 from rigpilot.engine.hardware.telemetry import Backend, GpuSample, Tier
 from rigpilot.engine.settings import Settings
 
@@ -52,7 +56,27 @@ class StaticBackend:
 class Discovery:
     backend: Backend
     machine: Machine
-    notes: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # for users: plain sentences
+    details: list[str] = field(default_factory=list)  # the technical reasons behind the notes, for a tooltip or log
+
+
+# NvmlUnavailable's reasons (nvml_backend._init_failure) start with these; each says the same in plain words.
+_PLAIN_REASONS = (
+    ("NVIDIA driver not installed", "No NVIDIA driver found (libnvidia-ml.so.1 is missing)"),
+    ("NVIDIA driver not loaded", "The NVIDIA driver is installed but not loaded"),
+    ("no permission", "Your user may not use the NVIDIA driver"),
+    ("NVIDIA driver and library versions differ", "The NVIDIA driver was updated and needs a reboot"),
+    ("NVML found no GPU", "The NVIDIA driver found no GPU"),
+    ("nvidia-ml-py is not installed", "Rigpilot's NVIDIA library (nvidia-ml-py) is not installed"),
+)
+
+
+def plain_reason(reason: str) -> str:
+    """Why no NVIDIA GPU is used, in a user's words ("No NVIDIA driver found (…)")."""
+    for prefix, plain in _PLAIN_REASONS:
+        if reason.startswith(prefix):
+            return plain
+    return "Rigpilot could not use the NVIDIA driver"
 
 
 def open_backend(
@@ -64,7 +88,7 @@ def open_backend(
         raise UserError("--simulate and --import cannot be used together")
     simulate = simulate or os.environ.get(SIMULATE_ENV) or None
     if simulate:
-        backend = SimulatedBackend(load_profile(simulate))
+        backend = SimulatedBackend(served_machine(simulate))
         return Discovery(backend, backend.machine())
     if import_paths:
         from rigpilot.engine.hardware.importers import MachineImportError, import_machine
@@ -87,7 +111,7 @@ def open_backend(
     except NvmlUnavailable as e:
         reason = str(e)
     settings = settings or Settings.load()
-    backend = SimulatedBackend(load_profile(settings.simulated_profile))
+    backend = SimulatedBackend(served_machine(settings.simulated_profile))
     machine = backend.machine()
-    note = f"No NVIDIA GPU in use ({reason}); showing {machine.label}. Choose another with --simulate or in Settings."
-    return Discovery(backend, machine, [*settings.warnings, note])
+    note = f"{plain_reason(reason)}, so Rigpilot shows a simulated machine; choose which in Settings or with --simulate."
+    return Discovery(backend, machine, [*settings.warnings, note], [f"NVIDIA GPUs not used: {reason}"])

@@ -143,6 +143,35 @@ def machine_from_profile(p: dict[str, Any]) -> Machine:
     )
 
 
+def host_ram_note(machine: Machine, this_computer: int | None = None) -> str | None:
+    """Whose RAM a simulated machine's host figure is, when it is not this computer's.
+
+    A simulated machine is a whole workstation: plans for it count its RAM, as they count its
+    GPUs' memory, so a plan shows what that machine would do. Its jobs run here, as CPU ranks in
+    this computer's RAM, which the engine checks before it starts one. Both figures are named.
+    """
+    import psutil
+
+    if not machine.simulated or not machine.host.memory_total:
+        return None
+    here = this_computer if this_computer is not None else psutil.virtual_memory().total
+    if here == machine.host.memory_total:
+        return None
+    return (
+        f"Host RAM: the simulated machine has {machine.host.memory_total / GIB:,.0f} GiB and plans count that; "
+        f"this computer has {here / GIB:,.1f} GiB, where its jobs run as CPU processes."
+    )
+
+
+def served_machine(profile_id: str) -> Machine:
+    """A simulated profile as the machine Rigpilot serves on this computer: its notes say whose RAM is whose."""
+    machine = load_profile(profile_id)
+    note = host_ram_note(machine)
+    if note:
+        machine.notes.append(note)
+    return machine
+
+
 def _p2p(rule: str, pcie: PciePath, nvlinks: int) -> P2P:
     ok = {
         "all": True,
@@ -308,8 +337,10 @@ class SimulatedBackend:
             return None
         if s.util < 1:
             return int(g.max_sm_clock_mhz * 0.1)
-        # Boost clocks sag as the card nears its power limit.
-        return int(g.max_sm_clock_mhz * (1.0 - 0.12 * max(0.0, s.power / limit - 0.8) / 0.2))
+        # Under load a card runs near its published boost clock, not the VBIOS ceiling NVML calls its
+        # maximum (an RTX 4090: 2520 MHz boost, 3120 MHz maximum), and sags as it nears its power limit.
+        boost = self._gpu_profile(g.index).get("boost_sm_clock_mhz") or g.max_sm_clock_mhz
+        return int(boost * (1.0 - 0.12 * max(0.0, s.power / limit - 0.8) / 0.2))
 
     @staticmethod
     def _throttle(s: _GpuState, limit: float) -> list[str]:

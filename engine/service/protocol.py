@@ -25,7 +25,7 @@ Requests and their results (a "job" is the record the `jobs` CLI shows, plus
 `progress`, `job_dir`, `waiting_for` when queued, `comparison` in details; the `job` request's answer also
 has `settings`, the job's spec without its environment, and `output`, what its output folder holds):
     hello {versions?, client?, token?}      → {service, version, protocol, versions, pid, machine, simulated, notes, tcp}
-    machine {}                              → {machine (Machine JSON), notes}
+    machine {}                              → {machine (Machine JSON), notes (plain sentences), details (their causes)}
     topology {}                             → {matrix: {gpus, cells}, summary, description}
     telemetry_history {since?, limit?}      → {samples: [TelemetrySample], more, next_since}
     plan {model, workload?, gpus?, options?, trust_remote_code?, deadline_s?, machine?} → {result: the planner's
@@ -46,10 +46,13 @@ has `settings`, the job's spec without its environment, and `output`, what its o
     subscribe {topics, metrics_cursors?}    → {topics}; topics: "telemetry", "jobs", "metrics:<job>"
     unsubscribe {topics?}                   → {topics}
     shutdown {}                             → {stopping}   (jobs keep running)
+    reload_machine {simulated_profile?}     → {changed, machine, notes, details}: serve the machine Settings name now
+          (storing simulated_profile there first); refused (user_error) while jobs are queued or running
 Events after `subscribe`:
     {"event": "telemetry", "sample": TelemetrySample}
     {"event": "job", "job": job}             (to "jobs" and to that job's "metrics:" subscribers)
     {"event": "metrics", "job": id, "records": [...], "cursor": {...}}   (history first, from the given cursor)
+    {"event": "machine", "machine": Machine JSON, "notes": [...], "details": [...]}   (to every subscriber, after reload_machine)
 """
 
 from __future__ import annotations
@@ -260,6 +263,7 @@ REQUEST_SCHEMAS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "subscribe": ({"topics": Topics}, {"metrics_cursors": Annotated[dict[str, Cursor], Limit(max_len=1024)]}),
     "unsubscribe": ({}, {"topics": Topics}),
     "shutdown": ({}, {}),
+    "reload_machine": ({}, {"simulated_profile": Text}),
 }
 
 TOPICS = ("telemetry", "jobs")  # plus "metrics:<job id>"

@@ -258,6 +258,7 @@ class EngineService:
         self._refused = 0  # connections refused since the last log line about it
         self._refused_logged = 0.0
         self.planners: PlannerPool | None = None
+        self._machine_lock = threading.Lock()  # one machine switch at a time
         self._ended_since_trim = 0  # connections ended since memory was last handed back
         self._trimmed = 0.0
 
@@ -285,6 +286,8 @@ class EngineService:
         self.acquire_lock()
         self.discovery = open_backend(simulate=self.options.simulate)
         self.machine = self.discovery.machine
+        for detail in self.discovery.details:
+            log.info("%s", detail)
         self.telemetry = TelemetryStore(paths.telemetry_path(), min_interval=max(1.0, self.options.telemetry_period))
         self.store = JobStore(paths.database_path())
         self.supervisor = Supervisor(
@@ -295,11 +298,7 @@ class EngineService:
             ),
             on_job=self._publish_job, on_metrics=self._publish_metrics,
         )  # fmt: skip
-        period = self.options.telemetry_period
-        # The telemetry store on disk answers history requests; in memory only the latest few samples are kept
-        # (an hour of them held about 8 MiB for nothing, and made a long-running engine's RSS climb for that hour).
-        self.sampler = Sampler(self.discovery.backend, period=period, slow_period=max(5.0, period), history=SAMPLES_IN_MEMORY)
-        self.sampler.subscribe(self._on_sample)
+        self.sampler = self._new_sampler(self.discovery.backend)
         self._listen_unix()
         if self.options.tcp:
             self._listen_tcp(self.options.tcp)
@@ -308,6 +307,65 @@ class EngineService:
         self.supervisor.start()
         self.sampler.start()
         threading.Thread(target=self._reap_loop, name="engine-reaper", daemon=True).start()
+
+    def _new_sampler(self, backend: Any) -> Sampler:
+        period = self.options.telemetry_period
+        # The telemetry store on disk answers history requests; in memory only the latest few samples are kept
+        # (an hour of them held about 8 MiB for nothing, and made a long-running engine's RSS climb for that hour).
+        sampler = Sampler(backend, period=period, slow_period=max(5.0, period), history=SAMPLES_IN_MEMORY)
+        sampler.subscribe(self._on_sample)
+        return sampler
+
+    def reload_machine(self, simulated_profile: str | None = None) -> dict[str, Any]:
+        """Serve the machine the settings name now, without a restart; every subscriber is told.
+
+        `simulated_profile`, when given, is stored in this engine's settings first (a remote GUI
+        cannot write them). The machine is found exactly as at start-up (`open_backend`), which is
+        also what the CLI does when no engine runs. The CPU-rank cap applies at once; the machine
+        only when no job is queued or running, else the refusal names those jobs.
+        """
+        from rigpilot.engine.hardware.discovery import SIMULATE_ENV
+        from rigpilot.engine.hardware.simulated import load_profile
+        from rigpilot.engine.settings import Settings
+
+        with self._machine_lock:
+            settings = Settings.load()
+            if simulated_profile is not None and simulated_profile != settings.simulated_profile:
+                load_profile(simulated_profile)  # an unknown one is refused here, naming the known ones
+                settings.simulated_profile = simulated_profile
+                settings.save()
+            if self.options.max_cpu_ranks is None:
+                self.supervisor.options.max_cpu_ranks = _setting_max_cpu_ranks()
+            pinned = self.options.simulate or os.environ.get(SIMULATE_ENV)
+            if pinned:
+                how = "--simulate" if self.options.simulate else SIMULATE_ENV
+                raise UserError(
+                    f"this engine was started on the simulated profile {pinned!r} ({how}), which wins over "
+                    "Settings; stop it and start it without that to follow Settings"
+                )
+            discovery = open_backend()
+            if discovery.machine.to_dict() == self.machine.to_dict():
+                discovery.backend.close()
+                self.discovery.notes, self.discovery.details = discovery.notes, discovery.details
+                return {"changed": False, **self._machine_message()}
+            try:
+                self.supervisor.replace_machine(discovery.machine, discovery.backend)
+            except BaseException:
+                discovery.backend.close()
+                raise
+            old, old_sampler, old_planners = self.discovery, self.sampler, self.planners
+            old_sampler.stop()
+            self.discovery, self.machine = discovery, discovery.machine
+            self.sampler = self._new_sampler(discovery.backend)
+            # A plan in flight finishes in its old process, which then goes; the next plans see the new machine.
+            self.planners = PlannerPool(self.machine, size=self.options.planners)
+            if old_planners is not None:
+                old_planners.close()
+            self.sampler.start()
+            old.backend.close()
+            log.info("now serving %s (was %s)%s", self.machine.label, old.machine.label, "".join(f"; {x}" for x in discovery.details))
+        self._publish_machine()
+        return {"changed": True, **self._machine_message()}
 
     def serve_forever(self) -> None:
         sel = selectors.DefaultSelector()
@@ -589,7 +647,11 @@ class EngineService:
         }
 
     def _do_machine(self, conn: Connection) -> Any:
-        return {"machine": self.machine.to_dict(), "notes": self.discovery.notes}
+        return self._machine_message()
+
+    def _machine_message(self) -> dict[str, Any]:
+        d = self.discovery
+        return {"machine": self.machine.to_dict(), "notes": d.notes, "details": d.details}
 
     def _do_topology(self, conn: Connection) -> Any:
         from rigpilot.engine.hardware.topology import describe, summarize
@@ -728,6 +790,9 @@ class EngineService:
         conn.topics -= set(topics) if topics is not None else set(conn.topics)
         return {"topics": sorted(conn.topics)}
 
+    def _do_reload_machine(self, conn: Connection, simulated_profile: str | None = None) -> Any:
+        return self.reload_machine(simulated_profile)
+
     def _do_shutdown(self, conn: Connection) -> Any:
         threading.Timer(0.2, self.stop).start()  # after the reply is on its way
         return {"stopping": True, "jobs_keep_running": True}
@@ -748,6 +813,14 @@ class EngineService:
             data = protocol.encode(protocol.event("telemetry", sample=sample.to_dict()))
             for c in subs:
                 c.send_bytes(data, droppable=True)
+
+    def _publish_machine(self) -> None:
+        # Every subscriber: a telemetry sample of the new machine means nothing against the old one's GPUs.
+        with self._conn_lock:
+            subs = [c for c in self._connections if c.topics]
+        data = protocol.encode(protocol.event("machine", **self._machine_message()))
+        for c in subs:
+            c.send_bytes(data)
 
     def _publish_job(self, job: dict[str, Any]) -> None:
         if job.get("kind") == "calibrate" and job.get("state") == COMPLETED and job.get("job_dir"):

@@ -170,6 +170,23 @@ class Supervisor:
             if self._queue_dirty:
                 self._schedule()
 
+    def replace_machine(self, machine: Machine, backend: Any = None) -> None:
+        """Run later jobs on `machine`; refused (UserError naming them) while any job is queued or running.
+
+        A queued job was checked against the old machine's GPUs and a running one holds them, so
+        neither may find itself on another machine halfway.
+        """
+        with self._lock:
+            busy = self.store.list(ACTIVE_STATES | {QUEUED})
+            if busy:
+                names = ", ".join(f"{r.id} '{r.name}' ({r.state})" for r in reversed(busy))
+                raise UserError(
+                    f"the machine cannot change while jobs use it: {names}; let them finish or cancel them first"
+                )
+            self.machine = machine
+            self._simulated_backend = backend if isinstance(backend, SimulatedBackend) else None
+            self._queue_dirty = True
+
     # -- requests -------------------------------------------------------------
 
     def check(self, spec_data: dict[str, Any], plan: dict[str, Any] | None, cwd: str | None) -> dict[str, Any]:
@@ -183,8 +200,9 @@ class Supervisor:
     def submit(self, spec_data: dict[str, Any], plan: dict[str, Any] | None, cwd: str | None) -> dict[str, Any]:
         worker_python()  # no PyTorch environment yet: say so now, not after the job has queued
         job_id = self._new_id()
+        machine = self.machine
         sub = submission.prepare(
-            spec_data, plan, cwd, job_id=job_id, machine=self.machine, max_cpu_ranks=self.max_cpu_ranks
+            spec_data, plan, cwd, job_id=job_id, machine=machine, max_cpu_ranks=self.max_cpu_ranks
         )
         spec = sub.spec
         if not spec.name:
@@ -204,6 +222,8 @@ class Supervisor:
             if plan is not None:
                 _write_json_atomic(job_dir / "plan.json", plan)
             with self._lock:
+                if self.machine is not machine:  # replace_machine ran while this job was being checked
+                    raise UserError("the engine switched machines while this job was being submitted; submit it again")
                 self._secrets[job_id] = hidden
                 self.store.insert(rec)
                 self._queue_dirty = True
