@@ -189,6 +189,21 @@ def test_a_running_inference_job_waits_for_its_completions(qtbot):
 # -- the summary ------------------------------------------------------------------------------------------------
 
 
+def test_a_job_that_finishes_while_open_shows_what_it_saved(qtbot):
+    # While it ran its output folder held no model; the `job` event of its end does not carry the folder.
+    link = FakeLink()
+    running = {**a_training_job("t"), "state": "running", "output": {"folder": "/tmp/o", "model": None}}
+    FakeJobs(link, [running])
+    page = open_page(qtbot, link)
+    open_job(qtbot, page, "t")
+    assert "no model" in page.detail.summary_panel.model_note.text() or not page.detail.tabs.isTabVisible(SUMMARY_TAB)
+    link.jobs[0] = a_training_job("t")  # what the engine's `job` answer says once it has ended
+    link.sig_job.emit({"id": "t", "state": "completed"})  # the event alone, as the engine sends it
+    qtbot.waitUntil(lambda: page.detail.tabs.isTabVisible(SUMMARY_TAB))
+    qtbot.waitUntil(lambda: page.detail.try_it.isVisibleTo(page.detail))
+    assert "/tmp/rigpilot-jobs/t/output" in page.detail.summary_panel.rows()["Saved to"]
+
+
 def test_eval_trend_flags_a_sustained_rise_only():
     steps = np.array([10.0, 20, 30, 40, 50])
     assert eval_trend(steps, np.array([2.0, 1.5, 1.4, 1.3, 1.25])) is None  # falling

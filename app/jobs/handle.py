@@ -24,7 +24,7 @@ from PySide6.QtCore import QObject, QTimer, Signal
 
 from rigpilot.app.jobs.series import JobSeries
 from rigpilot.engine.service.protocol import NOT_FOUND
-from rigpilot.engine.service.store import ACTIVE_STATES, QUEUED, RESUMABLE_STATES
+from rigpilot.engine.service.store import ACTIVE_STATES, QUEUED, RESUMABLE_STATES, TERMINAL_STATES
 
 CONNECTED = "connected"  # EngineLink's state name
 METRICS_PAGE_BYTES = 512 * 1024
@@ -158,7 +158,11 @@ class JobHandle(QObject):
 
     def _on_job_event(self, job: dict[str, Any]) -> None:
         if job.get("id") == self.id:
+            before = self.state
             self._set_record(job, replace=False)
+            if self._open and job.get("state") != before and job.get("state") in TERMINAL_STATES:
+                # What the job saved and its measured figures are final only now; events leave them out.
+                self.refresh_record()
 
     def _set_record(self, job: dict[str, Any], *, replace: bool) -> None:
         # List events leave out the detail (predicted vs measured); keep what the last `job` reply said.
