@@ -292,6 +292,23 @@ def test_try_it_runs_one_prompt_on_the_trained_model_and_shows_the_completion(qt
     assert link.requests("results")[-1]["job"] == "try1"
 
 
+def test_try_it_says_so_when_the_model_answers_with_blank_space_only(qtbot):
+    link = FakeLink()
+    FakeJobs(link, [a_training_job("t")])
+    link.replies["submit"] = lambda spec, **_: {"job": a_job("try1", "queued", kind="infer")}
+    serve_results(link, [{"index": 0, "prompt": "Hi", "completion": "\n\n ", "new_tokens": 3, "cut": False}])
+    page = open_page(qtbot, link)
+    open_job(qtbot, page, "t")
+    box = page.detail.try_it
+    qtbot.keyClicks(box.prompt, "Hi")
+    qtbot.keyClick(box.prompt, Qt.Key.Key_Return)
+    qtbot.waitUntil(lambda: box.running == "try1")
+    link.push_job(a_job("try1", "completed", kind="infer"))
+    qtbot.waitUntil(lambda: box.output.isVisibleTo(page))
+    assert "3 token(s) of blank space only" in box.status.text()
+    assert box.output.toPlainText() == "⏎\n⏎\n·"
+
+
 def test_try_it_is_offered_only_for_a_model_that_can_run(qtbot):
     link = FakeLink()
     FakeJobs(link, [a_training_job("l", output="lora"), a_job("r", "running", kind="train")])

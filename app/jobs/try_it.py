@@ -121,8 +121,14 @@ class TryIt(QWidget):
             if not results:
                 self.status.setText(f"Job {job_id} wrote no completion.")
                 return
-            self.status.setText(f"Completion from job {job_id}:")
-            self.output.setPlainText(results[0].get("completion", ""))
+            completion = results[0].get("completion", "")
+            if completion.strip():
+                self.status.setText(f"Completion from job {job_id}:")
+            else:  # a blank box would read as "nothing happened"
+                n = results[0].get("new_tokens", 0)
+                self.status.setText(f"Completion from job {job_id}: {n} token(s) of blank space only (shown as ⏎ and ·).")
+                completion = completion.replace(" ", "·").replace("\n", "⏎\n")
+            self.output.setPlainText(completion)
             self.output.show()
 
         def failed(error: BaseException) -> None:
