@@ -1,18 +1,23 @@
-"""The desktop app in a real X server, used as a person uses it: keys through the X server, pictures of the screen.
+"""The desktop app in a real X server, used as a person uses it: keys and clicks through the X server, pictures.
 
 Xvfb (and openbox, where it is installed) start in a fixture on a display Xvfb picks itself; the engine
-service and the app (`python -m rigpilot.app.launcher`, the console script's code) run as their own processes
-with their own XDG folders, on a simulated 4×RTX 4090. Ctrl+N reaches the real window through XTEST
-(xdotool), the wizard is walked with Ctrl+Enter (Next, and Launch on Review) with its defaults, which are
-the shipped tiny example, and the job's loss, read back from the engine, must fall. Screenshots of the whole
-screen (`import -window root`) go to tmp_path, and to $RIGPILOT_E2E_SHOTS when it is set.
+service and the app run as their own processes with their own XDG folders, on the default simulated machine
+(4×RTX 4090). The app is started by tests/x11_app.py: `rigpilot`'s own start-up plus a probe that writes what
+is on the screen (titles, texts, where each named widget is) to a file, so the test knows where to click;
+every key and click still goes through the X server (XTEST, via xdotool). The flow:
 
-It costs about a minute on a 2-core machine (the app and the engine start in ~10 s, the example job's two
-CPU ranks train 30 steps in ~30-40 s).
+Ctrl+N opens the job wizard; Ctrl+Enter walks it with its defaults (the shipped tiny example) and launches;
+the job's loss, read back from the engine, falls; the finished job's Summary tab says how to load its model;
+"Try it" runs one prompt on that model as an inference job and shows the engine's completion; Settings
+switches the simulated machine to 8×H100 and the engine, the window title, the dashboard, the topology and
+planner pages and `rigpilot gpus` all follow.
 
-Each step is a small function of a `Desktop` (the display, the processes, the environment they share);
-further steps (open the job's summary, "Try it", switch the simulated machine in Settings and see
-`rigpilot gpus` follow) are added as functions of the same kind and called from the test in order.
+Screenshots go to tmp_path; with RIGPILOT_E2E_SHOTS=DIR the main ones are also kept there by name, which is
+how docs/screenshots' flow pictures are made:
+
+    RIGPILOT_E2E_SHOTS=docs/screenshots .venv/bin/python -m pytest -m slow tests/test_gui_x11_e2e.py
+
+It costs about a minute on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -87,18 +92,44 @@ class Desktop:
         self.xdotool("windowactivate", "--sync", window)
         self.xdotool("key", "--clearmodifiers", keys)
 
-    def screenshot(self, name: str) -> Path:
+    def screenshot(self, name: str, window: str = "root", keep: bool = True) -> Path:
+        """The screen (or one window, by id) as a PNG; kept under its own name in $RIGPILOT_E2E_SHOTS."""
         path = self.tmp / "shots" / f"{len(self.shots) + 1:02d}-{name}.png"
         path.parent.mkdir(exist_ok=True)
-        out = self.run("import", "-window", "root", str(path)) if shutil.which("import") else None
+        out = self.run("import", "-window", window, str(path)) if shutil.which("import") else None
         if out is None or out.returncode != 0 or not path.is_file():
             return path  # ImageMagick missing or failing: the pictures are a record, not what is tested
         self.shots.append(path)
-        keep = os.environ.get("RIGPILOT_E2E_SHOTS")
-        if keep:
-            Path(keep).mkdir(parents=True, exist_ok=True)
-            shutil.copy(path, Path(keep) / path.name)
+        folder = os.environ.get("RIGPILOT_E2E_SHOTS")
+        if folder and keep:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            shutil.copy(path, Path(folder) / f"{name}.png")
         return path
+
+    def probe(self) -> dict[str, Any]:
+        """What the app's probe (tests/x11_app.py) last saw on the screen."""
+        try:
+            return json.loads((self.tmp / "probe.json").read_text())
+        except (OSError, ValueError):
+            return {"windows": [], "widgets": {}}
+
+    def widget(self, name: str, timeout: float = 20, when: Callable[[dict[str, Any]], Any] = bool) -> dict[str, Any]:
+        """The visible widget called `name` (its object name), once `when` holds for it."""
+
+        def seen() -> dict[str, Any] | None:
+            w = self.probe()["widgets"].get(name)
+            return w if w is not None and when(w) else None
+
+        return wait_for(f"visible widget {name!r}", seen, timeout)
+
+    def click(self, rect: list[int]) -> None:
+        """A left click in the middle of a screen rectangle [x, y, width, height], through XTEST."""
+        x, y, w, h = rect
+        self.xdotool("mousemove", "--sync", str(x + w // 2), str(y + h // 2))
+        self.xdotool("click", "1")
+
+    def type_text(self, text: str) -> None:
+        self.xdotool("type", "--delay", "20", text)
 
     def engine_request(self, rtype: str, **args: Any) -> Any:
         from rigpilot.engine.service.client import EngineClient
@@ -168,7 +199,6 @@ def desktop(tmp_path, monkeypatch):
         "XDG_DATA_HOME": str(tmp_path / "data"),
         "XDG_STATE_HOME": str(tmp_path / "state"),
         "XDG_CACHE_HOME": str(tmp_path / "cache"),
-        "RIGPILOT_SIMULATE": PROFILE,
         "HF_HUB_OFFLINE": "1",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     }
@@ -214,7 +244,7 @@ def start_engine(d: Desktop) -> None:
 
 def start_app(d: Desktop) -> str:
     """The desktop app, until its window is up and connected; returns the window's id."""
-    d.app = _start(d, [sys.executable, "-m", "rigpilot.app.launcher"], "app.log", cwd=d.tmp)
+    d.app = _start(d, [sys.executable, str(REPO / "tests" / "x11_app.py"), str(d.tmp / "probe.json")], "app.log", cwd=d.tmp)
 
     def window() -> str:
         assert d.app is not None and d.app.poll() is None, (d.tmp / "app.log").read_text()
@@ -223,7 +253,7 @@ def start_app(d: Desktop) -> str:
 
     main = wait_for("connected main window", window, START_TIMEOUT_S)
     time.sleep(2.0)  # the start-up check of the worker environment answers 1.5 s after the first frame
-    d.screenshot("app-started")
+    d.screenshot("app-started", main, keep=False)
     return main
 
 
@@ -232,7 +262,7 @@ def open_wizard_with_ctrl_n(d: Desktop, main: str) -> str:
     assert not d.windows(f"^{WIZARD_TITLE}$")
     d.press(main, "ctrl+n")
     wizard = wait_for("job wizard after Ctrl+N", lambda: (d.windows(f"^{WIZARD_TITLE}$") or [""])[0], 20)
-    d.screenshot("wizard-opened")
+    d.screenshot("new-job", wizard)
     return wizard
 
 
@@ -256,7 +286,7 @@ def launch_with_the_defaults(d: Desktop, wizard: str) -> str:
         presses += 1
         time.sleep(0.5)
         if presses <= 10:
-            d.screenshot("wizard-next")
+            d.screenshot("wizard-next", keep=False)
     (job,) = new
     assert job["kind"] == "train" and "tiny-llama" in (job.get("name") or ""), job
     wait_for("the wizard to close after Launch", lambda: not d.windows(f"^{WIZARD_TITLE}$"), 20)
@@ -277,7 +307,7 @@ def losses(d: Desktop, job_id: str) -> tuple[dict[int, float], str]:
             return by_step, page.get("state", "")
 
 
-def watch_the_loss_fall(d: Desktop, job_id: str) -> dict[int, float]:
+def watch_the_loss_fall(d: Desktop, main: str, job_id: str) -> dict[int, float]:
     """Until the job completes; its loss over the last steps is below the first steps'."""
     seen: dict[str, Any] = {"shot": False}
 
@@ -285,14 +315,14 @@ def watch_the_loss_fall(d: Desktop, job_id: str) -> dict[int, float]:
         by_step, state = losses(d, job_id)
         if len(by_step) >= 5 and not seen["shot"]:
             seen["shot"] = True
-            d.screenshot("job-running")
+            d.screenshot("job-running", main)
         assert state not in ("failed", "cancelled"), f"the example job {state}: {d.engine_request('job', job=job_id)}"
         seen["losses"] = by_step
         return state == "completed"
 
     wait_for("completed example job", done, JOB_TIMEOUT_S, interval=1.0)
     time.sleep(1.0)  # the Jobs page draws the last records
-    d.screenshot("job-completed")
+    d.screenshot("job-completed", main, keep=False)
     by_step = losses(d, job_id)[0]
     steps = sorted(by_step)
     assert len(steps) >= 10, by_step
@@ -322,6 +352,68 @@ def the_cli_and_the_window_show_the_same_machine(d: Desktop, main: str) -> None:
     assert title == f"{MAIN_TITLE}{label}", (title, label)
 
 
+def open_the_summary(d: Desktop, main: str, job_id: str) -> None:
+    """The finished job's page (Launch opened it) has a Summary tab; a click on it shows the result."""
+    tabs = d.widget("jobTabs", when=lambda w: any(t["text"] == "Summary" for t in w.get("tabs", [])))
+    (summary,) = [t for t in tabs["tabs"] if t["text"] == "Summary"]
+    d.click(summary["rect"])
+    heading = d.widget("summaryHeading", when=lambda w: w.get("text"))["text"]
+    assert "completed" in heading.lower(), heading
+    snippet = d.widget("loadSnippet", when=lambda w: w.get("text"))["text"]
+    assert "from_pretrained" in snippet, snippet  # how to load what the job saved
+    d.screenshot("job-summary", main)
+
+
+def try_it(d: Desktop, main: str) -> None:
+    """A prompt typed into "Try it" runs a small inference job on the trained model; its completion shows."""
+    before = {j["id"] for j in jobs(d)}
+    d.click(d.widget("tryPrompt", when=lambda w: w["enabled"])["rect"])
+    d.type_text("ROMEO:")
+    d.xdotool("key", "--clearmodifiers", "Return")
+    new = wait_for("the Try it job", lambda: [j for j in jobs(d) if j["id"] not in before], 30)
+    (job,) = new
+    assert job["kind"] == "infer", job
+
+    def finished() -> bool:
+        state = d.engine_request("job", job=job["id"])["job"]["state"]
+        assert state not in ("failed", "cancelled"), d.engine_request("job", job=job["id"])
+        return state == "completed"
+
+    wait_for("the Try it job to complete", finished, JOB_TIMEOUT_S, interval=1.0)
+    (result,) = d.engine_request("results", job=job["id"])["results"]
+    shown = d.widget("tryOutput", when=lambda w: w.get("text"))["text"]
+    assert result["new_tokens"] > 0, result
+    # A barely trained model may answer with blank lines only; the box then shows them as ⏎.
+    assert shown.replace("⏎", "").replace("·", " ") == result["completion"], (result, shown)
+    d.screenshot("try-it", main)
+
+
+def switch_the_machine_in_settings(d: Desktop, main: str, wanted: str = "H100") -> None:
+    """Settings (Ctrl+5) → the simulated machine → Save: the engine, every page and `rigpilot gpus` follow."""
+    d.press(main, "ctrl+5")
+    combo = d.widget("simulatedProfile")
+    target = next(i for i, text in enumerate(combo["items"]) if wanted in text)
+    d.click(combo["rect"])  # its list opens on the current entry
+    time.sleep(0.5)
+    steps = target - combo["current"]
+    for _ in range(abs(steps)):
+        d.xdotool("key", "Down" if steps > 0 else "Up")
+    d.xdotool("key", "Return")
+    d.widget("simulatedProfile", when=lambda w: w["current"] == target)
+    d.click(d.widget("save", when=lambda w: w["enabled"])["rect"])
+    label = wait_for("the engine on the new machine", lambda: wanted in cli_machine(d)["label"] and cli_machine(d)["label"], 30)
+    wait_for("the window title to follow", lambda: d.xdotool("getwindowname", main) == f"{MAIN_TITLE}{label}", 20)
+    d.screenshot("settings", main)
+    gpus = len(cli_machine(d)["gpus"])
+    d.press(main, "ctrl+1")  # the dashboard: one card per GPU of the new machine
+    d.widget(f"gpuCard{gpus - 1}")
+    d.screenshot("dashboard-after-switch", main)
+    d.press(main, "ctrl+2")
+    d.widget("machineTitle", when=lambda w: wanted in w.get("text", ""))
+    d.press(main, "ctrl+3")  # the Planner's GPU check boxes
+    d.widget(f"gpu-{gpus - 1}")
+
+
 def no_traceback_reached_the_user(d: Desktop) -> None:
     """The app said nothing on its terminal that a user would read as a crash."""
     log = (d.tmp / "app.log").read_text(errors="replace")
@@ -331,7 +423,7 @@ def no_traceback_reached_the_user(d: Desktop) -> None:
 # -- the flow --------------------------------------------------------------------------------------------------
 
 
-def test_a_user_starts_the_example_job_with_ctrl_n_and_watches_its_loss_fall(desktop):
+def test_a_user_runs_the_example_tries_its_model_and_switches_the_machine(desktop):
     from rigpilot.app.wizard.state import examples_present
 
     if not examples_present():
@@ -340,8 +432,12 @@ def test_a_user_starts_the_example_job_with_ctrl_n_and_watches_its_loss_fall(des
     main = start_app(desktop)
     wizard = open_wizard_with_ctrl_n(desktop, main)
     job_id = launch_with_the_defaults(desktop, wizard)
-    watch_the_loss_fall(desktop, job_id)
+    watch_the_loss_fall(desktop, main, job_id)
     the_cli_lists_the_job(desktop, job_id)
+    the_cli_and_the_window_show_the_same_machine(desktop, main)
+    open_the_summary(desktop, main, job_id)
+    try_it(desktop, main)
+    switch_the_machine_in_settings(desktop, main)
     the_cli_and_the_window_show_the_same_machine(desktop, main)
     assert desktop.app is not None and desktop.app.poll() is None, "the app exited"
     no_traceback_reached_the_user(desktop)
