@@ -30,8 +30,8 @@ def test_without_a_driver_the_settings_profile_stands_in_and_says_why(no_driver)
     d = open_backend()
     assert d.machine.source is Source.SIMULATED and d.machine.profile == "4x-rtx4090"
     assert d.notes == [
-        "The NVIDIA driver is installed but not loaded, so Rigpilot shows a simulated machine; "
-        "choose which in Settings or with --simulate."
+        "The NVIDIA driver is installed but not loaded, so Rigpilot shows a simulated machine, "
+        "chosen in Settings (rigpilot settings)."
     ]
     assert "Driver Not Loaded" in d.details[0]  # the driver's own words stay, for a tooltip and the log
 

@@ -113,5 +113,5 @@ def open_backend(
     settings = settings or Settings.load()
     backend = SimulatedBackend(served_machine(settings.simulated_profile))
     machine = backend.machine()
-    note = f"{plain_reason(reason)}, so Rigpilot shows a simulated machine; choose which in Settings or with --simulate."
+    note = f"{plain_reason(reason)}, so Rigpilot shows a simulated machine, chosen in Settings (rigpilot settings)."
     return Discovery(backend, machine, [*settings.warnings, note], [f"NVIDIA GPUs not used: {reason}"])
