@@ -190,7 +190,10 @@ class JobDetail(QWidget):
             else "The job runs on a remote engine; its folder is on that machine" if job.get("job_dir")
             else "The engine has not said where this job's folder is"
         )  # fmt: skip
-        self.charts.set_job(h.series, list(job.get("gpus") or []), int(job.get("ranks") or 1), job.get("predicted"))
+        self.charts.set_job(
+            h.series, list(job.get("gpus") or []), int(job.get("ranks") or 1), job.get("predicted"),
+            simulated=bool(job.get("simulated")),
+        )  # fmt: skip
         self.update_live()
 
     def update_live(self) -> None:
@@ -212,7 +215,7 @@ class JobDetail(QWidget):
         phase = h.series.phase
         self.progress.setToolTip(f"phase: {phase}" if phase else "")
         predicted = job.get("predicted")
-        self.prediction.show_values(predicted, h.series.measured())
+        self.prediction.show_values(predicted, h.series.measured(), simulated=bool(job.get("simulated")))
         # `predicted` may carry only the engine's notes on a job submitted without a plan.
         planned = isinstance(predicted, dict) and any(
             predicted.get(k) is not None for k in ("peak_memory_bytes", "tokens_per_s", "step_time_s")

@@ -23,9 +23,10 @@ import pyqtgraph as pg
 import pyqtgraph.exporters
 from PySide6.QtCore import QEvent, QObject, QPointF, Qt, Signal
 from PySide6.QtGui import QColor, QIcon, QPalette, QPixmap
-from PySide6.QtWidgets import QCheckBox, QHBoxLayout, QLabel, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QCheckBox, QHBoxLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
 from rigpilot.app.tasks import run_in_background
+from rigpilot.app.widgets.chart_view import ChartView
 from rigpilot.app.widgets.decimate import IncrementalMinMax
 from rigpilot.app.widgets.palette import apply_plot_theme, series_color
 from rigpilot.app.widgets.units import NA
@@ -94,7 +95,10 @@ class TimeChart(QWidget):
         self.readout = QLabel(NA)
         self.readout.setObjectName("chartReadout")
         self.readout.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.plot = pg.PlotWidget(axisItems={"bottom": AgoAxis(orientation="bottom")})
+        # A long read-out or many series must not widen a chart that shares a row with others;
+        # what does not fit is in the tooltips.
+        self.readout.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self.plot = ChartView(axisItems={"bottom": AgoAxis(orientation="bottom")})
         self.plot.setObjectName("chartPlot")
         self.plot.setAccessibleName("Telemetry chart")
         self.plot.setMinimumHeight(180)
@@ -119,6 +123,7 @@ class TimeChart(QWidget):
 
         self.legend = QWidget()
         self.legend.setObjectName("chartLegend")
+        self.legend.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         self._legend_layout = QHBoxLayout(self.legend)
         self._legend_layout.setContentsMargins(0, 0, 0, 0)
         self._legend_layout.addStretch(1)
@@ -235,7 +240,7 @@ class TimeChart(QWidget):
             self.hover_at(self._hover_time)  # x is relative to the newest point, which just moved
         elif time.monotonic() - self._readout_written >= READOUT_PERIOD_S:
             self._readout_written = time.monotonic()
-            self.readout.setText(self._readout_at(len(t) - 1, "now"))
+            self._set_readout(self._readout_at(len(t) - 1, "now"))
 
     def data(self) -> tuple[np.ndarray, np.ndarray]:
         """What the chart was last given: times and one row per series."""
@@ -292,13 +297,17 @@ class TimeChart(QWidget):
         self.crosshair.setPos(float(self._t[i]) - self._end)
         self.crosshair.setVisible(True)
         text = self._readout_at(i, time.strftime("%H:%M:%S", time.localtime(float(self._t[i]))))
-        self.readout.setText(text)
+        self._set_readout(text)
         return text
 
     def leave_hover(self) -> None:
         self._hover_time = None
         self.crosshair.setVisible(False)
-        self.readout.setText(self._readout_at(len(self._t) - 1, "now"))
+        self._set_readout(self._readout_at(len(self._t) - 1, "now"))
+
+    def _set_readout(self, text: str) -> None:
+        self.readout.setText(text)
+        self.readout.setToolTip(text)
 
     def _readout_at(self, i: int, when: str) -> str:
         if i < 0 or not self._names:
