@@ -10,15 +10,17 @@ Curves are made once and then fed with `setData`.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QEvent, Qt
+from PySide6.QtCore import QEvent, Qt, QTimer
 from PySide6.QtWidgets import QGridLayout, QWidget
 
 from rigpilot.app.jobs.series import GIB, GpuUsage, JobSeries
 from rigpilot.app.widgets.chart_view import ZOOM_HINT, ChartView
+from rigpilot.app.widgets.decimate import minmax_bins
 from rigpilot.app.widgets.palette import BAD, apply_plot_theme, series_color
 from rigpilot.app.widgets.time_chart import TimeChart
 
@@ -29,7 +31,17 @@ TITLE_SIZE = "9pt"
 # Two rows of four charts fit the job page of a 1280x800 window; below this height a row scrolls.
 CHART_MIN_HEIGHT = 120
 COLUMNS = 4
+THIN_POINTS = 1000  # series shorter than twice this are drawn point for point
+STAGGER_MS = 25  # between drawing one chart and the next: eight charts in 200 ms, well inside a refresh
 SIMULATED_PLAN = "the plan is for the machine's real GPUs; this run is on CPU ranks of a simulated machine"
+
+
+def round_up(value: float) -> float:
+    """The next round number at or above `value` (1, 1.5, 2, 3, 4, 5, 6, 8 times a power of ten)."""
+    if value <= 0:
+        return 1.0
+    power = 10 ** math.floor(math.log10(value))
+    return next(m * power for m in (1, 1.5, 2, 3, 4, 5, 6, 8, 10) if m * power >= value)
 
 
 def compact(value: float, unit: str = "") -> str:
@@ -62,8 +74,15 @@ class StepPlot(ChartView):
         self.about = about or f"{title}, against the training step."
         self.setToolTip(f"{self.about}\n{ZOOM_HINT}")
         item.setTitle(title, size=TITLE_SIZE)
-        item.showGrid(x=True, y=True, alpha=0.15)
+        # No grid: the axes draw it across the whole plot, so every new point would repaint it (most of
+        # the cost of a frame); the y ticks and the tables carry the numbers.
         item.setMenuEnabled(False)
+        vb = item.getViewBox()
+        vb.disableAutoRange(axis=pg.ViewBox.XAxis)  # fit_steps moves x in round steps, not on every step
+        vb.sigRangeChangedManually.connect(self._on_zoomed)
+        item.autoBtn.clicked.connect(self._on_unzoomed)
+        self._x_span: tuple[float, float] | None = None
+        self._zoomed = False  # the user zoomed (Ctrl+wheel, drag): the chart stops moving its x range
         self.legend: pg.LegendItem | None = None
         self.prediction = pg.InfiniteLine(
             angle=0, movable=False, pen=pg.mkPen(BAD, width=1.5, style=Qt.PenStyle.DashLine)
@@ -81,11 +100,29 @@ class StepPlot(ChartView):
         item.layout.addItem(self.legend, 4, 1)
         return self.legend
 
+    def fit_steps(self, first: float, last: float) -> None:
+        """Show steps `first` to a round number past `last`: the axis is redrawn a few times a decade,
+        not on every step."""
+        if self._zoomed:
+            return
+        span = (float(first), round_up(max(float(last), float(first) + 1.0)))
+        if span != self._x_span:
+            self._x_span = span
+            self.getPlotItem().getViewBox().setXRange(*span, padding=0)
+
+    def _on_zoomed(self, *_: object) -> None:
+        self._zoomed = True
+
+    def _on_unzoomed(self, *_: object) -> None:
+        self._zoomed, self._x_span = False, None
+        self.getPlotItem().getViewBox().disableAutoRange(axis=pg.ViewBox.XAxis)
+
     def curve(
-        self, name: str, color_index: int, *, width: float = 1.5, dashed: bool = False, alpha: int = 255
+        self, name: str, color_index: int, *, width: float = 1.0, dashed: bool = False, alpha: int = 255
     ) -> pg.PlotDataItem:
         color = series_color(color_index)
         color.setAlpha(alpha)
+        # Width 1 (cosmetic): wider lines are drawn segment by segment, several times slower.
         pen = pg.mkPen(color, width=width, style=Qt.PenStyle.DashLine if dashed else Qt.PenStyle.SolidLine)
         curve = self.getPlotItem().plot(pen=pen, name=name, connect="finite")
         curve.setDownsampling(auto=True, method="peak")
@@ -165,7 +202,6 @@ class MemoryPerRankPlot(ChartView):
         item = self.getPlotItem()
         item.setTitle(f"{self.TITLE} (GiB)", size=TITLE_SIZE)
         item.setMenuEnabled(False)
-        item.showGrid(y=True, alpha=0.15)
         self.setToolTip(f"The highest memory each rank reported, against the plan's peak per GPU.\n{ZOOM_HINT}")
         self.bars = pg.BarGraphItem(x=[], height=[], width=0.6, brush=series_color(0))
         item.addItem(self.bars)
@@ -216,15 +252,15 @@ class JobCharts(QWidget):
         self.loss = StepPlot("Loss", name="lossChart", about="Training loss of rank 0 against the step: "
                              "raw, smoothed (the Smoothing weight), and the eval loss as dots.")
         self.loss.add_legend()
-        self.loss_raw = self.loss.curve("loss", 0, width=1.0, alpha=90)
-        self.loss_ema = self.loss.curve("smoothed", 0, width=2.0)
+        self.loss_raw = self.loss.curve("loss", 0, alpha=90)
+        self.loss_ema = self.loss.curve("smoothed", 0)
         self.eval_loss = self.loss.getPlotItem().plot(
             pen=None, symbol="o", symbolSize=6, symbolBrush=series_color(2), name="eval"
         )
         assert self.loss.legend is not None
         self.loss.legend.addItem(self.eval_loss, "eval")
-        self.compare_raw = self.loss.curve("compared", 1, width=1.0, dashed=True, alpha=90)
-        self.compare_ema = self.loss.curve("compared, smoothed", 1, width=2.0, dashed=True)
+        self.compare_raw = self.loss.curve("compared", 1, dashed=True, alpha=90)
+        self.compare_ema = self.loss.curve("compared, smoothed", 1, dashed=True)
         self._show_compare_in_legend("")
         self.lr = StepPlot("Learning rate", name="lrChart", about="Learning rate of the optimizer, per step.")
         self.lr_curve = self.lr.curve("lr", 3)
@@ -262,6 +298,21 @@ class JobCharts(QWidget):
             grid.addWidget(chart, n // COLUMNS, n % COLUMNS)
         for column in range(COLUMNS):
             grid.setColumnStretch(column, 1)
+
+        self._parts: list[Callable[[], None]] = [
+            self._draw_loss,
+            lambda: self._draw_step_chart(self.lr, self.lr_curve, "lr"),
+            lambda: self._draw_step_chart(self.speed, self.speed_curve, "tokens_per_s"),
+            lambda: self._draw_step_chart(self.step_time, self.step_time_curve, "step_time"),
+            lambda: self._draw_step_chart(self.mfu, self.mfu_curve, "mfu", 100.0),
+            self._draw_memory_per_rank,
+            self._draw_gpu_memory,
+            self._draw_gpu_util,
+        ]
+        self._pending: list[Callable[[], None]] = []
+        self._stagger = QTimer(self)
+        self._stagger.setInterval(STAGGER_MS)
+        self._stagger.timeout.connect(self._draw_next)
 
     def charts(self) -> list[QWidget]:
         """Every chart, in grid order."""
@@ -329,44 +380,87 @@ class JobCharts(QWidget):
         )  # fmt: skip
 
     def refresh(self, force: bool = False) -> bool:
-        """Redraw if visible and changed (or forced); True when it drew."""
+        """Redraw if visible and changed (or forced); True when it drew.
+
+        The loss chart is drawn at once; the others one per STAGGER_MS after it, so the frames Qt
+        paints each hold one chart's changes rather than all eight (which, on a busy machine, kept
+        the window from answering for a few hundred milliseconds). `force` draws everything now.
+        """
         state = self._state()
         if not force and (not self.isVisible() or state == self._drawn):
             return False
         self._drawn = state
-        self._draw_series()
-        self._draw_compare()
-        self._draw_usage()
+        self._pending = [part for part in self._parts if part is not self._draw_loss]
+        self._draw_loss()
+        if force:
+            while self._pending:
+                self._pending.pop(0)()
+        elif not self._stagger.isActive():
+            self._stagger.start()
         return True
 
-    def _draw_series(self) -> None:
+    def _draw_next(self) -> None:
+        if self._pending:
+            self._pending.pop(0)()
+        if not self._pending:
+            self._stagger.stop()
+
+    def _draw_loss(self) -> None:
         s = self.series
         if s is None:
-            for curve in (self.loss_raw, self.loss_ema, self.eval_loss, self.lr_curve, self.speed_curve,
-                          self.step_time_curve, self.mfu_curve):  # fmt: skip
+            for curve in (self.loss_raw, self.loss_ema, self.eval_loss):
                 curve.setData(EMPTY, EMPTY)
-            self.memory_per_rank.show_memory({}, None)
-            for plot in (self.speed, self.step_time):
-                plot.show_prediction(None)
+        else:
+            steps, loss = s.series("loss")
+            _, smoothed = s.smoothed_loss(self.smoothing)
+            x, loss, smoothed = self._thin(self.loss, steps, loss, smoothed)
+            self.loss_raw.setData(x, loss)
+            self.loss_ema.setData(x, smoothed)
+            self.eval_loss.setData(*s.eval_loss())
+            self._fit(self.loss, steps)
+        self._draw_compare()
+
+    def _thin(self, plot: StepPlot, steps: np.ndarray, *rows: np.ndarray) -> tuple[np.ndarray, ...]:
+        """At most two points (the lowest and the highest) per pixel column of `plot`.
+
+        A long job has tens of thousands of steps; handing them all to pyqtgraph makes every frame
+        bin them again and search them for the y range. Bins are a power of two steps wide, so
+        they stay put as the job goes on and the curve does not shimmer.
+        """
+        if len(steps) < 2 * THIN_POINTS:
+            return (steps, *rows)
+        pixels = max(plot.getPlotItem().getViewBox().width(), 100.0)
+        width = 2.0 ** math.ceil(math.log2(max((steps[-1] - steps[0]) / pixels, 1.0)))
+        thinned_steps, thinned = minmax_bins(steps, np.vstack(rows), width)
+        return (thinned_steps, *thinned)
+
+    def _fit(self, plot: StepPlot, steps: np.ndarray) -> None:
+        if len(steps):
+            plot.fit_steps(float(steps[0]), float(steps[-1]))
+
+    def _draw_step_chart(self, plot: StepPlot, curve: pg.PlotDataItem, name: str, scale: float = 1.0) -> None:
+        s = self.series
+        if s is None:
+            curve.setData(EMPTY, EMPTY)
+            plot.show_prediction(None)
             return
-        steps, loss = s.series("loss")
-        self.loss_raw.setData(steps, loss)
-        self.loss_ema.setData(*s.smoothed_loss(self.smoothing))
-        self.eval_loss.setData(*s.eval_loss())
-        self.lr_curve.setData(*s.series("lr"))
-        speed_steps, speed = s.series("tokens_per_s")
-        step_time_steps, step_time = s.series("step_time")
-        self.speed_curve.setData(speed_steps, speed)
-        self.step_time_curve.setData(step_time_steps, step_time)
-        mfu_steps, mfu = s.series("mfu")
-        self.mfu_curve.setData(mfu_steps, mfu * 100.0)
+        steps, values = s.series(name)
+        curve.setData(*self._thin(plot, steps, values * scale if scale != 1.0 else values))
+        self._fit(plot, steps)
         p = self.predicted or {}
-        total = p.get("tokens_per_s")
-        # The plan predicts the job's rate; the chart shows one GPU's, as the ranks report it.
-        per_gpu = total / self.ranks if isinstance(total, int | float) else None
-        self.speed.show_prediction(per_gpu, speed, simulated=self.simulated)
-        self.step_time.show_prediction(p.get("step_time_s"), step_time, simulated=self.simulated)
-        self.memory_per_rank.show_memory(s.peak_memory, p.get("peak_memory_bytes"), self.simulated)
+        if plot is self.speed:
+            total = p.get("tokens_per_s")
+            # The plan predicts the job's rate; the chart shows one GPU's, as the ranks report it.
+            per_gpu = total / self.ranks if isinstance(total, int | float) else None
+            plot.show_prediction(per_gpu, values, simulated=self.simulated)
+        elif plot is self.step_time:
+            plot.show_prediction(p.get("step_time_s"), values, simulated=self.simulated)
+
+    def _draw_memory_per_rank(self) -> None:
+        s = self.series
+        p = self.predicted or {}
+        self.memory_per_rank.show_memory(s.peak_memory if s else {}, p.get("peak_memory_bytes") if s else None,
+                                         self.simulated)  # fmt: skip
 
     def _draw_compare(self) -> None:
         c = self.compare
@@ -374,10 +468,15 @@ class JobCharts(QWidget):
             self.compare_raw.setData(EMPTY, EMPTY)
             self.compare_ema.setData(EMPTY, EMPTY)
             return
-        self.compare_raw.setData(*c.series("loss"))
-        self.compare_ema.setData(*c.smoothed_loss(self.smoothing))
+        steps, loss = c.series("loss")
+        x, loss, smoothed = self._thin(self.loss, steps, loss, c.smoothed_loss(self.smoothing)[1])
+        self.compare_raw.setData(x, loss)
+        self.compare_ema.setData(x, smoothed)
 
-    def _draw_usage(self) -> None:
+    def _draw_gpu_memory(self) -> None:
         since = (self.usage.last_time or 0.0) - TELEMETRY_WINDOW_S
         self.gpu_memory.set_data(*self.usage.memory(since))
+
+    def _draw_gpu_util(self) -> None:
+        since = (self.usage.last_time or 0.0) - TELEMETRY_WINDOW_S
         self.gpu_util.set_data(*self.usage.utilization(since))
