@@ -150,7 +150,7 @@ class StepPlot(ChartView):
         seen = measured[np.isfinite(measured)] if measured is not None else EMPTY
         top = float(np.abs(seen).max()) if seen.size else 0.0
         self.off_scale = top > 0 and not top / OFF_SCALE <= abs(value) <= top * OFF_SCALE
-        figure = compact(value, self.unit)
+        figure = compact(value, "s" if self.unit == "s" else "")  # the title names any other unit
         self.prediction.setPos(value)
         if simulated:
             self.plan_note = f"GPU plan: {figure} ({SIMULATED_PLAN}), so it is not drawn."
@@ -276,12 +276,12 @@ class JobCharts(QWidget):
                             "peak arithmetic the step used.")
         self.mfu_curve = self.mfu.curve("MFU", 6)
         self.memory_per_rank = MemoryPerRankPlot()
-        self.gpu_memory = TimeChart()
+        self.gpu_memory = TimeChart(titled=True)
         self.gpu_memory.setObjectName("gpuMemoryChart")
         self.gpu_memory.plot.setAccessibleName("Memory used on the job's GPUs")
         self.gpu_memory.set_quantity("GPU memory", "GiB")
         self.gpu_memory.set_window(TELEMETRY_WINDOW_S)
-        self.gpu_util = TimeChart()
+        self.gpu_util = TimeChart(titled=True)
         self.gpu_util.setObjectName("gpuUtilChart")
         self.gpu_util.plot.setAccessibleName("Utilisation of the job's GPUs")
         self.gpu_util.set_quantity("GPU utilisation", "%", "{:.0f}", (0.0, 100.0))

@@ -82,8 +82,11 @@ class TimeChart(QWidget):
     sig_export_failed = Signal(str)  # what went wrong, for the user
     sig_series_toggled = Signal(int, bool)
 
-    def __init__(self, parent: QWidget | None = None):
+    def __init__(self, parent: QWidget | None = None, *, titled: bool = False):
+        """`titled`: the quantity is a title over the plot, not a label along its y axis (which a
+        chart a few rows high cannot hold)."""
         super().__init__(parent)
+        self._titled = titled
         self._names: list[str] = []
         self._notes: list[str | None] = []
         self._t = np.empty(0)
@@ -181,7 +184,13 @@ class TimeChart(QWidget):
     ) -> None:
         self._title, self._unit, self._fmt = title, unit, fmt
         item = self.plot.getPlotItem()
-        item.setLabel("left", f"{title} ({unit})" if unit else title)
+        label = f"{title} ({unit})" if unit else title
+        if self._titled:
+            item.setTitle(label, size="9pt")
+        else:
+            item.setLabel("left", label)
+        # The unit is in the label: an axis that rescales itself ("x0.001") would contradict it.
+        item.getAxis("left").enableAutoSIPrefix(False)
         item.disableAutoRange()
         self._y_fixed, self._y_shown = y_range, None
         if y_range is not None:
