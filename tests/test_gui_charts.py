@@ -17,7 +17,8 @@ from rigpilot.app.jobs.charts import StepPlot, compact, round_up
 from rigpilot.app.main_window import MainWindow
 from rigpilot.app.widgets.time_chart import TimeChart
 
-PLAN = {"peak_memory_bytes": 10 * GIB, "tokens_per_s": 4.662e6, "step_time_s": 0.0002}
+# A tiny model's plan on a simulated 4xRTX 4090, as `rigpilot plan --json` gives it.
+PLAN = {"peak_memory_bytes": 1_002_710_131, "tokens_per_s": 4.662e6, "step_time_s": 0.0002}
 
 
 def wheel(widget: QWidget, modifiers: Qt.KeyboardModifier = Qt.KeyboardModifier.NoModifier) -> QWheelEvent:
@@ -158,7 +159,8 @@ def test_a_simulated_machines_plan_is_called_a_gpu_plan_and_not_drawn(qtbot):
         assert "CPU ranks" in plot.toolTip()
     assert charts.speed.title_text() == "Tokens/s per GPU · GPU plan 2.33M"  # the job's 4.66M over two GPUs
     assert charts.step_time.title_text() == "Step time · GPU plan 200 µs"
-    assert "GPU plan" in charts.memory_per_rank.title_text()
+    assert charts.memory_per_rank.title_text() == "Peak memory · GPU plan 0.93 GiB"
+    assert charts.mfu.title_text() == "MFU (%)"  # the steps carry an MFU
 
     table = detail.prediction
     headers = [table.horizontalHeaderItem(c).text() for c in range(table.columnCount())]
@@ -176,6 +178,17 @@ def test_a_real_machines_plan_is_drawn_and_its_table_says_plan(qtbot):
     assert detail.charts.speed.title_text() == "Tokens/s per GPU · plan 2k"
     assert detail.prediction.horizontalHeaderItem(0).text() == "Plan"
     assert "CPU" not in detail.prediction.text("step_time_s", 2)
+
+
+def test_a_figure_the_job_does_not_report_is_named_not_left_blank(qtbot):
+    page_job = a_job(simulated=True, predicted=PLAN)
+    window = open_window_on_job(qtbot, page_job, steps=0)
+    page = window.pages["jobs"]
+    page.current_handle.link.push_metrics(page_job["id"], [step_record(s, 0, mfu=None) for s in range(1, 11)])
+    page.refresh(force=True)
+    mfu = page.detail.charts.mfu
+    assert mfu.title_text() == "MFU (%) · not reported"
+    assert "do not report" in mfu.toolTip()
 
 
 def test_numbers_read_with_units():

@@ -90,6 +90,7 @@ class StepPlot(ChartView):
         self.prediction.setVisible(False)
         self.off_scale = False  # the plan's figure is too far from the measured one to draw on this scale
         self.plan_note = ""  # what the tooltip says about the plan's figure
+        self.missing = False  # the job reports steps but not this figure
         item.addItem(self.prediction, ignoreBounds=False)
         apply_plot_theme(self, self.palette())
 
@@ -172,10 +173,19 @@ class StepPlot(ChartView):
             self.prediction.setVisible(visible)
             self.getPlotItem().getViewBox().updateAutoRange()  # a hidden line no longer counts
 
+    def show_missing(self, missing: bool) -> None:
+        """Say so in the title when the job's steps come without this figure (an empty chart says nothing)."""
+        if missing != self.missing:
+            self.missing = missing
+            self._set_title(self.title)
+            self.setToolTip(f"{self.about}\n" + ("This job's ranks do not report it.\n" if missing else "") + ZOOM_HINT)
+
     def title_text(self) -> str:
         return self.getPlotItem().titleLabel.text
 
     def _set_title(self, title: str) -> None:
+        if self.missing:
+            title = f"{self.title} · not reported"
         item = self.getPlotItem()
         if item.titleLabel.text != title:
             item.setTitle(title, size=TITLE_SIZE)
@@ -191,7 +201,7 @@ class StepPlot(ChartView):
 class MemoryPerRankPlot(ChartView):
     """Peak memory of each rank as bars, beside the plan's predicted peak per GPU."""
 
-    TITLE = "Peak memory per rank"
+    TITLE = "Peak memory"
 
     def __init__(self) -> None:
         super().__init__()
@@ -203,6 +213,7 @@ class MemoryPerRankPlot(ChartView):
         item.setTitle(f"{self.TITLE} (GiB)", size=TITLE_SIZE)
         item.setMenuEnabled(False)
         self.setToolTip(f"The highest memory each rank reported, against the plan's peak per GPU.\n{ZOOM_HINT}")
+        self._ranks: list[int] = []
         self.bars = pg.BarGraphItem(x=[], height=[], width=0.6, brush=series_color(0))
         item.addItem(self.bars)
         self.prediction = pg.InfiniteLine(
@@ -216,12 +227,15 @@ class MemoryPerRankPlot(ChartView):
         ranks = sorted(peak_by_rank)
         self.bars.setOpts(x=ranks, height=[peak_by_rank[r] / GIB for r in ranks], width=0.6)
         item = self.getPlotItem()
+        if ranks != self._ranks:
+            self._ranks = ranks
+            item.getAxis("bottom").setTicks([[(r, f"rank {r}") for r in ranks]])
         if predicted_bytes:
             self.prediction.setPos(predicted_bytes / GIB)
             plan = "GPU plan" if simulated else "plan"
             why = f" ({SIMULATED_PLAN})" if simulated else ""
             self.prediction.setToolTip(f"{plan}: {predicted_bytes / GIB:.1f} GiB per GPU{why}")
-            title = f"{self.TITLE} · {plan} {predicted_bytes / GIB:.3g} GiB"
+            title = f"{self.TITLE} · {plan} {predicted_bytes / GIB:.2g} GiB"
         else:
             title = f"{self.TITLE} (GiB)"
         if item.titleLabel.text != title:
@@ -447,6 +461,7 @@ class JobCharts(QWidget):
         steps, values = s.series(name)
         curve.setData(*self._thin(plot, steps, values * scale if scale != 1.0 else values))
         self._fit(plot, steps)
+        plot.show_missing(bool(len(steps)) and not np.isfinite(values).any())
         p = self.predicted or {}
         if plot is self.speed:
             total = p.get("tokens_per_s")
