@@ -166,7 +166,8 @@ def test_a_simulated_machines_plan_is_called_a_gpu_plan_and_not_drawn(qtbot):
     headers = [table.horizontalHeaderItem(c).text() for c in range(table.columnCount())]
     assert headers[0] == "Plan (for real GPUs)" and "CPU" in headers[1]
     assert table.text("step_time_s", 0) == "0.2 ms"  # not "0 ms"
-    assert table.text("step_time_s", 2).endswith("(CPU vs GPU)")
+    assert table.text("step_time_s", 2) == "2,500 × (CPU vs GPU)"  # 0.5 s measured against 0.2 ms
+    assert table.text("tokens_per_s", 2).startswith("0.00044 ×")  # not "0.00 ×"
     assert "CPU ranks" in table.toolTip()
 
 

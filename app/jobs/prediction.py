@@ -46,7 +46,8 @@ def _ratio(got: float | None, plan: float | None, simulated: bool) -> str:
     if not plan or got is None:
         return NA
     ratio = got / plan
-    text = f"{ratio:.2f} ×" if ratio < 100 else f"{ratio:,.0f} ×"
+    # Two decimals would say "0.01 ×" for a CPU rank against a GPU plan: small ratios keep two digits.
+    text = f"{ratio:,.0f} ×" if ratio >= 100 else f"{ratio:.2f} ×" if ratio >= 0.1 else f"{ratio:.2g} ×"
     return f"{text} (CPU vs GPU)" if simulated else text
 
 
