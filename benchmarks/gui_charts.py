@@ -25,8 +25,9 @@ streaming at 10 Hz from another thread, as EngineLink's stream thread sends
 them, while the Dashboard's model takes the same telemetry. `--busy N` keeps
 N other processes spinning, as the job's CPU ranks do on a simulated machine.
 A 5 ms timer on the GUI thread records how late it fires: the longest stall
-and the 99th percentile, while the history loads and once it is in; target
-<= 100 ms and <= 30 ms. `--tree DIR` imports Rigpilot from another checkout
+and the 99th percentile, while the history pages in and once it is in;
+target <= 100 ms and <= 30 ms. The click that opens the job (its first tick)
+is shown on its own. `--tree DIR` imports Rigpilot from another checkout
 (an older commit, `git worktree add DIR COMMIT`), to compare the same run
 on the code before a change.
 """
@@ -338,7 +339,9 @@ def live_job(app: QApplication, args, samples: list[dict], machine: dict) -> boo
     print(f"\n{'GUI thread stalls':<22} {'longest':>9} {'p99 ms':>8} {'p95 ms':>7} {'>100 ms':>7} {'ticks':>7}"
           f"   target longest <= {STALL_TARGET_MS:g} ms, p99 <= {P99_TARGET_MS:g} ms")  # fmt: skip
     ok = True
-    for label, late in (("opening (history)", opening), (f"following {args.live_seconds:g} s", steady)):
+    # The first tick waits for the click itself: the job's page built, laid out and painted once.
+    print(f"{'the click (open job)':<22} {opening[0] if opening else 0:>9.0f}")
+    for label, late in (("paging the history in", opening[1:]), (f"following {args.live_seconds:g} s", steady)):
         line, good = _stall_line(label, late)
         ok = ok and good
         print(line)
