@@ -82,13 +82,13 @@ def test_the_dashboards_live_chart_leaves_the_wheel_to_the_page_too(qtbot):
     assert area.verticalScrollBar().value() == 0
 
 
-def open_window_on_job(qtbot, job: dict[str, Any], steps: int = 40) -> MainWindow:
+def open_window_on_job(qtbot, job: dict[str, Any], steps: int = 40, width: int = 1280) -> MainWindow:
     link = FakeLink("4x-rtx4090")
     engine = FakeJobs(link, [job])
     engine.records[job["id"]] = [step_record(s, rank) for s in range(1, steps + 1) for rank in (0, 1)]
     window = MainWindow(link)
     qtbot.addWidget(window)
-    window.resize(1280, 800)
+    window.resize(width, 800)
     window.show()
     qtbot.waitExposed(window)
     link.connect_engine()
@@ -133,11 +133,12 @@ def test_every_job_chart_is_on_screen_at_1280x800(qtbot):
         assert chart.height() >= 110, chart.objectName()  # small, but a chart, not a strip
 
 
-@pytest.mark.parametrize("simulated", [True, False])
-def test_chart_titles_are_whole_and_the_legend_is_off_the_data(qtbot, simulated):
+@pytest.mark.parametrize(("simulated", "width"), [(True, 1280), (False, 1280), (True, 1000)])
+def test_chart_titles_are_whole_and_the_legend_is_off_the_data(qtbot, simulated, width):
     # A plan far off what the ranks measure: the longest titles the charts write.
-    window = open_window_on_job(qtbot, a_job(simulated=simulated, predicted=PLAN))
+    window = open_window_on_job(qtbot, a_job(simulated=simulated, predicted=PLAN), width=width)
     charts = window.pages["jobs"].detail.charts
+    assert charts.columns == (4 if width == 1280 else 2)  # a narrow page: two columns, not cramped charts
     for plot in (charts.loss, charts.lr, charts.speed, charts.step_time, charts.mfu, charts.memory_per_rank):
         label = plot.getPlotItem().titleLabel
         text_width = label.item.boundingRect().width()
@@ -190,6 +191,19 @@ def test_a_figure_the_job_does_not_report_is_named_not_left_blank(qtbot):
     mfu = page.detail.charts.mfu
     assert mfu.title_text() == "MFU (%) · not reported"
     assert "do not report" in mfu.toolTip()
+
+
+def test_a_chart_too_narrow_for_its_title_shows_the_short_one(qtbot):
+    plot = StepPlot("Tokens/s per GPU", name="speedChart")
+    qtbot.addWidget(plot)
+    plot.show_prediction(2.5e6, np.full(10, 5000.0), simulated=True)
+    plot.resize(600, 200)
+    plot.show()
+    qtbot.waitExposed(plot)
+    assert plot.title_text() == "Tokens/s per GPU · GPU plan 2.5M"
+    plot.resize(150, 200)
+    assert plot.title_text() == "Tokens/s per GPU"
+    assert "GPU plan: 2.5M" in plot.toolTip()  # what the title leaves out
 
 
 def test_numbers_read_with_units():

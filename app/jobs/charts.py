@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QEvent, Qt, QTimer
+from PySide6.QtGui import QResizeEvent
 from PySide6.QtWidgets import QGridLayout, QWidget
 
 from rigpilot.app.jobs.series import GIB, GpuUsage, JobSeries
@@ -27,10 +28,10 @@ from rigpilot.app.widgets.time_chart import TimeChart
 TELEMETRY_WINDOW_S = 600.0
 EMPTY = np.empty(0)
 OFF_SCALE = 10.0  # a plan figure this many times above or below what was measured is not drawn
-TITLE_SIZE = "9pt"
 # Two rows of four charts fit the job page of a 1280x800 window; below this height a row scrolls.
 CHART_MIN_HEIGHT = 120
 COLUMNS = 4
+NARROW_PX, WIDE_PX = 980, 1030  # below the first, two columns; from the second, four again
 THIN_POINTS = 1000  # series shorter than twice this are drawn point for point
 STAGGER_MS = 25  # between drawing one chart and the next: eight charts in 200 ms, well inside a refresh
 SIMULATED_PLAN = "the plan is for the machine's real GPUs; this run is on CPU ranks of a simulated machine"
@@ -73,7 +74,7 @@ class StepPlot(ChartView):
         self.unit = unit
         self.about = about or f"{title}, against the training step."
         self.setToolTip(f"{self.about}\n{ZOOM_HINT}")
-        item.setTitle(title, size=TITLE_SIZE)
+        self.set_title(title)
         # No grid: the axes draw it across the whole plot, so every new point would repaint it (most of
         # the cost of a frame); the y ticks and the tables carry the numbers.
         item.setMenuEnabled(False)
@@ -180,15 +181,8 @@ class StepPlot(ChartView):
             self._set_title(self.title)
             self.setToolTip(f"{self.about}\n" + ("This job's ranks do not report it.\n" if missing else "") + ZOOM_HINT)
 
-    def title_text(self) -> str:
-        return self.getPlotItem().titleLabel.text
-
     def _set_title(self, title: str) -> None:
-        if self.missing:
-            title = f"{self.title} · not reported"
-        item = self.getPlotItem()
-        if item.titleLabel.text != title:
-            item.setTitle(title, size=TITLE_SIZE)
+        self.set_title(f"{self.title} · not reported" if self.missing else title, self.title)
 
     def changeEvent(self, event: QEvent) -> None:
         # GraphicsView's own set-up changes the palette before the plot item exists.
@@ -210,7 +204,7 @@ class MemoryPerRankPlot(ChartView):
         self.setFocusPolicy(Qt.FocusPolicy.NoFocus)
         self.setMinimumHeight(CHART_MIN_HEIGHT)
         item = self.getPlotItem()
-        item.setTitle(f"{self.TITLE} (GiB)", size=TITLE_SIZE)
+        self.set_title(f"{self.TITLE} (GiB)")
         item.setMenuEnabled(False)
         self.setToolTip(f"The highest memory each rank reported, against the plan's peak per GPU.\n{ZOOM_HINT}")
         self._ranks: list[int] = []
@@ -238,12 +232,8 @@ class MemoryPerRankPlot(ChartView):
             title = f"{self.TITLE} · {plan} {predicted_bytes / GIB:.2g} GiB"
         else:
             title = f"{self.TITLE} (GiB)"
-        if item.titleLabel.text != title:
-            item.setTitle(title, size=TITLE_SIZE)
+        self.set_title(title, f"{self.TITLE} (GiB)")
         self.prediction.setVisible(bool(predicted_bytes))
-
-    def title_text(self) -> str:
-        return self.getPlotItem().titleLabel.text
 
     def bar_heights(self) -> list[float]:
         return [float(h) for h in (self.bars.opts.get("height") if self.bars.opts.get("height") is not None else [])]
@@ -304,14 +294,13 @@ class JobCharts(QWidget):
             chart.plot.setFocusPolicy(Qt.FocusPolicy.NoFocus)
             chart.plot.setMinimumHeight(CHART_MIN_HEIGHT - 40)  # the read-out and legend rows make up the rest
 
-        # Eight equal cells, two rows of four: at 1280x800 every chart is on screen at once.
-        grid = QGridLayout(self)
-        grid.setContentsMargins(0, 0, 0, 0)
-        grid.setSpacing(4)
-        for n, chart in enumerate(self.charts()):
-            grid.addWidget(chart, n // COLUMNS, n % COLUMNS)
-        for column in range(COLUMNS):
-            grid.setColumnStretch(column, 1)
+        # Eight equal cells, two rows of four: at 1280x800 every chart is on screen at once. A narrower
+        # page gets two columns (and scrolls) rather than charts too narrow for their titles.
+        self.grid = QGridLayout(self)
+        self.grid.setContentsMargins(0, 0, 0, 0)
+        self.grid.setSpacing(4)
+        self.columns = 0
+        self._lay_out(COLUMNS)
 
         self._parts: list[Callable[[], None]] = [
             self._draw_loss,
@@ -327,6 +316,25 @@ class JobCharts(QWidget):
         self._stagger = QTimer(self)
         self._stagger.setInterval(STAGGER_MS)
         self._stagger.timeout.connect(self._draw_next)
+
+    def _lay_out(self, columns: int) -> None:
+        if columns == self.columns:
+            return
+        self.columns = columns
+        for n, chart in enumerate(self.charts()):
+            self.grid.removeWidget(chart)
+            self.grid.addWidget(chart, n // columns, n % columns)
+        for column in range(COLUMNS):
+            self.grid.setColumnStretch(column, 1 if column < columns else 0)
+
+    def resizeEvent(self, event: QResizeEvent) -> None:
+        super().resizeEvent(event)
+        # Apart by more than a scroll bar's width, so that showing one cannot flip the layout back.
+        width = event.size().width()
+        if width < NARROW_PX:
+            self._lay_out(2)
+        elif width >= WIDE_PX:
+            self._lay_out(COLUMNS)
 
     def charts(self) -> list[QWidget]:
         """Every chart, in grid order."""

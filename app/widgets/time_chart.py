@@ -186,7 +186,7 @@ class TimeChart(QWidget):
         item = self.plot.getPlotItem()
         label = f"{title} ({unit})" if unit else title
         if self._titled:
-            item.setTitle(label, size="9pt")
+            self.plot.set_title(label)
         else:
             item.setLabel("left", label)
         # The unit is in the label: an axis that rescales itself ("x0.001") would contradict it.
