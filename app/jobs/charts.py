@@ -10,85 +10,179 @@ Curves are made once and then fed with `setData`.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QEvent, Qt
+from PySide6.QtCore import QEvent, Qt, QTimer
+from PySide6.QtGui import QResizeEvent
 from PySide6.QtWidgets import QGridLayout, QWidget
 
 from rigpilot.app.jobs.series import GIB, GpuUsage, JobSeries
+from rigpilot.app.widgets.chart_view import ZOOM_HINT, ChartView
+from rigpilot.app.widgets.decimate import minmax_bins
 from rigpilot.app.widgets.palette import BAD, apply_plot_theme, series_color
 from rigpilot.app.widgets.time_chart import TimeChart
 
 TELEMETRY_WINDOW_S = 600.0
 EMPTY = np.empty(0)
 OFF_SCALE = 10.0  # a plan figure this many times above or below what was measured is not drawn
+# Two rows of four charts fit the job page of a 1280x800 window; below this height a row scrolls.
+CHART_MIN_HEIGHT = 120
+COLUMNS = 4
+NARROW_PX, WIDE_PX = 980, 1030  # below the first, two columns; from the second, four again
+THIN_POINTS = 1000  # series shorter than twice this are drawn point for point
+STAGGER_MS = 25  # between drawing one chart and the next: eight charts in 200 ms, well inside a refresh
+SIMULATED_PLAN = "the plan is for the machine's real GPUs; this run is on CPU ranks of a simulated machine"
 
 
-class StepPlot(pg.PlotWidget):
-    """A plot against the training step, with an optional dashed line for the plan's prediction."""
+def round_up(value: float) -> float:
+    """The next round number at or above `value` (1, 1.5, 2, 3, 4, 5, 6, 8 times a power of ten)."""
+    if value <= 0:
+        return 1.0
+    power = 10 ** math.floor(math.log10(value))
+    return next(m * power for m in (1, 1.5, 2, 3, 4, 5, 6, 8, 10) if m * power >= value)
 
-    def __init__(self, title: str, unit: str = "", name: str = ""):
+
+def compact(value: float, unit: str = "") -> str:
+    """Three significant digits and a k/M/G suffix: 4662000 -> "4.66M", 0.0125 s -> "12.5 ms"."""
+    if unit == "s":
+        for scale, name in ((1.0, "s"), (1e-3, "ms"), (1e-6, "µs")):
+            if abs(value) >= scale or name == "µs":
+                return f"{value / scale:.3g} {name}"
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g}{suffix}" + (f" {unit}" if unit else "")
+    return f"{value:.3g}" + (f" {unit}" if unit else "")
+
+
+class StepPlot(ChartView):
+    """A plot against the training step, with an optional dashed line for the plan's prediction.
+
+    The title stays short (a unit, a figure): the explanation is in the tooltip, so it is never cut.
+    """
+
+    def __init__(self, title: str, unit: str = "", name: str = "", about: str = ""):
         super().__init__()
         self.setObjectName(name or title)
         self.setAccessibleName(f"{title} chart")
         self.setFocusPolicy(Qt.FocusPolicy.NoFocus)  # mouse-only zoom; the numbers are in the tables
-        self.setMinimumHeight(170)
+        self.setMinimumHeight(CHART_MIN_HEIGHT)
         item = self.getPlotItem()
         self.title = title
-        item.setTitle(title)
-        item.showGrid(x=True, y=True, alpha=0.15)
-        item.setLabel("bottom", "step")
-        if unit:
-            item.setLabel("left", unit)
+        self.unit = unit
+        self.about = about or f"{title}, against the training step."
+        self.setToolTip(f"{self.about}\n{ZOOM_HINT}")
+        self.set_title(title)
+        # No grid: the axes draw it across the whole plot, so every new point would repaint it (most of
+        # the cost of a frame); the y ticks and the tables carry the numbers.
         item.setMenuEnabled(False)
-        self.legend = item.addLegend(offset=(-10, 10))
+        vb = item.getViewBox()
+        vb.disableAutoRange(axis=pg.ViewBox.XAxis)  # fit_steps moves x in round steps, not on every step
+        vb.sigRangeChangedManually.connect(self._on_zoomed)
+        item.autoBtn.clicked.connect(self._on_unzoomed)
+        self._x_span: tuple[float, float] | None = None
+        self._zoomed = False  # the user zoomed (Ctrl+wheel, drag): the chart stops moving its x range
+        self.legend: pg.LegendItem | None = None
         self.prediction = pg.InfiniteLine(
             angle=0, movable=False, pen=pg.mkPen(BAD, width=1.5, style=Qt.PenStyle.DashLine)
         )
         self.prediction.setVisible(False)
         self.off_scale = False  # the plan's figure is too far from the measured one to draw on this scale
+        self.plan_note = ""  # what the tooltip says about the plan's figure
+        self.missing = False  # the job reports steps but not this figure
         item.addItem(self.prediction, ignoreBounds=False)
         apply_plot_theme(self, self.palette())
 
+    def add_legend(self) -> pg.LegendItem:
+        """A legend in a row under the plot, where it never covers a curve."""
+        item = self.getPlotItem()
+        self.legend = pg.LegendItem(colCount=3, labelTextSize="8pt", frame=False, verSpacing=-6)
+        item.layout.addItem(self.legend, 4, 1)
+        return self.legend
+
+    def fit_steps(self, first: float, last: float) -> None:
+        """Show steps `first` to a round number past `last`: the axis is redrawn a few times a decade,
+        not on every step."""
+        if self._zoomed:
+            return
+        span = (float(first), round_up(max(float(last), float(first) + 1.0)))
+        if span != self._x_span:
+            self._x_span = span
+            self.getPlotItem().getViewBox().setXRange(*span, padding=0)
+
+    def _on_zoomed(self, *_: object) -> None:
+        self._zoomed = True
+
+    def _on_unzoomed(self, *_: object) -> None:
+        self._zoomed, self._x_span = False, None
+        self.getPlotItem().getViewBox().disableAutoRange(axis=pg.ViewBox.XAxis)
+
     def curve(
-        self, name: str, color_index: int, *, width: float = 1.5, dashed: bool = False, alpha: int = 255
+        self, name: str, color_index: int, *, width: float = 1.0, dashed: bool = False, alpha: int = 255
     ) -> pg.PlotDataItem:
         color = series_color(color_index)
         color.setAlpha(alpha)
+        # Width 1 (cosmetic): wider lines are drawn segment by segment, several times slower.
         pen = pg.mkPen(color, width=width, style=Qt.PenStyle.DashLine if dashed else Qt.PenStyle.SolidLine)
         curve = self.getPlotItem().plot(pen=pen, name=name, connect="finite")
         curve.setDownsampling(auto=True, method="peak")
         curve.setClipToView(True)
+        if self.legend is not None:
+            self.legend.addItem(curve, name)
         return curve
 
-    def show_prediction(self, value: float | None, label: str = "plan", measured: np.ndarray | None = None) -> None:
-        """The plan's figure as a dashed line; in the title instead where it is off the measured scale.
+    def show_prediction(
+        self, value: float | None, measured: np.ndarray | None = None, *, simulated: bool = False
+    ) -> None:
+        """The plan's figure as a dashed line; named in the title instead where it cannot be compared.
 
-        A simulated machine's plan is for its GPUs while CPU ranks measure: a line 100x above the
-        curve would squash it flat, so beyond OFF_SCALE times either way the figure is only named.
+        A simulated machine's plan is for its GPUs while CPU ranks measure: the line is not drawn
+        and the title calls the figure the GPU plan's. On a real machine a figure beyond OFF_SCALE
+        times the measured one either way would squash the curve flat: it is only named.
         """
         self.off_scale = False
         if value is None or not math.isfinite(value):
-            self.prediction.setVisible(False)
+            self.plan_note = ""
+            self._show_line(False)
             self._set_title(self.title)
+            self.setToolTip(f"{self.about}\n{ZOOM_HINT}")
             return
         seen = measured[np.isfinite(measured)] if measured is not None else EMPTY
         top = float(np.abs(seen).max()) if seen.size else 0.0
         self.off_scale = top > 0 and not top / OFF_SCALE <= abs(value) <= top * OFF_SCALE
+        figure = compact(value, "s" if self.unit == "s" else "")  # the title names any other unit
         self.prediction.setPos(value)
-        self.prediction.setToolTip(f"{label}: {value:.4g}")
-        if self.prediction.isVisible() == self.off_scale:
-            self.prediction.setVisible(not self.off_scale)
+        if simulated:
+            self.plan_note = f"GPU plan: {figure} ({SIMULATED_PLAN}), so it is not drawn."
+            self._show_line(False)
+            self._set_title(f"{self.title} · GPU plan {figure}")
+        else:
+            arrow = " ↑" if self.off_scale and abs(value) > top else " ↓" if self.off_scale else ""
+            self.plan_note = f"Plan: {figure}" + (
+                ", too far from the measured values to draw on this scale." if self.off_scale
+                else " (dashed line)."
+            )  # fmt: skip
+            self._show_line(not self.off_scale)
+            self._set_title(f"{self.title} · plan {figure}{arrow}")
+        self.prediction.setToolTip(self.plan_note)
+        self.setToolTip(f"{self.about}\n{self.plan_note}\n{ZOOM_HINT}")
+
+    def _show_line(self, visible: bool) -> None:
+        if self.prediction.isVisible() != visible:
+            self.prediction.setVisible(visible)
             self.getPlotItem().getViewBox().updateAutoRange()  # a hidden line no longer counts
-        suffix = f" ({label}: {value:.4g}, off this scale)" if self.off_scale else ""
-        self._set_title(self.title + suffix)
+
+    def show_missing(self, missing: bool) -> None:
+        """Say so in the title when the job's steps come without this figure (an empty chart says nothing)."""
+        if missing != self.missing:
+            self.missing = missing
+            self._set_title(self.title)
+            self.setToolTip(f"{self.about}\n" + ("This job's ranks do not report it.\n" if missing else "") + ZOOM_HINT)
 
     def _set_title(self, title: str) -> None:
-        item = self.getPlotItem()
-        if item.titleLabel.text != title:
-            item.setTitle(title)
+        self.set_title(f"{self.title} · not reported" if self.missing else title, self.title)
 
     def changeEvent(self, event: QEvent) -> None:
         # GraphicsView's own set-up changes the palette before the plot item exists.
@@ -98,21 +192,22 @@ class StepPlot(pg.PlotWidget):
         super().changeEvent(event)
 
 
-class MemoryPerRankPlot(pg.PlotWidget):
+class MemoryPerRankPlot(ChartView):
     """Peak memory of each rank as bars, beside the plan's predicted peak per GPU."""
+
+    TITLE = "Peak memory"
 
     def __init__(self) -> None:
         super().__init__()
         self.setObjectName("peakMemoryChart")
         self.setAccessibleName("Peak memory per rank chart")
         self.setFocusPolicy(Qt.FocusPolicy.NoFocus)
-        self.setMinimumHeight(170)
+        self.setMinimumHeight(CHART_MIN_HEIGHT)
         item = self.getPlotItem()
-        item.setTitle("Peak memory per rank: measured vs plan")
-        item.setLabel("left", "GiB")
-        item.setLabel("bottom", "rank")
+        self.set_title(f"{self.TITLE} (GiB)")
         item.setMenuEnabled(False)
-        item.showGrid(y=True, alpha=0.15)
+        self.setToolTip(f"The highest memory each rank reported, against the plan's peak per GPU.\n{ZOOM_HINT}")
+        self._ranks: list[int] = []
         self.bars = pg.BarGraphItem(x=[], height=[], width=0.6, brush=series_color(0))
         item.addItem(self.bars)
         self.prediction = pg.InfiniteLine(
@@ -122,12 +217,22 @@ class MemoryPerRankPlot(pg.PlotWidget):
         item.addItem(self.prediction)
         apply_plot_theme(self, self.palette())
 
-    def show_memory(self, peak_by_rank: dict[int, float], predicted_bytes: float | None) -> None:
+    def show_memory(self, peak_by_rank: dict[int, float], predicted_bytes: float | None, simulated: bool = False) -> None:
         ranks = sorted(peak_by_rank)
         self.bars.setOpts(x=ranks, height=[peak_by_rank[r] / GIB for r in ranks], width=0.6)
+        item = self.getPlotItem()
+        if ranks != self._ranks:
+            self._ranks = ranks
+            item.getAxis("bottom").setTicks([[(r, f"rank {r}") for r in ranks]])
         if predicted_bytes:
             self.prediction.setPos(predicted_bytes / GIB)
-            self.prediction.setToolTip(f"plan: {predicted_bytes / GIB:.1f} GiB per GPU")
+            plan = "GPU plan" if simulated else "plan"
+            why = f" ({SIMULATED_PLAN})" if simulated else ""
+            self.prediction.setToolTip(f"{plan}: {predicted_bytes / GIB:.1f} GiB per GPU{why}")
+            title = f"{self.TITLE} · {plan} {predicted_bytes / GIB:.2g} GiB"
+        else:
+            title = f"{self.TITLE} (GiB)"
+        self.set_title(title, f"{self.TITLE} (GiB)")
         self.prediction.setVisible(bool(predicted_bytes))
 
     def bar_heights(self) -> list[float]:
@@ -146,52 +251,111 @@ class JobCharts(QWidget):
         self.smoothing = 0.9
         self._drawn: tuple[Any, ...] | None = None
 
-        self.loss = StepPlot("Loss", name="lossChart")
-        self.loss_raw = self.loss.curve("loss", 0, width=1.0, alpha=90)
-        self.loss_ema = self.loss.curve("loss (smoothed)", 0, width=2.0)
+        self.simulated = False
+
+        self.loss = StepPlot("Loss", name="lossChart", about="Training loss of rank 0 against the step: "
+                             "raw, smoothed (the Smoothing weight), and the eval loss as dots.")
+        self.loss.add_legend()
+        self.loss_raw = self.loss.curve("loss", 0, alpha=90)
+        self.loss_ema = self.loss.curve("smoothed", 0)
         self.eval_loss = self.loss.getPlotItem().plot(
-            pen=None, symbol="o", symbolSize=6, symbolBrush=series_color(2), name="eval loss"
+            pen=None, symbol="o", symbolSize=6, symbolBrush=series_color(2), name="eval"
         )
-        self.compare_raw = self.loss.curve("compared: loss", 1, width=1.0, dashed=True, alpha=90)
-        self.compare_ema = self.loss.curve("compared: loss (smoothed)", 1, width=2.0, dashed=True)
+        assert self.loss.legend is not None
+        self.loss.legend.addItem(self.eval_loss, "eval")
+        self.compare_raw = self.loss.curve("compared", 1, dashed=True, alpha=90)
+        self.compare_ema = self.loss.curve("compared, smoothed", 1, dashed=True)
         self._show_compare_in_legend("")
-        self.lr = StepPlot("Learning rate", name="lrChart")
+        self.lr = StepPlot("Learning rate", name="lrChart", about="Learning rate of the optimizer, per step.")
         self.lr_curve = self.lr.curve("lr", 3)
-        self.speed = StepPlot("Tokens/s per GPU (rank 0)", "tokens/s", name="speedChart")
+        self.speed = StepPlot(
+            "Tokens/s per GPU", "tokens/s", name="speedChart",
+            about="Tokens per second of one GPU (rank 0), per step; the plan's figure is the job's rate "
+                  "divided by its GPUs.",
+        )  # fmt: skip
         self.speed_curve = self.speed.curve("tokens/s", 4)
-        self.step_time = StepPlot("Step time", "s", name="stepTimeChart")
+        self.step_time = StepPlot("Step time", "s", name="stepTimeChart", about="Seconds per optimizer step.")
         self.step_time_curve = self.step_time.curve("step time", 5)
-        self.mfu = StepPlot("MFU", "%", name="mfuChart")
+        self.mfu = StepPlot("MFU (%)", name="mfuChart", about="Model FLOPs utilisation: the share of the GPUs' "
+                            "peak arithmetic the step used.")
         self.mfu_curve = self.mfu.curve("MFU", 6)
         self.memory_per_rank = MemoryPerRankPlot()
-        self.gpu_memory = TimeChart()
+        self.gpu_memory = TimeChart(titled=True)
         self.gpu_memory.setObjectName("gpuMemoryChart")
         self.gpu_memory.plot.setAccessibleName("Memory used on the job's GPUs")
-        self.gpu_memory.set_quantity("Memory used", "GiB")
+        self.gpu_memory.set_quantity("GPU memory", "GiB")
         self.gpu_memory.set_window(TELEMETRY_WINDOW_S)
-        self.gpu_util = TimeChart()
+        self.gpu_util = TimeChart(titled=True)
         self.gpu_util.setObjectName("gpuUtilChart")
         self.gpu_util.plot.setAccessibleName("Utilisation of the job's GPUs")
-        self.gpu_util.set_quantity("Utilisation", "%", "{:.0f}", (0.0, 100.0))
+        self.gpu_util.set_quantity("GPU utilisation", "%", "{:.0f}", (0.0, 100.0))
         self.gpu_util.set_window(TELEMETRY_WINDOW_S)
         for chart in (self.gpu_memory, self.gpu_util):
             chart.plot.setFocusPolicy(Qt.FocusPolicy.NoFocus)
+            chart.plot.setMinimumHeight(CHART_MIN_HEIGHT - 40)  # the read-out and legend rows make up the rest
 
-        grid = QGridLayout(self)
-        grid.setContentsMargins(0, 0, 0, 0)
-        grid.addWidget(self.loss, 0, 0, 1, 2)
-        grid.addWidget(self.lr, 1, 0)
-        grid.addWidget(self.speed, 1, 1)
-        grid.addWidget(self.step_time, 2, 0)
-        grid.addWidget(self.mfu, 2, 1)
-        grid.addWidget(self.memory_per_rank, 3, 0)
-        grid.addWidget(self.gpu_memory, 3, 1)
-        grid.addWidget(self.gpu_util, 4, 0, 1, 2)
-        grid.setRowMinimumHeight(0, 240)
+        # Eight equal cells, two rows of four: at 1280x800 every chart is on screen at once. A narrower
+        # page gets two columns (and scrolls) rather than charts too narrow for their titles.
+        self.grid = QGridLayout(self)
+        self.grid.setContentsMargins(0, 0, 0, 0)
+        self.grid.setSpacing(4)
+        self.columns = 0
+        self._lay_out(COLUMNS)
+
+        self._parts: list[Callable[[], None]] = [
+            self._draw_loss,
+            lambda: self._draw_step_chart(self.lr, self.lr_curve, "lr"),
+            lambda: self._draw_step_chart(self.speed, self.speed_curve, "tokens_per_s"),
+            lambda: self._draw_step_chart(self.step_time, self.step_time_curve, "step_time"),
+            lambda: self._draw_step_chart(self.mfu, self.mfu_curve, "mfu", 100.0),
+            self._draw_memory_per_rank,
+            self._draw_gpu_memory,
+            self._draw_gpu_util,
+        ]
+        self._pending: list[Callable[[], None]] = []
+        self._stagger = QTimer(self)
+        self._stagger.setInterval(STAGGER_MS)
+        self._stagger.timeout.connect(self._draw_next)
+
+    def _lay_out(self, columns: int) -> None:
+        if columns == self.columns:
+            return
+        self.columns = columns
+        for n, chart in enumerate(self.charts()):
+            self.grid.removeWidget(chart)
+            self.grid.addWidget(chart, n // columns, n % columns)
+        for column in range(COLUMNS):
+            self.grid.setColumnStretch(column, 1 if column < columns else 0)
+
+    def resizeEvent(self, event: QResizeEvent) -> None:
+        super().resizeEvent(event)
+        # Apart by more than a scroll bar's width, so that showing one cannot flip the layout back.
+        width = event.size().width()
+        if width < NARROW_PX:
+            self._lay_out(2)
+        elif width >= WIDE_PX:
+            self._lay_out(COLUMNS)
+
+    def charts(self) -> list[QWidget]:
+        """Every chart, in grid order."""
+        return [self.loss, self.lr, self.speed, self.step_time,
+                self.mfu, self.memory_per_rank, self.gpu_memory, self.gpu_util]  # fmt: skip
 
     # -- what to show ---------------------------------------------------------------------------
-    def set_job(self, series: JobSeries | None, gpus: list[int], ranks: int, predicted: dict[str, Any] | None) -> None:
-        """Show another job (or the same one with a new record): its series, GPUs and the plan's figures."""
+    def set_job(
+        self,
+        series: JobSeries | None,
+        gpus: list[int],
+        ranks: int,
+        predicted: dict[str, Any] | None,
+        simulated: bool = False,
+    ) -> None:
+        """Show another job (or the same one with a new record): its series, GPUs and the plan's figures.
+
+        `simulated`: the job runs as CPU ranks standing in for a simulated machine's GPUs, so the
+        plan's figures (for those GPUs) are labelled as GPU predictions rather than compared.
+        """
+        self.simulated = simulated
         if series is not self.series:
             self.series = series
             self.usage = GpuUsage()
@@ -215,8 +379,12 @@ class JobCharts(QWidget):
         legend.removeItem(self.compare_raw)
         legend.removeItem(self.compare_ema)
         if name:
-            legend.addItem(self.compare_raw, f"{name}: loss")
-            legend.addItem(self.compare_ema, f"{name}: loss (smoothed)")
+            legend.addItem(self.compare_raw, "compared")
+            legend.addItem(self.compare_ema, "compared, smoothed")
+        # The compared run's name is in the picker above; the legend stays one short row.
+        self.loss.about = "Training loss of rank 0 against the step: raw, smoothed (the Smoothing weight), " \
+            "and the eval loss as dots." + (f" Dashed: {name}." if name else "")
+        self.loss.setToolTip(f"{self.loss.about}\n{ZOOM_HINT}")
 
     def set_smoothing(self, weight: float) -> None:
         self.smoothing = min(max(weight, 0.0), 0.999)
@@ -234,42 +402,88 @@ class JobCharts(QWidget):
         )  # fmt: skip
 
     def refresh(self, force: bool = False) -> bool:
-        """Redraw if visible and changed (or forced); True when it drew."""
+        """Redraw if visible and changed (or forced); True when it drew.
+
+        The loss chart is drawn at once; the others one per STAGGER_MS after it, so the frames Qt
+        paints each hold one chart's changes rather than all eight (which, on a busy machine, kept
+        the window from answering for a few hundred milliseconds). `force` draws everything now.
+        """
         state = self._state()
         if not force and (not self.isVisible() or state == self._drawn):
             return False
         self._drawn = state
-        self._draw_series()
-        self._draw_compare()
-        self._draw_usage()
+        self._pending = [part for part in self._parts if part is not self._draw_loss]
+        self._draw_loss()
+        if force:
+            while self._pending:
+                self._pending.pop(0)()
+        elif not self._stagger.isActive():
+            self._stagger.start()
         return True
 
-    def _draw_series(self) -> None:
+    def _draw_next(self) -> None:
+        if self._pending:
+            self._pending.pop(0)()
+        if not self._pending:
+            self._stagger.stop()
+
+    def _draw_loss(self) -> None:
         s = self.series
         if s is None:
-            for curve in (self.loss_raw, self.loss_ema, self.eval_loss, self.lr_curve, self.speed_curve,
-                          self.step_time_curve, self.mfu_curve):  # fmt: skip
+            for curve in (self.loss_raw, self.loss_ema, self.eval_loss):
                 curve.setData(EMPTY, EMPTY)
-            self.memory_per_rank.show_memory({}, None)
+        else:
+            steps, loss = s.series("loss")
+            _, smoothed = s.smoothed_loss(self.smoothing)
+            x, loss, smoothed = self._thin(self.loss, steps, loss, smoothed)
+            self.loss_raw.setData(x, loss)
+            self.loss_ema.setData(x, smoothed)
+            self.eval_loss.setData(*s.eval_loss())
+            self._fit(self.loss, steps)
+        self._draw_compare()
+
+    def _thin(self, plot: StepPlot, steps: np.ndarray, *rows: np.ndarray) -> tuple[np.ndarray, ...]:
+        """At most two points (the lowest and the highest) per pixel column of `plot`.
+
+        A long job has tens of thousands of steps; handing them all to pyqtgraph makes every frame
+        bin them again and search them for the y range. Bins are a power of two steps wide, so
+        they stay put as the job goes on and the curve does not shimmer.
+        """
+        if len(steps) < 2 * THIN_POINTS:
+            return (steps, *rows)
+        pixels = max(plot.getPlotItem().getViewBox().width(), 100.0)
+        width = 2.0 ** math.ceil(math.log2(max((steps[-1] - steps[0]) / pixels, 1.0)))
+        thinned_steps, thinned = minmax_bins(steps, np.vstack(rows), width)
+        return (thinned_steps, *thinned)
+
+    def _fit(self, plot: StepPlot, steps: np.ndarray) -> None:
+        if len(steps):
+            plot.fit_steps(float(steps[0]), float(steps[-1]))
+
+    def _draw_step_chart(self, plot: StepPlot, curve: pg.PlotDataItem, name: str, scale: float = 1.0) -> None:
+        s = self.series
+        if s is None:
+            curve.setData(EMPTY, EMPTY)
+            plot.show_prediction(None)
             return
-        steps, loss = s.series("loss")
-        self.loss_raw.setData(steps, loss)
-        self.loss_ema.setData(*s.smoothed_loss(self.smoothing))
-        self.eval_loss.setData(*s.eval_loss())
-        self.lr_curve.setData(*s.series("lr"))
-        speed_steps, speed = s.series("tokens_per_s")
-        step_time_steps, step_time = s.series("step_time")
-        self.speed_curve.setData(speed_steps, speed)
-        self.step_time_curve.setData(step_time_steps, step_time)
-        mfu_steps, mfu = s.series("mfu")
-        self.mfu_curve.setData(mfu_steps, mfu * 100.0)
+        steps, values = s.series(name)
+        curve.setData(*self._thin(plot, steps, values * scale if scale != 1.0 else values))
+        self._fit(plot, steps)
+        plot.show_missing(bool(len(steps)) and not np.isfinite(values).any())
         p = self.predicted or {}
-        total = p.get("tokens_per_s")
-        # The plan predicts the job's rate; the chart shows one GPU's, as the ranks report it.
-        per_gpu = total / self.ranks if isinstance(total, int | float) else None
-        self.speed.show_prediction(per_gpu, "plan, per GPU", speed)
-        self.step_time.show_prediction(p.get("step_time_s"), "plan", step_time)
-        self.memory_per_rank.show_memory(s.peak_memory, p.get("peak_memory_bytes"))
+        if plot is self.speed:
+            total = p.get("tokens_per_s")
+            # The plan predicts the job's rate; the chart shows one GPU's, as the ranks report it.
+            per_gpu = total / self.ranks if isinstance(total, int | float) else None
+            plot.show_prediction(per_gpu, values, simulated=self.simulated)
+        elif plot is self.step_time:
+            plot.show_prediction(p.get("step_time_s"), values, simulated=self.simulated)
+
+    def _draw_memory_per_rank(self) -> None:
+        s = self.series
+        p = self.predicted or {}
+        self.memory_per_rank.show_memory(s.peak_memory if s else {}, p.get("peak_memory_bytes") if s else None,
+                                         self.simulated)  # fmt: skip
 
     def _draw_compare(self) -> None:
         c = self.compare
@@ -277,10 +491,15 @@ class JobCharts(QWidget):
             self.compare_raw.setData(EMPTY, EMPTY)
             self.compare_ema.setData(EMPTY, EMPTY)
             return
-        self.compare_raw.setData(*c.series("loss"))
-        self.compare_ema.setData(*c.smoothed_loss(self.smoothing))
+        steps, loss = c.series("loss")
+        x, loss, smoothed = self._thin(self.loss, steps, loss, c.smoothed_loss(self.smoothing)[1])
+        self.compare_raw.setData(x, loss)
+        self.compare_ema.setData(x, smoothed)
 
-    def _draw_usage(self) -> None:
+    def _draw_gpu_memory(self) -> None:
         since = (self.usage.last_time or 0.0) - TELEMETRY_WINDOW_S
         self.gpu_memory.set_data(*self.usage.memory(since))
+
+    def _draw_gpu_util(self) -> None:
+        since = (self.usage.last_time or 0.0) - TELEMETRY_WINDOW_S
         self.gpu_util.set_data(*self.usage.utilization(since))

@@ -249,7 +249,10 @@ class JobDetail(QWidget):
         if inference:  # no loss or learning rate to draw, and nothing of the job shown before may stay
             self.charts.set_job(None, [], 1, None)
         else:
-            self.charts.set_job(h.series, list(job.get("gpus") or []), int(job.get("ranks") or 1), job.get("predicted"))
+            self.charts.set_job(
+                h.series, list(job.get("gpus") or []), int(job.get("ranks") or 1), job.get("predicted"),
+                simulated=bool(job.get("simulated")),
+            )  # fmt: skip
         self._show_tabs(inference, job.get("state") in FINISHED and job.get("kind") == "train")
         self.show_diff()
         self._show_model_actions()
@@ -301,7 +304,7 @@ class JobDetail(QWidget):
         phase = h.series.phase
         self.progress.setToolTip(f"phase: {phase}" if phase else "")
         predicted = job.get("predicted")
-        self.prediction.show_values(predicted, h.series.measured())
+        self.prediction.show_values(predicted, h.series.measured(), simulated=bool(job.get("simulated")))
         # `predicted` may carry only the engine's notes on a job submitted without a plan.
         planned = isinstance(predicted, dict) and any(
             predicted.get(k) is not None for k in ("peak_memory_bytes", "tokens_per_s", "step_time_s")

@@ -27,7 +27,9 @@ from rigpilot.engine.service.protocol import NOT_FOUND
 from rigpilot.engine.service.store import ACTIVE_STATES, QUEUED, RESUMABLE_STATES, TERMINAL_STATES
 
 CONNECTED = "connected"  # EngineLink's state name
-METRICS_PAGE_BYTES = 512 * 1024
+# A page is decoded and folded in while the GUI thread waits (the decoding holds the GIL): pages of
+# 128 KiB keep each wait short when a long job's history is paged in (benchmarks/gui_charts.py).
+METRICS_PAGE_BYTES = 128 * 1024
 # While records stream in, the cursor catches up this often, so a reconnect re-reads little.
 CATCH_UP_MS = 30_000
 LOG_TAIL_BYTES = 64 * 1024  # what a newly shown log starts with; older lines are in the file

@@ -20,6 +20,12 @@ ROWS = [
     ("step_time_s", "Step time"),
 ]
 COLUMNS = ["Plan", "Measured", "Measured ÷ plan"]
+# On a simulated machine the plan is for its GPUs and the job runs as CPU ranks: the columns say so.
+SIMULATED_COLUMNS = ["Plan (for real GPUs)", "Measured (CPU ranks)", "CPU ÷ GPU plan"]
+SIMULATED_NOTE = (
+    "Simulated machine: the plan predicts the machine's real GPUs, and this job runs as CPU ranks in "
+    "their place, so the measured figures are not expected to match the plan."
+)
 
 
 def _format(key: str, value: float | None) -> str:
@@ -28,8 +34,21 @@ def _format(key: str, value: float | None) -> str:
     if key == "peak_memory_bytes":
         return gib(value, 2)
     if key == "tokens_per_s":
-        return f"{value:,.0f}"
-    return f"{value * 1000:.0f} ms" if value < 10 else f"{value:.1f} s"
+        return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+    if value >= 10:
+        return f"{value:.1f} s"
+    if value >= 0.1:
+        return f"{value * 1000:.0f} ms"
+    return f"{value * 1000:.3g} ms"  # a fast GPU's step: "0.41 ms", never "0 ms"
+
+
+def _ratio(got: float | None, plan: float | None, simulated: bool) -> str:
+    if not plan or got is None:
+        return NA
+    ratio = got / plan
+    # Two decimals would say "0.01 ×" for a CPU rank against a GPU plan: small ratios keep two digits.
+    text = f"{ratio:,.0f} ×" if ratio >= 100 else f"{ratio:.2f} ×" if ratio >= 0.1 else f"{ratio:.2g} ×"
+    return f"{text} (CPU vs GPU)" if simulated else text
 
 
 class PredictionTable(QTableWidget):
@@ -45,12 +64,19 @@ class PredictionTable(QTableWidget):
         self.setMaximumHeight(self.verticalHeader().length() + self.horizontalHeader().height() + 6)
         self.show_values(None, {})
 
-    def show_values(self, predicted: dict[str, Any] | None, measured: dict[str, float | None]) -> None:
+    def show_values(
+        self, predicted: dict[str, Any] | None, measured: dict[str, float | None], simulated: bool = False
+    ) -> None:
+        """`simulated`: the job's ranks run on the CPU in place of a simulated machine's GPUs."""
+        headers = SIMULATED_COLUMNS if simulated else COLUMNS
+        if self.horizontalHeaderItem(0) is None or self.horizontalHeaderItem(0).text() != headers[0]:
+            self.setHorizontalHeaderLabels(headers)
+        self.setToolTip(SIMULATED_NOTE if simulated else "")
         for row, (key, title) in enumerate(ROWS):
             plan = (predicted or {}).get(key)
             plan = float(plan) if isinstance(plan, int | float) and not isinstance(plan, bool) else None
             got = measured.get(key)
-            ratio = f"{got / plan:.2f} ×" if plan and got is not None else NA
+            ratio = _ratio(got, plan, simulated)
             cells = [_format(key, plan), _format(key, got), ratio]
             for col, text in enumerate(cells):
                 item = self.item(row, col)
@@ -61,6 +87,8 @@ class PredictionTable(QTableWidget):
                 item.setText(text)
             if predicted is None:
                 self.item(row, 0).setToolTip("No plan was attached to this job")
+            elif simulated:
+                self.item(row, 0).setToolTip(f"{title} the planner predicted for real GPUs; {SIMULATED_NOTE}")
             else:
                 self.item(row, 0).setToolTip(f"{title} the planner predicted")
 

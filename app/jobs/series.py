@@ -37,7 +37,12 @@ _STEP_TIME_COLUMN = 1 + STEP_FIELDS.index("step_time")
 
 
 def _number(v: Any) -> float | None:
-    if isinstance(v, bool) or not isinstance(v, int | float):
+    kind = type(v)
+    if kind is float:
+        return v if v - v == 0.0 else None  # NaN and ±inf fail this: finite numbers only
+    if kind is int:
+        return float(v)
+    if kind is bool or not isinstance(v, int | float):  # bool is an int; numpy numbers are not float
         return None
     return float(v) if math.isfinite(v) else None
 
@@ -107,45 +112,41 @@ class JobSeries:
 
     # -- input ----------------------------------------------------------------------------
     def add(self, records: list[dict[str, Any]]) -> None:
+        # A long job's history comes in pages of thousands of records on the GUI thread: the common
+        # record (a rank's step) takes one pass with local names, no per-field function calls.
         step_t, step_rows, eval_t, eval_rows = [], [], [], []
+        peak = self.peak_memory
+        number, field = _number, self._field
         for rec in records:
             self.records += 1
-            rank = rec.get("rank") if isinstance(rec.get("rank"), int) else 0
-            t = _number(rec.get("time"))
+            rank = rec.get("rank")
+            if type(rank) is not int:
+                rank = 0
             kind = rec.get("kind")
             for key in PEAK_MEMORY_FIELDS:
-                v = _number(rec.get(key))
-                if v is not None:
-                    self.peak_memory[rank] = max(self.peak_memory.get(rank, 0.0), v)
-            if kind == "error":
-                self.errors = [*self.errors[-(KEPT_ERRORS - 1) :], rec]
+                if key in rec:
+                    v = number(rec[key])
+                    if v is not None:
+                        peak[rank] = max(peak.get(rank, 0.0), v)
+            if kind is not None:
+                self._add_other(rec, kind, rank, eval_t, eval_rows)
                 continue
-            if kind == "note":
-                note = rec.get("message")
-                if isinstance(note, str) and note not in self.notes and len(self.notes) < KEPT_NOTES:
-                    self.notes.append(note)
-                continue
-            if kind == "status":
-                if rank == CHART_RANK and isinstance(rec.get("phase"), str):
-                    self.phase = rec["phase"]
-                continue
-            step = _number(rec.get("step"))
+            t = number(rec.get("time"))
+            step = number(rec.get("step"))
             if t is None or step is None:
                 continue
-            if kind == "eval":
-                loss = _number(rec.get("eval_loss"))
-                if rank == CHART_RANK and loss is not None:
-                    eval_t.append(t)
-                    eval_rows.append((step, loss))
-                continue
-            if kind is not None:
-                continue  # checkpoint timings, calibration rows: not charted here
-            tps = _number(rec.get("tokens_per_s"))
+            tps = number(rec.get("tokens_per_s"))
             if tps is not None:
-                self._speed.setdefault(rank, deque(maxlen=RECENT)).append(tps)
+                speeds = self._speed.get(rank)
+                if speeds is None:
+                    speeds = self._speed[rank] = deque(maxlen=RECENT)
+                speeds.append(tps)
             if rank != CHART_RANK:
                 continue
-            row = [step, *(self._field(rec, f) for f in STEP_FIELDS)]
+            row = [step]
+            for name in STEP_FIELDS:
+                v = number(rec.get(name)) if name != "peak_memory" else field(rec, name)
+                row.append(math.nan if v is None else v)
             step_t.append(t)
             step_rows.append(row)
             if not math.isnan(row[_STEP_TIME_COLUMN]):
@@ -157,14 +158,31 @@ class JobSeries:
         if records:
             self.revision += 1
 
+    def _add_other(self, rec: dict[str, Any], kind: Any, rank: int, eval_t: list, eval_rows: list) -> None:
+        """Records other than steps: errors, notes, status, eval losses (the rest is not charted here)."""
+        if kind == "error":
+            self.errors = [*self.errors[-(KEPT_ERRORS - 1) :], rec]
+        elif kind == "note":
+            note = rec.get("message")
+            if isinstance(note, str) and note not in self.notes and len(self.notes) < KEPT_NOTES:
+                self.notes.append(note)
+        elif kind == "status":
+            if rank == CHART_RANK and isinstance(rec.get("phase"), str):
+                self.phase = rec["phase"]
+        elif kind == "eval" and rank == CHART_RANK:
+            t, step, loss = _number(rec.get("time")), _number(rec.get("step")), _number(rec.get("eval_loss"))
+            if t is not None and step is not None and loss is not None:
+                eval_t.append(t)
+                eval_rows.append((step, loss))
+
     @staticmethod
-    def _field(rec: dict[str, Any], name: str) -> float:
+    def _field(rec: dict[str, Any], name: str) -> float | None:
         names = PEAK_MEMORY_FIELDS if name == "peak_memory" else (name,)
         for key in names:
             v = _number(rec.get(key))
             if v is not None:
                 return v
-        return math.nan  # a gap in the chart: not reported, or not finite (report() sends NaN as null)
+        return None  # a gap in the chart: not reported, or not finite (report() sends NaN as null)
 
     # -- output -----------------------------------------------------------------------------
     def _rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -15,6 +15,7 @@ from PySide6.QtCore import QEvent, QPointF, Qt
 from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
 
 from rigpilot.app.planner.model import GIB, MEMORY_PARTS, memory_stack
+from rigpilot.app.widgets.chart_view import ChartView
 from rigpilot.app.widgets.palette import BAD, apply_plot_theme, series_color
 
 BAR_WIDTH = 0.6
@@ -24,7 +25,7 @@ class MemoryChart(QWidget):
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
         self.memory: list[dict[str, Any]] = []
-        self.plot = pg.PlotWidget()
+        self.plot = ChartView()
         self.plot.setObjectName("memoryChart")
         self.plot.setAccessibleName("Predicted memory per GPU")
         self.plot.setMinimumHeight(160)

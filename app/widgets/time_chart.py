@@ -23,9 +23,10 @@ import pyqtgraph as pg
 import pyqtgraph.exporters
 from PySide6.QtCore import QEvent, QObject, QPointF, Qt, Signal
 from PySide6.QtGui import QColor, QIcon, QPalette, QPixmap
-from PySide6.QtWidgets import QCheckBox, QHBoxLayout, QLabel, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QCheckBox, QHBoxLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
 from rigpilot.app.tasks import run_in_background
+from rigpilot.app.widgets.chart_view import ChartView
 from rigpilot.app.widgets.decimate import IncrementalMinMax
 from rigpilot.app.widgets.palette import apply_plot_theme, series_color
 from rigpilot.app.widgets.units import NA
@@ -81,8 +82,11 @@ class TimeChart(QWidget):
     sig_export_failed = Signal(str)  # what went wrong, for the user
     sig_series_toggled = Signal(int, bool)
 
-    def __init__(self, parent: QWidget | None = None):
+    def __init__(self, parent: QWidget | None = None, *, titled: bool = False):
+        """`titled`: the quantity is a title over the plot, not a label along its y axis (which a
+        chart a few rows high cannot hold)."""
         super().__init__(parent)
+        self._titled = titled
         self._names: list[str] = []
         self._notes: list[str | None] = []
         self._t = np.empty(0)
@@ -94,7 +98,10 @@ class TimeChart(QWidget):
         self.readout = QLabel(NA)
         self.readout.setObjectName("chartReadout")
         self.readout.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.plot = pg.PlotWidget(axisItems={"bottom": AgoAxis(orientation="bottom")})
+        # A long read-out or many series must not widen a chart that shares a row with others;
+        # what does not fit is in the tooltips.
+        self.readout.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self.plot = ChartView(axisItems={"bottom": AgoAxis(orientation="bottom")})
         self.plot.setObjectName("chartPlot")
         self.plot.setAccessibleName("Telemetry chart")
         self.plot.setMinimumHeight(180)
@@ -119,6 +126,7 @@ class TimeChart(QWidget):
 
         self.legend = QWidget()
         self.legend.setObjectName("chartLegend")
+        self.legend.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         self._legend_layout = QHBoxLayout(self.legend)
         self._legend_layout.setContentsMargins(0, 0, 0, 0)
         self._legend_layout.addStretch(1)
@@ -176,7 +184,13 @@ class TimeChart(QWidget):
     ) -> None:
         self._title, self._unit, self._fmt = title, unit, fmt
         item = self.plot.getPlotItem()
-        item.setLabel("left", f"{title} ({unit})" if unit else title)
+        label = f"{title} ({unit})" if unit else title
+        if self._titled:
+            self.plot.set_title(label)
+        else:
+            item.setLabel("left", label)
+        # The unit is in the label: an axis that rescales itself ("x0.001") would contradict it.
+        item.getAxis("left").enableAutoSIPrefix(False)
         item.disableAutoRange()
         self._y_fixed, self._y_shown = y_range, None
         if y_range is not None:
@@ -235,7 +249,7 @@ class TimeChart(QWidget):
             self.hover_at(self._hover_time)  # x is relative to the newest point, which just moved
         elif time.monotonic() - self._readout_written >= READOUT_PERIOD_S:
             self._readout_written = time.monotonic()
-            self.readout.setText(self._readout_at(len(t) - 1, "now"))
+            self._set_readout(self._readout_at(len(t) - 1, "now"))
 
     def data(self) -> tuple[np.ndarray, np.ndarray]:
         """What the chart was last given: times and one row per series."""
@@ -292,13 +306,17 @@ class TimeChart(QWidget):
         self.crosshair.setPos(float(self._t[i]) - self._end)
         self.crosshair.setVisible(True)
         text = self._readout_at(i, time.strftime("%H:%M:%S", time.localtime(float(self._t[i]))))
-        self.readout.setText(text)
+        self._set_readout(text)
         return text
 
     def leave_hover(self) -> None:
         self._hover_time = None
         self.crosshair.setVisible(False)
-        self.readout.setText(self._readout_at(len(self._t) - 1, "now"))
+        self._set_readout(self._readout_at(len(self._t) - 1, "now"))
+
+    def _set_readout(self, text: str) -> None:
+        self.readout.setText(text)
+        self.readout.setToolTip(text)
 
     def _readout_at(self, i: int, when: str) -> str:
         if i < 0 or not self._names:
