@@ -594,3 +594,9 @@ def test_a_sequence_longer_than_the_models_context_is_fixed_in_one_click(qtbot):
         page.fix_button.click()
     assert page.seq_len.value() == 256 and not page.fix_button.isVisibleTo(page) and not page.message.isVisibleTo(page)
     assert page.plan is not None and page.plan["workload"]["seq_len"] == 256
+
+
+def test_search_time_reads_in_milliseconds_below_a_second():
+    from rigpilot.app.planner.page import duration_short
+
+    assert duration_short(0.0042) == "4 ms" and duration_short(0.0) == "under 1 ms" and duration_short(11.04) == "11.0 s"

@@ -326,6 +326,10 @@ class JobCharts(QWidget):
             self.grid.addWidget(chart, n // columns, n % columns)
         for column in range(COLUMNS):
             self.grid.setColumnStretch(column, 1 if column < columns else 0)
+        rows = -(-len(self.charts()) // columns)
+        for row in range(self.grid.rowCount()):
+            # Rows share the height equally: the loss chart must not be the short one beside tall neighbours.
+            self.grid.setRowStretch(row, 1 if row < rows else 0)
 
     def resizeEvent(self, event: QResizeEvent) -> None:
         super().resizeEvent(event)

@@ -202,7 +202,7 @@ class JobsPage(QWidget):
         self.splitter.addWidget(list_box)
         self.splitter.addWidget(self.detail)
         self.splitter.setStretchFactor(1, 1)
-        self.splitter.setSizes([220, 680])
+        self.splitter.setSizes([130, 770])  # the job list shows a few rows; the charts get the height
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(self.splitter, 1)

@@ -93,6 +93,13 @@ def _combo(name: str, items: list[tuple[Any, str]]) -> QComboBox:
     return box
 
 
+def duration_short(seconds: float) -> str:
+    """A measured time that never reads "0.00 s": milliseconds below a second."""
+    if seconds < 0.001:
+        return "under 1 ms"
+    return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.1f} s"
+
+
 def _spin(name: str, low: int, high: int, value: int, step: int = 1) -> QSpinBox:
     box = QSpinBox()
     box.setObjectName(name)
@@ -616,7 +623,7 @@ class PlannerPage(QWidget):
         result = reply.get("result", reply)
         traced = [n for n in result.get("notes") or [] if n.startswith("memory traced for")]
         self.status.setText(
-            f"Planned in {result.get('elapsed_s', 0):.2f} s: {result.get('considered', 0)} layouts tried."
+            f"{result.get('considered', 0)} layouts searched in {duration_short(result.get('elapsed_s') or 0.0)}."
             + (f" {traced[0][0].upper()}{traced[0][1:]}." if traced else "")
         )
         self._hide_message()
