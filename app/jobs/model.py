@@ -11,11 +11,12 @@ import math
 import time
 from typing import Any
 
-from PySide6.QtCore import QAbstractTableModel, QModelIndex, QPersistentModelIndex, QSortFilterProxyModel, Qt
+from PySide6.QtCore import QModelIndex, QSortFilterProxyModel, Qt
 from PySide6.QtGui import QBrush, QPalette
 from PySide6.QtWidgets import QApplication
 
 from rigpilot.app.widgets.palette import BAD, GOOD, WARN, tint
+from rigpilot.app.widgets.table_model import ColumnsModel, Index
 from rigpilot.app.widgets.units import NA
 from rigpilot.engine.service.store import CANCELLED, COMPLETED, FAILED, INTERRUPTED, QUEUED, RUNNING, STARTING
 
@@ -29,7 +30,6 @@ SORT_ROLE = Qt.ItemDataRole.UserRole
 ID_ROLE = Qt.ItemDataRole.UserRole + 1
 FRACTION_ROLE = Qt.ItemDataRole.UserRole + 2  # 0..1 or None, for the progress bar delegate
 
-Index = QModelIndex | QPersistentModelIndex
 
 
 def duration(seconds: float | None) -> str:
@@ -72,7 +72,9 @@ def eta_of(job: dict[str, Any]) -> float | None:
     return float(eta) if isinstance(eta, int | float) else None
 
 
-class JobListModel(QAbstractTableModel):
+class JobListModel(ColumnsModel):
+    columns = COLUMNS
+
     def __init__(self, parent: Any = None):
         super().__init__(parent)
         self._jobs: list[dict[str, Any]] = []
@@ -120,16 +122,8 @@ class JobListModel(QAbstractTableModel):
         return self._rows.get(job_id)
 
     # -- QAbstractTableModel ------------------------------------------------------------------
-    def rowCount(self, parent: Index = QModelIndex()) -> int:  # noqa: B008 -- Qt's signature
-        return 0 if parent.isValid() else len(self._jobs)
-
-    def columnCount(self, parent: Index = QModelIndex()) -> int:  # noqa: B008 -- Qt's signature
-        return 0 if parent.isValid() else len(COLUMNS)
-
-    def headerData(self, section: int, orientation: Qt.Orientation, role: int = Qt.ItemDataRole.DisplayRole) -> Any:
-        if orientation == Qt.Orientation.Horizontal and role == Qt.ItemDataRole.DisplayRole:
-            return COLUMNS[section]
-        return None
+    def row_count(self) -> int:
+        return len(self._jobs)
 
     def data(self, index: Index, role: int = Qt.ItemDataRole.DisplayRole) -> Any:
         if not index.isValid():

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from PySide6.QtCore import QAbstractTableModel, QModelIndex, QPersistentModelIndex, Qt, Signal
+from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QKeySequence, QShortcut
 from PySide6.QtWidgets import (
     QAbstractItemView,
@@ -27,15 +27,17 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from rigpilot.app.widgets.table_model import ColumnsModel, Index
 from rigpilot.app.widgets.units import NA, gib, si
 
 COLUMNS = ["#", "Prompt", "Completion", "New tokens"]
 MAX_ROWS = 10_000  # a results file past this is read from its file; the table would not be read anyway
 FIT_ROWS = 500  # rows sized to their text; past this, one line each (the tooltip has the rest)
-Index = QModelIndex | QPersistentModelIndex
 
 
-class CompletionsModel(QAbstractTableModel):
+class CompletionsModel(ColumnsModel):
+    columns = COLUMNS
+
     def __init__(self, parent: Any = None):
         super().__init__(parent)
         self.rows: list[dict[str, Any]] = []
@@ -45,16 +47,8 @@ class CompletionsModel(QAbstractTableModel):
         self.rows = list(rows)
         self.endResetModel()
 
-    def rowCount(self, parent: Index = QModelIndex()) -> int:  # noqa: B008 -- Qt's signature
-        return 0 if parent.isValid() else len(self.rows)
-
-    def columnCount(self, parent: Index = QModelIndex()) -> int:  # noqa: B008 -- Qt's signature
-        return 0 if parent.isValid() else len(COLUMNS)
-
-    def headerData(self, section: int, orientation: Qt.Orientation, role: int = Qt.ItemDataRole.DisplayRole) -> Any:
-        if orientation == Qt.Orientation.Horizontal and role == Qt.ItemDataRole.DisplayRole:
-            return COLUMNS[section]
-        return None
+    def row_count(self) -> int:
+        return len(self.rows)
 
     def data(self, index: Index, role: int = Qt.ItemDataRole.DisplayRole) -> Any:
         if not index.isValid():
