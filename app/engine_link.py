@@ -102,6 +102,14 @@ class EngineLink(QObject):
             log.debug("engine link closed: %s not sent", rtype)
             return
 
+        self._in_background(lambda: self._client().request(rtype, **args), on_done, on_error)
+
+    def _in_background(
+        self, work: Callable[[], Any], on_done: Callable[[Any], None] | None,
+        on_error: Callable[[BaseException], None] | None,
+    ) -> None:  # fmt: skip
+        """`work` off the GUI thread; its answer (or error) back on it, unless the link was stopped meanwhile."""
+
         def done(result: Any) -> None:
             if not self._closed and on_done is not None:
                 on_done(result)
@@ -110,7 +118,7 @@ class EngineLink(QObject):
             if not self._closed:
                 (on_error or report_error)(error)
 
-        run_in_background(lambda: self._client().request(rtype, **args), done, failed)
+        run_in_background(work, done, failed)
 
     def _client(self) -> EngineClient:
         client = getattr(self._local, "client", None)
@@ -227,15 +235,7 @@ class EngineLink(QObject):
             finally:
                 self._restarting.clear()
 
-        def done(hello: Any) -> None:
-            if not self._closed and on_done is not None:
-                on_done(hello)
-
-        def failed(error: BaseException) -> None:
-            if not self._closed:
-                (on_error or report_error)(error)
-
-        run_in_background(work, done, failed)
+        self._in_background(work, on_done, on_error)
 
     def _apply_pending(self, client: EngineClient) -> None:
         with self._lock:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_service_engine import wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 PROFILE = "4x-rtx4090"
@@ -50,17 +51,6 @@ pytestmark = [
         shutil.which("xdotool") is None, reason="xdotool is not installed (Debian: apt-get install xdotool)"
     ),
 ]
-
-
-def wait_for(what: str, predicate: Callable[[], Any], timeout: float, interval: float = 0.2) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {what} after {timeout:.0f} s")
-        time.sleep(interval)
 
 
 @dataclass
@@ -120,7 +110,7 @@ class Desktop:
             w = self.probe()["widgets"].get(name)
             return w if w is not None and when(w) else None
 
-        return wait_for(f"visible widget {name!r}", seen, timeout)
+        return wait_for(seen, timeout, what=f"visible widget {name!r}")
 
     def click(self, rect: list[int]) -> None:
         """A left click in the middle of a screen rectangle [x, y, width, height], through XTEST."""
@@ -209,7 +199,7 @@ def desktop(tmp_path, monkeypatch):
     try:
         if shutil.which("openbox"):
             _start(d, ["openbox"], "openbox.log")
-            wait_for("window manager", lambda: _window_manager_up(d), 10)
+            wait_for(lambda: _window_manager_up(d), 10, what="window manager")
         yield d
     finally:
         if d.engine is not None:
@@ -239,7 +229,7 @@ def start_engine(d: Desktop) -> None:
         except Exception:
             return False
 
-    wait_for("engine service", answers, START_TIMEOUT_S)
+    wait_for(answers, START_TIMEOUT_S, what="engine service")
 
 
 def start_app(d: Desktop) -> str:
@@ -251,7 +241,7 @@ def start_app(d: Desktop) -> str:
         found = d.windows(f"^{MAIN_TITLE}")
         return found[0] if found else ""
 
-    main = wait_for("connected main window", window, START_TIMEOUT_S)
+    main = wait_for(window, START_TIMEOUT_S, what="connected main window")
     time.sleep(2.0)  # the start-up check of the worker environment answers 1.5 s after the first frame
     d.screenshot("app-started", main, keep=False)
     return main
@@ -261,7 +251,7 @@ def open_wizard_with_ctrl_n(d: Desktop, main: str) -> str:
     """Ctrl+N in the main window opens the job wizard; returns the wizard's window id."""
     assert not d.windows(f"^{WIZARD_TITLE}$")
     d.press(main, "ctrl+n")
-    wizard = wait_for("job wizard after Ctrl+N", lambda: (d.windows(f"^{WIZARD_TITLE}$") or [""])[0], 20)
+    wizard = wait_for(lambda: (d.windows(f"^{WIZARD_TITLE}$") or [""])[0], 20, what="job wizard after Ctrl+N")
     d.screenshot("new-job", wizard)
     return wizard
 
@@ -289,7 +279,7 @@ def launch_with_the_defaults(d: Desktop, wizard: str) -> str:
             d.screenshot("wizard-next", keep=False)
     (job,) = new
     assert job["kind"] == "train" and "tiny-llama" in (job.get("name") or ""), job
-    wait_for("the wizard to close after Launch", lambda: not d.windows(f"^{WIZARD_TITLE}$"), 20)
+    wait_for(lambda: not d.windows(f"^{WIZARD_TITLE}$"), 20, what="the wizard to close after Launch")
     return job["id"]
 
 
@@ -320,7 +310,7 @@ def watch_the_loss_fall(d: Desktop, main: str, job_id: str) -> dict[int, float]:
         seen["losses"] = by_step
         return state == "completed"
 
-    wait_for("completed example job", done, JOB_TIMEOUT_S, interval=1.0)
+    wait_for(done, JOB_TIMEOUT_S, interval=1.0, what="completed example job")
     time.sleep(1.0)  # the Jobs page draws the last records
     d.screenshot("job-completed", main, keep=False)
     by_step = losses(d, job_id)[0]
@@ -370,7 +360,7 @@ def try_it(d: Desktop, main: str) -> None:
     d.click(d.widget("tryPrompt", when=lambda w: w["enabled"])["rect"])
     d.type_text("ROMEO:")
     d.xdotool("key", "--clearmodifiers", "Return")
-    new = wait_for("the Try it job", lambda: [j for j in jobs(d) if j["id"] not in before], 30)
+    new = wait_for(lambda: [j for j in jobs(d) if j["id"] not in before], 30, what="the Try it job")
     (job,) = new
     assert job["kind"] == "infer", job
 
@@ -379,7 +369,7 @@ def try_it(d: Desktop, main: str) -> None:
         assert state not in ("failed", "cancelled"), d.engine_request("job", job=job["id"])
         return state == "completed"
 
-    wait_for("the Try it job to complete", finished, JOB_TIMEOUT_S, interval=1.0)
+    wait_for(finished, JOB_TIMEOUT_S, interval=1.0, what="the Try it job to complete")
     (result,) = d.engine_request("results", job=job["id"])["results"]
     shown = d.widget("tryOutput", when=lambda w: w.get("text"))["text"]
     assert result["new_tokens"] > 0, result
@@ -401,8 +391,8 @@ def switch_the_machine_in_settings(d: Desktop, main: str, wanted: str = "H100") 
     d.xdotool("key", "Return")
     d.widget("simulatedProfile", when=lambda w: w["current"] == target)
     d.click(d.widget("save", when=lambda w: w["enabled"])["rect"])
-    label = wait_for("the engine on the new machine", lambda: wanted in cli_machine(d)["label"] and cli_machine(d)["label"], 30)
-    wait_for("the window title to follow", lambda: d.xdotool("getwindowname", main) == f"{MAIN_TITLE}{label}", 20)
+    label = wait_for(lambda: wanted in cli_machine(d)["label"] and cli_machine(d)["label"], 30, what="the engine on the new machine")
+    wait_for(lambda: d.xdotool("getwindowname", main) == f"{MAIN_TITLE}{label}", 20, what="the window title to follow")
     d.screenshot("settings", main)
     gpus = len(cli_machine(d)["gpus"])
     d.press(main, "ctrl+1")  # the dashboard: one card per GPU of the new machine
