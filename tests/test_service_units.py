@@ -3,6 +3,7 @@
 import io
 import json
 import os
+import sqlite3
 import stat
 import sys
 import time
@@ -391,6 +392,26 @@ def test_job_store_round_trip_and_lookup(tmp_path):
     assert [r.id for r in store.find("ab1")] == ["ab12cd"] and [r.id for r in store.find("demo")] == ["ab12cd"]
     assert store.find("zz") == []
     assert store._db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_job_store_adds_columns_for_new_fields_and_old_rows_read_as_defaults(tmp_path):
+    db = tmp_path / "engine.db"
+    store = JobStore(db)
+    rec = JobRecord(id="ab12cd", seq=1, kind="train", name="old", state=QUEUED, gpus=[0], ranks=1,
+                    simulated=True, created=1.0)  # fmt: skip
+    store.insert(rec)
+    store.close()
+    # A table as an older engine made it: without the newest fields' columns.
+    con = sqlite3.connect(db)
+    con.execute("ALTER TABLE jobs DROP COLUMN last_log")
+    con.execute("ALTER TABLE jobs DROP COLUMN resumable")
+    con.commit()
+    con.close()
+    again = JobStore(db)
+    old = again.get("ab12cd")
+    assert old.last_log == [] and old.resumable is False and old.name == "old"
+    again.update(old, last_log=["a"], resumable=True)
+    assert JobStore(db).get("ab12cd") == old
 
 
 def test_telemetry_store_thins_old_samples_and_pages(tmp_path):

@@ -59,6 +59,12 @@ class JobRecord:
 
 
 _FIELDS = [f.name for f in dataclasses.fields(JobRecord)]
+# A NULL in a column added after the row was written means "the field's default".
+_DEFAULTS = {
+    f.name: (f.default_factory if f.default_factory is not dataclasses.MISSING else (lambda d=f.default: d))
+    for f in dataclasses.fields(JobRecord)
+    if f.default_factory is not dataclasses.MISSING or (f.default is not dataclasses.MISSING and f.default is not None)
+}
 _JSON_FIELDS = {"gpus", "last_log", "predicted", "measured", "error"}
 _BOOL_FIELDS = {"simulated", "cancel_requested", "resumable"}
 
@@ -75,13 +81,14 @@ def _from_row(row: sqlite3.Row) -> JobRecord:
     values = {}
     for name in _FIELDS:
         v = row[name]
+        if v is None and name in _DEFAULTS:
+            values[name] = _DEFAULTS[name]()
+            continue
         if name in _JSON_FIELDS and v is not None:
             v = json.loads(v)
         elif name in _BOOL_FIELDS:
             v = bool(v)
         values[name] = v
-    if values["last_log"] is None:
-        values["last_log"] = []
     return JobRecord(**values)
 
 
@@ -117,6 +124,13 @@ class JobStore:
                 self._db.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")
             elif version > _SCHEMA_VERSION:
                 raise RuntimeError(f"{self.path} was written by a newer Rigpilot (schema {version})")
+            # Fields added to JobRecord since the table was made get a column of their own; rows written
+            # before read as the field's default. Older engines ignore columns they do not know, so this
+            # needs no schema version of its own.
+            have = {row[1] for row in self._db.execute("PRAGMA table_info(jobs)")}
+            for name in _FIELDS:
+                if name not in have:
+                    self._db.execute(f"ALTER TABLE jobs ADD COLUMN {name}")
 
     def close(self) -> None:
         with self._lock:
