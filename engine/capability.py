@@ -55,6 +55,8 @@ class Layout:
     optimizer: str = "adamw"  # training only
     weight_bits: int = 16  # inference: 16 (the precision), 8 or 4
     model_type: str | None = None  # config.json's model_type; None when not known yet (the worker checks)
+    nodes: int = 1  # machines the job spans
+    gpus_per_node: int = 0  # ranks on each node when nodes > 1 (0: one node, every rank on it)
 
 
 def why_not(layout: Layout) -> str | None:
@@ -63,6 +65,15 @@ def why_not(layout: Layout) -> str | None:
     for name in ("dp_replicate", "dp_shard", "tp", "pp"):
         if getattr(lt, name) < 1:
             return f"parallel degree {name} must be at least 1"
+    if lt.nodes < 1:
+        return "a job spans at least one node"
+    if lt.nodes > 1 and lt.tp > 1 and lt.tp > lt.gpus_per_node:
+        # TP all-reduces every layer's activations, forward and backward: over the link between machines that
+        # is the step itself, so the planner never proposes it and the engine never starts it.
+        return (
+            f"tensor parallel over {lt.tp} GPUs would cross nodes of {lt.gpus_per_node} GPUs: "
+            f"keep tp at most {lt.gpus_per_node} and split across nodes with data or pipeline parallel"
+        )
     mt = lt.model_type
     if lt.kind == "train":
         if lt.method not in TRAIN_METHODS:
@@ -121,6 +132,8 @@ def layout_of_plan(plan: dict[str, Any]) -> Layout:
         optimizer=str(work.get("optimizer") or "adamw") if task == "train" else "adamw",
         weight_bits=_int(work.get("weight_bits"), 16),
         model_type=plan.get("model_type") or None,
+        nodes=_int(par.get("nodes")),
+        gpus_per_node=len(par["gpu_indices"]) if _int(par.get("nodes")) > 1 and isinstance(par.get("gpu_indices"), list) else 0,
     )
 
 

@@ -3,6 +3,8 @@
     rigpilot plan --model llama-3.1-8b --task train --method lora --gpus 0,1
     rigpilot plan --model ./my-model --task infer --quant 4bit --json
     rigpilot plan --model mistral-7b --export deepspeed > ds_config.json
+    rigpilot plan --model llama-3.1-8b --nodes 2 --internode 25gbe
+    rigpilot plan --model llama-3.1-8b --node-machine box1.json --node-machine box2.json --internode ndr
 
 Prints the best plan with its explanation, runners-up and rejected families (or
 the smallest changes that make it fit). With --export the artifact goes to
@@ -21,6 +23,7 @@ from typing import Any
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.planner.calibration import MachineCalibration, apply_stored
 from rigpilot.engine.planner.calibration import apply as apply_calibration
+from rigpilot.engine.planner.cluster import DEFAULT_LINK, MAX_NODES, NODE_LINKS, check_nodes, node_link
 from rigpilot.engine.planner.export import EXPORTS, export_best
 from rigpilot.engine.planner.memory import fmt_gib
 from rigpilot.engine.planner.plan import METHODS, OPTIMIZERS, PRECISIONS, LoraSettings, Plan, Workload
@@ -66,7 +69,20 @@ def register(subparsers: Any, parents: list[argparse.ArgumentParser] | None = No
     g.add_argument("--offload", choices=OFFLOAD_CHOICES, default="auto",
                    help="training: CPU offload only where nothing else fits (auto), always (on) or never (off)")  # fmt: skip
     g.add_argument("--calibration", type=Path, metavar="FILE", help="what `rigpilot run calibrate` measured on this machine (its output/calibration.json)")
-    g.add_argument("--nodes", type=int, default=1, metavar="N", help="--export slurm: number of nodes")
+    m = p.add_argument_group("several machines")
+    m.add_argument(
+        "--nodes", default="1", metavar="N",
+        help=f"plan for up to N identical nodes like this machine (1 to {MAX_NODES}); TP stays inside a node",
+    )  # fmt: skip
+    m.add_argument(
+        "--internode", default=DEFAULT_LINK, metavar="LINK",
+        help=f"the link between nodes: {', '.join(NODE_LINKS)} or a measured bandwidth in GB/s (default {DEFAULT_LINK})",
+    )  # fmt: skip
+    m.add_argument(
+        "--node-machine", dest="node_machines", action="append", metavar="FILE|PROFILE",
+        help="one node's machine: a simulated profile, a machine JSON (rigpilot gpus --json) or nvidia-smi "
+        "files joined by commas; repeat once per node (the nodes must carry the same GPUs)",
+    )  # fmt: skip
     g.add_argument("--script", metavar="FILE", help="the training or inference script exports launch")
     g.add_argument(
         "--no-verify", action="store_true",
@@ -84,6 +100,45 @@ def parse_gpus(text: str | None) -> list[int] | None:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise UserError(f"--gpus takes GPU indices separated by commas, like 0,1,3 (got {text!r})") from None
+
+
+def parse_nodes(text: str | int) -> int:
+    try:
+        return check_nodes(int(str(text).strip()))
+    except ValueError:
+        raise UserError(f"--nodes must be a whole number from 1 to {MAX_NODES} (got {str(text)[:40]!r})") from None
+
+
+def load_node_machine(text: str) -> Any:
+    """One `--node-machine`: a simulated profile's id, a machine JSON file, or nvidia-smi files joined by commas.
+
+    A machine JSON goes through the same check as the engine's `plan` request (planworker.plan_machine)."""
+    from rigpilot.engine.hardware.simulated import list_profiles
+    from rigpilot.engine.service.planworker import plan_machine
+    from rigpilot.engine.service.protocol import ProtocolError
+
+    if text in {p["id"] for p in list_profiles()}:
+        return plan_machine(text)
+    paths = [Path(x) for x in text.split(",") if x.strip()]
+    for path in paths:
+        if not path.is_file():
+            raise UserError(f"--node-machine {text!r}: {path} is not a file nor a simulated profile")
+    if len(paths) == 1 and paths[0].suffix.lower() == ".json":
+        try:
+            doc = json.loads(paths[0].read_text())
+        except (OSError, ValueError) as e:
+            raise UserError(f"--node-machine {paths[0]}: not a machine JSON ({e})") from None
+        if isinstance(doc, dict) and isinstance(doc.get("machine"), dict):
+            doc = doc["machine"]  # what `rigpilot gpus --json` prints
+        try:
+            return plan_machine(doc)
+        except ProtocolError as e:
+            raise UserError(f"--node-machine {paths[0]}: {e.message}") from None
+    from rigpilot.engine.hardware.discovery import open_backend
+
+    found = open_backend(import_paths=paths)
+    found.backend.close()
+    return found.machine
 
 
 def workload_from_args(args: argparse.Namespace, context: int | None) -> Workload:
@@ -148,8 +203,9 @@ def run_plan(args: argparse.Namespace) -> int:
     machine = factory()
     spec = describe_model(args.model)
     workload = workload_from_args(args, spec.max_position_embeddings)
-    if args.export == "slurm" and args.nodes < 1:
-        raise UserError("--nodes must be at least 1")
+    nodes = parse_nodes(args.nodes)
+    node_link(args.internode)  # a bad --internode is refused before any work
+    node_machines = [load_node_machine(x) for x in args.node_machines] if args.node_machines else None
     stored = getattr(args, "stored_calibration", None)
     if args.calibration is None and stored is not None:
         # The machine the engine runs on: its latest calibration counts here as in the engine's planner.
@@ -158,14 +214,15 @@ def run_plan(args: argparse.Namespace) -> int:
         calibrated = apply_calibration(_calibration(args.calibration), machine, workload.precision)
     # One search, with or without --export: the export translates the plan `plan` shows into the tool's terms.
     result = search_checked(
-        spec, machine, workload, calibrated, gpus=parse_gpus(args.gpus), options=SearchOptions(force_tp=args.force_tp, offload=args.offload),
-        verify=not getattr(args, "no_verify", False),
+        spec, machine, workload, calibrated, gpus=parse_gpus(args.gpus),
+        options=SearchOptions(force_tp=args.force_tp, offload=args.offload, nodes=nodes, internode=args.internode),
+        verify=not getattr(args, "no_verify", False), node_machines=node_machines,
     )  # fmt: skip
     calibrated_status = calibrated[1]
     artifact, exported, instead = None, None, None
     if args.export and result.best is not None:
         plans = [result.best, *result.runners_up]
-        artifact, exported, instead = export_best(plans, args.export, script=args.script, nodes=args.nodes)
+        artifact, exported, instead = export_best(plans, args.export, script=args.script)
     if getattr(args, "json", False):
         payload = {"schema": "rigpilot.plan-search/1", **result.to_dict(), "calibration": calibrated_status.to_dict()}
         if args.export:

@@ -112,11 +112,15 @@ def explain(
     topo: Topology,
     m: ModelFacts,
     timing_of: Callable[[Parallelism], Timing],
+    gpus: list[int] | None = None,
 ) -> list[str]:
+    """`gpus`: the GPUs to describe as "your GPUs" in `topo`'s numbering (a multi-node search: one node's)."""
     w = result.workload
     lines: list[str] = []
-    gpus = result.gpu_indices
+    gpus = gpus or result.gpu_indices
     who = gpus_text(topo, gpus)
+    if result.nodes > 1:
+        who = f"{number_word(result.nodes)} nodes of {who} each"
     model = f"{m.spec.id or m.spec.model_type} ({params_text(m.params)} parameters)"
     best = result.best
     if best is None:
@@ -153,7 +157,7 @@ def explain(
             )
     if best is not None and best.runs_here:
         lines.extend(_passed_over(best, cands))
-    lines.extend(_topology_lines(result, cands, topo, timing_of))
+    lines.extend(_topology_lines(result, cands, topo, timing_of, gpus))
     for r in result.rejected:
         lines.append(f"Rejected {r.family}: {r.reason}.")
     if best is not None:
@@ -214,9 +218,9 @@ def _memory_line(plan: Plan) -> str:
 
 
 def _topology_lines(
-    result: SearchResult, cands: list[Candidate], topo: Topology, timing_of: Callable[[Parallelism], Timing]
+    result: SearchResult, cands: list[Candidate], topo: Topology, timing_of: Callable[[Parallelism], Timing],
+    gpus: list[int],
 ) -> list[str]:
-    gpus = result.gpu_indices
     if len(gpus) < 2:
         return []
     who = gpus_text(topo, gpus)

@@ -27,10 +27,12 @@ CHECKPOINTING_NOTE = (
 )
 
 
-def export(plan: Plan, target: str, *, script: str | None = None, plan_path: str = "plan.json", nodes: int = 1) -> str:
+def export(plan: Plan, target: str, *, script: str | None = None, plan_path: str = "plan.json", nodes: int | None = None) -> str:
     if target == "torchrun":
         return torchrun_command(plan, script=script, plan_path=plan_path)
     if target == "accelerate":
+        if plan.parallelism.nodes > 1:
+            raise UserError("Accelerate configs are exported for one node; export a multi-node plan for torchrun or SLURM")
         return accelerate_config(plan)
     if target == "deepspeed":
         return json.dumps(deepspeed_config(plan), indent=2)
@@ -118,6 +120,12 @@ def torchrun_command(plan: Plan, *, script: str | None = None, plan_path: str = 
     if not plan.workload.training and par.tp == 1:
         # A layer split (device_map) or a single GPU runs in one process that sees all the plan's GPUs.
         return f"{env} python {args}"
+    if par.nodes > 1:
+        # The same line on every node, each with its NODE_RANK and the first node's address as HEAD.
+        return (
+            f"{env} torchrun --nnodes={par.nodes} --node-rank=\"$NODE_RANK\" --nproc-per-node={par.gpus_per_node} "
+            f"--rdzv-backend=c10d --rdzv-endpoint=\"$HEAD:{RDZV_PORT}\" {args}"
+        )
     return f"{env} torchrun --standalone --nnodes=1 --nproc-per-node={par.world_size} {args}"
 
 
@@ -282,11 +290,16 @@ def deepspeed_config(plan: Plan) -> dict[str, Any]:
     return cfg
 
 
-def slurm_script(plan: Plan, *, nodes: int = 1, script: str | None = None, plan_path: str = "plan.json") -> str:
-    """An sbatch script running the plan's per-node layout on `nodes` nodes, data-parallel across them."""
+def slurm_script(plan: Plan, *, nodes: int | None = None, script: str | None = None, plan_path: str = "plan.json") -> str:
+    """An sbatch script running the plan: a multi-node plan on its own nodes; a one-node plan's per-node layout
+    on `nodes` nodes (default 1), data-parallel across them."""
+    par, w = plan.parallelism, plan.workload
+    if nodes is None:
+        nodes = par.nodes
     if nodes < 1:
         raise UserError("--nodes must be at least 1")
-    par, w = plan.parallelism, plan.workload
+    if par.nodes > 1 and nodes != par.nodes:
+        raise UserError(f"this plan spans {par.nodes} nodes; plan again with --nodes {nodes} to run it on {nodes}")
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", w.model.split("/")[-1]).strip("-") or "job"
     env = _env(plan)
     lines = [
@@ -294,12 +307,12 @@ def slurm_script(plan: Plan, *, nodes: int = 1, script: str | None = None, plan_
         f"#SBATCH --job-name=rigpilot-{name}",
         f"#SBATCH --nodes={nodes}",
         "#SBATCH --ntasks-per-node=1",
-        f"#SBATCH --gpus-per-node={par.world_size}",
+        f"#SBATCH --gpus-per-node={par.gpus_per_node}",
         "#SBATCH --exclusive",
         "#SBATCH --output=%x-%j.out",
         f"# Rigpilot plan, per node: {par.describe()}.",
     ]
-    if nodes > 1 and w.training:
+    if nodes > 1 and par.nodes == 1 and w.training:
         lines.append(f"# Data parallelism spans the {nodes} nodes: each optimizer step sees {nodes} × {w.global_batch} sequences.")
     lines += [
         "set -euo pipefail",
@@ -309,7 +322,7 @@ def slurm_script(plan: Plan, *, nodes: int = 1, script: str | None = None, plan_
         "",
         "srun torchrun \\",
         '    --nnodes="$SLURM_NNODES" \\',
-        f"    --nproc-per-node={par.world_size} \\",
+        f"    --nproc-per-node={par.gpus_per_node} \\",
         '    --rdzv-id="$SLURM_JOB_ID" \\',
         "    --rdzv-backend=c10d \\",
         f'    --rdzv-endpoint="$head:{RDZV_PORT}" \\',

@@ -22,6 +22,7 @@ from rigpilot import resources
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.machine import P2P, Gpu, GpuPair, Machine, PciePath, short_gpu_name
 from rigpilot.engine.hardware.specs import match_spec
+from rigpilot.engine.planner.cluster import NodeLink
 from rigpilot.engine.planner.plan import Figure
 
 # NVLink per link and direction by generation, GB/s, for GPUs the spec table does not know.
@@ -85,6 +86,23 @@ class Calibration:
     def to_dict(self) -> dict[str, Any]:
         return {"matmul_tflops": {str(k): v for k, v in self.matmul_tflops.items()}, "bus_bandwidth_gbs": dict(self.bus_bandwidth_gbs)}
 
+    def for_nodes(self, local: list[int], nodes: int) -> Calibration:
+        """This machine's figures carried to the same GPUs of every (identical) node of a multi-node search,
+        whose GPU node · len(local) + k is `local[k]` of that node (engine.planner.cluster)."""
+        pos = {i: k for k, i in enumerate(local)}
+        mm: dict[int, float] = {}
+        bw: dict[str, float] = {}
+        for n in range(nodes):
+            base = n * len(local)
+            for i, v in self.matmul_tflops.items():
+                if i in pos:
+                    mm[base + pos[i]] = v
+            for key, v in self.bus_bandwidth_gbs.items():
+                members = _parse_group(key)
+                if all(i in pos for i in members):
+                    bw[",".join(str(x) for x in sorted(base + pos[i] for i in members))] = v
+        return Calibration(mm, bw)
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Calibration:
         try:
@@ -136,7 +154,7 @@ class GpuPerf:
 
 @dataclass(frozen=True)
 class Link:
-    kind: str  # "nvswitch" | "nvlink" | "p2p" | "host" | "sys" | "self"
+    kind: str  # "nvswitch" | "nvlink" | "p2p" | "host" | "sys" | "self" | "network" (between nodes)
     gbs: float  # achievable collective bus bandwidth over this hop, one direction, GB/s
     latency_s: float
     label: str  # a noun phrase: "NVLink NV4", "PCIe P2P (PIX)", "host memory (no P2P)"
@@ -158,21 +176,42 @@ _SELF = Link("self", float("inf"), 0.0, "same GPU")
 class Topology:
     """The selected GPUs' compute and links, with measured numbers taking precedence."""
 
-    def __init__(self, machine: Machine, gpu_indices: list[int], calibration: Calibration | None = None) -> None:
+    def __init__(
+        self, machine: Machine, gpu_indices: list[int], calibration: Calibration | None = None, *,
+        per_node: int = 0, internode: NodeLink | None = None,
+    ) -> None:  # fmt: skip
+        """`per_node` > 0 with `internode`: `machine` is several nodes (engine.planner.cluster), GPU g on node
+        g // per_node, and GPUs of different nodes reach each other only over `internode`."""
         self.machine = machine
         self.indices = list(gpu_indices)
         self.calibration = calibration or Calibration()
+        self.per_node = per_node if internode is not None else 0
+        self.internode = internode
         self.gpus: dict[int, GpuPerf] = {i: gpu_perf(machine.gpu(i), self.calibration) for i in self.indices}
         self._links: dict[tuple[int, int], Link] = {}
         self._rings: dict[frozenset[int], Link] = {}
         self._partitions: dict[tuple[tuple[int, ...], int], list[list[int]]] = {}
 
     # -- links -------------------------------------------------------------------------------------
+    def node_of(self, g: int) -> int:
+        return g // self.per_node if self.per_node else 0
+
+    def crosses_nodes(self, group: list[int]) -> bool:
+        return bool(self.per_node) and len({self.node_of(g) for g in group}) > 1
+
+    def nic(self) -> Link:
+        """One node's NICs, as one link (only for a multi-node topology)."""
+        assert self.internode is not None
+        nl = self.internode
+        return Link("network", nl.gbs, nl.latency_s, nl.label, measured=nl.source == "given")
+
     def link(self, a: int, b: int) -> Link:
         if a == b:
             return _SELF
         key = (min(a, b), max(a, b))
         found = self._links.get(key)
+        if found is None and self.crosses_nodes([a, b]):
+            found = self._links[key] = self.nic()
         if found is None:
             found = self._links[key] = _pair_link(self.machine, self.gpus[key[0]], self.gpus[key[1]])
         return found
@@ -185,6 +224,8 @@ class Topology:
             return found
         if len(key) < 2:
             found = _SELF
+        elif self.crosses_nodes(list(key)):
+            found = self._hierarchical([sorted(key)])
         else:
             order = self._best_ring(sorted(key))
             hops = [self.link(order[i], order[(i + 1) % len(order)]) for i in range(len(order))]
@@ -218,7 +259,10 @@ class Topology:
         Groups whose slowest hop goes through host memory or across sockets share
         that path, so each gets its share of it.
         """
-        rings = [self.ring(g) for g in groups if len(g) > 1]
+        rings = [self.ring(g) for g in groups if len(g) > 1 and not self.crosses_nodes(g)]
+        if any(self.crosses_nodes(g) for g in groups):
+            # Groups inside a node run beside those across nodes: the slower of the two binds.
+            return min([self._hierarchical(groups), *rings], key=lambda x: x.gbs)
         if not rings:
             return _SELF
         shared = sum(1 for r in rings if r.kind in ("host", "sys") and not r.measured)
@@ -226,6 +270,46 @@ class Topology:
         if worst.kind in ("host", "sys") and shared > 1 and not worst.measured:
             return Link(worst.kind, worst.gbs / shared, worst.latency_s, f"{worst.label}, shared by {shared} groups")
         return worst
+
+    def _hierarchical(self, groups: list[list[int]]) -> Link:
+        """The link that, in the ring formulas of engine.planner.speed, gives a hierarchical collective's time.
+
+        Across nodes NCCL reduces inside each node first (on the node's own links), moves only what each
+        node contributes over its NICs, then spreads the result inside the node again (its tree and
+        NVLS/CollNet algorithms; a flat ring would cross each node's NIC with up to twice the bytes on
+        two nodes). An all-reduce of B bytes over N nodes of k GPUs each then takes
+            2(k-1)/k · B / intra  +  2(N-1)/N · B · m/k / nic
+        where m GPUs of a node run such collectives at once (m/k groups share its NICs). The returned
+        link's bandwidth is 2(n-1)/n divided by that time per byte (n = N·k), so allreduce_s and
+        gather_s (half of each term) give exactly this; its latency makes 2(n-1)·latency the same sum.
+        """
+        nic = self.nic()
+        cross = [g for g in groups if self.crosses_nodes(g)]
+        sharing: dict[int, int] = {}
+        for g in cross:
+            for x in g:
+                sharing[self.node_of(x)] = sharing.get(self.node_of(x), 0) + 1
+        m = max(sharing.values())
+        worst: tuple[float, float, Link, int] | None = None
+        for g in cross:
+            by_node: dict[int, list[int]] = {}
+            for x in g:
+                by_node.setdefault(self.node_of(x), []).append(x)
+            nodes, k, n = len(by_node), max(len(v) for v in by_node.values()), len(g)
+            intra = min((self.ring(v) for v in by_node.values() if len(v) > 1), key=lambda x: x.gbs, default=_SELF)
+            per_byte = (2 * (k - 1) / k / (intra.gbs * 1e9) if k > 1 else 0.0) + 2 * (nodes - 1) / nodes * m / k / (nic.gbs * 1e9)
+            gbs = 2 * (n - 1) / n / per_byte / 1e9
+            latency = ((k - 1) * intra.latency_s + (nodes - 1) * nic.latency_s) / (n - 1)
+            if worst is None or gbs < worst[0]:
+                worst = (gbs, latency, intra, k)
+        assert worst is not None
+        gbs, latency, intra, k = worst
+        label = f"{nic.label} between nodes"
+        if m > 1:
+            label += f" ({m} GPUs of a node share it)"
+        if k > 1:
+            label += f", {intra.label} inside each"
+        return Link("network", gbs, latency, label, measured=nic.measured)
 
     # -- grouping ------------------------------------------------------------------------------------
     def partition(self, gpus: list[int], size: int) -> list[list[int]]:

@@ -66,7 +66,16 @@ class Workload:
 
 @dataclass
 class Parallelism:
-    """How a workload is split over GPUs. Ranks map to `gpu_indices` in order (pp, dp, tp; tp fastest)."""
+    """How a workload is split over GPUs. Ranks map to `gpu_indices` in order (pp, dp, tp; tp fastest).
+
+    Several machines: the plan spans `nodes` identical nodes and `gpu_indices` are the GPUs it uses on EACH
+    node; the degrees dp, tp and pp are global (dp·tp·pp = nodes · len(gpu_indices)). Ranks are node-major
+    (torchrun: rank = node_rank · nproc_per_node + local_rank), so rank r runs on node r // len(gpu_indices),
+    GPU gpu_indices[r % len(gpu_indices)], and tp <= len(gpu_indices) keeps tensor parallelism inside a node
+    (engine.capability refuses anything else). `internode` describes the link between nodes the plan was
+    made for (engine.planner.cluster.NodeLink.to_dict: name, label, gbits_per_nic, nics, efficiency, gbs
+    achievable per node, latency_s, source); None on one node. Plans saved before these fields read as one node.
+    """
 
     gpu_indices: list[int]
     dp: int = 1  # data-parallel replicas (= dp_replicate × dp_shard)
@@ -87,6 +96,12 @@ class Parallelism:
     offload_optimizer: bool = False
     offload_params: bool = False
     stage_layers: list[list[int]] = field(default_factory=list)  # [first, end) layers of each pipeline stage
+    nodes: int = 1
+    internode: dict[str, Any] | None = None
+
+    @property
+    def gpus_per_node(self) -> int:
+        return len(self.gpu_indices) if self.nodes > 1 else self.world_size
 
     @property
     def world_size(self) -> int:
@@ -133,6 +148,13 @@ class Parallelism:
 
     def describe(self) -> str:
         """One line: 'FSDP (ZeRO-3) over 8 GPUs, micro-batch 2 × 2 accumulation, full checkpointing'."""
+        text = self._describe()
+        if self.nodes > 1:
+            link = (self.internode or {}).get("label")
+            text += f", on {self.nodes} nodes of {len(self.gpu_indices)} GPUs" + (f" joined by {link}" if link else "")
+        return text
+
+    def _describe(self) -> str:
         parts = []
         n = self.world_size
         if self.backend == "inference":
@@ -192,6 +214,7 @@ class MemoryBreakdown:
     headroom: int  # capacity - the larger of total and traced (negative: does not fit)
     # Bytes of a traced step of the engine's own model plus `overhead` (planner.verify), None when not traced.
     traced: int | None = None
+    node: int = 0  # multi-node plans: the node this GPU is on (`gpu` is its index there)
 
     @property
     def fits(self) -> bool:
@@ -271,6 +294,10 @@ class Plan:
     runs_here_reason: str = ""
     # planner.verify: "traced: <how>, <seconds>" or "not verified: <reason>"; empty when not attempted.
     verification: str = ""
+    # Multi-node plans: how they scale against the best plan on one of their nodes (engine.planner.scaling):
+    # nodes, one_node_tokens_per_s (None where nothing fits on one node), speedup, efficiency (speedup / nodes),
+    # internode_s (per step on the link between nodes) and internode_exposed_s (of it, not hidden). None on one node.
+    scaling: dict[str, Any] | None = None
 
     @property
     def fits(self) -> bool:
@@ -306,9 +333,15 @@ class Plan:
             t = dict(d["timing"])
             t["comm"] = [CommItem(**c) for c in t.get("comm", [])]
             t["figures"] = [Figure(**f) for f in t.get("figures", [])]
+            par = Parallelism(**{k: v for k, v in d["parallelism"].items() if k in _PARALLELISM_FIELDS})
+            if not isinstance(par.nodes, int) or isinstance(par.nodes, bool) or par.nodes < 1:
+                raise UserError(f"malformed plan: parallelism.nodes must be a whole number of at least 1, not {par.nodes!r}")
+            if par.internode is not None and not isinstance(par.internode, dict):
+                raise UserError("malformed plan: parallelism.internode must be an object or null")
+            scaling = d.get("scaling")
             return cls(
                 workload=Workload(**w),
-                parallelism=Parallelism(**{k: v for k, v in d["parallelism"].items() if k in _PARALLELISM_FIELDS}),
+                parallelism=par,
                 memory=[MemoryBreakdown(**m) for m in d["memory"]],
                 host=HostMemory(**d["host"]),
                 timing=Timing(**t),
@@ -320,6 +353,7 @@ class Plan:
                 notes=list(d.get("notes", [])),
                 schema_version=version,
                 verification=str(d.get("verification") or ""),
+                scaling=scaling if isinstance(scaling, dict) else None,
                 **_runs_here(d),
             )
         except (KeyError, TypeError) as e:

@@ -19,6 +19,11 @@ FAMILY_ORDER = (
 )
 
 
+# Predicted speeds closer than this are within the model's error (tests/test_published_runs.py): among
+# them the plan with the most free memory wins, since running out of memory costs more than 5%.
+SPEED_TIE = 0.05
+
+
 @dataclass
 class Rejection:
     family: str
@@ -52,6 +57,8 @@ class SearchResult:
     elapsed_s: float
     notes: list[str] = field(default_factory=list)
     runnable: int = 0  # of the fitting plans, those the engine runs (engine.capability.why_not is None)
+    nodes: int = 1  # the nodes the search could use (the best plan may use fewer: its parallelism.nodes)
+    internode: dict[str, Any] | None = None  # the link between them (cluster.NodeLink.to_dict), None on one node
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -68,6 +75,8 @@ class SearchResult:
             "runnable": self.runnable,
             "elapsed_s": self.elapsed_s,
             "notes": self.notes,
+            "nodes": self.nodes,
+            "internode": self.internode,
         }
 
 

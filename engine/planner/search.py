@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.machine import P2P, GpuPair, Machine, PciePath, short_gpu_name
 from rigpilot.engine.hardware.specs import match_spec
 from rigpilot.engine.models.spec import ModelSpec
+from rigpilot.engine.planner.cluster import DEFAULT_LINK, Cluster, build_cluster, check_nodes, node_link
 from rigpilot.engine.planner.explain import explain, number_word
 from rigpilot.engine.planner.links import Calibration, Topology
 from rigpilot.engine.planner.memory import GIB, MemoryModel, StageMemory, fmt_gib, plan_memory
@@ -55,7 +57,8 @@ from rigpilot.engine.planner.plan import (
     Workload,
     refusal,
 )
-from rigpilot.engine.planner.result import FAMILY_ORDER, Candidate, Rejection, SearchResult, Suggestion
+from rigpilot.engine.planner.result import FAMILY_ORDER, SPEED_TIE, Candidate, Rejection, SearchResult, Suggestion
+from rigpilot.engine.planner.scaling import multinode_lines, scaling_of
 from rigpilot.engine.planner.speed import SpeedModel
 
 EXPORT_TARGETS = ("torchrun", "accelerate", "deepspeed", "slurm")
@@ -74,6 +77,10 @@ class SearchOptions:
     export: str | None = None  # only plans this export target can run
     runners_up: int = 4
     suggest: bool = True  # when nothing fits, look for the smallest change that fits
+    # Several machines (engine.planner.cluster): up to `nodes` identical nodes joined by `internode` (a name of
+    # cluster.NODE_LINKS or a bandwidth in GB/s). The search also tries fewer nodes, and TP stays inside a node.
+    nodes: int = 1
+    internode: str = DEFAULT_LINK
 
 
 # -- validation ------------------------------------------------------------------------------------------------
@@ -168,11 +175,14 @@ def search(
     calibration: Calibration | None = None,
     options: SearchOptions | None = None,
     verifier: Callable[[SearchResult], list[str]] | None = None,
+    node_machines: list[Machine] | None = None,
 ) -> SearchResult:
     """Find the best plan that fits (`rank`), with runners-up, rejected families and (if needed) suggestions.
 
     `verifier` (verify.check) checks the top plans once they are ranked and may change which is best,
     before the explanation is written, so that the explanation is of the plan recommended.
+    `node_machines`: each node's machine (from its engine or an imported file) for a multi-node plan;
+    without it `options.nodes` copies of `machine`. `gpus` are each node's GPUs.
     """
     start = time.perf_counter()
     opts = options or SearchOptions()
@@ -180,9 +190,26 @@ def search(
         raise UserError(f"unknown export {opts.export!r}; use {', '.join(EXPORT_TARGETS)}")
     if opts.offload not in OFFLOAD_CHOICES:
         raise UserError(f"CPU offload can be {', '.join(OFFLOAD_CHOICES)}, not {opts.offload!r}")
-    indices = select_gpus(machine, gpus)
+    check_nodes(opts.nodes)
+    link = node_link(opts.internode)
+    if node_machines is not None and len(node_machines) > 1 and opts.nodes not in (1, len(node_machines)):
+        raise UserError(f"--nodes {opts.nodes} does not match the {len(node_machines)} node machines given")
+    nodes = len(node_machines) if node_machines else opts.nodes
+    indices = select_gpus(machine if not node_machines else node_machines[0], gpus)
     m, w = _prepare(spec, workload)
-    topo = Topology(machine, indices, calibration)
+    cluster: Cluster | None = None
+    label = machine.label
+    if nodes > 1:
+        if not w.training:
+            raise UserError("multi-node plans are for training; for inference run a replica on each machine (plan one node)")
+        cluster = build_cluster(node_machines or [machine] * nodes, indices, link)
+        machine, label = cluster.machine, cluster.label
+        calibration = calibration.for_nodes(indices, nodes) if calibration is not None else None
+        topo = Topology(machine, list(range(nodes * len(indices))), calibration, per_node=len(indices), internode=link)
+    else:
+        machine = node_machines[0] if node_machines else machine
+        label = machine.label
+        topo = Topology(machine, indices, calibration)
     if w.precision == "bf16":
         for i in indices:
             if topo.gpus[i].peak.get("bf16") is None and topo.gpus[i].spec_key:
@@ -192,23 +219,23 @@ def search(
     cands, skipped = _evaluate(m, w, topo, mm, speed, opts)
     fitting = rank([c for c in cands if c.fits and not c.blocked])
     notes = list(m.notes)
-    best = _materialize(fitting[0], m, w, speed, machine, notes) if fitting else None
+    best = _materialize(fitting[0], m, w, speed, machine, notes, cluster, label) if fitting else None
     runners: list[Plan] = []
-    seen_families = {(fitting[0].family, fitting[0].runs_here)} if fitting else set()
+    seen_families = {(fitting[0].family, fitting[0].runs_here, fitting[0].par.nodes)} if fitting else set()
     for c in fitting[1:]:
         if len(runners) >= opts.runners_up:
             break
-        if (c.family, c.runs_here) in seen_families:
+        if (c.family, c.runs_here, c.par.nodes) in seen_families:
             continue
-        seen_families.add((c.family, c.runs_here))
-        runners.append(_materialize(c, m, w, speed, machine, []))
+        seen_families.add((c.family, c.runs_here, c.par.nodes))
+        runners.append(_materialize(c, m, w, speed, machine, [], cluster, label))
     if best is not None and len(runners) < opts.runners_up:
         # Few families fit: show the next-best variants of the winning one.
         for c in fitting[1:]:
             if len(runners) >= opts.runners_up:
                 break
             if c.family == best.parallelism.family and c.runs_here and not _same_shape(c.par, best.parallelism):
-                runners.append(_materialize(c, m, w, speed, machine, []))
+                runners.append(_materialize(c, m, w, speed, machine, [], cluster, label))
     # The variants were appended after the other families: show every plan in the ranking's order.
     position = {id(c.par): i for i, c in enumerate(fitting)}
     runners.sort(key=lambda p: position.get(id(p.parallelism), len(position)))
@@ -218,11 +245,14 @@ def search(
             best.notes.append(why)
     rejected = _rejections(cands, skipped, fitting)
     suggestions: list[Suggestion] = []
-    if (best is None or not best.runs_here) and opts.suggest:
+    if (best is None or not best.runs_here) and opts.suggest and cluster is None:
         suggestions = suggest(spec, machine, w, indices, calibration, opts)
+    if cluster is not None:
+        for p in [*([best] if best else []), *runners]:
+            p.scaling = scaling_of(p, fitting, speed, cluster)
     result = SearchResult(
         workload=w,
-        machine=machine.label,
+        machine=label,
         gpu_indices=indices,
         best=best,
         runners_up=runners,
@@ -234,22 +264,26 @@ def search(
         runnable=sum(c.runs_here for c in fitting),
         elapsed_s=0.0,
         notes=notes,
+        nodes=nodes,
+        internode=link.to_dict() if cluster is not None else None,
     )
     result.elapsed_s = time.perf_counter() - start  # the search alone, not its verification
     checked = verifier(result) if verifier is not None and best is not None else []
-    result.explanation = explain(result, cands, topo, m, speed.timing) + checked
+    shown = cluster.node_gpus(0) if cluster is not None else None
+    lines = explain(result, cands, topo, m, speed.timing, gpus=shown)
+    if cluster is not None:
+        at = 3 if result.best is not None else len(lines)
+        lines[at:at] = multinode_lines(result, fitting, speed, cluster)
+    result.explanation = lines + checked
     return result
 
 
 def _same_shape(a: Parallelism, b: Parallelism) -> bool:
-    return (a.dp, a.tp, a.pp, a.zero_stage, a.shard_degree, a.checkpointing, a.micro_batch) == (
-        b.dp, b.tp, b.pp, b.zero_stage, b.shard_degree, b.checkpointing, b.micro_batch,
+    return (a.dp, a.tp, a.pp, a.zero_stage, a.shard_degree, a.checkpointing, a.micro_batch, a.nodes) == (
+        b.dp, b.tp, b.pp, b.zero_stage, b.shard_degree, b.checkpointing, b.micro_batch, b.nodes,
     )
 
 
-# Predicted speeds closer than this are within the model's error (tests/test_published_runs.py): among
-# them the plan with the most free memory wins, since running out of memory costs more than 5%.
-SPEED_TIE = 0.05
 # CPU offload pins host RAM, leans on host memory bandwidth that other work shares and is the least predictable
 # part of the model: a plan without it is recommended unless it is more than this much slower than the offload.
 OFFLOAD_MARGIN = 0.15
@@ -277,7 +311,8 @@ def rank(fitting: list[Candidate]) -> list[Candidate]:
     Plans the engine refuses come after every plan it runs. Among the rest, the next plan is taken from
     those within SPEED_TIE of the fastest left (offload counted at its speed less OFFLOAD_MARGIN): the one
     with the most free memory on its fullest GPU (in steps of 1% of capacity, every plan using at most
-    ROOMY_FILL of it counting as equal), then the faster, the simpler family, fewer GPUs. An offloading plan is taken by headroom only while the fastest left offloads too,
+    ROOMY_FILL of it counting as equal), then the faster, the simpler family, fewer GPUs; before all that,
+    the plan on fewer nodes (multi-node searches). An offloading plan is taken by headroom only while the fastest left offloads too,
     so a plan without offload within the margin always comes first.
     """
     out: list[Candidate] = []
@@ -290,7 +325,8 @@ def rank(fitting: list[Candidate]) -> list[Candidate]:
             top = _score(by_speed[head])
             while nxt < len(by_speed) and _score(by_speed[nxt]) >= top * (1.0 - SPEED_TIE):
                 c = by_speed[nxt]
-                key = (round(max(_fill(c), ROOMY_FILL), 2), -_score(c), FAMILY_ORDER.index(c.family), c.par.world_size, nxt)
+                # Fewer machines first: another node is worth its link only when it is more than SPEED_TIE faster.
+                key = (c.par.nodes, round(max(_fill(c), ROOMY_FILL), 2), -_score(c), FAMILY_ORDER.index(c.family), c.par.world_size, nxt)
                 heapq.heappush(heaps[c.par.offload], key)
                 nxt += 1
             pools = [heaps[False], heaps[True]] if by_speed[head].par.offload else [heaps[False]]
@@ -332,7 +368,8 @@ def cannot_run(par: Parallelism, w: Workload, model_type: str) -> str:
         "parallelism": {
             "dp": par.dp, "tp": par.tp, "pp": par.pp, "zero_stage": par.zero_stage, "shard_degree": par.shard_degree,
             "sequence_parallel": par.sequence_parallel, "offload_params": par.offload_params,
-            "offload_optimizer": par.offload_optimizer,
+            "offload_optimizer": par.offload_optimizer, "nodes": par.nodes,
+            "gpu_indices": par.gpu_indices[: par.world_size // par.nodes],
         },
         "workload": {"task": w.task, "method": w.method, "weight_bits": w.weight_bits, "optimizer": w.optimizer},
         "model_type": model_type,
@@ -340,10 +377,28 @@ def cannot_run(par: Parallelism, w: Workload, model_type: str) -> str:
     return refusal(d)
 
 
-def _materialize(c: Candidate, m: ModelFacts, w: Workload, speed: SpeedModel, machine: Machine, notes: list[str]) -> Plan:
-    """A full plan (per-GPU breakdowns, communication items, figures) from a ranked candidate."""
+def _materialize(
+    c: Candidate, m: ModelFacts, w: Workload, speed: SpeedModel, machine: Machine, notes: list[str],
+    cluster: Cluster | None = None, label: str | None = None,
+) -> Plan:  # fmt: skip
+    """A full plan (per-GPU breakdowns, communication items, figures) from a ranked candidate.
+
+    Multi-node searches work on the cluster's GPU numbers; the plan gets each node's own GPU indices back.
+    """
     memory, host = plan_memory(speed.mm, c.par, speed.topo)
     timing = speed.timing(c.par)
+    par = c.par
+    names = [short_gpu_name(machine.gpu(i).name) for i in c.par.gpu_indices]
+    if cluster is not None:
+        per = c.par.world_size // c.par.nodes
+        par = dataclasses.replace(
+            c.par, gpu_indices=[cluster.to_local(g) for g in c.par.gpu_indices[:per]],
+            internode=cluster.link.to_dict() if c.par.nodes > 1 else None,
+        )  # fmt: skip
+        names = names[:per]
+        memory = [dataclasses.replace(mb, gpu=cluster.to_local(mb.gpu), node=cluster.node_of(mb.gpu)) for mb in memory]
+        for item in timing.comm:
+            item.group = [cluster.to_local(g) for g in item.group]
     plan_notes = list(notes)
     if c.par.backend == "ddp" and c.par.dp > 1:
         plan_notes.append(
@@ -367,12 +422,12 @@ def _materialize(c: Candidate, m: ModelFacts, w: Workload, speed: SpeedModel, ma
         )
     plan = Plan(
         workload=w,
-        parallelism=c.par,
+        parallelism=par,
         memory=memory,
         host=host,
         timing=timing,
-        machine=machine.label,
-        gpu_names=[short_gpu_name(machine.gpu(i).name) for i in c.par.gpu_indices],
+        machine=label or machine.label,
+        gpu_names=names,
         model_params=m.params,
         model_type=m.spec.model_type,
         architecture=m.spec.architecture,
@@ -404,7 +459,7 @@ def _evaluate(
                     continue  # the same plan without offload fits and is faster
                 cand = _check(par, mm, topo, caps, available)
                 cand.blocked = blocked
-                refusals_key = (par.dp, par.tp, par.pp, par.zero_stage, par.shard_degree, par.sequence_parallel, offloading)
+                refusals_key = (par.dp, par.tp, par.pp, par.zero_stage, par.shard_degree, par.sequence_parallel, offloading, par.nodes)
                 if refusals_key not in refusals:
                     refusals[refusals_key] = cannot_run(par, w, m.spec.model_type)
                 cand.cannot_run = refusals[refusals_key]
@@ -483,20 +538,50 @@ def _stage_layers(topo: Topology, order: list[int], pp: int, per_stage: int, lay
     return ranges
 
 
+def node_counts(nodes: int) -> list[int]:
+    """The node counts a multi-node search tries: one, powers of two, and all of them."""
+    out = {1, nodes}
+    k = 2
+    while k < nodes:
+        out.add(k)
+        k *= 2
+    return sorted(out)
+
+
 def _train_layouts(
     m: ModelFacts, w: Workload, topo: Topology, opts: SearchOptions, skipped: dict[str, str]
 ) -> Iterator[tuple[Parallelism, str | None, list[int]]]:
-    gpus = topo.indices
+    if not topo.per_node:
+        yield from _node_layouts(m, w, topo, opts, skipped, topo.indices, 1)
+        return
+    for k in node_counts(len(topo.indices) // topo.per_node):
+        yield from _node_layouts(m, w, topo, opts, skipped, topo.indices[: k * topo.per_node], k)
+
+
+def _node_layouts(
+    m: ModelFacts, w: Workload, topo: Topology, opts: SearchOptions, skipped: dict[str, str], gpus: list[int], nodes: int
+) -> Iterator[tuple[Parallelism, str | None, list[int]]]:
+    """Training layouts over `gpus`, the first `nodes` nodes' GPUs of a multi-node topology (or one machine's)."""
     n = len(gpus)
+    per = n // nodes
     for tp in _divisors(n):
         if not _tp_ok(m, tp):
+            continue
+        if nodes > 1 and per % tp:
+            # Never across nodes: every layer's TP all-reduces would wait on the link between machines.
+            link = topo.internode.label if topo.internode else "the network"
+            skipped.setdefault(
+                "tensor parallel",
+                f"tensor parallel stays inside a node of {per} GPUs: across nodes every layer's all-reduces would cross {link}",
+            )
             continue
         blocked = None
         if tp > 1:
             if opts.export == "deepspeed":
                 continue
-            if topo.fast_partition(gpus, tp) is None and not opts.force_tp:
-                blocked = _slow_tp_reason(topo, gpus, tp)
+            node_sets = [gpus[i * per : (i + 1) * per] for i in range(nodes)]
+            if any(topo.fast_partition(g, tp) is None for g in node_sets) and not opts.force_tp:
+                blocked = _slow_tp_reason(topo, node_sets[0], tp)
                 skipped.setdefault("tensor parallel", blocked)
         for pp in _divisors(n // tp):
             if pp > m.layers:
@@ -513,8 +598,19 @@ def _train_layouts(
                 continue
             per_replica = w.global_batch // dp
             micro_batches = _divisors(per_replica)
+            local = dp * tp  # GPUs of one stage
+            if nodes > 1 and local % per and per % local:
+                continue  # a stage that straddles nodes unevenly: no layout is the same on every node
             for backend, zero, z, off_opt, off_par in _sharding_options(dp, tp, pp, n, opts):
-                order = _order(topo, gpus, pp, dp, tp, z if zero == 3 else dp)
+                if nodes > 1:
+                    # Each node gets the same local layout: a part of one stage, or whole stages.
+                    dp_l = per // tp if local >= per else dp
+                    pp_l = per // local if local < per else 1
+                    zl = math.gcd(z if zero == 3 else dp, dp_l)
+                    one = _order(topo, gpus[:per], pp_l, dp_l, tp, zl)
+                    order = [k * per + g for k in range(nodes) for g in one]
+                else:
+                    order = _order(topo, gpus, pp, dp, tp, z if zero == 3 else dp)
                 stage_layers = _stage_layers(topo, order, pp, dp * tp, m.layers) if pp > 1 else []
                 par = Parallelism(
                     gpu_indices=order,
@@ -530,6 +626,7 @@ def _train_layouts(
                     offload_optimizer=off_opt,
                     offload_params=off_par,
                     stage_layers=stage_layers,
+                    nodes=nodes,
                 )
                 if par.offload != (opts.offload == "on") and opts.offload != "auto":
                     if opts.offload == "off":

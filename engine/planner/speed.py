@@ -166,6 +166,14 @@ class SpeedModel:
         for what, link in links.items():
             src = "measured" if link.measured else "assumed"
             figs.append(Figure(f"bus bandwidth, {what} ({link.label})", round(link.gbs, 3), "GB/s", src))
+        nl = self.topo.internode
+        if nl is not None and par.nodes > 1:
+            if nl.source == "given":
+                figs.append(Figure(f"link between nodes, {nl.label}", nl.gbs, "GB/s", "measured"))
+            else:
+                per_node = f", {nl.nics} per node" if nl.nics > 1 else ""
+                figs.append(Figure(f"line rate per NIC, {nl.label}{per_node}", nl.gbits, "Gb/s", "spec"))
+                figs.append(Figure(f"share of the line rate NCCL reaches, {nl.label}", nl.efficiency, "", "assumed"))
         return figs
 
     # -- training ---------------------------------------------------------------------------------------

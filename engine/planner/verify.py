@@ -128,6 +128,9 @@ def check(
     deadline = started + (timeout_s if budget_s is None else min(timeout_s, budget_s))
 
     def one(plan: Plan) -> dict[str, Any]:
+        if plan.parallelism.nodes > 1:
+            # The trace runs one machine's ranks; a step spread over several nodes is not traced.
+            return {"ok": False, "reason": "multi-node plans are not traced"}
         left = deadline - time.perf_counter()
         if left < 1.0:
             return {"ok": False, "reason": "no time left for it in this request"}
@@ -169,7 +172,7 @@ def verify(result: SearchResult, **kwargs: Any) -> SearchResult:
 def search_checked(
     spec: ModelSpec, machine: Machine, workload: Workload, calibrated: tuple[Calibration | None, CalibrationStatus], *,
     gpus: list[int] | None = None, options: SearchOptions | None = None, verify: bool = True,
-    trust_remote_code: bool = False, budget_s: float | None = None,
+    trust_remote_code: bool = False, budget_s: float | None = None, node_machines: list[Machine] | None = None,
 ) -> SearchResult:  # fmt: skip
     """The search `rigpilot plan` and the engine's planner both run: calibrated, its top plans traced (unless
     `verify` is off or RIGPILOT_PLAN_VERIFY=0), and the explanation ending with what the calibration did."""
@@ -177,7 +180,9 @@ def search_checked(
     verifier = None
     if verify and enabled():
         verifier = functools.partial(check, trust_remote_code=trust_remote_code, budget_s=budget_s)
-    result = search(spec, machine, workload, gpus=gpus, calibration=numbers, options=options, verifier=verifier)
+    result = search(
+        spec, machine, workload, gpus=gpus, calibration=numbers, options=options, verifier=verifier, node_machines=node_machines,
+    )  # fmt: skip
     result.explanation.append(status.line)
     return result
 
