@@ -14,7 +14,7 @@ import pyqtgraph as pg
 from PySide6.QtCore import QEvent, QPointF, Qt
 from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
 
-from rigpilot.app.planner.model import GIB, MEMORY_PARTS, memory_stack
+from rigpilot.app.planner.model import GIB, MEMORY_PARTS, gpu_label, memory_stack
 from rigpilot.app.widgets.chart_view import ChartView
 from rigpilot.app.widgets.palette import BAD, apply_plot_theme, series_color
 
@@ -76,7 +76,7 @@ class MemoryChart(QWidget):
         caps = np.array([m["capacity"] / GIB for m in memory], dtype=float)
         self.capacity.setData(np.repeat(x, 2) + np.tile([-0.45, 0.45], len(memory)), np.repeat(caps, 2))
         item = self.plot.getPlotItem()
-        item.getAxis("bottom").setTicks([[(i, f"GPU {m['gpu']}") for i, m in enumerate(memory)]])
+        item.getAxis("bottom").setTicks([[(i, gpu_label(m, memory, short=True)) for i, m in enumerate(memory)]])
         top = float(max(bottom.max(initial=0.0), caps.max(initial=0.0)))
         item.setXRange(-0.6, max(len(memory) - 0.4, 0.6), padding=0)
         item.setYRange(0, top * 1.08 if top > 0 else 1, padding=0)
@@ -100,12 +100,12 @@ class MemoryChart(QWidget):
         if over:
             worst = min(over, key=lambda m: m["headroom"])
             return (
-                f"Does not fit: GPU {worst['gpu']} needs {_shown(worst) / GIB:.1f} GiB{_traced(worst)} "
+                f"Does not fit: {gpu_label(worst, self.memory)} needs {_shown(worst) / GIB:.1f} GiB{_traced(worst)} "
                 f"of {worst['capacity'] / GIB:.1f} GiB. Hover a bar for its parts."
             )
         peak = max(self.memory, key=lambda m: _shown(m) / max(m["capacity"], 1))
         return (
-            f"Fullest GPU {peak['gpu']}: {_shown(peak) / GIB:.1f} of {peak['capacity'] / GIB:.1f} GiB{_traced(peak)}. "
+            f"Fullest {gpu_label(peak, self.memory)}: {_shown(peak) / GIB:.1f} of {peak['capacity'] / GIB:.1f} GiB{_traced(peak)}. "
             "Hover a bar for its parts."
         )
 
@@ -119,7 +119,7 @@ class MemoryChart(QWidget):
             return
         m = self.memory[i]
         parts = ", ".join(f"{title.lower()} {m[key] / GIB:.2f}" for key, title in MEMORY_PARTS if m[key])
-        self.readout.setText(f"GPU {m['gpu']}: {parts} — total {m['total'] / GIB:.2f} of {m['capacity'] / GIB:.1f} GiB")
+        self.readout.setText(f"{gpu_label(m, self.memory)}: {parts} — total {m['total'] / GIB:.2f} of {m['capacity'] / GIB:.1f} GiB")
 
     def changeEvent(self, event: QEvent) -> None:
         super().changeEvent(event)

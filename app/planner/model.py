@@ -16,6 +16,7 @@ from typing import Any
 from rigpilot.app.widgets import units
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.machine import Machine
+from rigpilot.engine.planner.cluster import DEFAULT_LINK, MAX_NODES, NODE_LINKS
 from rigpilot.engine.planner.explain import duration_text
 from rigpilot.engine.planner.plan import LoraSettings, Plan, Workload
 
@@ -38,6 +39,9 @@ PRECISIONS = [("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32")]
 QUANTIZATION = [(16, "16-bit (the dtype)"), (8, "8-bit (LLM.int8)"), (4, "4-bit (NF4)")]
 OFFLOAD = [("auto", "Auto: only where nothing else fits"), ("on", "On: always"), ("off", "Off: never")]
 FORCE_TP_TEXT = "Allow tensor parallelism over slow links"
+# The links between nodes the planner knows (engine.planner.cluster.NODE_LINKS), fastest last.
+NODE_LINK_CHOICES = [(key, link.label) for key, link in NODE_LINKS.items()]
+NODES_MAX = MAX_NODES
 
 
 @dataclass
@@ -57,6 +61,8 @@ class PlanRequest:
     token_budget: int | None = None  # training: tokens to train on, for a predicted time to finish
     force_tp: bool = False  # SearchOptions.force_tp
     offload: str = "auto"  # SearchOptions.offload (training)
+    nodes: int = 1  # SearchOptions.nodes: identical nodes like the machine planned for (training)
+    internode: str = DEFAULT_LINK  # SearchOptions.internode: the link between them
 
     def problem(self) -> str | None:
         """What is wrong with the request before anything is asked, in the user's words."""
@@ -93,6 +99,9 @@ class PlanRequest:
             out["force_tp"] = True
         if self.task == "train" and self.offload != "auto":
             out["offload"] = self.offload
+        if self.task == "train" and self.nodes > 1:
+            out["nodes"] = self.nodes
+            out["internode"] = self.internode
         return out
 
     def workload(self) -> Workload:
@@ -131,6 +140,9 @@ _FLAG_WORDS: list[tuple[re.Pattern[str], Callable[[re.Match[str]], str]]] = [
     (re.compile(r"--seq (\d+)"), lambda m: f"Sequence length {m[1]}"),
     (re.compile(r"--gpus ([\d,]+\d)"), lambda m: "GPUs " + ", ".join(m[1].split(","))),
     (re.compile(r"--new-tokens\b"), lambda m: "New tokens"),
+    (re.compile(r"--internode\b"), lambda m: "Link between nodes"),
+    (re.compile(r"--nodes (\d+)"), lambda m: f"Nodes {m[1]}"),
+    (re.compile(r"--nodes\b"), lambda m: "Nodes"),
     (re.compile(r"--lora-rank\b"), lambda m: "LoRA rank"),
     (re.compile(r"--tokens\b"), lambda m: "Train on"),
     (re.compile(r"--method\b"), lambda m: "Method"),
@@ -159,6 +171,14 @@ def gui_words(text: str) -> str:
     for pattern, words in _FLAG_WORDS:
         text = pattern.sub(words, text)
     return text
+
+
+def gpu_label(m: dict[str, Any], memory: list[dict[str, Any]], *, short: bool = False) -> str:
+    """'GPU 3', or on a multi-node plan 'node 2, GPU 3' ('n2 GPU 3' under a bar): which machine's GPU it is."""
+    if not any(x.get("node") for x in memory):
+        return f"GPU {m['gpu']}"
+    node = int(m.get("node") or 0) + 1
+    return f"n{node} GPU {m['gpu']}" if short else f"node {node}, GPU {m['gpu']}"
 
 
 # -- reading a search result -----------------------------------------------------------------------------------
@@ -197,7 +217,7 @@ def plan_row(plan: dict[str, Any], rank: str) -> PlanRow:
         rank=rank,
         family=par.family,
         layout=par.describe(),
-        gpus=", ".join(str(g) for g in par.gpu_indices),
+        gpus=", ".join(str(g) for g in par.gpu_indices) + (f" on each of {par.nodes} nodes" if par.nodes > 1 else ""),
         tokens_per_s=tokens_per_s(timing.get("tokens_per_s"), training),
         step=seconds(timing.get("step_s")),
         peak=f"{shown_total(peak) / GIB:.1f} / {peak['capacity'] / GIB:.1f} GiB" if peak else "n/a",

@@ -51,6 +51,8 @@ from rigpilot.app.planner.memory_chart import MemoryChart
 from rigpilot.app.planner.model import (
     FORCE_TP_TEXT,
     METHODS,
+    NODE_LINK_CHOICES,
+    NODES_MAX,
     OFFLOAD,
     PRECISIONS,
     QUANTIZATION,
@@ -70,6 +72,7 @@ from rigpilot.app.tasks import run_in_background
 from rigpilot.app.topology.imported import HERE, ImportedMachines, plan_block
 from rigpilot.app.topology.model import machine_title
 from rigpilot.app.widgets.engine_messages import machine_dict
+from rigpilot.app.widgets.form_row import form_row
 from rigpilot.app.widgets.palette import BAD, GOOD
 from rigpilot.engine.hardware.machine import Machine
 from rigpilot.engine.hardware.simulated import list_profiles, load_profile
@@ -229,6 +232,7 @@ class PlannerPage(QWidget):
         gpu_layout.addWidget(self.target)
         gpu_layout.addWidget(self.target_note)
         gpu_layout.addWidget(self.gpus)
+        gpu_layout.addLayout(self._nodes_form())
         form_layout.addWidget(model_box)
         form_layout.addWidget(workload_box)
         form_layout.addWidget(gpu_box)
@@ -533,6 +537,32 @@ class PlannerPage(QWidget):
         d = self.target_machine()
         return machine_title(Machine.from_dict(d), origin=False) if d else "another machine"
 
+    def _nodes_form(self) -> QFormLayout:
+        """Several machines: how many nodes like this one, and the link between them (training only)."""
+        self.nodes = _spin("nodes", 1, NODES_MAX, 1)
+        self.internode = _combo("internode", NODE_LINK_CHOICES)
+        _select(self.internode, PlanRequest(model="").internode)
+        form = QFormLayout()
+        self.nodes_row = form_row(
+            form, "Nodes", self.nodes,
+            "Identical machines like this one, each with the selected GPUs. Tensor parallelism stays inside a "
+            "node; data or pipeline parallelism spans nodes, and fewer nodes are used where more would not pay.",
+            compact=True,
+        )  # fmt: skip
+        self.internode_row = form_row(
+            form, "Link between nodes", self.internode,
+            "The network joining the nodes: its bandwidth decides what can cross it each step.", compact=True,
+        )  # fmt: skip
+        self.nodes_form = form
+        self.nodes.valueChanged.connect(self._nodes_changed)
+        self._nodes_changed()
+        return form
+
+    def _nodes_changed(self) -> None:
+        training = self.task.currentData() == "train"
+        self.nodes_form.setRowVisible(self.nodes_row, training)
+        self.nodes_form.setRowVisible(self.internode_row, training and self.nodes.value() > 1)
+
     def _user_selected(self, gpus: list[int]) -> None:
         self._default_selection = False
 
@@ -547,6 +577,8 @@ class PlannerPage(QWidget):
         rows.setRowVisible(self.new_tokens, not training)
         rows.setRowVisible(self.tokens, training)
         rows.setRowVisible(self.offload, training)
+        if hasattr(self, "nodes_form"):
+            self._nodes_changed()
         self.batch_label.setText("Batch (sequences per step)" if training else "Sequences at once")
         self.batch.setToolTip(
             "Sequences per optimizer step, over all GPUs" if training else "Sequences generated at the same time"
@@ -567,6 +599,8 @@ class PlannerPage(QWidget):
             token_budget=round(self.tokens.value() * 1e9) or None,
             force_tp=self.force_tp.isChecked(),
             offload=self.offload.currentData(),
+            nodes=self.nodes.value(),
+            internode=self.internode.currentData(),
         )
 
     def set_request(self, r: PlanRequest) -> None:
@@ -583,6 +617,8 @@ class PlannerPage(QWidget):
         self.tokens.setValue((r.token_budget or 0) / 1e9)
         self.force_tp.setChecked(r.force_tp)
         _select(self.offload, r.offload)
+        self.nodes.setValue(r.nodes)
+        _select(self.internode, r.internode)
         if r.gpus:
             self.gpus.set_selected(r.gpus)
 
@@ -833,6 +869,8 @@ class PlannerPage(QWidget):
         settings.setValue(f"{prefix}/new_tokens", r.new_tokens)
         settings.setValue(f"{prefix}/force_tp", int(r.force_tp))
         settings.setValue(f"{prefix}/offload", r.offload)
+        settings.setValue(f"{prefix}/nodes", r.nodes)
+        settings.setValue(f"{prefix}/internode", r.internode)
         settings.setValue(f"{prefix}/machine", self.target_key())
         settings.setValue(f"{prefix}/splitter", self.splitter.saveState())
         settings.setValue(f"{prefix}/results_splitter", self.results_splitter.saveState())
@@ -859,6 +897,8 @@ class PlannerPage(QWidget):
                 new_tokens=value("new_tokens", d.new_tokens, int),
                 force_tp=bool(value("force_tp", 0, int)),
                 offload=value("offload", d.offload, str),
+                nodes=min(max(value("nodes", d.nodes, int), 1), NODES_MAX),
+                internode=value("internode", d.internode, str),
             )
         )
         self.select_machine(value("machine", HERE, str))

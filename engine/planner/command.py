@@ -244,7 +244,7 @@ def render_text(result: SearchResult) -> list[str]:
     plans = ([result.best] if result.best else []) + result.runners_up
     if plans:
         out += ["", f"Plans, {RANKING}:"]
-        out += [f"  {row}" for row in _table(plans, result.workload)]
+        out += [f"  {row}" for row in _table(plans, result.workload, nodes=result.nodes > 1)]
         for i, p in enumerate(plans):
             if not p.runs_here:
                 out.append(f"  {_rank(i)} cannot run here: {p.runs_here_reason}")
@@ -259,14 +259,16 @@ def render_text(result: SearchResult) -> list[str]:
     return out
 
 
-def _table(plans: list[Plan], w: Workload) -> list[str]:
+def _table(plans: list[Plan], w: Workload, *, nodes: bool = False) -> list[str]:
+    """The ranked plans; `nodes`: a multi-node search, whose plans may use different numbers of nodes."""
     unit = "tokens/s" if w.training else "gen tok/s"
-    rows = [("", "family", "layout", unit, "step" if w.training else "total", "fullest GPU")]
+    rows = [("", *(("nodes",) if nodes else ()), "family", "layout", unit, "step" if w.training else "total", "fullest GPU")]
     for i, p in enumerate(plans):
         mb = p.peak_memory
         rows.append(
             (
                 _rank(i) + ("" if p.runs_here else " ✗"),
+                *((str(p.parallelism.nodes),) if nodes else ()),
                 p.parallelism.family,
                 p.parallelism.describe(),
                 f"{p.timing.tokens_per_s:,.0f}",
@@ -284,13 +286,14 @@ def _rank(i: int) -> str:
 
 def _memory_table(plan: Plan) -> list[str]:
     traced = any(m.traced is not None for m in plan.memory)
-    head = ("GPU", "weights", "grads", "optimizer", "activations", "KV cache", "buffers", "overhead", "total",
+    head = ("node:GPU" if plan.parallelism.nodes > 1 else "GPU", "weights", "grads", "optimizer", "activations", "KV cache", "buffers", "overhead", "total",
             *(("traced",) if traced else ()), "of", "free")  # fmt: skip
     rows = [head]
+    nodes = plan.parallelism.nodes > 1
     for m in plan.memory:
         rows.append(
             (
-                str(m.gpu), fmt_gib(m.weights), fmt_gib(m.gradients), fmt_gib(m.optimizer), fmt_gib(m.activations),
+                f"{m.node + 1}:{m.gpu}" if nodes else str(m.gpu), fmt_gib(m.weights), fmt_gib(m.gradients), fmt_gib(m.optimizer), fmt_gib(m.activations),
                 fmt_gib(m.kv_cache), fmt_gib(m.buffers), fmt_gib(m.overhead), fmt_gib(m.total),
                 *((fmt_gib(m.traced) if m.traced is not None else "-",) if traced else ()), fmt_gib(m.capacity),
                 fmt_gib(m.headroom),

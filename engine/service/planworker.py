@@ -39,8 +39,12 @@ log = logging.getLogger(__name__)
 
 def plan(machine: Any, model: str, workload: dict[str, Any] | None = None, gpus: list[int] | None = None,
          options: dict[str, Any] | None = None, trust_remote_code: bool = False,
-         calibration: dict[str, Any] | None = None, verify: bool = True) -> dict[str, Any]:  # fmt: skip
-    """One search. `calibration`: the machine's stored calibration file (the service's, never a client's)."""
+         calibration: dict[str, Any] | None = None, verify: bool = True,
+         node_machines: list[Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """One search. `calibration`: the machine's stored calibration file (the service's, never a client's).
+
+    Several machines: `options` carries `nodes` and `internode` (SearchOptions, checked like every option);
+    `node_machines` are each node's machine, each checked as `plan_machine` checks the `machine`."""
     from rigpilot.engine.models import describe_model
     from rigpilot.engine.planner.calibration import apply_stored
     from rigpilot.engine.planner.plan import PRECISIONS, LoraSettings, Workload
@@ -57,12 +61,22 @@ def plan(machine: Any, model: str, workload: dict[str, Any] | None = None, gpus:
         spec = describe_model(model, trust_remote_code=trust_remote_code)
     except OSError as e:
         raise UserError(f"cannot read the model {_short(model)}: {e.strerror or e}") from None
+    nodes = None
+    if node_machines:
+        if not isinstance(node_machines, list) or len(node_machines) < 2:
+            raise ProtocolError(protocol.INVALID, "plan.node_machines: expected a list of at least two machines")
+        nodes = []
+        for i, m in enumerate(node_machines):
+            try:
+                nodes.append(plan_machine(m))
+            except ProtocolError as e:
+                raise ProtocolError(e.code, e.message.replace("plan.machine", f"plan.node_machines[{i}]", 1)) from None
     w = Workload(model=model, **work)
     calibrated = apply_stored(calibration, machine, w.precision if w.precision in PRECISIONS else "bf16")
     # Within the service's deadline for a plan: past the budget the rest stay "not verified".
     result = search_checked(
         spec, machine, w, calibrated, gpus=gpus, options=SearchOptions(**(options or {})), verify=verify,
-        trust_remote_code=trust_remote_code, budget_s=VERIFY_BUDGET_S,
+        trust_remote_code=trust_remote_code, budget_s=VERIFY_BUDGET_S, node_machines=nodes,
     )  # fmt: skip
     status = calibrated[1]
     return {"result": {**result.to_dict(), "calibration": status.to_dict()}}
@@ -153,6 +167,8 @@ def _answer(machine: Any, line: bytes) -> dict[str, Any]:
         if args.get("machine") is not None:
             # Another machine: this machine's calibration measured other GPUs and links, so it does not apply.
             machine, args["calibration"] = plan_machine(args["machine"]), None
+        if args.get("node_machines"):
+            args["calibration"] = None  # measured on this machine, not on the nodes named
         args.pop("machine", None)
         return plan(machine, **args)
     except ProtocolError as e:

@@ -236,6 +236,8 @@ REQUEST_SCHEMAS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
             "deadline_s": Annotated[float, Limit(0.1, 3600)],
             # Another machine to plan for: a simulated profile's id or Machine.to_dict (the planner checks it).
             "machine": Text | dict[str, Any] | None,
+            # Several machines: each node's machine, in the same forms (options.nodes/internode: the link).
+            "node_machines": Annotated[list[Text | dict[str, Any]], Limit(max_len=64)] | None,
         },
     ),
     "submit": ({"spec": dict[str, Any]}, {"plan": dict[str, Any] | None, "cwd": Path_ | None}),
