@@ -347,6 +347,11 @@ def _why_not_fastest(best: Plan, runners: list[Plan]) -> str:
     f = max(faster, key=lambda p: p.timing.tokens_per_s)
     gain = f.timing.tokens_per_s / best.timing.tokens_per_s - 1
     name = f"{f.parallelism.family} ({f.parallelism.describe()})"
+    if f.parallelism.nodes > best.parallelism.nodes:
+        return (
+            f"ranked above {name}, which is {gain:.1%} faster on {f.parallelism.nodes} nodes: another node is used "
+            f"only where it is more than {SPEED_TIE:.0%} faster"
+        )
     if f.parallelism.offload and not best.parallelism.offload:
         return (
             f"ranked above {name}, which is {gain:.0%} faster: offload is recommended only where the best plan "
