@@ -224,3 +224,28 @@ def test_socket_plan_request_takes_nodes_and_node_machines(h100):
         planworker.plan(h100, MODEL, node_machines=[H100, {"source": "simulated"}], verify=False)
     mixed = planworker._answer(h100, json.dumps({"model": MODEL, "node_machines": [H100, "8x-a100-pcie"], "verify": False}))
     assert "identical nodes" in mixed["error"]["message"]
+
+
+def test_the_engines_plan_request_plans_several_nodes(tmp_path, monkeypatch):
+    """Through a real engine service and its planner process, as the GUI and other clients ask."""
+    from test_service_engine import Engine, engine_home
+
+    from rigpilot.engine.service.client import EngineClient, EngineError
+
+    engine_home(tmp_path, monkeypatch)
+    monkeypatch.setenv("RIGPILOT_PLAN_VERIFY", "0")
+    e = Engine(tmp_path)
+    e.start()
+    try:
+        with EngineClient(autostart=False, timeout=60) as c:
+            r = c.request("plan", model=MODEL, workload={"global_batch": 64}, options={"nodes": 2, "internode": "ndr"},
+                          node_machines=[H100, H100])  # fmt: skip
+            best = r["result"]["best"]
+            assert best["parallelism"]["nodes"] == 2 and best["parallelism"]["internode"]["name"] == "ndr"
+            assert r["result"]["machine"] == f"2 × {load_profile(H100).label}"
+            with pytest.raises(EngineError, match="identical nodes"):
+                c.request("plan", model=MODEL, node_machines=[H100, "4x-rtx4090"])
+            with pytest.raises(EngineError, match="node_machines"):
+                c.request("plan", model=MODEL, node_machines=[H100] * 65)
+    finally:
+        e.stop()

@@ -5,7 +5,7 @@ each node's GPUs, the degrees are global, ranks are node-major). The search sees
 whose GPU `node * G + k` is the k-th selected GPU of node `node` (G GPUs per node), each node keeping its
 own links inside, and the link between nodes as a NIC (`NodeLink`) that the GPUs of a node share.
 
-Nodes must carry the same GPUs (same model, same count): a plan of identical ranks over mixed cards is
+Nodes must carry the same GPUs (the selected indices, the same model on each): a plan of identical ranks over mixed cards is
 bound by the smallest anyway, and torchrun starts the same number of ranks on every node. Mixed nodes
 are refused in one line rather than planned for the smallest, so a plan never hides a slower node.
 """
@@ -133,15 +133,16 @@ def build_cluster(machines: list[Machine], local: list[int], link: NodeLink) -> 
     first = machines[0]
     want = [short_gpu_name(first.gpu(i).name) for i in local]
     for n, m in enumerate(machines[1:], start=2):
-        missing = [i for i in local if i not in {g.index for g in m.gpus}]
-        if missing:
-            raise UserError(f"node {n} ({m.label}) has no GPU {missing[0]}: every node needs the GPUs the plan uses")
-        have = [short_gpu_name(m.gpu(i).name) for i in local]
-        if have != want or len(m.gpus) != len(first.gpus):
+        present = {g.index for g in m.gpus}
+        differs = [i for k, i in enumerate(local) if i in present and short_gpu_name(m.gpu(i).name) != want[k]]
+        if differs or not present & set(local):
             raise UserError(
                 f"node {n} ({m.label}) has {_count(m, [g.index for g in m.gpus])}, node 1 has "
                 f"{_count(first, [g.index for g in first.gpus])}: a multi-node plan needs identical nodes; plan each machine on its own"
             )
+        missing = [i for i in local if i not in present]
+        if missing:
+            raise UserError(f"node {n} ({m.label}) has no GPU {missing[0]}: every node needs the GPUs the plan uses")
     per = len(local)
     gpus, pairs = [], []
     for n, m in enumerate(machines):
