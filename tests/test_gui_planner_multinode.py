@@ -58,7 +58,8 @@ def test_nodes_and_link_reach_the_planner_and_the_page_shows_both_nodes(qtbot):
     # One bar per GPU of both nodes, named by node.
     assert len(page.chart.heights("weights")) == 16
     ticks = page.chart.plot.getPlotItem().getAxis("bottom")._tickLevels[0]
-    assert ticks[0][1] == "n1 GPU 0" and ticks[8][1] == "n2 GPU 0"
+    assert ticks[0][1] == "n1:0" and ticks[8][1] == "n2:0"
+    assert page.chart.readout.text().startswith("Fullest node ")
 
     # A slow link: the page says why one node is used.
     page.internode.setCurrentIndex(page.internode.findData("10gbe"))

@@ -174,11 +174,11 @@ def gui_words(text: str) -> str:
 
 
 def gpu_label(m: dict[str, Any], memory: list[dict[str, Any]], *, short: bool = False) -> str:
-    """'GPU 3', or on a multi-node plan 'node 2, GPU 3' ('n2 GPU 3' under a bar): which machine's GPU it is."""
+    """'GPU 3', or on a multi-node plan 'node 2, GPU 3' ('n2:3' under a bar, where 16 of them share the width)."""
     if not any(x.get("node") for x in memory):
         return f"GPU {m['gpu']}"
     node = int(m.get("node") or 0) + 1
-    return f"n{node} GPU {m['gpu']}" if short else f"node {node}, GPU {m['gpu']}"
+    return f"n{node}:{m['gpu']}" if short else f"node {node}, GPU {m['gpu']}"
 
 
 # -- reading a search result -----------------------------------------------------------------------------------
