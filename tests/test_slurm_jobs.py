@@ -16,7 +16,6 @@ from slurm_cluster import PARTITION, cluster
 from test_service_engine import Engine, engine_home, leftover_job_processes, wait_for
 
 from rigpilot.engine.cli import main as cli_main
-from rigpilot.engine.planner.export import slurm_script
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_MODEL = REPO / "examples" / "models" / "tiny-llama"
@@ -102,24 +101,6 @@ def test_a_partition_slurm_does_not_have_is_refused_in_one_line(engine, capsys):
             "--slurm", "--partition", "nosuchpartition", "--detach"]  # fmt: skip
     assert cli_main(args) == 2
     err = capsys.readouterr().err
-    assert err == "rigpilot: error: SLURM refused the job: Batch job submission failed: Invalid partition name specified\n"
+    assert err == "rigpilot: error: SLURM refused the job: invalid partition specified: nosuchpartition\n"
     with engine.client() as c:
         assert c.request("jobs")["jobs"] == []  # nothing left behind
-
-
-def test_the_submitted_script_is_the_export(engine, capsys):
-    job_id = run_train(capsys, "--steps", "1")
-    j = job(engine, job_id)
-    with engine.client() as c:
-        c.request("cancel", job=job_id)
-    script = Path(j["slurm"]["script"]).read_text()
-    # Rebuilt through the export with what the script says of the job: the same text, byte for byte.
-    command = re.search(r"rank \\\n    (.*)\n", script).group(1)
-    env = dict(re.findall(r"^export (RIGPILOT_\w+|CUDA_VISIBLE_DEVICES|HF_HUB_OFFLINE|OMP_NUM_THREADS|PYTHONUNBUFFERED|TOKENIZERS_PARALLELISM)=(.*)$", script, re.M))
-    import shlex
-
-    env = {k: (shlex.split(v) or [""])[0] for k, v in env.items()}
-    assert slurm_script(
-        None, command=shlex.split(command), env=env, ranks_per_node=2, gpus_per_node=0, job_name=f"rigpilot-{job_id}",
-        output=str(Path(j["job_dir"]) / "logs" / "launcher.log"), partition=PARTITION, time_limit="10",
-    ) == script  # fmt: skip
