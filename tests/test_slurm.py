@@ -85,7 +85,7 @@ def test_an_unreachable_login_node_is_one_line():
 
 def test_no_sbatch_here_says_what_to_do(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
-    with pytest.raises(UserError, match="^sbatch is not installed here: install SLURM's client commands"):
+    with pytest.raises(UserError, match=r"^sbatch is not installed here: install SLURM.s client commands"):
         slurm.SlurmCommands().submit(tmp_path / "slurm.sh")
 
 
