@@ -140,3 +140,25 @@ def test_the_submitted_script_is_the_planners_export(tmp_path, monkeypatch):
     assert "export HF_HUB_OFFLINE=1" in text and "export RIGPILOT_DIST_BACKEND=gloo" in text
     assert "export CUDA_VISIBLE_DEVICES=''" in text  # simulated GPUs: the ranks must not take a real one
     store.close()
+
+
+def _dev_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("rigpilot_dev_slurm", Path(__file__).resolve().parents[1] / "dev.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_dev_installs_slurm_only_as_root_with_apt_and_otherwise_says_why_the_tests_skip(monkeypatch, tmp_path):
+    dev = _dev_script()
+    monkeypatch.setenv("PATH", str(tmp_path))  # no SLURM, no apt-get on this PATH
+    monkeypatch.setattr(dev, "missing_commands", lambda names: list(names))
+    monkeypatch.setattr(dev.os, "geteuid", lambda: 1000)
+    ran: list = []
+    monkeypatch.setattr(dev.subprocess, "run", lambda *a, **k: ran.append(a))
+    why = dev.ensure_slurm(quiet=True)
+    assert why.startswith("SLURM is not installed (slurmctld, slurmd, munged, sbatch") and "apt install slurm-wlm munge" in why
+    assert ran == []  # nothing was tried on a machine it may not change
