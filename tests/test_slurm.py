@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -128,7 +127,7 @@ def test_the_submitted_script_is_the_planners_export(tmp_path, monkeypatch):
     spec = JobSpec(id="ab12cd", kind="train", model=str(TINY_MODEL), env={"HF_HUB_OFFLINE": "1"})
     py = "/e/bin/python"
     text = slurm.job_script(sup, rec, spec, job_dir, py)
-    env = {k: v for k, v in sup._environment(rec, spec, job_dir, py).items() if os.environ.get(k) != v}
+    env = slurm.job_environment(sup, rec, spec, job_dir, py)
     command = [py, "-u", "-m", "rigpilot.engine.service.rankexec", str(job_dir), "--", py, "-u", "-m",
                "rigpilot.engine.workers", str(job_dir)]  # fmt: skip
     assert text == slurm_script(
@@ -139,6 +138,8 @@ def test_the_submitted_script_is_the_planners_export(tmp_path, monkeypatch):
     assert f"# Rigpilot plan, per node: {plan.parallelism.describe()}." in text
     assert "export HF_HUB_OFFLINE=1" in text and "export RIGPILOT_DIST_BACKEND=gloo" in text
     assert "export CUDA_VISIBLE_DEVICES=''" in text  # simulated GPUs: the ranks must not take a real one
+    assert "export PYTHONUNBUFFERED=1" in text and "export RIGPILOT_JOB_DIR=" in text
+    assert "export PATH=" not in text and "export HOME=" not in text  # the engine's own environment stays here
     store.close()
 
 

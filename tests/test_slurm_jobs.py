@@ -81,6 +81,9 @@ def test_a_slurm_job_completes_with_its_loss_and_a_cancelled_one_is_cancelled_in
     assert "progress: 4/4" in out and re.search(r"loss: \d", out), out
     assert cli_main(["jobs"]) == 0
     assert re.search(rf"{job_id}\s.*completed", capsys.readouterr().out)
+    assert cli_main(["logs", job_id, "--rank", "1"]) == 0 and capsys.readouterr().out.strip()
+    assert cli_main(["logs", job_id, "--rank", "-1"]) == 0  # SLURM's own output of the job
+    assert f"--- run 1: sbatch --parsable {first['slurm']['script']}" in capsys.readouterr().out
     for rank in (0, 1):  # each SLURM task was one rank and logged into the job folder
         assert (Path(done["job_dir"]) / "logs" / f"rank{rank}.log").stat().st_size > 0
         assert json.loads((Path(done["job_dir"]) / "ranks" / f"rank{rank}.json").read_text())["exit"]["code"] == 0

@@ -244,15 +244,28 @@ def job_script(sup: Supervisor, rec: JobRecord, spec: JobSpec, job_dir: Path, py
     else:
         target = [python, "-u", "-m", "rigpilot.engine.workers", str(job_dir)]
     command = [python, "-u", "-m", "rigpilot.engine.service.rankexec", str(job_dir), "--", *target]
-    full = sup._environment(rec, spec, job_dir, python)
-    # What the engine sets for its ranks, not its own environment: sbatch passes that on by itself.
-    env = {k: v for k, v in full.items() if os.environ.get(k) != v}
+    env = job_environment(sup, rec, spec, job_dir, python)
     return slurm_script(
         _plan(job_dir), command=command, env=env, ranks_per_node=rec.ranks,
         gpus_per_node=0 if rec.simulated else len(rec.gpus), job_name=f"rigpilot-{rec.id}",
         output=str(job_dir / "logs" / "launcher.log"), partition=options.get("partition"),
         account=options.get("account"), time_limit=options.get("time"),
     )  # fmt: skip
+
+
+_RANK_SETTINGS = ("PYTHONUNBUFFERED", "TOKENIZERS_PARALLELISM", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "OMP_NUM_THREADS")
+
+
+def job_environment(sup: Supervisor, rec: JobRecord, spec: JobSpec, job_dir: Path, python: str) -> dict[str, str]:
+    """What the engine sets for the job's ranks, written into the script.
+
+    Not the engine's whole environment: a local sbatch passes that on by itself, and through ssh it
+    would be this machine's, not the login node's. The engine's own settings and the job's --env go
+    in even where they equal the engine's, since over ssh nothing else carries them.
+    """
+    full = sup._environment(rec, spec, job_dir, python)
+    keep = set(spec.env) | set(_RANK_SETTINGS)
+    return {k: v for k, v in full.items() if k in keep or k.startswith("RIGPILOT_") or os.environ.get(k) != v}
 
 
 def _plan(job_dir: Path) -> Plan | None:

@@ -240,6 +240,9 @@ class Supervisor:
                 view = self.view(rec)
         except BaseException:
             shutil.rmtree(job_dir, ignore_errors=True)  # no half-created job behind
+            if (rec.slurm or {}).get("job_id"):
+                with contextlib.suppress(UserError):
+                    slurm.cancel(rec)  # nor a SLURM job nobody follows
             raise
         self._wake.set()
         self._on_job(view)
