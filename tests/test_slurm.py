@@ -163,3 +163,10 @@ def test_dev_installs_slurm_only_as_root_with_apt_and_otherwise_says_why_the_tes
     why = dev.ensure_slurm(quiet=True)
     assert why.startswith("SLURM is not installed (slurmctld, slurmd, munged, sbatch") and "apt install slurm-wlm munge" in why
     assert ran == []  # nothing was tried on a machine it may not change
+
+
+def test_slurm_flags_without_slurm_are_named(capsys):
+    from rigpilot.engine.cli import main as cli_main
+
+    assert cli_main(["run", "train", "--model", "x", "--time", "10"]) == 2
+    assert capsys.readouterr().err == "rigpilot: error: --time is a SLURM option: add --slurm to submit the job to SLURM\n"
