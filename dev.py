@@ -195,8 +195,62 @@ def ensure_env() -> None:
     STAMP.write_text(fingerprint)
 
 
+SLURM_PACKAGES = ("slurm-wlm", "munge")  # Debian's slurmctld + slurmd + client commands, and its authentication
+SSH_PACKAGE = "openssh-server"  # for the test that submits through a login node over ssh; it skips without
+SLURM_COMMANDS = ("slurmctld", "slurmd", "munged", "sbatch", "squeue", "sacct", "scancel")
+SLURM_INSTALL_SECONDS = 300
+POLICY_RC = Path("/usr/sbin/policy-rc.d")
+
+
+def missing_commands(names: tuple[str, ...]) -> list[str]:
+    return [c for c in names if shutil.which(c) is None and not Path("/usr/sbin", c).exists()]
+
+
+def ensure_slurm(quiet: bool = False) -> str | None:
+    """Install SLURM and munge (and sshd) for the tests that submit real SLURM jobs; None when SLURM is
+    there, else why the SLURM tests skip.
+
+    Only as root with apt-get (a CI container, a throw-away VM): a developer's own machine is never
+    changed behind their back. The tests start their own daemons on their own config; the packages'
+    system services are kept from starting (policy-rc.d), so nothing listens because of this.
+    """
+    missing = missing_commands(SLURM_COMMANDS)
+    if not missing:
+        return None
+    packages = [*SLURM_PACKAGES, *([SSH_PACKAGE] if missing_commands(("sshd",)) else [])]
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        return (f"SLURM is not installed ({', '.join(missing)} missing) and only root with apt-get installs it "
+                f"for the tests: apt install {' '.join(SLURM_PACKAGES)}")  # fmt: skip
+    if not quiet:
+        print(f"+ apt-get install {' '.join(packages)} (for the SLURM tests; {', '.join(missing)} missing)", flush=True)
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *packages]
+    own_policy = not POLICY_RC.exists()
+    try:
+        if own_policy:
+            POLICY_RC.write_text("#!/bin/sh\nexit 101\n")  # 101: services are not started by package scripts
+            POLICY_RC.chmod(0o755)
+        for cmd in (install, ["apt-get", "update", "-qq"], install):
+            r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=SLURM_INSTALL_SECONDS)
+            if cmd is install and r.returncode == 0:
+                break  # the package lists were fresh enough: no update needed
+    except subprocess.TimeoutExpired:
+        return f"installing {' '.join(packages)} took over {SLURM_INSTALL_SECONDS} s"
+    finally:
+        if own_policy:
+            POLICY_RC.unlink(missing_ok=True)
+    if r.returncode != 0:
+        why = (r.stderr.strip().splitlines() or ["no reason given"])[-1]
+        return f"apt-get could not install {' '.join(packages)}: {why}"
+    missing = missing_commands(SLURM_COMMANDS)
+    return f"SLURM is still incomplete after installing it: {', '.join(missing)} missing" if missing else None
+
+
 def cmd_test(args: list[str]) -> int:
     ensure_env()
+    why_not = ensure_slurm()
+    if why_not:
+        print(f"note: the SLURM tests will skip: {why_not}", flush=True)
     env = {**os.environ, "QT_QPA_PLATFORM": os.environ.get("QT_QPA_PLATFORM", "offscreen")}
     steps: list[list[str | Path]] = [
         [venv_bin("ruff"), "check", "app", "engine", "tests", "benchmarks", "packaging", "examples", "rigpilot/__init__.py", "dev.py"],

@@ -18,6 +18,7 @@ from rigpilot.engine.planner.export import (
     deepspeed_config,
     export,
     export_best,
+    script_args,
     slurm_script,
     to_yaml,
     torchrun_command,
@@ -207,13 +208,34 @@ def test_slurm_script():
     text = slurm_script(plan, nodes=4)
     assert text.startswith("#!/bin/bash\n")
     assert "#SBATCH --nodes=4" in text and "#SBATCH --gpus-per-node=8" in text
-    assert "srun torchrun" in text
-    assert "--rdzv-backend=c10d" in text and '--rdzv-endpoint="$head:29500"' in text
+    # One SLURM task per rank; torch.distributed meets at the first node on a port of this job's own.
+    assert "#SBATCH --ntasks-per-node=8" in text and "\nsrun --kill-on-bad-exit=1 bash -c " in text
+    assert "export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS" in text
+    assert 'export MASTER_ADDR="$head"' in text and "export MASTER_PORT=$((29500 + SLURM_JOB_ID % 20000))" in text
     assert 'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in text
+    assert text.rstrip().endswith("train.py --plan plan.json " + " ".join(shlex.quote(a) for a in script_args(plan)))
+    assert "#SBATCH --partition" not in text and "#SBATCH --time" not in text
     if shutil.which("bash"):
         subprocess.run(["bash", "-n"], input=text, text=True, check=True)
     with pytest.raises(UserError):
         slurm_script(plan, nodes=0)
+    limited = slurm_script(plan, partition="gpu", account="lab-1", time_limit="1-12:00:00")
+    assert "#SBATCH --partition=gpu\n#SBATCH --account=lab-1\n#SBATCH --time=1-12:00:00\n" in limited
+    for bad, message in (({"partition": "gpu\n#SBATCH --uid=0"}, "not a SLURM name"), ({"time_limit": "2h"}, "time limit")):
+        with pytest.raises(UserError, match=message):
+            slurm_script(plan, **bad)
+
+
+def test_slurm_script_runs_a_given_command_with_its_environment_and_ranks():
+    plan = best("8x-h100-sxm")
+    text = slurm_script(plan, command=["/venv/bin/python", "-m", "job", "/jobs/a b"], env={"RIGPILOT_JOB_ID": "abc"},
+                        ranks_per_node=2, gpus_per_node=0, output="/jobs/a b/logs/launcher.log")  # fmt: skip
+    assert "#SBATCH --ntasks-per-node=2" in text and "--gpus-per-node" not in text and "--exclusive" not in text
+    assert "#SBATCH --output=/jobs/a b/logs/launcher.log\n#SBATCH --open-mode=append" in text
+    assert "export RIGPILOT_JOB_ID=abc" in text and "export CUDA_DEVICE_ORDER=PCI_BUS_ID" in text
+    assert text.rstrip().endswith("rank \\\n    /venv/bin/python -m job '/jobs/a b'")
+    with pytest.raises(UserError, match="needs the job's command"):
+        slurm_script(None)
 
 
 def test_exports_refuse_what_they_cannot_run():

@@ -36,6 +36,7 @@ from rigpilot.app.jobs.outcome import model_of
 from rigpilot.app.jobs.prediction import PredictionTable
 from rigpilot.app.jobs.results_view import ResultsView
 from rigpilot.app.jobs.series import DEFAULT_SMOOTHING
+from rigpilot.app.jobs.slurm_state import slurm_detail
 from rigpilot.app.jobs.summary_view import SettingsDiff, SummaryPanel
 from rigpilot.app.jobs.try_it import TryIt
 from rigpilot.app.widgets.units import NA
@@ -234,6 +235,8 @@ class JobDetail(QWidget):
             parts.append(f"run {job['run']}")
         if job.get("waiting_for"):
             parts.append(f"waiting for GPU {gpus_text(job['waiting_for'])}")
+        if job.get("slurm"):
+            parts.append(slurm_detail(job))
         self.summary.setText(" · ".join(parts))
         self.cancel_button.setEnabled(h.can_cancel)
         self.resume_button.setEnabled(h.can_resume)

@@ -15,6 +15,7 @@ from PySide6.QtCore import QModelIndex, QSortFilterProxyModel, Qt
 from PySide6.QtGui import QBrush, QPalette
 from PySide6.QtWidgets import QApplication
 
+from rigpilot.app.jobs.slurm_state import slurm_detail, slurm_state_text
 from rigpilot.app.widgets.palette import BAD, GOOD, WARN, tint
 from rigpilot.app.widgets.table_model import ColumnsModel, Index
 from rigpilot.app.widgets.units import NA
@@ -141,6 +142,8 @@ class JobListModel(ColumnsModel):
         if role == Qt.ItemDataRole.ToolTipRole:
             if col == STATE and job.get("exit_reason"):
                 return job["exit_reason"]
+            if col == STATE and job.get("slurm"):
+                return slurm_detail(job)
             if col == JOB:
                 return f"{job.get('name') or job['id']} — id {job['id']}"
         if role == Qt.ItemDataRole.BackgroundRole and col == STATE and job.get("state") in STATE_COLORS:
@@ -159,6 +162,8 @@ class JobListModel(ColumnsModel):
             state = job.get("state") or NA
             if state in ACTIVE and job.get("cancel_requested"):
                 return f"{state} (cancelling)"
+            if state in ACTIVE and job.get("slurm"):
+                return f"{state} · {slurm_state_text(job)}"
             return state
         if col == PROGRESS:
             return progress_of(job)[1]

@@ -290,43 +290,104 @@ def deepspeed_config(plan: Plan) -> dict[str, Any]:
     return cfg
 
 
-def slurm_script(plan: Plan, *, nodes: int | None = None, script: str | None = None, plan_path: str = "plan.json") -> str:
-    """An sbatch script running the plan: a multi-node plan on its own nodes; a one-node plan's per-node layout
-    on `nodes` nodes (default 1), data-parallel across them."""
-    par, w = plan.parallelism, plan.workload
+SLURM_TIME = re.compile(r"^(\d+|\d+:\d{2}|\d+:\d{2}:\d{2}|\d+-\d+|\d+-\d+:\d{2}|\d+-\d+:\d{2}:\d{2}|UNLIMITED|INFINITE)$")
+SLURM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+# torch.distributed reads its place in the job from these; SLURM numbers the tasks of a step the same way.
+_RANK_FROM_SLURM = (
+    "export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS "
+    'LOCAL_WORLD_SIZE=$SLURM_NTASKS_PER_NODE; exec "$@"'
+)
+
+
+def check_slurm_options(partition: str | None, account: str | None, time_limit: str | None) -> None:
+    """Refuse, in one line, what sbatch would misread: these go into `#SBATCH` lines of the script."""
+    for flag, value in (("--partition", partition), ("--account", account)):
+        if value is not None and not SLURM_NAME.match(value):
+            raise UserError(f"{flag} {value!r} is not a SLURM name (letters, digits, '_', '.', '-')")
+    if time_limit is not None and not SLURM_TIME.match(time_limit):
+        raise UserError(
+            f"--time {time_limit!r} is not a SLURM time limit: MINUTES, HH:MM:SS, DAYS-HH:MM:SS or UNLIMITED"
+        )
+
+
+def slurm_script(
+    plan: Plan | None,
+    *,
+    nodes: int | None = None,
+    script: str | None = None,
+    plan_path: str = "plan.json",
+    partition: str | None = None,
+    account: str | None = None,
+    time_limit: str | None = None,
+    command: list[str] | None = None,
+    env: dict[str, str] | None = None,
+    ranks_per_node: int | None = None,
+    gpus_per_node: int | None = None,
+    job_name: str | None = None,
+    output: str | None = None,
+) -> str:
+    """An sbatch script running the plan: a multi-node plan on its own nodes; a one-node plan's per-node
+    layout on `nodes` nodes (default 1), data-parallel across them.
+
+    One SLURM task per rank: SLURM starts every rank itself (srun), places them, signals them on
+    scancel and accounts for each, and torch.distributed joins them from SLURM's own numbering with
+    the first node as its rendezvous. The engine submits exactly this script for `rigpilot run
+    --slurm`, giving the job's own `command` (its ranks write metrics and logs into the job folder)
+    and `env`, and `ranks_per_node`/`gpus_per_node` where simulated GPUs run as CPU ranks; without a
+    plan those must be given.
+    """
     if nodes is None:
-        nodes = par.nodes
+        nodes = plan.parallelism.nodes if plan is not None else 1
     if nodes < 1:
         raise UserError("--nodes must be at least 1")
-    if par.nodes > 1 and nodes != par.nodes:
-        raise UserError(f"this plan spans {par.nodes} nodes; plan again with --nodes {nodes} to run it on {nodes}")
-    name = re.sub(r"[^A-Za-z0-9._-]+", "-", w.model.split("/")[-1]).strip("-") or "job"
-    env = _env(plan)
+    if plan is not None and plan.parallelism.nodes > 1 and nodes != plan.parallelism.nodes:
+        raise UserError(
+            f"this plan spans {plan.parallelism.nodes} nodes; plan again with --nodes {nodes} to run it on {nodes}"
+        )
+    check_slurm_options(partition, account, time_limit)
+    if plan is None and (command is None or ranks_per_node is None):
+        raise UserError("a SLURM script without a plan needs the job's command and its ranks per node")
+    if plan is not None:
+        par, w = plan.parallelism, plan.workload
+        name = re.sub(r"[^A-Za-z0-9._-]+", "-", w.model.split("/")[-1]).strip("-") or "job"
+        ranks = ranks_per_node or par.gpus_per_node
+        gpus = par.gpus_per_node if gpus_per_node is None else gpus_per_node
+        env = {**_env(plan), **(env or {})}
+        comments = [f"# Rigpilot plan{'' if par.nodes > 1 else ', per node'}: {par.describe()}."]
+        if nodes > 1 and par.nodes == 1 and w.training:
+            comments.append(f"# Data parallelism spans the {nodes} nodes: each optimizer step sees {nodes} × {w.global_batch} sequences.")
+        line = " ".join(shlex.quote(a) for a in command) if command else _script_line(plan, script, plan_path)
+    else:
+        assert command is not None and ranks_per_node is not None
+        name, ranks, gpus, env, comments = "job", ranks_per_node, gpus_per_node or 0, dict(env or {}), []
+        line = " ".join(shlex.quote(a) for a in command)
     lines = [
         "#!/bin/bash",
-        f"#SBATCH --job-name=rigpilot-{name}",
+        f"#SBATCH --job-name={job_name or 'rigpilot-' + name}",
         f"#SBATCH --nodes={nodes}",
-        "#SBATCH --ntasks-per-node=1",
-        f"#SBATCH --gpus-per-node={par.gpus_per_node}",
-        "#SBATCH --exclusive",
-        "#SBATCH --output=%x-%j.out",
-        f"# Rigpilot plan, per node: {par.describe()}.",
+        f"#SBATCH --ntasks-per-node={ranks}",
     ]
-    if nodes > 1 and par.nodes == 1 and w.training:
-        lines.append(f"# Data parallelism spans the {nodes} nodes: each optimizer step sees {nodes} × {w.global_batch} sequences.")
+    if gpus:
+        lines += [f"#SBATCH --gpus-per-node={gpus}", "#SBATCH --exclusive"]
+    lines += [f"#SBATCH --{flag}={value}" for flag, value in
+              (("partition", partition), ("account", account), ("time", time_limit)) if value]  # fmt: skip
+    if output:
+        # A resumed job's run appends to the same log, as the engine's own launcher log does.
+        lines += [f"#SBATCH --output={output}", "#SBATCH --open-mode=append"]
+    else:
+        lines.append("#SBATCH --output=%x-%j.out")
     lines += [
+        *comments,
         "set -euo pipefail",
         "",
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        'export MASTER_ADDR="$head"',
+        "# One port per job, so jobs sharing a node do not meet at the same rendezvous.",
+        f"export MASTER_PORT=$(({RDZV_PORT} + SLURM_JOB_ID % 20000))",
         *(f"export {k}={shlex.quote(v)}" for k, v in env.items()),
         "",
-        "srun torchrun \\",
-        '    --nnodes="$SLURM_NNODES" \\',
-        f"    --nproc-per-node={par.gpus_per_node} \\",
-        '    --rdzv-id="$SLURM_JOB_ID" \\',
-        "    --rdzv-backend=c10d \\",
-        f'    --rdzv-endpoint="$head:{RDZV_PORT}" \\',
-        f"    {_script_line(plan, script, plan_path)}",
+        f"srun --kill-on-bad-exit=1 bash -c {shlex.quote(_RANK_FROM_SLURM)} rank \\",
+        f"    {line}",
     ]
     return "\n".join(lines) + "\n"
 

@@ -47,7 +47,8 @@ def register(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     model = _model_options()
     degrees = _degree_options()
 
-    k = kinds.add_parser("train", parents=[common, model, degrees], help="train or fine-tune a model")
+    slurm = _slurm_options()
+    k = kinds.add_parser("train", parents=[common, model, degrees, slurm], help="train or fine-tune a model")
     k.add_argument("--data", action="append", default=[], metavar="FILE", help="training data (.txt, .jsonl); repeatable")
     k.add_argument("--method", choices=TRAIN_METHODS,
                    help="full fine-tune, LoRA, QLoRA (LoRA on a 4-bit NF4 base), or from scratch")
@@ -67,7 +68,7 @@ def register(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     k.add_argument("--seed", type=seed, metavar="N", help="random seed (default 1234)")
     k.set_defaults(func=cmd_run)
 
-    k = kinds.add_parser("infer", parents=[common, model, degrees], help="generate text with a model")
+    k = kinds.add_parser("infer", parents=[common, model, degrees, slurm], help="generate text with a model")
     k.add_argument("--prompts", metavar="FILE", help="JSONL file with a \"prompt\" field per line")
     k.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt; repeatable")
     k.add_argument("--max-new-tokens", type=positive_int, metavar="N", help="tokens to generate (default 64)")
@@ -176,6 +177,28 @@ def _common_run_options() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the submitted job as JSON (implies --detach)")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="environment for the ranks; repeatable")
     return p
+
+
+def _slurm_options() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("SLURM (the job folder must be on a filesystem the cluster's nodes share)")
+    g.add_argument("--slurm", action="store_true", help="submit the job to SLURM with sbatch and follow it there")
+    g.add_argument("--partition", metavar="P", help="SLURM partition (default: the cluster's default)")
+    g.add_argument("--account", metavar="A", help="SLURM account to charge")
+    g.add_argument("--time", metavar="T", help="SLURM time limit: MINUTES, HH:MM:SS or DAYS-HH:MM:SS")
+    g.add_argument("--login", metavar="HOST", help="run sbatch/squeue/scancel on this login node through ssh")
+    return p
+
+
+def _slurm_request(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The submit request's `slurm` options, or None; SLURM's flags without --slurm are a mistake worth naming."""
+    given = {k: getattr(args, k, None) for k in ("partition", "account", "time", "login")}
+    if not getattr(args, "slurm", False):
+        named = [k for k, v in given.items() if v is not None]
+        if named:
+            raise UserError(f"--{named[0]} is a SLURM option: add --slurm to submit the job to SLURM")
+        return None
+    return {k: v for k, v in given.items() if v is not None}
 
 
 def _model_options() -> argparse.ArgumentParser:
@@ -322,17 +345,23 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     spec = build_spec(args)
     plan = _read_plan(getattr(args, "plan", None))
+    slurm = _slurm_request(args)
     with EngineClient() as client:
         if getattr(args, "check", False):
             for line in client.request("check", spec=spec, plan=plan, cwd=os.getcwd())["lines"]:
                 print(line)
             return 0
-        job = client.request("submit", spec=spec, plan=plan, cwd=os.getcwd())["job"]
+        job = client.request("submit", spec=spec, plan=plan, cwd=os.getcwd(), **({"slurm": slurm} if slurm else {}))["job"]
         if args.json:
             print(json.dumps({"schema": "rigpilot.job/1", "job": job}, indent=2))
             return 0
         ranks = f"{job['ranks']} CPU rank{'s' * (job['ranks'] != 1)}" if job["simulated"] else f"{job['ranks']} ranks"
-        print(f"job {job['id']} submitted: {job['kind']} '{printable(job['name'])}' on GPUs {_gpus(job['gpus'])} ({ranks})")
+        if job.get("slurm"):
+            where = f" through {job['slurm']['login']}" if job["slurm"].get("login") else ""
+            print(f"job {job['id']} submitted to SLURM{where} as job {job['slurm']['job_id']}: {job['kind']} "
+                  f"'{printable(job['name'])}' ({ranks}); script {job['slurm']['script']}")  # fmt: skip
+        else:
+            print(f"job {job['id']} submitted: {job['kind']} '{printable(job['name'])}' on GPUs {_gpus(job['gpus'])} ({ranks})")
         for note in (job.get("predicted") or {}).get("plan_notes") or []:
             print(f"  note: {note}")
         if args.detach:
@@ -346,7 +375,7 @@ def follow(client: Any, job_id: str) -> int:
     from rigpilot.engine.service.client import EngineUnavailable
 
     cursor: dict[str, int] = {}
-    state = None
+    state: tuple[str, str | None] | None = None
     printer = _ProgressPrinter()
     reconnect = False
     try:
@@ -358,16 +387,19 @@ def follow(client: Any, job_id: str) -> int:
                 client.request("subscribe", topics=[f"metrics:{job_id}"], metrics_cursors={job_id: cursor})
                 job = client.request("job", job=job_id)["job"]
                 while True:
-                    if job["state"] != state:
-                        state = job["state"]
-                        if state in TERMINAL:
+                    # A SLURM job waits in SLURM's queue, then runs, while Rigpilot's state stays "starting".
+                    now = (job["state"], (job.get("slurm") or {}).get("state"))
+                    if now != state:
+                        state = now
+                        state_name = job["state"]
+                        if state_name in TERMINAL:
                             # Metric events always precede the "ended" event; drain what is queued.
                             while (ev := client.next_event(0.2)) is not None:
                                 if ev.get("event") == "metrics":
                                     cursor = ev["cursor"]
                                     printer.records(ev["records"])
                             return _report_end(job)
-                        print(f"state: {state}" + _waiting(job), flush=True)
+                        print(f"state: {state_name}" + _waiting(job), flush=True)
                     ev = client.next_event(1.0)
                     if ev is None:
                         continue
@@ -387,6 +419,10 @@ def follow(client: Any, job_id: str) -> int:
 
 
 def _waiting(job: dict[str, Any]) -> str:
+    if job.get("slurm"):
+        from rigpilot.engine.service.slurm import describe
+
+        return f" ({describe(job['slurm'])})"
     busy = job.get("waiting_for")
     return f" (waiting for GPU {_gpus(busy)} to be free)" if busy else ""
 
@@ -489,6 +525,10 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 
 
 def _note(j: dict[str, Any]) -> str:
+    if j.get("slurm") and j["state"] not in TERMINAL:
+        from rigpilot.engine.service.slurm import describe
+
+        return f"{describe(j['slurm'])}, job {j['slurm'].get('job_id')}"
     if j["state"] == "queued":
         return _waiting(j).strip(" ()")
     if j["state"] == "failed" and j.get("failed_rank") is not None:

@@ -30,7 +30,8 @@ has `settings`, the job's spec without its environment, and `output`, what its o
     telemetry_history {since?, limit?}      → {samples: [TelemetrySample], more, next_since}
     plan {model, workload?, gpus?, options?, trust_remote_code?, deadline_s?, machine?} → {result: the planner's
           SearchResult}; machine: a simulated profile's id or a machine (Machine JSON) to plan for instead of this one
-    submit {spec: JobSpec fields, plan?, cwd?} → {job}
+    submit {spec: JobSpec fields, plan?, cwd?, slurm?} → {job}; slurm {partition?, account?, time?, login?}:
+          submitted to SLURM with sbatch, the job's `slurm` field then follows SLURM's queue state
     check {spec, plan?, cwd?} → {ok: true, lines: [what would run, in words], would_run: {ranks, gpus,
           parallelism, method, precision, micro_batch, grad_accum, seq_len, notes, host_ram, ...}}; creates
           nothing, and refuses exactly as submit would (error `user_error`, one line)
@@ -240,7 +241,8 @@ REQUEST_SCHEMAS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
             "node_machines": Annotated[list[Text | dict[str, Any]], Limit(max_len=64)] | None,
         },
     ),
-    "submit": ({"spec": dict[str, Any]}, {"plan": dict[str, Any] | None, "cwd": Path_ | None}),
+    # slurm: {partition?, account?, time?, login?} submits the job to SLURM with sbatch (engine.service.slurm).
+    "submit": ({"spec": dict[str, Any]}, {"plan": dict[str, Any] | None, "cwd": Path_ | None, "slurm": dict[str, Any] | None}),
     # The whole submission path without creating anything: what would run, or the one-line refusal.
     "check": ({"spec": dict[str, Any]}, {"plan": dict[str, Any] | None, "cwd": Path_ | None}),
     "jobs": ({}, {"states": Annotated[list[Text], Limit(max_len=64)], "limit": Annotated[int, Limit(1, 100_000)]}),

@@ -685,9 +685,10 @@ class EngineService:
         return {"result": self.planners.plan(args, time.monotonic() + budget, conn.client_gone)}
 
     def _do_submit(
-        self, conn: Connection, spec: dict[str, Any], plan: dict[str, Any] | None = None, cwd: str | None = None
-    ) -> Any:
-        return {"job": self.supervisor.submit(spec, plan, cwd)}
+        self, conn: Connection, spec: dict[str, Any], plan: dict[str, Any] | None = None, cwd: str | None = None,
+        slurm: dict[str, Any] | None = None,
+    ) -> Any:  # fmt: skip
+        return {"job": self.supervisor.submit(spec, plan, cwd, slurm)}
 
     def _do_check(
         self, conn: Connection, spec: dict[str, Any], plan: dict[str, Any] | None = None, cwd: str | None = None

@@ -53,6 +53,8 @@ class JobRecord:
     predicted: dict[str, Any] | None = None  # from the plan: peak memory, tokens/s, step time
     measured: dict[str, Any] | None = None  # the metrics summary, frozen when the job ends
     error: dict[str, Any] | None = None  # an "error" metrics record (e.g. out_of_memory) with the plan's advice
+    # A job submitted to SLURM: its SLURM job id, queue state and reason, partition, login host, script (engine.service.slurm)
+    slurm: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -65,7 +67,7 @@ _DEFAULTS = {
     for f in dataclasses.fields(JobRecord)
     if f.default_factory is not dataclasses.MISSING or (f.default is not dataclasses.MISSING and f.default is not None)
 }
-_JSON_FIELDS = {"gpus", "last_log", "predicted", "measured", "error"}
+_JSON_FIELDS = {"gpus", "last_log", "predicted", "measured", "error", "slurm"}
 _BOOL_FIELDS = {"simulated", "cancel_requested", "resumable"}
 
 

@@ -41,7 +41,7 @@ from rigpilot.engine.jobs import secrets as job_secrets
 from rigpilot.engine.jobs.limits import check_env
 from rigpilot.engine.jobs.spec import JobSpec
 from rigpilot.engine.runtime import worker_python
-from rigpilot.engine.service import paths, submission
+from rigpilot.engine.service import paths, slurm, submission
 from rigpilot.engine.service.metrics import Cursor, MetricsSummary, read_records, summarize
 from rigpilot.engine.service.results import check_name, describe_output, job_settings
 from rigpilot.engine.service.store import (
@@ -197,8 +197,12 @@ class Supervisor:
         )
         return {"ok": True, "lines": submission.describe(sub), "would_run": submission.would_run(sub)}
 
-    def submit(self, spec_data: dict[str, Any], plan: dict[str, Any] | None, cwd: str | None) -> dict[str, Any]:
+    def submit(
+        self, spec_data: dict[str, Any], plan: dict[str, Any] | None, cwd: str | None,
+        slurm_options: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
         worker_python()  # no PyTorch environment yet: say so now, not after the job has queued
+        slurm_options = slurm.check_options(slurm_options) if slurm_options is not None else None
         job_id = self._new_id()
         machine = self.machine
         sub = submission.prepare(
@@ -213,6 +217,7 @@ class Supervisor:
         rec = JobRecord(
             id=job_id, seq=self.store.next_seq(), kind=spec.kind, name=spec.name, state=QUEUED, gpus=spec.gpus,
             ranks=sub.ranks, simulated=spec.simulated, created=time.time(), cwd=sub.cwd, predicted=sub.predicted,
+            slurm=slurm_options,
         )
         try:
             job_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -221,15 +226,23 @@ class Supervisor:
             _write_spec(spec, job_dir)
             if plan is not None:
                 _write_json_atomic(job_dir / "plan.json", plan)
+            if slurm_options is not None:  # submitted now, so a refusal (no sbatch, a bad partition) is the reply
+                for name, value in slurm.start(self, rec, spec, job_dir).items():
+                    setattr(rec, name, value)
             with self._lock:
                 if self.machine is not machine:  # replace_machine ran while this job was being checked
                     raise UserError("the engine switched machines while this job was being submitted; submit it again")
                 self._secrets[job_id] = hidden
                 self.store.insert(rec)
+                if rec.slurm is not None:
+                    self._runs[rec.id] = slurm.adopt(self, rec)
                 self._queue_dirty = True
                 view = self.view(rec)
         except BaseException:
             shutil.rmtree(job_dir, ignore_errors=True)  # no half-created job behind
+            if (rec.slurm or {}).get("job_id"):
+                with contextlib.suppress(UserError):
+                    slurm.cancel(rec)  # nor a SLURM job nobody follows
             raise
         self._wake.set()
         self._on_job(view)
@@ -246,6 +259,9 @@ class Supervisor:
                     rec, state=CANCELLED, ended=time.time(), exit_reason="cancelled before it started", resumable=True
                 )
                 self._queue_dirty = True
+            elif rec.slurm is not None:
+                slurm.cancel(rec)  # SLURM signals the ranks; the next poll sees the job end
+                self.store.update(rec, cancel_requested=True)
             elif not rec.cancel_requested:
                 self.store.update(rec, cancel_requested=True)
                 run.stop_reason = "cancel"
@@ -360,7 +376,7 @@ class Supervisor:
         return d
 
     def _waiting_for(self, rec: JobRecord) -> list[int]:
-        busy = {g for r in self._runs.values() for g in r.rec.gpus}
+        busy = {g for r in self._runs.values() if r.rec.slurm is None for g in r.rec.gpus}
         return sorted(busy & set(rec.gpus))
 
     def _new_id(self) -> str:
@@ -373,9 +389,12 @@ class Supervisor:
 
     def _schedule(self) -> None:
         self._queue_dirty = False
-        busy = {g for r in self._runs.values() for g in r.rec.gpus}
+        busy = {g for r in self._runs.values() if r.rec.slurm is None for g in r.rec.gpus}
         reserved: set[int] = set()
         for rec in sorted(self.store.list({QUEUED}), key=lambda r: r.seq):
+            if rec.slurm is not None:  # SLURM's queue decides where and when it runs, not this machine's GPUs
+                self._launch_slurm(rec)
+                continue
             want = set(rec.gpus)
             if want & (busy | reserved):
                 reserved |= want  # later jobs may not take GPUs an earlier job waits for
@@ -436,6 +455,18 @@ class Supervisor:
         run.summary, run.cursor = summarize(job_dir / "metrics", _max_steps(spec))
         self._runs[rec.id] = run
         self._apply_load(run)
+        self._on_job(self.view(rec))
+
+    def _launch_slurm(self, rec: JobRecord) -> None:
+        job_dir = self.job_dir(rec.id)
+        shutil.rmtree(job_dir / "ranks", ignore_errors=True)
+        (job_dir / "ranks").mkdir(parents=True, exist_ok=True)
+        try:
+            self.store.update(rec, **slurm.start(self, rec, JobSpec.read(job_dir), job_dir))
+        except (OSError, ValueError, UserError) as e:
+            self._end_without_run(rec, str(e))
+            return
+        self._runs[rec.id] = slurm.adopt(self, rec)
         self._on_job(self.view(rec))
 
     def _command(self, rec: JobRecord, spec: JobSpec, job_dir: Path, port: int, python: str) -> list[str]:
@@ -512,6 +543,9 @@ class Supervisor:
 
     def _poll(self, run: _Run) -> None:
         rec = run.rec
+        if rec.slurm is not None:
+            slurm.poll(self, run)
+            return
         self._read_metrics(run)
         self._read_ranks(run)
         if rec.state == STARTING and self._has_started(run):
@@ -666,6 +700,9 @@ class Supervisor:
     def _recover(self) -> None:
         """After a restart: re-adopt jobs whose launcher still runs; settle the others."""
         for rec in self.store.list(ACTIVE_STATES):
+            if rec.slurm is not None:  # runs on without this service: follow it again
+                self._runs[rec.id] = slurm.adopt(self, rec)
+                continue
             job_dir = self.job_dir(rec.id)
             try:
                 max_steps = _max_steps(JobSpec.read(job_dir))

@@ -1,0 +1,384 @@
+"""Jobs run by SLURM: `rigpilot run … --slurm` submits with sbatch and the supervisor follows the SLURM job.
+
+The script submitted is the planner's export (engine.planner.export.slurm_script) with the job's own
+command: one SLURM task per rank, each started through rankexec, so the ranks write their metrics,
+logs and exit records into the job folder exactly as under torchrun. That folder must be on a
+filesystem the SLURM nodes share with this machine (on one machine it is simply the job folder).
+
+The SLURM commands run here where they are installed, or on a login node through `ssh LOGIN`
+(BatchMode: a key or agent, never a password prompt the engine cannot answer). The queue state comes
+from `squeue -t all` while slurmctld remembers the job (MinJobAge), then from SLURM's accounting:
+`sacct`, or `sacct --completion` where the cluster keeps only job completion records
+(JobCompType=jobcomp/filetxt, no slurmdbd).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shlex
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.jobs import secrets as job_secrets
+from rigpilot.engine.jobs.spec import JobSpec
+from rigpilot.engine.planner.export import check_slurm_options, slurm_script
+from rigpilot.engine.planner.plan import Plan
+from rigpilot.engine.runtime import worker_python
+from rigpilot.engine.service import paths
+from rigpilot.engine.service.metrics import summarize
+from rigpilot.engine.service.store import (
+    CANCELLED,
+    COMPLETED,
+    FAILED,
+    INTERRUPTED,
+    RUNNING,
+    STARTING,
+    TERMINAL_STATES,
+    JobRecord,
+)
+
+if TYPE_CHECKING:
+    from rigpilot.engine.service.supervisor import Supervisor, _Run
+
+log = logging.getLogger(__name__)
+
+POLL_S = 2.0  # squeue/sacct at most this often per job: slurmctld serves every user of the cluster
+COMMAND_TIMEOUT_S = 30.0
+LOGIN = re.compile(r"^(?:[A-Za-z0-9_][A-Za-z0-9_.-]*@)?[A-Za-z0-9_][A-Za-z0-9_.:-]*$")
+OPTION_KEYS = ("partition", "account", "time", "login")
+
+# SLURM's job states (squeue/sacct) and what Rigpilot calls them: None while the job waits or runs.
+_WAITING = {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SUSPENDED", "STOPPED"}
+_RUNNING = {"RUNNING", "COMPLETING", "STAGE_OUT", "SIGNALING", "RESV_DEL_HOLD"}
+_ENDED = {
+    "COMPLETED": COMPLETED,
+    "CANCELLED": CANCELLED,
+    "FAILED": FAILED,
+    "OUT_OF_MEMORY": FAILED,
+    "BOOT_FAIL": FAILED,
+    "DEADLINE": FAILED,
+    "NODE_FAIL": FAILED,
+    "TIMEOUT": FAILED,
+    "PREEMPTED": INTERRUPTED,
+    "REVOKED": CANCELLED,
+    "SPECIAL_EXIT": FAILED,
+}
+
+
+def rigpilot_state(slurm_state: str) -> str:
+    """The Rigpilot state of a job SLURM reports in `slurm_state` (before its first step: starting)."""
+    state = slurm_state.split()[0].rstrip("+").upper() if slurm_state.strip() else ""
+    if state in _WAITING or state in _RUNNING:
+        return STARTING
+    if state in _ENDED:
+        return _ENDED[state]
+    raise ValueError(f"unknown SLURM job state {slurm_state!r}")
+
+
+def describe(slurm: dict[str, Any] | None) -> str:
+    """How the Jobs page and `rigpilot jobs` name a SLURM job's queue state: 'SLURM: pending (Resources)'."""
+    if not slurm:
+        return ""
+    state = str(slurm.get("state") or "submitted").lower().replace("_", " ")
+    reason = slurm.get("reason")
+    text = f"SLURM: {state}"
+    if reason and reason not in ("None", "(null)"):
+        text += f" ({reason})"
+    return text
+
+
+def check_options(options: dict[str, Any]) -> dict[str, str | None]:
+    """The `--slurm` options of a submission, checked: partition, account, time, login (each may be None)."""
+    if not isinstance(options, dict):
+        raise UserError("slurm options must be an object")
+    unknown = sorted(set(options) - set(OPTION_KEYS))
+    if unknown:
+        raise UserError(f"unknown SLURM option {unknown[0]!r}; known: {', '.join(OPTION_KEYS)}")
+    out: dict[str, str | None] = {}
+    for key in OPTION_KEYS:
+        value = options.get(key)
+        if value is not None and (not isinstance(value, str) or not value):
+            raise UserError(f"SLURM option {key} must be a non-empty string")
+        out[key] = value
+    check_slurm_options(out["partition"], out["account"], out["time"])
+    login = out["login"]
+    if login is not None and (login.startswith("-") or not LOGIN.match(login)):
+        raise UserError(f"--login {login!r} is not a host name for ssh ([USER@]HOST)")
+    return out
+
+
+# -- the SLURM commands ---------------------------------------------------------------
+
+
+@dataclass
+class SlurmStatus:
+    state: str  # SLURM's, e.g. PENDING, RUNNING, COMPLETED, CANCELLED
+    reason: str | None = None  # why it waits (Resources, Priority, ...)
+    partition: str | None = None
+    exit_code: str | None = None  # sacct's "code:signal"
+    nodes: str | None = None
+
+
+Runner = Callable[..., subprocess.CompletedProcess]
+
+
+class SlurmCommands:
+    """sbatch, squeue, sacct and scancel, run here or on `login` through ssh."""
+
+    def __init__(self, login: str | None = None, runner: Runner = subprocess.run, ssh: str = "ssh"):
+        self.login = login
+        self._runner = runner
+        self._ssh = ssh
+
+    def argv(self, args: list[str]) -> list[str]:
+        """The command line that runs `args`: as is, or through ssh to the login node."""
+        if self.login is None:
+            return list(args)
+        # BatchMode: fail rather than ask for a password nobody can type into the engine.
+        return [self._ssh, "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", self.login, "--", shlex.join(args)]
+
+    def run(self, args: list[str], *, what: str) -> str:
+        argv = self.argv(args)
+        try:
+            r = self._runner(argv, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, stdin=subprocess.DEVNULL)
+        except FileNotFoundError:
+            if self.login is None:
+                raise UserError(
+                    f"{args[0]} is not installed here: install SLURM's client commands (Debian: slurm-client), "
+                    "or give --login HOST to submit on a login node through ssh"
+                ) from None
+            raise UserError(f"{self._ssh} is not installed here: it is needed to reach {self.login}") from None
+        except subprocess.TimeoutExpired:
+            where = f" on {self.login}" if self.login else ""
+            raise UserError(f"{args[0]}{where} did not answer within {COMMAND_TIMEOUT_S:.0f} s") from None
+        if r.returncode != 0:
+            raise UserError(f"{what}: {_first_error(r.stderr or r.stdout, r.returncode, self.login)}")
+        return r.stdout
+
+    def submit(self, script: Path) -> str:
+        out = self.run(["sbatch", "--parsable", str(script)], what="SLURM refused the job")
+        job_id = out.strip().splitlines()[-1].split(";")[0] if out.strip() else ""
+        if not job_id.isdigit():
+            raise UserError(f"sbatch answered {out.strip()[:200]!r}, not a job id")
+        return job_id
+
+    def cancel(self, job_id: str) -> None:
+        self.run(["scancel", job_id], what=f"scancel refused to cancel SLURM job {job_id}")
+
+    def status(self, job_id: str) -> SlurmStatus | None:
+        """The job's state from slurmctld while it remembers the job, else from SLURM's accounting; None if neither knows it."""
+        try:
+            out = self.run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T|%r|%P|%N"], what="squeue failed")
+        except UserError as e:
+            if "invalid job id" not in str(e).lower():
+                raise
+            out = ""
+        for line in out.splitlines():
+            parts = (line.split("|") + [""] * 4)[:4]
+            if parts[0]:
+                return SlurmStatus(parts[0], parts[1] or None, parts[2] or None, None, parts[3] or None)
+        return self._accounting(job_id)
+
+    def _accounting(self, job_id: str) -> SlurmStatus | None:
+        fields = ["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "JobID,State,ExitCode,Partition,NodeList"]
+        try:
+            out = self.run(fields, what="sacct failed")
+        except UserError as e:
+            if "accounting storage is disabled" not in str(e).lower():
+                raise
+            # No slurmdbd: the completion log (JobCompType) is SLURM's record of ended jobs.
+            out = self.run([*fields[:1], "--completion", *fields[1:]], what="sacct --completion failed")
+        for line in out.splitlines():
+            parts = (line.split("|") + [""] * 5)[:5]
+            if parts[0].split(".")[0] == job_id and parts[1]:
+                return SlurmStatus(parts[1].split()[0], None, parts[3] or None, parts[2] or None, parts[4] or None)
+        return None
+
+
+def _first_error(text: str, rc: int, login: str | None) -> str:
+    lines = [ln.strip() for ln in (text or "").splitlines() if ln.strip()]
+    if rc == 255 and login is not None:
+        return f"ssh could not reach {login}: {lines[-1] if lines else 'no reason given'}"
+    if not lines:
+        return f"exit status {rc}"
+    line = next((ln for ln in lines if "error" in ln.lower()), lines[0])
+    return re.sub(r"^(sbatch|squeue|sacct|scancel): error: ", "", line)[:300]
+
+
+# -- the supervisor's side ------------------------------------------------------------
+
+
+def start(sup: Supervisor, rec: JobRecord, spec: JobSpec, job_dir: Path, commands: SlurmCommands | None = None) -> dict[str, Any]:
+    """Write the job's SLURM script and submit it; returns the record's new fields. Raises UserError when refused."""
+    options = rec.slurm or {}
+    if job_secrets.masked_names(spec.env):
+        raise UserError(
+            "secret environment values are not sent to SLURM (slurmctld keeps a job's environment on disk); "
+            "give the job its secrets on the cluster instead"
+        )
+    python = worker_python()
+    script = job_script(sup, rec, spec, job_dir, python)
+    path = job_dir / "slurm.sh"
+    paths.write_private(path, script)
+    commands = commands or SlurmCommands(options.get("login"))
+    with paths.open_private(job_dir / "logs" / "launcher.log", "ab") as f:
+        f.write(f"--- run {rec.run}: {' '.join(commands.argv(['sbatch', '--parsable', str(path)]))}\n".encode())
+    job_id = commands.submit(path)
+    slurm = {**options, "job_id": job_id, "state": "PENDING", "reason": None, "script": str(path), "exit_code": None}
+    return {"state": STARTING, "started": time.time(), "ended": None, "slurm": slurm}
+
+
+def job_script(sup: Supervisor, rec: JobRecord, spec: JobSpec, job_dir: Path, python: str) -> str:
+    """The planner's SLURM script for this job: its plan where it has one, the engine's command and environment."""
+    options = rec.slurm or {}
+    if rec.kind == "script":
+        assert spec.script
+        target = [python, "-u", *spec.script]
+    else:
+        target = [python, "-u", "-m", "rigpilot.engine.workers", str(job_dir)]
+    command = [python, "-u", "-m", "rigpilot.engine.service.rankexec", str(job_dir), "--", *target]
+    env = job_environment(sup, rec, spec, job_dir, python)
+    return slurm_script(
+        _plan(job_dir), command=command, env=env, ranks_per_node=rec.ranks,
+        gpus_per_node=0 if rec.simulated else len(rec.gpus), job_name=f"rigpilot-{rec.id}",
+        output=str(job_dir / "logs" / "launcher.log"), partition=options.get("partition"),
+        account=options.get("account"), time_limit=options.get("time"),
+    )  # fmt: skip
+
+
+_RANK_SETTINGS = ("PYTHONUNBUFFERED", "TOKENIZERS_PARALLELISM", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "OMP_NUM_THREADS")
+
+
+def job_environment(sup: Supervisor, rec: JobRecord, spec: JobSpec, job_dir: Path, python: str) -> dict[str, str]:
+    """What the engine sets for the job's ranks, written into the script.
+
+    Not the engine's whole environment: a local sbatch passes that on by itself, and through ssh it
+    would be this machine's, not the login node's. The engine's own settings and the job's --env go
+    in even where they equal the engine's, since over ssh nothing else carries them.
+    """
+    full = sup._environment(rec, spec, job_dir, python)
+    keep = set(spec.env) | set(_RANK_SETTINGS)
+    return {k: v for k, v in full.items() if k in keep or k.startswith("RIGPILOT_") or os.environ.get(k) != v}
+
+
+def _plan(job_dir: Path) -> Plan | None:
+    from rigpilot.engine.service.submission import plan_of
+
+    try:
+        import json
+
+        data = json.loads((job_dir / "plan.json").read_text())
+        return Plan.from_dict(plan_of(data) or {})
+    except (OSError, ValueError, UserError, TypeError, AttributeError):
+        return None  # no plan, or not one the planner wrote: the job's own layout says it all
+
+
+def poll(sup: Supervisor, run: _Run, commands: SlurmCommands | None = None) -> None:
+    """One supervisor tick for a SLURM job: its metrics every time, its SLURM state every POLL_S."""
+    rec = run.rec
+    sup._read_metrics(run)
+    sup._read_ranks(run)
+    if rec.state == STARTING and sup._has_started(run):
+        sup.store.update(rec, state=RUNNING)
+        run.dirty, run.last_publish = True, 0.0
+    now = time.monotonic()
+    if now - getattr(run, "slurm_polled", 0.0) >= POLL_S:
+        run.slurm_polled = now  # type: ignore[attr-defined]
+        slurm = dict(rec.slurm or {})
+        try:
+            status = (commands or SlurmCommands(slurm.get("login"))).status(str(slurm["job_id"]))
+        except UserError as e:
+            log.warning("job %s: cannot ask SLURM about job %s: %s", rec.id, slurm.get("job_id"), e)
+            status = None
+        if status is not None:
+            changed = (status.state, status.reason) != (slurm.get("state"), slurm.get("reason"))
+            slurm.update(state=status.state, reason=status.reason, exit_code=status.exit_code or slurm.get("exit_code"))
+            slurm.update({k: v for k, v in (("partition", status.partition), ("nodes", status.nodes)) if v})
+            sup.store.update(rec, slurm=slurm)
+            if changed:
+                run.dirty, run.last_publish = True, 0.0
+            try:
+                ended = rigpilot_state(status.state)
+            except ValueError:
+                ended = STARTING
+            if ended in TERMINAL_STATES:
+                finish(sup, run, status)
+                return
+    if run.dirty and now - run.last_publish >= 1.0:
+        run.dirty, run.last_publish = False, now
+        sup._on_job(sup.view(rec, detail=False))
+
+
+def finish(sup: Supervisor, run: _Run, status: SlurmStatus) -> None:
+    from rigpilot.engine.service.supervisor import _outcome, _tail
+
+    rec = run.rec
+    sup._read_metrics(run)
+    sup._read_ranks(run)
+    state = rigpilot_state(status.state)
+    slurm_id = (rec.slurm or {}).get("job_id")
+    code = _exit_code(status.exit_code)
+    launcher = _tail(run.job_dir / "logs" / "launcher.log")
+    if state == CANCELLED or rec.cancel_requested:
+        by = "by the user (scancel)" if rec.cancel_requested else "in SLURM, not through Rigpilot"
+        outcome: dict[str, Any] = {"state": CANCELLED, "exit_reason": f"cancelled {by}", "resumable": True,
+                                   "failed_rank": None, "last_log": []}  # fmt: skip
+    elif state == COMPLETED:
+        outcome = _outcome(run, 0)
+    elif state == INTERRUPTED:
+        outcome = {"state": INTERRUPTED, "exit_reason": f"SLURM preempted job {slurm_id}; resume continues from the "
+                   "newest checkpoint", "resumable": True, "failed_rank": None, "last_log": launcher}  # fmt: skip
+    else:
+        outcome = _outcome(run, code if code is not None else 1)
+        why = {
+            "TIMEOUT": f"SLURM stopped job {slurm_id} at its time limit ({(rec.slurm or {}).get('time') or 'the partition’s'})",
+            "NODE_FAIL": f"a node of SLURM job {slurm_id} failed",
+            "OUT_OF_MEMORY": f"SLURM job {slurm_id} ran out of host memory",
+            "BOOT_FAIL": f"SLURM could not boot the nodes of job {slurm_id}",
+        }.get(status.state)
+        if why:
+            outcome["exit_reason"] = why + (f"; {outcome['exit_reason']}" if outcome.get("failed_rank") is not None else "")
+        elif outcome.get("failed_rank") is None:
+            outcome["exit_reason"] = f"SLURM job {slurm_id} {status.state.lower()} (exit code {status.exit_code or '?'})"
+        if not outcome.get("last_log"):
+            outcome["last_log"] = launcher
+    outcome.setdefault("exit_code", code)
+    outcome["cancel_requested"] = rec.cancel_requested
+    measured = run.summary.to_dict(time.time())
+    sup.store.update(rec, ended=time.time(), measured=measured, **outcome)
+    del sup._runs[rec.id]
+    sup._queue_dirty = True
+    sup._on_metrics(rec.id)
+    sup._on_job(sup.view(rec))
+
+
+def _exit_code(text: str | None) -> int | None:
+    head = (text or "").split(":")[0]
+    return int(head) if head.isdigit() else None
+
+
+def cancel(rec: JobRecord, commands: SlurmCommands | None = None) -> None:
+    """scancel the job; SLURM signals every task (SIGTERM, then SIGKILL after its KillWait) and the next poll sees it end."""
+    slurm = rec.slurm or {}
+    (commands or SlurmCommands(slurm.get("login"))).cancel(str(slurm["job_id"]))
+
+
+def adopt(sup: Supervisor, rec: JobRecord) -> _Run:
+    """A SLURM job the engine followed before it restarted: it runs on without the engine, so follow it again."""
+    from rigpilot.engine.service.supervisor import _max_steps, _Run
+
+    job_dir = sup.job_dir(rec.id)
+    try:
+        max_steps = _max_steps(JobSpec.read(job_dir))
+    except (OSError, ValueError):
+        max_steps = None
+    run = _Run(rec, job_dir, None)
+    run.summary, run.cursor = summarize(job_dir / "metrics", max_steps)
+    return run
