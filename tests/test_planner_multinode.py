@@ -176,7 +176,9 @@ def test_multi_node_plans_round_trip_and_old_plans_load(h100, llama):
 def test_slurm_export_runs_the_plans_own_nodes(h100, llama):
     best = plan_on(llama, h100, "ndr").best
     script = slurm_script(best)
-    assert "#SBATCH --nodes=2" in script and "#SBATCH --gpus-per-node=8" in script and "--nproc-per-node=8" in script
+    # One SLURM task per rank: eight on each of the plan's two nodes.
+    assert "#SBATCH --nodes=2" in script and "#SBATCH --gpus-per-node=8" in script
+    assert "#SBATCH --ntasks-per-node=8" in script
     with pytest.raises(UserError, match="spans 2 nodes"):
         slurm_script(best, nodes=3)
 
