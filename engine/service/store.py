@@ -53,6 +53,10 @@ class JobRecord:
     predicted: dict[str, Any] | None = None  # from the plan: peak memory, tokens/s, step time
     measured: dict[str, Any] | None = None  # the metrics summary, frozen when the job ends
     error: dict[str, Any] | None = None  # an "error" metrics record (e.g. out_of_memory) with the plan's advice
+    # Automatic recovery (engine.service.recovery): each restart as {time, run, cause, from_step,
+    # left_out_gpus, notes}, oldest first; and how many restarts in a row the job may make.
+    restarts: list[dict[str, Any]] = field(default_factory=list)
+    max_restarts: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -65,7 +69,7 @@ _DEFAULTS = {
     for f in dataclasses.fields(JobRecord)
     if f.default_factory is not dataclasses.MISSING or (f.default is not dataclasses.MISSING and f.default is not None)
 }
-_JSON_FIELDS = {"gpus", "last_log", "predicted", "measured", "error"}
+_JSON_FIELDS = {"gpus", "last_log", "predicted", "measured", "error", "restarts"}
 _BOOL_FIELDS = {"simulated", "cancel_requested", "resumable"}
 
 

@@ -35,13 +35,14 @@ from typing import IO, Any
 import psutil
 
 from rigpilot.engine.errors import UserError
+from rigpilot.engine.hardware.health import gpu_faults
 from rigpilot.engine.hardware.machine import Machine
 from rigpilot.engine.hardware.simulated import Load, SimulatedBackend
 from rigpilot.engine.jobs import secrets as job_secrets
 from rigpilot.engine.jobs.limits import check_env
 from rigpilot.engine.jobs.spec import JobSpec
 from rigpilot.engine.runtime import worker_python
-from rigpilot.engine.service import paths, submission
+from rigpilot.engine.service import paths, recovery, submission
 from rigpilot.engine.service.metrics import Cursor, MetricsSummary, read_records, summarize
 from rigpilot.engine.service.results import check_name, describe_output, job_settings
 from rigpilot.engine.service.store import (
@@ -119,6 +120,7 @@ class Supervisor:
         self.machine = machine
         self.options = options or SupervisorOptions()
         self._simulated_backend = backend if isinstance(backend, SimulatedBackend) else None
+        self._backend = backend  # asked for the GPUs' health when a job may restart
         self._on_job = on_job
         self._on_metrics = on_metrics
         self._lock = threading.RLock()
@@ -185,6 +187,7 @@ class Supervisor:
                 )
             self.machine = machine
             self._simulated_backend = backend if isinstance(backend, SimulatedBackend) else None
+            self._backend = backend
             self._queue_dirty = True
 
     # -- requests -------------------------------------------------------------
@@ -213,6 +216,7 @@ class Supervisor:
         rec = JobRecord(
             id=job_id, seq=self.store.next_seq(), kind=spec.kind, name=spec.name, state=QUEUED, gpus=spec.gpus,
             ranks=sub.ranks, simulated=spec.simulated, created=time.time(), cwd=sub.cwd, predicted=sub.predicted,
+            max_restarts=recovery.max_restarts_of(spec),
         )
         try:
             job_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -638,7 +642,12 @@ class Supervisor:
             outcome["exit_reason"] += f"; {len(left)} leftover process(es) had to be killed"
         self._clear_load(rec)
         measured = run.summary.to_dict(time.time())
-        self.store.update(rec, ended=time.time(), measured=measured, **outcome)
+        outcome = recovery.after_failure(
+            rec, outcome, run.summary.errors, run.job_dir, lambda: gpu_faults(self._backend),
+            simulated=rec.simulated, max_cpu_ranks=self.max_cpu_ranks,
+            from_step=(_newest_checkpoint(run.job_dir) or {}).get("step") if rec.kind == "train" else None,
+        )  # fmt: skip
+        self.store.update(rec, **{"ended": time.time(), "measured": measured, **outcome})
         del self._runs[rec.id]
         self._queue_dirty = True
         self._on_metrics(rec.id)
