@@ -727,8 +727,10 @@ def _outcome(run: _Run, rc: int | None, *, service_was_down: bool = False) -> di
     failed_rank = oom.get("rank") if oom else (failures[0][1] if failures else None)
     # torchrun names the first rank it saw fail. A rank whose wrapper was killed outright leaves no exit
     # record, and the ranks torchrun then stopped would otherwise be blamed for exiting on its SIGTERM.
+    # Where that rank did record its exit, the records' times are finer than torchrun's monitor interval:
+    # a rank killed by SIGKILL and its peer failing on the broken connection end within one interval.
     root = _torchrun_root_cause(job_dir / "logs" / "launcher.log", rec.run) if oom is None else None
-    if root is not None and not _clean_exit(exits.get(root[0], {"code": None})):
+    if root is not None and root[0] not in exits:
         failed_rank = root[0]
         exits.setdefault(failed_rank, root[1])
     if oom is not None:
