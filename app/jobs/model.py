@@ -159,7 +159,8 @@ class JobListModel(ColumnsModel):
             state = job.get("state") or NA
             if state in ACTIVE and job.get("cancel_requested"):
                 return f"{state} (cancelling)"
-            return state
+            restarted = len(job.get("restarts") or [])
+            return f"{state} · restarted {restarted}×" if restarted else state
         if col == PROGRESS:
             return progress_of(job)[1]
         if col == ETA:
