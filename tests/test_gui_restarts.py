@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import shlex
+
 from gui_fakes import FakeLink
-from PySide6.QtCore import Qt
+from PySide6.QtCore import QSettings, Qt
 from PySide6.QtGui import QImage
 from test_gui_jobs import T0, FakeJobs, a_job, open_job, open_page, step_record
 
@@ -64,3 +66,27 @@ def test_the_list_and_the_job_page_show_the_restarts(qtbot):
 
     open_job(qtbot, page, "p1")
     qtbot.waitUntil(lambda: not timeline.isVisible())
+
+
+def test_the_wizard_sets_the_restart_limit_and_the_command_line_carries_it(qtbot, tmp_path):
+    from test_gui_wizard import go_to, make_link, open_wizard
+
+    from rigpilot.app.wizard.page_base import HYPER
+    from rigpilot.app.wizard.state import WizardState, default_state, state_from_spec
+
+    link, _ = make_link()
+    settings = QSettings(str(tmp_path / "wizard.ini"), QSettings.Format.IniFormat)
+    wizard = open_wizard(qtbot, link, settings, state=default_state(link.machine))
+    go_to(qtbot, wizard, HYPER)
+    box = wizard.hyper_page.max_restarts
+    assert box.text() == "automatic" and wizard.state.max_restarts is None
+    assert "max_restarts" not in wizard.state.to_spec()  # the engine's default policy decides
+    box.setValue(2)
+    spec = wizard.state.to_spec()
+    assert spec["max_restarts"] == 2 and wizard.state.max_restarts == 2
+    words = shlex.split(wizard.state.command().splitlines()[0])
+    assert words[words.index("--max-restarts") + 1] == "2"
+    assert state_from_spec(spec).max_restarts == 2
+    assert WizardState.from_json(wizard.state.to_json()).max_restarts == 2
+    box.setValue(0)
+    assert wizard.state.to_spec()["max_restarts"] == 0

@@ -124,7 +124,10 @@ def test_out_of_memory_and_user_errors_are_not_restarted_and_say_so(tmp_path, ou
     rec = record(tmp_path, train_spec())
     changes = decide(rec, outcome, tmp_path, errors)
     assert changes["state"] == FAILED and changes["resumable"]
-    assert changes["exit_reason"].startswith("rank 1 was killed by SIGKILL; not restarted: ") and why in changes["exit_reason"]
+    assert (
+        changes["exit_reason"].startswith("rank 1 was killed by SIGKILL; not restarted: ")
+        and why in changes["exit_reason"]
+    )
     assert JobSpec.read(tmp_path).resume is False  # job.json untouched
 
 
@@ -143,14 +146,17 @@ def test_no_restart_when_the_policy_is_off(tmp_path):
 
 def test_the_limit_counts_restarts_in_a_row_and_a_manual_resume_starts_afresh(tmp_path):
     rec = record(tmp_path, train_spec(), max_restarts=2)
-    for run in (1, 2):
+    for _ in (1, 2):
         changes = decide(rec, FAILED_RANK, tmp_path)
         assert changes["state"] == QUEUED
         rec.run, rec.restarts = changes["run"], changes["restarts"]
     assert recovery.restarts_in_a_row(rec) == 2
     stopped = decide(rec, FAILED_RANK, tmp_path)
     assert stopped["state"] == FAILED
-    assert stopped["exit_reason"] == "rank 1 was killed by SIGKILL; not restarted: it already restarted 2 times in a row (the limit)"
+    assert (
+        stopped["exit_reason"]
+        == "rank 1 was killed by SIGKILL; not restarted: it already restarted 2 times in a row (the limit)"
+    )
     rec.run += 1  # the user resumed it: run 4 follows no automatic restart
     assert recovery.restarts_in_a_row(rec) == 0 and decide(rec, FAILED_RANK, tmp_path)["state"] == QUEUED
 
@@ -244,3 +250,18 @@ def test_nvml_health_finds_a_lost_gpu_uncorrectable_ecc_and_hardware_xids():
     # The telemetry still reports the XID in the sample that first sees it.
     assert backend.sample_gpus(Tier.SLOW)[4].health == "xid 79"
     assert GpuSample(index=0, xid=13).xid == 13 and fault_of(GpuSample(index=0, xid=13)) is None
+
+
+def test_the_cli_flag_reaches_the_spec_and_a_bad_value_is_one_line(capsys):
+    from rigpilot.engine.cli import build_parser, main
+    from rigpilot.engine.service.commands import build_spec
+
+    args = build_parser().parse_args(["run", "script", "--max-restarts", "2", "--", "x.py"])
+    assert build_spec(args)["max_restarts"] == 2
+    args = build_parser().parse_args(["run", "train", "--model", "m", "--data", "d.txt"])
+    assert "max_restarts" not in build_spec(args)
+    with pytest.raises(SystemExit) as exited:
+        main(["run", "script", "--max-restarts", "two", "--", "x.py"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not a whole number: 'two'" in err

@@ -103,7 +103,10 @@ def test_a_job_that_keeps_failing_stops_after_its_restarts_with_the_cause(engine
     assert done["run"] == 3 and len(done["restarts"]) == 2
     assert [r["run"] for r in done["restarts"]] == [1, 2]
     assert all(r["cause"] == "rank 1 exited with code 1" for r in done["restarts"])
-    assert done["exit_reason"] == "rank 1 exited with code 1; not restarted: it already restarted 2 times in a row (the limit)"
+    assert (
+        done["exit_reason"]
+        == "rank 1 exited with code 1; not restarted: it already restarted 2 times in a row (the limit)"
+    )
     assert done["resumable"]
     assert cli_main(["jobs"]) == 0
     assert "failed  0,1   step 0" in (out := capsys.readouterr().out) and "restarted 2×; rank 1: rank 1 exited" in out
@@ -155,7 +158,10 @@ def test_a_gpu_that_fell_off_the_bus_is_left_out_and_the_job_runs_on_the_others(
                          what="run 2 to be running")  # fmt: skip
         assert again["run"] == 2 and again["gpus"] == [1] and again["ranks"] == 1
         (restart,) = again["restarts"]
-        assert restart["left_out_gpus"] == [2] and restart["notes"][0] == "GPU 2 fell off the bus (NVML: GPU is lost): left out"
+        assert (
+            restart["left_out_gpus"] == [2]
+            and restart["notes"][0] == "GPU 2 fell off the bus (NVML: GPU is lost): left out"
+        )
         log = Path(job["job_dir"]) / "logs" / "rank0.log"
         wait_for(lambda: "rank 0 of 1 starts (run 2)" in log.read_text(), 30, what="run 2 on one rank")
         gate(engine, "f").touch()

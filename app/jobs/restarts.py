@@ -8,6 +8,7 @@ no Qt, and `RestartTimeline` draws it.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,7 +67,7 @@ def timeline_of(job: dict[str, Any], now: float | None = None) -> Timeline:
     first_run = restarts[0].get("run") if isinstance(restarts[0].get("run"), int) else 1
     runs = [
         (first_run + i, (a - start) / span, min((b - start) / span, 1.0))
-        for i, (a, b) in enumerate(zip(edges, edges[1:], strict=False))
+        for i, (a, b) in enumerate(itertools.pairwise(edges))
     ]
     return Timeline(heading, rows, runs)
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from rigpilot import resources
 from rigpilot.engine.errors import UserError
+from rigpilot.engine.hardware.health import fault_of, parse_simulated_fault
 from rigpilot.engine.hardware.machine import (
     P2P,
     Gpu,
@@ -32,7 +33,6 @@ from rigpilot.engine.hardware.machine import (
     Source,
     parse_cpu_list,
 )
-from rigpilot.engine.hardware.health import fault_of, parse_simulated_fault
 from rigpilot.engine.hardware.telemetry import SLOW_FIELDS, GpuProcess, GpuSample, Tier
 
 MIB = 1024**2
