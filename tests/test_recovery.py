@@ -265,3 +265,10 @@ def test_the_cli_flag_reaches_the_spec_and_a_bad_value_is_one_line(capsys):
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not a whole number: 'two'" in err
+
+
+def test_a_resume_by_hand_refuses_a_faulty_gpu_in_one_line(tmp_path):
+    rec = record(tmp_path, train_spec(tp=2, pp=2))
+    recovery.refuse_faulty_gpus(rec, {7: "fell off the bus (NVML: GPU is lost)"})  # not the job's: fine
+    with pytest.raises(UserError, match=r"^cannot resume j: GPU 3 reported XID 79 \(fallen off the bus\); reset"):
+        recovery.refuse_faulty_gpus(rec, {3: "reported XID 79 (fallen off the bus)"})

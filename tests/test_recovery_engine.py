@@ -39,7 +39,7 @@ sys.exit(2)
 
 TRAIN = {
     "dataset": [str(SHAKESPEARE)], "method": "scratch", "precision": "fp32", "seq_len": 32, "micro_batch": 2,
-    "grad_accum": 2, "max_steps": 40, "learning_rate": 1e-2, "warmup_steps": 2, "eval_every": 0,
+    "grad_accum": 2, "max_steps": 20, "learning_rate": 1e-2, "warmup_steps": 2, "eval_every": 0,
     "checkpoint_every": 4, "seed": 1234,
 }  # fmt: skip
 
@@ -73,7 +73,7 @@ def test_kill_9_a_rank_mid_run_resumes_from_its_checkpoint_to_the_uninterrupted_
     with engine.client() as c:
         reference = c.request("submit", spec={**spec, "gpus": [2, 3], "name": "uninterrupted"})["job"]
         job = c.request("submit", spec={**spec, "gpus": [0, 1], "name": "killed"})["job"]
-        assert job["max_restarts"] == 3  # the default: 40 steps outlast the checkpoint interval of 4
+        assert job["max_restarts"] == 3  # the default: 20 steps outlast the checkpoint interval of 4
         complete = Path(job["job_dir"]) / "checkpoints" / "step-4" / "COMPLETE"
         wait_for(complete.exists, 240, 0.02, "the first checkpoint")
         kill_rank(job, 1)
@@ -82,11 +82,11 @@ def test_kill_9_a_rank_mid_run_resumes_from_its_checkpoint_to_the_uninterrupted_
         (restart,) = done["restarts"]
         assert restart["run"] == 1 and done["run"] == 2 and restart["left_out_gpus"] == []
         assert restart["cause"] == "rank 1 was killed by SIGKILL"
-        assert 4 <= restart["from_step"] < 40
+        assert 4 <= restart["from_step"] < 20
         ref = engine.wait_state(c, reference["id"], "completed", "failed", timeout=240)
         assert ref["state"] == "completed" and ref["restarts"] == []
         mine, theirs = final_losses(c, job["id"]), final_losses(c, reference["id"])
-    assert mine[40] == theirs[40]  # bit for bit, as a resume by hand is
+    assert mine[20] == theirs[20]  # bit for bit, as a resume by hand is
     assert mine == theirs
     log = (Path(done["job_dir"]) / "logs" / "rank0.log").read_text()
     assert f"resumed from step-{restart['from_step']} at step {restart['from_step']}" in log

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rigpilot.engine.errors import UserError
 from rigpilot.engine.jobs.spec import JobSpec
 from rigpilot.engine.service.store import FAILED, QUEUED, JobRecord
 
@@ -127,7 +128,7 @@ def after_failure(
         return outcome
     cause = outcome.get("exit_reason") or "the job failed"
     error = outcome.get("error") if isinstance(outcome.get("error"), dict) else {}
-    said = {e.get("error") for e in errors}
+    said = {e.get("error") for e in errors if e.get("run", rec.run) == rec.run}  # not an earlier run's
     if error.get("error") == "out_of_memory":
         return _not_restarted(outcome, "out of memory would recur under the same plan")
     if error.get("error") == "user_error" or "user_error" in said:
@@ -169,6 +170,17 @@ def after_failure(
         "exit_reason": None, "exit_code": None, "failed_rank": None, "last_log": [], "error": None,
         "resumable": False, "launcher_pid": None, "launcher_start": None,
     }  # fmt: skip
+
+
+def refuse_faulty_gpus(rec: JobRecord, faults: dict[int, str]) -> None:
+    """A resume by hand must not start the job on a GPU that reports a hardware fault: one line, naming it."""
+    bad = sorted(g for g in rec.gpus if g in faults)
+    if bad:
+        g = bad[0]
+        raise UserError(
+            f"cannot resume {rec.id}: GPU {g} {faults[g]}; reset or replace it first (the engine forgets an "
+            "XID when it restarts), or clone the job onto other GPUs"
+        )
 
 
 def _not_restarted(outcome: dict[str, Any], why: str) -> dict[str, Any]:

@@ -97,6 +97,7 @@ class _Run:
     killed: bool = False
     last_publish: float = 0.0
     dirty: bool = False
+    stepped: bool = False  # a step of this run was reported (the summary also holds earlier runs')
 
     @property
     def token(self) -> str:
@@ -276,6 +277,7 @@ class Supervisor:
             missing = [g for g in spec.gpus if g not in {x.index for x in self.machine.gpus}]
             if missing:
                 raise UserError(f"cannot resume {rec.id}: GPU {missing[0]} is no longer on this machine")
+            recovery.refuse_faulty_gpus(rec, gpu_faults(self._backend))
             check_env(env or {})
             given_shown, given_hidden = job_secrets.split(dict(env or {}))
             spec.env = {**spec.env, **given_shown}
@@ -542,6 +544,7 @@ class Supervisor:
             records, run.cursor, more = read_records(run.job_dir / "metrics", run.cursor)
             for r in records:
                 run.summary.add(r)
+                run.stepped = run.stepped or (r.get("kind") is None and r.get("step") is not None)
             got = got or bool(records)
             if not more:
                 break
@@ -565,7 +568,7 @@ class Supervisor:
                 run.kill_at = time.monotonic() + self.options.failure_grace_s
 
     def _has_started(self, run: _Run) -> bool:
-        if run.summary.step is not None:
+        if run.stepped:
             return True
         # A script need not report steps; it runs once every rank has started it.
         if run.rec.kind == "script":
@@ -706,7 +709,8 @@ def _outcome(run: _Run, rc: int | None, *, service_was_down: bool = False) -> di
     job_dir = run.job_dir
     exits = {r: s["exit"] for r, s in run.ranks.items() if s.get("exit")}
     failures = sorted(((e.get("time") or 0.0, r) for r, e in exits.items() if not _clean_exit(e)))
-    oom = next((e for e in reversed(run.summary.errors) if e.get("error") == "out_of_memory"), None)
+    errors = [e for e in run.summary.errors if e.get("run", rec.run) == rec.run]  # not an earlier run's
+    oom = next((e for e in reversed(errors) if e.get("error") == "out_of_memory"), None)
     base: dict[str, Any] = {"cancel_requested": rec.cancel_requested, "exit_code": rc}
 
     if run.stop_reason == "cancel" or rec.cancel_requested:
@@ -739,7 +743,7 @@ def _outcome(run: _Run, rc: int | None, *, service_was_down: bool = False) -> di
     elif failed_rank is not None:
         reason = f"rank {failed_rank} {_describe_exit(exits[failed_rank])}"
         # engine.workers reports why it gave up ("user_error", "crash") before exiting.
-        said = next((e for e in reversed(run.summary.errors) if e.get("rank") == failed_rank), None)
+        said = next((e for e in reversed(errors) if e.get("rank") == failed_rank), None)
         if said and isinstance(said.get("message"), str) and said["message"]:
             reason += f": {said['message']}"
         error = said
