@@ -8,7 +8,8 @@ automatic restart. Phases, each from the end of the one before:
     detect + teardown   kill -9 → the engine queued the restart (torchrun noticed, the other ranks
                         stopped, the launcher exited, the GPUs' health was asked)
     relaunch            → torchrun started again
-    start-up            → the first record of the new run (Python and torch imported, rendezvous, data read)
+    torchrun up         → torchrun started the ranks (its own imports, the rendezvous)
+    ranks start         → the first record of the new run (the ranks' Python and torch imported, data read)
     load checkpoint     → the ranks say they resumed (model built, checkpoint loaded)
     first step          → the first training step of the new run reported
 and when the engine's record said "running" again (it does once the new run reports a step).
@@ -76,13 +77,16 @@ def main() -> None:
         first_step = wait(lambda: run2(lambda r: r.get("kind") is None and r.get("loss") is not None), 300,
                           "the first step of run 2", 0.05)[0]  # fmt: skip
         started = c.request("job", job=job["id"])["job"]["started"]
+        # The rank wrappers of the new run record when torchrun started them (after its own imports and the
+        # rendezvous): the share of start-up that torchrun's in-place --max-restarts would not pay again.
+        ranks_up = min(json.loads(f.read_text())["started"] for f in (job_dir / "ranks").glob("rank*.json"))
         records = run2(lambda r: True)
         first_record = min(r["time"] for r in records)
         resumed = min((r["time"] for r in records if r.get("kind") == "note" and "resumed from" in str(r.get("message"))),
                       default=None)  # fmt: skip
         restart = again["restarts"][0]
         marks = [
-            ("detect + teardown", restart["time"]), ("relaunch", started), ("start-up", first_record),
+            ("detect + teardown", restart["time"]), ("relaunch", started), ("torchrun up", ranks_up), ("ranks start", first_record),
             ("load checkpoint", resumed), ("first step", first_step["time"]),
         ]  # fmt: skip
         print(f"recovery of a {args.ranks}-rank tiny-Llama training job (CPU ranks), rank {args.ranks - 1} killed "
