@@ -34,6 +34,7 @@ from rigpilot.app.jobs.log_view import LogView
 from rigpilot.app.jobs.model import duration, eta_of, gpus_text, progress_of
 from rigpilot.app.jobs.outcome import model_of
 from rigpilot.app.jobs.prediction import PredictionTable
+from rigpilot.app.jobs.restarts import RestartTimeline
 from rigpilot.app.jobs.results_view import ResultsView
 from rigpilot.app.jobs.series import DEFAULT_SMOOTHING
 from rigpilot.app.jobs.slurm_state import slurm_detail
@@ -114,6 +115,7 @@ class JobDetail(QWidget):
         self.try_it.hide()
 
         self.failure = FailurePanel()
+        self.restarts = RestartTimeline()
 
         self.compare = ComparePicker()
         self.smoothing = QDoubleSpinBox()
@@ -186,6 +188,7 @@ class JobDetail(QWidget):
         body_layout.addLayout(buttons)
         body_layout.addWidget(self.try_it)
         body_layout.addWidget(self.failure)
+        body_layout.addWidget(self.restarts)
         body_layout.addWidget(self.tabs, 1)
         self.empty = QLabel("Select a job to see its charts, its log and what it predicted.")
         self.empty.setObjectName("noJob")
@@ -317,6 +320,7 @@ class JobDetail(QWidget):
             if planned else "No plan was attached when this job was submitted, so there is nothing to compare with."
         )  # fmt: skip
         self.failure.show_job(job, h.series.oom)
+        self.restarts.show_job(job)
         self._show_notes()
         if job.get("kind") == "infer":
             self.results.show_job(self.link, job)

@@ -162,7 +162,10 @@ class JobListModel(ColumnsModel):
             state = job.get("state") or NA
             if state in ACTIVE and job.get("cancel_requested"):
                 return f"{state} (cancelling)"
-            if state in ACTIVE and job.get("slurm"):
+            restarted = len(job.get("restarts") or [])
+            if restarted:
+                state = f"{state} · restarted {restarted}×"
+            if job.get("state") in ACTIVE and job.get("slurm"):
                 return f"{state} · {slurm_state_text(job)}"
             return state
         if col == PROGRESS:

@@ -366,6 +366,8 @@ class HyperPage(StepPage):
         self.checkpoint_every = _spin("checkpointEvery", 1, 10_000_000)
         self.keep_checkpoints = _spin("keepCheckpoints", 0, 100_000)
         self.keep_checkpoints.setSpecialValueText("all")
+        self.max_restarts = _spin("maxRestarts", -1, 100)
+        self.max_restarts.setSpecialValueText("automatic")
         self.save_merged = QCheckBox("Also save the weights with the adapters merged in")
         self.save_merged.setObjectName("saveMerged")
         self.train_on_prompts = QCheckBox("Train on the prompts too")
@@ -407,6 +409,12 @@ class HyperPage(StepPage):
         form_row(
             t, "Keep checkpoints", self.keep_checkpoints, "The newest this many stay on disk; older ones are deleted."
         )
+        form_row(
+            t, "Restarts after a failure", self.max_restarts,
+            "When a rank fails, the job restarts itself from its newest checkpoint, leaving out a GPU that "
+            "reports a hardware fault, up to this many times in a row (0: never; automatic: 3 when the job "
+            "outlasts its checkpoint interval).",
+        )  # fmt: skip
         self.prompts_row = form_row(
             t,
             "Chat data",
@@ -478,6 +486,7 @@ class HyperPage(StepPage):
             dbox.valueChanged.connect(self._changed)
         self.lora_targets.editingFinished.connect(self._changed)
         self.keep_checkpoints.valueChanged.connect(self._changed)
+        self.max_restarts.valueChanged.connect(self._changed)
         self.train_on_prompts.toggled.connect(self._changed)
         self.save_merged.toggled.connect(self._changed)
 
@@ -505,6 +514,7 @@ class HyperPage(StepPage):
         self.lora_targets.setText(",".join(t.lora_targets or []))
         self.checkpoint_every.setValue(t.checkpoint_every)
         self.keep_checkpoints.setValue(t.keep_checkpoints)
+        self.max_restarts.setValue(-1 if s.max_restarts is None else s.max_restarts)
         self.train_on_prompts.setChecked(t.train_on_prompts)
         self.save_merged.setChecked(t.save_merged)
         self.eval_every.setValue(t.eval_every)
@@ -530,6 +540,7 @@ class HyperPage(StepPage):
         t.lora_rank, t.lora_alpha = self.lora_rank.value(), self.lora_alpha.value()
         t.keep_checkpoints, t.train_on_prompts = self.keep_checkpoints.value(), self.train_on_prompts.isChecked()
         t.save_merged = self.save_merged.isChecked()
+        s.max_restarts = None if self.max_restarts.value() < 0 else self.max_restarts.value()
         targets = [x.strip() for x in self.lora_targets.text().split(",") if x.strip()]
         t.lora_targets = targets or None
         i.temperature, i.top_p, i.seed = self.temperature.value(), self.top_p.value(), self.infer_seed.value()

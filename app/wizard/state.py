@@ -65,6 +65,7 @@ class WizardState:
     train: TrainSettings = field(default_factory=TrainSettings)
     infer: InferSettings = field(default_factory=InferSettings)
     trust_remote_code: bool = False
+    max_restarts: int | None = None  # automatic restarts after a rank fails; None: the engine's default
 
     # -- what the choices mean -------------------------------------------------------------------
     @property
@@ -191,6 +192,7 @@ class WizardState:
             trust_remote_code=self.trust_remote_code if kind in ("train", "infer") else False,
             gpus=self.job_gpus(),
             parallelism=self.parallelism(),
+            max_restarts=self.max_restarts if kind == "train" else None,
         )
         if kind == "train":
             spec.train = dataclasses.replace(self.train, dataset=list(self.dataset), method=self.train_method,
@@ -311,6 +313,7 @@ def state_from_spec(spec: dict[str, Any], plan: dict[str, Any] | None = None) ->
     """The wizard's choices that would submit `spec` (a JobSpec dict) again."""
     s = JobSpec.from_dict({"id": "", **spec})
     state = WizardState(name=s.name, model=s.model or "", gpus=list(s.gpus), trust_remote_code=s.trust_remote_code)
+    state.max_restarts = s.max_restarts
     if s.kind == "train":
         t = s.train or TrainSettings()
         state.kind = SCRATCH if t.method == "scratch" else FINETUNE
@@ -426,6 +429,8 @@ def run_command(state: WizardState) -> str:
         words += ["--model", spec.model]
     if spec.trust_remote_code:
         words.append("--trust-remote-code")
+    if spec.max_restarts is not None:
+        words += ["--max-restarts", str(spec.max_restarts)]
     p = spec.parallelism
     for flag, value in (("--dp", p.dp_replicate), ("--fsdp", p.dp_shard), ("--tp", p.tp), ("--pp", p.pp)):
         if value > 1:

@@ -23,6 +23,7 @@ from typing import Any
 
 import psutil
 
+from rigpilot.engine.hardware.health import fault_of
 from rigpilot.engine.hardware.host import SYS, pci_numa_node, read_host
 from rigpilot.engine.hardware.machine import P2P, Gpu, GpuPair, Host, Machine, PciePath, Source
 from rigpilot.engine.hardware.telemetry import SLOW_FIELDS, GpuProcess, GpuSample, Tier
@@ -389,6 +390,34 @@ class NvmlBackend:
             if tier >= Tier.SLOW:
                 self._drain_events()
             return [self._sample(d, tier) for d in self._devices]
+
+    def health(self) -> dict[int, str | None]:
+        """{GPU index: why it must not run a job again, or None}, asked of the driver now (engine.hardware.health).
+
+        A GPU is faulty once NVML answers GPU_IS_LOST, counts an uncorrectable ECC error since the driver
+        loaded, or sent a hardware XID since this backend started watching. XIDs are drained here
+        without clearing what the next slow sample reports.
+        """
+        if self._machine is None:
+            self.machine()  # the ECC mode decides whether to ask for ECC counts
+        nv, m = self._nv, self._nv.m
+        with self._lock:
+            self._check_open()
+            self._drain_events()
+            out: dict[int, str | None] = {}
+            for d in self._devices:
+                s = GpuSample(index=d.index)
+                if not d.gone and d.ecc_enabled is not False:
+                    uncorrected = nv.call(
+                        d, "nvmlDeviceGetTotalEccErrors", m.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, m.NVML_VOLATILE_ECC
+                    )
+                    _set(s, "ecc_uncorrected", uncorrected, int)
+                if not d.gone:
+                    nv.call(d, "nvmlDeviceGetMemoryInfo")  # a cheap call that finds a GPU fallen off the bus
+                s.health = "lost" if d.lost else None
+                s.xid = d.last_xid
+                out[d.index] = fault_of(s)
+            return out
 
     def close(self) -> None:
         with self._lock:

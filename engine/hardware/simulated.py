@@ -21,6 +21,7 @@ from typing import Any
 
 from rigpilot import resources
 from rigpilot.engine.errors import UserError
+from rigpilot.engine.hardware.health import fault_of, parse_simulated_fault
 from rigpilot.engine.hardware.machine import (
     P2P,
     Gpu,
@@ -32,7 +33,7 @@ from rigpilot.engine.hardware.machine import (
     Source,
     parse_cpu_list,
 )
-from rigpilot.engine.hardware.telemetry import GpuProcess, GpuSample, Tier
+from rigpilot.engine.hardware.telemetry import SLOW_FIELDS, GpuProcess, GpuSample, Tier
 
 MIB = 1024**2
 GIB = 1024**3
@@ -229,9 +230,33 @@ class SimulatedBackend:
         self._profile = _read(profiles_dir() / f"{machine.profile}.json") if machine.profile else {}
         self._last = clock()
         self._state = [self._idle_state(g) for g in machine.gpus]
+        self._faults: dict[int, tuple[str, int | None]] = {}
 
     def machine(self) -> Machine:
         return self._machine
+
+    def set_fault(self, gpu: int, fault: str | None) -> None:
+        """Make a GPU report a hardware fault as NVML would ("lost", "ecc", "xid 79"); None clears it.
+
+        Telemetry and `health()` show it from then on, so recovery can be exercised without a broken card.
+        """
+        self._machine.gpu(gpu)  # KeyError on a GPU that does not exist
+        parsed = parse_simulated_fault(fault)
+        with self._lock:
+            if parsed is None:
+                self._faults.pop(gpu, None)
+            else:
+                self._faults[gpu] = parsed
+
+    def health(self) -> dict[int, str | None]:
+        """{GPU index: why it must not run a job again, or None}, judged as NVML's answers are (engine.hardware.health)."""
+        with self._lock:
+            out: dict[int, str | None] = {}
+            for g in self._machine.gpus:
+                sample = GpuSample(index=g.index, health="ok", ecc_uncorrected=0 if g.ecc_enabled else None)
+                _apply_fault(sample, self._faults.get(g.index))
+                out[g.index] = fault_of(sample)
+            return out
 
     def set_load(self, gpu: int, key: str, load: Load | None) -> None:
         """Attach (or with None, remove) a job's load on a GPU; several jobs may share one."""
@@ -248,7 +273,10 @@ class SimulatedBackend:
             now = self._clock()
             dt = max(now - self._last, 0.0)
             self._last = now
-            return [self._advance(g, s, dt, tier) for g, s in zip(self._machine.gpus, self._state, strict=True)]
+            samples = [self._advance(g, s, dt, tier) for g, s in zip(self._machine.gpus, self._state, strict=True)]
+            for sample in samples:
+                _apply_fault(sample, self._faults.get(sample.index), tier)
+            return samples
 
     def close(self) -> None:
         pass
@@ -352,6 +380,27 @@ class SimulatedBackend:
         if s.temp >= 85:
             reasons.append("sw_thermal_slowdown")
         return reasons
+
+
+def _apply_fault(sample: GpuSample, fault: tuple[str, int | None] | None, tier: Tier = Tier.SLOW) -> None:
+    """Overwrite a sample with what NVML reports for `fault` (nvml_backend: a lost GPU answers nothing)."""
+    if fault is None:
+        return
+    kind, xid = fault
+    if kind == "lost":
+        for name in [f for f in vars(sample) if f not in ("index", "unavailable")]:
+            if name in SLOW_FIELDS and tier < Tier.SLOW:
+                continue
+            sample.na(name, "GPU lost")
+        sample.health = "lost"
+        sample.unavailable.pop("health", None)
+    elif tier >= Tier.SLOW and kind == "ecc":
+        sample.ecc_uncorrected = max(sample.ecc_uncorrected or 0, 1)
+        sample.unavailable.pop("ecc_uncorrected", None)
+    elif tier >= Tier.SLOW and kind == "xid":
+        sample.xid = xid
+        sample.health = f"xid {xid}"
+        sample.unavailable.pop("xid", None)
 
 
 def _approach(value: float, target: float, dt: float, tau: float) -> float:

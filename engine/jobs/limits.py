@@ -91,6 +91,7 @@ LIMITS: dict[str, Range | Choice] = {
     "infer.batch_size": Range(1, 4096),
     "infer.precision": Choice(PRECISIONS),
     "infer.seed": Range(0, 2**63 - 1),
+    "max_restarts": Range(0, 100),
 }
 STRING_MAX = {"name": 256, "train.text_field": 256, "model": PATH_MAX}
 LIST_MAX = {"gpus": 4096, "train.dataset": 1024, "train.lora_targets": 1024, "infer.prompts": 100_000, "script": 10_000}
@@ -118,6 +119,9 @@ def check_job_settings(spec: Any) -> None:
         value = _setting(spec, key)
         if isinstance(value, list) and len(value) > limit:
             raise UserError(f"{key} has {len(value):,} entries; at most {limit:,} are allowed")
+    restarts = getattr(spec, "max_restarts", None)
+    if restarts is not None:
+        _check_value("max_restarts", restarts)
     for g in spec.gpus or []:
         if not 0 <= g < 4096:
             raise UserError(f"GPU index {g} is out of range [0, 4095]")

@@ -100,7 +100,10 @@ def register(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     p.add_argument("--rank", type=int, metavar="N", help="which rank (default: the failed rank, else 0; -1: torchrun)")
     p.set_defaults(func=cmd_logs)
 
-    p = sub.add_parser("metrics", parents=[js], help="a job's progress and measurements (--json: every record)")
+    p = sub.add_parser(
+        "metrics", aliases=["job"], parents=[js],
+        help="a job's progress, measurements and restarts (--json: every record)",
+    )  # fmt: skip
     p.add_argument("job", metavar="JOB")
     p.set_defaults(func=cmd_metrics)
 
@@ -176,6 +179,11 @@ def _common_run_options() -> argparse.ArgumentParser:
     p.add_argument("--detach", action="store_true", help="submit and return at once")
     p.add_argument("--json", action="store_true", help="print the submitted job as JSON (implies --detach)")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="environment for the ranks; repeatable")
+    p.add_argument(
+        "--max-restarts", type=_whole_number, metavar="N",
+        help="restart from the newest checkpoint after a rank fails, up to N times in a row (0: never; default: "
+        "3 for training longer than its checkpoint interval, else 0)",
+    )  # fmt: skip
     return p
 
 
@@ -199,6 +207,13 @@ def _slurm_request(args: argparse.Namespace) -> dict[str, Any] | None:
             raise UserError(f"--{named[0]} is a SLURM option: add --slurm to submit the job to SLURM")
         return None
     return {k: v for k, v in given.items() if v is not None}
+
+
+def _whole_number(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
 
 
 def _model_options() -> argparse.ArgumentParser:
@@ -284,6 +299,8 @@ def build_spec(args: argparse.Namespace) -> dict[str, Any]:
     env = _env_flags(args.env)
     if env:
         spec["env"] = env
+    if args.max_restarts is not None:
+        spec["max_restarts"] = args.max_restarts
     if args.kind == "script":
         command = list(args.command)
         if command and command[0] == "--":
@@ -377,6 +394,7 @@ def follow(client: Any, job_id: str) -> int:
     cursor: dict[str, int] = {}
     state: tuple[str, str | None] | None = None
     printer = _ProgressPrinter()
+    shown_restarts: int | None = None  # restarts before following began are history, not news
     reconnect = False
     try:
         while True:
@@ -386,7 +404,14 @@ def follow(client: Any, job_id: str) -> int:
                     reconnect = False
                 client.request("subscribe", topics=[f"metrics:{job_id}"], metrics_cursors={job_id: cursor})
                 job = client.request("job", job=job_id)["job"]
+                if shown_restarts is None:
+                    shown_restarts = len(job.get("restarts") or [])
                 while True:
+                    restarts = job.get("restarts") or []
+                    if len(restarts) > shown_restarts:
+                        for line in restart_lines({**job, "restarts": restarts[shown_restarts:]})[1:]:
+                            print(line[2:], flush=True)
+                        shown_restarts = len(restarts)
                     # A SLURM job waits in SLURM's queue, then runs, while Rigpilot's state stays "starting".
                     now = (job["state"], (job.get("slurm") or {}).get("state"))
                     if now != state:
@@ -529,6 +554,14 @@ def _note(j: dict[str, Any]) -> str:
         from rigpilot.engine.service.slurm import describe
 
         return f"{describe(j['slurm'])}, job {j['slurm'].get('job_id')}"
+    restarted = len(j.get("restarts") or [])
+    note = _end_note(j)
+    if restarted:
+        return f"restarted {restarted}×" + (f"; {note}" if note else "")
+    return note
+
+
+def _end_note(j: dict[str, Any]) -> str:
     if j["state"] == "queued":
         return _waiting(j).strip(" ()")
     if j["state"] == "failed" and j.get("failed_rank") is not None:
@@ -597,7 +630,24 @@ def cmd_metrics(args: argparse.Namespace) -> int:
             print(f"  {name.replace('_', ' ')}: predicted {fmt(pair['predicted'])}, measured {measured}")
     if job.get("exit_reason"):
         print(f"  {job['exit_reason']}")
+    for line in restart_lines(job):
+        print(f"  {line}")
     return 0
+
+
+def restart_lines(job: dict[str, Any]) -> list[str]:
+    """The job's automatic restarts, one line each (and the notes of how it was re-fitted), oldest first."""
+    restarts = job.get("restarts") or []
+    limit = job.get("max_restarts") or 0
+    if not restarts:
+        return [f"automatic restarts: up to {limit} in a row"] if limit else []
+    lines = [f"restarted {len(restarts)}× (up to {limit} in a row):"]
+    for r in restarts:
+        where = f"from step {r['from_step']}" if r.get("from_step") is not None else "from the start"
+        when = time.strftime("%H:%M:%S", time.localtime(r.get("time") or 0))
+        lines.append(f"  {when}  run {r.get('run')} → {r.get('run', 0) + 1} {where}: {printable(r.get('cause') or '')}")
+        lines += [f"      {printable(n)}" for n in r.get("notes") or []]
+    return lines
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:

@@ -38,6 +38,8 @@ has `settings`, the job's spec without its environment, and `output`, what its o
     jobs {states?, limit?}                  → {jobs: [job]}, newest first
     job | cancel | resume {job}             → {job}       (job: id, unique id prefix or name)
     delete {job}                            → {id, deleted}
+    simulate_fault {gpu, fault?}            → {gpu, fault, health}: a simulated GPU reports "lost", "ecc" or "xid N"
+          as NVML would, and automatic recovery leaves it out (null clears); refused (user_error) on real GPUs
     rename {job, name}                      → {job}       (name: one printable line, 1–100 characters)
     results {job, start?, limit?, max_bytes?} → {results: [{index, prompt, completion, new_tokens, cut}], start,
           more, path, size, state}: an inference job's completions (output/results.jsonl, read as JSON only);
@@ -250,6 +252,8 @@ REQUEST_SCHEMAS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "cancel": ({"job": Text}, {}),
     "resume": ({"job": Text}, {"env": Annotated[dict[str, str], Limit(max_len=1024)] | None}),  # values: limits.check_env
     "delete": ({"job": Text}, {}),
+    # A simulated machine only: make a GPU report a hardware fault ("lost", "ecc", "xid N"; null clears it).
+    "simulate_fault": ({"gpu": Annotated[int, Limit(0, 4095)]}, {"fault": Text | None}),
     "rename": ({"job": Text, "name": Text}, {}),
     "results": (
         {"job": Text},

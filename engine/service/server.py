@@ -50,6 +50,7 @@ from rigpilot.engine import __version__
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.discovery import open_backend
 from rigpilot.engine.hardware.sampler import Sampler
+from rigpilot.engine.hardware.simulated import SimulatedBackend
 from rigpilot.engine.service import calibration_store, paths, protocol
 from rigpilot.engine.service.metrics import read_records
 from rigpilot.engine.service.planworker import ClientGone, PlannerBug, PlannerPool, PlanTimeout
@@ -712,6 +713,18 @@ class EngineService:
 
     def _do_delete(self, conn: Connection, job: str) -> Any:
         return self.supervisor.delete(job)
+
+    def _do_simulate_fault(self, conn: Connection, gpu: int, fault: str | None = None) -> Any:
+        backend = self.discovery.backend
+        if not isinstance(backend, SimulatedBackend):
+            raise UserError("only a simulated machine's GPUs can be given a fault; this engine runs on real GPUs")
+        try:
+            backend.set_fault(gpu, fault)
+        except KeyError:
+            raise UserError(f"GPU {gpu} does not exist on {self.machine.label}") from None
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        return {"gpu": gpu, "fault": fault, "health": backend.health().get(gpu)}
 
     def _do_rename(self, conn: Connection, job: str, name: str) -> Any:
         return {"job": self.supervisor.rename(job, name)}

@@ -31,7 +31,7 @@ from rigpilot.engine.jobs.spec import JobSpec
 from rigpilot.engine.planner.export import check_slurm_options, slurm_script
 from rigpilot.engine.planner.plan import Plan
 from rigpilot.engine.runtime import worker_python
-from rigpilot.engine.service import paths
+from rigpilot.engine.service import paths, recovery
 from rigpilot.engine.service.metrics import summarize
 from rigpilot.engine.service.store import (
     CANCELLED,
@@ -317,7 +317,7 @@ def poll(sup: Supervisor, run: _Run, commands: SlurmCommands | None = None) -> N
 
 
 def finish(sup: Supervisor, run: _Run, status: SlurmStatus) -> None:
-    from rigpilot.engine.service.supervisor import _outcome, _tail
+    from rigpilot.engine.service.supervisor import _newest_checkpoint, _outcome, _tail
 
     rec = run.rec
     sup._read_metrics(run)
@@ -351,6 +351,14 @@ def finish(sup: Supervisor, run: _Run, status: SlurmStatus) -> None:
             outcome["last_log"] = launcher
     outcome.setdefault("exit_code", code)
     outcome["cancel_requested"] = rec.cancel_requested
+    # A failed SLURM job restarts as a local one does: queued again, and resubmitted to resume from its
+    # newest checkpoint. Which of the cluster's GPUs are healthy is SLURM's to know (it drains bad
+    # nodes), so no local fault is asked about.
+    outcome = recovery.after_failure(
+        rec, outcome, run.summary.errors, run.job_dir, dict, simulated=rec.simulated,
+        max_cpu_ranks=sup.max_cpu_ranks,
+        from_step=(_newest_checkpoint(run.job_dir) or {}).get("step") if rec.kind == "train" else None,
+    )  # fmt: skip
     measured = run.summary.to_dict(time.time())
     sup.store.update(rec, ended=time.time(), measured=measured, **outcome)
     del sup._runs[rec.id]

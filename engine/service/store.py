@@ -55,6 +55,10 @@ class JobRecord:
     error: dict[str, Any] | None = None  # an "error" metrics record (e.g. out_of_memory) with the plan's advice
     # A job submitted to SLURM: its SLURM job id, queue state and reason, partition, login host, script (engine.service.slurm)
     slurm: dict[str, Any] | None = None
+    # Automatic recovery (engine.service.recovery): each restart as {time, run, cause, from_step,
+    # left_out_gpus, notes}, oldest first; and how many restarts in a row the job may make.
+    restarts: list[dict[str, Any]] = field(default_factory=list)
+    max_restarts: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -67,7 +71,7 @@ _DEFAULTS = {
     for f in dataclasses.fields(JobRecord)
     if f.default_factory is not dataclasses.MISSING or (f.default is not dataclasses.MISSING and f.default is not None)
 }
-_JSON_FIELDS = {"gpus", "last_log", "predicted", "measured", "error", "slurm"}
+_JSON_FIELDS = {"gpus", "last_log", "predicted", "measured", "error", "slurm", "restarts"}
 _BOOL_FIELDS = {"simulated", "cancel_requested", "resumable"}
 
 

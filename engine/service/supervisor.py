@@ -35,13 +35,14 @@ from typing import IO, Any
 import psutil
 
 from rigpilot.engine.errors import UserError
+from rigpilot.engine.hardware.health import gpu_faults
 from rigpilot.engine.hardware.machine import Machine
 from rigpilot.engine.hardware.simulated import Load, SimulatedBackend
 from rigpilot.engine.jobs import secrets as job_secrets
 from rigpilot.engine.jobs.limits import check_env
 from rigpilot.engine.jobs.spec import JobSpec
 from rigpilot.engine.runtime import worker_python
-from rigpilot.engine.service import paths, slurm, submission
+from rigpilot.engine.service import paths, recovery, slurm, submission
 from rigpilot.engine.service.metrics import Cursor, MetricsSummary, read_records, summarize
 from rigpilot.engine.service.results import check_name, describe_output, job_settings
 from rigpilot.engine.service.store import (
@@ -96,6 +97,7 @@ class _Run:
     killed: bool = False
     last_publish: float = 0.0
     dirty: bool = False
+    stepped: bool = False  # a step of this run was reported (the summary also holds earlier runs')
 
     @property
     def token(self) -> str:
@@ -119,6 +121,7 @@ class Supervisor:
         self.machine = machine
         self.options = options or SupervisorOptions()
         self._simulated_backend = backend if isinstance(backend, SimulatedBackend) else None
+        self._backend = backend  # asked for the GPUs' health when a job may restart
         self._on_job = on_job
         self._on_metrics = on_metrics
         self._lock = threading.RLock()
@@ -185,6 +188,7 @@ class Supervisor:
                 )
             self.machine = machine
             self._simulated_backend = backend if isinstance(backend, SimulatedBackend) else None
+            self._backend = backend
             self._queue_dirty = True
 
     # -- requests -------------------------------------------------------------
@@ -218,6 +222,7 @@ class Supervisor:
             id=job_id, seq=self.store.next_seq(), kind=spec.kind, name=spec.name, state=QUEUED, gpus=spec.gpus,
             ranks=sub.ranks, simulated=spec.simulated, created=time.time(), cwd=sub.cwd, predicted=sub.predicted,
             slurm=slurm_options,
+            max_restarts=recovery.max_restarts_of(spec),
         )
         try:
             job_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -288,6 +293,7 @@ class Supervisor:
             missing = [g for g in spec.gpus if g not in {x.index for x in self.machine.gpus}]
             if missing:
                 raise UserError(f"cannot resume {rec.id}: GPU {missing[0]} is no longer on this machine")
+            recovery.refuse_faulty_gpus(rec, gpu_faults(self._backend))
             check_env(env or {})
             given_shown, given_hidden = job_secrets.split(dict(env or {}))
             spec.env = {**spec.env, **given_shown}
@@ -572,6 +578,7 @@ class Supervisor:
             records, run.cursor, more = read_records(run.job_dir / "metrics", run.cursor)
             for r in records:
                 run.summary.add(r)
+                run.stepped = run.stepped or (r.get("kind") is None and r.get("step") is not None)
             got = got or bool(records)
             if not more:
                 break
@@ -595,7 +602,7 @@ class Supervisor:
                 run.kill_at = time.monotonic() + self.options.failure_grace_s
 
     def _has_started(self, run: _Run) -> bool:
-        if run.summary.step is not None:
+        if run.stepped:
             return True
         # A script need not report steps; it runs once every rank has started it.
         if run.rec.kind == "script":
@@ -672,7 +679,12 @@ class Supervisor:
             outcome["exit_reason"] += f"; {len(left)} leftover process(es) had to be killed"
         self._clear_load(rec)
         measured = run.summary.to_dict(time.time())
-        self.store.update(rec, ended=time.time(), measured=measured, **outcome)
+        outcome = recovery.after_failure(
+            rec, outcome, run.summary.errors, run.job_dir, lambda: gpu_faults(self._backend),
+            simulated=rec.simulated, max_cpu_ranks=self.max_cpu_ranks,
+            from_step=(_newest_checkpoint(run.job_dir) or {}).get("step") if rec.kind == "train" else None,
+        )  # fmt: skip
+        self.store.update(rec, **{"ended": time.time(), "measured": measured, **outcome})
         del self._runs[rec.id]
         self._queue_dirty = True
         self._on_metrics(rec.id)
@@ -734,7 +746,8 @@ def _outcome(run: _Run, rc: int | None, *, service_was_down: bool = False) -> di
     job_dir = run.job_dir
     exits = {r: s["exit"] for r, s in run.ranks.items() if s.get("exit")}
     failures = sorted(((e.get("time") or 0.0, r) for r, e in exits.items() if not _clean_exit(e)))
-    oom = next((e for e in reversed(run.summary.errors) if e.get("error") == "out_of_memory"), None)
+    errors = [e for e in run.summary.errors if e.get("run", rec.run) == rec.run]  # not an earlier run's
+    oom = next((e for e in reversed(errors) if e.get("error") == "out_of_memory"), None)
     base: dict[str, Any] = {"cancel_requested": rec.cancel_requested, "exit_code": rc}
 
     if run.stop_reason == "cancel" or rec.cancel_requested:
@@ -755,8 +768,10 @@ def _outcome(run: _Run, rc: int | None, *, service_was_down: bool = False) -> di
     failed_rank = oom.get("rank") if oom else (failures[0][1] if failures else None)
     # torchrun names the first rank it saw fail. A rank whose wrapper was killed outright leaves no exit
     # record, and the ranks torchrun then stopped would otherwise be blamed for exiting on its SIGTERM.
+    # Where that rank did record its exit, the records' times are finer than torchrun's monitor interval:
+    # a rank killed by SIGKILL and its peer failing on the broken connection end within one interval.
     root = _torchrun_root_cause(job_dir / "logs" / "launcher.log", rec.run) if oom is None else None
-    if root is not None and not _clean_exit(exits.get(root[0], {"code": None})):
+    if root is not None and root[0] not in exits:
         failed_rank = root[0]
         exits.setdefault(failed_rank, root[1])
     if oom is not None:
@@ -765,7 +780,7 @@ def _outcome(run: _Run, rc: int | None, *, service_was_down: bool = False) -> di
     elif failed_rank is not None:
         reason = f"rank {failed_rank} {_describe_exit(exits[failed_rank])}"
         # engine.workers reports why it gave up ("user_error", "crash") before exiting.
-        said = next((e for e in reversed(run.summary.errors) if e.get("rank") == failed_rank), None)
+        said = next((e for e in reversed(errors) if e.get("rank") == failed_rank), None)
         if said and isinstance(said.get("message"), str) and said["message"]:
             reason += f": {said['message']}"
         error = said
