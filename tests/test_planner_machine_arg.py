@@ -73,6 +73,12 @@ def test_bad_machine_input_is_one_line(machine, code, says):
     assert error["code"] == code and error["message"].startswith(says) and "\n" not in error["message"]
 
 
+def test_a_model_inside_the_workload_is_refused_in_one_line():
+    # Found by the fuzz test: it reached Workload(model=..., **workload) twice and logged a traceback.
+    error = answer(load_profile("4x-rtx4090"), workload={**WORK, "model": "gpt2"})["error"]
+    assert error["code"] == "invalid" and error["message"].startswith("plan.workload.model: ")
+
+
 def test_gpus_without_a_known_memory_are_refused_with_what_to_import(smi_data):
     error = answer(load_profile("4x-rtx4090"), machine=import_machine(smi_data / TOPO_ONLY).to_dict())["error"]
     assert error["code"] == "user_error" and "\n" not in error["message"]

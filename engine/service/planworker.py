@@ -52,6 +52,8 @@ def plan(machine: Any, model: str, workload: dict[str, Any] | None = None, gpus:
     from rigpilot.engine.planner.verify import VERIFY_BUDGET_S, search_checked
 
     work = dict(workload or {})
+    if "model" in work:  # else Workload(model=model, **work) would get it twice
+        raise ProtocolError(protocol.INVALID, "plan.workload.model: the model goes in the request's own 'model'")
     protocol.check_dataclass(Workload, {**work, "model": model}, "plan.workload", ignore=frozenset({"lora"}))
     protocol.check_dataclass(SearchOptions, options or {}, "plan.options")
     if work.get("lora") is not None:
