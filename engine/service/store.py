@@ -53,6 +53,9 @@ class JobRecord:
     predicted: dict[str, Any] | None = None  # from the plan: peak memory, tokens/s, step time
     measured: dict[str, Any] | None = None  # the metrics summary, frozen when the job ends
     error: dict[str, Any] | None = None  # an "error" metrics record (e.g. out_of_memory) with the plan's advice
+    # A job spanning several engines (engine.service.multinode): its role here ("head" or "member"), the
+    # rendezvous endpoint, the node names and which ranks each runs. None for a job on this machine alone.
+    nodes: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -65,7 +68,7 @@ _DEFAULTS = {
     for f in dataclasses.fields(JobRecord)
     if f.default_factory is not dataclasses.MISSING or (f.default is not dataclasses.MISSING and f.default is not None)
 }
-_JSON_FIELDS = {"gpus", "last_log", "predicted", "measured", "error"}
+_JSON_FIELDS = {"gpus", "last_log", "predicted", "measured", "error", "nodes"}
 _BOOL_FIELDS = {"simulated", "cancel_requested", "resumable"}
 
 
