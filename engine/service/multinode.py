@@ -148,8 +148,8 @@ class MultiNode:
         if not one_host and not shared_dir:
             others = ", ".join(m.name for m in members if hellos[m.name].get("host_id") != me)
             raise UserError(
-                f"nodes {others} are other computers: a multi-node job needs a folder every node sees at the same "
-                "path for its checkpoints (--shared-dir DIR, e.g. an NFS mount)"
+                f"{others} {'runs' if ',' not in others else 'run'} on another computer: a multi-node job needs a "
+                "folder every node sees at the same path for its checkpoints (--shared-dir DIR, e.g. an NFS mount)"
             )
         host = "127.0.0.1" if one_host else registry.local_address_towards(members[0])
         sub = submission.prepare(
@@ -167,14 +167,17 @@ class MultiNode:
             "shared_dir": shared_dir, "ranks_per_node": sub.ranks,
         }  # fmt: skip
         if shared is not None:
-            head_info["checkpoints"] = str(shared["folder"])
-        checkpoints = str(shared["folder"]) if shared else str(self.sup.job_dir(job_id) / "checkpoints")
+            head_info["checkpoints"], head_info["output"] = str(shared["folder"]), str(shared["output"])
+        base = self.sup.job_dir(job_id)
+        checkpoints = str(shared["folder"]) if shared else str(base / "checkpoints")
+        output = str(shared["output"]) if shared else str(base / "output")
         member_infos = {
             m.name: {
                 "role": "member", "count": count, "endpoint": head_info["endpoint"], "node": m.name,
                 "local_addr": "127.0.0.1" if hellos[m.name].get("host_id") == me else m.host,
-                "head": host, "ranks_per_node": sub.ranks, "checkpoints": checkpoints,
-                **({"shared_marker": {"path": str(shared["marker"]), "nonce": shared["nonce"]}} if shared else {}),
+                "head": host, "ranks_per_node": sub.ranks, "checkpoints": checkpoints, "output": output,
+                **({"shared_marker": {"path": str(shared["marker"]), "nonce": shared["nonce"]}}
+                   if shared and shared["marker"] else {}),
             }
             for m in members
         }  # fmt: skip
@@ -187,8 +190,9 @@ class MultiNode:
             lines.append(f"{count} nodes × {sub.ranks} ranks; rendezvous at {head_info['endpoint']}")
             return {"ok": True, "lines": lines, "would_run": {**submission.would_run(sub), "nodes": count}}
         done: list[registry.Node] = []
-        if shared is None:  # the members link to it before the head's own job exists
-            (self.sup.job_dir(job_id) / "checkpoints").mkdir(mode=0o700, parents=True, exist_ok=True)
+        if shared is None:  # the members link to them before the head's own job exists
+            for folder in (checkpoints, output):
+                Path(folder).mkdir(mode=0o700, parents=True, exist_ok=True)
         try:
             for m in members:
                 with registry.client(m) as c:
@@ -483,13 +487,14 @@ def _member_info(nodes: dict[str, Any]) -> dict[str, Any]:
     count = nodes.get("count")
     if not isinstance(count, int) or isinstance(count, bool) or not 2 <= count <= MAX_NODES:
         raise UserError(f"submit_member: nodes.count must be from 2 to {MAX_NODES}")
-    for key in ("endpoint", "local_addr", "node", "checkpoints", "head"):
+    for key in ("endpoint", "local_addr", "node", "checkpoints", "output", "head"):
         if not isinstance(nodes.get(key), str) or not nodes[key] or len(nodes[key]) > protocol.MAX_PATH:
             raise UserError(f"submit_member: nodes.{key} is missing")
     registry.split_address(nodes["endpoint"])
     registry.split_address(f"{_bracket(nodes['local_addr'])}:1")
-    if not Path(nodes["checkpoints"]).is_absolute():
-        raise UserError("submit_member: nodes.checkpoints must be an absolute path")
+    for key in ("checkpoints", "output"):
+        if not Path(nodes[key]).is_absolute():
+            raise UserError(f"submit_member: nodes.{key} must be an absolute path")
     return dict(nodes)
 
 
@@ -511,9 +516,10 @@ def _member_checks(info: dict[str, Any], ranks: int) -> None:
                 f"node {info['node']} does not see the shared folder ({marker.get('path')} is missing or different "
                 "there): mount it at the same path on every node"
             )
-    folder = Path(info["checkpoints"])
-    if not folder.is_dir():
-        raise UserError(f"node {info['node']} cannot see the checkpoint folder {folder}")
+    for key in ("checkpoints", "output"):
+        folder = Path(info[key])
+        if not folder.is_dir():
+            raise UserError(f"node {info['node']} cannot see the job's {key} folder {folder}")
 
 
 def _shared_checkpoints(shared: Path, job_id: str, check: bool) -> dict[str, Any]:
@@ -524,11 +530,12 @@ def _shared_checkpoints(shared: Path, job_id: str, check: bool) -> dict[str, Any
     folder = shared / f"rigpilot-{job_id}"
     nonce = secrets.token_hex(16)
     if check:
-        return {"folder": shared, "marker": shared / ".rigpilot-check", "nonce": nonce}
-    (folder / "checkpoints").mkdir(mode=0o700, parents=True, exist_ok=True)
+        return {"folder": shared, "output": shared, "marker": None, "nonce": nonce}
+    for sub_dir in ("checkpoints", "output"):
+        (folder / sub_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
     marker = folder / "shared-marker"
     paths.write_private(marker, nonce + "\n")
-    return {"folder": folder / "checkpoints", "marker": marker, "nonce": nonce}
+    return {"folder": folder / "checkpoints", "output": folder / "output", "marker": marker, "nonce": nonce}
 
 
 def _append_records(metrics_dir: Path, records: list[dict[str, Any]], node: str) -> None:

@@ -191,7 +191,12 @@ def probe(node: Node, timeout: float = 5.0) -> dict[str, Any]:
 
 
 def host_id() -> str:
-    """Which computer this is: two engines with the same id share a file system (loopback nodes)."""
+    """Which computer this is: two engines with the same id share a file system (loopback nodes).
+
+    RIGPILOT_HOST_ID overrides it: containers cloned with one machine-id, or two engines on one
+    computer that should be treated as separate machines (each then needs --shared-dir)."""
+    if os.environ.get("RIGPILOT_HOST_ID"):
+        return os.environ["RIGPILOT_HOST_ID"]
     for p in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
         with contextlib.suppress(OSError):
             text = Path(p).read_text().strip()

@@ -236,9 +236,11 @@ class Supervisor:
         )
         try:
             job_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-            if nodes and nodes.get("checkpoints"):
-                # Every rank of a multi-node job reads every rank's shard on resume: one folder all nodes see.
-                os.symlink(nodes["checkpoints"], job_dir / "checkpoints")
+            for shared in ("checkpoints", "output"):
+                if nodes and nodes.get(shared):
+                    # A multi-node job's ranks read every rank's checkpoint shard on resume, and rank 0, on
+                    # whichever node, writes the output: folders every node sees.
+                    os.symlink(nodes[shared], job_dir / shared)
             for sub_dir in ("logs", "metrics", "checkpoints", "output", "ranks"):
                 (job_dir / sub_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
             _write_spec(spec, job_dir)
