@@ -56,3 +56,28 @@ def test_nodes_are_added_checked_and_removed_through_the_engine(qtbot):
     with qtbot.waitSignal(box.sig_nodes, timeout=5000):
         box.remove_selected()
     assert box.table.rowCount() == 0 and nodes.load() == {}
+
+
+def test_the_wizards_node_choice_goes_into_the_submission_and_the_command(qtbot):
+    from PySide6.QtCore import Qt
+
+    from rigpilot.app.wizard.engine_requests import submission
+    from rigpilot.app.wizard.node_choice import NodeChoice
+    from rigpilot.app.wizard.state import default_state
+
+    link = FakeLink("1x-rtx4090", replies={"nodes": {"nodes": [{"name": "box2", "address": "127.0.0.1:7861"}]}})
+    choice = NodeChoice()
+    qtbot.addWidget(choice)
+    assert choice.isHidden()  # no nodes: nothing to choose, nothing shown
+    choice.load(link, [])
+    qtbot.waitUntil(lambda: choice.list.count() == 1)
+    assert not choice.isHidden() and choice.chosen() == []
+    with qtbot.waitSignal(choice.sig_changed) as changed:
+        choice.list.item(0).setCheckState(Qt.CheckState.Checked)
+    assert changed.args == [["box2"]]
+
+    state = default_state(link.machine_obj.to_dict())
+    assert "nodes" not in submission(link, state)  # one machine unless the user ticks another
+    state.nodes = ["box2"]
+    assert submission(link, state)["nodes"] == ["local", "box2"]
+    assert "--nodes local,box2" in state.command()

@@ -242,7 +242,7 @@ def plain_four_ranks(root: Path, layout: dict[str, Any]) -> dict[int, float]:
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [{"dp_replicate": 4}, {"dp_shard": 4}], ids=["ddp", "fsdp"])
 def test_a_job_across_two_engines_trains_what_the_plain_loop_trains(cluster, reference, layout):
-    head, box2, _, base = cluster
+    _, box2, _, base = cluster
     with head_client() as c:
         if not any(n["name"] == "box2" for n in c.request("nodes", probe=False)["nodes"]):
             c.request("node_add", name="box2", address=f"127.0.0.1:{box2.tcp_port}", token=box2.token)

@@ -65,6 +65,7 @@ class WizardState:
     train: TrainSettings = field(default_factory=TrainSettings)
     infer: InferSettings = field(default_factory=InferSettings)
     trust_remote_code: bool = False
+    nodes: list[str] = field(default_factory=list)  # other engines the job spans besides this one (Settings → Nodes)
 
     # -- what the choices mean -------------------------------------------------------------------
     @property
@@ -245,7 +246,7 @@ class WizardState:
     def copy(self) -> WizardState:
         return dataclasses.replace(
             self, train=dataclasses.replace(self.train), infer=dataclasses.replace(self.infer),
-            dataset=list(self.dataset), prompts=list(self.prompts), gpus=list(self.gpus),
+            dataset=list(self.dataset), prompts=list(self.prompts), gpus=list(self.gpus), nodes=list(self.nodes),
         )  # fmt: skip
 
 
@@ -419,6 +420,8 @@ def run_command(state: WizardState) -> str:
     words = ["rigpilot", "run", spec.kind]
     if spec.gpus:
         words += ["--gpus", ",".join(map(str, spec.gpus))]
+    if state.nodes:
+        words += ["--nodes", ",".join(["local", *state.nodes])]
     words += ["--name", spec.name]
     if spec.kind == "script":
         return shlex.join([*words, "--", *(spec.script or [])])

@@ -152,6 +152,8 @@ class MultiNode:
                 "folder every node sees at the same path for its checkpoints (--shared-dir DIR, e.g. an NFS mount)"
             )
         host = "127.0.0.1" if one_host else registry.local_address_towards(members[0])
+        if planned == 1 and plan is not None:
+            spec = _spread_over_nodes(spec, plan, count)
         sub = submission.prepare(
             spec, plan, cwd, job_id="check", machine=self.sup.machine, max_cpu_ranks=self.sup.max_cpu_ranks,
             nodes=count,
@@ -443,6 +445,35 @@ class MultiNode:
 
 def _role(rec: JobRecord) -> str | None:
     return (rec.nodes or {}).get("role")
+
+
+def _spread_over_nodes(spec: dict[str, Any], plan: dict[str, Any], count: int) -> dict[str, Any]:
+    """A one-node plan over `count` nodes: every node runs the plan's layout, data parallel across them.
+
+    Tensor and pipeline groups stay inside a node (ranks are node-major); only the replicas multiply.
+    Degrees the submission gave for the whole job are left as they are."""
+    from rigpilot.engine.capability import layout_of_plan
+
+    if spec.get("kind") == "script":
+        return spec
+    p = submission.plan_of(plan) or {}
+    par_plan = p.get("parallelism") if isinstance(p.get("parallelism"), dict) else None
+    par = dict(spec.get("parallelism") or {})
+    degrees = [par.get(k, 1) for k in ("dp_replicate", "dp_shard", "tp", "pp")]
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in degrees):
+        return spec  # prepare names what is wrong
+    product = degrees[0] * degrees[1] * degrees[2] * degrees[3]
+    per_node = len(spec.get("gpus") or (par_plan or {}).get("gpu_indices") or [])
+    if product == 1 and par_plan is not None:
+        lt = layout_of_plan(p)
+        par.update(dp_replicate=lt.dp_replicate * count, dp_shard=lt.dp_shard, tp=lt.tp, pp=lt.pp,
+                   sequence_parallel=lt.sequence_parallel, reshard_after_forward=lt.reshard_after_forward,
+                   cpu_offload=lt.cpu_offload)  # fmt: skip
+    elif product > 1 and product == per_node:
+        par["dp_replicate"] = degrees[0] * count
+    else:
+        return spec
+    return {**spec, "parallelism": par}
 
 
 def _node_names(names: list[str]) -> list[str]:
