@@ -217,6 +217,11 @@ def test_nodes_registry_keeps_tokens_private_and_refuses_bad_input_in_one_line(c
         rc, _, err = cli(capsys, "run", "train", "--nodes", nodes, "--model", str(TINY_LLAMA_CONFIG),
                          "--data", str(CHAT), "--steps", "2", "--detach")  # fmt: skip
         assert rc == 2 and words in err and len(err.strip().splitlines()) == 1, (nodes, err)
+    # --check goes through every node's own checks and creates nothing anywhere.
+    rc, out, err = cli(capsys, "run", "train", "--nodes", "local,box2", "--model", str(TINY_LLAMA_CONFIG),
+                       "--data", str(CHAT), "--steps", "2", "--check")  # fmt: skip
+    assert rc == 0, err
+    assert "node box2 (127.0.0.1:" in out and "2 nodes × 2 ranks" in out and "dp 4 × fsdp 1" in out
     with head_client() as c:
         assert len(c.request("jobs")["jobs"]) == before
     for n in (head, box2, box3):
@@ -331,6 +336,11 @@ def test_a_node_that_goes_away_fails_the_job_on_every_node_and_it_resumes(cluste
     first_of_run2 = min(r["step"] for r in records if r.get("run") == 2 and r.get("loss") is not None)
     assert first_of_run2 == resumed["resumes_from"]["step"] + 1
     wait_for(lambda: not head.job_processes() and not box3.job_processes(), 30, what="every rank to stop")
+    # One delete removes the job from every node, and its folder from the shared one.
+    assert cli(capsys, "delete", job_id)[0] == 0
+    with box3.client() as c3:
+        assert not [j for j in c3.request("jobs")["jobs"] if j["id"] == job_id]
+    assert not (shared / f"rigpilot-{job_id}").exists()
 
 
 def test_members_part_cannot_be_submitted_without_the_facts_a_head_sends(cluster):

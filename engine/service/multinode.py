@@ -170,9 +170,10 @@ class MultiNode:
         }  # fmt: skip
         if shared is not None:
             head_info["checkpoints"], head_info["output"] = str(shared["folder"]), str(shared["output"])
-        base = self.sup.job_dir(job_id)
-        checkpoints = str(shared["folder"]) if shared else str(base / "checkpoints")
-        output = str(shared["output"]) if shared else str(base / "output")
+        # A check creates nothing: the members are asked whether they see a folder that exists already.
+        base = self.sup.job_dir(job_id) if not check else self.sup.jobs_root
+        checkpoints = str(shared["folder"]) if shared else str(base / "checkpoints" if not check else base)
+        output = str(shared["output"]) if shared else str(base / "output" if not check else base)
         member_infos = {
             m.name: {
                 "role": "member", "count": count, "endpoint": head_info["endpoint"], "node": m.name,
@@ -220,6 +221,17 @@ class MultiNode:
         if _role(rec) == "head":
             self._tell_members(rec, "cancel")
         return view
+
+    def delete(self, ref: str) -> dict[str, Any]:
+        """Delete a job; a head's job goes from every node, with its folder in the shared one."""
+        rec = self.sup.resolve(ref)
+        reply = self.sup.delete(ref)
+        if _role(rec) == "head" and rec.nodes is not None:
+            self._tell_members(rec, "delete")
+            folder = Path(rec.nodes.get("checkpoints") or "/").parent
+            if rec.nodes.get("shared_dir") and folder.name == f"rigpilot-{rec.id}":  # only what this job made
+                shutil.rmtree(folder, ignore_errors=True)
+        return reply
 
     def resume(self, ref: str, env: dict[str, str] | None = None) -> dict[str, Any]:
         rec = self.sup.resolve(ref)
@@ -380,7 +392,9 @@ class MultiNode:
             rec = self.sup.resolve(w.job_id)
             if rec.nodes is None:
                 return
-            ranks = {m.name: m.ranks for m in w.members}
+            local = sorted(int(f.stem[4:]) for f in (self.sup.job_dir(w.job_id) / "ranks").glob("rank*.json")
+                           if f.stem[4:].isdigit())  # fmt: skip
+            ranks = {registry.LOCAL: local, **{m.name: m.ranks for m in w.members}}
             self.sup.store.update(rec, nodes={**rec.nodes, "ranks": ranks})
 
     def _save_cursors(self, w: _Watch) -> None:

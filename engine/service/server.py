@@ -746,7 +746,7 @@ class EngineService:
         return {"job": self.multinode.resume(job, env)}
 
     def _do_delete(self, conn: Connection, job: str) -> Any:
-        return self.supervisor.delete(job)
+        return self.multinode.delete(job)
 
     def _do_rename(self, conn: Connection, job: str, name: str) -> Any:
         return {"job": self.supervisor.rename(job, name)}
