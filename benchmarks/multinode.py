@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -86,6 +87,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3, help="pairs of runs, alternating, so drift favours neither")
     args = ap.parse_args()
     spec = {
         "kind": "train", "name": "multinode-bench", "model": str(TINY_LLAMA), "gpus": [0, 1],
@@ -106,25 +108,36 @@ def main() -> None:
             token = (root / "box2" / "config" / "rigpilot" / "engine-token").read_text().strip()
             with _client(head_env) as c:
                 c.request("node_add", name="box2", address=f"127.0.0.1:{port}", token=token)
-            two, job_json = _run(head_env, spec, args.warmup, nodes=["local", "box2"])
             if cpus >= 4:
                 one_proc, one_env = _start(root / "one", "4x-rtx4090", "--max-cpu-ranks", "4")
                 procs.append(one_proc)
-                one, _ = _run(one_env, {**spec, "gpus": [0, 1, 2, 3]}, args.warmup)
                 how = "one engine, 4 CPU ranks"
             else:
-                plain_json = root / "plain.json"
-                plain_json.write_text(json.dumps(json.loads(job_json.read_text()), indent=2))
-                one = run_plain(plain_json, 4, args.warmup)
                 how = f"plain torchrun --standalone, 4 ranks (one engine caps CPU ranks at this machine's {cpus} CPUs)"
+            twos, ones = [], []
+            for i in range(args.repeats):
+                for which in ("two", "one") if i % 2 == 0 else ("one", "two"):
+                    if which == "two":
+                        two, job_json = _run(head_env, spec, args.warmup, nodes=["local", "box2"])
+                        twos.append(two["steps_per_s"])
+                    elif cpus >= 4:
+                        ones.append(_run(one_env, {**spec, "gpus": [0, 1, 2, 3]}, args.warmup)[0]["steps_per_s"])
+                    else:
+                        plain_json = root / "plain.json"
+                        if not plain_json.exists():
+                            if not twos:
+                                _, job_json = _run(head_env, spec, args.warmup, nodes=["local", "box2"])
+                            plain_json.write_text(json.dumps(json.loads(job_json.read_text()), indent=2))
+                        ones.append(run_plain(plain_json, 4, args.warmup)["steps_per_s"])
         finally:
             for p in procs:
                 p.terminate()
                 p.wait(30)
             _kill_jobs(root)
-    print(f"two engines (2 nodes x 2 ranks, loopback): {two['steps_per_s']:.2f} steps/s over {two['ranks']} ranks")
-    print(f"one node ({how}): {one['steps_per_s']:.2f} steps/s")
-    print(f"ratio two engines / one node: {two['steps_per_s'] / one['steps_per_s']:.3f}")
+    two_s, one_s = statistics.median(twos), statistics.median(ones)
+    print(f"two engines (2 nodes x 2 ranks, loopback): {two_s:.2f} steps/s (median of {', '.join(f'{x:.2f}' for x in twos)})")
+    print(f"one node ({how}): {one_s:.2f} steps/s (median of {', '.join(f'{x:.2f}' for x in ones)})")
+    print(f"ratio two engines / one node: {two_s / one_s:.3f}")
 
 
 if __name__ == "__main__":

@@ -86,10 +86,11 @@ class _Watch:
     members: list[_Member]
     cursors: dict[str, Any] = field(default_factory=dict)  # node -> {"metrics": {...}, "logs": {rank: offset}}
     done_at: float | None = None  # the head's job ended: one more pass, then stop watching
+    passes: int = 0
 
 
 class MultiNode:
-    def __init__(self, supervisor: Any, *, poll_s: float = 0.5, lost_after_s: float = 5.0):
+    def __init__(self, supervisor: Any, *, poll_s: float = 1.0, lost_after_s: float = 5.0):
         self.sup = supervisor
         self.poll_s = poll_s
         self.lost_after_s = lost_after_s
@@ -325,8 +326,10 @@ class MultiNode:
             self._unwatch(w)
             return
         ended = rec.state in TERMINAL_STATES
+        w.passes += 1
         for m in w.members:
-            self._pull(w, m, rec)
+            # The ranks share the CPUs with the engines on a small machine: logs every other pass, metrics each.
+            self._pull(w, m, rec, logs=ended or w.passes % 2 == 1)
         self._save_cursors(w)
         if not ended and rec.state != QUEUED:
             failed = next((m for m in w.members if m.state in (FAILED, CANCELLED, "interrupted")), None)
@@ -345,7 +348,7 @@ class MultiNode:
             ):
                 self._unwatch(w)
 
-    def _pull(self, w: _Watch, m: _Member, rec: JobRecord) -> None:
+    def _pull(self, w: _Watch, m: _Member, rec: JobRecord, *, logs: bool = True) -> None:
         job_dir = self.sup.job_dir(w.job_id)
         cur = w.cursors.setdefault(m.name, {"metrics": {}, "logs": {}})
         try:
@@ -353,28 +356,31 @@ class MultiNode:
             if m.client is None:
                 m.client = registry.client(node, timeout=10)
                 m.client.connect()
-            job = m.client.request("job", job=w.job_id)["job"]
             got = False
             while True:
                 r = m.client.request("metrics", job=w.job_id, since_cursor=cur["metrics"])
                 _append_records(job_dir / "metrics", r["records"], m.name)
                 got = got or bool(r["records"])
                 cur["metrics"] = r["cursor"]
+                state = r["state"]
                 if not r["more"]:
                     break
-            logs = m.client.request("logs", job=w.job_id, rank=-1, since_offset=cur["logs"].get("-1", 0))
-            _append_text(job_dir / "logs" / f"launcher-{m.name}.log", logs["text"])
-            cur["logs"]["-1"] = logs["next_offset"]
-            for rank in logs["ranks"]:
-                key = str(rank)
-                r = m.client.request("logs", job=w.job_id, rank=rank, since_offset=cur["logs"].get(key, 0))
-                _append_text(job_dir / "logs" / f"rank{rank}.log", r["text"])
-                cur["logs"][key] = r["next_offset"]
-            m.state, m.exit_reason, m.unreachable = job["state"], job.get("exit_reason"), None
+            if logs or state in TERMINAL_STATES:
+                said = m.client.request("logs", job=w.job_id, rank=-1, since_offset=cur["logs"].get("-1", 0))
+                _append_text(job_dir / "logs" / f"launcher-{m.name}.log", said["text"])
+                cur["logs"]["-1"] = said["next_offset"]
+                for rank in said["ranks"]:
+                    key = str(rank)
+                    r = m.client.request("logs", job=w.job_id, rank=rank, since_offset=cur["logs"].get(key, 0))
+                    _append_text(job_dir / "logs" / f"rank{rank}.log", r["text"])
+                    cur["logs"][key] = r["next_offset"]
+                if said["ranks"] != m.ranks:
+                    m.ranks = list(said["ranks"])
+                    self._record_ranks(w)
+            # Why it ended, only once it has: the job request reads the job's folder.
+            m.exit_reason = m.client.request("job", job=w.job_id)["job"].get("exit_reason") if state in TERMINAL_STATES else None
+            m.state, m.unreachable = state, None
             m.last_ok = time.monotonic()
-            if logs["ranks"] != m.ranks:
-                m.ranks = list(logs["ranks"])
-                self._record_ranks(w)
             if got:
                 self.sup._on_metrics(w.job_id)
         except UserError as e:  # an error reply (the job is gone there) or no such node any more
