@@ -357,3 +357,20 @@ def test_members_part_cannot_be_submitted_without_the_facts_a_head_sends(cluster
     bad = EngineClient(tcp=f"127.0.0.1:{box2.tcp_port}", token="y" * 40, timeout=10)
     with pytest.raises(Exception, match="token"):
         bad.connect()
+
+
+@pytest.mark.slow
+def test_one_cancel_on_the_head_stops_the_job_on_every_node(cluster, capsys):
+    head, box2, _, _ = cluster
+    with head_client() as c:
+        if not any(n["name"] == "box2" for n in c.request("nodes", probe=False)["nodes"]):
+            c.request("node_add", name="box2", address=f"127.0.0.1:{box2.tcp_port}", token=box2.token)
+        spec = train_spec({"dp_shard": 4}, max_steps=500, eval_every=0, checkpoint_every=0)
+        job_id = c.request("submit", spec=spec, nodes=["local", "box2"])["job"]["id"]
+        wait_for(lambda: step_of(c, job_id) >= 3, 90, 0.1, "step 3")
+        rc, out, _ = cli(capsys, "cancel", job_id)
+        assert rc == 0 and job_id in out
+        assert wait_job(c, job_id, *TERMINAL, timeout=60)["state"] == "cancelled"
+    with box2.client() as c2:
+        assert wait_job(c2, job_id, *TERMINAL, timeout=30)["state"] == "cancelled"
+    wait_for(lambda: not head.job_processes() and not box2.job_processes(), 30, what="every rank to stop")

@@ -55,6 +55,7 @@ class NodesBox(QGroupBox):
         self.table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
         self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
         self.table.setMaximumHeight(140)
+        self.table.verticalHeader().hide()
         self.name = QLineEdit()
         self.name.setObjectName("nodeName")
         self.name.setAccessibleName("Node name")
