@@ -35,7 +35,9 @@ TERMINAL = ("completed", "failed", "cancelled", "interrupted")
 class Node:
     """One engine service with XDG folders of its own."""
 
-    def __init__(self, base: Path, name: str, tcp_port: int | None = None, host_id: str | None = None):
+    def __init__(
+        self, base: Path, name: str, tcp_port: int | None = None, host_id: str | None = None, extra: tuple[str, ...] = ()
+    ):
         self.name = name
         self.base = base / name
         (self.base / "r").mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -46,12 +48,14 @@ class Node:
         if host_id:
             self.env["RIGPILOT_HOST_ID"] = host_id
         self.tcp_port = tcp_port
+        self.extra = extra
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
         cmd = [sys.executable, "-m", "rigpilot.engine.service", "--grace", "3", "--failure-grace", "2"]
         if self.tcp_port:
             cmd += ["--tcp", f"127.0.0.1:{self.tcp_port}"]
+        cmd += list(self.extra)
         out = self.base / "engine.out"
         ready = self._ready_lines()
         log = out.open("ab")
@@ -94,6 +98,12 @@ class Node:
         for p in self.job_processes():
             p.send_signal(signal.SIGKILL)
 
+    def stop_engine_only(self) -> None:
+        """SIGTERM: the engine stops, its jobs keep running (the next engine re-adopts them)."""
+        assert self.proc is not None
+        self.proc.terminate()
+        self.proc.wait(15)
+
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()
@@ -112,12 +122,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
     box2 = Node(base, "box2", tcp_port=_free_port())
     # A third engine that calls itself another computer: a job with it needs --shared-dir.
     box3 = Node(base, "box3", tcp_port=_free_port(), host_id="box3-elsewhere")
-    for n in (head, box2, box3):
+    # One that runs fewer ranks per job than the head: refused, as torchrun needs the same count on every node.
+    box4 = Node(base, "box4", tcp_port=_free_port(), extra=("--max-cpu-ranks", "1"))
+    for n in (head, box2, box3, box4):
         n.start()
     saved = {k: os.environ.get(k) for k in ("XDG_RUNTIME_DIR", "XDG_STATE_HOME", "XDG_CONFIG_HOME", "RIGPILOT_SIMULATE")}
     os.environ.update({k: head.env[k] for k in saved})  # this process's CLI and clients talk to the head
-    yield head, box2, box3, base
-    for n in (head, box2, box3):
+    yield head, box2, box3, base, box4
+    for n in (head, box2, box3, box4):
         n.stop()
     for k, v in saved.items():
         if v is None:
@@ -173,7 +185,7 @@ def step_losses(c: EngineClient, job_id: str) -> dict[int, float]:
 
 
 def test_nodes_registry_keeps_tokens_private_and_refuses_bad_input_in_one_line(cluster, capsys, monkeypatch):
-    head, box2, box3, _ = cluster
+    head, box2, box3, _, box4 = cluster
     rc, out, err = cli(capsys, "nodes", "add", "box2", f"127.0.0.1:{box2.tcp_port}", stdin=box2.token + "\n",
                        monkeypatch=monkeypatch)  # fmt: skip
     assert rc == 0, err
@@ -217,6 +229,12 @@ def test_nodes_registry_keeps_tokens_private_and_refuses_bad_input_in_one_line(c
         rc, _, err = cli(capsys, "run", "train", "--nodes", nodes, "--model", str(TINY_LLAMA_CONFIG),
                          "--data", str(CHAT), "--steps", "2", "--detach")  # fmt: skip
         assert rc == 2 and words in err and len(err.strip().splitlines()) == 1, (nodes, err)
+    with head_client() as c:
+        c.request("node_add", name="box4", address=f"127.0.0.1:{box4.tcp_port}", token=box4.token)
+    rc, _, err = cli(capsys, "run", "train", "--nodes", "local,box4", "--model", str(TINY_LLAMA_CONFIG),
+                     "--data", str(CHAT), "--steps", "2", "--detach")  # fmt: skip
+    assert rc == 2 and "node box4 would run 1 ranks and the head 2" in err, err
+    assert cli(capsys, "nodes", "remove", "box4")[0] == 0
     # --check goes through every node's own checks and creates nothing anywhere.
     rc, out, err = cli(capsys, "run", "train", "--nodes", "local,box2", "--model", str(TINY_LLAMA_CONFIG),
                        "--data", str(CHAT), "--steps", "2", "--check")  # fmt: skip
@@ -224,7 +242,7 @@ def test_nodes_registry_keeps_tokens_private_and_refuses_bad_input_in_one_line(c
     assert "node box2 (127.0.0.1:" in out and "2 nodes × 2 ranks" in out and "dp 4 × fsdp 1" in out
     with head_client() as c:
         assert len(c.request("jobs")["jobs"]) == before
-    for n in (head, box2, box3):
+    for n in (head, box2, box3, box4):
         jobs_dir = n.base / "state" / "rigpilot" / "jobs"
         assert not jobs_dir.exists() or not any(jobs_dir.iterdir()), n.name
 
@@ -247,7 +265,7 @@ def plain_four_ranks(root: Path, layout: dict[str, Any]) -> dict[int, float]:
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [{"dp_replicate": 4}, {"dp_shard": 4}], ids=["ddp", "fsdp"])
 def test_a_job_across_two_engines_trains_what_the_plain_loop_trains(cluster, reference, layout):
-    _, box2, _, base = cluster
+    _, box2, _, base, _ = cluster
     with head_client() as c:
         if not any(n["name"] == "box2" for n in c.request("nodes", probe=False)["nodes"]):
             c.request("node_add", name="box2", address=f"127.0.0.1:{box2.tcp_port}", token=box2.token)
@@ -288,7 +306,7 @@ def test_a_job_across_two_engines_trains_what_the_plain_loop_trains(cluster, ref
 
 @pytest.mark.slow
 def test_a_node_that_goes_away_fails_the_job_on_every_node_and_it_resumes(cluster, capsys):
-    head, _, box3, base = cluster
+    head, _, box3, base, _ = cluster
     shared = base / "shared"
     shared.mkdir()
     with head_client() as c:
@@ -344,7 +362,7 @@ def test_a_node_that_goes_away_fails_the_job_on_every_node_and_it_resumes(cluste
 
 
 def test_members_part_cannot_be_submitted_without_the_facts_a_head_sends(cluster):
-    _, box2, _, _ = cluster
+    _, box2, _, _, _ = cluster
     with box2.client() as c2:
         for nodes, words in [
             ({"role": "head"}, "role must be 'member'"),
@@ -360,14 +378,26 @@ def test_members_part_cannot_be_submitted_without_the_facts_a_head_sends(cluster
 
 
 @pytest.mark.slow
-def test_one_cancel_on_the_head_stops_the_job_on_every_node(cluster, capsys):
-    head, box2, _, _ = cluster
+def test_the_head_restarts_mid_job_and_one_cancel_stops_the_job_on_every_node(cluster, capsys):
+    head, box2, _, _, _ = cluster
     with head_client() as c:
         if not any(n["name"] == "box2" for n in c.request("nodes", probe=False)["nodes"]):
             c.request("node_add", name="box2", address=f"127.0.0.1:{box2.tcp_port}", token=box2.token)
         spec = train_spec({"dp_shard": 4}, max_steps=500, eval_every=0, checkpoint_every=0)
         job_id = c.request("submit", spec=spec, nodes=["local", "box2"])["job"]["id"]
         wait_for(lambda: step_of(c, job_id) >= 3, 90, 0.1, "step 3")
+    # The head's engine restarts mid-job: the job goes on, and the new engine takes up the member's records
+    # where the old one stopped.
+    head.stop_engine_only()
+    head.start()
+    with head_client() as c:
+        at = step_of(c, job_id)
+        wait_for(lambda: max((r["step"] for r in c.all_metrics(job_id)[0]
+                              if r.get("node") == "box2" and r.get("loss") is not None), default=0) > at + 2,
+                 60, 0.2, "the member's newer steps on the restarted head")  # fmt: skip
+        records, _ = c.all_metrics(job_id)
+        seen = [(r["rank"], r["step"]) for r in records if r.get("node") == "box2" and r.get("loss") is not None]
+        assert len(seen) == len(set(seen))  # each member record pulled once, across the restart
         rc, out, _ = cli(capsys, "cancel", job_id)
         assert rc == 0 and job_id in out
         assert wait_job(c, job_id, *TERMINAL, timeout=60)["state"] == "cancelled"
