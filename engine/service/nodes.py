@@ -197,11 +197,14 @@ def host_id() -> str:
     computer that should be treated as separate machines (each then needs --shared-dir)."""
     if os.environ.get("RIGPILOT_HOST_ID"):
         return os.environ["RIGPILOT_HOST_ID"]
+    import hashlib
+
     for p in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
         with contextlib.suppress(OSError):
             text = Path(p).read_text().strip()
             if text:
-                return f"{text}@{socket.gethostname()}"
+                # Hashed: the machine-id itself is meant to stay on the machine (machine-id(5)).
+                return hashlib.sha256(f"rigpilot-host:{text}@{socket.gethostname()}".encode()).hexdigest()[:32]
     return socket.gethostname()
 
 
