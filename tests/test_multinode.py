@@ -395,6 +395,10 @@ def test_the_head_restarts_mid_job_and_one_cancel_stops_the_job_on_every_node(cl
         wait_for(lambda: max((r["step"] for r in c.all_metrics(job_id)[0]
                               if r.get("node") == "box2" and r.get("loss") is not None), default=0) > at + 2,
                  60, 0.2, "the member's newer steps on the restarted head")  # fmt: skip
+        # The member's GPUs, as its engine samples them, are part of the head's view of the job.
+        box2_gpus = wait_for(lambda: ((c.request("job", job=job_id)["job"]["nodes"].get("telemetry") or {})
+                                      .get("box2") or {}).get("gpus"), 30, 0.2, "the member's telemetry")  # fmt: skip
+        assert len(box2_gpus) == 2
         records, _ = c.all_metrics(job_id)
         seen = [(r["rank"], r["step"]) for r in records if r.get("node") == "box2" and r.get("loss") is not None]
         assert len(seen) == len(set(seen))  # each member record pulled once, across the restart

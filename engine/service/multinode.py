@@ -78,6 +78,7 @@ class _Member:
     exit_reason: str | None = None
     unreachable: str | None = None  # why the last attempt failed
     ranks: list[int] = field(default_factory=list)
+    telemetry: dict[str, Any] | None = None  # the node's latest GPU sample, shown with the job
 
 
 @dataclass
@@ -365,6 +366,10 @@ class MultiNode:
                 state = r["state"]
                 if not r["more"]:
                     break
+            if logs:
+                # The node's GPUs as its engine last sampled them: the head's view of the job shows every node's.
+                recent = m.client.request("telemetry_history", since=time.time() - 10, limit=1000)["samples"]
+                m.telemetry = recent[-1] if recent else m.telemetry
             if logs or state in TERMINAL_STATES:
                 said = m.client.request("logs", job=w.job_id, rank=-1, since_offset=cur["logs"].get("-1", 0))
                 _append_text(job_dir / "logs" / f"launcher-{m.name}.log", said["text"])
@@ -392,6 +397,14 @@ class MultiNode:
         except (OSError, TimeoutError, ConnectionError, ValueError) as e:
             m.unreachable = str(e) or type(e).__name__
             self._drop_client(m)
+
+    def annotate(self, view: dict[str, Any]) -> dict[str, Any]:
+        """A head job's view with each member's latest GPU sample (`nodes.telemetry`), while it is watched."""
+        with self._lock:
+            w = self._watches.get(view.get("id", ""))
+        if w is not None and isinstance(view.get("nodes"), dict):
+            view["nodes"] = {**view["nodes"], "telemetry": {m.name: m.telemetry for m in w.members if m.telemetry}}
+        return view
 
     def _record_ranks(self, w: _Watch) -> None:
         with self.sup._lock:

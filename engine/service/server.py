@@ -737,7 +737,7 @@ class EngineService:
         return {"jobs": self.supervisor.jobs(states, max(1, limit))}
 
     def _do_job(self, conn: Connection, job: str) -> Any:
-        return {"job": self.supervisor.detail(job)}
+        return {"job": self.multinode.annotate(self.supervisor.detail(job))}
 
     def _do_cancel(self, conn: Connection, job: str) -> Any:
         return {"job": self.multinode.cancel(job)}
