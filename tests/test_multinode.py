@@ -312,7 +312,7 @@ def test_a_node_that_goes_away_fails_the_job_on_every_node_and_it_resumes(cluste
     with head_client() as c:
         if not any(n["name"] == "box3" for n in c.request("nodes", probe=False)["nodes"]):
             c.request("node_add", name="box3", address=f"127.0.0.1:{box3.tcp_port}", token=box3.token)
-        spec = train_spec({"dp_replicate": 4}, max_steps=60, checkpoint_every=5, eval_every=0, keep_checkpoints=2)
+        spec = train_spec({"dp_replicate": 4}, max_steps=36, checkpoint_every=5, eval_every=0, keep_checkpoints=2)
         job = c.request("submit", spec=spec, nodes=["local", "box3"], shared_dir=str(shared))["job"]
         job_id = job["id"]
         wait_for(lambda: step_of(c, job_id) >= 12, 90, 0.1, "step 12")
