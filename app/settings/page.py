@@ -43,6 +43,7 @@ from rigpilot.app.settings.model import (
     save_engine_side,
     save_gui_side,
 )
+from rigpilot.app.settings.nodes import NodesBox
 from rigpilot.app.tasks import run_in_background
 from rigpilot.app.widgets.palette import BAD
 from rigpilot.engine.service.client import EngineUnavailable
@@ -218,6 +219,8 @@ class SettingsPage(QWidget):
         body_layout = QVBoxLayout(body)
         body_layout.addWidget(sim)
         body_layout.addWidget(remote)
+        self.nodes_box = NodesBox(link)  # saved on its own: each change goes to the engine at once
+        body_layout.addWidget(self.nodes_box)
         body_layout.addWidget(display)
         body_layout.addStretch(1)
         area = QScrollArea()

@@ -49,6 +49,8 @@ def request_plan(
 def submission(link: Any, state: WizardState) -> dict[str, Any]:
     """The arguments of the `submit` request for `state` (and of `check`, the same)."""
     args: dict[str, Any] = {"spec": state.to_spec(), "plan": state.plan if state.planned else None}
+    if state.nodes:  # the same GPUs on every node; this engine leads (engine.service.multinode)
+        args["nodes"] = ["local", *state.nodes]
     if getattr(link, "remote", None) is None:
         args["cwd"] = os.getcwd()  # relative paths typed by the user mean: from here
     return args

@@ -25,6 +25,7 @@ class WizardHost(Protocol):
     machine: dict[str, Any] | None
     busy: BusyGpus
     checker: PlanChecker | None  # re-checks plan overrides; None until the model is described
+    link: Any  # the EngineLink (the node choice asks it for the nodes)
 
     def data_report(self) -> DataReport | None:
         """What the Data page found in the chosen files (None before it has read them)."""

@@ -31,6 +31,7 @@ from rigpilot.app.widgets.form_row import form_row
 from rigpilot.app.widgets.path_field import path_field
 from rigpilot.app.wizard.data_check import DataReport, inspect_dataset, inspect_prompts, tokens_text
 from rigpilot.app.wizard.host import DATA, GPUS, MODEL, PLAN, REVIEW, WizardHost
+from rigpilot.app.wizard.node_choice import NodeChoice
 from rigpilot.app.wizard.page_base import StepPage
 from rigpilot.app.wizard.plan_check import describe_for_job, missing_weights
 from rigpilot.app.wizard.state import CALIBRATE, FINETUNE, INFER, KINDS, SCRATCH, SCRIPT
@@ -462,8 +463,11 @@ class GpuPage(StepPage):
         self.note = QLabel()
         self.note.setObjectName("gpuNote")
         self.note.setWordWrap(True)
+        self.nodes = NodeChoice()
+        self.nodes.sig_changed.connect(self._nodes_changed)
         self.body.addWidget(self.selector, 1)
         self.body.addWidget(self.queue)
+        self.body.addWidget(self.nodes)
         self.body.addWidget(self.note)
         self.body.addWidget(self.message)
         wizard.busy.sig_changed.connect(self._busy_changed)
@@ -475,6 +479,7 @@ class GpuPage(StepPage):
         self.selector.set_busy(self.wiz.busy.busy)
         self.selector.set_selected(self.state.gpus, emit=False)
         self.queue.setChecked(self.state.queue_if_busy)
+        self.nodes.load(getattr(self.wiz, "link", None), self.state.nodes)
         simulated = bool(machine and machine.get("source") == "simulated")
         self.note.setText(
             "Simulated machine: each chosen GPU runs as one CPU process (a few at most), so keep to two or so."
@@ -491,6 +496,10 @@ class GpuPage(StepPage):
         if not self.changing():
             self.state.gpus = list(gpus)
             self.validate()
+
+    def _nodes_changed(self, names: list[str]) -> None:
+        if not self.changing():
+            self.state.nodes = list(names)
 
     def _queue_changed(self, on: bool) -> None:
         if not self.changing():

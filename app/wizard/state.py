@@ -66,6 +66,7 @@ class WizardState:
     infer: InferSettings = field(default_factory=InferSettings)
     trust_remote_code: bool = False
     max_restarts: int | None = None  # automatic restarts after a rank fails; None: the engine's default
+    nodes: list[str] = field(default_factory=list)  # other engines the job spans besides this one (Settings → Nodes)
 
     # -- what the choices mean -------------------------------------------------------------------
     @property
@@ -247,7 +248,7 @@ class WizardState:
     def copy(self) -> WizardState:
         return dataclasses.replace(
             self, train=dataclasses.replace(self.train), infer=dataclasses.replace(self.infer),
-            dataset=list(self.dataset), prompts=list(self.prompts), gpus=list(self.gpus),
+            dataset=list(self.dataset), prompts=list(self.prompts), gpus=list(self.gpus), nodes=list(self.nodes),
         )  # fmt: skip
 
 
@@ -422,6 +423,8 @@ def run_command(state: WizardState) -> str:
     words = ["rigpilot", "run", spec.kind]
     if spec.gpus:
         words += ["--gpus", ",".join(map(str, spec.gpus))]
+    if state.nodes:
+        words += ["--nodes", ",".join(["local", *state.nodes])]
     words += ["--name", spec.name]
     if spec.kind == "script":
         return shlex.join([*words, "--", *(spec.script or [])])

@@ -89,6 +89,8 @@ def register(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     k.add_argument("command", nargs=argparse.REMAINDER, metavar="-- SCRIPT [ARGS]", help="the script and its arguments")
     k.set_defaults(func=cmd_run)
 
+    register_nodes(sub, js)
+
     p = sub.add_parser("jobs", parents=[js], help="the jobs, newest first")
     p.add_argument("--state", action="append", metavar="STATE", help="only jobs in this state; repeatable")
     p.add_argument("--limit", type=positive_int, default=50, metavar="N", help="at most N jobs (default 50)")
@@ -184,6 +186,10 @@ def _common_run_options() -> argparse.ArgumentParser:
         help="restart from the newest checkpoint after a rank fails, up to N times in a row (0: never; default: "
         "3 for training longer than its checkpoint interval, else 0)",
     )  # fmt: skip
+    p.add_argument("--nodes", type=_node_list, metavar="local,NODE",
+                   help="run across these engines ('local' is this one; others from 'rigpilot nodes add')")
+    p.add_argument("--shared-dir", metavar="DIR",
+                   help="with --nodes on other computers: a folder every node mounts at this path (checkpoints)")
     return p
 
 
@@ -214,6 +220,13 @@ def _whole_number(text: str) -> int:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+
+
+def _node_list(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected node names like local,box2 not {text!r}")
+    return names
 
 
 def _model_options() -> argparse.ArgumentParser:
@@ -363,12 +376,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     spec = build_spec(args)
     plan = _read_plan(getattr(args, "plan", None))
     slurm = _slurm_request(args)
+    across: dict[str, Any] = {}
+    if getattr(args, "nodes", None):
+        across["nodes"] = args.nodes
+        if args.shared_dir:
+            across["shared_dir"] = os.path.abspath(args.shared_dir)
+    elif getattr(args, "shared_dir", None):
+        raise UserError("--shared-dir goes with --nodes: it is where a multi-node job keeps its checkpoints")
+    if slurm and across:
+        raise UserError("--slurm and --nodes do not go together: SLURM chooses the nodes of a SLURM job itself")
     with EngineClient() as client:
         if getattr(args, "check", False):
-            for line in client.request("check", spec=spec, plan=plan, cwd=os.getcwd())["lines"]:
+            for line in client.request("check", spec=spec, plan=plan, cwd=os.getcwd(), **across)["lines"]:
                 print(line)
             return 0
-        job = client.request("submit", spec=spec, plan=plan, cwd=os.getcwd(), **({"slurm": slurm} if slurm else {}))["job"]
+        extra = {"slurm": slurm} if slurm else across
+        job = client.request("submit", spec=spec, plan=plan, cwd=os.getcwd(), **extra)["job"]
         if args.json:
             print(json.dumps({"schema": "rigpilot.job/1", "job": job}, indent=2))
             return 0
@@ -379,6 +402,9 @@ def cmd_run(args: argparse.Namespace) -> int:
                   f"'{printable(job['name'])}' ({ranks}); script {job['slurm']['script']}")  # fmt: skip
         else:
             print(f"job {job['id']} submitted: {job['kind']} '{printable(job['name'])}' on GPUs {_gpus(job['gpus'])} ({ranks})")
+        if job.get("nodes"):
+            n = job["nodes"]
+            print(f"  across {n['count']} nodes ({', '.join(n['names'])}), {ranks} on each; rendezvous {n['endpoint']}")
         for note in (job.get("predicted") or {}).get("plan_notes") or []:
             print(f"  note: {note}")
         if args.detach:
@@ -739,3 +765,81 @@ def _duration(seconds: float) -> str:
     if s < 3600:
         return f"{s // 60}m{s % 60:02d}s"
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+# -- nodes -------------------------------------------------------------------------
+
+
+def register_nodes(sub: Any, js: argparse.ArgumentParser) -> None:
+    from rigpilot.engine.service.nodes import REMOTE_HINT
+
+    p = sub.add_parser(
+        "nodes", parents=[js], help="other machines' engines a job may span (rigpilot run … --nodes local,NAME)",
+        description="rigpilot nodes add NAME HOST:PORT [--token-file FILE]: register another machine's engine "
+        f"(without --token-file the token is read from standard input); {REMOTE_HINT}. "
+        "rigpilot nodes list: each node, whether it answers, and its GPUs. rigpilot nodes remove NAME.",
+    )  # fmt: skip
+    p.add_argument("action", nargs="?", choices=["list", "add", "remove"], default="list")
+    p.add_argument("name", nargs="?", metavar="NAME")
+    p.add_argument("address", nargs="?", metavar="HOST:PORT")
+    p.add_argument("--token-file", type=Path, metavar="FILE", help="a file holding that engine's token")
+    p.set_defaults(func=cmd_nodes)
+
+
+def cmd_nodes(args: argparse.Namespace) -> int:
+    from rigpilot.engine.service import nodes
+
+    if args.action == "add":
+        if not args.name or not args.address:
+            raise UserError("add what? rigpilot nodes add NAME HOST:PORT [--token-file FILE]")
+        token = _read_token(args.token_file)
+        nodes.check_node(args.name, args.address, token)  # one line before anything is sent
+        with _client() as c:
+            node = c.request("node_add", name=args.name, address=args.address, token=token)["node"]
+        if args.json:
+            print(json.dumps({"schema": "rigpilot.node/1", "node": node}, indent=2))
+            return 0
+        print(f"node {node['name']} added ({node['address']}): {_node_line(node)}")
+        if not node["reachable"]:
+            print(f"  {nodes.REMOTE_HINT}")
+        return 0
+    if args.action == "remove":
+        if not args.name:
+            raise UserError("remove which node? rigpilot nodes remove NAME")
+        with _client() as c:
+            c.request("node_remove", name=args.name)
+        print(f"node {args.name} removed")
+        return 0
+    with _client() as c:
+        reply = c.request("nodes")
+    if args.json:
+        print(json.dumps({"schema": "rigpilot.nodes/1", **reply}, indent=2))
+        return 0
+    if not reply["nodes"]:
+        print(f"no nodes yet: rigpilot nodes add NAME HOST:PORT; {nodes.REMOTE_HINT}")
+        return 0
+    for n in reply["nodes"]:
+        print(f"{n['name']:<16} {n['address']:<24} {_node_line(n)}")
+    return 0
+
+
+def _node_line(n: dict[str, Any]) -> str:
+    if not n.get("reachable"):
+        return f"not reachable: {printable(n.get('error') or '?')}"
+    kind = "simulated" if n.get("simulated") else "real GPUs"
+    return f"reachable, {printable(n.get('label') or '?')} ({n.get('gpus')} GPUs, {kind}), Rigpilot {n.get('version')}"
+
+
+def _read_token(path: Path | None) -> str:
+    try:
+        if path is not None:
+            text = path.read_text()
+        elif sys.stdin.isatty():
+            import getpass
+
+            text = getpass.getpass("the node engine's token (not shown): ")
+        else:
+            text = sys.stdin.read(4096)
+    except OSError as e:
+        raise UserError(f"cannot read the token file {path}: {e.strerror}") from None
+    return text.strip()

@@ -51,6 +51,12 @@ has `settings`, the job's spec without its environment, and `output`, what its o
     shutdown {}                             → {stopping}   (jobs keep running)
     reload_machine {simulated_profile?}     → {changed, machine, notes, details}: serve the machine Settings name now
           (storing simulated_profile there first); refused (user_error) while jobs are queued or running
+    submit | check {…, nodes: ["local", NODE…], shared_dir?} → a job over several engines (engine.service.multinode);
+          the job's `nodes` says which node runs which ranks
+    submit_member | check_member {job, spec, nodes} → {job} | {ok, ranks}: this engine's part of such a job (head only)
+    resume_member {job, run, endpoint, env?} → {job}
+    nodes {probe?} → {nodes: [{name, address, reachable, error?, label, gpus, simulated, version}], path}
+    node_add {name, address, token} → {node};  node_remove {name} → {removed}
 Events after `subscribe`:
     {"event": "telemetry", "sample": TelemetrySample}
     {"event": "job", "job": job}             (to "jobs" and to that job's "metrics:" subscribers)
@@ -222,6 +228,7 @@ Bytes = Annotated[int, Limit(1, MAX_BYTES)]
 Offset = Annotated[int, Limit(0, MAX_OFFSET)]
 Cursor = Annotated[dict[str, Offset], Limit(max_len=4096)]  # {"<rank>": byte offset}
 Topics = Annotated[list[Text], Limit(max_len=1024)]
+NodeNames = Annotated[list[Annotated[str, Limit(max_len=64)]], Limit(max_len=64)] | None
 
 # type -> (required args, optional args). Types use the same notation as dataclass fields.
 REQUEST_SCHEMAS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
@@ -244,9 +251,24 @@ REQUEST_SCHEMAS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         },
     ),
     # slurm: {partition?, account?, time?, login?} submits the job to SLURM with sbatch (engine.service.slurm).
-    "submit": ({"spec": dict[str, Any]}, {"plan": dict[str, Any] | None, "cwd": Path_ | None, "slurm": dict[str, Any] | None}),
+    # nodes: engines the job spans ("local" and names from the node registry); shared_dir: their common folder.
+    "submit": ({"spec": dict[str, Any]}, {"plan": dict[str, Any] | None, "cwd": Path_ | None,
+                                          "slurm": dict[str, Any] | None, "nodes": NodeNames,
+                                          "shared_dir": Path_ | None}),
     # The whole submission path without creating anything: what would run, or the one-line refusal.
-    "check": ({"spec": dict[str, Any]}, {"plan": dict[str, Any] | None, "cwd": Path_ | None}),
+    "check": ({"spec": dict[str, Any]}, {"plan": dict[str, Any] | None, "cwd": Path_ | None, "nodes": NodeNames,
+                                         "shared_dir": Path_ | None}),
+    # One engine's part of a multi-node job, sent by the head engine (engine.service.multinode).
+    "submit_member": ({"job": Text, "spec": dict[str, Any], "nodes": dict[str, Any]}, {}),
+    "check_member": ({"job": Text, "spec": dict[str, Any], "nodes": dict[str, Any]}, {}),
+    "resume_member": (
+        {"job": Text, "run": Annotated[int, Limit(1, 1 << 30)], "endpoint": Text},
+        {"env": Annotated[dict[str, str], Limit(max_len=1024)] | None},
+    ),
+    # The node registry (engine.service.nodes.check_node validates an entry).
+    "nodes": ({}, {"probe": bool}),
+    "node_add": ({"name": Text, "address": Text, "token": Text}, {}),
+    "node_remove": ({"name": Text}, {}),
     "jobs": ({}, {"states": Annotated[list[Text], Limit(max_len=64)], "limit": Annotated[int, Limit(1, 100_000)]}),
     "job": ({"job": Text}, {}),
     "cancel": ({"job": Text}, {}),

@@ -51,8 +51,9 @@ from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.discovery import open_backend
 from rigpilot.engine.hardware.sampler import Sampler
 from rigpilot.engine.hardware.simulated import SimulatedBackend
-from rigpilot.engine.service import calibration_store, paths, protocol
+from rigpilot.engine.service import calibration_store, nodes, paths, protocol
 from rigpilot.engine.service.metrics import read_records
+from rigpilot.engine.service.multinode import MultiNode
 from rigpilot.engine.service.planworker import ClientGone, PlannerBug, PlannerPool, PlanTimeout
 from rigpilot.engine.service.protocol import ProtocolError, Request
 from rigpilot.engine.service.results import RESULTS_FILE, read_results
@@ -299,6 +300,7 @@ class EngineService:
             ),
             on_job=self._publish_job, on_metrics=self._publish_metrics,
         )  # fmt: skip
+        self.multinode = MultiNode(self.supervisor)
         self.sampler = self._new_sampler(self.discovery.backend)
         self._listen_unix()
         if self.options.tcp:
@@ -306,6 +308,7 @@ class EngineService:
             self.token = paths.read_or_create_token()
         self.planners = PlannerPool(self.machine, size=self.options.planners)
         self.supervisor.start()
+        self.multinode.start()
         self.sampler.start()
         threading.Thread(target=self._reap_loop, name="engine-reaper", daemon=True).start()
 
@@ -398,6 +401,8 @@ class EngineService:
             self.planners.close()
         with contextlib.suppress(AttributeError):
             self.sampler.stop()
+        with contextlib.suppress(AttributeError):
+            self.multinode.stop()
         with contextlib.suppress(AttributeError):
             self.supervisor.stop()
         with contextlib.suppress(AttributeError):
@@ -645,6 +650,7 @@ class EngineService:
             "notes": self.discovery.notes,
             "telemetry_period": self.sampler.period,
             "tcp": list(self.tcp_address) if self.tcp_address else None,
+            "host_id": nodes.host_id(),  # engines with the same id share this computer's files (multi-node jobs)
         }
 
     def _do_machine(self, conn: Connection) -> Any:
@@ -687,14 +693,46 @@ class EngineService:
 
     def _do_submit(
         self, conn: Connection, spec: dict[str, Any], plan: dict[str, Any] | None = None, cwd: str | None = None,
-        slurm: dict[str, Any] | None = None,
+        slurm: dict[str, Any] | None = None, nodes: list[str] | None = None, shared_dir: str | None = None,
     ) -> Any:  # fmt: skip
+        if nodes:
+            if slurm is not None:
+                raise UserError("a job goes to SLURM or across nodes, not both: SLURM chooses a SLURM job's nodes itself")
+            return {"job": self.multinode.submit(spec, plan, cwd, nodes, shared_dir)}
         return {"job": self.supervisor.submit(spec, plan, cwd, slurm)}
 
     def _do_check(
-        self, conn: Connection, spec: dict[str, Any], plan: dict[str, Any] | None = None, cwd: str | None = None
-    ) -> Any:
+        self, conn: Connection, spec: dict[str, Any], plan: dict[str, Any] | None = None, cwd: str | None = None,
+        nodes: list[str] | None = None, shared_dir: str | None = None,
+    ) -> Any:  # fmt: skip
+        if nodes:
+            return self.multinode.submit(spec, plan, cwd, nodes, shared_dir, check=True)
         return self.supervisor.check(spec, plan, cwd)
+
+    # One engine's part of a job another engine (the head) leads; reached with the token or this user's socket.
+    def _do_submit_member(self, conn: Connection, job: str, spec: dict[str, Any], nodes: dict[str, Any]) -> Any:
+        return self.multinode.submit_member(job, spec, nodes)
+
+    def _do_check_member(self, conn: Connection, job: str, spec: dict[str, Any], nodes: dict[str, Any]) -> Any:
+        return self.multinode.check_member(job, spec, nodes)
+
+    def _do_resume_member(
+        self, conn: Connection, job: str, run: int, endpoint: str, env: dict[str, str] | None = None
+    ) -> Any:
+        return {"job": self.multinode.resume_member(job, run, endpoint, env)}
+
+    def _do_nodes(self, conn: Connection, probe: bool = True) -> Any:
+        found = nodes.load()
+        listed = [nodes.probe(n) if probe else n.public() for n in found.values()]
+        return {"nodes": listed, "path": str(nodes.registry_path()), "host_id": nodes.host_id()}
+
+    def _do_node_add(self, conn: Connection, name: str, address: str, token: str) -> Any:
+        node = nodes.add(name, address, token)
+        return {"node": nodes.probe(node)}
+
+    def _do_node_remove(self, conn: Connection, name: str) -> Any:
+        nodes.remove(name)
+        return {"removed": name}
 
     def _do_jobs(self, conn: Connection, states: list[str] | None = None, limit: int = 200) -> Any:
         unknown = sorted(set(states or []) - ALL_STATES)
@@ -703,16 +741,16 @@ class EngineService:
         return {"jobs": self.supervisor.jobs(states, max(1, limit))}
 
     def _do_job(self, conn: Connection, job: str) -> Any:
-        return {"job": self.supervisor.detail(job)}
+        return {"job": self.multinode.annotate(self.supervisor.detail(job))}
 
     def _do_cancel(self, conn: Connection, job: str) -> Any:
-        return {"job": self.supervisor.cancel(job)}
+        return {"job": self.multinode.cancel(job)}
 
     def _do_resume(self, conn: Connection, job: str, env: dict[str, str] | None = None) -> Any:
-        return {"job": self.supervisor.resume(job, env)}
+        return {"job": self.multinode.resume(job, env)}
 
     def _do_delete(self, conn: Connection, job: str) -> Any:
-        return self.supervisor.delete(job)
+        return self.multinode.delete(job)
 
     def _do_simulate_fault(self, conn: Connection, gpu: int, fault: str | None = None) -> Any:
         backend = self.discovery.backend
@@ -749,8 +787,9 @@ class EngineService:
         name = "launcher.log" if rank < 0 else f"rank{rank}.log"  # rank -1: torchrun's own output
         path = logs_dir / name
         ranks = sorted(int(p.stem[4:]) for p in logs_dir.glob("rank*.log") if p.stem[4:].isdigit())
-        if rank >= 0 and rank >= rec.ranks and rank not in ranks:
-            raise UserError(f"job {rec.id} has ranks 0–{rec.ranks - 1}; there is no rank {rank}")
+        world = rec.ranks * int((rec.nodes or {}).get("count", 1))  # a multi-node job's head shows every node's ranks
+        if rank >= 0 and rank >= world and rank not in ranks:
+            raise UserError(f"job {rec.id} has ranks 0–{world - 1}; there is no rank {rank}")
         try:
             size = path.stat().st_size
         except FileNotFoundError:

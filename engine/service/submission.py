@@ -54,8 +54,13 @@ def prepare(
     job_id: str,
     machine: Machine,
     max_cpu_ranks: int,
+    nodes: int = 1,
 ) -> Submission:
-    """A checked, complete JobSpec for `spec_data` (JobSpec fields; `id` is the service's to give)."""
+    """A checked, complete JobSpec for `spec_data` (JobSpec fields; `id` is the service's to give).
+
+    `nodes` > 1: the job spans that many identical nodes (engine.service.multinode); `ranks` is then
+    what runs on this one, and the parallel degrees stay global (they multiply to nodes × ranks).
+    """
     check_dataclass(JobSpec, spec_data, "spec", ignore=frozenset({"id", "spec_version", "simulated"}))
     data = {k: v for k, v in spec_data.items() if k not in ("id", "spec_version", "simulated")}
     if data.get("kind") not in KINDS:
@@ -73,15 +78,16 @@ def prepare(
     if applies_plan:
         check_plan_runs(spec, plan)
         from_plan, notes = apply_plan_layout(spec, plan)
-    spec.gpus = _check_gpus(spec.gpus or _default_gpus(spec, machine), machine)
+    spec.gpus = _check_gpus(spec.gpus or _default_gpus(spec, machine, nodes), machine)
     ranks = len(spec.gpus)
     dp_shrink = 1.0  # how many times fewer data-parallel replicas run than the layout has
     if machine.simulated:
         # Simulated GPUs become CPU ranks; more ranks than cores only makes every rank slower.
         ranks = max(1, min(ranks, max_cpu_ranks))
-        if spec.kind != "script" and spec.parallelism.world_size == len(spec.gpus) > ranks:
+        if spec.kind != "script" and spec.parallelism.world_size == nodes * len(spec.gpus) > nodes * ranks:
             dp_before = spec.parallelism.dp_replicate * spec.parallelism.dp_shard
-            ranks = _fit_to_cpu_ranks(spec, ranks, notes)  # the degrees fit the GPUs, not the CPU ranks
+            # the degrees fit the GPUs, not the CPU ranks
+            ranks = _per_node(_fit_to_cpu_ranks(spec, ranks * nodes, notes), nodes)
             dp_shrink = dp_before / (spec.parallelism.dp_replicate * spec.parallelism.dp_shard)
 
     model_type = None
@@ -98,13 +104,13 @@ def prepare(
         _pipeline_defaults(spec, "pp_microbatches" in (data.get("parallelism") or {}) or "pp_microbatches" in from_plan, notes)
         seq_given = "seq_len" in (data.get("train") or {}) or "seq_len" in from_plan
         model_type = _check_train(spec, base, seq_given, notes)
-        _check_degrees(spec, ranks)
+        _check_degrees(spec, ranks * nodes)
     elif spec.kind == "infer":
         spec.infer = spec.infer or InferSettings()
         model_type = _check_infer(spec, base)
-        _check_degrees(spec, ranks)
+        _check_degrees(spec, ranks * nodes)
     elif spec.kind == "calibrate":
-        _check_degrees(spec, ranks)
+        _check_degrees(spec, ranks * nodes)
         if spec.model:
             spec.model, model_type = _check_model(spec.model, base)
     if spec.kind in ("train", "infer"):
@@ -315,8 +321,14 @@ def _fit_to_cpu_ranks(spec: JobSpec, cap: int, notes: list[str]) -> int:
     return dp * model_ranks
 
 
-def _default_gpus(spec: JobSpec, machine: Machine) -> list[int]:
-    want = spec.parallelism.world_size
+def _per_node(total: int, nodes: int) -> int:
+    if total % nodes:
+        raise UserError(f"{total} CPU ranks do not split evenly over {nodes} nodes; give the degrees yourself")
+    return total // nodes
+
+
+def _default_gpus(spec: JobSpec, machine: Machine, nodes: int = 1) -> list[int]:
+    want = spec.parallelism.world_size // nodes if spec.parallelism.world_size % nodes == 0 else 1
     all_gpus = [g.index for g in machine.gpus]
     return all_gpus[:want] if want > 1 else all_gpus
 

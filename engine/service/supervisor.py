@@ -101,7 +101,14 @@ class _Run:
 
     @property
     def token(self) -> str:
-        return f"{self.rec.id}:{self.rec.run}"
+        return run_token(self.rec)
+
+
+def run_token(rec: JobRecord) -> str:
+    """The marker every process of one run of a job carries; a multi-node job's nodes may share a computer,
+    so each node's part has its own (else one node's sweep would kill another's ranks)."""
+    node = (rec.nodes or {}).get("node")
+    return f"{rec.id}:{rec.run}" + (f":{node}" if node else "")
 
 
 class Supervisor:
@@ -132,6 +139,8 @@ class Supervisor:
         self._thread: threading.Thread | None = None
         # Secret env values by job id, never written to disk (engine.jobs.secrets); gone when the engine stops.
         self._secrets: dict[str, dict[str, str]] = {}
+        # engine.service.multinode: may rewrite how a job spanning several engines ended (naming the node).
+        self.finish_hook: Callable[[JobRecord, dict[str, Any]], dict[str, Any]] = lambda rec, outcome: outcome
 
     @property
     def max_cpu_ranks(self) -> int:
@@ -193,26 +202,38 @@ class Supervisor:
 
     # -- requests -------------------------------------------------------------
 
-    def check(self, spec_data: dict[str, Any], plan: dict[str, Any] | None, cwd: str | None) -> dict[str, Any]:
+    def check(
+        self, spec_data: dict[str, Any], plan: dict[str, Any] | None, cwd: str | None, nodes: int = 1
+    ) -> dict[str, Any]:
         """What `submit` would run, through the same code, creating nothing; a refusal raises as submit's would."""
         worker_python()
         sub = submission.prepare(
-            spec_data, plan, cwd, job_id="check", machine=self.machine, max_cpu_ranks=self.max_cpu_ranks
+            spec_data, plan, cwd, job_id="check", machine=self.machine, max_cpu_ranks=self.max_cpu_ranks,
+            nodes=nodes,
         )
         return {"ok": True, "lines": submission.describe(sub), "would_run": submission.would_run(sub)}
 
     def submit(
         self, spec_data: dict[str, Any], plan: dict[str, Any] | None, cwd: str | None,
-        slurm_options: dict[str, Any] | None = None,
+        slurm_options: dict[str, Any] | None = None, *, job_id: str | None = None, nodes: dict[str, Any] | None = None,
     ) -> dict[str, Any]:  # fmt: skip
+        """Queue a job. `job_id` and `nodes`: one engine's part of a multi-node job (engine.service.multinode)."""
         worker_python()  # no PyTorch environment yet: say so now, not after the job has queued
         slurm_options = slurm.check_options(slurm_options) if slurm_options is not None else None
-        job_id = self._new_id()
+        if job_id is not None and self.store.get(job_id) is not None:
+            raise UserError(f"this engine already has a job {job_id}")
+        job_id = job_id or self._new_id()
         machine = self.machine
         sub = submission.prepare(
-            spec_data, plan, cwd, job_id=job_id, machine=machine, max_cpu_ranks=self.max_cpu_ranks
+            spec_data, plan, cwd, job_id=job_id, machine=machine, max_cpu_ranks=self.max_cpu_ranks,
+            nodes=int((nodes or {}).get("count", 1)),
         )
         spec = sub.spec
+        if nodes and spec.max_restarts:
+            raise UserError(
+                "automatic restarts do not cover multi-node jobs yet: leave out --max-restarts and resume by hand "
+                "('rigpilot resume JOB' reaches every node)"
+            )
         if not spec.name:
             spec.name = _default_name(spec)
         spec.env, hidden = job_secrets.split(spec.env)
@@ -222,10 +243,18 @@ class Supervisor:
             id=job_id, seq=self.store.next_seq(), kind=spec.kind, name=spec.name, state=QUEUED, gpus=spec.gpus,
             ranks=sub.ranks, simulated=spec.simulated, created=time.time(), cwd=sub.cwd, predicted=sub.predicted,
             slurm=slurm_options,
-            max_restarts=recovery.max_restarts_of(spec),
+            # A multi-node job is restarted by nobody yet: one node's engine alone would relaunch its own
+            # part into a rendezvous the others have left.
+            max_restarts=0 if nodes else recovery.max_restarts_of(spec),
+            nodes=nodes,
         )
         try:
             job_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            for shared in ("checkpoints", "output"):
+                if nodes and nodes.get(shared):
+                    # A multi-node job's ranks read every rank's checkpoint shard on resume, and rank 0, on
+                    # whichever node, writes the output: folders every node sees.
+                    os.symlink(nodes[shared], job_dir / shared)
             for sub_dir in ("logs", "metrics", "checkpoints", "output", "ranks"):
                 (job_dir / sub_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
             _write_spec(spec, job_dir)
@@ -481,12 +510,17 @@ class Supervisor:
             target = [python, "-u", *spec.script]
         else:
             target = [python, "-u", "-m", "rigpilot.engine.workers", str(job_dir)]
+        nodes = rec.nodes or {}
+        # Several engines: every node's torchrun meets at the head's endpoint, and only the head hosts the store.
+        across = ["--rdzv-conf", f"is_host={int(nodes.get('role') == 'head')}",
+                  "--local-addr", str(nodes["local_addr"])] if nodes.get("endpoint") else []  # fmt: skip
         return [
             python, "-m", "torch.distributed.run",
-            "--nnodes", "1",
+            "--nnodes", str(nodes.get("count", 1)),
             "--nproc-per-node", str(rec.ranks),
             "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"127.0.0.1:{port}",
+            "--rdzv-endpoint", str(nodes.get("endpoint") or f"127.0.0.1:{port}"),
+            *across,
             "--rdzv-id", f"{rec.id}-{rec.run}",
             "--max-restarts", "0",
             "--monitor-interval", str(self.options.monitor_interval_s),
@@ -508,7 +542,7 @@ class Supervisor:
             RIGPILOT_RUN=str(rec.run),
             RIGPILOT_GPUS=",".join(str(g) for g in rec.gpus),
         )
-        env[RUN_TOKEN_ENV] = f"{rec.id}:{rec.run}"
+        env[RUN_TOKEN_ENV] = run_token(rec)
         if rec.simulated:
             env["CUDA_VISIBLE_DEVICES"] = ""  # simulated GPUs: ranks must not grab a real one
             env["RIGPILOT_SIMULATED"] = "1"
@@ -645,6 +679,18 @@ class Supervisor:
 
     # -- stopping -------------------------------------------------------------
 
+    def stop_run(self, job_id: str) -> bool:
+        """Stop a running job because another node of it failed (the finish hook gives the reason)."""
+        with self._lock:
+            run = self._runs.get(job_id)
+            if run is None or run.stop_reason is not None:
+                return False
+            run.stop_reason = "node_failed"
+            run.kill_at = time.monotonic() + self.options.failure_grace_s
+            self._signal_launcher(run, signal.SIGTERM)
+        self._wake.set()
+        return True
+
     def _signal_launcher(self, run: _Run, sig: signal.Signals) -> None:
         rec = run.rec
         if run.popen is not None and run.popen.poll() is None:
@@ -674,9 +720,9 @@ class Supervisor:
         self._read_metrics(run)
         self._read_ranks(run)
         left = self._sweep(run)
-        outcome = _outcome(run, rc)
+        outcome = self.finish_hook(rec, _outcome(run, rc))
         if left:
-            outcome["exit_reason"] += f"; {len(left)} leftover process(es) had to be killed"
+            outcome["exit_reason"] = f"{outcome['exit_reason'] or 'ended'}; {len(left)} leftover process(es) had to be killed"
         self._clear_load(rec)
         measured = run.summary.to_dict(time.time())
         outcome = recovery.after_failure(
@@ -731,7 +777,7 @@ class Supervisor:
                 continue
             self._read_ranks(run)
             self._sweep(run)
-            outcome = _outcome(run, None, service_was_down=True)
+            outcome = self.finish_hook(rec, _outcome(run, None, service_was_down=True))
             self._clear_load(rec)
             self.store.update(rec, ended=time.time(), measured=run.summary.to_dict(), **outcome)
         self._queue_dirty = True
