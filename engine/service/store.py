@@ -59,6 +59,8 @@ class JobRecord:
     # left_out_gpus, notes}, oldest first; and how many restarts in a row the job may make.
     restarts: list[dict[str, Any]] = field(default_factory=list)
     max_restarts: int = 0
+    # GPU energy (engine.service.energy): per run and in all, per GPU, with the seconds no power reading covered.
+    energy: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -71,7 +73,7 @@ _DEFAULTS = {
     for f in dataclasses.fields(JobRecord)
     if f.default_factory is not dataclasses.MISSING or (f.default is not dataclasses.MISSING and f.default is not None)
 }
-_JSON_FIELDS = {"gpus", "last_log", "predicted", "measured", "error", "slurm", "restarts"}
+_JSON_FIELDS = {"gpus", "last_log", "predicted", "measured", "error", "slurm", "restarts", "energy"}
 _BOOL_FIELDS = {"simulated", "cancel_requested", "resumable"}
 
 
