@@ -48,7 +48,7 @@ class EnergyMeter:
 
     def add(self, sample: dict[str, Any]) -> None:
         t = sample.get("time")
-        if not isinstance(t, int | float) or t < self.start or t <= self.last_time and self.samples:
+        if not isinstance(t, int | float) or t < self.start or (t <= self.last_time and self.samples):
             return
         if self.end is not None and t > self.end:
             return
