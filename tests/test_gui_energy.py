@@ -1,0 +1,56 @@
+"""The job Summary's "Energy and cost" section shows the engine's figures, and says how to set a price."""
+
+from __future__ import annotations
+
+import pytest
+from gui_fakes import FakeLink
+from test_gui_job_results import a_training_job
+from test_gui_jobs import FakeJobs, open_job, open_page
+
+from rigpilot.app.jobs.detail import SUMMARY_TAB
+from rigpilot.app.jobs.energy_view import NO_PRICE, energy_rows
+from rigpilot.engine.service.energy import EnergyMeter, combine, cost
+
+
+def measured_energy() -> dict:
+    """Two runs on GPUs 0 and 1 at a constant 250 W each: 2 × 250 W × (600 + 120) s = 360,000 J = 0.1 kWh."""
+    runs = []
+    for run, (start, end) in enumerate([(0.0, 600.0), (1000.0, 1120.0)], start=1):
+        m = EnergyMeter([0, 1], start, max_gap=5.0)
+        t = start
+        while t <= end:
+            m.add({"time": t, "simulated": True, "gpus": [{"index": 0, "power_w": 250.0}, {"index": 1, "power_w": 250.0}]})
+            t += 1.0
+        runs.append(m.result(end, run))
+    return combine(runs, simulated=True)
+
+
+@pytest.mark.parametrize("price", [{"per_kwh": 0.30, "currency": "EUR"}, None])
+def test_a_finished_jobs_summary_shows_its_energy_and_cost(qtbot, price):
+    energy = measured_energy()
+    job = a_training_job("t")
+    job["progress"]["tokens"] = 50_000.0
+    job.update(energy=energy, energy_cost=cost(energy, job["progress"], price))
+    link = FakeLink()
+    FakeJobs(link, [job])
+    page = open_page(qtbot, link)
+    open_job(qtbot, page, "t")
+    assert page.detail.tabs.isTabVisible(SUMMARY_TAB)
+    section = page.detail.summary_panel.energy
+    assert section.isVisibleTo(page.detail.summary_panel)
+    rows = section.rows()
+    assert rows["Energy"].startswith("100.00 Wh (simulated")
+    assert rows["Average power"] == "500 W over 2 GPUs"
+    assert rows["Per GPU"] == "GPU 0 50.00 Wh, GPU 1 50.00 Wh" and rows["Runs"] == "83.33 Wh + 16.67 Wh (2 runs)"
+    assert rows["Tokens per kWh"] == "500,000"
+    if price:
+        assert rows["Cost"] == "0.03 EUR at 0.3 EUR/kWh" and rows["Cost per step"] == "0.003000 EUR"
+        assert rows["Tokens per EUR"] == "1,666,667"
+    else:
+        assert rows["Cost"] == NO_PRICE and "Cost per step" not in rows
+    assert "never gives a GPU to two jobs" in section.toolTip()
+
+
+def test_no_energy_figure_hides_the_section_and_a_slurm_job_says_why():
+    assert energy_rows({"energy": None}) == []
+    assert energy_rows({"energy": {"unavailable": "not measured: SLURM"}}) == [("Energy", "not measured: SLURM")]
