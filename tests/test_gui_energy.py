@@ -54,3 +54,31 @@ def test_a_finished_jobs_summary_shows_its_energy_and_cost(qtbot, price):
 def test_no_energy_figure_hides_the_section_and_a_slurm_job_says_why():
     assert energy_rows({"energy": None}) == []
     assert energy_rows({"energy": {"unavailable": "not measured: SLURM"}}) == [("Energy", "not measured: SLURM")]
+
+
+def test_settings_prices_are_checked_by_the_settings_schema_and_saved_apart(qtbot):
+    from test_gui_settings import open_page as open_settings
+
+    from rigpilot.engine.settings import Settings
+
+    Settings(simulated_profile="8x-a100-pcie", electricity_price=0.25, electricity_currency="CHF").save()
+    page = open_settings(qtbot)
+    box = page.prices
+    qtbot.waitUntil(box.save_button.isEnabled)
+    assert (box.price.text(), box.currency.text(), box.table.rowCount()) == ("0.25", "CHF", 0)
+    box.price.setText("-3")
+    box.add_row({"name": "cloud", "gpu": "h100-sxm", "gpus": 8, "price_per_gpu_hour": 2.5, "currency": "USD"})
+    assert not box.save()
+    assert "positive" in box.electricity_error.text() and box.electricity_error.isVisibleTo(box)
+    assert box.rented_error.text().startswith("Row 1: cloud: no GPU spec with key 'h100-sxm'; did you mean")
+    assert Settings.load().electricity_price == 0.25  # nothing written
+    box.price.setText("0.31")
+    box.currency.setText("eur")
+    box.table.item(0, 1).setText("h100-sxm5")
+    with qtbot.waitSignal(box.sig_saved, timeout=10000):
+        assert box.save()
+    saved = Settings.load()
+    assert saved.price() == {"per_kwh": 0.31, "currency": "EUR"} and saved.simulated_profile == "8x-a100-pcie"
+    assert saved.rented_machines == [
+        {"name": "cloud", "gpu": "h100-sxm5", "gpus": 8, "price_per_gpu_hour": 2.5, "currency": "USD"}
+    ]
