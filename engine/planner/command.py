@@ -65,6 +65,10 @@ def register(subparsers: Any, parents: list[argparse.ArgumentParser] | None = No
     g.add_argument("--quant", choices=tuple(_QUANT_BITS), default="none", help="inference: load weights in 8 bits or 4-bit NF4")
     g.add_argument("--new-tokens", type=int, metavar="N", help=f"inference: tokens generated per sequence (default {DEFAULT_NEW_TOKENS})")
     g.add_argument("--tokens", type=float, metavar="N", help="training: token budget, for a time to finish (e.g. 1e9)")
+    g.add_argument(
+        "--compare-rented", action="store_true",
+        help="with --tokens: time and cost to process them here and on the rented machines in your settings",
+    )  # fmt: skip
     g.add_argument("--force-tp", action="store_true", help="consider tensor parallelism over slow links too")
     g.add_argument("--offload", choices=OFFLOAD_CHOICES, default="auto",
                    help="training: CPU offload only where nothing else fits (auto), always (on) or never (off)")  # fmt: skip
@@ -219,6 +223,7 @@ def run_plan(args: argparse.Namespace) -> int:
         verify=not getattr(args, "no_verify", False), node_machines=node_machines,
     )  # fmt: skip
     calibrated_status = calibrated[1]
+    comparison = _compare_rented(args, spec, machine, workload, result) if getattr(args, "compare_rented", False) else None
     artifact, exported, instead = None, None, None
     if args.export and result.best is not None:
         plans = [result.best, *result.runners_up]
@@ -227,6 +232,8 @@ def run_plan(args: argparse.Namespace) -> int:
         payload = {"schema": "rigpilot.plan-search/1", **result.to_dict(), "calibration": calibrated_status.to_dict()}
         if args.export:
             payload["export"] = {"target": args.export, "text": artifact, "plan": exported, "note": instead}
+        if comparison is not None:
+            payload["rented_comparison"] = comparison
         print(json.dumps(payload, indent=2))
     elif artifact is not None:
         print("\n".join(render_text(result)), file=sys.stderr)
@@ -235,7 +242,34 @@ def run_plan(args: argparse.Namespace) -> int:
         sys.stdout.write(artifact if artifact.endswith("\n") else artifact + "\n")
     else:
         print("\n".join(render_text(result)))
+        if comparison is not None:
+            from rigpilot.engine.planner.rented import render
+
+            print("\n" + "\n".join(render(comparison)))
     return 0 if result.best is not None else 1
+
+
+def _compare_rented(args: argparse.Namespace, spec: Any, machine: Any, workload: Workload, result: SearchResult) -> Any:
+    """`--compare-rented`: this plan against each rented machine in the settings, for the --tokens budget."""
+    from rigpilot.engine.planner.rented import compare
+    from rigpilot.engine.settings import Settings
+
+    if workload.token_budget is None:
+        raise UserError("--compare-rented needs a token budget: --tokens N (e.g. --tokens 1e9)")
+    settings = Settings.load()
+
+    def plan_for(other: Any) -> tuple[Any, str]:
+        # The same search as above, uncalibrated: a calibration measured this machine, not the rented one.
+        try:
+            found = search_checked(spec, other, workload, apply_calibration(None, other, workload.precision),
+                                   verify=False, options=SearchOptions(force_tp=args.force_tp, offload=args.offload))  # fmt: skip
+        except UserError as e:  # e.g. a GPU without the workload's dtype: that machine's row says so
+            return None, str(e)
+        why = "" if found.best else (found.explanation[0] if found.explanation else "nothing fits")
+        return found.best, why
+
+    return compare((machine.label, result.best, machine), settings.rented_machines, workload.token_budget,
+                   settings.price(), plan_for)  # fmt: skip
 
 
 def render_text(result: SearchResult) -> list[str]:
