@@ -82,3 +82,26 @@ def test_settings_prices_are_checked_by_the_settings_schema_and_saved_apart(qtbo
     assert saved.rented_machines == [
         {"name": "cloud", "gpu": "h100-sxm5", "gpus": 8, "price_per_gpu_hour": 2.5, "currency": "USD"}
     ]
+
+
+def test_the_planner_compares_the_plan_here_with_the_rented_machines(qtbot):
+    from test_gui_planner import open_page as open_planner
+    from test_gui_planner import plan_for
+
+    from rigpilot.app.planner.rented_view import NO_BUDGET
+    from rigpilot.engine.settings import Settings
+
+    h100 = {"name": "cloud-h100", "gpu": "h100-sxm5", "gpus": 8, "price_per_gpu_hour": 2.5, "currency": "USD"}
+    Settings(rented_machines=[h100], electricity_price=0.30, electricity_currency="EUR").save()
+    page, _ = open_planner(qtbot, "4x-rtx4090")
+    plan_for(qtbot, page, "llama-3.1-8b")
+    assert page.rented.note.text() == NO_BUDGET and page.rented.table.rowCount() == 0
+    result = plan_for(qtbot, page, "llama-3.1-8b", token_budget=10**9)
+    qtbot.waitUntil(lambda: page.rented.comparison is not None, timeout=20000)
+    here, cloud = page.rented.comparison["rows"]
+    assert here["tokens_per_s"] == result["best"]["timing"]["tokens_per_s"]
+    assert cloud["cost"] == pytest.approx(8 * 2.5 * 1e9 / cloud["tokens_per_s"] / 3600)
+    table = page.rented.table
+    assert [table.item(r, 0).text() for r in range(table.rowCount())] == [here["name"], "cloud-h100"]
+    assert table.item(1, 3).text() == f"{cloud['cost']:,.2f} USD" and table.item(0, 3).text().endswith(" EUR")
+    assert page.tabs.tabText(page.tabs.indexOf(page.rented)) == "Rented machines"

@@ -251,23 +251,14 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def _compare_rented(args: argparse.Namespace, spec: Any, machine: Any, workload: Workload, result: SearchResult) -> Any:
     """`--compare-rented`: this plan against each rented machine in the settings, for the --tokens budget."""
-    from rigpilot.engine.planner.rented import compare
+    from rigpilot.engine.planner.rented import compare, searcher
     from rigpilot.engine.settings import Settings
 
     if workload.token_budget is None:
         raise UserError("--compare-rented needs a token budget: --tokens N (e.g. --tokens 1e9)")
     settings = Settings.load()
 
-    def plan_for(other: Any) -> tuple[Any, str]:
-        # The same search as above, uncalibrated: a calibration measured this machine, not the rented one.
-        try:
-            found = search_checked(spec, other, workload, apply_calibration(None, other, workload.precision),
-                                   verify=False, options=SearchOptions(force_tp=args.force_tp, offload=args.offload))  # fmt: skip
-        except UserError as e:  # e.g. a GPU without the workload's dtype: that machine's row says so
-            return None, str(e)
-        why = "" if found.best else (found.explanation[0] if found.explanation else "nothing fits")
-        return found.best, why
-
+    plan_for = searcher(spec, workload, SearchOptions(force_tp=args.force_tp, offload=args.offload))
     return compare((machine.label, result.best, machine), settings.rented_machines, workload.token_budget,
                    settings.price(), plan_for)  # fmt: skip
 
