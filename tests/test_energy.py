@@ -147,3 +147,19 @@ def test_a_hand_edited_bad_price_is_ignored_with_a_warning(tmp_path, monkeypatch
     s.save()
     assert Settings.load().price() == {"per_kwh": 0.25, "currency": "CHF"}
     assert energy.electricity_price() == {"per_kwh": 0.25, "currency": "CHF"}
+
+
+def test_a_telemetry_store_that_fails_leaves_a_hole_not_a_stuck_job():
+    class Broken:
+        min_interval = 1.0
+
+        def since(self, *a, **k):
+            raise OSError("disk I/O error")
+
+    class Rec:
+        gpus, started, slurm, run, simulated, energy = [0], 100.0, None, 1, True, None
+
+    meter = energy.new_meter(Rec, Broken())
+    assert meter.max_gap == 5.0
+    spent = energy.finish(Rec, meter, Broken(), 110.0)
+    assert spent["joules"] == 0 and spent["uncovered_s"] == 10.0 and spent["runs"][0]["samples"] == 0

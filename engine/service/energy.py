@@ -17,9 +17,12 @@ integrated on its own and the job's figures add the runs up.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 JOULES_PER_KWH = 3.6e6
 ATTRIBUTION = (
@@ -216,12 +219,15 @@ def catch_up(meter: EnergyMeter, telemetry: Any, *, now: float, force: bool = Fa
     if not force and now < getattr(meter, "_next_read", 0.0):
         return
     meter._next_read = now + _READ_EVERY_S  # type: ignore[attr-defined]
-    while True:
-        samples, more = telemetry.since(meter.last_time, limit=2000)
-        for s in samples:
-            meter.add(s)
-        if not more or not samples:
-            return
+    try:
+        while True:
+            samples, more = telemetry.since(meter.last_time, limit=2000)
+            for s in samples:
+                meter.add(s)
+            if not more or not samples:
+                return
+    except Exception:  # the figure must never stop a job from being watched or ended: a hole is reported instead
+        log.exception("cannot read telemetry for a job's energy")
 
 
 def job_energy(rec: Any, meter: EnergyMeter | None, now: float) -> dict[str, Any] | None:
