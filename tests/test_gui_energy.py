@@ -105,3 +105,19 @@ def test_the_planner_compares_the_plan_here_with_the_rented_machines(qtbot):
     assert [table.item(r, 0).text() for r in range(table.rowCount())] == [here["name"], "cloud-h100"]
     assert table.item(1, 3).text() == f"{cloud['cost']:,.2f} USD" and table.item(0, 3).text().endswith(" EUR")
     assert page.tabs.tabText(page.tabs.indexOf(page.rented)) == "Rented machines"
+
+
+def test_a_running_jobs_energy_so_far_follows_the_engines_job_events(qtbot):
+    from test_gui_jobs import a_job
+
+    link = FakeLink()
+    FakeJobs(link, [a_job("r", "running")])
+    page = open_page(qtbot, link)
+    open_job(qtbot, page, "r")
+    line = page.detail.energy_line
+    assert not line.isVisibleTo(page.detail)  # no figure yet: nothing shown rather than a zero
+    energy = measured_energy()
+    link.jobs[0] = {**link.jobs[0], "energy": energy, "energy_cost": cost(energy, {}, {"per_kwh": 0.3, "currency": "EUR"})}
+    link.sig_job.emit(link.jobs[0])
+    qtbot.waitUntil(lambda: line.isVisibleTo(page.detail))
+    assert line.text() == "GPU energy so far: 100.00 Wh, 500 W average, 0.03 EUR (simulated)"

@@ -81,3 +81,18 @@ class EnergySection(QWidget):
             if label and field:
                 out[label.widget().text()] = field.widget().text()
         return out
+
+
+def live_line(job: dict[str, Any]) -> str:
+    """One line under a job's progress, for every kind of job, running or not: its GPU energy so far and cost."""
+    e = job.get("energy") or {}
+    if "kwh" not in e:
+        return ""
+    money = job.get("energy_cost") or {}
+    so_far = " so far" if job.get("state") in ("starting", "running") else ""
+    text = f"GPU energy{so_far}: {format_kwh(e['kwh'])}"
+    if e.get("average_w") is not None:
+        text += f", {e['average_w']:.0f} W average"
+    if money.get("amount") is not None:
+        text += f", {format_money(money['amount'], money['currency'])}"
+    return text + (" (simulated)" if e.get("simulated") else "")
