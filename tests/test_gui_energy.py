@@ -41,7 +41,7 @@ def test_a_finished_jobs_summary_shows_its_energy_and_cost(qtbot, price):
     rows = section.rows()
     assert rows["Energy"].startswith("100.00 Wh (simulated")
     assert rows["Average power"] == "500 W over 2 GPUs"
-    assert rows["Per GPU"] == "GPU 0 50.00 Wh, GPU 1 50.00 Wh" and rows["Runs"] == "83.33 Wh + 16.67 Wh (2 runs)"
+    assert rows["Per GPU"] == "GPU 0: 50.00 Wh, GPU 1: 50.00 Wh" and rows["Runs"] == "83.33 Wh + 16.67 Wh (2 runs)"
     assert rows["Tokens per kWh"] == "500,000"
     if price:
         assert rows["Cost"] == "0.03 EUR at 0.3 EUR/kWh" and rows["Cost per step"] == "0.003000 EUR"

@@ -28,7 +28,7 @@ def energy_rows(job: dict[str, Any]) -> list[tuple[str, str]]:
     if e.get("average_w") is not None:
         rows.append(("Average power", f"{e['average_w']:.0f} W over {len(gpus)} GPU{'s' if len(gpus) != 1 else ''}"))
     if len(gpus) > 1:
-        rows.append(("Per GPU", ", ".join(f"GPU {g} {format_kwh(v['joules'] / 3.6e6)}" for g, v in gpus.items())))
+        rows.append(("Per GPU", ", ".join(f"GPU {g}: {format_kwh(v['joules'] / 3.6e6)}" for g, v in gpus.items())))
     runs = e.get("runs") or []
     if len(runs) > 1:
         rows.append(("Runs", " + ".join(format_kwh(r["joules"] / 3.6e6) for r in runs) + f" ({len(runs)} runs)"))
