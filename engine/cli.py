@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 from rigpilot.engine import __version__
 from rigpilot.engine.argtypes import positive_float
 from rigpilot.engine.errors import UserError
+from rigpilot.engine.settings import RENTED_EXAMPLE
 
 EXIT_USAGE = 2
 
@@ -68,15 +69,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_profiles)
 
     p = sub.add_parser(
-        "settings", parents=[js], help="show or change your settings (the simulated machine, CPU ranks)",
+        "settings", parents=[js], help="show or change your settings (the simulated machine, CPU ranks, prices)",
         description="rigpilot settings: what is set and which machine the engine serves. "
         "rigpilot settings set simulated-profile 8x-h100-sxm: the machine shown when no NVIDIA GPU is present; "
         "a running engine switches to it at once unless jobs are queued or running. "
-        "rigpilot settings set max-cpu-ranks N: processes per simulated job.",
+        "rigpilot settings set max-cpu-ranks N: processes per simulated job. "
+        "rigpilot settings set electricity-price 0.30 --currency EUR: what a kWh costs you, for the cost of "
+        "each job's energy ('none' clears it). "
+        "rigpilot settings add-rented NAME --gpu KEY --count N --price-per-gpu-hour P --currency C: a rented "
+        "machine at the price you pay, for 'rigpilot plan --tokens N --compare-rented'; remove-rented NAME drops it. "
+        f"Example: {RENTED_EXAMPLE}",
     )  # fmt: skip
-    p.add_argument("action", nargs="?", choices=["show", "set"], default="show")
-    p.add_argument("key", nargs="?", choices=sorted(SETTING_KEYS), metavar="KEY", help=", ".join(sorted(SETTING_KEYS)))
+    p.add_argument("action", nargs="?", choices=["show", "set", "add-rented", "remove-rented"], default="show")
+    p.add_argument("key", nargs="?", metavar="KEY|NAME", help=", ".join(sorted(SETTING_KEYS)) + "; or a rented machine's name")
     p.add_argument("value", nargs="?", metavar="VALUE")
+    p.add_argument("--currency", metavar="CODE", help="three-letter currency code (EUR, USD, ...)")
+    p.add_argument("--gpu", metavar="KEY", help="add-rented: the GPU model, a key of the GPU spec table (e.g. h100-sxm5)")
+    p.add_argument("--count", metavar="N", help="add-rented: GPUs in the machine")
+    p.add_argument("--price-per-gpu-hour", metavar="PRICE", help="add-rented: what one GPU-hour costs you")
     p.set_defaults(func=cmd_settings)
 
     p = sub.add_parser(
@@ -370,7 +380,9 @@ def cmd_profiles(args: argparse.Namespace) -> int:
     return 0
 
 
-SETTING_KEYS = {"simulated-profile": "simulated_profile", "max-cpu-ranks": "max_cpu_ranks"}
+SETTING_KEYS = {
+    "simulated-profile": "simulated_profile", "max-cpu-ranks": "max_cpu_ranks", "electricity-price": "electricity_price",
+}  # fmt: skip
 
 
 def cmd_settings(args: argparse.Namespace) -> int:
@@ -382,11 +394,18 @@ def cmd_settings(args: argparse.Namespace) -> int:
         print(f"note: {w}", file=sys.stderr)
     applied: dict[str, Any] | None = None
     refused = None
-    if args.action == "set":
-        if args.key is None or args.value is None:
-            raise UserError("set what? rigpilot settings set simulated-profile PROFILE | max-cpu-ranks N")
+    if args.action in ("add-rented", "remove-rented"):
+        _change_rented(args, settings)
+    elif args.action == "set":
+        if args.key is None or args.value is None or args.key not in SETTING_KEYS:
+            raise UserError(
+                "set what? rigpilot settings set simulated-profile PROFILE | max-cpu-ranks N | "
+                "electricity-price PRICE --currency CODE"
+            )
         field = SETTING_KEYS[args.key]
-        if field == "simulated_profile":
+        if field == "electricity_price":
+            _set_price(args, settings)
+        elif field == "simulated_profile":
             load_profile(args.value)  # an unknown profile: one line naming the known ones
             value: Any = args.value
         else:
@@ -396,24 +415,79 @@ def cmd_settings(args: argparse.Namespace) -> int:
                 value = 0
             if not 1 <= value <= 1024:
                 raise UserError(f"max-cpu-ranks takes a whole number from 1 to 1024, not {args.value!r}")
-        setattr(settings, field, value)
+        if field != "electricity_price":
+            setattr(settings, field, value)
         settings.save()
-        applied, refused = _apply_to_engine(args)
+        if field != "electricity_price":  # the engine reads the price from the file whenever it changes
+            applied, refused = _apply_to_engine(args)
     machine, _ = _machine(argparse.Namespace())
     if args.json:
         _print_json("rigpilot.settings/1", {
-            "settings": {k: getattr(settings, f) for k, f in SETTING_KEYS.items()}, "path": str(Settings.path()),
+            "settings": {
+                **{k: getattr(settings, f) for k, f in SETTING_KEYS.items()},
+                "electricity-currency": settings.electricity_currency, "rented-machines": settings.rented_machines,
+            },
+            "path": str(Settings.path()),
             "machine": machine.to_dict(), "engine_running": applied is not None or refused is not None
             or _running_engine(argparse.Namespace()) is not None, "not_applied": refused,
         })  # fmt: skip
     else:
         for key, f in SETTING_KEYS.items():
-            print(f"{key}: {getattr(settings, f)}")
+            if f == "electricity_price":
+                price = settings.price()
+                shown = f"{price['per_kwh']:g} {price['currency']}/kWh" if price else "not set"
+                print(f"{key}: {shown}")
+            else:
+                print(f"{key}: {getattr(settings, f)}")
+        print("rented machines:" if settings.rented_machines else f"rented machines: none (add one: {RENTED_EXAMPLE})")
+        for m in settings.rented_machines:
+            print(f"  {m['name']}: {m['gpus']}× {m['gpu']} at {m['price_per_gpu_hour']:g} {m['currency']} per GPU-hour")
         print(f"(stored in {Settings.path()})")
         print(f"machine: {machine.label}")
         if refused:
             print(f"saved, but the engine keeps its machine for now: {refused}", file=sys.stderr)
     return 1 if refused else 0
+
+
+def _set_price(args: argparse.Namespace, settings: Any) -> None:
+    from rigpilot.engine.settings import check_currency, check_price
+
+    if args.value.strip().lower() in ("none", "off", ""):
+        settings.electricity_price = settings.electricity_currency = None
+        return
+    currency = args.currency or settings.electricity_currency
+    if currency is None:
+        raise UserError("say which currency: rigpilot settings set electricity-price 0.30 --currency EUR")
+    try:
+        settings.electricity_price = check_price(args.value, "electricity-price")
+        settings.electricity_currency = check_currency(currency)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
+def _change_rented(args: argparse.Namespace, settings: Any) -> None:
+    from rigpilot.engine.settings import check_rented_machine
+
+    if not args.key:
+        raise UserError(f"which machine? {RENTED_EXAMPLE}")
+    kept = [m for m in settings.rented_machines if m["name"] != args.key.strip()]
+    if args.action == "remove-rented":
+        if len(kept) == len(settings.rented_machines):
+            names = ", ".join(m["name"] for m in settings.rented_machines) or "none"
+            raise UserError(f"no rented machine {args.key!r}; yours: {names}")
+    else:
+        missing = [f"--{n}" for n, v in (("gpu", args.gpu), ("count", args.count),
+                   ("price-per-gpu-hour", args.price_per_gpu_hour), ("currency", args.currency)) if v is None]  # fmt: skip
+        if missing:
+            raise UserError(f"add-rented needs {', '.join(missing)}: {RENTED_EXAMPLE}")
+        row = {"name": args.key, "gpu": args.gpu, "gpus": args.count, "price_per_gpu_hour": args.price_per_gpu_hour,
+               "currency": args.currency}  # fmt: skip
+        try:
+            kept.append(check_rented_machine(row))
+        except ValueError as e:
+            raise UserError(str(e)) from None
+    settings.rented_machines = kept
+    settings.save()
 
 
 def _apply_to_engine(args: argparse.Namespace) -> tuple[dict[str, Any] | None, str | None]:

@@ -28,6 +28,7 @@ from PySide6.QtWidgets import (
 
 from rigpilot.app.jobs.charts import JobCharts
 from rigpilot.app.jobs.compare import ComparePicker
+from rigpilot.app.jobs.energy_view import live_line
 from rigpilot.app.jobs.failure import FailurePanel
 from rigpilot.app.jobs.handle import JobHandle
 from rigpilot.app.jobs.log_view import LogView
@@ -185,6 +186,9 @@ class JobDetail(QWidget):
         body_layout.addWidget(self.summary)
         body_layout.addWidget(self.notes)
         body_layout.addWidget(self.progress)
+        self.energy_line = QLabel()  # live GPU energy (app/jobs/energy_view.py)
+        self.energy_line.setObjectName("jobEnergy")
+        body_layout.addWidget(self.energy_line)
         body_layout.addLayout(buttons)
         body_layout.addWidget(self.try_it)
         body_layout.addWidget(self.failure)
@@ -309,6 +313,8 @@ class JobDetail(QWidget):
             self.progress.setFormat(f"{text} — {duration(eta)} left" if eta is not None else text)
         phase = h.series.phase
         self.progress.setToolTip(f"phase: {phase}" if phase else "")
+        self.energy_line.setText(live_line(job))
+        self.energy_line.setVisible(bool(self.energy_line.text()))
         predicted = job.get("predicted")
         self.prediction.show_values(predicted, h.series.measured(), simulated=bool(job.get("simulated")))
         # `predicted` may carry only the engine's notes on a job submitted without a plan.

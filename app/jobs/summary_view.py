@@ -22,6 +22,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from rigpilot.app.jobs.energy_view import EnergySection
 from rigpilot.app.jobs.outcome import eval_trend, load_snippets, model_of, output_of, settings_diff, summary_rows
 from rigpilot.app.widgets.palette import WARN
 
@@ -51,6 +52,8 @@ class SummaryPanel(QWidget):
         layout.addLayout(self.form)
         layout.addWidget(self.model_note)
         layout.addLayout(self.snippets_box)
+        self.energy = EnergySection()
+        layout.addWidget(self.energy)
         layout.addStretch(1)
         self.snippets: list[QPlainTextEdit] = []
         self._shown: Any = None
@@ -81,6 +84,7 @@ class SummaryPanel(QWidget):
         else:
             self.model_note.setText("")
         self._show_snippets(load_snippets(job) if job.get("kind") == "train" else [])
+        self.energy.show_job(job)
 
     def _show_snippets(self, snippets: list[tuple[str, str]]) -> None:
         if [s.toPlainText() for s in self.snippets] == [code for _, code in snippets]:

@@ -68,6 +68,7 @@ from rigpilot.app.planner.model import (
     summary_lines,
 )
 from rigpilot.app.planner.model_picker import ModelPicker
+from rigpilot.app.planner.rented_view import RentedTable
 from rigpilot.app.tasks import run_in_background
 from rigpilot.app.topology.imported import HERE, ImportedMachines, plan_block
 from rigpilot.app.topology.model import machine_title
@@ -326,6 +327,8 @@ class PlannerPage(QWidget):
         self.tabs.addTab(self.explanation, "Why this plan")
         self.tabs.addTab(self.rejected, "Rejected")
         self.tabs.addTab(suggestions_box, "Suggestions")
+        self.rented = RentedTable()  # this job here against the rented machines of Settings
+        self.tabs.addTab(self.rented, "Rented machines")
 
         self.exports = ExportBar()
         self.exports.sig_exported.connect(self._exported)
@@ -664,6 +667,7 @@ class PlannerPage(QWidget):
         )
         self._hide_message()
         self._show_result(result)
+        self.rented.show_for(self.plan_request(), result, self.target_machine())
         self.sig_plan_ready.emit(result)
 
     def _on_plan_error(self, serial: int, error: BaseException) -> None:

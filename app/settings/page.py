@@ -44,6 +44,7 @@ from rigpilot.app.settings.model import (
     save_gui_side,
 )
 from rigpilot.app.settings.nodes import NodesBox
+from rigpilot.app.settings.prices import PricesBox
 from rigpilot.app.tasks import run_in_background
 from rigpilot.app.widgets.palette import BAD
 from rigpilot.engine.service.client import EngineUnavailable
@@ -222,6 +223,10 @@ class SettingsPage(QWidget):
         self.nodes_box = NodesBox(link)  # saved on its own: each change goes to the engine at once
         body_layout.addWidget(self.nodes_box)
         body_layout.addWidget(display)
+        self.prices = PricesBox()  # saves its own keys, apart from the fields above
+        # Read after the page's own read, which sets an unreadable file aside and reports it.
+        self.sig_loaded.connect(self.prices.load)
+        body_layout.addWidget(self.prices)
         body_layout.addStretch(1)
         area = QScrollArea()
         area.setWidgetResizable(True)

@@ -65,6 +65,10 @@ def register(subparsers: Any, parents: list[argparse.ArgumentParser] | None = No
     g.add_argument("--quant", choices=tuple(_QUANT_BITS), default="none", help="inference: load weights in 8 bits or 4-bit NF4")
     g.add_argument("--new-tokens", type=int, metavar="N", help=f"inference: tokens generated per sequence (default {DEFAULT_NEW_TOKENS})")
     g.add_argument("--tokens", type=float, metavar="N", help="training: token budget, for a time to finish (e.g. 1e9)")
+    g.add_argument(
+        "--compare-rented", action="store_true",
+        help="with --tokens: time and cost to process them here and on the rented machines in your settings",
+    )  # fmt: skip
     g.add_argument("--force-tp", action="store_true", help="consider tensor parallelism over slow links too")
     g.add_argument("--offload", choices=OFFLOAD_CHOICES, default="auto",
                    help="training: CPU offload only where nothing else fits (auto), always (on) or never (off)")  # fmt: skip
@@ -219,6 +223,7 @@ def run_plan(args: argparse.Namespace) -> int:
         verify=not getattr(args, "no_verify", False), node_machines=node_machines,
     )  # fmt: skip
     calibrated_status = calibrated[1]
+    comparison = _compare_rented(args, spec, machine, workload, result) if getattr(args, "compare_rented", False) else None
     artifact, exported, instead = None, None, None
     if args.export and result.best is not None:
         plans = [result.best, *result.runners_up]
@@ -227,6 +232,8 @@ def run_plan(args: argparse.Namespace) -> int:
         payload = {"schema": "rigpilot.plan-search/1", **result.to_dict(), "calibration": calibrated_status.to_dict()}
         if args.export:
             payload["export"] = {"target": args.export, "text": artifact, "plan": exported, "note": instead}
+        if comparison is not None:
+            payload["rented_comparison"] = comparison
         print(json.dumps(payload, indent=2))
     elif artifact is not None:
         print("\n".join(render_text(result)), file=sys.stderr)
@@ -235,7 +242,25 @@ def run_plan(args: argparse.Namespace) -> int:
         sys.stdout.write(artifact if artifact.endswith("\n") else artifact + "\n")
     else:
         print("\n".join(render_text(result)))
+        if comparison is not None:
+            from rigpilot.engine.planner.rented import render
+
+            print("\n" + "\n".join(render(comparison)))
     return 0 if result.best is not None else 1
+
+
+def _compare_rented(args: argparse.Namespace, spec: Any, machine: Any, workload: Workload, result: SearchResult) -> Any:
+    """`--compare-rented`: this plan against each rented machine in the settings, for the --tokens budget."""
+    from rigpilot.engine.planner.rented import compare, searcher
+    from rigpilot.engine.settings import Settings
+
+    if workload.token_budget is None:
+        raise UserError("--compare-rented needs a token budget: --tokens N (e.g. --tokens 1e9)")
+    settings = Settings.load()
+
+    plan_for = searcher(spec, workload, SearchOptions(force_tp=args.force_tp, offload=args.offload))
+    return compare((machine.label, result.best, machine), settings.rented_machines, workload.token_budget,
+                   settings.price(), plan_for)  # fmt: skip
 
 
 def render_text(result: SearchResult) -> list[str]:

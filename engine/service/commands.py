@@ -563,16 +563,25 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     if not jobs:
         print("no jobs yet; start one with 'rigpilot run'")
         return 0
-    rows = [("ID", "NAME", "KIND", "STATE", "GPUS", "PROGRESS", "TIME", "NOTE")]
+    rows = [("ID", "NAME", "KIND", "STATE", "GPUS", "PROGRESS", "TIME", "ENERGY", "NOTE")]
     for j in jobs:
         rows.append(
             (j["id"], _clip(printable(j["name"]), 24), j["kind"], j["state"], _gpus(j["gpus"]),
-             _progress(j.get("progress")), _job_time(j), _clip(printable(_note(j)), 60))
+             _progress(j.get("progress")), _job_time(j), _energy_cell(j), _clip(printable(_note(j)), 60))
         )  # fmt: skip
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
     return 0
+
+
+def _energy_cell(j: dict[str, Any]) -> str:
+    from rigpilot.engine.service.energy import format_kwh
+
+    e = j.get("energy") or {}
+    if "kwh" not in e:
+        return "-"
+    return format_kwh(e["kwh"]) + (" (sim)" if e.get("simulated") else "")
 
 
 def _note(j: dict[str, Any]) -> str:
@@ -649,6 +658,11 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     peaks = p.get("peak_memory_by_rank") or {}
     if peaks:
         print("  peak memory: " + ", ".join(f"rank {r} {_gib(v)}" for r, v in peaks.items()))
+    from rigpilot.engine.service.energy import energy_line
+
+    print(f"  {energy_line(job.get('energy'), job.get('energy_cost'))}")
+    if (job.get("energy_cost") or {}).get("hint"):
+        print(f"  ({job['energy_cost']['hint']})")
     for name, pair in (job.get("comparison") or {}).items():
         if pair["predicted"] is not None:
             fmt = _gib if "memory" in name else _num

@@ -16,6 +16,7 @@ latest value.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -138,6 +139,9 @@ class MetricsSummary:
         self._rate_start: tuple[float, int] | None = None  # (time, step) of the first step record
         self._rate_end: tuple[float, int] | None = None
         self._tokens_by_rank: dict[int, float] = {}  # each rank's latest tokens/s (per rank)
+        # Tokens processed, every run's steps included (a resumed run's repeats cost energy too): the sum over
+        # step records of tokens/s × step_time, the per-rank figures adding up to the job's (engine.report).
+        self.tokens = 0.0
 
     def add(self, rec: dict[str, Any]) -> None:
         self.records += 1
@@ -181,6 +185,9 @@ class MetricsSummary:
             # Per rank, by convention (engine.report): the job's rate is the sum of each rank's latest.
             self._tokens_by_rank[rank] = float(tps)
             self.tokens_per_s = sum(self._tokens_by_rank.values())
+            dt = rec.get("step_time")
+            if isinstance(dt, int | float) and not isinstance(dt, bool) and dt > 0 and math.isfinite(tps * dt):
+                self.tokens += tps * dt
 
     def to_dict(self, now: float | None = None) -> dict[str, Any]:
         fraction = eta = rate = None
@@ -201,6 +208,7 @@ class MetricsSummary:
             "steps_per_s": rate,
             "loss": self.loss,
             "tokens_per_s": self.tokens_per_s,
+            "tokens": self.tokens or None,
             "phase": self.phase,
             "eval": self.eval,
             "errors": self.errors,

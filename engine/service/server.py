@@ -298,7 +298,7 @@ class EngineService:
                 grace_s=self.options.grace_s, failure_grace_s=self.options.failure_grace_s,
                 max_cpu_ranks=self.options.max_cpu_ranks or _setting_max_cpu_ranks(),
             ),
-            on_job=self._publish_job, on_metrics=self._publish_metrics,
+            on_job=self._publish_job, on_metrics=self._publish_metrics, telemetry=self.telemetry,
         )  # fmt: skip
         self.multinode = MultiNode(self.supervisor)
         self.sampler = self._new_sampler(self.discovery.backend)

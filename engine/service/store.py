@@ -62,6 +62,8 @@ class JobRecord:
     # A job spanning several engines (engine.service.multinode): its role here ("head" or "member"), the
     # rendezvous endpoint, the node names and which ranks each runs. None for a job on this machine alone.
     nodes: dict[str, Any] | None = None
+    # GPU energy (engine.service.energy): per run and in all, per GPU, with the seconds no power reading covered.
+    energy: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -74,7 +76,7 @@ _DEFAULTS = {
     for f in dataclasses.fields(JobRecord)
     if f.default_factory is not dataclasses.MISSING or (f.default is not dataclasses.MISSING and f.default is not None)
 }
-_JSON_FIELDS = {"gpus", "last_log", "predicted", "measured", "error", "slurm", "restarts", "nodes"}
+_JSON_FIELDS = {"gpus", "last_log", "predicted", "measured", "error", "slurm", "restarts", "nodes", "energy"}
 _BOOL_FIELDS = {"simulated", "cancel_requested", "resumable"}
 
 

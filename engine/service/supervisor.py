@@ -42,7 +42,7 @@ from rigpilot.engine.jobs import secrets as job_secrets
 from rigpilot.engine.jobs.limits import check_env
 from rigpilot.engine.jobs.spec import JobSpec
 from rigpilot.engine.runtime import worker_python
-from rigpilot.engine.service import paths, recovery, slurm, submission
+from rigpilot.engine.service import energy, paths, recovery, slurm, submission
 from rigpilot.engine.service.metrics import Cursor, MetricsSummary, read_records, summarize
 from rigpilot.engine.service.results import check_name, describe_output, job_settings
 from rigpilot.engine.service.store import (
@@ -98,6 +98,7 @@ class _Run:
     last_publish: float = 0.0
     dirty: bool = False
     stepped: bool = False  # a step of this run was reported (the summary also holds earlier runs')
+    energy: energy.EnergyMeter | None = None
 
     @property
     def token(self) -> str:
@@ -122,6 +123,7 @@ class Supervisor:
         *,
         on_job: Callable[[dict[str, Any]], None] = lambda job: None,
         on_metrics: Callable[[str], None] = lambda job_id: None,
+        telemetry: Any = None,  # the TelemetryStore a job's energy is integrated from
     ):
         self.store = store
         self.jobs_root = jobs_root
@@ -131,6 +133,7 @@ class Supervisor:
         self._backend = backend  # asked for the GPUs' health when a job may restart
         self._on_job = on_job
         self._on_metrics = on_metrics
+        self._telemetry = telemetry
         self._lock = threading.RLock()
         self._runs: dict[str, _Run] = {}
         self._queue_dirty = True
@@ -404,6 +407,8 @@ class Supervisor:
         d["job_dir"] = str(self.job_dir(rec.id))
         progress = run.summary.to_dict(time.time()) if run else (rec.measured or None)
         d["progress"] = progress
+        d["energy"] = energy.job_energy(rec, run.energy if run else None, time.time())
+        d["energy_cost"] = energy.cost(d["energy"], progress, energy.electricity_price())
         if rec.state == QUEUED:
             d["waiting_for"] = self._waiting_for(rec)
         if detail:
@@ -485,7 +490,7 @@ class Supervisor:
             rec, state=STARTING, started=time.time(), ended=None, launcher_pid=popen.pid, launcher_start=started_at,
             port=port,
         )
-        run = _Run(rec, job_dir, popen, launcher_log)
+        run = _Run(rec, job_dir, popen, launcher_log, energy=energy.new_meter(rec, self._telemetry))
         # A resumed job appends to its metric files; the summary carries on from the last run.
         run.summary, run.cursor = summarize(job_dir / "metrics", _max_steps(spec))
         self._runs[rec.id] = run
@@ -593,6 +598,8 @@ class Supervisor:
             run.dirty = True
             run.last_publish = 0.0  # a state change goes out now; progress alone at most once a second
         self._apply_load(run)
+        if run.energy is not None:
+            energy.catch_up(run.energy, self._telemetry, now=time.monotonic())
         if not self._launcher_alive(run):
             self._finish(run)
             return
@@ -730,7 +737,9 @@ class Supervisor:
             simulated=rec.simulated, max_cpu_ranks=self.max_cpu_ranks,
             from_step=(_newest_checkpoint(run.job_dir) or {}).get("step") if rec.kind == "train" else None,
         )  # fmt: skip
-        self.store.update(rec, **{"ended": time.time(), "measured": measured, **outcome})
+        ended = time.time()
+        spent = energy.finish(rec, run.energy, self._telemetry, ended)
+        self.store.update(rec, **{"ended": ended, "measured": measured, "energy": spent, **outcome})
         del self._runs[rec.id]
         self._queue_dirty = True
         self._on_metrics(rec.id)
@@ -766,7 +775,7 @@ class Supervisor:
                 max_steps = _max_steps(JobSpec.read(job_dir))
             except (OSError, ValueError):
                 max_steps = None
-            run = _Run(rec, job_dir, None)
+            run = _Run(rec, job_dir, None, energy=energy.new_meter(rec, self._telemetry))
             run.summary, run.cursor = summarize(job_dir / "metrics", max_steps)
             if rec.cancel_requested:
                 run.stop_reason = "cancel"
@@ -779,7 +788,9 @@ class Supervisor:
             self._sweep(run)
             outcome = self.finish_hook(rec, _outcome(run, None, service_was_down=True))
             self._clear_load(rec)
-            self.store.update(rec, ended=time.time(), measured=run.summary.to_dict(), **outcome)
+            ended = time.time()
+            spent = energy.finish(rec, run.energy, self._telemetry, ended)
+            self.store.update(rec, ended=ended, measured=run.summary.to_dict(), energy=spent, **outcome)
         self._queue_dirty = True
 
 
