@@ -59,6 +59,7 @@ class JobRecord:
     # left_out_gpus, notes}, oldest first; and how many restarts in a row the job may make.
     restarts: list[dict[str, Any]] = field(default_factory=list)
     max_restarts: int = 0
+    study: str | None = None  # the scaling study this job is a point of (engine.service.scaling)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
