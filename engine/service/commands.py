@@ -848,7 +848,8 @@ def _scaling_request(args: argparse.Namespace, client: Any) -> dict[str, Any]:
         model = args.model
         if Path(model).expanduser().exists():  # a folder here, not a hub id: the engine's planner needs its full path
             model = str(Path(model).expanduser().resolve())
-        req.update(model=model, dataset=args.data, method=args.method, seq_len=args.seq, precision=args.precision)
+        data = [str(Path(d).expanduser().resolve()) if Path(d).expanduser().exists() else d for d in args.data]
+        req.update(model=model, dataset=data, method=args.method, seq_len=args.seq, precision=args.precision)
         if args.trust_remote_code:
             req["trust_remote_code"] = True
     req.update(steps=args.steps, warmup=args.warmup, global_batch=args.global_batch)
