@@ -388,17 +388,23 @@ class Studies:
                     p["error"] = f"job {rec.id} {rec.state}: {rec.exit_reason or 'no reason recorded'}"
             points.append(p)
         study["points"] = points
-        states = [p["state"] for p in points]
-        if all(s == "completed" for s in states):
-            study["state"] = "completed"
-        elif all(s in (*TERMINAL, "deleted") for s in states):
-            study["state"] = "failed"
-        else:
-            study["state"] = "running"
-        study["current"] = next((p["gpus"] for p in points if p["state"] in ("starting", "running")), None)
-        study["table"] = table(study)
-        study["notes"] = notes(study)
-        return study
+        return summarize(study)
+
+
+def summarize(study: dict[str, Any]) -> dict[str, Any]:
+    """Fill in the study's `state`, `current`, `table` and `notes` from its points' states and measurements."""
+    points = study["points"]
+    states = [p["state"] for p in points]
+    if all(s == "completed" for s in states):
+        study["state"] = "completed"
+    elif all(s in (*TERMINAL, "deleted") for s in states):
+        study["state"] = "failed"
+    else:
+        study["state"] = "running"
+    study["current"] = next((p["gpus"] for p in points if p["state"] in ("starting", "running")), None)
+    study["table"] = table(study)
+    study["notes"] = notes(study)
+    return study
 
 
 def _cpu_cores() -> int:
