@@ -203,14 +203,19 @@ class ScalingPanel(QWidget):
             self.curves[name].setData(xs, ys)
 
     def table_cells(self) -> list[list[str]]:
-        return [[self.table.item(r, c).text() for c in range(self.table.columnCount())] for r in range(self.table.rowCount())]
+        return [
+            [self.table.item(r, c).text() for c in range(self.table.columnCount())]
+            for r in range(self.table.rowCount())
+        ]
 
     # -- export ---------------------------------------------------------------------------------------------
 
     def _save(self, filter_: str, suffix: str, write: Any) -> None:
         if self.study is None:
             return
-        path, _ = QFileDialog.getSaveFileName(self, "Save the scaling study", f"scaling-{self.study['id']}{suffix}", filter_)
+        path, _ = QFileDialog.getSaveFileName(
+            self, "Save the scaling study", f"scaling-{self.study['id']}{suffix}", filter_
+        )
         if path:
             write(path)
 

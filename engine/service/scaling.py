@@ -185,10 +185,16 @@ def notes(study: dict[str, Any]) -> list[str]:
 def cells(row: dict[str, Any]) -> list[str]:
     """A table row as text, the same in the terminal and in the GUI."""
     return [
-        str(row["gpus"]), str(row["ranks"] if row["ranks"] is not None else "-"), row["job"] or "-",
-        row["state"] or "-", _f(row["tokens_per_s"], "{:,.0f}"), _f(row["steps_per_s"], "{:.3g}"),
-        _f(row["speedup"], "{:.2f}×"), _f(row["efficiency"], "{:.0%}"),
-        _f(row["predicted_tokens_per_s"], "{:,.0f}"), _f(row["predicted_speedup"], "{:.2f}×"),
+        str(row["gpus"]),
+        str(row["ranks"] if row["ranks"] is not None else "-"),
+        row["job"] or "-",
+        row["state"] or "-",
+        _f(row["tokens_per_s"], "{:,.0f}"),
+        _f(row["steps_per_s"], "{:.3g}"),
+        _f(row["speedup"], "{:.2f}×"),
+        _f(row["efficiency"], "{:.0%}"),
+        _f(row["predicted_tokens_per_s"], "{:,.0f}"),
+        _f(row["predicted_speedup"], "{:.2f}×"),
         _f(row["measured_vs_predicted"], "{:.3g}"),
     ]
 
@@ -209,7 +215,11 @@ def text_lines(study: dict[str, Any]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [f"scaling study {study['id']}: {study['model']} on {study['machine']} ({study['state']})"]
     for r in rows:
-        lines.append("  ".join(c.rjust(w) if i >= 4 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip())
+        lines.append(
+            "  ".join(
+                c.rjust(w) if i >= 4 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
+            ).rstrip()
+        )
     for p in study["points"]:
         if (p.get("plan") or {}).get("layout"):
             lines.append(f"  plan for {p['gpus']} GPU{'s' * (p['gpus'] != 1)}: {p['plan']['layout']}")
@@ -289,7 +299,9 @@ class Studies:
             })  # fmt: skip
             best = result.get("best")
             if not best:
-                raise UserError(f"nothing fits on {n} GPU{'s' * (n != 1)}: " + "; ".join(result.get("explanation") or [])[:300])
+                raise UserError(
+                    f"nothing fits on {n} GPU{'s' * (n != 1)}: " + "; ".join(result.get("explanation") or [])[:300]
+                )
             spec = point_spec(settings, study_id, n)
             sup.check(spec, result, cwd)
             par = best.get("parallelism") or {}
@@ -353,7 +365,11 @@ class Studies:
 
     def list(self, job: str | None = None) -> list[dict[str, Any]]:
         out = []
-        for f in sorted(self.root.glob("*.json"), key=lambda f: f.stat().st_mtime, reverse=True) if self.root.is_dir() else []:
+        for f in (
+            sorted(self.root.glob("*.json"), key=lambda f: f.stat().st_mtime, reverse=True)
+            if self.root.is_dir()
+            else []
+        ):
             try:
                 study = json.loads(f.read_text())
             except (OSError, ValueError):
