@@ -128,7 +128,10 @@ def test_a_study_on_one_and_two_cpu_ranks_matches_the_jobs_own_records(engine, c
     for row in rows:
         job = details[row["job"]]
         assert jobs[row["job"]]["study"] == study["id"] and job["state"] == "completed"
-        assert job["settings"]["train"]["seq_len"] == seq
+        train, par = job["settings"]["train"], job["settings"]["parallelism"]
+        assert train["seq_len"] == seq and train["micro_batch"] == study["settings"]["micro_batch"]
+        replicas = par["dp_replicate"] * par["dp_shard"]
+        assert train["micro_batch"] * train["grad_accum"] * replicas == batch  # the same global batch everywhere
         mine = own_tokens_per_s(Path(job["job_dir"]), warmup, batch * seq)
         assert row["tokens_per_s"] == pytest.approx(mine, rel=1e-9)
         assert row["measured_steps"] == steps - warmup

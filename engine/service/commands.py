@@ -102,6 +102,9 @@ def register(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
                    help=f"steps left out of the measurement at the start of each job (default {scaling.DEFAULT_WARMUP})")
     p.add_argument("--global-batch", type=positive_int, metavar="N",
                    help=f"sequences per optimizer step, the same for every GPU count (default {scaling.DEFAULT_GLOBAL_BATCH})")
+    p.add_argument("--micro-batch", type=positive_int, metavar="N",
+                   help="sequences per rank per micro-step, the same for every GPU count (default: the largest "
+                   "count's plan's)")  # fmt: skip
     p.add_argument("--csv", type=Path, metavar="FILE", help="also write the table as CSV")
     p.add_argument("--detach", action="store_true", help="start the study and return at once")
     p.add_argument("--show", metavar="STUDY", help="show a study (started earlier) instead of starting one")
@@ -852,7 +855,7 @@ def _scaling_request(args: argparse.Namespace, client: Any) -> dict[str, Any]:
         req.update(model=model, dataset=data, method=args.method, seq_len=args.seq, precision=args.precision)
         if args.trust_remote_code:
             req["trust_remote_code"] = True
-    req.update(steps=args.steps, warmup=args.warmup, global_batch=args.global_batch)
+    req.update(steps=args.steps, warmup=args.warmup, global_batch=args.global_batch, micro_batch=args.micro_batch)
     return {k: v for k, v in req.items() if v not in (None, [])}
 
 

@@ -51,7 +51,7 @@ has `settings`, the job's spec without its environment, and `output`, what its o
     shutdown {}                             → {stopping}   (jobs keep running)
     reload_machine {simulated_profile?}     → {changed, machine, notes, details}: serve the machine Settings name now
           (storing simulated_profile there first); refused (user_error) while jobs are queued or running
-    scaling_start {gpus: [counts], job? | model, dataset?, method?, precision?, seq_len?, global_batch?, steps?,
+    scaling_start {gpus: [counts], job? | model, dataset?, method?, precision?, seq_len?, global_batch?, micro_batch?, steps?,
           warmup?, trust_remote_code?, cwd?} → {study}: plans each count and submits one training job per
           count (engine.service.scaling); a study that cannot run is refused in one line and submits nothing
     scaling_study {study}                   → {study}: with each point's state, measurement, `table` and `notes`
@@ -284,7 +284,7 @@ REQUEST_SCHEMAS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
             "job": Text, "model": Path_, "trust_remote_code": bool,
             "dataset": Annotated[list[Path_], Limit(max_len=256)], "method": Text, "precision": Text,
             "seq_len": Annotated[int, Limit(1, 1 << 21)], "global_batch": Annotated[int, Limit(1, 1 << 20)],
-            "steps": Annotated[int, Limit(1, 1_000_000)], "warmup": Annotated[int, Limit(0, 1_000_000)],
+            "micro_batch": Annotated[int, Limit(1, 1 << 20)] | None, "steps": Annotated[int, Limit(1, 1_000_000)], "warmup": Annotated[int, Limit(0, 1_000_000)],
             "cwd": Path_ | None,
         },
     ),

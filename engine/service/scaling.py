@@ -28,6 +28,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -161,8 +162,9 @@ def notes(study: dict[str, Any]) -> list[str]:
     """What the numbers are: the workload every point shares, and on a simulated machine what measured them."""
     s = study["settings"]
     out = [
-        f"every point trains on the same global batch of {s['global_batch']} sequences × {s['seq_len']} tokens "
-        f"({s['precision']}, {s['method']}); micro-batch and accumulation are each point's plan's",
+        f"every point trains on the same global batch of {s['global_batch']} sequences × {s['seq_len']} tokens at "
+        f"micro-batch {s.get('micro_batch')} ({s['precision']}, {s['method']}); each point runs the planner's best "
+        "plan for its GPU count at that micro-batch, and accumulates what its replicas do not hold at once",
         f"throughput from steps {s['warmup'] + 1}–{s['steps']} of each job (the first {s['warmup']} are warm-up); "
         f"speed-up and efficiency against the {study['points'][0]['gpus']}-GPU point",
     ]
@@ -290,18 +292,19 @@ class Studies:
             }  # fmt: skip
         settings.update(steps=steps, warmup=warmup)
         study_id = self._new_id()
+        micro = request.get("micro_batch")
+        if micro is None:
+            # The micro-batch the most GPUs' plan picks fits every smaller count's replicas (they hold more
+            # sequences each), so every point runs it, with more accumulation on fewer GPUs.
+            micro = self._best(settings, counts[-1], None)["parallelism"]["micro_batch"]
+        settings["micro_batch"] = micro
         # Plan and check every point before submitting any: a study that cannot run leaves no job behind.
         points = []
-        for n in counts:
-            result = self.plan({
-                "model": _planner_model(settings["model"]), "workload": workload_of(settings), "gpus": list(range(n)),
-                "trust_remote_code": settings["trust_remote_code"],
-            })  # fmt: skip
-            best = result.get("best")
-            if not best:
-                raise UserError(
-                    f"nothing fits on {n} GPU{'s' * (n != 1)}: " + "; ".join(result.get("explanation") or [])[:300]
-                )
+        # Two at a time: the engine keeps two planner processes.
+        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="scaling-plan") as pool:
+            results = list(pool.map(lambda n: self._plan_result(settings, n, micro), counts))
+        for n, result in zip(counts, results, strict=True):
+            best = result["best"]
             spec = point_spec(settings, study_id, n)
             sup.check(spec, result, cwd)
             par = best.get("parallelism") or {}
@@ -327,6 +330,27 @@ class Studies:
                 study["points"].append(p)
                 self._save(study)  # after each job, so a failure half-way leaves a study that names its jobs
         return self.show(study)
+
+    def _plan_result(self, settings: dict[str, Any], n: int, micro: int | None) -> dict[str, Any]:
+        """The engine planner's search for GPUs 0 … n-1 (at micro-batch `micro` when given); one line if none fits."""
+        options: dict[str, Any] = {"suggest": False}
+        if micro is not None:
+            options["micro_batch"] = micro
+        result = self.plan({
+            "model": _planner_model(settings["model"]), "workload": workload_of(settings), "gpus": list(range(n)),
+            "trust_remote_code": settings["trust_remote_code"], "options": options,
+        })  # fmt: skip
+        if not result.get("best"):
+            at = f" at micro-batch {micro}" if micro is not None else ""
+            why = next((r.get("reason") for r in result.get("rejected") or [] if r.get("reason")), None)
+            raise UserError(
+                f"no plan fits on {n} GPU{'s' * (n != 1)}{at}" + (f": {why}" if why else "")
+                + ("; try another --micro-batch or --global-batch" if micro is not None else "")
+            )  # fmt: skip
+        return result
+
+    def _best(self, settings: dict[str, Any], n: int, micro: int | None) -> dict[str, Any]:
+        return self._plan_result(settings, n, micro)["best"]
 
     def _tag(self, job_id: str, study_id: str) -> None:
         # The supervisor made the record; the study's id is ours to add. Under its lock, so the live record a
