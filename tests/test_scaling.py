@@ -32,7 +32,23 @@ def test_measure_skips_warmup_and_adds_the_ranks_shares():
     # step 2: 100 + 100 tokens in 2 s (the slower rank); step 3: 200 tokens in 1 s
     assert (m["steps"], m["tokens"], m["seconds"]) == (2, 400.0, 3.0)
     assert m["tokens_per_s"] == pytest.approx(400 / 3) and m["steps_per_s"] == pytest.approx(2 / 3)
+    assert m["step_time_spread"] == pytest.approx(0.5 / 1.5)  # step times 2 s and 1 s
     assert scaling.measure(records, warmup=3) is None
+
+
+def test_a_noisy_point_and_more_cpu_ranks_than_cores_are_said():
+    def point(n, ranks, spread):
+        m = {"tokens_per_s": 100.0 * n, "steps": 5, "step_time_spread": spread}
+        return {"gpus": n, "state": "completed", "ranks": ranks, "measured": m, "predicted": {}}
+
+    settings = {"global_batch": 8, "seq_len": 32, "micro_batch": 2, "precision": "fp32", "method": "full", "steps": 9,
+                "warmup": 2}  # fmt: skip
+    study = {"settings": settings, "simulated": True, "cpu_cores": 2, "machine": "sim",
+             "points": [point(1, 1, 0.05), point(4, 4, 0.4)]}  # fmt: skip
+    said = scaling.summarize(study)["notes"]
+    assert any("more than 25% at 4 GPU(s)" in n for n in said)
+    assert any(n.startswith("4 CPU ranks on 2 cores cannot run faster than 2") for n in said)
+    assert study["state"] == "completed" and study["table"][1]["efficiency"] == 1.0
 
 
 def test_table_speedup_efficiency_and_prediction():

@@ -39,6 +39,7 @@ DEFAULT_STEPS = 10
 DEFAULT_WARMUP = 2
 DEFAULT_GLOBAL_BATCH = 8
 MAX_POINTS = 8
+NOISY = 0.25  # step times spread wider than this (std/mean) make a point's throughput a guess
 TERMINAL = ("completed", "failed", "cancelled", "interrupted")
 CSV_COLUMNS = (
     "gpus", "ranks", "job", "state", "layout", "micro_batch", "grad_accum", "measured_steps", "tokens_per_s",
@@ -120,11 +121,15 @@ def measure(records: list[dict[str, Any]], warmup: int) -> dict[str, Any] | None
     measured = [s for s in sorted(steps) if s > warmup]
     if not measured:
         return None
-    seconds = sum(max(dt for _, dt in steps[s].values()) for s in measured)
+    times = [max(dt for _, dt in steps[s].values()) for s in measured]
+    seconds = sum(times)
     tokens = sum(tps * dt for s in measured for tps, dt in steps[s].values())
+    mean = seconds / len(times)
+    spread = math.sqrt(sum((t - mean) ** 2 for t in times) / len(times)) / mean
     return {
         "steps": len(measured), "first_step": measured[0], "last_step": measured[-1], "seconds": seconds,
         "tokens": tokens, "tokens_per_s": tokens / seconds, "steps_per_s": len(measured) / seconds,
+        "step_time_spread": spread,  # standard deviation of the step times over their mean
     }  # fmt: skip
 
 
@@ -168,6 +173,12 @@ def notes(study: dict[str, Any]) -> list[str]:
         f"throughput from steps {s['warmup'] + 1}–{s['steps']} of each job (the first {s['warmup']} are warm-up); "
         f"speed-up and efficiency against the {study['points'][0]['gpus']}-GPU point",
     ]
+    noisy = [p["gpus"] for p in study["points"] if ((p.get("measured") or {}).get("step_time_spread") or 0) > NOISY]
+    if noisy:
+        out.append(
+            f"step times varied by more than {NOISY:.0%} at {', '.join(map(str, noisy))} GPU(s): something else was "
+            "using this machine, or too few steps were measured; repeat with more --steps before trusting the speed-up"
+        )
     if study.get("simulated"):
         cores = study.get("cpu_cores") or 1
         out.append(
