@@ -30,7 +30,7 @@ def a_study(states: tuple[str, str], measured: tuple[float | None, float | None]
     study = {
         "schema": scaling.SCHEMA, "id": "sabc123", "created": 1.0, "model": "tiny", "from_job": "t",
         "machine": "simulated: 4×RTX 4090", "simulated": True, "cpu_cores": 2, "points": points,
-        "settings": {"global_batch": 8, "seq_len": 32, "precision": "fp32", "method": "scratch", "steps": 5, "warmup": 2},
+        "settings": {"global_batch": 8, "micro_batch": 2, "seq_len": 32, "precision": "fp32", "method": "scratch", "steps": 5, "warmup": 2},
     }  # fmt: skip
     return scaling.summarize(study)
 

@@ -76,6 +76,7 @@ class ScalingPanel(QWidget):
         self.table.setTabKeyNavigation(False)
         self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
         self.table.verticalHeader().hide()
+        self.table.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.chart = pg.PlotWidget()
         self.chart.setObjectName("scaleChart")
         apply_plot_theme(self.chart, self.palette())
@@ -195,12 +196,23 @@ class ScalingPanel(QWidget):
                 if c >= 4:
                     item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
                 self.table.setItem(r, c, item)
-        self.table.setMaximumHeight(self.table.horizontalHeader().height() + self.table.verticalHeader().length() + 6)
+        self.table.resizeRowsToContents()
+        # Every row shown, no scroll bar: a study has a handful of points.
+        rows_height = sum(self.table.rowHeight(r) for r in range(self.table.rowCount()))
+        head = self.table.horizontalHeader().sizeHint().height()
+        self.table.setFixedHeight(head + rows_height + 2 * self.table.frameWidth() + 2)
 
     def _draw(self, study: dict[str, Any]) -> None:
         series = chart_series(study)
         for name, (xs, ys) in series.items():
             self.curves[name].setData(xs, ys)
+        base = (study.get("points") or [{}])[0].get("gpus", 1)
+        title = f"Speed-up against {base} GPU{'s' * (base != 1)}"
+        self.chart.setTitle(
+            title + (": measured on CPU ranks, predicted for real GPUs" if study.get("simulated") else "")
+        )
+        counts = [p["gpus"] for p in study.get("points") or []]
+        self.chart.getAxis("bottom").setTicks([[(n, str(n)) for n in counts]])
 
     def table_cells(self) -> list[list[str]]:
         return [
