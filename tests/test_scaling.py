@@ -167,3 +167,20 @@ def test_a_study_on_one_and_two_cpu_ranks_matches_the_jobs_own_records(engine, c
     assert f"{rows[1]['tokens_per_s']:,.0f}" in out
     code, out, _ = run_cli(capsys, "jobs")
     assert out.count(f"scaling study {study['id']}") == 2
+    # what the app's button does: repeat a finished training job's settings (its global batch: 2 replicas × …)
+    code, out, err = run_cli(
+        capsys, "scaling", "--job", rows[1]["job"], "--gpus", "1", "--steps", "3", "--detach", "--json"
+    )
+    assert code == 0, err
+    again = json.loads(out)
+    assert again["from_job"] == rows[1]["job"] and again["state"] == "running"
+    assert {k: again["settings"][k] for k in ("global_batch", "seq_len", "method", "precision")} == {
+        "global_batch": batch,
+        "seq_len": seq,
+        "method": "scratch",
+        "precision": "fp32",
+    }
+    with engine.client() as c:
+        c.request("cancel", job=again["points"][0]["job"])
+        listed = c.request("scaling_studies", job=rows[1]["job"])["studies"]
+    assert [s["id"] for s in listed] == [again["id"]]
