@@ -37,6 +37,7 @@ from rigpilot.app.jobs.outcome import model_of
 from rigpilot.app.jobs.prediction import PredictionTable
 from rigpilot.app.jobs.restarts import RestartTimeline
 from rigpilot.app.jobs.results_view import ResultsView
+from rigpilot.app.jobs.scaling_view import ScalingPanel
 from rigpilot.app.jobs.series import DEFAULT_SMOOTHING
 from rigpilot.app.jobs.slurm_state import slurm_detail
 from rigpilot.app.jobs.summary_view import SettingsDiff, SummaryPanel
@@ -168,7 +169,12 @@ class JobDetail(QWidget):
         summary_area = QScrollArea()
         summary_area.setObjectName("summaryArea")
         summary_area.setWidgetResizable(True)
-        summary_area.setWidget(self.summary_panel)
+        self.scaling = ScalingPanel()
+        summary_box = QWidget()
+        summary_layout = QVBoxLayout(summary_box)
+        summary_layout.addWidget(self.summary_panel)
+        summary_layout.addWidget(self.scaling)
+        summary_area.setWidget(summary_box)
         self.tabs.addTab(summary_area, "Summary")
         self.results = ResultsView()
         self.tabs.addTab(self.results, "Results")
@@ -332,6 +338,7 @@ class JobDetail(QWidget):
             self.results.show_job(self.link, job)
         elif self.tabs.isTabVisible(SUMMARY_TAB):
             self.summary_panel.show_job(job, h.series)
+            self.scaling.show_job(self.link, job)
 
     def _show_notes(self) -> None:
         h = self.handle

@@ -81,6 +81,8 @@ class SearchOptions:
     # cluster.NODE_LINKS or a bandwidth in GB/s). The search also tries fewer nodes, and TP stays inside a node.
     nodes: int = 1
     internode: str = DEFAULT_LINK
+    # Training: only plans with this micro-batch (a scaling study keeps it the same on every GPU count).
+    micro_batch: int | None = None
 
 
 # -- validation ------------------------------------------------------------------------------------------------
@@ -191,6 +193,8 @@ def search(
     if opts.offload not in OFFLOAD_CHOICES:
         raise UserError(f"CPU offload can be {', '.join(OFFLOAD_CHOICES)}, not {opts.offload!r}")
     check_nodes(opts.nodes)
+    if opts.micro_batch is not None and not 1 <= opts.micro_batch <= MAX_BATCH:
+        raise UserError(f"a micro-batch is 1 to {MAX_BATCH} sequences, not {opts.micro_batch}")
     link = node_link(opts.internode)
     if node_machines is not None and len(node_machines) > 1 and opts.nodes not in (1, len(node_machines)):
         raise UserError(f"--nodes {opts.nodes} does not match the {len(node_machines)} node machines given")
@@ -603,6 +607,14 @@ def _node_layouts(
                 continue
             per_replica = w.global_batch // dp
             micro_batches = _divisors(per_replica)
+            if opts.micro_batch is not None:
+                if per_replica % opts.micro_batch:
+                    why = f"micro-batch {opts.micro_batch} does not divide the {per_replica} sequences of each of {dp} replicas"
+                    families = ["tensor parallel"] if tp > 1 else ["pipeline"] if pp > 1 else ["DDP", "ZeRO-1", "ZeRO-2", "FSDP", "offload"]
+                    for family in families:
+                        skipped.setdefault(family, why)
+                    continue
+                micro_batches = [opts.micro_batch]
             local = dp * tp  # GPUs of one stage
             if nodes > 1 and local % per and per % local:
                 continue  # a stage that straddles nodes unevenly: no layout is the same on every node

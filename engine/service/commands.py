@@ -25,6 +25,7 @@ from rigpilot.engine.argtypes import (
 from rigpilot.engine.capability import TRAIN_METHODS
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.jobs.limits import CHECKPOINTING, PRECISIONS
+from rigpilot.engine.service import scaling
 from rigpilot.engine.service.metrics import mark_superseded
 from rigpilot.engine.terminal import printable
 
@@ -48,18 +49,14 @@ def register(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     degrees = _degree_options()
 
     slurm = _slurm_options()
-    k = kinds.add_parser("train", parents=[common, model, degrees, slurm], help="train or fine-tune a model")
-    k.add_argument("--data", action="append", default=[], metavar="FILE", help="training data (.txt, .jsonl); repeatable")
-    k.add_argument("--method", choices=TRAIN_METHODS,
-                   help="full fine-tune, LoRA, QLoRA (LoRA on a 4-bit NF4 base), or from scratch")
+    workload = _workload_options()
+    k = kinds.add_parser("train", parents=[common, model, degrees, slurm, workload], help="train or fine-tune a model")
     k.add_argument("--steps", type=positive_int, metavar="N", help="optimizer steps (default 100)")
-    k.add_argument("--seq", type=positive_int, metavar="TOKENS", help="sequence length (default 512)")
     k.add_argument("--micro-batch", type=positive_int, metavar="N", help="sequences per rank per step (default 1)")
     k.add_argument("--grad-accum", type=positive_int, metavar="N", help="micro-batches per optimizer step")
     k.add_argument("--lr", type=positive_float, metavar="RATE", help="peak learning rate (default 2e-4)")
     k.add_argument("--train-on-prompts", action="store_true",
                    help="chat/instruction data: train on the prompts too, not only on the answers")  # fmt: skip
-    k.add_argument("--precision", choices=PRECISIONS, help="mixed-precision compute dtype (default bf16)")
     k.add_argument("--activation-checkpointing", "--checkpointing", dest="checkpointing", choices=CHECKPOINTING,
                    help="activation checkpointing (default none)")  # fmt: skip
     k.add_argument("--save-merged", action="store_true", help="LoRA/QLoRA: also save the merged full weights")
@@ -90,6 +87,30 @@ def register(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     k.set_defaults(func=cmd_run)
 
     register_nodes(sub, js)
+    p = sub.add_parser(
+        "scaling", parents=[_scaling_model_options(), workload, js],
+        help="run the same training on 1, 2, 4 … GPUs: measured speed-up against linear and against the plan",
+        description="rigpilot scaling --model MODEL --data FILE --gpus 1,2,4 [--steps N]: one training job per GPU "
+        "count (GPUs 0 … n-1), each under the planner's plan for that count, one after another; then a table of "
+        "measured tokens/s and steps/s, speed-up, efficiency against linear and the plan's prediction. "
+        "rigpilot scaling --job JOB repeats a training job's settings. --csv FILE writes the table; the app "
+        "(the job's Summary tab) also draws it and saves the chart as PNG.",
+    )  # fmt: skip
+    p.add_argument("--gpus", type=_gpu_counts, metavar="1,2,4", help="GPU counts to measure (default: 1, 2, 4 … up to all)")
+    p.add_argument("--job", metavar="JOB", help="repeat this training job's model, data and global batch")
+    p.add_argument("--steps", type=positive_int, metavar="N", help=f"optimizer steps per job (default {scaling.DEFAULT_STEPS})")
+    p.add_argument("--warmup", type=_whole_number, metavar="N",
+                   help=f"steps left out of the measurement at the start of each job (default {scaling.DEFAULT_WARMUP})")
+    p.add_argument("--global-batch", type=positive_int, metavar="N",
+                   help=f"sequences per optimizer step, the same for every GPU count (default {scaling.DEFAULT_GLOBAL_BATCH})")
+    p.add_argument("--micro-batch", type=positive_int, metavar="N",
+                   help="sequences per rank per micro-step, the same for every GPU count (default: the largest "
+                   "count's plan's)")  # fmt: skip
+    p.add_argument("--csv", type=Path, metavar="FILE", help="also write the table as CSV")
+    p.add_argument("--detach", action="store_true", help="start the study and return at once")
+    p.add_argument("--show", metavar="STUDY", help="show a study (started earlier) instead of starting one")
+    p.add_argument("--list", action="store_true", help="list the studies, newest first")
+    p.set_defaults(func=cmd_scaling)
 
     p = sub.add_parser("jobs", parents=[js], help="the jobs, newest first")
     p.add_argument("--state", action="append", metavar="STATE", help="only jobs in this state; repeatable")
@@ -213,6 +234,31 @@ def _slurm_request(args: argparse.Namespace) -> dict[str, Any] | None:
             raise UserError(f"--{named[0]} is a SLURM option: add --slurm to submit the job to SLURM")
         return None
     return {k: v for k, v in given.items() if v is not None}
+
+
+def _workload_options() -> argparse.ArgumentParser:
+    """What a training run trains on, shared by `run train` and `scaling`."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--data", action="append", default=[], metavar="FILE", help="training data (.txt, .jsonl); repeatable")
+    p.add_argument("--method", choices=TRAIN_METHODS,
+                   help="full fine-tune, LoRA, QLoRA (LoRA on a 4-bit NF4 base), or from scratch")  # fmt: skip
+    p.add_argument("--seq", type=positive_int, metavar="TOKENS", help="sequence length (default 512)")
+    p.add_argument("--precision", choices=PRECISIONS, help="mixed-precision compute dtype (default bf16)")
+    return p
+
+
+def _scaling_model_options() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--model", help="preset, local folder, hub id, or a config.json (train from scratch)")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the model's own Python code to run")
+    return p
+
+
+def _gpu_counts(text: str) -> list[int]:
+    try:
+        return scaling.parse_counts(text)
+    except UserError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _whole_number(text: str) -> int:
@@ -591,6 +637,8 @@ def _note(j: dict[str, Any]) -> str:
         return f"{describe(j['slurm'])}, job {j['slurm'].get('job_id')}"
     restarted = len(j.get("restarts") or [])
     note = _end_note(j)
+    if j.get("study"):
+        note = f"scaling study {j['study']}" + (f"; {note}" if note else "")
     if restarted:
         return f"restarted {restarted}×" + (f"; {note}" if note else "")
     return note
@@ -857,3 +905,95 @@ def _read_token(path: Path | None) -> str:
     except OSError as e:
         raise UserError(f"cannot read the token file {path}: {e.strerror}") from None
     return text.strip()
+
+
+# -- scaling ---------------------------------------------------------------------
+
+
+def cmd_scaling(args: argparse.Namespace) -> int:
+    from rigpilot.engine.service.client import EngineClient
+
+    # Planning every point happens inside the start request: give it room beyond one plan's deadline.
+    with EngineClient(timeout=300) as c:
+        if args.list:
+            studies = c.request("scaling_studies")["studies"]
+            if args.json:
+                print(json.dumps({"schema": "rigpilot.scaling-list/1", "studies": studies}, indent=2))
+            elif not studies:
+                print("no scaling studies yet; start one with 'rigpilot scaling --model MODEL --data FILE'")
+            for s in [] if args.json else studies:
+                counts = ",".join(str(p["gpus"]) for p in s["points"])
+                print(f"{s['id']}  {s['state']:<9}  {time.strftime('%Y-%m-%d %H:%M', time.localtime(s['created']))}  "
+                      f"{printable(s['model'])}  GPUs {counts}")  # fmt: skip
+            return 0
+        if args.show:
+            study = c.request("scaling_study", study=args.show)["study"]
+        else:
+            study = c.request("scaling_start", cwd=os.getcwd(), **_scaling_request(args, c))["study"]
+            if not args.json:
+                jobs = ", ".join(f"{p['gpus']} GPU{'s' * (p['gpus'] != 1)}: job {p['job']}" for p in study["points"])
+                print(f"scaling study {study['id']} started ({jobs})", flush=True)
+            if not args.detach:
+                study = _follow_study(c, study, quiet=args.json)
+    if args.csv is not None:
+        try:
+            args.csv.write_text(scaling.to_csv(study))
+        except OSError as e:
+            raise UserError(f"cannot write {args.csv}: {e.strerror or e}") from None
+    if args.json:
+        print(json.dumps(study, indent=2))
+    else:
+        print("\n".join(scaling.text_lines(study)))
+        if args.csv is not None:
+            print(f"table written to {args.csv}")
+    return 0 if study["state"] != "failed" else 1
+
+
+def _scaling_request(args: argparse.Namespace, client: Any) -> dict[str, Any]:
+    if args.gpus is None:  # 1, 2, 4 … up to every GPU the engine's machine has
+        have = len(client.request("machine")["machine"]["gpus"])
+        counts = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= have] or [1]
+    else:
+        counts = args.gpus
+    req: dict[str, Any] = {"gpus": counts}
+    if args.job:
+        named = [f for f, v in (("--model", args.model), ("--data", args.data), ("--method", args.method),
+                                ("--seq", args.seq), ("--precision", args.precision)) if v]  # fmt: skip
+        if named:
+            raise UserError(f"{named[0]} does not go with --job: the study repeats that job's settings")
+        req["job"] = args.job
+    else:
+        if not args.model:
+            raise UserError("which model? rigpilot scaling --model MODEL --data FILE [--gpus 1,2,4]")
+        model = args.model
+        if Path(model).expanduser().exists():  # a folder here, not a hub id: the engine's planner needs its full path
+            model = str(Path(model).expanduser().resolve())
+        data = [str(Path(d).expanduser().resolve()) if Path(d).expanduser().exists() else d for d in args.data]
+        req.update(model=model, dataset=data, method=args.method, seq_len=args.seq, precision=args.precision)
+        if args.trust_remote_code:
+            req["trust_remote_code"] = True
+    req.update(steps=args.steps, warmup=args.warmup, global_batch=args.global_batch, micro_batch=args.micro_batch)
+    return {k: v for k, v in req.items() if v not in (None, [])}
+
+
+def _follow_study(client: Any, study: dict[str, Any], *, quiet: bool) -> dict[str, Any]:
+    """Poll the study until every point has ended, one line per change; Ctrl-C stops following, not the study."""
+    shown: dict[int, str] = {}
+    try:
+        while True:
+            for p in study["points"]:
+                m = p.get("measured") or {}
+                line = f"{p['gpus']} GPU{'s' * (p['gpus'] != 1)} (job {p['job']}): {p['state']}"
+                if p["state"] == "completed" and m:
+                    line += f", {m['tokens_per_s']:,.0f} tokens/s over {m['steps']} steps"
+                if shown.get(p["gpus"]) != line:
+                    shown[p["gpus"]] = line
+                    if not quiet:
+                        print(line, flush=True)
+            if study["state"] != "running":
+                return study
+            time.sleep(1.0)
+            study = client.request("scaling_study", study=study["id"])["study"]
+    except KeyboardInterrupt:
+        print(f"\nstopped following; the study goes on. see it with: rigpilot scaling --show {study['id']}")
+        raise SystemExit(0) from None

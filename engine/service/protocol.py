@@ -57,6 +57,11 @@ has `settings`, the job's spec without its environment, and `output`, what its o
     resume_member {job, run, endpoint, env?} → {job}
     nodes {probe?} → {nodes: [{name, address, reachable, error?, label, gpus, simulated, version}], path}
     node_add {name, address, token} → {node};  node_remove {name} → {removed}
+    scaling_start {gpus: [counts], job? | model, dataset?, method?, precision?, seq_len?, global_batch?, micro_batch?, steps?,
+          warmup?, trust_remote_code?, cwd?} → {study}: plans each count and submits one training job per
+          count (engine.service.scaling); a study that cannot run is refused in one line and submits nothing
+    scaling_study {study}                   → {study}: with each point's state, measurement, `table` and `notes`
+    scaling_studies {job?}                  → {studies}: newest first; job: only those repeating that job
 Events after `subscribe`:
     {"event": "telemetry", "sample": TelemetrySample}
     {"event": "job", "job": job}             (to "jobs" and to that job's "metrics:" subscribers)
@@ -294,6 +299,19 @@ REQUEST_SCHEMAS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "unsubscribe": ({}, {"topics": Topics}),
     "shutdown": ({}, {}),
     "reload_machine": ({}, {"simulated_profile": Text}),
+    # Scaling studies (engine.service.scaling): the same training on 1, 2, 4 … GPUs, one job per count.
+    "scaling_start": (
+        {"gpus": Annotated[list[Annotated[int, Limit(1, 4096)]], Limit(max_len=8)]},
+        {
+            "job": Text, "model": Path_, "trust_remote_code": bool,
+            "dataset": Annotated[list[Path_], Limit(max_len=256)], "method": Text, "precision": Text,
+            "seq_len": Annotated[int, Limit(1, 1 << 21)], "global_batch": Annotated[int, Limit(1, 1 << 20)],
+            "micro_batch": Annotated[int, Limit(1, 1 << 20)] | None, "steps": Annotated[int, Limit(1, 1_000_000)], "warmup": Annotated[int, Limit(0, 1_000_000)],
+            "cwd": Path_ | None,
+        },
+    ),
+    "scaling_study": ({"study": Text}, {}),
+    "scaling_studies": ({}, {"job": Text | None}),
 }
 
 TOPICS = ("telemetry", "jobs")  # plus "metrics:<job id>"

@@ -57,6 +57,7 @@ from rigpilot.engine.service.multinode import MultiNode
 from rigpilot.engine.service.planworker import ClientGone, PlannerBug, PlannerPool, PlanTimeout
 from rigpilot.engine.service.protocol import ProtocolError, Request
 from rigpilot.engine.service.results import RESULTS_FILE, read_results
+from rigpilot.engine.service.scaling import Studies
 from rigpilot.engine.service.store import ALL_STATES, COMPLETED, JobStore
 from rigpilot.engine.service.supervisor import JobNotFound, Supervisor, SupervisorOptions
 from rigpilot.engine.service.telemetry_store import TelemetryStore
@@ -307,6 +308,7 @@ class EngineService:
             self._listen_tcp(self.options.tcp)
             self.token = paths.read_or_create_token()
         self.planners = PlannerPool(self.machine, size=self.options.planners)
+        self.studies = Studies(paths.engine_state_dir() / "scaling", self.supervisor, self._plan_for_study, paths.write_private)
         self.supervisor.start()
         self.multinode.start()
         self.sampler.start()
@@ -700,6 +702,20 @@ class EngineService:
                 raise UserError("a job goes to SLURM or across nodes, not both: SLURM chooses a SLURM job's nodes itself")
             return {"job": self.multinode.submit(spec, plan, cwd, nodes, shared_dir)}
         return {"job": self.supervisor.submit(spec, plan, cwd, slurm)}
+
+    def _plan_for_study(self, args: dict[str, Any]) -> dict[str, Any]:
+        assert self.planners is not None
+        args = {**args, "calibration": calibration_store.stored(paths.calibration_path())}
+        return self.planners.plan(args, time.monotonic() + self.options.plan_deadline_s, lambda: False)
+
+    def _do_scaling_start(self, conn: Connection, gpus: list[int], cwd: str | None = None, **request: Any) -> Any:
+        return {"study": self.studies.start({"gpus": gpus, **request}, cwd)}
+
+    def _do_scaling_study(self, conn: Connection, study: str) -> Any:
+        return {"study": self.studies.get(study)}
+
+    def _do_scaling_studies(self, conn: Connection, job: str | None = None) -> Any:
+        return {"studies": self.studies.list(job)}
 
     def _do_check(
         self, conn: Connection, spec: dict[str, Any], plan: dict[str, Any] | None = None, cwd: str | None = None,

@@ -64,6 +64,7 @@ class JobRecord:
     nodes: dict[str, Any] | None = None
     # GPU energy (engine.service.energy): per run and in all, per GPU, with the seconds no power reading covered.
     energy: dict[str, Any] | None = None
+    study: str | None = None  # the scaling study this job is a point of (engine.service.scaling)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
