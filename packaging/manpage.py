@@ -122,17 +122,19 @@ def _synopsis(path: list[str], parser: argparse.ArgumentParser) -> str:
     return " ".join(parts)
 
 
-def _subparsers(parser: argparse.ArgumentParser) -> list[tuple[str, str, argparse.ArgumentParser]]:
-    out = []
+def _subparsers(parser: argparse.ArgumentParser) -> list[tuple[str, str, argparse.ArgumentParser, list[str]]]:
+    """(name, help, parser, aliases) of each subcommand; an alias is the same parser under another name."""
+    out: list[tuple[str, str, argparse.ArgumentParser, list[str]]] = []
     for a in parser._actions:
         if isinstance(a, argparse._SubParsersAction):
             helps = {c.dest: c.help or "" for c in a._choices_actions}
-            seen = set()
+            first: dict[int, list[str]] = {}
             for name, sub in a.choices.items():
-                if id(sub) in seen:  # an alias
+                if id(sub) in first:
+                    first[id(sub)].append(name)
                     continue
-                seen.add(id(sub))
-                out.append((name, helps.get(name, ""), sub))
+                first[id(sub)] = []
+                out.append((name, helps.get(name, ""), sub, first[id(sub)]))
     return out
 
 
@@ -161,8 +163,15 @@ def _command(path: list[str], help_text: str, parser: argparse.ArgumentParser) -
         out += [".PP", line(roff(parser.description))]
     out += [".PP", _synopsis(path, parser)]
     out += [".RS", *(_options(parser) or [".PP", "No options."]), ".RE"]
-    for name, sub_help, sub in _subparsers(parser):
-        out += _command([*path, name], sub_help, sub)
+    for name, sub_help, sub, aliases in _subparsers(parser):
+        out += _command([*path, name], sub_help, sub) + _aliases(path, name, aliases)
+    return out
+
+
+def _aliases(path: list[str], name: str, aliases: list[str]) -> list[str]:
+    out = []
+    for alias in aliases:
+        out += [f'.SS "{roff(" ".join([*path, alias]))}"', line(roff(f"The same as {' '.join([*path, name])}."))]
     return out
 
 
@@ -186,8 +195,8 @@ def render(parser: argparse.ArgumentParser, version: str, date: dt.date) -> str:
         out += [".TP", f"\\fB{roff(opt)}\\fR" + (f" \\fI{roff(arg)}\\fR" if arg else ""), line(roff(text))]
     out += [o for o in _options(parser)]
     out += [".SH COMMANDS"]
-    for name, help_text, sub in _subparsers(parser):
-        out += _command([prog, name], help_text, sub)
+    for name, help_text, sub, aliases in _subparsers(parser):
+        out += _command([prog, name], help_text, sub) + _aliases([prog], name, aliases)
     return "\n".join(out) + "\n" + TAIL.lstrip("\n")
 
 
