@@ -147,9 +147,7 @@ class Supervisor:
         self._secrets: dict[str, dict[str, str]] = {}
         # engine.service.multinode: may rewrite how a job spanning several engines ended (naming the node).
         self.finish_hook: Callable[[JobRecord, dict[str, Any]], dict[str, Any]] = lambda rec, outcome: outcome
-        self.warm: warm.WarmWorker | None = None
-        if self.options.warm_worker and warm.enabled():
-            self.warm = warm.WarmWorker(paths.runtime_dir(), jobs_root.parent / "warm-worker.log")
+        self.warm: warm.WarmWorker | None = None  # made when first started
         self._warm_check_at = 0.0
         self._warm_retry_at = 0.0
         self._warm_failures = 0
@@ -203,11 +201,13 @@ class Supervisor:
         Idle: no job running, starting or queued, so its imports (seconds of CPU) never compete with a
         job. Memory allows: at least warm.MIN_AVAILABLE_BYTES available (it holds about 0.5-1 GiB).
         """
-        w = self.warm
         now = time.monotonic()
-        if w is None or now < self._warm_check_at:
+        if not (self.options.warm_worker and warm.enabled()) or now < self._warm_check_at:
             return
         self._warm_check_at = now + 1.0
+        if self.warm is None:
+            self.warm = warm.WarmWorker(paths.runtime_dir(), self.jobs_root.parent / "warm-worker.log")
+        w = self.warm
         if w.running():
             if not warm.memory_allows(int(psutil.virtual_memory().available * 2)):
                 log.info("warm worker stopped: memory is short")

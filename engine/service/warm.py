@@ -83,7 +83,8 @@ _MAX_LINE = 1 << 20
 
 
 def enabled(env: dict[str, str] | os._Environ[str] | None = None) -> bool:
-    return (env if env is not None else os.environ).get(ENABLE_ENV, "1").strip().lower() not in ("0", "no", "false", "off")
+    value = (env if env is not None else os.environ).get(ENABLE_ENV, "1")
+    return value.strip().lower() not in ("0", "no", "false", "off")
 
 
 def import_time_mismatch(job_env: dict[str, str], warm_env: dict[str, str]) -> str | None:
@@ -289,7 +290,8 @@ def _target(args: list[str]) -> list[str] | None:
 
 
 def _decline(request: dict[str, Any], own_env: dict[str, str]) -> str | None:
-    if not isinstance(request.get("python"), str) or os.path.abspath(request["python"]) != os.path.abspath(sys.executable):
+    python = request.get("python")
+    if not isinstance(python, str) or os.path.abspath(python) != os.path.abspath(sys.executable):
         return "another Python interpreter"
     if not isinstance(request.get("args"), list) or not all(isinstance(a, str) for a in request["args"]):
         return "bad request"
