@@ -68,6 +68,7 @@ def test_no_warm_worker_when_turned_off(tmp_path, monkeypatch):
     from rigpilot.engine.service.supervisor import Supervisor, SupervisorOptions
 
     engine_home(tmp_path, monkeypatch)
+    monkeypatch.setenv(warm.ENABLE_ENV, "1")
     store = JobStore(tmp_path / "engine.db")
     off = Supervisor(store, tmp_path / "jobs", load_profile("4x-rtx4090"), options=SupervisorOptions(warm_worker=False))
     off._tend_warm()
@@ -114,6 +115,7 @@ def test_a_job_runs_through_the_warm_worker_survives_its_death_and_matches_the_p
     try:
         engine_home(base, monkeypatch)
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        monkeypatch.setenv(warm.ENABLE_ENV, "1")  # tests/conftest.py turns it off for the other tests
         engine.start()
         sock = wait_for(lambda: next((base / "r").rglob(warm.SOCKET_NAME), None), 90, 0.1, "the warm worker")
         assert stat.S_IMODE(sock.stat().st_mode) == 0o600
