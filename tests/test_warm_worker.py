@@ -6,6 +6,7 @@ job to compare with; the rest are quick checks of the pieces.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pwd
@@ -17,6 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import psutil
 import pytest
 from test_service_engine import Engine, engine_home, leftover_job_processes, wait_for
 from test_workers_jobs import LLAMA_TRAIN, TINY_LLAMA_CONFIG, losses, run_job, write_job
@@ -140,19 +142,28 @@ def test_a_job_runs_through_the_warm_worker_survives_its_death_and_matches_the_p
             job_dir = Path(job["job_dir"])
             phases = set()
 
+            environs: list[dict[str, str]] = []
+
             def forked() -> bool:
                 view = engine.job(c, job["id"])
                 phases.add(view.get("startup_phase"))
                 try:
-                    return all("child_pid" in json.loads((job_dir / "ranks" / f"rank{r}.json").read_text()) for r in (0, 1))
+                    states = [json.loads((job_dir / "ranks" / f"rank{r}.json").read_text()) for r in (0, 1)]
                 except (OSError, ValueError):
                     return False
+                if not all("child_pid" in s for s in states):
+                    return False
+                with contextlib.suppress(psutil.Error):  # it may have finished already
+                    environs.append(psutil.Process(states[0]["child_pid"]).environ())
+                return True
 
             wait_for(forked, 60, 0.02, "both ranks to start")
             os.kill(warm_pid, signal.SIGKILL)  # the job must not be lost with it
             done = engine.wait_state(c, job["id"], "completed", "failed", timeout=120)
             assert done["state"] == "completed", done.get("exit_reason")
             assert "launching" in phases
+            # What the kernel shows for the forked rank is the job's environment, so the engine finds it by its token.
+            assert environs and environs[0]["RIGPILOT_JOB_ID"] == job["id"] and warm.ENV_ROOM_VAR not in environs[0]
             ranks = [json.loads((job_dir / "ranks" / f"rank{r}.json").read_text()) for r in (0, 1)]
             logs = [job_dir / "logs" / "rank0.log", *base.rglob("warm-worker.log"), base / "engine.log"]
             assert all(r.get("warm") and r["exit"]["code"] == 0 for r in ranks), "\n".join(f.read_text()[:2000] for f in logs)
@@ -176,8 +187,6 @@ def test_a_job_runs_through_the_warm_worker_survives_its_death_and_matches_the_p
 
 
 def _processes_with(text: str) -> list:
-    import psutil
-
     found = []
     for p in psutil.process_iter(["cmdline"]):
         if any(text in a for a in p.info["cmdline"] or []):
@@ -195,3 +204,16 @@ def test_a_request_that_is_not_a_worker_rank_is_declined():
     assert warm._decline(request, own) is None
     assert warm._decline({**request, "env": {"HOME": "/home/x"}}, own) == "HOME differs from the warm worker's"
     assert warm._decline({**request, "env": {"HOME": "/root", "X": "y" * 200_000}}, own) == "environment too large"
+
+
+def test_without_a_warm_worker_the_rank_starts_as_before(tmp_path):
+    """No socket, or a stale one a killed warm worker left: fork_rank says no, and rankexec execs the rank."""
+    command = [sys.executable, "-u", "-m", warm.WORKER_MODULE, str(tmp_path)]
+    assert warm.fork_rank(str(tmp_path / "absent.sock"), command, dict(os.environ), str(tmp_path)) is None
+    import socket
+
+    stale = tmp_path / warm.SOCKET_NAME
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(stale))
+    s.close()  # the file stays, nothing listens: as after kill -9
+    assert warm.fork_rank(str(stale), command, dict(os.environ), str(tmp_path)) is None

@@ -3,7 +3,7 @@
 Most of the time between submitting a job and its first step is every rank
 importing torch and transformers (seconds, on each rank at once). While the
 engine is idle and memory allows, the supervisor starts one warm worker per
-user (`python -m rigpilot.engine.service.warm SOCKET`): it imports what the
+user (`python -m rigpilot.engine.workers.warm SOCKET`): it imports what the
 ranks import, then listens on a private Unix socket. torchrun stays the
 launcher; rankexec, which torchrun starts for each rank, asks the warm worker
 to fork the rank instead of starting a new interpreter, and falls back to
@@ -32,8 +32,9 @@ was killed meanwhile the rank still ends with its code (the job is not lost).
 When rankexec goes away (torchrun killed the rank's group) the warm worker
 kills the child's group, as if it had been in that group.
 
-Kept to the standard library at import time: rankexec imports this module in
-every rank; only the warm worker's own main imports torch.
+The warm worker itself (the part that imports torch) is engine.workers.warm;
+this module is the protocol, the rank's side and the engine's side, kept to
+the standard library: rankexec imports it in every rank, the service too.
 """
 
 from __future__ import annotations
@@ -244,7 +245,7 @@ class WarmWorker:
         with open(self.log_path, "ab") as log:
             os.chmod(self.log_path, 0o600)
             self.popen = subprocess.Popen(
-                [python, "-m", "rigpilot.engine.service.warm", str(self.socket_path)],
+                [python, "-m", "rigpilot.engine.workers.warm", str(self.socket_path)],
                 cwd=str(self.socket_path.parent), env=env, stdin=subprocess.DEVNULL, stdout=log,
                 stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
@@ -273,7 +274,7 @@ def memory_allows(available: int | None = None) -> bool:
     return available >= MIN_AVAILABLE_BYTES
 
 
-# -- the warm worker ------------------------------------------------------------------------------------------
+# -- what the warm worker (engine.workers.warm) checks -------------------------------------------------------
 
 
 def _peer_uid(conn: socket.socket) -> int:
@@ -324,221 +325,3 @@ def _environ_span() -> tuple[int, int]:
 def _environ_room() -> int:
     start, end = _environ_span()
     return end - start
-
-
-def _rewrite_environ(env: dict[str, str]) -> None:
-    """Write `env` over the environ block the kernel shows as /proc/PID/environ.
-
-    A forked child keeps its parent's block; the service finds a job's processes (and kills leftovers)
-    by the run token in it, so the child must show the job's environment there, as an exec'd rank does.
-    Nothing points into the old block any more: os.environ was cleared (unsetenv) and refilled (setenv
-    copies) before this runs. Like setproctitle does for argv.
-    """
-    block = _environ_block(env)
-    start, end = _environ_span()
-    with open("/proc/self/mem", "r+b", buffering=0) as mem:
-        mem.seek(start)
-        mem.write(block + b"\0" * (end - start - len(block)))
-
-
-def _run_child(conn: socket.socket, fds: list[int], request: dict[str, Any], closing: list[Any]) -> None:
-    """In the forked child: become the rank and run it; never returns."""
-    code = 70  # EX_SOFTWARE: the child could not become the rank
-    try:
-        for c in closing:
-            with contextlib.suppress(OSError):
-                c.close()
-        os.setsid()
-        for target, fd in zip((0, 1, 2), fds, strict=True):
-            os.dup2(fd, target)
-        for fd in fds:
-            if fd > 2:
-                os.close(fd)
-        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
-            signal.signal(sig, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        import io
-
-        # As `python -u` would: the binary layers unbuffered, text written through.
-        sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
-        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
-        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace")
-        env, argv = request["env"], _target(request["args"])
-        assert argv is not None
-        os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(env)
-        _rewrite_environ(env)
-        sys.argv = [WORKER_MODULE, *argv]
-        sys.path[0] = request["cwd"]  # `python -m` puts the working folder first
-        import random
-
-        import torch
-
-        random.seed()  # a fresh interpreter seeds from the OS; the warm worker's state is shared by every child
-        cpus = len(os.sched_getaffinity(0))
-        try:
-            threads = int(env.get("OMP_NUM_THREADS", "")) or cpus
-        except ValueError:
-            threads = cpus
-        torch.set_num_threads(max(threads, 1))
-        from rigpilot.engine.workers import __main__ as worker
-
-        code = worker.main(argv)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        if not worker._skip_interpreter_teardown:
-            import atexit
-
-            atexit._run_exitfuncs()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except BaseException:
-        import traceback
-
-        with contextlib.suppress(Exception):
-            traceback.print_exc()
-    finally:
-        with contextlib.suppress(Exception):
-            _send(conn, {"child_exit": code})
-        os._exit(code)
-
-
-def _exit_code(status: int) -> int:
-    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-
-
-def _die_with_parent() -> None:
-    """SIGTERM this process when the engine that started it dies (children are not affected)."""
-    import ctypes
-
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def serve(socket_path: Path) -> int:
-    parent = os.getppid()
-    _die_with_parent()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    started = time.perf_counter()
-    own_env = dict(os.environ)
-    import importlib
-
-    import torch  # noqa: F401
-    import transformers  # noqa: F401
-
-    for name in PREIMPORT:
-        with contextlib.suppress(Exception):
-            importlib.import_module(name)
-    if os.getppid() != parent:
-        return 0
-    # Some imports set variables (a fresh rank would have them too, set by the same imports).
-    added = {k: v for k, v in os.environ.items() if k not in own_env}
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    tmp = socket_path.with_name(f".{socket_path.name}.{os.getpid()}")
-    with contextlib.suppress(FileNotFoundError):
-        tmp.unlink()
-    old = os.umask(0o177)
-    try:
-        listener.bind(str(tmp))
-    finally:
-        os.umask(old)
-    os.chmod(tmp, 0o600)
-    listener.listen(16)
-    os.replace(tmp, socket_path)  # appears only once the imports are done: its presence means "ready"
-    inode = os.stat(socket_path).st_ino
-    print(f"warm worker ready in {time.perf_counter() - started:.1f} s on {socket_path}", flush=True)
-    children: dict[int, socket.socket] = {}  # pidfd -> connection
-    pids: dict[int, int] = {}  # pidfd -> pid
-    by_conn: dict[socket.socket, int] = {}  # connection -> pidfd
-    try:
-        while True:
-            if os.getppid() != parent or not _still_ours(socket_path, inode):
-                return 0
-            ready = select.select([listener, *children, *by_conn], [], [], 1.0)[0]
-            for r in ready:
-                if r is listener:
-                    _accept(listener, own_env, added, children, pids, by_conn)
-                elif isinstance(r, int):  # a child exited
-                    conn = children.pop(r)
-                    pid = pids.pop(r)
-                    by_conn.pop(conn, None)
-                    os.close(r)
-                    try:
-                        _, status = os.waitpid(pid, 0)
-                        with contextlib.suppress(OSError):
-                            _send(conn, {"exit": _exit_code(status)})
-                    except ChildProcessError:
-                        pass
-                    conn.close()
-                else:  # the rank's launcher closed its end: torchrun killed it; the child goes too
-                    fd = by_conn.pop(r)
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(pids[fd], signal.SIGKILL)
-    finally:
-        if _still_ours(socket_path, inode):  # a newer warm worker's socket stays
-            with contextlib.suppress(OSError):
-                socket_path.unlink()
-
-
-def _still_ours(socket_path: Path, inode: int) -> bool:
-    """Whether the socket file is still this process's (removed or replaced: time to go)."""
-    try:
-        return os.stat(socket_path).st_ino == inode
-    except OSError:
-        return False
-
-
-def _accept(
-    listener: socket.socket, own_env: dict[str, str], added: dict[str, str], children: dict, pids: dict, by_conn: dict
-) -> None:
-    try:
-        conn, _ = listener.accept()
-    except OSError:
-        return
-    fds: list[int] = []
-    try:
-        conn.settimeout(10.0)
-        if _peer_uid(conn) != os.getuid():
-            _send(conn, {"declined": "another user"})
-            conn.close()
-            return
-        _, fds, _, _ = socket.recv_fds(conn, 1, 3)
-        request = _Lines(conn).read(timeout=10.0)
-        if request is None or len(fds) != 3:
-            raise ValueError("incomplete request")
-        reason = _decline(request, own_env)
-        request["env"] = {**added, **request["env"]}
-        if reason:
-            _send(conn, {"declined": reason})
-            raise ValueError(reason)
-        conn.settimeout(None)
-        closing = [listener, *by_conn, *(conn2 for conn2 in children.values() if conn2 not in by_conn)]
-        pid = os.fork()
-        if pid == 0:
-            for fd in children:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-            _run_child(conn, fds, request, closing)
-        pidfd = os.pidfd_open(pid)
-        children[pidfd] = conn
-        pids[pidfd] = pid
-        by_conn[conn] = pidfd
-        _send(conn, {"pid": pid})
-    except (OSError, ValueError):
-        conn.close()
-    finally:
-        for fd in fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-
-
-def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python -m rigpilot.engine.service.warm SOCKET", file=sys.stderr)
-        return 2
-    return serve(Path(argv[0]))
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
