@@ -148,7 +148,8 @@ class Supervisor:
         # engine.service.multinode: may rewrite how a job spanning several engines ended (naming the node).
         self.finish_hook: Callable[[JobRecord, dict[str, Any]], dict[str, Any]] = lambda rec, outcome: outcome
         self.warm: warm.WarmWorker | None = None  # made when first started
-        self._warm_check_at = 0.0
+        # Not in the engine's first seconds, while the app that started it may still be drawing its first frames.
+        self._warm_check_at = time.monotonic() + 2.0
         self._warm_retry_at = 0.0
         self._warm_failures = 0
 
