@@ -70,15 +70,25 @@ def test_no_warm_worker_when_turned_off(tmp_path, monkeypatch):
     from rigpilot.engine.service.supervisor import Supervisor, SupervisorOptions
 
     engine_home(tmp_path, monkeypatch)
-    monkeypatch.setenv(warm.ENABLE_ENV, "1")
+    started: list[str] = []
+    monkeypatch.setattr(warm.WarmWorker, "start", lambda self, python, env: started.append(python))
     store = JobStore(tmp_path / "engine.db")
-    off = Supervisor(store, tmp_path / "jobs", load_profile("4x-rtx4090"), options=SupervisorOptions(warm_worker=False))
-    off._tend_warm()
+
+    def tended(options: SupervisorOptions | None = None) -> Supervisor:
+        sup = Supervisor(store, tmp_path / "jobs", load_profile("4x-rtx4090"), options=options)
+        sup._warm_check_at = 0.0  # past the engine's first seconds
+        sup._tend_warm()
+        return sup
+
+    monkeypatch.setenv(warm.ENABLE_ENV, "1")
+    monkeypatch.setattr(warm, "memory_allows", lambda available=None: False)
+    assert tended().warm is not None and started == []  # memory is short: not now
+    monkeypatch.setattr(warm, "memory_allows", lambda available=None: True)
+    assert tended().warm is not None and started == [sys.executable]  # idle, memory to spare: it starts
+    assert tended(SupervisorOptions(warm_worker=False)).warm is None
     monkeypatch.setenv(warm.ENABLE_ENV, "0")
-    by_env = Supervisor(store, tmp_path / "jobs", load_profile("4x-rtx4090"))
-    by_env._tend_warm()
-    assert off.warm is None and by_env.warm is None
-    assert not list((tmp_path / "r").rglob(warm.SOCKET_NAME))
+    assert tended().warm is None
+    assert started == [sys.executable]
 
 
 def _as_nobody(code: str, *args: str) -> subprocess.CompletedProcess:
