@@ -29,6 +29,16 @@ from rigpilot.engine.service.warm import (
     _target,
 )
 
+_cpu_only = False  # set when an import initialised CUDA (see serve)
+
+
+def _cuda_touched() -> bool:
+    """Whether the CUDA driver library was loaded into this process (it is only on a first CUDA call)."""
+    try:
+        return "libcuda.so" in Path("/proc/self/maps").read_text()
+    except OSError:
+        return True
+
 
 def _rewrite_environ(env: dict[str, str]) -> None:
     """Write `env` over the environ block the kernel shows as /proc/PID/environ.
@@ -138,6 +148,12 @@ def serve(socket_path: Path) -> int:
         return 0
     # Some imports set variables (a fresh rank would have them too, set by the same imports).
     added = {k: v for k, v in os.environ.items() if k not in own_env}
+    # An import that asked CUDA anything (torch.cuda.is_available() in some library) loaded the driver with no
+    # GPU visible, and a forked child cannot start CUDA over again: such a warm worker serves CPU ranks only.
+    global _cpu_only
+    if _cuda_touched():
+        _cpu_only = True
+        print("warm worker: an import initialised CUDA; only CPU ranks will be forked", flush=True)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     tmp = socket_path.with_name(f".{socket_path.name}.{os.getpid()}")
     with contextlib.suppress(FileNotFoundError):
@@ -212,6 +228,8 @@ def _accept(
         if request is None or len(fds) != 3:
             raise ValueError("incomplete request")
         reason = _decline(request, own_env)
+        if not reason and _cpu_only and request["env"].get("CUDA_VISIBLE_DEVICES", "") != "":
+            reason = "CUDA was initialised in the warm worker"
         request["env"] = {**added, **request["env"]}
         if reason:
             _send(conn, {"declined": reason})
