@@ -216,7 +216,9 @@ class Supervisor:
             elif w.ready():
                 self._warm_failures = 0
             return
-        if w.popen is not None:  # it ended on its own: try again later, less and less often
+        if w.popen is not None and w.popen.returncode == 0:
+            w.popen = None  # it retired (the engine environment changed): a fresh one when idle
+        elif w.popen is not None:  # it failed or was killed: try again later, less and less often
             self._warm_failures += 1
             self._warm_retry_at = now + min(30.0 * 2**self._warm_failures, 3600.0)
             log.warning("warm worker exited with %s; see %s", w.popen.returncode, w.log_path)

@@ -172,8 +172,12 @@ def serve(socket_path: Path) -> int:
     pids: dict[int, int] = {}  # pidfd -> pid
     by_conn: dict[socket.socket, int] = {}  # connection -> pidfd
     try:
+        installed = _installed_stamp()
         while True:
             if os.getppid() != parent or not _still_ours(socket_path, inode):
+                return 0
+            if _installed_stamp() != installed:
+                print("warm worker: the engine environment changed; leaving for a fresh one", flush=True)
                 return 0
             ready = select.select([listener, *children, *by_conn], [], [], 1.0)[0]
             for r in ready:
@@ -199,6 +203,19 @@ def serve(socket_path: Path) -> int:
         if _still_ours(socket_path, inode):  # a newer warm worker's socket stays
             with contextlib.suppress(OSError):
                 socket_path.unlink()
+
+
+def _installed_stamp() -> tuple[float, ...]:
+    """Changes when packages are installed, upgraded or removed where torch and transformers live."""
+    import torch
+    import transformers
+
+    stamps = []
+    for module in (torch, transformers):
+        site = Path(module.__file__ or "").resolve().parents[1]
+        with contextlib.suppress(OSError):
+            stamps.append(site.stat().st_mtime)
+    return tuple(stamps)
 
 
 def _still_ours(socket_path: Path, inode: int) -> bool:
