@@ -602,7 +602,7 @@ class Supervisor:
         )
         env[RUN_TOKEN_ENV] = run_token(rec)
         env.pop(warm.SOCKET_ENV, None)
-        if self.warm is not None and self.warm.ready() and self.warm.python == python:
+        if rec.kind != "script" and self.warm is not None and self.warm.ready() and self.warm.python == python:
             env[warm.SOCKET_ENV] = str(self.warm.socket_path)
         if rec.simulated:
             env["CUDA_VISIBLE_DEVICES"] = ""  # simulated GPUs: ranks must not grab a real one

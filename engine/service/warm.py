@@ -193,8 +193,8 @@ def fork_rank(socket_path: str, command: list[str], env: dict[str, str], cwd: st
 
     Prints one line to the rank's log when a warm worker was there but declined.
     """
-    if not command or not os.path.isabs(command[0]):
-        return None
+    if not command or not os.path.isabs(command[0]) or _target(command[1:]) is None:
+        return None  # user scripts expect a fresh interpreter of their own
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.settimeout(5.0)
