@@ -17,9 +17,9 @@ not counted; then the median of `--runs` runs; target <= 0.5 s.
 `git worktree add DIR COMMIT`), alternating with this one run by run so that
 both see the same load, and prints the two side by side with their ratio.
 
-The CPU time each run used (user + system, until it exited) is printed too:
-on a busy machine the wall time grows with the other load, the CPU time much
-less.
+The CPU time each run used (user + system, until it exited, and until its
+first frame where the app prints it) is printed too: on a busy machine the
+wall time grows with the other load, the CPU time much less.
 """
 
 from __future__ import annotations
@@ -46,8 +46,9 @@ def _children_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def start_once(pycache: Path, tree: Path = REPO) -> tuple[float, float]:
-    """Seconds from starting the app's process to its first painted frame, and the CPU seconds it used."""
+def start_once(pycache: Path, tree: Path = REPO) -> tuple[float, float, float | None]:
+    """Seconds from starting the app's process to its first painted frame, the CPU seconds it used until
+    it exited, and those until the first frame (None from an older checkout that does not print them)."""
     env = dict(os.environ, QT_QPA_PLATFORM="offscreen", RIGPILOT_EXIT_AFTER_FIRST_PAINT="1", PYTHONPATH=str(tree))
     # As installed, modules load from cached bytecode: let the app write its caches (under `pycache`,
     # so the checkout stays clean) even where PYTHONDONTWRITEBYTECODE is set, as in some CI set-ups.
@@ -61,18 +62,22 @@ def start_once(pycache: Path, tree: Path = REPO) -> tuple[float, float]:
     )  # fmt: skip
     for line in proc.stdout.splitlines():
         if line.startswith("first-paint "):
-            return float(line.split()[1]) - t0, _children_cpu() - cpu0
+            fields = line.split()
+            return float(fields[1]) - t0, _children_cpu() - cpu0, float(fields[2]) if len(fields) > 2 else None
     raise RuntimeError(f"the app printed no first-paint line (exit {proc.returncode}):\n{proc.stdout}{proc.stderr}")
 
 
-def _report(label: str, warm_up: float, runs: list[tuple[float, float]]) -> float:
-    times, cpu = [t for t, _ in runs], [c for _, c in runs]
+def _report(label: str, warm_up: float, runs: list[tuple[float, float, float | None]]) -> float:
+    times, cpu = [t for t, _, _ in runs], [c for _, c, _ in runs]
+    to_paint = [c for _, _, c in runs if c is not None]
     median = statistics.median(times)
     print(f"  {label}")
     print(f"    warm-up run (not counted): {warm_up:.3f} s")
     print(f"    runs:   {', '.join(f'{t:.3f}' for t in times)} s")
     print(f"    median: {median:.3f} s   min {min(times):.3f} s   max {max(times):.3f} s")
     print(f"    CPU time per run (to exit): median {statistics.median(cpu):.3f} s   min {min(cpu):.3f} s")
+    if to_paint:
+        print(f"    CPU time to the first frame: median {statistics.median(to_paint):.3f} s   min {min(to_paint):.3f} s")
     return median
 
 
@@ -86,7 +91,7 @@ def main() -> int:
     with scratch_engine() as (_, root):
         caches = [root / f"pycache{i}" for i in range(len(trees))]
         warm_up = [start_once(cache, tree)[0] for cache, tree in zip(caches, trees, strict=True)]
-        runs: list[list[tuple[float, float]]] = [[] for _ in trees]
+        runs: list[list[tuple[float, float, float | None]]] = [[] for _ in trees]
         for _ in range(args.runs):
             for i, tree in enumerate(trees):
                 runs[i].append(start_once(caches[i], tree))
