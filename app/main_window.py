@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -193,11 +194,17 @@ class MainWindow(QMainWindow):
         return page
 
     def _build_next_page(self) -> None:
-        """Build one page not built yet, then come back for the next once the events waiting meanwhile ran."""
-        key = next((k for k, _, _ in PAGES if k not in self.pages.built), None)
-        if key is not None:
+        """Import or build one page not built yet, then come back for the next once the events waiting meanwhile
+        ran: importing a page's modules and building it are separate turns, so the window never stalls for both."""
+        target = next(((k, t) for k, _, t in PAGES if k not in self.pages.built), None)
+        if target is None:
+            return
+        key, module = target[0], target[1].split(":")[0]
+        if module in sys.modules:
             self.pages[key]
-            QTimer.singleShot(0, self._build_next_page)
+        else:
+            importlib.import_module(module)
+        QTimer.singleShot(0, self._build_next_page)
 
     def _show_row(self, row: int) -> None:
         if row >= 0:
