@@ -174,7 +174,7 @@ class MainWindow(QMainWindow):
 
     # -- pages ----------------------------------------------------------------------
     def _build_page(self, key: str) -> QWidget:
-        index = [k for k, _, _ in PAGES].index(key)
+        index = _KEYS.index(key)
         page = _load_page(PAGES[index][2])(self.link)
         page.setObjectName(f"page-{key}")
         placeholder = self.stack.widget(index)
@@ -204,7 +204,7 @@ class MainWindow(QMainWindow):
             self.pages[key]
         else:
             importlib.import_module(module)
-        QTimer.singleShot(0, self._build_next_page)
+        QTimer.singleShot(0, self, self._build_next_page)  # with the window as context: none after it is deleted
 
     def _show_row(self, row: int) -> None:
         if row >= 0:
@@ -324,7 +324,7 @@ class MainWindow(QMainWindow):
             if self._exit_after_first_paint:
                 QTimer.singleShot(0, self._first_frame_done)  # runs once the children of this frame are painted too
             else:
-                QTimer.singleShot(0, self._build_next_page)
+                QTimer.singleShot(0, self, self._build_next_page)
 
     def _first_frame_done(self) -> None:
         # The process's CPU seconds so far too: on a busy machine they grow much less than the wall time.
