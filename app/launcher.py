@@ -10,8 +10,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from rigpilot.engine import cli
-
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
@@ -27,6 +25,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return screenshots(Path(argv[1]))
     if argv:
+        # Imported here: the CLI's modules (the engine's settings, its client) are not needed to open the app.
+        from rigpilot.engine import cli
+
         return cli.main(argv)
     from rigpilot.app.main import main as run_app
 

@@ -21,6 +21,13 @@ def has_display() -> bool:
     return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
 
 
+def _check_engine_env(window) -> None:
+    # Imported here, after the window is up: the dialog's modules are not needed for the first frame.
+    from rigpilot.app.engine_env.dialog import check_at_startup
+
+    check_at_startup(window)
+
+
 def main(argv: list[str] | None = None) -> int:
     if not has_display():
         print(NO_DISPLAY, file=sys.stderr)
@@ -44,7 +51,5 @@ def main(argv: list[str] | None = None) -> int:
         # Packaged installs provision PyTorch per user: offer to install it when it is not there yet.
         from PySide6.QtCore import QTimer
 
-        from rigpilot.app.engine_env.dialog import check_at_startup
-
-        QTimer.singleShot(STARTUP_CHECK_DELAY_MS, lambda: check_at_startup(window))
+        QTimer.singleShot(STARTUP_CHECK_DELAY_MS, lambda: _check_engine_env(window))
     return app.exec()

@@ -1,15 +1,16 @@
 """The main window: a navigation rail of pages, the simulated-machine banner, the status bar, the tray.
 
 For measuring start-up (benchmarks/gui_startup.py): with RIGPILOT_EXIT_AFTER_FIRST_PAINT=1 in the
-environment, the window prints `first-paint <time.time()>` once its first frame is painted, and quits.
+environment, the window prints `first-paint <time.time()> <CPU seconds>` once its first frame is painted, and quits.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from PySide6.QtCore import QSettings, Qt, QTimer
@@ -44,6 +45,8 @@ PAGES: list[tuple[str, str, str]] = [
     ("settings", "Settings", "rigpilot.app.settings.page:SettingsPage"),
 ]
 
+_KEYS = [key for key, _, _ in PAGES]
+
 RUNNING_STATES = ("queued", "starting", "running")
 EXIT_AFTER_FIRST_PAINT = "RIGPILOT_EXIT_AFTER_FIRST_PAINT"
 
@@ -51,6 +54,28 @@ EXIT_AFTER_FIRST_PAINT = "RIGPILOT_EXIT_AFTER_FIRST_PAINT"
 def _load_page(target: str) -> Callable[..., QWidget]:
     module, cls = target.split(":")
     return getattr(importlib.import_module(module), cls)
+
+
+class Pages(Mapping[str, QWidget]):
+    """The window's pages by key, each built by `build(key)` the first time it is asked for."""
+
+    def __init__(self, build: Callable[[str], QWidget]):
+        self._build = build
+        self.built: dict[str, QWidget] = {}  # in the order they were built
+
+    def __getitem__(self, key: str) -> QWidget:
+        page = self.built.get(key)
+        if page is None:
+            if key not in _KEYS:
+                raise KeyError(key)
+            page = self.built[key] = self._build(key)
+        return page
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_KEYS)
+
+    def __len__(self) -> int:
+        return len(_KEYS)
 
 
 class MainWindow(QMainWindow):
@@ -63,6 +88,7 @@ class MainWindow(QMainWindow):
         self.jobs: dict[str, dict[str, Any]] = {}
         self._asked_on_close = False
         self._exit_after_first_paint = os.environ.get(EXIT_AFTER_FIRST_PAINT) == "1"
+        self._painted = False
 
         self.banner = QLabel()
         self.banner.setObjectName("simulatedBanner")
@@ -76,22 +102,15 @@ class MainWindow(QMainWindow):
         self.nav.setObjectName("navigation")
         self.nav.setMinimumWidth(110)
         self.stack = QStackedWidget()
-        self.pages: dict[str, QWidget] = {}
-        for key, title, target in PAGES:
-            page = _load_page(target)(self.link)
-            page.setObjectName(f"page-{key}")
-            self.pages[key] = page
-            self.stack.addWidget(page)
+        # Only the page on screen is built before the first frame; the others after it (one per turn of the
+        # event loop, see _build_next_page), or at once when the user asks for one first.
+        self.pages = Pages(self._build_page)
+        for key, title, _ in PAGES:
+            self.stack.addWidget(QWidget(objectName=f"placeholder-{key}"))
             item = QListWidgetItem(title)
             item.setData(Qt.ItemDataRole.UserRole, key)
             self.nav.addItem(item)
-        self.nav.currentRowChanged.connect(self.stack.setCurrentIndex)
-        # One list of imported machines for the two pages that show them; "Plan for this machine" opens the Planner.
-        self.pages["planner"].use_machines(self.pages["topology"].machines)
-        self.pages["topology"].sig_plan_for_machine.connect(
-            lambda key: self.show_page("planner").select_machine(key, plan=True)
-        )
-        self.pages["jobs"].sig_plan_model.connect(self.plan_model)  # "Plan from this model" opens the Planner
+        self.nav.currentRowChanged.connect(self._show_row)
 
         rail = QWidget()
         rail_layout = QVBoxLayout(rail)
@@ -152,6 +171,45 @@ class MainWindow(QMainWindow):
         self.link.start()
         # The job list is not pushed on connect; ask once connected, and again after each reconnect.
         self._refresh_jobs_timer = QTimer(self, singleShot=True, interval=0, timeout=self._refresh_jobs)
+
+    # -- pages ----------------------------------------------------------------------
+    def _build_page(self, key: str) -> QWidget:
+        index = _KEYS.index(key)
+        page = _load_page(PAGES[index][2])(self.link)
+        page.setObjectName(f"page-{key}")
+        placeholder = self.stack.widget(index)
+        self.stack.insertWidget(index, page)
+        self.stack.removeWidget(placeholder)
+        placeholder.deleteLater()
+        # One list of imported machines for the two pages that show them; "Plan for this machine" opens the Planner.
+        if key == "planner":
+            page.use_machines(self.pages["topology"].machines)
+        elif key == "topology":
+            page.sig_plan_for_machine.connect(lambda k: self.show_page("planner").select_machine(k, plan=True))
+        elif key == "jobs":
+            page.sig_plan_model.connect(self.plan_model)  # "Plan from this model" opens the Planner
+        restore = getattr(page, "restore_state", None)
+        if restore is not None:
+            restore(self.settings, f"pages/{key}")
+        return page
+
+    def _build_next_page(self) -> None:
+        """Import or build one page not built yet, then come back for the next once the events waiting meanwhile
+        ran: importing a page's modules and building it are separate turns, so the window never stalls for both."""
+        target = next(((k, t) for k, _, t in PAGES if k not in self.pages.built), None)
+        if target is None:
+            return
+        key, module = target[0], target[1].split(":")[0]
+        if module in sys.modules:
+            self.pages[key]
+        else:
+            importlib.import_module(module)
+        QTimer.singleShot(0, self, self._build_next_page)  # with the window as context: none after it is deleted
+
+    def _show_row(self, row: int) -> None:
+        if row >= 0:
+            self.pages[PAGES[row][0]]  # built before it is shown: never a frame of an empty page
+            self.stack.setCurrentIndex(row)
 
     # -- navigation -----------------------------------------------------------------
     def show_page(self, key: str) -> QWidget:
@@ -261,12 +319,16 @@ class MainWindow(QMainWindow):
     # -- start-up measurement ------------------------------------------------------------
     def paintEvent(self, event: QPaintEvent) -> None:
         super().paintEvent(event)
-        if self._exit_after_first_paint:
-            self._exit_after_first_paint = False
-            QTimer.singleShot(0, self._first_frame_done)  # runs once the children of this frame are painted too
+        if not self._painted:
+            self._painted = True
+            if self._exit_after_first_paint:
+                QTimer.singleShot(0, self._first_frame_done)  # runs once the children of this frame are painted too
+            else:
+                QTimer.singleShot(0, self, self._build_next_page)
 
     def _first_frame_done(self) -> None:
-        print(f"first-paint {time.time():.6f}", flush=True)
+        # The process's CPU seconds so far too: on a busy machine they grow much less than the wall time.
+        print(f"first-paint {time.time():.6f} {time.process_time():.6f}", flush=True)
         self.link.stop()
         QApplication.quit()
 
@@ -282,17 +344,15 @@ class MainWindow(QMainWindow):
             self.splitter.restoreState(splitter)
         keys = [k for k, _, _ in PAGES]
         last = self.settings.value("window/page", "dashboard")
-        self.nav.setCurrentRow(keys.index(last) if last in keys else 0)
-        for key, page in self.pages.items():
-            restore = getattr(page, "restore_state", None)
-            if restore is not None:
-                restore(self.settings, f"pages/{key}")
+        row = keys.index(last) if last in keys else 0
+        self.nav.setCurrentRow(row)
+        self._show_row(row)  # builds that page (and restores its state); row 0 may be current already
 
     def save_state(self) -> None:
         self.settings.setValue("window/geometry", self.saveGeometry())
         self.settings.setValue("window/splitter", self.splitter.saveState())
         self.settings.setValue("window/page", self.current_page_key())
-        for key, page in self.pages.items():
+        for key, page in self.pages.built.items():  # a page never built has nothing new to save
             save = getattr(page, "save_state", None)
             if save is not None:
                 save(self.settings, f"pages/{key}")

@@ -8,7 +8,10 @@ the host panel, the process table and the big chart; telemetry arrives at
 holds). Measured:
 
 - the median (and 95th percentile) GUI-thread cost of one refresh tick,
-  including the repaint it causes, for each chart window; target <= 5 ms.
+  including the repaint it causes, for each chart window; target <= 2 ms.
+  Ticks come back to back, but the page is told 0.1 s passed between them
+  (its cards' clock is moved back by one period), so the cards redraw twice
+  a second as at 10 Hz and their ticks are in the median, p95 and mean.
   Measured as the GUI thread's CPU time (wall time too, for reference), so
   other programs on a busy machine do not inflate it. In the 10 min and 1 h
   windows most ticks move the curves by less than a pixel and redraw only
@@ -67,7 +70,7 @@ from rigpilot.engine.hardware.telemetry import TelemetrySample, Tier
 
 PROFILE = "8x-h100-sxm"
 RATE_HZ = 10.0
-REFRESH_TARGET_MS = 5.0
+REFRESH_TARGET_MS = 2.0
 CPU_TARGET_PCT = 15.0
 STALL_TARGET_MS = 100.0
 P99_TARGET_MS = 30.0
@@ -142,6 +145,7 @@ def refresh_costs(
     cpu, wall, moved = [], [], []
     for _ in range(n):
         feed()
+        page._cards_drawn_at -= 1.0 / RATE_HZ  # as if one period had passed since the last tick
         before = page._chart_drawn_at
         c0, w0 = time.thread_time(), time.perf_counter()
         page.refresh()
@@ -389,7 +393,7 @@ def main() -> int:
           f"{page.model.history.nbytes / 2**20:.1f} MiB, prefilled in {fill_s:.2f} s")  # fmt: skip
 
     page.timer.stop()  # timed by hand below
-    print(f"\n{'window':<8} {'median ms':>10} {'p95 ms':>8} {'wall ms':>8}   {'chart redraws':>13} {'their median':>12}"
+    print(f"\n{'window':<8} {'median ms':>10} {'p95 ms':>8} {'mean ms':>8} {'wall ms':>8}   {'chart redraws':>13} {'their median':>12}"
           f"   target <= {REFRESH_TARGET_MS:g} ms")  # fmt: skip
     medians = {}
     for label, seconds in WINDOWS.items():
@@ -397,7 +401,7 @@ def main() -> int:
         medians[label] = statistics.median(cpu)
         redraws = [c for c, m in zip(cpu, moved, strict=True) if m]
         verdict = "meets" if medians[label] <= REFRESH_TARGET_MS else "MISSES"
-        print(f"{label:<8} {medians[label]:>10.2f} {np.percentile(cpu, 95):>8.2f} {statistics.median(wall):>8.2f}   "
+        print(f"{label:<8} {medians[label]:>10.2f} {np.percentile(cpu, 95):>8.2f} {statistics.mean(cpu):>8.2f} {statistics.median(wall):>8.2f}   "
               f"{len(redraws):>6} of {len(cpu):<4} {statistics.median(redraws) if redraws else 0:>12.2f}   {verdict}")  # fmt: skip
 
     # The real thing: feed and redraw timers, the event loop, the whole process's CPU time.

@@ -6,6 +6,8 @@ import pytest
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 # Plans are verified by a traced step (seconds each): only the tests of that turn it on.
 os.environ.setdefault("RIGPILOT_PLAN_VERIFY", "0")
+# Every test engine would import torch in a warm worker while idle: only the warm-worker tests turn it on.
+os.environ.setdefault("RIGPILOT_WARM_WORKER", "0")
 
 REPO = Path(__file__).resolve().parents[1]
 # Real nvidia-smi outputs live beside the checkout (../shared), also in CI.

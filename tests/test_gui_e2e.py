@@ -212,7 +212,9 @@ def test_first_paint_hook_prints_the_time_and_quits(engine, tmp_path):
     assert r.returncode == 0, r.stderr
     lines = [line for line in r.stdout.splitlines() if line.startswith("first-paint ")]
     assert len(lines) == 1, r.stdout
-    assert start < float(lines[0].split()[1]) < time.time()
+    _, painted, cpu = lines[0].split()
+    assert start < float(painted) < time.time()
+    assert 0 < float(cpu) < time.time() - start + 5  # the process's CPU seconds up to the first frame
 
 
 def test_screenshots_of_every_view_and_wizard_page(tmp_path):

@@ -63,6 +63,8 @@ def progress_of(job: dict[str, Any]) -> tuple[float | None, str]:
         return float(fraction), f"{fraction * 100:.0f} %{steps}"
     if step is not None:
         return None, f"step {step}"
+    if job.get("state") == STARTING and job.get("startup_phase"):
+        return None, f"starting: {job['startup_phase']}…"  # launching, importing, loading weights, first step
     return None, NA if job.get("state") not in (QUEUED, STARTING) else ""
 
 

@@ -177,6 +177,8 @@ class TopologyPage(QWidget):
         link.sig_state.connect(self.on_state)
         if getattr(link, "machine", None):
             self.on_machine(link.machine)
+        if getattr(link, "state", None) == CONNECTED:  # built after the link connected (the window builds it late)
+            self.on_state(CONNECTED, "")
 
     # -- engine events ---------------------------------------------------------------------------
     def on_state(self, state: str, detail: str) -> None:

@@ -564,7 +564,8 @@ class _ProgressPrinter:
 def format_record(r: dict[str, Any]) -> str:
     kind = r.get("kind")
     if kind == "status":
-        return f"[rank {r.get('rank')}] {r.get('phase') or r.get('status') or 'status'}"
+        what = f" {r['module']}" if isinstance(r.get("module"), str) else ""  # "importing torch"
+        return f"[rank {r.get('rank')}] {r.get('phase') or r.get('status') or 'status'}{what}"
     if kind == "error":
         detail = ", ".join(f"{k}={v}" for k, v in r.items() if k not in ("time", "rank", "step", "kind"))
         return f"[rank {r.get('rank')}] error: {detail}"

@@ -6,6 +6,11 @@ order written), records the rank's pid, process group and start time in
 with COMMAND's status. The service reads those files to name the rank that
 failed first and to find every process of a job, even after it was restarted.
 
+When the engine has a warm worker ready (engine.service.warm, its socket in
+RIGPILOT_WARM_SOCKET), the rank is forked from it, with torch and transformers
+already imported, instead of started as a new interpreter; without one, or
+when it declines, COMMAND starts as usual.
+
 Kept to the standard library: it runs once per rank, before the real work.
 """
 
@@ -18,6 +23,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from rigpilot.engine.service import warm
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -59,15 +66,28 @@ def main(argv: list[str]) -> int:
     # torchrun signals the whole process group of a rank, so COMMAND gets SIGTERM
     # directly; this wrapper only has to outlive it to record how it ended. A
     # Python-level handler (not SIG_IGN) is used because an ignored signal would
-    # stay ignored in COMMAND after exec.
+    # stay ignored in COMMAND after exec. A rank forked by the warm worker is in
+    # a session of its own, so the signal is passed on to it.
+    child: subprocess.Popen | warm.WarmChild | None = None
+
+    def pass_on(sig: int, frame: object) -> None:
+        if isinstance(child, warm.WarmChild):
+            child.signal(sig)
+
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda *_: None)
-    try:
-        child = subprocess.Popen(command)
-    except OSError as e:
-        print(f"rigpilot: cannot start rank {rank}: {e}", flush=True)
-        _write_json(state_file, {**state, "exit": {"code": 127, "signal": None, "time": time.time()}})
-        return 127
+        signal.signal(sig, pass_on)
+    socket_path = os.environ.get(warm.SOCKET_ENV)
+    if socket_path:
+        child = warm.fork_rank(socket_path, command, dict(os.environ), os.getcwd())
+    if child is None:
+        try:
+            child = subprocess.Popen(command)
+        except OSError as e:
+            print(f"rigpilot: cannot start rank {rank}: {e}", flush=True)
+            _write_json(state_file, {**state, "exit": {"code": 127, "signal": None, "time": time.time()}})
+            return 127
+    else:
+        state["warm"] = True
     state["child_pid"] = child.pid
     _write_json(state_file, state)
     rc = child.wait()

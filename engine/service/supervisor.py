@@ -42,7 +42,7 @@ from rigpilot.engine.jobs import secrets as job_secrets
 from rigpilot.engine.jobs.limits import check_env
 from rigpilot.engine.jobs.spec import JobSpec
 from rigpilot.engine.runtime import worker_python
-from rigpilot.engine.service import energy, paths, recovery, slurm, submission
+from rigpilot.engine.service import energy, paths, recovery, slurm, submission, warm
 from rigpilot.engine.service.metrics import Cursor, MetricsSummary, read_records, summarize
 from rigpilot.engine.service.results import check_name, describe_output, job_settings
 from rigpilot.engine.service.store import (
@@ -79,6 +79,9 @@ class SupervisorOptions:
     max_cpu_ranks: int = 4  # ranks per job on a simulated machine (also capped at the CPU count)
     tick_s: float = 0.1  # how often running jobs are checked: bounds metric push latency
     monitor_interval_s: float = 0.5  # torchrun's own check of its ranks
+    # Keep a warm worker (engine.service.warm) while idle so ranks start without importing torch;
+    # RIGPILOT_WARM_WORKER=0 in the engine's environment turns it off too.
+    warm_worker: bool = True
 
 
 @dataclass
@@ -144,6 +147,11 @@ class Supervisor:
         self._secrets: dict[str, dict[str, str]] = {}
         # engine.service.multinode: may rewrite how a job spanning several engines ended (naming the node).
         self.finish_hook: Callable[[JobRecord, dict[str, Any]], dict[str, Any]] = lambda rec, outcome: outcome
+        self.warm: warm.WarmWorker | None = None  # made when first started
+        # Not in the engine's first seconds, while the app that started it may still be drawing its first frames.
+        self._warm_check_at = time.monotonic() + 2.0
+        self._warm_retry_at = 0.0
+        self._warm_failures = 0
 
     @property
     def max_cpu_ranks(self) -> int:
@@ -168,6 +176,8 @@ class Supervisor:
             for run in self._runs.values():
                 if run.launcher_log:
                     run.launcher_log.close()
+            if self.warm is not None:
+                self.warm.stop()
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -184,6 +194,44 @@ class Supervisor:
                 self._poll(run)
             if self._queue_dirty:
                 self._schedule()
+            self._tend_warm()
+
+    def _tend_warm(self) -> None:
+        """Start the warm worker when the engine is idle and memory allows; stop it when memory runs short.
+
+        Idle: no job running, starting or queued, so its imports (seconds of CPU) never compete with a
+        job. Memory allows: at least warm.MIN_AVAILABLE_BYTES available (it holds about 0.5-1 GiB).
+        """
+        now = time.monotonic()
+        if not (self.options.warm_worker and warm.enabled()) or now < self._warm_check_at:
+            return
+        self._warm_check_at = now + 1.0
+        if self.warm is None:
+            self.warm = warm.WarmWorker(paths.runtime_dir(), self.jobs_root.parent / "warm-worker.log")
+        w = self.warm
+        if w.running():
+            if not warm.memory_allows(int(psutil.virtual_memory().available * 2)):
+                log.info("warm worker stopped: memory is short")
+                w.stop()
+            elif w.ready():
+                self._warm_failures = 0
+            return
+        if w.popen is not None and w.popen.returncode == 0:
+            w.popen = None  # it retired (the engine environment changed): a fresh one when idle
+        elif w.popen is not None:  # it failed or was killed: try again later, less and less often
+            self._warm_failures += 1
+            self._warm_retry_at = now + min(30.0 * 2**self._warm_failures, 3600.0)
+            log.warning("warm worker exited with %s; see %s", w.popen.returncode, w.log_path)
+            w.popen = None
+        if now < self._warm_retry_at or self._runs or self.store.list({QUEUED}) or not warm.memory_allows():
+            return
+        try:
+            python = worker_python()
+        except UserError:
+            return
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        w.start(python, env)
 
     def replace_machine(self, machine: Machine, backend: Any = None) -> None:
         """Run later jobs on `machine`; refused (UserError naming them) while any job is queued or running.
@@ -411,6 +459,8 @@ class Supervisor:
         d["energy_cost"] = energy.cost(d["energy"], progress, energy.electricity_price())
         if rec.state == QUEUED:
             d["waiting_for"] = self._waiting_for(rec)
+        if rec.state == STARTING and rec.slurm is None:
+            d["startup_phase"] = startup_phase(run.summary.phase if run else None)
         if detail:
             d["comparison"] = _compare(rec.predicted, progress)
         return d
@@ -465,6 +515,8 @@ class Supervisor:
         except UserError as e:
             self._end_without_run(rec, str(e))
             return
+        if self.warm is not None and self.warm.running() and not self.warm.ready():
+            self.warm.stop()  # still importing: it would take the CPU this job's ranks need to start
         port = _free_port()
         cmd = self._command(rec, spec, job_dir, port, python)
         env = self._environment(rec, spec, job_dir, python)
@@ -493,6 +545,7 @@ class Supervisor:
         run = _Run(rec, job_dir, popen, launcher_log, energy=energy.new_meter(rec, self._telemetry))
         # A resumed job appends to its metric files; the summary carries on from the last run.
         run.summary, run.cursor = summarize(job_dir / "metrics", _max_steps(spec))
+        run.summary.phase = None  # the last run's final phase is not this run's
         self._runs[rec.id] = run
         self._apply_load(run)
         self._on_job(self.view(rec))
@@ -548,6 +601,9 @@ class Supervisor:
             RIGPILOT_GPUS=",".join(str(g) for g in rec.gpus),
         )
         env[RUN_TOKEN_ENV] = run_token(rec)
+        env.pop(warm.SOCKET_ENV, None)
+        if rec.kind != "script" and self.warm is not None and self.warm.ready() and self.warm.python == python:
+            env[warm.SOCKET_ENV] = str(self.warm.socket_path)
         if rec.simulated:
             env["CUDA_VISIBLE_DEVICES"] = ""  # simulated GPUs: ranks must not grab a real one
             env["RIGPILOT_SIMULATED"] = "1"
@@ -913,6 +969,17 @@ def _compare(predicted: dict[str, Any] | None, progress: dict[str, Any] | None) 
         "step_time_s": 1 / progress["steps_per_s"] if progress.get("steps_per_s") else None,
     }
     return {k: {"predicted": predicted.get(k), "measured": v} for k, v in measured.items()}
+
+
+def startup_phase(phase: str | None) -> str:
+    """What a starting job is doing, from the latest status its ranks reported (engine.workers)."""
+    if phase is None:
+        return "launching"  # torchrun starting, ranks meeting, interpreters starting
+    if phase == "importing":
+        return "importing"
+    if phase == "loading model":
+        return "loading weights"
+    return "first step"
 
 
 # -- processes ----------------------------------------------------------------

@@ -49,12 +49,25 @@ def _stop_now(signum: int, frame: Any) -> None:
     raise JobCancelled
 
 
+def _import_phases() -> None:
+    """Report the start-up phases the job view shows while torch and transformers are imported.
+
+    A rank forked by the warm worker (engine.service.warm) has them imported already and passes both at once.
+    """
+    report(kind="status", phase="importing", module="torch")
+    import torch  # noqa: F401
+
+    report(kind="status", phase="importing", module="transformers")
+    import transformers  # noqa: F401
+
+
 def run(spec: JobSpec, job_dir: Path) -> int:
     global _skip_interpreter_teardown
     if spec.kind in {"train", "infer", "calibrate"}:
         _skip_interpreter_teardown = True
         # The training loop swaps in its own handler, which finishes the step and checkpoints.
         signal.signal(signal.SIGTERM, _stop_now)
+        _import_phases()
     if spec.kind == "train":
         from rigpilot.engine.workers.train import run_train
 
