@@ -10,11 +10,16 @@ The same prompts (lengths 1 to ~40 tokens, so every batch is left-padded),
 in the same batches, go to
 
   generate   transformers' AutoModelForCausalLM.generate(), in a process of
-             its own with every core (torch's default threads), timed around
-             the generate() calls only;
+             its own with --threads threads (default: every core), timed
+             around the generate() calls only (the first included: a user's
+             script pays it too);
   rigpilot   `python -m torch.distributed.run --standalone --nproc-per-node N
              -m rigpilot.engine.workers JOB_DIR` with the ranks' environment
-             the service gives a simulated job (OMP_NUM_THREADS = cores / ranks).
+             the service gives a simulated job (OMP_NUM_THREADS = threads / ranks).
+
+On a shared machine a 2-thread process stalls whenever another process holds
+one of the cores (OpenMP waits for its slowest thread): there, compare at
+--threads 1 too.
 
 alternately (generate, 1, pp2, tp2, generate, ...), --repeats rounds; every
 figure is the median of the rounds with its spread (min-max).
@@ -80,8 +85,6 @@ tok = AutoTokenizer.from_pretrained(folder)
 tok.padding_side = "left"
 out, seconds = [], 0.0
 with torch.no_grad():
-    enc = tok(prompts[:batch], return_tensors="pt", padding=True)
-    model.generate(**enc, max_new_tokens=2, do_sample=False, pad_token_id=tok.pad_token_id)  # warm-up
     for i in range(0, len(prompts), batch):
         t0 = time.perf_counter()
         enc = tok(prompts[i : i + batch], return_tensors="pt", padding=True)
@@ -93,9 +96,8 @@ print(json.dumps({"tokens": out, "seconds": seconds}))
 """
 
 
-def run_generate(folder: Path, prompts: list[str], batch: int, new: int) -> dict[str, Any]:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    env.pop("OMP_NUM_THREADS", None)
+def run_generate(folder: Path, prompts: list[str], batch: int, new: int, threads: int) -> dict[str, Any]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=str(threads))
     proc = subprocess.run(
         [sys.executable, "-c", GENERATE, str(folder), json.dumps(prompts), str(batch), str(new)],
         env=env, capture_output=True, text=True, check=True,
@@ -106,7 +108,7 @@ def run_generate(folder: Path, prompts: list[str], batch: int, new: int) -> dict
 
 
 def run_rigpilot(
-    folder: Path, prompts: list[str], batch: int, new: int, layout: str, scratch: Path
+    folder: Path, prompts: list[str], batch: int, new: int, layout: str, scratch: Path, threads: int
 ) -> dict[str, Any]:
     from rigpilot.engine.jobs.spec import JobSpec
     from rigpilot.engine.service.metrics import read_records, summarize
@@ -121,8 +123,7 @@ def run_rigpilot(
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1",
                CUDA_VISIBLE_DEVICES="", RIGPILOT_SIMULATED="1", RIGPILOT_DIST_BACKEND="gloo",
                RIGPILOT_METRICS_DIR=str(job_dir / "metrics"))  # fmt: skip
-    cpus = len(os.sched_getaffinity(0))
-    env["OMP_NUM_THREADS"] = str(max(1, cpus // ranks))  # what engine.service.supervisor gives simulated ranks
+    env["OMP_NUM_THREADS"] = str(max(1, threads // ranks))  # as engine.service.supervisor shares the cores
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
            "-m", "rigpilot.engine.workers", str(job_dir)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
@@ -153,6 +154,8 @@ def main() -> int:
     ap.add_argument("--new", type=int, default=32, help="max new tokens")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--layouts", default="1,pp2,tp2")
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                    help="cores for generate(); Rigpilot's ranks share them (default: every core, as the service)")
     args = ap.parse_args()
     layouts = [x for x in args.layouts.split(",") if x]
     for x in layouts:
@@ -171,10 +174,10 @@ def main() -> int:
             for name in ["generate", *layouts]:
                 t0 = time.perf_counter()
                 if name == "generate":
-                    res = run_generate(folder, prompts, args.batch, args.new)
+                    res = run_generate(folder, prompts, args.batch, args.new, args.threads)
                     expected = res["tokens"]
                 else:
-                    res = run_rigpilot(folder, prompts, args.batch, args.new, name, scratch)
+                    res = run_rigpilot(folder, prompts, args.batch, args.new, name, scratch, args.threads)
                 if res["tokens"] != expected:
                     mismatched.add(name)
                 rows[name]["true"].append(res["true"])
@@ -183,7 +186,7 @@ def main() -> int:
                 print(f"  {name:8s} {res['true']:8.1f} tokens/s ({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
     base = statistics.median(rows["generate"]["true"])
     print(f"model {args.model}, fp32, greedy, {args.prompts} prompts, batch {args.batch}, {args.new} new tokens, "
-          f"{args.repeats} rounds; load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")  # fmt: skip
+          f"{args.threads} threads, {args.repeats} rounds; load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")  # fmt: skip
     print(f"{'run':10s} {'true tokens/s (min-max)':>26s} {'vs generate()':>14s} {'reported (min-max)':>24s} "
           f"{'reported/true':>14s}  tokens")  # fmt: skip
     for name, r in rows.items():
