@@ -1,15 +1,17 @@
 """Sharded generation (kind "infer"): prompts in, output/results.jsonl out.
 
 The model is split over the ranks of one replica by pipeline (contiguous layer
-ranges per rank; hidden states go stage to stage with send/recv at every
-decode step, each stage keeping the KV cache of its own layers) or by tensor
-parallelism (DTensor projections; every rank runs the whole forward). Data
-parallel degrees make replicas, each generating its share of the prompts.
+ranges per rank; hidden states go stage to stage, each stage keeping the KV
+cache of its own layers, with as many micro-batches in flight as there are
+stages so that the stages overlap) or by tensor parallelism (DTensor
+projections; every rank runs the whole forward). Data parallel degrees make
+replicas, each generating its share of the prompts.
 
 Decoding follows transformers' generate(): left padding, positions from the
 attention mask, and the same causal masks, so greedy output equals the unsplit
-model's token for token.
-"""
+model's token for token. Metrics are written once per batch, never per token;
+the job's tokens/s is every generated token over the generation's one wall
+time (run_infer)."""
 
 from __future__ import annotations
 
