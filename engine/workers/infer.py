@@ -130,9 +130,9 @@ class Generator:
     """Generation for one model replica: the whole model, a tensor-parallel shard, or one pipeline stage.
 
     Prefill and decode are one loop over micro-batches in flight. With one stage a batch is one
-    micro-batch, run to its end before the next starts, as generate() does. A pipeline splits every
-    batch into `pp` micro-batches (rows of the batch, keeping its left padding) and keeps `pp` of them
-    in flight: while the last stage turns micro-batch j's hidden states into its next token, the first
+    micro-batch, run to its end before the next starts, as generate() does. A pipeline keeps `pp`
+    micro-batches in flight (whole batches, or parts of them when there are too few: see
+    `_micro_batches`): while the last stage turns micro-batch j's hidden states into its next token, the first
     stage already runs micro-batch j+1, so the stages overlap instead of waiting on each other at every
     token. Sends and the receive of each token are asynchronous; a stage waits only for what it needs
     next. When a micro-batch ends, the next one from the queue takes its place at once (its prefill
@@ -167,6 +167,7 @@ class Generator:
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (self.eos or 0)
         self._sends: list[Any] = []
         self.first_token_at: float | None = None  # perf_counter() when run() took in its first token
+        self._batch_rows: dict[int, list[int]] = {}  # run()'s batches: their rows, in order
 
     @property
     def holds_logits(self) -> bool:
@@ -277,7 +278,7 @@ class Generator:
         """
         self.first_token_at = None
         queue = deque(self._micro_batches(prompts, batch_size))
-        self._batch_rows: dict[int, list[int]] = {}
+        self._batch_rows = {}
         for b, rows in queue:
             self._batch_rows.setdefault(b, []).extend(rows)
         encoded: dict[int, Any] = {}
