@@ -176,6 +176,12 @@ def test_inference_plans():
     assert big.suggestions and all(s.plan.fits for s in big.suggestions)
     h100 = search(LLAMA_70B, load_profile("8x-h100-sxm"), Workload(model="x", task="infer", seq_len=8192, global_batch=4, new_tokens=512))
     assert h100.best is not None and h100.best.parallelism.tp >= 2
+    # The plan says whether splitting layers pays for generation, and that on CPU ranks it does not.
+    text = " ".join(h100.explanation)
+    assert "Tensor parallel pays here" in text and "CPU processes linked by gloo" in text
+    small = search(LLAMA_7B, load_profile("8x-h100-sxm"), Workload(model="x", task="infer", seq_len=4096, global_batch=64, new_tokens=256))
+    pays = [x for x in small.explanation if x.startswith("Tensor parallel")]
+    assert len(pays) == 1 and ("does not pay" in pays[0]) == (small.best.parallelism.tp == 1)
 
 
 def test_search_is_fast_enough():

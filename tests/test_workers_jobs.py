@@ -389,7 +389,9 @@ def reference_tokens(model_dir: Path, prompts: list[str], batch_size: int, max_n
     return out
 
 
-def infer_job(root: Path, name: str, model: Path, parallelism: dict[str, Any], prompts_file: Path) -> Path:
+def infer_job(
+    root: Path, name: str, model: Path, parallelism: dict[str, Any], prompts_file: Path, batch_size: int = 3
+) -> Path:
     job = write_job(
         root / name,
         kind="infer",
@@ -399,7 +401,7 @@ def infer_job(root: Path, name: str, model: Path, parallelism: dict[str, Any], p
             "prompts_file": str(prompts_file),
             "prompts": PROMPTS[3:],
             "max_new_tokens": 12,
-            "batch_size": 3,
+            "batch_size": batch_size,
             "precision": "fp32",
         },
     )
@@ -414,20 +416,38 @@ def prompts_file(root: Path) -> Path:
     return f
 
 
-@pytest.mark.parametrize("parallelism", [{"pp": 2}, {"tp": 2}], ids=["pipeline", "tensor"])
+@pytest.mark.parametrize(
+    ("parallelism", "batch_size"),
+    [({"pp": 2}, 2), ({"pp": 2}, 5), ({"tp": 2}, 3)],
+    # pp2 batch 2: three batches of prompts of different lengths, two in flight, the third taking the place
+    # of the first to end; pp2 batch 5: one batch cut into two micro-batches that keep its left padding.
+    ids=["pipeline-batches-in-flight", "pipeline-one-batch-split", "tensor"],
+)
 def test_sharded_greedy_generation_equals_the_unsplit_model(
-    root: Path, random_llama: Path, prompts_file: Path, parallelism: dict[str, int]
+    root: Path, random_llama: Path, prompts_file: Path, parallelism: dict[str, int], batch_size: int
 ) -> None:
-    name = "infer-" + "-".join(parallelism)
-    job = infer_job(root, name, random_llama, parallelism, prompts_file)
+    from rigpilot.engine.service.metrics import summarize
+
+    name = "infer-" + "-".join(parallelism) + f"-b{batch_size}"
+    job = infer_job(root, name, random_llama, parallelism, prompts_file, batch_size)
     results = [json.loads(line) for line in (job / "output" / "results.jsonl").read_text().splitlines()]
     assert [r["prompt"] for r in results] == PROMPTS
-    expected = reference_tokens(random_llama, PROMPTS, batch_size=3, max_new=12)
+    expected = reference_tokens(random_llama, PROMPTS, batch_size=batch_size, max_new=12)
     assert [r["tokens"] for r in results] == expected
     assert all(r["completion"] for r in results)
-    for rank in range(2):
-        summary = next(r for r in records(job, rank) if r.get("kind") == "infer_summary")
-        assert summary["time_to_first_token"] > 0 and summary["tokens_per_s"] > 0 and summary["peak_memory"] > 0
+    # The job's tokens/s: every generated token over one wall time, the same on every rank; the figure the
+    # CLI and the GUI show (the sum over ranks of their latest records) is exactly it.
+    summaries = [next(r for r in records(job, rank) if r.get("kind") == "infer_summary") for rank in range(2)]
+    generated = sum(len(r["tokens"]) for r in results)
+    for summary in summaries:
+        assert summary["time_to_first_token"] > 0 and summary["peak_memory"] > 0
+        assert summary["job_new_tokens"] == generated
+        assert summary["job_tokens_per_s"] == pytest.approx(generated / summary["generation_s"])
+    assert summaries[0]["generation_s"] == summaries[1]["generation_s"]
+    shown = summarize(job / "metrics")[0].to_dict()
+    assert shown["tokens_per_s"] == pytest.approx(summaries[0]["job_tokens_per_s"])
+    batches = -(-len(PROMPTS) // batch_size)
+    assert shown["step"] == shown["max_steps"] == batches  # one record per batch, not per token
 
 
 # --- cancellation, scripts, errors, calibration ---------------------------------------------------

@@ -392,6 +392,28 @@ def test_prefill_computes_the_last_positions_logits_only_and_generates_as_transf
     assert tokens == expected
 
 
+def test_a_pipeline_keeps_as_many_micro_batches_in_flight_as_stages() -> None:
+    """Batches stay whole (generate()'s own batches) when there are enough; else they are cut into parts."""
+    from types import SimpleNamespace
+
+    from rigpilot.engine.jobs.spec import InferSettings
+    from rigpilot.engine.workers.infer import Generator
+
+    def micro_batches(pp: int, prompts: int, batch: int) -> list[tuple[int, list[int]]]:
+        mesh = SimpleNamespace(mesh=torch.arange(pp))
+        runtime = SimpleNamespace(dims=ParallelDims(pp, 1, 1, 1, pp), mesh={"pp": mesh, "tp": SimpleNamespace(
+            mesh=torch.tensor([0]))}, pp_rank=0, device=torch.device("cpu"))  # fmt: skip
+        tok = SimpleNamespace(eos_token_id=1, pad_token_id=2)
+        gen = Generator(runtime, torch.nn.Identity(), tok, None, InferSettings(), torch.float32)  # type: ignore[arg-type]
+        return gen._micro_batches(["p"] * prompts, batch)
+
+    assert micro_batches(1, 5, 2) == [(0, [0, 1]), (1, [2, 3]), (2, [4])]
+    assert micro_batches(2, 5, 2) == [(0, [0, 1]), (1, [2, 3]), (2, [4])]
+    assert micro_batches(2, 5, 5) == [(0, [0, 1, 2]), (0, [3, 4])]
+    assert micro_batches(4, 6, 4) == [(0, [0, 1]), (0, [2, 3]), (1, [4]), (1, [5])]
+    assert micro_batches(4, 1, 8) == [(0, [0])]
+
+
 # --- the entry point's error contract -------------------------------------------------------------
 
 

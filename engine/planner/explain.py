@@ -158,6 +158,8 @@ def explain(
     if best is not None and best.runs_here:
         lines.extend(_passed_over(best, cands))
     lines.extend(_topology_lines(result, cands, topo, timing_of, gpus))
+    if best is not None and not w.training:
+        lines.extend(_tensor_parallel_pays(best, cands, topo.machine.simulated))
     for r in result.rejected:
         lines.append(f"Rejected {r.family}: {r.reason}.")
     if best is not None:
@@ -179,6 +181,39 @@ def _passed_over(best: Plan, cands: list[Candidate]) -> list[str]:
         f"Passed over a faster plan ({c.par.describe()}, {c.tokens_per_s:,.0f} {unit}): "
         f"the engine cannot run it ({c.cannot_run})."
     ]
+
+
+def _tensor_parallel_pays(best: Plan, cands: list[Candidate], simulated: bool) -> list[str]:
+    """Inference: whether splitting layers (TP) beats the best plan without it, in generated tokens/s.
+
+    A decode step all-reduces every layer's output twice for one token's worth of work: TP pays on
+    NVLink or NVSwitch when one GPU's memory bandwidth is the limit, and loses over PCIe or the host.
+    """
+    runnable = [c for c in cands if c.fits and not c.blocked and c.runs_here and c.timing]
+    with_tp = max((c for c in runnable if c.par.tp > 1), key=lambda c: c.tokens_per_s, default=None)
+    without = max((c for c in runnable if c.par.tp == 1), key=lambda c: c.tokens_per_s, default=None)
+    lines: list[str] = []
+    if with_tp is not None and without is not None and without.tokens_per_s > 0:
+        ratio = with_tp.tokens_per_s / without.tokens_per_s
+        if best.parallelism.tp > 1:
+            lines.append(
+                f"Tensor parallel pays here: {ratio:.2f}x the generated tokens/s of the best plan without it "
+                f"({without.par.describe()})."
+            )
+        else:
+            lines.append(
+                f"Tensor parallel does not pay here: its best plan ({with_tp.par.describe()}) would give "
+                f"{ratio:.2f}x the generated tokens/s of this one, its all-reduces costing more than they save."
+            )
+    if simulated and any(c.par.tp > 1 for c in cands):
+        # Measured with benchmarks/inference_speed.py: TP2 over gloo on CPU ranks runs at a fraction of
+        # one rank's speed, however the modelled GPUs are linked.
+        lines.append(
+            "On this simulated machine the ranks are CPU processes linked by gloo: there tensor parallel is "
+            "slower than one rank (every layer waits for two all-reduces per token); pipeline or data "
+            "parallel keeps its speed."
+        )
+    return lines
 
 
 def _timing_line(plan: Plan) -> str:

@@ -1,15 +1,17 @@
 """Sharded generation (kind "infer"): prompts in, output/results.jsonl out.
 
 The model is split over the ranks of one replica by pipeline (contiguous layer
-ranges per rank; hidden states go stage to stage with send/recv at every
-decode step, each stage keeping the KV cache of its own layers) or by tensor
-parallelism (DTensor projections; every rank runs the whole forward). Data
-parallel degrees make replicas, each generating its share of the prompts.
+ranges per rank; hidden states go stage to stage, each stage keeping the KV
+cache of its own layers, with as many micro-batches in flight as there are
+stages so that the stages overlap) or by tensor parallelism (DTensor
+projections; every rank runs the whole forward). Data parallel degrees make
+replicas, each generating its share of the prompts.
 
 Decoding follows transformers' generate(): left padding, positions from the
 attention mask, and the same causal masks, so greedy output equals the unsplit
-model's token for token.
-"""
+model's token for token. Metrics are written once per batch, never per token;
+the job's tokens/s is every generated token over the generation's one wall
+time (run_infer)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,9 @@ import functools
 import inspect
 import json
 import time
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +32,7 @@ from rigpilot.engine.errors import UserError
 from rigpilot.engine.jobs.spec import InferSettings, JobSpec
 from rigpilot.engine.report import report
 from rigpilot.engine.workers import EXIT_OK
-from rigpilot.engine.workers.metrics import peak_memory, status
+from rigpilot.engine.workers.metrics import peak_memory, status, world_sums
 from rigpilot.engine.workers.model_loading import load_model
 from rigpilot.engine.workers.parallel_dims import Runtime, init_runtime
 from rigpilot.engine.workers.parallelize import apply_tensor_parallel, precision_dtype
@@ -106,8 +110,38 @@ class BatchResult:
     seconds: float
 
 
+@dataclass
+class _MicroBatch:
+    """Rows of one batch in flight: their KV cache, their inputs for the next forward, the tokens so far."""
+
+    batch: int  # index of the batch it came from
+    rows: list[int]  # indices into the generate() call's prompt list
+    ids: torch.Tensor
+    mask: torch.Tensor
+    positions: torch.Tensor
+    cache: Any
+    finished: torch.Tensor
+    generated: list[torch.Tensor] = field(default_factory=list)
+    token: torch.Tensor | None = None  # the token chosen by the last forward, not yet taken in
+    recv: Any = None  # its pending receive from the last stage (stages before the last)
+
+
 class Generator:
-    """Generation for one model replica: the whole model, a tensor-parallel shard, or one pipeline stage."""
+    """Generation for one model replica: the whole model, a tensor-parallel shard, or one pipeline stage.
+
+    Prefill and decode are one loop over micro-batches in flight. With one stage a batch is one
+    micro-batch, run to its end before the next starts, as generate() does. A pipeline keeps `pp`
+    micro-batches in flight (whole batches, or parts of them when there are too few: see
+    `_micro_batches`): while the last stage turns micro-batch j's hidden states into its next token, the first
+    stage already runs micro-batch j+1, so the stages overlap instead of waiting on each other at every
+    token. Sends and the receive of each token are asynchronous; a stage waits only for what it needs
+    next. When a micro-batch ends, the next one from the queue takes its place at once (its prefill
+    runs while the others decode), so the pipeline stays full to the end of the job.
+
+    Every rank of the replica takes the same decisions (which micro-batch runs, which has ended) from the
+    same tokens: the last stage sends each token to every other stage, tensor-parallel ranks agree on
+    it by a broadcast. The one host sync per token is the end-of-sequence check, as in generate().
+    """
 
     def __init__(
         self,
@@ -121,80 +155,160 @@ class Generator:
         self.rt, self.model, self.tok, self.config, self.s, self.dtype = runtime, model, tokenizer, config, s, dtype
         self.pp = runtime.dims.pp
         pp_ranks = runtime.mesh["pp"].mesh.flatten().tolist()
+        self.pp_ranks = pp_ranks
         self.prev = pp_ranks[runtime.pp_rank - 1] if runtime.pp_rank > 0 else None
         self.next = pp_ranks[runtime.pp_rank + 1] if runtime.pp_rank < self.pp - 1 else None
         self.last_stage_rank = pp_ranks[-1]
-        self.pp_group = runtime.mesh["pp"].get_group() if self.pp > 1 else None
         tp_mesh = runtime.mesh["tp"]
         self.tp_group = tp_mesh.get_group() if runtime.dims.tp > 1 else None
         self.tp_first = tp_mesh.mesh.flatten().tolist()[0]
         self.generator = torch.Generator(device=runtime.device).manual_seed(s.seed)
         self.eos = tokenizer.eos_token_id
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (self.eos or 0)
+        self._sends: list[Any] = []
+        self.first_token_at: float | None = None  # perf_counter() when run() took in its first token
+        self._batch_rows: dict[int, list[int]] = {}  # run()'s batches: their rows, in order
 
     @property
     def holds_logits(self) -> bool:
         return self.next is None
 
-    def _forward(
-        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any
-    ) -> torch.Tensor | None:
+    # --- one forward of this stage ------------------------------------------------------------
+
+    def _forward(self, mb: _MicroBatch) -> torch.Tensor | None:
         if self.pp == 1:
-            return next_token_logits(self.model, ids, mask, positions, cache)
+            return next_token_logits(self.model, mb.ids, mb.mask, mb.positions, mb.cache)
         if self.prev is None:
-            x = ids
+            x = mb.ids
         else:
-            x = torch.empty((*ids.shape, self.config.hidden_size), dtype=self.dtype, device=self.rt.device)
+            x = torch.empty((*mb.ids.shape, self.config.hidden_size), dtype=self.dtype, device=self.rt.device)
             dist.recv(x, src=self.prev)
         if self.next is not None:
-            hidden = self.model(x, attention_mask=mask, position_ids=positions, past_key_values=cache)
-            dist.send(hidden.contiguous(), dst=self.next)
+            hidden = self.model(x, attention_mask=mb.mask, position_ids=mb.positions, past_key_values=mb.cache)
+            self._send(hidden.contiguous(), self.next)
             return None
-        logits = self.model(x, attention_mask=mask, position_ids=positions, past_key_values=cache, logits_to_keep=1)
+        logits = self.model(
+            x, attention_mask=mb.mask, position_ids=mb.positions, past_key_values=mb.cache, logits_to_keep=1
+        )
         return logits[:, -1, :].float()
 
-    def _choose(self, logits: torch.Tensor | None, batch: int) -> torch.Tensor:
-        """The next token of every row, identical on every rank of the replica."""
-        if logits is not None:
-            tokens = select_tokens(logits, self.s.temperature, self.s.top_p, self.generator)
-        else:
-            tokens = torch.empty(batch, dtype=torch.long, device=self.rt.device)
-        if self.pp_group is not None:
-            dist.broadcast(tokens, src=self.last_stage_rank, group=self.pp_group)
-        if self.tp_group is not None:
-            dist.broadcast(tokens, src=self.tp_first, group=self.tp_group)
-        return tokens
+    def _send(self, t: torch.Tensor, dst: int) -> None:
+        # The tensor must live until its send completes; sends complete in order, so the list stays short.
+        self._sends = [w for w in self._sends if not w[0].is_completed()]
+        self._sends.append((dist.isend(t, dst=dst), t))
 
-    @torch.no_grad()
-    def generate(self, prompts: list[str]) -> BatchResult:
+    def _step(self, mb: _MicroBatch) -> None:
+        """Run `mb` through this stage; the last stage chooses its next token and sends it to the other stages."""
+        logits = self._forward(mb)
+        rows = mb.ids.shape[0]
+        if logits is not None:
+            token = select_tokens(logits, self.s.temperature, self.s.top_p, self.generator)
+            if self.tp_group is not None:
+                dist.broadcast(token, src=self.tp_first, group=self.tp_group)
+            for dst in self.pp_ranks[:-1]:
+                self._send(token, dst)
+            mb.token = token
+        else:
+            mb.token = torch.empty(rows, dtype=torch.long, device=self.rt.device)
+            mb.recv = dist.irecv(mb.token, src=self.last_stage_rank)
+
+    def _take_token(self, mb: _MicroBatch) -> bool:
+        """Take in `mb`'s chosen token; whether the micro-batch goes on (else it has ended)."""
+        if mb.recv is not None:
+            mb.recv.wait()
+            mb.recv = None
+        assert mb.token is not None
+        token = torch.where(mb.finished, torch.full_like(mb.token, self.pad), mb.token)
+        mb.token = None
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        mb.generated.append(token)
+        if self.eos is not None:
+            mb.finished |= token == self.eos
+        if len(mb.generated) >= self.s.max_new_tokens or (self.eos is not None and bool(mb.finished.all())):
+            return False
+        mb.ids = token[:, None]
+        mb.mask = torch.cat([mb.mask, torch.ones_like(mb.mask[:, :1])], dim=1)
+        mb.positions = mb.positions[:, -1:] + 1
+        return True
+
+    # --- the loop -------------------------------------------------------------------------------
+
+    def _micro_batches(self, prompts: list[str], batch_size: int) -> list[tuple[int, list[int]]]:
+        """(batch index, rows) of every micro-batch, in order.
+
+        A pipeline needs `pp` micro-batches in flight to keep every stage busy. With at least `pp`
+        batches each batch is one (the same batches generate() would run, so the same numbers); with
+        fewer, every batch is cut into parts, its rows keeping the batch's left padding.
+        """
+        starts = range(0, len(prompts), batch_size)
+        parts = 1 if len(starts) >= self.pp else -(-self.pp // max(len(starts), 1))
+        out: list[tuple[int, list[int]]] = []
+        for b, start in enumerate(starts):
+            rows = list(range(start, min(start + batch_size, len(prompts))))
+            n = min(parts, len(rows))
+            size, extra = divmod(len(rows), n)
+            i = 0
+            for k in range(n):
+                step = size + (1 if k < extra else 0)
+                out.append((b, rows[i : i + step]))
+                i += step
+        return out
+
+    def _start(self, prompts: list[str], batch: int, rows: list[int], encoded: dict) -> _MicroBatch:
         from transformers import DynamicCache
 
-        t0 = time.perf_counter()
-        enc = self.tok(prompts, return_tensors="pt", padding=True)
-        ids = enc["input_ids"].to(self.rt.device)
-        mask = enc["attention_mask"].to(self.rt.device)
+        if batch not in encoded:
+            encoded.clear()  # one batch at a time is enough: its micro-batches are queued together
+            encoded[batch] = self.tok([prompts[r] for r in self._batch_rows[batch]], return_tensors="pt", padding=True)
+        enc = encoded[batch]
+        first = self._batch_rows[batch][0]
+        sel = [r - first for r in rows]
+        ids = enc["input_ids"][sel].to(self.rt.device)
+        mask = enc["attention_mask"][sel].to(self.rt.device)
         positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
-        cache = DynamicCache(config=self.config)
-        batch = ids.shape[0]
-        finished = torch.zeros(batch, dtype=torch.bool, device=self.rt.device)
-        generated: list[torch.Tensor] = []
-        logits = self._forward(ids, mask, positions, cache)
-        ttft = 0.0
-        for i in range(self.s.max_new_tokens):
-            token = self._choose(logits, batch)
-            if i == 0:
-                ttft = time.perf_counter() - t0
-            token = torch.where(finished, torch.full_like(token, self.pad), token)
-            generated.append(token)
-            if self.eos is not None:
-                finished |= token == self.eos
-            if bool(finished.all()) or i == self.s.max_new_tokens - 1:
-                break
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            positions = positions[:, -1:] + 1
-            logits = self._forward(token[:, None], mask, positions, cache)
-        rows = torch.stack(generated, dim=1).tolist() if generated else [[] for _ in range(batch)]
-        tokens = [_until_eos(r, self.eos) for r in rows]
+        finished = torch.zeros(len(rows), dtype=torch.bool, device=self.rt.device)
+        return _MicroBatch(batch, rows, ids, mask, positions, DynamicCache(config=self.config), finished)
+
+    @torch.no_grad()
+    def run(self, prompts: list[str], batch_size: int) -> Iterator[tuple[int, list[int], list[list[int]]]]:
+        """Generate for `prompts` in batches of `batch_size`; yields (batch, rows, tokens) as micro-batches end.
+
+        Every rank of the replica must call it with the same prompts.
+        """
+        self.first_token_at = None
+        queue = deque(self._micro_batches(prompts, batch_size))
+        self._batch_rows = {}
+        for b, rows in queue:
+            self._batch_rows.setdefault(b, []).extend(rows)
+        encoded: dict[int, Any] = {}
+        slots: list[_MicroBatch | None] = []
+        for _ in range(min(self.pp, len(queue))):
+            slots.append(self._start(prompts, *queue.popleft(), encoded))
+        while any(mb is not None for mb in slots):
+            for j, mb in enumerate(slots):
+                if mb is None:
+                    continue
+                if mb.token is not None:  # a token chosen in the previous round
+                    if not self._take_token(mb):
+                        rows = torch.stack(mb.generated, dim=1).tolist()
+                        yield mb.batch, mb.rows, [_until_eos(r, self.eos) for r in rows]
+                        mb = slots[j] = self._start(prompts, *queue.popleft(), encoded) if queue else None
+                        if mb is None:
+                            continue
+                self._step(mb)
+        for work, _ in self._sends:
+            work.wait()
+        self._sends.clear()
+
+    def generate(self, prompts: list[str]) -> BatchResult:
+        """One batch, start to end (the whole of `prompts` as one batch)."""
+        t0 = time.perf_counter()
+        tokens: list[list[int]] = [[] for _ in prompts]
+        for _, rows, toks in self.run(prompts, len(prompts)):
+            for r, t in zip(rows, toks, strict=True):
+                tokens[r] = t
+        ttft = (self.first_token_at or t0) - t0
         return BatchResult(tokens, ttft, time.perf_counter() - t0)
 
 
@@ -237,47 +351,59 @@ def run_infer(spec: JobSpec, job_dir: Path) -> int:
     tokenizer.padding_side = "left"  # new tokens go on the right, right after every prompt
     gen = Generator(runtime, model, tokenizer, config, s, dtype)
     mine = list(range(runtime.dp_rank, len(prompts), runtime.dims.dp))
+    batches = -(-len(mine) // s.batch_size)
     status("generating", prompts=len(mine))
     results: list[dict[str, Any]] = []
-    # Every rank of a model replica (its tp × pp ranks) sees the replica's tokens; report this rank's share,
-    # so the job's rate is the sum over ranks as for training (engine/report.py).
+    # Every rank of a model replica (its tp x pp ranks) sees the replica's tokens: a rank's running figure
+    # is its share of its replica's, so the sum over ranks (engine.report's convention) is the job's.
     share = 1 / (runtime.dims.tp * runtime.dims.pp)
+    # One start for the whole job: a stage that finished loading first would otherwise time its wait for
+    # the others as generation, and each rank's figure would cover a window of its own.
+    dist.barrier()
     t_start = time.perf_counter()
-    first_ttft: float | None = None
     new_tokens = 0
-    for b, start in enumerate(range(0, len(mine), s.batch_size)):
-        idx = mine[start : start + s.batch_size]
-        out = gen.generate([prompts[i] for i in idx])
-        first_ttft = out.ttft if first_ttft is None else first_ttft
-        count = sum(len(t) for t in out.tokens)
-        new_tokens += count
-        report(
-            step=b + 1,
-            kind="infer",
-            batch_size=len(idx),
-            time_to_first_token=out.ttft,
-            tokens_per_s=share * count / out.seconds if out.seconds > 0 else None,
-            peak_memory=peak_memory(runtime.device),
-        )
-        for i, toks in zip(idx, out.tokens, strict=True):
-            results.append(
-                {
-                    "index": i,
-                    "prompt": prompts[i],
-                    "completion": tokenizer.decode(toks, skip_special_tokens=True),
-                    "tokens": toks,
-                }
+    left = {b: len(mine[b * s.batch_size : (b + 1) * s.batch_size]) for b in range(batches)}
+    done = 0
+    for b, rows, tokens in gen.run([prompts[i] for i in mine], s.batch_size):
+        new_tokens += sum(len(t) for t in tokens)
+        for r, toks in zip(rows, tokens, strict=True):
+            i = mine[r]
+            results.append({"index": i, "prompt": prompts[i], "tokens": toks})
+        left[b] -= len(rows)
+        if left[b] == 0:  # one record per batch, never per token
+            done += 1
+            elapsed = time.perf_counter() - t_start
+            report(
+                step=done,
+                kind="infer",
+                total_steps=batches,
+                batch_size=len(mine[b * s.batch_size : (b + 1) * s.batch_size]),
+                time_to_first_token=(gen.first_token_at or t_start) - t_start,
+                tokens_per_s=share * new_tokens / elapsed if elapsed > 0 else None,
+                peak_memory=peak_memory(runtime.device),
             )
     elapsed = time.perf_counter() - t_start
+    # The job's figure, once: every replica's tokens over the generation's wall time (its slowest rank's);
+    # each rank reports an equal part of it, so the figure the CLI and the GUI sum is exactly this one.
+    (job_tokens,) = world_sums([share * new_tokens], runtime.device)
+    wall = torch.tensor([elapsed], dtype=torch.float64, device=runtime.device)
+    dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+    job_wall = float(wall.item())
+    rate = job_tokens / job_wall if job_wall > 0 else None
     report(
         kind="infer_summary",
         prompts=len(mine),
         new_tokens=new_tokens,
-        time_to_first_token=first_ttft,
-        tokens_per_s=share * new_tokens / elapsed if elapsed > 0 else None,
+        job_new_tokens=round(job_tokens),
+        generation_s=job_wall,
+        time_to_first_token=(gen.first_token_at or t_start) - t_start,
+        tokens_per_s=rate / runtime.world_size if rate is not None else None,
+        job_tokens_per_s=rate,
         peak_memory=peak_memory(runtime.device),
     )
     keeper = gen.holds_logits and runtime.tp_rank == 0
+    for r in results if keeper else []:
+        r["completion"] = tokenizer.decode(r["tokens"], skip_special_tokens=True)
     gathered: list[Any] | None = [None] * runtime.world_size if runtime.is_main else None
     dist.gather_object(results if keeper else [], gathered, dst=0)
     if runtime.is_main:
