@@ -1,7 +1,7 @@
-"""Training loop speed: Rigpilot's loop beside a plain PyTorch DDP loop and an Accelerate loop, same job.
+"""Training loop speed: Rigpilot's loop beside a plain PyTorch DDP loop, Accelerate and HF Trainer, same job.
 
     .venv/bin/python benchmarks/training_speed.py [--steps 60] [--warmup 10] [--rounds 3] [--seq 128]
-                                                   [--micro-batch 4] [--ranks 2] [--loops engine,plain,accelerate]
+                             [--micro-batch 4] [--ranks 2] [--loops engine,plain,accelerate,trainer]
 
 One torchrun of --ranks CPU ranks (gloo, DDP, fp32, OMP_NUM_THREADS=1 as torchrun sets it) runs every
 loop in the same processes, round after round, the order rotated each round so drift favours none:
@@ -13,19 +13,24 @@ loop in the same processes, round after round, the order rotated each round so d
               token blocks, cross-entropy, backward, clip_grad_norm_, AdamW, LambdaLR, and rank 0
               printing the loss every 10 steps;
   accelerate  the same loop through Hugging Face Accelerate: Accelerator().prepare(model, optimizer,
-              dataloader), accelerator.backward, accelerator.clip_grad_norm_.
+              dataloader), accelerator.backward, accelerator.clip_grad_norm_;
+  trainer     Hugging Face Trainer (train_sampling_strategy="sequential" over the same order, its
+              defaults otherwise: logging every 10 steps, tokens averaged across devices), given
+              the same AdamW and LR schedule; its loss is the model's own (labels, shift_labels).
 
 The job: the tiny Llama of examples/models/tiny-llama from scratch (the same seeded initial weights
 in every loop), examples/data/shakespeare.txt tokenized once before any loop runs (the engine
 tokenizes it again in its untimed set-up), seq_len --seq, --micro-batch sequences per rank per
 step, AdamW (betas 0.9/0.95, weight decay 0.1), grad clipping at 1.0, warmup + cosine LR. Every
 loop sees the same blocks in the same order (the engine's seeded sampler), so their losses must
-agree: the script prints the largest difference from the engine's loss over all steps.
+agree: the script prints the largest difference from the engine's loss over all steps (Trainer logs
+10-step means, compared with the engine's means over the same steps).
 
 Steady steps/s of a run = (steps - warmup) / (time of the last step - time of step `warmup`), on
 rank 0 (DDP keeps the ranks in step); the engine's step times are its metric records' timestamps.
-Printed: each loop's median over the rounds with min..max, and the ratios engine / plain and
-engine / accelerate (target >= 1.0).
+Step times of Trainer come from a callback's on_step_end. Printed: each loop's median over the rounds
+with min..max, and the ratio of the engine's median to each other loop's (target >= 1.0), with the
+range of the per-round ratios.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ sys.path.insert(0, str(REPO))
 
 TINY_LLAMA = REPO / "examples" / "models" / "tiny-llama" / "config.json"
 SHAKESPEARE = REPO / "examples" / "data" / "shakespeare.txt"
-LOOPS = ("engine", "plain", "accelerate")
+LOOPS = ("engine", "plain", "accelerate", "trainer")
 SEED = 1234
 LR = 3e-3
 WEIGHT_DECAY = 0.1
@@ -181,6 +186,40 @@ def run_accelerate(
     return times, world_losses(losses)
 
 
+def run_trainer(
+    config: Any, blocks: Any, global_order: list[int], args: argparse.Namespace, work: Path
+) -> tuple[list[float], list[float]]:
+    import torch
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    times: list[float] = []
+    logged: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, *_: Any, **__: Any) -> None:
+            times.append(time.time())
+
+        def on_log(self, _args: Any, _state: Any, _control: Any, logs: dict[str, float] | None = None, **__: Any) -> None:
+            if logs and "loss" in logs:
+                logged.append(logs["loss"])
+
+    model = fresh_model(config)
+    model.config.use_cache = False
+    # The global order laid out in a row: Trainer deals its batches round-robin as Accelerate does.
+    rows = [{"input_ids": blocks[i, :-1], "labels": blocks[i, :-1], "shift_labels": blocks[i, 1:]} for i in global_order]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, betas=(0.9, 0.95))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(args.steps))
+    training = TrainingArguments(
+        output_dir=str(work / "trainer"), max_steps=args.steps, per_device_train_batch_size=args.micro_batch,
+        max_grad_norm=GRAD_CLIP, logging_steps=10, save_strategy="no", report_to="none", use_cpu=True,
+        train_sampling_strategy="sequential", remove_unused_columns=False, disable_tqdm=True, seed=SEED,
+        dataloader_num_workers=0,
+    )  # fmt: skip
+    trainer = Trainer(model=model, args=training, train_dataset=rows, optimizers=(optimizer, scheduler), callbacks=[Clock()])
+    trainer.train()
+    return times, logged
+
+
 def rank_main(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
@@ -213,6 +252,8 @@ def rank_main(args: argparse.Namespace) -> None:
                 times, losses = run_engine(spec, rt, work, f"engine-{rnd}")
             elif name == "plain":
                 times, losses = run_plain(config, data.train, per_rank[rt.rank], args)
+            elif name == "trainer":
+                times, losses = run_trainer(config, data.train, global_order, args, work)
             else:
                 times, losses = run_accelerate(config, data.train, global_order, args)
             results[name].append({"rate": steady_rate(times, args.warmup), "losses": losses})
@@ -276,9 +317,13 @@ def main() -> None:
                 print(f"engine / {name:10s} {engine / statistics.median(rates[name]):.3f}  "
                       f"(per round {min(per_round):.3f}..{max(per_round):.3f})")  # fmt: skip
         reference = results["engine"][0]["losses"]
+        # Trainer logs the mean loss of every 10 steps: compared with the engine's means over the same steps.
+        windows = [sum(reference[i : i + 10]) / len(reference[i : i + 10]) for i in range(0, len(reference), 10)]
         for name, runs in results.items():
-            worst = max(abs(a - b) for run in runs for a, b in zip(run["losses"], reference, strict=True))
-            print(f"loss check: {name:10s} largest |loss - engine loss| over {len(reference)} steps: {worst:.2e}")
+            against = windows if name == "trainer" else reference
+            worst = max(abs(a - b) for run in runs for a, b in zip(run["losses"], against, strict=False))
+            what = "10-step mean losses" if name == "trainer" else "step losses"
+            print(f"loss check: {name:10s} largest difference from the engine's {what} ({len(against)}): {worst:.2e}")
 
 
 if __name__ == "__main__":

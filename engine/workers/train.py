@@ -206,6 +206,10 @@ class Trainer:
         self.notes: list[str] = []
         # What turns a micro-batch's summed token loss into its share of the step's loss (set per step).
         self.loss_scale = 1.0
+        # The process groups a step reduces over, looked up once: slicing a device mesh builds a new one.
+        mesh = runtime.mesh
+        self.dp_groups = [mesh[d].get_group() for d in ("dp_replicate", "dp_shard") if mesh[d].size() > 1]
+        self.pp_group = mesh["pp"].get_group() if self.dims.pp > 1 else None
 
     # --- set-up -----------------------------------------------------------------------------------
 
@@ -426,16 +430,14 @@ class Trainer:
                 return everyone.numel() * (self.data.block_len - 1)
             return int(self.data.train_trained[everyone][:, 1:].sum())
         count = torch.stack([(b.labels != -100).sum() for b in batches]).sum().to(torch.int64)
-        for dim in ("dp_replicate", "dp_shard"):
-            if self.rt.mesh[dim].size() > 1:
-                dist.all_reduce(count, group=self.rt.mesh[dim].get_group())
+        for group in self.dp_groups:
+            dist.all_reduce(count, group=group)
         return int(count)
 
     def _optimizer_step(self) -> torch.Tensor:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        pp_group = self.rt.mesh["pp"].get_group() if self.dims.pp > 1 else None
-        norm = clip_grad_norm(self.params, self.s.grad_clip, pp_group)
+        norm = clip_grad_norm(self.params, self.s.grad_clip, self.pp_group)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
