@@ -526,3 +526,11 @@ def test_old_checkpoints_are_pruned_to_the_newest_few(tmp_path: Path) -> None:
     assert sorted(p.name for p in folder.iterdir()) == ["notes", "step-30", "step-40", "step-50.tmp"]
     assert latest_checkpoint(folder) == folder / "step-40"
     assert prune_checkpoints(tmp_path / "none", 3) == []
+
+
+def test_ddp_resends_buffers_only_for_models_whose_training_changes_them(tiny_llama: torch.nn.Module) -> None:
+    from rigpilot.engine.workers.parallelize import has_trained_buffers
+
+    # Rotary tables are constants, not saved: no per-step broadcast. BatchNorm's statistics are saved state.
+    assert any(True for _ in tiny_llama.buffers()) and not has_trained_buffers(tiny_llama)
+    assert has_trained_buffers(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2)))
