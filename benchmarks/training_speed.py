@@ -28,9 +28,10 @@ agree: the script prints the largest difference from the engine's loss over all 
 
 Steady steps/s of a run = (steps - warmup) / (time of the last step - time of step `warmup`), on
 rank 0 (DDP keeps the ranks in step); the engine's step times are its metric records' timestamps.
-Step times of Trainer come from a callback's on_step_end. Printed: each loop's median over the rounds
-with min..max, and the ratio of the engine's median to each other loop's (target >= 1.0), with the
-range of the per-round ratios.
+Step times of Trainer come from a callback's on_step_end. Beside it, 1 / the median step time after
+warm-up, which bursts of other work on shared cores move less. Printed for both: each loop's median
+over the rounds with min..max, and the ratio of the engine's median to each other loop's (target
+>= 1.0), with the range and median of the per-round ratios.
 """
 
 from __future__ import annotations
@@ -75,6 +76,11 @@ def job_spec(args: argparse.Namespace) -> dict[str, Any]:
 def steady_rate(times: list[float], warmup: int) -> float:
     """times[i]: when step i + 1 ended."""
     return (len(times) - warmup) / (times[-1] - times[warmup - 1])
+
+
+def typical_rate(times: list[float], warmup: int) -> float:
+    """1 / the median step after warm-up: steadier than the wall-clock rate when other work shares the cores."""
+    return 1 / statistics.median(b - a for a, b in zip(times[warmup - 1 :], times[warmup:], strict=False))
 
 
 def run_engine(spec: Any, rt: Any, work: Path, tag: str) -> tuple[list[float], list[float]]:
@@ -256,7 +262,9 @@ def rank_main(args: argparse.Namespace) -> None:
                 times, losses = run_trainer(config, data.train, global_order, args, work)
             else:
                 times, losses = run_accelerate(config, data.train, global_order, args)
-            results[name].append({"rate": steady_rate(times, args.warmup), "losses": losses})
+            results[name].append(
+                {"rate": steady_rate(times, args.warmup), "typical": typical_rate(times, args.warmup), "losses": losses}
+            )
     if rt.rank == 0:
         (work / "results.json").write_text(json.dumps(results))
     dist.barrier()
@@ -305,17 +313,20 @@ def main() -> None:
     print(f"{args.ranks} CPU ranks (gloo, DDP, fp32), tiny Llama, seq {args.seq}, micro-batch {args.micro_batch}, "
           f"{args.steps} steps ({args.warmup} warm-up), {args.rounds} rounds, {time.monotonic() - t0:.0f} s; "
           f"load {os.getloadavg()[0]:.2f}")  # fmt: skip
-    print("loop          steps/s median (min..max)")
-    rates = {name: [r["rate"] for r in runs] for name, runs in results.items()}
-    for name, values in rates.items():
-        print(f"{name:12s} {spread(values)}")
-    if "engine" in rates:
+    for key, what in (("rate", "steady steps/s (wall clock)"), ("typical", "1 / median step time")):
+        print(f"{what}: median over rounds (min..max)")
+        rates = {name: [r[key] for r in runs] for name, runs in results.items()}
+        for name, values in rates.items():
+            print(f"  {name:12s} {spread(values)}")
+        if "engine" not in rates:
+            continue
         engine = statistics.median(rates["engine"])
         for name in rates:
             if name != "engine":
                 per_round = [e / o for e, o in zip(rates["engine"], rates[name], strict=True)]
-                print(f"engine / {name:10s} {engine / statistics.median(rates[name]):.3f}  "
-                      f"(per round {min(per_round):.3f}..{max(per_round):.3f})")  # fmt: skip
+                print(f"  engine / {name:10s} {engine / statistics.median(rates[name]):.3f}  "
+                      f"(per round {min(per_round):.3f}..{max(per_round):.3f}, median {statistics.median(per_round):.3f})")  # fmt: skip
+    if "engine" in results:
         reference = results["engine"][0]["losses"]
         # Trainer logs the mean loss of every 10 steps: compared with the engine's means over the same steps.
         windows = [sum(reference[i : i + 10]) / len(reference[i : i + 10]) for i in range(0, len(reference), 10)]
