@@ -536,6 +536,8 @@ class Trainer:
                 return EXIT_CANCELLED
             if evaluate_now:
                 self._evaluate_and_report(step)
+            if checkpoint_now or evaluate_now:
+                last_end = time.perf_counter()  # the next step's time leaves the checkpoint and the evaluation out
         # A job resumed from its last step's checkpoint evaluates and exports again, as one that got there.
         if s.eval_every > 0:
             self._evaluate_and_report(step)
