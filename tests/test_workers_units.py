@@ -221,6 +221,48 @@ def test_packing_split_and_sharding_are_deterministic_and_disjoint(tmp_path: Pat
     assert len(per_rank[0]) == len(per_rank[1]) > 0
 
 
+def test_every_rank_knows_every_replicas_batch_so_the_step_needs_no_count_collective() -> None:
+    # The loop counts the global batch's trained tokens from these rows instead of all-reducing them.
+    ranks = [ShardedBatches(22, 3, r, 3, seed=7) for r in range(3)]
+    whole = ShardedBatches(22, 3, 1, 3, seed=7)
+    for _ in range(2 * whole.batches_per_epoch + 1):  # across epoch boundaries
+        rows = whole.next_global_indices()
+        assert rows.shape == (3, 3)
+        assert [rows[r].tolist() for r in range(3)] == [s.next_indices().tolist() for s in ranks]
+    assert whole.state_dict() == ranks[1].state_dict()
+
+
+def test_clipping_stays_on_the_device_and_matches_torch() -> None:
+    from rigpilot.engine.workers.train import clip_grad_norm
+
+    torch.manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(4))]
+    theirs = copy.deepcopy(ours)
+    for p in [*ours, *theirs]:
+        p.grad = torch.full_like(p, 2.0)
+    norm = clip_grad_norm(ours, 1.0, None)
+    assert isinstance(norm, torch.Tensor) and norm.dim() == 0
+    assert torch.allclose(norm, torch.nn.utils.clip_grad_norm_(theirs, 1.0))
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.allclose(a.grad, b.grad) and not torch.equal(a.grad, torch.full_like(a, 2.0))
+    below = [torch.nn.Parameter(torch.zeros(3))]
+    below[0].grad = torch.tensor([0.1, 0.2, 0.2])
+    clip_grad_norm(below, 1.0, None)
+    assert torch.equal(below[0].grad, torch.tensor([0.1, 0.2, 0.2]))  # under the limit: untouched
+    broken = [torch.nn.Parameter(torch.zeros(2))]
+    broken[0].grad = torch.tensor([float("inf"), 1.0])
+    assert not torch.isfinite(clip_grad_norm(broken, 1.0, None))
+    assert broken[0].grad[1] == 1.0  # a non-finite norm is reported, not applied
+
+
+def test_the_step_sum_lands_as_a_future_outside_a_process_group() -> None:
+    from rigpilot.engine.workers.metrics import world_sum_and_any_async
+
+    cpu = torch.device("cpu")
+    assert world_sum_and_any_async(torch.tensor(2.5, dtype=torch.float64), False, cpu).wait() == (2.5, False)
+    assert world_sum_and_any_async(None, True, cpu).wait() == (None, True)
+
+
 def test_eval_batches_are_full_and_cover_every_block_once_whatever_the_split() -> None:
     # A pipeline schedule is built for exactly batch_size sequences: a partial batch used to crash it.
     blocks = torch.arange(3 * 4).reshape(3, 4)
@@ -506,3 +548,11 @@ def test_old_checkpoints_are_pruned_to_the_newest_few(tmp_path: Path) -> None:
     assert sorted(p.name for p in folder.iterdir()) == ["notes", "step-30", "step-40", "step-50.tmp"]
     assert latest_checkpoint(folder) == folder / "step-40"
     assert prune_checkpoints(tmp_path / "none", 3) == []
+
+
+def test_ddp_resends_buffers_only_for_models_whose_training_changes_them(tiny_llama: torch.nn.Module) -> None:
+    from rigpilot.engine.workers.parallelize import has_trained_buffers
+
+    # Rotary tables are constants, not saved: no per-step broadcast. BatchNorm's statistics are saved state.
+    assert any(True for _ in tiny_llama.buffers()) and not has_trained_buffers(tiny_llama)
+    assert has_trained_buffers(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2)))

@@ -260,11 +260,19 @@ class ShardedBatches:
         return self._perm
 
     def next_indices(self) -> torch.Tensor:
+        return self.next_global_indices()[self.dp_rank]
+
+    def next_global_indices(self) -> torch.Tensor:
+        """The next global batch, (dp_size, batch_size): row r is what rank r takes.
+
+        Every rank knows the whole batch, so what depends only on the blocks (the trained tokens a
+        step normalises by) needs no collective.
+        """
         if self.position >= self.batches_per_epoch:
             self.epoch, self.position, self._perm = self.epoch + 1, 0, None
-        start = (self.position * self.dp_size + self.dp_rank) * self.batch_size
+        start = self.position * self.dp_size * self.batch_size
         self.position += 1
-        return self._permutation()[start : start + self.batch_size]
+        return self._permutation()[start : start + self.dp_size * self.batch_size].view(self.dp_size, self.batch_size)
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}

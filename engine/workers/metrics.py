@@ -13,14 +13,17 @@ from rigpilot.engine.report import report
 PEAK_TFLOPS_ENV = "RIGPILOT_PEAK_TFLOPS"
 
 _rss_peak = 0
+_process: psutil.Process | None = None  # one handle: building one reads /proc every step
 
 
 def peak_memory(device: torch.device) -> int:
     """Bytes: the allocator's peak on a GPU; on the CPU the highest process RSS seen so far."""
-    global _rss_peak
+    global _rss_peak, _process
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    _rss_peak = max(_rss_peak, psutil.Process().memory_info().rss)
+    if _process is None:
+        _process = psutil.Process()
+    _rss_peak = max(_rss_peak, _process.memory_info().rss)
     return _rss_peak
 
 
@@ -54,12 +57,25 @@ def world_sums(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
-def world_sum_and_any(value: float | None, flag: bool, device: torch.device) -> tuple[float | None, bool]:
-    """(sum of `value` over the ranks that have one, or None if none has, whether `flag` is set on any rank).
+def world_sum_and_any_async(
+    value: torch.Tensor | None, flag: bool, device: torch.device
+) -> torch.futures.Future[tuple[float | None, bool]]:
+    """(sum of `value` over the ranks that have one, or None if none has, whether `flag` is set on any rank),
+    as a future: the all-reduce runs in the background, so no rank waits for it where it is started.
 
-    One all-reduce; a collective: every rank must call it.
+    `value` stays a tensor (no host sync to start it). One all-reduce in float64; a collective: every
+    rank must start it, in the same order as its other collectives on the default group.
     """
-    total, holders, flags = world_sums(
-        [value if value is not None else 0.0, 1.0 if value is not None else 0.0, 1.0 if flag else 0.0], device
-    )
-    return (total if holders > 0 else None), flags > 0
+    rest = torch.tensor([0.0 if value is None else 1.0, 1.0 if flag else 0.0], dtype=torch.float64, device=device)
+    head = torch.zeros(1, dtype=torch.float64, device=device) if value is None else value.detach().reshape(1)
+    t = torch.cat([head.to(device=device, dtype=torch.float64), rest])
+
+    def finish(_: object) -> tuple[float | None, bool]:
+        total, holders, flags = t.tolist()
+        return (total if holders > 0 else None), flags > 0
+
+    if not dist.is_initialized():
+        done: torch.futures.Future[None] = torch.futures.Future()
+        done.set_result(None)
+        return done.then(finish)
+    return dist.all_reduce(t, async_op=True).get_future().then(finish)

@@ -437,8 +437,25 @@ def apply_data_parallel(
         frozen_nf4 = [n for n, p in model.named_parameters() if is_nf4(p)]
         if frozen_nf4:
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, frozen_nf4)
-        return DistributedDataParallel(model, device_ids=device_ids, process_group=mesh["dp_replicate"].get_group())
+        return DistributedDataParallel(
+            model,
+            device_ids=device_ids,
+            process_group=mesh["dp_replicate"].get_group(),
+            broadcast_buffers=has_trained_buffers(model),
+        )
     return model
+
+
+def has_trained_buffers(model: nn.Module) -> bool:
+    """Whether the model has buffers that training may change and a checkpoint keeps (BatchNorm's statistics).
+
+    DDP re-sends rank 0's buffers before every forward pass unless told not to: a blocking collective
+    per micro-batch (an eighth of a small model's step on CPU ranks). Buffers left out of the state
+    dict (rotary tables, position ids) are constants every rank derives alike, and DDP's start-up
+    broadcast makes them equal anyway; only saved buffers can carry what training changes.
+    """
+    buffers = {name for name, _ in model.named_buffers()}
+    return bool(buffers & set(model.state_dict().keys()))
 
 
 def offloaded_shards(model: nn.Module) -> tuple[int, int]:

@@ -46,7 +46,7 @@ from rigpilot.engine.workers.data import (
     mask_for_mlm,
     read_dataset,
 )
-from rigpilot.engine.workers.metrics import mfu, peak_memory, status, world_sum_and_any, world_sums
+from rigpilot.engine.workers.metrics import mfu, peak_memory, status, world_sum_and_any_async, world_sums
 from rigpilot.engine.workers.model_loading import (
     LoadedModel,
     count_params,
@@ -124,12 +124,13 @@ def lr_lambda(warmup_steps: int, max_steps: int) -> Any:
     return factor
 
 
-def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group: Any | None) -> float:
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group: Any | None) -> torch.Tensor:
     """Global L2 norm of all gradients (clipped to max_norm when > 0), correct for DTensor and pipeline splits.
 
     Gradients are grouped by the mesh they live on (FSDP, TP, FSDP x TP, or
     plain tensors), each group's norm made whole with full_tensor(), and stage
-    norms summed over the pipeline group.
+    norms summed over the pipeline group. The norm comes back as a 0-dim tensor
+    and the clipping stays on the device: no host sync in the step.
     """
     grads = [p.grad for p in params if p.grad is not None]
     groups: dict[Any, list[torch.Tensor]] = defaultdict(list)
@@ -142,11 +143,12 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group: Any | 
         square = square + norm.float() ** 2
     if pp_group is not None:
         dist.all_reduce(square, group=pp_group)
-    total = float(square.sqrt())
-    if max_norm > 0 and math.isfinite(total) and total > max_norm:
-        coef = max_norm / (total + 1e-6)
-        for g in grads:
-            g.mul_(coef)
+    total = square.sqrt()
+    if max_norm > 0:
+        # A non-finite norm is reported, not applied: scaling by it would turn every gradient into NaN.
+        coef = torch.where(torch.isfinite(total), (max_norm / (total + 1e-6)).clamp(max=1.0), 1.0)
+        for group in groups.values():
+            torch._foreach_mul_(group, coef)
     return total
 
 
@@ -174,6 +176,17 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
+class StepFigures:
+    """What a step's record says besides its loss, kept until the loss has been added up."""
+
+    step: int
+    lr: float
+    grad_norm: torch.Tensor
+    tokens: int
+    step_time: float
+
+
+@dataclass
 class Batch:
     inputs: torch.Tensor
     labels: torch.Tensor
@@ -193,6 +206,10 @@ class Trainer:
         self.notes: list[str] = []
         # What turns a micro-batch's summed token loss into its share of the step's loss (set per step).
         self.loss_scale = 1.0
+        # The process groups a step reduces over, looked up once: slicing a device mesh builds a new one.
+        mesh = runtime.mesh
+        self.dp_groups = [mesh[d].get_group() for d in ("dp_replicate", "dp_shard") if mesh[d].size() > 1]
+        self.pp_group = mesh["pp"].get_group() if self.dims.pp > 1 else None
 
     # --- set-up -----------------------------------------------------------------------------------
 
@@ -360,19 +377,22 @@ class Trainer:
         """loss_parallel() around the forward and backward of vocabulary-sharded logits, else nothing."""
         return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
 
-    def train_step(self, step: int) -> tuple[float | None, int]:
+    def train_step(self, step: int) -> tuple[torch.Tensor | None, int]:
         """Run one optimizer step's forward/backward passes.
 
-        Returns (this replica's share of the step's loss, or None on ranks that hold no loss; tokens).
-        The shares of all replicas add up to the step's loss.
+        Returns (this replica's share of the step's loss as a float64 tensor, or None on ranks that
+        hold no loss; tokens). The shares of all replicas add up to the step's loss.
         """
         accum = self.s.grad_accum
         batches = []
+        everyone = []  # the global batches' block indices, every replica's
         for micro in range(accum):
-            picked = self.sampler.next_indices()
+            global_picked = self.sampler.next_global_indices()
+            everyone.append(global_picked)
+            picked = global_picked[self.rt.dp_rank]
             trained = None if self.data.train_trained is None else self.data.train_trained[picked]
             batches.append(self._batch(self.data.train[picked], step, micro, trained))
-        count = self._global_trained_tokens(batches)
+        count = self._global_trained_tokens(batches, torch.cat(everyone).flatten())
         # DDP and FSDP average the gradients over the data-parallel ranks; the dp factor undoes that.
         # A step without a trained token anywhere has a zero loss and zero gradients, not NaN.
         self.loss_scale = self.dims.dp / max(count, 1)
@@ -395,25 +415,29 @@ class Trainer:
             shares.append(plain(scaled.detach()))
         if not self._reports_loss():
             return None, tokens
-        return float(torch.stack(shares).double().sum()) / self.dims.dp, tokens
+        return torch.stack(shares).double().sum() / self.dims.dp, tokens
 
-    def _global_trained_tokens(self, batches: list[Batch]) -> int:
+    def _global_trained_tokens(self, batches: list[Batch], everyone: torch.Tensor) -> int:
         """Trained tokens in this step's micro-batches on every data-parallel replica.
 
-        The ranks of one replica (tensor and pipeline parallel) hold the same labels, so the sum runs
-        over the data-parallel dims of the mesh only.
+        Next-token labels follow from the blocks alone, and every rank knows every replica's blocks
+        (`everyone`): counted here, with no collective. Masked-LM labels are drawn per replica, so
+        their counts are summed over the data-parallel dims of the mesh (the ranks of one replica,
+        tensor and pipeline parallel, hold the same labels).
         """
+        if self.loaded.objective == "causal":
+            if self.data.train_trained is None:
+                return everyone.numel() * (self.data.block_len - 1)
+            return int(self.data.train_trained[everyone][:, 1:].sum())
         count = torch.stack([(b.labels != -100).sum() for b in batches]).sum().to(torch.int64)
-        for dim in ("dp_replicate", "dp_shard"):
-            if self.rt.mesh[dim].size() > 1:
-                dist.all_reduce(count, group=self.rt.mesh[dim].get_group())
+        for group in self.dp_groups:
+            dist.all_reduce(count, group=group)
         return int(count)
 
-    def _optimizer_step(self) -> float:
+    def _optimizer_step(self) -> torch.Tensor:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        pp_group = self.rt.mesh["pp"].get_group() if self.dims.pp > 1 else None
-        norm = clip_grad_norm(self.params, self.s.grad_clip, pp_group)
+        norm = clip_grad_norm(self.params, self.s.grad_clip, self.pp_group)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -476,45 +500,44 @@ class Trainer:
         # From here on a SIGTERM has work to save: finish the step, checkpoint, then exit.
         self.cancel.install()
         status("training", max_steps=s.max_steps)
+        landing: torch.futures.Future[bool] | None = None  # the previous step's record, on its way
+        last_end = time.perf_counter()
         while step < s.max_steps:
-            t0 = time.perf_counter()
             self.optimizer.zero_grad(set_to_none=True)
             lr = self.scheduler.get_last_lr()[0]
             loss, tokens = self.train_step(step)
             grad_norm = self._optimizer_step()
             step += 1
-            # One collective per step adds up the replicas' shares of the loss and agrees on whether a
-            # SIGTERM arrived anywhere.
-            step_loss, cancelled = world_sum_and_any(loss, self.cancel.requested, rt.device)
-            if rt.device.type == "cuda":
-                torch.cuda.synchronize(rt.device)
-            dt = time.perf_counter() - t0
-            # Per device, as torchtitan counts: the replica's tokens over the ranks that share it.
-            tps = tokens / dt / self.dims.non_dp
-            report(
-                step=step,
-                loss=step_loss,
-                lr=lr,
-                grad_norm=grad_norm,
-                tokens_per_s=tps,
-                step_time=dt,
-                mfu=mfu(self.flops_per_token, tps),
-                peak_memory=peak_memory(rt.device),
-            )
-            self.log(
-                f"step {step}/{s.max_steps} loss {_fmt(step_loss)} lr {lr:.3g} grad_norm {grad_norm:.3g} {dt * 1000:.0f} ms"
-            )
+            # Between step ends: on a GPU the host runs at most one step ahead (it waits for the
+            # previous step's record below), so this is the device's step time without a sync.
+            now = time.perf_counter()
+            figures = StepFigures(step, lr, grad_norm, tokens, now - last_end)
+            last_end = now
+            # One all-reduce per step adds up the replicas' shares of the loss and agrees on whether a
+            # SIGTERM arrived anywhere. It is not waited for: it lands while the next step computes,
+            # and writes the step's record then, so metrics still arrive every step.
+            sums = world_sum_and_any_async(loss, self.cancel.requested, rt.device)
+            cancelled = landing.wait() if landing is not None else False
+            landing = sums.then(lambda f, figures=figures: self._report_step(figures, *f.value()))
             last = step == s.max_steps
+            checkpoint_now = s.checkpoint_every > 0 and (step % s.checkpoint_every == 0 or last)
+            evaluate_now = not last and s.eval_every > 0 and step % s.eval_every == 0
+            if cancelled or last or checkpoint_now or evaluate_now:
+                # This step's record goes before anything else is written, and the last one is never lost.
+                cancelled = landing.wait() or cancelled
+                landing = None
             # The trained steps are saved before anything that could fail without touching them
             # (evaluation, the export): the last step is always checkpointed, unless checkpoints are off.
-            if cancelled or (s.checkpoint_every > 0 and (step % s.checkpoint_every == 0 or last)):
+            if cancelled or checkpoint_now:
                 self._checkpoint(step, resume_phase=not cancelled)
             if cancelled:
                 status("cancelled", step=step, exit_code=EXIT_CANCELLED)
                 self.log(f"cancelled after step {step}; checkpoint saved")
                 return EXIT_CANCELLED
-            if not last and s.eval_every > 0 and step % s.eval_every == 0:
+            if evaluate_now:
                 self._evaluate_and_report(step)
+            if checkpoint_now or evaluate_now:
+                last_end = time.perf_counter()  # the next step's time leaves the checkpoint and the evaluation out
         # A job resumed from its last step's checkpoint evaluates and exports again, as one that got there.
         if s.eval_every > 0:
             self._evaluate_and_report(step)
@@ -522,6 +545,27 @@ class Trainer:
         self.save_output()
         status("done", step=step, exit_code=EXIT_OK)
         return EXIT_OK
+
+    def _report_step(self, f: StepFigures, step_loss: float | None, cancelled: bool) -> bool:
+        """Write a step's record and log line once its loss has landed; returns whether to cancel."""
+        # Per device, as torchtitan counts: the replica's tokens over the ranks that share it.
+        tps = f.tokens / f.step_time / self.dims.non_dp
+        grad_norm = float(f.grad_norm)
+        report(
+            step=f.step,
+            loss=step_loss,
+            lr=f.lr,
+            grad_norm=grad_norm,
+            tokens_per_s=tps,
+            step_time=f.step_time,
+            mfu=mfu(self.flops_per_token, tps),
+            peak_memory=peak_memory(self.rt.device),
+        )
+        self.log(
+            f"step {f.step}/{self.s.max_steps} loss {_fmt(step_loss)} lr {f.lr:.3g} grad_norm {grad_norm:.3g} "
+            f"{f.step_time * 1000:.0f} ms"
+        )
+        return cancelled
 
     def _evaluate_and_report(self, step: int) -> None:
         if not len(self.data.eval):
