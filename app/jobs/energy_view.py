@@ -11,6 +11,7 @@ from typing import Any
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QFormLayout, QLabel, QVBoxLayout, QWidget
 
+from rigpilot.app.widgets.form_row import form_texts
 from rigpilot.engine.service.energy import format_kwh, format_money
 
 NO_PRICE = "Set your electricity price in Settings (Prices) to see what it cost."
@@ -74,13 +75,7 @@ class EnergySection(QWidget):
         self.setVisible(bool(rows))
 
     def rows(self) -> dict[str, str]:
-        out = {}
-        for r in range(self.form.rowCount()):
-            label = self.form.itemAt(r, QFormLayout.ItemRole.LabelRole)
-            field = self.form.itemAt(r, QFormLayout.ItemRole.FieldRole)
-            if label and field:
-                out[label.widget().text()] = field.widget().text()
-        return out
+        return form_texts(self.form)
 
 
 def live_line(job: dict[str, Any]) -> str:

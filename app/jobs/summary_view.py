@@ -24,6 +24,7 @@ from PySide6.QtWidgets import (
 
 from rigpilot.app.jobs.energy_view import EnergySection
 from rigpilot.app.jobs.outcome import eval_trend, load_snippets, model_of, output_of, settings_diff, summary_rows
+from rigpilot.app.widgets.form_row import form_texts
 from rigpilot.app.widgets.palette import WARN
 
 
@@ -118,13 +119,7 @@ class SummaryPanel(QWidget):
             self.snippets.append(text)
 
     def rows(self) -> dict[str, str]:
-        out = {}
-        for r in range(self.form.rowCount()):
-            label = self.form.itemAt(r, QFormLayout.ItemRole.LabelRole)
-            field = self.form.itemAt(r, QFormLayout.ItemRole.FieldRole)
-            if label and field:
-                out[label.widget().text()] = field.widget().text()
-        return out
+        return form_texts(self.form)
 
 
 class SettingsDiff(QTableWidget):

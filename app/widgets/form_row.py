@@ -38,3 +38,14 @@ def form_row(form: QFormLayout, label: str, control: QWidget, tip: str, *, compa
     layout.addWidget(note)
     form.addRow(label, box)
     return box
+
+
+def form_texts(form: QFormLayout) -> dict[str, str]:
+    """What a read-only form shows, label → text: for tests and copying, read off the widgets themselves."""
+    out = {}
+    for r in range(form.rowCount()):
+        label = form.itemAt(r, QFormLayout.ItemRole.LabelRole)
+        field = form.itemAt(r, QFormLayout.ItemRole.FieldRole)
+        if label and field:
+            out[label.widget().text()] = field.widget().text()
+    return out
