@@ -204,6 +204,18 @@ def test_a_job_that_finishes_while_open_shows_what_it_saved(qtbot):
     assert "/tmp/rigpilot-jobs/t/output" in page.detail.summary_panel.rows()["Saved to"]
 
 
+def test_a_restarted_jobs_wall_time_adds_up_its_runs(qtbot):
+    link = FakeLink()
+    job = a_training_job("t")
+    # Run 2 started after the restart: its own span is 2 minutes, the job's runs took 1 h + 2 min.
+    job["run"], job["started"] = 2, job["ended"] - 120
+    job["energy"] = {"runs": [{"run": 1, "seconds": 3600.0}, {"run": 2, "seconds": 120.0}], "seconds": 3720.0}
+    FakeJobs(link, [job])
+    page = open_page(qtbot, link)
+    open_job(qtbot, page, "t")
+    assert page.detail.summary_panel.rows()["Wall time"] == "1 h 02 min in 2 runs"
+
+
 def test_eval_trend_flags_a_sustained_rise_only():
     steps = np.array([10.0, 20, 30, 40, 50])
     assert eval_trend(steps, np.array([2.0, 1.5, 1.4, 1.3, 1.25])) is None  # falling
