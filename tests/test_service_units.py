@@ -414,6 +414,21 @@ def test_job_store_adds_columns_for_new_fields_and_old_rows_read_as_defaults(tmp
     assert JobStore(db).get("ab12cd") == old
 
 
+def test_a_jobs_wall_time_adds_up_its_runs():
+    from rigpilot.engine.service.supervisor import _wall_s
+
+    rec = JobRecord(id="ab12cd", seq=1, kind="train", name="x", state="completed", gpus=[0], ranks=1,
+                    simulated=True, created=0.0, started=500.0, ended=520.0, run=2)  # fmt: skip
+    runs = {"runs": [{"run": 1, "seconds": 300.0}, {"run": 2, "seconds": 20.0}]}
+    assert _wall_s(rec, runs, now=600.0) == 320.0
+    # Without every run timed (an engine from before energy records), the last run's own span.
+    assert _wall_s(rec, {"runs": runs["runs"][1:]}, now=600.0) == 20.0
+    rec.ended = None  # still running: up to now
+    assert _wall_s(rec, None, now=530.0) == 30.0
+    rec.started = None
+    assert _wall_s(rec, None, now=530.0) is None
+
+
 def test_telemetry_store_thins_old_samples_and_pages(tmp_path):
     now = [10_000.0]
     ts = TelemetryStore(tmp_path / "t.db", min_interval=1.0, full_window=100, coarse_interval=10, retention=300,

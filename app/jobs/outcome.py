@@ -122,15 +122,9 @@ def summary_rows(job: dict[str, Any], series: Any) -> list[tuple[str, str]]:
     tokens = tokens_processed(job, step)
     if tokens:
         rows.append(("Tokens processed", f"{si(tokens)} ({step} steps)"))
-    started, ended = job.get("started"), job.get("ended")
-    # `started` is the last run's start: a resumed or restarted job's wall time is its runs' added up,
-    # as the engine's energy record measures each run from start to end.
-    runs = (job.get("energy") or {}).get("runs") or []
-    spans = [r.get("seconds") for r in runs]
-    if len(runs) > 1 and all(isinstance(x, int | float) for x in spans):
-        rows.append(("Wall time", f"{duration(sum(spans))} in {len(runs)} runs"))
-    elif isinstance(started, int | float) and isinstance(ended, int | float) and ended >= started:
-        rows.append(("Wall time", duration(ended - started)))
+    wall, run = job.get("wall_s"), job.get("run") or 1  # the engine's figure: every run added up
+    if isinstance(wall, int | float):
+        rows.append(("Wall time", duration(wall) + (f" in {run} runs" if run > 1 else "")))
     if isinstance(progress.get("tokens_per_s"), int | float):
         rows.append(("Speed", si(progress["tokens_per_s"], "tokens/s")))
     folder = output_of(job).get("folder")

@@ -525,7 +525,7 @@ def _waiting(job: dict[str, Any]) -> str:
 
 
 def _report_end(job: dict[str, Any]) -> int:
-    took = _duration((job.get("ended") or 0) - (job.get("started") or job.get("ended") or 0))
+    took = _duration(job.get("wall_s") or 0)
     if job["state"] == "completed":
         print(f"job {job['id']} completed in {took}")
         if job.get("kind") == "calibrate" and job.get("job_dir"):
@@ -662,9 +662,9 @@ def _progress(p: dict[str, Any] | None) -> str:
 
 
 def _job_time(j: dict[str, Any]) -> str:
-    if j.get("started") is None:
+    if j.get("wall_s") is None:
         return _duration(time.time() - j["created"]) + " ago"
-    return _duration((j.get("ended") or time.time()) - j["started"])
+    return _duration(j["wall_s"])
 
 
 def cmd_logs(args: argparse.Namespace) -> int:

@@ -457,6 +457,7 @@ class Supervisor:
         d["progress"] = progress
         d["energy"] = energy.job_energy(rec, run.energy if run else None, time.time())
         d["energy_cost"] = energy.cost(d["energy"], progress, energy.electricity_price())
+        d["wall_s"] = _wall_s(rec, d["energy"], time.time())
         if rec.state == QUEUED:
             d["waiting_for"] = self._waiting_for(rec)
         if rec.state == STARTING and rec.slurm is None:
@@ -1024,6 +1025,17 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _wall_s(rec: JobRecord, spent: dict[str, Any] | None, now: float) -> float | None:
+    """Seconds the job has run, over all its runs. `started` is the last run's start; the energy record
+    times every run from its start to its end (the one running now included)."""
+    runs = (spent or {}).get("runs") or []
+    if rec.run > 1 and len(runs) == rec.run and all(isinstance(r.get("seconds"), int | float) for r in runs):
+        return float(sum(r["seconds"] for r in runs))
+    if rec.started is None:
+        return None
+    return max((rec.ended or now) - rec.started, 0.0)
 
 
 def _newest_checkpoint(job_dir: Path) -> dict[str, Any] | None:
