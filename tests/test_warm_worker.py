@@ -164,7 +164,10 @@ def test_a_job_runs_through_the_warm_worker_survives_its_death_and_matches_the_p
                 if not all("child_pid" in s for s in states):
                     return False
                 with contextlib.suppress(psutil.Error):  # it may have finished already
-                    environs.append(psutil.Process(states[0]["child_pid"]).environ())
+                    env = psutil.Process(states[0]["child_pid"]).environ()
+                    if "RIGPILOT_JOB_ID" not in env:
+                        return False  # forked a moment ago: not yet in the job's environment
+                    environs.append(env)
                 return True
 
             wait_for(forked, 60, 0.02, "both ranks to start")
