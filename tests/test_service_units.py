@@ -291,6 +291,9 @@ def test_plans_for_another_task_and_user_degrees(submit, tmp_path):
     assert "parallelism" not in sub.from_plan and sub.spec.train.micro_batch == 2
     with pytest.raises(UserError, match="precision='fp8': must be one of fp32, bf16, fp16"):
         submit({**TRAIN, "train": {**TRAIN["train"], "precision": "fp8"}})
+    two_nodes = planner_plan(dp=4, nodes=2)  # a plan for 2 nodes of 2 GPUs, submitted to one engine
+    with pytest.raises(UserError, match=r"this plan spans 2 nodes: run it with --nodes local,NODE"):
+        submit(TRAIN, plan=two_nodes)
 
 
 # -- metrics ------------------------------------------------------------------------------

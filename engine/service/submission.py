@@ -77,6 +77,13 @@ def prepare(
     applies_plan = plan is not None and spec.kind != "script"
     if applies_plan:
         check_plan_runs(spec, plan)
+        planned = ((plan_of(plan) or {}).get("parallelism") or {}).get("nodes") or 1
+        if isinstance(planned, int) and planned > 1 and planned != nodes:
+            # Else the degrees, made for every node's ranks, would be checked against this node's alone.
+            raise UserError(
+                f"this plan spans {planned} nodes: run it with --nodes local,NODE… naming {planned} engines "
+                f"(see 'rigpilot nodes'), or plan for {nodes} node{'s' * (nodes != 1)}"
+            )
         from_plan, notes = apply_plan_layout(spec, plan)
     spec.gpus = _check_gpus(spec.gpus or _default_gpus(spec, machine, nodes), machine)
     ranks = len(spec.gpus)
