@@ -19,6 +19,8 @@ Conventions the engine reads records by:
   global rate reports it from one rank only.
 - `peak_memory` is this rank's peak memory in bytes (the allocator's peak on a
   GPU); the highest value a rank reports is its peak.
+- `time` (seconds since the epoch) is when report() was called, unless given: a loop that writes a
+  step's record after the step, once figures from other ranks have arrived, passes when it ended.
 - `step` counts optimizer steps; the job shows rank 0's `loss` (another rank's until rank 0 reports one).
 - `run` is added to every record: 1 for a job's first run, one more per resume (RIGPILOT_RUN). A resumed
   run repeats the steps after its checkpoint; readers keep the latest run's record of a step and mark

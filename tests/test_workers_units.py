@@ -255,12 +255,15 @@ def test_clipping_stays_on_the_device_and_matches_torch() -> None:
     assert broken[0].grad[1] == 1.0  # a non-finite norm is reported, not applied
 
 
-def test_the_step_sum_lands_as_a_future_outside_a_process_group() -> None:
-    from rigpilot.engine.workers.metrics import world_sum_and_any_async
+def test_a_window_of_step_sums_lands_as_a_future_outside_a_process_group() -> None:
+    from rigpilot.engine.workers.metrics import window_sums_async
 
     cpu = torch.device("cpu")
-    assert world_sum_and_any_async(torch.tensor(2.5, dtype=torch.float64), False, cpu).wait() == (2.5, False)
-    assert world_sum_and_any_async(None, True, cpu).wait() == (None, True)
+    shares = [torch.tensor(2.5, dtype=torch.float64), torch.tensor(1.25, dtype=torch.float64)]
+    sums = window_sums_async(shares, False, 0.5, cpu).wait()
+    assert (sums.losses, sums.flag, sums.seconds) == ([2.5, 1.25], False, 0.5)
+    sums = window_sums_async([None, None], True, 0.0, cpu).wait()
+    assert (sums.losses, sums.flag) == ([None, None], True)
 
 
 def test_eval_batches_are_full_and_cover_every_block_once_whatever_the_split() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import psutil
 import torch
@@ -57,22 +58,36 @@ def world_sums(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
-def world_sum_and_any_async(
-    value: torch.Tensor | None, flag: bool, device: torch.device
-) -> torch.futures.Future[tuple[float | None, bool]]:
-    """(sum of `value` over the ranks that have one, or None if none has, whether `flag` is set on any rank),
-    as a future: the all-reduce runs in the background, so no rank waits for it where it is started.
+@dataclass
+class WindowSums:
+    """A window of steps added up over the ranks: each step's loss (None where no rank holds one),
+    whether any rank was asked to stop, and the window's step time summed over steps and ranks."""
 
-    `value` stays a tensor (no host sync to start it). One all-reduce in float64; a collective: every
-    rank must start it, in the same order as its other collectives on the default group.
+    losses: list[float | None]
+    flag: bool
+    seconds: float
+
+
+def window_sums_async(
+    shares: list[torch.Tensor | None], flag: bool, seconds: float, device: torch.device
+) -> torch.futures.Future[WindowSums]:
+    """Each step's `shares` summed over the ranks that hold one, `flag` on any rank, `seconds` summed, as a
+    future: the all-reduce runs in the background, so no rank waits for it where it is started.
+
+    One all-reduce in float64 for the whole window: on CPU ranks a small all-reduce costs a step of a small
+    model several percent, so the loop sends one per few steps rather than one per step. The shares stay
+    tensors (no host sync to start it). A collective: every rank must start it with the same number of
+    shares, in the same order as its other collectives on the default group.
     """
-    rest = torch.tensor([0.0 if value is None else 1.0, 1.0 if flag else 0.0], dtype=torch.float64, device=device)
-    head = torch.zeros(1, dtype=torch.float64, device=device) if value is None else value.detach().reshape(1)
-    t = torch.cat([head.to(device=device, dtype=torch.float64), rest])
+    holds = any(x is not None for x in shares)
+    zero = torch.zeros(1, dtype=torch.float64, device=device)
+    head = [zero if x is None else x.detach().reshape(1).to(device=device, dtype=torch.float64) for x in shares]
+    rest = torch.tensor([1.0 if holds else 0.0, 1.0 if flag else 0.0, seconds], dtype=torch.float64, device=device)
+    t = torch.cat([*head, rest])
 
-    def finish(_: object) -> tuple[float | None, bool]:
-        total, holders, flags = t.tolist()
-        return (total if holders > 0 else None), flags > 0
+    def finish(_: object) -> WindowSums:
+        *losses, holders, flags, total_seconds = t.tolist()
+        return WindowSums([x if holders > 0 else None for x in losses], flags > 0, total_seconds)
 
     if not dist.is_initialized():
         done: torch.futures.Future[None] = torch.futures.Future()

@@ -442,6 +442,8 @@ def apply_data_parallel(
             device_ids=device_ids,
             process_group=mesh["dp_replicate"].get_group(),
             broadcast_buffers=has_trained_buffers(model),
+            # The gradients live in DDP's all-reduce buckets: no copy into them and back each step.
+            gradient_as_bucket_view=True,
         )
     return model
 

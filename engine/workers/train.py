@@ -20,6 +20,7 @@ import os
 import signal
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,7 @@ from rigpilot.engine.workers.data import (
     mask_for_mlm,
     read_dataset,
 )
-from rigpilot.engine.workers.metrics import mfu, peak_memory, status, world_sum_and_any_async, world_sums
+from rigpilot.engine.workers.metrics import WindowSums, mfu, peak_memory, status, window_sums_async, world_sums
 from rigpilot.engine.workers.model_loading import (
     LoadedModel,
     count_params,
@@ -72,6 +73,8 @@ from rigpilot.engine.workers.parallelize import (
 from rigpilot.engine.workers.pipeline import DecoderStage, decoder_parts
 
 MIN_LR_RATIO = 0.1  # cosine decays to this fraction of the peak LR
+REPORT_EVERY_S = 0.25  # the step records' losses cross the ranks about this often, or every step if slower
+MAX_WINDOW = 32  # steps
 
 
 class CancelFlag:
@@ -152,6 +155,16 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group: Any | 
     return total
 
 
+def use_foreach(params: list[nn.Parameter]) -> bool | None:
+    """Whether AdamW updates all parameters in a few multi-tensor kernels instead of one loop turn each.
+
+    PyTorch picks that itself on GPUs only; on CPU ranks its default loops over the parameters, a
+    tenth of a small model's step. The multi-tensor update is the same arithmetic, bit for bit, on
+    plain tensors. DTensors keep PyTorch's choice: one multi-tensor op cannot span several meshes.
+    """
+    return True if not any(isinstance(p, DTensor) for p in params) else None
+
+
 def lora_dtypes_note(model: nn.Module) -> str:
     """The dtypes the frozen and the trainable parameters are held in, as the log states them."""
 
@@ -184,6 +197,65 @@ class StepFigures:
     grad_norm: torch.Tensor
     tokens: int
     step_time: float
+    ended: float  # wall clock: the record's time is when the step ended, not when its loss landed
+
+
+class StepWindows:
+    """Step records on their way: their losses are added up over the ranks a window of steps at a time.
+
+    One all-reduce per step would cost a small model's step on CPU ranks several percent; one per
+    window of about REPORT_EVERY_S does not, and the charts cannot tell. A window is one step where
+    steps are slower than that, so a big model's records still arrive as each step ends. Its length
+    comes from the previous window's summed step times, which every rank receives alike: the ranks
+    cut the same windows without another collective. The loop closes one early where it needs the
+    figures at once (the last step, a checkpoint, an evaluation). The sums land while later steps
+    compute; whether any rank was asked to stop rides along, so a SIGTERM is acted on within a
+    window or two.
+    """
+
+    def __init__(self, device: torch.device, write: Callable[[StepFigures, float | None], None]) -> None:
+        self.device, self.write = device, write
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.figures: list[StepFigures] = []
+        self.shares: list[torch.Tensor | None] = []
+        self.every = 1
+        self.close_at = 1
+        self.landing: torch.futures.Future[tuple[WindowSums, int]] | None = None
+
+    def add(self, figures: StepFigures, share: torch.Tensor | None, stop: bool, now: bool) -> bool:
+        """Add a step (its share of the loss, or None); returns whether a rank has been asked to stop.
+
+        `now`: the step's record is written before this returns. Every rank must call this with the
+        same steps and `now`, since closing a window is a collective.
+        """
+        self.figures.append(figures)
+        self.shares.append(share)
+        stopped = False
+        if now or figures.step >= self.close_at:
+            stopped = self._land()
+            window = self.figures
+            seconds = sum(f.step_time for f in window)
+            sums = window_sums_async(self.shares, stop, seconds, self.device)
+            self.landing = sums.then(lambda f: self._written(window, f.value()))
+            self.figures, self.shares = [], []
+            self.close_at = figures.step + self.every
+        if now or stopped:
+            stopped = self._land() or stopped
+        return stopped
+
+    def _written(self, window: list[StepFigures], sums: WindowSums) -> tuple[WindowSums, int]:
+        for f, loss in zip(window, sums.losses, strict=True):
+            self.write(f, loss)
+        return sums, len(window)
+
+    def _land(self) -> bool:
+        if self.landing is None:
+            return False
+        sums, steps = self.landing.wait()
+        self.landing = None
+        mean_step = sums.seconds / (steps * self.world)
+        self.every = max(1, min(MAX_WINDOW, int(REPORT_EVERY_S / mean_step) if mean_step > 0 else MAX_WINDOW))
+        return sums.flag
 
 
 @dataclass
@@ -240,7 +312,12 @@ class Trainer:
         )
         causal = self.loaded.objective == "causal"
         self.data: Dataset = build_dataset(
-            files, docs, self.loaded.tokenizer, s.seq_len + 1 if causal else s.seq_len, s.eval_fraction, s.seed,
+            files,
+            docs,
+            self.loaded.tokenizer,
+            s.seq_len + 1 if causal else s.seq_len,
+            s.eval_fraction,
+            s.seed,
             train_on_prompts=s.train_on_prompts or not causal,
         )
         self.log(
@@ -263,11 +340,19 @@ class Trainer:
         self._parallelize()
         params = [p for p in self.module.parameters() if p.requires_grad]
         self.params = params
-        self.optimizer = torch.optim.AdamW(params, lr=s.learning_rate, weight_decay=s.weight_decay, betas=(0.9, 0.95))
+        self.optimizer = torch.optim.AdamW(
+            params, lr=s.learning_rate, weight_decay=s.weight_decay, betas=(0.9, 0.95), foreach=use_foreach(params)
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(s.warmup_steps, s.max_steps))
         self.checkpointer = Checkpointer(
-            self.job_dir, rt, self.module, self.optimizer, self.scheduler, self.sampler,
-            trainable_only=self.loaded.lora, keep=s.keep_checkpoints,
+            self.job_dir,
+            rt,
+            self.module,
+            self.optimizer,
+            self.scheduler,
+            self.sampler,
+            trainable_only=self.loaded.lora,
+            keep=s.keep_checkpoints,
         )
         for note in self.notes:
             self.log(note)
@@ -500,7 +585,7 @@ class Trainer:
         # From here on a SIGTERM has work to save: finish the step, checkpoint, then exit.
         self.cancel.install()
         status("training", max_steps=s.max_steps)
-        landing: torch.futures.Future[bool] | None = None  # the previous step's record, on its way
+        windows = StepWindows(rt.device, self._report_step)
         last_end = time.perf_counter()
         while step < s.max_steps:
             self.optimizer.zero_grad(set_to_none=True)
@@ -508,24 +593,16 @@ class Trainer:
             loss, tokens = self.train_step(step)
             grad_norm = self._optimizer_step()
             step += 1
-            # Between step ends: on a GPU the host runs at most one step ahead (it waits for the
-            # previous step's record below), so this is the device's step time without a sync.
+            # Between step ends: on a GPU the host runs ahead of the device only as far as the
+            # collectives let it, so this is the device's step time without a sync.
             now = time.perf_counter()
-            figures = StepFigures(step, lr, grad_norm, tokens, now - last_end)
+            figures = StepFigures(step, lr, grad_norm, tokens, now - last_end, time.time())
             last_end = now
-            # One all-reduce per step adds up the replicas' shares of the loss and agrees on whether a
-            # SIGTERM arrived anywhere. It is not waited for: it lands while the next step computes,
-            # and writes the step's record then, so metrics still arrive every step.
-            sums = world_sum_and_any_async(loss, self.cancel.requested, rt.device)
-            cancelled = landing.wait() if landing is not None else False
-            landing = sums.then(lambda f, figures=figures: self._report_step(figures, *f.value()))
             last = step == s.max_steps
             checkpoint_now = s.checkpoint_every > 0 and (step % s.checkpoint_every == 0 or last)
             evaluate_now = not last and s.eval_every > 0 and step % s.eval_every == 0
-            if cancelled or last or checkpoint_now or evaluate_now:
-                # This step's record goes before anything else is written, and the last one is never lost.
-                cancelled = landing.wait() or cancelled
-                landing = None
+            # The records go before anything else is written, and the last one is never lost.
+            cancelled = windows.add(figures, loss, self.cancel.requested, now=last or checkpoint_now or evaluate_now)
             # The trained steps are saved before anything that could fail without touching them
             # (evaluation, the export): the last step is always checkpointed, unless checkpoints are off.
             if cancelled or checkpoint_now:
@@ -546,8 +623,8 @@ class Trainer:
         status("done", step=step, exit_code=EXIT_OK)
         return EXIT_OK
 
-    def _report_step(self, f: StepFigures, step_loss: float | None, cancelled: bool) -> bool:
-        """Write a step's record and log line once its loss has landed; returns whether to cancel."""
+    def _report_step(self, f: StepFigures, step_loss: float | None) -> None:
+        """Write a step's record and log line once its loss has landed."""
         # Per device, as torchtitan counts: the replica's tokens over the ranks that share it.
         tps = f.tokens / f.step_time / self.dims.non_dp
         grad_norm = float(f.grad_norm)
@@ -558,6 +635,7 @@ class Trainer:
             grad_norm=grad_norm,
             tokens_per_s=tps,
             step_time=f.step_time,
+            time=f.ended,
             mfu=mfu(self.flops_per_token, tps),
             peak_memory=peak_memory(self.rt.device),
         )
@@ -565,7 +643,6 @@ class Trainer:
             f"step {f.step}/{self.s.max_steps} loss {_fmt(step_loss)} lr {f.lr:.3g} grad_norm {grad_norm:.3g} "
             f"{f.step_time * 1000:.0f} ms"
         )
-        return cancelled
 
     def _evaluate_and_report(self, step: int) -> None:
         if not len(self.data.eval):
