@@ -363,20 +363,35 @@ def accept_checks(link: FakeLink, max_cpu_ranks: int = 4) -> list[dict[str, Any]
     Returns the list the checked requests go into."""
     checked: list[dict[str, Any]] = []
 
-    def check(spec: dict[str, Any], plan: dict[str, Any] | None = None, cwd: str | None = None) -> dict[str, Any]:
+    def check(
+        spec: dict[str, Any], plan: dict[str, Any] | None = None, cwd: str | None = None,
+        slurm: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
         from rigpilot.engine.errors import UserError
+        from rigpilot.engine.service import slurm as slurm_jobs
         from rigpilot.engine.service.submission import describe, prepare, would_run
 
-        checked.append({"spec": spec, "plan": plan, "cwd": cwd})
+        checked.append({"spec": spec, "plan": plan, "cwd": cwd, "slurm": slurm})
         try:
+            options = slurm_jobs.check_options(slurm) if slurm is not None else None
             sub = prepare(spec, plan, cwd, job_id="check", machine=link.machine_obj, max_cpu_ranks=max_cpu_ranks)
+            lines = describe(sub)
+            if options is not None:  # no cluster here: sbatch --test-only answers as a cluster with room would
+                lines += slurm_jobs.check(sub, options, slurm_jobs.SlurmCommands(options.get("login"), runner=_sbatch_test_only))
         except UserError as e:
             raise EngineError("user_error", str(e)) from None
         # What the engine's `check` request answers (Supervisor.check), from the same functions.
-        return {"ok": True, "lines": describe(sub), "would_run": would_run(sub)}
+        return {"ok": True, "lines": lines, "would_run": would_run(sub)}
 
     link.replies["check"] = check
     return checked
+
+
+def _sbatch_test_only(argv: list[str], **_: Any) -> Any:
+    import subprocess
+
+    answer = "sbatch: Job 7 to start at 2026-11-24T07:00:00 using 2 processors on nodes n1 in partition gpu\n"
+    return subprocess.CompletedProcess(argv, 0, "", answer)
 
 
 def accept_submissions(link: FakeLink, job_id: str = "job-new") -> list[dict[str, Any]]:
@@ -385,8 +400,11 @@ def accept_submissions(link: FakeLink, job_id: str = "job-new") -> list[dict[str
     accept_checks(link)
     submitted: list[dict[str, Any]] = []
 
-    def submit(spec: dict[str, Any], plan: dict[str, Any] | None = None, cwd: str | None = None) -> dict[str, Any]:
-        submitted.append({"spec": spec, "plan": plan, "cwd": cwd})
+    def submit(
+        spec: dict[str, Any], plan: dict[str, Any] | None = None, cwd: str | None = None,
+        slurm: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        submitted.append({"spec": spec, "plan": plan, "cwd": cwd, "slurm": slurm})
         job = make_job(job_id, gpus=spec.get("gpus") or [0], state="queued", name=spec.get("name") or job_id)
         job["kind"] = spec.get("kind", "train")
         return {"job": job}

@@ -200,3 +200,35 @@ def test_a_job_submitted_through_a_login_node_runs_and_is_followed_over_ssh(engi
     launcher = (Path(done["job_dir"]) / "logs" / "launcher.log").read_text()
     assert "--- run 1: ssh -o BatchMode=yes -o ConnectTimeout=10 rigtest-login -- sbatch --parsable " in launcher
     assert "Accepted publickey for root" in sshd_log.read_text()
+
+
+def test_check_puts_the_job_to_slurm_and_queues_nothing_and_a_script_goes_with_bare_slurm(engine, slurm, capsys, tmp_path):
+    check = ["run", "train", "--model", str(TINY_MODEL), "--data", str(TINY_DATA), "--gpus", "0,1",
+             "--method", "scratch", "--seq", "64", "--slurm", "--check"]  # fmt: skip
+    assert cli_main([*check, "--partition", PARTITION, "--time", "10"]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert f"SLURM: would be submitted with sbatch (partition {PARTITION}, time 10)" in out, out
+    # slurmctld's own answer to the request (sbatch --test-only): the 2 tasks, on this cluster's node.
+    assert re.search(rf"^SLURM: Job \d+ to start at \S+ using 2 processors on nodes \S+ in partition {PARTITION}$",
+                     out, re.M), out  # fmt: skip
+    assert cli_main([*check, "--partition", "nosuchpartition"]) == 2
+    assert capsys.readouterr().err == (
+        "rigpilot: error: SLURM would refuse the job: invalid partition specified: nosuchpartition\n"
+    )
+    assert slurm.run(["squeue", "-h", "-t", "all"]).stdout.strip() == ""  # SLURM queued nothing
+    with engine.client() as c:
+        assert c.request("jobs")["jobs"] == []  # nor did the engine
+
+    # A user's own script, and --slurm alone: the cluster's default partition, one SLURM task per rank.
+    script = tmp_path / "hello.py"
+    script.write_text("import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], flush=True)\n")
+    assert cli_main(["run", "script", "--gpus", "0,1", "--slurm", "--detach", "--", str(script)]) == 0
+    out = capsys.readouterr().out
+    m = re.search(r"job (\w+) submitted to SLURM as job (\d+)", out)
+    assert m, out
+    done = wait_for(lambda: (j := job(engine, m.group(1)))["state"] in ("completed", "failed", "cancelled") and j,
+                    120, 0.5, "the script's SLURM job to end")  # fmt: skip
+    assert done["state"] == "completed", (done["exit_reason"], done["last_log"])
+    assert slurm.accounting(m.group(2)) == "COMPLETED"
+    for rank in (0, 1):
+        assert f"rank {rank} of 2" in (Path(done["job_dir"]) / "logs" / f"rank{rank}.log").read_text()

@@ -49,7 +49,9 @@ def request_plan(
 def submission(link: Any, state: WizardState) -> dict[str, Any]:
     """The arguments of the `submit` request for `state` (and of `check`, the same)."""
     args: dict[str, Any] = {"spec": state.to_spec(), "plan": state.plan if state.planned else None}
-    if state.nodes:  # the same GPUs on every node; this engine leads (engine.service.multinode)
+    if state.slurm is not None:  # SLURM places the job itself: it never also spans this engine's nodes
+        args["slurm"] = dict(state.slurm)
+    elif state.nodes:  # the same GPUs on every node; this engine leads (engine.service.multinode)
         args["nodes"] = ["local", *state.nodes]
     if getattr(link, "remote", None) is None:
         args["cwd"] = os.getcwd()  # relative paths typed by the user mean: from here

@@ -28,6 +28,7 @@ class NodeChoice(QWidget):
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(self.label)
         layout.addWidget(self.list)
+        self.allowed = True  # False while the job goes to SLURM, which chooses its nodes itself
         self.hide()  # shown once the engine lists at least one node
 
     def load(self, link: Any, chosen: list[str]) -> None:
@@ -46,7 +47,11 @@ class NodeChoice(QWidget):
             item.setCheckState(Qt.CheckState.Checked if n["name"] in chosen else Qt.CheckState.Unchecked)
             self.list.addItem(item)
         self.list.blockSignals(False)
-        self.setVisible(bool(found))
+        self.setVisible(bool(found) and self.allowed)
+
+    def set_allowed(self, on: bool) -> None:
+        self.allowed = on
+        self.setVisible(on and self.list.count() > 0)
 
     def chosen(self) -> list[str]:
         items = (self.list.item(i) for i in range(self.list.count()))

@@ -34,6 +34,7 @@ from rigpilot.app.wizard.host import DATA, GPUS, MODEL, PLAN, REVIEW, WizardHost
 from rigpilot.app.wizard.node_choice import NodeChoice
 from rigpilot.app.wizard.page_base import StepPage
 from rigpilot.app.wizard.plan_check import describe_for_job, missing_weights
+from rigpilot.app.wizard.slurm_choice import SlurmChoice
 from rigpilot.app.wizard.state import CALIBRATE, FINETUNE, INFER, KINDS, SCRATCH, SCRIPT
 
 CHECK_DELAY_MS = 300  # typing pauses this long before a model or file is checked
@@ -465,9 +466,12 @@ class GpuPage(StepPage):
         self.note.setWordWrap(True)
         self.nodes = NodeChoice()
         self.nodes.sig_changed.connect(self._nodes_changed)
+        self.slurm = SlurmChoice()
+        self.slurm.sig_changed.connect(self._slurm_changed)
         self.body.addWidget(self.selector, 1)
         self.body.addWidget(self.queue)
         self.body.addWidget(self.nodes)
+        self.body.addWidget(self.slurm)
         self.body.addWidget(self.note)
         self.body.addWidget(self.message)
         wizard.busy.sig_changed.connect(self._busy_changed)
@@ -480,6 +484,8 @@ class GpuPage(StepPage):
         self.selector.set_selected(self.state.gpus, emit=False)
         self.queue.setChecked(self.state.queue_if_busy)
         self.nodes.load(getattr(self.wiz, "link", None), self.state.nodes)
+        self.slurm.load(self.state.slurm)
+        self._where_shown()
         simulated = bool(machine and machine.get("source") == "simulated")
         self.note.setText(
             "Simulated machine: each chosen GPU runs as one CPU process (a few at most), so keep to two or so."
@@ -500,6 +506,17 @@ class GpuPage(StepPage):
     def _nodes_changed(self, names: list[str]) -> None:
         if not self.changing():
             self.state.nodes = list(names)
+
+    def _slurm_changed(self, options: dict[str, str] | None) -> None:
+        if not self.changing():
+            self.state.slurm = options
+            self._where_shown()
+
+    def _where_shown(self) -> None:
+        # SLURM chooses the job's nodes and queues it itself: the node list and "queue if busy" do not apply.
+        on_slurm = self.state.slurm is not None
+        self.nodes.set_allowed(not on_slurm)
+        self.queue.setVisible(not on_slurm)
 
     def _queue_changed(self, on: bool) -> None:
         if not self.changing():

@@ -67,6 +67,7 @@ class WizardState:
     trust_remote_code: bool = False
     max_restarts: int | None = None  # automatic restarts after a rank fails; None: the engine's default
     nodes: list[str] = field(default_factory=list)  # other engines the job spans besides this one (Settings → Nodes)
+    slurm: dict[str, str] | None = None  # submit to SLURM with these options (partition, account, time, login)
 
     # -- what the choices mean -------------------------------------------------------------------
     @property
@@ -249,6 +250,7 @@ class WizardState:
         return dataclasses.replace(
             self, train=dataclasses.replace(self.train), infer=dataclasses.replace(self.infer),
             dataset=list(self.dataset), prompts=list(self.prompts), gpus=list(self.gpus), nodes=list(self.nodes),
+            slurm=dict(self.slurm) if self.slurm is not None else None,
         )  # fmt: skip
 
 
@@ -425,6 +427,11 @@ def run_command(state: WizardState) -> str:
         words += ["--gpus", ",".join(map(str, spec.gpus))]
     if state.nodes:
         words += ["--nodes", ",".join(["local", *state.nodes])]
+    if state.slurm is not None:
+        words.append("--slurm")
+        for key in ("partition", "account", "time", "login"):
+            if state.slurm.get(key):
+                words += [f"--{key}", state.slurm[key]]
     words += ["--name", spec.name]
     if spec.kind == "script":
         return shlex.join([*words, "--", *(spec.script or [])])

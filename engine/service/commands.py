@@ -79,7 +79,7 @@ def register(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     k.set_defaults(func=cmd_run)
 
     k = kinds.add_parser(
-        "script", parents=[common], help="run your own script under torchrun, one rank per GPU",
+        "script", parents=[common, slurm], help="run your own script under torchrun, one rank per GPU",
         description="rigpilot run script [--gpus 0,1] -- train.py --my-flag 1  "
         "(report metrics with: from rigpilot import report)",
     )  # fmt: skip
@@ -429,14 +429,15 @@ def cmd_run(args: argparse.Namespace) -> int:
             across["shared_dir"] = os.path.abspath(args.shared_dir)
     elif getattr(args, "shared_dir", None):
         raise UserError("--shared-dir goes with --nodes: it is where a multi-node job keeps its checkpoints")
-    if slurm and across:
+    if slurm is not None and across:
         raise UserError("--slurm and --nodes do not go together: SLURM chooses the nodes of a SLURM job itself")
+    # --slurm with none of its options is still a SLURM job: the options are only ever added to.
+    extra = {"slurm": slurm} if slurm is not None else across
     with EngineClient() as client:
         if getattr(args, "check", False):
-            for line in client.request("check", spec=spec, plan=plan, cwd=os.getcwd(), **across)["lines"]:
+            for line in client.request("check", spec=spec, plan=plan, cwd=os.getcwd(), **extra)["lines"]:
                 print(line)
             return 0
-        extra = {"slurm": slurm} if slurm else across
         job = client.request("submit", spec=spec, plan=plan, cwd=os.getcwd(), **extra)["job"]
         if args.json:
             print(json.dumps({"schema": "rigpilot.job/1", "job": job}, indent=2))

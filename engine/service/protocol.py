@@ -260,9 +260,10 @@ REQUEST_SCHEMAS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "submit": ({"spec": dict[str, Any]}, {"plan": dict[str, Any] | None, "cwd": Path_ | None,
                                           "slurm": dict[str, Any] | None, "nodes": NodeNames,
                                           "shared_dir": Path_ | None}),
-    # The whole submission path without creating anything: what would run, or the one-line refusal.
+    # The whole submission path without creating anything: what would run, or the one-line refusal
+    # (a SLURM job's request is put to SLURM with sbatch --test-only, which queues nothing).
     "check": ({"spec": dict[str, Any]}, {"plan": dict[str, Any] | None, "cwd": Path_ | None, "nodes": NodeNames,
-                                         "shared_dir": Path_ | None}),
+                                         "shared_dir": Path_ | None, "slurm": dict[str, Any] | None}),
     # One engine's part of a multi-node job, sent by the head engine (engine.service.multinode).
     "submit_member": ({"job": Text, "spec": dict[str, Any], "nodes": dict[str, Any]}, {}),
     "check_member": ({"job": Text, "spec": dict[str, Any], "nodes": dict[str, Any]}, {}),

@@ -720,11 +720,13 @@ class EngineService:
 
     def _do_check(
         self, conn: Connection, spec: dict[str, Any], plan: dict[str, Any] | None = None, cwd: str | None = None,
-        nodes: list[str] | None = None, shared_dir: str | None = None,
+        nodes: list[str] | None = None, shared_dir: str | None = None, slurm: dict[str, Any] | None = None,
     ) -> Any:  # fmt: skip
         if nodes:
+            if slurm is not None:
+                raise UserError("a job goes to SLURM or across nodes, not both: SLURM chooses a SLURM job's nodes itself")
             return self.multinode.submit(spec, plan, cwd, nodes, shared_dir, check=True)
-        return self.supervisor.check(spec, plan, cwd)
+        return self.supervisor.check(spec, plan, cwd, slurm_options=slurm)
 
     # One engine's part of a job another engine (the head) leads; reached with the token or this user's socket.
     def _do_submit_member(self, conn: Connection, job: str, spec: dict[str, Any], nodes: dict[str, Any]) -> Any:

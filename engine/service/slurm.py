@@ -45,6 +45,7 @@ from rigpilot.engine.service.store import (
 )
 
 if TYPE_CHECKING:
+    from rigpilot.engine.service.submission import Submission
     from rigpilot.engine.service.supervisor import Supervisor, _Run
 
 log = logging.getLogger(__name__)
@@ -145,9 +146,14 @@ class SlurmCommands:
         return [self._ssh, "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", self.login, "--", shlex.join(args)]
 
     def run(self, args: list[str], *, what: str) -> str:
+        return self._call(args, what=what).stdout
+
+    def _call(self, args: list[str], *, what: str, script: str | None = None) -> subprocess.CompletedProcess[str]:
         argv = self.argv(args)
+        # A script goes on stdin, which ssh carries to the login node: no file needs to be shared first.
+        feed: dict[str, Any] = {"input": script} if script is not None else {"stdin": subprocess.DEVNULL}
         try:
-            r = self._runner(argv, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, stdin=subprocess.DEVNULL)
+            r = self._runner(argv, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, **feed)
         except FileNotFoundError:
             if self.login is None:
                 raise UserError(
@@ -160,7 +166,14 @@ class SlurmCommands:
             raise UserError(f"{args[0]}{where} did not answer within {COMMAND_TIMEOUT_S:.0f} s") from None
         if r.returncode != 0:
             raise UserError(f"{what}: {_first_error(r.stderr or r.stdout, r.returncode, self.login)}")
-        return r.stdout
+        return r
+
+    def test_only(self, script: str) -> str:
+        """SLURM's answer to `script` without queueing it (sbatch --test-only): when and where it would start."""
+        r = self._call(["sbatch", "--test-only"], what="SLURM would refuse the job", script=script)
+        lines = [ln.strip() for ln in (r.stderr + r.stdout).splitlines() if ln.strip()]
+        answer = next((ln for ln in lines if " to start at " in ln), lines[-1] if lines else "no answer")
+        return re.sub(r"^sbatch: ", "", answer)[:300]
 
     def submit(self, script: Path) -> str:
         out = self.run(["sbatch", "--parsable", str(script)], what="SLURM refused the job")
@@ -218,11 +231,7 @@ def _first_error(text: str, rc: int, login: str | None) -> str:
 def start(sup: Supervisor, rec: JobRecord, spec: JobSpec, job_dir: Path, commands: SlurmCommands | None = None) -> dict[str, Any]:
     """Write the job's SLURM script and submit it; returns the record's new fields. Raises UserError when refused."""
     options = rec.slurm or {}
-    if job_secrets.masked_names(spec.env):
-        raise UserError(
-            "secret environment values are not sent to SLURM (slurmctld keeps a job's environment on disk); "
-            "give the job its secrets on the cluster instead"
-        )
+    _refuse_secrets(spec)
     python = worker_python()
     script = job_script(sup, rec, spec, job_dir, python)
     path = job_dir / "slurm.sh"
@@ -233,6 +242,35 @@ def start(sup: Supervisor, rec: JobRecord, spec: JobSpec, job_dir: Path, command
     job_id = commands.submit(path)
     slurm = {**options, "job_id": job_id, "state": "PENDING", "reason": None, "script": str(path), "exit_code": None}
     return {"state": STARTING, "started": time.time(), "ended": None, "slurm": slurm}
+
+
+def check(sub: Submission, options: dict[str, Any], commands: SlurmCommands | None = None) -> list[str]:
+    """What `--check` says of a SLURM job: what would be submitted, and SLURM's own answer to its request
+    (sbatch --test-only: the nodes, tasks, GPUs, partition, account and time limit are checked by
+    slurmctld itself). Raises UserError where submitting would be refused."""
+    _refuse_secrets(sub.spec)
+    commands = commands or SlurmCommands(options.get("login"))
+    script = slurm_script(
+        _plan_from(sub.plan), command=["true"], env={}, ranks_per_node=sub.ranks,
+        gpus_per_node=0 if sub.spec.simulated else len(sub.spec.gpus), job_name="rigpilot-check",
+        output="/dev/null", partition=options.get("partition"), account=options.get("account"),
+        time_limit=options.get("time"),
+    )  # fmt: skip
+    where = f" through {commands.login}" if commands.login else ""
+    settings = ", ".join(f"{k} {options[k]}" for k in ("partition", "account", "time") if options.get(k))
+    return [
+        f"SLURM: would be submitted with sbatch{where}" + (f" ({settings})" if settings else ""),
+        f"SLURM: {commands.test_only(script)}",
+    ]
+
+
+def _refuse_secrets(spec: JobSpec) -> None:
+    _, hidden = job_secrets.split(spec.env)
+    if hidden or job_secrets.masked_names(spec.env):
+        raise UserError(
+            "secret environment values are not sent to SLURM (slurmctld keeps a job's environment on disk); "
+            "give the job its secrets on the cluster instead"
+        )
 
 
 def job_script(sup: Supervisor, rec: JobRecord, spec: JobSpec, job_dir: Path, python: str) -> str:
@@ -269,14 +307,21 @@ def job_environment(sup: Supervisor, rec: JobRecord, spec: JobSpec, job_dir: Pat
 
 
 def _plan(job_dir: Path) -> Plan | None:
+    import json
+
+    try:
+        data = json.loads((job_dir / "plan.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return _plan_from(data)
+
+
+def _plan_from(data: Any) -> Plan | None:
     from rigpilot.engine.service.submission import plan_of
 
     try:
-        import json
-
-        data = json.loads((job_dir / "plan.json").read_text())
         return Plan.from_dict(plan_of(data) or {})
-    except (OSError, ValueError, UserError, TypeError, AttributeError):
+    except (ValueError, UserError, TypeError, AttributeError):
         return None  # no plan, or not one the planner wrote: the job's own layout says it all
 
 

@@ -254,15 +254,21 @@ class Supervisor:
     # -- requests -------------------------------------------------------------
 
     def check(
-        self, spec_data: dict[str, Any], plan: dict[str, Any] | None, cwd: str | None, nodes: int = 1
-    ) -> dict[str, Any]:
-        """What `submit` would run, through the same code, creating nothing; a refusal raises as submit's would."""
+        self, spec_data: dict[str, Any], plan: dict[str, Any] | None, cwd: str | None, nodes: int = 1,
+        slurm_options: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """What `submit` would run, through the same code, creating nothing; a refusal raises as submit's would.
+        A SLURM job is also put to SLURM itself, which answers without queueing it."""
         worker_python()
+        slurm_options = slurm.check_options(slurm_options) if slurm_options is not None else None
         sub = submission.prepare(
             spec_data, plan, cwd, job_id="check", machine=self.machine, max_cpu_ranks=self.max_cpu_ranks,
             nodes=nodes,
         )
-        return {"ok": True, "lines": submission.describe(sub), "would_run": submission.would_run(sub)}
+        lines = submission.describe(sub)
+        if slurm_options is not None:
+            lines += slurm.check(sub, slurm_options)
+        return {"ok": True, "lines": lines, "would_run": submission.would_run(sub)}
 
     def submit(
         self, spec_data: dict[str, Any], plan: dict[str, Any] | None, cwd: str | None,
