@@ -742,7 +742,7 @@ class EngineService:
 
     def _do_nodes(self, conn: Connection, probe: bool = True) -> Any:
         found = nodes.load()
-        listed = [nodes.probe(n) if probe else n.public() for n in found.values()]
+        listed = nodes.probe_all(list(found.values())) if probe else [n.public() for n in found.values()]
         return {"nodes": listed, "path": str(nodes.registry_path()), "host_id": nodes.host_id()}
 
     def _do_node_add(self, conn: Connection, name: str, address: str, token: str) -> Any:
