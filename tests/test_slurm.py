@@ -92,7 +92,9 @@ def test_no_sbatch_here_says_what_to_do(monkeypatch, tmp_path):
 def test_sbatch_refusing_is_one_line(monkeypatch, tmp_path):
     # sbatch reads its config and the script's directives before it contacts any controller.
     conf = tmp_path / "slurm.conf"
-    conf.write_text("ClusterName=x\nSlurmctldHost=localhost\nNodeName=localhost CPUs=1\nPartitionName=p Nodes=localhost\n")
+    conf.write_text(
+        "ClusterName=x\nSlurmctldHost=localhost\nNodeName=localhost CPUs=1\nPartitionName=p Nodes=localhost\n"
+    )
     monkeypatch.setenv("SLURM_CONF", str(conf))
     script = tmp_path / "slurm.sh"
     script.write_text("#!/bin/bash\n#SBATCH --time=2h\ntrue\n")
@@ -161,7 +163,10 @@ def test_dev_installs_slurm_only_as_root_with_apt_and_otherwise_says_why_the_tes
     ran: list = []
     monkeypatch.setattr(dev.subprocess, "run", lambda *a, **k: ran.append(a))
     why = dev.ensure_slurm(quiet=True)
-    assert why.startswith("SLURM is not installed (slurmctld, slurmd, munged, sbatch") and "apt install slurm-wlm munge" in why
+    assert (
+        why.startswith("SLURM is not installed (slurmctld, slurmd, munged, sbatch")
+        and "apt install slurm-wlm munge" in why
+    )
     assert ran == []  # nothing was tried on a machine it may not change
 
 
@@ -169,4 +174,46 @@ def test_slurm_flags_without_slurm_are_named(capsys):
     from rigpilot.engine.cli import main as cli_main
 
     assert cli_main(["run", "train", "--model", "x", "--time", "10"]) == 2
-    assert capsys.readouterr().err == "rigpilot: error: --time is a SLURM option: add --slurm to submit the job to SLURM\n"
+    assert (
+        capsys.readouterr().err == "rigpilot: error: --time is a SLURM option: add --slurm to submit the job to SLURM\n"
+    )
+
+
+def test_one_squeue_answers_for_every_job_and_forgotten_ones_are_looked_up_in_the_accounting():
+    ran: list[list[str]] = []
+
+    def cluster(argv, **kw):
+        ran.append(argv)
+        if argv[0] == "squeue":  # as slurmctld answers a list: the jobs it still knows, none it has forgotten
+            return subprocess.CompletedProcess(argv, 0, "11|RUNNING|None|gpu|n1\n12|PENDING|Priority|gpu|\n", "")
+        return subprocess.CompletedProcess(argv, 0, "13|COMPLETED|0:0|gpu|n2\n", "")
+
+    states = slurm.SlurmCommands(runner=cluster).statuses(["11", "12", "13"])
+    assert [a[0] for a in ran] == ["squeue", "sacct"] and "11,12,13" in ran[0]
+    assert states["11"] == slurm.SlurmStatus("RUNNING", None, "gpu", None, "n1")
+    assert states["12"] == slurm.SlurmStatus("PENDING", "Priority", "gpu", None, None)
+    assert states["13"] == slurm.SlurmStatus("COMPLETED", None, "gpu", "0:0", "n2")
+
+
+def test_the_supervisors_slurm_jobs_share_one_squeue_per_poll(tmp_path):
+    ran: list[list[str]] = []
+
+    def cluster(argv, **kw):
+        ran.append(argv)
+        return subprocess.CompletedProcess(argv, 0, "21|RUNNING||gpu|n1\n22|RUNNING||gpu|n1\n", "")
+
+    store = JobStore(tmp_path / "engine.db")
+    sup = Supervisor(store, tmp_path / "jobs", load_profile("4x-rtx4090"))
+    commands = slurm.SlurmCommands(runner=cluster)
+    for job_id, slurm_id in (("aa", "21"), ("bb", "22")):
+        rec = JobRecord(id=job_id, seq=int(slurm_id), kind="train", name=job_id, state="starting", gpus=[0], ranks=1,
+                        simulated=True, created=0.0, slurm={"job_id": slurm_id, "state": "PENDING"})  # fmt: skip
+        store.insert(rec)
+        (tmp_path / "jobs" / job_id).mkdir(parents=True)
+        sup._runs[job_id] = slurm.adopt(sup, rec)
+    for run in list(sup._runs.values()):
+        slurm.poll(sup, run, commands)
+    assert [a[0] for a in ran] == ["squeue"]  # one query for both jobs
+    assert sorted(ran[0][ran[0].index("-j") + 1].split(",")) == ["21", "22"]
+    assert [store.get(j).slurm["state"] for j in ("aa", "bb")] == ["RUNNING", "RUNNING"]
+    store.close()

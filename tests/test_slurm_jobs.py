@@ -205,6 +205,7 @@ def test_a_job_submitted_through_a_login_node_runs_and_is_followed_over_ssh(engi
 def test_check_puts_the_job_to_slurm_and_queues_nothing_and_a_script_goes_with_bare_slurm(engine, slurm, capsys, tmp_path):
     check = ["run", "train", "--model", str(TINY_MODEL), "--data", str(TINY_DATA), "--gpus", "0,1",
              "--method", "scratch", "--seq", "64", "--slurm", "--check"]  # fmt: skip
+    known = slurm.run(["squeue", "-h", "-t", "all", "-o", "%i"]).stdout.split()  # earlier tests' jobs included
     assert cli_main([*check, "--partition", PARTITION, "--time", "10"]) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert f"SLURM: would be submitted with sbatch (partition {PARTITION}, time 10)" in out, out
@@ -215,7 +216,7 @@ def test_check_puts_the_job_to_slurm_and_queues_nothing_and_a_script_goes_with_b
     assert capsys.readouterr().err == (
         "rigpilot: error: SLURM would refuse the job: invalid partition specified: nosuchpartition\n"
     )
-    assert slurm.run(["squeue", "-h", "-t", "all"]).stdout.strip() == ""  # SLURM queued nothing
+    assert slurm.run(["squeue", "-h", "-t", "all", "-o", "%i"]).stdout.split() == known  # SLURM queued nothing
     with engine.client() as c:
         assert c.request("jobs")["jobs"] == []  # nor did the engine
 

@@ -187,17 +187,26 @@ class SlurmCommands:
 
     def status(self, job_id: str) -> SlurmStatus | None:
         """The job's state from slurmctld while it remembers the job, else from SLURM's accounting; None if neither knows it."""
+        return self.statuses([job_id])[job_id]
+
+    def statuses(self, job_ids: list[str]) -> dict[str, SlurmStatus | None]:
+        """`status` of several jobs with one squeue: slurmctld answers every user of the cluster, so a
+        user's ten jobs ask it once per poll, not ten times. Jobs it has forgotten are looked up in
+        the accounting one by one (once each, as they end)."""
+        found: dict[str, SlurmStatus] = {}
         try:
-            out = self.run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T|%r|%P|%N"], what="squeue failed")
+            out = self.run(["squeue", "-h", "-t", "all", "-j", ",".join(job_ids), "-o", "%i|%T|%r|%P|%N"],
+                           what="squeue failed")  # fmt: skip
         except UserError as e:
             if "invalid job id" not in str(e).lower():
                 raise
-            out = ""
+            out = ""  # every one of them forgotten (SLURM refuses a list it knows nothing of)
         for line in out.splitlines():
-            parts = (line.split("|") + [""] * 4)[:4]
-            if parts[0]:
-                return SlurmStatus(parts[0], parts[1] or None, parts[2] or None, None, parts[3] or None)
-        return self._accounting(job_id)
+            parts = (line.split("|") + [""] * 5)[:5]
+            if parts[0] in job_ids and parts[1]:
+                reason = parts[2] if parts[2] not in ("", "None") else None  # squeue's word for no reason
+                found[parts[0]] = SlurmStatus(parts[1], reason, parts[3] or None, None, parts[4] or None)
+        return {j: found[j] if j in found else self._accounting(j) for j in job_ids}
 
     def _accounting(self, job_id: str) -> SlurmStatus | None:
         fields = ["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "JobID,State,ExitCode,Partition,NodeList"]
@@ -338,7 +347,7 @@ def poll(sup: Supervisor, run: _Run, commands: SlurmCommands | None = None) -> N
         run.slurm_polled = now  # type: ignore[attr-defined]
         slurm = dict(rec.slurm or {})
         try:
-            status = (commands or SlurmCommands(slurm.get("login"))).status(str(slurm["job_id"]))
+            status = _queue_states(sup, slurm.get("login"), str(slurm["job_id"]), commands, now)
         except UserError as e:
             log.warning("job %s: cannot ask SLURM about job %s: %s", rec.id, slurm.get("job_id"), e)
             status = None
@@ -359,6 +368,20 @@ def poll(sup: Supervisor, run: _Run, commands: SlurmCommands | None = None) -> N
     if run.dirty and now - run.last_publish >= 1.0:
         run.dirty, run.last_publish = False, now
         sup._on_job(sup.view(rec, detail=False))
+
+
+def _queue_states(
+    sup: Supervisor, login: str | None, job_id: str, commands: SlurmCommands | None, now: float
+) -> SlurmStatus | None:
+    """The job's SLURM state, from one query for every SLURM job the supervisor follows through `login`:
+    the first of them due in a tick asks for all, and the others due then use that answer."""
+    at, states = sup.slurm_states.get(login, (float("-inf"), {}))
+    if now - at >= POLL_S / 2 or job_id not in states:
+        runs = [r.rec.slurm for r in sup._runs.values() if r.rec.slurm and r.rec.slurm.get("login") == login]
+        ids = list(dict.fromkeys([job_id, *(str(slurm["job_id"]) for slurm in runs)]))
+        states = (commands or SlurmCommands(login)).statuses(ids)
+        sup.slurm_states[login] = (now, states)
+    return states[job_id]
 
 
 def finish(sup: Supervisor, run: _Run, status: SlurmStatus) -> None:

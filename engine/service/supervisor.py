@@ -139,6 +139,8 @@ class Supervisor:
         self._telemetry = telemetry
         self._lock = threading.RLock()
         self._runs: dict[str, _Run] = {}
+        # login node (None: here) -> (when, the SLURM states of its jobs): one squeue per poll for all of them
+        self.slurm_states: dict[str | None, tuple[float, dict[str, Any]]] = {}
         self._queue_dirty = True
         self._stop = threading.Event()
         self._wake = threading.Event()
