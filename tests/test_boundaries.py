@@ -97,8 +97,10 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return cycles
 
 
-def test_the_gui_modules_import_each_other_as_a_tree():
+def test_the_gui_and_engine_modules_import_each_other_as_a_tree():
     """No import cycles in app/ (the wizard and its pages share app/wizard/host.py instead of importing each
-    other), counting imports inside functions and under TYPE_CHECKING too."""
+    other) nor in engine/ (the supervisor and its SLURM half share engine/service/runs.py), counting imports
+    inside functions and under TYPE_CHECKING too."""
     assert import_cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]  # the check can fail
     assert import_cycles(module_imports("app")) == []
+    assert import_cycles(module_imports("engine")) == []

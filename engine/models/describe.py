@@ -123,11 +123,12 @@ def _describe_folder(folder: Path, *, token: str | None, trust_remote_code: bool
 
 
 def _describe_hub(repo_id: str, *, token: str | None, trust_remote_code: bool) -> ModelSpec:
-    from rigpilot.engine.models import hub  # huggingface_hub is imported only when a repo is asked for
+    # huggingface_hub is imported only when a repo is asked for
+    from rigpilot.engine.models.hub import HubUnreachable, fetch
 
     try:
-        model = hub.fetch(repo_id, token=token)
-    except hub.HubUnreachable:
+        model = fetch(repo_id, token=token)
+    except HubUnreachable:
         preset = preset_for_repo(repo_id)
         if preset is None:
             raise

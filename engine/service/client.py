@@ -92,9 +92,7 @@ class EngineClient:
 
     def _open(self) -> socket.socket:
         if self.tcp:
-            from rigpilot.engine.service.server import parse_address
-
-            host, port = parse_address(self.tcp)
+            host, port = protocol.parse_address(self.tcp)
             try:
                 return socket.create_connection((host, port), timeout=10)
             except OSError as e:

@@ -78,6 +78,8 @@ import types
 from dataclasses import dataclass, fields, is_dataclass
 from typing import IO, Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
 
+from rigpilot.engine.errors import UserError
+
 PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
 MAX_MESSAGE_BYTES = 1 << 20
@@ -456,3 +458,17 @@ def _json_type(value: Any) -> str:
         return "a number"
     return {str: "a string", list: "a list", dict: "an object"}.get(type(value), type(value).__name__)
 
+
+def parse_address(spec: str) -> tuple[str, int]:
+    """'PORT', ':PORT', 'HOST:PORT' or '[V6]:PORT' → (host, port); the host defaults to 127.0.0.1."""
+    host, sep, port_text = spec.rpartition(":")
+    if not sep:
+        host, port_text = "", spec
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise UserError(f"--tcp expects ADDR:PORT or PORT, not {spec!r}") from None
+    if not 0 <= port <= 65535:
+        raise UserError(f"port {port} is out of range")
+    return host, port

@@ -118,7 +118,7 @@ def after_failure(
     max_cpu_ranks: int,
     from_step: int | None,
 ) -> dict[str, Any]:
-    """The record's changes once a run ended as `outcome` (supervisor._outcome): `outcome` itself, its
+    """The record's changes once a run ended as `outcome` (engine.service.runs.run_outcome): `outcome` itself, its
     reason completed with why the job is not restarted, or the fields that queue it again.
 
     `faults` is asked only when a restart is due, so a clean ending costs no driver call. A restart

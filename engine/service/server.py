@@ -438,7 +438,7 @@ class EngineService:
         self._socket_inode = path.stat().st_ino
 
     def _listen_tcp(self, spec: str) -> None:
-        host, port = parse_address(spec)
+        host, port = protocol.parse_address(spec)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         s = socket.socket(family, socket.SOCK_STREAM)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -909,21 +909,6 @@ class EngineService:
     def _publish_metrics(self, job_id: str) -> None:
         for c in self._subscribers(f"metrics:{job_id}"):
             c.poke_metrics(job_id)
-
-
-def parse_address(spec: str) -> tuple[str, int]:
-    """'PORT', ':PORT', 'HOST:PORT' or '[V6]:PORT' → (host, port); the host defaults to 127.0.0.1."""
-    host, sep, port_text = spec.rpartition(":")
-    if not sep:
-        host, port_text = "", spec
-    host = host.strip("[]") or "127.0.0.1"
-    try:
-        port = int(port_text)
-    except ValueError:
-        raise UserError(f"--tcp expects ADDR:PORT or PORT, not {spec!r}") from None
-    if not 0 <= port <= 65535:
-        raise UserError(f"port {port} is out of range")
-    return host, port
 
 
 def _same_user(sock: socket.socket) -> bool:

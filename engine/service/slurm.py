@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.jobs import secrets as job_secrets
@@ -33,6 +33,7 @@ from rigpilot.engine.planner.plan import Plan
 from rigpilot.engine.runtime import worker_python
 from rigpilot.engine.service import paths, recovery
 from rigpilot.engine.service.metrics import summarize
+from rigpilot.engine.service.runs import Run, log_tail, max_steps_of, newest_checkpoint, run_outcome
 from rigpilot.engine.service.store import (
     CANCELLED,
     COMPLETED,
@@ -42,11 +43,11 @@ from rigpilot.engine.service.store import (
     STARTING,
     TERMINAL_STATES,
     JobRecord,
+    JobStore,
 )
 
 if TYPE_CHECKING:
     from rigpilot.engine.service.submission import Submission
-    from rigpilot.engine.service.supervisor import Supervisor, _Run
 
 log = logging.getLogger(__name__)
 
@@ -237,6 +238,26 @@ def _first_error(text: str, rc: int, login: str | None) -> str:
 # -- the supervisor's side ------------------------------------------------------------
 
 
+class Supervisor(Protocol):
+    """The supervisor as its SLURM half uses it (engine.service.supervisor.Supervisor, which imports this
+    module: naming that class here would make the two import each other)."""
+
+    store: JobStore
+    max_cpu_ranks: int
+    slurm_states: dict[str | None, tuple[float, dict[str, Any]]]
+    _runs: dict[str, Run]
+    _queue_dirty: bool
+    _on_job: Callable[[dict[str, Any]], None]
+    _on_metrics: Callable[[str], None]
+
+    def job_dir(self, job_id: str) -> Path: ...
+    def view(self, rec: JobRecord, *, detail: bool = True) -> dict[str, Any]: ...
+    def _environment(self, rec: JobRecord, spec: JobSpec, job_dir: Path, python: str) -> dict[str, str]: ...
+    def _has_started(self, run: Run) -> bool: ...
+    def _read_metrics(self, run: Run) -> None: ...
+    def _read_ranks(self, run: Run) -> None: ...
+
+
 def start(sup: Supervisor, rec: JobRecord, spec: JobSpec, job_dir: Path, commands: SlurmCommands | None = None) -> dict[str, Any]:
     """Write the job's SLURM script and submit it; returns the record's new fields. Raises UserError when refused."""
     options = rec.slurm or {}
@@ -334,7 +355,7 @@ def _plan_from(data: Any) -> Plan | None:
         return None  # no plan, or not one the planner wrote: the job's own layout says it all
 
 
-def poll(sup: Supervisor, run: _Run, commands: SlurmCommands | None = None) -> None:
+def poll(sup: Supervisor, run: Run, commands: SlurmCommands | None = None) -> None:
     """One supervisor tick for a SLURM job: its metrics every time, its SLURM state every POLL_S."""
     rec = run.rec
     sup._read_metrics(run)
@@ -384,27 +405,25 @@ def _queue_states(
     return states[job_id]
 
 
-def finish(sup: Supervisor, run: _Run, status: SlurmStatus) -> None:
-    from rigpilot.engine.service.supervisor import _newest_checkpoint, _outcome, _tail
-
+def finish(sup: Supervisor, run: Run, status: SlurmStatus) -> None:
     rec = run.rec
     sup._read_metrics(run)
     sup._read_ranks(run)
     state = rigpilot_state(status.state)
     slurm_id = (rec.slurm or {}).get("job_id")
     code = _exit_code(status.exit_code)
-    launcher = _tail(run.job_dir / "logs" / "launcher.log")
+    launcher = log_tail(run.job_dir / "logs" / "launcher.log")
     if state == CANCELLED or rec.cancel_requested:
         by = "by the user (scancel)" if rec.cancel_requested else "in SLURM, not through Rigpilot"
         outcome: dict[str, Any] = {"state": CANCELLED, "exit_reason": f"cancelled {by}", "resumable": True,
                                    "failed_rank": None, "last_log": []}  # fmt: skip
     elif state == COMPLETED:
-        outcome = _outcome(run, 0)
+        outcome = run_outcome(run, 0)
     elif state == INTERRUPTED:
         outcome = {"state": INTERRUPTED, "exit_reason": f"SLURM preempted job {slurm_id}; resume continues from the "
                    "newest checkpoint", "resumable": True, "failed_rank": None, "last_log": launcher}  # fmt: skip
     else:
-        outcome = _outcome(run, code if code is not None else 1)
+        outcome = run_outcome(run, code if code is not None else 1)
         why = {
             "TIMEOUT": f"SLURM stopped job {slurm_id} at its time limit ({(rec.slurm or {}).get('time') or 'the partition’s'})",
             "NODE_FAIL": f"a node of SLURM job {slurm_id} failed",
@@ -425,7 +444,7 @@ def finish(sup: Supervisor, run: _Run, status: SlurmStatus) -> None:
     outcome = recovery.after_failure(
         rec, outcome, run.summary.errors, run.job_dir, dict, simulated=rec.simulated,
         max_cpu_ranks=sup.max_cpu_ranks,
-        from_step=(_newest_checkpoint(run.job_dir) or {}).get("step") if rec.kind == "train" else None,
+        from_step=(newest_checkpoint(run.job_dir) or {}).get("step") if rec.kind == "train" else None,
     )  # fmt: skip
     measured = run.summary.to_dict(time.time())
     sup.store.update(rec, ended=time.time(), measured=measured, **outcome)
@@ -446,15 +465,13 @@ def cancel(rec: JobRecord, commands: SlurmCommands | None = None) -> None:
     (commands or SlurmCommands(slurm.get("login"))).cancel(str(slurm["job_id"]))
 
 
-def adopt(sup: Supervisor, rec: JobRecord) -> _Run:
+def adopt(sup: Supervisor, rec: JobRecord) -> Run:
     """A SLURM job the engine followed before it restarted: it runs on without the engine, so follow it again."""
-    from rigpilot.engine.service.supervisor import _max_steps, _Run
-
     job_dir = sup.job_dir(rec.id)
     try:
-        max_steps = _max_steps(JobSpec.read(job_dir))
+        max_steps = max_steps_of(JobSpec.read(job_dir))
     except (OSError, ValueError):
         max_steps = None
-    run = _Run(rec, job_dir, None)
+    run = Run(rec, job_dir, None)
     run.summary, run.cursor = summarize(job_dir / "metrics", max_steps)
     return run

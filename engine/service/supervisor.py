@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import secrets
 import shutil
 import signal
@@ -28,9 +27,9 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import psutil
 
@@ -43,14 +42,20 @@ from rigpilot.engine.jobs.limits import check_env
 from rigpilot.engine.jobs.spec import JobSpec
 from rigpilot.engine.runtime import worker_python
 from rigpilot.engine.service import energy, paths, recovery, slurm, submission, warm
-from rigpilot.engine.service.metrics import Cursor, MetricsSummary, read_records, summarize
+from rigpilot.engine.service.metrics import read_records, summarize
 from rigpilot.engine.service.results import check_name, describe_output, job_settings
+from rigpilot.engine.service.runs import (
+    Run,
+    clean_exit,
+    max_steps_of,
+    newest_checkpoint,
+    run_outcome,
+    run_token,
+)
 from rigpilot.engine.service.store import (
     ACTIVE_STATES,
     CANCELLED,
-    COMPLETED,
     FAILED,
-    INTERRUPTED,
     QUEUED,
     RESUMABLE_STATES,
     RUNNING,
@@ -63,7 +68,6 @@ from rigpilot.engine.service.store import (
 log = logging.getLogger(__name__)
 
 RUN_TOKEN_ENV = "RIGPILOT_RUN_TOKEN"
-LAST_LOG_LINES = 20
 _TRAINING_UTILIZATION = 90.0
 _STARTING_UTILIZATION = 15.0  # loading a model keeps a GPU mostly idle
 
@@ -82,37 +86,6 @@ class SupervisorOptions:
     # Keep a warm worker (engine.service.warm) while idle so ranks start without importing torch;
     # RIGPILOT_WARM_WORKER=0 in the engine's environment turns it off too.
     warm_worker: bool = True
-
-
-@dataclass
-class _Run:
-    """A job that has processes (or had, until the next tick notices)."""
-
-    rec: JobRecord
-    job_dir: Path
-    popen: subprocess.Popen | None  # None for a job re-adopted after a service restart
-    launcher_log: IO[bytes] | None = None
-    summary: MetricsSummary = field(default_factory=MetricsSummary)
-    cursor: Cursor = field(default_factory=dict)
-    ranks: dict[int, dict[str, Any]] = field(default_factory=dict)
-    stop_reason: str | None = None  # "cancel" | "rank_failed"
-    kill_at: float | None = None
-    killed: bool = False
-    last_publish: float = 0.0
-    dirty: bool = False
-    stepped: bool = False  # a step of this run was reported (the summary also holds earlier runs')
-    energy: energy.EnergyMeter | None = None
-
-    @property
-    def token(self) -> str:
-        return run_token(self.rec)
-
-
-def run_token(rec: JobRecord) -> str:
-    """The marker every process of one run of a job carries; a multi-node job's nodes may share a computer,
-    so each node's part has its own (else one node's sweep would kill another's ranks)."""
-    node = (rec.nodes or {}).get("node")
-    return f"{rec.id}:{rec.run}" + (f":{node}" if node else "")
 
 
 class Supervisor:
@@ -138,7 +111,7 @@ class Supervisor:
         self._on_metrics = on_metrics
         self._telemetry = telemetry
         self._lock = threading.RLock()
-        self._runs: dict[str, _Run] = {}
+        self._runs: dict[str, Run] = {}
         # login node (None: here) -> (when, the SLURM states of its jobs): one squeue per poll for all of them
         self.slurm_states: dict[str | None, tuple[float, dict[str, Any]]] = {}
         self._queue_dirty = True
@@ -399,7 +372,7 @@ class Supervisor:
             )
             self._queue_dirty = True
             view = self.view(rec)
-        view["resumes_from"] = _newest_checkpoint(job_dir) if spec.kind == "train" else None
+        view["resumes_from"] = newest_checkpoint(job_dir) if spec.kind == "train" else None
         self._on_job(view)
         self._wake.set()
         return view
@@ -551,9 +524,9 @@ class Supervisor:
             rec, state=STARTING, started=time.time(), ended=None, launcher_pid=popen.pid, launcher_start=started_at,
             port=port,
         )
-        run = _Run(rec, job_dir, popen, launcher_log, energy=energy.new_meter(rec, self._telemetry))
+        run = Run(rec, job_dir, popen, launcher_log, energy=energy.new_meter(rec, self._telemetry))
         # A resumed job appends to its metric files; the summary carries on from the last run.
-        run.summary, run.cursor = summarize(job_dir / "metrics", _max_steps(spec))
+        run.summary, run.cursor = summarize(job_dir / "metrics", max_steps_of(spec))
         run.summary.phase = None  # the last run's final phase is not this run's
         self._runs[rec.id] = run
         self._apply_load(run)
@@ -651,7 +624,7 @@ class Supervisor:
 
     # -- watching -------------------------------------------------------------
 
-    def _poll(self, run: _Run) -> None:
+    def _poll(self, run: Run) -> None:
         rec = run.rec
         if rec.slurm is not None:
             slurm.poll(self, run)
@@ -678,7 +651,7 @@ class Supervisor:
             run.last_publish = now
             self._on_job(self.view(rec, detail=False))
 
-    def _read_metrics(self, run: _Run) -> None:
+    def _read_metrics(self, run: Run) -> None:
         got = False
         while True:
             records, run.cursor, more = read_records(run.job_dir / "metrics", run.cursor)
@@ -692,7 +665,7 @@ class Supervisor:
             run.dirty = True
             self._on_metrics(run.rec.id)
 
-    def _read_ranks(self, run: _Run) -> None:
+    def _read_ranks(self, run: Run) -> None:
         for f in (run.job_dir / "ranks").glob("rank*.json"):
             try:
                 state = _read_json(f)
@@ -701,13 +674,13 @@ class Supervisor:
                 continue  # written atomically, so this is a foreign file; ignore it
             run.ranks[rank] = state
             ex = state.get("exit")
-            if ex and run.stop_reason is None and not _clean_exit(ex):
+            if ex and run.stop_reason is None and not clean_exit(ex):
                 run.stop_reason = "rank_failed"
                 # torchrun notices within its monitor interval and stops the other ranks itself;
                 # this bounds how long that may take when a rank hangs in a collective.
                 run.kill_at = time.monotonic() + self.options.failure_grace_s
 
-    def _has_started(self, run: _Run) -> bool:
+    def _has_started(self, run: Run) -> bool:
         if run.stepped:
             return True
         # A script need not report steps; it runs once every rank has started it.
@@ -718,7 +691,7 @@ class Supervisor:
             return len(started) >= run.rec.ranks
         return False
 
-    def _apply_load(self, run: _Run) -> None:
+    def _apply_load(self, run: Run) -> None:
         """Make the simulated GPUs show the job: busy while it runs, holding its memory."""
         backend = self._simulated_backend
         if backend is None or not run.rec.simulated:
@@ -744,7 +717,7 @@ class Supervisor:
             with contextlib.suppress(KeyError):
                 self._simulated_backend.set_load(gpu, rec.id, None)
 
-    def _launcher_alive(self, run: _Run) -> bool:
+    def _launcher_alive(self, run: Run) -> bool:
         if run.popen is not None:
             return run.popen.poll() is None
         return _alive(run.rec.launcher_pid, run.rec.launcher_start)
@@ -763,7 +736,7 @@ class Supervisor:
         self._wake.set()
         return True
 
-    def _signal_launcher(self, run: _Run, sig: signal.Signals) -> None:
+    def _signal_launcher(self, run: Run, sig: signal.Signals) -> None:
         rec = run.rec
         if run.popen is not None and run.popen.poll() is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -772,7 +745,7 @@ class Supervisor:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(rec.launcher_pid, sig)  # type: ignore[arg-type]
 
-    def _kill(self, run: _Run) -> None:
+    def _kill(self, run: Run) -> None:
         """SIGKILL every process of the job: the launcher, each rank's group, and stragglers."""
         self._signal_launcher(run, signal.SIGKILL)
         for state in run.ranks.values():
@@ -784,7 +757,7 @@ class Supervisor:
             with contextlib.suppress(psutil.Error):
                 p.kill()
 
-    def _finish(self, run: _Run) -> None:
+    def _finish(self, run: Run) -> None:
         rec = run.rec
         rc = run.popen.returncode if run.popen is not None else None
         if run.launcher_log:
@@ -792,7 +765,7 @@ class Supervisor:
         self._read_metrics(run)
         self._read_ranks(run)
         left = self._sweep(run)
-        outcome = self.finish_hook(rec, _outcome(run, rc))
+        outcome = self.finish_hook(rec, run_outcome(run, rc))
         if left:
             outcome["exit_reason"] = f"{outcome['exit_reason'] or 'ended'}; {len(left)} leftover process(es) had to be killed"
         self._clear_load(rec)
@@ -800,7 +773,7 @@ class Supervisor:
         outcome = recovery.after_failure(
             rec, outcome, run.summary.errors, run.job_dir, lambda: gpu_faults(self._backend),
             simulated=rec.simulated, max_cpu_ranks=self.max_cpu_ranks,
-            from_step=(_newest_checkpoint(run.job_dir) or {}).get("step") if rec.kind == "train" else None,
+            from_step=(newest_checkpoint(run.job_dir) or {}).get("step") if rec.kind == "train" else None,
         )  # fmt: skip
         ended = time.time()
         spent = energy.finish(rec, run.energy, self._telemetry, ended)
@@ -810,7 +783,7 @@ class Supervisor:
         self._on_metrics(rec.id)
         self._on_job(self.view(rec))
 
-    def _sweep(self, run: _Run, timeout: float = 5.0) -> list[int]:
+    def _sweep(self, run: Run, timeout: float = 5.0) -> list[int]:
         """Kill whatever of the job outlived its launcher; return their pids, after they are gone."""
         procs = job_processes(run.token)
         for state in run.ranks.values():
@@ -837,10 +810,10 @@ class Supervisor:
                 continue
             job_dir = self.job_dir(rec.id)
             try:
-                max_steps = _max_steps(JobSpec.read(job_dir))
+                max_steps = max_steps_of(JobSpec.read(job_dir))
             except (OSError, ValueError):
                 max_steps = None
-            run = _Run(rec, job_dir, None, energy=energy.new_meter(rec, self._telemetry))
+            run = Run(rec, job_dir, None, energy=energy.new_meter(rec, self._telemetry))
             run.summary, run.cursor = summarize(job_dir / "metrics", max_steps)
             if rec.cancel_requested:
                 run.stop_reason = "cancel"
@@ -851,7 +824,7 @@ class Supervisor:
                 continue
             self._read_ranks(run)
             self._sweep(run)
-            outcome = self.finish_hook(rec, _outcome(run, None, service_was_down=True))
+            outcome = self.finish_hook(rec, run_outcome(run, None, service_was_down=True))
             self._clear_load(rec)
             ended = time.time()
             spent = energy.finish(rec, run.energy, self._telemetry, ended)
@@ -860,111 +833,6 @@ class Supervisor:
 
 
 # -- outcome ------------------------------------------------------------------
-
-
-def _outcome(run: _Run, rc: int | None, *, service_was_down: bool = False) -> dict[str, Any]:
-    """How a job ended, from the launcher's status, the ranks' exit records and the metrics."""
-    rec = run.rec
-    job_dir = run.job_dir
-    exits = {r: s["exit"] for r, s in run.ranks.items() if s.get("exit")}
-    failures = sorted(((e.get("time") or 0.0, r) for r, e in exits.items() if not _clean_exit(e)))
-    errors = [e for e in run.summary.errors if e.get("run", rec.run) == rec.run]  # not an earlier run's
-    oom = next((e for e in reversed(errors) if e.get("error") == "out_of_memory"), None)
-    base: dict[str, Any] = {"cancel_requested": rec.cancel_requested, "exit_code": rc}
-
-    if run.stop_reason == "cancel" or rec.cancel_requested:
-        how = "killed after the grace period" if run.killed else "stopped"
-        return {**base, "state": CANCELLED, "exit_reason": f"cancelled by the user ({how})", "resumable": True,
-                "failed_rank": None, "last_log": []}  # fmt: skip
-
-    all_clean = len(exits) >= rec.ranks and not failures
-    if not failures and oom is None and (rc == 0 or (rc is None and all_clean)):
-        return {**base, "state": COMPLETED, "exit_reason": None, "failed_rank": None, "last_log": [], "resumable": False}
-
-    if service_was_down and not failures and oom is None:
-        return {**base, "state": INTERRUPTED, "failed_rank": None, "resumable": True,
-                "exit_reason": "the engine service stopped while the job ran and its processes are gone; "
-                               "resume continues from the newest checkpoint",
-                "last_log": _tail(job_dir / "logs" / "launcher.log")}  # fmt: skip
-
-    failed_rank = oom.get("rank") if oom else (failures[0][1] if failures else None)
-    # torchrun names the first rank it saw fail. A rank whose wrapper was killed outright leaves no exit
-    # record, and the ranks torchrun then stopped would otherwise be blamed for exiting on its SIGTERM.
-    # Where that rank did record its exit, the records' times are finer than torchrun's monitor interval:
-    # a rank killed by SIGKILL and its peer failing on the broken connection end within one interval.
-    root = _torchrun_root_cause(job_dir / "logs" / "launcher.log", rec.run) if oom is None else None
-    if root is not None and root[0] not in exits:
-        failed_rank = root[0]
-        exits.setdefault(failed_rank, root[1])
-    if oom is not None:
-        reason = _oom_reason(oom, rec.predicted)
-        error: dict[str, Any] | None = {**oom, "predicted": rec.predicted}
-    elif failed_rank is not None:
-        reason = f"rank {failed_rank} {_describe_exit(exits[failed_rank])}"
-        # engine.workers reports why it gave up ("user_error", "crash") before exiting.
-        said = next((e for e in reversed(errors) if e.get("rank") == failed_rank), None)
-        if said and isinstance(said.get("message"), str) and said["message"]:
-            reason += f": {said['message']}"
-        error = said
-    else:
-        reason = f"torchrun exited with code {rc} before any rank ended" if rc is not None else "the launcher vanished"
-        error = None
-    log_file = job_dir / "logs" / (f"rank{failed_rank}.log" if failed_rank is not None else "launcher.log")
-    return {**base, "state": FAILED, "exit_reason": reason, "failed_rank": failed_rank, "resumable": True,
-            "last_log": _tail(log_file), "error": error}  # fmt: skip
-
-
-_ROOT_CAUSE = re.compile(
-    r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+)\b.*?exitcode\s*:\s*(-?\d+)", re.DOTALL
-)
-
-
-def _torchrun_root_cause(launcher_log: Path, run: int) -> tuple[int, dict[str, Any]] | None:
-    """(rank, exit record) of the failure torchrun's ChildFailedError report names as the root cause in
-    this run's part of the launcher log, or None."""
-    try:
-        with launcher_log.open("rb") as f:
-            size = f.seek(0, 2)
-            f.seek(max(size - (256 << 10), 0))
-            text = f.read().decode("utf-8", "replace")
-    except OSError:
-        return None
-    marker = text.rfind(f"--- run {run}:")
-    if marker < 0:
-        return None
-    m = _ROOT_CAUSE.search(text, marker)
-    if m is None:
-        return None
-    code = int(m.group(2))
-    return int(m.group(1)), {"code": code if code >= 0 else None, "signal": -code if code < 0 else None}
-
-
-def _oom_reason(oom: dict[str, Any], predicted: dict[str, Any] | None) -> str:
-    parts = [f"out of memory on rank {oom.get('rank', '?')}"]
-    # engine.workers reports the allocator's numbers as allocated/reserved/max_allocated/free/total (bytes).
-    for key in ("allocated", "reserved", "max_allocated", "free", "total", "tried"):
-        value = oom.get(key, oom.get(f"{key}_bytes"))
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            parts.append(f"{key.replace('_', ' ')} {value / 2**30:.2f} GiB")
-    if predicted and isinstance(predicted.get("peak_memory_bytes"), int | float):
-        parts.append(f"the plan predicted a peak of {predicted['peak_memory_bytes'] / 2**30:.2f} GiB per GPU")
-    if predicted and predicted.get("suggestion"):
-        parts.append(f"suggested fix: {predicted['suggestion']}")
-    return "; ".join(parts)
-
-
-def _clean_exit(ex: dict[str, Any]) -> bool:
-    return ex.get("code") == 0 and not ex.get("signal")
-
-
-def _describe_exit(ex: dict[str, Any]) -> str:
-    if ex.get("signal"):
-        try:
-            name = signal.Signals(ex["signal"]).name
-        except ValueError:
-            name = f"signal {ex['signal']}"
-        return f"was killed by {name}"
-    return f"exited with code {ex.get('code')}"
 
 
 def _compare(predicted: dict[str, Any] | None, progress: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -1046,23 +914,6 @@ def _wall_s(rec: JobRecord, spent: dict[str, Any] | None, now: float) -> float |
     return max((rec.ended or now) - rec.started, 0.0)
 
 
-def _newest_checkpoint(job_dir: Path) -> dict[str, Any] | None:
-    """The checkpoint a resumed training job will start from, by the workers' rule
-    (engine.workers.checkpoint.latest_checkpoint: a `step-N` folder marked COMPLETE), without importing torch."""
-    best: tuple[int, str] | None = None
-    with contextlib.suppress(OSError):
-        for d in (job_dir / "checkpoints").iterdir():
-            step_text = d.name.removeprefix("step-")
-            if d.name.startswith("step-") and step_text.isdigit() and (d / "COMPLETE").is_file():
-                if best is None or int(step_text) > best[0]:
-                    best = (int(step_text), d.name)
-    return {"step": best[0], "name": best[1]} if best else None
-
-
-def _max_steps(spec: JobSpec) -> int | None:
-    return spec.train.max_steps if spec.kind == "train" and spec.train else None
-
-
 def _default_name(spec: JobSpec) -> str:
     if spec.kind == "script" and spec.script:
         return Path(spec.script[0]).name
@@ -1072,17 +923,6 @@ def _default_name(spec: JobSpec) -> str:
             model = model.parent if model.suffix == ".json" else model
         return f"{spec.kind} {model.name if spec.model.startswith('/') else spec.model}"
     return spec.kind
-
-
-def _tail(path: Path, lines: int = LAST_LOG_LINES) -> list[str]:
-    try:
-        with path.open("rb") as f:
-            size = f.seek(0, 2)
-            f.seek(max(size - 16384, 0))
-            data = f.read()
-    except OSError:
-        return []
-    return data.decode("utf-8", "replace").splitlines()[-lines:]
 
 
 def _read_json(path: Path) -> Any:

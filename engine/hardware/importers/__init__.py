@@ -16,23 +16,10 @@ import dataclasses
 import re
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
 
-
-class MachineImportError(ValueError):
-    """A file could not be read as nvidia-smi output; the message says which file, line and why."""
-
-
-def mark_unavailable(obj: Any, reason: str) -> None:
-    """Give every still-empty field of a Gpu or Host `reason`, keeping reasons already recorded."""
-    for f in dataclasses.fields(obj):
-        if f.name != "unavailable" and getattr(obj, f.name) is None:
-            obj.unavailable.setdefault(f.name, reason)
-
-
-# The readers import MachineImportError and mark_unavailable from this package, so they load after them.
-from rigpilot.engine.hardware.importers import nvlink_status, smi_query, topo_text  # noqa: E402
-from rigpilot.engine.hardware.machine import Gpu, Host, Machine  # noqa: E402
+from rigpilot.engine.hardware.importers import nvlink_status, smi_query, topo_text
+from rigpilot.engine.hardware.importers.common import MachineImportError
+from rigpilot.engine.hardware.machine import Gpu, Host, Machine
 
 __all__ = ["FileKind", "MachineImportError", "decode_text", "import_machine", "import_text", "sniff"]
 

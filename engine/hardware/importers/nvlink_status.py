@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from rigpilot.engine.hardware.importers import MachineImportError, mark_unavailable
+from rigpilot.engine.hardware.importers.common import MachineImportError, mark_unavailable
 from rigpilot.engine.hardware.machine import Gpu, Host, Machine, Source
 
 __all__ = ["NvlinkGpuStatus", "looks_like_nvlink_status", "machine_from_nvlink", "merge_nvlink", "parse_nvlink_status"]

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from xml.parsers import expat
 
-from rigpilot.engine.hardware.importers import MachineImportError, mark_unavailable
+from rigpilot.engine.hardware.importers.common import MachineImportError, mark_unavailable
 from rigpilot.engine.hardware.machine import Gpu, Host, Machine, Source
 
 __all__ = ["NOTE_NO_TOPOLOGY", "looks_like_text", "looks_like_xml", "parse_query_text", "parse_query_xml"]

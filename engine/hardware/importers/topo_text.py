@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from rigpilot.engine.hardware.importers import MachineImportError, mark_unavailable
+from rigpilot.engine.hardware.importers.common import MachineImportError, mark_unavailable
 from rigpilot.engine.hardware.machine import (
     Gpu,
     GpuPair,
