@@ -15,6 +15,7 @@ import numpy as np
 
 from rigpilot.app.jobs.model import duration
 from rigpilot.app.widgets.units import si
+from rigpilot.engine.capability import backend_words
 from rigpilot.engine.service.store import COMPLETED
 
 # A rise this far above the best eval loss, held for the last RISING_EVALS evals, is flagged.
@@ -127,10 +128,20 @@ def summary_rows(job: dict[str, Any], series: Any) -> list[tuple[str, str]]:
         rows.append(("Wall time", duration(wall) + (f" in {run} runs" if run > 1 else "")))
     if isinstance(progress.get("tokens_per_s"), int | float):
         rows.append(("Speed", si(progress["tokens_per_s"], "tokens/s")))
+    if job.get("kind") == "infer" and isinstance(settings.get("infer"), dict):
+        rows.append(("Backend", backend_of(settings["infer"])))
     folder = output_of(job).get("folder")
     if folder and output_of(job).get("model"):
         rows.append(("Saved to", folder))
     return rows
+
+
+def backend_of(infer: dict[str, Any]) -> str:
+    """The generator an inference job ran and why (job.json's `infer`, as the engine's submission wrote it)."""
+    # A job submitted before backends were chosen ("auto" in its job.json) ran Rigpilot's own generator.
+    name = "vllm" if infer.get("backend") == "vllm" else "transformers"
+    reason = infer.get("backend_reason")
+    return backend_words(name, reason if isinstance(reason, str) else "")
 
 
 def load_snippets(job: dict[str, Any]) -> list[tuple[str, str]]:
@@ -194,6 +205,7 @@ COMPARED: list[tuple[str, tuple[str, ...]]] = [
     ("Layout", ("parallelism",)),
     ("Max new tokens", ("infer", "max_new_tokens")),
     ("Temperature", ("infer", "temperature")),
+    ("Backend", ("infer", "backend")),
 ]
 
 

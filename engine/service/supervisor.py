@@ -108,6 +108,11 @@ class _Run:
         return run_token(self.rec)
 
 
+def on_vllm(spec: JobSpec) -> bool:
+    """An inference job the submission gave to vLLM: one process, which starts a worker per GPU itself."""
+    return spec.kind == "infer" and spec.infer is not None and spec.infer.backend == "vllm"
+
+
 def run_token(rec: JobRecord) -> str:
     """The marker every process of one run of a job carries; a multi-node job's nodes may share a computer,
     so each node's part has its own (else one node's sweep would kill another's ranks)."""
@@ -277,7 +282,7 @@ class Supervisor:
         machine = self.machine
         sub = submission.prepare(
             spec_data, plan, cwd, job_id=job_id, machine=machine, max_cpu_ranks=self.max_cpu_ranks,
-            nodes=int((nodes or {}).get("count", 1)),
+            nodes=int((nodes or {}).get("count", 1)), slurm=slurm_options is not None,
         )
         spec = sub.spec
         if nodes and spec.max_restarts:
@@ -576,7 +581,7 @@ class Supervisor:
         return [
             python, "-m", "torch.distributed.run",
             "--nnodes", str(nodes.get("count", 1)),
-            "--nproc-per-node", str(rec.ranks),
+            "--nproc-per-node", str(1 if on_vllm(spec) else rec.ranks),
             "--rdzv-backend", "c10d",
             "--rdzv-endpoint", str(nodes.get("endpoint") or f"127.0.0.1:{port}"),
             *across,
@@ -603,7 +608,9 @@ class Supervisor:
         )
         env[RUN_TOKEN_ENV] = run_token(rec)
         env.pop(warm.SOCKET_ENV, None)
-        if rec.kind != "script" and self.warm is not None and self.warm.ready() and self.warm.python == python:
+        # vLLM starts its own workers and imports far more than a warm worker holds: a fresh interpreter.
+        warm_fits = rec.kind != "script" and not on_vllm(spec)
+        if warm_fits and self.warm is not None and self.warm.ready() and self.warm.python == python:
             env[warm.SOCKET_ENV] = str(self.warm.socket_path)
         if rec.simulated:
             env["CUDA_VISIBLE_DEVICES"] = ""  # simulated GPUs: ranks must not grab a real one
