@@ -447,7 +447,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"schema": "rigpilot.job/1", "job": job}, indent=2))
             return 0
-        ranks = f"{job['ranks']} CPU rank{'s' * (job['ranks'] != 1)}" if job["simulated"] else f"{job['ranks']} ranks"
+        n = job["ranks"]
+        ranks = f"{n} CPU rank{'s' * (n != 1)}" if job["simulated"] else f"{n} rank{'s' * (n != 1)}"
         if job.get("slurm"):
             where = f" through {job['slurm']['login']}" if job["slurm"].get("login") else ""
             print(f"job {job['id']} submitted to SLURM{where} as job {job['slurm']['job_id']}: {job['kind']} "
