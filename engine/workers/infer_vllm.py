@@ -126,9 +126,10 @@ def _import_vllm() -> tuple[Any, Any]:
 def _shut_down(holder: list[Any]) -> None:
     """Stop vLLM's worker processes before this process exits, else the engine kills them as leftovers.
 
-    Recent vLLM has `LLM.shutdown()`; older ones stop their engine when the LLM object is collected. The
-    worker's exit (os._exit, engine.workers.__main__) runs no collector, so the last reference is dropped
-    (`holder` holds it) and the collector run here.
+    `LLM.shutdown()` is not in every vLLM version (it was proposed in vLLM PRs #36283 and #46023); without
+    it the engine stops when the LLM object is garbage-collected (vLLM issue #4678). The worker's exit
+    (os._exit, engine.workers.__main__) runs no collector, so the last reference is dropped (`holder` holds
+    it) and the collector run here.
     """
     shutdown = getattr(holder[0], "shutdown", None)
     if callable(shutdown):
