@@ -264,21 +264,18 @@ def test_a_cpu_infer_job_reports_the_transformers_backend_in_its_summary_and_in_
     assert "  backend: transformers (Rigpilot's own generator) — chosen automatically: the machine's GPUs" in shown
 
 
-def test_the_summary_shows_the_backend_of_an_inference_job() -> None:
-    from rigpilot.app.jobs.outcome import backend_of, settings_diff, summary_rows
-    from rigpilot.app.jobs.series import JobSeries
+def test_the_job_views_name_the_backend_of_an_inference_job() -> None:
+    from rigpilot.app.jobs.outcome import backend_of, settings_diff
 
     reason = "chosen automatically: vLLM is not installed in the worker environment (/env/bin/python)"
-    job = {"kind": "infer", "state": "completed", "settings": {"infer": {"backend": "transformers", "backend_reason": reason}}}
-    rows = dict(summary_rows(job, JobSeries()))
-    assert rows["Backend"] == f"transformers (Rigpilot's own generator) — {reason}"
-    assert "Backend" not in dict(summary_rows({**job, "kind": "train"}, JobSeries()))
-
-    assert backend_of({"backend": "vllm", "backend_reason": "asked for"}) == "vLLM — asked for"
-    assert backend_of({"backend": "auto"}) == "transformers (Rigpilot's own generator)"  # a job from before
-    a = {"kind": "infer", "settings": {"infer": {"backend": "vllm"}}}
-    b = {"kind": "infer", "settings": {"infer": {"backend": "transformers"}}}
-    assert ("Backend", ["vllm", "transformers"]) in settings_diff([a, b])
+    job = {"kind": "infer", "settings": {"infer": {"backend": "transformers", "backend_reason": reason}}}
+    assert backend_of(job) == f"transformers (Rigpilot's own generator) — {reason}"
+    vllm = {"kind": "infer", "settings": {"infer": {"backend": "vllm", "backend_reason": "asked for"}}}
+    assert backend_of(vllm) == "vLLM — asked for"
+    before = {"kind": "infer", "settings": {"infer": {"backend": "auto"}}}  # job.json from before the choice
+    assert backend_of(before) == "transformers (Rigpilot's own generator)"
+    assert backend_of({"kind": "train", "settings": {}}) is None
+    assert ("Backend", ["transformers", "vllm"]) in settings_diff([job, vllm])
 
 
 def test_the_service_still_never_imports_vllm_or_torch() -> None:

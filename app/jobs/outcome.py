@@ -128,16 +128,17 @@ def summary_rows(job: dict[str, Any], series: Any) -> list[tuple[str, str]]:
         rows.append(("Wall time", duration(wall) + (f" in {run} runs" if run > 1 else "")))
     if isinstance(progress.get("tokens_per_s"), int | float):
         rows.append(("Speed", si(progress["tokens_per_s"], "tokens/s")))
-    if job.get("kind") == "infer" and isinstance(settings.get("infer"), dict):
-        rows.append(("Backend", backend_of(settings["infer"])))
     folder = output_of(job).get("folder")
     if folder and output_of(job).get("model"):
         rows.append(("Saved to", folder))
     return rows
 
 
-def backend_of(infer: dict[str, Any]) -> str:
-    """The generator an inference job ran and why (job.json's `infer`, as the engine's submission wrote it)."""
+def backend_of(job: dict[str, Any]) -> str | None:
+    """The generator an inference job runs and why (job.json's `infer`, as the engine's submission wrote it)."""
+    infer = settings_of(job).get("infer")
+    if job.get("kind") != "infer" or not isinstance(infer, dict):
+        return None
     # A job submitted before backends were chosen ("auto" in its job.json) ran Rigpilot's own generator.
     name = "vllm" if infer.get("backend") == "vllm" else "transformers"
     reason = infer.get("backend_reason")
