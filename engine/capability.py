@@ -12,6 +12,7 @@ Plain Python: the GUI, the CLI and the planner import it without torch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,6 +101,109 @@ def why_not(layout: Layout) -> str | None:
     if lt.pp > 1 and mt is not None and mt not in PIPELINE_TYPES:
         return f"pipeline parallel runs {_types(PIPELINE_TYPES)}; model type {mt!r} is not one of them"
     return None
+
+
+# -- the inference backend ------------------------------------------------------------------------------------
+
+# "transformers": Rigpilot's own generator (engine.workers.infer), which runs every layout above.
+# "vllm": vLLM's offline LLM class (engine.workers.infer_vllm), where it is installed and the job fits it.
+INFER_BACKENDS = ("auto", "transformers", "vllm")
+# vLLM's SamplingParams takes temperatures in [0, 2] and raises one in (0, 0.01) to 0.01
+# (vllm/sampling_params.py: _MAX_TEMP and _verify_args).
+VLLM_MAX_TEMPERATURE = 2.0
+VLLM_MIN_TEMPERATURE = 0.01
+
+
+@dataclass(frozen=True)
+class WorkerVllm:
+    """What the worker environment says of vLLM, asked without importing it (engine.runtime.worker_vllm)."""
+
+    python: str | None  # the interpreter the job's process starts with
+    version: str | None  # None: not installed there
+    problem: str | None = None  # the environment could not be asked (no interpreter, it failed)
+
+
+@dataclass(frozen=True)
+class InferBackend:
+    """Which generator an inference job runs, and why; `refusal` is the one line when the one asked for cannot."""
+
+    name: str  # "transformers" | "vllm": what runs
+    asked: str  # "auto" | "transformers" | "vllm"
+    reason: str  # why it runs, in words (for "auto": why this one and not the other)
+    refusal: str | None = None
+
+
+def vllm_why_not(
+    layout: Layout, *, simulated: bool, temperature: float = 0.0, nodes: int = 1, slurm: bool = False
+) -> str | None:
+    """None when an inference job of `layout` can run on vLLM (vLLM being installed aside); else why not.
+
+    Rigpilot runs one vLLM engine per job on one machine's real GPUs, its tensor and pipeline degrees
+    the plan's; anything else runs on Rigpilot's own generator, which covers every layout.
+    """
+    lt = layout
+    if simulated:
+        return "the machine's GPUs are simulated and jobs run as CPU ranks; vLLM needs real CUDA GPUs"
+    if slurm:
+        return "a SLURM job runs on the cluster's nodes, whose environment Rigpilot has not checked for vLLM"
+    if max(nodes, lt.nodes) > 1:
+        return f"the job spans {max(nodes, lt.nodes)} nodes; Rigpilot runs vLLM on one node"
+    dp = lt.dp_replicate * lt.dp_shard
+    if dp > 1:
+        return (
+            f"the layout has data parallel {dp}; Rigpilot runs one vLLM engine per job, split by tensor and "
+            "pipeline parallel only (give --tp/--pp degrees that use every GPU)"
+        )
+    if lt.cpu_offload or lt.weight_bits != 16:
+        return "vLLM jobs run 16-bit weights without CPU offload"
+    if 0 < temperature < VLLM_MIN_TEMPERATURE:
+        return f"temperature {temperature:g} is below the {VLLM_MIN_TEMPERATURE:g} vLLM's SamplingParams raises it to"
+    if temperature > VLLM_MAX_TEMPERATURE:
+        return f"temperature {temperature:g} is above the {VLLM_MAX_TEMPERATURE:g} vLLM's SamplingParams accepts"
+    return None
+
+
+def choose_infer_backend(
+    asked: str,
+    layout: Layout,
+    *,
+    simulated: bool,
+    worker_vllm: Callable[[], WorkerVllm],
+    temperature: float = 0.0,
+    nodes: int = 1,
+    slurm: bool = False,
+) -> InferBackend:
+    """The one decision of which backend an inference job runs: submit, --check and the job views use it.
+
+    `worker_vllm` is called only when everything else allows vLLM, so a simulated machine or a layout
+    vLLM does not take never starts the worker interpreter to ask.
+    """
+    if asked == "transformers":
+        return InferBackend("transformers", asked, "asked for")
+    how = "asked for" if asked == "vllm" else "chosen automatically"
+    why = vllm_why_not(layout, simulated=simulated, temperature=temperature, nodes=nodes, slurm=slurm)
+    fix = ""
+    if why is None:
+        found = worker_vllm()
+        where = found.python or "no interpreter"
+        if found.problem:
+            why, fix = f"the worker environment could not be asked about vLLM ({found.problem})", "repair it or "
+        elif found.version is None:
+            why, fix = f"vLLM is not installed in the worker environment ({where})", "install it there or "
+        else:
+            degrees = f"tensor parallel {layout.tp} × pipeline parallel {layout.pp}"
+            return InferBackend("vllm", asked, f"{how}: vLLM {found.version} in the worker environment, {degrees}")
+    if asked == "vllm":
+        return InferBackend(
+            "transformers", asked, why, refusal=f"backend vllm: {why}; {fix}use --backend transformers"
+        )
+    return InferBackend("transformers", asked, f"{how}: {why}")
+
+
+def backend_words(name: str, reason: str = "") -> str:
+    """`transformers — chosen automatically: vLLM is not installed …`: the backend as job views show it."""
+    shown = "vLLM" if name == "vllm" else "transformers (Rigpilot's own generator)"
+    return f"{shown} — {reason}" if reason else shown
 
 
 def _types(types: tuple[str, ...]) -> str:

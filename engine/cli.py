@@ -544,6 +544,8 @@ def cmd_engine_env(args: argparse.Namespace) -> int:
         if st.installed:
             build = f"CUDA {st.cuda_version}" if st.cuda_version else "CPU build"
             print(f"engine environment: {st.python}: torch {st.torch_version} ({build})")
+            vllm = f"vLLM {st.vllm_version}" if st.vllm_version else "no vLLM"
+            print(f"inference backends: transformers (Rigpilot's own), {vllm}")
         for p in st.problems:
             print(f"problem: {p}")
     return 0 if st.installed and not st.problems else 1

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rigpilot.engine import __version__
+from rigpilot.engine.capability import WorkerVllm
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.settings import cache_dir, data_dir
 
@@ -85,21 +86,34 @@ class EnvStatus:
     hip_version: str | None = None
     arch_list: list[str] = field(default_factory=list)  # e.g. ["sm_80", "sm_90"]
     rigpilot_version: str | None = None  # the Rigpilot the workers import there
+    vllm_version: str | None = None  # vLLM, where installed there: inference jobs may run on it
     problems: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
 
 
+# Whether vLLM is installed, by finding its package without importing it: importing vLLM takes seconds and
+# initialises CUDA, and the service asks this at every inference submit on a machine with GPUs.
+_VLLM_FOUND = (
+    "import importlib.metadata, importlib.util\n"
+    "try:\n"
+    "    vllm = importlib.metadata.version('vllm') if importlib.util.find_spec('vllm') else None\n"
+    "except importlib.metadata.PackageNotFoundError:\n"
+    "    vllm = 'unknown version'\n"
+)
 _PROBE = (
     "import json, torch\n"
     "try:\n"
     "    import rigpilot; rp = rigpilot.__version__\n"
     "except Exception:\n"
     "    rp = None\n"
-    "print(json.dumps({'torch': torch.__version__, 'cuda': torch.version.cuda, 'hip': torch.version.hip,\n"
-    "                  'arch': torch.cuda.get_arch_list() if torch.version.cuda else [], 'rigpilot': rp}))\n"
+    + _VLLM_FOUND
+    + "print(json.dumps({'torch': torch.__version__, 'cuda': torch.version.cuda, 'hip': torch.version.hip,\n"
+    "                  'arch': torch.cuda.get_arch_list() if torch.version.cuda else [], 'rigpilot': rp,\n"
+    "                  'vllm': vllm}))\n"
 )
+_VLLM_PROBE = "import json\n" + _VLLM_FOUND + "print(json.dumps({'vllm': vllm}))\n"
 
 
 def status(compute_capabilities: Iterable[str] = ()) -> EnvStatus:
@@ -108,12 +122,8 @@ def status(compute_capabilities: Iterable[str] = ()) -> EnvStatus:
         python = worker_python()
     except UserError as e:
         return EnvStatus(python=None, installed=False, problems=[str(e)])
-    provisioned = python == str(env_python())
-    # The provisioned environment is probed as the ranks use it: nothing of the app's on the path.
-    env = standalone_environment() if provisioned else None
     try:
-        out = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=120, env=env,
-                             cwd="/" if provisioned else None)  # fmt: skip
+        out = _ask(python, _PROBE, timeout=120)
     except (OSError, subprocess.TimeoutExpired) as e:
         return EnvStatus(python=python, installed=False, problems=[f"cannot run {python}: {e}"])
     if out.returncode != 0:
@@ -121,11 +131,37 @@ def status(compute_capabilities: Iterable[str] = ()) -> EnvStatus:
         return EnvStatus(python=python, installed=False, problems=[f"torch does not import in {python}: {last}"])
     info = json.loads(out.stdout.strip().splitlines()[-1])
     st = EnvStatus(python=python, installed=True, torch_version=info["torch"], cuda_version=info["cuda"],
-                   hip_version=info.get("hip"), arch_list=info["arch"], rigpilot_version=info.get("rigpilot"))  # fmt: skip
+                   hip_version=info.get("hip"), arch_list=info["arch"], rigpilot_version=info.get("rigpilot"),
+                   vllm_version=info.get("vllm"))  # fmt: skip
     st.problems = check_gpu_support(st, compute_capabilities) or check_build(st, has_nvidia_driver())
-    if provisioned:
+    if python == str(env_python()):
         st.problems += check_rigpilot(st)
     return st
+
+
+def _ask(python: str, code: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    provisioned = python == str(env_python())
+    # The provisioned environment is probed as the ranks use it: nothing of the app's on the path.
+    env = standalone_environment() if provisioned else None
+    return subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd="/" if provisioned else None)  # fmt: skip
+
+
+def worker_vllm() -> WorkerVllm:
+    """Whether vLLM is installed where the job's process starts (engine.capability.choose_infer_backend)."""
+    try:
+        python = worker_python()
+    except UserError as e:
+        return WorkerVllm(None, None, str(e))
+    try:
+        out = _ask(python, _VLLM_PROBE, timeout=30)
+        if out.returncode != 0:
+            last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+            return WorkerVllm(python, None, f"{python} failed: {last}")
+        version = json.loads(out.stdout.strip().splitlines()[-1])["vllm"]
+    except (OSError, subprocess.TimeoutExpired, ValueError, KeyError, IndexError) as e:
+        return WorkerVllm(python, None, f"cannot run {python}: {e}")
+    return WorkerVllm(python, version if isinstance(version, str) else None)
 
 
 def check_build(st: EnvStatus, driver: bool) -> list[str]:

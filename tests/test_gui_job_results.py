@@ -53,7 +53,9 @@ def a_training_job(job_id: str, *, output: str | None = "full", merged: bool = F
 
 def an_inference_job(job_id: str, state: str = "completed") -> dict[str, Any]:
     return a_job(
-        job_id, state, kind="infer", simulated=True, settings={"kind": "infer", "model": "/models/m", "gpus": [0, 1]},
+        job_id, state, kind="infer", simulated=True,
+        settings={"kind": "infer", "model": "/models/m", "gpus": [0, 1],
+                  "infer": {"backend": "transformers", "backend_reason": "chosen automatically: simulated GPUs"}},
         output={"folder": f"/tmp/rigpilot-jobs/{job_id}/output", "model": None, "results": True},
         progress={"tokens_per_s": 14_719.0, "peak_memory_by_rank": {"0": 2 * GIB, "1": 3 * GIB}},
     )  # fmt: skip
@@ -144,6 +146,7 @@ def test_an_inference_job_shows_its_completions_speed_and_memory_not_training_ch
     assert "2 completions" in view.status.text()
     speed = view.speed.text()
     assert "14.7k tokens/s" in speed and "CPU rank 0 2.00 GiB" in speed and "CPU rank 1 3.00 GiB" in speed
+    assert view.backend.text() == "Backend: transformers (Rigpilot's own generator) — chosen automatically: simulated GPUs"
     assert view.model.index(0, 2).data() == " or not to be,\nthat is"
 
     view.table.setFocus()

@@ -336,6 +336,22 @@ def test_inference_job_with_typed_prompts(qtbot, settings):
     assert spec.infer.max_new_tokens == 48 and spec.train is None
 
 
+def test_the_engine_choice_of_an_inference_job_reaches_the_spec_and_the_engines_check(qtbot, settings):
+    link, submitted = make_link("2x-rtx3090-nvlink")
+    state = WizardState(kind="infer", model="qwen2.5-0.5b", gpus=[0, 1], prompts=["Write a haiku about GPUs"])
+    wizard = open_wizard(qtbot, link, settings, state=state)
+    go_to(qtbot, wizard, HYPER)
+    engine = wizard.hyper_page.backend
+    assert engine.isVisibleTo(wizard) and engine.currentData() == "auto"
+    engine.setCurrentIndex(engine.findData("vllm"))
+    assert wizard.state.infer.backend == "vllm" and "--backend vllm" in wizard.state.command()
+    go_to(qtbot, wizard, REVIEW)
+    # The engine's own check (the real submission path) refuses vLLM on simulated GPUs, in its words.
+    blocked(qtbot, wizard, "backend vllm: the machine's GPUs are simulated")
+    wizard.next()
+    assert not submitted
+
+
 def test_submit_failure_is_inline_and_can_be_retried(qtbot, settings):
     link, _ = make_link()
     link.replies["submit"] = EngineError("user_error", "data file /x.txt does not exist")

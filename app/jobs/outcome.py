@@ -15,6 +15,7 @@ import numpy as np
 
 from rigpilot.app.jobs.model import duration
 from rigpilot.app.widgets.units import si
+from rigpilot.engine.capability import backend_words
 from rigpilot.engine.service.store import COMPLETED
 
 # A rise this far above the best eval loss, held for the last RISING_EVALS evals, is flagged.
@@ -133,6 +134,17 @@ def summary_rows(job: dict[str, Any], series: Any) -> list[tuple[str, str]]:
     return rows
 
 
+def backend_of(job: dict[str, Any]) -> str | None:
+    """The generator an inference job runs and why (job.json's `infer`, as the engine's submission wrote it)."""
+    infer = settings_of(job).get("infer")
+    if job.get("kind") != "infer" or not isinstance(infer, dict):
+        return None
+    # A job submitted before backends were chosen ("auto" in its job.json) ran Rigpilot's own generator.
+    name = "vllm" if infer.get("backend") == "vllm" else "transformers"
+    reason = infer.get("backend_reason")
+    return backend_words(name, reason if isinstance(reason, str) else "")
+
+
 def load_snippets(job: dict[str, Any]) -> list[tuple[str, str]]:
     """(title, Python) to load what a training job saved, for the folder as the engine wrote it."""
     output, settings = output_of(job), settings_of(job)
@@ -194,6 +206,7 @@ COMPARED: list[tuple[str, tuple[str, ...]]] = [
     ("Layout", ("parallelism",)),
     ("Max new tokens", ("infer", "max_new_tokens")),
     ("Temperature", ("infer", "temperature")),
+    ("Backend", ("infer", "backend")),
 ]
 
 

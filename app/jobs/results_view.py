@@ -27,6 +27,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from rigpilot.app.jobs.outcome import backend_of
 from rigpilot.app.widgets.table_model import ColumnsModel, Index
 from rigpilot.app.widgets.units import NA, gib, si
 
@@ -125,6 +126,10 @@ class ResultsView(QWidget):
         self.speed.setObjectName("inferSpeed")
         self.speed.setWordWrap(True)
         self.speed.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.backend = QLabel()  # which generator ran and why: inference jobs have no Summary tab
+        self.backend.setObjectName("inferBackend")
+        self.backend.setWordWrap(True)
+        self.backend.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.status = QLabel()
         self.status.setObjectName("resultsStatus")
         self.status.setWordWrap(True)
@@ -162,6 +167,7 @@ class ResultsView(QWidget):
             buttons.addWidget(b)
         layout = QVBoxLayout(self)
         layout.addLayout(buttons)
+        layout.addWidget(self.backend)
         layout.addWidget(self.status)
         layout.addWidget(self.table, 1)
         self._set_buttons()
@@ -170,6 +176,9 @@ class ResultsView(QWidget):
     def show_job(self, link: Any, job: dict[str, Any]) -> None:
         """Show `job`'s speed and, once it completed, its completions (asked once per job)."""
         self.speed.setText(speed_line(job))
+        backend = backend_of(job)
+        self.backend.setText(f"Backend: {backend}" if backend else "")
+        self.backend.setVisible(bool(backend))
         job_id = job.get("id")
         if job_id != self.job_id:
             self.job_id = job_id

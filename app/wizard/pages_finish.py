@@ -14,7 +14,15 @@ from rigpilot.app.planner.model import error_text, summary_lines
 from rigpilot.app.widgets.form_row import form_row
 from rigpilot.app.wizard.host import LAUNCH, WizardHost
 from rigpilot.app.wizard.page_base import StepPage
-from rigpilot.app.wizard.state import CALIBRATE, INFER, KIND_TITLES, SCRIPT, WizardState, default_name
+from rigpilot.app.wizard.state import (
+    CALIBRATE,
+    INFER,
+    INFER_BACKEND_CHOICES,
+    KIND_TITLES,
+    SCRIPT,
+    WizardState,
+    default_name,
+)
 from rigpilot.engine.service.client import EngineError
 from rigpilot.engine.service.protocol import UNKNOWN_TYPE
 
@@ -55,7 +63,7 @@ def describe_state(s: WizardState, machine_label: str = "") -> list[str]:
         i = s.infer
         lines.append(
             f"New tokens {i.max_new_tokens}, batch {i.batch_size}, temperature {i.temperature:g}, "
-            f"top-p {i.top_p:g}, seed {i.seed}"
+            f"top-p {i.top_p:g}, seed {i.seed}, engine {dict(INFER_BACKEND_CHOICES).get(i.backend, i.backend)}"
         )
     if s.planned and s.plan:
         p = s.parallelism()

@@ -32,7 +32,7 @@ from rigpilot.app.wizard.data_check import CHAT, INSTRUCTION
 from rigpilot.app.wizard.host import HYPER, REVIEW, WizardHost
 from rigpilot.app.wizard.page_base import StepPage
 from rigpilot.app.wizard.plan_check import CheckResult, Overrides
-from rigpilot.app.wizard.state import INFER
+from rigpilot.app.wizard.state import INFER, INFER_BACKEND_CHOICES
 from rigpilot.engine.capability import Layout, why_not
 
 PIPELINE_SCHEDULES = [("1f1b", "1F1B"), ("gpipe", "GPipe")]  # as the planner writes them
@@ -439,12 +439,21 @@ class HyperPage(StepPage):
         self.top_p.setRange(0.01, 1.0)
         self.top_p.setSingleStep(0.05)
         self.infer_seed = _spin("inferSeed", 0, 2**31 - 1)
+        self.backend = QComboBox()
+        self.backend.setObjectName("inferBackend")
+        for key, text in INFER_BACKEND_CHOICES:
+            self.backend.addItem(text, key)
         form_row(i, "New tokens", self.new_tokens, "Tokens generated for each prompt at most.")
         form_row(i, "Batch", self.batch, "Prompts generated together: faster, and more KV-cache memory.")
         form_row(i, "Context", self.context, "Prompt plus answer tokens the KV cache is planned for.")
         form_row(i, "Temperature", self.temperature, "0 always picks the likeliest token; higher is more varied.")
         form_row(i, "Top-p", self.top_p, "Sample only from the likeliest tokens covering this probability.")
         form_row(i, "Seed", self.infer_seed, "Makes sampling repeatable.")
+        form_row(
+            i, "Engine", self.backend,
+            "vLLM where it is installed in the engine environment and the job fits it (real GPUs, one machine, "
+            "no data parallel); Rigpilot's own generator otherwise. The Review page says which one runs, and why.",
+        )  # fmt: skip
         self.infer_box = QWidget()
         self.infer_box.setLayout(i)
 
@@ -489,6 +498,7 @@ class HyperPage(StepPage):
         self.max_restarts.valueChanged.connect(self._changed)
         self.train_on_prompts.toggled.connect(self._changed)
         self.save_merged.toggled.connect(self._changed)
+        self.backend.currentIndexChanged.connect(self._changed)
 
     def load(self) -> None:
         s = self.state
@@ -525,6 +535,7 @@ class HyperPage(StepPage):
         self.temperature.setValue(i.temperature)
         self.top_p.setValue(i.top_p)
         self.infer_seed.setValue(i.seed)
+        self.backend.setCurrentIndex(max(self.backend.findData(i.backend), 0))
         self.trust.setChecked(s.trust_remote_code)
 
     def _changed(self) -> None:
@@ -544,6 +555,7 @@ class HyperPage(StepPage):
         targets = [x.strip() for x in self.lora_targets.text().split(",") if x.strip()]
         t.lora_targets = targets or None
         i.temperature, i.top_p, i.seed = self.temperature.value(), self.top_p.value(), self.infer_seed.value()
+        i.backend = self.backend.currentData()
         s.trust_remote_code = self.trust.isChecked()
         self.validate()
 

@@ -41,6 +41,12 @@ KINDS: list[tuple[str, str, str]] = [
 KIND_TITLES = {k: t for k, t, _ in KINDS}
 PLANNED_KINDS = (FINETUNE, SCRATCH, INFER)
 JOB_KIND = {FINETUNE: "train", SCRATCH: "train", SCRIPT: "script", INFER: "infer", CALIBRATE: "calibrate"}
+# (InferSettings.backend, the wizard's words for it): the Engine choice and the Review page
+INFER_BACKEND_CHOICES = (
+    ("auto", "Automatic: vLLM where it can run, else Rigpilot's own"),
+    ("transformers", "Rigpilot (transformers)"),
+    ("vllm", "vLLM"),
+)
 SIMULATED_DEFAULT_GPUS = 2  # CPU ranks on a simulated machine: enough to show data parallelism, light on cores
 
 
@@ -486,6 +492,8 @@ def run_command(state: WizardState) -> str:
         w.add("--temperature", i.temperature, f"temperature {i.temperature:g}")
         w.add("--top-p", i.top_p, f"top-p {i.top_p:g}")
         w.add("--seed", i.seed, f"seed {i.seed}")
+        if i.backend != "auto":
+            w.add("--backend", i.backend, f"backend {i.backend}")
         w.extras.append(f"batch {i.batch_size}")
     line = shlex.join(words)
     if state.planned and state.plan:

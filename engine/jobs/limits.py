@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
 
-from rigpilot.engine.capability import TRAIN_METHODS
+from rigpilot.engine.capability import INFER_BACKENDS, TRAIN_METHODS
 from rigpilot.engine.errors import UserError
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -91,9 +91,10 @@ LIMITS: dict[str, Range | Choice] = {
     "infer.batch_size": Range(1, 4096),
     "infer.precision": Choice(PRECISIONS),
     "infer.seed": Range(0, 2**63 - 1),
+    "infer.backend": Choice(INFER_BACKENDS),
     "max_restarts": Range(0, 100),
 }
-STRING_MAX = {"name": 256, "train.text_field": 256, "model": PATH_MAX}
+STRING_MAX = {"name": 256, "train.text_field": 256, "model": PATH_MAX, "infer.backend_reason": 1024}
 LIST_MAX = {"gpus": 4096, "train.dataset": 1024, "train.lora_targets": 1024, "infer.prompts": 100_000, "script": 10_000}
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 ENV_MAX = 1024

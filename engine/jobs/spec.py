@@ -85,6 +85,10 @@ class InferSettings:
     batch_size: int = 8
     precision: str = "bf16"
     seed: int = 1234
+    # "auto" | "transformers" (Rigpilot's own generator) | "vllm". The submission replaces "auto" with
+    # the backend it chose (engine.capability.choose_infer_backend), so job.json says what runs.
+    backend: str = "auto"
+    backend_reason: str = ""  # written by the engine at submit: why this backend runs
 
 
 @dataclass

@@ -22,7 +22,7 @@ from rigpilot.engine.argtypes import (
     read_json_object,
     seed,
 )
-from rigpilot.engine.capability import TRAIN_METHODS
+from rigpilot.engine.capability import INFER_BACKENDS, TRAIN_METHODS, backend_words
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.jobs.limits import CHECKPOINTING, PRECISIONS
 from rigpilot.engine.service import scaling
@@ -73,6 +73,11 @@ def register(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     k.add_argument("--temperature", type=non_negative_float, metavar="T", help="sampling temperature (default 0: greedy)")
     k.add_argument("--top-p", type=probability, metavar="P", help="nucleus sampling: keep this share of probability")
     k.add_argument("--seed", type=seed, metavar="N", help="sampling seed (default 1234)")
+    k.add_argument(
+        "--backend", choices=INFER_BACKENDS,
+        help="the generator: vllm where it is installed in the engine environment and the job fits it (real GPUs, "
+        "one node, no data parallel), else transformers, Rigpilot's own (default auto: vLLM where it can run)",
+    )  # fmt: skip
     k.set_defaults(func=cmd_run)
 
     k = kinds.add_parser("calibrate", parents=[common, model, degrees], help="measure this machine for the planner")
@@ -395,6 +400,7 @@ def build_spec(args: argparse.Namespace) -> dict[str, Any]:
         infer = {
             "prompts_file": args.prompts, "prompts": args.prompt, "max_new_tokens": args.max_new_tokens,
             "precision": args.precision, "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
+            "backend": args.backend,
         }  # fmt: skip
         spec["infer"] = {k: v for k, v in infer.items() if v not in (None, [])}
     return spec
@@ -442,7 +448,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"schema": "rigpilot.job/1", "job": job}, indent=2))
             return 0
-        ranks = f"{job['ranks']} CPU rank{'s' * (job['ranks'] != 1)}" if job["simulated"] else f"{job['ranks']} ranks"
+        n = job["ranks"]
+        ranks = f"{n} CPU rank{'s' * (n != 1)}" if job["simulated"] else f"{n} rank{'s' * (n != 1)}"
         if job.get("slurm"):
             where = f" through {job['slurm']['login']}" if job["slurm"].get("login") else ""
             print(f"job {job['id']} submitted to SLURM{where} as job {job['slurm']['job_id']}: {job['kind']} "
@@ -574,7 +581,7 @@ def format_record(r: dict[str, Any]) -> str:
     if kind:
         parts.insert(0, kind)  # "eval", "checkpoint", "infer", ...
     for k, v in r.items():
-        if k in ("time", "rank", "step", "kind", "nonfinite") or v is None or (k == "run" and v == 1):
+        if k in ("time", "rank", "step", "kind", "nonfinite", "backend_reason") or v is None or (k == "run" and v == 1):
             continue  # a run number matters only once a job was resumed
         parts.append(f"{k} {_gib(v) if 'memory' in k and isinstance(v, int) else _num(v)}")
     return "  ".join(parts) + f"  [rank {r.get('rank')}]"
@@ -705,6 +712,9 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     for label, key in (("loss", "loss"), ("tokens/s", "tokens_per_s"), ("phase", "phase")):
         if p.get(key) is not None:
             print(f"  {label}: {_num(p[key])}")
+    backend = backend_line(job)
+    if backend:
+        print(f"  backend: {backend}")
     peaks = p.get("peak_memory_by_rank") or {}
     if peaks:
         print("  peak memory: " + ", ".join(f"rank {r} {_gib(v)}" for r, v in peaks.items()))
@@ -723,6 +733,17 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     for line in restart_lines(job):
         print(f"  {line}")
     return 0
+
+
+def backend_line(job: dict[str, Any]) -> str | None:
+    """Which generator an inference job runs and why, as the submission recorded it in job.json."""
+    infer = (job.get("settings") or {}).get("infer")
+    if job.get("kind") != "infer" or not isinstance(infer, dict):
+        return None
+    # A job submitted before backends were chosen ("auto" in its job.json) ran Rigpilot's own generator.
+    name = "vllm" if infer.get("backend") == "vllm" else "transformers"
+    reason = infer.get("backend_reason")
+    return printable(backend_words(name, reason if isinstance(reason, str) else ""))
 
 
 def restart_lines(job: dict[str, Any]) -> list[str]:

@@ -17,11 +17,21 @@ the job (`predicted.from_plan`, with `predicted.plan_notes`).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rigpilot.engine.capability import Layout, layout_of_plan, why_not
+from rigpilot.engine import runtime
+from rigpilot.engine.capability import (
+    InferBackend,
+    Layout,
+    WorkerVllm,
+    backend_words,
+    choose_infer_backend,
+    layout_of_plan,
+    why_not,
+)
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.machine import Machine
 from rigpilot.engine.jobs.limits import CHECKPOINTING, PRECISIONS, check_job_settings
@@ -44,6 +54,7 @@ class Submission:
     notes: list[str] = field(default_factory=list)  # how the plan was mapped onto what jobs can run
     model_type: str | None = None  # config.json's model_type, where the model could be read here
     host_ram: dict[str, Any] = field(default_factory=dict)  # the plan's host-RAM figures beside this host's
+    backend: InferBackend | None = None  # inference jobs: the generator that runs and why
 
 
 def prepare(
@@ -55,11 +66,16 @@ def prepare(
     machine: Machine,
     max_cpu_ranks: int,
     nodes: int = 1,
+    slurm: bool = False,
+    worker_vllm: Callable[[], WorkerVllm] | None = None,
 ) -> Submission:
     """A checked, complete JobSpec for `spec_data` (JobSpec fields; `id` is the service's to give).
 
     `nodes` > 1: the job spans that many identical nodes (engine.service.multinode); `ranks` is then
     what runs on this one, and the parallel degrees stay global (they multiply to nodes × ranks).
+    An inference job that runs on vLLM has one process (`ranks` 1): vLLM starts a worker per GPU itself.
+    `worker_vllm` says whether vLLM is installed where the job runs (default: engine.runtime.worker_vllm);
+    it is asked only when nothing else rules vLLM out. `slurm`: the job goes to a SLURM cluster.
     """
     check_dataclass(JobSpec, spec_data, "spec", ignore=frozenset({"id", "spec_version", "simulated"}))
     data = {k: v for k, v in spec_data.items() if k not in ("id", "spec_version", "simulated")}
@@ -125,13 +141,25 @@ def prepare(
         reason = why_not(layout_of_spec(spec, model_type))
         if reason:
             raise UserError(reason)
+    backend = None
+    if spec.kind == "infer" and spec.infer:
+        backend = choose_infer_backend(
+            spec.infer.backend, layout_of_spec(spec, model_type), simulated=machine.simulated,
+            worker_vllm=worker_vllm or runtime.worker_vllm, temperature=spec.infer.temperature, nodes=nodes, slurm=slurm,
+        )  # fmt: skip
+        if backend.refusal:
+            raise UserError(backend.refusal)
+        spec.infer.backend, spec.infer.backend_reason = backend.name, backend.reason
+        if backend.name == "vllm":
+            ranks = 1
+        notes.append(f"inference backend: {backend_words(backend.name, backend.reason)}")
     check_job_settings(spec)  # and once more with what the plan and the defaults filled in
     host_ram = _check_host_ram(plan_of(plan) if applies_plan else None, machine, notes)
     predicted = plan_prediction(plan)
     if (applies_plan and from_plan) or notes:
         predicted = {**(predicted or {}), "from_plan": from_plan, "plan_notes": notes}
     return Submission(
-        spec, plan, ranks, str(base) if base else None, predicted, from_plan, notes, model_type, host_ram
+        spec, plan, ranks, str(base) if base else None, predicted, from_plan, notes, model_type, host_ram, backend
     )
 
 
@@ -233,6 +261,8 @@ def describe(sub: Submission) -> list[str]:
     """What a submission would run, in lines a person reads (the CLI's --check and the wizard's Review page)."""
     spec, p = sub.spec, sub.spec.parallelism
     where = f"{sub.ranks} CPU rank{'s' * (sub.ranks != 1)} (simulated GPUs)" if spec.simulated else f"{sub.ranks} ranks"
+    if sub.backend is not None and sub.backend.name == "vllm":
+        where = "one vLLM process, which starts a worker per GPU itself"
     gpus = ",".join(map(str, spec.gpus))
     what = spec.kind
     if spec.kind == "train" and spec.train:
@@ -259,7 +289,8 @@ def describe(sub: Submission) -> list[str]:
     elif spec.kind == "infer" and spec.infer:
         i = spec.infer
         sampling = "greedy" if i.temperature == 0 else f"temperature {i.temperature:g}, top-p {i.top_p:g}, seed {i.seed}"
-        lines.append(f"inference: {i.precision}, up to {i.max_new_tokens} new tokens, batch {i.batch_size}, {sampling}")
+        batch = "vLLM batches the prompts itself" if i.backend == "vllm" else f"batch {i.batch_size}"
+        lines.append(f"inference: {i.precision}, up to {i.max_new_tokens} new tokens, {batch}, {sampling}")
     ram = sub.host_ram
     if "plan_needs" in ram:
         if ram.get("simulated"):
@@ -296,7 +327,8 @@ def would_run(sub: Submission) -> dict[str, Any]:
         out.update(method=t.method, precision=t.precision, micro_batch=t.micro_batch, grad_accum=t.grad_accum,
                    seq_len=t.seq_len, max_steps=t.max_steps, activation_checkpointing=t.activation_checkpointing)  # fmt: skip
     elif spec.infer:
-        out.update(method="full", precision=spec.infer.precision, micro_batch=spec.infer.batch_size, grad_accum=1, seq_len=None)
+        out.update(method="full", precision=spec.infer.precision, micro_batch=spec.infer.batch_size, grad_accum=1,
+                   seq_len=None, backend=spec.infer.backend, backend_reason=spec.infer.backend_reason)  # fmt: skip
     return out
 
 

@@ -88,6 +88,11 @@ class SupervisorOptions:
     warm_worker: bool = True
 
 
+def on_vllm(spec: JobSpec) -> bool:
+    """An inference job the submission gave to vLLM: one process, which starts a worker per GPU itself."""
+    return spec.kind == "infer" and spec.infer is not None and spec.infer.backend == "vllm"
+
+
 class Supervisor:
     def __init__(
         self,
@@ -238,7 +243,7 @@ class Supervisor:
         slurm_options = slurm.check_options(slurm_options) if slurm_options is not None else None
         sub = submission.prepare(
             spec_data, plan, cwd, job_id="check", machine=self.machine, max_cpu_ranks=self.max_cpu_ranks,
-            nodes=nodes,
+            nodes=nodes, slurm=slurm_options is not None,
         )
         lines = submission.describe(sub)
         if slurm_options is not None:
@@ -258,7 +263,7 @@ class Supervisor:
         machine = self.machine
         sub = submission.prepare(
             spec_data, plan, cwd, job_id=job_id, machine=machine, max_cpu_ranks=self.max_cpu_ranks,
-            nodes=int((nodes or {}).get("count", 1)),
+            nodes=int((nodes or {}).get("count", 1)), slurm=slurm_options is not None,
         )
         spec = sub.spec
         if nodes and spec.max_restarts:
@@ -557,7 +562,7 @@ class Supervisor:
         return [
             python, "-m", "torch.distributed.run",
             "--nnodes", str(nodes.get("count", 1)),
-            "--nproc-per-node", str(rec.ranks),
+            "--nproc-per-node", str(1 if on_vllm(spec) else rec.ranks),
             "--rdzv-backend", "c10d",
             "--rdzv-endpoint", str(nodes.get("endpoint") or f"127.0.0.1:{port}"),
             *across,
@@ -584,7 +589,9 @@ class Supervisor:
         )
         env[RUN_TOKEN_ENV] = run_token(rec)
         env.pop(warm.SOCKET_ENV, None)
-        if rec.kind != "script" and self.warm is not None and self.warm.ready() and self.warm.python == python:
+        # vLLM starts its own workers and imports far more than a warm worker holds: a fresh interpreter.
+        warm_fits = rec.kind != "script" and not on_vllm(spec)
+        if warm_fits and self.warm is not None and self.warm.ready() and self.warm.python == python:
             env[warm.SOCKET_ENV] = str(self.warm.socket_path)
         if rec.simulated:
             env["CUDA_VISIBLE_DEVICES"] = ""  # simulated GPUs: ranks must not grab a real one
