@@ -72,6 +72,11 @@ def run(spec: JobSpec, job_dir: Path) -> int:
         from rigpilot.engine.workers.train import run_train
 
         return run_train(spec, job_dir)
+    if spec.kind == "infer" and spec.infer is not None and spec.infer.backend == "vllm":
+        # Chosen at submit (engine.capability.choose_infer_backend): one process, vLLM starts its own workers.
+        from rigpilot.engine.workers.infer_vllm import run_infer_vllm
+
+        return run_infer_vllm(spec, job_dir)
     if spec.kind == "infer":
         from rigpilot.engine.workers.infer import run_infer
 

@@ -341,10 +341,6 @@ def run_infer(spec: JobSpec, job_dir: Path) -> int:
         raise UserError("infer job without infer settings")
     if s.max_new_tokens < 1 or s.batch_size < 1:
         raise UserError("infer settings max_new_tokens and batch_size must be at least 1")
-    if s.backend == "vllm":  # chosen at submit (engine.capability.choose_infer_backend); one process runs it
-        from rigpilot.engine.workers.infer_vllm import run_infer_vllm
-
-        return run_infer_vllm(spec, job_dir)
     prompts = load_prompts(s)
     runtime = init_runtime(spec)
     dtype = precision_dtype(s.precision)

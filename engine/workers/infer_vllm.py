@@ -143,7 +143,8 @@ def run_infer_vllm(spec: JobSpec, job_dir: Path) -> int:
     from rigpilot.engine.workers.model_loading import load_config, load_tokenizer
 
     s = spec.infer
-    assert s is not None
+    if s is None or s.max_new_tokens < 1:
+        raise UserError("infer job without infer settings, or max_new_tokens below 1")
     prompts = load_prompts(s)
     for name in TORCHRUN_VARIABLES:
         os.environ.pop(name, None)
