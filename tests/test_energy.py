@@ -107,6 +107,19 @@ def test_tokens_add_up_from_each_ranks_rate_times_its_step_time():
     assert s.to_dict()["tokens"] == pytest.approx(2 * 3 * 500.0)
 
 
+def test_an_inference_jobs_tokens_are_those_it_generated_once_per_run_whatever_the_ranks():
+    s = MetricsSummary()
+    for rank in (0, 1):  # per-batch records carry a rate but no step time: they add nothing
+        s.add({"rank": rank, "kind": "infer", "step": 1, "tokens_per_s": 300.0, "run": 1})
+        s.add({"rank": rank, "kind": "infer_summary", "job_new_tokens": 640, "job_tokens_per_s": 600.0, "run": 1})
+    assert s.to_dict()["tokens"] == 640  # both ranks state the job's count: counted once
+    s.add({"rank": 0, "kind": "infer_summary", "job_new_tokens": 640, "run": 2})  # resumed: generated again
+    assert s.to_dict()["tokens"] == 1280
+    money = cost({"kwh": 0.002}, s.to_dict(), {"per_kwh": 0.3, "currency": "EUR"})
+    assert money["tokens_per_kwh"] == pytest.approx(1280 / 0.002)
+    assert "640,000 tokens/kWh" in energy.energy_line({"kwh": 0.002}, money)
+
+
 @pytest.mark.parametrize(
     ("value", "message"),
     [(-0.3, "positive"), (0, "positive"), ("nan", "positive"), ("inf", "positive"), ("abc", "a number"),

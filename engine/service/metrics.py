@@ -142,6 +142,7 @@ class MetricsSummary:
         # Tokens processed, every run's steps included (a resumed run's repeats cost energy too): the sum over
         # step records of tokens/s × step_time, the per-rank figures adding up to the job's (engine.report).
         self.tokens = 0.0
+        self._generated: dict[int, int] = {}  # run -> tokens an inference run generated (its infer_summary)
 
     def add(self, rec: dict[str, Any]) -> None:
         self.records += 1
@@ -166,6 +167,11 @@ class MetricsSummary:
         if kind == "eval":
             self.eval = {k: v for k, v in rec.items() if k not in ("kind",)}
             return
+        if kind == "infer_summary":
+            # An inference job's tokens are those it generated: every rank states the job's count, once per run.
+            n = rec.get("job_new_tokens")
+            if isinstance(n, int) and not isinstance(n, bool) and n >= 0:
+                self._generated[_run_of(rec)] = n
         for key in ("max_steps", "total_steps"):  # scripts may announce their length
             if isinstance(rec.get(key), int) and not isinstance(rec.get(key), bool) and rec[key] > 0:
                 self.max_steps = rec[key]
@@ -208,7 +214,7 @@ class MetricsSummary:
             "steps_per_s": rate,
             "loss": self.loss,
             "tokens_per_s": self.tokens_per_s,
-            "tokens": self.tokens or None,
+            "tokens": (self.tokens + sum(self._generated.values())) or None,
             "phase": self.phase,
             "eval": self.eval,
             "errors": self.errors,
