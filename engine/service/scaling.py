@@ -364,14 +364,7 @@ class Studies:
         return self._plan_result(settings, n, micro)["best"]
 
     def _tag(self, job_id: str, study_id: str) -> None:
-        # The supervisor made the record; the study's id is ours to add. Under its lock, so the live record a
-        # running job holds and the row agree.
-        sup = self.supervisor
-        with sup._lock:
-            rec = sup.resolve(job_id)
-            sup.store.update(rec, study=study_id)
-            view = sup.view(rec)
-        sup._on_job(view)
+        self.supervisor.tag_study(job_id, study_id)
 
     def _new_id(self) -> str:
         while True:

@@ -407,6 +407,15 @@ class Supervisor:
         self._on_job(view)
         return view
 
+    def tag_study(self, job_id: str, study_id: str) -> None:
+        """Mark a job as one run of a scaling study (engine.service.scaling). Under the lock, so the live
+        record a running job holds and its row agree; clients hear of it as of any change."""
+        with self._lock:
+            rec = self.resolve(job_id)
+            self.store.update(rec, study=study_id)
+            view = self.view(rec)
+        self._on_job(view)
+
     def jobs(self, states: list[str] | None = None, limit: int | None = None) -> list[dict[str, Any]]:
         with self._lock:
             recs = self.store.list(set(states) if states else None, limit)
