@@ -355,6 +355,18 @@ def test_tokens_per_s_is_the_sum_of_each_ranks_latest_value():
     assert s.to_dict()["tokens_per_s"] == 280.0
 
 
+def test_the_loss_shown_is_the_latest_steps_whichever_node_its_rank_zero_is_on():
+    s = MetricsSummary()
+    s.add({"rank": 2, "step": 3, "loss": 1.3})  # this node's ranks are 2 and 3; rank 0's node is late
+    s.add({"rank": 0, "step": 1, "loss": 1.9})  # rank 0's first step arrives after: it does not win
+    assert s.to_dict()["loss"] == 1.3
+    s.add({"rank": 0, "step": 3, "loss": 1.3000001})  # the same step: rank 0's figure is the one shown
+    s.add({"rank": 2, "step": 3, "loss": 1.3})
+    assert s.to_dict()["loss"] == 1.3000001
+    s.add({"rank": 2, "step": 2, "loss": 1.5, "run": 2})  # resumed from step 1: the new run's steps count
+    assert s.to_dict()["loss"] == 1.5
+
+
 def test_train_worker_records_feed_peak_memory_and_the_comparison(tmp_path):
     """Records shaped exactly as engine.workers.train writes them, through the files and the summary."""
     assert "peak_memory" in PEAK_MEMORY_KEYS and "max_allocated" in PEAK_MEMORY_KEYS

@@ -142,6 +142,7 @@ class MetricsSummary:
         # Tokens processed, every run's steps included (a resumed run's repeats cost energy too): the sum over
         # step records of tokens/s × step_time, the per-rank figures adding up to the job's (engine.report).
         self.tokens = 0.0
+        self._loss_key: tuple[int, int, bool] | None = None  # (run, step, from rank 0) of the loss shown
         self._generated: dict[int, int] = {}  # run -> tokens an inference run generated (its infer_summary)
 
     def add(self, rec: dict[str, Any]) -> None:
@@ -184,8 +185,12 @@ class MetricsSummary:
                 if self._rate_end is None or step >= self._rate_end[1]:
                     self._rate_end = (t, step)
         loss = rec.get("loss")
-        if isinstance(loss, int | float) and not isinstance(loss, bool) and (rank == 0 or self.loss is None):
-            self.loss = float(loss)
+        if isinstance(loss, int | float) and not isinstance(loss, bool):
+            # The latest run's latest step, rank 0's where it has that step: every rank holding a loss states
+            # the same one, but on a multi-node job another node's ranks may arrive later than this one's.
+            key = (_run_of(rec), step if isinstance(step, int) and not isinstance(step, bool) else -1, rank == 0)
+            if self._loss_key is None or key >= self._loss_key:
+                self.loss, self._loss_key = float(loss), key
         tps = rec.get("tokens_per_s")
         if isinstance(tps, int | float) and not isinstance(tps, bool):
             # Per rank, by convention (engine.report): the job's rate is the sum of each rank's latest.

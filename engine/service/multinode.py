@@ -57,6 +57,7 @@ from rigpilot.engine.service.store import (
 log = logging.getLogger(__name__)
 
 PULL_FILE = "nodes-pull.json"  # the head's cursors into each member's metrics and logs
+FINAL_WAIT_S = 15.0  # how long a head job whose own ranks ended waits for the other nodes' last records
 MAX_NODES = 64
 
 
@@ -88,6 +89,7 @@ class _Watch:
     cursors: dict[str, Any] = field(default_factory=dict)  # node -> {"metrics": {...}, "logs": {rank: offset}}
     done_at: float | None = None  # the head's job ended: one more pass, then stop watching
     passes: int = 0
+    final: bool = False  # every member's part had ended before the last pass: all its records are here
 
 
 class MultiNode:
@@ -101,6 +103,7 @@ class MultiNode:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         supervisor.finish_hook = self._finished
+        supervisor.finish_ready = self._ready_to_finish
 
     # -- lifetime --------------------------------------------------------------------------------
 
@@ -328,10 +331,13 @@ class MultiNode:
             return
         ended = rec.state in TERMINAL_STATES
         w.passes += 1
+        ended_before = [m.state in TERMINAL_STATES for m in w.members]
         for m in w.members:
             # The ranks share the CPUs with the engines on a small machine: logs every other pass, metrics each.
             self._pull(w, m, rec, logs=ended or w.passes % 2 == 1)
         self._save_cursors(w)
+        # A part that had ended before this pass wrote its last records before that: this pass brought them.
+        w.final = all(before or m.unreachable for before, m in zip(ended_before, w.members, strict=True))
         if not ended and rec.state != QUEUED:
             failed = next((m for m in w.members if m.state in (FAILED, CANCELLED, "interrupted")), None)
             lost = next((m for m in w.members if m.unreachable and time.monotonic() - m.last_ok > self.lost_after_s), None)
@@ -449,6 +455,16 @@ class MultiNode:
                     c.request(what, job=rec.id)
             except (UserError, OSError, TimeoutError) as e:
                 log.info("job %s: could not %s it on node %s: %s", rec.id, what, m["name"], e)
+
+    def _ready_to_finish(self, rec: JobRecord, waited_s: float) -> bool:
+        """Whether a job whose ranks here have ended may end: a head job waits (FINAL_WAIT_S at most, so a
+        node that went away cannot hold it) until every member's part has ended and its last metric records
+        and logs are here, so the job's outcome and figures are the whole job's, not this node's part."""
+        if _role(rec) != "head" or waited_s > FINAL_WAIT_S:
+            return True
+        with self._lock:
+            w = self._watches.get(rec.id)
+        return w is None or w.final
 
     def _finished(self, rec: JobRecord, outcome: dict[str, Any]) -> dict[str, Any]:
         """The supervisor's finish hook: a head job that failed because of a node says which node."""

@@ -40,6 +40,7 @@ class Run:
     dirty: bool = False
     stepped: bool = False  # a step of this run was reported (the summary also holds earlier runs')
     energy: energy.EnergyMeter | None = None
+    launcher_ended: float | None = None  # monotonic: when the launcher was first seen gone
 
     @property
     def token(self) -> str:

@@ -127,6 +127,9 @@ class Supervisor:
         self._secrets: dict[str, dict[str, str]] = {}
         # engine.service.multinode: may rewrite how a job spanning several engines ended (naming the node).
         self.finish_hook: Callable[[JobRecord, dict[str, Any]], dict[str, Any]] = lambda rec, outcome: outcome
+        # Whether a job whose launcher here has exited may be ended now, given the seconds since (a multi-node
+        # head waits for its other nodes' last records: engine.service.multinode).
+        self.finish_ready: Callable[[JobRecord, float], bool] = lambda rec, waited_s: True
         self.warm: warm.WarmWorker | None = None  # made when first started
         # Not in the engine's first seconds, while the app that started it may still be drawing its first frames.
         self._warm_check_at = time.monotonic() + 2.0
@@ -655,7 +658,10 @@ class Supervisor:
         if run.energy is not None:
             energy.catch_up(run.energy, self._telemetry, now=time.monotonic())
         if not self._launcher_alive(run):
-            self._finish(run)
+            if run.launcher_ended is None:
+                run.launcher_ended = time.monotonic()
+            if self.finish_ready(rec, time.monotonic() - run.launcher_ended):
+                self._finish(run)
             return
         if run.kill_at is not None and time.monotonic() >= run.kill_at and not run.killed:
             log.warning("job %s: still running after the grace period; killing it", rec.id)
