@@ -106,3 +106,26 @@ def test_no_scaling_button_on_a_study_point_or_an_unfinished_job(qtbot):
     page = open_page(qtbot, link)
     open_job(qtbot, page, "t")
     assert not page.detail.scaling.isVisibleTo(page.detail)
+
+
+def test_a_running_study_can_be_cancelled_from_the_panel(qtbot):
+    link = FakeLink()
+    FakeJobs(link, [a_training_job("t")])
+    running = a_study(("completed", "running"), (20_000.0, None))
+    link.replies.update(
+        scaling_studies=lambda job=None, **_: {"studies": [running] if job == "t" else []},
+        scaling_study=lambda study: {"study": copy.deepcopy(running)},
+        # as the engine answers: the running point's job cancelled, the measured one kept
+        scaling_cancel=lambda study: {"study": a_study(("completed", "cancelled"), (20_000.0, None))},
+    )
+    page = open_page(qtbot, link)
+    open_job(qtbot, page, "t")
+    page.detail.tabs.setCurrentIndex(SUMMARY_TAB)
+    panel = page.detail.scaling
+    qtbot.waitUntil(lambda: panel.cancel_button.isVisibleTo(page.detail))
+    assert not panel.start_button.isEnabled()
+    qtbot.mouseClick(panel.cancel_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: "was cancelled: 1 of 2 points measured" in panel.progress.text())
+    assert ("scaling_cancel", {"study": "sabc123"}) in link.calls
+    assert not panel.cancel_button.isVisibleTo(page.detail) and panel.start_button.isEnabled()
+    assert panel.table.rowCount() == 2

@@ -7,6 +7,7 @@ checks the table against the jobs' own metric files, read here without the study
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -180,7 +181,13 @@ def test_a_study_on_one_and_two_cpu_ranks_matches_the_jobs_own_records(engine, c
         "method": "scratch",
         "precision": "fp32",
     }
+    code, out, err = run_cli(capsys, "scaling", "--cancel", again["id"])
+    assert code == 0, err
+    assert re.search(rf"^scaling study {again['id']}: .*\(cancelled\)$", out, re.M), out
+    assert re.search(r"^1 GPU \(job \w+\): cancelled$", out, re.M), out
     with engine.client() as c:
-        c.request("cancel", job=again["points"][0]["job"])
+        assert c.request("job", job=again["points"][0]["job"])["job"]["state"] == "cancelled"
         listed = c.request("scaling_studies", job=rows[1]["job"])["studies"]
-    assert [s["id"] for s in listed] == [again["id"]]
+    assert [(s["id"], s["state"]) for s in listed] == [(again["id"], "cancelled")]
+    code, _, err = run_cli(capsys, "scaling", "--cancel", "snosuch")
+    assert code == 2 and err == "rigpilot: error: no scaling study 'snosuch' (see 'rigpilot scaling --list')\n"

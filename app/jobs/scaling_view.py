@@ -60,10 +60,16 @@ class ScalingPanel(QWidget):
             "and compare the measured speed-up with linear and with the planner's prediction"
         )
         self.start_button.clicked.connect(self.start)
+        self.cancel_button = QPushButton("Cancel study")
+        self.cancel_button.setObjectName("scaleCancel")
+        self.cancel_button.setToolTip("Cancel the study's jobs that have not ended; the GPU counts measured so far stay")
+        self.cancel_button.clicked.connect(self.cancel)
+        self.cancel_button.hide()
         row = QHBoxLayout()
         row.addWidget(self.start_button)
         row.addWidget(QLabel("GPUs:"))
         row.addWidget(self.counts)
+        row.addWidget(self.cancel_button)
         row.addStretch(1)
         self.progress = QLabel()
         self.progress.setObjectName("scaleProgress")
@@ -156,6 +162,18 @@ class ScalingPanel(QWidget):
         self.progress.setText("Planning each GPU count and submitting the study's jobs…")
         self.link.call("scaling_start", job=self.job_id, gpus=counts, on_done=self._started, on_error=self._failed)
 
+    def cancel(self) -> None:
+        if self.study is None or self.link is None:
+            return
+        self.cancel_button.setEnabled(False)
+        self.progress.setText("Cancelling the study's jobs…")
+        self.link.call("scaling_cancel", study=self.study["id"], on_done=lambda r: self.show_study(r["study"]),
+                       on_error=self._cancel_failed)  # fmt: skip
+
+    def _cancel_failed(self, error: BaseException) -> None:
+        self.cancel_button.setEnabled(True)
+        self.progress.setText(f"The study could not be cancelled: {error}")
+
     def _started(self, reply: dict[str, Any]) -> None:
         self.show_study(reply["study"])
 
@@ -172,6 +190,8 @@ class ScalingPanel(QWidget):
         self.study = study
         running = study.get("state") == "running"
         self.start_button.setEnabled(not running)
+        self.cancel_button.setVisible(running)
+        self.cancel_button.setEnabled(running)
         if running:
             self._timer.start()
         else:
@@ -263,6 +283,8 @@ def progress_text(study: dict[str, Any]) -> str:
                 f"{done} of {len(points)} done…").replace("  ", " ")  # fmt: skip
     if study.get("state") == "completed":
         return f"Study {study['id']}: all {len(points)} points measured {where}".rstrip()
+    if study.get("state") == "cancelled":
+        return f"Study {study['id']} was cancelled: {done} of {len(points)} points measured"
     failed = [p.get("error") for p in points if p.get("error")]
     return f"Study {study['id']} did not finish: " + ("; ".join(failed) or "a job ended early")
 

@@ -115,6 +115,7 @@ def register(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     p.add_argument("--detach", action="store_true", help="start the study and return at once")
     p.add_argument("--show", metavar="STUDY", help="show a study (started earlier) instead of starting one")
     p.add_argument("--list", action="store_true", help="list the studies, newest first")
+    p.add_argument("--cancel", metavar="STUDY", help="cancel a study's jobs that have not ended (measured points stay)")
     p.set_defaults(func=cmd_scaling)
 
     p = sub.add_parser("jobs", parents=[js], help="the jobs, newest first")
@@ -949,7 +950,11 @@ def cmd_scaling(args: argparse.Namespace) -> int:
                 print(f"{s['id']}  {s['state']:<9}  {time.strftime('%Y-%m-%d %H:%M', time.localtime(s['created']))}  "
                       f"{printable(s['model'])}  GPUs {counts}")  # fmt: skip
             return 0
-        if args.show:
+        if args.cancel:
+            study = c.request("scaling_cancel", study=args.cancel)["study"]
+            if not args.detach:  # a running point checkpoints before it stops
+                study = _follow_study(c, study, quiet=args.json)
+        elif args.show:
             study = c.request("scaling_study", study=args.show)["study"]
         else:
             study = c.request("scaling_start", cwd=os.getcwd(), **_scaling_request(args, c))["study"]

@@ -62,6 +62,7 @@ has `settings`, the job's spec without its environment, and `output`, what its o
           count (engine.service.scaling); a study that cannot run is refused in one line and submits nothing
     scaling_study {study}                   → {study}: with each point's state, measurement, `table` and `notes`
     scaling_studies {job?}                  → {studies}: newest first; job: only those repeating that job
+    scaling_cancel {study}                  → {study}: its jobs that have not ended are cancelled; measured points stay
 Events after `subscribe`:
     {"event": "telemetry", "sample": TelemetrySample}
     {"event": "job", "job": job}             (to "jobs" and to that job's "metrics:" subscribers)
@@ -315,6 +316,7 @@ REQUEST_SCHEMAS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     ),
     "scaling_study": ({"study": Text}, {}),
     "scaling_studies": ({}, {"job": Text | None}),
+    "scaling_cancel": ({"study": Text}, {}),
 }
 
 TOPICS = ("telemetry", "jobs")  # plus "metrics:<job id>"

@@ -19,6 +19,7 @@ is the slowest rank's.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -407,6 +408,16 @@ class Studies:
             out.append(self.show(study))
         return out
 
+    def cancel(self, ref: str) -> dict[str, Any]:
+        """Cancel the study's jobs that have not ended; the points measured so far stay in its table."""
+        study = self.load(ref)
+        for p in study["points"]:
+            rec = self.supervisor.store.get(p["job"])
+            if rec is not None and rec.state not in TERMINAL:
+                with contextlib.suppress(UserError):  # it ended meanwhile
+                    self.supervisor.cancel(rec.id)
+        return self.show(study)
+
     def show(self, study: dict[str, Any]) -> dict[str, Any]:
         """The study with each point's job state and measurement, its table and notes."""
         from rigpilot.engine.service.metrics import read_records
@@ -442,7 +453,8 @@ def summarize(study: dict[str, Any]) -> dict[str, Any]:
     if all(s == "completed" for s in states):
         study["state"] = "completed"
     elif all(s in (*TERMINAL, "deleted") for s in states):
-        study["state"] = "failed"
+        # Cancelled by the user where nothing failed: the points it measured are still its results.
+        study["state"] = "cancelled" if "cancelled" in states and "failed" not in states else "failed"
     else:
         study["state"] = "running"
     study["current"] = next((p["gpus"] for p in points if p["state"] in ("starting", "running")), None)

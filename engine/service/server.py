@@ -715,6 +715,9 @@ class EngineService:
     def _do_scaling_study(self, conn: Connection, study: str) -> Any:
         return {"study": self.studies.get(study)}
 
+    def _do_scaling_cancel(self, conn: Connection, study: str) -> Any:
+        return {"study": self.studies.cancel(study)}
+
     def _do_scaling_studies(self, conn: Connection, job: str | None = None) -> Any:
         return {"studies": self.studies.list(job)}
 
