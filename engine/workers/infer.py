@@ -116,6 +116,7 @@ class _MicroBatch:
 
     batch: int  # index of the batch it came from
     rows: list[int]  # indices into the generate() call's prompt list
+    slot: int  # its place among those in flight: the tag of its messages between stages
     ids: torch.Tensor
     mask: torch.Tensor
     positions: torch.Tensor
@@ -124,6 +125,7 @@ class _MicroBatch:
     generated: list[torch.Tensor] = field(default_factory=list)
     token: torch.Tensor | None = None  # the token chosen by the last forward, not yet taken in
     recv: Any = None  # its pending receive from the last stage (stages before the last)
+    inbox: tuple[Any, torch.Tensor] | None = None  # the receive of its next input from the stage before
 
 
 class Generator:
@@ -181,21 +183,36 @@ class Generator:
         if self.prev is None:
             x = mb.ids
         else:
-            x = torch.empty((*mb.ids.shape, self.config.hidden_size), dtype=self.dtype, device=self.rt.device)
-            dist.recv(x, src=self.prev)
+            assert mb.inbox is not None
+            work, x = mb.inbox
+            mb.inbox = None
+            work.wait()
         if self.next is not None:
             hidden = self.model(x, attention_mask=mb.mask, position_ids=mb.positions, past_key_values=mb.cache)
-            self._send(hidden.contiguous(), self.next)
+            self._send(hidden.contiguous(), self.next, mb.slot)
             return None
         logits = self.model(
             x, attention_mask=mb.mask, position_ids=mb.positions, past_key_values=mb.cache, logits_to_keep=1
         )
         return logits[:, -1, :].float()
 
-    def _send(self, t: torch.Tensor, dst: int) -> None:
+    def _send(self, t: torch.Tensor, dst: int, tag: int) -> None:
         # The tensor must live until its send completes; sends complete in order, so the list stays short.
         self._sends = [w for w in self._sends if not w[0].is_completed()]
-        self._sends.append((dist.isend(t, dst=dst), t))
+        self._sends.append((dist.isend(t, dst=dst, tag=tag), t))
+
+    def _post_input(self, mb: _MicroBatch) -> None:
+        """Post the receive of `mb`'s next input (hidden states from the stage before) as soon as its shape is known.
+
+        gloo moves a message only once its receive is posted: a receive posted when the stage gets
+        to it costs a round trip to the sender (and wakes its threads) on the critical path, where a
+        receive posted a whole forward ahead finds the data there. Each slot has its own tag, so
+        receives posted in any order meet their own sends.
+        """
+        if self.prev is None:
+            return
+        x = torch.empty((*mb.ids.shape, self.config.hidden_size), dtype=self.dtype, device=self.rt.device)
+        mb.inbox = (dist.irecv(x, src=self.prev, tag=mb.slot), x)
 
     def _step(self, mb: _MicroBatch) -> None:
         """Run `mb` through this stage; the last stage chooses its next token and sends it to the other stages."""
@@ -206,11 +223,11 @@ class Generator:
             if self.tp_group is not None:
                 dist.broadcast(token, src=self.tp_first, group=self.tp_group)
             for dst in self.pp_ranks[:-1]:
-                self._send(token, dst)
+                self._send(token, dst, mb.slot)
             mb.token = token
         else:
             mb.token = torch.empty(rows, dtype=torch.long, device=self.rt.device)
-            mb.recv = dist.irecv(mb.token, src=self.last_stage_rank)
+            mb.recv = dist.irecv(mb.token, src=self.last_stage_rank, tag=mb.slot)
 
     def _take_token(self, mb: _MicroBatch) -> bool:
         """Take in `mb`'s chosen token; whether the micro-batch goes on (else it has ended)."""
@@ -230,6 +247,7 @@ class Generator:
         mb.ids = token[:, None]
         mb.mask = torch.cat([mb.mask, torch.ones_like(mb.mask[:, :1])], dim=1)
         mb.positions = mb.positions[:, -1:] + 1
+        self._post_input(mb)
         return True
 
     # --- the loop -------------------------------------------------------------------------------
@@ -255,7 +273,7 @@ class Generator:
                 i += step
         return out
 
-    def _start(self, prompts: list[str], batch: int, rows: list[int], encoded: dict) -> _MicroBatch:
+    def _start(self, prompts: list[str], slot: int, batch: int, rows: list[int], encoded: dict) -> _MicroBatch:
         from transformers import DynamicCache
 
         if batch not in encoded:
@@ -268,7 +286,9 @@ class Generator:
         mask = enc["attention_mask"][sel].to(self.rt.device)
         positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
         finished = torch.zeros(len(rows), dtype=torch.bool, device=self.rt.device)
-        return _MicroBatch(batch, rows, ids, mask, positions, DynamicCache(config=self.config), finished)
+        mb = _MicroBatch(batch, rows, slot, ids, mask, positions, DynamicCache(config=self.config), finished)
+        self._post_input(mb)
+        return mb
 
     @torch.no_grad()
     def run(self, prompts: list[str], batch_size: int) -> Iterator[tuple[int, list[int], list[list[int]]]]:
@@ -283,23 +303,31 @@ class Generator:
             self._batch_rows.setdefault(b, []).extend(rows)
         encoded: dict[int, Any] = {}
         slots: list[_MicroBatch | None] = []
-        for _ in range(min(self.pp, len(queue))):
-            slots.append(self._start(prompts, *queue.popleft(), encoded))
+        for j in range(min(self.pp, len(queue))):
+            slots.append(self._start(prompts, j, *queue.popleft(), encoded))
         while any(mb is not None for mb in slots):
             for j, mb in enumerate(slots):
                 if mb is None:
                     continue
-                if mb.token is not None:  # a token chosen in the previous round
-                    if not self._take_token(mb):
-                        rows = torch.stack(mb.generated, dim=1).tolist()
-                        yield mb.batch, mb.rows, [_until_eos(r, self.eos) for r in rows]
-                        mb = slots[j] = self._start(prompts, *queue.popleft(), encoded) if queue else None
-                        if mb is None:
-                            continue
+                # A token chosen in the previous round. The last stage has its own at hand: it takes it
+                # in at once (below), so that the receive of the micro-batch's next input is posted a
+                # whole round ahead; the other stages wait for theirs only now, when they need it.
+                if mb.token is not None and not self._take_token(mb):
+                    yield self._ended(mb)
+                    mb = slots[j] = self._start(prompts, j, *queue.popleft(), encoded) if queue else None
+                    if mb is None:
+                        continue
                 self._step(mb)
+                if self.holds_logits and not self._take_token(mb):
+                    yield self._ended(mb)
+                    slots[j] = self._start(prompts, j, *queue.popleft(), encoded) if queue else None
         for work, _ in self._sends:
             work.wait()
         self._sends.clear()
+
+    def _ended(self, mb: _MicroBatch) -> tuple[int, list[int], list[list[int]]]:
+        rows = torch.stack(mb.generated, dim=1).tolist()
+        return mb.batch, mb.rows, [_until_eos(r, self.eos) for r in rows]
 
     def generate(self, prompts: list[str]) -> BatchResult:
         """One batch, start to end (the whole of `prompts` as one batch)."""
