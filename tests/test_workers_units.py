@@ -459,6 +459,36 @@ def test_a_pipeline_keeps_as_many_micro_batches_in_flight_as_stages() -> None:
     assert micro_batches(4, 1, 8) == [(0, [0])]
 
 
+def test_a_pipeline_prefills_in_chunks_that_attend_to_the_cache_before_them() -> None:
+    """Pipeline stages take a long prompt in chunks (the mask grows with them); one stage takes it whole."""
+    from types import SimpleNamespace
+
+    from rigpilot.engine.jobs.spec import InferSettings
+    from rigpilot.engine.workers.infer import PREFILL_CHUNK, Generator
+
+    def chunks(pp: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        mesh = SimpleNamespace(mesh=torch.arange(pp))
+        runtime = SimpleNamespace(dims=ParallelDims(pp, 1, 1, 1, pp), mesh={"pp": mesh, "tp": SimpleNamespace(
+            mesh=torch.tensor([0]))}, pp_rank=0, device=torch.device("cpu"))  # fmt: skip
+        tok = SimpleNamespace(eos_token_id=1, pad_token_id=2)
+        gen = Generator(runtime, torch.nn.Identity(), tok, None, InferSettings(), torch.float32)  # type: ignore[arg-type]
+        ids = torch.arange(2 * length).view(2, length)
+        mask = torch.ones_like(ids)
+        mask[1, :3] = 0  # left padding
+        return gen._prefill_chunks(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0))
+
+    length = 2 * PREFILL_CHUNK + 5
+    whole = chunks(1, length)
+    assert len(whole) == 1 and whole[0][0].shape == (2, length)
+    parts = chunks(2, length)
+    assert [c[0].shape[1] for c in parts] == [PREFILL_CHUNK, PREFILL_CHUNK, 5]
+    assert [c[1].shape[1] for c in parts] == [PREFILL_CHUNK, 2 * PREFILL_CHUNK, length]  # the keys so far
+    assert torch.equal(torch.cat([c[0] for c in parts], dim=1), whole[0][0])
+    assert torch.equal(torch.cat([c[2] for c in parts], dim=1), whole[0][2])
+    assert torch.equal(parts[-1][1], whole[0][1])
+    assert len(chunks(2, PREFILL_CHUNK)) == 1
+
+
 # --- the entry point's error contract -------------------------------------------------------------
 
 

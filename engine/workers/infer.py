@@ -3,7 +3,8 @@
 The model is split over the ranks of one replica by pipeline (contiguous layer
 ranges per rank; hidden states go stage to stage, each stage keeping the KV
 cache of its own layers, with as many micro-batches in flight as there are
-stages so that the stages overlap) or by tensor parallelism (DTensor
+stages so that the stages overlap, and prompts prefilled in chunks so that
+the pipeline fills after one chunk) or by tensor parallelism (DTensor
 projections; every rank runs the whole forward). Data parallel degrees make
 replicas, each generating its share of the prompts.
 
@@ -37,6 +38,10 @@ from rigpilot.engine.workers.model_loading import load_model
 from rigpilot.engine.workers.parallel_dims import Runtime, init_runtime
 from rigpilot.engine.workers.parallelize import apply_tensor_parallel, precision_dtype
 from rigpilot.engine.workers.pipeline import DecoderStage, decoder_parts
+
+# Positions per prefill forward in a pipeline (Generator._prefill_chunks): small enough that the next stage
+# starts soon, large enough that each chunk's fixed cost (reading every weight) stays a small part.
+PREFILL_CHUNK = 16
 
 
 def load_prompts(s: InferSettings) -> list[str]:
@@ -126,6 +131,7 @@ class _MicroBatch:
     token: torch.Tensor | None = None  # the token chosen by the last forward, not yet taken in
     recv: Any = None  # its pending receive from the last stage (stages before the last)
     inbox: tuple[Any, torch.Tensor] | None = None  # the receive of its next input from the stage before
+    chunks: deque[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=deque)  # prefill left
 
 
 class Generator:
@@ -136,8 +142,9 @@ class Generator:
     micro-batches in flight (whole batches, or parts of them when there are too few: see
     `_micro_batches`): while the last stage turns micro-batch j's hidden states into its next token, the first
     stage already runs micro-batch j+1, so the stages overlap instead of waiting on each other at every
-    token. Sends and the receive of each token are asynchronous; a stage waits only for what it needs
-    next. When a micro-batch ends, the next one from the queue takes its place at once (its prefill
+    token. A prompt's prefill goes through in chunks (`_prefill_chunks`), so that the next stage starts
+    after the first chunk rather than after the whole prompt. Sends are asynchronous and every receive
+    is posted a round ahead of its use; a stage waits only for what it needs next. When a micro-batch ends, the next one from the queue takes its place at once (its prefill
     runs while the others decode), so the pipeline stays full to the end of the job.
 
     Every rank of the replica takes the same decisions (which micro-batch runs, which has ended) from the
@@ -191,6 +198,9 @@ class Generator:
             hidden = self.model(x, attention_mask=mb.mask, position_ids=mb.positions, past_key_values=mb.cache)
             self._send(hidden.contiguous(), self.next, mb.slot)
             return None
+        if mb.chunks:  # a prefill chunk before the prompt's last: the cache is all it leaves
+            self.model(x, attention_mask=mb.mask, position_ids=mb.positions, past_key_values=mb.cache, head=False)
+            return None
         logits = self.model(
             x, attention_mask=mb.mask, position_ids=mb.positions, past_key_values=mb.cache, logits_to_keep=1
         )
@@ -215,10 +225,17 @@ class Generator:
         mb.inbox = (dist.irecv(x, src=self.prev, tag=mb.slot), x)
 
     def _step(self, mb: _MicroBatch) -> None:
-        """Run `mb` through this stage; the last stage chooses its next token and sends it to the other stages."""
+        """Run `mb` through this stage; the last stage chooses its next token and sends it to the other stages.
+
+        A prefill chunk before the prompt's last one fills the cache only: no token, and the micro-batch
+        moves on to its next chunk, which no stage has to wait for.
+        """
         logits = self._forward(mb)
         rows = mb.ids.shape[0]
-        if logits is not None:
+        if mb.chunks:
+            mb.ids, mb.mask, mb.positions = mb.chunks.popleft()
+            self._post_input(mb)
+        elif logits is not None:
             token = select_tokens(logits, self.s.temperature, self.s.top_p, self.generator)
             if self.tp_group is not None:
                 dist.broadcast(token, src=self.tp_first, group=self.tp_group)
@@ -286,9 +303,34 @@ class Generator:
         mask = enc["attention_mask"][sel].to(self.rt.device)
         positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
         finished = torch.zeros(len(rows), dtype=torch.bool, device=self.rt.device)
-        mb = _MicroBatch(batch, rows, slot, ids, mask, positions, DynamicCache(config=self.config), finished)
+        chunks = deque(self._prefill_chunks(ids, mask, positions))
+        mb = _MicroBatch(batch, rows, slot, *chunks.popleft(), DynamicCache(config=self.config), finished)
+        mb.chunks = chunks
         self._post_input(mb)
         return mb
+
+    def _prefill_chunks(
+        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The forwards of a prompt's prefill: (ids, mask so far, positions) for each chunk of its positions.
+
+        One forward with a single stage, as generate(). A pipeline cuts it into chunks of
+        PREFILL_CHUNK positions: a whole prompt's prefill costs a stage as much as a dozen decode
+        steps, and while the first stage runs it the others have nothing to do, then the first
+        waits while the last runs it (measured: a sixth of a two-stage job's wall time). In chunks
+        the next stage starts after one chunk, and the first stage runs the next chunks meanwhile.
+        Each chunk attends to the cache of the ones before: the same keys, values and masks as in one
+        forward, though products of another shape may round differently in the last bit (as a batch
+        of another size would); the greedy tokens of the tests and of benchmarks/inference_speed.py
+        stay generate()'s.
+        """
+        length = ids.shape[1]
+        if self.pp == 1 or length <= PREFILL_CHUNK:
+            return [(ids, mask, positions)]
+        return [
+            (ids[:, i : i + PREFILL_CHUNK], mask[:, : i + PREFILL_CHUNK], positions[:, i : i + PREFILL_CHUNK])
+            for i in range(0, length, PREFILL_CHUNK)
+        ]
 
     @torch.no_grad()
     def run(self, prompts: list[str], batch_size: int) -> Iterator[tuple[int, list[int], list[list[int]]]]:
@@ -318,7 +360,7 @@ class Generator:
                     if mb is None:
                         continue
                 self._step(mb)
-                if self.holds_logits and not self._take_token(mb):
+                if self.holds_logits and mb.token is not None and not self._take_token(mb):
                     yield self._ended(mb)
                     slots[j] = self._start(prompts, j, *queue.popleft(), encoded) if queue else None
         for work, _ in self._sends:

@@ -121,8 +121,12 @@ class DecoderStage(nn.Module):
         position_ids: torch.Tensor | None = None,
         past_key_values: Any = None,
         logits_to_keep: int = 0,
+        head: bool = True,
     ) -> torch.Tensor:
-        """`logits_to_keep` (last stage): the head on the last n positions only, as transformers' argument; 0: all."""
+        """`logits_to_keep` (last stage): the head on the last n positions only, as transformers' argument; 0: all.
+
+        `head=False`: the last stage stops after its layers (a prefill chunk that only fills the cache).
+        """
         inner, config = self.parts.inner, self.parts.config
         hidden = inner.embed_tokens(x) if self.is_first else x
         if position_ids is None:  # training on packed blocks: positions 0..S-1, no padding
@@ -140,7 +144,7 @@ class DecoderStage(nn.Module):
                 use_cache=past_key_values is not None,
                 position_embeddings=position_embeddings,
             )
-        if not self.is_last:
+        if not self.is_last or not head:
             return hidden
         if logits_to_keep:  # the norm is per position: normalising the kept ones alone gives the same values
             hidden = hidden[:, -logits_to_keep:, :]
