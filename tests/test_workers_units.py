@@ -459,6 +459,25 @@ def test_a_pipeline_keeps_as_many_micro_batches_in_flight_as_stages() -> None:
     assert micro_batches(4, 1, 8) == [(0, [0])]
 
 
+def test_a_pipeline_runs_one_more_micro_batch_than_stages_when_it_has_whole_ones() -> None:
+    from types import SimpleNamespace
+
+    from rigpilot.engine.jobs.spec import InferSettings
+    from rigpilot.engine.workers.infer import Generator
+
+    def in_flight(pp: int, micro_batches: int) -> int:
+        mesh = SimpleNamespace(mesh=torch.arange(pp))
+        runtime = SimpleNamespace(dims=ParallelDims(pp, 1, 1, 1, pp), mesh={"pp": mesh, "tp": SimpleNamespace(
+            mesh=torch.tensor([0]))}, pp_rank=0, device=torch.device("cpu"))  # fmt: skip
+        tok = SimpleNamespace(eos_token_id=1, pad_token_id=2)
+        gen = Generator(runtime, torch.nn.Identity(), tok, None, InferSettings(), torch.float32)  # type: ignore[arg-type]
+        return gen._in_flight(micro_batches)
+
+    assert [in_flight(1, n) for n in (1, 3)] == [1, 1]  # one stage runs batch after batch, as generate()
+    assert [in_flight(2, n) for n in (1, 2, 3, 6)] == [1, 2, 3, 3]
+    assert [in_flight(4, n) for n in (4, 5, 9)] == [4, 5, 5]
+
+
 def test_a_pipeline_prefills_in_chunks_that_attend_to_the_cache_before_them() -> None:
     """Pipeline stages take a long prompt in chunks (the mask grows with them); one stage takes it whole."""
     from types import SimpleNamespace
