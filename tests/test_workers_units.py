@@ -378,6 +378,31 @@ def test_pipeline_stages_compute_what_the_whole_model_does(tiny_llama: torch.nn.
     assert not {n for n, _ in stages[0].named_parameters()} & {n for n, _ in stages[1].named_parameters()}
 
 
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
+def test_a_stage_s_decode_mask_is_the_one_transformers_builds(tiny_llama: torch.nn.Module, padded: bool) -> None:
+    """A decode step's mask, built without create_causal_mask, equals what it would build (None included)."""
+    from transformers import DynamicCache
+    from transformers.masking_utils import create_causal_mask
+
+    from rigpilot.engine.workers.pipeline import DecoderStage, decoder_parts
+
+    stage = DecoderStage(decoder_parts(copy.deepcopy(tiny_llama), "pp"), 1, 2)
+    mask = torch.ones(3, 7, dtype=torch.long)
+    if padded:
+        mask[0, :4] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache(config=tiny_llama.config)
+    with torch.no_grad():
+        stage(torch.randn(3, 7, 64), attention_mask=mask, position_ids=positions, past_key_values=cache)
+    mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+    hidden, positions = torch.randn(3, 1, 64), positions[:, -1:] + 1
+    built = stage._masks(hidden, mask, positions, cache)["full_attention"]
+    expected = create_causal_mask(tiny_llama.config, hidden, mask, cache, positions, layer_idx=stage.first_layer)
+    assert (built is None) == (expected is None) == (not padded)
+    if padded:
+        assert torch.equal(built, expected)
+
+
 def test_pipeline_refuses_non_llama_models() -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
