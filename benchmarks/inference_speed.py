@@ -189,6 +189,8 @@ def main() -> int:
     base = statistics.median(rows["generate"]["true"])
     print(f"model {args.model}, fp32, greedy, {args.prompts} prompts, batch {args.batch}, {args.new} new tokens, "
           f"{args.threads} threads, {args.repeats} rounds; load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")  # fmt: skip
+    print(f"threads: generate() {args.threads} in one process; Rigpilot {args.threads} over its ranks "
+          f"(OMP_NUM_THREADS {args.threads} // ranks each): every run has the same {args.threads} cores")  # fmt: skip
     best = max(rows["generate"]["true"])
     print(f"{'run':10s} {'true tokens/s (min-max)':>26s} {'vs generate()':>14s} {'best vs best':>13s} "
           f"{'reported (min-max)':>24s} {'reported/true':>14s}  tokens")  # fmt: skip

@@ -418,10 +418,13 @@ def prompts_file(root: Path) -> Path:
 
 @pytest.mark.parametrize(
     ("parallelism", "batch_size"),
-    [({"pp": 2}, 2), ({"pp": 2}, 5), ({"tp": 2}, 3)],
-    # pp2 batch 2: three batches of prompts of different lengths, two in flight, the third taking the place
-    # of the first to end; pp2 batch 5: one batch cut into two micro-batches that keep its left padding.
-    ids=["pipeline-batches-in-flight", "pipeline-one-batch-split", "tensor"],
+    [({"pp": 2}, 2), ({"pp": 2}, 1), ({"pp": 2}, 5), ({"tp": 2}, 3)],
+    # pp2 batch 2: three batches of prompts of different lengths, all three in flight (one more than the
+    # stages); pp2 batch 1: five batches, three in flight, the others taking the places of the first to end;
+    # pp2 batch 5: one batch cut into two micro-batches that keep its left padding. The longest prompt
+    # (22 tokens) is prefilled in two chunks on the pipelines (infer.PREFILL_CHUNK 16), the first chunk of a
+    # row padded to it all padding.
+    ids=["pipeline-batches-in-flight", "pipeline-batches-take-places", "pipeline-one-batch-split", "tensor"],
 )
 def test_sharded_greedy_generation_equals_the_unsplit_model(
     root: Path, random_llama: Path, prompts_file: Path, parallelism: dict[str, int], batch_size: int

@@ -311,6 +311,42 @@ def test_pipeline_stages_compute_the_unsplit_logits(model_type: str, lora: bool)
     assert bool(trainable & set(untied)) == (bool(untied) and not lora)
 
 
+@pytest.mark.parametrize("model_type", PIPELINE_TYPES)
+def test_pipeline_stages_decode_left_padded_rows_as_the_unsplit_model(model_type: str) -> None:
+    """Inference's way through two stages: a left-padded prefill in two chunks, then decode steps, under sdpa."""
+    import copy
+
+    from transformers import DynamicCache
+
+    from rigpilot.engine.workers.pipeline import DecoderStage, decoder_parts
+
+    model = build(model_type, False).eval()
+    if not getattr(model.config, "attn_logit_softcapping", None):  # sdpa cannot soft-cap: Gemma 2 stays eager
+        model.config._attn_implementation = "sdpa"  # the decode mask a stage builds itself is sdpa's
+    stages = [DecoderStage(decoder_parts(copy.deepcopy(model), "pp"), i, 2) for i in range(2)]
+    ids, _ = batch(seed=3)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # the first row is shorter: left padding, as generate() pads
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    whole, split = DynamicCache(config=model.config), [DynamicCache(config=model.config) for _ in stages]
+    half = SEQ // 2
+    with torch.no_grad():
+        for step in range(3):
+            expected = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=whole,
+                             use_cache=True).logits[:, -1]  # fmt: skip
+            chunks = [(0, half), (half, SEQ)] if step == 0 else [(0, ids.shape[1])]
+            for a, b in chunks:
+                keys = mask[:, : mask.shape[1] - ids.shape[1] + b]
+                hidden = stages[0](ids[:, a:b], attention_mask=keys, position_ids=positions[:, a:b],
+                                   past_key_values=split[0])  # fmt: skip
+                got = stages[1](hidden, attention_mask=keys, position_ids=positions[:, a:b],
+                                past_key_values=split[1], logits_to_keep=1)[:, -1]  # fmt: skip
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+            ids = expected.argmax(-1)[:, None]
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            positions = positions[:, -1:] + 1
+
+
 def test_capability_tables_say_what_the_workers_split() -> None:
     for mt in TENSOR_PARALLEL_TYPES:
         assert why_not(Layout(kind="train", method="lora", tp=2, sequence_parallel=True, model_type=mt)) is None

@@ -378,6 +378,31 @@ def test_pipeline_stages_compute_what_the_whole_model_does(tiny_llama: torch.nn.
     assert not {n for n, _ in stages[0].named_parameters()} & {n for n, _ in stages[1].named_parameters()}
 
 
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
+def test_a_stage_s_decode_mask_is_the_one_transformers_builds(tiny_llama: torch.nn.Module, padded: bool) -> None:
+    """A decode step's mask, built without create_causal_mask, equals what it would build (None included)."""
+    from transformers import DynamicCache
+    from transformers.masking_utils import create_causal_mask
+
+    from rigpilot.engine.workers.pipeline import DecoderStage, decoder_parts
+
+    stage = DecoderStage(decoder_parts(copy.deepcopy(tiny_llama), "pp"), 1, 2)
+    mask = torch.ones(3, 7, dtype=torch.long)
+    if padded:
+        mask[0, :4] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache(config=tiny_llama.config)
+    with torch.no_grad():
+        stage(torch.randn(3, 7, 64), attention_mask=mask, position_ids=positions, past_key_values=cache)
+    mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+    hidden, positions = torch.randn(3, 1, 64), positions[:, -1:] + 1
+    built = stage._masks(hidden, mask, positions, cache)["full_attention"]
+    expected = create_causal_mask(tiny_llama.config, hidden, mask, cache, positions, layer_idx=stage.first_layer)
+    assert (built is None) == (expected is None) == (not padded)
+    if padded:
+        assert torch.equal(built, expected)
+
+
 def test_pipeline_refuses_non_llama_models() -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -457,6 +482,55 @@ def test_a_pipeline_keeps_as_many_micro_batches_in_flight_as_stages() -> None:
     assert micro_batches(2, 5, 5) == [(0, [0, 1, 2]), (0, [3, 4])]
     assert micro_batches(4, 6, 4) == [(0, [0, 1]), (0, [2, 3]), (1, [4]), (1, [5])]
     assert micro_batches(4, 1, 8) == [(0, [0])]
+
+
+def test_a_pipeline_runs_one_more_micro_batch_than_stages_when_it_has_whole_ones() -> None:
+    from types import SimpleNamespace
+
+    from rigpilot.engine.jobs.spec import InferSettings
+    from rigpilot.engine.workers.infer import Generator
+
+    def in_flight(pp: int, micro_batches: int) -> int:
+        mesh = SimpleNamespace(mesh=torch.arange(pp))
+        runtime = SimpleNamespace(dims=ParallelDims(pp, 1, 1, 1, pp), mesh={"pp": mesh, "tp": SimpleNamespace(
+            mesh=torch.tensor([0]))}, pp_rank=0, device=torch.device("cpu"))  # fmt: skip
+        tok = SimpleNamespace(eos_token_id=1, pad_token_id=2)
+        gen = Generator(runtime, torch.nn.Identity(), tok, None, InferSettings(), torch.float32)  # type: ignore[arg-type]
+        return gen._in_flight(micro_batches)
+
+    assert [in_flight(1, n) for n in (1, 3)] == [1, 1]  # one stage runs batch after batch, as generate()
+    assert [in_flight(2, n) for n in (1, 2, 3, 6)] == [1, 2, 3, 3]
+    assert [in_flight(4, n) for n in (4, 5, 9)] == [4, 5, 5]
+
+
+def test_a_pipeline_prefills_in_chunks_that_attend_to_the_cache_before_them() -> None:
+    """Pipeline stages take a long prompt in chunks (the mask grows with them); one stage takes it whole."""
+    from types import SimpleNamespace
+
+    from rigpilot.engine.jobs.spec import InferSettings
+    from rigpilot.engine.workers.infer import PREFILL_CHUNK, Generator
+
+    def chunks(pp: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        mesh = SimpleNamespace(mesh=torch.arange(pp))
+        runtime = SimpleNamespace(dims=ParallelDims(pp, 1, 1, 1, pp), mesh={"pp": mesh, "tp": SimpleNamespace(
+            mesh=torch.tensor([0]))}, pp_rank=0, device=torch.device("cpu"))  # fmt: skip
+        tok = SimpleNamespace(eos_token_id=1, pad_token_id=2)
+        gen = Generator(runtime, torch.nn.Identity(), tok, None, InferSettings(), torch.float32)  # type: ignore[arg-type]
+        ids = torch.arange(2 * length).view(2, length)
+        mask = torch.ones_like(ids)
+        mask[1, :3] = 0  # left padding
+        return gen._prefill_chunks(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0))
+
+    length = 2 * PREFILL_CHUNK + 5
+    whole = chunks(1, length)
+    assert len(whole) == 1 and whole[0][0].shape == (2, length)
+    parts = chunks(2, length)
+    assert [c[0].shape[1] for c in parts] == [PREFILL_CHUNK, PREFILL_CHUNK, 5]
+    assert [c[1].shape[1] for c in parts] == [PREFILL_CHUNK, 2 * PREFILL_CHUNK, length]  # the keys so far
+    assert torch.equal(torch.cat([c[0] for c in parts], dim=1), whole[0][0])
+    assert torch.equal(torch.cat([c[2] for c in parts], dim=1), whole[0][2])
+    assert torch.equal(parts[-1][1], whole[0][1])
+    assert len(chunks(2, PREFILL_CHUNK)) == 1
 
 
 # --- the entry point's error contract -------------------------------------------------------------

@@ -2,8 +2,9 @@
 
 The model is split over the ranks of one replica by pipeline (contiguous layer
 ranges per rank; hidden states go stage to stage, each stage keeping the KV
-cache of its own layers, with as many micro-batches in flight as there are
-stages so that the stages overlap) or by tensor parallelism (DTensor
+cache of its own layers, with one micro-batch in flight per stage and one
+more so that the stages overlap, and prompts prefilled in chunks so that the
+pipeline fills after one chunk) or by tensor parallelism (DTensor
 projections; every rank runs the whole forward). Data parallel degrees make
 replicas, each generating its share of the prompts.
 
@@ -37,6 +38,10 @@ from rigpilot.engine.workers.model_loading import load_model
 from rigpilot.engine.workers.parallel_dims import Runtime, init_runtime
 from rigpilot.engine.workers.parallelize import apply_tensor_parallel, precision_dtype
 from rigpilot.engine.workers.pipeline import DecoderStage, decoder_parts
+
+# Positions per prefill forward in a pipeline (Generator._prefill_chunks): small enough that the next stage
+# starts soon, large enough that each chunk's fixed cost (reading every weight) stays a small part.
+PREFILL_CHUNK = 16
 
 
 def load_prompts(s: InferSettings) -> list[str]:
@@ -116,6 +121,7 @@ class _MicroBatch:
 
     batch: int  # index of the batch it came from
     rows: list[int]  # indices into the generate() call's prompt list
+    slot: int  # its place among those in flight: the tag of its messages between stages
     ids: torch.Tensor
     mask: torch.Tensor
     positions: torch.Tensor
@@ -124,6 +130,8 @@ class _MicroBatch:
     generated: list[torch.Tensor] = field(default_factory=list)
     token: torch.Tensor | None = None  # the token chosen by the last forward, not yet taken in
     recv: Any = None  # its pending receive from the last stage (stages before the last)
+    inbox: tuple[Any, torch.Tensor] | None = None  # the receive of its next input from the stage before
+    chunks: deque[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=deque)  # prefill left
 
 
 class Generator:
@@ -131,12 +139,15 @@ class Generator:
 
     Prefill and decode are one loop over micro-batches in flight. With one stage a batch is one
     micro-batch, run to its end before the next starts, as generate() does. A pipeline keeps `pp`
-    micro-batches in flight (whole batches, or parts of them when there are too few: see
-    `_micro_batches`): while the last stage turns micro-batch j's hidden states into its next token, the first
-    stage already runs micro-batch j+1, so the stages overlap instead of waiting on each other at every
-    token. Sends and the receive of each token are asynchronous; a stage waits only for what it needs
-    next. When a micro-batch ends, the next one from the queue takes its place at once (its prefill
-    runs while the others decode), so the pipeline stays full to the end of the job.
+    micro-batches in flight, `pp + 1` when there are enough (whole batches, or parts of them when
+    there are too few: see `_micro_batches` and `_in_flight`): while the last stage turns micro-batch
+    j's hidden states into its next token, the first stage already runs micro-batch j+1, so the
+    stages overlap instead of waiting on each other at every token. A prompt's prefill goes through
+    in chunks (`_prefill_chunks`), so that the next stage starts after the first chunk rather than
+    after the whole prompt. Sends are asynchronous and every receive is posted a round ahead of its
+    use; a stage waits only for what it needs next. When a micro-batch ends, the next one from the
+    queue takes its place at once (its prefill runs while the others decode), so the pipeline stays
+    full to the end of the job.
 
     Every rank of the replica takes the same decisions (which micro-batch runs, which has ended) from the
     same tokens: the last stage sends each token to every other stage, tensor-parallel ranks agree on
@@ -181,36 +192,61 @@ class Generator:
         if self.prev is None:
             x = mb.ids
         else:
-            x = torch.empty((*mb.ids.shape, self.config.hidden_size), dtype=self.dtype, device=self.rt.device)
-            dist.recv(x, src=self.prev)
+            assert mb.inbox is not None
+            work, x = mb.inbox
+            mb.inbox = None
+            work.wait()
         if self.next is not None:
             hidden = self.model(x, attention_mask=mb.mask, position_ids=mb.positions, past_key_values=mb.cache)
-            self._send(hidden.contiguous(), self.next)
+            self._send(hidden.contiguous(), self.next, mb.slot)
+            return None
+        if mb.chunks:  # a prefill chunk before the prompt's last: the cache is all it leaves
+            self.model(x, attention_mask=mb.mask, position_ids=mb.positions, past_key_values=mb.cache, head=False)
             return None
         logits = self.model(
             x, attention_mask=mb.mask, position_ids=mb.positions, past_key_values=mb.cache, logits_to_keep=1
         )
         return logits[:, -1, :].float()
 
-    def _send(self, t: torch.Tensor, dst: int) -> None:
+    def _send(self, t: torch.Tensor, dst: int, tag: int) -> None:
         # The tensor must live until its send completes; sends complete in order, so the list stays short.
         self._sends = [w for w in self._sends if not w[0].is_completed()]
-        self._sends.append((dist.isend(t, dst=dst), t))
+        self._sends.append((dist.isend(t, dst=dst, tag=tag), t))
+
+    def _post_input(self, mb: _MicroBatch) -> None:
+        """Post the receive of `mb`'s next input (hidden states from the stage before) as soon as its shape is known.
+
+        gloo moves a message only once its receive is posted: a receive posted when the stage gets
+        to it costs a round trip to the sender (and wakes its threads) on the critical path, where a
+        receive posted a whole forward ahead finds the data there. Each slot has its own tag, so
+        receives posted in any order meet their own sends.
+        """
+        if self.prev is None:
+            return
+        x = torch.empty((*mb.ids.shape, self.config.hidden_size), dtype=self.dtype, device=self.rt.device)
+        mb.inbox = (dist.irecv(x, src=self.prev, tag=mb.slot), x)
 
     def _step(self, mb: _MicroBatch) -> None:
-        """Run `mb` through this stage; the last stage chooses its next token and sends it to the other stages."""
+        """Run `mb` through this stage; the last stage chooses its next token and sends it to the other stages.
+
+        A prefill chunk before the prompt's last one fills the cache only: no token, and the micro-batch
+        moves on to its next chunk, which no stage has to wait for.
+        """
         logits = self._forward(mb)
         rows = mb.ids.shape[0]
-        if logits is not None:
+        if mb.chunks:
+            mb.ids, mb.mask, mb.positions = mb.chunks.popleft()
+            self._post_input(mb)
+        elif logits is not None:
             token = select_tokens(logits, self.s.temperature, self.s.top_p, self.generator)
             if self.tp_group is not None:
                 dist.broadcast(token, src=self.tp_first, group=self.tp_group)
             for dst in self.pp_ranks[:-1]:
-                self._send(token, dst)
+                self._send(token, dst, mb.slot)
             mb.token = token
         else:
             mb.token = torch.empty(rows, dtype=torch.long, device=self.rt.device)
-            mb.recv = dist.irecv(mb.token, src=self.last_stage_rank)
+            mb.recv = dist.irecv(mb.token, src=self.last_stage_rank, tag=mb.slot)
 
     def _take_token(self, mb: _MicroBatch) -> bool:
         """Take in `mb`'s chosen token; whether the micro-batch goes on (else it has ended)."""
@@ -230,6 +266,7 @@ class Generator:
         mb.ids = token[:, None]
         mb.mask = torch.cat([mb.mask, torch.ones_like(mb.mask[:, :1])], dim=1)
         mb.positions = mb.positions[:, -1:] + 1
+        self._post_input(mb)
         return True
 
     # --- the loop -------------------------------------------------------------------------------
@@ -255,7 +292,20 @@ class Generator:
                 i += step
         return out
 
-    def _start(self, prompts: list[str], batch: int, rows: list[int], encoded: dict) -> _MicroBatch:
+    def _in_flight(self, micro_batches: int) -> int:
+        """How many micro-batches run at once: one per stage, and one more in a pipeline with whole batches enough.
+
+        With one per stage, every round each stage waits for the token of the micro-batch it runs
+        next, which takes two messages (stage to stage, token back) after the last stage's forward;
+        the one more fills that wait with a forward (measured, 2 stages, 6 batches: the last stage
+        idles 140 ms instead of 450 ms of 3 s). It costs a batch's KV cache more on every stage,
+        so it is never made by cutting batches smaller.
+        """
+        if self.pp == 1:
+            return 1
+        return min(self.pp + 1 if micro_batches > self.pp else self.pp, micro_batches)
+
+    def _start(self, prompts: list[str], slot: int, batch: int, rows: list[int], encoded: dict) -> _MicroBatch:
         from transformers import DynamicCache
 
         if batch not in encoded:
@@ -268,7 +318,34 @@ class Generator:
         mask = enc["attention_mask"][sel].to(self.rt.device)
         positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
         finished = torch.zeros(len(rows), dtype=torch.bool, device=self.rt.device)
-        return _MicroBatch(batch, rows, ids, mask, positions, DynamicCache(config=self.config), finished)
+        chunks = deque(self._prefill_chunks(ids, mask, positions))
+        mb = _MicroBatch(batch, rows, slot, *chunks.popleft(), DynamicCache(config=self.config), finished)
+        mb.chunks = chunks
+        self._post_input(mb)
+        return mb
+
+    def _prefill_chunks(
+        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The forwards of a prompt's prefill: (ids, mask so far, positions) for each chunk of its positions.
+
+        One forward with a single stage, as generate(). A pipeline cuts it into chunks of
+        PREFILL_CHUNK positions: a whole prompt's prefill costs a stage as much as a dozen decode
+        steps, and while the first stage runs it the others have nothing to do, then the first
+        waits while the last runs it (measured: a sixth of a two-stage job's wall time). In chunks
+        the next stage starts after one chunk, and the first stage runs the next chunks meanwhile.
+        Each chunk attends to the cache of the ones before: the same keys, values and masks as in one
+        forward, though products of another shape may round differently in the last bit (as a batch
+        of another size would); the greedy tokens of the tests and of benchmarks/inference_speed.py
+        stay generate()'s.
+        """
+        length = ids.shape[1]
+        if self.pp == 1 or length <= PREFILL_CHUNK:
+            return [(ids, mask, positions)]
+        return [
+            (ids[:, i : i + PREFILL_CHUNK], mask[:, : i + PREFILL_CHUNK], positions[:, i : i + PREFILL_CHUNK])
+            for i in range(0, length, PREFILL_CHUNK)
+        ]
 
     @torch.no_grad()
     def run(self, prompts: list[str], batch_size: int) -> Iterator[tuple[int, list[int], list[list[int]]]]:
@@ -283,23 +360,31 @@ class Generator:
             self._batch_rows.setdefault(b, []).extend(rows)
         encoded: dict[int, Any] = {}
         slots: list[_MicroBatch | None] = []
-        for _ in range(min(self.pp, len(queue))):
-            slots.append(self._start(prompts, *queue.popleft(), encoded))
+        for j in range(self._in_flight(len(queue))):
+            slots.append(self._start(prompts, j, *queue.popleft(), encoded))
         while any(mb is not None for mb in slots):
             for j, mb in enumerate(slots):
                 if mb is None:
                     continue
-                if mb.token is not None:  # a token chosen in the previous round
-                    if not self._take_token(mb):
-                        rows = torch.stack(mb.generated, dim=1).tolist()
-                        yield mb.batch, mb.rows, [_until_eos(r, self.eos) for r in rows]
-                        mb = slots[j] = self._start(prompts, *queue.popleft(), encoded) if queue else None
-                        if mb is None:
-                            continue
+                # A token chosen in the previous round. The last stage has its own at hand: it takes it
+                # in at once (below), so that the receive of the micro-batch's next input is posted a
+                # whole round ahead; the other stages wait for theirs only now, when they need it.
+                if mb.token is not None and not self._take_token(mb):
+                    yield self._ended(mb)
+                    mb = slots[j] = self._start(prompts, j, *queue.popleft(), encoded) if queue else None
+                    if mb is None:
+                        continue
                 self._step(mb)
+                if self.holds_logits and mb.token is not None and not self._take_token(mb):
+                    yield self._ended(mb)
+                    slots[j] = self._start(prompts, j, *queue.popleft(), encoded) if queue else None
         for work, _ in self._sends:
             work.wait()
         self._sends.clear()
+
+    def _ended(self, mb: _MicroBatch) -> tuple[int, list[int], list[list[int]]]:
+        rows = torch.stack(mb.generated, dim=1).tolist()
+        return mb.batch, mb.rows, [_until_eos(r, self.eos) for r in rows]
 
     def generate(self, prompts: list[str]) -> BatchResult:
         """One batch, start to end (the whole of `prompts` as one batch)."""
