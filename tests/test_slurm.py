@@ -217,3 +217,22 @@ def test_the_supervisors_slurm_jobs_share_one_squeue_per_poll(tmp_path):
     assert sorted(ran[0][ran[0].index("-j") + 1].split(",")) == ["21", "22"]
     assert [store.get(j).slurm["state"] for j in ("aa", "bb")] == ["RUNNING", "RUNNING"]
     store.close()
+
+
+def test_a_machine_without_slurm_configuration_is_named_so():
+    said = (
+        "sbatch: error: resolve_ctls_from_dns_srv: res_nsearch error: Unknown host\n"
+        "sbatch: error: fetch_config: DNS SRV lookup failed\n"
+        "sbatch: error: _establish_config_source: failed to fetch config\n"
+        "sbatch: fatal: Could not establish a configuration source\n"
+    )  # what Debian's sbatch 22.05 says with no slurm.conf and no SRV record
+
+    def no_config(argv, **kw):
+        return subprocess.CompletedProcess(argv, 1, "", said)
+
+    with pytest.raises(UserError) as e:
+        slurm.SlurmCommands(runner=no_config).test_only("#!/bin/bash\ntrue\n")
+    assert str(e.value) == (
+        "SLURM would refuse the job: no SLURM configuration here (no slurm.conf, no DNS SRV record): "
+        "is this a SLURM client? Submit from a login node with --login HOST"
+    )

@@ -231,8 +231,15 @@ def _first_error(text: str, rc: int, login: str | None) -> str:
         return f"ssh could not reach {login}: {lines[-1] if lines else 'no reason given'}"
     if not lines:
         return f"exit status {rc}"
-    line = next((ln for ln in lines if "error" in ln.lower()), lines[0])
-    return re.sub(r"^(sbatch|squeue|sacct|scancel): error: ", "", line)[:300]
+    if any("could not establish a configuration source" in ln.lower() for ln in lines):
+        where = f"on {login}" if login else "here"
+        return (f"no SLURM configuration {where} (no slurm.conf, no DNS SRV record): is this a SLURM "
+                "client? Submit from a login node with --login HOST")  # fmt: skip
+    # A fatal line says what stopped the command; the errors before it are often its symptoms.
+    line = next((ln for ln in lines if ": fatal: " in ln), None) or next(
+        (ln for ln in lines if "error" in ln.lower()), lines[0]
+    )
+    return re.sub(r"^(sbatch|squeue|sacct|scancel): (error|fatal): ", "", line)[:300]
 
 
 # -- the supervisor's side ------------------------------------------------------------
