@@ -60,6 +60,11 @@ def job(engine: Engine, job_id: str) -> dict:
         return engine.job(c, job_id)
 
 
+def wait_ended(engine: Engine, job_id: str, timeout: float, what: str) -> dict:
+    return wait_for(lambda: (j := job(engine, job_id))["state"] in ("completed", "failed", "cancelled") and j,
+                    timeout, 0.5, what)  # fmt: skip
+
+
 def test_a_slurm_job_completes_with_its_loss_and_a_cancelled_one_is_cancelled_in_sacct(engine, slurm, capsys):
     job_id = run_train(capsys, "--steps", "4")
     first = job(engine, job_id)
@@ -71,8 +76,7 @@ def test_a_slurm_job_completes_with_its_loss_and_a_cancelled_one_is_cancelled_in
     shown = slurm.run(["scontrol", "show", "job", slurm_id]).stdout
     assert "NumTasks=2" in shown and f"Partition={PARTITION}" in shown, shown
 
-    done = wait_for(lambda: (j := job(engine, job_id))["state"] in ("completed", "failed", "cancelled") and j,
-                    240, 0.5, "the SLURM job to end")  # fmt: skip
+    done = wait_ended(engine, job_id, 240, "the SLURM job to end")
     assert done["state"] == "completed", (done["exit_reason"], done["last_log"])
     assert done["slurm"]["state"] == "COMPLETED"
     assert slurm.accounting(slurm_id) == "COMPLETED"
@@ -100,8 +104,7 @@ def test_a_slurm_job_completes_with_its_loss_and_a_cancelled_one_is_cancelled_in
     assert job(engine, second)["state"] == "running"
     assert cli_main(["cancel", second]) == 0
     capsys.readouterr()
-    ended = wait_for(lambda: (j := job(engine, second))["state"] in ("completed", "failed", "cancelled") and j,
-                     60, 0.5, "the cancelled SLURM job to end")  # fmt: skip
+    ended = wait_ended(engine, second, 60, "the cancelled SLURM job to end")
     assert ended["state"] == "cancelled" and ended["exit_reason"] == "cancelled by the user (scancel)"
     assert slurm.accounting(slurm_second) == "CANCELLED"
     assert slurm.run(["squeue", "-h", "-j", slurm_second]).stdout.strip() == ""  # nothing of it runs any more
@@ -192,8 +195,7 @@ def test_a_job_submitted_through_a_login_node_runs_and_is_followed_over_ssh(engi
     out = capsys.readouterr().out
     m = re.search(r"job (\w+) submitted to SLURM through rigtest-login as job (\d+)", out)
     assert m, out
-    done = wait_for(lambda: (j := job(engine, m.group(1)))["state"] in ("completed", "failed", "cancelled") and j,
-                    180, 0.5, "the job submitted over ssh to end")  # fmt: skip
+    done = wait_ended(engine, m.group(1), 180, "the job submitted over ssh to end")
     assert done["state"] == "completed", (done["exit_reason"], done["last_log"])
     assert done["progress"]["step"] == 2 and done["progress"]["loss"] is not None
     assert slurm.accounting(m.group(2)) == "COMPLETED"
@@ -227,8 +229,7 @@ def test_check_puts_the_job_to_slurm_and_queues_nothing_and_a_script_goes_with_b
     out = capsys.readouterr().out
     m = re.search(r"job (\w+) submitted to SLURM as job (\d+)", out)
     assert m, out
-    done = wait_for(lambda: (j := job(engine, m.group(1)))["state"] in ("completed", "failed", "cancelled") and j,
-                    120, 0.5, "the script's SLURM job to end")  # fmt: skip
+    done = wait_ended(engine, m.group(1), 120, "the script's SLURM job to end")
     assert done["state"] == "completed", (done["exit_reason"], done["last_log"])
     assert slurm.accounting(m.group(2)) == "COMPLETED"
     for rank in (0, 1):
