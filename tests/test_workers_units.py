@@ -232,6 +232,27 @@ def test_every_rank_knows_every_replicas_batch_so_the_step_needs_no_count_collec
     assert whole.state_dict() == ranks[1].state_dict()
 
 
+def test_every_layout_of_a_step_takes_the_same_blocks_in_every_epoch() -> None:
+    # 23 blocks, 4 per step: 5 steps an epoch and 3 left over. Whether a step is one batch of 4, two
+    # accumulated batches of 2 or four of 1 over 2 ranks, its blocks are the same chunk of the
+    # epoch's permutation, also after an epoch boundary (the old per-micro-batch epoch did not).
+    def steps(batch_size: int, dp: int, accum: int, count: int) -> list[list[int]]:
+        ranks = [ShardedBatches(23, batch_size, r, dp, seed=3, accum=accum) for r in range(dp)]
+        return [
+            sorted(i for _ in range(accum) for s in ranks for i in s.next_indices().tolist()) for _ in range(count)
+        ]
+
+    whole = steps(4, 1, 1, 12)
+    assert steps(2, 1, 2, 12) == whole
+    assert steps(1, 2, 2, 12) == whole
+    assert steps(1, 1, 4, 12) == whole
+    epoch0 = torch.randperm(23, generator=torch.Generator().manual_seed(3 * 1_000_003))
+    epoch1 = torch.randperm(23, generator=torch.Generator().manual_seed(3 * 1_000_003 + 1))
+    assert whole[4] == sorted(epoch0[16:20].tolist()) and whole[5] == sorted(epoch1[:4].tolist())
+    with pytest.raises(UserError, match="x 3 accumulated micro-batches"):
+        ShardedBatches(5, 1, 0, 2, seed=0, accum=3)
+
+
 def test_clipping_stays_on_the_device_and_matches_torch() -> None:
     from rigpilot.engine.workers.train import clip_grad_norm
 

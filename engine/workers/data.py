@@ -234,20 +234,30 @@ def build_dataset(
 class ShardedBatches:
     """Deterministic batches of block indices for one data-parallel rank (a stateful DistributedSampler).
 
-    Each epoch is a seeded permutation of all training blocks, cut into global
-    batches of dp_size * batch_size; rank r takes its slice of every global
-    batch. The leftover that does not fill a global batch is skipped, so every
-    rank does the same number of steps. The position is checkpointed.
+    Each epoch is a seeded permutation of all training blocks, cut into optimizer
+    steps of dp_size * batch_size * accum blocks; a step is `accum` global batches
+    of dp_size * batch_size, and rank r takes its slice of every global batch. The
+    leftover that does not fill a whole step is skipped, so every rank does the
+    same number of steps, and an epoch ends between steps, never inside one: a
+    step is the same chunk of blocks whatever the layout splits it into (ranks,
+    micro-batches, accumulation, pipeline micro-batches). The position, in global
+    batches, is checkpointed.
     """
 
-    def __init__(self, num_blocks: int, batch_size: int, dp_rank: int, dp_size: int, seed: int) -> None:
+    def __init__(
+        self, num_blocks: int, batch_size: int, dp_rank: int, dp_size: int, seed: int, accum: int = 1
+    ) -> None:
         self.num_blocks, self.batch_size = num_blocks, batch_size
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
-        self.batches_per_epoch = num_blocks // (batch_size * dp_size)
-        if self.batches_per_epoch == 0:
+        steps_per_epoch = num_blocks // (batch_size * dp_size * accum)
+        self.batches_per_epoch = steps_per_epoch * accum
+        if steps_per_epoch == 0:
+            per_step = f"{dp_size} data-parallel ranks x {batch_size} sequences" + (
+                f" x {accum} accumulated micro-batches" if accum > 1 else ""
+            )
             raise UserError(
                 f"dataset gives {num_blocks} training sequences, fewer than one step needs "
-                f"({dp_size} data-parallel ranks x {batch_size} sequences): lower seq_len or micro_batch, or add data"
+                f"({per_step}): lower seq_len, micro_batch or grad_accum, or add data"
             )
         self.epoch = 0
         self.position = 0  # batches of this epoch already handed out

@@ -333,7 +333,7 @@ class Trainer:
             )
         self.pp_microbatches = self.spec.parallelism.pp_microbatches if self.dims.pp > 1 else 1
         self.sampler = ShardedBatches(
-            len(self.data.train), s.micro_batch * self.pp_microbatches, rt.dp_rank, self.dims.dp, s.seed
+            len(self.data.train), s.micro_batch * self.pp_microbatches, rt.dp_rank, self.dims.dp, s.seed, s.grad_accum
         )
         # Same seed within a model replica (TP ranks must drop the same activations), different across replicas.
         torch.manual_seed(s.seed + 1 + rt.dp_rank)
