@@ -352,7 +352,6 @@ def save_final_model(
     loaded: LoadedModel,
     state: dict[str, torch.Tensor],
     *,
-    untied: bool,
     save_merged: bool,
     trust_remote_code: bool,
 ) -> None:
@@ -364,10 +363,7 @@ def save_final_model(
         if save_merged:
             _save_merged(out_dir, loaded, trust_remote_code)
         return
-    config = copy.deepcopy(loaded.config)
-    if untied:
-        config.tie_word_embeddings = False
-    _write_hf_folder(out_dir, loaded, config, state, trust_remote_code)
+    _write_hf_folder(out_dir, loaded, copy.deepcopy(loaded.config), state, trust_remote_code)
 
 
 def _write_hf_folder(
@@ -380,12 +376,34 @@ def _write_hf_folder(
     dtype = loaded.saved_dtype
     state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
     skeleton.load_state_dict(state, strict=False, assign=True)
+    _check_tied_pair(skeleton)
     skeleton.tie_weights()
     still_meta = [n for n, p in skeleton.named_parameters() if p.is_meta]
     if still_meta:
         raise RuntimeError(f"final save: weights missing from the gathered state: {still_meta[:5]}")
     skeleton.save_pretrained(str(out_dir))
     loaded.tokenizer.save_pretrained(str(out_dir))
+
+
+def _check_tied_pair(model: nn.Module) -> None:
+    """Say so when the two copies of a tied matrix (a pipeline's first and last stage) came back different.
+
+    Training keeps them equal bit for bit (engine/workers/tied.py); tie_weights() then saves the
+    embedding as both, which is the model the job trained only while that holds.
+    """
+    config = getattr(model, "config", None)
+    inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+    if not getattr(config, "tie_word_embeddings", False) or inp is None or out is None or out.weight is inp.weight:
+        return
+    if out.weight.is_meta or inp.weight.is_meta or out.weight.shape != inp.weight.shape:
+        return
+    diff = float((out.weight.float() - inp.weight.float()).abs().max())
+    if diff > 0:
+        print(
+            f"rigpilot-worker: note: the tied LM head came back {diff:.3g} away from the embedding; "
+            "the embedding is saved as both",
+            flush=True,
+        )
 
 
 def _lora_skeleton(loaded: LoadedModel, trust_remote_code: bool) -> nn.Module:

@@ -170,7 +170,8 @@ def apply_tensor_parallel(
     head = getattr(parts.causal_lm, "lm_head", None)  # None on a pipeline stage before the last
     if vocab_parallel and head is not None:
         embed = getattr(parts.inner, "embed_tokens", None)
-        if embed is not None and getattr(head, "weight", None) is embed.weight:
+        tied = getattr(root, "tied_across_stages", False)  # the last stage's copy of a tied matrix (tied.py)
+        if tied or (embed is not None and getattr(head, "weight", None) is embed.weight):
             # Splitting one of the pair would untie it (a different model); a vocabulary-parallel
             # embedding too would need a masked lookup. Whole logits on every rank instead.
             notes.append("the LM head is tied to the embedding: it stays whole on every rank, with the whole logits")

@@ -98,9 +98,10 @@ class DecoderStage(nn.Module):
         layers = list(inner.layers.values()) if isinstance(inner.layers, nn.ModuleDict) else list(inner.layers)
         # A ModuleDict keyed by the global index keeps "model.layers.<i>" names for the kept layers.
         inner.layers = nn.ModuleDict({str(i): layers[i] for i in range(self.first_layer, self.last_layer)})
-        self.untied = bool(getattr(parts.config, "tie_word_embeddings", False)) and num_stages > 1
-        if self.untied and self.is_last:
-            # The embedding lives on the first stage, the head on the last: each trains its own copy.
+        # The embedding lives on the first stage, the head on the last: each holds a copy of a tied
+        # matrix, which training keeps one matrix (engine/workers/tied.py).
+        self.tied_across_stages = bool(getattr(parts.config, "tie_word_embeddings", False)) and num_stages > 1
+        if self.tied_across_stages and self.is_last:
             # Frozen stays frozen: under LoRA the head is part of the base model, not trained.
             head = lm.lm_head.weight
             lm.lm_head.weight = nn.Parameter(head.detach().clone(), requires_grad=head.requires_grad)

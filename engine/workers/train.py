@@ -71,6 +71,7 @@ from rigpilot.engine.workers.parallelize import (
     uses_fsdp,
 )
 from rigpilot.engine.workers.pipeline import DecoderStage, decoder_parts
+from rigpilot.engine.workers.tied import TiedAcrossStages, tied_across_stages
 
 MIN_LR_RATIO = 0.1  # cosine decays to this fraction of the peak LR
 REPORT_EVERY_S = 0.25  # the step records' losses cross the ranks about this often, or every step if slower
@@ -127,21 +128,33 @@ def lr_lambda(warmup_steps: int, max_steps: int) -> Any:
     return factor
 
 
-def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group: Any | None) -> torch.Tensor:
+def clip_grad_norm(
+    params: list[nn.Parameter], max_norm: float, pp_group: Any | None, counted_elsewhere: list[nn.Parameter] = ()
+) -> torch.Tensor:
     """Global L2 norm of all gradients (clipped to max_norm when > 0), correct for DTensor and pipeline splits.
 
     Gradients are grouped by the mesh they live on (FSDP, TP, FSDP x TP, or
     plain tensors), each group's norm made whole with full_tensor(), and stage
     norms summed over the pipeline group. The norm comes back as a 0-dim tensor
     and the clipping stays on the device: no host sync in the step.
+    `counted_elsewhere`: parameters another stage's norm already counts (the last
+    stage's copy of a tied matrix); clipped, not counted.
     """
+    skip = {id(p) for p in counted_elsewhere}
     grads = [p.grad for p in params if p.grad is not None]
     groups: dict[Any, list[torch.Tensor]] = defaultdict(list)
-    for g in grads:
-        groups[g.device_mesh if isinstance(g, DTensor) else None].append(g)
+    counted: dict[Any, list[torch.Tensor]] = defaultdict(list)
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        mesh = g.device_mesh if isinstance(g, DTensor) else None
+        groups[mesh].append(g)
+        if id(p) not in skip:
+            counted[mesh].append(g)
     device = grads[0].device if grads else torch.device("cpu")
     square = torch.zeros((), dtype=torch.float32, device=device)
-    for group in groups.values():
+    for group in counted.values():
         norm = plain(torch.nn.utils.get_total_norm(group, 2.0))
         square = square + norm.float() ** 2
     if pp_group is not None:
@@ -361,7 +374,7 @@ class Trainer:
     def _parallelize(self) -> None:
         rt, dims = self.rt, self.dims
         model = self.loaded.model
-        self.untied = False
+        self.tied: TiedAcrossStages | None = None
         self.loss_parallel = False
         if dims.pp > 1:
             if self.precision.compute == torch.float16 and self.precision.device_type == "cuda":
@@ -369,7 +382,6 @@ class Trainer:
                     "fp16 with pipeline parallel is not supported (no loss scaling across stages): use bf16"
                 )
             model = DecoderStage(decoder_parts(model, "pipeline parallel"), rt.pp_rank, dims.pp)
-            self.untied = model.untied
             self.log(f"pipeline stage {rt.pp_rank}: layers {model.first_layer}..{model.last_layer - 1}")
         if dims.tp > 1:
             sequence_parallel = self.spec.parallelism.sequence_parallel
@@ -398,6 +410,15 @@ class Trainer:
             materialize(model, self.loaded, offload_device(rt, offload))
         if skeleton:
             self.notes.append("the weights were read once, by rank 0, and handed out to the other ranks")
+        if dims.pp > 1:
+            # After tensor and data parallelism, which replace the parameters the pair is made of.
+            self.tied = tied_across_stages(model, rt.mesh)
+        if self.tied is not None:
+            self.tied.align_weights()
+            self.notes.append(
+                "the tied embedding and LM head sit on the first and last stage: their gradients are summed "
+                "every step, so they stay one matrix"
+            )
         if offload:
             on_host, total = offloaded_shards(model)
             self.notes.append(
@@ -520,9 +541,12 @@ class Trainer:
         return int(count)
 
     def _optimizer_step(self) -> torch.Tensor:
+        if self.tied is not None:
+            self.tied.sum_grads()
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        norm = clip_grad_norm(self.params, self.s.grad_clip, self.pp_group)
+        duplicates = self.tied.counted_elsewhere() if self.tied is not None else []
+        norm = clip_grad_norm(self.params, self.s.grad_clip, self.pp_group, duplicates)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -579,6 +603,8 @@ class Trainer:
                 report(kind="note", message=note)
             else:
                 step, notes = self.checkpointer.load(path)
+                if self.tied is not None:  # a checkpoint written before the pair was kept tied holds two
+                    self.tied.align_weights()
                 for note in [*notes, f"resumed from {path.name} at step {step}"]:
                     self.log(note)
                     report(step=step, kind="note", message=note)
@@ -669,7 +695,6 @@ class Trainer:
                 out,
                 self.loaded,
                 state,
-                untied=self.untied,
                 save_merged=self.s.save_merged,
                 trust_remote_code=self.spec.trust_remote_code,
             )

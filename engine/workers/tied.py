@@ -1,0 +1,89 @@
+"""A tied embedding and LM head that pipeline parallelism puts on two stages, kept one matrix.
+
+Gemma, Qwen2-0.5B and Llama-3.2-1B use one matrix as token embedding and output
+head. A pipeline puts the embedding on its first stage and the head on its last,
+so each holds a copy (pipeline.DecoderStage). They stay one matrix the way
+Megatron-LM and torchtitan-style pipelines keep them: both copies start equal
+(the first stage's is sent to the last), after a step's backward passes each
+copy's gradient is replaced by the sum of both (the gradient of the one tied
+weight), and the two optimizers, fed the same gradients from the same state,
+make the same update bit for bit. The gradient norm counts the pair once.
+
+A copy is held whole or sharded by FSDP over the same data-parallel mesh on
+both stages (tensor parallelism keeps a tied head whole, see
+parallelize.apply_tensor_parallel), so each rank's local part of one copy
+matches its partner's part of the other, element for element.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The part of a (possibly FSDP-sharded) tensor this rank stores; in-place changes reach the tensor."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+class TiedAcrossStages:
+    """The pair (first stage's embedding, last stage's head) of one model replica, and the group joining them.
+
+    Every rank of the job constructs it (creating the pair groups is collective);
+    only the ranks of the first and last stage hold a copy, and only they act.
+    """
+
+    def __init__(self, stage: nn.Module, mesh: DeviceMesh) -> None:
+        ranks = mesh.mesh  # (pp, dp_replicate, dp_shard, tp): rank ids in mesh order
+        firsts, lasts = ranks[0].flatten().tolist(), ranks[-1].flatten().tolist()
+        me = dist.get_rank()
+        self.group: Any = None
+        self.source = -1  # the global rank whose copy the pair starts from (the first stage's)
+        for first, last in zip(firsts, lasts, strict=True):
+            group = dist.new_group([first, last])  # collective: every rank creates every pair's group
+            if me in (first, last):
+                self.group, self.source = group, first
+        self.stage = stage
+        self.is_head = stage.is_last and not stage.is_first
+
+    @property
+    def weight(self) -> nn.Parameter | None:
+        """This rank's copy, looked up each time: tensor parallelism and FSDP replace the parameter objects."""
+        parts = self.stage.parts
+        if self.stage.is_first:
+            return parts.inner.embed_tokens.weight
+        if self.stage.is_last:
+            return parts.causal_lm.lm_head.weight
+        return None
+
+    @torch.no_grad()
+    def align_weights(self) -> None:
+        """Make the head's copy equal to the embedding's (at start, and after a resume)."""
+        weight = self.weight
+        if weight is not None:
+            dist.broadcast(_local(weight), src=self.source, group=self.group)
+
+    @torch.no_grad()
+    def sum_grads(self) -> None:
+        """Replace each copy's gradient with the pair's sum: the tied weight's gradient, on both stages."""
+        weight = self.weight
+        if weight is None or not weight.requires_grad:
+            return
+        if weight.grad is None:  # a copy that took no gradient this step still joins the sum
+            weight.grad = torch.zeros_like(weight)
+        dist.all_reduce(_local(weight.grad), group=self.group)
+
+    def counted_elsewhere(self) -> list[nn.Parameter]:
+        """The copy whose gradient the gradient norm must leave out: the first stage counts the pair."""
+        weight = self.weight
+        return [weight] if self.is_head and weight is not None else []
+
+
+def tied_across_stages(stage: nn.Module, mesh: DeviceMesh) -> TiedAcrossStages | None:
+    """The pair to keep tied, or None when `stage` is not part of a pipeline of a tied model."""
+    return TiedAcrossStages(stage, mesh) if getattr(stage, "tied_across_stages", False) else None
