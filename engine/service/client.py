@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,7 @@ class EngineClient:
         token: str | None = None,
         client_name: str = "cli",
         timeout: float = 60.0,
+        on_notice: Callable[[dict[str, Any]], None] | None = None,
     ):
         self.autostart = autostart and tcp is None
         self.tcp = tcp
@@ -66,6 +67,10 @@ class EngineClient:
         self.client_name = client_name
         self.timeout = timeout
         self.hello: dict[str, Any] = {}
+        # What the engine did by itself and tells each client name once ({code, message, …}: a damaged
+        # database it rebuilt); `on_notice` hears each as it comes.
+        self.notices: list[dict[str, Any]] = []
+        self.on_notice = on_notice
         self._sock: socket.socket | None = None
         self._buf = bytearray()
         self._events: deque[dict[str, Any]] = deque()
@@ -175,10 +180,19 @@ class EngineClient:
                 continue
             if msg.get("id") not in (rid, None):
                 continue  # a reply to an earlier request that timed out
+            self._take_notices(msg)
             if msg.get("ok"):
                 return msg.get("result")
             err = msg.get("error") or {}
             raise EngineError(err.get("code", protocol.INTERNAL), err.get("message", "unknown error"))
+
+    def _take_notices(self, msg: dict[str, Any]) -> None:
+        notices = msg.get("notices")
+        for n in notices if isinstance(notices, list) else []:
+            if isinstance(n, dict) and isinstance(n.get("message"), str):
+                self.notices.append(n)
+                if self.on_notice is not None:
+                    self.on_notice(n)
 
     # -- events ---------------------------------------------------------------
 
