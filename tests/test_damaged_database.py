@@ -1,8 +1,8 @@
 """A damaged engine.db or telemetry.db: the job folders are the truth, and no job is lost.
 
 Every shape of damage is made for real (a truncated, emptied or overwritten file, a folder or a FIFO
-in its place, a newer schema, a -wal and -shm left without their database, a folder the engine
-cannot write) on real SQLite files. The first part opens the stores on them directly; the second
+in its place, a newer schema, another program's database, a -wal and -shm left without their database
+or another database's beside a sound one, a folder the engine cannot write) on real SQLite files. The first part opens the stores on them directly; the second
 starts a real engine service on a copy of a state folder whose jobs a real engine ran (torchrun,
 CPU ranks), and asks through the real client and CLI: every job is listed with its state, the
 damaged file is moved aside with a timestamp, and the log and each client get one line about it.
@@ -37,7 +37,7 @@ from rigpilot.engine.cli import main as cli_main
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.telemetry import GpuSample, TelemetrySample
 from rigpilot.engine.jobs.spec import JobSpec
-from rigpilot.engine.service import dbfile, job_folders
+from rigpilot.engine.service import dbfile, job_folders, paths
 from rigpilot.engine.service.client import EngineClient
 from rigpilot.engine.service.resilient_store import (
     JOB_DATABASE_REBUILT,
@@ -124,6 +124,21 @@ def wal_and_shm_left_behind(db: Path) -> None:
         Path(f"{db}{s}").write_bytes(data)
 
 
+def another_databases_wal(db: Path) -> None:
+    """A sound file with another database's -wal and -shm beside it, which SQLite applies when it opens it."""
+    other = db.with_name("other.db")
+    con = sqlite3.connect(other, isolation_level=None)
+    con.execute("PRAGMA journal_mode=WAL")
+    con.execute("PRAGMA wal_autocheckpoint=0")
+    con.execute("CREATE TABLE jobs (a)")
+    con.executemany("INSERT INTO jobs VALUES (?)", [("z" * 500,)] * 50)
+    kept = {s: Path(f"{other}{s}").read_bytes() for s in ("-wal", "-shm")}
+    con.close()
+    other.unlink()
+    for s, data in kept.items():
+        Path(f"{db}{s}").write_bytes(data)
+
+
 SHAPES: dict[str, Callable[[Path], None]] = {
     "truncated": truncated,
     "zero bytes": zero_bytes,
@@ -134,12 +149,13 @@ SHAPES: dict[str, Callable[[Path], None]] = {
     "a newer schema": newer_schema,
     "another program's database": another_programs_database,
     "-wal and -shm without it": wal_and_shm_left_behind,
+    "another database's -wal beside it": another_databases_wal,
 }
 
 
 def set_aside(folder: Path, stem: str = "engine") -> list[Path]:
-    """What was moved aside: the files beside `<stem>.db` and its own -wal and -shm."""
-    return sorted(p for p in folder.iterdir() if p.name.startswith(f"{stem}.") and not p.name.startswith(f"{stem}.db"))
+    """What was moved aside from `<stem>.db` (with any -wal and -shm)."""
+    return sorted(p for p in folder.iterdir() if re.match(rf"{stem}\.(damaged|newer|missing)-", p.name))
 
 
 class Unwritable:
@@ -148,6 +164,7 @@ class Unwritable:
 
     def __init__(self, folder: Path):
         self.folder = folder
+        self.strerror = "Operation not permitted" if os.geteuid() == 0 else "Permission denied"
 
     def __enter__(self) -> Unwritable:
         if os.geteuid() == 0:
@@ -488,17 +505,28 @@ def test_a_job_folder_whose_job_json_is_unreadable_is_listed_as_damaged(engine, 
     told_once(engine, capsys, "the job database")
 
 
-def test_a_database_folder_the_engine_cannot_write_is_refused_in_one_line(engine):
-    with Unwritable(engine.state):
-        r = subprocess.run([sys.executable, "-m", "rigpilot.engine.service"], cwd=REPO, capture_output=True,
-                           text=True, timeout=60)  # fmt: skip
-    assert r.returncode == 2
-    (line,) = r.stderr.splitlines()
-    assert line == (
-        f"rigpilot engine: error: the engine cannot write in {engine.state}, where it keeps its telemetry history "
-        f"(telemetry.db); make the folder writable again (chmod 700 {engine.state}) and start the engine again; "
+def test_a_database_folder_the_engine_cannot_write_is_refused_in_one_line(engine, capsys):
+    refusal = (
+        f"rigpilot engine: error: the engine cannot write in {engine.state}, where it keeps its job database "
+        f"(engine.db); make the folder writable again (chmod 700 {engine.state}) and start the engine again; "
         "jobs that run keep running"
     )
+    log = paths.service_log_path()
+    with Unwritable(engine.state) as unwritable:
+        r = subprocess.run([sys.executable, "-m", "rigpilot.engine.service"], cwd=REPO, capture_output=True,
+                           text=True, timeout=60)  # fmt: skip
+        assert r.returncode == 2 and r.stderr.splitlines() == [refusal]
+        # The CLI starts the engine itself; with no engine.log to write its output to, it says so.
+        assert cli_main(["jobs"]) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"rigpilot: error: the engine service cannot start: its log {log} cannot be written "
+            f"({unwritable.strerror}); make {engine.state} writable again (chmod 700 {engine.state})"
+        ]
+    log.touch()
+    with Unwritable(engine.state):
+        assert cli_main(["jobs"]) == 2  # with it, the engine's own line
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line == f"rigpilot: error: the engine service did not start (see {log}): {refusal}"
     engine.start()  # once it is writable again, nothing was lost
     assert engine.jobs() == EXPECTED
     assert not set_aside(engine.state)

@@ -111,6 +111,7 @@ class EngineClient:
         return self._start_and_connect(path)
 
     def _start_and_connect(self, path: Path) -> socket.socket:
+        log_start = _size(paths.service_log_path())  # what this start writes is what explains its failure
         proc = start_service()
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
@@ -120,7 +121,7 @@ class EngineClient:
                 pass
             # Exit code 0 means another client's service won the race; keep waiting for its socket.
             if proc.poll() not in (None, 0) or time.monotonic() > deadline:
-                tail = _tail(paths.service_log_path())
+                tail = _tail(paths.service_log_path(), since=log_start)
                 raise EngineUnavailable(
                     f"the engine service did not start (see {paths.service_log_path()}){': ' + tail if tail else ''}"
                 )
@@ -270,7 +271,14 @@ def _connect_unix(path: Path) -> socket.socket:
 def start_service(extra_args: list[str] | None = None) -> subprocess.Popen:
     """Start the service detached from this process (its own session, output to engine.log)."""
     log_path = paths.service_log_path()
-    with log_path.open("ab") as log:
+    try:
+        log = log_path.open("ab")
+    except OSError as e:
+        raise EngineUnavailable(
+            f"the engine service cannot start: its log {log_path} cannot be written ({e.strerror}); make "
+            f"{log_path.parent} writable again (chmod 700 {log_path.parent})"
+        ) from None
+    with log:
         return subprocess.Popen(
             [sys.executable, "-m", "rigpilot.engine.service", "--background", *(extra_args or [])],
             stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, cwd="/",
@@ -294,9 +302,18 @@ def _read_token() -> str:
         raise EngineUnavailable(f"remote access needs the token from the service machine's {paths.token_path()}") from None
 
 
-def _tail(path: Path, n: int = 3) -> str:
+def _size(path: Path) -> int:
     try:
-        lines = path.read_text(errors="replace").splitlines()
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _tail(path: Path, n: int = 3, since: int = 0) -> str:
+    try:
+        with path.open("rb") as f:
+            f.seek(since if since <= f.seek(0, 2) else 0)  # a log cut short meanwhile: all of it
+            lines = f.read().decode(errors="replace").splitlines()
     except OSError:
         return ""
     return " | ".join(lines[-n:])

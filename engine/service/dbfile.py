@@ -21,7 +21,7 @@ from pathlib import Path
 
 from rigpilot.engine.errors import UserError
 
-SQLITE_CORRUPT, SQLITE_NOTADB = 11, 26
+SQLITE_ERROR, SQLITE_CORRUPT, SQLITE_NOTADB = 1, 11, 26
 _MAGIC = b"SQLite format 3\x00"
 _SIDECARS = ("-wal", "-shm")
 WATCH_PERIOD_S = 1.0  # how often a Watch looks at its file (tests set 0)
@@ -46,6 +46,15 @@ def damage_of(e: BaseException) -> str | None:
     return None
 
 
+def unusable_at_open(e: BaseException) -> str | None:
+    """Like `damage_of`, for an error while a checked file is first opened and brought to the current schema:
+    there a plain SQL error (a table without the columns it must have) also means the file is not what it
+    should be."""
+    if isinstance(e, sqlite3.DatabaseError) and (getattr(e, "sqlite_errorcode", 0) & 0xFF) == SQLITE_ERROR:
+        return str(e)
+    return damage_of(e)
+
+
 def check_folder(path: Path, what: str) -> None:
     """Refuse, in one line, a database whose folder the engine cannot write: SQLite needs its -wal and -shm there."""
     folder = path.parent
@@ -58,8 +67,9 @@ def check_folder(path: Path, what: str) -> None:
         raise UserError(f"the engine cannot write its {what} {path}; make it writable again (chmod 600 {path})")
 
 
-def examine(path: Path, *, schema_version: int, table: str) -> SetAside | None:
-    """Why the file at `path` cannot serve as the database whose main table is `table`, or None.
+def examine(path: Path, *, schema_version: int, table: str, columns: frozenset[str] = frozenset()) -> SetAside | None:
+    """Why the file at `path` cannot serve as the database whose main table is `table` (with at least `columns`),
+    or None.
 
     None also when there is no file yet. Opens the file only once its type and header say it is a
     SQLite database, so a FIFO or a device is never read.
@@ -106,6 +116,12 @@ def examine(path: Path, *, schema_version: int, table: str) -> SetAside | None:
         tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         if tables and table not in tables:
             return SetAside(f"it holds no {table} table (another program's database?)", "damaged", None)
+        have = {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
+        if table in tables and not columns <= have:
+            lacking = ", ".join(sorted(columns - have))
+            return SetAside(
+                f"its {table} table lacks the columns {lacking} (another program's table?)", "damaged", None
+            )
     except sqlite3.DatabaseError as e:
         why = damage_of(e)
         if why is None:
@@ -137,16 +153,23 @@ def move_aside(path: Path, cause: str) -> Path | None:
     return target
 
 
-def prepare(path: Path, *, what: str, schema_version: int, table: str) -> tuple[SetAside | None, bool]:
+def prepare(
+    path: Path, *, what: str, schema_version: int, table: str, columns: frozenset[str] = frozenset()
+) -> tuple[SetAside | None, bool]:
     """Make `path` safe to open: refuse an unwritable folder, set aside a file that cannot serve.
 
     Returns what was set aside (or None) and whether a database file was there to begin with (so the
     caller knows a new one is about to be made, which may need filling from elsewhere).
     """
     check_folder(path, what)
-    aside = examine(path, schema_version=schema_version, table=table)
+    aside = examine(path, schema_version=schema_version, table=table, columns=columns)
     if aside is None:
         return None, path.exists()
+    return set_aside(path, aside, what), False
+
+
+def set_aside(path: Path, aside: SetAside, what: str) -> SetAside:
+    """Move the file `aside` speaks of out of the way (filling in `moved_to`); a refusal in one line when it cannot."""
     try:
         aside.moved_to = move_aside(path, aside.cause)
     except OSError as e:
@@ -154,7 +177,7 @@ def prepare(path: Path, *, what: str, schema_version: int, table: str) -> tuple[
             f"the engine's {what} {path} cannot be used ({aside.reason}) and cannot be moved aside "
             f"({e.strerror}); move it away by hand and start the engine again"
         ) from None
-    return aside, False
+    return aside
 
 
 class Watch:

@@ -80,19 +80,20 @@ def read_record(job_dir: Path) -> tuple[JobRecord | str | None, float]:
 
 def job_folders(jobs_root: Path) -> list[Path]:
     """The folders under `jobs_root` that may hold a job (not hidden, not empty)."""
-    out = []
     try:
-        entries = list(os.scandir(jobs_root))
+        with os.scandir(jobs_root) as it:
+            entries = [e for e in it if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)]
     except OSError:
         return []
-    for e in entries:
-        try:
-            if e.name.startswith(".") or not e.is_dir(follow_symlinks=False) or not any(os.scandir(e.path)):
-                continue
-        except OSError:
-            pass  # a folder that cannot be listed is still a job to name; reading it says why
-        out.append(Path(e.path))
-    return sorted(out)
+    return sorted(Path(e.path) for e in entries if not _empty(e.path))
+
+
+def _empty(folder: str) -> bool:
+    try:
+        with os.scandir(folder) as it:
+            return next(it, None) is None
+    except OSError:
+        return False  # a folder that cannot be listed is still a job to name; reading it says why
 
 
 def read_jobs(jobs_root: Path, skip: Collection[str] = ()) -> FolderJobs:

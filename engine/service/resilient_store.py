@@ -40,6 +40,8 @@ TELEMETRY_RESET = "telemetry_reset"
 
 T = TypeVar("T")
 _FIELDS = [f.name for f in dataclasses.fields(JobRecord)]
+# A jobs table without these is not one a Rigpilot made (later fields get their columns added when missing).
+_KEY_COLUMNS = frozenset({"id", "seq", "state", "kind", "name"})
 
 
 @dataclass
@@ -125,8 +127,19 @@ class ResilientJobStore(JobStore):
         self._mirror_failed = False
         # Before anything opens it: checking the file may write back what its -wal holds, and so touch it.
         changed_at = max(_mtime(Path(f"{path}{s}")) for s in ("", "-wal"))
-        aside, existed = dbfile.prepare(path, what="job database", schema_version=SCHEMA_VERSION, table="jobs")
-        super().__init__(path)
+        aside, existed = dbfile.prepare(
+            path, what="job database", schema_version=SCHEMA_VERSION, table="jobs", columns=_KEY_COLUMNS
+        )
+        try:
+            super().__init__(path)
+        except sqlite3.DatabaseError as e:  # damage quick_check does not look for (a schema it cannot alter)
+            why = dbfile.unusable_at_open(e)
+            if why is None:
+                raise UserError(f"cannot open the job database {path}: {e}") from None
+            with contextlib.suppress(AttributeError, sqlite3.Error):
+                self._db.close()
+            aside = dbfile.set_aside(path, dbfile.SetAside(why, "damaged", None), "job database")
+            super().__init__(path)
         self._guard = _Guard(path, self._recover)
         if aside is not None:
             self._rebuild(Recovery(JOB_DATABASE_REBUILT, path, aside.cause, aside.reason, aside.moved_to))
@@ -257,8 +270,19 @@ class ResilientTelemetryStore(TelemetryStore):
     def __init__(self, path: Path, *, on_recovery: Callable[[Recovery], None] = lambda r: None, **options: Any):
         self._on_recovery = on_recovery
         self._in_memory: str | None = None
-        aside, _ = dbfile.prepare(path, what="telemetry history", schema_version=0, table="telemetry")
-        super().__init__(path, **options)
+        aside, _ = dbfile.prepare(
+            path, what="telemetry history", schema_version=0, table="telemetry", columns=frozenset({"time", "data"})
+        )
+        try:
+            super().__init__(path, **options)
+        except sqlite3.DatabaseError as e:  # damage quick_check does not look for
+            why = dbfile.unusable_at_open(e)
+            if why is None:
+                raise UserError(f"cannot open the telemetry history {path}: {e}") from None
+            with contextlib.suppress(AttributeError, sqlite3.Error):
+                self._db.close()
+            aside = dbfile.set_aside(path, dbfile.SetAside(why, "damaged", None), "telemetry history")
+            super().__init__(path, **options)
         self._guard = _Guard(path, self._recover)
         if aside is not None and aside.cause != "missing":  # -wal and -shm alone held nothing to miss
             on_recovery(Recovery(TELEMETRY_RESET, path, aside.cause, aside.reason, aside.moved_to))

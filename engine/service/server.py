@@ -297,10 +297,10 @@ class EngineService:
         self.machine = self.discovery.machine
         for detail in self.discovery.details:
             log.info("%s", detail)
+        self.store = ResilientJobStore(paths.database_path(), paths.jobs_dir(), on_recovery=self._recovered)
         self.telemetry = ResilientTelemetryStore(
             paths.telemetry_path(), min_interval=max(1.0, self.options.telemetry_period), on_recovery=self._recovered
         )
-        self.store = ResilientJobStore(paths.database_path(), paths.jobs_dir(), on_recovery=self._recovered)
         self.supervisor = Supervisor(
             self.store, paths.jobs_dir(), self.machine, self.discovery.backend,
             SupervisorOptions(
