@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 from collections.abc import Collection
@@ -35,6 +36,8 @@ from rigpilot.engine.service.store import (
 )
 from rigpilot.engine.service.submission import plan_prediction
 from rigpilot.engine.service.supervisor import job_processes
+
+log = logging.getLogger(__name__)
 
 RECORD_FILE = "record.json"
 RECORD_SCHEMA = "rigpilot.job_record/1"
@@ -103,7 +106,11 @@ def read_jobs(jobs_root: Path, skip: Collection[str] = ()) -> FolderJobs:
     for job_dir in job_folders(jobs_root):
         if job_dir.name in skip:
             continue
-        rec, how = read_job(job_dir)
+        try:
+            rec, how = read_job(job_dir)
+        except Exception as e:  # a folder unlike any this code expects: named, never the end of the rebuild
+            log.exception("reading job folder %s failed", job_dir)
+            rec, how = _damaged(job_dir, f"it cannot be read ({type(e).__name__}: {_one_line(e)})"), "damaged"
         if rec is None:
             continue
         if how == "damaged":

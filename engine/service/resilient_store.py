@@ -81,7 +81,8 @@ class Recovery:
         if self.damaged:
             line += f"; {_count(self.damaged, 'job folder')} damaged, listed as failed ({_ids(self.damaged)})"
         if self.in_memory:
-            line += f"; a new file could not be made ({self.in_memory}), so the list is kept in memory until the engine restarts"
+            kept = "history" if self.code == TELEMETRY_RESET else "list"
+            line += f"; a new file could not be made ({self.in_memory}), so the {kept} is kept in memory until the engine restarts"
         return line
 
     def notice(self) -> dict[str, Any]:
@@ -161,14 +162,16 @@ class ResilientJobStore(JobStore):
         return self._guard.run(super().next_seq)
 
     def insert(self, rec: JobRecord) -> None:
-        # A rebuild on the way must leave this job out: its folder is made, its row is not yet.
-        self._guard.run(functools.partial(super().insert, rec), skip={rec.id})
-        self._mirror(rec)
+        with self._guard.lock:  # row and record.json change together: two changes never cross on their way
+            # A rebuild on the way must leave this job out: its folder is made, its row is not yet.
+            self._guard.run(functools.partial(super().insert, rec), skip={rec.id})
+            self._mirror(rec)
 
     def update(self, rec: JobRecord, **changes: Any) -> JobRecord:
-        self._guard.run(functools.partial(super().update, rec, **changes))
-        # The row, not `rec`: another copy of the record may have changed other fields of it.
-        self._mirror(self._guard.run(functools.partial(super().get, rec.id)) or rec)
+        with self._guard.lock:
+            self._guard.run(functools.partial(super().update, rec, **changes))
+            # The row, not `rec`: another copy of the record may have changed other fields of it.
+            self._mirror(self._guard.run(functools.partial(super().get, rec.id)) or rec)
         return rec
 
     def get(self, job_id: str) -> JobRecord | None:

@@ -4,6 +4,9 @@ The row is the service's memory across restarts: the queue order, which
 process runs a job (pid plus start time, so a recycled pid is never mistaken
 for it), and how each job ended. Everything bulky (logs, metrics, checkpoints)
 stays in the job folder; the row keeps only the last log lines of a failure.
+The engine uses it through engine.service.resilient_store, which keeps a copy
+of each row in its job folder and rebuilds the table from them when the file
+is damaged.
 """
 
 from __future__ import annotations
