@@ -249,7 +249,7 @@ class ResilientJobStore(JobStore):
             self._migrate()
             self._guard.watch = dbfile.Watch(self.path)
         except (OSError, sqlite3.Error, UserError) as e:
-            self._in_memory = getattr(e, "strerror", None) or str(e)
+            self._in_memory = _why_not(e)
             self._db = self._connect()
             self._migrate()
             self._guard.watch = None
@@ -319,11 +319,18 @@ class ResilientTelemetryStore(TelemetryStore):
             self._open()
             self._guard.watch = dbfile.Watch(self.path)
         except (OSError, sqlite3.Error, UserError) as e:
-            self._in_memory = getattr(e, "strerror", None) or str(e)
+            self._in_memory = _why_not(e)
             self._open()
             self._guard.watch = None
         recovery.in_memory = self._in_memory
         self._on_recovery(recovery)
+
+
+def _why_not(e: Exception) -> str:
+    """Why a new database file could not be made, in a few words for the notice."""
+    if isinstance(e, UserError):
+        return "its folder cannot be written"
+    return (e.strerror if isinstance(e, OSError) else None) or str(e)
 
 
 def _mtime(path: Path) -> float:
