@@ -181,11 +181,12 @@ def _running_engine(args: argparse.Namespace):
     if getattr(args, "simulate", None) or getattr(args, "import_paths", None):
         return None
     from rigpilot.engine.service.client import EngineClient, EngineUnavailable, service_running
+    from rigpilot.engine.service.commands import print_notice
 
     if not service_running():
         return None
     try:
-        client = EngineClient(autostart=False, client_name="cli")
+        client = EngineClient(autostart=False, client_name="cli", on_notice=print_notice)
         client.connect()
         return client
     except EngineUnavailable:

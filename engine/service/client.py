@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,7 @@ class EngineClient:
         token: str | None = None,
         client_name: str = "cli",
         timeout: float = 60.0,
+        on_notice: Callable[[dict[str, Any]], None] | None = None,
     ):
         self.autostart = autostart and tcp is None
         self.tcp = tcp
@@ -66,6 +67,10 @@ class EngineClient:
         self.client_name = client_name
         self.timeout = timeout
         self.hello: dict[str, Any] = {}
+        # What the engine did by itself and tells each client name once ({code, message, …}: a damaged
+        # database it rebuilt); `on_notice` hears each as it comes.
+        self.notices: list[dict[str, Any]] = []
+        self.on_notice = on_notice
         self._sock: socket.socket | None = None
         self._buf = bytearray()
         self._events: deque[dict[str, Any]] = deque()
@@ -106,6 +111,7 @@ class EngineClient:
         return self._start_and_connect(path)
 
     def _start_and_connect(self, path: Path) -> socket.socket:
+        log_start = _size(paths.service_log_path())  # what this start writes is what explains its failure
         proc = start_service()
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
@@ -115,7 +121,7 @@ class EngineClient:
                 pass
             # Exit code 0 means another client's service won the race; keep waiting for its socket.
             if proc.poll() not in (None, 0) or time.monotonic() > deadline:
-                tail = _tail(paths.service_log_path())
+                tail = _tail(paths.service_log_path(), since=log_start)
                 raise EngineUnavailable(
                     f"the engine service did not start (see {paths.service_log_path()}){': ' + tail if tail else ''}"
                 )
@@ -175,10 +181,19 @@ class EngineClient:
                 continue
             if msg.get("id") not in (rid, None):
                 continue  # a reply to an earlier request that timed out
+            self._take_notices(msg)
             if msg.get("ok"):
                 return msg.get("result")
             err = msg.get("error") or {}
             raise EngineError(err.get("code", protocol.INTERNAL), err.get("message", "unknown error"))
+
+    def _take_notices(self, msg: dict[str, Any]) -> None:
+        notices = msg.get("notices")
+        for n in notices if isinstance(notices, list) else []:
+            if isinstance(n, dict) and isinstance(n.get("message"), str):
+                self.notices.append(n)
+                if self.on_notice is not None:
+                    self.on_notice(n)
 
     # -- events ---------------------------------------------------------------
 
@@ -256,7 +271,14 @@ def _connect_unix(path: Path) -> socket.socket:
 def start_service(extra_args: list[str] | None = None) -> subprocess.Popen:
     """Start the service detached from this process (its own session, output to engine.log)."""
     log_path = paths.service_log_path()
-    with log_path.open("ab") as log:
+    try:
+        log = log_path.open("ab")
+    except OSError as e:
+        raise EngineUnavailable(
+            f"the engine service cannot start: its log {log_path} cannot be written ({e.strerror}); make "
+            f"{log_path.parent} writable again (chmod 700 {log_path.parent})"
+        ) from None
+    with log:
         return subprocess.Popen(
             [sys.executable, "-m", "rigpilot.engine.service", "--background", *(extra_args or [])],
             stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, cwd="/",
@@ -280,9 +302,18 @@ def _read_token() -> str:
         raise EngineUnavailable(f"remote access needs the token from the service machine's {paths.token_path()}") from None
 
 
-def _tail(path: Path, n: int = 3) -> str:
+def _size(path: Path) -> int:
     try:
-        lines = path.read_text(errors="replace").splitlines()
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _tail(path: Path, n: int = 3, since: int = 0) -> str:
+    try:
+        with path.open("rb") as f:
+            f.seek(since if since <= f.seek(0, 2) else 0)  # a log cut short meanwhile: all of it
+            lines = f.read().decode(errors="replace").splitlines()
     except OSError:
         return ""
     return " | ".join(lines[-n:])

@@ -339,7 +339,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
         from rigpilot.engine.service.client import EngineClient, EngineUnavailable
 
         try:
-            with EngineClient(autostart=False) as c:
+            with EngineClient(autostart=False, on_notice=print_notice) as c:
                 c.request("shutdown")
         except EngineUnavailable:
             print("the engine service is not running")
@@ -440,7 +440,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UserError("--slurm and --nodes do not go together: SLURM chooses the nodes of a SLURM job itself")
     # --slurm with none of its options is still a SLURM job: the options are only ever added to.
     extra = {"slurm": slurm} if slurm is not None else across
-    with EngineClient() as client:
+    with EngineClient(on_notice=print_notice) as client:
         if getattr(args, "check", False):
             for line in client.request("check", spec=spec, plan=plan, cwd=os.getcwd(), **extra)["lines"]:
                 print(line)
@@ -604,7 +604,13 @@ def _print_hints(job_id: str) -> None:
 def _client():
     from rigpilot.engine.service.client import EngineClient
 
-    return EngineClient()
+    return EngineClient(on_notice=print_notice)
+
+
+def print_notice(notice: dict[str, Any]) -> None:
+    """What the engine did by itself (a damaged database it rebuilt), once: a line on stderr, so stdout stays
+    what the command prints."""
+    print(f"rigpilot: {printable(str(notice['message']))}", file=sys.stderr)
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
@@ -938,7 +944,7 @@ def cmd_scaling(args: argparse.Namespace) -> int:
     from rigpilot.engine.service.client import EngineClient
 
     # Planning every point happens inside the start request: give it room beyond one plan's deadline.
-    with EngineClient(timeout=300) as c:
+    with EngineClient(timeout=300, on_notice=print_notice) as c:
         if args.list:
             studies = c.request("scaling_studies")["studies"]
             if args.json:

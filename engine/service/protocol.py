@@ -10,6 +10,12 @@ trusted to send code.
     event    {"v": 1, "event": "telemetry" | "job" | "metrics", ...}   (after a `subscribe`)
 
 `id` is the client's, echoed back (null when the request could not be read).
+A reply (or error) may also carry `"notices": [{code, message, time, ...}]`: what the engine did by
+itself that its user should hear of, each told once to each client name given in `hello` (not on the
+`hello` reply itself). Codes: `job_database_rebuilt` (engine.db could not serve or was missing; fields
+path, cause, reason, moved_to, in_memory, jobs, damaged), `jobs_put_back` (a sound engine.db was
+behind the job folders: jobs put back or brought up to date from their record.json), `telemetry_reset` (telemetry.db could not serve; history
+starts again); see engine.service.resilient_store.
 Each request type's `args` are checked against `REQUEST_SCHEMAS` before the
 service acts on them; unknown arguments are refused so a typo is not ignored.
 Numbers, strings and lists carry ranges (`Limit`), so a value SQLite, `seek`

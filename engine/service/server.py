@@ -56,11 +56,11 @@ from rigpilot.engine.service.metrics import read_records
 from rigpilot.engine.service.multinode import MultiNode
 from rigpilot.engine.service.planworker import ClientGone, PlannerBug, PlannerPool, PlanTimeout
 from rigpilot.engine.service.protocol import ProtocolError, Request
+from rigpilot.engine.service.resilient_store import Recovery, ResilientJobStore, ResilientTelemetryStore
 from rigpilot.engine.service.results import RESULTS_FILE, read_results
 from rigpilot.engine.service.scaling import Studies
-from rigpilot.engine.service.store import ALL_STATES, COMPLETED, JobStore
+from rigpilot.engine.service.store import ALL_STATES, COMPLETED
 from rigpilot.engine.service.supervisor import JobNotFound, Supervisor, SupervisorOptions
-from rigpilot.engine.service.telemetry_store import TelemetryStore
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +108,7 @@ class Connection:
         self.host = host  # the remote address, for the per-host cap ("" on the unix socket)
         self.remote = needs_auth
         self.authenticated = not needs_auth
+        self.client = ""  # the name the client gave in hello: each name hears each notice once
         self.topics: set[str] = set()
         self.metrics_cursors: dict[str, dict[str, int]] = {}
         self.dropped = 0
@@ -264,6 +265,11 @@ class EngineService:
         self._machine_lock = threading.Lock()  # one machine switch at a time
         self._ended_since_trim = 0  # connections ended since memory was last handed back
         self._trimmed = 0.0
+        # What the engine did by itself that its users should hear of (a damaged database it rebuilt): each
+        # notice rides on the next reply to each client name once, so the CLI says it once, not at every command.
+        self._notices: list[dict[str, Any]] = []
+        self._told: dict[str, int] = {}  # client name -> how many notices it has been given
+        self._notice_lock = threading.Lock()
 
     # -- lifetime -------------------------------------------------------------
 
@@ -291,8 +297,10 @@ class EngineService:
         self.machine = self.discovery.machine
         for detail in self.discovery.details:
             log.info("%s", detail)
-        self.telemetry = TelemetryStore(paths.telemetry_path(), min_interval=max(1.0, self.options.telemetry_period))
-        self.store = JobStore(paths.database_path())
+        self.store = ResilientJobStore(paths.database_path(), paths.jobs_dir(), on_recovery=self._recovered)
+        self.telemetry = ResilientTelemetryStore(
+            paths.telemetry_path(), min_interval=max(1.0, self.options.telemetry_period), on_recovery=self._recovered
+        )
         self.supervisor = Supervisor(
             self.store, paths.jobs_dir(), self.machine, self.discovery.backend,
             SupervisorOptions(
@@ -314,6 +322,19 @@ class EngineService:
         self.multinode.start()
         self.sampler.start()
         threading.Thread(target=self._reap_loop, name="engine-reaper", daemon=True).start()
+
+    def _recovered(self, recovery: Recovery) -> None:
+        """One of the databases was damaged and the engine recovered: said once in the log, once to each client."""
+        notice = {**recovery.notice(), "time": time.time()}
+        log.warning("%s", notice["message"])
+        with self._notice_lock:
+            self._notices.append(notice)
+
+    def _untold(self, conn: Connection) -> list[dict[str, Any]]:
+        with self._notice_lock:
+            told = self._told.get(conn.client, 0)
+            self._told[conn.client] = len(self._notices)
+            return self._notices[told:]
 
     def _new_sampler(self, backend: Any) -> Sampler:
         period = self.options.telemetry_period
@@ -594,16 +615,16 @@ class EngineService:
             if not conn.authenticated:
                 self._authenticate(conn, req)
             result = self.handle(conn, req)
-            conn.send(protocol.reply(rid, result))
+            self._reply(conn, req, protocol.reply(rid, result))
         except ProtocolError as e:
             conn.send(protocol.error_reply(rid, e.code, e.message))
             return not e.fatal
         except JobNotFound as e:
-            conn.send(protocol.error_reply(rid, protocol.NOT_FOUND, str(e)))
+            self._reply(conn, req, protocol.error_reply(rid, protocol.NOT_FOUND, str(e)))
         except UserError as e:
-            conn.send(protocol.error_reply(rid, protocol.USER_ERROR, str(e)))
+            self._reply(conn, req, protocol.error_reply(rid, protocol.USER_ERROR, str(e)))
         except PlanTimeout:
-            conn.send(protocol.error_reply(rid, protocol.TIMEOUT, (
+            self._reply(conn, req, protocol.error_reply(rid, protocol.TIMEOUT, (
                 "the plan search ran past its deadline and was stopped; "
                 "ask for fewer GPUs, a smaller batch or a shorter sequence"
             )))  # fmt: skip
@@ -614,6 +635,14 @@ class EngineService:
         except Exception as e:
             conn.send(protocol.error_reply(rid, protocol.INTERNAL, self._bug(e, f"request {str(msg.get('type'))[:40]!r}")))
         return True
+
+    def _reply(self, conn: Connection, req: Request, message: dict[str, Any]) -> None:
+        # Not on hello: a client that only checks the engine is up (a start-up probe) must not use up the notice.
+        if req.type != "hello":
+            notices = self._untold(conn)
+            if notices:
+                message["notices"] = notices
+        conn.send(message)
 
     def _bug(self, e: BaseException, during: str) -> str:
         """Log an unexpected exception with its traceback; the one line a client is told about it."""
@@ -636,6 +665,7 @@ class EngineService:
         return handler(conn, **req.args)
 
     def _do_hello(self, conn: Connection, versions: list[int] | None = None, client: str = "", token: str = "") -> Any:
+        conn.client = client
         if versions is not None and not set(versions) & set(protocol.SUPPORTED_VERSIONS):
             raise ProtocolError(
                 protocol.UNSUPPORTED_VERSION,

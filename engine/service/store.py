@@ -4,6 +4,9 @@ The row is the service's memory across restarts: the queue order, which
 process runs a job (pid plus start time, so a recycled pid is never mistaken
 for it), and how each job ended. Everything bulky (logs, metrics, checkpoints)
 stays in the job folder; the row keeps only the last log lines of a failure.
+The engine uses it through engine.service.resilient_store, which keeps a copy
+of each row in its job folder and rebuilds the table from them when the file
+is damaged.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ TERMINAL_STATES = frozenset({COMPLETED, FAILED, CANCELLED, INTERRUPTED})
 ALL_STATES = frozenset({QUEUED}) | ACTIVE_STATES | TERMINAL_STATES
 RESUMABLE_STATES = frozenset({FAILED, CANCELLED, INTERRUPTED})
 
-_SCHEMA_VERSION = 1
+SCHEMA_VERSION = 1
 
 
 @dataclass
@@ -111,12 +114,16 @@ class JobStore:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=10)
-        self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        # NORMAL in WAL mode may lose the last commits on power loss but never corrupts the file.
-        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db = self._connect()
         self._migrate()
+
+    def _connect(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=10)
+        db.row_factory = sqlite3.Row
+        db.execute("PRAGMA journal_mode=WAL")
+        # NORMAL in WAL mode may lose the last commits on power loss but never corrupts the file.
+        db.execute("PRAGMA synchronous=NORMAL")
+        return db
 
     def _migrate(self) -> None:
         with self._lock:
@@ -133,8 +140,8 @@ class JobStore:
                         predicted TEXT, measured TEXT, error TEXT)"""
                 )
                 self._db.execute("CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state, seq)")
-                self._db.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")
-            elif version > _SCHEMA_VERSION:
+                self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            elif version > SCHEMA_VERSION:
                 raise RuntimeError(f"{self.path} was written by a newer Rigpilot (schema {version})")
             # Fields added to JobRecord since the table was made get a column of their own; rows written
             # before read as the field's default. Older engines ignore columns they do not know, so this

@@ -41,10 +41,14 @@ class TelemetryStore:
         self._prune_every = prune_every
         self._clock = clock
         self._lock = threading.Lock()
+        self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=10)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._last_prune = 0.0
+        self._open()
+
+    def _open(self) -> None:
+        """Connect, and pick up where the stored history ends."""
+        self._db = self._connect()
         # `coarse` marks the rows that survive thinning: the first sample of each coarse bucket.
         self._db.execute(
             "CREATE TABLE IF NOT EXISTS telemetry (time REAL PRIMARY KEY, coarse INTEGER NOT NULL, data BLOB NOT NULL)"
@@ -52,8 +56,13 @@ class TelemetryStore:
         row = self._db.execute("SELECT MAX(time) FROM telemetry").fetchone()
         self._last_time = row[0] or 0.0
         row = self._db.execute("SELECT MAX(time) FROM telemetry WHERE coarse = 1").fetchone()
-        self._last_coarse_bucket = int((row[0] or 0.0) // coarse_interval)
-        self._last_prune = 0.0
+        self._last_coarse_bucket = int((row[0] or 0.0) // self.coarse_interval)
+
+    def _connect(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=10)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")
+        return db
 
     def add(self, sample: TelemetrySample) -> bool:
         """Store `sample` unless one was stored less than `min_interval` ago; True when stored."""
