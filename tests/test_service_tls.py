@@ -211,6 +211,7 @@ def _handshaken(address: str) -> socket.socket:
     return s
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", [_silent, _handshaken], ids=["silent", "after-tls"])
 def test_a_flood_from_one_host_does_not_lock_out_a_real_client_of_that_host(tcp_engine, kind):
     engine, address, token, _ = tcp_engine
