@@ -53,8 +53,9 @@ from rigpilot.engine.runtime import env_dir, env_python, uv_cache_dir
 
 SHIPPED_WHEELS = Path("/opt/rigpilot/wheels")  # where the .deb puts its wheels
 PYTORCH_INDEX = "https://download.pytorch.org/whl"
-# The app's own dependencies the workers never import: the engine environment goes without them.
-APP_ONLY = frozenset({"pyside6", "pyside6-essentials", "pyqtgraph", "uv"})
+# The app's own dependencies the workers never import (cryptography: the engine service's TLS certificate):
+# the engine environment goes without them.
+APP_ONLY = frozenset({"pyside6", "pyside6-essentials", "pyqtgraph", "uv", "cryptography"})
 # Ambient uv settings that say how to reach the network, not what to install: those are honoured. Every other
 # UV_* and PIP_* variable (an index, find-links, constraints, a Python, a cache, offline mode) is dropped, so the
 # engine environment is the same whatever the user's shell holds; --index-url is the way to choose an index.

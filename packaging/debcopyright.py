@@ -68,6 +68,10 @@ QT_COMMENT = (
 # Per distribution (normalised name). Sources: the distributions' own METADATA and files, and Qt's
 # module licensing (doc.qt.io/qt-6/qtmodules.html, and the SPDX headers of the Qt sources).
 EXTRA: dict[str, Extra] = {
+    "cryptography": Extra(
+        comment="Its compiled module (cryptography/hazmat/bindings/_rust.abi3.so) also statically links OpenSSL, "
+        "which is under Apache-2.0 (https://openssl-library.org/source/license/).",
+    ),
     "nvidia-ml-py": Extra(
         license="BSD-3-clause",
         comment="The wheel ships no license file; the text is the header of pynvml.py.",

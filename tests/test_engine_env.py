@@ -134,7 +134,7 @@ def test_the_torch_pin_and_worker_packages_come_from_pyproject_in_a_checkout():
     reqs = provision.worker_requirements()
     assert f"torch=={reqs.torch}" in workers
     assert set(reqs.packages) == {w for w in workers if not w.startswith("torch==")} | {
-        d for d in project["dependencies"] if not d.lower().startswith(("pyside6", "pyqtgraph", "uv"))
+        d for d in project["dependencies"] if not d.lower().startswith(("pyside6", "pyqtgraph", "uv", "cryptography"))
     }
     assert not any(provision.normalized_name(p) == "torch" for p in reqs.packages)
     assert "setuptools>=68" in reqs.build  # what uv needs to build this checkout

@@ -13,12 +13,15 @@ from rigpilot.app.settings.nodes import NodesBox
 from rigpilot.engine.service import nodes
 
 TOKEN = "t" * 43
+PINNED = "SHA256:" + "B" * 42 + "A"
 
 
 def registry_link() -> FakeLink:
     return FakeLink("1x-rtx4090", replies={
         "nodes": lambda **_: {"nodes": [nodes.probe(n, timeout=1) for n in nodes.load().values()]},
-        "node_add": lambda name, address, token: {"node": nodes.probe(nodes.add(name, address, token), timeout=1)},
+        "node_add": lambda name, address, token, fingerprint=None: {
+            "node": nodes.probe(nodes.add(name, address, token, fingerprint), timeout=1)
+        },
         "node_remove": lambda name: (nodes.remove(name), {"removed": name})[1],
     })  # fmt: skip
 
@@ -41,13 +44,19 @@ def test_nodes_are_added_checked_and_removed_through_the_engine(qtbot):
     box.add()
     assert "HOST:PORT" in box.error.text()
 
-    box.address.setText("127.0.0.1:1")  # nothing listens there: added, and shown as not reachable
-    with qtbot.waitSignal(box.sig_nodes, timeout=5000):
+    box.address.setText("127.0.0.1:1")
+    box.fingerprint.setText("SHA256:not-one")
+    box.add()
+    assert "not a certificate fingerprint" in box.error.text()
+    box.fingerprint.setText(PINNED.removeprefix("SHA256:"))  # as pasted without its prefix
+    with qtbot.waitSignal(box.sig_nodes, timeout=5000):  # nothing listens there: added, and shown as not reachable
         box.add()
     assert box.error.isHidden()
     assert box.table.rowCount() == 1 and box.table.item(0, 0).text() == "box2"
     assert box.table.item(0, 2).text().startswith("not reachable")
-    assert box.token.text() == ""  # the secret does not linger in the form
+    assert box.table.item(0, 3).text() == PINNED  # the certificate it must present, to compare with the machine's
+    assert link.requests("node_add")[-1]["fingerprint"] == PINNED
+    assert box.token.text() == "" and box.fingerprint.text() == ""  # the secret does not linger in the form
     registry = nodes.registry_path()
     assert stat.S_IMODE(registry.stat().st_mode) == 0o600
     assert nodes.load()["box2"].token == TOKEN

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import ssl
 import stat
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from test_workers_jobs import run_job, write_job
 from test_workers_reference import CHAT, GLOBAL_BATCH, RECIPE, TINY_LLAMA_CONFIG, reference_run
 
 from rigpilot.engine.cli import main as cli_main
+from rigpilot.engine.service import tls
 from rigpilot.engine.service.client import EngineClient
 
 REPO = Path(__file__).resolve().parents[1]
@@ -73,6 +75,12 @@ class Node:
     @property
     def token(self) -> str:
         return (self.base / "config" / "rigpilot" / "engine-token").read_text().strip()
+
+    @property
+    def fingerprint(self) -> str:
+        """Its TLS certificate's, read from its own files (what `rigpilot engine --fingerprint` prints there)."""
+        cert = self.base / "state" / "rigpilot" / "tls" / tls.CERT_FILE
+        return tls.fingerprint_of(ssl.PEM_cert_to_DER_cert(cert.read_text()))
 
     def client(self) -> EngineClient:
         assert self.tcp_port
@@ -190,6 +198,8 @@ def test_nodes_registry_keeps_tokens_private_and_refuses_bad_input_in_one_line(c
                        monkeypatch=monkeypatch)  # fmt: skip
     assert rc == 0, err
     assert "reachable" in out and "2 GPUs, simulated" in out
+    # Reached over TLS, its certificate pinned on that first login: the one box2's engine has.
+    assert f"certificate {box2.fingerprint} pinned" in out and "rigpilot engine --fingerprint" in out
     token_file = box3.base / "token"
     token_file.write_text(box3.token)
     assert cli(capsys, "nodes", "add", "box3", f"127.0.0.1:{box3.tcp_port}", "--token-file", str(token_file))[0] == 0
@@ -197,6 +207,7 @@ def test_nodes_registry_keeps_tokens_private_and_refuses_bad_input_in_one_line(c
     assert stat.S_IMODE(registry.stat().st_mode) == 0o600
     assert stat.S_IMODE(registry.parent.stat().st_mode) == 0o700
     assert json.loads(registry.read_text())["nodes"]["box2"]["token"] == box2.token
+    assert json.loads(registry.read_text())["nodes"]["box3"]["fingerprint"] == box3.fingerprint
 
     rc, out, _ = cli(capsys, "nodes", "list")
     assert rc == 0 and out.count("reachable,") == 2
@@ -205,6 +216,14 @@ def test_nodes_registry_keeps_tokens_private_and_refuses_bad_input_in_one_line(c
     rc, out, _ = cli(capsys, "nodes", "list")
     assert "bad" in out and "not reachable: refused" in out and "wrong token" in out
     assert cli(capsys, "nodes", "remove", "bad")[0] == 0
+    # Another certificate than the one given: refused in one line that says what to do, and never pinned instead.
+    wrong = "SHA256:" + "A" * 43
+    rc, out, _ = cli(capsys, "nodes", "add", "twin", f"127.0.0.1:{box2.tcp_port}", "--fingerprint", wrong,
+                     stdin=box2.token, monkeypatch=monkeypatch)  # fmt: skip
+    assert rc == 0 and f"presents certificate {box2.fingerprint}, not {wrong}" in out, out
+    assert f"rigpilot nodes add twin 127.0.0.1:{box2.tcp_port} --fingerprint {box2.fingerprint}" in out
+    assert json.loads(registry.read_text())["nodes"]["twin"]["fingerprint"] == wrong
+    assert cli(capsys, "nodes", "remove", "twin")[0] == 0
     for argv, words in [
         (("nodes", "add", "local", "127.0.0.1:1"), "means this engine itself"),
         (("nodes", "add", "b x", "127.0.0.1:1"), "a node name is"),

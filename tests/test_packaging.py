@@ -254,7 +254,8 @@ def test_package_contents_and_metadata(deb, unpacked):
             for short in re.findall(r"[\w.+-]+", name):
                 assert short in standalone or short in ("and", "or", "with", "exception"), (short, p["Files"])
     covered = " ".join(p["Files"] for p in files)
-    for dist in ("numpy", "PySide6", "shiboken6", "pyqtgraph", "uv", "psutil", "libQt6Lottie", "libicu", "libgfortran"):
+    for dist in ("numpy", "PySide6", "shiboken6", "pyqtgraph", "uv", "psutil", "cryptography", "cffi", "libQt6Lottie",
+                 "libicu", "libgfortran"):
         assert dist in covered, dist
     for common in ("LGPL-3", "GPL-2", "GPL-3"):
         assert common in standalone
@@ -331,7 +332,7 @@ def _engine_wheelhouse() -> Path:
         pytest.skip(
             f"no torch {pin}+cpu cp311 wheel in {os.pathsep.join(map(str, WHEEL_DIRS))} (set RIGPILOT_TEST_WHEELS)"
         )
-    app_only = ("pyside6", "pyqtgraph", "uv")
+    app_only = ("pyside6", "pyqtgraph", "uv", "cryptography")
     reqs = [r for r in project["dependencies"] if not r.lower().startswith(app_only)]
     reqs += [r for r in workers if not r.startswith("torch==")]
     key = hashlib.sha256("\n".join([wheels[0].name, *reqs]).encode()).hexdigest()[:12]

@@ -236,9 +236,9 @@ def test_socket_is_private_and_bad_messages_get_error_replies(engine):
         plan = c.request("plan", model="qwen2.5-0.5b", workload={"seq_len": 512, "global_batch": 8}, gpus=[0, 1])
         assert plan["result"]["best"]["parallelism"]["gpu_indices"] == [0, 1]
 
-    # TCP: nothing without the token, everything with it.
+    # TCP: nothing in plain text (tests/test_service_tls.py has the rest), nothing without the token, everything with it.
     t = socket.create_connection((host, port), timeout=10)
-    assert raw_exchange(t, protocol.encode(protocol.request(1, "jobs")))["error"]["code"] == protocol.UNAUTHORIZED
+    assert raw_exchange(t, protocol.encode(protocol.request(1, "jobs")))["error"]["code"] == protocol.TLS_REQUIRED
     assert t.recv(10) == b""  # and then it hangs up
     t.close()
     with EngineClient(tcp=f"{host}:{port}", timeout=10) as remote:

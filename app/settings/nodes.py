@@ -5,7 +5,8 @@ The list and every change go through the engine (requests `nodes`, `node_add`,
 own, and it is the engine that reaches the nodes, so whether one answers is
 asked of it. A node is checked by engine.service.nodes.check_node here first,
 the same check the engine and the CLI make, so a typo is shown beside the field
-without a round trip.
+without a round trip. Each node's pinned TLS certificate is listed, so it can be
+compared with what `rigpilot engine --fingerprint` prints on that machine.
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ def node_status(n: dict[str, Any]) -> str:
     return f"{n.get('label') or '?'} ({n.get('gpus')} GPUs, {kind}), Rigpilot {n.get('version')}"
 
 
+def node_certificate(n: dict[str, Any]) -> str:
+    return n.get("fingerprint") or "not pinned yet (on its first login)"
+
+
 class NodesBox(QGroupBox):
     sig_nodes = Signal(list)  # the nodes as the engine last listed them
     sig_error = Signal(str)
@@ -46,10 +51,10 @@ class NodesBox(QGroupBox):
         super().__init__("Nodes (other machines' engines a job can span)", parent)
         self.link = link
         self.nodes: list[dict[str, Any]] = []
-        self.table = QTableWidget(0, 3)
+        self.table = QTableWidget(0, 4)
         self.table.setObjectName("nodesTable")
         self.table.setAccessibleName("Nodes")
-        self.table.setHorizontalHeaderLabels(["Name", "Address", "Status"])
+        self.table.setHorizontalHeaderLabels(["Name", "Address", "Status", "Certificate (pinned)"])
         self.table.horizontalHeader().setSectionResizeMode(2, QHeaderView.ResizeMode.Stretch)
         self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
         self.table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
@@ -68,6 +73,10 @@ class NodesBox(QGroupBox):
         self.token.setObjectName("nodeToken")
         self.token.setAccessibleName("Node token")
         self.token.setEchoMode(QLineEdit.EchoMode.Password)
+        self.fingerprint = QLineEdit()
+        self.fingerprint.setObjectName("nodeFingerprint")
+        self.fingerprint.setAccessibleName("Node certificate fingerprint")
+        self.fingerprint.setPlaceholderText("optional: SHA256:… from 'rigpilot engine --fingerprint' there")
         self.add_button = QPushButton("Add node")
         self.add_button.setObjectName("addNode")
         self.add_button.clicked.connect(self.add)
@@ -96,12 +105,14 @@ class NodesBox(QGroupBox):
         form.addRow("Name", self.name)
         form.addRow("Address", self.address)
         form.addRow("Token", self.token)
+        form.addRow("Certificate", self.fingerprint)
         form.addRow("", self.add_button)
         form.addRow("", self.error)
         hint = QLabel(
             f"A job runs on several machines with `rigpilot run … --nodes local,NAME` or the wizard. For each, {REMOTE_HINT}. "
-            "Tokens are kept by the engine in a file only you can read; nothing listens beyond this computer unless "
-            "you start an engine with --tcp."
+            "Tokens are kept by the engine in a file only you can read, and never sent: engines talk over TLS and "
+            "prove the token instead. Each node's certificate is pinned (the one given, else the first it presents) "
+            "and a changed one is refused. Nothing listens beyond this computer unless you start an engine with --tcp."
         )
         hint.setWordWrap(True)
         form.addRow(hint)
@@ -123,7 +134,7 @@ class NodesBox(QGroupBox):
         self.nodes = found
         self.table.setRowCount(len(found))
         for i, n in enumerate(found):
-            for j, text in enumerate((n.get("name", ""), n.get("address", ""), node_status(n))):
+            for j, text in enumerate((n.get("name", ""), n.get("address", ""), node_status(n), node_certificate(n))):
                 self.table.setItem(i, j, QTableWidgetItem(str(text)))
         self.sig_nodes.emit(found)
 
@@ -134,15 +145,18 @@ class NodesBox(QGroupBox):
     # -- changes ----------------------------------------------------------------------------------------
     def add(self) -> None:
         try:
-            node = check_node(self.name.text().strip(), self.address.text().strip(), self.token.text())
+            node = check_node(
+                self.name.text().strip(), self.address.text().strip(), self.token.text(), self.fingerprint.text()
+            )
         except UserError as e:
             self._show_error(str(e))
             return
         self._show_error("")
         self.add_button.setEnabled(False)
         self.status.setText(f"Adding {node.name} and checking that it answers…")
+        pinned = {"fingerprint": node.fingerprint} if node.fingerprint else {}
         self.link.call(
-            "node_add", name=node.name, address=node.address, token=node.token,
+            "node_add", name=node.name, address=node.address, token=node.token, **pinned,
             on_done=self._on_added, on_error=self._on_add_failed,
         )  # fmt: skip
 
@@ -152,7 +166,9 @@ class NodesBox(QGroupBox):
         self.token.clear()
         self.name.clear()
         self.address.clear()
-        self.status.setText(f"Added {node.get('name')}: {node_status(node)}")
+        self.fingerprint.clear()
+        pinned = f"; certificate {node['fingerprint']} pinned" if node.get("fingerprint") else ""
+        self.status.setText(f"Added {node.get('name')}: {node_status(node)}{pinned}")
         self.link.call("nodes", on_done=self._on_listed, on_error=self._on_failed)
 
     def _on_add_failed(self, error: BaseException) -> None:

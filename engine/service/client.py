@@ -9,6 +9,11 @@
 Not thread-safe: use one client per thread. Read-only requests are retried
 once over a fresh connection when the old one broke (the service restarted),
 so a GUI poller rides over a restart without noticing.
+
+Over TCP (`tcp="HOST:PORT"`) the connection is TLS and the login proves the
+token without sending it (engine.service.tls); the engine's certificate must
+match the fingerprint pinned for it (given, or remembered in
+engine.service.pins the first time that engine proved it holds the token).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import itertools
 import os
 import select
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -28,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from rigpilot.engine.errors import UserError
-from rigpilot.engine.service import paths, protocol
+from rigpilot.engine.service import paths, pins, protocol, tls
 
 _IDEMPOTENT = frozenset(
     {"hello", "machine", "topology", "telemetry_history", "jobs", "job", "logs", "metrics", "cancel", "plan"}
@@ -36,6 +42,8 @@ _IDEMPOTENT = frozenset(
 # A client waits this long for a service it started to come up (discovery, SQLite, sockets).
 START_TIMEOUT_S = 30.0
 TOKEN_ENV = "RIGPILOT_ENGINE_TOKEN"  # a remote client's copy of the service machine's token
+# A TCP login the engine cut short to make room (a flood of connections from this host) is tried again this long.
+LOGIN_RETRY_S = 10.0
 
 
 class EngineError(UserError):
@@ -50,6 +58,22 @@ class EngineUnavailable(UserError):
     """No service could be reached or started."""
 
 
+class FingerprintMismatch(EngineUnavailable):
+    """The engine at an address presented another certificate than the one pinned for it."""
+
+    def __init__(self, address: str, seen: str, pinned: str, fix: str):
+        super().__init__(
+            f"the engine at {address} presents certificate {seen}, not {pinned} as pinned: someone may be "
+            "intercepting the connection, or that engine's certificate was replaced. Run 'rigpilot engine "
+            f"--fingerprint' on that machine; only if it prints {seen}, {fix}"
+        )
+        self.address, self.seen, self.pinned = address, seen, pinned
+
+
+class _LoginCut(Exception):
+    """The engine ended a TCP login half-way (it made room for newer connections): worth another try."""
+
+
 class EngineClient:
     def __init__(
         self,
@@ -57,13 +81,25 @@ class EngineClient:
         autostart: bool = True,
         tcp: str | None = None,
         token: str | None = None,
+        fingerprint: str | None = None,
+        pin: Callable[[str], None] | None = None,
+        pin_fix: str | None = None,
         client_name: str = "cli",
         timeout: float = 60.0,
         on_notice: Callable[[dict[str, Any]], None] | None = None,
     ):
+        """`tcp`: an engine's HOST:PORT (TLS, `token` or RIGPILOT_ENGINE_TOKEN), else this user's local engine.
+
+        `fingerprint`: the certificate fingerprint the engine must present. Without it, `pin(seen)` is
+        called once the engine proved it holds the token (the node registry pins that way), or, without
+        `pin`, the known-engines file (engine.service.pins) pins it. `pin_fix` ends the refusal of a
+        changed certificate with what to do about it ({seen} stands for the certificate presented)."""
         self.autostart = autostart and tcp is None
         self.tcp = tcp
         self.token = token
+        self.fingerprint = fingerprint  # given, or the one pinned or seen on the last login
+        self.pin = pin
+        self.pin_fix = pin_fix
         self.client_name = client_name
         self.timeout = timeout
         self.hello: dict[str, Any] = {}
@@ -87,21 +123,107 @@ class EngineClient:
 
     def connect(self) -> dict[str, Any]:
         self.close()
+        if self.tcp:
+            self.hello = self._login_with_retries()
+            return self.hello
         self._sock = self._open()
         self._buf.clear()
-        args: dict[str, Any] = {"versions": list(protocol.SUPPORTED_VERSIONS), "client": self.client_name}
-        if self.tcp:
-            args["token"] = self.token or _read_token()
-        self.hello = self._call("hello", args)
+        self.hello = self._call("hello", {"versions": list(protocol.SUPPORTED_VERSIONS), "client": self.client_name})
         return self.hello
 
-    def _open(self) -> socket.socket:
-        if self.tcp:
-            host, port = protocol.parse_address(self.tcp)
+    # -- TCP: TLS and the login --------------------------------------------------
+
+    def _login_with_retries(self) -> dict[str, Any]:
+        deadline = time.monotonic() + LOGIN_RETRY_S
+        delay = 0.05
+        while True:
             try:
-                return socket.create_connection((host, port), timeout=10)
-            except OSError as e:
-                raise EngineUnavailable(f"cannot reach the engine service at {host}:{port}: {e.strerror}") from None
+                return self._login()
+            except _LoginCut as e:
+                self.close()
+                if time.monotonic() + delay > deadline:
+                    raise EngineUnavailable(
+                        f"the engine at {self.tcp} kept ending the login early for {LOGIN_RETRY_S:g} s ({e}): it "
+                        "serves too many connections, or something on this computer floods it with them"
+                    ) from None
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+            except BaseException:
+                self.close()
+                raise
+
+    def _login(self) -> dict[str, Any]:
+        assert self.tcp
+        address = self.tcp
+        host, port = protocol.parse_address(address)
+        try:
+            raw = socket.create_connection((host, port), timeout=min(10, self.timeout))
+        except OSError as e:
+            raise EngineUnavailable(f"cannot reach the engine service at {host}:{port}: {e.strerror}") from None
+        sock = tls.client_context().wrap_socket(raw, do_handshake_on_connect=False)
+        self._sock = sock
+        self._buf.clear()
+        try:
+            sock.do_handshake()
+        except (ssl.SSLEOFError, ConnectionResetError, BrokenPipeError) as e:
+            raise _LoginCut(str(e) or type(e).__name__) from None
+        except ssl.SSLError as e:
+            raise EngineUnavailable(
+                f"the engine at {address} did not answer in TLS ({e.reason or e}): it may run an older Rigpilot "
+                "(update it there) or be another program"
+            ) from None
+        except OSError as e:
+            raise EngineUnavailable(f"no TLS handshake with the engine at {address}: {e.strerror or e}") from None
+        seen = tls.fingerprint_of(sock.getpeercert(binary_form=True) or b"")
+        expected = self.fingerprint or (None if self.pin else pins.pinned(address))
+        if expected and seen != expected:
+            if self.pin_fix:
+                fix = self.pin_fix.format(seen=seen)
+            else:
+                fix = "use that fingerprint instead" if self.fingerprint else pins.forget_hint(address)
+            raise FingerprintMismatch(address, seen, expected, fix)
+        try:
+            challenge = self._read(self.timeout)
+        except ConnectionError as e:
+            raise _LoginCut(str(e)) from None
+        if challenge is None:
+            raise EngineUnavailable(f"the engine at {address} sent no login challenge within {self.timeout:.0f} s")
+        if challenge.get("ok") is False:
+            err = challenge.get("error") or {}
+            if err.get("code") == protocol.BUSY:
+                raise _LoginCut(err.get("message", "busy"))
+            raise EngineError(err.get("code", protocol.INTERNAL), err.get("message", "refused"))
+        ch = challenge.get("challenge")
+        if not isinstance(ch, dict) or ch.get("auth") != tls.AUTH or not tls.is_nonce(ch.get("nonce")):
+            raise EngineUnavailable(
+                f"the engine at {address} does not log in as this Rigpilot does; update Rigpilot there"
+            )
+        token = self.token or _read_token()
+        mine = tls.new_nonce()
+        args = {
+            "versions": list(protocol.SUPPORTED_VERSIONS), "client": self.client_name, "nonce": mine,
+            "proof": tls.login_proof(token, "client", ch["nonce"], mine, seen),
+        }  # fmt: skip
+        try:
+            hello = self._call("hello", args)
+        except EngineError as e:
+            if e.code == protocol.BUSY:
+                raise _LoginCut(str(e)) from None
+            raise
+        except (ConnectionError, BrokenPipeError) as e:
+            raise _LoginCut(str(e) or type(e).__name__) from None
+        if not tls.proof_matches(hello.get("proof"), tls.login_proof(token, "engine", ch["nonce"], mine, seen)):
+            raise EngineUnavailable(
+                f"the engine at {address} let this client in without proving it holds the token: it is not the "
+                "engine the token belongs to; not using it"
+            )
+        if not expected:
+            (self.pin or (lambda fp: pins.remember(address, fp)))(seen)
+        self.fingerprint = seen
+        sock.settimeout(10)  # as a local socket's writes: a reply's wait is the request's own timeout
+        return hello
+
+    def _open(self) -> socket.socket:
         path = paths.socket_path()
         try:
             return _connect_unix(path)
@@ -253,6 +375,8 @@ def readable(source: socket.socket | int, timeout: float | None) -> bool:
 
     poll, not select: a process with over 1024 open files (a GUI, a test, a busy engine) has descriptors
     select cannot take."""
+    if isinstance(source, ssl.SSLSocket) and source.pending():
+        return True  # decrypted bytes wait in the TLS layer, not in the socket
     p = select.poll()
     p.register(source, select.POLLIN)
     return bool(p.poll(None if timeout is None else timeout * 1000))

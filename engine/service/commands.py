@@ -40,6 +40,9 @@ def register(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     add_service_arguments(p)
     p.add_argument("--install-systemd", action="store_true", help="write a systemd user unit and say how to enable it")
     p.add_argument("--stop", action="store_true", help="stop the running service (its jobs keep running)")
+    p.add_argument("--fingerprint", action="store_true",
+                   help="print the fingerprint of this engine's TLS certificate (made now if there is none yet), "
+                        "to compare with what clients and nodes pinned")  # fmt: skip
     p.set_defaults(func=cmd_engine)
 
     p = sub.add_parser("run", help="submit a job and follow it (Ctrl-C stops following, not the job)")
@@ -167,7 +170,7 @@ def register(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
 
 
 def add_service_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tcp", metavar="ADDR:PORT", help="also accept remote clients here (token required; ADDR defaults to 127.0.0.1)")
+    p.add_argument("--tcp", metavar="ADDR:PORT", help="also accept remote clients here, over TLS with a token login (ADDR defaults to 127.0.0.1)")
     p.add_argument("--simulate", metavar="PROFILE", help="run on a simulated machine")
     p.add_argument("--grace", type=float, default=30.0, metavar="SECONDS", help="cancel: time to checkpoint before SIGKILL (default 30)")
     p.add_argument("--failure-grace", type=float, default=5.0, metavar="SECONDS", help="after a rank fails: time before the rest are killed (default 5)")
@@ -325,6 +328,12 @@ def _gpu_list(text: str) -> list[int]:
 
 
 def cmd_engine(args: argparse.Namespace) -> int:
+    if args.fingerprint:
+        from rigpilot.engine.service import tls
+
+        # Its files are made 0600 in a 0700 folder whatever the umask (tls._create).
+        print(tls.load_or_create_identity().fingerprint)  # alone on its line: scripts compare it as it is
+        return 0
     if args.install_systemd:
         from rigpilot.engine.service.systemd import enable_hint, install_unit, packaged_unit
 
@@ -867,14 +876,19 @@ def register_nodes(sub: Any, js: argparse.ArgumentParser) -> None:
 
     p = sub.add_parser(
         "nodes", parents=[js], help="other machines' engines a job may span (rigpilot run … --nodes local,NAME)",
-        description="rigpilot nodes add NAME HOST:PORT [--token-file FILE]: register another machine's engine "
-        f"(without --token-file the token is read from standard input); {REMOTE_HINT}. "
-        "rigpilot nodes list: each node, whether it answers, and its GPUs. rigpilot nodes remove NAME.",
+        description="rigpilot nodes add NAME HOST:PORT [--token-file FILE] [--fingerprint SHA256:…]: register another "
+        f"machine's engine (without --token-file the token is read from standard input); {REMOTE_HINT}. Its TLS "
+        "certificate is pinned: the fingerprint given, else the one it presents when it first proves it holds the "
+        "token (compare it with 'rigpilot engine --fingerprint' there). "
+        "rigpilot nodes list: each node, whether it answers, its GPUs and its pinned certificate. "
+        "rigpilot nodes remove NAME.",
     )  # fmt: skip
     p.add_argument("action", nargs="?", choices=["list", "add", "remove"], default="list")
     p.add_argument("name", nargs="?", metavar="NAME")
     p.add_argument("address", nargs="?", metavar="HOST:PORT")
     p.add_argument("--token-file", type=Path, metavar="FILE", help="a file holding that engine's token")
+    p.add_argument("--fingerprint", metavar="SHA256:…",
+                   help="the certificate that engine must present, as 'rigpilot engine --fingerprint' prints it there")  # fmt: skip
     p.set_defaults(func=cmd_nodes)
 
 
@@ -885,13 +899,18 @@ def cmd_nodes(args: argparse.Namespace) -> int:
         if not args.name or not args.address:
             raise UserError("add what? rigpilot nodes add NAME HOST:PORT [--token-file FILE]")
         token = _read_token(args.token_file)
-        nodes.check_node(args.name, args.address, token)  # one line before anything is sent
+        checked = nodes.check_node(args.name, args.address, token, args.fingerprint)  # one line before anything is sent
         with _client() as c:
-            node = c.request("node_add", name=args.name, address=args.address, token=token)["node"]
+            node = c.request(
+                "node_add", name=args.name, address=args.address, token=token, fingerprint=checked.fingerprint
+            )["node"]
         if args.json:
             print(json.dumps({"schema": "rigpilot.node/1", "node": node}, indent=2))
             return 0
         print(f"node {node['name']} added ({node['address']}): {_node_line(node)}")
+        if node.get("fingerprint"):
+            how = "as given" if checked.fingerprint else "compare it with 'rigpilot engine --fingerprint' on that machine"
+            print(f"  certificate {node['fingerprint']} pinned ({how})")
         if not node["reachable"]:
             print(f"  {nodes.REMOTE_HINT}")
         return 0
@@ -912,6 +931,7 @@ def cmd_nodes(args: argparse.Namespace) -> int:
         return 0
     for n in reply["nodes"]:
         print(f"{n['name']:<16} {n['address']:<24} {_node_line(n)}")
+        print(f"{'':<16} certificate {n.get('fingerprint') or 'not pinned yet (pinned on its first login)'}")
     return 0
 
 

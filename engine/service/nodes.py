@@ -1,11 +1,15 @@
 """Other Rigpilot engines a job may span: the registry (`rigpilot nodes`, Settings → Nodes) and how to reach them.
 
-A node is another machine's engine service, reached over its token TCP listener
+A node is another machine's engine service, reached over its TCP listener
 (`rigpilot engine --tcp ADDR:PORT` there; the token is that machine's
-`~/.config/rigpilot/engine-token`). The registry is `nodes.json` in this user's
-config folder: a 0600 file in a 0700 folder, because it holds the tokens. Tokens
-never go into job folders, job records or logs; a job names its nodes and their
-addresses only, and the engine looks the token up when it talks to them.
+`~/.config/rigpilot/engine-token`) in TLS, with a login that proves the token
+without sending it (engine.service.tls). Each node's certificate fingerprint is
+pinned here: the one given when it was added (`--fingerprint`), else the first
+one it presented while proving it holds the token; another one is then refused.
+The registry is `nodes.json` in this user's config folder: a 0600 file in a 0700
+folder, because it holds the tokens. Tokens never go into job folders, job
+records or logs; a job names its nodes and their addresses only, and the engine
+looks the token up when it talks to them.
 
 `check_node` is the one validation of a node, used by the CLI, the GUI and the
 socket alike.
@@ -20,7 +24,8 @@ import os
 import re
 import socket
 import stat
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +40,7 @@ _HOST = re.compile(
 )
 _TOKEN = re.compile(r"^[A-Za-z0-9_\-.~+/=]{16,512}$")
 REMOTE_HINT = "on that machine run: rigpilot engine --tcp 0.0.0.0:PORT (its token is in ~/.config/rigpilot/engine-token)"
+_registry_lock = threading.Lock()  # adds, removes and first pins come from request and probe threads at once
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,7 @@ class Node:
     name: str
     address: str  # host:port of its engine's TCP listener
     token: str
+    fingerprint: str | None = None  # its TLS certificate's, pinned (None: pinned on the first login)
 
     @property
     def host(self) -> str:
@@ -49,7 +56,7 @@ class Node:
 
     def public(self) -> dict[str, Any]:
         """What may be shown or stored with a job: never the token."""
-        return {"name": self.name, "address": self.address}
+        return {"name": self.name, "address": self.address, "fingerprint": self.fingerprint}
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -69,7 +76,7 @@ def split_address(address: str) -> tuple[str, int]:
     return host, port
 
 
-def check_node(name: Any, address: Any, token: Any) -> Node:
+def check_node(name: Any, address: Any, token: Any, fingerprint: Any = None) -> Node:
     """A valid node, or one UserError line saying what is wrong (CLI, GUI and socket use this alone)."""
     if not isinstance(name, str) or not _NAME.match(name):
         raise UserError(
@@ -86,7 +93,13 @@ def check_node(name: Any, address: Any, token: Any) -> Node:
         raise UserError(f"node {name} needs its engine's token; {REMOTE_HINT}")
     if not _TOKEN.match(token):
         raise UserError(f"that is not an engine token (16–512 characters of letters, digits and -_.~+/=); {REMOTE_HINT}")
-    return Node(name, address, token)
+    if fingerprint is not None and not isinstance(fingerprint, str):
+        raise UserError("a node's certificate fingerprint is text like SHA256:…")
+    if fingerprint is not None and fingerprint.strip():
+        from rigpilot.engine.service.tls import parse_fingerprint
+
+        fingerprint = parse_fingerprint(fingerprint)
+    return Node(name, address, token, fingerprint or None)
 
 
 # -- the registry ----------------------------------------------------------------------------
@@ -113,7 +126,7 @@ def load() -> dict[str, Node]:
         if not isinstance(entry, dict):
             raise UserError(f"the node registry {p}: node {name!r} is not an object")
         try:
-            out[name] = check_node(name, entry.get("address"), entry.get("token"))
+            out[name] = check_node(name, entry.get("address"), entry.get("token"), entry.get("fingerprint"))
         except UserError as e:
             raise UserError(f"the node registry {p}: {e}") from None
     return out
@@ -125,7 +138,7 @@ def _save(found: dict[str, Node]) -> None:
     with contextlib.suppress(OSError):
         if stat.S_IMODE(p.parent.stat().st_mode) & 0o077:
             os.chmod(p.parent, 0o700)
-    data = {"version": 1, "nodes": {n.name: {"address": n.address, "token": n.token} for n in found.values()}}
+    data = {"version": 1, "nodes": {n.name: _entry(n) for n in found.values()}}
     tmp = p.with_name(p.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # born 0600: the tokens are secrets
     with os.fdopen(fd, "w") as f:
@@ -134,20 +147,41 @@ def _save(found: dict[str, Node]) -> None:
     os.replace(tmp, p)
 
 
-def add(name: Any, address: Any, token: Any) -> Node:
-    node = check_node(name, address, token)
-    found = load()
-    found[node.name] = node
-    _save(found)
+def _entry(n: Node) -> dict[str, str]:
+    return {"address": n.address, "token": n.token, **({"fingerprint": n.fingerprint} if n.fingerprint else {})}
+
+
+def add(name: Any, address: Any, token: Any, fingerprint: Any = None) -> Node:
+    """Register (or replace) a node. Added again at the same address without a fingerprint, it keeps its pin:
+    a certificate that changed is accepted only by giving the new fingerprint."""
+    node = check_node(name, address, token, fingerprint)
+    with _registry_lock:
+        found = load()
+        old = found.get(node.name)
+        if node.fingerprint is None and old is not None and old.address == node.address:
+            node = replace(node, fingerprint=old.fingerprint)
+        found[node.name] = node
+        _save(found)
     return node
 
 
+def pin(node: Node, fingerprint: str) -> None:
+    """Pin the certificate `node` presented when it first proved it holds the token (unless it changed meanwhile)."""
+    with _registry_lock:
+        found = load()
+        now = found.get(node.name)
+        if now is not None and now.address == node.address and now.token == node.token and now.fingerprint is None:
+            found[node.name] = replace(now, fingerprint=fingerprint)
+            _save(found)
+
+
 def remove(name: str) -> None:
-    found = load()
-    if name not in found:
-        raise UserError(f"no node {name!r}; the nodes are: {', '.join(found) or 'none yet'}")
-    del found[name]
-    _save(found)
+    with _registry_lock:
+        found = load()
+        if name not in found:
+            raise UserError(f"no node {name!r}; the nodes are: {', '.join(found) or 'none yet'}")
+        del found[name]
+        _save(found)
 
 
 def get(name: str) -> Node:
@@ -164,7 +198,11 @@ def get(name: str) -> Node:
 def client(node: Node, timeout: float = 15.0):  # -> EngineClient
     from rigpilot.engine.service.client import EngineClient
 
-    return EngineClient(tcp=node.address, token=node.token, client_name="rigpilot-head", timeout=timeout)
+    return EngineClient(
+        tcp=node.address, token=node.token, fingerprint=node.fingerprint, client_name="rigpilot-head", timeout=timeout,
+        pin=None if node.fingerprint else (lambda seen: pin(node, seen)),
+        pin_fix=f"add the node again with it: rigpilot nodes add {node.name} {node.address} --fingerprint {{seen}}",
+    )  # fmt: skip
 
 
 def probe(node: Node, timeout: float = 5.0) -> dict[str, Any]:
@@ -175,6 +213,7 @@ def probe(node: Node, timeout: float = 5.0) -> dict[str, Any]:
     try:
         with client(node, timeout) as c:
             hello = c.hello
+            out["fingerprint"] = c.fingerprint  # pinned now if it was not
             machine = c.request("machine")["machine"]
     except EngineError as e:
         out["error"] = f"refused: {e}" + (" (wrong token?)" if e.code == "unauthorized" else "")

@@ -173,3 +173,8 @@ def read_or_create_token() -> str:
     with os.fdopen(fd, "w") as f:
         f.write(token + "\n")
     return token
+
+
+def private_dir(d: Path) -> None:
+    """Make `d` (and its parents) if need be; refuse it unless it is this user's own folder; bring it to 0700."""
+    _private_dir(d)

@@ -23,14 +23,17 @@ or the file system cannot take is refused here in one line. A message that
 cannot be read (not UTF-8, not JSON, nested deeper than `MAX_DEPTH`, a lone
 UTF-16 surrogate) gets a `bad_message` reply and the connection goes on,
 except an oversized one, after which the service hangs up. Remote (TCP)
-clients must send `hello` with the token first, within the login timeout.
+clients speak TLS; the engine opens with a login challenge and the client's
+first request must be `hello` with its proof (engine.service.tls), within the
+login timeout. A client that speaks plain text there is answered `tls_required`.
 Every request has a deadline: one that passes it (a `plan` search) is stopped
 and answered `timeout`; a client may ask for a shorter one with `deadline_s`.
 
 Requests and their results (a "job" is the record the `jobs` CLI shows, plus
 `progress`, `job_dir`, `waiting_for` when queued, `comparison` in details; the `job` request's answer also
 has `settings`, the job's spec without its environment, and `output`, what its output folder holds):
-    hello {versions?, client?, token?}      → {service, version, protocol, versions, pid, machine, simulated, notes, tcp}
+    hello {versions?, client?, nonce?, proof?} → {service, version, protocol, versions, pid, machine, simulated, notes,
+          tcp, fingerprint (of the TLS certificate on tcp), proof (the engine's, over TCP)}
     machine {}                              → {machine (Machine JSON), notes (plain sentences), details (their causes)}
     topology {}                             → {matrix: {gpus, cells}, summary, description}
     telemetry_history {since?, limit?}      → {samples: [TelemetrySample], more, next_since}
@@ -62,13 +65,16 @@ has `settings`, the job's spec without its environment, and `output`, what its o
     submit_member | check_member {job, spec, nodes} → {job} | {ok, ranks}: this engine's part of such a job (head only)
     resume_member {job, run, endpoint, env?} → {job}
     nodes {probe?} → {nodes: [{name, address, reachable, error?, label, gpus, simulated, version}], path}
-    node_add {name, address, token} → {node};  node_remove {name} → {removed}
+    node_add {name, address, token, fingerprint?} → {node};  node_remove {name} → {removed}
+          (nodes and node_add list each node's pinned certificate `fingerprint`)
     scaling_start {gpus: [counts], job? | model, dataset?, method?, precision?, seq_len?, global_batch?, micro_batch?, steps?,
           warmup?, trust_remote_code?, cwd?} → {study}: plans each count and submits one training job per
           count (engine.service.scaling); a study that cannot run is refused in one line and submits nothing
     scaling_study {study}                   → {study}: with each point's state, measurement, `table` and `notes`
     scaling_studies {job?}                  → {studies}: newest first; job: only those repeating that job
     scaling_cancel {study}                  → {study}: its jobs that have not ended are cancelled; measured points stay
+Before anything else on TCP (after the TLS handshake):
+    {"v": 1, "challenge": {"nonce": 64 hex digits, "auth": "hmac-sha256"}}
 Events after `subscribe`:
     {"event": "telemetry", "sample": TelemetrySample}
     {"event": "job", "job": job}             (to "jobs" and to that job's "metrics:" subscribers)
@@ -105,6 +111,7 @@ INVALID = "invalid"  # args do not match the schema
 USER_ERROR = "user_error"  # the request is well formed but asks for something impossible
 NOT_FOUND = "not_found"
 UNAUTHORIZED = "unauthorized"
+TLS_REQUIRED = "tls_required"  # plain text on the TCP port (an older client): update it
 UNAVAILABLE = "unavailable"  # e.g. the planner is not installed
 TIMEOUT = "timeout"  # the request ran past its deadline and was stopped
 BUSY = "busy"  # too many connections (or planner runs) at once; try again later
@@ -246,7 +253,7 @@ NodeNames = Annotated[list[Annotated[str, Limit(max_len=64)]], Limit(max_len=64)
 
 # type -> (required args, optional args). Types use the same notation as dataclass fields.
 REQUEST_SCHEMAS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
-    "hello": ({}, {"versions": Annotated[list[int], Limit(max_len=64)], "client": Text, "token": Text}),
+    "hello": ({}, {"versions": Annotated[list[int], Limit(max_len=64)], "client": Text, "nonce": Text, "proof": Text}),
     "machine": ({}, {}),
     "topology": ({}, {}),
     "telemetry_history": (
@@ -282,7 +289,7 @@ REQUEST_SCHEMAS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     ),
     # The node registry (engine.service.nodes.check_node validates an entry).
     "nodes": ({}, {"probe": bool}),
-    "node_add": ({"name": Text, "address": Text, "token": Text}, {}),
+    "node_add": ({"name": Text, "address": Text, "token": Text}, {"fingerprint": Text | None}),
     "node_remove": ({"name": Text}, {}),
     "jobs": ({}, {"states": Annotated[list[Text], Limit(max_len=64)], "limit": Annotated[int, Limit(1, 100_000)]}),
     "job": ({"job": Text}, {}),

@@ -8,9 +8,20 @@ a slow subscriber never holds up the sampler or the supervisor: telemetry
 beyond its backlog is dropped for that client, and metrics are read from disk
 at the client's own cursor, so those are never lost.
 
+The TCP listener speaks only TLS (engine.service.tls): each connection's
+handshake, then a login that proves the token without sending it. A client that
+speaks plain text there (an older Rigpilot sending its token in clear) gets one
+`tls_required` line telling it to upgrade.
+
 Nothing a client sends can hold the service's resources without bound:
 - connections are capped per listener and per remote host (two threads each,
-  so the cap is what bounds memory; the excess gets a `busy` line and is closed);
+  so the cap is what bounds memory; the excess is closed, on the local socket
+  with a `busy` line: before TLS nothing can be said on TCP);
+- logins in progress are capped per remote host too, but a new connection is
+  never turned away for them: the one that has kept the engine waiting longest
+  (silent ones before any that sent something) makes room. A flood of idle
+  connections from one host so only ever displaces itself, and a real client of
+  that host, which answers each step at once, logs in while it lasts;
 - a TCP client that has not logged in within the login timeout, or that sent
   nothing for the idle timeout while subscribed to nothing, is closed;
 - a client that does not read first stops being read (its replies queue up to
@@ -30,12 +41,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
-import hmac
 import logging
 import os
 import selectors
 import signal
 import socket
+import ssl
 import struct
 import sys
 import threading
@@ -51,7 +62,7 @@ from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.discovery import open_backend
 from rigpilot.engine.hardware.sampler import Sampler
 from rigpilot.engine.hardware.simulated import SimulatedBackend
-from rigpilot.engine.service import calibration_store, nodes, paths, protocol
+from rigpilot.engine.service import calibration_store, nodes, paths, protocol, tls
 from rigpilot.engine.service.metrics import read_records
 from rigpilot.engine.service.multinode import MultiNode
 from rigpilot.engine.service.planworker import ClientGone, PlannerBug, PlannerPool, PlanTimeout
@@ -71,6 +82,7 @@ _SOFT_QUEUE_BYTES = 1 << 20
 # Pushed events cannot wait: past this the client is not reading and its connection is closed.
 _HARD_QUEUE_BYTES = 8 << 20
 _REAP_PERIOD_S = 0.5
+_SILENT_S = 1.0  # a TCP connection that sent nothing for this long is no client at work (see _stalest_login)
 
 
 class AlreadyRunning(Exception):
@@ -79,7 +91,7 @@ class AlreadyRunning(Exception):
 
 @dataclass
 class ServiceOptions:
-    tcp: str | None = None  # "ADDR:PORT" or "PORT" (binds 127.0.0.1) for remote clients; token required
+    tcp: str | None = None  # "ADDR:PORT" or "PORT" (binds 127.0.0.1) for remote clients: TLS, and a token login
     simulate: str | None = None  # a simulated profile; default: RIGPILOT_SIMULATE, else real GPUs
     telemetry_period: float = 1.0
     grace_s: float = 30.0
@@ -87,8 +99,8 @@ class ServiceOptions:
     max_cpu_ranks: int | None = None  # None: the setting, else 4
     max_connections: int = 256  # per listener (each connection is two threads)
     max_connections_per_host: int = 64  # per remote address, on TCP
-    max_logins_per_host: int = 16  # of those, not yet logged in: an idle flood leaves room for real clients
-    login_timeout_s: float = 10.0  # TCP: from connect to a hello with the token
+    max_logins_per_host: int = 16  # of those, not yet logged in: beyond it the stalest login makes room
+    login_timeout_s: float = 10.0  # TCP: from connect to a hello with the login proof
     idle_timeout_s: float = 900.0  # TCP: no request and no subscription for this long
     send_stall_s: float = 60.0  # a write blocked this long means the client stopped reading
     plan_deadline_s: float = 45.0  # under the client's 60 s timeout, so the `timeout` reply arrives
@@ -109,6 +121,15 @@ class Connection:
         self.remote = needs_auth
         self.authenticated = not needs_auth
         self.client = ""  # the name the client gave in hello: each name hears each notice once
+        # What replies are written to: the socket itself, or (TCP) its TLS channel once the handshake is done.
+        self.stream: Any = None if needs_auth else sock
+        self.nonce = ""  # TCP: this connection's login challenge
+        self.client_nonce = ""
+        # A login in progress: since when it waits for its client, whether its client ever sent a byte,
+        # and whether the engine is busy with what it sent (then it is not the client's wait).
+        self.waiting_since = time.monotonic()
+        self.spoke = False
+        self.working = False
         self.topics: set[str] = set()
         self.metrics_cursors: dict[str, dict[str, int]] = {}
         self.dropped = 0
@@ -130,8 +151,8 @@ class Connection:
 
     def send_bytes(self, data: bytes, *, droppable: bool = False) -> None:
         with self._cond:
-            if self._closing:
-                return
+            if self._closing or self.stream is None:
+                return  # before TLS is up there is no way to say anything
             if droppable and self._droppable_queued >= _TELEMETRY_BACKLOG:
                 self.dropped += 1  # live telemetry: the history on disk has the rest
                 return
@@ -159,6 +180,35 @@ class Connection:
     @property
     def closing(self) -> bool:
         return self._closing
+
+    def refuse(self, code: str, message: str, *, in_plain_text: bool = False) -> None:
+        """End a connection, saying why wherever the client can read it.
+
+        Before TLS is up a line can only go in plain text, and only `in_plain_text` when the client has said
+        nothing for long (a TLS client whose first bytes are still on their way would take it for garbage)."""
+        if self.stream is not None:
+            self.send(protocol.error_reply(None, code, message))
+            self.close(grace_s=1.0)
+            return
+        if in_plain_text and not self.spoke:
+            with contextlib.suppress(OSError):
+                self.sock.send(protocol.encode(protocol.error_reply(None, code, message)), socket.MSG_DONTWAIT)
+        self.abort()
+
+    def waiting_for_client(self) -> bool:
+        """Whether a login in progress waits on its client, not on the engine (nothing of its left unread)."""
+        if self.working:
+            return False
+        try:
+            return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return True
+        except OSError:
+            return True
+
+    def on_login_wait(self) -> None:
+        self.working = False
+        self.waiting_since = time.monotonic()
 
     def close(self, grace_s: float = 5.0) -> None:
         """Close once everything queued so far has been written (cut off after `grace_s` if it is not read)."""
@@ -205,7 +255,7 @@ class Connection:
                 if job_id is not None:
                     self._push_metrics(job_id)
                 elif data is not None:
-                    self.sock.sendall(data)
+                    self.stream.sendall(data)
                 self.sending_since = None
         except OSError:
             pass  # the client went away
@@ -226,6 +276,8 @@ class Connection:
         """Whether the client hung up (checked while a long request runs; pipelined bytes are left unread)."""
         if self._closing:
             return True
+        if self.stream is not self.sock:
+            return tls.peer_gone(self.sock)  # what is unread may be a TLS alert: ask the kernel instead
         try:
             return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
         except BlockingIOError:
@@ -241,7 +293,7 @@ class Connection:
         records, cursor, more = read_records(metrics_dir, cursor, max_bytes=protocol.REPLY_BUDGET_BYTES)
         self.metrics_cursors[job_id] = cursor
         if records:
-            self.sock.sendall(protocol.encode(protocol.event("metrics", job=job_id, records=records, cursor=cursor)))
+            self.stream.sendall(protocol.encode(protocol.event("metrics", job=job_id, records=records, cursor=cursor)))
         if more:
             self.poke_metrics(job_id)
 
@@ -261,6 +313,9 @@ class EngineService:
         self.log_location = _log_location()
         self._refused = 0  # connections refused since the last log line about it
         self._refused_logged = 0.0
+        self._said: dict[str, float] = {}  # log lines said at most once per 10 s, by kind: when each last was
+        self.identity: tls.Identity | None = None
+        self.tls_context: ssl.SSLContext | None = None
         self.planners: PlannerPool | None = None
         self._machine_lock = threading.Lock()  # one machine switch at a time
         self._ended_since_trim = 0  # connections ended since memory was last handed back
@@ -314,8 +369,10 @@ class EngineService:
         self.sampler = self._new_sampler(self.discovery.backend)
         self._listen_unix()
         if self.options.tcp:
-            self._listen_tcp(self.options.tcp)
             self.token = paths.read_or_create_token()
+            self.identity = tls.load_or_create_identity()
+            self.tls_context = tls.server_context(self.identity)
+            self._listen_tcp(self.options.tcp)
         self.planners = PlannerPool(self.machine, size=self.options.planners)
         self.studies = Studies(paths.engine_state_dir() / "scaling", self.supervisor, self._plan_for_study, paths.write_private)
         self.supervisor.start()
@@ -471,7 +528,11 @@ class EngineService:
         s.listen(256)  # a burst of idle connections must not keep a real client out of the queue
         self._listeners.append(s)
         self.tcp_address = s.getsockname()[:2]
-        log.info("listening for remote clients on %s:%s (token in %s)", *self.tcp_address, paths.token_path())
+        assert self.identity is not None
+        log.info(
+            "listening for remote clients on %s:%s over TLS (certificate %s; token in %s)", *self.tcp_address,
+            self.identity.fingerprint, paths.token_path(),
+        )  # fmt: skip
 
     def _remove_socket_file(self) -> None:
         # Only our own socket: a newer service may already have replaced it.
@@ -493,21 +554,28 @@ class EngineService:
             return
         listener, host = ("unix", "") if is_unix else ("tcp", str(addr[0]))
         peer = "unix" if is_unix else f"{addr[0]}:{addr[1]}"
+        make_room = None
         with self._conn_lock:
             on_listener = sum(1 for c in self._connections if c.listener == listener)
-            from_host = [c for c in self._connections if host and c.host == host]
-            logging_in = sum(1 for c in from_host if not c.authenticated)
+            from_host = [c for c in self._connections if host and c.host == host and not c.closing]
+            logging_in = [c for c in from_host if not c.authenticated]
             if on_listener >= self.options.max_connections:
                 why = f"the engine already serves {on_listener} connections, its limit; close some and try again"
             elif host and len(from_host) >= self.options.max_connections_per_host:
                 why = f"{host} already has {len(from_host)} connections to the engine, the limit per host"
-            elif host and logging_in >= self.options.max_logins_per_host:
-                why = f"{host} already has {logging_in} connections waiting to log in, the limit per host"
             else:
                 why = None
+                if host and len(logging_in) >= self.options.max_logins_per_host:
+                    make_room = _stalest_login(logging_in)
         if why is not None:
             self._refuse(sock, why)
             return
+        if make_room is not None:
+            make_room.refuse(protocol.BUSY, (
+                f"{host} has {len(logging_in)} connections logging in at once, the limit per host, and this one "
+                "kept the engine waiting longest; try again"
+            ))  # fmt: skip
+            self._say_once("room", f"{host} opens connections that do not log in; the stalest make room for new ones")
         # Only this thread adds connections, so the counts above still hold.
         try:
             conn = Connection(self, sock, peer, needs_auth=not is_unix, listener=listener, host=host)
@@ -523,10 +591,20 @@ class EngineService:
                 self._connections.discard(conn)
             conn.abort()
 
+    def _say_once(self, kind: str, line: str) -> None:
+        """Log `line` unless a line of this kind was logged in the last 10 s (a flood is not a log flood)."""
+        now = time.monotonic()
+        if now - self._said.get(kind, -1e9) > 10:
+            self._said[kind] = now
+            log.warning("%s", line)
+
     def _refuse(self, sock: socket.socket, why: str) -> None:
+        # On TCP nothing can be said before TLS is up (a TLS client would take a plain line for a broken
+        # handshake): the connection just ends, and the client tries again for a while.
         with contextlib.suppress(OSError):
             sock.setblocking(False)  # one short line into an empty buffer; never wait on this client
-            sock.send(protocol.encode(protocol.error_reply(None, protocol.BUSY, why)))
+            if sock.family == socket.AF_UNIX:
+                sock.send(protocol.encode(protocol.error_reply(None, protocol.BUSY, why)))
         with contextlib.suppress(OSError):
             sock.shutdown(socket.SHUT_RDWR)
         sock.close()
@@ -563,19 +641,23 @@ class EngineService:
                 log.warning("client %s has not read for %.0f s; closing its connection", c.peer, o.send_stall_s)
                 c.abort()
             elif c.remote and not c.authenticated and now - c.created > o.login_timeout_s:
-                c.send(protocol.error_reply(
-                    None, protocol.UNAUTHORIZED, f"no hello with the token within {o.login_timeout_s:g} s; closing"
-                ))  # fmt: skip
-                c.close(grace_s=1.0)
+                self._login_timed_out(c)
             elif c.remote and not c.busy and not c.topics and now - c.last_request > o.idle_timeout_s:
                 c.send(protocol.error_reply(None, protocol.TIMEOUT, f"closed after {o.idle_timeout_s:g} s without a request"))
                 c.close(grace_s=1.0)
 
+    def _login_timed_out(self, conn: Connection) -> None:
+        msg = f"no login within {self.options.login_timeout_s:g} s; closing"
+        conn.refuse(protocol.UNAUTHORIZED, msg, in_plain_text=True)
+
     # -- requests -------------------------------------------------------------
 
     def _serve(self, conn: Connection) -> None:
-        rfile = conn.sock.makefile("rb")
+        rfile = None
         try:
+            if conn.remote and not self._open_tls(conn):
+                return
+            rfile = conn.sock.makefile("rb") if conn.stream is conn.sock else tls.reader(conn.stream)
             while not self._stop.is_set() and not conn.closing:
                 conn.wait_for_room()
                 try:
@@ -587,6 +669,7 @@ class EngineService:
                     continue
                 if msg is None:
                     break
+                conn.working = not conn.authenticated  # a login being checked waits on the engine, not its client
                 conn.last_request = time.monotonic()
                 rid = msg.get("id") if isinstance(msg.get("id"), int | str) and not isinstance(msg.get("id"), bool) else None
                 conn.busy = True
@@ -602,16 +685,79 @@ class EngineService:
             with contextlib.suppress(Exception):
                 conn.send(protocol.error_reply(None, protocol.INTERNAL, self._bug(e, "reading a request")))
         finally:
-            rfile.close()
+            if rfile is not None:
+                rfile.close()
             with self._conn_lock:
                 self._connections.discard(conn)
                 self._ended_since_trim += 1
             conn.close()
 
+    def _open_tls(self, conn: Connection) -> bool:
+        """A TCP connection's TLS handshake and login challenge; False when it ends here."""
+        assert self.tls_context is not None
+        deadline = conn.created + self.options.login_timeout_s
+        try:
+            if not tls.wait_readable(conn.sock, deadline):
+                self._login_timed_out(conn)
+                return False
+            first = conn.sock.recv(1, socket.MSG_PEEK)
+            if not first:
+                return False
+            conn.spoke = conn.working = True
+            if first[0] != tls.HANDSHAKE_RECORD:
+                self._refuse_plain_text(conn, deadline)
+                return False
+            channel = tls.ServerChannel(conn.sock, self.tls_context)
+            channel.handshake(deadline, on_wait=conn.on_login_wait)
+        except (OSError, TimeoutError) as e:  # ssl.SSLError is an OSError: a client that is not TLS, or left
+            if not conn.closing:
+                self._say_once("tls", f"TLS handshake with {conn.peer} failed: {e}")
+            return False
+        conn.nonce = tls.new_nonce()
+        conn.stream = channel
+        conn.on_login_wait()
+        conn.send({"v": protocol.PROTOCOL_VERSION, "challenge": {"nonce": conn.nonce, "auth": tls.AUTH}})
+        return True
+
+    def _refuse_plain_text(self, conn: Connection, deadline: float) -> None:
+        """Plain text on the TLS port, e.g. an older Rigpilot's hello with its token in clear: one line saying why.
+
+        What the client sent is read first (a line at most), so that closing does not reset the
+        connection before the client has read the answer."""
+        sock = conn.sock
+        got = b""
+        until = min(deadline, time.monotonic() + 2.0)
+        with contextlib.suppress(OSError, TimeoutError):
+            while b"\n" not in got and len(got) < protocol.MAX_MESSAGE_BYTES and tls.wait_readable(sock, until):
+                chunk = sock.recv(1 << 16)
+                if not chunk:
+                    break
+                got += chunk
+        sent_token = b"token" in got
+        line = protocol.encode(protocol.error_reply(None, protocol.TLS_REQUIRED, (
+            f"this engine takes only TLS on its TCP port: update Rigpilot on this computer to {__version__} or later"
+            + ("; the token it sent crossed the network in clear: replace it (see 'Remote engines' in the README)"
+               if sent_token else "")
+        )))  # fmt: skip
+        with contextlib.suppress(OSError):
+            sock.settimeout(2.0)
+            sock.sendall(line)
+            sock.shutdown(socket.SHUT_WR)
+            while tls.wait_readable(sock, time.monotonic() + 1.0) and sock.recv(1 << 16):
+                pass  # until the client closes too
+        self._say_once("plain", (
+            f"{conn.host} spoke plain text to the TLS port{' and sent a token in clear (an older Rigpilot?)' if sent_token else ''}"
+        ))  # fmt: skip
+
     def _answer(self, conn: Connection, rid: Any, msg: dict[str, Any]) -> bool:
         """Handle one message; False when the connection must end."""
         try:
-            req = protocol.parse_request(msg)
+            try:
+                req = protocol.parse_request(msg)
+            except ProtocolError as e:
+                if conn.authenticated:
+                    raise
+                raise ProtocolError(e.code, e.message, fatal=True) from None  # no second try at a login
             if not conn.authenticated:
                 self._authenticate(conn, req)
             result = self.handle(conn, req)
@@ -651,20 +797,30 @@ class EngineService:
         return f"Rigpilot hit a bug: {type(e).__name__}{': ' + line if line else ''} (logged in {self.log_location})"
 
     def _authenticate(self, conn: Connection, req: Request) -> None:
-        token = req.args.get("token") if req.type == "hello" else None
-        if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self.token.encode()):
-            # No path here: the client is not yet known to be this user.
-            raise ProtocolError(
-                protocol.UNAUTHORIZED, "remote clients must start with hello and the engine's token "
-                "(set RIGPILOT_ENGINE_TOKEN to the token from the engine machine's Rigpilot config folder)", fatal=True,
-            )  # fmt: skip
+        # No path in these lines: the client is not yet known to be this user.
+        proof, nonce = req.args.get("proof"), req.args.get("nonce")
+        if req.type != "hello" or not tls.is_nonce(nonce) or not isinstance(proof, str):
+            raise ProtocolError(protocol.UNAUTHORIZED, (
+                "remote clients must start with hello and the login proof (the engine's token is never sent); "
+                "update Rigpilot on this computer if it sent something else"
+            ), fatal=True)  # fmt: skip
+        assert self.identity is not None
+        expected = tls.login_proof(self.token, "client", conn.nonce, nonce, self.identity.fingerprint)
+        if not tls.proof_matches(proof, expected):
+            raise ProtocolError(protocol.UNAUTHORIZED, (
+                "wrong token: the login does not match this engine's token (set RIGPILOT_ENGINE_TOKEN, or the "
+                "node's token, to the one in the engine machine's Rigpilot config folder)"
+            ), fatal=True)  # fmt: skip
+        conn.client_nonce = nonce
         conn.authenticated = True
 
     def handle(self, conn: Connection, req: Request) -> Any:
         handler = getattr(self, f"_do_{req.type}")
         return handler(conn, **req.args)
 
-    def _do_hello(self, conn: Connection, versions: list[int] | None = None, client: str = "", token: str = "") -> Any:
+    def _do_hello(
+        self, conn: Connection, versions: list[int] | None = None, client: str = "", proof: str = "", nonce: str = ""
+    ) -> Any:
         conn.client = client
         if versions is not None and not set(versions) & set(protocol.SUPPORTED_VERSIONS):
             raise ProtocolError(
@@ -684,6 +840,10 @@ class EngineService:
             "telemetry_period": self.sampler.period,
             "tcp": list(self.tcp_address) if self.tcp_address else None,
             "host_id": nodes.host_id(),  # engines with the same id share this computer's files (multi-node jobs)
+            "fingerprint": self.identity.fingerprint if self.identity else None,  # of the TLS certificate on `tcp`
+            # The engine's half of the login: it holds the token too (the client checks before it trusts the reply).
+            "proof": tls.login_proof(self.token, "engine", conn.nonce, conn.client_nonce, self.identity.fingerprint)
+            if conn.remote and self.identity else None,
         }
 
     def _do_machine(self, conn: Connection) -> Any:
@@ -778,8 +938,10 @@ class EngineService:
         listed = nodes.probe_all(list(found.values())) if probe else [n.public() for n in found.values()]
         return {"nodes": listed, "path": str(nodes.registry_path()), "host_id": nodes.host_id()}
 
-    def _do_node_add(self, conn: Connection, name: str, address: str, token: str) -> Any:
-        node = nodes.add(name, address, token)
+    def _do_node_add(
+        self, conn: Connection, name: str, address: str, token: str, fingerprint: str | None = None
+    ) -> Any:
+        node = nodes.add(name, address, token, fingerprint)
         return {"node": nodes.probe(node)}
 
     def _do_node_remove(self, conn: Connection, name: str) -> Any:
@@ -942,6 +1104,15 @@ class EngineService:
     def _publish_metrics(self, job_id: str) -> None:
         for c in self._subscribers(f"metrics:{job_id}"):
             c.poke_metrics(job_id)
+
+
+def _stalest_login(logging_in: list[Connection]) -> Connection:
+    """The login in progress to end for a new connection: one waiting on its client, not on the engine;
+    of those, one silent since it connected over a second ago (a client sends its TLS hello at once), else
+    the one waiting longest (a real client answers each step of the login at once)."""
+    waiting = [c for c in logging_in if c.waiting_for_client()] or logging_in
+    mute_since = time.monotonic() - _SILENT_S
+    return min(waiting, key=lambda c: (c.spoke or c.created > mute_since, c.waiting_since))
 
 
 def _same_user(sock: socket.socket) -> bool:
