@@ -25,6 +25,7 @@ from rigpilot.engine.argtypes import (
 from rigpilot.engine.capability import INFER_BACKENDS, TRAIN_METHODS, backend_words
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.jobs.limits import CHECKPOINTING, PRECISIONS
+from rigpilot.engine.jobs.secrets import shown_text
 from rigpilot.engine.service import scaling
 from rigpilot.engine.service.metrics import mark_superseded
 from rigpilot.engine.terminal import printable
@@ -412,7 +413,7 @@ def _env_flags(items: list[str]) -> dict[str, str]:
     for item in items:
         name, sep, value = item.partition("=")
         if not sep or not name:
-            raise UserError(f"--env expects NAME=VALUE, not {printable(item)!r}")
+            raise UserError(f"--env expects NAME=VALUE, not {printable(shown_text(item))!r}")
         env[name] = value
     return env
 
