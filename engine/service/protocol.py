@@ -10,6 +10,9 @@ trusted to send code.
     event    {"v": 1, "event": "telemetry" | "job" | "metrics", ...}   (after a `subscribe`)
 
 `id` is the client's, echoed back (null when the request could not be read).
+A path the request names that cannot be what it must be (missing, a FIFO or device, a name past
+NAME_MAX, a path past PATH_MAX: engine.given_path) is refused as `bad_path`, with the `path` as
+sent and the `problem` beside `code` and `message`.
 Each request type's `args` are checked against `REQUEST_SCHEMAS` before the
 service acts on them; unknown arguments are refused so a typo is not ignored.
 Numbers, strings and lists carry ranges (`Limit`), so a value SQLite, `seek`
@@ -97,6 +100,9 @@ UNSUPPORTED_VERSION = "unsupported_version"
 UNKNOWN_TYPE = "unknown_type"
 INVALID = "invalid"  # args do not match the schema
 USER_ERROR = "user_error"  # the request is well formed but asks for something impossible
+# A path in the request is not what it must be; the error has `path` (as sent) and `problem`
+# (engine.given_path's codes: missing, special_file, name_too_long, ...).
+BAD_PATH = "bad_path"
 NOT_FOUND = "not_found"
 UNAUTHORIZED = "unauthorized"
 UNAVAILABLE = "unavailable"  # e.g. the planner is not installed
@@ -362,8 +368,9 @@ def reply(rid: int | str | None, result: Any) -> dict[str, Any]:
     return {"v": PROTOCOL_VERSION, "id": rid, "ok": True, "result": result}
 
 
-def error_reply(rid: int | str | None, code: str, message: str) -> dict[str, Any]:
-    return {"v": PROTOCOL_VERSION, "id": rid, "ok": False, "error": {"code": code, "message": message}}
+def error_reply(rid: int | str | None, code: str, message: str, **fields_: Any) -> dict[str, Any]:
+    """An error reply; `fields_` are what a client may act on beside the code (a bad path's `path`, `problem`)."""
+    return {"v": PROTOCOL_VERSION, "id": rid, "ok": False, "error": {**fields_, "code": code, "message": message}}
 
 
 def event(name: str, **fields_: Any) -> dict[str, Any]:
