@@ -31,6 +31,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -274,12 +275,14 @@ class MultiNode:
     # -- a member: take part in a job the head leads -------------------------------------------
 
     def check_member(self, job: str, spec: dict[str, Any], nodes: dict[str, Any]) -> dict[str, Any]:
+        _check_member_id(job)
         info = _member_info(nodes)
         ranks = self.sup.check(spec, None, None, info["count"])["would_run"]["ranks"]
         _member_checks(info, ranks)
         return {"ok": True, "ranks": ranks}
 
     def submit_member(self, job: str, spec: dict[str, Any], nodes: dict[str, Any]) -> dict[str, Any]:
+        _check_member_id(job)
         info = _member_info(nodes)
         ranks = self.sup.check(spec, None, None, info["count"])["would_run"]["ranks"]
         _member_checks(info, ranks)
@@ -559,6 +562,13 @@ def _gone(name: str) -> bool:
         return False
     except (UserError, OSError, TimeoutError):
         return True
+
+
+def _check_member_id(job: str) -> None:
+    """The head's job id becomes a folder name here: only the engine's own form (a few hex digits) is taken,
+    so no id ("../x", "/", 300 characters) can name a folder outside the jobs folder, nor one too long."""
+    if not re.fullmatch(r"[0-9a-z]{1,32}", job):
+        raise UserError(f"{job[:40]!r} is not a job id (a head engine sends the id it gave the job)")
 
 
 def _member_info(nodes: dict[str, Any]) -> dict[str, Any]:
