@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from rigpilot.engine.errors import UserError
+from rigpilot.engine.given_path import open_given_file, shown
 
 
 def _whole(text: str) -> int:
@@ -64,12 +65,22 @@ def seed(text: str) -> int:
     return v
 
 
+JSON_FILE_MAX = 64 << 20  # a plan or a calibration is kilobytes; far more is not one
+
+
 def read_json_object(path: Path, what: str) -> dict[str, Any]:
-    """The JSON object in `path`, or a UserError naming `what` it was meant to be."""
+    """The JSON object in `path`, or a UserError naming `what` it was meant to be.
+
+    The path is checked first (engine.given_path): a FIFO or a name past NAME_MAX is refused, not opened.
+    """
     try:
-        data = json.loads(path.read_text())
+        with open_given_file(path, what) as f:
+            raw = f.read(JSON_FILE_MAX + 1)
+        if len(raw) > JSON_FILE_MAX:
+            raise UserError(f"{what} {shown(path)} is larger than {JSON_FILE_MAX >> 20} MiB; it cannot be a {what}")
+        data = json.loads(raw)
     except (OSError, ValueError) as e:
-        raise UserError(f"cannot read {what} {path}: {e}") from None
+        raise UserError(f"cannot read {what} {shown(path)}: {e}") from None
     if not isinstance(data, dict):
         raise UserError(f"{what} {path} must hold a JSON object")
     return data

@@ -49,6 +49,7 @@ from pathlib import Path
 
 from rigpilot.engine import __version__, runtime
 from rigpilot.engine.errors import UserError
+from rigpilot.engine.given_path import FOLDER, check_given_path
 from rigpilot.engine.runtime import env_dir, env_python, uv_cache_dir
 
 SHIPPED_WHEELS = Path("/opt/rigpilot/wheels")  # where the .deb puts its wheels
@@ -363,9 +364,14 @@ def default_base_python() -> str:
 
 def python_version(python: str) -> str:
     """`X.Y` of an interpreter; a UserError when it does not run or is older than Rigpilot supports."""
-    found = shutil.which(python) if os.sep not in python else python
-    if not found or not os.access(found, os.X_OK) or os.path.isdir(found):
-        raise UserError(f"no such Python interpreter: {python}")
+    if os.sep in python:  # a path: checked as every path a user gives is, then it must be a program
+        found: str | None = str(check_given_path(python, "Python interpreter"))
+        if not os.access(str(found), os.X_OK):
+            raise UserError(f"Python interpreter {python} is not executable")
+    else:
+        found = shutil.which(python)
+    if not found:
+        raise UserError(f"no such Python interpreter: {python} (not found on PATH)")
     try:
         out = subprocess.run([found, "-c", "import sys; print(*sys.version_info[:2])"], capture_output=True,
                              text=True, timeout=60, env=uv_environment())  # fmt: skip
@@ -508,10 +514,7 @@ def install(
 ) -> None:
     """Create (or complete) the per-user engine environment with uv; `runtime.status()` says what it holds."""
     reqs = worker_requirements()
-    folders = [Path(d).expanduser().absolute() for d in find_links or []]
-    for d in folders:
-        if not d.is_dir():
-            raise UserError(f"no such folder: {d}")
+    folders = [check_given_path(d, "--find-links folder", expect=FOLDER).absolute() for d in find_links or []]
     if offline and not folders:
         raise UserError("--offline needs --find-links DIR, the folder holding the downloaded wheels "
                         "('rigpilot engine-env wheels' prints the commands to fetch them)")  # fmt: skip
@@ -523,9 +526,7 @@ def install(
     if pin != reqs.torch:
         progress(f"note: torch {pin} asked for; Rigpilot is tested with torch {reqs.torch}")
     if wheel is not None:
-        wheel = wheel.expanduser().absolute()
-        if not wheel.is_file():
-            raise UserError(f"no such torch wheel: {wheel}")
+        wheel = check_given_path(wheel, "torch wheel").absolute()
         found = (wheel_version(wheel) or "").split("+")[0]
         if not wheel.name.startswith("torch-") or found != pin:
             raise UserError(f"{wheel.name} is not torch {pin}, the version Rigpilot is tested with "

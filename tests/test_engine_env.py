@@ -340,8 +340,8 @@ def test_an_online_dns_failure_points_to_the_offline_install(xdg, fake_uv, capsy
 @pytest.mark.parametrize("argv, message", [
     (["--offline"], "--offline needs --find-links DIR"),
     (["--offline", "--find-links", "{w}", "--index-url", "https://x/simple"], "leave out --index-url"),
-    (["--find-links", "{tmp}/nowhere"], "no such folder: {tmp}/nowhere"),
-    (["--python", "{tmp}/nowhere/python3"], "no such Python interpreter: {tmp}/nowhere/python3"),
+    (["--find-links", "{tmp}/nowhere"], "--find-links folder {tmp}/nowhere does not exist"),
+    (["--python", "{tmp}/nowhere/python3"], "Python interpreter {tmp}/nowhere/python3 does not exist"),
     (["--torch-version", ">=2"], "--torch-version takes a version such as 2.13.0"),
     (["--wheel", "{w}/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl", "--torch-version", "2.14.0"],
      "is not torch 2.14.0"),

@@ -331,7 +331,7 @@ def test_missing_file_and_folder(tmp_path: Path) -> None:
     missing = tmp_path / "nope.txt"
     with pytest.raises(MachineImportError) as err:
         import_machine(missing)
-    assert str(err.value) == f"cannot read {missing}: No such file"
+    assert str(err.value) == f"nvidia-smi output {missing} does not exist"
     with pytest.raises(MachineImportError, match="is a folder"):
         import_machine(tmp_path)
     with pytest.raises(MachineImportError, match="no files to import"):

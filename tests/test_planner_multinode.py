@@ -191,7 +191,7 @@ def test_slurm_export_runs_the_plans_own_nodes(h100, llama):
         (["--nodes", "2", "--internode", "fast"], "--internode takes one of 10gbe"),
         (["--nodes", "2", "--internode", "-4"], "--internode takes one of"),
         (["--node-machine", H100, "--node-machine", "8x-a100-pcie"], "needs identical nodes"),
-        (["--node-machine", H100, "--node-machine", "/nonexistent.json"], "is not a file nor a simulated profile"),
+        (["--node-machine", H100, "--node-machine", "/nonexistent.json"], "/nonexistent.json does not exist, nor is '/nonexistent.json' a simulated profile"),
     ],
 )
 def test_bad_nodes_arguments_get_one_line(capsys, args, words):

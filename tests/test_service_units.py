@@ -600,7 +600,7 @@ def test_every_job_setting_has_a_range_refused_in_one_line(submit, tmp_path, sec
 
 def test_names_paths_and_environments_are_bounded(submit, tmp_path):
     (tmp_path / "data.txt").write_text("hello\n")
-    with pytest.raises(UserError, match="model is 100,000 characters long; at most 4,096"):
+    with pytest.raises(UserError, match=r"model m+…m+ is 100,000 bytes long; paths have at most 4,095 bytes"):
         submit({**TRAIN, "model": "m" * 100_000})
     with pytest.raises(UserError, match="not a valid variable name"):
         submit({**TRAIN, "env": {"A=B": "1"}})

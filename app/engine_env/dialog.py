@@ -53,6 +53,7 @@ from PySide6.QtWidgets import (
 from rigpilot.app.tasks import run_in_background
 from rigpilot.app.widgets.palette import BAD, GOOD, WARN
 from rigpilot.app.widgets.path_field import path_field
+from rigpilot.engine.given_path import FOLDER, MISSING, PathRefused, check_given_path
 
 log = logging.getLogger(__name__)
 
@@ -79,11 +80,12 @@ def validate_wheel(text: str) -> str | None:
     text = text.strip()
     if not text:
         return None
-    p = Path(text).expanduser()
-    if not p.name.endswith(".whl"):
-        return f"{p.name} is not a wheel (.whl file)."
-    if not p.is_file():
-        return f"No such file: {p}"
+    if not Path(text).name.endswith(".whl"):
+        return f"{Path(text).name} is not a wheel (.whl file)."
+    try:
+        check_given_path(text, "wheel")
+    except PathRefused as e:
+        return f"No such file: {text}" if e.problem == MISSING else f"{e}."
     return None
 
 
@@ -91,9 +93,10 @@ def validate_folder(text: str) -> str | None:
     text = text.strip()
     if not text:
         return "Choose the folder holding the downloaded wheels."
-    p = Path(text).expanduser()
-    if not p.is_dir():
-        return f"No such folder: {p}"
+    try:
+        p = check_given_path(text, "wheels folder", expect=FOLDER)
+    except PathRefused as e:
+        return f"No such folder: {text}" if e.problem == MISSING else f"{e}."
     if not any(p.glob("*.whl")):
         return f"{p} holds no wheels (.whl files)."
     return None

@@ -26,6 +26,7 @@ from PySide6.QtWidgets import (
 from rigpilot.app.planner.hub_search import HubResults, search_hub
 from rigpilot.app.planner.model import error_text
 from rigpilot.app.tasks import run_in_background
+from rigpilot.engine.given_path import is_given_folder
 from rigpilot.engine.models.presets import list_presets
 
 PRESET_PROMPT = "Presets…"
@@ -114,7 +115,7 @@ class ModelPicker(QWidget):
             self.set_model(name)
 
     def _ask_folder(self) -> None:
-        start = self.model() if Path(self.model()).expanduser().is_dir() else str(Path.home())
+        start = self.model() if is_given_folder(self.model()) else str(Path.home())
         folder = QFileDialog.getExistingDirectory(self, "Model folder (with config.json)", start)
         if folder:
             self.set_model(folder)

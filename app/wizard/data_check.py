@@ -10,10 +10,12 @@ are an estimate, bytes ÷ 4 (about right for English with a BPE tokenizer).
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rigpilot.engine.given_path import MISSING, NOT_A_FILE, PathRefused, check_given_path, open_given_file
 from rigpilot.engine.jobs.datasets import parse_record
 
 TEXT_SUFFIXES = {".txt", ".md", ".text"}
@@ -84,14 +86,15 @@ def inspect_prompts(path: str) -> DataReport:
 
 
 def inspect_file(path: str, text_field: str = "text", *, prompts: bool = False) -> FileReport:
-    p = Path(path).expanduser()
-    report = FileReport(str(p))
-    if not p.exists():
-        report.problem = f"{p.name}: the file does not exist."
+    report = FileReport(path)
+    name = Path(path).name
+    try:
+        p = check_given_path(path, "prompts file" if prompts else "data file")
+    except PathRefused as e:
+        friendlier = {MISSING: f"{name}: the file does not exist.", NOT_A_FILE: f"{name} is a folder; choose the files inside it."}
+        report.problem = friendlier.get(e.problem, f"{e}.")
         return report
-    if not p.is_file():
-        report.problem = f"{p.name} is a folder; choose the files inside it."
-        return report
+    report.path = str(p)
     suffix = p.suffix.lower()
     allowed = JSONL_SUFFIXES if prompts else TEXT_SUFFIXES | JSONL_SUFFIXES
     if suffix not in allowed:
@@ -100,11 +103,14 @@ def inspect_file(path: str, text_field: str = "text", *, prompts: bool = False) 
         )
         return report
     try:
-        report.size = p.stat().st_size
-        with p.open("rb") as f:
+        with open_given_file(p, "data file") as f:
+            report.size = os.fstat(f.fileno()).st_size
             head = f.read(HEAD_BYTES if not (suffix == ".json" and report.size <= WHOLE_JSON_BYTES) else None)
     except OSError as e:
         report.problem = f"{p.name}: cannot read it ({e.strerror or e})."
+        return report
+    except PathRefused as e:  # swapped for a FIFO since it was checked
+        report.problem = f"{e}."
         return report
     whole = len(head) >= report.size
     text = _decode(head, whole)

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from rigpilot.app.planner.model import error_text
 from rigpilot.app.tasks import run_in_background
 from rigpilot.app.wizard.plan_check import plan_here
 from rigpilot.app.wizard.state import WizardState, default_gpus, default_state, examples_present
+from rigpilot.engine.given_path import is_given_file
 
 
 def request_plan(
@@ -29,7 +29,7 @@ def request_plan(
 ) -> None:
     """A plan (search result) for `state`: the engine's when connected, else the planner here."""
     ref, workload, gpus = state.planning_model(), state.workload_args(), sorted(state.gpus)
-    engine_reads_it = not Path(ref).expanduser().is_file()  # the engine describes folders, presets, hub ids
+    engine_reads_it = not is_given_file(ref)  # the engine describes folders, presets, hub ids
     if getattr(link, "state", None) == "connected" and engine_reads_it:
         link.call(
             "plan",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from rigpilot.app.wizard.page_base import StepPage
 from rigpilot.app.wizard.plan_check import describe_for_job, missing_weights
 from rigpilot.app.wizard.slurm_choice import SlurmChoice
 from rigpilot.app.wizard.state import CALIBRATE, FINETUNE, INFER, KINDS, SCRATCH, SCRIPT
+from rigpilot.engine.given_path import PathRefused, check_given_path
 
 CHECK_DELAY_MS = 300  # typing pauses this long before a model or file is checked
 DATA_FILTER = "Text and JSONL (*.txt *.md *.jsonl *.json *.ndjson);;All files (*)"
@@ -204,7 +206,7 @@ class ModelPage(StepPage):
         self._timer.start()
 
     def _ask_script(self) -> None:
-        start = str(Path(self.state.script).expanduser().parent) if self.state.script else str(Path.home())
+        start = str(Path(os.path.expanduser(self.state.script)).parent) if self.state.script else str(Path.home())
         path, _ = QFileDialog.getOpenFileName(self, "Script to run", start, "Python (*.py);;All files (*)")
         if path:
             self.script.setText(path)
@@ -269,9 +271,10 @@ class ModelPage(StepPage):
             return
 
         def check() -> str | None:
-            p = Path(path).expanduser()
-            if not p.is_file():
-                return f"{p} does not exist." if not p.exists() else f"{p} is not a file."
+            try:
+                p = check_given_path(path, "script")
+            except PathRefused as e:
+                return f"{e}."
             return None if p.suffix == ".py" else f"{p.name} is not a Python script (.py)."
 
         self.check_in_background(check, self.set_problem, "Checking the script…")

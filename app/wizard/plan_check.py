@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rigpilot.engine.errors import UserError
+from rigpilot.engine.given_path import EITHER, check_given_path, is_given_file
 from rigpilot.engine.hardware.machine import Machine
 from rigpilot.engine.models import ModelSpec, describe_config, describe_model
 from rigpilot.engine.models.config_file import read_config
@@ -31,7 +32,7 @@ MAX_TP = 8
 
 def describe_for_job(ref: str, trust_remote_code: bool = False) -> ModelSpec:
     """A model as a job names it: also a bare config.json file, which training from scratch takes."""
-    path = Path(ref.strip()).expanduser()
+    path = check_given_path(ref.strip(), "model", expect=EITHER, missing_ok=True)
     if path.is_file():
         if path.suffix.lower() != ".json":
             raise UserError(f"{ref} is a file but not a config.json")
@@ -48,9 +49,12 @@ def missing_weights(ref: str) -> str | None:
     Such a folder describes a model (the planner is happy) but a fine-tune would have nothing to
     start from; training from scratch is what it can do.
     """
-    path = Path(ref.strip()).expanduser()
-    folder = path.parent if path.is_file() and path.name == "config.json" else path
-    if not (folder / "config.json").is_file():
+    if is_given_file(ref.strip()):
+        path = Path(ref.strip()).expanduser()
+        folder = path.parent if path.name == "config.json" else path
+    else:
+        folder = Path(ref.strip())
+    if not is_given_file(folder / "config.json"):
         return None  # a preset or hub id: the engine fetches the weights
     if any(next(folder.glob(pattern), None) for pattern in WEIGHT_FILES):
         return None

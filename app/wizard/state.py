@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from rigpilot.engine.capability import layout_of_plan
+from rigpilot.engine.given_path import is_given_file
 from rigpilot.engine.jobs.spec import InferSettings, JobSpec, Parallelism, TrainSettings
 from rigpilot.engine.service.store import ACTIVE_STATES
 
@@ -107,9 +108,8 @@ class WizardState:
 
     def planning_model(self) -> str:
         """The model as the planner takes it: a folder rather than the config.json inside it."""
-        p = Path(self.model).expanduser()
-        if p.name == "config.json" and p.is_file():
-            return str(p.parent)
+        if Path(self.model).name == "config.json" and is_given_file(self.model):
+            return str(Path(self.model).expanduser().parent)
         return self.model
 
     def workload_args(self) -> dict[str, Any]:

@@ -86,7 +86,8 @@ def open_backend(
 ) -> Discovery:
     if simulate and import_paths:
         raise UserError("--simulate and --import cannot be used together")
-    simulate = simulate or os.environ.get(SIMULATE_ENV) or None
+    if not import_paths:  # an --import the user gave beats the environment's default machine
+        simulate = simulate or os.environ.get(SIMULATE_ENV) or None
     if simulate:
         backend = SimulatedBackend(served_machine(simulate))
         return Discovery(backend, backend.machine())

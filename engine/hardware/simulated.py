@@ -57,11 +57,13 @@ def list_profiles() -> list[dict[str, Any]]:
 
 
 def load_profile(profile_id: str) -> Machine:
-    f = profiles_dir() / f"{profile_id}.json"
-    if not f.is_file():
-        known = ", ".join(p.stem for p in sorted(profiles_dir().glob("*.json")))
-        raise UserError(f"unknown simulated profile {profile_id!r}; known profiles: {known}")
-    return machine_from_profile(_read(f))
+    # A profile is a name from the list, never a path: looked up, not joined onto the folder, so no
+    # name (too long for a file name, with a '/', a NUL) reaches the file system.
+    known = {p.stem: p for p in sorted(profiles_dir().glob("*.json"))}
+    if profile_id not in known:
+        asked = profile_id if len(profile_id) <= 60 else profile_id[:59] + "…"
+        raise UserError(f"unknown simulated profile {asked!r}; known profiles: {', '.join(known)}")
+    return machine_from_profile(_read(known[profile_id]))
 
 
 def _read(f: Path) -> dict[str, Any]:

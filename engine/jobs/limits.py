@@ -13,6 +13,7 @@ from typing import Any
 
 from rigpilot.engine.capability import INFER_BACKENDS, TRAIN_METHODS
 from rigpilot.engine.errors import UserError
+from rigpilot.engine.given_path import check_path_length
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 CHECKPOINTING = ("none", "selective", "full")
@@ -94,7 +95,7 @@ LIMITS: dict[str, Range | Choice] = {
     "infer.backend": Choice(INFER_BACKENDS),
     "max_restarts": Range(0, 100),
 }
-STRING_MAX = {"name": 256, "train.text_field": 256, "model": PATH_MAX, "infer.backend_reason": 1024}
+STRING_MAX = {"name": 256, "train.text_field": 256, "infer.backend_reason": 1024}
 LIST_MAX = {"gpus": 4096, "train.dataset": 1024, "train.lora_targets": 1024, "infer.prompts": 100_000, "script": 10_000}
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 ENV_MAX = 1024
@@ -126,9 +127,12 @@ def check_job_settings(spec: Any) -> None:
     for g in spec.gpus or []:
         if not 0 <= g < 4096:
             raise UserError(f"GPU index {g} is out of range [0, 4095]")
-    for path in [*(spec.train.dataset if spec.train else []), *([spec.infer.prompts_file] if spec.infer and spec.infer.prompts_file else [])]:
-        if len(path) > PATH_MAX:
-            raise UserError(f"a data path is {len(path):,} characters long; paths have at most {PATH_MAX:,}")
+    # Paths (and a model, which may be one) no file system could hold: engine.given_path's rule, in bytes.
+    for what, path in [("model", spec.model), ("script", (spec.script or [None])[0]),
+                       *(("data file", p) for p in (spec.train.dataset if spec.train else [])),
+                       ("prompts file", spec.infer.prompts_file if spec.infer else None)]:  # fmt: skip
+        if isinstance(path, str) and path:
+            check_path_length(path, what)
     for item in spec.script or []:
         if len(item) > PATH_MAX:
             raise UserError(f"a script argument is {len(item):,} characters long; at most {PATH_MAX:,} are allowed")

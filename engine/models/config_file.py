@@ -7,11 +7,18 @@ from pathlib import Path
 from typing import Any
 
 from rigpilot.engine.errors import UserError
+from rigpilot.engine.given_path import open_given_file
+
+CONFIG_MAX = 16 << 20  # a config.json is kilobytes; a larger file is not one
 
 
 def read_config(path: Path) -> dict[str, Any]:
     try:
-        config = json.loads(path.read_text())
+        with open_given_file(path, "model config") as f:
+            raw = f.read(CONFIG_MAX + 1)
+        if len(raw) > CONFIG_MAX:
+            raise UserError(f"{path}: larger than {CONFIG_MAX >> 20} MiB, too large to be a config.json")
+        config = json.loads(raw)
     except OSError as e:
         raise UserError(f"{path}: cannot read ({e.strerror or e})") from e
     except (UnicodeDecodeError, json.JSONDecodeError) as e:

@@ -18,10 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from rigpilot.engine.errors import UserError
+from rigpilot.engine.given_path import EITHER, MISSING, PathRefused, check_given_path, shown
 from rigpilot.engine.models.config_file import read_config
 from rigpilot.engine.models.formulas import Config, has_formula, spec_from_config
 from rigpilot.engine.models.meta_count import MetaCount, count_on_meta
 from rigpilot.engine.models.presets import Preset, find_preset, preset_for_repo
+from rigpilot.engine.models.repo_id import repo_id_problem
 from rigpilot.engine.models.runtime import apply_runtime_facts
 from rigpilot.engine.models.safetensors_meta import (
     TensorCount,
@@ -46,13 +48,16 @@ def describe_model(ref: str, *, token: str | None = None, trust_remote_code: boo
     preset = find_preset(ref)
     if preset is not None:
         return describe_preset(preset)
-    path = Path(ref).expanduser()
+    path = check_given_path(ref, "model", expect=EITHER, missing_ok=True)
     if path.is_dir():
         return _describe_folder(path, token=token, trust_remote_code=trust_remote_code)
     if path.is_file():
         raise UserError(f"{ref} is a file: give the folder that holds config.json")
     if ref.startswith(("/", "./", "../", "~")) or ref.count("/") > 1:
-        raise UserError(f"{ref}: no such folder")
+        raise PathRefused(f"{shown(ref)}: no such folder", path=ref, problem=MISSING)
+    problem = repo_id_problem(ref)
+    if problem:
+        raise UserError(f"{ref!r} is neither a preset, a folder nor a Hugging Face repo id: {problem}")
     return _describe_hub(ref, token=token, trust_remote_code=trust_remote_code)
 
 
@@ -104,8 +109,8 @@ def describe_config(
 
 
 def _describe_folder(folder: Path, *, token: str | None, trust_remote_code: bool) -> ModelSpec:
-    config_path = folder / "config.json"
-    if not config_path.is_file():
+    config_path = check_given_path(folder / "config.json", "model config", missing_ok=True)
+    if not config_path.exists():
         raise UserError(f"{folder}: no config.json (a model folder needs the config.json of its Hugging Face repo)")
     config = read_config(config_path)
     tensors = read_checkpoint(folder) if checkpoint_files(folder) else None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import struct
 from collections.abc import Iterable, Mapping
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rigpilot.engine.errors import UserError
+from rigpilot.engine.given_path import is_given_file, open_given_file
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -67,8 +69,8 @@ class TensorCount:
 def read_header(path: Path) -> dict[str, TensorHeader]:
     """The tensors one .safetensors file declares (name -> dtype, shape), reading only its header."""
     try:
-        size = path.stat().st_size
-        with path.open("rb") as f:
+        with open_given_file(path, "weights file") as f:
+            size = os.fstat(f.fileno()).st_size
             prefix = f.read(8)
             if len(prefix) < 8:
                 raise UserError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
@@ -118,13 +120,13 @@ def checkpoint_files(folder: Path) -> list[Path]:
             shards = sorted(set(weight_map.values()))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
             raise UserError(f"{index}: corrupt safetensors index ({e})") from e
-        missing = [s for s in shards if not (folder / s).is_file()]
+        missing = [s for s in shards if not is_given_file(folder / s)]
         if missing:
             raise UserError(f"{index}: lists {len(missing)} shard(s) that are not in the folder, e.g. {missing[0]}")
         return [folder / s for s in shards]
     if (folder / SINGLE_FILE).is_file():
         return [folder / SINGLE_FILE]
-    return sorted(folder.glob("model*.safetensors"))
+    return sorted(p for p in folder.glob("model*.safetensors") if is_given_file(p))
 
 
 def read_checkpoint(folder: Path) -> dict[str, TensorHeader]:

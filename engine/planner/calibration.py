@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -130,11 +129,9 @@ class MachineCalibration:
 
     @classmethod
     def load(cls, path: Path) -> MachineCalibration:
-        try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as e:
-            raise UserError(f"cannot read calibration {path}: {e}") from None
-        return cls.from_dict(data, f"calibration {path}")
+        from rigpilot.engine.argtypes import read_json_object
+
+        return cls.from_dict(read_json_object(Path(path), "calibration"), f"calibration {path}")
 
     # -- what it says ------------------------------------------------------------------------------
     @property

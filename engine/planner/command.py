@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from rigpilot.engine.errors import UserError
+from rigpilot.engine.given_path import MISSING, PathRefused, check_given_path, shown
 from rigpilot.engine.planner.calibration import MachineCalibration, apply_stored
 from rigpilot.engine.planner.calibration import apply as apply_calibration
 from rigpilot.engine.planner.cluster import DEFAULT_LINK, MAX_NODES, NODE_LINKS, check_nodes, node_link
@@ -124,9 +125,15 @@ def load_node_machine(text: str) -> Any:
     if text in {p["id"] for p in list_profiles()}:
         return plan_machine(text)
     paths = [Path(x) for x in text.split(",") if x.strip()]
+    if not paths:
+        raise UserError("--node-machine takes a simulated profile, a machine JSON or nvidia-smi files, not nothing")
     for path in paths:
-        if not path.is_file():
-            raise UserError(f"--node-machine {text!r}: {path} is not a file nor a simulated profile")
+        try:
+            check_given_path(path, "--node-machine file")
+        except PathRefused as e:
+            if e.problem != MISSING:
+                raise
+            raise UserError(f"{e}, nor is {shown(text)!r} a simulated profile (see 'rigpilot profiles')") from None
     if len(paths) == 1 and paths[0].suffix.lower() == ".json":
         try:
             doc = json.loads(paths[0].read_text())

@@ -47,11 +47,13 @@ LOGIN_RETRY_S = 10.0
 
 
 class EngineError(UserError):
-    """An error reply from the service; `code` says which kind (protocol.NOT_FOUND, ...)."""
+    """An error reply from the service; `code` says which kind (protocol.NOT_FOUND, ...), `fields` the
+    reply's other fields (a `bad_path` error's `path` and `problem`)."""
 
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: str, message: str, fields: dict[str, Any] | None = None):
         super().__init__(message)
         self.code = code
+        self.fields = fields or {}
 
 
 class EngineUnavailable(UserError):
@@ -307,7 +309,8 @@ class EngineClient:
             if msg.get("ok"):
                 return msg.get("result")
             err = msg.get("error") or {}
-            raise EngineError(err.get("code", protocol.INTERNAL), err.get("message", "unknown error"))
+            extra = {k: v for k, v in err.items() if k not in ("code", "message")}
+            raise EngineError(err.get("code", protocol.INTERNAL), err.get("message", "unknown error"), extra)
 
     def _take_notices(self, msg: dict[str, Any]) -> None:
         notices = msg.get("notices")

@@ -24,7 +24,9 @@ from rigpilot.engine.argtypes import (
 )
 from rigpilot.engine.capability import INFER_BACKENDS, TRAIN_METHODS, backend_words
 from rigpilot.engine.errors import UserError
+from rigpilot.engine.given_path import EITHER, FOLDER, check_given_path, open_given_file, shown
 from rigpilot.engine.jobs.limits import CHECKPOINTING, PRECISIONS
+from rigpilot.engine.jobs.secrets import shown_text
 from rigpilot.engine.service import scaling
 from rigpilot.engine.service.metrics import mark_superseded
 from rigpilot.engine.terminal import printable
@@ -383,6 +385,8 @@ def build_spec(args: argparse.Namespace) -> dict[str, Any]:
             raise UserError("which script? rigpilot run script [--gpus 0,1] -- script.py [args]")
         spec["script"] = command
         return spec
+    if args.model is not None and not args.model.strip():
+        raise UserError("--model is empty: name a preset, a model folder, a config.json or a Hugging Face repo id")
     if args.model:
         spec["model"] = args.model
     if args.trust_remote_code:
@@ -421,7 +425,7 @@ def _env_flags(items: list[str]) -> dict[str, str]:
     for item in items:
         name, sep, value = item.partition("=")
         if not sep or not name:
-            raise UserError(f"--env expects NAME=VALUE, not {printable(item)!r}")
+            raise UserError(f"--env expects NAME=VALUE, not {printable(shown_text(item))!r}")
         env[name] = value
     return env
 
@@ -945,7 +949,8 @@ def _node_line(n: dict[str, Any]) -> str:
 def _read_token(path: Path | None) -> str:
     try:
         if path is not None:
-            text = path.read_text()
+            with open_given_file(path, "token file") as f:
+                text = f.read(4096).decode("utf-8", errors="replace")
         elif sys.stdin.isatty():
             import getpass
 
@@ -953,7 +958,7 @@ def _read_token(path: Path | None) -> str:
         else:
             text = sys.stdin.read(4096)
     except OSError as e:
-        raise UserError(f"cannot read the token file {path}: {e.strerror}") from None
+        raise UserError(f"cannot read the token file {shown(path or '')}: {e.strerror}") from None
     return text.strip()
 
 
@@ -963,6 +968,9 @@ def _read_token(path: Path | None) -> str:
 def cmd_scaling(args: argparse.Namespace) -> int:
     from rigpilot.engine.service.client import EngineClient
 
+    if args.csv is not None:  # before the study, not after: a FIFO would block the write forever
+        check_given_path(args.csv, "--csv file", missing_ok=True)
+        check_given_path(args.csv.expanduser().absolute().parent, "--csv folder", expect=FOLDER)
     # Planning every point happens inside the start request: give it room beyond one plan's deadline.
     with EngineClient(timeout=300, on_notice=print_notice) as c:
         if args.list:
@@ -1019,15 +1027,19 @@ def _scaling_request(args: argparse.Namespace, client: Any) -> dict[str, Any]:
     else:
         if not args.model:
             raise UserError("which model? rigpilot scaling --model MODEL --data FILE [--gpus 1,2,4]")
-        model = args.model
-        if Path(model).expanduser().exists():  # a folder here, not a hub id: the engine's planner needs its full path
-            model = str(Path(model).expanduser().resolve())
-        data = [str(Path(d).expanduser().resolve()) if Path(d).expanduser().exists() else d for d in args.data]
+        # A folder or file here, not a hub id: the engine's planner needs its full path.
+        model = str(_local(args.model, "model").resolve()) if _local(args.model, "model").exists() else args.model
+        data = [str(_local(d, "data file").resolve()) if _local(d, "data file").exists() else d for d in args.data]
         req.update(model=model, dataset=data, method=args.method, seq_len=args.seq, precision=args.precision)
         if args.trust_remote_code:
             req["trust_remote_code"] = True
     req.update(steps=args.steps, warmup=args.warmup, global_batch=args.global_batch, micro_batch=args.micro_batch)
     return {k: v for k, v in req.items() if v not in (None, [])}
+
+
+def _local(path: str, what: str) -> Path:
+    """`path` as a local path, checked (a FIFO or a name past NAME_MAX is refused); it may not exist."""
+    return check_given_path(path, what, expect=EITHER, missing_ok=True)
 
 
 def _follow_study(client: Any, study: dict[str, Any], *, quiet: bool) -> dict[str, Any]:

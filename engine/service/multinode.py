@@ -31,6 +31,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -42,6 +43,7 @@ from typing import Any
 
 from rigpilot.engine import __version__
 from rigpilot.engine.errors import UserError
+from rigpilot.engine.given_path import FOLDER, PathRefused, check_given_path, is_given_folder, open_given_file, shown
 from rigpilot.engine.service import nodes as registry
 from rigpilot.engine.service import paths, protocol, submission
 from rigpilot.engine.service.store import (
@@ -273,12 +275,14 @@ class MultiNode:
     # -- a member: take part in a job the head leads -------------------------------------------
 
     def check_member(self, job: str, spec: dict[str, Any], nodes: dict[str, Any]) -> dict[str, Any]:
+        _check_member_id(job)
         info = _member_info(nodes)
         ranks = self.sup.check(spec, None, None, info["count"])["would_run"]["ranks"]
         _member_checks(info, ranks)
         return {"ok": True, "ranks": ranks}
 
     def submit_member(self, job: str, spec: dict[str, Any], nodes: dict[str, Any]) -> dict[str, Any]:
+        _check_member_id(job)
         info = _member_info(nodes)
         ranks = self.sup.check(spec, None, None, info["count"])["would_run"]["ranks"]
         _member_checks(info, ranks)
@@ -560,6 +564,13 @@ def _gone(name: str) -> bool:
         return True
 
 
+def _check_member_id(job: str) -> None:
+    """The head's job id becomes a folder name here: only the engine's own form (a few hex digits) is taken,
+    so no id ("../x", "/", 300 characters) can name a folder outside the jobs folder, nor one too long."""
+    if not re.fullmatch(r"[0-9a-z]{1,32}", job):
+        raise UserError(f"{job[:40]!r} is not a job id (a head engine sends the id it gave the job)")
+
+
 def _member_info(nodes: dict[str, Any]) -> dict[str, Any]:
     """The node facts a head sends a member, checked: nothing here may reach a command line unchecked."""
     if nodes.get("role") != "member":
@@ -587,9 +598,10 @@ def _member_checks(info: dict[str, Any], ranks: int) -> None:
         )
     marker = info.get("shared_marker")
     if isinstance(marker, dict):
-        try:
-            seen = Path(str(marker.get("path"))).read_text().strip()
-        except OSError:
+        try:  # a path from the request: checked, so a FIFO there cannot block this engine
+            with open_given_file(str(marker.get("path")), "shared marker") as f:
+                seen: str | None = f.read(4096).decode("utf-8", errors="replace").strip()
+        except (OSError, PathRefused):
             seen = None
         if seen != marker.get("nonce"):
             raise UserError(
@@ -597,14 +609,15 @@ def _member_checks(info: dict[str, Any], ranks: int) -> None:
                 "there): mount it at the same path on every node"
             )
     for key in ("checkpoints", "output"):
-        folder = Path(info[key])
-        if not folder.is_dir():
-            raise UserError(f"node {info['node']} cannot see the job's {key} folder {folder}")
+        folder = str(info.get(key))
+        if not is_given_folder(folder):
+            raise UserError(f"node {info['node']} cannot see the job's {key} folder {shown(folder)}")
 
 
 def _shared_checkpoints(shared: Path, job_id: str, check: bool) -> dict[str, Any]:
-    if not shared.is_absolute() or not shared.is_dir():
-        raise UserError(f"--shared-dir {shared} is not a folder (give an absolute path every node mounts)")
+    if not shared.is_absolute():
+        raise UserError(f"--shared-dir {shared} is not an absolute path (give the path every node mounts)")
+    check_given_path(shared, "--shared-dir", expect=FOLDER)
     if not os.access(shared, os.W_OK):
         raise UserError(f"--shared-dir {shared} is not writable")
     folder = shared / f"rigpilot-{job_id}"

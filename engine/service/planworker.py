@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rigpilot.engine.errors import UserError
+from rigpilot.engine.given_path import PathRefused
 from rigpilot.engine.service import protocol
 from rigpilot.engine.service.client import readable
 from rigpilot.engine.service.protocol import ProtocolError
@@ -175,6 +176,8 @@ def _answer(machine: Any, line: bytes) -> dict[str, Any]:
         return plan(machine, **args)
     except ProtocolError as e:
         return {"error": {"code": e.code, "message": e.message}}
+    except PathRefused as e:
+        return {"error": {"code": protocol.BAD_PATH, "message": str(e), "path": e.path, "problem": e.problem}}
     except UserError as e:
         return {"error": {"code": protocol.USER_ERROR, "message": str(e)}}
     except Exception:
@@ -276,7 +279,10 @@ class PlannerPool:
             log.error("the planner failed:\n%s", answer["bug"])
             raise PlannerBug(answer["bug"].strip().splitlines()[-1])
         if "error" in answer:
-            raise ProtocolError(answer["error"]["code"], answer["error"]["message"])
+            err = answer["error"]
+            if err["code"] == protocol.BAD_PATH:
+                raise PathRefused(err["message"], path=err.get("path", ""), problem=err.get("problem", ""))
+            raise ProtocolError(err["code"], err["message"])
         return answer["result"]
 
     def _take(self, deadline: float) -> _Child:

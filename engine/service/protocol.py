@@ -16,6 +16,10 @@ itself that its user should hear of, each told once to each client name given in
 path, cause, reason, moved_to, in_memory, jobs, damaged), `jobs_put_back` (a sound engine.db was
 behind the job folders: jobs put back or brought up to date from their record.json), `telemetry_reset` (telemetry.db could not serve; history
 starts again); see engine.service.resilient_store.
+
+A path the request names that cannot be what it must be (missing, a FIFO or device, a name past
+NAME_MAX, a path past PATH_MAX: engine.given_path) is refused as `bad_path`, with the `path` as
+sent and the `problem` beside `code` and `message`.
 Each request type's `args` are checked against `REQUEST_SCHEMAS` before the
 service acts on them; unknown arguments are refused so a typo is not ignored.
 Numbers, strings and lists carry ranges (`Limit`), so a value SQLite, `seek`
@@ -109,6 +113,9 @@ UNSUPPORTED_VERSION = "unsupported_version"
 UNKNOWN_TYPE = "unknown_type"
 INVALID = "invalid"  # args do not match the schema
 USER_ERROR = "user_error"  # the request is well formed but asks for something impossible
+# A path in the request is not what it must be; the error has `path` (as sent) and `problem`
+# (engine.given_path's codes: missing, special_file, name_too_long, ...).
+BAD_PATH = "bad_path"
 NOT_FOUND = "not_found"
 UNAUTHORIZED = "unauthorized"
 TLS_REQUIRED = "tls_required"  # plain text on the TCP port (an older client): update it
@@ -375,8 +382,9 @@ def reply(rid: int | str | None, result: Any) -> dict[str, Any]:
     return {"v": PROTOCOL_VERSION, "id": rid, "ok": True, "result": result}
 
 
-def error_reply(rid: int | str | None, code: str, message: str) -> dict[str, Any]:
-    return {"v": PROTOCOL_VERSION, "id": rid, "ok": False, "error": {"code": code, "message": message}}
+def error_reply(rid: int | str | None, code: str, message: str, **fields_: Any) -> dict[str, Any]:
+    """An error reply; `fields_` are what a client may act on beside the code (a bad path's `path`, `problem`)."""
+    return {"v": PROTOCOL_VERSION, "id": rid, "ok": False, "error": {**fields_, "code": code, "message": message}}
 
 
 def event(name: str, **fields_: Any) -> dict[str, Any]:

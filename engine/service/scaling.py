@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from rigpilot.engine.errors import UserError
+from rigpilot.engine.given_path import is_given_file
 
 SCHEMA = "rigpilot.scaling/1"
 DEFAULT_STEPS = 10
@@ -381,8 +382,11 @@ class Studies:
         self.write(self.root / f"{study['id']}.json", json.dumps(stored, indent=1))
 
     def load(self, ref: str) -> dict[str, Any]:
+        # A study id is short and plain (s1a2b3c): anything else is no study, and never a file name to try.
+        if not (len(ref) <= 64 and ref.isascii() and ref.replace("-", "").isalnum()):
+            raise UserError(f"no scaling study {ref[:64]!r} (see 'rigpilot scaling --list')")
         path = self.root / f"{ref}.json"
-        if not ref.replace("-", "").isalnum() or not path.is_file():
+        if not path.is_file():
             raise UserError(f"no scaling study {ref!r} (see 'rigpilot scaling --list')")
         try:
             return json.loads(path.read_text())
@@ -470,4 +474,4 @@ def _cpu_cores() -> int:
 def _planner_model(model: str) -> str:
     # A job trains from scratch on a config.json; the planner reads the folder that holds it.
     path = Path(model)
-    return str(path.parent) if path.name == "config.json" and path.is_file() else model
+    return str(path.parent) if path.name == "config.json" and is_given_file(path) else model

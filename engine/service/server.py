@@ -59,6 +59,7 @@ from typing import Any
 
 from rigpilot.engine import __version__
 from rigpilot.engine.errors import UserError
+from rigpilot.engine.given_path import PathRefused
 from rigpilot.engine.hardware.discovery import open_backend
 from rigpilot.engine.hardware.sampler import Sampler
 from rigpilot.engine.hardware.simulated import SimulatedBackend
@@ -767,6 +768,8 @@ class EngineService:
             return not e.fatal
         except JobNotFound as e:
             self._reply(conn, req, protocol.error_reply(rid, protocol.NOT_FOUND, str(e)))
+        except PathRefused as e:
+            self._reply(conn, req, protocol.error_reply(rid, protocol.BAD_PATH, str(e), path=e.path, problem=e.problem))
         except UserError as e:
             self._reply(conn, req, protocol.error_reply(rid, protocol.USER_ERROR, str(e)))
         except PlanTimeout:

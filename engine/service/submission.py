@@ -33,9 +33,11 @@ from rigpilot.engine.capability import (
     why_not,
 )
 from rigpilot.engine.errors import UserError
+from rigpilot.engine.given_path import EITHER, FILE, FOLDER, Expect, check_given_path, open_given_file
 from rigpilot.engine.hardware.machine import Machine
 from rigpilot.engine.jobs.limits import CHECKPOINTING, PRECISIONS, check_job_settings
 from rigpilot.engine.jobs.spec import InferSettings, JobSpec, TrainSettings
+from rigpilot.engine.models.config_file import CONFIG_MAX
 from rigpilot.engine.planner.memory import fmt_gib
 from rigpilot.engine.service.protocol import check_dataclass
 
@@ -81,9 +83,9 @@ def prepare(
     data = {k: v for k, v in spec_data.items() if k not in ("id", "spec_version", "simulated")}
     if data.get("kind") not in KINDS:
         raise UserError(f"unknown job kind {data.get('kind')!r}; choose one of {', '.join(KINDS)}")
-    base = Path(cwd) if cwd else None
-    if base is not None and not (base.is_absolute() and base.is_dir()):
-        raise UserError(f"working folder {cwd} does not exist")
+    base = check_given_path(cwd, "working folder", expect=FOLDER) if cwd else None
+    if base is not None and not base.is_absolute():
+        raise UserError(f"working folder {cwd} must be an absolute path")
     spec = JobSpec.from_dict({**data, "id": job_id})
     check_job_settings(spec)  # the user's own values, named as they gave them
     spec.simulated = machine.simulated
@@ -388,23 +390,19 @@ def _ranges(indices: list[int]) -> str:
     return f"{indices[0]}–{indices[-1]}" if len(indices) > 1 else str(indices[0])
 
 
-def _resolve(path: str, base: Path | None) -> Path:
-    p = Path(path).expanduser()
-    if not p.is_absolute():
-        if base is None:
-            raise UserError(f"{path}: give an absolute path (no working folder was sent)")
-        p = base / p
-    return p
+def _resolve(path: str, base: Path | None, what: str, expect: Expect = FILE, *, missing_ok: bool = False) -> Path:
+    """A path of the submission, checked (engine.given_path); relative ones are under the client's `base`."""
+    if not path.startswith(("/", "~")) and base is None:
+        raise UserError(f"{path}: give an absolute path (no working folder was sent)")
+    return check_given_path(path, what, expect=expect, base=base, missing_ok=missing_ok)
 
 
 def _check_script(spec: JobSpec, base: Path | None) -> None:
     if not spec.script:
         raise UserError("a script job needs the script to run: rigpilot run script -- path/to/script.py [args]")
-    script = _resolve(spec.script[0], base)
+    script = _resolve(spec.script[0], base, "script", EITHER)
     if script.is_dir():
         raise UserError(f"script {script} is a folder; give the Python file to run: rigpilot run script -- FILE.py")
-    if not script.is_file():
-        raise UserError(f"script {script} does not exist")
     spec.script = [str(script), *spec.script[1:]]
 
 
@@ -437,25 +435,21 @@ def _check_infer(spec: JobSpec, base: Path | None) -> str | None:
         raise UserError("an inference job needs a model (--model PRESET, FOLDER or HUB-ID)")
     spec.model, model_type = _check_model(spec.model, base)
     if i.prompts_file:
-        i.prompts_file = str(_check_data_file(i.prompts_file, base))
+        i.prompts_file = str(_check_data_file(i.prompts_file, base, "prompts file"))
     elif not [p for p in i.prompts if p.strip()]:
         raise UserError("an inference job needs prompts (--prompts FILE or --prompt TEXT)")
     return model_type
 
 
-def _check_data_file(path: str, base: Path | None) -> Path:
-    p = _resolve(path, base)
-    if not p.exists():
-        raise UserError(f"data file {p} does not exist")
-    if not p.is_file():
-        raise UserError(f"data file {p} is not a file")
-    try:
-        with p.open("rb") as f:
+def _check_data_file(path: str, base: Path | None, what: str = "data file") -> Path:
+    p = _resolve(path, base, what)
+    with open_given_file(p, what) as f:
+        try:
             has_text = any(line.strip() for line in f)
-    except OSError as e:
-        raise UserError(f"cannot read data file {p}: {e.strerror}") from None
+        except OSError as e:
+            raise UserError(f"cannot read {what} {p}: {e.strerror}") from None
     if not has_text:
-        raise UserError(f"data file {p} is empty")
+        raise UserError(f"{what} {p} is empty")
     return p
 
 
@@ -478,24 +472,26 @@ def _model_config(model: str, base: Path | None) -> tuple[str, dict[str, Any]]:
 
     Local models must be readable now; hub ids are the worker's to resolve ({} here)."""
     if _looks_like_path(model):
-        candidate = _resolve(model, base)
-    elif base is not None and (base / model).exists():
+        candidate = _resolve(model, base, "model", EITHER)
+    elif base is not None and _resolve(model, base, "model", EITHER, missing_ok=True).exists():
         candidate = base / model  # a folder name relative to where the user stands
     else:
         from rigpilot.engine.models.presets import find_preset, preset_for_repo
+        from rigpilot.engine.models.repo_id import repo_id_problem
 
         preset = find_preset(model) or preset_for_repo(model)
+        if preset is None and (problem := repo_id_problem(model)):
+            raise UserError(f"model {model!r} is neither a preset, a local path nor a Hugging Face repo id: {problem}")
         return model, preset.config if preset else {}  # a preset or a hub id
     if candidate.is_dir():
-        config = candidate / "config.json"
-        if not config.is_file():
+        config = check_given_path(candidate / "config.json", "model config", missing_ok=True)
+        if not config.exists():
             raise UserError(f"model folder {candidate} has no config.json")
-    elif candidate.is_file():
-        config = candidate
     else:
-        raise UserError(f"model {candidate} does not exist")
+        config = candidate
     try:
-        raw = json.loads(config.read_text())
+        with open_given_file(config, "model config") as f:
+            raw = json.loads(f.read(CONFIG_MAX + 1))
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise UserError(f"model config {config} is not valid JSON ({e})") from None
     if not isinstance(raw, dict) or not raw:

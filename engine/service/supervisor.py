@@ -586,7 +586,7 @@ class Supervisor:
 
     def _environment(self, rec: JobRecord, spec: JobSpec, job_dir: Path, python: str) -> dict[str, str]:
         env = dict(os.environ)
-        env.update({k: v for k, v in spec.env.items() if v != job_secrets.MASK})  # the caller adds the secrets
+        env.update(job_secrets.plain(spec.env))  # the caller adds the secrets
         # Nothing of the service's own environment goes on PYTHONPATH: ranks and user scripts import
         # rigpilot (rigpilot.report) from the worker interpreter's environment, and a user's `engine`
         # package stays theirs.

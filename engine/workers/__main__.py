@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from rigpilot.engine.errors import UserError
-from rigpilot.engine.jobs.secrets import MASK
+from rigpilot.engine.jobs.secrets import plain
 from rigpilot.engine.jobs.spec import JobSpec
 from rigpilot.engine.report import METRICS_DIR_ENV, report
 from rigpilot.engine.workers import (
@@ -131,7 +131,7 @@ def main(argv: list[str]) -> int:
         spec = read_spec(job_dir)
         # Before torch and transformers are imported: some of them are read at import time.
         # Masked secrets (engine.jobs.secrets) reach the ranks through the environment the engine set.
-        os.environ.update({k: v for k, v in spec.env.items() if v != MASK})
+        os.environ.update(plain(spec.env))
         return run(spec, job_dir)
     except UserError as e:
         report(kind="error", error="user_error", message=str(e))

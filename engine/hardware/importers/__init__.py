@@ -17,6 +17,7 @@ import re
 from enum import StrEnum
 from pathlib import Path
 
+from rigpilot.engine.given_path import PathRefused, open_given_file
 from rigpilot.engine.hardware.importers import nvlink_status, smi_query, topo_text
 from rigpilot.engine.hardware.importers.common import MachineImportError
 from rigpilot.engine.hardware.machine import Gpu, Host, Machine
@@ -97,12 +98,10 @@ class _Parsed:
 
 def _read(path: Path) -> str:
     try:
-        with path.open("rb") as f:
+        with open_given_file(path, "nvidia-smi output") as f:
             data = f.read(_MAX_BYTES + 1)
-    except FileNotFoundError:
-        raise MachineImportError(f"cannot read {path}: No such file") from None
-    except IsADirectoryError:
-        raise MachineImportError(f"cannot read {path}: it is a folder, not a file") from None
+    except PathRefused as e:
+        raise MachineImportError(str(e)) from None
     except OSError as e:
         raise MachineImportError(f"cannot read {path}: {e.strerror or e}") from None
     if len(data) > _MAX_BYTES:
