@@ -14,12 +14,13 @@ A reply (or error) may also carry `"notices": [{code, message, time, ...}]`: wha
 itself that its user should hear of, each told once to each client name given in `hello` (not on the
 `hello` reply itself). Codes: `job_database_rebuilt` (engine.db could not serve or was missing; fields
 path, cause, reason, moved_to, in_memory, jobs, damaged), `jobs_put_back` (a sound engine.db was
-behind the job folders: jobs put back or brought up to date from their record.json), `telemetry_reset` (telemetry.db could not serve; history
-starts again); see engine.service.resilient_store.
+behind the job folders: jobs put back or brought up to date from their record.json),
+`telemetry_reset` (telemetry.db could not serve; history starts again); see engine.service.resilient_store.
 
 A path the request names that cannot be what it must be (missing, a FIFO or device, a name past
 NAME_MAX, a path past PATH_MAX: engine.given_path) is refused as `bad_path`, with the `path` as
 sent and the `problem` beside `code` and `message`.
+
 Each request type's `args` are checked against `REQUEST_SCHEMAS` before the
 service acts on them; unknown arguments are refused so a typo is not ignored.
 Numbers, strings and lists carry ranges (`Limit`), so a value SQLite, `seek`
