@@ -319,9 +319,10 @@ def test_malformed_frames_and_extreme_values_get_one_line_replies(engine):
         assert (r["id"], r["error"]["code"]) == (i, protocol.INVALID), r
         message = r["error"]["message"]
         assert message.startswith(field) and "\n" not in message and len(message) < 200, message
-    # A path the file system refuses (a component over NAME_MAX) is the user's error, not an OSError.
+    # A path the file system refuses (a component over NAME_MAX) is refused by name, not as an OSError.
     r = raw_exchange(s, protocol.encode(protocol.request(99, "plan", model="/tmp/" + "m" * 300)))
-    assert r["error"]["code"] == protocol.USER_ERROR and "File name too long" in r["error"]["message"]
+    assert r["error"]["code"] == protocol.BAD_PATH and r["error"]["problem"] == "name_too_long", r
+    assert "at most 255 bytes" in r["error"]["message"]
     assert raw_exchange(s, protocol.encode(protocol.request(100, "hello")))["ok"]  # the same connection goes on
     s.close()
     assert engine_log_tracebacks(engine) == 0
