@@ -572,13 +572,13 @@ class Trainer:
         s, rt = self.s, self.rt
         step = 0
         if self.spec.resume:
-            path = self.checkpointer.latest()
-            if path is None:
+            resumed = self.checkpointer.resume()
+            if resumed is None:
                 note = "resume requested but there is no complete checkpoint: starting from step 0"
                 self.log(note)
                 report(kind="note", message=note)
             else:
-                step, notes = self.checkpointer.load(path)
+                path, step, notes = resumed
                 for note in [*notes, f"resumed from {path.name} at step {step}"]:
                     self.log(note)
                     report(step=step, kind="note", message=note)
