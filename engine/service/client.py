@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from rigpilot.engine.diskspace import disk_full, no_room
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.service import paths, protocol
 
@@ -41,9 +42,10 @@ TOKEN_ENV = "RIGPILOT_ENGINE_TOKEN"  # a remote client's copy of the service mac
 class EngineError(UserError):
     """An error reply from the service; `code` says which kind (protocol.NOT_FOUND, ...)."""
 
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: str, message: str, fields: dict[str, Any] | None = None):
         super().__init__(message)
         self.code = code
+        self.fields = fields or {}  # what the error carries besides its line (protocol.DISK_FULL: folder, bytes)
 
 
 class EngineUnavailable(UserError):
@@ -115,6 +117,9 @@ class EngineClient:
                 pass
             # Exit code 0 means another client's service won the race; keep waiting for its socket.
             if proc.poll() not in (None, 0) or time.monotonic() > deadline:
+                state = paths.engine_state_dir()
+                if no_room(state):  # its log is on that disk too, and could not say so
+                    raise EngineUnavailable(f"the engine service did not start: {disk_full(state).line()}")
                 tail = _tail(paths.service_log_path())
                 raise EngineUnavailable(
                     f"the engine service did not start (see {paths.service_log_path()}){': ' + tail if tail else ''}"
@@ -178,7 +183,8 @@ class EngineClient:
             if msg.get("ok"):
                 return msg.get("result")
             err = msg.get("error") or {}
-            raise EngineError(err.get("code", protocol.INTERNAL), err.get("message", "unknown error"))
+            extra = {k: v for k, v in err.items() if k not in ("code", "message")}
+            raise EngineError(err.get("code", protocol.INTERNAL), err.get("message", "unknown error"), extra)
 
     # -- events ---------------------------------------------------------------
 

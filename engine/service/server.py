@@ -36,6 +36,7 @@ import os
 import selectors
 import signal
 import socket
+import sqlite3
 import struct
 import sys
 import threading
@@ -47,11 +48,13 @@ from pathlib import Path
 from typing import Any
 
 from rigpilot.engine import __version__
+from rigpilot.engine.diskspace import DiskFull, disk_full, is_disk_full, no_room
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.discovery import open_backend
 from rigpilot.engine.hardware.sampler import Sampler
 from rigpilot.engine.hardware.simulated import SimulatedBackend
 from rigpilot.engine.service import calibration_store, nodes, paths, protocol
+from rigpilot.engine.service.conditions import Conditions
 from rigpilot.engine.service.metrics import read_records
 from rigpilot.engine.service.multinode import MultiNode
 from rigpilot.engine.service.planworker import ClientGone, PlannerBug, PlannerPool, PlanTimeout
@@ -264,6 +267,7 @@ class EngineService:
         self._machine_lock = threading.Lock()  # one machine switch at a time
         self._ended_since_trim = 0  # connections ended since memory was last handed back
         self._trimmed = 0.0
+        self._conditions = Conditions(log)  # lasting problems (telemetry on a full disk): one log line each
 
     # -- lifetime -------------------------------------------------------------
 
@@ -291,8 +295,14 @@ class EngineService:
         self.machine = self.discovery.machine
         for detail in self.discovery.details:
             log.info("%s", detail)
-        self.telemetry = TelemetryStore(paths.telemetry_path(), min_interval=max(1.0, self.options.telemetry_period))
-        self.store = JobStore(paths.database_path())
+        try:
+            self.telemetry = TelemetryStore(paths.telemetry_path(), min_interval=max(1.0, self.options.telemetry_period))
+            self.store = JobStore(paths.database_path())
+        except (OSError, sqlite3.Error) as e:
+            # SQLite says "disk I/O error" when it cannot even make its WAL files: the free space decides.
+            if is_disk_full(e) or no_room(paths.engine_state_dir()):
+                raise disk_full(paths.engine_state_dir(), None, "the engine cannot open its databases") from None
+            raise
         self.supervisor = Supervisor(
             self.store, paths.jobs_dir(), self.machine, self.discovery.backend,
             SupervisorOptions(
@@ -600,6 +610,8 @@ class EngineService:
             return not e.fatal
         except JobNotFound as e:
             conn.send(protocol.error_reply(rid, protocol.NOT_FOUND, str(e)))
+        except DiskFull as e:
+            conn.send(protocol.error_reply(rid, protocol.DISK_FULL, str(e), **_disk_fields(e)))
         except UserError as e:
             conn.send(protocol.error_reply(rid, protocol.USER_ERROR, str(e)))
         except PlanTimeout:
@@ -612,7 +624,11 @@ class EngineService:
         except PlannerBug as e:
             conn.send(protocol.error_reply(rid, protocol.INTERNAL, f"Rigpilot hit a bug: {e} (logged in {self.log_location})"))
         except Exception as e:
-            conn.send(protocol.error_reply(rid, protocol.INTERNAL, self._bug(e, f"request {str(msg.get('type'))[:40]!r}")))
+            if is_disk_full(e):  # a write any request may make (settings, a plan, a job folder) found no room
+                full = disk_full(paths.engine_state_dir() if getattr(e, "filename", None) is None else Path(e.filename).parent)
+                conn.send(protocol.error_reply(rid, protocol.DISK_FULL, str(full), **_disk_fields(full)))
+            else:
+                conn.send(protocol.error_reply(rid, protocol.INTERNAL, self._bug(e, f"request {str(msg.get('type'))[:40]!r}")))
         return True
 
     def _bug(self, e: BaseException, during: str) -> str:
@@ -882,8 +898,10 @@ class EngineService:
     def _on_sample(self, sample: Any) -> None:
         try:
             self.telemetry.add(sample)
-        except Exception:
-            log.exception("cannot store telemetry")
+            self._conditions.cleared("telemetry", "telemetry is stored again")
+        except Exception as e:
+            line = f"{disk_full(paths.telemetry_path().parent).line()}: " if is_disk_full(e) else ""
+            self._conditions.failing("telemetry", f"cannot store telemetry: {line}{type(e).__name__}: {e}", e, cause=repr(e))
         subs = self._subscribers("telemetry")
         if subs:
             data = protocol.encode(protocol.event("telemetry", sample=sample.to_dict()))
@@ -912,6 +930,10 @@ class EngineService:
     def _publish_metrics(self, job_id: str) -> None:
         for c in self._subscribers(f"metrics:{job_id}"):
             c.poke_metrics(job_id)
+
+
+def _disk_fields(e: DiskFull) -> dict[str, Any]:
+    return {"folder": e.folder, "needed_bytes": e.needed, "free_bytes": e.free}
 
 
 def _same_user(sock: socket.socket) -> bool:
