@@ -66,14 +66,18 @@ def run_outcome(run: Run, rc: int | None, *, service_was_down: bool = False) -> 
     oom = next((e for e in reversed(errors) if e.get("error") == "out_of_memory"), None)
     base: dict[str, Any] = {"cancel_requested": rec.cancel_requested, "exit_code": rc}
 
+    all_clean = len(exits) >= rec.ranks and not failures
+    # Every rank's own exit decides, where each recorded one: torchrun exits 1 when it was sent the SIGTERM itself.
+    finished = not failures and oom is None and (rc == 0 or all_clean)
+    # Rigpilot's workers exit 0 only once their work is done: a cancel that came after a training job's last
+    # step, or a generation's last batch, found nothing left to stop. A script may exit 0 on SIGTERM itself.
+    if finished and (rec.kind != "script" or not (run.stop_reason == "cancel" or rec.cancel_requested)):
+        return {**base, "state": COMPLETED, "exit_reason": None, "failed_rank": None, "last_log": [], "resumable": False}
+
     if run.stop_reason == "cancel" or rec.cancel_requested:
         how = "killed after the grace period" if run.killed else "stopped"
         return {**base, "state": CANCELLED, "exit_reason": f"cancelled by the user ({how})", "resumable": True,
                 "failed_rank": None, "last_log": []}  # fmt: skip
-
-    all_clean = len(exits) >= rec.ranks and not failures
-    if not failures and oom is None and (rc == 0 or (rc is None and all_clean)):
-        return {**base, "state": COMPLETED, "exit_reason": None, "failed_rank": None, "last_log": [], "resumable": False}
 
     if service_was_down and not failures and oom is None:
         return {**base, "state": INTERRUPTED, "failed_rank": None, "resumable": True,

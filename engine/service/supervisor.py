@@ -391,10 +391,13 @@ class Supervisor:
             elif not rec.cancel_requested:
                 self.store.update(rec, cancel_requested=True)
                 run.stop_reason = "cancel"
-                run.kill_at = time.monotonic() + self.options.grace_s
-                # torchrun passes SIGTERM on to every rank's process group and waits for them,
-                # so workers get their chance to checkpoint before the grace period ends.
-                self._signal_launcher(run, signal.SIGTERM)
+                if not _trained_every_step(rec, run):
+                    run.kill_at = time.monotonic() + self.options.grace_s
+                    # torchrun passes SIGTERM on to every rank's process group and waits for them,
+                    # so workers get their chance to checkpoint before the grace period ends.
+                    self._signal_launcher(run, signal.SIGTERM)
+                # else every step is trained and checkpointed: the job only evaluates and saves its model now,
+                # which no cancel may cut short; it ends completed.
             view = self.view(rec)
         self._on_job(view)
         self._wake.set()
@@ -1021,6 +1024,13 @@ def _alive(pid: Any, create_time: Any, token: str | None = None) -> bool:
 def _first_line(e: BaseException) -> str:
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
     return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+def _trained_every_step(rec: JobRecord, run: Run) -> bool:
+    """A training job whose ranks reported its last step: what is left (the final checkpoint, the evaluation,
+    the model) finishes the job, and a cancel now would only cut that short."""
+    max_steps = run.summary.max_steps
+    return rec.kind == "train" and run.stepped and bool(max_steps) and (run.summary.step or 0) >= max_steps
 
 
 def _free_port() -> int:

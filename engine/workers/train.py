@@ -607,7 +607,10 @@ class Trainer:
             # (evaluation, the export): the last step is always checkpointed, unless checkpoints are off.
             if cancelled or checkpoint_now:
                 self._checkpoint(step, resume_phase=not cancelled)
-            if cancelled:
+            if cancelled and last:
+                # Every step is trained and saved: the job finishes (evaluation, the model) rather than end cancelled.
+                self.log("cancel requested after the last step: finishing the job")
+            elif cancelled:
                 status("cancelled", step=step, exit_code=EXIT_CANCELLED)
                 self.log(f"cancelled after step {step}; checkpoint saved")
                 return EXIT_CANCELLED
