@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from rigpilot.engine.diskspace import disk_full, no_room
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.service import paths, pins, protocol, tls
 
@@ -53,7 +54,7 @@ class EngineError(UserError):
     def __init__(self, code: str, message: str, fields: dict[str, Any] | None = None):
         super().__init__(message)
         self.code = code
-        self.fields = fields or {}
+        self.fields = fields or {}  # what the error carries besides its line (protocol.DISK_FULL: folder, bytes)
 
 
 class EngineUnavailable(UserError):
@@ -245,6 +246,9 @@ class EngineClient:
                 pass
             # Exit code 0 means another client's service won the race; keep waiting for its socket.
             if proc.poll() not in (None, 0) or time.monotonic() > deadline:
+                state = paths.engine_state_dir()
+                if no_room(state):  # its log is on that disk too, and could not say so
+                    raise EngineUnavailable(f"the engine service did not start: {disk_full(state).line()}")
                 tail = _tail(paths.service_log_path(), since=log_start)
                 raise EngineUnavailable(
                     f"the engine service did not start (see {paths.service_log_path()}){': ' + tail if tail else ''}"

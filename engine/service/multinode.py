@@ -46,6 +46,7 @@ from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import FOLDER, PathRefused, check_given_path, is_given_folder, open_given_file, shown
 from rigpilot.engine.service import nodes as registry
 from rigpilot.engine.service import paths, protocol, submission
+from rigpilot.engine.service.conditions import Conditions
 from rigpilot.engine.service.store import (
     ACTIVE_STATES,
     CANCELLED,
@@ -101,6 +102,7 @@ class MultiNode:
         self.lost_after_s = lost_after_s
         self._lock = threading.Lock()
         self._watches: dict[str, _Watch] = {}
+        self._conditions = Conditions(log)  # a pass that keeps failing (a full disk) is logged once
         self._failures: dict[str, str] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -325,8 +327,10 @@ class MultiNode:
             for w in watches:
                 try:
                     self._pass(w)
-                except Exception:
-                    log.exception("watching the nodes of job %s failed", w.job_id)
+                    self._conditions.cleared(w.job_id, f"watching the nodes of job {w.job_id} works again")
+                except Exception as e:
+                    self._conditions.failing(w.job_id, f"watching the nodes of job {w.job_id} failed: {e}", e,
+                                             cause=repr(e))  # fmt: skip
 
     def _pass(self, w: _Watch) -> None:
         rec = self.sup.store.get(w.job_id)

@@ -33,6 +33,9 @@ first request must be `hello` with its proof (engine.service.tls), within the
 login timeout. A client that speaks plain text there is answered `tls_required`.
 Every request has a deadline: one that passes it (a `plan` search) is stopped
 and answered `timeout`; a client may ask for a shorter one with `deadline_s`.
+A request that needs room the engine's state folder lacks (submit, resume, a
+write that found the disk full) is answered `disk_full`, its error carrying
+`folder`, `needed_bytes` (null where unknown) and `free_bytes` beside the line.
 
 Requests and their results (a "job" is the record the `jobs` CLI shows, plus
 `progress`, `job_dir`, `waiting_for` when queued, `comparison` in details; the `job` request's answer also
@@ -124,6 +127,7 @@ UNAVAILABLE = "unavailable"  # e.g. the planner is not installed
 TIMEOUT = "timeout"  # the request ran past its deadline and was stopped
 BUSY = "busy"  # too many connections (or planner runs) at once; try again later
 INTERNAL = "internal"  # a bug in Rigpilot: the message says where the traceback was logged
+DISK_FULL = "disk_full"  # no room to write; the error carries folder, needed_bytes and free_bytes
 
 
 class ProtocolError(Exception):
@@ -383,9 +387,10 @@ def reply(rid: int | str | None, result: Any) -> dict[str, Any]:
     return {"v": PROTOCOL_VERSION, "id": rid, "ok": True, "result": result}
 
 
-def error_reply(rid: int | str | None, code: str, message: str, **fields_: Any) -> dict[str, Any]:
-    """An error reply; `fields_` are what a client may act on beside the code (a bad path's `path`, `problem`)."""
-    return {"v": PROTOCOL_VERSION, "id": rid, "ok": False, "error": {**fields_, "code": code, "message": message}}
+def error_reply(rid: int | str | None, code: str, message: str, **fields: Any) -> dict[str, Any]:
+    """An error reply; `fields` carry what a client words the error from (BAD_PATH: path, problem;
+    DISK_FULL: folder, needed_bytes, free_bytes)."""
+    return {"v": PROTOCOL_VERSION, "id": rid, "ok": False, "error": {**fields, "code": code, "message": message}}
 
 
 def event(name: str, **fields_: Any) -> dict[str, Any]:

@@ -35,6 +35,29 @@ def _write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def _record_state(path: Path, data: dict) -> None:
+    """The rank's record, whatever the disk: on a full one, written over the one before in place.
+
+    A file's last block has room for the few bytes more an exit adds, so the rewrite needs no new
+    block on ext4, XFS or tmpfs; a reader that catches it half-written skips it until the next look.
+    """
+    try:
+        _write_json(path, data)
+        return
+    except OSError:
+        path.with_suffix(".tmp").unlink(missing_ok=True)  # an empty one would only take an inode
+    try:
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            text = json.dumps(data).encode()
+            os.pwrite(fd, text, 0)
+            os.ftruncate(fd, len(text))
+        finally:
+            os.close(fd)
+    except OSError:
+        pass  # the exit code still reaches torchrun
+
+
 def _process_start_time(pid: int) -> float | None:
     """The kernel's start time of `pid` in the same units psutil's create_time() uses."""
     try:
@@ -84,15 +107,15 @@ def main(argv: list[str]) -> int:
             child = subprocess.Popen(command)
         except OSError as e:
             print(f"rigpilot: cannot start rank {rank}: {e}", flush=True)
-            _write_json(state_file, {**state, "exit": {"code": 127, "signal": None, "time": time.time()}})
+            _record_state(state_file, {**state, "exit": {"code": 127, "signal": None, "time": time.time()}})
             return 127
     else:
         state["warm"] = True
     state["child_pid"] = child.pid
-    _write_json(state_file, state)
+    _record_state(state_file, state)
     rc = child.wait()
     exit_info = {"code": rc if rc >= 0 else None, "signal": -rc if rc < 0 else None, "time": time.time()}
-    _write_json(state_file, {**state, "exit": exit_info})
+    _record_state(state_file, {**state, "exit": exit_info})
     return rc if rc >= 0 else 128 - rc
 
 

@@ -14,6 +14,10 @@ Not restarted, with the cause added to the job's reason: a cancel (the user's), 
 out of memory (the same plan would run out again), a rank's user error (bad data or settings), and
 a job whose layout cannot shrink to the healthy GPUs (its tensor or pipeline degree no longer
 fits): that one waits for the user, failed and resumable, with one line saying why.
+
+A full disk is not retried while it is full: the job stays failed (and resumable) and, where it has
+restarts left, `restart_when_space_returns` queues it again once the folder has the room its
+checkpoint needs. A restart whose job.json cannot be written is not made.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rigpilot.engine.diskspace import free_bytes, human_size
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.jobs.spec import JobSpec
 from rigpilot.engine.service.store import FAILED, QUEUED, JobRecord
@@ -136,6 +141,67 @@ def after_failure(
     done = restarts_in_a_row(rec)
     if done >= rec.max_restarts:
         return _not_restarted(outcome, f"it already restarted {done} time{'s' * (done != 1)} in a row (the limit)")
+    if error.get("error") == "disk_full":
+        room = human_size(room_needed(error))
+        return {**outcome, "exit_reason": f"{cause}; not restarted while the disk is full: it restarts by itself "
+                f"once {room} is free there, or resume it"}  # fmt: skip
+    return _restart(rec, outcome, cause, job_dir, faults, simulated=simulated, max_cpu_ranks=max_cpu_ranks,
+                    from_step=from_step)  # fmt: skip
+
+
+# Room a disk-full job waits for when its ranks could not say what they needed: its logs and metrics, at least.
+MIN_ROOM_BYTES = 16 << 20
+
+
+def room_needed(error: dict[str, Any]) -> int:
+    """The free bytes a job that failed on a full disk (`error`: its error record) waits for before it restarts."""
+    needed = error.get("needed_bytes")
+    return needed if isinstance(needed, int) and not isinstance(needed, bool) and needed > 0 else MIN_ROOM_BYTES
+
+
+def waits_for_space(rec: JobRecord) -> bool:
+    """A job that failed on a full disk and restarts by itself once there is room."""
+    error = rec.error if isinstance(rec.error, dict) else {}
+    return (
+        rec.state == FAILED and error.get("error") == "disk_full" and rec.resumable
+        and rec.max_restarts > restarts_in_a_row(rec)
+    )  # fmt: skip
+
+
+def restart_when_space_returns(
+    rec: JobRecord,
+    job_dir: Path,
+    faults: Callable[[], dict[int, str]],
+    *,
+    simulated: bool,
+    max_cpu_ranks: int,
+    from_step: int | None,
+) -> dict[str, Any] | None:
+    """The record's changes that queue a disk-full job (`waits_for_space`) again, once its folder has room; else None."""
+    error = rec.error if isinstance(rec.error, dict) else {}
+    folder = error.get("folder") if isinstance(error.get("folder"), str) else str(job_dir)
+    free = free_bytes(folder)
+    if free is None or free < room_needed(error):
+        return None
+    outcome = {"state": FAILED, "exit_reason": rec.exit_reason, "error": rec.error}
+    cause = str(error.get("message") or rec.exit_reason or "the disk was full")
+    changes = _restart(rec, outcome, cause, job_dir, faults, simulated=simulated, max_cpu_ranks=max_cpu_ranks,
+                       from_step=from_step)  # fmt: skip
+    return changes if changes.get("state") == QUEUED else None
+
+
+def _restart(
+    rec: JobRecord,
+    outcome: dict[str, Any],
+    cause: str,
+    job_dir: Path,
+    faults: Callable[[], dict[int, str]],
+    *,
+    simulated: bool,
+    max_cpu_ranks: int,
+    from_step: int | None,
+) -> dict[str, Any]:
+    """The fields that queue the job again from its newest checkpoint, or `outcome` saying why it cannot be."""
     try:
         spec = JobSpec.read(job_dir)
     except (OSError, ValueError) as e:
@@ -157,7 +223,10 @@ def after_failure(
         gpus, ranks = fit.gpus, fit.ranks
         notes += fit.notes
     spec.resume = True
-    spec.write(job_dir)
+    try:
+        spec.write(job_dir)
+    except OSError as e:  # a restart that would not resume must not start from step 0
+        return _not_restarted(outcome, f"its job.json could not be written ({e.strerror or e})")
     with contextlib.suppress(OSError):
         os.chmod(job_dir / "job.json", 0o600)  # as the supervisor writes it: the job's settings are its user's
     entry = {

@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from rigpilot.engine.diskspace import NO_ROOM_BYTES, DiskFull, free_bytes
 from rigpilot.engine.jobs.spec import JobSpec
 from rigpilot.engine.service import energy
 from rigpilot.engine.service.metrics import Cursor, MetricsSummary
 from rigpilot.engine.service.store import CANCELLED, COMPLETED, FAILED, INTERRUPTED, JobRecord
+from rigpilot.engine.workers import EXIT_DISK_FULL
 
 LAST_LOG_LINES = 20
 
@@ -64,14 +66,18 @@ def run_outcome(run: Run, rc: int | None, *, service_was_down: bool = False) -> 
     oom = next((e for e in reversed(errors) if e.get("error") == "out_of_memory"), None)
     base: dict[str, Any] = {"cancel_requested": rec.cancel_requested, "exit_code": rc}
 
+    all_clean = len(exits) >= rec.ranks and not failures
+    # Every rank's own exit decides, where each recorded one: torchrun exits 1 when it was sent the SIGTERM itself.
+    finished = not failures and oom is None and (rc == 0 or all_clean)
+    # Rigpilot's workers exit 0 only once their work is done: a cancel that came after a training job's last
+    # step, or a generation's last batch, found nothing left to stop. A script may exit 0 on SIGTERM itself.
+    if finished and (rec.kind != "script" or not (run.stop_reason == "cancel" or rec.cancel_requested)):
+        return {**base, "state": COMPLETED, "exit_reason": None, "failed_rank": None, "last_log": [], "resumable": False}
+
     if run.stop_reason == "cancel" or rec.cancel_requested:
         how = "killed after the grace period" if run.killed else "stopped"
         return {**base, "state": CANCELLED, "exit_reason": f"cancelled by the user ({how})", "resumable": True,
                 "failed_rank": None, "last_log": []}  # fmt: skip
-
-    all_clean = len(exits) >= rec.ranks and not failures
-    if not failures and oom is None and (rc == 0 or (rc is None and all_clean)):
-        return {**base, "state": COMPLETED, "exit_reason": None, "failed_rank": None, "last_log": [], "resumable": False}
 
     if service_was_down and not failures and oom is None:
         return {**base, "state": INTERRUPTED, "failed_rank": None, "resumable": True,
@@ -101,9 +107,40 @@ def run_outcome(run: Run, rc: int | None, *, service_was_down: bool = False) -> 
     else:
         reason = f"torchrun exited with code {rc} before any rank ended" if rc is not None else "the launcher vanished"
         error = None
+    if oom is None:
+        failed_rank, reason, error = _disk_full_cause(run, errors, exits, failed_rank, reason, error)
     log_file = job_dir / "logs" / (f"rank{failed_rank}.log" if failed_rank is not None else "launcher.log")
     return {**base, "state": FAILED, "exit_reason": reason, "failed_rank": failed_rank, "resumable": True,
             "last_log": log_tail(log_file), "error": error}  # fmt: skip
+
+
+def _disk_full_cause(
+    run: Run,
+    errors: list[dict[str, Any]],
+    exits: dict[int, dict[str, Any]],
+    failed_rank: int | None,
+    reason: str,
+    error: dict[str, Any] | None,
+) -> tuple[int | None, str, dict[str, Any] | None]:
+    """(failed rank, reason, error) for a run that met a full disk, else as given.
+
+    The one line a rank reported (engine.workers: error "disk_full") is the reason, whichever rank
+    failed first: every rank of a failed checkpoint says the same. Where the disk was too full even for
+    that line, the exit code says so, and where even the exit record is missing the folder's free space does.
+    """
+    said = next((e for e in reversed(errors) if e.get("error") == "disk_full"), None)
+    if said is not None and isinstance(said.get("message"), str):
+        rank = said.get("rank") if isinstance(said.get("rank"), int) else failed_rank
+        return rank, said["message"], said
+    coded = sorted(r for r, e in exits.items() if e.get("code") == EXIT_DISK_FULL)
+    free = free_bytes(run.job_dir)
+    # A rank that said what went wrong (bad data, a script's own exit) is believed; a crash may be the disk's.
+    explained = error is not None and error.get("error") not in (None, "crash")
+    if not coded and (explained or free is None or free >= NO_ROOM_BYTES):
+        return failed_rank, reason, error
+    full = DiskFull(run.job_dir, free)
+    line = full.line() if coded else f"{full.line()} ({reason})"
+    return (coded[0] if coded else failed_rank), line, {"error": "disk_full", "message": line, **full.fields()}
 
 
 _ROOT_CAUSE = re.compile(

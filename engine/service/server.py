@@ -46,6 +46,7 @@ import os
 import selectors
 import signal
 import socket
+import sqlite3
 import ssl
 import struct
 import sys
@@ -58,12 +59,14 @@ from pathlib import Path
 from typing import Any
 
 from rigpilot.engine import __version__
+from rigpilot.engine.diskspace import DiskFull, disk_full, is_disk_full, no_room
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import PathRefused
 from rigpilot.engine.hardware.discovery import open_backend
 from rigpilot.engine.hardware.sampler import Sampler
 from rigpilot.engine.hardware.simulated import SimulatedBackend
 from rigpilot.engine.service import calibration_store, nodes, paths, protocol, tls
+from rigpilot.engine.service.conditions import Conditions
 from rigpilot.engine.service.metrics import read_records
 from rigpilot.engine.service.multinode import MultiNode
 from rigpilot.engine.service.planworker import ClientGone, PlannerBug, PlannerPool, PlanTimeout
@@ -326,6 +329,7 @@ class EngineService:
         self._notices: list[dict[str, Any]] = []
         self._told: dict[str, int] = {}  # client name -> how many notices it has been given
         self._notice_lock = threading.Lock()
+        self._conditions = Conditions(log)  # lasting problems (telemetry on a full disk): one log line each
 
     # -- lifetime -------------------------------------------------------------
 
@@ -353,10 +357,16 @@ class EngineService:
         self.machine = self.discovery.machine
         for detail in self.discovery.details:
             log.info("%s", detail)
-        self.store = ResilientJobStore(paths.database_path(), paths.jobs_dir(), on_recovery=self._recovered)
-        self.telemetry = ResilientTelemetryStore(
-            paths.telemetry_path(), min_interval=max(1.0, self.options.telemetry_period), on_recovery=self._recovered
-        )
+        try:
+            self.store = ResilientJobStore(paths.database_path(), paths.jobs_dir(), on_recovery=self._recovered)
+            self.telemetry = ResilientTelemetryStore(
+                paths.telemetry_path(), min_interval=max(1.0, self.options.telemetry_period), on_recovery=self._recovered
+            )
+        except (OSError, sqlite3.Error) as e:
+            # SQLite says "disk I/O error" when it cannot even make its WAL files: the free space decides.
+            if is_disk_full(e) or no_room(paths.engine_state_dir()):
+                raise disk_full(paths.engine_state_dir(), None, "the engine cannot open its databases") from None
+            raise
         self.supervisor = Supervisor(
             self.store, paths.jobs_dir(), self.machine, self.discovery.backend,
             SupervisorOptions(
@@ -770,6 +780,8 @@ class EngineService:
             self._reply(conn, req, protocol.error_reply(rid, protocol.NOT_FOUND, str(e)))
         except PathRefused as e:
             self._reply(conn, req, protocol.error_reply(rid, protocol.BAD_PATH, str(e), path=e.path, problem=e.problem))
+        except DiskFull as e:
+            self._reply(conn, req, protocol.error_reply(rid, protocol.DISK_FULL, str(e), **_disk_fields(e)))
         except UserError as e:
             self._reply(conn, req, protocol.error_reply(rid, protocol.USER_ERROR, str(e)))
         except PlanTimeout:
@@ -782,7 +794,11 @@ class EngineService:
         except PlannerBug as e:
             conn.send(protocol.error_reply(rid, protocol.INTERNAL, f"Rigpilot hit a bug: {e} (logged in {self.log_location})"))
         except Exception as e:
-            conn.send(protocol.error_reply(rid, protocol.INTERNAL, self._bug(e, f"request {str(msg.get('type'))[:40]!r}")))
+            if is_disk_full(e):  # a write any request may make (settings, a plan, a job folder) found no room
+                full = disk_full(paths.engine_state_dir() if getattr(e, "filename", None) is None else Path(e.filename).parent)
+                conn.send(protocol.error_reply(rid, protocol.DISK_FULL, str(full), **_disk_fields(full)))
+            else:
+                conn.send(protocol.error_reply(rid, protocol.INTERNAL, self._bug(e, f"request {str(msg.get('type'))[:40]!r}")))
         return True
 
     def _reply(self, conn: Connection, req: Request, message: dict[str, Any]) -> None:
@@ -1077,8 +1093,10 @@ class EngineService:
     def _on_sample(self, sample: Any) -> None:
         try:
             self.telemetry.add(sample)
-        except Exception:
-            log.exception("cannot store telemetry")
+            self._conditions.cleared("telemetry", "telemetry is stored again")
+        except Exception as e:
+            line = f"{disk_full(paths.telemetry_path().parent).line()}: " if is_disk_full(e) else ""
+            self._conditions.failing("telemetry", f"cannot store telemetry: {line}{type(e).__name__}: {e}", e, cause=repr(e))
         subs = self._subscribers("telemetry")
         if subs:
             data = protocol.encode(protocol.event("telemetry", sample=sample.to_dict()))
@@ -1116,6 +1134,10 @@ def _stalest_login(logging_in: list[Connection]) -> Connection:
     waiting = [c for c in logging_in if c.waiting_for_client()] or logging_in
     mute_since = time.monotonic() - _SILENT_S
     return min(waiting, key=lambda c: (c.spoke or c.created > mute_since, c.waiting_since))
+
+
+def _disk_fields(e: DiskFull) -> dict[str, Any]:
+    return {"folder": e.folder, "needed_bytes": e.needed, "free_bytes": e.free}
 
 
 def _same_user(sock: socket.socket) -> bool:

@@ -7,17 +7,26 @@ stays in the job folder; the row keeps only the last log lines of a failure.
 The engine uses it through engine.service.resilient_store, which keeps a copy
 of each row in its job folder and rebuilds the table from them when the file
 is damaged.
+
+A full disk does not lose a change: an update SQLite refuses for want of room
+("database or disk is full") is kept in memory, shown in every record read back,
+and written by `flush_unsaved()` once there is room again. A new row is refused
+(`DiskFull`): a submission fails in one line rather than exist in memory only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import sqlite3
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from rigpilot.engine.diskspace import disk_full, is_disk_full
 
 QUEUED, STARTING, RUNNING = "queued", "starting", "running"
 COMPLETED, FAILED, CANCELLED, INTERRUPTED = "completed", "failed", "cancelled", "interrupted"
@@ -115,6 +124,7 @@ class JobStore:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._db = self._connect()
+        self._unsaved: dict[str, dict[str, Any]] = {}  # job id -> changes the disk refused, newest values
         self._migrate()
 
     def _connect(self) -> sqlite3.Connection:
@@ -162,24 +172,66 @@ class JobStore:
     def insert(self, rec: JobRecord) -> None:
         cols = ", ".join(_FIELDS)
         marks = ", ".join("?" for _ in _FIELDS)
-        with self._lock:
+        with self._lock, self._refused_for_room():
             self._db.execute(f"INSERT INTO jobs ({cols}) VALUES ({marks})", [_to_sql(n, getattr(rec, n)) for n in _FIELDS])
 
     def update(self, rec: JobRecord, **changes: Any) -> JobRecord:
-        """Apply `changes` to the record and to its row, in one statement."""
+        """Apply `changes` to the record and to its row, in one statement (kept in memory while the disk is full)."""
         for name, value in changes.items():
             if name not in _FIELDS or name == "id":
                 raise KeyError(name)
             setattr(rec, name, value)
-        sets = ", ".join(f"{n} = ?" for n in changes)
         with self._lock:
-            self._db.execute(f"UPDATE jobs SET {sets} WHERE id = ?", [*(_to_sql(n, v) for n, v in changes.items()), rec.id])
+            pending = {**self._unsaved.pop(rec.id, {}), **changes}
+            try:
+                self._write(rec.id, pending)
+            except sqlite3.OperationalError as e:
+                if not is_disk_full(e):
+                    raise
+                self._unsaved[rec.id] = pending
+        return rec
+
+    def _write(self, job_id: str, changes: dict[str, Any]) -> None:
+        sets = ", ".join(f"{n} = ?" for n in changes)
+        self._db.execute(f"UPDATE jobs SET {sets} WHERE id = ?", [*(_to_sql(n, v) for n, v in changes.items()), job_id])
+
+    @property
+    def unsaved(self) -> int:
+        """Jobs whose latest changes are in memory only, for want of room."""
+        return len(self._unsaved)
+
+    def flush_unsaved(self) -> bool:
+        """Write the changes a full disk refused; True when none are left."""
+        with self._lock:
+            for job_id, changes in list(self._unsaved.items()):
+                try:
+                    self._write(job_id, changes)
+                except sqlite3.OperationalError as e:
+                    if not is_disk_full(e):
+                        raise
+                    return False
+                del self._unsaved[job_id]
+        return True
+
+    @contextlib.contextmanager
+    def _refused_for_room(self) -> Iterator[None]:
+        try:
+            yield
+        except sqlite3.OperationalError as e:
+            if is_disk_full(e):
+                raise disk_full(self.path.parent) from None
+            raise
+
+    def _record(self, row: sqlite3.Row) -> JobRecord:
+        rec = _from_row(row)
+        for name, value in self._unsaved.get(rec.id, {}).items():
+            setattr(rec, name, value)
         return rec
 
     def get(self, job_id: str) -> JobRecord | None:
         with self._lock:
             row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
-        return _from_row(row) if row else None
+            return self._record(row) if row else None
 
     def find(self, ref: str) -> list[JobRecord]:
         """Jobs a user could mean by `ref`: the exact id, else a unique id prefix, else the name."""
@@ -192,22 +244,27 @@ class JobStore:
             ).fetchall()
             if not rows:
                 rows = self._db.execute("SELECT * FROM jobs WHERE name = ? ORDER BY seq", (ref,)).fetchall()
-        return [_from_row(r) for r in rows]
+            return [self._record(r) for r in rows]
 
     def list(self, states: frozenset[str] | set[str] | None = None, limit: int | None = None) -> list[JobRecord]:
         sql, params = "SELECT * FROM jobs", []
-        if states is not None:
-            sql += f" WHERE state IN ({', '.join('?' for _ in states)})"
-            params += sorted(states)
-        # Newest first for listings; the scheduler sorts queued jobs by seq itself.
-        sql += " ORDER BY seq DESC"
-        if limit is not None:
-            sql += " LIMIT ?"
-            params.append(limit)
         with self._lock:
-            rows = self._db.execute(sql, params).fetchall()
-        return [_from_row(r) for r in rows]
+            # A change kept in memory may have moved a job to another state: then the state is checked here.
+            in_sql = states is not None and not self._unsaved
+            if in_sql:
+                sql += f" WHERE state IN ({', '.join('?' for _ in states)})"
+                params += sorted(states)
+            # Newest first for listings; the scheduler sorts queued jobs by seq itself.
+            sql += " ORDER BY seq DESC"
+            if limit is not None and (in_sql or states is None):
+                sql += " LIMIT ?"
+                params.append(limit)
+            recs = [self._record(r) for r in self._db.execute(sql, params).fetchall()]
+        if states is not None and not in_sql:
+            recs = [r for r in recs if r.state in states][:limit]
+        return recs
 
     def delete(self, job_id: str) -> None:
-        with self._lock:
+        with self._lock, self._refused_for_room():
             self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
+            self._unsaved.pop(job_id, None)

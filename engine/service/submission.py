@@ -12,6 +12,11 @@ under pipeline parallelism), activation checkpointing, sequence length and
 precision, which the plan decides over the submission's own values because its
 memory and speed figures were computed for them. What was taken is recorded in
 the job (`predicted.from_plan`, with `predicted.plan_notes`).
+
+A job also needs room in the engine's state folder (`disk_need`): a training job
+about one checkpoint (full training: fp32 weights and AdamW's two moments, 12
+bytes a parameter; LoRA: the adapters and theirs) and its final model, every job
+its logs and metrics. The supervisor refuses a job while the folder has less.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from rigpilot.engine.capability import (
     layout_of_plan,
     why_not,
 )
+from rigpilot.engine.diskspace import human_size
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import EITHER, FILE, FOLDER, Expect, check_given_path, open_given_file
 from rigpilot.engine.hardware.machine import Machine
@@ -42,6 +48,8 @@ from rigpilot.engine.planner.memory import fmt_gib
 from rigpilot.engine.service.protocol import check_dataclass
 
 KINDS = ("train", "infer", "script", "calibrate")
+# Room every job needs besides its checkpoints and model: its logs, metrics and record.
+JOB_ROOM_BYTES = 1 << 20
 _SCHEDULES = {"1f1b": "1F1B", "gpipe": "GPipe"}
 
 
@@ -57,6 +65,8 @@ class Submission:
     model_type: str | None = None  # config.json's model_type, where the model could be read here
     host_ram: dict[str, Any] = field(default_factory=dict)  # the plan's host-RAM figures beside this host's
     backend: InferBackend | None = None  # inference jobs: the generator that runs and why
+    disk_need: int = JOB_ROOM_BYTES  # bytes the job needs free in the state folder (see disk_need)
+    disk_need_what: str = ""  # what they are for, in words, where more than logs and metrics
 
 
 def prepare(
@@ -160,9 +170,62 @@ def prepare(
     predicted = plan_prediction(plan)
     if (applies_plan and from_plan) or notes:
         predicted = {**(predicted or {}), "from_plan": from_plan, "plan_notes": notes}
+    need, need_what = disk_need(spec, _model_config(spec.model, base)[1] if spec.kind == "train" and spec.model else {})
     return Submission(
-        spec, plan, ranks, str(base) if base else None, predicted, from_plan, notes, model_type, host_ram, backend
+        spec, plan, ranks, str(base) if base else None, predicted, from_plan, notes, model_type, host_ram, backend,
+        need, need_what,
     )
+
+
+def disk_need(spec: JobSpec, config: dict[str, Any]) -> tuple[int, str]:
+    """(bytes, what they are for) a job needs free: one checkpoint and the final model for training, where the
+    model's size is known from its config; logs and metrics for every job."""
+    t = spec.train
+    params = _params(config)
+    if spec.kind != "train" or t is None or params is None:
+        return JOB_ROOM_BYTES, ""
+    saved = 4 if t.method == "scratch" else _dtype_bytes(config)
+    if t.method in ("lora", "qlora"):
+        adapters = _lora_params(config, t) or params // 100
+        checkpoint, model = adapters * 12, adapters * 4 + (params * saved if t.save_merged else 0)
+        what = ["a {} checkpoint of the adapters and their optimizer state", "the {} adapter"]
+        if t.save_merged:
+            what[1] = "the {} adapter and merged model"
+    else:
+        checkpoint, model = params * 12, params * saved  # fp32 weights and AdamW's two moments
+        what = ["a {} checkpoint of the weights and optimizer state", "the {} final model"]
+    if t.checkpoint_every <= 0:
+        checkpoint, what = 0, what[1:]
+    sizes = [human_size(n) for n in ([checkpoint] if checkpoint else []) + [model]]
+    words = ", and ".join(w.format(n) for w, n in zip(what, sizes, strict=True))
+    return checkpoint + model + JOB_ROOM_BYTES, words
+
+
+def _params(config: dict[str, Any]) -> int | None:
+    from rigpilot.engine.models.formulas import has_formula, spec_from_config
+
+    if not config or not has_formula(config):
+        return None
+    try:
+        return spec_from_config(config).params_total
+    except (UserError, ValueError, TypeError, KeyError):
+        return None
+
+
+def _lora_params(config: dict[str, Any], t: TrainSettings) -> int | None:
+    from rigpilot.engine.models.formulas import spec_from_config
+    from rigpilot.engine.planner.model import model_facts
+
+    try:
+        facts = model_facts(spec_from_config(config))
+        return facts.lora_params(t.lora_rank, facts.resolve_targets(t.lora_targets or "all-linear"))
+    except (UserError, ValueError, TypeError, KeyError):
+        return None
+
+
+def _dtype_bytes(config: dict[str, Any]) -> int:
+    dtype = config.get("torch_dtype", config.get("dtype"))
+    return 2 if dtype in ("bfloat16", "float16") else 4
 
 
 def layout_of_spec(spec: JobSpec, model_type: str | None) -> Layout:
@@ -259,8 +322,10 @@ def _check_host_ram(plan: dict[str, Any] | None, machine: Machine, notes: list[s
     return out
 
 
-def describe(sub: Submission) -> list[str]:
-    """What a submission would run, in lines a person reads (the CLI's --check and the wizard's Review page)."""
+def describe(sub: Submission, free: int | None = None) -> list[str]:
+    """What a submission would run, in lines a person reads (the CLI's --check and the wizard's Review page).
+
+    `free`: the state folder's free bytes, said beside what the job needs there."""
     spec, p = sub.spec, sub.spec.parallelism
     where = f"{sub.ranks} CPU rank{'s' * (sub.ranks != 1)} (simulated GPUs)" if spec.simulated else f"{sub.ranks} ranks"
     if sub.backend is not None and sub.backend.name == "vllm":
@@ -304,6 +369,9 @@ def describe(sub: Submission) -> list[str]:
             )
         else:
             lines.append(f"host RAM: the plan needs {fmt_gib(ram['plan_needs'])} of {fmt_gib(ram['this_host'])}")
+    if sub.disk_need_what:
+        room = f"; {human_size(free)} free" if free is not None else ""
+        lines.append(f"disk: about {human_size(sub.disk_need)} ({sub.disk_need_what}){room}")
     lines += [f"note: {n}" for n in sub.notes]
     return lines
 
@@ -323,6 +391,7 @@ def would_run(sub: Submission) -> dict[str, Any]:
         "parallelism": dataclasses.asdict(spec.parallelism),
         "notes": list(sub.notes),
         "host_ram": dict(sub.host_ram),
+        "disk_need_bytes": sub.disk_need,
     }
     if spec.train:
         t = spec.train

@@ -33,6 +33,7 @@ from typing import Any
 
 import psutil
 
+from rigpilot.engine.diskspace import DiskFull, check_room, disk_full, folder_bytes, free_bytes, is_disk_full
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.health import gpu_faults
 from rigpilot.engine.hardware.machine import Machine
@@ -42,6 +43,7 @@ from rigpilot.engine.jobs.limits import check_env
 from rigpilot.engine.jobs.spec import JobSpec
 from rigpilot.engine.runtime import worker_python
 from rigpilot.engine.service import energy, paths, recovery, slurm, submission, warm
+from rigpilot.engine.service.conditions import Conditions
 from rigpilot.engine.service.metrics import read_records, summarize
 from rigpilot.engine.service.results import check_name, describe_output, job_settings
 from rigpilot.engine.service.runs import (
@@ -70,6 +72,7 @@ log = logging.getLogger(__name__)
 RUN_TOKEN_ENV = "RIGPILOT_RUN_TOKEN"
 _TRAINING_UTILIZATION = 90.0
 _STARTING_UTILIZATION = 15.0  # loading a model keeps a GPU mostly idle
+_ROOM_CHECK_S = 2.0  # how often jobs that failed on a full disk look for room, and unsaved job changes are written
 
 
 class JobNotFound(UserError):
@@ -135,6 +138,8 @@ class Supervisor:
         self._warm_check_at = time.monotonic() + 2.0
         self._warm_retry_at = 0.0
         self._warm_failures = 0
+        self._conditions = Conditions(log)
+        self._room_check_at = 0.0
 
     @property
     def max_cpu_ranks(self) -> int:
@@ -166,18 +171,56 @@ class Supervisor:
         while not self._stop.is_set():
             try:
                 self.tick()
-            except Exception:
-                log.exception("supervisor tick failed")
+                self._conditions.cleared("tick", "the supervisor's ticks work again")
+            except Exception as e:
+                self._conditions.failing("tick", f"supervisor tick failed: {_first_line(e)}", e)
             self._wake.wait(self.options.tick_s)
             self._wake.clear()
 
     def tick(self) -> None:
         with self._lock:
             for run in list(self._runs.values()):
-                self._poll(run)
+                # One job that cannot be followed (its folder unreadable, the disk full) must not stop the others'.
+                key = f"job {run.rec.id}"
+                try:
+                    self._poll(run)
+                    self._conditions.cleared(key, f"job {run.rec.id} is followed again")
+                except Exception as e:
+                    self._conditions.failing(key, f"job {run.rec.id}: following it failed: {_first_line(e)}", e)
+            if time.monotonic() >= self._room_check_at:
+                self._room_check_at = time.monotonic() + _ROOM_CHECK_S
+                self._write_unsaved()
+                self._restart_when_space_returns()
             if self._queue_dirty:
                 self._schedule()
             self._tend_warm()
+
+    def _write_unsaved(self) -> None:
+        """Job changes the database refused for want of room: written once there is room, said once either way."""
+        if not self.store.unsaved or self.store.flush_unsaved():
+            self._conditions.cleared("store", f"the job database {self.store.path} is written again")
+        else:
+            self._conditions.failing("store", (
+                f"{disk_full(self.store.path.parent).line()}: the job database cannot be written; "
+                f"changes to {self.store.unsaved} job(s) are kept in memory until there is room"
+            ), cause="disk full")  # fmt: skip
+
+    def _restart_when_space_returns(self) -> None:
+        for rec in self.store.list({FAILED}):
+            if rec.slurm is not None or not recovery.waits_for_space(rec):
+                continue
+            job_dir = self.job_dir(rec.id)
+            changes = recovery.restart_when_space_returns(
+                rec, job_dir, lambda: gpu_faults(self._backend), simulated=rec.simulated,
+                max_cpu_ranks=self.max_cpu_ranks,
+                from_step=(newest_checkpoint(job_dir) or {}).get("step") if rec.kind == "train" else None,
+            )  # fmt: skip
+            if changes is None:
+                continue
+            log.info("job %s: its disk has room again; restarting it", rec.id)
+            self.store.update(rec, **changes)
+            self._queue_dirty = True
+            self._on_job(self.view(rec))
 
     def _tend_warm(self) -> None:
         """Start the warm worker when the engine is idle and memory allows; stop it when memory runs short.
@@ -248,7 +291,8 @@ class Supervisor:
             spec_data, plan, cwd, job_id="check", machine=self.machine, max_cpu_ranks=self.max_cpu_ranks,
             nodes=nodes, slurm=slurm_options is not None,
         )
-        lines = submission.describe(sub)
+        self._check_room(sub, None)
+        lines = submission.describe(sub, free_bytes(self.jobs_root))
         if slurm_options is not None:
             lines += slurm.check(sub, slurm_options)
         return {"ok": True, "lines": lines, "would_run": submission.would_run(sub)}
@@ -269,6 +313,7 @@ class Supervisor:
             nodes=int((nodes or {}).get("count", 1)), slurm=slurm_options is not None,
         )
         spec = sub.spec
+        self._check_room(sub, nodes)
         if nodes and spec.max_restarts:
             raise UserError(
                 "automatic restarts do not cover multi-node jobs yet: leave out --max-restarts and resume by hand "
@@ -312,15 +357,22 @@ class Supervisor:
                     self._runs[rec.id] = slurm.adopt(self, rec)
                 self._queue_dirty = True
                 view = self.view(rec)
-        except BaseException:
+        except BaseException as e:
             shutil.rmtree(job_dir, ignore_errors=True)  # no half-created job behind
             if (rec.slurm or {}).get("job_id"):
                 with contextlib.suppress(UserError):
                     slurm.cancel(rec)  # nor a SLURM job nobody follows
+            if is_disk_full(e) and not isinstance(e, DiskFull):
+                raise disk_full(self.jobs_root, sub.disk_need, "for this job") from None
             raise
         self._wake.set()
         self._on_job(view)
         return view
+
+    def _check_room(self, sub: submission.Submission, nodes: dict[str, Any] | None) -> None:
+        """Refuse, in one line with both figures, a job whose folder has less room than it needs."""
+        what = f"for this job ({sub.disk_need_what})" if sub.disk_need_what else "for this job"
+        check_room((nodes or {}).get("checkpoints") or self.jobs_root, sub.disk_need, what)
 
     def cancel(self, ref: str) -> dict[str, Any]:
         with self._lock:
@@ -339,10 +391,13 @@ class Supervisor:
             elif not rec.cancel_requested:
                 self.store.update(rec, cancel_requested=True)
                 run.stop_reason = "cancel"
-                run.kill_at = time.monotonic() + self.options.grace_s
-                # torchrun passes SIGTERM on to every rank's process group and waits for them,
-                # so workers get their chance to checkpoint before the grace period ends.
-                self._signal_launcher(run, signal.SIGTERM)
+                if not _trained_every_step(rec, run):
+                    run.kill_at = time.monotonic() + self.options.grace_s
+                    # torchrun passes SIGTERM on to every rank's process group and waits for them,
+                    # so workers get their chance to checkpoint before the grace period ends.
+                    self._signal_launcher(run, signal.SIGTERM)
+                # else every step is trained and checkpointed: the job only evaluates and saves its model now,
+                # which no cancel may cut short; it ends completed.
             view = self.view(rec)
         self._on_job(view)
         self._wake.set()
@@ -370,8 +425,15 @@ class Supervisor:
             hidden = self._find_secrets(
                 job_secrets.masked_names(spec.env), known, f"rigpilot resume {rec.id} --env NAME=VALUE"
             )
+            if spec.kind == "train":
+                self._check_resume_room(rec, job_dir)
             spec.resume = True
-            _write_spec(spec, job_dir)
+            try:
+                _write_spec(spec, job_dir)
+            except OSError as e:
+                if is_disk_full(e):
+                    raise disk_full(job_dir, None) from None
+                raise
             self._secrets[rec.id] = hidden
             self.store.update(
                 rec, state=QUEUED, seq=self.store.next_seq(), run=rec.run + 1, cancel_requested=False, started=None,
@@ -385,12 +447,25 @@ class Supervisor:
         self._wake.set()
         return view
 
+    def _check_resume_room(self, rec: JobRecord, job_dir: Path) -> None:
+        """A training job resumes only where its next checkpoint fits: about the size of its newest one."""
+        newest = newest_checkpoint(job_dir)
+        error = rec.error if isinstance(rec.error, dict) else {}
+        needed = folder_bytes(job_dir / "checkpoints" / newest["name"]) if newest else error.get("needed_bytes")
+        if isinstance(needed, int) and needed > 0:
+            check_room(job_dir / "checkpoints", needed, "for its next checkpoint")
+
     def delete(self, ref: str) -> dict[str, Any]:
         with self._lock:
             rec = self.resolve(ref)
             if rec.state in ACTIVE_STATES:
                 raise UserError(f"job {rec.id} is {rec.state}; cancel it before deleting it")
-            self.store.delete(rec.id)
+            try:
+                self.store.delete(rec.id)
+            except DiskFull:
+                # Deleting is how a user makes room: the folder goes first, and gives the database room to shrink.
+                shutil.rmtree(self.job_dir(rec.id), ignore_errors=True)
+                self.store.delete(rec.id)
             self._secrets.pop(rec.id, None)
             self._queue_dirty = True
         shutil.rmtree(self.job_dir(rec.id), ignore_errors=True)
@@ -493,17 +568,35 @@ class Supervisor:
 
     def _launch(self, rec: JobRecord) -> None:
         job_dir = self.job_dir(rec.id)
-        shutil.rmtree(job_dir / "ranks", ignore_errors=True)
-        (job_dir / "ranks").mkdir(parents=True, exist_ok=True)
-        (job_dir / "logs").mkdir(parents=True, exist_ok=True)
+        try:
+            shutil.rmtree(job_dir / "ranks", ignore_errors=True)
+            (job_dir / "ranks").mkdir(parents=True, exist_ok=True)
+            (job_dir / "logs").mkdir(parents=True, exist_ok=True)
+            launcher_log = paths.open_private(job_dir / "logs" / "launcher.log", "ab")
+        except OSError as e:
+            if not is_disk_full(e):
+                raise
+            self._end_for_room(rec, job_dir)
+            return
+        try:
+            self._start(rec, job_dir, launcher_log)
+        except OSError as e:
+            launcher_log.close()
+            if not is_disk_full(e):
+                raise
+            self._end_for_room(rec, job_dir)
+
+    def _start(self, rec: JobRecord, job_dir: Path, launcher_log: Any) -> None:
         try:
             spec = JobSpec.read(job_dir)
         except (OSError, ValueError) as e:
+            launcher_log.close()
             self._end_without_run(rec, f"job.json is unreadable: {e}")
             return
         try:
             python = worker_python()
         except UserError as e:
+            launcher_log.close()
             self._end_without_run(rec, str(e))
             return
         try:
@@ -512,6 +605,7 @@ class Supervisor:
                 f"rigpilot resume {rec.id} --env NAME=VALUE",
             )  # fmt: skip
         except UserError as e:
+            launcher_log.close()
             self._end_without_run(rec, str(e))
             return
         if self.warm is not None and self.warm.running() and not self.warm.ready():
@@ -520,7 +614,6 @@ class Supervisor:
         cmd = self._command(rec, spec, job_dir, port, python)
         env = self._environment(rec, spec, job_dir, python)
         env.update(hidden)
-        launcher_log = paths.open_private(job_dir / "logs" / "launcher.log", "ab")
         launcher_log.write(f"--- run {rec.run}: {' '.join(cmd)}\n".encode())
         launcher_log.flush()
         cwd = rec.cwd if rec.kind == "script" and rec.cwd and Path(rec.cwd).is_dir() else str(job_dir)
@@ -637,9 +730,18 @@ class Supervisor:
             )
         return found
 
-    def _end_without_run(self, rec: JobRecord, reason: str) -> None:
-        self.store.update(rec, state=FAILED, ended=time.time(), exit_reason=reason, resumable=True)
+    def _end_without_run(self, rec: JobRecord, reason: str, error: dict[str, Any] | None = None) -> None:
+        self.store.update(rec, state=FAILED, ended=time.time(), exit_reason=reason, resumable=True, error=error)
         self._on_job(self.view(rec))
+
+    def _end_for_room(self, rec: JobRecord, job_dir: Path) -> None:
+        """A queued job whose folder could not be written: failed on a full disk, to start again once there is room."""
+        full = disk_full(job_dir)
+        error = {"error": "disk_full", "message": full.line(), **full.fields()}
+        reason = full.line()
+        if recovery.waits_for_space(JobRecord(**{**rec.to_dict(), "state": FAILED, "error": error, "resumable": True})):
+            reason += "; it starts by itself once there is room, or resume it"
+        self._end_without_run(rec, reason, error)
 
     # -- watching -------------------------------------------------------------
 
@@ -917,6 +1019,18 @@ def _alive(pid: Any, create_time: Any, token: str | None = None) -> bool:
 
 
 # -- small helpers ------------------------------------------------------------
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+def _trained_every_step(rec: JobRecord, run: Run) -> bool:
+    """A training job whose ranks reported its last step: what is left (the final checkpoint, the evaluation,
+    the model) finishes the job, and a cancel now would only cut that short."""
+    max_steps = run.summary.max_steps
+    return rec.kind == "train" and run.stepped and bool(max_steps) and (run.summary.step or 0) >= max_steps
 
 
 def _free_port() -> int:

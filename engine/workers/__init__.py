@@ -22,6 +22,7 @@ EXIT_OK = 0
 EXIT_CRASH = 1  # a bug or an unexpected failure: the traceback is in the log
 EXIT_USER_ERROR = 2  # bad input the user can fix (dataset, model, parallelism), same as the CLI's code
 EXIT_OUT_OF_MEMORY = 3  # torch.OutOfMemoryError; the allocator's numbers were reported first
+EXIT_DISK_FULL = 4  # a write found no room (engine.diskspace); a checkpoint being written was removed
 EXIT_CANCELLED = 143  # SIGTERM: the current step finished and a complete checkpoint was written (128 + 15)
 
 ERROR_PREFIX = "rigpilot-worker: error:"

@@ -9,6 +9,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from rigpilot.engine.diskspace import DiskFull, disk_full, is_disk_full, no_room
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.jobs.secrets import plain
 from rigpilot.engine.jobs.spec import JobSpec
@@ -17,6 +18,7 @@ from rigpilot.engine.workers import (
     ERROR_PREFIX,
     EXIT_CANCELLED,
     EXIT_CRASH,
+    EXIT_DISK_FULL,
     EXIT_OUT_OF_MEMORY,
     EXIT_USER_ERROR,
 )
@@ -100,8 +102,27 @@ def first_line(e: BaseException) -> str:
 
 def fail(message: str) -> None:
     """The last line of the rank's log: one line a person (and the service) can read."""
-    sys.stdout.flush()
-    print(f"{ERROR_PREFIX} {' '.join(message.split())}", file=sys.stderr, flush=True)
+    try:
+        sys.stdout.flush()
+        print(f"{ERROR_PREFIX} {' '.join(message.split())}", file=sys.stderr, flush=True)
+    except OSError:  # the log is on a full disk too: the exit code still says why
+        pass
+
+
+def _report_quietly(**values: Any) -> None:
+    """report(), where a full disk must not turn the rank's own failure report into a second failure."""
+    try:
+        report(**values)
+    except OSError:
+        pass
+
+
+def _disk_full(e: BaseException, job_dir: Path) -> DiskFull:
+    """A DiskFull for an ENOSPC met outside a checkpoint (a metrics line, the log, the exported model)."""
+    if isinstance(e, DiskFull):
+        return e
+    name = getattr(e, "filename", None) if isinstance(e, OSError) else None
+    return disk_full(Path(name).parent if isinstance(name, str) else job_dir)
 
 
 def _report_oom(error: BaseException) -> None:
@@ -133,25 +154,29 @@ def main(argv: list[str]) -> int:
         # Masked secrets (engine.jobs.secrets) reach the ranks through the environment the engine set.
         os.environ.update(plain(spec.env))
         return run(spec, job_dir)
+    except DiskFull as e:
+        return _fail_disk_full(e)
     except UserError as e:
-        report(kind="error", error="user_error", message=str(e))
+        _report_quietly(kind="error", error="user_error", message=str(e))
         fail(str(e))
         return EXIT_USER_ERROR
     except JobCancelled:
-        report(kind="status", phase="cancelled", exit_code=EXIT_CANCELLED)
+        _report_quietly(kind="status", phase="cancelled", exit_code=EXIT_CANCELLED)
         print("rigpilot-worker: cancelled (SIGTERM) before there was anything to save", file=sys.stderr, flush=True)
         return EXIT_CANCELLED
     except ScriptExit as e:
-        report(kind="error", error="script_exit", message=str(e), exit_code=e.code)
+        _report_quietly(kind="error", error="script_exit", message=str(e), exit_code=e.code)
         fail(str(e))
         return e.code
     except Exception as e:
+        if is_disk_full(e) or no_room(job_dir):
+            return _fail_disk_full(_disk_full(e, job_dir))
         if type(e).__name__ == "OutOfMemoryError" and type(e).__module__.startswith("torch"):
             _report_oom(e)
             fail(f"out of GPU memory: {str(e).splitlines()[0] if str(e) else ''}")
             return EXIT_OUT_OF_MEMORY
         traceback.print_exc()
-        report(kind="error", error="crash", message=first_line(e))
+        _report_quietly(kind="error", error="crash", message=first_line(e))
         fail(first_line(e))
         return EXIT_CRASH
     finally:
@@ -162,6 +187,12 @@ def main(argv: list[str]) -> int:
                 shutdown()
             except Exception:  # a broken group must not hide the job's own outcome
                 pass
+
+
+def _fail_disk_full(e: DiskFull) -> int:
+    _report_quietly(kind="error", error="disk_full", message=str(e), **e.fields())
+    fail(str(e))
+    return EXIT_DISK_FULL
 
 
 if __name__ == "__main__":

@@ -3,9 +3,18 @@
 A checkpoint holds everything that decides the next step: model and optimizer
 state (sharded as they live on the ranks, so any rank layout that DCP can
 reshard to can load it), the LR scheduler, the data position and every rank's
-RNG states. It is written to `checkpoints/step-N.tmp`, renamed to `step-N`,
-and only then marked with a `COMPLETE` file: a folder without one is never
-loaded, whatever killed the job while writing it.
+RNG states. It is written to `checkpoints/step-N.tmp`, marked with a `COMPLETE`
+file there, and only then renamed to `step-N`: a `.tmp` folder, or one without
+the marker, is never loaded, whatever killed the job while writing it.
+
+A save that fails on any rank fails on every rank at once (the ranks agree on
+the outcome with a small all-reduce, not a barrier a failed rank never reaches),
+and the previous complete checkpoint is left as it was. One that found the disk
+full removes its partial folder, giving that space back, and raises `DiskFull`
+naming the folder, about how much a checkpoint takes and what is free.
+
+A resume takes the newest complete checkpoint that loads; one that does not
+(damaged, or refused as below) is passed over, with a note, for the one before.
 
 Loading runs no code from the job folder, which anyone who can write to it
 could have planted: DCP's `.metadata` is a pickle and its non-tensor values are
@@ -20,8 +29,10 @@ already are). A checkpoint holding anything else is refused with one line
 from __future__ import annotations
 
 import copy
+import errno
 import io
 import json
+import os
 import pickle
 import random
 import shutil
@@ -47,6 +58,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from rigpilot.engine.diskspace import DiskFull, folder_bytes, free_bytes, is_disk_full
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.workers.model_loading import LoadedModel, auto_class, offline
 from rigpilot.engine.workers.parallel_dims import Runtime
@@ -56,6 +68,14 @@ COMPLETE = "COMPLETE"
 
 class UnsafeCheckpoint(UserError):
     """A checkpoint holds something that is not plain data: it is not loaded."""
+
+
+class DamagedCheckpoint(UserError):
+    """A complete checkpoint that cannot be read back (a file missing or cut short)."""
+
+
+# What a rank says of a save or load it took part in; the ranks agree on the worst (all-reduce MAX).
+_OK, _FAILED, _DISK_FULL = 0, 1, 2
 
 
 # What DCP's FileSystemWriter pickles into `.metadata` (torch 2.x): its metadata dataclasses, tensor
@@ -100,6 +120,34 @@ class SafeReader(dcp.FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+class _Writer(dcp.FileSystemWriter):
+    """DCP's file writer, with a write that found no room raised as ENOSPC.
+
+    torch.save reports a short write as a RuntimeError ("file write failed") with the OSError only as
+    its context, which DCP loses when it gathers the ranks' errors: the errno must be on the error itself.
+    """
+
+    def write_data(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().write_data(*args, **kwargs)
+        except Exception as e:
+            if is_disk_full(e):
+                raise _enospc(self.path) from e
+            raise
+
+    def finish(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            super().finish(*args, **kwargs)
+        except Exception as e:
+            if is_disk_full(e):
+                raise _enospc(self.path) from e
+            raise
+
+
+def _enospc(path: Any) -> OSError:
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
 
 class _PlainDataPlanner(DefaultLoadPlanner):
@@ -227,50 +275,184 @@ class Checkpointer:
         }
 
     def save(self, step: int) -> Path:
+        """Write checkpoint step-N whole, or raise on every rank with the previous ones untouched."""
         final = self.folder / f"step-{step}"
         tmp = self.folder / f"step-{step}.tmp"
+        failure: BaseException | None = None
         if self.runtime.is_main:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-        dist.barrier()
-        dcp.save(self._state(step), checkpoint_id=str(tmp))
-        dist.barrier()  # every rank's shard is on disk before the checkpoint is declared whole
+            try:
+                self.folder.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)
+            except OSError as e:
+                failure = e
+        outcome = self._agree(failure)
+        if outcome == _OK:
+            try:
+                dcp.save(self._state(step), storage_writer=_Writer(str(tmp)))
+            except (Exception, CheckpointException) as e:  # DCP raises one rank's write error on every rank
+                failure = e
+            outcome = self._agree(failure)  # every rank's shard is on disk before the checkpoint is declared whole
+        if outcome == _OK:
+            if self.runtime.is_main:
+                try:
+                    self._seal(tmp, final, step)
+                except OSError as e:
+                    failure = e
+            outcome = self._agree(failure)
+        if outcome != _OK:
+            failed_at = time.time()
+            if self.runtime.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)  # the partial folder, and the room it took
+            self._agree(None)  # gone before any rank measures what is free
+            if outcome == _DISK_FULL:
+                needed = self._needed_bytes()
+                raise DiskFull(self.folder, free_bytes(self.folder), needed, f"for step-{step}", failed_at) from None
+            if failure is None:
+                raise RuntimeError(f"checkpoint step-{step} failed on another rank")
+            root = _first_failure(failure)
+            raise RuntimeError(f"checkpoint step-{step} failed: {type(root).__name__}: {_first_line(root)}") from failure
         if self.runtime.is_main:
-            if final.exists():
-                shutil.rmtree(final)
-            tmp.rename(final)
-            info = {"step": step, "time": time.time(), "world_size": self.runtime.world_size}
-            info["parallelism"] = dict(
-                zip(("pp", "dp_replicate", "dp_shard", "tp"), self.runtime.dims.shape, strict=True)
-            )
-            (final / COMPLETE).write_text(json.dumps(info) + "\n")
             prune_checkpoints(self.folder, self.keep)
         dist.barrier()
         return final
 
+    def _seal(self, tmp: Path, final: Path, step: int) -> None:
+        """Mark `tmp` complete, then give it its final name: a `step-N` folder is whole or absent."""
+        info = {"step": step, "time": time.time(), "world_size": self.runtime.world_size}
+        info["parallelism"] = dict(zip(("pp", "dp_replicate", "dp_shard", "tp"), self.runtime.dims.shape, strict=True))
+        with open(tmp / COMPLETE, "w") as f:
+            f.write(json.dumps(info) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        if final.exists():  # a damaged one a resume passed over
+            shutil.rmtree(final)
+        tmp.rename(final)
+        _fsync_dir(self.folder)
+
+    def _agree(self, failure: BaseException | None) -> int:
+        """The worst outcome over every rank (_OK, _FAILED, _DISK_FULL); a collective every rank must reach."""
+        mine = _OK if failure is None else _DISK_FULL if is_disk_full(_first_failure(failure)) else _FAILED
+        flag = torch.tensor([mine], dtype=torch.int64, device=self.runtime.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+    def _needed_bytes(self) -> int:
+        """About what one checkpoint takes: the newest complete one's size, else this state's bytes over the ranks.
+
+        Replicated data-parallel copies are written once, so the ranks' sum is divided by their number.
+        """
+        newest = latest_checkpoint(self.folder)
+        trainable_only = self.app.options.ignore_frozen_params
+        params = [p for p in self.app.model.parameters() if p.requires_grad or not trainable_only]
+        mine = 0
+        for t in [*params, *_tensors(self.app.optimizer.state)]:
+            if isinstance(t, torch.Tensor):
+                local = t.to_local() if isinstance(t, DTensor) else t
+                mine += local.numel() * local.element_size()
+        total = torch.tensor([mine], dtype=torch.int64, device=self.runtime.device)
+        dist.all_reduce(total)  # every rank reaches this, so every rank computes it
+        if newest is not None:
+            return folder_bytes(newest)
+        return int(total.item()) // max(self.runtime.dims.dp_replicate, 1)
+
     def latest(self) -> Path | None:
         return latest_checkpoint(self.folder)
 
+    def resume(self) -> tuple[Path, int, list[str]] | None:
+        """Restore the newest complete checkpoint that loads: (its folder, its step, notes for the log).
+
+        None when there is no complete checkpoint. One that cannot be loaded is passed over for the
+        one before, with a note; when none loads, the newest one's error is raised.
+        """
+        candidates = [d for _, ok, d in _checkpoints(self.folder) if ok][::-1]
+        if not candidates:
+            return None
+        passed: list[str] = []
+        first: UserError | None = None
+        for path in candidates:
+            try:
+                step, notes = self.load(path)
+            except (UnsafeCheckpoint, DamagedCheckpoint) as e:
+                first = first or e
+                passed.append(str(e))
+                continue
+            if passed:
+                notes = [f"{'; '.join(passed)}: resuming from {path.name}, the newest checkpoint that loads", *notes]
+            return path, step, notes
+        assert first is not None
+        raise first
+
     def load(self, path: Path) -> tuple[int, list[str]]:
-        """Restore everything from `path`; returns the step it was taken after, and notes for the log."""
+        """Restore everything from `path`; returns the step it was taken after, and notes for the log.
+
+        Every rank reaches the same verdict: a rank that cannot read its part fails them all.
+        """
         notes: list[str] = []
-        check_marker(path)
         state = self._state(0)
         rng_key = f"rng_rank{self.runtime.rank}"
-        stored = SafeReader(str(path)).read_metadata().state_dict_metadata
+        failure: BaseException | None = None
+        stored: dict[str, Any] = {}
+        try:
+            check_marker(path)
+            stored = SafeReader(str(path)).read_metadata().state_dict_metadata
+        except Exception as e:
+            failure = e
+        if self._agree(failure) != _OK:
+            raise _load_error(path, failure)
         if not any(k == rng_key or k.startswith(rng_key + ".") for k in stored):
             state.pop(rng_key)
             notes.append(f"{path.name} was written by a different number of ranks: RNG states start fresh")
         try:
             dcp.load(state, storage_reader=SafeReader(str(path)), planner=_PlainDataPlanner(path.name))
-        except BaseException as e:
-            unsafe = _unsafe_in(e)
-            if unsafe is None:
-                raise
-            raise UnsafeCheckpoint(str(unsafe)) from None
+        except (Exception, CheckpointException) as e:  # a BaseException, so no `except Exception` takes it by mistake
+            failure = e
+        if self._agree(failure) != _OK:
+            raise _load_error(path, failure)
         if rng_key in state:
             set_rng_state(state[rng_key])
         return int(state["train"]["step"]), notes
+
+
+def _load_error(path: Path, failure: BaseException | None) -> UserError:
+    """Why `path` did not load, as one line: refused (UnsafeCheckpoint) or damaged."""
+    if failure is None:
+        return DamagedCheckpoint(f"checkpoint {path.name}: another rank could not read its part")
+    unsafe = _unsafe_in(failure)
+    if unsafe is not None:
+        return UnsafeCheckpoint(str(unsafe))
+    root = _first_failure(failure)
+    return DamagedCheckpoint(f"checkpoint {path.name} is damaged ({type(root).__name__}: {_first_line(root)})")
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return lines[0] if lines else ""
+
+
+def _first_failure(e: BaseException) -> BaseException:
+    """The error a rank raised inside DCP, which wraps every rank's in a CheckpointException (the
+    first that is a disk-full one, which decides what the user is told)."""
+    if isinstance(e, CheckpointException):
+        found = [_first_failure(exc) for exc, _ in e.failures.values()]
+        return next((f for f in found if is_disk_full(f)), found[0] if found else e)
+    return e
+
+
+def _tensors(value: Any) -> list[Any]:
+    """The tensors inside nested dicts and lists (an optimizer's state)."""
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, list | tuple):
+        return [t for v in value for t in _tensors(v)]
+    return [value]
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _checkpoints(folder: Path) -> list[tuple[int, bool, Path]]:

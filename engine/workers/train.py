@@ -596,13 +596,13 @@ class Trainer:
         s, rt = self.s, self.rt
         step = 0
         if self.spec.resume:
-            path = self.checkpointer.latest()
-            if path is None:
+            resumed = self.checkpointer.resume()
+            if resumed is None:
                 note = "resume requested but there is no complete checkpoint: starting from step 0"
                 self.log(note)
                 report(kind="note", message=note)
             else:
-                step, notes = self.checkpointer.load(path)
+                path, step, notes = resumed
                 if self.tied is not None:  # a checkpoint written before the pair was kept tied holds two
                     self.tied.align_weights()
                 for note in [*notes, f"resumed from {path.name} at step {step}"]:
@@ -633,7 +633,10 @@ class Trainer:
             # (evaluation, the export): the last step is always checkpointed, unless checkpoints are off.
             if cancelled or checkpoint_now:
                 self._checkpoint(step, resume_phase=not cancelled)
-            if cancelled:
+            if cancelled and last:
+                # Every step is trained and saved: the job finishes (evaluation, the model) rather than end cancelled.
+                self.log("cancel requested after the last step: finishing the job")
+            elif cancelled:
                 status("cancelled", step=step, exit_code=EXIT_CANCELLED)
                 self.log(f"cancelled after step {step}; checkpoint saved")
                 return EXIT_CANCELLED
