@@ -34,6 +34,9 @@ class EngineLink(QObject):
     sig_telemetry = Signal(dict)  # TelemetrySample.to_dict()
     sig_job = Signal(dict)  # a job record whose state or progress changed
     sig_metrics = Signal(str, list)  # job id, new metric records
+    # What the engine did by itself that the user should hear of (protocol "notices": a damaged job
+    # database rebuilt from the job folders, say), once each, whichever connection brought it.
+    sig_notice = Signal(dict)
 
     def __init__(
         self,
@@ -58,6 +61,7 @@ class EngineLink(QObject):
         self._lock = threading.Lock()
         self._watched: dict[str, dict[str, int] | None] = {}  # job id -> metrics cursor to resume from
         self._pending: list[tuple[str, str]] = []  # ("subscribe" | "unsubscribe", topic)
+        self._noticed: set[tuple[Any, ...]] = set()
 
     # -- lifecycle --------------------------------------------------------------
     def start(self) -> None:
@@ -123,12 +127,22 @@ class EngineLink(QObject):
     def _client(self) -> EngineClient:
         client = getattr(self._local, "client", None)
         if client is None:
-            client = self._local.client = self._factory(client_name="gui")
+            client = self._local.client = self._factory(client_name="gui", on_notice=self._on_notice)
             with self._lock:
                 self._clients.append(client)
                 if self._closed:
                     client.autostart = False
         return client
+
+    def _on_notice(self, notice: dict[str, Any]) -> None:
+        """From any client's thread: the engine tells each client name once, and the link has two names."""
+        key = (notice.get("code"), notice.get("time"), notice.get("message"))
+        with self._lock:
+            if key in self._noticed:
+                return
+            self._noticed.add(key)
+        if not self._closed:
+            self.sig_notice.emit(notice)
 
     # -- metrics of the jobs on screen ------------------------------------------
     def watch_metrics(self, job_id: str) -> None:
@@ -155,7 +169,7 @@ class EngineLink(QObject):
             self._set_state(CONNECTING, self.remote or "local")
             client = None
             try:
-                client = self._factory(client_name="gui-stream")
+                client = self._factory(client_name="gui-stream", on_notice=self._on_notice)
                 with self._lock:
                     self._stream_client = client
                     if self._closed:

@@ -35,6 +35,7 @@ from PySide6.QtWidgets import (
 from rigpilot.app import tasks
 from rigpilot.app.engine_link import CONNECTED, CONNECTING, EngineLink
 from rigpilot.app.identity import APP_ID, APP_NAME
+from rigpilot.engine.service.protocol import JOB_DATABASE_REBUILT, JOBS_PUT_BACK, TELEMETRY_RESET
 
 # (key, title, "module:Class"): each page lives in its own folder and is built with the EngineLink.
 PAGES: list[tuple[str, str, str]] = [
@@ -54,6 +55,14 @@ EXIT_AFTER_FIRST_PAINT = "RIGPILOT_EXIT_AFTER_FIRST_PAINT"
 def _load_page(target: str) -> Callable[..., QWidget]:
     module, cls = target.split(":")
     return getattr(importlib.import_module(module), cls)
+
+
+# What a notice from the engine (protocol "notices") is, in the title the user sees; the engine's line follows.
+NOTICE_TITLES = {
+    JOB_DATABASE_REBUILT: "Job list rebuilt from the job folders",
+    JOBS_PUT_BACK: "Jobs put back into the job list",
+    TELEMETRY_RESET: "GPU history started afresh",
+}
 
 
 class Pages(Mapping[str, QWidget]):
@@ -167,6 +176,7 @@ class MainWindow(QMainWindow):
         self.link.sig_state.connect(self._on_state)
         self.link.sig_machine.connect(self._on_machine)
         self.link.sig_job.connect(self._on_job)
+        self.link.sig_notice.connect(self._on_notice)
         self._restore()
         self.link.start()
         # The job list is not pushed on connect; ask once connected, and again after each reconnect.
@@ -281,6 +291,10 @@ class MainWindow(QMainWindow):
             else:
                 reason = job.get("exit_reason") or "see its page for the cause"
                 self._notify(f"{name} failed", reason, QSystemTrayIcon.MessageIcon.Critical)
+
+    def _on_notice(self, notice: dict) -> None:
+        title = NOTICE_TITLES.get(str(notice.get("code")), "The engine service says")
+        self._notify(title, str(notice.get("message") or ""), QSystemTrayIcon.MessageIcon.Warning)
 
     def running_jobs(self) -> list[dict]:
         return [j for j in self.jobs.values() if j.get("state") in RUNNING_STATES]

@@ -97,6 +97,7 @@ class FakeLink(QObject):
     sig_telemetry = Signal(dict)
     sig_job = Signal(dict)
     sig_metrics = Signal(str, list)
+    sig_notice = Signal(dict)
 
     def __init__(
         self,

@@ -90,3 +90,28 @@ def test_a_result_for_a_deleted_widget_is_dropped(qtbot):
     run_in_background(lambda: "late", label.setText)  # would raise: the C++ object is gone
     run_in_background(lambda: "on time", alive.setText)
     qtbot.waitUntil(lambda: alive.text() == "on time", timeout=5000)
+
+
+def test_a_notice_heard_on_both_connections_is_passed_on_once(qtbot):
+    hooks: list[Any] = []
+
+    def factory(**kw: Any) -> SlowClient:
+        hooks.append(kw["on_notice"])
+        release = threading.Event()
+        release.set()
+        return SlowClient([], release)
+
+    link = EngineLink(client_factory=factory)
+    heard: list[dict] = []
+    link.sig_notice.connect(heard.append)
+    done: list[Any] = []
+    link.call("jobs", on_done=done.append)
+    qtbot.waitUntil(lambda: bool(done))
+    notice = {"code": "telemetry_reset", "message": "the telemetry history was reset", "time": 5.0}
+    for hook in (hooks[0], hooks[0], *hooks):  # the request client twice, as it reconnects; then every client
+        hook(dict(notice))
+    assert heard == [notice]
+    later = {**notice, "time": 6.0}
+    hooks[0](later)
+    assert heard == [notice, later]
+    link.stop()

@@ -349,6 +349,23 @@ def test_a_failed_job_shows_the_rank_the_cause_and_the_last_log_lines(qtbot):
     assert not panel.isVisible()
 
 
+def test_a_job_that_found_the_disk_full_says_how_much_room_to_free_and_where(qtbot):
+    link = FakeLink()
+    folder = "/home/u/.local/state/rigpilot/jobs/full/checkpoints"
+    line = f"disk full: {folder} needs about 1.2 GiB for step-40, 80 MiB free"
+    error = {"error": "disk_full", "message": line, "folder": folder, "needed_bytes": int(1.2 * GIB),
+             "free_bytes": 80 * 1024**2, "failed_at": T0}  # fmt: skip
+    FakeJobs(link, [a_job("full", "failed", failed_rank=0, exit_reason=line, error=error)])
+    page = open_page(qtbot, link)
+    open_job(qtbot, page, "full")
+    panel = page.detail.failure
+    assert panel.title.text() == "Disk full on rank 0"
+    assert panel.reason.text() == line
+    fix = panel.fix.text()
+    assert panel.fix.isVisible() and "at least 1.2 GiB" in fix and folder in fix and "80 MiB were free" in fix
+    assert "last complete checkpoint" in fix
+
+
 def test_an_out_of_memory_record_shows_the_planners_suggested_fix(qtbot):
     link = FakeLink()
     predicted = {"peak_memory_bytes": 20 * GIB, "tokens_per_s": 8000.0, "step_time_s": 0.5,

@@ -48,6 +48,16 @@ def test_connection_states_show_in_the_status_bar(qtbot):
     w.close()
 
 
+def test_a_notice_from_the_engine_is_shown_with_a_title_worded_from_its_code(qtbot):
+    link = FakeLink("1x-rtx4090")
+    w = open_window(qtbot, link)
+    w.tray = None  # the status bar, where no tray takes messages
+    message = "the job database /x/engine.db could not be used (not a database); the list of 3 jobs was rebuilt"
+    link.sig_notice.emit({"code": "job_database_rebuilt", "message": message, "time": 1.0})
+    assert w.statusBar().currentMessage() == f"Job list rebuilt from the job folders: {message}"
+    w.close()
+
+
 def test_shortcuts_switch_pages(qtbot):
     w = open_window(qtbot, FakeLink("4x-rtx4090"))
     w.activateWindow()

@@ -1,5 +1,5 @@
 """Why a job failed, where nobody can miss it: which rank, how it ended, its last log lines,
-and for out-of-memory the fix the planner suggests.
+for out-of-memory the fix the planner suggests, and for a full disk how much room to free where.
 
 The cause comes from the job record (`exit_reason`, `failed_rank`, `last_log`,
 `error`), which the engine fills when the job ends; an out-of-memory error
@@ -8,6 +8,7 @@ record in the metrics shows here as soon as it arrives, before the job has ended
 
 from __future__ import annotations
 
+from html import escape
 from typing import Any
 
 from PySide6.QtCore import Signal
@@ -15,7 +16,7 @@ from PySide6.QtGui import QFontDatabase
 from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QVBoxLayout, QWidget
 
 from rigpilot.app.widgets.palette import BAD, tint
-from rigpilot.app.widgets.units import gib
+from rigpilot.app.widgets.units import gib, size
 from rigpilot.engine.service.store import FAILED, INTERRUPTED
 
 GENERIC_OOM_FIX = (
@@ -36,6 +37,24 @@ def oom_of(record: dict[str, Any], streamed: dict[str, Any] | None) -> dict[str,
     if isinstance(error, dict) and error.get("error") == "out_of_memory":
         return error
     return streamed
+
+
+def disk_full_of(record: dict[str, Any]) -> dict[str, Any] | None:
+    """The disk-full error of a job (a rank or the engine could not write), with its folder and byte counts."""
+    error = record.get("error")
+    return error if isinstance(error, dict) and error.get("error") == "disk_full" else None
+
+
+def disk_full_fix(error: dict[str, Any]) -> str:
+    """What to do about a full disk, worded from the error's fields."""
+    needed, free = error.get("needed_bytes"), error.get("free_bytes")
+    folder = error.get("folder") or "the job's folder"
+    room = f"at least {size(needed)}" if isinstance(needed, int | float) else "room"
+    had = f" ({size(free)} were free)" if isinstance(free, int | float) else ""
+    return (
+        f"free {room} on the disk of {folder}{had}, then resume the job: it continues from its last "
+        "complete checkpoint"
+    )
 
 
 def suggested_fix(record: dict[str, Any], oom: dict[str, Any]) -> str:
@@ -101,15 +120,19 @@ class FailurePanel(QFrame):
             rank = oom["rank"]
         self._rank = rank if isinstance(rank, int) else None
         where = f" on rank {rank}" if isinstance(rank, int) else ""
+        full = disk_full_of(record)
         if oom is not None:
             self.title.setText(f"Out of GPU memory{where}")
+        elif full is not None:
+            self.title.setText(f"Disk full{where}")
         elif state == INTERRUPTED:
             self.title.setText("Interrupted: the engine stopped while the job ran")
         else:
             self.title.setText(f"Failed{where}")
         self.reason.setText(self._reason(record, oom))
-        if oom is not None:
-            self.fix.setText(f"<b>Suggested fix:</b> {suggested_fix(record, oom)}")
+        if oom is not None or full is not None:
+            fix = suggested_fix(record, oom) if oom is not None else disk_full_fix(full or {})
+            self.fix.setText(f"<b>Suggested fix:</b> {escape(fix)}")
             self.fix.show()
         else:
             self.fix.hide()

@@ -19,6 +19,13 @@ def mib(v: float | None) -> str:
     return NA if v is None else f"{v / MIB:.0f} MiB"
 
 
+def size(v: float | None) -> str:
+    """Bytes of disk space: MiB below a GiB, GiB above."""
+    if v is None:
+        return NA
+    return mib(v) if v < GIB else gib(v)
+
+
 def watts(v: float | None) -> str:
     return NA if v is None else f"{v:.0f} W"
 

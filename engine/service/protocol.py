@@ -129,6 +129,11 @@ BUSY = "busy"  # too many connections (or planner runs) at once; try again later
 INTERNAL = "internal"  # a bug in Rigpilot: the message says where the traceback was logged
 DISK_FULL = "disk_full"  # no room to write; the error carries folder, needed_bytes and free_bytes
 
+# Notice codes: what the engine did by itself, told once to each client (see the module docstring).
+JOB_DATABASE_REBUILT = "job_database_rebuilt"
+JOBS_PUT_BACK = "jobs_put_back"
+TELEMETRY_RESET = "telemetry_reset"
+
 
 class ProtocolError(Exception):
     """A message the service (or client) cannot accept; `fatal` ones end the connection."""

@@ -29,14 +29,12 @@ from typing import Any, TypeVar
 
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.service import dbfile, job_folders
+from rigpilot.engine.service.protocol import JOB_DATABASE_REBUILT, JOBS_PUT_BACK, TELEMETRY_RESET
 from rigpilot.engine.service.store import SCHEMA_VERSION, JobRecord, JobStore
 from rigpilot.engine.service.telemetry_store import TelemetryStore
 
 log = logging.getLogger(__name__)
 
-JOB_DATABASE_REBUILT = "job_database_rebuilt"
-JOBS_PUT_BACK = "jobs_put_back"
-TELEMETRY_RESET = "telemetry_reset"
 
 T = TypeVar("T")
 _FIELDS = [f.name for f in dataclasses.fields(JobRecord)]
