@@ -139,3 +139,16 @@ def test_tab_reaches_every_control(qtbot):
     assert not [w.objectName() or type(w).__name__ for w in expected if w not in visited]
     names = {w.objectName() for w in visited}
     assert {"simulatedProfile", "engineAddress", "engineToken", "showToken", "refreshHz", "save", "revert"} <= names
+
+
+def test_the_remote_engines_pinned_certificate_is_shown_for_its_address(qtbot):
+    from rigpilot.engine.service import pins
+
+    fingerprint = "SHA256:" + "A" * 43
+    pins.remember("workstation.lan:7860", fingerprint)
+    page = open_page(qtbot)
+    assert page.certificate.text().startswith("none: the engine on this computer")
+    page.address.setText("workstation.lan:7860")
+    assert page.certificate.text().startswith(fingerprint) and "refused" in page.certificate.text()
+    page.address.setText("other.lan:7860")
+    assert page.certificate.text().startswith("not pinned yet") and "--fingerprint" in page.certificate.text()

@@ -47,7 +47,9 @@ from rigpilot.app.settings.nodes import NodesBox
 from rigpilot.app.settings.prices import PricesBox
 from rigpilot.app.tasks import run_in_background
 from rigpilot.app.widgets.palette import BAD
+from rigpilot.engine.errors import UserError
 from rigpilot.engine.service.client import EngineUnavailable
+from rigpilot.engine.service.pins import pinned
 
 
 def _error_label(name: str) -> QLabel:
@@ -161,9 +163,15 @@ class SettingsPage(QWidget):
         remote_form.addRow("", self.address_error)
         remote_form.addRow("Token", token_row)
         remote_form.addRow("", self.token_error)
+        self.certificate = QLabel()
+        self.certificate.setObjectName("engineCertificate")
+        self.certificate.setWordWrap(True)
+        self.certificate.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        remote_form.addRow("Certificate", self.certificate)
         remote_form.addRow(_note(
             "To drive a workstation from this computer, start its engine with `rigpilot engine --tcp ADDR:PORT` "
-            "and copy its token here. The token is stored in this app's settings file in plain text. "
+            "and copy its token here. The connection is encrypted (TLS) and the token is never sent: the login "
+            "proves it. The token is stored in this app's settings file in plain text. "
             "Takes effect the next time Rigpilot starts."
         ))  # fmt: skip
         remote_form.addRow("Environment", repair_row)
@@ -245,6 +253,7 @@ class SettingsPage(QWidget):
         }
         # Fields re-check as they are edited, once Save has shown a problem with them.
         self.address.textEdited.connect(lambda _: self._recheck())
+        self.address.textChanged.connect(lambda _: self._show_certificate())
         self.token.textEdited.connect(lambda _: self._recheck())
         self.refresh_hz.valueChanged.connect(lambda _: self._recheck())
         self.cpu_ranks.valueChanged.connect(lambda _: self._recheck())
@@ -252,6 +261,25 @@ class SettingsPage(QWidget):
         if link is not None and hasattr(link, "sig_machine"):
             link.sig_machine.connect(self.on_machine)
         self.load()
+
+    def _show_certificate(self) -> None:
+        """The certificate fingerprint pinned for the address (as the first login pinned it), to check by eye."""
+        address = self.address.text().strip()
+        if not address:
+            self.certificate.setText("none: the engine on this computer is reached through a local socket")
+            return
+        try:
+            fingerprint = pinned(address)
+        except UserError as e:
+            self.certificate.setText(str(e))
+            return
+        if fingerprint is None:
+            self.certificate.setText(
+                "not pinned yet: pinned at the first login; compare it with `rigpilot engine --fingerprint` "
+                "on that machine"
+            )
+        else:
+            self.certificate.setText(f"{fingerprint} (pinned: another certificate at this address is refused)")
 
     # -- the engine environment ------------------------------------------------------------------------
     def repair_engine_env(self) -> QWidget:
@@ -283,6 +311,7 @@ class SettingsPage(QWidget):
         """Read both stores: QSettings here, the engine's files off the GUI thread."""
         gui = load_gui_side()
         self.address.setText(gui["engine_address"])
+        self._show_certificate()  # setText emits nothing when the address was already that
         self.token.setText(gui["engine_token"])
         self.refresh_hz.setValue(gui["refresh_hz"])
         self.save_button.setEnabled(False)
