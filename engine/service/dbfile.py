@@ -214,7 +214,7 @@ class Watch:
         except OSError as e:
             return f"it cannot be read ({e.strerror})"
         if header != _MAGIC:
-            return "it was overwritten while the engine ran (it is no longer a SQLite database)"
+            return "it was overwritten while the engine ran: it is no longer a SQLite database"
         return None
 
 
