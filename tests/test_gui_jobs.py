@@ -362,7 +362,7 @@ def test_a_job_that_found_the_disk_full_says_how_much_room_to_free_and_where(qtb
     assert panel.title.text() == "Disk full on rank 0"
     assert panel.reason.text() == line
     fix = panel.fix.text()
-    assert panel.fix.isVisible() and "at least 1.2 GiB" in fix and folder in fix and "80 MiB were free" in fix
+    assert panel.fix.isVisible() and "at least 1.2 GiB" in fix and folder in fix and "80.0 MiB were free" in fix
     assert "last complete checkpoint" in fix
 
 

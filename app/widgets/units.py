@@ -20,10 +20,12 @@ def mib(v: float | None) -> str:
 
 
 def size(v: float | None) -> str:
-    """Bytes of disk space: MiB below a GiB, GiB above."""
+    """Bytes of disk space, as the engine's disk-full lines give them: KiB, MiB below a GiB, GiB above."""
     if v is None:
         return NA
-    return mib(v) if v < GIB else gib(v)
+    if v < MIB:
+        return f"{v / 1024:.0f} KiB"
+    return f"{v / MIB:.1f} MiB" if v < GIB else gib(v)
 
 
 def watts(v: float | None) -> str:
