@@ -11,18 +11,22 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
+from html import escape
 from typing import Any
 
 from PySide6.QtCore import QSettings, Qt, QTimer
 from PySide6.QtGui import QAction, QCloseEvent, QIcon, QKeySequence, QPaintEvent
 from PySide6.QtWidgets import (
     QApplication,
+    QFrame,
+    QHBoxLayout,
     QLabel,
     QListWidget,
     QListWidgetItem,
     QMainWindow,
     QMenu,
     QMessageBox,
+    QPushButton,
     QSizePolicy,
     QSplitter,
     QStackedWidget,
@@ -106,6 +110,23 @@ class MainWindow(QMainWindow):
             "#simulatedBanner { background: #fff3cd; color: #664d03; padding: 6px 10px; font-weight: bold; }"
         )
         self.banner.hide()
+        # What the engine did by itself (a job list rebuilt from the job folders): told once, so it stays
+        # on screen until the user has read it and dismisses it.
+        self.notice_text = QLabel()
+        self.notice_text.setObjectName("engineNotice")
+        self.notice_text.setWordWrap(True)
+        self.notice_text.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        dismiss = QPushButton("Dismiss")
+        dismiss.setObjectName("dismissNotice")
+        self.notice_bar = QFrame()
+        self.notice_bar.setObjectName("noticeBar")
+        self.notice_bar.setStyleSheet("#noticeBar { background: #cff4fc; } #engineNotice { color: #055160; }")
+        notice_row = QHBoxLayout(self.notice_bar)
+        notice_row.setContentsMargins(10, 4, 10, 4)
+        notice_row.addWidget(self.notice_text, 1)
+        notice_row.addWidget(dismiss)
+        dismiss.clicked.connect(self._dismiss_notices)
+        self.notice_bar.hide()
 
         self.nav = QListWidget()
         self.nav.setObjectName("navigation")
@@ -137,6 +158,7 @@ class MainWindow(QMainWindow):
         layout.setContentsMargins(0, 0, 0, 0)
         layout.setSpacing(0)
         layout.addWidget(self.banner)
+        layout.addWidget(self.notice_bar)
         layout.addWidget(self.splitter, 1)
         self.setCentralWidget(central)
 
@@ -294,7 +316,14 @@ class MainWindow(QMainWindow):
 
     def _on_notice(self, notice: dict) -> None:
         title = NOTICE_TITLES.get(str(notice.get("code")), "The engine service says")
-        self._notify(title, str(notice.get("message") or ""), QSystemTrayIcon.MessageIcon.Warning)
+        line = f"<b>{escape(title)}:</b> {escape(str(notice.get('message') or ''))}"
+        shown = self.notice_text.text() if self.notice_bar.isVisible() else ""
+        self.notice_text.setText(f"{shown}<br>{line}" if shown else line)
+        self.notice_bar.show()
+
+    def _dismiss_notices(self) -> None:
+        self.notice_bar.hide()
+        self.notice_text.clear()
 
     def running_jobs(self) -> list[dict]:
         return [j for j in self.jobs.values() if j.get("state") in RUNNING_STATES]

@@ -588,3 +588,20 @@ def test_folders_an_older_rigpilot_made_are_judged_from_their_runs_and_a_running
         gate.touch()
         assert engine.wait_state(c, live["id"], "completed", "failed", timeout=120)["state"] == COMPLETED
     wait_for(lambda: not leftover_job_processes(engine.tmp), 30, what="the live job's processes to end")
+
+
+def test_a_client_that_only_listens_hears_a_recovery_at_once_and_once(engine):
+    # The app's stream connection sends no request for minutes; the notice comes to it as an event.
+    engine.start()
+    heard: list[dict] = []
+    with EngineClient(autostart=False, client_name="gui-stream", on_notice=heard.append, timeout=30) as listener:
+        listener.request("subscribe", topics=["jobs"])
+        with engine.db.open("r+b") as f:
+            f.write(os.urandom(engine.db.stat().st_size))
+        wait_for(lambda: engine.jobs() and set_aside(engine.state), 30, 0.2, "the engine to notice the damage")
+        deadline = time.monotonic() + 10
+        while not heard and time.monotonic() < deadline:
+            listener.next_event(0.2)
+        assert [n["code"] for n in heard] == [JOB_DATABASE_REBUILT]
+        listener.request("jobs")  # its next reply does not tell it again
+        assert len(heard) == 1

@@ -7,7 +7,7 @@ import sys
 import pytest
 from gui_fakes import FakeLink, make_job
 from PySide6.QtCore import Qt, QTimer
-from PySide6.QtWidgets import QApplication, QMessageBox
+from PySide6.QtWidgets import QApplication, QMessageBox, QPushButton
 
 from rigpilot.app.main_window import PAGES, MainWindow
 from rigpilot.engine.hardware.simulated import list_profiles
@@ -51,10 +51,16 @@ def test_connection_states_show_in_the_status_bar(qtbot):
 def test_a_notice_from_the_engine_is_shown_with_a_title_worded_from_its_code(qtbot):
     link = FakeLink("1x-rtx4090")
     w = open_window(qtbot, link)
-    w.tray = None  # the status bar, where no tray takes messages
+    assert not w.notice_bar.isVisible()
     message = "the job database /x/engine.db could not be used (not a database); the list of 3 jobs was rebuilt"
     link.sig_notice.emit({"code": "job_database_rebuilt", "message": message, "time": 1.0})
-    assert w.statusBar().currentMessage() == f"Job list rebuilt from the job folders: {message}"
+    link.sig_notice.emit({"code": "telemetry_reset", "message": "the telemetry history <x> was reset", "time": 2.0})
+    assert w.notice_bar.isVisible()
+    shown = w.notice_text.text()
+    assert f"<b>Job list rebuilt from the job folders:</b> {message}" in shown
+    assert "<b>GPU history started afresh:</b> the telemetry history &lt;x&gt; was reset" in shown
+    w.findChild(QPushButton, "dismissNotice").click()
+    assert not w.notice_bar.isVisible() and w.notice_text.text() == ""
     w.close()
 
 

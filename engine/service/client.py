@@ -305,6 +305,7 @@ class EngineClient:
             if msg is None:
                 raise TimeoutError(f"the engine service did not answer {rtype} within {self.timeout:.0f} s")
             if "event" in msg:
+                self._take_event_notice(msg)
                 self._events.append(msg)
                 continue
             if msg.get("id") not in (rid, None):
@@ -315,6 +316,11 @@ class EngineClient:
             err = msg.get("error") or {}
             extra = {k: v for k, v in err.items() if k not in ("code", "message")}
             raise EngineError(err.get("code", protocol.INTERNAL), err.get("message", "unknown error"), extra)
+
+    def _take_event_notice(self, msg: dict[str, Any]) -> None:
+        """A notice pushed to a subscriber as an event (one that sends no request would hear it late)."""
+        if msg.get("event") == "notice":
+            self._take_notices({"notices": [msg.get("notice")]})
 
     def _take_notices(self, msg: dict[str, Any]) -> None:
         notices = msg.get("notices")
@@ -333,6 +339,8 @@ class EngineClient:
         msg = self._read(timeout)
         while msg is not None and "event" not in msg:
             msg = self._read(timeout)
+        if msg is not None:
+            self._take_event_notice(msg)
         return msg
 
     def events(self) -> Iterator[dict[str, Any]]:

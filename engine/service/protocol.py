@@ -7,13 +7,14 @@ trusted to send code.
     request  {"v": 1, "id": 7, "type": "job", "args": {"job": "a1b2c3"}}
     reply    {"v": 1, "id": 7, "ok": true, "result": {...}}
     error    {"v": 1, "id": 7, "ok": false, "error": {"code": "not_found", "message": "..."}}
-    event    {"v": 1, "event": "telemetry" | "job" | "metrics", ...}   (after a `subscribe`)
+    event    {"v": 1, "event": "telemetry" | "job" | "metrics" | "machine" | "notice", ...}   (after a `subscribe`)
 
 `id` is the client's, echoed back (null when the request could not be read).
 A reply (or error) may also carry `"notices": [{code, message, time, ...}]`: what the engine did by
 itself that its user should hear of, each told once to each client name given in `hello` (not on the
-`hello` reply itself). Codes: `job_database_rebuilt` (engine.db could not serve or was missing; fields
-path, cause, reason, moved_to, in_memory, jobs, damaged), `jobs_put_back` (a sound engine.db was
+`hello` reply itself); a connection subscribed to `jobs` gets it at once, as a `notice` event
+(`{"event": "notice", "notice": {...}}`). Codes: `job_database_rebuilt` (engine.db could not serve
+or was missing; fields path, cause, reason, moved_to, in_memory, jobs, damaged), `jobs_put_back` (a sound engine.db was
 behind the job folders: jobs put back or brought up to date from their record.json),
 `telemetry_reset` (telemetry.db could not serve; history starts again); see engine.service.resilient_store.
 

@@ -395,8 +395,15 @@ class EngineService:
         """One of the databases was damaged and the engine recovered: said once in the log, once to each client."""
         notice = {**recovery.notice(), "time": time.time()}
         log.warning("%s", notice["message"])
+        subs = self._subscribers("jobs")  # a window that only listens (the app's stream) hears it now
         with self._notice_lock:
             self._notices.append(notice)
+            for c in subs:
+                if self._told.get(c.client, 0) == len(self._notices) - 1:
+                    self._told[c.client] = len(self._notices)
+        data = protocol.encode(protocol.event("notice", notice=notice))
+        for c in subs:
+            c.send_bytes(data)
 
     def _untold(self, conn: Connection) -> list[dict[str, Any]]:
         with self._notice_lock:
