@@ -55,7 +55,10 @@ class NodesBox(QGroupBox):
         self.table.setObjectName("nodesTable")
         self.table.setAccessibleName("Nodes")
         self.table.setHorizontalHeaderLabels(["Name", "Address", "Status", "Certificate (pinned)"])
-        self.table.horizontalHeader().setSectionResizeMode(2, QHeaderView.ResizeMode.Stretch)
+        header = self.table.horizontalHeader()
+        header.setSectionResizeMode(2, QHeaderView.ResizeMode.Stretch)
+        # A fingerprint is read whole or not at all: its column takes what it needs, the status the rest.
+        header.setSectionResizeMode(3, QHeaderView.ResizeMode.ResizeToContents)
         self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
         self.table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
         self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
