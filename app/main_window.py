@@ -317,7 +317,7 @@ class MainWindow(QMainWindow):
     def _on_notice(self, notice: dict) -> None:
         title = NOTICE_TITLES.get(str(notice.get("code")), "The engine service says")
         line = f"<b>{escape(title)}:</b> {escape(str(notice.get('message') or ''))}"
-        shown = self.notice_text.text() if self.notice_bar.isVisible() else ""
+        shown = self.notice_text.text() if not self.notice_bar.isHidden() else ""  # the window may be in the tray
         self.notice_text.setText(f"{shown}<br>{line}" if shown else line)
         self.notice_bar.show()
 

@@ -131,6 +131,50 @@ def test_the_job_store_keeps_what_a_full_disk_refuses_and_writes_it_once_there_i
     assert (again.state, again.exit_reason, again.resumable) == (FAILED, "disk full: …", True)
 
 
+def test_the_job_folders_copy_catches_up_when_the_held_changes_are_written(small_disk):
+    # The folder's record.json missed the change for the same want of room; it is the copy a damaged
+    # database is rebuilt from, so it must not stay behind once there is room.
+    from rigpilot.engine.service import job_folders
+    from rigpilot.engine.service.resilient_store import ResilientJobStore
+
+    jobs = small_disk / "jobs"
+    store = ResilientJobStore(small_disk / "engine.db", jobs)
+    rec = job_record()
+    (jobs / rec.id).mkdir(parents=True)
+    store.insert(rec)
+    filler = fill(small_disk)
+    store.update(rec, state=FAILED, exit_reason="disk full: …")
+    assert store.unsaved == 1 and job_folders.read_record(jobs / rec.id)[0].state == RUNNING
+    filler.unlink()
+    assert store.flush_unsaved() and store.unsaved == 0
+    assert job_folders.read_record(jobs / rec.id)[0].state == FAILED
+
+
+def test_a_failed_write_for_another_reason_loses_none_of_the_changes_the_disk_held_back(small_disk):
+    store = JobStore(small_disk / "engine.db")
+    rec = job_record()
+    store.insert(rec)
+    filler = fill(small_disk)
+    store.update(rec, state=FAILED)  # held back
+    filler.unlink()
+    real_write = store._write
+    calls = []
+
+    def damaged_once(job_id, changes):
+        calls.append(dict(changes))
+        if len(calls) == 1:
+            raise sqlite3.DatabaseError("database disk image is malformed")
+        real_write(job_id, changes)
+
+    store._write = damaged_once
+    with pytest.raises(sqlite3.DatabaseError):
+        store.update(rec, exit_reason="disk full: …")
+    store.update(rec, exit_reason="disk full: …")  # as the resilient store tries again after recovering
+    assert calls[-1] == {"state": FAILED, "exit_reason": "disk full: …"} and store.unsaved == 0
+    again = JobStore(small_disk / "engine.db").get(rec.id)
+    assert (again.state, again.exit_reason) == (FAILED, "disk full: …")
+
+
 def test_a_rank_record_is_written_in_place_when_the_disk_has_no_room_for_a_new_file(small_disk):
     state = small_disk / "rank0.json"
     _record_state(state, {"rank": 0, "pid": 123})

@@ -38,7 +38,7 @@ RECIPE: dict[str, Any] = {
     "weight_decay": 0.1,
     "grad_clip": 1.0,
     "eval_every": 6,
-    "checkpoint_every": 6,
+    "checkpoint_every": 3,
     "seed": 1234,
     "eval_fraction": 0.1,
 }
@@ -163,27 +163,31 @@ def reference(models: dict[str, Path], datasets: dict[str, Path], model: str, da
     return _references[key]
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_tied_models_and_epochs_train_what_the_plain_loop_trains(
-    root: Path, models: dict[str, Path], datasets: dict[str, Path], case: str
-) -> None:
+_jobs: dict[str, Path] = {}
+
+
+def run_case(root: Path, models: dict[str, Path], datasets: dict[str, Path], case: str, **spec: Any) -> Path:
+    """The job of one case, run once per module (`spec`: more of the job's settings, for a job of its own)."""
+    name = case + ("-" + "-".join(spec) if spec else "")
+    if name not in _jobs:
+        model, data, parallelism, nproc, micro_batch, grad_accum = CASES[case]
+        dp = parallelism.get("dp_replicate", 1) * parallelism.get("dp_shard", 1)
+        assert micro_batch * parallelism.get("pp_microbatches", 1) * dp * grad_accum == GLOBAL_BATCH
+        train = {**RECIPE, "dataset": [str(datasets[data])], "micro_batch": micro_batch, "grad_accum": grad_accum}
+        job = write_job(
+            root / name, kind="train", model=str(models[model]), parallelism=parallelism, train=train, **spec
+        )
+        run_job(job, nproc)
+        _jobs[name] = job
+    return _jobs[name]
+
+
+def assert_trains_the_reference(job: Path, ref: dict[str, Any], first_step: int = 1) -> None:
+    """Every step's loss, grad norm and LR, the eval loss, and the exported model against the plain loop's."""
     from transformers import AutoModelForCausalLM
 
-    model, data, parallelism, nproc, micro_batch, grad_accum = CASES[case]
-    dp = parallelism.get("dp_replicate", 1) * parallelism.get("dp_shard", 1)
-    assert micro_batch * parallelism.get("pp_microbatches", 1) * dp * grad_accum == GLOBAL_BATCH
-    ref = reference(models, datasets, model, data)
-    job = write_job(
-        root / case,
-        kind="train",
-        model=str(models[model]),
-        parallelism=parallelism,
-        train={**RECIPE, "dataset": [str(datasets[data])], "micro_batch": micro_batch, "grad_accum": grad_accum},
-    )
-    run_job(job, nproc)
-
     steps = [r for r in records(job) if r.get("loss") is not None]
-    assert [r["step"] for r in steps] == list(range(1, RECIPE["max_steps"] + 1))
+    assert [r["step"] for r in steps] == list(range(first_step, RECIPE["max_steps"] + 1))
     for r in steps:
         s = r["step"]
         assert r["loss"] == pytest.approx(ref["loss"][s], abs=1e-5), f"step {s}: {r['loss']} vs {ref['loss'][s]}"
@@ -205,3 +209,29 @@ def test_tied_models_and_epochs_train_what_the_plain_loop_trains(
         got = exported(input_ids=ref["probe"]).logits
         want = ref["model"](input_ids=ref["probe"]).logits
     assert torch.allclose(got, want, atol=1e-4), f"exported logits differ by {(got - want).abs().max():.3g}"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tied_models_and_epochs_train_what_the_plain_loop_trains(
+    root: Path, models: dict[str, Path], datasets: dict[str, Path], case: str
+) -> None:
+    model, data, *_ = CASES[case]
+    assert_trains_the_reference(run_case(root, models, datasets, case), reference(models, datasets, model, data))
+
+
+def test_a_tied_model_resumes_into_a_pipeline_from_an_unsplit_checkpoint(
+    root: Path, models: dict[str, Path], datasets: dict[str, Path]
+) -> None:
+    # The unsplit model's checkpoint keeps the tied matrix's optimizer state under the embedding's name
+    # only; the pipeline's last stage takes its copy of it from the first stage, and the pair goes on as
+    # one matrix: the steps after the resume are the plain loop's.
+    unsplit = run_case(root, models, datasets, "llama-chat-accum")
+    model, data, parallelism, nproc, micro_batch, grad_accum = CASES["llama-chat-pp-gpipe"]
+    job = root / "llama-chat-resumed-into-pp"
+    shutil.copytree(unsplit / "checkpoints" / "step-3", job / "checkpoints" / "step-3")
+    train = {**RECIPE, "dataset": [str(datasets[data])], "micro_batch": micro_batch, "grad_accum": grad_accum}
+    write_job(job, kind="train", model=str(models[model]), parallelism=parallelism, train=train, resume=True)
+    run_job(job, nproc)
+    notes = [r.get("message", "") for r in records(job) if r.get("kind") == "note"]
+    assert any("resumed from step-3 at step 3" in n for n in notes), notes
+    assert_trains_the_reference(job, reference(models, datasets, model, data), first_step=4)

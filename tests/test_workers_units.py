@@ -251,6 +251,27 @@ def test_every_layout_of_a_step_takes_the_same_blocks_in_every_epoch() -> None:
     assert whole[4] == sorted(epoch0[16:20].tolist()) and whole[5] == sorted(epoch1[:4].tolist())
     with pytest.raises(UserError, match="x 3 accumulated micro-batches"):
         ShardedBatches(5, 1, 0, 2, seed=0, accum=3)
+    # A position an older Rigpilot saved inside a step (its epoch ended per micro-batch) starts the next
+    # epoch, so steps and epochs line up from then on.
+    old = ShardedBatches(23, 2, 0, 1, seed=3, accum=2)
+    old.load_state_dict({"epoch": 1, "position": 11})
+    old.resumed(None)
+    assert old.state_dict() == {"epoch": 2, "position": 0}
+    old.load_state_dict({"epoch": 1, "position": 4})
+    old.resumed(None)
+    assert old.state_dict() == {"epoch": 1, "position": 4}
+    # Another layout's position is counted in its own global batches: the resume continues at its block.
+    whole = ShardedBatches(23, 1, 0, 1, seed=3, accum=4)
+    for _ in range(4 * 6):  # six steps: one epoch of five, and one step into the next
+        whole.next_indices()
+    split = ShardedBatches(23, 1, 0, 2, seed=3, accum=2)
+    split.load_state_dict(whole.state_dict())
+    split.resumed(whole.blocks_per_batch)
+    assert split.state_dict() == {"epoch": 1, "position": 2}
+    def next_step(sampler: ShardedBatches) -> list[int]:
+        return sorted(i for _ in range(sampler.accum) for i in sampler.next_global_indices().flatten().tolist())
+
+    assert next_step(split) == next_step(whole)
 
 
 def test_clipping_stays_on_the_device_and_matches_torch() -> None:

@@ -16,7 +16,8 @@ from PySide6.QtGui import QFontDatabase
 from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QVBoxLayout, QWidget
 
 from rigpilot.app.widgets.palette import BAD, tint
-from rigpilot.app.widgets.units import gib, size
+from rigpilot.app.widgets.units import gib
+from rigpilot.engine.diskspace import human_size
 from rigpilot.engine.service.store import FAILED, INTERRUPTED
 
 GENERIC_OOM_FIX = (
@@ -49,8 +50,8 @@ def disk_full_fix(error: dict[str, Any]) -> str:
     """What to do about a full disk, worded from the error's fields."""
     needed, free = error.get("needed_bytes"), error.get("free_bytes")
     folder = error.get("folder") or "the job's folder"
-    room = f"at least {size(needed)}" if isinstance(needed, int | float) else "room"
-    had = f" ({size(free)} were free)" if isinstance(free, int | float) else ""
+    room = f"at least {human_size(needed)}" if isinstance(needed, int | float) else "room"
+    had = f" ({human_size(free)} were free)" if isinstance(free, int | float) else ""
     return (
         f"free {room} on the disk of {folder}{had}, then resume the job: it continues from its last "
         "complete checkpoint"

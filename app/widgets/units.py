@@ -19,15 +19,6 @@ def mib(v: float | None) -> str:
     return NA if v is None else f"{v / MIB:.0f} MiB"
 
 
-def size(v: float | None) -> str:
-    """Bytes of disk space, as the engine's disk-full lines give them: KiB, MiB below a GiB, GiB above."""
-    if v is None:
-        return NA
-    if v < MIB:
-        return f"{v / 1024:.0f} KiB"
-    return f"{v / MIB:.1f} MiB" if v < GIB else gib(v)
-
-
 def watts(v: float | None) -> str:
     return NA if v is None else f"{v:.0f} W"
 

@@ -310,7 +310,8 @@ class EngineClient:
                 continue
             if msg.get("id") not in (rid, None):
                 continue  # a reply to an earlier request that timed out
-            self._take_notices(msg)
+            if rtype != "hello":  # the engine never sends one there, and over TCP it has not yet proved itself
+                self._take_notices(msg)
             if msg.get("ok"):
                 return msg.get("result")
             err = msg.get("error") or {}

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from rigpilot.engine.diskspace import DiskFull
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.service import dbfile, job_folders
 from rigpilot.engine.service.protocol import JOB_DATABASE_REBUILT, JOBS_PUT_BACK, TELEMETRY_RESET
@@ -172,6 +173,16 @@ class ResilientJobStore(JobStore):
             self._mirror(self._guard.run(functools.partial(super().get, rec.id)) or rec)
         return rec
 
+    def flush_unsaved(self) -> bool:
+        with self._guard.lock:  # not while a recovery replaces the connection under it
+            held = list(self._unsaved)
+            done = self._guard.run(super().flush_unsaved)
+            for job_id in held:
+                rec = None if job_id in self._unsaved else self._guard.run(functools.partial(super().get, job_id))
+                if rec is not None:
+                    self._mirror(rec)  # the folder's copy missed these changes too, for the same want of room
+        return done
+
     def get(self, job_id: str) -> JobRecord | None:
         return self._guard.run(functools.partial(super().get, job_id))
 
@@ -256,8 +267,24 @@ class ResilientJobStore(JobStore):
 
     def _rebuild(self, recovery: Recovery, skip: Collection[str] = ()) -> None:
         found = job_folders.read_jobs(self.jobs_root, skip)
+        try:
+            for rec in found.records:
+                super().insert(rec)
+        except DiskFull:
+            if self._in_memory is not None:
+                raise
+            # The new file has no room for the list: the list lives in memory until the next start, which
+            # finds this file sound but short and puts the rest back from the folders.
+            with contextlib.suppress(sqlite3.Error):
+                self._db.close()
+            self._in_memory = "the disk is full"
+            self._db = self._connect()
+            self._migrate()
+            self._guard.watch = None
+            recovery.in_memory = self._in_memory
+            self._rebuild(recovery, skip)
+            return
         for rec in found.records:
-            super().insert(rec)
             if rec.id in found.pieced or rec.id in found.damaged:
                 self._mirror(rec)  # from now on this folder has its record too
         recovery.jobs = [r.id for r in found.records]

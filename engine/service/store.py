@@ -182,13 +182,17 @@ class JobStore:
                 raise KeyError(name)
             setattr(rec, name, value)
         with self._lock:
-            pending = {**self._unsaved.pop(rec.id, {}), **changes}
+            # Taken out only once written: a write that fails otherwise (a damaged file, which the caller
+            # may recover from and try again) must not lose what a full disk held back before.
+            pending = {**self._unsaved.get(rec.id, {}), **changes}
             try:
                 self._write(rec.id, pending)
             except sqlite3.OperationalError as e:
                 if not is_disk_full(e):
                     raise
                 self._unsaved[rec.id] = pending
+                return rec
+            self._unsaved.pop(rec.id, None)
         return rec
 
     def _write(self, job_id: str, changes: dict[str, Any]) -> None:

@@ -153,8 +153,8 @@ def _enospc(path: Any) -> OSError:
 class _PlainDataPlanner(DefaultLoadPlanner):
     """DCP's load planner with non-tensor values read by torch's weights-only unpickler."""
 
-    def __init__(self, checkpoint: str) -> None:
-        super().__init__()
+    def __init__(self, checkpoint: str, allow_partial_load: bool = False) -> None:
+        super().__init__(allow_partial_load=allow_partial_load)
         self.checkpoint = checkpoint
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
@@ -256,8 +256,13 @@ class Checkpointer:
         data_position: Any,
         trainable_only: bool,
         keep: int = 0,
+        derived: tuple[str, ...] = (),
     ) -> None:
         self.folder = job_dir / "checkpoints"
+        # Flattened state keys the job can derive itself when a checkpoint lacks them: the last stage's
+        # copy of a tied matrix, whose optimizer state a checkpoint of an unsplit model keeps only under
+        # the embedding's name (engine/workers/tied.py fills it in after the load).
+        self.derived = derived
         self.keep = keep  # newest complete checkpoints kept after a save; 0 keeps them all
         self.runtime = runtime
         self.app = _ModelAndOptimizer(model, optimizer, trainable_only)
@@ -320,6 +325,9 @@ class Checkpointer:
         """Mark `tmp` complete, then give it its final name: a `step-N` folder is whole or absent."""
         info = {"step": step, "time": time.time(), "world_size": self.runtime.world_size}
         info["parallelism"] = dict(zip(("pp", "dp_replicate", "dp_shard", "tp"), self.runtime.dims.shape, strict=True))
+        blocks = getattr(self.data.obj, "blocks_per_batch", None)
+        if blocks is not None:  # the unit of the data position, which another layout may cut otherwise
+            info["blocks_per_batch"] = blocks
         with open(tmp / COMPLETE, "w") as f:
             f.write(json.dumps(info) + "\n")
             f.flush()
@@ -368,6 +376,7 @@ class Checkpointer:
         if not candidates:
             return None
         passed: list[str] = []
+        skipped: list[Path] = []
         first: UserError | None = None
         for path in candidates:
             try:
@@ -375,12 +384,27 @@ class Checkpointer:
             except (UnsafeCheckpoint, DamagedCheckpoint) as e:
                 first = first or e
                 passed.append(str(e))
+                skipped.append(path)
                 continue
             if passed:
                 notes = [f"{'; '.join(passed)}: resuming from {path.name}, the newest checkpoint that loads", *notes]
+                self._set_aside(skipped)
             return path, step, notes
         assert first is not None
         raise first
+
+    def _set_aside(self, damaged: list[Path]) -> None:
+        """Rename checkpoints a resume passed over to step-N.damaged: kept for a look, never loaded again, and
+        not counted as the newest when later saves prune (which would then delete the good ones)."""
+        if self.runtime.is_main:
+            for path in damaged:
+                target = path.with_name(f"{path.name}.damaged")
+                shutil.rmtree(target, ignore_errors=True)
+                try:
+                    path.rename(target)
+                except OSError:
+                    shutil.rmtree(path, ignore_errors=True)
+        dist.barrier()
 
     def load(self, path: Path) -> tuple[int, list[str]]:
         """Restore everything from `path`; returns the step it was taken after, and notes for the log.
@@ -392,25 +416,37 @@ class Checkpointer:
         rng_key = f"rng_rank{self.runtime.rank}"
         failure: BaseException | None = None
         stored: dict[str, Any] = {}
+        marker: dict[str, Any] = {}
         try:
-            check_marker(path)
+            marker = check_marker(path)
             stored = SafeReader(str(path)).read_metadata().state_dict_metadata
         except Exception as e:
             failure = e
         if self._agree(failure) != _OK:
             raise _load_error(path, failure)
-        if not any(k == rng_key or k.startswith(rng_key + ".") for k in stored):
+        if not _holds(stored, rng_key):
             state.pop(rng_key)
             notes.append(f"{path.name} was written by a different number of ranks: RNG states start fresh")
+        partial = any(not _holds(stored, key) for key in self.derived)
         try:
-            dcp.load(state, storage_reader=SafeReader(str(path)), planner=_PlainDataPlanner(path.name))
+            planner = _PlainDataPlanner(path.name, allow_partial_load=partial)
+            dcp.load(state, storage_reader=SafeReader(str(path)), planner=planner)
         except (Exception, CheckpointException) as e:  # a BaseException, so no `except Exception` takes it by mistake
             failure = e
         if self._agree(failure) != _OK:
             raise _load_error(path, failure)
         if rng_key in state:
             set_rng_state(state[rng_key])
+        resumed = getattr(self.data.obj, "resumed", None)
+        if resumed is not None:
+            written = marker.get("blocks_per_batch")
+            resumed(written if isinstance(written, int) and written > 0 else None)
         return int(state["train"]["step"]), notes
+
+
+def _holds(stored: Any, key: str) -> bool:
+    """Whether a checkpoint's flattened keys hold `key` or anything under it."""
+    return any(k == key or k.startswith(key + ".") for k in stored)
 
 
 def _load_error(path: Path, failure: BaseException | None) -> UserError:

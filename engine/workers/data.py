@@ -248,7 +248,7 @@ class ShardedBatches:
         self, num_blocks: int, batch_size: int, dp_rank: int, dp_size: int, seed: int, accum: int = 1
     ) -> None:
         self.num_blocks, self.batch_size = num_blocks, batch_size
-        self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
+        self.dp_rank, self.dp_size, self.seed, self.accum = dp_rank, dp_size, seed, accum
         steps_per_epoch = num_blocks // (batch_size * dp_size * accum)
         self.batches_per_epoch = steps_per_epoch * accum
         if steps_per_epoch == 0:
@@ -287,8 +287,27 @@ class ShardedBatches:
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}
 
+    @property
+    def blocks_per_batch(self) -> int:
+        """The unit of `position`: blocks in one global batch of this layout."""
+        return self.batch_size * self.dp_size
+
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch, self.position, self._perm = int(state["epoch"]), int(state["position"]), None
+
+    def resumed(self, written_blocks_per_batch: int | None) -> None:
+        """After load_state_dict from a checkpoint whose layout cut `written_blocks_per_batch` blocks per
+        global batch (None: unknown, an older checkpoint: taken as this one's): continue at the same block.
+
+        A position that falls inside a step, in this layout's steps, starts the next epoch instead (an older
+        Rigpilot ended epochs per micro-batch, so inside a step), so steps and epochs line up from here on.
+        """
+        blocks = self.position * (written_blocks_per_batch or self.blocks_per_batch)
+        per_step = self.blocks_per_batch * self.accum
+        if blocks % per_step:
+            self.epoch, self.position = self.epoch + 1, 0
+        else:
+            self.position = blocks // self.blocks_per_batch
 
 
 def eval_batches(

@@ -63,10 +63,37 @@ class TiedAcrossStages:
 
     @torch.no_grad()
     def align_weights(self) -> None:
-        """Make the head's copy equal to the embedding's (at start, and after a resume)."""
+        """Make the head's copy equal to the embedding's (at start, and after a resume).
+
+        Frozen copies (LoRA's base) are equal from the load on and never change: nothing is sent.
+        """
         weight = self.weight
-        if weight is not None:
-            dist.broadcast(_local(weight), src=self.source, group=self.group)
+        if weight is not None and weight.requires_grad:
+            self._broadcast(_local(weight))
+
+    @torch.no_grad()
+    def align_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Give the head's copy the embedding's optimizer state (after a resume).
+
+        A checkpoint written before the pair was kept tied holds two sets of moments, and one of an
+        unsplit model holds the embedding's only (the head's were left to this): from here on both
+        copies must take the same update.
+        """
+        weight = self.weight
+        if weight is None or not weight.requires_grad:
+            return
+        state = optimizer.state[weight]
+        for key in sorted(k for k, v in state.items() if isinstance(v, torch.Tensor)):  # AdamW's, alike on both
+            self._broadcast(_local(state[key]))
+
+    def _broadcast(self, t: torch.Tensor) -> None:
+        if t.device.type == "cpu" and dist.get_backend(self.group) == "nccl":
+            # NCCL sends GPU tensors only, and AdamW keeps its step count on the CPU.
+            sent = t.to(torch.device("cuda", torch.cuda.current_device()))
+            dist.broadcast(sent, src=self.source, group=self.group)
+            t.copy_(sent)
+            return
+        dist.broadcast(t, src=self.source, group=self.group)
 
     @torch.no_grad()
     def sum_grads(self) -> None:
@@ -77,6 +104,15 @@ class TiedAcrossStages:
         if weight.grad is None:  # a copy that took no gradient this step still joins the sum
             weight.grad = torch.zeros_like(weight)
         dist.all_reduce(_local(weight.grad), group=self.group)
+
+    def derived_keys(self, module: nn.Module) -> tuple[str, ...]:
+        """The checkpoint keys of the head copy's optimizer state, which this class can fill in (see
+        align_optimizer) when a checkpoint lacks them: an unsplit tied model saves them under the embedding."""
+        weight = self.weight
+        if not self.is_head or weight is None or not weight.requires_grad:
+            return ()
+        name = next((n for n, p in module.named_parameters() if p is weight), None)
+        return (f"app.optimizer.state.{name}",) if name else ()
 
     def counted_elsewhere(self) -> list[nn.Parameter]:
         """The copy whose gradient the gradient norm must leave out: the first stage counts the pair."""

@@ -366,6 +366,7 @@ class Trainer:
             self.sampler,
             trainable_only=self.loaded.lora,
             keep=s.keep_checkpoints,
+            derived=self.tied.derived_keys(self.module) if self.tied is not None else (),
         )
         for note in self.notes:
             self.log(note)
@@ -605,6 +606,7 @@ class Trainer:
                 path, step, notes = resumed
                 if self.tied is not None:  # a checkpoint written before the pair was kept tied holds two
                     self.tied.align_weights()
+                    self.tied.align_optimizer(self.optimizer)
                 for note in [*notes, f"resumed from {path.name} at step {step}"]:
                     self.log(note)
                     report(step=step, kind="note", message=note)
