@@ -58,6 +58,9 @@ def test_a_damaged_newest_checkpoint_is_passed_over_for_the_one_before_with_a_no
     mine, theirs = losses(again), losses(first)
     assert sorted(mine) == [5, 6, 7, 8] and all(mine[s] == theirs[s] for s in mine)
     assert shard.is_file()  # step-8 was written whole again
+    # The damaged one was set aside at the resume: kept for a look, never the newest a later prune keeps.
+    assert sorted((again / "checkpoints" / "step-8.damaged").glob("*.distcp"))
+    assert [d.name for d in sorted((again / "checkpoints").iterdir())] == ["step-4", "step-8", "step-8.damaged"]
 
 
 @pytest.mark.slow
