@@ -22,21 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine_common import REPO, _kill_jobs
-
-TINY_LLAMA = REPO / "examples" / "models" / "tiny-llama" / "config.json"
-SHAKESPEARE = REPO / "examples" / "data" / "shakespeare.txt"
-
-
-def wait(predicate, timeout: float, what: str, interval: float = 0.01):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise SystemExit(f"timed out waiting for {what}")
-        time.sleep(interval)
+from engine_common import REPO, SHAKESPEARE, TINY_LLAMA, _kill_jobs, wait
 
 
 def losses(c, job_id: str) -> dict[int, float]:

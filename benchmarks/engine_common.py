@@ -13,6 +13,19 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+TINY_LLAMA = REPO / "examples" / "models" / "tiny-llama" / "config.json"
+SHAKESPEARE = REPO / "examples" / "data" / "shakespeare.txt"
+
+
+def wait(predicate, timeout: float, what: str, interval: float = 0.01):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out waiting for {what}")
+        time.sleep(interval)
 
 
 @contextmanager

@@ -24,21 +24,7 @@ import signal
 import time
 from pathlib import Path
 
-from engine_common import REPO, scratch_engine
-
-TINY_LLAMA = REPO / "examples" / "models" / "tiny-llama" / "config.json"
-SHAKESPEARE = REPO / "examples" / "data" / "shakespeare.txt"
-
-
-def wait(predicate, timeout: float, what: str, interval: float = 0.01):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise SystemExit(f"timed out waiting for {what}")
-        time.sleep(interval)
+from engine_common import SHAKESPEARE, TINY_LLAMA, scratch_engine, wait
 
 
 def main() -> None:

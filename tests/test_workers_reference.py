@@ -86,20 +86,12 @@ def inputs_and_labels(blocks: torch.Tensor, trained: torch.Tensor | None) -> tup
     return blocks[:, :-1], labels
 
 
-def reference_run(dataset: Path, eval_fraction: float) -> dict[str, Any]:
-    """Per-step loss, grad norm and LR, and the final eval loss, of the plain loop."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def plain_loop(folder: Path, data: Any, steps: list[torch.Tensor], recipe: dict[str, Any]) -> dict[str, Any]:
+    """The plain loop on `data` (a built dataset), step i training on the blocks `steps[i]`: per-step loss, grad
+    norm and LR, the final eval loss, and the trained model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rigpilot.engine.workers.data import ShardedBatches, build_dataset, read_dataset
-
-    r = RECIPE
-    folder = TINY_LLAMA_CONFIG.parent
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    files, docs = read_dataset([str(dataset)], "text")
-    data = build_dataset(files, docs, tokenizer, r["seq_len"] + 1, eval_fraction, r["seed"], train_on_prompts=False)
-    order = ShardedBatches(len(data.train), GLOBAL_BATCH, 0, 1, r["seed"])
-    assert order.batches_per_epoch >= r["max_steps"]  # no epoch boundary: every layout cuts the same chunks
-
+    r = recipe
     torch.manual_seed(r["seed"])
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32)
     model.train()
@@ -109,8 +101,7 @@ def reference_run(dataset: Path, eval_fraction: float) -> dict[str, Any]:
         optimizer, lambda s: reference_lr(s, r["warmup_steps"], r["max_steps"])
     )
     out: dict[str, Any] = {"loss": {}, "grad_norm": {}, "lr": {}}
-    for step in range(1, r["max_steps"] + 1):
-        picked = order.next_indices()
+    for step, picked in enumerate(steps, start=1):
         trained = None if data.train_trained is None else data.train_trained[picked]
         inputs, labels = inputs_and_labels(data.train[picked], trained)
         optimizer.zero_grad(set_to_none=True)
@@ -126,7 +117,24 @@ def reference_run(dataset: Path, eval_fraction: float) -> dict[str, Any]:
         inputs, labels = inputs_and_labels(data.eval, data.eval_trained)
         out["eval_loss"] = float(summed_token_loss(model, inputs, labels) / (labels != -100).sum())
     out["eval_blocks"] = len(data.eval)
+    out["model"] = model
     return out
+
+
+def reference_run(dataset: Path, eval_fraction: float) -> dict[str, Any]:
+    """Per-step loss, grad norm and LR, and the final eval loss, of the plain loop."""
+    from transformers import AutoTokenizer
+
+    from rigpilot.engine.workers.data import ShardedBatches, build_dataset, read_dataset
+
+    r = RECIPE
+    folder = TINY_LLAMA_CONFIG.parent
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    files, docs = read_dataset([str(dataset)], "text")
+    data = build_dataset(files, docs, tokenizer, r["seq_len"] + 1, eval_fraction, r["seed"], train_on_prompts=False)
+    order = ShardedBatches(len(data.train), GLOBAL_BATCH, 0, 1, r["seed"])
+    assert order.batches_per_epoch >= r["max_steps"]  # no epoch boundary: every layout cuts the same chunks
+    return plain_loop(folder, data, [order.next_indices() for _ in range(r["max_steps"])], r)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 from test_workers_jobs import SHAKESPEARE, TINY_LLAMA_CONFIG, records, run_job, write_job
-from test_workers_reference import CHAT, inputs_and_labels, reference_lr, summed_token_loss
+from test_workers_reference import CHAT, plain_loop
 
 pytestmark = pytest.mark.slow
 
@@ -116,39 +116,14 @@ def step_order(num_blocks: int, steps: int, seed: int) -> list[torch.Tensor]:
 
 def reference_run(model_config: Path, dataset: Path) -> dict[str, Any]:
     """Per-step loss, grad norm and LR, the final eval loss, and the trained model of the plain loop."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     r = RECIPE
     data = training_data(model_config, dataset)
     n = len(data.train)
     assert n // GLOBAL_BATCH * 2 < r["max_steps"], "the run must cross two epoch boundaries"
     assert n % GLOBAL_BATCH >= 2, "the leftover must not be a whole number of micro-batches of 2"
-    torch.manual_seed(r["seed"])
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_config.parent), dtype=torch.float32)
+    out = plain_loop(model_config.parent, data, step_order(n, r["max_steps"], r["seed"]), r)
+    model = out["model"]
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=r["learning_rate"], weight_decay=r["weight_decay"], betas=(0.9, 0.95))
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: reference_lr(s, r["warmup_steps"], r["max_steps"])
-    )
-    out: dict[str, Any] = {"loss": {}, "grad_norm": {}, "lr": {}}
-    for step, picked in enumerate(step_order(n, r["max_steps"], r["seed"]), start=1):
-        trained = None if data.train_trained is None else data.train_trained[picked]
-        inputs, labels = inputs_and_labels(data.train[picked], trained)
-        optimizer.zero_grad(set_to_none=True)
-        out["lr"][step] = schedule.get_last_lr()[0]
-        loss = summed_token_loss(model, inputs, labels) / (labels != -100).sum().clamp(min=1)
-        loss.backward()
-        out["grad_norm"][step] = float(torch.nn.utils.clip_grad_norm_(params, r["grad_clip"]))
-        optimizer.step()
-        schedule.step()
-        out["loss"][step] = float(loss.detach())
-    model.eval()
-    with torch.no_grad():
-        inputs, labels = inputs_and_labels(data.eval, data.eval_trained)
-        out["eval_loss"] = float(summed_token_loss(model, inputs, labels) / (labels != -100).sum())
-    out["model"] = model
     out["probe"] = data.train[:3, :-1]
     return out
 
