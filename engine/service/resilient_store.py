@@ -248,22 +248,13 @@ class ResilientJobStore(JobStore):
 
     def _recover(self, reason: str, skip: Collection[str]) -> None:
         """Damage found while the engine runs: a new table (a new file, else memory), rebuilt from the folders."""
-        with contextlib.suppress(sqlite3.Error):
-            self._db.close()
         recovery = Recovery(JOB_DATABASE_REBUILT, self.path, "damaged", reason)
-        try:
-            recovery.moved_to = dbfile.move_aside(self.path, "damaged")
-            dbfile.check_folder(self.path, "job database")
-            self._db = self._connect()
-            self._migrate()
-            self._guard.watch = dbfile.Watch(self.path)
-        except (OSError, sqlite3.Error, UserError) as e:
-            self._in_memory = _why_not(e)
-            self._db = self._connect()
-            self._migrate()
-            self._guard.watch = None
-        recovery.in_memory = self._in_memory
+        _replace_file(self, recovery, "job database", self._reopen)
         self._rebuild(recovery, skip)
+
+    def _reopen(self) -> None:
+        self._db = self._connect()
+        self._migrate()
 
     def _rebuild(self, recovery: Recovery, skip: Collection[str] = ()) -> None:
         found = job_folders.read_jobs(self.jobs_root, skip)
@@ -275,13 +266,7 @@ class ResilientJobStore(JobStore):
                 raise
             # The new file has no room for the list: the list lives in memory until the next start, which
             # finds this file sound but short and puts the rest back from the folders.
-            with contextlib.suppress(sqlite3.Error):
-                self._db.close()
-            self._in_memory = "the disk is full"
-            self._db = self._connect()
-            self._migrate()
-            self._guard.watch = None
-            recovery.in_memory = self._in_memory
+            _to_memory(self, recovery, "the disk is full", self._reopen)
             self._rebuild(recovery, skip)
             return
         for rec in found.records:
@@ -335,20 +320,35 @@ class ResilientTelemetryStore(TelemetryStore):
         return self._guard.run(super().count)
 
     def _recover(self, reason: str, skip: Collection[str]) -> None:
-        with contextlib.suppress(sqlite3.Error):
-            self._db.close()
         recovery = Recovery(TELEMETRY_RESET, self.path, "damaged", reason)
-        try:
-            recovery.moved_to = dbfile.move_aside(self.path, "damaged")
-            dbfile.check_folder(self.path, "telemetry history")
-            self._open()
-            self._guard.watch = dbfile.Watch(self.path)
-        except (OSError, sqlite3.Error, UserError) as e:
-            self._in_memory = _why_not(e)
-            self._open()
-            self._guard.watch = None
-        recovery.in_memory = self._in_memory
+        _replace_file(self, recovery, "telemetry history", self._open)
         self._on_recovery(recovery)
+
+
+def _replace_file(store: Any, recovery: Recovery, what: str, reopen: Callable[[], None]) -> None:
+    """Move a store's damaged file aside and open a new one in its place; where none can be made (its folder
+    went read-only), the store lives in memory until the next start. Both stores do this the same way."""
+    with contextlib.suppress(sqlite3.Error):
+        store._db.close()
+    try:
+        recovery.moved_to = dbfile.move_aside(store.path, "damaged")
+        dbfile.check_folder(store.path, what)
+        reopen()
+        store._guard.watch = dbfile.Watch(store.path)
+    except (OSError, sqlite3.Error, UserError) as e:
+        _to_memory(store, recovery, _why_not(e), reopen)
+        return
+    recovery.in_memory = store._in_memory
+
+
+def _to_memory(store: Any, recovery: Recovery, why: str, reopen: Callable[[], None]) -> None:
+    """From now on the store's table is in memory (its `_connect` opens one there), for `why`."""
+    with contextlib.suppress(sqlite3.Error):
+        store._db.close()
+    store._in_memory = why
+    reopen()
+    store._guard.watch = None
+    recovery.in_memory = why
 
 
 def _why_not(e: Exception) -> str:
