@@ -4,7 +4,14 @@
     python3 packaging/build_deb.py            # -> dist/rigpilot_<version>-1_amd64.deb
 
 Needs a CPython 3.11-3.13 with pip (it fetches the wheels and imports the CLI
-for the man page), dpkg-deb and gzip. The package carries Rigpilot and its
+for the man page), dpkg-deb and gzip. The builder's pip configuration never
+applies (no pip.conf, no PIP_* variable): wheels come from PyPI, or from the
+--index-url / --find-links / --no-index given here. What is bundled is pinned:
+packaging/bundle.lock names every wheel's version and sha256, pip installs
+exactly those (hash-checking mode), and the same record is printed and kept in
+the package as /opt/rigpilot/bundle.lock. So two builds of a commit bundle the
+same files. `--update-lock` resolves the newest wheels that fit pyproject.toml
+instead, and rewrites packaging/bundle.lock. The package carries Rigpilot and its
 dependency closure for CPython 3.11, 3.12 and 3.13 as installed files under
 /opt/rigpilot/lib (packaging/bundle.py), so dpkg tracks every one of them; its
 postinst only makes a small virtual environment on the system python3 that
@@ -36,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bundle
 import debcopyright
+import lockfile
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = ROOT / "packaging"
@@ -44,6 +52,9 @@ PREFIX = "opt/rigpilot"
 DEBIAN_REVISION = "1"
 MAINTAINER = "The Rigpilot developers <maintainers@rigpilot.io>"
 ICON_SIZES = (16, 24, 32, 48, 64, 128, 256, 512)
+PYPI = "https://pypi.org/simple"
+LOCK_NAME = "bundle.lock"  # in /opt/rigpilot: the versions and hashes of every bundled wheel (packaging/lockfile.py)
+LOCK = HERE / LOCK_NAME  # what a build installs, pinned: the same wheels whenever the same commit is built
 
 # What the bundled Qt (PySide6 wheels) loads from the system for X11, Wayland and offscreen. Debian 13
 # and Ubuntu 24.04 renamed some libraries in the 64-bit time_t transition: the t64 name comes first.
@@ -118,14 +129,15 @@ def changelog(deb_version: str, when: int) -> str:
         """)
 
 
-def own_wheel(python: str, dest: Path) -> Path:
+def own_wheel(python: str, dest: Path, sources: list[str], when: int) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     # setuptools builds in build/lib and never deletes from it: a module removed or moved since an earlier
     # build (the top-level engine/ and app/ of before the rigpilot package) would ride along into the wheel.
     for stale in (ROOT / "build" / "lib", *(ROOT / "build").glob("bdist.*")):
         shutil.rmtree(stale, ignore_errors=True)
-    run([python, "-m", "pip", "wheel", "--quiet", "--no-deps", "--disable-pip-version-check", "-w", str(dest),
-         str(ROOT)])  # fmt: skip
+    # The wheel's files are dated SOURCE_DATE_EPOCH, so the same commit makes the same wheel, byte for byte.
+    run([python, "-m", "pip", "--isolated", "wheel", "--quiet", "--no-deps", "--disable-pip-version-check",
+         *sources, "-w", str(dest), str(ROOT)], env={**bundle.pip_environment(), "SOURCE_DATE_EPOCH": str(when)})  # fmt: skip
     wheel = next(dest.glob("rigpilot-*.whl"))
     with zipfile.ZipFile(wheel) as z:
         top = {name.split("/")[0] for name in z.namelist()}
@@ -218,8 +230,19 @@ def md5sums(stage: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def build(out_dir: Path, python: str, fast: bool = False) -> Path:
+def pip_sources(index_url: str | None, find_links: list[Path], no_index: bool) -> list[str]:
+    """pip's options for where wheels come from: PyPI alone unless build_deb.py's own options say otherwise."""
+    args = ["--no-index"] if no_index else ["--index-url", index_url or PYPI]
+    for folder in find_links:
+        args += ["--find-links", str(folder.resolve())]
+    return args
+
+
+def build(out_dir: Path, python: str, fast: bool = False, sources: list[str] | None = None,
+          lock: Path | None = LOCK, new_lock: Path | None = None) -> Path:  # fmt: skip
+    """Build the .deb into out_dir from the wheels `lock` pins (None: the newest that fit, written to `new_lock`)."""
     started = time.monotonic()
+    sources = pip_sources(None, [], False) if sources is None else sources
     v = version()
     deb_version = f"{v}-{DEBIAN_REVISION}"
     when = source_date()
@@ -231,11 +254,19 @@ def build(out_dir: Path, python: str, fast: bool = False) -> Path:
     lib = opt / "lib"
 
     # Rigpilot's own wheel: the engine environment installs it (--no-deps) for the workers.
-    wheel = own_wheel(python, opt / "wheels")
-    placed = bundle.build(python, str(wheel), work, lib)
+    wheel = own_wheel(python, opt / "wheels", sources, when)
+    placed, wheels = bundle.build(python, wheel, work, lib, sources, lock)
     for where, dists in placed.items():
         print(f"lib/{where}: {', '.join(d.removesuffix('.dist-info') for d in dists)}")
     shutil.rmtree(work, ignore_errors=True)
+    own = lockfile.Wheel("rigpilot", v, "", wheel.name, hashlib.sha256(wheel.read_bytes()).hexdigest())
+    pythons = ", ".join(bundle.PYTHONS)
+    lock_text = lockfile.render(wheels, own, f"Rigpilot {deb_version} for CPython {pythons}")
+    write(opt / LOCK_NAME, lock_text)
+    print(f"build_deb: /{PREFIX}/{LOCK_NAME}, the wheels this package was built from:\n{lock_text}", end="")
+    if new_lock is not None:
+        new_lock.write_text(lockfile.render(wheels, own, f"Rigpilot for CPython {pythons}", packaged=False))
+        print(f"build_deb: wrote {new_lock}")
 
     deb = HERE / "debian"
     copy(deb / "rigpilot", stage / "usr/bin/rigpilot", 0o755)
@@ -313,11 +344,42 @@ def main() -> int:
     ap.add_argument("--python", default=sys.executable,
                     help="a CPython 3.11-3.13 whose pip fetches the wheels (default: this one)")  # fmt: skip
     ap.add_argument("--fast", action="store_true", help="compress quickly (a larger .deb: for tests)")
+    ap.add_argument("--index-url", metavar="URL", help=f"the package index to fetch wheels from (default: {PYPI})")
+    ap.add_argument("--find-links", type=Path, action="append", default=[], metavar="DIR",
+                    help="also take wheels from this folder (repeatable)")  # fmt: skip
+    ap.add_argument("--no-index", action="store_true", help="no index at all: only the --find-links folders")
+    ap.add_argument("--lock", type=Path, default=LOCK, metavar="FILE",
+                    help="install exactly the wheels this lock pins, hashes checked (default: packaging/bundle.lock; "
+                    "a package's own /opt/rigpilot/bundle.lock rebuilds that package)")  # fmt: skip
+    ap.add_argument("--update-lock", action="store_true",
+                    help="ignore the lock: install the newest wheels that fit pyproject.toml, and write them to "
+                    "packaging/bundle.lock")  # fmt: skip
     args = ap.parse_args()
     if shutil.which("dpkg-deb") is None:
         print("build_deb: dpkg-deb is missing (apt install dpkg)", file=sys.stderr)
         return 2
-    deb = build(args.out, args.python, args.fast)
+    if args.no_index and args.index_url:
+        print("build_deb: --no-index and --index-url contradict each other", file=sys.stderr)
+        return 2
+    lock = None if args.update_lock else args.lock
+    if lock is not None:
+        try:
+            lockfile.parse(lock.read_text())
+        except OSError as e:
+            print(f"build_deb: the lock {lock}: {e.strerror} (make one with --update-lock)", file=sys.stderr)
+            return 2
+        except ValueError as e:
+            print(f"build_deb: the lock {lock}: {e}", file=sys.stderr)
+            return 2
+    sources = pip_sources(args.index_url, args.find_links, args.no_index)
+    try:
+        deb = build(args.out, args.python, args.fast, sources, lock, LOCK if args.update_lock else None)
+    except subprocess.CalledProcessError as e:
+        hint = (f"; if pyproject.toml's dependencies changed, the lock {lock} no longer fits them: make a new one "
+                "with --update-lock") if lock is not None else ""  # fmt: skip
+        print(f"build_deb: {Path(str(e.cmd[0])).name} {' '.join(map(str, e.cmd[1:3]))} … failed (exit "
+              f"{e.returncode}): its own message is above{hint}", file=sys.stderr)  # fmt: skip
+        return 1
     print(deb)
     return 0
 

@@ -14,11 +14,15 @@ import base64
 import csv
 import hashlib
 import io
+import json
+import os
 import re
 import shutil
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import lockfile
 
 PYTHONS = ("3.11", "3.12", "3.13")
 # Debian 12 has glibc 2.36, Ubuntu 24.04 2.39, Debian 13 2.41: any manylinux wheel up to 2.36 runs on all of them.
@@ -43,16 +47,32 @@ class Dist:
         return self.dist_info.removesuffix(".dist-info").rsplit("-", 1)[0]
 
 
-def pip_install(python_cmd: str, requirement: str, target: Path, py: str) -> None:
+def pip_environment() -> dict[str, str]:
+    """The environment of every pip the build runs: none of the builder's pip configuration applies.
+
+    PIP_CONFIG_FILE=/dev/null makes pip skip every configuration file (global, user and site), and no
+    PIP_* variable is passed on; with --isolated on the command line too, what pip installs depends only
+    on the build's own options (the index and wheel folders given to build_deb.py) and the lock.
+    SOURCE_DATE_EPOCH is kept: Rigpilot's own wheel dates its files by it.
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env["PIP_CONFIG_FILE"] = os.devnull
+    return env
+
+
+def pip_install(python_cmd: str, requirements: list[str], target: Path, py: str, sources: list[str],
+                report: Path) -> list[lockfile.Wheel]:  # fmt: skip
+    """Install `requirements` for CPython `py` into `target`; return the wheels pip installed them from."""
     cmd = [
-        python_cmd, "-m", "pip", "install", "--quiet", "--no-compile", "--disable-pip-version-check",
+        python_cmd, "-m", "pip", "--isolated", "install", "--quiet", "--no-compile", "--disable-pip-version-check",
         "--no-warn-script-location", "--target", str(target), "--only-binary=:all:",
         "--implementation", "cp", "--python-version", py, "--abi", tag(py),
         *(arg for p in PLATFORMS for arg in ("--platform", p)),
-        requirement,
+        *sources, "--report", str(report), *requirements,
     ]  # fmt: skip
     print("+", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True)
+    subprocess.run(cmd, check=True, env=pip_environment())
+    return lockfile.from_report(json.loads(report.read_text()), py)
 
 
 def _sha256(path: Path) -> str:
@@ -70,14 +90,16 @@ def tidy(target: Path) -> None:
     Console scripts in bin/ carry the build interpreter's path in their
     shebang; the app needs none of them. uv's binary stays: uv.find_uv_bin()
     looks for it in bin/ beside the package, as `pip install --target` lays it
-    out. direct_url.json records the build folder.
+    out.
     """
     bin_dir = target / "bin"
     if bin_dir.is_dir():
         for f in bin_dir.iterdir():
             if not _is_elf(f):
                 f.unlink()
-    for f in target.glob("*.dist-info/direct_url.json"):
+    # direct_url.json records the build folder; REQUESTED says which distributions the pip command named,
+    # which differs between a build from the lock (all of them) and one that resolves afresh (Rigpilot only).
+    for f in [*target.glob("*.dist-info/direct_url.json"), *target.glob("*.dist-info/REQUESTED")]:
         f.unlink()
     # Byte-code some wheels carry for one version: the postinst compiles for the target's Python instead.
     for d in sorted(target.rglob("__pycache__"), reverse=True):
@@ -207,13 +229,29 @@ def _rewrite_record(record: Path) -> None:
     record.write_text(out.getvalue())
 
 
-def build(python_cmd: str, requirement: str, work: Path, out: Path) -> dict[str, list[str]]:
-    """Install `requirement` for every supported CPython under work/, then split it into out/."""
+def build(
+    python_cmd: str, own_wheel: Path, work: Path, out: Path, sources: list[str], lock: Path | None = None
+) -> tuple[dict[str, list[str]], list[lockfile.Wheel]]:
+    """Install Rigpilot's wheel and its dependencies for every supported CPython under work/, and
+    split them into out/; return which distributions went where, and every wheel installed.
+
+    `sources`: pip's index options (--index-url, --find-links, --no-index). With `lock` (a bundle.lock
+    from an earlier build), pip installs exactly the wheels it names, in hash-checking mode: a wheel with
+    another hash, or a dependency it does not pin, stops the build.
+    """
+    work.mkdir(parents=True, exist_ok=True)
+    requirement = [str(own_wheel)]
+    if lock is not None:
+        digest = hashlib.sha256(own_wheel.read_bytes()).hexdigest()
+        pinned = work / "requirements.txt"
+        pinned.write_text(f"{lock.read_text()}\nrigpilot @ {own_wheel.as_uri()} --hash=sha256:{digest}\n")
+        requirement = ["--require-hashes", "-r", str(pinned)]
     targets = {}
+    wheels: list[lockfile.Wheel] = []
     for py in PYTHONS:
         t = work / tag(py)
         shutil.rmtree(t, ignore_errors=True)
-        pip_install(python_cmd, requirement, t, py)
+        wheels += pip_install(python_cmd, requirement, t, py, sources, work / f"report-{tag(py)}.json")
         tidy(t)
         targets[py] = t
     shutil.rmtree(out, ignore_errors=True)
@@ -222,7 +260,7 @@ def build(python_cmd: str, requirement: str, work: Path, out: Path) -> dict[str,
     for t in targets.values():
         shutil.rmtree(t)
     debianise(out)
-    return placed
+    return placed, wheels
 
 
 LEGACY_MANYLINUX = {"manylinux1": (2, 5), "manylinux2010": (2, 12), "manylinux2014": (2, 17)}
