@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import lockfile
+import qt_trim
 
 PYTHONS = ("3.11", "3.12", "3.13")
 # Debian 12 has glibc 2.36, Ubuntu 24.04 2.39, Debian 13 2.41: any manylinux wheel up to 2.36 runs on all of them.
@@ -232,7 +233,7 @@ def _rewrite_record(record: Path) -> None:
 def build(
     python_cmd: str, own_wheel: Path, work: Path, out: Path, sources: list[str], lock: Path | None = None
 ) -> tuple[dict[str, list[str]], list[lockfile.Wheel]]:
-    """Install Rigpilot's wheel and its dependencies for every supported CPython under work/, and
+    """Install Rigpilot's wheel and its dependencies for every supported CPython under work/, trim Qt, and
     split them into out/; return which distributions went where, and every wheel installed.
 
     `sources`: pip's index options (--index-url, --find-links, --no-index). With `lock` (a bundle.lock
@@ -252,6 +253,7 @@ def build(
         t = work / tag(py)
         shutil.rmtree(t, ignore_errors=True)
         wheels += pip_install(python_cmd, requirement, t, py, sources, work / f"report-{tag(py)}.json")
+        qt_trim.trim(t)
         tidy(t)
         targets[py] = t
     shutil.rmtree(out, ignore_errors=True)
