@@ -14,6 +14,9 @@ from pathlib import Path
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--self-test":
+        if len(argv) > 2:
+            print("usage: rigpilot --self-test [DIR]", file=sys.stderr)
+            return 2
         from rigpilot.app.selftest import main as self_test
 
         return self_test(Path(argv[1]) if len(argv) > 1 else None)

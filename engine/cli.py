@@ -48,9 +48,29 @@ def _json_option() -> argparse.ArgumentParser:
     return p
 
 
+# app/launcher.py acts on these before argparse sees them (they start Qt, which the CLI never imports); they are
+# declared here so that `rigpilot --help` and the man page (generated from this parser) describe them.
+APP_OPTIONS_TITLE = "the app (each of these comes first, on its own)"
+SELF_TEST_HELP = (
+    "check this installation and exit: start the app offscreen, connect to your engine service "
+    "(starting it if it is not running) and receive the machine and two telemetry samples, build and draw every "
+    "page (Dashboard, Topology, Planner, Jobs, Settings), and export the Dashboard's chart as CSV. It prints "
+    "'self-test passed' and exits 0, or names the first check that failed and exits 1, within 90 s. With DIR, "
+    "each page's PNG and telemetry.csv are kept there. Needs no display and no PyTorch"
+)
+SCREENSHOTS_HELP = (
+    "save a PNG of every page and of each job-wizard page into DIR (the README's pictures): made offscreen, on a "
+    "simulated machine with throw-away settings, while it runs the shipped tiny example job (needs the engine "
+    "environment)"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="rigpilot", description="Run AI work on a multi-GPU workstation.")
     parser.add_argument("--version", action="version", version=f"rigpilot {__version__}")
+    app = parser.add_argument_group(APP_OPTIONS_TITLE)
+    app.add_argument("--self-test", nargs="?", const="", metavar="DIR", help=SELF_TEST_HELP)
+    app.add_argument("--screenshots", metavar="DIR", help=SCREENSHOTS_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     machine, js = _machine_options(), _json_option()
 
@@ -604,6 +624,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     args = parser.parse_args(argv)
+    for option, given in (("--self-test", args.self_test), ("--screenshots", args.screenshots)):
+        if given is not None:  # the launcher takes them only as the first word
+            print(f"rigpilot: error: {option} comes first, on its own: rigpilot {option} "
+                  f"{'[DIR]' if option == '--self-test' else 'DIR'}", file=sys.stderr)  # fmt: skip
+            return EXIT_USAGE
     func: Callable[[argparse.Namespace], int] | None = getattr(args, "func", None)
     if func is None:
         parser.print_help()

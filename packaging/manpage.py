@@ -5,8 +5,8 @@
 
 The page is generated, never edited, so it cannot drift from `rigpilot --help`:
 every command, nested command (`run train`), option, choice and default comes
-from `rigpilot.engine.cli.build_parser()`. The few options the launcher reads
-before argparse (the app itself, the self-test) are listed in LAUNCHER_OPTIONS.
+from `rigpilot.engine.cli.build_parser()`, the options the launcher acts on
+before argparse (the self-test, the screenshots) included.
 """
 
 from __future__ import annotations
@@ -17,17 +17,6 @@ import os
 import re
 import sys
 from pathlib import Path
-
-# app/launcher.py handles these before handing anything to argparse.
-LAUNCHER_OPTIONS = [
-    (
-        "--self-test",
-        "[PNG]",
-        "start the app offscreen against a simulated machine, check every page, and exit; "
-        "with PNG, also save a screenshot there",
-    ),
-    ("--screenshots", "DIR", "save a screenshot of every page into DIR (documentation)"),
-]
 
 DESCRIPTION = """\
 Rigpilot detects the GPUs of a workstation and how they are wired (NVLink, PCIe
@@ -101,7 +90,8 @@ def _help(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
 def _option_label(action: argparse.Action) -> str:
     names = ", ".join(f"\\fB{roff(s)}\\fR" for s in action.option_strings)
     if _takes_value(action):
-        names += f" \\fI{roff(_metavar(action))}\\fR"
+        value = f"\\fI{roff(_metavar(action))}\\fR"
+        names += f" [{value}]" if action.nargs == "?" else f" {value}"
     return names
 
 
@@ -175,6 +165,13 @@ def _aliases(path: list[str], name: str, aliases: list[str]) -> list[str]:
     return out
 
 
+def _app_options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The options app/launcher.py acts on (the self-test, the screenshots): one synopsis line each."""
+    from rigpilot.engine.cli import APP_OPTIONS_TITLE
+
+    return [a for g in parser._action_groups if g.title == APP_OPTIONS_TITLE for a in g._group_actions]
+
+
 def render(parser: argparse.ArgumentParser, version: str, date: dt.date) -> str:
     prog = parser.prog
     out = [
@@ -186,13 +183,12 @@ def render(parser: argparse.ArgumentParser, version: str, date: dt.date) -> str:
         ".br",
         f"\\fB{prog}\\fR \\fICOMMAND\\fR [\\fIOPTIONS\\fR]",
     ]
-    for opt, arg, _ in LAUNCHER_OPTIONS:
-        out += [".br", f"\\fB{prog} {roff(opt)}\\fR" + (f" \\fI{roff(arg)}\\fR" if arg else "")]
+    for a in _app_options(parser):
+        dots = f"[\\fI{roff(_metavar(a))}\\fR]" if a.nargs == "?" else f"\\fI{roff(_metavar(a))}\\fR"
+        out += [".br", f"\\fB{prog} {roff(a.option_strings[0])}\\fR {dots}"]
     out += [".SH DESCRIPTION", *DESCRIPTION.splitlines()]
     out = [x if x else ".PP" for x in out]
     out += [".SH OPTIONS"]
-    for opt, arg, text in LAUNCHER_OPTIONS:
-        out += [".TP", f"\\fB{roff(opt)}\\fR" + (f" \\fI{roff(arg)}\\fR" if arg else ""), line(roff(text))]
     out += [o for o in _options(parser)]
     out += [".SH COMMANDS"]
     for name, help_text, sub, aliases in _subparsers(parser):
