@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import queue
 import sys
 import time
@@ -19,6 +20,8 @@ from typing import Any, NoReturn
 from rigpilot.engine import __version__
 from rigpilot.engine.argtypes import positive_float
 from rigpilot.engine.errors import UserError
+from rigpilot.engine.examples import note as examples_note
+from rigpilot.engine.examples import shipped_example
 from rigpilot.engine.settings import RENTED_EXAMPLE
 
 EXIT_USAGE = 2
@@ -620,6 +623,29 @@ def cmd_forget(args: argparse.Namespace) -> int:
     return 0
 
 
+# The options that take a model, data or prompts path: where the README's `examples/…` paths appear.
+EXAMPLE_OPTIONS = ("model", "data", "prompts")
+
+
+def _use_shipped_examples(args: argparse.Namespace) -> None:
+    """`examples/…` paths this folder lacks become the shipped examples' paths, one line each (engine/examples.py)."""
+    try:
+        cwd = os.getcwd()
+    except OSError:  # the folder was deleted under the shell: the command says what it cannot find
+        return
+    for dest in EXAMPLE_OPTIONS:
+        value = getattr(args, dest, None)
+        if not value:
+            continue
+        given = value if isinstance(value, list) else [value]
+        used = [shipped_example(v, cwd) if isinstance(v, str) else None for v in given]
+        for text, path in zip(given, used, strict=True):
+            if path is not None:
+                print(examples_note(text, path), file=sys.stderr)
+        resolved = [str(path) if path is not None else text for text, path in zip(given, used, strict=True)]
+        setattr(args, dest, resolved if isinstance(value, list) else resolved[0])
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
@@ -633,6 +659,7 @@ def main(argv: list[str] | None = None) -> int:
     if func is None:
         parser.print_help()
         return EXIT_USAGE
+    _use_shipped_examples(args)
     args.machine_factory = lambda: _machine(args)[0]
     if not (getattr(args, "simulate", None) or getattr(args, "import_paths", None)):
         args.stored_calibration = _stored_calibration

@@ -20,12 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from rigpilot.engine.capability import layout_of_plan
+from rigpilot.engine.examples import EXAMPLES
 from rigpilot.engine.given_path import is_given_file
 from rigpilot.engine.jobs.spec import InferSettings, JobSpec, Parallelism, TrainSettings
 from rigpilot.engine.service.store import ACTIVE_STATES
 
-# The shipped examples are package data (rigpilot/examples): the same folder in a checkout, a wheel and the .deb.
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 TINY_MODEL = "models/tiny-llama"
 TINY_DATA = "data/shakespeare.txt"
 
