@@ -25,6 +25,18 @@ def step(rank: int, n: int, tps: float, dt: float) -> dict:
     return {"rank": rank, "step": n, "tokens_per_s": tps, "step_time": dt, "loss": 1.0, "time": n + rank / 10}
 
 
+def test_without_seq_a_study_trains_at_the_model_context_where_that_is_shorter_as_run_train_does(tmp_path):
+    # The README's `rigpilot scaling --model examples/models/tiny-llama …` gives no --seq: its context is 256.
+    from rigpilot.engine.service.submission import default_seq_len
+
+    assert default_seq_len(str(TINY.parent), None) == 256
+    assert default_seq_len("tiny-llama", str(TINY.parents[1])) == 256  # a folder where the user stands
+    assert default_seq_len("llama-2-7b", None) == 512  # a preset with a longer context: the default
+    assert default_seq_len("Qwen/Qwen2.5-7B", None) == 512  # a hub id: nothing to read here
+    with pytest.raises(UserError, match="does not exist"):
+        default_seq_len(str(tmp_path / "nowhere"), None)
+
+
 def test_measure_skips_warmup_and_adds_the_ranks_shares():
     records = [step(0, 1, 10.0, 9.0), step(1, 1, 10.0, 9.0)]  # warm-up: slow, left out
     records += [step(0, 2, 100.0, 1.0), step(1, 2, 50.0, 2.0), step(0, 3, 100.0, 1.0), step(1, 3, 100.0, 1.0)]

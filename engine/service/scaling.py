@@ -35,6 +35,7 @@ from typing import Any
 
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import is_given_file
+from rigpilot.engine.service.submission import default_seq_len
 
 SCHEMA = "rigpilot.scaling/1"
 DEFAULT_STEPS = 10
@@ -300,7 +301,9 @@ class Studies:
             settings = {
                 "model": request["model"], "trust_remote_code": bool(request.get("trust_remote_code")),
                 "dataset": list(request.get("dataset") or []), "method": request.get("method") or "full",
-                "precision": request.get("precision") or "bf16", "seq_len": int(request.get("seq_len") or 512),
+                "precision": request.get("precision") or "bf16",
+                # As `run train` does: without --seq, the model's context where it is shorter than the default.
+                "seq_len": int(request.get("seq_len") or default_seq_len(request["model"], cwd)),
                 "global_batch": int(request.get("global_batch") or DEFAULT_GLOBAL_BATCH),
             }  # fmt: skip
         settings.update(steps=steps, warmup=warmup)

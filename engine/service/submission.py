@@ -536,6 +536,17 @@ def _model_type(config: dict[str, Any]) -> str | None:
     return model_type if isinstance(model_type, str) else None
 
 
+def default_seq_len(model: str, cwd: str | None) -> int:
+    """A training's sequence length when none is given: the jobs' default, or the model's context where shorter.
+
+    What a training job does (_check_train); a scaling study, which plans before it submits, asks here first.
+    """
+    default = TrainSettings.seq_len
+    _, config = _model_config(model, Path(cwd) if cwd else None)
+    context = config.get("max_position_embeddings")
+    return min(default, context) if _is_int(context) and context > 0 else default
+
+
 def _model_config(model: str, base: Path | None) -> tuple[str, dict[str, Any]]:
     """(the model reference, its config.json where it can be read here: a local model or a preset).
 
