@@ -4,7 +4,8 @@ One `EngineLink` per window. A stream thread holds a subscription connection
 (telemetry, job changes, metrics of the jobs on screen) and turns pushed
 events into `sig_*` signals on the GUI thread; when the service goes away it
 says so (`sig_state("lost", why)`) and reconnects with backoff, starting the
-service again if it is local. Requests go through `call()`, which runs them on
+service again if it is local; once Rigpilot itself has been uninstalled under
+the window, it says so (`sig_state("gone", why)`) and stops. Requests go through `call()`, which runs them on
 a worker thread with its own client and hands the result back on the GUI
 thread. Nothing here blocks the GUI thread.
 """
@@ -20,15 +21,17 @@ from typing import Any
 from PySide6.QtCore import QObject, Signal
 
 from rigpilot.app.tasks import report_error, run_in_background
-from rigpilot.engine.service.client import EngineClient
+from rigpilot.engine.service.client import EngineClient, EngineRemoved
 
 log = logging.getLogger(__name__)
 
 CONNECTING, CONNECTED, LOST = "connecting", "connected", "lost"
+# Rigpilot was uninstalled under the open window: no engine can start again, so the link stops trying.
+GONE = "gone"
 
 
 class EngineLink(QObject):
-    sig_state = Signal(str, str)  # CONNECTING | CONNECTED | LOST, and a detail ("local", the error)
+    sig_state = Signal(str, str)  # CONNECTING | CONNECTED | LOST | GONE, and a detail ("local", the error)
     sig_hello = Signal(dict)
     sig_machine = Signal(dict)  # Machine.to_dict(): on connecting, and whenever the engine switches machines
     sig_telemetry = Signal(dict)  # TelemetrySample.to_dict()
@@ -188,6 +191,10 @@ class EngineLink(QObject):
                     ev = client.next_event(timeout=0.2)
                     if ev is not None:
                         self._dispatch(ev)
+            except EngineRemoved as e:  # retrying cannot help: say so once, and stop
+                log.info("engine gone: %s", e)
+                self._set_state(GONE, str(e))
+                break
             except Exception as e:  # any failure means: say so, then reconnect
                 if self._stop.is_set():
                     break

@@ -37,7 +37,7 @@ from PySide6.QtWidgets import (
 )
 
 from rigpilot.app import tasks
-from rigpilot.app.engine_link import CONNECTED, CONNECTING, EngineLink
+from rigpilot.app.engine_link import CONNECTED, CONNECTING, GONE, EngineLink
 from rigpilot.app.identity import APP_ID, APP_NAME
 from rigpilot.engine.service.protocol import JOB_DATABASE_REBUILT, JOBS_PUT_BACK, TELEMETRY_RESET
 
@@ -110,6 +110,14 @@ class MainWindow(QMainWindow):
             "#simulatedBanner { background: #fff3cd; color: #664d03; padding: 6px 10px; font-weight: bold; }"
         )
         self.banner.hide()
+        # Rigpilot uninstalled under the open window (EngineLink's GONE): one line, and no more reconnecting.
+        self.gone_bar = QLabel()
+        self.gone_bar.setObjectName("engineGoneBanner")
+        self.gone_bar.setWordWrap(True)
+        self.gone_bar.setStyleSheet(
+            "#engineGoneBanner { background: #f8d7da; color: #58151c; padding: 6px 10px; font-weight: bold; }"
+        )
+        self.gone_bar.hide()
         # What the engine did by itself (a job list rebuilt from the job folders): told once, so it stays
         # on screen until the user has read it and dismisses it.
         self.notice_text = QLabel()
@@ -157,6 +165,7 @@ class MainWindow(QMainWindow):
         layout = QVBoxLayout(central)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.setSpacing(0)
+        layout.addWidget(self.gone_bar)
         layout.addWidget(self.banner)
         layout.addWidget(self.notice_bar)
         layout.addWidget(self.splitter, 1)
@@ -276,6 +285,14 @@ class MainWindow(QMainWindow):
             self._refresh_jobs_timer.start()
         elif state == CONNECTING:
             self.connection_label.setText(f"Engine: connecting ({detail})…")
+        elif state == GONE:
+            self.connection_label.setText("Engine: gone (Rigpilot was removed)")
+            self.gone_bar.setText(
+                "Rigpilot was removed from this computer: its engine service is gone and cannot start again. "
+                "Close this window; your jobs and settings in your home folder are kept."
+            )
+            self.gone_bar.setToolTip(detail)
+            self.gone_bar.show()
         else:
             self.connection_label.setText(f"Engine: connection lost ({detail}); reconnecting…")
 

@@ -61,6 +61,13 @@ class EngineUnavailable(UserError):
     """No service could be reached or started."""
 
 
+class EngineRemoved(EngineUnavailable):
+    """Rigpilot itself is gone (the package removed, or uninstalled with pip): no service can be started again.
+
+    Clients stop reconnecting on this: retrying cannot help until Rigpilot is installed again.
+    """
+
+
 class FingerprintMismatch(EngineUnavailable):
     """The engine at an address presented another certificate than the one pinned for it."""
 
@@ -408,8 +415,26 @@ def _connect_unix(path: Path) -> socket.socket:
     return s
 
 
+def removed_installation() -> str | None:
+    """What of this running Rigpilot's installation is gone (the interpreter, or the engine's code), else None.
+
+    A window left open while the package is removed or purged (or Rigpilot uninstalled with pip) still
+    runs, but the service it would start no longer exists on disk.
+    """
+    for what in (sys.executable, str(Path(__file__).with_name("__main__.py"))):
+        if what and not os.path.exists(what):  # an embedding interpreter may leave sys.executable empty
+            return what
+    return None
+
+
 def start_service(extra_args: list[str] | None = None) -> subprocess.Popen:
     """Start the service detached from this process (its own session, output to engine.log)."""
+    gone = removed_installation()
+    if gone is not None:
+        raise EngineRemoved(
+            f"Rigpilot was removed from this computer ({gone} is gone), so its engine service cannot start again; "
+            "install Rigpilot again to go on (your jobs and settings are kept)"
+        )
     log_path = paths.service_log_path()
     try:
         log = log_path.open("ab")
