@@ -8,7 +8,9 @@ indented JSON object), failing or hanging where a test asks it to.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -349,3 +351,36 @@ def test_a_failure_points_to_the_offline_choice_and_an_offline_failure_to_the_wh
     assert "The log says which wheels to fetch" in dialog.step.text() and "No internet access" not in dialog.step.text()
     log = log_text(dialog).splitlines()
     assert sum(line.strip().startswith("pip download ") for line in log) == 2
+
+
+@pytest.mark.slow  # the status check imports torch
+def test_an_install_made_from_a_terminal_is_noticed_when_the_dialog_comes_back_to_the_front(
+    qtbot, fake, tmp_path, monkeypatch
+):
+    """The real status check, asked again on activation: the environment appears while the dialog is open."""
+    python = tmp_path / "terminal-env" / "bin" / "python"
+    monkeypatch.setenv("RIGPILOT_WORKER_PYTHON", str(python))  # where the terminal's install will put it
+    from rigpilot.app.engine_env.dialog import probe_status
+
+    missing = probe_status()
+    assert not missing["installed"]
+    dialog = open_dialog(qtbot, fake, status=missing)
+    other = QWidget()
+    qtbot.addWidget(other)
+    other.show()
+    other.activateWindow()
+    qtbot.waitUntil(lambda: not dialog.isActiveWindow(), timeout=5000)
+
+    # Meanwhile, in a terminal: `rigpilot engine-env install` makes a virtual environment with torch there
+    # (here: one that sees this test's own torch).
+    env = python.parents[1]
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True, timeout=120)
+    purelib = sysconfig.get_path("purelib", vars={"base": str(env), "platbase": str(env)})
+    Path(purelib, "test-torch.pth").write_text(sysconfig.get_path("purelib") + "\n")
+    dialog._asked_at = float("-inf")  # the dialog opened just now; a user comes back after seconds, not ms
+    with qtbot.waitSignal(dialog.sig_done, timeout=60000) as done:
+        dialog.activateWindow()
+    assert done.args[0] is True and done.args[1]["installed"]
+    assert "Installed meanwhile, from a terminal or another window: torch " in dialog.step.text()
+    assert "Nothing to install here" in dialog.step.text()
+    assert not dialog.run_button.isEnabled() and not calls_exist(fake)  # nothing was run a second time

@@ -29,11 +29,12 @@ import re
 import shlex
 import signal
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from PySide6.QtCore import QProcess, QProcessEnvironment, Qt, QTimer, Signal
+from PySide6.QtCore import QEvent, QProcess, QProcessEnvironment, Qt, QTimer, Signal
 from PySide6.QtGui import QCloseEvent, QFont, QPalette
 from PySide6.QtWidgets import (
     QCheckBox,
@@ -63,6 +64,7 @@ _BACKEND = re.compile(r"^(auto|cpu|cu\d{2,3}|rocm\d+(\.\d+)*|xpu)$")
 OFFLINE_CHOICE = "Install from a folder of wheels (offline)"
 STOP_GRACE_MS = 5000  # after Stop: SIGTERM, then SIGKILL this much later
 LOG_LINES = 10_000
+RECHECK_AFTER_S = 2.0  # activations closer together than this ask once (the probe starts the engine's Python)
 
 
 def default_command() -> list[str]:
@@ -140,6 +142,7 @@ class EngineEnvDialog(QDialog):
         action: str = INSTALL,
         status: dict[str, Any] | None = None,
         command: list[str] | None = None,
+        probe: Callable[[], dict[str, Any]] | None = None,
     ):
         super().__init__(parent)
         if action not in (INSTALL, REPAIR):
@@ -158,6 +161,12 @@ class EngineEnvDialog(QDialog):
         self._last_error = ""
         self._error_line = ""  # the first line of the installer's error (the rest, commands, is in the log)
         self._steps = 0
+        # Asked again whenever the dialog becomes the active window: an install made meanwhile from a terminal
+        # (`rigpilot engine-env install`) or another window turns the dialog into "installed", not a second install.
+        self._probe = probe or probe_status
+        self._checking = False
+        # The status the dialog opens with was just asked: its first activation need not ask again.
+        self._asked_at = time.monotonic() if status is not None else -RECHECK_AFTER_S
 
         where = _env_dir()
         if action == INSTALL:
@@ -458,6 +467,32 @@ class EngineEnvDialog(QDialog):
             if line.startswith("rigpilot: error: "):
                 self._error_line = line.strip()
 
+    # -- an install made elsewhere ------------------------------------------------------------------
+    def event(self, event: QEvent) -> bool:
+        if event.type() == QEvent.Type.WindowActivate:
+            self.recheck()
+        return super().event(event)
+
+    def recheck(self) -> None:
+        """Ask again, off the GUI thread, whether the environment exists; if it does now, say so and offer nothing."""
+        if self.action != INSTALL or self.running or self.succeeded or self._checking:
+            return
+        if time.monotonic() - self._asked_at < RECHECK_AFTER_S:
+            return
+        self._asked_at = time.monotonic()
+        self._checking = True
+        run_in_background(self._probe, self._rechecked, self._recheck_failed)
+
+    def _rechecked(self, status: dict[str, Any]) -> None:
+        self._checking = False
+        if status.get("installed") and not self.running and not self.succeeded:
+            self.result_status = dict(status)
+            self._done(True, "", elsewhere=True)
+
+    def _recheck_failed(self, error: BaseException) -> None:
+        self._checking = False
+        log.warning("could not check the engine environment again: %s", error)
+
     # -- the end --------------------------------------------------------------------------------------
     def _error(self, error: QProcess.ProcessError) -> None:
         if error == QProcess.ProcessError.FailedToStart and self.process is not None:
@@ -495,7 +530,8 @@ class EngineEnvDialog(QDialog):
             cause = cause.split("; run 'rigpilot engine-env install' again")[0]  # Resume is how, here
             self._done(False, f"It did not finish: {cause}")
 
-    def _done(self, ok: bool, message: str) -> None:
+    def _done(self, ok: bool, message: str, elsewhere: bool = False) -> None:
+        """The end of a run; `elsewhere`: no run here, the environment was found installed (from a terminal, say)."""
         self.succeeded = ok
         self._set_running(False)
         self.progress.setRange(0, 1)
@@ -505,8 +541,12 @@ class EngineEnvDialog(QDialog):
         if ok:
             build = f"CUDA {st['cuda_version']}" if st.get("cuda_version") else "CPU build"
             text = "Installed" if self.action == INSTALL else "Repaired"
+            if elsewhere:
+                text = "Installed meanwhile, from a terminal or another window"
             if st.get("torch_version"):
                 text += f": torch {st['torch_version']} ({build}) in {st.get('python') or _env_dir()}"
+            if elsewhere:
+                text += ". Nothing to install here"
             problems = st.get("problems") or []
             colour = WARN.darker(130) if problems else GOOD.darker(120)
             self.step.setText("<br>".join([_escape(text + "."), *(_escape(p) for p in problems)]))
