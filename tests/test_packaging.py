@@ -13,8 +13,10 @@ from __future__ import annotations
 import gzip
 import hashlib
 import importlib.util
+import json
 import os
 import re
+import shlex
 import shutil
 import stat
 import subprocess
@@ -28,10 +30,23 @@ from pathlib import Path
 
 import pytest
 
+from rigpilot.app.main_window import PAGES
+
 REPO = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("debcopyright", REPO / "packaging" / "debcopyright.py")
-debcopyright = sys.modules["debcopyright"] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(debcopyright)
+
+
+def _load(name: str):
+    """A module of packaging/ (not a package: its scripts import each other by name)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "packaging" / f"{name}.py")
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+debcopyright = _load("debcopyright")
+elf = _load("elf")
+lockfile = _load("lockfile")
+qt_trim = _load("qt_trim")
 
 APP_ID = "io.rigpilot.Rigpilot"
 INSTALLED = [
@@ -169,6 +184,10 @@ def test_man_page_comes_from_the_parsers_and_is_clean(tmp_path):
     for name in sub.choices:
         assert f'.SS "rigpilot {name}"' in text.replace("\\-", "-"), name
     assert '.SS "rigpilot run train"' in text and "\\-\\-max\\-new\\-tokens" in text
+    # The options the launcher takes before argparse: in the synopsis and with what they do, as --help has them.
+    assert "\\fBrigpilot \\-\\-self\\-test\\fR [\\fIDIR\\fR]" in text
+    assert "draw every page (Dashboard, Topology, Planner, Jobs, Settings)" in text.replace("\\-", "-")
+    assert [title for _, title, _ in PAGES] == ["Dashboard", "Topology", "Planner", "Jobs", "Settings"]
     if shutil.which("man"):
         lint = run(["man", "--warnings", "-E", "UTF-8", "-l", "-Tutf8", "-Z", str(page)],
                    env={**os.environ, "LC_ALL": "C.UTF-8"}, timeout=60)  # fmt: skip
@@ -180,6 +199,75 @@ def test_dep5_names_and_exceptions():
     assert debcopyright.dep5_expression("LGPL-3.0-only OR GPL-2.0-only OR GPL-3.0-only") == "LGPL-3 or GPL-2 or GPL-3"
     assert (debcopyright.dep5_expression("GPL-3.0-or-later WITH GCC-exception-3.1")
             == "GPL-3+ with GCC-exception-3.1 exception")  # fmt: skip
+
+
+# -- what the package carries, checked without building it ------------------------------------------------------
+
+# Blocks every Qt for Python module the package leaves out, as the trimmed bundle does, then imports all of the app.
+_ONLY_KEPT_QT = """
+import importlib, importlib.abc, sys
+KEPT = set(sys.argv[1].split(","))
+
+class Trimmed(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.startswith("PySide6.Qt") and name.split(".")[1] not in KEPT:
+            raise ModuleNotFoundError(f"No module named {name!r} (not in the package)", name=name)
+        return None
+
+sys.meta_path.insert(0, Trimmed())
+import rigpilot.app.main_window as main_window
+for _, _, target in main_window.PAGES:
+    importlib.import_module(target.split(":")[0])
+for module in ("wizard.wizard", "engine_env.dialog", "selftest", "screenshots", "main", "launcher"):
+    importlib.import_module(f"rigpilot.app.{module}")
+import pyqtgraph.exporters
+print(" ".join(sorted({m.split(".")[1] for m in sys.modules if m.startswith("PySide6.Qt")})))
+"""
+
+
+def test_the_app_needs_no_qt_module_the_package_leaves_out():
+    """app/ and pyqtgraph import, with every Qt module but qt_trim.MODULES missing, as in the package.
+
+    (The installed package's self-test then draws every page with the trimmed Qt: the scenario below.)
+    """
+    r = run([sys.executable, "-c", _ONLY_KEPT_QT, ",".join(qt_trim.MODULES)], timeout=120,
+            env={**os.environ, "QT_QPA_PLATFORM": "offscreen"})  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert set(r.stdout.split()) <= set(qt_trim.MODULES)
+    # The app's own code names no other Qt module anywhere (a lazy import would only fail at run time).
+    named = set()
+    for f in (REPO / "app").rglob("*.py"):
+        named |= set(re.findall(r"PySide6\.(Qt\w+)", f.read_text()))
+    assert named <= set(qt_trim.MODULES), named - set(qt_trim.MODULES)
+
+
+def test_elf_needed_reads_what_the_loader_reads():
+    needed = elf.needed(Path(sys.executable).resolve())
+    assert "libc.so.6" in needed or any(n.startswith("libpython3") for n in needed), needed
+    if shutil.which("readelf"):
+        out = run(["readelf", "-d", str(Path(sys.executable).resolve())]).stdout
+        assert needed == re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", out)
+    with pytest.raises(elf.NotElf):
+        elf.needed(REPO / "README.md")
+
+
+def test_the_lock_round_trips_and_pins_every_dependency_pyproject_names():
+    from packaging.requirements import Requirement
+
+    pins = lockfile.parse((REPO / "packaging" / "bundle.lock").read_text())
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    for text in project["dependencies"]:
+        req = Requirement(text)
+        name = lockfile.normalise(req.name)
+        assert name in pins, f"packaging/bundle.lock has no {name}: run packaging/build_deb.py --update-lock"
+        version, hashes = pins[name]
+        assert req.specifier.contains(version, prereleases=True), (
+            f"packaging/bundle.lock pins {name}=={version}, which {text!r} excludes: run build_deb.py --update-lock"
+        )
+        assert hashes
+    wheels = [lockfile.Wheel(n, v, "3.11", f"{n}-{v}.whl", h) for n, (v, hs) in pins.items() for h in sorted(hs)]
+    own = lockfile.Wheel("rigpilot", "0.1.0", "", "rigpilot-0.1.0-py3-none-any.whl", "0" * 64)
+    assert lockfile.parse(lockfile.render(wheels, own, "test")) == pins
 
 
 # -- the package ----------------------------------------------------------------------------------------------
@@ -254,11 +342,40 @@ def test_package_contents_and_metadata(deb, unpacked):
             for short in re.findall(r"[\w.+-]+", name):
                 assert short in standalone or short in ("and", "or", "with", "exception"), (short, p["Files"])
     covered = " ".join(p["Files"] for p in files)
-    for dist in ("numpy", "PySide6", "shiboken6", "pyqtgraph", "uv", "psutil", "cryptography", "cffi", "libQt6Lottie",
-                 "libicu", "libgfortran"):
+    for dist in ("numpy", "PySide6", "shiboken6", "pyqtgraph", "uv", "psutil", "cryptography", "cffi", "libicu",
+                 "libgfortran"):
         assert dist in covered, dist
     for common in ("LGPL-3", "GPL-2", "GPL-3"):
         assert common in standalone
+
+    # Of Qt, what the app loads (packaging/qt_trim.py): its modules, the X11, Wayland and offscreen platforms.
+    pyside = lib / "common/PySide6"
+    assert sorted(p.name.split(".")[0] for p in pyside.glob("Qt*.so")) == sorted(qt_trim.MODULES)
+    plugins = pyside / "Qt/plugins"
+    for kept in ("platforms/libqxcb.so", "platforms/libqoffscreen.so", "platforms/libqwayland.so",
+                 "xcbglintegrations/libqxcb-glx-integration.so", "iconengines/libqsvgicon.so"):
+        assert (plugins / kept).is_file(), kept
+    # The image plugins with their own libjpeg, libtiff and libwebp are gone, and their lintian overrides with them.
+    assert [p.name for p in (plugins / "imageformats").iterdir()] == ["libqsvg.so"]
+    assert not (pyside / "Qt/qml").exists() and not (pyside / "Qt/translations").exists()
+    assert not list(pyside.glob("designer*")) and not list((pyside / "Qt/lib").glob("libQt6Quick*"))
+    overrides = (unpacked / "usr/share/lintian/overrides/rigpilot").read_text()
+    assert "libqjpeg" not in overrides and "libqtiff" not in overrides
+    # 530,620 KiB before the trim (issue 26): at least 70 MiB less.
+    assert size_kib < 530_620 - 70 * 1024, size_kib
+
+    # What it was built from: exactly the wheels packaging/bundle.lock pins, recorded in the package.
+    recorded = (unpacked / "opt/rigpilot/bundle.lock").read_text()
+    assert lockfile.parse(recorded) == lockfile.parse((REPO / "packaging/bundle.lock").read_text())
+    installed = {tuple(d.name.removesuffix(".dist-info").rsplit("-", 1)) for d in lib.glob("*/*.dist-info")}
+    installed = {(lockfile.normalise(name), version) for name, version in installed}
+    pins = {(name, version) for name, (version, _) in lockfile.parse(recorded).items()}
+    assert installed == pins | {("rigpilot", re.search(r"^Version: (.*)-1$", fields, re.M).group(1))}
+    wheel = next((unpacked / "opt/rigpilot/wheels").iterdir())
+    assert f"{wheel.name} sha256:{hashlib.sha256(wheel.read_bytes()).hexdigest()}" in recorded
+
+    man = gzip.decompress((unpacked / "usr/share/man/man1/rigpilot.1.gz").read_bytes()).decode()
+    assert "\\-\\-self\\-test" in man and "telemetry.csv" in man and "two telemetry samples" in man
 
 
 def _lintian() -> str | None:
@@ -389,16 +506,27 @@ def _scenario(m: Machine, deb_inside: str, user_a: str, user_b: str) -> None:
     assert m.path("/opt/rigpilot/venv").is_symlink()  # its python links to the root's own, so ask inside
     assert m.sh(["test", "-x", "/opt/rigpilot/venv/bin/python"]).returncode == 0
 
-    env = {"QT_QPA_PLATFORM": "offscreen", "RIGPILOT_SIMULATE": "4x-rtx4090", "XDG_RUNTIME_DIR": f"/tmp/{user_a}-run"}
+    # RIGPILOT_PLAN_VERIFY=0: the engine's plans skip their traced check (seconds of torch per plan, the planner
+    # tests' business); the README's scaling study plans three points.
+    env = {"QT_QPA_PLATFORM": "offscreen", "RIGPILOT_SIMULATE": "4x-rtx4090", "XDG_RUNTIME_DIR": f"/tmp/{user_a}-run",
+           "RIGPILOT_PLAN_VERIFY": "0"}  # fmt: skip
     assert m.sh(["sh", "-c", f"mkdir -m 700 -p /tmp/{user_a}-run"], user=user_a).returncode == 0
     # The app runs on the system's python3 from the environment the postinst made, ignoring PYTHONPATH.
     r = m.sh(["rigpilot", "--version"], user=user_a, env={**env, "PYTHONPATH": "/nonexistent"})
     assert r.returncode == 0 and r.stdout.startswith("rigpilot "), r.stderr
     r = m.sh(["rigpilot", "gpus", "--json"], user=user_a, env=env)
     assert r.returncode == 0 and '"rigpilot.gpus/1"' in r.stdout, r.stderr[-2000:]
-    r = m.sh(["rigpilot", "--self-test", f"{home_a}/selftest.png"], user=user_a, env=env, timeout=300)
+    r = m.sh(["rigpilot", "--help"], user=user_a, env=env)
+    assert r.returncode == 0 and "--self-test [DIR]" in r.stdout, r.stdout[-3000:] + r.stderr
+    # The app on the trimmed Qt: every page drawn offscreen, saved as PNG, and the Dashboard's chart as CSV.
+    r = m.sh(["rigpilot", "--self-test", f"{home_a}/selftest"], user=user_a, env=env, timeout=300)
     assert r.returncode == 0 and "self-test passed" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
-    assert m.path(f"{home_a}/selftest.png").stat().st_size > 10_000
+    shots = m.path(f"{home_a}/selftest")
+    assert sorted(p.name for p in shots.iterdir()) == sorted([*(f"{key}.png" for key, _, _ in PAGES), "telemetry.csv"])
+    for png in shots.glob("*.png"):
+        assert png.stat().st_size > 10_000, png
+    rows = (shots / "telemetry.csv").read_text().splitlines()
+    assert rows[0].startswith("time,unix_time,") and len(rows) >= 2, rows
     engines = _engine_pids(m, user_a)
     # The engine service the app started is the environment's python (sys.executable), so it finds Rigpilot.
     assert engines and all(cmd[0] == "/opt/rigpilot/venv/bin/python" for cmd in engines.values()), engines
@@ -410,13 +538,8 @@ def _scenario(m: Machine, deb_inside: str, user_a: str, user_b: str) -> None:
     r = m.sh(["rigpilot", "engine-env", "status", "--json"], user=user_a, env=env, timeout=300)
     assert r.returncode == 0 and '"torch_version": "2.13.0+cpu"' in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
 
-    train = ["rigpilot", "run", "train", "--model", f"{EXAMPLES}/models/tiny-llama/config.json", "--data",
-             f"{EXAMPLES}/data/shakespeare.txt", "--method", "scratch", "--steps", "3", "--seq", "32",
-             "--micro-batch", "2", "--precision", "fp32", "--gpus", "0,1", "--name", "from-the-package",
-             "--env", "HF_HUB_OFFLINE=1"]  # fmt: skip
-    r = m.sh(train, user=user_a, env=env, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    r = m.sh(["rigpilot", "metrics", "from-the-package", "--json"], user=user_a, env=env)
+    _readme_examples(m, user_a, env)
+    r = m.sh(["rigpilot", "metrics", "from-the-readme", "--json"], user=user_a, env=env)
     assert r.returncode == 0 and '"state": "completed"' in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
 
     # Removal stops the engine the package started (its jobs would keep running) and leaves the home alone.
@@ -426,6 +549,9 @@ def _scenario(m: Machine, deb_inside: str, user_a: str, user_b: str) -> None:
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert not set(engines) & set(_engine_pids(m, user_a))
     assert not m.path("/opt/rigpilot").exists(), list(m.path("/opt/rigpilot").rglob("*"))[:20]
+    # dpkg removes the package's folders that are left empty, /opt among them (no package owns it): the postrm
+    # puts it back. In the Debian root /opt held nothing else.
+    assert m.path("/opt").is_dir()
     for f in files:
         p = m.path(f)
         assert not p.is_file() and not p.is_symlink(), f
@@ -434,10 +560,61 @@ def _scenario(m: Machine, deb_inside: str, user_a: str, user_b: str) -> None:
 
     r = m.sh(["dpkg", "--purge", "rigpilot"], timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert not m.path("/opt/rigpilot").exists()
+    assert not m.path("/opt/rigpilot").exists() and m.path("/opt").is_dir()
+    assert stat.S_IMODE(m.path("/opt").stat().st_mode) == 0o755
     assert _tree_digest(m.path(home_a), content=False) == before_a
     for p, digest in before_b.items():
         assert _tree_digest(m.path(p)) == digest, p
+
+
+def _readme_example_lines() -> list[str]:
+    """Every command of the README's shell blocks (continuations joined) that starts with `rigpilot`."""
+    lines = []
+    for block in re.findall(r"```sh\n(.*?)```", (REPO / "README.md").read_text(), re.S):
+        lines += [line.strip() for line in re.sub(r"\\\n\s*", " ", block).splitlines() if line.startswith("rigpilot ")]
+    return lines
+
+
+def _readme_examples(m: Machine, user: str, env: dict[str, str]) -> None:
+    """The README's commands that use the examples, typed by a user of the package in their home (no examples/ there).
+
+    Each says, in one line, which shipped example it used, and goes through. Run as the README has them, with
+    these changes only, to keep the test short: the first `run train` runs for real but for 3 short steps
+    (later flags win); the other `run train` commands stop after the whole check (--check); the scaling study
+    starts (--detach) and is then cancelled. The plan file one of them reads comes from the README's own line.
+    """
+    lines = _readme_example_lines()
+    with_examples = [line for line in lines if "examples/" in line]
+    assert len(with_examples) >= 5, with_examples
+    trained = False
+    for line in with_examples:
+        words = shlex.split(line, comments=True)
+        if words[1:3] == ["run", "train"] and not trained:
+            trained = True
+            words += ["--steps", "3", "--seq", "32", "--micro-batch", "2", "--precision", "fp32",
+                      "--name", "from-the-readme", "--env", "HF_HUB_OFFLINE=1"]  # fmt: skip
+        elif words[1:3] == ["run", "train"]:
+            if "--plan" in words:
+                plan = words[words.index("--plan") + 1]
+                maker = next(line for line in lines if re.search(rf">\s*{re.escape(plan)}\s*(#|$)", line))
+                r = m.sh(["sh", "-c", maker.split("#")[0]], user=user, env=env)
+                assert r.returncode == 0, maker + "\n" + r.stderr[-2000:]
+            words += ["--check"]
+        elif words[1] == "scaling":
+            words += ["--detach", "--json"]
+        r = m.sh(words, user=user, env=env, timeout=600)
+        said = r.stdout[-2000:] + r.stderr[-2000:]
+        for word in words:
+            if word.startswith("examples/"):
+                shipped = f"{EXAMPLES}/{word.removeprefix('examples/')}"
+                assert f"rigpilot: no {word} here; using the example Rigpilot ships: {shipped}\n" in r.stderr, said
+        assert "does not exist" not in said, said
+        # The llama-2-7b check may end on this machine's disk: the check's answer, not the examples'.
+        assert r.returncode == 0 or ("--check" in words and "disk full" in r.stderr), said
+        if words[1] == "scaling":
+            study = json.loads(r.stdout)["id"]
+            r = m.sh(["rigpilot", "scaling", "--cancel", study], user=user, env=env, timeout=300)
+            assert r.returncode in (0, 1), r.stdout[-2000:] + r.stderr[-2000:]  # 1: a study that did not complete
 
 
 def _engine_pids(m: Machine, user: str) -> dict[int, list[str]]:
