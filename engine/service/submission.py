@@ -93,9 +93,7 @@ def prepare(
     data = {k: v for k, v in spec_data.items() if k not in ("id", "spec_version", "simulated")}
     if data.get("kind") not in KINDS:
         raise UserError(f"unknown job kind {data.get('kind')!r}; choose one of {', '.join(KINDS)}")
-    base = check_given_path(cwd, "working folder", expect=FOLDER) if cwd else None
-    if base is not None and not base.is_absolute():
-        raise UserError(f"working folder {cwd} must be an absolute path")
+    base = _working_folder(cwd)
     spec = JobSpec.from_dict({**data, "id": job_id})
     check_job_settings(spec)  # the user's own values, named as they gave them
     spec.simulated = machine.simulated
@@ -536,13 +534,21 @@ def _model_type(config: dict[str, Any]) -> str | None:
     return model_type if isinstance(model_type, str) else None
 
 
+def _working_folder(cwd: str | None) -> Path | None:
+    """The client's folder, against which relative paths resolve: checked as any path a person gave."""
+    base = check_given_path(cwd, "working folder", expect=FOLDER) if cwd else None
+    if base is not None and not base.is_absolute():
+        raise UserError(f"working folder {cwd} must be an absolute path")
+    return base
+
+
 def default_seq_len(model: str, cwd: str | None) -> int:
     """A training's sequence length when none is given: the jobs' default, or the model's context where shorter.
 
     What a training job does (_check_train); a scaling study, which plans before it submits, asks here first.
     """
     default = TrainSettings.seq_len
-    _, config = _model_config(model, Path(cwd) if cwd else None)
+    _, config = _model_config(model, _working_folder(cwd))
     context = config.get("max_position_embeddings")
     return min(default, context) if _is_int(context) and context > 0 else default
 
