@@ -164,6 +164,9 @@ def test_x11_wm_class_is_the_desktop_files(tmp_path):
         "kill $pid; wait $pid\n"
     )
     try:
+        # The engine up first (a CLI command starts it and waits for it): the app then connects to it rather than
+        # starting one of its own, which the --stop below could miss while it is still coming up, and leave behind.
+        assert run([sys.executable, "-m", "rigpilot.app.launcher", "jobs"], env=env, timeout=120).returncode == 0
         r = run(["xvfb-run", "-a", "sh", "-c", script], env=env, timeout=180)
     finally:
         run([sys.executable, "-m", "rigpilot.app.launcher", "engine", "--stop"], env=env, timeout=60)
