@@ -97,7 +97,8 @@ while time.monotonic() < end:
     app.processEvents()
     time.sleep(0.01)
 r = lambda q: [q.x(), q.y(), q.width(), q.height()]
-print(json.dumps({"frame": r(w.frameGeometry()), "client": r(w.geometry()), "available": r(w.screen().availableGeometry())}))
+available = w.screen().availableGeometry()
+print(json.dumps({"frame": r(w.frameGeometry()), "client": r(w.geometry()), "available": r(available)}))
 """
 
 
