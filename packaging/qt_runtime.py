@@ -51,8 +51,9 @@ class Library:
         # The old name: Debian 12 has only it, and on 64-bit the t64 package provides it, so it installs on both.
         return self.debian.split("|")[-1].strip()
 
-    def package(self, family: str) -> str | None:
-        return {"debian": self.apt_name, "fedora": self.fedora, "arch": self.arch}.get(family)
+    def package(self, distribution: str) -> str | None:
+        """Its name in a family of distributions ("debian", "fedora", "arch")."""
+        return {"debian": self.apt_name, "fedora": self.fedora, "arch": self.arch}.get(distribution)
 
 
 @dataclass(frozen=True)
