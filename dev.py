@@ -28,6 +28,11 @@ What each command installs, where, and what needs root:
 The set-up is skipped when nothing it depends on changed since the last run. On a machine without
 an NVIDIA driver it installs PyTorch's CPU build, and stops rather than fall back to the CUDA one;
 RIGPILOT_ALLOW_CUDA_TORCH=1 accepts the CUDA build there.
+
+Before it sets anything up, `app` checks in a second that the window can open here: that there is a
+display, and that the system libraries Qt's display plugin links are installed (packaging/qt-runtime.toml,
+the list the .deb depends on). When one is missing it prints the one command that installs them
+(apt, dnf or pacman) and exits 2; RIGPILOT_SKIP_DISPLAY_CHECK=1 skips the check.
 """
 
 from __future__ import annotations
@@ -465,7 +470,20 @@ def cmd_test(args: list[str]) -> int:
     return 0
 
 
+def window_problem() -> str | None:
+    """Why the app's window cannot open on this machine, in one line; None when it can (or the check is skipped)."""
+    spec = importlib.util.spec_from_file_location("rigpilot_qt_runtime", ROOT / "packaging" / "qt_runtime.py")
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module.check()
+
+
 def cmd_app(args: list[str]) -> int:
+    # Asked first: a missing system library must not cost the newcomer the whole set-up and then a Qt abort.
+    problem = window_problem()
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
     ensure_env()
     os.execv(venv_bin("rigpilot"), [str(venv_bin("rigpilot")), *args])
     return 0  # not reached
