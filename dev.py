@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import itertools
 import json
 import os
 import re
@@ -446,6 +447,28 @@ def prepare_test_system(flag: bool) -> str | None:
     return slurm_skip_reason()
 
 
+MAX_TEST_WORKERS = 4
+
+
+def pytest_workers(pytest_args: list[str]) -> list[str]:
+    """pytest-xdist's options for the suite: one test process per core, up to MAX_TEST_WORKERS.
+
+    Most of the suite's time is spent waiting on other processes (engines, torchrun ranks, Xvfb, apt),
+    so on 2 cores two test processes take about two thirds of the time of one. A file's tests stay
+    together on one process (--dist loadfile): many share a module fixture (a trained job, a built
+    .deb). More processes than cores would make the multi-rank jobs wait on each other for the CPU.
+    Nothing is added where the arguments choose for themselves (-n, -p no:xdist) or ask for one test
+    process (--pdb, --trace, --lf, --sw).
+    """
+    own = ("-n", "--numprocesses", "--dist", "-d", "--pdb", "--trace", "--lf", "--sw")
+    if any(a.split("=")[0] in own or (a.startswith("-n") and a[2:].isdigit()) for a in pytest_args):
+        return []
+    if any(pair == ("-p", "no:xdist") for pair in itertools.pairwise(pytest_args)):
+        return []
+    workers = min(len(os.sched_getaffinity(0)), MAX_TEST_WORKERS)
+    return ["-n", str(workers), "--dist", "loadfile"] if workers > 1 else []
+
+
 def cmd_test(args: list[str]) -> int:
     install_flag, args = split_test_args(args)
     if wants_help(args):  # dev.py's own option, then pytest's; nothing is installed for that
@@ -460,7 +483,7 @@ def cmd_test(args: list[str]) -> int:
     steps: list[list[str | Path]] = [
         [venv_bin("ruff"), "check", "app", "engine", "tests", "benchmarks", "packaging", "examples", "rigpilot/__init__.py", "dev.py"],
         [venv_bin("lint-imports")],
-        [venv_bin("python"), "-m", "pytest", *args],
+        [venv_bin("python"), "-m", "pytest", *pytest_workers(args), *args],
     ]
     for command in steps:
         print("+", " ".join(str(c) for c in command), flush=True)

@@ -113,7 +113,10 @@ def _missing_in_root(root: Path) -> list[str]:
 
 APP = r"""
 mkdir -m 700 -p /tmp/newcomer-run
-Xvfb :7 -screen 0 1280x800x24 -nolisten tcp >/tmp/xvfb.log 2>&1 &
+# Xvfb picks a free display: the root shares the host's abstract X sockets, where other tests run theirs.
+Xvfb -displayfd 1 -screen 0 1280x800x24 -nolisten tcp >/tmp/xvfb.display 2>/tmp/xvfb.log &
+for i in $(seq 100); do [ -s /tmp/xvfb.display ] && break; sleep 0.1; done
+export DISPLAY=":$(cat /tmp/xvfb.display)"
 for i in $(seq 100); do xdotool getdisplaygeometry >/dev/null 2>&1 && break; sleep 0.1; done
 python3 dev.py app >/tmp/app.log 2>&1 &
 app=$!
