@@ -4,17 +4,42 @@
     python3 dev.py app      # set up .venv if needed, then launch Rigpilot
     python3 dev.py test     # set up .venv if needed, then lint and run the whole test suite
     python3 dev.py setup    # only set up .venv
+    python3 dev.py test --help                  # test's own option, then pytest's (arguments go to pytest)
+    python3 dev.py test --install-system-deps   # also install what the SLURM tests need (root, apt-get)
 
 Needs only python3 (>= 3.11) with its venv and ensurepip modules (Debian/Ubuntu: python3-venv).
+
+What each command installs, where, and what needs root:
+  setup, app, test   Python packages only, into .venv in this folder ($RIGPILOT_VENV names another):
+                     PyTorch, Rigpilot (editable, pointing here) with its dependencies and dev tools,
+                     from PyPI and PyTorch's CPU index; pip caches downloads in ~/.cache/pip. No root;
+                     nothing else on the system changes. The app and its engine keep your settings,
+                     jobs and caches in your own ~/.config, ~/.local and ~/.cache (rigpilot folders).
+  test --install-system-deps, or test with CI=true
+                     also the system packages only the SLURM tests need, with apt-get, system-wide,
+                     so as root: slurm-wlm, munge and openssh-server. Their services are not started,
+                     and what they enable at boot is disabled again: the tests run their own private
+                     slurmctld, slurmd, munged and sshd. Without it those tests skip and say why;
+                     dev.py never installs system packages unasked. As root with CI=true (or
+                     RIGPILOT_TEST_INSTALL=1) the packaging tests also install Rigpilot's .deb here
+                     and purge it again, and build Debian roots in ~/.cache/rigpilot-tests
+                     (installing mmdebstrap where it is missing).
+
 The set-up is skipped when nothing it depends on changed since the last run. On a machine without
 an NVIDIA driver it installs PyTorch's CPU build, and stops rather than fall back to the CUDA one;
 RIGPILOT_ALLOW_CUDA_TORCH=1 accepts the CUDA build there.
+
+Before it sets anything up, `app` checks in a second that the window can open here: that there is a
+display, and that the system libraries Qt's display plugin links are installed (packaging/qt-runtime.toml,
+the list the .deb depends on). When one is missing it prints the one command that installs them
+(apt, dnf or pacman) and exits 2; RIGPILOT_SKIP_DISPLAY_CHECK=1 skips the check.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import itertools
 import json
 import os
 import re
@@ -24,6 +49,8 @@ import sys
 import tempfile
 import threading
 import urllib.request
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -195,67 +222,268 @@ def ensure_env() -> None:
     STAMP.write_text(fingerprint)
 
 
+# The system packages only some tests need, and the commands that tell whether each is there. dev.py test
+# installs them with apt-get only when asked (--install-system-deps, or CI=true); without them those tests skip.
 SLURM_PACKAGES = ("slurm-wlm", "munge")  # Debian's slurmctld + slurmd + client commands, and its authentication
-SSH_PACKAGE = "openssh-server"  # for the test that submits through a login node over ssh; it skips without
 SLURM_COMMANDS = ("slurmctld", "slurmd", "munged", "sbatch", "squeue", "sacct", "scancel")
+SSH_PACKAGES = ("openssh-server",)  # for the test that submits through a login node over ssh
+SSH_COMMANDS = ("sshd", "ssh", "ssh-keygen")
+TEST_SYSTEM_PACKAGES = ((SLURM_PACKAGES, SLURM_COMMANDS), (SSH_PACKAGES, SSH_COMMANDS))
+INSTALL_FLAG = "--install-system-deps"
 SLURM_INSTALL_SECONDS = 300
 POLICY_RC = Path("/usr/sbin/policy-rc.d")
+# Where a package's maintainer scripts enable a service at boot: systemd's wants/requires links and
+# aliases (system-wide and for every user), and SysV start links.
+ENABLEMENT_GLOBS = (
+    "etc/systemd/system/*.wants/*", "etc/systemd/system/*.requires/*", "etc/systemd/system/*.upholds/*",
+    "etc/systemd/system/*", "etc/systemd/user/*.wants/*", "etc/systemd/user/*.requires/*", "etc/systemd/user/*",
+    "etc/rc?.d/S*",
+)  # fmt: skip
+TEST_HELP = f"""\
+python3 dev.py test [{INSTALL_FLAG}] [PYTEST ARGUMENTS]
+
+Sets up .venv if needed (Python packages only, into {VENV}),
+lints (ruff, import-linter), then runs pytest with the arguments given: the whole suite when
+there are none.
+
+  {INSTALL_FLAG}   also install the system packages only the SLURM tests need
+                          ({" ".join(p for packages, _ in TEST_SYSTEM_PACKAGES for p in packages)}) with apt-get, system-wide,
+                          so as root. It says so first; their services are not started, and
+                          what they enable at boot is disabled again: the tests run their own
+                          private slurmctld, slurmd, munged and sshd. CI=true does the same.
+                          Without it those tests skip and say why.
+
+pytest's own options follow.
+"""
 
 
 def missing_commands(names: tuple[str, ...]) -> list[str]:
     return [c for c in names if shutil.which(c) is None and not Path("/usr/sbin", c).exists()]
 
 
-def ensure_slurm(quiet: bool = False) -> str | None:
-    """Install SLURM and munge (and sshd) for the tests that submit real SLURM jobs; None when SLURM is
-    there, else why the SLURM tests skip.
+def split_test_args(args: list[str]) -> tuple[bool, list[str]]:
+    """dev.py test's own flag, and the arguments that go to pytest (all the others, in order).
 
-    Only as root with apt-get (a CI container, a throw-away VM): a developer's own machine is never
-    changed behind their back. The tests start their own daemons on their own config; the packages'
-    system services are kept from starting (policy-rc.d), so nothing listens because of this.
+    After a "--" everything is pytest's, so a test path that looks like the flag still reaches it.
     """
+    end = args.index("--") if "--" in args else len(args)
+    own = [a for a in args[:end] if a == INSTALL_FLAG]
+    return bool(own), [a for a in args[:end] if a != INSTALL_FLAG] + args[end:]
+
+
+def wants_help(pytest_args: list[str]) -> bool:
+    end = pytest_args.index("--") if "--" in pytest_args else len(pytest_args)
+    return any(a in ("-h", "--help") for a in pytest_args[:end])
+
+
+def missing_system_packages() -> list[str]:
+    """The test-only system packages that are not installed here (judged by their commands)."""
+    return [p for packages, commands in TEST_SYSTEM_PACKAGES if missing_commands(commands) for p in packages]
+
+
+def install_requested(flag: bool, environ: Mapping[str, str]) -> str | None:
+    """Why dev.py test may install system packages ("--install-system-deps", "CI=true"); None: it may not."""
+    if flag:
+        return INSTALL_FLAG
+    if environ.get("CI") == "true":
+        return "CI=true"
+    return None
+
+
+def slurm_skip_reason() -> str | None:
+    """Why the SLURM tests skip here, in one line; None when SLURM's commands are all there. Changes nothing."""
     missing = missing_commands(SLURM_COMMANDS)
     if not missing:
         return None
-    packages = [*SLURM_PACKAGES, *([SSH_PACKAGE] if missing_commands(("sshd",)) else [])]
-    if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        return (f"SLURM is not installed ({', '.join(missing)} missing) and only root with apt-get installs it "
-                f"for the tests: apt install {' '.join(SLURM_PACKAGES)}")  # fmt: skip
-    if not quiet:
-        print(f"+ apt-get install {' '.join(packages)} (for the SLURM tests; {', '.join(missing)} missing)", flush=True)
+    return (f"SLURM is not installed ({', '.join(missing)} missing): as root, python3 dev.py test {INSTALL_FLAG} "
+            f"installs {' '.join(SLURM_PACKAGES)} for the tests (or: apt install {' '.join(SLURM_PACKAGES)})")  # fmt: skip
+
+
+def cannot_install() -> str | None:
+    """Why this machine's system packages cannot be installed by dev.py; None when they can."""
+    if os.geteuid() != 0:
+        return "installing system packages needs root"
+    if shutil.which("apt-get") is None:
+        return "dev.py installs them only with apt-get (Debian, Ubuntu), and there is none here"
+    return None
+
+
+@contextmanager
+def services_kept_from_starting(policy: Path = POLICY_RC) -> Iterator[bool]:
+    """While installing: a policy-rc.d that forbids maintainer scripts to start services (invoke-rc.d and
+    deb-systemd-invoke ask it). An existing one is the administrator's (or the container's) and is left
+    alone; yields whether this one is dev.py's.
+    """
+    try:
+        fd = os.open(policy, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o755)
+    except FileExistsError:
+        yield False
+        return
+    with os.fdopen(fd, "w") as f:
+        # 101: "action forbidden by policy". The comment says whose it is should dev.py be killed meanwhile.
+        f.write("#!/bin/sh\n# Written by Rigpilot's dev.py while it installs test packages; remove if left behind.\n"
+                "exit 101\n")  # fmt: skip
+    try:
+        yield True
+    finally:
+        policy.unlink(missing_ok=True)
+
+
+def enablement(root: Path = Path("/")) -> frozenset[Path]:
+    """Every link under `root` that starts a service at boot (or a user's login), masks left out."""
+    found = set()
+    for pattern in ENABLEMENT_GLOBS:
+        for link in root.glob(pattern):
+            if link.is_symlink() and os.readlink(link) != "/dev/null":
+                found.add(link)
+    return frozenset(found)
+
+
+def _unit_of(link: Path, root: Path) -> tuple[str, str]:
+    """(kind, name) of what a link enables: "system" or "user" and its unit, or "sysv" and its script."""
+    parts = link.relative_to(root).parts
+    if parts[1].startswith("rc"):
+        return "sysv", re.sub(r"^S\d*", "", link.name)
+    name = Path(os.readlink(link)).name if link.parent.name in ("system", "user") else link.name
+    return parts[2], name
+
+
+def _service(unit: str) -> str:
+    """ssh for ssh.service and the SysV script ssh: systemctl and update-rc.d each act on both."""
+    return unit.removesuffix(".service")
+
+
+def disable_again(before: frozenset[Path], root: Path = Path("/")) -> list[str]:
+    """Disable what was enabled since `before` (enablement(root) then): the units and scripts, in words.
+
+    With the system's own tools, which work without a running init (systemctl, which also syncs a
+    service's SysV links, and update-rc.d), where the service had nothing enabled before, so that no
+    earlier choice of the administrator's is touched; then by hand whatever new link is left (systemd's
+    removed, a SysV start link renamed to a stop link, as update-rc.d does). Either way the choice
+    lasts: on upgrade, maintainer scripts enable a unit again only where all its links are there, and
+    update-rc.d defaults adds none to a script that has stop links.
+    """
+    new = enablement(root) - before
+    units = sorted({_unit_of(link, root) for link in new})
+    if root == Path("/"):
+        touched_before = {_service(_unit_of(link, root)[1]) for link in before}
+        tools = {"system": ["systemctl", "--no-reload", "--quiet", "disable"],
+                 "user": ["systemctl", "--global", "--quiet", "disable"], "sysv": ["update-rc.d"]}  # fmt: skip
+        for kind, name in units:
+            if _service(name) in touched_before or shutil.which(tools[kind][0]) is None:
+                continue
+            cmd = [*tools[kind], name, *(["disable"] if kind == "sysv" else [])]
+            try:
+                subprocess.run(cmd, capture_output=True, timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                pass  # the links left are undone below
+    for link in enablement(root) - before:
+        if _unit_of(link, root)[0] == "sysv":
+            link.rename(link.with_name("K" + link.name[1:]))
+        else:
+            link.unlink()
+    return [f"{name} (SysV)" if kind == "sysv" else name for kind, name in units]
+
+
+def policy_forbids_starts(policy: Path = POLICY_RC) -> bool:
+    """Whether the policy-rc.d there answers "forbidden" (101) to starting a service, as invoke-rc.d asks it."""
+    try:
+        return subprocess.run([policy, "ssh", "start"], capture_output=True, timeout=30).returncode == 101
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def install_system_packages(packages: list[str]) -> str | None:
+    """apt-get install `packages`, keeping their services from starting and disabling at boot again what
+    they enabled; None when done, else why not in one line."""
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     install = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *packages]
-    own_policy = not POLICY_RC.exists()
+    before = enablement()
+    r: subprocess.CompletedProcess | None = None
     try:
-        if own_policy:
-            POLICY_RC.write_text("#!/bin/sh\nexit 101\n")  # 101: services are not started by package scripts
-            POLICY_RC.chmod(0o755)
-        for cmd in (install, ["apt-get", "update", "-qq"], install):
-            r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=SLURM_INSTALL_SECONDS)
-            if cmd is install and r.returncode == 0:
-                break  # the package lists were fresh enough: no update needed
+        with services_kept_from_starting() as ours:
+            if not ours and not policy_forbids_starts():
+                print(f"  note: {POLICY_RC} is not dev.py's and allows package scripts to start services: it is "
+                      "left alone, so these packages' services may start now", flush=True)  # fmt: skip
+            for cmd in (install, ["apt-get", "update", "-qq"], install):
+                r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=SLURM_INSTALL_SECONDS)
+                if cmd is install and r.returncode == 0:
+                    break  # the package lists were fresh enough: no update needed
     except subprocess.TimeoutExpired:
         return f"installing {' '.join(packages)} took over {SLURM_INSTALL_SECONDS} s"
     finally:
-        if own_policy:
-            POLICY_RC.unlink(missing_ok=True)
-    if r.returncode != 0:
-        why = (r.stderr.strip().splitlines() or ["no reason given"])[-1]
+        # Also after a failure: packages configured before it may have enabled theirs.
+        disabled = disable_again(before)
+        if disabled:
+            print(f"  disabled at boot again what installing them enabled: {', '.join(disabled)}", flush=True)
+    if r is None or r.returncode != 0:
+        why = (r.stderr.strip().splitlines() or ["no reason given"])[-1] if r else "it did not run"
         return f"apt-get could not install {' '.join(packages)}: {why}"
-    missing = missing_commands(SLURM_COMMANDS)
-    return f"SLURM is still incomplete after installing it: {', '.join(missing)} missing" if missing else None
+    return None
+
+
+def prepare_test_system(flag: bool) -> str | None:
+    """Install the test-only system packages where asked to; why the SLURM tests will skip, or None.
+
+    Asked to means --install-system-deps or CI=true (which .ci/run's environment sets): a developer's
+    own machine is never changed unasked. Says what it installs, and why, before it does.
+    """
+    missing = missing_system_packages()
+    why = install_requested(flag, os.environ)
+    if missing and why:
+        if reason := cannot_install():
+            if flag:
+                sys.exit(f"dev.py: {INSTALL_FLAG}: {reason}. Install them yourself (sudo apt-get install "
+                         f"--no-install-recommends {' '.join(missing)}) or leave the flag out: the tests that "
+                         "need them skip.")  # fmt: skip
+            slurm = slurm_skip_reason()
+            return f"{slurm} ({why}, but {reason})" if slurm else None
+        commands = [c for _, cmds in TEST_SYSTEM_PACKAGES for c in missing_commands(cmds)]
+        print(f"dev.py test ({why}): installing {' '.join(missing)} system-wide with apt-get, for the SLURM tests "
+              f"({', '.join(commands)} missing). Their services are not started, and what they enable at boot "
+              "is disabled again.", flush=True)  # fmt: skip
+        if failed := install_system_packages(missing):
+            return failed
+    return slurm_skip_reason()
+
+
+MAX_TEST_WORKERS = 4
+
+
+def pytest_workers(pytest_args: list[str]) -> list[str]:
+    """pytest-xdist's options for the suite: one test process per core, up to MAX_TEST_WORKERS.
+
+    Most of the suite's time is spent waiting on other processes (engines, torchrun ranks, Xvfb, apt),
+    so on 2 cores two test processes take about two thirds of the time of one. A file's tests stay
+    together on one process (--dist loadfile): many share a module fixture (a trained job, a built
+    .deb). More processes than cores would make the multi-rank jobs wait on each other for the CPU.
+    Nothing is added where the arguments choose for themselves (-n, -p no:xdist) or ask for one test
+    process (--pdb, --trace, --lf, --sw).
+    """
+    own = ("-n", "--numprocesses", "--dist", "-d", "--pdb", "--trace", "--lf", "--sw")
+    if any(a.split("=")[0] in own or (a.startswith("-n") and a[2:].isdigit()) for a in pytest_args):
+        return []
+    if any(pair == ("-p", "no:xdist") for pair in itertools.pairwise(pytest_args)):
+        return []
+    workers = min(len(os.sched_getaffinity(0)), MAX_TEST_WORKERS)
+    return ["-n", str(workers), "--dist", "loadfile"] if workers > 1 else []
 
 
 def cmd_test(args: list[str]) -> int:
+    install_flag, args = split_test_args(args)
+    if wants_help(args):  # dev.py's own option, then pytest's; nothing is installed for that
+        print(TEST_HELP, flush=True)
+        ensure_env()
+        return subprocess.run([str(venv_bin("python")), "-m", "pytest", *args], cwd=ROOT).returncode
+    why_not = prepare_test_system(install_flag)
     ensure_env()
-    why_not = ensure_slurm()
     if why_not:
         print(f"note: the SLURM tests will skip: {why_not}", flush=True)
     env = {**os.environ, "QT_QPA_PLATFORM": os.environ.get("QT_QPA_PLATFORM", "offscreen")}
     steps: list[list[str | Path]] = [
         [venv_bin("ruff"), "check", "app", "engine", "tests", "benchmarks", "packaging", "examples", "rigpilot/__init__.py", "dev.py"],
         [venv_bin("lint-imports")],
-        [venv_bin("python"), "-m", "pytest", *args],
+        [venv_bin("python"), "-m", "pytest", *pytest_workers(args), *args],
     ]
     for command in steps:
         print("+", " ".join(str(c) for c in command), flush=True)
@@ -265,7 +493,20 @@ def cmd_test(args: list[str]) -> int:
     return 0
 
 
+def window_problem() -> str | None:
+    """Why the app's window cannot open on this machine, in one line; None when it can (or the check is skipped)."""
+    spec = importlib.util.spec_from_file_location("rigpilot_qt_runtime", ROOT / "packaging" / "qt_runtime.py")
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module.check()
+
+
 def cmd_app(args: list[str]) -> int:
+    # Asked first: a missing system library must not cost the newcomer the whole set-up and then a Qt abort.
+    problem = window_problem()
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
     ensure_env()
     os.execv(venv_bin("rigpilot"), [str(venv_bin("rigpilot")), *args])
     return 0  # not reached
@@ -276,7 +517,7 @@ def main() -> int:
         sys.exit(f"Rigpilot needs Python 3.11 or newer; this is {sys.version.split()[0]}.")
     if len(sys.argv) < 2 or sys.argv[1] not in ("app", "test", "setup"):
         print(__doc__.strip())
-        return 2
+        return 0 if sys.argv[1:2] in (["-h"], ["--help"], ["help"]) else 2
     verb, rest = sys.argv[1], sys.argv[2:]
     try:
         if verb == "setup":

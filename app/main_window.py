@@ -39,6 +39,7 @@ from PySide6.QtWidgets import (
 from rigpilot.app import tasks
 from rigpilot.app.engine_link import CONNECTED, CONNECTING, GONE, EngineLink
 from rigpilot.app.identity import APP_ID, APP_NAME
+from rigpilot.app.widgets.window_size import first_size, keep_on_screen
 from rigpilot.engine.service.protocol import JOB_DATABASE_REBUILT, JOBS_PUT_BACK, TELEMETRY_RESET
 
 # (key, title, "module:Class"): each page lives in its own folder and is built with the EngineLink.
@@ -381,6 +382,8 @@ class MainWindow(QMainWindow):
         super().paintEvent(event)
         if not self._painted:
             self._painted = True
+            # Mapped, so the window manager's frame is known: a title bar taller than allowed for is not cut off.
+            QTimer.singleShot(0, self, lambda: keep_on_screen(self))
             if self._exit_after_first_paint:
                 QTimer.singleShot(0, self._first_frame_done)  # runs once the children of this frame are painted too
             else:
@@ -398,7 +401,7 @@ class MainWindow(QMainWindow):
         if geometry is not None:
             self.restoreGeometry(geometry)
         else:
-            self.resize(1280, 820)
+            self.resize(first_size(self.screen()))
         splitter = self.settings.value("window/splitter")
         if splitter is not None:
             self.splitter.restoreState(splitter)

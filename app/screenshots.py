@@ -7,7 +7,8 @@ the empty Jobs page, opens the job wizard with New job… (Ctrl+N) and walks it
 with its defaults (the shipped tiny example: train tiny-llama
 from scratch on Shakespeare), takes the dashboard and topology while that job
 runs, plans llama-2-7b on the Planner page, waits for the job to complete so
-the Jobs page shows its loss curve, and saves every picture at 1280×820. It
+the Jobs page shows its loss curve, and saves every picture at the size the
+main window opens at on a 1280×800 screen (1272×756: app/widgets/window_size.py). It
 prints each file's path; it exits 1 naming what did not happen (pictures
 taken until then are kept), and always stops the service it started.
 
@@ -26,7 +27,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-SIZE = (1280, 820)
+from rigpilot.app.widgets.window_size import small_screen_size
+
+SIZE = (small_screen_size().width(), small_screen_size().height())
 PROFILE = "4x-rtx4090"
 TELEMETRY_PERIOD_S = "0.5"
 START_TIMEOUT_S = 60.0

@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bundle
 import debcopyright
 import lockfile
+import qt_runtime
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = ROOT / "packaging"
@@ -56,15 +57,9 @@ PYPI = "https://pypi.org/simple"
 LOCK_NAME = "bundle.lock"  # in /opt/rigpilot: the versions and hashes of every bundled wheel (packaging/lockfile.py)
 LOCK = HERE / LOCK_NAME  # what a build installs, pinned: the same wheels whenever the same commit is built
 
-# What the bundled Qt (PySide6 wheels) loads from the system for X11, Wayland and offscreen. Debian 13
-# and Ubuntu 24.04 renamed some libraries in the 64-bit time_t transition: the t64 name comes first.
-QT_RUNTIME = [
-    "libegl1", "libgl1", "libopengl0", "libxkbcommon0", "libxkbcommon-x11-0", "libfontconfig1",
-    "libfreetype6", "libdbus-1-3", "libglib2.0-0t64 | libglib2.0-0", "libx11-xcb1", "libxcb-cursor0",
-    "libxcb-icccm4", "libxcb-image0", "libxcb-keysyms1", "libxcb-randr0", "libxcb-render-util0",
-    "libxcb-shape0", "libxcb-xinerama0", "libxcb-xkb1", "libxrender1", "libxi6", "libsm6", "libice6",
-    "libwayland-client0", "libwayland-cursor0",
-]  # fmt: skip
+# What the bundled Qt (PySide6 wheels) loads from the system for X11, Wayland and offscreen: the list
+# dev.py app checks too (packaging/qt-runtime.toml).
+QT_RUNTIME = qt_runtime.load().debian_depends()
 # The interpreters the bundled libraries are built for (bundle.PYTHONS). Not python3-venv: Debian splits
 # off only ensurepip and pip's wheels, and `venv --without-pip` (all the postinst runs) works without them.
 PYTHON_DEPENDS = ["python3 (>= 3.11)", "python3 (<< 3.14)"]

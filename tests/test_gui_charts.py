@@ -1,4 +1,4 @@
-"""Charts from a user's chair: the wheel scrolls the page, the job's charts fit a 1280x800 window,
+"""Charts from a user's chair: the wheel scrolls the page, the job's charts fit the window on a 1280x800 screen,
 titles are whole, legends stay off the data, and a simulated machine's plan is called a GPU plan."""
 
 from __future__ import annotations
@@ -16,6 +16,9 @@ from test_gui_jobs import GIB, FakeJobs, step_record
 from rigpilot.app.jobs.charts import StepPlot, compact, round_up
 from rigpilot.app.main_window import MainWindow
 from rigpilot.app.widgets.time_chart import TimeChart
+from rigpilot.app.widgets.window_size import small_screen_size
+
+FIRST = small_screen_size()  # the window as it opens on a 1280×800 screen, title bar included
 
 # A tiny model's plan on a simulated 4xRTX 4090, as `rigpilot plan --json` gives it.
 PLAN = {"peak_memory_bytes": 1_002_710_131, "tokens_per_s": 4.662e6, "step_time_s": 0.0002}
@@ -82,13 +85,13 @@ def test_the_dashboards_live_chart_leaves_the_wheel_to_the_page_too(qtbot):
     assert area.verticalScrollBar().value() == 0
 
 
-def open_window_on_job(qtbot, job: dict[str, Any], steps: int = 40, width: int = 1280) -> MainWindow:
+def open_window_on_job(qtbot, job: dict[str, Any], steps: int = 40, width: int = FIRST.width()) -> MainWindow:
     link = FakeLink("4x-rtx4090")
     engine = FakeJobs(link, [job])
     engine.records[job["id"]] = [step_record(s, rank) for s in range(1, steps + 1) for rank in (0, 1)]
     window = MainWindow(link)
     qtbot.addWidget(window)
-    window.resize(width, 800)
+    window.resize(width, FIRST.height())
     window.show()
     qtbot.waitExposed(window)
     link.connect_engine()
@@ -118,7 +121,7 @@ def visible_in(widget: QWidget, area: QScrollArea) -> bool:
     return QRect(QPoint(0, 0), view.size()).contains(QRect(top_left, widget.size()))
 
 
-def test_every_job_chart_is_on_screen_at_1280x800(qtbot):
+def test_every_job_chart_is_on_screen_in_the_first_window_on_a_1280x800_screen(qtbot):
     window = open_window_on_job(qtbot, a_job(predicted=PLAN))
     charts = window.pages["jobs"].detail.charts
     area = charts.parentWidget()
@@ -135,12 +138,12 @@ def test_every_job_chart_is_on_screen_at_1280x800(qtbot):
     assert max(heights) - min(heights) <= 2, heights  # the two rows share the height: loss is not the short one
 
 
-@pytest.mark.parametrize(("simulated", "width"), [(True, 1280), (False, 1280), (True, 1000)])
+@pytest.mark.parametrize(("simulated", "width"), [(True, FIRST.width()), (False, FIRST.width()), (True, 1000)])
 def test_chart_titles_are_whole_and_the_legend_is_off_the_data(qtbot, simulated, width):
     # A plan far off what the ranks measure: the longest titles the charts write.
     window = open_window_on_job(qtbot, a_job(simulated=simulated, predicted=PLAN), width=width)
     charts = window.pages["jobs"].detail.charts
-    assert charts.columns == (4 if width == 1280 else 2)  # a narrow page: two columns, not cramped charts
+    assert charts.columns == (4 if width == FIRST.width() else 2)  # a narrow page: two columns, not cramped charts
     for plot in (charts.loss, charts.lr, charts.speed, charts.step_time, charts.mfu, charts.memory_per_rank):
         label = plot.getPlotItem().titleLabel
         text_width = label.item.boundingRect().width()

@@ -25,6 +25,7 @@ from PySide6.QtWidgets import QApplication, QMessageBox
 
 from rigpilot.app.engine_link import CONNECTED, EngineLink
 from rigpilot.app.main_window import MainWindow
+from rigpilot.app.screenshots import SIZE
 from rigpilot.app.wizard.page_base import LAUNCH
 from rigpilot.app.wizard.state import examples_present
 from rigpilot.app.wizard.wizard import JobWizard
@@ -230,7 +231,7 @@ def test_screenshots_of_every_view_and_wizard_page(tmp_path):
     assert {str(out / f"{n}.png") for n in names} <= set(r.stdout.splitlines())
     for png in out.glob("*.png"):
         image = QImage(str(png))
-        assert (image.width(), image.height()) == (1280, 820), png.name
+        assert (image.width(), image.height()) == SIZE, png.name
     assert "propagateSizeHints" not in r.stderr
 
 

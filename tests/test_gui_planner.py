@@ -55,7 +55,7 @@ def open_page(qtbot, profile: str = "8x-a100-pcie", *, connect: bool = True, job
     link.replies["plan"] = real_plan_reply(link.machine_obj)
     page = PlannerPage(link)
     qtbot.addWidget(page)
-    page.resize(1130, 780)  # what the main window leaves a page at 1280×820
+    page.resize(1118, 734)  # what the main window leaves a page when it opens on a 1280×800 screen
     page.show()
     qtbot.waitExposed(page)
     if connect:

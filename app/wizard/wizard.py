@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from PySide6.QtCore import QSettings, Signal
+from PySide6.QtCore import QSettings, QSize, Signal
 from PySide6.QtGui import QKeySequence, QShortcut
 from PySide6.QtWidgets import QWidget, QWizard
 
@@ -29,6 +29,7 @@ from rigpilot.app.planner.gpu_selector import BusyGpus
 from rigpilot.app.planner.model import error_text
 from rigpilot.app.tasks import run_in_background
 from rigpilot.app.widgets.engine_messages import machine_dict
+from rigpilot.app.widgets.window_size import first_size
 from rigpilot.app.wizard import engine_requests
 from rigpilot.app.wizard.data_check import DataReport
 from rigpilot.app.wizard.host import DATA, GPUS, HYPER, LAUNCH, MODEL, PLAN, REVIEW, TASK
@@ -126,7 +127,7 @@ class JobWizard(QWizard):
         for keys in ("Ctrl+Return", "Ctrl+Enter"):
             QShortcut(QKeySequence(keys), self, self._next_by_key)
         self.button(QWizard.WizardButton.NextButton).setToolTip("Next (Ctrl+Enter)")
-        self.resize(1000, 720)
+        self.resize(first_size(self.screen(), QSize(1000, 720)))  # smaller where the screen is, title bar included
         link.sig_machine.connect(self._on_machine)
 
     def _next_by_key(self) -> None:
