@@ -53,6 +53,18 @@ from rigpilot.engine.given_path import FOLDER, check_given_path
 from rigpilot.engine.runtime import env_dir, env_python, uv_cache_dir
 
 SHIPPED_WHEELS = Path("/opt/rigpilot/wheels")  # where the .deb puts its wheels
+
+
+def shipped_wheels() -> Path | None:
+    """The .deb's wheel folder, for the Rigpilot the .deb installed only (its code lies under /opt/rigpilot).
+
+    A source checkout or a pip install on a machine that also has the package must not build its engine
+    environment from another installation's wheels, which a purge may take away half-way through.
+    """
+    here = Path(__file__).resolve()
+    if SHIPPED_WHEELS.parent in here.parents and SHIPPED_WHEELS.is_dir():
+        return SHIPPED_WHEELS
+    return None
 PYTORCH_INDEX = "https://download.pytorch.org/whl"
 # The app's own dependencies the workers never import (cryptography: the engine service's TLS certificate):
 # the engine environment goes without them.
@@ -401,7 +413,8 @@ def self_source() -> tuple[str, Path | None]:
     The .deb's shipped wheel; else this source checkout (uv builds it); else the installed distribution's own
     files (pip, pipx and `uv tool` installs), zipped back into a wheel.
     """
-    shipped = [w for w in sorted(SHIPPED_WHEELS.glob("rigpilot-*.whl")) if wheel_version(w) == __version__]
+    folder = shipped_wheels()
+    shipped = [w for w in sorted(folder.glob("rigpilot-*.whl")) if wheel_version(w) == __version__] if folder else []
     if shipped:
         return "shipped wheel", shipped[-1]
     root = checkout_root()
@@ -541,7 +554,7 @@ def install(
     base = base_python or (None if have else default_base_python())
     version = python_version(base) if base else have
     create_with = base if base and version != have else None
-    shipped = [SHIPPED_WHEELS] if SHIPPED_WHEELS.is_dir() else []  # Rigpilot and its light dependencies
+    shipped = [folder] if (folder := shipped_wheels()) else []  # Rigpilot and its light dependencies
     env = uv_environment()
     uv = _uv()
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,7 @@ import pytest
 from rigpilot.engine import __version__, provision, runtime
 from rigpilot.engine.cli import main as cli_main
 from rigpilot.engine.errors import UserError
+from rigpilot.engine.given_path import shown
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -351,7 +352,9 @@ def test_bad_install_options_get_one_line(xdg, fake_uv, capsys, argv, message):
     argv = [a.format(w=w, tmp=xdg) for a in argv]
     assert cli_main(["engine-env", "install", *argv]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and message.format(tmp=xdg) in err
+    for path in ("{tmp}/nowhere/python3", "{tmp}/nowhere"):  # a long temporary folder is shortened in the message
+        message = message.replace(path, shown(path.format(tmp=xdg)))
+    assert err.count("\n") == 1 and message in err
     assert not (fake_uv / "calls.jsonl").exists()  # nothing ran
 
 
@@ -475,3 +478,15 @@ def test_ranks_get_no_pythonpath_from_rigpilot(tmp_path, monkeypatch):
     assert _rank_environment(tmp_path)["PYTHONPATH"] == "/home/u/research"
     # The engine environment's own tools (uv, the status probe) drop the app's PYTHONPATH too.
     assert "PYTHONPATH" not in provision.uv_environment() and "PYTHONPATH" not in runtime.standalone_environment()
+
+
+def test_only_the_packaged_rigpilot_builds_from_the_packages_wheels(tmp_path, monkeypatch):
+    """A checkout on a machine that also has the .deb must not take its wheels: a purge removes them mid-install."""
+    prefix = tmp_path / "opt" / "rigpilot"
+    (prefix / "wheels").mkdir(parents=True)
+    monkeypatch.setattr(provision, "SHIPPED_WHEELS", prefix / "wheels")
+    assert provision.shipped_wheels() is None  # this checkout's own code is elsewhere
+    monkeypatch.setattr(provision, "__file__", str(prefix / "lib/common/rigpilot/engine/provision.py"))
+    assert provision.shipped_wheels() == prefix / "wheels"
+    (prefix / "wheels").rmdir()
+    assert provision.shipped_wheels() is None
