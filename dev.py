@@ -3,6 +3,7 @@
 
     python3 dev.py app      # set up .venv if needed, then launch Rigpilot
     python3 dev.py test     # set up .venv if needed, then lint and run the whole test suite
+                            # (one test process per core, up to 4; -n 1 for one)
     python3 dev.py setup    # only set up .venv
     python3 dev.py test --help                  # test's own option, then pytest's (arguments go to pytest)
     python3 dev.py test --install-system-deps   # also install what the SLURM tests need (root, apt-get)

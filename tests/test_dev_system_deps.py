@@ -297,3 +297,16 @@ def test_in_debian13_only_ci_installs_the_test_packages_and_leaves_no_service_en
         if not cache.is_dir():
             _keep_apt_cache(root, cache)
     assert not (base / "usr/sbin/slurmd").exists()  # the cached root is as it was
+
+
+@pytest.mark.parametrize("args, cores, expected", [
+    ([], 2, ["-n", "2", "--dist", "loadfile"]),
+    (["tests/test_cli.py", "-k", "plan"], 16, ["-n", "4", "--dist", "loadfile"]),  # never more than four
+    ([], 1, []),
+    (["-n", "1"], 2, []), (["-n3"], 2, []), (["--numprocesses=3"], 2, []), (["-p", "no:xdist"], 2, []),
+    (["--pdb"], 2, []), (["--lf"], 2, []),
+])  # fmt: skip
+def test_the_suite_runs_on_one_test_process_per_core_unless_the_arguments_choose(dev, monkeypatch, args, cores,
+                                                                                 expected):  # fmt: skip
+    monkeypatch.setattr(dev.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    assert dev.pytest_workers(args) == expected
