@@ -10,7 +10,6 @@ database server to every test run for the same answer).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import signal
@@ -21,17 +20,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from dev_script import load_dev
 
 REPO = Path(__file__).resolve().parents[1]
 PARTITION = "rigtest"
 
 
 def _dev():
-    spec = importlib.util.spec_from_file_location("rigpilot_dev_for_slurm", REPO / "dev.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_dev("rigpilot_dev_for_slurm")
 
 
 def _free_ports(n: int) -> list[int]:

@@ -22,6 +22,7 @@ from importlib.machinery import ModuleSpec
 from pathlib import Path
 
 import pytest
+from dev_script import load_dev
 
 REPO = Path(__file__).resolve().parents[1]
 VERSION = f"{sys.version_info.major}.{sys.version_info.minor}"
@@ -73,9 +74,7 @@ CUDA_REPORT = {
 @pytest.fixture
 def dev(tmp_path, monkeypatch):
     """dev.py as a module, its venv in a temporary folder."""
-    spec = importlib.util.spec_from_file_location("rigpilot_dev_script", REPO / "dev.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_dev()
     monkeypatch.setattr(module, "VENV", tmp_path / "venv")
     monkeypatch.setattr(module, "STAMP", tmp_path / "venv" / ".rigpilot-setup")
     monkeypatch.delenv("RIGPILOT_ALLOW_CUDA_TORCH", raising=False)

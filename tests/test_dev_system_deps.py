@@ -8,7 +8,6 @@ enabled services on a real folder tree. The last test does it for real in a Debi
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -18,17 +17,14 @@ from pathlib import Path
 
 import debian_root
 import pytest
+from dev_script import load_dev
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("python3", "python3-venv")  # the root test_debian_root uses too: built once, cached
 
 
 def _load_dev():
-    spec = importlib.util.spec_from_file_location("rigpilot_dev_sysdeps", REPO / "dev.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_dev("rigpilot_dev_sysdeps")
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from dev_script import load_dev
 
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.simulated import load_profile
@@ -146,13 +147,7 @@ def test_the_submitted_script_is_the_planners_export(tmp_path, monkeypatch):
 
 
 def _dev_script():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("rigpilot_dev_slurm", Path(__file__).resolve().parents[1] / "dev.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_dev("rigpilot_dev_slurm")
 
 
 def test_without_slurm_the_tests_say_in_one_line_why_they_skip_and_how_to_get_it(monkeypatch):
