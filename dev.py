@@ -315,15 +315,21 @@ def services_kept_from_starting(policy: Path = POLICY_RC) -> Iterator[bool]:
     deb-systemd-invoke ask it). An existing one is the administrator's (or the container's) and is left
     alone; yields whether this one is dev.py's.
     """
+    # 101: "action forbidden by policy". The comment says whose it is should dev.py be killed meanwhile.
+    ours = "#!/bin/sh\n# Written by Rigpilot's dev.py while it installs test packages; remove if left behind.\nexit 101\n"
     try:
         fd = os.open(policy, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o755)
     except FileExistsError:
-        yield False
-        return
-    with os.fdopen(fd, "w") as f:
-        # 101: "action forbidden by policy". The comment says whose it is should dev.py be killed meanwhile.
-        f.write("#!/bin/sh\n# Written by Rigpilot's dev.py while it installs test packages; remove if left behind.\n"
-                "exit 101\n")  # fmt: skip
+        try:
+            left_behind = policy.read_text() == ours  # by a dev.py that was killed: it must not block services for good
+        except (OSError, UnicodeDecodeError):
+            left_behind = False
+        if not left_behind:
+            yield False
+            return
+    else:
+        with os.fdopen(fd, "w") as f:
+            f.write(ours)
     try:
         yield True
     finally:
@@ -398,7 +404,8 @@ def install_system_packages(packages: list[str]) -> str | None:
     """apt-get install `packages`, keeping their services from starting and disabling at boot again what
     they enabled; None when done, else why not in one line."""
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *packages]
+    wait = ["-o", "DPkg::Lock::Timeout=300"]  # a freshly booted machine's unattended-upgrades holds the lock a while
+    install = ["apt-get", *wait, "install", "-y", "-qq", "--no-install-recommends", *packages]
     before = enablement()
     r: subprocess.CompletedProcess | None = None
     try:
@@ -406,7 +413,7 @@ def install_system_packages(packages: list[str]) -> str | None:
             if not ours and not policy_forbids_starts():
                 print(f"  note: {POLICY_RC} is not dev.py's and allows package scripts to start services: it is "
                       "left alone, so these packages' services may start now", flush=True)  # fmt: skip
-            for cmd in (install, ["apt-get", "update", "-qq"], install):
+            for cmd in (install, ["apt-get", *wait, "update", "-qq"], install):
                 r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=SLURM_INSTALL_SECONDS)
                 if cmd is install and r.returncode == 0:
                     break  # the package lists were fresh enough: no update needed
@@ -461,10 +468,10 @@ def pytest_workers(pytest_args: list[str]) -> list[str]:
     Nothing is added where the arguments choose for themselves (-n, -p no:xdist) or ask for one test
     process (--pdb, --trace, --lf, --sw).
     """
-    own = ("-n", "--numprocesses", "--dist", "-d", "--pdb", "--trace", "--lf", "--sw")
+    own = ("-n", "--numprocesses", "--dist", "-d", "--pdb", "--trace", "--lf", "--last-failed", "--sw", "--stepwise")
     if any(a.split("=")[0] in own or (a.startswith("-n") and a[2:].isdigit()) for a in pytest_args):
         return []
-    if any(pair == ("-p", "no:xdist") for pair in itertools.pairwise(pytest_args)):
+    if "-pno:xdist" in pytest_args or any(pair == ("-p", "no:xdist") for pair in itertools.pairwise(pytest_args)):
         return []
     workers = min(len(os.sched_getaffinity(0)), MAX_TEST_WORKERS)
     return ["-n", str(workers), "--dist", "loadfile"] if workers > 1 else []
@@ -504,7 +511,8 @@ def window_problem() -> str | None:
 
 def cmd_app(args: list[str]) -> int:
     # Asked first: a missing system library must not cost the newcomer the whole set-up and then a Qt abort.
-    problem = window_problem()
+    # Only for the window: with arguments it is a command, --self-test or --screenshots (offscreen), or --help.
+    problem = None if args else window_problem()
     if problem:
         print(problem, file=sys.stderr)
         return 2

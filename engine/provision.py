@@ -62,7 +62,7 @@ def shipped_wheels() -> Path | None:
     environment from another installation's wheels, which a purge may take away half-way through.
     """
     here = Path(__file__).resolve()
-    if SHIPPED_WHEELS.parent in here.parents and SHIPPED_WHEELS.is_dir():
+    if SHIPPED_WHEELS.parent.resolve() in here.parents and SHIPPED_WHEELS.is_dir():  # /opt may be a link
         return SHIPPED_WHEELS
     return None
 PYTORCH_INDEX = "https://download.pytorch.org/whl"

@@ -118,8 +118,13 @@ def own_abi(ldconfig_output: str, maps: str) -> str | None:
     for line in ldconfig_output.splitlines():
         m = _LDCONFIG_LINE.match(line)
         if m and m.group(1) == "libc.so.6" and os.path.realpath(m.group(3)) in mapped:
-            return m.group(2)
+            return _kind(m.group(2))
     return None
+
+
+def _kind(label: str) -> str:
+    """"libc6,x86-64" of ldconfig's label: older ldconfigs add ", OS ABI: Linux 3.2.0" or ", hwcap: …" to some."""
+    return ",".join(part.strip() for part in label.split(",")[:2])
 
 
 def cached_sonames(ldconfig_output: str, abi: str | None) -> set[str]:
@@ -127,7 +132,7 @@ def cached_sonames(ldconfig_output: str, abi: str | None) -> set[str]:
     found = set()
     for line in ldconfig_output.splitlines():
         m = _LDCONFIG_LINE.match(line)
-        if m and (abi is None or m.group(2) == abi):
+        if m and (abi is None or _kind(m.group(2)) == abi):
             found.add(m.group(1))
     return found
 

@@ -132,12 +132,16 @@ def _entry(release: str, packages: Sequence[str], cache_dir: Path | None) -> Pat
     return (cache_dir or default_cache_dir()) / _key(release, packages)
 
 
+APT_WAIT = ("-o", "DPkg::Lock::Timeout=300")
+
+
 def _apt_install(*names: str) -> None:
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    cmd = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *names]
+    # DPkg::Lock::Timeout: another test process (or unattended-upgrades) may be installing right now.
+    cmd = ["apt-get", *APT_WAIT, "install", "-y", "-q", "--no-install-recommends", *names]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     if r.returncode != 0:  # stale package lists on a fresh machine
-        subprocess.run(["apt-get", "update", "-q"], capture_output=True, env=env, timeout=600)
+        subprocess.run(["apt-get", *APT_WAIT, "update", "-q"], capture_output=True, env=env, timeout=600)
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     if r.returncode != 0:
         raise RuntimeError(f"apt-get install {' '.join(names)} failed: {(r.stdout + r.stderr)[-2000:]}")

@@ -144,6 +144,14 @@ def test_its_policy_rc_forbids_starting_services_and_goes_again_but_an_existing_
     assert policy.read_text() == "#!/bin/sh\nexit 0\n"
     assert not dev.policy_forbids_starts(tmp_path / "none")
 
+    # One a killed dev.py left behind is dev.py's: used, then removed, so services are not blocked for good.
+    with dev.services_kept_from_starting(policy := tmp_path / "left-behind") as ours:
+        first = policy.read_text()
+    policy.write_text(first)
+    with dev.services_kept_from_starting(policy) as ours:
+        assert ours
+    assert not policy.exists()
+
 
 def _link(root: Path, path: str, target: str) -> None:
     (root / path).parent.mkdir(parents=True, exist_ok=True)
@@ -300,7 +308,7 @@ def test_in_debian13_only_ci_installs_the_test_packages_and_leaves_no_service_en
     (["tests/test_cli.py", "-k", "plan"], 16, ["-n", "4", "--dist", "loadfile"]),  # never more than four
     ([], 1, []),
     (["-n", "1"], 2, []), (["-n3"], 2, []), (["--numprocesses=3"], 2, []), (["-p", "no:xdist"], 2, []),
-    (["--pdb"], 2, []), (["--lf"], 2, []),
+    (["-pno:xdist"], 2, []), (["--pdb"], 2, []), (["--lf"], 2, []), (["--stepwise"], 2, []),
 ])  # fmt: skip
 def test_the_suite_runs_on_one_test_process_per_core_unless_the_arguments_choose(dev, monkeypatch, args, cores,
                                                                                  expected):  # fmt: skip

@@ -82,10 +82,11 @@ def _may_install() -> str | None:
 
 def _apt(*args: str, env: dict | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive", **(env or {})}
-    r = run(["apt-get", *args], env=env, timeout=timeout)
+    wait = ["-o", "DPkg::Lock::Timeout=300"]  # the other test process may be installing (a Debian root's tools)
+    r = run(["apt-get", *wait, *args], env=env, timeout=timeout)
     if r.returncode != 0 and args[0] == "install":  # stale package lists on a fresh machine
-        run(["apt-get", "update", "-q"], env=env, timeout=timeout)
-        r = run(["apt-get", *args], env=env, timeout=timeout)
+        run(["apt-get", *wait, "update", "-q"], env=env, timeout=timeout)
+        r = run(["apt-get", *wait, *args], env=env, timeout=timeout)
     return r
 
 

@@ -87,6 +87,17 @@ def test_a_library_of_the_other_kind_does_not_count():
     assert "apt install libxcb-cursor0;" in problem({"DISPLAY": ":0"}, qt_runtime.cached_sonames(text, abi))
 
 
+def test_an_ldconfig_that_labels_libc_with_its_os_abi_still_counts_every_library():
+    """Older ldconfigs (Ubuntu 22.04, RHEL 9) print "(libc6,x86-64, OS ABI: Linux 3.2.0)" for libc only."""
+    maps = "7f00-7f01 r-xp 00000000 08:01 12 /usr/lib/x86_64-linux-gnu/libc.so.6\n"
+    text = listing(sorted(without())).replace("libc.so.6 (libc6,x86-64)", "libc.so.6 (libc6,x86-64, OS ABI: Linux 3.2.0)")
+    text += "\tlibxcb-shm.so.0 (libc6,x86-64, hwcap: 0x0000000000000001) => /usr/lib/x86_64-linux-gnu/libxcb-shm.so.0\n"
+    abi = qt_runtime.own_abi(text, maps)
+    assert abi == ABI
+    assert qt_runtime.cached_sonames(text, abi) == without() | {"libxcb-shm.so.0"}
+    assert problem({"DISPLAY": ":0"}, qt_runtime.cached_sonames(text, abi)) is None
+
+
 def test_qt_tries_wayland_first_where_the_session_is_wayland():
     assert qt_runtime.plugins({}) == ["xcb"]
     assert qt_runtime.plugins({"DISPLAY": ":0"}) == ["xcb"]
@@ -341,8 +352,12 @@ def test_dev_py_app_names_the_missing_libraries_before_it_sets_anything_up(tmp_p
         pytest.skip("no ldconfig here")
     real = subprocess.run([ldconfig, "-p"], capture_output=True, text=True, timeout=30).stdout
     gone = ("libxcb-cursor.so.0", "libxcb-icccm.so.4", "libxcb-keysyms.so.1")
-    (tmp_path / "listing").write_text("".join(line for line in real.splitlines(keepends=True)
-                                              if line.split(" ", 1)[0].strip() not in gone))  # fmt: skip
+    # This machine's own libc lines (dev.py tells its kind of library by them), then every library the check
+    # asks for but the three: a machine that lacks others too (headless, Wayland only) gets the same answer.
+    libc = [line for line in real.splitlines() if line.split(" ", 1)[0].strip() == "libc.so.6"]
+    label = libc[0].split("(", 1)[1].split(")", 1)[0] if libc else "libc6,x86-64"
+    others = [f"\t{s} ({label}) => /usr/lib/{s}" for s in sorted(everything() - set(gone) - {"libc.so.6"})]
+    (tmp_path / "listing").write_text("\n".join(["1 libs found in cache", *libc, *others]) + "\n")
     fake = tmp_path / "bin" / "ldconfig"
     fake.parent.mkdir()
     fake.write_text(f"#!/bin/sh\nexec cat {tmp_path / 'listing'}\n")
