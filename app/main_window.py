@@ -92,6 +92,16 @@ class Pages(Mapping[str, QWidget]):
         return len(_KEYS)
 
 
+def _banner(name: str, background: str, color: str) -> QLabel:
+    """A hidden full-width line of bold text across the top of the window (simulated machine, engine gone)."""
+    label = QLabel()
+    label.setObjectName(name)
+    label.setWordWrap(True)
+    label.setStyleSheet(f"#{name} {{ background: {background}; color: {color}; padding: 6px 10px; font-weight: bold; }}")
+    label.hide()
+    return label
+
+
 class MainWindow(QMainWindow):
     def __init__(self, link: EngineLink | None = None):
         super().__init__()
@@ -104,21 +114,9 @@ class MainWindow(QMainWindow):
         self._exit_after_first_paint = os.environ.get(EXIT_AFTER_FIRST_PAINT) == "1"
         self._painted = False
 
-        self.banner = QLabel()
-        self.banner.setObjectName("simulatedBanner")
-        self.banner.setWordWrap(True)
-        self.banner.setStyleSheet(
-            "#simulatedBanner { background: #fff3cd; color: #664d03; padding: 6px 10px; font-weight: bold; }"
-        )
-        self.banner.hide()
+        self.banner = _banner("simulatedBanner", background="#fff3cd", color="#664d03")
         # Rigpilot uninstalled under the open window (EngineLink's GONE): one line, and no more reconnecting.
-        self.gone_bar = QLabel()
-        self.gone_bar.setObjectName("engineGoneBanner")
-        self.gone_bar.setWordWrap(True)
-        self.gone_bar.setStyleSheet(
-            "#engineGoneBanner { background: #f8d7da; color: #58151c; padding: 6px 10px; font-weight: bold; }"
-        )
-        self.gone_bar.hide()
+        self.gone_bar = _banner("engineGoneBanner", background="#f8d7da", color="#58151c")
         # What the engine did by itself (a job list rebuilt from the job folders): told once, so it stays
         # on screen until the user has read it and dismisses it.
         self.notice_text = QLabel()
