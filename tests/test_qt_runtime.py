@@ -13,7 +13,6 @@ import importlib.util
 import os
 import re
 import shutil
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +23,9 @@ REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("qt_runtime", REPO / "packaging" / "qt_runtime.py")
 qt_runtime = sys.modules["qt_runtime"] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(qt_runtime)
+_spec = importlib.util.spec_from_file_location("rigpilot_packaging_elf", REPO / "packaging" / "elf.py")
+elf = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(elf)  # the reader the Qt trim follows links with: the two agree by construction
 
 RUNTIME = qt_runtime.load()
 CHECKED = [lib for lib in RUNTIME.libraries if lib.needs != qt_runtime.NONE]
@@ -240,34 +242,6 @@ def test_the_readme_lists_every_library_for_each_distribution():
     assert _readme_commands() == expected, "README.md's From source section should say:\n" + "\n".join(expected)
 
 
-def _elf_needed(path: Path) -> list[str]:
-    """DT_NEEDED of a 64-bit little-endian ELF file (x86-64, aarch64): the libraries it links by name."""
-    data = path.read_bytes()
-    assert data[:4] == b"\x7fELF" and data[4] == 2 and data[5] == 1, f"{path}: not a 64-bit little-endian ELF"
-    (phoff,) = struct.unpack_from("<Q", data, 0x20)
-    phentsize, phnum = struct.unpack_from("<HH", data, 0x36)
-    loads, dynamic = [], None
-    for i in range(phnum):
-        p_type, _, p_offset, p_vaddr, _, p_filesz = struct.unpack_from("<IIQQQQ", data, phoff + i * phentsize)
-        if p_type == 1:
-            loads.append((p_vaddr, p_offset, p_filesz))
-        elif p_type == 2:
-            dynamic = (p_offset, p_filesz)
-    if dynamic is None:
-        return []
-    entries = [struct.unpack_from("<qQ", data, dynamic[0] + i) for i in range(0, dynamic[1], 16)]
-    strtab_vaddr = next(v for tag, v in entries if tag == 5)
-    strtab = next(off + strtab_vaddr - va for va, off, size in loads if va <= strtab_vaddr < va + size)
-    names = []
-    for tag, value in entries:
-        if tag == 0:
-            break
-        if tag == 1:
-            end = data.index(b"\0", strtab + value)
-            names.append(data[strtab + value : end].decode())
-    return names
-
-
 def _pyside() -> Path:
     spec = importlib.util.find_spec("PySide6")
     if spec is None or not spec.submodule_search_locations:
@@ -284,7 +258,7 @@ def _system_libraries(starts: list[Path], bundled: list[Path]) -> set[str]:
         if path in seen:
             continue
         seen.add(path)
-        for name in _elf_needed(path):
+        for name in elf.needed(path):
             inside = next((d / name for d in bundled if (d / name).exists()), None)
             if inside is None:
                 system.add(name)
