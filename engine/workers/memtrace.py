@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import json
 import os
 import sys
@@ -221,12 +222,37 @@ def _trace_step(
             built = build(_with_layers(config, n_layers), workload, par, dims, mesh, trust_remote_code)
         # real=True runs the same step on real CPU tensors (for tests of the fake trace itself).
         fake = FakeTensorMode(allow_non_fake_inputs=True) if not real else contextlib.nullcontext()
-        with fake, _real_masks(), _untracked_sharding_propagation(), _fake_grouped_mm(), _host_rng_state():
+        with (
+            fake,
+            _real_masks(),
+            _untracked_sharding_propagation(),
+            _fake_grouped_mm(),
+            _host_rng_state(),
+            _collector_paused(),
+        ):
             _materialize(built.model)
             return _generation(built, workload, par) if inference else _fake_step(built, workload, par)
     finally:
         if own_group:
             dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Any:
+    """Python's collector runs only where the step says, as torchtitan's training loop has it.
+
+    Autograd and FSDP's hooks leave reference cycles that hold tensors until the collector runs, and
+    when it runs otherwise depends on every allocation before it: the same step traced twice would
+    count a cycle's tensors once and not the other time.
+    """
+    was = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 @contextlib.contextmanager
@@ -588,6 +614,7 @@ def _fake_step(built: _Built, workload: dict[str, Any], par: dict[str, Any]) -> 
                 snapshots["after_forward"] = _categories(tracker, "current")
                 loss.backward()
                 del loss
+        gc.collect()  # the cycles backward left, at one fixed point (see _collector_paused)
         snapshots["after_backward"] = _categories(tracker, "current")
         cats_fb = gpu.at_peak
         fb = gpu.take()
