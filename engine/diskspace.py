@@ -35,7 +35,9 @@ class DiskFull(UserError):
         self.needed = needed
         self.what = what  # what the space was for ("for step-600"), said after the size
         self.failed_at = failed_at or time.time()  # when the write failed (seconds since the epoch)
-        super().__init__(self.line())
+        # The fields are what clients word it from, never the line (as an error record or reply carries them).
+        super().__init__(self.line(), reason="disk_full", folder=self.folder, needed_bytes=needed, free_bytes=free,
+                         failed_at=self.failed_at)  # fmt: skip
 
     def line(self) -> str:
         free = "an unknown amount" if self.free is None else human_size(self.free)
@@ -43,10 +45,6 @@ class DiskFull(UserError):
             return f"disk full: {self.folder} has {free} free" + (f" ({self.what})" if self.what else "")
         what = f" {self.what}" if self.what else ""
         return f"disk full: {self.folder} needs about {human_size(self.needed)}{what}, {free} free"
-
-    def fields(self) -> dict[str, int | float | str | None]:
-        """As an error record or reply carries it: clients word it from these, never from the line."""
-        return {"folder": self.folder, "needed_bytes": self.needed, "free_bytes": self.free, "failed_at": self.failed_at}
 
 
 def human_size(n: float) -> str:

@@ -84,7 +84,7 @@ def fill(folder: Path, leave: int = 0) -> Path:
 def test_a_full_disk_is_said_in_one_line_with_the_folder_the_need_and_what_is_free():
     e = DiskFull("/s/jobs/ab12cd/checkpoints", 80 * MIB, int(1.2 * 1024 * MIB), "for step-600")
     assert str(e) == "disk full: /s/jobs/ab12cd/checkpoints needs about 1.2 GiB for step-600, 80.0 MiB free"
-    assert e.fields()["needed_bytes"] == int(1.2 * 1024 * MIB) and e.fields()["free_bytes"] == 80 * MIB
+    assert e.fields["needed_bytes"] == int(1.2 * 1024 * MIB) and e.fields["free_bytes"] == 80 * MIB
     assert str(DiskFull("/s/jobs", 0)) == "disk full: /s/jobs has 0 B free"
 
 

@@ -54,7 +54,7 @@ class EngineError(UserError):
     def __init__(self, code: str, message: str, fields: dict[str, Any] | None = None):
         super().__init__(message)
         self.code = code
-        self.fields = fields or {}  # what the error carries besides its line (protocol.DISK_FULL: folder, bytes)
+        self.fields = dict(fields or {})  # what the error carries besides its line (protocol.DISK_FULL: folder, bytes)
 
 
 class EngineUnavailable(UserError):

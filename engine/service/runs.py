@@ -140,7 +140,7 @@ def _disk_full_cause(
         return failed_rank, reason, error
     full = DiskFull(run.job_dir, free)
     line = full.line() if coded else f"{full.line()} ({reason})"
-    return (coded[0] if coded else failed_rank), line, {"error": "disk_full", "message": line, **full.fields()}
+    return (coded[0] if coded else failed_rank), line, {"error": "disk_full", "message": line, **full.fields}
 
 
 _ROOT_CAUSE = re.compile(

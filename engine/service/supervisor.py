@@ -737,7 +737,7 @@ class Supervisor:
     def _end_for_room(self, rec: JobRecord, job_dir: Path) -> None:
         """A queued job whose folder could not be written: failed on a full disk, to start again once there is room."""
         full = disk_full(job_dir)
-        error = {"error": "disk_full", "message": full.line(), **full.fields()}
+        error = {"error": "disk_full", "message": full.line(), **full.fields}
         reason = full.line()
         if recovery.waits_for_space(JobRecord(**{**rec.to_dict(), "state": FAILED, "error": error, "resumable": True})):
             reason += "; it starts by itself once there is room, or resume it"

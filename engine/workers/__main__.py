@@ -190,7 +190,7 @@ def main(argv: list[str]) -> int:
 
 
 def _fail_disk_full(e: DiskFull) -> int:
-    _report_quietly(kind="error", error="disk_full", message=str(e), **e.fields())
+    _report_quietly(kind="error", error="disk_full", message=str(e), **e.fields)
     fail(str(e))
     return EXIT_DISK_FULL
 
