@@ -64,7 +64,7 @@ class PathRefused(UserError):
     """A path the user gave that cannot be what it is meant to be; `problem` says why (the codes above)."""
 
     def __init__(self, message: str, *, path: str, problem: str):
-        super().__init__(message)
+        super().__init__(message, reason="bad_path", path=path, problem=problem)
         self.path = path
         self.problem = problem
 

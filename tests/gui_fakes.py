@@ -345,14 +345,17 @@ def real_plan_reply(machine: Machine) -> Callable[..., dict[str, Any]]:
         except ProtocolError as e:
             raise EngineError(e.code, e.message) from None
         except UserError as e:
-            raise EngineError("user_error", str(e)) from None
+            raise _as_replied(e) from None
         work = dict(workload or {})
         if work.get("lora") is not None:
             work["lora"] = LoraSettings(**work["lora"])
-        spec = describe_model(model, trust_remote_code=trust_remote_code)
-        result = search(
-            spec, target, Workload(model=model, **work), gpus=gpus, options=SearchOptions(**(options or {}))
-        )
+        try:
+            spec = describe_model(model, trust_remote_code=trust_remote_code)
+            result = search(
+                spec, target, Workload(model=model, **work), gpus=gpus, options=SearchOptions(**(options or {}))
+            )
+        except UserError as e:
+            raise _as_replied(e) from None
         return {"result": result.to_dict()}
 
     return plan
@@ -380,7 +383,7 @@ def accept_checks(link: FakeLink, max_cpu_ranks: int = 4) -> list[dict[str, Any]
             if options is not None:  # no cluster here: sbatch --test-only answers as a cluster with room would
                 lines += slurm_jobs.check(sub, options, slurm_jobs.SlurmCommands(options.get("login"), runner=_sbatch_test_only))
         except UserError as e:
-            raise EngineError("user_error", str(e)) from None
+            raise _as_replied(e) from None
         # What the engine's `check` request answers (Supervisor.check), from the same functions.
         return {"ok": True, "lines": lines, "would_run": would_run(sub)}
 
@@ -412,3 +415,10 @@ def accept_submissions(link: FakeLink, job_id: str = "job-new") -> list[dict[str
 
     link.replies["submit"] = submit
     return submitted
+
+
+def _as_replied(e: BaseException) -> EngineError:
+    """A refusal as the client raises it after the engine's error reply: the reply's reason and fields."""
+    from rigpilot.engine.service import protocol
+
+    return EngineError.of_reply(protocol.refusal_reply(None, e)["error"])  # type: ignore[arg-type]

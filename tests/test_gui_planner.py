@@ -138,11 +138,11 @@ def test_unknown_model_and_engine_errors_are_one_inline_line(qtbot):
     assert page.message.isVisible() and page.message.text() == failed.args[0]
     assert page.table.rowCount() == 0 and not page.launch_button.isEnabled()
 
-    link.replies["plan"] = EngineError("user_error", "sequence length 9000 is longer than llama-2-7b's context")
+    link.replies["plan"] = EngineError("user_error", "the planner is out of ideas")  # a refusal with no fix
     page.picker.set_model(PRESET_7B, chosen=False)
     with qtbot.waitSignal(page.sig_plan_failed, timeout=10000) as failed:
         page.plan_button.click()
-    assert failed.args[0] == "sequence length 9000 is longer than llama-2-7b's context"
+    assert failed.args[0] == "the planner is out of ideas" and not page.fix_button.isVisibleTo(page)
 
     # A good plan afterwards clears the message.
     link.replies["plan"] = real_plan_reply(link.machine_obj)

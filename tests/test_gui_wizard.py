@@ -757,14 +757,20 @@ def test_a_sequence_length_past_the_context_on_hyper_parameters_offers_the_fix(q
     assert wizard.state.train.seq_len == 256 and not page.fix_button.isVisible()
 
 
-def test_the_fix_reads_the_context_from_every_refusals_wording():
-    from rigpilot.app.planner.model import context_limit
+def test_the_fix_reads_the_context_from_the_refusals_fields_not_its_words():
+    from rigpilot.app.planner.model import context_to_fit
+    from rigpilot.engine.errors import UserError
 
-    assert context_limit("sequence length 2048 is longer than tiny-llama's context of 256 tokens; "
-                         "use a sequence length of 256 or less") == 256  # fmt: skip
-    assert context_limit("sequence length 512 is longer than the model's context of 64 tokens; use --seq 64") == 64
-    assert context_limit("Sequence length 1024 is longer than the model's 256 tokens.") == 256
-    assert context_limit("GPU 0 needs 30 GiB of 24 GiB") is None
+    # Whatever the line says (reworded, translated), the reason and the limit decide.
+    assert context_to_fit(UserError("anything at all", reason="seq_too_long", setting="seq_len", limit=256)) == 256
+    reply = {"code": "user_error", "message": "too long", "reason": "seq_too_long",
+             "fields": {"setting": "train.seq_len", "value": 512, "limit": 64}}  # fmt: skip
+    assert context_to_fit(EngineError.of_reply(reply)) == 64
+    # Another refusal, one with no usable limit, or an older engine's reply (no reason): no fix is offered.
+    assert context_to_fit(UserError("sequence length 512 is longer than the model's context of 64 tokens")) is None
+    assert context_to_fit(UserError("too long", reason="seq_too_long", limit="64")) is None
+    assert context_to_fit(EngineError.of_reply({"code": "user_error", "message": "context of 64 tokens"})) is None
+    assert context_to_fit(None) is None and context_to_fit(RuntimeError("boom")) is None
     state = default_state(None)
     assert state.fit_to_context(None) is None and state.fit_to_context(4096) is None
     state.train.seq_len, state.infer.max_new_tokens = 512, 300

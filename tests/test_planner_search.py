@@ -193,8 +193,10 @@ def test_search_is_fast_enough():
 
 def test_validation_errors():
     machine = load_profile("4x-rtx4090")
-    with pytest.raises(UserError, match="longer than llama-2-7b's context of 4096"):
+    with pytest.raises(UserError) as too_long:
         search(LLAMA_7B, machine, train(seq_len=8192))
+    assert too_long.value.reason == "seq_too_long"
+    assert too_long.value.fields == {"setting": "seq_len", "value": 8192, "limit": 4096}
     with pytest.raises(UserError, match="qlora is a way to train"):
         search(LLAMA_7B, machine, train(task="infer", method="qlora"))
     with pytest.raises(UserError, match="GPU 7 does not exist; this machine has GPUs 0-3"):

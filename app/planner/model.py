@@ -156,14 +156,16 @@ _FLAG_WORDS: list[tuple[re.Pattern[str], Callable[[re.Match[str]], str]]] = [
 ]
 
 
-_CONTEXT_LIMIT = re.compile(r"sequence length (\d+) is longer than .*?(?:context of )?(\d+) tokens", re.IGNORECASE)
+SEQ_TOO_LONG = "seq_too_long"  # the refusal of a sequence longer than the model's context (its `limit`)
 
 
-def context_limit(message: str) -> int | None:
-    """The model's context from a "sequence length N is longer than ... context of M tokens" refusal (the
-    planner's, the engine's or the plan checker's words), so the fix can be offered; None for other messages."""
-    m = _CONTEXT_LIMIT.search(message)
-    return int(m.group(2)) if m else None
+def context_to_fit(error: BaseException | None) -> int | None:
+    """The model's context where `error` refused a sequence longer than it (the planner's, the engine's or the
+    plan checker's `seq_too_long`, read from its fields), so "use the model's context" can be offered; else None."""
+    if getattr(error, "reason", None) != SEQ_TOO_LONG:
+        return None
+    limit = (getattr(error, "fields", None) or {}).get("limit")
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
 
 
 def gui_words(text: str) -> str:

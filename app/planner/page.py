@@ -58,7 +58,7 @@ from rigpilot.app.planner.model import (
     QUANTIZATION,
     TASKS,
     PlanRequest,
-    context_limit,
+    context_to_fit,
     error_text,
     gui_words,
     plan_rows,
@@ -678,7 +678,7 @@ class PlannerPage(QWidget):
         self._show_result(None)
         message = error_text(error)
         self._show_message(gui_words(message))
-        context = context_limit(message)
+        context = context_to_fit(error)
         if context is not None:
             self._offer_fix(f"Use {context} tokens (the model's context)", lambda: self._use_seq_len(context))
         self.sig_plan_failed.emit(self.message.text())

@@ -17,6 +17,7 @@ from rigpilot.app.planner.model import error_text
 from rigpilot.app.tasks import run_in_background
 from rigpilot.app.wizard.plan_check import plan_here
 from rigpilot.app.wizard.state import WizardState, default_gpus, default_state, examples_present
+from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import is_given_file
 
 
@@ -25,25 +26,26 @@ def request_plan(
     machine: dict[str, Any] | None,
     state: WizardState,
     on_done: Callable[[dict[str, Any]], None],
-    on_error: Callable[[str], None],
+    on_error: Callable[[BaseException], None],
 ) -> None:
-    """A plan (search result) for `state`: the engine's when connected, else the planner here."""
+    """A plan (search result) for `state`: the engine's when connected, else the planner here; `on_error` gets
+    the refusal itself (its reason and fields say which fix to offer)."""
     ref, workload, gpus = state.planning_model(), state.workload_args(), sorted(state.gpus)
     engine_reads_it = not is_given_file(ref)  # the engine describes folders, presets, hub ids
     if getattr(link, "state", None) == "connected" and engine_reads_it:
         link.call(
             "plan",
             on_done=lambda reply: on_done(reply.get("result", reply)),
-            on_error=lambda e: on_error(error_text(e)),
+            on_error=on_error,
             model=ref, workload=workload, gpus=gpus, options={}, trust_remote_code=state.trust_remote_code,
         )  # fmt: skip
     elif machine is not None:
         trust = state.trust_remote_code
         run_in_background(
-            lambda: plan_here(ref, machine, workload, gpus, trust), on_done, lambda e: on_error(error_text(e))
+            lambda: plan_here(ref, machine, workload, gpus, trust), on_done, on_error
         )
     else:
-        on_error("Not connected to the engine, and no machine is known to plan for.")
+        on_error(UserError("Not connected to the engine, and no machine is known to plan for."))
 
 
 def submission(link: Any, state: WizardState) -> dict[str, Any]:
@@ -90,5 +92,5 @@ def run_example(
             **submission(link, state),
         )
 
-    request_plan(link, machine, state, planned, on_error)
+    request_plan(link, machine, state, planned, lambda e: on_error(error_text(e)))
     return state

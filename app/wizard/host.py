@@ -36,7 +36,9 @@ class WizardHost(Protocol):
     def need_checker(self) -> None:
         """Make sure `checker` is for the chosen model on this machine (described in the background)."""
 
-    def request_plan(self, on_done: Callable[[dict[str, Any]], None], on_error: Callable[[str], None]) -> None:
+    def request_plan(
+        self, on_done: Callable[[dict[str, Any]], None], on_error: Callable[[BaseException], None]
+    ) -> None:
         """A plan (search result) for the current choices."""
 
     def check(self, on_done: Callable[[dict[str, Any]], None], on_error: Callable[[BaseException], None]) -> None:

@@ -25,7 +25,15 @@ from PySide6.QtWidgets import (
 )
 
 from rigpilot.app.planner.memory_chart import MemoryChart
-from rigpilot.app.planner.model import context_limit, gui_words, plan_runs_here, plans_of, summary_lines, tokens_per_s
+from rigpilot.app.planner.model import (
+    context_to_fit,
+    error_text,
+    gui_words,
+    plan_runs_here,
+    plans_of,
+    summary_lines,
+    tokens_per_s,
+)
 from rigpilot.app.widgets.form_row import form_row
 from rigpilot.app.widgets.palette import BAD, WARN
 from rigpilot.app.wizard.data_check import CHAT, INSTRUCTION
@@ -209,11 +217,11 @@ class PlanPage(StepPage):
         self.explanation.setPlainText("\n".join(f"• {line}" for line in lines))
         self.alternatives.setCurrentRow(0)
 
-    def _plan_failed(self, message: str) -> None:
+    def _plan_failed(self, error: BaseException) -> None:
         self.busy = False
         self.result = None
-        self.set_problem(f"No plan: {gui_words(message)}")
-        context = context_limit(message)
+        self.set_problem(f"No plan: {gui_words(error_text(error))}")
+        context = context_to_fit(error)
         if context is not None:
             self.offer_fix(f"Use {context} tokens (the model's context)", lambda: self._use_context(context))
 
@@ -597,7 +605,7 @@ class HyperPage(StepPage):
         result = checker.check(s.plan, self.overrides(), s.gpus)
         if result.plan is None:
             self.set_problem(result.message)
-            context = context_limit(result.message)
+            context = context_to_fit(result.refusal)
             if context is not None:
                 box = self.context if s.kind == INFER else self.seq_len
                 self.offer_fix(f"Use {context} tokens (the model's context)", lambda: box.setValue(context))

@@ -87,6 +87,7 @@ class CheckResult:
     plan: dict[str, Any] | None  # the plan with the overrides, memory and timing recomputed; None if invalid
     fits: bool
     message: str  # one line for the user
+    refusal: UserError | None = None  # why there is no plan, where the check refused it: its reason and fields
 
 
 class PlanChecker:
@@ -101,7 +102,7 @@ class PlanChecker:
         try:
             return self._check(Plan.from_dict(plan), o, gpus)
         except UserError as e:
-            return CheckResult(None, False, str(e))
+            return CheckResult(None, False, str(e), e)
 
     def _check(self, p: Plan, o: Overrides, gpus: list[int] | None) -> CheckResult:
         par0, w0 = p.parallelism, p.workload
@@ -116,7 +117,8 @@ class PlanChecker:
         if o.seq_len is not None and o.seq_len != w.seq_len:
             ctx = self.spec.max_position_embeddings
             if ctx and o.seq_len > ctx:
-                return CheckResult(None, False, f"Sequence length {o.seq_len} is longer than the model's {ctx} tokens.")
+                raise UserError(f"Sequence length {o.seq_len} is longer than the model's {ctx} tokens.",
+                                reason="seq_too_long", setting="seq_len", value=o.seq_len, limit=ctx)  # fmt: skip
             w = dataclasses.replace(w, seq_len=o.seq_len)
         if w.lora is not None and (o.lora_rank or o.lora_alpha or o.lora_targets):
             targets = self.facts.resolve_targets(o.lora_targets) if o.lora_targets else w.lora.targets

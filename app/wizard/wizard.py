@@ -237,7 +237,9 @@ class JobWizard(QWizard):
         run_in_background(lambda: describe_for_job(ref, trust), ready, lambda e: None)
 
     # -- talking to the engine ---------------------------------------------------------------------------
-    def request_plan(self, on_done: Callable[[dict[str, Any]], None], on_error: Callable[[str], None]) -> None:
+    def request_plan(
+        self, on_done: Callable[[dict[str, Any]], None], on_error: Callable[[BaseException], None]
+    ) -> None:
         """A plan for the current choices: the engine's when connected, else the planner here."""
         engine_requests.request_plan(self.link, self.machine, self.state, on_done, on_error)
 

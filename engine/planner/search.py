@@ -122,8 +122,9 @@ def validate_workload(w: Workload, spec: ModelSpec) -> None:
     if ctx and w.seq_len > ctx:
         raise UserError(
             f"sequence length {w.seq_len} is longer than {spec.id or 'the model'}'s context of {ctx} tokens; "
-            f"use a sequence length of {ctx} or less"
-        )
+            f"use a sequence length of {ctx} or less",
+            reason="seq_too_long", setting="seq_len", value=w.seq_len, limit=ctx,
+        )  # fmt: skip
     if not w.training and w.new_tokens >= w.seq_len:
         raise UserError(f"{w.new_tokens} new tokens leave no room for a prompt in a {w.seq_len}-token context")
     if w.lora is not None and w.lora.rank < 1:

@@ -48,13 +48,26 @@ LOGIN_RETRY_S = 10.0
 
 
 class EngineError(UserError):
-    """An error reply from the service; `code` says which kind (protocol.NOT_FOUND, ...), `fields` the
-    reply's other fields (a `bad_path` error's `path` and `problem`)."""
+    """An error reply from the service: `code` says which class (protocol.NOT_FOUND, ...), `reason` which
+    refusal ("seq_too_long"; the class where the engine gave none) and `fields` its facts (a `bad_path`
+    error's `path` and `problem`, a `seq_too_long` one's `setting`, `value` and `limit`)."""
 
-    def __init__(self, code: str, message: str, fields: dict[str, Any] | None = None):
-        super().__init__(message)
+    def __init__(self, code: str, message: str, fields: dict[str, Any] | None = None, reason: str | None = None):
+        super().__init__(message, reason=reason or code)
         self.code = code
-        self.fields = dict(fields or {})  # what the error carries besides its line (protocol.DISK_FULL: folder, bytes)
+        self.fields = dict(fields or {})
+
+    @classmethod
+    def of_reply(cls, err: dict[str, Any], default: str = "unknown error") -> EngineError:
+        """The error of an error reply's `error` object, from this engine or an older one (whose fields stood
+        beside `code`, without `reason`)."""
+        err = err if isinstance(err, dict) else {}
+        beside = {k: v for k, v in err.items() if k not in ("code", "message", "reason", "fields")}
+        given = err.get("fields")
+        fields = {**beside, **(given if isinstance(given, dict) else {})}
+        reason = err.get("reason")
+        return cls(str(err.get("code", protocol.INTERNAL)), str(err.get("message", default)), fields,
+                   reason if isinstance(reason, str) else None)  # fmt: skip
 
 
 class EngineUnavailable(UserError):
@@ -202,7 +215,7 @@ class EngineClient:
             err = challenge.get("error") or {}
             if err.get("code") == protocol.BUSY:
                 raise _LoginCut(err.get("message", "busy"))
-            raise EngineError(err.get("code", protocol.INTERNAL), err.get("message", "refused"))
+            raise EngineError.of_reply(err, "refused")
         ch = challenge.get("challenge")
         if not isinstance(ch, dict) or ch.get("auth") != tls.AUTH or not tls.is_nonce(ch.get("nonce")):
             raise EngineUnavailable(
@@ -304,7 +317,7 @@ class EngineClient:
                 said = self._read(0.5)
                 if said and not said.get("ok", True):
                     err = said.get("error") or {}
-                    raise EngineError(err.get("code", protocol.INTERNAL), err.get("message", "refused")) from None
+                    raise EngineError.of_reply(err, "refused") from None
             raise
         deadline = time.monotonic() + self.timeout
         while True:
@@ -321,9 +334,7 @@ class EngineClient:
                 self._take_notices(msg)
             if msg.get("ok"):
                 return msg.get("result")
-            err = msg.get("error") or {}
-            extra = {k: v for k, v in err.items() if k not in ("code", "message")}
-            raise EngineError(err.get("code", protocol.INTERNAL), err.get("message", "unknown error"), extra)
+            raise EngineError.of_reply(msg.get("error") or {})
 
     def _take_event_notice(self, msg: dict[str, Any]) -> None:
         """A notice pushed to a subscriber as an event (one that sends no request would hear it late)."""

@@ -218,8 +218,8 @@ class MultiNode:
                     c.request("delete", job=job_id)
             if self.sup.store.get(job_id) is None:
                 shutil.rmtree(self.sup.job_dir(job_id), ignore_errors=True)
-            if isinstance(e, UserError) and m not in done and not str(e).startswith("node "):
-                raise UserError(f"node {m.name}: {e}") from None
+            if isinstance(e, UserError) and m not in done and "node" not in e.fields:
+                raise _on_node(e, m.name, f"node {m.name}: {e}") from None
             raise
         self._watch(self.sup.resolve(job_id))
         return view
@@ -554,9 +554,17 @@ def _hello_of(node: registry.Node) -> dict[str, Any]:
         with registry.client(node, timeout=10) as c:
             return c.hello
     except UserError as e:
-        raise UserError(f"node {node.name} ({node.address}): {e}; {registry.REMOTE_HINT}") from None
+        raise _on_node(e, node.name, f"node {node.name} ({node.address}): {e}; {registry.REMOTE_HINT}") from None
     except (OSError, TimeoutError) as e:
-        raise UserError(f"node {node.name} ({node.address}) cannot be reached: {e}; {registry.REMOTE_HINT}") from None
+        raise UserError(f"node {node.name} ({node.address}) cannot be reached: {e}; {registry.REMOTE_HINT}",
+                        reason="node_unreachable", node=node.name) from None  # fmt: skip
+
+
+def _on_node(e: UserError, node: str, line: str) -> UserError:
+    """A node's refusal said on the head: the same reason and fields, and the node it came from."""
+    said = UserError(line, reason=e.reason)
+    said.fields = {**e.fields, "node": node}
+    return said
 
 
 def _gone(name: str) -> bool:

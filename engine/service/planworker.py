@@ -10,7 +10,7 @@ Wire: the first stdin line is the machine (Machine.to_dict as JSON); then one
 JSON request per line. A request may name another machine to plan for
 (`machine`: a simulated profile's id or a machine description, checked by
 `plan_machine`); it is planned without this machine's calibration. Each answer is
-one JSON line on stdout, `{"result": ...}` or `{"error": {"code", "message"}}`
+one JSON line on stdout, `{"result": ...}` or `{"error": {"code", "message", "reason", "fields"}}`
 or `{"bug": traceback}`; only JSON flows back to the service.
 """
 
@@ -30,7 +30,6 @@ from collections.abc import Callable
 from typing import Any
 
 from rigpilot.engine.errors import UserError
-from rigpilot.engine.given_path import PathRefused
 from rigpilot.engine.service import protocol
 from rigpilot.engine.service.client import readable
 from rigpilot.engine.service.protocol import ProtocolError
@@ -176,10 +175,8 @@ def _answer(machine: Any, line: bytes) -> dict[str, Any]:
         return plan(machine, **args)
     except ProtocolError as e:
         return {"error": {"code": e.code, "message": e.message}}
-    except PathRefused as e:
-        return {"error": {"code": protocol.BAD_PATH, "message": str(e), "path": e.path, "problem": e.problem}}
-    except UserError as e:
-        return {"error": {"code": protocol.USER_ERROR, "message": str(e)}}
+    except UserError as e:  # its reason and fields go to the client as they are (protocol.refusal_reply)
+        return {"error": protocol.refusal_reply(None, e)["error"]}
     except Exception:
         return {"bug": traceback.format_exc()}
 
@@ -280,8 +277,10 @@ class PlannerPool:
             raise PlannerBug(answer["bug"].strip().splitlines()[-1])
         if "error" in answer:
             err = answer["error"]
-            if err["code"] == protocol.BAD_PATH:
-                raise PathRefused(err["message"], path=err.get("path", ""), problem=err.get("problem", ""))
+            if "reason" in err:  # a refusal: the same UserError again, so it is answered as the child raised it
+                refusal = UserError(err["message"], reason=err["reason"])
+                refusal.fields = dict(err.get("fields") or {})
+                raise refusal
             raise ProtocolError(err["code"], err["message"])
         return answer["result"]
 

@@ -6,10 +6,22 @@ trusted to send code.
 
     request  {"v": 1, "id": 7, "type": "job", "args": {"job": "a1b2c3"}}
     reply    {"v": 1, "id": 7, "ok": true, "result": {...}}
-    error    {"v": 1, "id": 7, "ok": false, "error": {"code": "not_found", "message": "..."}}
+    error    {"v": 1, "id": 7, "ok": false, "error": {"code": "not_found", "message": "...", "reason": "not_found",
+              "fields": {}}}
     event    {"v": 1, "event": "telemetry" | "job" | "metrics" | "machine" | "notice", ...}   (after a `subscribe`)
 
 `id` is the client's, echoed back (null when the request could not be read).
+
+An error's `code` is its class (the constants below: `user_error`, `bad_path`, `disk_full`, ...), what a
+client decides its handling from, as clients of protocol 1 always have. `reason` names the refusal itself, a
+snake_case code (engine.errors.UserError.reason; the `code` where the refusal has no code of its own), and
+`fields` holds its facts as JSON values, so a client words the error, or offers a fix, from those and never
+from `message`: e.g. a sequence longer than the model's context is
+`{"code": "user_error", "reason": "seq_too_long", "message": "...", "fields": {"setting": "train.seq_len",
+"value": 2048, "limit": 256}}`. A field named `setting` is the setting's key (the job spec's path, or the
+plan request's `workload` key), never a CLI flag. Clients must accept reasons they do not know (show
+`message`). `bad_path` and `disk_full` errors also carry their fields beside `code`, where clients read
+them before `fields` existed.
 A reply (or error) may also carry `"notices": [{code, message, time, ...}]`: what the engine did by
 itself that its user should hear of, each told once to each client name given in `hello` (not on the
 `hello` reply itself); a connection subscribed to `jobs` gets it at once, as a `notice` event
@@ -393,10 +405,36 @@ def reply(rid: int | str | None, result: Any) -> dict[str, Any]:
     return {"v": PROTOCOL_VERSION, "id": rid, "ok": True, "result": result}
 
 
-def error_reply(rid: int | str | None, code: str, message: str, **fields: Any) -> dict[str, Any]:
-    """An error reply; `fields` carry what a client words the error from (BAD_PATH: path, problem;
-    DISK_FULL: folder, needed_bytes, free_bytes)."""
-    return {"v": PROTOCOL_VERSION, "id": rid, "ok": False, "error": {**fields, "code": code, "message": message}}
+# The error classes whose fields clients of protocol 1 read beside `code` (before `reason` and `fields`).
+_FIELDS_BESIDE_CODE = frozenset({BAD_PATH, DISK_FULL})
+# A refusal whose reason is one of these classes is answered as that class, not as `user_error`.
+_REASONS_WITH_A_CLASS = frozenset({BAD_PATH, DISK_FULL, NOT_FOUND})
+
+
+def error_reply(
+    rid: int | str | None, code: str, message: str, *, reason: str | None = None, fields: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """An error reply of class `code`; `reason` (default: the class) names the refusal and `fields` its facts,
+    what a client words the error from (see the module docstring)."""
+    facts = _jsonable(fields or {})
+    error = {**(facts if code in _FIELDS_BESIDE_CODE else {}), "code": code, "message": message,
+             "reason": reason or code, "fields": facts}  # fmt: skip
+    return {"v": PROTOCOL_VERSION, "id": rid, "ok": False, "error": error}
+
+
+def refusal_reply(rid: int | str | None, e: UserError) -> dict[str, Any]:
+    """The error reply for a refusal: its reason and fields travel as they are; its class is `user_error`
+    unless the reason is a class of its own (`bad_path`, `disk_full`, `not_found`)."""
+    code = e.reason if e.reason in _REASONS_WITH_A_CLASS else USER_ERROR
+    return error_reply(rid, code, str(e), reason=e.reason, fields=e.fields)
+
+
+def _jsonable(fields: dict[str, Any]) -> dict[str, Any]:
+    # A field that JSON cannot carry (a Path, an enum, a NaN) goes as its text rather than failing the whole reply.
+    try:
+        return json.loads(json.dumps(fields, default=str, allow_nan=False)) if fields else {}
+    except ValueError:
+        return {k: v if isinstance(v, str | int | bool | None) else str(v) for k, v in fields.items()}
 
 
 def event(name: str, **fields_: Any) -> dict[str, Any]:

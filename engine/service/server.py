@@ -59,9 +59,8 @@ from pathlib import Path
 from typing import Any
 
 from rigpilot.engine import __version__
-from rigpilot.engine.diskspace import DiskFull, disk_full, is_disk_full, no_room
+from rigpilot.engine.diskspace import disk_full, is_disk_full, no_room
 from rigpilot.engine.errors import UserError
-from rigpilot.engine.given_path import PathRefused
 from rigpilot.engine.hardware.discovery import open_backend
 from rigpilot.engine.hardware.sampler import Sampler
 from rigpilot.engine.hardware.simulated import SimulatedBackend
@@ -75,7 +74,7 @@ from rigpilot.engine.service.resilient_store import Recovery, ResilientJobStore,
 from rigpilot.engine.service.results import RESULTS_FILE, read_results
 from rigpilot.engine.service.scaling import Studies
 from rigpilot.engine.service.store import ALL_STATES, COMPLETED
-from rigpilot.engine.service.supervisor import JobNotFound, Supervisor, SupervisorOptions
+from rigpilot.engine.service.supervisor import Supervisor, SupervisorOptions
 
 log = logging.getLogger(__name__)
 
@@ -783,14 +782,8 @@ class EngineService:
         except ProtocolError as e:
             conn.send(protocol.error_reply(rid, e.code, e.message))
             return not e.fatal
-        except JobNotFound as e:
-            self._reply(conn, req, protocol.error_reply(rid, protocol.NOT_FOUND, str(e)))
-        except PathRefused as e:
-            self._reply(conn, req, protocol.error_reply(rid, protocol.BAD_PATH, str(e), path=e.path, problem=e.problem))
-        except DiskFull as e:
-            self._reply(conn, req, protocol.error_reply(rid, protocol.DISK_FULL, str(e), **_disk_fields(e)))
-        except UserError as e:
-            self._reply(conn, req, protocol.error_reply(rid, protocol.USER_ERROR, str(e)))
+        except UserError as e:  # a missing job, a bad path and a full disk among them: each says its reason
+            self._reply(conn, req, protocol.refusal_reply(rid, e))
         except PlanTimeout:
             self._reply(conn, req, protocol.error_reply(rid, protocol.TIMEOUT, (
                 "the plan search ran past its deadline and was stopped; "
@@ -803,7 +796,7 @@ class EngineService:
         except Exception as e:
             if is_disk_full(e):  # a write any request may make (settings, a plan, a job folder) found no room
                 full = disk_full(paths.engine_state_dir() if getattr(e, "filename", None) is None else Path(e.filename).parent)
-                conn.send(protocol.error_reply(rid, protocol.DISK_FULL, str(full), **_disk_fields(full)))
+                conn.send(protocol.refusal_reply(rid, full))
             else:
                 conn.send(protocol.error_reply(rid, protocol.INTERNAL, self._bug(e, f"request {str(msg.get('type'))[:40]!r}")))
         return True
@@ -1141,10 +1134,6 @@ def _stalest_login(logging_in: list[Connection]) -> Connection:
     waiting = [c for c in logging_in if c.waiting_for_client()] or logging_in
     mute_since = time.monotonic() - _SILENT_S
     return min(waiting, key=lambda c: (c.spoke or c.created > mute_since, c.waiting_since))
-
-
-def _disk_fields(e: DiskFull) -> dict[str, Any]:
-    return {"folder": e.folder, "needed_bytes": e.needed, "free_bytes": e.free}
 
 
 def _same_user(sock: socket.socket) -> bool:

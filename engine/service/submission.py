@@ -485,8 +485,9 @@ def _check_train(spec: JobSpec, base: Path | None, seq_given: bool, notes: list[
         if seq_given:
             raise UserError(
                 f"sequence length {t.seq_len} is longer than the model's context of {context} tokens; "
-                f"use --seq {context} or less"
-            )
+                f"use --seq {context} or less",
+                reason="seq_too_long", setting="train.seq_len", value=t.seq_len, limit=context,
+            )  # fmt: skip
         notes.append(f"sequence length {context}: the model's context (the default {t.seq_len} is longer)")
         t.seq_len = context
     if not t.dataset:

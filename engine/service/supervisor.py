@@ -78,6 +78,9 @@ _ROOM_CHECK_S = 2.0  # how often jobs that failed on a full disk look for room, 
 class JobNotFound(UserError):
     """No job matches what the user typed."""
 
+    def __init__(self, message: str) -> None:
+        super().__init__(message, reason="not_found")
+
 
 @dataclass
 class SupervisorOptions:
