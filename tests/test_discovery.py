@@ -21,7 +21,9 @@ def isolated_config(tmp_path, monkeypatch):
 def no_driver(monkeypatch):
     class NoDriver:
         def __init__(self, *a, **k):
-            raise nvml_backend.NvmlUnavailable("NVIDIA driver not loaded (NVML: Driver Not Loaded)")
+            raise nvml_backend.NvmlUnavailable(
+                "NVIDIA driver not loaded (NVML: Driver Not Loaded)", nvml_backend.NvmlFailure.DRIVER_NOT_LOADED
+            )
 
     monkeypatch.setattr(nvml_backend, "NvmlBackend", NoDriver)
 
@@ -34,6 +36,57 @@ def test_without_a_driver_the_settings_profile_stands_in_and_says_why(no_driver)
         "chosen in Settings (rigpilot settings)."
     ]
     assert "Driver Not Loaded" in d.details[0]  # the driver's own words stay, for a tooltip and the log
+
+
+def replayed_nvml(monkeypatch, machine, init_error=None):
+    """open_backend's NVML is the real backend over a replayed NVML that fails to start with `init_error`."""
+    import copy
+
+    from rigpilot.engine.hardware.nvml_replay import FakeNvml
+
+    fake = FakeNvml(machine)
+    fake.fail_init(init_error)
+    real = nvml_backend.NvmlBackend
+    monkeypatch.setattr(nvml_backend, "NvmlBackend", lambda: real(fake, host_reader=lambda: copy.deepcopy(machine.host)))
+
+
+@pytest.mark.parametrize(
+    ("error", "plain"),
+    [
+        ("NVML_ERROR_NO_PERMISSION", "Your user may not use the NVIDIA driver"),
+        ("NVML_ERROR_LIB_RM_VERSION_MISMATCH", "The NVIDIA driver was updated and needs a reboot"),
+        ("NVML_ERROR_LIBRARY_NOT_FOUND", "No NVIDIA driver found (libnvidia-ml.so.1 is missing)"),
+        ("NVML_ERROR_UNKNOWN", "Rigpilot could not use the NVIDIA driver"),
+    ],
+)
+def test_each_nvml_failure_kind_is_said_in_its_plain_words(monkeypatch, error, plain):
+    import pynvml
+
+    from rigpilot.engine.hardware.simulated import load_profile
+
+    replayed_nvml(monkeypatch, load_profile("4x-rtx4090"), getattr(pynvml, error))
+    d = open_backend()
+    assert d.machine.simulated and d.notes == [
+        f"{plain}, so Rigpilot shows a simulated machine, chosen in Settings (rigpilot settings)."
+    ]
+    assert d.details[0].startswith("NVIDIA GPUs not used: ") and "(NVML: " in d.details[0]
+
+
+def test_a_driver_with_no_gpu_is_said_so(monkeypatch):
+    from rigpilot.engine.hardware.machine import Host, Machine
+
+    replayed_nvml(monkeypatch, Machine(source=Source.NVML, host=Host(driver_version="550.54"), gpus=[], pairs=[]))
+    d = open_backend()
+    assert d.machine.simulated and d.notes[0].startswith("The NVIDIA driver found no GPU, so Rigpilot shows")
+
+
+def test_the_plain_words_come_from_the_kind_not_the_message(monkeypatch):
+    class Reworded:
+        def __init__(self, *a, **k):
+            raise nvml_backend.NvmlUnavailable("whatever a later version says", nvml_backend.NvmlFailure.NO_PERMISSION)
+
+    monkeypatch.setattr(nvml_backend, "NvmlBackend", Reworded)
+    assert open_backend().notes[0].startswith("Your user may not use the NVIDIA driver, so")
 
 
 def test_the_settings_profile_is_honoured(no_driver):

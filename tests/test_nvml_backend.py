@@ -20,6 +20,7 @@ import pynvml
 import pytest
 
 from rigpilot.engine.hardware import nvml_backend
+from rigpilot.engine.hardware.discovery import plain_reason
 from rigpilot.engine.hardware.machine import P2P, Gpu, GpuPair, Host, Machine, NumaNode, PciePath, Source
 from rigpilot.engine.hardware.nvml_backend import (
     CLOCK_EVENT_REASONS,
@@ -31,6 +32,7 @@ from rigpilot.engine.hardware.nvml_backend import (
     TOPOLOGY_LEVELS,
     WARMING_UP,
     NvmlBackend,
+    NvmlFailure,
     NvmlUnavailable,
     bus_key,
     cpus_from_affinity_words,
@@ -527,44 +529,49 @@ def test_other_handle_failures_are_not_called_lost():
 
 
 @pytest.mark.parametrize(
-    ("code", "message"),
+    ("code", "kind", "plain"),
     [
-        (pynvml.NVML_ERROR_DRIVER_NOT_LOADED, "NVIDIA driver not loaded (NVML: Driver Not Loaded)"),
-        (
-            pynvml.NVML_ERROR_LIBRARY_NOT_FOUND,
-            "NVIDIA driver not installed: libnvidia-ml.so.1 not found (NVML: NVML Shared Library Not Found)",
-        ),
-        (pynvml.NVML_ERROR_NO_PERMISSION, "no permission to use the NVIDIA driver (NVML: Insufficient Permissions)"),
-        (
-            pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH,
-            "NVIDIA driver and library versions differ (reboot after a driver update) "
-            "(NVML: RM has detected an NVML/RM version mismatch.)",
-        ),
-        (pynvml.NVML_ERROR_UNKNOWN, "NVML could not start (NVML: Unknown Error)"),
+        (pynvml.NVML_ERROR_DRIVER_NOT_LOADED, NvmlFailure.DRIVER_NOT_LOADED, "The NVIDIA driver is installed but not loaded"),
+        (pynvml.NVML_ERROR_LIBRARY_NOT_FOUND, NvmlFailure.DRIVER_MISSING, "No NVIDIA driver found (libnvidia-ml.so.1 is missing)"),
+        (pynvml.NVML_ERROR_NO_PERMISSION, NvmlFailure.NO_PERMISSION, "Your user may not use the NVIDIA driver"),
+        (pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH, NvmlFailure.VERSION_MISMATCH,
+         "The NVIDIA driver was updated and needs a reboot"),
+        (pynvml.NVML_ERROR_UNKNOWN, NvmlFailure.OTHER, "Rigpilot could not use the NVIDIA driver"),
     ],
 )
-def test_init_failure_is_one_line(code, message):
+def test_an_init_failure_has_a_kind_and_the_kind_chooses_the_plain_words(code, kind, plain):
     fake = FakeNvml(load_profile("4x-rtx4090"))
     fake.fail_init(code)
     with pytest.raises(NvmlUnavailable) as err:
         backend_for(fake)
-    assert str(err.value) == message
-    assert "\n" not in str(err.value)
+    assert err.value.kind is kind and plain_reason(err.value.kind) == plain
+    # The line keeps NVML's own words, on one line, for the log and a tooltip.
+    assert "\n" not in str(err.value) and f"(NVML: {pynvml.NVMLError(code)})" in str(err.value)
     assert isinstance(err.value.__cause__, pynvml.NVMLError)
+
+
+def test_the_driver_line_is_worded_for_the_log():
+    # Wording is the point here: what the log and the banner's tooltip show for the commonest failure.
+    fake = FakeNvml(load_profile("4x-rtx4090"))
+    fake.fail_init(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+    with pytest.raises(NvmlUnavailable) as err:
+        backend_for(fake)
+    assert str(err.value) == "NVIDIA driver not installed: libnvidia-ml.so.1 not found (NVML: NVML Shared Library Not Found)"
 
 
 def test_device_count_failure_shuts_nvml_down():
     fake = FakeNvml(load_profile("4x-rtx4090"))
     fake.inject("nvmlDeviceGetCount", pynvml.NVML_ERROR_UNKNOWN)
-    with pytest.raises(NvmlUnavailable, match="could not count"):
+    with pytest.raises(NvmlUnavailable, match="could not count") as err:
         backend_for(fake)
-    assert not fake.initialised
+    assert not fake.initialised and err.value.kind is NvmlFailure.OTHER
 
 
 def test_pynvml_not_installed(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", None)  # makes `import pynvml` raise ImportError
-    with pytest.raises(NvmlUnavailable, match=r"^nvidia-ml-py is not installed \(.*pynvml.*\)$"):
+    with pytest.raises(NvmlUnavailable, match=r"^nvidia-ml-py is not installed \(.*pynvml.*\)$") as err:
         NvmlBackend()
+    assert err.value.kind is NvmlFailure.LIBRARY_MISSING
 
 
 def test_real_pynvml_on_this_machine():

@@ -60,23 +60,20 @@ class Discovery:
     details: list[str] = field(default_factory=list)  # the technical reasons behind the notes, for a tooltip or log
 
 
-# NvmlUnavailable's reasons (nvml_backend._init_failure) start with these; each says the same in plain words.
-_PLAIN_REASONS = (
-    ("NVIDIA driver not installed", "No NVIDIA driver found (libnvidia-ml.so.1 is missing)"),
-    ("NVIDIA driver not loaded", "The NVIDIA driver is installed but not loaded"),
-    ("no permission", "Your user may not use the NVIDIA driver"),
-    ("NVIDIA driver and library versions differ", "The NVIDIA driver was updated and needs a reboot"),
-    ("NVML found no GPU", "The NVIDIA driver found no GPU"),
-    ("nvidia-ml-py is not installed", "Rigpilot's NVIDIA library (nvidia-ml-py) is not installed"),
-)
+def plain_reason(kind: str) -> str:
+    """Why no NVIDIA GPU is used, in a user's words ("No NVIDIA driver found (…)"), from the failure's kind
+    (nvml_backend.NvmlFailure)."""
+    from rigpilot.engine.hardware.nvml_backend import NvmlFailure
 
-
-def plain_reason(reason: str) -> str:
-    """Why no NVIDIA GPU is used, in a user's words ("No NVIDIA driver found (…)")."""
-    for prefix, plain in _PLAIN_REASONS:
-        if reason.startswith(prefix):
-            return plain
-    return "Rigpilot could not use the NVIDIA driver"
+    plain: dict[str, str] = {
+        NvmlFailure.DRIVER_MISSING: "No NVIDIA driver found (libnvidia-ml.so.1 is missing)",
+        NvmlFailure.DRIVER_NOT_LOADED: "The NVIDIA driver is installed but not loaded",
+        NvmlFailure.NO_PERMISSION: "Your user may not use the NVIDIA driver",
+        NvmlFailure.VERSION_MISMATCH: "The NVIDIA driver was updated and needs a reboot",
+        NvmlFailure.NO_GPU: "The NVIDIA driver found no GPU",
+        NvmlFailure.LIBRARY_MISSING: "Rigpilot's NVIDIA library (nvidia-ml-py) is not installed",
+    }
+    return plain.get(kind, "Rigpilot could not use the NVIDIA driver")
 
 
 def open_backend(
@@ -100,7 +97,7 @@ def open_backend(
             raise UserError(str(e)) from e
         return Discovery(StaticBackend(machine), machine, list(machine.notes))
 
-    from rigpilot.engine.hardware.nvml_backend import NvmlBackend, NvmlUnavailable
+    from rigpilot.engine.hardware.nvml_backend import NvmlBackend, NvmlFailure, NvmlUnavailable
 
     try:
         nvml = NvmlBackend()
@@ -108,11 +105,11 @@ def open_backend(
         if machine.gpus:
             return Discovery(nvml, machine)
         nvml.close()
-        reason = "NVML found no GPU"
+        kind, reason = NvmlFailure.NO_GPU, "NVML found no GPU"
     except NvmlUnavailable as e:
-        reason = str(e)
+        kind, reason = e.kind, str(e)
     settings = settings or Settings.load()
     backend = SimulatedBackend(served_machine(settings.simulated_profile))
     machine = backend.machine()
-    note = f"{plain_reason(reason)}, so Rigpilot shows a simulated machine, chosen in Settings (rigpilot settings)."
+    note = f"{plain_reason(kind)}, so Rigpilot shows a simulated machine, chosen in Settings (rigpilot settings)."
     return Discovery(backend, machine, [*settings.warnings, note], [f"NVIDIA GPUs not used: {reason}"])

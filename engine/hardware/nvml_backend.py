@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -96,8 +97,25 @@ _GRAPHICS_PROCS = (
 )
 
 
+class NvmlFailure(StrEnum):
+    """Why NVML cannot be used, as a kind a caller words or acts on (never read from the message)."""
+
+    DRIVER_MISSING = "driver_missing"  # libnvidia-ml.so.1 not found: no NVIDIA driver installed
+    DRIVER_NOT_LOADED = "driver_not_loaded"
+    NO_PERMISSION = "no_permission"
+    VERSION_MISMATCH = "version_mismatch"  # the kernel module and the library differ (a driver update, no reboot)
+    NO_GPU = "no_gpu"  # NVML started and found none
+    LIBRARY_MISSING = "library_missing"  # nvidia-ml-py (pynvml), Rigpilot's own dependency, is not installed
+    OTHER = "other"
+
+
 class NvmlUnavailable(RuntimeError):
-    """NVML cannot be used at all (no library, no driver, no permission); the message is one line."""
+    """NVML cannot be used at all (no library, no driver, no permission): `kind` says which, the message (one
+    line, with NVML's own words) says it for a log."""
+
+    def __init__(self, message: str, kind: NvmlFailure = NvmlFailure.OTHER) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 # -- small pure helpers (public for the tests and the GUI) -------------------
@@ -322,7 +340,7 @@ class NvmlBackend:
             try:
                 import pynvml as nvml
             except ImportError as e:
-                raise NvmlUnavailable(f"nvidia-ml-py is not installed ({e})") from e
+                raise NvmlUnavailable(f"nvidia-ml-py is not installed ({e})", NvmlFailure.LIBRARY_MISSING) from e
         self._nv = _Nvml(nvml)
         self._host_reader = host_reader
         self._sys_root = sys_root
@@ -333,7 +351,7 @@ class NvmlBackend:
         try:
             nvml.nvmlInit()
         except nvml.NVMLError as e:
-            raise NvmlUnavailable(_init_failure(nvml, e)) from e
+            raise _init_failure(nvml, e) from e
         try:
             count = nvml.nvmlDeviceGetCount()
         except nvml.NVMLError as e:
@@ -909,16 +927,19 @@ def _describe_pid(pid: int) -> tuple[str | None, str | None]:
     return user, command
 
 
-def _init_failure(nvml: Any, err: BaseException) -> str:
+def _init_failure(nvml: Any, err: BaseException) -> NvmlUnavailable:
     code = getattr(err, "value", None)
     reasons = {
-        nvml.NVML_ERROR_LIBRARY_NOT_FOUND: "NVIDIA driver not installed: libnvidia-ml.so.1 not found",
-        nvml.NVML_ERROR_DRIVER_NOT_LOADED: "NVIDIA driver not loaded",
-        nvml.NVML_ERROR_NO_PERMISSION: "no permission to use the NVIDIA driver",
-        nvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH: "NVIDIA driver and library versions differ (reboot after a driver update)",
-    }
+        nvml.NVML_ERROR_LIBRARY_NOT_FOUND: (
+            NvmlFailure.DRIVER_MISSING, "NVIDIA driver not installed: libnvidia-ml.so.1 not found"),
+        nvml.NVML_ERROR_DRIVER_NOT_LOADED: (NvmlFailure.DRIVER_NOT_LOADED, "NVIDIA driver not loaded"),
+        nvml.NVML_ERROR_NO_PERMISSION: (NvmlFailure.NO_PERMISSION, "no permission to use the NVIDIA driver"),
+        nvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH: (
+            NvmlFailure.VERSION_MISMATCH, "NVIDIA driver and library versions differ (reboot after a driver update)"),
+    }  # fmt: skip
+    kind, line = reasons.get(code, (NvmlFailure.OTHER, "NVML could not start"))
     text = " ".join(str(err).split())  # one line, whatever the driver says
-    return f"{reasons.get(code, 'NVML could not start')} (NVML: {text})"
+    return NvmlUnavailable(f"{line} (NVML: {text})", kind)
 
 
 class _UnionFind:
