@@ -40,6 +40,7 @@ from rigpilot.app import tasks
 from rigpilot.app.engine_link import CONNECTED, CONNECTING, GONE, EngineLink
 from rigpilot.app.identity import APP_ID, APP_NAME
 from rigpilot.app.widgets.window_size import first_size, keep_on_screen
+from rigpilot.engine.hardware.machine import is_simulated
 from rigpilot.engine.service.protocol import JOB_DATABASE_REBUILT, JOBS_PUT_BACK, TELEMETRY_RESET
 
 # (key, title, "module:Class"): each page lives in its own folder and is built with the EngineLink.
@@ -299,7 +300,7 @@ class MainWindow(QMainWindow):
         label = machine.get("label", "")
         self.machine_label.setText(label)
         self.setWindowTitle(f"{APP_NAME} — {label}")
-        if machine.get("source") == "simulated":
+        if is_simulated(machine):
             # Plain sentences for the user; the driver's own words (link.details) in the tooltip.
             self.banner.setText(
                 f"Simulated machine: {label.removeprefix('simulated: ')}. Jobs run on this computer's CPU, one "

@@ -120,7 +120,7 @@ def torchrun_run(spec: dict[str, Any]) -> dict[str, float | None]:
         job_dir = Path(tmp) / "job"
         JobSpec.from_dict({"id": "bench", **{k: v for k, v in spec.items() if k != "gpus"}}).write(job_dir)
         env = dict(os.environ, RIGPILOT_METRICS_DIR=str(job_dir / "metrics"), PYTHONUNBUFFERED="1",
-                   TOKENIZERS_PARALLELISM="false", CUDA_VISIBLE_DEVICES="", RIGPILOT_DIST_BACKEND="gloo",
+                   TOKENIZERS_PARALLELISM="false", CUDA_VISIBLE_DEVICES="",
                    OMP_NUM_THREADS=str(max(1, len(os.sched_getaffinity(0)) // len(spec["gpus"]))))  # fmt: skip
         env.pop("RIGPILOT_WARM_SOCKET", None)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={len(spec['gpus'])}",

@@ -124,7 +124,7 @@ def rank_environment(ranks: int, spec_env: dict[str, str]) -> dict[str, str]:
     env.update(spec_env)
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env.update(CUDA_VISIBLE_DEVICES="", RIGPILOT_SIMULATED="1", RIGPILOT_DIST_BACKEND="gloo")
+    env.update(CUDA_VISIBLE_DEVICES="")
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     env.setdefault("OMP_NUM_THREADS", str(max(1, cpus // max(ranks, 1))))
     return env

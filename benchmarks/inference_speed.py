@@ -123,7 +123,7 @@ def run_rigpilot(
     }  # fmt: skip
     JobSpec.from_dict(spec).write(job_dir)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1",
-               CUDA_VISIBLE_DEVICES="", RIGPILOT_SIMULATED="1", RIGPILOT_DIST_BACKEND="gloo",
+               CUDA_VISIBLE_DEVICES="",
                RIGPILOT_METRICS_DIR=str(job_dir / "metrics"))  # fmt: skip
     env["OMP_NUM_THREADS"] = str(max(1, threads // ranks))  # as engine.service.supervisor shares the cores
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",

@@ -330,3 +330,15 @@ def test_the_table_states_the_order_it_has():
     for a, b in itertools.pairwise(order):
         ta, tb = a["timing"]["tokens_per_s"], b["timing"]["tokens_per_s"]
         assert tb <= ta / (1 - SPEED_TIE) * 1.0001
+
+
+def test_the_host_ram_line_asks_the_machine_whether_it_is_simulated_not_its_label():
+    from rigpilot.engine.planner.command import render_text
+
+    machine = load_profile("8x-h100-sxm")
+    r = search(LLAMA_7B, machine, train(seq_len=4096, global_batch=32))
+    ram = next(line for line in render_text(r, simulated=machine.simulated) if "host RAM" in line)
+    assert "the simulated machine's" in ram and "CPU ranks use this host's RAM" in ram
+    r.best.machine = "simulated-looking label of a real machine"
+    ram = next(line for line in render_text(r, simulated=False) if "host RAM" in line)
+    assert "simulated" not in ram

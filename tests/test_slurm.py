@@ -139,7 +139,8 @@ def test_the_submitted_script_is_the_planners_export(tmp_path, monkeypatch):
     )  # fmt: skip
     # It is the plan's script: its layout and GPU order, and the job's own settings for the simulated CPU ranks.
     assert f"# Rigpilot plan, per node: {plan.parallelism.describe()}." in text
-    assert "export HF_HUB_OFFLINE=1" in text and "export RIGPILOT_DIST_BACKEND=gloo" in text
+    assert "export HF_HUB_OFFLINE=1" in text
+    assert "RIGPILOT_DIST_BACKEND" not in text and "RIGPILOT_SIMULATED" not in text  # read by nothing: not sent
     assert "export CUDA_VISIBLE_DEVICES=''" in text  # simulated GPUs: the ranks must not take a real one
     assert "export PYTHONUNBUFFERED=1" in text and "export RIGPILOT_JOB_DIR=" in text
     assert "export PATH=" not in text and "export HOME=" not in text  # the engine's own environment stays here

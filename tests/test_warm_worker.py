@@ -188,7 +188,7 @@ def test_a_job_runs_through_the_warm_worker_survives_its_death_and_matches_the_p
 
         plain = write_job(base / "plain", kind="train", model=str(TINY_LLAMA_CONFIG),
                           parallelism={"dp_replicate": 2}, train=TRAIN)  # fmt: skip
-        run_job(plain, 2, env={"RIGPILOT_DIST_BACKEND": "gloo", "RIGPILOT_SIMULATED": "1", "OMP_NUM_THREADS": "1"})
+        run_job(plain, 2, env={"OMP_NUM_THREADS": "1"})
         assert losses(job_dir) == losses(plain) and len(losses(plain)) == 4  # bit for bit
     finally:
         engine.stop()

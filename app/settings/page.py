@@ -48,6 +48,7 @@ from rigpilot.app.settings.prices import PricesBox
 from rigpilot.app.tasks import run_in_background
 from rigpilot.app.widgets.palette import BAD
 from rigpilot.engine.errors import UserError
+from rigpilot.engine.hardware.machine import is_simulated
 from rigpilot.engine.service.client import EngineUnavailable
 from rigpilot.engine.service.pins import pinned
 
@@ -383,7 +384,7 @@ class SettingsPage(QWidget):
     def on_machine(self, machine: dict[str, Any]) -> None:
         """The engine's machine changed, maybe by `rigpilot settings set …`: show the profile now in the
         settings file, unless the user is choosing one here."""
-        if self.loaded and machine.get("source") == "simulated":
+        if self.loaded and is_simulated(machine):
             run_in_background(load_engine_side, self._on_file_changed, lambda _e: None)
 
     def _on_file_changed(self, data: dict[str, Any]) -> None:

@@ -38,6 +38,7 @@ from rigpilot.app.wizard.plan_check import describe_for_job, missing_weights
 from rigpilot.app.wizard.slurm_choice import SlurmChoice
 from rigpilot.app.wizard.state import CALIBRATE, FINETUNE, INFER, KINDS, SCRATCH, SCRIPT
 from rigpilot.engine.given_path import PathRefused, check_given_path
+from rigpilot.engine.hardware.machine import is_simulated
 
 CHECK_DELAY_MS = 300  # typing pauses this long before a model or file is checked
 DATA_FILTER = "Text and JSONL (*.txt *.md *.jsonl *.json *.ndjson);;All files (*)"
@@ -489,7 +490,7 @@ class GpuPage(StepPage):
         self.nodes.load(getattr(self.wiz, "link", None), self.state.nodes)
         self.slurm.load(self.state.slurm)
         self._where_shown()
-        simulated = bool(machine and machine.get("source") == "simulated")
+        simulated = is_simulated(machine)
         self.note.setText(
             "Simulated machine: each chosen GPU runs as one CPU process (a few at most), so keep to two or so."
             if simulated else ""

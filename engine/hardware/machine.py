@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -184,6 +185,8 @@ class Machine:
 
     @property
     def simulated(self) -> bool:
+        """Whether this machine is simulated (its ranks run on the CPU): the one place that decides it. Jobs
+        carry it from here (JobSpec.simulated, set at submission); clients holding the JSON ask `is_simulated`."""
         return self.source is Source.SIMULATED
 
     @property
@@ -241,6 +244,11 @@ class Machine:
             notes=list(d.get("notes", [])),
             schema_version=d.get("schema_version", SCHEMA_VERSION),
         )
+
+
+def is_simulated(machine: Mapping[str, Any] | None) -> bool:
+    """`Machine.simulated` of a machine held as its JSON (Machine.to_dict, as the engine sends it)."""
+    return machine is not None and machine.get("source") == Source.SIMULATED.value
 
 
 def _pair_to_dict(p: GpuPair) -> dict[str, Any]:

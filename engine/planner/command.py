@@ -243,12 +243,12 @@ def run_plan(args: argparse.Namespace) -> int:
             payload["rented_comparison"] = comparison
         print(json.dumps(payload, indent=2))
     elif artifact is not None:
-        print("\n".join(render_text(result)), file=sys.stderr)
+        print("\n".join(render_text(result, simulated=machine.simulated)), file=sys.stderr)
         if instead:
             print(f"note: {instead}", file=sys.stderr)
         sys.stdout.write(artifact if artifact.endswith("\n") else artifact + "\n")
     else:
-        print("\n".join(render_text(result)))
+        print("\n".join(render_text(result, simulated=machine.simulated)))
         if comparison is not None:
             from rigpilot.engine.planner.rented import render
 
@@ -270,7 +270,8 @@ def _compare_rented(args: argparse.Namespace, spec: Any, machine: Any, workload:
                    settings.price(), plan_for)  # fmt: skip
 
 
-def render_text(result: SearchResult) -> list[str]:
+def render_text(result: SearchResult, *, simulated: bool = False) -> list[str]:
+    """The search in words; `simulated`: planned for a simulated machine (Machine.simulated)."""
     out = [f"{result.machine}, GPUs {','.join(map(str, result.gpu_indices))}", ""]
     out += [f"  {line}" for line in result.explanation]
     plans = ([result.best] if result.best else []) + result.runners_up
@@ -282,7 +283,7 @@ def render_text(result: SearchResult) -> list[str]:
                 out.append(f"  {_rank(i)} cannot run here: {p.runs_here_reason}")
     if result.best is not None:
         out += ["", "Memory per GPU of the best plan:"]
-        out += [f"  {row}" for row in _memory_table(result.best)]
+        out += [f"  {row}" for row in _memory_table(result.best, simulated)]
         if result.best.verification:
             out.append(f"  memory {result.best.verification}")
     for note in result.notes + (result.best.notes if result.best else []):
@@ -316,7 +317,7 @@ def _rank(i: int) -> str:
     return "best" if i == 0 else f"#{i + 1}"
 
 
-def _memory_table(plan: Plan) -> list[str]:
+def _memory_table(plan: Plan, simulated: bool) -> list[str]:
     traced = any(m.traced is not None for m in plan.memory)
     head = ("node:GPU" if plan.parallelism.nodes > 1 else "GPU", "weights", "grads", "optimizer", "activations", "KV cache", "buffers", "overhead", "total",
             *(("traced",) if traced else ()), "of", "free")  # fmt: skip
@@ -335,7 +336,7 @@ def _memory_table(plan: Plan) -> list[str]:
     lines = ["  ".join(cell.rjust(widths[c]) for c, cell in enumerate(r)) for r in rows]
     host = plan.host
     avail = fmt_gib(host.available) if host.available else "unknown"
-    if host.available and plan.machine.startswith("simulated"):
+    if host.available and simulated:
         avail = f"the simulated machine's {avail} (jobs' CPU ranks use this host's RAM)"
     lines.append(f"host RAM: {fmt_gib(host.needed)} needed of {avail}" + (f" ({fmt_gib(host.offloaded)} offloaded)" if host.offloaded else ""))
     return lines

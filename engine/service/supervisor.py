@@ -702,16 +702,14 @@ class Supervisor:
         if warm_fits and self.warm is not None and self.warm.ready() and self.warm.python == python:
             env[warm.SOCKET_ENV] = str(self.warm.socket_path)
         if rec.simulated:
-            env["CUDA_VISIBLE_DEVICES"] = ""  # simulated GPUs: ranks must not grab a real one
-            env["RIGPILOT_SIMULATED"] = "1"
-            env["RIGPILOT_DIST_BACKEND"] = "gloo"
+            # Simulated GPUs: ranks must not grab a real one. The ranks read "simulated" from the job's spec
+            # (JobSpec.simulated, the machine's word at submission), not from their environment.
+            env["CUDA_VISIBLE_DEVICES"] = ""
             cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
             env.setdefault("OMP_NUM_THREADS", str(max(1, cpus // max(rec.ranks, 1))))
         else:
             env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # so CUDA's numbering matches nvidia-smi's and ours
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in rec.gpus)
-            env["RIGPILOT_SIMULATED"] = "0"
-            env["RIGPILOT_DIST_BACKEND"] = "nccl"
         return env
 
     def _find_secrets(self, names: list[str], known: dict[str, str], how: str) -> dict[str, str]:
