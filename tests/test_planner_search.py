@@ -15,6 +15,7 @@ from rigpilot.engine.models.spec import Linear, ModelSpec
 from rigpilot.engine.planner.links import Topology
 from rigpilot.engine.planner.plan import LoraSettings, Workload
 from rigpilot.engine.planner.search import (
+    MAX_BATCH,
     OFFLOAD_MARGIN,
     RANKING,
     SPEED_TIE,
@@ -206,10 +207,15 @@ def test_validation_errors():
     empty = Machine(source=Source.SIMULATED, host=Host(), gpus=[])
     with pytest.raises(UserError, match="has no GPUs"):
         search(LLAMA_7B, empty, train())
-    with pytest.raises(UserError, match=r"the batch \(--batch\) must be between 1 and"):
+    with pytest.raises(UserError) as out_of_range:
         search(LLAMA_7B, machine, train(global_batch=0))
-    with pytest.raises(UserError):
+    assert out_of_range.value.reason == "out_of_range"
+    assert out_of_range.value.fields == {"setting": "global_batch", "value": 0, "min": 1, "max": MAX_BATCH}
+    with pytest.raises(UserError) as unknown:
         search(LLAMA_7B, machine, train(precision="int3"))
+    assert (unknown.value.reason, unknown.value.fields["setting"], unknown.value.fields["value"]) == (
+        "unknown_choice", "precision", "int3")
+    assert "bf16" in unknown.value.fields["choices"]
 
 
 def test_subset_of_gpus_and_suggestion_to_use_all():

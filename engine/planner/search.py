@@ -90,15 +90,19 @@ class SearchOptions:
 
 def validate_workload(w: Workload, spec: ModelSpec) -> None:
     if w.task not in TASKS:
-        raise UserError(f"unknown task {w.task!r}; use train or infer")
+        raise UserError(f"unknown task {w.task!r}; use train or infer",
+                        reason="unknown_choice", setting="task", value=w.task, choices=list(TASKS))  # fmt: skip
     if w.method not in METHODS:
-        raise UserError(f"unknown method {w.method!r}; use full, lora or qlora")
+        raise UserError(f"unknown method {w.method!r}; use full, lora or qlora",
+                        reason="unknown_choice", setting="method", value=w.method, choices=list(METHODS))  # fmt: skip
     if w.task == "infer" and w.method != "full":
         raise UserError(f"--method {w.method} is a way to train; for quantized inference use --quant int8 or --quant 4bit")
     if w.precision not in PRECISIONS:
-        raise UserError(f"unknown dtype {w.precision!r}; use bf16, fp16 or fp32")
+        raise UserError(f"unknown dtype {w.precision!r}; use bf16, fp16 or fp32",
+                        reason="unknown_choice", setting="precision", value=w.precision, choices=list(PRECISIONS))  # fmt: skip
     if w.optimizer not in OPTIMIZERS:
-        raise UserError(f"unknown optimizer {w.optimizer!r}; use {', '.join(OPTIMIZERS)}")
+        raise UserError(f"unknown optimizer {w.optimizer!r}; use {', '.join(OPTIMIZERS)}",
+                        reason="unknown_choice", setting="optimizer", value=w.optimizer, choices=list(OPTIMIZERS))  # fmt: skip
     if w.weight_bits not in WEIGHT_BITS:
         raise UserError(f"weights can be 16, 8 or 4 bits, not {w.weight_bits}")
     if w.training and w.weight_bits != 16:
@@ -107,13 +111,14 @@ def validate_workload(w: Workload, spec: ModelSpec) -> None:
         raise UserError("QLoRA computes in bf16 or fp16; use --dtype bf16")
     # Finite bounds far past any real run: the search enumerates divisors of the batch, so an absurd
     # value would make it explode (2^63 once kept a request spinning for half an hour).
-    for name, value, lo, hi in (
-        ("sequence length (--seq)", w.seq_len, 1, MAX_SEQ),
-        ("batch (--batch)", w.global_batch, 1, MAX_BATCH),
-        ("new tokens", w.new_tokens, 0, MAX_SEQ),
+    for name, setting, value, lo, hi in (
+        ("sequence length (--seq)", "seq_len", w.seq_len, 1, MAX_SEQ),
+        ("batch (--batch)", "global_batch", w.global_batch, 1, MAX_BATCH),
+        ("new tokens", "new_tokens", w.new_tokens, 0, MAX_SEQ),
     ):
         if not lo <= value <= hi:
-            raise UserError(f"the {name} must be between {lo:,} and {hi:,}, not {value:,}")
+            raise UserError(f"the {name} must be between {lo:,} and {hi:,}, not {value:,}",
+                            reason="out_of_range", setting=setting, value=value, min=lo, max=hi)  # fmt: skip
     if w.token_budget is not None and not 1 <= w.token_budget <= MAX_TOKEN_BUDGET:
         raise UserError(f"the token budget must be between 1 and {MAX_TOKEN_BUDGET:.0e}, not {w.token_budget:,}")
     if w.lora is not None and w.lora.rank > MAX_LORA_RANK:
