@@ -600,3 +600,14 @@ def test_search_time_reads_in_milliseconds_below_a_second():
     from rigpilot.app.planner.page import duration_short
 
     assert duration_short(0.0042) == "4 ms" and duration_short(0.0) == "under 1 ms" and duration_short(11.04) == "11.0 s"
+
+
+def test_an_untraced_plans_memory_says_why_as_the_cli_does():
+    from rigpilot.app.planner.model import memory_figures
+
+    gib = 2**30
+    why = "not verified: multi-node plans are not traced"
+    assert memory_figures({"verification": why}, {"total": 12 * gib}) == f"Memory: formula 12.0 GiB ({why})"
+    assert memory_figures({"verification": ""}, {"total": 12 * gib}) == "Memory: formula 12.0 GiB"
+    traced = {"total": 12 * gib, "traced": 13 * gib}
+    assert memory_figures({"verification": "traced: meta, 1.0 s"}, traced) == "Memory: formula 12.0 GiB · traced 13.0 GiB"

@@ -281,8 +281,8 @@ def memory_figures(plan: dict[str, Any], m: dict[str, Any]) -> str:
     formula = f"Memory: formula {m['total'] / GIB:.1f} GiB"
     if m.get("traced") is not None:
         return f"{formula} · traced {m['traced'] / GIB:.1f} GiB"
-    why = plan.get("verification") or ""
-    return formula + (f" ({why})" if why.startswith("not verified") else "")
+    why = plan.get("verification") or ""  # untraced: empty, or why not ("not verified: …"), as the CLI shows it
+    return formula + (f" ({why})" if why else "")
 
 
 def tokens_per_s(v: float | None, training: bool = True) -> str:
