@@ -12,6 +12,7 @@ from those, never by reading the sentence.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 GENERIC = "user_error"  # the reason of a refusal that has no code of its own yet
@@ -24,3 +25,12 @@ class UserError(Exception):
         super().__init__(message, *args)
         self.reason = reason
         self.fields: dict[str, Any] = fields
+
+
+def jsonable(fields: dict[str, Any]) -> dict[str, Any]:
+    """`fields` as JSON carries them: one that JSON cannot (a Path, an enum, a NaN) goes as its text rather
+    than failing the whole reply or record."""
+    try:
+        return json.loads(json.dumps(fields, default=str, allow_nan=False)) if fields else {}
+    except ValueError:
+        return {k: v if isinstance(v, str | int | bool | None) else str(v) for k, v in fields.items()}

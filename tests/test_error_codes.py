@@ -130,3 +130,27 @@ def test_an_older_engines_error_still_gives_the_client_its_fields():
     old = EngineError.of_reply({"code": "bad_path", "message": "gone", "path": "/a", "problem": "missing"})
     assert (old.code, old.reason, old.fields) == ("bad_path", "bad_path", {"path": "/a", "problem": "missing"})
     assert str(old) == "gone" and EngineError.of_reply("not an object").code == protocol.INTERNAL  # type: ignore[arg-type]
+
+
+def test_a_ranks_refusal_records_its_reason_and_fields(tmp_path, monkeypatch):
+    """A worker's refusal reaches the job's error record (engine.service.runs takes the rank's record as
+    the job's `error`) with its reason and fields, as the engine's own refusals reach clients."""
+    import json
+
+    from rigpilot.engine.jobs.spec import JobSpec
+    from rigpilot.engine.workers import __main__ as worker
+
+    JobSpec(id="j1", kind="train").write(tmp_path)
+    refusal = UserError("sequence too long", reason="seq_too_long", setting="train.seq_len", value=300, limit=256,
+                        path=tmp_path, rank=7)  # fmt: skip  (a Path goes as text; `rank` is the record's own)
+
+    def refuse(spec, job_dir):
+        raise refusal
+
+    monkeypatch.setattr(worker, "run", refuse)
+    monkeypatch.delenv(worker.METRICS_DIR_ENV, raising=False)
+    assert worker.main([str(tmp_path)]) == worker.EXIT_USER_ERROR
+    [record] = [json.loads(line) for f in (tmp_path / "metrics").glob("*.jsonl") for line in f.read_text().splitlines()]
+    assert record["error"] == "user_error" and record["reason"] == "seq_too_long"
+    assert (record["setting"], record["value"], record["limit"], record["path"]) == ("train.seq_len", 300, 256, str(tmp_path))
+    assert record["rank"] != 7

@@ -112,7 +112,7 @@ import types
 from dataclasses import dataclass, fields, is_dataclass
 from typing import IO, Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
 
-from rigpilot.engine.errors import UserError
+from rigpilot.engine.errors import UserError, jsonable
 
 PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
@@ -416,7 +416,7 @@ def error_reply(
 ) -> dict[str, Any]:
     """An error reply of class `code`; `reason` (default: the class) names the refusal and `fields` its facts,
     what a client words the error from (see the module docstring)."""
-    facts = _jsonable(fields or {})
+    facts = jsonable(fields or {})
     error = {**(facts if code in _FIELDS_BESIDE_CODE else {}), "code": code, "message": message,
              "reason": reason or code, "fields": facts}  # fmt: skip
     return {"v": PROTOCOL_VERSION, "id": rid, "ok": False, "error": error}
@@ -427,14 +427,6 @@ def refusal_reply(rid: int | str | None, e: UserError) -> dict[str, Any]:
     unless the reason is a class of its own (`bad_path`, `disk_full`, `not_found`)."""
     code = e.reason if e.reason in _REASONS_WITH_A_CLASS else USER_ERROR
     return error_reply(rid, code, str(e), reason=e.reason, fields=e.fields)
-
-
-def _jsonable(fields: dict[str, Any]) -> dict[str, Any]:
-    # A field that JSON cannot carry (a Path, an enum, a NaN) goes as its text rather than failing the whole reply.
-    try:
-        return json.loads(json.dumps(fields, default=str, allow_nan=False)) if fields else {}
-    except ValueError:
-        return {k: v if isinstance(v, str | int | bool | None) else str(v) for k, v in fields.items()}
 
 
 def event(name: str, **fields_: Any) -> dict[str, Any]:

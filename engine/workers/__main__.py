@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from rigpilot.engine.diskspace import DiskFull, disk_full, is_disk_full, no_room
-from rigpilot.engine.errors import UserError
+from rigpilot.engine.errors import UserError, jsonable
 from rigpilot.engine.jobs.secrets import plain
 from rigpilot.engine.jobs.spec import JobSpec
 from rigpilot.engine.report import METRICS_DIR_ENV, report
@@ -117,6 +117,14 @@ def _report_quietly(**values: Any) -> None:
         pass
 
 
+def _refusal_facts(e: UserError) -> dict[str, Any]:
+    """The refusal's reason and its scalar fields beside the record's own keys, as a disk_full record has
+    them: the job's error is worded from these, never from the line."""
+    own = {"time", "rank", "run", "step", "kind", "error", "message", "reason"}
+    facts = {k: v for k, v in jsonable(e.fields).items() if k not in own and isinstance(v, int | float | str | bool)}
+    return {"reason": e.reason, **facts}
+
+
 def _disk_full(e: BaseException, job_dir: Path) -> DiskFull:
     """A DiskFull for an ENOSPC met outside a checkpoint (a metrics line, the log, the exported model)."""
     if isinstance(e, DiskFull):
@@ -157,7 +165,7 @@ def main(argv: list[str]) -> int:
     except DiskFull as e:
         return _fail_disk_full(e)
     except UserError as e:
-        _report_quietly(kind="error", error="user_error", message=str(e))
+        _report_quietly(kind="error", error="user_error", message=str(e), **_refusal_facts(e))
         fail(str(e))
         return EXIT_USER_ERROR
     except JobCancelled:
