@@ -129,6 +129,19 @@ def test_runner_up_rows_show_their_own_plan(qtbot):
     assert page.exports.plan == plans[1]
 
 
+def test_the_status_words_the_memory_trace_from_its_numbers(qtbot):
+    page, link = open_page(qtbot, "8x-h100-sxm")
+    plain = link.replies["plan"]
+    link.replies["plan"] = lambda **r: {**(reply := plain(**r)),
+                                        "result": {**reply["result"], "trace": {"traced": 3, "tried": 4, "seconds": 2.5},
+                                                   "notes": []}}  # fmt: skip
+    plan_for(qtbot, page)
+    assert page.status.text().endswith("Memory traced for 3 of 4 plan(s) in 2.5 s.")
+    link.replies["plan"] = plain
+    plan_for(qtbot, page)
+    assert "traced" not in page.status.text()
+
+
 def test_unknown_model_and_engine_errors_are_one_inline_line(qtbot):
     page, link = open_page(qtbot)
     page.picker.set_model("no/such/model/anywhere", chosen=False)

@@ -660,11 +660,12 @@ class PlannerPage(QWidget):
             return
         self.plan_button.setEnabled(True)
         result = reply.get("result", reply)
-        traced = [n for n in result.get("notes") or [] if n.startswith("memory traced for")]
+        trace = result.get("trace") or {}
         self.status.setText(
             f"{result.get('considered', 0)} layouts searched in {duration_short(result.get('elapsed_s') or 0.0)}."
-            + (f" {traced[0][0].upper()}{traced[0][1:]}." if traced else "")
-        )
+            + (f" Memory traced for {trace['traced']} of {trace['tried']} plan(s) in {trace['seconds']:.1f} s."
+               if trace else "")
+        )  # fmt: skip
         self._hide_message()
         self._show_result(result)
         self.rented.show_for(self.plan_request(), result, self.target_machine())

@@ -59,6 +59,9 @@ class SearchResult:
     runnable: int = 0  # of the fitting plans, those the engine runs (engine.capability.why_not is None)
     nodes: int = 1  # the nodes the search could use (the best plan may use fewer: its parallelism.nodes)
     internode: dict[str, Any] | None = None  # the link between them (cluster.NodeLink.to_dict), None on one node
+    # The memory trace's outcome ({"traced": plans traced, "tried": plans tried, "seconds": ...}); None: not traced.
+    # Clients word it from these numbers; `notes` has the CLI's line.
+    trace: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -77,6 +80,7 @@ class SearchResult:
             "notes": self.notes,
             "nodes": self.nodes,
             "internode": self.internode,
+            "trace": self.trace,
         }
 
 

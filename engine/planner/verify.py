@@ -159,6 +159,7 @@ def check(
     seconds = time.perf_counter() - started
     traced = sum(bool(a.get("ok")) for a in answers)
     tried = min(top, len(plans))
+    result.trace = {"traced": traced, "tried": tried, "seconds": round(seconds, 1)}
     result.notes = [*result.notes, f"memory traced for {traced} of {tried} plan(s) in {seconds:.1f} s"]
     return lines
 
