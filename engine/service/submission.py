@@ -39,7 +39,7 @@ from rigpilot.engine.jobs.spec import InferSettings, JobSpec, TrainSettings
 from rigpilot.engine.layout import Layout, accumulation_of_plan, schedule_name
 from rigpilot.engine.models.config_file import CONFIG_MAX
 from rigpilot.engine.planner.memory import fmt_gib
-from rigpilot.engine.planner.plan import Plan, refusal
+from rigpilot.engine.planner.plan import Plan
 from rigpilot.engine.service.protocol import check_dataclass
 
 KINDS = ("train", "infer", "script", "calibrate")
@@ -143,10 +143,7 @@ def prepare(
             spec.model, model_type = _check_model(spec.model, base)
     if spec.kind in ("train", "infer"):
         model_type = model_type or (planned.model_type if planned else None) or None
-        method = spec.train.method if spec.kind == "train" and spec.train else "full"
-        reason = why_not(spec.parallelism, spec.kind, method=method, model_type=model_type)
-        if reason:
-            raise UserError(reason)
+        _check_runs(spec, model_type, planned if applies_plan else None, nodes)
     backend = None
     if spec.kind == "infer" and spec.infer:
         backend = choose_infer_backend(
@@ -611,11 +608,23 @@ def _oom_suggestion(par: Any) -> str:
     return "train LoRA adapters instead (--method lora), or use more GPUs"
 
 
-def check_plan_runs(spec: JobSpec, plan: Plan) -> None:
-    """Refuse, in one line, a plan that a job of this kind cannot run as planned."""
-    reason = refusal(plan)
+def _check_runs(spec: JobSpec, model_type: str | None, plan: Plan | None, nodes: int) -> None:
+    """The capability contract, asked once, of the job as it will run: its layout (the plan's, where it left
+    the degrees open) and method, and what only the plan says (the optimizer and weights it was sized for)."""
+    method = spec.train.method if spec.kind == "train" and spec.train else "full"
+    facts: dict[str, Any] = {}
+    if plan is not None:
+        w, par = plan.workload, plan.parallelism
+        facts = dict(optimizer=w.optimizer or "adamw" if w.task == "train" else "adamw", weight_bits=w.weight_bits)
+        if nodes > 1:
+            facts.update(nodes=nodes, gpus_per_node=min(len(par.gpu_indices), spec.parallelism.world_size // nodes))
+    reason = why_not(spec.parallelism, spec.kind, method=method, model_type=model_type, **facts)
     if reason:
-        raise UserError(f"this plan does not run here: {reason}")
+        raise UserError(f"this plan does not run here: {reason}" if plan is not None else reason)
+
+
+def check_plan_runs(spec: JobSpec, plan: Plan) -> None:
+    """Refuse, in one line, a plan made for another kind of job (whether its layout runs is `_check_runs`'s)."""
     task = plan.workload.task
     if spec.kind in ("train", "infer") and task in ("train", "infer") and task != spec.kind:
         made_for = "training" if task == "train" else "inference"
