@@ -165,9 +165,16 @@ class Layout:
         CPUOffloadPolicy. The plan's micro-batches per step are the pipeline's when pp > 1.
         """
         par: _PlannedSplit = plan.parallelism if hasattr(plan, "parallelism") else plan  # type: ignore[assignment]
+        for name in ("dp", "tp", "pp", "zero_stage", "shard_degree", "grad_accum"):
+            value = getattr(par, name)
+            if not isinstance(value, int) or isinstance(value, bool):  # plan files are read, not trusted
+                raise UserError(
+                    f"malformed plan: parallelism.{name} must be a whole number, not {value!r}"[:200],
+                    reason="bad_layout", setting=f"plan.parallelism.{name}", value=repr(value)[:60],
+                )  # fmt: skip
         dp, zero, degree = par.dp, par.zero_stage, par.shard_degree
         shard = 1
-        if zero == 3 and isinstance(degree, int) and degree >= 1 and dp % degree == 0:
+        if zero == 3 and degree >= 1 and dp % degree == 0:
             shard = degree
         elif zero in (1, 2):
             shard = dp

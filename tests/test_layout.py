@@ -181,3 +181,13 @@ def test_a_submission_reads_its_plan_with_plan_from_dict(tmp_path: Path) -> None
                        ({k: v for k, v in plan.items() if k != "workload"}, "malformed plan")):  # fmt: skip
         with pytest.raises(UserError, match=words):
             prepare(spec, bad, str(tmp_path), job_id="check", machine=load_profile("4x-rtx4090"), max_cpu_ranks=2)
+
+
+def test_a_plan_file_with_a_degree_that_is_not_a_whole_number_is_refused_in_one_line() -> None:
+    plan = json.loads(_plan(Parallelism(gpu_indices=[0, 1], dp=2)).to_json())
+    plan["parallelism"]["dp"] = "2"
+    loaded = Plan.from_dict({k: v for k, v in plan.items() if k not in ("runs_here", "runs_here_reason")})
+    assert not loaded.runs_here and "parallelism.dp must be a whole number" in loaded.runs_here_reason
+    with pytest.raises(UserError, match=r"malformed plan: parallelism\.dp must be a whole number") as e:
+        Layout.from_plan(loaded)
+    assert e.value.reason == "bad_layout"
