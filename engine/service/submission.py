@@ -88,15 +88,14 @@ def prepare(
     if data.get("kind") not in KINDS:
         raise UserError(f"unknown job kind {data.get('kind')!r}; choose one of {', '.join(KINDS)}")
     base = _working_folder(cwd)
-    planned = parse_plan(plan)
+    # A script only gets the plan's predictions (plan_prediction reads them): how it splits the work is its own.
+    planned = parse_plan(plan) if data.get("kind") != "script" else None
     spec = JobSpec.from_dict({**data, "id": job_id})
     check_job_settings(spec)  # the user's own values, named as they gave them
     spec.simulated = machine.simulated
     from_plan: dict[str, Any] = {}
     notes: list[str] = []
-    # A script only gets the plan's predictions: how it splits the work is its own business.
-    applies_plan = planned is not None and spec.kind != "script"
-    if planned is not None and applies_plan:
+    if planned is not None:
         check_plan_runs(spec, planned)
         spans = planned.parallelism.nodes
         if spans > 1 and spans != nodes:
@@ -123,7 +122,7 @@ def prepare(
         _check_script(spec, base)
     elif spec.kind == "train":
         spec.train = spec.train or TrainSettings()
-        if planned is not None and applies_plan:
+        if planned is not None:
             taken, more = apply_plan_training(spec, planned)
             from_plan.update(taken)
             notes += more
@@ -143,7 +142,7 @@ def prepare(
             spec.model, model_type = _check_model(spec.model, base)
     if spec.kind in ("train", "infer"):
         model_type = model_type or (planned.model_type if planned else None) or None
-        _check_runs(spec, model_type, planned if applies_plan else None, nodes)
+        _check_runs(spec, model_type, planned, nodes)
     backend = None
     if spec.kind == "infer" and spec.infer:
         backend = choose_infer_backend(
@@ -157,9 +156,9 @@ def prepare(
             ranks = 1
         notes.append(f"inference backend: {backend_words(backend.name, backend.reason)}")
     check_job_settings(spec)  # and once more with what the plan and the defaults filled in
-    host_ram = _check_host_ram(planned if applies_plan else None, machine, notes)
+    host_ram = _check_host_ram(planned, machine, notes)
     predicted = plan_prediction(plan)
-    if (applies_plan and from_plan) or notes:
+    if (planned is not None and from_plan) or notes:
         predicted = {**(predicted or {}), "from_plan": from_plan, "plan_notes": notes}
     need, need_what = disk_need(spec, _model_config(spec.model, base)[1] if spec.kind == "train" and spec.model else {})
     return Submission(
