@@ -1,6 +1,6 @@
 """What the engine can run: the one answer the planner, the submission path and the workers share.
 
-The planner marks every plan it ranks with `why_not(layout_of_plan(plan))`
+The planner marks every plan it ranks with `why_not` of `Layout.from_plan(plan)` (engine.planner.plan.refusal)
 (`runs_here` in the plan's JSON) and ranks plans the engine would refuse
 below every plan it runs; a submission is refused with the same sentence
 before anything is created for it; the workers read their model-family tables
@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+
+from rigpilot.engine.layout import Layout
 
 TRAIN_METHODS = ("full", "lora", "qlora", "scratch")
 # The workers step with torch.optim.AdamW; a plan sized for another optimizer (8-bit AdamW, SGD)
@@ -39,59 +40,51 @@ TENSOR_PARALLEL_TYPES = LLAMA_STYLE_TYPES + GEMMA_TYPES + MOE_TYPES
 PIPELINE_TYPES = TENSOR_PARALLEL_TYPES + FUSED_PROJECTION_TYPES
 
 
-@dataclass(frozen=True)
-class Layout:
-    """A job's shape, as far as the engine's ability to run it goes."""
+def why_not(
+    layout: Layout,
+    kind: str = "train",
+    *,
+    method: str = "full",
+    optimizer: str = "adamw",
+    weight_bits: int = 16,
+    model_type: str | None = None,
+    nodes: int = 1,
+    gpus_per_node: int = 0,
+) -> str | None:
+    """None when the engine runs a `kind` job ("train" | "infer") of `layout`; otherwise the one-line reason it
+    cannot (no trailing period).
 
-    kind: str  # "train" | "infer"
-    method: str = "full"  # training: full | lora | qlora | scratch
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    tp: int = 1
-    pp: int = 1
-    sequence_parallel: bool = False
-    # False: FSDP2 keeps parameters gathered from forward through backward (how ZeRO-1/2 plans run)
-    reshard_after_forward: bool = True
-    cpu_offload: bool = False
-    optimizer: str = "adamw"  # training only
-    weight_bits: int = 16  # inference: 16 (the precision), 8 or 4
-    model_type: str | None = None  # config.json's model_type; None when not known yet (the worker checks)
-    nodes: int = 1  # machines the job spans
-    gpus_per_node: int = 0  # ranks on each node when nodes > 1 (0: one node, every rank on it)
-
-
-def why_not(layout: Layout) -> str | None:
-    """None when the engine runs `layout`; otherwise the one-line reason it cannot (no trailing period)."""
+    `method` and `optimizer` are training's; `weight_bits` inference's (16: the precision, 8 or 4);
+    `model_type` is config.json's, None when not known yet (the worker checks); a job over `nodes` > 1
+    machines runs `gpus_per_node` ranks on each. The layout's degrees are valid by construction.
+    """
     lt = layout
-    for name in ("dp_replicate", "dp_shard", "tp", "pp"):
-        if getattr(lt, name) < 1:
-            return f"parallel degree {name} must be at least 1"
-    if lt.nodes < 1:
+    if nodes < 1:
         return "a job spans at least one node"
-    if lt.nodes > 1 and lt.tp > 1 and lt.tp > lt.gpus_per_node:
+    if nodes > 1 and lt.tp > 1 and lt.tp > gpus_per_node:
         # TP all-reduces every layer's activations, forward and backward: over the link between machines that
         # is the step itself, so the planner never proposes it and the engine never starts it.
         return (
-            f"tensor parallel over {lt.tp} GPUs would cross nodes of {lt.gpus_per_node} GPUs: "
-            f"keep tp at most {lt.gpus_per_node} and split across nodes with data or pipeline parallel"
+            f"tensor parallel over {lt.tp} GPUs would cross nodes of {gpus_per_node} GPUs: "
+            f"keep tp at most {gpus_per_node} and split across nodes with data or pipeline parallel"
         )
-    mt = lt.model_type
-    if lt.kind == "train":
-        if lt.method not in TRAIN_METHODS:
-            return f"unknown training method {lt.method!r}; choose one of {', '.join(TRAIN_METHODS)}"
-        if lt.optimizer not in TRAIN_OPTIMIZERS:
-            return f"Rigpilot jobs train with AdamW; optimizer {lt.optimizer!r} is not run by the engine yet"
+    mt = model_type
+    if kind == "train":
+        if method not in TRAIN_METHODS:
+            return f"unknown training method {method!r}; choose one of {', '.join(TRAIN_METHODS)}"
+        if optimizer not in TRAIN_OPTIMIZERS:
+            return f"Rigpilot jobs train with AdamW; optimizer {optimizer!r} is not run by the engine yet"
         if lt.cpu_offload and (lt.tp > 1 or lt.pp > 1):
             return "CPU offload runs with FSDP2 data parallelism only, not with tensor or pipeline parallel"
-        if lt.method == "qlora" and (lt.tp > 1 or lt.pp > 1):
+        if method == "qlora" and (lt.tp > 1 or lt.pp > 1):
             # torchao's NF4 tensors shard under FSDP2 (their all-gather hooks) and replicate under DDP;
             # splitting them across tensor-parallel ranks or pipeline stages is not built or tested.
             return "QLoRA runs with data parallelism (DDP or FSDP), not with tensor parallel or pipeline parallel"
-        if lt.method == "qlora" and lt.cpu_offload:
+        if method == "qlora" and lt.cpu_offload:
             return "QLoRA's 4-bit base weights are not offloaded to the CPU: QLoRA without offload needs less memory"
-    elif lt.kind == "infer":
-        if lt.weight_bits != 16:
-            return f"{lt.weight_bits}-bit inference is not run by Rigpilot jobs yet; plan it in bf16 or fp16"
+    elif kind == "infer":
+        if weight_bits != 16:
+            return f"{weight_bits}-bit inference is not run by Rigpilot jobs yet; plan it in bf16 or fp16"
         if lt.cpu_offload:
             return "inference jobs do not offload to the CPU"
     if lt.tp > 1 and mt in FUSED_PROJECTION_TYPES:
@@ -134,7 +127,13 @@ class InferBackend:
 
 
 def vllm_why_not(
-    layout: Layout, *, simulated: bool, temperature: float = 0.0, nodes: int = 1, slurm: bool = False
+    layout: Layout,
+    *,
+    simulated: bool,
+    temperature: float = 0.0,
+    nodes: int = 1,
+    slurm: bool = False,
+    weight_bits: int = 16,
 ) -> str | None:
     """None when an inference job of `layout` can run on vLLM (vLLM being installed aside); else why not.
 
@@ -146,15 +145,15 @@ def vllm_why_not(
         return "the machine's GPUs are simulated and jobs run as CPU ranks; vLLM needs real CUDA GPUs"
     if slurm:
         return "a SLURM job runs on the cluster's nodes, whose environment Rigpilot has not checked for vLLM"
-    if max(nodes, lt.nodes) > 1:
-        return f"the job spans {max(nodes, lt.nodes)} nodes; Rigpilot runs vLLM on one node"
-    dp = lt.dp_replicate * lt.dp_shard
+    if nodes > 1:
+        return f"the job spans {nodes} nodes; Rigpilot runs vLLM on one node"
+    dp = lt.dp
     if dp > 1:
         return (
             f"the layout has data parallel {dp}; Rigpilot runs one vLLM engine per job, split by tensor and "
             "pipeline parallel only (give --tp/--pp degrees that use every GPU)"
         )
-    if lt.cpu_offload or lt.weight_bits != 16:
+    if lt.cpu_offload or weight_bits != 16:
         return "vLLM jobs run 16-bit weights without CPU offload"
     if 0 < temperature < VLLM_MIN_TEMPERATURE:
         return f"temperature {temperature:g} is below the {VLLM_MIN_TEMPERATURE:g} vLLM's SamplingParams raises it to"
@@ -208,38 +207,3 @@ def backend_words(name: str, reason: str = "") -> str:
 
 def _types(types: tuple[str, ...]) -> str:
     return f"Llama-style decoders ({', '.join(types)})"
-
-
-def layout_of_plan(plan: dict[str, Any]) -> Layout:
-    """The layout a planner `Plan` (its JSON) asks the engine to run; see engine.planner.plan."""
-    par = plan.get("parallelism") if isinstance(plan.get("parallelism"), dict) else {}
-    work = plan.get("workload") if isinstance(plan.get("workload"), dict) else {}
-    dp = _int(par.get("dp"))
-    zero = _int(par.get("zero_stage"), 0)
-    shard = 1
-    if zero == 3:
-        degree = _int(par.get("shard_degree"))
-        shard = degree if dp % degree == 0 else 1
-    elif zero in (1, 2):
-        shard = dp  # ZeRO-1/2 run as FSDP2 without resharding after forward
-    task = work.get("task") if work.get("task") in ("train", "infer") else "train"
-    return Layout(
-        kind=task,
-        method=str(work.get("method", "full")) if task == "train" else "full",
-        dp_replicate=max(dp // shard, 1),
-        dp_shard=shard,
-        tp=_int(par.get("tp")),
-        pp=_int(par.get("pp")),
-        sequence_parallel=bool(par.get("sequence_parallel")) and _int(par.get("tp")) > 1,
-        reshard_after_forward=zero not in (1, 2) or dp == 1,
-        cpu_offload=bool(par.get("offload_params") or par.get("offload_optimizer")),
-        optimizer=str(work.get("optimizer") or "adamw") if task == "train" else "adamw",
-        weight_bits=_int(work.get("weight_bits"), 16),
-        model_type=plan.get("model_type") or None,
-        nodes=_int(par.get("nodes")),
-        gpus_per_node=len(par["gpu_indices"]) if _int(par.get("nodes")) > 1 and isinstance(par.get("gpu_indices"), list) else 0,
-    )
-
-
-def _int(v: Any, default: int = 1) -> int:
-    return v if isinstance(v, int) and not isinstance(v, bool) else default

@@ -6,10 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from rigpilot.engine.capability import PIPELINE_TYPES, TENSOR_PARALLEL_TYPES, Layout, layout_of_plan, why_not
+from rigpilot.engine.capability import PIPELINE_TYPES, TENSOR_PARALLEL_TYPES, why_not
+from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.simulated import list_profiles, load_profile
+from rigpilot.engine.layout import Layout
 from rigpilot.engine.models import describe_model
-from rigpilot.engine.planner.plan import LoraSettings, Workload
+from rigpilot.engine.planner.plan import LoraSettings, Parallelism, Workload
 from rigpilot.engine.planner.search import SearchOptions, search
 from rigpilot.engine.service.submission import describe, prepare
 
@@ -19,40 +21,39 @@ PRESETS = ("llama-2-7b", "llama-2-13b", "llama-3-70b", "mixtral-8x7b")
 
 
 def test_every_refusal_is_one_line_naming_what_to_change() -> None:
-    cases = {
-        Layout("train", "qlora", tp=2): "QLoRA",
-        Layout("train", "full", tp=2, cpu_offload=True): "CPU offload",
-        Layout("train", "full", pp=2, model_type="gpt2"): "pipeline parallel",
-        Layout("train", "full", tp=2, model_type="bert"): "tensor parallel",
-        Layout("train", "dpo"): "unknown training method",
-        Layout("infer", weight_bits=4): "4-bit inference",
-        Layout("train", dp_shard=0): "at least 1",
-    }
-    for layout, words in cases.items():
-        reason = why_not(layout)
+    cases = [
+        (Layout(tp=2), dict(method="qlora"), "QLoRA"),
+        (Layout(tp=2, cpu_offload=True), {}, "CPU offload"),
+        (Layout(pp=2), dict(model_type="gpt2"), "pipeline parallel"),
+        (Layout(tp=2), dict(model_type="bert"), "tensor parallel"),
+        (Layout(), dict(method="dpo"), "unknown training method"),
+        (Layout(), dict(kind="infer", weight_bits=4), "4-bit inference"),
+    ]
+    for layout, job, words in cases:
+        reason = why_not(layout, **job)
         assert reason is not None and words in reason and "\n" not in reason, (layout, reason)
-    for ok in (
-        Layout("train", "lora", tp=2, model_type="llama"),
-        Layout("train", "full", dp_shard=4, cpu_offload=True),
-        Layout("train", "qlora", dp_replicate=2, model_type="llama"),
-        Layout("train", "scratch", pp=2, model_type=PIPELINE_TYPES[0]),
-        Layout("infer", tp=2, model_type=TENSOR_PARALLEL_TYPES[0]),
+    for layout, job in (
+        (Layout(tp=2), dict(method="lora", model_type="llama")),
+        (Layout(dp_shard=4, cpu_offload=True), {}),
+        (Layout(dp_replicate=2), dict(method="qlora", model_type="llama")),
+        (Layout(pp=2), dict(method="scratch", model_type=PIPELINE_TYPES[0])),
+        (Layout(tp=2), dict(kind="infer", model_type=TENSOR_PARALLEL_TYPES[0])),
     ):
-        assert why_not(ok) is None, ok
+        assert why_not(layout, **job) is None, (layout, job)
+    # A degree below 1 is no layout at all: refused where it is made, before any contract is asked.
+    with pytest.raises(UserError, match=r"dp_shard=0: must be in \[1, 4096\]") as e:
+        Layout(dp_shard=0)
+    assert e.value.reason == "out_of_range" and e.value.fields["setting"] == "parallelism.dp_shard"
 
 
 def test_a_plans_layout_is_what_the_submission_maps_it_to() -> None:
-    plan = {
-        "model_type": "llama",
-        "workload": {"task": "train", "method": "lora"},
-        "parallelism": {"dp": 4, "tp": 2, "pp": 1, "zero_stage": 3, "shard_degree": 2, "sequence_parallel": True},
-    }
-    lt = layout_of_plan(plan)
-    assert (lt.dp_replicate, lt.dp_shard, lt.tp, lt.method, lt.sequence_parallel) == (2, 2, 2, "lora", True)
-    offload = layout_of_plan({"parallelism": {"dp": 2, "zero_stage": 3, "shard_degree": 2, "offload_params": True}})
+    plan = Parallelism(gpu_indices=list(range(8)), dp=4, tp=2, zero_stage=3, shard_degree=2, sequence_parallel=True)
+    lt = Layout.from_plan(plan)
+    assert (lt.dp_replicate, lt.dp_shard, lt.tp, lt.sequence_parallel) == (2, 2, 2, True)
+    offload = Layout.from_plan(Parallelism(gpu_indices=[0, 1], dp=2, zero_stage=3, shard_degree=2, offload_params=True))
     assert offload.cpu_offload and offload.dp_shard == 2
-    zero2 = layout_of_plan({"parallelism": {"dp": 4, "zero_stage": 2}})
-    assert (zero2.dp_replicate, zero2.dp_shard) == (1, 4)
+    zero2 = Layout.from_plan(Parallelism(gpu_indices=[0, 1, 2, 3], dp=4, zero_stage=2, shard_degree=4, backend="fsdp"))
+    assert (zero2.dp_replicate, zero2.dp_shard, zero2.reshard_after_forward) == (1, 4, False)
 
 
 # (workload, the job spec `rigpilot run … --plan FILE --check` sends for it)

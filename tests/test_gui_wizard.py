@@ -695,7 +695,8 @@ def test_the_pages_and_the_wizard_do_not_import_each_other():
 
 def test_a_zero2_plan_is_launched_as_fsdp2_without_resharding_as_the_engine_maps_it(settings):
     """The wizard's degrees come from the engine's mapping of a plan (a ZeRO-2 plan once launched as DDP)."""
-    from rigpilot.engine.capability import layout_of_plan
+    from rigpilot.engine.layout import Layout
+    from rigpilot.engine.planner.plan import parallelism_from_dict
 
     link, _ = make_link("4x-rtxa6000-bridged")
     state = default_state(link.machine)
@@ -705,8 +706,7 @@ def test_a_zero2_plan_is_launched_as_fsdp2_without_resharding_as_the_engine_maps
     state.kind = "scratch"
     p = state.parallelism()
     assert (p.dp_replicate, p.dp_shard, p.reshard_after_forward) == (1, 4, False)
-    lt = layout_of_plan(state.plan)
-    assert (p.dp_replicate, p.dp_shard, p.reshard_after_forward) == (lt.dp_replicate, lt.dp_shard, lt.reshard_after_forward)
+    assert p == Layout.from_plan(parallelism_from_dict(state.plan["parallelism"]))
 
 
 # -- settings that fit the model ----------------------------------------------------------------------------------

@@ -19,7 +19,6 @@ from test_service_engine import engine, engine_home, wait_for  # noqa: F401
 
 from rigpilot.engine.capability import (
     INFER_BACKENDS,
-    Layout,
     WorkerVllm,
     backend_words,
     choose_infer_backend,
@@ -31,13 +30,14 @@ from rigpilot.engine.hardware.machine import Source
 from rigpilot.engine.hardware.simulated import load_profile
 from rigpilot.engine.jobs.limits import check_job_settings
 from rigpilot.engine.jobs.spec import InferSettings, JobSpec, Parallelism
+from rigpilot.engine.layout import Layout
 from rigpilot.engine.service.submission import describe, prepare
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_LLAMA = REPO / "examples" / "models" / "tiny-llama"
 INSTALLED = WorkerVllm("/env/bin/python", "0.11.0")
 MISSING = WorkerVllm("/env/bin/python", None)
-TP2 = Layout("infer", tp=2)
+TP2 = Layout(tp=2)
 
 
 def never_asked() -> WorkerVllm:
@@ -60,7 +60,7 @@ def test_auto_takes_vllm_only_where_everything_allows_it() -> None:
         "simulated": (dict(simulated=True), "simulated"),
         "not installed": (dict(found=MISSING), "vLLM is not installed in the worker environment (/env/bin/python)"),
         "cannot ask": (dict(found=WorkerVllm("/env/bin/python", None, "it crashed")), "could not be asked"),
-        "data parallel": (dict(layout=Layout("infer", dp_replicate=2)), "data parallel 2"),
+        "data parallel": (dict(layout=Layout(dp_replicate=2)), "data parallel 2"),
         "two nodes": (dict(nodes=2), "2 nodes"),
         "slurm": (dict(slurm=True), "SLURM"),
         "tiny temperature": (dict(temperature=0.005), "below the 0.01"),
@@ -73,11 +73,11 @@ def test_auto_takes_vllm_only_where_everything_allows_it() -> None:
 
 
 def test_the_worker_environment_is_asked_only_when_nothing_else_rules_vllm_out() -> None:
-    for kw in (dict(simulated=True), dict(nodes=2), dict(layout=Layout("infer", dp_shard=2))):
-        layout = kw.pop("layout", Layout("infer"))
+    for kw in (dict(simulated=True), dict(nodes=2), dict(layout=Layout(dp_shard=2))):
+        layout = kw.pop("layout", Layout())
         b = choose_infer_backend("auto", layout, worker_vllm=never_asked, **{"simulated": False, **kw})
         assert b.name == "transformers"
-    assert choose_infer_backend("transformers", Layout("infer"), simulated=False, worker_vllm=never_asked).reason == (
+    assert choose_infer_backend("transformers", Layout(), simulated=False, worker_vllm=never_asked).reason == (
         "asked for"
     )
 
@@ -95,9 +95,9 @@ def test_vllm_asked_for_but_not_possible_is_one_line_naming_the_reason_and_the_w
 
 
 def test_vllm_runs_the_plans_tensor_and_pipeline_degrees_on_one_node() -> None:
-    assert vllm_why_not(Layout("infer", tp=4, pp=2), simulated=False) is None
-    assert "data parallel 4" in (vllm_why_not(Layout("infer", dp_replicate=2, dp_shard=2), simulated=False) or "")
-    assert "16-bit" in (vllm_why_not(Layout("infer", weight_bits=4), simulated=False) or "")
+    assert vllm_why_not(Layout(tp=4, pp=2), simulated=False) is None
+    assert "data parallel 4" in (vllm_why_not(Layout(dp_replicate=2, dp_shard=2), simulated=False) or "")
+    assert "16-bit" in (vllm_why_not(Layout(), simulated=False, weight_bits=4) or "")
     assert backend_words("vllm") == "vLLM"
     assert backend_words("transformers", "asked for") == "transformers (Rigpilot's own generator) — asked for"
 

@@ -7,7 +7,6 @@ import json
 
 import pytest
 
-from rigpilot.engine.capability import layout_of_plan, why_not
 from rigpilot.engine.cli import main as cli_main
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.simulated import load_profile
@@ -17,6 +16,7 @@ from rigpilot.engine.planner.cluster import build_cluster, node_link
 from rigpilot.engine.planner.links import Topology
 from rigpilot.engine.planner.memory import MemoryModel
 from rigpilot.engine.planner.model import model_facts
+from rigpilot.engine.planner.plan import refusal
 from rigpilot.engine.planner.search import _train_layouts
 from rigpilot.engine.planner.speed import Groups, SpeedModel
 from rigpilot.engine.service import planworker
@@ -68,12 +68,12 @@ def test_tensor_parallel_never_crosses_nodes(llama):
 def test_why_not_refuses_tp_across_nodes(h100, llama):
     plan = plan_on(llama, h100, "ndr").best.to_dict()
     plan["parallelism"].update(nodes=2, gpu_indices=[0, 1, 2, 3], tp=8, dp=1, pp=1, zero_stage=0, shard_degree=1)
-    reason = why_not(layout_of_plan(plan))
-    assert reason and "cross nodes" in reason and "\n" not in reason
     loaded = Plan.from_dict({k: v for k, v in plan.items() if k not in ("runs_here", "runs_here_reason")})
+    reason = refusal(loaded)
+    assert reason and "cross nodes" in reason and "\n" not in reason
     assert not loaded.runs_here and loaded.runs_here_reason == reason
     plan["parallelism"].update(tp=4, dp=2)
-    assert why_not(layout_of_plan(plan)) is None
+    assert refusal(Plan.from_dict(plan)) == ""
 
 
 def test_slow_link_uses_fewer_nodes_or_splits_the_pipeline_and_says_why(h100, llama):

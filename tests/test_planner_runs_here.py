@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from rigpilot.engine.capability import layout_of_plan, why_not
 from rigpilot.engine.hardware.simulated import load_profile
 from rigpilot.engine.models.describe import describe_model
 from rigpilot.engine.planner.command import render_text
-from rigpilot.engine.planner.plan import LoraSettings, Workload
+from rigpilot.engine.planner.plan import LoraSettings, Plan, Workload, refusal
 from rigpilot.engine.planner.search import SearchOptions, search
 
 PROFILES = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "resources" / "machines").glob("*.json"))
@@ -45,9 +44,11 @@ def _check_contract(r) -> None:
     plans = ([r.best] if r.best else []) + r.runners_up
     for p in plans:
         # The flag the search set from its candidate is the one the plan's own JSON gets from the contract.
-        reason = why_not(layout_of_plan(p.to_dict()))
-        assert p.runs_here is (reason is None)
-        assert p.runs_here_reason == (reason or "")
+        # ... and the one a plan read back from its JSON is judged by anew.
+        d = p.to_dict()
+        reason = refusal(Plan.from_dict({k: v for k, v in d.items() if k not in ("runs_here", "runs_here_reason")}))
+        assert p.runs_here is (not reason)
+        assert p.runs_here_reason == reason
     flags = [p.runs_here for p in plans]
     assert flags == sorted(flags, reverse=True), "a plan the engine cannot run is listed above one it runs"
 

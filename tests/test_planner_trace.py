@@ -14,6 +14,7 @@ import pytest
 
 from rigpilot.engine.accuracy.tp import free_port
 from rigpilot.engine.hardware.simulated import load_profile
+from rigpilot.engine.layout import Layout
 from rigpilot.engine.models.describe import describe_model
 from rigpilot.engine.planner import verify
 from rigpilot.engine.planner.plan import Plan, Workload
@@ -217,12 +218,13 @@ GLOO_SCRIPT = textwrap.dedent(
     def rank_main(rank, world, port, cases, queue):
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
         dist.init_process_group("gloo", rank=rank, world_size=world)
+        from rigpilot.engine.layout import Layout
         from rigpilot.engine.workers import memtrace
         out = []
         try:
-            for workload, par in cases:
+            for workload, par, layout in cases:
                 config = memtrace._load_config(workload["model"], False)
-                phases = memtrace._trace_step(config, 2, workload, par, False, real=True)
+                phases = memtrace._trace_step(config, 2, workload, par, Layout.from_dict(layout), False, real=True)
                 out.append([phases.forward_backward, phases.optimizer])
         except Exception as e:
             out = repr(e)
@@ -242,11 +244,12 @@ GLOO_SCRIPT = textwrap.dedent(
             sys.exit("a rank failed: " + real)
         for p in procs:
             p.join()
+        from rigpilot.engine.layout import Layout
         from rigpilot.engine.workers import memtrace
         fake = []
-        for workload, par in cases:
+        for workload, par, layout in cases:
             config = memtrace._load_config(workload["model"], False)
-            phases = memtrace._trace_step(config, 2, workload, par, False)
+            phases = memtrace._trace_step(config, 2, workload, par, Layout.from_dict(layout), False)
             fake.append([phases.forward_backward, phases.optimizer])
         print(json.dumps({"real": real, "fake": fake}))
     """
@@ -254,11 +257,11 @@ GLOO_SCRIPT = textwrap.dedent(
 
 
 def _case(folder: Path, mesh: dict[str, int], **par: object) -> list[dict]:
+    """[workload, the step's settings, the layout (job.json's `parallelism`)]: JSON, for the gloo script."""
     workload = {"model": str(folder), "task": "train", "method": par.pop("method", "full"), "precision": "bf16",
                 "seq_len": 64, "lora": par.pop("lora", None)}  # fmt: skip
-    world = mesh["dp_replicate"] * mesh["dp_shard"] * mesh["tp"]
-    return [workload, {"mesh_shape": {"pp": 1, **mesh}, "world_size": world, "micro_batch": 2, "grad_accum": 1,
-                       "checkpointing": "none", "reshard_after_forward": True, **par}]  # fmt: skip
+    layout = {**mesh, **{k: par.pop(k) for k in ("sequence_parallel", "reshard_after_forward") if k in par}}
+    return [workload, {"micro_batch": 2, "grad_accum": 1, "checkpointing": "none", **par}, layout]
 
 
 def _real_vs_fake(tmp_path: Path, world: int, cases: list[list[dict]], port: int) -> tuple[list, list]:
@@ -350,10 +353,11 @@ def test_two_and_four_blocks_scale_to_the_whole_model(tmp_path):
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({**TINY_LLAMA, "num_hidden_layers": 8}))
     config = memtrace._load_config(str(folder), False)
-    workload, par = _case(folder, {"dp_replicate": 1, "dp_shard": 2, "tp": 2}, sequence_parallel=True,
-                          checkpointing="full", grad_accum=2)  # fmt: skip
-    whole = memtrace._trace_step(config, 8, workload, par, False)
-    low, high = (memtrace._trace_step(config, n, workload, par, False) for n in memtrace.SCALE_FROM)
+    workload, par, shape = _case(folder, {"dp_replicate": 1, "dp_shard": 2, "tp": 2}, sequence_parallel=True,
+                                 checkpointing="full", grad_accum=2)  # fmt: skip
+    layout = Layout.from_dict(shape)
+    whole = memtrace._trace_step(config, 8, workload, par, layout, False)
+    low, high = (memtrace._trace_step(config, n, workload, par, layout, False) for n in memtrace.SCALE_FROM)
     scaled = memtrace._extrapolate(low, high, memtrace.SCALE_FROM, 8)
     assert abs(scaled.peak - whole.peak) <= 0.03 * whole.peak
     assert abs(scaled.optimizer - whole.optimizer) <= 0.03 * whole.optimizer

@@ -153,10 +153,15 @@ def test_plan_prediction_reads_the_planners_plan():
 
 def test_plan_layout_fills_in_gpus_and_degrees(submit, tmp_path):
     (tmp_path / "data.txt").write_text("hello\n")
-    sub = submit({"kind": "train", "model": "gpt2", "train": {"dataset": ["data.txt"]}}, plan=PLAN)
+    plan = planner_plan(gpu_indices=[2, 3], zero_stage=3, shard_degree=2, backend="fsdp", micro_batch=4,
+                        checkpointing="full")  # fmt: skip
+    sub = submit({"kind": "train", "model": "gpt2", "train": {"dataset": ["data.txt"]}}, plan=plan)
     p = sub.spec.parallelism
     assert sub.spec.gpus == [2, 3] and (p.dp_replicate, p.dp_shard, p.tp, p.pp) == (1, 2, 1, 1)
-    assert sub.predicted["peak_memory_bytes"] == 6 * 2**30
+    assert sub.predicted["peak_memory_bytes"] == 3 * 2**30
+    # The plan is read as the planner wrote it (Plan.from_dict): a partial one is refused in one line.
+    with pytest.raises(UserError, match="malformed plan"):
+        submit({"kind": "train", "model": "gpt2", "train": {"dataset": ["data.txt"]}}, plan={**PLAN, "schema_version": 1})
 
 
 def planner_plan(task="train", seq_len=256, precision="fp32", **par) -> dict:

@@ -332,15 +332,16 @@ def test_an_nf4_weight_fsdp_cannot_split_evenly_is_named() -> None:
 
 
 def test_capability_names_the_layouts_qlora_and_offload_run() -> None:
-    from rigpilot.engine.capability import Layout, why_not
+    from rigpilot.engine.capability import why_not
+    from rigpilot.engine.layout import Layout
 
     for shape in ({"dp_replicate": 2}, {"dp_shard": 2}, {"dp_shard": 2, "dp_replicate": 2}):
-        assert why_not(Layout("train", method="qlora", **shape)) is None
+        assert why_not(Layout(**shape), method="qlora") is None
     assert "QLoRA runs with data parallelism (DDP or FSDP), not with tensor parallel" in (
-        why_not(Layout("train", method="qlora", tp=2)) or ""
+        why_not(Layout(tp=2), method="qlora") or ""
     )
-    assert "pipeline parallel" in (why_not(Layout("train", method="qlora", pp=2)) or "")
-    assert "QLoRA" in (why_not(Layout("train", method="qlora", dp_shard=2, cpu_offload=True)) or "")
+    assert "pipeline parallel" in (why_not(Layout(pp=2), method="qlora") or "")
+    assert "QLoRA" in (why_not(Layout(dp_shard=2, cpu_offload=True), method="qlora") or "")
     for shape in ({"dp_shard": 2}, {"dp_replicate": 2}, {}):
-        assert why_not(Layout("train", cpu_offload=True, **shape)) is None
-    assert "CPU offload runs with FSDP2" in (why_not(Layout("train", cpu_offload=True, tp=2)) or "")
+        assert why_not(Layout(cpu_offload=True, **shape)) is None
+    assert "CPU offload runs with FSDP2" in (why_not(Layout(cpu_offload=True, tp=2)) or "")

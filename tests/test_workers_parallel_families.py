@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 import torch
 
-from rigpilot.engine.capability import PIPELINE_TYPES, TENSOR_PARALLEL_TYPES, Layout, why_not
+from rigpilot.engine.capability import PIPELINE_TYPES, TENSOR_PARALLEL_TYPES, why_not
+from rigpilot.engine.layout import Layout
 
 VOCAB = 96
 SEQ = 8
@@ -349,13 +350,13 @@ def test_pipeline_stages_decode_left_padded_rows_as_the_unsplit_model(model_type
 
 def test_capability_tables_say_what_the_workers_split() -> None:
     for mt in TENSOR_PARALLEL_TYPES:
-        assert why_not(Layout(kind="train", method="lora", tp=2, sequence_parallel=True, model_type=mt)) is None
+        assert why_not(Layout(tp=2, sequence_parallel=True), method="lora", model_type=mt) is None
     for mt in PIPELINE_TYPES:
-        assert why_not(Layout(kind="train", method="lora", pp=2, model_type=mt)) is None
-    reason = why_not(Layout(kind="train", tp=2, model_type="phi3"))
+        assert why_not(Layout(pp=2), method="lora", model_type=mt) is None
+    reason = why_not(Layout(tp=2), model_type="phi3")
     assert reason is not None and "fused qkv_proj" in reason and "\n" not in reason
-    assert "not one of them" in (why_not(Layout(kind="infer", tp=2, model_type="gpt2")) or "")
-    assert "not one of them" in (why_not(Layout(kind="train", pp=2, model_type="gpt2")) or "")
+    assert "not one of them" in (why_not(Layout(tp=2), "infer", model_type="gpt2") or "")
+    assert "not one of them" in (why_not(Layout(pp=2), model_type="gpt2") or "")
 
 
 def test_tensor_parallel_refuses_fused_projections_with_the_capability_reason() -> None:

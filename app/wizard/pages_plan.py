@@ -41,7 +41,8 @@ from rigpilot.app.wizard.host import HYPER, REVIEW, WizardHost
 from rigpilot.app.wizard.page_base import StepPage
 from rigpilot.app.wizard.plan_check import CheckResult, Overrides
 from rigpilot.app.wizard.state import INFER, INFER_BACKEND_CHOICES
-from rigpilot.engine.capability import Layout, why_not
+from rigpilot.engine.capability import why_not
+from rigpilot.engine.layout import DEGREE_RANGES, Layout
 
 PIPELINE_SCHEDULES = [("1f1b", "1F1B"), ("gpipe", "GPipe")]  # as the planner writes them
 CHECKPOINTING = [
@@ -77,7 +78,7 @@ class PlanPage(StepPage):
         self.alternatives.currentRowChanged.connect(self._alternative_chosen)
         self.dp = _spin("overrideDp", 1, 1024)
         self.tp = _spin("overrideTp", 1, 64)
-        self.pp = _spin("overridePp", 1, 1024)
+        self.pp = _spin("overridePp", 1, DEGREE_RANGES["pp"][1])
         self.micro = _spin("overrideMicroBatch", 1, 4096)
         self.checkpointing = QComboBox()
         self.checkpointing.setObjectName("overrideCheckpointing")
@@ -284,8 +285,8 @@ class PlanPage(StepPage):
         form.setRowVisible(self.pp_microbatches_row, pp > 1)
         form.setRowVisible(self.sequence_parallel_row, tp > 1)
         # Offered where the engine's capability contract runs an offloaded layout of this job.
-        offloaded = Layout("train", method=self.state.train_method, tp=tp, pp=pp, cpu_offload=True)
-        form.setRowVisible(self.cpu_offload_row, training and why_not(offloaded) is None)
+        offloaded = Layout(tp=tp, pp=pp, cpu_offload=True)
+        form.setRowVisible(self.cpu_offload_row, training and why_not(offloaded, method=self.state.train_method) is None)
 
     def _pp_microbatches_changed(self, value: int) -> None:
         if not self.changing():

@@ -178,7 +178,9 @@ class PlanChecker:
             p, workload=w, parallelism=par, memory=memory, host=host, timing=timing,
             notes=[*notes, "changed in the wizard from the planner's recommendation"] if par != par0 or w != w0 else notes,
         )  # fmt: skip
-        d = runs_here(new.to_dict())
+        new.runs_here_reason = refusal(new)
+        new.runs_here = not new.runs_here_reason
+        d = new.to_dict()
         if not d["runs_here"]:
             return CheckResult(d, False, f"The engine does not run this layout: {d['runs_here_reason']}.")
         return CheckResult(d, new.fits, fit_message(new))
@@ -194,13 +196,6 @@ class PlanChecker:
         if pp > self.spec.num_layers:
             return f"{pp} pipeline stages for {self.spec.num_layers} layers: at most one stage per layer."
         return None
-
-
-def runs_here(plan: dict[str, Any]) -> dict[str, Any]:
-    """`plan` with `runs_here` and `runs_here_reason` as the engine's capability contract answers for it now
-    (a plan the user changed is not the one the planner marked)."""
-    reason = refusal(plan)
-    return {**plan, "runs_here": not reason, "runs_here_reason": reason}
 
 
 def even_stages(layers: int, pp: int) -> list[list[int]]:

@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rigpilot.engine.capability import layout_of_plan
 from rigpilot.engine.examples import EXAMPLES
 from rigpilot.engine.given_path import is_given_file
-from rigpilot.engine.jobs.spec import InferSettings, JobSpec, Parallelism, TrainSettings
+from rigpilot.engine.jobs.spec import InferSettings, JobSpec, TrainSettings
+from rigpilot.engine.layout import Layout
+from rigpilot.engine.planner.plan import parallelism_from_dict
 from rigpilot.engine.service.store import ACTIVE_STATES
 
 TINY_MODEL = "models/tiny-llama"
@@ -167,20 +168,15 @@ class WizardState:
         return f"Sequence length set to {context} tokens, the model's context (it was {before})."
 
     # -- what is submitted ---------------------------------------------------------------------------
-    def parallelism(self) -> Parallelism:
+    def parallelism(self) -> Layout:
         par = (self.plan or {}).get("parallelism") if self.planned else None
         if not par:
-            return Parallelism()
+            return Layout()
         # The engine's own mapping of a plan onto degrees (ZeRO-1/2 as FSDP2 without resharding, offload, HSDP).
-        lt = layout_of_plan(self.plan or {})
-        schedule = {"gpipe": "GPipe"}.get(par.get("pipeline_schedule", ""), "1F1B")
+        lt = Layout.from_plan(parallelism_from_dict(par))
         # Fewer micro-batches than stages leaves stages idle for most of the step.
-        microbatches = (self.pp_microbatches or max(par.get("grad_accum", 1), lt.pp)) if lt.pp > 1 else 1
-        return Parallelism(
-            dp_replicate=lt.dp_replicate, dp_shard=lt.dp_shard, tp=lt.tp, pp=lt.pp,
-            sequence_parallel=lt.sequence_parallel, reshard_after_forward=lt.reshard_after_forward,
-            pp_schedule=schedule, pp_microbatches=microbatches, cpu_offload=lt.cpu_offload,
-        )  # fmt: skip
+        microbatches = (self.pp_microbatches or max(lt.pp_microbatches, lt.pp)) if lt.pp > 1 else 1
+        return dataclasses.replace(lt, pp_microbatches=microbatches)
 
     def job_gpus(self) -> list[int]:
         """The GPUs in rank order: the plan's order puts tensor-parallel groups on the fastest links."""

@@ -20,6 +20,7 @@ from typing import Any
 
 from rigpilot.engine.accuracy.measure import Case
 from rigpilot.engine.accuracy.models import TINY_CONFIGS
+from rigpilot.engine.layout import Layout
 
 
 class NotTraceable(Exception):
@@ -37,13 +38,12 @@ def trace_case(case: Case, *, layers: int | None = None) -> dict[str, int]:
         (Path(tmp) / "config.json").write_text(json.dumps(config_dict))
         workload = _workload(case, tmp)
         # Under TP this process is rank 0 of a fake group of case.tp ranks, as verify traces a plan.
-        par = {"mesh_shape": {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": case.tp}, "world_size": case.tp,
-               "micro_batch": case.micro_batch, "grad_accum": 1, "checkpointing": case.checkpointing,
-               "sequence_parallel": case.sequence_parallel}  # fmt: skip
+        par = {"micro_batch": case.micro_batch, "grad_accum": 1, "checkpointing": case.checkpointing}
+        layout = Layout(tp=case.tp, sequence_parallel=case.sequence_parallel)
         try:
             config = memtrace._load_config(tmp, False)
             n = layers or memtrace._num_layers(config)
-            phases = memtrace._trace_step(config, n, workload, par, False)
+            phases = memtrace._trace_step(config, n, workload, par, layout, False)
         except memtrace.NotTraced as e:
             raise NotTraceable(str(e)) from e
     return components(phases.snapshots) | {"peak": phases.peak}

@@ -60,13 +60,8 @@ def _num(v: float) -> str:
 
 
 # setting (as "section.field") -> its allowed values. Strings have a length bound instead.
+# The parallel degrees and schedule are the Layout's own to check (engine.layout), when one is made.
 LIMITS: dict[str, Range | Choice] = {
-    "parallelism.dp_replicate": Range(1, 4096),
-    "parallelism.dp_shard": Range(1, 4096),
-    "parallelism.tp": Range(1, 512),
-    "parallelism.pp": Range(1, 512),
-    "parallelism.pp_microbatches": Range(1, 4096),
-    "parallelism.pp_schedule": Choice(("1F1B", "GPipe"), any_case=True),
     "train.method": Choice(TRAIN_METHODS),
     "train.precision": Choice(PRECISIONS),
     "train.activation_checkpointing": Choice(CHECKPOINTING),
@@ -105,7 +100,7 @@ PROMPT_MAX = 1024 * 1024
 
 def check_job_settings(spec: Any) -> None:
     """Raise a one-line UserError for the first setting of a JobSpec outside its allowed values."""
-    for section in ("parallelism", "train", "infer"):
+    for section in ("train", "infer"):
         part = getattr(spec, section, None)
         if part is None or not is_dataclass(part):
             continue

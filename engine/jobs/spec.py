@@ -20,30 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from rigpilot.engine.layout import Layout
+
 JobKind = Literal["train", "infer", "script", "calibrate"]
 SPEC_VERSION = 1
 
 
-@dataclass
-class Parallelism:
-    """How the ranks are arranged; the product of the degrees is the world size."""
-
-    dp_replicate: int = 1  # plain data-parallel replicas (DDP, or the replicate dim of HSDP)
-    dp_shard: int = 1  # FSDP2 sharding degree (1: no sharding)
-    # False: parameters stay gathered from forward through backward (FSDP's SHARD_GRAD_OP, the
-    # equivalent of ZeRO-2): less communication, more memory than resharding (ZeRO-3).
-    reshard_after_forward: bool = True
-    tp: int = 1  # tensor parallel degree
-    pp: int = 1  # pipeline stages
-    sequence_parallel: bool = False
-    pp_schedule: str = "1F1B"  # "GPipe" | "1F1B"
-    pp_microbatches: int = 1
-    # FSDP2's CPUOffloadPolicy: sharded parameters, gradients and the optimizer step live in host RAM.
-    cpu_offload: bool = False
-
-    @property
-    def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+# job.json's `parallelism` object is a Layout (engine.layout); the old name stays for readers of it.
+Parallelism = Layout
 
 
 @dataclass
@@ -100,7 +84,7 @@ class JobSpec:
     trust_remote_code: bool = False  # off unless the user turns it on for this job
     gpus: list[int] = field(default_factory=list)  # machine GPU indices
     simulated: bool = True  # ranks run on the CPU with gloo, one per (simulated) GPU
-    parallelism: Parallelism = field(default_factory=Parallelism)
+    parallelism: Layout = field(default_factory=Layout)
     train: TrainSettings | None = None
     infer: InferSettings | None = None
     script: list[str] | None = None  # argv of a user script: ["path/to/script.py", "--flag", ...]
@@ -116,7 +100,7 @@ class JobSpec:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> JobSpec:
         d = dict(d)
-        d["parallelism"] = Parallelism(**d.get("parallelism", {}))
+        d["parallelism"] = Layout.from_dict(d.get("parallelism") or {})  # old spellings read as the one
         if d.get("train") is not None:
             d["train"] = TrainSettings(**d["train"])
         if d.get("infer") is not None:

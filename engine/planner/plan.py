@@ -13,8 +13,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from rigpilot.engine.capability import layout_of_plan, why_not
+from rigpilot.engine.capability import why_not
 from rigpilot.engine.errors import UserError
+from rigpilot.engine.layout import Layout
 
 PLAN_SCHEMA = "rigpilot.plan"
 PLAN_VERSION = 1
@@ -108,8 +109,13 @@ class Parallelism:
         return self.dp * self.tp * self.pp
 
     @property
+    def layout(self) -> Layout:
+        """How a job runs this split: engine.layout's one mapping of a plan onto degrees."""
+        return Layout.from_plan(self)
+
+    @property
     def replicate_degree(self) -> int:
-        return max(self.dp // max(self.shard_degree, 1), 1)
+        return self.layout.dp_replicate
 
     @property
     def offload(self) -> bool:
@@ -118,16 +124,17 @@ class Parallelism:
     @property
     def reshard_after_forward(self) -> bool:
         """False for FSDP2's ZeRO-2 form: every unit stays gathered from its forward through its backward."""
-        return not (self.backend == "fsdp" and self.zero_stage in (1, 2))
+        return self.layout.reshard_after_forward
 
     @property
     def hsdp(self) -> bool:
-        return self.zero_stage == 3 and 1 < self.shard_degree < self.dp
+        lt = self.layout
+        return self.zero_stage == 3 and lt.dp_replicate > 1 and lt.dp_shard > 1
 
     @property
     def mesh_shape(self) -> dict[str, int]:
         """Device-mesh dimensions, outermost first (torch.distributed.init_device_mesh order)."""
-        return {"pp": self.pp, "dp_replicate": self.replicate_degree, "dp_shard": self.dp // self.replicate_degree, "tp": self.tp}
+        return self.layout.mesh_shape
 
     @property
     def family(self) -> str:
@@ -180,7 +187,7 @@ class Parallelism:
             else:
                 name = {0: "DDP", 3: "FSDP2 (ZeRO-3)"}.get(self.zero_stage, f"ZeRO-{self.zero_stage}")
             parts.append(f"{name} over {self.dp}")
-            if not self.reshard_after_forward:
+            if self.backend != "deepspeed" and not self.reshard_after_forward:
                 parts.append("parameters kept gathered through backward (ZeRO-2)")
         if self.tp > 1:
             parts.append(f"tensor parallel {self.tp}" + (" with sequence parallel" if self.sequence_parallel else ""))
@@ -312,9 +319,13 @@ class Plan:
         d = {"schema": PLAN_SCHEMA, **dataclasses.asdict(self)}
         # Derived, for launchers that build a device mesh; ignored when read back.
         d["parallelism"]["world_size"] = self.parallelism.world_size
-        d["parallelism"]["mesh_shape"] = self.parallelism.mesh_shape
+        try:
+            layout = self.parallelism.layout
+        except UserError:  # a hand-edited plan past the degrees' ranges: shown as it is, refused when run
+            return d
+        d["parallelism"]["mesh_shape"] = layout.mesh_shape
         d["parallelism"]["family"] = self.parallelism.family
-        d["parallelism"]["reshard_after_forward"] = self.parallelism.reshard_after_forward
+        d["parallelism"]["reshard_after_forward"] = layout.reshard_after_forward
         return d
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -333,13 +344,13 @@ class Plan:
             t = dict(d["timing"])
             t["comm"] = [CommItem(**c) for c in t.get("comm", [])]
             t["figures"] = [Figure(**f) for f in t.get("figures", [])]
-            par = Parallelism(**{k: v for k, v in d["parallelism"].items() if k in _PARALLELISM_FIELDS})
+            par = parallelism_from_dict(d["parallelism"])
             if not isinstance(par.nodes, int) or isinstance(par.nodes, bool) or par.nodes < 1:
                 raise UserError(f"malformed plan: parallelism.nodes must be a whole number of at least 1, not {par.nodes!r}")
             if par.internode is not None and not isinstance(par.internode, dict):
                 raise UserError("malformed plan: parallelism.internode must be an object or null")
             scaling = d.get("scaling")
-            return cls(
+            plan = cls(
                 workload=Workload(**w),
                 parallelism=par,
                 memory=[MemoryBreakdown(**m) for m in d["memory"]],
@@ -354,10 +365,15 @@ class Plan:
                 schema_version=version,
                 verification=str(d.get("verification") or ""),
                 scaling=scaling if isinstance(scaling, dict) else None,
-                **_runs_here(d),
             )
         except (KeyError, TypeError) as e:
             raise UserError(f"malformed plan: {e}") from e
+        if isinstance(d.get("runs_here"), bool):
+            plan.runs_here, plan.runs_here_reason = d["runs_here"], str(d.get("runs_here_reason") or "")
+        else:  # plans saved before these fields existed are judged now, by the same contract
+            plan.runs_here_reason = refusal(plan)
+            plan.runs_here = not plan.runs_here_reason
+        return plan
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
@@ -373,14 +389,27 @@ class Plan:
 _PARALLELISM_FIELDS = {f.name for f in dataclasses.fields(Parallelism)}
 
 
-def refusal(plan: dict[str, Any]) -> str:
-    """Why the engine would refuse the plan (its JSON), or "" when a job runs it: the one capability contract."""
-    return why_not(layout_of_plan(plan)) or ""
+def parallelism_from_dict(d: dict[str, Any]) -> Parallelism:
+    """A plan's `parallelism` object; the derived fields `to_dict` adds (world_size, mesh_shape …) are ignored."""
+    return Parallelism(**{k: v for k, v in d.items() if k in _PARALLELISM_FIELDS})
 
 
-def _runs_here(d: dict[str, Any]) -> dict[str, Any]:
-    # Plans saved before these fields existed are judged now, by the same contract.
-    if isinstance(d.get("runs_here"), bool):
-        return {"runs_here": d["runs_here"], "runs_here_reason": str(d.get("runs_here_reason") or "")}
-    reason = refusal(d)
-    return {"runs_here": not reason, "runs_here_reason": reason}
+def refusal(plan: Plan) -> str:
+    """Why the engine would refuse the plan, or "" when a job runs it: the one capability contract."""
+    return refusal_of(plan.parallelism, plan.workload, plan.model_type)
+
+
+def refusal_of(par: Parallelism, w: Workload, model_type: str) -> str:
+    """engine.capability.why_not of the job a plan with `par` for `w` asks for ("" when the engine runs it)."""
+    try:
+        layout = Layout.from_plan(par)
+    except UserError as e:  # degrees past any real job: a hand-edited plan
+        return str(e)
+    training = w.task != "infer"
+    per_node = min(len(par.gpu_indices), par.world_size // max(par.nodes, 1)) if par.nodes > 1 else 0
+    reason = why_not(
+        layout, "train" if training else "infer", method=w.method if training else "full",
+        optimizer=w.optimizer or "adamw" if training else "adamw", weight_bits=w.weight_bits,
+        model_type=model_type or None, nodes=par.nodes, gpus_per_node=per_node,
+    )  # fmt: skip
+    return reason or ""

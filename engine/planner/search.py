@@ -19,7 +19,7 @@ most free memory wins, and offload is recommended only where the best plan witho
 15% slower.
 
 Every candidate is judged by the engine's one capability contract,
-`rigpilot.engine.capability.why_not(layout_of_plan(plan))`: plans the engine cannot run
+`rigpilot.engine.capability.why_not` of `Layout.from_plan(plan)`: plans the engine cannot run
 rank below all those it runs and carry the reason (`Plan.runs_here_reason`).
 Plans that do not fit are dropped; for each family with no fitting plan the
 result says what its smallest configuration needs. When nothing fits, the
@@ -55,7 +55,7 @@ from rigpilot.engine.planner.plan import (
     Parallelism,
     Plan,
     Workload,
-    refusal,
+    refusal_of,
 )
 from rigpilot.engine.planner.result import FAMILY_ORDER, SPEED_TIE, Candidate, Rejection, SearchResult, Suggestion
 from rigpilot.engine.planner.scaling import multinode_lines, scaling_of
@@ -374,22 +374,9 @@ def _why_not_fastest(best: Plan, runners: list[Plan]) -> str:
 
 
 def cannot_run(par: Parallelism, w: Workload, model_type: str) -> str:
-    """rigpilot.engine.capability.why_not of the layout a plan with `par` asks for ("" when the engine runs it).
-
-    The same function `Plan.from_dict` and the submission path apply to a plan's JSON, given the
-    fields `layout_of_plan` reads.
-    """
-    d = {
-        "parallelism": {
-            "dp": par.dp, "tp": par.tp, "pp": par.pp, "zero_stage": par.zero_stage, "shard_degree": par.shard_degree,
-            "sequence_parallel": par.sequence_parallel, "offload_params": par.offload_params,
-            "offload_optimizer": par.offload_optimizer, "nodes": par.nodes,
-            "gpu_indices": par.gpu_indices[: par.world_size // par.nodes],
-        },
-        "workload": {"task": w.task, "method": w.method, "weight_bits": w.weight_bits, "optimizer": w.optimizer},
-        "model_type": model_type,
-    }  # fmt: skip
-    return refusal(d)
+    """rigpilot.engine.capability.why_not of the layout a plan with `par` asks for ("" when the engine runs it):
+    the same function `Plan.from_dict` and the submission path apply to a plan."""
+    return refusal_of(par, w, model_type)
 
 
 def _materialize(

@@ -27,6 +27,7 @@ from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import EITHER, FOLDER, check_given_path, open_given_file, shown
 from rigpilot.engine.jobs.limits import CHECKPOINTING, PRECISIONS
 from rigpilot.engine.jobs.secrets import shown_text
+from rigpilot.engine.layout import SCHEDULES, Layout, given_settings, schedule_name
 from rigpilot.engine.service import scaling
 from rigpilot.engine.service.metrics import mark_superseded
 from rigpilot.engine.terminal import printable
@@ -303,7 +304,7 @@ def _degree_options() -> argparse.ArgumentParser:
     g.add_argument("--pp", type=positive_int, metavar="N", help="pipeline stages")
     g.add_argument("--pp-microbatches", type=positive_int, metavar="N",
                    help="micro-batches per pipeline run (default: the number of stages)")  # fmt: skip
-    g.add_argument("--pp-schedule", choices=["1F1B", "GPipe"], type=_schedule, help="pipeline schedule (default 1F1B)")
+    g.add_argument("--pp-schedule", choices=SCHEDULES, type=_schedule, help="pipeline schedule (default 1F1B)")
     g.add_argument("--sequence-parallel", action="store_true", help="with --tp: split norms and residuals along the sequence")
     p.add_argument("--check", action="store_true",
                    help="check the job through the whole submission path and print what would run; start nothing")  # fmt: skip
@@ -311,7 +312,7 @@ def _degree_options() -> argparse.ArgumentParser:
 
 
 def _schedule(text: str) -> str:
-    return {"1f1b": "1F1B", "gpipe": "GPipe"}.get(text.lower(), text)
+    return schedule_name(text) or text  # argparse's choices refuse the rest
 
 
 def _gpu_list(text: str) -> list[int]:
@@ -391,12 +392,12 @@ def build_spec(args: argparse.Namespace) -> dict[str, Any]:
         spec["model"] = args.model
     if args.trust_remote_code:
         spec["trust_remote_code"] = True
-    degrees = {
-        "dp_replicate": args.dp, "dp_shard": args.fsdp, "tp": args.tp, "pp": args.pp,
-        "pp_microbatches": args.pp_microbatches, "pp_schedule": args.pp_schedule,
-        "sequence_parallel": args.sequence_parallel or None, "cpu_offload": getattr(args, "cpu_offload", False) or None,
-    }  # fmt: skip
-    degrees = {k: v for k, v in degrees.items() if v}
+    degrees = given_settings(
+        dp=args.dp, fsdp=args.fsdp, tp=args.tp, pp=args.pp, pp_microbatches=args.pp_microbatches,
+        pp_schedule=args.pp_schedule, sequence_parallel=args.sequence_parallel,
+        cpu_offload=getattr(args, "cpu_offload", False),
+    )  # fmt: skip
+    Layout.from_dict(degrees)  # a degree out of range is refused here, in the engine's words
     if degrees:
         spec["parallelism"] = degrees
     if args.kind == "train":

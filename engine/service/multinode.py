@@ -509,20 +509,20 @@ def _spread_over_nodes(spec: dict[str, Any], plan: dict[str, Any], count: int) -
 
     Tensor and pipeline groups stay inside a node (ranks are node-major); only the replicas multiply.
     Degrees the submission gave for the whole job are left as they are."""
-    from rigpilot.engine.capability import layout_of_plan
+    from rigpilot.engine.layout import Layout
 
     if spec.get("kind") == "script":
         return spec
-    p = submission.plan_of(plan) or {}
-    par_plan = p.get("parallelism") if isinstance(p.get("parallelism"), dict) else None
+    planned = submission.parse_plan(plan)
+    par_plan = planned.parallelism if planned is not None else None
     par = dict(spec.get("parallelism") or {})
     degrees = [par.get(k, 1) for k in ("dp_replicate", "dp_shard", "tp", "pp")]
     if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in degrees):
         return spec  # prepare names what is wrong
     product = degrees[0] * degrees[1] * degrees[2] * degrees[3]
-    per_node = len(spec.get("gpus") or (par_plan or {}).get("gpu_indices") or [])
-    if product == 1 and par_plan is not None:
-        lt = layout_of_plan(p)
+    per_node = len(spec.get("gpus") or (par_plan.gpu_indices if par_plan is not None else []))
+    if product == 1 and planned is not None:
+        lt = Layout.from_plan(planned)
         par.update(dp_replicate=lt.dp_replicate * count, dp_shard=lt.dp_shard, tp=lt.tp, pp=lt.pp,
                    sequence_parallel=lt.sequence_parallel, reshard_after_forward=lt.reshard_after_forward,
                    cpu_offload=lt.cpu_offload)  # fmt: skip

@@ -23,6 +23,7 @@ checkpoint needs. A restart whose job.json cannot be written is not made.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -89,7 +90,7 @@ def refit(spec: JobSpec, healthy: list[int], *, simulated: bool, max_cpu_ranks: 
     if dp_new < dp_old:
         before = f"dp {p.dp_replicate} × fsdp {p.dp_shard}"
         shard = max(d for d in range(1, min(p.dp_shard, dp_new) + 1) if dp_new % d == 0)
-        p.dp_replicate, p.dp_shard = dp_new // shard, shard
+        spec.parallelism = p = dataclasses.replace(p, dp_replicate=dp_new // shard, dp_shard=shard)
         notes.append(f"data parallelism shrinks from {before} to dp {p.dp_replicate} × fsdp {p.dp_shard}")
         if spec.kind == "train" and spec.train is not None:
             t = spec.train

@@ -21,6 +21,7 @@ its logs and metrics. The supervisor refuses a job while the folder has less.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,29 +29,22 @@ from pathlib import Path
 from typing import Any
 
 from rigpilot.engine import runtime
-from rigpilot.engine.capability import (
-    InferBackend,
-    Layout,
-    WorkerVllm,
-    backend_words,
-    choose_infer_backend,
-    layout_of_plan,
-    why_not,
-)
+from rigpilot.engine.capability import InferBackend, WorkerVllm, backend_words, choose_infer_backend, why_not
 from rigpilot.engine.diskspace import human_size
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import EITHER, FILE, FOLDER, Expect, check_given_path, open_given_file
 from rigpilot.engine.hardware.machine import Machine
 from rigpilot.engine.jobs.limits import CHECKPOINTING, PRECISIONS, check_job_settings
 from rigpilot.engine.jobs.spec import InferSettings, JobSpec, TrainSettings
+from rigpilot.engine.layout import Layout, accumulation_of_plan, schedule_name
 from rigpilot.engine.models.config_file import CONFIG_MAX
 from rigpilot.engine.planner.memory import fmt_gib
+from rigpilot.engine.planner.plan import Plan
 from rigpilot.engine.service.protocol import check_dataclass
 
 KINDS = ("train", "infer", "script", "calibrate")
 # Room every job needs besides its checkpoints and model: its logs, metrics and record.
 JOB_ROOM_BYTES = 1 << 20
-_SCHEDULES = {"1f1b": "1F1B", "gpipe": "GPipe"}
 
 
 @dataclass
@@ -94,23 +88,23 @@ def prepare(
     if data.get("kind") not in KINDS:
         raise UserError(f"unknown job kind {data.get('kind')!r}; choose one of {', '.join(KINDS)}")
     base = _working_folder(cwd)
+    # A script only gets the plan's predictions (plan_prediction reads them): how it splits the work is its own.
+    planned = parse_plan(plan) if data.get("kind") != "script" else None
     spec = JobSpec.from_dict({**data, "id": job_id})
     check_job_settings(spec)  # the user's own values, named as they gave them
     spec.simulated = machine.simulated
     from_plan: dict[str, Any] = {}
     notes: list[str] = []
-    # A script only gets the plan's predictions: how it splits the work is its own business.
-    applies_plan = plan is not None and spec.kind != "script"
-    if applies_plan:
-        check_plan_runs(spec, plan)
-        planned = ((plan_of(plan) or {}).get("parallelism") or {}).get("nodes") or 1
-        if isinstance(planned, int) and planned > 1 and planned != nodes:
+    if planned is not None:
+        check_plan_runs(spec, planned)
+        spans = planned.parallelism.nodes
+        if spans > 1 and spans != nodes:
             # Else the degrees, made for every node's ranks, would be checked against this node's alone.
             raise UserError(
-                f"this plan spans {planned} nodes: run it with --nodes local,NODE… naming {planned} engines "
+                f"this plan spans {spans} nodes: run it with --nodes local,NODE… naming {spans} engines "
                 f"(see 'rigpilot nodes'), or plan for {nodes} node{'s' * (nodes != 1)}"
             )
-        from_plan, notes = apply_plan_layout(spec, plan)
+        from_plan, notes = apply_plan_layout(spec, planned)
     spec.gpus = _check_gpus(spec.gpus or _default_gpus(spec, machine, nodes), machine)
     ranks = len(spec.gpus)
     dp_shrink = 1.0  # how many times fewer data-parallel replicas run than the layout has
@@ -118,18 +112,18 @@ def prepare(
         # Simulated GPUs become CPU ranks; more ranks than cores only makes every rank slower.
         ranks = max(1, min(ranks, max_cpu_ranks))
         if spec.kind != "script" and spec.parallelism.world_size == nodes * len(spec.gpus) > nodes * ranks:
-            dp_before = spec.parallelism.dp_replicate * spec.parallelism.dp_shard
+            dp_before = spec.parallelism.dp
             # the degrees fit the GPUs, not the CPU ranks
             ranks = _per_node(_fit_to_cpu_ranks(spec, ranks * nodes, notes), nodes)
-            dp_shrink = dp_before / (spec.parallelism.dp_replicate * spec.parallelism.dp_shard)
+            dp_shrink = dp_before / spec.parallelism.dp
 
     model_type = None
     if spec.kind == "script":
         _check_script(spec, base)
     elif spec.kind == "train":
         spec.train = spec.train or TrainSettings()
-        if applies_plan:
-            taken, more = apply_plan_training(spec, plan)
+        if planned is not None:
+            taken, more = apply_plan_training(spec, planned)
             from_plan.update(taken)
             notes += more
         if dp_shrink > 1:
@@ -147,14 +141,12 @@ def prepare(
         if spec.model:
             spec.model, model_type = _check_model(spec.model, base)
     if spec.kind in ("train", "infer"):
-        model_type = model_type or (plan_of(plan) or {}).get("model_type") or None
-        reason = why_not(layout_of_spec(spec, model_type))
-        if reason:
-            raise UserError(reason)
+        model_type = model_type or (planned.model_type if planned else None) or None
+        _check_runs(spec, model_type, planned, nodes)
     backend = None
     if spec.kind == "infer" and spec.infer:
         backend = choose_infer_backend(
-            spec.infer.backend, layout_of_spec(spec, model_type), simulated=machine.simulated,
+            spec.infer.backend, spec.parallelism, simulated=machine.simulated,
             worker_vllm=worker_vllm or runtime.worker_vllm, temperature=spec.infer.temperature, nodes=nodes, slurm=slurm,
         )  # fmt: skip
         if backend.refusal:
@@ -164,9 +156,9 @@ def prepare(
             ranks = 1
         notes.append(f"inference backend: {backend_words(backend.name, backend.reason)}")
     check_job_settings(spec)  # and once more with what the plan and the defaults filled in
-    host_ram = _check_host_ram(plan_of(plan) if applies_plan else None, machine, notes)
+    host_ram = _check_host_ram(planned, machine, notes)
     predicted = plan_prediction(plan)
-    if (applies_plan and from_plan) or notes:
+    if (planned is not None and from_plan) or notes:
         predicted = {**(predicted or {}), "from_plan": from_plan, "plan_notes": notes}
     need, need_what = disk_need(spec, _model_config(spec.model, base)[1] if spec.kind == "train" and spec.model else {})
     return Submission(
@@ -226,22 +218,6 @@ def _dtype_bytes(config: dict[str, Any]) -> int:
     return 2 if dtype in ("bfloat16", "float16") else 4
 
 
-def layout_of_spec(spec: JobSpec, model_type: str | None) -> Layout:
-    """The layout a job spec asks the engine to run, for engine.capability.why_not."""
-    p = spec.parallelism
-    return Layout(
-        kind=spec.kind,
-        method=spec.train.method if spec.kind == "train" and spec.train else "full",
-        dp_replicate=p.dp_replicate,
-        dp_shard=p.dp_shard,
-        tp=p.tp,
-        pp=p.pp,
-        sequence_parallel=p.sequence_parallel,
-        cpu_offload=p.cpu_offload,
-        model_type=model_type,
-    )
-
-
 def _keep_global_batch(t: TrainSettings, shrink: float, notes: list[str]) -> None:
     """Fewer replicas each accumulate more micro-batches, so a step still sees the planned global batch."""
     factor = round(shrink)
@@ -264,24 +240,17 @@ def _pipeline_defaults(spec: JobSpec, microbatches_given: bool, notes: list[str]
     p = spec.parallelism
     if p.pp <= 1:
         return
-    if p.pp_schedule not in _SCHEDULES.values():
-        schedule = _SCHEDULES.get(str(p.pp_schedule).lower())
-        if schedule is None:
-            raise UserError(f"unknown pipeline schedule {p.pp_schedule!r}; choose 1F1B or GPipe")
-        p.pp_schedule = schedule
-    if p.pp_microbatches < 1:
-        raise UserError(f"pipeline micro-batches must be at least 1, not {p.pp_microbatches}")
     if not microbatches_given and p.pp_microbatches < p.pp:
-        p.pp_microbatches = p.pp
+        spec.parallelism = p = dataclasses.replace(p, pp_microbatches=p.pp)
         notes.append(f"pipeline micro-batches default to the number of stages ({p.pp})")
     if p.pp_schedule == "1F1B" and p.pp_microbatches < p.pp:
-        p.pp_schedule = "GPipe"
+        spec.parallelism = dataclasses.replace(p, pp_schedule="GPipe")
         notes.append(
             f"1F1B needs at least {p.pp} pipeline micro-batches and the job has {p.pp_microbatches}: GPipe runs instead"
         )
 
 
-def _check_host_ram(plan: dict[str, Any] | None, machine: Machine, notes: list[str]) -> dict[str, Any]:
+def _check_host_ram(plan: Plan | None, machine: Machine, notes: list[str]) -> dict[str, Any]:
     """Refuse a plan whose host RAM does not fit the host that runs it; returns the figures, named.
 
     A real machine runs its ranks on this host, so the plan's need is checked against this host's
@@ -290,21 +259,19 @@ def _check_host_ram(plan: dict[str, Any] | None, machine: Machine, notes: list[s
     """
     import psutil
 
-    host = plan.get("host") if plan and isinstance(plan.get("host"), dict) else {}
-    needed = host.get("needed") if _is_int(host.get("needed")) else None
-    if needed is None:
+    needed = plan.host.needed if plan is not None and _is_int(plan.host.needed) else None
+    if plan is None or needed is None:
         return {}
     this_host = psutil.virtual_memory().total
     out: dict[str, Any] = {"this_host": this_host, "simulated": machine.simulated}
     out["plan_needs"] = needed
-    out["offloaded"] = host.get("offloaded") if _is_int(host.get("offloaded")) else 0
+    out["offloaded"] = plan.host.offloaded if _is_int(plan.host.offloaded) else 0
     if machine.simulated:
         out["plan_machine"] = machine.host.memory_total
-        params = plan.get("model_params") if plan else None
-        work = plan.get("workload") if plan and isinstance(plan.get("workload"), dict) else {}
-        if _is_int(params) and work.get("task") == "train":
+        params, work = plan.model_params, plan.workload
+        if _is_int(params) and work.task == "train":
             # CPU ranks keep every byte a GPU would (fp32 weights, gradients, AdamW moments) in this host's RAM.
-            state = params * 16 if work.get("method", "full") == "full" else params * 4
+            state = params * 16 if work.method == "full" else params * 4
             if state > this_host:
                 notes.append(
                     f"simulated: its CPU ranks would keep about {fmt_gib(state)} of model state in this host's "
@@ -334,7 +301,7 @@ def describe(sub: Submission, free: int | None = None) -> list[str]:
         what = f"train ({spec.train.method})"
     lines = [f"would run: {what} of {spec.model or ' '.join(spec.script or [])} on GPUs {gpus} as {where}"]
     if spec.kind in ("train", "infer"):
-        layout = f"dp {p.dp_replicate} × fsdp {p.dp_shard} × tp {p.tp} × pp {p.pp}"
+        layout = p.words()
         how = []
         if p.dp_shard > 1 or p.cpu_offload:
             how.append("FSDP2" + ("" if p.reshard_after_forward else " without resharding after forward (ZeRO-2)"))
@@ -376,8 +343,6 @@ def describe(sub: Submission, free: int | None = None) -> list[str]:
 
 def would_run(sub: Submission) -> dict[str, Any]:
     """The same as `describe`, as data: what the check request answers besides the lines."""
-    import dataclasses
-
     spec = sub.spec
     out: dict[str, Any] = {
         "kind": spec.kind,
@@ -386,7 +351,7 @@ def would_run(sub: Submission) -> dict[str, Any]:
         "ranks": sub.ranks,
         "gpus": list(spec.gpus),
         "simulated": spec.simulated,
-        "parallelism": dataclasses.asdict(spec.parallelism),
+        "parallelism": spec.parallelism.to_dict(),
         "notes": list(sub.notes),
         "host_ram": dict(sub.host_ram),
         "disk_need_bytes": sub.disk_need,
@@ -412,7 +377,7 @@ def _fit_to_cpu_ranks(spec: JobSpec, cap: int, notes: list[str]) -> int:
     model_ranks = p.tp * p.pp
     before = f"dp {p.dp_replicate} × fsdp {p.dp_shard}"
     if model_ranks >= cap:
-        p.dp_replicate = p.dp_shard = 1
+        spec.parallelism = dataclasses.replace(p, dp_replicate=1, dp_shard=1)
         notes.append(
             f"simulated: {len(spec.gpus)} GPUs run as {model_ranks} CPU ranks (tp {p.tp} × pp {p.pp}); data "
             f"parallelism shrinks from {before} to 1"
@@ -421,7 +386,7 @@ def _fit_to_cpu_ranks(spec: JobSpec, cap: int, notes: list[str]) -> int:
         return model_ranks
     dp = cap // model_ranks
     shard = max(d for d in range(1, min(p.dp_shard, dp) + 1) if dp % d == 0)
-    p.dp_replicate, p.dp_shard = dp // shard, shard
+    spec.parallelism = p = dataclasses.replace(p, dp_replicate=dp // shard, dp_shard=shard)
     notes.append(
         f"simulated: {len(spec.gpus)} GPUs run as {dp * model_ranks} CPU ranks (at most {cap} per job), so data "
         f"parallelism shrinks from {before} to dp {p.dp_replicate} × fsdp {p.dp_shard}; tp and pp are kept"
@@ -587,17 +552,7 @@ def _model_config(model: str, base: Path | None) -> tuple[str, dict[str, Any]]:
 
 
 def _check_degrees(spec: JobSpec, ranks: int) -> None:
-    p = spec.parallelism
-    for name in ("dp_replicate", "dp_shard", "tp", "pp"):
-        if getattr(p, name) < 1:
-            raise UserError(f"parallel degree {name} must be at least 1")
-    if p.world_size == 1 and ranks > 1:
-        p.dp_replicate = ranks  # no degrees given: plain data parallel over every rank
-    elif p.world_size != ranks:
-        raise UserError(
-            f"the parallel degrees (dp {p.dp_replicate} × fsdp {p.dp_shard} × tp {p.tp} × pp {p.pp} = {p.world_size}) "
-            f"must multiply to the number of ranks ({ranks})"
-        )
+    spec.parallelism = spec.parallelism.fitted(ranks)  # no degrees given: plain data parallel over every rank
 
 
 def plan_of(plan: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -607,6 +562,12 @@ def plan_of(plan: dict[str, Any] | None) -> dict[str, Any] | None:
     if plan and isinstance(plan.get("result"), dict):
         return plan_of(plan["result"])
     return plan
+
+
+def parse_plan(plan: dict[str, Any] | None) -> Plan | None:
+    """The plan a submission runs under (a plan, or a search result's best), read as the planner wrote it."""
+    d = plan_of(plan)
+    return None if d is None else Plan.from_dict(d)
 
 
 def plan_prediction(plan: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -647,14 +608,24 @@ def _oom_suggestion(par: Any) -> str:
     return "train LoRA adapters instead (--method lora), or use more GPUs"
 
 
-def check_plan_runs(spec: JobSpec, plan: dict[str, Any] | None) -> None:
-    """Refuse, in one line, a plan that a job of this kind cannot run as planned."""
-    p = plan_of(plan) or {}
-    reason = why_not(layout_of_plan(p)) if isinstance(p.get("parallelism"), dict) else None
+def _check_runs(spec: JobSpec, model_type: str | None, plan: Plan | None, nodes: int) -> None:
+    """The capability contract, asked once, of the job as it will run: its layout (the plan's, where it left
+    the degrees open) and method, and what only the plan says (the optimizer and weights it was sized for)."""
+    method = spec.train.method if spec.kind == "train" and spec.train else "full"
+    facts: dict[str, Any] = {}
+    if plan is not None:
+        w, par = plan.workload, plan.parallelism
+        facts = dict(optimizer=w.optimizer or "adamw" if w.task == "train" else "adamw", weight_bits=w.weight_bits)
+        if nodes > 1:
+            facts.update(nodes=nodes, gpus_per_node=min(len(par.gpu_indices), spec.parallelism.world_size // nodes))
+    reason = why_not(spec.parallelism, spec.kind, method=method, model_type=model_type, **facts)
     if reason:
-        raise UserError(f"this plan does not run here: {reason}")
-    workload = p.get("workload") if isinstance(p.get("workload"), dict) else {}
-    task = workload.get("task")
+        raise UserError(f"this plan does not run here: {reason}" if plan is not None else reason)
+
+
+def check_plan_runs(spec: JobSpec, plan: Plan) -> None:
+    """Refuse, in one line, a plan made for another kind of job (whether its layout runs is `_check_runs`'s)."""
+    task = plan.workload.task
     if spec.kind in ("train", "infer") and task in ("train", "infer") and task != spec.kind:
         made_for = "training" if task == "train" else "inference"
         raise UserError(
@@ -663,46 +634,40 @@ def check_plan_runs(spec: JobSpec, plan: dict[str, Any] | None) -> None:
         )
 
 
-def apply_plan_layout(spec: JobSpec, plan: dict[str, Any] | None) -> tuple[dict[str, Any], list[str]]:
-    """Take GPUs and parallel degrees from the plan where the submission left them open.
+def apply_plan_layout(spec: JobSpec, plan: Plan) -> tuple[dict[str, Any], list[str]]:
+    """Take GPUs and the plan's layout (`Layout.from_plan`) where the submission left them open.
 
-    ZeRO-3 plans shard with FSDP2 over the plan's sharding degree (HSDP when it
-    is smaller than dp). ZeRO-2 plans (optimizer state and gradients sharded)
-    run as FSDP2 over the whole dp degree with `reshard_after_forward=False`,
-    PyTorch's form of ZeRO-2: parameters are gathered once per step and stay
-    gathered through backward. ZeRO-1 (optimizer state only) has no FSDP2
-    form and runs the same way, which shards gradients too: a little less
-    memory than planned, the same communication. Returns (what was taken, notes).
+    ZeRO-1 has no FSDP2 form and runs as ZeRO-2 (FSDP2 without resharding after forward), which
+    shards gradients too: a little less memory than planned, the same communication; a note says
+    so. Returns (what was taken, notes).
     """
     taken: dict[str, Any] = {}
     notes: list[str] = []
-    par = (plan_of(plan) or {}).get("parallelism")
-    if not isinstance(par, dict):
-        return taken, notes
-    indices = par.get("gpu_indices")
+    par = plan.parallelism
+    indices = par.gpu_indices
     if not spec.gpus and isinstance(indices, list) and indices and all(_is_int(g) for g in indices):
         spec.gpus = list(indices)
         taken["gpus"] = list(indices)
+    lt = Layout.from_plan(plan)
     p = spec.parallelism
-    if not all(_is_int(par.get(k)) and par[k] >= 1 for k in ("dp", "tp", "pp")):
-        return taken, notes
-    # FSDP2's CPUOffloadPolicy moves parameters, gradients and the optimizer step to the host together.
-    if par.get("offload_params") or par.get("offload_optimizer"):
-        p.cpu_offload = taken["cpu_offload"] = True
+    if lt.cpu_offload:
+        spec.parallelism = p = dataclasses.replace(p, cpu_offload=True)
+        taken["cpu_offload"] = True
     if p.world_size != 1:
-        if (par["dp"], par["tp"], par["pp"]) != (p.dp_replicate * p.dp_shard, p.tp, p.pp):
+        if (lt.dp, lt.tp, lt.pp) != (p.dp, p.tp, p.pp):
             notes.append(
-                f"the submission's own parallel degrees (dp {p.dp_replicate * p.dp_shard}, tp {p.tp}, pp {p.pp}) "
-                f"were kept instead of the plan's (dp {par['dp']}, tp {par['tp']}, pp {par['pp']})"
+                f"the submission's own parallel degrees (dp {p.dp}, tp {p.tp}, pp {p.pp}) "
+                f"were kept instead of the plan's (dp {lt.dp}, tp {lt.tp}, pp {lt.pp})"
             )
         return taken, notes
-    lt = layout_of_plan(plan_of(plan) or {})  # the one mapping of a plan onto degrees, the wizard's too
-    p.dp_replicate, p.dp_shard, p.tp, p.pp = lt.dp_replicate, lt.dp_shard, lt.tp, lt.pp
-    p.sequence_parallel, p.reshard_after_forward = lt.sequence_parallel, lt.reshard_after_forward
-    zero = par.get("zero_stage") if _is_int(par.get("zero_stage")) else 0
-    if zero == 1 and par["dp"] > 1:
+    spec.parallelism = p = dataclasses.replace(
+        p, dp_replicate=lt.dp_replicate, dp_shard=lt.dp_shard, tp=lt.tp, pp=lt.pp,
+        sequence_parallel=lt.sequence_parallel, reshard_after_forward=lt.reshard_after_forward,
+    )  # fmt: skip
+    zero = par.zero_stage if _is_int(par.zero_stage) else 0
+    if zero == 1 and par.dp > 1:
         notes.append(
-            f"the plan's ZeRO-1 (optimizer state sharded over {par['dp']} GPUs) runs as FSDP2 without resharding "
+            f"the plan's ZeRO-1 (optimizer state sharded over {par.dp} GPUs) runs as FSDP2 without resharding "
             "after forward (ZeRO-2): gradients are sharded too, so each GPU holds a little less than planned"
         )
     taken["parallelism"] = {
@@ -715,44 +680,39 @@ def apply_plan_layout(spec: JobSpec, plan: dict[str, Any] | None) -> tuple[dict[
     return taken, notes
 
 
-def apply_plan_training(spec: JobSpec, plan: dict[str, Any] | None) -> tuple[dict[str, Any], list[str]]:
+def apply_plan_training(spec: JobSpec, plan: Plan) -> tuple[dict[str, Any], list[str]]:
     """Put the plan's training settings into spec.train; returns (what was taken, by JobSpec name; notes).
 
-    The plan decides over the submission's values: its memory and speed were
-    computed for exactly these. Its `grad_accum` counts micro-batches per
-    optimizer step per replica; under pipeline parallelism they are the
-    pipeline's micro-batches (one schedule run per step), otherwise plain
-    gradient accumulation.
+    The plan decides over the submission's values: its memory and speed were computed for exactly
+    these. Its micro-batches per step are the pipeline's under pipeline parallelism (one schedule
+    run per step) and gradient accumulation otherwise: `Layout.from_plan` and `accumulation_of_plan`.
     """
     t = spec.train
-    p = plan_of(plan) or {}
-    par = p.get("parallelism") if isinstance(p.get("parallelism"), dict) else {}
-    workload = p.get("workload") if isinstance(p.get("workload"), dict) else {}
+    par, workload = plan.parallelism, plan.workload
     taken: dict[str, Any] = {}
     notes: list[str] = []
     if t is None:
         return taken, notes
-    if _is_int(par.get("micro_batch")) and par["micro_batch"] >= 1:
-        t.micro_batch = taken["micro_batch"] = par["micro_batch"]
-    accum = par.get("grad_accum")
-    if _is_int(accum) and accum >= 1:
-        pipeline = spec.parallelism.pp > 1 and _is_int(par.get("pp")) and par["pp"] > 1
-        if pipeline:
-            layout = spec.parallelism
-            layout.pp_microbatches = taken["pp_microbatches"] = accum
-            t.grad_accum = taken["grad_accum"] = 1
+    if _is_int(par.micro_batch) and par.micro_batch >= 1:
+        t.micro_batch = taken["micro_batch"] = par.micro_batch
+    if _is_int(par.grad_accum) and par.grad_accum >= 1:
+        if spec.parallelism.pp > 1 and par.pp > 1:
+            lt = Layout.from_plan(plan)
+            changes: dict[str, Any] = {"pp_microbatches": lt.pp_microbatches}
+            taken["pp_microbatches"] = lt.pp_microbatches
             # Too few micro-batches for 1F1B fall back to GPipe in _pipeline_defaults, with a note.
-            schedule = _SCHEDULES.get(str(par.get("pipeline_schedule", "")).lower())
-            if schedule:
-                layout.pp_schedule = taken["pp_schedule"] = schedule
-        else:
-            t.grad_accum = taken["grad_accum"] = accum
-    if par.get("checkpointing") in CHECKPOINTING:
-        t.activation_checkpointing = taken["activation_checkpointing"] = par["checkpointing"]
-    if _is_int(workload.get("seq_len")) and workload["seq_len"] >= 1:
-        t.seq_len = taken["seq_len"] = workload["seq_len"]
-    if workload.get("precision") in PRECISIONS:
-        t.precision = taken["precision"] = workload["precision"]
+            if schedule_name(par.pipeline_schedule):
+                changes["pp_schedule"] = taken["pp_schedule"] = lt.pp_schedule
+            spec.parallelism = dataclasses.replace(spec.parallelism, **changes)
+            t.grad_accum = taken["grad_accum"] = accumulation_of_plan(plan)
+        else:  # the job runs no pipeline: the plan's micro-batches are all accumulation
+            t.grad_accum = taken["grad_accum"] = par.grad_accum
+    if par.checkpointing in CHECKPOINTING:
+        t.activation_checkpointing = taken["activation_checkpointing"] = par.checkpointing
+    if _is_int(workload.seq_len) and workload.seq_len >= 1:
+        t.seq_len = taken["seq_len"] = workload.seq_len
+    if workload.precision in PRECISIONS:
+        t.precision = taken["precision"] = workload.precision
     return taken, notes
 
 

@@ -48,6 +48,9 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+from rigpilot.engine.layout import Layout
+from rigpilot.engine.planner.plan import parallelism_from_dict
+
 WHOLE_MODEL_LAYERS = 4  # up to this many blocks the whole model is traced
 SCALE_FROM = (3, 5)  # else traced with this many blocks and scaled to the layer count
 
@@ -76,15 +79,16 @@ def trace_plan(plan: dict[str, Any], trust_remote_code: bool = False) -> dict[st
     started = time.perf_counter()
     workload, par = plan["workload"], plan["parallelism"]
     _check_supported(workload, par)
+    layout = Layout.from_plan(parallelism_from_dict(par))
     config = _load_config(workload["model"], trust_remote_code)
     layers = _num_layers(config)
-    if int(par.get("pp", 1)) > 1:
-        return _trace_pipeline(config, layers, workload, par, trust_remote_code, started)
+    if layout.pp > 1:
+        return _trace_pipeline(config, layers, workload, par, layout, trust_remote_code, started)
     if layers <= WHOLE_MODEL_LAYERS:
-        phases = _trace_step(config, layers, workload, par, trust_remote_code)
+        phases = _trace_step(config, layers, workload, par, layout, trust_remote_code)
         method = f"whole model ({layers} blocks)"
     else:
-        low, high = (_trace_step(config, n, workload, par, trust_remote_code) for n in SCALE_FROM)
+        low, high = (_trace_step(config, n, workload, par, layout, trust_remote_code) for n in SCALE_FROM)
         phases = _extrapolate(low, high, SCALE_FROM, layers)
         method = f"{SCALE_FROM[0]} and {SCALE_FROM[1]} of {layers} blocks traced, scaled to {layers}"
     return {
@@ -98,13 +102,19 @@ def trace_plan(plan: dict[str, Any], trust_remote_code: bool = False) -> dict[st
 
 
 def _trace_pipeline(
-    config: Any, layers: int, workload: dict[str, Any], par: dict[str, Any], trust_remote_code: bool, started: float
+    config: Any,
+    layers: int,
+    workload: dict[str, Any],
+    par: dict[str, Any],
+    layout: Layout,
+    trust_remote_code: bool,
+    started: float,
 ) -> dict[str, Any]:
     """Each kind of stage traced on its own: the first (embedding, the most micro-batches in flight),
     the last (head and loss), and the second as the fullest of the middle ones."""
     from rigpilot.engine.workers.pipeline import stage_layer_ranges
 
-    pp = int(par["pp"])
+    pp = layout.pp
     ranges = stage_layer_ranges(layers, pp)
     traced = sorted({0, pp - 1} | ({1} if pp > 2 else set()))
     peaks: dict[int, Phases] = {}
@@ -112,10 +122,10 @@ def _trace_pipeline(
     for s in traced:
         stage_par = {**par, "_stage": s}
         if whole:
-            peaks[s] = _trace_step(config, layers, workload, stage_par, trust_remote_code)
+            peaks[s] = _trace_step(config, layers, workload, stage_par, layout, trust_remote_code)
             continue
         # n blocks on every stage: a model of n × stages blocks, evenly split as DecoderStage splits it.
-        low, high = (_trace_step(config, n * pp, workload, stage_par, trust_remote_code) for n in SCALE_FROM)
+        low, high = (_trace_step(config, n * pp, workload, stage_par, layout, trust_remote_code) for n in SCALE_FROM)
         first, end = ranges[s]
         peaks[s] = _extrapolate(low, high, SCALE_FROM, end - first)
     per_stage = {s: peaks[s if s in peaks else 1].peak for s in range(pp)}
@@ -189,9 +199,12 @@ def _trace_step(
     n_layers: int,
     workload: dict[str, Any],
     par: dict[str, Any],
+    layout: Layout,
     trust_remote_code: bool,
     real: bool = False,
 ) -> Phases:
+    """One step of `layout` traced: `par` holds the step's own settings (the plan's micro_batch, grad_accum,
+    checkpointing; `_stage`, the pipeline stage traced), `layout` how the ranks are arranged."""
     import torch
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -199,9 +212,7 @@ def _trace_step(
 
     from rigpilot.engine.workers.parallel_dims import MESH_DIMS, ParallelDims
 
-    shape = par["mesh_shape"]
-    dims = ParallelDims(pp=shape["pp"], dp_replicate=shape["dp_replicate"], dp_shard=shape["dp_shard"], tp=shape["tp"],
-                        world_size=par["world_size"])  # fmt: skip
+    dims = ParallelDims.from_layout(layout, layout.world_size)
     # real=True inside an initialised process group (gloo ranks of a test) steps real tensors there;
     # otherwise this process is rank 0 of a fake group of the plan's size.
     own_group = not (real and dist.is_initialized())
@@ -219,7 +230,7 @@ def _trace_step(
         inference = workload.get("task") == "infer"
         with torch.device("meta"):
             build = _build_inference if inference else _build
-            built = build(_with_layers(config, n_layers), workload, par, dims, mesh, trust_remote_code)
+            built = build(_with_layers(config, n_layers), workload, par, layout, dims, mesh, trust_remote_code)
         # real=True runs the same step on real CPU tensors (for tests of the fake trace itself).
         fake = FakeTensorMode(allow_non_fake_inputs=True) if not real else contextlib.nullcontext()
         with (
@@ -231,7 +242,7 @@ def _trace_step(
             _collector_paused(),
         ):
             _materialize(built.model)
-            return _generation(built, workload, par) if inference else _fake_step(built, workload, par)
+            return _generation(built, workload, layout) if inference else _fake_step(built, workload, par)
     finally:
         if own_group:
             dist.destroy_process_group()
@@ -394,7 +405,13 @@ class _Built:
 
 
 def _build(
-    config: Any, workload: dict[str, Any], par: dict[str, Any], dims: Any, mesh: Any, trust_remote_code: bool
+    config: Any,
+    workload: dict[str, Any],
+    par: dict[str, Any],
+    layout: Layout,
+    dims: Any,
+    mesh: Any,
+    trust_remote_code: bool,
 ) -> _Built:
     import torch
 
@@ -449,8 +466,8 @@ def _build(
         index = int(par["_stage"])
         model = stage = DecoderStage(decoder_parts(model, "pipeline parallel"), index, dims.pp)
         # 1F1B runs at most (stages - index) forwards before this stage's first backward; GPipe all of them.
-        micro_batches = int(par.get("grad_accum", 1))
-        gpipe = str(par.get("pipeline_schedule", "1f1b")).lower() == "gpipe"
+        micro_batches = layout.pp_microbatches
+        gpipe = layout.pp_schedule == "GPipe"
         in_flight = micro_batches if gpipe else min(dims.pp - index, micro_batches)
     runtime = Runtime(mesh.get_rank(), 0, dims.world_size, torch.device("cpu"), "fake", dims, mesh)
     # The plan is for GPUs: the precision the worker picks there (precision_plan with a CUDA device).
@@ -461,16 +478,16 @@ def _build(
         precision = PrecisionPlan(compute, fsdp, not fsdp, "cpu")
     loss_parallel = False
     if dims.tp > 1:
-        sp = bool(par.get("sequence_parallel")) and workload["seq_len"] % dims.tp == 0
+        sp = layout.sequence_parallel and workload["seq_len"] % dims.tp == 0
         apply_tensor_parallel(model, mesh["tp"], sp, vocab_parallel=True)
         loss_parallel = logits_split(model)
     if not harness_checkpointing:
         apply_activation_checkpointing(model, par.get("checkpointing", "none"))
-    offload = bool(par.get("offload_params"))
+    offload = layout.cpu_offload
     fsdp = uses_fsdp(dims, offload)
     ddp_buckets = 0
     if fsdp:
-        reshard = bool(par.get("reshard_after_forward", True))
+        reshard = layout.reshard_after_forward
         wrapped = apply_data_parallel(model, runtime, precision, reshard, cpu_offload=offload)
     else:
         # DDP checks and broadcasts real parameter storage in C++, which fake tensors lack: the trace runs
@@ -486,7 +503,13 @@ def _build(
 
 
 def _build_inference(
-    config: Any, workload: dict[str, Any], par: dict[str, Any], dims: Any, mesh: Any, trust_remote_code: bool
+    config: Any,
+    workload: dict[str, Any],
+    par: dict[str, Any],
+    layout: Layout,
+    dims: Any,
+    mesh: Any,
+    trust_remote_code: bool,
 ) -> _Built:
     """The model as `infer.build_replica_model` builds it: weights in the plan's dtype, tensor parallel, eval."""
 
@@ -505,7 +528,7 @@ def _build_inference(
     return _Built(model, model, False, precision, False, 0, int(config.vocab_size))
 
 
-def _generation(built: _Built, workload: dict[str, Any], par: dict[str, Any]) -> Phases:
+def _generation(built: _Built, workload: dict[str, Any], layout: Layout) -> Phases:
     """`infer.Generator.generate`'s memory: the prefill, then the last decode step with the cache full.
 
     Decoding token by token only grows the cache, so the steps between are not run: before the
@@ -520,7 +543,7 @@ def _generation(built: _Built, workload: dict[str, Any], par: dict[str, Any]) ->
     from rigpilot.engine.workers.infer import next_token_logits
 
     model = built.model
-    batch = math.ceil(int(workload.get("global_batch", 1)) / max(int(par.get("dp", 1)), 1))
+    batch = math.ceil(int(workload.get("global_batch", 1)) / layout.dp)
     new_tokens = max(int(workload.get("new_tokens", 0)), 1)
     prompt = max(int(workload["seq_len"]) - new_tokens, 1)
     final = prompt + new_tokens - 1

@@ -18,9 +18,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from rigpilot.engine.errors import UserError
-from rigpilot.engine.jobs.spec import JobSpec, Parallelism
+from rigpilot.engine.jobs.spec import JobSpec
+from rigpilot.engine.layout import MESH_DIMS, Layout
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 TIMEOUT_ENV = "RIGPILOT_COLLECTIVE_TIMEOUT_S"
 
 
@@ -33,22 +33,11 @@ class ParallelDims:
     world_size: int
 
     @classmethod
-    def from_parallelism(cls, p: Parallelism, world_size: int) -> ParallelDims:
-        dims = cls(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, world_size=world_size)
-        dims.validate()
-        return dims
-
-    def validate(self) -> None:
-        for name in MESH_DIMS:
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise UserError(f"parallelism {name}={value!r}: every degree must be a whole number of at least 1")
-        product = self.pp * self.dp_replicate * self.dp_shard * self.tp
-        if product != self.world_size:
-            raise UserError(
-                f"parallelism pp={self.pp} x dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} "
-                f"x tp={self.tp} needs {product} ranks, but the job was started with {self.world_size}"
-            )
+    def from_layout(cls, layout: Layout, world_size: int) -> ParallelDims:
+        """The one way a Layout becomes the worker's dims: refused unless its degrees multiply to `world_size`."""
+        layout.check_ranks(world_size)
+        return cls(pp=layout.pp, dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, tp=layout.tp,
+                   world_size=world_size)  # fmt: skip
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -133,7 +122,7 @@ def init_runtime(spec: JobSpec) -> Runtime:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    dims = ParallelDims.from_parallelism(spec.parallelism, world_size)
+    dims = ParallelDims.from_layout(spec.parallelism, world_size)
     device, backend = choose_device(spec.simulated, local_rank)
     if "MASTER_ADDR" not in os.environ:  # started without torchrun: a world of one
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")

@@ -436,11 +436,8 @@ class Trainer:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         p = self.spec.parallelism
-        name = p.pp_schedule.lower()
-        schedules = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-        if name not in schedules:
-            raise UserError(f"pipeline schedule {p.pp_schedule!r}: use 'GPipe' or '1F1B'")
-        if name == "1f1b" and p.pp_microbatches < self.dims.pp:
+        schedule = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[p.pp_schedule]  # spelled one way (engine.layout)
+        if p.pp_schedule == "1F1B" and p.pp_microbatches < self.dims.pp:
             raise UserError(
                 f"1F1B needs at least as many micro-batches as stages ({self.dims.pp}); pp_microbatches={p.pp_microbatches}"
             )
@@ -448,7 +445,7 @@ class Trainer:
             self.wrapped, self.rt.pp_rank, self.dims.pp, self.rt.device, group=self.rt.mesh["pp"].get_group()
         )
         # scale_grads=False: every micro-batch's loss is already its share of the step's token mean.
-        return schedules[name](stage, n_microbatches=p.pp_microbatches, loss_fn=self._scaled_loss, scale_grads=False)
+        return schedule(stage, n_microbatches=p.pp_microbatches, loss_fn=self._scaled_loss, scale_grads=False)
 
     def _scaled_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # No side effects: the schedule also calls it once to infer gradient shapes on its first step.

@@ -1,0 +1,235 @@
+"""`Layout`: how a job's ranks are arranged, the one type from plan to device mesh.
+
+The planner's plan (`Layout.from_plan`), the CLI's degrees (`Layout.from_settings`) and a job's
+job.json (its `parallelism` object, `Layout.from_dict`) all become a `Layout`; the submission
+checks it (`engine.capability.why_not`), the worker builds its device mesh from it and the memory
+tracer traces it. A `Layout` is valid from the moment it exists: every degree in range and one
+pipeline-schedule spelling; `fitted`/`check_ranks` hold the product of the degrees to the ranks.
+
+Gradient accumulation is not part of it: it is a training setting (job.json `train.grad_accum`),
+how many schedule runs make one optimizer step. Under pipeline parallelism the plan's micro-batches
+are the pipeline's (`pp_microbatches`) and accumulation is 1; `from_plan` and `accumulation_of_plan`
+make that split in one place.
+
+Plain Python: the GUI, the CLI and the planner import it without torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from rigpilot.engine.errors import UserError
+
+# The pipeline schedules the workers run (torch.distributed.pipelining), as job.json and the CLI spell them.
+SCHEDULES = ("1F1B", "GPipe")
+_SPELLINGS = {s.lower(): s for s in SCHEDULES}  # plans write "1f1b"/"gpipe"; any case is read
+# setting -> (lowest, highest): generous bounds, far past any real job, that stop a typo before a worker does.
+DEGREE_RANGES = {"dp_replicate": (1, 4096), "dp_shard": (1, 4096), "tp": (1, 512), "pp": (1, 512)}
+MICROBATCH_RANGE = (1, 4096)
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first, as init_device_mesh lays ranks out
+
+
+def schedule_name(text: Any) -> str | None:
+    """The pipeline schedule `text` names ("1f1b", "GPIPE" …), spelled as SCHEDULES does; None if none."""
+    return _SPELLINGS.get(text.lower()) if isinstance(text, str) else None
+
+
+class _PlannedSplit(Protocol):
+    """The fields of engine.planner.plan.Parallelism a layout is made from."""
+
+    dp: int
+    tp: int
+    pp: int
+    zero_stage: int
+    shard_degree: int
+    sequence_parallel: bool
+    pipeline_schedule: str
+    grad_accum: int
+    offload_optimizer: bool
+    offload_params: bool
+
+
+class _Planned(Protocol):
+    @property
+    def parallelism(self) -> _PlannedSplit: ...
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the ranks are arranged; the product of the degrees is the world size.
+
+    Field names are job.json's `parallelism` keys, so job files written before this type load as they are.
+    """
+
+    dp_replicate: int = 1  # plain data-parallel replicas (DDP, or the replicate dim of HSDP)
+    dp_shard: int = 1  # FSDP2 sharding degree (1: no sharding)
+    tp: int = 1  # tensor parallel degree
+    pp: int = 1  # pipeline stages
+    sequence_parallel: bool = False  # with tp > 1: norms and residuals split along the sequence
+    # False: parameters stay gathered from forward through backward (FSDP's SHARD_GRAD_OP, the
+    # equivalent of ZeRO-2): less communication, more memory than resharding (ZeRO-3).
+    reshard_after_forward: bool = True
+    pp_schedule: str = "1F1B"  # one of SCHEDULES; other spellings are read and stored as these
+    pp_microbatches: int = 1  # micro-batches per pipeline schedule run
+    # FSDP2's CPUOffloadPolicy: sharded parameters, gradients and the optimizer step live in host RAM.
+    cpu_offload: bool = False
+
+    def __post_init__(self) -> None:
+        for name, (lo, hi) in (*DEGREE_RANGES.items(), ("pp_microbatches", MICROBATCH_RANGE)):
+            _check_range(name, getattr(self, name), lo, hi)
+        schedule = schedule_name(self.pp_schedule)
+        if schedule is None:
+            shown = repr(self.pp_schedule[:60]) if isinstance(self.pp_schedule, str) else repr(self.pp_schedule)
+            raise UserError(
+                f"parallelism setting pp_schedule={shown}: must be one of {', '.join(SCHEDULES)}",
+                reason="out_of_range", setting="parallelism.pp_schedule", value=self.pp_schedule, choices=list(SCHEDULES),
+            )  # fmt: skip
+        object.__setattr__(self, "pp_schedule", schedule)
+
+    # -- what it is -----------------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many different batches one step sees."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        """Device-mesh dimensions, outermost first (torch.distributed.init_device_mesh order)."""
+        return {name: getattr(self, name) for name in MESH_DIMS}
+
+    def words(self) -> str:
+        """`dp 2 × fsdp 2 × tp 1 × pp 1`: the degrees as the CLI names them."""
+        return f"dp {self.dp_replicate} × fsdp {self.dp_shard} × tp {self.tp} × pp {self.pp}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """job.json's `parallelism` object."""
+        return dataclasses.asdict(self)
+
+    # -- the ranks ------------------------------------------------------------------------------------
+    def fitted(self, ranks: int) -> Layout:
+        """This layout on `ranks` ranks: no degrees given (all 1) means plain data parallel over them all."""
+        if self.world_size == 1 and ranks > 1:
+            return dataclasses.replace(self, dp_replicate=ranks)
+        self.check_ranks(ranks)
+        return self
+
+    def check_ranks(self, ranks: int) -> None:
+        """Refuse a layout whose degrees do not multiply to `ranks`."""
+        if self.world_size != ranks:
+            raise UserError(
+                f"the parallel degrees ({self.words()} = {self.world_size}) must multiply to the number of ranks ({ranks})",
+                reason="bad_layout", product=self.world_size, ranks=ranks, **self.mesh_shape,
+            )  # fmt: skip
+
+    # -- made from ------------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Layout:
+        """A job.json `parallelism` object, or the given part of one (the rest default)."""
+        if not isinstance(d, dict):
+            raise UserError("parallelism must be an object", reason="bad_layout")
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    @classmethod
+    def from_settings(
+        cls,
+        *,
+        dp: int | None = None,
+        fsdp: int | None = None,
+        tp: int | None = None,
+        pp: int | None = None,
+        pp_microbatches: int | None = None,
+        pp_schedule: str | None = None,
+        sequence_parallel: bool = False,
+        cpu_offload: bool = False,
+    ) -> Layout:
+        """The layout of the CLI's degree flags (--dp, --fsdp, --tp, --pp, …); unset flags are left at their defaults."""
+        return cls.from_dict(
+            given_settings(dp=dp, fsdp=fsdp, tp=tp, pp=pp, pp_microbatches=pp_microbatches, pp_schedule=pp_schedule,
+                           sequence_parallel=sequence_parallel, cpu_offload=cpu_offload)
+        )  # fmt: skip
+
+    @classmethod
+    def from_plan(cls, plan: _Planned | _PlannedSplit) -> Layout:
+        """The layout a planner `Plan` (or its `parallelism`) runs as: the one mapping of a plan onto degrees.
+
+        ZeRO-3 shards over the plan's sharding degree (HSDP when it is smaller than dp). ZeRO-1/2
+        run as FSDP2 over all of dp without resharding after forward, PyTorch's form of ZeRO-2
+        (ZeRO-1 has no FSDP2 form; it shards gradients too). CPU offload of either kind is FSDP2's
+        CPUOffloadPolicy. The plan's micro-batches per step are the pipeline's when pp > 1.
+        """
+        par: _PlannedSplit = plan.parallelism if hasattr(plan, "parallelism") else plan  # type: ignore[assignment]
+        for name in ("dp", "tp", "pp", "zero_stage", "shard_degree", "grad_accum"):
+            value = getattr(par, name)
+            if not isinstance(value, int) or isinstance(value, bool):  # plan files are read, not trusted
+                raise UserError(
+                    f"malformed plan: parallelism.{name} must be a whole number, not {value!r}"[:200],
+                    reason="bad_layout", setting=f"plan.parallelism.{name}", value=repr(value)[:60],
+                )  # fmt: skip
+        dp, zero, degree = par.dp, par.zero_stage, par.shard_degree
+        shard = 1
+        if zero == 3 and degree >= 1 and dp % degree == 0:
+            shard = degree
+        elif zero in (1, 2):
+            shard = dp
+        pipelined = par.pp > 1
+        return cls(
+            dp_replicate=max(dp // shard, 1),
+            dp_shard=shard,
+            tp=par.tp,
+            pp=par.pp,
+            sequence_parallel=bool(par.sequence_parallel) and par.tp > 1,
+            reshard_after_forward=zero not in (1, 2) or dp == 1,
+            cpu_offload=bool(par.offload_params or par.offload_optimizer),
+            pp_schedule=schedule_name(par.pipeline_schedule) or "1F1B",
+            pp_microbatches=max(par.grad_accum, 1) if pipelined else 1,
+        )
+
+
+def accumulation_of_plan(plan: _Planned | _PlannedSplit) -> int:
+    """Gradient accumulation (schedule runs per optimizer step) of a plan: its micro-batches unless pipelined."""
+    par: _PlannedSplit = plan.parallelism if hasattr(plan, "parallelism") else plan  # type: ignore[assignment]
+    return 1 if par.pp > 1 else max(par.grad_accum, 1)
+
+
+def given_settings(
+    *,
+    dp: int | None = None,
+    fsdp: int | None = None,
+    tp: int | None = None,
+    pp: int | None = None,
+    pp_microbatches: int | None = None,
+    pp_schedule: str | None = None,
+    sequence_parallel: bool = False,
+    cpu_offload: bool = False,
+) -> dict[str, Any]:
+    """The CLI's degree flags as job.json names them, only those given: what `run` sends the engine.
+
+    Only the given ones, so the engine can tell a default from a choice (pipeline micro-batches
+    default to the stages unless given)."""
+    named = {
+        "dp_replicate": dp, "dp_shard": fsdp, "tp": tp, "pp": pp, "pp_microbatches": pp_microbatches,
+        "pp_schedule": pp_schedule, "sequence_parallel": sequence_parallel, "cpu_offload": cpu_offload,
+    }  # fmt: skip
+    return {k: v for k, v in named.items() if v}
+
+
+def _check_range(name: str, value: Any, lo: int, hi: int) -> None:
+    if isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi:
+        return
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise UserError(
+            f"parallelism setting {name}={value!r}: must be a whole number in [{lo}, {hi}]",
+            reason="bad_layout", setting=f"parallelism.{name}", value=repr(value),
+        )  # fmt: skip
+    shown = f"{value:.3g}" if abs(value) >= 10**12 else str(value)
+    raise UserError(
+        f"parallelism setting {name}={shown}: must be in [{lo}, {hi}]",
+        reason="out_of_range", setting=f"parallelism.{name}", value=value, lo=lo, hi=hi,
+    )  # fmt: skip
