@@ -177,10 +177,21 @@ def test_a_submission_reads_its_plan_with_plan_from_dict(tmp_path: Path) -> None
     assert sub.spec.parallelism == Layout(dp_shard=2, reshard_after_forward=False)
     assert (sub.spec.train.micro_batch, sub.spec.train.grad_accum) == (2, 3)
     # A plan file from a newer Rigpilot, or not a plan at all, is refused in one line before anything is made.
-    for bad, words in (({**plan, "schema_version": 99}, "newer"), ({**plan, "schema": "other"}, "not a Rigpilot plan"),
-                       ({k: v for k, v in plan.items() if k != "workload"}, "malformed plan")):  # fmt: skip
-        with pytest.raises(UserError, match=words):
+    unversioned = {k: v for k, v in plan.items() if k != "schema_version"}
+    for bad, reason in (({**plan, "schema_version": 99}, "plan_too_new"), ({**plan, "schema": "other"}, "not_a_plan"),
+                        (unversioned, "not_a_plan"), ({k: v for k, v in plan.items() if k != "workload"}, "user_error")):  # fmt: skip
+        with pytest.raises(UserError) as refused:
             prepare(spec, bad, str(tmp_path), job_id="check", machine=load_profile("4x-rtx4090"), max_cpu_ranks=2)
+        assert refused.value.reason == reason, str(refused.value)
+    assert "has no schema_version" in str(refused_line(spec, unversioned, tmp_path))
+
+
+def refused_line(spec: dict, plan: dict, tmp_path) -> str:
+    try:
+        prepare(spec, plan, str(tmp_path), job_id="check", machine=load_profile("4x-rtx4090"), max_cpu_ranks=2)
+    except UserError as e:
+        return str(e)
+    raise AssertionError("the plan was accepted")
 
 
 def test_a_plan_file_with_a_degree_that_is_not_a_whole_number_is_refused_in_one_line() -> None:

@@ -334,10 +334,14 @@ class Plan:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Plan:
         if d.get("schema", PLAN_SCHEMA) != PLAN_SCHEMA:
-            raise UserError(f"not a Rigpilot plan (schema {d.get('schema')!r})")
+            raise UserError(f"not a Rigpilot plan (schema {d.get('schema')!r})", reason="not_a_plan")
         version = d.get("schema_version")
-        if not isinstance(version, int) or version > PLAN_VERSION:
-            raise UserError(f"plan schema version {version!r} is newer than this Rigpilot understands ({PLAN_VERSION})")
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise UserError("not a Rigpilot plan: it has no schema_version (write one with 'rigpilot plan --json')",
+                            reason="not_a_plan")  # fmt: skip
+        if version > PLAN_VERSION:
+            raise UserError(f"plan schema version {version} is newer than this Rigpilot understands ({PLAN_VERSION})",
+                            reason="plan_too_new", version=version, understood=PLAN_VERSION)  # fmt: skip
         try:
             w = dict(d["workload"])
             w["lora"] = LoraSettings(**w["lora"]) if w.get("lora") else None
