@@ -8,88 +8,23 @@ attack, and left in it would fail late (an overflow deep in a worker) or never s
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import fields, is_dataclass
 from typing import Any
 
-from rigpilot.engine.capability import INFER_BACKENDS, TRAIN_METHODS
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import check_path_length
+from rigpilot.engine.jobs.spec import INFER_SETTINGS, JOB_SETTINGS, TRAIN_SETTINGS
+from rigpilot.engine.schema import Choice, Range, Setting
 
-PRECISIONS = ("fp32", "bf16", "fp16")
-CHECKPOINTING = ("none", "selective", "full")
 PATH_MAX = 4096  # Linux's PATH_MAX: a longer path cannot name a file
-MANY = 10**8
 
-
-@dataclass(frozen=True)
-class Range:
-    lo: float
-    hi: float
-    hi_open: bool = False  # [lo, hi) rather than [lo, hi]
-    lo_open: bool = False  # (lo, hi]
-
-    def holds(self, v: float) -> bool:
-        above = v > self.lo if self.lo_open else v >= self.lo
-        below = v < self.hi if self.hi_open else v <= self.hi
-        return above and below
-
-    def text(self) -> str:
-        left = "(" if self.lo_open else "["
-        right = ")" if self.hi_open else "]"
-        return f"in {left}{_num(self.lo)}, {_num(self.hi)}{right}"
-
-
-@dataclass(frozen=True)
-class Choice:
-    options: tuple[str, ...]
-    any_case: bool = False
-
-    def holds(self, v: Any) -> bool:
-        if self.any_case and isinstance(v, str):
-            return v.lower() in {o.lower() for o in self.options}
-        return v in self.options
-
-    def text(self) -> str:
-        return "one of " + ", ".join(self.options)
-
-
-def _num(v: float) -> str:
-    if v == int(v) and abs(v) >= 10**6:
-        return f"{int(v):,}"
-    return f"{v:g}"
-
-
-# setting (as "section.field") -> its allowed values. Strings have a length bound instead.
-# The parallel degrees and schedule are the Layout's own to check (engine.layout), when one is made.
-LIMITS: dict[str, Range | Choice] = {
-    "train.method": Choice(TRAIN_METHODS),
-    "train.precision": Choice(PRECISIONS),
-    "train.activation_checkpointing": Choice(CHECKPOINTING),
-    "train.max_steps": Range(1, MANY),
-    "train.seq_len": Range(1, 2**21),
-    "train.micro_batch": Range(1, 2**16),
-    "train.grad_accum": Range(1, 2**16),
-    "train.learning_rate": Range(0, 10, lo_open=True),
-    "train.warmup_steps": Range(0, MANY),
-    "train.weight_decay": Range(0, 10),
-    "train.grad_clip": Range(0, 10**6),
-    "train.eval_fraction": Range(0, 1, hi_open=True),
-    "train.eval_every": Range(0, MANY),
-    "train.checkpoint_every": Range(0, MANY),
-    "train.keep_checkpoints": Range(0, 10**6),
-    "train.seed": Range(0, 2**63 - 1),
-    "train.lora_rank": Range(1, 65536),
-    "train.lora_alpha": Range(1, 2**20),
-    "train.lora_dropout": Range(0, 1, hi_open=True),
-    "infer.max_new_tokens": Range(1, 2**21),
-    "infer.temperature": Range(0, 100),
-    "infer.top_p": Range(0, 1, lo_open=True),
-    "infer.batch_size": Range(1, 4096),
-    "infer.precision": Choice(PRECISIONS),
-    "infer.seed": Range(0, 2**63 - 1),
-    "infer.backend": Choice(INFER_BACKENDS),
-    "max_restarts": Range(0, 100),
+# setting (as "section.field") -> its declaration (engine.jobs.spec), for those with allowed values.
+# Strings have a length bound instead. The parallel degrees and schedule are the Layout's own to check
+# (engine.layout), when one is made.
+SETTINGS: dict[str, Setting] = {
+    s.key: s for group in (TRAIN_SETTINGS, INFER_SETTINGS, JOB_SETTINGS) for s in group.values()
 }
+LIMITS: dict[str, Range | Choice] = {key: s.bound for key, s in SETTINGS.items() if s.bound is not None}
 STRING_MAX = {"name": 256, "train.text_field": 256, "infer.backend_reason": 1024}
 LIST_MAX = {"gpus": 4096, "train.dataset": 1024, "train.lora_targets": 1024, "infer.prompts": 100_000, "script": 10_000}
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -157,13 +92,6 @@ def _setting(spec: Any, key: str) -> Any:
 
 
 def _check_value(key: str, value: Any) -> None:
-    limit = LIMITS.get(key)
-    if limit is None or value is None:
-        return
-    if isinstance(limit, Range) and isinstance(value, bool):
-        return  # type checks are the protocol's; a bool here is already refused there
-    if not limit.holds(value):
-        shown = value if not isinstance(value, str) else repr(value[:60])
-        if isinstance(value, int) and abs(value) >= 10**12:
-            shown = f"{value:.3g}"
-        raise UserError(f"{key.replace('.', ' setting ', 1)}={shown}: must be {limit.text()}")
+    declared = SETTINGS.get(key)
+    if declared is not None:
+        declared.check(value)

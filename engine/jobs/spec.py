@@ -14,6 +14,7 @@ Job folder layout (`<state dir>/jobs/<job id>/`):
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 from dataclasses import dataclass, field
@@ -21,6 +22,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rigpilot.engine.layout import Layout
+from rigpilot.engine.schema import (
+    Checkpointing,
+    InferBackend,
+    Precision,
+    Range,
+    Setting,
+    TrainMethod,
+    declared,
+    setting,
+)
 
 JobKind = Literal["train", "infer", "script", "calibrate"]
 SPEC_VERSION = 1
@@ -30,48 +41,96 @@ SPEC_VERSION = 1
 Parallelism = Layout
 
 
+MANY = 10**8  # steps and intervals: far beyond any real job, yet finite
+SEED = Range(0, 2**63 - 1)
+
+
+def gpu_indices(text: str) -> list[int]:
+    """`--gpus 0,1` (or `all`: an empty list, every GPU or as many as the degrees need)."""
+    if text.strip().lower() == "all":
+        return []
+    try:
+        gpus = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected GPU indices like 0,1 not {text!r}") from None
+    if not gpus or any(g < 0 for g in gpus):
+        raise argparse.ArgumentTypeError(f"expected GPU indices like 0,1 not {text!r}")
+    return gpus
+
+
+# Each field that is a setting is declared here once (engine.schema): the command line, the engine's range
+# check, the socket's bounds and the app's labels, tooltips and command preview all come from it.
 @dataclass
 class TrainSettings:
-    dataset: list[str] = field(default_factory=list)  # files: .txt, .jsonl (text field), chat/instruction .jsonl
-    text_field: str = "text"
-    # Chat and instruction data: False trains on the assistant's answers only (the prompts still give context).
-    train_on_prompts: bool = False
-    eval_fraction: float = 0.05
-    method: str = "full"  # "full" | "lora" | "qlora" (LoRA on a 4-bit NF4 base) | "scratch"
-    lora_rank: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.0
-    lora_targets: list[str] | None = None  # None: the attention and MLP projections
-    precision: str = "bf16"  # "fp32" | "bf16" | "fp16"
-    seq_len: int = 512
-    micro_batch: int = 1
-    grad_accum: int = 1
-    max_steps: int = 100
-    learning_rate: float = 2e-4
-    warmup_steps: int = 10
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    activation_checkpointing: str = "none"  # "none" | "selective" | "full"
-    eval_every: int = 50
-    checkpoint_every: int = 50
-    keep_checkpoints: int = 3  # the newest this many checkpoints stay on disk; 0 keeps every one
-    seed: int = 1234
-    save_merged: bool = False  # LoRA: also save merged full weights
+    dataset: list[str] = setting(default_factory=list, flags="--data", metavar="FILE", label="Training data",
+                                 help="training data (.txt, .jsonl, chat/instruction .jsonl); repeatable")
+    text_field: str = setting("text", label="Text field", help="the JSONL field that holds the text")
+    train_on_prompts: bool = setting(False, flags="--train-on-prompts", label="Train on prompts",
+                                     help="chat/instruction data: train on the prompts too, not only on the answers")
+    eval_fraction: float = setting(0.05, range=Range(0, 1, hi_open=True), label="Evaluation share",
+                                   help="the share of the data held out for evaluation")
+    method: str = setting(TrainMethod.FULL, flags="--method", choices=TrainMethod, label="Method",
+                          help="full fine-tune, LoRA, QLoRA (LoRA on a 4-bit NF4 base), or from scratch")
+    lora_rank: int = setting(16, range=Range(1, 65536), label="LoRA rank", help="the rank of the LoRA adapters")
+    lora_alpha: int = setting(32, range=Range(1, 2**20), label="LoRA alpha", help="the LoRA scaling numerator")
+    lora_dropout: float = setting(0.0, range=Range(0, 1, hi_open=True), label="LoRA dropout",
+                                  help="dropout on the LoRA adapters' input")
+    lora_targets: list[str] | None = setting(None, label="LoRA targets", default_words="attention and MLP projections",
+                                             help="the modules LoRA adapts")
+    precision: str = setting(Precision.BF16, flags="--precision", choices=Precision, label="Precision",
+                             help="mixed-precision compute dtype")
+    seq_len: int = setting(512, flags="--seq", range=Range(1, 2**21), metavar="TOKENS", unit="tokens",
+                           label="Sequence length", help="sequence length")
+    micro_batch: int = setting(1, flags="--micro-batch", range=Range(1, 2**16), metavar="N", unit="sequences",
+                               label="Micro-batch", help="sequences per rank per step")
+    grad_accum: int = setting(1, flags="--grad-accum", range=Range(1, 2**16), metavar="N", unit="micro-batches",
+                              label="Gradient accumulation", help="micro-batches per optimizer step")
+    max_steps: int = setting(100, flags="--steps", range=Range(1, MANY), metavar="N", unit="steps", label="Steps",
+                             help="optimizer steps")
+    learning_rate: float = setting(2e-4, flags="--lr", range=Range(0, 10, lo_open=True), metavar="RATE",
+                                   default_words="2e-4", label="Learning rate", help="peak learning rate")
+    warmup_steps: int = setting(10, range=Range(0, MANY), unit="steps", label="Warmup",
+                                help="steps over which the learning rate rises to its peak")
+    weight_decay: float = setting(0.0, range=Range(0, 10), label="Weight decay", help="AdamW's weight decay")
+    grad_clip: float = setting(1.0, range=Range(0, 10**6), label="Gradient clipping",
+                               help="the largest gradient norm; larger ones are scaled down")
+    activation_checkpointing: str = setting(
+        Checkpointing.NONE, flags=("--activation-checkpointing", "--checkpointing"), choices=Checkpointing,
+        label="Activation checkpointing", help="activation checkpointing: recompute activations to save memory")
+    eval_every: int = setting(50, range=Range(0, MANY), unit="steps", label="Evaluate every",
+                              help="steps between evaluations (0: never)")
+    checkpoint_every: int = setting(50, range=Range(0, MANY), unit="steps", label="Checkpoint every",
+                                    help="steps between checkpoints (0: never)")
+    keep_checkpoints: int = setting(3, range=Range(0, 10**6), label="Keep checkpoints",
+                                    help="the newest this many checkpoints stay on disk (0: every one)")
+    seed: int = setting(1234, flags="--seed", range=SEED, metavar="N", label="Seed", help="random seed")
+    save_merged: bool = setting(False, flags="--save-merged", label="Save merged weights",
+                                help="LoRA/QLoRA: also save the merged full weights")
 
 
 @dataclass
 class InferSettings:
-    prompts_file: str | None = None  # JSONL with a "prompt" field
-    prompts: list[str] = field(default_factory=list)
-    max_new_tokens: int = 64
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    batch_size: int = 8
-    precision: str = "bf16"
-    seed: int = 1234
-    # "auto" | "transformers" (Rigpilot's own generator) | "vllm". The submission replaces "auto" with
-    # the backend it chose (engine.capability.choose_infer_backend), so job.json says what runs.
-    backend: str = "auto"
+    prompts_file: str | None = setting(None, flags="--prompts", metavar="FILE", label="Prompts file",
+                                       help='JSONL file with a "prompt" field per line')
+    prompts: list[str] = setting(default_factory=list, flags="--prompt", metavar="TEXT", label="Prompts",
+                                 help="a prompt; repeatable")
+    max_new_tokens: int = setting(64, flags="--max-new-tokens", range=Range(1, 2**21), metavar="N", unit="tokens",
+                                  label="New tokens", help="tokens to generate")
+    temperature: float = setting(0.0, flags="--temperature", range=Range(0, 100), metavar="T", default_words="0: greedy",
+                                 label="Temperature", help="sampling temperature")
+    top_p: float = setting(1.0, flags="--top-p", range=Range(0, 1, lo_open=True), metavar="P", label="Top-p",
+                           help="nucleus sampling: keep this share of probability")
+    batch_size: int = setting(8, range=Range(1, 4096), unit="prompts", label="Batch", help="prompts generated at once")
+    precision: str = setting(Precision.BF16, flags="--precision", choices=Precision, label="Precision",
+                             help="the weights' dtype")
+    seed: int = setting(1234, flags="--seed", range=SEED, metavar="N", label="Seed", help="sampling seed")
+    # The submission replaces "auto" with the backend it chose (engine.capability.choose_infer_backend), so
+    # job.json says what runs.
+    backend: str = setting(
+        InferBackend.AUTO, flags="--backend", choices=InferBackend, label="Backend", default_words="auto: vLLM where it can run",
+        help="the generator: vllm where it is installed in the engine environment and the job fits it (real GPUs, "
+        "one node, no data parallel), else transformers, Rigpilot's own",
+    )  # fmt: skip
     backend_reason: str = ""  # written by the engine at submit: why this backend runs
 
 
@@ -79,10 +138,11 @@ class InferSettings:
 class JobSpec:
     id: str
     kind: JobKind
-    name: str = ""
+    name: str = setting("", flags="--name", label="Name", help="a name to recognise the job by")
     model: str | None = None  # preset, local folder, hub id or config.json (train from scratch)
     trust_remote_code: bool = False  # off unless the user turns it on for this job
-    gpus: list[int] = field(default_factory=list)  # machine GPU indices
+    gpus: list[int] = setting(default_factory=list, flags="--gpus", metavar="0,1", parse=gpu_indices, label="GPUs",
+                              help="GPU indices", default_words="all, or as many as the degrees need")
     simulated: bool = True  # ranks run on the CPU with gloo, one per (simulated) GPU
     parallelism: Layout = field(default_factory=Layout)
     train: TrainSettings | None = None
@@ -91,7 +151,11 @@ class JobSpec:
     env: dict[str, str] = field(default_factory=dict)
     resume: bool = False  # continue from the newest complete checkpoint
     # Automatic restarts after a rank fails (engine.service.recovery); None: the default policy, 0: never.
-    max_restarts: int | None = None
+    max_restarts: int | None = setting(
+        None, flags="--max-restarts", range=Range(0, 100), metavar="N", label="Restarts after a failure",
+        help="restart from the newest checkpoint after a rank fails, up to N times in a row (0: never)",
+        default_words="3 for training longer than its checkpoint interval, else 0",
+    )
     spec_version: int = SPEC_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -117,3 +181,8 @@ class JobSpec:
     @classmethod
     def read(cls, job_dir: Path) -> JobSpec:
         return cls.from_dict(json.loads((job_dir / "job.json").read_text()))
+
+
+TRAIN_SETTINGS: dict[str, Setting] = declared(TrainSettings, "train")
+INFER_SETTINGS: dict[str, Setting] = declared(InferSettings, "infer")
+JOB_SETTINGS: dict[str, Setting] = declared(JobSpec)

@@ -16,15 +16,16 @@ from typing import Any
 from rigpilot.engine.capability import why_not
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.layout import Layout
+from rigpilot.engine.schema import Checkpointing, Precision, TrainMethod
 
 PLAN_SCHEMA = "rigpilot.plan"
 PLAN_VERSION = 1
 
 TASKS = ("train", "infer")
-METHODS = ("full", "lora", "qlora")
-PRECISIONS = ("bf16", "fp16", "fp32")
+METHODS = tuple(m for m in TrainMethod if m != TrainMethod.SCRATCH)  # the planner plans fine-tuning
+PRECISIONS = tuple(Precision)
 OPTIMIZERS = ("adamw", "adamw8bit", "sgd")
-CHECKPOINTING = ("none", "selective", "full")
+CHECKPOINTING = tuple(Checkpointing)
 SCHEDULES = ("none", "1f1b", "gpipe")
 BACKENDS = ("single", "ddp", "deepspeed", "fsdp", "inference")
 WEIGHT_BITS = (16, 8, 4)

@@ -14,26 +14,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rigpilot.engine.argtypes import (
-    non_negative_float,
-    positive_float,
-    positive_int,
-    probability,
-    read_json_object,
-    seed,
-)
-from rigpilot.engine.capability import INFER_BACKENDS, TRAIN_METHODS, backend_words
+from rigpilot.engine.argtypes import positive_int, read_json_object
+from rigpilot.engine.capability import backend_words
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import EITHER, FOLDER, check_given_path, open_given_file, shown
-from rigpilot.engine.jobs.limits import CHECKPOINTING, PRECISIONS
 from rigpilot.engine.jobs.secrets import shown_text
+from rigpilot.engine.jobs.spec import INFER_SETTINGS, JOB_SETTINGS, TRAIN_SETTINGS
 from rigpilot.engine.layout import SCHEDULES, Layout, given_settings, schedule_name
+from rigpilot.engine.schema import ACTIVE_STATES, TERMINAL_STATES, add_option, add_options, given
 from rigpilot.engine.service import scaling
 from rigpilot.engine.service.metrics import mark_superseded
 from rigpilot.engine.terminal import printable
 
-TERMINAL = ("completed", "failed", "cancelled", "interrupted")
-ACTIVE = ("starting", "running")
+TERMINAL = TERMINAL_STATES
+ACTIVE = ACTIVE_STATES
+# What a training run trains on: options of both `run train` and `scaling`.
+WORKLOAD = ("dataset", "method", "seq_len", "precision")
 
 
 def register(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
@@ -57,33 +53,13 @@ def register(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     slurm = _slurm_options()
     workload = _workload_options()
     k = kinds.add_parser("train", parents=[common, model, degrees, slurm, workload], help="train or fine-tune a model")
-    k.add_argument("--steps", type=positive_int, metavar="N", help="optimizer steps (default 100)")
-    k.add_argument("--micro-batch", type=positive_int, metavar="N", help="sequences per rank per step (default 1)")
-    k.add_argument("--grad-accum", type=positive_int, metavar="N", help="micro-batches per optimizer step")
-    k.add_argument("--lr", type=positive_float, metavar="RATE", help="peak learning rate (default 2e-4)")
-    k.add_argument("--train-on-prompts", action="store_true",
-                   help="chat/instruction data: train on the prompts too, not only on the answers")  # fmt: skip
-    k.add_argument("--activation-checkpointing", "--checkpointing", dest="checkpointing", choices=CHECKPOINTING,
-                   help="activation checkpointing (default none)")  # fmt: skip
-    k.add_argument("--save-merged", action="store_true", help="LoRA/QLoRA: also save the merged full weights")
+    add_options(k, {n: s for n, s in TRAIN_SETTINGS.items() if n not in WORKLOAD})  # engine.jobs.spec declares them
     k.add_argument("--cpu-offload", action="store_true",
                    help="FSDP2 CPU offload: parameters, gradients and optimizer state in host RAM")  # fmt: skip
-    k.add_argument("--seed", type=seed, metavar="N", help="random seed (default 1234)")
     k.set_defaults(func=cmd_run)
 
     k = kinds.add_parser("infer", parents=[common, model, degrees, slurm], help="generate text with a model")
-    k.add_argument("--prompts", metavar="FILE", help="JSONL file with a \"prompt\" field per line")
-    k.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt; repeatable")
-    k.add_argument("--max-new-tokens", type=positive_int, metavar="N", help="tokens to generate (default 64)")
-    k.add_argument("--precision", choices=PRECISIONS, help="the weights' dtype (default bf16)")
-    k.add_argument("--temperature", type=non_negative_float, metavar="T", help="sampling temperature (default 0: greedy)")
-    k.add_argument("--top-p", type=probability, metavar="P", help="nucleus sampling: keep this share of probability")
-    k.add_argument("--seed", type=seed, metavar="N", help="sampling seed (default 1234)")
-    k.add_argument(
-        "--backend", choices=INFER_BACKENDS,
-        help="the generator: vllm where it is installed in the engine environment and the job fits it (real GPUs, "
-        "one node, no data parallel), else transformers, Rigpilot's own (default auto: vLLM where it can run)",
-    )  # fmt: skip
+    add_options(k, INFER_SETTINGS)
     k.set_defaults(func=cmd_run)
 
     k = kinds.add_parser("calibrate", parents=[common, model, degrees], help="measure this machine for the planner")
@@ -114,9 +90,9 @@ def register(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
                    help=f"steps left out of the measurement at the start of each job (default {scaling.DEFAULT_WARMUP})")
     p.add_argument("--global-batch", type=positive_int, metavar="N",
                    help=f"sequences per optimizer step, the same for every GPU count (default {scaling.DEFAULT_GLOBAL_BATCH})")
-    p.add_argument("--micro-batch", type=positive_int, metavar="N",
-                   help="sequences per rank per micro-step, the same for every GPU count (default: the largest "
-                   "count's plan's)")  # fmt: skip
+    add_option(p, TRAIN_SETTINGS["micro_batch"],
+               help="sequences per rank per micro-step, the same for every GPU count (default: the largest "
+               "count's plan's)")  # fmt: skip
     p.add_argument("--csv", type=Path, metavar="FILE", help="also write the table as CSV")
     p.add_argument("--detach", action="store_true", help="start the study and return at once")
     p.add_argument("--show", metavar="STUDY", help="show a study (started earlier) instead of starting one")
@@ -209,16 +185,12 @@ def main_service(argv: list[str]) -> int:
 
 def _common_run_options() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--gpus", type=_gpu_list, metavar="0,1", help="GPU indices (default: all, or as many as the degrees need)")
-    p.add_argument("--name", help="a name to recognise the job by")
+    add_option(p, JOB_SETTINGS["gpus"])
+    add_option(p, JOB_SETTINGS["name"])
     p.add_argument("--detach", action="store_true", help="submit and return at once")
     p.add_argument("--json", action="store_true", help="print the submitted job as JSON (implies --detach)")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="environment for the ranks; repeatable")
-    p.add_argument(
-        "--max-restarts", type=_whole_number, metavar="N",
-        help="restart from the newest checkpoint after a rank fails, up to N times in a row (0: never; default: "
-        "3 for training longer than its checkpoint interval, else 0)",
-    )  # fmt: skip
+    add_option(p, JOB_SETTINGS["max_restarts"])
     p.add_argument("--nodes", type=_node_list, metavar="local,NODE",
                    help="run across these engines ('local' is this one; others from 'rigpilot nodes add')")
     p.add_argument("--shared-dir", metavar="DIR",
@@ -251,11 +223,8 @@ def _slurm_request(args: argparse.Namespace) -> dict[str, Any] | None:
 def _workload_options() -> argparse.ArgumentParser:
     """What a training run trains on, shared by `run train` and `scaling`."""
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--data", action="append", default=[], metavar="FILE", help="training data (.txt, .jsonl); repeatable")
-    p.add_argument("--method", choices=TRAIN_METHODS,
-                   help="full fine-tune, LoRA, QLoRA (LoRA on a 4-bit NF4 base), or from scratch")  # fmt: skip
-    p.add_argument("--seq", type=positive_int, metavar="TOKENS", help="sequence length (default 512)")
-    p.add_argument("--precision", choices=PRECISIONS, help="mixed-precision compute dtype (default bf16)")
+    for name in WORKLOAD:
+        add_option(p, TRAIN_SETTINGS[name])
     return p
 
 
@@ -315,18 +284,6 @@ def _schedule(text: str) -> str:
     return schedule_name(text) or text  # argparse's choices refuse the rest
 
 
-def _gpu_list(text: str) -> list[int]:
-    if text.strip().lower() == "all":
-        return []
-    try:
-        gpus = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected GPU indices like 0,1 not {text!r}") from None
-    if not gpus or any(g < 0 for g in gpus):
-        raise argparse.ArgumentTypeError(f"expected GPU indices like 0,1 not {text!r}")
-    return gpus
-
-
 # -- engine --------------------------------------------------------------------
 
 
@@ -368,16 +325,10 @@ def cmd_engine(args: argparse.Namespace) -> int:
 
 def build_spec(args: argparse.Namespace) -> dict[str, Any]:
     """JobSpec fields from `rigpilot run KIND` flags; paths stay as typed (the service resolves them)."""
-    spec: dict[str, Any] = {"kind": args.kind}
-    if args.gpus is not None:
-        spec["gpus"] = args.gpus
-    if args.name:
-        spec["name"] = args.name
+    spec: dict[str, Any] = {"kind": args.kind, **given(args, JOB_SETTINGS)}
     env = _env_flags(args.env)
     if env:
         spec["env"] = env
-    if args.max_restarts is not None:
-        spec["max_restarts"] = args.max_restarts
     if args.kind == "script":
         command = list(args.command)
         if command and command[0] == "--":
@@ -401,23 +352,9 @@ def build_spec(args: argparse.Namespace) -> dict[str, Any]:
     if degrees:
         spec["parallelism"] = degrees
     if args.kind == "train":
-        train = {
-            "dataset": args.data, "method": args.method, "max_steps": args.steps, "seq_len": args.seq,
-            "micro_batch": args.micro_batch, "grad_accum": args.grad_accum, "learning_rate": args.lr,
-            "precision": args.precision, "activation_checkpointing": args.checkpointing, "seed": args.seed,
-        }  # fmt: skip
-        spec["train"] = {k: v for k, v in train.items() if v is not None}
-        if args.train_on_prompts:
-            spec["train"]["train_on_prompts"] = True
-        if args.save_merged:
-            spec["train"]["save_merged"] = True
+        spec["train"] = given(args, TRAIN_SETTINGS)
     elif args.kind == "infer":
-        infer = {
-            "prompts_file": args.prompts, "prompts": args.prompt, "max_new_tokens": args.max_new_tokens,
-            "precision": args.precision, "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
-            "backend": args.backend,
-        }  # fmt: skip
-        spec["infer"] = {k: v for k, v in infer.items() if v not in (None, [])}
+        spec["infer"] = given(args, INFER_SETTINGS)
     return spec
 
 
@@ -1020,8 +957,8 @@ def _scaling_request(args: argparse.Namespace, client: Any) -> dict[str, Any]:
         counts = args.gpus
     req: dict[str, Any] = {"gpus": counts}
     if args.job:
-        named = [f for f, v in (("--model", args.model), ("--data", args.data), ("--method", args.method),
-                                ("--seq", args.seq), ("--precision", args.precision)) if v]  # fmt: skip
+        named = ["--model"] if args.model else []
+        named += [TRAIN_SETTINGS[n].flags[0] for n in WORKLOAD if getattr(args, n)]
         if named:
             raise UserError(f"{named[0]} does not go with --job: the study repeats that job's settings")
         req["job"] = args.job
@@ -1030,8 +967,8 @@ def _scaling_request(args: argparse.Namespace, client: Any) -> dict[str, Any]:
             raise UserError("which model? rigpilot scaling --model MODEL --data FILE [--gpus 1,2,4]")
         # A folder or file here, not a hub id: the engine's planner needs its full path.
         model = str(_local(args.model, "model").resolve()) if _local(args.model, "model").exists() else args.model
-        data = [str(_local(d, "data file").resolve()) if _local(d, "data file").exists() else d for d in args.data]
-        req.update(model=model, dataset=data, method=args.method, seq_len=args.seq, precision=args.precision)
+        data = [str(_local(d, "data file").resolve()) if _local(d, "data file").exists() else d for d in args.dataset]
+        req.update(model=model, dataset=data, method=args.method, seq_len=args.seq_len, precision=args.precision)
         if args.trust_remote_code:
             req["trust_remote_code"] = True
     req.update(steps=args.steps, warmup=args.warmup, global_batch=args.global_batch, micro_batch=args.micro_batch)

@@ -113,6 +113,8 @@ from dataclasses import dataclass, fields, is_dataclass
 from typing import IO, Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from rigpilot.engine.errors import UserError, jsonable
+from rigpilot.engine.jobs.spec import TRAIN_SETTINGS as _TRAIN
+from rigpilot.engine.schema import Setting
 
 PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
@@ -351,9 +353,11 @@ REQUEST_SCHEMAS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         {"gpus": Annotated[list[Annotated[int, Limit(1, 4096)]], Limit(max_len=8)]},
         {
             "job": Text, "model": Path_, "trust_remote_code": bool,
-            "dataset": Annotated[list[Path_], Limit(max_len=256)], "method": Text, "precision": Text,
-            "seq_len": Annotated[int, Limit(1, 1 << 21)], "global_batch": Annotated[int, Limit(1, 1 << 20)],
-            "micro_batch": Annotated[int, Limit(1, 1 << 20)] | None, "steps": Annotated[int, Limit(1, 1_000_000)], "warmup": Annotated[int, Limit(0, 1_000_000)],
+            # A study's jobs are training jobs: their settings' allowed values are the job's (engine.jobs.spec).
+            "dataset": Annotated[list[Path_], Limit(max_len=256)], "method": Annotated[str, _TRAIN["method"]],
+            "precision": Annotated[str, _TRAIN["precision"]], "seq_len": Annotated[int, _TRAIN["seq_len"]],
+            "global_batch": Annotated[int, Limit(1, 1 << 20)], "micro_batch": Annotated[int, _TRAIN["micro_batch"]] | None,
+            "steps": Annotated[int, Limit(1, 1_000_000)], "warmup": Annotated[int, Limit(0, 1_000_000)],
             "cwd": Path_ | None,
         },
     ),
@@ -464,7 +468,8 @@ def _fits(value: Any, tp: Any, path: str) -> bool:
         if not _fits(value, args[0], path):
             return False
         for limit in args[1:]:
-            problem = limit.problem(value) if isinstance(limit, Limit) else None
+            # A Limit, or a job setting's declaration (engine.schema.Setting): both say what is wrong with a value.
+            problem = limit.problem(value) if isinstance(limit, Limit | Setting) else None
             if problem:
                 raise ProtocolError(INVALID, f"{path}: expected {_describe(tp)} {problem}")
         return True

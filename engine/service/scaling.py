@@ -35,6 +35,8 @@ from typing import Any
 
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import is_given_file
+from rigpilot.engine.jobs.spec import TRAIN_SETTINGS
+from rigpilot.engine.schema import TERMINAL_STATES, UNSUCCESSFUL_STATES
 from rigpilot.engine.service.submission import default_seq_len
 
 SCHEMA = "rigpilot.scaling/1"
@@ -43,7 +45,8 @@ DEFAULT_WARMUP = 2
 DEFAULT_GLOBAL_BATCH = 8
 MAX_POINTS = 8
 NOISY = 0.25  # step times spread wider than this (std/mean) make a point's throughput a guess
-TERMINAL = ("completed", "failed", "cancelled", "interrupted")
+TERMINAL = TERMINAL_STATES
+_TRAIN = TRAIN_SETTINGS  # the study's defaults are a training job's
 CSV_COLUMNS = (
     "gpus", "ranks", "job", "state", "layout", "micro_batch", "grad_accum", "measured_steps", "tokens_per_s",
     "steps_per_s", "speedup", "efficiency", "predicted_tokens_per_s", "predicted_speedup", "measured_vs_predicted",
@@ -85,8 +88,9 @@ def settings_of_job(settings: dict[str, Any] | None) -> dict[str, Any]:
     dp = int(par.get("dp_replicate") or 1) * int(par.get("dp_shard") or 1)
     return {
         "model": settings["model"], "trust_remote_code": bool(settings.get("trust_remote_code")),
-        "dataset": list(t.get("dataset") or []), "method": t.get("method") or "full",
-        "precision": t.get("precision") or "bf16", "seq_len": int(t.get("seq_len") or 512),
+        "dataset": list(t.get("dataset") or []), "method": t.get("method") or _TRAIN["method"].default,
+        "precision": t.get("precision") or _TRAIN["precision"].default,
+        "seq_len": int(t.get("seq_len") or _TRAIN["seq_len"].default),
         "global_batch": int(t.get("micro_batch") or 1) * int(t.get("grad_accum") or 1) * max(dp, 1),
     }  # fmt: skip
 
@@ -300,8 +304,8 @@ class Studies:
                 raise UserError("which model? give --model (or --job to repeat a training job)")
             settings = {
                 "model": request["model"], "trust_remote_code": bool(request.get("trust_remote_code")),
-                "dataset": list(request.get("dataset") or []), "method": request.get("method") or "full",
-                "precision": request.get("precision") or "bf16",
+                "dataset": list(request.get("dataset") or []), "method": request.get("method") or _TRAIN["method"].default,
+                "precision": request.get("precision") or _TRAIN["precision"].default,
                 # As `run train` does: without --seq, the model's context where it is shorter than the default.
                 "seq_len": int(request.get("seq_len") or default_seq_len(request["model"], cwd)),
                 "global_batch": int(request.get("global_batch") or DEFAULT_GLOBAL_BATCH),
@@ -446,7 +450,7 @@ class Studies:
                     if not more:
                         break
                 p.update(state=rec.state, ranks=rec.ranks, measured=measure(records, study["settings"]["warmup"]))
-                if rec.state in ("failed", "cancelled", "interrupted"):
+                if rec.state in UNSUCCESSFUL_STATES:
                     p["error"] = f"job {rec.id} {rec.state}: {rec.exit_reason or 'no reason recorded'}"
             points.append(p)
         study["points"] = points

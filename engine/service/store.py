@@ -26,14 +26,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rigpilot.engine import schema
 from rigpilot.engine.diskspace import disk_full, is_disk_full
+from rigpilot.engine.schema import JobState
 
-QUEUED, STARTING, RUNNING = "queued", "starting", "running"
-COMPLETED, FAILED, CANCELLED, INTERRUPTED = "completed", "failed", "cancelled", "interrupted"
-ACTIVE_STATES = frozenset({STARTING, RUNNING})
-TERMINAL_STATES = frozenset({COMPLETED, FAILED, CANCELLED, INTERRUPTED})
+# The states are engine.schema.JobState; plain strings here, as SQLite and job.json hold them.
+QUEUED, STARTING, RUNNING, COMPLETED, FAILED, CANCELLED, INTERRUPTED = (s.value for s in JobState)
+ACTIVE_STATES = frozenset(s.value for s in schema.ACTIVE_STATES)
+TERMINAL_STATES = frozenset(s.value for s in schema.TERMINAL_STATES)
 ALL_STATES = frozenset({QUEUED}) | ACTIVE_STATES | TERMINAL_STATES
-RESUMABLE_STATES = frozenset({FAILED, CANCELLED, INTERRUPTED})
+RESUMABLE_STATES = frozenset(s.value for s in schema.UNSUCCESSFUL_STATES)
 
 SCHEMA_VERSION = 1
 

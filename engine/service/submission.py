@@ -34,12 +34,13 @@ from rigpilot.engine.diskspace import human_size
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import EITHER, FILE, FOLDER, Expect, check_given_path, open_given_file
 from rigpilot.engine.hardware.machine import Machine
-from rigpilot.engine.jobs.limits import CHECKPOINTING, PRECISIONS, check_job_settings
+from rigpilot.engine.jobs.limits import check_job_settings
 from rigpilot.engine.jobs.spec import InferSettings, JobSpec, TrainSettings
 from rigpilot.engine.layout import Layout, accumulation_of_plan, schedule_name
 from rigpilot.engine.models.config_file import CONFIG_MAX
 from rigpilot.engine.planner.memory import fmt_gib
 from rigpilot.engine.planner.plan import Plan
+from rigpilot.engine.schema import Checkpointing, Precision
 from rigpilot.engine.service.protocol import check_dataclass
 
 KINDS = ("train", "infer", "script", "calibrate")
@@ -707,11 +708,11 @@ def apply_plan_training(spec: JobSpec, plan: Plan) -> tuple[dict[str, Any], list
             t.grad_accum = taken["grad_accum"] = accumulation_of_plan(plan)
         else:  # the job runs no pipeline: the plan's micro-batches are all accumulation
             t.grad_accum = taken["grad_accum"] = par.grad_accum
-    if par.checkpointing in CHECKPOINTING:
+    if par.checkpointing in Checkpointing.__members__.values():
         t.activation_checkpointing = taken["activation_checkpointing"] = par.checkpointing
     if _is_int(workload.seq_len) and workload.seq_len >= 1:
         t.seq_len = taken["seq_len"] = workload.seq_len
-    if workload.precision in PRECISIONS:
+    if workload.precision in Precision.__members__.values():
         t.precision = taken["precision"] = workload.precision
     return taken, notes
 

@@ -32,10 +32,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from rigpilot.engine.capability import TRAIN_METHODS
 from rigpilot.engine.errors import UserError
-from rigpilot.engine.jobs.limits import CHECKPOINTING
-from rigpilot.engine.jobs.spec import JobSpec, TrainSettings
+from rigpilot.engine.jobs.spec import TRAIN_SETTINGS, JobSpec, TrainSettings
 from rigpilot.engine.report import report
 from rigpilot.engine.workers import EXIT_CANCELLED, EXIT_OK
 from rigpilot.engine.workers.checkpoint import Checkpointer, gather_full_state, save_final_model
@@ -94,25 +92,10 @@ class CancelFlag:
 
 
 def validate_settings(s: TrainSettings) -> None:
-    positive = {
-        "seq_len": s.seq_len,
-        "micro_batch": s.micro_batch,
-        "grad_accum": s.grad_accum,
-        "max_steps": s.max_steps,
-    }
-    for name, value in positive.items():
-        if value < 1:
-            raise UserError(f"train setting {name}={value}: must be at least 1")
-    if not 0 <= s.eval_fraction < 1:
-        raise UserError(f"train setting eval_fraction={s.eval_fraction}: must be in [0, 1)")
-    if s.keep_checkpoints < 0:
-        raise UserError(f"train setting keep_checkpoints={s.keep_checkpoints}: must be 0 (keep all) or more")
-    if s.learning_rate <= 0:
-        raise UserError(f"train setting learning_rate={s.learning_rate}: must be positive")
-    if s.method not in TRAIN_METHODS:
-        raise UserError(f"train method {s.method!r}: use 'full', 'lora', 'qlora' or 'scratch'")
-    if s.activation_checkpointing not in CHECKPOINTING:
-        raise UserError(f"activation_checkpointing {s.activation_checkpointing!r}: use 'none', 'selective' or 'full'")
+    """The engine checked these at submission; a job.json edited by hand is checked again, by the same
+    declarations (engine.jobs.spec), before a step runs."""
+    for name, declared in TRAIN_SETTINGS.items():
+        declared.check(getattr(s, name))
     precision_dtype(s.precision)
 
 

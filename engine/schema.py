@@ -1,0 +1,321 @@
+"""Each job setting declared once, and everything generated from that declaration.
+
+A setting is a field of a spec dataclass (engine.jobs.spec) declared with `setting(...)`: its default, its
+allowed values (a `Range` or a `Choice`), its command-line flags, the label the app shows, one sentence of
+help and its unit. From that one declaration come the `rigpilot run` options (`add_options`, `given`), the
+engine's refusal of a value outside its range (`Setting.check`, the same sentence on the command line and in
+the engine), the socket's bounds (a `Setting` is an `Annotated` limit in engine.service.protocol) and the
+app's words (labels, tooltips, the command preview). The model is torchtitan's ConfigManager: one dataclass,
+the CLI built from it, so flags, defaults, ranges and help cannot drift apart.
+
+The enumerations of values that travel on the wire and in job.json (precision, method, job state ...) are
+owned here too, as StrEnums whose values are those strings.
+
+No Qt and no torch: the app imports this module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, get_type_hints
+
+from rigpilot.engine.errors import UserError
+
+
+class Precision(StrEnum):
+    """Training: the mixed-precision compute dtype; inference: the weights' dtype."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+
+class TrainMethod(StrEnum):
+    FULL = "full"
+    LORA = "lora"
+    QLORA = "qlora"  # LoRA on a 4-bit NF4 base
+    SCRATCH = "scratch"  # a fresh model from a config.json
+
+
+class Checkpointing(StrEnum):
+    """Activation checkpointing, in order of memory saved."""
+
+    NONE = "none"
+    SELECTIVE = "selective"
+    FULL = "full"
+
+
+class InferBackend(StrEnum):
+    AUTO = "auto"  # the submission replaces it with the backend it chose
+    TRANSFORMERS = "transformers"  # Rigpilot's own generator
+    VLLM = "vllm"
+
+
+class JobState(StrEnum):
+    QUEUED = "queued"
+    STARTING = "starting"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    INTERRUPTED = "interrupted"
+
+
+ACTIVE_STATES = (JobState.STARTING, JobState.RUNNING)  # ranks are (being) started
+UNFINISHED_STATES = (JobState.QUEUED, *ACTIVE_STATES)
+UNSUCCESSFUL_STATES = (JobState.FAILED, JobState.CANCELLED, JobState.INTERRUPTED)  # ended; resumable
+TERMINAL_STATES = (JobState.COMPLETED, *UNSUCCESSFUL_STATES)
+
+
+def _num(v: float) -> str:
+    if v == int(v) and abs(v) >= 10**6:
+        return f"{int(v):,}"
+    return f"{v:g}"
+
+
+@dataclass(frozen=True)
+class Range:
+    """The allowed values of a number: [lo, hi], either end open when said."""
+
+    lo: float
+    hi: float
+    hi_open: bool = False  # [lo, hi) rather than [lo, hi]
+    lo_open: bool = False  # (lo, hi]
+
+    def holds(self, v: float) -> bool:
+        above = v > self.lo if self.lo_open else v >= self.lo
+        below = v < self.hi if self.hi_open else v <= self.hi
+        return above and below
+
+    def text(self) -> str:
+        left = "(" if self.lo_open else "["
+        right = ")" if self.hi_open else "]"
+        return f"in {left}{_num(self.lo)}, {_num(self.hi)}{right}"
+
+    def problem(self, value: Any) -> str | None:
+        """For the socket's `Annotated` checks (engine.service.protocol): why `value` is refused, or None."""
+        if isinstance(value, int | float) and not isinstance(value, bool) and not self.holds(value):
+            return f"{self.text()}, got {_shown(value)}"
+        return None
+
+
+@dataclass(frozen=True)
+class Choice:
+    options: tuple[str, ...]
+    any_case: bool = False
+
+    def holds(self, v: Any) -> bool:
+        if self.any_case and isinstance(v, str):
+            return v.lower() in {o.lower() for o in self.options}
+        return v in self.options
+
+    def text(self) -> str:
+        return "one of " + ", ".join(self.options)
+
+    def problem(self, value: Any) -> str | None:
+        return None if not isinstance(value, str) or self.holds(value) else f"({self.text()}), got {_shown(value)}"
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, str):
+        return repr(value[:60])
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**12:
+        return f"{value:.3g}"
+    return str(value)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting's declaration; `key`, `default` and `type` are filled in from the field it sits on."""
+
+    label: str  # the app's words for it ("Micro-batch")
+    help: str  # one sentence, without the default (that is added from `default`)
+    flags: tuple[str, ...] = ()  # its command-line flags, the first the one shown; none: not on the command line
+    bound: Range | Choice | None = None
+    unit: str = ""  # "tokens", "steps" ... ("" where it has none)
+    metavar: str | None = None
+    default_words: str | None = None  # how the help names the default where its value alone would not say
+    parse: Callable[[str], Any] | None = None  # the command line's reading of a value of its own form
+    key: str = ""  # "train.micro_batch", "max_restarts"
+    default: Any = None
+    type: Any = None  # the field's annotation
+
+    @property
+    def name(self) -> str:
+        return self.key.rpartition(".")[2]
+
+    @property
+    def flag(self) -> str | None:
+        return self.flags[0] if self.flags else None
+
+    @property
+    def choices(self) -> tuple[str, ...] | None:
+        return self.bound.options if isinstance(self.bound, Choice) else None
+
+    def problem(self, value: Any) -> str | None:
+        """The socket's check of a request argument that is this setting (engine.service.protocol)."""
+        return self.bound.problem(value) if self.bound is not None else None
+
+    def refusal(self, value: Any) -> UserError | None:
+        """The one-line refusal of `value`, or None where it is allowed (None is: the default applies)."""
+        if value is None or self.bound is None:
+            return None
+        if isinstance(self.bound, Range) and (isinstance(value, bool) or not isinstance(value, int | float)):
+            return None  # type checks are the protocol's; a bool here is already refused there
+        if self.bound.holds(value):
+            return None
+        where = self.key.replace(".", " setting ", 1)
+        text = f"{where}={_shown(value)}: must be {self.bound.text()}"
+        if isinstance(self.bound, Range):
+            return UserError(text, reason="out_of_range", setting=self.key, value=value,
+                             lo=self.bound.lo, hi=self.bound.hi)  # fmt: skip
+        return UserError(text, reason="not_a_choice", setting=self.key, value=value, choices=list(self.bound.options))
+
+    def check(self, value: Any) -> None:
+        error = self.refusal(value)
+        if error is not None:
+            raise error
+
+    def help_text(self) -> str:
+        """The help line: the sentence, then the default where a value has one worth naming."""
+        shown = self.default_words
+        if shown is None and self.default is not None and not isinstance(self.default, bool | list):
+            shown = _num(self.default) if isinstance(self.default, int | float) else str(self.default)
+        return f"{self.help} (default {shown})" if shown else self.help
+
+
+def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING,
+            label: str, help: str, flags: tuple[str, ...] | str = (), range: Range | None = None,
+            choices: type[StrEnum] | tuple[str, ...] | None = None, unit: str = "", metavar: str | None = None,
+            default_words: str | None = None, parse: Callable[[str], Any] | None = None) -> Any:  # fmt: skip
+    """A dataclass field declared as a setting (see `Setting`): the one place its facts are written."""
+    bound: Range | Choice | None = range
+    if isinstance(default, StrEnum):
+        default = default.value  # job.json and the wire carry the plain string
+    if choices is not None:
+        bound = Choice(tuple(str(c) for c in choices))
+    decl = Setting(label=label, help=help, flags=(flags,) if isinstance(flags, str) else tuple(flags), bound=bound,
+                   unit=unit, metavar=metavar, default_words=default_words, parse=parse)  # fmt: skip
+    if default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata={"setting": decl})
+    return dataclasses.field(default=default, metadata={"setting": decl})
+
+
+def declared(cls: type, section: str = "") -> dict[str, Setting]:
+    """The settings declared on dataclass `cls`, by field name, with key ("section.name"), default and type."""
+    hints = get_type_hints(cls)
+    out: dict[str, Setting] = {}
+    for f in dataclasses.fields(cls):
+        decl = f.metadata.get("setting")
+        if decl is None:
+            continue
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        key = f"{section}.{f.name}" if section else f.name
+        out[f.name] = dataclasses.replace(decl, key=key, default=default, type=hints[f.name])
+    return out
+
+
+# -- the command line ------------------------------------------------------------------------------------
+
+
+def _is_list(s: Setting) -> bool:
+    return "list[" in str(s.type)
+
+
+def _is_bool(s: Setting) -> bool:
+    return s.type is bool
+
+
+def _number_kind(s: Setting) -> type | None:
+    text = str(s.type)
+    if "float" in text:
+        return float
+    if "int" in text and not _is_list(s):
+        return int
+    return None
+
+
+def _reader(s: Setting) -> Callable[[str], Any]:
+    """argparse's `type` for a number setting: read it, then refuse it outside its range in the engine's words."""
+    kind = _number_kind(s)
+
+    def read(text: str) -> Any:
+        try:
+            value = kind(text) if kind is not None else text
+        except ValueError:
+            word = "a whole number" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"not {word}: {text!r}") from None
+        if isinstance(value, float) and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, not {text!r}")
+        error = s.refusal(value)
+        if error is not None:
+            raise argparse.ArgumentTypeError(str(error))
+        return value
+
+    read.__name__ = s.name  # argparse names the type in its "invalid <name> value" fallback
+    return read
+
+
+def add_option(parser: argparse.ArgumentParser | Any, s: Setting, *, help: str | None = None) -> None:
+    """The command-line option of setting `s` (dest: its field name; None when not given)."""
+    if not s.flags:
+        raise ValueError(f"{s.key} has no command-line flag")
+    kw: dict[str, Any] = {"dest": s.name, "help": help or s.help_text()}
+    if _is_bool(s):
+        kw.update(action="store_true", default=None)
+    else:
+        if s.parse is not None:
+            kw["type"] = s.parse  # one word read whole (`--gpus 0,1`), not a repeated flag
+        elif isinstance(s.bound, Choice):
+            kw["choices"] = s.bound.options
+        elif _number_kind(s) is not None:
+            kw["type"] = _reader(s)
+        elif _is_list(s):
+            kw.update(action="append", default=[])
+        kw["metavar"] = s.metavar
+    parser.add_argument(*s.flags, **kw)
+
+
+def add_options(parser: argparse.ArgumentParser | Any, settings: dict[str, Setting]) -> None:
+    for s in settings.values():
+        if s.flags:
+            add_option(parser, s)
+
+
+def given(args: argparse.Namespace, settings: dict[str, Setting]) -> dict[str, Any]:
+    """The values of `settings` the command line was given (a flag left out: the engine's default applies)."""
+    out = {}
+    for name, s in settings.items():
+        if not s.flags:
+            continue
+        value = getattr(args, s.name, None)
+        if value is None or value is False or value == "" or (value == [] and s.parse is None):
+            continue  # left out (a repeatable flag never given is an empty list)
+        out[name] = value
+    return out
+
+
+def flag_words(s: Setting, value: Any) -> list[str] | None:
+    """`value` as the command line writes it for setting `s`: [flag, text], [flag] or [] (a false switch or
+    an empty list); None where the command line cannot say it (no flag, or a value its choices lack)."""
+    if not s.flags:
+        return None
+    if _is_bool(s):
+        return [s.flags[0]] if value else []
+    if _is_list(s):
+        return [w for item in value or [] for w in (s.flags[0], str(item))]
+    if value is None:
+        return []
+    if isinstance(s.bound, Choice) and value not in s.bound.options:
+        return None
+    return [s.flags[0], value if isinstance(value, str) else str(value) if isinstance(value, int) else f"{value:g}"]
+
+
+def iter_settings(*groups: dict[str, Setting]) -> Iterator[Setting]:
+    for group in groups:
+        yield from group.values()
