@@ -140,6 +140,7 @@ class Setting:
     unit: str = ""  # "tokens", "steps" ... ("" where it has none)
     metavar: str | None = None
     default_words: str | None = None  # how the help names the default where its value alone would not say
+    zero_words: str | None = None  # what 0 means where it means something else ("never", "all")
     parse: Callable[[str], Any] | None = None  # the command line's reading of a value of its own form
     key: str = ""  # "train.micro_batch", "max_restarts"
     default: Any = None
@@ -192,7 +193,8 @@ class Setting:
 def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING,
             label: str, help: str, flags: tuple[str, ...] | str = (), range: Range | None = None,
             choices: type[StrEnum] | tuple[str, ...] | None = None, unit: str = "", metavar: str | None = None,
-            default_words: str | None = None, parse: Callable[[str], Any] | None = None) -> Any:  # fmt: skip
+            default_words: str | None = None, zero_words: str | None = None,
+            parse: Callable[[str], Any] | None = None) -> Any:  # fmt: skip
     """A dataclass field declared as a setting (see `Setting`): the one place its facts are written."""
     bound: Range | Choice | None = range
     if isinstance(default, StrEnum):
@@ -200,7 +202,7 @@ def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = datacl
     if choices is not None:
         bound = Choice(tuple(str(c) for c in choices))
     decl = Setting(label=label, help=help, flags=(flags,) if isinstance(flags, str) else tuple(flags), bound=bound,
-                   unit=unit, metavar=metavar, default_words=default_words, parse=parse)  # fmt: skip
+                   unit=unit, metavar=metavar, default_words=default_words, zero_words=zero_words, parse=parse)  # fmt: skip
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata={"setting": decl})
     return dataclasses.field(default=default, metadata={"setting": decl})
@@ -307,6 +309,8 @@ def flag_words(s: Setting, value: Any) -> list[str] | None:
         return None
     if _is_bool(s):
         return [s.flags[0]] if value else []
+    if _is_list(s) and s.parse is not None:  # one word: `--gpus 0,1`
+        return [s.flags[0], ",".join(map(str, value))] if value else []
     if _is_list(s):
         return [w for item in value or [] for w in (s.flags[0], str(item))]
     if value is None:
@@ -314,6 +318,26 @@ def flag_words(s: Setting, value: Any) -> list[str] | None:
     if isinstance(s.bound, Choice) and value not in s.bound.options:
         return None
     return [s.flags[0], value if isinstance(value, str) else str(value) if isinstance(value, int) else f"{value:g}"]
+
+
+def shown_value(s: Setting, value: Any) -> str:
+    """A value in the app's and the CLI's words: its unit after a number, lists joined."""
+    if isinstance(value, list):
+        return ", ".join(map(str, value))
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if value == 0 and s.zero_words:
+        return s.zero_words
+    if isinstance(value, float):
+        text = f"{value:g}"
+    else:
+        text = str(value)
+    return f"{text} {s.unit}" if s.unit and isinstance(value, int | float) else text
+
+
+def setting_words(s: Setting, value: Any) -> str:
+    """"Warmup: 10 steps": a setting and its value, as a note or a difference between jobs names it."""
+    return f"{s.label}: {shown_value(s, value)}"
 
 
 def iter_settings(*groups: dict[str, Setting]) -> Iterator[Setting]:

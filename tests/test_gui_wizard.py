@@ -150,7 +150,7 @@ def test_back_keeps_every_choice(qtbot, settings):
     wizard.hyper_page.train_on_prompts.setChecked(True)
     assert wizard.state.train.keep_checkpoints == 0 and wizard.state.train.train_on_prompts
     words = shlex.split(wizard.state.command().splitlines()[0])
-    assert "--train-on-prompts" in words and "keep all" in wizard.state.command()
+    assert "--train-on-prompts" in words and "Keep checkpoints: all" in wizard.state.command()
     for expected in (PLAN, GPUS, DATA, MODEL, TASK):
         wizard.back()
         assert wizard.currentId() == expected

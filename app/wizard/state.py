@@ -9,9 +9,7 @@ on a simulated machine runs a small real CPU job.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import functools
 import json
 import math
 import shlex
@@ -21,9 +19,17 @@ from typing import Any
 
 from rigpilot.engine.examples import EXAMPLES
 from rigpilot.engine.given_path import is_given_file
-from rigpilot.engine.jobs.spec import InferSettings, JobSpec, TrainSettings
+from rigpilot.engine.jobs.spec import (
+    INFER_SETTINGS,
+    JOB_SETTINGS,
+    TRAIN_SETTINGS,
+    InferSettings,
+    JobSpec,
+    TrainSettings,
+)
 from rigpilot.engine.layout import Layout
 from rigpilot.engine.planner.plan import parallelism_from_dict
+from rigpilot.engine.schema import Setting, TrainMethod, flag_words, setting_words
 from rigpilot.engine.service.store import ACTIVE_STATES
 
 TINY_MODEL = "models/tiny-llama"
@@ -379,53 +385,27 @@ def state_from_plan(plan: dict[str, Any], base: WizardState | None = None) -> Wi
 # -- the command line -------------------------------------------------------------------------------------
 
 
-@functools.cache
-def cli_options(kind: str) -> dict[str, argparse.Action]:
-    """The options `rigpilot run KIND` takes, by flag: the command line is the one word on which flags exist."""
-    from rigpilot.engine.cli import build_parser
-
-    def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
-        for action in parser._actions:
-            if isinstance(action, argparse._SubParsersAction):
-                return dict(action.choices)
-        return {}
-
-    run = subcommands(build_parser()).get("run")
-    kind_parser = subcommands(run).get(kind) if run is not None else None
-    if kind_parser is None:
-        return {}
-    return {flag: action for action in kind_parser._actions for flag in action.option_strings}
-
-
-class _Words:
-    """A command line being written: a setting goes in as its flag when the CLI has one, else as a note."""
-
-    def __init__(self, kind: str, words: list[str]):
-        self.options = cli_options(kind)
-        self.words = words
-        self.extras: list[str] = []
-
-    def add(self, flag: str, value: Any, note: str) -> None:
-        """`flag value` (a bool: the bare flag when true), or `note` among the settings with no flag."""
-        action = self.options.get(flag)
-        if isinstance(value, bool):
-            if not value:
-                return
-            if action is not None and action.nargs == 0:
-                self.words.append(flag)
-                return
-        elif action is not None and action.nargs != 0 and (not action.choices or value in action.choices):
-            self.words += [flag, value if isinstance(value, str) else f"{value:g}"]
-            return
-        self.extras.append(note)
+def _setting_words(settings: dict[str, Setting], part: Any, words: list[str], extras: list[str],
+                   skip: tuple[str, ...] = ()) -> None:  # fmt: skip
+    """Each declared setting of `part` as its flag (engine.jobs.spec declares which have one); a setting
+    the command line cannot say, and that differs from the engine's default, goes among `extras` in its words."""
+    for name, s in settings.items():
+        if name in skip:
+            continue
+        value = getattr(part, name)
+        said = flag_words(s, value)
+        if said is not None:
+            words += said
+        elif value != s.default and value is not None and value is not False and value != []:  # 0 is a value
+            extras.append(setting_words(s, value))
 
 
 def run_command(state: WizardState) -> str:
     """`rigpilot run KIND ...` with the flags the command line has; the rest is listed after it."""
     spec = JobSpec.from_dict(state.to_spec())
     words = ["rigpilot", "run", spec.kind]
-    if spec.gpus:
-        words += ["--gpus", ",".join(map(str, spec.gpus))]
+    extras: list[str] = []
+    words += flag_words(JOB_SETTINGS["gpus"], spec.gpus) or []
     if state.nodes:
         words += ["--nodes", ",".join(["local", *state.nodes])]
     if state.slurm is not None:
@@ -440,61 +420,34 @@ def run_command(state: WizardState) -> str:
         words += ["--model", spec.model]
     if spec.trust_remote_code:
         words.append("--trust-remote-code")
-    if spec.max_restarts is not None:
-        words += ["--max-restarts", str(spec.max_restarts)]
+    words += flag_words(JOB_SETTINGS["max_restarts"], spec.max_restarts) or []
     p = spec.parallelism
     for flag, value in (("--dp", p.dp_replicate), ("--fsdp", p.dp_shard), ("--tp", p.tp), ("--pp", p.pp)):
         if value > 1:
             words += [flag, str(value)]
     if state.planned and state.plan:
         words += ["--plan", "plan.json"]
-    w = _Words(spec.kind, words)
     if p.pp > 1:
-        w.add("--pp-schedule", p.pp_schedule, f"pipeline schedule {p.pp_schedule}")
-        w.add("--pp-microbatches", p.pp_microbatches, f"{p.pp_microbatches} pipeline micro-batches")
-    w.add("--sequence-parallel", p.sequence_parallel, "sequence parallel")
-    w.add("--cpu-offload", p.cpu_offload, "CPU offload (FSDP2: parameters, gradients and optimizer in host RAM)")
+        words += ["--pp-schedule", p.pp_schedule, "--pp-microbatches", str(p.pp_microbatches)]
+    if p.sequence_parallel:
+        words.append("--sequence-parallel")
+    if p.cpu_offload:
+        if spec.kind == "train":
+            words.append("--cpu-offload")
+        else:
+            extras.append("CPU offload (FSDP2: parameters, gradients and optimizer in host RAM)")
     if spec.kind == "train" and spec.train is not None:
         t = spec.train
-        for f in t.dataset:
-            words += ["--data", f]
-        w.add("--method", t.method, f"method {t.method}")
-        words += ["--steps", str(t.max_steps), "--seq", str(t.seq_len),
-                  "--micro-batch", str(t.micro_batch), "--grad-accum", str(t.grad_accum),
-                  "--lr", f"{t.learning_rate:g}"]  # fmt: skip
-        if t.train_on_prompts:
-            words.append("--train-on-prompts")
-        w.add("--precision", t.precision, f"precision {t.precision}")
-        w.add("--activation-checkpointing", t.activation_checkpointing,
-              f"activation checkpointing {t.activation_checkpointing}")  # fmt: skip
-        w.add("--save-merged", t.save_merged, "save merged weights")
-        w.add("--seed", t.seed, f"seed {t.seed}")
-        w.extras += [f"warmup {t.warmup_steps}", f"eval every {t.eval_every}",
-                     f"checkpoint every {t.checkpoint_every} (keep {t.keep_checkpoints or 'all'})"]  # fmt: skip
-        if t.text_field != "text":
-            w.extras.append(f"text field {t.text_field!r}")
-        if t.method in ("lora", "qlora"):
-            targets = ",".join(t.lora_targets or ["attention and MLP projections"])
-            w.extras.append(f"LoRA rank {t.lora_rank}, alpha {t.lora_alpha}, targets {targets}")
+        lora = t.method in (TrainMethod.LORA, TrainMethod.QLORA)
+        _setting_words(TRAIN_SETTINGS, t, words, extras,
+                       skip=() if lora else tuple(n for n in TRAIN_SETTINGS if n.startswith("lora_")))  # fmt: skip
     elif spec.kind == "infer" and spec.infer is not None:
-        i = spec.infer
-        if i.prompts_file:
-            words += ["--prompts", i.prompts_file]
-        for prompt in i.prompts:
-            words += ["--prompt", prompt]
-        words += ["--max-new-tokens", str(i.max_new_tokens)]
-        w.add("--precision", i.precision, f"precision {i.precision}")
-        w.add("--temperature", i.temperature, f"temperature {i.temperature:g}")
-        w.add("--top-p", i.top_p, f"top-p {i.top_p:g}")
-        w.add("--seed", i.seed, f"seed {i.seed}")
-        if i.backend != "auto":
-            w.add("--backend", i.backend, f"backend {i.backend}")
-        w.extras.append(f"batch {i.batch_size}")
+        _setting_words(INFER_SETTINGS, spec.infer, words, extras)
     line = shlex.join(words)
     if state.planned and state.plan:
         line += "\n# plan.json: export the plan as JSON (Review page) next to where you run this"
-    if w.extras:
-        line += "\n# set in the wizard, no flag: " + "; ".join(w.extras)
+    if extras:
+        line += "\n# set in the wizard, no flag: " + "; ".join(extras)
     return line
 
 

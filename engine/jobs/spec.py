@@ -98,11 +98,11 @@ class TrainSettings:
         Checkpointing.NONE, flags=("--activation-checkpointing", "--checkpointing"), choices=Checkpointing,
         label="Activation checkpointing", help="activation checkpointing: recompute activations to save memory")
     eval_every: int = setting(50, range=Range(0, MANY), unit="steps", label="Evaluate every",
-                              help="steps between evaluations (0: never)")
+                              help="steps between evaluations (0: never)", zero_words="never")
     checkpoint_every: int = setting(50, range=Range(0, MANY), unit="steps", label="Checkpoint every",
-                                    help="steps between checkpoints (0: never)")
+                                    help="steps between checkpoints (0: never)", zero_words="never")
     keep_checkpoints: int = setting(3, range=Range(0, 10**6), label="Keep checkpoints",
-                                    help="the newest this many checkpoints stay on disk (0: every one)")
+                                    help="the newest this many checkpoints stay on disk (0: every one)", zero_words="all")
     seed: int = setting(1234, flags="--seed", range=SEED, metavar="N", label="Seed", help="random seed")
     save_merged: bool = setting(False, flags="--save-merged", label="Save merged weights",
                                 help="LoRA/QLoRA: also save the merged full weights")
