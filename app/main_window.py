@@ -41,6 +41,7 @@ from rigpilot.app.engine_link import CONNECTED, CONNECTING, GONE, EngineLink
 from rigpilot.app.identity import APP_ID, APP_NAME
 from rigpilot.app.widgets.window_size import first_size, keep_on_screen
 from rigpilot.engine.hardware.machine import is_simulated
+from rigpilot.engine.schema import UNFINISHED_STATES
 from rigpilot.engine.service.protocol import JOB_DATABASE_REBUILT, JOBS_PUT_BACK, TELEMETRY_RESET
 
 # (key, title, "module:Class"): each page lives in its own folder and is built with the EngineLink.
@@ -54,7 +55,7 @@ PAGES: list[tuple[str, str, str]] = [
 
 _KEYS = [key for key, _, _ in PAGES]
 
-RUNNING_STATES = ("queued", "starting", "running")
+RUNNING_STATES = tuple(s.value for s in UNFINISHED_STATES)
 EXIT_AFTER_FIRST_PAINT = "RIGPILOT_EXIT_AFTER_FIRST_PAINT"
 
 

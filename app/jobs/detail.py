@@ -43,9 +43,10 @@ from rigpilot.app.jobs.slurm_state import slurm_detail
 from rigpilot.app.jobs.summary_view import SettingsDiff, SummaryPanel
 from rigpilot.app.jobs.try_it import TryIt
 from rigpilot.app.widgets.units import NA
+from rigpilot.engine.schema import TERMINAL_STATES
 
 CHARTS_TAB, PLAN_TAB, LOG_TAB, SUMMARY_TAB, RESULTS_TAB = range(5)
-FINISHED = ("completed", "failed", "cancelled", "interrupted")
+FINISHED = TERMINAL_STATES
 
 
 class JobDetail(QWidget):

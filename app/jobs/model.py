@@ -19,10 +19,11 @@ from rigpilot.app.jobs.slurm_state import slurm_detail, slurm_state_text
 from rigpilot.app.widgets.palette import BAD, GOOD, WARN, tint
 from rigpilot.app.widgets.table_model import ColumnsModel, Index
 from rigpilot.app.widgets.units import NA
-from rigpilot.engine.service.store import CANCELLED, COMPLETED, FAILED, INTERRUPTED, QUEUED, RUNNING, STARTING
+from rigpilot.engine.schema import UNFINISHED_STATES, JobState
+from rigpilot.engine.service.store import COMPLETED, FAILED, INTERRUPTED, QUEUED, RUNNING, STARTING
 
-STATES = (QUEUED, STARTING, RUNNING, COMPLETED, FAILED, CANCELLED, INTERRUPTED)
-ACTIVE = (QUEUED, STARTING, RUNNING)
+STATES = tuple(s.value for s in JobState)
+ACTIVE = tuple(s.value for s in UNFINISHED_STATES)  # not ended yet
 STATE_COLORS = {RUNNING: GOOD, STARTING: WARN, QUEUED: WARN, FAILED: BAD, INTERRUPTED: BAD}
 
 COLUMNS = ["Job", "State", "Progress", "ETA", "GPUs", "Submitted"]

@@ -19,6 +19,7 @@ from rigpilot.engine.hardware.machine import Machine
 from rigpilot.engine.planner.cluster import DEFAULT_LINK, MAX_NODES, NODE_LINKS
 from rigpilot.engine.planner.explain import duration_text
 from rigpilot.engine.planner.plan import LoraSettings, Plan, Workload
+from rigpilot.engine.schema import Precision, TrainMethod
 
 GIB = 1024**3
 
@@ -34,8 +35,10 @@ MEMORY_PARTS: list[tuple[str, str]] = [
 ]
 
 TASKS = [("train", "Training"), ("infer", "Inference")]
-METHODS = [("full", "Full fine-tune"), ("lora", "LoRA"), ("qlora", "QLoRA (4-bit base)")]
-PRECISIONS = [("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32")]
+# The values are engine.schema's; the words and the order (most used first) are the Planner page's.
+METHODS = [(TrainMethod.FULL.value, "Full fine-tune"), (TrainMethod.LORA.value, "LoRA"),
+           (TrainMethod.QLORA.value, "QLoRA (4-bit base)")]  # fmt: skip
+PRECISIONS = [(p.value, p.value) for p in (Precision.BF16, Precision.FP16, Precision.FP32)]
 QUANTIZATION = [(16, "16-bit (the dtype)"), (8, "8-bit (LLM.int8)"), (4, "4-bit (NF4)")]
 OFFLOAD = [("auto", "Auto: only where nothing else fits"), ("on", "On: always"), ("off", "Off: never")]
 FORCE_TP_TEXT = "Allow tensor parallelism over slow links"

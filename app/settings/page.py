@@ -49,6 +49,7 @@ from rigpilot.app.tasks import run_in_background
 from rigpilot.app.widgets.palette import BAD
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.machine import is_simulated
+from rigpilot.engine.schema import UNFINISHED_STATES
 from rigpilot.engine.service.client import EngineUnavailable
 from rigpilot.engine.service.pins import pinned
 
@@ -414,7 +415,7 @@ class SettingsPage(QWidget):
         """Count the jobs a restart concerns, then ask; nothing happens unless the user agrees."""
         self.restart_button.setEnabled(False)
         self.link.call(
-            "jobs", states=["queued", "starting", "running"],
+            "jobs", states=[s.value for s in UNFINISHED_STATES],
             on_done=lambda r: self._confirm_then_restart(len(r.get("jobs") or [])),
             on_error=lambda _e: self._confirm_then_restart(None),
         )  # fmt: skip

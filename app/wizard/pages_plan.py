@@ -43,12 +43,13 @@ from rigpilot.app.wizard.plan_check import CheckResult, Overrides
 from rigpilot.app.wizard.state import INFER, INFER_BACKEND_CHOICES
 from rigpilot.engine.capability import why_not
 from rigpilot.engine.layout import DEGREE_RANGES, Layout
+from rigpilot.engine.schema import Checkpointing
 
 PIPELINE_SCHEDULES = [("1f1b", "1F1B"), ("gpipe", "GPipe")]  # as the planner writes them
 CHECKPOINTING = [
-    ("none", "none (fastest, most memory)"),
-    ("selective", "selective (recompute attention)"),
-    ("full", "full (recompute every layer: least memory)"),
+    (Checkpointing.NONE.value, "none (fastest, most memory)"),
+    (Checkpointing.SELECTIVE.value, "selective (recompute attention)"),
+    (Checkpointing.FULL.value, "full (recompute every layer: least memory)"),
 ]
 
 
