@@ -16,6 +16,7 @@ import numpy as np
 from rigpilot.app.jobs.model import duration
 from rigpilot.app.widgets.units import si
 from rigpilot.engine.capability import backend_words
+from rigpilot.engine.jobs.spec import SETTINGS
 from rigpilot.engine.service.store import COMPLETED
 
 # A rise this far above the best eval loss, held for the last RISING_EVALS evals, is flagged.
@@ -184,29 +185,17 @@ def _auto_class(architectures: list[str]) -> str:
 
 # -- comparing settings ------------------------------------------------------------------------------
 
-# (label, path in the spec); the settings a user compares runs by, in the order they read.
+# The settings a user compares runs by (keys in the spec), in the order they read; a declared setting is
+# labelled as engine.jobs.spec declares it, the rest here.
+COMPARED_KEYS = (
+    "kind", "model", "train.method", "train.dataset", "train.learning_rate", "train.max_steps", "train.warmup_steps",
+    "train.micro_batch", "train.grad_accum", "train.seq_len", "train.precision", "train.lora_rank", "train.lora_alpha",
+    "train.weight_decay", "train.activation_checkpointing", "train.seed", "gpus", "parallelism",
+    "infer.max_new_tokens", "infer.temperature", "infer.backend",
+)  # fmt: skip
+_NOT_SETTINGS = {"kind": "Kind", "model": "Model", "parallelism": "Layout"}
 COMPARED: list[tuple[str, tuple[str, ...]]] = [
-    ("Kind", ("kind",)),
-    ("Model", ("model",)),
-    ("Method", ("train", "method")),
-    ("Data", ("train", "dataset")),
-    ("Learning rate", ("train", "learning_rate")),
-    ("Steps", ("train", "max_steps")),
-    ("Warm-up steps", ("train", "warmup_steps")),
-    ("Micro-batch", ("train", "micro_batch")),
-    ("Gradient accumulation", ("train", "grad_accum")),
-    ("Sequence length", ("train", "seq_len")),
-    ("Precision", ("train", "precision")),
-    ("LoRA rank", ("train", "lora_rank")),
-    ("LoRA alpha", ("train", "lora_alpha")),
-    ("Weight decay", ("train", "weight_decay")),
-    ("Activation checkpointing", ("train", "activation_checkpointing")),
-    ("Seed", ("train", "seed")),
-    ("GPUs", ("gpus",)),
-    ("Layout", ("parallelism",)),
-    ("Max new tokens", ("infer", "max_new_tokens")),
-    ("Temperature", ("infer", "temperature")),
-    ("Backend", ("infer", "backend")),
+    (_NOT_SETTINGS.get(key) or SETTINGS[key].label, tuple(key.split("."))) for key in COMPARED_KEYS
 ]
 
 

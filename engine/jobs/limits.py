@@ -1,5 +1,6 @@
-"""The allowed range of every job setting: one table that the submission path checks and the GUI's
-fields are bounded by, so a value is refused once, at the edge, in one line naming the setting.
+"""The check of a whole job spec: each setting against its declared range or choices (engine.jobs.spec
+declares them, engine.schema words the refusal), strings, lists, paths and the environment against their
+sizes, so a value is refused once, at the edge, in one line naming the setting.
 
 The bounds are generous (far beyond any real job) but finite: a value past them is a typo or an
 attack, and left in it would fail late (an overflow deep in a worker) or never stop (10^30 steps).
@@ -13,17 +14,14 @@ from typing import Any
 
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import check_path_length
-from rigpilot.engine.jobs.spec import INFER_SETTINGS, JOB_SETTINGS, TRAIN_SETTINGS
-from rigpilot.engine.schema import Choice, Range, Setting
+from rigpilot.engine.jobs.spec import SETTINGS
+from rigpilot.engine.schema import Choice, Range
 
 PATH_MAX = 4096  # Linux's PATH_MAX: a longer path cannot name a file
 
-# setting (as "section.field") -> its declaration (engine.jobs.spec), for those with allowed values.
+# setting (as "section.field") -> its allowed values, from its declaration (engine.jobs.spec.SETTINGS).
 # Strings have a length bound instead. The parallel degrees and schedule are the Layout's own to check
 # (engine.layout), when one is made.
-SETTINGS: dict[str, Setting] = {
-    s.key: s for group in (TRAIN_SETTINGS, INFER_SETTINGS, JOB_SETTINGS) for s in group.values()
-}
 LIMITS: dict[str, Range | Choice] = {key: s.bound for key, s in SETTINGS.items() if s.bound is not None}
 STRING_MAX = {"name": 256, "train.text_field": 256, "infer.backend_reason": 1024}
 LIST_MAX = {"gpus": 4096, "train.dataset": 1024, "train.lora_targets": 1024, "infer.prompts": 100_000, "script": 10_000}

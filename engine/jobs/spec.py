@@ -186,3 +186,5 @@ class JobSpec:
 TRAIN_SETTINGS: dict[str, Setting] = declared(TrainSettings, "train")
 INFER_SETTINGS: dict[str, Setting] = declared(InferSettings, "infer")
 JOB_SETTINGS: dict[str, Setting] = declared(JobSpec)
+# Every declared setting by its key ("train.micro_batch", "max_restarts").
+SETTINGS: dict[str, Setting] = {s.key: s for g in (TRAIN_SETTINGS, INFER_SETTINGS, JOB_SETTINGS) for s in g.values()}
