@@ -134,7 +134,7 @@ class Setting:
     """One setting's declaration; `key`, `default` and `type` are filled in from the field it sits on."""
 
     label: str  # the app's words for it ("Micro-batch")
-    help: str  # one sentence, without the default (that is added from `default`)
+    help: str  # one sentence, the app's tooltip and the CLI's help, without the default (added from `default`)
     flags: tuple[str, ...] = ()  # its command-line flags, the first the one shown; none: not on the command line
     bound: Range | Choice | None = None
     unit: str = ""  # "tokens", "steps" ... ("" where it has none)
@@ -187,7 +187,7 @@ class Setting:
         shown = self.default_words
         if shown is None and self.default is not None and not isinstance(self.default, bool | list):
             shown = _num(self.default) if isinstance(self.default, int | float) else str(self.default)
-        return f"{self.help} (default {shown})" if shown else self.help
+        return f"{self.help.rstrip('.')} (default {shown})." if shown else self.help
 
 
 def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING,
@@ -336,7 +336,7 @@ def shown_value(s: Setting, value: Any) -> str:
 
 
 def setting_words(s: Setting, value: Any) -> str:
-    """"Warmup: 10 steps": a setting and its value, as a note or a difference between jobs names it."""
+    """ "Warmup: 10 steps": a setting and its value, as a note or a difference between jobs names it."""
     return f"{s.label}: {shown_value(s, value)}"
 
 

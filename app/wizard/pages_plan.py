@@ -42,8 +42,10 @@ from rigpilot.app.wizard.page_base import StepPage
 from rigpilot.app.wizard.plan_check import CheckResult, Overrides
 from rigpilot.app.wizard.state import INFER, INFER_BACKEND_CHOICES
 from rigpilot.engine.capability import why_not
+from rigpilot.engine.jobs.spec import INFER_SETTINGS, JOB_SETTINGS
+from rigpilot.engine.jobs.spec import TRAIN_SETTINGS as TRAIN
 from rigpilot.engine.layout import DEGREE_RANGES, Layout
-from rigpilot.engine.schema import Checkpointing
+from rigpilot.engine.schema import Checkpointing, Range, Setting
 
 PIPELINE_SCHEDULES = [("1f1b", "1F1B"), ("gpipe", "GPipe")]  # as the planner writes them
 CHECKPOINTING = [
@@ -51,6 +53,22 @@ CHECKPOINTING = [
     (Checkpointing.SELECTIVE.value, "selective (recompute attention)"),
     (Checkpointing.FULL.value, "full (recompute every layer: least memory)"),
 ]
+
+
+INT_MAX = 2**31 - 1  # a QSpinBox holds a C int
+
+
+def _setting_spin(name: str, s: Setting) -> QSpinBox:
+    """A spin box bounded as setting `s` is declared (within what a QSpinBox holds); 0 in its words."""
+    lo, hi = (int(s.bound.lo), int(s.bound.hi)) if isinstance(s.bound, Range) else (0, INT_MAX)
+    box = _spin(name, max(lo, -INT_MAX), min(hi, INT_MAX))
+    if s.zero_words and lo == 0:
+        box.setSpecialValueText(s.zero_words)
+    return box
+
+
+def _setting_row(form: QFormLayout, s: Setting, control: QWidget) -> QWidget:
+    return form_row(form, s.label, control, s.help)
 
 
 def _spin(name: str, low: int, high: int) -> QSpinBox:
@@ -357,88 +375,57 @@ class HyperPage(StepPage):
         super().__init__(wizard, "Hyper-parameters", "Sensible defaults are filled in; each says what it does.")
         t = QFormLayout()
         self.train_form = t
-        self.steps = _spin("steps", 1, 10_000_000)
+        self.steps = _setting_spin("steps", TRAIN["max_steps"])
         self.lr = QDoubleSpinBox()
         self.lr.setObjectName("learningRate")
         self.lr.setDecimals(6)
         self.lr.setRange(1e-6, 1.0)
         self.lr.setSingleStep(1e-4)
-        self.warmup = _spin("warmup", 0, 1_000_000)
-        self.micro = _spin("microBatch", 1, 4096)
-        self.accum = _spin("gradAccum", 1, 65_536)
-        self.seq_len = _spin("seqLen", 8, 1_048_576)
+        self.warmup = _setting_spin("warmup", TRAIN["warmup_steps"])
+        self.micro = _setting_spin("microBatch", TRAIN["micro_batch"])
+        self.accum = _setting_spin("gradAccum", TRAIN["grad_accum"])
+        self.seq_len = _setting_spin("seqLen", TRAIN["seq_len"])
         self.seq_len.setSingleStep(64)
-        self.lora_rank = _spin("loraRank", 1, 1024)
-        self.lora_alpha = _spin("loraAlpha", 1, 4096)
+        self.lora_rank = _setting_spin("loraRank", TRAIN["lora_rank"])
+        self.lora_alpha = _setting_spin("loraAlpha", TRAIN["lora_alpha"])
         self.lora_targets = QLineEdit()
         self.lora_targets.setObjectName("loraTargets")
         self.lora_targets.setPlaceholderText("q_proj,k_proj,v_proj,o_proj (empty: attention and MLP projections)")
-        self.checkpoint_every = _spin("checkpointEvery", 1, 10_000_000)
-        self.keep_checkpoints = _spin("keepCheckpoints", 0, 100_000)
-        self.keep_checkpoints.setSpecialValueText("all")
+        self.checkpoint_every = _setting_spin("checkpointEvery", TRAIN["checkpoint_every"])
+        self.keep_checkpoints = _setting_spin("keepCheckpoints", TRAIN["keep_checkpoints"])
         self.max_restarts = _spin("maxRestarts", -1, 100)
         self.max_restarts.setSpecialValueText("automatic")
         self.save_merged = QCheckBox("Also save the weights with the adapters merged in")
         self.save_merged.setObjectName("saveMerged")
         self.train_on_prompts = QCheckBox("Train on the prompts too")
         self.train_on_prompts.setObjectName("trainOnPrompts")
-        self.eval_every = _spin("evalEvery", 1, 10_000_000)
-        self.seed = _spin("seed", 0, 2**31 - 1)
-        form_row(t, "Steps", self.steps, "Optimizer updates to run; each sees one global batch of sequences.")
-        form_row(
-            t, "Learning rate", self.lr, "Peak step size after warm-up; LoRA takes larger rates than full training."
-        )
-        form_row(
-            t, "Warm-up steps", self.warmup, "Steps over which the rate rises from zero, so early updates stay small."
-        )
-        form_row(t, "Micro-batch", self.micro, "Sequences each GPU processes at once; the biggest lever on memory.")
-        form_row(
-            t,
-            "Gradient accumulation",
-            self.accum,
-            "Micro-batches summed before each update: a bigger batch for no memory.",
-        )
-        form_row(t, "Sequence length", self.seq_len, "Tokens per training sequence; memory grows with it.")
-        self.lora_rows = [
-            form_row(t, "LoRA rank", self.lora_rank, "Size of the adapter matrices: more capacity, more memory."),
-            form_row(t, "LoRA alpha", self.lora_alpha, "Scale of the adapters' update; twice the rank is common."),
-            form_row(
-                t, "LoRA targets", self.lora_targets, "Which linear layers get adapters (comma-separated names)."
-            ),
-            form_row(
-                t, "Merged weights", self.save_merged,
-                "Besides the adapter, a full model folder that loads without peft (as large as the model).",
-            ),
-        ]
-        form_row(
-            t,
-            "Checkpoint every",
-            self.checkpoint_every,
-            "Steps between checkpoints a failed or stopped job resumes from.",
-        )
-        form_row(
-            t, "Keep checkpoints", self.keep_checkpoints, "The newest this many stay on disk; older ones are deleted."
-        )
-        form_row(
-            t, "Restarts after a failure", self.max_restarts,
-            "When a rank fails, the job restarts itself from its newest checkpoint, leaving out a GPU that "
-            "reports a hardware fault, up to this many times in a row (0: never; automatic: 3 when the job "
-            "outlasts its checkpoint interval).",
-        )  # fmt: skip
+        self.eval_every = _setting_spin("evalEvery", TRAIN["eval_every"])
+        self.seed = _setting_spin("seed", TRAIN["seed"])
+        # Labels and explanations are the settings' declarations (engine.jobs.spec), as the CLI's help is.
+        for name, control in (("max_steps", self.steps), ("learning_rate", self.lr), ("warmup_steps", self.warmup),
+                              ("micro_batch", self.micro), ("grad_accum", self.accum), ("seq_len", self.seq_len)):
+            _setting_row(t, TRAIN[name], control)
+        self.lora_rows = [_setting_row(t, TRAIN[name], control) for name, control in (
+            ("lora_rank", self.lora_rank), ("lora_alpha", self.lora_alpha), ("lora_targets", self.lora_targets),
+            ("save_merged", self.save_merged))]
+        _setting_row(t, TRAIN["checkpoint_every"], self.checkpoint_every)
+        _setting_row(t, TRAIN["keep_checkpoints"], self.keep_checkpoints)
+        restarts = JOB_SETTINGS["max_restarts"]
+        form_row(t, restarts.label, self.max_restarts, f"{restarts.help} Automatic: {restarts.default_words}.")
         self.prompts_row = form_row(
             t,
             "Chat data",
             self.train_on_prompts,
             "Chat and instruction files: off, the loss covers the answers only (the usual way to fine-tune on them).",
         )
-        form_row(t, "Evaluate every", self.eval_every, "Steps between loss measurements on held-out data (5% of it).")
-        form_row(t, "Seed", self.seed, "Makes data order and initial weights repeatable.")
+        _setting_row(t, TRAIN["eval_every"], self.eval_every)
+        _setting_row(t, TRAIN["seed"], self.seed)
         self.train_box = QWidget()
         self.train_box.setLayout(t)
 
         i = QFormLayout()
-        self.new_tokens = _spin("maxNewTokens", 1, 1_000_000)
-        self.batch = _spin("inferBatch", 1, 65_536)
+        self.new_tokens = _setting_spin("maxNewTokens", INFER_SETTINGS["max_new_tokens"])
+        self.batch = _setting_spin("inferBatch", INFER_SETTINGS["batch_size"])
         self.context = _spin("context", 8, 1_048_576)
         self.temperature = QDoubleSpinBox()
         self.temperature.setObjectName("temperature")
@@ -448,22 +435,19 @@ class HyperPage(StepPage):
         self.top_p.setObjectName("topP")
         self.top_p.setRange(0.01, 1.0)
         self.top_p.setSingleStep(0.05)
-        self.infer_seed = _spin("inferSeed", 0, 2**31 - 1)
+        self.infer_seed = _setting_spin("inferSeed", INFER_SETTINGS["seed"])
         self.backend = QComboBox()
         self.backend.setObjectName("inferBackend")
         for key, text in INFER_BACKEND_CHOICES:
             self.backend.addItem(text, key)
-        form_row(i, "New tokens", self.new_tokens, "Tokens generated for each prompt at most.")
-        form_row(i, "Batch", self.batch, "Prompts generated together: faster, and more KV-cache memory.")
+        _setting_row(i, INFER_SETTINGS["max_new_tokens"], self.new_tokens)
+        _setting_row(i, INFER_SETTINGS["batch_size"], self.batch)
         form_row(i, "Context", self.context, "Prompt plus answer tokens the KV cache is planned for.")
-        form_row(i, "Temperature", self.temperature, "0 always picks the likeliest token; higher is more varied.")
-        form_row(i, "Top-p", self.top_p, "Sample only from the likeliest tokens covering this probability.")
-        form_row(i, "Seed", self.infer_seed, "Makes sampling repeatable.")
-        form_row(
-            i, "Engine", self.backend,
-            "vLLM where it is installed in the engine environment and the job fits it (real GPUs, one machine, "
-            "no data parallel); Rigpilot's own generator otherwise. The Review page says which one runs, and why.",
-        )  # fmt: skip
+        _setting_row(i, INFER_SETTINGS["temperature"], self.temperature)
+        _setting_row(i, INFER_SETTINGS["top_p"], self.top_p)
+        _setting_row(i, INFER_SETTINGS["seed"], self.infer_seed)
+        backend = INFER_SETTINGS["backend"]
+        form_row(i, backend.label, self.backend, f"{backend.help} The Review page says which one runs, and why.")
         self.infer_box = QWidget()
         self.infer_box.setLayout(i)
 

@@ -62,74 +62,215 @@ def gpu_indices(text: str) -> list[int]:
 # check, the socket's bounds and the app's labels, tooltips and command preview all come from it.
 @dataclass
 class TrainSettings:
-    dataset: list[str] = setting(default_factory=list, flags="--data", metavar="FILE", label="Training data",
-                                 help="training data (.txt, .jsonl, chat/instruction .jsonl); repeatable")
-    text_field: str = setting("text", label="Text field", help="the JSONL field that holds the text")
-    train_on_prompts: bool = setting(False, flags="--train-on-prompts", label="Train on prompts",
-                                     help="chat/instruction data: train on the prompts too, not only on the answers")
-    eval_fraction: float = setting(0.05, range=Range(0, 1, hi_open=True), label="Evaluation share",
-                                   help="the share of the data held out for evaluation")
-    method: str = setting(TrainMethod.FULL, flags="--method", choices=TrainMethod, label="Method",
-                          help="full fine-tune, LoRA, QLoRA (LoRA on a 4-bit NF4 base), or from scratch")
-    lora_rank: int = setting(16, range=Range(1, 65536), label="LoRA rank", help="the rank of the LoRA adapters")
-    lora_alpha: int = setting(32, range=Range(1, 2**20), label="LoRA alpha", help="the LoRA scaling numerator")
-    lora_dropout: float = setting(0.0, range=Range(0, 1, hi_open=True), label="LoRA dropout",
-                                  help="dropout on the LoRA adapters' input")
-    lora_targets: list[str] | None = setting(None, label="LoRA targets", default_words="attention and MLP projections",
-                                             help="the modules LoRA adapts")
-    precision: str = setting(Precision.BF16, flags="--precision", choices=Precision, label="Precision",
-                             help="mixed-precision compute dtype")
-    seq_len: int = setting(512, flags="--seq", range=Range(1, 2**21), metavar="TOKENS", unit="tokens",
-                           label="Sequence length", help="sequence length")
-    micro_batch: int = setting(1, flags="--micro-batch", range=Range(1, 2**16), metavar="N", unit="sequences",
-                               label="Micro-batch", help="sequences per rank per step")
-    grad_accum: int = setting(1, flags="--grad-accum", range=Range(1, 2**16), metavar="N", unit="micro-batches",
-                              label="Gradient accumulation", help="micro-batches per optimizer step")
-    max_steps: int = setting(100, flags="--steps", range=Range(1, MANY), metavar="N", unit="steps", label="Steps",
-                             help="optimizer steps")
-    learning_rate: float = setting(2e-4, flags="--lr", range=Range(0, 10, lo_open=True), metavar="RATE",
-                                   default_words="2e-4", label="Learning rate", help="peak learning rate")
-    warmup_steps: int = setting(10, range=Range(0, MANY), unit="steps", label="Warmup",
-                                help="steps over which the learning rate rises to its peak")
-    weight_decay: float = setting(0.0, range=Range(0, 10), label="Weight decay", help="AdamW's weight decay")
-    grad_clip: float = setting(1.0, range=Range(0, 10**6), label="Gradient clipping",
-                               help="the largest gradient norm; larger ones are scaled down")
+    dataset: list[str] = setting(
+        default_factory=list,
+        flags="--data",
+        metavar="FILE",
+        label="Training data",
+        help="Training data: .txt, .jsonl, chat or instruction .jsonl; repeatable.",
+    )
+    text_field: str = setting("text", label="Text field", help="The JSONL field that holds the text.")
+    train_on_prompts: bool = setting(
+        False,
+        flags="--train-on-prompts",
+        label="Train on prompts",
+        help="Chat and instruction data: train on the prompts too, not only on the answers.",
+    )
+    eval_fraction: float = setting(
+        0.05,
+        range=Range(0, 1, hi_open=True),
+        label="Evaluation share",
+        help="The share of the data held out for evaluation.",
+    )
+    method: str = setting(
+        TrainMethod.FULL,
+        flags="--method",
+        choices=TrainMethod,
+        label="Method",
+        help="Full fine-tune, LoRA, QLoRA (LoRA on a 4-bit NF4 base), or from scratch.",
+    )
+    lora_rank: int = setting(
+        16, range=Range(1, 65536), label="LoRA rank", help="Size of the adapter matrices: more capacity, more memory."
+    )
+    lora_alpha: int = setting(
+        32, range=Range(1, 2**20), label="LoRA alpha", help="Scale of the adapters' update; twice the rank is common."
+    )
+    lora_dropout: float = setting(
+        0.0, range=Range(0, 1, hi_open=True), label="LoRA dropout", help="Dropout on the LoRA adapters' input."
+    )
+    lora_targets: list[str] | None = setting(
+        None,
+        label="LoRA targets",
+        default_words="attention and MLP projections",
+        help="Which linear layers get adapters (comma-separated names).",
+    )
+    precision: str = setting(
+        Precision.BF16,
+        flags="--precision",
+        choices=Precision,
+        label="Precision",
+        help="The mixed-precision compute dtype.",
+    )
+    seq_len: int = setting(
+        512,
+        flags="--seq",
+        range=Range(1, 2**21),
+        metavar="TOKENS",
+        unit="tokens",
+        label="Sequence length",
+        help="Tokens per training sequence; memory grows with it.",
+    )
+    micro_batch: int = setting(
+        1,
+        flags="--micro-batch",
+        range=Range(1, 2**16),
+        metavar="N",
+        unit="sequences",
+        label="Micro-batch",
+        help="Sequences each GPU processes at once; the biggest lever on memory.",
+    )
+    grad_accum: int = setting(
+        1,
+        flags="--grad-accum",
+        range=Range(1, 2**16),
+        metavar="N",
+        unit="micro-batches",
+        label="Gradient accumulation",
+        help="Micro-batches summed before each update: a bigger batch for no memory.",
+    )
+    max_steps: int = setting(
+        100,
+        flags="--steps",
+        range=Range(1, MANY),
+        metavar="N",
+        unit="steps",
+        label="Steps",
+        help="Optimizer updates to run; each sees one global batch of sequences.",
+    )
+    learning_rate: float = setting(
+        2e-4,
+        flags="--lr",
+        range=Range(0, 10, lo_open=True),
+        metavar="RATE",
+        default_words="2e-4",
+        label="Learning rate",
+        help="Peak step size after warm-up; LoRA takes larger rates than full training.",
+    )
+    warmup_steps: int = setting(
+        10,
+        range=Range(0, MANY),
+        unit="steps",
+        label="Warm-up steps",
+        help="Steps over which the rate rises from zero, so early updates stay small.",
+    )
+    weight_decay: float = setting(0.0, range=Range(0, 10), label="Weight decay", help="AdamW's weight decay.")
+    grad_clip: float = setting(
+        1.0,
+        range=Range(0, 10**6),
+        label="Gradient clipping",
+        help="The largest gradient norm; larger ones are scaled down.",
+    )
     activation_checkpointing: str = setting(
-        Checkpointing.NONE, flags=("--activation-checkpointing", "--checkpointing"), choices=Checkpointing,
-        label="Activation checkpointing", help="activation checkpointing: recompute activations to save memory")
-    eval_every: int = setting(50, range=Range(0, MANY), unit="steps", label="Evaluate every",
-                              help="steps between evaluations (0: never)", zero_words="never")
-    checkpoint_every: int = setting(50, range=Range(0, MANY), unit="steps", label="Checkpoint every",
-                                    help="steps between checkpoints (0: never)", zero_words="never")
-    keep_checkpoints: int = setting(3, range=Range(0, 10**6), label="Keep checkpoints",
-                                    help="the newest this many checkpoints stay on disk (0: every one)", zero_words="all")
-    seed: int = setting(1234, flags="--seed", range=SEED, metavar="N", label="Seed", help="random seed")
-    save_merged: bool = setting(False, flags="--save-merged", label="Save merged weights",
-                                help="LoRA/QLoRA: also save the merged full weights")
+        Checkpointing.NONE,
+        flags=("--activation-checkpointing", "--checkpointing"),
+        choices=Checkpointing,
+        label="Activation checkpointing",
+        help="Recompute activations in the backward pass instead of keeping them: less memory, more compute.",
+    )
+    eval_every: int = setting(
+        50,
+        range=Range(0, MANY),
+        unit="steps",
+        label="Evaluate every",
+        help="Steps between loss measurements on held-out data (0: none).",
+        zero_words="never",
+    )
+    checkpoint_every: int = setting(
+        50,
+        range=Range(0, MANY),
+        unit="steps",
+        label="Checkpoint every",
+        help="Steps between checkpoints a failed or stopped job resumes from (0: none).",
+        zero_words="never",
+    )
+    keep_checkpoints: int = setting(
+        3,
+        range=Range(0, 10**6),
+        label="Keep checkpoints",
+        help="The newest this many stay on disk; older ones are deleted (0: all).",
+        zero_words="all",
+    )
+    seed: int = setting(
+        1234,
+        flags="--seed",
+        range=SEED,
+        metavar="N",
+        label="Seed",
+        help="Makes data order and initial weights repeatable.",
+    )
+    save_merged: bool = setting(
+        False,
+        flags="--save-merged",
+        label="Merged weights",
+        help="LoRA: besides the adapter, a full model folder that loads without peft (as large as the model).",
+    )
 
 
 @dataclass
 class InferSettings:
-    prompts_file: str | None = setting(None, flags="--prompts", metavar="FILE", label="Prompts file",
-                                       help='JSONL file with a "prompt" field per line')
-    prompts: list[str] = setting(default_factory=list, flags="--prompt", metavar="TEXT", label="Prompts",
-                                 help="a prompt; repeatable")
-    max_new_tokens: int = setting(64, flags="--max-new-tokens", range=Range(1, 2**21), metavar="N", unit="tokens",
-                                  label="New tokens", help="tokens to generate")
-    temperature: float = setting(0.0, flags="--temperature", range=Range(0, 100), metavar="T", default_words="0: greedy",
-                                 label="Temperature", help="sampling temperature")
-    top_p: float = setting(1.0, flags="--top-p", range=Range(0, 1, lo_open=True), metavar="P", label="Top-p",
-                           help="nucleus sampling: keep this share of probability")
-    batch_size: int = setting(8, range=Range(1, 4096), unit="prompts", label="Batch", help="prompts generated at once")
-    precision: str = setting(Precision.BF16, flags="--precision", choices=Precision, label="Precision",
-                             help="the weights' dtype")
-    seed: int = setting(1234, flags="--seed", range=SEED, metavar="N", label="Seed", help="sampling seed")
+    prompts_file: str | None = setting(
+        None,
+        flags="--prompts",
+        metavar="FILE",
+        label="Prompts file",
+        help='A JSONL file with a "prompt" field per line.',
+    )
+    prompts: list[str] = setting(
+        default_factory=list, flags="--prompt", metavar="TEXT", label="Prompts", help="A prompt; repeatable."
+    )
+    max_new_tokens: int = setting(
+        64,
+        flags="--max-new-tokens",
+        range=Range(1, 2**21),
+        metavar="N",
+        unit="tokens",
+        label="New tokens",
+        help="Tokens generated for each prompt at most.",
+    )
+    temperature: float = setting(
+        0.0,
+        flags="--temperature",
+        range=Range(0, 100),
+        metavar="T",
+        default_words="0: greedy",
+        label="Temperature",
+        help="0 always picks the likeliest token; higher is more varied.",
+    )
+    top_p: float = setting(
+        1.0,
+        flags="--top-p",
+        range=Range(0, 1, lo_open=True),
+        metavar="P",
+        label="Top-p",
+        help="Sample only from the likeliest tokens covering this probability.",
+    )
+    batch_size: int = setting(
+        8,
+        range=Range(1, 4096),
+        unit="prompts",
+        label="Batch",
+        help="Prompts generated together: faster, and more KV-cache memory.",
+    )
+    precision: str = setting(
+        Precision.BF16, flags="--precision", choices=Precision, label="Precision", help="The weights' dtype."
+    )
+    seed: int = setting(1234, flags="--seed", range=SEED, metavar="N", label="Seed", help="Makes sampling repeatable.")
     # The submission replaces "auto" with the backend it chose (engine.capability.choose_infer_backend), so
     # job.json says what runs.
     backend: str = setting(
         InferBackend.AUTO, flags="--backend", choices=InferBackend, label="Backend", default_words="auto: vLLM where it can run",
-        help="the generator: vllm where it is installed in the engine environment and the job fits it (real GPUs, "
-        "one node, no data parallel), else transformers, Rigpilot's own",
+        help="vLLM where it is installed in the engine environment and the job fits it (real GPUs, one machine, "
+        "no data parallel); Rigpilot's own generator (transformers) otherwise.",
     )  # fmt: skip
     backend_reason: str = ""  # written by the engine at submit: why this backend runs
 
@@ -138,11 +279,18 @@ class InferSettings:
 class JobSpec:
     id: str
     kind: JobKind
-    name: str = setting("", flags="--name", label="Name", help="a name to recognise the job by")
+    name: str = setting("", flags="--name", label="Name", help="A name to recognise the job by.")
     model: str | None = None  # preset, local folder, hub id or config.json (train from scratch)
     trust_remote_code: bool = False  # off unless the user turns it on for this job
-    gpus: list[int] = setting(default_factory=list, flags="--gpus", metavar="0,1", parse=gpu_indices, label="GPUs",
-                              help="GPU indices", default_words="all, or as many as the degrees need")
+    gpus: list[int] = setting(
+        default_factory=list,
+        flags="--gpus",
+        metavar="0,1",
+        parse=gpu_indices,
+        label="GPUs",
+        help="The machine's GPUs the job runs on.",
+        default_words="all, or as many as the degrees need",
+    )
     simulated: bool = True  # ranks run on the CPU with gloo, one per (simulated) GPU
     parallelism: Layout = field(default_factory=Layout)
     train: TrainSettings | None = None
@@ -152,8 +300,13 @@ class JobSpec:
     resume: bool = False  # continue from the newest complete checkpoint
     # Automatic restarts after a rank fails (engine.service.recovery); None: the default policy, 0: never.
     max_restarts: int | None = setting(
-        None, flags="--max-restarts", range=Range(0, 100), metavar="N", label="Restarts after a failure",
-        help="restart from the newest checkpoint after a rank fails, up to N times in a row (0: never)",
+        None,
+        flags="--max-restarts",
+        range=Range(0, 100),
+        metavar="N",
+        label="Restarts after a failure",
+        help="When a rank fails, the job restarts itself from its newest checkpoint, leaving out a GPU that reports "
+        "a hardware fault, up to this many times in a row (0: never).",
         default_words="3 for training longer than its checkpoint interval, else 0",
     )
     spec_version: int = SPEC_VERSION
