@@ -313,6 +313,6 @@ def test_the_exported_script_flags_are_rigpilot_run_trains_own(profile):
     for plan in [r for r in [result(profile).best, *result(profile).runners_up] if r is not None]:
         par = plan.parallelism
         args = build_parser().parse_args(["run", "train", "--model", "llama-2-7b", *script_args(plan)])
-        assert (args.micro_batch, args.grad_accum, args.checkpointing) == (par.micro_batch, par.grad_accum, par.checkpointing)
+        assert (args.micro_batch, args.grad_accum, args.activation_checkpointing) == (par.micro_batch, par.grad_accum, par.checkpointing)
         assert args.precision == plan.workload.precision and bool(args.cpu_offload) == par.offload
         assert (args.tp or 1, args.pp or 1) == (par.tp, par.pp)
