@@ -43,28 +43,6 @@ def positive_float(text: str) -> float:
     return v
 
 
-def non_negative_float(text: str) -> float:
-    v = _finite(text)
-    if v < 0:
-        raise argparse.ArgumentTypeError("must be 0 or more")
-    return v
-
-
-def probability(text: str) -> float:
-    """A fraction in (0, 1], such as top-p."""
-    v = _finite(text)
-    if not 0 < v <= 1:
-        raise argparse.ArgumentTypeError("must be greater than 0 and at most 1")
-    return v
-
-
-def seed(text: str) -> int:
-    v = _whole(text)
-    if not 0 <= v < 2**63:
-        raise argparse.ArgumentTypeError("must be between 0 and 2^63 - 1")
-    return v
-
-
 JSON_FILE_MAX = 64 << 20  # a plan or a calibration is kilobytes; far more is not one
 
 

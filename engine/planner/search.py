@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.machine import P2P, GpuPair, Machine, PciePath, short_gpu_name
 from rigpilot.engine.hardware.specs import match_spec
+from rigpilot.engine.jobs.spec import TRAIN_SETTINGS
 from rigpilot.engine.models.spec import ModelSpec
 from rigpilot.engine.planner.cluster import DEFAULT_LINK, Cluster, build_cluster, check_nodes, node_link
 from rigpilot.engine.planner.explain import explain, number_word
@@ -63,10 +64,10 @@ from rigpilot.engine.planner.speed import SpeedModel
 
 EXPORT_TARGETS = ("torchrun", "accelerate", "deepspeed", "slurm")
 OFFLOAD_CHOICES = ("auto", "on", "off")  # SearchOptions.offload
-MAX_SEQ = 2**21  # 2M tokens
+MAX_SEQ = int(TRAIN_SETTINGS["seq_len"].bound.hi)  # a job's own bound (2M tokens)
 MAX_BATCH = 2**20  # sequences per step
 MAX_TOKEN_BUDGET = 10**16
-MAX_LORA_RANK = 65536
+MAX_LORA_RANK = int(TRAIN_SETTINGS["lora_rank"].bound.hi)
 MAX_TP = 8
 
 
