@@ -98,7 +98,7 @@ class PlanPage(StepPage):
         self.dp = _spin("overrideDp", 1, 1024)
         self.tp = _spin("overrideTp", 1, 64)
         self.pp = _spin("overridePp", 1, DEGREE_RANGES["pp"][1])
-        self.micro = _spin("overrideMicroBatch", 1, 4096)
+        self.micro = _setting_spin("overrideMicroBatch", TRAIN["micro_batch"])
         self.checkpointing = QComboBox()
         self.checkpointing.setObjectName("overrideCheckpointing")
         for key, text in CHECKPOINTING:
