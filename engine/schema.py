@@ -274,7 +274,7 @@ def add_option(parser: argparse.ArgumentParser | Any, s: Setting, *, help: str |
         if s.parse is not None:
             kw["type"] = s.parse  # one word read whole (`--gpus 0,1`), not a repeated flag
         elif isinstance(s.bound, Choice):
-            kw["choices"] = s.bound.options
+            kw.update(choices=s.bound.options, type=_reader(s))  # a wrong one refused in the engine's words
         elif _number_kind(s) is not None:
             kw["type"] = _reader(s)
         elif _is_list(s):

@@ -128,7 +128,7 @@ def test_the_cli_flag_reaches_the_spec_and_refuses_unknown_values(capsys) -> Non
         cli_main(["run", "infer", "--model", "m", "--prompt", "hi", "--backend", "tensorrt"])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "invalid choice: 'tensorrt'" in err[0]
+    assert len(err) == 1 and "infer setting backend='tensorrt': must be one of auto, transformers, vllm" in err[0]
 
 
 # -- the submission -------------------------------------------------------------------------------------------

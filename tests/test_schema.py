@@ -158,7 +158,9 @@ def test_a_new_setting_needs_only_its_declaration(monkeypatch, capsys) -> None:
 
     args = build_parser().parse_args(["run", "train", "--model", "tiny", "--optimizer", "sgd"])
     assert commands.build_spec(args)["train"] == {"optimizer": "sgd"}
-    assert "--optimizer" in _refusal(capsys, ["run", "train", "--optimizer", "lion"])
+    assert "--optimizer: train setting optimizer='lion': must be one of adamw, sgd" in _refusal(
+        capsys, ["run", "train", "--optimizer", "lion"]
+    )
 
     spec = JobSpec(id="x", kind="train", train=_WithOptimizer(beta2=1.5))
     with pytest.raises(UserError) as caught:
