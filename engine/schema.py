@@ -42,6 +42,9 @@ class TrainMethod(StrEnum):
     SCRATCH = "scratch"  # a fresh model from a config.json
 
 
+ADAPTER_METHODS = (TrainMethod.LORA, TrainMethod.QLORA)  # train adapters on a frozen base
+
+
 class Checkpointing(StrEnum):
     """Activation checkpointing, in order of memory saved."""
 

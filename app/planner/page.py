@@ -78,6 +78,7 @@ from rigpilot.app.widgets.palette import BAD, GOOD
 from rigpilot.engine.hardware.machine import Machine
 from rigpilot.engine.hardware.simulated import list_profiles, load_profile
 from rigpilot.engine.planner.calibration import NOT_CALIBRATED
+from rigpilot.engine.schema import ADAPTER_METHODS
 
 TABLE_COLUMNS = ["#", "Plan", "Layout", "GPUs", "Speed", "Step", "To finish", "Fullest GPU", "Runs here"]
 RUNS_HERE_COLUMN = TABLE_COLUMNS.index("Runs here")
@@ -572,7 +573,7 @@ class PlannerPage(QWidget):
     # -- the form ------------------------------------------------------------------------------------
     def _task_changed(self) -> None:
         training = self.task.currentData() == "train"
-        lora = training and self.method.currentData() in ("lora", "qlora")
+        lora = training and self.method.currentData() in ADAPTER_METHODS
         rows = self.workload_form
         rows.setRowVisible(self.method, training)
         rows.setRowVisible(self.lora_rank, lora)

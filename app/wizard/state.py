@@ -29,7 +29,7 @@ from rigpilot.engine.jobs.spec import (
 )
 from rigpilot.engine.layout import Layout
 from rigpilot.engine.planner.plan import parallelism_from_dict
-from rigpilot.engine.schema import Setting, TrainMethod, flag_words, setting_words
+from rigpilot.engine.schema import ADAPTER_METHODS, InferBackend, Setting, flag_words, setting_words
 from rigpilot.engine.service.store import ACTIVE_STATES
 
 TINY_MODEL = "models/tiny-llama"
@@ -49,10 +49,10 @@ KIND_TITLES = {k: t for k, t, _ in KINDS}
 PLANNED_KINDS = (FINETUNE, SCRATCH, INFER)
 JOB_KIND = {FINETUNE: "train", SCRATCH: "train", SCRIPT: "script", INFER: "infer", CALIBRATE: "calibrate"}
 # (InferSettings.backend, the wizard's words for it): the Engine choice and the Review page
-INFER_BACKEND_CHOICES = (
-    ("auto", "Automatic: vLLM where it can run, else Rigpilot's own"),
-    ("transformers", "Rigpilot (transformers)"),
-    ("vllm", "vLLM"),
+INFER_BACKEND_CHOICES = (  # the values are engine.schema.InferBackend's; the words the wizard's
+    (InferBackend.AUTO.value, "Automatic: vLLM where it can run, else Rigpilot's own"),
+    (InferBackend.TRANSFORMERS.value, "Rigpilot (transformers)"),
+    (InferBackend.VLLM.value, "vLLM"),
 )
 SIMULATED_DEFAULT_GPUS = 2  # CPU ranks on a simulated machine: enough to show data parallelism, light on cores
 
@@ -102,7 +102,7 @@ class WizardState:
     @property
     def adapters(self) -> bool:
         """LoRA or QLoRA: only adapter matrices train, and they can be merged into the weights at the end."""
-        return self.training and self.train_method in ("lora", "qlora")
+        return self.training and self.train_method in ADAPTER_METHODS
 
     @property
     def precision(self) -> str:
@@ -438,7 +438,7 @@ def run_command(state: WizardState) -> str:
             extras.append("CPU offload (FSDP2: parameters, gradients and optimizer in host RAM)")
     if spec.kind == "train" and spec.train is not None:
         t = spec.train
-        lora = t.method in (TrainMethod.LORA, TrainMethod.QLORA)
+        lora = t.method in ADAPTER_METHODS
         _setting_words(TRAIN_SETTINGS, t, words, extras,
                        skip=() if lora else tuple(n for n in TRAIN_SETTINGS if n.startswith("lora_")))  # fmt: skip
     elif spec.kind == "infer" and spec.infer is not None:

@@ -38,6 +38,7 @@ from rigpilot.engine.models.spec import Linear, ModelSpec
 from rigpilot.engine.planner.links import Topology
 from rigpilot.engine.planner.model import LinearUse, ModelFacts, model_facts
 from rigpilot.engine.planner.plan import HostMemory, LoraSettings, MemoryBreakdown, Parallelism, Workload
+from rigpilot.engine.schema import ADAPTER_METHODS
 
 GIB = 1024**3
 MIB = 1024**2
@@ -120,7 +121,7 @@ def training_regime(method: str, precision: str, *, half_weights: bool) -> Regim
 def _trainable(m: ModelFacts, method: str, lora_rank: int, lora_targets: list[str] | str | None) -> Trainable:
     if method == "full":
         return Trainable(True, frozenset(), 0)
-    if method not in ("lora", "qlora"):
+    if method not in ADAPTER_METHODS:
         raise UserError(f"unknown method {method!r}; use full, lora or qlora")
     return Trainable(False, frozenset(m.resolve_targets(lora_targets)), lora_rank)
 

@@ -40,7 +40,7 @@ from rigpilot.engine.layout import Layout, accumulation_of_plan, schedule_name
 from rigpilot.engine.models.config_file import CONFIG_MAX
 from rigpilot.engine.planner.memory import fmt_gib
 from rigpilot.engine.planner.plan import Plan
-from rigpilot.engine.schema import Checkpointing, Precision
+from rigpilot.engine.schema import ADAPTER_METHODS, Checkpointing, Precision
 from rigpilot.engine.service.protocol import check_dataclass
 
 KINDS = ("train", "infer", "script", "calibrate")
@@ -176,7 +176,7 @@ def disk_need(spec: JobSpec, config: dict[str, Any]) -> tuple[int, str]:
     if spec.kind != "train" or t is None or params is None:
         return JOB_ROOM_BYTES, ""
     saved = 4 if t.method == "scratch" else _dtype_bytes(config)
-    if t.method in ("lora", "qlora"):
+    if t.method in ADAPTER_METHODS:
         adapters = _lora_params(config, t) or params // 100
         checkpoint, model = adapters * 12, adapters * 4 + (params * saved if t.save_merged else 0)
         what = ["a {} checkpoint of the adapters and their optimizer state", "the {} adapter"]
