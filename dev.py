@@ -9,6 +9,7 @@
     python3 dev.py lint --update-mypy-baseline  # write mypy's findings as the new baseline (it may only shrink)
     python3 dev.py test --help                  # test's own option, then pytest's (arguments go to pytest)
     python3 dev.py test --install-system-deps   # also install what the SLURM tests need (root, apt-get)
+    python3 dev.py test --fast                  # the inner loop: all but the tests marked slow
 
 Needs only python3 (>= 3.11) with its venv and ensurepip modules (Debian/Ubuntu: python3-venv).
 
@@ -250,13 +251,16 @@ ENABLEMENT_GLOBS = (
     "etc/systemd/system/*", "etc/systemd/user/*.wants/*", "etc/systemd/user/*.requires/*", "etc/systemd/user/*",
     "etc/rc?.d/S*",
 )  # fmt: skip
+FAST_FLAG = "--fast"
 TEST_HELP = f"""\
-python3 dev.py test [{INSTALL_FLAG}] [PYTEST ARGUMENTS]
+python3 dev.py test [{INSTALL_FLAG}] [{FAST_FLAG}] [PYTEST ARGUMENTS]
 
 Sets up .venv if needed (Python packages only, into {VENV}),
-lints (ruff, import-linter), then runs pytest with the arguments given: the whole suite when
+lints (ruff, import-linter, mypy: dev.py lint), then runs pytest with the arguments given: the whole suite when
 there are none.
 
+  {FAST_FLAG}                  the inner loop: leave out the tests marked slow (real jobs, .deb builds);
+                          CI and a last check before a commit run the whole suite
   {INSTALL_FLAG}   also install the system packages only the SLURM tests need
                           ({" ".join(p for packages, _ in TEST_SYSTEM_PACKAGES for p in packages)}) with apt-get, system-wide,
                           so as root. It says so first; their services are not started, and
@@ -280,6 +284,13 @@ def split_test_args(args: list[str]) -> tuple[bool, list[str]]:
     end = args.index("--") if "--" in args else len(args)
     own = [a for a in args[:end] if a == INSTALL_FLAG]
     return bool(own), [a for a in args[:end] if a != INSTALL_FLAG] + args[end:]
+
+
+def split_fast(args: list[str]) -> tuple[bool, list[str]]:
+    """dev.py test's --fast (before any "--"), and the rest: the inner loop leaves out the slow tests."""
+    end = args.index("--") if "--" in args else len(args)
+    fast = FAST_FLAG in args[:end]
+    return fast, [a for a in args[:end] if a != FAST_FLAG] + args[end:]
 
 
 def wants_help(pytest_args: list[str]) -> bool:
@@ -489,6 +500,9 @@ def pytest_workers(pytest_args: list[str]) -> list[str]:
 
 def cmd_test(args: list[str]) -> int:
     install_flag, args = split_test_args(args)
+    fast, args = split_fast(args)
+    if fast:
+        args = ["-m", "not slow", *args]
     if wants_help(args):  # dev.py's own option, then pytest's; nothing is installed for that
         print(TEST_HELP, flush=True)
         ensure_env()

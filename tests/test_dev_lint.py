@@ -62,3 +62,10 @@ def test_one_list_of_lint_paths_for_dev_py_ci_and_make():
 def test_lint_takes_only_its_own_option():
     done = subprocess.run([sys.executable, str(DEV_PY), "lint", "--bogus"], capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "unknown option --bogus" in done.stderr
+
+
+def test_fast_leaves_out_the_slow_tests_and_only_before_a_double_dash():
+    dev = load_dev()
+    assert dev.split_fast(["--fast", "-x", "tests/a.py"]) == (True, ["-x", "tests/a.py"])
+    assert dev.split_fast(["-x", "--", "--fast"]) == (False, ["-x", "--", "--fast"])
+    assert dev.split_fast([]) == (False, [])
