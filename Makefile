@@ -7,6 +7,6 @@ test:
 setup:
 	python3 dev.py setup
 lint:
-	.venv/bin/ruff check app engine tests benchmarks packaging examples rigpilot/__init__.py dev.py && .venv/bin/lint-imports
+	python3 dev.py lint
 bench:
 	.venv/bin/python benchmarks/telemetry_sample.py

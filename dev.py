@@ -5,8 +5,11 @@
     python3 dev.py test     # set up .venv if needed, then lint and run the whole test suite
                             # (one test process per core, up to 4; -n 1 for one)
     python3 dev.py setup    # only set up .venv
+    python3 dev.py lint     # ruff, import-linter and mypy (against mypy-baseline.txt), as test runs them first
+    python3 dev.py lint --update-mypy-baseline  # write mypy's findings as the new baseline (it may only shrink)
     python3 dev.py test --help                  # test's own option, then pytest's (arguments go to pytest)
     python3 dev.py test --install-system-deps   # also install what the SLURM tests need (root, apt-get)
+    python3 dev.py test --fast                  # the inner loop: all but the tests marked slow
 
 Needs only python3 (>= 3.11) with its venv and ensurepip modules (Debian/Ubuntu: python3-venv).
 
@@ -100,6 +103,14 @@ def torch_pin() -> str:
         if re.fullmatch(r"torch\s*==\s*[\w.+!]+", requirement.strip()):
             return requirement.replace(" ", "")
     sys.exit("pyproject.toml: the workers extra has no exact torch pin (torch==X.Y.Z) for dev.py to install.")
+
+
+def project_table(name: str) -> dict:
+    """A [tool.NAME] table of pyproject.toml."""
+    import tomllib  # not at the top: an older python3 must get as far as main's version message
+
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        return tomllib.load(f).get("tool", {}).get(name, {})
 
 
 def cuda_packages(report: dict) -> list[str]:
@@ -240,13 +251,16 @@ ENABLEMENT_GLOBS = (
     "etc/systemd/system/*", "etc/systemd/user/*.wants/*", "etc/systemd/user/*.requires/*", "etc/systemd/user/*",
     "etc/rc?.d/S*",
 )  # fmt: skip
+FAST_FLAG = "--fast"
 TEST_HELP = f"""\
-python3 dev.py test [{INSTALL_FLAG}] [PYTEST ARGUMENTS]
+python3 dev.py test [{INSTALL_FLAG}] [{FAST_FLAG}] [PYTEST ARGUMENTS]
 
 Sets up .venv if needed (Python packages only, into {VENV}),
-lints (ruff, import-linter), then runs pytest with the arguments given: the whole suite when
+lints (ruff, import-linter, mypy: dev.py lint), then runs pytest with the arguments given: the whole suite when
 there are none.
 
+  {FAST_FLAG}                  the inner loop: leave out the tests marked slow (real jobs, .deb builds);
+                          CI and a last check before a commit run the whole suite
   {INSTALL_FLAG}   also install the system packages only the SLURM tests need
                           ({" ".join(p for packages, _ in TEST_SYSTEM_PACKAGES for p in packages)}) with apt-get, system-wide,
                           so as root. It says so first; their services are not started, and
@@ -270,6 +284,13 @@ def split_test_args(args: list[str]) -> tuple[bool, list[str]]:
     end = args.index("--") if "--" in args else len(args)
     own = [a for a in args[:end] if a == INSTALL_FLAG]
     return bool(own), [a for a in args[:end] if a != INSTALL_FLAG] + args[end:]
+
+
+def split_fast(args: list[str]) -> tuple[bool, list[str]]:
+    """dev.py test's --fast (before any "--"), and the rest: the inner loop leaves out the slow tests."""
+    end = args.index("--") if "--" in args else len(args)
+    fast = FAST_FLAG in args[:end]
+    return fast, [a for a in args[:end] if a != FAST_FLAG] + args[end:]
 
 
 def wants_help(pytest_args: list[str]) -> bool:
@@ -479,6 +500,9 @@ def pytest_workers(pytest_args: list[str]) -> list[str]:
 
 def cmd_test(args: list[str]) -> int:
     install_flag, args = split_test_args(args)
+    fast, args = split_fast(args)
+    if fast:
+        args = ["-m", "not slow", *args]
     if wants_help(args):  # dev.py's own option, then pytest's; nothing is installed for that
         print(TEST_HELP, flush=True)
         ensure_env()
@@ -487,18 +511,80 @@ def cmd_test(args: list[str]) -> int:
     ensure_env()
     if why_not:
         print(f"note: the SLURM tests will skip: {why_not}", flush=True)
+    if rc := lint():
+        return rc
     env = {**os.environ, "QT_QPA_PLATFORM": os.environ.get("QT_QPA_PLATFORM", "offscreen")}
-    steps: list[list[str | Path]] = [
-        [venv_bin("ruff"), "check", "app", "engine", "tests", "benchmarks", "packaging", "examples", "rigpilot/__init__.py", "dev.py"],
-        [venv_bin("lint-imports")],
-        [venv_bin("python"), "-m", "pytest", *pytest_workers(args), *args],
-    ]
-    for command in steps:
-        print("+", " ".join(str(c) for c in command), flush=True)
-        rc = subprocess.run([str(c) for c in command], cwd=ROOT, env=env).returncode
-        if rc != 0:
-            return rc
+    return run_step([venv_bin("python"), "-m", "pytest", *pytest_workers(args), *args], env)
+
+
+def run_step(command: list[str | Path], env: Mapping[str, str] | None = None) -> int:
+    print("+", " ".join(str(c) for c in command), flush=True)
+    return subprocess.run([str(c) for c in command], cwd=ROOT, env=env).returncode
+
+
+MYPY_BASELINE = ROOT / "mypy-baseline.txt"
+_MYPY_ERROR = re.compile(r"^(?P<path>[^:\n]+):\d+(?::\d+)?: error: (?P<text>.*)$")
+
+
+def mypy_findings(output: str) -> list[str]:
+    """mypy's errors without their line numbers ("path: message  [code]"): an edit above one must not
+    make it new. Notes are left out; an error found twice in a file is listed twice."""
+    return sorted(f"{m['path']}: {m['text'].rstrip()}" for line in output.splitlines() if (m := _MYPY_ERROR.match(line)))
+
+
+def baseline_verdict(found: list[str], baseline: list[str]) -> tuple[list[str], list[str]]:
+    """(errors not in the baseline, baseline entries mypy no longer finds), each as often as it is over."""
+    from collections import Counter
+
+    have, known = Counter(found), Counter(baseline)
+    return sorted((have - known).elements()), sorted((known - have).elements())
+
+
+def mypy_check(update: bool = False) -> int:
+    """mypy over the installed `rigpilot` package against the committed baseline, which may only shrink:
+    a new error fails the lint; a baseline entry that is gone asks for the baseline to be rewritten."""
+    command = [venv_bin("mypy"), "-p", "rigpilot"]
+    print("+", " ".join(str(c) for c in command), flush=True)
+    done = subprocess.run([str(c) for c in command], cwd=ROOT, capture_output=True, text=True)
+    found = mypy_findings(done.stdout)
+    if done.returncode not in (0, 1) or (done.returncode == 1 and not found):
+        print(done.stdout + done.stderr, file=sys.stderr)
+        return done.returncode or 1
+    if update:
+        MYPY_BASELINE.write_text("".join(f"{line}\n" for line in found))
+        print(f"wrote {MYPY_BASELINE.name}: {len(found)} errors", flush=True)
+        return 0
+    baseline = MYPY_BASELINE.read_text().splitlines() if MYPY_BASELINE.exists() else []
+    new, gone = baseline_verdict(found, baseline)
+    for line in new:
+        print(line, file=sys.stderr)
+    if new:
+        print(f"mypy: {len(new)} error(s) not in {MYPY_BASELINE.name} (above): fix them; the baseline may only shrink",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return 1
+    if gone:
+        print(f"mypy: {len(gone)} error(s) of {MYPY_BASELINE.name} are fixed: shrink it with "
+              "'python3 dev.py lint --update-mypy-baseline'", file=sys.stderr, flush=True)  # fmt: skip
+        return 1
+    print(f"mypy: {len(found)} known errors (the baseline), none new", flush=True)
     return 0
+
+
+def lint(update_baseline: bool = False) -> int:
+    """ruff over the lint paths (pyproject.toml's [tool.rigpilot] lint-paths), import-linter, then mypy."""
+    paths = project_table("rigpilot").get("lint-paths") or sys.exit("pyproject.toml: [tool.rigpilot] has no lint-paths")
+    for command in ([venv_bin("ruff"), "check", *paths], [venv_bin("lint-imports")]):
+        if rc := run_step(command):
+            return rc
+    return mypy_check(update_baseline)
+
+
+def cmd_lint(args: list[str]) -> int:
+    unknown = [a for a in args if a != "--update-mypy-baseline"]
+    if unknown:
+        sys.exit(f"dev.py lint: unknown option {unknown[0]} (it takes only --update-mypy-baseline)")
+    ensure_env()
+    return lint(update_baseline=bool(args))
 
 
 def window_problem() -> str | None:
@@ -524,7 +610,7 @@ def cmd_app(args: list[str]) -> int:
 def main() -> int:
     if sys.version_info < (3, 11):  # noqa: UP036 -- dev.py may be started by an older system python3
         sys.exit(f"Rigpilot needs Python 3.11 or newer; this is {sys.version.split()[0]}.")
-    if len(sys.argv) < 2 or sys.argv[1] not in ("app", "test", "setup"):
+    if len(sys.argv) < 2 or sys.argv[1] not in ("app", "test", "setup", "lint"):
         print(__doc__.strip())
         return 0 if sys.argv[1:2] in (["-h"], ["--help"], ["help"]) else 2
     verb, rest = sys.argv[1], sys.argv[2:]
@@ -532,6 +618,8 @@ def main() -> int:
         if verb == "setup":
             ensure_env()
             return 0
+        if verb == "lint":
+            return cmd_lint(rest)
         return cmd_test(rest) if verb == "test" else cmd_app(rest)
     except KeyboardInterrupt:
         return 130

@@ -32,8 +32,9 @@ MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 @dataclass
 class DecoderParts:
     root: nn.Module  # the module whose parameter names are the model's names (a PeftModel or the HF model)
-    causal_lm: nn.Module  # the transformers *ForCausalLM
-    inner: nn.Module  # its decoder: embed_tokens, layers, norm, rotary_emb
+    # transformers' modules, whose children are reached by name (nn.Module types those as Tensor | Module).
+    causal_lm: Any  # the *ForCausalLM
+    inner: Any  # its decoder: embed_tokens, layers, norm, rotary_emb
     config: Any
 
     @property
@@ -46,13 +47,14 @@ def decoder_parts(root: nn.Module, what: str, types: tuple[str, ...] = PIPELINE_
 
     `types`: the model types `what` runs (engine.capability's tables).
     """
-    if isinstance(getattr(root, "parts", None), DecoderParts):  # already a pipeline stage
-        return root.parts
+    parts = getattr(root, "parts", None)
+    if isinstance(parts, DecoderParts):  # already a pipeline stage
+        return parts
     get_base = getattr(root, "get_base_model", None)
     causal_lm = get_base() if callable(get_base) else root
     config = getattr(causal_lm, "config", None)
     model_type = getattr(config, "model_type", type(causal_lm).__name__)
-    inner = getattr(causal_lm, "model", None)
+    inner: Any = getattr(causal_lm, "model", None)
     ok = (
         model_type in types
         and inner is not None
@@ -89,6 +91,8 @@ def stage_layer_ranges(num_layers: int, num_stages: int) -> list[tuple[int, int]
 
 class DecoderStage(nn.Module):
     """One pipeline stage: input ids or hidden states in; hidden states, or logits on the last stage, out."""
+
+    parts: DecoderParts
 
     def __init__(self, parts: DecoderParts, stage_index: int, num_stages: int) -> None:
         super().__init__()

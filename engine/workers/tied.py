@@ -25,6 +25,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from rigpilot.engine.workers.pipeline import DecoderStage
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The part of a (possibly FSDP-sharded) tensor this rank stores; in-place changes reach the tensor."""
@@ -38,7 +40,7 @@ class TiedAcrossStages:
     only the ranks of the first and last stage hold a copy, and only they act.
     """
 
-    def __init__(self, stage: nn.Module, mesh: DeviceMesh) -> None:
+    def __init__(self, stage: DecoderStage, mesh: DeviceMesh) -> None:
         ranks = mesh.mesh  # (pp, dp_replicate, dp_shard, tp): rank ids in mesh order
         firsts, lasts = ranks[0].flatten().tolist(), ranks[-1].flatten().tolist()
         me = dist.get_rank()
@@ -122,4 +124,4 @@ class TiedAcrossStages:
 
 def tied_across_stages(stage: nn.Module, mesh: DeviceMesh) -> TiedAcrossStages | None:
     """The pair to keep tied, or None when `stage` is not part of a pipeline of a tied model."""
-    return TiedAcrossStages(stage, mesh) if getattr(stage, "tied_across_stages", False) else None
+    return TiedAcrossStages(stage, mesh) if isinstance(stage, DecoderStage) and stage.tied_across_stages else None
