@@ -15,10 +15,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from rigpilot.engine import schema
 from rigpilot.engine.layout import Layout
-from rigpilot.engine.schema import InferBackend, TrainMethod
 
-TRAIN_METHODS = tuple(TrainMethod)
+TRAIN_METHODS = tuple(schema.TrainMethod)
 # The workers step with torch.optim.AdamW; a plan sized for another optimizer (8-bit AdamW, SGD)
 # would run with AdamW's larger state and need memory the plan did not count.
 TRAIN_OPTIMIZERS = ("adamw",)
@@ -101,7 +101,7 @@ def why_not(
 
 # "transformers": Rigpilot's own generator (engine.workers.infer), which runs every layout above.
 # "vllm": vLLM's offline LLM class (engine.workers.infer_vllm), where it is installed and the job fits it.
-INFER_BACKENDS = tuple(InferBackend)
+INFER_BACKENDS = tuple(schema.InferBackend)  # the names; `InferBackend` below is the one chosen
 # vLLM's SamplingParams takes temperatures in [0, 2] and raises one in (0, 0.01) to 0.01
 # (vllm/sampling_params.py: _MAX_TEMP and _verify_args).
 VLLM_MAX_TEMPERATURE = 2.0

@@ -158,6 +158,13 @@ class Setting:
         return self.flags[0] if self.flags else None
 
     @property
+    def hi(self) -> float:
+        """The largest value a number setting allows."""
+        if not isinstance(self.bound, Range):
+            raise TypeError(f"{self.key} is not a number with a range")
+        return self.bound.hi
+
+    @property
     def choices(self) -> tuple[str, ...] | None:
         return self.bound.options if isinstance(self.bound, Choice) else None
 

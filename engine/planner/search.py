@@ -64,10 +64,10 @@ from rigpilot.engine.planner.speed import SpeedModel
 
 EXPORT_TARGETS = ("torchrun", "accelerate", "deepspeed", "slurm")
 OFFLOAD_CHOICES = ("auto", "on", "off")  # SearchOptions.offload
-MAX_SEQ = int(TRAIN_SETTINGS["seq_len"].bound.hi)  # a job's own bound (2M tokens)
+MAX_SEQ = int(TRAIN_SETTINGS["seq_len"].hi)  # a job's own bound (2M tokens)
 MAX_BATCH = 2**20  # sequences per step
 MAX_TOKEN_BUDGET = 10**16
-MAX_LORA_RANK = int(TRAIN_SETTINGS["lora_rank"].bound.hi)
+MAX_LORA_RANK = int(TRAIN_SETTINGS["lora_rank"].hi)
 MAX_TP = 8
 
 
