@@ -214,7 +214,7 @@ def test_validation_errors():
     with pytest.raises(UserError) as unknown:
         search(LLAMA_7B, machine, train(precision="int3"))
     assert (unknown.value.reason, unknown.value.fields["setting"], unknown.value.fields["value"]) == (
-        "unknown_choice", "precision", "int3")
+        "not_a_choice", "precision", "int3")
     assert "bf16" in unknown.value.fields["choices"]
 
 

@@ -92,18 +92,18 @@ class SearchOptions:
 def validate_workload(w: Workload, spec: ModelSpec) -> None:
     if w.task not in TASKS:
         raise UserError(f"unknown task {w.task!r}; use train or infer",
-                        reason="unknown_choice", setting="task", value=w.task, choices=list(TASKS))  # fmt: skip
+                        reason="not_a_choice", setting="task", value=w.task, choices=list(TASKS))  # fmt: skip
     if w.method not in METHODS:
         raise UserError(f"unknown method {w.method!r}; use full, lora or qlora",
-                        reason="unknown_choice", setting="method", value=w.method, choices=list(METHODS))  # fmt: skip
+                        reason="not_a_choice", setting="method", value=w.method, choices=list(METHODS))  # fmt: skip
     if w.task == "infer" and w.method != "full":
         raise UserError(f"--method {w.method} is a way to train; for quantized inference use --quant int8 or --quant 4bit")
     if w.precision not in PRECISIONS:
         raise UserError(f"unknown dtype {w.precision!r}; use bf16, fp16 or fp32",
-                        reason="unknown_choice", setting="precision", value=w.precision, choices=list(PRECISIONS))  # fmt: skip
+                        reason="not_a_choice", setting="precision", value=w.precision, choices=list(PRECISIONS))  # fmt: skip
     if w.optimizer not in OPTIMIZERS:
         raise UserError(f"unknown optimizer {w.optimizer!r}; use {', '.join(OPTIMIZERS)}",
-                        reason="unknown_choice", setting="optimizer", value=w.optimizer, choices=list(OPTIMIZERS))  # fmt: skip
+                        reason="not_a_choice", setting="optimizer", value=w.optimizer, choices=list(OPTIMIZERS))  # fmt: skip
     if w.weight_bits not in WEIGHT_BITS:
         raise UserError(f"weights can be 16, 8 or 4 bits, not {w.weight_bits}")
     if w.training and w.weight_bits != 16:
