@@ -43,6 +43,7 @@ class TrainMethod(StrEnum):
 
 
 ADAPTER_METHODS = (TrainMethod.LORA, TrainMethod.QLORA)  # train adapters on a frozen base
+FINE_TUNE_METHODS = (TrainMethod.FULL, *ADAPTER_METHODS)  # from pretrained weights: all but scratch
 
 
 class Checkpointing(StrEnum):

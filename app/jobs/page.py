@@ -49,6 +49,7 @@ from rigpilot.app.jobs.model import (
     JobListModel,
 )
 from rigpilot.app.jobs.outcome import model_of, settings_of
+from rigpilot.engine.schema import FINE_TUNE_METHODS
 
 CONNECTED = "connected"  # EngineLink's state name
 REFRESH_MS = 500
@@ -348,7 +349,7 @@ class JobsPage(QWidget):
         settings = settings_of(handle.record)
         train = dict(settings.get("train") or {}) if settings.get("kind") == "train" else {}
         # A model trained from scratch is fine-tuned like any pretrained one; its data comes along.
-        if train.get("method") not in ("full", "lora", "qlora"):
+        if train.get("method") not in FINE_TUNE_METHODS:
             train["method"] = "lora"
         gpus = list(handle.record.get("gpus") or [])
         self._open_wizard({"spec_version": 1, "kind": "train", "model": model, "gpus": gpus, "train": train})

@@ -29,7 +29,7 @@ from rigpilot.engine.jobs.spec import (
 )
 from rigpilot.engine.layout import Layout
 from rigpilot.engine.planner.plan import parallelism_from_dict
-from rigpilot.engine.schema import ADAPTER_METHODS, InferBackend, Setting, flag_words, setting_words
+from rigpilot.engine.schema import ADAPTER_METHODS, FINE_TUNE_METHODS, InferBackend, Setting, flag_words, setting_words
 from rigpilot.engine.service.store import ACTIVE_STATES
 
 TINY_MODEL = "models/tiny-llama"
@@ -327,7 +327,7 @@ def state_from_spec(spec: dict[str, Any], plan: dict[str, Any] | None = None) ->
     if s.kind == "train":
         t = s.train or TrainSettings()
         state.kind = SCRATCH if t.method == "scratch" else FINETUNE
-        state.method = t.method if t.method in ("full", "lora", "qlora") else "lora"
+        state.method = t.method if t.method in FINE_TUNE_METHODS else "lora"
         state.dataset, state.text_field = list(t.dataset), t.text_field
         state.train = dataclasses.replace(t)
         dp = s.parallelism.dp_replicate * s.parallelism.dp_shard
@@ -371,7 +371,7 @@ def state_from_plan(plan: dict[str, Any], base: WizardState | None = None) -> Wi
         # From scratch only when the plan is for the configuration the last scratch run used.
         same_config = base is not None and base.kind == SCRATCH and base.planning_model() == w["model"]
         state.kind = SCRATCH if same_config else FINETUNE
-        state.method = w["method"] if w["method"] in ("full", "lora", "qlora") else "full"
+        state.method = w["method"] if w["method"] in FINE_TUNE_METHODS else "full"
         if state.kind == SCRATCH and state.method != "full":
             state.kind = FINETUNE
         state.global_batch = w["global_batch"]

@@ -38,7 +38,7 @@ from rigpilot.engine.models.spec import Linear, ModelSpec
 from rigpilot.engine.planner.links import Topology
 from rigpilot.engine.planner.model import LinearUse, ModelFacts, model_facts
 from rigpilot.engine.planner.plan import HostMemory, LoraSettings, MemoryBreakdown, Parallelism, Workload
-from rigpilot.engine.schema import ADAPTER_METHODS
+from rigpilot.engine.schema import ADAPTER_METHODS, Precision
 
 GIB = 1024**3
 MIB = 1024**2
@@ -84,9 +84,9 @@ def parse_precision(precision: str) -> tuple[str, bool]:
     """('bf16', False) for mixed precision with fp32 weights; ('bf16', True) when weights are held in bf16."""
     p = precision.strip().lower().replace("_", "-")
     pure = p.endswith(("-true", "-pure")) or p.startswith("pure-")
-    for dtype in ("bf16", "fp16", "fp32"):
-        if dtype in p or (dtype == "fp32" and p in ("32", "float32", "float")):
-            return dtype, pure and dtype != "fp32"
+    for dtype in Precision:
+        if dtype in p or (dtype == Precision.FP32 and p in ("32", "float32", "float")):
+            return dtype.value, pure and dtype != Precision.FP32
     aliases = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "16-mixed": "fp16", "bf16-mixed": "bf16"}
     if p in aliases:
         return aliases[p], False
