@@ -12,7 +12,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from html import escape
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
 from PySide6.QtCore import QSettings, Qt, QTimer
 from PySide6.QtGui import QAction, QCloseEvent, QIcon, QKeySequence, QPaintEvent
@@ -43,6 +43,13 @@ from rigpilot.app.widgets.window_size import first_size, keep_on_screen
 from rigpilot.engine.hardware.machine import is_simulated
 from rigpilot.engine.schema import UNFINISHED_STATES
 from rigpilot.engine.service.protocol import JOB_DATABASE_REBUILT, JOBS_PUT_BACK, TELEMETRY_RESET
+
+if TYPE_CHECKING:  # the pages are imported when first shown (start-up time); their types are for mypy only
+    from rigpilot.app.dashboard.page import DashboardPage
+    from rigpilot.app.jobs.page import JobsPage
+    from rigpilot.app.planner.page import PlannerPage
+    from rigpilot.app.settings.page import SettingsPage
+    from rigpilot.app.topology.page import TopologyPage
 
 # (key, title, "module:Class"): each page lives in its own folder and is built with the EngineLink.
 PAGES: list[tuple[str, str, str]] = [
@@ -78,6 +85,19 @@ class Pages(Mapping[str, QWidget]):
     def __init__(self, build: Callable[[str], QWidget]):
         self._build = build
         self.built: dict[str, QWidget] = {}  # in the order they were built
+
+    @overload
+    def __getitem__(self, key: Literal["dashboard"]) -> DashboardPage: ...
+    @overload
+    def __getitem__(self, key: Literal["topology"]) -> TopologyPage: ...
+    @overload
+    def __getitem__(self, key: Literal["planner"]) -> PlannerPage: ...
+    @overload
+    def __getitem__(self, key: Literal["jobs"]) -> JobsPage: ...
+    @overload
+    def __getitem__(self, key: Literal["settings"]) -> SettingsPage: ...
+    @overload
+    def __getitem__(self, key: str) -> QWidget: ...
 
     def __getitem__(self, key: str) -> QWidget:
         page = self.built.get(key)
@@ -145,7 +165,9 @@ class MainWindow(QMainWindow):
         # event loop, see _build_next_page), or at once when the user asks for one first.
         self.pages = Pages(self._build_page)
         for key, title, _ in PAGES:
-            self.stack.addWidget(QWidget(objectName=f"placeholder-{key}"))
+            placeholder = QWidget()
+            placeholder.setObjectName(f"placeholder-{key}")
+            self.stack.addWidget(placeholder)
             item = QListWidgetItem(title)
             item.setData(Qt.ItemDataRole.UserRole, key)
             self.nav.addItem(item)
@@ -212,7 +234,8 @@ class MainWindow(QMainWindow):
         self._restore()
         self.link.start()
         # The job list is not pushed on connect; ask once connected, and again after each reconnect.
-        self._refresh_jobs_timer = QTimer(self, singleShot=True, interval=0, timeout=self._refresh_jobs)
+        self._refresh_jobs_timer = QTimer(self, singleShot=True, interval=0)
+        self._refresh_jobs_timer.timeout.connect(self._refresh_jobs)
 
     # -- pages ----------------------------------------------------------------------
     def _build_page(self, key: str) -> QWidget:
@@ -221,15 +244,18 @@ class MainWindow(QMainWindow):
         page.setObjectName(f"page-{key}")
         placeholder = self.stack.widget(index)
         self.stack.insertWidget(index, page)
-        self.stack.removeWidget(placeholder)
-        placeholder.deleteLater()
+        if placeholder is not None:
+            self.stack.removeWidget(placeholder)
+            placeholder.deleteLater()
         # One list of imported machines for the two pages that show them; "Plan for this machine" opens the Planner.
         if key == "planner":
-            page.use_machines(self.pages["topology"].machines)
+            cast("PlannerPage", page).use_machines(self.pages["topology"].machines)
         elif key == "topology":
-            page.sig_plan_for_machine.connect(lambda k: self.show_page("planner").select_machine(k, plan=True))
+            cast("TopologyPage", page).sig_plan_for_machine.connect(
+                lambda k: self.show_page("planner").select_machine(k, plan=True)
+            )
         elif key == "jobs":
-            page.sig_plan_model.connect(self.plan_model)  # "Plan from this model" opens the Planner
+            cast("JobsPage", page).sig_plan_model.connect(self.plan_model)  # "Plan from this model" opens the Planner
         restore = getattr(page, "restore_state", None)
         if restore is not None:
             restore(self.settings, f"pages/{key}")
@@ -254,6 +280,19 @@ class MainWindow(QMainWindow):
             self.stack.setCurrentIndex(row)
 
     # -- navigation -----------------------------------------------------------------
+    @overload
+    def show_page(self, key: Literal["dashboard"]) -> DashboardPage: ...
+    @overload
+    def show_page(self, key: Literal["topology"]) -> TopologyPage: ...
+    @overload
+    def show_page(self, key: Literal["planner"]) -> PlannerPage: ...
+    @overload
+    def show_page(self, key: Literal["jobs"]) -> JobsPage: ...
+    @overload
+    def show_page(self, key: Literal["settings"]) -> SettingsPage: ...
+    @overload
+    def show_page(self, key: str) -> QWidget: ...
+
     def show_page(self, key: str) -> QWidget:
         keys = [k for k, _, _ in PAGES]
         self.nav.setCurrentRow(keys.index(key))

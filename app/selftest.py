@@ -105,7 +105,7 @@ def _run(folder: Path, start: float) -> str:
     window = MainWindow()
     try:
         window.show()
-        seen = {"machine": None, "telemetry": 0}
+        seen: dict[str, Any] = {"machine": None, "telemetry": 0}
         window.link.sig_machine.connect(lambda m: seen.update(machine=m.get("label")))
         window.link.sig_telemetry.connect(lambda _: seen.update(telemetry=seen["telemetry"] + 1))
         wait(lambda: window.link.state == CONNECTED, "connection to the engine service")

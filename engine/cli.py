@@ -33,8 +33,9 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
-def _machine_options() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(add_help=False)
+# The parents are _Parser too: add_parser(parents=...) takes parsers of the subparsers' own class.
+def _machine_options() -> _Parser:
+    p = _Parser(add_help=False)
     g = p.add_argument_group("machine")
     g.add_argument("--simulate", metavar="PROFILE", help="use a simulated machine (see 'rigpilot profiles')")
     g.add_argument(
@@ -45,8 +46,8 @@ def _machine_options() -> argparse.ArgumentParser:
     return p
 
 
-def _json_option() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(add_help=False)
+def _json_option() -> _Parser:
+    p = _Parser(add_help=False)
     p.add_argument("--json", action="store_true", help="print JSON (schema in docs/cli-json.md)")
     return p
 

@@ -27,7 +27,8 @@ _HIDDEN_DROPOUT_KEYS = ("hidden_dropout", "resid_pdrop", "hidden_dropout_prob", 
 
 def apply_runtime_facts(spec: ModelSpec, config: Mapping[str, Any]) -> ModelSpec:
     """Fill `spec`'s attention-implementation, soft-capping, window and dropout fields from `config`."""
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    nested = config.get("text_config")  # a multimodal config keeps its language model's facts here
+    text: Mapping[str, Any] = nested if isinstance(nested, dict) else config
     model_type = str(text.get("model_type") or config.get("model_type") or "")
     spec.attn_eager = model_type in EAGER_ATTENTION_TYPES
     spec.attn_softcap = _positive(text.get("attn_logit_softcapping"))

@@ -133,7 +133,7 @@ def after_failure(
     if outcome.get("state") != FAILED or rec.max_restarts <= 0:
         return outcome
     cause = outcome.get("exit_reason") or "the job failed"
-    error = outcome.get("error") if isinstance(outcome.get("error"), dict) else {}
+    error = _dict(outcome.get("error"))
     said = {e.get("error") for e in errors if e.get("run", rec.run) == rec.run}  # not an earlier run's
     if error.get("error") == "out_of_memory":
         return _not_restarted(outcome, "out of memory would recur under the same plan")
@@ -154,6 +154,11 @@ def after_failure(
 MIN_ROOM_BYTES = 16 << 20
 
 
+def _dict(value: object) -> dict[str, Any]:
+    """`value` if it is a dict, else an empty one: a record's error or an outcome read back from JSON may be neither."""
+    return value if isinstance(value, dict) else {}
+
+
 def room_needed(error: dict[str, Any]) -> int:
     """The free bytes a job that failed on a full disk (`error`: its error record) waits for before it restarts."""
     needed = error.get("needed_bytes")
@@ -162,7 +167,7 @@ def room_needed(error: dict[str, Any]) -> int:
 
 def waits_for_space(rec: JobRecord) -> bool:
     """A job that failed on a full disk and restarts by itself once there is room."""
-    error = rec.error if isinstance(rec.error, dict) else {}
+    error = _dict(rec.error)
     return (
         rec.state == FAILED and error.get("error") == "disk_full" and rec.resumable
         and rec.max_restarts > restarts_in_a_row(rec)
@@ -179,8 +184,9 @@ def restart_when_space_returns(
     from_step: int | None,
 ) -> dict[str, Any] | None:
     """The record's changes that queue a disk-full job (`waits_for_space`) again, once its folder has room; else None."""
-    error = rec.error if isinstance(rec.error, dict) else {}
-    folder = error.get("folder") if isinstance(error.get("folder"), str) else str(job_dir)
+    error = _dict(rec.error)
+    named = error.get("folder")
+    folder = named if isinstance(named, str) else str(job_dir)
     free = free_bytes(folder)
     if free is None or free < room_needed(error):
         return None

@@ -250,12 +250,14 @@ class Supervisor(Protocol):
     module: naming that class here would make the two import each other)."""
 
     store: JobStore
-    max_cpu_ranks: int
     slurm_states: dict[str | None, tuple[float, dict[str, Any]]]
     _runs: dict[str, Run]
     _queue_dirty: bool
     _on_job: Callable[[dict[str, Any]], None]
     _on_metrics: Callable[[str], None]
+
+    @property
+    def max_cpu_ranks(self) -> int: ...  # read-only: the supervisor's is a property
 
     def job_dir(self, job_id: str) -> Path: ...
     def view(self, rec: JobRecord, *, detail: bool = True) -> dict[str, Any]: ...

@@ -1031,7 +1031,7 @@ def _trained_every_step(rec: JobRecord, run: Run) -> bool:
     """A training job whose ranks reported its last step: what is left (the final checkpoint, the evaluation,
     the model) finishes the job, and a cancel now would only cut that short."""
     max_steps = run.summary.max_steps
-    return rec.kind == "train" and run.stepped and bool(max_steps) and (run.summary.step or 0) >= max_steps
+    return rec.kind == "train" and run.stepped and max_steps is not None and max_steps > 0 and (run.summary.step or 0) >= max_steps
 
 
 def _free_port() -> int:
