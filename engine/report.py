@@ -35,7 +35,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 METRICS_DIR_ENV = "RIGPILOT_METRICS_DIR"
 RUN_ENV = "RIGPILOT_RUN"
@@ -70,7 +70,7 @@ def report(step: int | None = None, **values: float | int | str | bool | None) -
     path = _target()
     if path is None:
         return
-    record = {"time": time.time(), "rank": _rank(), "run": _run(), "step": step}
+    record: dict[str, Any] = {"time": time.time(), "rank": _rank(), "run": _run(), "step": step}
     # JSON has no NaN/inf: send them as null and keep a marker so charts can show a gap.
     for k, v in values.items():
         if isinstance(v, float) and not math.isfinite(v):

@@ -95,7 +95,7 @@ def gpus_table(machine: Machine, sample: TelemetrySample) -> str:
         for i, p in procs:
             lines.append(f"{i:>5}  {p.pid:>8}  {(p.user or NA):<10}  {_mib(p.used_memory):>10}  {p.command or NA}")
     elif all(s.processes is None for s in sample.gpus):
-        reasons = {s.unavailable.get("processes") for s in sample.gpus} - {None}
+        reasons = {r for s in sample.gpus if (r := s.unavailable.get("processes")) is not None}
         lines.append(f"  {NA} ({', '.join(sorted(reasons))})" if reasons else f"  {NA}")
     else:
         lines.append("  No running processes found")

@@ -168,25 +168,28 @@ class DashboardModel:
 
     def series(self, metric: str, seconds: float | None) -> tuple[np.ndarray, np.ndarray]:
         """Times and one row per GPU of `metric` for the last `seconds` (None: everything held)."""
-        if self.history is None or not len(self.history):
+        last = self.last_time
+        if self.history is None or not len(self.history) or last is None:
             return np.empty(0), np.empty((len(self.gpu_indices), 0))
-        since = None if seconds is None else self.history.last_time - seconds
+        since = None if seconds is None else last - seconds
         return self.history.window(since, self.columns(metric))
 
     def gpu_series(self, index: int, metrics: list[str], seconds: float) -> tuple[np.ndarray, np.ndarray]:
         """One GPU's `metrics` over the last `seconds` (for a card's sparklines)."""
-        if self.history is None or not len(self.history) or index not in self.gpu_indices:
+        last = self.last_time
+        if self.history is None or not len(self.history) or last is None or index not in self.gpu_indices:
             return np.empty(0), np.empty((len(metrics), 0))
         i = self.gpu_indices.index(index)
         n = len(self.gpu_indices)
         cols = [METRICS.index(METRIC_BY_KEY[m]) * n + i for m in metrics]
-        return self.history.window(self.history.last_time - seconds, cols)
+        return self.history.window(last - seconds, cols)
 
     def host_series(self, seconds: float) -> tuple[np.ndarray, np.ndarray]:
-        if self.history is None or not len(self.history):
+        last = self.last_time
+        if self.history is None or not len(self.history) or last is None:
             return np.empty(0), np.empty((2, 0))
         return self.history.window(
-            self.history.last_time - seconds, [self.host_column(HOST_CPU), self.host_column(HOST_MEMORY)]
+            last - seconds, [self.host_column(HOST_CPU), self.host_column(HOST_MEMORY)]
         )
 
     def unavailable(self, index: int, field: str) -> str | None:
@@ -230,5 +233,5 @@ class DashboardModel:
         """Why no GPU lists its processes, when none does."""
         if not self.latest or any(g.get("processes") is not None for g in self.latest.values()):
             return None
-        reasons = {(g.get("unavailable") or {}).get("processes") for g in self.latest.values()} - {None}
+        reasons = {r for g in self.latest.values() if (r := (g.get("unavailable") or {}).get("processes")) is not None}
         return ", ".join(sorted(reasons)) or "not reported yet"

@@ -503,6 +503,8 @@ class EngineEnvDialog(QDialog):
     def _discard_process(self) -> None:
         # Disconnect first: a signal the finished process still has queued must not reach a deleted sender.
         process, self.process = self.process, None
+        if process is None:
+            return
         for sig in (process.readyReadStandardOutput, process.readyReadStandardError, process.finished,
                     process.errorOccurred):
             with contextlib.suppress(RuntimeError, TypeError):

@@ -380,6 +380,8 @@ class JobCharts(QWidget):
 
     def _show_compare_in_legend(self, name: str) -> None:
         legend = self.loss.legend
+        if legend is None:  # None until add_legend, which the loss chart calls when it is built
+            return
         legend.removeItem(self.compare_raw)
         legend.removeItem(self.compare_ema)
         if name:

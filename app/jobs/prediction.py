@@ -69,7 +69,8 @@ class PredictionTable(QTableWidget):
     ) -> None:
         """`simulated`: the job's ranks run on the CPU in place of a simulated machine's GPUs."""
         headers = SIMULATED_COLUMNS if simulated else COLUMNS
-        if self.horizontalHeaderItem(0) is None or self.horizontalHeaderItem(0).text() != headers[0]:
+        header = self.horizontalHeaderItem(0)
+        if header is None or header.text() != headers[0]:
             self.setHorizontalHeaderLabels(headers)
         self.setToolTip(SIMULATED_NOTE if simulated else "")
         for row, (key, title) in enumerate(ROWS):
@@ -78,6 +79,7 @@ class PredictionTable(QTableWidget):
             got = measured.get(key)
             ratio = _ratio(got, plan, simulated)
             cells = [_format(key, plan), _format(key, got), ratio]
+            first: QTableWidgetItem | None = None
             for col, text in enumerate(cells):
                 item = self.item(row, col)
                 if item is None:
@@ -85,13 +87,18 @@ class PredictionTable(QTableWidget):
                     item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
                     self.setItem(row, col, item)
                 item.setText(text)
+                if col == 0:
+                    first = item
+            if first is None:
+                continue
             if predicted is None:
-                self.item(row, 0).setToolTip("No plan was attached to this job")
+                first.setToolTip("No plan was attached to this job")
             elif simulated:
-                self.item(row, 0).setToolTip(f"{title} the planner predicted for real GPUs; {SIMULATED_NOTE}")
+                first.setToolTip(f"{title} the planner predicted for real GPUs; {SIMULATED_NOTE}")
             else:
-                self.item(row, 0).setToolTip(f"{title} the planner predicted")
+                first.setToolTip(f"{title} the planner predicted")
 
     def text(self, key: str, column: int) -> str:
         row = [k for k, _ in ROWS].index(key)
-        return self.item(row, column).text()
+        item = self.item(row, column)
+        return item.text() if item is not None else ""

@@ -48,7 +48,8 @@ def timeline_of(job: dict[str, Any], now: float | None = None) -> Timeline:
     heading = f"Restarted {len(restarts)}×" + (f" (up to {limit} in a row)" if limit else "")
     rows = []
     for r in restarts:
-        run = r.get("run") if isinstance(r.get("run"), int) else 0
+        raw_run = r.get("run")
+        run = raw_run if isinstance(raw_run, int) else 0
         where = f"from step {r['from_step']}" if isinstance(r.get("from_step"), int) else "from the start"
         left = [g for g in r.get("left_out_gpus") or [] if isinstance(g, int)]
         rows.append(
@@ -64,7 +65,8 @@ def timeline_of(job: dict[str, Any], now: float | None = None) -> Timeline:
     times = [float(r.get("time") or start) for r in restarts]
     span = max(end - start, 1e-9)
     edges = [start, *times, max(end, times[-1])]
-    first_run = restarts[0].get("run") if isinstance(restarts[0].get("run"), int) else 1
+    raw_first = restarts[0].get("run")
+    first_run = raw_first if isinstance(raw_first, int) else 1
     runs = [
         (first_run + i, (a - start) / span, min((b - start) / span, 1.0))
         for i, (a, b) in enumerate(itertools.pairwise(edges))

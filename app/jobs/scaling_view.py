@@ -236,7 +236,7 @@ class ScalingPanel(QWidget):
 
     def table_cells(self) -> list[list[str]]:
         return [
-            [self.table.item(r, c).text() for c in range(self.table.columnCount())]
+            [item.text() if (item := self.table.item(r, c)) is not None else "" for c in range(self.table.columnCount())]
             for r in range(self.table.rowCount())
         ]
 

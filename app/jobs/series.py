@@ -114,7 +114,10 @@ class JobSeries:
     def add(self, records: list[dict[str, Any]]) -> None:
         # A long job's history comes in pages of thousands of records on the GUI thread: the common
         # record (a rank's step) takes one pass with local names, no per-field function calls.
-        step_t, step_rows, eval_t, eval_rows = [], [], [], []
+        step_t: list[float] = []
+        step_rows: list[list[float]] = []
+        eval_t: list[float] = []
+        eval_rows: list[tuple[float, float]] = []
         peak = self.peak_memory
         number, field = _number, self._field
         for rec in records:

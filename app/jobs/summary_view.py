@@ -92,8 +92,9 @@ class SummaryPanel(QWidget):
             return
         while self.snippets_box.count():
             item = self.snippets_box.takeAt(0)
-            if item.widget() is not None:
-                item.widget().deleteLater()
+            widget = item.widget() if item is not None else None
+            if widget is not None:
+                widget.deleteLater()
         self.snippets = []
         mono = QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont)
         for title, code in snippets:

@@ -395,6 +395,8 @@ class PlannerPage(QWidget):
         super().showEvent(event)
         # Scroll up and down only: the form is as wide as its widest row (known once styled), plus the scroll bar.
         form = self.form_area.widget()
+        if form is None:
+            return
         scroll_bar = self.form_area.verticalScrollBar().sizeHint().width()
         self.form_area.setMinimumWidth(form.minimumSizeHint().width() + scroll_bar + 2 * self.form_area.frameWidth())
 
@@ -511,11 +513,12 @@ class PlannerPage(QWidget):
         here = self.target_key() == HERE
         # The engine's verdict on a layout holds on any machine; on another one, "here" would say the wrong thing.
         header = self.table.horizontalHeaderItem(RUNS_HERE_COLUMN)
-        header.setText("Runs here" if here else "Rigpilot runs it")
-        header.setToolTip(
-            "Whether Rigpilot's engine runs this layout"
-            + ("" if here else " (on that machine, were it installed there)")
-        )
+        if header is not None:
+            header.setText("Runs here" if here else "Rigpilot runs it")
+            header.setToolTip(
+                "Whether Rigpilot's engine runs this layout"
+                + ("" if here else " (on that machine, were it installed there)")
+            )
         self.gpus.set_busy(self.busy.busy if here else {})
         self.gpus.set_machine(d)
         self._default_selection = True
@@ -788,7 +791,7 @@ class PlannerPage(QWidget):
     def _suggestion_selected(self, row: int) -> None:
         item = self.suggestions.item(row)
         s = item.data(Qt.ItemDataRole.UserRole) if item else None
-        applicable = bool(s) and s.get("kind") in APPLICABLE_SUGGESTIONS
+        applicable = bool(s) and s is not None and s.get("kind") in APPLICABLE_SUGGESTIONS
         self.apply_button.setEnabled(applicable)
         if s:
             self._show_plan(s["plan"], heading=f"With this change ({gui_words(s['change'])}):")

@@ -154,8 +154,7 @@ class PricesBox(QGroupBox):
     def rows(self) -> list[dict[str, str]]:
         out = []
         for r in range(self.table.rowCount()):
-            out.append({key: (self.table.item(r, c).text() if self.table.item(r, c) else "")
-                        for c, (key, _) in enumerate(COLUMNS)})  # fmt: skip
+            out.append({key: item.text() if (item := self.table.item(r, c)) else "" for c, (key, _) in enumerate(COLUMNS)})
         return out
 
     def save(self) -> bool:

@@ -273,7 +273,8 @@ _DIM_KEYS: dict[str, tuple[str, ...]] = {
 
 
 def _dims(config: Mapping[str, Any], fallback: Mapping[str, int | None] | None = None) -> dict[str, int | None]:
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    nested = config.get("text_config")  # a multimodal config keeps its language model's facts here
+    text: Mapping[str, Any] = nested if isinstance(nested, dict) else config
     c = Config(text)
     dims: dict[str, int | None] = {}
     for key, aliases in _DIM_KEYS.items():

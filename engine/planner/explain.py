@@ -68,7 +68,7 @@ def links_text(topo: Topology, indices: list[int]) -> str:
     """How the selected GPUs are wired, in words."""
     if len(indices) < 2:
         return ""
-    kinds = Counter()
+    kinds: Counter[str] = Counter()
     nv_pairs = []
     for ai, a in enumerate(indices):
         for b in indices[ai + 1 :]:

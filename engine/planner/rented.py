@@ -49,7 +49,7 @@ def rented_machine(entry: dict[str, Any]) -> Machine:
         "p2p": "all",
     }  # fmt: skip
     if nvswitch:
-        profile["nvlink"] = {"gen": spec.nvlink_gen, "nvswitch": True, "links_per_gpu": 18 if spec.nvlink_gen >= 4 else 12}
+        profile["nvlink"] = {"gen": spec.nvlink_gen, "nvswitch": True, "links_per_gpu": 18 if (spec.nvlink_gen or 0) >= 4 else 12}
     return machine_from_profile(profile)
 
 

@@ -67,7 +67,8 @@ MAX_NODES = 64
 def plan_nodes(plan: dict[str, Any] | None) -> int:
     """`parallelism.nodes` of a plan (or a search result's best plan); 1 when absent."""
     p = submission.plan_of(plan) or {}
-    par = p.get("parallelism") if isinstance(p.get("parallelism"), dict) else {}
+    raw = p.get("parallelism")
+    par = raw if isinstance(raw, dict) else {}
     n = par.get("nodes", 1)
     return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
 

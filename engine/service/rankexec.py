@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from rigpilot.engine.service import warm
 
@@ -83,7 +84,7 @@ def main(argv: list[str]) -> int:
 
     state_file = job_dir / "ranks" / f"rank{rank}.json"
     state_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    state = {"rank": rank, "pid": os.getpid(), "pgid": os.getpgid(0), "started": time.time()}
+    state: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "pgid": os.getpgid(0), "started": time.time()}
     state["create_time"] = _process_start_time(os.getpid())
 
     # torchrun signals the whole process group of a rank, so COMMAND gets SIGTERM

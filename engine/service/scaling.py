@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import is_given_file
@@ -140,7 +140,7 @@ def measure(records: list[dict[str, Any]], warmup: int) -> dict[str, Any] | None
     }  # fmt: skip
 
 
-def _positive(v: Any) -> bool:
+def _positive(v: object) -> TypeGuard[int | float]:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0
 
 

@@ -253,11 +253,12 @@ class JobStore:
             return [self._record(r) for r in rows]
 
     def list(self, states: frozenset[str] | set[str] | None = None, limit: int | None = None) -> list[JobRecord]:
-        sql, params = "SELECT * FROM jobs", []
+        sql = "SELECT * FROM jobs"
+        params: list[str | int] = []
         with self._lock:
             # A change kept in memory may have moved a job to another state: then the state is checked here.
             in_sql = states is not None and not self._unsaved
-            if in_sql:
+            if in_sql and states is not None:
                 sql += f" WHERE state IN ({', '.join('?' for _ in states)})"
                 params += sorted(states)
             # Newest first for listings; the scheduler sorts queued jobs by seq itself.

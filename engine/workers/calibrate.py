@@ -12,6 +12,7 @@ engine keeps its machine's latest), and to every rank's metrics.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -62,7 +63,7 @@ def matmul_tflops(device: torch.device, dtype: torch.dtype, sizes: tuple[int, ..
         a = torch.randn(n, n, device=device, dtype=dtype)
         b = torch.randn(n, n, device=device, dtype=dtype)
         iters = 20 if device.type == "cuda" else 3
-        seconds = _timed(lambda a=a, b=b: torch.mm(a, b), device, iters)
+        seconds = _timed(functools.partial(torch.mm, a, b), device, iters)
         out[n] = 2 * n**3 / seconds / 1e12
     return out
 
@@ -73,7 +74,7 @@ def all_reduce_bandwidth(device: torch.device, world: int, sizes: tuple[int, ...
         t = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
         iters = 20 if device.type == "cuda" else 3
         dist.barrier()
-        seconds = _timed(lambda t=t: dist.all_reduce(t), device, iters)
+        seconds = _timed(functools.partial(dist.all_reduce, t), device, iters)
         algbw = nbytes / seconds / 1e9
         rows.append(
             {"bytes": nbytes, "time_s": seconds, "algbw_gbps": algbw, "busbw_gbps": algbw * 2 * (world - 1) / world}
@@ -92,9 +93,9 @@ def p2p_bandwidth(device: torch.device, rank: int, world: int, nbytes: int) -> l
                 continue
             dist.barrier()
             if rank == src:
-                seconds = _timed(lambda dst=dst: dist.send(t, dst=dst), device, iters, warmup=1)
+                seconds = _timed(functools.partial(dist.send, t, dst=dst), device, iters, warmup=1)
             elif rank == dst:
-                seconds = _timed(lambda src=src: dist.recv(t, src=src), device, iters, warmup=1)
+                seconds = _timed(functools.partial(dist.recv, t, src=src), device, iters, warmup=1)
             else:
                 continue
             if rank == dst:  # the receiver's clock includes the whole transfer
