@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     app = QApplication.instance() or QApplication([COMMAND, *(argv or [])])
     app.setApplicationName(APP_NAME)
     app.setOrganizationName(ORGANIZATION)
-    app.setWindowIcon(QIcon.fromTheme(APP_ID))
+    QGuiApplication.setWindowIcon(QIcon.fromTheme(APP_ID))  # static: instance() is typed as QCoreApplication
     # A remote engine (Settings → Engine address) drives a workstation from another computer.
     window = MainWindow(EngineLink(**engine_link_options()))
     window.show()

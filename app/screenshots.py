@@ -17,6 +17,7 @@ taken until then are kept), and always stops the service it started.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -157,6 +158,14 @@ class Shooter:
         return path
 
 
+def _on_page(wizard: Any, page_id: int) -> bool:
+    return wizard.currentId() == page_id
+
+
+def _answered(page: Any) -> bool:
+    return not page.busy
+
+
 def take(shooter: Shooter) -> None:
     from rigpilot.app.engine_link import CONNECTED, EngineLink
     from rigpilot.app.main_window import MainWindow
@@ -189,10 +198,10 @@ def take(shooter: Shooter) -> None:
         wizard.sig_submit_failed.connect(failed.append)
         for page_name, file_name in WIZARD_SHOTS:
             page_id = getattr(page_base, page_name)
-            shooter.wait(lambda p=page_id: wizard.currentId() == p, 10, f"wizard page {page_name}")
+            shooter.wait(functools.partial(_on_page, wizard, page_id), 10, f"wizard page {page_name}")
             page = wizard.currentPage()
             if page_id != page_base.LAUNCH:
-                shooter.wait(lambda p=page: not p.busy, 60, f"answer to the {page_name} page's check")
+                shooter.wait(functools.partial(_answered, page), 60, f"answer to the {page_name} page's check")
                 if page_id == page_base.PLAN:
                     shooter.wait(lambda: wizard.state.plan is not None, 60, "plan on the wizard's Plan page")
                     shooter.settle(0.5)

@@ -20,6 +20,7 @@ are left alone (the window keeps its own under another application name).
 from __future__ import annotations
 
 import csv
+import functools
 import os
 import shutil
 import sys
@@ -36,6 +37,10 @@ CSV_NAME = "telemetry.csv"
 
 class SelfTestFailed(Exception):
     """One check did not pass; the message says which."""
+
+
+def _past(deadline: float) -> bool:
+    return time.monotonic() > deadline
 
 
 def main(out: Path | None = None) -> int:
@@ -118,9 +123,8 @@ def _run(folder: Path, start: float) -> str:
             except Exception as e:  # a page that cannot be built (a missing module) fails here
                 raise SelfTestFailed(f"the {title} page could not be built: {type(e).__name__}: {e}") from None
             if hasattr(page, "loaded"):
-                wait(lambda p=page: p.loaded, f"{title} page loading")
-            settle = time.monotonic() + 0.3
-            wait(lambda t=settle: time.monotonic() > t, f"{title} page drawing")
+                wait(functools.partial(getattr, page, "loaded"), f"{title} page loading")
+            wait(functools.partial(_past, time.monotonic() + 0.3), f"{title} page drawing")
             picture = window.grab()
             if picture.isNull() or not picture.save(str(folder / f"{key}.png"), "PNG"):
                 raise SelfTestFailed(f"the {title} page could not be drawn and saved as {folder / key}.png")

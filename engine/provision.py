@@ -428,7 +428,7 @@ def self_requirement(scratch: Path) -> tuple[str, str]:
     how, path = self_source()
     if how == "shipped wheel":
         return str(path), how
-    if how == "source checkout":
+    if how == "source checkout" and path is not None:  # self_source names the checkout it found
         return str(copy_checkout(path, scratch / "src")), how
     return str(wheel_from_installed(scratch)), how
 

@@ -96,7 +96,7 @@ class JobsEmptyState(QWidget):
         if not examples_present():
             self.sig_message.emit(NO_EXAMPLE)
             return
-        jobs = getattr(self.jobs, "jobs", lambda: [])()
+        jobs: list[dict[str, Any]] = getattr(self.jobs, "jobs", lambda: [])()
         self._set_submitting(True, "Planning the example job for this machine…")
         run_example(self.link, machine_dict(getattr(self.link, "machine", None)), jobs, self._submitted, self._failed)
 

@@ -468,9 +468,9 @@ class JobsPage(QWidget):
                 jobs.pop(job_id, None)
             else:
                 jobs[job_id] = {**jobs.get(job_id, {}), **job}
-        for job_id in (self._current, self._compare):
-            if job_id and job_id not in jobs and job_id in self._handles:
-                jobs[job_id] = self._handles[job_id].record  # the list may stop before an old job
+        for shown in (self._current, self._compare):
+            if shown and shown not in jobs and shown in self._handles:
+                jobs[shown] = self._handles[shown].record  # the list may stop before an old job
         self.model.set_jobs(sorted(jobs.values(), key=lambda j: j.get("seq") or 0))
         if self._current:
             self._select_row(self._current)

@@ -89,11 +89,17 @@ class RentedTable(QWidget):
             return
         best = (result or {}).get("best")
         self.note.setText("Planning the rented machines…")
-        run_in_background(
-            lambda: compare_locally(request, best, machine),
-            lambda c: serial == self._serial and self._show(c, NO_MACHINES),
-            lambda e: serial == self._serial and self._show(None, f"Cannot compare: {e}"),
-        )  # fmt: skip
+
+        # A newer request's answer may be on its way: an older one is dropped.
+        def done(comparison: Any) -> None:
+            if serial == self._serial:
+                self._show(comparison, NO_MACHINES)
+
+        def failed(e: BaseException) -> None:
+            if serial == self._serial:
+                self._show(None, f"Cannot compare: {e}")
+
+        run_in_background(lambda: compare_locally(request, best, machine), done, failed)
 
     def _show(self, comparison: dict[str, Any] | None, empty: str) -> None:
         self.comparison = comparison

@@ -98,7 +98,7 @@ class TopologyGraphView(QGraphicsView):
     # -- content ----------------------------------------------------------------------------
     def show_graph(self, machine: Machine, graph: TopologyGraph) -> None:
         self.machine, self.graph = machine, graph
-        valid = {n.gpu for n in graph.gpu_nodes}
+        valid = {n.gpu for n in graph.gpu_nodes if n.gpu is not None}
         self.selected &= valid
         if self.focused_gpu not in valid:
             self.focused_gpu = min(valid) if valid else None

@@ -46,6 +46,8 @@ def form_texts(form: QFormLayout) -> dict[str, str]:
     for r in range(form.rowCount()):
         label = form.itemAt(r, QFormLayout.ItemRole.LabelRole)
         field = form.itemAt(r, QFormLayout.ItemRole.FieldRole)
-        if label and field:
-            out[label.widget().text()] = field.widget().text()
+        name = label.widget() if label else None
+        value = field.widget() if field else None
+        if isinstance(name, QLabel) and isinstance(value, QLabel):  # a read-only form's rows are labels both sides
+            out[name.text()] = value.text()
     return out

@@ -28,7 +28,7 @@ class RingBuffer:
         self.width = width
         self._t = np.full(capacity, np.nan, dtype=np.float64)  # unix seconds need float64's precision
         # Column-major: one series is contiguous, which is how charts read it.
-        self._v = np.full((width, capacity), np.nan, dtype=dtype)
+        self._v: np.ndarray = np.full((width, capacity), np.nan, dtype=dtype)
         self._head = 0  # where the next row goes
         self._size = 0
 

@@ -101,6 +101,7 @@ class MachineCalibration:
             }
             bw = {_group_key(k): float(v) for k, v in (d.get("bus_bandwidth_gbs") or {}).items()}
             p2p = {str(k): float(v) for k, v in (d.get("p2p_gbs") or {}).items()}
+            detail = d.get("detail")
             cal = cls(
                 measured_at=measured_at,
                 simulated=simulated,
@@ -113,7 +114,7 @@ class MachineCalibration:
                 matmul_tflops=mm,
                 bus_bandwidth_gbs=bw,
                 p2p_gbs=p2p,
-                detail=d.get("detail") if isinstance(d.get("detail"), dict) else {},
+                detail=detail if isinstance(detail, dict) else {},
             )
         except KeyError as e:
             raise UserError(f"{where} lacks {e.args[0]!r}; measure it again with `rigpilot run calibrate`") from None

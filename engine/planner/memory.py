@@ -911,9 +911,13 @@ def plan_memory(mm: MemoryModel, par: Parallelism, topo: Topology) -> tuple[list
         stages.append(sm)
         for g in gpus:
             cap = topo.gpus[g].memory
-            parts = [sm.weights, sm.gradients, sm.optimizer, sm.activations, sm.kv_cache, sm.buffers, sm.overhead]
-            ints = [round(x) for x in parts]
-            total = sum(ints)
-            out.append(MemoryBreakdown(g, s, *ints, total=total, capacity=cap, headroom=cap - total))
+            weights, grads, optim, acts, kv, buffers, overhead = (
+                round(x)
+                for x in (sm.weights, sm.gradients, sm.optimizer, sm.activations, sm.kv_cache, sm.buffers, sm.overhead)
+            )
+            total = weights + grads + optim + acts + kv + buffers + overhead
+            out.append(MemoryBreakdown(
+                g, s, weights, grads, optim, acts, kv, buffers, overhead, total=total, capacity=cap, headroom=cap - total
+            ))  # fmt: skip
     host = mm.host_memory(par, stages, topo.machine.host.memory_total)
     return out, host

@@ -743,9 +743,9 @@ def _rejections(cands: list[Candidate], skipped: dict[str, str], fitting: list[C
     for family in FAMILY_ORDER:
         if family in fit_families:
             continue
-        c = by_family.get(family)
-        if c is not None:
-            out.append(_reject_reason(c))
+        closest = by_family.get(family)
+        if closest is not None:
+            out.append(_reject_reason(closest))
         elif family in skipped:
             out.append(Rejection(family, skipped[family]))
     return out

@@ -243,11 +243,11 @@ class SpeedModel:
         if par.pp > 1:
             link = self._collective(groups.pp_pairs)
             links["pipeline sends"] = link
-            nbytes = mb_tokens * m.h * c / (par.tp if par.sequence_parallel else 1)
-            one = nbytes / (link.gbs * 1e9) + link.latency_s
+            sent = mb_tokens * m.h * c / (par.tp if par.sequence_parallel else 1)
+            one = sent / (link.gbs * 1e9) + link.latency_s
             pp_exposed = (mbs + par.pp - 1) * 2 * one * 0.5
             exposed += pp_exposed
-            comm.append(CommItem("pipeline activations and gradients", groups.pp_pairs[0], link.label, int(2 * mbs * nbytes), 2 * mbs * one, pp_exposed))
+            comm.append(CommItem("pipeline activations and gradients", groups.pp_pairs[0], link.label, int(2 * mbs * sent), 2 * mbs * one, pp_exposed))
 
         offload = self._offload(par, groups, stage_compute)
         step = compute + exposed + bubble + offload

@@ -188,9 +188,9 @@ class MetricsSummary:
         if isinstance(loss, int | float) and not isinstance(loss, bool):
             # The latest run's latest step, rank 0's where it has that step: every rank holding a loss states
             # the same one, but on a multi-node job another node's ranks may arrive later than this one's.
-            key = (_run_of(rec), step if isinstance(step, int) and not isinstance(step, bool) else -1, rank == 0)
-            if self._loss_key is None or key >= self._loss_key:
-                self.loss, self._loss_key = float(loss), key
+            loss_key = (_run_of(rec), step if isinstance(step, int) and not isinstance(step, bool) else -1, rank == 0)
+            if self._loss_key is None or loss_key >= self._loss_key:
+                self.loss, self._loss_key = float(loss), loss_key
         tps = rec.get("tokens_per_s")
         if isinstance(tps, int | float) and not isinstance(tps, bool):
             # Per rank, by convention (engine.report): the job's rate is the sum of each rank's latest.

@@ -112,7 +112,7 @@ def plan_machine(value: Any) -> Any:
     d = {k: v for k, v in value.items() if k not in _MACHINE_EXTRAS}
     where = "plan.machine"
     try:
-        source = hw.Source(d.get("source"))
+        source = hw.Source(str(d.get("source")))
     except ValueError:
         choices = ", ".join(s.value for s in hw.Source)
         raise ProtocolError(protocol.INVALID, f"{where}.source: expected one of {choices}") from None

@@ -236,11 +236,11 @@ class ResilientJobStore(JobStore):
         back, damaged = [], []
         for job_dir in job_folders.job_folders(self.jobs_root):
             if job_dir.name not in rows and job_folders.has_record(job_dir):
-                rec, how = job_folders.read_job(job_dir)
-                if rec is not None:
-                    super().insert(rec)
-                    back.append(rec.id)
-                    damaged += [rec.id] if how == "damaged" else []
+                found, how = job_folders.read_job(job_dir)
+                if found is not None:
+                    super().insert(found)
+                    back.append(found.id)
+                    damaged += [found.id] if how == "damaged" else []
         if back or newer:
             self._on_recovery(Recovery(
                 JOBS_PUT_BACK, self.path, jobs=back, updated=[r.id for r in newer], damaged=damaged,

@@ -147,7 +147,8 @@ def _report_oom(error: BaseException) -> None:
             "free": free,
             "total": total,
         }
-    report(kind="error", error="out_of_memory", message=str(error).splitlines()[0] if str(error) else "", **numbers)
+    first_line = str(error).splitlines()[0] if str(error) else ""
+    report(None, kind="error", error="out_of_memory", message=first_line, **numbers)
 
 
 def main(argv: list[str]) -> int:

@@ -146,10 +146,10 @@ def run_calibrate(spec: JobSpec, job_dir: Path) -> int:
             report(kind="calibration", test="matmul", dtype=name, size=n, tflops=value)
     all_reduce = all_reduce_bandwidth(device, world, GPU_COMM_BYTES if gpu else CPU_COMM_BYTES) if world > 1 else []
     for row in all_reduce:
-        report(kind="calibration", test="all_reduce", **row)
+        report(None, kind="calibration", test="all_reduce", **row)  # no step: none of the row is taken for one
     p2p = p2p_bandwidth(device, rank, world, (GPU_COMM_BYTES if gpu else CPU_COMM_BYTES)[-1]) if world > 1 else []
     for row in p2p:
-        report(kind="calibration", test="p2p", **row)
+        report(None, kind="calibration", test="p2p", **row)
     gathered: list[Any] | None = [None] * world if rank == 0 else None
     name = torch.cuda.get_device_name(device) if gpu else platform.processor() or platform.machine()
     index = _machine_index(spec, rank, runtime.local_rank)

@@ -489,8 +489,8 @@ def run_infer(spec: JobSpec, job_dir: Path) -> int:
         backend_reason=s.backend_reason,
     )
     keeper = gen.holds_logits and runtime.tp_rank == 0
-    for r in results if keeper else []:
-        r["completion"] = tokenizer.decode(r["tokens"], skip_special_tokens=True)
+    for result in results if keeper else []:
+        result["completion"] = tokenizer.decode(result["tokens"], skip_special_tokens=True)
     gathered: list[Any] | None = [None] * runtime.world_size if runtime.is_main else None
     dist.gather_object(results if keeper else [], gathered, dst=0)
     if runtime.is_main:

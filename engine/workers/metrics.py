@@ -46,8 +46,8 @@ def mfu(flops_per_token: float, tokens_per_s_per_device: float) -> float | None:
     return flops_per_token * tokens_per_s_per_device / (peak * 1e12)
 
 
-def status(phase: str, **extra: float | int | str | bool | None) -> None:
-    report(kind="status", phase=phase, **extra)
+def status(phase: str, step: int | None = None, **extra: float | int | str | bool | None) -> None:
+    report(step, kind="status", phase=phase, **extra)
 
 
 def world_sums(values: list[float], device: torch.device) -> list[float]:

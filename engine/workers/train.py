@@ -20,7 +20,7 @@ import os
 import signal
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -112,7 +112,7 @@ def lr_lambda(warmup_steps: int, max_steps: int) -> Any:
 
 
 def clip_grad_norm(
-    params: list[nn.Parameter], max_norm: float, pp_group: Any | None, counted_elsewhere: list[nn.Parameter] = ()
+    params: list[nn.Parameter], max_norm: float, pp_group: Any | None, counted_elsewhere: Sequence[nn.Parameter] = ()
 ) -> torch.Tensor:
     """Global L2 norm of all gradients (clipped to max_norm when > 0), correct for DTensor and pipeline splits.
 

@@ -179,7 +179,8 @@ def serve(socket_path: Path) -> int:
             if _installed_stamp() != installed:
                 print("warm worker: the engine environment changed; leaving for a fresh one", flush=True)
                 return 0
-            ready = select.select([listener, *children, *by_conn], [], [], 1.0)[0]
+            waiting: list[socket.socket | int] = [listener, *children, *by_conn]
+            ready = select.select(waiting, [], [], 1.0)[0]
             for r in ready:
                 if r is listener:
                     _accept(listener, own_env, added, children, pids, by_conn)
