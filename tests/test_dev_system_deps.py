@@ -112,7 +112,7 @@ def test_test_help_shows_dev_pys_option_then_pytests_and_installs_nothing(dev, a
     monkeypatch.setattr(dev, "prepare_test_system", lambda flag: pytest.fail("--help must not install anything"))
     assert dev.cmd_test(["--install-system-deps", "--help"]) == 0
     out = capfd.readouterr().out
-    assert out.startswith("python3 dev.py test [--install-system-deps] [PYTEST ARGUMENTS]")
+    assert out.startswith("python3 dev.py test [--install-system-deps] [--fast] [PYTEST ARGUMENTS]")
     assert "slurm-wlm munge openssh-server" in out
     assert out.index("pytest's own options follow.") < out.index("usage: ") and "--strict-markers" in out
     assert asked_nothing == []
