@@ -101,7 +101,7 @@ def why_not(
 
 # "transformers": Rigpilot's own generator (engine.workers.infer), which runs every layout above.
 # "vllm": vLLM's offline LLM class (engine.workers.infer_vllm), where it is installed and the job fits it.
-INFER_BACKENDS = tuple(schema.InferBackend)  # the names; `InferBackend` below is the one chosen
+INFER_BACKENDS = tuple(schema.InferBackend)  # the names; `BackendChoice` below is the one chosen
 # vLLM's SamplingParams takes temperatures in [0, 2] and raises one in (0, 0.01) to 0.01
 # (vllm/sampling_params.py: _MAX_TEMP and _verify_args).
 VLLM_MAX_TEMPERATURE = 2.0
@@ -118,7 +118,7 @@ class WorkerVllm:
 
 
 @dataclass(frozen=True)
-class InferBackend:
+class BackendChoice:
     """Which generator an inference job runs, and why; `refusal` is the one line when the one asked for cannot."""
 
     name: str  # "transformers" | "vllm": what runs
@@ -172,14 +172,14 @@ def choose_infer_backend(
     temperature: float = 0.0,
     nodes: int = 1,
     slurm: bool = False,
-) -> InferBackend:
+) -> BackendChoice:
     """The one decision of which backend an inference job runs: submit, --check and the job views use it.
 
     `worker_vllm` is called only when everything else allows vLLM, so a simulated machine or a layout
     vLLM does not take never starts the worker interpreter to ask.
     """
     if asked == "transformers":
-        return InferBackend("transformers", asked, "asked for")
+        return BackendChoice("transformers", asked, "asked for")
     how = "asked for" if asked == "vllm" else "chosen automatically"
     why = vllm_why_not(layout, simulated=simulated, temperature=temperature, nodes=nodes, slurm=slurm)
     fix = ""
@@ -192,12 +192,12 @@ def choose_infer_backend(
             why, fix = f"vLLM is not installed in the worker environment ({where})", "install it there or "
         else:
             degrees = f"tensor parallel {layout.tp} × pipeline parallel {layout.pp}"
-            return InferBackend("vllm", asked, f"{how}: vLLM {found.version} in the worker environment, {degrees}")
+            return BackendChoice("vllm", asked, f"{how}: vLLM {found.version} in the worker environment, {degrees}")
     if asked == "vllm":
-        return InferBackend(
+        return BackendChoice(
             "transformers", asked, why, refusal=f"backend vllm: {why}; {fix}use --backend transformers"
         )
-    return InferBackend("transformers", asked, f"{how}: {why}")
+    return BackendChoice("transformers", asked, f"{how}: {why}")
 
 
 def backend_words(name: str, reason: str = "") -> str:

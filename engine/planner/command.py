@@ -15,19 +15,22 @@ Exit status: 0 with a plan, 1 when nothing fits, 2 for bad input.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
+from rigpilot.engine import schema
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import MISSING, PathRefused, check_given_path, shown
+from rigpilot.engine.jobs.spec import TRAIN_SETTINGS
 from rigpilot.engine.planner.calibration import MachineCalibration, apply_stored
 from rigpilot.engine.planner.calibration import apply as apply_calibration
 from rigpilot.engine.planner.cluster import DEFAULT_LINK, MAX_NODES, NODE_LINKS, check_nodes, node_link
 from rigpilot.engine.planner.export import EXPORTS, export_best
 from rigpilot.engine.planner.memory import fmt_gib
-from rigpilot.engine.planner.plan import METHODS, OPTIMIZERS, PRECISIONS, LoraSettings, Plan, Workload
+from rigpilot.engine.planner.plan import METHODS, OPTIMIZERS, LoraSettings, Plan, Workload
 from rigpilot.engine.planner.search import OFFLOAD_CHOICES, RANKING, SearchOptions, SearchResult
 from rigpilot.engine.planner.verify import search_checked
 
@@ -49,12 +52,16 @@ def register(subparsers: Any, parents: list[argparse.ArgumentParser] | None = No
     p.add_argument("--model", required=True, metavar="ID|PATH", help="preset name, folder with config.json, or Hugging Face repo id")
     p.add_argument("--task", choices=("train", "infer"), default="train")
     p.add_argument("--method", choices=METHODS, default=None, help="training method (default full)")
-    p.add_argument("--seq", type=int, metavar="N", help=f"sequence length in tokens (default {DEFAULT_SEQ} or the model's context)")
+    # The job's own declaration, so `plan --seq` and `run train --seq` refuse a value in one sentence.
+    schema.add_option(p, TRAIN_SETTINGS["seq_len"],
+                      help=f"sequence length in tokens (default {DEFAULT_SEQ} or the model's context)")  # fmt: skip
     p.add_argument(
         "--batch", type=int, metavar="N",
         help=f"training: sequences per optimizer step (default {DEFAULT_TRAIN_BATCH}); inference: sequences at once (default 1)",
     )
-    p.add_argument("--dtype", choices=PRECISIONS, default="bf16", help="compute dtype (training: mixed precision)")
+    # `run train` spells it --precision; the planner's --dtype stays, and either is read.
+    precision = dataclasses.replace(TRAIN_SETTINGS["precision"], flags=("--dtype", "--precision"))
+    schema.add_option(p, precision, help="compute dtype (training: mixed precision; default bf16)")
     p.add_argument("--gpus", metavar="0,1,...", help="GPU indices to use (default: all)")
     if not any(a.option_strings == ["--json"] for parent in parents for a in parent._actions):
         p.add_argument("--json", action="store_true", help="print JSON")
@@ -160,9 +167,7 @@ def workload_from_args(args: argparse.Namespace, context: int | None) -> Workloa
     if task == "train" and bits != 16:
         raise UserError("--quant applies to inference; to train on 4-bit weights use --method qlora")
     method = args.method or "full"
-    seq = args.seq if args.seq is not None else min(DEFAULT_SEQ, context or DEFAULT_SEQ)
-    if seq < 1:
-        raise UserError("--seq must be at least 1")
+    seq = args.seq_len if args.seq_len is not None else min(DEFAULT_SEQ, context or DEFAULT_SEQ)
     batch = args.batch if args.batch is not None else (DEFAULT_TRAIN_BATCH if task == "train" else 1)
     if batch < 1:
         raise UserError("--batch must be at least 1")
@@ -190,7 +195,7 @@ def workload_from_args(args: argparse.Namespace, context: int | None) -> Workloa
         model=args.model,
         task=task,
         method=method,
-        precision=args.dtype,
+        precision=args.precision or TRAIN_SETTINGS["precision"].default,
         seq_len=seq,
         global_batch=batch,
         optimizer=args.optimizer,

@@ -37,9 +37,15 @@ class Suggestion:
     change: str  # in words, with the flag: "train LoRA adapters instead (--method lora)"
     kind: str  # "method" | "quantize" | "seq" | "batch" | "gpus" | "larger-gpus" | "more-gpus"
     plan: Plan  # the best plan with the change, found by searching again
+    # The change as facts, for a client to word in its own terms (a flag, a control's label) rather than
+    # parse `change`: the `rigpilot plan` option's dest ("seq_len", "method", "quant", "batch", "gpus",
+    # "optimizer") and the value it takes there ("lora", "int8", "0,1,2,3"); None for a different machine.
+    setting: str | None = None
+    value: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"change": self.change, "kind": self.kind, "plan": self.plan.to_dict()}
+        return {"change": self.change, "kind": self.kind, "plan": self.plan.to_dict(), "setting": self.setting,
+                "value": self.value}  # fmt: skip
 
 
 @dataclass

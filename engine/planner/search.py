@@ -809,41 +809,43 @@ def suggest(
     inner = dataclasses.replace(opts, suggest=False, runners_up=0)
     out: list[Suggestion] = []
 
-    def attempt(change: str, kind: str, work: Workload, mach: Machine = machine, sel: list[int] | None = gpus) -> bool:
+    def attempt(change: str, kind: str, work: Workload, mach: Machine = machine, sel: list[int] | None = gpus,
+                to: tuple[str, str] | None = None) -> bool:  # fmt: skip
         try:
             r = search(spec, mach, work, gpus=sel, calibration=calibration, options=inner)
         except UserError:
             return False
         if r.best is None or not r.best.runs_here:
             return False  # a change is only worth suggesting if the engine then runs the plan
-        out.append(Suggestion(change, kind, r.best))
+        out.append(Suggestion(change, kind, r.best, *(to or (None, None))))
         return True
 
     all_gpus = [g.index for g in machine.gpus]
     if len(gpus) < len(all_gpus):
-        attempt(f"use all {len(all_gpus)} GPUs (--gpus {','.join(map(str, all_gpus))})", "gpus", w, machine, all_gpus)
+        attempt(f"use all {len(all_gpus)} GPUs (--gpus {','.join(map(str, all_gpus))})", "gpus", w, machine, all_gpus,
+                to=("gpus", ",".join(map(str, all_gpus))))  # fmt: skip
     if w.training:
         if w.method == "full":
-            attempt("train LoRA adapters instead of every weight (--method lora)", "method", dataclasses.replace(w, method="lora", lora=LoraSettings()))
+            attempt("train LoRA adapters instead of every weight (--method lora)", "method", dataclasses.replace(w, method="lora", lora=LoraSettings()), to=("method", "lora"))
         if w.method in ("full", "lora"):
             rank = w.lora.rank if w.lora else LoraSettings().rank
-            attempt("train LoRA on 4-bit weights (--method qlora)", "method", dataclasses.replace(w, method="qlora", lora=LoraSettings(rank=rank)))
+            attempt("train LoRA on 4-bit weights (--method qlora)", "method", dataclasses.replace(w, method="qlora", lora=LoraSettings(rank=rank)), to=("method", "qlora"))
         if w.optimizer == "adamw" and w.method == "full":
-            attempt("use 8-bit AdamW (bitsandbytes)", "optimizer", dataclasses.replace(w, optimizer="adamw8bit"))
+            attempt("use 8-bit AdamW (bitsandbytes)", "optimizer", dataclasses.replace(w, optimizer="adamw8bit"), to=("optimizer", "adamw8bit"))
     else:
         if w.weight_bits == 16:
-            attempt("load the weights in 8 bits (--quant int8)", "quantize", dataclasses.replace(w, weight_bits=8))
+            attempt("load the weights in 8 bits (--quant int8)", "quantize", dataclasses.replace(w, weight_bits=8), to=("quant", "int8"))
         if w.weight_bits > 4:
-            attempt("load the weights in 4 bits (--quant 4bit)", "quantize", dataclasses.replace(w, weight_bits=4))
+            attempt("load the weights in 4 bits (--quant 4bit)", "quantize", dataclasses.replace(w, weight_bits=4), to=("quant", "4bit"))
         batch = w.global_batch // 2
         while batch >= 1 and len(out) < limit:
-            if attempt(f"generate for {batch} sequence{'s' if batch > 1 else ''} at a time (--batch {batch})", "batch", dataclasses.replace(w, global_batch=batch)):
+            if attempt(f"generate for {batch} sequence{'s' if batch > 1 else ''} at a time (--batch {batch})", "batch", dataclasses.replace(w, global_batch=batch), to=("batch", str(batch))):
                 break
             batch //= 2
     seq = w.seq_len // 2
     while seq >= 256 and len(out) < limit:
         new = min(w.new_tokens, seq // 2)
-        if attempt(f"use sequences of {seq} tokens (--seq {seq})", "seq", dataclasses.replace(w, seq_len=seq, new_tokens=new)):
+        if attempt(f"use sequences of {seq} tokens (--seq {seq})", "seq", dataclasses.replace(w, seq_len=seq, new_tokens=new), to=("seq_len", str(seq))):
             break
         seq //= 2
     if len(out) < limit:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from rigpilot.engine import runtime
-from rigpilot.engine.capability import InferBackend, WorkerVllm, backend_words, choose_infer_backend, why_not
+from rigpilot.engine.capability import BackendChoice, WorkerVllm, backend_words, choose_infer_backend, why_not
 from rigpilot.engine.diskspace import human_size
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import EITHER, FILE, FOLDER, Expect, check_given_path, open_given_file
@@ -59,7 +59,7 @@ class Submission:
     notes: list[str] = field(default_factory=list)  # how the plan was mapped onto what jobs can run
     model_type: str | None = None  # config.json's model_type, where the model could be read here
     host_ram: dict[str, Any] = field(default_factory=dict)  # the plan's host-RAM figures beside this host's
-    backend: InferBackend | None = None  # inference jobs: the generator that runs and why
+    backend: BackendChoice | None = None  # inference jobs: the generator that runs and why
     disk_need: int = JOB_ROOM_BYTES  # bytes the job needs free in the state folder (see disk_need)
     disk_need_what: str = ""  # what they are for, in words, where more than logs and metrics
 
