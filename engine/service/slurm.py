@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.jobs import secrets as job_secrets
 from rigpilot.engine.jobs.spec import JobSpec
+from rigpilot.engine.launch.torchrun import rank_target, rankexec_command
 from rigpilot.engine.planner.export import check_slurm_options, slurm_script
 from rigpilot.engine.planner.plan import Plan
 from rigpilot.engine.runtime import worker_python
@@ -315,12 +316,8 @@ def _refuse_secrets(spec: JobSpec) -> None:
 def job_script(sup: Supervisor, rec: JobRecord, spec: JobSpec, job_dir: Path, python: str) -> str:
     """The planner's SLURM script for this job: its plan where it has one, the engine's command and environment."""
     options = rec.slurm or {}
-    if rec.kind == "script":
-        assert spec.script
-        target = [python, "-u", *spec.script]
-    else:
-        target = [python, "-u", "-m", "rigpilot.engine.workers", str(job_dir)]
-    command = [python, "-u", "-m", "rigpilot.engine.service.rankexec", str(job_dir), "--", *target]
+    target = rank_target(python, job_dir, spec.script if rec.kind == "script" else None)
+    command = rankexec_command(python, job_dir, target)
     env = job_environment(sup, rec, spec, job_dir, python)
     return slurm_script(
         _plan(job_dir), command=command, env=env, ranks_per_node=rec.ranks,

@@ -41,6 +41,7 @@ from rigpilot.engine.hardware.simulated import Load, SimulatedBackend
 from rigpilot.engine.jobs import secrets as job_secrets
 from rigpilot.engine.jobs.limits import check_env
 from rigpilot.engine.jobs.spec import JobSpec
+from rigpilot.engine.launch.torchrun import rank_environment, rank_target, torchrun_command
 from rigpilot.engine.runtime import worker_python
 from rigpilot.engine.service import energy, paths, recovery, slurm, submission, warm
 from rigpilot.engine.service.conditions import Conditions
@@ -658,58 +659,22 @@ class Supervisor:
         self._on_job(self.view(rec))
 
     def _command(self, rec: JobRecord, spec: JobSpec, job_dir: Path, port: int, python: str) -> list[str]:
-        if rec.kind == "script":
-            assert spec.script
-            target = [python, "-u", *spec.script]
-        else:
-            target = [python, "-u", "-m", "rigpilot.engine.workers", str(job_dir)]
-        nodes = rec.nodes or {}
-        # Several engines: every node's torchrun meets at the head's endpoint, and only the head hosts the store.
-        across = ["--rdzv-conf", f"is_host={int(nodes.get('role') == 'head')}",
-                  "--local-addr", str(nodes["local_addr"])] if nodes.get("endpoint") else []  # fmt: skip
-        return [
-            python, "-m", "torch.distributed.run",
-            "--nnodes", str(nodes.get("count", 1)),
-            "--nproc-per-node", str(1 if on_vllm(spec) else rec.ranks),
-            "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", str(nodes.get("endpoint") or f"127.0.0.1:{port}"),
-            *across,
-            "--rdzv-id", f"{rec.id}-{rec.run}",
-            "--max-restarts", "0",
-            "--monitor-interval", str(self.options.monitor_interval_s),
-            "-m", "rigpilot.engine.service.rankexec", str(job_dir), "--", *target,
-        ]  # fmt: skip
+        return torchrun_command(
+            python=python, job_id=rec.id, run=rec.run, ranks_per_node=1 if on_vllm(spec) else rec.ranks,
+            nodes=rec.nodes or {}, port=port, monitor_interval_s=self.options.monitor_interval_s, job_dir=job_dir,
+            target=rank_target(python, job_dir, spec.script if rec.kind == "script" else None),
+        )
 
     def _environment(self, rec: JobRecord, spec: JobSpec, job_dir: Path, python: str) -> dict[str, str]:
-        env = dict(os.environ)
-        env.update(job_secrets.plain(spec.env))  # the caller adds the secrets
-        # Nothing of the service's own environment goes on PYTHONPATH: ranks and user scripts import
-        # rigpilot (rigpilot.report) from the worker interpreter's environment, and a user's `engine`
-        # package stays theirs.
-        env["PYTHONUNBUFFERED"] = "1"
-        env.setdefault("TOKENIZERS_PARALLELISM", "false")  # ranks fork dataloader workers after tokenizing
-        env.update(
-            RIGPILOT_JOB_ID=rec.id,
-            RIGPILOT_JOB_DIR=str(job_dir),
-            RIGPILOT_METRICS_DIR=str(job_dir / "metrics"),
-            RIGPILOT_RUN=str(rec.run),
-            RIGPILOT_GPUS=",".join(str(g) for g in rec.gpus),
-        )
+        base = {**os.environ, **job_secrets.plain(spec.env)}  # the caller adds the secrets
+        env = rank_environment(base, job_id=rec.id, job_dir=job_dir, run=rec.run, gpus=rec.gpus, ranks=rec.ranks,
+                               simulated=rec.simulated)
         env[RUN_TOKEN_ENV] = run_token(rec)
         env.pop(warm.SOCKET_ENV, None)
         # vLLM starts its own workers and imports far more than a warm worker holds: a fresh interpreter.
         warm_fits = rec.kind != "script" and not on_vllm(spec)
         if warm_fits and self.warm is not None and self.warm.ready() and self.warm.python == python:
             env[warm.SOCKET_ENV] = str(self.warm.socket_path)
-        if rec.simulated:
-            # Simulated GPUs: ranks must not grab a real one. The ranks read "simulated" from the job's spec
-            # (JobSpec.simulated, the machine's word at submission), not from their environment.
-            env["CUDA_VISIBLE_DEVICES"] = ""
-            cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-            env.setdefault("OMP_NUM_THREADS", str(max(1, cpus // max(rec.ranks, 1))))
-        else:
-            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # so CUDA's numbering matches nvidia-smi's and ours
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in rec.gpus)
         return env
 
     def _find_secrets(self, names: list[str], known: dict[str, str], how: str) -> dict[str, str]:
