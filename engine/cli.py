@@ -22,6 +22,7 @@ from rigpilot.engine.argtypes import positive_float
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.examples import note as examples_note
 from rigpilot.engine.examples import shipped_example
+from rigpilot.engine.jobs.spec import INFER_SETTINGS, TRAIN_SETTINGS
 from rigpilot.engine.settings import RENTED_EXAMPLE
 
 EXIT_USAGE = 2
@@ -625,7 +626,8 @@ def cmd_forget(args: argparse.Namespace) -> int:
 
 
 # The options that take a model, data or prompts path: where the README's `examples/…` paths appear.
-EXAMPLE_OPTIONS = ("model", "data", "prompts")
+# The options that may name a shipped example: argparse's dests, which for a declared setting are its field names.
+EXAMPLE_OPTIONS = ("model", TRAIN_SETTINGS["dataset"].name, INFER_SETTINGS["prompts_file"].name)
 
 
 def _use_shipped_examples(args: argparse.Namespace) -> None:

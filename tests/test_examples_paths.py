@@ -63,3 +63,20 @@ def test_the_command_line_uses_a_local_examples_folder_as_given(tmp_path, monkey
 def test_the_app_options_come_first_or_say_so(capsys):
     assert main(["--self-test"]) == 2  # reached argparse: it was not the first word the launcher saw
     assert capsys.readouterr().err == "rigpilot: error: --self-test comes first, on its own: rigpilot --self-test [DIR]\n"
+
+
+def test_every_option_that_names_a_file_takes_the_shipped_example(tmp_path, monkeypatch, capsys):
+    """The train data and the prompts file as well as the model: their options' names come from the settings'
+    declarations, and a renamed one must still be looked at (the packaging test found --data left out once)."""
+    from rigpilot.engine.cli import _use_shipped_examples, build_parser
+
+    monkeypatch.chdir(tmp_path)
+    parser = build_parser()
+    train = parser.parse_args(["run", "train", "--model", TINY, "--data", "examples/data/shakespeare.txt",
+                               "--data", "mine.txt"])  # fmt: skip
+    _use_shipped_examples(train)
+    assert train.dataset == [str(EXAMPLES / "data/shakespeare.txt"), "mine.txt"]
+    infer = parser.parse_args(["run", "infer", "--model", TINY, "--prompts", "examples/data/chat.jsonl"])
+    _use_shipped_examples(infer)
+    assert infer.prompts_file == str(EXAMPLES / "data/chat.jsonl")
+    assert capsys.readouterr().err.count("using the example Rigpilot ships") == 4  # two models, two files
