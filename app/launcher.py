@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         return screenshots(Path(argv[1]))
     if argv:
         # Imported here: the CLI's modules (the engine's settings, its client) are not needed to open the app.
-        from rigpilot.engine import cli
+        from rigpilot.engine.cli import entry as cli
 
         return cli.main(argv)
     from rigpilot.app.main import main as run_app

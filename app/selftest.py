@@ -2,7 +2,7 @@
 
 Used by the package test after installing the .deb, and useful on a user's
 machine when something looks wrong. What it checks, in order (the help text,
-engine/cli.py SELF_TEST_HELP, and so the man page say the same):
+engine/cli/entry.py SELF_TEST_HELP, and so the man page say the same):
 
 1. the window starts on Qt's offscreen platform (Qt and its plugins load);
 2. it connects to the user's engine service, starting it if it is not running,

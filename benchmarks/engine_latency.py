@@ -5,7 +5,7 @@
 One job, a few steps of DDP training on the tiny example Llama over CPU
 ranks, run three ways in alternating rounds (the order rotates each round):
 
-- engine, warm: a fresh engine service whose warm worker (engine.service.warm)
+- engine, warm: a fresh engine service whose warm worker (engine.launch.warm)
   is ready; its ranks are forked from it with torch and transformers imported.
 - engine, cold: the same with RIGPILOT_WARM_WORKER=0 (every rank a new interpreter).
 - torchrun: `python -m torch.distributed.run --standalone --nproc-per-node N

@@ -81,7 +81,8 @@ def main() -> int:
 
 
 def measure(engine: subprocess.Popen, args: argparse.Namespace) -> None:
-    from rigpilot.engine.service import paths, protocol
+    from rigpilot.engine import paths
+    from rigpilot.engine.service import protocol
     from rigpilot.engine.service.client import EngineClient, EngineError
 
     with EngineClient(autostart=False, timeout=5) as c:

@@ -117,7 +117,7 @@ def run_engine(spec: dict[str, Any], warmup: int) -> tuple[dict[str, float], Pat
 
 
 def rank_environment(ranks: int, spec_env: dict[str, str]) -> dict[str, str]:
-    """What the service gives the ranks of a simulated job (engine.service.supervisor), less its own markers."""
+    """What the service gives the ranks of a simulated job (engine.jobs.supervisor), less its own markers."""
     env = dict(os.environ)
     for name in ("RIGPILOT_SIMULATE", "XDG_RUNTIME_DIR", "XDG_STATE_HOME", "XDG_CONFIG_HOME"):
         env.pop(name, None)
@@ -132,7 +132,7 @@ def rank_environment(ranks: int, spec_env: dict[str, str]) -> dict[str, str]:
 
 def run_plain(job_json: Path, ranks: int, warmup: int) -> dict[str, float]:
     """The same job.json under a bare torchrun, no service anywhere."""
-    from rigpilot.engine.service.metrics import read_records
+    from rigpilot.engine.jobs.metrics import read_records
 
     spec = json.loads(job_json.read_text())
     with tempfile.TemporaryDirectory(prefix="rpbench-plain") as tmp:

@@ -27,7 +27,7 @@ are given for the medians and for the best rounds (as timeit's minimum: on a
 shared machine the best round is the one least disturbed).
 
 For Rigpilot two figures: "reported", the job's tokens/s as the CLI and the
-GUI show it (engine.service.metrics.summarize over the ranks' metric files),
+GUI show it (engine.jobs.metrics.summarize over the ranks' metric files),
 and "true", measured from outside the worker: the tokens in
 output/results.jsonl over the generation's wall time, from the moment the
 last rank announced "generating" (no stage can run before every stage is
@@ -112,8 +112,8 @@ def run_generate(folder: Path, prompts: list[str], batch: int, new: int, threads
 def run_rigpilot(
     folder: Path, prompts: list[str], batch: int, new: int, layout: str, scratch: Path, threads: int
 ) -> dict[str, Any]:
+    from rigpilot.engine.jobs.metrics import read_records, summarize
     from rigpilot.engine.jobs.spec import JobSpec
-    from rigpilot.engine.service.metrics import read_records, summarize
 
     parallelism, ranks = LAYOUTS[layout]
     job_dir = Path(tempfile.mkdtemp(prefix=f"infer-{layout}-", dir=scratch))
@@ -125,7 +125,7 @@ def run_rigpilot(
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1",
                CUDA_VISIBLE_DEVICES="",
                RIGPILOT_METRICS_DIR=str(job_dir / "metrics"))  # fmt: skip
-    env["OMP_NUM_THREADS"] = str(max(1, threads // ranks))  # as engine.service.supervisor shares the cores
+    env["OMP_NUM_THREADS"] = str(max(1, threads // ranks))  # as engine.jobs.supervisor shares the cores
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
            "-m", "rigpilot.engine.workers", str(job_dir)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)

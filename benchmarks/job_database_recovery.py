@@ -18,9 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from rigpilot.engine.jobs.resilient_store import ResilientJobStore
 from rigpilot.engine.jobs.spec import JobSpec
-from rigpilot.engine.service.resilient_store import ResilientJobStore
-from rigpilot.engine.service.store import COMPLETED, QUEUED, JobRecord, JobStore
+from rigpilot.engine.jobs.store import COMPLETED, QUEUED, JobRecord, JobStore
 
 
 def timed(fn, n: int = 1) -> float:

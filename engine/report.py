@@ -24,7 +24,7 @@ Conventions the engine reads records by:
 - `step` counts optimizer steps; the job shows rank 0's `loss` (another rank's until rank 0 reports one).
 - `run` is added to every record: 1 for a job's first run, one more per resume (RIGPILOT_RUN). A resumed
   run repeats the steps after its checkpoint; readers keep the latest run's record of a step and mark
-  the earlier ones superseded (engine.service.metrics.mark_superseded).
+  the earlier ones superseded (engine.jobs.metrics.mark_superseded).
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ class Settings:
     # Rented machines the planner compares a job with: {name, gpu (a key of gpu_specs.json), gpus,
     # price_per_gpu_hour, currency}, as the user entered them; Rigpilot knows no market prices.
     rented_machines: list[dict[str, Any]] = field(default_factory=list)
-    # Keep a process with torch imported while the engine is idle, so jobs start sooner (engine.service.warm).
+    # Keep a process with torch imported while the engine is idle, so jobs start sooner (engine.launch.warm).
     warm_worker: bool = True
     warnings: list[str] = field(default_factory=list, repr=False, compare=False)
 

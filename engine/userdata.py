@@ -34,14 +34,14 @@ class Item:
 
 
 def runtime_dir() -> Path:
-    from rigpilot.engine.service.paths import runtime_dir as service_runtime_dir
+    from rigpilot.engine.paths import runtime_dir as service_runtime_dir
 
     return service_runtime_dir(create=False)
 
 
 def systemd_files() -> list[Path]:
     """The engine's systemd user unit (`rigpilot engine --install-systemd`) and the links enabling it."""
-    from rigpilot.engine.service.systemd import UNIT_NAME, unit_dir
+    from rigpilot.engine.launch.systemd import UNIT_NAME, unit_dir
 
     units = unit_dir()
     found = [units / UNIT_NAME]

@@ -5,7 +5,7 @@
 
 The page is generated, never edited, so it cannot drift from `rigpilot --help`:
 every command, nested command (`run train`), option, choice and default comes
-from `rigpilot.engine.cli.build_parser()`, the options the launcher acts on
+from `rigpilot.engine.cli.entry.build_parser()`, the options the launcher acts on
 before argparse (the self-test, the screenshots) included.
 """
 
@@ -167,7 +167,7 @@ def _aliases(path: list[str], name: str, aliases: list[str]) -> list[str]:
 
 def _app_options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
     """The options app/launcher.py acts on (the self-test, the screenshots): one synopsis line each."""
-    from rigpilot.engine.cli import APP_OPTIONS_TITLE
+    from rigpilot.engine.cli.entry import APP_OPTIONS_TITLE
 
     return [a for g in parser._action_groups if g.title == APP_OPTIONS_TITLE for a in g._group_actions]
 
@@ -208,7 +208,7 @@ def main() -> int:
     args = ap.parse_args()
     os.environ["COLUMNS"] = "80"
     from rigpilot.engine import __version__
-    from rigpilot.engine.cli import build_parser
+    from rigpilot.engine.cli.entry import build_parser
 
     text = render(build_parser(), __version__, _build_date())
     if re.search(r"[^\x00-\x7f]", text):

@@ -362,7 +362,7 @@ def real_plan_reply(machine: Machine) -> Callable[..., dict[str, Any]]:
 
 
 def accept_checks(link: FakeLink, max_cpu_ranks: int = 4) -> list[dict[str, Any]]:
-    """Make `check` answer as the engine does: the real submission path (engine.service.submission.prepare)
+    """Make `check` answer as the engine does: the real submission path (engine.jobs.submission.prepare)
     on the link's machine, creating nothing; a job it refuses fails with the refusal as an EngineError.
     Returns the list the checked requests go into."""
     checked: list[dict[str, Any]] = []
@@ -372,8 +372,8 @@ def accept_checks(link: FakeLink, max_cpu_ranks: int = 4) -> list[dict[str, Any]
         slurm: dict[str, Any] | None = None,
     ) -> dict[str, Any]:  # fmt: skip
         from rigpilot.engine.errors import UserError
-        from rigpilot.engine.service import slurm as slurm_jobs
-        from rigpilot.engine.service.submission import describe, prepare, would_run
+        from rigpilot.engine.jobs import slurm as slurm_jobs
+        from rigpilot.engine.jobs.submission import describe, prepare, would_run
 
         checked.append({"spec": spec, "plan": plan, "cwd": cwd, "slurm": slurm})
         try:

@@ -30,9 +30,10 @@ from pathlib import Path
 import pytest
 from test_service_engine import REPO, Engine, engine_home, leftover_job_processes
 
-from rigpilot.engine.cli import main as cli_main
+from rigpilot.engine import paths
+from rigpilot.engine.cli.entry import main as cli_main
 from rigpilot.engine.jobs.secrets import MASK
-from rigpilot.engine.service import paths, protocol
+from rigpilot.engine.service import protocol
 from rigpilot.engine.service.client import EngineError
 
 pytestmark = pytest.mark.slow

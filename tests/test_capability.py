@@ -9,11 +9,11 @@ import pytest
 from rigpilot.engine.capability import PIPELINE_TYPES, TENSOR_PARALLEL_TYPES, why_not
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.simulated import list_profiles, load_profile
+from rigpilot.engine.jobs.submission import describe, prepare
 from rigpilot.engine.layout import Layout
 from rigpilot.engine.models import describe_model
 from rigpilot.engine.planner.plan import LoraSettings, Parallelism, Workload
 from rigpilot.engine.planner.search import SearchOptions, search
-from rigpilot.engine.service.submission import describe, prepare
 
 REPO = Path(__file__).resolve().parents[1]
 SHAKESPEARE = REPO / "examples" / "data" / "shakespeare.txt"

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from rigpilot.engine.cli import main
+from rigpilot.engine.cli.entry import main
 
 
 def run(capsys, *argv):

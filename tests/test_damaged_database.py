@@ -33,13 +33,12 @@ from test_service_engine import (
     wait_for,
 )
 
-from rigpilot.engine.cli import main as cli_main
+from rigpilot.engine import paths
+from rigpilot.engine.cli.entry import main as cli_main
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.telemetry import GpuSample, TelemetrySample
-from rigpilot.engine.jobs.spec import JobSpec
-from rigpilot.engine.service import dbfile, job_folders, paths
-from rigpilot.engine.service.client import EngineClient
-from rigpilot.engine.service.resilient_store import (
+from rigpilot.engine.jobs import dbfile, job_folders
+from rigpilot.engine.jobs.resilient_store import (
     JOB_DATABASE_REBUILT,
     JOBS_PUT_BACK,
     TELEMETRY_RESET,
@@ -47,7 +46,8 @@ from rigpilot.engine.service.resilient_store import (
     ResilientJobStore,
     ResilientTelemetryStore,
 )
-from rigpilot.engine.service.store import (
+from rigpilot.engine.jobs.spec import JobSpec
+from rigpilot.engine.jobs.store import (
     CANCELLED,
     COMPLETED,
     FAILED,
@@ -57,6 +57,7 @@ from rigpilot.engine.service.store import (
     SCHEMA_VERSION,
     JobRecord,
 )
+from rigpilot.engine.service.client import EngineClient
 
 ASIDE = re.compile(r"^engine\.(damaged|newer|missing)-\d{8}-\d{6}(-\d+)?\.db$")
 

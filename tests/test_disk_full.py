@@ -27,14 +27,14 @@ from test_service_engine import (
 )
 
 from rigpilot.engine.diskspace import DiskFull, free_bytes, is_disk_full, no_room
+from rigpilot.engine.jobs import recovery
+from rigpilot.engine.jobs.conditions import Conditions
+from rigpilot.engine.jobs.runs import Run, run_outcome
 from rigpilot.engine.jobs.spec import JobSpec, TrainSettings
-from rigpilot.engine.service import recovery
+from rigpilot.engine.jobs.store import FAILED, QUEUED, RUNNING, JobRecord, JobStore
+from rigpilot.engine.jobs.submission import JOB_ROOM_BYTES, disk_need
+from rigpilot.engine.launch.rankexec import _record_state
 from rigpilot.engine.service.client import EngineError
-from rigpilot.engine.service.conditions import Conditions
-from rigpilot.engine.service.rankexec import _record_state
-from rigpilot.engine.service.runs import Run, run_outcome
-from rigpilot.engine.service.store import FAILED, QUEUED, RUNNING, JobRecord, JobStore
-from rigpilot.engine.service.submission import JOB_ROOM_BYTES, disk_need
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_LLAMA_CONFIG = REPO / "examples" / "models" / "tiny-llama" / "config.json"
@@ -134,8 +134,8 @@ def test_the_job_store_keeps_what_a_full_disk_refuses_and_writes_it_once_there_i
 def test_the_job_folders_copy_catches_up_when_the_held_changes_are_written(small_disk):
     # The folder's record.json missed the change for the same want of room; it is the copy a damaged
     # database is rebuilt from, so it must not stay behind once there is room.
-    from rigpilot.engine.service import job_folders
-    from rigpilot.engine.service.resilient_store import ResilientJobStore
+    from rigpilot.engine.jobs import job_folders
+    from rigpilot.engine.jobs.resilient_store import ResilientJobStore
 
     jobs = small_disk / "jobs"
     store = ResilientJobStore(small_disk / "engine.db", jobs)
@@ -365,7 +365,7 @@ def test_a_job_that_fills_its_disk_fails_in_one_line_and_resumes_from_its_last_c
 def test_an_engine_whose_state_folder_is_full_does_not_start_and_says_why_in_one_line(tmp_path, monkeypatch, capsys):
     from test_service_engine import engine_home
 
-    from rigpilot.engine.cli import main as cli_main
+    from rigpilot.engine.cli.entry import main as cli_main
 
     engine_home(tmp_path, monkeypatch)
     with mounted_tmpfs(tmp_path / "state", "4m") as state:

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from rigpilot.engine.service import energy
-from rigpilot.engine.service.energy import EnergyMeter, combine, cost, with_run
-from rigpilot.engine.service.metrics import MetricsSummary
+from rigpilot.engine.jobs import energy
+from rigpilot.engine.jobs.energy import EnergyMeter, combine, cost, with_run
+from rigpilot.engine.jobs.metrics import MetricsSummary
 from rigpilot.engine.settings import Settings, check_currency, check_price, check_rented_machine
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 from test_service_engine import engine, engine_home, gate, wait_for  # noqa: F401
 
-from rigpilot.engine.cli import main as cli_main
+from rigpilot.engine.cli.entry import main as cli_main
 from rigpilot.engine.settings import Settings
 
 TOKENS_SCRIPT = """

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from rigpilot.engine.cli import main
+from rigpilot.engine.cli.entry import main
 from rigpilot.engine.hardware.specs import load_specs, match_spec
 from rigpilot.engine.planner.rented import rented_machine
 from rigpilot.engine.settings import Settings

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from rigpilot.engine import __version__, provision, runtime
-from rigpilot.engine.cli import main as cli_main
+from rigpilot.engine.cli.entry import main as cli_main
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import shown
 
@@ -458,8 +458,8 @@ def test_remove_refuses_while_jobs_run_in_the_environment(xdg):
 def _rank_environment(tmp_path: Path) -> dict[str, str]:
     from rigpilot.engine.hardware.simulated import load_profile
     from rigpilot.engine.jobs.spec import JobSpec
-    from rigpilot.engine.service.store import QUEUED, JobRecord, JobStore
-    from rigpilot.engine.service.supervisor import Supervisor
+    from rigpilot.engine.jobs.store import QUEUED, JobRecord, JobStore
+    from rigpilot.engine.jobs.supervisor import Supervisor
 
     store = JobStore(tmp_path / "engine.db")
     sup = Supervisor(store, tmp_path / "jobs", load_profile("4x-rtx4090"))

@@ -12,10 +12,11 @@ from test_service_engine import Engine, engine_home, leftover_job_processes, raw
 from rigpilot.app.engine_link import CONNECTED, EngineLink
 from rigpilot.app.planner.page import PlannerPage
 from rigpilot.app.wizard.state import EXAMPLES, TINY_MODEL
+from rigpilot.engine import paths
 from rigpilot.engine.diskspace import DiskFull
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import PathRefused
-from rigpilot.engine.service import paths, protocol
+from rigpilot.engine.service import protocol
 from rigpilot.engine.service.client import EngineError
 
 TINY = str(EXAMPLES / TINY_MODEL)  # a 256-token context
@@ -133,7 +134,7 @@ def test_an_older_engines_error_still_gives_the_client_its_fields():
 
 
 def test_a_ranks_refusal_records_its_reason_and_fields(tmp_path, monkeypatch):
-    """A worker's refusal reaches the job's error record (engine.service.runs takes the rank's record as
+    """A worker's refusal reaches the job's error record (engine.jobs.runs takes the rank's record as
     the job's `error`) with its reason and fields, as the engine's own refusals reach clients."""
     import json
 

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from rigpilot.engine.cli import main
+from rigpilot.engine.cli.entry import main
 from rigpilot.engine.examples import EXAMPLES, shipped_example
 
 TINY = "examples/models/tiny-llama"
@@ -68,7 +68,7 @@ def test_the_app_options_come_first_or_say_so(capsys):
 def test_every_option_that_names_a_file_takes_the_shipped_example(tmp_path, monkeypatch, capsys):
     """The train data and the prompts file as well as the model: their options' names come from the settings'
     declarations, and a renamed one must still be looked at (the packaging test found --data left out once)."""
-    from rigpilot.engine.cli import _use_shipped_examples, build_parser
+    from rigpilot.engine.cli.entry import _use_shipped_examples, build_parser
 
     monkeypatch.chdir(tmp_path)
     parser = build_parser()

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from rigpilot.engine import userdata
-from rigpilot.engine.cli import main as cli_main
+from rigpilot.engine.cli.entry import main as cli_main
 
 REPO = Path(__file__).resolve().parents[1]
 

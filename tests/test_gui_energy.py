@@ -9,7 +9,7 @@ from test_gui_jobs import FakeJobs, open_job, open_page
 
 from rigpilot.app.jobs.detail import SUMMARY_TAB
 from rigpilot.app.jobs.energy_view import NO_PRICE, energy_rows
-from rigpilot.engine.service.energy import EnergyMeter, combine, cost
+from rigpilot.engine.jobs.energy import EnergyMeter, combine, cost
 
 
 def measured_energy() -> dict:

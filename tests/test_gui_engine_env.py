@@ -28,7 +28,7 @@ from rigpilot.app.engine_env.dialog import (
     validate_backend,
 )
 from rigpilot.app.settings.page import SettingsPage
-from rigpilot.engine.cli import build_parser
+from rigpilot.engine.cli.entry import build_parser
 
 FAKE_INSTALLER = r"""
 import json, sys, time

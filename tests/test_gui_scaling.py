@@ -15,7 +15,7 @@ from test_gui_job_results import a_training_job
 from test_gui_jobs import FakeJobs, open_job, open_page, step_record
 
 from rigpilot.app.jobs.detail import SUMMARY_TAB
-from rigpilot.engine.service import scaling
+from rigpilot.engine.jobs import scaling
 
 
 def a_study(states: tuple[str, str], measured: tuple[float | None, float | None]) -> dict[str, Any]:

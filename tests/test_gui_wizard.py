@@ -661,7 +661,7 @@ def test_a_model_folder_without_weights_offers_training_from_scratch(qtbot, sett
 
 
 def test_the_command_line_parses_with_the_real_cli():
-    from rigpilot.engine.cli import build_parser
+    from rigpilot.engine.cli.entry import build_parser
 
     state = state_from_plan(qlora_plan())
     state.dataset = [str(EXAMPLES / TINY_DATA)]

@@ -24,14 +24,14 @@ from rigpilot.engine.capability import (
     choose_infer_backend,
     vllm_why_not,
 )
-from rigpilot.engine.cli import main as cli_main
+from rigpilot.engine.cli.entry import main as cli_main
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.machine import Source
 from rigpilot.engine.hardware.simulated import load_profile
 from rigpilot.engine.jobs.limits import check_job_settings
 from rigpilot.engine.jobs.spec import InferSettings, JobSpec, Parallelism
+from rigpilot.engine.jobs.submission import describe, prepare
 from rigpilot.engine.layout import Layout
-from rigpilot.engine.service.submission import describe, prepare
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_LLAMA = REPO / "examples" / "models" / "tiny-llama"
@@ -116,8 +116,8 @@ def test_an_old_spec_without_a_backend_loads_as_auto_and_unknown_values_are_refu
 
 
 def test_the_cli_flag_reaches_the_spec_and_refuses_unknown_values(capsys) -> None:
-    from rigpilot.engine.cli import build_parser
-    from rigpilot.engine.service.commands import build_spec
+    from rigpilot.engine.cli.commands import build_spec
+    from rigpilot.engine.cli.entry import build_parser
 
     args = build_parser().parse_args(["run", "infer", "--model", "m", "--prompt", "hi", "--backend", "vllm"])
     assert build_spec(args)["infer"]["backend"] == "vllm"
@@ -171,7 +171,7 @@ def test_on_real_gpus_with_vllm_installed_the_job_is_one_process_under_the_plans
 
 
 def test_the_launcher_starts_one_process_for_a_vllm_job() -> None:
-    from rigpilot.engine.service.supervisor import on_vllm
+    from rigpilot.engine.jobs.supervisor import on_vllm
 
     spec = JobSpec(id="j", kind="infer", parallelism=Parallelism(tp=2), infer=InferSettings(backend="vllm"))
     assert on_vllm(spec)
@@ -280,7 +280,7 @@ def test_the_job_views_name_the_backend_of_an_inference_job() -> None:
 
 def test_the_service_still_never_imports_vllm_or_torch() -> None:
     code = (
-        "import sys, rigpilot.engine.service.server, rigpilot.engine.service.submission, rigpilot.engine.runtime; "
+        "import sys, rigpilot.engine.service.server, rigpilot.engine.jobs.submission, rigpilot.engine.runtime; "
         "print('vllm' in sys.modules, 'torch' in sys.modules)"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)

@@ -11,6 +11,7 @@ import pytest
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.simulated import load_profile
 from rigpilot.engine.jobs.spec import JobSpec
+from rigpilot.engine.jobs.submission import apply_plan_layout, parse_plan, prepare
 from rigpilot.engine.layout import Layout, accumulation_of_plan, given_settings
 from rigpilot.engine.planner.plan import (
     HostMemory,
@@ -22,7 +23,6 @@ from rigpilot.engine.planner.plan import (
     parallelism_from_dict,
 )
 from rigpilot.engine.planner.search import SearchOptions, _sharding_options
-from rigpilot.engine.service.submission import apply_plan_layout, parse_plan, prepare
 
 # --- validation ---------------------------------------------------------------------------------------------------
 
@@ -72,7 +72,7 @@ def test_the_clis_degrees_are_the_layouts_and_only_the_given_ones_are_sent() -> 
 
 
 def test_the_cli_refuses_a_degree_out_of_range_in_the_engines_words(capsys: pytest.CaptureFixture[str]) -> None:
-    from rigpilot.engine.cli import main
+    from rigpilot.engine.cli.entry import main
 
     code = main(["run", "train", "--model", "gpt2", "--data", "x.txt", "--tp", "1000", "--check"])
     err = capsys.readouterr().err

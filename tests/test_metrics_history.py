@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from rigpilot.engine.service.metrics import mark_superseded, read_records
+from rigpilot.engine.jobs.metrics import mark_superseded, read_records
 
 
 def test_report_numbers_the_run(tmp_path, monkeypatch):

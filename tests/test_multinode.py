@@ -25,7 +25,7 @@ from test_workers_jobs import losses as plain_losses
 from test_workers_jobs import run_job, write_job
 from test_workers_reference import CHAT, GLOBAL_BATCH, RECIPE, TINY_LLAMA_CONFIG, reference_run
 
-from rigpilot.engine.cli import main as cli_main
+from rigpilot.engine.cli.entry import main as cli_main
 from rigpilot.engine.service import tls
 from rigpilot.engine.service.client import EngineClient
 

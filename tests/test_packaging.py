@@ -177,7 +177,7 @@ def test_x11_wm_class_is_the_desktop_files(tmp_path):
 
 
 def test_man_page_comes_from_the_parsers_and_is_clean(tmp_path):
-    from rigpilot.engine.cli import build_parser
+    from rigpilot.engine.cli.entry import build_parser
 
     page = tmp_path / "rigpilot.1"
     r = run([sys.executable, str(REPO / "packaging" / "manpage.py"), "--out", str(page)],

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from rigpilot.engine.cli import main
+from rigpilot.engine.cli.entry import main
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.simulated import load_profile
 from rigpilot.engine.jobs.spec import JobSpec
@@ -160,7 +160,7 @@ def test_the_engine_keeps_its_machines_latest_calibration_for_its_planner(tmp_pa
     """A stored GPU calibration counts in the engine's plans; a finished calibrate job replaces it, labelled."""
     from test_service_engine import Engine, engine_home
 
-    from rigpilot.engine.service import paths
+    from rigpilot.engine import paths
 
     engine_home(tmp_path, monkeypatch)  # the simulated 4×RTX 4090
     gpu = h100_calibration(
@@ -221,7 +221,7 @@ def test_the_planner_page_says_whether_and_when_the_machine_was_calibrated(qtbot
 
 
 def test_plan_on_the_engines_machine_reads_the_engines_stored_calibration(capsys, tmp_path, monkeypatch):
-    from rigpilot.engine.service import paths
+    from rigpilot.engine import paths
 
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))

@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from rigpilot.engine.cli import main
+from rigpilot.engine.cli.entry import main
+from rigpilot.engine.cli.plan import parse_gpus, register, run_plan
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.machine import Host, Machine, Source
-from rigpilot.engine.planner.command import parse_gpus, register, run_plan
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -99,7 +99,7 @@ def test_parse_gpus():
 
 def test_planner_never_imports_torch():
     code = (
-        "import sys, rigpilot.engine.planner, rigpilot.engine.planner.command, rigpilot.engine.planner.search, rigpilot.engine.planner.export;"
+        "import sys, rigpilot.engine.planner, rigpilot.engine.cli.plan, rigpilot.engine.planner.search, rigpilot.engine.planner.export;"
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

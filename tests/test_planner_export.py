@@ -272,7 +272,7 @@ def test_an_export_that_cannot_express_the_best_plan_takes_the_next_and_says_so(
 @pytest.mark.parametrize("target", ["torchrun", "accelerate", "deepspeed", "slurm"])
 def test_plan_and_plan_export_are_one_search(capsys, target):
     """`plan --export X` searches as `plan` does: the same result, rejection figures included, plus the export."""
-    from rigpilot.engine.cli import main
+    from rigpilot.engine.cli.entry import main
 
     def run(*extra: str) -> dict:
         assert main(["plan", "--simulate", "4x-rtx4090", "--model", "llama-2-7b", "--json", *extra]) == 0
@@ -307,7 +307,7 @@ def test_the_gui_export_bar_writes_what_the_cli_exports(tmp_path):
 @pytest.mark.parametrize("profile", ["4x-rtx4090", "8x-h100-sxm"])
 def test_the_exported_script_flags_are_rigpilot_run_trains_own(profile):
     """The flags exports spell out parse with `rigpilot run train`'s own parser, to the plan's settings."""
-    from rigpilot.engine.cli import build_parser
+    from rigpilot.engine.cli.entry import build_parser
     from rigpilot.engine.planner.export import script_args
 
     for plan in [r for r in [result(profile).best, *result(profile).runners_up] if r is not None]:

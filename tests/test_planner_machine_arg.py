@@ -110,7 +110,7 @@ def test_the_engine_plans_for_the_machine_a_request_names(engine, smi_data):  # 
 
 def test_cpu_offload_on_off_auto_from_the_command_line(capsys):
     """The Planner's CPU offload choice is SearchOptions.offload; `rigpilot plan --offload` is the same knob."""
-    from rigpilot.engine.cli import main
+    from rigpilot.engine.cli.entry import main
 
     base = ["plan", "--simulate", "4x-rtx4090", "--model", "llama-2-7b", "--task", "train", "--json"]
     assert main([*base]) == 0

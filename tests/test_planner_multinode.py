@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from rigpilot.engine.cli import main as cli_main
+from rigpilot.engine.cli.entry import main as cli_main
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.simulated import load_profile
 from rigpilot.engine.models import describe_model

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from rigpilot.engine.cli.plan import render_text
 from rigpilot.engine.hardware.simulated import load_profile
 from rigpilot.engine.models.describe import describe_model
-from rigpilot.engine.planner.command import render_text
 from rigpilot.engine.planner.plan import LoraSettings, Plan, Workload, refusal
 from rigpilot.engine.planner.search import SearchOptions, search
 

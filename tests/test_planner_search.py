@@ -325,7 +325,7 @@ def test_equal_speed_zero2_and_fsdp_go_to_the_one_with_headroom():
 def test_the_table_states_the_order_it_has():
     import json as _json
 
-    from rigpilot.engine.planner.command import render_text
+    from rigpilot.engine.cli.plan import render_text
 
     r = search(LLAMA_7B, load_profile("8x-h100-sxm"), train(seq_len=4096, global_batch=32))
     text = "\n".join(render_text(r))
@@ -339,7 +339,7 @@ def test_the_table_states_the_order_it_has():
 
 
 def test_the_host_ram_line_asks_the_machine_whether_it_is_simulated_not_its_label():
-    from rigpilot.engine.planner.command import render_text
+    from rigpilot.engine.cli.plan import render_text
 
     machine = load_profile("8x-h100-sxm")
     r = search(LLAMA_7B, machine, train(seq_len=4096, global_batch=32))

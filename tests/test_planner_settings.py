@@ -10,7 +10,7 @@ import pytest
 from test_planner_search import llama, train
 
 from rigpilot.engine import capability, schema
-from rigpilot.engine.cli import build_parser
+from rigpilot.engine.cli.entry import build_parser
 from rigpilot.engine.hardware.simulated import load_profile
 from rigpilot.engine.jobs.spec import TRAIN_SETTINGS
 from rigpilot.engine.layout import Layout

@@ -11,17 +11,17 @@ from pathlib import Path
 
 import pytest
 
+from rigpilot.engine.cli.commands import _note, restart_lines
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.health import fault_of, gpu_faults
 from rigpilot.engine.hardware.nvml_backend import NvmlBackend
 from rigpilot.engine.hardware.nvml_replay import FakeNvml, idle_samples
 from rigpilot.engine.hardware.simulated import SimulatedBackend, load_profile
 from rigpilot.engine.hardware.telemetry import GpuSample, Tier
+from rigpilot.engine.jobs import recovery
 from rigpilot.engine.jobs.limits import check_job_settings
 from rigpilot.engine.jobs.spec import JobSpec, Parallelism, TrainSettings
-from rigpilot.engine.service import recovery
-from rigpilot.engine.service.commands import _note, restart_lines
-from rigpilot.engine.service.store import CANCELLED, COMPLETED, FAILED, QUEUED, JobRecord, JobStore
+from rigpilot.engine.jobs.store import CANCELLED, COMPLETED, FAILED, QUEUED, JobRecord, JobStore
 
 
 def train_spec(max_steps: int = 100, checkpoint_every: int = 50, **par: int) -> JobSpec:
@@ -253,8 +253,8 @@ def test_nvml_health_finds_a_lost_gpu_uncorrectable_ecc_and_hardware_xids():
 
 
 def test_the_cli_flag_reaches_the_spec_and_a_bad_value_is_one_line(capsys):
-    from rigpilot.engine.cli import build_parser, main
-    from rigpilot.engine.service.commands import build_spec
+    from rigpilot.engine.cli.commands import build_spec
+    from rigpilot.engine.cli.entry import build_parser, main
 
     args = build_parser().parse_args(["run", "script", "--max-restarts", "2", "--", "x.py"])
     assert build_spec(args)["max_restarts"] == 2

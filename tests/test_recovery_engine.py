@@ -25,7 +25,7 @@ from test_service_engine import (
     wait_for,
 )
 
-from rigpilot.engine.cli import main as cli_main
+from rigpilot.engine.cli.entry import main as cli_main
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""Scaling studies (engine.service.scaling, `rigpilot scaling`): the arithmetic, bad input, and a real study.
+"""Scaling studies (engine.jobs.scaling, `rigpilot scaling`): the arithmetic, bad input, and a real study.
 
 The real study runs the tiny example Llama on 1 and 2 simulated GPUs (CPU ranks) through a real engine and
 checks the table against the jobs' own metric files, read here without the study's code.
@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from rigpilot.engine.cli import main as cli_main
+from rigpilot.engine import paths
+from rigpilot.engine.cli.entry import main as cli_main
 from rigpilot.engine.errors import UserError
-from rigpilot.engine.service import paths, scaling
+from rigpilot.engine.jobs import scaling
 from tests.test_service_engine import REPO, Engine, engine_home, leftover_job_processes
 
 TINY = REPO / "examples" / "models" / "tiny-llama" / "config.json"
@@ -27,7 +28,7 @@ def step(rank: int, n: int, tps: float, dt: float) -> dict:
 
 def test_without_seq_a_study_trains_at_the_model_context_where_that_is_shorter_as_run_train_does(tmp_path):
     # The README's `rigpilot scaling --model examples/models/tiny-llama …` gives no --seq: its context is 256.
-    from rigpilot.engine.service.submission import default_seq_len
+    from rigpilot.engine.jobs.submission import default_seq_len
 
     assert default_seq_len(str(TINY.parent), None) == 256
     assert default_seq_len("tiny-llama", str(TINY.parents[1])) == 256  # a folder where the user stands

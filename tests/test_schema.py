@@ -10,7 +10,8 @@ import shlex
 import pytest
 
 from rigpilot.engine import schema
-from rigpilot.engine.cli import build_parser
+from rigpilot.engine.cli import commands
+from rigpilot.engine.cli.entry import build_parser
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.jobs import limits
 from rigpilot.engine.jobs.spec import (
@@ -22,7 +23,6 @@ from rigpilot.engine.jobs.spec import (
     TrainSettings,
 )
 from rigpilot.engine.schema import Choice, Range, declared, setting
-from rigpilot.engine.service import commands
 from rigpilot.engine.service.protocol import ProtocolError, parse_request
 
 # Fields that are not the user's to set: the engine writes them.

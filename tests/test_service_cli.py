@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from rigpilot.engine.cli import main as cli_main
+from rigpilot.engine.cli.entry import main as cli_main
 from rigpilot.engine.service.client import EngineError
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from test_service_engine import GATE_SCRIPT, engine, gate, wait_for  # noqa: F401 - the fixture
 
-from rigpilot.engine.cli import main as cli_main
+from rigpilot.engine.cli.entry import main as cli_main
 
 pytestmark = pytest.mark.slow
 

@@ -19,8 +19,9 @@ import psutil
 import pytest
 from test_service_engine import Engine, engine  # noqa: F401  (the fixture)
 
+from rigpilot.engine import paths
 from rigpilot.engine.jobs.spec import InferSettings, JobSpec, Parallelism, TrainSettings
-from rigpilot.engine.service import paths, protocol
+from rigpilot.engine.service import protocol
 
 pytestmark = pytest.mark.slow
 

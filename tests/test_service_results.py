@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from rigpilot.engine.cli import main as cli_main
+from rigpilot.engine.cli.entry import main as cli_main
 from rigpilot.engine.errors import UserError
+from rigpilot.engine.jobs.results import MAX_TEXT, check_name, describe_output, job_settings, read_results
 from rigpilot.engine.service import protocol
 from rigpilot.engine.service.client import EngineError
-from rigpilot.engine.service.results import MAX_TEXT, check_name, describe_output, job_settings, read_results
 from tests import test_service_engine as service
 from tests.test_service_engine import QUICK_SCRIPT, SHAKESPEARE, TINY_LLAMA
 

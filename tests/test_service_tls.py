@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 from test_service_engine import Engine
 
-from rigpilot.engine.cli import main as cli_main
-from rigpilot.engine.service import nodes, paths, pins, protocol, tls
+from rigpilot.engine import paths
+from rigpilot.engine.cli.entry import main as cli_main
+from rigpilot.engine.service import nodes, pins, protocol, tls
 from rigpilot.engine.service.client import EngineClient, EngineError, FingerprintMismatch
 
 OTHER_FINGERPRINT = "SHA256:" + "A" * 43

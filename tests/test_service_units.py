@@ -14,14 +14,14 @@ import pytest
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.simulated import load_profile
 from rigpilot.engine.hardware.telemetry import GpuSample, TelemetrySample
+from rigpilot.engine.jobs.metrics import PEAK_MEMORY_KEYS, MetricsSummary, read_records, summarize
+from rigpilot.engine.jobs.store import QUEUED, JobRecord, JobStore
+from rigpilot.engine.jobs.submission import describe, plan_prediction, prepare
+from rigpilot.engine.jobs.supervisor import _compare
+from rigpilot.engine.jobs.telemetry_store import TelemetryStore
 from rigpilot.engine.planner.plan import HostMemory, MemoryBreakdown, Parallelism, Plan, Timing, Workload
 from rigpilot.engine.service import protocol
-from rigpilot.engine.service.metrics import PEAK_MEMORY_KEYS, MetricsSummary, read_records, summarize
 from rigpilot.engine.service.protocol import ProtocolError
-from rigpilot.engine.service.store import QUEUED, JobRecord, JobStore
-from rigpilot.engine.service.submission import describe, plan_prediction, prepare
-from rigpilot.engine.service.supervisor import _compare
-from rigpilot.engine.service.telemetry_store import TelemetryStore
 
 
 def req(rtype, **args):
@@ -435,7 +435,7 @@ def test_job_store_adds_columns_for_new_fields_and_old_rows_read_as_defaults(tmp
 
 
 def test_a_jobs_wall_time_adds_up_its_runs():
-    from rigpilot.engine.service.supervisor import _wall_s
+    from rigpilot.engine.jobs.supervisor import _wall_s
 
     rec = JobRecord(id="ab12cd", seq=1, kind="train", name="x", state="completed", gpus=[0], ranks=1,
                     simulated=True, created=0.0, started=500.0, ended=520.0, run=2)  # fmt: skip
@@ -469,7 +469,7 @@ def test_telemetry_store_thins_old_samples_and_pages(tmp_path):
 
 def test_systemd_unit_keeps_jobs_alive_on_stop(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
-    from rigpilot.engine.service.systemd import install_unit
+    from rigpilot.engine.launch.systemd import install_unit
 
     path = install_unit()
     assert path == tmp_path / "systemd" / "user" / "rigpilot-engine.service"
@@ -478,8 +478,8 @@ def test_systemd_unit_keeps_jobs_alive_on_stop(tmp_path, monkeypatch):
 
 
 def test_install_systemd_uses_the_packaged_unit_when_rigpilot_is_the_package(tmp_path, monkeypatch, capsys):
-    from rigpilot.engine.cli import main
-    from rigpilot.engine.service import systemd
+    from rigpilot.engine.cli.entry import main
+    from rigpilot.engine.launch import systemd
 
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     shipped = tmp_path / "usr-lib" / systemd.UNIT_NAME
@@ -498,7 +498,7 @@ def test_install_systemd_uses_the_packaged_unit_when_rigpilot_is_the_package(tmp
 def test_runtime_dir_falls_back_to_a_private_tmp_folder(tmp_path, monkeypatch):
     monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
-    from rigpilot.engine.service.paths import runtime_dir
+    from rigpilot.engine.paths import runtime_dir
 
     d = runtime_dir()
     assert d == tmp_path / f"rigpilot-{os.getuid()}"
@@ -506,8 +506,8 @@ def test_runtime_dir_falls_back_to_a_private_tmp_folder(tmp_path, monkeypatch):
 
 
 def test_run_train_flags_become_the_job_spec():
-    from rigpilot.engine.cli import build_parser
-    from rigpilot.engine.service.commands import build_spec
+    from rigpilot.engine.cli.commands import build_spec
+    from rigpilot.engine.cli.entry import build_parser
 
     words = ["run", "train", "--model", "gpt2", "--data", "chat.jsonl", "--seq", "128", "--tp", "2"]
     spec = build_spec(build_parser().parse_args(words))
@@ -560,8 +560,8 @@ def test_a_simulated_plan_too_big_for_this_hosts_ram_says_so_without_refusing(su
 
 
 def test_run_flags_reach_the_job_spec():
-    from rigpilot.engine.cli import build_parser
-    from rigpilot.engine.service.commands import build_spec
+    from rigpilot.engine.cli.commands import build_spec
+    from rigpilot.engine.cli.entry import build_parser
 
     words = ["run", "train", "--model", "m", "--data", "d.txt", "--method", "qlora", "--pp", "2", "--pp-microbatches",
              "4", "--pp-schedule", "gpipe", "--precision", "fp32", "--checkpointing", "full", "--save-merged",

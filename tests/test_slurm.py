@@ -1,4 +1,4 @@
-"""engine.service.slurm without a cluster: SLURM's states in Rigpilot's words, the command lines it runs
+"""engine.jobs.slurm without a cluster: SLURM's states in Rigpilot's words, the command lines it runs
 (here or through ssh), one-line refusals, and the script the engine submits being the planner's export."""
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from dev_script import load_dev
 
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.simulated import load_profile
+from rigpilot.engine.jobs import slurm
 from rigpilot.engine.jobs.spec import JobSpec
+from rigpilot.engine.jobs.store import QUEUED, JobRecord, JobStore
+from rigpilot.engine.jobs.supervisor import Supervisor
 from rigpilot.engine.models.formulas import spec_from_config
 from rigpilot.engine.planner.export import slurm_script
 from rigpilot.engine.planner.plan import Plan, Workload
 from rigpilot.engine.planner.search import search
-from rigpilot.engine.service import slurm
-from rigpilot.engine.service.store import QUEUED, JobRecord, JobStore
-from rigpilot.engine.service.supervisor import Supervisor
 
 TINY_MODEL = Path(__file__).resolve().parents[1] / "examples" / "models" / "tiny-llama"
 
@@ -131,7 +131,7 @@ def test_the_submitted_script_is_the_planners_export(tmp_path, monkeypatch):
     py = "/e/bin/python"
     text = slurm.job_script(sup, rec, spec, job_dir, py)
     env = slurm.job_environment(sup, rec, spec, job_dir, py)
-    command = [py, "-u", "-m", "rigpilot.engine.service.rankexec", str(job_dir), "--", py, "-u", "-m",
+    command = [py, "-u", "-m", "rigpilot.engine.launch.rankexec", str(job_dir), "--", py, "-u", "-m",
                "rigpilot.engine.workers", str(job_dir)]  # fmt: skip
     assert text == slurm_script(
         Plan.from_dict(plan.to_dict()), command=command, env=env, ranks_per_node=2, gpus_per_node=0,
@@ -160,7 +160,7 @@ def test_without_slurm_the_tests_say_in_one_line_why_they_skip_and_how_to_get_it
 
 
 def test_slurm_flags_without_slurm_are_named(capsys):
-    from rigpilot.engine.cli import main as cli_main
+    from rigpilot.engine.cli.entry import main as cli_main
 
     assert cli_main(["run", "train", "--model", "x", "--time", "10"]) == 2
     assert (

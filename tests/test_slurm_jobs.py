@@ -18,7 +18,7 @@ import pytest
 from slurm_cluster import PARTITION, cluster
 from test_service_engine import Engine, engine_home, leftover_job_processes, wait_for
 
-from rigpilot.engine.cli import main as cli_main
+from rigpilot.engine.cli.entry import main as cli_main
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_MODEL = REPO / "examples" / "models" / "tiny-llama"
@@ -72,7 +72,7 @@ def test_a_slurm_job_completes_with_its_loss_and_a_cancelled_one_is_cancelled_in
     # The script SLURM runs is the planner's export with this job's command and environment.
     script = Path(first["slurm"]["script"]).read_text()
     assert "#SBATCH --ntasks-per-node=2" in script and f"#SBATCH --partition={PARTITION}" in script
-    assert "rigpilot.engine.service.rankexec" in script and "#SBATCH --time=10" in script
+    assert "rigpilot.engine.launch.rankexec" in script and "#SBATCH --time=10" in script
     shown = slurm.run(["scontrol", "show", "job", slurm_id]).stdout
     assert "NumTasks=2" in shown and f"Partition={PARTITION}" in shown, shown
 

@@ -1,4 +1,4 @@
-"""The warm worker (engine.service.warm): ranks forked with torch imported, start-up phases, who may use it.
+"""The warm worker (engine.launch.warm): ranks forked with torch imported, start-up phases, who may use it.
 
 The end-to-end test runs one engine with its warm worker and one plain torchrun
 job to compare with; the rest are quick checks of the pieces.
@@ -23,9 +23,10 @@ import pytest
 from test_service_engine import Engine, engine_home, leftover_job_processes, wait_for
 from test_workers_jobs import LLAMA_TRAIN, TINY_LLAMA_CONFIG, losses, run_job, write_job
 
-from rigpilot.engine.service import commands, warm
-from rigpilot.engine.service.metrics import MetricsSummary
-from rigpilot.engine.service.supervisor import startup_phase
+from rigpilot.engine.cli import commands
+from rigpilot.engine.jobs.metrics import MetricsSummary
+from rigpilot.engine.jobs.supervisor import startup_phase
+from rigpilot.engine.launch import warm
 
 TRAIN = {**LLAMA_TRAIN, "max_steps": 4, "eval_every": 0, "checkpoint_every": 0}
 
@@ -66,8 +67,8 @@ def test_the_app_shows_the_start_up_phase_of_a_starting_job():
 
 def test_no_warm_worker_when_turned_off(tmp_path, monkeypatch):
     from rigpilot.engine.hardware.simulated import load_profile
-    from rigpilot.engine.service.store import JobStore
-    from rigpilot.engine.service.supervisor import Supervisor, SupervisorOptions
+    from rigpilot.engine.jobs.store import JobStore
+    from rigpilot.engine.jobs.supervisor import Supervisor, SupervisorOptions
 
     engine_home(tmp_path, monkeypatch)
     started: list[str] = []

@@ -429,7 +429,7 @@ def prompts_file(root: Path) -> Path:
 def test_sharded_greedy_generation_equals_the_unsplit_model(
     root: Path, random_llama: Path, prompts_file: Path, parallelism: dict[str, int], batch_size: int
 ) -> None:
-    from rigpilot.engine.service.metrics import summarize
+    from rigpilot.engine.jobs.metrics import summarize
 
     name = "infer-" + "-".join(parallelism) + f"-b{batch_size}"
     job = infer_job(root, name, random_llama, parallelism, prompts_file, batch_size)

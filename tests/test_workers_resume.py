@@ -29,10 +29,10 @@ from test_workers_jobs import (
     write_job,
 )
 
+from rigpilot.engine.jobs.runs import run_outcome
 from rigpilot.engine.jobs.spec import JobSpec
-from rigpilot.engine.service.runs import run_outcome
-from rigpilot.engine.service.store import CANCELLED, COMPLETED
-from rigpilot.engine.service.supervisor import _trained_every_step
+from rigpilot.engine.jobs.store import CANCELLED, COMPLETED
+from rigpilot.engine.jobs.supervisor import _trained_every_step
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ import numpy as np
 from rigpilot.app.widgets.ring_buffer import RingBuffer
 from rigpilot.engine.hardware.machine import Machine
 from rigpilot.engine.hardware.telemetry import SLOW_FIELDS
-from rigpilot.engine.service.store import ACTIVE_STATES
+from rigpilot.engine.jobs.store import ACTIVE_STATES
 
 GIB = 1024**3
 HISTORY_SECONDS = 3600

@@ -1,6 +1,6 @@
 """The "Energy and cost" section of a job's Summary: what its GPUs drew, what that cost, tokens per kWh.
 
-The figures are the engine's (`energy` and `energy_cost` of the job answer, engine/service/energy.py);
+The figures are the engine's (`energy` and `energy_cost` of the job answer, engine/jobs/energy.py);
 this only words them.
 """
 
@@ -12,7 +12,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QFormLayout, QLabel, QVBoxLayout, QWidget
 
 from rigpilot.app.widgets.form_row import form_texts
-from rigpilot.engine.service.energy import format_kwh, format_money
+from rigpilot.engine.jobs.energy import format_kwh, format_money
 
 NO_PRICE = "Set your electricity price in Settings (Prices) to see what it cost."
 

@@ -18,7 +18,7 @@ from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QPush
 from rigpilot.app.widgets.palette import BAD, tint
 from rigpilot.app.widgets.units import gib
 from rigpilot.engine.diskspace import human_size
-from rigpilot.engine.service.store import FAILED, INTERRUPTED
+from rigpilot.engine.jobs.store import FAILED, INTERRUPTED
 
 GENERIC_OOM_FIX = (
     "re-plan the job on the Planner page for this machine, or turn on activation checkpointing "

@@ -19,8 +19,8 @@ from rigpilot.app.jobs.slurm_state import slurm_detail, slurm_state_text
 from rigpilot.app.widgets.palette import BAD, GOOD, WARN, tint
 from rigpilot.app.widgets.table_model import ColumnsModel, Index
 from rigpilot.app.widgets.units import NA
+from rigpilot.engine.jobs.store import COMPLETED, FAILED, INTERRUPTED, QUEUED, RUNNING, STARTING
 from rigpilot.engine.schema import UNFINISHED_STATES, JobState
-from rigpilot.engine.service.store import COMPLETED, FAILED, INTERRUPTED, QUEUED, RUNNING, STARTING
 
 STATES = tuple(s.value for s in JobState)
 ACTIVE = tuple(s.value for s in UNFINISHED_STATES)  # not ended yet

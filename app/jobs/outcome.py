@@ -2,7 +2,7 @@
 which model a "use this model" action takes, and how the settings of runs differ. Plain Python, no Qt.
 
 It reads the engine's `job` answer (`settings`: the job's spec; `output`: what its output folder holds,
-engine/service/results.py) and the job's metric series.
+engine/jobs/results.py) and the job's metric series.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from rigpilot.app.jobs.model import duration
 from rigpilot.app.widgets.units import si
 from rigpilot.engine.capability import backend_words
 from rigpilot.engine.jobs.spec import SETTINGS
-from rigpilot.engine.service.store import COMPLETED
+from rigpilot.engine.jobs.store import COMPLETED
 
 # A rise this far above the best eval loss, held for the last RISING_EVALS evals, is flagged.
 RISING_MARGIN = 0.02

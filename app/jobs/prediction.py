@@ -1,7 +1,7 @@
 """The plan's predictions beside what the job measures: peak memory per GPU, tokens/s, step time.
 
 Predictions come with the job record when a plan was attached at submission
-(`predicted`, engine/service/submission.py); measurements from the job's own
+(`predicted`, engine/jobs/submission.py); measurements from the job's own
 metrics (`JobSeries.measured`), so they move while the job runs.
 """
 

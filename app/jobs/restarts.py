@@ -2,7 +2,7 @@
 line per restart naming the cause, the checkpoint it resumed from and the GPUs left out.
 
 The engine records each restart in the job (`restarts`: {time, run, cause, from_step, left_out_gpus,
-notes}, and `max_restarts`, engine.service.recovery); `timeline_of` turns that into what is drawn, with
+notes}, and `max_restarts`, engine.jobs.recovery); `timeline_of` turns that into what is drawn, with
 no Qt, and `RestartTimeline` draws it.
 """
 

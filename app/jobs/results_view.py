@@ -1,6 +1,6 @@
 """An inference job's prompts and completions: a table to read, copy (Ctrl+C: the selected rows) and export.
 
-The completions come from the engine's `results` request (engine/service/results.py), paged;
+The completions come from the engine's `results` request (engine/jobs/results.py), paged;
 above them the job's generated tokens/s and the peak memory each rank reached.
 """
 

@@ -1,6 +1,6 @@
 """'How does this scale?': a finished training job's scaling study, started, followed, drawn and exported.
 
-The engine runs the study (engine.service.scaling: one planned job per GPU count) and computes its table;
+The engine runs the study (engine.jobs.scaling: one planned job per GPU count) and computes its table;
 this panel only asks for it, polls it while it runs, and shows the engine's rows with the engine's own
 formatting (`scaling.cells`), so the app and `rigpilot scaling` never disagree.
 """
@@ -29,7 +29,7 @@ from PySide6.QtWidgets import (
 
 from rigpilot.app.widgets.palette import apply_plot_theme, series_color
 from rigpilot.engine.errors import UserError
-from rigpilot.engine.service import scaling
+from rigpilot.engine.jobs import scaling
 
 POLL_MS = 1000
 

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from rigpilot.app.widgets.ring_buffer import RingBuffer
-from rigpilot.engine.service.metrics import PEAK_MEMORY_KEYS
+from rigpilot.engine.jobs.metrics import PEAK_MEMORY_KEYS
 
 GIB = 1024**3
 CHART_RANK = 0

@@ -1,10 +1,10 @@
-"""How the Jobs page names a job that SLURM runs: its queue state beside Rigpilot's (engine.service.slurm)."""
+"""How the Jobs page names a job that SLURM runs: its queue state beside Rigpilot's (engine.jobs.slurm)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from rigpilot.engine.service.slurm import describe
+from rigpilot.engine.jobs.slurm import describe
 
 
 def slurm_state_text(job: dict[str, Any]) -> str:

@@ -18,7 +18,7 @@ from rigpilot.app.topology.model import build_graph, gpu_model, gpu_title
 from rigpilot.app.widgets.engine_messages import machine_dict
 from rigpilot.app.widgets.palette import WARN
 from rigpilot.engine.hardware.machine import Machine
-from rigpilot.engine.service.store import ACTIVE_STATES
+from rigpilot.engine.jobs.store import ACTIVE_STATES
 
 GIB = 1024**3
 

@@ -40,7 +40,7 @@ from rigpilot.app.widgets.palette import BAD
 from rigpilot.engine.hardware.importers import import_machine
 from rigpilot.engine.hardware.machine import Machine
 from rigpilot.engine.hardware.topology import describe
-from rigpilot.engine.service.store import ACTIVE_STATES
+from rigpilot.engine.jobs.store import ACTIVE_STATES
 
 IMPORT_FILTER = "nvidia-smi output (*.txt *.xml *.log *.out);;All files (*)"
 CHOICE_WIDTH = 28  # characters a machine list shows before eliding; the tooltip has the whole name

@@ -80,7 +80,7 @@ def describe_state(s: WizardState, machine_label: str = "") -> list[str]:
 
 def check_lines(reply: dict[str, Any]) -> list[str]:
     """The engine's `check` answer as the lines shown on Review: what it would run, its notes included
-    (engine.service.submission.describe words them; adding `would_run.notes` again showed each twice)."""
+    (engine.jobs.submission.describe words them; adding `would_run.notes` again showed each twice)."""
     return [str(line) for line in reply.get("lines") or []]
 
 

@@ -27,10 +27,10 @@ from rigpilot.engine.jobs.spec import (
     JobSpec,
     TrainSettings,
 )
+from rigpilot.engine.jobs.store import ACTIVE_STATES
 from rigpilot.engine.layout import Layout
 from rigpilot.engine.planner.plan import parallelism_from_dict
 from rigpilot.engine.schema import ADAPTER_METHODS, FINE_TUNE_METHODS, InferBackend, Setting, flag_words, setting_words
-from rigpilot.engine.service.store import ACTIVE_STATES
 
 TINY_MODEL = "models/tiny-llama"
 TINY_DATA = "data/shakespeare.txt"

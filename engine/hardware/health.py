@@ -1,6 +1,6 @@
 """Whether a GPU may take part in a job again: fallen off the bus, uncorrectable ECC errors, hardware XIDs.
 
-Automatic recovery (engine.service.recovery) leaves such a GPU out when it restarts a job. The
+Automatic recovery (engine.jobs.recovery) leaves such a GPU out when it restarts a job. The
 judgement is made from the fields a telemetry sample already carries (`health`, `ecc_uncorrected`,
 `xid`), so NVML, the simulated machine and a replayed recording are judged alike; each backend's
 `health()` fills those fields freshly, on the caller's thread, for every GPU.

@@ -298,7 +298,7 @@ class JobSpec:
     script: list[str] | None = None  # argv of a user script: ["path/to/script.py", "--flag", ...]
     env: dict[str, str] = field(default_factory=dict)
     resume: bool = False  # continue from the newest complete checkpoint
-    # Automatic restarts after a rank fails (engine.service.recovery); None: the default policy, 0: never.
+    # Automatic restarts after a rank fails (engine.jobs.recovery); None: the default policy, 0: never.
     max_restarts: int | None = setting(
         None,
         flags="--max-restarts",

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-RANKEXEC_MODULE = "rigpilot.engine.service.rankexec"
+RANKEXEC_MODULE = "rigpilot.engine.launch.rankexec"
 WORKERS_MODULE = "rigpilot.engine.workers"
 
 

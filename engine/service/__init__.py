@@ -1,11 +1,10 @@
-"""The engine service: one headless process per user that runs jobs and serves telemetry.
+"""The engine service's socket layer: one headless process per user that serves clients.
 
-Clients (the GUI, the CLI) talk to it over a Unix socket with versioned JSON
-messages (`protocol`). It keeps jobs in SQLite and a folder per job (`store`),
-launches and watches them through torchrun (`supervisor`), persists telemetry
-(`telemetry_store`) and serves metrics straight from the rank files (`metrics`).
+Clients (the GUI, the CLI) talk to it over a Unix socket (or TLS) with versioned JSON messages (`protocol`,
+`client`, `server`, `tls`, `pins`); `nodes` keeps the other engines this one may work with and `multinode`
+runs a job across them; `planworker` runs the planner out of process. The jobs themselves (state machine,
+records, metrics, recovery) live in `rigpilot.engine.jobs`, how ranks start in `rigpilot.engine.launch`.
 
 This package never imports torch: the service must start fast and stay small;
-torch lives only in the job processes it starts. Keep this file free of imports
-because every job rank imports `rigpilot.engine.service.rankexec` at start.
+torch lives only in the job processes it starts.
 """

@@ -33,9 +33,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from rigpilot.engine import paths
 from rigpilot.engine.diskspace import disk_full, no_room
 from rigpilot.engine.errors import UserError
-from rigpilot.engine.service import paths, pins, protocol, tls
+from rigpilot.engine.service import pins, protocol, tls
 
 _IDEMPOTENT = frozenset(
     {"hello", "machine", "topology", "telemetry_history", "jobs", "job", "logs", "metrics", "cancel", "plan"}

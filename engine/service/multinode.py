@@ -41,13 +41,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rigpilot.engine import __version__
+from rigpilot.engine import __version__, paths
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import FOLDER, PathRefused, check_given_path, is_given_folder, open_given_file, shown
-from rigpilot.engine.service import nodes as registry
-from rigpilot.engine.service import paths, protocol, submission
-from rigpilot.engine.service.conditions import Conditions
-from rigpilot.engine.service.store import (
+from rigpilot.engine.jobs import submission
+from rigpilot.engine.jobs.conditions import Conditions
+from rigpilot.engine.jobs.store import (
     ACTIVE_STATES,
     CANCELLED,
     COMPLETED,
@@ -56,6 +55,8 @@ from rigpilot.engine.service.store import (
     TERMINAL_STATES,
     JobRecord,
 )
+from rigpilot.engine.service import nodes as registry
+from rigpilot.engine.service import protocol
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import json
 import threading
 from pathlib import Path
 
+from rigpilot.engine import paths
 from rigpilot.engine.errors import UserError
-from rigpilot.engine.service import paths
 from rigpilot.engine.settings import config_dir
 
 PINS_FILE = "known-engines.json"

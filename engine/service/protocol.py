@@ -28,7 +28,7 @@ itself that its user should hear of, each told once to each client name given in
 (`{"event": "notice", "notice": {...}}`). Codes: `job_database_rebuilt` (engine.db could not serve
 or was missing; fields path, cause, reason, moved_to, in_memory, jobs, damaged), `jobs_put_back` (a sound engine.db was
 behind the job folders: jobs put back or brought up to date from their record.json),
-`telemetry_reset` (telemetry.db could not serve; history starts again); see engine.service.resilient_store.
+`telemetry_reset` (telemetry.db could not serve; history starts again); see engine.jobs.resilient_store.
 
 A path the request names that cannot be what it must be (missing, a FIFO or device, a name past
 NAME_MAX, a path past PATH_MAX: engine.given_path) is refused as `bad_path`, with the `path` as
@@ -90,7 +90,7 @@ has `settings`, the job's spec without its environment, and `output`, what its o
           (nodes and node_add list each node's pinned certificate `fingerprint`)
     scaling_start {gpus: [counts], job? | model, dataset?, method?, precision?, seq_len?, global_batch?, micro_batch?, steps?,
           warmup?, trust_remote_code?, cwd?} → {study}: plans each count and submits one training job per
-          count (engine.service.scaling); a study that cannot run is refused in one line and submits nothing
+          count (engine.jobs.scaling); a study that cannot run is refused in one line and submits nothing
     scaling_study {study}                   → {study}: with each point's state, measurement, `table` and `notes`
     scaling_studies {job?}                  → {studies}: newest first; job: only those repeating that job
     scaling_cancel {study}                  → {study}: its jobs that have not ended are cancelled; measured points stay
@@ -303,7 +303,7 @@ REQUEST_SCHEMAS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
             "node_machines": Annotated[list[Text | dict[str, Any]], Limit(max_len=64)] | None,
         },
     ),
-    # slurm: {partition?, account?, time?, login?} submits the job to SLURM with sbatch (engine.service.slurm).
+    # slurm: {partition?, account?, time?, login?} submits the job to SLURM with sbatch (engine.jobs.slurm).
     # nodes: engines the job spans ("local" and names from the node registry); shared_dir: their common folder.
     "submit": ({"spec": dict[str, Any]}, {"plan": dict[str, Any] | None, "cwd": Path_ | None,
                                           "slurm": dict[str, Any] | None, "nodes": NodeNames,
@@ -348,7 +348,7 @@ REQUEST_SCHEMAS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "unsubscribe": ({}, {"topics": Topics}),
     "shutdown": ({}, {}),
     "reload_machine": ({}, {"simulated_profile": Text}),
-    # Scaling studies (engine.service.scaling): the same training on 1, 2, 4 … GPUs, one job per count.
+    # Scaling studies (engine.jobs.scaling): the same training on 1, 2, 4 … GPUs, one job per count.
     "scaling_start": (
         {"gpus": Annotated[list[Annotated[int, Limit(1, 4096)]], Limit(max_len=8)]},
         {

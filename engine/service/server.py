@@ -58,23 +58,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rigpilot.engine import __version__
+from rigpilot.engine import __version__, paths
 from rigpilot.engine.diskspace import disk_full, is_disk_full, no_room
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.discovery import open_backend
 from rigpilot.engine.hardware.sampler import Sampler
 from rigpilot.engine.hardware.simulated import SimulatedBackend
-from rigpilot.engine.service import calibration_store, nodes, paths, protocol, tls
-from rigpilot.engine.service.conditions import Conditions
-from rigpilot.engine.service.metrics import read_records
+from rigpilot.engine.jobs import calibration_store
+from rigpilot.engine.jobs.conditions import Conditions
+from rigpilot.engine.jobs.metrics import read_records
+from rigpilot.engine.jobs.resilient_store import Recovery, ResilientJobStore, ResilientTelemetryStore
+from rigpilot.engine.jobs.results import RESULTS_FILE, read_results
+from rigpilot.engine.jobs.scaling import Studies
+from rigpilot.engine.jobs.store import ALL_STATES, COMPLETED
+from rigpilot.engine.jobs.supervisor import Supervisor, SupervisorOptions
+from rigpilot.engine.service import nodes, protocol, tls
 from rigpilot.engine.service.multinode import MultiNode
 from rigpilot.engine.service.planworker import ClientGone, PlannerBug, PlannerPool, PlanTimeout
 from rigpilot.engine.service.protocol import ProtocolError, Request
-from rigpilot.engine.service.resilient_store import Recovery, ResilientJobStore, ResilientTelemetryStore
-from rigpilot.engine.service.results import RESULTS_FILE, read_results
-from rigpilot.engine.service.scaling import Studies
-from rigpilot.engine.service.store import ALL_STATES, COMPLETED
-from rigpilot.engine.service.supervisor import Supervisor, SupervisorOptions
 
 log = logging.getLogger(__name__)
 

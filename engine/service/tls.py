@@ -46,8 +46,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rigpilot.engine import paths
 from rigpilot.engine.errors import UserError
-from rigpilot.engine.service import paths
 
 CERT_FILE = "engine-cert.pem"
 KEY_FILE = "engine-key.pem"

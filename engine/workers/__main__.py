@@ -54,7 +54,7 @@ def _stop_now(signum: int, frame: Any) -> None:
 def _import_phases() -> None:
     """Report the start-up phases the job view shows while torch and transformers are imported.
 
-    A rank forked by the warm worker (engine.service.warm) has them imported already and passes both at once.
+    A rank forked by the warm worker (engine.launch.warm) has them imported already and passes both at once.
     """
     report(kind="status", phase="importing", module="torch")
     import torch  # noqa: F401

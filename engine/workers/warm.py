@@ -1,8 +1,8 @@
-"""`python -m rigpilot.engine.workers.warm SOCKET`: the warm worker itself (see engine.service.warm).
+"""`python -m rigpilot.engine.workers.warm SOCKET`: the warm worker itself (see engine.launch.warm).
 
 Imports torch, transformers and the worker modules, then forks a rank for
 each request from this user's rankexec; the protocol, the checks and the
-engine's handle on this process live in engine.service.warm.
+engine's handle on this process live in engine.launch.warm.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rigpilot.engine.service.warm import (
+from rigpilot.engine.launch.warm import (
     PREIMPORT,
     WORKER_MODULE,
     _decline,
@@ -275,7 +275,7 @@ def _accept(
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python -m rigpilot.engine.service.warm SOCKET", file=sys.stderr)
+        print("usage: python -m rigpilot.engine.launch.warm SOCKET", file=sys.stderr)
         return 2
     return serve(Path(argv[0]))
 

@@ -25,17 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from rigpilot.engine import paths
 from rigpilot.engine.errors import UserError
+from rigpilot.engine.jobs import recovery
 from rigpilot.engine.jobs import secrets as job_secrets
+from rigpilot.engine.jobs.metrics import summarize
+from rigpilot.engine.jobs.runs import Run, log_tail, max_steps_of, newest_checkpoint, run_outcome
 from rigpilot.engine.jobs.spec import JobSpec
-from rigpilot.engine.launch.torchrun import rank_target, rankexec_command
-from rigpilot.engine.planner.export import check_slurm_options, slurm_script
-from rigpilot.engine.planner.plan import Plan
-from rigpilot.engine.runtime import worker_python
-from rigpilot.engine.service import paths, recovery
-from rigpilot.engine.service.metrics import summarize
-from rigpilot.engine.service.runs import Run, log_tail, max_steps_of, newest_checkpoint, run_outcome
-from rigpilot.engine.service.store import (
+from rigpilot.engine.jobs.store import (
     CANCELLED,
     COMPLETED,
     FAILED,
@@ -46,9 +43,13 @@ from rigpilot.engine.service.store import (
     JobRecord,
     JobStore,
 )
+from rigpilot.engine.launch.torchrun import rank_target, rankexec_command
+from rigpilot.engine.planner.export import check_slurm_options, slurm_script
+from rigpilot.engine.planner.plan import Plan
+from rigpilot.engine.runtime import worker_python
 
 if TYPE_CHECKING:
-    from rigpilot.engine.service.submission import Submission
+    from rigpilot.engine.jobs.submission import Submission
 
 log = logging.getLogger(__name__)
 
@@ -247,7 +248,7 @@ def _first_error(text: str, rc: int, login: str | None) -> str:
 
 
 class Supervisor(Protocol):
-    """The supervisor as its SLURM half uses it (engine.service.supervisor.Supervisor, which imports this
+    """The supervisor as its SLURM half uses it (engine.jobs.supervisor.Supervisor, which imports this
     module: naming that class here would make the two import each other)."""
 
     store: JobStore
@@ -353,7 +354,7 @@ def _plan(job_dir: Path) -> Plan | None:
 
 
 def _plan_from(data: Any) -> Plan | None:
-    from rigpilot.engine.service.submission import plan_of
+    from rigpilot.engine.jobs.submission import plan_of
 
     try:
         return Plan.from_dict(plan_of(data) or {})

@@ -18,12 +18,12 @@ from rigpilot.engine.argtypes import positive_int, read_json_object
 from rigpilot.engine.capability import backend_words
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import EITHER, FOLDER, check_given_path, open_given_file, shown
+from rigpilot.engine.jobs import scaling
+from rigpilot.engine.jobs.metrics import mark_superseded
 from rigpilot.engine.jobs.secrets import shown_text
 from rigpilot.engine.jobs.spec import INFER_SETTINGS, JOB_SETTINGS, TRAIN_SETTINGS
 from rigpilot.engine.layout import SCHEDULES, Layout, given_settings, schedule_name
 from rigpilot.engine.schema import ACTIVE_STATES, TERMINAL_STATES, add_option, add_options, given
-from rigpilot.engine.service import scaling
-from rigpilot.engine.service.metrics import mark_superseded
 from rigpilot.engine.terminal import printable
 
 TERMINAL = TERMINAL_STATES
@@ -295,7 +295,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
         print(tls.load_or_create_identity().fingerprint)  # alone on its line: scripts compare it as it is
         return 0
     if args.install_systemd:
-        from rigpilot.engine.service.systemd import enable_hint, install_unit, packaged_unit
+        from rigpilot.engine.launch.systemd import enable_hint, install_unit, packaged_unit
 
         shipped = packaged_unit()
         if shipped is not None:
@@ -477,7 +477,7 @@ def follow(client: Any, job_id: str) -> int:
 
 def _waiting(job: dict[str, Any]) -> str:
     if job.get("slurm"):
-        from rigpilot.engine.service.slurm import describe
+        from rigpilot.engine.jobs.slurm import describe
 
         return f" ({describe(job['slurm'])})"
     busy = job.get("waiting_for")
@@ -589,7 +589,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 
 
 def _energy_cell(j: dict[str, Any]) -> str:
-    from rigpilot.engine.service.energy import format_kwh
+    from rigpilot.engine.jobs.energy import format_kwh
 
     e = j.get("energy") or {}
     if "kwh" not in e:
@@ -599,7 +599,7 @@ def _energy_cell(j: dict[str, Any]) -> str:
 
 def _note(j: dict[str, Any]) -> str:
     if j.get("slurm") and j["state"] not in TERMINAL:
-        from rigpilot.engine.service.slurm import describe
+        from rigpilot.engine.jobs.slurm import describe
 
         return f"{describe(j['slurm'])}, job {j['slurm'].get('job_id')}"
     restarted = len(j.get("restarts") or [])
@@ -676,7 +676,7 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     peaks = p.get("peak_memory_by_rank") or {}
     if peaks:
         print("  peak memory: " + ", ".join(f"rank {r} {_gib(v)}" for r, v in peaks.items()))
-    from rigpilot.engine.service.energy import energy_line
+    from rigpilot.engine.jobs.energy import energy_line
 
     print(f"  {energy_line(job.get('energy'), job.get('energy_cost'))}")
     if (job.get("energy_cost") or {}).get("hint"):

@@ -4,7 +4,7 @@ The row is the service's memory across restarts: the queue order, which
 process runs a job (pid plus start time, so a recycled pid is never mistaken
 for it), and how each job ended. Everything bulky (logs, metrics, checkpoints)
 stays in the job folder; the row keeps only the last log lines of a failure.
-The engine uses it through engine.service.resilient_store, which keeps a copy
+The engine uses it through engine.jobs.resilient_store, which keeps a copy
 of each row in its job folder and rebuilds the table from them when the file
 is damaged.
 
@@ -67,18 +67,18 @@ class JobRecord:
     predicted: dict[str, Any] | None = None  # from the plan: peak memory, tokens/s, step time
     measured: dict[str, Any] | None = None  # the metrics summary, frozen when the job ends
     error: dict[str, Any] | None = None  # an "error" metrics record (e.g. out_of_memory) with the plan's advice
-    # A job submitted to SLURM: its SLURM job id, queue state and reason, partition, login host, script (engine.service.slurm)
+    # A job submitted to SLURM: its SLURM job id, queue state and reason, partition, login host, script (engine.jobs.slurm)
     slurm: dict[str, Any] | None = None
-    # Automatic recovery (engine.service.recovery): each restart as {time, run, cause, from_step,
+    # Automatic recovery (engine.jobs.recovery): each restart as {time, run, cause, from_step,
     # left_out_gpus, notes}, oldest first; and how many restarts in a row the job may make.
     restarts: list[dict[str, Any]] = field(default_factory=list)
     max_restarts: int = 0
     # A job spanning several engines (engine.service.multinode): its role here ("head" or "member"), the
     # rendezvous endpoint, the node names and which ranks each runs. None for a job on this machine alone.
     nodes: dict[str, Any] | None = None
-    # GPU energy (engine.service.energy): per run and in all, per GPU, with the seconds no power reading covered.
+    # GPU energy (engine.jobs.energy): per run and in all, per GPU, with the seconds no power reading covered.
     energy: dict[str, Any] | None = None
-    study: str | None = None  # the scaling study this job is a point of (engine.service.scaling)
+    study: str | None = None  # the scaling study this job is a point of (engine.jobs.scaling)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

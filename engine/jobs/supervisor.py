@@ -1,6 +1,6 @@
 """Running jobs: the queue, launching through torchrun, watching, tearing down, re-adopting.
 
-Each job runs as `python -m torch.distributed.run ... -m rigpilot.engine.service.rankexec
+Each job runs as `python -m torch.distributed.run ... -m rigpilot.engine.launch.rankexec
 JOB_DIR -- COMMAND` in a session of its own, one rank per GPU (CPU ranks on
 simulated machines). torchrun starts every rank in a session of its own too,
 so the service finds a job's processes through what the ranks record
@@ -33,21 +33,19 @@ from typing import Any
 
 import psutil
 
+from rigpilot.engine import paths
 from rigpilot.engine.diskspace import DiskFull, check_room, disk_full, folder_bytes, free_bytes, is_disk_full
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.health import gpu_faults
 from rigpilot.engine.hardware.machine import Machine
 from rigpilot.engine.hardware.simulated import Load, SimulatedBackend
+from rigpilot.engine.jobs import energy, recovery, slurm, submission
 from rigpilot.engine.jobs import secrets as job_secrets
+from rigpilot.engine.jobs.conditions import Conditions
 from rigpilot.engine.jobs.limits import check_env
-from rigpilot.engine.jobs.spec import JobSpec
-from rigpilot.engine.launch.torchrun import rank_environment, rank_target, torchrun_command
-from rigpilot.engine.runtime import worker_python
-from rigpilot.engine.service import energy, paths, recovery, slurm, submission, warm
-from rigpilot.engine.service.conditions import Conditions
-from rigpilot.engine.service.metrics import read_records, summarize
-from rigpilot.engine.service.results import check_name, describe_output, job_settings
-from rigpilot.engine.service.runs import (
+from rigpilot.engine.jobs.metrics import read_records, summarize
+from rigpilot.engine.jobs.results import check_name, describe_output, job_settings
+from rigpilot.engine.jobs.runs import (
     Run,
     clean_exit,
     max_steps_of,
@@ -55,7 +53,8 @@ from rigpilot.engine.service.runs import (
     run_outcome,
     run_token,
 )
-from rigpilot.engine.service.store import (
+from rigpilot.engine.jobs.spec import JobSpec
+from rigpilot.engine.jobs.store import (
     ACTIVE_STATES,
     CANCELLED,
     FAILED,
@@ -67,6 +66,9 @@ from rigpilot.engine.service.store import (
     JobRecord,
     JobStore,
 )
+from rigpilot.engine.launch import warm
+from rigpilot.engine.launch.torchrun import rank_environment, rank_target, torchrun_command
+from rigpilot.engine.runtime import worker_python
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +92,7 @@ class SupervisorOptions:
     max_cpu_ranks: int = 4  # ranks per job on a simulated machine (also capped at the CPU count)
     tick_s: float = 0.1  # how often running jobs are checked: bounds metric push latency
     monitor_interval_s: float = 0.5  # torchrun's own check of its ranks
-    # Keep a warm worker (engine.service.warm) while idle so ranks start without importing torch;
+    # Keep a warm worker (engine.launch.warm) while idle so ranks start without importing torch;
     # RIGPILOT_WARM_WORKER=0 in the engine's environment turns it off too.
     warm_worker: bool = True
 
@@ -490,7 +492,7 @@ class Supervisor:
         return view
 
     def tag_study(self, job_id: str, study_id: str) -> None:
-        """Mark a job as one run of a scaling study (engine.service.scaling). Under the lock, so the live
+        """Mark a job as one run of a scaling study (engine.jobs.scaling). Under the lock, so the live
         record a running job holds and its row agree; clients hear of it as of any change."""
         with self._lock:
             rec = self.resolve(job_id)

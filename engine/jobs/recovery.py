@@ -34,7 +34,7 @@ from typing import Any
 from rigpilot.engine.diskspace import free_bytes, human_size
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.jobs.spec import JobSpec
-from rigpilot.engine.service.store import FAILED, QUEUED, JobRecord
+from rigpilot.engine.jobs.store import FAILED, QUEUED, JobRecord
 
 DEFAULT_RESTARTS = 3
 
@@ -124,7 +124,7 @@ def after_failure(
     max_cpu_ranks: int,
     from_step: int | None,
 ) -> dict[str, Any]:
-    """The record's changes once a run ended as `outcome` (engine.service.runs.run_outcome): `outcome` itself, its
+    """The record's changes once a run ended as `outcome` (engine.jobs.runs.run_outcome): `outcome` itself, its
     reason completed with why the job is not restarted, or the fields that queue it again.
 
     `faults` is asked only when a restart is due, so a clean ending costs no driver call. A restart

@@ -1,8 +1,8 @@
 """The engine's two databases as the service uses them: checked at start, recovered when damaged.
 
 The job folders are the truth. `ResilientJobStore` copies each job's row into its folder whenever
-the row changes (engine.service.job_folders), so when engine.db cannot serve, at start (its file's
-type, SQLite's quick_check, a newer schema: engine.service.dbfile) or while the engine runs (a query
+the row changes (engine.jobs.job_folders), so when engine.db cannot serve, at start (its file's
+type, SQLite's quick_check, a newer schema: engine.jobs.dbfile) or while the engine runs (a query
 answers SQLITE_CORRUPT or SQLITE_NOTADB, the file is replaced, removed or overwritten under it), the
 file is moved aside with a timestamp, a new one is made and every job is put back from its folder.
 Jobs that run keep their records, so the supervisor keeps following them. Where the new file cannot
@@ -29,10 +29,10 @@ from typing import Any, TypeVar
 
 from rigpilot.engine.diskspace import DiskFull
 from rigpilot.engine.errors import UserError
-from rigpilot.engine.service import dbfile, job_folders
+from rigpilot.engine.jobs import dbfile, job_folders
+from rigpilot.engine.jobs.store import SCHEMA_VERSION, JobRecord, JobStore
+from rigpilot.engine.jobs.telemetry_store import TelemetryStore
 from rigpilot.engine.service.protocol import JOB_DATABASE_REBUILT, JOBS_PUT_BACK, TELEMETRY_RESET
-from rigpilot.engine.service.store import SCHEMA_VERSION, JobRecord, JobStore
-from rigpilot.engine.service.telemetry_store import TelemetryStore
 
 log = logging.getLogger(__name__)
 

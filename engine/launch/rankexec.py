@@ -1,4 +1,4 @@
-"""What torchrun starts for each rank: `python -m rigpilot.engine.service.rankexec JOB_DIR -- COMMAND...`.
+"""What torchrun starts for each rank: `python -m rigpilot.engine.launch.rankexec JOB_DIR -- COMMAND...`.
 
 It sends the rank's stdout and stderr to `logs/rank<N>.log` (one file, in the
 order written), records the rank's pid, process group and start time in
@@ -6,7 +6,7 @@ order written), records the rank's pid, process group and start time in
 with COMMAND's status. The service reads those files to name the rank that
 failed first and to find every process of a job, even after it was restarted.
 
-When the engine has a warm worker ready (engine.service.warm, its socket in
+When the engine has a warm worker ready (engine.launch.warm, its socket in
 RIGPILOT_WARM_SOCKET), the rank is forked from it, with torch and transformers
 already imported, instead of started as a new interpreter; without one, or
 when it declines, COMMAND starts as usual.
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rigpilot.engine.service import warm
+from rigpilot.engine.launch import warm
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -71,7 +71,7 @@ def _process_start_time(pid: int) -> float | None:
 
 def main(argv: list[str]) -> int:
     if len(argv) < 3 or argv[1] != "--":
-        print("usage: python -m rigpilot.engine.service.rankexec JOB_DIR -- COMMAND [ARGS...]", file=sys.stderr)
+        print("usage: python -m rigpilot.engine.launch.rankexec JOB_DIR -- COMMAND [ARGS...]", file=sys.stderr)
         return 2
     job_dir, command = Path(argv[0]), argv[2:]
     rank = int(os.environ.get("RANK", "0"))

@@ -1,6 +1,6 @@
 """A job's run as the supervisor follows it, and how a run ended, read from what its processes left.
 
-The local launcher (engine.service.supervisor) and SLURM (engine.service.slurm) both follow runs and
+The local launcher (engine.jobs.supervisor) and SLURM (engine.jobs.slurm) both follow runs and
 judge their ends with these, so neither has to reach into the other.
 """
 
@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import IO, Any
 
 from rigpilot.engine.diskspace import NO_ROOM_BYTES, DiskFull, free_bytes
+from rigpilot.engine.jobs import energy
+from rigpilot.engine.jobs.metrics import Cursor, MetricsSummary
 from rigpilot.engine.jobs.spec import JobSpec
-from rigpilot.engine.service import energy
-from rigpilot.engine.service.metrics import Cursor, MetricsSummary
-from rigpilot.engine.service.store import CANCELLED, COMPLETED, FAILED, INTERRUPTED, JobRecord
+from rigpilot.engine.jobs.store import CANCELLED, COMPLETED, FAILED, INTERRUPTED, JobRecord
 from rigpilot.engine.workers import EXIT_DISK_FULL
 
 LAST_LOG_LINES = 20

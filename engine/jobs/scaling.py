@@ -36,8 +36,8 @@ from typing import Any, TypeGuard
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import is_given_file
 from rigpilot.engine.jobs.spec import TRAIN_SETTINGS
+from rigpilot.engine.jobs.submission import default_seq_len
 from rigpilot.engine.schema import TERMINAL_STATES, UNSUCCESSFUL_STATES
-from rigpilot.engine.service.submission import default_seq_len
 
 SCHEMA = "rigpilot.scaling/1"
 DEFAULT_STEPS = 10
@@ -431,7 +431,7 @@ class Studies:
 
     def show(self, study: dict[str, Any]) -> dict[str, Any]:
         """The study with each point's job state and measurement, its table and notes."""
-        from rigpilot.engine.service.metrics import read_records
+        from rigpilot.engine.jobs.metrics import read_records
 
         sup = self.supervisor
         study = dict(study)

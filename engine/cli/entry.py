@@ -145,10 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--yes", action="store_true", help="do not ask")
     p.set_defaults(func=cmd_forget)
 
-    from rigpilot.engine.planner.command import register as register_plan
+    from rigpilot.engine.cli.plan import register as register_plan
 
     register_plan(sub, parents=[machine, js])
-    from rigpilot.engine.service.commands import register as register_jobs
+    from rigpilot.engine.cli.commands import register as register_jobs
 
     register_jobs(sub, parents=[machine, js])
     return parser
@@ -183,7 +183,8 @@ def _machine(args: argparse.Namespace):
 
 def _stored_calibration() -> dict[str, Any] | None:
     """The engine's latest calibration of this machine (what a finished `rigpilot run calibrate` left)."""
-    from rigpilot.engine.service import calibration_store, paths
+    from rigpilot.engine import paths
+    from rigpilot.engine.jobs import calibration_store
 
     return calibration_store.stored(paths.calibration_path())
 
@@ -205,8 +206,8 @@ def _running_engine(args: argparse.Namespace):
     """
     if getattr(args, "simulate", None) or getattr(args, "import_paths", None):
         return None
+    from rigpilot.engine.cli.commands import print_notice
     from rigpilot.engine.service.client import EngineClient, EngineUnavailable, service_running
-    from rigpilot.engine.service.commands import print_notice
 
     if not service_running():
         return None

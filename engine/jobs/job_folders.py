@@ -1,10 +1,10 @@
 """The job list as the job folders hold it, for when the job database is lost.
 
 Every job folder carries `record.json`, a copy of the job's row that the store writes whenever the
-row changes (engine.service.resilient_store), so the folders alone give the job table back exactly.
+row changes (engine.jobs.resilient_store), so the folders alone give the job table back exactly.
 A folder an older Rigpilot made has none: its job is pieced together from job.json, the launcher
 log's run markers, the ranks' exit records and the metrics, and judged as the supervisor judges a
-job whose engine was gone (engine.service.runs.run_outcome); one whose processes still run is
+job whose engine was gone (engine.jobs.runs.run_outcome); one whose processes still run is
 listed running, with its launcher, so the supervisor adopts it again. A folder whose job.json cannot
 be read is listed as a failed job that says so in one line, never skipped and never a crash.
 """
@@ -21,11 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rigpilot.engine import paths
+from rigpilot.engine.jobs import recovery
+from rigpilot.engine.jobs.metrics import summarize
+from rigpilot.engine.jobs.runs import Run, max_steps_of, run_outcome, run_token
 from rigpilot.engine.jobs.spec import JobSpec
-from rigpilot.engine.service import paths, recovery
-from rigpilot.engine.service.metrics import summarize
-from rigpilot.engine.service.runs import Run, max_steps_of, run_outcome, run_token
-from rigpilot.engine.service.store import (
+from rigpilot.engine.jobs.store import (
     ACTIVE_STATES,
     ALL_STATES,
     FAILED,
@@ -34,8 +35,8 @@ from rigpilot.engine.service.store import (
     STARTING,
     JobRecord,
 )
-from rigpilot.engine.service.submission import plan_prediction
-from rigpilot.engine.service.supervisor import job_processes
+from rigpilot.engine.jobs.submission import plan_prediction
+from rigpilot.engine.jobs.supervisor import job_processes
 
 log = logging.getLogger(__name__)
 
