@@ -39,3 +39,12 @@ def test_real_ranks_see_their_gpus_in_nvidia_smi_order(tmp_path: Path) -> None:
     env = rank_environment({}, job_id="j", job_dir=tmp_path, run=3, gpus=[2, 5], ranks=2, simulated=False)
     assert env["CUDA_VISIBLE_DEVICES"] == "2,5" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     assert env["RIGPILOT_RUN"] == "3" and "OMP_NUM_THREADS" not in env
+
+
+def test_a_slurm_script_of_an_older_rigpilot_still_finds_rankexec():
+    """sbatch scripts queued before the cut name the module's old path; it runs the same main."""
+    import importlib
+
+    old = importlib.import_module("rigpilot.engine.service.rankexec")
+    new = importlib.import_module("rigpilot.engine.launch.rankexec")
+    assert old.main is new.main
