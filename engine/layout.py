@@ -137,23 +137,10 @@ class Layout:
         return cls(**{k: v for k, v in d.items() if k in known})
 
     @classmethod
-    def from_settings(
-        cls,
-        *,
-        dp: int | None = None,
-        fsdp: int | None = None,
-        tp: int | None = None,
-        pp: int | None = None,
-        pp_microbatches: int | None = None,
-        pp_schedule: str | None = None,
-        sequence_parallel: bool = False,
-        cpu_offload: bool = False,
-    ) -> Layout:
-        """The layout of the CLI's degree flags (--dp, --fsdp, --tp, --pp, …); unset flags are left at their defaults."""
-        return cls.from_dict(
-            given_settings(dp=dp, fsdp=fsdp, tp=tp, pp=pp, pp_microbatches=pp_microbatches, pp_schedule=pp_schedule,
-                           sequence_parallel=sequence_parallel, cpu_offload=cpu_offload)
-        )  # fmt: skip
+    def from_settings(cls, **flags: Any) -> Layout:
+        """The layout of the CLI's degree flags (`given_settings`' keywords: dp, fsdp, tp, pp, …); unset flags
+        are left at their defaults."""
+        return cls.from_dict(given_settings(**flags))
 
     @classmethod
     def from_plan(cls, plan: _Planned | _PlannedSplit) -> Layout:
