@@ -24,6 +24,7 @@ from rigpilot.engine.jobs.secrets import shown_text
 from rigpilot.engine.jobs.spec import INFER_SETTINGS, JOB_SETTINGS, TRAIN_SETTINGS
 from rigpilot.engine.layout import SCHEDULES, Layout, given_settings, schedule_name
 from rigpilot.engine.schema import ACTIVE_STATES, TERMINAL_STATES, add_option, add_options, given
+from rigpilot.engine.service.command_line import add_service_arguments, service_options
 from rigpilot.engine.terminal import printable
 
 TERMINAL = TERMINAL_STATES
@@ -146,41 +147,6 @@ def register(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
 
 
 # -- option groups ---------------------------------------------------------------
-
-
-def add_service_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tcp", metavar="ADDR:PORT", help="also accept remote clients here, over TLS with a token login (ADDR defaults to 127.0.0.1)")
-    p.add_argument("--simulate", metavar="PROFILE", help="run on a simulated machine")
-    p.add_argument("--grace", type=float, default=30.0, metavar="SECONDS", help="cancel: time to checkpoint before SIGKILL (default 30)")
-    p.add_argument("--failure-grace", type=float, default=5.0, metavar="SECONDS", help="after a rank fails: time before the rest are killed (default 5)")
-    p.add_argument("--telemetry-period", type=float, default=1.0, metavar="SECONDS", help="telemetry sampling period (default 1)")
-    p.add_argument("--max-cpu-ranks", type=positive_int, metavar="N", help="ranks per job on a simulated machine (default: setting, else 4; at most the CPU count)")  # fmt: skip
-
-
-def _service_options(args: argparse.Namespace):  # -> ServiceOptions
-    from rigpilot.engine.service.server import ServiceOptions
-
-    if args.telemetry_period <= 0 or args.grace < 0 or args.failure_grace < 0:
-        raise UserError("periods and grace times must be positive")
-    return ServiceOptions(
-        tcp=args.tcp, simulate=args.simulate, telemetry_period=args.telemetry_period, grace_s=args.grace,
-        failure_grace_s=args.failure_grace, max_cpu_ranks=args.max_cpu_ranks,
-    )  # fmt: skip
-
-
-def main_service(argv: list[str]) -> int:
-    """`python -m rigpilot.engine.service`: what clients and the systemd unit start."""
-    p = argparse.ArgumentParser(prog="python -m rigpilot.engine.service")
-    add_service_arguments(p)
-    p.add_argument("--background", action="store_true", help="exit quietly when a service already runs")
-    args = p.parse_args(argv)
-    from rigpilot.engine.service.server import run_service
-
-    try:
-        return run_service(_service_options(args), quiet_if_running=args.background)
-    except UserError as e:
-        print(f"rigpilot engine: error: {e}", file=sys.stderr)
-        return 2
 
 
 def _common_run_options() -> argparse.ArgumentParser:
@@ -317,7 +283,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
         return 0
     from rigpilot.engine.service.server import run_service
 
-    return run_service(_service_options(args))
+    return run_service(service_options(args))
 
 
 # -- run -------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 Most of the time between submitting a job and its first step is every rank
 importing torch and transformers (seconds, on each rank at once). While the
 engine is idle and memory allows, the supervisor starts one warm worker per
-user (`python -m rigpilot.engine.workers.warm SOCKET`): it imports what the
+user (`python -m rigpilot.engine.launch.warm_worker SOCKET`): it imports what the
 ranks import, then listens on a private Unix socket. torchrun stays the
 launcher; rankexec, which torchrun starts for each rank, asks the warm worker
 to fork the rank instead of starting a new interpreter, and falls back to
@@ -32,7 +32,7 @@ was killed meanwhile the rank still ends with its code (the job is not lost).
 When rankexec goes away (torchrun killed the rank's group) the warm worker
 kills the child's group, as if it had been in that group.
 
-The warm worker itself (the part that imports torch) is engine.workers.warm;
+The warm worker itself (the part that imports torch) is engine.launch.warm_worker;
 this module is the protocol, the rank's side and the engine's side, kept to
 the standard library: rankexec imports it in every rank, the service too.
 """
@@ -245,7 +245,7 @@ class WarmWorker:
         with open(self.log_path, "ab") as log:
             os.chmod(self.log_path, 0o600)
             self.popen = subprocess.Popen(
-                [python, "-m", "rigpilot.engine.workers.warm", str(self.socket_path)],
+                [python, "-m", "rigpilot.engine.launch.warm_worker", str(self.socket_path)],
                 cwd=str(self.socket_path.parent), env=env, stdin=subprocess.DEVNULL, stdout=log,
                 stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
@@ -274,7 +274,7 @@ def memory_allows(available: int | None = None) -> bool:
     return available >= MIN_AVAILABLE_BYTES
 
 
-# -- what the warm worker (engine.workers.warm) checks -------------------------------------------------------
+# -- what the warm worker (engine.launch.warm_worker) checks -------------------------------------------------------
 
 
 def _peer_uid(conn: socket.socket) -> int:

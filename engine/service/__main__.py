@@ -2,7 +2,7 @@
 
 import sys
 
-from rigpilot.engine.cli.commands import main_service
+from rigpilot.engine.service.command_line import main_service
 
 if __name__ == "__main__":
     sys.exit(main_service(sys.argv[1:]))

@@ -1,4 +1,4 @@
-"""`python -m rigpilot.engine.workers.warm SOCKET`: the warm worker itself (see engine.launch.warm).
+"""`python -m rigpilot.engine.launch.warm_worker SOCKET`: the warm worker itself (see engine.launch.warm).
 
 Imports torch, transformers and the worker modules, then forks a rank for
 each request from this user's rankexec; the protocol, the checks and the
@@ -275,7 +275,7 @@ def _accept(
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python -m rigpilot.engine.launch.warm SOCKET", file=sys.stderr)
+        print("usage: python -m rigpilot.engine.launch.warm_worker SOCKET", file=sys.stderr)
         return 2
     return serve(Path(argv[0]))
 
