@@ -35,6 +35,13 @@ class Precision(StrEnum):
     FP16 = "fp16"
 
 
+class MasterWeights(StrEnum):
+    """The dtype training keeps its weights, gradients and optimizer state in."""
+
+    FP32 = "fp32"  # fp32 master weights under mixed-precision compute (the default)
+    BF16 = "bf16"  # everything in bf16, torchtune's everyday recipe: about half the memory per parameter
+
+
 class TrainMethod(StrEnum):
     FULL = "full"
     LORA = "lora"
@@ -149,6 +156,8 @@ class Setting:
     key: str = ""  # "train.micro_batch", "max_restarts"
     default: Any = None
     type: Any = None  # the field's annotation
+    # value -> {other setting's name: the value it must then have}; checked on the whole group (`check_group`)
+    requires: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
 
     @property
     def name(self) -> str:
@@ -193,6 +202,23 @@ class Setting:
         if error is not None:
             raise error
 
+    def conflict(self, values: Any) -> UserError | None:
+        """The refusal of this setting's value in `values` (the dataclass it sits on) where another setting of
+        that group contradicts it (`requires`), else None."""
+        mine = getattr(values, self.name, None)
+        for value, needs in self.requires:
+            if mine != value:
+                continue
+            for other, wanted in needs:
+                theirs = getattr(values, other, None)
+                if theirs != wanted:
+                    return UserError(
+                        f"{self.name}={mine} needs {other}={wanted} (it is {theirs})",
+                        reason="conflicting_settings", setting=self.key, value=mine,
+                        other=self.key[: len(self.key) - len(self.name)] + other, needs=wanted, found=theirs,
+                    )  # fmt: skip
+        return None
+
     def help_text(self) -> str:
         """The help line: the sentence, then the default where a value has one worth naming."""
         shown = self.default_words
@@ -205,7 +231,8 @@ def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = datacl
             label: str, help: str, flags: tuple[str, ...] | str = (), range: Range | None = None,
             choices: type[StrEnum] | tuple[str, ...] | None = None, unit: str = "", metavar: str | None = None,
             default_words: str | None = None, zero_words: str | None = None,
-            parse: Callable[[str], Any] | None = None) -> Any:  # fmt: skip
+            parse: Callable[[str], Any] | None = None,
+            requires: dict[str, dict[str, str]] | None = None) -> Any:  # fmt: skip
     """A dataclass field declared as a setting (see `Setting`): the one place its facts are written."""
     bound: Range | Choice | None = range
     if isinstance(default, StrEnum):
@@ -213,7 +240,9 @@ def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = datacl
     if choices is not None:
         bound = Choice(tuple(str(c) for c in choices))
     decl = Setting(label=label, help=help, flags=(flags,) if isinstance(flags, str) else tuple(flags), bound=bound,
-                   unit=unit, metavar=metavar, default_words=default_words, zero_words=zero_words, parse=parse)  # fmt: skip
+                   unit=unit, metavar=metavar, default_words=default_words, zero_words=zero_words, parse=parse,
+                   requires=tuple((str(v), tuple((k, str(w)) for k, w in needs.items()))
+                                  for v, needs in (requires or {}).items()))  # fmt: skip
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata={"setting": decl})
     return dataclasses.field(default=default, metadata={"setting": decl})
@@ -349,6 +378,17 @@ def shown_value(s: Setting, value: Any) -> str:
 def setting_words(s: Setting, value: Any) -> str:
     """ "Warmup: 10 steps": a setting and its value, as a note or a difference between jobs names it."""
     return f"{s.label}: {shown_value(s, value)}"
+
+
+def check_group(values: Any, settings: dict[str, Setting]) -> None:
+    """Each setting of `values` (a dataclass whose fields `settings` declares) in range, and none contradicting
+    another: the one check the engine runs at submission and a rank runs again before its first step."""
+    for name, decl in settings.items():
+        decl.check(getattr(values, name))
+    for decl in settings.values():
+        error = decl.conflict(values)
+        if error is not None:
+            raise error
 
 
 def iter_settings(*groups: dict[str, Setting]) -> Iterator[Setting]:

@@ -798,3 +798,29 @@ def test_ctrl_enter_is_next_and_launch_and_waits_for_checks(qtbot, settings):
             settled(qtbot, wizard)
             qtbot.keyClick(wizard.focusWidget() or wizard, Qt.Key.Key_Return, Qt.KeyboardModifier.ControlModifier)
     assert len(submitted) == 1
+
+
+def test_a_declared_recipe_choice_gets_its_control_its_check_and_its_flag(qtbot, settings):
+    # master_weights is declared once (engine.jobs.spec); the hyper-parameters page, its conflict check and the
+    # command preview come from that declaration.
+    from rigpilot.engine.jobs.spec import TRAIN_SETTINGS
+
+    link, submitted = make_link()
+    state = default_state(link.machine)
+    state.kind, state.model, state.method = "finetune", "llama-2-7b", "full"
+    state.set_precision("bf16")
+    wizard = open_wizard(qtbot, link, settings, state=state)
+    go_to(qtbot, wizard, HYPER)
+    page = wizard.hyper_page
+    combo = page.recipe["master_weights"]
+    assert combo.objectName() == "masterWeights"
+    assert [combo.itemData(i) for i in range(combo.count())] == ["fp32", "bf16"]
+    label = page.train_form.labelForField(combo.parentWidget())  # the row's field: the control over its tip
+    assert label is not None and label.text() == TRAIN_SETTINGS["master_weights"].label
+    assert combo.toolTip() == TRAIN_SETTINGS["master_weights"].help
+    combo.setCurrentIndex(combo.findData("bf16"))
+    assert wizard.state.train.master_weights == "bf16"
+    assert "--master-weights bf16" in wizard.state.command()
+    wizard.state.set_precision("fp32")
+    page.validate()
+    assert page.message.text() == "Master weights “bf16” needs Precision “bf16” (the plan has “fp32”)."

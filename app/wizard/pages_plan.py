@@ -71,6 +71,35 @@ def _setting_row(form: QFormLayout, s: Setting, control: QWidget) -> QWidget:
     return form_row(form, s.label, control, s.help)
 
 
+# Training settings the task and the plan decide; each other setting with choices gets a drop-down on the
+# hyper-parameters page straight from its declaration, so a new one appears there without an edit here.
+DECIDED_ELSEWHERE = frozenset({"method", "precision", "activation_checkpointing"})
+
+
+def recipe_settings() -> list[Setting]:
+    return [s for name, s in TRAIN.items() if s.choices and name not in DECIDED_ELSEWHERE]
+
+
+def _setting_combo(s: Setting) -> QComboBox:
+    box = QComboBox()
+    head, *rest = s.name.split("_")
+    box.setObjectName(head + "".join(w.title() for w in rest))
+    for choice in s.choices or ():
+        box.addItem(choice, choice)
+    return box
+
+
+def conflict_words(settings: Any) -> str | None:
+    """The first contradiction between the training settings, in the controls' words, or None."""
+    for decl in TRAIN.values():
+        error = decl.conflict(settings)
+        if error is not None:
+            f = error.fields
+            other = TRAIN[f["other"].rpartition(".")[2]]
+            return f"{decl.label} “{f['value']}” needs {other.label} “{f['needs']}” (the plan has “{f['found']}”)."
+    return None
+
+
 def _spin(name: str, low: int, high: int) -> QSpinBox:
     box = QSpinBox()
     box.setObjectName(name)
@@ -420,6 +449,9 @@ class HyperPage(StepPage):
         )
         _setting_row(t, TRAIN["eval_every"], self.eval_every)
         _setting_row(t, TRAIN["seed"], self.seed)
+        self.recipe = {decl.name: _setting_combo(decl) for decl in recipe_settings()}
+        for decl in recipe_settings():
+            _setting_row(t, decl, self.recipe[decl.name])
         self.train_box = QWidget()
         self.train_box.setLayout(t)
 
@@ -493,6 +525,8 @@ class HyperPage(StepPage):
         self.train_on_prompts.toggled.connect(self._changed)
         self.save_merged.toggled.connect(self._changed)
         self.backend.currentIndexChanged.connect(self._changed)
+        for combo in self.recipe.values():
+            combo.currentIndexChanged.connect(self._changed)
 
     def load(self) -> None:
         s = self.state
@@ -523,6 +557,8 @@ class HyperPage(StepPage):
         self.save_merged.setChecked(t.save_merged)
         self.eval_every.setValue(t.eval_every)
         self.seed.setValue(t.seed)
+        for name, combo in self.recipe.items():
+            combo.setCurrentIndex(max(combo.findData(getattr(t, name)), 0))
         self.new_tokens.setValue(i.max_new_tokens)
         self.batch.setValue(i.batch_size)
         self.context.setValue(t.seq_len)
@@ -545,6 +581,8 @@ class HyperPage(StepPage):
         t.lora_rank, t.lora_alpha = self.lora_rank.value(), self.lora_alpha.value()
         t.keep_checkpoints, t.train_on_prompts = self.keep_checkpoints.value(), self.train_on_prompts.isChecked()
         t.save_merged = self.save_merged.isChecked()
+        for name, combo in self.recipe.items():
+            setattr(t, name, combo.currentData())
         s.max_restarts = None if self.max_restarts.value() < 0 else self.max_restarts.value()
         targets = [x.strip() for x in self.lora_targets.text().split(",") if x.strip()]
         t.lora_targets = targets or None
@@ -576,6 +614,10 @@ class HyperPage(StepPage):
             return
         if s.kind == INFER and self.new_tokens.value() >= self.context.value():
             self.set_problem("New tokens must leave room for the prompt in the context.")
+            return
+        conflict = conflict_words(s.train) if s.training else None
+        if conflict is not None:
+            self.set_problem(conflict)
             return
         if s.plan is None:
             self._store_unchecked()

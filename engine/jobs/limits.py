@@ -15,7 +15,7 @@ from typing import Any
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import check_path_length
 from rigpilot.engine.jobs.spec import SETTINGS
-from rigpilot.engine.schema import Choice, Range
+from rigpilot.engine.schema import Choice, Range, declared
 
 PATH_MAX = 4096  # Linux's PATH_MAX: a longer path cannot name a file
 
@@ -41,6 +41,10 @@ def check_job_settings(spec: Any) -> None:
             key = f"{section}.{f.name}"
             value = getattr(part, f.name)
             _check_value(key, value)
+        for decl in declared(type(part), section).values():
+            error = decl.conflict(part)
+            if error is not None:
+                raise error
     for key, limit in STRING_MAX.items():
         value = _setting(spec, key)
         if isinstance(value, str) and len(value) > limit:

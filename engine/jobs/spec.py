@@ -25,6 +25,7 @@ from rigpilot.engine.layout import Layout
 from rigpilot.engine.schema import (
     Checkpointing,
     InferBackend,
+    MasterWeights,
     Precision,
     Range,
     Setting,
@@ -110,6 +111,14 @@ class TrainSettings:
         choices=Precision,
         label="Precision",
         help="The mixed-precision compute dtype.",
+    )
+    master_weights: str = setting(
+        MasterWeights.FP32,
+        flags="--master-weights",
+        choices=MasterWeights,
+        requires={MasterWeights.BF16: {"precision": Precision.BF16}},
+        label="Master weights",
+        help="The dtype of the weights, gradients and optimizer state: bf16 halves their memory, as torchtune does.",
     )
     seq_len: int = setting(
         512,

@@ -440,7 +440,8 @@ def _build(
     torch.manual_seed(0)
     # As the worker loads it: fp32 master weights, or a LoRA base in the compute dtype (training_load_dtype).
     compute = precision_dtype(workload.get("precision", "bf16"))
-    load_dtype = training_load_dtype(str(workload.get("method", "full")), compute)
+    master = str(workload.get("master_weights", "fp32"))
+    load_dtype = training_load_dtype(str(workload.get("method", "full")), compute, master)
     model = auto_class(objective).from_config(config, trust_remote_code=trust_remote_code, dtype=load_dtype)
     loaded = LoadedModel(model, None, model.config, objective, ModelSource("", "config", "", False))
     # Two settings of the accuracy harness's own step (trace_compare), never in a plan: a LoRA base in
@@ -456,7 +457,8 @@ def _build(
     if workload.get("method") == "lora":
         targets = [t for t in lora.get("targets") or [] if t != "all-linear"] or None
         train = SimpleNamespace(lora_rank=lora.get("rank", 16), lora_alpha=lora.get("alpha", 32),
-                                lora_dropout=lora.get("dropout", 0.0), lora_targets=targets)  # fmt: skip
+                                lora_dropout=lora.get("dropout", 0.0), lora_targets=targets,
+                                master_weights=master)  # fmt: skip
         apply_lora(loaded, SimpleNamespace(train=train))
     model = loaded.model
     stage, in_flight = None, 1

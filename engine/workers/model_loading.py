@@ -164,15 +164,23 @@ def config_dtype(config: Any) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
 
 
-def training_load_dtype(method: str, compute: torch.dtype) -> torch.dtype:
+def training_load_dtype(method: str, compute: torch.dtype, master_weights: str = "fp32") -> torch.dtype:
     """The dtype a training job loads its weights in, given the compute dtype of its precision plan.
 
     Full and scratch training keep fp32 master weights (autocast or FSDP's policy casts them for
-    compute). LoRA and QLoRA load the frozen base in the compute dtype, as peft users do: nothing
-    updates it, so fp32 would only double its memory. The adapters (and modules_to_save) are
-    trainable and stay fp32 (`apply_lora`).
+    compute), unless the job asks for bf16 ones (`master_weights`, torchtune's recipe): then the
+    weights, their gradients and AdamW's state are all bf16. LoRA and QLoRA load the frozen base in
+    the compute dtype, as peft users do: nothing updates it, so fp32 would only double its memory.
+    The adapters (and modules_to_save) are trainable and follow `master_weights` (`apply_lora`).
     """
-    return compute if method in {"lora", "qlora"} else torch.float32
+    if method in {"lora", "qlora"} or master_weights == "bf16":
+        return compute
+    return torch.float32
+
+
+def trainable_dtype(master_weights: str) -> torch.dtype:
+    """The dtype of trainable parameters: what AdamW updates and keeps its state in."""
+    return torch.bfloat16 if master_weights == "bf16" else torch.float32
 
 
 def load_model(
@@ -440,11 +448,12 @@ def apply_lora(loaded: LoadedModel, spec: JobSpec) -> None:
         raise UserError(f"LoRA targets {targets}: {str(e).splitlines()[0]}") from e
     # peft casts its adapters to fp32 over a half base, but modules_to_save are copies of base modules,
     # in the base's dtype: every trainable parameter needs fp32 for AdamW's updates to land (and FSDP2
-    # wants one dtype for the trainable parameters of a unit).
+    # wants one dtype for the trainable parameters of a unit), or bf16 throughout where the job asks.
+    wanted = trainable_dtype(getattr(settings, "master_weights", "fp32"))
     with torch.no_grad():
         for param in loaded.model.parameters():
-            if param.requires_grad and param.is_floating_point() and param.dtype != torch.float32:
-                param.data = param.data.float()
+            if param.requires_grad and param.is_floating_point() and param.dtype != wanted:
+                param.data = param.data.to(wanted)
     loaded.lora = True
 
 

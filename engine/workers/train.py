@@ -35,6 +35,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.jobs.spec import TRAIN_SETTINGS, JobSpec, TrainSettings
 from rigpilot.engine.report import report
+from rigpilot.engine.schema import check_group
 from rigpilot.engine.workers import EXIT_CANCELLED, EXIT_OK
 from rigpilot.engine.workers.checkpoint import Checkpointer, gather_full_state, save_final_model
 from rigpilot.engine.workers.data import (
@@ -94,8 +95,7 @@ class CancelFlag:
 def validate_settings(s: TrainSettings) -> None:
     """The engine checked these at submission; a job.json edited by hand is checked again, by the same
     declarations (engine.jobs.spec), before a step runs."""
-    for name, declared in TRAIN_SETTINGS.items():
-        declared.check(getattr(s, name))
+    check_group(s, TRAIN_SETTINGS)
     precision_dtype(s.precision)
 
 
@@ -289,8 +289,10 @@ class Trainer:
         # RIGPILOT_LOAD_ON_EVERY_RANK=1: the old way, for a model class that cannot be built on meta.
         every_rank = os.environ.get("RIGPILOT_LOAD_ON_EVERY_RANK") == "1"
         rank0_loads = self.dims.world_size > 1 and self.dims.pp == 1 and not every_rank
-        # Full training: fp32 master weights. LoRA/QLoRA: the frozen base in the compute dtype, adapters fp32.
-        dtype = training_load_dtype(s.method, self.precision.compute)
+        # Full training: fp32 master weights (or bf16 ones, if asked). LoRA/QLoRA: the base in the compute dtype.
+        dtype = training_load_dtype(s.method, self.precision.compute, s.master_weights)
+        if s.master_weights == "bf16":
+            self.notes.append("bf16 master weights: the weights, their gradients and AdamW's state are all bf16")
         self.loaded: LoadedModel = load_model(
             self.spec, dtype=dtype, for_training=True, seed=s.seed, rank0_loads=rank0_loads
         )
