@@ -805,7 +805,7 @@ def test_a_declared_recipe_choice_gets_its_control_its_check_and_its_flag(qtbot,
     # command preview come from that declaration.
     from rigpilot.engine.jobs.spec import TRAIN_SETTINGS
 
-    link, submitted = make_link()
+    link, _ = make_link()
     state = default_state(link.machine)
     state.kind, state.model, state.method = "finetune", "llama-2-7b", "full"
     state.set_precision("bf16")
