@@ -36,9 +36,10 @@ from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.machine import Machine, short_gpu_name
 from rigpilot.engine.hardware.specs import match_spec
 from rigpilot.engine.planner.links import Calibration
+from rigpilot.engine.schema import Precision
 
 SCHEMA = "rigpilot.calibration/1"
-DTYPES = ("bf16", "fp16", "fp32")
+DTYPES = tuple(p.value for p in Precision)  # what a calibration measures: each dtype a job can compute in
 NOT_CALIBRATED = "Not calibrated: speeds come from spec-sheet peaks and priors (see 'Numbers used')."
 
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from rigpilot.engine.jobs.spec import JobSpec
-from rigpilot.engine.planner.calibration import MachineCalibration, now_iso
+from rigpilot.engine.planner.calibration import DTYPES, MachineCalibration, now_iso
 from rigpilot.engine.report import report
 from rigpilot.engine.workers import EXIT_OK
 from rigpilot.engine.workers.metrics import status
@@ -35,7 +35,6 @@ from rigpilot.engine.workers.parallelize import precision_dtype
 MIB = 1 << 20
 GPU_MATMUL_SIZES = (1024, 2048, 4096, 8192)
 CPU_MATMUL_SIZES = (128, 256, 512)
-MATMUL_DTYPES = ("bf16", "fp16", "fp32")
 GPU_COMM_BYTES = (1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB)
 CPU_COMM_BYTES = (256 * 1024, 1 * MIB, 4 * MIB)  # gloo on loopback: keep a CPU run short
 
@@ -137,7 +136,7 @@ def run_calibrate(spec: JobSpec, job_dir: Path) -> int:
     )
     gpu = device.type == "cuda"
     # GPUs: every dtype the planner plans in. CPU ranks: the job's one (they are labelled and never applied).
-    dtypes = MATMUL_DTYPES if gpu else (precision,)
+    dtypes = DTYPES if gpu else (precision,)
     status("calibrating", precision=precision)
     tflops: dict[str, dict[int, float]] = {}
     for name in dtypes:

@@ -27,6 +27,7 @@ from rigpilot.engine.errors import UserError
 from rigpilot.engine.jobs.spec import JobSpec
 from rigpilot.engine.models.config_file import read_config
 from rigpilot.engine.models.presets import find_preset
+from rigpilot.engine.schema import ADAPTER_METHODS
 
 Objective = Literal["causal", "masked"]
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "model.safetensors.index.json")
@@ -173,7 +174,7 @@ def training_load_dtype(method: str, compute: torch.dtype, master_weights: str =
     the compute dtype, as peft users do: nothing updates it, so fp32 would only double its memory.
     The adapters (and modules_to_save) are trainable and follow `master_weights` (`apply_lora`).
     """
-    if method in {"lora", "qlora"} or master_weights == "bf16":
+    if method in ADAPTER_METHODS or master_weights == "bf16":
         return compute
     return torch.float32
 
@@ -212,7 +213,7 @@ def load_model(
     tokenizer = load_tokenizer(source, spec)
     cls = auto_class(objective)
     scratch = method == "scratch" or (source.kind == "config" and for_training)
-    if scratch and method in {"lora", "qlora"}:
+    if scratch and method in ADAPTER_METHODS:
         raise UserError(f"model {source.ref} has no weights: LoRA needs pretrained weights (use method 'scratch')")
     if not scratch and not source.has_weights:
         raise UserError(f"model {source.ref} has no weights (only config.json): train it with method 'scratch' first")
@@ -235,7 +236,7 @@ def load_model(
     loaded = LoadedModel(
         model, tokenizer, model.config, objective, source, new_modules=new_modules, saved_dtype=saved_dtype
     )
-    if method in {"lora", "qlora"}:
+    if method in ADAPTER_METHODS:
         apply_lora(loaded, spec)
     if method == "qlora":
         loaded.nf4_linears = quantize_lora_bases_nf4(loaded.model)
@@ -270,7 +271,7 @@ def _load_on_rank0(spec: JobSpec, *, dtype: torch.dtype, for_training: bool, see
         skeleton.tie_weights()  # creating parameters on meta unties them
     loaded = LoadedModel(skeleton, tokenizer, config, objective, source, new_modules=detail, saved_dtype=saved_dtype)
     method = spec.train.method if (for_training and spec.train is not None) else "full"
-    if method in {"lora", "qlora"}:  # as load_model decides
+    if method in ADAPTER_METHODS:  # as load_model decides
         apply_lora(loaded, spec)
     if method == "qlora":
         # NF4 tensors on the meta device: the skeleton's shapes, block sizes and split points are the
