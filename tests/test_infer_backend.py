@@ -171,7 +171,7 @@ def test_on_real_gpus_with_vllm_installed_the_job_is_one_process_under_the_plans
 
 
 def test_the_launcher_starts_one_process_for_a_vllm_job() -> None:
-    from rigpilot.engine.jobs.supervisor import on_vllm
+    from rigpilot.engine.jobs.launching import on_vllm
 
     spec = JobSpec(id="j", kind="infer", parallelism=Parallelism(tp=2), infer=InferSettings(backend="vllm"))
     assert on_vllm(spec)

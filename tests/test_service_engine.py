@@ -19,7 +19,7 @@ import pytest
 
 from rigpilot.engine import paths
 from rigpilot.engine.cli.entry import main as cli_main
-from rigpilot.engine.jobs.supervisor import job_processes
+from rigpilot.engine.jobs.processes import job_processes
 from rigpilot.engine.service import protocol
 from rigpilot.engine.service.client import EngineClient, EngineError
 

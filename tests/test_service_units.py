@@ -14,10 +14,10 @@ import pytest
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.simulated import load_profile
 from rigpilot.engine.hardware.telemetry import GpuSample, TelemetrySample
+from rigpilot.engine.jobs.job_view import compare
 from rigpilot.engine.jobs.metrics import PEAK_MEMORY_KEYS, MetricsSummary, read_records, summarize
 from rigpilot.engine.jobs.store import QUEUED, JobRecord, JobStore
 from rigpilot.engine.jobs.submission import describe, plan_prediction, prepare
-from rigpilot.engine.jobs.supervisor import _compare
 from rigpilot.engine.jobs.telemetry_store import TelemetryStore
 from rigpilot.engine.planner.plan import HostMemory, MemoryBreakdown, Parallelism, Plan, Timing, Workload
 from rigpilot.engine.service import protocol
@@ -389,7 +389,7 @@ def test_train_worker_records_feed_peak_memory_and_the_comparison(tmp_path):
     assert progress["peak_memory_by_rank"] == {"0": 2 * 2**30 + 4, "1": 3 * 2**30 + 4}
     assert progress["tokens_per_s"] == 2001.0 and progress["step"] == 4 and progress["fraction"] == 1.0
     predicted = {"peak_memory_bytes": 4 * 2**30, "tokens_per_s": 1800.0, "step_time_s": 0.3}
-    comparison = _compare(predicted, progress)
+    comparison = compare(predicted, progress)
     assert comparison["peak_memory_bytes"] == {"predicted": 4 * 2**30, "measured": 3 * 2**30 + 4}
     assert comparison["tokens_per_s"] == {"predicted": 1800.0, "measured": 2001.0}
     assert comparison["step_time_s"]["measured"] == pytest.approx(1.0)  # one step per second of records
@@ -435,18 +435,18 @@ def test_job_store_adds_columns_for_new_fields_and_old_rows_read_as_defaults(tmp
 
 
 def test_a_jobs_wall_time_adds_up_its_runs():
-    from rigpilot.engine.jobs.supervisor import _wall_s
+    from rigpilot.engine.jobs.job_view import wall_s
 
     rec = JobRecord(id="ab12cd", seq=1, kind="train", name="x", state="completed", gpus=[0], ranks=1,
                     simulated=True, created=0.0, started=500.0, ended=520.0, run=2)  # fmt: skip
     runs = {"runs": [{"run": 1, "seconds": 300.0}, {"run": 2, "seconds": 20.0}]}
-    assert _wall_s(rec, runs, now=600.0) == 320.0
+    assert wall_s(rec, runs, now=600.0) == 320.0
     # Without every run timed (an engine from before energy records), the last run's own span.
-    assert _wall_s(rec, {"runs": runs["runs"][1:]}, now=600.0) == 20.0
+    assert wall_s(rec, {"runs": runs["runs"][1:]}, now=600.0) == 20.0
     rec.ended = None  # still running: up to now
-    assert _wall_s(rec, None, now=530.0) == 30.0
+    assert wall_s(rec, None, now=530.0) == 30.0
     rec.started = None
-    assert _wall_s(rec, None, now=530.0) is None
+    assert wall_s(rec, None, now=530.0) is None
 
 
 def test_telemetry_store_thins_old_samples_and_pages(tmp_path):

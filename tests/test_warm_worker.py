@@ -24,8 +24,8 @@ from test_service_engine import Engine, engine_home, leftover_job_processes, wai
 from test_workers_jobs import LLAMA_TRAIN, TINY_LLAMA_CONFIG, losses, run_job, write_job
 
 from rigpilot.engine.cli import commands
+from rigpilot.engine.jobs.job_view import startup_phase
 from rigpilot.engine.jobs.metrics import MetricsSummary
-from rigpilot.engine.jobs.supervisor import startup_phase
 from rigpilot.engine.launch import warm
 
 TRAIN = {**LLAMA_TRAIN, "max_steps": 4, "eval_every": 0, "checkpoint_every": 0}
@@ -77,7 +77,7 @@ def test_no_warm_worker_when_turned_off(tmp_path, monkeypatch):
 
     def tended(options: SupervisorOptions | None = None) -> Supervisor:
         sup = Supervisor(store, tmp_path / "jobs", load_profile("4x-rtx4090"), options=options)
-        sup._warm_check_at = 0.0  # past the engine's first seconds
+        sup.warm_tending.check_at = 0.0  # past the engine's first seconds
         sup._tend_warm()
         return sup
 

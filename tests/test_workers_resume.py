@@ -29,10 +29,10 @@ from test_workers_jobs import (
     write_job,
 )
 
+from rigpilot.engine.jobs.following import trained_every_step
 from rigpilot.engine.jobs.runs import run_outcome
 from rigpilot.engine.jobs.spec import JobSpec
 from rigpilot.engine.jobs.store import CANCELLED, COMPLETED
-from rigpilot.engine.jobs.supervisor import _trained_every_step
 
 
 @pytest.mark.slow
@@ -102,6 +102,6 @@ def test_a_cancel_after_the_last_step_is_not_sent_to_the_ranks(tmp_path):
     for step in (39, 40):
         run.summary.add({"step": step, "loss": 1.0, "rank": 0, "run": 1})
         run.stepped = True
-        assert _trained_every_step(run.rec, run) == (step == 40)
+        assert trained_every_step(run.rec, run) == (step == 40)
     run.rec.kind = "script"
-    assert not _trained_every_step(run.rec, run)  # a script's steps are its own to count
+    assert not trained_every_step(run.rec, run)  # a script's steps are its own to count

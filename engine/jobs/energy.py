@@ -9,7 +9,7 @@ run's start and its first sample (and its last sample and its end) is held at
 the nearest reading when it is shorter than `max_gap`, and not covered when longer.
 
 Attribution: the scheduler never gives one GPU to two Rigpilot jobs at once
-(engine.jobs.supervisor._schedule), so a GPU's whole draw while a job holds
+(engine.jobs.launching.due), so a GPU's whole draw while a job holds
 it is that job's: its idle baseline included, and anything outside Rigpilot
 that uses the GPU meanwhile too. Each run (a resume, an automatic restart) is
 integrated on its own and the job's figures add the runs up.

@@ -24,6 +24,7 @@ from typing import Any
 from rigpilot.engine import paths
 from rigpilot.engine.jobs import recovery
 from rigpilot.engine.jobs.metrics import summarize
+from rigpilot.engine.jobs.processes import job_processes
 from rigpilot.engine.jobs.runs import Run, max_steps_of, run_outcome, run_token
 from rigpilot.engine.jobs.spec import JobSpec
 from rigpilot.engine.jobs.store import (
@@ -36,7 +37,6 @@ from rigpilot.engine.jobs.store import (
     JobRecord,
 )
 from rigpilot.engine.jobs.submission import plan_prediction
-from rigpilot.engine.jobs.supervisor import job_processes
 
 log = logging.getLogger(__name__)
 

@@ -10,6 +10,7 @@ import contextlib
 import re
 import signal
 import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -47,6 +48,11 @@ class Run:
     @property
     def token(self) -> str:
         return run_token(self.rec)
+
+
+def local_gpus_in_use(runs: Mapping[str, Run]) -> set[int]:
+    """The GPUs of this machine that followed runs hold (a SLURM job's GPUs are the cluster's)."""
+    return {g for r in runs.values() if r.rec.slurm is None for g in r.rec.gpus}
 
 
 def run_token(rec: JobRecord) -> str:

@@ -31,6 +31,8 @@ import re
 import stat
 from pathlib import Path
 
+from rigpilot.engine.errors import UserError
+
 MASK = "••••"
 # Words of a name that say "secret". PWD alone is the shell's working folder (see _NOT_SECRET_NAMES).
 _SECRET_WORDS = {
@@ -170,3 +172,24 @@ def read_secrets_file(path: Path | None = None) -> dict[str, str]:
         if sep and name.strip():
             out[name.strip()] = value.strip().strip("'\"")
     return out
+
+
+def find_secrets(names: list[str], known: dict[str, str], how: str) -> dict[str, str]:
+    """The values of the masked `names`: from `known` (the engine's memory, or given now), else the user's
+    secrets file. A name found in neither raises UserError saying `how` to give it again."""
+    found = {n: known[n] for n in names if n in known}
+    lacking = [n for n in names if n not in found]
+    if lacking:
+        try:
+            from_file = read_secrets_file()
+        except ValueError as e:
+            raise UserError(f"secrets file refused: {e}") from None
+        found.update({n: from_file[n] for n in lacking if n in from_file})
+        lacking = [n for n in lacking if n not in found]
+    if lacking:
+        names_text = ", ".join(lacking)
+        raise UserError(
+            f"the job needs {names_text} again (secrets are kept in the engine's memory only, not on disk): "
+            f"{how}, or keep them in {secrets_file()} (chmod 600)"
+        )
+    return found

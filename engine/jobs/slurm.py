@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from rigpilot.engine import paths
 from rigpilot.engine.errors import UserError
-from rigpilot.engine.jobs import recovery
+from rigpilot.engine.jobs import following, recovery
 from rigpilot.engine.jobs import secrets as job_secrets
 from rigpilot.engine.jobs.metrics import summarize
 from rigpilot.engine.jobs.runs import Run, log_tail, max_steps_of, newest_checkpoint, run_outcome
@@ -264,7 +264,6 @@ class Supervisor(Protocol):
     def job_dir(self, job_id: str) -> Path: ...
     def view(self, rec: JobRecord, *, detail: bool = True) -> dict[str, Any]: ...
     def _environment(self, rec: JobRecord, spec: JobSpec, job_dir: Path, python: str) -> dict[str, str]: ...
-    def _has_started(self, run: Run) -> bool: ...
     def _read_metrics(self, run: Run) -> None: ...
     def _read_ranks(self, run: Run) -> None: ...
 
@@ -367,7 +366,7 @@ def poll(sup: Supervisor, run: Run, commands: SlurmCommands | None = None) -> No
     rec = run.rec
     sup._read_metrics(run)
     sup._read_ranks(run)
-    if rec.state == STARTING and sup._has_started(run):
+    if rec.state == STARTING and following.has_started(run):
         sup.store.update(rec, state=RUNNING)
         run.dirty, run.last_publish = True, 0.0
     now = time.monotonic()

@@ -84,10 +84,7 @@ def prepare(
     `worker_vllm` says whether vLLM is installed where the job runs (default: engine.runtime.worker_vllm);
     it is asked only when nothing else rules vLLM out. `slurm`: the job goes to a SLURM cluster.
     """
-    check_dataclass(JobSpec, spec_data, "spec", ignore=frozenset({"id", "spec_version", "simulated"}))
-    data = {k: v for k, v in spec_data.items() if k not in ("id", "spec_version", "simulated")}
-    if data.get("kind") not in KINDS:
-        raise UserError(f"unknown job kind {data.get('kind')!r}; choose one of {', '.join(KINDS)}")
+    data = _given_fields(spec_data)
     base = _working_folder(cwd)
     # A script only gets the plan's predictions (plan_prediction reads them): how it splits the work is its own.
     planned = parse_plan(plan) if data.get("kind") != "script" else None
@@ -97,18 +94,57 @@ def prepare(
     from_plan: dict[str, Any] = {}
     notes: list[str] = []
     if planned is not None:
-        check_plan_runs(spec, planned)
-        spans = planned.parallelism.nodes
-        if spans > 1 and spans != nodes:
-            # Else the degrees, made for every node's ranks, would be checked against this node's alone.
-            raise UserError(
-                f"this plan spans {spans} nodes: run it with --nodes local,NODE… naming {spans} engines "
-                f"(see 'rigpilot nodes'), or plan for {nodes} node{'s' * (nodes != 1)}"
-            )
-        from_plan, notes = apply_plan_layout(spec, planned)
+        from_plan, notes = _take_plan_layout(spec, planned, nodes)
+    ranks, dp_shrink = _place_ranks(spec, machine, max_cpu_ranks, nodes, notes)
+    model_type = _check_kind(spec, data, base, planned, ranks * nodes, dp_shrink, from_plan, notes)
+    if spec.kind in ("train", "infer"):
+        model_type = model_type or (planned.model_type if planned else None) or None
+        _check_runs(spec, model_type, planned, nodes)
+    backend = None
+    if spec.kind == "infer" and spec.infer:
+        backend = _choose_backend(spec, spec.infer, machine, worker_vllm, nodes=nodes, slurm=slurm, notes=notes)
+        if backend.name == "vllm":
+            ranks = 1
+    check_job_settings(spec)  # and once more with what the plan and the defaults filled in
+    host_ram = _check_host_ram(planned, machine, notes)
+    predicted = plan_prediction(plan)
+    if (planned is not None and from_plan) or notes:
+        predicted = {**(predicted or {}), "from_plan": from_plan, "plan_notes": notes}
+    need, need_what = disk_need(spec, _model_config(spec.model, base)[1] if spec.kind == "train" and spec.model else {})
+    return Submission(
+        spec, plan, ranks, str(base) if base else None, predicted, from_plan, notes, model_type, host_ram, backend,
+        need, need_what,
+    )
+
+
+def _given_fields(spec_data: dict[str, Any]) -> dict[str, Any]:
+    """The submission's own JobSpec fields, checked by type; the id, version and simulated flag are the engine's."""
+    check_dataclass(JobSpec, spec_data, "spec", ignore=frozenset({"id", "spec_version", "simulated"}))
+    data = {k: v for k, v in spec_data.items() if k not in ("id", "spec_version", "simulated")}
+    if data.get("kind") not in KINDS:
+        raise UserError(f"unknown job kind {data.get('kind')!r}; choose one of {', '.join(KINDS)}")
+    return data
+
+
+def _take_plan_layout(spec: JobSpec, planned: Plan, nodes: int) -> tuple[dict[str, Any], list[str]]:
+    """The plan's GPUs and degrees where the submission left them open, once the plan is known to run here."""
+    check_plan_runs(spec, planned)
+    spans = planned.parallelism.nodes
+    if spans > 1 and spans != nodes:
+        # Else the degrees, made for every node's ranks, would be checked against this node's alone.
+        raise UserError(
+            f"this plan spans {spans} nodes: run it with --nodes local,NODE… naming {spans} engines "
+            f"(see 'rigpilot nodes'), or plan for {nodes} node{'s' * (nodes != 1)}"
+        )
+    return apply_plan_layout(spec, planned)
+
+
+def _place_ranks(spec: JobSpec, machine: Machine, max_cpu_ranks: int, nodes: int, notes: list[str]) -> tuple[int, float]:
+    """The job's GPUs and its ranks on this node, and how many times fewer data-parallel replicas run than the
+    layout has (more than 1 where simulated GPUs became fewer CPU ranks)."""
     spec.gpus = _check_gpus(spec.gpus or _default_gpus(spec, machine, nodes), machine)
     ranks = len(spec.gpus)
-    dp_shrink = 1.0  # how many times fewer data-parallel replicas run than the layout has
+    dp_shrink = 1.0
     if machine.simulated:
         # Simulated GPUs become CPU ranks; more ranks than cores only makes every rank slower.
         ranks = max(1, min(ranks, max_cpu_ranks))
@@ -117,7 +153,15 @@ def prepare(
             # the degrees fit the GPUs, not the CPU ranks
             ranks = _per_node(_fit_to_cpu_ranks(spec, ranks * nodes, notes), nodes)
             dp_shrink = dp_before / spec.parallelism.dp
+    return ranks, dp_shrink
 
+
+def _check_kind(
+    spec: JobSpec, data: dict[str, Any], base: Path | None, planned: Plan | None, world: int, dp_shrink: float,
+    from_plan: dict[str, Any], notes: list[str],
+) -> str | None:  # fmt: skip
+    """What each kind of job needs checked (its files, model and degrees over `world` ranks); the model's type
+    where its config could be read. A training job also takes the plan's training settings here."""
     model_type = None
     if spec.kind == "script":
         _check_script(spec, base)
@@ -132,40 +176,32 @@ def prepare(
         _pipeline_defaults(spec, "pp_microbatches" in (data.get("parallelism") or {}) or "pp_microbatches" in from_plan, notes)
         seq_given = "seq_len" in (data.get("train") or {}) or "seq_len" in from_plan
         model_type = _check_train(spec, base, seq_given, notes)
-        _check_degrees(spec, ranks * nodes)
+        _check_degrees(spec, world)
     elif spec.kind == "infer":
         spec.infer = spec.infer or InferSettings()
         model_type = _check_infer(spec, base)
-        _check_degrees(spec, ranks * nodes)
+        _check_degrees(spec, world)
     elif spec.kind == "calibrate":
-        _check_degrees(spec, ranks * nodes)
+        _check_degrees(spec, world)
         if spec.model:
             spec.model, model_type = _check_model(spec.model, base)
-    if spec.kind in ("train", "infer"):
-        model_type = model_type or (planned.model_type if planned else None) or None
-        _check_runs(spec, model_type, planned, nodes)
-    backend = None
-    if spec.kind == "infer" and spec.infer:
-        backend = choose_infer_backend(
-            spec.infer.backend, spec.parallelism, simulated=machine.simulated,
-            worker_vllm=worker_vllm or runtime.worker_vllm, temperature=spec.infer.temperature, nodes=nodes, slurm=slurm,
-        )  # fmt: skip
-        if backend.refusal:
-            raise UserError(backend.refusal)
-        spec.infer.backend, spec.infer.backend_reason = backend.name, backend.reason
-        if backend.name == "vllm":
-            ranks = 1
-        notes.append(f"inference backend: {backend_words(backend.name, backend.reason)}")
-    check_job_settings(spec)  # and once more with what the plan and the defaults filled in
-    host_ram = _check_host_ram(planned, machine, notes)
-    predicted = plan_prediction(plan)
-    if (planned is not None and from_plan) or notes:
-        predicted = {**(predicted or {}), "from_plan": from_plan, "plan_notes": notes}
-    need, need_what = disk_need(spec, _model_config(spec.model, base)[1] if spec.kind == "train" and spec.model else {})
-    return Submission(
-        spec, plan, ranks, str(base) if base else None, predicted, from_plan, notes, model_type, host_ram, backend,
-        need, need_what,
-    )
+    return model_type
+
+
+def _choose_backend(
+    spec: JobSpec, infer: InferSettings, machine: Machine, worker_vllm: Callable[[], WorkerVllm] | None, *,
+    nodes: int, slurm: bool, notes: list[str],
+) -> BackendChoice:  # fmt: skip
+    """The generator an inference job runs on, recorded in its settings with why; a refusal raises."""
+    backend = choose_infer_backend(
+        infer.backend, spec.parallelism, simulated=machine.simulated,
+        worker_vllm=worker_vllm or runtime.worker_vllm, temperature=infer.temperature, nodes=nodes, slurm=slurm,
+    )  # fmt: skip
+    if backend.refusal:
+        raise UserError(backend.refusal)
+    infer.backend, infer.backend_reason = backend.name, backend.reason
+    notes.append(f"inference backend: {backend_words(backend.name, backend.reason)}")
+    return backend
 
 
 def disk_need(spec: JobSpec, config: dict[str, Any]) -> tuple[int, str]:

@@ -1,17 +1,14 @@
-"""Running jobs: the queue, launching through torchrun, watching, tearing down, re-adopting.
+"""The job state machine: requests change jobs, a watcher thread moves them along, a restart re-adopts them.
 
-Each job runs as `python -m torch.distributed.run ... -m rigpilot.engine.launch.rankexec
-JOB_DIR -- COMMAND` in a session of its own, one rank per GPU (CPU ranks on
-simulated machines). torchrun starts every rank in a session of its own too,
-so the service finds a job's processes through what the ranks record
-(`ranks/rank<N>.json`) and an environment marker every process of the job
-inherits (`RIGPILOT_RUN_TOKEN`), not through one process group.
-
-Lifecycle: queued → starting → running (first step reported) → completed |
-failed | cancelled, or interrupted when the service was gone while the job's
-processes died. A queued job starts once none of its GPUs is used by a running
-job or wanted by a job queued before it, so a big job is never starved by a
-stream of small ones.
+One reason to change: the lifecycle and its bookkeeping. Lifecycle: queued → starting → running (first
+step reported) → completed | failed | cancelled, or interrupted when the service was gone while the job's
+processes died. Each change is written to the store and announced (`on_job`) under one lock; secrets live
+in memory only. The parts it drives change for reasons of their own: which queued job starts and how its
+launcher starts (engine.jobs.launching), what the ranks write and what that says (engine.jobs.following),
+finding and stopping a job's processes (engine.jobs.processes), how a run ended and whether it restarts
+(engine.jobs.runs, engine.jobs.recovery), what clients see of a job (engine.jobs.job_view), the warm worker
+(engine.jobs.warm_tending) and simulated GPUs' load (engine.jobs.simulated_load); SLURM jobs run through
+engine.jobs.slurm.
 """
 
 from __future__ import annotations
@@ -22,37 +19,28 @@ import os
 import secrets
 import shutil
 import signal
-import socket
-import subprocess
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import psutil
+from typing import IO, Any
 
 from rigpilot.engine import paths
 from rigpilot.engine.diskspace import DiskFull, check_room, disk_full, folder_bytes, free_bytes, is_disk_full
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.health import gpu_faults
 from rigpilot.engine.hardware.machine import Machine
-from rigpilot.engine.hardware.simulated import Load, SimulatedBackend
-from rigpilot.engine.jobs import energy, recovery, slurm, submission
+from rigpilot.engine.hardware.simulated import SimulatedBackend
+from rigpilot.engine.jobs import energy, following, launching, processes, recovery, slurm, submission
 from rigpilot.engine.jobs import secrets as job_secrets
 from rigpilot.engine.jobs.conditions import Conditions
+from rigpilot.engine.jobs.job_view import job_view
 from rigpilot.engine.jobs.limits import check_env
-from rigpilot.engine.jobs.metrics import read_records, summarize
+from rigpilot.engine.jobs.metrics import summarize
 from rigpilot.engine.jobs.results import check_name, describe_output, job_settings
-from rigpilot.engine.jobs.runs import (
-    Run,
-    clean_exit,
-    max_steps_of,
-    newest_checkpoint,
-    run_outcome,
-    run_token,
-)
+from rigpilot.engine.jobs.runs import Run, max_steps_of, newest_checkpoint, run_outcome
+from rigpilot.engine.jobs.simulated_load import apply_load, clear_load
 from rigpilot.engine.jobs.spec import JobSpec
 from rigpilot.engine.jobs.store import (
     ACTIVE_STATES,
@@ -66,15 +54,12 @@ from rigpilot.engine.jobs.store import (
     JobRecord,
     JobStore,
 )
-from rigpilot.engine.launch import warm
-from rigpilot.engine.launch.torchrun import rank_environment, rank_target, torchrun_command
+from rigpilot.engine.jobs.warm_tending import WarmTending
+from rigpilot.engine.launch.warm import WarmWorker
 from rigpilot.engine.runtime import worker_python
 
 log = logging.getLogger(__name__)
 
-RUN_TOKEN_ENV = "RIGPILOT_RUN_TOKEN"
-_TRAINING_UTILIZATION = 90.0
-_STARTING_UTILIZATION = 15.0  # loading a model keeps a GPU mostly idle
 _ROOM_CHECK_S = 2.0  # how often jobs that failed on a full disk look for room, and unsaved job changes are written
 
 
@@ -95,11 +80,6 @@ class SupervisorOptions:
     # Keep a warm worker (engine.launch.warm) while idle so ranks start without importing torch;
     # RIGPILOT_WARM_WORKER=0 in the engine's environment turns it off too.
     warm_worker: bool = True
-
-
-def on_vllm(spec: JobSpec) -> bool:
-    """An inference job the submission gave to vLLM: one process, which starts a worker per GPU itself."""
-    return spec.kind == "infer" and spec.infer is not None and spec.infer.backend == "vllm"
 
 
 class Supervisor:
@@ -139,11 +119,7 @@ class Supervisor:
         # Whether a job whose launcher here has exited may be ended now, given the seconds since (a multi-node
         # head waits for its other nodes' last records: engine.service.multinode).
         self.finish_ready: Callable[[JobRecord, float], bool] = lambda rec, waited_s: True
-        self.warm: warm.WarmWorker | None = None  # made when first started
-        # Not in the engine's first seconds, while the app that started it may still be drawing its first frames.
-        self._warm_check_at = time.monotonic() + 2.0
-        self._warm_retry_at = 0.0
-        self._warm_failures = 0
+        self.warm_tending = WarmTending(jobs_root.parent / "warm-worker.log")
         self._conditions = Conditions(log)
         self._room_check_at = 0.0
 
@@ -170,8 +146,7 @@ class Supervisor:
             for run in self._runs.values():
                 if run.launcher_log:
                     run.launcher_log.close()
-            if self.warm is not None:
-                self.warm.stop()
+            self.warm_tending.stop()
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -228,42 +203,14 @@ class Supervisor:
             self._queue_dirty = True
             self._on_job(self.view(rec))
 
-    def _tend_warm(self) -> None:
-        """Start the warm worker when the engine is idle and memory allows; stop it when memory runs short.
+    @property
+    def warm(self) -> WarmWorker | None:
+        """The warm worker, once one was made."""
+        return self.warm_tending.worker
 
-        Idle: no job running, starting or queued, so its imports (seconds of CPU) never compete with a
-        job. Memory allows: at least warm.MIN_AVAILABLE_BYTES available (it holds about 0.5-1 GiB).
-        """
-        now = time.monotonic()
-        if not (self.options.warm_worker and warm.enabled()) or now < self._warm_check_at:
-            return
-        self._warm_check_at = now + 1.0
-        if self.warm is None:
-            self.warm = warm.WarmWorker(paths.runtime_dir(), self.jobs_root.parent / "warm-worker.log")
-        w = self.warm
-        if w.running():
-            if not warm.memory_allows(int(psutil.virtual_memory().available * 2)):
-                log.info("warm worker stopped: memory is short")
-                w.stop()
-            elif w.ready():
-                self._warm_failures = 0
-            return
-        if w.popen is not None and w.popen.returncode == 0:
-            w.popen = None  # it retired (the engine environment changed): a fresh one when idle
-        elif w.popen is not None:  # it failed or was killed: try again later, less and less often
-            self._warm_failures += 1
-            self._warm_retry_at = now + min(30.0 * 2**self._warm_failures, 3600.0)
-            log.warning("warm worker exited with %s; see %s", w.popen.returncode, w.log_path)
-            w.popen = None
-        if now < self._warm_retry_at or self._runs or self.store.list({QUEUED}) or not warm.memory_allows():
-            return
-        try:
-            python = worker_python()
-        except UserError:
-            return
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        env.setdefault("TOKENIZERS_PARALLELISM", "false")
-        w.start(python, env)
+    def _tend_warm(self) -> None:
+        """Start or stop the warm worker (engine.jobs.warm_tending); idle: no job running, starting or queued."""
+        self.warm_tending.tend(self.options.warm_worker, lambda: bool(self._runs or self.store.list({QUEUED})))
 
     def replace_machine(self, machine: Machine, backend: Any = None) -> None:
         """Run later jobs on `machine`; refused (UserError naming them) while any job is queued or running.
@@ -328,7 +275,7 @@ class Supervisor:
         if not spec.name:
             spec.name = _default_name(spec)
         spec.env, hidden = job_secrets.split(spec.env)
-        hidden = self._find_secrets(job_secrets.masked_names(spec.env), hidden, "rigpilot run --env NAME=VALUE")
+        hidden = job_secrets.find_secrets(job_secrets.masked_names(spec.env), hidden, "rigpilot run --env NAME=VALUE")
         job_dir = self.job_dir(job_id)
         rec = JobRecord(
             id=job_id, seq=self.store.next_seq(), kind=spec.kind, name=spec.name, state=QUEUED, gpus=spec.gpus,
@@ -397,11 +344,11 @@ class Supervisor:
             elif not rec.cancel_requested:
                 self.store.update(rec, cancel_requested=True)
                 run.stop_reason = "cancel"
-                if not _trained_every_step(rec, run):
+                if not following.trained_every_step(rec, run):
                     run.kill_at = time.monotonic() + self.options.grace_s
                     # torchrun passes SIGTERM on to every rank's process group and waits for them,
                     # so workers get their chance to checkpoint before the grace period ends.
-                    self._signal_launcher(run, signal.SIGTERM)
+                    processes.signal_launcher(run, signal.SIGTERM)
                 # else every step is trained and checkpointed: the job only evaluates and saves its model now,
                 # which no cancel may cut short; it ends completed.
             view = self.view(rec)
@@ -428,7 +375,7 @@ class Supervisor:
             given_shown, given_hidden = job_secrets.split(dict(env or {}))
             spec.env = {**spec.env, **given_shown}
             known = {**self._secrets.get(rec.id, {}), **given_hidden}
-            hidden = self._find_secrets(
+            hidden = job_secrets.find_secrets(
                 job_secrets.masked_names(spec.env), known, f"rigpilot resume {rec.id} --env NAME=VALUE"
             )
             if spec.kind == "train":
@@ -529,25 +476,7 @@ class Supervisor:
 
     def view(self, rec: JobRecord, *, detail: bool = True) -> dict[str, Any]:
         """A job as clients see it: the record, progress, and predictions beside measurements."""
-        run = self._runs.get(rec.id)
-        d = rec.to_dict()
-        d["job_dir"] = str(self.job_dir(rec.id))
-        progress = run.summary.to_dict(time.time()) if run else (rec.measured or None)
-        d["progress"] = progress
-        d["energy"] = energy.job_energy(rec, run.energy if run else None, time.time())
-        d["energy_cost"] = energy.cost(d["energy"], progress, energy.electricity_price())
-        d["wall_s"] = _wall_s(rec, d["energy"], time.time())
-        if rec.state == QUEUED:
-            d["waiting_for"] = self._waiting_for(rec)
-        if rec.state == STARTING and rec.slurm is None:
-            d["startup_phase"] = startup_phase(run.summary.phase if run else None)
-        if detail:
-            d["comparison"] = _compare(rec.predicted, progress)
-        return d
-
-    def _waiting_for(self, rec: JobRecord) -> list[int]:
-        busy = {g for r in self._runs.values() if r.rec.slurm is None for g in r.rec.gpus}
-        return sorted(busy & set(rec.gpus))
+        return job_view(rec, self._runs, self.job_dir(rec.id), detail=detail)
 
     def _new_id(self) -> str:
         while True:
@@ -559,26 +488,16 @@ class Supervisor:
 
     def _schedule(self) -> None:
         self._queue_dirty = False
-        busy = {g for r in self._runs.values() if r.rec.slurm is None for g in r.rec.gpus}
-        reserved: set[int] = set()
-        for rec in sorted(self.store.list({QUEUED}), key=lambda r: r.seq):
-            if rec.slurm is not None:  # SLURM's queue decides where and when it runs, not this machine's GPUs
+        for rec in launching.due(self.store.list({QUEUED}), self._runs):
+            if rec.slurm is not None:
                 self._launch_slurm(rec)
-                continue
-            want = set(rec.gpus)
-            if want & (busy | reserved):
-                reserved |= want  # later jobs may not take GPUs an earlier job waits for
-                continue
-            self._launch(rec)
-            busy |= want
+            else:
+                self._launch(rec)
 
     def _launch(self, rec: JobRecord) -> None:
         job_dir = self.job_dir(rec.id)
         try:
-            shutil.rmtree(job_dir / "ranks", ignore_errors=True)
-            (job_dir / "ranks").mkdir(parents=True, exist_ok=True)
-            (job_dir / "logs").mkdir(parents=True, exist_ok=True)
-            launcher_log = paths.open_private(job_dir / "logs" / "launcher.log", "ab")
+            launcher_log = launching.open_launcher_log(job_dir)
         except OSError as e:
             if not is_disk_full(e):
                 raise
@@ -592,7 +511,7 @@ class Supervisor:
                 raise
             self._end_for_room(rec, job_dir)
 
-    def _start(self, rec: JobRecord, job_dir: Path, launcher_log: Any) -> None:
+    def _start(self, rec: JobRecord, job_dir: Path, launcher_log: IO[bytes]) -> None:
         try:
             spec = JobSpec.read(job_dir)
         except (OSError, ValueError) as e:
@@ -601,12 +520,7 @@ class Supervisor:
             return
         try:
             python = worker_python()
-        except UserError as e:
-            launcher_log.close()
-            self._end_without_run(rec, str(e))
-            return
-        try:
-            hidden = self._find_secrets(
+            hidden = job_secrets.find_secrets(
                 job_secrets.masked_names(spec.env), self._secrets.get(rec.id, {}),
                 f"rigpilot resume {rec.id} --env NAME=VALUE",
             )  # fmt: skip
@@ -614,44 +528,34 @@ class Supervisor:
             launcher_log.close()
             self._end_without_run(rec, str(e))
             return
-        if self.warm is not None and self.warm.running() and not self.warm.ready():
-            self.warm.stop()  # still importing: it would take the CPU this job's ranks need to start
-        port = _free_port()
-        cmd = self._command(rec, spec, job_dir, port, python)
+        self.warm_tending.make_way()
+        port = launching.free_port()
+        cmd = launching.command(rec, spec, job_dir, port, python, self.options.monitor_interval_s)
         env = self._environment(rec, spec, job_dir, python)
         env.update(hidden)
         launcher_log.write(f"--- run {rec.run}: {' '.join(cmd)}\n".encode())
         launcher_log.flush()
-        cwd = rec.cwd if rec.kind == "script" and rec.cwd and Path(rec.cwd).is_dir() else str(job_dir)
         try:
-            popen = subprocess.Popen(
-                cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=launcher_log, stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+            popen = launching.popen_launcher(rec, job_dir, cmd, env, launcher_log)
         except OSError as e:
             launcher_log.close()
             self._end_without_run(rec, f"cannot start torchrun: {e}")
             return
-        try:
-            started_at = psutil.Process(popen.pid).create_time()
-        except psutil.Error:
-            started_at = None
         self.store.update(
-            rec, state=STARTING, started=time.time(), ended=None, launcher_pid=popen.pid, launcher_start=started_at,
-            port=port,
-        )
+            rec, state=STARTING, started=time.time(), ended=None, launcher_pid=popen.pid,
+            launcher_start=launching.started_at(popen), port=port,
+        )  # fmt: skip
         run = Run(rec, job_dir, popen, launcher_log, energy=energy.new_meter(rec, self._telemetry))
         # A resumed job appends to its metric files; the summary carries on from the last run.
         run.summary, run.cursor = summarize(job_dir / "metrics", max_steps_of(spec))
         run.summary.phase = None  # the last run's final phase is not this run's
         self._runs[rec.id] = run
-        self._apply_load(run)
+        apply_load(self._simulated_backend, run)
         self._on_job(self.view(rec))
 
     def _launch_slurm(self, rec: JobRecord) -> None:
         job_dir = self.job_dir(rec.id)
-        shutil.rmtree(job_dir / "ranks", ignore_errors=True)
-        (job_dir / "ranks").mkdir(parents=True, exist_ok=True)
+        launching.fresh_ranks_folder(job_dir)
         try:
             self.store.update(rec, **slurm.start(self, rec, JobSpec.read(job_dir), job_dir))
         except (OSError, ValueError, UserError) as e:
@@ -660,43 +564,9 @@ class Supervisor:
         self._runs[rec.id] = slurm.adopt(self, rec)
         self._on_job(self.view(rec))
 
-    def _command(self, rec: JobRecord, spec: JobSpec, job_dir: Path, port: int, python: str) -> list[str]:
-        return torchrun_command(
-            python=python, job_id=rec.id, run=rec.run, ranks_per_node=1 if on_vllm(spec) else rec.ranks,
-            nodes=rec.nodes or {}, port=port, monitor_interval_s=self.options.monitor_interval_s, job_dir=job_dir,
-            target=rank_target(python, job_dir, spec.script if rec.kind == "script" else None),
-        )
-
     def _environment(self, rec: JobRecord, spec: JobSpec, job_dir: Path, python: str) -> dict[str, str]:
-        base = {**os.environ, **job_secrets.plain(spec.env)}  # the caller adds the secrets
-        env = rank_environment(base, job_id=rec.id, job_dir=job_dir, run=rec.run, gpus=rec.gpus, ranks=rec.ranks,
-                               simulated=rec.simulated)
-        env[RUN_TOKEN_ENV] = run_token(rec)
-        env.pop(warm.SOCKET_ENV, None)
-        # vLLM starts its own workers and imports far more than a warm worker holds: a fresh interpreter.
-        warm_fits = rec.kind != "script" and not on_vllm(spec)
-        if warm_fits and self.warm is not None and self.warm.ready() and self.warm.python == python:
-            env[warm.SOCKET_ENV] = str(self.warm.socket_path)
-        return env
-
-    def _find_secrets(self, names: list[str], known: dict[str, str], how: str) -> dict[str, str]:
-        """The values of the masked `names`: from `known` (memory, or given now), else the user's secrets file."""
-        found = {n: known[n] for n in names if n in known}
-        lacking = [n for n in names if n not in found]
-        if lacking:
-            try:
-                from_file = job_secrets.read_secrets_file()
-            except ValueError as e:
-                raise UserError(f"secrets file refused: {e}") from None
-            found.update({n: from_file[n] for n in lacking if n in from_file})
-            lacking = [n for n in lacking if n not in found]
-        if lacking:
-            names_text = ", ".join(lacking)
-            raise UserError(
-                f"the job needs {names_text} again (secrets are kept in the engine's memory only, not on disk): "
-                f"{how}, or keep them in {job_secrets.secrets_file()} (chmod 600)"
-            )
-        return found
+        """The environment of a run's launcher and ranks, less the job's secrets (engine.jobs.launching)."""
+        return launching.environment(rec, spec, job_dir, python, self.warm_tending)
 
     def _end_without_run(self, rec: JobRecord, reason: str, error: dict[str, Any] | None = None) -> None:
         self.store.update(rec, state=FAILED, ended=time.time(), exit_reason=reason, resumable=True, error=error)
@@ -720,14 +590,14 @@ class Supervisor:
             return
         self._read_metrics(run)
         self._read_ranks(run)
-        if rec.state == STARTING and self._has_started(run):
+        if rec.state == STARTING and following.has_started(run):
             self.store.update(rec, state=RUNNING)
             run.dirty = True
             run.last_publish = 0.0  # a state change goes out now; progress alone at most once a second
-        self._apply_load(run)
+        apply_load(self._simulated_backend, run)
         if run.energy is not None:
             energy.catch_up(run.energy, self._telemetry, now=time.monotonic())
-        if not self._launcher_alive(run):
+        if not processes.launcher_alive(run):
             if run.launcher_ended is None:
                 run.launcher_ended = time.monotonic()
             if self.finish_ready(rec, time.monotonic() - run.launcher_ended):
@@ -736,7 +606,7 @@ class Supervisor:
         if run.kill_at is not None and time.monotonic() >= run.kill_at and not run.killed:
             log.warning("job %s: still running after the grace period; killing it", rec.id)
             run.killed = True
-            self._kill(run)
+            processes.kill(run)
         now = time.monotonic()
         if run.dirty and now - run.last_publish >= 1.0:
             run.dirty = False
@@ -744,75 +614,11 @@ class Supervisor:
             self._on_job(self.view(rec, detail=False))
 
     def _read_metrics(self, run: Run) -> None:
-        got = False
-        while True:
-            records, run.cursor, more = read_records(run.job_dir / "metrics", run.cursor)
-            for r in records:
-                run.summary.add(r)
-                run.stepped = run.stepped or (r.get("kind") is None and r.get("step") is not None)
-            got = got or bool(records)
-            if not more:
-                break
-        if got:
-            run.dirty = True
+        if following.read_metrics(run):
             self._on_metrics(run.rec.id)
 
     def _read_ranks(self, run: Run) -> None:
-        for f in (run.job_dir / "ranks").glob("rank*.json"):
-            try:
-                state = _read_json(f)
-                rank = int(state["rank"])
-            except (OSError, ValueError, KeyError, TypeError):
-                continue  # written atomically, so this is a foreign file; ignore it
-            run.ranks[rank] = state
-            ex = state.get("exit")
-            if ex and run.stop_reason is None and not clean_exit(ex):
-                run.stop_reason = "rank_failed"
-                # torchrun notices within its monitor interval and stops the other ranks itself;
-                # this bounds how long that may take when a rank hangs in a collective.
-                run.kill_at = time.monotonic() + self.options.failure_grace_s
-
-    def _has_started(self, run: Run) -> bool:
-        if run.stepped:
-            return True
-        # A script need not report steps; it runs once every rank has started it.
-        if run.rec.kind == "script":
-            if run.summary.records:
-                return True
-            started = [r for r in run.ranks.values() if "child_pid" in r or "exit" in r]
-            return len(started) >= run.rec.ranks
-        return False
-
-    def _apply_load(self, run: Run) -> None:
-        """Make the simulated GPUs show the job: busy while it runs, holding its memory."""
-        backend = self._simulated_backend
-        if backend is None or not run.rec.simulated:
-            return
-        rec = run.rec
-        util = _TRAINING_UTILIZATION if rec.state == RUNNING else _STARTING_UTILIZATION
-        predicted = (rec.predicted or {}).get("peak_memory_bytes")
-        for i, gpu in enumerate(rec.gpus):
-            rank = i % max(rec.ranks, 1)
-            memory = run.summary.peak_memory.get(rank) or predicted or 0
-            pid = run.ranks.get(rank, {}).get("child_pid") or rec.launcher_pid
-            load = Load(
-                utilization=util, memory_bytes=int(memory), comm_fraction=0.15 if len(rec.gpus) > 1 else 0.0,
-                pid=pid, command=f"rigpilot {rec.kind} {rec.name} (rank {rank})",
-            )
-            with contextlib.suppress(KeyError):
-                backend.set_load(gpu, rec.id, load)
-
-    def _clear_load(self, rec: JobRecord) -> None:
-        if self._simulated_backend is None:
-            return
-        for gpu in rec.gpus:
-            with contextlib.suppress(KeyError):
-                self._simulated_backend.set_load(gpu, rec.id, None)
-
-    def _launcher_alive(self, run: Run) -> bool:
-        if run.popen is not None:
-            return run.popen.poll() is None
-        return _alive(run.rec.launcher_pid, run.rec.launcher_start)
+        following.read_ranks(run, self.options.failure_grace_s)
 
     # -- stopping -------------------------------------------------------------
 
@@ -824,30 +630,9 @@ class Supervisor:
                 return False
             run.stop_reason = "node_failed"
             run.kill_at = time.monotonic() + self.options.failure_grace_s
-            self._signal_launcher(run, signal.SIGTERM)
+            processes.signal_launcher(run, signal.SIGTERM)
         self._wake.set()
         return True
-
-    def _signal_launcher(self, run: Run, sig: signal.Signals) -> None:
-        rec = run.rec
-        if run.popen is not None and run.popen.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(run.popen.pid, sig)  # torchrun leads its own session
-        elif run.popen is None and _alive(rec.launcher_pid, rec.launcher_start):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(rec.launcher_pid, sig)  # type: ignore[arg-type]
-
-    def _kill(self, run: Run) -> None:
-        """SIGKILL every process of the job: the launcher, each rank's group, and stragglers."""
-        self._signal_launcher(run, signal.SIGKILL)
-        for state in run.ranks.values():
-            pgid = state.get("pgid")
-            if isinstance(pgid, int) and _alive(state.get("pid"), state.get("create_time")):
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(pgid, signal.SIGKILL)
-        for p in job_processes(run.token):
-            with contextlib.suppress(psutil.Error):
-                p.kill()
 
     def _finish(self, run: Run) -> None:
         rec = run.rec
@@ -856,11 +641,11 @@ class Supervisor:
             run.launcher_log.close()
         self._read_metrics(run)
         self._read_ranks(run)
-        left = self._sweep(run)
+        left = processes.sweep(run)
         outcome = self.finish_hook(rec, run_outcome(run, rc))
         if left:
             outcome["exit_reason"] = f"{outcome['exit_reason'] or 'ended'}; {len(left)} leftover process(es) had to be killed"
-        self._clear_load(rec)
+        clear_load(self._simulated_backend, rec)
         measured = run.summary.to_dict(time.time())
         outcome = recovery.after_failure(
             rec, outcome, run.summary.errors, run.job_dir, lambda: gpu_faults(self._backend),
@@ -874,23 +659,6 @@ class Supervisor:
         self._queue_dirty = True
         self._on_metrics(rec.id)
         self._on_job(self.view(rec))
-
-    def _sweep(self, run: Run, timeout: float = 5.0) -> list[int]:
-        """Kill whatever of the job outlived its launcher; return their pids, after they are gone."""
-        procs = job_processes(run.token)
-        for state in run.ranks.values():
-            for key in ("pid", "child_pid"):
-                pid = state.get(key)
-                if isinstance(pid, int) and pid not in {p.pid for p in procs} and _alive(pid, None, run.token):
-                    with contextlib.suppress(psutil.Error):
-                        procs.append(psutil.Process(pid))
-        for p in procs:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-        _, alive = psutil.wait_procs(procs, timeout=timeout)
-        if alive:
-            log.error("job %s: processes %s survived SIGKILL", run.rec.id, [p.pid for p in alive])
-        return [p.pid for p in procs]
 
     # -- restart --------------------------------------------------------------
 
@@ -910,80 +678,18 @@ class Supervisor:
             if rec.cancel_requested:
                 run.stop_reason = "cancel"
                 run.kill_at = time.monotonic() + self.options.grace_s
-            if _alive(rec.launcher_pid, rec.launcher_start):
+            if processes.alive(rec.launcher_pid, rec.launcher_start):
                 log.info("re-adopting job %s (launcher pid %s)", rec.id, rec.launcher_pid)
                 self._runs[rec.id] = run
                 continue
             self._read_ranks(run)
-            self._sweep(run)
+            processes.sweep(run)
             outcome = self.finish_hook(rec, run_outcome(run, None, service_was_down=True))
-            self._clear_load(rec)
+            clear_load(self._simulated_backend, rec)
             ended = time.time()
             spent = energy.finish(rec, run.energy, self._telemetry, ended)
             self.store.update(rec, ended=ended, measured=run.summary.to_dict(), energy=spent, **outcome)
         self._queue_dirty = True
-
-
-# -- outcome ------------------------------------------------------------------
-
-
-def _compare(predicted: dict[str, Any] | None, progress: dict[str, Any] | None) -> dict[str, Any] | None:
-    if not predicted:
-        return None
-    progress = progress or {}
-    peaks = (progress.get("peak_memory_by_rank") or {}).values()
-    measured = {
-        "peak_memory_bytes": max(peaks) if peaks else None,
-        "tokens_per_s": progress.get("tokens_per_s"),
-        "step_time_s": 1 / progress["steps_per_s"] if progress.get("steps_per_s") else None,
-    }
-    return {k: {"predicted": predicted.get(k), "measured": v} for k, v in measured.items()}
-
-
-def startup_phase(phase: str | None) -> str:
-    """What a starting job is doing, from the latest status its ranks reported (engine.workers)."""
-    if phase is None:
-        return "launching"  # torchrun starting, ranks meeting, interpreters starting
-    if phase == "importing":
-        return "importing"
-    if phase == "loading model":
-        return "loading weights"
-    return "first step"
-
-
-# -- processes ----------------------------------------------------------------
-
-
-def job_processes(token: str) -> list[psutil.Process]:
-    """Every live process of this user that carries the job run's environment marker."""
-    me = os.getuid()
-    found = []
-    for p in psutil.process_iter(["uids", "status"]):
-        try:
-            if p.info["uids"] is None or p.info["uids"].real != me or p.info["status"] == psutil.STATUS_ZOMBIE:
-                continue
-            if p.environ().get(RUN_TOKEN_ENV) == token:
-                found.append(p)
-        except (psutil.Error, OSError):
-            continue
-    return found
-
-
-def _alive(pid: Any, create_time: Any, token: str | None = None) -> bool:
-    """Whether `pid` is still the process we started (same start time or marker), not a recycled pid."""
-    if not isinstance(pid, int):
-        return False
-    try:
-        p = psutil.Process(pid)
-        if p.status() == psutil.STATUS_ZOMBIE:
-            return False
-        if isinstance(create_time, int | float):
-            return abs(p.create_time() - create_time) < 0.5
-        if token is not None:
-            return p.environ().get(RUN_TOKEN_ENV) == token
-        return True
-    except (psutil.Error, OSError):
-        return False
 
 
 # -- small helpers ------------------------------------------------------------
@@ -992,30 +698,6 @@ def _alive(pid: Any, create_time: Any, token: str | None = None) -> bool:
 def _first_line(e: BaseException) -> str:
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
     return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
-
-
-def _trained_every_step(rec: JobRecord, run: Run) -> bool:
-    """A training job whose ranks reported its last step: what is left (the final checkpoint, the evaluation,
-    the model) finishes the job, and a cancel now would only cut that short."""
-    max_steps = run.summary.max_steps
-    return rec.kind == "train" and run.stepped and max_steps is not None and max_steps > 0 and (run.summary.step or 0) >= max_steps
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wall_s(rec: JobRecord, spent: dict[str, Any] | None, now: float) -> float | None:
-    """Seconds the job has run, over all its runs. `started` is the last run's start; the energy record
-    times every run from its start to its end (the one running now included)."""
-    runs = (spent or {}).get("runs") or []
-    if rec.run > 1 and len(runs) == rec.run and all(isinstance(r.get("seconds"), int | float) for r in runs):
-        return float(sum(r["seconds"] for r in runs))
-    if rec.started is None:
-        return None
-    return max((rec.ended or now) - rec.started, 0.0)
 
 
 def _default_name(spec: JobSpec) -> str:
@@ -1027,12 +709,6 @@ def _default_name(spec: JobSpec) -> str:
             model = model.parent if model.suffix == ".json" else model
         return f"{spec.kind} {model.name if spec.model.startswith('/') else spec.model}"
     return spec.kind
-
-
-def _read_json(path: Path) -> Any:
-    import json
-
-    return json.loads(path.read_text())
 
 
 def _write_json_atomic(path: Path, data: Any) -> None:

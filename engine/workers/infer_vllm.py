@@ -1,7 +1,7 @@
 """Inference on vLLM (kind "infer", backend "vllm"): the same prompts in, the same output/results.jsonl out.
 
 The submission gives an inference job to vLLM only on one machine's real GPUs, with no data parallel
-(engine.capability.choose_infer_backend). torchrun then starts one process (engine.jobs.supervisor
+(engine.capability.choose_infer_backend). torchrun then starts one process (engine.jobs.launching
 `on_vllm`), this one, and vLLM's offline `LLM` class starts a worker per GPU itself: tensor parallel ×
 pipeline parallel of them, on the job's GPUs (CUDA_VISIBLE_DEVICES). vLLM batches and schedules the prompts
 itself over its paged KV cache, so the job's batch size does not apply; all prompts go to one generate().
