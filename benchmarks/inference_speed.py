@@ -125,7 +125,7 @@ def run_rigpilot(
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1",
                CUDA_VISIBLE_DEVICES="",
                RIGPILOT_METRICS_DIR=str(job_dir / "metrics"))  # fmt: skip
-    env["OMP_NUM_THREADS"] = str(max(1, threads // ranks))  # as engine.jobs.supervisor shares the cores
+    env["OMP_NUM_THREADS"] = str(max(1, threads // ranks))  # as engine.launch.torchrun shares the cores
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
            "-m", "rigpilot.engine.workers", str(job_dir)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
