@@ -1,9 +1,8 @@
 """The Planner page: will this model fit on these GPUs, and what is the fastest way to split it?
 
 The form on the left asks (`WorkloadForm`, the machine planned for and its
-GPUs); the engine's `plan` request answers (or, with no engine connected, the
-same planner runs here in a background task). The right side shows the
-answer (`PlanResults`: ranked plans, the chosen plan's memory per GPU, why it
+GPUs); the engine's `plan` request answers: the GUI runs no planner of its
+own. The right side shows the answer (`PlanResults`: ranked plans, the chosen plan's memory per GPU, why it
 won and why the others lost, suggestions when nothing fits) and what can be
 done with it (`LaunchBar`: exports, and "Launch with this plan…", which opens
 the job wizard). Every failure ends up as one line above the results, never a
@@ -33,11 +32,9 @@ from rigpilot.app.planner.model import (
     error_text,
     gui_words,
     plan_runs_here,
-    search_locally,
 )
 from rigpilot.app.planner.results_view import TABLE_COLUMNS, PlanResults
 from rigpilot.app.planner.workload_form import WorkloadForm
-from rigpilot.app.tasks import run_in_background
 from rigpilot.app.topology.imported import HERE, ImportedMachines
 from rigpilot.app.widgets.engine_messages import machine_dict
 
@@ -84,10 +81,10 @@ class PlannerPage(QWidget):
         self.results = PlanResults()
         self.results.sig_plan_shown.connect(self._plan_shown)
         self.results.sig_apply.connect(self._apply_suggestion)
-        self.actions = LaunchBar()
-        self.actions.sig_launch.connect(self.open_wizard)
-        self.actions.sig_exported.connect(lambda *_: self.results.hide_message())
-        self.actions.exports.sig_export_failed.connect(self.results.show_message)
+        self.launch_bar = LaunchBar()
+        self.launch_bar.sig_launch.connect(self.open_wizard)
+        self.launch_bar.sig_exported.connect(lambda *_: self.results.hide_message())
+        self.launch_bar.exports.sig_export_failed.connect(self.results.show_message)
         self._aliases()
         self._lay_out()
         self.results.show_result(None)
@@ -98,7 +95,7 @@ class PlannerPage(QWidget):
 
     def _aliases(self) -> None:
         """The parts' controls by their old names: tests, screenshots and the main window reach them here."""
-        f, r, a = self.form, self.results, self.actions
+        f, r, a = self.form, self.results, self.launch_bar
         self.picker, self.task, self.method, self.lora_rank = f.picker, f.task, f.method, f.lora_rank
         self.quant, self.seq_len, self.batch, self.batch_label = f.quant, f.seq_len, f.batch, f.batch_label
         self.new_tokens, self.tokens, self.precision = f.new_tokens, f.tokens, f.precision
@@ -141,7 +138,7 @@ class PlannerPage(QWidget):
         answer_layout = QVBoxLayout(answer)
         answer_layout.setContentsMargins(0, 0, 0, 0)
         answer_layout.addWidget(self.results, 1)
-        answer_layout.addWidget(self.actions)
+        answer_layout.addWidget(self.launch_bar)
         self.splitter = QSplitter(Qt.Orientation.Horizontal)
         self.splitter.setObjectName("plannerSplitter")
         self.splitter.addWidget(self.form_area)
@@ -264,20 +261,18 @@ class PlannerPage(QWidget):
         self.plan_button.setEnabled(False)
         on_done = lambda reply: self._on_plan(serial, reply)  # noqa: E731
         on_error = lambda e: self._on_plan_error(serial, e)  # noqa: E731
-        target = self.target_machine()
-        if getattr(self.link, "state", None) == "connected":
-            other = self.choice.request_arg()
-            self.link.call(
-                "plan", on_done=on_done, on_error=on_error,
-                model=request.model, workload=request.workload_args(), gpus=request.gpus,
-                options=request.options_args(), **({"machine": other} if other is not None else {}),
-            )  # fmt: skip
-        elif target is not None:
-            run_in_background(lambda: search_locally(request, target), on_done, on_error)
-        else:
+        if getattr(self.link, "state", None) != "connected":
+            # Plans come from the engine alone (one planner, calibrated for this machine): say so, ask again later.
             self.plan_button.setEnabled(True)
             self.status.setText("")
-            self.results.show_message("Not connected to the engine yet, and no machine is known to plan for.")
+            self.results.show_message("Not connected to the engine yet: plans come from it. Plan again once it is.")
+            return
+        other = self.choice.request_arg()
+        self.link.call(
+            "plan", on_done=on_done, on_error=on_error,
+            model=request.model, workload=request.workload_args(), gpus=request.gpus,
+            options=request.options_args(), **({"machine": other} if other is not None else {}),
+        )  # fmt: skip
 
     def _on_plan(self, serial: int, reply: dict[str, Any]) -> None:
         if serial != self._serial:
@@ -292,7 +287,7 @@ class PlannerPage(QWidget):
         )  # fmt: skip
         self.results.hide_message()
         self.results.show_result(result)
-        self.rented.show_for(self.plan_request(), result, self.target_machine())
+        self.rented.show_for(self.link, self.plan_request(), result, self.target_machine())
         self.sig_plan_ready.emit(result)
 
     def _on_plan_error(self, serial: int, error: BaseException) -> None:
@@ -314,7 +309,7 @@ class PlannerPage(QWidget):
     # -- the plan shown ------------------------------------------------------------------------------
     def _plan_shown(self, plan: dict[str, Any] | None, launchable: bool) -> None:
         self.plan = plan
-        self.actions.set_plan(plan)
+        self.launch_bar.set_plan(plan)
         self._offer_launch(plan if launchable else None)
         if plan is not None:
             self.sig_plan_shown.emit(plan)
@@ -327,7 +322,7 @@ class PlannerPage(QWidget):
             runs = False
             reason = (f"Planned for another machine: jobs launch only on this one ({self.choice.here_label()}). "
                       "Export the plan instead.")  # fmt: skip
-        self.actions.offer_launch(plan is not None and runs, reason)
+        self.launch_bar.offer_launch(plan is not None and runs, reason)
 
     def apply_suggestion(self) -> None:
         """Put the selected suggestion's workload and GPUs into the form, and plan again."""
