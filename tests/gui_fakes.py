@@ -324,7 +324,8 @@ def isolated_config(tmp_path: Any, monkeypatch: Any):
 
 
 def real_plan_reply(machine: Machine) -> Callable[..., dict[str, Any]]:
-    """A `plan` reply computed by the real planner on `machine`, as engine/service/server.py does it.
+    """A `plan` reply computed by the real planner on `machine`, as engine/service/server.py does it (and a
+    `recheck` of a changed plan, as the planner process answers it).
 
     link.replies["plan"] = real_plan_reply(link.machine_obj)
     """
@@ -332,10 +333,12 @@ def real_plan_reply(machine: Machine) -> Callable[..., dict[str, Any]]:
 
     def plan(model: str, workload: dict[str, Any] | None = None, gpus: list[int] | None = None,
              options: dict[str, Any] | None = None, trust_remote_code: bool = False,
-             machine: Any = None) -> dict[str, Any]:  # fmt: skip
+             machine: Any = None, recheck: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
         from rigpilot.engine.errors import UserError
-        from rigpilot.engine.models import describe_model
+        from rigpilot.engine.models.job_model import describe_for_job
+        from rigpilot.engine.planner.overrides import Overrides
         from rigpilot.engine.planner.plan import LoraSettings, Workload
+        from rigpilot.engine.planner.recheck import PlanChecker
         from rigpilot.engine.planner.search import SearchOptions, search
         from rigpilot.engine.service.planworker import plan_machine
         from rigpilot.engine.service.protocol import ProtocolError
@@ -346,11 +349,18 @@ def real_plan_reply(machine: Machine) -> Callable[..., dict[str, Any]]:
             raise EngineError(e.code, e.message) from None
         except UserError as e:
             raise _as_replied(e) from None
+        if recheck is not None:  # the user's changes to a plan, re-checked as the planner process does it
+            try:
+                spec = describe_for_job(model, trust_remote_code=trust_remote_code)
+                checker = PlanChecker(spec, target)
+                return {"result": checker.check(recheck["plan"], Overrides(**recheck.get("overrides", {})), gpus)}
+            except UserError as e:
+                raise _as_replied(e) from None
         work = dict(workload or {})
         if work.get("lora") is not None:
             work["lora"] = LoraSettings(**work["lora"])
         try:
-            spec = describe_model(model, trust_remote_code=trust_remote_code)
+            spec = describe_for_job(model, trust_remote_code=trust_remote_code)
             result = search(
                 spec, target, Workload(model=model, **work), gpus=gpus, options=SearchOptions(**(options or {}))
             )

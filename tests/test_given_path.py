@@ -157,7 +157,7 @@ def test_repo_ids():
 def test_the_wizard_and_the_install_dialog_apply_the_same_rule(kinds):
     from rigpilot.app.engine_env.dialog import validate_folder, validate_wheel
     from rigpilot.app.wizard.data_check import inspect_file
-    from rigpilot.app.wizard.plan_check import missing_weights
+    from rigpilot.app.wizard.model_check import missing_weights
     from rigpilot.app.wizard.state import WizardState
 
     os.mkfifo(kinds / "torch.whl")

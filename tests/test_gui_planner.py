@@ -27,7 +27,6 @@ from rigpilot.app.planner.model import (
     PlanRequest,
     gui_words,
     plans_of,
-    search_locally,
     summary_lines,
 )
 from rigpilot.app.planner.page import TABLE_COLUMNS, PlannerPage
@@ -188,12 +187,18 @@ def test_busy_gpus_are_marked_and_left_out_at_first(qtbot):
     assert page.plan_request().gpus == [0, 1, 2, 3]
 
 
-def test_plans_here_when_the_engine_is_not_connected(qtbot):
+def test_plans_come_from_the_engine_only_and_wait_for_it(qtbot):
     page, link = open_page(qtbot, "4x-rtxa6000-bridged", connect=False)
     page.on_machine(link.machine_obj.to_dict())  # known from an earlier connection
     page.gpus.set_selected([0, 1])
+    page.picker.set_model("qwen2.5-0.5b", chosen=False)
+    page.plan_button.click()
+    # No second planner in the GUI: it says so in one line, and plans once the engine is there.
+    assert link.requests("plan") == [] and page.plan_button.isEnabled()
+    assert page.message.isVisible() and "Not connected to the engine" in page.message.text()
+    link.connect_engine()
     result = plan_for(qtbot, page, "qwen2.5-0.5b")
-    assert link.requests("plan") == []
+    assert len(link.requests("plan")) == 1 and not page.message.isVisible()
     assert result["gpu_indices"] == [0, 1] and result["best"] is not None
 
 
@@ -382,16 +387,6 @@ def test_form_is_saved_and_restored(qtbot, tmp_path):
     other.restore_state(settings, "pages/planner")
     r = other.plan_request()
     assert (r.model, r.method, r.seq_len, r.batch, r.lora_rank) == ("mixtral-8x7b", "lora", 4096, 32, 8)
-
-
-def test_search_locally_matches_the_engine_reply_shape():
-    from rigpilot.engine.hardware.simulated import load_profile
-
-    machine = load_profile("2x-rtx3090-nvlink")
-    request = PlanRequest(model="gpt2", seq_len=1024, batch=8, gpus=[0, 1])
-    here = search_locally(request, machine.to_dict())
-    engine = real_plan_reply(machine)(model="gpt2", workload=request.workload_args(), gpus=[0, 1], options={})
-    assert here["result"]["best"]["parallelism"] == engine["result"]["best"]["parallelism"]
 
 
 def test_a_plan_the_engine_does_not_run_says_why_and_cannot_be_launched(qtbot):

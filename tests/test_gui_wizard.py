@@ -63,6 +63,11 @@ def make_link(profile: str = "4x-rtx4090", jobs=None) -> tuple[FakeLink, list[di
     return link, submitted
 
 
+def searches(link: FakeLink) -> list[dict]:
+    """The `plan` requests that asked for a search (the others re-check a changed plan)."""
+    return [r for r in link.requests("plan") if "recheck" not in r]
+
+
 def open_wizard(qtbot, link: FakeLink, settings: QSettings, **kw) -> JobWizard:
     wizard = JobWizard(link, settings=settings, **kw)
     qtbot.addWidget(wizard)
@@ -163,7 +168,7 @@ def test_back_keeps_every_choice(qtbot, settings):
     assert wizard.hyper_page.train_on_prompts.isChecked() and wizard.hyper_page.keep_checkpoints.text() == "all"
     assert wizard.hyper_page.lr.value() == pytest.approx(3e-5)
     # Going back and forth with nothing changed keeps the plan: it is not asked for again.
-    assert len(link.requests("plan")) == 1
+    assert len(searches(link)) == 1
 
 
 def test_model_page_blocks_with_the_reason(qtbot, settings, tmp_path, monkeypatch):
@@ -244,10 +249,12 @@ def test_plan_page_rechecks_overrides_and_blocks_what_does_not_fit(qtbot, settin
     plan_page = wizard.plan_page
     recommended = wizard.state.plan
     assert recommended is not None and plan_page.alternatives.count() >= 2
-    qtbot.waitUntil(lambda: wizard.checker is not None)
 
     plan_page.micro.setValue(64)  # far too many sequences at once
     blocked(qtbot, wizard, "Does not fit")
+    # Re-checked by the engine's planner (the `plan` request's recheck), not by a second planner in the GUI.
+    asked = link.requests("plan")[-1]
+    assert asked["recheck"]["overrides"]["micro_batch"] == 64 and asked["recheck"]["plan"] == plan_page.base
     assert plan_page.chart.memory == wizard.state.plan["memory"]
     assert wizard.state.plan["parallelism"]["micro_batch"] == 64
 
@@ -259,6 +266,13 @@ def test_plan_page_rechecks_overrides_and_blocks_what_does_not_fit(qtbot, settin
 
     plan_page.tp.setValue(3)
     blocked(qtbot, wizard, "GPUs, but 4 are selected")
+    # Without the engine nothing is re-checked, and the page says so rather than guessing.
+    link.lose_engine()
+    asked = len(link.requests("plan"))
+    plan_page.tp.setValue(1)
+    page = settled(qtbot, wizard)
+    assert "Not re-checked: the engine is not connected" in page.message.text() and len(link.requests("plan")) == asked
+    link.connect_engine()
     plan_page.reset_button.click()
     assert settled(qtbot, wizard).isComplete()
     assert wizard.state.plan["parallelism"] == plan_page.base["parallelism"]
@@ -548,7 +562,6 @@ def test_cpu_offload_and_pipeline_settings_reach_the_spec_and_the_command(qtbot,
     wizard = open_wizard(qtbot, link, settings, state=state)
     go_to(qtbot, wizard, PLAN)
     page = wizard.plan_page
-    qtbot.waitUntil(lambda: wizard.checker is not None)
     form = page.override_form
     rows = lambda: {name: getattr(page, f"{name}_row").isVisibleTo(page)  # noqa: E731
                     for name in ("schedule", "pp_microbatches", "sequence_parallel", "cpu_offload")}  # fmt: skip
@@ -557,6 +570,7 @@ def test_cpu_offload_and_pipeline_settings_reach_the_spec_and_the_command(qtbot,
     page.pp.setValue(1)
     page.dp.setValue(1)
     assert rows() == {"schedule": False, "pp_microbatches": False, "sequence_parallel": False, "cpu_offload": True}
+    settled(qtbot, wizard)  # the engine's re-check of the single GPU
     before = wizard.state.plan["memory"][0]
     page.cpu_offload.setChecked(True)
     assert settled(qtbot, wizard).isComplete(), page.message.text()
@@ -570,6 +584,7 @@ def test_cpu_offload_and_pipeline_settings_reach_the_spec_and_the_command(qtbot,
     page.pp.setValue(2)
     page.dp.setValue(2)
     assert rows()["schedule"] and rows()["pp_microbatches"] and not rows()["cpu_offload"]
+    settled(qtbot, wizard)
     assert wizard.state.parallelism().pp_microbatches >= 2  # the default: at least the stages
     page.schedule.setCurrentIndex(page.schedule.findData("gpipe"))
     page.pp_microbatches.setValue(6)
@@ -739,7 +754,7 @@ def test_a_plan_refused_for_the_models_context_offers_the_fix(qtbot, settings):
     page.fix_button.click()
     assert settled(qtbot, wizard).isComplete(), page.message.text()
     assert wizard.state.train.seq_len == 256 and not page.fix_button.isVisible()
-    assert link.requests("plan")[-1]["workload"]["seq_len"] == 256
+    assert searches(link)[-1]["workload"]["seq_len"] == 256
 
 
 @pytest.mark.skipif(not examples_present(), reason="the shipped examples are missing")
@@ -747,7 +762,6 @@ def test_a_sequence_length_past_the_context_on_hyper_parameters_offers_the_fix(q
     link, _ = make_link()
     wizard = open_wizard(qtbot, link, settings, state=default_state(link.machine))
     go_to(qtbot, wizard, HYPER)
-    qtbot.waitUntil(lambda: wizard.checker is not None, timeout=20000)
     page = wizard.hyper_page
     page.seq_len.setValue(1024)
     blocked(qtbot, wizard, "longer than the model's 256 tokens")

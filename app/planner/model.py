@@ -1,8 +1,8 @@
 """The Planner page's view-model: what the form asks for, and a search result turned into rows and bars.
 
 Plain Python over the engine's plan JSON (docs/cli-json.md): no Qt, so it is
-tested without widgets and shared with the job wizard. `search_locally` is the
-work function the page runs in a background task when there is no engine to ask.
+tested without widgets and shared with the job wizard. The plans themselves come
+from the engine's `plan` request.
 """
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ from typing import Any
 
 from rigpilot.app.widgets import units
 from rigpilot.engine.errors import UserError
-from rigpilot.engine.hardware.machine import Machine
 from rigpilot.engine.planner.cluster import DEFAULT_LINK, MAX_NODES, NODE_LINKS
 from rigpilot.engine.planner.explain import duration_text
-from rigpilot.engine.planner.plan import LoraSettings, Plan, Workload
+from rigpilot.engine.planner.plan import LoraSettings, Plan
 from rigpilot.engine.schema import Precision, TrainMethod
 
 GIB = 1024**3
@@ -106,22 +105,6 @@ class PlanRequest:
             out["nodes"] = self.nodes
             out["internode"] = self.internode
         return out
-
-    def workload(self) -> Workload:
-        args = self.workload_args()
-        lora = args.pop("lora")
-        return Workload(model=self.model.strip(), lora=LoraSettings(**lora) if lora else None, **args)
-
-
-def search_locally(request: PlanRequest, machine: dict[str, Any], trust_remote_code: bool = False) -> dict[str, Any]:
-    """The `plan` request's reply, computed here: a work function for a background task."""
-    from rigpilot.engine.models import describe_model
-    from rigpilot.engine.planner.search import SearchOptions, search
-
-    spec = describe_model(request.model.strip(), trust_remote_code=trust_remote_code)
-    options = SearchOptions(**request.options_args())
-    result = search(spec, Machine.from_dict(machine), request.workload(), gpus=list(request.gpus), options=options)
-    return {"result": result.to_dict()}
 
 
 # -- the planner's words, with the Planner page's controls for its command-line flags ---------------------------

@@ -1,10 +1,12 @@
 """The Planner's "Rented machines" tab: the planned job here against the rented machines in Settings, as
 time and cost to finish the token budget. The comparison is engine/planner/rented.py's, as
-`rigpilot plan --tokens N --compare-rented` prints it; this only runs it off the GUI thread and shows it.
+`rigpilot plan --tokens N --compare-rented` prints it; each rented machine is planned by the engine (the
+`plan` request's `machine`, uncalibrated as any other machine), and this tab only gathers the answers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from PySide6.QtWidgets import (
@@ -17,35 +19,76 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from rigpilot.app.planner.model import error_text
 from rigpilot.app.tasks import run_in_background
-from rigpilot.engine.settings import RENTED_EXAMPLE
+from rigpilot.engine.hardware.machine import Machine
+from rigpilot.engine.planner.plan import Plan
+from rigpilot.engine.planner.rented import compare, rented_machine
+from rigpilot.engine.settings import RENTED_EXAMPLE, Settings
 
 HEADERS = ["Machine", "Tokens/s", "Time", "Cost", "How"]
 NO_BUDGET = "Set “Train on” (a token budget) and plan to compare this machine with rented ones."
 NO_MACHINES = f"No rented machines yet: add them in Settings (Prices), or: {RENTED_EXAMPLE}"
+# Each rented machine is one box: its search may use its GPUs, not this machine's nodes; one best plan is enough.
+_NOT_FOR_RENTED = ("nodes", "internode")
+_BEST_ONLY = {"runners_up": 0, "suggest": False}
 
 
-def compare_locally(request: Any, best: dict[str, Any] | None, machine: dict[str, Any]) -> dict[str, Any] | None:
-    """The comparison for the request's token budget, or None when there is no budget or no rented machine
-    (file I/O and planning: a work function for a background task)."""
-    from rigpilot.engine.hardware.machine import Machine
-    from rigpilot.engine.models import describe_model
-    from rigpilot.engine.planner.plan import Plan
-    from rigpilot.engine.planner.rented import compare, searcher
-    from rigpilot.engine.planner.search import SearchOptions
-    from rigpilot.engine.settings import Settings
+class RentedPlans:
+    """The rented machines of Settings, each planned by the engine; `done(comparison or None)` once all answered
+    (None: no rented machine), `failed(error)` when the settings cannot be read."""
 
-    settings = Settings.load()
-    if not request.token_budget or not settings.rented_machines:
-        return None
-    spec = describe_model(request.model.strip())
-    # Each rented machine is one box: the search there may use its GPUs, not this machine's nodes.
-    options = SearchOptions(**{k: v for k, v in request.options_args().items() if k not in ("nodes", "internode")})
-    here = Machine.from_dict(machine)
-    return compare(
-        (here.label, Plan.from_dict(best) if best else None, here), settings.rented_machines, request.token_budget,
-        settings.price(), searcher(spec, request.workload(), options),
-    )  # fmt: skip
+    def __init__(self, link: Any, request: Any, best: dict[str, Any] | None, machine: dict[str, Any]):
+        self.link, self.request, self.best, self.machine = link, request, best, machine
+        self.settings: Settings | None = None
+        self.answers: list[tuple[dict[str, Any] | None, str]] = []
+
+    def start(self, done: Callable[[Any], None], failed: Callable[[BaseException], None]) -> None:
+        def loaded(settings: Settings) -> None:
+            self.settings = settings
+            if not settings.rented_machines:
+                done(None)
+                return
+            self._ask(0, done)
+
+        run_in_background(Settings.load, loaded, failed)
+
+    def _ask(self, i: int, done: Callable[[Any], None]) -> None:
+        assert self.settings is not None
+        entries = self.settings.rented_machines
+        if i == len(entries):
+            done(self._compare())
+            return
+
+        def answered(reply: dict[str, Any]) -> None:
+            best = reply.get("result", reply).get("best")
+            self.answers.append((best, "" if best else "nothing fits"))
+            self._ask(i + 1, done)
+
+        def refused(error: BaseException) -> None:  # a GPU without the workload's dtype, say: the reason is the row's
+            self.answers.append((None, error_text(error)))
+            self._ask(i + 1, done)
+
+        options = {k: v for k, v in self.request.options_args().items() if k not in _NOT_FOR_RENTED}
+        self.link.call(
+            "plan", on_done=answered, on_error=refused, model=self.request.model.strip(),
+            workload=self.request.workload_args(), options={**options, **_BEST_ONLY},
+            machine=rented_machine(entries[i]).to_dict(),
+        )  # fmt: skip
+
+    def _compare(self) -> dict[str, Any]:
+        assert self.settings is not None
+        answers = iter(self.answers)  # compare asks for the rented machines in the settings' order, as they were asked
+
+        def plan_for(_machine: Machine) -> tuple[Plan | None, str]:
+            best, why = next(answers)
+            return (Plan.from_dict(best) if best else None), why
+
+        here = Machine.from_dict(self.machine)
+        return compare(
+            (here.label, Plan.from_dict(self.best) if self.best else None, here), self.settings.rented_machines,
+            self.request.token_budget, self.settings.price(), plan_for,
+        )  # fmt: skip
 
 
 def cells(r: dict[str, Any]) -> list[str]:
@@ -81,13 +124,14 @@ class RentedTable(QWidget):
         self.comparison: dict[str, Any] | None = None
         self._serial = 0
 
-    def show_for(self, request: Any, result: dict[str, Any] | None, machine: dict[str, Any] | None) -> None:
+    def show_for(self, link: Any, request: Any, result: dict[str, Any] | None, machine: dict[str, Any] | None) -> None:
+        """Compare the plan here (`result`'s best, on `machine`) with the rented machines, each planned by the
+        engine behind `link`."""
         self._serial += 1
         serial = self._serial
         if not request.token_budget or machine is None:
             self._show(None, NO_BUDGET)
             return
-        best = (result or {}).get("best")
         self.note.setText("Planning the rented machines…")
 
         # A newer request's answer may be on its way: an older one is dropped.
@@ -97,9 +141,9 @@ class RentedTable(QWidget):
 
         def failed(e: BaseException) -> None:
             if serial == self._serial:
-                self._show(None, f"Cannot compare: {e}")
+                self._show(None, f"Cannot compare: {error_text(e)}")
 
-        run_in_background(lambda: compare_locally(request, best, machine), done, failed)
+        RentedPlans(link, request, (result or {}).get("best"), machine).start(done, failed)
 
     def _show(self, comparison: dict[str, Any] | None, empty: str) -> None:
         self.comparison = comparison

@@ -3,8 +3,8 @@
 The wizard walks these steps page by page; the Jobs page's one-click example
 takes the same steps with the wizard's first-run defaults (`default_state`),
 so the example job is exactly the one Next, Next, ... Launch would submit.
-No widgets here: the link answers on the GUI thread, local planning runs in
-the background through `run_in_background`.
+No widgets here: the link answers on the GUI thread. Plans and their
+re-checks come from the engine alone: there is no second planner here.
 """
 
 from __future__ import annotations
@@ -14,38 +14,62 @@ from collections.abc import Callable
 from typing import Any
 
 from rigpilot.app.planner.model import error_text
-from rigpilot.app.tasks import run_in_background
-from rigpilot.app.wizard.plan_check import plan_here
 from rigpilot.app.wizard.state import WizardState, default_gpus, default_state, examples_present
 from rigpilot.engine.errors import UserError
-from rigpilot.engine.given_path import is_given_file
+from rigpilot.engine.planner.overrides import Overrides
+
+NOT_CONNECTED = "engine_not_connected"  # the reason of the refusal below: plans come from the engine alone
+
+
+def not_connected() -> UserError:
+    return UserError("Not connected to the engine: plans come from it. Once it is back, plan again.",
+                     reason=NOT_CONNECTED)  # fmt: skip
+
+
+def connected(link: Any) -> bool:
+    return getattr(link, "state", None) == "connected"
 
 
 def request_plan(
     link: Any,
-    machine: dict[str, Any] | None,
     state: WizardState,
     on_done: Callable[[dict[str, Any]], None],
     on_error: Callable[[BaseException], None],
 ) -> None:
-    """A plan (search result) for `state`: the engine's when connected, else the planner here; `on_error` gets
-    the refusal itself (its reason and fields say which fix to offer)."""
-    ref, workload, gpus = state.planning_model(), state.workload_args(), sorted(state.gpus)
-    engine_reads_it = not is_given_file(ref)  # the engine describes folders, presets, hub ids
-    if getattr(link, "state", None) == "connected" and engine_reads_it:
-        link.call(
-            "plan",
-            on_done=lambda reply: on_done(reply.get("result", reply)),
-            on_error=on_error,
-            model=ref, workload=workload, gpus=gpus, options={}, trust_remote_code=state.trust_remote_code,
-        )  # fmt: skip
-    elif machine is not None:
-        trust = state.trust_remote_code
-        run_in_background(
-            lambda: plan_here(ref, machine, workload, gpus, trust), on_done, on_error
-        )
-    else:
-        on_error(UserError("Not connected to the engine, and no machine is known to plan for."))
+    """A plan (search result) for `state`, from the engine's `plan` request; `on_error` gets the refusal itself
+    (its reason and fields say which fix to offer)."""
+    if not connected(link):
+        on_error(not_connected())
+        return
+    link.call(
+        "plan",
+        on_done=lambda reply: on_done(reply.get("result", reply)),
+        on_error=on_error,
+        model=state.planning_model(), workload=state.workload_args(), gpus=sorted(state.gpus), options={},
+        trust_remote_code=state.trust_remote_code,
+    )  # fmt: skip
+
+
+def recheck(
+    link: Any,
+    state: WizardState,
+    plan: dict[str, Any],
+    overrides: Overrides,
+    on_done: Callable[[dict[str, Any]], None],
+    on_error: Callable[[BaseException], None],
+) -> None:
+    """`plan` with `overrides`, re-checked by the engine's `plan` request (`recheck`): `on_done({"plan", "fits",
+    "message"})`, or `on_error` with the refusal."""
+    if not connected(link):
+        on_error(not_connected())
+        return
+    link.call(
+        "plan",
+        on_done=lambda reply: on_done(reply.get("result", reply)),
+        on_error=on_error,
+        model=state.planning_model(), gpus=sorted(state.gpus), trust_remote_code=state.trust_remote_code,
+        recheck={"plan": plan, "overrides": overrides.to_dict()},
+    )  # fmt: skip
 
 
 def submission(link: Any, state: WizardState) -> dict[str, Any]:
@@ -92,5 +116,5 @@ def run_example(
             **submission(link, state),
         )
 
-    request_plan(link, machine, state, planned, lambda e: on_error(error_text(e)))
+    request_plan(link, state, planned, lambda e: on_error(error_text(e)))
     return state

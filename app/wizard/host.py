@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from rigpilot.app.planner.gpu_selector import BusyGpus
     from rigpilot.app.wizard.data_check import DataReport
-    from rigpilot.app.wizard.plan_check import PlanChecker
     from rigpilot.app.wizard.state import WizardState
+    from rigpilot.engine.planner.overrides import Overrides
 
 # The pages' ids, in the order Next walks them (pages a task does not need are skipped).
 TASK, MODEL, DATA, GPUS, PLAN, HYPER, REVIEW, LAUNCH = range(8)
@@ -24,17 +24,23 @@ class WizardHost(Protocol):
     state: WizardState
     machine: dict[str, Any] | None
     busy: BusyGpus
-    checker: PlanChecker | None  # re-checks plan overrides; None until the model is described
     link: Any  # the EngineLink (the node choice asks it for the nodes)
 
     def data_report(self) -> DataReport | None:
         """What the Data page found in the chosen files (None before it has read them)."""
 
-    def model_described(self, model: str, spec: Any) -> None:
-        """Remember a model's description (a ModelSpec), so the plan checker need not describe it again."""
+    def engine_connected(self) -> bool:
+        """Whether the engine answers requests now (plans and their re-checks come from it)."""
 
-    def need_checker(self) -> None:
-        """Make sure `checker` is for the chosen model on this machine (described in the background)."""
+    def recheck(
+        self,
+        plan: dict[str, Any],
+        overrides: Overrides,
+        on_done: Callable[[dict[str, Any]], None],
+        on_error: Callable[[BaseException], None],
+    ) -> None:
+        """`plan` with the user's changes, re-checked by the engine: `on_done({"plan", "fits", "message"})`,
+        or `on_error` with the refusal (its reason and fields say what is wrong)."""
 
     def request_plan(
         self, on_done: Callable[[dict[str, Any]], None], on_error: Callable[[BaseException], None]

@@ -39,12 +39,12 @@ from rigpilot.app.widgets.palette import BAD, WARN
 from rigpilot.app.wizard.data_check import CHAT, INSTRUCTION
 from rigpilot.app.wizard.host import HYPER, REVIEW, WizardHost
 from rigpilot.app.wizard.page_base import StepPage
-from rigpilot.app.wizard.plan_check import CheckResult, Overrides
 from rigpilot.app.wizard.state import INFER, INFER_BACKEND_CHOICES
 from rigpilot.engine.capability import why_not
 from rigpilot.engine.jobs.spec import INFER_SETTINGS, JOB_SETTINGS
 from rigpilot.engine.jobs.spec import TRAIN_SETTINGS as TRAIN
 from rigpilot.engine.layout import DEGREE_RANGES, Layout
+from rigpilot.engine.planner.overrides import Overrides
 from rigpilot.engine.schema import Checkpointing, Range, Setting
 
 PIPELINE_SCHEDULES = [("1f1b", "1F1B"), ("gpipe", "GPipe")]  # as the planner writes them
@@ -223,7 +223,6 @@ class PlanPage(StepPage):
         self.override_form.setRowVisible(self.checkpointing_row, training)
         self._show_applicable_rows()
         if self.state.plan_is_current() and self.state.plan is not None:
-            self.wiz.need_checker()
             self._show_overrides(self.state.plan)
             self._show_plan(self.state.plan)
             if self.result is None:
@@ -238,14 +237,14 @@ class PlanPage(StepPage):
             self._verdict(self.state.plan)
 
     def request_plan(self) -> None:
-        """Ask for a recommendation (the engine when connected, else the planner here)."""
+        """Ask the engine for a recommendation."""
         self.state.take_plan(None)
         self.base = None
         self.alternatives.clear()
         self.chart.clear()
         self.headline.setText("")
         self.explanation.setPlainText("")
-        self.wiz.need_checker()
+        self.cancel_checks()
         self.busy = True
         self.set_problem(None, note="Asking the planner for the best way to split this job…")
         self.wiz.request_plan(self._planned, self._plan_failed)
@@ -303,6 +302,7 @@ class PlanPage(StepPage):
     def _show_alternative(self, plan: dict[str, Any] | None) -> None:
         if plan is None:
             return
+        self.cancel_checks()  # a re-check still on its way was of the changes this undoes
         self.base = plan
         self.state.take_plan(plan)
         self._show_overrides(plan)
@@ -354,20 +354,21 @@ class PlanPage(StepPage):
         if self.changing() or self.base is None:
             return
         self._show_applicable_rows()
-        checker = self.wiz.checker
-        if checker is None:
-            self.set_problem(None, note="Re-checking needs the model's description; it is still loading…")
+        if not self.wiz.engine_connected():
+            self.cancel_checks()
+            self.set_problem(None, note="Not re-checked: the engine is not connected.", tone="warn")
             return
-        result = checker.check(self.base, self.overrides(), self.state.gpus)
-        self.apply_check(result)
+        base, overrides = self.base, self.overrides()
+        self.check_with_engine(
+            lambda done, failed: self.wiz.recheck(base, overrides, done, failed),
+            self.apply_check, lambda e: self.set_problem(error_text(e)), "Re-checking your changes…",
+        )  # fmt: skip
 
-    def apply_check(self, result: CheckResult) -> None:
-        if result.plan is None:
-            self.set_problem(result.message)
-            return
-        self.state.take_plan(result.plan)
-        self._show_plan(result.plan)
-        self._verdict(result.plan)
+    def apply_check(self, result: dict[str, Any]) -> None:
+        """The engine's re-check of the changed plan: show it and say whether it fits."""
+        self.state.take_plan(result["plan"])
+        self._show_plan(result["plan"])
+        self._verdict(result["plan"])
 
     def _show_plan(self, plan: dict[str, Any]) -> None:
         self.chart.show_memory(plan.get("memory") or [])
@@ -609,6 +610,7 @@ class HyperPage(StepPage):
 
     def _check(self) -> None:
         s = self.state
+        self.cancel_checks()  # an answer on its way is for values changed since
         if s.training and self.warmup.value() >= self.steps.value():
             self.set_problem("Warm-up must be shorter than the run: fewer warm-up steps or more steps.")
             return
@@ -623,26 +625,29 @@ class HyperPage(StepPage):
             self._store_unchecked()
             self.set_problem(None)
             return
-        checker = self.wiz.checker
-        if checker is None:
+        if not self.wiz.engine_connected():
             self._store_unchecked()
-            self.set_problem(
-                None, note="Memory is not re-checked: the model's description is not available.", tone="warn"
-            )
+            self.set_problem(None, note="Memory is not re-checked: the engine is not connected.", tone="warn")
             return
-        result = checker.check(s.plan, self.overrides(), s.gpus)
-        if result.plan is None:
-            self.set_problem(result.message)
-            context = context_to_fit(result.refusal)
-            if context is not None:
-                box = self.context if s.kind == INFER else self.seq_len
-                self.offer_fix(f"Use {context} tokens (the model's context)", lambda: box.setValue(context))
-            return
-        s.take_plan(result.plan)
-        if result.fits:
-            self.set_problem(None, note=result.message, tone="ok")
+        plan, overrides = s.plan, self.overrides()
+        self.check_with_engine(
+            lambda done, failed: self.wiz.recheck(plan, overrides, done, failed),
+            self._rechecked, self._refused, "Re-checking memory…",
+        )  # fmt: skip
+
+    def _rechecked(self, result: dict[str, Any]) -> None:
+        self.state.take_plan(result["plan"])
+        if result["fits"]:
+            self.set_problem(None, note=result["message"], tone="ok")
         else:
-            self.set_problem(result.message)
+            self.set_problem(result["message"])
+
+    def _refused(self, error: BaseException) -> None:
+        self.set_problem(error_text(error))
+        context = context_to_fit(error)
+        if context is not None:
+            box = self.context if self.state.kind == INFER else self.seq_len
+            self.offer_fix(f"Use {context} tokens (the model's context)", lambda: box.setValue(context))
 
     def _show_coverage(self) -> None:
         """How much of the data the run sees: too few steps learn little, too many repeat it."""

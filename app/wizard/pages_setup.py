@@ -32,13 +32,14 @@ from rigpilot.app.widgets.form_row import form_row
 from rigpilot.app.widgets.path_field import path_field
 from rigpilot.app.wizard.data_check import DataReport, inspect_dataset, inspect_prompts, tokens_text
 from rigpilot.app.wizard.host import DATA, GPUS, MODEL, PLAN, REVIEW, WizardHost
+from rigpilot.app.wizard.model_check import missing_weights
 from rigpilot.app.wizard.node_choice import NodeChoice
 from rigpilot.app.wizard.page_base import StepPage
-from rigpilot.app.wizard.plan_check import describe_for_job, missing_weights
 from rigpilot.app.wizard.slurm_choice import SlurmChoice
 from rigpilot.app.wizard.state import CALIBRATE, FINETUNE, INFER, KINDS, SCRATCH, SCRIPT
 from rigpilot.engine.given_path import PathRefused, check_given_path
 from rigpilot.engine.hardware.machine import is_simulated
+from rigpilot.engine.models.job_model import describe_for_job
 
 CHECK_DELAY_MS = 300  # typing pauses this long before a model or file is checked
 DATA_FILTER = "Text and JSONL (*.txt *.md *.jsonl *.json *.ndjson);;All files (*)"
@@ -233,7 +234,6 @@ class ModelPage(StepPage):
     def _described(self, found: tuple[Any, str | None]) -> None:
         spec, no_weights = found
         self.described = spec
-        self.wiz.model_described(self.state.model, spec)
         params = spec.params_total / 1e9
         size = f"{params:.1f}B" if params >= 1 else f"{spec.params_total / 1e6:.1f}M"
         context = f", context {spec.max_position_embeddings} tokens" if spec.max_position_embeddings else ""

@@ -36,7 +36,6 @@ from rigpilot.app.wizard.host import DATA, GPUS, HYPER, LAUNCH, MODEL, PLAN, REV
 from rigpilot.app.wizard.pages_finish import LaunchPage, ReviewPage
 from rigpilot.app.wizard.pages_plan import HyperPage, PlanPage
 from rigpilot.app.wizard.pages_setup import DataPage, GpuPage, ModelPage, TaskPage
-from rigpilot.app.wizard.plan_check import PlanChecker, describe_for_job
 from rigpilot.app.wizard.state import (
     CALIBRATE,
     FINETUNE,
@@ -48,6 +47,7 @@ from rigpilot.app.wizard.state import (
     state_from_plan,
     state_from_spec,
 )
+from rigpilot.engine.planner.overrides import Overrides
 
 SETTINGS_KEY = "wizard/last"
 _KIND_OF_JOB = {"train": FINETUNE, "infer": INFER, "script": SCRIPT, "calibrate": CALIBRATE}
@@ -99,9 +99,6 @@ class JobWizard(QWizard):
         self.settings = settings if settings is not None else QSettings()
         self.machine: dict[str, Any] | None = machine_dict(getattr(link, "machine", None))
         self.busy = BusyGpus(link, self)
-        self.checker: PlanChecker | None = None
-        self._checker_key: tuple[str, bool, str] | None = None
-        self._specs: dict[tuple[str, bool], Any] = {}  # (model, trust_remote_code) -> ModelSpec
         self.job_id: str | None = None
         self.state = state or self.remembered() or default_state(self.machine)
         if not self.state.gpus:
@@ -195,14 +192,12 @@ class JobWizard(QWizard):
         self.remember()
         super().done(result)
 
-    # -- the machine and the model's description ------------------------------------------------------
+    # -- the machine and the data ------------------------------------------------------
     def _on_machine(self, message: dict[str, Any]) -> None:
         d = machine_dict(message)
         if not d:
             return
         self.machine = d
-        self.checker = None
-        self._checker_key = None
         if not self.state.gpus:
             self.state.gpus = default_gpus(d)
         self.gpu_page.machine_changed(d)
@@ -210,38 +205,25 @@ class JobWizard(QWizard):
     def data_report(self) -> DataReport | None:
         return self.data_page.report
 
-    def model_described(self, model: str, spec: Any) -> None:
-        self._specs[(model, self.state.trust_remote_code)] = spec
-
-    def need_checker(self) -> None:
-        """Make sure `checker` is for the chosen model on this machine (describing it in the background)."""
-        s = self.state
-        if self.machine is None or not s.model:
-            return
-        key = (s.model, s.trust_remote_code, self.machine.get("label", ""))
-        if self._checker_key == key and self.checker is not None:
-            return
-        self.checker, self._checker_key = None, key
-        spec = self._specs.get(key[:2])
-        machine = self.machine
-        if spec is not None:
-            self.checker = PlanChecker(spec, machine)
-            return
-
-        def ready(spec: Any) -> None:
-            if self._checker_key == key:
-                self._specs[key[:2]] = spec
-                self.checker = PlanChecker(spec, machine)
-
-        ref, trust = s.model, s.trust_remote_code
-        run_in_background(lambda: describe_for_job(ref, trust), ready, lambda e: None)
-
     # -- talking to the engine ---------------------------------------------------------------------------
     def request_plan(
         self, on_done: Callable[[dict[str, Any]], None], on_error: Callable[[BaseException], None]
     ) -> None:
-        """A plan for the current choices: the engine's when connected, else the planner here."""
-        engine_requests.request_plan(self.link, self.machine, self.state, on_done, on_error)
+        """A plan for the current choices, from the engine."""
+        engine_requests.request_plan(self.link, self.state, on_done, on_error)
+
+    def engine_connected(self) -> bool:
+        return engine_requests.connected(self.link)
+
+    def recheck(
+        self,
+        plan: dict[str, Any],
+        overrides: Overrides,
+        on_done: Callable[[dict[str, Any]], None],
+        on_error: Callable[[BaseException], None],
+    ) -> None:
+        """`plan` with the user's changes, re-checked by the engine."""
+        engine_requests.recheck(self.link, self.state, plan, overrides, on_done, on_error)
 
     def submission(self) -> dict[str, Any]:
         """The arguments of the `submit` request for the current choices (and of `check`, the same)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -40,12 +41,16 @@ log = logging.getLogger(__name__)
 def plan(machine: Any, model: str, workload: dict[str, Any] | None = None, gpus: list[int] | None = None,
          options: dict[str, Any] | None = None, trust_remote_code: bool = False,
          calibration: dict[str, Any] | None = None, verify: bool = True,
-         node_machines: list[Any] | None = None) -> dict[str, Any]:  # fmt: skip
+         node_machines: list[Any] | None = None, recheck: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
     """One search. `calibration`: the machine's stored calibration file (the service's, never a client's).
 
     Several machines: `options` carries `nodes` and `internode` (SearchOptions, checked like every option);
-    `node_machines` are each node's machine, each checked as `plan_machine` checks the `machine`."""
-    from rigpilot.engine.models import describe_model
+    `node_machines` are each node's machine, each checked as `plan_machine` checks the `machine`.
+    `recheck` ({"plan", "overrides"}): no search, but that plan with the user's changes (planner.recheck)
+    on the `gpus` selected."""
+    if recheck is not None:
+        return {"result": _recheck(machine, model, recheck, gpus, trust_remote_code)}
+    from rigpilot.engine.models.job_model import describe_for_job
     from rigpilot.engine.planner.calibration import apply_stored
     from rigpilot.engine.planner.plan import PRECISIONS, LoraSettings, Workload
     from rigpilot.engine.planner.search import SearchOptions
@@ -60,7 +65,7 @@ def plan(machine: Any, model: str, workload: dict[str, Any] | None = None, gpus:
         protocol.check_dataclass(LoraSettings, work["lora"], "plan.workload.lora")
         work["lora"] = LoraSettings(**work["lora"])
     try:
-        spec = describe_model(model, trust_remote_code=trust_remote_code)
+        spec = describe_for_job(model, trust_remote_code=trust_remote_code)
     except OSError as e:
         raise UserError(f"cannot read the model {_short(model)}: {e.strerror or e}") from None
     nodes = None
@@ -82,6 +87,43 @@ def plan(machine: Any, model: str, workload: dict[str, Any] | None = None, gpus:
     )  # fmt: skip
     status = calibrated[1]
     return {"result": {**result.to_dict(), "calibration": status.to_dict()}}
+
+
+def _recheck(machine: Any, model: str, recheck: Any, gpus: list[int] | None, trust: bool) -> dict[str, Any]:
+    from rigpilot.engine.planner.overrides import Overrides
+    from rigpilot.engine.planner.plan import Plan
+    from rigpilot.engine.planner.recheck import PlanChecker
+
+    if not isinstance(recheck, dict) or not isinstance(recheck.get("plan"), dict) or set(recheck) - {"plan", "overrides"}:
+        raise ProtocolError(protocol.INVALID, "plan.recheck: expected {plan, overrides}")
+    overrides = recheck.get("overrides") or {}
+    protocol.check_dataclass(Overrides, overrides, "plan.recheck.overrides")
+    try:
+        Plan.from_dict(recheck["plan"])
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ProtocolError(protocol.INVALID, f"plan.recheck.plan: not a plan ({e})") from None
+    spec = _described(model.strip(), trust, _stamp(model.strip()))
+    return PlanChecker(spec, machine).check(recheck["plan"], Overrides(**overrides), gpus)
+
+
+@functools.lru_cache(maxsize=8)
+def _described(model: str, trust: bool, stamp: float | None) -> Any:
+    """A recheck follows every change the user makes: the model is described once (again when its file changes)."""
+    from rigpilot.engine.models.job_model import describe_for_job
+
+    try:
+        return describe_for_job(model, trust_remote_code=trust)
+    except OSError as e:
+        raise UserError(f"cannot read the model {_short(model)}: {e.strerror or e}") from None
+
+
+def _stamp(model: str) -> float | None:
+    """When a local model's config last changed (None for a preset or a hub id)."""
+    path = os.path.expanduser(model)
+    for candidate in (os.path.join(path, "config.json"), path):
+        with contextlib.suppress(OSError):
+            return os.stat(candidate).st_mtime
+    return None
 
 
 def _short(text: str, n: int = 80) -> str:

@@ -301,6 +301,8 @@ REQUEST_SCHEMAS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
             "machine": Text | dict[str, Any] | None,
             # Several machines: each node's machine, in the same forms (options.nodes/internode: the link).
             "node_machines": Annotated[list[Text | dict[str, Any]], Limit(max_len=64)] | None,
+            # No search: this plan with the user's changes, re-checked (engine.planner.recheck): {plan, overrides}.
+            "recheck": dict[str, Any] | None,
         },
     ),
     # slurm: {partition?, account?, time?, login?} submits the job to SLURM with sbatch (engine.jobs.slurm).

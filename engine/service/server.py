@@ -892,6 +892,7 @@ class EngineService:
         self, conn: Connection, model: str, workload: dict[str, Any] | None = None, gpus: list[int] | None = None,
         options: dict[str, Any] | None = None, trust_remote_code: bool = False, deadline_s: float | None = None,
         machine: str | dict[str, Any] | None = None, node_machines: list[str | dict[str, Any]] | None = None,
+        recheck: dict[str, Any] | None = None,
     ) -> Any:  # fmt: skip
         # In a planner process: a search cannot be stopped inside this one, and it may run a model's own code.
         assert self.planners is not None
@@ -900,6 +901,8 @@ class EngineService:
         # Another machine (a simulated profile, an imported one) is checked and planned in the planner process;
         # this machine's latest calibration travels with each request for it, so a new one counts from the next plan on.
         args["machine"], args["node_machines"] = machine, node_machines
+        if recheck is not None:
+            args["recheck"] = recheck
         other = machine is not None or bool(node_machines)
         args["calibration"] = None if other else calibration_store.stored(paths.calibration_path())
         return {"result": self.planners.plan(args, time.monotonic() + budget, conn.client_gone)}

@@ -1,0 +1,312 @@
+"""The Planner page's answer: one inline line for a failure, the headline of the plan shown, the ranked plans,
+the memory chart, and tabs for why it won, the rejected layouts, suggestions and rented machines.
+
+It shows what it is given and says what the user picked (`sig_plan_shown`, `sig_apply`); asking the
+engine is the page's business.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Callable
+from typing import Any
+
+from PySide6.QtCore import QSignalBlocker, Qt, Signal
+from PySide6.QtWidgets import (
+    QAbstractItemView,
+    QHBoxLayout,
+    QHeaderView,
+    QLabel,
+    QListWidget,
+    QListWidgetItem,
+    QPlainTextEdit,
+    QPushButton,
+    QSplitter,
+    QTableWidget,
+    QTableWidgetItem,
+    QTabWidget,
+    QVBoxLayout,
+    QWidget,
+)
+
+from rigpilot.app.planner.memory_chart import MemoryChart
+from rigpilot.app.planner.model import gui_words, plan_rows, plans_of, summary_lines
+from rigpilot.app.planner.rented_view import RentedTable
+from rigpilot.app.widgets.palette import BAD, GOOD
+from rigpilot.engine.planner.calibration import NOT_CALIBRATED
+
+TABLE_COLUMNS = ["#", "Plan", "Layout", "GPUs", "Speed", "Step", "To finish", "Fullest GPU", "Runs here"]
+RUNS_HERE_COLUMN = TABLE_COLUMNS.index("Runs here")
+FULLEST_COLUMN = TABLE_COLUMNS.index("Fullest GPU")
+RUNS_HERE_WIDTH = 160  # a reason is elided to this; its tooltip has the whole sentence
+# Suggestions that change what is asked on this machine can be applied to the form; hardware ones cannot.
+APPLICABLE_SUGGESTIONS = ("method", "quantize", "seq", "batch", "gpus")
+EMPTY = "Choose a model and GPUs, then Plan."
+
+
+def _label(name: str, *, selectable: bool = True) -> QLabel:
+    label = QLabel("")
+    label.setObjectName(name)
+    label.setWordWrap(True)
+    if selectable:
+        label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+    return label
+
+
+def plans_table() -> QTableWidget:
+    """The ranked plans, best first: one row selected at a time, arrows move between plans."""
+    table = QTableWidget(0, len(TABLE_COLUMNS))
+    table.setObjectName("planTable")
+    table.setAccessibleName("Ranked plans, best first: within 5% of the fastest, the most free memory")
+    table.setHorizontalHeaderLabels(TABLE_COLUMNS)
+    table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
+    table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
+    table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+    table.setTabKeyNavigation(False)  # Tab leaves the table; arrows move between plans
+    table.verticalHeader().hide()
+    header = table.horizontalHeader()
+    header.setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
+    header.setSectionResizeMode(2, QHeaderView.ResizeMode.Stretch)
+    header.setSectionResizeMode(RUNS_HERE_COLUMN, QHeaderView.ResizeMode.Interactive)
+    header.resizeSection(RUNS_HERE_COLUMN, RUNS_HERE_WIDTH)
+    table.setTextElideMode(Qt.TextElideMode.ElideRight)
+    table.setWordWrap(False)
+    return table
+
+
+def rejected_table() -> QTableWidget:
+    table = QTableWidget(0, 3)
+    table.setObjectName("rejectedPlans")
+    table.setHorizontalHeaderLabels(["Family", "Why not", "Needs per GPU"])
+    table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+    table.setTabKeyNavigation(False)
+    table.verticalHeader().hide()
+    table.setWordWrap(True)
+    header = table.horizontalHeader()
+    header.setSectionResizeMode(0, QHeaderView.ResizeMode.ResizeToContents)
+    header.setSectionResizeMode(1, QHeaderView.ResizeMode.Stretch)
+    header.setSectionResizeMode(2, QHeaderView.ResizeMode.ResizeToContents)
+    return table
+
+
+class PlanResults(QWidget):
+    sig_plan_shown = Signal(object, bool)  # the plan now in the chart (or None), and whether it may launch
+    sig_apply = Signal(dict)  # the suggestion the user applies (its `plan` carries the workload and GPUs)
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.result: dict[str, Any] | None = None
+        self.other_machine: str | None = None  # the title of the machine planned for, when not this one
+        self._fix: Callable[[], None] | None = None
+        self._headlines()
+        self.table = plans_table()
+        self.table.itemSelectionChanged.connect(self._row_selected)
+        self.chart = MemoryChart()
+        self.tabs = self._details()
+        self.results_splitter = QSplitter(Qt.Orientation.Vertical)
+        self.results_splitter.setObjectName("plannerResultsSplitter")
+        self.results_splitter.addWidget(self.table)
+        self.results_splitter.addWidget(self.chart)
+        self.results_splitter.addWidget(self.tabs)
+        self.results_splitter.setSizes([170, 300, 170])
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        message_row = QHBoxLayout()
+        message_row.addWidget(self.message, 1)
+        message_row.addWidget(self.fix_button, 0, Qt.AlignmentFlag.AlignTop)
+        layout.addLayout(message_row)
+        layout.addWidget(self.summary)
+        layout.addWidget(self.calibration)
+        layout.addWidget(self.results_splitter, 1)
+
+    def _headlines(self) -> None:
+        self.message = _label("planMessage")
+        self.message.setStyleSheet(f"color: {BAD.name()}; font-weight: bold;")
+        self.message.hide()
+        # A refusal with a known fix (a sequence longer than the model's context) offers it in one click.
+        self.fix_button = QPushButton()
+        self.fix_button.setObjectName("planFix")
+        self.fix_button.clicked.connect(self._apply_fix)
+        self.fix_button.hide()
+        self.summary = _label("planSummary")
+        self.summary.setText(EMPTY)
+        # The splitter below takes any height it is given; keep the headlines readable.
+        self.summary.setMinimumHeight(self.summary.fontMetrics().lineSpacing() * 4 + 4)
+        self.summary.setAlignment(Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft)
+        # Which speed numbers were measured (and when), or that the priors stand: the engine's planner says.
+        self.calibration = _label("planCalibration")
+        self.calibration.setToolTip(
+            "Measured numbers replace the speed priors of the GPUs and links they measured. "
+            "Measure them with a calibration job (the job wizard, or `rigpilot run calibrate`)."
+        )
+        self.calibration.hide()
+
+    def _details(self) -> QTabWidget:
+        self.explanation = QPlainTextEdit()
+        self.explanation.setObjectName("planExplanation")
+        self.explanation.setReadOnly(True)
+        self.explanation.setTabChangesFocus(True)
+        self.rejected = rejected_table()
+        self.suggestions = QListWidget()
+        self.suggestions.setObjectName("planSuggestions")
+        self.suggestions.setWordWrap(True)
+        self.suggestions.currentRowChanged.connect(self._suggestion_selected)
+        self.apply_button = QPushButton("Apply this change")
+        self.apply_button.setObjectName("applySuggestion")
+        self.apply_button.setEnabled(False)
+        self.apply_button.clicked.connect(self._apply_suggestion)
+        suggestions_box = QWidget()
+        sl = QVBoxLayout(suggestions_box)
+        sl.setContentsMargins(0, 0, 0, 0)
+        sl.addWidget(QLabel("The smallest changes that make it fit, each checked by planning again:"))
+        sl.addWidget(self.suggestions, 1)
+        sl.addWidget(self.apply_button, 0, Qt.AlignmentFlag.AlignLeft)
+        tabs = QTabWidget()
+        tabs.setObjectName("planDetails")
+        tabs.addTab(self.explanation, "Why this plan")
+        tabs.addTab(self.rejected, "Rejected")
+        tabs.addTab(suggestions_box, "Suggestions")
+        self.rented = RentedTable()  # this job here against the rented machines of Settings
+        tabs.addTab(self.rented, "Rented machines")
+        return tabs
+
+    # -- one line above the results ------------------------------------------------------------------
+    def show_message(self, text: str) -> None:
+        self.message.setText(text)
+        self.message.show()
+        self.offer_fix("", None)
+
+    def hide_message(self) -> None:
+        self.message.hide()
+        self.offer_fix("", None)
+
+    def offer_fix(self, label: str, fix: Callable[[], None] | None) -> None:
+        self._fix = fix
+        self.fix_button.setText(label)
+        self.fix_button.setVisible(fix is not None)
+
+    def _apply_fix(self) -> None:
+        fix, self._fix = self._fix, None
+        self.fix_button.hide()
+        if fix is not None:
+            fix()
+
+    # -- a result --------------------------------------------------------------------------------------
+    def planned_here(self, here: bool) -> None:
+        """The engine's verdict on a layout holds on any machine; on another one, "here" would say the wrong thing."""
+        header = self.table.horizontalHeaderItem(RUNS_HERE_COLUMN)
+        if header is not None:
+            header.setText("Runs here" if here else "Rigpilot runs it")
+            header.setToolTip(
+                "Whether Rigpilot's engine runs this layout"
+                + ("" if here else " (on that machine, were it installed there)")
+            )
+
+    def show_result(self, result: dict[str, Any] | None) -> None:
+        self.result = result
+        rows = self._fill_table(result)
+        lines = (result or {}).get("explanation", [])
+        self.explanation.setPlainText("\n".join(f"• {gui_words(line)}" for line in lines))
+        self._show_calibration(result)
+        self._show_rejected((result or {}).get("rejected", []))
+        self._show_suggestions((result or {}).get("suggestions", []))
+        if rows:
+            # Shown outright: when row 0 was already selected, selecting it again signals nothing, and the
+            # headline and chart would go on showing the previous result's best plan.
+            with QSignalBlocker(self.table.selectionModel()):
+                self.table.selectRow(0)
+            self.show_plan(plans_of(result or {})[0])
+            self.tabs.setCurrentIndex(0)
+        else:
+            self.show_plan(None)
+            if result is not None:
+                self.summary.setText(f"Nothing fits on GPU {', '.join(map(str, result.get('gpu_indices', [])))}.")
+                self.tabs.setCurrentIndex(2 if result.get("suggestions") else 1)
+            else:
+                self.summary.setText(EMPTY)
+
+    def _fill_table(self, result: dict[str, Any] | None) -> int:
+        rows = plan_rows(result) if result else []
+        self.table.setRowCount(len(rows))
+        for r, row in enumerate(rows):
+            values = [row.rank, row.family, row.layout, row.gpus, row.tokens_per_s, row.step, row.to_budget, row.peak,
+                      row.runs_here]  # fmt: skip
+            for c, value in enumerate(values):
+                item = QTableWidgetItem(value)
+                item.setToolTip(value)
+                if c == RUNS_HERE_COLUMN and value != "yes":
+                    item.setForeground(BAD)
+                    item.setToolTip(f"The engine does not run this plan: {value}")
+                if c == FULLEST_COLUMN and not row.fits:
+                    item.setForeground(BAD)
+                    item.setToolTip(f"Does not fit: the fullest GPU would need {value}")
+                self.table.setItem(r, c, item)
+        return len(rows)
+
+    def _show_calibration(self, result: dict[str, Any] | None) -> None:
+        cal = (result or {}).get("calibration") or {}
+        text = "" if result is None else cal.get("line") or NOT_CALIBRATED
+        self.calibration.setText(text)
+        self.calibration.setVisible(bool(text))
+
+    def _show_rejected(self, rejected: list[dict[str, Any]]) -> None:
+        self.rejected.setRowCount(len(rejected))
+        for r, rej in enumerate(rejected):
+            need = rej.get("need_bytes")
+            have = rej.get("have_bytes")
+            needs = f"{need / 2**30:.1f} of {have / 2**30:.1f} GiB" if need and have else ""
+            for c, value in enumerate([rej.get("family", ""), gui_words(rej.get("reason", "")), needs]):
+                item = QTableWidgetItem(value)
+                item.setToolTip(value)
+                self.rejected.setItem(r, c, item)
+        self.rejected.resizeRowsToContents()
+
+    def _show_suggestions(self, suggestions: list[dict[str, Any]]) -> None:
+        self.suggestions.clear()
+        for s in suggestions:
+            item = QListWidgetItem(gui_words(s["change"]))
+            item.setData(Qt.ItemDataRole.UserRole, s)
+            self.suggestions.addItem(item)
+        self.apply_button.setEnabled(False)
+
+    # -- choosing a plan -----------------------------------------------------------------------------
+    def _row_selected(self) -> None:
+        rows = self.table.selectionModel().selectedRows()
+        plans = plans_of(self.result or {})
+        if rows and rows[0].row() < len(plans):
+            self.show_plan(plans[rows[0].row()])
+
+    def current_suggestion(self) -> dict[str, Any] | None:
+        item = self.suggestions.currentItem()
+        s = item.data(Qt.ItemDataRole.UserRole) if item else None
+        return s or None
+
+    def _suggestion_selected(self, row: int) -> None:
+        item = self.suggestions.item(row)
+        s = item.data(Qt.ItemDataRole.UserRole) if item else None
+        applicable = bool(s) and s is not None and s.get("kind") in APPLICABLE_SUGGESTIONS
+        self.apply_button.setEnabled(applicable)
+        if s:
+            # Other hardware is for comparing and exporting; a job can only launch on this machine.
+            self.show_plan(s["plan"], heading=f"With this change ({gui_words(s['change'])}):", launch=applicable)
+
+    def _apply_suggestion(self) -> None:
+        s = self.current_suggestion()
+        if s:
+            self.sig_apply.emit(s)
+
+    def show_plan(self, plan: dict[str, Any] | None, heading: str = "", *, launch: bool = True) -> None:
+        """`plan` in the headline and the chart; `launch`: whether it may be launched from here."""
+        if plan is None:
+            self.chart.clear()
+            self.sig_plan_shown.emit(None, False)
+            return
+        self.chart.show_memory(plan.get("memory") or [])
+        lines = summary_lines(plan)
+        fits = all(m["headroom"] >= 0 for m in plan.get("memory") or [])
+        colour = GOOD if fits else BAD
+        if not heading and self.other_machine is not None:
+            heading = f"Plan for {html.escape(self.other_machine)}:"
+        head = f"<b>{heading or 'Plan'}</b> <span style='color:{colour.name()}'>{lines[0]}</span>"
+        self.summary.setText("<br>".join([head, *lines[1:]]))
+        self.sig_plan_shown.emit(plan, launch)
