@@ -114,7 +114,7 @@ def engine_run(spec: dict[str, Any], warm: bool) -> dict[str, float | None]:
 
 
 def torchrun_run(spec: dict[str, Any]) -> dict[str, float | None]:
-    from rigpilot.engine.jobs.spec import JobSpec
+    from rigpilot.engine.jobspec.spec import JobSpec
 
     with tempfile.TemporaryDirectory(prefix="rplat") as tmp:
         job_dir = Path(tmp) / "job"

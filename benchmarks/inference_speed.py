@@ -113,7 +113,7 @@ def run_rigpilot(
     folder: Path, prompts: list[str], batch: int, new: int, layout: str, scratch: Path, threads: int
 ) -> dict[str, Any]:
     from rigpilot.engine.jobs.metrics import read_records, summarize
-    from rigpilot.engine.jobs.spec import JobSpec
+    from rigpilot.engine.jobspec.spec import JobSpec
 
     parallelism, ranks = LAYOUTS[layout]
     job_dir = Path(tempfile.mkdtemp(prefix=f"infer-{layout}-", dir=scratch))

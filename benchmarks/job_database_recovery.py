@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 from rigpilot.engine.jobs.resilient_store import ResilientJobStore
-from rigpilot.engine.jobs.spec import JobSpec
 from rigpilot.engine.jobs.store import COMPLETED, QUEUED, JobRecord, JobStore
+from rigpilot.engine.jobspec.spec import JobSpec
 
 
 def timed(fn, n: int = 1) -> float:

@@ -30,7 +30,7 @@ WARMUP_STEPS = 3
 
 def run(root: Path, name: str, ranks: int, steps: int, seq_len: int, offload: bool) -> tuple[float, float]:
     """(steps/s over the measured steps, wall seconds of the whole job)."""
-    from rigpilot.engine.jobs.spec import JobSpec
+    from rigpilot.engine.jobspec.spec import JobSpec
 
     job = root / name
     JobSpec.from_dict({

@@ -229,7 +229,7 @@ def run_trainer(
 def rank_main(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
-    from rigpilot.engine.jobs.spec import JobSpec
+    from rigpilot.engine.jobspec.spec import JobSpec
     from rigpilot.engine.workers.data import ShardedBatches, build_dataset, read_dataset
     from rigpilot.engine.workers.model_loading import load_config, load_tokenizer, resolve_source
     from rigpilot.engine.workers.parallel_dims import init_runtime

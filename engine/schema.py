@@ -1,6 +1,6 @@
 """Each job setting declared once, and everything generated from that declaration.
 
-A setting is a field of a spec dataclass (engine.jobs.spec) declared with `setting(...)`: its default, its
+A setting is a field of a spec dataclass (engine.jobspec.spec) declared with `setting(...)`: its default, its
 allowed values (a `Range` or a `Choice`), its command-line flags, the label the app shows, one sentence of
 help and its unit. From that one declaration come the `rigpilot run` options (`add_options`, `given`), the
 engine's refusal of a value outside its range (`Setting.check`, the same sentence on the command line and in

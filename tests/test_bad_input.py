@@ -32,7 +32,7 @@ from test_service_engine import REPO, Engine, engine_home, leftover_job_processe
 
 from rigpilot.engine import paths
 from rigpilot.engine.cli.entry import main as cli_main
-from rigpilot.engine.jobs.secrets import MASK
+from rigpilot.engine.jobspec.secrets import MASK
 from rigpilot.engine.service import protocol
 from rigpilot.engine.service.client import EngineError
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 from test_workers_jobs import LLAMA_TRAIN, TINY_LLAMA_CONFIG, losses, records, run_job, write_job
 
-from rigpilot.engine.jobs.spec import JobSpec
+from rigpilot.engine.jobspec.spec import JobSpec
 from rigpilot.engine.workers import ERROR_PREFIX, EXIT_USER_ERROR
 from rigpilot.engine.workers.checkpoint import SafeReader
 

@@ -46,7 +46,6 @@ from rigpilot.engine.jobs.resilient_store import (
     ResilientJobStore,
     ResilientTelemetryStore,
 )
-from rigpilot.engine.jobs.spec import JobSpec
 from rigpilot.engine.jobs.store import (
     CANCELLED,
     COMPLETED,
@@ -57,6 +56,7 @@ from rigpilot.engine.jobs.store import (
     SCHEMA_VERSION,
     JobRecord,
 )
+from rigpilot.engine.jobspec.spec import JobSpec
 from rigpilot.engine.service.client import EngineClient
 
 ASIDE = re.compile(r"^engine\.(damaged|newer|missing)-\d{8}-\d{6}(-\d+)?\.db$")

@@ -30,9 +30,9 @@ from rigpilot.engine.diskspace import DiskFull, free_bytes, is_disk_full, no_roo
 from rigpilot.engine.jobs import recovery
 from rigpilot.engine.jobs.conditions import Conditions
 from rigpilot.engine.jobs.runs import Run, run_outcome
-from rigpilot.engine.jobs.spec import JobSpec, TrainSettings
 from rigpilot.engine.jobs.store import FAILED, QUEUED, RUNNING, JobRecord, JobStore
 from rigpilot.engine.jobs.submission import JOB_ROOM_BYTES, disk_need
+from rigpilot.engine.jobspec.spec import JobSpec, TrainSettings
 from rigpilot.engine.launch.rankexec import _record_state
 from rigpilot.engine.service.client import EngineError
 

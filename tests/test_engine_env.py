@@ -457,9 +457,9 @@ def test_remove_refuses_while_jobs_run_in_the_environment(xdg):
 
 def _rank_environment(tmp_path: Path) -> dict[str, str]:
     from rigpilot.engine.hardware.simulated import load_profile
-    from rigpilot.engine.jobs.spec import JobSpec
     from rigpilot.engine.jobs.store import QUEUED, JobRecord, JobStore
     from rigpilot.engine.jobs.supervisor import Supervisor
+    from rigpilot.engine.jobspec.spec import JobSpec
 
     store = JobStore(tmp_path / "engine.db")
     sup = Supervisor(store, tmp_path / "jobs", load_profile("4x-rtx4090"))

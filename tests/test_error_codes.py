@@ -138,7 +138,7 @@ def test_a_ranks_refusal_records_its_reason_and_fields(tmp_path, monkeypatch):
     the job's `error`) with its reason and fields, as the engine's own refusals reach clients."""
     import json
 
-    from rigpilot.engine.jobs.spec import JobSpec
+    from rigpilot.engine.jobspec.spec import JobSpec
     from rigpilot.engine.workers import __main__ as worker
 
     JobSpec(id="j1", kind="train").write(tmp_path)

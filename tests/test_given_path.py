@@ -1,4 +1,4 @@
-"""engine.given_path (a path the user gave) and engine.jobs.secrets (what of a job's env is secret), in process.
+"""engine.given_path (a path the user gave) and engine.jobspec.secrets (what of a job's env is secret), in process.
 
 Real files of every kind in tmp_path: FIFOs, a listening socket's file, /dev/null, symlinks (dangling, looping,
 to a FIFO), names past NAME_MAX and paths past PATH_MAX. The CLI and the socket use these same functions; the
@@ -17,7 +17,7 @@ import pytest
 from rigpilot.engine import given_path as gp
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import PathRefused, check_given_path, is_given_file, is_given_folder, open_given_file
-from rigpilot.engine.jobs.secrets import MASK, is_masked, is_secret, mask_credentials, plain, shown_text, split
+from rigpilot.engine.jobspec.secrets import MASK, is_masked, is_secret, mask_credentials, plain, shown_text, split
 from rigpilot.engine.models.repo_id import repo_id_problem
 
 

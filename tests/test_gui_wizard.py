@@ -42,7 +42,7 @@ from rigpilot.app.wizard.state import (
 )
 from rigpilot.app.wizard.wizard import SETTINGS_KEY, JobWizard
 from rigpilot.engine.hardware.simulated import load_profile
-from rigpilot.engine.jobs.spec import JobSpec
+from rigpilot.engine.jobspec.spec import JobSpec
 from rigpilot.engine.service.client import EngineError
 
 ALL_PAGES = [TASK, MODEL, DATA, GPUS, PLAN, HYPER, REVIEW, LAUNCH]
@@ -815,9 +815,9 @@ def test_ctrl_enter_is_next_and_launch_and_waits_for_checks(qtbot, settings):
 
 
 def test_a_declared_recipe_choice_gets_its_control_its_check_and_its_flag(qtbot, settings):
-    # master_weights is declared once (engine.jobs.spec); the hyper-parameters page, its conflict check and the
+    # master_weights is declared once (engine.jobspec.spec); the hyper-parameters page, its conflict check and the
     # command preview come from that declaration.
-    from rigpilot.engine.jobs.spec import TRAIN_SETTINGS
+    from rigpilot.engine.jobspec.spec import TRAIN_SETTINGS
 
     link, _ = make_link()
     state = default_state(link.machine)

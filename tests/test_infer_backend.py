@@ -29,8 +29,8 @@ from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.machine import Source
 from rigpilot.engine.hardware.simulated import load_profile
 from rigpilot.engine.jobs.limits import check_job_settings
-from rigpilot.engine.jobs.spec import InferSettings, JobSpec, Parallelism
 from rigpilot.engine.jobs.submission import describe, prepare
+from rigpilot.engine.jobspec.spec import InferSettings, JobSpec, Parallelism
 from rigpilot.engine.layout import Layout
 
 REPO = Path(__file__).resolve().parents[1]

@@ -10,8 +10,8 @@ import pytest
 
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.simulated import load_profile
-from rigpilot.engine.jobs.spec import JobSpec
 from rigpilot.engine.jobs.submission import apply_plan_layout, parse_plan, prepare
+from rigpilot.engine.jobspec.spec import JobSpec
 from rigpilot.engine.layout import Layout, accumulation_of_plan, given_settings
 from rigpilot.engine.planner.plan import (
     HostMemory,

@@ -14,7 +14,7 @@ import pytest
 from rigpilot.engine.cli.entry import main
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.simulated import load_profile
-from rigpilot.engine.jobs.spec import JobSpec
+from rigpilot.engine.jobspec.spec import JobSpec
 from rigpilot.engine.planner.calibration import SCHEMA, MachineCalibration, apply
 
 REPO = Path(__file__).resolve().parents[1]

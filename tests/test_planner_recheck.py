@@ -110,3 +110,17 @@ def test_the_engine_rechecks_over_its_socket(engine, recommended):  # noqa: F811
         with pytest.raises(EngineError) as e:
             c.request("plan", model=MODEL, gpus=[0, 1], recheck={"plan": plan, "overrides": {"dp": 4}})
         assert e.value.reason == "too_few_gpus" and e.value.fields["selected"] == 2
+
+
+def test_a_changed_setting_is_bounded_as_the_jobs_own_setting_is_declared() -> None:
+    from rigpilot.engine.errors import UserError
+    from rigpilot.engine.jobspec.spec import TRAIN_SETTINGS
+    from rigpilot.engine.planner.overrides import Overrides
+
+    Overrides(micro_batch=int(TRAIN_SETTINGS["micro_batch"].hi)).check()
+    with pytest.raises(UserError) as e:
+        Overrides(micro_batch=int(TRAIN_SETTINGS["micro_batch"].hi) + 1).check()
+    assert e.value.reason == "out_of_range" and e.value.fields["setting"] == "train.micro_batch"
+    with pytest.raises(UserError) as e:
+        Overrides(new_tokens=0).check()
+    assert e.value.reason == "out_of_range" and e.value.fields["setting"] == "infer.max_new_tokens"

@@ -12,7 +12,7 @@ from test_planner_search import llama, train
 from rigpilot.engine import capability, schema
 from rigpilot.engine.cli.entry import build_parser
 from rigpilot.engine.hardware.simulated import load_profile
-from rigpilot.engine.jobs.spec import TRAIN_SETTINGS
+from rigpilot.engine.jobspec.spec import TRAIN_SETTINGS
 from rigpilot.engine.layout import Layout
 from rigpilot.engine.planner.search import search
 

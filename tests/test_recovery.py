@@ -20,8 +20,8 @@ from rigpilot.engine.hardware.simulated import SimulatedBackend, load_profile
 from rigpilot.engine.hardware.telemetry import GpuSample, Tier
 from rigpilot.engine.jobs import recovery
 from rigpilot.engine.jobs.limits import check_job_settings
-from rigpilot.engine.jobs.spec import JobSpec, Parallelism, TrainSettings
 from rigpilot.engine.jobs.store import CANCELLED, COMPLETED, FAILED, QUEUED, JobRecord, JobStore
+from rigpilot.engine.jobspec.spec import JobSpec, Parallelism, TrainSettings
 
 
 def train_spec(max_steps: int = 100, checkpoint_every: int = 50, **par: int) -> JobSpec:

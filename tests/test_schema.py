@@ -1,4 +1,4 @@
-"""The settings schema (engine.schema, declared on engine.jobs.spec's fields): one declaration per setting,
+"""The settings schema (engine.schema, declared on engine.jobspec.spec's fields): one declaration per setting,
 and the command line, the engine's check, the socket's bounds and the wizard's preview all made from it."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from rigpilot.engine.cli import commands
 from rigpilot.engine.cli.entry import build_parser
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.jobs import limits
-from rigpilot.engine.jobs.spec import (
+from rigpilot.engine.jobspec.spec import (
     INFER_SETTINGS,
     JOB_SETTINGS,
     TRAIN_SETTINGS,

@@ -20,7 +20,7 @@ import pytest
 from test_service_engine import Engine, engine  # noqa: F401  (the fixture)
 
 from rigpilot.engine import paths
-from rigpilot.engine.jobs.spec import InferSettings, JobSpec, Parallelism, TrainSettings
+from rigpilot.engine.jobspec.spec import InferSettings, JobSpec, Parallelism, TrainSettings
 from rigpilot.engine.service import protocol
 
 pytestmark = pytest.mark.slow

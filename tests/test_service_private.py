@@ -18,7 +18,7 @@ import pytest
 from test_service_engine import Engine, engine_home, leftover_job_processes
 
 from rigpilot.engine.cli.entry import main as cli_main
-from rigpilot.engine.jobs.secrets import MASK, is_secret, read_secrets_file, split
+from rigpilot.engine.jobspec.secrets import MASK, is_secret, read_secrets_file, split
 from rigpilot.engine.service.client import EngineError
 
 HF_TOKEN = "hf_" + "Zq7" * 12

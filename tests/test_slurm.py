@@ -14,9 +14,9 @@ from dev_script import load_dev
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.simulated import load_profile
 from rigpilot.engine.jobs import slurm
-from rigpilot.engine.jobs.spec import JobSpec
 from rigpilot.engine.jobs.store import QUEUED, JobRecord, JobStore
 from rigpilot.engine.jobs.supervisor import Supervisor
+from rigpilot.engine.jobspec.spec import JobSpec
 from rigpilot.engine.models.formulas import spec_from_config
 from rigpilot.engine.planner.export import slurm_script
 from rigpilot.engine.planner.plan import Plan, Workload

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from rigpilot.engine.jobs.spec import JobSpec
+from rigpilot.engine.jobspec.spec import JobSpec
 from rigpilot.engine.workers import ERROR_PREFIX, EXIT_USER_ERROR
 
 pytestmark = pytest.mark.slow

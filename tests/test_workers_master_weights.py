@@ -14,7 +14,7 @@ from test_workers_reference import inputs_and_labels, reference_lr
 
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.jobs.limits import check_job_settings
-from rigpilot.engine.jobs.spec import TRAIN_SETTINGS, JobSpec
+from rigpilot.engine.jobspec.spec import TRAIN_SETTINGS, JobSpec
 from rigpilot.engine.schema import check_group
 
 RECIPE: dict[str, Any] = {

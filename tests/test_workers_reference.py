@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from test_workers_jobs import REPO, SHAKESPEARE, TINY_LLAMA_CONFIG, output_tensors, records, run_job, write_job
 
-from rigpilot.engine.jobs.spec import JobSpec
+from rigpilot.engine.jobspec.spec import JobSpec
 
 pytestmark = pytest.mark.slow
 

@@ -31,8 +31,8 @@ from test_workers_jobs import (
 
 from rigpilot.engine.jobs.following import trained_every_step
 from rigpilot.engine.jobs.runs import run_outcome
-from rigpilot.engine.jobs.spec import JobSpec
 from rigpilot.engine.jobs.store import CANCELLED, COMPLETED
+from rigpilot.engine.jobspec.spec import JobSpec
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rigpilot.engine.errors import UserError
-from rigpilot.engine.jobs.spec import Parallelism
+from rigpilot.engine.jobspec.spec import Parallelism
 from rigpilot.engine.workers.data import (
     Document,
     ShardedBatches,
@@ -475,7 +475,7 @@ def test_prefill_computes_the_last_positions_logits_only_and_generates_as_transf
 
     from transformers import AutoTokenizer
 
-    from rigpilot.engine.jobs.spec import InferSettings
+    from rigpilot.engine.jobspec.spec import InferSettings
     from rigpilot.engine.workers.infer import Generator
 
     tok = AutoTokenizer.from_pretrained(TINY_LLAMA)
@@ -507,7 +507,7 @@ def test_a_pipeline_keeps_as_many_micro_batches_in_flight_as_stages() -> None:
     """Batches stay whole (generate()'s own batches) when there are enough; else they are cut into parts."""
     from types import SimpleNamespace
 
-    from rigpilot.engine.jobs.spec import InferSettings
+    from rigpilot.engine.jobspec.spec import InferSettings
     from rigpilot.engine.workers.infer import Generator
 
     def micro_batches(pp: int, prompts: int, batch: int) -> list[tuple[int, list[int]]]:
@@ -528,7 +528,7 @@ def test_a_pipeline_keeps_as_many_micro_batches_in_flight_as_stages() -> None:
 def test_a_pipeline_runs_one_more_micro_batch_than_stages_when_it_has_whole_ones() -> None:
     from types import SimpleNamespace
 
-    from rigpilot.engine.jobs.spec import InferSettings
+    from rigpilot.engine.jobspec.spec import InferSettings
     from rigpilot.engine.workers.infer import Generator
 
     def in_flight(pp: int, micro_batches: int) -> int:
@@ -548,7 +548,7 @@ def test_a_pipeline_prefills_in_chunks_that_attend_to_the_cache_before_them() ->
     """Pipeline stages take a long prompt in chunks (the mask grows with them); one stage takes it whole."""
     from types import SimpleNamespace
 
-    from rigpilot.engine.jobs.spec import InferSettings
+    from rigpilot.engine.jobspec.spec import InferSettings
     from rigpilot.engine.workers.infer import PREFILL_CHUNK, Generator
 
     def chunks(pp: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -578,7 +578,7 @@ def test_a_pipeline_prefills_in_chunks_that_attend_to_the_cache_before_them() ->
 
 
 def _run_main(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: BaseException) -> int:
-    from rigpilot.engine.jobs.spec import JobSpec
+    from rigpilot.engine.jobspec.spec import JobSpec
     from rigpilot.engine.workers import __main__ as worker
 
     JobSpec(id="x", kind="infer").write(tmp_path)
@@ -633,7 +633,7 @@ def test_a_folder_without_job_json_is_a_user_error(
 
 
 def test_train_settings_are_checked_before_anything_loads() -> None:
-    from rigpilot.engine.jobs.spec import TrainSettings
+    from rigpilot.engine.jobspec.spec import TrainSettings
     from rigpilot.engine.workers.train import validate_settings
 
     validate_settings(TrainSettings())

@@ -16,8 +16,8 @@ import numpy as np
 from rigpilot.app.jobs.model import duration
 from rigpilot.app.widgets.units import si
 from rigpilot.engine.capability import backend_words
-from rigpilot.engine.jobs.spec import SETTINGS
 from rigpilot.engine.jobs.store import COMPLETED
+from rigpilot.engine.jobspec.spec import SETTINGS
 
 # A rise this far above the best eval loss, held for the last RISING_EVALS evals, is flagged.
 RISING_MARGIN = 0.02
@@ -186,7 +186,7 @@ def _auto_class(architectures: list[str]) -> str:
 # -- comparing settings ------------------------------------------------------------------------------
 
 # The settings a user compares runs by (keys in the spec), in the order they read; a declared setting is
-# labelled as engine.jobs.spec declares it, the rest here.
+# labelled as engine.jobspec.spec declares it, the rest here.
 COMPARED_KEYS = (
     "kind", "model", "train.method", "train.dataset", "train.learning_rate", "train.max_steps", "train.warmup_steps",
     "train.micro_batch", "train.grad_accum", "train.seq_len", "train.precision", "train.lora_rank", "train.lora_alpha",

@@ -13,8 +13,8 @@ from PySide6.QtWidgets import QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QV
 
 from rigpilot.app.jobs.outcome import settings_of
 from rigpilot.app.wizard.state import INFER, WizardState
-from rigpilot.engine.jobs.spec import InferSettings
 from rigpilot.engine.jobs.store import COMPLETED, TERMINAL_STATES
+from rigpilot.engine.jobspec.spec import InferSettings
 
 MAX_NEW_TOKENS = 64
 

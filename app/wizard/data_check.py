@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rigpilot.engine.given_path import MISSING, NOT_A_FILE, PathRefused, check_given_path, open_given_file
-from rigpilot.engine.jobs.datasets import parse_record
+from rigpilot.engine.jobspec.datasets import parse_record
 
 TEXT_SUFFIXES = {".txt", ".md", ".text"}
 JSONL_SUFFIXES = {".jsonl", ".json", ".ndjson"}

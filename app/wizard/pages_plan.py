@@ -41,8 +41,8 @@ from rigpilot.app.wizard.host import HYPER, REVIEW, WizardHost
 from rigpilot.app.wizard.page_base import StepPage
 from rigpilot.app.wizard.state import INFER, INFER_BACKEND_CHOICES
 from rigpilot.engine.capability import why_not
-from rigpilot.engine.jobs.spec import INFER_SETTINGS, JOB_SETTINGS
-from rigpilot.engine.jobs.spec import TRAIN_SETTINGS as TRAIN
+from rigpilot.engine.jobspec.spec import INFER_SETTINGS, JOB_SETTINGS
+from rigpilot.engine.jobspec.spec import TRAIN_SETTINGS as TRAIN
 from rigpilot.engine.layout import DEGREE_RANGES, Layout
 from rigpilot.engine.planner.overrides import Overrides
 from rigpilot.engine.schema import Checkpointing, Range, Setting
@@ -431,7 +431,7 @@ class HyperPage(StepPage):
         self.train_on_prompts.setObjectName("trainOnPrompts")
         self.eval_every = _setting_spin("evalEvery", TRAIN["eval_every"])
         self.seed = _setting_spin("seed", TRAIN["seed"])
-        # Labels and explanations are the settings' declarations (engine.jobs.spec), as the CLI's help is.
+        # Labels and explanations are the settings' declarations (engine.jobspec.spec), as the CLI's help is.
         for name, control in (("max_steps", self.steps), ("learning_rate", self.lr), ("warmup_steps", self.warmup),
                               ("micro_batch", self.micro), ("grad_accum", self.accum), ("seq_len", self.seq_len)):
             _setting_row(t, TRAIN[name], control)

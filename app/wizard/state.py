@@ -19,7 +19,8 @@ from typing import Any
 
 from rigpilot.engine.examples import EXAMPLES
 from rigpilot.engine.given_path import is_given_file
-from rigpilot.engine.jobs.spec import (
+from rigpilot.engine.jobs.store import ACTIVE_STATES
+from rigpilot.engine.jobspec.spec import (
     INFER_SETTINGS,
     JOB_SETTINGS,
     TRAIN_SETTINGS,
@@ -27,7 +28,6 @@ from rigpilot.engine.jobs.spec import (
     JobSpec,
     TrainSettings,
 )
-from rigpilot.engine.jobs.store import ACTIVE_STATES
 from rigpilot.engine.layout import Layout
 from rigpilot.engine.planner.plan import parallelism_from_dict
 from rigpilot.engine.schema import ADAPTER_METHODS, FINE_TUNE_METHODS, InferBackend, Setting, flag_words, setting_words
@@ -387,7 +387,7 @@ def state_from_plan(plan: dict[str, Any], base: WizardState | None = None) -> Wi
 
 def _setting_words(settings: dict[str, Setting], part: Any, words: list[str], extras: list[str],
                    skip: tuple[str, ...] = ()) -> None:  # fmt: skip
-    """Each declared setting of `part` as its flag (engine.jobs.spec declares which have one); a setting
+    """Each declared setting of `part` as its flag (engine.jobspec.spec declares which have one); a setting
     the command line cannot say, and that differs from the engine's default, goes among `extras` in its words."""
     for name, s in settings.items():
         if name in skip:

@@ -20,8 +20,8 @@ from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import EITHER, FOLDER, check_given_path, open_given_file, shown
 from rigpilot.engine.jobs import scaling
 from rigpilot.engine.jobs.metrics import mark_superseded
-from rigpilot.engine.jobs.secrets import shown_text
-from rigpilot.engine.jobs.spec import INFER_SETTINGS, JOB_SETTINGS, TRAIN_SETTINGS
+from rigpilot.engine.jobspec.secrets import shown_text
+from rigpilot.engine.jobspec.spec import INFER_SETTINGS, JOB_SETTINGS, TRAIN_SETTINGS
 from rigpilot.engine.layout import SCHEDULES, Layout, given_settings, schedule_name
 from rigpilot.engine.schema import ACTIVE_STATES, TERMINAL_STATES, add_option, add_options, given
 from rigpilot.engine.service.command_line import add_service_arguments, service_options
@@ -54,7 +54,7 @@ def register(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     slurm = _slurm_options()
     workload = _workload_options()
     k = kinds.add_parser("train", parents=[common, model, degrees, slurm, workload], help="train or fine-tune a model")
-    add_options(k, {n: s for n, s in TRAIN_SETTINGS.items() if n not in WORKLOAD})  # engine.jobs.spec declares them
+    add_options(k, {n: s for n, s in TRAIN_SETTINGS.items() if n not in WORKLOAD})  # engine.jobspec.spec declares them
     k.add_argument("--cpu-offload", action="store_true",
                    help="FSDP2 CPU offload: parameters, gradients and optimizer state in host RAM")  # fmt: skip
     k.set_defaults(func=cmd_run)

@@ -22,7 +22,7 @@ from rigpilot.engine.argtypes import positive_float
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.examples import note as examples_note
 from rigpilot.engine.examples import shipped_example
-from rigpilot.engine.jobs.spec import INFER_SETTINGS, TRAIN_SETTINGS
+from rigpilot.engine.jobspec.spec import INFER_SETTINGS, TRAIN_SETTINGS
 from rigpilot.engine.settings import RENTED_EXAMPLE
 
 EXIT_USAGE = 2

@@ -24,7 +24,7 @@ from typing import Any
 from rigpilot.engine import schema
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import MISSING, PathRefused, check_given_path, shown
-from rigpilot.engine.jobs.spec import TRAIN_SETTINGS
+from rigpilot.engine.jobspec.spec import TRAIN_SETTINGS
 from rigpilot.engine.planner.calibration import MachineCalibration, apply_stored
 from rigpilot.engine.planner.calibration import apply as apply_calibration
 from rigpilot.engine.planner.cluster import DEFAULT_LINK, MAX_NODES, NODE_LINKS, check_nodes, node_link

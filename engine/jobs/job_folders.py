@@ -26,7 +26,6 @@ from rigpilot.engine.jobs import recovery
 from rigpilot.engine.jobs.metrics import summarize
 from rigpilot.engine.jobs.processes import job_processes
 from rigpilot.engine.jobs.runs import Run, max_steps_of, run_outcome, run_token
-from rigpilot.engine.jobs.spec import JobSpec
 from rigpilot.engine.jobs.store import (
     ACTIVE_STATES,
     ALL_STATES,
@@ -37,6 +36,7 @@ from rigpilot.engine.jobs.store import (
     JobRecord,
 )
 from rigpilot.engine.jobs.submission import plan_prediction
+from rigpilot.engine.jobspec.spec import JobSpec
 
 log = logging.getLogger(__name__)
 

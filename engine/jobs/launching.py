@@ -21,12 +21,12 @@ from typing import IO
 import psutil
 
 from rigpilot.engine import paths
-from rigpilot.engine.jobs import secrets as job_secrets
 from rigpilot.engine.jobs.processes import RUN_TOKEN_ENV
 from rigpilot.engine.jobs.runs import Run, local_gpus_in_use, run_token
-from rigpilot.engine.jobs.spec import JobSpec
 from rigpilot.engine.jobs.store import JobRecord
 from rigpilot.engine.jobs.warm_tending import WarmTending
+from rigpilot.engine.jobspec import secrets as job_secrets
+from rigpilot.engine.jobspec.spec import JobSpec
 from rigpilot.engine.launch import warm
 from rigpilot.engine.launch.torchrun import rank_environment, rank_target, torchrun_command
 

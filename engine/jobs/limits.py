@@ -1,4 +1,4 @@
-"""The check of a whole job spec: each setting against its declared range or choices (engine.jobs.spec
+"""The check of a whole job spec: each setting against its declared range or choices (engine.jobspec.spec
 declares them, engine.schema words the refusal), strings, lists, paths and the environment against their
 sizes, so a value is refused once, at the edge, in one line naming the setting.
 
@@ -14,12 +14,12 @@ from typing import Any
 
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import check_path_length
-from rigpilot.engine.jobs.spec import SETTINGS
+from rigpilot.engine.jobspec.spec import SETTINGS
 from rigpilot.engine.schema import Choice, Range, declared
 
 PATH_MAX = 4096  # Linux's PATH_MAX: a longer path cannot name a file
 
-# setting (as "section.field") -> its allowed values, from its declaration (engine.jobs.spec.SETTINGS).
+# setting (as "section.field") -> its allowed values, from its declaration (engine.jobspec.spec.SETTINGS).
 # Strings have a length bound instead. The parallel degrees and schedule are the Layout's own to check
 # (engine.layout), when one is made.
 LIMITS: dict[str, Range | Choice] = {key: s.bound for key, s in SETTINGS.items() if s.bound is not None}

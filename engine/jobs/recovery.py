@@ -33,8 +33,8 @@ from typing import Any
 
 from rigpilot.engine.diskspace import free_bytes, human_size
 from rigpilot.engine.errors import UserError
-from rigpilot.engine.jobs.spec import JobSpec
 from rigpilot.engine.jobs.store import FAILED, QUEUED, JobRecord
+from rigpilot.engine.jobspec.spec import JobSpec
 
 DEFAULT_RESTARTS = 3
 

@@ -18,8 +18,8 @@ from typing import IO, Any
 from rigpilot.engine.diskspace import NO_ROOM_BYTES, DiskFull, free_bytes
 from rigpilot.engine.jobs import energy
 from rigpilot.engine.jobs.metrics import Cursor, MetricsSummary
-from rigpilot.engine.jobs.spec import JobSpec
 from rigpilot.engine.jobs.store import CANCELLED, COMPLETED, FAILED, INTERRUPTED, JobRecord
+from rigpilot.engine.jobspec.spec import JobSpec
 from rigpilot.engine.workers import EXIT_DISK_FULL
 
 LAST_LOG_LINES = 20

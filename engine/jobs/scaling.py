@@ -35,8 +35,8 @@ from typing import Any, TypeGuard
 
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import is_given_file
-from rigpilot.engine.jobs.spec import TRAIN_SETTINGS
 from rigpilot.engine.jobs.submission import default_seq_len
+from rigpilot.engine.jobspec.spec import TRAIN_SETTINGS
 from rigpilot.engine.schema import TERMINAL_STATES, UNSUCCESSFUL_STATES
 
 SCHEMA = "rigpilot.scaling/1"

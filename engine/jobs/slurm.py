@@ -28,10 +28,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from rigpilot.engine import paths
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.jobs import following, recovery
-from rigpilot.engine.jobs import secrets as job_secrets
 from rigpilot.engine.jobs.metrics import summarize
 from rigpilot.engine.jobs.runs import Run, log_tail, max_steps_of, newest_checkpoint, run_outcome
-from rigpilot.engine.jobs.spec import JobSpec
 from rigpilot.engine.jobs.store import (
     CANCELLED,
     COMPLETED,
@@ -43,6 +41,8 @@ from rigpilot.engine.jobs.store import (
     JobRecord,
     JobStore,
 )
+from rigpilot.engine.jobspec import secrets as job_secrets
+from rigpilot.engine.jobspec.spec import JobSpec
 from rigpilot.engine.launch.torchrun import rank_target, rankexec_command
 from rigpilot.engine.planner.export import check_slurm_options, slurm_script
 from rigpilot.engine.planner.plan import Plan

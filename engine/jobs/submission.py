@@ -35,7 +35,7 @@ from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import EITHER, FILE, FOLDER, Expect, check_given_path, open_given_file
 from rigpilot.engine.hardware.machine import Machine
 from rigpilot.engine.jobs.limits import check_job_settings
-from rigpilot.engine.jobs.spec import InferSettings, JobSpec, TrainSettings
+from rigpilot.engine.jobspec.spec import InferSettings, JobSpec, TrainSettings
 from rigpilot.engine.layout import Layout, accumulation_of_plan, schedule_name
 from rigpilot.engine.models.config_file import CONFIG_MAX
 from rigpilot.engine.planner.memory import fmt_gib

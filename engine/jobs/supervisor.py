@@ -33,7 +33,6 @@ from rigpilot.engine.hardware.health import gpu_faults
 from rigpilot.engine.hardware.machine import Machine
 from rigpilot.engine.hardware.simulated import SimulatedBackend
 from rigpilot.engine.jobs import energy, following, launching, processes, recovery, slurm, submission
-from rigpilot.engine.jobs import secrets as job_secrets
 from rigpilot.engine.jobs.conditions import Conditions
 from rigpilot.engine.jobs.job_view import job_view
 from rigpilot.engine.jobs.limits import check_env
@@ -41,7 +40,6 @@ from rigpilot.engine.jobs.metrics import summarize
 from rigpilot.engine.jobs.results import check_name, describe_output, job_settings
 from rigpilot.engine.jobs.runs import Run, max_steps_of, newest_checkpoint, run_outcome
 from rigpilot.engine.jobs.simulated_load import apply_load, clear_load
-from rigpilot.engine.jobs.spec import JobSpec
 from rigpilot.engine.jobs.store import (
     ACTIVE_STATES,
     CANCELLED,
@@ -55,6 +53,8 @@ from rigpilot.engine.jobs.store import (
     JobStore,
 )
 from rigpilot.engine.jobs.warm_tending import WarmTending
+from rigpilot.engine.jobspec import secrets as job_secrets
+from rigpilot.engine.jobspec.spec import JobSpec
 from rigpilot.engine.launch.warm import WarmWorker
 from rigpilot.engine.runtime import worker_python
 
@@ -112,7 +112,7 @@ class Supervisor:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
-        # Secret env values by job id, never written to disk (engine.jobs.secrets); gone when the engine stops.
+        # Secret env values by job id, never written to disk (engine.jobspec.secrets); gone when the engine stops.
         self._secrets: dict[str, dict[str, str]] = {}
         # engine.service.multinode: may rewrite how a job spanning several engines ended (naming the node).
         self.finish_hook: Callable[[JobRecord, dict[str, Any]], dict[str, Any]] = lambda rec, outcome: outcome

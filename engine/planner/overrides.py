@@ -10,6 +10,20 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from rigpilot.engine.jobspec.spec import INFER_SETTINGS, TRAIN_SETTINGS
+from rigpilot.engine.schema import Setting
+
+# The job setting each override is: a changed value is bounded as that setting is declared, in one place.
+DECLARED: dict[str, Setting] = {
+    "micro_batch": TRAIN_SETTINGS["micro_batch"],
+    "grad_accum": TRAIN_SETTINGS["grad_accum"],
+    "seq_len": TRAIN_SETTINGS["seq_len"],
+    "lora_rank": TRAIN_SETTINGS["lora_rank"],
+    "lora_alpha": TRAIN_SETTINGS["lora_alpha"],
+    "global_batch": INFER_SETTINGS["batch_size"],
+    "new_tokens": INFER_SETTINGS["max_new_tokens"],
+}
+
 
 @dataclass
 class Overrides:
@@ -30,6 +44,12 @@ class Overrides:
     pp_schedule: str | None = None  # "1f1b" | "gpipe", as the planner writes it
     sequence_parallel: bool | None = None
     cpu_offload: bool | None = None  # FSDP2 with parameters, gradients and optimizer state in host RAM
+
+    def check(self) -> None:
+        """Refuse (UserError, reason out_of_range) a changed number its setting does not allow; choices and
+        layouts are the re-check's own (engine.planner.recheck)."""
+        for name, decl in DECLARED.items():
+            decl.check(getattr(self, name))
 
     def to_dict(self) -> dict[str, Any]:
         """Only what was changed (the request's JSON)."""

@@ -40,6 +40,7 @@ class PlanChecker:
 
     def check(self, plan: dict[str, Any], o: Overrides, gpus: list[int] | None = None) -> dict[str, Any]:
         """{"plan": the plan with the overrides, memory and timing recomputed, "fits", "message": one line}."""
+        o.check()
         p = Plan.from_dict(plan)
         par0 = p.parallelism
         dp, tp, pp = o.dp or par0.dp, o.tp or par0.tp, o.pp or par0.pp

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.machine import P2P, GpuPair, Machine, PciePath, short_gpu_name
 from rigpilot.engine.hardware.specs import match_spec
-from rigpilot.engine.jobs.spec import TRAIN_SETTINGS
+from rigpilot.engine.jobspec.spec import TRAIN_SETTINGS
 from rigpilot.engine.models.spec import ModelSpec
 from rigpilot.engine.planner.cluster import DEFAULT_LINK, Cluster, build_cluster, check_nodes, node_link
 from rigpilot.engine.planner.explain import explain, number_word

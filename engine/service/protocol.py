@@ -113,7 +113,7 @@ from dataclasses import dataclass, fields, is_dataclass
 from typing import IO, Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from rigpilot.engine.errors import UserError, jsonable
-from rigpilot.engine.jobs.spec import TRAIN_SETTINGS as _TRAIN
+from rigpilot.engine.jobspec.spec import TRAIN_SETTINGS as _TRAIN
 from rigpilot.engine.schema import Setting
 
 PROTOCOL_VERSION = 1
@@ -355,7 +355,7 @@ REQUEST_SCHEMAS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         {"gpus": Annotated[list[Annotated[int, Limit(1, 4096)]], Limit(max_len=8)]},
         {
             "job": Text, "model": Path_, "trust_remote_code": bool,
-            # A study's jobs are training jobs: their settings' allowed values are the job's (engine.jobs.spec).
+            # A study's jobs are training jobs: their settings' allowed values are the job's (engine.jobspec.spec).
             "dataset": Annotated[list[Path_], Limit(max_len=256)], "method": Annotated[str, _TRAIN["method"]],
             "precision": Annotated[str, _TRAIN["precision"]], "seq_len": Annotated[int, _TRAIN["seq_len"]],
             "global_batch": Annotated[int, Limit(1, 1 << 20)], "micro_batch": Annotated[int, _TRAIN["micro_batch"]] | None,

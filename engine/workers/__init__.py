@@ -5,7 +5,7 @@ Entry point (the engine service starts it; so can a person, by hand):
     python -m torch.distributed.run --nproc-per-node N --rdzv-backend c10d \\
         --rdzv-endpoint 127.0.0.1:<port> -m rigpilot.engine.workers <job_dir>
 
-Every rank reads `<job_dir>/job.json` (`rigpilot.engine.jobs.spec.JobSpec`) and runs the
+Every rank reads `<job_dir>/job.json` (`rigpilot.engine.jobspec.spec.JobSpec`) and runs the
 job's kind: "train", "infer", "calibrate" or "script". Progress goes through
 `rigpilot.engine.report` into `<job_dir>/metrics/rank<N>.jsonl`; results into
 `<job_dir>/output/`; checkpoints into `<job_dir>/checkpoints/`.

@@ -11,8 +11,8 @@ from typing import Any
 
 from rigpilot.engine.diskspace import DiskFull, disk_full, is_disk_full, no_room
 from rigpilot.engine.errors import UserError, jsonable
-from rigpilot.engine.jobs.secrets import plain
-from rigpilot.engine.jobs.spec import JobSpec
+from rigpilot.engine.jobspec.secrets import plain
+from rigpilot.engine.jobspec.spec import JobSpec
 from rigpilot.engine.report import METRICS_DIR_ENV, report
 from rigpilot.engine.workers import (
     ERROR_PREFIX,
@@ -160,7 +160,7 @@ def main(argv: list[str]) -> int:
     try:
         spec = read_spec(job_dir)
         # Before torch and transformers are imported: some of them are read at import time.
-        # Masked secrets (engine.jobs.secrets) reach the ranks through the environment the engine set.
+        # Masked secrets (engine.jobspec.secrets) reach the ranks through the environment the engine set.
         os.environ.update(plain(spec.env))
         return run(spec, job_dir)
     except DiskFull as e:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rigpilot.engine.jobs.spec import JobSpec
+from rigpilot.engine.jobspec.spec import JobSpec
 from rigpilot.engine.planner.calibration import DTYPES, MachineCalibration, now_iso
 from rigpilot.engine.report import report
 from rigpilot.engine.workers import EXIT_OK

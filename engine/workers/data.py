@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from rigpilot.engine.errors import UserError
-from rigpilot.engine.jobs.datasets import Document, Messages, record_document
+from rigpilot.engine.jobspec.datasets import Document, Messages, record_document
 
 TEXT_SUFFIXES = {".txt", ".md", ".text"}
 JSONL_SUFFIXES = {".jsonl", ".json", ".ndjson"}

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from rigpilot.engine.errors import UserError
-from rigpilot.engine.jobs.spec import InferSettings, JobSpec
+from rigpilot.engine.jobspec.spec import InferSettings, JobSpec
 from rigpilot.engine.report import report
 from rigpilot.engine.workers import EXIT_OK
 from rigpilot.engine.workers.metrics import peak_memory, status, world_sums

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from rigpilot.engine.errors import UserError
-from rigpilot.engine.jobs.spec import InferSettings, JobSpec
+from rigpilot.engine.jobspec.spec import InferSettings, JobSpec
 from rigpilot.engine.report import report
 from rigpilot.engine.workers import EXIT_OK
 from rigpilot.engine.workers.metrics import status

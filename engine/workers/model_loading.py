@@ -24,7 +24,7 @@ from torch import nn
 
 from rigpilot.engine.capability import TRAIN_METHODS
 from rigpilot.engine.errors import UserError
-from rigpilot.engine.jobs.spec import JobSpec
+from rigpilot.engine.jobspec.spec import JobSpec
 from rigpilot.engine.models.config_file import read_config
 from rigpilot.engine.models.presets import find_preset
 from rigpilot.engine.schema import ADAPTER_METHODS

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from rigpilot.engine.errors import UserError
-from rigpilot.engine.jobs.spec import JobSpec
+from rigpilot.engine.jobspec.spec import JobSpec
 from rigpilot.engine.layout import MESH_DIMS, Layout
 
 TIMEOUT_ENV = "RIGPILOT_COLLECTIVE_TIMEOUT_S"

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from rigpilot.engine.errors import UserError
-from rigpilot.engine.jobs.spec import JobSpec
+from rigpilot.engine.jobspec.spec import JobSpec
 from rigpilot.engine.report import report
 
 

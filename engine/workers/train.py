@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from rigpilot.engine.errors import UserError
-from rigpilot.engine.jobs.spec import TRAIN_SETTINGS, JobSpec, TrainSettings
+from rigpilot.engine.jobspec.spec import TRAIN_SETTINGS, JobSpec, TrainSettings
 from rigpilot.engine.report import report
 from rigpilot.engine.schema import check_group
 from rigpilot.engine.workers import EXIT_CANCELLED, EXIT_OK
@@ -94,7 +94,7 @@ class CancelFlag:
 
 def validate_settings(s: TrainSettings) -> None:
     """The engine checked these at submission; a job.json edited by hand is checked again, by the same
-    declarations (engine.jobs.spec), before a step runs."""
+    declarations (engine.jobspec.spec), before a step runs."""
     check_group(s, TRAIN_SETTINGS)
     precision_dtype(s.precision)
 
