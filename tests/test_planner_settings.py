@@ -85,3 +85,13 @@ def test_a_suggestion_carries_the_setting_and_value_it_changes() -> None:
     by_dest = {a.dest: a.option_strings[0] for a in _plan_parser()._actions if a.option_strings}
     for s in r.suggestions:
         assert s.setting is None or s.setting in by_dest, f"{s.setting} is not a `rigpilot plan` option"
+
+
+@pytest.mark.parametrize(("profile", "batch"), [("2x-rtx3090-nvlink", 4100), ("4x-rtx4090", 10000)])
+def test_a_batch_past_the_pipelines_micro_batch_limit_still_gets_a_plan(profile: str, batch: int) -> None:
+    # Pipeline candidates needing more micro-batches per step than a job may run are skipped, with the reason,
+    # rather than ending the whole search (they used to raise out of the layout's range check).
+    spec = llama(288, 768, 6, 6, 6, 32000, 15_000_000, "tiny", ctx=256)
+    r = search(spec, load_profile(profile), train(global_batch=batch, seq_len=128))
+    assert r.best is not None
+    assert all(p.parallelism.pp == 1 or p.parallelism.grad_accum <= 4096 for p in [r.best, *r.runners_up])

@@ -39,6 +39,7 @@ from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.machine import P2P, GpuPair, Machine, PciePath, short_gpu_name
 from rigpilot.engine.hardware.specs import match_spec
 from rigpilot.engine.jobspec.spec import TRAIN_SETTINGS
+from rigpilot.engine.layout import MICROBATCH_RANGE
 from rigpilot.engine.models.spec import ModelSpec
 from rigpilot.engine.planner.cluster import DEFAULT_LINK, Cluster, build_cluster, check_nodes, node_link
 from rigpilot.engine.planner.explain import explain, number_word
@@ -455,6 +456,11 @@ def _evaluate(
         for ckpt in (CHECKPOINTING if w.training else ("none",)):
             for mb in micro_batches:
                 par = dataclasses.replace(layout, checkpointing=ckpt, micro_batch=mb, grad_accum=layout.grad_accum // mb if w.training else 1)
+                if par.pp > 1 and par.grad_accum > MICROBATCH_RANGE[1]:
+                    # The schedule's micro-batches per step: past the engine's limit (engine.layout) no job runs it.
+                    skipped.setdefault("pipeline", f"a pipeline step of more than {MICROBATCH_RANGE[1]:,} micro-batches "
+                                                   "(a smaller global batch or a larger micro-batch runs)")  # fmt: skip
+                    continue
                 # An offloading plan's twin keeps the same split with everything on the GPU.
                 key = (par.tp, par.pp, par.dp, par.zero_stage if par.dp > 1 else 0, ckpt, mb)
                 offloading = par.offload_optimizer or par.offload_params
