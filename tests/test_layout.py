@@ -176,14 +176,20 @@ def test_a_submission_reads_its_plan_with_plan_from_dict(tmp_path: Path) -> None
     sub = prepare(spec, plan, str(tmp_path), job_id="check", machine=load_profile("4x-rtx4090"), max_cpu_ranks=2)
     assert sub.spec.parallelism == Layout(dp_shard=2, reshard_after_forward=False)
     assert (sub.spec.train.micro_batch, sub.spec.train.grad_accum) == (2, 3)
+    # A plan written by hand or by a script, with only what a job needs (no version, no predictions), runs as the
+    # same layout: older engines took such files.
+    for cut in ({k: plan[k] for k in ("schema_version", "workload", "parallelism")},
+                {k: plan[k] for k in ("workload", "parallelism")}):  # fmt: skip
+        sub = prepare(spec, cut, str(tmp_path), job_id="check", machine=load_profile("4x-rtx4090"), max_cpu_ranks=2)
+        assert sub.spec.parallelism == Layout(dp_shard=2, reshard_after_forward=False)
     # A plan file from a newer Rigpilot, or not a plan at all, is refused in one line before anything is made.
-    unversioned = {k: v for k, v in plan.items() if k != "schema_version"}
+    not_a_plan = {"workload": plan["workload"], "layers": 3}
     for bad, reason in (({**plan, "schema_version": 99}, "plan_too_new"), ({**plan, "schema": "other"}, "not_a_plan"),
-                        (unversioned, "not_a_plan"), ({k: v for k, v in plan.items() if k != "workload"}, "user_error")):  # fmt: skip
+                        (not_a_plan, "not_a_plan"), ({k: v for k, v in plan.items() if k != "workload"}, "user_error")):  # fmt: skip
         with pytest.raises(UserError) as refused:
             prepare(spec, bad, str(tmp_path), job_id="check", machine=load_profile("4x-rtx4090"), max_cpu_ranks=2)
         assert refused.value.reason == reason, str(refused.value)
-    assert "has no schema_version" in str(refused_line(spec, unversioned, tmp_path))
+    assert "has no schema_version" in str(refused_line(spec, not_a_plan, tmp_path))
 
 
 def refused_line(spec: dict, plan: dict, tmp_path) -> str:

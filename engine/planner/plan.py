@@ -337,6 +337,8 @@ class Plan:
         if d.get("schema", PLAN_SCHEMA) != PLAN_SCHEMA:
             raise UserError(f"not a Rigpilot plan (schema {d.get('schema')!r})", reason="not_a_plan")
         version = d.get("schema_version")
+        if version is None and isinstance(d.get("parallelism"), dict) and isinstance(d.get("workload"), dict):
+            version = 1  # written by hand, or by a script: its layout and workload are what a job needs
         if not isinstance(version, int) or isinstance(version, bool):
             raise UserError("not a Rigpilot plan: it has no schema_version (write one with 'rigpilot plan --json')",
                             reason="not_a_plan")  # fmt: skip
@@ -346,7 +348,8 @@ class Plan:
         try:
             w = dict(d["workload"])
             w["lora"] = LoraSettings(**w["lora"]) if w.get("lora") else None
-            t = dict(d["timing"])
+            # A hand-made plan may say only how to run: predictions it lacks are zero, as for a plan not measured.
+            t = dict(d.get("timing") or {"step_s": 0.0, "compute_s": 0.0, "exposed_comm_s": 0.0, "bubble_s": 0.0})
             t["comm"] = [CommItem(**c) for c in t.get("comm", [])]
             t["figures"] = [Figure(**f) for f in t.get("figures", [])]
             par = parallelism_from_dict(d["parallelism"])
@@ -358,12 +361,12 @@ class Plan:
             plan = cls(
                 workload=Workload(**w),
                 parallelism=par,
-                memory=[MemoryBreakdown(**m) for m in d["memory"]],
-                host=HostMemory(**d["host"]),
+                memory=[MemoryBreakdown(**m) for m in d.get("memory") or []],
+                host=HostMemory(**(d.get("host") or {"needed": 0, "available": None})),
                 timing=Timing(**t),
-                machine=d["machine"],
-                gpu_names=list(d["gpu_names"]),
-                model_params=d["model_params"],
+                machine=str(d.get("machine") or ""),
+                gpu_names=list(d.get("gpu_names") or []),
+                model_params=d.get("model_params") or 0,
                 model_type=d.get("model_type", ""),
                 architecture=d.get("architecture", ""),
                 notes=list(d.get("notes", [])),
