@@ -208,3 +208,19 @@ def test_a_plan_file_with_a_degree_that_is_not_a_whole_number_is_refused_in_one_
     with pytest.raises(UserError, match=r"malformed plan: parallelism\.dp must be a whole number") as e:
         Layout.from_plan(loaded)
     assert e.value.reason == "bad_layout"
+
+
+def test_a_job_json_with_a_layout_out_of_range_reads_as_damaged_not_as_a_traceback(tmp_path: Path) -> None:
+    from rigpilot.engine.jobs.job_folders import read_job
+    from rigpilot.engine.jobspec.spec import UnreadableSpec
+
+    job = tmp_path / "job-x"
+    job.mkdir()
+    JobSpec.from_dict({"id": "job-x", "kind": "train", "model": "m", "train": {"dataset": ["a.txt"]}}).write(job)
+    data = json.loads((job / "job.json").read_text())
+    data["parallelism"]["tp"] = 0
+    (job / "job.json").write_text(json.dumps(data))
+    with pytest.raises(UnreadableSpec, match="tp=0"):
+        JobSpec.read(job)
+    record, how = read_job(job)
+    assert how == "damaged" and record is not None and "tp=0" in record.exit_reason

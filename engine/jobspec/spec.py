@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from rigpilot.engine.errors import UserError
 from rigpilot.engine.layout import Layout
 from rigpilot.engine.schema import (
     Checkpointing,
@@ -342,7 +343,17 @@ class JobSpec:
 
     @classmethod
     def read(cls, job_dir: Path) -> JobSpec:
-        return cls.from_dict(json.loads((job_dir / "job.json").read_text()))
+        """The job.json in `job_dir`; OSError when it cannot be read, UnreadableSpec (a ValueError) when what it
+        holds is not a job: callers that pass over a damaged job catch the two and nothing else."""
+        text = (job_dir / "job.json").read_text()
+        try:
+            return cls.from_dict(json.loads(text))
+        except (ValueError, TypeError, KeyError, AttributeError, UserError) as e:
+            raise UnreadableSpec(str(e).splitlines()[0] if str(e) else type(e).__name__) from e
+
+
+class UnreadableSpec(ValueError):
+    """A job.json whose content is not a job (bad JSON, a wrong type, a setting or layout out of range)."""
 
 
 TRAIN_SETTINGS: dict[str, Setting] = declared(TrainSettings, "train")
