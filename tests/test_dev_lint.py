@@ -69,3 +69,18 @@ def test_fast_leaves_out_the_slow_tests_and_only_before_a_double_dash():
     assert dev.split_fast(["--fast", "-x", "tests/a.py"]) == (True, ["-x", "tests/a.py"])
     assert dev.split_fast(["-x", "--", "--fast"]) == (False, ["-x", "--", "--fast"])
     assert dev.split_fast([]) == (False, [])
+
+
+def test_updating_the_baseline_only_drops_fixed_errors(tmp_path, monkeypatch):
+    dev = load_dev()
+    baseline = tmp_path / "mypy-baseline.txt"
+    monkeypatch.setattr(dev, "MYPY_BASELINE", baseline)
+    monkeypatch.setattr(dev, "venv_bin", lambda name: name)
+    found = dev.mypy_findings(OUTPUT)
+    monkeypatch.setattr(dev.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1, OUTPUT, ""))
+    baseline.write_text("".join(f"{line}\n" for line in found[1:]))
+    assert dev.mypy_check(update=True) == 1  # a new error is never written into the baseline
+    assert baseline.read_text().splitlines() == found[1:]
+    baseline.write_text("".join(f"{line}\n" for line in [*found, "rigpilot/x.py: fixed  [misc]"]))
+    assert dev.mypy_check(update=True) == 0
+    assert baseline.read_text().splitlines() == found
