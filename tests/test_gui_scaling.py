@@ -15,7 +15,7 @@ from test_gui_job_results import a_training_job
 from test_gui_jobs import FakeJobs, open_job, open_page, step_record
 
 from rigpilot.app.jobs.detail import SUMMARY_TAB
-from rigpilot.engine.jobs import scaling
+from rigpilot.engine.jobs import scaling, scaling_table
 
 
 def a_study(states: tuple[str, str], measured: tuple[float | None, float | None]) -> dict[str, Any]:
@@ -69,7 +69,7 @@ def test_how_does_this_scale_runs_a_study_and_draws_it(qtbot, tmp_path):
     assert panel.start_button.isEnabled()
 
     # the table is the engine's rows, formatted by the engine's code
-    assert panel.table_cells() == [scaling.cells(r) for r in done["table"]]
+    assert panel.table_cells() == [scaling_table.cells(r) for r in done["table"]]
     headers = [panel.table.horizontalHeaderItem(c).text() for c in range(panel.table.columnCount())]
     assert "CPU ranks" in headers and "predicted tok/s (real GPUs)" in headers
     assert panel.table_cells()[1][6:8] == ["1.50×", "75%"]  # 30k / 20k tokens/s; 1.5 / 2 GPUs

@@ -97,7 +97,7 @@ def test_gemma2_9b_fsdp_without_checkpointing_no_longer_fits_an_h100(tmp_path: P
 
 def test_gemma2_9b_plans_checkpoint(tmp_path: Path) -> None:
     from rigpilot.engine.hardware.simulated import load_profile
-    from rigpilot.engine.planner import search
+    from rigpilot.engine.planner.search import search
 
     (tmp_path / "config.json").write_text(json.dumps(GEMMA2_9B))
     spec = describe_model(str(tmp_path))

@@ -11,13 +11,13 @@ from rigpilot.engine.cli.entry import main as cli_main
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.simulated import load_profile
 from rigpilot.engine.models import describe_model
-from rigpilot.engine.planner import Parallelism, Plan, SearchOptions, Workload, search, slurm_script
 from rigpilot.engine.planner.cluster import build_cluster, node_link
+from rigpilot.engine.planner.export import slurm_script
 from rigpilot.engine.planner.links import Topology
 from rigpilot.engine.planner.memory import MemoryModel
 from rigpilot.engine.planner.model import model_facts
-from rigpilot.engine.planner.plan import refusal
-from rigpilot.engine.planner.search import _train_layouts
+from rigpilot.engine.planner.plan import Parallelism, Plan, Workload, refusal
+from rigpilot.engine.planner.search import SearchOptions, _train_layouts, search
 from rigpilot.engine.planner.speed import Groups, SpeedModel
 from rigpilot.engine.service import planworker
 from rigpilot.engine.service.protocol import ProtocolError

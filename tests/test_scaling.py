@@ -15,7 +15,7 @@ import pytest
 from rigpilot.engine import paths
 from rigpilot.engine.cli.entry import main as cli_main
 from rigpilot.engine.errors import UserError
-from rigpilot.engine.jobs import scaling
+from rigpilot.engine.jobs import scaling, scaling_table
 from tests.test_service_engine import REPO, Engine, engine_home, leftover_job_processes
 
 TINY = REPO / "examples" / "models" / "tiny-llama" / "config.json"
@@ -84,7 +84,7 @@ def test_table_speedup_efficiency_and_prediction():
 )
 def test_bad_gpu_counts_are_one_line(text, words):
     with pytest.raises(UserError, match=words):
-        scaling.parse_counts(text)
+        scaling_table.parse_counts(text)
 
 
 def test_cli_refuses_gpus_zero_in_one_line(capsys):
@@ -173,7 +173,7 @@ def test_a_study_on_one_and_two_cpu_ranks_matches_the_jobs_own_records(engine, c
     assert rows[1]["efficiency"] == pytest.approx(rows[1]["speedup"] / 2)
     assert any("CPU ranks" in n for n in study["notes"]) and any("for real GPUs" in n for n in study["notes"])
     csv_lines = (engine.tmp / "study.csv").read_text().splitlines()
-    assert csv_lines[0].split(",") == list(scaling.CSV_COLUMNS) and len(csv_lines) == 3
+    assert csv_lines[0].split(",") == list(scaling_table.CSV_COLUMNS) and len(csv_lines) == 3
     # kept by the engine: the stored study, shown again, and listed
     assert (paths.engine_state_dir() / "scaling" / f"{study['id']}.json").is_file()
     code, out, _ = run_cli(capsys, "scaling", "--show", study["id"])

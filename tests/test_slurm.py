@@ -13,7 +13,7 @@ from dev_script import load_dev
 
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.simulated import load_profile
-from rigpilot.engine.jobs import slurm
+from rigpilot.engine.jobs import slurm, slurm_state
 from rigpilot.engine.jobs.store import QUEUED, JobRecord, JobStore
 from rigpilot.engine.jobs.supervisor import Supervisor
 from rigpilot.engine.jobspec.spec import JobSpec
@@ -42,10 +42,10 @@ def test_an_unknown_slurm_state_is_not_taken_for_an_end():
 
 
 def test_the_queue_state_in_words():
-    assert slurm.describe({"state": "PENDING", "reason": "Resources"}) == "SLURM: pending (Resources)"
-    assert slurm.describe({"state": "RUNNING", "reason": "None"}) == "SLURM: running"
-    assert slurm.describe({"state": "NODE_FAIL"}) == "SLURM: node fail"
-    assert slurm.describe(None) == ""
+    assert slurm_state.describe({"state": "PENDING", "reason": "Resources"}) == "SLURM: pending (Resources)"
+    assert slurm_state.describe({"state": "RUNNING", "reason": "None"}) == "SLURM: running"
+    assert slurm_state.describe({"state": "NODE_FAIL"}) == "SLURM: node fail"
+    assert slurm_state.describe(None) == ""
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,7 @@
 
 The engine runs the study (engine.jobs.scaling: one planned job per GPU count) and computes its table;
 this panel only asks for it, polls it while it runs, and shows the engine's rows with the engine's own
-formatting (`scaling.cells`), so the app and `rigpilot scaling` never disagree.
+formatting (`scaling_table.cells`), so the app and `rigpilot scaling` never disagree.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from PySide6.QtWidgets import (
 
 from rigpilot.app.widgets.palette import apply_plot_theme, series_color
 from rigpilot.engine.errors import UserError
-from rigpilot.engine.jobs import scaling
+from rigpilot.engine.jobs import scaling_table
 
 POLL_MS = 1000
 
@@ -154,7 +154,7 @@ class ScalingPanel(QWidget):
 
     def start(self) -> None:
         try:
-            counts = scaling.parse_counts(self.counts.text())
+            counts = scaling_table.parse_counts(self.counts.text())
         except UserError as e:
             self.progress.setText(str(e))
             return
@@ -204,8 +204,8 @@ class ScalingPanel(QWidget):
         self.sig_study.emit(study)
 
     def _fill_table(self, study: dict[str, Any]) -> None:
-        heads = scaling.headers(study)
-        rows = [scaling.cells(r) for r in study.get("table") or []]
+        heads = scaling_table.headers(study)
+        rows = [scaling_table.cells(r) for r in study.get("table") or []]
         self.table.clear()
         self.table.setColumnCount(len(heads))
         self.table.setRowCount(len(rows))
@@ -263,7 +263,7 @@ class ScalingPanel(QWidget):
         if self.study is None:
             return
         try:
-            Path(path).write_text(scaling.to_csv(self.study))
+            Path(path).write_text(scaling_table.to_csv(self.study))
         except OSError as e:
             self.progress.setText(f"Could not save {path}: {e.strerror or e}")
             return

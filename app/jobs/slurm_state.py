@@ -1,10 +1,10 @@
-"""How the Jobs page names a job that SLURM runs: its queue state beside Rigpilot's (engine.jobs.slurm)."""
+"""How the Jobs page names a job that SLURM runs: its queue state beside Rigpilot's (engine.jobs.slurm_state)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from rigpilot.engine.jobs.slurm import describe
+from rigpilot.engine.jobs.slurm_state import describe
 
 
 def slurm_state_text(job: dict[str, Any]) -> str:

@@ -16,7 +16,7 @@ from typing import Any
 from rigpilot.app.widgets import units
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.planner.cluster import DEFAULT_LINK, MAX_NODES, NODE_LINKS
-from rigpilot.engine.planner.explain import duration_text
+from rigpilot.engine.planner.durations import duration_text
 from rigpilot.engine.planner.plan import LoraSettings, Plan
 from rigpilot.engine.schema import Precision, TrainMethod
 

@@ -92,7 +92,7 @@ class RentedPlans:
 
 
 def cells(r: dict[str, Any]) -> list[str]:
-    from rigpilot.engine.planner.explain import duration_text
+    from rigpilot.engine.planner.durations import duration_text
 
     if not r["fits"]:
         return [r["name"], "-", "-", "-", r["why"] or "nothing fits"]

@@ -18,7 +18,7 @@ from rigpilot.engine.argtypes import positive_int, read_json_object
 from rigpilot.engine.capability import backend_words
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import EITHER, FOLDER, check_given_path, open_given_file, shown
-from rigpilot.engine.jobs import scaling
+from rigpilot.engine.jobs import scaling, scaling_table
 from rigpilot.engine.jobs.metrics import mark_superseded
 from rigpilot.engine.jobspec.secrets import shown_text
 from rigpilot.engine.jobspec.spec import INFER_SETTINGS, JOB_SETTINGS, TRAIN_SETTINGS
@@ -203,7 +203,7 @@ def _scaling_model_options() -> argparse.ArgumentParser:
 
 def _gpu_counts(text: str) -> list[int]:
     try:
-        return scaling.parse_counts(text)
+        return scaling_table.parse_counts(text)
     except UserError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -443,7 +443,7 @@ def follow(client: Any, job_id: str) -> int:
 
 def _waiting(job: dict[str, Any]) -> str:
     if job.get("slurm"):
-        from rigpilot.engine.jobs.slurm import describe
+        from rigpilot.engine.jobs.slurm_state import describe
 
         return f" ({describe(job['slurm'])})"
     busy = job.get("waiting_for")
@@ -565,7 +565,7 @@ def _energy_cell(j: dict[str, Any]) -> str:
 
 def _note(j: dict[str, Any]) -> str:
     if j.get("slurm") and j["state"] not in TERMINAL:
-        from rigpilot.engine.jobs.slurm import describe
+        from rigpilot.engine.jobs.slurm_state import describe
 
         return f"{describe(j['slurm'])}, job {j['slurm'].get('job_id')}"
     restarted = len(j.get("restarts") or [])
@@ -903,13 +903,13 @@ def cmd_scaling(args: argparse.Namespace) -> int:
                 study = _follow_study(c, study, quiet=args.json)
     if args.csv is not None:
         try:
-            args.csv.write_text(scaling.to_csv(study))
+            args.csv.write_text(scaling_table.to_csv(study))
         except OSError as e:
             raise UserError(f"cannot write {args.csv}: {e.strerror or e}") from None
     if args.json:
         print(json.dumps(study, indent=2))
     else:
-        print("\n".join(scaling.text_lines(study)))
+        print("\n".join(scaling_table.text_lines(study)))
         if args.csv is not None:
             print(f"table written to {args.csv}")
     return 0 if study["state"] != "failed" else 1

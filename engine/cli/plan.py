@@ -263,7 +263,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def _compare_rented(args: argparse.Namespace, spec: Any, machine: Any, workload: Workload, result: SearchResult) -> Any:
     """`--compare-rented`: this plan against each rented machine in the settings, for the --tokens budget."""
-    from rigpilot.engine.planner.rented import compare, searcher
+    from rigpilot.engine.planner.rented import compare
     from rigpilot.engine.settings import Settings
 
     if workload.token_budget is None:
@@ -345,3 +345,19 @@ def _memory_table(plan: Plan, simulated: bool) -> list[str]:
         avail = f"the simulated machine's {avail} (jobs' CPU ranks use this host's RAM)"
     lines.append(f"host RAM: {fmt_gib(host.needed)} needed of {avail}" + (f" ({fmt_gib(host.offloaded)} offloaded)" if host.offloaded else ""))
     return lines
+
+
+def searcher(spec: Any, workload: Any, options: Any = None) -> Any:
+    """`plan_for` for `planner.rented.compare`: the planner's search on another machine, uncalibrated (a calibration measured
+    this machine, not that one) and untraced; a refusal (a GPU without the workload's dtype) becomes the reason."""
+    from rigpilot.engine.errors import UserError
+    from rigpilot.engine.planner.search import search
+
+    def plan_for(machine: Any) -> tuple[Plan | None, str]:
+        try:
+            found = search(spec, machine, workload, options=options)
+        except UserError as e:
+            return None, str(e)
+        return found.best, "" if found.best else "nothing fits"
+
+    return plan_for

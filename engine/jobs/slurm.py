@@ -86,18 +86,6 @@ def rigpilot_state(slurm_state: str) -> str:
     raise ValueError(f"unknown SLURM job state {slurm_state!r}")
 
 
-def describe(slurm: dict[str, Any] | None) -> str:
-    """How the Jobs page and `rigpilot jobs` name a SLURM job's queue state: 'SLURM: pending (Resources)'."""
-    if not slurm:
-        return ""
-    state = str(slurm.get("state") or "submitted").lower().replace("_", " ")
-    reason = slurm.get("reason")
-    text = f"SLURM: {state}"
-    if reason and reason not in ("None", "(null)"):
-        text += f" ({reason})"
-    return text
-
-
 def check_options(options: dict[str, Any]) -> dict[str, str | None]:
     """The `--slurm` options of a submission, checked: partition, account, time, login (each may be None)."""
     if not isinstance(options, dict):

@@ -6,6 +6,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from rigpilot.engine.hardware.machine import short_gpu_name
+from rigpilot.engine.planner.durations import duration_text
 from rigpilot.engine.planner.links import Topology
 from rigpilot.engine.planner.memory import fmt_gib
 from rigpilot.engine.planner.model import ModelFacts
@@ -27,20 +28,6 @@ def params_text(n: int) -> str:
     if n >= 1e5:  # small test models: "0.2M", not "0M"
         return f"{n / 1e6:.1f}M"
     return f"{n:,}"
-
-
-def duration_text(s: float) -> str:
-    if s < 1e-3:
-        return f"{s * 1e6:.0f} µs"
-    if s < 1:
-        return f"{s * 1e3:.0f} ms"
-    if s < 120:
-        return f"{s:.2f} s"
-    if s < 2 * 3600:
-        return f"{s / 60:.0f} min"
-    if s < 3 * 86400:
-        return f"{s / 3600:.1f} h"
-    return f"{s / 86400:.1f} days"
 
 
 def task_text(w: Workload) -> str:

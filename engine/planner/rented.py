@@ -118,24 +118,8 @@ def compare(
     return {"token_budget": budget, "electricity_price": price, "rows": rows}
 
 
-def searcher(spec: Any, workload: Any, options: Any = None) -> Any:
-    """`plan_for` for `compare`: the planner's search on another machine, uncalibrated (a calibration measured
-    this machine, not that one) and untraced; a refusal (a GPU without the workload's dtype) becomes the reason."""
-    from rigpilot.engine.errors import UserError
-    from rigpilot.engine.planner.search import search
-
-    def plan_for(machine: Machine) -> tuple[Plan | None, str]:
-        try:
-            found = search(spec, machine, workload, options=options)
-        except UserError as e:
-            return None, str(e)
-        return found.best, "" if found.best else "nothing fits"
-
-    return plan_for
-
-
 def render(comparison: dict[str, Any]) -> list[str]:
-    from rigpilot.engine.planner.explain import duration_text
+    from rigpilot.engine.planner.durations import duration_text
 
     lines = [f"To process {comparison['token_budget']:,} tokens:"]
     table = [("MACHINE", "TOKENS/S", "TIME", "COST", "")]

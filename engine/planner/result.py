@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rigpilot.engine.planner.memory import StageMemory
 from rigpilot.engine.planner.plan import HostMemory, Parallelism, Plan, Timing, Workload
+
+if TYPE_CHECKING:  # the memory model runs in the engine; a client reading a result needs only its shape
+    from rigpilot.engine.planner.memory import StageMemory
 
 # Families from simplest to most involved: ties in throughput go to the simpler plan.
 FAMILY_ORDER = (

@@ -11,7 +11,8 @@ import dataclasses
 from typing import Any
 
 from rigpilot.engine.planner.cluster import Cluster
-from rigpilot.engine.planner.explain import duration_text, number_word
+from rigpilot.engine.planner.durations import duration_text
+from rigpilot.engine.planner.explain import number_word
 from rigpilot.engine.planner.plan import CommItem, Parallelism, Plan, Timing
 from rigpilot.engine.planner.result import SPEED_TIE, Candidate, SearchResult
 from rigpilot.engine.planner.speed import SpeedModel
