@@ -481,8 +481,8 @@ def test_comparing_runs_shows_only_the_settings_that_differ(qtbot):
     diff = page.detail.diff
     qtbot.waitUntil(lambda: diff.rowCount() == 2)
     labels = [diff.verticalHeaderItem(r).text() for r in range(diff.rowCount())]
-    assert labels == ["Learning rate", "Sequence length"]
-    assert [diff.item(0, c).text() for c in range(2)] == ["0.0002", "0.0001"]
+    assert labels == ["Sequence length", "Learning rate"]  # in the order the settings are declared
+    assert [diff.item(1, c).text() for c in range(2)] == ["0.0002", "0.0001"]
     assert diff.horizontalHeaderItem(1).text() == "run b (b)"
     page.compare_with(None)
     assert not diff.isVisibleTo(page)
@@ -512,3 +512,10 @@ def test_settings_diff_of_three_runs_and_layouts():
     diff = dict(settings_diff(runs))
     assert diff == {"Method": ["full", "full", "lora"], "Layout": ["DP 2", "FSDP 2", "DP 2"]}
     assert settings_diff(runs[:1] * 2) == []
+
+
+def test_a_new_declared_setting_is_compared_and_an_older_job_reads_as_its_default():
+    runs = [a_training_job("a"), a_training_job("b")]
+    runs[1]["settings"]["train"]["master_weights"] = "bf16"
+    runs[0]["settings"]["train"].pop("master_weights", None)  # a job from before the setting existed
+    assert dict(settings_diff(runs)) == {"Master weights": ["fp32", "bf16"]}

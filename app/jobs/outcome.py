@@ -17,7 +17,7 @@ from rigpilot.app.jobs.model import duration
 from rigpilot.app.widgets.units import si
 from rigpilot.engine.capability import backend_words
 from rigpilot.engine.jobs.store import COMPLETED
-from rigpilot.engine.jobspec.spec import SETTINGS
+from rigpilot.engine.jobspec.spec import INFER_SETTINGS, SETTINGS, TRAIN_SETTINGS
 
 # A rise this far above the best eval loss, held for the last RISING_EVALS evals, is flagged.
 RISING_MARGIN = 0.02
@@ -185,15 +185,13 @@ def _auto_class(architectures: list[str]) -> str:
 
 # -- comparing settings ------------------------------------------------------------------------------
 
-# The settings a user compares runs by (keys in the spec), in the order they read; a declared setting is
-# labelled as engine.jobspec.spec declares it, the rest here.
-COMPARED_KEYS = (
-    "kind", "model", "train.method", "train.dataset", "train.learning_rate", "train.max_steps", "train.warmup_steps",
-    "train.micro_batch", "train.grad_accum", "train.seq_len", "train.precision", "train.lora_rank", "train.lora_alpha",
-    "train.weight_decay", "train.activation_checkpointing", "train.seed", "gpus", "parallelism",
-    "infer.max_new_tokens", "infer.temperature", "infer.backend",
-)  # fmt: skip
+# The settings a user compares runs by (keys in the spec), in the order they read: every declared training and
+# inference setting (engine.jobspec.spec), labelled as declared; a new setting is compared without an edit here.
 _NOT_SETTINGS = {"kind": "Kind", "model": "Model", "parallelism": "Layout"}
+COMPARED_KEYS = (
+    "kind", "model", *(s.key for s in TRAIN_SETTINGS.values()), "gpus", "parallelism",
+    *(s.key for s in INFER_SETTINGS.values()),
+)  # fmt: skip
 COMPARED: list[tuple[str, tuple[str, ...]]] = [
     (_NOT_SETTINGS.get(key) or SETTINGS[key].label, tuple(key.split("."))) for key in COMPARED_KEYS
 ]
@@ -214,6 +212,8 @@ def _value(settings: dict[str, Any], path: tuple[str, ...]) -> str:
     v: Any = settings
     for key in path:
         v = v.get(key) if isinstance(v, dict) else None
+    if v is None and len(path) == 2 and isinstance(settings.get(path[0]), dict):
+        v = SETTINGS[".".join(path)].default  # a job from before the setting existed ran with its default
     if path == ("parallelism",):
         return layout_text(v)
     if v is None or v == []:
