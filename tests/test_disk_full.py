@@ -279,6 +279,9 @@ def test_a_training_job_needs_room_for_a_checkpoint_and_its_model_before_it_is_a
     model_only, model_words = disk_need(no_checkpoints, config)
     assert model_words.endswith("final model") and model_only - JOB_ROOM_BYTES == params * 4
     assert disk_need(JobSpec(id="s", kind="script", script=["x.py"]), {}) == (JOB_ROOM_BYTES, "")
+    half = JobSpec(id="a", kind="train", model="m",
+                   train=TrainSettings(method="scratch", checkpoint_every=4, precision="bf16", master_weights="bf16"))  # fmt: skip
+    assert disk_need(half, config)[0] - JOB_ROOM_BYTES == params * 8  # bf16 weights, moments and model
 
 
 # -- end to end: a real engine whose state folder fills up under a training job ---------------

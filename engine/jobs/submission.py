@@ -211,15 +211,17 @@ def disk_need(spec: JobSpec, config: dict[str, Any]) -> tuple[int, str]:
     params = _params(config)
     if spec.kind != "train" or t is None or params is None:
         return JOB_ROOM_BYTES, ""
-    saved = 4 if t.method == "scratch" else _dtype_bytes(config)
+    # Master weights, and AdamW's two moments, are fp32 (4 bytes each) or bf16 (2) as the job says.
+    state = 2 if t.master_weights == "bf16" else 4
+    saved = state if t.method == "scratch" else _dtype_bytes(config)
     if t.method in ADAPTER_METHODS:
         adapters = _lora_params(config, t) or params // 100
-        checkpoint, model = adapters * 12, adapters * 4 + (params * saved if t.save_merged else 0)
+        checkpoint, model = adapters * 3 * state, adapters * state + (params * saved if t.save_merged else 0)
         what = ["a {} checkpoint of the adapters and their optimizer state", "the {} adapter"]
         if t.save_merged:
             what[1] = "the {} adapter and merged model"
     else:
-        checkpoint, model = params * 12, params * saved  # fp32 weights and AdamW's two moments
+        checkpoint, model = params * 3 * state, params * saved  # the weights and AdamW's two moments
         what = ["a {} checkpoint of the weights and optimizer state", "the {} final model"]
     if t.checkpoint_every <= 0:
         checkpoint, what = 0, what[1:]

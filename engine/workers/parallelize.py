@@ -35,8 +35,8 @@ def precision_dtype(name: str) -> torch.dtype:
 class PrecisionPlan:
     """Where low precision comes from: FSDP's mixed-precision policy on GPUs, autocast otherwise.
 
-    Trainable parameters and optimizer state stay fp32 either way (master weights); LoRA's frozen
-    base is held in `compute` itself (model_loading.training_load_dtype).
+    Trainable parameters and optimizer state are fp32 master weights, or bf16 where the job asks for bf16
+    master weights; LoRA's frozen base is held in `compute` itself (model_loading.training_load_dtype).
     """
 
     compute: torch.dtype
