@@ -357,7 +357,12 @@ def flag_words(s: Setting, value: Any) -> list[str] | None:
         return []
     if isinstance(s.bound, Choice) and value not in s.bound.options:
         return None
-    return [s.flags[0], value if isinstance(value, str) else str(value) if isinstance(value, int) else f"{value:g}"]
+    return [s.flags[0], command_text(value)]
+
+
+def command_text(value: Any) -> str:
+    """A scalar as typed on a command line: floats in full (repr: 3.14159265e-05 comes back unchanged)."""
+    return repr(value) if isinstance(value, float) else str(value)
 
 
 def shown_value(s: Setting, value: Any) -> str:

@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 
 from rigpilot.engine import __version__
 from rigpilot.engine.argtypes import positive_float
+from rigpilot.engine.cli import refusals
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.examples import note as examples_note
 from rigpilot.engine.examples import shipped_example
@@ -670,7 +671,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return func(args)
     except UserError as e:
-        print(f"rigpilot: error: {e}", file=sys.stderr)
+        print(f"rigpilot: error: {refusals.words(e)}", file=sys.stderr)
         return EXIT_USAGE
     except BrokenPipeError:
         # `rigpilot gpus | head` closes the pipe early; that is not an error.

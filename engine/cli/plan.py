@@ -62,6 +62,7 @@ def register(subparsers: Any, parents: list[argparse.ArgumentParser] | None = No
     # `run train` spells it --precision; the planner's --dtype stays, and either is read.
     precision = dataclasses.replace(TRAIN_SETTINGS["precision"], flags=("--dtype", "--precision"))
     schema.add_option(p, precision, help="compute dtype (training: mixed precision; default bf16)")
+    schema.add_option(p, TRAIN_SETTINGS["master_weights"])
     p.add_argument("--gpus", metavar="0,1,...", help="GPU indices to use (default: all)")
     if not any(a.option_strings == ["--json"] for parent in parents for a in parent._actions):
         p.add_argument("--json", action="store_true", help="print JSON")
@@ -196,6 +197,7 @@ def workload_from_args(args: argparse.Namespace, context: int | None) -> Workloa
         task=task,
         method=method,
         precision=args.precision or TRAIN_SETTINGS["precision"].default,
+        master_weights=args.master_weights or TRAIN_SETTINGS["master_weights"].default,
         seq_len=seq,
         global_batch=batch,
         optimizer=args.optimizer,

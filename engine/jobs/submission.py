@@ -40,7 +40,7 @@ from rigpilot.engine.layout import Layout, accumulation_of_plan, schedule_name
 from rigpilot.engine.models.config_file import CONFIG_MAX
 from rigpilot.engine.planner.memory import fmt_gib
 from rigpilot.engine.planner.plan import Plan
-from rigpilot.engine.schema import ADAPTER_METHODS, Checkpointing, Precision
+from rigpilot.engine.schema import ADAPTER_METHODS, Checkpointing, MasterWeights, Precision
 from rigpilot.engine.service.protocol import check_dataclass
 
 KINDS = ("train", "infer", "script", "calibrate")
@@ -397,7 +397,8 @@ def would_run(sub: Submission) -> dict[str, Any]:
     }
     if spec.train:
         t = spec.train
-        out.update(method=t.method, precision=t.precision, micro_batch=t.micro_batch, grad_accum=t.grad_accum,
+        out.update(method=t.method, precision=t.precision, master_weights=t.master_weights,
+                   micro_batch=t.micro_batch, grad_accum=t.grad_accum,
                    seq_len=t.seq_len, max_steps=t.max_steps, activation_checkpointing=t.activation_checkpointing)  # fmt: skip
     elif spec.infer:
         out.update(method="full", precision=spec.infer.precision, micro_batch=spec.infer.batch_size, grad_accum=1,
@@ -752,6 +753,8 @@ def apply_plan_training(spec: JobSpec, plan: Plan) -> tuple[dict[str, Any], list
         t.seq_len = taken["seq_len"] = workload.seq_len
     if workload.precision in Precision.__members__.values():
         t.precision = taken["precision"] = workload.precision
+    if workload.master_weights in MasterWeights.__members__.values():
+        t.master_weights = taken["master_weights"] = workload.master_weights
     return taken, notes
 
 

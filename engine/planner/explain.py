@@ -35,6 +35,8 @@ def task_text(w: Workload) -> str:
         bits = {16: w.precision, 8: "int8", 4: "4-bit NF4"}[w.weight_bits]
         return f"inference in {bits}"
     prec = "fp32" if w.precision == "fp32" else f"{w.precision} mixed precision"
+    if w.master_weights == "bf16" and w.precision == "bf16":
+        prec = "bf16 with bf16 master weights"
     if w.method == "full":
         return f"full fine-tuning in {prec}"
     lora = w.lora

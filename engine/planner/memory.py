@@ -678,6 +678,9 @@ class MemoryModel:
         self.dtype, self.pure = parse_precision(w.precision)
         self.c = dtype_bytes(self.dtype)
         self.mixed = self.dtype != "fp32"
+        # bf16 master weights: trainable weights, their gradients and AdamW's moments are 2 bytes, not 4.
+        self.half_master = self.mixed and w.training and w.master_weights == "bf16"
+        self.master = 2 if self.half_master else 4
         if w.training:
             lora = w.lora or LoraSettings()
             self.tr = _trainable(m, w.method, lora.rank, lora.targets if w.method != "full" else None)
@@ -687,13 +690,14 @@ class MemoryModel:
             self.tr = Trainable(True, frozenset(), 0)
             self.lora_per_layer = 0.0
             self.double_quant = True
-        self.state_bytes = optimizer_state_bytes(w.optimizer, 4) if w.training else 0.0
+        self.state_bytes = optimizer_state_bytes(w.optimizer, self.master) if w.training else 0.0
         self._layers: dict[tuple[bool, str], LayerActivations] = {}
         self._edges: dict[tuple[bool, str], EdgeActivations] = {}
 
     # -- formulas, cached ------------------------------------------------------------------------------
     def regime(self, backend: str) -> Regime:
-        return training_regime(self.w.method, self.w.precision, half_weights=backend in ("fsdp", "deepspeed"))
+        half = backend in ("fsdp", "deepspeed") or self.half_master
+        return training_regime(self.w.method, self.w.precision, half_weights=half)
 
     def layer(self, backend: str, checkpointing: str) -> LayerActivations:
         key = (backend in ("fsdp", "deepspeed"), checkpointing)
@@ -763,17 +767,17 @@ class MemoryModel:
                 host += weights
                 weights = 0.0
         elif par.backend == "fsdp":
-            weights = (trainable * 4 + frozen) / z  # FSDP2 shards the fp32 parameters; bf16 copies are gathered
-            grads = trainable * 4 / z
+            weights = (trainable * self.master + frozen) / z  # FSDP2 shards the master parameters, gathers bf16
+            grads = trainable * self.master / z
             opt = trainable * state / z
             if par.offload:
                 # CPUOffloadPolicy: the sharded parameters, their gradients and the optimizer state all live in
                 # pinned host memory, and the optimizer steps there; nothing of them stays on the GPU.
                 host += weights + grads + opt
                 weights = grads = opt = 0.0
-        else:  # ddp / single: torch autocast over fp32 weights
-            weights = trainable * 4 + frozen
-            grads = trainable * 4
+        else:  # ddp / single: torch autocast over fp32 weights (or bf16 master weights, no cast)
+            weights = trainable * self.master + frozen
+            grads = trainable * self.master
             opt = trainable * state
 
         # Communication and gathering buffers.

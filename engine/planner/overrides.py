@@ -20,6 +20,7 @@ DECLARED: dict[str, Setting] = {
     "seq_len": TRAIN_SETTINGS["seq_len"],
     "lora_rank": TRAIN_SETTINGS["lora_rank"],
     "lora_alpha": TRAIN_SETTINGS["lora_alpha"],
+    "master_weights": TRAIN_SETTINGS["master_weights"],
     "global_batch": INFER_SETTINGS["batch_size"],
     "new_tokens": INFER_SETTINGS["max_new_tokens"],
 }
@@ -44,10 +45,11 @@ class Overrides:
     pp_schedule: str | None = None  # "1f1b" | "gpipe", as the planner writes it
     sequence_parallel: bool | None = None
     cpu_offload: bool | None = None  # FSDP2 with parameters, gradients and optimizer state in host RAM
+    master_weights: str | None = None  # training: "fp32" or "bf16" (the job's setting)
 
     def check(self) -> None:
-        """Refuse (UserError, reason out_of_range) a changed number its setting does not allow; choices and
-        layouts are the re-check's own (engine.planner.recheck)."""
+        """Refuse (UserError, reason out_of_range or not_a_choice) a changed value its setting does not allow;
+        checkpointing and layouts are the re-check's own (engine.planner.recheck)."""
         for name, decl in DECLARED.items():
             decl.check(getattr(self, name))
 

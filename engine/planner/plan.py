@@ -49,6 +49,7 @@ class Workload:
     task: str = "train"
     method: str = "full"
     precision: str = "bf16"  # training: mixed precision with that dtype; inference: the weights' dtype
+    master_weights: str = "fp32"  # training: "bf16" holds weights, gradients and AdamW's state in bf16 (the job's)
     seq_len: int = 2048
     global_batch: int = 16  # training: sequences per optimizer step; inference: sequences in flight
     optimizer: str = "adamw"

@@ -17,6 +17,7 @@ from typing import Any
 
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.machine import Machine
+from rigpilot.engine.jobspec.spec import TRAIN_SETTINGS
 from rigpilot.engine.models import ModelSpec
 from rigpilot.engine.planner.links import Topology
 from rigpilot.engine.planner.memory import MemoryModel, plan_memory
@@ -94,6 +95,11 @@ class PlanChecker:
                                             alpha=o.lora_alpha or w.lora.alpha, targets=targets),
             )  # fmt: skip
         if w.training:
+            if o.master_weights is not None:
+                w = dataclasses.replace(w, master_weights=o.master_weights)
+                conflict = TRAIN_SETTINGS["master_weights"].conflict(w)
+                if conflict is not None:
+                    raise conflict
             accum = o.grad_accum or max(1, math.ceil(w0.global_batch / (dp * micro)))
             return dataclasses.replace(w, global_batch=dp * micro * accum)
         w = dataclasses.replace(

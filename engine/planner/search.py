@@ -109,6 +109,11 @@ def validate_workload(w: Workload, spec: ModelSpec) -> None:
         raise UserError(f"weights can be 16, 8 or 4 bits, not {w.weight_bits}")
     if w.training and w.weight_bits != 16:
         raise UserError("--quant applies to inference; to train on 4-bit weights use --method qlora")
+    if w.training:  # the job's own declaration and its requirement (bf16 master weights need bf16 compute)
+        TRAIN_SETTINGS["master_weights"].check(w.master_weights)
+        conflict = TRAIN_SETTINGS["master_weights"].conflict(w)
+        if conflict is not None:
+            raise conflict
     if w.method == "qlora" and w.precision == "fp32":
         raise UserError("QLoRA computes in bf16 or fp16; use --dtype bf16")
     # Finite bounds far past any real run: the search enumerates divisors of the batch, so an absurd
