@@ -92,7 +92,7 @@ def test_a_sentence_is_the_command_lines_words_and_carries_what_it_names() -> No
         (Ref("batch", 4), "--batch 4", "Batch 4"),
         (Ref("nodes", 2), "--nodes 2", "Nodes 2"),
         (Ref("internode"), "--internode", "Link between nodes"),
-        (Ref("export", "torchrun"), "--export torchrun", "Export “torchrun”"),
+        (Ref("export", "deepspeed"), "--export deepspeed", "Export “DeepSpeed”"),
         (Ref("new_tokens"), "--new-tokens", "New tokens"),
         (Ref("tokens"), "--tokens", "Train on"),
     ],
@@ -230,3 +230,18 @@ def test_no_sentence_the_app_shows_names_a_flag(profile: str) -> None:
         lines = d["explanation"]
         assert [worded(t, x, PLAN_SETTINGS, Style.CLI) for t, x in zip(lines, d["explanation_terms"], strict=True)] == lines
     assert flagged, f"the sweep on {profile} never named a setting: it tests nothing"
+
+
+def test_each_setting_the_planner_names_is_the_plan_option_of_its_flag() -> None:
+    """The flag a sentence shows is the `rigpilot plan` option that sets it, read into the setting's name."""
+    import argparse
+
+    from rigpilot.engine.cli.entry import build_parser
+
+    plan = next(a.choices["plan"] for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    by_flag = {f: a for a in plan._actions for f in a.option_strings}  # a test may read argparse's insides
+    for name, s in PLAN_SETTINGS.items():
+        for flag in s.flags:
+            assert flag in by_flag and by_flag[flag].dest == name, f"{flag} does not set {name} in `rigpilot plan`"
+        if s.choices is not None and by_flag[s.flags[0]].choices is not None:
+            assert tuple(by_flag[s.flags[0]].choices) == s.choices

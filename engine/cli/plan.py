@@ -25,7 +25,7 @@ from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import MISSING, PathRefused, check_given_path, shown
 from rigpilot.engine.planner.calibration import MachineCalibration, apply_stored
 from rigpilot.engine.planner.calibration import apply as apply_calibration
-from rigpilot.engine.planner.cluster import DEFAULT_LINK, MAX_NODES, NODE_LINKS, check_nodes, node_link
+from rigpilot.engine.planner.cluster import DEFAULT_LINK, NODE_LINKS, check_nodes, node_link
 from rigpilot.engine.planner.export import export_best
 from rigpilot.engine.planner.memory import fmt_gib
 from rigpilot.engine.planner.plan import LoraSettings, Plan, Workload
@@ -108,9 +108,10 @@ def parse_gpus(text: str | None) -> list[int] | None:
 
 def parse_nodes(text: str | int) -> int:
     try:
-        return check_nodes(int(str(text).strip()))
+        value: Any = int(str(text).strip())
     except ValueError:
-        raise UserError(f"--nodes must be a whole number from 1 to {MAX_NODES} (got {str(text)[:40]!r})") from None
+        value = text  # not a number: check_nodes refuses it in the planner's sentence
+    return check_nodes(value)
 
 
 def load_node_machine(text: str) -> Any:
@@ -153,11 +154,8 @@ def load_node_machine(text: str) -> Any:
 
 def workload_from_args(args: argparse.Namespace, context: int | None) -> Workload:
     task = args.task
-    if task == "infer" and args.method not in (None, "full"):
-        raise UserError(f"--method {args.method} is a way to train; for quantized inference use --quant int8 or --quant 4bit")
+    # A method for inference, or --quant for training, is refused by the planner's check (validate_workload).
     bits = QUANT_BITS[args.quant or P["quant"].default]
-    if task == "train" and bits != 16:
-        raise UserError("--quant applies to inference; to train on 4-bit weights use --method qlora")
     method = args.method or "full"
     seq = args.seq_len if args.seq_len is not None else min(DEFAULT_SEQ, context or DEFAULT_SEQ)
     batch = args.batch if args.batch is not None else (DEFAULT_TRAIN_BATCH if task == "train" else 1)

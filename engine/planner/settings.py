@@ -102,7 +102,12 @@ class PlanSettings:
         help="The link between nodes: a named network or a measured bandwidth in GB/s.",
     )
     export: str | None = setting(
-        None, flags="--export", choices=EXPORTS, label="Export", help="Print the best plan as a launcher config."
+        None,
+        flags="--export",
+        choices=EXPORTS,
+        label="Export",
+        help="Print the best plan as a launcher config.",
+        choice_words={"torchrun": "torchrun", "accelerate": "Accelerate", "deepspeed": "DeepSpeed", "slurm": "SLURM"},
     )
 
 
