@@ -559,6 +559,17 @@ def test_the_settings_the_planner_names_are_the_pages_controls_by_their_labels(q
     assert planner_text("use --seq 512", None) == "use --seq 512"
 
 
+def test_a_refusal_names_the_control_to_change_not_the_flag(qtbot):
+    """The engine's refusal carries its terms (fields.terms) through the error reply; the page words them."""
+    page, _ = open_page(qtbot, "4x-rtx4090")
+    page.method.setCurrentIndex(page.method.findData("qlora"))
+    page.precision.setCurrentIndex(page.precision.findData("fp32"))
+    page.picker.set_model(PRESET_7B, chosen=False)
+    with qtbot.waitSignal(page.sig_plan_failed, timeout=20000) as failed:
+        page.plan_button.click()
+    assert failed.args[0] == "QLoRA computes in bf16 or fp16; use Precision “bf16”"
+
+
 def test_train_on_says_what_not_set_means(qtbot):
     page, _ = open_page(qtbot, "8x-h100-sxm")
     assert page.tokens.value() == 0 and page.tokens.text() == "not set: no time to finish"
