@@ -338,12 +338,13 @@ def searcher(spec: Any, workload: Any, options: Any = None) -> Any:
     this machine, not that one) and untraced; a refusal (a GPU without the workload's dtype) becomes the reason."""
     from rigpilot.engine.errors import UserError
     from rigpilot.engine.planner.search import search
+    from rigpilot.engine.planner.settings import sentence_of
 
     def plan_for(machine: Any) -> tuple[Plan | None, str]:
         try:
             found = search(spec, machine, workload, options=options)
         except UserError as e:
-            return None, str(e)
+            return None, sentence_of(e)  # its terms too, for the row's why_terms
         return found.best, "" if found.best else "nothing fits"
 
     return plan_for

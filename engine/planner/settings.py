@@ -141,6 +141,15 @@ def refusal(template: str, /, reason: str = GENERIC, fields: dict[str, Any] | No
     return UserError(str(said), reason=reason, **(fields or {}), terms=said.terms())
 
 
+def sentence_of(e: UserError) -> str:
+    """A refusal's sentence, as the `Words` it was made from where it names settings (its `terms` field)."""
+    terms = e.fields.get("terms")
+    if not isinstance(terms, dict) or not isinstance(terms.get("refs"), dict):
+        return str(e)
+    refs = {slot: Ref(r["setting"], r.get("value")) for slot, r in terms["refs"].items()}
+    return Words(str(e), str(terms.get("template", str(e))), refs)
+
+
 def ref(setting_name: str, value: Any = None) -> Ref:
     """A PLAN_SETTINGS setting named in a sentence (checked here, so a misspelt name fails where it is written)."""
     if setting_name not in PLAN_SETTINGS:
