@@ -15,8 +15,6 @@ from typing import Any
 from rigpilot.engine.errors import GENERIC, UserError
 from rigpilot.engine.jobspec.spec import JOB_SETTINGS, TRAIN_SETTINGS
 from rigpilot.engine.schema import Choice, Range, Ref, Setting, TrainMethod, Words, declared, setting, words
-from rigpilot.engine.schema import Style as Style
-from rigpilot.engine.schema import worded as worded
 
 OFFLOAD_CHOICES = ("auto", "on", "off")  # SearchOptions.offload
 EXPORTS = ("torchrun", "accelerate", "deepspeed", "slurm")  # what a plan exports to (engine.planner.export)
