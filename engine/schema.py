@@ -19,7 +19,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-from collections.abc import Callable, Iterator
+import re
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, get_type_hints
@@ -153,6 +154,7 @@ class Setting:
     default_words: str | None = None  # how the help names the default where its value alone would not say
     zero_words: str | None = None  # what 0 means where it means something else ("never", "all")
     parse: Callable[[str], Any] | None = None  # the command line's reading of a value of its own form
+    choice_words: tuple[tuple[str, str], ...] = ()  # the app's words for a choice ("qlora": "QLoRA (4-bit base)")
     key: str = ""  # "train.micro_batch", "max_restarts"
     default: Any = None
     type: Any = None  # the field's annotation
@@ -177,6 +179,10 @@ class Setting:
     @property
     def choices(self) -> tuple[str, ...] | None:
         return self.bound.options if isinstance(self.bound, Choice) else None
+
+    def choice_word(self, value: Any) -> str:
+        """The app's words for one of its choices (the value itself where none are declared)."""
+        return dict(self.choice_words).get(str(value), str(value))
 
     def problem(self, value: Any) -> str | None:
         """The socket's check of a request argument that is this setting (engine.service.protocol)."""
@@ -231,8 +237,8 @@ def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = datacl
             label: str, help: str, flags: tuple[str, ...] | str = (), range: Range | None = None,
             choices: type[StrEnum] | tuple[str, ...] | None = None, unit: str = "", metavar: str | None = None,
             default_words: str | None = None, zero_words: str | None = None,
-            parse: Callable[[str], Any] | None = None,
-            requires: dict[str, dict[str, str]] | None = None) -> Any:  # fmt: skip
+            parse: Callable[[str], Any] | None = None, requires: dict[str, dict[str, str]] | None = None,
+            choice_words: Mapping[str, str] | None = None) -> Any:  # fmt: skip
     """A dataclass field declared as a setting (see `Setting`): the one place its facts are written."""
     bound: Range | Choice | None = range
     if isinstance(default, StrEnum):
@@ -242,7 +248,8 @@ def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = datacl
     decl = Setting(label=label, help=help, flags=(flags,) if isinstance(flags, str) else tuple(flags), bound=bound,
                    unit=unit, metavar=metavar, default_words=default_words, zero_words=zero_words, parse=parse,
                    requires=tuple((str(v), tuple((k, str(w)) for k, w in needs.items()))
-                                  for v, needs in (requires or {}).items()))  # fmt: skip
+                                  for v, needs in (requires or {}).items()),
+                   choice_words=tuple((str(k), v) for k, v in (choice_words or {}).items()))  # fmt: skip
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata={"setting": decl})
     return dataclasses.field(default=default, metadata={"setting": decl})
@@ -399,3 +406,135 @@ def check_group(values: Any, settings: dict[str, Setting]) -> None:
 def iter_settings(*groups: dict[str, Setting]) -> Iterator[Setting]:
     for group in groups:
         yield from group.values()
+
+
+# -- sentences that name settings ------------------------------------------------------------------------
+# The planner's advice ("use sequences of 1024 tokens (--seq 1024)") names settings. It is written once, as a
+# template with a slot per setting, and each client words the settings its own way from their declarations:
+# the command line by flag, the app by the label of the control that sets it. Nobody rewrites the sentence.
+
+
+class Style(StrEnum):
+    """How a sentence names a setting."""
+
+    CLI = "cli"  # its flag and value: "--seq 4096"
+    APP = "app"  # its control's label and value: "Sequence length 4096"
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A setting a sentence names, by its name among the settings the sentence is worded from, with the value
+    the sentence gives it (None: the setting itself, "--seq" or "Sequence length")."""
+
+    setting: str
+    value: Any = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"setting": self.setting, "value": self.value}
+
+
+_SLOT = re.compile(r"\{(\w+)\}")
+
+
+class Words(str):
+    """A sentence that names settings. As a str it is the command line's wording ("use --seq 1024");
+    `template` and `refs` are what it is made of ("use {seq}", {"seq": Ref("seq_len", 1024)}), for a client
+    that names settings its own way (`worded`). Made by `words`."""
+
+    template: str
+    refs: dict[str, Ref]
+
+    def __new__(cls, text: str, template: str, refs: Mapping[str, Ref]) -> Words:
+        self = super().__new__(cls, text)
+        self.template = template
+        self.refs = dict(refs)
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:  # copy and deepcopy (dataclasses.asdict) keep the parts
+        return (Words, (str(self), self.template, self.refs))
+
+    def terms(self) -> dict[str, Any]:
+        """The JSON form: {"template": "use {seq}", "refs": {"seq": {"setting": "seq_len", "value": 1024}}}."""
+        return {"template": self.template, "refs": {k: r.to_dict() for k, r in self.refs.items()}}
+
+
+def terms_of(text: str) -> dict[str, Any]:
+    """The JSON form of any sentence: a plain one is a template that names no setting."""
+    return text.terms() if isinstance(text, Words) else {"template": text, "refs": {}}
+
+
+class _Slot:
+    """A setting's slot, left in the template whatever format spec the template gives it."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __format__(self, spec: str) -> str:
+        return "{" + self.name + "}"
+
+
+def words(settings: Mapping[str, Setting], template: str, /, **slots: Any) -> Words:
+    """`template` (str.format syntax) filled from `slots`: a `Ref` names one of `settings`, a `Words` is a
+    sentence within this one (the settings it names stay named), anything else is plain text. The str of the
+    result names the settings by flag; every setting named needs one."""
+    refs: dict[str, Ref] = {name: v for name, v in slots.items() if isinstance(v, Ref)}
+    filled: dict[str, Any] = {}
+    for name, v in slots.items():
+        if isinstance(v, Ref):
+            filled[name] = _Slot(name)
+        elif isinstance(v, Words):
+            renamed: dict[str, str] = {}
+            for slot, ref in v.refs.items():
+                new, n = slot, 2
+                while new in refs:
+                    new, n = f"{slot}{n}", n + 1
+                renamed[slot], refs[new] = new, ref
+            filled[name] = _renamed(v.template, renamed)
+        else:
+            filled[name] = v
+    filled_template = template.format_map(filled)
+    return Words(_render(filled_template, refs, settings, Style.CLI), filled_template, refs)
+
+
+def _renamed(template: str, names: Mapping[str, str]) -> str:
+    return _SLOT.sub(lambda m: "{" + names.get(m[1], m[1]) + "}", template)
+
+
+def named(s: Setting, value: Any, style: Style) -> str:
+    """Setting `s` with `value` (None: the setting itself) as a sentence in `style` names it."""
+    if style == Style.CLI:
+        if not s.flags:
+            raise ValueError(f"{s.key or s.label} has no command-line flag to name it by")
+        if value is None or _is_bool(s):
+            return s.flags[0]
+        said = flag_words(s, value)
+        return " ".join(said) if said else f"{s.flags[0]} {value}"
+    if _is_bool(s):
+        return f"“{s.label}”"  # a check box, named by its text
+    if value is None:
+        return s.label
+    if s.choices is not None or s.choice_words:
+        return f"{s.label} “{s.choice_word(value)}”"
+    if isinstance(value, list):
+        return f"{s.label} {', '.join(map(str, value))}"
+    return f"{s.label} {value:g}" if isinstance(value, float) else f"{s.label} {value}"
+
+
+def _render(template: str, refs: Mapping[str, Ref], settings: Mapping[str, Setting], style: Style) -> str:
+    def one(m: re.Match[str]) -> str:
+        ref = refs.get(m[1])
+        return m[0] if ref is None else named(settings[ref.setting], ref.value, style)
+
+    return _SLOT.sub(one, template)
+
+
+def worded(text: str, terms: Any, settings: Mapping[str, Setting], style: Style = Style.APP) -> str:
+    """A sentence in `style`, from its `terms` (`Words.terms`' JSON form); `text`, its command-line wording,
+    where there are none or they name a setting `settings` lacks (a reply from an older or newer engine)."""
+    if not isinstance(terms, Mapping) or not isinstance(terms.get("template"), str):
+        return text
+    try:
+        refs = {slot: Ref(str(r["setting"]), r.get("value")) for slot, r in (terms.get("refs") or {}).items()}
+        return _render(terms["template"], refs, settings, style)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return text

@@ -49,7 +49,9 @@ def test_the_comparison_arithmetic_with_and_without_an_electricity_price(setting
     # Rented: 8 GPUs × 2.5 USD per GPU-hour for as long as its own plan takes.
     assert h100["fits"] and h100["tokens_per_s"] > here["tokens_per_s"]
     assert h100["cost"] == pytest.approx(8 * 2.5 * 1e9 / h100["tokens_per_s"] / 3600) and h100["currency"] == "USD"
-    assert not v100["fits"] and "bf16" in v100["why"]
+    assert not v100["fits"] and v100["why"].endswith("has no bf16 support; use --dtype fp16")
+    # The app names the control: the refusal's terms came along (docs/cli-json.md).
+    assert v100["why_terms"]["refs"] == {"fp16": {"setting": "precision", "value": "fp16"}}
 
     settings(rented_machines=[H100]).save()
     rc, out, _ = plan(capsys, "--tokens", "1e9", "--compare-rented")

@@ -10,6 +10,7 @@ import pytest
 from test_service_engine import Engine, engine_home, leftover_job_processes, raw_exchange
 
 from rigpilot.app.engine_link import CONNECTED, EngineLink
+from rigpilot.app.planner.model import error_text
 from rigpilot.app.planner.page import PlannerPage
 from rigpilot.app.wizard.state import EXAMPLES, TINY_MODEL
 from rigpilot.engine import paths
@@ -86,6 +87,18 @@ def test_the_client_raises_the_reason_and_fields(engine):
         c.request("plan", model=TINY, workload={"task": "train", "seq_len": 300})
     e = refused.value
     assert (e.code, e.reason, e.fields) == ("user_error", "seq_too_long", {"setting": "seq_len", "value": 300, "limit": 256})
+
+
+def test_a_planner_refusal_that_names_settings_carries_its_terms_to_the_client(engine):
+    """The sentence names settings by flag for the CLI; its terms let the app name its controls instead."""
+    with engine.client() as c, pytest.raises(EngineError) as refused:
+        c.request("plan", model=TINY, workload={"task": "infer", "method": "qlora"})
+    e = refused.value
+    assert str(e) == "--method qlora is a way to train; for quantized inference use --quant int8 or --quant 4bit"
+    assert e.reason == "method_is_for_training" and e.fields["terms"]["refs"]["method"] == {
+        "setting": "method", "value": "qlora"}
+    assert error_text(e) == ("Method “QLoRA (4-bit base)” is a way to train; for quantized inference use "
+                             "Weights “8-bit (LLM.int8)” or Weights “4-bit (NF4)”")  # fmt: skip
 
 
 # -- the GUI's fix, through a real engine -------------------------------------------------------------------------

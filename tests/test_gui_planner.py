@@ -16,7 +16,7 @@ from gui_fakes import (
     tab_through,
 )
 from PySide6.QtCore import QPointF, QSettings, Qt
-from PySide6.QtWidgets import QFileDialog
+from PySide6.QtWidgets import QFileDialog, QFormLayout
 
 from rigpilot.app.planner import hub_search
 from rigpilot.app.planner.exports import EXPORT_TARGETS, plan_sidecar
@@ -25,7 +25,7 @@ from rigpilot.app.planner.model import (
     GIB,
     MEMORY_PARTS,
     PlanRequest,
-    gui_words,
+    planner_text,
     plans_of,
     summary_lines,
 )
@@ -34,6 +34,7 @@ from rigpilot.app.topology.imported import ImportedMachines
 from rigpilot.engine.hardware.importers import import_machine
 from rigpilot.engine.hardware.simulated import list_profiles
 from rigpilot.engine.planner.plan import Plan
+from rigpilot.engine.planner.settings import PLAN_SETTINGS
 from rigpilot.engine.service.client import EngineError
 
 PROFILES = [p["id"] for p in list_profiles()]
@@ -539,16 +540,34 @@ def test_every_suggestion_has_a_control_and_is_worded_for_it(qtbot):
     assert not [line for line in result["explanation"] if "tensor parallelism was left out" in line]
 
 
-def test_gui_words_cover_every_flag_the_planner_names():
-    cases = {
-        "use all 4 GPUs (--gpus 0,1,2,3)": "use all 4 GPUs (GPUs 0, 1, 2, 3)",
-        "the weights in 4 bits (--quant 4bit)": "the weights in 4 bits (Weights “4-bit (NF4)”)",
-        "sequences of 1024 tokens (--seq 1024)": "sequences of 1024 tokens (Sequence length 1024)",
-        "QLoRA computes in bf16 or fp16; use --dtype bf16": "QLoRA computes in bf16 or fp16; use Precision “bf16”",
-        "(--force-tp allows it)": f"(“{FORCE_TP_TEXT}” allows it)",
-        "CPU offload (--offload off)": "CPU offload (CPU offload “Off: never”)",
-    }
-    assert {text: gui_words(text) for text in cases} == cases
+def test_the_settings_the_planner_names_are_the_pages_controls_by_their_labels(qtbot):
+    """The app words the planner's sentences with each setting's declared label: each is a control here."""
+    page, _ = open_page(qtbot, "4x-rtx4090")
+    rows = [page.workload_form, page.nodes_form]
+    labels = {form.itemAt(r, QFormLayout.ItemRole.LabelRole).widget().text()
+              for form in rows for r in range(form.rowCount())
+              if form.itemAt(r, QFormLayout.ItemRole.LabelRole) is not None}  # fmt: skip
+    for name in ("seq_len", "batch", "method", "quant", "precision", "offload", "lora_rank", "new_tokens", "tokens",
+                 "nodes", "internode"):  # fmt: skip
+        label = PLAN_SETTINGS[name].label  # "Batch" reads "Batch (sequences per step)" while training
+        assert any(t == label or t.startswith(f"{label} (") for t in labels), f"no control here is labelled {label}"
+    assert page.force_tp.text() == PLAN_SETTINGS["force_tp"].label
+    for box, name in ((page.method, "method"), (page.offload, "offload")):
+        words = {box.itemText(i) for i in range(box.count())}
+        assert {PLAN_SETTINGS[name].choice_word(box.itemData(i)) for i in range(box.count())} == words
+    # An older engine's sentence, without terms, is shown as it came.
+    assert planner_text("use --seq 512", None) == "use --seq 512"
+
+
+def test_a_refusal_names_the_control_to_change_not_the_flag(qtbot):
+    """The engine's refusal carries its terms (fields.terms) through the error reply; the page words them."""
+    page, _ = open_page(qtbot, "4x-rtx4090")
+    page.method.setCurrentIndex(page.method.findData("qlora"))
+    page.precision.setCurrentIndex(page.precision.findData("fp32"))
+    page.picker.set_model(PRESET_7B, chosen=False)
+    with qtbot.waitSignal(page.sig_plan_failed, timeout=20000) as failed:
+        page.plan_button.click()
+    assert failed.args[0] == "QLoRA computes in bf16 or fp16; use Precision “bf16”"
 
 
 def test_train_on_says_what_not_set_means(qtbot):

@@ -210,7 +210,10 @@ def test_validation_errors():
     with pytest.raises(UserError) as out_of_range:
         search(LLAMA_7B, machine, train(global_batch=0))
     assert out_of_range.value.reason == "out_of_range"
-    assert out_of_range.value.fields == {"setting": "global_batch", "value": 0, "min": 1, "max": MAX_BATCH}
+    facts = {k: v for k, v in out_of_range.value.fields.items() if k != "terms"}
+    assert facts == {"setting": "global_batch", "value": 0, "min": 1, "max": MAX_BATCH}
+    # The sentence names the setting, not its flag: each client words it (engine.schema.worded).
+    assert out_of_range.value.fields["terms"]["refs"] == {"batch": {"setting": "batch", "value": None}}
     with pytest.raises(UserError) as unknown:
         search(LLAMA_7B, machine, train(precision="int3"))
     assert (unknown.value.reason, unknown.value.fields["setting"], unknown.value.fields["value"]) == (

@@ -15,6 +15,7 @@ from typing import Any
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.planner.export import export
 from rigpilot.engine.planner.plan import Plan
+from rigpilot.engine.planner.settings import PLAN_SETTINGS
 
 
 @dataclass(frozen=True)
@@ -25,11 +26,13 @@ class ExportTarget:
     file_filter: str
 
 
+_EXPORT = PLAN_SETTINGS["export"]  # the buttons read as the planner's advice names them ("use Export “torchrun”")
 EXPORT_TARGETS: list[ExportTarget] = [
-    ExportTarget("torchrun", "torchrun", "launch.sh", "Shell script (*.sh);;All files (*)"),
-    ExportTarget("accelerate", "Accelerate", "accelerate_config.yaml", "YAML (*.yaml *.yml);;All files (*)"),
-    ExportTarget("deepspeed", "DeepSpeed", "ds_config.json", "JSON (*.json);;All files (*)"),
-    ExportTarget("slurm", "SLURM", "job.slurm", "SLURM batch script (*.slurm *.sh);;All files (*)"),
+    ExportTarget("torchrun", _EXPORT.choice_word("torchrun"), "launch.sh", "Shell script (*.sh);;All files (*)"),
+    ExportTarget("accelerate", _EXPORT.choice_word("accelerate"), "accelerate_config.yaml",
+                 "YAML (*.yaml *.yml);;All files (*)"),
+    ExportTarget("deepspeed", _EXPORT.choice_word("deepspeed"), "ds_config.json", "JSON (*.json);;All files (*)"),
+    ExportTarget("slurm", _EXPORT.choice_word("slurm"), "job.slurm", "SLURM batch script (*.slurm *.sh);;All files (*)"),
     ExportTarget("json", "JSON", "plan.json", "JSON (*.json);;All files (*)"),
 ]
 TARGETS = {t.key: t for t in EXPORT_TARGETS}

@@ -8,8 +8,6 @@ from the engine's `plan` request.
 from __future__ import annotations
 
 import dataclasses
-import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +16,8 @@ from rigpilot.engine.errors import UserError
 from rigpilot.engine.planner.cluster import DEFAULT_LINK, MAX_NODES, NODE_LINKS
 from rigpilot.engine.planner.durations import duration_text
 from rigpilot.engine.planner.plan import LoraSettings, Plan
-from rigpilot.engine.schema import Precision, TrainMethod
+from rigpilot.engine.planner.settings import OFFLOAD_CHOICES, PLAN_SETTINGS, QUANT_BITS
+from rigpilot.engine.schema import Precision, Style, TrainMethod, worded
 
 GIB = 1024**3
 
@@ -34,13 +33,14 @@ MEMORY_PARTS: list[tuple[str, str]] = [
 ]
 
 TASKS = [("train", "Training"), ("infer", "Inference")]
-# The values are engine.schema's; the words and the order (most used first) are the Planner page's.
-METHODS = [(TrainMethod.FULL.value, "Full fine-tune"), (TrainMethod.LORA.value, "LoRA"),
-           (TrainMethod.QLORA.value, "QLoRA (4-bit base)")]  # fmt: skip
+# The values and their words are the settings' declarations (engine.planner.settings), so the planner's
+# advice names these controls as they read; the order (most used first) is the Planner page's.
+_P = PLAN_SETTINGS
+METHODS = [(m.value, _P["method"].choice_word(m)) for m in (TrainMethod.FULL, TrainMethod.LORA, TrainMethod.QLORA)]
 PRECISIONS = [(p.value, p.value) for p in (Precision.BF16, Precision.FP16, Precision.FP32)]
-QUANTIZATION = [(16, "16-bit (the dtype)"), (8, "8-bit (LLM.int8)"), (4, "4-bit (NF4)")]
-OFFLOAD = [("auto", "Auto: only where nothing else fits"), ("on", "On: always"), ("off", "Off: never")]
-FORCE_TP_TEXT = "Allow tensor parallelism over slow links"
+QUANTIZATION = [(bits, _P["quant"].choice_word(q)) for q, bits in QUANT_BITS.items()]
+OFFLOAD = [(o, _P["offload"].choice_word(o)) for o in OFFLOAD_CHOICES]
+FORCE_TP_TEXT = _P["force_tp"].label
 # The links between nodes the planner knows (engine.planner.cluster.NODE_LINKS), fastest last.
 NODE_LINK_CHOICES = [(key, link.label) for key, link in NODE_LINKS.items()]
 NODES_MAX = MAX_NODES
@@ -107,39 +107,30 @@ class PlanRequest:
         return out
 
 
-# -- the planner's words, with the Planner page's controls for its command-line flags ---------------------------
+# -- the planner's words, with the Planner page's controls for the settings it names ---------------------------
 
 
-def _label(items: list[tuple[Any, str]], value: Any) -> str:
-    return next((text for v, text in items if str(v) == str(value)), str(value))
+def planner_text(text: str, terms: Any) -> str:
+    """A sentence of the planner's (a line of the explanation, a rejection's reason, a suggestion's change, a
+    refusal) naming each setting by the control that sets it, from its `terms` (engine.schema.Words' JSON form);
+    `text`, the command line's wording, where an older engine sent none."""
+    return worded(str(text), terms, PLAN_SETTINGS, Style.APP)
 
 
-_QUANT_BITS = {"int8": 8, "4bit": 4, "none": 16}
-# The planner words its advice for `rigpilot plan`; on this page each flag is the control that does the same.
-_FLAG_WORDS: list[tuple[re.Pattern[str], Callable[[re.Match[str]], str]]] = [
-    (re.compile(r"--force-tp\b"), lambda m: f"“{FORCE_TP_TEXT}”"),
-    (re.compile(r"--method (full|lora|qlora)\b"), lambda m: f"Method “{_label(METHODS, m[1])}”"),
-    (re.compile(r"--quant (int8|4bit|none)\b"), lambda m: f"Weights “{_label(QUANTIZATION, _QUANT_BITS[m[1]])}”"),
-    (re.compile(r"--dtype (bf16|fp16|fp32)\b"), lambda m: f"Precision “{m[1]}”"),
-    (re.compile(r"--offload (auto|on|off)\b"), lambda m: f"CPU offload “{_label(OFFLOAD, m[1])}”"),
-    (re.compile(r"--batch (\d+)"), lambda m: f"Batch {m[1]}"),
-    (re.compile(r"--seq (\d+)"), lambda m: f"Sequence length {m[1]}"),
-    (re.compile(r"--gpus ([\d,]+\d)"), lambda m: "GPUs " + ", ".join(m[1].split(","))),
-    (re.compile(r"--new-tokens\b"), lambda m: "New tokens"),
-    (re.compile(r"--internode\b"), lambda m: "Link between nodes"),
-    (re.compile(r"--nodes (\d+)"), lambda m: f"Nodes {m[1]}"),
-    (re.compile(r"--nodes\b"), lambda m: "Nodes"),
-    (re.compile(r"--lora-rank\b"), lambda m: "LoRA rank"),
-    (re.compile(r"--tokens\b"), lambda m: "Train on"),
-    (re.compile(r"--method\b"), lambda m: "Method"),
-    (re.compile(r"--quant\b"), lambda m: "Weights"),
-    (re.compile(r"--dtype\b"), lambda m: "Precision"),
-    (re.compile(r"--offload\b"), lambda m: "CPU offload"),
-    (re.compile(r"--batch\b"), lambda m: "Batch"),
-    (re.compile(r"--seq\b"), lambda m: "Sequence length"),
-    (re.compile(r"--gpus\b"), lambda m: "GPUs"),
-    (re.compile(r"--export (\w+)"), lambda m: f"the {m[1]} export"),
-]
+def explanation_lines(result: dict[str, Any]) -> list[str]:
+    lines = [str(line) for line in result.get("explanation") or []]
+    terms = result.get("explanation_terms")
+    if not isinstance(terms, list) or len(terms) != len(lines):
+        terms = [None] * len(lines)
+    return [planner_text(line, t) for line, t in zip(lines, terms, strict=True)]
+
+
+def rejection_reason(rejection: dict[str, Any]) -> str:
+    return planner_text(rejection.get("reason", ""), rejection.get("reason_terms"))
+
+
+def change_text(suggestion: dict[str, Any]) -> str:
+    return planner_text(suggestion.get("change", ""), suggestion.get("change_terms"))
 
 
 SEQ_TOO_LONG = "seq_too_long"  # the refusal of a sequence longer than the model's context (its `limit`)
@@ -152,13 +143,6 @@ def context_to_fit(error: BaseException | None) -> int | None:
         return None
     limit = (getattr(error, "fields", None) or {}).get("limit")
     return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
-
-
-def gui_words(text: str) -> str:
-    """The planner's text with each `rigpilot plan` flag it names replaced by the Planner page control."""
-    for pattern, words in _FLAG_WORDS:
-        text = pattern.sub(words, text)
-    return text
 
 
 def gpu_label(m: dict[str, Any], memory: list[dict[str, Any]], *, short: bool = False) -> str:
@@ -285,6 +269,8 @@ def error_text(error: BaseException) -> str:
     text = str(error).strip()
     first = text.splitlines()[0] if text else ""
     if isinstance(error, UserError):
+        if first and "\n" not in text:  # a refusal that names settings: by their controls here
+            first = planner_text(first, (getattr(error, "fields", None) or {}).get("terms"))
         return first or type(error).__name__
     # Not the user's mistake: name the exception so a bug report says what broke.
     return f"{type(error).__name__}: {first}" if first else type(error).__name__

@@ -30,7 +30,6 @@ from rigpilot.app.planner.model import (
     PlanRequest,
     context_to_fit,
     error_text,
-    gui_words,
     plan_runs_here,
 )
 from rigpilot.app.planner.results_view import TABLE_COLUMNS, PlanResults
@@ -296,7 +295,7 @@ class PlannerPage(QWidget):
         self.plan_button.setEnabled(True)
         self.status.setText("")
         self.results.show_result(None)
-        self.results.show_message(gui_words(error_text(error)))
+        self.results.show_message(error_text(error))
         context = context_to_fit(error)
         if context is not None:
             self.results.offer_fix(f"Use {context} tokens (the model's context)", lambda: self._use_seq_len(context))

@@ -30,7 +30,14 @@ from PySide6.QtWidgets import (
 )
 
 from rigpilot.app.planner.memory_chart import MemoryChart
-from rigpilot.app.planner.model import gui_words, plan_rows, plans_of, summary_lines
+from rigpilot.app.planner.model import (
+    change_text,
+    explanation_lines,
+    plan_rows,
+    plans_of,
+    rejection_reason,
+    summary_lines,
+)
 from rigpilot.app.planner.rented_view import RentedTable
 from rigpilot.app.widgets.palette import BAD, GOOD
 from rigpilot.engine.planner.calibration import NOT_CALIBRATED
@@ -205,8 +212,8 @@ class PlanResults(QWidget):
     def show_result(self, result: dict[str, Any] | None) -> None:
         self.result = result
         rows = self._fill_table(result)
-        lines = (result or {}).get("explanation", [])
-        self.explanation.setPlainText("\n".join(f"• {gui_words(line)}" for line in lines))
+        lines = explanation_lines(result or {})
+        self.explanation.setPlainText("\n".join(f"• {line}" for line in lines))
         self._show_calibration(result)
         self._show_rejected((result or {}).get("rejected", []))
         self._show_suggestions((result or {}).get("suggestions", []))
@@ -255,7 +262,7 @@ class PlanResults(QWidget):
             need = rej.get("need_bytes")
             have = rej.get("have_bytes")
             needs = f"{need / 2**30:.1f} of {have / 2**30:.1f} GiB" if need and have else ""
-            for c, value in enumerate([rej.get("family", ""), gui_words(rej.get("reason", "")), needs]):
+            for c, value in enumerate([rej.get("family", ""), rejection_reason(rej), needs]):
                 item = QTableWidgetItem(value)
                 item.setToolTip(value)
                 self.rejected.setItem(r, c, item)
@@ -264,7 +271,7 @@ class PlanResults(QWidget):
     def _show_suggestions(self, suggestions: list[dict[str, Any]]) -> None:
         self.suggestions.clear()
         for s in suggestions:
-            item = QListWidgetItem(gui_words(s["change"]))
+            item = QListWidgetItem(change_text(s))
             item.setData(Qt.ItemDataRole.UserRole, s)
             self.suggestions.addItem(item)
         self.apply_button.setEnabled(False)
@@ -288,7 +295,7 @@ class PlanResults(QWidget):
         self.apply_button.setEnabled(applicable)
         if s:
             # Other hardware is for comparing and exporting; a job can only launch on this machine.
-            self.show_plan(s["plan"], heading=f"With this change ({gui_words(s['change'])}):", launch=applicable)
+            self.show_plan(s["plan"], heading=f"With this change ({change_text(s)}):", launch=applicable)
 
     def _apply_suggestion(self) -> None:
         s = self.current_suggestion()

@@ -26,9 +26,10 @@ from PySide6.QtWidgets import (
 
 from rigpilot.app.planner.memory_chart import MemoryChart
 from rigpilot.app.planner.model import (
+    change_text,
     context_to_fit,
     error_text,
-    gui_words,
+    explanation_lines,
     plan_runs_here,
     plans_of,
     summary_lines,
@@ -253,9 +254,9 @@ class PlanPage(StepPage):
         self.busy = False
         self.result = result
         self._fill_alternatives()
-        lines = [gui_words(line) for line in result.get("explanation") or []]  # controls, not CLI flags
+        lines = explanation_lines(result)  # the settings named by their controls, not by CLI flags
         if result.get("best") is None:
-            changes = [gui_words(s["change"]) for s in result.get("suggestions") or []]
+            changes = [change_text(s) for s in result.get("suggestions") or []]
             self.headline.setText("Nothing fits on the selected GPUs.")
             self.explanation.setPlainText("\n".join(f"• {line}" for line in lines))
             self.set_problem(
@@ -268,7 +269,7 @@ class PlanPage(StepPage):
     def _plan_failed(self, error: BaseException) -> None:
         self.busy = False
         self.result = None
-        self.set_problem(f"No plan: {gui_words(error_text(error))}")
+        self.set_problem(f"No plan: {error_text(error)}")
         context = context_to_fit(error)
         if context is not None:
             self.offer_fix(f"Use {context} tokens (the model's context)", lambda: self._use_context(context))

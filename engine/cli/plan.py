@@ -15,7 +15,6 @@ Exit status: 0 with a plan, 1 when nothing fits, 2 for bad input.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -24,20 +23,20 @@ from typing import Any
 from rigpilot.engine import schema
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import MISSING, PathRefused, check_given_path, shown
-from rigpilot.engine.jobspec.spec import TRAIN_SETTINGS
 from rigpilot.engine.planner.calibration import MachineCalibration, apply_stored
 from rigpilot.engine.planner.calibration import apply as apply_calibration
-from rigpilot.engine.planner.cluster import DEFAULT_LINK, MAX_NODES, NODE_LINKS, check_nodes, node_link
-from rigpilot.engine.planner.export import EXPORTS, export_best
+from rigpilot.engine.planner.cluster import DEFAULT_LINK, NODE_LINKS, check_nodes, node_link
+from rigpilot.engine.planner.export import export_best
 from rigpilot.engine.planner.memory import fmt_gib
-from rigpilot.engine.planner.plan import METHODS, OPTIMIZERS, LoraSettings, Plan, Workload
-from rigpilot.engine.planner.search import OFFLOAD_CHOICES, RANKING, SearchOptions, SearchResult
+from rigpilot.engine.planner.plan import LoraSettings, Plan, Workload
+from rigpilot.engine.planner.search import RANKING, SearchOptions, SearchResult
+from rigpilot.engine.planner.settings import PLAN_SETTINGS as P
+from rigpilot.engine.planner.settings import QUANT_BITS
 from rigpilot.engine.planner.verify import search_checked
 
 DEFAULT_SEQ = 2048
 DEFAULT_TRAIN_BATCH = 16
 DEFAULT_NEW_TOKENS = 256
-_QUANT_BITS = {"none": 16, "int8": 8, "4bit": 4}
 
 
 def register(subparsers: Any, parents: list[argparse.ArgumentParser] | None = None) -> argparse.ArgumentParser:
@@ -51,44 +50,37 @@ def register(subparsers: Any, parents: list[argparse.ArgumentParser] | None = No
     )
     p.add_argument("--model", required=True, metavar="ID|PATH", help="preset name, folder with config.json, or Hugging Face repo id")
     p.add_argument("--task", choices=("train", "infer"), default="train")
-    p.add_argument("--method", choices=METHODS, default=None, help="training method (default full)")
-    # The job's own declaration, so `plan --seq` and `run train --seq` refuse a value in one sentence.
-    schema.add_option(p, TRAIN_SETTINGS["seq_len"],
-                      help=f"sequence length in tokens (default {DEFAULT_SEQ} or the model's context)")  # fmt: skip
-    p.add_argument(
-        "--batch", type=int, metavar="N",
-        help=f"training: sequences per optimizer step (default {DEFAULT_TRAIN_BATCH}); inference: sequences at once (default 1)",
-    )
-    # `run train` spells it --precision; the planner's --dtype stays, and either is read.
-    precision = dataclasses.replace(TRAIN_SETTINGS["precision"], flags=("--dtype", "--precision"))
-    schema.add_option(p, precision, help="compute dtype (training: mixed precision; default bf16)")
-    schema.add_option(p, TRAIN_SETTINGS["master_weights"])
-    p.add_argument("--gpus", metavar="0,1,...", help="GPU indices to use (default: all)")
+    # Each option below is a setting's one declaration (engine.planner.settings: the job's own where `run train`
+    # shares it), so a value is refused in the engine's sentence and the planner's advice names the same flag.
+    schema.add_option(p, P["method"], help="training method (default full)")
+    schema.add_option(p, P["seq_len"], help=f"sequence length in tokens (default {DEFAULT_SEQ} or the model's context)")
+    # Read here, not by the declaration's range: the planner refuses a batch out of range in its own sentence.
+    p.add_argument(*P["batch"].flags, dest="batch", type=int, metavar=P["batch"].metavar, help=P["batch"].help)
+    schema.add_option(p, P["precision"], help="compute dtype (training: mixed precision; default bf16)")
+    schema.add_option(p, P["master_weights"])
+    # The indices as written ("all", "0,1"): parse_gpus refuses a bad list in the planner's sentence.
+    p.add_argument(*P["gpus"].flags, dest="gpus", metavar="0,1,...", help="GPU indices to use (default: all)")
     if not any(a.option_strings == ["--json"] for parent in parents for a in parent._actions):
         p.add_argument("--json", action="store_true", help="print JSON")
-    p.add_argument("--export", choices=EXPORTS, help="print the best plan as a launcher config")
+    schema.add_option(p, P["export"])
     g = p.add_argument_group("details")
-    g.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
-    g.add_argument("--lora-rank", type=int, default=LoraSettings().rank, metavar="R")
+    for name in ("optimizer", "lora_rank"):
+        schema.add_option(g, P[name])
     g.add_argument("--lora-targets", metavar="NAMES", help="comma-separated linear names, or all-linear (the default)")
-    g.add_argument("--quant", choices=tuple(_QUANT_BITS), default="none", help="inference: load weights in 8 bits or 4-bit NF4")
-    g.add_argument("--new-tokens", type=int, metavar="N", help=f"inference: tokens generated per sequence (default {DEFAULT_NEW_TOKENS})")
-    g.add_argument("--tokens", type=float, metavar="N", help="training: token budget, for a time to finish (e.g. 1e9)")
+    for name in ("quant", "new_tokens", "tokens"):
+        schema.add_option(g, P[name])
     g.add_argument(
         "--compare-rented", action="store_true",
         help="with --tokens: time and cost to process them here and on the rented machines in your settings",
     )  # fmt: skip
-    g.add_argument("--force-tp", action="store_true", help="consider tensor parallelism over slow links too")
-    g.add_argument("--offload", choices=OFFLOAD_CHOICES, default="auto",
-                   help="training: CPU offload only where nothing else fits (auto), always (on) or never (off)")  # fmt: skip
+    schema.add_option(g, P["force_tp"])
+    schema.add_option(g, P["offload"])
     g.add_argument("--calibration", type=Path, metavar="FILE", help="what `rigpilot run calibrate` measured on this machine (its output/calibration.json)")
     m = p.add_argument_group("several machines")
+    # Read as written: parse_nodes and cluster.node_link refuse a bad value in the planner's sentences.
+    m.add_argument(*P["nodes"].flags, dest="nodes", default="1", metavar=P["nodes"].metavar, help=P["nodes"].help)
     m.add_argument(
-        "--nodes", default="1", metavar="N",
-        help=f"plan for up to N identical nodes like this machine (1 to {MAX_NODES}); TP stays inside a node",
-    )  # fmt: skip
-    m.add_argument(
-        "--internode", default=DEFAULT_LINK, metavar="LINK",
+        *P["internode"].flags, dest="internode", default=DEFAULT_LINK, metavar=P["internode"].metavar,
         help=f"the link between nodes: {', '.join(NODE_LINKS)} or a measured bandwidth in GB/s (default {DEFAULT_LINK})",
     )  # fmt: skip
     m.add_argument(
@@ -117,9 +109,10 @@ def parse_gpus(text: str | None) -> list[int] | None:
 
 def parse_nodes(text: str | int) -> int:
     try:
-        return check_nodes(int(str(text).strip()))
+        value: Any = int(str(text).strip())
     except ValueError:
-        raise UserError(f"--nodes must be a whole number from 1 to {MAX_NODES} (got {str(text)[:40]!r})") from None
+        value = text  # not a number: check_nodes refuses it in the planner's sentence
+    return check_nodes(value)
 
 
 def load_node_machine(text: str) -> Any:
@@ -162,11 +155,8 @@ def load_node_machine(text: str) -> Any:
 
 def workload_from_args(args: argparse.Namespace, context: int | None) -> Workload:
     task = args.task
-    if task == "infer" and args.method not in (None, "full"):
-        raise UserError(f"--method {args.method} is a way to train; for quantized inference use --quant int8 or --quant 4bit")
-    bits = _QUANT_BITS[args.quant]
-    if task == "train" and bits != 16:
-        raise UserError("--quant applies to inference; to train on 4-bit weights use --method qlora")
+    # A method for inference, or --quant for training, is refused by the planner's check (validate_workload).
+    bits = QUANT_BITS[args.quant or P["quant"].default]
     method = args.method or "full"
     seq = args.seq_len if args.seq_len is not None else min(DEFAULT_SEQ, context or DEFAULT_SEQ)
     batch = args.batch if args.batch is not None else (DEFAULT_TRAIN_BATCH if task == "train" else 1)
@@ -181,26 +171,21 @@ def workload_from_args(args: argparse.Namespace, context: int | None) -> Workloa
         raise UserError("--new-tokens applies to inference (--task infer)")
     lora = None
     if method != "full":
-        if args.lora_rank < 1:
-            raise UserError("--lora-rank must be at least 1")
+        rank = args.lora_rank if args.lora_rank is not None else LoraSettings().rank
         targets = [t.strip() for t in (args.lora_targets or "all-linear").split(",") if t.strip()]
-        lora = LoraSettings(rank=args.lora_rank, alpha=2 * args.lora_rank, targets=targets)
+        lora = LoraSettings(rank=rank, alpha=2 * rank, targets=targets)
     elif args.lora_targets:
         raise UserError("--lora-targets needs --method lora or qlora")
-    budget = None
-    if args.tokens is not None:
-        if args.tokens <= 0:
-            raise UserError("--tokens must be positive")
-        budget = int(args.tokens)
+    budget = int(args.tokens) if args.tokens is not None else None
     return Workload(
         model=args.model,
         task=task,
         method=method,
-        precision=args.precision or TRAIN_SETTINGS["precision"].default,
-        master_weights=args.master_weights or TRAIN_SETTINGS["master_weights"].default,
+        precision=args.precision or P["precision"].default,
+        master_weights=args.master_weights or P["master_weights"].default,
         seq_len=seq,
         global_batch=batch,
-        optimizer=args.optimizer,
+        optimizer=args.optimizer or P["optimizer"].default,
         lora=lora,
         weight_bits=bits,
         new_tokens=new_tokens,
@@ -233,7 +218,8 @@ def run_plan(args: argparse.Namespace) -> int:
     # One search, with or without --export: the export translates the plan `plan` shows into the tool's terms.
     result = search_checked(
         spec, machine, workload, calibrated, gpus=parse_gpus(args.gpus),
-        options=SearchOptions(force_tp=args.force_tp, offload=args.offload, nodes=nodes, internode=args.internode),
+        options=SearchOptions(force_tp=bool(args.force_tp), offload=args.offload or P["offload"].default, nodes=nodes,
+                              internode=args.internode),
         verify=not getattr(args, "no_verify", False), node_machines=node_machines,
     )  # fmt: skip
     calibrated_status = calibrated[1]
@@ -272,7 +258,7 @@ def _compare_rented(args: argparse.Namespace, spec: Any, machine: Any, workload:
         raise UserError("--compare-rented needs a token budget: --tokens N (e.g. --tokens 1e9)")
     settings = Settings.load()
 
-    plan_for = searcher(spec, workload, SearchOptions(force_tp=args.force_tp, offload=args.offload))
+    plan_for = searcher(spec, workload, SearchOptions(force_tp=bool(args.force_tp), offload=args.offload or "auto"))
     return compare((machine.label, result.best, machine), settings.rented_machines, workload.token_budget,
                    settings.price(), plan_for)  # fmt: skip
 
@@ -354,12 +340,13 @@ def searcher(spec: Any, workload: Any, options: Any = None) -> Any:
     this machine, not that one) and untraced; a refusal (a GPU without the workload's dtype) becomes the reason."""
     from rigpilot.engine.errors import UserError
     from rigpilot.engine.planner.search import search
+    from rigpilot.engine.planner.settings import sentence_of
 
     def plan_for(machine: Any) -> tuple[Plan | None, str]:
         try:
             found = search(spec, machine, workload, options=options)
         except UserError as e:
-            return None, str(e)
+            return None, sentence_of(e)  # its terms too, for the row's why_terms
         return found.best, "" if found.best else "nothing fits"
 
     return plan_for

@@ -90,6 +90,12 @@ class TrainSettings:
         choices=TrainMethod,
         label="Method",
         help="Full fine-tune, LoRA, QLoRA (LoRA on a 4-bit NF4 base), or from scratch.",
+        choice_words={
+            TrainMethod.FULL: "Full fine-tune",
+            TrainMethod.LORA: "LoRA",
+            TrainMethod.QLORA: "QLoRA (4-bit base)",
+            TrainMethod.SCRATCH: "From scratch",
+        },
     )
     lora_rank: int = setting(
         16, range=Range(1, 65536), label="LoRA rank", help="Size of the adapter matrices: more capacity, more memory."

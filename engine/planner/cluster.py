@@ -19,8 +19,7 @@ from typing import Any
 
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.machine import Machine, short_gpu_name
-
-MAX_NODES = 64
+from rigpilot.engine.planner.settings import DEFAULT_LINK, MAX_NODES, ref, refusal
 
 # Share of a NIC's line rate that NCCL's collectives reach, assumed (plans list it as such): over RoCE or
 # TCP sockets NCCL's bus bandwidth on 25-100 GbE reaches roughly 70-90% of the line rate; over InfiniBand
@@ -74,7 +73,6 @@ NODE_LINKS: dict[str, NodeLink] = {
         NodeLink("xdr", "InfiniBand XDR (800 Gb/s)", 800.0, 1, INFINIBAND_EFFICIENCY, INFINIBAND_LATENCY_S),
     )
 }
-DEFAULT_LINK = "100gbe"
 MAX_CUSTOM_GBS = 10_000.0
 _CUSTOM = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:gb/?s|gbps)?\s*$", re.IGNORECASE)
 
@@ -92,15 +90,18 @@ def node_link(value: str | float | int | None) -> NodeLink:
         if 0 < gbs <= MAX_CUSTOM_GBS:
             # A figure the user measured (nccl-tests' busbw between two nodes) is what NCCL reaches: taken whole.
             return NodeLink("custom", f"a {gbs:g} GB/s link", gbs * 8, 1, 1.0, ETHERNET_LATENCY_S, "given")
-    raise UserError(
-        f"--internode takes one of {', '.join(NODE_LINKS)} or a bandwidth in GB/s "
-        f"between 0 and {MAX_CUSTOM_GBS:,.0f} like 12.5 (got {str(value)[:40]!r})"
+    raise refusal(
+        "{internode} takes one of {links} or a bandwidth in GB/s between 0 and {most:,.0f} like 12.5 (got {got!r})",
+        reason="not_a_link", fields={"setting": "internode", "value": str(value)[:40], "choices": list(NODE_LINKS)},
+        internode=ref("internode"), links=", ".join(NODE_LINKS), most=MAX_CUSTOM_GBS, got=str(value)[:40],
     )
 
 
 def check_nodes(nodes: Any) -> int:
     if not isinstance(nodes, int) or isinstance(nodes, bool) or not 1 <= nodes <= MAX_NODES:
-        raise UserError(f"--nodes must be a whole number from 1 to {MAX_NODES} (got {str(nodes)[:40]!r})")
+        raise refusal("{nodes} must be a whole number from 1 to {most} (got {got!r})", reason="out_of_range",
+                      fields={"setting": "nodes", "value": str(nodes)[:40], "lo": 1, "hi": MAX_NODES},
+                      nodes=ref("nodes"), most=MAX_NODES, got=str(nodes)[:40])  # fmt: skip
     return nodes
 
 

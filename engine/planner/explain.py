@@ -12,6 +12,7 @@ from rigpilot.engine.planner.memory import fmt_gib
 from rigpilot.engine.planner.model import ModelFacts
 from rigpilot.engine.planner.plan import Figure, Parallelism, Plan, Timing, Workload
 from rigpilot.engine.planner.result import Candidate, SearchResult
+from rigpilot.engine.planner.settings import ref, say
 
 _WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve")
 
@@ -122,7 +123,7 @@ def explain(
             )
         lines.append(line + ".")
         for s in result.suggestions:
-            lines.append(f"It fits if you {s.change}: {plan_summary(s.plan)}.")
+            lines.append(say("It fits if you {change}: {summary}.", change=s.change, summary=plan_summary(s.plan)))
         if not result.suggestions:
             lines.append("No single change tried (LoRA, QLoRA, shorter sequences, more or larger GPUs) makes it fit.")
     else:
@@ -135,7 +136,7 @@ def explain(
                 f"The fastest, {par.describe()}, cannot run here: {best.runs_here_reason}."
             )
             for s in result.suggestions:
-                lines.append(f"It runs if you {s.change}: {plan_summary(s.plan)}.")
+                lines.append(say("It runs if you {change}: {summary}.", change=s.change, summary=plan_summary(s.plan)))
         lines.append(_timing_line(best))
         lines.append(_memory_line(best))
         if best.host.offloaded:
@@ -150,7 +151,7 @@ def explain(
     if best is not None and not w.training:
         lines.extend(_tensor_parallel_pays(best, cands, topo.machine.simulated))
     for r in result.rejected:
-        lines.append(f"Rejected {r.family}: {r.reason}.")
+        lines.append(say("Rejected {family}: {reason}.", family=r.family, reason=r.reason))
     if best is not None:
         lines.append(_figures_line(best))
     return [x for x in lines if x]
@@ -267,10 +268,11 @@ def _topology_lines(
                 f"{c.par.tp} GPUs its all-reduces would cross {where}, about {share:.0%} of a step."
             )
         else:
-            lines.append(
-                f"Your {who} {wiring}, so every tensor-parallel all-reduce would cross {where}: "
-                f"about {share:.0%} of a step; tensor parallelism was left out (--force-tp allows it)."
-            )
+            lines.append(say(
+                "Your {who} {wiring}, so every tensor-parallel all-reduce would cross {where}: about {share:.0%} of a "
+                "step; tensor parallelism was left out ({force_tp} allows it).",
+                who=who, wiring=wiring, where=where, share=share, force_tp=ref("force_tp"),
+            ))  # fmt: skip
         who = "The plan's GPUs"
         wiring = ""
     best = result.best

@@ -15,8 +15,8 @@ from typing import Any
 
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.planner.plan import Plan
+from rigpilot.engine.planner.settings import EXPORTS, ref, refusal
 
-EXPORTS = ("torchrun", "accelerate", "deepspeed", "slurm")
 RDZV_PORT = 29500
 BUCKET_ELEMENTS = 50_000_000  # what the memory model assumes for DeepSpeed's reduce/all-gather buckets
 DEFAULT_SCRIPT = "train.py"
@@ -131,7 +131,8 @@ def torchrun_command(plan: Plan, *, script: str | None = None, plan_path: str = 
 
 def _training_only(plan: Plan, what: str) -> None:
     if not plan.workload.training:
-        raise UserError(f"{what} configs are for training; use --export torchrun for an inference plan")
+        raise refusal("{what} configs are for training; use {torchrun} for an inference plan",
+                      reason="export_is_for_training", what=what, torchrun=ref("export", "torchrun"))  # fmt: skip
 
 
 def accelerate_config(plan: Plan) -> str:
@@ -139,7 +140,8 @@ def accelerate_config(plan: Plan) -> str:
     _training_only(plan, "Accelerate")
     par, w = plan.parallelism, plan.workload
     if par.pp > 1:
-        raise UserError("Accelerate cannot run pipeline-parallel plans; use --export torchrun")
+        raise refusal("Accelerate cannot run pipeline-parallel plans; use {torchrun}", reason="export_cannot_run",
+                      torchrun=ref("export", "torchrun"))  # fmt: skip
     cfg: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE",
         "debug": False,
@@ -198,8 +200,9 @@ def accelerate_config(plan: Plan) -> str:
             "fsdp_version": 1,
         }
     elif par.checkpointing != "none":
-        raise UserError("Accelerate's config turns activation checkpointing on only with FSDP, and this plan is "
-                        "tensor-parallel DDP; use --export torchrun")  # fmt: skip
+        raise refusal("Accelerate's config turns activation checkpointing on only with FSDP, and this plan is "
+                      "tensor-parallel DDP; use {torchrun}", reason="export_cannot_run",
+                      torchrun=ref("export", "torchrun"))  # fmt: skip
     elif par.world_size > 1:
         cfg["distributed_type"] = "MULTI_GPU"
     if par.tp > 1 or par.hsdp:
@@ -224,8 +227,9 @@ def deepspeed_config(plan: Plan) -> dict[str, Any]:
     _training_only(plan, "DeepSpeed")
     par, w = plan.parallelism, plan.workload
     if par.tp > 1 or par.pp > 1:
-        raise UserError("this plan uses tensor or pipeline parallelism, which the DeepSpeed export does not cover; "
-                        "plan again with --export deepspeed to get a ZeRO plan")
+        raise refusal("this plan uses tensor or pipeline parallelism, which the DeepSpeed export does not cover; "
+                      "plan again with {deepspeed} to get a ZeRO plan", reason="export_cannot_run",
+                      deepspeed=ref("export", "deepspeed"))  # fmt: skip
     # An FSDP2 plan's ZeRO stage is DeepSpeed's; FSDP2's CPU offload (parameters, gradients and optimizer state
     # on the host) is ZeRO-3 with offload_param and offload_optimizer, set from the plan's two flags below.
     stage = par.zero_stage if par.backend in ("deepspeed", "fsdp") else 0
@@ -339,11 +343,12 @@ def slurm_script(
     if nodes is None:
         nodes = plan.parallelism.nodes if plan is not None else 1
     if nodes < 1:
-        raise UserError("--nodes must be at least 1")
+        raise refusal("{nodes} must be at least 1", reason="out_of_range",
+                      fields={"setting": "nodes", "value": nodes, "lo": 1}, nodes=ref("nodes"))  # fmt: skip
     if plan is not None and plan.parallelism.nodes > 1 and nodes != plan.parallelism.nodes:
-        raise UserError(
-            f"this plan spans {plan.parallelism.nodes} nodes; plan again with --nodes {nodes} to run it on {nodes}"
-        )
+        raise refusal("this plan spans {spans} nodes; plan again with {nodes} to run it on {n}",
+                      reason="nodes_mismatch", fields={"setting": "nodes", "value": nodes},
+                      spans=plan.parallelism.nodes, nodes=ref("nodes", nodes), n=nodes)  # fmt: skip
     check_slurm_options(partition, account, time_limit)
     if plan is None and (command is None or ranks_per_node is None):
         raise UserError("a SLURM script without a plan needs the job's command and its ranks per node")

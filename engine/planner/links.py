@@ -24,6 +24,7 @@ from rigpilot.engine.hardware.machine import P2P, Gpu, GpuPair, Machine, PciePat
 from rigpilot.engine.hardware.specs import match_spec
 from rigpilot.engine.planner.cluster import NodeLink
 from rigpilot.engine.planner.plan import Figure
+from rigpilot.engine.planner.settings import ref, refusal
 
 # NVLink per link and direction by generation, GB/s, for GPUs the spec table does not know.
 NVLINK_LINK_GBS = {1: 20.0, 2: 25.0, 3: 25.0, 4: 25.0, 5: 50.0}
@@ -33,6 +34,13 @@ NCCL_EFFICIENCY = {"nvswitch": 0.85, "nvlink": 0.85, "p2p": 0.8, "host": 0.8, "s
 HOST_BOUNCE = 0.5  # no P2P: copied into host memory and out again
 CROSS_SOCKET = 0.4  # through both sockets' memory and the socket interconnect
 LATENCY_S = {"nvswitch": 6e-6, "nvlink": 6e-6, "p2p": 10e-6, "host": 20e-6, "sys": 25e-6, "self": 0.0}
+
+
+def no_bf16(index: int, name: str) -> UserError:
+    """The refusal of bf16 on a GPU without it (Turing and older)."""
+    return refusal("GPU {index} ({name}) has no bf16 support; use {fp16}", reason="no_bf16",
+                   fields={"setting": "precision", "value": "bf16", "gpu": index},
+                   index=index, name=name, fp16=ref("precision", "fp16"))  # fmt: skip
 
 
 def _efficiency_priors() -> tuple[dict[str, float], float, dict[str, str]]:
@@ -142,7 +150,7 @@ class GpuPerf:
     def peak_tflops(self, dtype: str) -> float:
         v = self.peak.get(dtype)
         if v is None and dtype == "bf16":
-            raise UserError(f"GPU {self.index} ({self.short_name}) has no bf16 support; use --dtype fp16")
+            raise no_bf16(self.index, self.short_name)
         return float(v or self.peak.get("fp32") or UNKNOWN_PEAK["fp32"])
 
     def step_tflops(self, dtype: str) -> float:

@@ -24,7 +24,6 @@ PLAN_VERSION = 1
 TASKS = ("train", "infer")
 METHODS = tuple(m for m in TrainMethod if m != TrainMethod.SCRATCH)  # the planner plans fine-tuning
 PRECISIONS = tuple(Precision)
-OPTIMIZERS = ("adamw", "adamw8bit", "sgd")
 CHECKPOINTING = tuple(Checkpointing)
 SCHEDULES = ("none", "1f1b", "gpipe")
 BACKENDS = ("single", "ddp", "deepspeed", "fsdp", "inference")

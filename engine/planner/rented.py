@@ -17,6 +17,7 @@ from rigpilot.engine.hardware.machine import Machine
 from rigpilot.engine.hardware.simulated import machine_from_profile
 from rigpilot.engine.hardware.specs import GpuSpec, match_spec, spec_by_key
 from rigpilot.engine.planner.plan import Plan
+from rigpilot.engine.schema import terms_of
 
 JOULES_PER_KWH = 3.6e6
 
@@ -71,8 +72,9 @@ def _power_w(plan: Plan, machine: Machine) -> float | None:
 def row(name: str, plan: Plan | None, budget: int, *, hourly: float | None = None, currency: str | None = None,
         power_w: float | None = None, price: dict[str, Any] | None = None, why: str = "") -> dict[str, Any]:  # fmt: skip
     """One line of the comparison: predicted tokens/s, time for `budget` tokens, and what that time costs."""
-    out: dict[str, Any] = {"name": name, "fits": plan is not None, "why": why, "tokens_per_s": None, "time_s": None,
-                           "cost": None, "currency": currency, "cost_basis": None, "gpus": None}  # fmt: skip
+    out: dict[str, Any] = {"name": name, "fits": plan is not None, "why": str(why), "why_terms": terms_of(why),
+                           "tokens_per_s": None, "time_s": None, "cost": None, "currency": currency,
+                           "cost_basis": None, "gpus": None}  # fmt: skip
     if plan is None:
         return out
     tps = plan.timing.tokens_per_s

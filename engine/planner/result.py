@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rigpilot.engine.planner.plan import HostMemory, Parallelism, Plan, Timing, Workload
+from rigpilot.engine.schema import terms_of
 
 if TYPE_CHECKING:  # the memory model runs in the engine; a client reading a result needs only its shape
     from rigpilot.engine.planner.memory import StageMemory
@@ -29,14 +30,20 @@ SPEED_TIE = 0.05
 @dataclass
 class Rejection:
     family: str
-    reason: str
+    reason: str  # may name settings (engine.schema.Words): `reason_terms` in the JSON
     need_bytes: int | None = None  # per GPU, its smallest configuration
     have_bytes: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"family": self.family, "reason": str(self.reason), "need_bytes": self.need_bytes,
+                "have_bytes": self.have_bytes, "reason_terms": terms_of(self.reason)}  # fmt: skip
 
 
 @dataclass
 class Suggestion:
-    change: str  # in words, with the flag: "train LoRA adapters instead (--method lora)"
+    # In words, naming the setting it changes (engine.schema.Words): "train LoRA adapters instead (--method lora)"
+    # on the command line; `change_terms` in the JSON, for a client to word with its own controls.
+    change: str
     kind: str  # "method" | "quantize" | "seq" | "batch" | "gpus" | "larger-gpus" | "more-gpus"
     plan: Plan  # the best plan with the change, found by searching again
     # The change as facts, for a client to word in its own terms (a flag, a control's label) rather than
@@ -46,8 +53,8 @@ class Suggestion:
     value: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"change": self.change, "kind": self.kind, "plan": self.plan.to_dict(), "setting": self.setting,
-                "value": self.value}  # fmt: skip
+        return {"change": str(self.change), "kind": self.kind, "plan": self.plan.to_dict(), "setting": self.setting,
+                "value": self.value, "change_terms": terms_of(self.change)}  # fmt: skip
 
 
 @dataclass
@@ -59,7 +66,7 @@ class SearchResult:
     runners_up: list[Plan]
     rejected: list[Rejection]
     suggestions: list[Suggestion]
-    explanation: list[str]
+    explanation: list[str]  # lines that may name settings (engine.schema.Words): `explanation_terms` in the JSON
     considered: int
     fitting: int
     elapsed_s: float
@@ -78,9 +85,10 @@ class SearchResult:
             "gpu_indices": self.gpu_indices,
             "best": self.best.to_dict() if self.best else None,
             "runners_up": [p.to_dict() for p in self.runners_up],
-            "rejected": [dataclasses.asdict(r) for r in self.rejected],
+            "rejected": [r.to_dict() for r in self.rejected],
             "suggestions": [s.to_dict() for s in self.suggestions],
-            "explanation": self.explanation,
+            "explanation": [str(line) for line in self.explanation],
+            "explanation_terms": [terms_of(line) for line in self.explanation],
             "considered": self.considered,
             "fitting": self.fitting,
             "runnable": self.runnable,

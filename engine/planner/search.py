@@ -43,13 +43,12 @@ from rigpilot.engine.layout import MICROBATCH_RANGE
 from rigpilot.engine.models.spec import ModelSpec
 from rigpilot.engine.planner.cluster import DEFAULT_LINK, Cluster, build_cluster, check_nodes, node_link
 from rigpilot.engine.planner.explain import explain, number_word
-from rigpilot.engine.planner.links import Calibration, Topology
+from rigpilot.engine.planner.links import Calibration, Topology, no_bf16
 from rigpilot.engine.planner.memory import GIB, MemoryModel, StageMemory, fmt_gib, plan_memory
 from rigpilot.engine.planner.model import ModelFacts, model_facts
 from rigpilot.engine.planner.plan import (
     CHECKPOINTING,
     METHODS,
-    OPTIMIZERS,
     PRECISIONS,
     TASKS,
     WEIGHT_BITS,
@@ -61,13 +60,21 @@ from rigpilot.engine.planner.plan import (
 )
 from rigpilot.engine.planner.result import FAMILY_ORDER, SPEED_TIE, Candidate, Rejection, SearchResult, Suggestion
 from rigpilot.engine.planner.scaling import multinode_lines, scaling_of
+from rigpilot.engine.planner.settings import (
+    EXPORTS,
+    MAX_BATCH,
+    MAX_TOKEN_BUDGET,
+    OFFLOAD_CHOICES,
+    OPTIMIZERS,
+    ref,
+    refusal,
+    say,
+)
 from rigpilot.engine.planner.speed import SpeedModel
+from rigpilot.engine.schema import Words
 
-EXPORT_TARGETS = ("torchrun", "accelerate", "deepspeed", "slurm")
-OFFLOAD_CHOICES = ("auto", "on", "off")  # SearchOptions.offload
+EXPORT_TARGETS = EXPORTS
 MAX_SEQ = int(TRAIN_SETTINGS["seq_len"].hi)  # a job's own bound (2M tokens)
-MAX_BATCH = 2**20  # sequences per step
-MAX_TOKEN_BUDGET = 10**16
 MAX_LORA_RANK = int(TRAIN_SETTINGS["lora_rank"].hi)
 MAX_TP = 8
 
@@ -98,7 +105,9 @@ def validate_workload(w: Workload, spec: ModelSpec) -> None:
         raise UserError(f"unknown method {w.method!r}; use full, lora or qlora",
                         reason="not_a_choice", setting="method", value=w.method, choices=list(METHODS))  # fmt: skip
     if w.task == "infer" and w.method != "full":
-        raise UserError(f"--method {w.method} is a way to train; for quantized inference use --quant int8 or --quant 4bit")
+        raise refusal("{method} is a way to train; for quantized inference use {int8} or {nf4}",
+                      reason="method_is_for_training", fields={"setting": "method", "value": w.method},
+                      method=ref("method", w.method), int8=ref("quant", "int8"), nf4=ref("quant", "4bit"))  # fmt: skip
     if w.precision not in PRECISIONS:
         raise UserError(f"unknown dtype {w.precision!r}; use bf16, fp16 or fp32",
                         reason="not_a_choice", setting="precision", value=w.precision, choices=list(PRECISIONS))  # fmt: skip
@@ -108,24 +117,28 @@ def validate_workload(w: Workload, spec: ModelSpec) -> None:
     if w.weight_bits not in WEIGHT_BITS:
         raise UserError(f"weights can be 16, 8 or 4 bits, not {w.weight_bits}")
     if w.training and w.weight_bits != 16:
-        raise UserError("--quant applies to inference; to train on 4-bit weights use --method qlora")
+        raise refusal("{quant} applies to inference; to train on 4-bit weights use {qlora}",
+                      reason="quant_is_for_inference", fields={"setting": "quant", "value": w.weight_bits},
+                      quant=ref("quant"), qlora=ref("method", "qlora"))  # fmt: skip
     if w.training:  # the job's own declaration and its requirement (bf16 master weights need bf16 compute)
         TRAIN_SETTINGS["master_weights"].check(w.master_weights)
         conflict = TRAIN_SETTINGS["master_weights"].conflict(w)
         if conflict is not None:
             raise conflict
     if w.method == "qlora" and w.precision == "fp32":
-        raise UserError("QLoRA computes in bf16 or fp16; use --dtype bf16")
+        raise refusal("QLoRA computes in bf16 or fp16; use {bf16}", reason="qlora_needs_half_precision",
+                      fields={"setting": "precision", "value": w.precision}, bf16=ref("precision", "bf16"))  # fmt: skip
     # Finite bounds far past any real run: the search enumerates divisors of the batch, so an absurd
     # value would make it explode (2^63 once kept a request spinning for half an hour).
     for name, setting, value, lo, hi in (
-        ("sequence length (--seq)", "seq_len", w.seq_len, 1, MAX_SEQ),
-        ("batch (--batch)", "global_batch", w.global_batch, 1, MAX_BATCH),
+        (say("sequence length ({seq})", seq=ref("seq_len")), "seq_len", w.seq_len, 1, MAX_SEQ),
+        (say("batch ({batch})", batch=ref("batch")), "global_batch", w.global_batch, 1, MAX_BATCH),
         ("new tokens", "new_tokens", w.new_tokens, 0, MAX_SEQ),
     ):
         if not lo <= value <= hi:
-            raise UserError(f"the {name} must be between {lo:,} and {hi:,}, not {value:,}",
-                            reason="out_of_range", setting=setting, value=value, min=lo, max=hi)  # fmt: skip
+            raise refusal("the {name} must be between {lo:,} and {hi:,}, not {value:,}", reason="out_of_range",
+                          fields={"setting": setting, "value": value, "min": lo, "max": hi},
+                          name=name, lo=lo, hi=hi, value=value)  # fmt: skip
     if w.token_budget is not None and not 1 <= w.token_budget <= MAX_TOKEN_BUDGET:
         raise UserError(f"the token budget must be between 1 and {MAX_TOKEN_BUDGET:.0e}, not {w.token_budget:,}")
     if w.lora is not None and w.lora.rank > MAX_LORA_RANK:
@@ -150,13 +163,14 @@ def select_gpus(machine: Machine, gpus: list[int] | None) -> list[int]:
     if gpus is None:
         return available
     if not gpus:
-        raise UserError("no GPUs selected: give at least one index to --gpus")
+        raise refusal("no GPUs selected: give at least one index to {gpus}", reason="no_gpus", gpus=ref("gpus"))
     seen: list[int] = []
     for i in gpus:
         if i not in available:
             raise UserError(f"GPU {i} does not exist; this machine has GPUs {_ranges(available)}")
         if i in seen:
-            raise UserError(f"GPU {i} is listed twice in --gpus")
+            raise refusal("GPU {i} is listed twice in {gpus}", reason="gpu_listed_twice", fields={"gpu": i},
+                          i=i, gpus=ref("gpus"))  # fmt: skip
         seen.append(i)
     return seen
 
@@ -210,7 +224,9 @@ def search(
         raise UserError(f"a micro-batch is 1 to {MAX_BATCH} sequences, not {opts.micro_batch}")
     link = node_link(opts.internode)
     if node_machines is not None and len(node_machines) > 1 and opts.nodes not in (1, len(node_machines)):
-        raise UserError(f"--nodes {opts.nodes} does not match the {len(node_machines)} node machines given")
+        raise refusal("{nodes} does not match the {n} node machines given", reason="nodes_mismatch",
+                      fields={"setting": "nodes", "value": opts.nodes, "machines": len(node_machines)},
+                      nodes=ref("nodes", opts.nodes), n=len(node_machines))  # fmt: skip
     nodes = len(node_machines) if node_machines else opts.nodes
     indices = select_gpus(machine if not node_machines else node_machines[0], gpus)
     m, w = _prepare(spec, workload)
@@ -230,7 +246,7 @@ def search(
     if w.precision == "bf16":
         for i in indices:
             if topo.gpus[i].peak.get("bf16") is None and topo.gpus[i].spec_key:
-                raise UserError(f"GPU {i} ({topo.gpus[i].short_name}) has no bf16 support; use --dtype fp16")
+                raise no_bf16(i, topo.gpus[i].short_name)
     mm = MemoryModel(m, w)
     speed = SpeedModel(m, w, topo, mm)
     cands, skipped = _evaluate(m, w, topo, mm, speed, opts)
@@ -698,13 +714,14 @@ def _sharding_options(dp: int, tp: int, pp: int, n: int, opts: SearchOptions) ->
     return out
 
 
-def _slow_tp_reason(topo: Topology, gpus: list[int], tp: int) -> str:
+def _slow_tp_reason(topo: Topology, gpus: list[int], tp: int) -> Words:
     groups = topo.partition(gpus, tp)
     worst = min((topo.ring(g) for g in groups), key=lambda x: x.gbs)
-    return (
-        f"no group of {tp} of GPUs {_ranges(sorted(gpus))} is joined by NVLink or a PCIe switch "
-        f"(slowest hop: {worst.label}, about {worst.gbs:.0f} GB/s); --force-tp considers it anyway"
-    )
+    return say(
+        "no group of {tp} of GPUs {gpus} is joined by NVLink or a PCIe switch (slowest hop: {hop}, about "
+        "{gbs:.0f} GB/s); {force_tp} considers it anyway",
+        tp=tp, gpus=_ranges(sorted(gpus)), hop=worst.label, gbs=worst.gbs, force_tp=ref("force_tp"),
+    )  # fmt: skip
 
 
 def _infer_layouts(
@@ -822,6 +839,7 @@ def suggest(
 
     def attempt(change: str, kind: str, work: Workload, mach: Machine = machine, sel: list[int] | None = gpus,
                 to: tuple[str, str] | None = None) -> bool:  # fmt: skip
+        """`change` (a sentence naming the setting it changes, `say`) tried; `to`: that setting and its value."""
         try:
             r = search(spec, mach, work, gpus=sel, calibration=calibration, options=inner)
         except UserError:
@@ -833,30 +851,32 @@ def suggest(
 
     all_gpus = [g.index for g in machine.gpus]
     if len(gpus) < len(all_gpus):
-        attempt(f"use all {len(all_gpus)} GPUs (--gpus {','.join(map(str, all_gpus))})", "gpus", w, machine, all_gpus,
-                to=("gpus", ",".join(map(str, all_gpus))))  # fmt: skip
+        attempt(say("use all {n} GPUs ({gpus})", n=len(all_gpus), gpus=ref("gpus", all_gpus)), "gpus", w, machine,
+                all_gpus, to=("gpus", ",".join(map(str, all_gpus))))  # fmt: skip
     if w.training:
         if w.method == "full":
-            attempt("train LoRA adapters instead of every weight (--method lora)", "method", dataclasses.replace(w, method="lora", lora=LoraSettings()), to=("method", "lora"))
+            attempt(say("train LoRA adapters instead of every weight ({lora})", lora=ref("method", "lora")), "method", dataclasses.replace(w, method="lora", lora=LoraSettings()), to=("method", "lora"))
         if w.method in ("full", "lora"):
             rank = w.lora.rank if w.lora else LoraSettings().rank
-            attempt("train LoRA on 4-bit weights (--method qlora)", "method", dataclasses.replace(w, method="qlora", lora=LoraSettings(rank=rank)), to=("method", "qlora"))
+            attempt(say("train LoRA on 4-bit weights ({qlora})", qlora=ref("method", "qlora")), "method", dataclasses.replace(w, method="qlora", lora=LoraSettings(rank=rank)), to=("method", "qlora"))
         if w.optimizer == "adamw" and w.method == "full":
             attempt("use 8-bit AdamW (bitsandbytes)", "optimizer", dataclasses.replace(w, optimizer="adamw8bit"), to=("optimizer", "adamw8bit"))
     else:
         if w.weight_bits == 16:
-            attempt("load the weights in 8 bits (--quant int8)", "quantize", dataclasses.replace(w, weight_bits=8), to=("quant", "int8"))
+            attempt(say("load the weights in 8 bits ({int8})", int8=ref("quant", "int8")), "quantize", dataclasses.replace(w, weight_bits=8), to=("quant", "int8"))
         if w.weight_bits > 4:
-            attempt("load the weights in 4 bits (--quant 4bit)", "quantize", dataclasses.replace(w, weight_bits=4), to=("quant", "4bit"))
+            attempt(say("load the weights in 4 bits ({nf4})", nf4=ref("quant", "4bit")), "quantize", dataclasses.replace(w, weight_bits=4), to=("quant", "4bit"))
         batch = w.global_batch // 2
         while batch >= 1 and len(out) < limit:
-            if attempt(f"generate for {batch} sequence{'s' if batch > 1 else ''} at a time (--batch {batch})", "batch", dataclasses.replace(w, global_batch=batch), to=("batch", str(batch))):
+            change = say("generate for {n} sequence{s} at a time ({batch})", n=batch, s="s" if batch > 1 else "",
+                         batch=ref("batch", batch))  # fmt: skip
+            if attempt(change, "batch", dataclasses.replace(w, global_batch=batch), to=("batch", str(batch))):
                 break
             batch //= 2
     seq = w.seq_len // 2
     while seq >= 256 and len(out) < limit:
         new = min(w.new_tokens, seq // 2)
-        if attempt(f"use sequences of {seq} tokens (--seq {seq})", "seq", dataclasses.replace(w, seq_len=seq, new_tokens=new), to=("seq_len", str(seq))):
+        if attempt(say("use sequences of {n} tokens ({seq})", n=seq, seq=ref("seq_len", seq)), "seq", dataclasses.replace(w, seq_len=seq, new_tokens=new), to=("seq_len", str(seq))):
             break
         seq //= 2
     if len(out) < limit:
