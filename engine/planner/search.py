@@ -124,7 +124,9 @@ def validate_workload(w: Workload, spec: ModelSpec) -> None:
         TRAIN_SETTINGS["master_weights"].check(w.master_weights)
         conflict = TRAIN_SETTINGS["master_weights"].conflict(w)
         if conflict is not None:
-            raise conflict
+            f = conflict.fields
+            raise refusal("{mine} needs {other} (it is {found})", reason=conflict.reason, fields=f,
+                          mine=ref("master_weights", f["value"]), other=ref("precision", f["needs"]), found=f["found"])  # fmt: skip
     if w.method == "qlora" and w.precision == "fp32":
         raise refusal("QLoRA computes in bf16 or fp16; use {bf16}", reason="qlora_needs_half_precision",
                       fields={"setting": "precision", "value": w.precision}, bf16=ref("precision", "bf16"))  # fmt: skip
