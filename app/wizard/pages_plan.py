@@ -90,14 +90,15 @@ def _setting_combo(s: Setting) -> QComboBox:
     return box
 
 
-def conflict_words(settings: Any) -> str | None:
-    """The first contradiction between the training settings, in the controls' words, or None."""
+def conflict_of(settings: Any) -> tuple[Setting, str] | None:
+    """The first contradiction between the training settings: the setting whose value needs another's, and
+    that in the controls' words; None where there is none."""
     for decl in TRAIN.values():
         error = decl.conflict(settings)
         if error is not None:
             f = error.fields
             other = TRAIN[f["other"].rpartition(".")[2]]
-            return f"{decl.label} “{f['value']}” needs {other.label} “{f['needs']}” (the plan has “{f['found']}”)."
+            return decl, f"{decl.label} “{f['value']}” needs {other.label} “{f['needs']}” (it is “{f['found']}”)."
     return None
 
 
@@ -599,10 +600,12 @@ class HyperPage(StepPage):
             return Overrides(seq_len=self.context.value(), global_batch=self.batch.value(),
                              new_tokens=self.new_tokens.value())  # fmt: skip
         lora = s.adapters
+        planned = ((s.plan or {}).get("workload") or {}).get("master_weights", TRAIN["master_weights"].default)
         return Overrides(
             micro_batch=self.micro.value(), grad_accum=self.accum.value(), seq_len=self.seq_len.value(),
             lora_rank=self.lora_rank.value() if lora else None, lora_alpha=self.lora_alpha.value() if lora else None,
             lora_targets=self.state.train.lora_targets if lora else None,
+            master_weights=s.train.master_weights if s.train.master_weights != planned else None,
         )  # fmt: skip
 
     def validate(self) -> None:
@@ -618,9 +621,14 @@ class HyperPage(StepPage):
         if s.kind == INFER and self.new_tokens.value() >= self.context.value():
             self.set_problem("New tokens must leave room for the prompt in the context.")
             return
-        conflict = conflict_words(s.train) if s.training else None
+        conflict = conflict_of(s.train) if s.training else None
         if conflict is not None:
-            self.set_problem(conflict)
+            decl, text = conflict
+            self.set_problem(text)
+            box, default = self.recipe.get(decl.name), decl.default
+            if box is not None:  # the other setting is the task's or the plan's: offer to undo this one
+                self.offer_fix(f"Use {decl.label.lower()} “{default}”",
+                               lambda: box.setCurrentIndex(box.findData(default)))  # fmt: skip
             return
         if s.plan is None:
             self._store_unchecked()

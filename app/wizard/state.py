@@ -23,6 +23,7 @@ from rigpilot.engine.jobs.store import ACTIVE_STATES
 from rigpilot.engine.jobspec.spec import (
     INFER_SETTINGS,
     JOB_SETTINGS,
+    SETTINGS,
     TRAIN_SETTINGS,
     InferSettings,
     JobSpec,
@@ -132,10 +133,13 @@ class WizardState:
             t = self.train
             lora = {"rank": t.lora_rank, "alpha": t.lora_alpha, "dropout": t.lora_dropout,
                     "targets": list(t.lora_targets or ["all-linear"])}  # fmt: skip
-        return {
+        args = {
             "task": "train", "method": method, "precision": self.train.precision, "seq_len": self.train.seq_len,
             "global_batch": self.global_batch, "lora": lora,
         }  # fmt: skip
+        if self.train.master_weights != TRAIN_SETTINGS["master_weights"].default:  # an older engine plans without
+            args["master_weights"] = self.train.master_weights
+        return args
 
     def plan_key(self) -> list[Any]:
         """Everything the plan depends on; when it changes, the plan is made again."""
@@ -219,8 +223,14 @@ class WizardState:
             spec.script = [self.script, *shlex.split(self.script_args)]
         else:
             spec.model = None  # calibration measures the machine; the wizard asks for no model
-        # Parts the job does not have are left out rather than sent as null.
-        return {k: v for k, v in spec.to_dict().items() if v is not None}
+        # Parts the job does not have are left out rather than sent as null; so is a setting at its declared
+        # default, which the engine fills in itself: an engine from before a setting existed still takes the job.
+        out = {k: v for k, v in spec.to_dict().items() if v is not None}
+        for section in ("train", "infer"):
+            if isinstance(out.get(section), dict):
+                out[section] = {k: v for k, v in out[section].items()
+                                if (decl := SETTINGS.get(f"{section}.{k}")) is None or v != decl.default}  # fmt: skip
+        return out
 
     def command(self) -> str:
         """The `rigpilot run ...` line that submits the same job from a terminal."""
