@@ -23,7 +23,8 @@ from rigpilot.engine.jobspec.spec import (
     TrainSettings,
 )
 from rigpilot.engine.schema import Choice, Range, declared, setting
-from rigpilot.engine.service.protocol import ProtocolError, parse_request
+from rigpilot.engine.service.protocol import ProtocolError
+from rigpilot.engine.service.requests import parse_request
 
 # Fields that are not the user's to set: the engine writes them.
 ENGINE_WRITTEN = {"infer.backend_reason"}

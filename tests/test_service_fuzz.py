@@ -2,7 +2,7 @@
 
 A fixed seed, so a failure can be replayed. Frames: random bytes, truncated
 requests, deep nesting, lone surrogates, broken envelopes, and for every field
-of every request in protocol.REQUEST_SCHEMAS (and every JobSpec field, through
+of every request in requests.REQUEST_SCHEMAS (and every JobSpec field, through
 `check`, which creates nothing) wrong types and extreme values; sent in
 pipelined batches before any reply is read, plus oversized frames. `submit`
 always carries an unknown field, so no fuzzed job ever runs.
@@ -21,7 +21,7 @@ from test_service_engine import Engine, engine  # noqa: F401  (the fixture)
 
 from rigpilot.engine import paths
 from rigpilot.engine.jobspec.spec import InferSettings, JobSpec, Parallelism, TrainSettings
-from rigpilot.engine.service import protocol
+from rigpilot.engine.service import protocol, requests
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +54,7 @@ def fuzz_dataclass(rng: random.Random, cls) -> dict:
 
 
 def fuzz_args(rng: random.Random, rtype: str, tmp) -> dict:
-    required, optional = protocol.REQUEST_SCHEMAS[rtype]
+    required, optional = requests.REQUEST_SCHEMAS[rtype]
     args: dict = {}
     for name in [*required, *optional]:
         if (name in required and rng.random() < 0.9) or rng.random() < 0.5:
@@ -84,7 +84,7 @@ def _workload_class():
 
 def fuzz_frame(rng: random.Random, tmp, rid: int) -> bytes:
     kind = rng.random()
-    types = [t for t in protocol.REQUEST_SCHEMAS if t != "shutdown"]
+    types = [t for t in requests.REQUEST_SCHEMAS if t != "shutdown"]
     if kind < 0.62:
         rtype = rng.choice(types)
         msg = {"v": 1, "id": rid, "type": rtype, "args": fuzz_args(rng, rtype, tmp)}

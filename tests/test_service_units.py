@@ -20,7 +20,7 @@ from rigpilot.engine.jobs.store import QUEUED, JobRecord, JobStore
 from rigpilot.engine.jobs.submission import describe, plan_prediction, prepare
 from rigpilot.engine.jobs.telemetry_store import TelemetryStore
 from rigpilot.engine.planner.plan import HostMemory, MemoryBreakdown, Parallelism, Plan, Timing, Workload
-from rigpilot.engine.service import protocol
+from rigpilot.engine.service import protocol, requests
 from rigpilot.engine.service.protocol import ProtocolError
 
 
@@ -47,14 +47,14 @@ def req(rtype, **args):
 )
 def test_bad_requests_are_refused_with_a_code(msg, code):
     with pytest.raises(ProtocolError) as e:
-        protocol.parse_request(msg)
+        requests.parse_request(msg)
     assert e.value.code == code
 
 
 def test_good_requests_parse():
-    r = protocol.parse_request(req("metrics", job="abc", since_cursor={"0": 10}))
+    r = requests.parse_request(req("metrics", job="abc", since_cursor={"0": 10}))
     assert (r.id, r.type, r.args) == (1, "metrics", {"job": "abc", "since_cursor": {"0": 10}})
-    assert protocol.parse_request(req("telemetry_history", since=12)).args["since"] == 12  # ints are numbers
+    assert requests.parse_request(req("telemetry_history", since=12)).args["since"] == 12  # ints are numbers
 
 
 @pytest.mark.parametrize(

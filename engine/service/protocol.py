@@ -34,8 +34,9 @@ A path the request names that cannot be what it must be (missing, a FIFO or devi
 NAME_MAX, a path past PATH_MAX: engine.given_path) is refused as `bad_path`, with the `path` as
 sent and the `problem` beside `code` and `message`.
 
-Each request type's `args` are checked against `REQUEST_SCHEMAS` before the
-service acts on them; unknown arguments are refused so a typo is not ignored.
+Each request type's `args` are checked against its declaration (engine.service.requests, where each
+request's arguments are declared on its handler) before the service acts on them; unknown arguments are
+refused so a typo is not ignored.
 Numbers, strings and lists carry ranges (`Limit`), so a value SQLite, `seek`
 or the file system cannot take is refused here in one line. A message that
 cannot be read (not UTF-8, not JSON, nested deeper than `MAX_DEPTH`, a lone
@@ -109,11 +110,11 @@ import json
 import math
 import re
 import types
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, is_dataclass
 from typing import IO, Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from rigpilot.engine.errors import UserError, jsonable
-from rigpilot.engine.jobspec.spec import TRAIN_SETTINGS as _TRAIN
 from rigpilot.engine.schema import Setting
 
 PROTOCOL_VERSION = 1
@@ -272,6 +273,7 @@ def _short_number(x: float) -> str:
     return text if len(text) <= 20 else f"a {len(text.lstrip('-'))}-digit number"
 
 
+# Argument types the requests' declarations share (engine/service/handlers/).
 MAX_PATH = 4096  # PATH_MAX on Linux: no longer path can name a file
 MAX_BYTES = 1 << 31
 MAX_OFFSET = 1 << 62  # within SQLite's INTEGER and lseek's off_t
@@ -283,96 +285,16 @@ Cursor = Annotated[dict[str, Offset], Limit(max_len=4096)]  # {"<rank>": byte of
 Topics = Annotated[list[Text], Limit(max_len=1024)]
 NodeNames = Annotated[list[Annotated[str, Limit(max_len=64)]], Limit(max_len=64)] | None
 
-# type -> (required args, optional args). Types use the same notation as dataclass fields.
-REQUEST_SCHEMAS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
-    "hello": ({}, {"versions": Annotated[list[int], Limit(max_len=64)], "client": Text, "nonce": Text, "proof": Text}),
-    "machine": ({}, {}),
-    "topology": ({}, {}),
-    "telemetry_history": (
-        {}, {"since": Annotated[Number, Limit(-1e12, 1e12)] | None, "limit": Annotated[int, Limit(1, 100_000)]}
-    ),  # since: a Unix time
-    "plan": (
-        {"model": Path_},
-        {
-            "workload": dict[str, Any], "options": dict[str, Any], "trust_remote_code": bool,
-            "gpus": Annotated[list[Annotated[int, Limit(0, 4095)]], Limit(max_len=4096)] | None,
-            "deadline_s": Annotated[float, Limit(0.1, 3600)],
-            # Another machine to plan for: a simulated profile's id or Machine.to_dict (the planner checks it).
-            "machine": Text | dict[str, Any] | None,
-            # Several machines: each node's machine, in the same forms (options.nodes/internode: the link).
-            "node_machines": Annotated[list[Text | dict[str, Any]], Limit(max_len=64)] | None,
-            # No search: this plan with the user's changes, re-checked (engine.planner.recheck): {plan, overrides}.
-            "recheck": dict[str, Any] | None,
-        },
-    ),
-    # slurm: {partition?, account?, time?, login?} submits the job to SLURM with sbatch (engine.jobs.slurm).
-    # nodes: engines the job spans ("local" and names from the node registry); shared_dir: their common folder.
-    "submit": ({"spec": dict[str, Any]}, {"plan": dict[str, Any] | None, "cwd": Path_ | None,
-                                          "slurm": dict[str, Any] | None, "nodes": NodeNames,
-                                          "shared_dir": Path_ | None}),
-    # The whole submission path without creating anything: what would run, or the one-line refusal
-    # (a SLURM job's request is put to SLURM with sbatch --test-only, which queues nothing).
-    "check": ({"spec": dict[str, Any]}, {"plan": dict[str, Any] | None, "cwd": Path_ | None, "nodes": NodeNames,
-                                         "shared_dir": Path_ | None, "slurm": dict[str, Any] | None}),
-    # One engine's part of a multi-node job, sent by the head engine (engine.service.multinode).
-    "submit_member": ({"job": Text, "spec": dict[str, Any], "nodes": dict[str, Any]}, {}),
-    "check_member": ({"job": Text, "spec": dict[str, Any], "nodes": dict[str, Any]}, {}),
-    "resume_member": (
-        {"job": Text, "run": Annotated[int, Limit(1, 1 << 30)], "endpoint": Text},
-        {"env": Annotated[dict[str, str], Limit(max_len=1024)] | None},
-    ),
-    # The node registry (engine.service.nodes.check_node validates an entry).
-    "nodes": ({}, {"probe": bool}),
-    "node_add": ({"name": Text, "address": Text, "token": Text}, {"fingerprint": Text | None}),
-    "node_remove": ({"name": Text}, {}),
-    "jobs": ({}, {"states": Annotated[list[Text], Limit(max_len=64)], "limit": Annotated[int, Limit(1, 100_000)]}),
-    "job": ({"job": Text}, {}),
-    "cancel": ({"job": Text}, {}),
-    "resume": ({"job": Text}, {"env": Annotated[dict[str, str], Limit(max_len=1024)] | None}),  # values: limits.check_env
-    "delete": ({"job": Text}, {}),
-    # A simulated machine only: make a GPU report a hardware fault ("lost", "ecc", "xid N"; null clears it).
-    "simulate_fault": ({"gpu": Annotated[int, Limit(0, 4095)]}, {"fault": Text | None}),
-    "rename": ({"job": Text, "name": Text}, {}),
-    "results": (
-        {"job": Text},
-        {"start": Annotated[int, Limit(0, 1 << 30)], "limit": Annotated[int, Limit(1, 10_000)], "max_bytes": Bytes},
-    ),
-    "logs": (
-        {"job": Text},
-        {
-            "rank": Annotated[int, Limit(-1, 1 << 20)] | None,  # -1: torchrun's own output
-            "since_offset": Annotated[int, Limit(-MAX_OFFSET, MAX_OFFSET)],  # negative: from the end
-            "max_bytes": Bytes,
-        },
-    ),
-    "metrics": ({"job": Text}, {"since_cursor": Cursor | None, "max_bytes": Bytes}),
-    "subscribe": ({"topics": Topics}, {"metrics_cursors": Annotated[dict[str, Cursor], Limit(max_len=1024)]}),
-    "unsubscribe": ({}, {"topics": Topics}),
-    "shutdown": ({}, {}),
-    "reload_machine": ({}, {"simulated_profile": Text}),
-    # Scaling studies (engine.jobs.scaling): the same training on 1, 2, 4 … GPUs, one job per count.
-    "scaling_start": (
-        {"gpus": Annotated[list[Annotated[int, Limit(1, 4096)]], Limit(max_len=8)]},
-        {
-            "job": Text, "model": Path_, "trust_remote_code": bool,
-            # A study's jobs are training jobs: their settings' allowed values are the job's (engine.jobspec.spec).
-            "dataset": Annotated[list[Path_], Limit(max_len=256)], "method": Annotated[str, _TRAIN["method"]],
-            "precision": Annotated[str, _TRAIN["precision"]], "seq_len": Annotated[int, _TRAIN["seq_len"]],
-            "global_batch": Annotated[int, Limit(1, 1 << 20)], "micro_batch": Annotated[int, _TRAIN["micro_batch"]] | None,
-            "steps": Annotated[int, Limit(1, 1_000_000)], "warmup": Annotated[int, Limit(0, 1_000_000)],
-            "cwd": Path_ | None,
-        },
-    ),
-    "scaling_study": ({"study": Text}, {}),
-    "scaling_studies": ({}, {"job": Text | None}),
-    "scaling_cancel": ({"study": Text}, {}),
-}
-
 TOPICS = ("telemetry", "jobs")  # plus "metrics:<job id>"
 
 
-def parse_request(msg: dict[str, Any]) -> Request:
-    """Check the envelope and the args of one request; raise ProtocolError when either is wrong."""
+# A request type's (required args, optional args), by name; types use the same notation as dataclass fields.
+Schemas = Mapping[str, tuple[Mapping[str, Any], Mapping[str, Any]]]
+
+
+def parse_request(msg: dict[str, Any], schemas: Schemas) -> Request:
+    """Check the envelope and the args of one request against `schemas` (the service's are
+    engine.service.requests.REQUEST_SCHEMAS); raise ProtocolError when either is wrong."""
     rid = msg.get("id")
     if isinstance(rid, bool) or not isinstance(rid, int | str | None):
         raise ProtocolError(INVALID, "id must be an integer, a string or null")
@@ -384,12 +306,12 @@ def parse_request(msg: dict[str, Any]) -> Request:
     rtype = msg.get("type")
     if not isinstance(rtype, str):
         raise ProtocolError(INVALID, "type must be a string naming the request")
-    if rtype not in REQUEST_SCHEMAS:
-        raise ProtocolError(UNKNOWN_TYPE, f"unknown request type {rtype!r}; known: {', '.join(sorted(REQUEST_SCHEMAS))}")
+    if rtype not in schemas:
+        raise ProtocolError(UNKNOWN_TYPE, f"unknown request type {rtype!r}; known: {', '.join(sorted(schemas))}")
     args = msg.get("args", {})
     if not isinstance(args, dict):
         raise ProtocolError(INVALID, "args must be a JSON object")
-    required, optional = REQUEST_SCHEMAS[rtype]
+    required, optional = schemas[rtype]
     for name, tp in required.items():
         if name not in args:
             raise ProtocolError(INVALID, f"{rtype}: missing required argument {name!r}")

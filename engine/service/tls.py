@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from rigpilot.engine import paths
 from rigpilot.engine.errors import UserError
@@ -202,7 +202,7 @@ def new_nonce() -> str:
     return secrets.token_hex(NONCE_BYTES)
 
 
-def is_nonce(value: object) -> bool:
+def is_nonce(value: object) -> TypeGuard[str]:
     return isinstance(value, str) and bool(_HEX.match(value))
 
 
