@@ -28,13 +28,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from test_service_engine import REPO, Engine, engine_home, leftover_job_processes
 
 from rigpilot.engine import paths
 from rigpilot.engine.cli.entry import main as cli_main
 from rigpilot.engine.jobs.secrets import MASK
 from rigpilot.engine.service import protocol
 from rigpilot.engine.service.client import EngineError
+
+from support.engine import Engine, engine_home, leftover_job_processes
+from support.paths import REPO
 
 pytestmark = pytest.mark.slow
 

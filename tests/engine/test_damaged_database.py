@@ -22,16 +22,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from test_service_engine import (
-    CRASH_SCRIPT,
-    GATE_SCRIPT,
-    QUICK_SCRIPT,
-    REPO,
-    Engine,
-    engine_home,
-    leftover_job_processes,
-    wait_for,
-)
 
 from rigpilot.engine import paths
 from rigpilot.engine.cli.entry import main as cli_main
@@ -58,6 +48,10 @@ from rigpilot.engine.jobs.store import (
     JobRecord,
 )
 from rigpilot.engine.service.client import EngineClient
+
+from support.engine import CRASH_SCRIPT, GATE_SCRIPT, QUICK_SCRIPT, Engine, engine_home, leftover_job_processes
+from support.paths import REPO
+from support.waiting import wait_for
 
 ASIDE = re.compile(r"^engine\.(damaged|newer|missing)-\d{8}-\d{6}(-\d+)?\.db$")
 

@@ -20,23 +20,22 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_service_engine import (
-    engine,  # noqa: F401 (the fixture: a real engine service)
-    leftover_job_processes,
-    wait_for,
-)
 
 from rigpilot.engine.diskspace import DiskFull, free_bytes, is_disk_full, no_room
 from rigpilot.engine.jobs import recovery
 from rigpilot.engine.jobs.conditions import Conditions
-from rigpilot.engine.jobs.runs import Run, run_outcome
+from rigpilot.engine.jobs.runs import run_outcome
 from rigpilot.engine.jobs.spec import JobSpec, TrainSettings
 from rigpilot.engine.jobs.store import FAILED, QUEUED, RUNNING, JobRecord, JobStore
 from rigpilot.engine.jobs.submission import JOB_ROOM_BYTES, disk_need
 from rigpilot.engine.launch.rankexec import _record_state
 from rigpilot.engine.service.client import EngineError
 
-REPO = Path(__file__).resolve().parents[1]
+from support.engine import leftover_job_processes
+from support.job_records import ended_run, job_record
+from support.paths import REPO
+from support.waiting import wait_for
+
 TINY_LLAMA_CONFIG = REPO / "examples" / "models" / "tiny-llama" / "config.json"
 MIB = 1 << 20
 
@@ -104,12 +103,6 @@ def test_enospc_sqlites_full_database_and_a_wrapped_write_error_are_all_a_full_d
 
 
 # -- the engine's own writes ----------------------------------------------------------------
-
-
-def job_record(job_id: str = "ab12cd", **fields) -> JobRecord:
-    base = {"seq": 1, "kind": "train", "name": "t", "state": RUNNING, "gpus": [0, 1], "ranks": 2, "simulated": True,
-            "created": time.time()}  # fmt: skip
-    return JobRecord(id=job_id, **{**base, **fields})
 
 
 def test_the_job_store_keeps_what_a_full_disk_refuses_and_writes_it_once_there_is_room(small_disk):
@@ -200,14 +193,6 @@ def test_a_lasting_condition_is_logged_once_and_once_more_when_it_clears(caplog)
 
 
 # -- how a run that met a full disk ended, and what happens next ------------------------------
-
-
-def ended_run(job_dir: Path, exits: dict[int, dict], errors: list[dict] | None = None, **rec_fields) -> Run:
-    run = Run(job_record(**rec_fields), job_dir, None)
-    run.ranks = {r: {"rank": r, "exit": {"time": 1.0 + r, "signal": None, **e}} for r, e in exits.items()}
-    for e in errors or []:
-        run.summary.add({"kind": "error", "run": 1, **e})
-    return run
 
 
 def test_a_run_that_met_a_full_disk_fails_with_the_ranks_line_or_the_folders_free_space(small_disk, tmp_path):
@@ -305,7 +290,7 @@ def losses_by_step(c, job_id: str) -> dict[int, float]:
 
 
 @pytest.mark.slow
-def test_a_job_that_fills_its_disk_fails_in_one_line_and_resumes_from_its_last_checkpoint(engine, tmp_path):  # noqa: F811
+def test_a_job_that_fills_its_disk_fails_in_one_line_and_resumes_from_its_last_checkpoint(engine, tmp_path):
 
     with mounted_tmpfs(tmp_path / "state", "64m") as state:  # the engine's whole state folder: jobs, database, logs
         engine.start()
@@ -363,9 +348,9 @@ def test_a_job_that_fills_its_disk_fails_in_one_line_and_resumes_from_its_last_c
 
 
 def test_an_engine_whose_state_folder_is_full_does_not_start_and_says_why_in_one_line(tmp_path, monkeypatch, capsys):
-    from test_service_engine import engine_home
-
     from rigpilot.engine.cli.entry import main as cli_main
+
+    from support.engine import engine_home
 
     engine_home(tmp_path, monkeypatch)
     with mounted_tmpfs(tmp_path / "state", "4m") as state:

@@ -5,10 +5,12 @@ import itertools
 import json
 
 import pytest
-from test_service_engine import engine, engine_home, gate, wait_for  # noqa: F401
 
 from rigpilot.engine.cli.entry import main as cli_main
 from rigpilot.engine.settings import Settings
+
+from support.engine import gate
+from support.waiting import wait_for
 
 TOKENS_SCRIPT = """
 import sys, time, pathlib
@@ -34,7 +36,7 @@ def power_integral(samples, gpus, start, end):
 
 
 @pytest.mark.slow
-def test_a_jobs_energy_is_its_gpus_power_integrated_over_its_runs_and_shown_with_its_cost(engine, capsys):  # noqa: F811
+def test_a_jobs_energy_is_its_gpus_power_integrated_over_its_runs_and_shown_with_its_cost(engine, capsys):
     s = Settings.load()
     s.electricity_price, s.electricity_currency = 0.30, "EUR"
     s.save()

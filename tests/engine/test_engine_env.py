@@ -23,7 +23,7 @@ from rigpilot.engine.cli.entry import main as cli_main
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import shown
 
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
 
 UV_OFFLINE_NO_TORCH = """\
 Using Python 3.11.7 environment at: /x/engine-env

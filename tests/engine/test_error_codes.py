@@ -7,7 +7,6 @@ from __future__ import annotations
 import socket
 
 import pytest
-from test_service_engine import Engine, engine_home, leftover_job_processes, raw_exchange
 
 from rigpilot.app.engine_link import CONNECTED, EngineLink
 from rigpilot.app.planner.page import PlannerPage
@@ -18,6 +17,8 @@ from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import PathRefused
 from rigpilot.engine.service import protocol
 from rigpilot.engine.service.client import EngineError
+
+from support.engine import Engine, engine_home, leftover_job_processes, raw_exchange
 
 TINY = str(EXAMPLES / TINY_MODEL)  # a 256-token context
 

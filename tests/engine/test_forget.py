@@ -20,7 +20,7 @@ import pytest
 from rigpilot.engine import userdata
 from rigpilot.engine.cli.entry import main as cli_main
 
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
 
 
 @pytest.fixture

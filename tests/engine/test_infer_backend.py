@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_service_engine import engine, engine_home, wait_for  # noqa: F401
 
 from rigpilot.engine.capability import (
     INFER_BACKENDS,
@@ -33,7 +32,8 @@ from rigpilot.engine.jobs.spec import InferSettings, JobSpec, Parallelism
 from rigpilot.engine.jobs.submission import describe, prepare
 from rigpilot.engine.layout import Layout
 
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
+
 TINY_LLAMA = REPO / "examples" / "models" / "tiny-llama"
 INSTALLED = WorkerVllm("/env/bin/python", "0.11.0")
 MISSING = WorkerVllm("/env/bin/python", None)
@@ -229,7 +229,7 @@ def test_vllm_results_are_written_as_the_transformers_backend_writes_them(tmp_pa
 # -- end to end, on a simulated machine -------------------------------------------------------------------------
 
 
-def test_check_refuses_vllm_on_a_simulated_machine_in_one_line(engine, capsys) -> None:  # noqa: F811
+def test_check_refuses_vllm_on_a_simulated_machine_in_one_line(engine, capsys) -> None:
     engine.start()
     base = ["run", "infer", "--model", str(TINY_LLAMA), "--prompt", "hi", "--gpus", "0"]
     assert cli_main([*base, "--backend", "vllm", "--check"]) == 2
@@ -242,9 +242,9 @@ def test_check_refuses_vllm_on_a_simulated_machine_in_one_line(engine, capsys) -
 
 @pytest.mark.slow
 def test_a_cpu_infer_job_reports_the_transformers_backend_in_its_summary_and_in_rigpilot_job(
-    engine, tmp_path: Path, capsys  # noqa: F811
+    engine, tmp_path: Path, capsys
 ) -> None:
-    from test_workers_jobs import save_random_llama
+    from support.worker_jobs import save_random_llama
 
     model = save_random_llama(tmp_path / "llama", initializer_range=0.3)
     engine.start()

@@ -1,6 +1,6 @@
 """One machine everywhere: the engine switches its machine when Settings change, and the CLI agrees with it.
 
-Each test runs its own engine service (as tests/test_service_engine.py does) that follows Settings:
+Each test runs its own engine service (as tests/engine/test_service_engine.py does) that follows Settings:
 RIGPILOT_SIMULATE is unset, so with no NVIDIA driver the settings' profile stands in.
 """
 
@@ -12,14 +12,15 @@ import time
 from pathlib import Path
 
 import pytest
-from test_service_engine import GATE_SCRIPT, Engine, engine_home, gate, leftover_job_processes, wait_for
 
 from rigpilot.engine.hardware.discovery import open_backend
 from rigpilot.engine.hardware.simulated import load_profile
 from rigpilot.engine.service.client import EngineClient, EngineError
 from rigpilot.engine.settings import Settings
 
-REPO = Path(__file__).resolve().parents[1]
+from support.engine import GATE_SCRIPT, Engine, engine_home, gate, leftover_job_processes
+from support.paths import REPO
+from support.waiting import wait_for
 
 
 @pytest.fixture

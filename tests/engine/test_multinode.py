@@ -2,7 +2,7 @@
 
 Each engine runs 2 CPU ranks (this box's CPU count caps them), so a job over both is a real 4-rank,
 2-node torchrun c10d rendezvous. Its per-step loss must equal the plain single-process loop's
-(tests/test_workers_reference.py), and a node that goes away (engine and ranks killed) must fail
+(tests/workers/test_workers_reference.py), and a node that goes away (engine and ranks killed) must fail
 the job on every node, naming the node, and the job must resume from its shared checkpoint.
 """
 
@@ -20,16 +20,17 @@ from typing import Any
 
 import psutil
 import pytest
-from test_service_engine import wait_for
-from test_workers_jobs import losses as plain_losses
-from test_workers_jobs import run_job, write_job
-from test_workers_reference import CHAT, GLOBAL_BATCH, RECIPE, TINY_LLAMA_CONFIG, reference_run
 
 from rigpilot.engine.cli.entry import main as cli_main
 from rigpilot.engine.service import tls
 from rigpilot.engine.service.client import EngineClient
 
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import CHAT, REPO, TINY_LLAMA_CONFIG
+from support.reference_loop import GLOBAL_BATCH, RECIPE, reference_run
+from support.waiting import wait_for
+from support.worker_jobs import losses as plain_losses
+from support.worker_jobs import run_job, write_job
+
 PROFILE = "2x-rtx3090-nvlink"
 TERMINAL = ("completed", "failed", "cancelled", "interrupted")
 

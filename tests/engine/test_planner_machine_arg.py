@@ -9,13 +9,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_planner_calibration import h100_calibration
-from test_service_engine import engine  # noqa: F401 (the fixture: a real engine service)
 
 from rigpilot.engine.hardware.importers import import_machine
 from rigpilot.engine.hardware.simulated import load_profile
 from rigpilot.engine.service import planworker, protocol
 from rigpilot.engine.service.client import EngineError
+
+from support.planner_inputs import h100_calibration
 
 SMI_Q = "case21_smiq_4xA100_sxm4_80gb_nvidia-smi-q.txt"
 TOPO_ONLY = "case08_4xRTX6000Ada_dual_socket_genoa_4nics.txt"
@@ -86,7 +86,7 @@ def test_gpus_without_a_known_memory_are_refused_with_what_to_import(smi_data):
     assert "import that machine's `nvidia-smi -q` output too" in error["message"]
 
 
-def test_the_engine_plans_for_the_machine_a_request_names(engine, smi_data):  # noqa: F811
+def test_the_engine_plans_for_the_machine_a_request_names(engine, smi_data):
     engine.start()
     with engine.client() as c:
         result = c.request("plan", model="qwen2.5-0.5b", workload=WORK, machine="8x-a100-pcie")["result"]

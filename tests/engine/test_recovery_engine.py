@@ -13,19 +13,13 @@ import time
 from pathlib import Path
 
 import pytest
-from test_service_engine import (
-    CRASH_SCRIPT,
-    GATE_SCRIPT,
-    OOM_SCRIPT,
-    SHAKESPEARE,
-    TINY_LLAMA,
-    engine,  # noqa: F401 (the fixture: a real engine service)
-    gate,
-    leftover_job_processes,
-    wait_for,
-)
 
 from rigpilot.engine.cli.entry import main as cli_main
+
+from support.engine import CRASH_SCRIPT, GATE_SCRIPT, OOM_SCRIPT, gate, leftover_job_processes
+from support.paths import SHAKESPEARE
+from support.paths import TINY_LLAMA_CONFIG as TINY_LLAMA
+from support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -67,7 +61,7 @@ def final_losses(c, job_id: str) -> dict[int, float]:
     return out
 
 
-def test_kill_9_a_rank_mid_run_resumes_from_its_checkpoint_to_the_uninterrupted_loss(engine):  # noqa: F811
+def test_kill_9_a_rank_mid_run_resumes_from_its_checkpoint_to_the_uninterrupted_loss(engine):
     engine.start()
     spec = {"kind": "train", "model": str(TINY_LLAMA), "env": {"HF_HUB_OFFLINE": "1"}, "train": TRAIN}
     with engine.client() as c:
@@ -93,7 +87,7 @@ def test_kill_9_a_rank_mid_run_resumes_from_its_checkpoint_to_the_uninterrupted_
     assert not leftover_job_processes(engine.tmp)
 
 
-def test_a_job_that_keeps_failing_stops_after_its_restarts_with_the_cause(engine, capsys):  # noqa: F811
+def test_a_job_that_keeps_failing_stops_after_its_restarts_with_the_cause(engine, capsys):
     engine.start()
     script = engine.script("crash.py", CRASH_SCRIPT)
     with engine.client() as c:
@@ -115,7 +109,7 @@ def test_a_job_that_keeps_failing_stops_after_its_restarts_with_the_cause(engine
     assert "restarted 1× (up to 1 in a row):" in out and "run 1 → 2 from the start: rank 1 exited with code 1" in out
 
 
-def test_cancel_out_of_memory_and_user_errors_are_not_restarted(engine):  # noqa: F811
+def test_cancel_out_of_memory_and_user_errors_are_not_restarted(engine):
     engine.start()
     scripts = {
         "oom": engine.script("oom.py", OOM_SCRIPT),
@@ -142,7 +136,7 @@ def test_cancel_out_of_memory_and_user_errors_are_not_restarted(engine):  # noqa
     assert ended["cancelled"]["exit_reason"].startswith("cancelled by the user")
 
 
-def test_a_gpu_that_fell_off_the_bus_is_left_out_and_the_job_runs_on_the_others(engine):  # noqa: F811
+def test_a_gpu_that_fell_off_the_bus_is_left_out_and_the_job_runs_on_the_others(engine):
     engine.start()
     script = engine.script("gate.py", GATE_SCRIPT)
     with engine.client() as c:

@@ -16,7 +16,9 @@ from rigpilot.engine import paths
 from rigpilot.engine.cli.entry import main as cli_main
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.jobs import scaling
-from tests.test_service_engine import REPO, Engine, engine_home, leftover_job_processes
+
+from support.engine import Engine, engine_home, leftover_job_processes
+from support.paths import REPO
 
 TINY = REPO / "examples" / "models" / "tiny-llama" / "config.json"
 SHAKESPEARE = REPO / "examples" / "data" / "shakespeare.txt"

@@ -23,46 +23,21 @@ from rigpilot.engine.jobs.supervisor import job_processes
 from rigpilot.engine.service import protocol
 from rigpilot.engine.service.client import EngineClient, EngineError
 
-REPO = Path(__file__).resolve().parents[1]
+from support.engine import (
+    CRASH_SCRIPT,
+    GATE_SCRIPT,
+    OOM_SCRIPT,
+    QUICK_SCRIPT,
+    Engine,
+    gate,
+    leftover_job_processes,
+    raw_exchange,
+)
+from support.paths import REPO
+from support.waiting import wait_for
+
 GIB = 2**30
 
-GATE_SCRIPT = """
-import os, sys, time, pathlib
-from rigpilot import report
-rank = int(os.environ["RANK"])
-gate = pathlib.Path(sys.argv[1])
-print(f"rank {rank} of {os.environ['WORLD_SIZE']} starts (run {os.environ['RIGPILOT_RUN']})", flush=True)
-step = 0
-while not gate.exists():
-    report(step=step, loss=1.0 / (step + 1), tokens_per_s=1000.0, peak_memory=(3 + rank) * 2**30)
-    step += 1
-    time.sleep(0.1)
-    if step > 900:
-        sys.exit(5)  # a test that forgot its gate must not leave this running
-report(step=step, loss=0.01)
-print(f"rank {rank} done", flush=True)
-"""
-
-QUICK_SCRIPT = """
-import os
-from rigpilot import report
-for step in range(1, 4):
-    report(step=step, loss=4.0 - step, max_steps=3)
-print("quick rank", os.environ["RANK"], "finished")
-"""
-
-CRASH_SCRIPT = """
-import os, sys, time
-from rigpilot import report
-rank = int(os.environ["RANK"])
-report(step=0, loss=1.0)
-if rank == 1:
-    time.sleep(0.5)
-    print("rank 1 is about to fail", flush=True)
-    raise RuntimeError("boom on rank 1")
-while True:
-    time.sleep(0.1)
-"""
 
 STUBBORN_SCRIPT = """
 import signal, time
@@ -76,128 +51,7 @@ while True:
 """
 
 
-def wait_for(predicate, timeout=60.0, interval=0.1, what="condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
-
-
-class Engine:
-    """A service subprocess plus helpers; the XDG folders live in tmp_path."""
-
-    def __init__(self, tmp: Path):
-        self.tmp = tmp
-        self.proc: subprocess.Popen | None = None
-        self.scripts = tmp / "scripts"
-        self.scripts.mkdir(exist_ok=True)
-
-    def start(self, *extra: str) -> None:
-        self.log = (self.tmp / "engine.log").open("ab")
-        cmd = [sys.executable, "-m", "rigpilot.engine.service", "--grace", "3", "--failure-grace", "2",
-               "--telemetry-period", "0.25", *extra]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=self.log)
-        wait_for(self._answers, 30, what="the engine service to start")
-
-    def _answers(self) -> bool:
-        assert self.proc is not None
-        if self.proc.poll() is not None:
-            raise AssertionError(f"service exited with {self.proc.returncode}: {(self.tmp / 'engine.log').read_text()}")
-        try:
-            with EngineClient(autostart=False, timeout=5) as c:
-                return c.hello["pid"] == self.proc.pid
-        except Exception:
-            return False
-
-    def kill(self) -> None:
-        """SIGKILL, as a crash or the OOM killer would."""
-        assert self.proc is not None
-        self.proc.kill()
-        self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    def client(self) -> EngineClient:
-        c = EngineClient(autostart=False, timeout=30)
-        c.connect()
-        return c
-
-    def script(self, name: str, text: str) -> str:
-        p = self.scripts / name
-        p.write_text(text)
-        return str(p)
-
-    def submit(self, c: EngineClient, script: str, *args: str, gpus: list[int], name: str = "") -> dict:
-        spec = {"kind": "script", "script": [script, *args], "gpus": gpus, "name": name}
-        return c.request("submit", spec=spec, cwd=str(self.tmp))["job"]
-
-    def job(self, c: EngineClient, job_id: str) -> dict:
-        return c.request("job", job=job_id)["job"]
-
-    def wait_state(self, c: EngineClient, job_id: str, *states: str, timeout: float = 60) -> dict:
-        return wait_for(
-            lambda: (j := self.job(c, job_id))["state"] in states and j, timeout, 0.1, f"job {job_id} to be {states}"
-        )
-
-
-def leftover_job_processes(root: Path) -> list[psutil.Process]:
-    out = []
-    for p in psutil.process_iter():
-        try:
-            if p.environ().get("RIGPILOT_JOB_DIR", "").startswith(str(root)):
-                out.append(p)
-        except (psutil.Error, OSError):
-            pass
-    return out
-
-
-def engine_home(base: Path, monkeypatch) -> None:
-    """Point the engine's XDG folders into `base`, on the simulated 4×RTX 4090."""
-    run_dir = base / "r"
-    run_dir.mkdir(mode=0o700)
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(run_dir))
-    monkeypatch.setenv("XDG_STATE_HOME", str(base / "state"))
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(base / "config"))
-    monkeypatch.setenv("RIGPILOT_SIMULATE", "4x-rtx4090")
-
-
-@pytest.fixture
-def engine(tmp_path, monkeypatch):
-    engine_home(tmp_path, monkeypatch)
-    e = Engine(tmp_path)
-    yield e
-    e.stop()
-    for p in leftover_job_processes(tmp_path):  # never leave a job behind, whatever failed
-        p.kill()
-
-
-def gate(engine: Engine, name: str) -> Path:
-    return engine.tmp / f"gate-{name}"
-
-
 # -- the socket -----------------------------------------------------------------------
-
-
-def raw_exchange(sock: socket.socket, data: bytes) -> dict:
-    sock.sendall(data)
-    buf = b""
-    while not buf.endswith(b"\n"):
-        chunk = sock.recv(65536)
-        if not chunk:
-            raise ConnectionError("closed")
-        buf += chunk
-    return json.loads(buf)
 
 
 def test_socket_is_private_and_bad_messages_get_error_replies(engine):
@@ -237,7 +91,7 @@ def test_socket_is_private_and_bad_messages_get_error_replies(engine):
         plan = c.request("plan", model="qwen2.5-0.5b", workload={"seq_len": 512, "global_batch": 8}, gpus=[0, 1])
         assert plan["result"]["best"]["parallelism"]["gpu_indices"] == [0, 1]
 
-    # TCP: nothing in plain text (tests/test_service_tls.py has the rest), nothing without the token, everything with it.
+    # TCP: nothing in plain text (tests/engine/test_service_tls.py has the rest), nothing without the token, everything with it.
     t = socket.create_connection((host, port), timeout=10)
     assert raw_exchange(t, protocol.encode(protocol.request(1, "jobs")))["error"]["code"] == protocol.TLS_REQUIRED
     assert t.recv(10) == b""  # and then it hangs up
@@ -490,16 +344,6 @@ def test_crashing_rank_fails_the_job_within_seconds_naming_the_rank(engine):
         assert c.request("logs", job=job["id"])["rank"] == 1  # logs default to the rank that failed
 
 
-OOM_SCRIPT = """
-import sys
-from rigpilot import report
-report(step=1, loss=2.0, peak_memory=20 * 2**30)
-report(kind="error", error="out_of_memory", allocated=22 * 2**30, total=24 * 2**30)
-print("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", file=sys.stderr)
-sys.exit(1)
-"""
-
-
 def test_script_job_imports_its_own_engine_app_and_resources_not_rigpilots(engine, tmp_path):
     """Research code often has its own engine.py (DETR), app.py or resources/: a script job imports those,
     and Rigpilot only as `rigpilot`, from the worker's environment (nothing of ours on PYTHONPATH)."""
@@ -721,7 +565,6 @@ def test_service_module_does_not_import_torch():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False"
-
 
 
 def test_gpus_and_watch_show_the_engines_telemetry_with_the_jobs_load(engine, capsys):

@@ -6,14 +6,17 @@ import signal
 from pathlib import Path
 
 import pytest
-from test_service_engine import GATE_SCRIPT, engine, gate, wait_for  # noqa: F401 - the fixture
 
 from rigpilot.engine.cli.entry import main as cli_main
+
+from support.engine import GATE_SCRIPT, gate
+from support.paths import REPO
+from support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
 
-def test_killing_one_ranks_wrapper_blames_that_rank(engine):  # noqa: F811
+def test_killing_one_ranks_wrapper_blames_that_rank(engine):
     engine.start()
     script = engine.script("gate.py", GATE_SCRIPT)
     with engine.client() as c:
@@ -27,7 +30,7 @@ def test_killing_one_ranks_wrapper_blames_that_rank(engine):  # noqa: F811
 
 
 def test_a_resume_without_a_checkpoint_says_it_starts_from_step_0_and_a_script_folder_is_named(
-    engine, capsys, tmp_path, monkeypatch  # noqa: F811
+    engine, capsys, tmp_path, monkeypatch
 ):
     engine.start()
     monkeypatch.chdir(tmp_path)
@@ -37,7 +40,7 @@ def test_a_resume_without_a_checkpoint_says_it_starts_from_step_0_and_a_script_f
     assert "is a folder" in err and "does not exist" not in err
     data = tmp_path / "data.txt"
     data.write_text("to be or not to be\n" * 50)
-    config = Path(__file__).resolve().parents[1] / "examples" / "models" / "tiny-llama" / "config.json"
+    config = REPO / "examples" / "models" / "tiny-llama" / "config.json"
     with engine.client() as c:
         # GPU 0 busy, so the training job waits in the queue and is cancelled there: it never saved a checkpoint.
         busy = engine.submit(c, engine.script("gate.py", GATE_SCRIPT), str(gate(engine, "busy")), gpus=[0])

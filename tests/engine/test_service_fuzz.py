@@ -17,11 +17,12 @@ import time
 
 import psutil
 import pytest
-from test_service_engine import Engine, engine  # noqa: F401  (the fixture)
 
 from rigpilot.engine import paths
 from rigpilot.engine.jobs.spec import InferSettings, JobSpec, Parallelism, TrainSettings
 from rigpilot.engine.service import protocol
+
+from support.engine import Engine
 
 pytestmark = pytest.mark.slow
 
@@ -135,7 +136,7 @@ def unix_connection() -> socket.socket:
     return s
 
 
-def test_ten_thousand_fuzzed_frames_are_each_answered_and_nothing_grows(engine: Engine):  # noqa: F811
+def test_ten_thousand_fuzzed_frames_are_each_answered_and_nothing_grows(engine: Engine):
     engine.start()
     proc = psutil.Process(engine.proc.pid)
     # Warm up every code path the measured run takes (lazy imports, the planner process, SQLite's cache,

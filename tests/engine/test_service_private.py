@@ -15,11 +15,12 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from test_service_engine import Engine, engine_home, leftover_job_processes
 
 from rigpilot.engine.cli.entry import main as cli_main
 from rigpilot.engine.jobs.secrets import MASK, is_secret, read_secrets_file, split
 from rigpilot.engine.service.client import EngineError
+
+from support.engine import Engine, engine_home, leftover_job_processes
 
 HF_TOKEN = "hf_" + "Zq7" * 12
 WANDB_KEY = "0123456789abcdef" * 2 + "-wandb"

@@ -1,7 +1,7 @@
 """What a job produced (`results`, the `job` answer's `settings` and `output`) and `rename`, in the engine.
 
 The readers are tested on files written here (good, hostile, missing); the
-socket requests on a real service with a real job, as tests/test_service_engine.py does.
+socket requests on a real service with a real job, as tests/engine/test_service_engine.py does.
 """
 
 import json
@@ -15,10 +15,10 @@ from rigpilot.engine.errors import UserError
 from rigpilot.engine.jobs.results import MAX_TEXT, check_name, describe_output, job_settings, read_results
 from rigpilot.engine.service import protocol
 from rigpilot.engine.service.client import EngineError
-from tests import test_service_engine as service
-from tests.test_service_engine import QUICK_SCRIPT, SHAKESPEARE, TINY_LLAMA
 
-engine = service.engine  # the fixture: a real service in tmp_path
+from support.engine import QUICK_SCRIPT
+from support.paths import SHAKESPEARE
+from support.paths import TINY_LLAMA_CONFIG as TINY_LLAMA
 
 
 def write_results(path: Path, records: list) -> Path:

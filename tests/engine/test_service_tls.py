@@ -15,12 +15,13 @@ import threading
 from pathlib import Path
 
 import pytest
-from test_service_engine import Engine
 
 from rigpilot.engine import paths
 from rigpilot.engine.cli.entry import main as cli_main
 from rigpilot.engine.service import nodes, pins, protocol, tls
 from rigpilot.engine.service.client import EngineClient, EngineError, FingerprintMismatch
+
+from support.engine import Engine
 
 OTHER_FINGERPRINT = "SHA256:" + "A" * 43
 

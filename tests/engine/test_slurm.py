@@ -9,7 +9,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from dev_script import load_dev
 
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.simulated import load_profile
@@ -22,7 +21,10 @@ from rigpilot.engine.planner.export import slurm_script
 from rigpilot.engine.planner.plan import Plan, Workload
 from rigpilot.engine.planner.search import search
 
-TINY_MODEL = Path(__file__).resolve().parents[1] / "examples" / "models" / "tiny-llama"
+from support.dev_script import load_dev
+from support.paths import REPO
+
+TINY_MODEL = REPO / "examples" / "models" / "tiny-llama"
 
 
 @pytest.mark.parametrize(

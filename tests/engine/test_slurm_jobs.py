@@ -1,4 +1,4 @@
-"""`rigpilot run train --slurm` on a real one-machine SLURM (slurmctld, slurmd, munge: tests/slurm_cluster.py).
+"""`rigpilot run train --slurm` on a real one-machine SLURM (slurmctld, slurmd, munge: tests/support/slurm_cluster.py).
 
 The shipped tiny model and data, as 2 SLURM tasks (2 CPU ranks, gloo, the simulated 4×RTX 4090), through
 the engine service and the CLI: one job runs to completion with its loss in `rigpilot metrics`, and
@@ -15,12 +15,14 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from slurm_cluster import PARTITION, cluster
-from test_service_engine import Engine, engine_home, leftover_job_processes, wait_for
 
 from rigpilot.engine.cli.entry import main as cli_main
 
-REPO = Path(__file__).resolve().parents[1]
+from support.engine import Engine, engine_home, leftover_job_processes
+from support.paths import REPO
+from support.slurm_cluster import PARTITION, cluster
+from support.waiting import wait_for
+
 TINY_MODEL = REPO / "examples" / "models" / "tiny-llama"
 TINY_DATA = REPO / "examples" / "data" / "shakespeare.txt"
 

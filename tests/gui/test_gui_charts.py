@@ -7,16 +7,17 @@ from typing import Any
 
 import numpy as np
 import pytest
-from gui_fakes import FakeLink, make_job
 from PySide6.QtCore import QPoint, QPointF, QRect, Qt
 from PySide6.QtGui import QWheelEvent
 from PySide6.QtWidgets import QApplication, QScrollArea, QVBoxLayout, QWidget
-from test_gui_jobs import GIB, FakeJobs, step_record
 
 from rigpilot.app.jobs.charts import StepPlot, compact, round_up
 from rigpilot.app.main_window import MainWindow
 from rigpilot.app.widgets.time_chart import TimeChart
 from rigpilot.app.widgets.window_size import small_screen_size
+
+from support.gui_fakes import FakeLink, make_job
+from support.gui_jobs import GIB, FakeJobs, step_record
 
 FIRST = small_screen_size()  # the window as it opens on a 1280×800 screen, title bar included
 

@@ -6,7 +6,6 @@ import csv
 
 import numpy as np
 import pytest
-from gui_fakes import FakeLink, focusable_widgets, make_job, tab_through
 from PySide6.QtCore import QSettings
 from PySide6.QtGui import QColor, QImage, QPalette
 from PySide6.QtWidgets import QLabel
@@ -15,6 +14,8 @@ from rigpilot.app.dashboard.model import HISTORY_ROWS, METRICS, DashboardModel
 from rigpilot.app.dashboard.page import DashboardPage
 from rigpilot.app.widgets.ring_buffer import RingBuffer
 from rigpilot.engine.hardware.simulated import list_profiles
+
+from support.gui_fakes import FakeLink, focusable_widgets, make_job, tab_through
 
 PROFILES = [p["id"] for p in list_profiles()]
 

@@ -18,7 +18,6 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-from gui_fakes import fail_on_qt_warnings, isolated_config
 from PySide6.QtCore import QTimer
 from PySide6.QtGui import QImage
 from PySide6.QtWidgets import QApplication, QMessageBox
@@ -31,7 +30,9 @@ from rigpilot.app.wizard.state import examples_present
 from rigpilot.app.wizard.wizard import JobWizard
 from rigpilot.engine.service.client import EngineClient
 
-REPO = Path(__file__).resolve().parents[1]
+from support.gui_fakes import fail_on_qt_warnings, isolated_config
+from support.paths import REPO
+
 JOB_TIMEOUT_MS = 75_000
 # A job that runs until its gate file appears: the one still running when the window closes.
 GATED_SCRIPT = """

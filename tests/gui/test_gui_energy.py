@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from gui_fakes import FakeLink
-from test_gui_job_results import a_training_job
-from test_gui_jobs import FakeJobs, open_job, open_page
 
 from rigpilot.app.jobs.detail import SUMMARY_TAB
 from rigpilot.app.jobs.energy_view import NO_PRICE, energy_rows
 from rigpilot.engine.jobs.energy import EnergyMeter, combine, cost
+
+from support.gui_fakes import FakeLink
+from support.gui_jobs import FakeJobs, a_training_job, open_job, open_page
 
 
 def measured_energy() -> dict:
@@ -57,9 +57,9 @@ def test_no_energy_figure_hides_the_section_and_a_slurm_job_says_why():
 
 
 def test_settings_prices_are_checked_by_the_settings_schema_and_saved_apart(qtbot):
-    from test_gui_settings import open_page as open_settings
-
     from rigpilot.engine.settings import Settings
+
+    from support.gui_settings import open_page as open_settings
 
     Settings(simulated_profile="8x-a100-pcie", electricity_price=0.25, electricity_currency="CHF").save()
     page = open_settings(qtbot)
@@ -85,11 +85,11 @@ def test_settings_prices_are_checked_by_the_settings_schema_and_saved_apart(qtbo
 
 
 def test_the_planner_compares_the_plan_here_with_the_rented_machines(qtbot):
-    from test_gui_planner import open_page as open_planner
-    from test_gui_planner import plan_for
-
     from rigpilot.app.planner.rented_view import NO_BUDGET
     from rigpilot.engine.settings import Settings
+
+    from support.gui_planner import open_page as open_planner
+    from support.gui_planner import plan_for
 
     h100 = {"name": "cloud-h100", "gpu": "h100-sxm5", "gpus": 8, "price_per_gpu_hour": 2.5, "currency": "USD"}
     Settings(rented_machines=[h100], electricity_price=0.30, electricity_currency="EUR").save()
@@ -108,7 +108,7 @@ def test_the_planner_compares_the_plan_here_with_the_rented_machines(qtbot):
 
 
 def test_a_running_jobs_energy_so_far_follows_the_engines_job_events(qtbot):
-    from test_gui_jobs import a_job
+    from support.gui_jobs import a_job
 
     link = FakeLink()
     FakeJobs(link, [a_job("r", "running")])

@@ -14,7 +14,6 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-from gui_fakes import FakeLink
 from PySide6.QtWidgets import QWidget
 
 from rigpilot.app.engine_env.dialog import (
@@ -29,6 +28,8 @@ from rigpilot.app.engine_env.dialog import (
 )
 from rigpilot.app.settings.page import SettingsPage
 from rigpilot.engine.cli.entry import build_parser
+
+from support.gui_fakes import FakeLink
 
 FAKE_INSTALLER = r"""
 import json, sys, time

@@ -13,7 +13,6 @@ import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from PySide6.QtCore import QMargins, QPoint, QRect, QSize
@@ -27,7 +26,8 @@ from rigpilot.app.widgets.window_size import (
     small_screen_size,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
+
 OPENBOX = QMargins(1, 20, 1, 5)  # openbox's default theme, measured on Xvfb
 SCREEN = QRect(0, 0, 1280, 800)
 
@@ -84,7 +84,7 @@ if sys.argv[1] == "no-allowance":
     window_size.FRAME_GUESS = QMargins()
 app = QApplication(["rigpilot"])
 QCoreApplication.setOrganizationName("RigpilotTests")
-from gui_fakes import FakeLink
+from support.gui_fakes import FakeLink
 from rigpilot.app.main_window import MainWindow
 w = MainWindow(FakeLink("4x-rtx4090"))
 w.show()

@@ -9,12 +9,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from gui_fakes import FakeLink
 from PySide6.QtCore import QRect, Qt
 from PySide6.QtGui import QColor, QImage, QPainter, QPalette
 from PySide6.QtWidgets import QApplication, QInputDialog, QMessageBox, QStyleFactory, QStyleOptionViewItem
-from test_gui_jobs import GIB, FakeJobs, open_job, open_page, step_record
-from test_gui_jobs import a_job as base_job
 
 from rigpilot.app.jobs.detail import CHARTS_TAB, RESULTS_TAB, SUMMARY_TAB
 from rigpilot.app.jobs.model import PROGRESS
@@ -24,31 +21,15 @@ from rigpilot.app.jobs.try_it import try_spec
 from rigpilot.app.widgets.units import si
 from rigpilot.engine.service.client import EngineError
 
+from support.gui_fakes import FakeLink
+from support.gui_jobs import GIB, FakeJobs, a_training_job, open_job, open_page, step_record
+from support.gui_jobs import a_job as base_job
+
 
 def a_job(job_id: str, state: str = "running", **fields: Any) -> dict[str, Any]:
     job = base_job(job_id, state)
     job.update(fields)
     return job
-
-
-TRAIN = {
-    "kind": "train", "model": "examples/models/tiny-llama", "gpus": [0, 1], "spec_version": 1,
-    "parallelism": {"dp_replicate": 2, "dp_shard": 1, "tp": 1, "pp": 1},
-    "train": {"method": "full", "dataset": ["shakespeare.txt"], "learning_rate": 2e-4, "micro_batch": 2,
-              "grad_accum": 4, "seq_len": 64, "max_steps": 10, "precision": "fp32"},
-}  # fmt: skip
-
-
-def a_training_job(job_id: str, *, output: str | None = "full", merged: bool = False, **train: Any) -> dict[str, Any]:
-    folder = f"/tmp/rigpilot-jobs/{job_id}/output"
-    settings = json.loads(json.dumps(TRAIN))
-    settings["train"].update(train)
-    return a_job(
-        job_id, "completed", kind="train", started=1000.0, ended=1000.0 + 3725, wall_s=3725.0, settings=settings,
-        output={"folder": folder, "model": output, "merged": f"{folder}/merged" if merged else None, "results": False,
-                "architectures": ["LlamaForCausalLM"], "base_model": "org/base" if output == "lora" else None},
-        progress={"fraction": 1.0, "step": 10, "max_steps": 10, "tokens_per_s": 14_719_000.0},
-    )  # fmt: skip
 
 
 def an_inference_job(job_id: str, state: str = "completed") -> dict[str, Any]:

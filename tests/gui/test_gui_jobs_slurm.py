@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from gui_fakes import FakeLink
-from test_gui_jobs import FakeJobs, a_job, open_job, open_page
-
 from rigpilot.app.jobs.model import STATE
+
+from support.gui_fakes import FakeLink
+from support.gui_jobs import FakeJobs, a_job, open_job, open_page
 
 
 def slurm_job(job_id: str, state: str, slurm_state: str, reason: str | None) -> dict:

@@ -8,11 +8,9 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import psutil
 import pytest
-from test_service_engine import GATE_SCRIPT, Engine, engine_home, gate, leftover_job_processes
 
 from rigpilot.app.engine_link import CONNECTED, EngineLink
 from rigpilot.app.main_window import MainWindow
@@ -21,7 +19,8 @@ from rigpilot.engine.hardware.discovery import open_backend
 from rigpilot.engine.hardware.simulated import load_profile
 from rigpilot.engine.service.client import EngineClient, service_running
 
-REPO = Path(__file__).resolve().parents[1]
+from support.engine import GATE_SCRIPT, Engine, engine_home, gate, leftover_job_processes
+from support.paths import REPO
 
 
 @pytest.fixture

@@ -5,12 +5,13 @@ import subprocess
 import sys
 
 import pytest
-from gui_fakes import FakeLink, make_job
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtWidgets import QApplication, QMessageBox, QPushButton
 
 from rigpilot.app.main_window import PAGES, MainWindow
 from rigpilot.engine.hardware.simulated import list_profiles
+
+from support.gui_fakes import FakeLink, make_job
 
 
 def open_window(qtbot, link):
@@ -128,9 +129,9 @@ def test_without_a_display_the_app_says_so_in_one_line():
 
 
 def test_ctrl_n_opens_the_wizard_from_every_page_and_launch_lands_on_the_job(qtbot):
-    from gui_fakes import accept_submissions
-
     from rigpilot.app.wizard.wizard import JobWizard
+
+    from support.gui_fakes import accept_submissions
 
     link = FakeLink("4x-rtx4090")
     w = open_window(qtbot, link)

@@ -7,14 +7,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from gui_fakes import (
-    FakeLink,
-    focusable_widgets,
-    isolated_config,
-    make_job,
-    real_plan_reply,
-    tab_through,
-)
 from PySide6.QtCore import QPointF, QSettings, Qt
 from PySide6.QtWidgets import QFileDialog
 
@@ -37,8 +29,10 @@ from rigpilot.engine.hardware.simulated import list_profiles
 from rigpilot.engine.planner.plan import Plan
 from rigpilot.engine.service.client import EngineError
 
+from support.gui_fakes import FakeLink, focusable_widgets, isolated_config, make_job, real_plan_reply, tab_through
+from support.gui_planner import PRESET_7B, open_page, plan_for
+
 PROFILES = [p["id"] for p in list_profiles()]
-PRESET_7B = "llama-2-7b"
 SMI_Q = "case21_smiq_4xA100_sxm4_80gb_nvidia-smi-q.txt"
 
 
@@ -46,33 +40,6 @@ SMI_Q = "case21_smiq_4xA100_sxm4_80gb_nvidia-smi-q.txt"
 def _private_settings(tmp_path, monkeypatch):
     # The page keeps imported machines in QSettings: never the user's, never another test's.
     yield from isolated_config(tmp_path, monkeypatch)
-
-
-
-
-def open_page(qtbot, profile: str = "8x-a100-pcie", *, connect: bool = True, jobs=None) -> tuple[PlannerPage, FakeLink]:
-    link = FakeLink(profile, jobs=jobs)
-    link.replies["plan"] = real_plan_reply(link.machine_obj)
-    page = PlannerPage(link)
-    qtbot.addWidget(page)
-    page.resize(1118, 734)  # what the main window leaves a page when it opens on a 1280×800 screen
-    page.show()
-    qtbot.waitExposed(page)
-    if connect:
-        link.connect_engine()
-    return page, link
-
-
-def plan_for(qtbot, page: PlannerPage, model: str = PRESET_7B, **form) -> dict:
-    page.picker.set_model(model, chosen=False)
-    if form:
-        r = page.plan_request()
-        for k, v in form.items():
-            setattr(r, k, v)
-        page.set_request(r)
-    with qtbot.waitSignal(page.sig_plan_ready, timeout=20000) as ready:
-        page.plan_button.click()
-    return ready.args[0]
 
 
 @pytest.mark.parametrize("profile", PROFILES)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from gui_fakes import FakeLink, isolated_config, real_plan_reply
 from PySide6.QtCore import QSettings
 
 from rigpilot.app.planner.page import TABLE_COLUMNS, PlannerPage
 from rigpilot.engine.planner.cluster import NODE_LINKS
+
+from support.gui_fakes import FakeLink, isolated_config, real_plan_reply
 
 GPUS_COLUMN = TABLE_COLUMNS.index("GPUs")
 

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import shlex
 
-from gui_fakes import FakeLink
 from PySide6.QtCore import QSettings, Qt
 from PySide6.QtGui import QImage
-from test_gui_jobs import T0, FakeJobs, a_job, open_job, open_page, step_record
 
 from rigpilot.app.jobs.model import STATE
 from rigpilot.app.jobs.restarts import timeline_of
 from rigpilot.app.widgets.palette import BAD
+
+from support.gui_fakes import FakeLink
+from support.gui_jobs import T0, FakeJobs, a_job, open_job, open_page, step_record
 
 RESTARTS = [
     {"time": T0 + 60, "run": 1, "cause": "rank 1 was killed by SIGKILL", "from_step": 50, "left_out_gpus": [],
@@ -69,10 +70,10 @@ def test_the_list_and_the_job_page_show_the_restarts(qtbot):
 
 
 def test_the_wizard_sets_the_restart_limit_and_the_command_line_carries_it(qtbot, tmp_path):
-    from test_gui_wizard import go_to, make_link, open_wizard
-
     from rigpilot.app.wizard.page_base import HYPER
     from rigpilot.app.wizard.state import WizardState, default_state, state_from_spec
+
+    from support.gui_wizard import go_to, make_link, open_wizard
 
     link, _ = make_link()
     settings = QSettings(str(tmp_path / "wizard.ini"), QSettings.Format.IniFormat)

@@ -8,14 +8,14 @@ import copy
 import csv
 from typing import Any
 
-from gui_fakes import FakeLink
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QImage
-from test_gui_job_results import a_training_job
-from test_gui_jobs import FakeJobs, open_job, open_page, step_record
 
 from rigpilot.app.jobs.detail import SUMMARY_TAB
 from rigpilot.engine.jobs import scaling
+
+from support.gui_fakes import FakeLink
+from support.gui_jobs import FakeJobs, a_training_job, open_job, open_page, step_record
 
 
 def a_study(states: tuple[str, str], measured: tuple[float | None, float | None]) -> dict[str, Any]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from gui_fakes import FakeLink, focusable_widgets, tab_through
 from PySide6.QtCore import QSettings
 
 from rigpilot.app.settings import model
@@ -17,18 +16,11 @@ from rigpilot.app.settings.model import (
     read_refresh_hz,
     validate_address,
 )
-from rigpilot.app.settings.page import SettingsPage
 from rigpilot.engine.hardware.simulated import list_profiles
 from rigpilot.engine.settings import Settings
 
-
-def open_page(qtbot) -> SettingsPage:
-    page = SettingsPage(FakeLink("1x-rtx4090"))
-    qtbot.addWidget(page)
-    page.resize(900, 800)
-    with qtbot.waitSignal(page.sig_loaded, timeout=10000):
-        page.show()
-    return page
+from support.gui_fakes import focusable_widgets, tab_through
+from support.gui_settings import open_page
 
 
 def test_loads_the_profiles_and_current_values(qtbot):

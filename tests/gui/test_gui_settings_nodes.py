@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import stat
 
-from gui_fakes import FakeLink
-
 from rigpilot.app.settings.nodes import NodesBox
 from rigpilot.engine.service import nodes
+
+from support.gui_fakes import FakeLink
 
 TOKEN = "t" * 43
 PINNED = "SHA256:" + "B" * 42 + "A"

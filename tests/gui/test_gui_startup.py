@@ -5,15 +5,15 @@ import os
 import subprocess
 import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
-from gui_fakes import FakeLink, make_job
 
 from rigpilot.app import main_window
 from rigpilot.app.main_window import PAGES, MainWindow
 
-REPO = Path(__file__).resolve().parents[1]
+from support.gui_fakes import FakeLink, make_job
+from support.paths import REPO
+
 HEAVY_MODULES = [target.split(":")[0] for key, _, target in PAGES if key != "dashboard"]
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from gui_fakes import FakeLink, focusable_widgets, isolated_config, make_job, real_plan_reply, tab_through
 from PySide6.QtCore import QPoint, QSettings, Qt
 from PySide6.QtGui import QColor, QPalette
 from PySide6.QtTest import QTest
@@ -13,6 +12,8 @@ from rigpilot.app.topology.model import build_graph, measured_bandwidth, nvlink_
 from rigpilot.app.topology.page import TopologyPage
 from rigpilot.engine.hardware.importers import import_machine
 from rigpilot.engine.hardware.simulated import list_profiles, load_profile
+
+from support.gui_fakes import FakeLink, focusable_widgets, isolated_config, make_job, real_plan_reply, tab_through
 
 PROFILES = [p["id"] for p in list_profiles()]
 # NVLink edges as drawn: one per bridged pair, or one spoke per GPU into an NVSwitch.

@@ -7,15 +7,6 @@ import shlex
 import shutil
 
 import pytest
-from gui_fakes import (
-    FakeLink,
-    accept_submissions,
-    focusable_widgets,
-    make_job,
-    real_plan_reply,
-    tab_through,
-)
-from PySide6.QtCore import QSettings
 from PySide6.QtWidgets import QMainWindow, QWidget, QWizard
 
 from rigpilot.app.widgets.window_size import small_screen_size
@@ -45,59 +36,11 @@ from rigpilot.engine.hardware.simulated import load_profile
 from rigpilot.engine.jobs.spec import JobSpec
 from rigpilot.engine.service.client import EngineError
 
+from support.gui_fakes import accept_submissions, focusable_widgets, make_job, real_plan_reply, tab_through
+from support.gui_wizard import blocked, go_to, make_link, next_page, open_wizard, settled
+from support.paths import REPO
+
 ALL_PAGES = [TASK, MODEL, DATA, GPUS, PLAN, HYPER, REVIEW, LAUNCH]
-
-
-
-
-@pytest.fixture
-def settings(tmp_path) -> QSettings:
-    return QSettings(str(tmp_path / "wizard.ini"), QSettings.Format.IniFormat)
-
-
-def make_link(profile: str = "4x-rtx4090", jobs=None) -> tuple[FakeLink, list[dict]]:
-    link = FakeLink(profile, jobs=jobs)
-    link.replies["plan"] = real_plan_reply(link.machine_obj)
-    submitted = accept_submissions(link)
-    link.connect_engine()
-    return link, submitted
-
-
-def open_wizard(qtbot, link: FakeLink, settings: QSettings, **kw) -> JobWizard:
-    wizard = JobWizard(link, settings=settings, **kw)
-    qtbot.addWidget(wizard)
-    wizard.resize(1000, 720)
-    wizard.show()
-    qtbot.waitExposed(wizard)
-    return wizard
-
-
-def settled(qtbot, wizard: JobWizard):
-    """The current page, once its background checks have answered."""
-    page = wizard.currentPage()
-    qtbot.waitUntil(lambda: not page.busy, timeout=20000)
-    return page
-
-
-def next_page(qtbot, wizard: JobWizard) -> int:
-    page = settled(qtbot, wizard)
-    assert page.isComplete(), page.message.text()
-    wizard.next()
-    settled(qtbot, wizard)
-    return wizard.currentId()
-
-
-def go_to(qtbot, wizard: JobWizard, target: int) -> None:
-    while wizard.currentId() != target:
-        next_page(qtbot, wizard)
-
-
-def blocked(qtbot, wizard: JobWizard, text: str) -> None:
-    """The current page refuses Next and says `text`."""
-    page = settled(qtbot, wizard)
-    assert not page.isComplete()
-    assert not wizard.button(QWizard.WizardButton.NextButton).isEnabled()
-    assert page.message.isVisible() and text in page.message.text(), page.message.text()
 
 
 @pytest.mark.skipif(not examples_present(), reason="the shipped examples are missing")
@@ -683,9 +626,8 @@ def test_the_command_line_parses_with_the_real_cli():
 def test_the_pages_and_the_wizard_do_not_import_each_other():
     """The pages reach the wizard through app.wizard.host only: no import cycle, not even for type checking."""
     import ast
-    from pathlib import Path
 
-    folder = Path(__file__).resolve().parents[1] / "app" / "wizard"
+    folder = REPO / "app" / "wizard"
     for f in folder.glob("*.py"):
         if f.name == "wizard.py":
             continue

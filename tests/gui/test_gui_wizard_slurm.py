@@ -1,25 +1,20 @@
 """The wizard's SLURM choice (GPUs page): the options go into the check and the submission, the command
 line says --slurm, a bad option is the engine's one-line refusal on Review, and what does not apply to a
 SLURM job (other nodes, queueing here) is hidden. The check's sbatch --test-only answer is canned
-(tests/gui_fakes.py); tests/test_slurm_jobs.py puts the same request to a real SLURM."""
+(tests/support/gui_fakes.py); tests/engine/test_slurm_jobs.py puts the same request to a real SLURM."""
 
 from __future__ import annotations
 
 import shlex
 
 import pytest
-from PySide6.QtCore import QSettings
-from test_gui_wizard import blocked, go_to, make_link, open_wizard, settled
 
 from rigpilot.app.wizard.page_base import GPUS, LAUNCH, REVIEW
 from rigpilot.app.wizard.state import WizardState, examples_present
 
+from support.gui_wizard import blocked, go_to, make_link, open_wizard, settled
+
 pytestmark = pytest.mark.skipif(not examples_present(), reason="the shipped examples are missing")
-
-
-@pytest.fixture
-def settings(tmp_path) -> QSettings:
-    return QSettings(str(tmp_path / "wizard.ini"), QSettings.Format.IniFormat)
 
 
 def choose_slurm(qtbot, wizard, **options: str):

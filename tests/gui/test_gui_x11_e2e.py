@@ -2,7 +2,7 @@
 
 Xvfb (and openbox, where it is installed) start in a fixture on a display Xvfb picks itself; the engine
 service and the app run as their own processes with their own XDG folders, on the default simulated machine
-(4×RTX 4090). The app is started by tests/x11_app.py: `rigpilot`'s own start-up plus a probe that writes what
+(4×RTX 4090). The app is started by tests/support/x11_app.py: `rigpilot`'s own start-up plus a probe that writes what
 is on the screen (titles, texts, where each named widget is) to a file, so the test knows where to click;
 every key and click still goes through the X server (XTEST, via xdotool). The flow:
 
@@ -15,7 +15,7 @@ planner pages and `rigpilot gpus` all follow.
 Screenshots go to tmp_path; with RIGPILOT_E2E_SHOTS=DIR the main ones are also kept there by name, which is
 how docs/screenshots' flow pictures are made:
 
-    RIGPILOT_E2E_SHOTS=docs/screenshots .venv/bin/python -m pytest -m slow tests/test_gui_x11_e2e.py
+    RIGPILOT_E2E_SHOTS=docs/screenshots .venv/bin/python -m pytest -m slow tests/gui/test_gui_x11_e2e.py
 
 It costs about a minute on a 2-core machine.
 """
@@ -34,9 +34,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_service_engine import wait_for
 
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
+from support.waiting import wait_for
+
 PROFILE = "4x-rtx4090"
 SCREEN = "1400x900x24"
 MAIN_TITLE = "Rigpilot — "  # the window's title once the engine said which machine it runs on
@@ -97,7 +98,7 @@ class Desktop:
         return path
 
     def probe(self) -> dict[str, Any]:
-        """What the app's probe (tests/x11_app.py) last saw on the screen."""
+        """What the app's probe (tests/support/x11_app.py) last saw on the screen."""
         try:
             return json.loads((self.tmp / "probe.json").read_text())
         except (OSError, ValueError):
@@ -234,7 +235,7 @@ def start_engine(d: Desktop) -> None:
 
 def start_app(d: Desktop) -> str:
     """The desktop app, until its window is up and connected; returns the window's id."""
-    d.app = _start(d, [sys.executable, str(REPO / "tests" / "x11_app.py"), str(d.tmp / "probe.json")], "app.log", cwd=d.tmp)
+    d.app = _start(d, [sys.executable, str(REPO / "tests" / "support" / "x11_app.py"), str(d.tmp / "probe.json")], "app.log", cwd=d.tmp)
 
     def window() -> str:
         assert d.app is not None and d.app.poll() is None, (d.tmp / "app.log").read_text()

@@ -13,10 +13,11 @@ import sys
 import tomllib
 from pathlib import Path
 
-import debian_root
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from support import debian_root
+from support.paths import REPO
+
 PACKAGES = ("python3", "python3-venv")
 WHEEL_DIRS = [Path(p) for p in os.environ.get("RIGPILOT_TEST_WHEELS", "/opt/wheels").split(os.pathsep) if p]
 

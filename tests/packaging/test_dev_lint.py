@@ -8,7 +8,7 @@ import sys
 import textwrap
 import tomllib
 
-from dev_script import DEV_PY, load_dev
+from support.dev_script import DEV_PY, load_dev
 
 ROOT = DEV_PY.parent
 

@@ -22,9 +22,10 @@ from importlib.machinery import ModuleSpec
 from pathlib import Path
 
 import pytest
-from dev_script import load_dev
 
-REPO = Path(__file__).resolve().parents[1]
+from support.dev_script import load_dev
+from support.paths import REPO
+
 VERSION = f"{sys.version_info.major}.{sys.version_info.minor}"
 
 # Trimmed from a real `pip install --dry-run --quiet --no-deps --report FILE torch==2.13.0` here

@@ -15,11 +15,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import debian_root
 import pytest
-from dev_script import load_dev
 
-REPO = Path(__file__).resolve().parents[1]
+from support import debian_root
+from support.dev_script import load_dev
+from support.paths import REPO
+
 PACKAGES = ("python3", "python3-venv")  # the root test_debian_root uses too: built once, cached
 
 
@@ -305,7 +306,7 @@ def test_in_debian13_only_ci_installs_the_test_packages_and_leaves_no_service_en
 
 @pytest.mark.parametrize("args, cores, expected", [
     ([], 2, ["-n", "2", "--dist", "loadfile"]),
-    (["tests/test_cli.py", "-k", "plan"], 16, ["-n", "4", "--dist", "loadfile"]),  # never more than four
+    (["tests/unit/test_cli.py", "-k", "plan"], 16, ["-n", "4", "--dist", "loadfile"]),  # never more than four
     ([], 1, []),
     (["-n", "1"], 2, []), (["-n3"], 2, []), (["--numprocesses=3"], 2, []), (["-p", "no:xdist"], 2, []),
     (["-pno:xdist"], 2, []), (["--pdb"], 2, []), (["--lf"], 2, []), (["--stepwise"], 2, []),

@@ -28,9 +28,10 @@ import pytest
 
 from rigpilot.engine import __version__, provision
 
+from support.paths import REPO
+
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
 TORCH_WHEELS = Path("/opt/wheels")
 WHEELS = Path(os.environ.get("RIGPILOT_TEST_WHEELS") or Path.home() / ".cache" / "rigpilot-test-wheels")
 BASE_PYTHON = provision.default_base_python()

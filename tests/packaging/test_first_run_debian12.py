@@ -7,7 +7,7 @@ runs dev.py app for real, set-up included, from a folder of wheels (PIP_NO_INDEX
 pinned CPU torch for cp311, which Debian 12's python3 is, and everything pyproject.toml asks for, fetched
 once and cached), and its window maps on the Xvfb inside the root.
 
-Builds Debian roots as root (tests/debian_root.py), so it runs only where CI=true or RIGPILOT_TEST_INSTALL=1
+Builds Debian roots as root (tests/support/debian_root.py), so it runs only where CI=true or RIGPILOT_TEST_INSTALL=1
 says this machine may be used for it, like the packaging test; it skips with the reason where a root cannot
 be made. On 2 cores: about a minute with the roots and wheels cached (the check answers in under a second,
 the set-up and the window take the rest), four minutes on a cold cache (two roots, 480 MB of wheels).
@@ -25,10 +25,11 @@ import time
 import tomllib
 from pathlib import Path
 
-import debian_root
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from support import debian_root
+from support.paths import REPO
+
 _spec = importlib.util.spec_from_file_location("qt_runtime", REPO / "packaging" / "qt_runtime.py")
 qt_runtime = sys.modules["qt_runtime"] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(qt_runtime)

@@ -4,7 +4,7 @@ Building and checking the package's contents runs wherever dpkg-deb exists.
 Installing it changes the machine (/opt, /usr/share, users), so that part runs
 only as root and where CI=true or RIGPILOT_TEST_INSTALL=1 says this machine
 may be changed: CI always does. The same scenario then runs again inside a
-Debian 13 root made from Debian's own packages (tests/debian_root.py), where
+Debian 13 root made from Debian's own packages (tests/support/debian_root.py), where
 the app runs on Python 3.13.
 """
 
@@ -32,7 +32,7 @@ import pytest
 
 from rigpilot.app.main_window import PAGES
 
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
 
 
 def _load(name: str):
@@ -700,7 +700,7 @@ def test_install_use_remove_purge_in_debian13(deb, tmp_path):
     The only CPU torch wheel at hand is cp311, so the engine environment there is made on a CPython 3.11
     copied into the root (--python): users of Debian 13 get torch's cp313 CPU wheel from PyTorch's index.
     """
-    debian_root = pytest.importorskip("debian_root")
+    debian_root = pytest.importorskip("support.debian_root")
 
     depends = run(["dpkg-deb", "--field", str(deb), "Depends"]).stdout.split(", ")
     # The first of each alternative, names only: that they all exist in Debian 13 is part of the test.

@@ -4,7 +4,7 @@ is what the installed PySide6 really links.
 
 packaging/qt_runtime.py is imported from its path (dev.py runs it on the bare system python3). The
 libraries on this machine are all installed, so the missing ones are made by handing the check an
-`ldconfig -p` listing without them; tests/test_first_run_debian12.py does it on a fresh Debian 12.
+`ldconfig -p` listing without them; tests/packaging/test_first_run_debian12.py does it on a fresh Debian 12.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
+
 _spec = importlib.util.spec_from_file_location("qt_runtime", REPO / "packaging" / "qt_runtime.py")
 qt_runtime = sys.modules["qt_runtime"] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(qt_runtime)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 from types import ModuleType
 
-DEV_PY = Path(__file__).resolve().parents[1] / "dev.py"
+from support.paths import REPO
+
+DEV_PY = REPO / "dev.py"
 
 
 def load_dev(name: str = "rigpilot_dev_script") -> ModuleType:

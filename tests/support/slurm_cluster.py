@@ -20,9 +20,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from dev_script import load_dev
 
-REPO = Path(__file__).resolve().parents[1]
+from support.dev_script import load_dev
+
 PARTITION = "rigtest"
 
 

@@ -1,6 +1,6 @@
 """The desktop app exactly as `rigpilot` starts it, with a probe that tells a test what is on the screen.
 
-    python tests/x11_app.py PROBE.json
+    python tests/support/x11_app.py PROBE.json
 
 The app runs through `rigpilot.app.launcher.main()` (the console script's code) on the real X display. Every
 0.4 s the probe writes, atomically, what a person looking at the screen could read: each top-level window's

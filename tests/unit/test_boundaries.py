@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
 
 
 def imported_top_level(package: str) -> dict[str, set[str]]:

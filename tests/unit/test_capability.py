@@ -15,7 +15,8 @@ from rigpilot.engine.models import describe_model
 from rigpilot.engine.planner.plan import LoraSettings, Parallelism, Workload
 from rigpilot.engine.planner.search import SearchOptions, search
 
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
+
 SHAKESPEARE = REPO / "examples" / "data" / "shakespeare.txt"
 PRESETS = ("llama-2-7b", "llama-2-13b", "llama-3-70b", "mixtral-8x7b")
 

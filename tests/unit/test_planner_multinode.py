@@ -230,9 +230,9 @@ def test_socket_plan_request_takes_nodes_and_node_machines(h100):
 
 def test_the_engines_plan_request_plans_several_nodes(tmp_path, monkeypatch):
     """Through a real engine service and its planner process, as the GUI and other clients ask."""
-    from test_service_engine import Engine, engine_home
-
     from rigpilot.engine.service.client import EngineClient, EngineError
+
+    from support.engine import Engine, engine_home
 
     engine_home(tmp_path, monkeypatch)
     monkeypatch.setenv("RIGPILOT_PLAN_VERIFY", "0")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from test_planner_search import llama
 
 from rigpilot.engine.hardware.simulated import load_profile
 from rigpilot.engine.models.spec import ModelSpec
@@ -25,6 +24,8 @@ from rigpilot.engine.planner.speed import (
     HOST_STREAM_PER_CORE_GBS,
     SpeedModel,
 )
+
+from support.planner_inputs import llama
 
 P = 1_963_264
 UNIT = 724_992 + 512 + 256 // 2  # one block as FSDP2 gathers it; the planner spreads the final norm over the blocks

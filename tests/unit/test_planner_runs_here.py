@@ -6,8 +6,6 @@ full training, LoRA, QLoRA and inference: whenever a plan the engine runs fits, 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from rigpilot.engine.cli.plan import render_text
@@ -16,7 +14,9 @@ from rigpilot.engine.models.describe import describe_model
 from rigpilot.engine.planner.plan import LoraSettings, Plan, Workload, refusal
 from rigpilot.engine.planner.search import SearchOptions, search
 
-PROFILES = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "resources" / "machines").glob("*.json"))
+from support.paths import REPO
+
+PROFILES = sorted(p.stem for p in (REPO / "resources" / "machines").glob("*.json"))
 TASKS = [("train", "full"), ("train", "lora"), ("train", "qlora"), ("infer", "full")]
 
 
@@ -126,7 +126,7 @@ def test_planner_modules_import_without_cycles():
     """explain reads the search's types from engine.planner.result; no planner module imports one that imports it."""
     import ast
 
-    folder = Path(__file__).resolve().parents[1] / "engine" / "planner"
+    folder = REPO / "engine" / "planner"
     graph: dict[str, set[str]] = {}
     for path in folder.glob("*.py"):
         if path.stem == "__init__":

@@ -11,7 +11,6 @@ import pytest
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.machine import Host, Machine, Source
 from rigpilot.engine.hardware.simulated import load_profile
-from rigpilot.engine.models.spec import Linear, ModelSpec
 from rigpilot.engine.planner.links import Topology
 from rigpilot.engine.planner.plan import LoraSettings, Workload
 from rigpilot.engine.planner.search import (
@@ -24,31 +23,15 @@ from rigpilot.engine.planner.search import (
     search,
 )
 
+from support.planner_inputs import llama, train
+
 PROFILES = [
     "8x-h100-sxm", "8x-a100-pcie", "4x-rtx4090", "2x-rtx3090-nvlink", "4x-rtxa6000-bridged", "mixed-4090-3090", "1x-rtx4090",
 ]
 
 
-def llama(h: int, inter: int, layers: int, heads: int, kv: int, vocab: int, params: int, name: str, ctx: int = 4096) -> ModelSpec:
-    d = h // heads
-    lin = [
-        Linear("q_proj", h, heads * d), Linear("k_proj", h, kv * d), Linear("v_proj", h, kv * d),
-        Linear("o_proj", heads * d, h), Linear("gate_proj", h, inter), Linear("up_proj", h, inter),
-        Linear("down_proj", inter, h),
-    ]
-    return ModelSpec(
-        id=name, architecture="LlamaForCausalLM", model_type="llama", params_total=params, params_active=params,
-        params_embedding=vocab * h, hidden_size=h, num_layers=layers, num_heads=heads, num_kv_heads=kv, head_dim=d,
-        intermediate_size=inter, vocab_size=vocab, max_position_embeddings=ctx, tied_embeddings=False, layer_linears=lin,
-    )
-
-
 LLAMA_7B = llama(4096, 11008, 32, 32, 32, 32000, 6_738_415_616, "llama-2-7b")
 LLAMA_70B = llama(8192, 28672, 80, 64, 8, 128256, 70_553_706_496, "llama-3.1-70b", ctx=131072)
-
-
-def train(**kw) -> Workload:
-    return Workload(model="llama-2-7b", **{"seq_len": 2048, "global_batch": 16, **kw})
 
 
 @pytest.fixture(scope="module")

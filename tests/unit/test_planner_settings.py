@@ -7,7 +7,6 @@ import argparse
 import dataclasses
 
 import pytest
-from test_planner_search import llama, train
 
 from rigpilot.engine import capability, schema
 from rigpilot.engine.cli.entry import build_parser
@@ -15,6 +14,8 @@ from rigpilot.engine.hardware.simulated import load_profile
 from rigpilot.engine.jobs.spec import TRAIN_SETTINGS
 from rigpilot.engine.layout import Layout
 from rigpilot.engine.planner.search import search
+
+from support.planner_inputs import llama, train
 
 # `rigpilot plan` options made from a job setting's declaration, and the setting each is.
 DECLARED = {"--seq": "train.seq_len", "--dtype": "train.precision", "--precision": "train.precision"}

@@ -14,7 +14,6 @@ import importlib.util
 import json
 import statistics
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -22,7 +21,9 @@ from rigpilot import resources
 from rigpilot.engine.hardware.simulated import load_profile
 from rigpilot.engine.planner.links import EFFICIENCY_PRIOR, Topology
 
-ROOT = Path(__file__).resolve().parents[1]
+from support.paths import REPO
+
+ROOT = REPO
 
 
 def _bench():

@@ -14,6 +14,8 @@ from rigpilot.engine.hardware.specs import (
     spec_by_key,
 )
 
+from support.paths import REPO
+
 MIB = 2**20
 
 # (name as NVML / ROCm reports it, memory.total in MiB as the driver reports it, expected row).
@@ -277,7 +279,7 @@ def test_load_specs_is_cached_and_rereads_an_edited_file(tmp_path):
 
 # ---- malformed tables ---------------------------------------------------------------------------------
 
-_VALID = json.loads(Path(__file__).resolve().parents[1].joinpath("resources", "gpu_specs.json").read_text())
+_VALID = json.loads(REPO.joinpath("resources", "gpu_specs.json").read_text())
 
 
 def _row(**changes):

@@ -17,11 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_workers_jobs import LLAMA_TRAIN, TINY_LLAMA_CONFIG, losses, records, run_job, write_job
 
 from rigpilot.engine.jobs.spec import JobSpec
 from rigpilot.engine.workers import ERROR_PREFIX, EXIT_USER_ERROR
 from rigpilot.engine.workers.checkpoint import SafeReader
+
+from support.paths import TINY_LLAMA_CONFIG
+from support.worker_jobs import LLAMA_TRAIN, losses, records, run_job, write_job
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,9 +14,11 @@ from rigpilot.engine.cli.entry import main
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.simulated import load_profile
 from rigpilot.engine.jobs.spec import JobSpec
-from rigpilot.engine.planner.calibration import SCHEMA, MachineCalibration, apply
+from rigpilot.engine.planner.calibration import MachineCalibration, apply
 
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
+from support.planner_inputs import h100_calibration
+
 H100 = "NVIDIA H100 80GB HBM3"
 
 
@@ -25,24 +26,6 @@ def plan(capsys, *argv: str) -> tuple[int, str, str]:
     rc = main(["plan", *argv])
     out, err = capsys.readouterr()
     return rc, out, err
-
-
-def h100_calibration(**over: Any) -> dict[str, Any]:
-    """What a calibrate job on eight H100s writes (the figures are made up, and lower than the priors)."""
-    d = {
-        "schema": SCHEMA,
-        "measured_at": "2026-11-23T20:15:00Z",
-        "simulated": False,
-        "device_type": "cuda",
-        "backend": "nccl",
-        "precision": "bf16",
-        "machine": {"gpus": {str(i): H100 for i in range(8)}, "gpu_count": 8, "driver": "550.90.07"},
-        "matmul_tflops": {"bf16": {str(i): 312.0 for i in range(8)}},
-        "bus_bandwidth_gbs": {"0,1,2,3,4,5,6,7": 180.0},
-        "p2p_gbs": {},
-    }
-    d.update(over)
-    return d
 
 
 def best_of(out: str) -> dict[str, Any]:
@@ -158,9 +141,9 @@ def test_a_real_calibrate_job_on_the_simulated_machine_is_read_labelled_and_not_
 @pytest.mark.slow
 def test_the_engine_keeps_its_machines_latest_calibration_for_its_planner(tmp_path, monkeypatch):
     """A stored GPU calibration counts in the engine's plans; a finished calibrate job replaces it, labelled."""
-    from test_service_engine import Engine, engine_home
-
     from rigpilot.engine import paths
+
+    from support.engine import Engine, engine_home
 
     engine_home(tmp_path, monkeypatch)  # the simulated 4×RTX 4090
     gpu = h100_calibration(
@@ -200,10 +183,10 @@ def test_the_engine_keeps_its_machines_latest_calibration_for_its_planner(tmp_pa
     ],
 )  # fmt: skip
 def test_the_planner_page_says_whether_and_when_the_machine_was_calibrated(qtbot, stored, says):
-    from gui_fakes import FakeLink
-
     from rigpilot.app.planner.page import PlannerPage
     from rigpilot.engine.service import planworker
+
+    from support.gui_fakes import FakeLink
 
     link = FakeLink("8x-h100-sxm")
     # The engine's planner process, handed the stored calibration as the service hands it.

@@ -20,7 +20,8 @@ from rigpilot.engine.planner import verify
 from rigpilot.engine.planner.plan import Plan, Workload
 from rigpilot.engine.planner.search import SearchOptions, search
 
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
+
 TINY_LLAMA = {
     "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 160,
     "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 256,

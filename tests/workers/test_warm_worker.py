@@ -20,13 +20,16 @@ from pathlib import Path
 
 import psutil
 import pytest
-from test_service_engine import Engine, engine_home, leftover_job_processes, wait_for
-from test_workers_jobs import LLAMA_TRAIN, TINY_LLAMA_CONFIG, losses, run_job, write_job
 
 from rigpilot.engine.cli import commands
 from rigpilot.engine.jobs.metrics import MetricsSummary
 from rigpilot.engine.jobs.supervisor import startup_phase
 from rigpilot.engine.launch import warm
+
+from support.engine import Engine, engine_home, leftover_job_processes
+from support.paths import TINY_LLAMA_CONFIG
+from support.waiting import wait_for
+from support.worker_jobs import LLAMA_TRAIN, losses, run_job, write_job
 
 TRAIN = {**LLAMA_TRAIN, "max_steps": 4, "eval_every": 0, "checkpoint_every": 0}
 

@@ -18,7 +18,8 @@ import torch
 import torch.multiprocessing as mp
 
 from rigpilot.engine.accuracy.tp import free_port
-from tests.test_workers_jobs import TINY_LLAMA_CONFIG
+
+from support.paths import TINY_LLAMA_CONFIG
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,6 @@ import importlib.util
 import json
 import math
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -23,119 +22,31 @@ from typing import Any
 import pytest
 import torch
 
-from rigpilot.engine.jobs.spec import JobSpec
 from rigpilot.engine.workers import ERROR_PREFIX, EXIT_USER_ERROR
+
+from support.paths import REPO
+from support.worker_jobs import (
+    JOB_TIMEOUT_S,
+    LLAMA_TRAIN,
+    assert_loss_falls,
+    assert_same_curve,
+    job_env,
+    llama_job,
+    losses,
+    notes_of,
+    output_tensors,
+    records,
+    resume_from,
+    run_job,
+    save_random_llama,
+    torchrun,
+    write_job,
+)
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
 TINY_LLAMA_CONFIG = REPO / "examples" / "models" / "tiny-llama" / "config.json"
 SHAKESPEARE = REPO / "examples" / "data" / "shakespeare.txt"
-JOB_TIMEOUT_S = 300
-
-# One training recipe for every Llama run, so runs with the same data-parallel degree see the same
-# batches and their losses can be compared across parallelisms.
-LLAMA_TRAIN: dict[str, Any] = {
-    "dataset": [str(SHAKESPEARE)],
-    "method": "scratch",
-    "precision": "fp32",
-    "seq_len": 32,
-    "micro_batch": 2,
-    "grad_accum": 2,
-    "max_steps": 12,
-    "learning_rate": 1e-2,
-    "warmup_steps": 2,
-    "eval_every": 6,
-    "checkpoint_every": 6,
-    "seed": 1234,
-}
-
-
-def _env(job_dir: Path) -> dict[str, str]:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    env["RIGPILOT_METRICS_DIR"] = str(job_dir / "metrics")
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    return env
-
-
-def write_job(job_dir: Path, **spec: Any) -> Path:
-    JobSpec.from_dict({"id": job_dir.name, **spec}).write(job_dir)
-    return job_dir
-
-
-def torchrun(job_dir: Path, nproc: int = 2, *, log_dir: Path | None = None) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    if log_dir is not None:
-        cmd += ["--log-dir", str(log_dir), "--redirects", "3"]
-    return [*cmd, "-m", "rigpilot.engine.workers", str(job_dir)]
-
-
-def run_job(
-    job_dir: Path, nproc: int = 2, expect: int = 0, log_dir: Path | None = None, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        torchrun(job_dir, nproc, log_dir=log_dir),
-        cwd=REPO,
-        env={**_env(job_dir), **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=JOB_TIMEOUT_S,
-    )
-    if (proc.returncode == 0) != (expect == 0):
-        pytest.fail(f"job {job_dir.name} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    return proc
-
-
-def records(job_dir: Path, rank: int = 0) -> list[dict[str, Any]]:
-    path = job_dir / "metrics" / f"rank{rank}.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def losses(job_dir: Path, rank: int = 0) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in records(job_dir, rank) if r.get("loss") is not None}
-
-
-def assert_loss_falls(job_dir: Path, margin: float) -> dict[int, float]:
-    curve = losses(job_dir)
-    steps = sorted(curve)
-    first, last = curve[steps[0]], sum(curve[s] for s in steps[-3:]) / 3
-    assert last < first - margin, f"loss did not fall: {curve}"
-    return curve
-
-
-def assert_same_curve(a: dict[int, float], b: dict[int, float], tol: float) -> None:
-    assert a.keys() == b.keys()
-    worst = max(abs(a[s] - b[s]) for s in a)
-    assert worst < tol, f"curves differ by {worst}:\n{a}\n{b}"
-
-
-def llama_job(root: Path, name: str, parallelism: dict[str, Any], nproc: int = 2, **train: Any) -> Path:
-    job = write_job(
-        root / name,
-        kind="train",
-        model=str(TINY_LLAMA_CONFIG),
-        parallelism=parallelism,
-        train={**LLAMA_TRAIN, **train},
-    )
-    run_job(job, nproc)
-    return job
-
-
-def resume_from(job: Path, step: int) -> Path:
-    """A fresh job folder holding only `job`'s checkpoint at `step`, resumed to the same max_steps."""
-    again = job.parent / f"{job.name}-resumed"
-    spec = JobSpec.read(job)
-    spec.resume = True
-    spec.write(again)
-    shutil.copytree(job / "checkpoints" / f"step-{step}", again / "checkpoints" / f"step-{step}")
-    run_job(again, spec.parallelism.world_size)
-    return again
-
-
-def output_tensors(job_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(job_dir / "output" / "model.safetensors")
 
 
 @pytest.fixture(scope="module")
@@ -197,10 +108,6 @@ def test_ddp_lowers_the_loss_and_resumes_bit_exactly(ddp_run: Path) -> None:
     assert after == {s: curve[s] for s in after}  # bit for bit, not approximately
     for name, tensor in output_tensors(ddp_run).items():
         assert torch.equal(tensor, output_tensors(resumed)[name]), name
-
-
-def notes_of(job: Path) -> list[str]:
-    return [r["message"] for r in records(job) if r.get("kind") == "note"]
 
 
 def test_fsdp_matches_ddp_and_resumes_bit_exactly(fsdp_run: Path, ddp_run: Path) -> None:
@@ -362,17 +269,6 @@ def random_llama(root: Path) -> Path:
     return save_random_llama(root / "random-llama", initializer_range=0.3)
 
 
-def save_random_llama(folder: Path, initializer_range: float) -> Path:
-    """The tiny example Llama with seeded random weights, saved as a Hugging Face folder with its tokenizer."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    torch.manual_seed(0)
-    config = AutoConfig.from_pretrained(TINY_LLAMA_CONFIG.parent, initializer_range=initializer_range)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    AutoTokenizer.from_pretrained(TINY_LLAMA_CONFIG.parent).save_pretrained(folder)
-    return folder
-
-
 def reference_tokens(model_dir: Path, prompts: list[str], batch_size: int, max_new: int) -> list[list[int]]:
     """transformers' own greedy generate() on the unsplit model, in the same left-padded batches."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -475,7 +371,7 @@ def test_sigterm_finishes_the_step_and_leaves_a_complete_checkpoint(root: Path) 
     proc = subprocess.Popen(
         torchrun(job, 2, log_dir=job / "logs"),
         cwd=REPO,
-        env=_env(job),
+        env=job_env(job),
         start_new_session=True,  # its own process group, as the service starts jobs
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -525,7 +421,7 @@ def test_a_script_reports_metrics_and_a_failing_one_fails_the_rank(root: Path) -
     proc = subprocess.run(
         [sys.executable, "-m", "rigpilot.engine.workers", str(failing)],
         cwd=REPO,
-        env=_env(failing),
+        env=job_env(failing),
         capture_output=True,
         text=True,
     )
@@ -559,7 +455,7 @@ def test_a_corrupt_config_json_fails_with_one_clear_line(root: Path) -> None:
     (model / "config.json").write_text('{"model_type": "llama",')
     job = write_job(root / "broken", kind="infer", model=str(model), infer={"prompts": ["hi"]})
     proc = subprocess.run(
-        [sys.executable, "-m", "rigpilot.engine.workers", str(job)], cwd=REPO, env=_env(job), capture_output=True, text=True
+        [sys.executable, "-m", "rigpilot.engine.workers", str(job)], cwd=REPO, env=job_env(job), capture_output=True, text=True
     )
     assert proc.returncode == EXIT_USER_ERROR
     last = proc.stderr.strip().splitlines()[-1]

@@ -17,8 +17,10 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from test_workers_jobs import SHAKESPEARE, notes_of, records, run_job, save_random_llama, write_job
-from test_workers_reference import inputs_and_labels, reference_lr
+
+from support.paths import SHAKESPEARE
+from support.reference_loop import inputs_and_labels, reference_lr
+from support.worker_jobs import notes_of, records, run_job, save_random_llama, write_job
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.test_workers_jobs import (
+from support.worker_jobs import (
     LLAMA_TRAIN,
     assert_loss_falls,
     assert_same_curve,

@@ -9,13 +9,15 @@ from typing import Any
 
 import pytest
 import torch
-from test_workers_jobs import SHAKESPEARE, TINY_LLAMA_CONFIG, records, run_job, write_job
-from test_workers_reference import inputs_and_labels, reference_lr
 
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.jobs.limits import check_job_settings
 from rigpilot.engine.jobs.spec import TRAIN_SETTINGS, JobSpec
 from rigpilot.engine.schema import check_group
+
+from support.paths import SHAKESPEARE, TINY_LLAMA_CONFIG
+from support.reference_loop import inputs_and_labels, reference_lr
+from support.worker_jobs import records, run_job, write_job
 
 RECIPE: dict[str, Any] = {
     "method": "scratch",

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_workers_jobs import (
+from support.paths import TINY_LLAMA_CONFIG
+from support.worker_jobs import (
     LLAMA_TRAIN,
-    TINY_LLAMA_CONFIG,
     assert_loss_falls,
     assert_same_curve,
     llama_job,
@@ -110,7 +110,7 @@ def base_run(root: Path) -> Path:
 def adapter_job(
     root: Path, name: str, base: Path, parallelism: dict[str, object], nproc: int = 2, **train: object
 ) -> Path:
-    from tests.test_workers_jobs import run_job, write_job
+    from support.worker_jobs import run_job, write_job
 
     job = write_job(
         root / name,

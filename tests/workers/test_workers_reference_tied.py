@@ -22,8 +22,10 @@ from typing import Any
 
 import pytest
 import torch
-from test_workers_jobs import SHAKESPEARE, TINY_LLAMA_CONFIG, records, run_job, write_job
-from test_workers_reference import CHAT, plain_loop
+
+from support.paths import CHAT, SHAKESPEARE, TINY_LLAMA_CONFIG
+from support.reference_loop import plain_loop
+from support.worker_jobs import records, run_job, write_job
 
 pytestmark = pytest.mark.slow
 

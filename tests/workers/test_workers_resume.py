@@ -15,24 +15,15 @@ import time
 from pathlib import Path
 
 import pytest
-from test_disk_full import ended_run
-from test_workers_jobs import (
-    JOB_TIMEOUT_S,
-    LLAMA_TRAIN,
-    REPO,
-    TINY_LLAMA_CONFIG,
-    _env,
-    losses,
-    records,
-    run_job,
-    torchrun,
-    write_job,
-)
 
 from rigpilot.engine.jobs.runs import run_outcome
 from rigpilot.engine.jobs.spec import JobSpec
 from rigpilot.engine.jobs.store import CANCELLED, COMPLETED
 from rigpilot.engine.jobs.supervisor import _trained_every_step
+
+from support.job_records import ended_run
+from support.paths import REPO, TINY_LLAMA_CONFIG
+from support.worker_jobs import JOB_TIMEOUT_S, LLAMA_TRAIN, job_env, losses, records, run_job, torchrun, write_job
 
 
 @pytest.mark.slow
@@ -69,7 +60,7 @@ def test_a_cancel_once_the_last_step_is_trained_lets_the_job_finish(tmp_path: Pa
         tmp_path / "last", kind="train", model=str(TINY_LLAMA_CONFIG), parallelism={},
         train={**LLAMA_TRAIN, "max_steps": 1, "checkpoint_every": 1, "eval_every": 0},
     )  # fmt: skip
-    proc = subprocess.Popen(torchrun(job, 1), cwd=REPO, env=_env(job), start_new_session=True,
+    proc = subprocess.Popen(torchrun(job, 1), cwd=REPO, env=job_env(job), start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     try:
         deadline = time.monotonic() + JOB_TIMEOUT_S

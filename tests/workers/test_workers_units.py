@@ -30,7 +30,8 @@ from rigpilot.engine.workers.data import (
 from rigpilot.engine.workers.parallel_dims import ParallelDims
 from rigpilot.engine.workers.train import lr_lambda
 
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
+
 TINY_LLAMA = REPO / "examples" / "models" / "tiny-llama"
 SHAKESPEARE = REPO / "examples" / "data" / "shakespeare.txt"
 
