@@ -12,7 +12,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from rigpilot.engine import userdata
 from rigpilot.engine.cli.entry import main as cli_main
 
 from support.paths import REPO
+from support.waiting import wait_for
 
 
 @pytest.fixture
@@ -151,9 +151,7 @@ def test_forget_refuses_while_one_of_its_jobs_runs(home, tmp_path, capsys):
 
     ranks = [rank("ab12cd", job_dir), rank("ffffff", other)]
     try:
-        deadline = time.monotonic() + 10
-        while not userdata.blockers() and time.monotonic() < deadline:
-            time.sleep(0.05)  # until the children have exec'd with their environment
+        wait_for(userdata.blockers, 10, 0.05, "the children to exec with their environment")
         assert cli_main(["forget", "--yes"]) == 2
         err = capsys.readouterr().err
         assert f"job ab12cd is running (pid {ranks[0].pid}): cancel it first with 'rigpilot cancel ab12cd'" in err
@@ -175,10 +173,8 @@ def test_forget_stops_the_engine_service_first(home, tmp_path, monkeypatch, caps
     try:
         from rigpilot.engine.service.client import EngineClient, service_running
 
-        deadline = time.monotonic() + 60
-        while not service_running():
-            assert engine.poll() is None and time.monotonic() < deadline, (tmp_path / "engine-out.log").read_text()
-            time.sleep(0.1)
+        wait_for(lambda: service_running() or engine.poll() is not None, 60, what="the engine service to start")
+        assert engine.poll() is None, (tmp_path / "engine-out.log").read_text()
         assert userdata.engine_pid() == engine.pid
         with EngineClient(autostart=False) as client:
             assert client.request("jobs")["jobs"] == []

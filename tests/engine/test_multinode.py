@@ -25,6 +25,7 @@ from rigpilot.engine.cli.entry import main as cli_main
 from rigpilot.engine.service import tls
 from rigpilot.engine.service.client import EngineClient
 
+from support.engine import wait_job_state
 from support.paths import CHAT, REPO, TINY_LLAMA_CONFIG
 from support.reference_loop import GLOBAL_BATCH, RECIPE, reference_run
 from support.waiting import wait_for
@@ -177,13 +178,6 @@ def train_spec(parallelism: dict[str, Any], **train: Any) -> dict[str, Any]:
             "env": {"HF_HUB_OFFLINE": "1"}, "train": t}  # fmt: skip
 
 
-def wait_job(c: EngineClient, job_id: str, *states: str, timeout: float = 120) -> dict[str, Any]:
-    return wait_for(
-        lambda: (j := c.request("job", job=job_id)["job"])["state"] in states and j, timeout, 0.2,
-        f"job {job_id} to be {states}",
-    )
-
-
 def step_of(c: EngineClient, job_id: str) -> int:
     return (c.request("job", job=job_id)["job"]["progress"] or {}).get("step") or 0
 
@@ -291,7 +285,7 @@ def test_a_job_across_two_engines_trains_what_the_plain_loop_trains(cluster, ref
             c.request("node_add", name="box2", address=f"127.0.0.1:{box2.tcp_port}", token=box2.token)
         job = c.request("submit", spec=train_spec(layout), nodes=["local", "box2"])["job"]
         assert job["ranks"] == 2 and job["nodes"]["count"] == 2 and job["nodes"]["endpoint"].startswith("127.0.0.1:")
-        done = wait_job(c, job["id"], *TERMINAL)
+        done = wait_job_state(c, job["id"], *TERMINAL, timeout=120)
         assert done["state"] == "completed", (done["exit_reason"], done["last_log"])
         losses = step_losses(c, job["id"])
         records, _ = c.all_metrics(job["id"])
@@ -337,7 +331,7 @@ def test_a_node_that_goes_away_fails_the_job_on_every_node_and_it_resumes(cluste
         job_id = job["id"]
         wait_for(lambda: step_of(c, job_id) >= 12, 90, 0.1, "step 12")
         box3.go_away()
-        failed = wait_job(c, job_id, *TERMINAL, timeout=60)
+        failed = wait_job_state(c, job_id, *TERMINAL, timeout=60)
         assert failed["state"] == "failed" and failed["resumable"]
         assert failed["exit_reason"].startswith("node box3"), failed["exit_reason"]
         wait_for(lambda: not head.job_processes(), 30, what="the head's ranks to stop")
@@ -363,11 +357,11 @@ def test_a_node_that_goes_away_fails_the_job_on_every_node_and_it_resumes(cluste
             assert "resume it there" in err
         resumed = c.request("resume", job=job_id)["job"]
         assert resumed["run"] == 2 and resumed["resumes_from"]["step"] >= 10
-        ended = wait_job(c, job_id, *TERMINAL, timeout=90)
+        ended = wait_job_state(c, job_id, *TERMINAL, timeout=90)
         assert ended["state"] == "completed", (ended["exit_reason"], ended["last_log"])
         assert ended["progress"]["step"] == spec["train"]["max_steps"]
         with box3.client() as c3:
-            assert wait_job(c3, job_id, *TERMINAL, timeout=30)["state"] == "completed"
+            assert wait_job_state(c3, job_id, *TERMINAL, timeout=30)["state"] == "completed"
         records, _ = c.all_metrics(job_id)
     runs = {r.get("run") for r in records if r.get("loss") is not None}
     assert runs == {1, 2}
@@ -424,7 +418,7 @@ def test_the_head_restarts_mid_job_and_one_cancel_stops_the_job_on_every_node(cl
         assert len(seen) == len(set(seen))  # each member record pulled once, across the restart
         rc, out, _ = cli(capsys, "cancel", job_id)
         assert rc == 0 and job_id in out
-        assert wait_job(c, job_id, *TERMINAL, timeout=60)["state"] == "cancelled"
+        assert wait_job_state(c, job_id, *TERMINAL, timeout=60)["state"] == "cancelled"
     with box2.client() as c2:
-        assert wait_job(c2, job_id, *TERMINAL, timeout=30)["state"] == "cancelled"
+        assert wait_job_state(c2, job_id, *TERMINAL, timeout=30)["state"] == "cancelled"
     wait_for(lambda: not head.job_processes() and not box2.job_processes(), 30, what="every rank to stop")

@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import psutil
 import pytest
 from PySide6.QtCore import QTimer
 from PySide6.QtGui import QImage
@@ -30,6 +29,7 @@ from rigpilot.app.wizard.state import examples_present
 from rigpilot.app.wizard.wizard import JobWizard
 from rigpilot.engine.service.client import EngineClient
 
+from support.engine import Engine, engine_home, leftover_job_processes
 from support.gui_fakes import fail_on_qt_warnings, isolated_config
 from support.paths import REPO
 
@@ -63,50 +63,20 @@ def no_qt_warnings():
 @pytest.fixture
 def engine(tmp_path, monkeypatch):
     """A real engine service with its folders (and the app's settings) in tmp_path; stopped afterwards."""
-    run_dir = tmp_path / "r"
-    run_dir.mkdir(mode=0o700)
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(run_dir))
+    engine_home(tmp_path, monkeypatch)
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
-    monkeypatch.setenv("RIGPILOT_SIMULATE", "4x-rtx4090")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     config = isolated_config(tmp_path, monkeypatch)  # XDG_CONFIG_HOME, XDG_STATE_HOME and QSettings
     next(config)
-    log = (tmp_path / "engine.log").open("ab")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rigpilot.engine.service", "--telemetry-period", "0.5", "--grace", "3"],
-        cwd=REPO, stdout=log, stderr=log,
-    )  # fmt: skip
+    e = Engine(tmp_path)
     try:
-        deadline = time.monotonic() + 30
-        while not _answers(proc):
-            assert proc.poll() is None, (tmp_path / "engine.log").read_text()
-            assert time.monotonic() < deadline, "the engine service did not start in 30 s"
-            time.sleep(0.1)
-        yield proc
+        e.start("--telemetry-period", "0.5")
+        yield e
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        log.close()
-        for p in psutil.process_iter():  # never leave a rank behind, whatever failed
-            try:
-                if p.environ().get("RIGPILOT_JOB_DIR", "").startswith(str(tmp_path)):
-                    p.kill()
-            except (psutil.Error, OSError):
-                pass
+        e.stop()
+        for p in leftover_job_processes(tmp_path):  # never leave a rank behind, whatever failed
+            p.kill()
         config.close()
-
-
-def _answers(proc: subprocess.Popen) -> bool:
-    try:
-        with EngineClient(autostart=False, timeout=5) as c:
-            return c.hello.get("pid") == proc.pid
-    except Exception:
-        return False
 
 
 def open_window(qtbot) -> MainWindow:

@@ -39,6 +39,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from support.processes import alive
+from support.waiting import poll_until
+
 MIRROR = "http://deb.debian.org/debian"
 # "apt" is the smallest variant with apt and dpkg: Essential packages plus apt. Everything else a
 # test needs is named in `packages`, so a missing dependency of the .deb shows up as one.
@@ -289,19 +292,8 @@ def stop_processes(root: Path, timeout: float = 10.0) -> list[int]:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(_alive(pid) for pid in found):
-        time.sleep(0.05)
+    poll_until(lambda: not any(alive(pid) for pid in found), timeout, 0.05)
     return found
-
-
-def _alive(pid: int) -> bool:
-    """Still running: a zombie (dead, waiting for its parent to read its status) is not."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -127,9 +127,15 @@ class Engine:
         return c.request("job", job=job_id)["job"]
 
     def wait_state(self, c: EngineClient, job_id: str, *states: str, timeout: float = 60) -> dict:
-        return wait_for(
-            lambda: (j := self.job(c, job_id))["state"] in states and j, timeout, 0.1, f"job {job_id} to be {states}"
-        )
+        return wait_job_state(c, job_id, *states, timeout=timeout)
+
+
+def wait_job_state(c: EngineClient, job_id: str, *states: str, timeout: float = 60) -> dict:
+    """The job's record, once its state is one of `states` (asked over `c`, which may be any engine's client)."""
+    return wait_for(
+        lambda: (j := c.request("job", job=job_id)["job"])["state"] in states and j, timeout, 0.1,
+        f"job {job_id} to be {states}",
+    )
 
 
 def leftover_job_processes(root: Path) -> list[psutil.Process]:

@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 
 from support.dev_script import load_dev
+from support.processes import alive
+from support.waiting import poll_until
 
 PARTITION = "rigtest"
 
@@ -151,22 +153,8 @@ PartitionName={PARTITION} Nodes={self.host} Default=YES MaxTime=INFINITE State=U
                 os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:
                 continue
-            deadline = time.monotonic() + 15
-            while time.monotonic() < deadline and _alive(pid):
-                time.sleep(0.1)
-            if _alive(pid):
+            if not poll_until(lambda pid=pid: not alive(pid), 15):
                 os.kill(pid, signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie of ours counts as gone
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def cluster(tmp_root: Path) -> Iterator[SlurmCluster]:
