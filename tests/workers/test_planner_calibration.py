@@ -17,9 +17,7 @@ from rigpilot.engine.jobs.spec import JobSpec
 from rigpilot.engine.planner.calibration import MachineCalibration, apply
 
 from support.paths import REPO
-from support.planner_inputs import h100_calibration
-
-H100 = "NVIDIA H100 80GB HBM3"
+from support.planner_inputs import H100, h100_calibration
 
 
 def plan(capsys, *argv: str) -> tuple[int, str, str]:
