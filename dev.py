@@ -10,6 +10,7 @@
     python3 dev.py test --help                  # test's own option, then pytest's (arguments go to pytest)
     python3 dev.py test --install-system-deps   # also install what the SLURM tests need (root, apt-get)
     python3 dev.py test --fast                  # the inner loop: all but the tests marked slow
+    python3 dev.py test --fast tests/unit       # one folder of tests: unit, gui, engine, workers or packaging
 
 Needs only python3 (>= 3.11) with its venv and ensurepip modules (Debian/Ubuntu: python3-venv).
 
@@ -257,7 +258,8 @@ python3 dev.py test [{INSTALL_FLAG}] [{FAST_FLAG}] [PYTEST ARGUMENTS]
 
 Sets up .venv if needed (Python packages only, into {VENV}),
 lints (ruff, import-linter, mypy: dev.py lint), then runs pytest with the arguments given: the whole suite when
-there are none.
+there are none. The tests are in one folder per kind: tests/unit, tests/gui, tests/engine, tests/workers,
+tests/packaging; name one or more to run only those.
 
   {FAST_FLAG}                  the inner loop: leave out the tests marked slow (real jobs, .deb builds);
                           CI and a last check before a commit run the whole suite

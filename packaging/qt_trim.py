@@ -14,7 +14,7 @@ pyqtgraph adds QtOpenGL (imported when its curves load) and QtSvg (its SVG expor
 
 and removes everything else from the install before it is packaged, rewriting the RECORD so the
 metadata still describes the files as installed. It is an allow-list: a module a newer wheel adds
-stays out until someone decides the app needs it. tests/test_packaging.py checks that app/ imports
+stays out until someone decides the app needs it. tests/packaging/test_packaging.py checks that app/ imports
 nothing beyond MODULES, and the installed package's self-test renders every page with what is left.
 """
 

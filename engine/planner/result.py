@@ -22,7 +22,7 @@ FAMILY_ORDER = (
 )
 
 
-# Predicted speeds closer than this are within the model's error (tests/test_published_runs.py): among
+# Predicted speeds closer than this are within the model's error (tests/unit/test_published_runs.py): among
 # them the plan with the most free memory wins, since running out of memory costs more than 5%.
 SPEED_TIE = 0.05
 

@@ -1,0 +1,92 @@
+"""The capability contract: one function decides what the engine runs, for the planner and the submission alike."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rigpilot.engine.capability import PIPELINE_TYPES, TENSOR_PARALLEL_TYPES, why_not
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.hardware.simulated import list_profiles, load_profile
+from rigpilot.engine.jobs.submission import describe, prepare
+from rigpilot.engine.layout import Layout
+from rigpilot.engine.models import describe_model
+from rigpilot.engine.planner.plan import LoraSettings, Parallelism, Workload
+from rigpilot.engine.planner.search import SearchOptions, search
+
+from support.paths import REPO
+
+SHAKESPEARE = REPO / "examples" / "data" / "shakespeare.txt"
+PRESETS = ("llama-2-7b", "llama-2-13b", "llama-3-70b", "mixtral-8x7b")
+
+
+def test_every_refusal_is_one_line_naming_what_to_change() -> None:
+    cases = [
+        (Layout(tp=2), dict(method="qlora"), "QLoRA"),
+        (Layout(tp=2, cpu_offload=True), {}, "CPU offload"),
+        (Layout(pp=2), dict(model_type="gpt2"), "pipeline parallel"),
+        (Layout(tp=2), dict(model_type="bert"), "tensor parallel"),
+        (Layout(), dict(method="dpo"), "unknown training method"),
+        (Layout(), dict(kind="infer", weight_bits=4), "4-bit inference"),
+    ]
+    for layout, job, words in cases:
+        reason = why_not(layout, **job)
+        assert reason is not None and words in reason and "\n" not in reason, (layout, reason)
+    for layout, job in (
+        (Layout(tp=2), dict(method="lora", model_type="llama")),
+        (Layout(dp_shard=4, cpu_offload=True), {}),
+        (Layout(dp_replicate=2), dict(method="qlora", model_type="llama")),
+        (Layout(pp=2), dict(method="scratch", model_type=PIPELINE_TYPES[0])),
+        (Layout(tp=2), dict(kind="infer", model_type=TENSOR_PARALLEL_TYPES[0])),
+    ):
+        assert why_not(layout, **job) is None, (layout, job)
+    # A degree below 1 is no layout at all: refused where it is made, before any contract is asked.
+    with pytest.raises(UserError, match=r"dp_shard=0: must be in \[1, 4096\]") as e:
+        Layout(dp_shard=0)
+    assert e.value.reason == "out_of_range" and e.value.fields["setting"] == "parallelism.dp_shard"
+
+
+def test_a_plans_layout_is_what_the_submission_maps_it_to() -> None:
+    plan = Parallelism(gpu_indices=list(range(8)), dp=4, tp=2, zero_stage=3, shard_degree=2, sequence_parallel=True)
+    lt = Layout.from_plan(plan)
+    assert (lt.dp_replicate, lt.dp_shard, lt.tp, lt.sequence_parallel) == (2, 2, 2, True)
+    offload = Layout.from_plan(Parallelism(gpu_indices=[0, 1], dp=2, zero_stage=3, shard_degree=2, offload_params=True))
+    assert offload.cpu_offload and offload.dp_shard == 2
+    zero2 = Layout.from_plan(Parallelism(gpu_indices=[0, 1, 2, 3], dp=4, zero_stage=2, shard_degree=4, backend="fsdp"))
+    assert (zero2.dp_replicate, zero2.dp_shard, zero2.reshard_after_forward) == (1, 4, False)
+
+
+# (workload, the job spec `rigpilot run … --plan FILE --check` sends for it)
+TASKS = {
+    "full": (dict(task="train"), {"kind": "train", "train": {"method": "scratch", "dataset": [str(SHAKESPEARE)]}}),
+    "lora": (dict(task="train", method="lora", lora=LoraSettings()),
+             {"kind": "train", "train": {"method": "lora", "dataset": [str(SHAKESPEARE)]}}),
+    "qlora": (dict(task="train", method="qlora", lora=LoraSettings()),
+              {"kind": "train", "train": {"method": "qlora", "dataset": [str(SHAKESPEARE)]}}),
+    "infer": (dict(task="infer", seq_len=2048, global_batch=1, new_tokens=256),
+              {"kind": "infer", "infer": {"prompts": ["Once upon a time"]}}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("profile", [p["id"] for p in list_profiles()])
+def test_every_best_plan_passes_the_submission_check_on_its_machine(profile: str, tmp_path: Path) -> None:
+    """`rigpilot run KIND --model PRESET … --plan FILE --check`, in-process, for every task on every profile."""
+    machine = load_profile(profile)
+    for preset in PRESETS:
+        spec_model = describe_model(preset)
+        for task, (work, job) in TASKS.items():
+            result = search(spec_model, machine, Workload(model=preset, **work), options=SearchOptions())
+            if result.best is None:
+                continue  # nothing fits at all: the planner's suggestions take over
+            plan = result.to_dict()
+            where = (profile, preset, task)
+            assert plan["best"]["runs_here"], (*where, plan["best"]["runs_here_reason"])
+            sub = prepare({**job, "model": preset}, plan, str(tmp_path), job_id="check", machine=machine, max_cpu_ranks=2)
+            lines = describe(sub)
+            assert lines[0].startswith(f"would run: {job['kind']}"), (*where, lines)
+            p, best = sub.spec.parallelism, result.best.parallelism
+            assert p.cpu_offload == (best.offload_params or best.offload_optimizer), where
+            assert (p.tp, p.pp) == (best.tp, best.pp), where
+            if job["kind"] == "train":
+                assert sub.spec.train.seq_len == result.best.workload.seq_len, where
