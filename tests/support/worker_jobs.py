@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 import torch
-from rigpilot.engine.jobs.spec import JobSpec
+
+from rigpilot.engine.jobspec.spec import JobSpec
 
 from support.paths import REPO, SHAKESPEARE, TINY_LLAMA_CONFIG
 
