@@ -21,7 +21,7 @@ from typing import Any
 from PySide6.QtCore import QObject, Signal
 
 from rigpilot.app.tasks import report_error, run_in_background
-from rigpilot.engine.service.client import EngineClient, EngineRemoved
+from rigpilot.engine.api.client import EngineClient, EngineRemoved
 
 log = logging.getLogger(__name__)
 

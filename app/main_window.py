@@ -40,9 +40,9 @@ from rigpilot.app import tasks
 from rigpilot.app.engine_link import CONNECTED, CONNECTING, GONE, EngineLink
 from rigpilot.app.identity import APP_ID, APP_NAME
 from rigpilot.app.widgets.window_size import first_size, keep_on_screen
+from rigpilot.engine.api.protocol import JOB_DATABASE_REBUILT, JOBS_PUT_BACK, TELEMETRY_RESET
 from rigpilot.engine.hardware.machine import is_simulated
 from rigpilot.engine.schema import UNFINISHED_STATES
-from rigpilot.engine.service.protocol import JOB_DATABASE_REBUILT, JOBS_PUT_BACK, TELEMETRY_RESET
 
 if TYPE_CHECKING:  # the pages are imported when first shown (start-up time); their types are for mypy only
     from rigpilot.app.dashboard.page import DashboardPage

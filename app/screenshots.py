@@ -73,7 +73,7 @@ def start_engine(tmp: Path) -> subprocess.Popen:
 
 
 def wait_for_engine(proc: subprocess.Popen, log: Path) -> None:
-    from rigpilot.engine.service.client import EngineClient
+    from rigpilot.engine.api.client import EngineClient
 
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
@@ -91,7 +91,7 @@ def wait_for_engine(proc: subprocess.Popen, log: Path) -> None:
 
 
 def stop_engine(proc: subprocess.Popen) -> None:
-    from rigpilot.engine.service.client import EngineClient
+    from rigpilot.engine.api.client import EngineClient
 
     try:
         with EngineClient(autostart=False, timeout=10) as c:

@@ -41,8 +41,8 @@ def main() -> None:
     ap.add_argument("--disk", default="64m", help="size of the tmpfs the engine's state folder lives on")
     args = ap.parse_args()
 
+    from rigpilot.engine.api.client import EngineClient, EngineError
     from rigpilot.engine.diskspace import free_bytes
-    from rigpilot.engine.service.client import EngineClient, EngineError
 
     train = {
         "dataset": [str(SHAKESPEARE)], "method": "scratch", "precision": "fp32", "seq_len": 32, "micro_batch": 2,

@@ -31,7 +31,7 @@ def wait(predicate, timeout: float, what: str, interval: float = 0.01):
 @contextmanager
 def scratch_engine(*service_args: str, profile: str = "4x-rtx4090") -> Iterator[tuple[subprocess.Popen, Path]]:
     """Start a service in a temporary home; yield (process, folder); stop it and its jobs after."""
-    from rigpilot.engine.service.client import EngineClient
+    from rigpilot.engine.api.client import EngineClient
 
     with tempfile.TemporaryDirectory(prefix="rpbench") as tmp:
         root = Path(tmp)

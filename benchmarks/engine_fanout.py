@@ -30,7 +30,7 @@ while True:
 
 
 def subscriber(job_id: str, stop: threading.Event, out: dict) -> None:
-    from rigpilot.engine.service.client import EngineClient
+    from rigpilot.engine.api.client import EngineClient
 
     with EngineClient(autostart=False, timeout=30) as c:
         c.request("subscribe", topics=["telemetry", f"metrics:{job_id}"])
@@ -61,7 +61,7 @@ def main() -> None:
 
     import psutil
 
-    from rigpilot.engine.service.client import EngineClient
+    from rigpilot.engine.api.client import EngineClient
 
     with scratch_engine("--telemetry-period", "0.1") as (proc, root):
         script = root / "metrics.py"

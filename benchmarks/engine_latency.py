@@ -90,7 +90,7 @@ def wait_first_step(metrics: Path, timeout: float = 300) -> list[dict[str, Any]]
 
 
 def engine_run(spec: dict[str, Any], warm: bool) -> dict[str, float | None]:
-    from rigpilot.engine.service.client import EngineClient
+    from rigpilot.engine.api.client import EngineClient
 
     os.environ["RIGPILOT_WARM_WORKER"] = "1" if warm else "0"
     with scratch_engine() as (_, root):

@@ -26,8 +26,8 @@ from engine_common import scratch_engine
 def hello_time(tcp: tuple[str, int] | None = None, source: str = "127.0.0.2") -> float:
     """A full client's connect + hello; over TCP (TLS and the login) from `source`: 127.0.0.2 is another host
     to the per-host limits, 127.0.0.1 the flooding one."""
-    from rigpilot.engine.service import protocol, tls
-    from rigpilot.engine.service.client import EngineClient
+    from rigpilot.engine.api import protocol, tls
+    from rigpilot.engine.api.client import EngineClient
 
     t0 = time.perf_counter()
     if tcp is None:
@@ -82,8 +82,8 @@ def main() -> int:
 
 def measure(engine: subprocess.Popen, args: argparse.Namespace) -> None:
     from rigpilot.engine import paths
-    from rigpilot.engine.service import protocol
-    from rigpilot.engine.service.client import EngineClient, EngineError
+    from rigpilot.engine.api import protocol
+    from rigpilot.engine.api.client import EngineClient, EngineError
 
     with EngineClient(autostart=False, timeout=5) as c:
         tcp = tuple(c.hello["tcp"])

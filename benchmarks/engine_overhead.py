@@ -75,7 +75,7 @@ def run_engine(spec: dict[str, Any], warmup: int) -> tuple[dict[str, float], Pat
     """Through the service: submit, follow, read the metrics; returns the figures and a copy of job.json."""
     import psutil
 
-    from rigpilot.engine.service.client import EngineClient
+    from rigpilot.engine.api.client import EngineClient
 
     with scratch_engine() as (proc, _), EngineClient(autostart=False, timeout=60) as c:
         service = psutil.Process(proc.pid)

@@ -59,7 +59,7 @@ def _start(root: Path, profile: str, *extra: str) -> tuple[subprocess.Popen, dic
 
 
 def _client(env: dict[str, str]):
-    from rigpilot.engine.service.client import EngineClient
+    from rigpilot.engine.api.client import EngineClient
 
     for k in ("XDG_RUNTIME_DIR", "XDG_STATE_HOME", "XDG_CONFIG_HOME"):
         os.environ[k] = env[k]

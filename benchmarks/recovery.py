@@ -34,7 +34,7 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=5, help="checkpoint interval in steps")
     args = ap.parse_args()
 
-    from rigpilot.engine.service.client import EngineClient
+    from rigpilot.engine.api.client import EngineClient
 
     train = {
         "dataset": [str(SHAKESPEARE)], "method": "scratch", "precision": "fp32", "seq_len": 32, "micro_batch": 2,

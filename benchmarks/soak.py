@@ -40,7 +40,7 @@ def main() -> int:
 
 
 def soak(proc: psutil.Process, tmp: Path, minutes: float, every: float) -> None:
-    from rigpilot.engine.service.client import EngineClient
+    from rigpilot.engine.api.client import EngineClient
 
     script = tmp / "job.py"
     script.write_text(JOB_SCRIPT)

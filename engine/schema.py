@@ -4,7 +4,7 @@ A setting is a field of a spec dataclass (engine.jobspec.spec) declared with `se
 allowed values (a `Range` or a `Choice`), its command-line flags, the label the app shows, one sentence of
 help and its unit. From that one declaration come the `rigpilot run` options (`add_options`, `given`), the
 engine's refusal of a value outside its range (`Setting.check`, the same sentence on the command line and in
-the engine), the socket's bounds (a `Setting` is an `Annotated` limit in engine.service.protocol) and the
+the engine), the socket's bounds (a `Setting` is an `Annotated` limit in engine.api.protocol) and the
 app's words (labels, tooltips, the command preview). The model is torchtitan's ConfigManager: one dataclass,
 the CLI built from it, so flags, defaults, ranges and help cannot drift apart.
 
@@ -110,7 +110,7 @@ class Range:
         return f"in {left}{_num(self.lo)}, {_num(self.hi)}{right}"
 
     def problem(self, value: Any) -> str | None:
-        """For the socket's `Annotated` checks (engine.service.protocol): why `value` is refused, or None."""
+        """For the socket's `Annotated` checks (engine.api.protocol): why `value` is refused, or None."""
         if isinstance(value, int | float) and not isinstance(value, bool) and not self.holds(value):
             return f"{self.text()}, got {_shown(value)}"
         return None
@@ -185,7 +185,7 @@ class Setting:
         return dict(self.choice_words).get(str(value), str(value))
 
     def problem(self, value: Any) -> str | None:
-        """The socket's check of a request argument that is this setting (engine.service.protocol)."""
+        """The socket's check of a request argument that is this setting (engine.api.protocol)."""
         return self.bound.problem(value) if self.bound is not None else None
 
     def refusal(self, value: Any) -> UserError | None:

@@ -230,8 +230,8 @@ def stop_engine(timeout: float = 20.0) -> int | None:
     import signal
     import time
 
+    from rigpilot.engine.api.client import EngineClient, EngineUnavailable
     from rigpilot.engine.errors import UserError
-    from rigpilot.engine.service.client import EngineClient, EngineUnavailable
 
     pid = engine_pid()
     if pid is None:

@@ -23,8 +23,8 @@ from typing import Any
 from PySide6.QtCore import QObject, QTimer, Signal
 
 from rigpilot.app.jobs.series import JobSeries
+from rigpilot.engine.api.protocol import NOT_FOUND
 from rigpilot.engine.jobs.store import ACTIVE_STATES, QUEUED, RESUMABLE_STATES, TERMINAL_STATES
-from rigpilot.engine.service.protocol import NOT_FOUND
 
 CONNECTED = "connected"  # EngineLink's state name
 # A page is decoded and folded in while the GUI thread waits (the decoding holds the GIL): pages of

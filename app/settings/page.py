@@ -47,11 +47,11 @@ from rigpilot.app.settings.nodes import NodesBox
 from rigpilot.app.settings.prices import PricesBox
 from rigpilot.app.tasks import run_in_background
 from rigpilot.app.widgets.palette import BAD
+from rigpilot.engine.api.client import EngineUnavailable
+from rigpilot.engine.api.pins import pinned
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.machine import is_simulated
 from rigpilot.engine.schema import UNFINISHED_STATES
-from rigpilot.engine.service.client import EngineUnavailable
-from rigpilot.engine.service.pins import pinned
 
 
 def _error_label(name: str) -> QLabel:

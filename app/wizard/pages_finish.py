@@ -23,8 +23,8 @@ from rigpilot.app.wizard.state import (
     WizardState,
     default_name,
 )
-from rigpilot.engine.service.client import EngineError
-from rigpilot.engine.service.protocol import UNKNOWN_TYPE
+from rigpilot.engine.api.client import EngineError
+from rigpilot.engine.api.protocol import UNKNOWN_TYPE
 
 
 def describe_state(s: WizardState, machine_label: str = "") -> list[str]:

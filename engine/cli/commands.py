@@ -255,7 +255,7 @@ def _schedule(text: str) -> str:
 
 def cmd_engine(args: argparse.Namespace) -> int:
     if args.fingerprint:
-        from rigpilot.engine.service import tls
+        from rigpilot.engine.api import tls
 
         # Its files are made 0600 in a 0700 folder whatever the umask (tls._create).
         print(tls.load_or_create_identity().fingerprint)  # alone on its line: scripts compare it as it is
@@ -271,7 +271,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
         print(f"wrote {path}\nenable it with:\n  {enable_hint()}")
         return 0
     if args.stop:
-        from rigpilot.engine.service.client import EngineClient, EngineUnavailable
+        from rigpilot.engine.api.client import EngineClient, EngineUnavailable
 
         try:
             with EngineClient(autostart=False, on_notice=print_notice) as c:
@@ -341,7 +341,7 @@ def _read_plan(path: Path | None) -> dict[str, Any] | None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from rigpilot.engine.service.client import EngineClient
+    from rigpilot.engine.api.client import EngineClient
 
     spec = build_spec(args)
     plan = _read_plan(getattr(args, "plan", None))
@@ -387,7 +387,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def follow(client: Any, job_id: str) -> int:
     """Print a job's progress until it ends; Ctrl-C detaches. Survives a service restart."""
-    from rigpilot.engine.service.client import EngineUnavailable
+    from rigpilot.engine.api.client import EngineUnavailable
 
     cursor: dict[str, int] = {}
     state: tuple[str, str | None] | None = None
@@ -519,7 +519,7 @@ def _print_hints(job_id: str) -> None:
 
 
 def _client():
-    from rigpilot.engine.service.client import EngineClient
+    from rigpilot.engine.api.client import EngineClient
 
     return EngineClient(on_notice=print_notice)
 
@@ -870,7 +870,7 @@ def _read_token(path: Path | None) -> str:
 
 
 def cmd_scaling(args: argparse.Namespace) -> int:
-    from rigpilot.engine.service.client import EngineClient
+    from rigpilot.engine.api.client import EngineClient
 
     if args.csv is not None:  # before the study, not after: a FIFO would block the write forever
         check_given_path(args.csv, "--csv file", missing_ok=True)

@@ -168,7 +168,7 @@ def _machine(args: argparse.Namespace):
     started); else found as the engine would find it, by the same `open_backend`. So `gpus`, `topo`,
     `plan` and `run` never disagree.
     """
-    from rigpilot.engine.service.client import EngineUnavailable
+    from rigpilot.engine.api.client import EngineUnavailable
 
     client = _running_engine(args)
     if client is not None:
@@ -207,8 +207,8 @@ def _running_engine(args: argparse.Namespace):
     """
     if getattr(args, "simulate", None) or getattr(args, "import_paths", None):
         return None
+    from rigpilot.engine.api.client import EngineClient, EngineUnavailable, service_running
     from rigpilot.engine.cli.commands import print_notice
-    from rigpilot.engine.service.client import EngineClient, EngineUnavailable, service_running
 
     if not service_running():
         return None
@@ -520,7 +520,7 @@ def _change_rented(args: argparse.Namespace, settings: Any) -> None:
 
 def _apply_to_engine(args: argparse.Namespace) -> tuple[dict[str, Any] | None, str | None]:
     """Ask a running engine to act on the saved settings now: (its answer, None) or (None, why it refused)."""
-    from rigpilot.engine.service.client import EngineError, EngineUnavailable
+    from rigpilot.engine.api.client import EngineError, EngineUnavailable
 
     client = _running_engine(argparse.Namespace())
     if client is None:

@@ -119,9 +119,9 @@ def load_node_machine(text: str) -> Any:
     """One `--node-machine`: a simulated profile's id, a machine JSON file, or nvidia-smi files joined by commas.
 
     A machine JSON goes through the same check as the engine's `plan` request (planworker.plan_machine)."""
+    from rigpilot.engine.api.protocol import ProtocolError
     from rigpilot.engine.hardware.simulated import list_profiles
     from rigpilot.engine.service.planworker import plan_machine
-    from rigpilot.engine.service.protocol import ProtocolError
 
     if text in {p["id"] for p in list_profiles()}:
         return plan_machine(text)

@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from rigpilot.engine.api.protocol import JOB_DATABASE_REBUILT, JOBS_PUT_BACK, TELEMETRY_RESET
 from rigpilot.engine.diskspace import DiskFull
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.jobs import dbfile, job_folders
 from rigpilot.engine.jobs.store import SCHEMA_VERSION, JobRecord, JobStore
 from rigpilot.engine.jobs.telemetry_store import TelemetryStore
-from rigpilot.engine.service.protocol import JOB_DATABASE_REBUILT, JOBS_PUT_BACK, TELEMETRY_RESET
 
 log = logging.getLogger(__name__)
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from rigpilot.engine import runtime
+from rigpilot.engine.api.protocol import check_dataclass
 from rigpilot.engine.capability import BackendChoice, WorkerVllm, backend_words, choose_infer_backend, why_not
 from rigpilot.engine.diskspace import human_size
 from rigpilot.engine.errors import UserError
@@ -41,7 +42,6 @@ from rigpilot.engine.models.config_file import CONFIG_MAX
 from rigpilot.engine.planner.memory import fmt_gib
 from rigpilot.engine.planner.plan import Plan
 from rigpilot.engine.schema import ADAPTER_METHODS, Checkpointing, MasterWeights, Precision
-from rigpilot.engine.service.protocol import check_dataclass
 
 KINDS = ("train", "infer", "script", "calibrate")
 # Room every job needs besides its checkpoints and model: its logs, metrics and record.

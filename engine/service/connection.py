@@ -18,8 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rigpilot.engine.api import protocol, tls
 from rigpilot.engine.jobs.metrics import read_records
-from rigpilot.engine.service import protocol, tls
 
 log = logging.getLogger(__name__)
 

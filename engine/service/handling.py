@@ -9,7 +9,7 @@ A handler module keeps a `RequestGroup` and declares each request on the functio
 
 engine.service.requests gathers the groups into the one registry that the protocol's argument checks and the
 service's dispatch both read, so a request cannot be checked without being answered, or answered unchecked.
-Argument types use the notation of engine.service.protocol (`Annotated[..., Limit(...)]`); a declaration whose
+Argument types use the notation of engine.api.protocol (`Annotated[..., Limit(...)]`); a declaration whose
 handler does not take exactly those arguments is refused when the module is imported, not at the first request.
 
 Handlers see the running service only through `Engine`, what a request may use of it; the socket layer
@@ -25,6 +25,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 if TYPE_CHECKING:
+    from rigpilot.engine.api.tls import Identity
     from rigpilot.engine.hardware.discovery import Discovery
     from rigpilot.engine.hardware.machine import Machine
     from rigpilot.engine.hardware.sampler import Sampler
@@ -34,7 +35,6 @@ if TYPE_CHECKING:
     from rigpilot.engine.service.multinode import MultiNode
     from rigpilot.engine.service.options import ServiceOptions
     from rigpilot.engine.service.planworker import PlannerPool
-    from rigpilot.engine.service.tls import Identity
 
 
 class Engine(Protocol):
@@ -78,7 +78,7 @@ class RequestType:
 
     @property
     def schema(self) -> tuple[Arguments, Arguments]:
-        """(required, optional): what engine.service.protocol checks a request's `args` against."""
+        """(required, optional): what engine.api.protocol checks a request's `args` against."""
         return self.required, self.optional
 
 

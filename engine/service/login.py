@@ -1,7 +1,7 @@
 """How a remote (TCP) client gets in: the TLS handshake, the login challenge, and its hello's proof of the token.
 
 The token itself never crosses the network: the client proves it holds it by an HMAC over both sides' nonces and
-the engine's certificate (engine.service.tls). A client that speaks plain text on the TLS port (an older Rigpilot
+the engine's certificate (engine.api.tls). A client that speaks plain text on the TLS port (an older Rigpilot
 sending its token in clear) gets one `tls_required` line telling it to upgrade; one that says nothing within the
 login timeout, or fails the proof, is closed.
 """
@@ -15,9 +15,9 @@ import time
 from collections.abc import Callable
 
 from rigpilot.engine import __version__
-from rigpilot.engine.service import protocol, tls
+from rigpilot.engine.api import protocol, tls
+from rigpilot.engine.api.protocol import ProtocolError, Request
 from rigpilot.engine.service.connection import Connection
-from rigpilot.engine.service.protocol import ProtocolError, Request
 
 
 def timed_out(conn: Connection, timeout_s: float) -> None:

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from rigpilot.engine import __version__, paths
+from rigpilot.engine.api import protocol
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import FOLDER, PathRefused, check_given_path, is_given_folder, open_given_file, shown
 from rigpilot.engine.jobs import submission
@@ -56,7 +57,6 @@ from rigpilot.engine.jobs.store import (
     JobRecord,
 )
 from rigpilot.engine.service import nodes as registry
-from rigpilot.engine.service import protocol
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 A node is another machine's engine service, reached over its TCP listener
 (`rigpilot engine --tcp ADDR:PORT` there; the token is that machine's
 `~/.config/rigpilot/engine-token`) in TLS, with a login that proves the token
-without sending it (engine.service.tls). Each node's certificate fingerprint is
+without sending it (engine.api.tls). Each node's certificate fingerprint is
 pinned here: the one given when it was added (`--fingerprint`), else the first
 one it presented while proving it holds the token; another one is then refused.
 The registry is `nodes.json` in this user's config folder: a 0600 file in a 0700
@@ -96,7 +96,7 @@ def check_node(name: Any, address: Any, token: Any, fingerprint: Any = None) -> 
     if fingerprint is not None and not isinstance(fingerprint, str):
         raise UserError("a node's certificate fingerprint is text like SHA256:…")
     if fingerprint is not None and fingerprint.strip():
-        from rigpilot.engine.service.tls import parse_fingerprint
+        from rigpilot.engine.api.tls import parse_fingerprint
 
         fingerprint = parse_fingerprint(fingerprint)
     return Node(name, address, token, fingerprint or None)
@@ -196,7 +196,7 @@ def get(name: str) -> Node:
 
 
 def client(node: Node, timeout: float = 15.0):  # -> EngineClient
-    from rigpilot.engine.service.client import EngineClient
+    from rigpilot.engine.api.client import EngineClient
 
     return EngineClient(
         tcp=node.address, token=node.token, fingerprint=node.fingerprint, client_name="rigpilot-head", timeout=timeout,
@@ -207,7 +207,7 @@ def client(node: Node, timeout: float = 15.0):  # -> EngineClient
 
 def probe(node: Node, timeout: float = 5.0) -> dict[str, Any]:
     """Whether the node answers with its token, and its machine: what `nodes list` and Settings show."""
-    from rigpilot.engine.service.client import EngineError, EngineUnavailable
+    from rigpilot.engine.api.client import EngineError, EngineUnavailable
 
     out: dict[str, Any] = {**node.public(), "reachable": False}
     try:

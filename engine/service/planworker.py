@@ -30,10 +30,10 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from rigpilot.engine.api import protocol
+from rigpilot.engine.api.client import readable
+from rigpilot.engine.api.protocol import ProtocolError
 from rigpilot.engine.errors import UserError
-from rigpilot.engine.service import protocol
-from rigpilot.engine.service.client import readable
-from rigpilot.engine.service.protocol import ProtocolError
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 The one registry both halves read: `parse_request` checks a request's `args` against its declaration, and
 `answer` calls the handler declared with it. Adding a request is one `@REQUESTS.request(...)` on its handler in
-engine/service/handlers/ (and a line in engine.service.protocol's docstring, which documents the wire).
+engine/service/handlers/ (and a line in engine.api.protocol's docstring, which documents the wire).
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
 
-from rigpilot.engine.service import protocol
+from rigpilot.engine.api import protocol
+from rigpilot.engine.api.protocol import Request
 from rigpilot.engine.service.connection import Connection
 from rigpilot.engine.service.handlers import cluster, jobs, machine, output, scaling, session
 from rigpilot.engine.service.handling import Arguments, Engine, RequestGroup, RequestType
-from rigpilot.engine.service.protocol import Request
 
 
 def _gather(groups: Iterable[RequestGroup]) -> Mapping[str, RequestType]:

@@ -55,6 +55,8 @@ from pathlib import Path
 from typing import Any
 
 from rigpilot.engine import __version__, paths
+from rigpilot.engine.api import protocol, tls
+from rigpilot.engine.api.protocol import ProtocolError, Request
 from rigpilot.engine.diskspace import disk_full, is_disk_full, no_room
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.discovery import open_backend
@@ -65,13 +67,12 @@ from rigpilot.engine.jobs.resilient_store import Recovery, ResilientJobStore, Re
 from rigpilot.engine.jobs.scaling import Studies
 from rigpilot.engine.jobs.store import COMPLETED
 from rigpilot.engine.jobs.supervisor import Supervisor, SupervisorOptions
-from rigpilot.engine.service import login, protocol, requests, tls
+from rigpilot.engine.service import login, requests
 from rigpilot.engine.service.connection import Connection, stalest_login
 from rigpilot.engine.service.login import TcpLogin
 from rigpilot.engine.service.multinode import MultiNode
 from rigpilot.engine.service.options import ServiceOptions
 from rigpilot.engine.service.planworker import ClientGone, PlannerBug, PlannerPool, PlanTimeout
-from rigpilot.engine.service.protocol import ProtocolError, Request
 
 log = logging.getLogger(__name__)
 

@@ -30,10 +30,10 @@ from pathlib import Path
 import pytest
 
 from rigpilot.engine import paths
+from rigpilot.engine.api import protocol
+from rigpilot.engine.api.client import EngineError
 from rigpilot.engine.cli.entry import main as cli_main
 from rigpilot.engine.jobspec.secrets import MASK
-from rigpilot.engine.service import protocol
-from rigpilot.engine.service.client import EngineError
 
 from support.engine import Engine, engine_home, leftover_job_processes
 from support.paths import REPO

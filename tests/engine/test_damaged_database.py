@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from rigpilot.engine import paths
+from rigpilot.engine.api.client import EngineClient
 from rigpilot.engine.cli.entry import main as cli_main
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.telemetry import GpuSample, TelemetrySample
@@ -47,7 +48,6 @@ from rigpilot.engine.jobs.store import (
     JobRecord,
 )
 from rigpilot.engine.jobspec.spec import JobSpec
-from rigpilot.engine.service.client import EngineClient
 
 from support.engine import CRASH_SCRIPT, GATE_SCRIPT, QUICK_SCRIPT, Engine, engine_home, leftover_job_processes
 from support.paths import REPO

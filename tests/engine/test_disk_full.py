@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from rigpilot.engine.api.client import EngineError
 from rigpilot.engine.diskspace import DiskFull, free_bytes, is_disk_full, no_room
 from rigpilot.engine.jobs import recovery
 from rigpilot.engine.jobs.conditions import Conditions
@@ -29,7 +30,6 @@ from rigpilot.engine.jobs.store import FAILED, QUEUED, RUNNING, JobRecord, JobSt
 from rigpilot.engine.jobs.submission import JOB_ROOM_BYTES, disk_need
 from rigpilot.engine.jobspec.spec import JobSpec, TrainSettings
 from rigpilot.engine.launch.rankexec import _record_state
-from rigpilot.engine.service.client import EngineError
 
 from support.engine import leftover_job_processes
 from support.job_records import ended_run, job_record

@@ -13,11 +13,11 @@ from rigpilot.app.planner.model import error_text
 from rigpilot.app.planner.page import PlannerPage
 from rigpilot.app.wizard.state import EXAMPLES, TINY_MODEL
 from rigpilot.engine import paths
+from rigpilot.engine.api import protocol
+from rigpilot.engine.api.client import EngineError
 from rigpilot.engine.diskspace import DiskFull
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import PathRefused
-from rigpilot.engine.service import protocol
-from rigpilot.engine.service.client import EngineError
 
 from support.engine import Engine, engine_home, leftover_job_processes, raw_exchange
 

@@ -171,7 +171,7 @@ def test_forget_stops_the_engine_service_first(home, tmp_path, monkeypatch, caps
     log = (tmp_path / "engine-out.log").open("ab")
     engine = subprocess.Popen([sys.executable, "-m", "rigpilot.engine.service"], cwd=REPO, stdout=log, stderr=log)
     try:
-        from rigpilot.engine.service.client import EngineClient, service_running
+        from rigpilot.engine.api.client import EngineClient, service_running
 
         wait_for(lambda: service_running() or engine.poll() is not None, 60, what="the engine service to start")
         assert engine.poll() is None, (tmp_path / "engine-out.log").read_text()

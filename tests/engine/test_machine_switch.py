@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from rigpilot.engine.api.client import EngineClient, EngineError
 from rigpilot.engine.hardware.discovery import open_backend
 from rigpilot.engine.hardware.simulated import load_profile
-from rigpilot.engine.service.client import EngineClient, EngineError
 from rigpilot.engine.settings import Settings
 
 from support.engine import GATE_SCRIPT, Engine, engine_home, gate, leftover_job_processes

@@ -21,9 +21,9 @@ from typing import Any
 import psutil
 import pytest
 
+from rigpilot.engine.api import tls
+from rigpilot.engine.api.client import EngineClient
 from rigpilot.engine.cli.entry import main as cli_main
-from rigpilot.engine.service import tls
-from rigpilot.engine.service.client import EngineClient
 
 from support.engine import wait_job_state
 from support.paths import CHAT, REPO, TINY_LLAMA_CONFIG

@@ -10,10 +10,11 @@ import json
 
 import pytest
 
+from rigpilot.engine.api import protocol
+from rigpilot.engine.api.client import EngineError
 from rigpilot.engine.hardware.importers import import_machine
 from rigpilot.engine.hardware.simulated import load_profile
-from rigpilot.engine.service import planworker, protocol
-from rigpilot.engine.service.client import EngineError
+from rigpilot.engine.service import planworker
 
 from support.planner_inputs import h100_calibration
 

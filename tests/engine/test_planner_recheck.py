@@ -12,11 +12,12 @@ import shutil
 
 import pytest
 
+from rigpilot.engine.api import protocol
+from rigpilot.engine.api.client import EngineError
 from rigpilot.engine.examples import EXAMPLES
 from rigpilot.engine.hardware.simulated import load_profile
 from rigpilot.engine.planner.overrides import Overrides
-from rigpilot.engine.service import planworker, protocol
-from rigpilot.engine.service.client import EngineError
+from rigpilot.engine.service import planworker
 
 WORK = {"task": "train", "method": "lora", "precision": "bf16", "seq_len": 1024, "global_batch": 16,
         "lora": {"rank": 16, "alpha": 32}}  # fmt: skip

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
+from rigpilot.engine.api.client import EngineError
 from rigpilot.engine.cli.entry import main as cli_main
-from rigpilot.engine.service.client import EngineError
 
 
 class FakeEngine:
@@ -48,7 +48,7 @@ def job(job_id: str, state: str) -> dict[str, Any]:
 @pytest.fixture
 def engine(monkeypatch):
     fake = FakeEngine({"a1b2c3": job("a1b2c3", "completed"), "d4e5f6": job("d4e5f6", "running")})
-    monkeypatch.setattr("rigpilot.engine.service.client.EngineClient", fake.client)
+    monkeypatch.setattr("rigpilot.engine.api.client.EngineClient", fake.client)
     return fake
 
 

@@ -18,10 +18,10 @@ import psutil
 import pytest
 
 from rigpilot.engine import paths
+from rigpilot.engine.api import protocol
+from rigpilot.engine.api.client import EngineClient, EngineError
 from rigpilot.engine.cli.entry import main as cli_main
 from rigpilot.engine.jobs.processes import job_processes
-from rigpilot.engine.service import protocol
-from rigpilot.engine.service.client import EngineClient, EngineError
 
 from support.engine import (
     CRASH_SCRIPT,
@@ -561,7 +561,7 @@ def test_train_job_runs_under_the_service(engine):
 
 
 def test_service_module_does_not_import_torch():
-    code = "import sys, rigpilot.engine.service.server, rigpilot.engine.service.client, rigpilot.engine.cli.commands; print('torch' in sys.modules)"
+    code = "import sys, rigpilot.engine.service.server, rigpilot.engine.api.client, rigpilot.engine.cli.commands; print('torch' in sys.modules)"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False"

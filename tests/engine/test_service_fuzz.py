@@ -19,8 +19,9 @@ import psutil
 import pytest
 
 from rigpilot.engine import paths
+from rigpilot.engine.api import protocol
 from rigpilot.engine.jobspec.spec import InferSettings, JobSpec, Parallelism, TrainSettings
-from rigpilot.engine.service import protocol, requests
+from rigpilot.engine.service import requests
 
 from support.engine import Engine
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from rigpilot.engine.api.client import EngineError
 from rigpilot.engine.cli.entry import main as cli_main
 from rigpilot.engine.jobspec.secrets import MASK, is_secret, read_secrets_file, split
-from rigpilot.engine.service.client import EngineError
 
 from support.engine import Engine, engine_home, leftover_job_processes
 

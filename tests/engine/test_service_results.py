@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from rigpilot.engine.api import protocol
+from rigpilot.engine.api.client import EngineError
 from rigpilot.engine.cli.entry import main as cli_main
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.jobs.results import MAX_TEXT, check_name, describe_output, job_settings, read_results
-from rigpilot.engine.service import protocol
-from rigpilot.engine.service.client import EngineError
 
 from support.engine import QUICK_SCRIPT
 from support.paths import SHAKESPEARE

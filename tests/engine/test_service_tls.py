@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 
 from rigpilot.engine import paths
+from rigpilot.engine.api import pins, protocol, tls
+from rigpilot.engine.api.client import EngineClient, EngineError, FingerprintMismatch
 from rigpilot.engine.cli.entry import main as cli_main
-from rigpilot.engine.service import nodes, pins, protocol, tls
-from rigpilot.engine.service.client import EngineClient, EngineError, FingerprintMismatch
+from rigpilot.engine.service import nodes
 
 from support.engine import Engine
 

@@ -27,7 +27,7 @@ from rigpilot.app.screenshots import SIZE
 from rigpilot.app.wizard.page_base import LAUNCH
 from rigpilot.app.wizard.state import examples_present
 from rigpilot.app.wizard.wizard import JobWizard
-from rigpilot.engine.service.client import EngineClient
+from rigpilot.engine.api.client import EngineClient
 
 from support.engine import Engine, engine_home, leftover_job_processes
 from support.gui_fakes import fail_on_qt_warnings, isolated_config

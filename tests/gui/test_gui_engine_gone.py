@@ -15,7 +15,7 @@ import pytest
 from rigpilot.app.engine_link import GONE, EngineLink
 from rigpilot.app.main_window import MainWindow
 from rigpilot.engine import paths
-from rigpilot.engine.service.client import EngineClient, EngineRemoved, removed_installation
+from rigpilot.engine.api.client import EngineClient, EngineRemoved, removed_installation
 
 
 @pytest.fixture

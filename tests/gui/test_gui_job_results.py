@@ -19,7 +19,7 @@ from rigpilot.app.jobs.outcome import eval_trend, load_snippets, model_of, setti
 from rigpilot.app.jobs.page import ProgressDelegate
 from rigpilot.app.jobs.try_it import try_spec
 from rigpilot.app.widgets.units import si
-from rigpilot.engine.service.client import EngineError
+from rigpilot.engine.api.client import EngineError
 
 from support.gui_fakes import FakeLink
 from support.gui_jobs import GIB, FakeJobs, a_training_job, open_job, open_page, step_record

@@ -14,7 +14,7 @@ from rigpilot.app.jobs.handle import LAUNCHER_RANK, RecordDeduper
 from rigpilot.app.jobs.model import STATE, STATES, duration
 from rigpilot.app.jobs.page import JobsPage
 from rigpilot.app.jobs.series import JobSeries, ema, final_timeline
-from rigpilot.engine.service.client import EngineError
+from rigpilot.engine.api.client import EngineError
 
 from support.gui_fakes import FakeLink, focusable_widgets, tab_through
 from support.gui_jobs import GIB, T0, FakeJobs, a_job, open_job, open_page, step_record

@@ -15,9 +15,9 @@ import pytest
 from rigpilot.app.engine_link import CONNECTED, EngineLink
 from rigpilot.app.main_window import MainWindow
 from rigpilot.app.settings.page import restart_consequences
+from rigpilot.engine.api.client import EngineClient, service_running
 from rigpilot.engine.hardware.discovery import open_backend
 from rigpilot.engine.hardware.simulated import load_profile
-from rigpilot.engine.service.client import EngineClient, service_running
 
 from support.engine import GATE_SCRIPT, Engine, engine_home, gate, leftover_job_processes
 from support.paths import REPO

@@ -23,11 +23,11 @@ from rigpilot.app.planner.model import (
 )
 from rigpilot.app.planner.page import TABLE_COLUMNS, PlannerPage
 from rigpilot.app.topology.imported import ImportedMachines
+from rigpilot.engine.api.client import EngineError
 from rigpilot.engine.hardware.importers import import_machine
 from rigpilot.engine.hardware.simulated import list_profiles
 from rigpilot.engine.planner.plan import Plan
 from rigpilot.engine.planner.settings import PLAN_SETTINGS
-from rigpilot.engine.service.client import EngineError
 
 from support.gui_fakes import FakeLink, focusable_widgets, isolated_config, make_job, real_plan_reply, tab_through
 from support.gui_planner import PRESET_7B, open_page, plan_for

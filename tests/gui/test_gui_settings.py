@@ -134,7 +134,7 @@ def test_tab_reaches_every_control(qtbot):
 
 
 def test_the_remote_engines_pinned_certificate_is_shown_for_its_address(qtbot):
-    from rigpilot.engine.service import pins
+    from rigpilot.engine.api import pins
 
     fingerprint = "SHA256:" + "A" * 43
     pins.remember("workstation.lan:7860", fingerprint)

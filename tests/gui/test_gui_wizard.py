@@ -32,9 +32,9 @@ from rigpilot.app.wizard.state import (
     state_from_spec,
 )
 from rigpilot.app.wizard.wizard import SETTINGS_KEY, JobWizard
+from rigpilot.engine.api.client import EngineError
 from rigpilot.engine.hardware.simulated import load_profile
 from rigpilot.engine.jobspec.spec import JobSpec
-from rigpilot.engine.service.client import EngineError
 
 from support.gui_fakes import accept_submissions, focusable_widgets, make_job, real_plan_reply, tab_through
 from support.gui_wizard import blocked, go_to, make_link, next_page, open_wizard, searches, settled

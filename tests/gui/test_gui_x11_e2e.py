@@ -123,7 +123,7 @@ class Desktop:
         self.xdotool("type", "--delay", "20", text)
 
     def engine_request(self, rtype: str, **args: Any) -> Any:
-        from rigpilot.engine.service.client import EngineClient
+        from rigpilot.engine.api.client import EngineClient
 
         with EngineClient(autostart=False, timeout=10) as c:
             return c.request(rtype, **args)
@@ -151,7 +151,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _stop_engine(proc: subprocess.Popen) -> None:
-    from rigpilot.engine.service.client import EngineClient
+    from rigpilot.engine.api.client import EngineClient
 
     try:
         with EngineClient(autostart=False, timeout=10) as c:
@@ -221,7 +221,7 @@ def start_engine(d: Desktop) -> None:
                           "--grace", "3"], "engine.log", cwd=d.tmp)  # fmt: skip
 
     def answers() -> bool:
-        from rigpilot.engine.service.client import EngineClient
+        from rigpilot.engine.api.client import EngineClient
 
         assert d.engine is not None and d.engine.poll() is None, (d.tmp / "engine.log").read_text()
         try:

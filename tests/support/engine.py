@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 
-from rigpilot.engine.service.client import EngineClient
+from rigpilot.engine.api.client import EngineClient
 
 from support.paths import REPO
 from support.waiting import wait_for

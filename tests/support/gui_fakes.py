@@ -23,11 +23,11 @@ from typing import Any
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
+from rigpilot.engine.api.client import EngineError
 from rigpilot.engine.hardware.machine import Machine
 from rigpilot.engine.hardware.simulated import Load, SimulatedBackend, load_profile
 from rigpilot.engine.hardware.telemetry import TelemetrySample, Tier
 from rigpilot.engine.hardware.topology import describe, summarize
-from rigpilot.engine.service.client import EngineError
 
 CONNECTING, CONNECTED, LOST = "connecting", "connected", "lost"
 
@@ -334,6 +334,7 @@ def real_plan_reply(machine: Machine) -> Callable[..., dict[str, Any]]:
     def plan(model: str, workload: dict[str, Any] | None = None, gpus: list[int] | None = None,
              options: dict[str, Any] | None = None, trust_remote_code: bool = False,
              machine: Any = None, recheck: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+        from rigpilot.engine.api.protocol import ProtocolError
         from rigpilot.engine.errors import UserError
         from rigpilot.engine.models.job_model import describe_for_job
         from rigpilot.engine.planner.overrides import Overrides
@@ -341,7 +342,6 @@ def real_plan_reply(machine: Machine) -> Callable[..., dict[str, Any]]:
         from rigpilot.engine.planner.recheck import PlanChecker
         from rigpilot.engine.planner.search import SearchOptions, search
         from rigpilot.engine.service.planworker import plan_machine
-        from rigpilot.engine.service.protocol import ProtocolError
 
         try:  # the machine asked for, checked as the engine's planner process checks it
             target = plan_machine(machine) if machine is not None else default_machine
@@ -429,6 +429,6 @@ def accept_submissions(link: FakeLink, job_id: str = "job-new") -> list[dict[str
 
 def _as_replied(e: BaseException) -> EngineError:
     """A refusal as the client raises it after the engine's error reply: the reply's reason and fields."""
-    from rigpilot.engine.service import protocol
+    from rigpilot.engine.api import protocol
 
     return EngineError.of_reply(protocol.refusal_reply(None, e)["error"])  # type: ignore[arg-type]

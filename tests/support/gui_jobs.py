@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from rigpilot.app.jobs.page import JobsPage
-from rigpilot.engine.service.client import EngineError
+from rigpilot.engine.api.client import EngineError
 
 from support.gui_fakes import FakeLink, make_job
 

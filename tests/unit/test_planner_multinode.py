@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from rigpilot.engine.api.protocol import ProtocolError
 from rigpilot.engine.cli.entry import main as cli_main
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.simulated import load_profile
@@ -20,7 +21,6 @@ from rigpilot.engine.planner.plan import Parallelism, Plan, Workload, refusal
 from rigpilot.engine.planner.search import SearchOptions, _train_layouts, search
 from rigpilot.engine.planner.speed import Groups, SpeedModel
 from rigpilot.engine.service import planworker
-from rigpilot.engine.service.protocol import ProtocolError
 
 H100 = "8x-h100-sxm"
 MODEL = "llama-3.1-8b"
@@ -230,7 +230,7 @@ def test_socket_plan_request_takes_nodes_and_node_machines(h100):
 
 def test_the_engines_plan_request_plans_several_nodes(tmp_path, monkeypatch):
     """Through a real engine service and its planner process, as the GUI and other clients ask."""
-    from rigpilot.engine.service.client import EngineClient, EngineError
+    from rigpilot.engine.api.client import EngineClient, EngineError
 
     from support.engine import Engine, engine_home
 

@@ -6,9 +6,10 @@ from typing import Any
 
 import pytest
 
-from rigpilot.engine.service import protocol, requests
+from rigpilot.engine.api import protocol
+from rigpilot.engine.api.protocol import ProtocolError, Text
+from rigpilot.engine.service import requests
 from rigpilot.engine.service.handling import RequestGroup
-from rigpilot.engine.service.protocol import ProtocolError, Text
 
 # The requests of protocol 1 (docs/cli-json.md and protocol's docstring list them): none may disappear.
 PROTOCOL_1 = {

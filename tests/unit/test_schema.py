@@ -10,6 +10,7 @@ import shlex
 import pytest
 
 from rigpilot.engine import schema
+from rigpilot.engine.api.protocol import ProtocolError
 from rigpilot.engine.cli import commands
 from rigpilot.engine.cli.entry import build_parser
 from rigpilot.engine.errors import UserError
@@ -23,7 +24,6 @@ from rigpilot.engine.jobspec.spec import (
     TrainSettings,
 )
 from rigpilot.engine.schema import Choice, Range, declared, setting
-from rigpilot.engine.service.protocol import ProtocolError
 from rigpilot.engine.service.requests import parse_request
 
 # Fields that are not the user's to set: the engine writes them.

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from rigpilot.engine.api import protocol
+from rigpilot.engine.api.protocol import ProtocolError
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.simulated import load_profile
 from rigpilot.engine.hardware.telemetry import GpuSample, TelemetrySample
@@ -20,8 +22,7 @@ from rigpilot.engine.jobs.store import QUEUED, JobRecord, JobStore
 from rigpilot.engine.jobs.submission import describe, plan_prediction, prepare
 from rigpilot.engine.jobs.telemetry_store import TelemetryStore
 from rigpilot.engine.planner.plan import HostMemory, MemoryBreakdown, Parallelism, Plan, Timing, Workload
-from rigpilot.engine.service import protocol, requests
-from rigpilot.engine.service.protocol import ProtocolError
+from rigpilot.engine.service import requests
 
 
 def req(rtype, **args):

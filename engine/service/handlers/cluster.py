@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
+from rigpilot.engine.api.protocol import Limit, Text
 from rigpilot.engine.service import nodes as registry
 from rigpilot.engine.service.connection import Connection
 from rigpilot.engine.service.handling import Engine, RequestGroup
-from rigpilot.engine.service.protocol import Limit, Text
 
 REQUESTS = RequestGroup()
 

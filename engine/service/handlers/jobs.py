@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
+from rigpilot.engine.api import protocol
+from rigpilot.engine.api.protocol import Limit, NodeNames, Path_, ProtocolError, Text
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.jobs.store import ALL_STATES
-from rigpilot.engine.service import protocol
 from rigpilot.engine.service.connection import Connection
 from rigpilot.engine.service.handling import Engine, RequestGroup
-from rigpilot.engine.service.protocol import Limit, NodeNames, Path_, ProtocolError, Text
 
 REQUESTS = RequestGroup()
 

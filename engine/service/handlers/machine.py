@@ -7,13 +7,13 @@ import time
 from typing import Annotated, Any
 
 from rigpilot.engine import paths
+from rigpilot.engine.api import protocol
+from rigpilot.engine.api.protocol import Limit, Number, Path_, Text
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.simulated import SimulatedBackend
 from rigpilot.engine.jobs import calibration_store
-from rigpilot.engine.service import protocol
 from rigpilot.engine.service.connection import Connection
 from rigpilot.engine.service.handling import Engine, RequestGroup
-from rigpilot.engine.service.protocol import Limit, Number, Path_, Text
 
 REQUESTS = RequestGroup()
 

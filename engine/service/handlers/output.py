@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
+from rigpilot.engine.api import protocol
+from rigpilot.engine.api.protocol import MAX_OFFSET, Bytes, Cursor, Limit, ProtocolError, Text, Topics
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.jobs.metrics import read_records
 from rigpilot.engine.jobs.results import RESULTS_FILE, read_results
-from rigpilot.engine.service import protocol
 from rigpilot.engine.service.connection import Connection
 from rigpilot.engine.service.handling import Engine, RequestGroup
-from rigpilot.engine.service.protocol import MAX_OFFSET, Bytes, Cursor, Limit, ProtocolError, Text, Topics
 
 REQUESTS = RequestGroup()
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
+from rigpilot.engine.api.protocol import Limit, Path_, Text
 from rigpilot.engine.jobspec.spec import TRAIN_SETTINGS as _TRAIN
 from rigpilot.engine.service.connection import Connection
 from rigpilot.engine.service.handling import Engine, RequestGroup
-from rigpilot.engine.service.protocol import Limit, Path_, Text
 
 REQUESTS = RequestGroup()
 

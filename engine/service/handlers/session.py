@@ -7,10 +7,11 @@ import threading
 from typing import Annotated, Any
 
 from rigpilot.engine import __version__
-from rigpilot.engine.service import nodes, protocol, tls
+from rigpilot.engine.api import protocol, tls
+from rigpilot.engine.api.protocol import Limit, ProtocolError, Text
+from rigpilot.engine.service import nodes
 from rigpilot.engine.service.connection import Connection
 from rigpilot.engine.service.handling import Engine, RequestGroup
-from rigpilot.engine.service.protocol import Limit, ProtocolError, Text
 
 REQUESTS = RequestGroup()
 

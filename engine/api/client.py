@@ -11,9 +11,9 @@ once over a fresh connection when the old one broke (the service restarted),
 so a GUI poller rides over a restart without noticing.
 
 Over TCP (`tcp="HOST:PORT"`) the connection is TLS and the login proves the
-token without sending it (engine.service.tls); the engine's certificate must
+token without sending it (engine.api.tls); the engine's certificate must
 match the fingerprint pinned for it (given, or remembered in
-engine.service.pins the first time that engine proved it holds the token).
+engine.api.pins the first time that engine proved it holds the token).
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from rigpilot.engine import paths
+from rigpilot.engine.api import pins, protocol, tls
 from rigpilot.engine.diskspace import disk_full, no_room
 from rigpilot.engine.errors import UserError
-from rigpilot.engine.service import pins, protocol, tls
 
 _IDEMPOTENT = frozenset(
     {"hello", "machine", "topology", "telemetry_history", "jobs", "job", "logs", "metrics", "cancel", "plan"}
@@ -116,7 +116,7 @@ class EngineClient:
 
         `fingerprint`: the certificate fingerprint the engine must present. Without it, `pin(seen)` is
         called once the engine proved it holds the token (the node registry pins that way), or, without
-        `pin`, the known-engines file (engine.service.pins) pins it. `pin_fix` ends the refusal of a
+        `pin`, the known-engines file (engine.api.pins) pins it. `pin_fix` ends the refusal of a
         changed certificate with what to do about it ({seen} stands for the certificate presented)."""
         self.autostart = autostart and tcp is None
         self.tcp = tcp

@@ -43,7 +43,7 @@ cannot be read (not UTF-8, not JSON, nested deeper than `MAX_DEPTH`, a lone
 UTF-16 surrogate) gets a `bad_message` reply and the connection goes on,
 except an oversized one, after which the service hangs up. Remote (TCP)
 clients speak TLS; the engine opens with a login challenge and the client's
-first request must be `hello` with its proof (engine.service.tls), within the
+first request must be `hello` with its proof (engine.api.tls), within the
 login timeout. A client that speaks plain text there is answered `tls_required`.
 Every request has a deadline: one that passes it (a `plan` search) is stopped
 and answered `timeout`; a client may ask for a shorter one with `deadline_s`.

@@ -128,7 +128,7 @@ def load_or_create_identity() -> Identity:
 def _create_apart(d: Path) -> None:
     """Make the certificate in a short-lived child: `cryptography` (about 10 MiB) never sits in the engine for good."""
     r = subprocess.run(
-        [sys.executable, "-m", "rigpilot.engine.service.tls", str(d)], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "rigpilot.engine.api.tls", str(d)], capture_output=True, text=True, timeout=120
     )
     if r.returncode != 0:
         said = (r.stderr.strip().splitlines() or [f"exit status {r.returncode}"])[-1]
