@@ -433,7 +433,9 @@ def removed_installation() -> str | None:
     A window left open while the package is removed or purged (or Rigpilot uninstalled with pip) still
     runs, but the service it would start no longer exists on disk.
     """
-    for what in (sys.executable, str(Path(__file__).with_name("__main__.py"))):
+    # The service this client starts: `python -m rigpilot.engine.service`, beside this package.
+    service_main = Path(__file__).resolve().parent.parent / "service" / "__main__.py"
+    for what in (sys.executable, str(service_main)):
         if what and not os.path.exists(what):  # an embedding interpreter may leave sys.executable empty
             return what
     return None
