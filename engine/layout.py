@@ -84,7 +84,7 @@ class Layout:
             shown = repr(self.pp_schedule[:60]) if isinstance(self.pp_schedule, str) else repr(self.pp_schedule)
             raise UserError(
                 f"parallelism setting pp_schedule={shown}: must be one of {', '.join(SCHEDULES)}",
-                reason="out_of_range", setting="parallelism.pp_schedule", value=self.pp_schedule, choices=list(SCHEDULES),
+                reason="not_a_choice", setting="parallelism.pp_schedule", value=self.pp_schedule, choices=list(SCHEDULES),
             )  # fmt: skip
         object.__setattr__(self, "pp_schedule", schedule)
 

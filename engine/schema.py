@@ -119,11 +119,8 @@ class Range:
 @dataclass(frozen=True)
 class Choice:
     options: tuple[str, ...]
-    any_case: bool = False
 
     def holds(self, v: Any) -> bool:
-        if self.any_case and isinstance(v, str):
-            return v.lower() in {o.lower() for o in self.options}
         return v in self.options
 
     def text(self) -> str:

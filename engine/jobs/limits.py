@@ -9,20 +9,18 @@ attack, and left in it would fail late (an overflow deep in a worker) or never s
 from __future__ import annotations
 
 import re
-from dataclasses import fields, is_dataclass
+from dataclasses import is_dataclass
 from typing import Any
 
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import check_path_length
-from rigpilot.engine.jobspec.spec import SETTINGS
-from rigpilot.engine.schema import Choice, Range, declared
+from rigpilot.engine.jobspec.spec import INFER_SETTINGS, SETTINGS, TRAIN_SETTINGS
+from rigpilot.engine.schema import check_group
 
 PATH_MAX = 4096  # Linux's PATH_MAX: a longer path cannot name a file
 
-# setting (as "section.field") -> its allowed values, from its declaration (engine.jobspec.spec.SETTINGS).
-# Strings have a length bound instead. The parallel degrees and schedule are the Layout's own to check
-# (engine.layout), when one is made.
-LIMITS: dict[str, Range | Choice] = {key: s.bound for key, s in SETTINGS.items() if s.bound is not None}
+# Each setting's range or choices is its declaration's (engine.jobspec.spec); strings have a length bound here
+# instead. The parallel degrees and schedule are the Layout's own to check (engine.layout), when one is made.
 STRING_MAX = {"name": 256, "train.text_field": 256, "infer.backend_reason": 1024}
 LIST_MAX = {"gpus": 4096, "train.dataset": 1024, "train.lora_targets": 1024, "infer.prompts": 100_000, "script": 10_000}
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -33,18 +31,10 @@ PROMPT_MAX = 1024 * 1024
 
 def check_job_settings(spec: Any) -> None:
     """Raise a one-line UserError for the first setting of a JobSpec outside its allowed values."""
-    for section in ("train", "infer"):
+    for section, declared in (("train", TRAIN_SETTINGS), ("infer", INFER_SETTINGS)):
         part = getattr(spec, section, None)
-        if part is None or not is_dataclass(part):
-            continue
-        for f in fields(part):
-            key = f"{section}.{f.name}"
-            value = getattr(part, f.name)
-            _check_value(key, value)
-        for decl in declared(type(part), section).values():
-            error = decl.conflict(part)
-            if error is not None:
-                raise error
+        if part is not None and is_dataclass(part):
+            check_group(part, declared)
     for key, limit in STRING_MAX.items():
         value = _setting(spec, key)
         if isinstance(value, str) and len(value) > limit:
@@ -55,7 +45,7 @@ def check_job_settings(spec: Any) -> None:
             raise UserError(f"{key} has {len(value):,} entries; at most {limit:,} are allowed")
     restarts = getattr(spec, "max_restarts", None)
     if restarts is not None:
-        _check_value("max_restarts", restarts)
+        SETTINGS["max_restarts"].check(restarts)
     for g in spec.gpus or []:
         if not 0 <= g < 4096:
             raise UserError(f"GPU index {g} is out of range [0, 4095]")
@@ -93,7 +83,3 @@ def _setting(spec: Any, key: str) -> Any:
     return getattr(owner, name, None) if owner is not None else None
 
 
-def _check_value(key: str, value: Any) -> None:
-    declared = SETTINGS.get(key)
-    if declared is not None:
-        declared.check(value)

@@ -24,10 +24,10 @@ from rigpilot.engine.planner.memory import MemoryModel, plan_memory
 from rigpilot.engine.planner.model import ModelFacts, model_facts
 from rigpilot.engine.planner.overrides import Overrides
 from rigpilot.engine.planner.plan import CHECKPOINTING, Parallelism, Plan, Workload, refusal
+from rigpilot.engine.planner.search import MAX_TP
 from rigpilot.engine.planner.speed import SpeedModel
 
 GIB = 1024**3
-MAX_TP = 8
 CHANGED = "changed in the wizard from the planner's recommendation"  # the note a changed plan carries
 
 

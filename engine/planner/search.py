@@ -139,7 +139,7 @@ def validate_workload(w: Workload, spec: ModelSpec) -> None:
     ):
         if not lo <= value <= hi:
             raise refusal("the {name} must be between {lo:,} and {hi:,}, not {value:,}", reason="out_of_range",
-                          fields={"setting": setting, "value": value, "min": lo, "max": hi},
+                          fields={"setting": setting, "value": value, "lo": lo, "hi": hi},
                           name=name, lo=lo, hi=hi, value=value)  # fmt: skip
     if w.token_budget is not None and not 1 <= w.token_budget <= MAX_TOKEN_BUDGET:
         raise UserError(f"the token budget must be between 1 and {MAX_TOKEN_BUDGET:.0e}, not {w.token_budget:,}")

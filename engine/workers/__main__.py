@@ -121,8 +121,14 @@ def _refusal_facts(e: UserError) -> dict[str, Any]:
     """The refusal's reason and its scalar fields beside the record's own keys, as a disk_full record has
     them: the job's error is worded from these, never from the line."""
     own = {"time", "rank", "run", "step", "kind", "error", "message", "reason"}
-    facts = {k: v for k, v in jsonable(e.fields).items() if k not in own and isinstance(v, int | float | str | bool)}
+    facts = {k: v for k, v in jsonable(e.fields).items() if k not in own and _flat(v)}
     return {"reason": e.reason, **facts}
+
+
+def _flat(v: Any) -> bool:
+    """A scalar, or a list of scalars (a refusal's `choices`): what a record carries beside its own keys."""
+    scalar = (int, float, str, bool)
+    return isinstance(v, scalar) or (isinstance(v, list) and all(isinstance(x, scalar) for x in v))
 
 
 def _disk_full(e: BaseException, job_dir: Path) -> DiskFull:

@@ -54,7 +54,7 @@ def test_schedules_are_spelled_one_way_and_old_spellings_are_read() -> None:
         assert Layout(pp=2, pp_schedule=given).pp_schedule == stored
     with pytest.raises(UserError, match="pp_schedule='zigzag': must be one of 1F1B, GPipe") as e:
         Layout(pp_schedule="zigzag")
-    assert e.value.reason == "out_of_range" and e.value.fields["choices"] == ["1F1B", "GPipe"]
+    assert e.value.reason == "not_a_choice" and e.value.fields["choices"] == ["1F1B", "GPipe"]
 
 
 def test_a_layout_is_frozen() -> None:

@@ -194,7 +194,7 @@ def test_validation_errors():
         search(LLAMA_7B, machine, train(global_batch=0))
     assert out_of_range.value.reason == "out_of_range"
     facts = {k: v for k, v in out_of_range.value.fields.items() if k != "terms"}
-    assert facts == {"setting": "global_batch", "value": 0, "min": 1, "max": MAX_BATCH}
+    assert facts == {"setting": "global_batch", "value": 0, "lo": 1, "hi": MAX_BATCH}
     # The sentence names the setting, not its flag: each client words it (engine.schema.worded).
     assert out_of_range.value.fields["terms"]["refs"] == {"batch": {"setting": "batch", "value": None}}
     with pytest.raises(UserError) as unknown:

@@ -135,7 +135,7 @@ def test_the_value_lists_are_the_enums() -> None:
     assert [str(s) for s in schema.JobState] == [
         "queued", "starting", "running", "completed", "failed", "cancelled", "interrupted"
     ]
-    assert limits.LIMITS["train.method"] == Choice(("full", "lora", "qlora", "scratch"))
+    assert TRAIN_SETTINGS["method"].bound == Choice(("full", "lora", "qlora", "scratch"))
 
 
 @dataclasses.dataclass
@@ -155,7 +155,7 @@ def test_a_new_setting_needs_only_its_declaration(monkeypatch, capsys) -> None:
     # here they are made again from the extended class, as a new field on TrainSettings would make them.
     monkeypatch.setattr(commands, "TRAIN_SETTINGS", extended)
     monkeypatch.setattr(wizard_state, "TRAIN_SETTINGS", extended)
-    monkeypatch.setattr(limits, "SETTINGS", {**limits.SETTINGS, **{s.key: s for s in extended.values()}})
+    monkeypatch.setattr(limits, "TRAIN_SETTINGS", extended)
 
     args = build_parser().parse_args(["run", "train", "--model", "tiny", "--optimizer", "sgd"])
     assert commands.build_spec(args)["train"] == {"optimizer": "sgd"}
