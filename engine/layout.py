@@ -21,13 +21,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from rigpilot.engine.errors import UserError
+from rigpilot.engine.schema import Range, Setting, declared, setting
 
 # The pipeline schedules the workers run (torch.distributed.pipelining), as job.json and the CLI spell them.
 SCHEDULES = ("1F1B", "GPipe")
 _SPELLINGS = {s.lower(): s for s in SCHEDULES}  # plans write "1f1b"/"gpipe"; any case is read
-# setting -> (lowest, highest): generous bounds, far past any real job, that stop a typo before a worker does.
-DEGREE_RANGES = {"dp_replicate": (1, 4096), "dp_shard": (1, 4096), "tp": (1, 512), "pp": (1, 512)}
-MICROBATCH_RANGE = (1, 4096)
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first, as init_device_mesh lays ranks out
 
 
@@ -63,22 +61,35 @@ class Layout:
     Field names are job.json's `parallelism` keys, so job files written before this type load as they are.
     """
 
-    dp_replicate: int = 1  # plain data-parallel replicas (DDP, or the replicate dim of HSDP)
-    dp_shard: int = 1  # FSDP2 sharding degree (1: no sharding)
-    tp: int = 1  # tensor parallel degree
-    pp: int = 1  # pipeline stages
-    sequence_parallel: bool = False  # with tp > 1: norms and residuals split along the sequence
+    # Each field is declared once (engine.schema), like the job's settings: the CLI's degree flags, this check,
+    # the wizard's spin boxes and the refusals' words come from here. The bounds are generous, far past any real
+    # job, and stop a typo before a worker does.
+    dp_replicate: int = setting(1, flags="--dp", range=Range(1, 4096), metavar="N", label="Data-parallel replicas",
+                                help="Plain data-parallel replicas (DDP, or the replicate dimension of HSDP).")  # fmt: skip
+    dp_shard: int = setting(1, flags="--fsdp", range=Range(1, 4096), metavar="N", label="FSDP sharding",
+                            help="FSDP2 sharding degree (1: no sharding).")  # fmt: skip
+    tp: int = setting(1, flags="--tp", range=Range(1, 512), metavar="N", label="Tensor parallel",
+                      help="Tensor-parallel degree.")  # fmt: skip
+    pp: int = setting(1, flags="--pp", range=Range(1, 512), metavar="N", label="Pipeline stages",
+                      help="Pipeline stages.")  # fmt: skip
+    sequence_parallel: bool = setting(False, flags="--sequence-parallel", label="Sequence parallel",
+                                      help="With tensor parallelism: split norms and residuals along the sequence.")  # fmt: skip
     # False: parameters stay gathered from forward through backward (FSDP's SHARD_GRAD_OP, the
     # equivalent of ZeRO-2): less communication, more memory than resharding (ZeRO-3).
-    reshard_after_forward: bool = True
-    pp_schedule: str = "1F1B"  # one of SCHEDULES; other spellings are read and stored as these
-    pp_microbatches: int = 1  # micro-batches per pipeline schedule run
+    reshard_after_forward: bool = setting(True, label="Reshard after forward",
+                                          help="FSDP2 frees each block's gathered parameters after its forward.")  # fmt: skip
+    pp_schedule: str = setting("1F1B", flags="--pp-schedule", choices=SCHEDULES, parse=lambda t: schedule_name(t) or t,
+                               label="Pipeline schedule", help="The pipeline schedule.")  # fmt: skip
+    pp_microbatches: int = setting(1, flags="--pp-microbatches", range=Range(1, 4096), metavar="N",
+                                   default_words="the number of stages", label="Pipeline micro-batches",
+                                   help="Micro-batches per pipeline run.")  # fmt: skip
     # FSDP2's CPUOffloadPolicy: sharded parameters, gradients and the optimizer step live in host RAM.
-    cpu_offload: bool = False
+    cpu_offload: bool = setting(False, flags="--cpu-offload", label="CPU offload",
+                                help="FSDP2 CPU offload: parameters, gradients and optimizer state in host RAM.")  # fmt: skip
 
     def __post_init__(self) -> None:
-        for name, (lo, hi) in (*DEGREE_RANGES.items(), ("pp_microbatches", MICROBATCH_RANGE)):
-            _check_range(name, getattr(self, name), lo, hi)
+        for name in (*DEGREE_RANGES, "pp_microbatches"):
+            _check_range(name, getattr(self, name), LAYOUT_SETTINGS[name])
         schedule = schedule_name(self.pp_schedule)
         if schedule is None:
             shown = repr(self.pp_schedule[:60]) if isinstance(self.pp_schedule, str) else repr(self.pp_schedule)
@@ -137,10 +148,10 @@ class Layout:
         return cls(**{k: v for k, v in d.items() if k in known})
 
     @classmethod
-    def from_settings(cls, **flags: Any) -> Layout:
-        """The layout of the CLI's degree flags (`given_settings`' keywords: dp, fsdp, tp, pp, …); unset flags
-        are left at their defaults."""
-        return cls.from_dict(given_settings(**flags))
+    def from_settings(cls, **given: Any) -> Layout:
+        """The layout of the settings given (LAYOUT_SETTINGS' names: dp_replicate, tp, …; None or False: not
+        given, the default applies): what the command line's degree flags ask for."""
+        return cls.from_dict({k: v for k, v in given.items() if v is not None and v is not False})
 
     @classmethod
     def from_plan(cls, plan: _Planned | _PlannedSplit) -> Layout:
@@ -185,29 +196,14 @@ def accumulation_of_plan(plan: _Planned | _PlannedSplit) -> int:
     return 1 if par.pp > 1 else max(par.grad_accum, 1)
 
 
-def given_settings(
-    *,
-    dp: int | None = None,
-    fsdp: int | None = None,
-    tp: int | None = None,
-    pp: int | None = None,
-    pp_microbatches: int | None = None,
-    pp_schedule: str | None = None,
-    sequence_parallel: bool = False,
-    cpu_offload: bool = False,
-) -> dict[str, Any]:
-    """The CLI's degree flags as job.json names them, only those given: what `run` sends the engine.
-
-    Only the given ones, so the engine can tell a default from a choice (pipeline micro-batches
-    default to the stages unless given)."""
-    named = {
-        "dp_replicate": dp, "dp_shard": fsdp, "tp": tp, "pp": pp, "pp_microbatches": pp_microbatches,
-        "pp_schedule": pp_schedule, "sequence_parallel": sequence_parallel, "cpu_offload": cpu_offload,
-    }  # fmt: skip
-    return {k: v for k, v in named.items() if v}
+# Every field of a Layout, declared ("parallelism.tp" …); the degrees' and micro-batches' ranges from them.
+LAYOUT_SETTINGS: dict[str, Setting] = declared(Layout, "parallelism")
+DEGREE_RANGES = {n: (int(LAYOUT_SETTINGS[n].bound.lo), int(LAYOUT_SETTINGS[n].hi)) for n in ("dp_replicate", "dp_shard", "tp", "pp")}
+MICROBATCH_RANGE = (1, int(LAYOUT_SETTINGS["pp_microbatches"].hi))
 
 
-def _check_range(name: str, value: Any, lo: int, hi: int) -> None:
+def _check_range(name: str, value: Any, decl: Setting) -> None:
+    lo, hi = int(decl.bound.lo), int(decl.hi)  # type: ignore[union-attr]
     if isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi:
         return
     if not isinstance(value, int) or isinstance(value, bool):

@@ -44,7 +44,8 @@ from rigpilot.app.wizard.state import INFER, INFER_BACKEND_CHOICES
 from rigpilot.engine.capability import why_not
 from rigpilot.engine.jobspec.spec import INFER_SETTINGS, JOB_SETTINGS
 from rigpilot.engine.jobspec.spec import TRAIN_SETTINGS as TRAIN
-from rigpilot.engine.layout import DEGREE_RANGES, Layout
+from rigpilot.engine.layout import LAYOUT_SETTINGS as LAYOUT
+from rigpilot.engine.layout import Layout
 from rigpilot.engine.planner.overrides import Overrides
 from rigpilot.engine.schema import Checkpointing, Range, Setting
 
@@ -65,6 +66,18 @@ def _setting_spin(name: str, s: Setting) -> QSpinBox:
     box = _spin(name, max(lo, -INT_MAX), min(hi, INT_MAX))
     if s.zero_words and lo == 0:
         box.setSpecialValueText(s.zero_words)
+    return box
+
+
+def _setting_double(name: str, s: Setting, decimals: int, step: float) -> QDoubleSpinBox:
+    """A decimal box bounded as setting `s` is declared; an open end is the nearest value the box can show."""
+    assert isinstance(s.bound, Range)
+    tick = 10.0**-decimals
+    box = QDoubleSpinBox()
+    box.setObjectName(name)
+    box.setDecimals(decimals)
+    box.setRange(s.bound.lo + (tick if s.bound.lo_open else 0.0), s.bound.hi - (tick if s.bound.hi_open else 0.0))
+    box.setSingleStep(step)
     return box
 
 
@@ -126,9 +139,9 @@ class PlanPage(StepPage):
         self.alternatives.setAccessibleName("Recommended plan and alternatives")
         self.alternatives.setWordWrap(True)
         self.alternatives.currentRowChanged.connect(self._alternative_chosen)
-        self.dp = _spin("overrideDp", 1, 1024)
-        self.tp = _spin("overrideTp", 1, 64)
-        self.pp = _spin("overridePp", 1, DEGREE_RANGES["pp"][1])
+        self.dp = _setting_spin("overrideDp", LAYOUT["dp_replicate"])  # data parallelism, replicated or sharded
+        self.tp = _setting_spin("overrideTp", LAYOUT["tp"])
+        self.pp = _setting_spin("overridePp", LAYOUT["pp"])
         self.micro = _setting_spin("overrideMicroBatch", TRAIN["micro_batch"])
         self.checkpointing = QComboBox()
         self.checkpointing.setObjectName("overrideCheckpointing")
@@ -138,7 +151,7 @@ class PlanPage(StepPage):
         self.schedule.setObjectName("overridePpSchedule")
         for key, text in PIPELINE_SCHEDULES:
             self.schedule.addItem(text, key)
-        self.pp_microbatches = _spin("overridePpMicrobatches", 0, 65_536)
+        self.pp_microbatches = _spin("overridePpMicrobatches", 0, int(LAYOUT["pp_microbatches"].hi))
         self.pp_microbatches.setSpecialValueText("as accumulated, at least the stages")
         self.sequence_parallel = QCheckBox("Sequence parallel")
         self.sequence_parallel.setObjectName("overrideSequenceParallel")
@@ -408,11 +421,7 @@ class HyperPage(StepPage):
         t = QFormLayout()
         self.train_form = t
         self.steps = _setting_spin("steps", TRAIN["max_steps"])
-        self.lr = QDoubleSpinBox()
-        self.lr.setObjectName("learningRate")
-        self.lr.setDecimals(6)
-        self.lr.setRange(1e-6, 1.0)
-        self.lr.setSingleStep(1e-4)
+        self.lr = _setting_double("learningRate", TRAIN["learning_rate"], 6, 1e-4)
         self.warmup = _setting_spin("warmup", TRAIN["warmup_steps"])
         self.micro = _setting_spin("microBatch", TRAIN["micro_batch"])
         self.accum = _setting_spin("gradAccum", TRAIN["grad_accum"])
@@ -461,15 +470,9 @@ class HyperPage(StepPage):
         i = QFormLayout()
         self.new_tokens = _setting_spin("maxNewTokens", INFER_SETTINGS["max_new_tokens"])
         self.batch = _setting_spin("inferBatch", INFER_SETTINGS["batch_size"])
-        self.context = _spin("context", 8, 1_048_576)
-        self.temperature = QDoubleSpinBox()
-        self.temperature.setObjectName("temperature")
-        self.temperature.setRange(0.0, 5.0)
-        self.temperature.setSingleStep(0.1)
-        self.top_p = QDoubleSpinBox()
-        self.top_p.setObjectName("topP")
-        self.top_p.setRange(0.01, 1.0)
-        self.top_p.setSingleStep(0.05)
+        self.context = _setting_spin("context", TRAIN["seq_len"])  # prompt and answer: the sequence the job holds
+        self.temperature = _setting_double("temperature", INFER_SETTINGS["temperature"], 2, 0.1)
+        self.top_p = _setting_double("topP", INFER_SETTINGS["top_p"], 2, 0.05)
         self.infer_seed = _setting_spin("inferSeed", INFER_SETTINGS["seed"])
         self.backend = QComboBox()
         self.backend.setObjectName("inferBackend")

@@ -22,7 +22,7 @@ from rigpilot.engine.jobs import scaling, scaling_table
 from rigpilot.engine.jobs.metrics import mark_superseded
 from rigpilot.engine.jobspec.secrets import shown_text
 from rigpilot.engine.jobspec.spec import INFER_SETTINGS, JOB_SETTINGS, TRAIN_SETTINGS
-from rigpilot.engine.layout import SCHEDULES, Layout, given_settings, schedule_name
+from rigpilot.engine.layout import LAYOUT_SETTINGS, Layout
 from rigpilot.engine.schema import ACTIVE_STATES, TERMINAL_STATES, add_option, add_options, given
 from rigpilot.engine.service.command_line import add_service_arguments, service_options
 from rigpilot.engine.terminal import printable
@@ -55,8 +55,7 @@ def register(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     workload = _workload_options()
     k = kinds.add_parser("train", parents=[common, model, degrees, slurm, workload], help="train or fine-tune a model")
     add_options(k, {n: s for n, s in TRAIN_SETTINGS.items() if n not in WORKLOAD})  # engine.jobspec.spec declares them
-    k.add_argument("--cpu-offload", action="store_true",
-                   help="FSDP2 CPU offload: parameters, gradients and optimizer state in host RAM")  # fmt: skip
+    add_option(k, LAYOUT_SETTINGS["cpu_offload"])
     k.set_defaults(func=cmd_run)
 
     k = kinds.add_parser("infer", parents=[common, model, degrees, slurm], help="generate text with a model")
@@ -233,21 +232,11 @@ def _model_options() -> argparse.ArgumentParser:
 def _degree_options() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("parallelism (the product must equal the number of GPUs)")
-    g.add_argument("--dp", type=positive_int, metavar="N", help="data-parallel replicas")
-    g.add_argument("--fsdp", type=positive_int, metavar="N", help="FSDP sharding degree")
-    g.add_argument("--tp", type=positive_int, metavar="N", help="tensor-parallel degree")
-    g.add_argument("--pp", type=positive_int, metavar="N", help="pipeline stages")
-    g.add_argument("--pp-microbatches", type=positive_int, metavar="N",
-                   help="micro-batches per pipeline run (default: the number of stages)")  # fmt: skip
-    g.add_argument("--pp-schedule", choices=SCHEDULES, type=_schedule, help="pipeline schedule (default 1F1B)")
-    g.add_argument("--sequence-parallel", action="store_true", help="with --tp: split norms and residuals along the sequence")
+    for name in ("dp_replicate", "dp_shard", "tp", "pp", "pp_microbatches", "pp_schedule", "sequence_parallel"):
+        add_option(g, LAYOUT_SETTINGS[name])  # engine.layout declares them
     p.add_argument("--check", action="store_true",
                    help="check the job through the whole submission path and print what would run; start nothing")  # fmt: skip
     return p
-
-
-def _schedule(text: str) -> str:
-    return schedule_name(text) or text  # argparse's choices refuse the rest
 
 
 # -- engine --------------------------------------------------------------------
@@ -309,12 +298,8 @@ def build_spec(args: argparse.Namespace) -> dict[str, Any]:
         spec["model"] = args.model
     if args.trust_remote_code:
         spec["trust_remote_code"] = True
-    degrees = given_settings(
-        dp=args.dp, fsdp=args.fsdp, tp=args.tp, pp=args.pp, pp_microbatches=args.pp_microbatches,
-        pp_schedule=args.pp_schedule, sequence_parallel=args.sequence_parallel,
-        cpu_offload=getattr(args, "cpu_offload", False),
-    )  # fmt: skip
-    Layout.from_dict(degrees)  # a degree out of range is refused here, in the engine's words
+    degrees = given(args, LAYOUT_SETTINGS)  # only the given flags: pipeline micro-batches default to the stages
+    Layout.from_dict(degrees)  # a layout the degrees cannot make is refused here, in the engine's words
     if degrees:
         spec["parallelism"] = degrees
     if args.kind == "train":

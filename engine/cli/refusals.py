@@ -11,6 +11,7 @@ from typing import Any
 
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.jobspec.spec import INFER_SETTINGS, SETTINGS, TRAIN_SETTINGS
+from rigpilot.engine.layout import LAYOUT_SETTINGS
 from rigpilot.engine.schema import Setting, command_text
 
 
@@ -18,7 +19,8 @@ def declared(key: Any) -> Setting | None:
     """The declaration a refusal's `setting` names: a full key ("train.seq_len") or a planner's bare name."""
     if not isinstance(key, str):
         return None
-    return SETTINGS.get(key) or TRAIN_SETTINGS.get(key) or INFER_SETTINGS.get(key)
+    layout = {s.key: s for s in LAYOUT_SETTINGS.values()}
+    return SETTINGS.get(key) or layout.get(key) or TRAIN_SETTINGS.get(key) or INFER_SETTINGS.get(key)
 
 
 def words(error: UserError) -> str:

@@ -12,7 +12,7 @@ from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.simulated import load_profile
 from rigpilot.engine.jobs.submission import apply_plan_layout, parse_plan, prepare
 from rigpilot.engine.jobspec.spec import JobSpec
-from rigpilot.engine.layout import Layout, accumulation_of_plan, given_settings
+from rigpilot.engine.layout import LAYOUT_SETTINGS, Layout, accumulation_of_plan
 from rigpilot.engine.planner.plan import (
     HostMemory,
     MemoryBreakdown,
@@ -63,9 +63,16 @@ def test_a_layout_is_frozen() -> None:
 
 
 def test_the_clis_degrees_are_the_layouts_and_only_the_given_ones_are_sent() -> None:
-    sent = given_settings(dp=2, fsdp=None, tp=2, pp=None, pp_schedule="gpipe", sequence_parallel=True)
-    assert sent == {"dp_replicate": 2, "tp": 2, "pp_schedule": "gpipe", "sequence_parallel": True}
-    layout = Layout.from_settings(dp=2, tp=2, pp_schedule="gpipe", sequence_parallel=True)
+    from rigpilot.engine.cli.commands import build_spec
+    from rigpilot.engine.cli.entry import build_parser
+
+    args = build_parser().parse_args(["run", "train", "--model", "m", "--dp", "2", "--tp", "2", "--pp-schedule",
+                                      "gpipe", "--sequence-parallel"])  # fmt: skip
+    assert build_spec(args)["parallelism"] == {"dp_replicate": 2, "tp": 2, "pp_schedule": "GPipe", "sequence_parallel": True}
+    assert [a.option_strings[0] for a in build_parser()._subparsers._group_actions[0].choices["run"]  # type: ignore[union-attr]
+            ._subparsers._group_actions[0].choices["train"]._actions if a.dest in LAYOUT_SETTINGS] == [
+        "--dp", "--fsdp", "--tp", "--pp", "--pp-microbatches", "--pp-schedule", "--sequence-parallel", "--cpu-offload"]  # fmt: skip
+    layout = Layout.from_settings(dp_replicate=2, dp_shard=None, tp=2, pp_schedule="gpipe", sequence_parallel=True)
     assert (layout.dp_replicate, layout.tp, layout.pp_schedule, layout.sequence_parallel) == (2, 2, "GPipe", True)
     with pytest.raises(UserError, match=r"parallelism setting tp=1000: must be in \[1, 512\]"):
         Layout.from_settings(tp=1000)
@@ -74,9 +81,12 @@ def test_the_clis_degrees_are_the_layouts_and_only_the_given_ones_are_sent() -> 
 def test_the_cli_refuses_a_degree_out_of_range_in_the_engines_words(capsys: pytest.CaptureFixture[str]) -> None:
     from rigpilot.engine.cli.entry import main
 
-    code = main(["run", "train", "--model", "gpt2", "--data", "x.txt", "--tp", "1000", "--check"])
+    # Refused by argparse from the declaration, naming the flag, before anything is sent.
+    with pytest.raises(SystemExit) as exited:
+        main(["run", "train", "--model", "gpt2", "--data", "x.txt", "--tp", "1000", "--check"])
     err = capsys.readouterr().err
-    assert code == 2 and "parallelism setting tp=1000: must be in [1, 512]" in err and "Traceback" not in err
+    assert exited.value.code == 2 and "argument --tp: parallelism setting tp=1000: must be in [1, 512]" in err
+    assert "Traceback" not in err
 
 
 # --- job.json ---------------------------------------------------------------------------------------------------
