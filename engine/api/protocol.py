@@ -154,11 +154,14 @@ TELEMETRY_RESET = "telemetry_reset"
 class ProtocolError(Exception):
     """A message the service (or client) cannot accept; `fatal` ones end the connection."""
 
-    def __init__(self, code: str, message: str, *, fatal: bool = False):
+    def __init__(self, code: str, message: str, *, fatal: bool = False, reason: str | None = None,
+                 fields: dict[str, Any] | None = None):  # fmt: skip
         super().__init__(message)
         self.code = code
         self.message = message
         self.fatal = fatal
+        self.reason = reason  # a refusal of a declared setting's value: out_of_range, not_a_choice (None: the class)
+        self.fields = dict(fields or {})
 
 
 # -- framing -----------------------------------------------------------------
@@ -392,10 +395,13 @@ def _fits(value: Any, tp: Any, path: str) -> bool:
         if not _fits(value, args[0], path):
             return False
         for limit in args[1:]:
-            # A Limit, or a job setting's declaration (engine.schema.Setting): both say what is wrong with a value.
+            # A Limit, or a job setting's declaration (engine.schema.Setting): both say what is wrong with a value;
+            # a setting's refusal also travels as its reason and fields, as the same value in a job spec does.
             problem = limit.problem(value) if isinstance(limit, Limit | Setting) else None
             if problem:
-                raise ProtocolError(INVALID, f"{path}: expected {_describe(tp)} {problem}")
+                refused = limit.refusal(value) if isinstance(limit, Setting) else None
+                raise ProtocolError(INVALID, f"{path}: expected {_describe(tp)} {problem}",
+                                    reason=refused.reason if refused else None, fields=refused.fields if refused else None)  # fmt: skip
         return True
     if origin in (Union, types.UnionType):
         return any(_fits(value, a, path) for a in args)

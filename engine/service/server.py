@@ -511,7 +511,7 @@ class EngineService:
             result = requests.answer(self, conn, req)
             self._reply(conn, req, protocol.reply(rid, result))
         except ProtocolError as e:
-            conn.send(protocol.error_reply(rid, e.code, e.message))
+            conn.send(protocol.error_reply(rid, e.code, e.message, reason=e.reason, fields=e.fields))
             return not e.fatal
         except UserError as e:  # a missing job, a bad path and a full disk among them: each says its reason
             self._reply(conn, req, protocol.refusal_reply(rid, e))

@@ -114,3 +114,16 @@ def test_a_request_declared_twice_is_refused() -> None:
         @group.request("twice")
         def second(engine: Any, conn: Any) -> Any:
             return 2
+
+
+def test_a_declared_setting_out_of_range_in_a_request_is_refused_with_its_reason_and_fields() -> None:
+    # scaling_start's micro_batch is the job setting: refused as a job spec's would be (issue 27: it once took
+    # 1,048,576 where the engine takes 65,536), and the reply carries the same reason and facts.
+    message = {"v": 1, "id": 1, "type": "scaling_start", "args": {"gpus": [1, 2], "model": "m", "micro_batch": 100_000}}
+    with pytest.raises(ProtocolError) as refused:
+        requests.parse_request(message)
+    e = refused.value
+    assert e.code == protocol.INVALID and e.reason == "out_of_range"
+    assert e.fields == {"setting": "train.micro_batch", "value": 100_000, "lo": 1, "hi": 65_536}
+    reply = protocol.error_reply(1, e.code, e.message, reason=e.reason, fields=e.fields)["error"]
+    assert (reply["code"], reply["reason"], reply["fields"]["hi"]) == ("invalid", "out_of_range", 65_536)
