@@ -198,12 +198,12 @@ def accumulation_of_plan(plan: _Planned | _PlannedSplit) -> int:
 
 # Every field of a Layout, declared ("parallelism.tp" …); the degrees' and micro-batches' ranges from them.
 LAYOUT_SETTINGS: dict[str, Setting] = declared(Layout, "parallelism")
-DEGREE_RANGES = {n: (int(LAYOUT_SETTINGS[n].bound.lo), int(LAYOUT_SETTINGS[n].hi)) for n in ("dp_replicate", "dp_shard", "tp", "pp")}
+DEGREE_RANGES = {n: (int(LAYOUT_SETTINGS[n].lo), int(LAYOUT_SETTINGS[n].hi)) for n in ("dp_replicate", "dp_shard", "tp", "pp")}
 MICROBATCH_RANGE = (1, int(LAYOUT_SETTINGS["pp_microbatches"].hi))
 
 
 def _check_range(name: str, value: Any, decl: Setting) -> None:
-    lo, hi = int(decl.bound.lo), int(decl.hi)  # type: ignore[union-attr]
+    lo, hi = int(decl.lo), int(decl.hi)
     if isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi:
         return
     if not isinstance(value, int) or isinstance(value, bool):

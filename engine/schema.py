@@ -167,6 +167,13 @@ class Setting:
         return self.flags[0] if self.flags else None
 
     @property
+    def lo(self) -> float:
+        """The smallest value a number setting allows."""
+        if not isinstance(self.bound, Range):
+            raise TypeError(f"{self.key} is not a number with a range")
+        return self.bound.lo
+
+    @property
     def hi(self) -> float:
         """The largest value a number setting allows."""
         if not isinstance(self.bound, Range):
