@@ -54,6 +54,7 @@ class PlanRequest:
     task: str = "train"
     method: str = "full"
     precision: str = "bf16"
+    master_weights: str = PLAN_SETTINGS["master_weights"].default  # training: fp32, or bf16 (torchtune's recipe)
     seq_len: int = 2048
     batch: int = 16  # training: sequences per optimizer step; inference: sequences at once
     gpus: list[int] = field(default_factory=list)
@@ -82,7 +83,7 @@ class PlanRequest:
         lora = None
         if training and method != "full":
             lora = dataclasses.asdict(LoraSettings(rank=self.lora_rank, alpha=2 * self.lora_rank))
-        return {
+        args = {
             "task": self.task,
             "method": method,
             "precision": self.precision,
@@ -93,6 +94,9 @@ class PlanRequest:
             "new_tokens": 0 if training else self.new_tokens,
             "token_budget": self.token_budget if training and self.token_budget else None,
         }
+        if training and self.master_weights != PLAN_SETTINGS["master_weights"].default:
+            args["master_weights"] = self.master_weights  # only when asked: an older engine plans without it
+        return args
 
     def options_args(self) -> dict[str, Any]:
         """The `plan` request's `options` (SearchOptions fields): only what differs from the defaults."""

@@ -41,6 +41,7 @@ __all__ = ["TABLE_COLUMNS", "PlannerPage", "duration_short"]
 
 # The form's settings as QSettings keys: (key, PlanRequest field, type).
 _SAVED = [("model", "model", str), ("task", "task", str), ("method", "method", str), ("precision", "precision", str),
+          ("master_weights", "master_weights", str),
           ("seq_len", "seq_len", int), ("batch", "batch", int), ("lora_rank", "lora_rank", int),
           ("weight_bits", "weight_bits", int), ("new_tokens", "new_tokens", int), ("offload", "offload", str),
           ("nodes", "nodes", int), ("internode", "internode", str)]  # fmt: skip
@@ -98,6 +99,7 @@ class PlannerPage(QWidget):
         self.picker, self.task, self.method, self.lora_rank = f.picker, f.task, f.method, f.lora_rank
         self.quant, self.seq_len, self.batch, self.batch_label = f.quant, f.seq_len, f.batch, f.batch_label
         self.new_tokens, self.tokens, self.precision = f.new_tokens, f.tokens, f.precision
+        self.master_weights = f.master_weights
         self.offload, self.force_tp, self.workload_form = f.offload, f.force_tp, f.workload_form
         self.nodes, self.internode, self.nodes_form = f.nodes, f.internode, f.nodes_form
         self.target, self.target_note = self.choice.target, self.choice.target_note
@@ -334,6 +336,7 @@ class PlannerPage(QWidget):
         w = plan["workload"]
         r = self.plan_request()
         r.task, r.method, r.precision = w["task"], w["method"], w["precision"]
+        r.master_weights = w.get("master_weights", r.master_weights)
         r.seq_len, r.batch, r.weight_bits = w["seq_len"], w["global_batch"], w.get("weight_bits", 16)
         if w.get("new_tokens"):
             r.new_tokens = w["new_tokens"]

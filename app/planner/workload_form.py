@@ -33,6 +33,7 @@ from rigpilot.app.planner.model import (
 )
 from rigpilot.app.planner.model_picker import ModelPicker
 from rigpilot.app.widgets.form_row import form_row
+from rigpilot.engine.planner.settings import PLAN_SETTINGS
 from rigpilot.engine.schema import ADAPTER_METHODS
 
 
@@ -110,6 +111,9 @@ class WorkloadForm(QWidget):
         )
         self.precision = _combo("precision", PRECISIONS)
         self.precision.setToolTip("Training: mixed precision in this dtype. Inference: the weights' dtype")
+        master = PLAN_SETTINGS["master_weights"]  # the job's own declaration: its choices, label and help
+        self.master_weights = _combo("masterWeights", [(c, c) for c in master.choices or ()])
+        self.master_weights.setToolTip(master.help)
         self.offload = _combo("offload", OFFLOAD)
         self.offload.setToolTip(
             "CPU offload moves parameters, gradients and optimizer state to host RAM (FSDP2's CPUOffloadPolicy): "
@@ -134,6 +138,7 @@ class WorkloadForm(QWidget):
         workload.addRow("New tokens", self.new_tokens)
         workload.addRow("Train on", self.tokens)
         workload.addRow("Precision", self.precision)
+        workload.addRow(PLAN_SETTINGS["master_weights"].label, self.master_weights)
         workload.addRow("CPU offload", self.offload)
         workload.addRow(self.force_tp)
         self.workload_form = workload
@@ -175,6 +180,7 @@ class WorkloadForm(QWidget):
         rows.setRowVisible(self.new_tokens, not training)
         rows.setRowVisible(self.tokens, training)
         rows.setRowVisible(self.offload, training)
+        rows.setRowVisible(self.master_weights, training)
         self._nodes_changed()
         self.batch_label.setText("Batch (sequences per step)" if training else "Sequences at once")
         self.batch.setToolTip(
@@ -188,6 +194,7 @@ class WorkloadForm(QWidget):
             task=self.task.currentData(),
             method=self.method.currentData(),
             precision=self.precision.currentData(),
+            master_weights=self.master_weights.currentData(),
             seq_len=self.seq_len.value(),
             batch=self.batch.value(),
             gpus=gpus,
@@ -207,6 +214,7 @@ class WorkloadForm(QWidget):
         _select(self.task, r.task)
         _select(self.method, r.method)
         _select(self.precision, r.precision)
+        _select(self.master_weights, r.master_weights)
         _select(self.quant, r.weight_bits)
         self.seq_len.setValue(r.seq_len)
         self.batch.setValue(r.batch)

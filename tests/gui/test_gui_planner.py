@@ -605,3 +605,23 @@ def test_an_untraced_plans_memory_says_why_as_the_cli_does():
     assert memory_figures({"verification": ""}, {"total": 12 * gib}) == "Memory: formula 12.0 GiB"
     traced = {"total": 12 * gib, "traced": 13 * gib}
     assert memory_figures({"verification": "traced: meta, 1.0 s"}, traced) == "Memory: formula 12.0 GiB · traced 13.0 GiB"
+
+
+def test_bf16_master_weights_are_asked_for_from_the_declaration_and_plan_without_offload(qtbot):
+    # The headline case of torchtune's recipe: 7B full fine-tuning on four 24 GB cards fits without CPU offload
+    # once the weights, gradients and AdamW moments are bf16; with fp32 master weights it needs offload.
+    from rigpilot.engine.jobspec.spec import TRAIN_SETTINGS
+
+    page, link = open_page(qtbot, "4x-rtx4090")
+    declared = TRAIN_SETTINGS["master_weights"]
+    assert page.workload_form.labelForField(page.master_weights).text() == declared.label
+    assert page.master_weights.toolTip() == declared.help
+    fp32 = plan_for(qtbot, page, "llama-2-7b", seq_len=2048, batch=16)
+    assert "master_weights" not in link.requests("plan")[-1]["workload"]  # the default is the engine's
+    bf16 = plan_for(qtbot, page, "llama-2-7b", seq_len=2048, batch=16, master_weights="bf16")
+    assert link.requests("plan")[-1]["workload"]["master_weights"] == "bf16"
+    assert fp32["best"]["parallelism"]["offload_params"] or fp32["best"]["parallelism"]["offload_optimizer"]
+    best = bf16["best"]["parallelism"]
+    assert not (best["offload_params"] or best["offload_optimizer"]) and bf16["best"]["workload"]["master_weights"] == "bf16"
+    page.task.setCurrentIndex(page.task.findData("infer"))
+    assert not page.workload_form.isRowVisible(page.master_weights)
