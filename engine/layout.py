@@ -88,7 +88,7 @@ class Layout:
                                 help="FSDP2 CPU offload: parameters, gradients and optimizer state in host RAM.")  # fmt: skip
 
     def __post_init__(self) -> None:
-        for name in (*DEGREE_RANGES, "pp_microbatches"):
+        for name in ("dp_replicate", "dp_shard", "tp", "pp", "pp_microbatches"):
             _check_range(name, getattr(self, name), LAYOUT_SETTINGS[name])
         schedule = schedule_name(self.pp_schedule)
         if schedule is None:
@@ -198,7 +198,6 @@ def accumulation_of_plan(plan: _Planned | _PlannedSplit) -> int:
 
 # Every field of a Layout, declared ("parallelism.tp" …); the degrees' and micro-batches' ranges from them.
 LAYOUT_SETTINGS: dict[str, Setting] = declared(Layout, "parallelism")
-DEGREE_RANGES = {n: (int(LAYOUT_SETTINGS[n].lo), int(LAYOUT_SETTINGS[n].hi)) for n in ("dp_replicate", "dp_shard", "tp", "pp")}
 MICROBATCH_RANGE = (1, int(LAYOUT_SETTINGS["pp_microbatches"].hi))
 
 

@@ -322,7 +322,10 @@ def add_option(parser: argparse.ArgumentParser | Any, s: Setting, *, help: str |
     if _is_bool(s):
         kw.update(action="store_true", default=None)
     else:
-        if s.parse is not None:
+        if s.parse is not None and isinstance(s.bound, Choice):
+            # Another spelling read as its choice (`--pp-schedule gpipe`), then held to the choices like the rest.
+            kw.update(choices=s.bound.options, type=s.parse)
+        elif s.parse is not None:
             kw["type"] = s.parse  # one word read whole (`--gpus 0,1`), not a repeated flag
         elif isinstance(s.bound, Choice):
             kw.update(choices=s.bound.options, type=_reader(s))  # a wrong one refused in the engine's words

@@ -55,6 +55,9 @@ INFER_BACKEND_CHOICES = (  # the values are engine.schema.InferBackend's; the wo
     (InferBackend.TRANSFORMERS.value, "Rigpilot (transformers)"),
     (InferBackend.VLLM.value, "vLLM"),
 )
+# Sent even at their default: the engine reads their presence (a sequence length the user chose is refused when the
+# model's context is shorter; one left out is fitted to it).
+_ALWAYS_SENT = frozenset({"train.seq_len"})
 SIMULATED_DEFAULT_GPUS = 2  # CPU ranks on a simulated machine: enough to show data parallelism, light on cores
 
 
@@ -229,7 +232,8 @@ class WizardState:
         for section in ("train", "infer"):
             if isinstance(out.get(section), dict):
                 out[section] = {k: v for k, v in out[section].items()
-                                if (decl := SETTINGS.get(f"{section}.{k}")) is None or v != decl.default}  # fmt: skip
+                                if f"{section}.{k}" in _ALWAYS_SENT
+                                or (decl := SETTINGS.get(f"{section}.{k}")) is None or v != decl.default}  # fmt: skip
         return out
 
     def command(self) -> str:

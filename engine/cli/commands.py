@@ -299,7 +299,7 @@ def build_spec(args: argparse.Namespace) -> dict[str, Any]:
     if args.trust_remote_code:
         spec["trust_remote_code"] = True
     degrees = given(args, LAYOUT_SETTINGS)  # only the given flags: pipeline micro-batches default to the stages
-    Layout.from_dict(degrees)  # a layout the degrees cannot make is refused here, in the engine's words
+    Layout.from_settings(**degrees)  # a layout the degrees cannot make is refused here, in the engine's words
     if degrees:
         spec["parallelism"] = degrees
     if args.kind == "train":

@@ -182,7 +182,7 @@ def workload_from_args(args: argparse.Namespace, context: int | None) -> Workloa
         task=task,
         method=method,
         precision=args.precision or P["precision"].default,
-        master_weights=args.master_weights or P["master_weights"].default,
+        master_weights=args.master_weights,
         seq_len=seq,
         global_batch=batch,
         optimizer=args.optimizer or P["optimizer"].default,

@@ -48,7 +48,9 @@ class Workload:
     task: str = "train"
     method: str = "full"
     precision: str = "bf16"  # training: mixed precision with that dtype; inference: the weights' dtype
-    master_weights: str = "fp32"  # training: "bf16" holds weights, gradients and AdamW's state in bf16 (the job's)
+    # Training: "bf16" holds weights, gradients and AdamW's state in bf16 (the job's setting); None: not asked (fp32),
+    # so a plan that does not say leaves a job's own choice alone.
+    master_weights: str | None = None
     seq_len: int = 2048
     global_batch: int = 16  # training: sequences per optimizer step; inference: sequences in flight
     optimizer: str = "adamw"

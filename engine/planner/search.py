@@ -120,6 +120,10 @@ def validate_workload(w: Workload, spec: ModelSpec) -> None:
         raise refusal("{quant} applies to inference; to train on 4-bit weights use {qlora}",
                       reason="quant_is_for_inference", fields={"setting": "quant", "value": w.weight_bits},
                       quant=ref("quant"), qlora=ref("method", "qlora"))  # fmt: skip
+    if not w.training and w.master_weights not in (None, "fp32"):
+        raise refusal("{master} applies to training", reason="master_weights_are_for_training",
+                      fields={"setting": "master_weights", "value": w.master_weights},
+                      master=ref("master_weights", w.master_weights))  # fmt: skip
     if w.training:  # the job's own declaration and its requirement (bf16 master weights need bf16 compute)
         TRAIN_SETTINGS["master_weights"].check(w.master_weights)
         conflict = TRAIN_SETTINGS["master_weights"].conflict(w)

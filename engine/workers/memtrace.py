@@ -440,7 +440,7 @@ def _build(
     torch.manual_seed(0)
     # As the worker loads it: fp32 master weights, or a LoRA base in the compute dtype (training_load_dtype).
     compute = precision_dtype(workload.get("precision", "bf16"))
-    master = str(workload.get("master_weights", "fp32"))
+    master = str(workload.get("master_weights") or "fp32")
     load_dtype = training_load_dtype(str(workload.get("method", "full")), compute, master)
     model = auto_class(objective).from_config(config, trust_remote_code=trust_remote_code, dtype=load_dtype)
     loaded = LoadedModel(model, None, model.config, objective, ModelSource("", "config", "", False))

@@ -234,3 +234,20 @@ def test_a_job_json_with_a_layout_out_of_range_reads_as_damaged_not_as_a_traceba
         JobSpec.read(job)
     record, how = read_job(job)
     assert how == "damaged" and record is not None and "tp=0" in record.exit_reason
+
+
+def test_a_plan_that_does_not_say_leaves_the_jobs_master_weights_and_one_that_does_decides(tmp_path: Path) -> None:
+    (tmp_path / "data.txt").write_text("hello\n")
+    plan = json.loads(_plan(Parallelism(gpu_indices=[0, 1], dp=2)).to_json())
+    plan["workload"]["precision"] = "bf16"
+    spec = {"kind": "train", "model": "gpt2", "train": {"dataset": ["data.txt"], "master_weights": "bf16"}}
+    machine = load_profile("4x-rtx4090")
+    assert plan["workload"]["master_weights"] is None  # made without asking: the job's own choice stands
+    sub = prepare(spec, plan, str(tmp_path), job_id="a", machine=machine, max_cpu_ranks=2)
+    assert sub.spec.train.master_weights == "bf16"
+    plan["workload"].pop("master_weights")  # a plan file from before the setting existed
+    sub = prepare(spec, plan, str(tmp_path), job_id="b", machine=machine, max_cpu_ranks=2)
+    assert sub.spec.train.master_weights == "bf16"
+    plan["workload"]["master_weights"] = "fp32"  # its memory was computed for fp32: the plan decides
+    sub = prepare(spec, plan, str(tmp_path), job_id="c", machine=machine, max_cpu_ranks=2)
+    assert sub.spec.train.master_weights == "fp32"
