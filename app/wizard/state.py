@@ -163,6 +163,8 @@ class WizardState:
             self.train.micro_batch = par["micro_batch"]
             self.train.grad_accum = par["grad_accum"]
             self.train.activation_checkpointing = par["checkpointing"]
+            if w.get("master_weights"):  # a plan that says computed its memory for them
+                self.train.master_weights = w["master_weights"]
             self.global_batch = w["global_batch"]
         elif self.kind == INFER:
             self.infer.batch_size = w["global_batch"]

@@ -783,3 +783,15 @@ def test_a_declared_recipe_choice_gets_its_control_its_check_and_its_flag(qtbot,
     assert page.fix_button.isVisibleTo(page) and "fp32" in page.fix_button.text()
     page.fix_button.click()
     assert wizard.state.train.master_weights == "fp32" and "needs" not in page.message.text()
+
+
+def test_a_plan_made_for_bf16_master_weights_opens_the_wizard_with_them(qtbot, settings):
+    link, _ = make_link()
+    plan = {**qlora_plan("4x-rtx4090")}
+    plan["workload"] = {**plan["workload"], "method": "full", "precision": "bf16", "master_weights": "bf16"}
+    state = state_from_plan(plan)
+    assert state.train.master_weights == "bf16"
+    plan["workload"]["master_weights"] = None  # a plan that does not say keeps the wizard's own choice
+    base = default_state(link.machine)
+    base.train.master_weights = "bf16"
+    assert state_from_plan(plan, base).train.master_weights == "bf16"
