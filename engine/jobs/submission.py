@@ -354,7 +354,8 @@ def describe(sub: Submission, free: int | None = None) -> list[str]:
     if spec.kind == "train" and spec.train:
         t = spec.train
         lines.append(
-            f"training: {t.precision}, micro-batch {t.micro_batch} × {t.grad_accum} accumulation, "
+            f"training: {t.precision}{', bf16 master weights' if t.master_weights == 'bf16' else ''}, "
+            f"micro-batch {t.micro_batch} × {t.grad_accum} accumulation, "
             f"sequence {t.seq_len}, {t.max_steps} steps, activation checkpointing {t.activation_checkpointing}"
         )
     elif spec.kind == "infer" and spec.infer:
