@@ -754,8 +754,9 @@ def apply_plan_training(spec: JobSpec, plan: Plan) -> tuple[dict[str, Any], list
         t.seq_len = taken["seq_len"] = workload.seq_len
     if workload.precision in Precision.__members__.values():
         t.precision = taken["precision"] = workload.precision
-    if workload.master_weights in MasterWeights.__members__.values():
-        t.master_weights = taken["master_weights"] = workload.master_weights
+    master = workload.master_weights
+    if master is not None and master in MasterWeights.__members__.values():  # a plan that does not say: None
+        t.master_weights = taken["master_weights"] = master
     return taken, notes
 
 
