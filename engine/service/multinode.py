@@ -348,8 +348,15 @@ class MultiNode:
         self._save_cursors(w)
         # A part that had ended before this pass wrote its last records before that: this pass brought them.
         w.final = all(before or m.unreachable for before, m in zip(ended_before, w.members, strict=True))
+        with self._lock:
+            current = self._watches.get(w.job_id) is w
+        if not current:
+            # A resume replaced this watch while it pulled: its members' states are the last run's, and acting on
+            # them would stop the new run on every node.
+            return
         if not ended and rec.state != QUEUED:
-            failed = next((m for m in w.members if m.state in (FAILED, CANCELLED, "interrupted")), None)
+            # A state from a pull that failed is stale; a node that stays unreachable is `lost` below.
+            failed = next((m for m in w.members if m.unreachable is None and m.state in (FAILED, CANCELLED, "interrupted")), None)
             lost = next((m for m in w.members if m.unreachable and time.monotonic() - m.last_ok > self.lost_after_s), None)
             if failed is not None and not rec.cancel_requested:
                 self._fail(rec, f"node {failed.name}: its part {failed.state}: {failed.exit_reason or 'no reason given'}")
