@@ -38,16 +38,7 @@ def request_plan(
 ) -> None:
     """A plan (search result) for `state`, from the engine's `plan` request; `on_error` gets the refusal itself
     (its reason and fields say which fix to offer)."""
-    if not connected(link):
-        on_error(not_connected())
-        return
-    link.call(
-        "plan",
-        on_done=lambda reply: on_done(reply.get("result", reply)),
-        on_error=on_error,
-        model=state.planning_model(), workload=state.workload_args(), gpus=sorted(state.gpus), options={},
-        trust_remote_code=state.trust_remote_code,
-    )  # fmt: skip
+    _ask_plan(link, state, on_done, on_error, workload=state.workload_args(), options={})
 
 
 def recheck(
@@ -60,6 +51,12 @@ def recheck(
 ) -> None:
     """`plan` with `overrides`, re-checked by the engine's `plan` request (`recheck`): `on_done({"plan", "fits",
     "message"})`, or `on_error` with the refusal."""
+    _ask_plan(link, state, on_done, on_error, recheck={"plan": plan, "overrides": overrides.to_dict()})
+
+
+def _ask_plan(link: Any, state: WizardState, on_done: Callable[[dict[str, Any]], None],
+              on_error: Callable[[BaseException], None], **args: Any) -> None:  # fmt: skip
+    """The engine's `plan` request for `state`'s model and GPUs with `args` (a search, or a re-check)."""
     if not connected(link):
         on_error(not_connected())
         return
@@ -67,8 +64,7 @@ def recheck(
         "plan",
         on_done=lambda reply: on_done(reply.get("result", reply)),
         on_error=on_error,
-        model=state.planning_model(), gpus=sorted(state.gpus), trust_remote_code=state.trust_remote_code,
-        recheck={"plan": plan, "overrides": overrides.to_dict()},
+        model=state.planning_model(), gpus=sorted(state.gpus), trust_remote_code=state.trust_remote_code, **args,
     )  # fmt: skip
 
 
