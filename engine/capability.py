@@ -17,11 +17,12 @@ from dataclasses import dataclass
 
 from rigpilot.engine import schema
 from rigpilot.engine.layout import Layout
+from rigpilot.engine.recipe import Recipe
 
 TRAIN_METHODS = tuple(schema.TrainMethod)
-# The workers step with torch.optim.AdamW; a plan sized for another optimizer (8-bit AdamW, SGD)
-# would run with AdamW's larger state and need memory the plan did not count.
-TRAIN_OPTIMIZERS = ("adamw",)
+TRAIN_OPTIMIZERS = tuple(schema.Optimizer)
+# torchao's float8 training needs FP8 tensor cores: Ada (8.9) and Hopper (9.0) or newer.
+FP8_MIN_CAPABILITY = (8, 9)
 
 # Decoders whose blocks are Llama's: q/k/v/o and gate/up/down projections, rotary embeddings at
 # the model level. Other model types are refused rather than split wrongly.
@@ -74,7 +75,7 @@ def why_not(
         if method not in TRAIN_METHODS:
             return f"unknown training method {method!r}; choose one of {', '.join(TRAIN_METHODS)}"
         if optimizer not in TRAIN_OPTIMIZERS:
-            return f"Rigpilot jobs train with AdamW; optimizer {optimizer!r} is not run by the engine yet"
+            return f"unknown optimizer {optimizer!r}; choose one of {', '.join(TRAIN_OPTIMIZERS)}"
         if lt.cpu_offload and (lt.tp > 1 or lt.pp > 1):
             return "CPU offload runs with FSDP2 data parallelism only, not with tensor or pipeline parallel"
         if method == "qlora" and (lt.tp > 1 or lt.pp > 1):
@@ -95,6 +96,107 @@ def why_not(
     if lt.pp > 1 and mt is not None and mt not in PIPELINE_TYPES:
         return f"pipeline parallel runs {_types(PIPELINE_TYPES)}; model type {mt!r} is not one of them"
     return None
+
+
+# -- the training recipe -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RecipeContext:
+    """What a recipe's refusals depend on besides the recipe and the layout."""
+
+    method: str = "full"
+    precision: str = "bf16"
+    grad_accum: int = 1
+    grad_clip: float = 0.0
+    # The GPUs' compute capability (lowest of them), None where jobs run as CPU ranks (simulated machines) or
+    # it is not known yet (the worker checks again on its device).
+    gpu_capability: tuple[int, int] | None = None
+    cpu_ranks: bool = False  # the job runs as CPU ranks (a simulated machine)
+
+
+def recipe_why_not(recipe: Recipe, layout: Layout, ctx: RecipeContext) -> str | None:
+    """None when the engine trains `layout` with `recipe`; otherwise the one-line reason it cannot (no period).
+
+    One check per technique, each in its own function below, so each reads as the contract it states.
+    """
+    for check in _RECIPE_CHECKS:
+        why = check(recipe, layout, ctx)
+        if why is not None:
+            return why
+    return None
+
+
+def _master_weights(r: Recipe, lt: Layout, ctx: RecipeContext) -> str | None:
+    if r.master_weights == schema.MasterWeights.BF16 and ctx.precision != schema.Precision.BF16:
+        return f"bf16 master weights need bf16 precision (it is {ctx.precision})"
+    return None
+
+
+def _optimizer(r: Recipe, lt: Layout, ctx: RecipeContext) -> str | None:
+    if r.optimizer not in TRAIN_OPTIMIZERS:
+        return f"unknown optimizer {r.optimizer!r}; choose one of {', '.join(TRAIN_OPTIMIZERS)}"
+    if r.optimizer == schema.Optimizer.ADAMW8BIT and lt.cpu_offload:
+        return "8-bit AdamW steps on the GPU; with CPU offload the optimizer runs on the host: use AdamW there"
+    return None
+
+
+def _optimizer_in_backward(r: Recipe, lt: Layout, ctx: RecipeContext) -> str | None:
+    if not r.optimizer_in_backward:
+        return None
+    if ctx.grad_accum > 1:
+        return (
+            "the optimizer step in backward updates each weight as its gradient arrives, so gradients cannot "
+            f"be accumulated over {ctx.grad_accum} micro-batches: use gradient accumulation 1"
+        )
+    if lt.pp > 1:
+        return "the optimizer step in backward cannot run with pipeline parallel (its micro-batches accumulate)"
+    if ctx.grad_clip > 0:
+        return (
+            "the optimizer step in backward updates each weight before the whole gradient's norm is known, "
+            "so it cannot clip: use gradient clipping 0"
+        )
+    if ctx.precision == schema.Precision.FP16:
+        return "the optimizer step in backward cannot run under fp16's loss scaling: use bf16"
+    if lt.cpu_offload:
+        return "the optimizer step in backward runs on the GPU; with CPU offload the optimizer runs on the host"
+    return None
+
+
+def _loss_chunks(r: Recipe, lt: Layout, ctx: RecipeContext) -> str | None:
+    return None
+
+
+def _activation_offload(r: Recipe, lt: Layout, ctx: RecipeContext) -> str | None:
+    return None
+
+
+def _compile(r: Recipe, lt: Layout, ctx: RecipeContext) -> str | None:
+    return None
+
+
+def _fp8(r: Recipe, lt: Layout, ctx: RecipeContext) -> str | None:
+    if not r.fp8:
+        return None
+    if ctx.cpu_ranks:
+        return "FP8 matmuls need a GPU of compute capability 8.9 or newer; this job runs as CPU ranks"
+    cc = ctx.gpu_capability
+    if cc is not None and cc < FP8_MIN_CAPABILITY:
+        return f"FP8 matmuls need a GPU of compute capability 8.9 or newer (Ada, Hopper); these GPUs are {cc[0]}.{cc[1]}"
+    if ctx.precision != schema.Precision.BF16:
+        return f"FP8 matmuls run under bf16 precision (it is {ctx.precision})"
+    return None
+
+
+_RECIPE_CHECKS: tuple[Callable[[Recipe, Layout, RecipeContext], str | None], ...] = (
+    _master_weights,
+    _optimizer,
+    _optimizer_in_backward,
+    _loss_chunks,
+    _activation_offload,
+    _compile,
+    _fp8,
+)
 
 
 # -- the inference backend ------------------------------------------------------------------------------------

@@ -43,6 +43,13 @@ class MasterWeights(StrEnum):
     BF16 = "bf16"  # everything in bf16, torchtune's everyday recipe: about half the memory per parameter
 
 
+class Optimizer(StrEnum):
+    """The optimizer a training job steps with."""
+
+    ADAMW = "adamw"  # torch.optim.AdamW (fused or foreach as the device allows)
+    ADAMW8BIT = "adamw8bit"  # torchao's AdamW8bit: both moments block-quantized to 8 bits
+
+
 class TrainMethod(StrEnum):
     FULL = "full"
     LORA = "lora"
@@ -217,7 +224,7 @@ class Setting:
         that group contradicts it (`requires`), else None."""
         mine = getattr(values, self.name, None)
         for value, needs in self.requires:
-            if mine != value:
+            if str(mine) != value:  # declared values are strings: a bool's is "True"
                 continue
             for other, wanted in needs:
                 theirs = getattr(values, other, None)

@@ -23,10 +23,10 @@ from typing import Any, Literal
 
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.layout import Layout
+from rigpilot.engine.recipe import recipe_field
 from rigpilot.engine.schema import (
     Checkpointing,
     InferBackend,
-    MasterWeights,
     Precision,
     Range,
     Setting,
@@ -119,14 +119,14 @@ class TrainSettings:
         label="Precision",
         help="The mixed-precision compute dtype.",
     )
-    master_weights: str = setting(
-        MasterWeights.FP32,
-        flags="--master-weights",
-        choices=MasterWeights,
-        requires={MasterWeights.BF16: {"precision": Precision.BF16}},
-        label="Master weights",
-        help="The dtype of the weights, gradients and optimizer state: bf16 halves their memory, as torchtune does.",
-    )
+    # The recipe (engine.recipe): declared there once, flat here as job.json has always had master_weights.
+    master_weights: str = recipe_field("master_weights")
+    optimizer: str = recipe_field("optimizer")
+    optimizer_in_backward: bool = recipe_field("optimizer_in_backward")
+    loss_chunks: int = recipe_field("loss_chunks")
+    activation_offload: bool = recipe_field("activation_offload")
+    compile: bool = recipe_field("compile")
+    fp8: bool = recipe_field("fp8")
     seq_len: int = setting(
         512,
         flags="--seq",

@@ -14,12 +14,12 @@ from typing import Any
 
 from rigpilot.engine.errors import GENERIC, UserError
 from rigpilot.engine.jobspec.spec import JOB_SETTINGS, TRAIN_SETTINGS
-from rigpilot.engine.schema import Choice, Range, Ref, Setting, TrainMethod, Words, declared, setting, words
+from rigpilot.engine.schema import Choice, Optimizer, Range, Ref, Setting, TrainMethod, Words, declared, setting, words
 
 OFFLOAD_CHOICES = ("auto", "on", "off")  # SearchOptions.offload
 EXPORTS = ("torchrun", "accelerate", "deepspeed", "slurm")  # what a plan exports to (engine.planner.export)
 QUANT_BITS = {"none": 16, "int8": 8, "4bit": 4}  # `--quant` and the bits of the weights it loads
-OPTIMIZERS = ("adamw", "adamw8bit", "sgd")
+OPTIMIZERS = tuple(Optimizer)  # the engine runs each (engine.recipe)
 MAX_BATCH = 2**20  # sequences per step
 MAX_TOKEN_BUDGET = 10**16
 MAX_NODES = 64
@@ -36,14 +36,6 @@ class PlanSettings:
         metavar="N",
         label="Batch",
         help="Training: sequences per optimizer step (default 16); inference: sequences at once (default 1).",
-    )
-    optimizer: str = setting(
-        "adamw",
-        flags="--optimizer",
-        choices=OPTIMIZERS,
-        label="Optimizer",
-        help="The optimizer whose state the plan holds.",
-        choice_words={"adamw": "AdamW", "adamw8bit": "8-bit AdamW", "sgd": "SGD"},
     )
     quant: str = setting(
         "none",
@@ -117,6 +109,7 @@ def _shared() -> dict[str, Setting]:
         # `run train` spells it --precision; the planner's --dtype came first and is the one it shows.
         "precision": dataclasses.replace(TRAIN_SETTINGS["precision"], flags=("--dtype", "--precision")),
         "master_weights": TRAIN_SETTINGS["master_weights"],
+        "optimizer": TRAIN_SETTINGS["optimizer"],
         # The planner plans fine-tuning: every method but training from scratch.
         "method": dataclasses.replace(method, bound=Choice(tuple(m for m in method.choices or () if m != TrainMethod.SCRATCH))),
         "lora_rank": dataclasses.replace(TRAIN_SETTINGS["lora_rank"], flags=("--lora-rank",), metavar="R"),

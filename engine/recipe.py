@@ -1,0 +1,106 @@
+"""`Recipe`: how a training job spends its memory and time, beside how its ranks are laid out (engine.layout).
+
+The field's everyday memory recipe (torchtune's names where they exist): bf16 master weights ("pure bf16"),
+8-bit AdamW, the optimizer step in backward, chunked cross-entropy, activation offloading, torch.compile of each
+block and FP8 matmuls. Each is declared once here; the job's settings (engine.jobspec.spec.TrainSettings, flat
+in job.json's `train` object), the planner's workload, the command line and the app's controls take these
+declarations. What combinations the engine runs is `engine.capability.recipe_why_not`, the one answer.
+
+Plain Python: the GUI, the CLI and the planner import it without torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from rigpilot.engine.schema import MasterWeights, Optimizer, Precision, Range, Setting, declared, setting
+
+MAX_LOSS_CHUNKS = 1024
+TORCHTUNE_LOSS_CHUNKS = 8  # torchtune's CEWithChunkedOutputLoss default
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """The recipe settings of one training job; the defaults are the engine's plain recipe (fp32 master weights
+    under mixed precision, AdamW, eager, the whole logits at once, activations kept on the GPU)."""
+
+    master_weights: str = setting(
+        MasterWeights.FP32,
+        flags="--master-weights",
+        choices=MasterWeights,
+        requires={MasterWeights.BF16: {"precision": Precision.BF16}},
+        label="Master weights",
+        help="The dtype of the weights, gradients and optimizer state: bf16 halves their memory, as torchtune does.",
+        choice_words={MasterWeights.FP32: "fp32 (mixed precision)", MasterWeights.BF16: "bf16 (pure bf16)"},
+    )
+    optimizer: str = setting(
+        Optimizer.ADAMW,
+        flags="--optimizer",
+        choices=Optimizer,
+        label="Optimizer",
+        help="AdamW, or 8-bit AdamW (torchao), whose two state tensors take a quarter of the memory.",
+        choice_words={Optimizer.ADAMW: "AdamW", Optimizer.ADAMW8BIT: "8-bit AdamW"},
+    )
+    optimizer_in_backward: bool = setting(
+        False,
+        flags="--optimizer-in-backward",
+        label="Optimizer step in backward",
+        help="Update each weight as soon as its gradient is ready, so the whole gradient never exists at once "
+        "(no gradient accumulation or clipping).",
+    )
+    loss_chunks: int = setting(
+        1,
+        flags="--loss-chunks",
+        range=Range(1, MAX_LOSS_CHUNKS),
+        metavar="N",
+        label="Loss chunks",
+        help=f"Compute the output logits and their loss this many pieces at a time, so the whole fp32 logits "
+        f"never exist ({TORCHTUNE_LOSS_CHUNKS} is torchtune's; 1: all at once).",
+    )
+    activation_offload: bool = setting(
+        False,
+        flags="--activation-offload",
+        label="Activation offloading",
+        help="Keep the activations saved for backward in host memory instead of on the GPU.",
+    )
+    compile: bool = setting(
+        False,
+        flags="--compile",
+        label="Compile",
+        help="torch.compile each transformer block: faster steps after a warm-up of a minute or so.",
+    )
+    fp8: bool = setting(
+        False,
+        flags="--fp8",
+        requires={"True": {"precision": Precision.BF16}},
+        label="FP8 matmuls",
+        help="Run the linear layers' matmuls in FP8 (torchao float8): needs a GPU of compute capability 8.9+.",
+    )
+
+    @classmethod
+    def of(cls, values: Any) -> Recipe:
+        """The recipe of `values`: any object with these attributes (a job's TrainSettings, a plan's workload)."""
+        return cls(**{name: getattr(values, name) for name in RECIPE_SETTINGS if hasattr(values, name)})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def changed(self) -> dict[str, Any]:
+        """The settings that differ from the plain recipe, by name."""
+        return {k: v for k, v in self.to_dict().items() if v != RECIPE_SETTINGS[k].default}
+
+    @property
+    def plain(self) -> bool:
+        return not self.changed()
+
+
+RECIPE_SETTINGS: dict[str, Setting] = declared(Recipe, "train")
+
+
+def recipe_field(name: str) -> Any:
+    """A dataclass field declared by the recipe's declaration of `name`: how TrainSettings takes them (flat in
+    job.json's `train` object) without a second declaration."""
+    decl = RECIPE_SETTINGS[name]
+    return dataclasses.field(default=decl.default, metadata={"setting": dataclasses.replace(decl, key="")})
