@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import ssl
 import stat
@@ -40,7 +41,7 @@ class Node:
     """One engine service with XDG folders of its own."""
 
     def __init__(
-        self, base: Path, name: str, tcp_port: int | None = None, host_id: str | None = None, extra: tuple[str, ...] = ()
+        self, base: Path, name: str, tcp: bool = False, host_id: str | None = None, extra: tuple[str, ...] = ()
     ):
         self.name = name
         self.base = base / name
@@ -51,14 +52,17 @@ class Node:
         }  # fmt: skip
         if host_id:
             self.env["RIGPILOT_HOST_ID"] = host_id
-        self.tcp_port = tcp_port
+        self.tcp = tcp
+        # The engine picks a free port on its first start (port 0: no race with other tests for a probed one);
+        # a restart binds the same one again, as the other nodes know it by that address.
+        self.tcp_port: int | None = None
         self.extra = extra
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
         cmd = [sys.executable, "-m", "rigpilot.engine.service", "--grace", "3", "--failure-grace", "2"]
-        if self.tcp_port:
-            cmd += ["--tcp", f"127.0.0.1:{self.tcp_port}"]
+        if self.tcp:
+            cmd += ["--tcp", f"127.0.0.1:{self.tcp_port or 0}"]
         cmd += list(self.extra)
         out = self.base / "engine.out"
         ready = self._ready_lines()
@@ -67,6 +71,14 @@ class Node:
         # A killed engine leaves its socket file behind: wait for this one's own "ready" line.
         wait_for(lambda: self._ready_lines() > ready or self.proc.poll() is not None, 30, what=f"engine {self.name}")
         assert self.proc.poll() is None, (self.base / "engine.out").read_text()
+        if self.tcp and self.tcp_port is None:
+            self.tcp_port = self._listening_port()
+
+    def _listening_port(self) -> int:
+        text = (self.base / "engine.out").read_text()
+        found = re.findall(r"listening for remote clients on 127\.0\.0\.1:(\d+)", text)
+        assert found, text
+        return int(found[-1])
 
     def _ready_lines(self) -> int:
         try:
@@ -129,13 +141,18 @@ class Node:
 def cluster(tmp_path_factory: pytest.TempPathFactory):
     base = tmp_path_factory.mktemp("nodes")
     head = Node(base, "head")
-    box2 = Node(base, "box2", tcp_port=_free_port())
+    box2 = Node(base, "box2", tcp=True)
     # A third engine that calls itself another computer: a job with it needs --shared-dir.
-    box3 = Node(base, "box3", tcp_port=_free_port(), host_id="box3-elsewhere")
+    box3 = Node(base, "box3", tcp=True, host_id="box3-elsewhere")
     # One that runs fewer ranks per job than the head: refused, as torchrun needs the same count on every node.
-    box4 = Node(base, "box4", tcp_port=_free_port(), extra=("--max-cpu-ranks", "1"))
-    for n in (head, box2, box3, box4):
-        n.start()
+    box4 = Node(base, "box4", tcp=True, extra=("--max-cpu-ranks", "1"))
+    try:
+        for n in (head, box2, box3, box4):
+            n.start()
+    except BaseException:
+        for n in (head, box2, box3, box4):  # no engine outlives a set-up that failed half-way
+            n.stop()
+        raise
     saved = {k: os.environ.get(k) for k in ("XDG_RUNTIME_DIR", "XDG_STATE_HOME", "XDG_CONFIG_HOME", "RIGPILOT_SIMULATE")}
     os.environ.update({k: head.env[k] for k in saved})  # this process's CLI and clients talk to the head
     yield head, box2, box3, base, box4
@@ -146,14 +163,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def head_client() -> EngineClient:
