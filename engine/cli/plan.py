@@ -29,10 +29,12 @@ from rigpilot.engine.planner.cluster import DEFAULT_LINK, NODE_LINKS, check_node
 from rigpilot.engine.planner.export import export_best
 from rigpilot.engine.planner.memory import fmt_gib
 from rigpilot.engine.planner.plan import LoraSettings, Plan, Workload
+from rigpilot.engine.planner.recipes import NAMES as LADDER_NAMES
 from rigpilot.engine.planner.search import RANKING, SearchOptions, SearchResult
 from rigpilot.engine.planner.settings import PLAN_SETTINGS as P
 from rigpilot.engine.planner.settings import QUANT_BITS
 from rigpilot.engine.planner.verify import search_checked
+from rigpilot.engine.recipe import RECIPE_SETTINGS
 
 DEFAULT_SEQ = 2048
 DEFAULT_TRAIN_BATCH = 16
@@ -57,15 +59,21 @@ def register(subparsers: Any, parents: list[argparse.ArgumentParser] | None = No
     # Read here, not by the declaration's range: the planner refuses a batch out of range in its own sentence.
     p.add_argument(*P["batch"].flags, dest="batch", type=int, metavar=P["batch"].metavar, help=P["batch"].help)
     schema.add_option(p, P["precision"], help="compute dtype (training: mixed precision; default bf16)")
-    schema.add_option(p, P["master_weights"])
     # The indices as written ("all", "0,1"): parse_gpus refuses a bad list in the planner's sentence.
     p.add_argument(*P["gpus"].flags, dest="gpus", metavar="0,1,...", help="GPU indices to use (default: all)")
     if not any(a.option_strings == ["--json"] for parent in parents for a in parent._actions):
         p.add_argument("--json", action="store_true", help="print JSON")
     schema.add_option(p, P["export"])
     g = p.add_argument_group("details")
-    for name in ("optimizer", "lora_rank"):
-        schema.add_option(g, P[name])
+    schema.add_option(g, P["lora_rank"])
+    r = p.add_argument_group("training recipe", "each left out is chosen by the search (the plainest that fits); "
+                             "given, it is pinned")  # fmt: skip
+    for name in RECIPE_SETTINGS:
+        schema.add_option(r, P[name], help=f"{P[name].help.rstrip('.')} (default: the search chooses).")
+        if name in LADDER_NAMES and P[name].type is bool:
+            # A switch pinned off: the search never reaches for it.
+            r.add_argument(f"--no-{P[name].flags[0].removeprefix('--')}", dest=name, action="store_false",
+                           help=f"never use it ({P[name].label.lower()})")  # fmt: skip
     g.add_argument("--lora-targets", metavar="NAMES", help="comma-separated linear names, or all-linear (the default)")
     for name in ("quant", "new_tokens", "tokens"):
         schema.add_option(g, P[name])
@@ -182,10 +190,9 @@ def workload_from_args(args: argparse.Namespace, context: int | None) -> Workloa
         task=task,
         method=method,
         precision=args.precision or P["precision"].default,
-        master_weights=args.master_weights,
         seq_len=seq,
         global_batch=batch,
-        optimizer=args.optimizer or P["optimizer"].default,
+        **{name: getattr(args, name, None) for name in RECIPE_SETTINGS},
         lora=lora,
         weight_bits=bits,
         new_tokens=new_tokens,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Callable
 
@@ -10,10 +11,12 @@ from rigpilot.engine.planner.durations import duration_text
 from rigpilot.engine.planner.links import Topology
 from rigpilot.engine.planner.memory import fmt_gib
 from rigpilot.engine.planner.model import ModelFacts
-from rigpilot.engine.planner.plan import Figure, Parallelism, Plan, Timing, Workload
+from rigpilot.engine.planner.plan import Figure, Parallelism, Plan, Timing, Workload, recipe_words
 from rigpilot.engine.planner.result import Candidate, SearchResult
 from rigpilot.engine.planner.settings import ref, say
+from rigpilot.engine.recipe import RECIPE_SETTINGS
 
+PLAIN = {name: decl.default for name, decl in RECIPE_SETTINGS.items()}
 _WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve")
 
 
@@ -128,8 +131,11 @@ def explain(
             lines.append("No single change tried (LoRA, QLoRA, shorter sequences, more or larger GPUs) makes it fit.")
     else:
         par = best.parallelism
+        recipe = ""
+        if best.workload.training and recipe_words(best.workload) != recipe_words(dataclasses.replace(best.workload, **PLAIN)):
+            recipe = f", with {recipe_words(best.workload)}"
         if best.runs_here:
-            lines.append(f"Best plan for {task_text(w)} of {model} on your {who}: {par.describe()}.")
+            lines.append(f"Best plan for {task_text(w)} of {model} on your {who}: {par.describe()}{recipe}.")
         else:
             lines.append(
                 f"No plan that fits for {task_text(w)} of {model} on your {who} is one Rigpilot's engine runs. "

@@ -27,6 +27,18 @@ offload keeps no sharded state on the GPU (parameter, gradient and AdamW shards,
 16 bytes per parameter over the sharding degree, sit in pinned host RAM) and only
 stages each unit's fp32 shards on the way in and out. DeepSpeed plans (made only
 for --export deepspeed) follow the ZeRO paper's accounting (Rajbhandari et al. 2020).
+
+The training recipe (engine.recipe; `MemoryModel` takes it from its workload, each setting left open at its
+plain default): pure bf16 holds weights, gradients and AdamW's moments in 2 bytes; 8-bit AdamW (torchao) holds
+both moments as uint8 codes with an fp32 scale per block of 256; the optimizer step in backward frees each
+gradient as soon as its parameter is updated, so one parameter's gradient (its shard under FSDP2) exists at a
+time instead of all of them, except under DDP, whose buckets hold every gradient anyway; chunked cross-entropy
+keeps 1/chunks of the fp32 logits and their bf16 chunk; activation offloading moves what the blocks save for
+backward to pinned host RAM, keeping a window of OFFLOAD_WINDOW_LAYERS blocks (the one computing and the one
+prefetched) and the head and loss's on the GPU. torch.compile is counted at eager's memory: torchtitan reports
+a smaller peak for compiled blocks, but how much depends on the fusions inductor picks, so the formula keeps
+eager's as the bound. FP8 matmuls are counted as bf16 (torchao's float8 keeps bf16 weights, and what it saves
+for backward is no larger than bf16's).
 """
 
 from __future__ import annotations
@@ -37,7 +49,8 @@ from rigpilot.engine.errors import UserError
 from rigpilot.engine.models.spec import Linear, ModelSpec
 from rigpilot.engine.planner.links import Topology
 from rigpilot.engine.planner.model import LinearUse, ModelFacts, model_facts
-from rigpilot.engine.planner.plan import HostMemory, LoraSettings, MemoryBreakdown, Parallelism, Workload
+from rigpilot.engine.planner.plan import HostMemory, LoraSettings, MemoryBreakdown, Parallelism, Workload, recipe_of
+from rigpilot.engine.recipe import Recipe
 from rigpilot.engine.schema import ADAPTER_METHODS, Precision
 
 GIB = 1024**3
@@ -58,6 +71,11 @@ LOAD_SHARD_BYTES = 5 * GIB  # a safetensors shard, what loading straight to the 
 NF4_BYTES_DQ = 0.5 + 1 / 64 + 4 / (64 * 256)
 NF4_BYTES = 0.5 + 4 / 64
 INT8_BYTES = 1.0  # LLM.int8 weights; the per-row fp32 scales are negligible
+# torchao's AdamW8bit: uint8 codes and one fp32 scale per block of 256 values, for each of the two moments.
+ADAMW8BIT_BLOCK = 256
+ADAMW8BIT_BYTES = 2.0 * (1 + 4 / ADAMW8BIT_BLOCK)
+# Activation offloading keeps the block computing and the one being prefetched back on the GPU.
+OFFLOAD_WINDOW_LAYERS = 2
 
 
 @dataclass(frozen=True)
@@ -417,7 +435,11 @@ class EdgeActivations:
     rope_tables: float  # bytes per sequence position: cos and sin shared by all layers
 
 
-def edge_activations(m: ModelFacts, reg: Regime, tr: Trainable, checkpointing: str = "none") -> EdgeActivations:
+def edge_activations(
+    m: ModelFacts, reg: Regime, tr: Trainable, checkpointing: str = "none", loss_chunks: int = 1
+) -> EdgeActivations:
+    """`loss_chunks` > 1: chunked cross-entropy, which holds the fp32 logits of one chunk of tokens at a time and
+    that chunk's logits in the compute dtype."""
     h, c, v = m.h, reg.compute, m.vocab
     first = 8.0 if tr.full else 0.0  # int64 ids, kept by a trainable embedding
     if m.spec.hidden_dropout > 0:
@@ -435,10 +457,13 @@ def edge_activations(m: ModelFacts, reg: Regime, tr: Trainable, checkpointing: s
                 head_copy = 2.0 * v * h
         # transformers upcasts logits to fp32 for the loss; cross-entropy keeps the fp32 log-softmax and
         # the int64 labels. Briefly there are also the logits themselves and the log-softmax's gradient.
-        logits += 4.0 * v + 8.0
+        k = max(loss_chunks, 1)
+        logits += 4.0 * v / k + 8.0
+        if k > 1:
+            logits += c * v / k  # the chunk's logits in the compute dtype
         if m.spec.final_softcap:
-            logits += c * v  # tanh(logits / cap) keeps its output
-        transient = (2 * c + 4.0) * v
+            logits += c * v / k  # tanh(logits / cap) keeps its output
+        transient = (2 * c + 4.0) * v / k
     rope = 0.0
     if m.rope and checkpointing != "full":
         rope = 2.0 * m.spec.head_dim * reg.resid
@@ -517,7 +542,7 @@ def optimizer_state_bytes(optimizer: str, param_bytes: int) -> float:
     if optimizer == "adamw":
         return 2.0 * param_bytes  # exp_avg and exp_avg_sq, created like the parameter
     if optimizer == "adamw8bit":
-        return 2.0 * (1 + 4 / 256)  # bitsandbytes: uint8 states with an fp32 absmax per 256-value block
+        return ADAMW8BIT_BYTES  # torchao: uint8 codes with an fp32 scale per block of 256
     if optimizer == "sgd":
         return float(param_bytes)  # momentum buffer
     raise UserError(f"unknown optimizer {optimizer!r}; use adamw, adamw8bit or sgd")
@@ -678,8 +703,9 @@ class MemoryModel:
         self.dtype, self.pure = parse_precision(w.precision)
         self.c = dtype_bytes(self.dtype)
         self.mixed = self.dtype != "fp32"
+        self.recipe = recipe_of(w) if w.training else Recipe()
         # bf16 master weights: trainable weights, their gradients and AdamW's moments are 2 bytes, not 4.
-        self.half_master = self.mixed and w.training and w.master_weights == "bf16"
+        self.half_master = self.mixed and w.training and self.recipe.master_weights == "bf16"
         self.master = 2 if self.half_master else 4
         if w.training:
             lora = w.lora or LoraSettings()
@@ -690,7 +716,7 @@ class MemoryModel:
             self.tr = Trainable(True, frozenset(), 0)
             self.lora_per_layer = 0.0
             self.double_quant = True
-        self.state_bytes = optimizer_state_bytes(w.optimizer, self.master) if w.training else 0.0
+        self.state_bytes = optimizer_state_bytes(self.recipe.optimizer, self.master) if w.training else 0.0
         self._layers: dict[tuple[bool, str], LayerActivations] = {}
         self._edges: dict[tuple[bool, str], EdgeActivations] = {}
 
@@ -711,7 +737,9 @@ class MemoryModel:
         key = (backend in ("fsdp", "deepspeed"), checkpointing)
         found = self._edges.get(key)
         if found is None:
-            found = self._edges[key] = edge_activations(self.m, self.regime(backend), self.tr, checkpointing)
+            found = self._edges[key] = edge_activations(
+                self.m, self.regime(backend), self.tr, checkpointing, self.recipe.loss_chunks
+            )
         return found
 
     def stage_params(self, par: Parallelism, stage: int) -> tuple[float, float]:
@@ -779,6 +807,14 @@ class MemoryModel:
             weights = trainable * self.master + frozen
             grads = trainable * self.master
             opt = trainable * state
+        in_backward = self.recipe.optimizer_in_backward and par.backend != "deepspeed" and not par.offload
+        largest = 0.0
+        if in_backward:
+            # Each gradient is freed by its parameter's step, in the hook that runs as it is accumulated; DDP's
+            # buckets hold every gradient whatever the optimizer does, so only one GPU or FSDP2 gains.
+            largest = self.largest_trainable(par, stage) / (z if par.backend == "fsdp" else 1)
+            if par.backend != "ddp" or par.dp == 1:
+                grads = min(grads, largest * self.master)
 
         # Communication and gathering buffers.
         gathered = 0.0  # units held whole from forward through backward (FSDP2 without resharding)
@@ -830,15 +866,57 @@ class MemoryModel:
             n_layers=n_layers, tokens=tokens, seq_len=w.seq_len, tp=t, sp=par.sequence_parallel,
             in_flight=in_flight, first=stage == 0, last=stage == par.pp - 1, checkpointing=par.checkpointing,
         )  # fmt: skip
+        moved = self.offloaded_activations(par, stage)
+        act -= moved
+        host += moved
 
         opt_temp = 0.0
-        if par.backend in ("ddp", "fsdp", "single") and w.optimizer == "adamw" and not par.offload:
-            opt_temp = trainable * 4 / (z if par.backend == "fsdp" else 1)  # foreach AdamW's sqrt(v) temporary
+        if par.backend in ("ddp", "fsdp", "single") and self.recipe.optimizer == "adamw" and not par.offload:
+            # foreach AdamW's sqrt(v) temporary, in the moments' dtype; stepping one parameter at a time in
+            # backward, one parameter's.
+            opt_temp = (largest if in_backward else trainable / (z if par.backend == "fsdp" else 1)) * self.master
         dynamic = max(act + loss + gathered + comm, opt_temp + comm)
         allocated = weights + grads + opt + dynamic
         groups = (par.dp > 1) + (par.tp > 1) + (par.pp > 1) + par.hsdp
         over = overhead_bytes(allocated, architecture=architecture, groups=groups)
         return StageMemory(weights, grads, opt, act, 0.0, dynamic - act, over, host)
+
+    def largest_trainable(self, par: Parallelism, stage: int) -> float:
+        """Parameters of the largest trainable tensor on one GPU of `stage` (before FSDP sharding): what one
+        step in backward updates at once."""
+        m, t = self.m, par.tp
+        if not self.tr.full:
+            return max((self.tr.rank * max(u.lin.in_features, u.lin.out_features) * u.copies for u in m.linears()
+                        if u.lin.name in self.tr.targets), default=0)  # fmt: skip
+        first, end = stage_range(par, stage, m.layers)
+        sizes = [u.weight_params / (1 if u.copies > 1 else t) for u in m.linears()] if end > first else []
+        if stage == 0:
+            sizes.append(m.embedding_params)
+        if stage == par.pp - 1:
+            sizes.append(m.head_params / t)
+        return float(max(sizes, default=0.0))
+
+    def offloaded_activations(self, par: Parallelism, stage: int) -> float:
+        """Bytes of saved activations one GPU of `stage` moves to host RAM per micro-batch under activation
+        offloading: every block's but the window's (0 without it)."""
+        if not (self.w.training and self.recipe.activation_offload):
+            return 0.0
+        first, end = stage_range(par, stage, self.m.layers)
+        moved_layers = max(end - first - OFFLOAD_WINDOW_LAYERS, 0)
+        if not moved_layers:
+            return 0.0
+        la = self.layer(par.backend, par.checkpointing)
+        tokens = par.micro_batch * self.w.seq_len
+        if par.pp == 1:
+            in_flight = 1
+        elif par.pipeline_schedule == "gpipe":
+            in_flight = par.grad_accum
+        else:
+            in_flight = min(par.pp - stage, par.grad_accum)
+        per_layer = la.per_gpu(par.tp, par.sequence_parallel) * tokens * in_flight
+        if par.checkpointing == "none":
+            per_layer += la.weight_copies / par.tp
+        return moved_layers * per_layer
 
     # -- inference -------------------------------------------------------------------------------------
     def infer_stage(self, par: Parallelism, stage: int, architecture: str | None) -> StageMemory:

@@ -13,10 +13,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from rigpilot.engine.capability import why_not
+from rigpilot.engine.capability import RecipeContext, recipe_why_not, why_not
 from rigpilot.engine.errors import UserError
-from rigpilot.engine.layout import Layout
-from rigpilot.engine.schema import Checkpointing, Precision, TrainMethod
+from rigpilot.engine.layout import Layout, accumulation_of_plan
+from rigpilot.engine.recipe import RECIPE_SETTINGS, Recipe
+from rigpilot.engine.schema import Checkpointing, MasterWeights, Optimizer, Precision, TrainMethod
 
 PLAN_SCHEMA = "rigpilot.plan"
 PLAN_VERSION = 1
@@ -53,7 +54,15 @@ class Workload:
     master_weights: str | None = None
     seq_len: int = 2048
     global_batch: int = 16  # training: sequences per optimizer step; inference: sequences in flight
-    optimizer: str = "adamw"
+    # The rest of the training recipe (engine.recipe, flat as in job.json's `train`). Asked for: None is "auto",
+    # the search chooses; a value pins it. A plan's workload holds what the plan was sized for; plans saved
+    # before a field existed read it as None, and a job keeps its own setting there.
+    optimizer: str | None = None
+    optimizer_in_backward: bool | None = None
+    loss_chunks: int | None = None
+    activation_offload: bool | None = None
+    compile: bool | None = None
+    fp8: bool | None = None
     lora: LoraSettings | None = None
     weight_bits: int = 16  # inference: 16 (precision), 8 (LLM.int8) or 4 (NF4)
     new_tokens: int = 0  # inference: tokens generated per sequence (the rest of seq_len is the prompt)
@@ -66,6 +75,57 @@ class Workload:
     @property
     def prompt_tokens(self) -> int:
         return max(self.seq_len - self.new_tokens, 1)
+
+    @property
+    def recipe(self) -> Recipe:
+        """The recipe this workload trains with: each setting left open (None) at the engine's plain default."""
+        return recipe_of(self)
+
+    def pinned(self) -> dict[str, object]:
+        """The recipe settings the user pinned (given a value), by name: the search leaves these alone."""
+        return {name: getattr(self, name) for name in RECIPE_SETTINGS if getattr(self, name) is not None}
+
+
+def recipe_of(values: object) -> Recipe:
+    """`Recipe.of` for a workload whose settings may be open (None: the declaration's default)."""
+    found = {name: getattr(values, name, None) for name in RECIPE_SETTINGS}
+    return Recipe(**{k: v for k, v in found.items() if v is not None})
+
+
+# torchtune's names for the techniques, in the order the search reaches for them.
+RECIPE_WORDS = {
+    "master_weights": "pure bf16",
+    "optimizer": "8-bit AdamW",
+    "optimizer_in_backward": "optimizer in backward",
+    "loss_chunks": "chunked cross-entropy",
+    "activation_offload": "activation offloading",
+    "compile": "compiled",
+    "fp8": "FP8 matmuls",
+}
+
+
+def recipe_words(w: Workload) -> str:
+    """The recipe in words a user knows: "pure bf16 + 8-bit AdamW + optimizer in backward"; a plain recipe is its
+    precision ("bf16 mixed precision", "fp32")."""
+    r = recipe_of(w)
+    parts = []
+    if r.master_weights == MasterWeights.BF16:
+        parts.append(RECIPE_WORDS["master_weights"])
+    if r.optimizer == Optimizer.ADAMW8BIT:
+        parts.append(RECIPE_WORDS["optimizer"])
+    if r.optimizer_in_backward:
+        parts.append(RECIPE_WORDS["optimizer_in_backward"])
+    if r.loss_chunks > 1:
+        parts.append(f"{RECIPE_WORDS['loss_chunks']} ({r.loss_chunks} chunks)")
+    if r.activation_offload:
+        parts.append(RECIPE_WORDS["activation_offload"])
+    if r.compile:
+        parts.append(RECIPE_WORDS["compile"])
+    if r.fp8:
+        parts.append(RECIPE_WORDS["fp8"])
+    if r.master_weights != MasterWeights.BF16:
+        parts.insert(0, "fp32" if w.precision == "fp32" else f"{w.precision} mixed precision")
+    return " + ".join(parts)
 
 
 @dataclass
@@ -322,6 +382,7 @@ class Plan:
         d = {"schema": PLAN_SCHEMA, **dataclasses.asdict(self)}
         # Derived, for launchers that build a device mesh; ignored when read back.
         d["parallelism"]["world_size"] = self.parallelism.world_size
+        d["recipe"] = recipe_words(self.workload) if self.workload.training else ""
         try:
             layout = self.parallelism.layout
         except UserError:  # a hand-edited plan past the degrees' ranges: shown as it is, refused when run
@@ -409,8 +470,13 @@ def refusal(plan: Plan) -> str:
     return refusal_of(plan.parallelism, plan.workload, plan.model_type)
 
 
-def refusal_of(par: Parallelism, w: Workload, model_type: str) -> str:
-    """engine.capability.why_not of the job a plan with `par` for `w` asks for ("" when the engine runs it)."""
+def refusal_of(
+    par: Parallelism, w: Workload, model_type: str, *, gpu_capability: tuple[int, int] | None = None,
+    cpu_ranks: bool = False,
+) -> str:  # fmt: skip
+    """engine.capability.why_not of the job a plan with `par` for `w` asks for, then recipe_why_not of its
+    training recipe ("" when the engine runs it). `gpu_capability` (the lowest of the GPUs') and `cpu_ranks`
+    (a simulated machine) are what the recipe's refusals depend on beyond the plan."""
     try:
         layout = Layout.from_plan(par)
     except UserError as e:  # degrees past any real job: a hand-edited plan
@@ -422,4 +488,10 @@ def refusal_of(par: Parallelism, w: Workload, model_type: str) -> str:
         optimizer=w.optimizer or "adamw" if training else "adamw", weight_bits=w.weight_bits,
         model_type=model_type or None, nodes=par.nodes, gpus_per_node=per_node,
     )  # fmt: skip
-    return reason or ""
+    if reason:
+        return reason
+    if training:
+        ctx = RecipeContext(method=w.method, precision=w.precision, grad_accum=accumulation_of_plan(par),
+                            gpu_capability=gpu_capability, cpu_ranks=cpu_ranks)  # fmt: skip
+        return recipe_why_not(recipe_of(w), layout, ctx) or ""
+    return ""

@@ -111,6 +111,7 @@ class Candidate:
     blocked: str | None = None  # why the search would not pick it (slow links for TP), though it was evaluated
     timing: Timing | None = None
     cannot_run: str = ""  # engine.capability.why_not of its layout; empty when the engine runs it
+    recipe: tuple[str, ...] = ()  # the techniques the search added to the recipe asked for (engine.planner.recipes)
 
     @property
     def family(self) -> str:

@@ -18,6 +18,12 @@ Ranking (`rank`): the model's speeds are good to about 5%, so among plans that c
 most free memory wins, and offload is recommended only where the best plan without it is more than
 15% slower.
 
+The training recipe (engine.planner.recipes): each layout gets the first recipe of the ladder that fits it
+(mixed precision, chunked cross-entropy, pure bf16, 8-bit AdamW, the optimizer step in backward, activation
+offloading; settings the user pinned stay as given), not a cross product. Recipes that change the numerics or
+the step are kept only at the plainest rung any plan without CPU offload needs, so pure bf16 is never chosen
+to make a plan faster where mixed precision fits, and CPU offload is tried only where no recipe without it fits.
+
 Every candidate is judged by the engine's one capability contract,
 `rigpilot.engine.capability.why_not` of `Layout.from_plan(plan)`: plans the engine cannot run
 rank below all those it runs and carry the reason (`Plan.runs_here_reason`).
@@ -34,6 +40,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.machine import P2P, GpuPair, Machine, PciePath, short_gpu_name
@@ -44,7 +51,7 @@ from rigpilot.engine.models.spec import ModelSpec
 from rigpilot.engine.planner.cluster import DEFAULT_LINK, Cluster, build_cluster, check_nodes, node_link
 from rigpilot.engine.planner.explain import explain, number_word
 from rigpilot.engine.planner.links import Calibration, Topology, no_bf16
-from rigpilot.engine.planner.memory import GIB, MemoryModel, StageMemory, fmt_gib, plan_memory
+from rigpilot.engine.planner.memory import GIB, OFFLOAD_WINDOW_LAYERS, MemoryModel, StageMemory, fmt_gib, plan_memory
 from rigpilot.engine.planner.model import ModelFacts, model_facts
 from rigpilot.engine.planner.plan import (
     CHECKPOINTING,
@@ -56,8 +63,10 @@ from rigpilot.engine.planner.plan import (
     Parallelism,
     Plan,
     Workload,
+    recipe_words,
     refusal_of,
 )
+from rigpilot.engine.planner.recipes import Rung, rung, techniques
 from rigpilot.engine.planner.result import FAMILY_ORDER, SPEED_TIE, Candidate, Rejection, SearchResult, Suggestion
 from rigpilot.engine.planner.scaling import multinode_lines, scaling_of
 from rigpilot.engine.planner.settings import (
@@ -71,7 +80,8 @@ from rigpilot.engine.planner.settings import (
     say,
 )
 from rigpilot.engine.planner.speed import SpeedModel
-from rigpilot.engine.schema import Words
+from rigpilot.engine.recipe import RECIPE_SETTINGS
+from rigpilot.engine.schema import Ref, Words
 
 EXPORT_TARGETS = EXPORTS
 MAX_SEQ = int(TRAIN_SETTINGS["seq_len"].hi)  # a job's own bound (2M tokens)
@@ -111,7 +121,7 @@ def validate_workload(w: Workload, spec: ModelSpec) -> None:
     if w.precision not in PRECISIONS:
         raise UserError(f"unknown dtype {w.precision!r}; use bf16, fp16 or fp32",
                         reason="not_a_choice", setting="precision", value=w.precision, choices=list(PRECISIONS))  # fmt: skip
-    if w.optimizer not in OPTIMIZERS:
+    if w.optimizer is not None and w.optimizer not in OPTIMIZERS:
         raise UserError(f"unknown optimizer {w.optimizer!r}; use {', '.join(OPTIMIZERS)}",
                         reason="not_a_choice", setting="optimizer", value=w.optimizer, choices=list(OPTIMIZERS))  # fmt: skip
     if w.weight_bits not in WEIGHT_BITS:
@@ -124,6 +134,21 @@ def validate_workload(w: Workload, spec: ModelSpec) -> None:
         raise refusal("{master} applies to training", reason="master_weights_are_for_training",
                       fields={"setting": "master_weights", "value": w.master_weights},
                       master=ref("master_weights", w.master_weights))  # fmt: skip
+    if not w.training:
+        for name, value in w.pinned().items():
+            if name != "master_weights" and value != RECIPE_SETTINGS[name].default:
+                raise refusal("{setting} applies to training", reason="recipe_is_for_training",
+                              fields={"setting": name, "value": value}, setting=_recipe_ref(name, value))  # fmt: skip
+    else:
+        for name, value in w.pinned().items():
+            if name == "master_weights":
+                continue  # checked below, as before the other recipe settings existed
+            TRAIN_SETTINGS[name].check(value)
+            conflict = TRAIN_SETTINGS[name].conflict(w)
+            if conflict is not None:
+                f = conflict.fields
+                raise refusal("{mine} needs {other} (it is {found})", reason=conflict.reason, fields=f,
+                              mine=_recipe_ref(name, value), other=ref("precision", f["needs"]), found=f["found"])  # fmt: skip
     if w.training:  # the job's own declaration and its requirement (bf16 master weights need bf16 compute)
         TRAIN_SETTINGS["master_weights"].check(w.master_weights)
         conflict = TRAIN_SETTINGS["master_weights"].conflict(w)
@@ -160,6 +185,18 @@ def validate_workload(w: Workload, spec: ModelSpec) -> None:
         raise UserError(f"{w.new_tokens} new tokens leave no room for a prompt in a {w.seq_len}-token context")
     if w.lora is not None and w.lora.rank < 1:
         raise UserError("the LoRA rank must be at least 1")
+
+
+def _recipe_ref(name: str, value: object) -> Ref:
+    """A recipe setting named in a sentence (each literally, so the words' tests see every setting named)."""
+    return {
+        "optimizer": lambda: ref("optimizer", value),
+        "optimizer_in_backward": lambda: ref("optimizer_in_backward", value),
+        "loss_chunks": lambda: ref("loss_chunks", value),
+        "activation_offload": lambda: ref("activation_offload", value),
+        "compile": lambda: ref("compile", value),
+        "fp8": lambda: ref("fp8", value),
+    }[name]()
 
 
 def select_gpus(machine: Machine, gpus: list[int] | None) -> list[int]:
@@ -253,12 +290,12 @@ def search(
         for i in indices:
             if topo.gpus[i].peak.get("bf16") is None and topo.gpus[i].spec_key:
                 raise no_bf16(i, topo.gpus[i].short_name)
-    mm = MemoryModel(m, w)
-    speed = SpeedModel(m, w, topo, mm)
-    cands, skipped = _evaluate(m, w, topo, mm, speed, opts)
-    fitting = rank([c for c in cands if c.fits and not c.blocked])
+    recipes = Recipes(m, w, topo)
+    speed = recipes.plain.speed
+    cands, skipped = _evaluate(m, w, topo, recipes, opts)
+    fitting = rank(_leanest_needed(cands, recipes))
     notes = list(m.notes)
-    best = _materialize(fitting[0], m, w, speed, machine, notes, cluster, label) if fitting else None
+    best = _materialize(fitting[0], m, recipes, machine, notes, cluster, label) if fitting else None
     runners: list[Plan] = []
     seen_families = {(fitting[0].family, fitting[0].runs_here, fitting[0].par.nodes)} if fitting else set()
     for c in fitting[1:]:
@@ -267,14 +304,14 @@ def search(
         if (c.family, c.runs_here, c.par.nodes) in seen_families:
             continue
         seen_families.add((c.family, c.runs_here, c.par.nodes))
-        runners.append(_materialize(c, m, w, speed, machine, [], cluster, label))
+        runners.append(_materialize(c, m, recipes, machine, [], cluster, label))
     if best is not None and len(runners) < opts.runners_up:
         # Few families fit: show the next-best variants of the winning one.
         for c in fitting[1:]:
             if len(runners) >= opts.runners_up:
                 break
             if c.family == best.parallelism.family and c.runs_here and not _same_shape(c.par, best.parallelism):
-                runners.append(_materialize(c, m, w, speed, machine, [], cluster, label))
+                runners.append(_materialize(c, m, recipes, machine, [], cluster, label))
     # The variants were appended after the other families: show every plan in the ranking's order.
     position = {id(c.par): i for i, c in enumerate(fitting)}
     runners.sort(key=lambda p: position.get(id(p.parallelism), len(position)))
@@ -282,6 +319,9 @@ def search(
         why = _why_not_fastest(best, runners)
         if why:
             best.notes.append(why)
+        said = _recipe_line(best, fitting[0], recipes, topo)
+        if said:
+            best.notes.insert(0, said)
     rejected = _rejections(cands, skipped, fitting)
     suggestions: list[Suggestion] = []
     if (best is None or not best.runs_here) and opts.suggest and cluster is None:
@@ -402,20 +442,24 @@ def _why_not_fastest(best: Plan, runners: list[Plan]) -> str:
     )
 
 
-def cannot_run(par: Parallelism, w: Workload, model_type: str) -> str:
-    """rigpilot.engine.capability.why_not of the layout a plan with `par` asks for ("" when the engine runs it):
-    the same function `Plan.from_dict` and the submission path apply to a plan."""
-    return refusal_of(par, w, model_type)
+def cannot_run(par: Parallelism, w: Workload, model_type: str, **context: Any) -> str:
+    """rigpilot.engine.capability.why_not of the layout a plan with `par` asks for, and recipe_why_not of its
+    recipe ("" when the engine runs it): the same functions `Plan.from_dict` and the submission path apply to a
+    plan. `context`: refusal_of's gpu_capability and cpu_ranks."""
+    return refusal_of(par, w, model_type, **context)
 
 
 def _materialize(
-    c: Candidate, m: ModelFacts, w: Workload, speed: SpeedModel, machine: Machine, notes: list[str],
+    c: Candidate, m: ModelFacts, recipes: Recipes, machine: Machine, notes: list[str],
     cluster: Cluster | None = None, label: str | None = None,
 ) -> Plan:  # fmt: skip
-    """A full plan (per-GPU breakdowns, communication items, figures) from a ranked candidate.
+    """A full plan (per-GPU breakdowns, communication items, figures) from a ranked candidate, its workload
+    carrying the recipe it was sized for.
 
     Multi-node searches work on the cluster's GPU numbers; the plan gets each node's own GPU indices back.
     """
+    speed = recipes[c.recipe].speed
+    w = recipes[c.recipe].rung.workload
     memory, host = plan_memory(speed.mm, c.par, speed.topo)
     timing = speed.timing(c.par)
     par = c.par
@@ -443,6 +487,18 @@ def _materialize(
             f"CPU offload pins {fmt_gib(host.offloaded)} of host RAM (parameters, gradients and optimizer state), "
             "which cannot be swapped out"
         )
+    if w.training and speed.mm.recipe.optimizer_in_backward:
+        plan_notes.append(
+            f"the optimizer step in backward runs without gradient accumulation or clipping: each step's "
+            f"{w.global_batch} sequences are {c.par.micro_batch} per micro-batch × {c.par.dp} data-parallel "
+            f"replica{'s' if c.par.dp > 1 else ''}"
+        )
+    moved = sum(speed.mm.offloaded_activations(c.par, st) for st in range(c.par.pp))
+    if moved:
+        plan_notes.append(
+            f"activation offloading keeps {fmt_gib(moved)} of saved activations per GPU in pinned host RAM "
+            f"(all blocks' but {OFFLOAD_WINDOW_LAYERS} and the loss's), copied over PCIe each micro-batch"
+        )
     if c.par.offload:
         gbs, cpu_class = speed.host_memory_class()
         ranks = max(speed.ranks_per_node(c.par).values())
@@ -469,8 +525,46 @@ def _materialize(
     return plan
 
 
+@dataclass
+class RecipeModels:
+    """One recipe of the ladder with the memory and speed models of its workload."""
+
+    rung: Rung
+    mm: MemoryModel
+    speed: SpeedModel
+
+
+class Recipes:
+    """The recipes a search tries (engine.planner.recipes), each one's models built when first asked for."""
+
+    def __init__(self, m: ModelFacts, w: Workload, topo: Topology) -> None:
+        self.m, self.w, self.topo = m, w, topo
+        self.techniques = techniques(w)
+        self._models: dict[tuple[str, ...], RecipeModels] = {}
+        self.plain = self[()]
+
+    def __getitem__(self, added: tuple[str, ...]) -> RecipeModels:
+        found = self._models.get(added)
+        if found is None:
+            r = rung(self.w, added)
+            mm = MemoryModel(self.m, r.workload)
+            found = self._models[added] = RecipeModels(r, mm, SpeedModel(self.m, r.workload, self.topo, mm))
+        return found
+
+
+def _leanest_needed(cands: list[Candidate], recipes: Recipes) -> list[Candidate]:
+    """The fitting candidates the ranking may choose from: those whose recipe is free (chunked cross-entropy) or
+    no further down the ladder than the plainest one some runnable plan without CPU offload needs (any plan,
+    where none fits without offload). So a recipe that changes the numerics is used only where it is needed."""
+    fitting = [c for c in cands if c.fits and not c.blocked]
+    runnable = [c for c in fitting if c.runs_here]
+    pool = [c for c in runnable if not c.par.offload] or runnable
+    need = min((recipes[c.recipe].rung.level for c in pool), default=0)
+    return [c for c in fitting if not c.runs_here or recipes[c.recipe].rung.free or recipes[c.recipe].rung.level <= need]
+
+
 def _evaluate(
-    m: ModelFacts, w: Workload, topo: Topology, mm: MemoryModel, speed: SpeedModel, opts: SearchOptions
+    m: ModelFacts, w: Workload, topo: Topology, recipes: Recipes, opts: SearchOptions
 ) -> tuple[list[Candidate], dict[str, str]]:
     cands: list[Candidate] = []
     skipped: dict[str, str] = {}
@@ -479,9 +573,15 @@ def _evaluate(
     caps = {i: g.memory for i, g in topo.gpus.items()}
     twin_fits: set[tuple] = set()
     refusals: dict[tuple, str] = {}
+    context = _recipe_context(topo)
+    in_backward = w.optimizer_in_backward is not False and any(n == "optimizer_in_backward" for n, _ in recipes.techniques)
+    in_backward = in_backward or bool(w.optimizer_in_backward)
     for layout, blocked, micro_batches in gen:
         for ckpt in (CHECKPOINTING if w.training else ("none",)):
+            last_only = False
             for mb in micro_batches:
+                if last_only and layout.grad_accum // mb > 1:
+                    continue
                 par = dataclasses.replace(layout, checkpointing=ckpt, micro_batch=mb, grad_accum=layout.grad_accum // mb if w.training else 1)
                 if par.pp > 1 and par.grad_accum > MICROBATCH_RANGE[1]:
                     # The schedule's micro-batches per step: past the engine's limit (engine.layout) no job runs it.
@@ -493,19 +593,70 @@ def _evaluate(
                 offloading = par.offload_optimizer or par.offload_params
                 if offloading and key in twin_fits:
                     continue  # the same plan without offload fits and is faster
-                cand = _check(par, mm, topo, caps, available)
-                cand.blocked = blocked
-                refusals_key = (par.dp, par.tp, par.pp, par.zero_stage, par.shard_degree, par.sequence_parallel, offloading, par.nodes)
-                if refusals_key not in refusals:
-                    refusals[refusals_key] = cannot_run(par, w, m.spec.model_type)
-                cand.cannot_run = refusals[refusals_key]
+                layout_key = (par.dp, par.tp, par.pp, par.zero_stage, par.shard_degree, par.sequence_parallel, offloading,
+                              par.nodes, par.grad_accum > 1)  # fmt: skip
+                # The plainest recipe that fits this layout: down the ladder, each technique added to the last
+                # recipe tried unless the engine does not run it with this layout.
+                added: tuple[str, ...] = ()
+                base_why = ""
+                cand = None
+                for name in ("", *(n for n, _ in recipes.techniques)):
+                    trying = (*added, name) if name else added
+                    refusals_key = (trying, *layout_key)
+                    if refusals_key not in refusals:
+                        refusals[refusals_key] = cannot_run(par, recipes[trying].rung.workload, m.spec.model_type, **context)
+                    why = refusals[refusals_key]
+                    if not name:
+                        base_why = why
+                    elif why and not base_why:
+                        continue
+                    added = trying
+                    cand = _check(par, recipes[added].mm, topo, caps, available)
+                    cand.recipe, cand.cannot_run, cand.blocked = added, why, blocked
+                    if cand.fits:
+                        break
+                assert cand is not None  # the recipe as asked is always evaluated
                 cands.append(cand)
                 if not cand.fits:
-                    break  # a larger micro-batch needs more memory still
+                    if in_backward and par.grad_accum > 1 and par.pp == 1:
+                        # A larger micro-batch needs more memory still, except the one without accumulation,
+                        # where the optimizer step in backward frees every gradient.
+                        last_only = True
+                        continue
+                    break
                 if not offloading:
                     twin_fits.add(key)
-                cand.timing = speed.timing(par, detail=False)
+                cand.timing = recipes[cand.recipe].speed.timing(par, detail=False)
     return cands, skipped
+
+
+def _recipe_context(topo: Topology) -> dict[str, Any]:
+    """What the recipe's refusals depend on beyond the plan (capability.RecipeContext): the GPUs' lowest compute
+    capability, and whether jobs run as CPU ranks (a simulated machine)."""
+    caps = []
+    for i in topo.indices:
+        text = topo.machine.gpu(i).compute_capability if i < len(topo.machine.gpus) else None
+        try:
+            major, minor = (int(x) for x in str(text).split(".")[:2])
+        except ValueError:
+            continue
+        caps.append((major, minor))
+    return {"gpu_capability": min(caps) if caps else None, "cpu_ranks": topo.machine.simulated}
+
+
+def _recipe_line(best: Plan, c: Candidate, recipes: Recipes, topo: Topology) -> str:
+    """What the recipe the search chose saves, against the plain recipe on the same layout: "pure bf16 + 8-bit
+    AdamW + optimizer in backward: 17.8 GiB per GPU, no offload needed; mixed precision would need 35 GiB"."""
+    rung = recipes[c.recipe].rung
+    if rung.plain or not best.workload.training:
+        return ""
+    caps = {i: g.memory for i, g in topo.gpus.items()}
+    plain = _check(c.par, recipes.plain.mm, topo, caps, topo.machine.host.memory_total)
+    offload = "with CPU offload" if c.par.offload else "no CPU offload needed"
+    return (
+        f"{recipe_words(best.workload)}: {fmt_gib(best.peak_memory.total)} per GPU, {offload}; "
+        f"{recipe_words(recipes.plain.rung.workload)} would need {fmt_gib(plain.worst_total)}"
+    )
 
 
 def _check(par: Parallelism, mm: MemoryModel, topo: Topology, caps: dict[int, int], available: int | None) -> Candidate:
@@ -866,7 +1017,7 @@ def suggest(
             rank = w.lora.rank if w.lora else LoraSettings().rank
             attempt(say("train LoRA on 4-bit weights ({qlora})", qlora=ref("method", "qlora")), "method", dataclasses.replace(w, method="qlora", lora=LoraSettings(rank=rank)), to=("method", "qlora"))
         if w.optimizer == "adamw" and w.method == "full":
-            attempt("use 8-bit AdamW (bitsandbytes)", "optimizer", dataclasses.replace(w, optimizer="adamw8bit"), to=("optimizer", "adamw8bit"))
+            attempt(say("use 8-bit AdamW ({adamw8bit})", adamw8bit=ref("optimizer", "adamw8bit")), "optimizer", dataclasses.replace(w, optimizer="adamw8bit"), to=("optimizer", "adamw8bit"))
     else:
         if w.weight_bits == 16:
             attempt(say("load the weights in 8 bits ({int8})", int8=ref("quant", "int8")), "quantize", dataclasses.replace(w, weight_bits=8), to=("quant", "int8"))

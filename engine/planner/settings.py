@@ -14,6 +14,7 @@ from typing import Any
 
 from rigpilot.engine.errors import GENERIC, UserError
 from rigpilot.engine.jobspec.spec import JOB_SETTINGS, TRAIN_SETTINGS
+from rigpilot.engine.recipe import RECIPE_SETTINGS
 from rigpilot.engine.schema import Choice, Optimizer, Range, Ref, Setting, TrainMethod, Words, declared, setting, words
 
 OFFLOAD_CHOICES = ("auto", "on", "off")  # SearchOptions.offload
@@ -108,8 +109,8 @@ def _shared() -> dict[str, Setting]:
         "seq_len": TRAIN_SETTINGS["seq_len"],
         # `run train` spells it --precision; the planner's --dtype came first and is the one it shows.
         "precision": dataclasses.replace(TRAIN_SETTINGS["precision"], flags=("--dtype", "--precision")),
-        "master_weights": TRAIN_SETTINGS["master_weights"],
-        "optimizer": TRAIN_SETTINGS["optimizer"],
+        # The training recipe (engine.recipe): left out, the search chooses it; given, it is pinned.
+        **{name: TRAIN_SETTINGS[name] for name in RECIPE_SETTINGS},
         # The planner plans fine-tuning: every method but training from scratch.
         "method": dataclasses.replace(method, bound=Choice(tuple(m for m in method.choices or () if m != TrainMethod.SCRATCH))),
         "lora_rank": dataclasses.replace(TRAIN_SETTINGS["lora_rank"], flags=("--lora-rank",), metavar="R"),

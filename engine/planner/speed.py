@@ -13,6 +13,13 @@ gradient shard back per micro-batch over the GPU's PCIe link, prefetched one
 unit ahead so only what the compute cannot cover (and the first unit) shows;
 the host accumulates the gradient shards and runs AdamW on the CPU, all of it
 streaming through host memory whose bandwidth the ranks on one NUMA node share.
+
+The training recipe (engine.recipe): the optimizer step touches the bytes of its master weights, gradients and
+state (pure bf16 and 8-bit AdamW touch fewer); chunked cross-entropy runs the head's forward again in backward
+(an upper bound: the chunks are recomputed); activation offloading copies every saved block activation out
+to host RAM in forward and back in backward over the GPU's PCIe link, overlapped with the micro-batch's
+compute where the link is fast enough, so it costs max(0, transfer - compute); torch.compile scales the
+compute rate by `compile_speedup`.
 """
 
 from __future__ import annotations
@@ -53,6 +60,23 @@ HOST_STREAM_PER_CORE_GBS = 10.0  # one core streaming: caps a rank's share when 
 DECODE_OVERHEAD_PER_LAYER_S = 0.25e-3  # eager PyTorch launches a few dozen kernels per layer per token
 DECODE_QUANT_FACTOR = {16: 1.0, 8: 2.5, 4: 1.5}  # dequantization on every decode step
 OPTIMIZER_BYTES = {"adamw": 28.0, "adamw8bit": 12.0, "sgd": 16.0}  # touched per parameter in one step
+# NOTE: a placeholder until compiled and eager efficiencies are fitted to published runs (benchmarks/
+# published_runs.py): torchtitan and torchtune report 10-30% more tokens/s from compiling each block of a Llama;
+# the low end is taken, and the plan's figures say it is assumed.
+COMPILE_SPEEDUP = 1.10
+
+
+def compile_speedup(compile: bool) -> float:
+    """How much faster compiled blocks compute than eager ones (1.0: eager)."""
+    return COMPILE_SPEEDUP if compile else 1.0
+
+
+def optimizer_step_bytes(optimizer: str, master_bytes: int, state_bytes: float) -> float:
+    """Bytes one optimizer step touches per parameter: AdamW reads and writes the weight and its state and reads
+    the gradient (28 for fp32 master weights, 14 in pure bf16; 8-bit AdamW's state is a quarter of that)."""
+    if optimizer not in ("adamw", "adamw8bit"):
+        return OPTIMIZER_BYTES.get(optimizer, 28.0)
+    return 3.0 * master_bytes + 2.0 * state_bytes
 REF_TOKENS = 4096  # the micro-batch size (tokens) and width at which the efficiency priors hold
 REF_WIDTH = 4096
 
@@ -187,8 +211,12 @@ class SpeedModel:
         if par.checkpointing == "full":
             layer_flops += 2.0 * self.layer_mm + 4.0 * m.q_dim * s
         head_flops = k * self.head_mm
+        recipe = mm.recipe
+        if recipe.loss_chunks > 1:
+            head_flops += 2.0 * self.head_mm  # each chunk's logits recomputed in backward
         mb_tokens = par.micro_batch * s
         rate_scale = QLORA_RATE if w.method == "qlora" else 1.0
+        rate_scale *= compile_speedup(recipe.compile)
         if par.checkpointing == "selective":
             rate_scale /= SELECTIVE_RECOMPUTE
         c = mm.c
@@ -230,7 +258,8 @@ class SpeedModel:
                 trainable = self._trainable(par, st)
                 z = par.shard_degree if par.zero_stage >= 1 else 1
                 bw = min(topo.gpus[i].memory_bandwidth_gbs for i in groups.stages[st]) * 1e9 * MEMORY_BW_EFFICIENCY
-                opt_s = max(opt_s, trainable / z * OPTIMIZER_BYTES.get(w.optimizer, 28.0) / bw)
+                step_bytes = optimizer_step_bytes(recipe.optimizer, mm.master, mm.state_bytes)
+                opt_s = max(opt_s, trainable / z * step_bytes / bw)
         compute += opt_s
 
         # Data-parallel gradient synchronisation and FSDP gathers.
@@ -249,7 +278,7 @@ class SpeedModel:
             exposed += pp_exposed
             comm.append(CommItem("pipeline activations and gradients", groups.pp_pairs[0], link.label, int(2 * mbs * sent), 2 * mbs * one, pp_exposed))
 
-        offload = self._offload(par, groups, stage_compute)
+        offload = self._offload(par, groups, stage_compute) + self._activation_offload(par, groups, stage_compute)
         step = compute + exposed + bubble + offload
         tokens_per_s = w.global_batch * s / step
         model_flops = train_flops_per_token(m, s, frozen_base=self.frozen)
@@ -336,6 +365,24 @@ class SpeedModel:
                 links["data-parallel group"] = link
                 comm.append(CommItem(what, dpg[0], link.label, int(2 * trainable * grad_bytes), total, exposed))
             worst = max(worst, exposed)
+        return worst
+
+    def _activation_offload(self, par: Parallelism, groups: Groups, stage_compute: list[float]) -> float:
+        """Seconds a step waits on activation offloading: each micro-batch's saved activations go out to the host
+        in forward and come back in backward over the GPU's PCIe link, hidden behind that micro-batch's compute
+        (less what the collectives take of the link without NVLink) as far as the link is fast enough."""
+        if not self.mm.recipe.activation_offload:
+            return 0.0
+        worst = 0.0
+        for st in range(par.pp):
+            moved = self.mm.offloaded_activations(par, st)
+            if not moved:
+                continue
+            window = self._window(par, groups, st, stage_compute[st])
+            for g in groups.stages[st]:
+                pcie = self.topo.gpus[g].pcie_gbs * 1e9
+                xfer = max(2 * moved / pcie, 2 * moved / self.host_rate(par, g))
+                worst = max(worst, max(par.grad_accum, 1) * max(xfer - window, 0.0))
         return worst
 
     def _offload(self, par: Parallelism, groups: Groups, stage_compute: list[float]) -> float:

@@ -5,6 +5,7 @@ from typing import Any
 from rigpilot.engine.models.spec import Linear, ModelSpec
 from rigpilot.engine.planner.calibration import SCHEMA
 from rigpilot.engine.planner.plan import Workload
+from rigpilot.engine.planner.recipes import PLAIN_RECIPE
 
 H100 = "NVIDIA H100 80GB HBM3"
 
@@ -24,6 +25,12 @@ def llama(h: int, inter: int, layers: int, heads: int, kv: int, vocab: int, para
 
 
 def train(**kw) -> Workload:
+    """A training workload pinned to the engine's plain recipe (the tests of layouts, ranking and offload were
+    written for it); `auto_train` leaves the recipe to the search."""
+    return Workload(model="llama-2-7b", **{"seq_len": 2048, "global_batch": 16, **PLAIN_RECIPE, **kw})
+
+
+def auto_train(**kw) -> Workload:
     return Workload(model="llama-2-7b", **{"seq_len": 2048, "global_batch": 16, **kw})
 
 
@@ -43,3 +50,8 @@ def h100_calibration(**over: Any) -> dict[str, Any]:
     }
     d.update(over)
     return d
+
+
+# `rigpilot plan`'s flags that pin the plain recipe.
+PLAIN_FLAGS = ("--master-weights", "fp32", "--optimizer", "adamw", "--loss-chunks", "1", "--no-optimizer-in-backward",
+               "--no-activation-offload")  # fmt: skip

@@ -14,6 +14,8 @@ from rigpilot.engine.cli.plan import parse_gpus, register, run_plan
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.machine import Host, Machine, Source
 
+from support.planner_inputs import PLAIN_FLAGS
+
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
     rc = main(["plan", *argv])
@@ -39,7 +41,7 @@ def test_text_output(capsys):
 
 
 def test_nothing_fits_exits_1_with_suggestions(capsys):
-    rc, out, _ = run(capsys, "--simulate", "1x-rtx4090", "--model", "llama-2-7b")
+    rc, out, _ = run(capsys, "--simulate", "1x-rtx4090", "--model", "llama-2-7b", *PLAIN_FLAGS)
     assert rc == 1
     assert "Nothing fits" in out and "--method lora" in out
 

@@ -24,7 +24,10 @@ from rigpilot.engine.planner.export import (
     torchrun_command,
 )
 from rigpilot.engine.planner.plan import Workload
+from rigpilot.engine.planner.recipes import PLAIN_RECIPE
 from rigpilot.engine.planner.search import SearchOptions, search
+
+from support.planner_inputs import PLAIN_FLAGS
 
 yaml = pytest.importorskip("yaml")
 
@@ -44,7 +47,7 @@ def llama_7b() -> ModelSpec:
 
 
 def result(profile: str, **work):
-    w = Workload(model="meta-llama/Llama-2-7b-hf", **{"seq_len": 2048, "global_batch": 16, **work})
+    w = Workload(model="meta-llama/Llama-2-7b-hf", **{"seq_len": 2048, "global_batch": 16, **PLAIN_RECIPE, **work})
     return search(llama_7b(), load_profile(profile), w, options=SearchOptions(runners_up=8))
 
 
@@ -275,7 +278,7 @@ def test_plan_and_plan_export_are_one_search(capsys, target):
     from rigpilot.engine.cli.entry import main
 
     def run(*extra: str) -> dict:
-        assert main(["plan", "--simulate", "4x-rtx4090", "--model", "llama-2-7b", "--json", *extra]) == 0
+        assert main(["plan", "--simulate", "4x-rtx4090", "--model", "llama-2-7b", "--json", *PLAIN_FLAGS, *extra]) == 0
         d = json.loads(capsys.readouterr().out)
         d.pop("elapsed_s")
         return d

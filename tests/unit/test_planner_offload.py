@@ -17,6 +17,7 @@ from rigpilot.engine.planner.links import Topology
 from rigpilot.engine.planner.memory import HOST_BYTES_PER_RANK, MemoryModel, plan_memory
 from rigpilot.engine.planner.model import model_facts
 from rigpilot.engine.planner.plan import LoraSettings, Parallelism, Workload
+from rigpilot.engine.planner.recipes import PLAIN_RECIPE
 from rigpilot.engine.planner.speed import (
     CPU_OPTIMIZER_BYTES,
     DEEPSPEED_CPU_ADAM_BYTES,
@@ -153,7 +154,7 @@ def test_full_offload_on_3090s_is_not_predicted_at_datacenter_mfu():
     from rigpilot.engine.planner.search import search
 
     for seq, batch in ((2048, 16), (4096, 32)):
-        r = search(describe_model("llama-2-7b"), load_profile("2x-rtx3090-nvlink"), Workload(model="llama-2-7b", seq_len=seq, global_batch=batch))
+        r = search(describe_model("llama-2-7b"), load_profile("2x-rtx3090-nvlink"), Workload(model="llama-2-7b", seq_len=seq, global_batch=batch, **PLAIN_RECIPE))
         for p in [r.best, *r.runners_up]:
             assert p.parallelism.offload
             assert p.timing.mfu < 0.43, (seq, p.parallelism.describe(), p.timing.mfu)

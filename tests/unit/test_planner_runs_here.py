@@ -12,6 +12,7 @@ from rigpilot.engine.cli.plan import render_text
 from rigpilot.engine.hardware.simulated import load_profile
 from rigpilot.engine.models.describe import describe_model
 from rigpilot.engine.planner.plan import LoraSettings, Plan, Workload, refusal
+from rigpilot.engine.planner.recipes import PLAIN_RECIPE
 from rigpilot.engine.planner.search import SearchOptions, search
 
 from support.paths import REPO
@@ -27,7 +28,7 @@ def workload(model: str, task: str, method: str) -> Workload:
     if task == "infer":
         return Workload(model=model, task="infer", seq_len=2048, global_batch=1, new_tokens=256)
     lora = LoraSettings() if method != "full" else None
-    return Workload(model=model, method=method, seq_len=2048, global_batch=16, lora=lora)
+    return Workload(model=model, method=method, seq_len=2048, global_batch=16, lora=lora, **PLAIN_RECIPE)
 
 
 @pytest.fixture(scope="module")

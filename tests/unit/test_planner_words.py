@@ -17,6 +17,7 @@ from rigpilot.engine.models import describe_model
 from rigpilot.engine.planner import cluster, links
 from rigpilot.engine.planner.export import slurm_script
 from rigpilot.engine.planner.plan import LoraSettings, Plan, Workload
+from rigpilot.engine.planner.recipes import PLAIN_RECIPE
 from rigpilot.engine.planner.search import SearchOptions, search
 from rigpilot.engine.planner.settings import PLAN_SETTINGS, say
 from rigpilot.engine.schema import Ref, Style, terms_of, worded
@@ -27,7 +28,7 @@ PROFILES = [p["id"] for p in list_profiles()]
 
 def work(**kw: Any) -> Workload:
     base: dict[str, Any] = {"model": "m", "task": "train", "method": "full", "precision": "bf16", "seq_len": 2048,
-                            "global_batch": 16}  # fmt: skip
+                            "global_batch": 16, **PLAIN_RECIPE}  # fmt: skip
     return Workload(**{**base, **kw})
 
 
