@@ -41,6 +41,7 @@ from rigpilot.engine.layout import Layout, accumulation_of_plan, schedule_name
 from rigpilot.engine.models.config_file import CONFIG_MAX
 from rigpilot.engine.planner.memory import fmt_gib
 from rigpilot.engine.planner.plan import Plan
+from rigpilot.engine.recipe import RECIPE_SETTINGS
 from rigpilot.engine.schema import ADAPTER_METHODS, Checkpointing, MasterWeights, Precision
 
 KINDS = ("train", "infer", "script", "calibrate")
@@ -757,6 +758,22 @@ def apply_plan_training(spec: JobSpec, plan: Plan) -> tuple[dict[str, Any], list
     master = workload.master_weights
     if master is not None and master in MasterWeights.__members__.values():  # a plan that does not say: None
         t.master_weights = taken["master_weights"] = master
+    # The rest of the recipe the plan was sized for; a plan saved before a setting existed leaves the job's own.
+    for name in RECIPE_SETTINGS:
+        value = getattr(workload, name, None)
+        if name == "master_weights" or value is None or RECIPE_SETTINGS[name].refusal(value) is not None:
+            continue
+        setattr(t, name, value)
+        taken[name] = value
+    if t.optimizer_in_backward:
+        if t.grad_clip:
+            notes.append(f"the plan steps the optimizer in backward, which cannot clip: gradient clipping "
+                         f"{t.grad_clip:g} was turned off (0)")  # fmt: skip
+            t.grad_clip = taken["grad_clip"] = 0.0
+        if t.grad_accum != 1 and spec.parallelism.pp == 1:
+            notes.append(f"the plan steps the optimizer in backward, which cannot accumulate: gradient accumulation "
+                         f"{t.grad_accum} became 1")  # fmt: skip
+            t.grad_accum = taken["grad_accum"] = 1
     return taken, notes
 
 

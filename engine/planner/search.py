@@ -608,13 +608,13 @@ def _evaluate(
                     why = refusals[refusals_key]
                     if not name:
                         base_why = why
-                    elif why and not base_why:
-                        continue
+                    elif why:
+                        continue  # a technique the engine does not run with this layout
                     added = trying
                     cand = _check(par, recipes[added].mm, topo, caps, available)
                     cand.recipe, cand.cannot_run, cand.blocked = added, why, blocked
-                    if cand.fits:
-                        break
+                    if cand.fits or base_why:
+                        break  # a layout the engine refuses is shown for comparison, in the recipe asked for
                 assert cand is not None  # the recipe as asked is always evaluated
                 cands.append(cand)
                 if not cand.fits:
