@@ -40,8 +40,8 @@ from rigpilot.engine.jobspec.spec import InferSettings, JobSpec, TrainSettings
 from rigpilot.engine.layout import Layout, accumulation_of_plan, schedule_name
 from rigpilot.engine.models.config_file import CONFIG_MAX
 from rigpilot.engine.planner.memory import fmt_gib
-from rigpilot.engine.planner.plan import Plan
-from rigpilot.engine.recipe import RECIPE_SETTINGS
+from rigpilot.engine.planner.plan import Plan, recipe_words
+from rigpilot.engine.recipe import RECIPE_SETTINGS, Recipe
 from rigpilot.engine.schema import ADAPTER_METHODS, Checkpointing, MasterWeights, Precision
 
 KINDS = ("train", "infer", "script", "calibrate")
@@ -267,6 +267,15 @@ def _keep_global_batch(t: TrainSettings, shrink: float, notes: list[str]) -> Non
             f"the global batch is {1 / shrink:.2g} of the plan's"
         )
         return
+    if t.optimizer_in_backward:
+        # The optimizer step in backward cannot accumulate: each replica takes a larger micro-batch instead.
+        before = t.micro_batch
+        t.micro_batch *= factor
+        notes.append(
+            f"simulated: the micro-batch rises from {before} to {t.micro_batch} (the optimizer step in backward "
+            "cannot accumulate) so each step still trains the plan's global batch"
+        )
+        return
     before = t.grad_accum
     t.grad_accum *= factor
     notes.append(
@@ -359,6 +368,8 @@ def describe(sub: Submission, free: int | None = None) -> list[str]:
             f"micro-batch {t.micro_batch} × {t.grad_accum} accumulation, "
             f"sequence {t.seq_len}, {t.max_steps} steps, activation checkpointing {t.activation_checkpointing}"
         )
+        if not Recipe.of(t).plain:
+            lines.append(f"recipe: {recipe_words(t)}")
     elif spec.kind == "infer" and spec.infer:
         i = spec.infer
         sampling = "greedy" if i.temperature == 0 else f"temperature {i.temperature:g}, top-p {i.top_p:g}, seed {i.seed}"

@@ -104,9 +104,9 @@ RECIPE_WORDS = {
 }
 
 
-def recipe_words(w: Workload) -> str:
+def recipe_words(w: Any) -> str:
     """The recipe in words a user knows: "pure bf16 + 8-bit AdamW + optimizer in backward"; a plain recipe is its
-    precision ("bf16 mixed precision", "fp32")."""
+    precision ("bf16 mixed precision", "fp32"). `w`: a Workload, or a job's TrainSettings (the same names)."""
     r = recipe_of(w)
     parts = []
     if r.master_weights == MasterWeights.BF16:

@@ -9,27 +9,35 @@ import pytest
 
 from rigpilot.engine.cli.entry import main
 from rigpilot.engine.hardware.simulated import load_profile
-from rigpilot.engine.jobs.submission import apply_plan_training
+from rigpilot.engine.jobs.submission import apply_plan_training, describe, prepare
 from rigpilot.engine.jobspec.spec import JobSpec
 from rigpilot.engine.models.describe import describe_model
 from rigpilot.engine.planner.plan import LoraSettings, Plan, Workload, refusal
 from rigpilot.engine.planner.search import search
 
+from support.paths import REPO
+
 GIB = 2**30
+SHAKESPEARE = REPO / "examples" / "data" / "shakespeare.txt"
 
 
 def _plans(r):
     return [p for p in [r.best, *r.runners_up] if p is not None]
 
 
-def _job(plan: Plan) -> JobSpec:
-    spec = JobSpec.from_dict({"id": "j", "kind": "train", "model": "llama-3.1-8b", "train": {}})
-    plan = Plan.from_json(plan.to_json())  # as a plan file is read
-    apply_plan_training(spec, plan)
-    return spec
+def _check(result, profile: str, tmp_path, method: str = "scratch", ranks: int = 4) -> tuple[JobSpec, list[str]]:
+    """`rigpilot run train --model M … --plan FILE --check`, in-process (as tests/unit/test_capability.py does):
+    the job the plan's JSON makes on the profile's machine, and its would-run lines. A full fine-tune is checked as
+    training from scratch, whose layout and recipe are the same and which needs no weights on disk."""
+    plan = json.loads(json.dumps(result.to_dict()))  # as a plan file is written and read
+    job = {"kind": "train", "model": result.workload.model, "train": {"method": method, "dataset": [str(SHAKESPEARE)]}}
+    sub = prepare(job, plan, str(tmp_path), job_id="check", machine=load_profile(profile), max_cpu_ranks=ranks)
+    lines = describe(sub)
+    assert lines[0].startswith("would run: train"), lines
+    return sub.spec, lines
 
 
-def test_llama2_7b_full_on_four_4090s_runs_without_offload():
+def test_llama2_7b_full_on_four_4090s_runs_without_offload(tmp_path):
     """torchtune: Llama-2-7B full fine-tune, FSDP over 4×RTX 4090, 22.9 GB (21.3 GiB) per GPU without offload.
     The planner finds FSDP2 with pure bf16 (and chunked cross-entropy) under 24 GiB, where the plain recipe chose
     FSDP2 with CPU offload pinning 110 GiB of host RAM."""
@@ -44,11 +52,13 @@ def test_llama2_7b_full_on_four_4090s_runs_without_offload():
     assert "with pure bf16" in r.explanation[0]
     for p in _plans(r):  # every plan marked runnable passes the one contract, recipe included
         assert p.runs_here == (refusal(p) == "")
-    spec = _job(best)
+    spec, lines = _check(r, "4x-rtx4090", tmp_path)
     assert spec.train.master_weights == "bf16" and spec.train.loss_chunks == best.workload.loss_chunks
+    assert not spec.parallelism.cpu_offload and spec.parallelism.dp_shard == 4
+    assert f"recipe: {best.to_dict()['recipe']}" in lines
 
 
-def test_llama31_8b_lora_batch_2_fits_one_4090_at_micro_batch_2():
+def test_llama31_8b_lora_batch_2_fits_one_4090_at_micro_batch_2(tmp_path):
     """torchtune: Llama-3.1-8B LoRA, batch 2 × 2048 on a 4090, 16.2 GiB measured (chunked cross-entropy,
     checkpointing). Without chunking the fp32 logits of 128k vocabulary refused micro-batch 2 (24.2 GiB)."""
     w = Workload(model="llama-3.1-8b", method="lora", global_batch=2, lora=LoraSettings())
@@ -58,10 +68,12 @@ def test_llama31_8b_lora_batch_2_fits_one_4090_at_micro_batch_2():
     assert best.workload.loss_chunks > 1 and best.workload.master_weights == "fp32"  # chunking is free; no pure bf16
     assert "chunked cross-entropy" in best.to_dict()["recipe"]
     assert best.peak_memory.total < 24 * GIB
-    assert _job(best).train.loss_chunks == best.workload.loss_chunks
+    spec, lines = _check(r, "1x-rtx4090", tmp_path, method="lora")
+    assert spec.train.loss_chunks == best.workload.loss_chunks and spec.train.micro_batch == 2
+    assert any(x.startswith("recipe: bf16 mixed precision + chunked cross-entropy") for x in lines)
 
 
-def test_llama31_8b_full_on_one_4090_needs_the_optimizer_state_off_the_gpu():
+def test_llama31_8b_full_on_one_4090_needs_the_optimizer_state_off_the_gpu(tmp_path):
     """torchtune: Llama-3.1-8B full fine-tune on one 4090 at 18.9 GiB, with pure bf16, bitsandbytes' *paged*
     8-bit AdamW, the optimizer step in backward and checkpointing. The paged optimizer keeps its 15 GiB of state
     in CUDA unified memory, which max_memory_allocated does not count; the engine's 8-bit AdamW (torchao) keeps it
@@ -74,9 +86,11 @@ def test_llama31_8b_full_on_one_4090_needs_the_optimizer_state_off_the_gpu():
     assert 30 * GIB < single.need_bytes < 40 * GIB
     assert r.best is not None and r.best.parallelism.offload and r.best.runs_here
     assert r.best.workload.optimizer == "adamw" and not r.best.workload.optimizer_in_backward  # both refused there
+    spec, _ = _check(r, "1x-rtx4090", tmp_path)
+    assert spec.parallelism.cpu_offload
 
 
-def test_pinned_settings_stay_and_optimizer_in_backward_runs_without_accumulation(capsys):
+def test_pinned_settings_stay_and_optimizer_in_backward_runs_without_accumulation(capsys, tmp_path):
     argv = ["plan", "--simulate", "4x-rtx4090", "--model", "llama-2-7b", "--no-verify", "--json"]
     assert main([*argv, "--optimizer-in-backward", "--loss-chunks", "4"]) == 0
     d = json.loads(capsys.readouterr().out)
@@ -92,6 +106,13 @@ def test_pinned_settings_stay_and_optimizer_in_backward_runs_without_accumulatio
     _, notes = apply_plan_training(spec, plan)
     assert spec.train.optimizer_in_backward and spec.train.grad_clip == 0 and spec.train.grad_accum == 1
     assert any("cannot clip" in n for n in notes)
+    # Checked on two CPU ranks for the plan's four GPUs: the micro-batch doubles, never the accumulation.
+    r = search(describe_model("llama-2-7b"), load_profile("4x-rtx4090"),
+               Workload(model="llama-2-7b", optimizer_in_backward=True, loss_chunks=4))  # fmt: skip
+    spec, lines = _check(r, "4x-rtx4090", tmp_path, ranks=2)
+    mb = r.best.parallelism.micro_batch
+    assert spec.train.grad_accum == 1 and spec.train.micro_batch == 2 * mb and spec.train.grad_clip == 0
+    assert any(f"the micro-batch rises from {mb} to {2 * mb}" in x for x in lines)
     # Pinned off, the search never reaches for it; a recipe setting for inference is refused in one line.
     assert main([*argv, "--no-optimizer-in-backward", "--master-weights", "fp32"]) == 0
     d = json.loads(capsys.readouterr().out)
