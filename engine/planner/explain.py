@@ -106,8 +106,10 @@ def explain(
     m: ModelFacts,
     timing_of: Callable[[Parallelism], Timing],
     gpus: list[int] | None = None,
+    recipe_of: Callable[[Candidate], str] | None = None,
 ) -> list[str]:
-    """`gpus`: the GPUs to describe as "your GPUs" in `topo`'s numbering (a multi-node search: one node's)."""
+    """`gpus`: the GPUs to describe as "your GPUs" in `topo`'s numbering (a multi-node search: one node's);
+    `recipe_of`: a candidate's training recipe in words (the search's ladder), for the leanest plan's line."""
     w = result.workload
     lines: list[str] = []
     gpus = gpus or result.gpu_indices
@@ -120,8 +122,9 @@ def explain(
         closest = min(cands, key=lambda c: c.worst_total / max(c.worst_capacity, 1), default=None)
         line = f"Nothing fits for {task_text(w)} of {model} on your {who}"
         if closest is not None and closest.worst_total > closest.worst_capacity:
+            with_recipe = f" with {recipe_of(closest)}" if recipe_of is not None and closest.recipe else ""
             line += (
-                f": even the leanest plan ({closest.par.describe()}) needs {fmt_gib(closest.worst_total)} "
+                f": even the leanest plan ({closest.par.describe()}{with_recipe}) needs {fmt_gib(closest.worst_total)} "
                 f"per GPU and you have {fmt_gib(closest.worst_capacity)}"
             )
         lines.append(line + ".")

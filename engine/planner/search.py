@@ -319,10 +319,10 @@ def search(
         why = _why_not_fastest(best, runners)
         if why:
             best.notes.append(why)
-        said = _recipe_line(best, fitting[0], recipes, topo)
+        said = _recipe_line(best, fitting[0], recipes, topo, cands)
         if said:
             best.notes.insert(0, said)
-    rejected = _rejections(cands, skipped, fitting)
+    rejected = _rejections(cands, skipped, fitting, recipes)
     suggestions: list[Suggestion] = []
     if (best is None or not best.runs_here) and opts.suggest and cluster is None:
         suggestions = suggest(spec, machine, w, indices, calibration, opts)
@@ -349,7 +349,7 @@ def search(
     result.elapsed_s = time.perf_counter() - start  # the search alone, not its verification
     checked = verifier(result) if verifier is not None and best is not None else []
     shown = cluster.node_gpus(0) if cluster is not None else None
-    lines = explain(result, cands, topo, m, speed.timing, gpus=shown)
+    lines = explain(result, cands, topo, m, speed.timing, gpus=shown, recipe_of=recipes.words)
     if cluster is not None:
         at = 3 if result.best is not None else len(lines)
         lines[at:at] = multinode_lines(result, fitting, speed, cluster)
@@ -543,6 +543,10 @@ class Recipes:
         self._models: dict[tuple[str, ...], RecipeModels] = {}
         self.plain = self[()]
 
+    def words(self, c: Candidate) -> str:
+        """The recipe a candidate was sized with, in words ("pure bf16 + 8-bit AdamW")."""
+        return recipe_words(self[c.recipe].rung.workload)
+
     def __getitem__(self, added: tuple[str, ...]) -> RecipeModels:
         found = self._models.get(added)
         if found is None:
@@ -644,11 +648,22 @@ def _recipe_context(topo: Topology) -> dict[str, Any]:
     return {"gpu_capability": min(caps) if caps else None, "cpu_ranks": topo.machine.simulated}
 
 
-def _recipe_line(best: Plan, c: Candidate, recipes: Recipes, topo: Topology) -> str:
+def _recipe_line(best: Plan, c: Candidate, recipes: Recipes, topo: Topology, cands: list[Candidate]) -> str:
     """What the recipe the search chose saves, against the plain recipe on the same layout: "pure bf16 + 8-bit
-    AdamW + optimizer in backward: 17.8 GiB per GPU, no offload needed; mixed precision would need 35 GiB"."""
+    AdamW + optimizer in backward: 17.8 GiB per GPU, no offload needed; mixed precision would need 35 GiB"; for a
+    plan with CPU offload, what the leanest plan without it would need."""
     rung = recipes[c.recipe].rung
-    if rung.plain or not best.workload.training:
+    if not best.workload.training:
+        return ""
+    if c.par.offload:
+        without = [x for x in cands if not x.par.offload and x.runs_here and not x.blocked]
+        if without:
+            x = min(without, key=lambda x: x.worst_total / max(x.worst_capacity, 1))
+            return (
+                f"CPU offload is needed: without it the leanest plan, {x.par.describe()} with "
+                f"{recipes.words(x)}, needs {fmt_gib(x.worst_total)} per GPU of {fmt_gib(x.worst_capacity)}"
+            )
+    if rung.plain:
         return ""
     caps = {i: g.memory for i, g in topo.gpus.items()}
     plain = _check(c.par, recipes.plain.mm, topo, caps, topo.machine.host.memory_total)
@@ -915,7 +930,9 @@ def _infer_layouts(
 # -- rejections ------------------------------------------------------------------------------------------------
 
 
-def _rejections(cands: list[Candidate], skipped: dict[str, str], fitting: list[Candidate]) -> list[Rejection]:
+def _rejections(
+    cands: list[Candidate], skipped: dict[str, str], fitting: list[Candidate], recipes: Recipes | None = None
+) -> list[Rejection]:
     fit_families = {c.family for c in fitting}
     by_family: dict[str, Candidate] = {}
     for c in cands:
@@ -930,7 +947,7 @@ def _rejections(cands: list[Candidate], skipped: dict[str, str], fitting: list[C
             continue
         closest = by_family.get(family)
         if closest is not None:
-            out.append(_reject_reason(closest))
+            out.append(_reject_reason(closest, recipes))
         elif family in skipped:
             out.append(Rejection(family, skipped[family]))
     return out
@@ -942,7 +959,7 @@ def _need(c: Candidate) -> tuple[float, int, int]:
     return (round(over, 3), -CHECKPOINTING.index(c.par.checkpointing), c.par.micro_batch)
 
 
-def _reject_reason(c: Candidate) -> Rejection:
+def _reject_reason(c: Candidate, recipes: Recipes | None = None) -> Rejection:
     par = c.par
     if c.worst_total > c.worst_capacity and par.backend == "inference":
         return Rejection(
@@ -957,6 +974,8 @@ def _reject_reason(c: Candidate) -> Rejection:
             how += f" with {par.checkpointing} checkpointing"
         if par.offload_optimizer or par.offload_params:
             how += ", " + ("parameters and optimizer" if par.offload_params else "optimizer") + " offloaded"
+        if recipes is not None and c.recipe:
+            how += f" and {recipes.words(c)}"
         name = c.family if c.family != "offload" else "CPU offload"
         return Rejection(
             c.family,
