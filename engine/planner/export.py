@@ -14,8 +14,10 @@ import shlex
 from typing import Any
 
 from rigpilot.engine.errors import UserError
-from rigpilot.engine.planner.plan import Plan
+from rigpilot.engine.jobspec.spec import TRAIN_SETTINGS
+from rigpilot.engine.planner.plan import Plan, recipe_of, recipe_words
 from rigpilot.engine.planner.settings import EXPORTS, ref, refusal
+from rigpilot.engine.schema import flag_words
 
 RDZV_PORT = 29500
 BUCKET_ELEMENTS = 50_000_000  # what the memory model assumes for DeepSpeed's reduce/all-gather buckets
@@ -93,6 +95,9 @@ def script_args(plan: Plan) -> list[str]:
     if w.training:
         args += ["--micro-batch", str(par.micro_batch), "--grad-accum", str(par.grad_accum)]
         args += ["--activation-checkpointing", par.checkpointing]
+        # The recipe the plan was sized for, as `rigpilot run train` spells it (the plain recipe's settings left out).
+        for name, value in recipe_of(w).changed().items():
+            args += flag_words(TRAIN_SETTINGS[name], value) or []
     if par.tp > 1:
         args += ["--tp", str(par.tp)] + (["--sequence-parallel"] if par.sequence_parallel else [])
     if par.pp > 1:
@@ -212,6 +217,11 @@ def accelerate_config(plan: Plan) -> str:
             "parallelism_config_dp_shard_size": par.dp // par.replicate_degree if par.backend == "fsdp" else 1,
             "parallelism_config_tp_size": par.tp,
         }
+    recipe = recipe_of(w)
+    if recipe.master_weights == "bf16":
+        # Pure bf16: the model's own weights are bf16 and nothing autocasts (Accelerate's mixed precision keeps
+        # fp32 weights); the script loads the model with torch_dtype=torch.bfloat16.
+        cfg["mixed_precision"] = "no"
     # Accelerate's config has no key for the batch: the script's DataLoader and Accelerator take these.
     header = (
         f"# Rigpilot plan: {par.describe()}\n"
@@ -219,7 +229,33 @@ def accelerate_config(plan: Plan) -> str:
         f"Accelerator(gradient_accumulation_steps={par.grad_accum}).\n"
         "# Launch with CUDA_DEVICE_ORDER=PCI_BUS_ID so gpu_ids use nvidia-smi's numbering.\n"
     )
+    if not recipe.plain:
+        header += f"# Recipe: {recipe_words(w)}.\n"
+        header += "".join(f"# {line}\n" for line in _script_recipe(recipe, "Accelerate"))
     return header + to_yaml(cfg)
+
+
+def _script_recipe(recipe: Any, tool: str) -> list[str]:
+    """What the training script must do for the parts of the recipe `tool`'s config has no key for."""
+    out = []
+    if recipe.master_weights == "bf16" and tool == "Accelerate":
+        out.append("Pure bf16: load the model with torch_dtype=torch.bfloat16 (mixed_precision is 'no' for that reason).")
+    if recipe.optimizer == "adamw8bit":
+        out.append(f"{tool} cannot say it: the script builds torchao.optim.AdamW8bit(model.parameters(), ...).")
+    if recipe.optimizer_in_backward:
+        out.append(f"{tool} cannot say it: the optimizer steps in each parameter's post-accumulate-grad hook "
+                   "(no gradient accumulation or clipping).")  # fmt: skip
+    if recipe.loss_chunks > 1:
+        out.append(f"{tool} cannot say it: the loss is chunked cross-entropy over {recipe.loss_chunks} chunks of "
+                   "tokens (torchtune's CEWithChunkedOutputLoss).")  # fmt: skip
+    if recipe.activation_offload:
+        out.append(f"{tool} cannot say it: saved activations are offloaded to pinned host memory "
+                   "(torchtune's OffloadActivations context).")  # fmt: skip
+    if recipe.compile:
+        out.append(f"{tool} cannot say it: each transformer block is torch.compile'd (regional compilation).")
+    if recipe.fp8:
+        out.append(f"{tool} cannot say it: linear layers are converted with torchao.float8.convert_to_float8_training.")
+    return out
 
 
 def deepspeed_config(plan: Plan) -> dict[str, Any]:
@@ -285,6 +321,18 @@ def deepspeed_config(plan: Plan) -> dict[str, Any]:
             "activation_checkpointing": par.checkpointing,
             "note": CHECKPOINTING_NOTE,
         }
+    recipe = recipe_of(w)
+    if recipe.master_weights == "bf16":
+        # DeepSpeed's low-precision model states (DeepSpeed PR 7700): no fp32 master copy, bf16 optimizer state.
+        cfg["bf16"].update({"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True})
+    if recipe.optimizer_in_backward:
+        cfg["gradient_clipping"] = 0.0
+    if not recipe.plain:
+        # DeepSpeed ignores top-level keys it does not know: what its config cannot say travels in the file.
+        cfg.setdefault("rigpilot", {})["recipe"] = recipe_words(w)
+        script = _script_recipe(recipe, "DeepSpeed's config")
+        if script:
+            cfg["rigpilot"]["not_in_this_config"] = script
     if w.precision == "fp16":
         cfg["fp16"].update({"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1})
     if par.offload_optimizer or par.offload_params:

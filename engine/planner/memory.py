@@ -787,7 +787,8 @@ class MemoryModel:
             pb = 2 if self.mixed else 4
             weights = (trainable * pb + frozen) / (z if z3 else 1)
             grads = trainable * pb / (z if par.zero_stage >= 2 else 1)
-            opt = trainable * (state + (4 if self.mixed else 0)) / z
+            # An fp32 master copy beside the optimizer, unless DeepSpeed keeps bf16 model states (pure bf16).
+            opt = trainable * (state + (4 if self.mixed and not self.half_master else 0)) / z
             if par.offload_optimizer:
                 host += opt + trainable * 4 / z  # DeepSpeed keeps an fp32 gradient partition next to the optimizer
                 opt = 0.0

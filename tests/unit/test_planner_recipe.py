@@ -145,3 +145,19 @@ def test_auto_never_offers_a_runnable_plan_the_contract_refuses(profile):
             assert p.runs_here == (refusal(p) == "")
             for s in r.suggestions:
                 assert refusal(s.plan) == ""
+
+
+def test_exports_carry_the_recipe_where_the_tool_can_say_it():
+    from rigpilot.engine.planner.export import accelerate_config, deepspeed_config, torchrun_command
+
+    r = search(describe_model("llama-2-7b"), load_profile("4x-rtx4090"), Workload(model="llama-2-7b"))
+    best = r.best
+    assert best.workload.master_weights == "bf16" and best.workload.loss_chunks == 8
+    assert "--master-weights bf16 --loss-chunks 8" in torchrun_command(best)
+    ds = deepspeed_config(best)
+    assert ds["bf16"] == {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+    assert ds["rigpilot"]["recipe"] == "pure bf16 + chunked cross-entropy (8 chunks)"
+    assert any("chunked cross-entropy" in x for x in ds["rigpilot"]["not_in_this_config"])
+    yaml = accelerate_config(best)
+    assert "mixed_precision: 'no'" in yaml or "mixed_precision: no" in yaml
+    assert "# Recipe: pure bf16 + chunked cross-entropy (8 chunks)." in yaml and "torch_dtype=torch.bfloat16" in yaml
