@@ -17,6 +17,7 @@ from rigpilot.engine.planner.cluster import DEFAULT_LINK, MAX_NODES, NODE_LINKS
 from rigpilot.engine.planner.durations import duration_text
 from rigpilot.engine.planner.plan import LoraSettings, Plan
 from rigpilot.engine.planner.settings import OFFLOAD_CHOICES, PLAN_SETTINGS, QUANT_BITS
+from rigpilot.engine.recipe import RECIPE_SETTINGS
 from rigpilot.engine.schema import Precision, Style, TrainMethod, worded
 
 GIB = 1024**3
@@ -44,6 +45,23 @@ FORCE_TP_TEXT = _P["force_tp"].label
 # The links between nodes the planner knows (engine.planner.cluster.NODE_LINKS), fastest last.
 NODE_LINK_CHOICES = [(key, link.label) for key, link in NODE_LINKS.items()]
 NODES_MAX = MAX_NODES
+# A recipe setting left to the planner (the `plan` request leaves it out; the search chooses it).
+AUTO = "auto"
+AUTO_TEXT = "Auto: the planner chooses"
+LOSS_CHUNK_CHOICES = (1, 2, 4, 8, 16, 32)
+
+
+def recipe_choices(name: str) -> list[tuple[Any, str]]:
+    """The Planner page's choices for recipe setting `name`, from its declaration: Auto first, then its values."""
+    decl = RECIPE_SETTINGS[name]
+    if decl.choices:
+        values = [(c, decl.choice_word(c)) for c in decl.choices]
+    elif decl.type is bool:
+        values = [(True, "On"), (False, "Off")]
+    else:
+        lo, hi = int(decl.lo), int(decl.hi)
+        values = [(n, f"{n}" + (" (all at once)" if n == decl.default else "")) for n in LOSS_CHUNK_CHOICES if lo <= n <= hi]
+    return [(AUTO, AUTO_TEXT), *values]
 
 
 @dataclass
@@ -54,7 +72,14 @@ class PlanRequest:
     task: str = "train"
     method: str = "full"
     precision: str = "bf16"
-    master_weights: str = PLAN_SETTINGS["master_weights"].default  # training: fp32, or bf16 (torchtune's recipe)
+    # The training recipe (engine.recipe): AUTO leaves a setting to the planner; a value pins it.
+    master_weights: Any = AUTO
+    optimizer: Any = AUTO
+    optimizer_in_backward: Any = AUTO
+    loss_chunks: Any = AUTO
+    activation_offload: Any = AUTO
+    compile: Any = AUTO
+    fp8: Any = AUTO
     seq_len: int = 2048
     batch: int = 16  # training: sequences per optimizer step; inference: sequences at once
     gpus: list[int] = field(default_factory=list)
@@ -94,8 +119,10 @@ class PlanRequest:
             "new_tokens": 0 if training else self.new_tokens,
             "token_budget": self.token_budget if training and self.token_budget else None,
         }
-        if training and self.master_weights != PLAN_SETTINGS["master_weights"].default:
-            args["master_weights"] = self.master_weights  # only when asked: an older engine plans without it
+        for name in RECIPE_SETTINGS if training else ():
+            value = getattr(self, name)
+            if value != AUTO:  # only when pinned: an older engine plans without them
+                args[name] = value
         return args
 
     def options_args(self) -> dict[str, Any]:
@@ -242,6 +269,8 @@ def summary_lines(plan: dict[str, Any]) -> list[str]:
             + (f" ({peak['headroom'] / GIB:.1f} GiB free)" if peak["headroom"] >= 0 else " — does not fit")
         )
         lines.append(memory_figures(plan, peak))
+    if training and plan.get("recipe"):
+        lines.append(f"Recipe: {plan['recipe']}")  # the planner's words for the recipe the plan is sized for
     return lines
 
 

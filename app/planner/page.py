@@ -36,6 +36,7 @@ from rigpilot.app.planner.results_view import TABLE_COLUMNS, PlanResults
 from rigpilot.app.planner.workload_form import WorkloadForm
 from rigpilot.app.topology.imported import HERE, ImportedMachines
 from rigpilot.app.widgets.engine_messages import machine_dict
+from rigpilot.engine.recipe import RECIPE_SETTINGS
 
 __all__ = ["TABLE_COLUMNS", "PlannerPage", "duration_short"]
 
@@ -99,7 +100,7 @@ class PlannerPage(QWidget):
         self.picker, self.task, self.method, self.lora_rank = f.picker, f.task, f.method, f.lora_rank
         self.quant, self.seq_len, self.batch, self.batch_label = f.quant, f.seq_len, f.batch, f.batch_label
         self.new_tokens, self.tokens, self.precision = f.new_tokens, f.tokens, f.precision
-        self.master_weights = f.master_weights
+        self.master_weights, self.recipe = f.master_weights, f.recipe
         self.offload, self.force_tp, self.workload_form = f.offload, f.force_tp, f.workload_form
         self.nodes, self.internode, self.nodes_form = f.nodes, f.internode, f.nodes_form
         self.target, self.target_note = self.choice.target, self.choice.target_note
@@ -336,7 +337,8 @@ class PlannerPage(QWidget):
         w = plan["workload"]
         r = self.plan_request()
         r.task, r.method, r.precision = w["task"], w["method"], w["precision"]
-        r.master_weights = w.get("master_weights", r.master_weights)
+        if s.get("setting") in RECIPE_SETTINGS and s.get("setting") in w:
+            setattr(r, s["setting"], w[s["setting"]])  # the recipe setting the suggestion changes; the rest stay
         r.seq_len, r.batch, r.weight_bits = w["seq_len"], w["global_batch"], w.get("weight_bits", 16)
         if w.get("new_tokens"):
             r.new_tokens = w["new_tokens"]

@@ -30,10 +30,12 @@ from rigpilot.app.planner.model import (
     QUANTIZATION,
     TASKS,
     PlanRequest,
+    recipe_choices,
 )
 from rigpilot.app.planner.model_picker import ModelPicker
 from rigpilot.app.widgets.form_row import form_row
 from rigpilot.engine.planner.settings import PLAN_SETTINGS
+from rigpilot.engine.recipe import RECIPE_SETTINGS
 from rigpilot.engine.schema import ADAPTER_METHODS
 
 
@@ -111,9 +113,13 @@ class WorkloadForm(QWidget):
         )
         self.precision = _combo("precision", PRECISIONS)
         self.precision.setToolTip("Training: mixed precision in this dtype. Inference: the weights' dtype")
-        master = PLAN_SETTINGS["master_weights"]  # the job's own declaration: its choices, label and help
-        self.master_weights = _combo("masterWeights", [(c, c) for c in master.choices or ()])
-        self.master_weights.setToolTip(master.help)
+        # The training recipe, one drop-down per setting from its declaration (the job's own: label and help).
+        self.recipe: dict[str, QComboBox] = {}
+        for name in RECIPE_SETTINGS:
+            head, *rest = name.split("_")
+            self.recipe[name] = box = _combo(head + "".join(w.title() for w in rest), recipe_choices(name))
+            box.setToolTip(PLAN_SETTINGS[name].help)
+        self.master_weights = self.recipe["master_weights"]
         self.offload = _combo("offload", OFFLOAD)
         self.offload.setToolTip(
             "CPU offload moves parameters, gradients and optimizer state to host RAM (FSDP2's CPUOffloadPolicy): "
@@ -138,7 +144,8 @@ class WorkloadForm(QWidget):
         workload.addRow("New tokens", self.new_tokens)
         workload.addRow("Train on", self.tokens)
         workload.addRow("Precision", self.precision)
-        workload.addRow(PLAN_SETTINGS["master_weights"].label, self.master_weights)
+        for name, box in self.recipe.items():
+            workload.addRow(PLAN_SETTINGS[name].label, box)
         workload.addRow("CPU offload", self.offload)
         workload.addRow(self.force_tp)
         self.workload_form = workload
@@ -180,7 +187,8 @@ class WorkloadForm(QWidget):
         rows.setRowVisible(self.new_tokens, not training)
         rows.setRowVisible(self.tokens, training)
         rows.setRowVisible(self.offload, training)
-        rows.setRowVisible(self.master_weights, training)
+        for box in self.recipe.values():
+            rows.setRowVisible(box, training)
         self._nodes_changed()
         self.batch_label.setText("Batch (sequences per step)" if training else "Sequences at once")
         self.batch.setToolTip(
@@ -194,7 +202,7 @@ class WorkloadForm(QWidget):
             task=self.task.currentData(),
             method=self.method.currentData(),
             precision=self.precision.currentData(),
-            master_weights=self.master_weights.currentData(),
+            **{name: box.currentData() for name, box in self.recipe.items()},
             seq_len=self.seq_len.value(),
             batch=self.batch.value(),
             gpus=gpus,
@@ -214,7 +222,8 @@ class WorkloadForm(QWidget):
         _select(self.task, r.task)
         _select(self.method, r.method)
         _select(self.precision, r.precision)
-        _select(self.master_weights, r.master_weights)
+        for name, box in self.recipe.items():
+            _select(box, getattr(r, name))
         _select(self.quant, r.weight_bits)
         self.seq_len.setValue(r.seq_len)
         self.batch.setValue(r.batch)

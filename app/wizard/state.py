@@ -31,6 +31,7 @@ from rigpilot.engine.jobspec.spec import (
 )
 from rigpilot.engine.layout import Layout
 from rigpilot.engine.planner.plan import parallelism_from_dict
+from rigpilot.engine.recipe import RECIPE_SETTINGS
 from rigpilot.engine.schema import ADAPTER_METHODS, FINE_TUNE_METHODS, InferBackend, Setting, flag_words, setting_words
 
 TINY_MODEL = "models/tiny-llama"
@@ -140,8 +141,12 @@ class WizardState:
             "task": "train", "method": method, "precision": self.train.precision, "seq_len": self.train.seq_len,
             "global_batch": self.global_batch, "lora": lora,
         }  # fmt: skip
-        if self.train.master_weights != TRAIN_SETTINGS["master_weights"].default:  # an older engine plans without
-            args["master_weights"] = self.train.master_weights
+        for name in RECIPE_SETTINGS:
+            # A setting at the job's default is left to the planner to choose (an older engine plans without them);
+            # one the user changed pins it.
+            value = getattr(self.train, name)
+            if value != TRAIN_SETTINGS[name].default:
+                args[name] = value
         return args
 
     def plan_key(self) -> list[Any]:
@@ -163,8 +168,9 @@ class WizardState:
             self.train.micro_batch = par["micro_batch"]
             self.train.grad_accum = par["grad_accum"]
             self.train.activation_checkpointing = par["checkpointing"]
-            if w.get("master_weights"):  # a plan that says computed its memory for them
-                self.train.master_weights = w["master_weights"]
+            for name in RECIPE_SETTINGS:
+                if w.get(name) is not None:  # a plan that says computed its memory for it
+                    setattr(self.train, name, w[name])
             self.global_batch = w["global_batch"]
         elif self.kind == INFER:
             self.infer.batch_size = w["global_batch"]

@@ -36,6 +36,11 @@ PROFILES = [p["id"] for p in list_profiles()]
 SMI_Q = "case21_smiq_4xA100_sxm4_80gb_nvidia-smi-q.txt"
 
 
+# The engine's plain recipe pinned in the form: the cases written before the planner chose the recipe.
+PLAIN = {"master_weights": "fp32", "optimizer": "adamw", "loss_chunks": 1, "optimizer_in_backward": False,
+         "activation_offload": False}  # fmt: skip
+
+
 @pytest.fixture(autouse=True)
 def _private_settings(tmp_path, monkeypatch):
     # The page keeps imported machines in QSettings: never the user's, never another test's.
@@ -201,7 +206,7 @@ def test_inference_and_lora_requests(qtbot):
 
 def test_applying_a_suggestion_plans_again_and_fits(qtbot):
     page, link = open_page(qtbot, "1x-rtx4090")
-    result = plan_for(qtbot, page)  # full fine-tuning of 7B on one 24 GB card: nothing fits
+    result = plan_for(qtbot, page, **PLAIN)  # full fine-tuning of 7B on one 24 GB card in the plain recipe: nothing fits
     assert result["best"] is None
     kinds = [s["kind"] for s in result["suggestions"]]
     row = next(i for i, k in enumerate(kinds) if k in ("method", "quantize", "seq", "batch", "gpus"))
@@ -484,7 +489,7 @@ def test_every_suggestion_has_a_control_and_is_worded_for_it(qtbot):
     """Explanations name the Planner's controls, never `rigpilot plan` flags; the controls exist and work."""
     page, link = open_page(qtbot, "4x-rtx4090")
     page.offload.setCurrentIndex(page.offload.findData("off"))
-    result = plan_for(qtbot, page)  # full fine-tuning of 7B, no offload: nothing fits on four 24 GB cards
+    result = plan_for(qtbot, page, **PLAIN)  # full fine-tuning of 7B in the plain recipe, no offload: nothing fits
     assert link.requests("plan")[-1]["options"] == {"offload": "off"}
     assert result["best"] is None
     raw = "\n".join(result["explanation"] + [s["change"] for s in result["suggestions"]])
@@ -616,12 +621,16 @@ def test_bf16_master_weights_are_asked_for_from_the_declaration_and_plan_without
     declared = TRAIN_SETTINGS["master_weights"]
     assert page.workload_form.labelForField(page.master_weights).text() == declared.label
     assert page.master_weights.toolTip() == declared.help
-    fp32 = plan_for(qtbot, page, "llama-2-7b", seq_len=2048, batch=16)
-    assert "master_weights" not in link.requests("plan")[-1]["workload"]  # the default is the engine's
-    bf16 = plan_for(qtbot, page, "llama-2-7b", seq_len=2048, batch=16, master_weights="bf16")
-    assert link.requests("plan")[-1]["workload"]["master_weights"] == "bf16"
+    assert page.master_weights.currentData() == "auto" and page.recipe["loss_chunks"].currentText().startswith("Auto")
+    plain = PLAIN
+    fp32 = plan_for(qtbot, page, "llama-2-7b", seq_len=2048, batch=16, **plain)
+    assert link.requests("plan")[-1]["workload"]["master_weights"] == "fp32"
     assert fp32["best"]["parallelism"]["offload_params"] or fp32["best"]["parallelism"]["offload_optimizer"]
-    best = bf16["best"]["parallelism"]
-    assert not (best["offload_params"] or best["offload_optimizer"]) and bf16["best"]["workload"]["master_weights"] == "bf16"
+    # Auto: the planner reaches for pure bf16 itself, says so, and the summary shows the recipe in words.
+    auto = plan_for(qtbot, page, "llama-2-7b", seq_len=2048, batch=16, **dict.fromkeys(plain, "auto"))
+    assert "master_weights" not in link.requests("plan")[-1]["workload"]  # left to the planner
+    best = auto["best"]["parallelism"]
+    assert not (best["offload_params"] or best["offload_optimizer"]) and auto["best"]["workload"]["master_weights"] == "bf16"
+    assert f"Recipe: {auto['best']['recipe']}" in page.summary.text() and "pure bf16" in auto["best"]["recipe"]
     page.task.setCurrentIndex(page.task.findData("infer"))
     assert not page.workload_form.isRowVisible(page.master_weights)
