@@ -47,6 +47,7 @@ from rigpilot.engine.jobspec.spec import TRAIN_SETTINGS as TRAIN
 from rigpilot.engine.layout import LAYOUT_SETTINGS as LAYOUT
 from rigpilot.engine.layout import Layout
 from rigpilot.engine.planner.overrides import Overrides
+from rigpilot.engine.recipe import RECIPE_SETTINGS
 from rigpilot.engine.schema import Checkpointing, Range, Setting
 
 PIPELINE_SCHEDULES = [("1f1b", "1F1B"), ("gpipe", "GPipe")]  # as the planner writes them
@@ -603,12 +604,15 @@ class HyperPage(StepPage):
             return Overrides(seq_len=self.context.value(), global_batch=self.batch.value(),
                              new_tokens=self.new_tokens.value())  # fmt: skip
         lora = s.adapters
-        planned = ((s.plan or {}).get("workload") or {}).get("master_weights", TRAIN["master_weights"].default)
+        work = (s.plan or {}).get("workload") or {}
+        # The recipe settings changed from what the plan was sized for (a plan that does not say: the default).
+        recipe = {name: getattr(s.train, name) for name in RECIPE_SETTINGS
+                  if getattr(s.train, name) != (work.get(name) if work.get(name) is not None else TRAIN[name].default)}  # fmt: skip
         return Overrides(
             micro_batch=self.micro.value(), grad_accum=self.accum.value(), seq_len=self.seq_len.value(),
             lora_rank=self.lora_rank.value() if lora else None, lora_alpha=self.lora_alpha.value() if lora else None,
             lora_targets=self.state.train.lora_targets if lora else None,
-            master_weights=s.train.master_weights if s.train.master_weights != planned else None,
+            **recipe,
         )  # fmt: skip
 
     def validate(self) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rigpilot.engine.jobspec.spec import INFER_SETTINGS, TRAIN_SETTINGS
+from rigpilot.engine.recipe import RECIPE_SETTINGS
 from rigpilot.engine.schema import Setting
 
 # The job setting each override is: a changed value is bounded as that setting is declared, in one place.
@@ -20,7 +21,8 @@ DECLARED: dict[str, Setting] = {
     "seq_len": TRAIN_SETTINGS["seq_len"],
     "lora_rank": TRAIN_SETTINGS["lora_rank"],
     "lora_alpha": TRAIN_SETTINGS["lora_alpha"],
-    "master_weights": TRAIN_SETTINGS["master_weights"],
+    # The training recipe (engine.recipe), each as the job declares it.
+    **{name: TRAIN_SETTINGS[name] for name in RECIPE_SETTINGS},
     "global_batch": INFER_SETTINGS["batch_size"],
     "new_tokens": INFER_SETTINGS["max_new_tokens"],
 }
@@ -46,6 +48,13 @@ class Overrides:
     sequence_parallel: bool | None = None
     cpu_offload: bool | None = None  # FSDP2 with parameters, gradients and optimizer state in host RAM
     master_weights: str | None = None  # training: "fp32" or "bf16" (the job's setting)
+    # The rest of the training recipe (engine.recipe): None keeps the plan's.
+    optimizer: str | None = None
+    optimizer_in_backward: bool | None = None
+    loss_chunks: int | None = None
+    activation_offload: bool | None = None
+    compile: bool | None = None
+    fp8: bool | None = None
 
     def check(self) -> None:
         """Refuse (UserError, reason out_of_range or not_a_choice) a changed value its setting does not allow;

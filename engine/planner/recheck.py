@@ -26,6 +26,7 @@ from rigpilot.engine.planner.overrides import Overrides
 from rigpilot.engine.planner.plan import CHECKPOINTING, Parallelism, Plan, Workload, refusal
 from rigpilot.engine.planner.search import MAX_TP
 from rigpilot.engine.planner.speed import SpeedModel
+from rigpilot.engine.recipe import RECIPE_SETTINGS
 
 GIB = 1024**3
 CHANGED = "changed in the wizard from the planner's recommendation"  # the note a changed plan carries
@@ -95,11 +96,13 @@ class PlanChecker:
                                             alpha=o.lora_alpha or w.lora.alpha, targets=targets),
             )  # fmt: skip
         if w.training:
-            if o.master_weights is not None:
-                w = dataclasses.replace(w, master_weights=o.master_weights)
-                conflict = TRAIN_SETTINGS["master_weights"].conflict(w)
-                if conflict is not None:
-                    raise conflict
+            changed = {name: getattr(o, name) for name in RECIPE_SETTINGS if getattr(o, name) is not None}
+            if changed:
+                w = dataclasses.replace(w, **changed)
+                for name in changed:
+                    conflict = TRAIN_SETTINGS[name].conflict(w)
+                    if conflict is not None:
+                        raise conflict
             accum = o.grad_accum or max(1, math.ceil(w0.global_batch / (dp * micro)))
             return dataclasses.replace(w, global_batch=dp * micro * accum)
         w = dataclasses.replace(

@@ -124,3 +124,16 @@ def test_a_changed_setting_is_bounded_as_the_jobs_own_setting_is_declared() -> N
     with pytest.raises(UserError) as e:
         Overrides(new_tokens=0).check()
     assert e.value.reason == "out_of_range" and e.value.fields["setting"] == "infer.max_new_tokens"
+
+
+def test_a_recipe_change_is_recomputed_and_judged_by_the_contract(recommended):
+    """The wizard's recipe drop-downs reach the re-check: the memory follows, and a recipe the engine refuses
+    with the layout (the optimizer step in backward with accumulation) comes back not runnable, saying why."""
+    assert recommended["workload"]["loss_chunks"] is not None  # the planner's choice, written into the plan
+    chunked = recheck(recommended, loss_chunks=16)["result"]["plan"]
+    whole = recheck(recommended, loss_chunks=1)["result"]["plan"]
+    assert chunked["workload"]["loss_chunks"] == 16 and whole["workload"]["loss_chunks"] == 1
+    assert max(m["activations"] for m in chunked["memory"]) < max(m["activations"] for m in whole["memory"])
+    in_backward = recheck(recommended, optimizer_in_backward=True, micro_batch=1, grad_accum=4)["result"]["plan"]
+    assert not in_backward["runs_here"] and "gradient accumulation 1" in in_backward["runs_here_reason"]
+    assert recheck(recommended, loss_chunks=0)["error"]["reason"] == "out_of_range"
