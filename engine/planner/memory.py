@@ -830,7 +830,7 @@ class MemoryModel:
                 comm += 2 * unit_bytes
         elif par.backend == "fsdp":
             unit_grads = unit_params * c if self.tr.full else 0.0  # one unit's unsharded gradients before reduction
-            if par.reshard_after_forward:
+            if _sharding_form(par)[0]:
                 comm += 2 * unit_bytes + unit_grads  # this and the prefetched unit
             else:
                 # ZeRO-2 form: a unit gathered in forward stays gathered until its backward is done, so at the end
@@ -878,7 +878,7 @@ class MemoryModel:
             opt_temp = (largest if in_backward else trainable / (z if par.backend == "fsdp" else 1)) * self.master
         dynamic = max(act + loss + gathered + comm, opt_temp + comm)
         allocated = weights + grads + opt + dynamic
-        groups = (par.dp > 1) + (par.tp > 1) + (par.pp > 1) + par.hsdp
+        groups = (par.dp > 1) + (par.tp > 1) + (par.pp > 1) + _sharding_form(par)[1]
         over = overhead_bytes(allocated, architecture=architecture, groups=groups)
         return StageMemory(weights, grads, opt, act, 0.0, dynamic - act, over, host)
 
@@ -973,6 +973,20 @@ class MemoryModel:
             copies = 1
         needed = ranks * HOST_BYTES_PER_RANK + max(load_copy * copies, offloaded)
         return HostMemory(needed=int(needed), available=available, offloaded=int(offloaded))
+
+
+_FORMS: dict[tuple, tuple[bool, bool]] = {}
+
+
+def _sharding_form(par: Parallelism) -> tuple[bool, bool]:
+    """(reshard_after_forward, hsdp) of `par`, as engine.layout maps it: remembered by the fields they depend on,
+    since the search asks for thousands of candidates (and each recipe) and building a Layout checks every degree."""
+    key = (par.backend, par.dp, par.tp, par.pp, par.zero_stage, par.shard_degree, par.offload_params,
+           par.offload_optimizer, par.nodes)  # fmt: skip
+    found = _FORMS.get(key)
+    if found is None:
+        found = _FORMS[key] = (par.reshard_after_forward, par.hsdp)
+    return found
 
 
 def stage_range(par: Parallelism, stage: int, layers: int) -> tuple[int, int]:

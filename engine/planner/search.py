@@ -66,7 +66,7 @@ from rigpilot.engine.planner.plan import (
     recipe_words,
     refusal_of,
 )
-from rigpilot.engine.planner.recipes import Rung, rung, techniques
+from rigpilot.engine.planner.recipes import FREE, Rung, rung, techniques
 from rigpilot.engine.planner.result import FAMILY_ORDER, SPEED_TIE, Candidate, Rejection, SearchResult, Suggestion
 from rigpilot.engine.planner.scaling import multinode_lines, scaling_of
 from rigpilot.engine.planner.settings import (
@@ -292,7 +292,12 @@ def search(
                 raise no_bf16(i, topo.gpus[i].short_name)
     recipes = Recipes(m, w, topo)
     speed = recipes.plain.speed
-    cands, skipped = _evaluate(m, w, topo, recipes, opts)
+    # First the recipes that change neither the numerics nor the step; the rest of the ladder only where no plan
+    # without CPU offload fits with them (most workloads stop here, at the cost of the plain search).
+    cands, skipped = _evaluate(m, w, topo, recipes, opts, FREE)
+    if not any(c.fits and c.runs_here and not c.blocked and not c.par.offload for c in cands):
+        if any(n not in FREE for n, _ in recipes.techniques):
+            cands, skipped = _evaluate(m, w, topo, recipes, opts)
     fitting = rank(_leanest_needed(cands, recipes))
     notes = list(m.notes)
     best = _materialize(fitting[0], m, recipes, machine, notes, cluster, label) if fitting else None
@@ -568,8 +573,11 @@ def _leanest_needed(cands: list[Candidate], recipes: Recipes) -> list[Candidate]
 
 
 def _evaluate(
-    m: ModelFacts, w: Workload, topo: Topology, recipes: Recipes, opts: SearchOptions
+    m: ModelFacts, w: Workload, topo: Topology, recipes: Recipes, opts: SearchOptions,
+    allowed: frozenset[str] | None = None,
 ) -> tuple[list[Candidate], dict[str, str]]:
+    """Every layout the search tries, each with the plainest recipe that fits it; `allowed`: the ladder's
+    techniques the search may add (None: all)."""  # fmt: skip
     cands: list[Candidate] = []
     skipped: dict[str, str] = {}
     gen = _train_layouts(m, w, topo, opts, skipped) if w.training else _infer_layouts(m, w, topo, opts, skipped)
@@ -578,11 +586,12 @@ def _evaluate(
     twin_fits: set[tuple] = set()
     refusals: dict[tuple, str] = {}
     context = _recipe_context(topo)
-    in_backward = w.optimizer_in_backward is not False and any(n == "optimizer_in_backward" for n, _ in recipes.techniques)
-    in_backward = in_backward or bool(w.optimizer_in_backward)
+    ladder = [n for n, _ in recipes.techniques if allowed is None or n in allowed]
+    in_backward = "optimizer_in_backward" in ladder or bool(w.optimizer_in_backward)
     for layout, blocked, micro_batches in gen:
         for ckpt in (CHECKPOINTING if w.training else ("none",)):
             last_only = False
+            fitted: frozenset[str] = frozenset()  # the recipe the last micro-batch fitted with
             for mb in micro_batches:
                 if last_only and layout.grad_accum // mb > 1:
                     continue
@@ -604,7 +613,7 @@ def _evaluate(
                 added: tuple[str, ...] = ()
                 base_why = ""
                 cand = None
-                for name in ("", *(n for n, _ in recipes.techniques)):
+                for name in ("", *ladder):
                     trying = (*added, name) if name else added
                     refusals_key = (trying, *layout_key)
                     if refusals_key not in refusals:
@@ -615,11 +624,15 @@ def _evaluate(
                     elif why:
                         continue  # a technique the engine does not run with this layout
                     added = trying
+                    if set(added) < fitted and not base_why:
+                        continue  # a plainer recipe than a smaller micro-batch needed: it does not fit this one
                     cand = _check(par, recipes[added].mm, topo, caps, available)
                     cand.recipe, cand.cannot_run, cand.blocked = added, why, blocked
                     if cand.fits or base_why:
                         break  # a layout the engine refuses is shown for comparison, in the recipe asked for
-                assert cand is not None  # the recipe as asked is always evaluated
+                assert cand is not None  # the leanest recipe tried is always evaluated
+                if cand.fits:
+                    fitted = frozenset(cand.recipe)
                 cands.append(cand)
                 if not cand.fits:
                     if in_backward and par.grad_accum > 1 and par.pp == 1:
