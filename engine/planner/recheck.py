@@ -53,7 +53,7 @@ class PlanChecker:
         topo = Topology(self.machine, list(par.gpu_indices))
         mm = MemoryModel(self.facts, w)
         memory, host = plan_memory(mm, par, topo)
-        timing = SpeedModel(self.facts, w, topo, mm).timing(par)
+        timing = SpeedModel(self.facts, w, topo, mm).timing(par, compile=mm.recipe.compile)
         notes = [n for n in p.notes if "changed in the wizard" not in n]
         new = dataclasses.replace(
             p, workload=w, parallelism=par, memory=memory, host=host, timing=timing,

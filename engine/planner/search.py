@@ -466,7 +466,7 @@ def _materialize(
     speed = recipes[c.recipe].speed
     w = recipes[c.recipe].rung.workload
     memory, host = plan_memory(speed.mm, c.par, speed.topo)
-    timing = speed.timing(c.par)
+    timing = speed.timing(c.par, compile=speed.mm.recipe.compile)
     par = c.par
     names = [short_gpu_name(machine.gpu(i).name) for i in c.par.gpu_indices]
     if cluster is not None:
@@ -643,7 +643,8 @@ def _evaluate(
                     break
                 if not offloading:
                     twin_fits.add(key)
-                cand.timing = recipes[cand.recipe].speed.timing(par, detail=False)
+                rec = recipes[cand.recipe]
+                cand.timing = rec.speed.timing(par, detail=False, compile=rec.mm.recipe.compile)
     return cands, skipped
 
 

@@ -201,8 +201,11 @@ class SpeedModel:
         return figs
 
     # -- training ---------------------------------------------------------------------------------------
-    def train(self, par: Parallelism, detail: bool = True) -> Timing:
-        """Step time of a training plan; `detail` adds the communication items and figures it rests on."""
+    def train(self, par: Parallelism, detail: bool = True, *, compile: bool = False) -> Timing:
+        """Step time of a training plan; `detail` adds the communication items and figures it rests on.
+
+        `compile`: each block runs under torch.compile (`compile_speedup`); communication is the same either way.
+        """
         m, w, topo, mm = self.m, self.w, self.topo, self.mm
         groups = self.groups(par)
         s = w.seq_len
@@ -216,7 +219,6 @@ class SpeedModel:
             head_flops += 2.0 * self.head_mm  # each chunk's logits recomputed in backward
         mb_tokens = par.micro_batch * s
         rate_scale = QLORA_RATE if w.method == "qlora" else 1.0
-        rate_scale *= compile_speedup(recipe.compile)
         if par.checkpointing == "selective":
             rate_scale /= SELECTIVE_RECOMPUTE
         c = mm.c
@@ -231,7 +233,7 @@ class SpeedModel:
             a, b = stage_range(par, st, m.layers)
             n = b - a
             flops = mb_tokens * (n * layer_flops + (head_flops if st == par.pp - 1 else 0.0)) / par.tp
-            rate = self._rate(groups.stages[st], mb_tokens, m.h / par.tp) * rate_scale
+            rate = self._rate(groups.stages[st], mb_tokens, m.h / par.tp) * rate_scale * compile_speedup(compile)
             stage_compute.append(flops / rate)
             tp_s = 0.0
             if tp_link is not None:
@@ -579,5 +581,6 @@ class SpeedModel:
             figures=self._figures(par, comm, links) if detail else [],
         )
 
-    def timing(self, par: Parallelism, detail: bool = True) -> Timing:
-        return self.train(par, detail) if self.w.training else self.infer(par, detail)
+    def timing(self, par: Parallelism, detail: bool = True, *, compile: bool = False) -> Timing:
+        """`compile` applies to training; inference is planned eager (the engine does not compile decode)."""
+        return self.train(par, detail, compile=compile) if self.w.training else self.infer(par, detail)

@@ -161,3 +161,16 @@ def test_exports_carry_the_recipe_where_the_tool_can_say_it():
     yaml = accelerate_config(best)
     assert "mixed_precision: 'no'" in yaml or "mixed_precision: no" in yaml
     assert "# Recipe: pure bf16 + chunked cross-entropy (8 chunks)." in yaml and "torch_dtype=torch.bfloat16" in yaml
+
+
+def test_compile_and_fp8_are_used_only_where_asked_and_judged_by_the_contract():
+    """The search never turns on compile (a warm-up) or FP8 (other numerics) itself; asked for, compile speeds the
+    plan up by the speed model's compiled factor, and FP8 on a simulated machine is a plan the engine refuses."""
+    spec, machine = describe_model("llama-2-7b"), load_profile("4x-rtx4090")
+    auto = search(spec, machine, Workload(model="llama-2-7b")).best
+    assert auto.workload.compile is False and auto.workload.fp8 is False
+    compiled = search(spec, machine, Workload(model="llama-2-7b", compile=True)).best
+    assert compiled.workload.compile and "compiled" in compiled.to_dict()["recipe"]
+    assert compiled.timing.tokens_per_s > auto.timing.tokens_per_s
+    fp8 = search(spec, machine, Workload(model="llama-2-7b", fp8=True)).best
+    assert not fp8.runs_here and "CPU ranks" in fp8.runs_here_reason
