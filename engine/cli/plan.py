@@ -28,7 +28,7 @@ from rigpilot.engine.planner.calibration import apply as apply_calibration
 from rigpilot.engine.planner.cluster import DEFAULT_LINK, NODE_LINKS, check_nodes, node_link
 from rigpilot.engine.planner.export import export_best
 from rigpilot.engine.planner.memory import fmt_gib
-from rigpilot.engine.planner.plan import LoraSettings, Plan, Workload
+from rigpilot.engine.planner.plan import LoraSettings, Plan, Workload, recipe_words
 from rigpilot.engine.planner.recipes import NAMES as LADDER_NAMES
 from rigpilot.engine.planner.search import RANKING, SearchOptions, SearchResult
 from rigpilot.engine.planner.settings import PLAN_SETTINGS as P
@@ -295,7 +295,11 @@ def render_text(result: SearchResult, *, simulated: bool = False) -> list[str]:
 def _table(plans: list[Plan], w: Workload, *, nodes: bool = False) -> list[str]:
     """The ranked plans; `nodes`: a multi-node search, whose plans may use different numbers of nodes."""
     unit = "tokens/s" if w.training else "gen tok/s"
-    rows = [("", *(("nodes",) if nodes else ()), "family", "layout", unit, "step" if w.training else "total", "fullest GPU")]
+    # The recipe gets a column where the search changed it for some plan (each plan is sized with its own).
+    recipes = [recipe_words(p.workload) if p.workload.training else "" for p in plans]
+    shown = len(set(recipes)) > 1 or any(p.workload.training and not p.workload.recipe.plain for p in plans)
+    rows = [("", *(("nodes",) if nodes else ()), "family", "layout", *(("recipe",) if shown else ()), unit,
+             "step" if w.training else "total", "fullest GPU")]  # fmt: skip
     for i, p in enumerate(plans):
         mb = p.peak_memory
         rows.append(
@@ -304,6 +308,7 @@ def _table(plans: list[Plan], w: Workload, *, nodes: bool = False) -> list[str]:
                 *((str(p.parallelism.nodes),) if nodes else ()),
                 p.parallelism.family,
                 p.parallelism.describe(),
+                *((recipes[i],) if shown else ()),
                 f"{p.timing.tokens_per_s:,.0f}",
                 f"{p.timing.step_s:.2f} s",
                 f"{fmt_gib(mb.shown_total)} / {fmt_gib(mb.capacity)}" + (" (traced)" if (mb.traced or 0) > mb.total else ""),
