@@ -16,7 +16,7 @@ from rigpilot.engine.hardware.importers import import_machine
 from rigpilot.engine.hardware.simulated import load_profile
 from rigpilot.engine.service import planworker
 
-from support.planner_inputs import h100_calibration
+from support.planner_inputs import PLAIN_FLAGS, h100_calibration
 
 SMI_Q = "case21_smiq_4xA100_sxm4_80gb_nvidia-smi-q.txt"
 TOPO_ONLY = "case08_4xRTX6000Ada_dual_socket_genoa_4nics.txt"
@@ -113,10 +113,11 @@ def test_cpu_offload_on_off_auto_from_the_command_line(capsys):
     """The Planner's CPU offload choice is SearchOptions.offload; `rigpilot plan --offload` is the same knob."""
     from rigpilot.engine.cli.entry import main
 
-    base = ["plan", "--simulate", "4x-rtx4090", "--model", "llama-2-7b", "--task", "train", "--json"]
+    # The plain recipe pinned: with the recipe left to it the planner fits 7B in pure bf16 without offload.
+    base = ["plan", "--simulate", "4x-rtx4090", "--model", "llama-2-7b", "--task", "train", "--json", *PLAIN_FLAGS]
     assert main([*base]) == 0
     auto = json.loads(capsys.readouterr().out)
-    assert auto["best"]["parallelism"]["offload_params"]  # full 7B on 24 GB cards fits only by offloading
+    assert auto["best"]["parallelism"]["offload_params"]  # full 7B in mixed precision on 24 GB cards: only offloaded
     assert main([*base, "--offload", "off"]) == 1  # nothing fits: the exit status says so
     off = json.loads(capsys.readouterr().out)
     assert (
