@@ -84,7 +84,7 @@ def trace_all(
 
     def answer(i: int, a: dict[str, Any]) -> None:
         answers[i] = a
-        if memo is not None and a.get("ok"):
+        if memo is not None:
             memo[_identity(plans[i])] = a
         if on_answer is not None:
             on_answer(i, plans[i], a)
