@@ -1,0 +1,51 @@
+"""A stand-in for the memory tracer: a real process that answers as engine.workers.memtrace does, at once, with
+each plan's formula tensor bytes as its traced peak; optionally held until a cue file appears. Tests of the
+flow around the trace (what is shown first, what is cached, what a cancel stops) use it where the real tracer
+would spend seconds importing torch."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from rigpilot.engine.planner import verify
+
+STAND_IN = r"""
+import json, os, sys, time
+request = json.loads(sys.stdin.read())
+cue = sys.argv[1] if len(sys.argv) > 1 else ""
+while cue and not os.path.exists(cue):
+    time.sleep(0.02)
+for i, plan in enumerate(request["plans"]):
+    m = max(plan["memory"], key=lambda g: g["total"])
+    answer = {"index": i, "ok": True, "peak": m["total"] - m["overhead"], "method": "stand-in", "seconds": 0.0}
+    print(json.dumps(answer), flush=True)
+"""
+
+
+def stand_in_tracer(monkeypatch, cue: Path | None = None) -> list[list[str]]:
+    """Make the planner start the stand-in instead of the tracer; returns the list of tracer processes started
+    (each its command line), which grows as the planner starts them."""
+    started: list[list[str]] = []
+
+    def command(python: str) -> list[str]:
+        argv = [sys.executable, "-c", STAND_IN, *([str(cue)] if cue is not None else [])]
+        started.append(argv)
+        return argv
+
+    monkeypatch.setattr(verify, "tracer_command", command)
+    return started
+
+
+def counting_tracer(monkeypatch) -> list[list[str]]:
+    """Count the real tracer's processes as the planner starts them."""
+    started: list[list[str]] = []
+    real = verify.tracer_command
+
+    def command(python: str) -> list[str]:
+        argv = real(python)
+        started.append(argv)
+        return argv
+
+    monkeypatch.setattr(verify, "tracer_command", command)
+    return started
