@@ -69,7 +69,7 @@ OnAnswer = Callable[[int, Plan, dict[str, Any]], None]
 def trace_all(
     plans: list[Plan], *, trust_remote_code: bool = False, timeout_s: float = TRACE_TIMEOUT_S,
     on_answer: OnAnswer | None = None, cancelled: Callable[[], bool] | None = None,
-    memo: dict[str, dict[str, Any]] | None = None, least_s: float = 0.0,
+    memo: dict[str, dict[str, Any]] | None = None, least_s: float = 0.0, warm: bool = False,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """Each plan's traced answer, in order; `on_answer(i, plan, answer)` as each is known.
 
@@ -77,7 +77,8 @@ def trace_all(
     before from the disk cache (engine.planner.trace_cache, `"cached": True`) or from `memo` (this run's
     answers by plan); the rest in tracer processes, one per core at most, each tracing its share of the
     plans in turn and answering each as it is done. Past `timeout_s`, or once `cancelled()`, the tracers are
-    stopped and the plans left say why; with less than `least_s` to go, none is started.
+    stopped and the plans left say why; with less than `least_s` to go, none is started. `warm`: in this
+    process's warm tracer (`warm_up`), which stays for the next call.
     """
     deadline = time.monotonic() + timeout_s
     answers: list[dict[str, Any] | None] = [None] * len(plans)
@@ -123,7 +124,7 @@ def trace_all(
                 trace_cache.store(keys[i], a)
             answer(i, a)
 
-        _run_tracers(python, plans, misses, trust_remote_code, deadline, timeout_s, traced, cancelled)
+        _run_tracers(python, plans, misses, trust_remote_code, deadline, timeout_s, traced, cancelled, warm)
     return [a if a is not None else {"ok": False, "reason": "not traced"} for a in answers]
 
 
@@ -138,20 +139,22 @@ def tracer_command(python: str) -> list[str]:
 
 def _run_tracers(
     python: str, plans: list[Plan], todo: list[int], trust_remote_code: bool, deadline: float, timeout_s: float,
-    answer: Callable[[int, dict[str, Any]], None], cancelled: Callable[[], bool] | None,
+    answer: Callable[[int, dict[str, Any]], None], cancelled: Callable[[], bool] | None, warm: bool = False,
 ) -> None:  # fmt: skip
     # Each tracer is one thread (fake tensors do no arithmetic): more of them than cores only competes for
     # the cores, and each pays torch's import, so the plans are shared out over at most one per core.
-    n = max(1, min(len(todo), os.cpu_count() or 1, MAX_TRACERS))
+    # A warm tracer (`warm`) has paid its imports already: it traces them all, in turn.
+    n = 1 if warm else max(1, min(len(todo), os.cpu_count() or 1, MAX_TRACERS))
     shares = [todo[k::n] for k in range(n)]  # the best plan first in the first tracer
-    # Config only, never a download: the planner has read the config already, the cache has it.
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     running: list[_Tracer] = []
+    finished = False
     try:
         for share in shares:
             request = {"plans": [plans[i].to_dict() for i in share], "trust_remote_code": trust_remote_code}
             try:
-                running.append(_Tracer(tracer_command(python), request, share, env))
+                tracer = _warm_tracer(python) if warm else _Tracer(tracer_command(python))
+                tracer.send(request, share)
+                running.append(tracer)
             except OSError as e:
                 for i in share:
                     answer(i, {"ok": False, "reason": f"cannot start the tracer ({python}): {e.strerror or e}"})
@@ -170,33 +173,77 @@ def _run_tracers(
                 return
             for key, _ in sel.select(timeout=min(left, 0.25)):
                 t = key.data
-                if not t.read(answer):
-                    sel.unregister(t.stdout)
+                alive = t.read(answer)
+                if not alive:
                     t.finish(answer)
+                if not alive or not t.pending:
+                    sel.unregister(t.stdout)
+        finished = True
     finally:
         for t in running:
-            t.stop()
+            if not (finished and t is _WARM and t.proc.poll() is None):
+                t.stop()
+
+
+# The warm tracer of this process (a planner process of the engine: one request at a time), started by
+# `warm_up` or the first trace that asks for it, and reused until it fails, is stopped or its owner exits.
+_WARM: _Tracer | None = None
+
+
+def warm_up() -> None:
+    """Start the warm tracer now, if it is not running, so its imports are done by the time a trace is asked."""
+    if not enabled():
+        return
+    from rigpilot.engine.runtime import worker_python
+
+    try:
+        _warm_tracer(worker_python())
+    except (UserError, OSError) as e:
+        log.info("no warm tracer: %s", e)
+
+
+def stop_warm() -> None:
+    """Stop the warm tracer, if one runs."""
+    if _WARM is not None:
+        _WARM.stop()
+
+
+def _warm_tracer(python: str) -> _Tracer:
+    global _WARM
+    if _WARM is None or _WARM.proc.poll() is not None:
+        _WARM = _Tracer([*tracer_command(python), "--serve"], serve=True)
+    return _WARM
 
 
 class _Tracer:
-    """One tracer process, its share of the plans, and the answer lines it has written so far."""
+    """One tracer process, the plans it was last given, and the answer lines it has written so far."""
 
-    def __init__(self, command: list[str], request: dict[str, Any], share: list[int], env: dict[str, str]):
-        self.share = share
-        self.pending = set(share)
+    def __init__(self, command: list[str], *, serve: bool = False):
+        self.serve = serve
+        self.share: list[int] = []
+        self.pending: set[int] = set()
         self.buffer = b""
         self.stderr = tempfile.TemporaryFile()
+        # Config only, never a download: the planner has read the config already, the cache has it.
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         self.proc = subprocess.Popen(
             command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, env=env,
             cwd="/",  # not the caller's folder: nothing there may shadow a module
         )  # fmt: skip
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.stdout = self.proc.stdout
+
+    def send(self, request: dict[str, Any], share: list[int]) -> None:
+        """Ask it to trace `request`'s plans, which are `share` of the caller's; a one-shot tracer gets no more."""
+        self.share, self.pending = share, set(share)
+        assert self.proc.stdin is not None
         try:
-            self.proc.stdin.write(json.dumps(request).encode())
-            self.proc.stdin.close()
+            self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+            self.proc.stdin.flush()
+            if not self.serve:
+                self.proc.stdin.close()
         except OSError:
-            pass  # it exited at once: its exit code says so below
+            pass  # it exited already: its exit code says so once its output ends
 
     def read(self, answer: Callable[[int, dict[str, Any]], None]) -> bool:
         """Take what it wrote; False at its end."""
@@ -235,13 +282,18 @@ class _Tracer:
         self.pending.clear()
 
     def stop(self) -> None:
+        global _WARM
+        if self is _WARM:
+            _WARM = None
         if self.proc.poll() is None:
             with contextlib.suppress(OSError):
                 self.proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5)
-        with contextlib.suppress(OSError):
-            self.stdout.close()
+        for f in (self.proc.stdin, self.stdout):
+            with contextlib.suppress(OSError, ValueError):
+                if f is not None:
+                    f.close()
         self.stderr.close()
 
     def _errors(self) -> str:

@@ -96,6 +96,9 @@ def plan(machine: Any, model: str, workload: dict[str, Any] | None = None, gpus:
 
         pending = len(verification.to_trace(result)) if verification.enabled() else 0
         result.trace = {"traced": 0, "tried": 0, "seconds": 0.0, "pending": pending}
+        if pending:
+            # The client's `trace` requests follow: the tracer imports torch while it shows this answer.
+            verification.warm_up()
     return {"result": {**result.to_dict(), "calibration": status.to_dict()}}
 
 
@@ -111,7 +114,9 @@ def _trace(trace: Any, trust: bool) -> dict[str, Any]:
         plan = Plan.from_dict(trace["plan"])
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ProtocolError(protocol.INVALID, f"plan.trace.plan: not a plan ({e})") from None
-    answer = verify.trace_all([plan], trust_remote_code=trust, timeout_s=verify.VERIFY_BUDGET_S, least_s=1.0)[0]
+    answer = verify.trace_all(
+        [plan], trust_remote_code=trust, timeout_s=verify.VERIFY_BUDGET_S, least_s=1.0, warm=True
+    )[0]
     outcome = verify.outcome(plan, answer)
     line = verify.apply_trace(plan, answer)
     return {"plan": plan.to_dict(), "outcome": outcome, "line": line}

@@ -812,18 +812,43 @@ def _categories(tracker: Any, which: str = "peak") -> dict[str, int]:
 def main() -> int:
     out = os.fdopen(os.dup(sys.stdout.fileno()), "w")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints must not corrupt the answer
+    if "--serve" in sys.argv[1:]:
+        return _serve(out)
     try:
         request = json.loads(sys.stdin.read())
     except ValueError:
         request = None
+    _quiet()
+    _die_with_parent()
+    if isinstance(request, dict):
+        _warm_imports()
+    _request(out, request)
+    return 0
+
+
+def _serve(out: Any) -> int:
+    """A warm tracer: torch and the model code imported before the first request, then one request per stdin
+    line, each answered as `main` answers one, until stdin closes (the planner process that keeps it is gone)."""
+    _quiet()
+    _die_with_parent()
+    _warm_imports()
+    for line in sys.stdin:
+        if line.strip():
+            try:
+                request = json.loads(line)
+            except ValueError:
+                request = None
+            _request(out, request)
+    return 0
+
+
+def _request(out: Any, request: Any) -> None:
     plans = request.get("plans") if isinstance(request, dict) else None
     if isinstance(request, dict) and isinstance(request.get("plan"), dict):
         plans = [request["plan"]]
     if not isinstance(plans, list) or not plans or not all(isinstance(p, dict) for p in plans):
         _answer(out, None, {"ok": False, "reason": 'the tracer takes {"plans": [Plan.to_dict(), ...]} on stdin'})
-        return 0
-    _quiet()
-    _die_with_parent()
+        return
     global _CONFIGS
     _CONFIGS = {}
     trust = bool(request.get("trust_remote_code", False))
@@ -831,7 +856,21 @@ def main() -> int:
     # written as soon as it is known, so the planner shows it while the next plan is traced.
     for i, plan in enumerate(plans):
         _answer(out, i if "plans" in request else None, _one(plan, trust))
-    return 0
+
+
+def _warm_imports() -> None:
+    """What every trace imports, imported now: a warm tracer's first trace pays none of it."""
+    import torch
+    import torch.distributed.fsdp  # noqa: F401
+    from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker  # noqa: F401
+    from transformers import AutoConfig  # noqa: F401
+
+    from rigpilot.engine.workers import parallelize, train  # noqa: F401
+
+    # What stays from here on is never garbage: the step's own collections skip it (see _collector_paused).
+    gc.collect()
+    gc.freeze()
 
 
 def _one(plan: dict[str, Any], trust_remote_code: bool) -> dict[str, Any]:

@@ -10,7 +10,9 @@ from rigpilot.engine.planner import verify
 
 from support.gui_fakes import isolated_config
 from support.gui_planner import PRESET_7B, open_page
-from support.tracer import stand_in_tracer
+from support.tracer import no_warm_tracer, stand_in_tracer
+
+pytestmark = pytest.mark.usefixtures(no_warm_tracer.__name__)
 
 
 @pytest.fixture(autouse=True)

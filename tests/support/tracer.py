@@ -6,20 +6,32 @@ would spend seconds importing torch."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from rigpilot.engine.planner import verify
 
 STAND_IN = r"""
 import json, os, sys, time
-request = json.loads(sys.stdin.read())
-cue = sys.argv[1] if len(sys.argv) > 1 else ""
-while cue and not os.path.exists(cue):
-    time.sleep(0.02)
-for i, plan in enumerate(request["plans"]):
-    m = max(plan["memory"], key=lambda g: g["total"])
-    answer = {"index": i, "ok": True, "peak": m["total"] - m["overhead"], "method": "stand-in", "seconds": 0.0}
-    print(json.dumps(answer), flush=True)
+serve = "--serve" in sys.argv[1:]
+args = [a for a in sys.argv[1:] if a != "--serve"]
+cue = args[0] if args else ""
+
+def answer(request):
+    while cue and not os.path.exists(cue):
+        time.sleep(0.02)
+    for i, plan in enumerate(request["plans"]):
+        m = max(plan["memory"], key=lambda g: g["total"])
+        print(json.dumps({"index": i, "ok": True, "peak": m["total"] - m["overhead"], "method": "stand-in",
+                          "seconds": 0.0}), flush=True)
+
+if serve:
+    for line in sys.stdin:
+        answer(json.loads(line))
+else:
+    answer(json.loads(sys.stdin.read()))
 """
 
 
@@ -49,3 +61,11 @@ def counting_tracer(monkeypatch) -> list[list[str]]:
 
     monkeypatch.setattr(verify, "tracer_command", command)
     return started
+
+
+@pytest.fixture
+def no_warm_tracer() -> Iterator[None]:
+    """A warm tracer a test started (the engine's planner keeps one) does not outlive the test."""
+    verify.stop_warm()
+    yield
+    verify.stop_warm()
