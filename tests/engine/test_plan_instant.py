@@ -25,7 +25,7 @@ from rigpilot.engine.planner.search import SearchOptions, search
 from rigpilot.engine.service import planworker
 from rigpilot.engine.service.requests import REQUEST_SCHEMAS
 
-from support.tracer import counting_tracer, no_warm_tracer, stand_in_tracer
+from support.tracer import counting_tracer, no_warm_tracer, stand_in_python, stand_in_tracer
 
 TINY_LLAMA = {
     "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 160,
@@ -222,3 +222,38 @@ def test_the_plan_request_declares_verify_and_trace():
     request["args"] = {"model": "llama-2-7b", "trace": {"plan": {}}}
     assert protocol.parse_request(request, REQUEST_SCHEMAS).args["trace"] == {"plan": {}}
     assert "verify" in optional and "trace" in optional
+
+
+def test_the_engine_answers_the_formula_while_a_trace_is_held_and_then_the_trace(engine, monkeypatch, tmp_path, tiny):
+    cue = tmp_path / "go"
+    monkeypatch.setenv(verify.ENV_SWITCH, "1")
+    monkeypatch.setenv(trace_cache.ENV_CACHE, str(tmp_path / "traces"))
+    monkeypatch.setenv("RIGPILOT_WORKER_PYTHON", str(stand_in_python(tmp_path, cue)))
+    engine.start()
+    work = {"seq_len": 64, "global_batch": 8}
+    with engine.client() as c:
+        formula = c.request("plan", model=str(tiny), workload=work, verify=False)["result"]
+    assert formula["trace"]["pending"] >= 1 and all(m["traced"] is None for m in formula["best"]["memory"])
+    traced: dict[str, dict] = {}
+
+    def trace() -> None:
+        with engine.client() as c:
+            traced["reply"] = c.request("plan", model=str(tiny), trace={"plan": formula["best"]})["result"]
+
+    worker = threading.Thread(target=trace)
+    worker.start()
+    try:
+        # While that trace is held, the engine answers another plan's formula on another connection.
+        with engine.client() as c:
+            again = c.request("plan", model=str(tiny), workload=work, verify=False)["result"]
+        assert again["best"]["parallelism"] == formula["best"]["parallelism"]
+        assert worker.is_alive() and "reply" not in traced
+    finally:
+        cue.touch()
+        worker.join(60)
+    answer = traced["reply"]
+    assert answer["outcome"]["verified"] and answer["plan"]["memory"][0]["traced"] is not None
+    # An old client's plain request is verified before it is answered, as it always was.
+    with engine.client() as c:
+        verified = c.request("plan", model=str(tiny), workload=work)["result"]
+    assert verified["trace"]["traced"] >= 1 and verified["best"]["memory"][0]["traced"] is not None

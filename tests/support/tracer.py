@@ -16,7 +16,7 @@ from rigpilot.engine.planner import verify
 STAND_IN = r"""
 import json, os, sys, time
 serve = "--serve" in sys.argv[1:]
-args = [a for a in sys.argv[1:] if a != "--serve"]
+args = [a for a in sys.argv[1:] if a not in ("--serve", "-m", "rigpilot.engine.workers.memtrace")]
 cue = args[0] if args else ""
 
 def answer(request):
@@ -69,3 +69,14 @@ def no_warm_tracer() -> Iterator[None]:
     verify.stop_warm()
     yield
     verify.stop_warm()
+
+
+def stand_in_python(folder: Path, cue: Path) -> Path:
+    """An executable that stands in for the worker interpreter (RIGPILOT_WORKER_PYTHON) of an engine service:
+    started as the tracer (`python -m rigpilot.engine.workers.memtrace [--serve]`), it runs the stand-in,
+    held until `cue` exists."""
+    script = folder / "stand-in-python"
+    body = STAND_IN.replace("'", "'\\''")
+    script.write_text(f"#!/bin/sh\nexec '{sys.executable}' -c '{body}' '{cue}' \"$@\"\n")
+    script.chmod(0o700)
+    return script
