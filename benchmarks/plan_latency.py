@@ -9,8 +9,10 @@ RIGPILOT_TRACE_CACHE) and reads its output line by line as it comes:
     cached         the same command again: every trace from the cache, no tracer process
 For each: seconds from the start to the first plan table on screen (the formula's answer), to each traced
 plan's line, and to the end. Also the in-process times of the planner's search (the formula's answer once the
-model config is read) and of the tracer's phases of one cold process: its imports (torch, transformers) and
-each plan's trace. Speed figures live here, never in tests (a loaded machine measures the load).
+model config is read), of the tracer's phases in one cold process (its imports, then each plan's trace), and of
+the top plans' check done as before (a process per plan), as `rigpilot plan` does it now (one tracer per core)
+and by the engine's warm tracer (the Planner page's trace requests). Speed figures live here, never in tests
+(a loaded machine measures the load: the load average is printed first).
 """
 
 from __future__ import annotations
@@ -104,6 +106,36 @@ def tracer_phases(model: str, profile: str, method: str) -> dict[str, object]:
     return out
 
 
+def tracer_ways(model: str, profile: str, method: str) -> list[tuple[str, float]]:
+    """The top plans' memory check three ways, the cache off: as before this change (a tracer process per plan,
+    one per core at a time), one tracer per core taking a share of the plans (rigpilot plan's way now), and the
+    engine's warm tracer once its imports are done (the Planner page's way, after the formula's answer)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rigpilot.engine.planner import verify
+
+    os.environ["RIGPILOT_TRACE_CACHE"] = "off"
+    os.environ[verify.ENV_SWITCH] = "1"
+    spec = describe_model(model)
+    result = search(spec, load_profile(profile), Workload(model=model, method=method, seq_len=2048, global_batch=16))
+    plans = verify.to_trace(result)
+    out = []
+    t = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=max(1, min(len(plans), os.cpu_count() or 1))) as pool:
+        list(pool.map(verify.trace, plans))
+    out.append(("a process per plan (before)", time.perf_counter() - t))
+    t = time.perf_counter()
+    verify.trace_all(plans)
+    out.append(("one tracer per core (now)", time.perf_counter() - t))
+    verify.warm_up()
+    verify.trace_all(plans[:1], warm=True)  # its imports and first trace: what the formula's answer hides
+    t = time.perf_counter()
+    verify.trace_all(plans, warm=True)
+    out.append(("warm tracer (engine)", time.perf_counter() - t))
+    verify.stop_warm()
+    return out
+
+
 def fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:6.2f} s"
 
@@ -123,6 +155,9 @@ def main() -> None:
     print(
         f"one cold tracer process: imports {fmt(phases['imports'])}, traces {traces}, in all {fmt(phases['process'])}"
     )  # type: ignore[arg-type]
+    print(f"\nthe top {VERIFY_TOP} plans traced, cold, the trace cache off:")
+    for name, seconds in tracer_ways(a.model, a.simulated, a.method):
+        print(f"  {name:30}  {seconds:6.2f} s")
     args = ["--model", a.model, "--simulate", a.simulated, "--method", a.method]
     with tempfile.TemporaryDirectory(prefix="rigpilot-trace-cache-") as cache:
         rows = [

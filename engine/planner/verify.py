@@ -8,7 +8,14 @@ planner import it for its types). Each verified plan carries both figures per
 GPU (`MemoryBreakdown.total` and `.traced`); its headroom and `fits` use the
 larger. A gap over `DEFECT_GAP` is a defect of the formula: it is shown in the
 explanation and logged. A plan that cannot be traced says why, in one line,
-in `Plan.verification`.
+in `Plan.verification` (decided here, engine.planner.traceable, before any
+process is started).
+
+Traces never hold up the formula's answer: `rigpilot plan` prints it first and
+each trace's outcome as it arrives (`trace_all`'s `on_answer`), and the engine's
+`plan` request answers `verify: false` at once and traces one plan per `trace`
+request, in a warm tracer (`warm_up`). Each answer is kept on disk
+(engine.planner.trace_cache), so a plan traced once is verified at once after.
 """
 
 from __future__ import annotations
