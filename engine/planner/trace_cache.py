@@ -99,7 +99,7 @@ def load(entry: str | None) -> dict[str, Any] | None:
             path.unlink()
         return None
     answer = doc.get("answer") if isinstance(doc, dict) else None
-    if not (isinstance(doc, dict) and doc.get("key") == entry and _sound(answer)):
+    if not (isinstance(doc, dict) and doc.get("key") == entry and isinstance(answer, dict) and _sound(answer)):
         log.info("trace cache: %s does not hold a traced answer; traced again", path.name)
         with contextlib.suppress(OSError):
             path.unlink()
