@@ -87,6 +87,8 @@ def load(entry: str | None) -> dict[str, Any] | None:
     where = folder()
     if entry is None or where is None:
         return None
+    if not _ours(where) or stat.S_IMODE(where.lstat().st_mode) & 0o022:
+        return None  # another's folder, or one others may write to: not to be believed (the next write tightens it)
     path = where / f"{entry}.json"
     try:
         with open(path, encoding="utf-8") as f:
@@ -142,12 +144,21 @@ def _sound(answer: Any) -> bool:
 
 
 def _private_folder(where: Path) -> None:
-    where.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = where.lstat()
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+    where.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # Rigpilot's cache folder too, when it is new
+    where.mkdir(mode=0o700, exist_ok=True)
+    if not _ours(where):
         raise OSError(f"{where} is not a folder of this user's")
-    if stat.S_IMODE(st.st_mode) & 0o077:
+    if stat.S_IMODE(where.lstat().st_mode) & 0o077:
         os.chmod(where, 0o700)
+
+
+def _ours(where: Path) -> bool:
+    """A folder of this user's (not a link), which no one else may write to: entries there are believed."""
+    try:
+        st = where.lstat()
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
 
 
 def _evict(where: Path, keep: int | None = None) -> None:

@@ -143,6 +143,10 @@ def test_the_cache_is_private_and_bounded(tiny, cache, monkeypatch):
     assert all(stat.S_IMODE((cache / name).stat().st_mode) == 0o600 for name in kept)
     assert trace_cache.load(f"{4:064x}") == {"ok": True, "peak": 4, "method": "m"}
     assert trace_cache.load(f"{0:064x}") is None
+    os.chmod(cache, 0o777)  # anyone could have planted an entry: none is believed until the folder is ours again
+    assert trace_cache.load(f"{4:064x}") is None
+    trace_cache.store(f"{5:064x}", {"ok": True, "peak": 5, "method": "m"})
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o700 and trace_cache.load(f"{4:064x}") is not None
 
 
 def test_an_unwritable_cache_only_costs_the_cache(tiny, tmp_path, monkeypatch):
