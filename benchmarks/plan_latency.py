@@ -79,20 +79,23 @@ def tracer_phases(model: str, profile: str, method: str) -> dict[str, object]:
     spec = describe_model(model)
     result = search(spec, load_profile(profile), Workload(model=model, method=method, seq_len=2048, global_batch=16))
     plans = [p.to_dict() for p in ([result.best] if result.best else []) + result.runners_up][:VERIFY_TOP]
+    # CPU seconds beside wall seconds: a tracer is one busy thread (fake tensors do no arithmetic), so on a
+    # quiet machine its wall time is its CPU time, whatever else a loaded machine runs meanwhile.
     script = (
         "import json, sys, time\n"
-        "t = time.perf_counter()\n"
+        "t, c = time.perf_counter(), time.process_time()\n"
         "from rigpilot.engine.workers import memtrace\n"
         "memtrace._quiet()\n"
-        "import torch, transformers, torch.distributed.fsdp\n"
-        "out = {'imports': time.perf_counter() - t, 'traces': []}\n"
+        "memtrace._warm_imports()\n"
+        "out = {'imports': time.perf_counter() - t, 'imports_cpu': time.process_time() - c, 'traces': [], 'cpu': []}\n"
         "for plan in json.load(sys.stdin):\n"
-        "    t = time.perf_counter()\n"
+        "    t, c = time.perf_counter(), time.process_time()\n"
         "    try:\n"
         "        memtrace.trace_plan(plan)\n"
         "    except memtrace.NotTraced:\n"
         "        pass\n"
         "    out['traces'].append(time.perf_counter() - t)\n"
+        "    out['cpu'].append(time.process_time() - c)\n"
         "print(json.dumps(out))\n"
     )
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -155,6 +158,16 @@ def main() -> None:
     print(
         f"one cold tracer process: imports {fmt(phases['imports'])}, traces {traces}, in all {fmt(phases['process'])}"
     )  # type: ignore[arg-type]
+    cpu = phases.get("cpu") or []
+    if cpu and phases.get("imports_cpu") is not None:
+        cores = max(1, min(len(cpu), os.cpu_count() or 1))  # type: ignore[arg-type]
+        shares = [sum(cpu[k::cores]) for k in range(cores)]  # type: ignore[index]
+        quiet = float(phases["imports_cpu"]) + max(shares)  # type: ignore[arg-type]
+        print(
+            f"  its CPU seconds: imports {float(phases['imports_cpu']):.2f}, traces "  # type: ignore[arg-type]
+            + ", ".join(f"{c:.2f}" for c in cpu)  # type: ignore[union-attr]
+            + f"; the cold check of these plans on {cores} quiet core(s), a tracer each: about {quiet:.1f} s"
+        )
     print(f"\nthe top {VERIFY_TOP} plans traced, cold, the trace cache off:")
     for name, seconds in tracer_ways(a.model, a.simulated, a.method):
         print(f"  {name:30}  {seconds:6.2f} s")

@@ -10,6 +10,12 @@ Prints the best plan with its explanation, runners-up and rejected families (or
 the smallest changes that make it fit). With --export the artifact goes to
 stdout and the explanation to stderr, so it can be redirected into a file.
 Exit status: 0 with a plan, 1 when nothing fits, 2 for bad input.
+
+The formula's plan prints at once; the top plans' memory is then traced on the
+engine's own model and each outcome printed below it as it comes, then what the
+traces changed (Ctrl-C stops the check, --no-verify skips it). Traces are kept
+in the trace cache (engine.planner.trace_cache): a plan traced before is
+verified at once. --json and --export print once, verified, as they always have.
 """
 
 from __future__ import annotations
