@@ -261,3 +261,18 @@ def test_the_engine_answers_the_formula_while_a_trace_is_held_and_then_the_trace
     with engine.client() as c:
         verified = c.request("plan", model=str(tiny), workload=work)["result"]
     assert verified["trace"]["traced"] >= 1 and verified["best"]["memory"][0]["traced"] is not None
+
+
+@pytest.mark.slow
+def test_the_warm_tracer_traces_as_a_one_shot_tracer_does_request_after_request(tiny, monkeypatch):
+    monkeypatch.setenv(verify.ENV_SWITCH, "1")
+    monkeypatch.setenv(trace_cache.ENV_CACHE, "off")
+    started = counting_tracer(monkeypatch)
+    plans = plans_of(tiny)
+    one_shot = verify.trace_all(plans)
+    cold = len(started)
+    verify.warm_up()
+    first = verify.trace_all(plans[:1], warm=True)
+    rest = verify.trace_all(plans[1:], warm=True)  # a second request to the same process
+    assert [a["peak"] for a in first + rest] == [a["peak"] for a in one_shot]
+    assert len(started) == cold + 1  # the warm tracer, started once
