@@ -13,6 +13,8 @@ from support.paths import SMI_DATA
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 # Plans are verified by a traced step (seconds each): only the tests of that turn it on.
 os.environ.setdefault("RIGPILOT_PLAN_VERIFY", "0")
+# Traces are kept on disk between plans (engine.planner.trace_cache): tests of the cache give it a folder of their own.
+os.environ.setdefault("RIGPILOT_TRACE_CACHE", "off")
 # Every test engine would import torch in a warm worker while idle: only the warm-worker tests turn it on.
 os.environ.setdefault("RIGPILOT_WARM_WORKER", "0")
 

@@ -16,6 +16,7 @@ machine's calibration; its plans export, and launch only on this machine.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from PySide6.QtCore import QByteArray, QSettings, Qt, Signal
@@ -31,6 +32,7 @@ from rigpilot.app.planner.model import (
     context_to_fit,
     error_text,
     plan_runs_here,
+    plans_of,
 )
 from rigpilot.app.planner.results_view import TABLE_COLUMNS, PlanResults
 from rigpilot.app.planner.workload_form import WorkloadForm
@@ -48,6 +50,18 @@ _SAVED = [("model", "model", str), ("task", "task", str), ("method", "method", s
           ("nodes", "nodes", int), ("internode", "internode", str)]  # fmt: skip
 
 
+@dataclass
+class MemoryCheck:
+    """The memory check under way: which plans of which answer to trace, how far it got, and the request to
+    send again once they are traced."""
+
+    serial: int
+    plans: list[dict[str, Any]]
+    asked: dict[str, Any]
+    result: dict[str, Any]
+    done: int = 0
+
+
 def duration_short(seconds: float) -> str:
     """A measured time that never reads "0.00 s": milliseconds below a second."""
     if seconds < 0.001:
@@ -61,6 +75,9 @@ class PlannerPage(QWidget):
     sig_plan_shown = Signal(dict)  # the plan (Plan.to_dict()) the chart, exports and launch now use
     sig_wizard_opened = Signal(object)  # the JobWizard "Launch with this plan…" opened
     sig_job_submitted = Signal(str)  # a job id, submitted from a wizard this page opened
+    sig_plan_traced = Signal(int, dict)  # a plan's index in the result and its outcome, as each trace comes back
+    sig_plan_verified = Signal(dict)  # the search result once its memory check is done (traced figures in it)
+    sig_check_cancelled = Signal()  # the user stopped the memory check: the formula's figures stand
 
     def __init__(self, link: Any, parent: QWidget | None = None, *, machines: ImportedMachines | None = None):
         super().__init__(parent)
@@ -68,6 +85,7 @@ class PlannerPage(QWidget):
         self.plan: dict[str, Any] | None = None  # the plan shown in the chart
         self.wizard: Any = None
         self._serial = 0  # replies to older requests are dropped
+        self._check: MemoryCheck | None = None  # the memory check of the result shown, while it runs
         self._default_selection = True  # until the user picks, the selection follows which GPUs are free
 
         self.form = WorkloadForm()
@@ -121,6 +139,11 @@ class PlannerPage(QWidget):
         self.status = QLabel("")
         self.status.setObjectName("planStatus")
         self.status.setWordWrap(True)
+        self.cancel_check = QPushButton("Cancel memory check")
+        self.cancel_check.setObjectName("cancelMemoryCheck")
+        self.cancel_check.setToolTip("Stop tracing the plans' memory: the formula's figures stand")
+        self.cancel_check.clicked.connect(self.cancel_memory_check)
+        self.cancel_check.hide()
         gpu_box = QGroupBox("GPUs")
         gpu_layout = QVBoxLayout(gpu_box)
         gpu_layout.addWidget(self.choice)
@@ -128,7 +151,7 @@ class PlannerPage(QWidget):
         gpu_layout.addWidget(self.form.nodes_box)
         form = QWidget()
         form_layout = QVBoxLayout(form)
-        for part in (self.form, gpu_box, self.plan_button, self.status):
+        for part in (self.form, gpu_box, self.plan_button, self.status, self.cancel_check):
             form_layout.addWidget(part)
         form_layout.addStretch(1)
         self.form_area = QScrollArea()
@@ -224,6 +247,7 @@ class PlannerPage(QWidget):
     def _target_changed(self) -> None:
         d = self.choice.machine()
         self._serial += 1  # a reply for the machine before is not for this one
+        self._end_check()
         self.plan_button.setEnabled(True)
         self.status.setText("")
         here = self.choice.is_here()
@@ -258,11 +282,10 @@ class PlannerPage(QWidget):
             return
         self._serial += 1
         serial = self._serial
+        self._end_check()
         self.results.hide_message()
         self.status.setText(f"Planning {request.model}…")
         self.plan_button.setEnabled(False)
-        on_done = lambda reply: self._on_plan(serial, reply)  # noqa: E731
-        on_error = lambda e: self._on_plan_error(serial, e)  # noqa: E731
         if getattr(self.link, "state", None) != "connected":
             # Plans come from the engine alone (one planner, calibrated for this machine): say so, ask again later.
             self.plan_button.setEnabled(True)
@@ -270,27 +293,115 @@ class PlannerPage(QWidget):
             self.results.show_message("Not connected to the engine yet: plans come from it. Plan again once it is.")
             return
         other = self.choice.request_arg()
-        self.link.call(
-            "plan", on_done=on_done, on_error=on_error,
-            model=request.model, workload=request.workload_args(), gpus=request.gpus,
-            options=request.options_args(), **({"machine": other} if other is not None else {}),
-        )  # fmt: skip
+        asked = {"model": request.model, "workload": request.workload_args(), "gpus": request.gpus,
+                 "options": request.options_args(), **({"machine": other} if other is not None else {})}  # fmt: skip
+        self._ask(serial, asked, verify_later=True)
+
+    def _ask(self, serial: int, asked: dict[str, Any], *, verify_later: bool) -> None:
+        """The formula's answer first (milliseconds); the memory check follows plan by plan (_check_memory).
+        An engine from before `verify` refuses the argument: it is asked again the old way, verified at once."""
+
+        def answered(reply: dict[str, Any]) -> None:
+            self._on_plan(serial, reply)
+            self._check_memory(serial, reply, asked)
+
+        def refused(error: BaseException) -> None:
+            if verify_later and getattr(error, "code", None) == "invalid" and serial == self._serial:
+                self._ask(serial, asked, verify_later=False)
+                return
+            self._on_plan_error(serial, error)
+
+        later = {"verify": False} if verify_later else {}
+        self.link.call("plan", on_done=answered, on_error=refused, **later, **asked)
 
     def _on_plan(self, serial: int, reply: dict[str, Any]) -> None:
         if serial != self._serial:
             return
         self.plan_button.setEnabled(True)
         result = reply.get("result", reply)
-        trace = result.get("trace") or {}
-        self.status.setText(
-            f"{result.get('considered', 0)} layouts searched in {duration_short(result.get('elapsed_s') or 0.0)}."
-            + (f" Memory traced for {trace['traced']} of {trace['tried']} plan(s) in {trace['seconds']:.1f} s."
-               if trace else "")
-        )  # fmt: skip
+        self.status.setText(self._searched(result))
         self.results.hide_message()
         self.results.show_result(result)
         self.rented.show_for(self.link, self.plan_request(), result, self.target_machine())
         self.sig_plan_ready.emit(result)
+
+    @staticmethod
+    def _searched(result: dict[str, Any], check: str = "") -> str:
+        trace = result.get("trace") or {}
+        line = f"{result.get('considered', 0)} layouts searched in {duration_short(result.get('elapsed_s') or 0.0)}."
+        if trace.get("tried"):
+            cached = f", {trace['cached']} from the trace cache" if trace.get("cached") else ""
+            line += f" Memory traced for {trace['traced']} of {trace['tried']} plan(s) in {trace['seconds']:.1f} s{cached}."
+        return f"{line} {check}" if check else line
+
+    # -- the memory check: each top plan traced by the engine, shown as it comes ---------------------------
+    def _check_memory(self, serial: int, reply: dict[str, Any], asked: dict[str, Any]) -> None:
+        result = reply.get("result", reply)
+        pending = int((result.get("trace") or {}).get("pending") or 0)
+        plans = plans_of(result)[:pending]
+        if serial != self._serial or not plans:
+            return
+        self._check = MemoryCheck(serial, plans, asked, result)
+        self.cancel_check.show()
+        self.cancel_check.setEnabled(True)
+        self._trace_next()
+
+    def _trace_next(self) -> None:
+        check = self._check
+        if check is None:
+            return
+        i = check.done
+        if i >= len(check.plans):
+            self.status.setText(self._searched(check.result, "Memory checked; ranking the traced plans…"))
+            # The search again with verification on: the engine finds every trace in its cache, and ranks
+            # and explains the plans with the traced figures counted (a plan that does not fit gives way).
+            self.link.call("plan", on_done=lambda reply: self._verified(check, reply),
+                           on_error=lambda e: self._check_failed(check, e), **check.asked)  # fmt: skip
+            return
+        self.status.setText(self._searched(check.result, f"Verifying memory: {i + 1} of {len(check.plans)} plans…"))
+        self.link.call(
+            "plan", on_done=lambda reply: self._traced(check, i, reply), on_error=lambda e: self._check_failed(check, e),
+            model=check.asked["model"], gpus=check.asked["gpus"], trace={"plan": check.plans[i]},
+        )  # fmt: skip
+
+    def _traced(self, check: MemoryCheck, i: int, reply: dict[str, Any]) -> None:
+        if check is not self._check:
+            return  # cancelled, or another plan asked for since
+        answer = reply.get("result", reply)
+        self.results.update_plan(i, answer["plan"])
+        check.done = i + 1
+        self.sig_plan_traced.emit(i, answer.get("outcome") or {})
+        self._trace_next()
+
+    def _verified(self, check: MemoryCheck, reply: dict[str, Any]) -> None:
+        if check is not self._check:
+            return
+        self._end_check()
+        result = reply.get("result", reply)
+        self.status.setText(self._searched(result))
+        self.results.show_result(result)
+        self.rented.show_for(self.link, self.plan_request(), result, self.target_machine())
+        self.sig_plan_verified.emit(result)
+
+    def _check_failed(self, check: MemoryCheck, error: BaseException) -> None:
+        if check is not self._check:
+            return
+        self._end_check()
+        self.status.setText(self._searched(check.result, f"Memory check stopped ({error_text(error)}): "
+                                                         "the formula's figures stand."))  # fmt: skip
+
+    def cancel_memory_check(self) -> None:
+        """Stop the memory check: no further plan is traced, a trace under way is not waited for."""
+        check = self._check
+        if check is None:
+            return
+        self._end_check()
+        self.status.setText(self._searched(check.result, "Memory check cancelled: the formula's figures stand."))
+        self.sig_check_cancelled.emit()
+
+    def _end_check(self) -> None:
+        self._check = None
+        self.cancel_check.hide()
 
     def _on_plan_error(self, serial: int, error: BaseException) -> None:
         if serial != self._serial:

@@ -232,6 +232,27 @@ class PlanResults(QWidget):
             else:
                 self.summary.setText(EMPTY)
 
+    def update_plan(self, index: int, plan: dict[str, Any]) -> None:
+        """Plan `index` of the result shown (0: the best), replaced by `plan` (its memory traced since): its row,
+        and the headline and chart when it is the plan shown. The selection stays where the user put it."""
+        if self.result is None or not 0 <= index < len(plans_of(self.result)):
+            return
+        result = dict(self.result)
+        if index == 0:
+            result["best"] = plan
+        else:
+            runners = list(result.get("runners_up") or [])
+            runners[index - 1] = plan
+            result["runners_up"] = runners
+        self.result = result
+        rows = self.table.selectionModel().selectedRows()
+        selected = rows[0].row() if rows else 0
+        with QSignalBlocker(self.table.selectionModel()):
+            self._fill_table(result)
+            self.table.selectRow(selected)
+        if selected == index:
+            self.show_plan(plan)
+
     def _fill_table(self, result: dict[str, Any] | None) -> int:
         rows = plan_rows(result) if result else []
         self.table.setRowCount(len(rows))

@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from rigpilot.app.planner.model import error_text
+from rigpilot.app.planner.model import error_text, plans_of
 from rigpilot.app.wizard.state import WizardState, default_gpus, default_state, examples_present
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.planner.overrides import Overrides
@@ -30,15 +30,77 @@ def connected(link: Any) -> bool:
     return getattr(link, "state", None) == "connected"
 
 
+class PlanCheck:
+    """A plan request whose memory check may still be under way; `cancel()` drops whatever it still brings."""
+
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
 def request_plan(
     link: Any,
     state: WizardState,
     on_done: Callable[[dict[str, Any]], None],
     on_error: Callable[[BaseException], None],
-) -> None:
+    on_formula: Callable[[dict[str, Any]], None] | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> PlanCheck:
     """A plan (search result) for `state`, from the engine's `plan` request; `on_error` gets the refusal itself
-    (its reason and fields say which fix to offer)."""
-    _ask_plan(link, state, on_done, on_error, workload=state.workload_args(), options={})
+    (its reason and fields say which fix to offer).
+
+    With `on_formula`: the formula's answer comes first, at once (`on_formula(result)`); then the engine traces
+    the top plans one request at a time (`on_progress(done, of)` after each) and `on_done` gets the result
+    ranked with the traced figures. An engine from before this answers the old way: `on_done` alone."""
+    check = PlanCheck()
+    asked: dict[str, Any] = {"workload": state.workload_args(), "options": {}}
+
+    def done(result: dict[str, Any]) -> None:
+        if not check.cancelled:
+            on_done(result)
+
+    def failed(error: BaseException) -> None:
+        if not check.cancelled:
+            on_error(error)
+
+    if on_formula is None:
+        _ask_plan(link, state, done, failed, **asked)
+        return check
+
+    def formula(result: dict[str, Any]) -> None:
+        if check.cancelled:
+            return
+        on_formula(result)
+        plans = plans_of(result)[: int((result.get("trace") or {}).get("pending") or 0)]
+        if not plans:
+            done(result)
+            return
+        trace(plans, 0)
+
+    def trace(plans: list[dict[str, Any]], i: int) -> None:
+        if check.cancelled:
+            return
+        if i == len(plans):  # every trace in the engine's cache now: the search ranks with them at once
+            _ask_plan(link, state, done, failed, **asked)
+            return
+
+        def traced(_: dict[str, Any]) -> None:
+            if not check.cancelled and on_progress is not None:
+                on_progress(i + 1, len(plans))
+            trace(plans, i + 1)
+
+        _ask_plan(link, state, traced, failed, trace={"plan": plans[i]})
+
+    def refused(error: BaseException) -> None:
+        if getattr(error, "code", None) == "invalid" and not check.cancelled:
+            _ask_plan(link, state, done, failed, **asked)  # an engine from before `verify`
+            return
+        failed(error)
+
+    _ask_plan(link, state, formula, refused, verify=False, **asked)
+    return check
 
 
 def recheck(

@@ -43,9 +43,11 @@ class WizardHost(Protocol):
         or `on_error` with the refusal (its reason and fields say what is wrong)."""
 
     def request_plan(
-        self, on_done: Callable[[dict[str, Any]], None], on_error: Callable[[BaseException], None]
-    ) -> None:
-        """A plan (search result) for the current choices."""
+        self, on_done: Callable[[dict[str, Any]], None], on_error: Callable[[BaseException], None],
+        on_formula: Callable[[dict[str, Any]], None] | None = None, on_progress: Callable[[int, int], None] | None = None,
+    ) -> Any:  # fmt: skip
+        """A plan (search result) for the current choices; with `on_formula`, the formula's answer first, then
+        the memory check's (a handle whose `cancel()` drops the rest)."""
 
     def check(self, on_done: Callable[[dict[str, Any]], None], on_error: Callable[[BaseException], None]) -> None:
         """The engine's verdict on submitting the current choices, without submitting them."""

@@ -130,6 +130,7 @@ class PlanPage(StepPage):
             wizard, "Plan", "How the job is split over the GPUs. Change it if you like: memory is re-checked as you go."
         )
         self.result: dict[str, Any] | None = None  # the search result the alternatives come from
+        self._plan_check: Any = None  # the plan request whose memory check may still be under way
         self.base: dict[str, Any] | None = None  # the alternative the overrides apply to
         self.headline = QLabel()
         self.headline.setObjectName("planHeadline")
@@ -263,7 +264,16 @@ class PlanPage(StepPage):
         self.cancel_checks()
         self.busy = True
         self.set_problem(None, note="Asking the planner for the best way to split this job…")
-        self.wiz.request_plan(self._planned, self._plan_failed)
+        if self._plan_check is not None:
+            self._plan_check.cancel()  # a memory check still on its way was of the choices before
+        # The formula's plan shows at once; the plan traced by the engine replaces it when its check is done.
+        self._plan_check = self.wiz.request_plan(
+            self._planned, self._plan_failed, on_formula=self._planned, on_progress=self._verifying
+        )
+
+    def _verifying(self, done: int, of: int) -> None:
+        if self.problem is None:
+            self.set_problem(None, note=f"Checking the memory of the top plans: {done} of {of} traced…")
 
     def _planned(self, result: dict[str, Any]) -> None:
         self.busy = False

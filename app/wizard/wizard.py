@@ -207,10 +207,12 @@ class JobWizard(QWizard):
 
     # -- talking to the engine ---------------------------------------------------------------------------
     def request_plan(
-        self, on_done: Callable[[dict[str, Any]], None], on_error: Callable[[BaseException], None]
-    ) -> None:
-        """A plan for the current choices, from the engine."""
-        engine_requests.request_plan(self.link, self.state, on_done, on_error)
+        self, on_done: Callable[[dict[str, Any]], None], on_error: Callable[[BaseException], None],
+        on_formula: Callable[[dict[str, Any]], None] | None = None, on_progress: Callable[[int, int], None] | None = None,
+    ) -> engine_requests.PlanCheck:  # fmt: skip
+        """A plan for the current choices, from the engine (engine_requests.request_plan: the formula's answer
+        first with `on_formula`, then the memory check's)."""
+        return engine_requests.request_plan(self.link, self.state, on_done, on_error, on_formula, on_progress)
 
     def engine_connected(self) -> bool:
         return engine_requests.connected(self.link)

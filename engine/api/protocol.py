@@ -60,7 +60,10 @@ has `settings`, the job's spec without its environment, and `output`, what its o
     topology {}                             → {matrix: {gpus, cells}, summary, description}
     telemetry_history {since?, limit?}      → {samples: [TelemetrySample], more, next_since}
     plan {model, workload?, gpus?, options?, trust_remote_code?, deadline_s?, machine?} → {result: the planner's
-          SearchResult}; machine: a simulated profile's id or a machine (Machine JSON) to plan for instead of this one
+          SearchResult}; machine: a simulated profile's id or a machine (Machine JSON) to plan for instead of this one;
+          verify: false → the formula's answer at once, its `trace` {pending: how many top plans to trace};
+          trace {plan} → {result: {plan (with the traced figures), outcome {verified, fits, formula_bytes,
+          traced_bytes, capacity_bytes, cached, seconds, reason}, line}}: one plan's memory traced, no search
     submit {spec: JobSpec fields, plan?, cwd?, slurm?} → {job}; slurm {partition?, account?, time?, login?}:
           submitted to SLURM with sbatch, the job's `slurm` field then follows SLURM's queue state
     check {spec, plan?, cwd?} → {ok: true, lines: [what would run, in words], would_run: {ranks, gpus,

@@ -10,19 +10,29 @@ Prints the best plan with its explanation, runners-up and rejected families (or
 the smallest changes that make it fit). With --export the artifact goes to
 stdout and the explanation to stderr, so it can be redirected into a file.
 Exit status: 0 with a plan, 1 when nothing fits, 2 for bad input.
+
+The formula's plan prints at once; the top plans' memory is then traced on the
+engine's own model and each outcome printed below it as it comes, then what the
+traces changed (Ctrl-C stops the check, --no-verify skips it). Traces are kept
+in the trace cache (engine.planner.trace_cache): a plan traced before is
+verified at once. --json and --export print once, verified, as they always have.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from rigpilot.engine import schema
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import MISSING, PathRefused, check_given_path, shown
+from rigpilot.engine.planner import verify
 from rigpilot.engine.planner.calibration import MachineCalibration, apply_stored
 from rigpilot.engine.planner.calibration import apply as apply_calibration
 from rigpilot.engine.planner.cluster import DEFAULT_LINK, NODE_LINKS, check_nodes, node_link
@@ -223,12 +233,16 @@ def run_plan(args: argparse.Namespace) -> int:
     else:
         calibrated = apply_calibration(_calibration(args.calibration), machine, workload.precision)
     # One search, with or without --export: the export translates the plan `plan` shows into the tool's terms.
-    result = search_checked(
-        spec, machine, workload, calibrated, gpus=parse_gpus(args.gpus),
+    searched = functools.partial(
+        search_checked, spec, machine, workload, calibrated, gpus=parse_gpus(args.gpus),
         options=SearchOptions(force_tp=bool(args.force_tp), offload=args.offload or P["offload"].default, nodes=nodes,
                               internode=args.internode),
-        verify=not getattr(args, "no_verify", False), node_machines=node_machines,
+        node_machines=node_machines,
     )  # fmt: skip
+    checked = not getattr(args, "no_verify", False) and verify.enabled()
+    if checked and not getattr(args, "json", False) and not args.export and not getattr(args, "compare_rented", False):
+        return _plan_then_trace(searched, simulated=machine.simulated)
+    result = searched(verify=checked)
     calibrated_status = calibrated[1]
     comparison = _compare_rented(args, spec, machine, workload, result) if getattr(args, "compare_rented", False) else None
     artifact, exported, instead = None, None, None
@@ -254,6 +268,62 @@ def run_plan(args: argparse.Namespace) -> int:
 
             print("\n" + "\n".join(render(comparison)))
     return 0 if result.best is not None else 1
+
+
+def _plan_then_trace(searched: Callable[..., SearchResult], *, simulated: bool) -> int:
+    """The formula's plan at once, then each trace's outcome as it comes, then what the traces changed.
+
+    The answer never waits on the trace: the formula's search is printed first (milliseconds), and Ctrl-C
+    during the trace stops it, leaving that answer standing."""
+    formula = searched(verify=False)
+    print("\n".join(render_text(formula, simulated=simulated)), flush=True)
+    plans = verify.to_trace(formula)
+    if formula.best is None or not plans:
+        return 0 if formula.best is not None else 1
+    names = {id(p): _rank(i) for i, p in enumerate(plans)}
+    print(f"\nMemory check: the top {len(plans)} plan(s) traced on the engine's own model…", flush=True)
+
+    def arrived(i: int, plan: Plan, answer: dict[str, Any]) -> None:
+        line = verify.outcome_line(verify.outcome(plan, answer))
+        print(f"  {names.get(id(plan), _rank(i))}  {plan.parallelism.family}: {line}", flush=True)
+
+    memo: dict[str, dict[str, Any]] = {}
+    started = time.perf_counter()
+    try:
+        answers = verify.trace_all(plans, on_answer=arrived, memo=memo)
+    except KeyboardInterrupt:
+        print("memory check stopped: the formula's figures stand", flush=True)
+        return 0
+    seconds = time.perf_counter() - started
+    # The same search again, every trace known: the verdict as `rigpilot plan --json` gives it.
+    final = searched(verify=True, memo=memo)
+    traced = sum(bool(a.get("ok")) for a in answers)
+    cached = sum(bool(a.get("ok") and a.get("cached")) for a in answers)
+    note = f"memory traced for {traced} of {len(plans)} plan(s) in {seconds:.1f} s" + (
+        f" ({cached} from the trace cache)" if cached else ""
+    )
+    print("\n".join([*_after_trace(formula, final, simulated), f"note: {note}"]), flush=True)
+    return 0 if final.best is not None else 1
+
+
+def _after_trace(formula: SearchResult, final: SearchResult, simulated: bool) -> list[str]:
+    """What the traces changed, below the formula's answer: the best plan if it gave way, the disagreements."""
+    out: list[str] = []
+    findings = [line for line in final.explanation if line not in formula.explanation]
+    if findings:
+        out += [""] + [f"  {line}" for line in findings]
+    if final.best is None:
+        out.append("Nothing fits once traced.")
+        return out
+    same = formula.best is not None and final.best.parallelism == formula.best.parallelism
+    if not same:
+        plans = [final.best, *final.runners_up]
+        out += ["", f"Plans once traced, {RANKING}:"]
+        out += [f"  {row}" for row in _table(plans, final.workload, nodes=final.nodes > 1)]
+    if final.best.peak_memory.traced is not None:
+        out += ["", "Memory per GPU of the best plan, traced:"]
+        out += [f"  {row}" for row in _memory_table(final.best, simulated)]
+    return out
 
 
 def _compare_rented(args: argparse.Namespace, spec: Any, machine: Any, workload: Workload, result: SearchResult) -> Any:

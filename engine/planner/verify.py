@@ -8,29 +8,43 @@ planner import it for its types). Each verified plan carries both figures per
 GPU (`MemoryBreakdown.total` and `.traced`); its headroom and `fits` use the
 larger. A gap over `DEFECT_GAP` is a defect of the formula: it is shown in the
 explanation and logged. A plan that cannot be traced says why, in one line,
-in `Plan.verification`.
+in `Plan.verification` (decided here, engine.planner.traceable, before any
+process is started).
+
+Traces never hold up the formula's answer: `rigpilot plan` prints it first and
+each trace's outcome as it arrives (`trace_all`'s `on_answer`), and the engine's
+`plan` request answers `verify: false` at once and traces one plan per `trace`
+request, in a warm tracer (`warm_up`). Each answer is kept on disk
+(engine.planner.trace_cache), so a plan traced once is verified at once after.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import dataclasses
 import functools
 import json
 import logging
 import os
+import selectors
 import subprocess
+import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from typing import Any
 
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.machine import Machine
 from rigpilot.engine.models.spec import ModelSpec
+from rigpilot.engine.planner import trace_cache
 from rigpilot.engine.planner.calibration import CalibrationStatus
 from rigpilot.engine.planner.links import Calibration
 from rigpilot.engine.planner.memory import fmt_gib
 from rigpilot.engine.planner.plan import Plan, Workload
 from rigpilot.engine.planner.result import SearchResult
 from rigpilot.engine.planner.search import SearchOptions, search
+from rigpilot.engine.planner.traceable import why_not_traced
 
 log = logging.getLogger(__name__)
 # A defect goes to the engine's log (its handlers sit on the root logger); `rigpilot plan` in a terminal
@@ -42,6 +56,7 @@ DEFECT_GAP = 0.05  # formula and trace further apart than this (of the formula's
 TRACE_TIMEOUT_S = 120.0
 VERIFY_BUDGET_S = 25.0  # the engine's planner: its plan request has 45 s in all
 TRACER = "rigpilot.engine.workers.memtrace"
+MAX_TRACERS = 4  # tracer processes at once, at most one per core
 ENV_SWITCH = "RIGPILOT_PLAN_VERIFY"  # "0": plans are not verified unless asked for explicitly
 
 
@@ -52,35 +67,250 @@ def enabled() -> bool:
 
 def trace(plan: Plan, *, trust_remote_code: bool = False, timeout_s: float = TRACE_TIMEOUT_S) -> dict[str, Any]:
     """The tracer's answer for `plan`: {"ok": True, "peak": bytes, ...} or {"ok": False, "reason": one line}."""
+    return trace_all([plan], trust_remote_code=trust_remote_code, timeout_s=timeout_s)[0]
+
+
+OnAnswer = Callable[[int, Plan, dict[str, Any]], None]
+
+
+def trace_all(
+    plans: list[Plan], *, trust_remote_code: bool = False, timeout_s: float = TRACE_TIMEOUT_S,
+    on_answer: OnAnswer | None = None, cancelled: Callable[[], bool] | None = None,
+    memo: dict[str, dict[str, Any]] | None = None, least_s: float = 0.0, warm: bool = False,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Each plan's traced answer, in order; `on_answer(i, plan, answer)` as each is known.
+
+    A plan the tracer cannot trace is answered at once with the reason (no process started), one traced
+    before from the disk cache (engine.planner.trace_cache, `"cached": True`) or from `memo` (this run's
+    answers by plan); the rest in tracer processes, one per core at most, each tracing its share of the
+    plans in turn and answering each as it is done. Past `timeout_s`, or once `cancelled()`, the tracers are
+    stopped and the plans left say why; with less than `least_s` to go, none is started. `warm`: in this
+    process's warm tracer (`warm_up`), which stays for the next call.
+    """
+    deadline = time.monotonic() + timeout_s
+    answers: list[dict[str, Any] | None] = [None] * len(plans)
+
+    def answer(i: int, a: dict[str, Any]) -> None:
+        answers[i] = a
+        if memo is not None:
+            memo[_identity(plans[i])] = a
+        if on_answer is not None:
+            on_answer(i, plans[i], a)
+
+    python: str | None = None
+    keys: dict[int, str | None] = {}
+    for i, plan in enumerate(plans):
+        reason = why_not_traced(dataclasses.asdict(plan.workload), dataclasses.asdict(plan.parallelism))
+        if reason is not None:
+            answer(i, {"ok": False, "reason": reason})
+            continue
+        known = memo.get(_identity(plan)) if memo is not None else None
+        if known is not None:
+            answer(i, known)
+            continue
+        if python is None:
+            from rigpilot.engine.runtime import worker_python
+
+            try:
+                python = worker_python()
+            except UserError as e:
+                answer(i, {"ok": False, "reason": str(e)})
+                continue
+        keys[i] = trace_cache.key(plan, python=python, trust_remote_code=trust_remote_code)
+        cached = trace_cache.load(keys[i])
+        if cached is not None:
+            answer(i, {**cached, "cached": True})
+    misses = [i for i in keys if answers[i] is None]
+    if misses and timeout_s < least_s:
+        for i in misses:
+            answer(i, {"ok": False, "reason": "no time left for it in this request"})
+    elif misses and python is not None:
+
+        def traced(i: int, a: dict[str, Any]) -> None:
+            if a.get("ok"):
+                trace_cache.store(keys[i], a)
+            answer(i, a)
+
+        _run_tracers(python, plans, misses, trust_remote_code, deadline, timeout_s, traced, cancelled, warm)
+    return [a if a is not None else {"ok": False, "reason": "not traced"} for a in answers]
+
+
+def _identity(plan: Plan) -> str:
+    return json.dumps([dataclasses.asdict(plan.workload), dataclasses.asdict(plan.parallelism)], sort_keys=True)
+
+
+def tracer_command(python: str) -> list[str]:
+    """How a tracer process is started (a test may start a stand-in that waits for its cue)."""
+    return [python, "-m", TRACER]
+
+
+def _run_tracers(
+    python: str, plans: list[Plan], todo: list[int], trust_remote_code: bool, deadline: float, timeout_s: float,
+    answer: Callable[[int, dict[str, Any]], None], cancelled: Callable[[], bool] | None, warm: bool = False,
+) -> None:  # fmt: skip
+    # Each tracer is one thread (fake tensors do no arithmetic): more of them than cores only competes for
+    # the cores, and each pays torch's import, so the plans are shared out over at most one per core.
+    # A warm tracer (`warm`) has paid its imports already: it traces them all, in turn.
+    n = 1 if warm else max(1, min(len(todo), os.cpu_count() or 1, MAX_TRACERS))
+    shares = [todo[k::n] for k in range(n)]  # the best plan first in the first tracer
+    running: list[_Tracer] = []
+    finished = False
+    try:
+        for share in shares:
+            request = {"plans": [plans[i].to_dict() for i in share], "trust_remote_code": trust_remote_code}
+            try:
+                tracer = _warm_tracer(python) if warm else _Tracer(tracer_command(python))
+                tracer.send(request, share)
+                running.append(tracer)
+            except OSError as e:
+                for i in share:
+                    answer(i, {"ok": False, "reason": f"cannot start the tracer ({python}): {e.strerror or e}"})
+        sel = selectors.DefaultSelector()
+        for t in running:
+            sel.register(t.stdout, selectors.EVENT_READ, t)
+        while sel.get_map():
+            if cancelled is not None and cancelled():
+                for t in running:
+                    t.fail(answer, "the memory check was cancelled")
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                for t in running:
+                    t.fail(answer, f"the trace took longer than {timeout_s:.0f} s")
+                return
+            for key, _ in sel.select(timeout=min(left, 0.25)):
+                t = key.data
+                alive = t.read(answer)
+                if not alive:
+                    t.finish(answer)
+                if not alive or not t.pending:
+                    sel.unregister(t.stdout)
+        finished = True
+    finally:
+        for t in running:
+            if not (finished and t is _WARM and t.proc.poll() is None):
+                t.stop()
+
+
+# The warm tracer of this process (a planner process of the engine: one request at a time), started by
+# `warm_up` or the first trace that asks for it, and reused until it fails, is stopped or its owner exits.
+_WARM: _Tracer | None = None
+
+
+def warm_up() -> None:
+    """Start the warm tracer now, if it is not running, so its imports are done by the time a trace is asked."""
+    if not enabled():
+        return
     from rigpilot.engine.runtime import worker_python
 
     try:
-        python = worker_python()
-    except UserError as e:
-        return {"ok": False, "reason": str(e)}
-    request = json.dumps({"plan": plan.to_dict(), "trust_remote_code": trust_remote_code})
-    # Config only, never a download: the planner has read the config already, the cache has it.
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    try:
-        done = subprocess.run(
-            [python, "-m", TRACER], input=request, capture_output=True, text=True, timeout=timeout_s,
-            env=env, cwd="/",  # not the caller's folder: nothing there may shadow a module
+        _warm_tracer(worker_python())
+    except (UserError, OSError) as e:
+        log.info("no warm tracer: %s", e)
+
+
+def stop_warm() -> None:
+    """Stop the warm tracer, if one runs."""
+    if _WARM is not None:
+        _WARM.stop()
+
+
+def _warm_tracer(python: str) -> _Tracer:
+    global _WARM
+    if _WARM is None or _WARM.proc.poll() is not None:
+        _WARM = _Tracer([*tracer_command(python), "--serve"], serve=True)
+    return _WARM
+
+
+class _Tracer:
+    """One tracer process, the plans it was last given, and the answer lines it has written so far."""
+
+    def __init__(self, command: list[str], *, serve: bool = False):
+        self.serve = serve
+        self.share: list[int] = []
+        self.pending: set[int] = set()
+        self.buffer = b""
+        self.stderr = tempfile.TemporaryFile()
+        # Config only, never a download: the planner has read the config already, the cache has it.
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        self.proc = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, env=env,
+            cwd="/",  # not the caller's folder: nothing there may shadow a module
         )  # fmt: skip
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "reason": f"the trace took longer than {timeout_s:.0f} s"}
-    except OSError as e:
-        return {"ok": False, "reason": f"cannot start the tracer ({python}): {e.strerror or e}"}
-    lines = done.stdout.strip().splitlines()
-    try:
-        answer = json.loads(lines[-1]) if lines else None
-    except ValueError:
-        answer = None
-    if not isinstance(answer, dict) or "ok" not in answer:
-        log.warning("memory tracer exited with %s without an answer:\n%s", done.returncode, done.stderr[-4000:])
-        return {"ok": False, "reason": f"the tracer exited with code {done.returncode} without an answer"}
-    if not answer["ok"] and done.stderr.strip():
-        log.info("memory tracer: %s\n%s", answer.get("reason"), done.stderr[-4000:])
-    return answer
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.stdout = self.proc.stdout
+
+    def send(self, request: dict[str, Any], share: list[int]) -> None:
+        """Ask it to trace `request`'s plans, which are `share` of the caller's; a one-shot tracer gets no more."""
+        self.share, self.pending = share, set(share)
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+            self.proc.stdin.flush()
+            if not self.serve:
+                self.proc.stdin.close()
+        except OSError:
+            pass  # it exited already: its exit code says so once its output ends
+
+    def read(self, answer: Callable[[int, dict[str, Any]], None]) -> bool:
+        """Take what it wrote; False at its end."""
+        chunk = os.read(self.stdout.fileno(), 1 << 16)
+        if not chunk:
+            return False
+        self.buffer += chunk
+        *lines, self.buffer = self.buffer.split(b"\n")
+        for line in lines:
+            try:
+                a = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(a, dict) or "ok" not in a:
+                continue
+            index = a.pop("index", None)
+            i = self.share[index] if isinstance(index, int) and 0 <= index < len(self.share) else None
+            if i is None and index is None and len(self.share) == 1:
+                i = self.share[0]
+            if i in self.pending:
+                self.pending.discard(i)
+                if not a["ok"]:
+                    log.info("memory tracer: %s\n%s", a.get("reason"), self._errors())
+                answer(i, a)
+        return True
+
+    def finish(self, answer: Callable[[int, dict[str, Any]], None]) -> None:
+        code = self.proc.wait()
+        if self.pending:
+            log.warning("memory tracer exited with %s without an answer:\n%s", code, self._errors())
+            self.fail(answer, f"the tracer exited with code {code} without an answer")
+
+    def fail(self, answer: Callable[[int, dict[str, Any]], None], reason: str) -> None:
+        for i in sorted(self.pending):
+            answer(i, {"ok": False, "reason": reason})
+        self.pending.clear()
+
+    def stop(self) -> None:
+        global _WARM
+        if self is _WARM:
+            _WARM = None
+        if self.proc.poll() is None:
+            with contextlib.suppress(OSError):
+                self.proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+        for f in (self.proc.stdin, self.stdout):
+            with contextlib.suppress(OSError, ValueError):
+                if f is not None:
+                    f.close()
+        self.stderr.close()
+
+    def _errors(self) -> str:
+        try:
+            self.stderr.seek(0, os.SEEK_END)
+            size = self.stderr.tell()
+            self.stderr.seek(max(0, size - 4000))
+            return self.stderr.read().decode(errors="replace")
+        except (OSError, ValueError):
+            return ""
 
 
 def apply_trace(plan: Plan, answer: dict[str, Any]) -> str | None:
@@ -99,7 +329,8 @@ def apply_trace(plan: Plan, answer: dict[str, Any]) -> str | None:
         gap = (m.traced - m.total) / tensors
         if worst is None or abs(gap) > abs(worst[0]):
             worst = (gap, m)
-    plan.verification = f"traced: {answer.get('method', 'traced')}, {float(answer.get('seconds', 0)):.1f} s"
+    how = "from the trace cache" if answer.get("cached") else f"{float(answer.get('seconds', 0)):.1f} s"
+    plan.verification = f"traced: {answer.get('method', 'traced')}, {how}"
     if worst is None or abs(worst[0]) <= DEFECT_GAP:
         return None
     gap, m = worst
@@ -116,29 +347,22 @@ def apply_trace(plan: Plan, answer: dict[str, Any]) -> str | None:
 
 def check(
     result: SearchResult, *, top: int = VERIFY_TOP, trust_remote_code: bool = False,
-    timeout_s: float = TRACE_TIMEOUT_S, budget_s: float | None = None,
+    timeout_s: float = TRACE_TIMEOUT_S, budget_s: float | None = None, on_answer: OnAnswer | None = None,
+    cancelled: Callable[[], bool] | None = None, memo: dict[str, dict[str, Any]] | None = None,
 ) -> list[str]:  # fmt: skip
     """Trace the top `top` plans of `result` in place; a best plan the trace shows does not fit gives way.
 
     `budget_s` bounds the whole verification: plans left when it runs out stay "not verified".
+    `on_answer`, `cancelled`, `memo`: as `trace_all` takes them.
     Returns the explanation's lines about it (`search` runs this before it explains the best plan).
     """
     plans = ([result.best] if result.best else []) + result.runners_up
     started = time.perf_counter()
-    deadline = started + (timeout_s if budget_s is None else min(timeout_s, budget_s))
-
-    def one(plan: Plan) -> dict[str, Any]:
-        if plan.parallelism.nodes > 1:
-            # The trace runs one machine's ranks; a step spread over several nodes is not traced.
-            return {"ok": False, "reason": "multi-node plans are not traced"}
-        left = deadline - time.perf_counter()
-        if left < 1.0:
-            return {"ok": False, "reason": "no time left for it in this request"}
-        return trace(plan, trust_remote_code=trust_remote_code, timeout_s=left)
-
-    # Each trace is its own single-threaded process: side by side they take the time of one per core.
-    with ThreadPoolExecutor(max_workers=max(1, min(top, os.cpu_count() or 1))) as pool:
-        answers = list(pool.map(one, plans[:top]))
+    budget = timeout_s if budget_s is None else min(timeout_s, budget_s)
+    answers = trace_all(
+        plans[:top], trust_remote_code=trust_remote_code, timeout_s=budget, least_s=1.0, on_answer=on_answer,
+        cancelled=cancelled, memo=memo,
+    )  # fmt: skip
     lines = [line for plan, answer in zip(plans[:top], answers, strict=True) if (line := apply_trace(plan, answer))]
     if result.best is not None and not result.best.fits:
         # The plan that takes its place must fit once traced and be one the engine runs, as the best had to be.
@@ -158,9 +382,14 @@ def check(
     result.runners_up.sort(key=lambda p: not p.fits)
     seconds = time.perf_counter() - started
     traced = sum(bool(a.get("ok")) for a in answers)
+    cached = sum(bool(a.get("ok") and a.get("cached")) for a in answers)
     tried = min(top, len(plans))
-    result.trace = {"traced": traced, "tried": tried, "seconds": round(seconds, 1)}
-    result.notes = [*result.notes, f"memory traced for {traced} of {tried} plan(s) in {seconds:.1f} s"]
+    result.trace = {"traced": traced, "tried": tried, "seconds": round(seconds, 1), "cached": cached}
+    result.notes = [
+        *result.notes,
+        f"memory traced for {traced} of {tried} plan(s) in {seconds:.1f} s"
+        + (f" ({cached} from the trace cache)" if cached else ""),
+    ]
     return lines
 
 
@@ -174,13 +403,15 @@ def search_checked(
     spec: ModelSpec, machine: Machine, workload: Workload, calibrated: tuple[Calibration | None, CalibrationStatus], *,
     gpus: list[int] | None = None, options: SearchOptions | None = None, verify: bool = True,
     trust_remote_code: bool = False, budget_s: float | None = None, node_machines: list[Machine] | None = None,
+    memo: dict[str, dict[str, Any]] | None = None,
 ) -> SearchResult:  # fmt: skip
     """The search `rigpilot plan` and the engine's planner both run: calibrated, its top plans traced (unless
-    `verify` is off or RIGPILOT_PLAN_VERIFY=0), and the explanation ending with what the calibration did."""
+    `verify` is off or RIGPILOT_PLAN_VERIFY=0), and the explanation ending with what the calibration did.
+    `memo`: answers traced already in this run (trace_all's), so the same plans are not traced twice."""
     numbers, status = calibrated
     verifier = None
     if verify and enabled():
-        verifier = functools.partial(check, trust_remote_code=trust_remote_code, budget_s=budget_s)
+        verifier = functools.partial(check, trust_remote_code=trust_remote_code, budget_s=budget_s, memo=memo)
     result = search(
         spec, machine, workload, gpus=gpus, calibration=numbers, options=options, verifier=verifier, node_machines=node_machines,
     )  # fmt: skip
@@ -194,3 +425,37 @@ def figures(plan: Plan) -> str:
     if m.traced is None:
         return f"formula {fmt_gib(m.total)}" + (f" ({plan.verification})" if plan.verification else "")
     return f"formula {fmt_gib(m.total)} · traced {fmt_gib(m.traced)}"
+
+
+def to_trace(result: SearchResult, top: int = VERIFY_TOP) -> list[Plan]:
+    """The plans `check` traces for `result`, best first."""
+    return (([result.best] if result.best else []) + result.runners_up)[:top]
+
+
+def outcome(plan: Plan, answer: dict[str, Any]) -> dict[str, Any]:
+    """What one trace says of `plan`, as facts for a client to word: {"verified", "fits", "formula_bytes",
+    "traced_bytes", "capacity_bytes", "cached", "seconds", "reason"}; `plan` itself is left as it was."""
+    shown = copy.deepcopy(plan)
+    apply_trace(shown, answer)
+    m = shown.peak_memory
+    return {
+        "verified": bool(answer.get("ok")),
+        "fits": shown.fits,
+        "formula_bytes": m.total,
+        "traced_bytes": m.traced,
+        "capacity_bytes": m.capacity,
+        "cached": bool(answer.get("cached")),
+        "seconds": float(answer.get("seconds") or 0.0),
+        "reason": "" if answer.get("ok") else str(answer.get("reason") or "no reason given"),
+    }
+
+
+def outcome_line(o: dict[str, Any]) -> str:
+    """`outcome` in words: 'formula 14.2 GiB · traced 14.9 GiB per GPU: fits (3.1 s)' or 'not verified: why'."""
+    if not o["verified"]:
+        return f"not verified: {o['reason']}"
+    verdict = "fits" if o["fits"] else f"does not fit its {fmt_gib(o['capacity_bytes'])}"
+    when = "from the trace cache" if o["cached"] else f"{o['seconds']:.1f} s"
+    return (
+        f"formula {fmt_gib(o['formula_bytes'])} · traced {fmt_gib(o['traced_bytes'] or 0)} per GPU: {verdict} ({when})"
+    )

@@ -41,15 +41,20 @@ log = logging.getLogger(__name__)
 def plan(machine: Any, model: str, workload: dict[str, Any] | None = None, gpus: list[int] | None = None,
          options: dict[str, Any] | None = None, trust_remote_code: bool = False,
          calibration: dict[str, Any] | None = None, verify: bool = True,
-         node_machines: list[Any] | None = None, recheck: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+         node_machines: list[Any] | None = None, recheck: dict[str, Any] | None = None,
+         trace: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
     """One search. `calibration`: the machine's stored calibration file (the service's, never a client's).
 
     Several machines: `options` carries `nodes` and `internode` (SearchOptions, checked like every option);
     `node_machines` are each node's machine, each checked as `plan_machine` checks the `machine`.
     `recheck` ({"plan", "overrides"}): no search, but that plan with the user's changes (planner.recheck)
-    on the `gpus` selected."""
+    on the `gpus` selected. `trace` ({"plan"}): no search, that plan's memory traced (`_trace`).
+    `verify` false: the formula's answer alone, at once; its `trace` says how many plans a client may then
+    trace one by one (`pending`) before asking again with `verify` on, which finds them in the trace cache."""
     if recheck is not None:
         return {"result": _recheck(machine, model, recheck, gpus, trust_remote_code)}
+    if trace is not None:
+        return {"result": _trace(trace, trust_remote_code)}
     from rigpilot.engine.models.job_model import describe_for_job
     from rigpilot.engine.planner.calibration import apply_stored
     from rigpilot.engine.planner.plan import PRECISIONS, LoraSettings, Workload
@@ -86,7 +91,35 @@ def plan(machine: Any, model: str, workload: dict[str, Any] | None = None, gpus:
         trust_remote_code=trust_remote_code, budget_s=VERIFY_BUDGET_S, node_machines=nodes,
     )  # fmt: skip
     status = calibrated[1]
+    if not verify:
+        from rigpilot.engine.planner import verify as verification
+
+        pending = len(verification.to_trace(result)) if verification.enabled() else 0
+        result.trace = {"traced": 0, "tried": 0, "seconds": 0.0, "pending": pending}
+        if pending:
+            # The client's `trace` requests follow: the tracer imports torch while it shows this answer.
+            verification.warm_up()
     return {"result": {**result.to_dict(), "calibration": status.to_dict()}}
+
+
+def _trace(trace: Any, trust: bool) -> dict[str, Any]:
+    """One plan's memory traced (from the trace cache when it was before): {"plan": the plan with both figures,
+    "outcome": verify.outcome's facts, "line": the explanation's line when formula and trace disagree, or null}."""
+    from rigpilot.engine.planner import verify
+    from rigpilot.engine.planner.plan import Plan
+
+    if not isinstance(trace, dict) or not isinstance(trace.get("plan"), dict) or set(trace) - {"plan"}:
+        raise ProtocolError(protocol.INVALID, "plan.trace: expected {plan}")
+    try:
+        plan = Plan.from_dict(trace["plan"])
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ProtocolError(protocol.INVALID, f"plan.trace.plan: not a plan ({e})") from None
+    answer = verify.trace_all(
+        [plan], trust_remote_code=trust, timeout_s=verify.VERIFY_BUDGET_S, least_s=1.0, warm=True
+    )[0]
+    outcome = verify.outcome(plan, answer)
+    line = verify.apply_trace(plan, answer)
+    return {"plan": plan.to_dict(), "outcome": outcome, "line": line}
 
 
 def _recheck(machine: Any, model: str, recheck: Any, gpus: list[int] | None, trust: bool) -> dict[str, Any]:

@@ -25,13 +25,14 @@ buffers. Under FSDP2's CPU offload the host-resident shards, gradients and
 optimizer state are left out of the GPU's peak. Inference plans are traced as
 `infer.Generator` runs them, through its own `next_token_logits`: the prefill
 of the prompt (the head on its last position only), then the last decode step
-with the KV cache at its final length. Pipeline plans,
-quantised inference and QLoRA are refused with a reason. No GPU, no weights
+with the KV cache at its final length. Pipelined inference, quantised
+inference and QLoRA are refused with a reason (engine.planner.traceable). No GPU, no weights
 (config.json only), no network when offline.
 
-Wire: one JSON object on stdin, `{"plan": Plan.to_dict(), "trust_remote_code": false}`;
-one JSON object on stdout: `{"ok": true, "peak": bytes, "phases": {...}, "method": "...", ...}`
-or `{"ok": false, "reason": "one line"}`.
+Wire: one JSON object on stdin, `{"plans": [Plan.to_dict(), ...], "trust_remote_code": false}`; one
+JSON line on stdout per plan as soon as it is traced, `{"index": i, "ok": true, "peak": bytes, "phases":
+{...}, "method": "...", ...}` or `{"index": i, "ok": false, "reason": "one line"}`. The older request
+`{"plan": Plan.to_dict()}` gets its one answer without `index`.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from typing import Any
 
 from rigpilot.engine.layout import Layout
 from rigpilot.engine.planner.plan import parallelism_from_dict
+from rigpilot.engine.planner.traceable import why_not_traced
 
 WHOLE_MODEL_LAYERS = 4  # up to this many blocks the whole model is traced
 SCALE_FROM = (3, 5)  # else traced with this many blocks and scaled to the layer count
@@ -143,21 +145,26 @@ def _trace_pipeline(
 
 
 def _check_supported(workload: dict[str, Any], par: dict[str, Any]) -> None:
-    if workload.get("task") not in ("train", "infer"):
-        raise NotTraced(f"task {workload.get('task')!r} is not traced")
-    if workload.get("task") == "infer" and int(workload.get("weight_bits", 16)) != 16:
-        raise NotTraced("quantised inference (8-bit, 4-bit weights) is not traced")
-    if par.get("pp", 1) > 1 and workload.get("task") != "train":
-        raise NotTraced("pipelined inference is not traced (its stages pass hidden states token by token)")
-    if par.get("offload_optimizer") and not par.get("offload_params"):
-        raise NotTraced("optimizer-only offload is DeepSpeed's: the engine offloads with FSDP2 (parameters too)")
-    if par.get("backend") == "deepspeed":
-        raise NotTraced("DeepSpeed plans are not traced: the engine runs FSDP2, DDP and tensor parallel")
-    if workload.get("method") == "qlora":
-        raise NotTraced("QLoRA plans are not traced (4-bit NF4 weights do not run on fake tensors)")
+    reason = why_not_traced(workload, par)
+    if reason is not None:
+        raise NotTraced(reason)
 
 
 def _load_config(model: str, trust_remote_code: bool) -> Any:
+    """The model's config; read once per request of `main` (each trace deep-copies it before changing it)."""
+    if _CONFIGS is None:
+        return _read_config(model, trust_remote_code)
+    key = (model, trust_remote_code)
+    if key not in _CONFIGS:
+        _CONFIGS[key] = _read_config(model, trust_remote_code)
+    return _CONFIGS[key]
+
+
+# Set by `main` for its plans, which all trace the same model; None elsewhere (a test may rewrite a config).
+_CONFIGS: dict[tuple[str, bool], Any] | None = None
+
+
+def _read_config(model: str, trust_remote_code: bool) -> Any:
     from rigpilot.engine.workers.model_loading import load_config, resolve_source
 
     source = resolve_source(model)
@@ -805,22 +812,96 @@ def _categories(tracker: Any, which: str = "peak") -> dict[str, int]:
 def main() -> int:
     out = os.fdopen(os.dup(sys.stdout.fileno()), "w")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints must not corrupt the answer
+    if "--serve" in sys.argv[1:]:
+        return _serve(out)
     try:
         request = json.loads(sys.stdin.read())
-        if not isinstance(request, dict) or not isinstance(request.get("plan"), dict):
-            raise NotTraced('the tracer takes {"plan": Plan.to_dict(), ...} on stdin')
-        _quiet()
-        answer = trace_plan(request["plan"], bool(request.get("trust_remote_code", False)))
+    except ValueError:
+        request = None
+    _quiet()
+    _die_with_parent()
+    if isinstance(request, dict):
+        _warm_imports()
+    _request(out, request)
+    return 0
+
+
+def _serve(out: Any) -> int:
+    """A warm tracer: torch and the model code imported before the first request, then one request per stdin
+    line, each answered as `main` answers one, until stdin closes (the planner process that keeps it is gone)."""
+    _quiet()
+    _die_with_parent()
+    _warm_imports()
+    for line in sys.stdin:
+        if line.strip():
+            try:
+                request = json.loads(line)
+            except ValueError:
+                request = None
+            _request(out, request)
+    return 0
+
+
+def _request(out: Any, request: Any) -> None:
+    plans = request.get("plans") if isinstance(request, dict) else None
+    if isinstance(request, dict) and isinstance(request.get("plan"), dict):
+        plans = [request["plan"]]
+    if not isinstance(plans, list) or not plans or not all(isinstance(p, dict) for p in plans):
+        _answer(out, None, {"ok": False, "reason": 'the tracer takes {"plans": [Plan.to_dict(), ...]} on stdin'})
+        return
+    global _CONFIGS
+    _CONFIGS = {}
+    trust = bool(request.get("trust_remote_code", False))
+    # One process for every plan asked: torch and transformers are imported once, and each answer is
+    # written as soon as it is known, so the planner shows it while the next plan is traced.
+    for i, plan in enumerate(plans):
+        _answer(out, i if "plans" in request else None, _one(plan, trust))
+
+
+def _warm_imports() -> None:
+    """What every trace imports, imported now: a warm tracer's first trace pays none of it."""
+    import torch
+    import torch.distributed.fsdp  # noqa: F401
+    from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker  # noqa: F401
+    from transformers import AutoConfig  # noqa: F401
+
+    from rigpilot.engine.workers import parallelize, train  # noqa: F401
+
+    # What stays from here on is never garbage: the step's own collections skip it (see _collector_paused).
+    gc.collect()
+    gc.freeze()
+
+
+def _one(plan: dict[str, Any], trust_remote_code: bool) -> dict[str, Any]:
+    try:
+        return trace_plan(plan, trust_remote_code)
     except NotTraced as e:
-        answer = {"ok": False, "reason": str(e)}
+        return {"ok": False, "reason": str(e)}
     except Exception as e:
         import traceback
 
         traceback.print_exc()
-        answer = {"ok": False, "reason": _one_line(e)}
-    out.write(json.dumps(answer) + "\n")
+        return {"ok": False, "reason": _one_line(e)}
+
+
+def _die_with_parent() -> None:
+    """Stop when the planner that asked is gone (killed at its deadline, its client hung up): nobody reads on."""
+    import threading
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="memtrace-parent", daemon=True).start()
+
+
+def _answer(out: Any, index: int | None, answer: dict[str, Any]) -> None:
+    out.write(json.dumps(answer if index is None else {"index": index, **answer}) + "\n")
     out.flush()
-    return 0
 
 
 def _one_line(e: Exception) -> str:

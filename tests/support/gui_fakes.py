@@ -333,7 +333,8 @@ def real_plan_reply(machine: Machine) -> Callable[..., dict[str, Any]]:
 
     def plan(model: str, workload: dict[str, Any] | None = None, gpus: list[int] | None = None,
              options: dict[str, Any] | None = None, trust_remote_code: bool = False,
-             machine: Any = None, recheck: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+             machine: Any = None, recheck: dict[str, Any] | None = None, verify: bool = True,
+             trace: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
         from rigpilot.engine.api.protocol import ProtocolError
         from rigpilot.engine.errors import UserError
         from rigpilot.engine.models.job_model import describe_for_job
@@ -349,6 +350,10 @@ def real_plan_reply(machine: Machine) -> Callable[..., dict[str, Any]]:
             raise EngineError(e.code, e.message) from None
         except UserError as e:
             raise _as_replied(e) from None
+        if trace is not None:  # one plan's memory traced, as the planner process does it
+            from rigpilot.engine.service.planworker import _trace
+
+            return {"result": _trace(trace, trust_remote_code)}
         if recheck is not None:  # the user's changes to a plan, re-checked as the planner process does it
             try:
                 spec = describe_for_job(model, trust_remote_code=trust_remote_code)
@@ -366,6 +371,13 @@ def real_plan_reply(machine: Machine) -> Callable[..., dict[str, Any]]:
             )
         except UserError as e:
             raise _as_replied(e) from None
+        from rigpilot.engine.planner import verify as verification
+
+        if verify and verification.enabled() and result.best is not None:
+            verification.verify(result)  # as the planner process's search_checked, without the calibration line
+        elif not verify:
+            pending = len(verification.to_trace(result)) if verification.enabled() else 0
+            result.trace = {"traced": 0, "tried": 0, "seconds": 0.0, "pending": pending}
         return {"result": result.to_dict()}
 
     return plan

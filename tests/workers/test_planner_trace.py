@@ -87,7 +87,7 @@ def test_a_plan_that_does_not_fit_once_traced_gives_way(tiny, monkeypatch):
             return {"ok": True, "peak": plan.peak_memory.capacity * 2, "method": "whole model"}
         return {"ok": True, "peak": plan.peak_memory.total - plan.peak_memory.overhead, "method": "whole model"}
 
-    monkeypatch.setattr(verify, "trace", fake_trace)
+    monkeypatch.setattr(verify, "trace_all", lambda plans, **kwargs: [fake_trace(p) for p in plans])
     verify.verify(result)
     assert not first.fits and result.best is not first and result.best.fits
     assert first in result.runners_up
@@ -106,7 +106,7 @@ def test_the_plan_that_takes_the_best_ones_place_is_one_the_engine_runs(tiny, mo
             return {"ok": True, "peak": plan.peak_memory.capacity * 2, "method": "whole model"}
         return {"ok": True, "peak": plan.peak_memory.total - plan.peak_memory.overhead, "method": "whole model"}
 
-    monkeypatch.setattr(verify, "trace", fake_trace)
+    monkeypatch.setattr(verify, "trace_all", lambda plans, **kwargs: [fake_trace(p) for p in plans])
     runnable = result.runners_up[1]
     verify.verify(result)
     assert result.best is runnable and result.best.runs_here and result.best.fits

@@ -77,13 +77,17 @@ def reload_machine(engine: Engine, conn: Connection, simulated_profile: str | No
         "node_machines": Annotated[list[Text | dict[str, Any]], Limit(max_len=64)] | None,
         # No search: this plan with the user's changes, re-checked (engine.planner.recheck): {plan, overrides}.
         "recheck": dict[str, Any] | None,
+        # false: the formula's answer at once, its memory check left to `trace` requests (planworker.plan).
+        "verify": bool,
+        # No search: this plan's memory traced (engine.planner.verify, its trace cache): {plan}.
+        "trace": dict[str, Any] | None,
     },
 )  # fmt: skip
 def plan(
     engine: Engine, conn: Connection, model: str, workload: dict[str, Any] | None = None, gpus: list[int] | None = None,
     options: dict[str, Any] | None = None, trust_remote_code: bool = False, deadline_s: float | None = None,
     machine: str | dict[str, Any] | None = None, node_machines: list[str | dict[str, Any]] | None = None,
-    recheck: dict[str, Any] | None = None,
+    recheck: dict[str, Any] | None = None, verify: bool = True, trace: dict[str, Any] | None = None,
 ) -> Any:  # fmt: skip
     # In a planner process: a search cannot be stopped inside this one, and it may run a model's own code.
     assert engine.planners is not None
@@ -94,6 +98,10 @@ def plan(
     args["machine"], args["node_machines"] = machine, node_machines
     if recheck is not None:
         args["recheck"] = recheck
+    if trace is not None:
+        args["trace"] = trace
+    if not verify:
+        args["verify"] = False
     other = machine is not None or bool(node_machines)
     args["calibration"] = None if other else calibration_store.stored(paths.calibration_path())
     return {"result": engine.planners.plan(args, time.monotonic() + budget, conn.client_gone)}
