@@ -127,20 +127,21 @@ class SpeedModel:
         self.frozen = w.training and w.method != "full"
         # The search times thousands of plans that share GPU groups; these lookups repeat.
         self._groups: dict[tuple, Groups] = {}
-        self._rates: dict[tuple[int, ...], float] = {}
+        self._rates: dict[tuple[tuple[int, ...], bool], float] = {}
         self._collectives: dict[tuple[tuple[int, ...], ...], Link] = {}
 
     # -- shared -----------------------------------------------------------------------------------------
-    def _base_rate(self, gpus: list[int]) -> float:
-        key = tuple(gpus)
+    def _base_rate(self, gpus: list[int], compile: bool = False) -> float:
+        key = (tuple(gpus), compile)
         found = self._rates.get(key)
         if found is None:
-            found = self._rates[key] = min(self.topo.gpus[i].step_tflops(self.peak_dtype) for i in gpus) * 1e12
+            rate = min(self.topo.gpus[i].step_tflops(self.peak_dtype, compile=compile) for i in gpus)
+            found = self._rates[key] = rate * 1e12
         return found
 
-    def _rate(self, gpus: list[int], tokens: float, width: float) -> float:
-        """FLOP/s of the slowest GPU among `gpus` for matmuls of this shape."""
-        return self._base_rate(gpus) * shape_factor(tokens, width)
+    def _rate(self, gpus: list[int], tokens: float, width: float, compile: bool = False) -> float:
+        """FLOP/s of the slowest GPU among `gpus` for matmuls of this shape (eager, or under torch.compile)."""
+        return self._base_rate(gpus, compile) * shape_factor(tokens, width)
 
     def _collective(self, groups: list[list[int]]) -> Link:
         key = tuple(tuple(g) for g in groups)
@@ -156,8 +157,8 @@ class SpeedModel:
             found = self._groups[key] = Groups.of(par)
         return found
 
-    def _figures(self, par: Parallelism, comm: list[CommItem], links: dict[str, Link]) -> list[Figure]:
-        figs = self.topo.compute_figures(par.gpu_indices, self.peak_dtype)
+    def _figures(self, par: Parallelism, comm: list[CommItem], links: dict[str, Link], compile: bool = False) -> list[Figure]:
+        figs = self.topo.compute_figures(par.gpu_indices, self.peak_dtype, compile=compile)
         if not self.w.training:
             for name in dict.fromkeys(self.topo.gpus[i].short_name for i in par.gpu_indices):
                 g = next(self.topo.gpus[i] for i in par.gpu_indices if self.topo.gpus[i].short_name == name)
@@ -177,8 +178,12 @@ class SpeedModel:
         return figs
 
     # -- training ---------------------------------------------------------------------------------------
-    def train(self, par: Parallelism, detail: bool = True) -> Timing:
-        """Step time of a training plan; `detail` adds the communication items and figures it rests on."""
+    def train(self, par: Parallelism, detail: bool = True, *, compile: bool = False) -> Timing:
+        """Step time of a training plan; `detail` adds the communication items and figures it rests on.
+
+        `compile`: each block runs under torch.compile, at the share of peak fitted to published compiled runs
+        (resources/speed_priors.json) instead of the eager one; communication is the same either way.
+        """
         m, w, topo, mm = self.m, self.w, self.topo, self.mm
         groups = self.groups(par)
         s = w.seq_len
@@ -203,7 +208,7 @@ class SpeedModel:
             a, b = stage_range(par, st, m.layers)
             n = b - a
             flops = mb_tokens * (n * layer_flops + (head_flops if st == par.pp - 1 else 0.0)) / par.tp
-            rate = self._rate(groups.stages[st], mb_tokens, m.h / par.tp) * rate_scale
+            rate = self._rate(groups.stages[st], mb_tokens, m.h / par.tp, compile) * rate_scale
             stage_compute.append(flops / rate)
             tp_s = 0.0
             if tp_link is not None:
@@ -265,7 +270,7 @@ class SpeedModel:
             mfu=model_flops * tokens_per_s / peak,
             time_to_budget_s=budget,
             comm=comm,
-            figures=self._figures(par, comm, links) if detail else [],
+            figures=self._figures(par, comm, links, compile) if detail else [],
         )
 
     def _trainable(self, par: Parallelism, stage: int) -> float:
@@ -532,5 +537,6 @@ class SpeedModel:
             figures=self._figures(par, comm, links) if detail else [],
         )
 
-    def timing(self, par: Parallelism, detail: bool = True) -> Timing:
-        return self.train(par, detail) if self.w.training else self.infer(par, detail)
+    def timing(self, par: Parallelism, detail: bool = True, *, compile: bool = False) -> Timing:
+        """`compile` applies to training; inference is planned eager (the engine does not compile decode)."""
+        return self.train(par, detail, compile=compile) if self.w.training else self.infer(par, detail)
