@@ -21,7 +21,14 @@ import re
 from dataclasses import dataclass
 
 from rigpilot.engine.planner.links import MEMORY_BW_EFFICIENCY, Link, Topology
-from rigpilot.engine.planner.memory import DDP_BUCKET_BYTES, MemoryModel, ceil_div, stage_range
+from rigpilot.engine.planner.memory import (
+    DDP_BUCKET_BYTES,
+    INT8_BYTES,
+    NF4_BYTES_DQ,
+    MemoryModel,
+    ceil_div,
+    stage_range,
+)
 from rigpilot.engine.planner.model import ModelFacts, train_flops_per_token
 from rigpilot.engine.planner.plan import CommItem, Figure, Parallelism, Timing, Workload
 
@@ -65,6 +72,14 @@ def shape_factor(tokens: float, width: float) -> float:
     t = (tokens / (tokens + 512)) / (REF_TOKENS / (REF_TOKENS + 512))
     w = (width / (width + 512)) / (REF_WIDTH / (REF_WIDTH + 512))
     return min(t * w, 1.1)
+
+
+def experts_touched(k: int, experts: int, tokens: int) -> float:
+    """Expected distinct experts of one layer that `tokens` tokens routed top-`k` of `experts` reach, taking each
+    token's experts as uniform and independent: E · (1 − (1 − k/E)^tokens). One token reads k, a large batch all."""
+    if experts <= 0 or k >= experts:
+        return float(max(experts, 0))
+    return experts * (1.0 - (1.0 - k / experts) ** max(tokens, 0))
 
 
 def bubble_fraction(stages: int, micro_batches: int) -> float:
@@ -123,6 +138,11 @@ class SpeedModel:
         self.m, self.w, self.topo, self.mm = m, w, topo, mm
         self.peak_dtype = "fp32" if mm.dtype == "fp32" else mm.dtype
         self.layer_mm = sum(u.lin.in_features * u.lin.out_features * u.per_token for u in m.linears())
+        # Of which the mixture-of-experts MLP (experts, router, shared experts): tensor parallel keeps it whole on
+        # every rank (engine.capability), so each rank multiplies by all of it.
+        self.moe_mm = (
+            sum(u.lin.in_features * u.lin.out_features * u.per_token for u in (*m.mlp_in, *m.mlp_out)) if m.spec.is_moe else 0
+        )
         self.head_mm = m.vocab * m.h if m.is_decoder else 0
         self.frozen = w.training and w.method != "full"
         # The search times thousands of plans that share GPU groups; these lookups repeat.
@@ -493,14 +513,14 @@ class SpeedModel:
             n = b - a
             gpus = groups.stages[st][: par.tp]
             last = st == par.pp - 1
-            mm_params = (n * self.layer_mm + (self.head_mm if last else 0)) / par.tp
+            mm_params = n * ((self.layer_mm - self.moe_mm) / par.tp + self.moe_mm) + (self.head_mm if last else 0) / par.tp
             flops = batch * prompt * (2 * mm_params + 2 * n * m.q_dim * prompt / par.tp)
             prefill += flops / (self._rate(gpus, batch * prompt, m.h / par.tp) * quant_rate)
             sm = mm.infer_stage(par, st, topo.gpus[gpus[0]].architecture)
             bw = min(topo.gpus[i].memory_bandwidth_gbs for i in gpus) * 1e9 * MEMORY_BW_EFFICIENCY
             context = prompt + new / 2
             kv_read = batch * context * kv_token_layer * n / par.tp
-            mem_s = (sm.weights + kv_read) / bw
+            mem_s = (sm.weights - self._untouched_expert_bytes(n, batch) + kv_read) / bw
             # Decode matmuls are matrix-vector products: memory-bound unless the batch is large, so the
             # compute side uses the plain achievable rate rather than the small-matmul shape penalty.
             rate = min(topo.gpus[i].step_tflops(self.peak_dtype) for i in gpus) * 1e12 * quant_rate
@@ -536,6 +556,22 @@ class SpeedModel:
             comm=comm,
             figures=self._figures(par, comm, links) if detail else [],
         )
+
+    def _untouched_expert_bytes(self, layers: int, batch: int) -> float:
+        """Bytes of expert weights a decode step of `batch` tokens does not read on `layers` layers.
+
+        A token reads only its top-k experts (and the router and any shared expert, which are not expert
+        linears here): per layer the batch reaches experts_touched(k, E, batch) of the E experts, so the rest
+        of the experts' weights stay in memory unread. Experts are whole on every tensor-parallel rank.
+        """
+        spec = self.m.spec
+        if not spec.is_moe or spec.num_experts <= 1:
+            return 0.0
+        bits = self.w.weight_bits
+        per = self.mm.c if bits == 16 else (INT8_BYTES if bits == 8 else NF4_BYTES_DQ)  # as infer_stage counts them
+        expert = sum(u.weight_params for u in (*self.m.mlp_in, *self.m.mlp_out) if u.lin.expert)
+        untouched = 1.0 - experts_touched(spec.experts_per_token, spec.num_experts, batch) / spec.num_experts
+        return layers * expert * per * untouched
 
     def timing(self, par: Parallelism, detail: bool = True, *, compile: bool = False) -> Timing:
         """`compile` applies to training; inference is planned eager (the engine does not compile decode)."""
