@@ -215,6 +215,10 @@ class LayerActivations:
         return per
 
 
+_CLAMPED_SWIGLU_TYPES = frozenset({"gpt_oss"})
+_SINK_ATTENTION_TYPES = frozenset({"gpt_oss"})
+
+
 def _expert_bytes(reg: Regime, tr: Trainable) -> int:
     """Bytes per element of routed-expert tensors.
 
@@ -266,7 +270,7 @@ def layer_activations(
     if spec.attn_eager:
         # Eager attention: the score matmul keeps q and the key repeated to every query head, the
         # probability matmul its probabilities and the repeated value, o_proj its own input.
-        split += 4 * c * m.q_dim + _scores_saved(m, reg, seq_len)
+        split += 4 * c * m.q_dim + _scores_saved(m, reg, seq_len, tr)
     else:
         # SDPA keeps q, k, v, its output and a log-sum-exp per head and query; GQA's k and v stay narrow
         # unless a mask is passed, when transformers repeats them to every head (enable_gqa needs no mask).
@@ -283,7 +287,10 @@ def layer_activations(
     if m.cat_rope and not spec.attn_eager:
         split += c * m.q_dim  # o_proj keeps a copy of SDPA's output (saved by SDPA too)
     if m.qk_norm:
-        split += 4 * (m.q_dim + m.kv_dim) + 4 * (heads + kv_heads) + (c * (m.q_dim + m.kv_dim) if tr.full else 0)
+        # x.float() (kept by pow and mul) and rsqrt per head; with a trainable weight the normalized x, which
+        # Gemma's RMSNorm keeps in fp32 (it multiplies by 1 + weight before casting back).
+        normed = 4 if m.fp32_norm else c
+        split += 4 * (m.q_dim + m.kv_dim) + 4 * (heads + kv_heads) + (normed * (m.q_dim + m.kv_dim) if tr.full else 0)
     # o_proj's input is SDPA's saved output, or counted with eager attention's tensors.
     split += _inputs_saved(m.attn_out, c, reg, tr, already_saved=True)
 
@@ -311,14 +318,17 @@ def layer_activations(
         e = _expert_bytes(reg, tr)
         k = max(spec.experts_per_token, 1)
         expert_inter = sum(u.lin.in_features * u.per_token for u in expert_out)
+        # gpt-oss's clamped SwiGLU, (up.clamp + 1) · gate.clamp · sigmoid(α · gate.clamp), keeps three more
+        # tensors of the expert width than act(gate) · up: the clamped gate, the sigmoid and up + 1.
+        extra = 3 * expert_inter if spec.model_type in _CLAMPED_SWIGLU_TYPES else 0
         # Per routed token: its gathered input, the gate/up output, act(gate), their product (the down
         # projection's input) and the down output kept to weight it; the router's fp32 probabilities.
         if tr.full:
-            mlp_split += e * (2 * h * k + 4 * expert_inter) + 4 * spec.num_experts
+            mlp_split += e * (2 * h * k + 4 * expert_inter + extra) + 4 * spec.num_experts
         else:
             # Frozen experts (LoRA's base) keep no inputs for weight gradients: only what the activation and
             # the routing weights' gradients need.
-            mlp_split += e * (h * k + 3 * expert_inter) + 4 * spec.num_experts
+            mlp_split += e * (h * k + 3 * expert_inter + extra) + 4 * spec.num_experts
         # The engine keeps mixture-of-experts MLPs whole on every TP rank (their dense shared part too).
         mlp_whole += mlp_split
         mlp_split = 0.0
@@ -386,12 +396,20 @@ def lora_params_per_rank(m: ModelFacts, rank: int, targets: frozenset[str] | set
     return total
 
 
-def _scores_saved(m: ModelFacts, reg: Regime, seq_len: int) -> float:
+def _scores_saved(m: ModelFacts, reg: Regime, seq_len: int, tr: Trainable | None = None) -> float:
     """Bytes per token eager attention keeps of its a×s scores (nothing under SDPA)."""
     spec = m.spec
     if not spec.attn_eager:
         return 0.0
     c = reg.compute
+    if spec.model_type in _SINK_ATTENTION_TYPES:
+        # gpt-oss appends each head's learned sink logit as one more column and takes the softmax in the
+        # dtype of that concatenation: fp32 when the sinks are fp32 trainable weights under autocast (then the
+        # probabilities are cast back for the value matmul, which keeps that copy), else the compute dtype,
+        # whose softmax output the value matmul keeps as it is (a view without the sink column).
+        fp32 = tr is not None and tr.full and reg.fp32_trainable
+        per_key = (4 * (seq_len + 1) + c * seq_len) if fp32 else c * (seq_len + 1)
+        return per_key * spec.num_heads
     per = 4.0  # softmax upcasts to fp32 and keeps its output
     if spec.attn_softcap:
         per += c  # tanh keeps its output
