@@ -11,6 +11,12 @@ rounded to 2 MiB, best fit, splitting and merging). Printed per plan: the traced
 the replay's peak of reserved bytes, and the memory model's prediction of both (tensor bytes, and tensor
 bytes plus the allocator's reserve `MemoryModel.allocator_reserve` adds to its overhead, without the CUDA context).
 
+Only single-GPU plans are modelled this way (the memory model keeps a share of what is allocated for the
+others): replays of FSDP2 plans (8 ranks, 4 blocks) reserve 36-78% over their allocated peak, since each
+unit's gathered parameters are requested between activations; but the real allocator keeps a pool per
+stream and FSDP2 gathers on its own streams, which this replay does not model, so those figures are not
+trusted as a measurement.
+
 The model is built with the real widths (hidden 4096, MLP 14336, 32 heads of which 8 KV, vocabulary
 128256) and fewer blocks: the traced peak is of those blocks, and the model is asked about the same shape.
 """

@@ -866,9 +866,16 @@ class MemoryModel:
         if par.backend in ("ddp", "fsdp", "single") and w.optimizer == "adamw" and not par.offload:
             opt_temp = trainable * 4 / (z if par.backend == "fsdp" else 1)  # foreach AdamW's sqrt(v) temporary
         dynamic = max(act + loss + gathered + comm, opt_temp + comm)
+        if w.method == "qlora" and n_layers:
+            # bitsandbytes dequantizes a layer's NF4 weight into a fresh compute-dtype tensor for each matmul
+            # (forward and backward), freed after it: the largest one is alive on top of the activations.
+            dynamic += max(u.lin.in_features * u.lin.out_features / (1 if u.copies > 1 else t) for u in m.linears()) * c
         allocated = weights + grads + opt + dynamic
         groups = (par.dp > 1) + (par.tp > 1) + (par.pp > 1) + par.hsdp
-        reserve = self.allocator_reserve(par, stage, loss=loss, optimizer_temporaries=opt_temp > 0)
+        # Measured for one GPU (benchmarks/allocator_replay.py); sharded and replicated plans keep the share of
+        # what is allocated: their replays (FSDP2's gathers between activations, other streams) are not modelled.
+        single = par.backend == "single"
+        reserve = self.allocator_reserve(par, stage, loss=loss, optimizer_temporaries=opt_temp > 0) if single else None
         over = overhead_bytes(allocated, architecture=architecture, groups=groups, reserve=reserve)
         return StageMemory(weights, grads, opt, act, 0.0, dynamic - act, over, host)
 

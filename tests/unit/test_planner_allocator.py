@@ -69,3 +69,14 @@ def test_training_reserve_is_rounding_plus_the_loss_fragmentation():
     one = Parallelism(gpu_indices=[0], dp=1, tp=1, pp=1, backend="single", micro_batch=1, grad_accum=1)
     r = full.allocator_reserve(one, 0, loss=0.0, optimizer_temporaries=True)
     assert r == pytest.approx(2 * 128256 * 4096 * 4, rel=0.01)
+
+
+def test_qlora_counts_the_dequantized_weight_of_its_largest_matmul():
+    spec = describe_model("llama-3.1-8b")
+    m = model_facts(spec)
+    par = Parallelism(gpu_indices=[0], dp=1, tp=1, pp=1, backend="single", micro_batch=1, grad_accum=1, checkpointing="full")
+    lora = dict(model="llama-3.1-8b", lora=LoraSettings(rank=16), seq_len=2048, global_batch=1)
+    q = MemoryModel(m, Workload(method="qlora", **lora)).train_stage(par, 0, "ada lovelace")
+    plain = MemoryModel(m, Workload(method="lora", **lora)).train_stage(par, 0, "ada lovelace")
+    # The buffers differ by one bf16 copy of the largest NF4 weight (gate/up/down: 4096 × 14336).
+    assert q.buffers - plain.buffers == pytest.approx(4096 * 14336 * 2, rel=1e-6)

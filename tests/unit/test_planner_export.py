@@ -285,7 +285,7 @@ def test_plan_and_plan_export_are_one_search(capsys, target):
     assert exported == plain
     assert export_part["target"] == target and export_part["plan"] == 0 and export_part["text"]
     ddp = next(r for r in plain["rejected"] if r["family"] == "DDP")
-    assert "128 GiB" in ddp["reason"]
+    assert "133 GiB" in ddp["reason"]
 
 
 def test_the_gui_export_bar_writes_what_the_cli_exports(tmp_path):
