@@ -58,6 +58,22 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "num_hidden_layers": 2, "vocab_size": 512, "max_position_embeddings": 256, "sliding_window": 32,
         "query_pre_attn_scalar": 32, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
     },
+    # Gemma 3 text: q/k RMSNorm (its fp32 outputs), sandwich norms, a sliding layer and a global one (each
+    # layer type gets its own mask), SDPA.
+    "gemma3": {
+        "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], "hidden_size": 128,
+        "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "num_hidden_layers": 2, "vocab_size": 512, "max_position_embeddings": 256, "sliding_window": 32,
+        "query_pre_attn_scalar": 32, "layer_types": ["sliding_attention", "full_attention"],
+    },
+    # gpt-oss: eager attention with learned sinks (fp32 scores widened by the sink column), routed experts
+    # (fp32 router and expert inputs), alternating sliding and full layers, attention biases.
+    "gpt-oss": {
+        "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "hidden_size": 128,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "num_hidden_layers": 2, "vocab_size": 512, "max_position_embeddings": 256, "sliding_window": 32,
+        "num_local_experts": 4, "num_experts_per_tok": 2, "layer_types": ["sliding_attention", "full_attention"],
+    },
     # Mistral with a window shorter than the sequence: SDPA is handed an explicit s×s mask.
     "mistral-swa": {
         "model_type": "mistral", "architectures": ["MistralForCausalLM"], "hidden_size": 128,

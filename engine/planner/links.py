@@ -43,22 +43,34 @@ def no_bf16(index: int, name: str) -> UserError:
                    index=index, name=name, fp16=ref("precision", "fp16"))  # fmt: skip
 
 
-def _efficiency_priors() -> tuple[dict[str, float], float, dict[str, str]]:
+def _efficiency_priors(stack: str = "eager") -> tuple[dict[str, float], float, dict[str, str]]:
     """Share of the dense spec peak a training step's matmuls reach, by GPU class (resources/speed_priors.json).
 
-    Datacenter Ampere and Hopper are fitted to published measured runs of a stack like the engine's
-    (resources/published_runs.json, benchmarks/published_runs.py --fit); the other classes are priors the
-    file marks as not fitted. The third map says which is which, in the words a plan shows.
+    Two stacks, each fitted to published measured runs of that stack (resources/published_runs.json,
+    benchmarks/published_runs.py --fit): "eager" (PyTorch FSDP, SDPA, no torch.compile: the engine's default)
+    and "compiled" (the same with torch.compile of each block). A class with no compiled run to fit keeps its
+    eager prior times the compile gain the fitted classes show (the file's `compile_gain`), said as such; the
+    third map says which figure is fitted and which assumed, in the words a plan shows.
     """
     doc = json.loads(resources.path("speed_priors.json").read_text())
-    sources = {
-        k: f"fitted to {len(v['runs'])} published runs" if v.get("fitted") and v.get("runs") else "assumed"
-        for k, v in doc["efficiency"].items()
-    }
-    return {k: float(v["efficiency"]) for k, v in doc["efficiency"].items()}, float(doc["default"]), sources
+    gain = float(doc.get("compile_gain", {}).get("value", 1.0))
+    eff: dict[str, float] = {}
+    sources: dict[str, str] = {}
+    for k, v in doc["efficiency"].items():
+        entry = v if stack == "eager" else v.get("compiled")
+        if entry is None:
+            eff[k] = float(v["efficiency"]) * gain
+            sources[k] = f"assumed: eager × {gain:.2f}, the fitted classes' compile gain"
+            continue
+        eff[k] = float(entry["efficiency"])
+        fitted = entry.get("fitted") and entry.get("runs")
+        sources[k] = f"fitted to {len(entry['runs'])} published {'compiled ' if stack != 'eager' else ''}runs" if fitted else "assumed"
+    default = float(doc["default"]) * (gain if stack != "eager" else 1.0)
+    return eff, default, sources
 
 
 EFFICIENCY_PRIOR, DEFAULT_EFFICIENCY, EFFICIENCY_SOURCE = _efficiency_priors()
+COMPILED_EFFICIENCY_PRIOR, DEFAULT_COMPILED_EFFICIENCY, COMPILED_EFFICIENCY_SOURCE = _efficiency_priors("compiled")
 # GeForce and RTX workstation cards: their own class where the file has one (the datacenter fit does not carry over).
 _WORKSTATION_KEY = re.compile(r"^(rtx|gtx|titan)")
 MEASURED_TO_STEP = 0.80  # a step reaches ~80% of a large measured GEMM's rate (other kernels, launch gaps)
@@ -142,6 +154,8 @@ class GpuPerf:
     nvlink_link_gbs: float | None  # one link, one direction
     nvlink_total_gbs: float | None  # all links, one direction (what an NVSwitch gives one peer)
     efficiency_source: str = "assumed"  # or "fitted to N published runs"
+    compiled_efficiency: float | None = None  # the share under torch.compile; None: as eager
+    compiled_efficiency_source: str = "assumed"
 
     @property
     def short_name(self) -> str:
@@ -153,11 +167,19 @@ class GpuPerf:
             raise no_bf16(self.index, self.short_name)
         return float(v or self.peak.get("fp32") or UNKNOWN_PEAK["fp32"])
 
-    def step_tflops(self, dtype: str) -> float:
-        """What a training step's matmuls achieve: measured × 0.8, else peak × prior."""
+    def share(self, compile: bool = False) -> float:
+        """The prior share of peak a step reaches, eager or compiled."""
+        return self.compiled_efficiency if compile and self.compiled_efficiency is not None else self.efficiency
+
+    def step_tflops(self, dtype: str, *, compile: bool = False) -> float:
+        """What a training step's matmuls achieve: measured × 0.8, else peak × prior.
+
+        A measured GEMM rate does not change under torch.compile; what compile removes is the time between
+        the matmuls (fused norms, activations and casts), so a measured rate takes the prior's compiled/eager ratio.
+        """
         if self.measured_tflops:
-            return self.measured_tflops * MEASURED_TO_STEP
-        return self.peak_tflops(dtype) * self.efficiency
+            return self.measured_tflops * MEASURED_TO_STEP * self.share(compile) / self.efficiency
+        return self.peak_tflops(dtype) * self.share(compile)
 
 
 @dataclass(frozen=True)
@@ -370,7 +392,7 @@ class Topology:
         return groups
 
     # -- figures -------------------------------------------------------------------------------------
-    def compute_figures(self, gpu_indices: list[int], dtype: str) -> list[Figure]:
+    def compute_figures(self, gpu_indices: list[int], dtype: str, *, compile: bool = False) -> list[Figure]:
         out: list[Figure] = []
         seen: set[tuple[str, float]] = set()
         for i in gpu_indices:
@@ -384,7 +406,11 @@ class Topology:
             seen.add(key)
             src = "spec" if g.spec_key else "assumed"
             out.append(Figure(f"peak {dtype} TFLOP/s, {g.short_name}", g.peak_tflops(dtype), "TFLOP/s", src))
-            out.append(Figure(f"share of that peak reached, {g.short_name}", g.efficiency, "", g.efficiency_source))
+            if compile:
+                out.append(Figure(f"share of that peak reached compiled, {g.short_name}", g.share(True), "",
+                                  g.compiled_efficiency_source))
+            else:
+                out.append(Figure(f"share of that peak reached, {g.short_name}", g.efficiency, "", g.efficiency_source))
         return out
 
 
@@ -401,6 +427,8 @@ def gpu_perf(gpu: Gpu, calibration: Calibration | None = None) -> GpuPerf:
             cls = f"{cls} workstation"
         eff = EFFICIENCY_PRIOR.get(cls, DEFAULT_EFFICIENCY)
         eff_source = EFFICIENCY_SOURCE.get(cls, "assumed") if cls in EFFICIENCY_PRIOR else "assumed"
+        ceff = COMPILED_EFFICIENCY_PRIOR.get(cls, DEFAULT_COMPILED_EFFICIENCY)
+        ceff_source = COMPILED_EFFICIENCY_SOURCE.get(cls, "assumed") if cls in COMPILED_EFFICIENCY_PRIOR else "assumed"
         nv_total = spec.nvlink_bandwidth_gbs / 2 if spec.nvlink_bandwidth_gbs else None
     else:
         peak = dict(UNKNOWN_PEAK)
@@ -408,6 +436,7 @@ def gpu_perf(gpu: Gpu, calibration: Calibration | None = None) -> GpuPerf:
         mem_bw = UNKNOWN_MEMORY_BW
         eff = DEFAULT_EFFICIENCY
         eff_source = "assumed"
+        ceff, ceff_source = DEFAULT_COMPILED_EFFICIENCY, "assumed"
         nv_total = None
     links = gpu.nvlink_links or 0
     per_link = None
@@ -433,6 +462,8 @@ def gpu_perf(gpu: Gpu, calibration: Calibration | None = None) -> GpuPerf:
         nvlink_link_gbs=per_link,
         nvlink_total_gbs=nv_total,
         efficiency_source=eff_source,
+        compiled_efficiency=ceff,
+        compiled_efficiency_source=ceff_source,
     )
 
 

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.models.spec import Linear, ModelSpec
+from rigpilot.engine.planner.allocator import reserved_for
 from rigpilot.engine.planner.links import Topology
 from rigpilot.engine.planner.model import LinearUse, ModelFacts, model_facts
 from rigpilot.engine.planner.plan import HostMemory, LoraSettings, MemoryBreakdown, Parallelism, Workload, recipe_of
@@ -61,8 +62,16 @@ DEEPSPEED_BUCKET_ELEMENTS = 50_000_000  # reduce/all-gather bucket sizes the Dee
 CUDA_CONTEXT_BYTES = int(0.55 * GIB)  # context + cuBLAS/cuDNN workspaces on Ampere/Ada
 CUDA_CONTEXT_BYTES_LARGE = int(0.75 * GIB)  # Hopper/Blackwell load more kernels into the context
 NCCL_BYTES_PER_GROUP = int(0.25 * GIB)  # ring/tree buffers of one communicator
-ALLOCATOR_RESERVE = 0.05  # caching-allocator fragmentation and rounding, as a share of what is allocated
+ALLOCATOR_RESERVE = 0.05  # inference: caching-allocator fragmentation and rounding, as a share of what is allocated
 ALLOCATOR_MIN_BYTES = 128 * MIB
+# Training: the caching allocator's reserve beyond the tensors (engine.planner.allocator has its rules), measured
+# by replaying the engine's traced step through those rules (benchmarks/allocator_replay.py, Llama-3.1-8B widths,
+# one GPU, LoRA and full, 2 and 4 blocks, micro-batch 1 and 2): the reserved peak exceeds the allocated one by
+# 0.38-0.39 of the loss's logits tensors, whatever the number of blocks (the fp32 logits, their softmax and
+# gradient are freed and requested again at other sizes, and the blocks they leave serve nothing else), plus,
+# under full fine-tuning, the optimizer's fp32 temporaries of parameters larger than any block forward and
+# backward freed (the embedding and head: they take new segments).
+LOSS_FRAGMENTATION = 0.39
 HOST_BYTES_PER_RANK = int(2.5 * GIB)  # Python, torch, CUDA runtime and pinned staging of one process
 LOAD_SHARD_BYTES = 5 * GIB  # a safetensors shard, what loading straight to the GPUs holds in RAM
 
@@ -224,6 +233,10 @@ class LayerActivations:
         return per
 
 
+_CLAMPED_SWIGLU_TYPES = frozenset({"gpt_oss"})
+_SINK_ATTENTION_TYPES = frozenset({"gpt_oss"})
+
+
 def _expert_bytes(reg: Regime, tr: Trainable) -> int:
     """Bytes per element of routed-expert tensors.
 
@@ -275,7 +288,7 @@ def layer_activations(
     if spec.attn_eager:
         # Eager attention: the score matmul keeps q and the key repeated to every query head, the
         # probability matmul its probabilities and the repeated value, o_proj its own input.
-        split += 4 * c * m.q_dim + _scores_saved(m, reg, seq_len)
+        split += 4 * c * m.q_dim + _scores_saved(m, reg, seq_len, tr)
     else:
         # SDPA keeps q, k, v, its output and a log-sum-exp per head and query; GQA's k and v stay narrow
         # unless a mask is passed, when transformers repeats them to every head (enable_gqa needs no mask).
@@ -292,7 +305,10 @@ def layer_activations(
     if m.cat_rope and not spec.attn_eager:
         split += c * m.q_dim  # o_proj keeps a copy of SDPA's output (saved by SDPA too)
     if m.qk_norm:
-        split += 4 * (m.q_dim + m.kv_dim) + 4 * (heads + kv_heads) + (c * (m.q_dim + m.kv_dim) if tr.full else 0)
+        # x.float() (kept by pow and mul) and rsqrt per head; with a trainable weight the normalized x, which
+        # Gemma's RMSNorm keeps in fp32 (it multiplies by 1 + weight before casting back).
+        normed = 4 if m.fp32_norm else c
+        split += 4 * (m.q_dim + m.kv_dim) + 4 * (heads + kv_heads) + (normed * (m.q_dim + m.kv_dim) if tr.full else 0)
     # o_proj's input is SDPA's saved output, or counted with eager attention's tensors.
     split += _inputs_saved(m.attn_out, c, reg, tr, already_saved=True)
 
@@ -320,14 +336,17 @@ def layer_activations(
         e = _expert_bytes(reg, tr)
         k = max(spec.experts_per_token, 1)
         expert_inter = sum(u.lin.in_features * u.per_token for u in expert_out)
+        # gpt-oss's clamped SwiGLU, (up.clamp + 1) · gate.clamp · sigmoid(α · gate.clamp), keeps three more
+        # tensors of the expert width than act(gate) · up: the clamped gate, the sigmoid and up + 1.
+        extra = 3 * expert_inter if spec.model_type in _CLAMPED_SWIGLU_TYPES else 0
         # Per routed token: its gathered input, the gate/up output, act(gate), their product (the down
         # projection's input) and the down output kept to weight it; the router's fp32 probabilities.
         if tr.full:
-            mlp_split += e * (2 * h * k + 4 * expert_inter) + 4 * spec.num_experts
+            mlp_split += e * (2 * h * k + 4 * expert_inter + extra) + 4 * spec.num_experts
         else:
             # Frozen experts (LoRA's base) keep no inputs for weight gradients: only what the activation and
             # the routing weights' gradients need.
-            mlp_split += e * (h * k + 3 * expert_inter) + 4 * spec.num_experts
+            mlp_split += e * (h * k + 3 * expert_inter + extra) + 4 * spec.num_experts
         # The engine keeps mixture-of-experts MLPs whole on every TP rank (their dense shared part too).
         mlp_whole += mlp_split
         mlp_split = 0.0
@@ -395,12 +414,20 @@ def lora_params_per_rank(m: ModelFacts, rank: int, targets: frozenset[str] | set
     return total
 
 
-def _scores_saved(m: ModelFacts, reg: Regime, seq_len: int) -> float:
+def _scores_saved(m: ModelFacts, reg: Regime, seq_len: int, tr: Trainable | None = None) -> float:
     """Bytes per token eager attention keeps of its a×s scores (nothing under SDPA)."""
     spec = m.spec
     if not spec.attn_eager:
         return 0.0
     c = reg.compute
+    if spec.model_type in _SINK_ATTENTION_TYPES:
+        # gpt-oss appends each head's learned sink logit as one more column and takes the softmax in the
+        # dtype of that concatenation: fp32 when the sinks are fp32 trainable weights under autocast (then the
+        # probabilities are cast back for the value matmul, which keeps that copy), else the compute dtype,
+        # whose softmax output the value matmul keeps as it is (a view without the sink column).
+        fp32 = tr is not None and tr.full and reg.fp32_trainable
+        per_key = (4 * (seq_len + 1) + c * seq_len) if fp32 else c * (seq_len + 1)
+        return per_key * spec.num_heads
     per = 4.0  # softmax upcasts to fp32 and keeps its output
     if spec.attn_softcap:
         per += c  # tanh keeps its output
@@ -649,11 +676,15 @@ def predict_kv_cache(spec: ModelSpec, batch: int, tokens: int, dtype_bytes: int)
     return spec.num_layers * per_token_layer * tokens * batch * dtype_bytes
 
 
-def overhead_bytes(allocated: float, *, architecture: str | None, groups: int) -> int:
-    """CUDA context, NCCL communicators and the caching allocator's reserve on top of `allocated`."""
+def overhead_bytes(allocated: float, *, architecture: str | None, groups: int, reserve: float | None = None) -> int:
+    """CUDA context, NCCL communicators and the caching allocator's reserve on top of `allocated`.
+
+    `reserve`: the allocator's rounding and fragmentation as modelled for the plan (MemoryModel.allocator_reserve);
+    None: a share of `allocated`.
+    """
     large = (architecture or "").lower() in ("hopper", "blackwell")
     context = CUDA_CONTEXT_BYTES_LARGE if large else CUDA_CONTEXT_BYTES
-    reserve = max(ALLOCATOR_RESERVE * allocated, ALLOCATOR_MIN_BYTES)
+    reserve = max(ALLOCATOR_RESERVE * allocated if reserve is None else reserve, ALLOCATOR_MIN_BYTES)
     return int(context + groups * NCCL_BYTES_PER_GROUP + reserve)
 
 
@@ -877,9 +908,17 @@ class MemoryModel:
             # backward, one parameter's.
             opt_temp = (largest if in_backward else trainable / (z if par.backend == "fsdp" else 1)) * self.master
         dynamic = max(act + loss + gathered + comm, opt_temp + comm)
+        if w.method == "qlora" and n_layers:
+            # bitsandbytes dequantizes a layer's NF4 weight into a fresh compute-dtype tensor for each matmul
+            # (forward and backward), freed after it: the largest one is alive on top of the activations.
+            dynamic += max(u.lin.in_features * u.lin.out_features / (1 if u.copies > 1 else t) for u in m.linears()) * c
         allocated = weights + grads + opt + dynamic
         groups = (par.dp > 1) + (par.tp > 1) + (par.pp > 1) + _sharding_form(par)[1]
-        over = overhead_bytes(allocated, architecture=architecture, groups=groups)
+        # Measured for one GPU (benchmarks/allocator_replay.py); sharded and replicated plans keep the share of
+        # what is allocated: their replays (FSDP2's gathers between activations, other streams) are not modelled.
+        single = par.backend == "single"
+        reserve = self.allocator_reserve(par, stage, loss=loss, optimizer_temporaries=opt_temp > 0) if single else None
+        over = overhead_bytes(allocated, architecture=architecture, groups=groups, reserve=reserve)
         return StageMemory(weights, grads, opt, act, 0.0, dynamic - act, over, host)
 
     def largest_trainable(self, par: Parallelism, stage: int) -> float:
@@ -918,6 +957,59 @@ class MemoryModel:
         if par.checkpointing == "none":
             per_layer += la.weight_copies / par.tp
         return moved_layers * per_layer
+
+    def persistent_tensors(self, par: Parallelism, stage: int) -> list[tuple[float, float]]:
+        """(bytes, count) of each kind of tensor one GPU of `stage` keeps through a training step: weights, and
+        for trainable ones their gradients and optimizer state, as the allocator sees them (one request each;
+        FSDP2 shards each parameter along its first dimension)."""
+        m, t = self.m, par.tp
+        z = par.shard_degree if par.zero_stage >= 1 and par.backend in ("fsdp", "deepspeed") else 1
+        first_layer, end_layer = stage_range(par, stage, m.layers)
+        n = end_layer - first_layer
+        full = self.tr.full
+        on_gpu = not par.offload
+        state = self.state_bytes / 2  # AdamW's two moments, one tensor each
+        out: list[tuple[float, float]] = []
+
+        def param(elements: float, count: float, frozen_bytes: float) -> None:
+            if full:
+                if on_gpu:
+                    out.append((elements * self.master / z, count * 2))  # the weight and its gradient
+                    if state:
+                        out.append((elements * state / z, count * 2))
+            else:
+                out.append((elements * frozen_bytes / z, count))
+
+        quant = NF4_BYTES if self.w.method == "qlora" else self.c
+        for u in m.linears():
+            split = 1 if m.spec.is_moe and u in (*m.mlp_in, *m.mlp_out) else t
+            param(u.lin.in_features * u.lin.out_features / split, n * u.copies, quant)
+        if stage == 0:
+            param(m.embedding_params, 1, self.c)
+        if stage == par.pp - 1 and m.head_params:
+            param(m.head_params / t, 1, self.c)
+        if not full and self.lora_per_layer:
+            # LoRA's adapters (fp32, trainable: weight, gradient, two moments) are small: the small pool's 2 MiB
+            # segments hold them; counted as one kind of tensor per targeted linear.
+            k = max(len(self.tr.targets), 1)
+            out.append((self.lora_per_layer / k / 2 * 4, n * k * 2 * (2 + (2 if state else 0))))
+        return out
+
+    def allocator_reserve(self, par: Parallelism, stage: int, *, loss: float, optimizer_temporaries: bool) -> float:
+        """Bytes the caching allocator reserves beyond the tensors of a training step (see LOSS_FRAGMENTATION):
+        its rounding of the persistent tensors (engine.planner.allocator.reserved_for), the fragmentation the
+        loss leaves, and the optimizer's temporaries of parameters too large for any block freed before."""
+        persistent = self.persistent_tensors(par, stage)
+        rounding = reserved_for(persistent) - sum(size * count for size, count in persistent)
+        outsized = 0.0
+        if optimizer_temporaries and self.tr.full:
+            m, t = self.m, par.tp
+            z = par.shard_degree if par.zero_stage >= 1 else 1
+            tokens = par.micro_batch * self.w.seq_len
+            largest = max(tokens * m.vocab * 4 / t if m.is_decoder else 0.0, tokens * max(m.inter_per_token, m.h) * 4 / t)
+            big = [m.embedding_params if stage == 0 else 0, m.head_params / t if stage == par.pp - 1 else 0]
+            outsized = sum(p * 4 / z for p in big if p * 4 / z > largest)
+        return rounding + LOSS_FRAGMENTATION * loss + outsized
 
     # -- inference -------------------------------------------------------------------------------------
     def infer_stage(self, par: Parallelism, stage: int, architecture: str | None) -> StageMemory:

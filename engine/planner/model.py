@@ -46,11 +46,12 @@ _LAYERNORM_TYPES = frozenset(
 # GPT-2 and Phi use "gelu_new", written in Python: autograd keeps about four intermediates of the MLP width.
 _COMPOSITE_GELU_TYPES = frozenset({"gpt2", "phi", "gptj"})
 # Gemma's RMSNorm multiplies by (1 + weight) in fp32, so it keeps the normalized input in fp32.
-_FP32_NORM_TYPES = frozenset({"gemma", "gemma2", "gemma3_text"})
+_FP32_NORM_TYPES = frozenset({"gemma", "gemma2", "gemma3_text", "gemma3"})
 # Gemma 2 and 3 wrap attention and MLP in "sandwich" norms: four RMSNorms a block instead of two.
 _SANDWICH_NORM_TYPES = frozenset({"gemma2", "gemma3_text", "gemma3"})
-# Families that normalise queries and keys (per head, or OLMoE's over the whole projection).
-_QK_NORM_TYPES = frozenset({"qwen3", "qwen3_moe", "olmo2", "olmoe"})
+# Families that normalise queries and keys (per head, or OLMoE's over the whole projection); Gemma 3's q/k norms
+# are its fp32 RMSNorm (see _FP32_NORM_TYPES).
+_QK_NORM_TYPES = frozenset({"qwen3", "qwen3_moe", "olmo2", "olmoe", "gemma3_text", "gemma3"})
 # Families whose rotary embedding concatenates the rotated and passed-through parts (torch.cat): q comes out
 # contiguous per head, so does SDPA's output, and o_proj's input is a fresh copy of it.
 _CAT_ROPE_TYPES = frozenset({"phi3"})

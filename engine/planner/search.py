@@ -7,10 +7,14 @@ offload as FSDP2's CPUOffloadPolicy), activation checkpointing and micro-batch
 and optimizer-only offload only for --export deepspeed. Pipelines use 1F1B and
 tensor parallelism sequence parallel: the alternatives (GPipe, plain TP) cost the
 same time and hold more memory, so they never win. An offloading plan is only
-tried where the same split without offload does not fit. Tensor parallelism is
-kept inside groups of GPUs joined by NVLink or by P2P behind one PCIe switch
-unless forced; the plans it would give elsewhere are still evaluated, so the
-explanation can say what they would have cost. Mixed GPUs: the smallest card
+tried where the same split without offload does not fit. Training keeps tensor
+parallelism inside groups of GPUs joined by NVLink or by P2P behind one PCIe
+switch unless forced (a step's all-reduces carry whole activations); the plans it
+would give elsewhere are still evaluated, so the explanation can say what they
+would have cost. Inference tries it over any link and lets the step-time model
+decide: a decode step all-reduces one token's hidden state, and where one GPU's
+memory bandwidth binds, TP2 can win even through host memory (the explanation
+gives the ratio and the all-reduces' share). Mixed GPUs: the smallest card
 binds every symmetric plan (each GPU is checked against its own memory) and
 pipelines give each stage layers in proportion to its memory.
 
@@ -922,10 +926,8 @@ def _infer_layouts(
         for tp in _divisors(k):
             if not _tp_ok(m, tp):
                 continue
+            # No fixed rule against slow links here (see the module's docstring): the speed model ranks them.
             blocked = None
-            if tp > 1 and topo.fast_partition(gpus, tp) is None and not opts.force_tp:
-                blocked = _slow_tp_reason(topo, gpus, tp)
-                skipped.setdefault("tensor parallel", blocked)
             for pp in _divisors(k // tp):
                 if pp > m.layers:
                     continue

@@ -67,7 +67,7 @@ class PlanSettings:
         False,
         flags="--force-tp",
         label="Allow tensor parallelism over slow links",
-        help="Consider tensor parallelism over slow links too.",
+        help="Consider tensor parallelism over slow links too when training (inference weighs it by predicted speed).",
     )
     offload: str = setting(
         "auto",

@@ -18,8 +18,8 @@ The training recipe (engine.recipe): the optimizer step touches the bytes of its
 state (pure bf16 and 8-bit AdamW touch fewer); chunked cross-entropy runs the head's forward again in backward
 (an upper bound: the chunks are recomputed); activation offloading copies every saved block activation out
 to host RAM in forward and back in backward over the GPU's PCIe link, overlapped with the micro-batch's
-compute where the link is fast enough, so it costs max(0, transfer - compute); torch.compile scales the
-compute rate by `compile_speedup`.
+compute where the link is fast enough, so it costs max(0, transfer - compute); torch.compile changes the
+share of peak compute reached to the one fitted to published compiled runs (resources/speed_priors.json).
 """
 
 from __future__ import annotations
@@ -28,7 +28,14 @@ import re
 from dataclasses import dataclass
 
 from rigpilot.engine.planner.links import MEMORY_BW_EFFICIENCY, Link, Topology
-from rigpilot.engine.planner.memory import DDP_BUCKET_BYTES, MemoryModel, ceil_div, stage_range
+from rigpilot.engine.planner.memory import (
+    DDP_BUCKET_BYTES,
+    INT8_BYTES,
+    NF4_BYTES_DQ,
+    MemoryModel,
+    ceil_div,
+    stage_range,
+)
 from rigpilot.engine.planner.model import ModelFacts, train_flops_per_token
 from rigpilot.engine.planner.plan import CommItem, Figure, Parallelism, Timing, Workload
 
@@ -60,17 +67,6 @@ HOST_STREAM_PER_CORE_GBS = 10.0  # one core streaming: caps a rank's share when 
 DECODE_OVERHEAD_PER_LAYER_S = 0.25e-3  # eager PyTorch launches a few dozen kernels per layer per token
 DECODE_QUANT_FACTOR = {16: 1.0, 8: 2.5, 4: 1.5}  # dequantization on every decode step
 OPTIMIZER_BYTES = {"adamw": 28.0, "adamw8bit": 12.0, "sgd": 16.0}  # touched per parameter in one step
-# NOTE: a placeholder until compiled and eager efficiencies are fitted to published runs (benchmarks/
-# published_runs.py): torchtitan and torchtune report 10-30% more tokens/s from compiling each block of a Llama;
-# the low end is taken, and the plan's figures say it is assumed.
-COMPILE_SPEEDUP = 1.10
-
-
-def compile_speedup(compile: bool) -> float:
-    """How much faster compiled blocks compute than eager ones (1.0: eager)."""
-    return COMPILE_SPEEDUP if compile else 1.0
-
-
 def optimizer_step_bytes(optimizer: str, master_bytes: int, state_bytes: float) -> float:
     """Bytes one optimizer step touches per parameter: AdamW reads and writes the weight and its state and reads
     the gradient (28 for fp32 master weights, 14 in pure bf16; 8-bit AdamW's state is a quarter of that)."""
@@ -89,6 +85,14 @@ def shape_factor(tokens: float, width: float) -> float:
     t = (tokens / (tokens + 512)) / (REF_TOKENS / (REF_TOKENS + 512))
     w = (width / (width + 512)) / (REF_WIDTH / (REF_WIDTH + 512))
     return min(t * w, 1.1)
+
+
+def experts_touched(k: int, experts: int, tokens: int) -> float:
+    """Expected distinct experts of one layer that `tokens` tokens routed top-`k` of `experts` reach, taking each
+    token's experts as uniform and independent: E · (1 − (1 − k/E)^tokens). One token reads k, a large batch all."""
+    if experts <= 0 or k >= experts:
+        return float(max(experts, 0))
+    return experts * (1.0 - (1.0 - k / experts) ** max(tokens, 0))
 
 
 def bubble_fraction(stages: int, micro_batches: int) -> float:
@@ -147,24 +151,30 @@ class SpeedModel:
         self.m, self.w, self.topo, self.mm = m, w, topo, mm
         self.peak_dtype = "fp32" if mm.dtype == "fp32" else mm.dtype
         self.layer_mm = sum(u.lin.in_features * u.lin.out_features * u.per_token for u in m.linears())
+        # Of which the mixture-of-experts MLP (experts, router, shared experts): tensor parallel keeps it whole on
+        # every rank (engine.capability), so each rank multiplies by all of it.
+        self.moe_mm = (
+            sum(u.lin.in_features * u.lin.out_features * u.per_token for u in (*m.mlp_in, *m.mlp_out)) if m.spec.is_moe else 0
+        )
         self.head_mm = m.vocab * m.h if m.is_decoder else 0
         self.frozen = w.training and w.method != "full"
         # The search times thousands of plans that share GPU groups; these lookups repeat.
         self._groups: dict[tuple, Groups] = {}
-        self._rates: dict[tuple[int, ...], float] = {}
+        self._rates: dict[tuple[tuple[int, ...], bool], float] = {}
         self._collectives: dict[tuple[tuple[int, ...], ...], Link] = {}
 
     # -- shared -----------------------------------------------------------------------------------------
-    def _base_rate(self, gpus: list[int]) -> float:
-        key = tuple(gpus)
+    def _base_rate(self, gpus: list[int], compile: bool = False) -> float:
+        key = (tuple(gpus), compile)
         found = self._rates.get(key)
         if found is None:
-            found = self._rates[key] = min(self.topo.gpus[i].step_tflops(self.peak_dtype) for i in gpus) * 1e12
+            rate = min(self.topo.gpus[i].step_tflops(self.peak_dtype, compile=compile) for i in gpus)
+            found = self._rates[key] = rate * 1e12
         return found
 
-    def _rate(self, gpus: list[int], tokens: float, width: float) -> float:
-        """FLOP/s of the slowest GPU among `gpus` for matmuls of this shape."""
-        return self._base_rate(gpus) * shape_factor(tokens, width)
+    def _rate(self, gpus: list[int], tokens: float, width: float, compile: bool = False) -> float:
+        """FLOP/s of the slowest GPU among `gpus` for matmuls of this shape (eager, or under torch.compile)."""
+        return self._base_rate(gpus, compile) * shape_factor(tokens, width)
 
     def _collective(self, groups: list[list[int]]) -> Link:
         key = tuple(tuple(g) for g in groups)
@@ -180,8 +190,8 @@ class SpeedModel:
             found = self._groups[key] = Groups.of(par)
         return found
 
-    def _figures(self, par: Parallelism, comm: list[CommItem], links: dict[str, Link]) -> list[Figure]:
-        figs = self.topo.compute_figures(par.gpu_indices, self.peak_dtype)
+    def _figures(self, par: Parallelism, comm: list[CommItem], links: dict[str, Link], compile: bool = False) -> list[Figure]:
+        figs = self.topo.compute_figures(par.gpu_indices, self.peak_dtype, compile=compile)
         if not self.w.training:
             for name in dict.fromkeys(self.topo.gpus[i].short_name for i in par.gpu_indices):
                 g = next(self.topo.gpus[i] for i in par.gpu_indices if self.topo.gpus[i].short_name == name)
@@ -204,7 +214,8 @@ class SpeedModel:
     def train(self, par: Parallelism, detail: bool = True, *, compile: bool = False) -> Timing:
         """Step time of a training plan; `detail` adds the communication items and figures it rests on.
 
-        `compile`: each block runs under torch.compile (`compile_speedup`); communication is the same either way.
+        `compile`: each block runs under torch.compile, at the share of peak fitted to published compiled runs
+        (resources/speed_priors.json) instead of the eager one; communication is the same either way.
         """
         m, w, topo, mm = self.m, self.w, self.topo, self.mm
         groups = self.groups(par)
@@ -233,7 +244,7 @@ class SpeedModel:
             a, b = stage_range(par, st, m.layers)
             n = b - a
             flops = mb_tokens * (n * layer_flops + (head_flops if st == par.pp - 1 else 0.0)) / par.tp
-            rate = self._rate(groups.stages[st], mb_tokens, m.h / par.tp) * rate_scale * compile_speedup(compile)
+            rate = self._rate(groups.stages[st], mb_tokens, m.h / par.tp, compile) * rate_scale
             stage_compute.append(flops / rate)
             tp_s = 0.0
             if tp_link is not None:
@@ -296,7 +307,7 @@ class SpeedModel:
             mfu=model_flops * tokens_per_s / peak,
             time_to_budget_s=budget,
             comm=comm,
-            figures=self._figures(par, comm, links) if detail else [],
+            figures=self._figures(par, comm, links, compile) if detail else [],
         )
 
     def _trainable(self, par: Parallelism, stage: int) -> float:
@@ -537,14 +548,14 @@ class SpeedModel:
             n = b - a
             gpus = groups.stages[st][: par.tp]
             last = st == par.pp - 1
-            mm_params = (n * self.layer_mm + (self.head_mm if last else 0)) / par.tp
+            mm_params = n * ((self.layer_mm - self.moe_mm) / par.tp + self.moe_mm) + (self.head_mm if last else 0) / par.tp
             flops = batch * prompt * (2 * mm_params + 2 * n * m.q_dim * prompt / par.tp)
             prefill += flops / (self._rate(gpus, batch * prompt, m.h / par.tp) * quant_rate)
             sm = mm.infer_stage(par, st, topo.gpus[gpus[0]].architecture)
             bw = min(topo.gpus[i].memory_bandwidth_gbs for i in gpus) * 1e9 * MEMORY_BW_EFFICIENCY
             context = prompt + new / 2
             kv_read = batch * context * kv_token_layer * n / par.tp
-            mem_s = (sm.weights + kv_read) / bw
+            mem_s = (sm.weights - self._untouched_expert_bytes(n, batch) + kv_read) / bw
             # Decode matmuls are matrix-vector products: memory-bound unless the batch is large, so the
             # compute side uses the plain achievable rate rather than the small-matmul shape penalty.
             rate = min(topo.gpus[i].step_tflops(self.peak_dtype) for i in gpus) * 1e12 * quant_rate
@@ -580,6 +591,22 @@ class SpeedModel:
             comm=comm,
             figures=self._figures(par, comm, links) if detail else [],
         )
+
+    def _untouched_expert_bytes(self, layers: int, batch: int) -> float:
+        """Bytes of expert weights a decode step of `batch` tokens does not read on `layers` layers.
+
+        A token reads only its top-k experts (and the router and any shared expert, which are not expert
+        linears here): per layer the batch reaches experts_touched(k, E, batch) of the E experts, so the rest
+        of the experts' weights stay in memory unread. Experts are whole on every tensor-parallel rank.
+        """
+        spec = self.m.spec
+        if not spec.is_moe or spec.num_experts <= 1:
+            return 0.0
+        bits = self.w.weight_bits
+        per = self.mm.c if bits == 16 else (INT8_BYTES if bits == 8 else NF4_BYTES_DQ)  # as infer_stage counts them
+        expert = sum(u.weight_params for u in (*self.m.mlp_in, *self.m.mlp_out) if u.lin.expert)
+        untouched = 1.0 - experts_touched(spec.experts_per_token, spec.num_experts, batch) / spec.num_experts
+        return layers * expert * per * untouched
 
     def timing(self, par: Parallelism, detail: bool = True, *, compile: bool = False) -> Timing:
         """`compile` applies to training; inference is planned eager (the engine does not compile decode)."""

@@ -185,3 +185,79 @@ def test_fsdp_accumulation_reduce_scatters_every_micro_batch():
     assert one.what.startswith("FSDP2") and four.what == one.what
     assert four.bytes_per_step == 4 * one.bytes_per_step
     assert four.seconds == pytest.approx(4 * one.seconds)
+
+
+def test_compile_uses_the_compiled_share_and_leaves_communication_alone():
+    from rigpilot.engine.planner.links import COMPILED_EFFICIENCY_PRIOR, EFFICIENCY_PRIOR
+
+    sm = speed_model(topo("8x-h100-sxm"))
+    par = Parallelism(gpu_indices=list(range(8)), dp=8, tp=1, pp=1, zero_stage=3, shard_degree=8, backend="fsdp",
+                      micro_batch=2, grad_accum=1)
+    eager = sm.train(par)
+    compiled = sm.train(par, compile=True)
+    assert sm.timing(par, compile=True).step_s == compiled.step_s
+    # The matmul work runs at the compiled share of peak; the optimizer step (memory-bound) and the collectives
+    # are the same either way.
+    ratio = COMPILED_EFFICIENCY_PRIOR["hopper"] / EFFICIENCY_PRIOR["hopper"]
+    assert 1.0 < ratio < 1.5
+    assert compiled.step_s < eager.step_s
+    assert sum(c.bytes_per_step for c in compiled.comm) == sum(c.bytes_per_step for c in eager.comm)
+    assert any("compiled" in f.name for f in compiled.figures)
+    assert not any("compiled" in f.name for f in eager.figures)
+
+
+def test_a_measured_matmul_rate_takes_the_compile_gain():
+    cal = Calibration(matmul_tflops={0: 600.0})
+    t = topo("8x-h100-sxm", [0], cal)
+    g = t.gpus[0]
+    assert g.step_tflops("bf16") == pytest.approx(600.0 * 0.8)
+    assert g.step_tflops("bf16", compile=True) == pytest.approx(600.0 * 0.8 * g.compiled_efficiency / g.efficiency)
+
+
+def test_experts_touched_by_a_decode_batch():
+    from rigpilot.engine.planner.speed import experts_touched
+
+    assert experts_touched(2, 8, 1) == pytest.approx(2.0)  # one token: its top-2
+    assert experts_touched(2, 8, 2) == pytest.approx(8 * (1 - 0.75**2))  # 3.5: two tokens overlap sometimes
+    assert experts_touched(2, 8, 64) == pytest.approx(8.0, rel=1e-6)  # a large batch reaches every expert
+    assert experts_touched(8, 8, 1) == 8.0
+
+
+def test_mixture_of_experts_decode_reads_only_the_experts_its_tokens_reach():
+    from rigpilot.engine.models.describe import describe_model
+    from rigpilot.engine.planner.links import MEMORY_BW_EFFICIENCY
+    from rigpilot.engine.planner.speed import DECODE_OVERHEAD_PER_LAYER_S
+
+    spec = describe_model("mixtral-8x7b")
+    m = model_facts(spec)
+    t = topo("4x-rtxa6000-bridged")
+    # One GPU's view (the speed model does not ask whether it fits): every layer read per decoded token.
+    par = Parallelism(gpu_indices=[0], dp=1, tp=1, pp=1, backend="inference")
+
+    def decode(batch: int) -> tuple[float, float]:
+        w = Workload(model="mixtral-8x7b", task="infer", precision="bf16", seq_len=512, new_tokens=64, global_batch=batch)
+        mm = MemoryModel(m, w)
+        return SpeedModel(m, w, t, mm).infer(par).decode_token_s, mm.infer_stage(par, 0, None).weights
+
+    one, weights = decode(1)
+    # Batch 1: everything but six of the eight experts' weights is read (attention, router, top-2).
+    expert = sum(u.weight_params for u in (*m.mlp_in, *m.mlp_out) if u.lin.expert) * 2 * m.layers
+    read = weights - expert * 6 / 8
+    bw = t.gpus[0].memory_bandwidth_gbs * 1e9 * MEMORY_BW_EFFICIENCY
+    assert read < 0.45 * weights  # Mixtral's experts are ~96% of a layer: top-2 of 8 reads about a third
+    # Memory-bound, plus the per-layer launch overhead.
+    assert one == pytest.approx(read / bw + m.layers * DECODE_OVERHEAD_PER_LAYER_S, rel=0.05)
+    assert one < 0.45 * decode(64)[0]  # a large batch reaches every expert
+
+
+def test_tensor_parallel_does_not_split_the_experts_compute():
+    from rigpilot.engine.models.describe import describe_model
+
+    m = model_facts(describe_model("mixtral-8x7b"))
+    w = Workload(model="mixtral-8x7b", task="infer", precision="bf16", seq_len=2048, new_tokens=1, global_batch=1)
+    sm = SpeedModel(m, w, topo("4x-rtxa6000-bridged"), MemoryModel(m, w))
+    one = sm.infer(Parallelism(gpu_indices=[0], dp=1, tp=1, pp=1, backend="inference")).prefill_s
+    two = sm.infer(Parallelism(gpu_indices=[0, 1], dp=1, tp=2, pp=1, backend="inference")).prefill_s
+    # Every rank runs the whole MoE MLP (experts are ~90% of the matmuls here): TP2 does not halve prefill
+    # (its all-reduces over the bridge even make it slower here).
+    assert two > 0.85 * one

@@ -120,6 +120,10 @@ FORMULA_CASES = [
     pytest.param("olmoe", "bf16", 64, marks=pytest.mark.slow),  # counted on the meta device in a child process
     ("qwen3_moe", "bf16", 64),
     ("gpt2-dropout", "fp32", 64),
+    ("gemma3", "bf16", 64),  # fp32 q/k-norm outputs, a sliding and a global layer
+    pytest.param("gemma3", "fp32", 64, marks=pytest.mark.slow),
+    ("gpt-oss", "bf16", 64),  # sink-extended fp32 scores, clamped-SwiGLU fp32 experts
+    pytest.param("gpt-oss", "fp32", 128, marks=pytest.mark.slow),
 ]
 
 
@@ -134,6 +138,20 @@ def test_formula_holds_on_a_real_step(model: str, precision: str, seq: int) -> N
     # Tighter than the benchmark's bounds: each of these tensors is accounted for, so the formula is within 1%.
     (act,) = [r for r in rows if r.component == "activations_saved"]
     assert act.error is not None and abs(act.error) <= 0.01, format_table(rows)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["gemma3", "gpt-oss"])
+def test_lora_on_gemma3_and_gpt_oss_within_five_percent(model: str) -> None:
+    """The issue: saved activations of these families were under-counted by 10-13%. With a bf16 base (LoRA)
+    gpt-oss's sinks are bf16, so its softmax is too: a view of it is all the value matmul keeps."""
+    pytest.importorskip("torch")
+    from rigpilot.engine.accuracy.compare import compare_step, format_table
+    from rigpilot.engine.accuracy.measure import Case
+
+    rows = compare_step(Case(model, precision="bf16", method="lora", lora_targets=("q_proj", "k_proj", "v_proj", "o_proj")))
+    (act,) = [r for r in rows if r.component == "activations_saved"]
+    assert act.error is not None and abs(act.error) <= 0.05, format_table(rows)
 
 
 @pytest.mark.slow
