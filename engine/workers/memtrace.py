@@ -11,6 +11,10 @@ and backward of up to two micro-batches, then the optimizer step) and reads
 the peak of every tensor alive at once from PyTorch's memory trackers
 (`MemTracker`, `FSDPMemTracker`).
 
+The plan's recipe (engine.recipe, `trace_plan`'s `recipe` or the workload's fields) runs through the
+worker's own code: the loss in chunks (chunked_loss.TokenLoss) and activation offloading
+(activation_offload, whose offloaded tensors leave the traced device as they leave a GPU).
+
 A model with many blocks is traced with 3 and 5 of them and the per-block
 difference scaled to its layer count, per phase (forward/backward and
 optimizer step): block memory is linear in the block count once there is a

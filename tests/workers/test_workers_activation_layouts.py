@@ -103,7 +103,9 @@ def test_offloaded_activations_train_bit_for_bit_what_kept_ones_train(
 ) -> None:
     offloaded, kept = job(root, layout, "offloaded"), job(root, layout, "kept")
     assert figures(offloaded) == figures(kept)
-    assert figures(offloaded)["loss"] == pytest.approx([reference["loss"][s] for s in sorted(reference["loss"])], abs=1e-5)
+    assert figures(offloaded)["loss"] == pytest.approx(
+        [reference["loss"][s] for s in sorted(reference["loss"])], abs=1e-5
+    )
     a, b = output_tensors(offloaded), output_tensors(kept)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert any("activation offloading" in n for n in notes_of(offloaded))

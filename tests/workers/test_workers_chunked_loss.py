@@ -18,9 +18,11 @@ import torch.nn.functional as F
 
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.layout import Layout
+from rigpilot.engine.workers import ERROR_PREFIX, EXIT_USER_ERROR
 from rigpilot.engine.workers.chunked_loss import TokenLoss
 
-from support.paths import TINY_LLAMA_CONFIG
+from support.paths import SHAKESPEARE, TINY_LLAMA_CONFIG
+from support.worker_jobs import records, run_job, write_job
 
 TINY_GEMMA2 = {  # final logits soft-capped (the loss caps each chunk's), eager attention
     "model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
@@ -156,3 +158,24 @@ def test_the_plans_recipe_reaches_the_trace(tmp_path: Path) -> None:
     chunked = memtrace.trace_plan(copy.deepcopy(plan), recipe=Recipe(loss_chunks=8))
     named = memtrace.trace_plan({**plan, "workload": {**plan["workload"], "loss_chunks": 8}})
     assert chunked["peak"] == named["peak"] < whole["peak"]
+
+
+@pytest.mark.slow
+def test_a_job_of_an_encoder_with_its_loss_in_chunks_stops_with_one_clear_line(tmp_path: Path) -> None:
+    """The refusal as a job meets it: the worker's one line, and a record the engine words it from."""
+    from test_workers_jobs import minilm_folder  # the MiniLM encoder the job tests train
+
+    job = write_job(
+        tmp_path / "minilm-chunked",
+        kind="train",
+        model=str(minilm_folder()),
+        train={"dataset": [str(SHAKESPEARE)], "seq_len": 32, "max_steps": 1, "loss_chunks": 4},
+    )
+    logs = job / "logs"
+    run_job(job, 1, expect=EXIT_USER_ERROR, log_dir=logs)
+    (log,) = logs.rglob("stderr.log")
+    last = log.read_text().strip().splitlines()[-1]
+    assert last.startswith(f"{ERROR_PREFIX} loss chunks apply a decoder's output head") and "'bert'" in last
+    record = records(job)[-1]
+    assert record["error"] == "user_error" and record["reason"] == "unsupported_setting"
+    assert record["setting"] == "train.loss_chunks"
