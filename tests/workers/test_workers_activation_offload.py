@@ -129,6 +129,7 @@ BIG_LLAMA = {
 }  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpointing", ["none", "full"])
 def test_the_trace_leaves_offloaded_activations_off_the_device_as_a_real_step_does(
     tmp_path: Path, checkpointing: str

@@ -122,6 +122,7 @@ BIG_VOCAB_LLAMA = {
 }  # fmt: skip
 
 
+@pytest.mark.slow
 def test_the_loss_in_chunks_never_holds_the_whole_fp32_logits_measured_and_traced(tmp_path: Path) -> None:
     """One step's peak on CPU tensors under PyTorch's MemTracker, through the planner's trace of the worker's
     own loss: chunks save at least the whole fp32 logits and their gradient, and the fake trace sees it."""
@@ -145,6 +146,7 @@ def test_the_loss_in_chunks_never_holds_the_whole_fp32_logits_measured_and_trace
     assert saved >= 1.5 * logits_bytes, (peaks, logits_bytes)
 
 
+@pytest.mark.slow
 def test_the_plans_recipe_reaches_the_trace(tmp_path: Path) -> None:
     from rigpilot.engine.recipe import Recipe
     from rigpilot.engine.workers import memtrace
