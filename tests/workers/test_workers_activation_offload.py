@@ -149,3 +149,31 @@ def test_the_trace_leaves_offloaded_activations_off_the_device_as_a_real_step_do
         assert abs(fake.forward_backward - real.forward_backward) <= 0.03 * real.forward_backward
         peaks[offload] = real.forward_backward
     assert peaks[True] < peaks[False]
+
+
+def test_tensor_parallels_dtensors_go_to_the_host_as_their_local_shards() -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        torch.manual_seed(0)
+        weight = torch.nn.Parameter(distribute_tensor(torch.randn(64, 64), mesh, [Shard(0)]))
+        x = distribute_tensor(torch.randn(8, 64), mesh, [Shard(0)])
+        grads, store = [], RecordingStore()
+        for offload in (False, True):
+            hooks = ActivationOffload(offload, store)
+            weight.grad = None
+            with hooks.saving():
+                y = torch.tanh(x @ weight)
+            assert isinstance(y, DTensor)
+            y.sum().backward()
+            grads.append(weight.grad.full_tensor())
+        assert hooks.offloaded == 2 and store.shapes == [torch.Size([8, 64])] * 2  # x for the matmul, tanh's output
+        assert torch.equal(grads[0], grads[1])
+    finally:
+        dist.destroy_process_group()
