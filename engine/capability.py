@@ -164,10 +164,15 @@ def _optimizer_in_backward(r: Recipe, lt: Layout, ctx: RecipeContext) -> str | N
 
 
 def _loss_chunks(r: Recipe, lt: Layout, ctx: RecipeContext) -> str | None:
+    # Runs on every layout (engine.workers.chunked_loss; tests/workers/test_workers_activation_layouts.py: one
+    # rank, DDP, FSDP2 with accumulation, TP with the vocabulary-parallel loss, PP, PP x FSDP2, CPU offload).
+    # A model with no output head to chunk (a masked-LM encoder) is refused by the worker, which knows the model.
     return None
 
 
 def _activation_offload(r: Recipe, lt: Layout, ctx: RecipeContext) -> str | None:
+    # Runs on every layout, beside every checkpointing mode and compiled blocks, bit for bit the same training
+    # (engine.workers.activation_offload; tests/workers/test_workers_activation_*.py).
     return None
 
 

@@ -11,6 +11,10 @@ and backward of up to two micro-batches, then the optimizer step) and reads
 the peak of every tensor alive at once from PyTorch's memory trackers
 (`MemTracker`, `FSDPMemTracker`).
 
+The plan's recipe (engine.recipe, `trace_plan`'s `recipe` or the workload's fields) runs through the
+worker's own code: the loss in chunks (chunked_loss.TokenLoss) and activation offloading
+(activation_offload, whose offloaded tensors leave the traced device as they leave a GPU).
+
 A model with many blocks is traced with 3 and 5 of them and the per-block
 difference scaled to its layer count, per phase (forward/backward and
 optimizer step): block memory is linear in the block count once there is a
@@ -52,6 +56,7 @@ from typing import Any
 from rigpilot.engine.layout import Layout
 from rigpilot.engine.planner.plan import parallelism_from_dict
 from rigpilot.engine.planner.traceable import why_not_traced
+from rigpilot.engine.recipe import Recipe
 
 WHOLE_MODEL_LAYERS = 4  # up to this many blocks the whole model is traced
 SCALE_FROM = (3, 5)  # else traced with this many blocks and scaled to the layer count
@@ -76,10 +81,16 @@ class Phases:
         return max(self.forward_backward, self.optimizer)
 
 
-def trace_plan(plan: dict[str, Any], trust_remote_code: bool = False) -> dict[str, Any]:
-    """The traced peak bytes per GPU of `plan` (Plan.to_dict), or NotTraced saying why not."""
+def trace_plan(plan: dict[str, Any], trust_remote_code: bool = False, recipe: Recipe | None = None) -> dict[str, Any]:
+    """The traced peak bytes per GPU of `plan` (Plan.to_dict), or NotTraced saying why not.
+
+    `recipe`: the training recipe the step runs (chunked loss, activation offloading: the worker's own code
+    for them); None: the one the plan's workload names, field by field (the plain recipe where it names none).
+    """
     started = time.perf_counter()
     workload, par = plan["workload"], plan["parallelism"]
+    if recipe is not None:
+        workload = {**workload, **recipe.to_dict()}
     _check_supported(workload, par)
     layout = Layout.from_plan(parallelism_from_dict(par))
     config = _load_config(workload["model"], trust_remote_code)
@@ -602,9 +613,9 @@ def _fake_step(built: _Built, workload: dict[str, Any], par: dict[str, Any]) -> 
 
     from rigpilot.engine.accuracy.cuda_autocast import CudaAutocastOnCpu, CudaDropoutOnCpu
     from rigpilot.engine.workers.parallelize import set_gradient_sync
-    from rigpilot.engine.workers.train import token_loss
 
     model, wrapped, fsdp, precision = built.model, built.wrapped, built.fsdp, built.precision
+    token_loss, offload = _recipe_step(built, workload)
     loss_parallel, ddp_buckets, vocab = built.loss_parallel, built.ddp_buckets, built.vocab
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -618,7 +629,9 @@ def _fake_step(built: _Built, workload: dict[str, Any], par: dict[str, Any]) -> 
     micro, seq = int(par.get("micro_batch", 1)), int(workload["seq_len"])
     accum = min(int(par.get("grad_accum", 1)), 2)  # the second micro-batch sees the first one's gradients
     batches = [(torch.randint(vocab, (micro, seq)), torch.randint(vocab, (micro, seq))) for _ in range(accum)]
-    tracker = _tracker(wrapped if fsdp else model, optimizer, fsdp, built.in_flight)
+    # The chunked loss calls the head once per chunk, and again to recompute each: as a pipeline's passes.
+    again = built.in_flight > 1 or token_loss.head is not None
+    tracker = _tracker(wrapped if fsdp else model, optimizer, fsdp, built.in_flight, again)
     gpu = _GpuPeak(tracker, HOST_CATEGORIES if built.offload else frozenset())
     autocast_on = precision.autocast
     snapshots: dict[str, dict[str, int]] = {}
@@ -626,7 +639,7 @@ def _fake_step(built: _Built, workload: dict[str, Any], par: dict[str, Any]) -> 
         batches = batches[:1]  # the stage's own micro-batches are run below
     with tracker:
         if built.stage is not None:
-            _stage_passes(built, tracker, micro, seq, snapshots)
+            _stage_passes(built, tracker, micro, seq, snapshots, token_loss, offload)
             batches = []
         for i, (ids, labels) in enumerate(batches):
             if i:
@@ -639,8 +652,9 @@ def _fake_step(built: _Built, workload: dict[str, Any], par: dict[str, Any]) -> 
                     stack.enter_context(lp())
                 # The GPU's ops on the CPU: CUDA's autocast policy and its bool dropout masks.
                 autocast = CudaAutocastOnCpu() if autocast_on else contextlib.nullcontext()
-                with precision.autocast_context(), autocast, CudaDropoutOnCpu():
-                    logits = wrapped(input_ids=ids, use_cache=False).logits
+                with precision.autocast_context(), autocast, CudaDropoutOnCpu(), token_loss.model_output():
+                    with offload.saving():
+                        logits = wrapped(input_ids=ids, use_cache=False).logits  # hidden states if chunked
                 loss = token_loss(logits, labels)
                 del logits
                 snapshots["after_forward"] = _categories(tracker, "current")
@@ -661,7 +675,9 @@ def _fake_step(built: _Built, workload: dict[str, Any], par: dict[str, Any]) -> 
     return Phases(fb + ddp_buckets, opt + ddp_buckets, cats, snapshots)
 
 
-def _stage_passes(built: _Built, tracker: Any, micro: int, seq: int, snapshots: dict[str, Any]) -> None:
+def _stage_passes(
+    built: _Built, tracker: Any, micro: int, seq: int, snapshots: dict[str, Any], token_loss: Any, offload: Any
+) -> None:
     """A pipeline stage's forwards of its micro-batches in flight, then their backwards, as a schedule runs them.
 
     The first stage takes token ids, the others the previous stage's hidden states (with a gradient
@@ -670,7 +686,6 @@ def _stage_passes(built: _Built, tracker: Any, micro: int, seq: int, snapshots: 
     import torch
 
     from rigpilot.engine.accuracy.cuda_autocast import CudaAutocastOnCpu, CudaDropoutOnCpu
-    from rigpilot.engine.workers.train import token_loss
 
     stage, wrapped, precision = built.stage, built.wrapped, built.precision
     hidden_size = int(stage.parts.config.hidden_size)
@@ -684,10 +699,12 @@ def _stage_passes(built: _Built, tracker: Any, micro: int, seq: int, snapshots: 
         else:
             x = torch.empty((micro, seq, hidden_size), dtype=hidden_dtype, requires_grad=True)
         autocast = CudaAutocastOnCpu() if precision.autocast else contextlib.nullcontext()
-        with precision.autocast_context(), autocast, CudaDropoutOnCpu():
+        # As the worker's schedule runs them: forward and loss under offloading, the loss's tensors kept.
+        with precision.autocast_context(), autocast, CudaDropoutOnCpu(), offload.saving():
             out = wrapped(x)
-        if stage.is_last:
-            out = token_loss(out, torch.randint(built.vocab, (micro, seq)))
+            if stage.is_last:
+                with offload.keep_on_device():
+                    out = token_loss(out, torch.randint(built.vocab, (micro, seq)))
         pending.append((x, out))
     snapshots["after_forward"] = _categories(tracker, "current")
     # As torch's schedule runs them (PipelineStage.backward_maybe_with_nosync), unlike the worker's
@@ -704,16 +721,62 @@ def _stage_passes(built: _Built, tracker: Any, micro: int, seq: int, snapshots: 
         del x, out
 
 
-def _tracker(module: Any, optimizer: Any, fsdp: bool, in_flight: int = 1) -> Any:
-    # With micro-batches in flight the FSDP tracker's per-module records refuse a second forward; the
-    # plain tracker counts the same storages (it follows FSDP2's resize_ of unsharded parameters too).
-    if fsdp and in_flight == 1:
+def _recipe_step(built: _Built, workload: dict[str, Any]) -> tuple[Any, Any]:
+    """The worker's loss (whole or chunked) and activation offloading for the plan's recipe, built as the worker
+    builds them (train.Trainer._loss_and_offload); offloaded tensors leave the traced device's count."""
+    import torch
+    from torch._guards import detect_fake_mode
+
+    from rigpilot.engine.accuracy.cuda_autocast import CudaAutocastOnCpu
+    from rigpilot.engine.workers.activation_offload import TracedStore, offload_activations
+    from rigpilot.engine.workers.chunked_loss import TokenLoss
+
+    recipe = Recipe.of(SimpleNamespace(**workload))
+    precision = built.precision
+    module = built.stage if built.stage is not None else built.model
+
+    @contextlib.contextmanager
+    def compute() -> Any:
+        with precision.autocast_context(), CudaAutocastOnCpu() if precision.autocast else contextlib.nullcontext():
+            yield
+
+    token_loss = TokenLoss(module, recipe.loss_chunks, compute)
+    token_loss.hold_head(built.wrapped)
+    offload = offload_activations(module, recipe.activation_offload, torch.device("cpu"))
+    if offload.enabled:
+        offload.store = TracedStore() if detect_fake_mode() is not None else _UntrackedHost()
+    return token_loss, offload
+
+
+class _UntrackedHost:
+    """Real tensors (the trace's own tests): host copies made out of the trackers' sight, as host memory is
+    out of a GPU's; what backward brings back is a device tensor again, and counted."""
+
+    def put(self, t: Any) -> Any:
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            return t.detach().clone()
+
+    def get(self, item: Any) -> Any:
+        return item.host.clone()
+
+    def finish(self) -> None:
+        pass
+
+
+def _tracker(module: Any, optimizer: Any, fsdp: bool, in_flight: int = 1, again: bool = False) -> Any:
+    # With micro-batches in flight (or a module called again) the FSDP tracker's per-module records refuse a
+    # second forward; the plain tracker counts the same storages (it follows FSDP2's resize_ of unsharded
+    # parameters too).
+    again = again or in_flight > 1
+    if fsdp and not again:
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
         return FSDPMemTracker(module, optimizer)
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    if in_flight > 1:
+    if again:
         MemTracker = _tolerant(MemTracker)
 
     class Tracker(MemTracker):

@@ -93,6 +93,9 @@ class DecoderStage(nn.Module):
     """One pipeline stage: input ids or hidden states in; hidden states, or logits on the last stage, out."""
 
     parts: DecoderParts
+    # The training loss applies the head a chunk of tokens at a time (engine.workers.chunked_loss): the last
+    # stage then returns the final norm's output, the hidden states the head would take.
+    head_in_loss: bool = False
 
     def __init__(self, parts: DecoderParts, stage_index: int, num_stages: int) -> None:
         super().__init__()
@@ -153,6 +156,8 @@ class DecoderStage(nn.Module):
             return hidden
         if logits_to_keep:  # the norm is per position: normalising the kept ones alone gives the same values
             hidden = hidden[:, -logits_to_keep:, :]
+        if self.head_in_loss:
+            return inner.norm(hidden)
         logits = self.parts.causal_lm.lm_head(inner.norm(hidden))
         cap = getattr(config, "final_logit_softcapping", None)
         if cap:  # Gemma 2 bounds its logits in the causal-LM wrapper, outside the decoder

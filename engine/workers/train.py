@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
@@ -37,7 +36,10 @@ from rigpilot.engine.jobspec.spec import TRAIN_SETTINGS, JobSpec, TrainSettings
 from rigpilot.engine.report import report
 from rigpilot.engine.schema import check_group
 from rigpilot.engine.workers import EXIT_CANCELLED, EXIT_OK
+from rigpilot.engine.workers.activation_offload import ActivationOffload, offload_activations
 from rigpilot.engine.workers.checkpoint import Checkpointer, gather_full_state, save_final_model
+from rigpilot.engine.workers.chunked_loss import TokenLoss
+from rigpilot.engine.workers.chunked_loss import token_loss as token_loss  # where callers have found it
 from rigpilot.engine.workers.data import (
     Dataset,
     ShardedBatches,
@@ -173,15 +175,6 @@ def lora_dtypes_note(model: nn.Module) -> str:
     frozen = names([p for p in params if not p.requires_grad])
     trainable = names([p for p in params if p.requires_grad])
     return f"LoRA: the frozen base weights are {frozen}, the trainable adapters {trainable}"
-
-
-def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy over the labelled tokens (next tokens, or the masked ones for masked-LM).
-
-    A sum, not a mean: the caller divides by the trained tokens of the whole global batch, which
-    no single micro-batch knows. A batch with no labelled token (all prompt) adds 0.
-    """
-    return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=-100, reduction="sum")
 
 
 @dataclass
@@ -336,6 +329,7 @@ class Trainer:
         # Same seed within a model replica (TP ranks must drop the same activations), different across replicas.
         torch.manual_seed(s.seed + 1 + rt.dp_rank)
         self._parallelize()
+        self._loss_and_offload()
         params = [p for p in self.module.parameters() if p.requires_grad]
         self.params = params
         self.optimizer = torch.optim.AdamW(
@@ -417,6 +411,21 @@ class Trainer:
             self.scaler = torch.amp.GradScaler("cuda")
         self.schedule = self._pipeline_schedule() if dims.pp > 1 else None
 
+    def _loss_and_offload(self) -> None:
+        """The recipe's activation side: the loss a chunk of tokens at a time, saved activations on the host."""
+        s = self.s
+        self.loss = TokenLoss(self.module, s.loss_chunks, self.precision.autocast_context)
+        self.loss.hold_head(self.wrapped)
+        if s.loss_chunks > 1:
+            self.notes.append(
+                f"chunked loss: the output head's logits and their fp32 cross-entropy are computed "
+                f"{s.loss_chunks} chunks of tokens at a time, so the whole fp32 logits never exist"
+            )
+        self.offload: ActivationOffload = offload_activations(self.module, s.activation_offload, self.rt.device)
+        if s.activation_offload:
+            pinned = "pinned host memory, copied on a side stream" if self.rt.device.type == "cuda" else "host memory"
+            self.notes.append(f"activation offloading: the activations saved for backward wait in {pinned}")
+
     def _pipeline_schedule(self) -> Any:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -434,7 +443,9 @@ class Trainer:
 
     def _scaled_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # No side effects: the schedule also calls it once to infer gradient shapes on its first step.
-        return token_loss(logits, labels) * self.loss_scale
+        # `logits`: the last stage's output, the final hidden states where the loss is chunked.
+        with self.offload.keep_on_device():
+            return self.loss(logits, labels) * self.loss_scale
 
     # --- batches ----------------------------------------------------------------------------------
 
@@ -458,9 +469,9 @@ class Trainer:
         # use_cache=False: a KV cache in training only costs memory, and checkpointed blocks would
         # find it filled by their first run when they recompute. Encoders have no cache to turn off.
         kwargs = {"use_cache": False} if self.loaded.objective == "causal" else {}
-        with self.precision.autocast_context():
-            logits = self.wrapped(input_ids=batch.inputs, **kwargs).logits
-        return token_loss(logits, batch.labels)
+        with self.precision.autocast_context(), self.loss.model_output(), self.offload.saving():
+            output = self.wrapped(input_ids=batch.inputs, **kwargs).logits  # the hidden states if chunked
+        return self.loss(output, batch.labels)
 
     def _loss_context(self) -> Any:
         """loss_parallel() around the forward and backward of vocabulary-sharded logits, else nothing."""
@@ -491,7 +502,7 @@ class Trainer:
             tokens += batch.tokens
             if self.schedule is not None:
                 mb_losses: list[torch.Tensor] = []  # the schedule's loss_fn (_scaled_loss) scales them
-                with self.precision.autocast_context(), self._loss_context():
+                with self.precision.autocast_context(), self._loss_context(), self.offload.saving():
                     if self.rt.pp_rank == 0:
                         self.schedule.step(batch.inputs, target=batch.labels, losses=mb_losses)
                     else:
@@ -564,6 +575,7 @@ class Trainer:
             else:
                 with self._loss_context():
                     total += plain(self._forward_loss(batch)).double().cpu()
+        self.loss.release()
         self.module.train()
         mine = [float(total), float(count)] if self._reports_loss() else [0.0, 0.0]
         loss_sum, tokens = world_sums(mine, self.rt.device)
