@@ -125,12 +125,17 @@ def fp8_linear(module: nn.Module, fqn: str) -> bool:
     return module.in_features % FP8_DIM_MULTIPLE == 0 and module.out_features % FP8_DIM_MULTIPLE == 0
 
 
-def apply_float8(model: nn.Module, device: torch.device, emulate: bool = False) -> list[str]:
+def apply_float8(
+    model: nn.Module, device: torch.device, emulate: bool = False, fsdp_all_gather: bool = False
+) -> list[str]:
     """Convert `model`'s linear layers to torchao's Float8Linear (before tensor parallel, as torchtitan does).
 
     `emulate`: torchao's emulation mode, which runs the FP8 casts and scales in high-precision matmuls; it
     runs anywhere and exists to test the numerics (the CPU tests use it), not to train. Without it the
     device is checked here, on the rank, whatever the engine was told about the GPUs.
+    `fsdp_all_gather`: FSDP2 gathers the converted weights in FP8 (half bf16's traffic; torchao's
+    enable_fsdp_float8_all_gather), for a model FSDP2 shards without tensor parallel: it trains the same
+    model, as tests/workers/test_workers_compile.py checks in emulation on gloo ranks.
     """
     if not emulate:
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
@@ -147,7 +152,8 @@ def apply_float8(model: nn.Module, device: torch.device, emulate: bool = False) 
             return True
         return False
 
-    convert_to_float8_training(model, module_filter_fn=chosen, config=Float8LinearConfig(emulate=emulate))
+    config = Float8LinearConfig(emulate=emulate, enable_fsdp_float8_all_gather=fsdp_all_gather)
+    convert_to_float8_training(model, module_filter_fn=chosen, config=config)
     if not converted:
         raise UserError(
             f"FP8: none of the model's linear layers has dimensions that are multiples of {FP8_DIM_MULTIPLE}",
@@ -156,4 +162,5 @@ def apply_float8(model: nn.Module, device: torch.device, emulate: bool = False) 
         )
     kept = sum(1 for _, m in model.named_modules() if type(m) is nn.Linear)
     how = "emulated in high precision" if emulate else "dynamic tensorwise scaling"
-    return [f"FP8 (torchao float8, {how}): {len(converted)} linear layers; {kept} stay in high precision"]
+    gathered = ", gathered by FSDP2 in FP8" if fsdp_all_gather else ""
+    return [f"FP8 (torchao float8, {how}{gathered}): {len(converted)} linear layers; {kept} stay in high precision"]

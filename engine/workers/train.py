@@ -372,7 +372,8 @@ class Trainer:
             model = DecoderStage(decoder_parts(model, "pipeline parallel"), rt.pp_rank, dims.pp)
             self.log(f"pipeline stage {rt.pp_rank}: layers {model.first_layer}..{model.last_layer - 1}")
         if self.s.fp8:  # the linear layers become Float8Linear before TP splits them (torchtitan's order)
-            self.notes += apply_float8(model, rt.device)
+            fp8_gather = dims.dp_shard > 1 and dims.tp == 1 and not self.spec.parallelism.cpu_offload
+            self.notes += apply_float8(model, rt.device, fsdp_all_gather=fp8_gather)
         if dims.tp > 1:
             sequence_parallel = self.spec.parallelism.sequence_parallel
             if sequence_parallel and self.s.seq_len % dims.tp:

@@ -277,6 +277,50 @@ def test_fp8_emulated_trains_what_a_plain_torchao_loop_trains() -> None:
     assert "7 linear layers" in notes[0]
 
 
+def _fp8_fsdp(rank: int, world: int, port: int, queue: Any) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from rigpilot.engine.workers.compile import apply_float8
+    from rigpilot.engine.workers.parallel_dims import MESH_DIMS, ParallelDims, Runtime
+    from rigpilot.engine.workers.parallelize import apply_data_parallel, precision_plan
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        dims = ParallelDims(pp=1, tp=1, world_size=world, dp_replicate=1, dp_shard=world)
+        mesh = init_device_mesh("cpu", dims.shape, mesh_dim_names=MESH_DIMS)
+        runtime = Runtime(rank, rank, world, torch.device("cpu"), "gloo", dims, mesh)
+        runs = []
+        for gather in (False, True):
+            model = tiny_llama()
+            apply_float8(model, runtime.device, emulate=True, fsdp_all_gather=gather)
+            wrapped = apply_data_parallel(model, runtime, precision_plan("fp32", runtime))
+            runs.append(train(model, wrapped, seed=rank + 1))
+        queue.put((rank, worst(*runs)))
+    except BaseException as e:
+        queue.put((rank, repr(e)))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp2_gathers_fp8_weights_and_trains_the_same_model() -> None:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_fp8_fsdp, args=(r, 2, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    answers = dict(queue.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    for rank, gap in answers.items():
+        assert not isinstance(gap, str), (rank, gap)
+        assert gap < 1e-6, (rank, gap)
+
+
 def test_fp8_leaves_the_head_and_odd_sized_linears_in_high_precision() -> None:
     from rigpilot.engine.workers.compile import fp8_linear
 
