@@ -1,12 +1,14 @@
 """torch.compile on CPU ranks: compiled vs eager steps/s, and Rigpilot's compiled step vs a plain compiled loop.
 
-    .venv/bin/python benchmarks/compile_speed.py [--steps 30] [--warmup 5] [--seq 256] [--micro-batch 2]
-                             [--layers 2] [--hidden 256] [--ranks 1] [--loops engine,engine-compiled,plain-compiled]
+    .venv/bin/python benchmarks/compile_speed.py [--steps 30] [--warmup 5] [--rounds 3] [--seq 256]
+                             [--micro-batch 2] [--layers 2] [--hidden 256] [--ranks 1]
+                             [--loops engine,engine-compiled,plain-compiled,plain-whole]
 
 One torchrun of --ranks CPU ranks (gloo, fp32, DDP when more than one) runs every loop in the same processes,
-one after another, dynamo's in-memory caches reset before each so every compiled loop pays its own warm-up
-(inductor's on-disk cache, the user's ~/.cache/rigpilot/torchinductor, is shared: a kernel compiled once is
-loaded after, by the first loop that compiles as by the others):
+round after round, the order rotated each round so drift favours none; dynamo's in-memory caches are reset
+before each loop so every compiled loop pays its own warm-up (inductor's on-disk cache, the user's
+~/.cache/rigpilot/torchinductor, is shared: a kernel compiled once is loaded after, so the first round's first
+compiled loop shows the cold warm-up and the others a warm cache's):
 
   engine           the engine's own training loop (engine.workers.train.Trainer: setup, then run) in eager
                    mode, with all it does in a job (metric records, the log line, the cancel consensus);
@@ -19,9 +21,11 @@ loaded after, by the first loop that compiles as by the others):
 
 The model: examples/models/tiny-llama's tokenizer and shape with --layers blocks of width --hidden
 (intermediate 2x), seeded from scratch; examples/data/shakespeare.txt in --seq token blocks.
-Steady steps/s = (steps - warmup) / (time of the last step - time of step `warmup`); warm-up = the first
-step's seconds (for the engine's compiled loop, its record's compile_time). Losses are compared too: every
-loop trains on the same blocks in the same order.
+Steady steps/s = (steps - warmup) / (time of the last step - time of step `warmup`), and beside it 1 / the
+median step time after warm-up, which bursts of other work on shared cores move less; each the median over
+the rounds (min..max). Warm-up = the first step's seconds (for the engine's compiled loop, from when its loop
+starts: its record's compile_time leaves out the set-up before). Losses are compared too: every loop trains
+on the same blocks in the same order.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -78,6 +83,10 @@ def job_spec(args: argparse.Namespace, compiled: bool) -> dict[str, Any]:
 def steady_rate(times: list[float], warmup: int) -> float:
     """times[i]: when step i + 1 ended."""
     return (len(times) - warmup) / (times[-1] - times[warmup - 1])
+
+
+def typical_rate(times: list[float], warmup: int) -> float:
+    return 1 / statistics.median(b - a for a, b in zip(times[warmup - 1 :], times[warmup:], strict=False))
 
 
 def run_engine(args: argparse.Namespace, rt: Any, compiled: bool) -> dict[str, Any]:
@@ -164,16 +173,19 @@ def rank_main(args: argparse.Namespace) -> None:
     data = build_dataset(files, docs, tokenizer, s.seq_len + 1, s.eval_fraction, s.seed)
     sampler = ShardedBatches(len(data.train), s.micro_batch, rt.rank, rt.world_size, s.seed)
     order = [i for _ in range(s.max_steps) for i in sampler.next_indices().tolist()]
-    results: dict[str, dict[str, Any]] = {}
-    for name in args.loops.split(","):
-        torch._dynamo.reset()
-        dist.barrier()
-        if name.startswith("engine"):
-            run = run_engine(args, rt, compiled=name == "engine-compiled")
-        else:
-            run = run_plain(args, config, data.train, order, whole=name == "plain-whole")
-        run["rate"] = steady_rate(run.pop("times"), args.warmup)
-        results[name] = run
+    loops = args.loops.split(",")
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name in loops}
+    for rnd in range(args.rounds):
+        for name in loops[rnd % len(loops) :] + loops[: rnd % len(loops)]:
+            torch._dynamo.reset()
+            dist.barrier()
+            if name.startswith("engine"):
+                run = run_engine(args, rt, compiled=name == "engine-compiled")
+            else:
+                run = run_plain(args, config, data.train, order, whole=name == "plain-whole")
+            times = run.pop("times")
+            run.update(rate=steady_rate(times, args.warmup), typical=typical_rate(times, args.warmup))
+            results[name].append(run)
     if rt.rank == 0:
         (Path(args.work) / "results.json").write_text(json.dumps(results))
     dist.barrier()
@@ -187,6 +199,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--layers", type=int, default=2)
@@ -209,7 +222,7 @@ def main() -> None:
         env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
                __file__, "--rank-main", "--work", tmp, "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--seq", str(args.seq), "--micro-batch", str(args.micro_batch), "--layers", str(args.layers),
+               "--rounds", str(args.rounds), "--seq", str(args.seq), "--micro-batch", str(args.micro_batch), "--layers", str(args.layers),
                "--hidden", str(args.hidden), "--ranks", str(args.ranks), "--loops", args.loops]  # fmt: skip
         log = work / "ranks.log"
         t0 = time.monotonic()
@@ -219,26 +232,32 @@ def main() -> None:
             sys.exit(f"the ranks failed (exit {rc}):\n" + log.read_text()[-4000:])
         results = json.loads((work / "results.json").read_text())
     print(f"{args.ranks} CPU rank(s) (gloo, fp32), Llama {args.layers} layers x {args.hidden}, seq {args.seq}, "
-          f"micro-batch {args.micro_batch}, {args.steps} steps ({args.warmup} warm-up), "
+          f"micro-batch {args.micro_batch}, {args.steps} steps ({args.warmup} warm-up), {args.rounds} rounds, "
           f"{time.monotonic() - t0:.0f} s; load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after")  # fmt: skip
-    print(f"  {'loop':16s} {'steps/s':>8s} {'first step s':>13s}")
-    for name, r in results.items():
-        print(f"  {name:16s} {r['rate']:8.2f} {r['warmup_s']:13.1f}")
-    rate = {name: r["rate"] for name, r in results.items()}
-    if "engine" in rate and "engine-compiled" in rate:
-        print(f"compiled / eager (engine): {rate['engine-compiled'] / rate['engine']:.2f}x")
-    for plain in ("plain-compiled", "plain-whole"):
-        if "engine-compiled" in rate and plain in rate:
-            print(f"engine-compiled / {plain}: {rate['engine-compiled'] / rate[plain]:.3f} (target >= 1.0)")
-    if "engine-compiled" in results:
-        warm = results["engine-compiled"]["compile_time"]
-        print(f"engine's compile warm-up (its first step's compile_time): {warm:.1f} s")
+    for key, what in (("rate", "steady steps/s (wall clock)"), ("typical", "1 / median step time")):
+        print(f"{what}: median over rounds (min..max)")
+        rates = {name: [r[key] for r in runs] for name, runs in results.items()}
+        for name, values in rates.items():
+            print(f"  {name:16s} {spread(values)}")
+        a = "engine-compiled"
+        for b in ("engine", "plain-compiled", "plain-whole"):
+            if a in rates and b in rates:
+                per_round = [x / y for x, y in zip(rates[a], rates[b], strict=True)]
+                target = "" if b == "engine" else "  (target >= 1.0)"
+                print(f"  {a} / {b:14s} {statistics.median(rates[a]) / statistics.median(rates[b]):.3f}  "
+                      f"(per round {min(per_round):.3f}..{max(per_round):.3f}){target}")  # fmt: skip
+    print("first step, seconds: each round (the first round's first compiled loop compiles with a colder cache)")
+    for name, runs in results.items():
+        print(f"  {name:16s} " + "  ".join(f"{r['warmup_s']:.1f}" for r in runs))
     names = list(results)
-    if names:
-        reference = results[names[0]]["losses"]
-        for name in names[1:]:
-            worst = max(abs(a - b) for a, b in zip(results[name]["losses"], reference, strict=False))
-            print(f"loss check: {name:16s} largest difference from {names[0]}'s step losses: {worst:.2e}")
+    reference = results[names[0]][0]["losses"]
+    for name in names[1:]:
+        gap = max(abs(a - b) for run in results[name] for a, b in zip(run["losses"], reference, strict=False))
+        print(f"loss check: {name:16s} largest difference from {names[0]}'s step losses: {gap:.2e}")
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):7.3f}  ({min(values):.3f}..{max(values):.3f})"
 
 
 if __name__ == "__main__":
