@@ -4,7 +4,7 @@
                              [--micro-batch 2] [--layers 2] [--hidden 256] [--ranks 1]
                              [--loops engine,engine-compiled,plain-compiled,plain-whole]
 
-One torchrun of --ranks CPU ranks (gloo, fp32, DDP when more than one) runs every loop in the same processes,
+One torchrun of --ranks CPU ranks (gloo, fp32, DDP when more than one, OMP_NUM_THREADS=1) runs every loop in the same processes,
 round after round, the order rotated each round so drift favours none; dynamo's in-memory caches are reset
 before each loop so every compiled loop pays its own warm-up (inductor's on-disk cache, the user's
 ~/.cache/rigpilot/torchinductor, is shared: a kernel compiled once is loaded after, so the first round's first
@@ -220,6 +220,9 @@ def main() -> None:
         work = Path(tmp)
         model_folder(work, args)
         env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        # One thread per rank, as torchrun sets for several: threads spinning in OpenMP barriers on cores other
+        # work shares made one rank's steps 10-20 times slower in some rounds than in others.
+        env.setdefault("OMP_NUM_THREADS", "1")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
                __file__, "--rank-main", "--work", tmp, "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--rounds", str(args.rounds), "--seq", str(args.seq), "--micro-batch", str(args.micro_batch), "--layers", str(args.layers),

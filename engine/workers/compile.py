@@ -13,6 +13,7 @@ are not multiples of 16 stay in high precision, as in torchtitan.
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -47,8 +48,18 @@ def private_inductor_cache() -> Path:
     if chosen and os.path.abspath(chosen) != os.path.abspath(default_cache_dir()):
         return Path(chosen)
     path = cache_dir() / "torchinductor"
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    path.chmod(0o700)  # mkdir's mode is masked by the umask, and an older folder keeps its own
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.chmod(0o700)  # mkdir's mode is masked by the umask, and an older folder keeps its own
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise  # a full disk is the worker's to report (engine.diskspace), as anywhere else
+        raise UserError(
+            f"torch.compile's kernel cache {path} cannot be made ({e.strerror}): give the job "
+            f"{INDUCTOR_CACHE_ENV} set to a folder of yours, or run without --compile",
+            reason="compile_cache_unwritable",
+            path=str(path),
+        ) from None
     os.environ[INDUCTOR_CACHE_ENV] = str(path)
     return path
 

@@ -121,6 +121,14 @@ def test_the_compile_cache_is_the_users_own_folder(tmp_path: Path, monkeypatch: 
     monkeypatch.setenv(INDUCTOR_CACHE_ENV, str(tmp_path / "mine"))
     assert private_inductor_cache() == tmp_path / "mine"
 
+    # A cache folder that cannot be made (here: its parent is a file): one line saying what to do.
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "a-file"))
+    monkeypatch.delenv(INDUCTOR_CACHE_ENV)
+    with pytest.raises(UserError) as e:
+        private_inductor_cache()
+    assert e.value.reason == "compile_cache_unwritable" and INDUCTOR_CACHE_ENV in str(e.value)
+
 
 # --- compiled vs eager, fp32 -----------------------------------------------------------------------------------
 
