@@ -180,16 +180,30 @@ def _compile(r: Recipe, lt: Layout, ctx: RecipeContext) -> str | None:
     return None
 
 
+def fp8_hardware_why_not(*, cpu_ranks: bool, capability: tuple[int, int] | None) -> str | None:
+    """Why the ranks' devices cannot run FP8 matmuls, or None: the contract's words, which the worker repeats
+    on the device it really has (engine.workers.compile). `capability` None: not known."""
+    if cpu_ranks:
+        return "FP8 matmuls need a GPU of compute capability 8.9 or newer; this job runs as CPU ranks"
+    cc = capability
+    if cc is not None and tuple(cc) < FP8_MIN_CAPABILITY:
+        return (
+            f"FP8 matmuls need a GPU of compute capability 8.9 or newer (Ada, Hopper); these GPUs are {cc[0]}.{cc[1]}"
+        )
+    return None
+
+
 def _fp8(r: Recipe, lt: Layout, ctx: RecipeContext) -> str | None:
     if not r.fp8:
         return None
-    if ctx.cpu_ranks:
-        return "FP8 matmuls need a GPU of compute capability 8.9 or newer; this job runs as CPU ranks"
-    cc = ctx.gpu_capability
-    if cc is not None and cc < FP8_MIN_CAPABILITY:
-        return f"FP8 matmuls need a GPU of compute capability 8.9 or newer (Ada, Hopper); these GPUs are {cc[0]}.{cc[1]}"
+    why = fp8_hardware_why_not(cpu_ranks=ctx.cpu_ranks, capability=ctx.gpu_capability)
+    if why is not None:
+        return why
     if ctx.precision != schema.Precision.BF16:
         return f"FP8 matmuls run under bf16 precision (it is {ctx.precision})"
+    if ctx.method in (schema.TrainMethod.LORA, schema.TrainMethod.QLORA):
+        # torchao converts plain linear layers; LoRA's wrap their frozen base layer (QLoRA's is 4-bit NF4).
+        return f"FP8 matmuls train full fine-tunes and models from scratch, not {ctx.method}'s adapters"
     return None
 
 

@@ -65,7 +65,7 @@ def progress_of(job: dict[str, Any]) -> tuple[float | None, str]:
     if step is not None:
         return None, f"step {step}"
     if job.get("state") == STARTING and job.get("startup_phase"):
-        return None, f"starting: {job['startup_phase']}…"  # launching, importing, loading weights, first step
+        return None, f"starting: {job['startup_phase']}…"  # launching, importing, loading weights, compiling, first step
     return None, NA if job.get("state") not in (QUEUED, STARTING) else ""
 
 

@@ -58,6 +58,8 @@ def startup_phase(phase: str | None) -> str:
         return "importing"
     if phase == "loading model":
         return "loading weights"
+    if phase == "compiling":
+        return "compiling"  # torch.compile's warm-up: the first step compiles each block (engine.workers.compile)
     return "first step"
 
 

@@ -30,7 +30,15 @@ from typing import Any
 
 from rigpilot.engine import runtime
 from rigpilot.engine.api.protocol import check_dataclass
-from rigpilot.engine.capability import BackendChoice, WorkerVllm, backend_words, choose_infer_backend, why_not
+from rigpilot.engine.capability import (
+    BackendChoice,
+    RecipeContext,
+    WorkerVllm,
+    backend_words,
+    choose_infer_backend,
+    recipe_why_not,
+    why_not,
+)
 from rigpilot.engine.diskspace import human_size
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import EITHER, FILE, FOLDER, Expect, check_given_path, open_given_file
@@ -101,6 +109,7 @@ def prepare(
     if spec.kind in ("train", "infer"):
         model_type = model_type or (planned.model_type if planned else None) or None
         _check_runs(spec, model_type, planned, nodes)
+        _check_recipe(spec, machine)
     backend = None
     if spec.kind == "infer" and spec.infer:
         backend = _choose_backend(spec, spec.infer, machine, worker_vllm, nodes=nodes, slurm=slurm, notes=notes)
@@ -674,6 +683,32 @@ def _check_runs(spec: JobSpec, model_type: str | None, plan: Plan | None, nodes:
     reason = why_not(spec.parallelism, spec.kind, method=method, model_type=model_type, **facts)
     if reason:
         raise UserError(f"this plan does not run here: {reason}" if plan is not None else reason)
+
+
+def _check_recipe(spec: JobSpec, machine: Machine) -> None:
+    """The capability contract's answer for the training recipe, on this machine's GPUs (the job's, where named)."""
+    t = spec.train
+    if spec.kind != "train" or t is None:
+        return
+    used = [g for g in machine.gpus if not spec.gpus or g.index in spec.gpus]
+    capabilities = [_capability(g.compute_capability) for g in used]
+    known = [c for c in capabilities if c is not None]
+    ctx = RecipeContext(
+        method=t.method,
+        precision=t.precision,
+        grad_accum=t.grad_accum,
+        grad_clip=t.grad_clip,
+        gpu_capability=min(known) if known and len(known) == len(capabilities) else None,
+        cpu_ranks=machine.simulated,
+    )
+    reason = recipe_why_not(Recipe.of(t), spec.parallelism, ctx)
+    if reason:
+        raise UserError(reason, reason="recipe_not_supported", **Recipe.of(t).changed())
+
+
+def _capability(text: str | None) -> tuple[int, int] | None:
+    major, _, minor = (text or "").partition(".")
+    return (int(major), int(minor)) if major.isdigit() and minor.isdigit() else None
 
 
 def check_plan_runs(spec: JobSpec, plan: Plan) -> None:

@@ -40,6 +40,7 @@ from rigpilot.engine.workers.activation_offload import ActivationOffload, offloa
 from rigpilot.engine.workers.checkpoint import Checkpointer, gather_full_state, save_final_model
 from rigpilot.engine.workers.chunked_loss import TokenLoss
 from rigpilot.engine.workers.chunked_loss import token_loss as token_loss  # where callers have found it
+from rigpilot.engine.workers.compile import CompileWarmup, apply_compile, apply_float8
 from rigpilot.engine.workers.data import (
     Dataset,
     ShardedBatches,
@@ -187,6 +188,7 @@ class StepFigures:
     tokens: int
     step_time: float
     ended: float  # wall clock: the record's time is when the step ended, not when its loss landed
+    compiled: bool = False  # torch.compile compiled during the step: its time is mostly compilation
 
 
 class StepWindows:
@@ -363,6 +365,9 @@ class Trainer:
                 )
             model = DecoderStage(decoder_parts(model, "pipeline parallel"), rt.pp_rank, dims.pp)
             self.log(f"pipeline stage {rt.pp_rank}: layers {model.first_layer}..{model.last_layer - 1}")
+        if self.s.fp8:  # the linear layers become Float8Linear before TP splits them (torchtitan's order)
+            fp8_gather = dims.dp_shard > 1 and dims.tp == 1 and not self.spec.parallelism.cpu_offload
+            self.notes += apply_float8(model, rt.device, fsdp_all_gather=fp8_gather)
         if dims.tp > 1:
             sequence_parallel = self.spec.parallelism.sequence_parallel
             if sequence_parallel and self.s.seq_len % dims.tp:
@@ -375,6 +380,8 @@ class Trainer:
             self.notes += apply_tensor_parallel(model, rt.mesh["tp"], sequence_parallel, vocab_parallel=True)
             self.loss_parallel = logits_split(model)
         apply_activation_checkpointing(model, self.s.activation_checkpointing)
+        if self.s.compile:  # each block with its checkpointing, before FSDP2 wraps it (torchtitan's order)
+            self.notes += apply_compile(model, getattr(self.loaded.config, "model_type", None), self.loaded.lora)
         self.module: nn.Module = model  # the module whose parameters and state dict are this rank's part
         reshard = self.spec.parallelism.reshard_after_forward
         if not reshard and dims.dp_shard > 1:
@@ -606,10 +613,12 @@ class Trainer:
                     report(step=step, kind="note", message=note)
         # From here on a SIGTERM has work to save: finish the step, checkpoint, then exit.
         self.cancel.install()
-        status("training", max_steps=s.max_steps)
+        warmup = CompileWarmup(s.compile)
+        status(warmup.phase, max_steps=s.max_steps)
         windows = StepWindows(rt.device, self._report_step)
         last_end = time.perf_counter()
         while step < s.max_steps:
+            warmup.begin()
             self.optimizer.zero_grad(set_to_none=True)
             lr = self.scheduler.get_last_lr()[0]
             loss, tokens = self.train_step(step)
@@ -618,7 +627,10 @@ class Trainer:
             # Between step ends: on a GPU the host runs ahead of the device only as far as the
             # collectives let it, so this is the device's step time without a sync.
             now = time.perf_counter()
-            figures = StepFigures(step, lr, grad_norm, tokens, now - last_end, time.time())
+            warming = warmup.phase == "compiling"
+            figures = StepFigures(step, lr, grad_norm, tokens, now - last_end, time.time(), warmup.end())
+            if warming:
+                status("training", step=step, compile_time=figures.step_time)
             last_end = now
             last = step == s.max_steps
             checkpoint_now = s.checkpoint_every > 0 and (step % s.checkpoint_every == 0 or last)
@@ -650,23 +662,26 @@ class Trainer:
 
     def _report_step(self, f: StepFigures, step_loss: float | None) -> None:
         """Write a step's record and log line once its loss has landed."""
-        # Per device, as torchtitan counts: the replica's tokens over the ranks that share it.
-        tps = f.tokens / f.step_time / self.dims.non_dp
+        # Per device, as torchtitan counts: the replica's tokens over the ranks that share it. A step that
+        # compiled states its time as compilation and no speed, which would read as the training's.
+        speed: dict[str, float | None] = {"compile_time": f.step_time}
+        if not f.compiled:
+            tps = f.tokens / f.step_time / self.dims.non_dp
+            speed = {"tokens_per_s": tps, "mfu": mfu(self.flops_per_token, tps)}
         grad_norm = float(f.grad_norm)
         report(
             step=f.step,
             loss=step_loss,
             lr=f.lr,
             grad_norm=grad_norm,
-            tokens_per_s=tps,
             step_time=f.step_time,
             time=f.ended,
-            mfu=mfu(self.flops_per_token, tps),
             peak_memory=peak_memory(self.rt.device),
+            **speed,
         )
         self.log(
             f"step {f.step}/{self.s.max_steps} loss {_fmt(step_loss)} lr {f.lr:.3g} grad_norm {grad_norm:.3g} "
-            f"{f.step_time * 1000:.0f} ms"
+            f"{f.step_time * 1000:.0f} ms{' (compiling)' if f.compiled else ''}"
         )
 
     def _evaluate_and_report(self, step: int) -> None:
