@@ -30,7 +30,14 @@ from typing import Any
 
 from rigpilot.engine import runtime
 from rigpilot.engine.api.protocol import check_dataclass
-from rigpilot.engine.capability import BackendChoice, WorkerVllm, backend_words, choose_infer_backend, why_not
+from rigpilot.engine.capability import (
+    BackendChoice,
+    RecipeContext,
+    WorkerVllm,
+    backend_words,
+    choose_infer_backend,
+    why_not,
+)
 from rigpilot.engine.diskspace import human_size
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import EITHER, FILE, FOLDER, Expect, check_given_path, open_given_file
@@ -42,6 +49,7 @@ from rigpilot.engine.models.config_file import CONFIG_MAX
 from rigpilot.engine.planner.memory import fmt_gib
 from rigpilot.engine.planner.plan import Plan, recipe_words
 from rigpilot.engine.recipe import RECIPE_SETTINGS, Recipe
+from rigpilot.engine.recipe_refusal import check_recipe
 from rigpilot.engine.schema import ADAPTER_METHODS, Checkpointing, MasterWeights, Precision
 
 KINDS = ("train", "infer", "script", "calibrate")
@@ -100,7 +108,7 @@ def prepare(
     model_type = _check_kind(spec, data, base, planned, ranks * nodes, dp_shrink, from_plan, notes)
     if spec.kind in ("train", "infer"):
         model_type = model_type or (planned.model_type if planned else None) or None
-        _check_runs(spec, model_type, planned, nodes)
+        _check_runs(spec, model_type, planned, nodes, machine)
     backend = None
     if spec.kind == "infer" and spec.infer:
         backend = _choose_backend(spec, spec.infer, machine, worker_vllm, nodes=nodes, slurm=slurm, notes=notes)
@@ -661,9 +669,10 @@ def _oom_suggestion(par: Any) -> str:
     return "train LoRA adapters instead (--method lora), or use more GPUs"
 
 
-def _check_runs(spec: JobSpec, model_type: str | None, plan: Plan | None, nodes: int) -> None:
+def _check_runs(spec: JobSpec, model_type: str | None, plan: Plan | None, nodes: int, machine: Machine) -> None:
     """The capability contract, asked once, of the job as it will run: its layout (the plan's, where it left
-    the degrees open) and method, and what only the plan says (the optimizer and weights it was sized for)."""
+    the degrees open) and method, and what only the plan says (the optimizer and weights it was sized for);
+    then, for training, its recipe on this machine (engine.recipe_refusal: the setting is named)."""
     method = spec.train.method if spec.kind == "train" and spec.train else "full"
     facts: dict[str, Any] = {}
     if plan is not None:
@@ -674,6 +683,26 @@ def _check_runs(spec: JobSpec, model_type: str | None, plan: Plan | None, nodes:
     reason = why_not(spec.parallelism, spec.kind, method=method, model_type=model_type, **facts)
     if reason:
         raise UserError(f"this plan does not run here: {reason}" if plan is not None else reason)
+    if spec.kind == "train" and spec.train is not None:
+        t = spec.train
+        ctx = RecipeContext(
+            t.method, t.precision, t.grad_accum, t.grad_clip,
+            gpu_capability=_lowest_capability(machine, spec.gpus), cpu_ranks=machine.simulated,
+        )  # fmt: skip
+        check_recipe(Recipe.of(t), spec.parallelism, ctx)
+
+
+def _lowest_capability(machine: Machine, gpus: list[int]) -> tuple[int, int] | None:
+    """The lowest compute capability of the job's GPUs, None where one of them does not say (the worker checks)."""
+    found: list[tuple[int, int]] = []
+    for g in machine.gpus:
+        if g.index not in gpus:
+            continue
+        major, _, minor = (g.compute_capability or "").partition(".")
+        if not (major.isdigit() and minor.isdigit()):
+            return None
+        found.append((int(major), int(minor)))
+    return min(found) if found else None
 
 
 def check_plan_runs(spec: JobSpec, plan: Plan) -> None:
