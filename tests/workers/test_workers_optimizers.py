@@ -163,7 +163,7 @@ def test_8bit_adamw_trains_what_a_plain_torchao_loop_trains_and_its_8bit_moments
     root: Path,
 ) -> None:
     job = job_of(root, "8bit", {}, 1, optimizer="adamw8bit")
-    assert_follows(job, plain_loop({"optimizer": "adamw8bit"}), rel=1e-5)
+    assert_follows(job, plain_loop({"optimizer": "adamw8bit"}), rel=1e-6)
     assert any("8-bit AdamW (torchao)" in n for n in notes_of(job))
     # The checkpoint holds torchao's 8-bit codes, not fp32 moments: a quarter of their bytes, through DCP.
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -182,7 +182,7 @@ def test_pure_bf16_with_the_step_in_backward_trains_what_a_plain_loop_with_per_w
 ) -> None:
     case = {**PURE_BF16, "optimizer_in_backward": True}
     job = job_of(root, "bf16-in-backward", {}, 1, **case)
-    assert_follows(job, plain_loop(case), rel=2e-3)
+    assert_follows(job, plain_loop(case), rel=1e-6)  # the same rounding bits: bit for bit here
     notes = " ".join(notes_of(job))
     assert "stochastic rounding (torchao)" in notes and "stepped in backward" in notes
     assert_resumes_bit_exactly(job)
@@ -208,7 +208,7 @@ def test_fsdp2_steps_each_sharded_weight_after_its_reduce_scatter(root: Path) ->
     pure bf16: within the 8-bit moments' effect of the plain loop; resumed bit for bit."""
     case = {"optimizer": "adamw8bit", "optimizer_in_backward": True, **PURE_BF16}
     job = job_of(root, "fsdp", {"dp_shard": 2}, 2, **case)
-    assert_follows(job, plain_loop(case), rel=1e-2)
+    assert_follows(job, plain_loop(case), rel=2e-3)
     assert_resumes_bit_exactly(job)
 
 
