@@ -44,7 +44,8 @@ from torch.distributed.tensor import DTensor, Shard
 from rigpilot.engine.schema import MasterWeights, Optimizer
 
 BETAS = (0.9, 0.95)
-# Stochastic-rounding seeds: (job seed, step, parameter) mixed into one 63-bit seed.
+# Stochastic-rounding seeds: (job seed, step, weight index) mixed into one seed; the multipliers are primes, so two
+# (step, weight) pairs of a job share a seed only 7919 weights apart, far more weights than a model has.
 _SEED_MIX = (1_000_003, 7919, 131)
 
 

@@ -213,8 +213,12 @@ def test_fsdp2_steps_each_sharded_weight_after_its_reduce_scatter(root: Path) ->
 
 
 @pytest.mark.slow
-def test_tensor_parallel_8bit_adamw_follows_the_plain_loop(root: Path) -> None:
-    case = {"optimizer": "adamw8bit"}
+def test_tensor_parallel_steps_each_split_weight_in_backward_with_8bit_adamw_as_the_plain_loop_does(
+    root: Path,
+) -> None:
+    """The hooks fire on the tensor-parallel DTensor weights; a split weight's shard under 4096 values keeps plain
+    moments where the whole one has 8-bit ones, hence the tolerance."""
+    case = {"optimizer": "adamw8bit", "optimizer_in_backward": True}
     job = job_of(root, "tp", {"tp": 2}, 2, **case)
     assert_follows(job, plain_loop(case), rel=1e-2)
 
