@@ -136,6 +136,9 @@ def _master_weights(r: Recipe, lt: Layout, ctx: RecipeContext) -> str | None:
 def _optimizer(r: Recipe, lt: Layout, ctx: RecipeContext) -> str | None:
     if r.optimizer not in TRAIN_OPTIMIZERS:
         return f"unknown optimizer {r.optimizer!r}; choose one of {', '.join(TRAIN_OPTIMIZERS)}"
+    # torchao's 8-bit moments run and checkpoint on one rank, DDP, FSDP2 and tensor parallel
+    # (tests/workers/test_workers_optimizers.py), and train on pipeline stages. bitsandbytes' paged variant
+    # (CUDA only) is not installed with Rigpilot, so it is not offered.
     if r.optimizer == schema.Optimizer.ADAMW8BIT and lt.cpu_offload:
         return "8-bit AdamW steps on the GPU; with CPU offload the optimizer runs on the host: use AdamW there"
     return None

@@ -36,7 +36,6 @@ from rigpilot.engine.capability import (
     WorkerVllm,
     backend_words,
     choose_infer_backend,
-    recipe_why_not,
     why_not,
 )
 from rigpilot.engine.diskspace import human_size
@@ -50,6 +49,7 @@ from rigpilot.engine.models.config_file import CONFIG_MAX
 from rigpilot.engine.planner.memory import fmt_gib
 from rigpilot.engine.planner.plan import Plan, recipe_words
 from rigpilot.engine.recipe import RECIPE_SETTINGS, Recipe
+from rigpilot.engine.recipe_refusal import check_recipe
 from rigpilot.engine.schema import ADAPTER_METHODS, Checkpointing, MasterWeights, Precision
 
 KINDS = ("train", "infer", "script", "calibrate")
@@ -108,8 +108,7 @@ def prepare(
     model_type = _check_kind(spec, data, base, planned, ranks * nodes, dp_shrink, from_plan, notes)
     if spec.kind in ("train", "infer"):
         model_type = model_type or (planned.model_type if planned else None) or None
-        _check_runs(spec, model_type, planned, nodes)
-        _check_recipe(spec, machine)
+        _check_runs(spec, model_type, planned, nodes, machine)
     backend = None
     if spec.kind == "infer" and spec.infer:
         backend = _choose_backend(spec, spec.infer, machine, worker_vllm, nodes=nodes, slurm=slurm, notes=notes)
@@ -670,9 +669,10 @@ def _oom_suggestion(par: Any) -> str:
     return "train LoRA adapters instead (--method lora), or use more GPUs"
 
 
-def _check_runs(spec: JobSpec, model_type: str | None, plan: Plan | None, nodes: int) -> None:
+def _check_runs(spec: JobSpec, model_type: str | None, plan: Plan | None, nodes: int, machine: Machine) -> None:
     """The capability contract, asked once, of the job as it will run: its layout (the plan's, where it left
-    the degrees open) and method, and what only the plan says (the optimizer and weights it was sized for)."""
+    the degrees open) and method, and what only the plan says (the optimizer and weights it was sized for);
+    then, for training, its recipe on this machine (engine.recipe_refusal: the setting is named)."""
     method = spec.train.method if spec.kind == "train" and spec.train else "full"
     facts: dict[str, Any] = {}
     if plan is not None:
@@ -683,32 +683,26 @@ def _check_runs(spec: JobSpec, model_type: str | None, plan: Plan | None, nodes:
     reason = why_not(spec.parallelism, spec.kind, method=method, model_type=model_type, **facts)
     if reason:
         raise UserError(f"this plan does not run here: {reason}" if plan is not None else reason)
+    if spec.kind == "train" and spec.train is not None:
+        t = spec.train
+        ctx = RecipeContext(
+            t.method, t.precision, t.grad_accum, t.grad_clip,
+            gpu_capability=_lowest_capability(machine, spec.gpus), cpu_ranks=machine.simulated,
+        )  # fmt: skip
+        check_recipe(Recipe.of(t), spec.parallelism, ctx)
 
 
-def _check_recipe(spec: JobSpec, machine: Machine) -> None:
-    """The capability contract's answer for the training recipe, on this machine's GPUs (the job's, where named)."""
-    t = spec.train
-    if spec.kind != "train" or t is None:
-        return
-    used = [g for g in machine.gpus if not spec.gpus or g.index in spec.gpus]
-    capabilities = [_capability(g.compute_capability) for g in used]
-    known = [c for c in capabilities if c is not None]
-    ctx = RecipeContext(
-        method=t.method,
-        precision=t.precision,
-        grad_accum=t.grad_accum,
-        grad_clip=t.grad_clip,
-        gpu_capability=min(known) if known and len(known) == len(capabilities) else None,
-        cpu_ranks=machine.simulated,
-    )
-    reason = recipe_why_not(Recipe.of(t), spec.parallelism, ctx)
-    if reason:
-        raise UserError(reason, reason="recipe_not_supported", **Recipe.of(t).changed())
-
-
-def _capability(text: str | None) -> tuple[int, int] | None:
-    major, _, minor = (text or "").partition(".")
-    return (int(major), int(minor)) if major.isdigit() and minor.isdigit() else None
+def _lowest_capability(machine: Machine, gpus: list[int]) -> tuple[int, int] | None:
+    """The lowest compute capability of the job's GPUs, None where one of them does not say (the worker checks)."""
+    found: list[tuple[int, int]] = []
+    for g in machine.gpus:
+        if gpus and g.index not in gpus:  # no GPUs named: the job may use any of them
+            continue
+        major, _, minor = (g.compute_capability or "").partition(".")
+        if not (major.isdigit() and minor.isdigit()):
+            return None
+        found.append((int(major), int(minor)))
+    return min(found) if found else None
 
 
 def check_plan_runs(spec: JobSpec, plan: Plan) -> None:

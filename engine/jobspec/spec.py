@@ -182,9 +182,11 @@ class TrainSettings:
     weight_decay: float = setting(0.0, range=Range(0, 10), label="Weight decay", help="AdamW's weight decay.")
     grad_clip: float = setting(
         1.0,
+        flags="--grad-clip",
         range=Range(0, 10**6),
         label="Gradient clipping",
-        help="The largest gradient norm; larger ones are scaled down.",
+        help="The largest gradient norm; larger ones are scaled down (0: no clipping, as the optimizer step in "
+        "backward needs).",
     )
     activation_checkpointing: str = setting(
         Checkpointing.NONE,

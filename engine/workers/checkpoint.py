@@ -37,6 +37,7 @@ import pickle
 import random
 import shutil
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -197,10 +198,16 @@ def _unsafe_in(e: BaseException) -> UnsafeCheckpoint | None:
 
 
 class _ModelAndOptimizer(Stateful):
-    """DCP-facing view of one model part and its optimizer, in the model's own parameter names."""
+    """DCP-facing view of one model part and its optimizer, in the model's own parameter names.
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool) -> None:
-        self.model, self.optimizer = model, optimizer
+    Several optimizers (one per weight, stepped in backward) are saved as one: torch's get_state_dict merges
+    their states by parameter name, and set_state_dict hands each its own back, so the checkpoint reads the
+    same as one optimizer's. torchao's 8-bit moments are saved as its tensor subclass (torchao implements the
+    ops DCP uses on it and registers it with the weights-only unpickler)."""
+
+    def __init__(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], trainable_only: bool) -> None:
+        self.model, self.optimizers = model, list(optimizers)
+        self.optimizer = self.optimizers[0] if len(self.optimizers) == 1 else self.optimizers
         # LoRA: frozen base weights come from the base model again on resume; saving them is waste.
         self.options = StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
 
@@ -251,7 +258,7 @@ class Checkpointer:
         job_dir: Path,
         runtime: Runtime,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
         scheduler: Any,
         data_position: Any,
         trainable_only: bool,
@@ -265,7 +272,8 @@ class Checkpointer:
         self.derived = derived
         self.keep = keep  # newest complete checkpoints kept after a save; 0 keeps them all
         self.runtime = runtime
-        self.app = _ModelAndOptimizer(model, optimizer, trainable_only)
+        optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+        self.app = _ModelAndOptimizer(model, optimizers, trainable_only)
         self.scheduler = _Plain(scheduler)
         self.data = _Plain(data_position)
 
@@ -353,7 +361,7 @@ class Checkpointer:
         trainable_only = self.app.options.ignore_frozen_params
         params = [p for p in self.app.model.parameters() if p.requires_grad or not trainable_only]
         mine = 0
-        for t in [*params, *_tensors(self.app.optimizer.state)]:
+        for t in [*params, *(t for o in self.app.optimizers for t in _tensors(o.state))]:
             if isinstance(t, torch.Tensor):
                 local = t.to_local() if isinstance(t, DTensor) else t
                 mine += local.numel() * local.element_size()

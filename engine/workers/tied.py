@@ -33,6 +33,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
+def _stored_in(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors `t` is stored in: itself, or a tensor subclass's inner tensors (torchao's 8-bit moments:
+    their codes and block scales), which a collective sends where it cannot send the subclass."""
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if flatten is None:
+        return [t]
+    names, _ = flatten()
+    return [part for name in names for part in _stored_in(getattr(t, name))]
+
+
 class TiedAcrossStages:
     """The pair (first stage's embedding, last stage's head) of one model replica, and the group joining them.
 
@@ -86,7 +96,8 @@ class TiedAcrossStages:
             return
         state = optimizer.state[weight]
         for key in sorted(k for k, v in state.items() if isinstance(v, torch.Tensor)):  # AdamW's, alike on both
-            self._broadcast(_local(state[key]))
+            for part in _stored_in(_local(state[key])):
+                self._broadcast(part)
 
     def _broadcast(self, t: torch.Tensor) -> None:
         if t.device.type == "cpu" and dist.get_backend(self.group) == "nccl":

@@ -31,8 +31,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from rigpilot.engine.capability import RecipeContext
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.jobspec.spec import TRAIN_SETTINGS, JobSpec, TrainSettings
+from rigpilot.engine.recipe import Recipe
+from rigpilot.engine.recipe_refusal import check_recipe
 from rigpilot.engine.report import report
 from rigpilot.engine.schema import check_group
 from rigpilot.engine.workers import EXIT_CANCELLED, EXIT_OK
@@ -57,6 +60,14 @@ from rigpilot.engine.workers.model_loading import (
     load_model,
     materialize,
     training_load_dtype,
+)
+from rigpilot.engine.workers.optimizers import (
+    OptimizerInBackward,
+    Schedulers,
+    new_optimizer,
+    optimizer_words,
+    rounding_seed,
+    stochastic_rounding,
 )
 from rigpilot.engine.workers.parallel_dims import Runtime, init_runtime
 from rigpilot.engine.workers.parallelize import (
@@ -100,6 +111,17 @@ def validate_settings(s: TrainSettings) -> None:
     declarations (engine.jobspec.spec), before a step runs."""
     check_group(s, TRAIN_SETTINGS)
     precision_dtype(s.precision)
+
+
+def validate_recipe(spec: JobSpec, device: torch.device) -> None:
+    """The capability contract's recipe check again, with this rank's device's own facts (its compute capability)."""
+    s = spec.train
+    assert s is not None
+    cc = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    ctx = RecipeContext(
+        s.method, s.precision, s.grad_accum, s.grad_clip, gpu_capability=cc, cpu_ranks=device.type == "cpu"
+    )
+    check_recipe(Recipe.of(s), spec.parallelism, ctx)
 
 
 def lr_lambda(warmup_steps: int, max_steps: int) -> Any:
@@ -152,16 +174,6 @@ def clip_grad_norm(
         for group in groups.values():
             torch._foreach_mul_(group, coef)
     return total
-
-
-def use_foreach(params: list[nn.Parameter]) -> bool | None:
-    """Whether AdamW updates all parameters in a few multi-tensor kernels instead of one loop turn each.
-
-    PyTorch picks that itself on GPUs only; on CPU ranks its default loops over the parameters, a
-    tenth of a small model's step. The multi-tensor update is the same arithmetic, bit for bit, on
-    plain tensors. DTensors keep PyTorch's choice: one multi-tensor op cannot span several meshes.
-    """
-    return True if not any(isinstance(p, DTensor) for p in params) else None
 
 
 def lora_dtypes_note(model: nn.Module) -> str:
@@ -334,15 +346,12 @@ class Trainer:
         self._loss_and_offload()
         params = [p for p in self.module.parameters() if p.requires_grad]
         self.params = params
-        self.optimizer = torch.optim.AdamW(
-            params, lr=s.learning_rate, weight_decay=s.weight_decay, betas=(0.9, 0.95), foreach=use_foreach(params)
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(s.warmup_steps, s.max_steps))
+        self._new_optimizer(params)
         self.checkpointer = Checkpointer(
             self.job_dir,
             rt,
             self.module,
-            self.optimizer,
+            self.optimizers,
             self.scheduler,
             self.sampler,
             trainable_only=self.loaded.lora,
@@ -352,6 +361,38 @@ class Trainer:
         for note in self.notes:
             self.log(note)
             report(kind="note", message=note)
+
+    def _new_optimizer(self, params: list[nn.Parameter]) -> None:
+        """The optimizer(s) and LR schedule of the recipe (engine.workers.optimizers)."""
+        s = self.s
+        self.rounding = stochastic_rounding(s.master_weights)
+        self.in_backward: OptimizerInBackward | None = None
+
+        def make(group: list[nn.Parameter]) -> torch.optim.Optimizer:
+            return new_optimizer(group, s.optimizer, s.master_weights, s.learning_rate, s.weight_decay)
+
+        schedule = lr_lambda(s.warmup_steps, s.max_steps)
+        if s.optimizer_in_backward:
+            self.in_backward = OptimizerInBackward(
+                params, make, seed=s.seed, rounding=self.rounding, device=self.rt.device
+            )
+            if self.ddp_after_backward:
+                self.notes.append(
+                    "under DDP each weight is stepped right after backward, not in it: its all-reduce buckets keep "
+                    "every gradient anyway (FSDP frees each as its weight is stepped)"
+                )
+            else:
+                self.in_backward.hook()
+            self.optimizer: Any = self.in_backward
+            self.optimizers: list[torch.optim.Optimizer] = self.in_backward.optimizers
+            self.scheduler: Any = Schedulers(self.optimizers, schedule)
+        else:
+            self.optimizer = make(params)
+            self.optimizers = [self.optimizer]
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+        words = optimizer_words(s.optimizer, s.master_weights, s.optimizer_in_backward)
+        if words:
+            self.notes.append(words)
 
     def _parallelize(self) -> None:
         rt, dims = self.rt, self.dims
@@ -391,6 +432,7 @@ class Trainer:
         fsdp = uses_fsdp(dims, offload)
         if skeleton and not fsdp:
             materialize(model, self.loaded, rt.device)  # DDP starts from the values it is given
+        self.ddp_after_backward = not fsdp and dims.dp_replicate > 1  # see _new_optimizer
         self.wrapped = apply_data_parallel(model, rt, self.precision, reshard, cpu_offload=offload)
         if skeleton and fsdp:
             # Each rank allocates and receives its shards only; offloaded shards are allocated in host memory.
@@ -541,18 +583,29 @@ class Trainer:
             dist.all_reduce(count, group=group)
         return int(count)
 
-    def _optimizer_step(self) -> torch.Tensor:
+    def _optimizer_step(self, step: int) -> torch.Tensor:
+        """Step the weights (those stepped in backward are done: only their norm is added up) and the LR."""
+        if self.in_backward is not None:
+            if self.ddp_after_backward:
+                self.in_backward.step_all()
+            norm = self.in_backward.finish_step()
+            self.scheduler.step()
+            return norm
         if self.tied is not None:
             self.tied.sum_grads()
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         duplicates = self.tied.counted_elsewhere() if self.tied is not None else []
         norm = clip_grad_norm(self.params, self.s.grad_clip, self.pp_group, duplicates)
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
+        with rounding_seed(self.s.seed, step, 0, self.rt.device) if self.rounding else contextlib.nullcontext():
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
+        if self.rounding and self.tied is not None:
+            # The two stages' copies drew different rounding bits: the embedding's is the pair's.
+            self.tied.align_weights()
         self.scheduler.step()
         return norm
 
@@ -620,9 +673,11 @@ class Trainer:
         while step < s.max_steps:
             warmup.begin()
             self.optimizer.zero_grad(set_to_none=True)
-            lr = self.scheduler.get_last_lr()[0]
+            lr = float(self.scheduler.get_last_lr()[0])  # torchao keeps it a (CPU) tensor
+            if self.in_backward is not None:
+                self.in_backward.begin_step(step)
             loss, tokens = self.train_step(step)
-            grad_norm = self._optimizer_step()
+            grad_norm = self._optimizer_step(step)
             step += 1
             # Between step ends: on a GPU the host runs ahead of the device only as far as the
             # collectives let it, so this is the device's step time without a sync.
@@ -734,6 +789,7 @@ def run_train(spec: JobSpec, job_dir: Path) -> int:
         raise UserError("train job without train settings")
     validate_settings(spec.train)
     runtime = init_runtime(spec)
+    validate_recipe(spec, runtime.device)
     trainer = Trainer(spec, job_dir, runtime)
     trainer.setup()
     return trainer.run()

@@ -39,11 +39,14 @@ RECIPE: dict[str, Any] = {
 
 
 def plain_bf16_loop(steps: int) -> list[float]:
-    """torch and transformers only: a bf16 model, bf16 AdamW, the worker's autocast and fp32 cross-entropy."""
+    """torch, transformers and torchao only: a bf16 model, torchao's bf16 AdamW with stochastic rounding, the
+    worker's autocast and fp32 cross-entropy."""
     import torch.nn.functional as F
+    from torchao.optim import _AdamW
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from rigpilot.engine.workers.data import ShardedBatches, build_dataset, read_dataset
+    from rigpilot.engine.workers.optimizers import rounding_seed
 
     r = RECIPE
     folder = TINY_LLAMA_CONFIG.parent
@@ -57,10 +60,13 @@ def plain_bf16_loop(steps: int) -> list[float]:
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.bfloat16)
     model.train()
     params = list(model.parameters())
-    optimizer = torch.optim.AdamW(params, lr=r["learning_rate"], weight_decay=r["weight_decay"], betas=(0.9, 0.95))
+    # Pure bf16's update: torchao's AdamW with bf16 stochastic rounding, its bits seeded per step as the engine does.
+    optimizer = _AdamW(
+        params, lr=r["learning_rate"], weight_decay=r["weight_decay"], betas=(0.9, 0.95), bf16_stochastic_round=True
+    )
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: reference_lr(s, r["warmup_steps"], steps))
     out = []
-    for _ in range(steps):
+    for step in range(steps):
         picked = order.next_indices()
         inputs, labels = inputs_and_labels(data.train[picked], None)
         optimizer.zero_grad(set_to_none=True)
@@ -74,7 +80,8 @@ def plain_bf16_loop(steps: int) -> list[float]:
             loss.backward()
             step_loss += float(loss.detach())
         torch.nn.utils.clip_grad_norm_(params, r["grad_clip"])
-        optimizer.step()
+        with rounding_seed(r["seed"], step, 0, torch.device("cpu")):
+            optimizer.step()
         schedule.step()
         out.append(step_loss)
     return out
