@@ -54,6 +54,7 @@ LOSS_CHUNK_CHOICES = (1, 2, 4, 8, 16, 32)
 def recipe_choices(name: str) -> list[tuple[Any, str]]:
     """The Planner page's choices for recipe setting `name`, from its declaration: Auto first, then its values."""
     decl = RECIPE_SETTINGS[name]
+    values: list[tuple[Any, str]]
     if decl.choices:
         values = [(c, decl.choice_word(c)) for c in decl.choices]
     elif decl.type is bool:

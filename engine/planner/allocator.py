@@ -110,8 +110,8 @@ class CachingAllocator:
         rest = block.size - r
         if (rest >= BLOCK) if small else (rest > SMALL_REQUEST):
             tail = _Block(block.segment, block.offset + r, rest)
-            seg = self._segments[block.segment]
-            seg.insert(seg.index(block) + 1, tail)
+            blocks = self._segments[block.segment]
+            blocks.insert(blocks.index(block) + 1, tail)
             bisect.insort(pool, (tail.size, tail.segment, tail.offset))
             block.size = r
         block.free = False

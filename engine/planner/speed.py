@@ -422,7 +422,7 @@ class SpeedModel:
         gathers = 2 if par.reshard_after_forward else 1
         h2d = par.grad_accum * gathers * shard
         d2h = par.grad_accum * trainable * 4 / z
-        cpu = trainable / z * CPU_OPTIMIZER_BYTES.get(self.w.optimizer, CPU_OPTIMIZER_BYTES["adamw"])
+        cpu = trainable / z * CPU_OPTIMIZER_BYTES.get(self.w.optimizer or "adamw", CPU_OPTIMIZER_BYTES["adamw"])
         return h2d, d2h, cpu
 
     def host_accumulate_bytes(self, par: Parallelism, stage: int = 0) -> float:
@@ -508,7 +508,7 @@ class SpeedModel:
         mbs = max(par.grad_accum, 1)
         host = topo.machine.host
         cores = (host.cores or 8) / max(par.world_size, 1)
-        adam_bytes = DEEPSPEED_CPU_ADAM_BYTES if self.w.optimizer == "adamw" else CPU_OPTIMIZER_BYTES.get(self.w.optimizer, 16.0)
+        adam_bytes = DEEPSPEED_CPU_ADAM_BYTES if self.w.optimizer == "adamw" else CPU_OPTIMIZER_BYTES.get(self.w.optimizer or "adamw", 16.0)
         worst = 0.0
         for st in range(par.pp):
             trainable = self._trainable(par, st)

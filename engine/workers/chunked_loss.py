@@ -60,7 +60,7 @@ def output_head(model: nn.Module) -> OutputHead:
         raise UserError(
             f"loss chunks apply a decoder's output head (lm_head) a chunk at a time; model type {kind!r} has "
             "none: use loss chunks 1",
-            reason="unsupported_setting",
+            reason="recipe_refused",
             setting="train.loss_chunks",
         )
     cap = getattr(config, "final_logit_softcapping", None)

@@ -152,7 +152,7 @@ def apply_float8(
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
         why = fp8_hardware_why_not(cpu_ranks=device.type != "cuda", capability=capability)
         if why is not None:
-            raise UserError(why, reason="recipe_not_supported", setting="train.fp8")
+            raise UserError(why, reason="recipe_refused", setting="train.fp8")
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     converted: list[str] = []
@@ -168,7 +168,7 @@ def apply_float8(
     if not converted:
         raise UserError(
             f"FP8: none of the model's linear layers has dimensions that are multiples of {FP8_DIM_MULTIPLE}",
-            reason="recipe_not_supported",
+            reason="recipe_refused",
             setting="train.fp8",
         )
     kept = sum(1 for _, m in model.named_modules() if type(m) is nn.Linear)

@@ -111,7 +111,7 @@ def test_a_model_without_an_output_head_is_refused_in_one_line() -> None:
     with pytest.raises(UserError) as e:
         TokenLoss(BertForMaskedLM(config), 4)
     assert "\n" not in str(e.value) and "bert" in str(e.value)
-    assert e.value.reason == "unsupported_setting" and e.value.fields == {"setting": "train.loss_chunks"}
+    assert e.value.reason == "recipe_refused" and e.value.fields == {"setting": "train.loss_chunks"}
     TokenLoss(BertForMaskedLM(config), 1)  # the whole loss needs no head of its own
 
 
@@ -179,5 +179,5 @@ def test_a_job_of_an_encoder_with_its_loss_in_chunks_stops_with_one_clear_line(t
     last = log.read_text().strip().splitlines()[-1]
     assert last.startswith(f"{ERROR_PREFIX} loss chunks apply a decoder's output head") and "'bert'" in last
     record = records(job)[-1]
-    assert record["error"] == "user_error" and record["reason"] == "unsupported_setting"
+    assert record["error"] == "user_error" and record["reason"] == "recipe_refused"
     assert record["setting"] == "train.loss_chunks"
