@@ -41,6 +41,8 @@ def task_text(w: Workload) -> str:
     prec = "fp32" if w.precision == "fp32" else f"{w.precision} mixed precision"
     if w.master_weights == "bf16" and w.precision == "bf16":
         prec = "bf16 with bf16 master weights"
+    elif w.master_weights is None and w.precision != "fp32":
+        prec = w.precision  # the recipe is the search's to choose; the plan's sentence says which it took
     if w.method == "full":
         return f"full fine-tuning in {prec}"
     lora = w.lora
