@@ -179,6 +179,26 @@ def _activation_offload(r: Recipe, lt: Layout, ctx: RecipeContext) -> str | None
     return None
 
 
+def _optimizer_offload(r: Recipe, lt: Layout, ctx: RecipeContext) -> str | None:
+    if not r.optimizer_offload:
+        return None
+    if lt.world_size > 1:
+        return (
+            "the optimizer state in host memory runs on one GPU; with several, shard it with FSDP2 "
+            "(CPU offload) instead"
+        )
+    if lt.cpu_offload:
+        return "CPU offload already keeps the optimizer state in host memory: use one or the other"
+    if r.optimizer_in_backward:
+        return (
+            "the optimizer state in host memory already steps each weight apart on the CPU: "
+            "drop the optimizer step in backward"
+        )
+    if r.optimizer == schema.Optimizer.ADAMW8BIT:
+        return "8-bit AdamW runs on the GPU; with the optimizer state in host memory the step is CPU AdamW"
+    return None
+
+
 def _compile(r: Recipe, lt: Layout, ctx: RecipeContext) -> str | None:
     return None
 
@@ -216,6 +236,7 @@ _RECIPE_CHECKS: tuple[Callable[[Recipe, Layout, RecipeContext], str | None], ...
     _optimizer_in_backward,
     _loss_chunks,
     _activation_offload,
+    _optimizer_offload,
     _compile,
     _fp8,
 )

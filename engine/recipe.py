@@ -1,7 +1,8 @@
 """`Recipe`: how a training job spends its memory and time, beside how its ranks are laid out (engine.layout).
 
 The field's everyday memory recipe (torchtune's names where they exist): bf16 master weights ("pure bf16"),
-8-bit AdamW, the optimizer step in backward, chunked cross-entropy, activation offloading, torch.compile of each
+8-bit AdamW, the optimizer step in backward, chunked cross-entropy, activation offloading, the optimizer
+state in host memory (torchtune's paged AdamW), torch.compile of each
 block and FP8 matmuls. Each is declared once here; the job's settings (engine.jobspec.spec.TrainSettings, flat
 in job.json's `train` object), the planner's workload, the command line and the app's controls take these
 declarations. What combinations the engine runs is `engine.capability.recipe_why_not`, the one answer.
@@ -64,6 +65,14 @@ class Recipe:
         flags="--activation-offload",
         label="Activation offloading",
         help="Keep the activations saved for backward in host memory instead of on the GPU.",
+    )
+    optimizer_offload: bool = setting(
+        False,
+        flags="--optimizer-offload",
+        label="Optimizer state in host memory",
+        help="Keep AdamW's state, the master weights and the gradients in host memory: the weights stay on the "
+        "GPU, each gradient goes to the host as soon as it is ready and the optimizer step runs on the CPU "
+        "(the memory effect of torchtune's paged AdamW).",
     )
     compile: bool = setting(
         False,

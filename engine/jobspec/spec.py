@@ -125,6 +125,7 @@ class TrainSettings:
     optimizer_in_backward: bool = recipe_field("optimizer_in_backward")
     loss_chunks: int = recipe_field("loss_chunks")
     activation_offload: bool = recipe_field("activation_offload")
+    optimizer_offload: bool = recipe_field("optimizer_offload")
     compile: bool = recipe_field("compile")
     fp8: bool = recipe_field("fp8")
     seq_len: int = setting(

@@ -61,6 +61,7 @@ from rigpilot.engine.workers.model_loading import (
     materialize,
     training_load_dtype,
 )
+from rigpilot.engine.workers.optimizer_offload import HostOffloadedOptimizer, host_offloaded_optimizer
 from rigpilot.engine.workers.optimizers import (
     OptimizerInBackward,
     Schedulers,
@@ -386,6 +387,12 @@ class Trainer:
             self.optimizer: Any = self.in_backward
             self.optimizers: list[torch.optim.Optimizer] = self.in_backward.optimizers
             self.scheduler: Any = Schedulers(self.optimizers, schedule)
+        elif s.optimizer_offload:
+            self.rounding = False  # the host step is fused CPU AdamW, which rounds to nearest (pure bf16 too)
+            self.optimizer = host_offloaded_optimizer(params, self.spec, self.rt.device, self.notes)
+            self.optimizers = [self.optimizer]
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+            return
         else:
             self.optimizer = make(params)
             self.optimizers = [self.optimizer]
@@ -596,7 +603,10 @@ class Trainer:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         duplicates = self.tied.counted_elsewhere() if self.tied is not None else []
-        norm = clip_grad_norm(self.params, self.s.grad_clip, self.pp_group, duplicates)
+        if isinstance(self.optimizer, HostOffloadedOptimizer):  # its gradients are in host memory by now
+            norm = self.optimizer.clip_grad_norm_(self.s.grad_clip)
+        else:
+            norm = clip_grad_norm(self.params, self.s.grad_clip, self.pp_group, duplicates)
         with rounding_seed(self.s.seed, step, 0, self.rt.device) if self.rounding else contextlib.nullcontext():
             if self.scaler is not None:
                 self.scaler.step(self.optimizer)

@@ -1,0 +1,300 @@
+"""The optimizer state in host memory (`--optimizer-offload`): one GPU holds the weights only.
+
+torchtune fits Llama-3.1-8B full fine-tuning on one 24 GB card with bitsandbytes' paged AdamW, whose state lives
+in CUDA unified memory that pages out to the host. This is the same memory effect done explicitly, on torchao's
+design (torchao.optim.CPUOffloadOptimizer), but runnable on CPU ranks as well as on CUDA, with gradient
+accumulation and clipping:
+
+- each trainable parameter of at least MIN_OFFLOAD_NUMEL elements gets a host copy in its own dtype (the master
+  weights), a host gradient buffer and a host AdamW (fused on the CPU), all pinned on CUDA; smaller ones (norms,
+  biases) stay with an AdamW on the device, where a copy would cost more than it saves;
+- a post-accumulate-grad hook copies each gradient to the host as soon as backward has made it (on a side
+  stream on CUDA, so the copies overlap the rest of backward) and frees the device gradient at once; a later
+  micro-batch of the same step is copied into a host staging buffer and added on the host, so accumulation works;
+- the step waits for the copies, clips with the global norm of the host gradients (and the small ones'), steps
+  on the CPU and copies the updated parameters back (non-blocking on CUDA, ordered before the next forward).
+
+It is a torch.optim.Optimizer over the device parameters, so the LR scheduler drives its param_groups and DCP
+checkpoints its state under the model's parameter names, as it would a plain AdamW's.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from rigpilot.engine.capability import RecipeContext, recipe_why_not
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.jobspec.spec import JobSpec
+from rigpilot.engine.recipe import Recipe
+
+# torchao's CPUOffloadOptimizer keeps tensors below this many elements on the device: a norm's few thousand
+# values cost more in copies and hook calls than they save.
+MIN_OFFLOAD_NUMEL = 4096
+_HYPER = ("lr", "betas", "eps", "weight_decay")
+
+
+class HostOffloadedOptimizer(torch.optim.Optimizer):
+    """AdamW whose state, master weights and gradients live in host memory; see the module's docstring."""
+
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter],
+        *,
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        device: torch.device,
+        min_offload_numel: int = MIN_OFFLOAD_NUMEL,
+    ) -> None:
+        super().__init__(list(params), {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.host: dict[nn.Parameter, torch.Tensor] = {}  # device parameter -> its host master copy
+        self._grads: dict[nn.Parameter, torch.Tensor] = {}  # device parameter -> its host gradient buffer
+        self._staging: dict[nn.Parameter, torch.Tensor] = {}  # a later micro-batch's gradient, on its way
+        self._copies: dict[nn.Parameter, Any] = {}  # the CUDA event of each parameter's last copy to the host
+        self._adds: set[nn.Parameter] = set()  # staged gradients not yet added to the host buffer
+        self._filled: set[nn.Parameter] = set()  # parameters with a gradient since zero_grad
+        self._gathered = False
+        host_groups: list[dict[str, Any]] = []
+        device_groups: list[dict[str, Any]] = []
+        self._group_pairs: list[tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any] | None]] = []
+        for group in self.param_groups:
+            hyper = {k: group[k] for k in _HYPER}
+            big = [p for p in group["params"] if p.requires_grad and p.numel() >= min_offload_numel]
+            small = [p for p in group["params"] if p.requires_grad and p.numel() < min_offload_numel]
+            for p in big:
+                self.host[p] = self._pinned(p).copy_(p.detach())
+                self._grads[p] = self._pinned(p)
+                p.register_post_accumulate_grad_hook(self._grad_ready)
+            hg = {"params": [self.host[p] for p in big], **hyper} if big else None
+            dg = {"params": small, **hyper} if small else None
+            host_groups += [hg] if hg else []
+            device_groups += [dg] if dg else []
+            self._group_pairs.append((group, hg, dg))
+        self.host_optimizer = _host_adamw(host_groups) if host_groups else None
+        # The small parameters' step as the plain recipe takes it (engine.workers.train.use_foreach).
+        self.device_optimizer = torch.optim.AdamW(device_groups, foreach=True) if device_groups else None
+        if self.host_optimizer is not None:  # the optimizers copy the groups they are given
+            it = iter(self.host_optimizer.param_groups)
+            self._group_pairs = [(g, next(it) if hg else None, dg) for g, hg, dg in self._group_pairs]
+        if self.device_optimizer is not None:
+            it = iter(self.device_optimizer.param_groups)
+            self._group_pairs = [(g, hg, next(it) if dg else None) for g, hg, dg in self._group_pairs]
+
+    def _pinned(self, p: torch.Tensor) -> torch.Tensor:
+        # Pinning needs a CUDA context; on CPU ranks host memory is all there is.
+        return torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=self.cuda)
+
+    # -- gradients ---------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        """Send `p`'s gradient to the host as backward accumulates it, and free it on the device."""
+        assert isinstance(p, nn.Parameter)
+        g = p.grad
+        if g is None:
+            return
+        first = p not in self._filled
+        if not first:
+            self._settle(p)  # the staging buffer is free again once its last gradient is added
+        if self.cuda:
+            assert self.stream is not None
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))  # backward has written it
+            with torch.cuda.stream(self.stream):
+                target = self._grads[p] if first else self._staging_of(p)
+                target.copy_(g, non_blocking=True)
+                self._copies[p] = self.stream.record_event()
+            g.record_stream(self.stream)  # the allocator waits for the copy before reusing the memory
+            if not first:
+                self._adds.add(p)
+        elif first:
+            self._grads[p].copy_(g)
+        else:
+            self._grads[p].add_(g)
+        self._filled.add(p)
+        self._gathered = False
+        p.grad = None
+
+    def _staging_of(self, p: nn.Parameter) -> torch.Tensor:
+        found = self._staging.get(p)
+        if found is None:
+            found = self._staging[p] = self._pinned(p)
+        return found
+
+    def _settle(self, p: nn.Parameter) -> None:
+        """Wait for `p`'s copy to the host and add a staged micro-batch's gradient."""
+        event = self._copies.pop(p, None)
+        if event is not None:
+            event.synchronize()
+        if p in self._adds:
+            self._adds.discard(p)
+            self._grads[p].add_(self._staging[p])
+
+    def _gather(self) -> None:
+        """Every offloaded gradient on the host, whole: after backward, before clipping or the step."""
+        if self._gathered:
+            return
+        for p in self.host:
+            if p.grad is not None:  # given without backward (DCP initialises the state with zero gradients)
+                self._grad_ready(p)
+        for p in self.host:
+            self._settle(p)
+        self._gathered = True
+
+    def _grad_list(self) -> list[torch.Tensor]:
+        """Every gradient of the step in the parameters' order: host buffers for offloaded ones, device ones else."""
+        out = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p in self.host:
+                    if p in self._filled:
+                        out.append(self._grads[p])
+                elif p.grad is not None:
+                    out.append(p.grad)
+        return out
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """The global L2 norm of the step's gradients, taken from the host copies, and the gradients clipped to
+        `max_norm` when it is > 0 (a non-finite norm is reported, not applied), as train.clip_grad_norm does."""
+        self._gather()
+        grads = self._grad_list()
+        if not grads:
+            return torch.zeros((), dtype=torch.float32)
+        total = torch.nn.utils.get_total_norm(grads, 2.0)
+        if max_norm > 0:
+            coef = torch.where(torch.isfinite(total), (max_norm / (total + 1e-6)).clamp(max=1.0), 1.0)
+            by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+            for g in grads:
+                by_device[g.device].append(g)
+            for device, group in by_device.items():
+                torch._foreach_mul_(group, coef.to(device))
+        return total
+
+    # -- the step ----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._gather()
+        for group, hg, dg in self._group_pairs:  # the scheduler sets the LR on the groups it was given
+            for target in (hg, dg):
+                if target is not None:
+                    target.update({k: group[k] for k in _HYPER})
+        stepped = [p for p in self.host if p in self._filled]
+        for p in stepped:
+            self.host[p].grad = self._grads[p]
+        if self.device_optimizer is not None:
+            self.device_optimizer.step()  # queued on the device first, so it runs beside the CPU step
+        if self.host_optimizer is not None:
+            self.host_optimizer.step()
+        for p in stepped:
+            self.host[p].grad = None
+            # Non-blocking on CUDA: on the compute stream, so the next forward reads the new weights; the host
+            # copy is written again only after the next backward's gradient copies, which wait for this stream.
+            p.data.copy_(self.host[p], non_blocking=self.cuda)
+        self._filled.clear()
+        self._sync_state()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+        self._filled.clear()
+        self._gathered = False
+
+    # -- checkpoints -------------------------------------------------------------------------------------------
+    def _sync_state(self) -> None:
+        """`state` as a plain optimizer's: keyed by the device parameters, so state_dict() and DCP see one."""
+        state: defaultdict[Any, Any] = defaultdict(dict)
+        for p, hp in self.host.items():
+            if self.host_optimizer is not None and hp in self.host_optimizer.state:
+                state[p] = self.host_optimizer.state[hp]
+        if self.device_optimizer is not None:
+            for p, s in self.device_optimizer.state.items():
+                state[p] = s
+        self.state = state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """A plain AdamW's state dict (ids or, from DCP, parameter names as keys) into the host and device
+        optimizers, in each parameter's own dtype: the run resumes bit for bit."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError("the loaded optimizer state has a different number of parameter groups")
+        saved_state = state_dict["state"]
+        for saved, group in zip(saved_groups, self.param_groups, strict=True):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError("the loaded optimizer state's parameter group has a different size")
+            group.update({k: v for k, v in saved.items() if k != "params"})
+            for key, p in zip(saved["params"], group["params"], strict=True):
+                if key not in saved_state:
+                    continue
+                values = saved_state[key]
+                if p in self.host and self.host_optimizer is not None:
+                    hp = self.host[p]
+                    self.host_optimizer.state[hp] = {k: _placed(k, v, hp) for k, v in values.items()}
+                elif self.device_optimizer is not None:
+                    self.device_optimizer.state[p] = {k: _placed(k, v, p) for k, v in values.items()}
+        for group, hg, dg in self._group_pairs:
+            for target in (hg, dg):
+                if target is not None:
+                    target.update({k: group[k] for k in _HYPER})
+        # The weights were loaded into the device parameters (DCP sets the model before its optimizer): the host
+        # master copies take them, or the next step would update the weights the job started with.
+        with torch.no_grad():
+            for p, hp in self.host.items():
+                hp.copy_(p.detach())
+        self._sync_state()
+
+
+def _placed(key: str, value: Any, param: torch.Tensor) -> Any:
+    """A saved state value beside `param`, as torch.optim.Optimizer.load_state_dict places it: `step` stays a
+    CPU float32 count except where the fused kernel reads it on the parameter's device, moments take the
+    parameter's device and dtype."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if key == "step":
+        return value.detach().to(device=param.device if param.device.type == "cpu" else "cpu", copy=True)
+    return value.detach().to(device=param.device, dtype=param.dtype, copy=True)
+
+
+def _host_adamw(groups: list[dict[str, Any]]) -> torch.optim.AdamW:
+    """AdamW on the CPU: fused where torch has the CPU kernel for every dtype in `groups`, else for-each."""
+    dtypes = {p.dtype for g in groups for p in g["params"]}
+    fused = dtypes <= {torch.float32, torch.float64, torch.float16, torch.bfloat16}
+    return torch.optim.AdamW(groups, fused=True) if fused else torch.optim.AdamW(groups, foreach=True)
+
+
+def host_offloaded_optimizer(
+    params: list[nn.Parameter], spec: JobSpec, device: torch.device, notes: list[str]
+) -> HostOffloadedOptimizer:
+    """The job's optimizer with its state in host memory; a job.json edited past the submission check is refused
+    by the same contract (engine.capability), in one line."""
+    s = spec.train
+    assert s is not None
+    ctx = RecipeContext(method=s.method, precision=s.precision, grad_accum=s.grad_accum, grad_clip=s.grad_clip)
+    why = recipe_why_not(Recipe.of(s), spec.parallelism, ctx)
+    if why:
+        raise UserError(why)
+    opt = HostOffloadedOptimizer(
+        params, lr=s.learning_rate, weight_decay=s.weight_decay, betas=(0.9, 0.95), device=device
+    )
+    moved = sum(p.numel() for p in opt.host)
+    total = sum(p.numel() for p in params) or 1
+    kind = "fused" if opt.host_optimizer is not None and opt.host_optimizer.defaults.get("fused") else "for-each"
+    notes.append(
+        f"optimizer state in host memory: {len(opt.host)} of {len(params)} trainable tensors ({moved / total:.1%} of "
+        f"the trainable parameters) have their master copy, gradient and AdamW state on the host and step with "
+        f"{kind} CPU AdamW; the GPU keeps their weights only"
+    )
+    return opt
