@@ -79,6 +79,7 @@ class PlanRequest:
     optimizer_in_backward: Any = AUTO
     loss_chunks: Any = AUTO
     activation_offload: Any = AUTO
+    optimizer_offload: Any = AUTO
     compile: Any = AUTO
     fp8: Any = AUTO
     seq_len: int = 2048

@@ -230,7 +230,8 @@ def _timing_line(plan: Plan) -> str:
     if t.bubble_s > 0:
         parts.append(f"pipeline bubble {duration_text(t.bubble_s)} ({t.bubble_s / t.step_s:.0%})")
     if t.offload_s > 0:
-        parts.append(f"CPU offload {duration_text(t.offload_s)} ({t.offload_s / t.step_s:.0%})")
+        what = "CPU offload" if plan.parallelism.offload or not w.recipe.optimizer_offload else "host optimizer"
+        parts.append(f"{what} {duration_text(t.offload_s)} ({t.offload_s / t.step_s:.0%})")
     line = (
         f"Predicted {duration_text(t.step_s)} per step of {w.global_batch} × {w.seq_len} tokens, "
         f"{t.tokens_per_s:,.0f} tokens/s at {t.mfu:.0%} MFU ({', '.join(parts)})."

@@ -251,6 +251,10 @@ def _script_recipe(recipe: Any, tool: str) -> list[str]:
     if recipe.activation_offload:
         out.append(f"{tool} cannot say it: saved activations are offloaded to pinned host memory "
                    "(torchtune's OffloadActivations context).")  # fmt: skip
+    if recipe.optimizer_offload and tool != "DeepSpeed's config":
+        out.append(f"{tool} cannot say it: the optimizer state, master weights and gradients live in pinned host "
+                   "memory and AdamW steps on the CPU, the GPU keeping the weights (torchao's CPUOffloadOptimizer; "
+                   "DeepSpeed can: zero_optimization.offload_optimizer.device 'cpu').")  # fmt: skip
     if recipe.compile:
         out.append(f"{tool} cannot say it: each transformer block is torch.compile'd (regional compilation).")
     if recipe.fp8:
@@ -290,7 +294,12 @@ def deepspeed_config(plan: Plan) -> dict[str, Any]:
         # HSDP shards within groups of shard_degree GPUs; ZeRO++'s secondary partition keeps a parameter shard
         # per group of that size, so the all-gathers stay inside it as the plan's do.
         zero["zero_hpz_partition_size"] = par.shard_degree
-    if par.offload_optimizer:
+    host_optimizer = recipe_of(w).optimizer_offload and not par.offload
+    if host_optimizer and stage == 0:
+        # ZeRO-Offload needs a ZeRO stage; on one GPU stage 2 partitions nothing and offloads the optimizer.
+        zero["stage"] = stage = 2
+        zero["allgather_bucket_size"] = BUCKET_ELEMENTS
+    if par.offload_optimizer or host_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if par.offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
@@ -335,7 +344,7 @@ def deepspeed_config(plan: Plan) -> dict[str, Any]:
             cfg["rigpilot"]["not_in_this_config"] = script
     if w.precision == "fp16":
         cfg["fp16"].update({"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1})
-    if par.offload_optimizer or par.offload_params:
+    if par.offload_optimizer or par.offload_params or host_optimizer:
         # ZeRO-Offload steps with DeepSpeed's CPU Adam, which it builds only from a config optimizer.
         # The learning rate is a placeholder for the training script's own.
         cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-5, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}}

@@ -35,7 +35,9 @@ gradient as soon as its parameter is updated, so one parameter's gradient (its s
 time instead of all of them, except under DDP, whose buckets hold every gradient anyway; chunked cross-entropy
 keeps 1/chunks of the fp32 logits and their bf16 chunk; activation offloading moves what the blocks save for
 backward to pinned host RAM, keeping a window of OFFLOAD_WINDOW_LAYERS blocks (the one computing and the one
-prefetched) and the head and loss's on the GPU. torch.compile is counted at eager's memory: torchtitan reports
+prefetched) and the head and loss's on the GPU; the optimizer state in host memory (one GPU) keeps the master
+copy, the gradients and AdamW's state of every tensor but the small ones in pinned host RAM (counted against the
+machine's RAM as CPU offload's is) and leaves the GPU the weights and one gradient on its way out. torch.compile is counted at eager's memory: torchtitan reports
 a smaller peak for compiled blocks, but how much depends on the fusions inductor picks, so the formula keeps
 eager's as the bound. FP8 matmuls are counted as bf16 (torchao's float8 keeps bf16 weights, and what it saves
 for backward is no larger than bf16's).
@@ -72,6 +74,9 @@ ALLOCATOR_MIN_BYTES = 128 * MIB
 # under full fine-tuning, the optimizer's fp32 temporaries of parameters larger than any block forward and
 # backward freed (the embedding and head: they take new segments).
 LOSS_FRAGMENTATION = 0.39
+# engine.workers.optimizer_offload.STAGING_BUFFERS: pinned buffers of the largest tensor a later micro-batch's
+# gradients pass through (the planner does not import the workers).
+STAGING_BUFFERS = 2
 HOST_BYTES_PER_RANK = int(2.5 * GIB)  # Python, torch, CUDA runtime and pinned staging of one process
 LOAD_SHARD_BYTES = 5 * GIB  # a safetensors shard, what loading straight to the GPUs holds in RAM
 
@@ -839,6 +844,18 @@ class MemoryModel:
             weights = trainable * self.master + frozen
             grads = trainable * self.master
             opt = trainable * state
+        host_optimizer = self.host_optimizer(par)
+        small = 0.0
+        if host_optimizer:
+            # engine.workers.optimizer_offload: every tensor but the small ones (norms) has its master copy, its
+            # gradient and AdamW's state pinned in host RAM (and, accumulating, the staging buffers);
+            # the GPU keeps the weights, the small tensors' gradients and state, and one gradient on its way out.
+            big = self.host_optimizer_params(par, stage)
+            small = trainable - big
+            staging = STAGING_BUFFERS * self.largest_trainable(par, stage) if par.grad_accum > 1 else 0.0
+            host += big * (2 * self.master + state) + staging * self.master
+            grads = (small + self.largest_trainable(par, stage)) * self.master
+            opt = small * state
         in_backward = self.recipe.optimizer_in_backward and par.backend != "deepspeed" and not par.offload
         largest = 0.0
         if in_backward:
@@ -903,7 +920,9 @@ class MemoryModel:
         host += moved
 
         opt_temp = 0.0
-        if par.backend in ("ddp", "fsdp", "single") and self.recipe.optimizer == "adamw" and not par.offload:
+        if host_optimizer:
+            opt_temp = small * self.master  # the small tensors' for-each AdamW; the rest steps on the CPU
+        elif par.backend in ("ddp", "fsdp", "single") and self.recipe.optimizer == "adamw" and not par.offload:
             # foreach AdamW's sqrt(v) temporary, in the moments' dtype; stepping one parameter at a time in
             # backward, one parameter's.
             opt_temp = (largest if in_backward else trainable / (z if par.backend == "fsdp" else 1)) * self.master
@@ -920,6 +939,23 @@ class MemoryModel:
         reserve = self.allocator_reserve(par, stage, loss=loss, optimizer_temporaries=opt_temp > 0) if single else None
         over = overhead_bytes(allocated, architecture=architecture, groups=groups, reserve=reserve)
         return StageMemory(weights, grads, opt, act, 0.0, dynamic - act, over, host)
+
+    def host_optimizer(self, par: Parallelism) -> bool:
+        """Whether the plan keeps the optimizer state in host memory (the recipe's optimizer_offload, on the one
+        GPU the engine runs it on)."""
+        return bool(self.w.training and self.recipe.optimizer_offload and par.backend in ("single", "ddp")
+                    and not par.offload)  # fmt: skip
+
+    def host_optimizer_params(self, par: Parallelism, stage: int) -> float:
+        """Parameters of one GPU of `stage` whose master copy, gradient and state live in host memory under the
+        optimizer state in host memory: the trainable ones but the small tensors (norms)."""
+        if not self.host_optimizer(par):
+            return 0.0
+        first, end = stage_range(par, stage, self.m.layers)
+        p, _ = self.stage_params(par, stage)
+        trainable = p if self.tr.full else (end - first) * lora_params_per_rank(self.m, self.tr.rank, self.tr.targets, par.tp)
+        small = min((end - first) * self.m.layer_other_params, trainable) if self.tr.full else 0.0
+        return trainable - small
 
     def largest_trainable(self, par: Parallelism, stage: int) -> float:
         """Parameters of the largest trainable tensor on one GPU of `stage` (before FSDP sharding): what one

@@ -53,6 +53,7 @@ class Overrides:
     optimizer_in_backward: bool | None = None
     loss_chunks: int | None = None
     activation_offload: bool | None = None
+    optimizer_offload: bool | None = None
     compile: bool | None = None
     fp8: bool | None = None
 

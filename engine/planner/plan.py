@@ -61,6 +61,7 @@ class Workload:
     optimizer_in_backward: bool | None = None
     loss_chunks: int | None = None
     activation_offload: bool | None = None
+    optimizer_offload: bool | None = None
     compile: bool | None = None
     fp8: bool | None = None
     lora: LoraSettings | None = None
@@ -99,6 +100,7 @@ RECIPE_WORDS = {
     "optimizer_in_backward": "optimizer in backward",
     "loss_chunks": "chunked cross-entropy",
     "activation_offload": "activation offloading",
+    "optimizer_offload": "optimizer state in host memory (as torchtune's paged AdamW)",
     "compile": "compiled",
     "fp8": "FP8 matmuls",
 }
@@ -119,6 +121,8 @@ def recipe_words(w: Any) -> str:
         parts.append(f"{RECIPE_WORDS['loss_chunks']} ({r.loss_chunks} chunks)")
     if r.activation_offload:
         parts.append(RECIPE_WORDS["activation_offload"])
+    if r.optimizer_offload:
+        parts.append(RECIPE_WORDS["optimizer_offload"])
     if r.compile:
         parts.append(RECIPE_WORDS["compile"])
     if r.fp8:

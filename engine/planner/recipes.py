@@ -1,8 +1,9 @@
 """The recipes the search tries, leanest last: each rung adds one memory technique to the one before.
 
 Order of preference, cheapest in speed and numerics first (torchtune's names): mixed precision as asked, chunked
-cross-entropy, pure bf16, 8-bit AdamW, the optimizer step in backward, activation offloading; CPU parameter offload
-stays the search's last resort (its layouts). A setting the user pinned is never changed, so its rung is skipped.
+cross-entropy, pure bf16, 8-bit AdamW, the optimizer step in backward, activation offloading, the optimizer state in
+host memory (torchtune's paged AdamW: one GPU, CPU AdamW instead of the two before it); CPU parameter offload stays
+the search's last resort (its layouts). A setting the user pinned is never changed, so its rung is skipped.
 torch.compile and FP8 change no memory the planner counts, and compiling takes a warm-up and FP8 changes the
 numerics: the search uses them only where asked.
 
@@ -28,8 +29,13 @@ LADDER: tuple[tuple[str, Any], ...] = (
     ("optimizer", Optimizer.ADAMW8BIT.value),
     ("optimizer_in_backward", True),
     ("activation_offload", True),
+    ("optimizer_offload", True),
 )
 FREE = frozenset({"loss_chunks"})
+# A rung that takes the optimizer state to host memory steps there with CPU AdamW, each weight after the whole
+# gradient is in: it replaces the 8-bit AdamW and the step in backward the rungs before it added (the engine
+# refuses them together, engine.capability), unless the user pinned them.
+SUPERSEDES: dict[str, tuple[str, ...]] = {"optimizer_offload": ("optimizer", "optimizer_in_backward")}
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,8 @@ def rung(w: Workload, added: tuple[str, ...] = ()) -> Rung:
         return Rung(w, ())
     base = recipe_of(w)
     values = {name: getattr(base, name) for name in RECIPE_SETTINGS}
+    dropped = {gone for name in added for gone in SUPERSEDES.get(name, ())}
+    added = tuple(name for name in added if name not in dropped)
     values.update((name, value) for name, value in LADDER if name in added)
     return Rung(dataclasses.replace(w, **values), added)
 

@@ -198,6 +198,7 @@ def _recipe_ref(name: str, value: object) -> Ref:
         "optimizer_in_backward": lambda: ref("optimizer_in_backward", value),
         "loss_chunks": lambda: ref("loss_chunks", value),
         "activation_offload": lambda: ref("activation_offload", value),
+        "optimizer_offload": lambda: ref("optimizer_offload", value),
         "compile": lambda: ref("compile", value),
         "fp8": lambda: ref("fp8", value),
     }[name]()
@@ -501,6 +502,15 @@ def _materialize(
             f"the optimizer step in backward runs without gradient accumulation or clipping: each step's "
             f"{w.global_batch} sequences are {c.par.micro_batch} per micro-batch × {c.par.dp} data-parallel "
             f"replica{'s' if c.par.dp > 1 else ''}"
+        )
+    if speed.mm.host_optimizer(c.par):
+        gbs, cpu_class = speed.host_memory_class()
+        on_host = sum(speed.mm.host_optimizer_params(c.par, st) for st in range(c.par.pp))
+        plan_notes.append(
+            f"the optimizer state in host memory keeps the master copy, gradient and AdamW state of "
+            f"{on_host / 1e9:.2f}B parameters in pinned host RAM and leaves the GPU their weights: each gradient goes "
+            f"to the host over PCIe as backward makes it, AdamW steps on the CPU (assuming {gbs:.0f} GB/s of host "
+            f"memory bandwidth, a {cpu_class}; not measured) and the weights come back before the next forward"
         )
     moved = sum(speed.mm.offloaded_activations(c.par, st) for st in range(c.par.pp))
     if moved:

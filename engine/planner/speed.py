@@ -292,6 +292,7 @@ class SpeedModel:
             comm.append(CommItem("pipeline activations and gradients", groups.pp_pairs[0], link.label, int(2 * mbs * sent), 2 * mbs * one, pp_exposed))
 
         offload = self._offload(par, groups, stage_compute) + self._activation_offload(par, groups, stage_compute)
+        offload += self._optimizer_offload(par, groups, stage_compute)
         step = compute + exposed + bubble + offload
         tokens_per_s = w.global_batch * s / step
         model_flops = train_flops_per_token(m, s, frozen_base=self.frozen)
@@ -396,6 +397,39 @@ class SpeedModel:
                 pcie = self.topo.gpus[g].pcie_gbs * 1e9
                 xfer = max(2 * moved / pcie, 2 * moved / self.host_rate(par, g))
                 worst = max(worst, max(par.grad_accum, 1) * max(xfer - window, 0.0))
+        return worst
+
+    def _optimizer_offload(self, par: Parallelism, groups: Groups, stage_compute: list[float]) -> float:
+        """Seconds a step spends on the optimizer state in host memory (engine.workers.optimizer_offload) beyond
+        what hides behind the GPU's compute.
+
+        Each micro-batch's gradients go to the host over the GPU's PCIe link as backward makes them, on a side
+        stream: hidden behind the micro-batch's backward as far as the link keeps up, except the last one's copy,
+        which starts when backward ends. Adding the later micro-batches' gradients on the host, the CPU AdamW step
+        and the copy of the updated weights back to the GPU come after backward and hide behind nothing.
+        """
+        if not self.mm.host_optimizer(par):
+            return 0.0
+        topo, mm = self.topo, self.mm
+        mbs = max(par.grad_accum, 1)
+        bwd_share = 0.5 if self.frozen else 2.0 / 3.0
+        host = topo.machine.host
+        cores = (host.cores or 8) / max(par.world_size, 1)
+        worst = 0.0
+        for st in range(par.pp):
+            moved = mm.host_optimizer_params(par, st) * mm.master  # bytes of the offloaded tensors, each way
+            last = mm.largest_trainable(par, st) * mm.master
+            # a += b on the host in the master dtype: two reads and a write per element.
+            accumulate = (mbs - 1) * moved * HOST_ACCUMULATE_BYTES / 4
+            # Fused AdamW reads the weight, the gradient and both moments and writes three back, in the master dtype.
+            adam_bytes = mm.host_optimizer_params(par, st) * (4 * mm.master + 3 * mm.master)
+            for g in groups.stages[st]:
+                rate = self.host_rate(par, g)
+                link = min(topo.gpus[g].pcie_gbs * 1e9, rate)
+                out = mbs * (max(moved / link - bwd_share * stage_compute[st], 0.0) + last / link)
+                adam = max(mm.host_optimizer_params(par, st) / (max(cores, 1.0) * CPU_ADAM_PARAMS_PER_CORE_S),
+                           adam_bytes / rate)  # fmt: skip
+                worst = max(worst, out + accumulate / rate + adam + moved / link)
         return worst
 
     def _offload(self, par: Parallelism, groups: Groups, stage_compute: list[float]) -> float:

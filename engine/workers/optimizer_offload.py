@@ -10,7 +10,9 @@ accumulation and clipping:
   biases) stay with an AdamW on the device, where a copy would cost more than it saves;
 - a post-accumulate-grad hook copies each gradient to the host as soon as backward has made it (on a side
   stream on CUDA, so the copies overlap the rest of backward) and frees the device gradient at once; a later
-  micro-batch of the same step is copied into a host staging buffer and added on the host, so accumulation works;
+  micro-batch of the same step goes through one of STAGING_BUFFERS pinned buffers and is added on the host when
+  the buffer is needed again or the step begins (in arrival order, so the sum is the one autograd would make), so
+  accumulation works without a second host gradient;
 - the step waits for the copies, clips with the global norm of the host gradients (and the small ones'), steps
   on the CPU and copies the updated parameters back (non-blocking on CUDA, ordered before the next forward).
 
@@ -35,6 +37,9 @@ from rigpilot.engine.recipe import Recipe
 # torchao's CPUOffloadOptimizer keeps tensors below this many elements on the device: a norm's few thousand
 # values cost more in copies and hook calls than they save.
 MIN_OFFLOAD_NUMEL = 4096
+# Pinned buffers a later micro-batch's gradients pass through on their way to be added on the host, each the size
+# of the largest offloaded tensor: a bounded staging area (not a second host gradient), reused in turn.
+STAGING_BUFFERS = 2
 _HYPER = ("lr", "betas", "eps", "weight_decay")
 
 
@@ -58,9 +63,11 @@ class HostOffloadedOptimizer(torch.optim.Optimizer):
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.host: dict[nn.Parameter, torch.Tensor] = {}  # device parameter -> its host master copy
         self._grads: dict[nn.Parameter, torch.Tensor] = {}  # device parameter -> its host gradient buffer
-        self._staging: dict[nn.Parameter, torch.Tensor] = {}  # a later micro-batch's gradient, on its way
-        self._copies: dict[nn.Parameter, Any] = {}  # the CUDA event of each parameter's last copy to the host
-        self._adds: set[nn.Parameter] = set()  # staged gradients not yet added to the host buffer
+        self._copies: dict[nn.Parameter, Any] = {}  # the CUDA event of each parameter's first copy to the host
+        # Staging, by dtype: the pinned buffers and, for each, the gradient it holds until added (param, view, event).
+        self._staging: dict[torch.dtype, list[torch.Tensor]] = {}
+        self._pending: dict[torch.dtype, list[tuple[nn.Parameter, torch.Tensor, Any] | None]] = {}
+        self._turn: dict[torch.dtype, int] = {}
         self._filled: set[nn.Parameter] = set()  # parameters with a gradient since zero_grad
         self._gathered = False
         host_groups: list[dict[str, Any]] = []
@@ -102,18 +109,18 @@ class HostOffloadedOptimizer(torch.optim.Optimizer):
         if g is None:
             return
         first = p not in self._filled
-        if not first:
-            self._settle(p)  # the staging buffer is free again once its last gradient is added
         if self.cuda:
             assert self.stream is not None
+            target, slot = (self._grads[p], -1) if first else self._free_slot(p)
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # backward has written it
             with torch.cuda.stream(self.stream):
-                target = self._grads[p] if first else self._staging_of(p)
                 target.copy_(g, non_blocking=True)
-                self._copies[p] = self.stream.record_event()
+                event = self.stream.record_event()
             g.record_stream(self.stream)  # the allocator waits for the copy before reusing the memory
-            if not first:
-                self._adds.add(p)
+            if first:
+                self._copies[p] = event
+            else:
+                self._pending[p.dtype][slot] = (p, target, event)
         elif first:
             self._grads[p].copy_(g)
         else:
@@ -122,20 +129,28 @@ class HostOffloadedOptimizer(torch.optim.Optimizer):
         self._gathered = False
         p.grad = None
 
-    def _staging_of(self, p: nn.Parameter) -> torch.Tensor:
-        found = self._staging.get(p)
-        if found is None:
-            found = self._staging[p] = self._pinned(p)
-        return found
+    def _free_slot(self, p: nn.Parameter) -> tuple[torch.Tensor, int]:
+        """The next staging buffer of `p`'s dtype, shaped as `p`, once the gradient it held is added."""
+        buffers = self._staging.get(p.dtype)
+        if buffers is None:
+            largest = max(q.numel() for q in self.host if q.dtype == p.dtype)
+            buffers = self._staging[p.dtype] = [
+                torch.empty(largest, dtype=p.dtype, device="cpu", pin_memory=True) for _ in range(STAGING_BUFFERS)
+            ]
+            self._pending[p.dtype] = [None] * STAGING_BUFFERS
+            self._turn[p.dtype] = 0
+        slot = self._turn[p.dtype]
+        self._turn[p.dtype] = (slot + 1) % len(buffers)
+        self._add_staged(p.dtype, slot)
+        return buffers[slot][: p.numel()].view(p.shape), slot
 
-    def _settle(self, p: nn.Parameter) -> None:
-        """Wait for `p`'s copy to the host and add a staged micro-batch's gradient."""
-        event = self._copies.pop(p, None)
-        if event is not None:
-            event.synchronize()
-        if p in self._adds:
-            self._adds.discard(p)
-            self._grads[p].add_(self._staging[p])
+    def _add_staged(self, dtype: torch.dtype, slot: int) -> None:
+        held = self._pending[dtype][slot]
+        if held is not None:
+            q, view, event = held
+            event.synchronize()  # after the first copy of q too: one stream, in order
+            self._grads[q].add_(view)
+            self._pending[dtype][slot] = None
 
     def _gather(self) -> None:
         """Every offloaded gradient on the host, whole: after backward, before clipping or the step."""
@@ -144,8 +159,12 @@ class HostOffloadedOptimizer(torch.optim.Optimizer):
         for p in self.host:
             if p.grad is not None:  # given without backward (DCP initialises the state with zero gradients)
                 self._grad_ready(p)
-        for p in self.host:
-            self._settle(p)
+        for event in self._copies.values():
+            event.synchronize()
+        self._copies.clear()
+        for dtype, pending in self._pending.items():  # oldest first: each parameter's micro-batches in order
+            for i in range(len(pending)):
+                self._add_staged(dtype, (self._turn[dtype] + i) % len(pending))
         self._gathered = True
 
     def _grad_list(self) -> list[torch.Tensor]:
