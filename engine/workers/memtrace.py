@@ -619,7 +619,15 @@ def _fake_step(built: _Built, workload: dict[str, Any], par: dict[str, Any]) -> 
     loss_parallel, ddp_buckets, vocab = built.loss_parallel, built.ddp_buckets, built.vocab
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95))
+    host_optimizer = bool(workload.get("optimizer_offload")) and not built.offload
+    optimizer: Any
+    if host_optimizer:
+        from rigpilot.engine.workers.optimizer_offload import HostOffloadedOptimizer
+
+        # The worker's: each gradient leaves the GPU in the hook that made it, and the step runs on the host.
+        optimizer = HostOffloadedOptimizer(params, lr=1e-4, betas=(0.9, 0.95), device=torch.device("cpu"))
+    else:
+        optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95))
     # Steady state: the optimizer's moments exist before the step begins, as from the second step on.
     for p in params:
         p.grad = torch.zeros_like(p)
@@ -632,7 +640,18 @@ def _fake_step(built: _Built, workload: dict[str, Any], par: dict[str, Any]) -> 
     # The chunked loss calls the head once per chunk, and again to recompute each: as a pipeline's passes.
     again = built.in_flight > 1 or token_loss.head is not None
     tracker = _tracker(wrapped if fsdp else model, optimizer, fsdp, built.in_flight, again)
-    gpu = _GpuPeak(tracker, HOST_CATEGORIES if built.offload else frozenset())
+    host = HOST_CATEGORIES if built.offload else frozenset()
+    if host_optimizer:
+        # On the trace's one device the host tensors would count as the GPU's: its master copies and gradient
+        # buffers (written in backward, which the trackers would take for temporaries) are filed with the state.
+        from torch.distributed._tools.mem_tracker import _MemRefType
+
+        for t in optimizer.host_tensors():
+            tracker._update_and_maybe_create_winfos(t, _MemRefType.OPT)
+        host = HOST_OPTIMIZER
+        # The trackers' gradient hooks run after the optimizer's, which has sent the gradient away already.
+        warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
+    gpu = _GpuPeak(tracker, host)
     autocast_on = precision.autocast
     snapshots: dict[str, dict[str, int]] = {}
     if built.stage is not None:
@@ -822,6 +841,8 @@ class _NoHook:
 
 # Under CPU offload these live in host memory: the GPU holds the rest.
 HOST_CATEGORIES = frozenset({"Sharded Param", "Sharded Grad", "OptState"})
+# With the optimizer state in host memory: its state, master copies and gradient buffers (filed as optimizer state).
+HOST_OPTIMIZER = frozenset({"Optstate"})  # MemTracker's spelling (one GPU: never FSDPMemTracker)
 
 
 class _GpuPeak:

@@ -96,6 +96,10 @@ class HostOffloadedOptimizer(torch.optim.Optimizer):
             it = iter(self.device_optimizer.param_groups)
             self._group_pairs = [(g, hg, next(it) if dg else None) for g, hg, dg in self._group_pairs]
 
+    def host_tensors(self) -> list[torch.Tensor]:
+        """The master copies and gradient buffers in host memory (the memory tracer counts them off the GPU)."""
+        return [*self.host.values(), *self._grads.values()]
+
     def _pinned(self, p: torch.Tensor) -> torch.Tensor:
         # Pinning needs a CUDA context; on CPU ranks host memory is all there is.
         return torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=self.cuda)

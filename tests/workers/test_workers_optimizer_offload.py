@@ -232,3 +232,30 @@ def test_what_the_engine_does_not_run_is_refused_in_one_line_at_submission(
         prepare(job, None, str(tmp_path), job_id="refused", machine=load_profile(profile), max_cpu_ranks=2)
     assert str(e.value) == said
     assert not any(tmp_path.iterdir())
+
+
+def test_the_traced_step_leaves_the_host_tensors_off_the_gpu_and_agrees_with_the_formula(tmp_path: Path) -> None:
+    """The memory tracer runs the worker's optimizer: the gradients leave as backward makes them, the master copies,
+    gradient buffers and state are filed as host memory, and what is left on the GPU is the formula's figure."""
+    import json
+
+    from rigpilot.engine.models.describe import describe_model
+    from rigpilot.engine.planner.plan import Workload
+    from rigpilot.engine.planner.search import search
+    from rigpilot.engine.workers.memtrace import trace_plan
+
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 512,
+              "intermediate_size": 1536, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+              "vocab_size": 256, "max_position_embeddings": 64, "tie_word_embeddings": False}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    traced = {}
+    for offload in (False, True):
+        w = Workload(model=str(tmp_path), seq_len=32, global_batch=1, master_weights="bf16", optimizer="adamw",
+                     optimizer_in_backward=False, loss_chunks=1, activation_offload=False, optimizer_offload=offload)
+        best = search(describe_model(str(tmp_path)), load_profile("1x-rtx4090"), w).best
+        assert best is not None and best.workload.optimizer_offload is offload
+        m = best.memory[0]
+        traced[offload] = trace_plan(best.to_dict())["peak"], m.total - m.overhead
+    (plain, _), (moved, formula) = traced[False], traced[True]
+    assert moved < 0.35 * plain  # the weights stay; gradients and AdamW state leave
+    assert moved == pytest.approx(formula, rel=0.05)
