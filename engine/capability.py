@@ -196,6 +196,9 @@ def _optimizer_offload(r: Recipe, lt: Layout, ctx: RecipeContext) -> str | None:
         )
     if r.optimizer == schema.Optimizer.ADAMW8BIT:
         return "8-bit AdamW runs on the GPU; with the optimizer state in host memory the step is CPU AdamW"
+    if ctx.precision == schema.Precision.FP16:
+        # GradScaler unscales and checks the gradients on the GPU, which have left for the host by then.
+        return "the optimizer state in host memory cannot run under fp16's loss scaling: use bf16"
     return None
 
 

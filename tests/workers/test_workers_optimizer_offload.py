@@ -218,8 +218,9 @@ def test_a_job_trains_the_plain_loops_model_and_resumes_as_an_unbroken_run(tmp_p
          "drop the optimizer step in backward"),
         ({"optimizer": "adamw8bit"}, {},
          "8-bit AdamW runs on the GPU; with the optimizer state in host memory the step is CPU AdamW"),
+        ({"precision": "fp16"}, {}, "the optimizer state in host memory cannot run under fp16's loss scaling: use bf16"),
     ],
-    ids=["two-ranks", "cpu-offload", "in-backward", "adamw8bit"],
+    ids=["two-ranks", "cpu-offload", "in-backward", "adamw8bit", "fp16"],
 )
 def test_what_the_engine_does_not_run_is_refused_in_one_line_at_submission(
     tmp_path: Path, train: dict[str, Any], parallelism: dict[str, Any], said: str
