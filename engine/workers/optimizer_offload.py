@@ -29,10 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rigpilot.engine.capability import RecipeContext, recipe_why_not
-from rigpilot.engine.errors import UserError
 from rigpilot.engine.jobspec.spec import JobSpec
-from rigpilot.engine.recipe import Recipe
 
 # torchao's CPUOffloadOptimizer keeps tensors below this many elements on the device: a norm's few thousand
 # values cost more in copies and hook calls than they save.
@@ -244,8 +241,8 @@ class HostOffloadedOptimizer(torch.optim.Optimizer):
             if self.host_optimizer is not None and hp in self.host_optimizer.state:
                 state[p] = self.host_optimizer.state[hp]
         if self.device_optimizer is not None:
-            for p, s in self.device_optimizer.state.items():
-                state[p] = s
+            for small, values in self.device_optimizer.state.items():
+                state[small] = values
         self.state = state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -301,14 +298,9 @@ def _host_adamw(groups: list[dict[str, Any]]) -> torch.optim.AdamW:
 def host_offloaded_optimizer(
     params: list[nn.Parameter], spec: JobSpec, device: torch.device, notes: list[str]
 ) -> HostOffloadedOptimizer:
-    """The job's optimizer with its state in host memory; a job.json edited past the submission check is refused
-    by the same contract (engine.capability), in one line."""
+    """The job's optimizer with its state in host memory (the rank has checked the recipe: engine.recipe_refusal)."""
     s = spec.train
     assert s is not None
-    ctx = RecipeContext(method=s.method, precision=s.precision, grad_accum=s.grad_accum, grad_clip=s.grad_clip)
-    why = recipe_why_not(Recipe.of(s), spec.parallelism, ctx)
-    if why:
-        raise UserError(why)
     opt = HostOffloadedOptimizer(
         params, lr=s.learning_rate, weight_decay=s.weight_decay, betas=(0.9, 0.95), device=device
     )
@@ -319,5 +311,6 @@ def host_offloaded_optimizer(
         f"optimizer state in host memory: {len(opt.host)} of {len(params)} trainable tensors ({moved / total:.1%} of "
         f"the trainable parameters) have their master copy, gradient and AdamW state on the host and step with "
         f"{kind} CPU AdamW; the GPU keeps their weights only"
+        + ("; pure bf16 here rounds to nearest, not stochastically" if s.master_weights == "bf16" else "")
     )
     return opt

@@ -116,10 +116,10 @@ def test_the_host_state_checkpoints_through_dcp_and_resumes_bit_for_bit(tmp_path
     first = tiny(torch.float32)
     opt = offloaded(first)
     run_steps(first, opt, [], data[:2], lambda: opt.clip_grad_norm_(CLIP))
-    dcp.save({"app": _ModelAndOptimizer(first, opt, False)}, checkpoint_id=str(tmp_path))
+    dcp.save({"app": _ModelAndOptimizer(first, [opt], False)}, checkpoint_id=str(tmp_path))
     again = nn.Sequential(nn.Linear(32, 160), nn.LayerNorm(160), nn.GELU(), nn.Linear(160, 32))  # other weights
     opt = offloaded(again)
-    dcp.load({"app": _ModelAndOptimizer(again, opt, False)}, checkpoint_id=str(tmp_path))
+    dcp.load({"app": _ModelAndOptimizer(again, [opt], False)}, checkpoint_id=str(tmp_path))
     assert {int(s["step"]) for s in opt.state.values()} == {2}
     run_steps(again, opt, [], data[2:], lambda: opt.clip_grad_norm_(CLIP))
     for a, b in zip(whole.parameters(), again.parameters(), strict=True):
