@@ -80,8 +80,8 @@ def test_llama31_8b_full_on_one_4090_fits_with_the_optimizer_state_in_host_memor
     its state in CUDA unified memory, paged out to the host. The engine's 8-bit AdamW (torchao) keeps it on the GPU,
     where 2 bytes of weights + 2.03 of state per parameter are 30 GiB before activations; with the optimizer state
     in host memory (engine.workers.optimizer_offload) the GPU keeps the 15.0 GiB of bf16 weights, one gradient on
-    its way out (the 1 GiB embedding's) and the activations: the plan predicts 19.2 GiB, 0.3 GiB above torchtune's
-    measured peak, and no CPU parameter offload. The host holds the master copy, the gradients and the bf16 AdamW
+    its way out (the 1 GiB embedding's) and the activations: the plan predicts 19.0 GiB against torchtune's
+    measured 18.9 GiB, and no CPU parameter offload. The host holds the master copy, the gradients and the bf16 AdamW
     state (8 bytes a parameter, 60 GiB), which the simulated machine's 64 GiB of RAM takes."""
     w = Workload(model="llama-3.1-8b", global_batch=2)
     r = search(describe_model("llama-3.1-8b"), load_profile("1x-rtx4090"), w)
