@@ -625,7 +625,7 @@ def _fake_step(built: _Built, workload: dict[str, Any], par: dict[str, Any]) -> 
         from rigpilot.engine.workers.optimizer_offload import HostOffloadedOptimizer
 
         # The worker's: each gradient leaves the GPU in the hook that made it, and the step runs on the host.
-        optimizer = HostOffloadedOptimizer(params, lr=1e-4, betas=(0.9, 0.95), device=torch.device("cpu"))
+        optimizer = HostOffloadedOptimizer(params, lr=1e-4, betas=(0.9, 0.95), device=torch.device("cpu"), rounding=False)
     else:
         optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95))
     # Steady state: the optimizer's moments exist before the step begins, as from the second step on.

@@ -388,7 +388,6 @@ class Trainer:
             self.optimizers: list[torch.optim.Optimizer] = self.in_backward.optimizers
             self.scheduler: Any = Schedulers(self.optimizers, schedule)
         elif s.optimizer_offload:
-            self.rounding = False  # the host step is fused CPU AdamW, which rounds to nearest (pure bf16 too)
             self.optimizer = host_offloaded_optimizer(params, self.spec, self.rt.device, self.notes)
             self.optimizers = [self.optimizer]
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)

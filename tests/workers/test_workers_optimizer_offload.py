@@ -52,6 +52,7 @@ def run_steps(model: nn.Module, opt: Any, scheds: list[Any], data: list, clip: A
         for x, y in micro:
             ((model(x).float() - y.float()) ** 2).mean().div(ACCUM).backward()
         norms.append(float(clip()))
+        torch.manual_seed(len(norms))  # the same rounding bits for both runs' steps (pure bf16)
         opt.step()
         for s in scheds:
             s.step()
@@ -67,6 +68,13 @@ class PlainPair:
         big = [p for p in params if p.numel() >= MIN_OFFLOAD_NUMEL]
         small = [p for p in params if p.numel() < MIN_OFFLOAD_NUMEL]
         self.params = params
+        if params[0].dtype == torch.bfloat16:  # pure bf16: torchao's AdamW, rounding stochastically
+            from torchao.optim import _AdamW
+
+            kw = dict(lr=LR, betas=BETAS, weight_decay=WD, bf16_stochastic_round=True)
+            # The small tensors' step first, as the offloaded step queues it: both draw their rounding bits in turn.
+            self.opts = [_AdamW(small, **kw), _AdamW(big, **kw)]
+            return
         self.opts = [torch.optim.AdamW(big, lr=LR, betas=BETAS, weight_decay=WD, fused=True),
                      torch.optim.AdamW(small, lr=LR, betas=BETAS, weight_decay=WD, foreach=True)]  # fmt: skip
 
