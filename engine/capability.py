@@ -130,6 +130,13 @@ def recipe_why_not(recipe: Recipe, layout: Layout, ctx: RecipeContext) -> str | 
 def _master_weights(r: Recipe, lt: Layout, ctx: RecipeContext) -> str | None:
     if r.master_weights == schema.MasterWeights.BF16 and ctx.precision != schema.Precision.BF16:
         return f"bf16 master weights need bf16 precision (it is {ctx.precision})"
+    if r.master_weights == schema.MasterWeights.BF16 and lt.cpu_offload and lt.world_size > 1:
+        # torchao's compiled step fails on FSDP2's CPU-offloaded shards once they are split over several ranks
+        # ('Tensor' object has no attribute 'codes'); on one rank it runs.
+        return (
+            "pure bf16's stochastically rounded step does not run on CPU-offloaded shards over several GPUs: "
+            "use fp32 master weights with CPU offload"
+        )
     return None
 
 

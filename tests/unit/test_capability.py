@@ -90,3 +90,18 @@ def test_every_best_plan_passes_the_submission_check_on_its_machine(profile: str
             assert (p.tp, p.pp) == (best.tp, best.pp), where
             if job["kind"] == "train":
                 assert sub.spec.train.seq_len == result.best.workload.seq_len, where
+
+
+def test_pure_bf16_with_cpu_offload_runs_on_one_rank_only() -> None:
+    """torchao's stochastically rounded step crashes on FSDP2's offloaded shards split over ranks (found by a
+    2-rank job): the contract refuses that pair, so the planner never picks it; one rank still runs it."""
+    from rigpilot.engine.capability import RecipeContext, recipe_why_not
+    from rigpilot.engine.recipe import Recipe
+
+    pure = Recipe(master_weights="bf16")
+    two = Layout.from_dict({"dp_shard": 2, "cpu_offload": True})
+    one = Layout.from_dict({"dp_shard": 1, "cpu_offload": True})
+    why = recipe_why_not(pure, two, RecipeContext())
+    assert why is not None and "use fp32 master weights with CPU offload" in why and "\n" not in why
+    assert recipe_why_not(pure, one, RecipeContext()) is None
+    assert recipe_why_not(Recipe(), two, RecipeContext()) is None
