@@ -599,7 +599,8 @@ class HyperPage(StepPage):
         t.keep_checkpoints, t.train_on_prompts = self.keep_checkpoints.value(), self.train_on_prompts.isChecked()
         t.save_merged = self.save_merged.isChecked()
         for name, combo in self.recipe.items():
-            setattr(t, name, combo.currentData())
+            if combo.currentData() != getattr(t, name):  # this control moved: the user's choice, pinned
+                s.pin_recipe(name, combo.currentData())
         s.max_restarts = None if self.max_restarts.value() < 0 else self.max_restarts.value()
         targets = [x.strip() for x in self.lora_targets.text().split(",") if x.strip()]
         t.lora_targets = targets or None

@@ -81,6 +81,9 @@ class WizardState:
     plan: dict[str, Any] | None = None  # Plan.to_dict() the job runs under, overrides included
     plan_for: list[Any] | None = None  # plan_key() the plan was made for; another key means plan again
     train: TrainSettings = field(default_factory=TrainSettings)
+    # The recipe settings (engine.recipe) the user chose here: the plan request pins these; the rest are the
+    # planner's to choose, even where `train` holds the value a previous plan chose.
+    pinned_recipe: list[str] = field(default_factory=list)
     infer: InferSettings = field(default_factory=InferSettings)
     trust_remote_code: bool = False
     max_restarts: int | None = None  # automatic restarts after a rank fails; None: the engine's default
@@ -142,12 +145,17 @@ class WizardState:
             "global_batch": self.global_batch, "lora": lora,
         }  # fmt: skip
         for name in RECIPE_SETTINGS:
-            # A setting at the job's default is left to the planner to choose (an older engine plans without them);
-            # one the user changed pins it.
-            value = getattr(self.train, name)
-            if value != TRAIN_SETTINGS[name].default:
-                args[name] = value
+            # Only what the user chose pins a setting: a value a previous plan chose is the planner's to choose
+            # again (for another batch, model or method); an older engine plans without them.
+            if name in self.pinned_recipe:
+                args[name] = getattr(self.train, name)
         return args
+
+    def pin_recipe(self, name: str, value: Any) -> None:
+        """The user chose `value` for recipe setting `name`: the plan keeps it."""
+        setattr(self.train, name, value)
+        if name not in self.pinned_recipe:
+            self.pinned_recipe.append(name)
 
     def plan_key(self) -> list[Any]:
         """Everything the plan depends on; when it changes, the plan is made again."""
