@@ -79,7 +79,8 @@ def register(subparsers: Any, parents: list[argparse.ArgumentParser] | None = No
     r = p.add_argument_group("training recipe", "each left out is chosen by the search (the plainest that fits); "
                              "given, it is pinned")  # fmt: skip
     for name in RECIPE_SETTINGS:
-        schema.add_option(r, P[name], help=f"{P[name].help.rstrip('.')} (default: the search chooses).")
+        chosen = "the search chooses" if name in LADDER_NAMES else "off; the search uses it only where asked"
+        schema.add_option(r, P[name], help=f"{P[name].help.rstrip('.')} (default: {chosen}).")
         if name in LADDER_NAMES and P[name].type is bool:
             # A switch pinned off: the search never reaches for it.
             r.add_argument(f"--no-{P[name].flags[0].removeprefix('--')}", dest=name, action="store_false",

@@ -185,6 +185,7 @@ class TrainSettings:
         1.0,
         flags="--grad-clip",
         range=Range(0, 10**6),
+        metavar="NORM",
         label="Gradient clipping",
         help="The largest gradient norm; larger ones are scaled down (0: no clipping, as the optimizer step in "
         "backward needs).",

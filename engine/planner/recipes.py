@@ -61,8 +61,9 @@ class Rung:
 NAMES = tuple(name for name, _ in LADDER)
 
 
-def techniques(w: Workload) -> list[tuple[str, Any]]:
-    """The ladder's techniques the search may add to `w`: not pinned, not already there, allowed by its dtype."""
+def techniques(w: Workload, decoder: bool = True) -> list[tuple[str, Any]]:
+    """The ladder's techniques the search may add to `w`: not pinned, not already there, allowed by its dtype and
+    its model (a `decoder`'s output head is what loss chunks split; an encoder has none)."""
     if not w.training:
         return []
     base = recipe_of(w)
@@ -70,6 +71,8 @@ def techniques(w: Workload) -> list[tuple[str, Any]]:
     out = []
     for name, value in LADDER:
         if name in pinned or getattr(base, name) == value:
+            continue
+        if name == "loss_chunks" and not decoder:
             continue
         if name == "master_weights" and w.precision != Precision.BF16:
             continue  # bf16 master weights need bf16 compute (the setting's own requirement)

@@ -46,11 +46,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from rigpilot.engine.capability import RecipeContext, recipe_why_not
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.machine import P2P, GpuPair, Machine, PciePath, short_gpu_name
 from rigpilot.engine.hardware.specs import match_spec
 from rigpilot.engine.jobspec.spec import TRAIN_SETTINGS
-from rigpilot.engine.layout import MICROBATCH_RANGE
+from rigpilot.engine.layout import MICROBATCH_RANGE, Layout
 from rigpilot.engine.models.spec import ModelSpec
 from rigpilot.engine.planner.cluster import DEFAULT_LINK, Cluster, build_cluster, check_nodes, node_link
 from rigpilot.engine.planner.explain import explain, number_word
@@ -84,7 +85,8 @@ from rigpilot.engine.planner.settings import (
     say,
 )
 from rigpilot.engine.planner.speed import SpeedModel
-from rigpilot.engine.recipe import RECIPE_SETTINGS
+from rigpilot.engine.recipe import RECIPE_SETTINGS, Recipe
+from rigpilot.engine.recipe_refusal import refused_setting
 from rigpilot.engine.schema import Ref, Words
 
 EXPORT_TARGETS = EXPORTS
@@ -153,6 +155,18 @@ def validate_workload(w: Workload, spec: ModelSpec) -> None:
                 f = conflict.fields
                 raise refusal("{mine} needs {other} (it is {found})", reason=conflict.reason, fields=f,
                               mine=_recipe_ref(name, value), other=ref("precision", f["needs"]), found=f["found"])  # fmt: skip
+    if w.training and (w.loss_chunks or 1) > 1 and not spec.is_decoder:
+        raise UserError("loss chunks apply a decoder's output head a chunk at a time; this model has none: use loss "
+                        "chunks 1", reason="recipe_refused", setting="loss_chunks", value=w.loss_chunks)  # fmt: skip
+    if w.training and w.pinned():
+        # Pinned settings that contradict each other whatever the layout (8-bit AdamW with the optimizer state in
+        # host memory, the host optimizer under fp16): the contract's own line, not "nothing fits".
+        pinned = {k: v for k, v in w.pinned().items() if k != "fp8"}  # FP8 depends on the GPUs: the search says
+        recipe, ctx = Recipe(**pinned), RecipeContext(method=w.method, precision=w.precision)
+        why = recipe_why_not(recipe, Layout(), ctx)
+        if why is not None:
+            name, value = refused_setting(recipe, Layout(), ctx, why)
+            raise UserError(why, reason="recipe_refused", setting=name, value=value)
     if w.training:  # the job's own declaration and its requirement (bf16 master weights need bf16 compute)
         TRAIN_SETTINGS["master_weights"].check(w.master_weights)
         conflict = TRAIN_SETTINGS["master_weights"].conflict(w)
@@ -558,7 +572,7 @@ class Recipes:
 
     def __init__(self, m: ModelFacts, w: Workload, topo: Topology) -> None:
         self.m, self.w, self.topo = m, w, topo
-        self.techniques = techniques(w)
+        self.techniques = techniques(w, decoder=m.is_decoder)
         self._models: dict[tuple[str, ...], RecipeModels] = {}
         self.plain = self[()]
 

@@ -24,9 +24,11 @@ import importlib.metadata
 import json
 import logging
 import os
+import re
 import stat
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +42,10 @@ ENV_CACHE = "RIGPILOT_TRACE_CACHE"  # a folder, or "off"
 MAX_ENTRIES = 512  # a few MB of JSON: thousands of plans' worth is more than any user replans
 FORMAT = 1  # of an entry; bump when the answer's fields change meaning
 # The tracer's code: a change to any of these may change what it measures, so it keys the cache.
-TRACER_SOURCES = ("memtrace.py", "parallelize.py", "model_loading.py", "train.py", "parallel_dims.py", "pipeline.py")
-_STACK = ("torch", "transformers", "peft")
+# Every module of engine/workers (the recipe's modules run in the trace too), and these beside them.
+TRACER_SOURCES = ("../planner/traceable.py", "../planner/plan.py", "../accuracy/cuda_autocast.py", "../recipe.py")
+_STACK = ("torch", "transformers", "peft", "torchao")
+_ENTRY = re.compile(r"^[0-9a-f]{64}\.json$")
 
 
 def folder() -> Path | None:
@@ -50,7 +54,9 @@ def folder() -> Path | None:
     if chosen.lower() in {"off", "0", "no", "false"}:
         return None
     if chosen:
-        return Path(chosen).expanduser()
+        # A folder of Rigpilot's own inside the one chosen: its mode is set and its entries evicted, never the
+        # chosen folder's or its other files.
+        return Path(chosen).expanduser() / "rigpilot-traces"
     from rigpilot.engine.settings import cache_dir
 
     return cache_dir() / "traces"
@@ -165,10 +171,13 @@ def _evict(where: Path, keep: int | None = None) -> None:
     """At most `keep` entries (MAX_ENTRIES): the least recently used go; leftovers of a crashed write too."""
     limit = MAX_ENTRIES if keep is None else keep
     entries: list[tuple[float, Path]] = []
+    now = time.time()
     for path in where.iterdir():
         with contextlib.suppress(OSError):
-            if path.name.endswith(".json"):
+            if _ENTRY.match(path.name):
                 entries.append((path.stat().st_mtime, path))
+            elif path.name.startswith(".") and path.name.endswith(".tmp") and now - path.stat().st_mtime > 3600:
+                path.unlink()  # a crashed write's leftover
     entries.sort()
     for _, path in entries[: max(len(entries) - limit, 0)]:
         with contextlib.suppress(OSError):
@@ -237,7 +246,7 @@ def tracer_digest() -> str:
     """sha256 over the tracer's source files (engine/workers), as installed beside this planner."""
     workers = Path(__file__).resolve().parent.parent / "workers"
     h = hashlib.sha256()
-    for name in TRACER_SOURCES:
+    for name in (*sorted(p.name for p in workers.glob("*.py")), *TRACER_SOURCES):
         h.update(name.encode())
         with contextlib.suppress(OSError):
             h.update((workers / name).read_bytes())

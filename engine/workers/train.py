@@ -43,7 +43,7 @@ from rigpilot.engine.workers.activation_offload import ActivationOffload, offloa
 from rigpilot.engine.workers.checkpoint import Checkpointer, gather_full_state, save_final_model
 from rigpilot.engine.workers.chunked_loss import TokenLoss
 from rigpilot.engine.workers.chunked_loss import token_loss as token_loss  # where callers have found it
-from rigpilot.engine.workers.compile import CompileWarmup, apply_compile, apply_float8
+from rigpilot.engine.workers.compile import CompileWarmup, apply_compile, apply_float8, private_inductor_cache
 from rigpilot.engine.workers.data import (
     Dataset,
     ShardedBatches,
@@ -799,6 +799,11 @@ def run_train(spec: JobSpec, job_dir: Path) -> int:
     validate_settings(spec.train)
     runtime = init_runtime(spec)
     validate_recipe(spec, runtime.device)
+    s = spec.train
+    if s.compile or s.optimizer == "adamw8bit" or s.master_weights == "bf16":
+        # torchao's optimizers compile their step (8-bit moments, stochastic rounding) even without --compile:
+        # their kernels too go to the private cache, not inductor's /tmp default another user could plant.
+        private_inductor_cache()
     trainer = Trainer(spec, job_dir, runtime)
     trainer.setup()
     return trainer.run()

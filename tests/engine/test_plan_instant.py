@@ -46,10 +46,10 @@ def tiny(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def cache(tmp_path: Path, monkeypatch) -> Path:
-    where = tmp_path / "cache" / "traces"
-    monkeypatch.setenv(trace_cache.ENV_CACHE, str(where))
+    chosen = tmp_path / "cache"
+    monkeypatch.setenv(trace_cache.ENV_CACHE, str(chosen))
     monkeypatch.setenv(verify.ENV_SWITCH, "1")
-    return where
+    return chosen / "rigpilot-traces"  # Rigpilot's own folder inside the one chosen
 
 
 def plans_of(folder: Path, **work: object) -> list[Plan]:
@@ -126,6 +126,22 @@ def test_a_damaged_entry_is_traced_again_quietly(tiny, cache, monkeypatch, caplo
     assert json.loads(entry.read_text())["answer"]["peak"] == answer["peak"]  # and kept whole again
 
 
+def test_a_chosen_folder_keeps_its_mode_and_its_other_files(cache, monkeypatch):
+    """RIGPILOT_TRACE_CACHE names a folder that may be shared or hold other things: Rigpilot writes, tightens and
+    evicts only inside its own folder there."""
+    monkeypatch.setattr(trace_cache, "MAX_ENTRIES", 1)
+    chosen = cache.parent
+    chosen.mkdir(mode=0o775)
+    os.chmod(chosen, 0o775)
+    mine = [chosen / f"user{n}.json" for n in range(3)]
+    for path in mine:
+        path.write_text("{}")
+    for n in range(3):
+        trace_cache.store(f"{n:064x}", {"ok": True, "peak": n, "method": "m"})
+    assert stat.S_IMODE(chosen.stat().st_mode) == 0o775 and all(p.exists() for p in mine)
+    assert [p.name for p in cache.iterdir()] == [f"{2:064x}.json"]
+
+
 def test_the_cache_is_private_and_bounded(tiny, cache, monkeypatch):
     monkeypatch.setattr(trace_cache, "MAX_ENTRIES", 3)
     old = os.umask(0o022)
@@ -152,7 +168,7 @@ def test_the_cache_is_private_and_bounded(tiny, cache, monkeypatch):
 def test_an_unwritable_cache_only_costs_the_cache(tiny, tmp_path, monkeypatch):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    monkeypatch.setenv(trace_cache.ENV_CACHE, str(blocker / "traces"))
+    monkeypatch.setenv(trace_cache.ENV_CACHE, str(blocker))
     started = stand_in_tracer(monkeypatch)
     assert verify.trace(plans_of(tiny)[0])["ok"] and verify.trace(plans_of(tiny)[0])["ok"]
     assert len(started) == 2

@@ -331,3 +331,15 @@ def test_the_optimizer_state_in_host_memory_moves_it_and_costs_the_copies_and_th
     back = 2 * (n - norms) / link  # the updated weights, after the step: hidden behind nothing
     assert times[1].offload_s > back + 2 * largest / link
     assert times[4].offload_s > times[1].offload_s  # three micro-batches' gradients added on the host
+
+
+def test_pinned_settings_that_contradict_each_other_get_the_contracts_line_not_nothing_fits():
+    """Found in review: `--optimizer-offload --optimizer adamw8bit` answered "nothing fits" with a memory figure."""
+    from rigpilot.engine.errors import UserError as Refused
+
+    w = Workload(model="llama-3.1-8b", method="full", seq_len=2048, global_batch=2, optimizer="adamw8bit",
+                 optimizer_offload=True)  # fmt: skip
+    with pytest.raises(Refused) as e:
+        search(describe_model("llama-3.1-8b"), load_profile("1x-rtx4090"), w)
+    assert e.value.reason == "recipe_refused" and "8-bit AdamW" in str(e.value) and "\n" not in str(e.value)
+    assert e.value.fields["setting"] in ("optimizer", "optimizer_offload")
