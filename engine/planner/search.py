@@ -161,11 +161,11 @@ def validate_workload(w: Workload, spec: ModelSpec) -> None:
     if w.training and w.pinned():
         # Pinned settings that contradict each other whatever the layout (8-bit AdamW with the optimizer state in
         # host memory, the host optimizer under fp16): the contract's own line, not "nothing fits".
-        pinned = {k: v for k, v in w.pinned().items() if k != "fp8"}  # FP8 depends on the GPUs: the search says
-        recipe, ctx = Recipe(**pinned), RecipeContext(method=w.method, precision=w.precision)
-        why = recipe_why_not(recipe, Layout(), ctx)
+        pinned: dict[str, Any] = {k: v for k, v in w.pinned().items() if k != "fp8"}  # FP8: the GPUs decide (the search)
+        recipe, asked = dataclasses.replace(Recipe(), **pinned), RecipeContext(method=w.method, precision=w.precision)
+        why = recipe_why_not(recipe, Layout(), asked)
         if why is not None:
-            name, value = refused_setting(recipe, Layout(), ctx, why)
+            name, value = refused_setting(recipe, Layout(), asked, why)
             raise UserError(why, reason="recipe_refused", setting=name, value=value)
     if w.training:  # the job's own declaration and its requirement (bf16 master weights need bf16 compute)
         TRAIN_SETTINGS["master_weights"].check(w.master_weights)
