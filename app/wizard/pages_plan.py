@@ -631,7 +631,7 @@ class HyperPage(StepPage):
             combo, name = self.recipe[decl.name], decl.name
             pinned = name in s.pinned_recipe
             planned = s.planned_recipe.get(name, decl.default) if pinned else getattr(t, name)
-            combo.setItemText(0, f"{source} ({_value_text(combo, decl, planned)})")
+            combo.setItemText(0, f"{source}: {_value_text(combo, decl, planned)}")
             if not pinned:
                 combo.setCurrentIndex(0)
                 continue

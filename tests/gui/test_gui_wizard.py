@@ -805,8 +805,8 @@ def test_every_recipe_setting_has_a_control_from_the_plan_until_the_user_changes
     for name, combo in page.recipe.items():
         label = page.train_form.labelForField(combo.parentWidget())
         assert label is not None and label.text() == TRAIN_SETTINGS[name].label
-        assert combo.currentData() == FROM_PLAN and combo.currentText().startswith("From the plan (")
-    assert page.recipe["compile"].currentText() == "From the plan (Off)"
+        assert combo.currentData() == FROM_PLAN and combo.currentText().startswith("From the plan: ")
+    assert page.recipe["compile"].currentText() == "From the plan: Off"
     assert s.pinned_recipe == [] and not set(RECIPE_SETTINGS) & set(s.workload_args())
     chunks = page.recipe["loss_chunks"]
     chunks.setCurrentIndex(chunks.findData(16))
