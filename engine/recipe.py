@@ -123,7 +123,7 @@ class AskedRecipe:
     search chooses a `searched` one and leaves the others at their defaults; a job keeps its own). The planner's
     workload, the re-check's overrides and the Planner page's request inherit these fields, so they travel flat
     by the declarations' names (plan JSON, the `plan` request) and are written out here alone, beside `Recipe`:
-    a type checker needs them spelt out, and `_same_settings` refuses to import a copy that drifted."""
+    a type checker needs them spelt out, and `check_open_form` refuses to import a copy that drifted."""
 
     master_weights: str | None = None
     optimizer: str | None = None
@@ -139,14 +139,15 @@ class AskedRecipe:
         return {name: getattr(self, name) for name in RECIPE_SETTINGS if getattr(self, name) is not None}
 
 
-def _same_settings() -> None:
-    asked = get_type_hints(AskedRecipe)
+def check_open_form(cls: type) -> None:
+    """Refuse (TypeError) an open form of the recipe whose fields are not the declarations', each `| None`."""
+    asked = get_type_hints(cls)
     wanted = {name: decl.type | None for name, decl in RECIPE_SETTINGS.items()}
     if asked != wanted:
-        raise TypeError(f"AskedRecipe's fields {asked} are not Recipe's declarations, each open: {wanted}")
+        raise TypeError(f"{cls.__name__}'s fields {asked} are not Recipe's declarations, each open: {wanted}")
 
 
-_same_settings()
+check_open_form(AskedRecipe)  # at import: a copy that drifted never runs
 
 
 def open_words(name: str) -> tuple[str, str]:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import dataclasses
 from typing import get_type_hints
 
+import pytest
+
 from rigpilot.app.planner.model import AUTO, PlanRequest, open_text, recipe_choice, recipe_choices
 from rigpilot.engine.jobspec.spec import TRAIN_SETTINGS
 from rigpilot.engine.planner.overrides import Overrides
 from rigpilot.engine.planner.plan import Workload
 from rigpilot.engine.planner.recipes import LADDER
-from rigpilot.engine.recipe import RECIPE_SETTINGS, AskedRecipe, Recipe, open_words
+from rigpilot.engine.recipe import RECIPE_SETTINGS, AskedRecipe, Recipe, check_open_form, open_words
 
 
 def test_the_job_the_plans_workload_and_the_recheck_carry_every_recipe_setting() -> None:
@@ -27,6 +29,15 @@ def test_the_job_the_plans_workload_and_the_recheck_carry_every_recipe_setting()
         job = TRAIN_SETTINGS[name]
         assert (job.flags, job.bound, job.help, job.default, job.searched) == (
             decl.flags, decl.bound, decl.help, decl.default, decl.searched)  # fmt: skip
+
+
+def test_an_open_form_that_drifted_from_the_declarations_is_refused() -> None:
+    check_open_form(AskedRecipe)
+    missing = dataclasses.make_dataclass("Missing", [(n, d.type | None, None) for n, d in RECIPE_SETTINGS.items() if n != "fp8"])
+    closed = dataclasses.make_dataclass("Closed", [(n, d.type, None) for n, d in RECIPE_SETTINGS.items()])
+    for cls in (missing, closed):
+        with pytest.raises(TypeError, match="not Recipe's declarations"):
+            check_open_form(cls)
 
 
 def test_the_settings_the_search_climbs_are_the_ones_declared_searched() -> None:
