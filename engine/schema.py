@@ -164,6 +164,9 @@ class Setting:
     type: Any = None  # the field's annotation
     # value -> {other setting's name: the value it must then have}; checked on the whole group (`check_group`)
     requires: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
+    # A training-recipe setting the planner's search may choose where the user leaves it open (its ladder,
+    # engine.planner.recipes.LADDER); one it never chooses stays at its default unless asked for.
+    searched: bool = False
 
     @property
     def name(self) -> str:
@@ -249,7 +252,7 @@ def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = datacl
             choices: type[StrEnum] | tuple[str, ...] | None = None, unit: str = "", metavar: str | None = None,
             default_words: str | None = None, zero_words: str | None = None,
             parse: Callable[[str], Any] | None = None, requires: dict[str, dict[str, str]] | None = None,
-            choice_words: Mapping[str, str] | None = None) -> Any:  # fmt: skip
+            choice_words: Mapping[str, str] | None = None, searched: bool = False) -> Any:  # fmt: skip
     """A dataclass field declared as a setting (see `Setting`): the one place its facts are written."""
     bound: Range | Choice | None = range
     if isinstance(default, StrEnum):
@@ -260,7 +263,8 @@ def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = datacl
                    unit=unit, metavar=metavar, default_words=default_words, zero_words=zero_words, parse=parse,
                    requires=tuple((str(v), tuple((k, str(w)) for k, w in needs.items()))
                                   for v, needs in (requires or {}).items()),
-                   choice_words=tuple((str(k), v) for k, v in (choice_words or {}).items()))  # fmt: skip
+                   choice_words=tuple((str(k), v) for k, v in (choice_words or {}).items()),
+                   searched=searched)  # fmt: skip
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata={"setting": decl})
     return dataclasses.field(default=default, metadata={"setting": decl})

@@ -5,7 +5,7 @@ cross-entropy, pure bf16, 8-bit AdamW, the optimizer step in backward, activatio
 host memory (torchtune's paged AdamW: one GPU, CPU AdamW instead of the two before it); CPU parameter offload stays
 the search's last resort (its layouts). A setting the user pinned is never changed, so its rung is skipped.
 torch.compile and FP8 change no memory the planner counts, and compiling takes a warm-up and FP8 changes the
-numerics: the search uses them only where asked.
+numerics: the search uses them only where asked (their declarations are not `searched`).
 
 Chunked cross-entropy changes neither the numerics nor what a step does, so it is `free`: the search takes it
 wherever it lets a faster micro-batch fit. The later rungs change the numerics (pure bf16, 8-bit AdamW) or what a
@@ -22,7 +22,8 @@ from rigpilot.engine.planner.plan import Workload, recipe_of
 from rigpilot.engine.recipe import RECIPE_SETTINGS, TORCHTUNE_LOSS_CHUNKS
 from rigpilot.engine.schema import MasterWeights, Optimizer, Precision
 
-# (setting, the value that saves memory), in the order the search reaches for them.
+# (setting, the value that saves memory), in the order the search reaches for them. Its settings are those declared
+# `searched` (engine.recipe), which is how the CLI's help and the app word a setting left open; a test holds them equal.
 LADDER: tuple[tuple[str, Any], ...] = (
     ("loss_chunks", TORCHTUNE_LOSS_CHUNKS),
     ("master_weights", MasterWeights.BF16.value),
