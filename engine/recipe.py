@@ -115,6 +115,8 @@ class Recipe:
 
 
 RECIPE_SETTINGS: dict[str, Setting] = declared(Recipe, "train")
+# Today's recipe before issue 28 (fp32 master weights, plain AdamW, full logits, eager): the baseline plans are compared with.
+PLAIN_RECIPE: dict[str, Any] = {name: decl.default for name, decl in RECIPE_SETTINGS.items()}
 
 
 @dataclass(kw_only=True)

@@ -92,6 +92,3 @@ def rung(w: Workload, added: tuple[str, ...] = ()) -> Rung:
     values.update((name, value) for name, value in LADDER if name in added)
     return Rung(dataclasses.replace(w, **values), added)
 
-
-# The engine's plain recipe, every setting given: a workload pinned to it plans as before recipes were searched.
-PLAIN_RECIPE: dict[str, Any] = {name: decl.default for name, decl in RECIPE_SETTINGS.items()}
