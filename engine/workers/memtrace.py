@@ -13,7 +13,10 @@ the peak of every tensor alive at once from PyTorch's memory trackers
 
 The plan's recipe (engine.recipe, `trace_plan`'s `recipe` or the workload's fields) runs through the
 worker's own code: the loss in chunks (chunked_loss.TokenLoss) and activation offloading
-(activation_offload, whose offloaded tensors leave the traced device as they leave a GPU).
+(activation_offload, whose offloaded tensors leave the traced device as they leave a GPU), the optimizer step
+in backward (optimizers.OptimizerInBackward: each gradient freed in its hook, so the trace never holds them all)
+and 8-bit AdamW (torchao's own quantized state; its compiled update stood in for by the buffers it allocates:
+`_traced_adamw8bit`).
 
 A model with many blocks is traced with 3 and 5 of them and the per-block
 difference scaled to its layer count, per phase (forward/backward and

@@ -163,3 +163,27 @@ def test_the_stand_in_update_allocates_what_the_compiled_one_does() -> None:
         {"weight": weight.numel(), "blocks": blocks}[what] for what, n in memtrace.EIGHT_BIT_STEP_BUFFERS for _ in range(n)
     )
     assert sizes == expected, codes
+
+
+@pytest.mark.slow
+def test_under_fsdp_each_rank_holds_its_shard_of_the_8bit_state_and_no_whole_gradients(family: Path) -> None:
+    """Two FSDP2 ranks (the fake process group): torchao's 8-bit moments inside the shards' DTensors, and the
+    step in backward's hook on the sharded parameter after its reduce-scatter, as the worker runs them."""
+    from rigpilot.engine.recipe import Recipe
+    from rigpilot.engine.workers import memtrace
+
+    plan = {
+        "workload": {"model": str(family), "task": "train", "method": "full", "precision": "bf16", "seq_len": SEQ},
+        "parallelism": {"gpu_indices": [0, 1], "backend": "fsdp", "dp": 2, "zero_stage": 3, "shard_degree": 2,
+                        "micro_batch": MICRO, "grad_accum": 1, "checkpointing": "none"},
+    }  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = memtrace.trace_plan(json.loads(json.dumps(plan)))
+        recipe = Recipe(optimizer="adamw8bit", optimizer_in_backward=True)
+        both = memtrace.trace_plan(json.loads(json.dumps(plan)), recipe=recipe)
+    whole = _trace(family, False, optimizer="adamw8bit").categories["Optstate"]
+    assert _close(2 * both["categories"]["Optstate"], whole), (both["categories"], whole)
+    # The step's phase: plain AdamW holds every sharded gradient and its moments' update there; stepped in
+    # backward, none is left and the 8-bit update holds one weight's buffers.
+    assert both["phases"]["optimizer"] < plain["phases"]["optimizer"] / 2, (plain, both)
