@@ -46,6 +46,7 @@ from rigpilot.engine.jobs.limits import check_job_settings
 from rigpilot.engine.jobspec.spec import InferSettings, JobSpec, TrainSettings
 from rigpilot.engine.layout import Layout, accumulation_of_plan, schedule_name
 from rigpilot.engine.models.config_file import CONFIG_MAX
+from rigpilot.engine.models.formulas import is_decoder
 from rigpilot.engine.planner.memory import fmt_gib
 from rigpilot.engine.planner.plan import Plan, recipe_words
 from rigpilot.engine.recipe import RECIPE_SETTINGS, Recipe
@@ -108,7 +109,7 @@ def prepare(
     model_type = _check_kind(spec, data, base, planned, ranks * nodes, dp_shrink, from_plan, notes)
     if spec.kind in ("train", "infer"):
         model_type = model_type or (planned.model_type if planned else None) or None
-        _check_runs(spec, model_type, planned, nodes, machine)
+        _check_runs(spec, model_type, planned, nodes, machine, decoder=_decoder(spec, base))
     backend = None
     if spec.kind == "infer" and spec.infer:
         backend = _choose_backend(spec, spec.infer, machine, worker_vllm, nodes=nodes, slurm=slurm, notes=notes)
@@ -669,10 +670,13 @@ def _oom_suggestion(par: Any) -> str:
     return "train LoRA adapters instead (--method lora), or use more GPUs"
 
 
-def _check_runs(spec: JobSpec, model_type: str | None, plan: Plan | None, nodes: int, machine: Machine) -> None:
+def _check_runs(
+    spec: JobSpec, model_type: str | None, plan: Plan | None, nodes: int, machine: Machine, *, decoder: bool = True
+) -> None:
     """The capability contract, asked once, of the job as it will run: its layout (the plan's, where it left
     the degrees open) and method, and what only the plan says (the optimizer and weights it was sized for);
-    then, for training, its recipe on this machine (engine.recipe_refusal: the setting is named)."""
+    then, for training, its recipe on this machine and model (engine.recipe_refusal: the setting is named).
+    `decoder`: the model has an output head (see `_decoder`)."""
     method = spec.train.method if spec.kind == "train" and spec.train else "full"
     facts: dict[str, Any] = {}
     if plan is not None:
@@ -687,9 +691,18 @@ def _check_runs(spec: JobSpec, model_type: str | None, plan: Plan | None, nodes:
         t = spec.train
         ctx = RecipeContext(
             t.method, t.precision, t.grad_accum, t.grad_clip,
-            gpu_capability=_lowest_capability(machine, spec.gpus), cpu_ranks=machine.simulated,
+            gpu_capability=_lowest_capability(machine, spec.gpus), cpu_ranks=machine.simulated, decoder=decoder,
         )  # fmt: skip
         check_recipe(Recipe.of(t), spec.parallelism, ctx)
+
+
+def _decoder(spec: JobSpec, base: Path | None) -> bool:
+    """Whether the training job's model has an output head, as the planner reads it from config.json; True where
+    the config is not read here (a hub id: the rank asks its loaded model)."""
+    if spec.kind != "train" or not spec.model:
+        return True
+    config = _model_config(spec.model, base)[1]
+    return is_decoder(config) if config else True
 
 
 def _lowest_capability(machine: Machine, gpus: list[int]) -> tuple[int, int] | None:
