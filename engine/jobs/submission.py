@@ -186,7 +186,7 @@ def _check_kind(
         _pipeline_defaults(spec, "pp_microbatches" in (data.get("parallelism") or {}) or "pp_microbatches" in from_plan, notes)
         seq_given = "seq_len" in (data.get("train") or {}) or "seq_len" in from_plan
         model_type = _check_train(spec, base, seq_given, notes)
-        _check_degrees(spec, world)
+        _check_degrees(spec, world, notes)
     elif spec.kind == "infer":
         spec.infer = spec.infer or InferSettings()
         model_type = _check_infer(spec, base)
@@ -613,8 +613,19 @@ def _model_config(model: str, base: Path | None) -> tuple[str, dict[str, Any]]:
     return str(candidate), raw
 
 
-def _check_degrees(spec: JobSpec, ranks: int) -> None:
-    spec.parallelism = spec.parallelism.fitted(ranks)  # no degrees given: plain data parallel over every rank
+def _check_degrees(spec: JobSpec, ranks: int, notes: list[str] | None = None) -> None:
+    """No degrees given: plain data parallel over every rank; FSDP2 where the recipe steps the optimizer in
+    backward, which frees each gradient as its weight steps under FSDP2 but nothing under DDP (its all-reduce
+    buckets keep them all), so the contract refuses it there."""
+    in_backward = spec.kind == "train" and spec.train is not None and spec.train.optimizer_in_backward
+    if in_backward and spec.parallelism.world_size == 1 and ranks > 1:
+        spec.parallelism = dataclasses.replace(spec.parallelism, dp_shard=ranks)
+        if notes is not None:
+            notes.append(
+                f"FSDP2 over the {ranks} ranks: the optimizer step in backward frees each gradient only when the "
+                "gradients are sharded (DDP keeps them all)"
+            )
+    spec.parallelism = spec.parallelism.fitted(ranks)
 
 
 def plan_of(plan: dict[str, Any] | None) -> dict[str, Any] | None:

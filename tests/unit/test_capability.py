@@ -134,6 +134,13 @@ def test_an_old_job_json_asking_for_the_step_in_backward_under_ddp_is_refused_at
     assert e.value.fields == {"setting": "train.optimizer_in_backward", "value": True}
     spec["parallelism"] = {"dp_shard": 2}  # FSDP2 frees each gradient as its weight steps: it runs
     prepare(spec, None, str(tmp_path), job_id="new", machine=load_profile("4x-rtx4090"), max_cpu_ranks=2)
+    del spec["parallelism"]  # no degrees given: FSDP2 over every rank rather than the refused DDP, and it says so
+    sub = prepare(spec, None, str(tmp_path), job_id="auto", machine=load_profile("4x-rtx4090"), max_cpu_ranks=2)
+    assert (sub.spec.parallelism.dp_replicate, sub.spec.parallelism.dp_shard) == (1, 2)
+    assert any("FSDP2 over the 2 ranks" in n for n in sub.notes), sub.notes
+    spec["train"]["optimizer_in_backward"] = False  # without it, the default stays plain DDP
+    sub = prepare(spec, None, str(tmp_path), job_id="ddp", machine=load_profile("4x-rtx4090"), max_cpu_ranks=2)
+    assert (sub.spec.parallelism.dp_replicate, sub.spec.parallelism.dp_shard) == (2, 1)
 
 
 def test_the_planner_never_proposes_the_step_in_backward_under_ddp() -> None:

@@ -278,3 +278,17 @@ def test_every_combination_of_the_optimizer_settings_runs_on_data_and_tensor_par
                 for in_backward in (False,) if layout.pp > 1 or ddp else (False, True):
                     recipe = Recipe(master_weights=master, optimizer=optimizer, optimizer_in_backward=in_backward)
                     check_recipe(recipe, layout, RecipeContext(cpu_ranks=True))
+
+
+def test_a_job_json_asking_for_the_step_in_backward_under_ddp_stops_on_the_rank_in_one_line() -> None:
+    """A job written before the contract refused it (queued, or resumed) meets the same refusal on its rank,
+    before a step runs, not the special DDP path it once took."""
+    from rigpilot.engine.jobspec.spec import JobSpec
+    from rigpilot.engine.workers.train import validate_recipe
+
+    spec = JobSpec.from_dict({"id": "old", "kind": "train", "model": "tiny", "parallelism": {"dp_replicate": 2},
+                              "train": {"optimizer_in_backward": True, "grad_clip": 0.0}})  # fmt: skip
+    with pytest.raises(UserError) as e:
+        validate_recipe(spec, torch.device("cpu"))
+    assert "saves no memory under DDP" in str(e.value) and "\n" not in str(e.value)
+    assert e.value.fields == {"setting": "train.optimizer_in_backward", "value": True}
