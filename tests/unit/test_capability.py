@@ -155,6 +155,15 @@ def test_the_planner_never_proposes_the_step_in_backward_under_ddp() -> None:
             ddp = lt.dp_replicate > 1 and lt.dp_shard == 1 and lt.tp == 1 and lt.pp == 1
             if plan["workload"]["optimizer_in_backward"] and ddp:
                 assert not plan["runs_here"] and "under DDP" in plan["runs_here_reason"], plan["parallelism"]
+    # What the search asks of each layout (engine.planner.plan.refusal_of): a DDP plan with it does not run, so the
+    # ladder skips the technique there; an FSDP2 plan of the same GPUs runs it.
+    from rigpilot.engine.planner.plan import refusal_of
+
+    oib = Workload(model="llama-2-7b", optimizer_in_backward=True)
+    ddp = Parallelism(gpu_indices=[0, 1], dp=2, zero_stage=0, backend="ddp", micro_batch=1, grad_accum=1)
+    fsdp = Parallelism(gpu_indices=[0, 1], dp=2, zero_stage=3, shard_degree=2, backend="fsdp", micro_batch=1, grad_accum=1)
+    assert "saves no memory under DDP" in refusal_of(ddp, oib, "llama")
+    assert refusal_of(fsdp, oib, "llama") == "" and refusal_of(ddp, Workload(model="llama-2-7b"), "llama") == ""
 
 
 def test_loss_chunks_of_a_model_without_an_output_head_are_refused_at_submission(tmp_path: Path) -> None:
