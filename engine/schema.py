@@ -232,8 +232,9 @@ class Setting:
             for other, wanted in needs:
                 theirs = getattr(values, other, None)
                 if theirs != wanted:
+                    given = (self.name if mine else f"without {self.name}") if _is_bool(self) else f"{self.name}={mine}"
                     return UserError(
-                        f"{self.name}={mine} needs {other}={wanted} (it is {theirs})",
+                        f"{given} needs {other}={wanted} (it is {theirs})",
                         reason="conflicting_settings", setting=self.key, value=mine,
                         other=self.key[: len(self.key) - len(self.name)] + other, needs=wanted, found=theirs,
                     )  # fmt: skip
@@ -383,6 +384,18 @@ def flag_words(s: Setting, value: Any) -> list[str] | None:
     if isinstance(s.bound, Choice) and value not in s.bound.options:
         return None
     return [s.flags[0], command_text(value)]
+
+
+def flag_phrase(s: Setting, value: Any) -> str:
+    """Setting `s` given `value`, as a command line's sentence names it: "--seq 1024"; a switch by its flag
+    alone ("--fp8"), or "without --fp8" where it is off (the flags are switches with no --no- form)."""
+    if not s.flags:
+        raise ValueError(f"{s.key or s.label} has no command-line flag to name it by")
+    if _is_bool(s):
+        on = value == "True" if isinstance(value, str) else bool(value)  # `requires` declares values as strings
+        return s.flags[0] if on else f"without {s.flags[0]}"
+    said = flag_words(s, value)
+    return " ".join(said) if said else f"{s.flags[0]} {command_text(value)}"
 
 
 def command_text(value: Any) -> str:
