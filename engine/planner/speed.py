@@ -1,7 +1,10 @@
 """Step time: compute at each GPU's achievable rate, communication over the links a plan uses, bubbles.
 
 Training FLOPs per token are 6N + 12·L·h·s (4N for frozen base weights), plus a
-forward pass again under full recomputation. Communication volumes are the
+forward pass again under full recomputation; selective recomputation reruns only the
+memory-bound elementwise forward, timed by the bytes it streams. FSDP2 splits each
+gathered unit into its parameters on the compute stream, once per gather per
+micro-batch, so accumulation steps are not free. Communication volumes are the
 standard ones: a ring all-reduce moves 2(n-1)/n of the buffer over each link,
 reduce-scatter and all-gather (n-1)/n. DDP and ZeRO gradient reduction hides
 behind the last micro-batch's backward pass, FSDP's gathers behind each
