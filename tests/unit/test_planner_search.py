@@ -327,7 +327,8 @@ def test_equal_speed_zero2_and_fsdp_go_to_the_one_with_headroom():
 
     r = search(describe_model("llama-3.1-8b"), load_profile("8x-h100-sxm"), Workload(model="llama-3.1-8b", seq_len=8192, global_batch=16))
     zero2 = next(p for p in r.runners_up if p.parallelism.family == "ZeRO-2")
-    assert zero2.timing.tokens_per_s == pytest.approx(r.best.timing.tokens_per_s, rel=0.01)
+    # Within the tie (FSDP2 pays its all-gather copy-out on the compute stream, ZeRO-2 gathers once per step).
+    assert zero2.timing.tokens_per_s == pytest.approx(r.best.timing.tokens_per_s, rel=SPEED_TIE)
     assert r.best.parallelism.family == "FSDP"
     assert r.best.peak_memory.total < zero2.peak_memory.total
 

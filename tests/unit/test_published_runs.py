@@ -139,3 +139,17 @@ def test_plans_say_which_efficiencies_are_fitted():
     assert [f.source for f in share] == ["assumed"]
     share = [f for f in rtx.compute_figures([0], "bf16", compile=True) if f.name.startswith("share of that peak")]
     assert share[0].source.startswith("assumed: eager ×")
+
+
+def test_a_missed_pick_says_why_and_names_the_run_that_bounds_it(bench):
+    same = ("llama-2-13b", "a100-sxm-80", 4096)
+    sac = bench.Row("sac", "a100-sxm-80", "eager-pytorch", 1904.0, 2000.0, 0.5, 0.0, held_out=True, planned=2226.0,
+                    recompute=0.5, planned_recompute=0.0, micro_batch=2, planned_micro_batch=2, same=same)
+    noac = bench.Row("noac", "a100-sxm-80", "eager-pytorch", 2162.0, 2315.0, 0.6, 0.0, micro_batch=2, same=same)
+    close = bench.Row("close", "a100-sxm-80", "eager-pytorch", 2000.0, 2000.0, 0.5, 0.0, held_out=True,
+                      planned=2050.0, planned_recompute=0.0, micro_batch=2, planned_micro_batch=2, same=same)
+    [why] = bench.miss_reasons([sac, close], [sac, noac, close])
+    assert why.startswith("sac +16.9%") and "recomputes 0%" in why and "layout 50%" in why
+    assert "noac measures the same micro-batch without checkpointing at 2,162, the pick +3.0%" in why
+    assert bench.recompute_share({"checkpointing": "selective"}) == 0.0  # the engine's policy keeps every matmul
+    assert bench.recompute_share({"checkpointing": "selective", "recompute_fraction": 0.3}) == 0.3
