@@ -792,9 +792,10 @@ def _tracker(module: Any, optimizer: Any, fsdp: bool, in_flight: int = 1, again:
     if fsdp and not again:
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-        return FSDPMemTracker(module, optimizer)
+        return _lean(FSDPMemTracker)(module, optimizer)
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    MemTracker = _lean(MemTracker)
     if again:
         MemTracker = _tolerant(MemTracker)
 
@@ -810,6 +811,27 @@ def _tracker(module: Any, optimizer: Any, fsdp: bool, in_flight: int = 1, again:
     tracker = Tracker()
     tracker.track_external(module, optimizer)
     return tracker
+
+
+def _lean(base: type) -> type:
+    """A tracker that keeps the whole device's peak after each op, and not every module's.
+
+    The trackers' per-module peaks walk every module the tracker has seen after every op (a LoRA model's
+    hundreds of adapter modules: most of a trace's time), and the trace reads none of them: its figures are
+    the device's totals (`_GpuPeak`, `_categories`), which this keeps as the tracker keeps them.
+    """
+
+    def update_peak_stats(self: Any, peak_state: Any) -> None:
+        from copy import deepcopy
+
+        from torch.distributed._tools.mem_tracker import _TOTAL_KEY
+
+        for dev, dev_snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
+                self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
+                self._peak_mem_snap[dev] = deepcopy(dev_snap)
+
+    return type(f"Lean{base.__name__}", (base,), {"_update_peak_stats": update_peak_stats})
 
 
 def _tolerant(base: type) -> type:
