@@ -15,13 +15,14 @@ The plan's recipe (engine.recipe, `trace_plan`'s `recipe` or the workload's fiel
 worker's own code: the loss in chunks (chunked_loss.TokenLoss) and activation offloading
 (activation_offload, whose offloaded tensors leave the traced device as they leave a GPU).
 
-A model with many blocks is traced with 3 and 5 of them and the per-block
+A model with many blocks is traced twice with a few of them and the per-block
 difference scaled to its layer count, per phase (forward/backward and
 optimizer step): block memory is linear in the block count once there is a
-middle block (with 2, no block's backward has a neighbour's all-gather
+middle block under FSDP (with 2, no block's backward has a neighbour's all-gather
 prefetched and another's reduce-scatter in flight, as every deeper FSDP
-model's peak has), and a difference of 2 keeps alternating layer patterns
-(Gemma's sliding and global layers) whole.
+model's peak has). Blocks all alike (Llama, Mistral, Qwen) are traced with 3 and 4
+under FSDP, 2 and 3 without; others with 3 and 5, a difference of 2 keeping
+alternating layer patterns (Gemma's sliding and global layers) whole.
 
 What it does not see: the CUDA context, NCCL and the allocator's reserve
 (the plan's `overhead`, added back by the caller), and collectives' own
@@ -60,6 +61,9 @@ from rigpilot.engine.recipe import Recipe
 
 WHOLE_MODEL_LAYERS = 4  # up to this many blocks the whole model is traced
 SCALE_FROM = (3, 5)  # else traced with this many blocks and scaled to the layer count
+# Model types whose blocks are all alike unless their config's layer_types says otherwise: one block's
+# difference is the per-block memory, so these are traced with fewer blocks (`_block_counts`).
+UNIFORM_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 
 class NotTraced(Exception):
@@ -95,15 +99,16 @@ def trace_plan(plan: dict[str, Any], trust_remote_code: bool = False, recipe: Re
     layout = Layout.from_plan(parallelism_from_dict(par))
     config = _load_config(workload["model"], trust_remote_code)
     layers = _num_layers(config)
+    counts = _block_counts(config, layout)
     if layout.pp > 1:
-        return _trace_pipeline(config, layers, workload, par, layout, trust_remote_code, started)
+        return _trace_pipeline(config, layers, workload, par, layout, trust_remote_code, started, counts)
     if layers <= WHOLE_MODEL_LAYERS:
         phases = _trace_step(config, layers, workload, par, layout, trust_remote_code)
         method = f"whole model ({layers} blocks)"
     else:
-        low, high = (_trace_step(config, n, workload, par, layout, trust_remote_code) for n in SCALE_FROM)
-        phases = _extrapolate(low, high, SCALE_FROM, layers)
-        method = f"{SCALE_FROM[0]} and {SCALE_FROM[1]} of {layers} blocks traced, scaled to {layers}"
+        low, high = (_trace_step(config, n, workload, par, layout, trust_remote_code) for n in counts)
+        phases = _extrapolate(low, high, counts, layers)
+        method = f"{counts[0]} and {counts[1]} of {layers} blocks traced, scaled to {layers}"
     return {
         "ok": True,
         "peak": phases.peak,
@@ -122,9 +127,10 @@ def _trace_pipeline(
     layout: Layout,
     trust_remote_code: bool,
     started: float,
+    counts: tuple[int, int] = SCALE_FROM,
 ) -> dict[str, Any]:
     """Each kind of stage traced on its own: the first (embedding, the most micro-batches in flight),
-    the last (head and loss), and the second as the fullest of the middle ones."""
+    the last (head and loss), and the second as the fullest of the middle ones; `counts` blocks per stage."""
     from rigpilot.engine.workers.pipeline import stage_layer_ranges
 
     pp = layout.pp
@@ -138,12 +144,12 @@ def _trace_pipeline(
             peaks[s] = _trace_step(config, layers, workload, stage_par, layout, trust_remote_code)
             continue
         # n blocks on every stage: a model of n × stages blocks, evenly split as DecoderStage splits it.
-        low, high = (_trace_step(config, n * pp, workload, stage_par, layout, trust_remote_code) for n in SCALE_FROM)
+        low, high = (_trace_step(config, n * pp, workload, stage_par, layout, trust_remote_code) for n in counts)
         first, end = ranges[s]
-        peaks[s] = _extrapolate(low, high, SCALE_FROM, end - first)
+        peaks[s] = _extrapolate(low, high, counts, end - first)
     per_stage = {s: peaks[s if s in peaks else 1].peak for s in range(pp)}
     worst = max(peaks.values(), key=lambda ph: ph.peak)
-    how = "whole stages" if whole else f"{SCALE_FROM[0]} and {SCALE_FROM[1]} blocks per stage, scaled"
+    how = "whole stages" if whole else f"{counts[0]} and {counts[1]} blocks per stage, scaled"
     return {
         "ok": True,
         "peak": worst.peak,
@@ -187,6 +193,27 @@ def _num_layers(config: Any) -> int:
     if not isinstance(n, int) or n < 1:
         raise NotTraced(f"model type {config.model_type!r}: its config has no num_hidden_layers to trace")
     return n
+
+
+def _block_counts(config: Any, layout: Layout) -> tuple[int, int]:
+    """How many blocks the two scaled traces have: the fewest whose difference is exactly the per-block memory.
+
+    Under FSDP the smaller needs a middle block (with 2, no block's backward has a neighbour's all-gather
+    prefetched and another's reduce-scatter in flight); without it, nothing crosses blocks and 2 will do.
+    Blocks all alike differ by one; others (Gemma's sliding and global layers, MoE models' dense first
+    layers) keep SCALE_FROM, whose difference of 2 keeps an alternating pattern whole.
+    """
+    from rigpilot.engine.workers.parallel_dims import ParallelDims
+    from rigpilot.engine.workers.parallelize import uses_fsdp
+
+    types = getattr(config, "layer_types", None)
+    alike = getattr(config, "model_type", None) in UNIFORM_MODEL_TYPES and (
+        not isinstance(types, list) or len(set(types)) <= 1
+    )
+    if not alike:
+        return SCALE_FROM
+    low = 3 if uses_fsdp(ParallelDims.from_layout(layout, layout.world_size), layout.cpu_offload) else 2
+    return low, low + 1
 
 
 def _with_layers(config: Any, n: int) -> Any:
