@@ -655,11 +655,7 @@ def _fake_step(built: _Built, workload: dict[str, Any], par: dict[str, Any]) -> 
         optimizer = HostOffloadedOptimizer(params, lr=1e-4, betas=(0.9, 0.95), device=torch.device("cpu"), rounding=False)
     else:
         optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95))
-    # Steady state: the optimizer's moments exist before the step begins, as from the second step on.
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    _steady_state(optimizer, params)
 
     micro, seq = int(par.get("micro_batch", 1)), int(workload["seq_len"])
     accum = min(int(par.get("grad_accum", 1)), 2)  # the second micro-batch sees the first one's gradients
@@ -719,6 +715,33 @@ def _fake_step(built: _Built, workload: dict[str, Any], par: dict[str, Any]) -> 
     if ddp_buckets:
         cats["DDP gradient buckets"] = ddp_buckets
     return Phases(fb + ddp_buckets, opt + ddp_buckets, cats, snapshots)
+
+
+def _steady_state(optimizer: Any, params: list[Any]) -> None:
+    """The optimizer's state as it is from the second step on, before the traced step begins.
+
+    torch's AdamW gets its state as its first step makes it (`_init_group`: a step count and two moments
+    per parameter) without that step's arithmetic, a third of a trace's optimizer ops; any other optimizer
+    takes a step on zero gradients.
+    """
+    import torch
+    from torch.optim.optimizer import _get_scalar_dtype
+
+    plain = type(optimizer) is torch.optim.AdamW and not any(
+        group.get(k) for group in optimizer.param_groups for k in ("amsgrad", "capturable", "fused", "differentiable")
+    )
+    if plain:
+        for p in params:
+            optimizer.state[p] = {
+                "step": torch.tensor(1.0, dtype=_get_scalar_dtype(), device="cpu"),
+                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+            }
+        return
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def _stage_passes(
