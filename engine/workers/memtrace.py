@@ -1039,6 +1039,16 @@ def _one(plan: dict[str, Any], trust_remote_code: bool) -> dict[str, Any]:
 
         traceback.print_exc()
         return {"ok": False, "reason": _one_line(e)}
+    finally:
+        _settle()
+
+
+def _settle() -> None:
+    """After a trace: its garbage collected, and what stays (the model code its first trace imported) frozen as
+    `_warm_imports` freezes torch, so that each later trace's collections (see _collector_paused) scan only
+    its own objects."""
+    gc.collect()
+    gc.freeze()
 
 
 def _die_with_parent() -> None:
