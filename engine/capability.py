@@ -113,6 +113,9 @@ class RecipeContext:
     # it is not known yet (the worker checks again on its device).
     gpu_capability: tuple[int, int] | None = None
     cpu_ranks: bool = False  # the job runs as CPU ranks (a simulated machine)
+    # The model is a causal LM with an output head (engine.models.formulas.is_decoder of its config.json; the rank
+    # asks its loaded model). True where the model is not known yet: a hub id the worker resolves checks again.
+    decoder: bool = True
 
 
 def recipe_why_not(recipe: Recipe, layout: Layout, ctx: RecipeContext) -> str | None:
@@ -170,13 +173,28 @@ def _optimizer_in_backward(r: Recipe, lt: Layout, ctx: RecipeContext) -> str | N
         return "the optimizer step in backward cannot run under fp16's loss scaling: use bf16"
     if lt.cpu_offload:
         return "the optimizer step in backward runs on the GPU; with CPU offload the optimizer runs on the host"
+    if _runs_ddp(lt):
+        # DDP all-reduces gradients in buckets that hold every gradient until the whole backward is done, so
+        # stepping each weight early frees nothing; one GPU and FSDP2 (which frees each shard's gradient as its
+        # weight is stepped) are where it saves memory.
+        return (
+            "the optimizer step in backward saves no memory under DDP, whose all-reduce buckets keep every "
+            "gradient: shard with FSDP2 (--fsdp N) or drop the optimizer step in backward"
+        )
     return None
+
+
+def _runs_ddp(lt: Layout) -> bool:
+    """Whether a training job of `lt` runs under DDP: replicas only, no FSDP2 sharding, tensor or pipeline parallel
+    and no CPU offload (with those the replicas are FSDP2's; engine.workers.parallelize.uses_fsdp)."""
+    return lt.dp_replicate > 1 and lt.dp_shard == 1 and lt.tp == 1 and lt.pp == 1 and not lt.cpu_offload
 
 
 def _loss_chunks(r: Recipe, lt: Layout, ctx: RecipeContext) -> str | None:
     # Runs on every layout (engine.workers.chunked_loss; tests/workers/test_workers_activation_layouts.py: one
     # rank, DDP, FSDP2 with accumulation, TP with the vocabulary-parallel loss, PP, PP x FSDP2, CPU offload).
-    # A model with no output head to chunk (a masked-LM encoder) is refused by the worker, which knows the model.
+    if (r.loss_chunks or 1) > 1 and not ctx.decoder:
+        return "loss chunks apply a decoder's output head a chunk at a time; this model has none: use loss chunks 1"
     return None
 
 

@@ -4,7 +4,7 @@ setting it refuses and that setting's value as fields (code "recipe_refused"), s
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NoReturn
 
 from rigpilot.engine.capability import RecipeContext, recipe_why_not
 from rigpilot.engine.errors import UserError
@@ -20,6 +20,12 @@ def check_recipe(recipe: Recipe, layout: Layout, ctx: RecipeContext) -> None:
     if why is None:
         return
     name, value = refused_setting(recipe, layout, ctx, why)
+    refuse(name, value, why)
+
+
+def refuse(name: str, value: Any, why: str) -> NoReturn:
+    """Raise the refusal of recipe setting `name` at `value`, for a reason only a rank can see (its model's layer
+    dimensions): the same code and fields as the contract's own refusals."""
     raise UserError(why, reason=REASON, setting=f"train.{name}", value=value)
 
 

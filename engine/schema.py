@@ -164,6 +164,9 @@ class Setting:
     type: Any = None  # the field's annotation
     # value -> {other setting's name: the value it must then have}; checked on the whole group (`check_group`)
     requires: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
+    # A training-recipe setting the planner's search may choose where the user leaves it open (its ladder,
+    # engine.planner.recipes.LADDER); one it never chooses stays at its default unless asked for.
+    searched: bool = False
 
     @property
     def name(self) -> str:
@@ -229,8 +232,9 @@ class Setting:
             for other, wanted in needs:
                 theirs = getattr(values, other, None)
                 if theirs != wanted:
+                    given = (self.name if mine else f"without {self.name}") if _is_bool(self) else f"{self.name}={mine}"
                     return UserError(
-                        f"{self.name}={mine} needs {other}={wanted} (it is {theirs})",
+                        f"{given} needs {other}={wanted} (it is {theirs})",
                         reason="conflicting_settings", setting=self.key, value=mine,
                         other=self.key[: len(self.key) - len(self.name)] + other, needs=wanted, found=theirs,
                     )  # fmt: skip
@@ -249,7 +253,7 @@ def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = datacl
             choices: type[StrEnum] | tuple[str, ...] | None = None, unit: str = "", metavar: str | None = None,
             default_words: str | None = None, zero_words: str | None = None,
             parse: Callable[[str], Any] | None = None, requires: dict[str, dict[str, str]] | None = None,
-            choice_words: Mapping[str, str] | None = None) -> Any:  # fmt: skip
+            choice_words: Mapping[str, str] | None = None, searched: bool = False) -> Any:  # fmt: skip
     """A dataclass field declared as a setting (see `Setting`): the one place its facts are written."""
     bound: Range | Choice | None = range
     if isinstance(default, StrEnum):
@@ -260,7 +264,8 @@ def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = datacl
                    unit=unit, metavar=metavar, default_words=default_words, zero_words=zero_words, parse=parse,
                    requires=tuple((str(v), tuple((k, str(w)) for k, w in needs.items()))
                                   for v, needs in (requires or {}).items()),
-                   choice_words=tuple((str(k), v) for k, v in (choice_words or {}).items()))  # fmt: skip
+                   choice_words=tuple((str(k), v) for k, v in (choice_words or {}).items()),
+                   searched=searched)  # fmt: skip
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata={"setting": decl})
     return dataclasses.field(default=default, metadata={"setting": decl})
@@ -379,6 +384,18 @@ def flag_words(s: Setting, value: Any) -> list[str] | None:
     if isinstance(s.bound, Choice) and value not in s.bound.options:
         return None
     return [s.flags[0], command_text(value)]
+
+
+def flag_phrase(s: Setting, value: Any) -> str:
+    """Setting `s` given `value`, as a command line's sentence names it: "--seq 1024"; a switch by its flag
+    alone ("--fp8"), or "without --fp8" where it is off (the flags are switches with no --no- form)."""
+    if not s.flags:
+        raise ValueError(f"{s.key or s.label} has no command-line flag to name it by")
+    if _is_bool(s):
+        on = value == "True" if isinstance(value, str) else bool(value)  # `requires` declares values as strings
+        return s.flags[0] if on else f"without {s.flags[0]}"
+    said = flag_words(s, value)
+    return " ".join(said) if said else f"{s.flags[0]} {command_text(value)}"
 
 
 def command_text(value: Any) -> str:

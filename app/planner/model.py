@@ -17,7 +17,7 @@ from rigpilot.engine.planner.cluster import DEFAULT_LINK, MAX_NODES, NODE_LINKS
 from rigpilot.engine.planner.durations import duration_text
 from rigpilot.engine.planner.plan import LoraSettings, Plan
 from rigpilot.engine.planner.settings import OFFLOAD_CHOICES, PLAN_SETTINGS, QUANT_BITS
-from rigpilot.engine.recipe import RECIPE_SETTINGS
+from rigpilot.engine.recipe import RECIPE_SETTINGS, AskedRecipe, open_words
 from rigpilot.engine.schema import Precision, Style, TrainMethod, worded
 
 GIB = 1024**3
@@ -45,43 +45,58 @@ FORCE_TP_TEXT = _P["force_tp"].label
 # The links between nodes the planner knows (engine.planner.cluster.NODE_LINKS), fastest last.
 NODE_LINK_CHOICES = [(key, link.label) for key, link in NODE_LINKS.items()]
 NODES_MAX = MAX_NODES
-# A recipe setting left to the planner (the `plan` request leaves it out; the search chooses it).
+# A recipe setting left open, as the Planner page's drop-downs hold it (the request's None: the `plan` request
+# leaves it out, and the planner chooses it or keeps its default, as its declaration's `searched` says).
 AUTO = "auto"
-AUTO_TEXT = "Auto: the planner chooses"
 LOSS_CHUNK_CHOICES = (1, 2, 4, 8, 16, 32)
 
 
-def recipe_choices(name: str) -> list[tuple[Any, str]]:
-    """The Planner page's choices for recipe setting `name`, from its declaration: Auto first, then its values."""
+def recipe_values(name: str) -> list[tuple[Any, str]]:
+    """The values a control offers for recipe setting `name`, in the app's words, from its declaration."""
     decl = RECIPE_SETTINGS[name]
-    values: list[tuple[Any, str]]
     if decl.choices:
-        values = [(c, decl.choice_word(c)) for c in decl.choices]
-    elif decl.type is bool:
-        values = [(True, "On"), (False, "Off")]
-    else:
-        lo, hi = int(decl.lo), int(decl.hi)
-        values = [(n, f"{n}" + (" (all at once)" if n == decl.default else "")) for n in LOSS_CHUNK_CHOICES if lo <= n <= hi]
-    return [(AUTO, AUTO_TEXT), *values]
+        return [(c, decl.choice_word(c)) for c in decl.choices]
+    if decl.type is bool:
+        return [(True, "On"), (False, "Off")]
+    lo, hi = int(decl.lo), int(decl.hi)
+    return [(n, f"{n}" + (" (all at once)" if n == decl.default else "")) for n in LOSS_CHUNK_CHOICES if lo <= n <= hi]
+
+
+def open_text(name: str) -> str:
+    """The Planner page's words for recipe setting `name` left open: "Auto: the planner chooses" where the search
+    chooses it, else its default and that the planner keeps it ("Off: the planner never turns it on")."""
+    value, meaning = open_words(name)
+    return f"{value[:1].upper()}{value[1:]}: {meaning}"
+
+
+def recipe_choices(name: str) -> list[tuple[Any, str]]:
+    """The Planner page's choices for recipe setting `name`, from its declaration: open (AUTO) first, then its
+    values; a setting the planner never chooses is its default when open, so that value is not offered twice."""
+    decl = RECIPE_SETTINGS[name]
+    values = recipe_values(name)
+    if not decl.searched:
+        values = [(v, text) for v, text in values if v != decl.default]
+    return [(AUTO, open_text(name)), *values]
+
+
+def recipe_choice(name: str, value: Any) -> Any:
+    """The drop-down's data for `value` of recipe setting `name` (None: open); a setting the planner never
+    chooses reads its default as open, the one choice that means it."""
+    decl = RECIPE_SETTINGS[name]
+    if value is None or value == AUTO or (not decl.searched and value == decl.default):
+        return AUTO
+    return value
 
 
 @dataclass
-class PlanRequest:
-    """What the form asks the planner; `workload_args` is the `plan` request's `workload`."""
+class PlanRequest(AskedRecipe):
+    """What the form asks the planner; `workload_args` is the `plan` request's `workload`. The training recipe
+    is AskedRecipe's fields (engine.recipe): None leaves a setting open; a value pins it."""
 
     model: str
     task: str = "train"
     method: str = "full"
     precision: str = "bf16"
-    # The training recipe (engine.recipe): AUTO leaves a setting to the planner; a value pins it.
-    master_weights: Any = AUTO
-    optimizer: Any = AUTO
-    optimizer_in_backward: Any = AUTO
-    loss_chunks: Any = AUTO
-    activation_offload: Any = AUTO
-    optimizer_offload: Any = AUTO
-    compile: Any = AUTO
-    fp8: Any = AUTO
     seq_len: int = 2048
     batch: int = 16  # training: sequences per optimizer step; inference: sequences at once
     gpus: list[int] = field(default_factory=list)
@@ -121,10 +136,8 @@ class PlanRequest:
             "new_tokens": 0 if training else self.new_tokens,
             "token_budget": self.token_budget if training and self.token_budget else None,
         }
-        for name in RECIPE_SETTINGS if training else ():
-            value = getattr(self, name)
-            if value != AUTO:  # only when pinned: an older engine plans without them
-                args[name] = value
+        if training:
+            args.update(self.pinned())  # only what is pinned: an older engine plans without them
         return args
 
     def options_args(self) -> dict[str, Any]:

@@ -27,12 +27,14 @@ from rigpilot.app.planner.gpu_selector import BusyGpus, GpuSelector
 from rigpilot.app.planner.launch_bar import LaunchBar
 from rigpilot.app.planner.machine_choice import MachineChoice
 from rigpilot.app.planner.model import (
+    AUTO,
     NODES_MAX,
     PlanRequest,
     context_to_fit,
     error_text,
     plan_runs_here,
     plans_of,
+    recipe_choice,
 )
 from rigpilot.app.planner.results_view import TABLE_COLUMNS, PlanResults
 from rigpilot.app.planner.workload_form import WorkloadForm
@@ -474,7 +476,9 @@ class PlannerPage(QWidget):
     def save_state(self, settings: QSettings, prefix: str) -> None:
         r = self.plan_request()
         for key, name, _ in _SAVED:
-            settings.setValue(f"{prefix}/{key}", getattr(r, name))
+            value = getattr(r, name)
+            # A recipe setting left open is saved as the drop-down holds it ("auto"), not as a missing value.
+            settings.setValue(f"{prefix}/{key}", recipe_choice(name, value) if name in RECIPE_SETTINGS else value)
         settings.setValue(f"{prefix}/force_tp", int(r.force_tp))
         settings.setValue(f"{prefix}/machine", self.target_key())
         settings.setValue(f"{prefix}/splitter", self.splitter.saveState())
@@ -491,7 +495,7 @@ class PlannerPage(QWidget):
         d = PlanRequest(model="")
         r = PlanRequest(model="", force_tp=bool(value("force_tp", 0, int)))
         for key, name, kind in _SAVED:
-            setattr(r, name, value(key, getattr(d, name), kind))
+            setattr(r, name, value(key, AUTO if name in RECIPE_SETTINGS else getattr(d, name), kind))
         r.nodes = min(max(r.nodes, 1), NODES_MAX)
         self.set_request(r)
         self.select_machine(value("machine", HERE, str))

@@ -21,6 +21,7 @@ from PySide6.QtWidgets import (
 )
 
 from rigpilot.app.planner.model import (
+    AUTO,
     FORCE_TP_TEXT,
     METHODS,
     NODE_LINK_CHOICES,
@@ -30,6 +31,7 @@ from rigpilot.app.planner.model import (
     QUANTIZATION,
     TASKS,
     PlanRequest,
+    recipe_choice,
     recipe_choices,
 )
 from rigpilot.app.planner.model_picker import ModelPicker
@@ -202,7 +204,7 @@ class WorkloadForm(QWidget):
             task=self.task.currentData(),
             method=self.method.currentData(),
             precision=self.precision.currentData(),
-            **{name: box.currentData() for name, box in self.recipe.items()},
+            **{name: None if box.currentData() == AUTO else box.currentData() for name, box in self.recipe.items()},
             seq_len=self.seq_len.value(),
             batch=self.batch.value(),
             gpus=gpus,
@@ -223,7 +225,7 @@ class WorkloadForm(QWidget):
         _select(self.method, r.method)
         _select(self.precision, r.precision)
         for name, box in self.recipe.items():
-            _select(box, getattr(r, name))
+            _select(box, recipe_choice(name, getattr(r, name)))
         _select(self.quant, r.weight_bits)
         self.seq_len.setValue(r.seq_len)
         self.batch.setValue(r.batch)

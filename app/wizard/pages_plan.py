@@ -32,6 +32,7 @@ from rigpilot.app.planner.model import (
     explanation_lines,
     plan_runs_here,
     plans_of,
+    recipe_values,
     summary_lines,
     tokens_per_s,
 )
@@ -48,7 +49,7 @@ from rigpilot.engine.layout import LAYOUT_SETTINGS as LAYOUT
 from rigpilot.engine.layout import Layout
 from rigpilot.engine.planner.overrides import Overrides
 from rigpilot.engine.recipe import RECIPE_SETTINGS
-from rigpilot.engine.schema import Checkpointing, Range, Setting
+from rigpilot.engine.schema import Checkpointing, Range, Setting, shown_value
 
 PIPELINE_SCHEDULES = [("1f1b", "1F1B"), ("gpipe", "GPipe")]  # as the planner writes them
 CHECKPOINTING = [
@@ -89,19 +90,47 @@ def _setting_row(form: QFormLayout, s: Setting, control: QWidget) -> QWidget:
 # Training settings the task and the plan decide; each other setting with choices gets a drop-down on the
 # hyper-parameters page straight from its declaration, so a new one appears there without an edit here.
 DECIDED_ELSEWHERE = frozenset({"method", "precision", "activation_checkpointing"})
+# A recipe drop-down's first choice: what the plan chose, left to the planner (not pinned).
+FROM_PLAN = "from the plan"
 
 
 def recipe_settings() -> list[Setting]:
-    return [s for name, s in TRAIN.items() if s.choices and name not in DECIDED_ELSEWHERE]
+    """The training recipe (engine.recipe), each as the job declares it: a drop-down each, "from the plan" first."""
+    return [TRAIN[name] for name in RECIPE_SETTINGS]
+
+
+def choice_settings() -> list[Setting]:
+    """The other training settings with choices that neither the task nor the plan decides."""
+    return [s for name, s in TRAIN.items() if s.choices and name not in DECIDED_ELSEWHERE | RECIPE_SETTINGS.keys()]
+
+
+def _object_name(s: Setting) -> str:
+    head, *rest = s.name.split("_")
+    return head + "".join(w.title() for w in rest)
 
 
 def _setting_combo(s: Setting) -> QComboBox:
     box = QComboBox()
-    head, *rest = s.name.split("_")
-    box.setObjectName(head + "".join(w.title() for w in rest))
+    box.setObjectName(_object_name(s))
     for choice in s.choices or ():
         box.addItem(choice, choice)
     return box
+
+
+def _recipe_combo(s: Setting) -> QComboBox:
+    """"From the plan" (worded with the plan's value when the page opens), then the setting's values in the app's
+    words, as the Planner page offers them."""
+    box = QComboBox()
+    box.setObjectName(_object_name(s))
+    box.addItem("From the plan", FROM_PLAN)
+    for value, text in recipe_values(s.name):
+        box.addItem(text, value)
+    return box
+
+
+def _value_text(box: QComboBox, s: Setting, value: Any) -> str:
+    index = box.findData(value)
+    return box.itemText(index) if index > 0 else shown_value(s, value)
 
 
 def conflict_of(settings: Any) -> tuple[Setting, str] | None:
@@ -472,7 +501,14 @@ class HyperPage(StepPage):
         )
         _setting_row(t, TRAIN["eval_every"], self.eval_every)
         _setting_row(t, TRAIN["seed"], self.seed)
-        self.recipe = {decl.name: _setting_combo(decl) for decl in recipe_settings()}
+        self.choices = {decl.name: _setting_combo(decl) for decl in choice_settings()}
+        for decl in choice_settings():
+            _setting_row(t, decl, self.choices[decl.name])
+        recipe_head = QLabel("Memory and speed recipe: “From the plan” keeps what the planner chose for the job")
+        recipe_head.setObjectName("recipeHeading")
+        recipe_head.setWordWrap(True)
+        t.addRow(recipe_head)
+        self.recipe = {decl.name: _recipe_combo(decl) for decl in recipe_settings()}
         for decl in recipe_settings():
             _setting_row(t, decl, self.recipe[decl.name])
         self.train_box = QWidget()
@@ -542,7 +578,7 @@ class HyperPage(StepPage):
         self.train_on_prompts.toggled.connect(self._changed)
         self.save_merged.toggled.connect(self._changed)
         self.backend.currentIndexChanged.connect(self._changed)
-        for combo in self.recipe.values():
+        for combo in (*self.choices.values(), *self.recipe.values()):
             combo.currentIndexChanged.connect(self._changed)
 
     def load(self) -> None:
@@ -574,8 +610,9 @@ class HyperPage(StepPage):
         self.save_merged.setChecked(t.save_merged)
         self.eval_every.setValue(t.eval_every)
         self.seed.setValue(t.seed)
-        for name, combo in self.recipe.items():
+        for name, combo in self.choices.items():
             combo.setCurrentIndex(max(combo.findData(getattr(t, name)), 0))
+        self._load_recipe()
         self.new_tokens.setValue(i.max_new_tokens)
         self.batch.setValue(i.batch_size)
         self.context.setValue(t.seq_len)
@@ -584,6 +621,24 @@ class HyperPage(StepPage):
         self.infer_seed.setValue(i.seed)
         self.backend.setCurrentIndex(max(self.backend.findData(i.backend), 0))
         self.trust.setChecked(s.trust_remote_code)
+
+    def _load_recipe(self) -> None:
+        """Each recipe setting the user pinned shows its value; the others "from the plan", worded with the value
+        the plan chose (without a plan: the engine's default), so taking a plan pins nothing."""
+        s, t = self.state, self.state.train
+        source = "From the plan" if s.plan is not None else "Default"
+        for decl in recipe_settings():
+            combo, name = self.recipe[decl.name], decl.name
+            pinned = name in s.pinned_recipe
+            planned = s.planned_recipe.get(name, decl.default) if pinned else getattr(t, name)
+            combo.setItemText(0, f"{source}: {_value_text(combo, decl, planned)}")
+            if not pinned:
+                combo.setCurrentIndex(0)
+                continue
+            value = getattr(t, name)
+            if combo.findData(value) < 0:  # a value the drop-down does not list (pinned elsewhere, --loss-chunks 64)
+                combo.addItem(shown_value(decl, value), value)
+            combo.setCurrentIndex(combo.findData(value))
 
     def _changed(self) -> None:
         if self.changing():
@@ -598,9 +653,15 @@ class HyperPage(StepPage):
         t.lora_rank, t.lora_alpha = self.lora_rank.value(), self.lora_alpha.value()
         t.keep_checkpoints, t.train_on_prompts = self.keep_checkpoints.value(), self.train_on_prompts.isChecked()
         t.save_merged = self.save_merged.isChecked()
+        for name, combo in self.choices.items():
+            setattr(t, name, combo.currentData())
         for name, combo in self.recipe.items():
-            if combo.currentData() != getattr(t, name):  # this control moved: the user's choice, pinned
-                s.pin_recipe(name, combo.currentData())
+            value = combo.currentData()
+            if value == FROM_PLAN:
+                if name in s.pinned_recipe:  # given back to the planner
+                    s.unpin_recipe(name)
+            elif name not in s.pinned_recipe or value != getattr(t, name):  # the user's choice, pinned
+                s.pin_recipe(name, value)
         s.max_restarts = None if self.max_restarts.value() < 0 else self.max_restarts.value()
         targets = [x.strip() for x in self.lora_targets.text().split(",") if x.strip()]
         t.lora_targets = targets or None

@@ -84,6 +84,8 @@ class WizardState:
     # The recipe settings (engine.recipe) the user chose here: the plan request pins these; the rest are the
     # planner's to choose, even where `train` holds the value a previous plan chose.
     pinned_recipe: list[str] = field(default_factory=list)
+    # The recipe the planner chose for the settings not pinned, by name: what "from the plan" goes back to.
+    planned_recipe: dict[str, Any] = field(default_factory=dict)
     infer: InferSettings = field(default_factory=InferSettings)
     trust_remote_code: bool = False
     max_restarts: int | None = None  # automatic restarts after a rank fails; None: the engine's default
@@ -157,6 +159,13 @@ class WizardState:
         if name not in self.pinned_recipe:
             self.pinned_recipe.append(name)
 
+    def unpin_recipe(self, name: str) -> None:
+        """The user gave recipe setting `name` back to the planner: the job takes what the plan chose (a plan
+        that did not say, or none yet: the engine's default), and the next plan chooses it again."""
+        if name in self.pinned_recipe:
+            self.pinned_recipe.remove(name)
+        setattr(self.train, name, self.planned_recipe.get(name, RECIPE_SETTINGS[name].default))
+
     def plan_key(self) -> list[Any]:
         """Everything the plan depends on; when it changes, the plan is made again."""
         return [self.kind, self.planning_model(), sorted(self.gpus), json.dumps(self.workload_args(), sort_keys=True)]
@@ -179,6 +188,12 @@ class WizardState:
             for name in RECIPE_SETTINGS:
                 if w.get(name) is not None:  # a plan that says computed its memory for it
                     setattr(self.train, name, w[name])
+                if name in self.pinned_recipe:
+                    continue  # the user's pin, re-checked: not the planner's choice
+                if w.get(name) is None:
+                    self.planned_recipe.pop(name, None)
+                else:
+                    self.planned_recipe[name] = w[name]
             self.global_batch = w["global_batch"]
         elif self.kind == INFER:
             self.infer.batch_size = w["global_batch"]
@@ -287,7 +302,8 @@ class WizardState:
         return dataclasses.replace(
             self, train=dataclasses.replace(self.train), infer=dataclasses.replace(self.infer),
             dataset=list(self.dataset), prompts=list(self.prompts), gpus=list(self.gpus), nodes=list(self.nodes),
-            slurm=dict(self.slurm) if self.slurm is not None else None,
+            slurm=dict(self.slurm) if self.slurm is not None else None, pinned_recipe=list(self.pinned_recipe),
+            planned_recipe=dict(self.planned_recipe),
         )  # fmt: skip
 
 

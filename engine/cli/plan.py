@@ -39,12 +39,11 @@ from rigpilot.engine.planner.cluster import DEFAULT_LINK, NODE_LINKS, check_node
 from rigpilot.engine.planner.export import export_best
 from rigpilot.engine.planner.memory import fmt_gib
 from rigpilot.engine.planner.plan import LoraSettings, Plan, Workload, recipe_words
-from rigpilot.engine.planner.recipes import NAMES as LADDER_NAMES
 from rigpilot.engine.planner.search import RANKING, SearchOptions, SearchResult
 from rigpilot.engine.planner.settings import PLAN_SETTINGS as P
 from rigpilot.engine.planner.settings import QUANT_BITS
 from rigpilot.engine.planner.verify import search_checked
-from rigpilot.engine.recipe import RECIPE_SETTINGS
+from rigpilot.engine.recipe import RECIPE_SETTINGS, open_words
 
 DEFAULT_SEQ = 2048
 DEFAULT_TRAIN_BATCH = 16
@@ -76,12 +75,13 @@ def register(subparsers: Any, parents: list[argparse.ArgumentParser] | None = No
     schema.add_option(p, P["export"])
     g = p.add_argument_group("details")
     schema.add_option(g, P["lora_rank"])
-    r = p.add_argument_group("training recipe", "each left out is chosen by the search (the plainest that fits); "
-                             "given, it is pinned")  # fmt: skip
+    r = p.add_argument_group("training recipe", "each left out is as its line says: chosen by the search (the "
+                             "plainest that fits) or left at its default; given, it is pinned")  # fmt: skip
     for name in RECIPE_SETTINGS:
-        chosen = "the search chooses" if name in LADDER_NAMES else "off; the search uses it only where asked"
-        schema.add_option(r, P[name], help=f"{P[name].help.rstrip('.')} (default: {chosen}).")
-        if name in LADDER_NAMES and P[name].type is bool:
+        value, meaning = open_words(name)  # the declaration says whether the search chooses it
+        left_out = meaning if P[name].searched else f"{value}; {meaning}"
+        schema.add_option(r, P[name], help=f"{P[name].help.rstrip('.')} (default: {left_out}).")
+        if P[name].searched and P[name].type is bool:
             # A switch pinned off: the search never reaches for it.
             r.add_argument(f"--no-{P[name].flags[0].removeprefix('--')}", dest=name, action="store_false",
                            help=f"never use it ({P[name].label.lower()})")  # fmt: skip

@@ -12,7 +12,7 @@ from typing import Any
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.jobspec.spec import INFER_SETTINGS, SETTINGS, TRAIN_SETTINGS
 from rigpilot.engine.layout import LAYOUT_SETTINGS
-from rigpilot.engine.schema import Setting, command_text
+from rigpilot.engine.schema import Setting, command_text, flag_phrase, shown_value
 
 
 def declared(key: Any) -> Setting | None:
@@ -33,7 +33,13 @@ def words(error: UserError) -> str:
     if reason == "conflicting_settings":
         other = declared(fields.get("other"))
         if other is not None and other.flag is not None:
-            return f"{given} needs {other.flag} {fields.get('needs')} (it is {fields.get('found')})"
+            # A switch reads as its flag ("--fp8 needs --precision bf16"), never "--fp8 True".
+            found = fields.get("found")
+            found_text = shown_value(other, found) if isinstance(found, bool) else found
+            return (
+                f"{flag_phrase(decl, fields['value'])} needs {flag_phrase(other, fields.get('needs'))} "
+                f"(it is {found_text})"
+            )
     if reason in ("out_of_range", "not_a_choice") and decl.bound is not None:
         return f"{given}: must be {decl.bound.text()}"
     return str(error)

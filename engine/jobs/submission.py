@@ -46,6 +46,7 @@ from rigpilot.engine.jobs.limits import check_job_settings
 from rigpilot.engine.jobspec.spec import InferSettings, JobSpec, TrainSettings
 from rigpilot.engine.layout import Layout, accumulation_of_plan, schedule_name
 from rigpilot.engine.models.config_file import CONFIG_MAX
+from rigpilot.engine.models.formulas import is_decoder
 from rigpilot.engine.planner.memory import fmt_gib
 from rigpilot.engine.planner.plan import Plan, recipe_words
 from rigpilot.engine.recipe import RECIPE_SETTINGS, Recipe
@@ -108,7 +109,7 @@ def prepare(
     model_type = _check_kind(spec, data, base, planned, ranks * nodes, dp_shrink, from_plan, notes)
     if spec.kind in ("train", "infer"):
         model_type = model_type or (planned.model_type if planned else None) or None
-        _check_runs(spec, model_type, planned, nodes, machine)
+        _check_runs(spec, model_type, planned, nodes, machine, decoder=_decoder(spec, base))
     backend = None
     if spec.kind == "infer" and spec.infer:
         backend = _choose_backend(spec, spec.infer, machine, worker_vllm, nodes=nodes, slurm=slurm, notes=notes)
@@ -185,7 +186,7 @@ def _check_kind(
         _pipeline_defaults(spec, "pp_microbatches" in (data.get("parallelism") or {}) or "pp_microbatches" in from_plan, notes)
         seq_given = "seq_len" in (data.get("train") or {}) or "seq_len" in from_plan
         model_type = _check_train(spec, base, seq_given, notes)
-        _check_degrees(spec, world)
+        _check_degrees(spec, world, notes)
     elif spec.kind == "infer":
         spec.infer = spec.infer or InferSettings()
         model_type = _check_infer(spec, base)
@@ -612,8 +613,19 @@ def _model_config(model: str, base: Path | None) -> tuple[str, dict[str, Any]]:
     return str(candidate), raw
 
 
-def _check_degrees(spec: JobSpec, ranks: int) -> None:
-    spec.parallelism = spec.parallelism.fitted(ranks)  # no degrees given: plain data parallel over every rank
+def _check_degrees(spec: JobSpec, ranks: int, notes: list[str] | None = None) -> None:
+    """No degrees given: plain data parallel over every rank; FSDP2 where the recipe steps the optimizer in
+    backward, which frees each gradient as its weight steps under FSDP2 but nothing under DDP (its all-reduce
+    buckets keep them all), so the contract refuses it there."""
+    in_backward = spec.kind == "train" and spec.train is not None and spec.train.optimizer_in_backward
+    if in_backward and spec.parallelism.world_size == 1 and ranks > 1:
+        spec.parallelism = dataclasses.replace(spec.parallelism, dp_shard=ranks)
+        if notes is not None:
+            notes.append(
+                f"FSDP2 over the {ranks} ranks: the optimizer step in backward frees each gradient only when the "
+                "gradients are sharded (DDP keeps them all)"
+            )
+    spec.parallelism = spec.parallelism.fitted(ranks)
 
 
 def plan_of(plan: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -669,10 +681,13 @@ def _oom_suggestion(par: Any) -> str:
     return "train LoRA adapters instead (--method lora), or use more GPUs"
 
 
-def _check_runs(spec: JobSpec, model_type: str | None, plan: Plan | None, nodes: int, machine: Machine) -> None:
+def _check_runs(
+    spec: JobSpec, model_type: str | None, plan: Plan | None, nodes: int, machine: Machine, *, decoder: bool = True
+) -> None:
     """The capability contract, asked once, of the job as it will run: its layout (the plan's, where it left
     the degrees open) and method, and what only the plan says (the optimizer and weights it was sized for);
-    then, for training, its recipe on this machine (engine.recipe_refusal: the setting is named)."""
+    then, for training, its recipe on this machine and model (engine.recipe_refusal: the setting is named).
+    `decoder`: the model has an output head (see `_decoder`)."""
     method = spec.train.method if spec.kind == "train" and spec.train else "full"
     facts: dict[str, Any] = {}
     if plan is not None:
@@ -687,9 +702,18 @@ def _check_runs(spec: JobSpec, model_type: str | None, plan: Plan | None, nodes:
         t = spec.train
         ctx = RecipeContext(
             t.method, t.precision, t.grad_accum, t.grad_clip,
-            gpu_capability=_lowest_capability(machine, spec.gpus), cpu_ranks=machine.simulated,
+            gpu_capability=_lowest_capability(machine, spec.gpus), cpu_ranks=machine.simulated, decoder=decoder,
         )  # fmt: skip
         check_recipe(Recipe.of(t), spec.parallelism, ctx)
+
+
+def _decoder(spec: JobSpec, base: Path | None) -> bool:
+    """Whether the training job's model has an output head, as the planner reads it from config.json; True where
+    the config is not read here (a hub id: the rank asks its loaded model)."""
+    if spec.kind != "train" or not spec.model:
+        return True
+    config = _model_config(spec.model, base)[1]
+    return is_decoder(config) if config else True
 
 
 def _lowest_capability(machine: Machine, gpus: list[int]) -> tuple[int, int] | None:

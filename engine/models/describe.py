@@ -20,7 +20,7 @@ from typing import Any
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import EITHER, MISSING, PathRefused, check_given_path, shown
 from rigpilot.engine.models.config_file import read_config
-from rigpilot.engine.models.formulas import Config, has_formula, spec_from_config
+from rigpilot.engine.models.formulas import Config, has_formula, is_decoder, spec_from_config
 from rigpilot.engine.models.meta_count import MetaCount, count_on_meta
 from rigpilot.engine.models.presets import Preset, find_preset, preset_for_repo
 from rigpilot.engine.models.repo_id import repo_id_problem
@@ -316,7 +316,7 @@ def _generic_spec(
         vocab_size=dims["vocab_size"] or 0,
         max_position_embeddings=dims["max_position_embeddings"],
         tied_embeddings=_tied(config) if tied is None else tied,
-        is_decoder=any(s in arch for s in ("CausalLM", "LMHead", "ConditionalGeneration")) or not arch,
+        is_decoder=is_decoder(config),
         experts_per_token=dims["experts_per_token"] or 0,
         layer_linears=linears,
     )

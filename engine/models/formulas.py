@@ -111,12 +111,15 @@ class _Model:
     blocks: list[_Block]
     embedding: int  # token (+ position, token-type) embedding tables
     other: int  # final norm, embedding norm, pooler, head bias
-    is_decoder: bool = True
     architecture: str = ""
     num_shared_experts: int = 0
     moe_intermediate_size: int | None = None
     notes: list[str] = field(default_factory=list)
     kv_latent: int | None = None
+
+    @property
+    def is_decoder(self) -> bool:
+        return is_decoder(self.c.raw)
 
     @property
     def head(self) -> int:
@@ -486,7 +489,7 @@ def _distilbert(c: Config) -> _Model:
 
 def _encoder(c: Config, d: _Dims, blocks: list[_Block], *, embedding: int, other: int) -> _Model:
     arch = _ENCODER_CLASSES[c.model_type]
-    m = _Model(c, d, blocks, embedding=embedding, other=other, is_decoder=False, architecture=arch)
+    m = _Model(c, d, blocks, embedding=embedding, other=other, architecture=arch)
     if c.architecture and c.architecture != arch:
         m.notes.append(f"counted as the bare encoder {arch} (AutoModel), without {c.architecture}'s task head")
     return m
@@ -515,6 +518,16 @@ _FORMULAS: dict[str, Callable[[Config], _Model]] = {
 }
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(sorted(_FORMULAS))
+
+
+def is_decoder(config: Mapping[str, Any]) -> bool:
+    """Whether a config.json's model is a causal LM with an output head (lm_head): what loss chunks split and the
+    KV cache belongs to. The planner's ModelSpec and the submission's recipe check both read it here."""
+    c = Config(config)
+    if c.model_type in _FORMULAS:
+        return c.model_type not in _ENCODER_CLASSES  # counted as the bare encoder, whatever head the config names
+    arch = c.architecture
+    return any(s in arch for s in ("CausalLM", "LMHead", "ConditionalGeneration")) or not arch
 
 
 def has_formula(config: Mapping[str, Any]) -> bool:

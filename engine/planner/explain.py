@@ -14,9 +14,8 @@ from rigpilot.engine.planner.model import ModelFacts
 from rigpilot.engine.planner.plan import Figure, Parallelism, Plan, Timing, Workload, recipe_words
 from rigpilot.engine.planner.result import Candidate, SearchResult
 from rigpilot.engine.planner.settings import ref, say
-from rigpilot.engine.recipe import RECIPE_SETTINGS
+from rigpilot.engine.recipe import PLAIN_RECIPE
 
-PLAIN = {name: decl.default for name, decl in RECIPE_SETTINGS.items()}
 _WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve")
 
 
@@ -137,7 +136,7 @@ def explain(
     else:
         par = best.parallelism
         recipe = ""
-        if best.workload.training and recipe_words(best.workload) != recipe_words(dataclasses.replace(best.workload, **PLAIN)):
+        if best.workload.training and recipe_words(best.workload) != recipe_words(dataclasses.replace(best.workload, **PLAIN_RECIPE)):
             recipe = f", with {recipe_words(best.workload)}"
         if best.runs_here:
             lines.append(f"Best plan for {task_text(w)} of {model} on your {who}: {par.describe()}{recipe}.")

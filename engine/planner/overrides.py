@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rigpilot.engine.jobspec.spec import INFER_SETTINGS, TRAIN_SETTINGS
-from rigpilot.engine.recipe import RECIPE_SETTINGS
+from rigpilot.engine.recipe import RECIPE_SETTINGS, AskedRecipe
 from rigpilot.engine.schema import Setting
 
 # The job setting each override is: a changed value is bounded as that setting is declared, in one place.
@@ -29,8 +29,9 @@ DECLARED: dict[str, Setting] = {
 
 
 @dataclass
-class Overrides:
-    """What the user changed; None keeps the plan's value."""
+class Overrides(AskedRecipe):
+    """What the user changed; None keeps the plan's value. The training recipe's settings (master_weights "fp32"
+    or "bf16", the optimizer ...) are AskedRecipe's fields, by the declarations' names."""
 
     dp: int | None = None
     tp: int | None = None
@@ -47,15 +48,6 @@ class Overrides:
     pp_schedule: str | None = None  # "1f1b" | "gpipe", as the planner writes it
     sequence_parallel: bool | None = None
     cpu_offload: bool | None = None  # FSDP2 with parameters, gradients and optimizer state in host RAM
-    master_weights: str | None = None  # training: "fp32" or "bf16" (the job's setting)
-    # The rest of the training recipe (engine.recipe): None keeps the plan's.
-    optimizer: str | None = None
-    optimizer_in_backward: bool | None = None
-    loss_chunks: int | None = None
-    activation_offload: bool | None = None
-    optimizer_offload: bool | None = None
-    compile: bool | None = None
-    fp8: bool | None = None
 
     def check(self) -> None:
         """Refuse (UserError, reason out_of_range or not_a_choice) a changed value its setting does not allow;

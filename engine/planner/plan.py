@@ -16,7 +16,7 @@ from typing import Any
 from rigpilot.engine.capability import RecipeContext, recipe_why_not, why_not
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.layout import Layout, accumulation_of_plan
-from rigpilot.engine.recipe import RECIPE_SETTINGS, Recipe
+from rigpilot.engine.recipe import RECIPE_SETTINGS, AskedRecipe, Recipe
 from rigpilot.engine.schema import Checkpointing, MasterWeights, Optimizer, Precision, TrainMethod
 
 PLAN_SCHEMA = "rigpilot.plan"
@@ -42,28 +42,20 @@ class LoraSettings:
 
 
 @dataclass
-class Workload:
-    """What the user asked for, independent of how it is split."""
+class Workload(AskedRecipe):
+    """What the user asked for, independent of how it is split.
+
+    The training recipe's settings are AskedRecipe's fields (engine.recipe), flat as in job.json's `train`: None
+    is open, the search chooses it (or leaves it at its default where it never chooses it); a value pins it. A
+    plan's workload holds what the plan was sized for; plans saved before a field existed read it as None, and a
+    job keeps its own setting there. master_weights "bf16" holds weights, gradients and AdamW's state in bf16."""
 
     model: str  # preset name, folder or hub repo id, as given
     task: str = "train"
     method: str = "full"
     precision: str = "bf16"  # training: mixed precision with that dtype; inference: the weights' dtype
-    # Training: "bf16" holds weights, gradients and AdamW's state in bf16 (the job's setting); None: not asked (fp32),
-    # so a plan that does not say leaves a job's own choice alone.
-    master_weights: str | None = None
     seq_len: int = 2048
     global_batch: int = 16  # training: sequences per optimizer step; inference: sequences in flight
-    # The rest of the training recipe (engine.recipe, flat as in job.json's `train`). Asked for: None is "auto",
-    # the search chooses; a value pins it. A plan's workload holds what the plan was sized for; plans saved
-    # before a field existed read it as None, and a job keeps its own setting there.
-    optimizer: str | None = None
-    optimizer_in_backward: bool | None = None
-    loss_chunks: int | None = None
-    activation_offload: bool | None = None
-    optimizer_offload: bool | None = None
-    compile: bool | None = None
-    fp8: bool | None = None
     lora: LoraSettings | None = None
     weight_bits: int = 16  # inference: 16 (precision), 8 (LLM.int8) or 4 (NF4)
     new_tokens: int = 0  # inference: tokens generated per sequence (the rest of seq_len is the prompt)
@@ -82,9 +74,10 @@ class Workload:
         """The recipe this workload trains with: each setting left open (None) at the engine's plain default."""
         return recipe_of(self)
 
-    def pinned(self) -> dict[str, object]:
-        """The recipe settings the user pinned (given a value), by name: the search leaves these alone."""
-        return {name: getattr(self, name) for name in RECIPE_SETTINGS if getattr(self, name) is not None}
+    def to_dict(self) -> dict[str, Any]:
+        """Its JSON: what was asked first, then the recipe (dataclasses put an inherited field first)."""
+        d = dataclasses.asdict(self)
+        return {**{k: v for k, v in d.items() if k not in RECIPE_SETTINGS}, **{k: d[k] for k in RECIPE_SETTINGS}}
 
 
 def recipe_of(values: object) -> Recipe:
@@ -384,6 +377,7 @@ class Plan:
     # -- JSON --------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         d = {"schema": PLAN_SCHEMA, **dataclasses.asdict(self)}
+        d["workload"] = self.workload.to_dict()
         # Derived, for launchers that build a device mesh; ignored when read back.
         d["parallelism"]["world_size"] = self.parallelism.world_size
         d["recipe"] = recipe_words(self.workload) if self.workload.training else ""

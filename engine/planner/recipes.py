@@ -5,7 +5,7 @@ cross-entropy, pure bf16, 8-bit AdamW, the optimizer step in backward, activatio
 host memory (torchtune's paged AdamW: one GPU, CPU AdamW instead of the two before it); CPU parameter offload stays
 the search's last resort (its layouts). A setting the user pinned is never changed, so its rung is skipped.
 torch.compile and FP8 change no memory the planner counts, and compiling takes a warm-up and FP8 changes the
-numerics: the search uses them only where asked.
+numerics: the search uses them only where asked (their declarations are not `searched`).
 
 Chunked cross-entropy changes neither the numerics nor what a step does, so it is `free`: the search takes it
 wherever it lets a faster micro-batch fit. The later rungs change the numerics (pure bf16, 8-bit AdamW) or what a
@@ -18,11 +18,14 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from rigpilot.engine.capability import RecipeContext, recipe_why_not
+from rigpilot.engine.layout import Layout
 from rigpilot.engine.planner.plan import Workload, recipe_of
 from rigpilot.engine.recipe import RECIPE_SETTINGS, TORCHTUNE_LOSS_CHUNKS
-from rigpilot.engine.schema import MasterWeights, Optimizer, Precision
+from rigpilot.engine.schema import MasterWeights, Optimizer
 
-# (setting, the value that saves memory), in the order the search reaches for them.
+# (setting, the value that saves memory), in the order the search reaches for them. Its settings are those declared
+# `searched` (engine.recipe), which is how the CLI's help and the app word a setting left open; a test holds them equal.
 LADDER: tuple[tuple[str, Any], ...] = (
     ("loss_chunks", TORCHTUNE_LOSS_CHUNKS),
     ("master_weights", MasterWeights.BF16.value),
@@ -62,20 +65,22 @@ NAMES = tuple(name for name, _ in LADDER)
 
 
 def techniques(w: Workload, decoder: bool = True) -> list[tuple[str, Any]]:
-    """The ladder's techniques the search may add to `w`: not pinned, not already there, allowed by its dtype and
-    its model (a `decoder`'s output head is what loss chunks split; an encoder has none)."""
+    """The ladder's techniques the search may add to `w`: not pinned, not already there, and not refused by the
+    capability contract whatever the layout (bf16 master weights need bf16 compute; loss chunks split a `decoder`'s
+    output head, which an encoder has none of). Refusals that depend on the layout are the search's, plan by plan."""
     if not w.training:
         return []
     base = recipe_of(w)
     pinned = w.pinned()
+    ctx = RecipeContext(method=w.method, precision=w.precision, decoder=decoder)
+    as_asked = recipe_why_not(base, Layout(), ctx)
     out = []
     for name, value in LADDER:
         if name in pinned or getattr(base, name) == value:
             continue
-        if name == "loss_chunks" and not decoder:
+        why = recipe_why_not(dataclasses.replace(base, **{name: value}), Layout(), ctx)
+        if why is not None and why != as_asked:
             continue
-        if name == "master_weights" and w.precision != Precision.BF16:
-            continue  # bf16 master weights need bf16 compute (the setting's own requirement)
         out.append((name, value))
     return out
 
@@ -91,6 +96,3 @@ def rung(w: Workload, added: tuple[str, ...] = ()) -> Rung:
     values.update((name, value) for name, value in LADDER if name in added)
     return Rung(dataclasses.replace(w, **values), added)
 
-
-# The engine's plain recipe, every setting given: a workload pinned to it plans as before recipes were searched.
-PLAIN_RECIPE: dict[str, Any] = {name: decl.default for name, decl in RECIPE_SETTINGS.items()}

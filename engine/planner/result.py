@@ -6,7 +6,6 @@ Its own module so that the search (which builds these) and the explanation
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -80,7 +79,7 @@ class SearchResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "workload": dataclasses.asdict(self.workload),
+            "workload": self.workload.to_dict(),
             "machine": self.machine,
             "gpu_indices": self.gpu_indices,
             "best": self.best.to_dict() if self.best else None,

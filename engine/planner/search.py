@@ -155,14 +155,12 @@ def validate_workload(w: Workload, spec: ModelSpec) -> None:
                 f = conflict.fields
                 raise refusal("{mine} needs {other} (it is {found})", reason=conflict.reason, fields=f,
                               mine=_recipe_ref(name, value), other=ref("precision", f["needs"]), found=f["found"])  # fmt: skip
-    if w.training and (w.loss_chunks or 1) > 1 and not spec.is_decoder:
-        raise UserError("loss chunks apply a decoder's output head a chunk at a time; this model has none: use loss "
-                        "chunks 1", reason="recipe_refused", setting="loss_chunks", value=w.loss_chunks)  # fmt: skip
     if w.training and w.pinned():
         # Pinned settings that contradict each other whatever the layout (8-bit AdamW with the optimizer state in
         # host memory, the host optimizer under fp16): the contract's own line, not "nothing fits".
         pinned: dict[str, Any] = {k: v for k, v in w.pinned().items() if k != "fp8"}  # FP8: the GPUs decide (the search)
-        recipe, asked = dataclasses.replace(Recipe(), **pinned), RecipeContext(method=w.method, precision=w.precision)
+        recipe = dataclasses.replace(Recipe(), **pinned)
+        asked = RecipeContext(method=w.method, precision=w.precision, decoder=spec.is_decoder)
         why = recipe_why_not(recipe, Layout(), asked)
         if why is not None:
             name, value = refused_setting(recipe, Layout(), asked, why)

@@ -26,13 +26,6 @@ def why_not_traced(workload: dict[str, Any], par: dict[str, Any]) -> str | None:
         return "optimizer-only offload is DeepSpeed's: the engine offloads with FSDP2 (parameters too)"
     if par.get("backend") == "deepspeed":
         return "DeepSpeed plans are not traced: the engine runs FSDP2, DDP and tensor parallel"
-    if task == "train" and workload.get("optimizer") == "adamw8bit":
-        # torchao's 8-bit step is compiled, and the memory tracker cannot follow a compiled step; tracing it with
-        # torch's AdamW would count four times the moments and refuse plans that fit.
-        return "8-bit AdamW plans are not traced (its compiled step does not run under the tracer): the formula's figure stands"
-    if task == "train" and workload.get("optimizer_in_backward"):
-        # The tracer steps after backward, so it would count every gradient at once: the very memory this saves.
-        return "plans with the optimizer step in backward are not traced yet: the formula's figure stands"
     if workload.get("method") == "qlora":
         # bitsandbytes' NF4 kernels need CUDA and real storage; the fake-tensor step has neither.
         return "QLoRA plans are not traced (4-bit NF4 weights do not run on fake tensors): the formula's figure stands"

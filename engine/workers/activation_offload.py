@@ -190,13 +190,12 @@ class ActivationOffload:
 def offload_activations(model: nn.Module, enabled: bool, device: torch.device) -> ActivationOffload:
     """The job's offloading of `model`'s saved activations to host memory (a no-op unless `enabled`), with its
     output head's tensors kept on the device."""
-    from rigpilot.engine.errors import UserError
     from rigpilot.engine.workers.chunked_loss import output_head
 
     offload = ActivationOffload(enabled, HostStore(device) if enabled else None)
-    if enabled:
-        with contextlib.suppress(UserError):  # an encoder's head is found by no name: its tensors go too
-            offload.exclude(output_head(model).linear)
+    head = output_head(model) if enabled else None
+    if head is not None:  # an encoder's head is found by no name: its tensors go too
+        offload.exclude(head.linear)
     return offload
 
 

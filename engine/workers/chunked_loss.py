@@ -27,7 +27,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from rigpilot.engine.errors import UserError
+from rigpilot.engine.capability import RecipeContext
+from rigpilot.engine.layout import Layout
+from rigpilot.engine.recipe import Recipe
+from rigpilot.engine.recipe_refusal import check_recipe
 
 
 def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -48,21 +51,16 @@ class OutputHead:
     softcap: float | None  # Gemma 2's final_logit_softcapping: tanh(logits / cap) * cap
 
 
-def output_head(model: nn.Module) -> OutputHead:
-    """The output head of `model` (a transformers causal LM, a peft model of one, or a last pipeline stage)."""
+def output_head(model: nn.Module) -> OutputHead | None:
+    """The output head of `model` (a transformers causal LM, a peft model of one, or a last pipeline stage); None
+    for a model with no lm_head (a masked-LM encoder)."""
     parts = getattr(model, "parts", None)
     get_base = getattr(model, "get_base_model", None)
     owner: Any = parts.causal_lm if parts is not None else (get_base() if callable(get_base) else model)
     linear = getattr(owner, "lm_head", None)
     config = getattr(owner, "config", None)
     if not isinstance(linear, nn.Module):
-        kind = getattr(config, "model_type", type(owner).__name__)
-        raise UserError(
-            f"loss chunks apply a decoder's output head (lm_head) a chunk at a time; model type {kind!r} has "
-            "none: use loss chunks 1",
-            reason="recipe_refused",
-            setting="train.loss_chunks",
-        )
+        return None
     cap = getattr(config, "final_logit_softcapping", None)
     return OutputHead(linear, None if parts is not None else owner, float(cap) if cap else None)
 
@@ -87,8 +85,12 @@ class TokenLoss:
     ) -> None:
         self.chunks = int(chunks)
         self.compute = compute or contextlib.nullcontext
-        # A pipeline stage before the last computes no loss.
-        self.head = output_head(model) if self.chunks > 1 and getattr(model, "is_last", True) else None
+        chunked = self.chunks > 1 and getattr(model, "is_last", True)  # a stage before the last computes no loss
+        self.head = output_head(model) if chunked else None
+        if chunked and self.head is None:
+            # The loaded model has no head to chunk: the capability contract's refusal, the one the submission
+            # gives where it could read the model's config.json.
+            check_recipe(Recipe(loss_chunks=self.chunks), Layout(), RecipeContext(decoder=False))
         self._fsdp_root: Any = None
         if self.head is not None and self.head.owner is None:
             stage: Any = model

@@ -20,8 +20,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from rigpilot.engine.capability import LLAMA_STYLE_TYPES, fp8_hardware_why_not
+from rigpilot.engine.capability import LLAMA_STYLE_TYPES, RecipeContext
 from rigpilot.engine.errors import UserError
+from rigpilot.engine.layout import Layout
+from rigpilot.engine.recipe import Recipe
+from rigpilot.engine.recipe_refusal import check_recipe, refuse
 from rigpilot.engine.settings import cache_dir
 from rigpilot.engine.workers.parallelize import blocks
 
@@ -148,11 +151,9 @@ def apply_float8(
     enable_fsdp_float8_all_gather), for a model FSDP2 shards without tensor parallel: it trains the same
     model, as tests/workers/test_workers_compile.py checks in emulation on gloo ranks.
     """
-    if not emulate:
+    if not emulate:  # the contract again, with this rank's own device
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-        why = fp8_hardware_why_not(cpu_ranks=device.type != "cuda", capability=capability)
-        if why is not None:
-            raise UserError(why, reason="recipe_refused", setting="train.fp8")
+        check_recipe(Recipe(fp8=True), Layout(), RecipeContext(gpu_capability=capability, cpu_ranks=device.type != "cuda"))
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     converted: list[str] = []
@@ -166,11 +167,7 @@ def apply_float8(
     config = Float8LinearConfig(emulate=emulate, enable_fsdp_float8_all_gather=fsdp_all_gather)
     convert_to_float8_training(model, module_filter_fn=chosen, config=config)
     if not converted:
-        raise UserError(
-            f"FP8: none of the model's linear layers has dimensions that are multiples of {FP8_DIM_MULTIPLE}",
-            reason="recipe_refused",
-            setting="train.fp8",
-        )
+        refuse("fp8", True, f"FP8: none of the model's linear layers has dimensions that are multiples of {FP8_DIM_MULTIPLE}")
     kept = sum(1 for _, m in model.named_modules() if type(m) is nn.Linear)
     how = "emulated in high precision" if emulate else "dynamic tensorwise scaling"
     gathered = ", gathered by FSDP2 in FP8" if fsdp_all_gather else ""

@@ -13,7 +13,10 @@ the peak of every tensor alive at once from PyTorch's memory trackers
 
 The plan's recipe (engine.recipe, `trace_plan`'s `recipe` or the workload's fields) runs through the
 worker's own code: the loss in chunks (chunked_loss.TokenLoss) and activation offloading
-(activation_offload, whose offloaded tensors leave the traced device as they leave a GPU).
+(activation_offload, whose offloaded tensors leave the traced device as they leave a GPU), the optimizer step
+in backward (optimizers.OptimizerInBackward: each gradient freed in its hook, so the trace never holds them all)
+and 8-bit AdamW (torchao's own quantized state; its compiled update stood in for by the buffers it allocates:
+`_traced_adamw8bit`).
 
 A model with many blocks is traced twice with a few of them and the per-block
 difference scaled to its layer count, per phase (forward/backward and
@@ -44,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import gc
 import json
 import os
@@ -648,21 +652,29 @@ def _fake_step(built: _Built, workload: dict[str, Any], par: dict[str, Any]) -> 
     params = [p for p in model.parameters() if p.requires_grad]
     host_optimizer = bool(workload.get("optimizer_offload")) and not built.offload
     optimizer: Any
+    in_backward = None
     if host_optimizer:
         from rigpilot.engine.workers.optimizer_offload import HostOffloadedOptimizer
 
         # The worker's: each gradient leaves the GPU in the hook that made it, and the step runs on the host.
         optimizer = HostOffloadedOptimizer(params, lr=1e-4, betas=(0.9, 0.95), device=torch.device("cpu"), rounding=False)
     else:
-        optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95))
+        optimizer, in_backward = _recipe_optimizer(params, workload, stepped_after_backward=bool(ddp_buckets))
     _steady_state(optimizer, params)
+    if in_backward is not None:
+        in_backward.hook()  # from here on each weight steps in its gradient's hook, as the worker's do
 
     micro, seq = int(par.get("micro_batch", 1)), int(workload["seq_len"])
     accum = min(int(par.get("grad_accum", 1)), 2)  # the second micro-batch sees the first one's gradients
     batches = [(torch.randint(vocab, (micro, seq)), torch.randint(vocab, (micro, seq))) for _ in range(accum)]
     # The chunked loss calls the head once per chunk, and again to recompute each: as a pipeline's passes.
     again = built.in_flight > 1 or token_loss.head is not None
-    tracker = _tracker(wrapped if fsdp else model, optimizer, fsdp, built.in_flight, again)
+    if in_backward is None:
+        tracker = _tracker(wrapped if fsdp else model, optimizer, fsdp, built.in_flight, again)
+    else:
+        # FSDPMemTracker follows one optimizer; the plain tracker takes every weight's own.
+        tracker = _tracker(wrapped if fsdp else model, None, fsdp, built.in_flight, again=True)
+        tracker.track_external(*in_backward.optimizers)
     host = HOST_CATEGORIES if built.offload else frozenset()
     if host_optimizer:
         # On the trace's one device the host tensors would count as the GPU's: its master copies and gradient
@@ -673,6 +685,9 @@ def _fake_step(built: _Built, workload: dict[str, Any], par: dict[str, Any]) -> 
             tracker._update_and_maybe_create_winfos(t, _MemRefType.OPT)
         host = HOST_OPTIMIZER
         # The trackers' gradient hooks run after the optimizer's, which has sent the gradient away already.
+        warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
+    if in_backward is not None:
+        # As above: the step's hook has freed the gradient before the trackers' own hook looks for it.
         warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
     gpu = _GpuPeak(tracker, host)
     autocast_on = precision.autocast
@@ -706,7 +721,10 @@ def _fake_step(built: _Built, workload: dict[str, Any], par: dict[str, Any]) -> 
         snapshots["after_backward"] = _categories(tracker, "current")
         cats_fb = gpu.at_peak
         fb = gpu.take()
-        optimizer.step()
+        if in_backward is not None:
+            in_backward.finish_step()  # the weights were stepped in backward: only their norm is left
+        else:
+            optimizer.step()
         cats_opt = gpu.at_peak
         opt = gpu.take()
         snapshots["after_step"] = _categories(tracker, "current")
@@ -815,6 +833,107 @@ def _recipe_step(built: _Built, workload: dict[str, Any]) -> tuple[Any, Any]:
     if offload.enabled:
         offload.store = TracedStore() if detect_fake_mode() is not None else _UntrackedHost()
     return token_loss, offload
+
+
+def _recipe_optimizer(params: list[Any], workload: dict[str, Any], stepped_after_backward: bool) -> tuple[Any, Any]:
+    """The recipe's optimizer as the worker builds it (train.Trainer._new_optimizer), and the worker's
+    OptimizerInBackward when each weight steps in its gradient's hook (else None).
+
+    Under DDP (`stepped_after_backward`) the worker steps the weights one by one after backward: every gradient
+    is held then, as with one optimizer, so the trace steps one. 8-bit AdamW is `_TracedAdamW8bit`: torchao's
+    state, made by torchao's own rule, and its compiled update's buffers (see there).
+    """
+    import torch
+
+    from rigpilot.engine.workers.optimizers import BETAS, OptimizerInBackward
+
+    recipe = Recipe.of(SimpleNamespace(**workload))
+
+    def make(group: list[Any]) -> Any:
+        if recipe.optimizer == "adamw8bit":
+            return _traced_adamw8bit()(group, lr=1e-4, betas=BETAS)
+        return torch.optim.AdamW(group, lr=1e-4, betas=BETAS)
+
+    if not recipe.optimizer_in_backward or stepped_after_backward:
+        return make(params), None
+    in_backward = OptimizerInBackward(params, make, seed=0, rounding=False, device=torch.device("cpu"))
+    return _AllWeights(in_backward.optimizers), in_backward
+
+
+class _AllWeights:
+    """Every weight's own optimizer stepped and zeroed together: the steady state's set-up step."""
+
+    def __init__(self, optimizers: list[Any]) -> None:
+        self.optimizers = optimizers
+
+    def step(self) -> None:
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+
+# torchao's compiled 8-bit update (`single_param_adam`, torch.compile'd per weight), as inductor writes it for
+# a quantized moment pair: two fp32 buffers the size of the weight (the new moments, before they are
+# re-quantized) and two of its block scales (their absolute maxima); the rest is fused and in place.
+EIGHT_BIT_STEP_BUFFERS = (("weight", 2), ("blocks", 2))
+
+
+@functools.cache
+def _traced_adamw8bit() -> type:
+    """The worker's torchao AdamW8bit whose step the trace can run.
+
+    torchao compiles its update per weight, which neither fake tensors nor the memory trackers (dispatch modes)
+    can run. The state is torchao's own: `_new_buffer`, the very call its step makes (OptimState8bit's uint8
+    codes, fp32 block scales and 256-entry code table for a weight of 4096+ values that the block divides; a
+    plain zero tensor else), on fake storage here. The update is stood in for by the buffers the compiled one
+    allocates (EIGHT_BIT_STEP_BUFFERS), one weight at a time as torchao steps them; the moments' values are
+    not computed (a trace has none).
+    """
+    import torch
+    from torch.utils._python_dispatch import _disable_current_modes
+    from torchao.optim.subclass_8bit import get_qmap_signed, get_qmap_unsigned
+
+    from rigpilot.engine.workers.optimizers import _adamw8bit
+
+    # torchao computes its code tables once (cached) with real tensor arithmetic, which fake tensors cannot do.
+    with _disable_current_modes():
+        get_qmap_signed(), get_qmap_unsigned()
+    base = _adamw8bit()
+
+    class TracedAdamW8bit(base):  # type: ignore[misc, valid-type]
+        @torch.no_grad()
+        def step(self, closure: Any = None) -> None:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    state = self.state[p]
+                    if not state:
+                        state["step"] = torch.tensor(0.0)
+                        state["exp_avg"] = self._new_buffer(p, True)
+                        state["exp_avg_sq"] = self._new_buffer(p, False)
+                    state["step"] += 1
+                    _eight_bit_update_buffers(state["exp_avg"])
+
+    return TracedAdamW8bit
+
+
+def _eight_bit_update_buffers(moment: Any) -> None:
+    """Allocate, then free, what the compiled update of one weight holds beside its state."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    local = moment.to_local() if isinstance(moment, DTensor) else moment
+    if not hasattr(local, "codes"):
+        return  # a plain moment's update fuses into in-place kernels
+    sizes = {"weight": local.codes.numel(), "blocks": local.scale.numel()}
+    device = local.codes.device
+    held = [torch.empty(sizes[what], dtype=torch.float32, device=device) for what, n in EIGHT_BIT_STEP_BUFFERS
+            for _ in range(n)]  # fmt: skip
+    del held
 
 
 class _UntrackedHost:

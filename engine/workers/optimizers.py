@@ -16,9 +16,8 @@
   hook (torch's "How to save memory by fusing the optimizer step into the backward pass", torchtune's
   `_register_optim_in_bwd_hooks`), so a gradient is freed as soon as its weight is updated. Under FSDP2 the hook
   fires on the sharded DTensor parameter after its reduce-scatter (FSDP2 calls the sharded parameter's
-  post-accumulate-grad hooks itself). Under DDP the weights are stepped one by one right after backward, the same
-  updates: DDP's all-reduce buckets keep a copy of every gradient whatever steps them, so stepping inside backward
-  would save nothing there (and DDP's own optimizer-in-backward hook needs a GPU stream).
+  post-accumulate-grad hooks itself). DDP's all-reduce buckets keep a copy of every gradient whatever steps them,
+  so stepping inside backward would save nothing there: the engine refuses it under DDP (engine.capability).
 
 Stochastic rounding draws random bits (torchao's `_fp32_to_bf16_sr` calls torch.randint on the default
 generator; compiled, it draws one kernel seed per parameter from it, whatever the tensor's size). Replicas of a
@@ -242,11 +241,6 @@ class OptimizerInBackward:
                 param.grad = None  # the whole point: this gradient is gone before the next one arrives
 
             self.handles.append(p.register_post_accumulate_grad_hook(stepped))
-
-    def step_all(self) -> None:
-        """Step every weight now, in the hooks' order (DDP: after backward, see the module's docstring)."""
-        for s in self.steps:
-            s.step()
 
     def begin_step(self, step: int) -> None:
         self.step = step

@@ -377,13 +377,7 @@ class Trainer:
             self.in_backward = OptimizerInBackward(
                 params, make, seed=s.seed, rounding=self.rounding, device=self.rt.device
             )
-            if self.ddp_after_backward:
-                self.notes.append(
-                    "under DDP each weight is stepped right after backward, not in it: its all-reduce buckets keep "
-                    "every gradient anyway (FSDP frees each as its weight is stepped)"
-                )
-            else:
-                self.in_backward.hook()
+            self.in_backward.hook()  # the contract refuses it under DDP, where it would free nothing
             self.optimizer: Any = self.in_backward
             self.optimizers: list[torch.optim.Optimizer] = self.in_backward.optimizers
             self.scheduler: Any = Schedulers(self.optimizers, schedule)
@@ -438,7 +432,6 @@ class Trainer:
         fsdp = uses_fsdp(dims, offload)
         if skeleton and not fsdp:
             materialize(model, self.loaded, rt.device)  # DDP starts from the values it is given
-        self.ddp_after_backward = not fsdp and dims.dp_replicate > 1  # see _new_optimizer
         self.wrapped = apply_data_parallel(model, rt, self.precision, reshard, cpu_offload=offload)
         if skeleton and fsdp:
             # Each rank allocates and receives its shards only; offloaded shards are allocated in host memory.
@@ -592,8 +585,6 @@ class Trainer:
     def _optimizer_step(self, step: int) -> torch.Tensor:
         """Step the weights (those stepped in backward are done: only their norm is added up) and the LR."""
         if self.in_backward is not None:
-            if self.ddp_after_backward:
-                self.in_backward.step_all()
             norm = self.in_backward.finish_step()
             self.scheduler.step()
             return norm

@@ -97,6 +97,7 @@ def test_what_the_trace_reads_keys_the_cache_and_nothing_else(tiny, cache, tmp_p
         dataclasses.replace(plan, workload=dataclasses.replace(plan.workload, seq_len=128)),
         dataclasses.replace(plan, workload=dataclasses.replace(plan.workload, master_weights="bf16")),
         dataclasses.replace(plan, workload=dataclasses.replace(plan.workload, optimizer="adamw8bit")),
+        dataclasses.replace(plan, workload=dataclasses.replace(plan.workload, optimizer_in_backward=True)),
         dataclasses.replace(plan, workload=dataclasses.replace(plan.workload, method="lora", lora=LoraSettings())),
         dataclasses.replace(plan, parallelism=dataclasses.replace(plan.parallelism, micro_batch=plan.parallelism.micro_batch + 1)),
         dataclasses.replace(plan, parallelism=dataclasses.replace(

@@ -39,6 +39,10 @@ CASES = [
     ),
     (["--optimizer-in-backward", "--grad-clip", "1"], "so it cannot clip: use gradient clipping 0"),
     (["--fp8", "--precision", "bf16"], "this job runs as CPU ranks"),
+    # A switch reads as its flag in a conflict, not "--fp8 True".
+    (["--fp8", "--precision", "fp16"], "rigpilot: error: --fp8 needs --precision bf16 (it is fp16)"),
+    # Under DDP the step in backward frees no gradient: refused, whatever an old job.json asked.
+    (["--optimizer-in-backward", "--grad-clip", "0", "--dp", "2"], "saves no memory under DDP"),
 ]
 
 

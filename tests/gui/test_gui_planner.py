@@ -360,6 +360,11 @@ def test_form_is_saved_and_restored(qtbot, tmp_path):
     other.restore_state(settings, "pages/planner")
     r = other.plan_request()
     assert (r.model, r.method, r.seq_len, r.batch, r.lora_rank) == ("mixtral-8x7b", "lora", 4096, 32, 8)
+    assert r.master_weights is None  # left open, as it was
+    page.set_request(PlanRequest(model="mixtral-8x7b", master_weights="bf16"))
+    page.save_state(settings, "pages/planner")
+    other.restore_state(settings, "pages/planner")
+    assert other.plan_request().master_weights == "bf16"
 
 
 def test_a_plan_the_engine_does_not_run_says_why_and_cannot_be_launched(qtbot):
@@ -622,6 +627,10 @@ def test_bf16_master_weights_are_asked_for_from_the_declaration_and_plan_without
     assert page.workload_form.labelForField(page.master_weights).text() == declared.label
     assert page.master_weights.toolTip() == declared.help
     assert page.master_weights.currentData() == "auto" and page.recipe["loss_chunks"].currentText().startswith("Auto")
+    # What open means comes from each declaration's `searched`: the planner never turns compile or FP8 on.
+    for name in ("compile", "fp8"):
+        box = page.recipe[name]
+        assert [box.itemText(i) for i in range(box.count())] == ["Off: the planner never turns it on", "On"]
     plain = PLAIN
     fp32 = plan_for(qtbot, page, "llama-2-7b", seq_len=2048, batch=16, **plain)
     assert link.requests("plan")[-1]["workload"]["master_weights"] == "fp32"

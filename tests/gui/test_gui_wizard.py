@@ -21,6 +21,7 @@ from rigpilot.app.wizard.data_check import (
     inspect_file,
 )
 from rigpilot.app.wizard.page_base import DATA, GPUS, HYPER, LAUNCH, MODEL, PLAN, REVIEW, TASK
+from rigpilot.app.wizard.pages_plan import FROM_PLAN
 from rigpilot.app.wizard.state import (
     EXAMPLES,
     TINY_DATA,
@@ -770,7 +771,8 @@ def test_a_declared_recipe_choice_gets_its_control_its_check_and_its_flag(qtbot,
     page = wizard.hyper_page
     combo = page.recipe["master_weights"]
     assert combo.objectName() == "masterWeights"
-    assert [combo.itemData(i) for i in range(combo.count())] == ["fp32", "bf16"]
+    assert [combo.itemData(i) for i in range(combo.count())] == [FROM_PLAN, "fp32", "bf16"]
+    assert combo.currentIndex() == 0 and "master_weights" not in wizard.state.pinned_recipe  # the plan's, not pinned
     label = page.train_form.labelForField(combo.parentWidget())  # the row's field: the control over its tip
     assert label is not None and label.text() == TRAIN_SETTINGS["master_weights"].label
     assert combo.toolTip() == TRAIN_SETTINGS["master_weights"].help
@@ -783,6 +785,42 @@ def test_a_declared_recipe_choice_gets_its_control_its_check_and_its_flag(qtbot,
     assert page.fix_button.isVisibleTo(page) and "fp32" in page.fix_button.text()
     page.fix_button.click()
     assert wizard.state.train.master_weights == "fp32" and "needs" not in page.message.text()
+
+
+def test_every_recipe_setting_has_a_control_from_the_plan_until_the_user_changes_it(qtbot, settings):
+    # The hyper-parameters page offers each recipe setting (engine.recipe) from its declaration, "From the plan"
+    # first: taking a plan pins nothing, a choice pins that setting alone, and "From the plan" gives it back.
+    from rigpilot.engine.jobspec.spec import TRAIN_SETTINGS
+    from rigpilot.engine.recipe import RECIPE_SETTINGS
+
+    link, _ = make_link()
+    state = default_state(link.machine)
+    state.kind, state.model, state.method = "finetune", "llama-2-7b", "full"
+    state.set_precision("bf16")
+    wizard = open_wizard(qtbot, link, settings, state=state)
+    go_to(qtbot, wizard, HYPER)
+    page, s = wizard.hyper_page, wizard.state
+    assert s.plan is not None and list(page.recipe) == list(RECIPE_SETTINGS)
+    planned = {name: getattr(s.train, name) for name in RECIPE_SETTINGS}
+    for name, combo in page.recipe.items():
+        label = page.train_form.labelForField(combo.parentWidget())
+        assert label is not None and label.text() == TRAIN_SETTINGS[name].label
+        assert combo.currentData() == FROM_PLAN and combo.currentText().startswith("From the plan: ")
+    assert page.recipe["compile"].currentText() == "From the plan: Off"
+    assert s.pinned_recipe == [] and not set(RECIPE_SETTINGS) & set(s.workload_args())
+    chunks = page.recipe["loss_chunks"]
+    chunks.setCurrentIndex(chunks.findData(16))
+    assert s.pinned_recipe == ["loss_chunks"] and s.train.loss_chunks == 16 and s.workload_args()["loss_chunks"] == 16
+    assert page.overrides().loss_chunks == 16 and page.overrides().compile is None  # only what the user changed
+    compile_box = page.recipe["compile"]
+    compile_box.setCurrentIndex(compile_box.findData(True))
+    assert s.train.compile and "--compile" in s.command() and s.pinned_recipe == ["loss_chunks", "compile"]
+    chunks.setCurrentIndex(0)  # back to the planner's choice
+    assert s.pinned_recipe == ["compile"] and s.train.loss_chunks == planned["loss_chunks"]
+    assert "loss_chunks" not in s.workload_args()
+    # Opened again, the page shows the pin and the plan's choice as they are.
+    page.initializePage()
+    assert compile_box.currentData() is True and chunks.currentData() == FROM_PLAN
 
 
 def test_a_plan_made_for_bf16_master_weights_opens_the_wizard_with_them(qtbot, settings):

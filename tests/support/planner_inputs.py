@@ -5,7 +5,7 @@ from typing import Any
 from rigpilot.engine.models.spec import Linear, ModelSpec
 from rigpilot.engine.planner.calibration import SCHEMA
 from rigpilot.engine.planner.plan import Workload
-from rigpilot.engine.planner.recipes import PLAIN_RECIPE
+from rigpilot.engine.recipe import PLAIN_RECIPE
 
 H100 = "NVIDIA H100 80GB HBM3"
 

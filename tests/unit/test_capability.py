@@ -12,7 +12,7 @@ from rigpilot.engine.hardware.simulated import list_profiles, load_profile
 from rigpilot.engine.jobs.submission import describe, prepare
 from rigpilot.engine.layout import Layout
 from rigpilot.engine.models import describe_model
-from rigpilot.engine.planner.plan import LoraSettings, Parallelism, Workload
+from rigpilot.engine.planner.plan import LoraSettings, Parallelism, Plan, Workload
 from rigpilot.engine.planner.search import SearchOptions, search
 
 from support.paths import REPO
@@ -105,3 +105,90 @@ def test_pure_bf16_with_cpu_offload_runs_on_one_rank_only() -> None:
     assert why is not None and "use fp32 master weights with CPU offload" in why and "\n" not in why
     assert recipe_why_not(pure, one, RecipeContext()) is None
     assert recipe_why_not(Recipe(), two, RecipeContext()) is None
+
+
+def test_the_optimizer_step_in_backward_is_refused_under_ddp_only() -> None:
+    """DDP's all-reduce buckets keep every gradient to the end of backward, so stepping each weight early frees
+    nothing there: the contract refuses it, while one GPU and FSDP2 (and HSDP, tensor parallel: FSDP2's) run it."""
+    from rigpilot.engine.capability import RecipeContext, recipe_why_not
+    from rigpilot.engine.recipe import Recipe
+
+    oib = Recipe(optimizer_in_backward=True)
+    why = recipe_why_not(oib, Layout(dp_replicate=2), RecipeContext())
+    assert why is not None and "saves no memory under DDP" in why and "--fsdp" in why and "\n" not in why
+    for runs in (Layout(), Layout(dp_shard=2), Layout(dp_replicate=2, dp_shard=2), Layout(tp=2),
+                 Layout(dp_replicate=2, tp=2)):  # fmt: skip
+        assert recipe_why_not(oib, runs, RecipeContext()) is None, runs
+    assert recipe_why_not(Recipe(), Layout(dp_replicate=2), RecipeContext()) is None
+
+
+def test_an_old_job_json_asking_for_the_step_in_backward_under_ddp_is_refused_at_submission(tmp_path: Path) -> None:
+    """A job.json written before the refusal (DDP with the step in backward) gets the contract's one coded line."""
+    spec = {
+        "kind": "train", "model": "llama-2-7b", "parallelism": {"dp_replicate": 2},
+        "train": {"method": "scratch", "dataset": [str(SHAKESPEARE)], "optimizer_in_backward": True, "grad_clip": 0.0},
+    }  # fmt: skip
+    with pytest.raises(UserError) as e:
+        prepare(spec, None, str(tmp_path), job_id="old", machine=load_profile("4x-rtx4090"), max_cpu_ranks=2)
+    assert e.value.reason == "recipe_refused" and "saves no memory under DDP" in str(e.value)
+    assert e.value.fields == {"setting": "train.optimizer_in_backward", "value": True}
+    spec["parallelism"] = {"dp_shard": 2}  # FSDP2 frees each gradient as its weight steps: it runs
+    prepare(spec, None, str(tmp_path), job_id="new", machine=load_profile("4x-rtx4090"), max_cpu_ranks=2)
+    del spec["parallelism"]  # no degrees given: FSDP2 over every rank rather than the refused DDP, and it says so
+    sub = prepare(spec, None, str(tmp_path), job_id="auto", machine=load_profile("4x-rtx4090"), max_cpu_ranks=2)
+    assert (sub.spec.parallelism.dp_replicate, sub.spec.parallelism.dp_shard) == (1, 2)
+    assert any("FSDP2 over the 2 ranks" in n for n in sub.notes), sub.notes
+    spec["train"]["optimizer_in_backward"] = False  # without it, the default stays plain DDP
+    sub = prepare(spec, None, str(tmp_path), job_id="ddp", machine=load_profile("4x-rtx4090"), max_cpu_ranks=2)
+    assert (sub.spec.parallelism.dp_replicate, sub.spec.parallelism.dp_shard) == (2, 1)
+
+
+def test_the_planner_never_proposes_the_step_in_backward_under_ddp() -> None:
+    """The search asks the same contract: left open, it adds the step in backward on FSDP2 or one GPU only; pinned,
+    a DDP plan with it is shown as one the engine refuses, never as the best."""
+    machine = load_profile("4x-rtx4090")
+    for w in (Workload(model="llama-2-7b"), Workload(model="llama-2-7b", optimizer_in_backward=True)):
+        d = search(describe_model("llama-2-7b"), machine, w, options=SearchOptions()).to_dict()
+        assert d["best"] is not None and d["best"]["runs_here"]
+        for plan in [d["best"], *d["runners_up"]]:
+            lt = Layout.from_plan(Plan.from_dict(plan))
+            ddp = lt.dp_replicate > 1 and lt.dp_shard == 1 and lt.tp == 1 and lt.pp == 1
+            if plan["workload"]["optimizer_in_backward"] and ddp:
+                assert not plan["runs_here"] and "under DDP" in plan["runs_here_reason"], plan["parallelism"]
+    # What the search asks of each layout (engine.planner.plan.refusal_of): a DDP plan with it does not run, so the
+    # ladder skips the technique there; an FSDP2 plan of the same GPUs runs it.
+    from rigpilot.engine.planner.plan import refusal_of
+
+    oib = Workload(model="llama-2-7b", optimizer_in_backward=True)
+    ddp = Parallelism(gpu_indices=[0, 1], dp=2, zero_stage=0, backend="ddp", micro_batch=1, grad_accum=1)
+    fsdp = Parallelism(gpu_indices=[0, 1], dp=2, zero_stage=3, shard_degree=2, backend="fsdp", micro_batch=1, grad_accum=1)
+    assert "saves no memory under DDP" in refusal_of(ddp, oib, "llama")
+    assert refusal_of(fsdp, oib, "llama") == "" and refusal_of(ddp, Workload(model="llama-2-7b"), "llama") == ""
+
+
+def test_loss_chunks_of_a_model_without_an_output_head_are_refused_at_submission(tmp_path: Path) -> None:
+    """The submission reads the model's config.json as the planner does (engine.models.formulas.is_decoder) and
+    asks the contract, so an encoder's chunked loss is refused before a rank loads it."""
+    from rigpilot.engine.capability import RecipeContext, recipe_why_not
+    from rigpilot.engine.models.formulas import is_decoder
+    from rigpilot.engine.recipe import Recipe
+
+    from support.paths import minilm_folder
+
+    chunked = Recipe(loss_chunks=4)
+    why = recipe_why_not(chunked, Layout(), RecipeContext(decoder=False))
+    assert why == "loss chunks apply a decoder's output head a chunk at a time; this model has none: use loss chunks 1"
+    assert recipe_why_not(chunked, Layout(), RecipeContext()) is None
+    assert recipe_why_not(Recipe(), Layout(), RecipeContext(decoder=False)) is None
+    assert not is_decoder({"model_type": "bert", "architectures": ["BertForMaskedLM"]})
+    assert is_decoder({"model_type": "llama", "architectures": ["LlamaForCausalLM"]})
+    assert not is_decoder({"model_type": "t5-like", "architectures": ["SomeEncoderModel"]})
+    assert describe_model("llama-2-7b").is_decoder
+    spec = {"kind": "train", "model": str(minilm_folder()),
+            "train": {"dataset": [str(SHAKESPEARE)], "seq_len": 32, "loss_chunks": 4}}  # fmt: skip
+    with pytest.raises(UserError) as e:
+        prepare(spec, None, str(tmp_path), job_id="enc", machine=load_profile("4x-rtx4090"), max_cpu_ranks=1)
+    assert str(e.value) == why and e.value.reason == "recipe_refused"
+    assert e.value.fields == {"setting": "train.loss_chunks", "value": 4}
+    spec["train"]["loss_chunks"] = 1
+    prepare(spec, None, str(tmp_path), job_id="enc1", machine=load_profile("4x-rtx4090"), max_cpu_ranks=1)

@@ -24,8 +24,8 @@ from rigpilot.engine.planner.export import (
     torchrun_command,
 )
 from rigpilot.engine.planner.plan import Workload
-from rigpilot.engine.planner.recipes import PLAIN_RECIPE
 from rigpilot.engine.planner.search import SearchOptions, search
+from rigpilot.engine.recipe import PLAIN_RECIPE
 
 from support.planner_inputs import PLAIN_FLAGS
 

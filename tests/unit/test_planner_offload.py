@@ -17,7 +17,6 @@ from rigpilot.engine.planner.links import Topology
 from rigpilot.engine.planner.memory import HOST_BYTES_PER_RANK, MemoryModel, plan_memory
 from rigpilot.engine.planner.model import model_facts
 from rigpilot.engine.planner.plan import LoraSettings, Parallelism, Workload
-from rigpilot.engine.planner.recipes import PLAIN_RECIPE
 from rigpilot.engine.planner.speed import (
     CPU_OPTIMIZER_BYTES,
     DEEPSPEED_CPU_ADAM_BYTES,
@@ -25,6 +24,7 @@ from rigpilot.engine.planner.speed import (
     HOST_STREAM_PER_CORE_GBS,
     SpeedModel,
 )
+from rigpilot.engine.recipe import PLAIN_RECIPE
 
 from support.planner_inputs import llama
 

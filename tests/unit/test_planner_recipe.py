@@ -222,7 +222,7 @@ def test_each_technique_changes_the_memory_it_should():
     """Term by term, on Llama-3.1-8B on one GPU: what each recipe setting removes, and nothing else."""
     from rigpilot.engine.planner.memory import ADAMW8BIT_BYTES, OFFLOAD_WINDOW_LAYERS
     from rigpilot.engine.planner.plan import Parallelism
-    from rigpilot.engine.planner.recipes import PLAIN_RECIPE
+    from rigpilot.engine.recipe import PLAIN_RECIPE
 
     par = Parallelism(gpu_indices=[0], backend="single", micro_batch=1, grad_accum=1, checkpointing="none")
     base = Workload(model="m", **PLAIN_RECIPE)
@@ -270,8 +270,8 @@ def test_activation_offload_costs_only_what_compute_cannot_hide():
     from rigpilot.engine.planner.memory import MemoryModel
     from rigpilot.engine.planner.model import model_facts
     from rigpilot.engine.planner.plan import Parallelism
-    from rigpilot.engine.planner.recipes import PLAIN_RECIPE
     from rigpilot.engine.planner.speed import SpeedModel
+    from rigpilot.engine.recipe import PLAIN_RECIPE
 
     facts = model_facts(describe_model("llama-3.1-8b"))
     topo = Topology(load_profile("1x-rtx4090"), [0], None)
@@ -301,8 +301,8 @@ def test_the_optimizer_state_in_host_memory_moves_it_and_costs_the_copies_and_th
     from rigpilot.engine.planner.memory import STAGING_BUFFERS
     from rigpilot.engine.planner.model import model_facts
     from rigpilot.engine.planner.plan import Parallelism
-    from rigpilot.engine.planner.recipes import PLAIN_RECIPE
     from rigpilot.engine.planner.speed import SpeedModel
+    from rigpilot.engine.recipe import PLAIN_RECIPE
 
     pure = {**PLAIN_RECIPE, "master_weights": "bf16"}
     par = Parallelism(gpu_indices=[0], backend="single", micro_batch=1, grad_accum=1, checkpointing="full")

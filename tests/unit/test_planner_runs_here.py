@@ -12,8 +12,8 @@ from rigpilot.engine.cli.plan import render_text
 from rigpilot.engine.hardware.simulated import load_profile
 from rigpilot.engine.models.describe import describe_model
 from rigpilot.engine.planner.plan import LoraSettings, Plan, Workload, refusal
-from rigpilot.engine.planner.recipes import PLAIN_RECIPE
 from rigpilot.engine.planner.search import SearchOptions, search
+from rigpilot.engine.recipe import PLAIN_RECIPE
 
 from support.paths import REPO
 

@@ -13,7 +13,6 @@ from rigpilot.engine.hardware.machine import Host, Machine, Source
 from rigpilot.engine.hardware.simulated import load_profile
 from rigpilot.engine.planner.links import Topology
 from rigpilot.engine.planner.plan import LoraSettings, Workload
-from rigpilot.engine.planner.recipes import PLAIN_RECIPE
 from rigpilot.engine.planner.search import (
     MAX_BATCH,
     OFFLOAD_MARGIN,
@@ -23,6 +22,7 @@ from rigpilot.engine.planner.search import (
     _stage_layers,
     search,
 )
+from rigpilot.engine.recipe import PLAIN_RECIPE
 
 from support.planner_inputs import llama, train
 

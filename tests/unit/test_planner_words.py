@@ -17,9 +17,9 @@ from rigpilot.engine.models import describe_model
 from rigpilot.engine.planner import cluster, links
 from rigpilot.engine.planner.export import slurm_script
 from rigpilot.engine.planner.plan import LoraSettings, Plan, Workload
-from rigpilot.engine.planner.recipes import PLAIN_RECIPE
 from rigpilot.engine.planner.search import SearchOptions, search
 from rigpilot.engine.planner.settings import PLAN_SETTINGS, say
+from rigpilot.engine.recipe import PLAIN_RECIPE
 from rigpilot.engine.schema import Ref, Style, terms_of, worded
 
 PLANNER = Path(links.__file__).parent

@@ -112,6 +112,26 @@ def test_refusals_carry_a_reason_and_the_facts() -> None:
     assert caught.value.fields == {"setting": "max_restarts", "value": 101, "lo": 0, "hi": 100}
 
 
+def test_a_switch_in_a_conflict_reads_as_its_flag_not_as_true_or_false() -> None:
+    """`--fp8 needs --precision bf16`, never `--fp8 True needs …`: the CLI words the code and fields."""
+    from rigpilot.engine.cli import refusals
+
+    error = TRAIN_SETTINGS["fp8"].conflict(TrainSettings(fp8=True, precision="fp16"))
+    assert error is not None and error.reason == "conflicting_settings"
+    assert str(error) == "fp8 needs precision=bf16 (it is fp16)"  # the engine's own sentence, for other clients
+    assert refusals.words(error) == "--fp8 needs --precision bf16 (it is fp16)"
+    assert TRAIN_SETTINGS["fp8"].conflict(TrainSettings(fp8=False, precision="fp16")) is None
+    # A switch that is off, and a switch on the other side, in the words the flag declaration allows (no --no- form).
+    assert schema.flag_phrase(TRAIN_SETTINGS["fp8"], False) == "without --fp8"
+    assert schema.flag_phrase(TRAIN_SETTINGS["fp8"], "True") == "--fp8"  # `requires` declares values as strings
+    off = UserError("x", reason="conflicting_settings", setting="train.precision", value="fp16", other="train.fp8",
+                    needs="False", found=True)  # fmt: skip
+    assert refusals.words(off) == "--precision fp16 needs without --fp8 (it is on)"
+    # Settings with values keep their flag and value.
+    mw = TRAIN_SETTINGS["master_weights"].conflict(TrainSettings(master_weights="bf16", precision="fp32"))
+    assert mw is not None and refusals.words(mw) == "--master-weights bf16 needs --precision bf16 (it is fp32)"
+
+
 def test_the_cli_gives_the_spec_the_settings_it_was_given_and_no_others() -> None:
     args = build_parser().parse_args(shlex.split(
         "run train --model tiny --data a.txt --data b.txt --seq 64 --micro-batch 2 --lr 1e-3 --checkpointing full "

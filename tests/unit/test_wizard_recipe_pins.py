@@ -27,3 +27,24 @@ def test_a_setting_the_user_chose_is_pinned_and_remembered() -> None:
     assert state.workload_args()["optimizer"] == "adamw8bit"
     again = WizardState.from_json(state.to_json())
     assert again.pinned_recipe == ["optimizer"] and again.workload_args()["optimizer"] == "adamw8bit"
+
+
+def test_a_setting_given_back_to_the_planner_takes_the_plans_choice_again() -> None:
+    state = WizardState(kind="finetune", model="llama-3.1-8b", method="full")
+    state.take_plan(_plan({"loss_chunks": 8, "compile": False}))
+    state.pin_recipe("loss_chunks", 16)
+    # The re-checked plan carries the pin: it is the user's value, not the planner's choice.
+    state.take_plan(_plan({"loss_chunks": 16, "compile": False}))
+    assert state.planned_recipe["loss_chunks"] == 8
+    state.unpin_recipe("loss_chunks")
+    assert state.pinned_recipe == [] and state.train.loss_chunks == 8 and "loss_chunks" not in state.workload_args()
+    state.pin_recipe("fp8", True)
+    state.unpin_recipe("fp8")  # no plan said: the engine's default
+    assert state.train.fp8 is False
+
+
+def test_a_copy_of_the_state_has_its_own_pins() -> None:
+    state = WizardState(kind="finetune", model="llama-3.1-8b", method="full")
+    copy = state.copy()
+    copy.pin_recipe("optimizer", "adamw8bit")
+    assert state.pinned_recipe == [] and copy.pinned_recipe == ["optimizer"]

@@ -192,13 +192,11 @@ def test_pure_bf16_with_the_step_in_backward_trains_what_a_plain_loop_with_per_w
 
 
 @pytest.mark.slow
-def test_ddp_replicas_step_8bit_adamw_per_weight_as_the_plain_loop_with_hooks_does(root: Path) -> None:
-    """DDP's buckets hold every gradient anyway: the per-weight optimizers step right after backward, the same
-    updates as in the plain loop's hooks, and the job says why."""
-    case = {"optimizer": "adamw8bit", "optimizer_in_backward": True}
+def test_ddp_replicas_step_8bit_adamw_as_the_plain_loop_does(root: Path) -> None:
+    """8-bit moments on DDP replicas (the step in backward is refused there: DDP's buckets hold every gradient)."""
+    case = {"optimizer": "adamw8bit"}
     job = job_of(root, "ddp", {"dp_replicate": 2}, 2, **case)
     assert_follows(job, plain_loop(case), rel=1e-4)
-    assert any("under DDP each weight is stepped right after backward" in n for n in notes_of(job))
     assert_resumes_bit_exactly(job)
 
 
@@ -254,6 +252,7 @@ def test_the_rounding_bits_are_seeded_per_step_and_weight_and_leave_the_jobs_gen
         (Recipe(optimizer_in_backward=True), Layout(), RecipeContext(grad_accum=2), "train.optimizer_in_backward"),
         (Recipe(optimizer_in_backward=True), Layout(), RecipeContext(grad_clip=1.0), "train.optimizer_in_backward"),
         (Recipe(optimizer_in_backward=True), Layout(pp=2), RecipeContext(), "train.optimizer_in_backward"),
+        (Recipe(optimizer_in_backward=True), Layout(dp_replicate=2), RecipeContext(), "train.optimizer_in_backward"),
         (Recipe(optimizer="adamw8bit"), Layout(dp_shard=2, cpu_offload=True), RecipeContext(), "train.optimizer"),
         (Recipe(master_weights="bf16"), Layout(), RecipeContext(precision="fp32"), "train.master_weights"),
     ],
@@ -273,7 +272,23 @@ def test_every_combination_of_the_optimizer_settings_runs_on_data_and_tensor_par
     for layout in layouts:
         for optimizer in ("adamw", "adamw8bit"):
             for master in ("fp32", "bf16"):
-                # Pipeline stages step after backward only (their micro-batches accumulate).
-                for in_backward in (False,) if layout.pp > 1 else (False, True):
+                # Pipeline stages step after backward only (their micro-batches accumulate); DDP's buckets keep
+                # every gradient, so a step in backward would free none.
+                ddp = layout.dp_replicate > 1 and layout.dp_shard == 1 and layout.tp == 1
+                for in_backward in (False,) if layout.pp > 1 or ddp else (False, True):
                     recipe = Recipe(master_weights=master, optimizer=optimizer, optimizer_in_backward=in_backward)
                     check_recipe(recipe, layout, RecipeContext(cpu_ranks=True))
+
+
+def test_a_job_json_asking_for_the_step_in_backward_under_ddp_stops_on_the_rank_in_one_line() -> None:
+    """A job written before the contract refused it (queued, or resumed) meets the same refusal on its rank,
+    before a step runs, not the special DDP path it once took."""
+    from rigpilot.engine.jobspec.spec import JobSpec
+    from rigpilot.engine.workers.train import validate_recipe
+
+    spec = JobSpec.from_dict({"id": "old", "kind": "train", "model": "tiny", "parallelism": {"dp_replicate": 2},
+                              "train": {"optimizer_in_backward": True, "grad_clip": 0.0}})  # fmt: skip
+    with pytest.raises(UserError) as e:
+        validate_recipe(spec, torch.device("cpu"))
+    assert "saves no memory under DDP" in str(e.value) and "\n" not in str(e.value)
+    assert e.value.fields == {"setting": "train.optimizer_in_backward", "value": True}
