@@ -18,13 +18,14 @@ in backward (optimizers.OptimizerInBackward: each gradient freed in its hook, so
 and 8-bit AdamW (torchao's own quantized state; its compiled update stood in for by the buffers it allocates:
 `_traced_adamw8bit`).
 
-A model with many blocks is traced with 3 and 5 of them and the per-block
+A model with many blocks is traced twice with a few of them and the per-block
 difference scaled to its layer count, per phase (forward/backward and
 optimizer step): block memory is linear in the block count once there is a
-middle block (with 2, no block's backward has a neighbour's all-gather
+middle block under FSDP (with 2, no block's backward has a neighbour's all-gather
 prefetched and another's reduce-scatter in flight, as every deeper FSDP
-model's peak has), and a difference of 2 keeps alternating layer patterns
-(Gemma's sliding and global layers) whole.
+model's peak has). Blocks all alike (Llama, Mistral, Qwen) are traced with 3 and 4
+under FSDP, 2 and 3 without; others with 3 and 5, a difference of 2 keeping
+alternating layer patterns (Gemma's sliding and global layers) whole.
 
 What it does not see: the CUDA context, NCCL and the allocator's reserve
 (the plan's `overhead`, added back by the caller), and collectives' own
@@ -64,6 +65,9 @@ from rigpilot.engine.recipe import Recipe
 
 WHOLE_MODEL_LAYERS = 4  # up to this many blocks the whole model is traced
 SCALE_FROM = (3, 5)  # else traced with this many blocks and scaled to the layer count
+# Model types whose blocks are all alike unless their config's layer_types says otherwise: one block's
+# difference is the per-block memory, so these are traced with fewer blocks (`_block_counts`).
+UNIFORM_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 
 class NotTraced(Exception):
@@ -99,15 +103,16 @@ def trace_plan(plan: dict[str, Any], trust_remote_code: bool = False, recipe: Re
     layout = Layout.from_plan(parallelism_from_dict(par))
     config = _load_config(workload["model"], trust_remote_code)
     layers = _num_layers(config)
+    counts = _block_counts(config, layout)
     if layout.pp > 1:
-        return _trace_pipeline(config, layers, workload, par, layout, trust_remote_code, started)
+        return _trace_pipeline(config, layers, workload, par, layout, trust_remote_code, started, counts)
     if layers <= WHOLE_MODEL_LAYERS:
         phases = _trace_step(config, layers, workload, par, layout, trust_remote_code)
         method = f"whole model ({layers} blocks)"
     else:
-        low, high = (_trace_step(config, n, workload, par, layout, trust_remote_code) for n in SCALE_FROM)
-        phases = _extrapolate(low, high, SCALE_FROM, layers)
-        method = f"{SCALE_FROM[0]} and {SCALE_FROM[1]} of {layers} blocks traced, scaled to {layers}"
+        low, high = (_trace_step(config, n, workload, par, layout, trust_remote_code) for n in counts)
+        phases = _extrapolate(low, high, counts, layers)
+        method = f"{counts[0]} and {counts[1]} of {layers} blocks traced, scaled to {layers}"
     return {
         "ok": True,
         "peak": phases.peak,
@@ -126,9 +131,10 @@ def _trace_pipeline(
     layout: Layout,
     trust_remote_code: bool,
     started: float,
+    counts: tuple[int, int] = SCALE_FROM,
 ) -> dict[str, Any]:
     """Each kind of stage traced on its own: the first (embedding, the most micro-batches in flight),
-    the last (head and loss), and the second as the fullest of the middle ones."""
+    the last (head and loss), and the second as the fullest of the middle ones; `counts` blocks per stage."""
     from rigpilot.engine.workers.pipeline import stage_layer_ranges
 
     pp = layout.pp
@@ -142,12 +148,12 @@ def _trace_pipeline(
             peaks[s] = _trace_step(config, layers, workload, stage_par, layout, trust_remote_code)
             continue
         # n blocks on every stage: a model of n × stages blocks, evenly split as DecoderStage splits it.
-        low, high = (_trace_step(config, n * pp, workload, stage_par, layout, trust_remote_code) for n in SCALE_FROM)
+        low, high = (_trace_step(config, n * pp, workload, stage_par, layout, trust_remote_code) for n in counts)
         first, end = ranges[s]
-        peaks[s] = _extrapolate(low, high, SCALE_FROM, end - first)
+        peaks[s] = _extrapolate(low, high, counts, end - first)
     per_stage = {s: peaks[s if s in peaks else 1].peak for s in range(pp)}
     worst = max(peaks.values(), key=lambda ph: ph.peak)
-    how = "whole stages" if whole else f"{SCALE_FROM[0]} and {SCALE_FROM[1]} blocks per stage, scaled"
+    how = "whole stages" if whole else f"{counts[0]} and {counts[1]} blocks per stage, scaled"
     return {
         "ok": True,
         "peak": worst.peak,
@@ -191,6 +197,27 @@ def _num_layers(config: Any) -> int:
     if not isinstance(n, int) or n < 1:
         raise NotTraced(f"model type {config.model_type!r}: its config has no num_hidden_layers to trace")
     return n
+
+
+def _block_counts(config: Any, layout: Layout) -> tuple[int, int]:
+    """How many blocks the two scaled traces have: the fewest whose difference is exactly the per-block memory.
+
+    Under FSDP the smaller needs a middle block (with 2, no block's backward has a neighbour's all-gather
+    prefetched and another's reduce-scatter in flight); without it, nothing crosses blocks and 2 will do.
+    Blocks all alike differ by one; others (Gemma's sliding and global layers, MoE models' dense first
+    layers) keep SCALE_FROM, whose difference of 2 keeps an alternating pattern whole.
+    """
+    from rigpilot.engine.workers.parallel_dims import ParallelDims
+    from rigpilot.engine.workers.parallelize import uses_fsdp
+
+    types = getattr(config, "layer_types", None)
+    alike = getattr(config, "model_type", None) in UNIFORM_MODEL_TYPES and (
+        not isinstance(types, list) or len(set(types)) <= 1
+    )
+    if not alike:
+        return SCALE_FROM
+    low = 3 if uses_fsdp(ParallelDims.from_layout(layout, layout.world_size), layout.cpu_offload) else 2
+    return low, low + 1
 
 
 def _with_layers(config: Any, n: int) -> Any:
@@ -633,11 +660,7 @@ def _fake_step(built: _Built, workload: dict[str, Any], par: dict[str, Any]) -> 
         optimizer = HostOffloadedOptimizer(params, lr=1e-4, betas=(0.9, 0.95), device=torch.device("cpu"), rounding=False)
     else:
         optimizer, in_backward = _recipe_optimizer(params, workload, stepped_after_backward=bool(ddp_buckets))
-    # Steady state: the optimizer's moments exist before the step begins, as from the second step on.
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    _steady_state(optimizer, params)
     if in_backward is not None:
         in_backward.hook()  # from here on each weight steps in its gradient's hook, as the worker's do
 
@@ -710,6 +733,33 @@ def _fake_step(built: _Built, workload: dict[str, Any], par: dict[str, Any]) -> 
     if ddp_buckets:
         cats["DDP gradient buckets"] = ddp_buckets
     return Phases(fb + ddp_buckets, opt + ddp_buckets, cats, snapshots)
+
+
+def _steady_state(optimizer: Any, params: list[Any]) -> None:
+    """The optimizer's state as it is from the second step on, before the traced step begins.
+
+    torch's AdamW gets its state as its first step makes it (`_init_group`: a step count and two moments
+    per parameter) without that step's arithmetic, a third of a trace's optimizer ops; any other optimizer
+    takes a step on zero gradients.
+    """
+    import torch
+    from torch.optim.optimizer import _get_scalar_dtype
+
+    plain = type(optimizer) is torch.optim.AdamW and not any(
+        group.get(k) for group in optimizer.param_groups for k in ("amsgrad", "capturable", "fused", "differentiable")
+    )
+    if plain:
+        for p in params:
+            optimizer.state[p] = {
+                "step": torch.tensor(1.0, dtype=_get_scalar_dtype(), device="cpu"),
+                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+            }
+        return
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def _stage_passes(
@@ -911,9 +961,10 @@ def _tracker(module: Any, optimizer: Any, fsdp: bool, in_flight: int = 1, again:
     if fsdp and not again:
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-        return FSDPMemTracker(module, optimizer)
+        return _lean(FSDPMemTracker)(module, optimizer)
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    MemTracker = _lean(MemTracker)
     if again:
         MemTracker = _tolerant(MemTracker)
 
@@ -929,6 +980,27 @@ def _tracker(module: Any, optimizer: Any, fsdp: bool, in_flight: int = 1, again:
     tracker = Tracker()
     tracker.track_external(module, optimizer)
     return tracker
+
+
+def _lean(base: type) -> type:
+    """A tracker that keeps the whole device's peak after each op, and not every module's.
+
+    The trackers' per-module peaks walk every module the tracker has seen after every op (a LoRA model's
+    hundreds of adapter modules: most of a trace's time), and the trace reads none of them: its figures are
+    the device's totals (`_GpuPeak`, `_categories`), which this keeps as the tracker keeps them.
+    """
+
+    def update_peak_stats(self: Any, peak_state: Any) -> None:
+        from copy import deepcopy
+
+        from torch.distributed._tools.mem_tracker import _TOTAL_KEY
+
+        for dev, dev_snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
+                self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
+                self._peak_mem_snap[dev] = deepcopy(dev_snap)
+
+    return type(f"Lean{base.__name__}", (base,), {"_update_peak_stats": update_peak_stats})
 
 
 def _tolerant(base: type) -> type:
@@ -1086,6 +1158,16 @@ def _one(plan: dict[str, Any], trust_remote_code: bool) -> dict[str, Any]:
 
         traceback.print_exc()
         return {"ok": False, "reason": _one_line(e)}
+    finally:
+        _settle()
+
+
+def _settle() -> None:
+    """After a trace: its garbage collected, and what stays (the model code its first trace imported) frozen as
+    `_warm_imports` freezes torch, so that each later trace's collections (see _collector_paused) scan only
+    its own objects."""
+    gc.collect()
+    gc.freeze()
 
 
 def _die_with_parent() -> None:

@@ -1,0 +1,122 @@
+"""The fast trace (fewer blocks, AdamW's state made without a step) against the whole model and the old counts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rigpilot.engine.layout import Layout
+
+# Big enough that the weights, not the framework's fixed buffers, make the peak; fake tensors cost nothing.
+LLAMA = {
+    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 1024, "intermediate_size": 2816,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "num_hidden_layers": 8, "vocab_size": 8000,
+    "max_position_embeddings": 1024, "tie_word_embeddings": False,
+}  # fmt: skip
+BLOCKS = LLAMA["num_hidden_layers"]
+
+
+def _config(tmp_path: Path, **extra: object):
+    from rigpilot.engine.workers import memtrace
+
+    folder = tmp_path / "llama"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({**LLAMA, **extra}))
+    return str(folder), memtrace._load_config(str(folder), False)
+
+
+def _workload(model: str, **recipe: object) -> dict:
+    return {"model": model, "task": "train", "method": "full", "precision": "bf16", "seq_len": 128, "lora": None,
+            **recipe}  # fmt: skip
+
+
+CASES = [
+    # FSDP over 2 with a second micro-batch and full checkpointing: the fewer blocks are 3 and 4.
+    ({"dp_shard": 2}, {"micro_batch": 2, "grad_accum": 2, "checkpointing": "full"}, {}),
+    # One device, pure bf16, the loss in chunks and activations offloaded: 2 and 3.
+    ({}, {"micro_batch": 2, "grad_accum": 1, "checkpointing": "full"},
+     {"master_weights": "bf16", "loss_chunks": 4, "activation_offload": True}),
+    # Tensor parallel with sequence parallelism, no checkpointing: 2 and 3.
+    ({"tp": 2, "sequence_parallel": True}, {"micro_batch": 1, "grad_accum": 1, "checkpointing": "none"}, {}),
+]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("mesh", "par", "recipe"), CASES, ids=["fsdp", "single-recipe", "tp-sp"])
+def test_fewer_blocks_give_the_old_counts_figures_and_the_whole_models(tmp_path, mesh, par, recipe):
+    from rigpilot.engine.workers import memtrace
+
+    model, config = _config(tmp_path)
+    workload, layout = _workload(model, **recipe), Layout.from_dict(mesh)
+    counts = memtrace._block_counts(config, layout)
+    assert counts == ((3, 4) if "dp_shard" in mesh else (2, 3))
+
+    def scaled(pair: tuple[int, int]):
+        low, high = (memtrace._trace_step(config, n, workload, par, layout, False) for n in pair)
+        return memtrace._extrapolate(low, high, pair, BLOCKS)
+
+    fast, old = scaled(counts), scaled(memtrace.SCALE_FROM)
+    assert (fast.forward_backward, fast.optimizer, fast.categories) == (old.forward_backward, old.optimizer,
+                                                                        old.categories)  # fmt: skip
+    whole = memtrace._trace_step(config, BLOCKS, workload, par, layout, False)
+    assert fast.peak == pytest.approx(whole.peak, rel=0.005)
+    assert fast.optimizer == pytest.approx(whole.optimizer, rel=0.005)
+
+
+@pytest.mark.slow
+def test_a_pipeline_stage_traced_with_fewer_blocks_gives_the_old_counts_figures(tmp_path):
+    from rigpilot.engine.workers import memtrace
+
+    model, config = _config(tmp_path, num_hidden_layers=12)
+    layout = Layout.from_dict({"pp": 2, "pp_microbatches": 4})
+    par = {"micro_batch": 1, "grad_accum": 4, "checkpointing": "selective"}
+    counts = memtrace._block_counts(config, layout)
+    assert counts == (2, 3)
+    fast, old = (
+        memtrace._trace_pipeline(config, 12, _workload(model), par, layout, False, 0.0, pair)
+        for pair in (counts, memtrace.SCALE_FROM)
+    )
+    assert (fast["peak"], fast["stages"], fast["phases"]) == (old["peak"], old["stages"], old["phases"])
+
+
+def test_blocks_not_all_alike_keep_the_difference_of_two(tmp_path):
+    from rigpilot.engine.workers import memtrace
+
+    _, config = _config(tmp_path, layer_types=["sliding_attention", "full_attention"] * 4)
+    assert memtrace._block_counts(config, Layout.from_dict({"dp_shard": 2})) == memtrace.SCALE_FROM
+    assert memtrace._block_counts(config, Layout()) == memtrace.SCALE_FROM
+    _, config = _config(tmp_path, layer_types=["full_attention"] * 8)
+    assert memtrace._block_counts(config, Layout()) == (2, 3)
+    config.model_type = "deepseek_v3"  # dense first layers, then experts: not known to be alike
+    assert memtrace._block_counts(config, Layout()) == memtrace.SCALE_FROM
+    # FSDP2's CPU offload is FSDP on one rank too: a middle block.
+    config.model_type = "llama"
+    assert memtrace._block_counts(config, Layout.from_dict({"cpu_offload": True})) == (3, 4)
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_adamws_steady_state_is_the_state_its_first_step_leaves(amsgrad):
+    import torch
+
+    from rigpilot.engine.workers import memtrace
+
+    def state_after(steady: bool) -> list[dict[str, tuple]]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4, bias=False)).to(torch.bfloat16)
+        params = list(model.parameters())
+        optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), amsgrad=amsgrad)
+        if steady:
+            memtrace._steady_state(optimizer, params)
+        else:
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        assert all(p.grad is None for p in params)
+        return [
+            {k: (t.shape, t.dtype, t.device, t.sum().item()) for k, t in optimizer.state[p].items()} for p in params
+        ]
+
+    assert state_after(steady=True) == state_after(steady=False)
