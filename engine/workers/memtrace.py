@@ -659,7 +659,7 @@ def _fake_step(built: _Built, workload: dict[str, Any], par: dict[str, Any]) -> 
         # The worker's: each gradient leaves the GPU in the hook that made it, and the step runs on the host.
         optimizer = HostOffloadedOptimizer(params, lr=1e-4, betas=(0.9, 0.95), device=torch.device("cpu"), rounding=False)
     else:
-        optimizer, in_backward = _recipe_optimizer(params, workload, stepped_after_backward=bool(ddp_buckets))
+        optimizer, in_backward = _recipe_optimizer(params, workload)
     _steady_state(optimizer, params)
     if in_backward is not None:
         in_backward.hook()  # from here on each weight steps in its gradient's hook, as the worker's do
@@ -835,12 +835,11 @@ def _recipe_step(built: _Built, workload: dict[str, Any]) -> tuple[Any, Any]:
     return token_loss, offload
 
 
-def _recipe_optimizer(params: list[Any], workload: dict[str, Any], stepped_after_backward: bool) -> tuple[Any, Any]:
+def _recipe_optimizer(params: list[Any], workload: dict[str, Any]) -> tuple[Any, Any]:
     """The recipe's optimizer as the worker builds it (train.Trainer._new_optimizer), and the worker's
     OptimizerInBackward when each weight steps in its gradient's hook (else None).
 
-    Under DDP (`stepped_after_backward`) the worker steps the weights one by one after backward: every gradient
-    is held then, as with one optimizer, so the trace steps one. 8-bit AdamW is `_TracedAdamW8bit`: torchao's
+    The contract refuses the step in backward under DDP (its buckets hold every gradient anyway). 8-bit AdamW is `_TracedAdamW8bit`: torchao's
     state, made by torchao's own rule, and its compiled update's buffers (see there).
     """
     import torch
@@ -854,7 +853,7 @@ def _recipe_optimizer(params: list[Any], workload: dict[str, Any], stepped_after
             return _traced_adamw8bit()(group, lr=1e-4, betas=BETAS)
         return torch.optim.AdamW(group, lr=1e-4, betas=BETAS)
 
-    if not recipe.optimizer_in_backward or stepped_after_backward:
+    if not recipe.optimizer_in_backward:
         return make(params), None
     in_backward = OptimizerInBackward(params, make, seed=0, rounding=False, device=torch.device("cpu"))
     return _AllWeights(in_backward.optimizers), in_backward
