@@ -155,6 +155,18 @@ def test_chunked_loss_at_its_peak(family: Path, chunks: int) -> None:
     assert _close(f.activations, m.after_forward["Activation"]), (f.activations, m.after_forward)
 
 
+def test_chunked_loss_beside_activation_offload(family: Path) -> None:
+    """Activation offloading leaves the chunked loss's head alone: its hooks, inside each chunk's recomputation in
+    backward, kept every chunk's saved tensors (the head's bf16 copy among them) on the device until the loss's
+    backward was done, 8 copies of the head at once. Now the step's peak holds no more saved activations than the
+    formula keeps on the device, and the formula is above the peak."""
+    both, alone = _measure(family, loss_chunks=8, activation_offload=True), _measure(family, loss_chunks=8)
+    assert both.peak <= alone.peak, (both.categories, alone.categories)
+    f = _formula(family, loss_chunks=8, activation_offload=True)
+    assert f.total - f.overhead >= both.peak, (f, both.categories)
+    assert both.categories.get("Activation", 0) <= f.activations - _window(f), (f, both.categories)
+
+
 def test_the_step_in_backward(family: Path) -> None:
     """The worker's OptimizerInBackward on the model as the worker loads it (fp32 weights, bf16 autocast)."""
     from torch.distributed._tools.mem_tracker import MemTracker
