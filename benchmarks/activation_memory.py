@@ -1,6 +1,6 @@
 """What chunked loss and activation offloading save: one training step's peak memory, side by side.
 
-    .venv/bin/python benchmarks/activation_memory.py [--vocab 32000] [--seq-len 512] [--micro-batch 2]
+    .venv/bin/python benchmarks/activation_memory.py [--vocab 32000] [--seq-len 512] [--micro-batch 2] [--precision bf16]
 
 A tiny Llama (4 blocks, hidden 256) with a large vocabulary steps once on one CPU rank, through the
 planner's memory trace (engine/workers/memtrace.py), which builds and runs the worker's own model, loss
@@ -9,6 +9,12 @@ the planner's figure). Printed: the step's peak with the whole logits and with t
 the activations kept and offloaded (full activation checkpointing and none). Host copies of offloaded
 activations are left out of the peak, as host memory is out of a GPU's. The whole fp32 logits of the
 batch (micro_batch x seq_len x vocab x 4 bytes) are printed beside them for scale.
+
+Beside them, the planner's formula (engine.planner.memory, what the search sizes plans with before any trace): its
+total (less the CUDA context and allocator overhead, which a CPU step has not) holds every gradient beside the
+activations, so it is above the step's peak; its total less the gradients is the step at its loss, which a whole
+loss peaks at and a chunked one exceeds by the head's gradient (autograd's sum of the chunks' parts, made while
+every activation is still saved).
 """
 
 from __future__ import annotations
@@ -31,12 +37,17 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--chunks", type=int, default=8)
+    ap.add_argument("--precision", default="fp32", help="fp32, or bf16 (mixed: autocast over fp32 weights)")
     args = ap.parse_args()
 
     import warnings
 
     warnings.filterwarnings("ignore")
     from rigpilot.engine.layout import Layout
+    from rigpilot.engine.models import describe_model
+    from rigpilot.engine.planner.memory import MemoryModel
+    from rigpilot.engine.planner.model import model_facts
+    from rigpilot.engine.planner.plan import Parallelism, Workload
     from rigpilot.engine.workers import memtrace
 
     config_json = {
@@ -51,9 +62,11 @@ def main() -> None:
         config = memtrace._load_config(str(folder), False)
         layout = Layout.from_dict({})
         logits = args.micro_batch * args.seq_len * args.vocab * 4
-        print(f"tiny Llama, vocab {args.vocab}, seq {args.seq_len}, micro-batch {args.micro_batch}, fp32, one rank")
+        print(f"tiny Llama, vocab {args.vocab}, seq {args.seq_len}, micro-batch {args.micro_batch}, {args.precision}, "
+              "one rank")  # fmt: skip
         print(f"the whole fp32 logits: {logits / MIB:.1f} MiB")
-        print(f"{'recipe':<44} {'measured MiB':>13} {'traced MiB':>11}")
+        print(f"{'recipe':<44} {'measured MiB':>13} {'traced MiB':>11} {'formula MiB':>12} {'less grads':>11}")
+        facts = model_facts(describe_model(str(folder)))
         cases = [
             ("whole loss", 1, False, "none"),
             (f"loss in {args.chunks} chunks", args.chunks, False, "none"),
@@ -64,13 +77,19 @@ def main() -> None:
             (f"offloaded + {args.chunks} chunks (full checkpointing)", args.chunks, True, "full"),
         ]
         for name, chunks, offload, checkpointing in cases:
-            workload = {"model": str(folder), "task": "train", "method": "full", "precision": "fp32",
+            workload = {"model": str(folder), "task": "train", "method": "full", "precision": args.precision,
                         "seq_len": args.seq_len, "loss_chunks": chunks, "activation_offload": offload}  # fmt: skip
             par = {"micro_batch": args.micro_batch, "grad_accum": 1, "checkpointing": checkpointing}
             n = config.num_hidden_layers
             real = memtrace._trace_step(config, n, workload, par, layout, False, real=True)
             fake = memtrace._trace_step(config, n, workload, par, layout, False)
-            print(f"{name:<44} {real.forward_backward / MIB:>13.1f} {fake.forward_backward / MIB:>11.1f}")
+            w = Workload(model=str(folder), precision=args.precision, seq_len=args.seq_len, global_batch=args.micro_batch,
+                         loss_chunks=chunks, activation_offload=offload)  # fmt: skip
+            one = Parallelism(gpu_indices=[0], backend="single", micro_batch=args.micro_batch, checkpointing=checkpointing)
+            f = MemoryModel(facts, w).train_stage(one, 0, None)
+            formula = f.total - f.overhead
+            print(f"{name:<44} {real.forward_backward / MIB:>13.1f} {fake.forward_backward / MIB:>11.1f} "
+                  f"{formula / MIB:>12.1f} {(formula - f.gradients) / MIB:>11.1f}")  # fmt: skip
 
 
 if __name__ == "__main__":

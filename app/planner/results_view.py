@@ -84,7 +84,7 @@ def plans_table() -> QTableWidget:
 def rejected_table() -> QTableWidget:
     table = QTableWidget(0, 3)
     table.setObjectName("rejectedPlans")
-    table.setHorizontalHeaderLabels(["Family", "Why not", "Needs per GPU"])
+    table.setHorizontalHeaderLabels(["Family", "Why not", "Needs"])
     table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
     table.setTabKeyNavigation(False)
     table.verticalHeader().hide()
@@ -283,6 +283,8 @@ class PlanResults(QWidget):
             need = rej.get("need_bytes")
             have = rej.get("have_bytes")
             needs = f"{need / 2**30:.1f} of {have / 2**30:.1f} GiB" if need and have else ""
+            if needs:  # the engine says which memory the bytes are of; older engines' are per GPU
+                needs += " of host RAM" if rej.get("limit") == "host_memory" else " per GPU"
             for c, value in enumerate([rej.get("family", ""), rejection_reason(rej), needs]):
                 item = QTableWidgetItem(value)
                 item.setToolTip(value)

@@ -12,7 +12,7 @@ from rigpilot.engine.planner.links import Topology
 from rigpilot.engine.planner.memory import fmt_gib
 from rigpilot.engine.planner.model import ModelFacts
 from rigpilot.engine.planner.plan import Figure, Parallelism, Plan, Timing, Workload, recipe_words
-from rigpilot.engine.planner.result import Candidate, SearchResult
+from rigpilot.engine.planner.result import HOST_MEMORY, Candidate, SearchResult, leanest, memory_limit
 from rigpilot.engine.planner.settings import ref, say
 from rigpilot.engine.recipe import PLAIN_RECIPE
 
@@ -120,14 +120,22 @@ def explain(
     model = f"{m.spec.id or m.spec.model_type} ({params_text(m.params)} parameters)"
     best = result.best
     if best is None:
-        closest = min(cands, key=lambda c: c.worst_total / max(c.worst_capacity, 1), default=None)
+        closest = leanest(cands)
         line = f"Nothing fits for {task_text(w)} of {model} on your {who}"
-        if closest is not None and closest.worst_total > closest.worst_capacity:
+        limit = memory_limit(closest) if closest is not None else None
+        if closest is not None and limit is not None:
             with_recipe = f" with {recipe_of(closest)}" if recipe_of is not None and closest.recipe else ""
-            line += (
-                f": even the leanest plan ({closest.par.describe()}{with_recipe}) needs {fmt_gib(closest.worst_total)} "
-                f"per GPU and you have {fmt_gib(closest.worst_capacity)}"
-            )
+            if limit.code == HOST_MEMORY:
+                line += (
+                    f": the leanest plan ({closest.par.describe()}{with_recipe}) fits its GPUs but needs "
+                    f"{fmt_gib(limit.need_bytes)} of host RAM and "
+                    f"{'the simulated' if topo.machine.simulated else 'this'} machine has {fmt_gib(limit.have_bytes or 0)}"
+                )
+            else:
+                line += (
+                    f": even the leanest plan ({closest.par.describe()}{with_recipe}) needs "
+                    f"{fmt_gib(closest.worst_total)} per GPU and you have {fmt_gib(closest.worst_capacity)}"
+                )
         lines.append(line + ".")
         for s in result.suggestions:
             lines.append(say("It fits if you {change}: {summary}.", change=s.change, summary=plan_summary(s.plan)))

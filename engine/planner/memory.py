@@ -465,13 +465,18 @@ class EdgeActivations:
     head_weight_copy: float  # bytes: autocast's bf16 copy of an fp32 output matrix
     loss_transient: float  # bytes per token: logits, their fp32 upcast and its gradient, briefly
     rope_tables: float  # bytes per sequence position: cos and sin shared by all layers
+    # Chunked cross-entropy only (0 otherwise), bytes: the output matrix's compute-dtype copy that each chunk's
+    # backward recomputes, and the output matrix's gradient in the dtype autograd sums the chunks' parts in.
+    head_recompute: float = 0.0
+    head_grad: float = 0.0
 
 
 def edge_activations(
     m: ModelFacts, reg: Regime, tr: Trainable, checkpointing: str = "none", loss_chunks: int = 1
 ) -> EdgeActivations:
-    """`loss_chunks` > 1: chunked cross-entropy, which holds the fp32 logits of one chunk of tokens at a time and
-    that chunk's logits in the compute dtype."""
+    """`loss_chunks` > 1: chunked cross-entropy (engine.workers.chunked_loss), which checkpoints each chunk's head
+    and loss: forward keeps only the final hidden states and the labels, and each chunk's backward recomputes
+    that chunk's logits and the head's compute-dtype copy, then adds its part of the head's gradient."""
     h, c, v = m.h, reg.compute, m.vocab
     first = 8.0 if tr.full else 0.0  # int64 ids, kept by a trainable embedding
     if m.spec.hidden_dropout > 0:
@@ -481,25 +486,35 @@ def edge_activations(
     logits = 0.0
     head_copy = 0.0
     transient = 0.0
+    recompute = 0.0
+    head_grad = 0.0
+    k = max(loss_chunks, 1)
     if m.is_decoder:
-        if tr.full:
-            head = LinearUse(_head_linear(m), 1, 1)
-            head_input += _inputs_saved((head,), norm_out, reg, tr)
-            if reg.autocast and reg.fp32_trainable:
-                head_copy = 2.0 * v * h
+        weight_copy = 2.0 * v * h if tr.full and reg.autocast and reg.fp32_trainable else 0.0
         # transformers upcasts logits to fp32 for the loss; cross-entropy keeps the fp32 log-softmax and
         # the int64 labels. Briefly there are also the logits themselves and the log-softmax's gradient.
-        k = max(loss_chunks, 1)
-        logits += 4.0 * v / k + 8.0
-        if k > 1:
-            logits += c * v / k  # the chunk's logits in the compute dtype
-        if m.spec.final_softcap:
-            logits += c * v / k  # tanh(logits / cap) keeps its output
-        transient = (2 * c + 4.0) * v / k
+        vocab_saved = 4.0 * v + (c * v if m.spec.final_softcap else 0.0)  # tanh(logits / cap) keeps its output
+        if k == 1:
+            if tr.full:
+                head_input += _inputs_saved((LinearUse(_head_linear(m), 1, 1),), norm_out, reg, tr)
+            head_copy = weight_copy
+            logits = vocab_saved + 8.0
+            transient = (2 * c + 4.0) * v
+        else:
+            # The checkpoint keeps the final hidden states (its input) and the labels; what the head and the loss
+            # save exists only inside one chunk's backward, with that chunk's recomputed copy of the head.
+            head_input += norm_out * h
+            logits = 8.0
+            transient = (vocab_saved + (2 * c + 4.0) * v) / k
+            if reg.autocast and norm_out == 4:
+                transient += 2.0 * h / k  # the chunk's hidden states cast for the head's matmul
+            recompute = weight_copy
+            if tr.full:
+                head_grad = (4.0 if reg.fp32_trainable else c) * v * h
     rope = 0.0
     if m.rope and checkpointing != "full":
         rope = 2.0 * m.spec.head_dim * reg.resid
-    return EdgeActivations(first, logits, head_input, head_copy, transient, rope)
+    return EdgeActivations(first, logits, head_input, head_copy, transient, rope, recompute, head_grad)
 
 
 def head_split(m: ModelFacts, training: bool) -> bool:
@@ -529,11 +544,13 @@ def stage_activations(
     checkpointing: str,
     training: bool = True,
     recompute: bool = True,
+    whole_grads: bool = True,
 ) -> tuple[float, float]:
     """(bytes saved for backward on one GPU of a stage, the loss's transient bytes there).
 
     `recompute`: add what a checkpointed layer briefly holds again in backward (the peak);
-    without it, what is saved at the end of the forward pass.
+    without it, what is saved at the end of the forward pass. `whole_grads`: the plan's gradient term holds the
+    head's whole gradient (not a shard of it, as FSDP's and ZeRO-2's do).
     """
     act = n_layers * layer.per_gpu(tp, sp) * tokens * in_flight
     if not recompute:
@@ -557,7 +574,13 @@ def stage_activations(
         # The block stack returns whole sequences (sequence parallel gathers after the last block), so
         # the final norm and the head's input are whole on every rank.
         act += (edge.logits / v + edge.head_input) * tokens + edge.head_weight_copy / v
-        loss = edge.loss_transient * tokens / v
+        loss = edge.loss_transient * tokens + edge.head_recompute
+        if edge.head_grad:
+            # Chunked loss: autograd sums the chunks' parts of the head's gradient out of place, so adding one
+            # holds the sum so far, the chunk's part and the new sum at once (measured on CPU under MemTracker):
+            # two gradients beyond the one the gradient term counts, and a third where that term is a shard.
+            loss = max(loss, 2 * edge.head_grad) + (0.0 if whole_grads else edge.head_grad)
+        loss /= v
     act += edge.rope_tables * seq_len * in_flight
     return act, loss
 
@@ -914,6 +937,8 @@ class MemoryModel:
             m, la, self.layer(par.backend, "none"), edge,
             n_layers=n_layers, tokens=tokens, seq_len=w.seq_len, tp=t, sp=par.sequence_parallel,
             in_flight=in_flight, first=stage == 0, last=stage == par.pp - 1, checkpointing=par.checkpointing,
+            whole_grads=not (z > 1 and (par.backend == "fsdp" or (par.backend == "deepspeed" and par.zero_stage >= 2)))
+            and not (par.backend == "fsdp" and par.offload),
         )  # fmt: skip
         moved = self.offloaded_activations(par, stage)
         act -= moved

@@ -26,16 +26,36 @@ FAMILY_ORDER = (
 SPEED_TIE = 0.05
 
 
+# What a plan does not fit (MemoryLimit.code, Rejection.limit): the GPUs' memory, or the machine's host RAM (what
+# is pinned there: CPU offload's and the host optimizer's state, the weights as they load). Clients word them.
+GPU_MEMORY = "gpu_memory"
+HOST_MEMORY = "host_memory"
+
+
 @dataclass
 class Rejection:
     family: str
     reason: str  # may name settings (engine.schema.Words): `reason_terms` in the JSON
-    need_bytes: int | None = None  # per GPU, its smallest configuration
+    need_bytes: int | None = None  # per GPU, its smallest configuration (host RAM where `limit` says so)
     have_bytes: int | None = None
+    limit: str | None = None  # GPU_MEMORY or HOST_MEMORY: what the bytes are of; None: not a matter of memory
 
     def to_dict(self) -> dict[str, Any]:
         return {"family": self.family, "reason": str(self.reason), "need_bytes": self.need_bytes,
-                "have_bytes": self.have_bytes, "reason_terms": terms_of(self.reason)}  # fmt: skip
+                "have_bytes": self.have_bytes, "limit": self.limit, "reason_terms": terms_of(self.reason)}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MemoryLimit:
+    """The memory a plan does not fit, with its figures: the fullest GPU's (bytes per GPU) or the host's RAM."""
+
+    code: str  # GPU_MEMORY | HOST_MEMORY
+    need_bytes: int
+    have_bytes: int | None  # None: the host's RAM is unknown
+    plan: str  # the plan, described (Parallelism.describe)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"code": self.code, "need_bytes": self.need_bytes, "have_bytes": self.have_bytes, "plan": self.plan}
 
 
 @dataclass
@@ -76,6 +96,10 @@ class SearchResult:
     # The memory trace's outcome ({"traced": plans traced, "tried": plans tried, "seconds": ...}); None: not traced.
     # Clients word it from these numbers; `notes` has the CLI's line.
     trace: dict[str, Any] | None = None
+    # Why the best plan offloads to the CPU (what the leanest plan without CPU offload does not fit) or, with no
+    # best plan, what the leanest plan does not fit; None otherwise. `explanation` and the best plan's notes have
+    # the CLI's line.
+    limit: MemoryLimit | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -96,6 +120,7 @@ class SearchResult:
             "nodes": self.nodes,
             "internode": self.internode,
             "trace": self.trace,
+            "limit": self.limit.to_dict() if self.limit is not None else None,
         }
 
 
@@ -123,3 +148,17 @@ class Candidate:
     @property
     def runs_here(self) -> bool:
         return not self.cannot_run
+
+
+def memory_limit(c: Candidate) -> MemoryLimit | None:
+    """What `c` does not fit: its fullest GPU's memory first, else the host's RAM; None where it fits both."""
+    if c.worst_total > c.worst_capacity:
+        return MemoryLimit(GPU_MEMORY, int(c.worst_total), int(c.worst_capacity), c.par.describe())
+    if not c.host.fits:
+        return MemoryLimit(HOST_MEMORY, c.host.needed, c.host.available, c.par.describe())
+    return None
+
+
+def leanest(cands: list[Candidate]) -> Candidate | None:
+    """The candidate nearest to fitting its GPUs (the one "nothing fits" names)."""
+    return min(cands, key=lambda c: c.worst_total / max(c.worst_capacity, 1), default=None)

@@ -72,7 +72,19 @@ from rigpilot.engine.planner.plan import (
     refusal_of,
 )
 from rigpilot.engine.planner.recipes import FREE, Rung, rung, techniques
-from rigpilot.engine.planner.result import FAMILY_ORDER, SPEED_TIE, Candidate, Rejection, SearchResult, Suggestion
+from rigpilot.engine.planner.result import (
+    FAMILY_ORDER,
+    GPU_MEMORY,
+    HOST_MEMORY,
+    SPEED_TIE,
+    Candidate,
+    MemoryLimit,
+    Rejection,
+    SearchResult,
+    Suggestion,
+    leanest,
+    memory_limit,
+)
 from rigpilot.engine.planner.scaling import multinode_lines, scaling_of
 from rigpilot.engine.planner.settings import (
     EXPORTS,
@@ -367,6 +379,7 @@ def search(
         notes=notes,
         nodes=nodes,
         internode=link.to_dict() if cluster is not None else None,
+        limit=_limit(best, cands),
     )
     result.elapsed_s = time.perf_counter() - start  # the search alone, not its verification
     checked = verifier(result) if verifier is not None and best is not None else []
@@ -696,9 +709,15 @@ def _recipe_line(best: Plan, c: Candidate, recipes: Recipes, topo: Topology, can
     if not best.workload.training:
         return ""
     if c.par.offload:
-        without = [x for x in cands if not x.par.offload and x.runs_here and not x.blocked]
-        if without:
-            x = min(without, key=lambda x: x.worst_total / max(x.worst_capacity, 1))
+        x = _leanest_without_offload(cands)
+        limit = memory_limit(x) if x is not None else None
+        if x is not None and limit is not None and limit.code == HOST_MEMORY:
+            # It fits its GPUs: the host RAM it pins (the host optimizer's state, the weights as they load) does not.
+            return (
+                f"CPU offload is needed: without it the leanest plan, {x.par.describe()} with {recipes.words(x)}, "
+                f"fits its GPUs but needs {fmt_gib(limit.need_bytes)} of host RAM of {fmt_gib(limit.have_bytes or 0)}"
+            )
+        if x is not None:
             return (
                 f"CPU offload is needed: without it the leanest plan, {x.par.describe()} with "
                 f"{recipes.words(x)}, needs {fmt_gib(x.worst_total)} per GPU of {fmt_gib(x.worst_capacity)}"
@@ -712,6 +731,23 @@ def _recipe_line(best: Plan, c: Candidate, recipes: Recipes, topo: Topology, can
         f"{recipe_words(best.workload)}: {fmt_gib(best.peak_memory.total)} per GPU, {offload}; "
         f"{recipe_words(recipes.plain.rung.workload)} would need {fmt_gib(plain.worst_total)}"
     )
+
+
+def _leanest_without_offload(cands: list[Candidate]) -> Candidate | None:
+    """The runnable plan without CPU offload nearest to fitting its GPUs: what a plan with offload is measured by."""
+    return leanest([x for x in cands if not x.par.offload and x.runs_here and not x.blocked])
+
+
+def _limit(best: Plan | None, cands: list[Candidate]) -> MemoryLimit | None:
+    """SearchResult.limit: what the leanest plan without CPU offload does not fit, where the best plan offloads;
+    what the leanest plan does not fit, where none fits."""
+    if best is None:
+        closest = leanest(cands)
+    elif best.parallelism.offload:
+        closest = _leanest_without_offload(cands)
+    else:
+        return None
+    return memory_limit(closest) if closest is not None else None
 
 
 def _check(par: Parallelism, mm: MemoryModel, topo: Topology, caps: dict[int, int], available: int | None) -> Candidate:
@@ -1005,6 +1041,7 @@ def _reject_reason(c: Candidate, recipes: Recipes | None = None) -> Rejection:
             f"{c.family} needs {_gib_round(c.worst_total)} per GPU ({par.describe()}); you have {_gib_round(c.worst_capacity)}",
             int(c.worst_total),
             int(c.worst_capacity),
+            GPU_MEMORY,
         )
     if c.worst_total > c.worst_capacity:
         how = f"micro-batch {par.micro_batch}"
@@ -1020,6 +1057,7 @@ def _reject_reason(c: Candidate, recipes: Recipes | None = None) -> Rejection:
             f"{name} needs {_gib_round(c.worst_total)} per GPU even at {how}; you have {_gib_round(c.worst_capacity)}",
             int(c.worst_total),
             int(c.worst_capacity),
+            GPU_MEMORY,
         )
     name = c.family if c.family != "offload" else "CPU offload"
     return Rejection(
@@ -1027,6 +1065,7 @@ def _reject_reason(c: Candidate, recipes: Recipes | None = None) -> Rejection:
         f"{name} needs {_gib_round(c.host.needed)} of host RAM; this machine has {_gib_round(c.host.available or 0)}",
         c.host.needed,
         c.host.available,
+        HOST_MEMORY,
     )
 
 

@@ -187,13 +187,19 @@ class ActivationOffload:
         return DTensor(local, spec, requires_grad=False)
 
 
-def offload_activations(model: nn.Module, enabled: bool, device: torch.device) -> ActivationOffload:
+def offload_activations(
+    model: nn.Module, enabled: bool, device: torch.device, *, head_in_loss: bool = False
+) -> ActivationOffload:
     """The job's offloading of `model`'s saved activations to host memory (a no-op unless `enabled`), with its
-    output head's tensors kept on the device."""
+    output head's tensors kept on the device.
+
+    `head_in_loss`: the chunked loss applies the head (chunked_loss.TokenLoss), outside the model's forward and
+    checkpointed chunk by chunk. The head is then left alone: its hooks would sit inside the checkpoint's and keep
+    every chunk's saved tensors (the head's bf16 copy among them) on the device until backward."""
     from rigpilot.engine.workers.chunked_loss import output_head
 
     offload = ActivationOffload(enabled, HostStore(device) if enabled else None)
-    head = output_head(model) if enabled else None
+    head = output_head(model) if enabled and not head_in_loss else None
     if head is not None:  # an encoder's head is found by no name: its tensors go too
         offload.exclude(head.linear)
     return offload

@@ -829,7 +829,9 @@ def _recipe_step(built: _Built, workload: dict[str, Any]) -> tuple[Any, Any]:
 
     token_loss = TokenLoss(module, recipe.loss_chunks, compute)
     token_loss.hold_head(built.wrapped)
-    offload = offload_activations(module, recipe.activation_offload, torch.device("cpu"))
+    offload = offload_activations(
+        module, recipe.activation_offload, torch.device("cpu"), head_in_loss=token_loss.head is not None
+    )
     if offload.enabled:
         offload.store = TracedStore() if detect_fake_mode() is not None else _UntrackedHost()
     return token_loss, offload

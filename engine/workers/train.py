@@ -469,7 +469,9 @@ class Trainer:
                 f"chunked loss: the output head's logits and their fp32 cross-entropy are computed "
                 f"{s.loss_chunks} chunks of tokens at a time, so the whole fp32 logits never exist"
             )
-        self.offload: ActivationOffload = offload_activations(self.module, s.activation_offload, self.rt.device)
+        self.offload: ActivationOffload = offload_activations(
+            self.module, s.activation_offload, self.rt.device, head_in_loss=self.loss.head is not None
+        )
         if s.activation_offload:
             pinned = "pinned host memory, copied on a side stream" if self.rt.device.type == "cuda" else "host memory"
             self.notes.append(f"activation offloading: the activations saved for backward wait in {pinned}")

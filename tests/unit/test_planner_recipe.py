@@ -240,12 +240,18 @@ def test_each_technique_changes_the_memory_it_should():
     # The optimizer step in backward: one parameter's gradient at a time, the largest (the 128k × 4096 embedding).
     _, oib = _stage(Workload(model="m", **{**PLAIN_RECIPE, "optimizer_in_backward": True}), par)
     assert oib.gradients == pytest.approx(4 * 128256 * 4096) and oib.optimizer == plain.optimizer
-    # Chunked cross-entropy: the fp32 logits of 1/8 of the tokens (and their bf16 chunk), not all of them.
+    # Chunked cross-entropy: forward saves no logits and no bf16 copy of the head, only the final hidden states
+    # (fp32, in place of the head's bf16 cast of them); in backward one chunk's logits and the head's copy come
+    # back, or autograd sums the head's fp32 gradient, whichever is larger (the sum: two gradients beyond it).
     chunks = Workload(model="m", **{**PLAIN_RECIPE, "loss_chunks": 8})
-    _, chunked = _stage(chunks, par)
-    tokens, vocab = 2048, 128256
+    mm_chunked, chunked = _stage(chunks, par)
+    tokens, vocab, h = 2048, 128256, 4096
     saved = plain.activations - chunked.activations
-    assert saved == pytest.approx(tokens * vocab * (4 - 4 / 8 - 2 / 8), rel=1e-6)
+    assert saved == pytest.approx(tokens * (4 * vocab - 2 * h) + 2 * vocab * h, rel=1e-6)
+    edge = mm_chunked.edge("single", "none")
+    assert (edge.head_recompute, edge.head_grad) == (2 * vocab * h, 4 * vocab * h)
+    assert edge.loss_transient == pytest.approx((12 * vocab + 2 * h) / 8)
+    assert mm.edge("single", "none").head_grad == 0  # the whole loss: one gradient, no sum
     # Activation offloading: every block's saved tensors but a window of two leave the GPU for host RAM.
     off = Workload(model="m", **{**PLAIN_RECIPE, "activation_offload": True})
     mm_off, offloaded = _stage(off, par)
