@@ -1036,9 +1036,10 @@ def _need(c: Candidate) -> tuple[float, int, int]:
 def _reject_reason(c: Candidate, recipes: Recipes | None = None) -> Rejection:
     par = c.par
     if c.worst_total > c.worst_capacity and par.backend == "inference":
+        need, have = _gib_pair(c.worst_total, c.worst_capacity)
         return Rejection(
             c.family,
-            f"{c.family} needs {_gib_round(c.worst_total)} per GPU ({par.describe()}); you have {_gib_round(c.worst_capacity)}",
+            f"{c.family} needs {need} per GPU ({par.describe()}); you have {have}",
             int(c.worst_total),
             int(c.worst_capacity),
             GPU_MEMORY,
@@ -1052,26 +1053,35 @@ def _reject_reason(c: Candidate, recipes: Recipes | None = None) -> Rejection:
         if recipes is not None and c.recipe:
             how += f" and {recipes.words(c)}"
         name = c.family if c.family != "offload" else "CPU offload"
+        need, have = _gib_pair(c.worst_total, c.worst_capacity)
         return Rejection(
             c.family,
-            f"{name} needs {_gib_round(c.worst_total)} per GPU even at {how}; you have {_gib_round(c.worst_capacity)}",
+            f"{name} needs {need} per GPU even at {how}; you have {have}",
             int(c.worst_total),
             int(c.worst_capacity),
             GPU_MEMORY,
         )
     name = c.family if c.family != "offload" else "CPU offload"
+    need, have = _gib_pair(c.host.needed, c.host.available or 0)
     return Rejection(
         c.family,
-        f"{name} needs {_gib_round(c.host.needed)} of host RAM; this machine has {_gib_round(c.host.available or 0)}",
+        f"{name} needs {need} of host RAM; this machine has {have}",
         c.host.needed,
         c.host.available,
         HOST_MEMORY,
     )
 
 
-def _gib_round(n: float) -> str:
-    v = n / GIB
-    return f"{v:.0f} GiB" if v >= 10 else f"{v:.1f} GiB"
+def _gib_round(n: float, digits: int) -> str:
+    return f"{n / GIB:.{digits}f} GiB"
+
+
+def _gib_pair(need: float, have: float) -> tuple[str, str]:
+    """`need` and `have` rounded alike, with as many decimals as it takes not to read "needs 63 GiB; has 63 GiB"."""
+    digits = 0 if min(need, have) / GIB >= 10 else 1
+    while digits < 2 and _gib_round(need, digits) == _gib_round(have, digits):
+        digits += 1
+    return _gib_round(need, digits), _gib_round(have, digits)
 
 
 # -- suggestions -------------------------------------------------------------------------------------------------

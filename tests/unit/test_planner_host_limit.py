@@ -65,3 +65,14 @@ def test_a_plan_that_fits_without_offload_has_no_limit():
     r = _search(64)
     assert r.best is not None and not r.best.parallelism.offload and r.limit is None
     assert r.to_dict()["limit"] is None
+
+
+def test_a_rejection_never_reads_as_needing_what_the_machine_has() -> None:
+    """63.3 GiB needed of 62.9 GiB: whole GiB would say "needs 63 GiB of host RAM; this machine has 63 GiB"."""
+    from rigpilot.engine.planner.search import _gib_pair
+
+    gib = 1024**3
+    assert _gib_pair(63.3 * gib, 62.9 * gib) == ("63.3 GiB", "62.9 GiB")
+    assert _gib_pair(80.3 * gib, 24 * gib) == ("80 GiB", "24 GiB")
+    assert _gib_pair(9.44 * gib, 9.41 * gib) == ("9.44 GiB", "9.41 GiB")
+    assert _gib_pair(5.5 * gib, 4 * gib) == ("5.5 GiB", "4.0 GiB")
