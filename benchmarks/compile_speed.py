@@ -36,18 +36,23 @@ import math
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from engine_common import (
+    SHAKESPEARE,
+    TINY_LLAMA,
+    engine_loop,
+    finish_ranks,
+    forwarded,
+    launch_ranks,
+    run_rounds,
+    spread,
+)
 
-TINY_LLAMA = REPO / "examples" / "models" / "tiny-llama"
-SHAKESPEARE = REPO / "examples" / "data" / "shakespeare.txt"
 LOOPS = ("engine", "engine-compiled", "plain-compiled", "plain-whole")
 SEED = 1234
 LR = 3e-3
@@ -57,7 +62,7 @@ GRAD_CLIP = 1.0
 
 def model_folder(work: Path, args: argparse.Namespace) -> Path:
     folder = work / "model"
-    shutil.copytree(TINY_LLAMA, folder)
+    shutil.copytree(TINY_LLAMA.parent, folder)
     config = json.loads((folder / "config.json").read_text())
     config.update(num_hidden_layers=args.layers, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
                   max_position_embeddings=max(config["max_position_embeddings"], 2 * args.seq))  # fmt: skip
@@ -80,32 +85,11 @@ def job_spec(args: argparse.Namespace, compiled: bool) -> dict[str, Any]:
 # --- inside each rank -----------------------------------------------------------------------------
 
 
-def steady_rate(times: list[float], warmup: int) -> float:
-    """times[i]: when step i + 1 ended."""
-    return (len(times) - warmup) / (times[-1] - times[warmup - 1])
-
-
-def typical_rate(times: list[float], warmup: int) -> float:
-    return 1 / statistics.median(b - a for a, b in zip(times[warmup - 1 :], times[warmup:], strict=False))
-
-
 def run_engine(args: argparse.Namespace, rt: Any, compiled: bool) -> dict[str, Any]:
     from rigpilot.engine.jobspec.spec import JobSpec
-    from rigpilot.engine.report import METRICS_DIR_ENV
-    from rigpilot.engine.workers.train import Trainer
 
-    job_dir = Path(args.work) / f"engine-{compiled}"
-    os.environ[METRICS_DIR_ENV] = str(job_dir / "metrics")
-    trainer = Trainer(JobSpec.from_dict(job_spec(args, compiled)), job_dir, rt)
-    trainer.setup()
-    started = time.time()
-    trainer.run()
-    steps: dict[int, dict[str, Any]] = {}
-    for line in (job_dir / "metrics" / f"rank{rt.rank}.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        if r.get("kind") is None and isinstance(r.get("step"), int):
-            steps[r["step"]] = r
-    ordered = [steps[s] for s in sorted(steps)]
+    spec = JobSpec.from_dict(job_spec(args, compiled))
+    started, ordered = engine_loop(spec, rt, Path(args.work) / f"engine-{compiled}")
     times = [r["time"] for r in ordered]
     return {"times": times, "losses": [r["loss"] for r in ordered], "warmup_s": times[0] - started,
             "compile_time": ordered[0].get("compile_time")}  # fmt: skip
@@ -155,7 +139,6 @@ def run_plain(args: argparse.Namespace, config: Any, blocks: Any, order: list[in
 
 def rank_main(args: argparse.Namespace) -> None:
     import torch._dynamo
-    import torch.distributed as dist
 
     from rigpilot.engine.jobspec.spec import JobSpec
     from rigpilot.engine.workers.compile import private_inductor_cache
@@ -173,23 +156,14 @@ def rank_main(args: argparse.Namespace) -> None:
     data = build_dataset(files, docs, tokenizer, s.seq_len + 1, s.eval_fraction, s.seed)
     sampler = ShardedBatches(len(data.train), s.micro_batch, rt.rank, rt.world_size, s.seed)
     order = [i for _ in range(s.max_steps) for i in sampler.next_indices().tolist()]
-    loops = args.loops.split(",")
-    results: dict[str, list[dict[str, Any]]] = {name: [] for name in loops}
-    for rnd in range(args.rounds):
-        for name in loops[rnd % len(loops) :] + loops[: rnd % len(loops)]:
-            torch._dynamo.reset()
-            dist.barrier()
-            if name.startswith("engine"):
-                run = run_engine(args, rt, compiled=name == "engine-compiled")
-            else:
-                run = run_plain(args, config, data.train, order, whole=name == "plain-whole")
-            times = run.pop("times")
-            run.update(rate=steady_rate(times, args.warmup), typical=typical_rate(times, args.warmup))
-            results[name].append(run)
-    if rt.rank == 0:
-        (Path(args.work) / "results.json").write_text(json.dumps(results))
-    dist.barrier()
-    dist.destroy_process_group()
+
+    def run(name: str, _round: int) -> dict[str, Any]:
+        torch._dynamo.reset()  # every compiled loop pays its own warm-up
+        if name.startswith("engine"):
+            return run_engine(args, rt, compiled=name == "engine-compiled")
+        return run_plain(args, config, data.train, order, whole=name == "plain-whole")
+
+    finish_ranks(run_rounds(args.loops.split(","), args.rounds, run, args.warmup), Path(args.work))
 
 
 # --- the launcher ---------------------------------------------------------------------------------
@@ -219,21 +193,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="rpcompile") as tmp:
         work = Path(tmp)
         model_folder(work, args)
-        env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        argv = forwarded(args, "steps", "warmup", "rounds", "seq", "micro_batch", "layers", "hidden", "ranks", "loops")
         # One thread per rank, as torchrun sets for several: threads spinning in OpenMP barriers on cores other
         # work shares made one rank's steps 10-20 times slower in some rounds than in others.
-        env.setdefault("OMP_NUM_THREADS", "1")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
-               __file__, "--rank-main", "--work", tmp, "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--rounds", str(args.rounds), "--seq", str(args.seq), "--micro-batch", str(args.micro_batch), "--layers", str(args.layers),
-               "--hidden", str(args.hidden), "--ranks", str(args.ranks), "--loops", args.loops]  # fmt: skip
-        log = work / "ranks.log"
+        threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         t0 = time.monotonic()
-        with log.open("wb") as out:
-            rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO).returncode
-        if rc != 0:
-            sys.exit(f"the ranks failed (exit {rc}):\n" + log.read_text()[-4000:])
-        results = json.loads((work / "results.json").read_text())
+        results = launch_ranks(__file__, args.ranks, work, argv, threads)
     print(f"{args.ranks} CPU rank(s) (gloo, fp32), Llama {args.layers} layers x {args.hidden}, seq {args.seq}, "
           f"micro-batch {args.micro_batch}, {args.steps} steps ({args.warmup} warm-up), {args.rounds} rounds, "
           f"{time.monotonic() - t0:.0f} s; load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after")  # fmt: skip
@@ -241,7 +206,7 @@ def main() -> None:
         print(f"{what}: median over rounds (min..max)")
         rates = {name: [r[key] for r in runs] for name, runs in results.items()}
         for name, values in rates.items():
-            print(f"  {name:16s} {spread(values)}")
+            print(f"  {name:16s} {spread(values, 3)}")
         a = "engine-compiled"
         for b in ("engine", "plain-compiled", "plain-whole"):
             if a in rates and b in rates:
@@ -257,10 +222,6 @@ def main() -> None:
     for name in names[1:]:
         gap = max(abs(a - b) for run in results[name] for a, b in zip(run["losses"], reference, strict=False))
         print(f"loss check: {name:16s} largest difference from {names[0]}'s step losses: {gap:.2e}")
-
-
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):7.3f}  ({min(values):.3f}..{max(values):.3f})"
 
 
 if __name__ == "__main__":

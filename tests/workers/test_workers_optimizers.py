@@ -4,8 +4,9 @@ step in backward. Each job trains what a plain single-process loop written here 
 post-accumulate-grad hook), on one rank and on DDP, FSDP2 and tensor-parallel gloo ranks; a stop and a resume
 equals the unbroken run bit for bit, the 8-bit moments going through the checkpointer (DCP).
 
-One tiny model for every job: torchao compiles its step once per parameter shape (seconds each, cached on disk).
-Every layout takes the same global batch of 2 sequences a step, so one plain loop serves them all.
+One tiny model for every job, with as few weight shapes as a Llama can have (tests/support/tiny_models.py): torchao
+compiles its step once per parameter shape in every rank. Every layout takes the same global batch of 2 sequences
+a step, so one plain loop serves them all.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from rigpilot.engine.recipe import Recipe
 from rigpilot.engine.recipe_refusal import check_recipe
 from rigpilot.engine.workers.optimizers import GradNormSquares, rounding_seed
 
-from support.paths import SHAKESPEARE, TINY_LLAMA_CONFIG
+from support.paths import SHAKESPEARE
 from support.reference_loop import inputs_and_labels, reference_lr
+from support.tiny_models import square_tiny_llama
 from support.worker_jobs import losses, notes_of, records, resume_from, run_job, write_job
 
 STEPS = 4
@@ -48,7 +50,7 @@ GLOBAL_BATCH = 2
 PURE_BF16 = {"precision": "bf16", "master_weights": "bf16"}
 
 
-def plain_loop(recipe: dict[str, Any]) -> dict[str, dict[int, float]]:
+def plain_loop(folder: Path, recipe: dict[str, Any]) -> dict[str, dict[int, float]]:
     """torch, transformers and torchao only: per-step loss and grad norm of `recipe` (TRAIN plus the case's)."""
     import torch.nn.functional as F
     from torchao.optim import AdamW8bit, _AdamW
@@ -58,7 +60,6 @@ def plain_loop(recipe: dict[str, Any]) -> dict[str, dict[int, float]]:
 
     r = {**TRAIN, **recipe}
     bf16 = r.get("master_weights") == "bf16"
-    folder = TINY_LLAMA_CONFIG.parent
     files, docs = read_dataset([str(SHAKESPEARE)], "text")
     data = build_dataset(
         files, docs, AutoTokenizer.from_pretrained(folder), r["seq_len"] + 1, r["eval_fraction"], r["seed"],
@@ -126,9 +127,10 @@ _jobs: dict[str, Path] = {}
 def job_of(root: Path, name: str, parallelism: dict[str, Any], nproc: int, **train: Any) -> Path:
     """One job per case for the module."""
     if name not in _jobs:
+        model = root / "model" / "config.json"
         micro_batch = GLOBAL_BATCH // max(parallelism.get("dp_replicate", 1) * parallelism.get("dp_shard", 1), 1)
         job = write_job(
-            root / name, kind="train", model=str(TINY_LLAMA_CONFIG), parallelism=parallelism,
+            root / name, kind="train", model=str(model), parallelism=parallelism,
             train={**TRAIN, "micro_batch": micro_batch, **train},
         )  # fmt: skip
         run_job(job, nproc)
@@ -138,7 +140,9 @@ def job_of(root: Path, name: str, parallelism: dict[str, Any], nproc: int, **tra
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("optimizers")
+    folder = tmp_path_factory.mktemp("optimizers")
+    square_tiny_llama(folder / "model")
+    return folder
 
 
 def assert_follows(job: Path, reference: dict[str, dict[int, float]], rel: float) -> None:
@@ -163,7 +167,7 @@ def test_8bit_adamw_trains_what_a_plain_torchao_loop_trains_and_its_8bit_moments
     root: Path,
 ) -> None:
     job = job_of(root, "8bit", {}, 1, optimizer="adamw8bit")
-    assert_follows(job, plain_loop({"optimizer": "adamw8bit"}), rel=1e-6)
+    assert_follows(job, plain_loop(root / "model", {"optimizer": "adamw8bit"}), rel=1e-6)
     assert any("8-bit AdamW (torchao)" in n for n in notes_of(job))
     # The checkpoint holds torchao's 8-bit codes, not fp32 moments: a quarter of their bytes, through DCP.
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -182,7 +186,7 @@ def test_pure_bf16_with_the_step_in_backward_trains_what_a_plain_loop_with_per_w
 ) -> None:
     case = {**PURE_BF16, "optimizer_in_backward": True}
     job = job_of(root, "bf16-in-backward", {}, 1, **case)
-    assert_follows(job, plain_loop(case), rel=1e-6)  # the same rounding bits: bit for bit here
+    assert_follows(job, plain_loop(root / "model", case), rel=1e-6)  # the same rounding bits: bit for bit here
     notes = " ".join(notes_of(job))
     assert "stochastic rounding (torchao)" in notes and "stepped in backward" in notes
     assert_resumes_bit_exactly(job)
@@ -196,7 +200,7 @@ def test_ddp_replicas_step_8bit_adamw_as_the_plain_loop_does(root: Path) -> None
     """8-bit moments on DDP replicas (the step in backward is refused there: DDP's buckets hold every gradient)."""
     case = {"optimizer": "adamw8bit"}
     job = job_of(root, "ddp", {"dp_replicate": 2}, 2, **case)
-    assert_follows(job, plain_loop(case), rel=1e-4)
+    assert_follows(job, plain_loop(root / "model", case), rel=1e-4)
     assert_resumes_bit_exactly(job)
 
 
@@ -206,7 +210,7 @@ def test_fsdp2_steps_each_sharded_weight_after_its_reduce_scatter(root: Path) ->
     pure bf16: within the 8-bit moments' effect of the plain loop; resumed bit for bit."""
     case = {"optimizer": "adamw8bit", "optimizer_in_backward": True, **PURE_BF16}
     job = job_of(root, "fsdp", {"dp_shard": 2}, 2, **case)
-    assert_follows(job, plain_loop(case), rel=2e-3)
+    assert_follows(job, plain_loop(root / "model", case), rel=2e-3)
     assert_resumes_bit_exactly(job)
 
 
@@ -218,7 +222,7 @@ def test_tensor_parallel_steps_each_split_weight_in_backward_with_8bit_adamw_as_
     moments where the whole one has 8-bit ones, hence the tolerance."""
     case = {"optimizer": "adamw8bit", "optimizer_in_backward": True}
     job = job_of(root, "tp", {"tp": 2}, 2, **case)
-    assert_follows(job, plain_loop(case), rel=1e-2)
+    assert_follows(job, plain_loop(root / "model", case), rel=1e-2)
 
 
 # -- the parts ----------------------------------------------------------------------------------------------------
