@@ -4,6 +4,9 @@ tests/support.
 """
 
 import os
+import shutil
+import stat
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,31 @@ os.environ.setdefault("RIGPILOT_PLAN_VERIFY", "0")
 os.environ.setdefault("RIGPILOT_TRACE_CACHE", "off")
 # Every test engine would import torch in a warm worker while idle: only the warm-worker tests turn it on.
 os.environ.setdefault("RIGPILOT_WARM_WORKER", "0")
+
+
+def _run_folder() -> Path:
+    """A private folder of this test run, shared by its xdist workers (their parent is the run's controller)."""
+    owner = os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()
+    return Path(tempfile.gettempdir()) / f"rigpilot-tests-{os.getuid()}-{owner}"
+
+
+def _private(path: Path) -> Path:
+    path.mkdir(mode=0o700, exist_ok=True)
+    st = path.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise SystemExit(f"{path} exists and is not this user's private folder: remove it and run the tests again")
+    return path
+
+
+# Compiled kernels (torch.compile, torchao's optimizer steps, and every job the tests start) go to this run's own
+# folder instead of ~/.cache/rigpilot/torchinductor or /tmp/torchinductor_<user>: the suite leaves the user's home
+# as it found it, and its times do not depend on what an earlier run compiled.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_private(_run_folder()) / "torchinductor"))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller, once its workers are done
+        shutil.rmtree(_run_folder(), ignore_errors=True)
 
 
 @pytest.fixture
