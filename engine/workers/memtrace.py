@@ -186,9 +186,16 @@ _CONFIGS: dict[tuple[str, bool], Any] | None = None
 
 
 def _read_config(model: str, trust_remote_code: bool) -> Any:
+    from rigpilot.engine.models.presets import preset_for_repo
     from rigpilot.engine.workers.model_loading import load_config, resolve_source
 
     source = resolve_source(model)
+    if source.kind == "hub" and source.preset_config is None:
+        # The planner answers for a repo it cannot reach from the preset made from that repo's config
+        # (describe._describe_hub): the trace measures the same model rather than saying it cannot load it.
+        preset = preset_for_repo(model)
+        if preset is not None:
+            source.preset_config = dict(preset.config)
     return load_config(source, SimpleNamespace(trust_remote_code=trust_remote_code))
 
 

@@ -120,3 +120,17 @@ def test_adamws_steady_state_is_the_state_its_first_step_leaves(amsgrad):
         ]
 
     assert state_after(steady=True) == state_after(steady=False)
+
+
+def test_a_repo_the_planner_answered_from_its_preset_is_traced_from_the_same_config(monkeypatch, tmp_path) -> None:
+    """Offline with an empty cache, the planner describes meta-llama/Llama-3.1-8B from the preset made from that
+    repo's config; the trace read the same id through transformers and said "cannot load its config"."""
+    from rigpilot.engine.models.presets import preset_for_repo
+    from rigpilot.engine.workers import memtrace
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    config = memtrace._read_config("meta-llama/Llama-3.1-8B", False)
+    preset = preset_for_repo("meta-llama/Llama-3.1-8B")
+    assert preset is not None
+    assert (config.num_hidden_layers, config.vocab_size) == (preset.config["num_hidden_layers"], preset.config["vocab_size"])
