@@ -934,7 +934,7 @@ def _eight_bit_update_buffers(moment: Any) -> None:
     import torch
     from torch.distributed.tensor import DTensor
 
-    local = moment.to_local() if isinstance(moment, DTensor) else moment
+    local: Any = moment.to_local() if isinstance(moment, DTensor) else moment
     if not hasattr(local, "codes"):
         return  # a plain moment's update fuses into in-place kernels
     sizes = {"weight": local.codes.numel(), "blocks": local.scale.numel()}
@@ -972,11 +972,11 @@ def _tracker(module: Any, optimizer: Any, fsdp: bool, in_flight: int = 1, again:
         return _lean(FSDPMemTracker)(module, optimizer)
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    MemTracker = _lean(MemTracker)
+    base: Any = _lean(MemTracker)
     if again:
-        MemTracker = _tolerant(MemTracker)
+        base = _tolerant(base)
 
-    class Tracker(MemTracker):
+    class Tracker(base):
         # MemTracker hooks every parameter's gradient, and a frozen one (LoRA's base) refuses hooks:
         # mark those as hooked already, with handles that remove nothing.
         def _track_module_params_and_buffers(self, module: Any, install_grad_hooks: bool = True) -> Any:
