@@ -677,7 +677,7 @@ def _fake_step(built: _Built, workload: dict[str, Any], par: dict[str, Any]) -> 
     # The chunked loss calls the head once per chunk, and again to recompute each: as a pipeline's passes.
     again = built.in_flight > 1 or token_loss.head is not None
     if in_backward is None:
-        tracker = _tracker(wrapped if fsdp else model, optimizer, fsdp, built.in_flight, again)
+        tracker = _tracker(wrapped if fsdp else model, optimizer, fsdp, built.in_flight, again, offload=built.offload)
     else:
         # FSDPMemTracker follows one optimizer; the plain tracker takes every weight's own.
         tracker = _tracker(wrapped if fsdp else model, None, fsdp, built.in_flight, again=True)
@@ -961,15 +961,19 @@ class _UntrackedHost:
         pass
 
 
-def _tracker(module: Any, optimizer: Any, fsdp: bool, in_flight: int = 1, again: bool = False) -> Any:
+def _tracker(
+    module: Any, optimizer: Any, fsdp: bool, in_flight: int = 1, again: bool = False, offload: bool = False
+) -> Any:
     # With micro-batches in flight (or a module called again) the FSDP tracker's per-module records refuse a
     # second forward; the plain tracker counts the same storages (it follows FSDP2's resize_ of unsharded
     # parameters too).
     again = again or in_flight > 1
-    if fsdp and not again:
+    if fsdp and (not again or offload):
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-        return _lean(FSDPMemTracker)(module, optimizer)
+        # Under CPU offload only the FSDP tracker tells the host-resident shards (its "Sharded" categories)
+        # from the GPU's unsharded copies; a module called again (the chunked loss's head) only lapses its records.
+        return (_tolerant(_lean(FSDPMemTracker)) if again else _lean(FSDPMemTracker))(module, optimizer)
     from torch.distributed._tools.mem_tracker import MemTracker
 
     base: Any = _lean(MemTracker)

@@ -134,3 +134,19 @@ def test_a_repo_the_planner_answered_from_its_preset_is_traced_from_the_same_con
     preset = preset_for_repo("meta-llama/Llama-3.1-8B")
     assert preset is not None
     assert (config.num_hidden_layers, config.vocab_size) == (preset.config["num_hidden_layers"], preset.config["vocab_size"])
+
+
+def test_cpu_offload_with_the_loss_in_chunks_leaves_the_host_shards_out_of_the_gpus_peak(tmp_path) -> None:
+    """FSDP2's CPU offload keeps the shards, their gradients and AdamW's state in host memory. The chunked loss
+    calls the head again, which once sent the trace to the plain tracker, whose categories cannot tell a host
+    shard from the GPU's copy: the GPU's peak then held the whole model's state (73 GiB for 8B on a 4090)."""
+    from rigpilot.engine.workers import memtrace
+
+    model, config = _config(tmp_path, num_hidden_layers=3)
+    layout = Layout.from_dict({"cpu_offload": True})
+    par = {"micro_batch": 1, "grad_accum": 1, "checkpointing": "full"}
+    whole, chunked = (memtrace._trace_step(config, 3, _workload(model, loss_chunks=k), par, layout, False)
+                      for k in (1, 4))  # fmt: skip
+    host = sum(v for k, v in chunked.categories.items() if k in memtrace.HOST_CATEGORIES)
+    assert host > chunked.peak  # the state is all on the host: it would dwarf the GPU's figure
+    assert chunked.peak <= whole.peak
