@@ -89,17 +89,19 @@ def optimizer_step_bytes(optimizer: str, master_bytes: int, state_bytes: float) 
     return 3.0 * master_bytes + 2.0 * state_bytes
 
 
-def recompute_bytes_per_token(m: ModelFacts, compile: bool) -> float:
-    """Bytes one block's memory-bound forward ops stream per token: what selective checkpointing runs again."""
+def recompute_bytes_per_token(m: ModelFacts, compile: bool, tp: int = 1, sequence_parallel: bool = False) -> float:
+    """Bytes one block's memory-bound forward ops stream per token on one rank: what selective checkpointing runs
+    again. Tensor parallel splits rotary, the q/k norms and the activation by heads and columns; the block's norms
+    and residual adds run over the whole hidden size on every rank unless sequence parallel splits the tokens."""
     b = COMPILED_ELEMENTWISE_BYTES if compile else EAGER_ELEMENTWISE_BYTES
     norm = b["layernorm"] if m.layernorm else b["rmsnorm"]
-    total = m.norms_per_layer * norm * m.h + 2 * b["residual"] * m.h
+    whole = m.norms_per_layer * norm * m.h + 2 * b["residual"] * m.h
+    split = (b["gated"] if m.gated else b["act"]) * m.inter_per_token
     if m.rope:
-        total += b["rope"] * (m.q_dim + m.kv_dim)
+        split += b["rope"] * (m.q_dim + m.kv_dim)
     if m.qk_norm:
-        total += norm * (m.q_dim + m.kv_dim)
-    total += (b["gated"] if m.gated else b["act"]) * m.inter_per_token
-    return total
+        split += norm * (m.q_dim + m.kv_dim)
+    return whole / (tp if sequence_parallel else 1) + split / tp
 
 
 def fsdp_copy_out_bytes(gathered: float, gathers: int) -> float:
@@ -354,7 +356,7 @@ class SpeedModel:
         elementwise forward that selective checkpointing recomputes, and FSDP2's all-gather copy-out."""
         nbytes = 0.0
         if par.checkpointing == "selective":
-            nbytes += n * mb_tokens * recompute_bytes_per_token(self.m, compile) / par.tp
+            nbytes += n * mb_tokens * recompute_bytes_per_token(self.m, compile, par.tp, par.sequence_parallel)
         if par.backend == "fsdp" and par.dp > 1 and min(par.shard_degree, par.dp) > 1:
             p_local, lin = self.mm.stage_params(par, st)
             gathered = lin * 0.5 + (p_local - lin) * self.mm.c if self.w.method == "qlora" else p_local * self.mm.c

@@ -12,6 +12,7 @@ import dataclasses
 import pytest
 
 from rigpilot.engine.hardware.simulated import load_profile
+from rigpilot.engine.models.describe import describe_model
 from rigpilot.engine.models.spec import Linear, ModelSpec
 from rigpilot.engine.planner.links import Topology
 from rigpilot.engine.planner.memory import MemoryModel
@@ -99,3 +100,13 @@ def test_fsdp_copy_out_is_paid_per_micro_batch_on_the_compute_stream():
     # Without sharding (DDP) there is no copy-out.
     ddp = dataclasses.replace(fsdp8(), backend="ddp", zero_stage=0, shard_degree=1)
     assert sm._memory_bound_s(ddp, sm.groups(ddp), 0, 32, 4096, False) == 0.0
+
+
+def test_without_sequence_parallel_every_tp_rank_recomputes_the_whole_norms_and_residuals() -> None:
+    """TP splits the activation and rotary by columns and heads; the norms and residual adds stay whole on every
+    rank unless sequence parallel splits the tokens (dividing all of it by tp rated tp 8 about 5x too cheap)."""
+    m = model_facts(describe_model("llama-3.1-8b"))
+    one = recompute_bytes_per_token(m, False)
+    tp8, tp8_sp = recompute_bytes_per_token(m, False, 8), recompute_bytes_per_token(m, False, 8, True)
+    assert tp8_sp == pytest.approx(one / 8)
+    assert one / 8 < tp8 < one
