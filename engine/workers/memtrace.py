@@ -192,7 +192,7 @@ def _read_config(model: str, trust_remote_code: bool) -> Any:
     source = resolve_source(model)
     if source.kind == "hub" and source.preset_config is None:
         # The planner answers for a repo it cannot reach from the preset made from that repo's config
-        # (describe._describe_hub): the trace measures the same model rather than saying it cannot load it.
+        # (describe._describe_hub): load_config falls back to it only when the repo's own config cannot be read.
         preset = preset_for_repo(model)
         if preset is not None:
             source.preset_config = dict(preset.config)
