@@ -9,7 +9,7 @@ from collections.abc import Callable
 from rigpilot.engine.hardware.machine import short_gpu_name
 from rigpilot.engine.planner.durations import duration_text
 from rigpilot.engine.planner.links import Topology
-from rigpilot.engine.planner.memory import fmt_gib
+from rigpilot.engine.planner.memory import fmt_gib, gib_pair
 from rigpilot.engine.planner.model import ModelFacts
 from rigpilot.engine.planner.plan import Figure, Parallelism, Plan, Timing, Workload, recipe_words
 from rigpilot.engine.planner.result import HOST_MEMORY, Candidate, SearchResult, leanest, memory_limit
@@ -126,10 +126,11 @@ def explain(
         if closest is not None and limit is not None:
             with_recipe = f" with {recipe_of(closest)}" if recipe_of is not None and closest.recipe else ""
             if limit.code == HOST_MEMORY:
+                need, have = gib_pair(limit.need_bytes, limit.have_bytes or 0)
                 line += (
                     f": the leanest plan ({closest.par.describe()}{with_recipe}) fits its GPUs but needs "
-                    f"{fmt_gib(limit.need_bytes)} of host RAM and "
-                    f"{'the simulated' if topo.machine.simulated else 'this'} machine has {fmt_gib(limit.have_bytes or 0)}"
+                    f"{need} of host RAM and "
+                    f"{'the simulated' if topo.machine.simulated else 'this'} machine has {have}"
                 )
             else:
                 line += (

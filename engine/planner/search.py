@@ -56,7 +56,15 @@ from rigpilot.engine.models.spec import ModelSpec
 from rigpilot.engine.planner.cluster import DEFAULT_LINK, Cluster, build_cluster, check_nodes, node_link
 from rigpilot.engine.planner.explain import explain, number_word
 from rigpilot.engine.planner.links import Calibration, Topology, no_bf16
-from rigpilot.engine.planner.memory import GIB, OFFLOAD_WINDOW_LAYERS, MemoryModel, StageMemory, fmt_gib, plan_memory
+from rigpilot.engine.planner.memory import (
+    GIB,
+    OFFLOAD_WINDOW_LAYERS,
+    MemoryModel,
+    StageMemory,
+    fmt_gib,
+    gib_pair,
+    plan_memory,
+)
 from rigpilot.engine.planner.model import ModelFacts, model_facts
 from rigpilot.engine.planner.plan import (
     CHECKPOINTING,
@@ -712,10 +720,11 @@ def _recipe_line(best: Plan, c: Candidate, recipes: Recipes, topo: Topology, can
         x = _leanest_without_offload(cands)
         limit = memory_limit(x) if x is not None else None
         if x is not None and limit is not None and limit.code == HOST_MEMORY:
+            need, have = gib_pair(limit.need_bytes, limit.have_bytes or 0)
             # It fits its GPUs: the host RAM it pins (the host optimizer's state, the weights as they load) does not.
             return (
                 f"CPU offload is needed: without it the leanest plan, {x.par.describe()} with {recipes.words(x)}, "
-                f"fits its GPUs but needs {fmt_gib(limit.need_bytes)} of host RAM of {fmt_gib(limit.have_bytes or 0)}"
+                f"fits its GPUs but needs {need} of host RAM of {have}"
             )
         if x is not None:
             return (
@@ -1036,7 +1045,7 @@ def _need(c: Candidate) -> tuple[float, int, int]:
 def _reject_reason(c: Candidate, recipes: Recipes | None = None) -> Rejection:
     par = c.par
     if c.worst_total > c.worst_capacity and par.backend == "inference":
-        need, have = _gib_pair(c.worst_total, c.worst_capacity)
+        need, have = gib_pair(c.worst_total, c.worst_capacity, whole_from=10)
         return Rejection(
             c.family,
             f"{c.family} needs {need} per GPU ({par.describe()}); you have {have}",
@@ -1053,7 +1062,7 @@ def _reject_reason(c: Candidate, recipes: Recipes | None = None) -> Rejection:
         if recipes is not None and c.recipe:
             how += f" and {recipes.words(c)}"
         name = c.family if c.family != "offload" else "CPU offload"
-        need, have = _gib_pair(c.worst_total, c.worst_capacity)
+        need, have = gib_pair(c.worst_total, c.worst_capacity, whole_from=10)
         return Rejection(
             c.family,
             f"{name} needs {need} per GPU even at {how}; you have {have}",
@@ -1062,7 +1071,7 @@ def _reject_reason(c: Candidate, recipes: Recipes | None = None) -> Rejection:
             GPU_MEMORY,
         )
     name = c.family if c.family != "offload" else "CPU offload"
-    need, have = _gib_pair(c.host.needed, c.host.available or 0)
+    need, have = gib_pair(c.host.needed, c.host.available or 0, whole_from=10)
     return Rejection(
         c.family,
         f"{name} needs {need} of host RAM; this machine has {have}",
@@ -1070,18 +1079,6 @@ def _reject_reason(c: Candidate, recipes: Recipes | None = None) -> Rejection:
         c.host.available,
         HOST_MEMORY,
     )
-
-
-def _gib_round(n: float, digits: int) -> str:
-    return f"{n / GIB:.{digits}f} GiB"
-
-
-def _gib_pair(need: float, have: float) -> tuple[str, str]:
-    """`need` and `have` rounded alike, with as many decimals as it takes not to read "needs 63 GiB; has 63 GiB"."""
-    digits = 0 if min(need, have) / GIB >= 10 else 1
-    while digits < 2 and _gib_round(need, digits) == _gib_round(have, digits):
-        digits += 1
-    return _gib_round(need, digits), _gib_round(have, digits)
 
 
 # -- suggestions -------------------------------------------------------------------------------------------------

@@ -69,10 +69,14 @@ def test_a_plan_that_fits_without_offload_has_no_limit():
 
 def test_a_rejection_never_reads_as_needing_what_the_machine_has() -> None:
     """63.3 GiB needed of 62.9 GiB: whole GiB would say "needs 63 GiB of host RAM; this machine has 63 GiB"."""
-    from rigpilot.engine.planner.search import _gib_pair
+    from rigpilot.engine.planner.memory import gib_pair
 
     gib = 1024**3
-    assert _gib_pair(63.3 * gib, 62.9 * gib) == ("63.3 GiB", "62.9 GiB")
-    assert _gib_pair(80.3 * gib, 24 * gib) == ("80 GiB", "24 GiB")
-    assert _gib_pair(9.44 * gib, 9.41 * gib) == ("9.44 GiB", "9.41 GiB")
-    assert _gib_pair(5.5 * gib, 4 * gib) == ("5.5 GiB", "4.0 GiB")
+    assert gib_pair(63.02 * gib, 62.98 * gib) == ("63.02 GiB", "62.98 GiB")
+    assert gib_pair(63.3 * gib, 62.9 * gib) == ("63.3 GiB", "62.9 GiB")
+    assert gib_pair(80.3 * gib, 24 * gib) == ("80.3 GiB", "24.0 GiB")
+    assert gib_pair(80.3 * gib, 24 * gib, whole_from=10) == ("80 GiB", "24 GiB")
+    assert gib_pair(63.3 * gib, 62.9 * gib, whole_from=10) == ("63.3 GiB", "62.9 GiB")
+    assert gib_pair(150 * gib, 120 * gib) == ("150 GiB", "120 GiB")
+    assert gib_pair(9.44 * gib, 9.41 * gib) == ("9.44 GiB", "9.41 GiB")
+    assert gib_pair(5.5 * gib, 4 * gib) == ("5.5 GiB", "4.0 GiB")
