@@ -173,7 +173,7 @@ def _optimizer_in_backward(r: Recipe, lt: Layout, ctx: RecipeContext) -> str | N
         return "the optimizer step in backward cannot run under fp16's loss scaling: use bf16"
     if lt.cpu_offload:
         return "the optimizer step in backward runs on the GPU; with CPU offload the optimizer runs on the host"
-    if _runs_ddp(lt):
+    if lt.runs_ddp:
         # DDP all-reduces gradients in buckets that hold every gradient until the whole backward is done, so
         # stepping each weight early frees nothing; one GPU and FSDP2 (which frees each shard's gradient as its
         # weight is stepped) are where it saves memory.
@@ -182,12 +182,6 @@ def _optimizer_in_backward(r: Recipe, lt: Layout, ctx: RecipeContext) -> str | N
             "gradient: shard with FSDP2 (--fsdp N) or drop the optimizer step in backward"
         )
     return None
-
-
-def _runs_ddp(lt: Layout) -> bool:
-    """Whether a training job of `lt` runs under DDP: replicas only, no FSDP2 sharding, tensor or pipeline parallel
-    and no CPU offload (with those the replicas are FSDP2's; engine.workers.parallelize.uses_fsdp)."""
-    return lt.dp_replicate > 1 and lt.dp_shard == 1 and lt.tp == 1 and lt.pp == 1 and not lt.cpu_offload
 
 
 def _loss_chunks(r: Recipe, lt: Layout, ctx: RecipeContext) -> str | None:

@@ -114,6 +114,16 @@ class Layout:
         """Device-mesh dimensions, outermost first (torch.distributed.init_device_mesh order)."""
         return {name: getattr(self, name) for name in MESH_DIMS}
 
+    @property
+    def runs_ddp(self) -> bool:
+        """Whether a training job of this layout runs under DDP: replicas only, no FSDP2 sharding, tensor or pipeline
+        parallel and no CPU offload (with those the replicas are FSDP2's; engine.workers.parallelize.uses_fsdp)."""
+        return self.dp_replicate > 1 and self.dp_shard == 1 and self.tp == 1 and self.pp == 1 and not self.cpu_offload
+
+    def sharded(self) -> Layout:
+        """The same ranks with every data-parallel replica an FSDP2 shard instead (DDP's replicas as FSDP2's)."""
+        return dataclasses.replace(self, dp_replicate=1, dp_shard=self.dp)
+
     def words(self) -> str:
         """`dp 2 × fsdp 2 × tp 1 × pp 1`: the degrees as the CLI names them."""
         return f"dp {self.dp_replicate} × fsdp {self.dp_shard} × tp {self.tp} × pp {self.pp}"

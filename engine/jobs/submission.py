@@ -43,7 +43,7 @@ from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import EITHER, FILE, FOLDER, Expect, check_given_path, open_given_file
 from rigpilot.engine.hardware.machine import Machine
 from rigpilot.engine.jobs.limits import check_job_settings
-from rigpilot.engine.jobspec.spec import InferSettings, JobSpec, TrainSettings
+from rigpilot.engine.jobspec.spec import IN_BACKWARD_UNDER_DDP_NOTE, InferSettings, JobSpec, TrainSettings
 from rigpilot.engine.layout import Layout, accumulation_of_plan, schedule_name
 from rigpilot.engine.models.config_file import CONFIG_MAX
 from rigpilot.engine.models.formulas import is_decoder
@@ -770,6 +770,9 @@ def apply_plan_layout(spec: JobSpec, plan: Plan) -> tuple[dict[str, Any], list[s
         p, dp_replicate=lt.dp_replicate, dp_shard=lt.dp_shard, tp=lt.tp, pp=lt.pp,
         sequence_parallel=lt.sequence_parallel, reshard_after_forward=lt.reshard_after_forward,
     )  # fmt: skip
+    if getattr(plan.workload, "optimizer_in_backward", None) and p.runs_ddp:
+        spec.parallelism = p = p.sharded()
+        notes.append(IN_BACKWARD_UNDER_DDP_NOTE.format(ranks=p.dp))
     zero = par.zero_stage if _is_int(par.zero_stage) else 0
     if zero == 1 and par.dp > 1:
         notes.append(

@@ -36,7 +36,15 @@ from rigpilot.engine.schema import (
 )
 
 JobKind = Literal["train", "infer", "script", "calibrate"]
-SPEC_VERSION = 1
+# 2: the optimizer step in backward no longer runs under DDP (engine.capability refuses it there); a version-1
+# job.json asking for it runs its replicas as FSDP2 shards (JobSpec.from_dict).
+SPEC_VERSION = 2
+# Plans and job.json files made while the engine still ran the optimizer step in backward under DDP (stepping each
+# weight after backward, which saved nothing) run on the same ranks as FSDP2 now, with this note.
+IN_BACKWARD_UNDER_DDP_NOTE = (
+    "the optimizer step in backward runs as FSDP2 over the {ranks} ranks, not DDP replicas as when this was "
+    "planned: FSDP2 frees each gradient as its weight steps, DDP's all-reduce buckets keep them all"
+)
 
 
 # job.json's `parallelism` object is a Layout (engine.layout); the old name stays for readers of it.
@@ -330,9 +338,13 @@ class JobSpec:
         default_words="3 for training longer than its checkpoint interval, else 0",
     )
     spec_version: int = SPEC_VERSION
+    # What reading an older job.json changed, for the job's notes (not written back: the file then says it).
+    upgrade_notes: list[str] = field(default_factory=list, compare=False, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        del d["upgrade_notes"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> JobSpec:
@@ -343,7 +355,14 @@ class JobSpec:
         if d.get("infer") is not None:
             d["infer"] = InferSettings(**d["infer"])
         known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
+        spec = cls(**{k: v for k, v in d.items() if k in known and k != "upgrade_notes"})
+        old = d.get("spec_version")  # absent: a submission, not a stored job; it is refused as asked, not changed
+        if isinstance(old, int) and old < 2 and spec.train and spec.train.optimizer_in_backward:
+            if spec.parallelism.runs_ddp:
+                spec.parallelism = spec.parallelism.sharded()
+                spec.upgrade_notes.append(IN_BACKWARD_UNDER_DDP_NOTE.format(ranks=spec.parallelism.dp))
+        spec.spec_version = SPEC_VERSION
+        return spec
 
     def write(self, job_dir: Path) -> None:
         job_dir.mkdir(parents=True, exist_ok=True)

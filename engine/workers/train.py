@@ -279,7 +279,7 @@ class Trainer:
         self.cancel = CancelFlag()
         self.dims = runtime.dims
         self.precision: PrecisionPlan = precision_plan(self.s.precision, runtime)
-        self.notes: list[str] = []
+        self.notes: list[str] = list(spec.upgrade_notes)  # what reading an older job.json changed
         # What turns a micro-batch's summed token loss into its share of the step's loss (set per step).
         self.loss_scale = 1.0
         # The process groups a step reduces over, looked up once: slicing a device mesh builds a new one.

@@ -192,3 +192,49 @@ def test_loss_chunks_of_a_model_without_an_output_head_are_refused_at_submission
     assert e.value.fields == {"setting": "train.loss_chunks", "value": 4}
     spec["train"]["loss_chunks"] = 1
     prepare(spec, None, str(tmp_path), job_id="enc1", machine=load_profile("4x-rtx4090"), max_cpu_ranks=1)
+
+
+def test_a_stored_job_json_from_before_the_refusal_runs_its_replicas_as_fsdp2(tmp_path: Path) -> None:
+    """A job queued or interrupted under the engine that still ran the step in backward under DDP (spec version 1)
+    resumes on the same ranks as FSDP2, which the contract runs, with a note; the file read back says version 2."""
+    from rigpilot.engine.capability import RecipeContext, recipe_why_not
+    from rigpilot.engine.jobspec.spec import JobSpec
+    from rigpilot.engine.recipe import Recipe
+
+    old = JobSpec.from_dict({"id": "j1", "kind": "train", "model": "llama-2-7b", "parallelism": {"dp_replicate": 4},
+                             "train": {"method": "full", "dataset": [str(SHAKESPEARE)], "optimizer_in_backward": True,
+                                       "grad_clip": 0.0}}).to_dict()  # fmt: skip
+    old["spec_version"] = 1  # as the old engine wrote it: every field, version 1
+    (tmp_path / "job.json").write_text(__import__("json").dumps(old))
+    spec = JobSpec.read(tmp_path)
+    assert (spec.parallelism.dp_replicate, spec.parallelism.dp_shard) == (1, 4)
+    assert spec.upgrade_notes and "FSDP2 over the 4 ranks" in spec.upgrade_notes[0]
+    assert recipe_why_not(Recipe.of(spec.train), spec.parallelism, RecipeContext()) is None
+    assert spec.to_dict()["spec_version"] == 2 and "upgrade_notes" not in spec.to_dict()
+    spec.write(tmp_path)
+    again = JobSpec.read(tmp_path)
+    assert again.parallelism == spec.parallelism and not again.upgrade_notes
+    # Only the step in backward under DDP changes: a version-1 DDP job without it, or sharded already, reads as is.
+    for train, par in ((False, {"dp_replicate": 4}), (True, {"dp_shard": 4}), (True, {"dp_replicate": 2, "tp": 2})):
+        d = {**old, "parallelism": {**par}, "train": {**old["train"], "optimizer_in_backward": train}}
+        kept = JobSpec.from_dict(d)
+        assert kept.parallelism == Layout.from_dict(par) and not kept.upgrade_notes, par
+
+
+def test_an_old_plan_with_the_step_in_backward_under_ddp_runs_as_fsdp2_with_a_note(tmp_path: Path) -> None:
+    """A plan file saved when the planner could still pick DDP with the step in backward is run, not refused: the
+    plan's replicas become FSDP2 shards of the same GPUs; degrees the submission gives itself stay refused."""
+    machine = load_profile("4x-rtx4090")
+    w = Workload(model="llama-2-7b", optimizer_in_backward=True)
+    plan = search(describe_model("llama-2-7b"), machine, w, options=SearchOptions()).to_dict()["best"]
+    plan["parallelism"].update(gpu_indices=[0, 1], dp=2, zero_stage=0, shard_degree=1, backend="ddp", tp=1, pp=1,
+                               grad_accum=1, cpu_offload=False)  # fmt: skip
+    spec = {"kind": "train", "model": "llama-2-7b", "train": {"method": "full", "dataset": [str(SHAKESPEARE)]}}
+    sub = prepare(spec, plan, str(tmp_path), job_id="old-plan", machine=machine, max_cpu_ranks=2)
+    assert (sub.spec.parallelism.dp_replicate, sub.spec.parallelism.dp_shard) == (1, 2)
+    assert sub.spec.train is not None and sub.spec.train.optimizer_in_backward
+    assert any("FSDP2 over the 2 ranks" in n for n in sub.notes), sub.notes
+    with pytest.raises(UserError) as e:
+        prepare({**spec, "parallelism": {"dp_replicate": 2}}, plan, str(tmp_path), job_id="own", machine=machine,
+                max_cpu_ranks=2)  # fmt: skip
+    assert e.value.reason == "recipe_refused"
