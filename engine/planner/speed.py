@@ -104,15 +104,20 @@ def recompute_bytes_per_token(m: ModelFacts, compile: bool, tp: int = 1, sequenc
     return whole / (tp if sequence_parallel else 1) + split / tp
 
 
-def fsdp_copy_out_bytes(gathered: float, gathers: int) -> float:
-    """Bytes FSDP2's all-gather copy-out streams per micro-batch on the compute stream.
+def fsdp_copy_out_bytes(blocks: float, root: float, layers: int, reshard: bool) -> float:
+    """Bytes FSDP2's all-gather copy-out streams per micro-batch on the compute stream, for the gathered bytes of
+    a stage's `layers` blocks (`blocks`, all of them) and of its root unit (`root`: embedding, final norm, head).
 
     FSDP2 waits for each all-gather and then splits the gathered buffer into the unit's parameters
     (foreach_all_gather_copy_out, split_with_sizes_copy) on the default stream: a read and a write of every
     gathered byte, per gather, per micro-batch, however many tokens the micro-batch has. Its copy-in and the
-    reduce-scatter's chunk_cat run on the collectives' own streams and hide with them.
+    reduce-scatter's chunk_cat run on the collectives' own streams and hide with them. `reshard`: each block
+    but the last is gathered again for backward; the engine keeps the last block gathered (its backward comes
+    right after) and FSDP2 never reshards the root after forward (FSDPState._lazy_init), so those gather once.
     """
-    return 2.0 * gathered * gathers
+    if reshard and layers > 0:
+        return 2.0 * (blocks * (2 * layers - 1) / layers + root)
+    return 2.0 * (blocks + root)
 
 
 REF_TOKENS = 4096  # the micro-batch size (tokens) and width at which the efficiency priors hold
@@ -359,8 +364,12 @@ class SpeedModel:
             nbytes += n * mb_tokens * recompute_bytes_per_token(self.m, compile, par.tp, par.sequence_parallel)
         if par.backend == "fsdp" and par.dp > 1 and min(par.shard_degree, par.dp) > 1:
             p_local, lin = self.mm.stage_params(par, st)
-            gathered = lin * 0.5 + (p_local - lin) * self.mm.c if self.w.method == "qlora" else p_local * self.mm.c
-            nbytes += fsdp_copy_out_bytes(gathered, 2 if par.reshard_after_forward else 1)
+            blocks = lin + n * self.m.layer_other_params
+            c = self.mm.c
+            block_bytes = lin * 0.5 + (blocks - lin) * c if self.w.method == "qlora" else blocks * c
+            # Under pipeline parallel the engine keeps every block gathered (engine.workers.parallelize).
+            reshard = par.reshard_after_forward and par.pp == 1
+            nbytes += fsdp_copy_out_bytes(block_bytes, (p_local - blocks) * c, n, reshard)
         if not nbytes:
             return 0.0
         bw = min(self.topo.gpus[i].memory_bandwidth_gbs for i in groups.stages[st]) * 1e9 * MEMORY_BW_EFFICIENCY

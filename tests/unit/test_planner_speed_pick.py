@@ -91,10 +91,14 @@ def test_fsdp_copy_out_is_paid_per_micro_batch_on_the_compute_stream():
     sm = speed_model(topo("8x-h100-sxm"), global_batch=16)
     one = sm.train(fsdp8(micro_batch=2, grad_accum=1), detail=False)
     two = sm.train(fsdp8(micro_batch=1, grad_accum=2), detail=False)
-    params = sm.mm.stage_params(fsdp8(), 0)[0] * sm.mm.c
+    params, lin = sm.mm.stage_params(fsdp8(), 0)
+    blocks = lin + sm.m.layers * sm.m.layer_other_params
     bw = 3350e9 * 0.75  # H100 SXM HBM3, MEMORY_BW_EFFICIENCY
-    copy_out = fsdp_copy_out_bytes(params, 2) / bw
-    assert fsdp_copy_out_bytes(100.0, 2) == 400.0
+    copy_out = fsdp_copy_out_bytes(blocks * sm.mm.c, (params - blocks) * sm.mm.c, sm.m.layers, True) / bw
+    # Resharded after forward, 3 of 4 blocks are gathered twice; the last block and the root (embedding, head)
+    # once: FSDP2 keeps the root gathered from forward to backward, the engine the last block.
+    assert fsdp_copy_out_bytes(100.0, 10.0, 4, True) == 2 * (25 * 7 + 10)
+    assert fsdp_copy_out_bytes(100.0, 10.0, 4, False) == 2 * (100 + 10)
     # The second micro-batch copies every gathered unit out again; its matmuls also run on half the tokens.
     assert two.compute_s - one.compute_s >= copy_out * 0.99
     # Without sharding (DDP) there is no copy-out.
