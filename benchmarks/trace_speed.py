@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rigpilot.engine.hardware.simulated import load_profile
 from rigpilot.engine.models.describe import describe_model
-from rigpilot.engine.planner.memory import fmt_gib
+from rigpilot.engine.planner.amounts import fmt_gib
 from rigpilot.engine.planner.plan import LoraSettings, Workload
 from rigpilot.engine.planner.search import SearchOptions, search
 from rigpilot.engine.planner.verify import apply_trace, to_trace, trace, trace_all

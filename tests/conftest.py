@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from support.paths import SMI_DATA
+from support.run_folders import remove_dead_runs_folders
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 # Plans are verified by a traced step (seconds each): only the tests of that turn it on.
@@ -39,11 +40,20 @@ def _private(path: Path) -> Path:
 # Compiled kernels (torch.compile, torchao's optimizer steps, and every job the tests start) go to this run's own
 # folder instead of ~/.cache/rigpilot/torchinductor or /tmp/torchinductor_<user>: the suite leaves the user's home
 # as it found it, and its times do not depend on what an earlier run compiled.
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_private(_run_folder()) / "torchinductor"))
+# Its xdist workers, and a run a test starts inside one (a nested `dev.py test`), inherit the variable and make
+# no folder of their own; only the process that made the folder removes it.
+_MADE_RUN_FOLDER = "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+if _MADE_RUN_FOLDER:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(_private(_run_folder()) / "torchinductor")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not hasattr(session.config, "workerinput"):  # a run's controller (or a run without workers), not a worker
+        remove_dead_runs_folders(Path(tempfile.gettempdir()), os.getuid())
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    if not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller, once its workers are done
+    if _MADE_RUN_FOLDER and not hasattr(session.config, "workerinput"):  # the controller, its workers done
         shutil.rmtree(_run_folder(), ignore_errors=True)
 
 

@@ -40,6 +40,7 @@ from rigpilot.app.planner.model import (
 )
 from rigpilot.app.planner.rented_view import RentedTable
 from rigpilot.app.widgets.palette import BAD, GOOD
+from rigpilot.engine.planner.amounts import gib_pair
 from rigpilot.engine.planner.calibration import NOT_CALIBRATED
 
 TABLE_COLUMNS = ["#", "Plan", "Layout", "GPUs", "Speed", "Step", "To finish", "Fullest GPU", "Runs here"]
@@ -282,7 +283,7 @@ class PlanResults(QWidget):
         for r, rej in enumerate(rejected):
             need = rej.get("need_bytes")
             have = rej.get("have_bytes")
-            needs = f"{need / 2**30:.1f} of {have / 2**30:.1f} GiB" if need and have else ""
+            needs = " of ".join(gib_pair(need, have, whole_from=10)) if need and have else ""
             if needs:  # the engine says which memory the bytes are of; older engines' are per GPU
                 needs += " of host RAM" if rej.get("limit") == "host_memory" else " per GPU"
             for c, value in enumerate([rej.get("family", ""), rejection_reason(rej), needs]):

@@ -33,11 +33,11 @@ from rigpilot.engine import schema
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import MISSING, PathRefused, check_given_path, shown
 from rigpilot.engine.planner import verify
+from rigpilot.engine.planner.amounts import fmt_gib
 from rigpilot.engine.planner.calibration import MachineCalibration, apply_stored
 from rigpilot.engine.planner.calibration import apply as apply_calibration
 from rigpilot.engine.planner.cluster import DEFAULT_LINK, NODE_LINKS, check_nodes, node_link
 from rigpilot.engine.planner.export import export_best
-from rigpilot.engine.planner.memory import fmt_gib
 from rigpilot.engine.planner.plan import LoraSettings, Plan, Workload, recipe_words
 from rigpilot.engine.planner.search import RANKING, SearchOptions, SearchResult
 from rigpilot.engine.planner.settings import PLAN_SETTINGS as P

@@ -47,7 +47,7 @@ from rigpilot.engine.jobspec.spec import IN_BACKWARD_UNDER_DDP_NOTE, InferSettin
 from rigpilot.engine.layout import Layout, accumulation_of_plan, schedule_name
 from rigpilot.engine.models.config_file import CONFIG_MAX
 from rigpilot.engine.models.formulas import is_decoder
-from rigpilot.engine.planner.memory import fmt_gib
+from rigpilot.engine.planner.amounts import fmt_gib
 from rigpilot.engine.planner.plan import Plan, recipe_words
 from rigpilot.engine.recipe import RECIPE_SETTINGS, Recipe
 from rigpilot.engine.recipe_refusal import check_recipe

@@ -7,9 +7,9 @@ from collections import Counter
 from collections.abc import Callable
 
 from rigpilot.engine.hardware.machine import short_gpu_name
+from rigpilot.engine.planner.amounts import fmt_gib, gib_pair
 from rigpilot.engine.planner.durations import duration_text
 from rigpilot.engine.planner.links import Topology
-from rigpilot.engine.planner.memory import fmt_gib, gib_pair
 from rigpilot.engine.planner.model import ModelFacts
 from rigpilot.engine.planner.plan import Figure, Parallelism, Plan, Timing, Workload, recipe_words
 from rigpilot.engine.planner.result import HOST_MEMORY, Candidate, SearchResult, leanest, memory_limit

@@ -53,6 +53,7 @@ from rigpilot.engine.hardware.specs import match_spec
 from rigpilot.engine.jobspec.spec import TRAIN_SETTINGS
 from rigpilot.engine.layout import MICROBATCH_RANGE, Layout
 from rigpilot.engine.models.spec import ModelSpec
+from rigpilot.engine.planner.amounts import fmt_gib, gib_pair
 from rigpilot.engine.planner.cluster import DEFAULT_LINK, Cluster, build_cluster, check_nodes, node_link
 from rigpilot.engine.planner.explain import explain, number_word
 from rigpilot.engine.planner.links import Calibration, Topology, no_bf16
@@ -61,8 +62,6 @@ from rigpilot.engine.planner.memory import (
     OFFLOAD_WINDOW_LAYERS,
     MemoryModel,
     StageMemory,
-    fmt_gib,
-    gib_pair,
     plan_memory,
 )
 from rigpilot.engine.planner.model import ModelFacts, model_facts

@@ -38,9 +38,9 @@ from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.machine import Machine
 from rigpilot.engine.models.spec import ModelSpec
 from rigpilot.engine.planner import trace_cache
+from rigpilot.engine.planner.amounts import fmt_gib
 from rigpilot.engine.planner.calibration import CalibrationStatus
 from rigpilot.engine.planner.links import Calibration
-from rigpilot.engine.planner.memory import fmt_gib
 from rigpilot.engine.planner.plan import Plan, Workload
 from rigpilot.engine.planner.result import SearchResult
 from rigpilot.engine.planner.search import SearchOptions, search

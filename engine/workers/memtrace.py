@@ -1156,8 +1156,7 @@ def _warm_imports() -> None:
     from rigpilot.engine.workers import parallelize, train  # noqa: F401
 
     # What stays from here on is never garbage: the step's own collections skip it (see _collector_paused).
-    gc.collect()
-    gc.freeze()
+    _freeze_new_code()
 
 
 def _one(plan: dict[str, Any], trust_remote_code: bool) -> dict[str, Any]:
@@ -1175,11 +1174,26 @@ def _one(plan: dict[str, Any], trust_remote_code: bool) -> dict[str, Any]:
 
 
 def _settle() -> None:
-    """After a trace: its garbage collected, and what stays (the model code its first trace imported) frozen as
+    """After a trace: its garbage collected; and where it imported model code, what stays is frozen as
     `_warm_imports` freezes torch, so that each later trace's collections (see _collector_paused) scan only
     its own objects."""
     gc.collect()
+    if len(sys.modules) > _frozen_at_modules:
+        _freeze_new_code()
+
+
+# How many modules were loaded at the last freeze. A frozen object is never collected, even once it is garbage
+# (a cache entry evicted later, in a cycle): freezing after every trace would let a warm tracer grow for as long
+# as it lives. Freezing only when a trace imported code (a model family's first trace) bounds that by the code
+# there is to import, and still keeps that code out of every later collection.
+_frozen_at_modules = 0
+
+
+def _freeze_new_code() -> None:
+    global _frozen_at_modules
+    gc.collect()
     gc.freeze()
+    _frozen_at_modules = len(sys.modules)
 
 
 def _die_with_parent() -> None:

@@ -25,10 +25,13 @@ def test_rejections_for_host_ram_show_host_ram(qtbot):
     qtbot.addWidget(view)
     view.show_result(_result(40))
     cells = [view.rejected.item(r, 2).text() for r in range(view.rejected.rowCount())]
-    assert cells and all(c.endswith("of 40.0 GiB of host RAM") for c in cells), cells
+    assert cells and all(c.endswith(" GiB of 40 GiB of host RAM") for c in cells), cells
     view.show_result(_result(64, model="llama-3.1-70b", task="infer", global_batch=1))
     cells = [view.rejected.item(r, 2).text() for r in range(view.rejected.rowCount())]
-    assert cells == ["139.7 of 24.0 GiB per GPU"]
+    assert cells == ["140 GiB of 24 GiB per GPU"]  # the engine's rounding (memory.gib_pair): whole from 10 GiB
     old = {**_result(40), "rejected": [{"family": "DDP", "reason": "r", "need_bytes": 2**31, "have_bytes": 2**30}]}
     view.show_result(old)  # an older engine's rejection, without `limit`: per GPU, as it meant
-    assert view.rejected.item(0, 2).text() == "2.0 of 1.0 GiB per GPU"
+    assert view.rejected.item(0, 2).text() == "2.0 GiB of 1.0 GiB per GPU"
+    close = {**old, "rejected": [{**old["rejected"][0], "need_bytes": int(63.04 * 2**30), "have_bytes": 63 * 2**30}]}
+    view.show_result(close)  # never "63 GiB of 63 GiB": as many decimals as tell the two apart
+    assert view.rejected.item(0, 2).text() == "63.04 GiB of 63.00 GiB per GPU"

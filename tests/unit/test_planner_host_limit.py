@@ -69,7 +69,7 @@ def test_a_plan_that_fits_without_offload_has_no_limit():
 
 def test_a_rejection_never_reads_as_needing_what_the_machine_has() -> None:
     """63.3 GiB needed of 62.9 GiB: whole GiB would say "needs 63 GiB of host RAM; this machine has 63 GiB"."""
-    from rigpilot.engine.planner.memory import gib_pair
+    from rigpilot.engine.planner.amounts import gib_pair
 
     gib = 1024**3
     assert gib_pair(63.02 * gib, 62.98 * gib) == ("63.02 GiB", "62.98 GiB")

@@ -150,3 +150,29 @@ def test_cpu_offload_with_the_loss_in_chunks_leaves_the_host_shards_out_of_the_g
     host = sum(v for k, v in chunked.categories.items() if k in memtrace.HOST_CATEGORIES)
     assert host > chunked.peak  # the state is all on the host: it would dwarf the GPU's figure
     assert chunked.peak <= whole.peak
+
+
+def test_a_warm_tracer_freezes_what_stays_only_after_a_trace_that_imported_code() -> None:
+    """Frozen objects are never collected, even as garbage: a tracer that froze after every trace would keep every
+    cache entry any trace left for as long as it lives. It freezes after the warm imports and after a trace that
+    imported code (a model family's first), nothing more. In a child process: freezing is process-wide."""
+    import subprocess
+    import sys
+
+    code = """
+import gc, sys, types
+from rigpilot.engine.workers import memtrace
+memtrace._freeze_new_code()
+base = gc.get_freeze_count()
+left = []
+for _ in range(3):  # traces of code already imported: what they leave is collectable, not frozen
+    left.append([[] for _ in range(500)])
+    memtrace._settle()
+same = gc.get_freeze_count()
+sys.modules["rigpilot_test_model_family"] = types.ModuleType("rigpilot_test_model_family")
+memtrace._settle()  # a trace that imported a model family's code: it stays for good, so it is frozen
+print(base, same, gc.get_freeze_count())
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    base, same, after = map(int, out.stdout.split())
+    assert same == base and after > base, out.stdout
