@@ -229,20 +229,30 @@ def plan_row(plan: dict[str, Any], rank: str) -> PlanRow:
     timing = plan.get("timing") or {}
     memory = plan.get("memory") or []
     peak = max(memory, key=lambda m: shown_total(m) / max(m["capacity"], 1), default=None)
-    training = (plan.get("workload") or {}).get("task", "train") == "train"
     runs, why = plan_runs_here(plan)
     return PlanRow(
         rank=rank,
         family=par.family,
         layout=par.describe(),
-        gpus=", ".join(str(g) for g in par.gpu_indices) + (f" on each of {par.nodes} nodes" if par.nodes > 1 else ""),
-        tokens_per_s=tokens_per_s(timing.get("tokens_per_s"), training),
+        gpus=gpu_runs(par.gpu_indices) + (f" on each of {par.nodes} nodes" if par.nodes > 1 else ""),
+        tokens_per_s=units.si(timing.get("tokens_per_s") or None),  # the table's header names the unit
         step=seconds(timing.get("step_s")),
         peak=f"{shown_total(peak) / GIB:.1f} / {peak['capacity'] / GIB:.1f} GiB" if peak else "n/a",
         to_budget=seconds(timing.get("time_to_budget_s")) if timing.get("time_to_budget_s") else "—",
         fits=all(m["headroom"] >= 0 for m in memory),
         runs_here="yes" if runs else (why or "no"),
     )
+
+
+def gpu_runs(indices: list[int]) -> str:
+    """GPU indices as runs: [0, 1, 2, 3] "0–3", [0, 2] "0, 2", [0, 1, 2, 5, 6, 7] "0–2, 5–7"."""
+    runs: list[list[int]] = []
+    for g in indices:
+        if runs and g == runs[-1][-1] + 1:
+            runs[-1].append(g)
+        else:
+            runs.append([g])
+    return ", ".join(f"{r[0]}–{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs)
 
 
 def plan_runs_here(plan: dict[str, Any]) -> tuple[bool, str]:

@@ -21,7 +21,19 @@ from typing import Any
 
 from PySide6.QtCore import QByteArray, QSettings, Qt, Signal
 from PySide6.QtGui import QShowEvent
-from PySide6.QtWidgets import QGroupBox, QLabel, QPushButton, QScrollArea, QSplitter, QVBoxLayout, QWidget
+from PySide6.QtWidgets import (
+    QAbstractSpinBox,
+    QCheckBox,
+    QComboBox,
+    QGroupBox,
+    QLabel,
+    QLineEdit,
+    QPushButton,
+    QScrollArea,
+    QSplitter,
+    QVBoxLayout,
+    QWidget,
+)
 
 from rigpilot.app.planner.gpu_selector import BusyGpus, GpuSelector
 from rigpilot.app.planner.launch_bar import LaunchBar
@@ -89,6 +101,8 @@ class PlannerPage(QWidget):
         self._serial = 0  # replies to older requests are dropped
         self._check: MemoryCheck | None = None  # the memory check of the result shown, while it runs
         self._default_selection = True  # until the user picks, the selection follows which GPUs are free
+        self._asked: dict[str, Any] | None = None  # what the result shown was planned for
+        self._launchable = False  # whether the plan shown runs here, as the results said
 
         self.form = WorkloadForm()
         self.form.picker.sig_model_chosen.connect(lambda _: self.request_plan())
@@ -109,6 +123,7 @@ class PlannerPage(QWidget):
         self._aliases()
         self._lay_out()
         self.results.show_result(None)
+        self._watch_inputs()
 
         link.sig_machine.connect(self.on_machine)
         if getattr(link, "machine", None):
@@ -202,9 +217,20 @@ class PlannerPage(QWidget):
         d = machine_dict(message)
         if not d:
             return
+        before = (self.choice.here or {}).get("label")
         self.choice.set_here(d)
         if not self.choice.is_here():
             return
+        if before is not None and before != d.get("label"):
+            # The engine's machine was switched: a plan for the one before says nothing about this one.
+            self._serial += 1
+            self._end_check()
+            self._asked = None
+            self.plan_button.setEnabled(True)
+            self.status.setText(f"The machine is now {d.get('label', 'another one')}: plan again for it.")
+            self.results.hide_message()
+            self.results.show_result(None)
+            self.results.planned_here(True)
         self.gpus.set_machine(d)
         if self._default_selection or not self.gpus.selected():
             self._default_selection = True
@@ -274,6 +300,42 @@ class PlannerPage(QWidget):
         if r.gpus:
             self.gpus.set_selected(r.gpus)
 
+    # -- a result planned for other inputs -----------------------------------------------------------------
+    def _watch_inputs(self) -> None:
+        """Every control of the form, and the GPUs picked: a change marks the result shown as stale."""
+        for box in self.form.findChildren(QComboBox):
+            box.currentIndexChanged.connect(self._inputs_changed)
+        for spin in self.form.findChildren(QAbstractSpinBox):
+            spin.editingFinished.connect(self._inputs_changed)
+            if hasattr(spin, "valueChanged"):
+                spin.valueChanged.connect(self._inputs_changed)
+        for edit in self.form.findChildren(QLineEdit):
+            if not isinstance(edit.parent(), QAbstractSpinBox | QComboBox):
+                edit.textChanged.connect(self._inputs_changed)
+        for check in self.form.findChildren(QCheckBox):
+            check.toggled.connect(self._inputs_changed)
+        self.gpus.sig_selection_changed.connect(self._inputs_changed)
+
+    def _asked_now(self, request: PlanRequest | None = None) -> dict[str, Any] | None:
+        """The `plan` request the form makes now (None while it cannot make one)."""
+        request = request or self.plan_request()
+        try:
+            if request.problem():
+                return None
+            other = self.choice.request_arg()
+            return {"model": request.model, "workload": request.workload_args(), "gpus": request.gpus,
+                    "options": request.options_args(), **({"machine": other} if other is not None else {})}  # fmt: skip
+        except (ValueError, TypeError, KeyError):
+            return None
+
+    def _inputs_changed(self, *_: Any) -> None:
+        if self.results.result is None or self._asked is None:
+            return
+        stale = self._asked_now() != self._asked
+        if stale != self.results.is_stale:
+            self.results.set_stale(stale)
+            self._offer_launch(self.plan if self._launchable else None)
+
     # -- planning --------------------------------------------------------------------------------------
     def request_plan(self) -> None:
         """Plan what the form asks; the answer (or the reason there is none) shows when it arrives."""
@@ -294,9 +356,8 @@ class PlannerPage(QWidget):
             self.status.setText("")
             self.results.show_message("Not connected to the engine yet: plans come from it. Plan again once it is.")
             return
-        other = self.choice.request_arg()
-        asked = {"model": request.model, "workload": request.workload_args(), "gpus": request.gpus,
-                 "options": request.options_args(), **({"machine": other} if other is not None else {})}  # fmt: skip
+        asked = self._asked_now(request)
+        assert asked is not None  # the request has no problem
         self._ask(serial, asked, verify_later=True)
 
     def _ask(self, serial: int, asked: dict[str, Any], *, verify_later: bool) -> None:
@@ -304,6 +365,8 @@ class PlannerPage(QWidget):
         An engine from before `verify` refuses the argument: it is asked again the old way, verified at once."""
 
         def answered(reply: dict[str, Any]) -> None:
+            if serial == self._serial:
+                self._asked = asked
             self._on_plan(serial, reply)
             self._check_memory(serial, reply, asked)
 
@@ -424,6 +487,7 @@ class PlannerPage(QWidget):
     # -- the plan shown ------------------------------------------------------------------------------
     def _plan_shown(self, plan: dict[str, Any] | None, launchable: bool) -> None:
         self.plan = plan
+        self._launchable = launchable
         self.launch_bar.set_plan(plan)
         self._offer_launch(plan if launchable else None)
         if plan is not None:
@@ -433,6 +497,9 @@ class PlannerPage(QWidget):
         """Launch only a plan the engine runs; for one it does not, say why beside the disabled button."""
         runs, why = plan_runs_here(plan) if plan is not None else (False, "")
         reason = "" if plan is None or runs else f"Does not run here: {why}"
+        if plan is not None and runs and self.results.is_stale:
+            runs = False
+            reason = "The inputs changed since this plan was made: plan again before launching."
         if plan is not None and runs and not self.choice.is_here():
             runs = False
             reason = (f"Planned for another machine: jobs launch only on this one ({self.choice.here_label()}). "

@@ -43,10 +43,14 @@ from rigpilot.app.widgets.palette import BAD, GOOD
 from rigpilot.engine.planner.amounts import gib_pair
 from rigpilot.engine.planner.calibration import NOT_CALIBRATED
 
-TABLE_COLUMNS = ["#", "Plan", "Layout", "GPUs", "Speed", "Step", "To finish", "Fullest GPU", "Runs here"]
+# The layout is the answer: its column takes the room the figures leave and wraps, whole, at 1280 pixels wide.
+# (The plan's family, which the layout's words begin with, has no column of its own.)
+TABLE_COLUMNS = ["#", "Layout", "GPUs", "Tokens/s", "Step", "To finish", "Fullest GPU", "Runs here"]
+LAYOUT_COLUMN = TABLE_COLUMNS.index("Layout")
 RUNS_HERE_COLUMN = TABLE_COLUMNS.index("Runs here")
 FULLEST_COLUMN = TABLE_COLUMNS.index("Fullest GPU")
-RUNS_HERE_WIDTH = 160  # a reason is elided to this; its tooltip has the whole sentence
+TO_FINISH_COLUMN = TABLE_COLUMNS.index("To finish")
+SPEED_COLUMN = TABLE_COLUMNS.index("Tokens/s")
 # Suggestions that change what is asked on this machine can be applied to the form; hardware ones cannot.
 APPLICABLE_SUGGESTIONS = ("method", "quantize", "seq", "batch", "gpus")
 EMPTY = "Choose a model and GPUs, then Plan."
@@ -74,11 +78,11 @@ def plans_table() -> QTableWidget:
     table.verticalHeader().hide()
     header = table.horizontalHeader()
     header.setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
-    header.setSectionResizeMode(2, QHeaderView.ResizeMode.Stretch)
-    header.setSectionResizeMode(RUNS_HERE_COLUMN, QHeaderView.ResizeMode.Interactive)
-    header.resizeSection(RUNS_HERE_COLUMN, RUNS_HERE_WIDTH)
-    table.setTextElideMode(Qt.TextElideMode.ElideRight)
-    table.setWordWrap(False)
+    header.setSectionResizeMode(LAYOUT_COLUMN, QHeaderView.ResizeMode.Stretch)
+    table.setWordWrap(True)
+    table.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+    # Rows as tall as their wrapped layout, again whenever the layout column's width changes.
+    header.sectionResized.connect(lambda *_: table.resizeRowsToContents())
     return table
 
 
@@ -116,13 +120,14 @@ class PlanResults(QWidget):
         self.results_splitter.addWidget(self.table)
         self.results_splitter.addWidget(self.chart)
         self.results_splitter.addWidget(self.tabs)
-        self.results_splitter.setSizes([170, 300, 170])
+        self.results_splitter.setSizes([200, 300, 140])
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         message_row = QHBoxLayout()
         message_row.addWidget(self.message, 1)
         message_row.addWidget(self.fix_button, 0, Qt.AlignmentFlag.AlignTop)
         layout.addLayout(message_row)
+        layout.addWidget(self.stale)
         layout.addWidget(self.summary)
         layout.addWidget(self.calibration)
         layout.addWidget(self.results_splitter, 1)
@@ -148,6 +153,11 @@ class PlanResults(QWidget):
             "Measure them with a calibration job (the job wizard, or `rigpilot run calibrate`)."
         )
         self.calibration.hide()
+        # The result stays on screen after the inputs change (to compare), marked as not theirs.
+        self.stale = _label("planStale", selectable=False)
+        self.stale.setText("The inputs changed since this plan was made: press Plan to plan for them.")
+        self.stale.setStyleSheet(f"color: {BAD.name()}; font-weight: bold;")
+        self.stale.hide()
 
     def _details(self) -> QTabWidget:
         self.explanation = QPlainTextEdit()
@@ -200,6 +210,17 @@ class PlanResults(QWidget):
             fix()
 
     # -- a result --------------------------------------------------------------------------------------
+    @property
+    def is_stale(self) -> bool:
+        return not self.stale.isHidden()
+
+    def set_stale(self, stale: bool) -> None:
+        """Mark the result shown as planned for other inputs than the form's now (dimmed, with a banner)."""
+        stale = stale and self.result is not None
+        self.stale.setVisible(stale)
+        for part in (self.summary, self.results_splitter):
+            part.setEnabled(not stale)
+
     def planned_here(self, here: bool) -> None:
         """The engine's verdict on a layout holds on any machine; on another one, "here" would say the wrong thing."""
         header = self.table.horizontalHeaderItem(RUNS_HERE_COLUMN)
@@ -212,6 +233,7 @@ class PlanResults(QWidget):
 
     def show_result(self, result: dict[str, Any] | None) -> None:
         self.result = result
+        self.set_stale(False)
         rows = self._fill_table(result)
         lines = explanation_lines(result or {})
         self.explanation.setPlainText("\n".join(f"• {line}" for line in lines))
@@ -256,20 +278,30 @@ class PlanResults(QWidget):
 
     def _fill_table(self, result: dict[str, Any] | None) -> int:
         rows = plan_rows(result) if result else []
+        plans = plans_of(result) if result else []
+        infer = bool(plans) and (plans[0].get("workload") or {}).get("task") == "infer"
+        speed = self.table.horizontalHeaderItem(SPEED_COLUMN)
+        if speed is not None:
+            speed.setText("Generated tokens/s" if infer else "Tokens/s")
         self.table.setRowCount(len(rows))
         for r, row in enumerate(rows):
-            values = [row.rank, row.family, row.layout, row.gpus, row.tokens_per_s, row.step, row.to_budget, row.peak,
-                      row.runs_here]  # fmt: skip
+            runs = row.runs_here == "yes"
+            values = [row.rank, row.layout, row.gpus, row.tokens_per_s, row.step, row.to_budget, row.peak,
+                      "yes" if runs else "no"]  # fmt: skip
             for c, value in enumerate(values):
                 item = QTableWidgetItem(value)
                 item.setToolTip(value)
-                if c == RUNS_HERE_COLUMN and value != "yes":
+                if c == RUNS_HERE_COLUMN and not runs:
+                    # The reason in full: beside the Launch button when the plan is shown, and here on hover.
                     item.setForeground(BAD)
-                    item.setToolTip(f"The engine does not run this plan: {value}")
+                    item.setToolTip(f"The engine does not run this plan: {row.runs_here}")
                 if c == FULLEST_COLUMN and not row.fits:
                     item.setForeground(BAD)
                     item.setToolTip(f"Does not fit: the fullest GPU would need {value}")
                 self.table.setItem(r, c, item)
+        # Without a token budget no plan has a time to finish: its column would only take the layout's room.
+        self.table.setColumnHidden(TO_FINISH_COLUMN, all(row.to_budget == "—" for row in rows))
+        self.table.resizeRowsToContents()
         return len(rows)
 
     def _show_calibration(self, result: dict[str, Any] | None) -> None:

@@ -29,7 +29,15 @@ from rigpilot.engine.hardware.simulated import list_profiles
 from rigpilot.engine.planner.plan import Plan
 from rigpilot.engine.planner.settings import PLAN_SETTINGS
 
-from support.gui_fakes import FakeLink, focusable_widgets, isolated_config, make_job, real_plan_reply, tab_through
+from support.gui_fakes import (
+    FakeLink,
+    focusable_widgets,
+    isolated_config,
+    make_job,
+    make_machine,
+    real_plan_reply,
+    tab_through,
+)
 from support.gui_planner import PRESET_7B, open_page, plan_for
 
 PROFILES = [p["id"] for p in list_profiles()]
@@ -182,7 +190,7 @@ def test_a_token_budget_gives_a_time_to_finish(qtbot):
     best = result["best"]
     assert best["timing"]["time_to_budget_s"] > 0
     assert "to train on the token budget" in page.summary.text()
-    assert page.table.item(0, 6).text() not in ("", "—")
+    assert page.table.item(0, TABLE_COLUMNS.index("To finish")).text() not in ("", "—")
 
 
 def test_inference_and_lora_requests(qtbot):
@@ -386,9 +394,8 @@ def test_a_plan_the_engine_does_not_run_says_why_and_cannot_be_launched(qtbot):
     column = TABLE_COLUMNS.index("Runs here")
     assert page.table.item(0, column).text() == "yes"
     cell = page.table.item(1, column)
-    assert cell.text() == reason and reason in cell.toolTip()
-    # The cell is elided to the column, not widened to the sentence.
-    assert page.table.horizontalHeader().sectionSize(column) < page.table.fontMetrics().horizontalAdvance(reason)
+    # "no" in the table, the reason on hover and, once the plan is shown, in full beside the Launch button.
+    assert cell.text() == "no" and reason in cell.toolTip()
     assert page.launch_button.isEnabled() and not page.launch_note.isVisible()
     page.table.selectRow(1)
     assert page.plan["runs_here"] is False
@@ -553,7 +560,10 @@ def test_train_on_says_what_not_set_means(qtbot):
     assert "time to finish" in page.tokens.toolTip()
     plan_for(qtbot, page, "qwen2.5-0.5b")
     assert page.table.item(0, TABLE_COLUMNS.index("To finish")).text() == "—"
-    assert "tokens/s" in page.table.item(0, TABLE_COLUMNS.index("Speed")).text()
+    speed = TABLE_COLUMNS.index("Tokens/s")  # the unit in the header, the figure in the cell
+    assert page.table.horizontalHeaderItem(speed).text() == "Tokens/s"
+    assert page.table.item(0, speed).text()[0].isdigit()
+    assert page.table.isColumnHidden(TABLE_COLUMNS.index("To finish"))  # no token budget: no time to finish
     page.tokens.setValue(1.5)
     assert page.tokens.text() == "1.50 billion tokens"
 
@@ -643,3 +653,68 @@ def test_bf16_master_weights_are_asked_for_from_the_declaration_and_plan_without
     assert f"Recipe: {auto['best']['recipe']}" in page.summary.text() and "pure bf16" in auto["best"]["recipe"]
     page.task.setCurrentIndex(page.task.findData("infer"))
     assert not page.workload_form.isRowVisible(page.master_weights)
+
+
+def test_a_change_to_any_input_marks_the_plan_shown_stale_and_disables_launch(qtbot):
+    """The plan stays on screen to compare, dimmed under a banner, and cannot be launched for inputs it was not
+    made for; setting the input back, or planning again, makes it current. A machine switch clears it."""
+    page, link = open_page(qtbot, "4x-rtx4090")
+    plan_for(qtbot, page)
+    assert not page.results.is_stale and page.launch_button.isEnabled()
+
+    def changes_and_back(change, back) -> None:
+        change()
+        assert page.results.is_stale and not page.launch_button.isEnabled()
+        assert page.results.stale.isVisible() and not page.table.isEnabled()
+        assert "plan again" in page.launch_note.text()
+        back()
+        assert not page.results.is_stale and page.launch_button.isEnabled(), "back as planned: current again"
+
+    seq, batch = page.seq_len.value(), page.batch.value()
+    changes_and_back(lambda: page.seq_len.setValue(seq * 2), lambda: page.seq_len.setValue(seq))
+    changes_and_back(lambda: page.batch.setValue(batch + 1), lambda: page.batch.setValue(batch))
+    method = page.method.currentIndex()
+    changes_and_back(lambda: page.method.setCurrentIndex((method + 1) % page.method.count()),
+                     lambda: page.method.setCurrentIndex(method))  # fmt: skip
+    optimizer = page.recipe["optimizer"]
+    changes_and_back(lambda: optimizer.setCurrentIndex((optimizer.currentIndex() + 1) % optimizer.count()),
+                     lambda: optimizer.setCurrentIndex(0))  # fmt: skip
+    gpus = page.gpus.selected()
+    changes_and_back(lambda: page.gpus.set_selected(gpus[:2]), lambda: page.gpus.set_selected(gpus))
+    changes_and_back(lambda: page.picker.set_model("llama-2-13b", chosen=False),
+                     lambda: page.picker.set_model(PRESET_7B, chosen=False))  # fmt: skip
+    page.batch.setValue(batch + 1)
+    assert page.results.is_stale
+    with qtbot.waitSignal(page.sig_plan_ready, timeout=20000):
+        page.plan_button.click()
+    assert not page.results.is_stale and page.launch_button.isEnabled()
+    # The engine's machine switched (Settings): the plan for the one before goes, and the page says why.
+    link.machine_obj = make_machine("8x-h100-sxm")
+    link.machine = link.machine_obj.to_dict()
+    link.sig_machine.emit(link.machine)
+    assert page.result is None and not page.launch_button.isEnabled()
+    assert "8×H100" in page.status.text() and "plan again" in page.status.text()
+    assert "4×RTX 4090" not in page.summary.text() + page.explanation.toPlainText()
+
+
+def test_every_plans_layout_reads_whole_at_1280_by_800(qtbot):
+    """The layout is the answer: its column takes the room the figures leave and wraps, so each row shows its
+    layout whole, with no sideways scrolling; the reason a plan does not run is on hover and beside Launch."""
+    from PySide6.QtCore import QRect
+
+    from rigpilot.app.planner.results_view import LAYOUT_COLUMN
+
+    page, _ = open_page(qtbot, "4x-rtx4090")
+    plan_for(qtbot, page)
+    table = page.table
+    qtbot.wait(10)  # the header's resize-to-contents settles in the event loop
+    shown = [c for c in range(table.columnCount()) if not table.isColumnHidden(c)]
+    assert sum(table.columnWidth(c) for c in shown) <= table.viewport().width() + 1
+    fm = table.fontMetrics()
+    width = table.columnWidth(LAYOUT_COLUMN) - 2 * table.style().pixelMetric(table.style().PixelMetric.PM_FocusFrameHMargin) - 4
+    assert table.rowCount() >= 2
+    for r in range(table.rowCount()):
+        text = table.item(r, LAYOUT_COLUMN).text()
+        assert len(text) > 40, text  # the whole sentence, not a short form
+        need = fm.boundingRect(QRect(0, 0, width, 10_000), int(Qt.TextFlag.TextWordWrap), text).height()
+        assert table.rowHeight(r) >= need, (r, text, table.rowHeight(r), need)
