@@ -405,6 +405,27 @@ def switch_the_machine_in_settings(d: Desktop, main: str, wanted: str = "H100") 
     d.widget(f"gpu-{gpus - 1}")
 
 
+def a_planner_change_marks_the_plan_stale(d: Desktop, main: str) -> None:
+    """Planner (Ctrl+3): a model typed and Enter plans it; one more sequence in the batch marks the plan shown
+    stale (a banner, Launch disabled) until it is planned again."""
+    d.press(main, "ctrl+3")
+    d.click(d.widget("modelEdit")["rect"])
+    d.xdotool("key", "ctrl+a")
+    d.type_text("qwen2.5-0.5b")
+    d.xdotool("key", "Return")
+    d.widget("launchPlan", timeout=60, when=lambda w: w["enabled"])
+    assert "planStale" not in d.probe()["widgets"]
+    d.click(d.widget("batch")["rect"])
+    d.xdotool("key", "Up")
+    d.widget("planStale", when=lambda w: "inputs changed" in w["text"])
+    assert not d.widget("launchPlan")["enabled"]
+    d.screenshot("planner-stale", main)
+    d.click(d.widget("modelEdit")["rect"])  # Enter in the model's field plans again (Plan is scrolled away)
+    d.xdotool("key", "Return")
+    d.widget("launchPlan", timeout=60, when=lambda w: w["enabled"])
+    assert "planStale" not in d.probe()["widgets"]
+
+
 def no_traceback_reached_the_user(d: Desktop) -> None:
     """The app said nothing on its terminal that a user would read as a crash."""
     log = (d.tmp / "app.log").read_text(errors="replace")
@@ -428,6 +449,7 @@ def test_a_user_runs_the_example_tries_its_model_and_switches_the_machine(deskto
     the_cli_and_the_window_show_the_same_machine(desktop, main)
     open_the_summary(desktop, main, job_id)
     try_it(desktop, main)
+    a_planner_change_marks_the_plan_stale(desktop, main)
     switch_the_machine_in_settings(desktop, main)
     the_cli_and_the_window_show_the_same_machine(desktop, main)
     assert desktop.app is not None and desktop.app.poll() is None, "the app exited"
