@@ -1,8 +1,10 @@
 """Step time: compute at each GPU's achievable rate, communication over the links a plan uses, bubbles.
 
 Training FLOPs per token are 6N + 12·L·h·s (4N for frozen base weights), plus a
-forward pass again under full recomputation; selective recomputation reruns only the
-memory-bound elementwise forward, timed by the bytes it streams. FSDP2 splits each
+forward pass again under full recomputation. The blocks' memory-bound elementwise ops
+(norms, rotary, activation, residual adds) are timed apart by the bytes they stream,
+forward and backward every step and forward again under any recomputation: selective
+recomputation reruns only them. FSDP2 splits each
 gathered unit into its parameters on the compute stream, once per gather per
 micro-batch, so accumulation steps are not free. Communication volumes are the
 standard ones: a ring all-reduce moves 2(n-1)/n of the buffer over each link,
@@ -57,6 +59,17 @@ INT8_RATE = 0.4  # LLM.int8 decomposes outliers: slow
 # checkpointing at 2162 tok/s and op-level SAC, which also recomputes every second matmul, at 1904.
 EAGER_ELEMENTWISE_BYTES = {"rmsnorm": 36.0, "layernorm": 4.0, "residual": 6.0, "rope": 20.0, "gated": 10.0, "act": 4.0}
 COMPILED_ELEMENTWISE_BYTES = {"rmsnorm": 6.0, "layernorm": 6.0, "residual": 0.0, "rope": 4.0, "gated": 6.0, "act": 4.0}
+# The same elementwise ops run in every step, not only when recomputed: once forward and, as their backward, about
+# twice those bytes. SiLU(gate)*up streams 10 bytes per element forward and 18 backward (g*silu, g*up, then
+# silu_backward reading g and gate); eager RMSNorm's autograd runs each of its six kernels' backward plus two
+# reductions; each branch point of the residual stream sums two gradients (6 bytes) where the forward's add costs
+# nothing in backward. So 3 passes of the forward's bytes, from that tally, not fitted (2.5 or 4 move the held-out
+# medians by up to 3 points; benchmarks/published_runs.py). Their time is not a share of the matmuls' FLOPs: per
+# token they scale with the width h and the matmuls with h², so a 7B layer spends about twice the share of its time
+# on them that a 70B layer does. Counting them apart lets one fitted matmul efficiency hold across model sizes
+# (fms-fsdp's 7B, no checkpointing, runs at 57% MFU eager and 68% compiled, where compile fuses these chains:
+# https://pytorch.org/blog/maximizing-training-throughput/).
+ELEMENTWISE_TRAIN_PASSES = 3.0
 CPU_ADAM_PARAMS_PER_CORE_S = 1.0e8  # DeepSpeed's CPU Adam, AVX2/AVX-512
 # torch.optim.AdamW on the CPU (fp32, for-each-tensor): reads parameter, gradient, exp_avg and exp_avg_sq, writes
 # the first three and its sqrt(v)+eps temporary and reads it back: 16 + 12 + 8 bytes per parameter.
@@ -358,10 +371,10 @@ class SpeedModel:
 
     def _memory_bound_s(self, par: Parallelism, groups: Groups, st: int, n: int, mb_tokens: int, compile: bool) -> float:
         """Seconds a micro-batch of stage `st` spends on memory-bound work the matmul rate does not cover: the
-        elementwise forward that selective checkpointing recomputes, and FSDP2's all-gather copy-out."""
-        nbytes = 0.0
-        if par.checkpointing == "selective":
-            nbytes += n * mb_tokens * recompute_bytes_per_token(self.m, compile, par.tp, par.sequence_parallel)
+        blocks' elementwise ops (forward, backward, and the forward again under any checkpointing), and FSDP2's
+        all-gather copy-out."""
+        passes = ELEMENTWISE_TRAIN_PASSES + (1.0 if par.checkpointing in ("selective", "full") else 0.0)
+        nbytes = passes * n * mb_tokens * recompute_bytes_per_token(self.m, compile, par.tp, par.sequence_parallel)
         if par.backend == "fsdp" and par.dp > 1 and min(par.shard_degree, par.dp) > 1:
             p_local, lin = self.mm.stage_params(par, st)
             blocks = lin + n * self.m.layer_other_params

@@ -18,7 +18,12 @@ from rigpilot.engine.planner.links import Topology
 from rigpilot.engine.planner.memory import MemoryModel
 from rigpilot.engine.planner.model import model_facts
 from rigpilot.engine.planner.plan import Parallelism, Workload
-from rigpilot.engine.planner.speed import SpeedModel, fsdp_copy_out_bytes, recompute_bytes_per_token
+from rigpilot.engine.planner.speed import (
+    ELEMENTWISE_TRAIN_PASSES,
+    SpeedModel,
+    fsdp_copy_out_bytes,
+    recompute_bytes_per_token,
+)
 
 
 def llama_7b() -> ModelSpec:
@@ -101,9 +106,10 @@ def test_fsdp_copy_out_is_paid_per_micro_batch_on_the_compute_stream():
     assert fsdp_copy_out_bytes(100.0, 10.0, 4, False) == 2 * (100 + 10)
     # The second micro-batch copies every gathered unit out again; its matmuls also run on half the tokens.
     assert two.compute_s - one.compute_s >= copy_out * 0.99
-    # Without sharding (DDP) there is no copy-out.
+    # Without sharding (DDP) there is no copy-out: only the blocks' elementwise ops, forward and backward.
     ddp = dataclasses.replace(fsdp8(), backend="ddp", zero_stage=0, shard_degree=1)
-    assert sm._memory_bound_s(ddp, sm.groups(ddp), 0, 32, 4096, False) == 0.0
+    elementwise = ELEMENTWISE_TRAIN_PASSES * 32 * 4096 * recompute_bytes_per_token(sm.m, False) / bw
+    assert sm._memory_bound_s(ddp, sm.groups(ddp), 0, 32, 4096, False) == pytest.approx(elementwise)
 
 
 def test_without_sequence_parallel_every_tp_rank_recomputes_the_whole_norms_and_residuals() -> None:
@@ -114,3 +120,58 @@ def test_without_sequence_parallel_every_tp_rank_recomputes_the_whole_norms_and_
     tp8, tp8_sp = recompute_bytes_per_token(m, False, 8), recompute_bytes_per_token(m, False, 8, True)
     assert tp8_sp == pytest.approx(one / 8)
     assert one / 8 < tp8 < one
+
+
+def llama_of_width(h: int) -> ModelSpec:
+    """A Llama-2-shaped model that differs from another only in width (heads of 128, MLP at 11008/4096 of h)."""
+    inter = h * 11008 // 4096
+    lin = [
+        Linear("q_proj", h, h), Linear("k_proj", h, h), Linear("v_proj", h, h), Linear("o_proj", h, h),
+        Linear("gate_proj", h, inter), Linear("up_proj", h, inter), Linear("down_proj", inter, h),
+    ]
+    params = 32 * sum(u.in_features * u.out_features for u in lin) + 2 * 32000 * h
+    return ModelSpec(
+        id=f"llama-width-{h}", architecture="LlamaForCausalLM", model_type="llama", params_total=params,
+        params_active=params, params_embedding=32000 * h, hidden_size=h, num_layers=32, num_heads=h // 128,
+        num_kv_heads=h // 128, head_dim=128, intermediate_size=inter, vocab_size=32000, max_position_embeddings=4096,
+        tied_embeddings=False, layer_linears=lin,
+    )
+
+
+@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("ac", ["none", "selective", "full"])
+def test_a_narrower_model_never_reaches_a_higher_mfu_at_the_same_layout(compile: bool, ac: str):
+    """Elementwise traffic grows with the width h per token, matmul FLOPs with h²: the narrower model spends a
+    larger share of its step off the matmul units."""
+    t = topo("8x-h100-sxm")
+    w = Workload(model="llama", seq_len=4096, global_batch=16)
+    mfu = []
+    for h in (2048, 4096, 8192):
+        m = model_facts(llama_of_width(h))
+        sm = SpeedModel(m, w, t, MemoryModel(m, w))
+        mfu.append(sm.train(fsdp8(checkpointing=ac), detail=False, compile=compile).mfu)
+    assert mfu[0] < mfu[1] < mfu[2]
+
+
+def test_every_step_pays_the_blocks_elementwise_traffic_and_recomputing_pays_it_once_more():
+    sm = speed_model(topo("8x-h100-sxm"), global_batch=16)
+    bw = 3350e9 * 0.75
+    one_pass = 32 * 4096 * recompute_bytes_per_token(sm.m, False) / bw
+    ddp = dict(backend="ddp", zero_stage=0, shard_degree=1)
+    cost = {ac: sm._memory_bound_s(fsdp8(checkpointing=ac, **ddp), sm.groups(fsdp8(**ddp)), 0, 32, 4096, False)
+            for ac in ("none", "selective", "full")}
+    assert cost["none"] == pytest.approx(ELEMENTWISE_TRAIN_PASSES * one_pass)
+    assert cost["selective"] == pytest.approx(cost["none"] + one_pass)
+    assert cost["full"] == pytest.approx(cost["selective"])
+    # Compile fuses the chains: the same step streams fewer bytes.
+    fused = sm._memory_bound_s(fsdp8(**ddp), sm.groups(fsdp8(**ddp)), 0, 32, 4096, True)
+    assert 0 < fused < cost["none"] / 3
+
+
+def test_the_elementwise_share_of_a_layer_shrinks_with_width():
+    """Per token, a 7B-wide layer's elementwise bytes against its matmul FLOPs are about twice a 70B-wide one's."""
+    def bytes_per_flop(h: int) -> float:
+        m = model_facts(llama_of_width(h))
+        return recompute_bytes_per_token(m, False) / sum(u.lin.in_features * u.lin.out_features for u in m.linears())
+
+    assert bytes_per_flop(8192) < bytes_per_flop(4096) / 1.8
