@@ -94,11 +94,12 @@ class GpuCard(QFrame):
         self.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Maximum)
         self._shown: tuple[Any, ...] | None = None
 
-        self.title = QLabel(f"GPU {gpu.index} · {short_gpu_name(gpu.name)}")
+        self.title = ElidedLabel()
         font = QFont(self.title.font())
         font.setBold(True)
         self.title.setFont(font)
-        self.title.setToolTip(f"{gpu.name}\nBus {gpu.pci_bus_id or NA}\nUUID {gpu.uuid or NA}")
+        self.title.set_full_text(f"GPU {gpu.index} · {short_gpu_name(gpu.name)}",
+                                 f"{gpu.name}\nBus {gpu.pci_bus_id or NA}\nUUID {gpu.uuid or NA}")  # fmt: skip
         self.title.setStyleSheet(f"border-left: 4px solid {series_color(gpu.index).name()}; padding-left: 4px;")
         self.flags = QLabel(NA)
         self.flags.setObjectName("flags")
@@ -130,8 +131,11 @@ class GpuCard(QFrame):
         grid = QGridLayout(self)
         grid.setContentsMargins(8, 6, 8, 6)
         grid.setVerticalSpacing(2)
-        grid.addWidget(self.title, 0, 0, 1, 2)
-        grid.addWidget(self.flags, 0, 2)
+        head = QHBoxLayout()  # the title takes the row, ahead of the flags, whatever the columns below need
+        head.setContentsMargins(0, 0, 0, 0)
+        head.addWidget(self.title, 1)
+        head.addWidget(self.flags)
+        grid.addLayout(head, 0, 0, 1, 3)
         grid.addWidget(QLabel("Memory"), 1, 0)
         grid.addWidget(self.memory, 1, 1, 1, 2)
         for row, (name, key) in enumerate(
@@ -155,6 +159,42 @@ class GpuCard(QFrame):
         grid.addLayout(fan_clock, 5, 1, 1, 2)
         grid.addWidget(self.job, 6, 0, 1, 3)
         grid.setColumnStretch(2, 1)
+        # Compact (set_compact): the readings on one line instead of three rows with sparklines, so two rows of
+        # four cards fit above the chart at 1280×800, as nvitop shows an 8-GPU box at a glance.
+        self.readings = ElidedLabel("")
+        self.readings.setObjectName("readings")
+        grid.addWidget(self.readings, 2, 0, 1, 3)  # where the rows it stands for are, hidden
+        self.readings.hide()
+        self._detail = [grid.itemAtPosition(r, c) for r in range(2, 6) for c in range(3)]
+        self.compact = False
+        self.set_compact(False)
+
+    def set_compact(self, compact: bool) -> None:
+        """Readings on one line (compact) or one row each with their sparklines."""
+        self.compact = compact
+        for w in self._detail_widgets():
+            w.setVisible(not compact)
+        self.readings.setVisible(compact)
+        self._show_readings()
+
+    def _detail_widgets(self) -> list[QWidget]:
+        """The widgets of the rows compact mode hides (labels, values, sparklines, the fan and clock row)."""
+        out: list[QWidget] = []
+        for item in self._detail:
+            inner = item.layout() if item is not None else None
+            children = [inner.itemAt(i) for i in range(inner.count())] if inner is not None else [item]
+            out += [w for child in children if child is not None and (w := child.widget()) is not None]
+        return out
+
+    def _show_readings(self) -> None:
+        if not self.compact:
+            return
+        v = {key: label.text() for key, label in self.values.items()}
+        self.readings.set_full_text(
+            f"{v['gpu_util']} · {v['temperature_c']} · {v['power_w']} · fan {v['fan_pct']} · {v['sm_clock_mhz']}",
+            f"Utilisation {v['gpu_util']}, temperature {v['temperature_c']}, power draw {v['power_w']}, "
+            f"fan {v['fan_pct']}, SM clock {v['sm_clock_mhz']}",
+        )
 
     def show_sample(self, sample: dict[str, Any] | None, jobs: list[dict[str, Any]]) -> None:
         """The newest readings; labels change only when what they say changes."""
@@ -178,6 +218,7 @@ class GpuCard(QFrame):
             reason = na.get(field) or (None if has_reading else "no reading yet")
             label.show_value(None if v is None else _FORMATS[field](v), reason)
         self._show_memory(sample, na)
+        self._show_readings()
         text, tip = flag_text(sample) if has_reading else (NA, "no reading yet")
         self.flags.setText(text)
         self.flags.setToolTip(tip)

@@ -276,8 +276,10 @@ class DashboardPage(QWidget):
         self.no_gpus.setVisible(not indices)
         self.no_gpus.setText("This machine has no GPUs." if machine is not None else "Waiting for the engine…")
         columns = min(CARD_COLUMNS, max(len(indices), 1))
+        compact = len(indices) > CARD_COLUMNS  # a second row of cards: each reads on fewer lines
         for n, index in enumerate(indices):
             card = GpuCard(gpus.get(index) or Gpu(index=index, name=f"GPU {index}"))
+            card.set_compact(compact)
             self.cards[index] = card
             self._cards_grid.addWidget(card, n // columns, n % columns)
         self.chart.set_series([f"GPU {i}" for i in indices])

@@ -356,3 +356,33 @@ def test_a_long_job_name_is_elided_on_the_card_and_whole_in_its_tooltip(qtbot):
     labels = {w.text() for w in card.findChildren(QLabel)}
     assert {"Fan", "SM clock"} <= labels and "Fan · SM" not in labels
     assert card.clock.text() == "1,940 MHz" and card.fan.text() == "40 %"
+
+
+@pytest.mark.parametrize("profile, compact", [("8x-h100-sxm", True), ("4x-rtx4090", False)])
+def test_every_card_of_an_8_gpu_box_shows_whole_at_1280_by_800(qtbot, profile, compact):
+    """All GPUs at a glance, as nvitop shows an 8-GPU box: with a second row the cards read on fewer lines, so
+    every card lies inside the pane with nothing to scroll, and no title or reading ends in "…"."""
+    link = FakeLink(profile, history_seconds=30)
+    page = DashboardPage(link)
+    qtbot.addWidget(page)
+    page.resize(1118, 734)  # what the main window leaves a page on a 1280×800 screen
+    page.show()
+    qtbot.waitExposed(page)
+    with qtbot.waitSignal(page.sig_history_loaded, timeout=5000):
+        link.connect_engine()
+    link.push_telemetry(3)
+    page.refresh(force=True)
+    qtbot.wait(50)  # the pane is fitted to its cards in the event loop
+    area = page.cards_area
+    assert not area.horizontalScrollBar().isVisible() and not area.verticalScrollBar().isVisible()
+    view = area.viewport().rect()
+    assert len(page.cards) == len(link.machine_obj.gpus)
+    for card in page.cards.values():
+        assert card.compact is compact
+        corner = card.mapTo(area.viewport(), card.rect().topLeft())
+        assert view.contains(corner) and view.contains(corner + card.rect().bottomRight()), card.index
+        assert card.title.text() == card.title.full_text, card.title.text()
+        assert card.job.isVisible() and card.job.text() == card.job.full_text
+        if compact:
+            assert card.readings.isVisible() and card.readings.text() == card.readings.full_text
+            assert "°C" in card.readings.text() and not card.sparks["gpu_util"].isVisible()
