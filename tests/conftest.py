@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from support.file_order import file_durations, longest_first
 from support.paths import SMI_DATA
 from support.run_folders import remove_dead_runs_folders
 
@@ -45,6 +46,17 @@ def _private(path: Path) -> Path:
 _MADE_RUN_FOLDER = "TORCHINDUCTOR_CACHE_DIR" not in os.environ
 if _MADE_RUN_FOLDER:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(_private(_run_folder()) / "torchinductor")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # xdist would sort the files by their number of tests, which puts this suite's longest files last: the order
+    # pytest_collection_modifyitems gives (support/file_order.py) is the one it hands them out in.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items[:] = longest_first(items, file_durations())
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
