@@ -122,7 +122,8 @@ class Layout:
 
     def sharded(self) -> Layout:
         """The same ranks with every data-parallel replica an FSDP2 shard instead (DDP's replicas as FSDP2's)."""
-        return dataclasses.replace(self, dp_replicate=1, dp_shard=self.dp)
+        # Kept gathered through backward (ZeRO-2): reduce-scatter plus all-gather move what DDP's all-reduce did.
+        return dataclasses.replace(self, dp_replicate=1, dp_shard=self.dp, reshard_after_forward=False)
 
     def words(self) -> str:
         """`dp 2 × fsdp 2 × tp 1 × pp 1`: the degrees as the CLI names them."""

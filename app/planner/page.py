@@ -242,6 +242,7 @@ class PlannerPage(QWidget):
         self.gpus.set_busy(busy)
         if self._default_selection:
             self.gpus.set_selected(self.gpus.free() or sorted(self.gpus.boxes), emit=False)
+            self._inputs_changed()
 
     def _user_selected(self, gpus: list[int]) -> None:
         self._default_selection = False
@@ -303,17 +304,18 @@ class PlannerPage(QWidget):
     # -- a result planned for other inputs -----------------------------------------------------------------
     def _watch_inputs(self) -> None:
         """Every control of the form, and the GPUs picked: a change marks the result shown as stale."""
-        for box in self.form.findChildren(QComboBox):
-            box.currentIndexChanged.connect(self._inputs_changed)
-        for spin in self.form.findChildren(QAbstractSpinBox):
-            spin.editingFinished.connect(self._inputs_changed)
-            if hasattr(spin, "valueChanged"):
-                spin.valueChanged.connect(self._inputs_changed)
-        for edit in self.form.findChildren(QLineEdit):
-            if not isinstance(edit.parent(), QAbstractSpinBox | QComboBox):
-                edit.textChanged.connect(self._inputs_changed)
-        for check in self.form.findChildren(QCheckBox):
-            check.toggled.connect(self._inputs_changed)
+        for part in (self.form, self.form.nodes_box):  # the nodes' controls sit in the GPUs box
+            for box in part.findChildren(QComboBox):
+                box.currentIndexChanged.connect(self._inputs_changed)
+            for spin in part.findChildren(QAbstractSpinBox):
+                spin.editingFinished.connect(self._inputs_changed)
+                if hasattr(spin, "valueChanged"):
+                    spin.valueChanged.connect(self._inputs_changed)
+            for edit in part.findChildren(QLineEdit):
+                if not isinstance(edit.parent(), QAbstractSpinBox | QComboBox):
+                    edit.textChanged.connect(self._inputs_changed)
+            for check in part.findChildren(QCheckBox):
+                check.toggled.connect(self._inputs_changed)
         self.gpus.sig_selection_changed.connect(self._inputs_changed)
 
     def _asked_now(self, request: PlanRequest | None = None) -> dict[str, Any] | None:
@@ -329,6 +331,8 @@ class PlannerPage(QWidget):
             return None
 
     def _inputs_changed(self, *_: Any) -> None:
+        """Whether the result shown is still for what the form asks: after any edit, and after each answer
+        (the form may have changed while the plan or its memory check was under way)."""
         if self.results.result is None or self._asked is None:
             return
         stale = self._asked_now() != self._asked
@@ -357,7 +361,8 @@ class PlannerPage(QWidget):
             self.results.show_message("Not connected to the engine yet: plans come from it. Plan again once it is.")
             return
         asked = self._asked_now(request)
-        assert asked is not None  # the request has no problem
+        if asked is None:  # the request has no problem, so it reads
+            return
         self._ask(serial, asked, verify_later=True)
 
     def _ask(self, serial: int, asked: dict[str, Any], *, verify_later: bool) -> None:
@@ -387,6 +392,7 @@ class PlannerPage(QWidget):
         self.status.setText(self._searched(result))
         self.results.hide_message()
         self.results.show_result(result)
+        self._inputs_changed()
         self.rented.show_for(self.link, self.plan_request(), result, self.target_machine())
         self.sig_plan_ready.emit(result)
 
@@ -445,6 +451,7 @@ class PlannerPage(QWidget):
         result = reply.get("result", reply)
         self.status.setText(self._searched(result))
         self.results.show_result(result)
+        self._inputs_changed()
         self.rented.show_for(self.link, self.plan_request(), result, self.target_machine())
         self.sig_plan_verified.emit(result)
 

@@ -260,6 +260,7 @@ class SettingsPage(QWidget):
         self.refresh_hz.valueChanged.connect(lambda _: self._recheck())
         self.cpu_ranks.valueChanged.connect(lambda _: self._recheck())
         self.saved_profile = ""  # the profile in the settings file, as last read or written here
+        self.switch_waits_for: str | None = None  # the machine a deferred switch goes to, once its jobs end
         if link is not None and hasattr(link, "sig_machine"):
             link.sig_machine.connect(self.on_machine)
         self.load()
@@ -385,6 +386,9 @@ class SettingsPage(QWidget):
     def on_machine(self, machine: dict[str, Any]) -> None:
         """The engine's machine changed, maybe by `rigpilot settings set …`: show the profile now in the
         settings file, unless the user is choosing one here."""
+        if self.switch_waits_for and machine.get("label") == self.switch_waits_for:
+            self.status.setText(f"The engine now serves {self.switch_waits_for}: it switched when its jobs ended.")
+            self.switch_waits_for = None
         if self.loaded and is_simulated(machine):
             run_in_background(load_engine_side, self._on_file_changed, lambda _e: None)
 
@@ -403,8 +407,17 @@ class SettingsPage(QWidget):
         self.sig_applied.emit(reply)
 
     def _on_not_applied(self, error: BaseException) -> None:
+        fields = getattr(error, "fields", None) or {}
         if isinstance(error, EngineUnavailable):
             self.status.setText("Saved. The engine is not running; it uses these settings when it starts.")
+        elif getattr(error, "reason", None) == "machine_switch_deferred":
+            jobs = list(fields.get("jobs") or [])
+            self.switch_waits_for = fields.get("to") or "the new machine"
+            them = "its job ends" if len(jobs) == 1 else f"its {len(jobs)} jobs end"
+            self.status.setText(
+                f"Saved. The engine switches to {self.switch_waits_for} when {them} ({', '.join(jobs)}); "
+                "cancel them on the Jobs page to switch now."
+            )
         else:
             now = (getattr(self.link, "machine", None) or {}).get("label", "its machine")
             self.status.setText(f"Saved, but the engine keeps {now} for now: {error}")

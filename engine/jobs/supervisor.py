@@ -223,7 +223,8 @@ class Supervisor:
             if busy:
                 names = ", ".join(f"{r.id} '{r.name}' ({r.state})" for r in reversed(busy))
                 raise UserError(
-                    f"the machine cannot change while jobs use it: {names}; let them finish or cancel them first"
+                    f"the machine cannot change while jobs use it: {names}; let them finish or cancel them first",
+                    reason="machine_busy", jobs=[r.id for r in reversed(busy)],
                 )
             self.machine = machine
             self._simulated_backend = backend if isinstance(backend, SimulatedBackend) else None

@@ -361,7 +361,7 @@ class JobSpec:
             if spec.parallelism.runs_ddp:
                 spec.parallelism = spec.parallelism.sharded()
                 spec.upgrade_notes.append(IN_BACKWARD_UNDER_DDP_NOTE.format(ranks=spec.parallelism.dp))
-        spec.spec_version = SPEC_VERSION
+        spec.spec_version = max(old, SPEC_VERSION) if isinstance(old, int) else SPEC_VERSION  # a newer one stays
         return spec
 
     def write(self, job_dir: Path) -> None:

@@ -67,6 +67,7 @@ from rigpilot.engine.jobs.resilient_store import Recovery, ResilientJobStore, Re
 from rigpilot.engine.jobs.scaling import Studies
 from rigpilot.engine.jobs.store import COMPLETED
 from rigpilot.engine.jobs.supervisor import Supervisor, SupervisorOptions
+from rigpilot.engine.schema import TERMINAL_STATES
 from rigpilot.engine.service import login, requests
 from rigpilot.engine.service.connection import Connection, stalest_login
 from rigpilot.engine.service.login import TcpLogin
@@ -108,6 +109,8 @@ class EngineService:
         self.login: TcpLogin | None = None
         self.planners: PlannerPool | None = None
         self._machine_lock = threading.Lock()  # one machine switch at a time
+        # A switch Settings asked for while jobs used the machine: made when the last of them ends.
+        self._switch_pending = False
         self._ended_since_trim = 0  # connections ended since memory was last handed back
         self._trimmed = 0.0
         # What the engine did by itself that its users should hear of (a damaged database it rebuilt): each
@@ -241,9 +244,24 @@ class EngineService:
                 return {"changed": False, **self.machine_message()}
             try:
                 self.supervisor.replace_machine(discovery.machine, discovery.backend)
+            except UserError as e:
+                discovery.backend.close()
+                if e.reason != "machine_busy":
+                    raise
+                # The settings file names the new machine already; the switch waits for the jobs, not for a user
+                # who would have to come back and save again.
+                self._switch_pending = True
+                jobs = e.fields.get("jobs") or []
+                raise UserError(
+                    f"{str(e).split('; let them')[0]}; it switches to {discovery.machine.label} when "
+                    f"{'it ends' if len(jobs) == 1 else 'they end'} (cancel {'it' if len(jobs) == 1 else 'them'} "
+                    "to switch now)",
+                    reason="machine_switch_deferred", jobs=jobs, to=discovery.machine.label,
+                ) from None
             except BaseException:
                 discovery.backend.close()
                 raise
+            self._switch_pending = False
             old, old_sampler, old_planners = self.discovery, self.sampler, self.planners
             old_sampler.stop()
             self.discovery, self.machine = discovery, discovery.machine
@@ -587,6 +605,9 @@ class EngineService:
     def _publish_job(self, job: dict[str, Any]) -> None:
         if job.get("kind") == "calibrate" and job.get("state") == COMPLETED and job.get("job_dir"):
             calibration_store.keep(Path(job["job_dir"]), paths.calibration_path())
+        if self._switch_pending and job.get("state") in TERMINAL_STATES:
+            # Off the supervisor's thread, which holds its lock while it tells us: the switch asks it again.
+            threading.Thread(target=self._switch_when_free, name="machine-switch", daemon=True).start()
         subs = self._subscribers("jobs") + [
             c for c in self._subscribers(f"metrics:{job.get('id')}") if "jobs" not in c.topics
         ]
@@ -594,6 +615,24 @@ class EngineService:
             data = protocol.encode(protocol.event("job", job=job))
             for c in subs:
                 c.send_bytes(data)
+
+    def _switch_when_free(self) -> None:
+        """The switch Settings asked for while jobs ran, now that one ended: made if none is left, else still
+        pending (the next job to end tries again)."""
+        for _ in range(3):  # the job that ended may be a moment from leaving the store's active states
+            try:
+                self.reload_machine()
+                return
+            except UserError as e:
+                if e.reason != "machine_switch_deferred":
+                    self._switch_pending = False
+                    log.warning("the machine switch asked for while jobs ran was not made: %s", e)
+                    return
+            except Exception:
+                self._switch_pending = False
+                log.exception("the machine switch asked for while jobs ran failed")
+                return
+            time.sleep(0.5)
 
     def _publish_metrics(self, job_id: str) -> None:
         for c in self._subscribers(f"metrics:{job_id}"):

@@ -121,6 +121,9 @@ def test_a_running_job_holds_the_machine_and_is_named(engine):
             c.request("reload_machine")
         message = str(refused.value)
         assert f"{job['id']} 'holds-gpu0' (running)" in message and "\n" not in message
+        # Deferred, not lost: the reply's code and facts say to what and after which jobs.
+        assert refused.value.reason == "machine_switch_deferred" and "when it ends" in message
+        assert refused.value.fields == {"jobs": [job["id"]], "to": label("8x-h100-sxm")}
         assert c.request("machine")["machine"]["profile"] == "4x-rtx4090"
         # The CLI says the same, keeps the setting and reports that it is not applied yet.
         r = cli("settings", "set", "simulated-profile", "8x-h100-sxm", check=False)
@@ -129,7 +132,10 @@ def test_a_running_job_holds_the_machine_and_is_named(engine):
 
         gate(engine, "a").touch()
         engine.wait_state(c, job["id"], "completed")
-        assert c.request("reload_machine")["machine"]["profile"] == "8x-h100-sxm"
+        # The switch asked for while the job ran is made when it ends, nobody asking again.
+        wait_for(lambda: c.request("machine")["machine"]["profile"] == "8x-h100-sxm", 20, what="the deferred switch")
+        assert cli_machines() == {label("8x-h100-sxm")}
+        assert not c.request("reload_machine")["changed"]
 
 
 def test_cli_commands_agree_with_the_engine_running_and_not(engine):

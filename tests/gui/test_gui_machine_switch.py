@@ -105,11 +105,15 @@ def test_a_running_job_keeps_the_machine_and_the_page_says_which(qtbot, window, 
     with qtbot.waitSignal(page.sig_not_applied, timeout=20000) as why:
         page.save_button.click()
     assert f"{job['id']} 'busy-one' (running)" in why.args[0]
-    assert page.status.text().startswith(f"Saved, but the engine keeps {load_profile('4x-rtx4090').label} for now: ")
+    to = load_profile("2x-rtx3090-nvlink").label
+    assert page.status.text().startswith(f"Saved. The engine switches to {to} when its job ends ({job['id']})")
     assert len(w.pages["dashboard"].cards) == 4
     gate(engine, "a").touch()
     # Closing a window with a job running asks whether to keep it; let it end first.
     qtbot.waitUntil(lambda: not w.running_jobs(), timeout=60000)
+    # The switch was kept for when the job ended: every page follows, and Settings says so.
+    qtbot.waitUntil(lambda: len(w.pages["dashboard"].cards) == 2, timeout=30000)
+    qtbot.waitUntil(lambda: page.status.text().startswith(f"The engine now serves {to}"), timeout=10000)
 
 
 def test_restart_asks_then_restarts_and_the_window_reconnects(qtbot, window, engine, monkeypatch):

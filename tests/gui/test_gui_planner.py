@@ -679,6 +679,7 @@ def test_a_change_to_any_input_marks_the_plan_shown_stale_and_disables_launch(qt
     optimizer = page.recipe["optimizer"]
     changes_and_back(lambda: optimizer.setCurrentIndex((optimizer.currentIndex() + 1) % optimizer.count()),
                      lambda: optimizer.setCurrentIndex(0))  # fmt: skip
+    changes_and_back(lambda: page.nodes.setValue(2), lambda: page.nodes.setValue(1))  # in the GPUs box
     gpus = page.gpus.selected()
     changes_and_back(lambda: page.gpus.set_selected(gpus[:2]), lambda: page.gpus.set_selected(gpus))
     changes_and_back(lambda: page.picker.set_model("llama-2-13b", chosen=False),
