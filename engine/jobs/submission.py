@@ -25,6 +25,7 @@ import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +42,15 @@ from rigpilot.engine.capability import (
 from rigpilot.engine.diskspace import human_size
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import EITHER, FILE, FOLDER, Expect, check_given_path, open_given_file
-from rigpilot.engine.hardware.machine import Machine
+from rigpilot.engine.hardware.machine import Machine, short_gpu_name
 from rigpilot.engine.jobs.limits import check_job_settings
-from rigpilot.engine.jobspec.spec import IN_BACKWARD_UNDER_DDP_NOTE, InferSettings, JobSpec, TrainSettings
+from rigpilot.engine.jobspec.spec import (
+    IN_BACKWARD_UNDER_DDP_NOTE,
+    TRAIN_SETTINGS,
+    InferSettings,
+    JobSpec,
+    TrainSettings,
+)
 from rigpilot.engine.layout import Layout, accumulation_of_plan, schedule_name
 from rigpilot.engine.models.config_file import CONFIG_MAX
 from rigpilot.engine.models.formulas import is_decoder
@@ -51,7 +58,14 @@ from rigpilot.engine.planner.amounts import fmt_gib
 from rigpilot.engine.planner.plan import Plan, recipe_words
 from rigpilot.engine.recipe import RECIPE_SETTINGS, Recipe
 from rigpilot.engine.recipe_refusal import check_recipe
-from rigpilot.engine.schema import ADAPTER_METHODS, Checkpointing, MasterWeights, Precision
+from rigpilot.engine.schema import (
+    ADAPTER_METHODS,
+    FINE_TUNE_METHODS,
+    Checkpointing,
+    MasterWeights,
+    Precision,
+    TrainMethod,
+)
 
 KINDS = ("train", "infer", "script", "calibrate")
 # Room every job needs besides its checkpoints and model: its logs, metrics and record.
@@ -104,7 +118,7 @@ def prepare(
     from_plan: dict[str, Any] = {}
     notes: list[str] = []
     if planned is not None:
-        from_plan, notes = _take_plan_layout(spec, planned, nodes)
+        from_plan, notes = _take_plan_layout(spec, planned, nodes, machine)
     ranks, dp_shrink = _place_ranks(spec, machine, max_cpu_ranks, nodes, notes)
     model_type = _check_kind(spec, data, base, planned, ranks * nodes, dp_shrink, from_plan, notes)
     if spec.kind in ("train", "infer"):
@@ -122,8 +136,18 @@ def prepare(
         predicted = {**(predicted or {}), "from_plan": from_plan, "plan_notes": notes}
     need, need_what = disk_need(spec, _model_config(spec.model, base)[1] if spec.kind == "train" and spec.model else {})
     return Submission(
-        spec, plan, ranks, str(base) if base else None, predicted, from_plan, notes, model_type, host_ram, backend,
-        need, need_what,
+        spec,
+        plan,
+        ranks,
+        str(base) if base else None,
+        predicted,
+        from_plan,
+        notes,
+        model_type,
+        host_ram,
+        backend,
+        need,
+        need_what,
     )
 
 
@@ -136,9 +160,10 @@ def _given_fields(spec_data: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
-def _take_plan_layout(spec: JobSpec, planned: Plan, nodes: int) -> tuple[dict[str, Any], list[str]]:
+def _take_plan_layout(spec: JobSpec, planned: Plan, nodes: int, machine: Machine) -> tuple[dict[str, Any], list[str]]:
     """The plan's GPUs and degrees where the submission left them open, once the plan is known to run here."""
     check_plan_runs(spec, planned)
+    check_plan_machine(planned, machine)
     spans = planned.parallelism.nodes
     if spans > 1 and spans != nodes:
         # Else the degrees, made for every node's ranks, would be checked against this node's alone.
@@ -149,7 +174,9 @@ def _take_plan_layout(spec: JobSpec, planned: Plan, nodes: int) -> tuple[dict[st
     return apply_plan_layout(spec, planned)
 
 
-def _place_ranks(spec: JobSpec, machine: Machine, max_cpu_ranks: int, nodes: int, notes: list[str]) -> tuple[int, float]:
+def _place_ranks(
+    spec: JobSpec, machine: Machine, max_cpu_ranks: int, nodes: int, notes: list[str]
+) -> tuple[int, float]:
     """The job's GPUs and its ranks on this node, and how many times fewer data-parallel replicas run than the
     layout has (more than 1 where simulated GPUs became fewer CPU ranks)."""
     spec.gpus = _check_gpus(spec.gpus or _default_gpus(spec, machine, nodes), machine)
@@ -178,12 +205,15 @@ def _check_kind(
     elif spec.kind == "train":
         spec.train = spec.train or TrainSettings()
         if planned is not None:
-            taken, more = apply_plan_training(spec, planned)
-            from_plan.update(taken)
-            notes += more
+            for apply in (partial(apply_plan_method, given=data.get("train") or {}), apply_plan_training):
+                taken, more = apply(spec, planned)
+                from_plan.update(taken)
+                notes += more
         if dp_shrink > 1:
             _keep_global_batch(spec.train, dp_shrink, notes)
-        _pipeline_defaults(spec, "pp_microbatches" in (data.get("parallelism") or {}) or "pp_microbatches" in from_plan, notes)
+        _pipeline_defaults(
+            spec, "pp_microbatches" in (data.get("parallelism") or {}) or "pp_microbatches" in from_plan, notes
+        )
         seq_given = "seq_len" in (data.get("train") or {}) or "seq_len" in from_plan
         model_type = _check_train(spec, base, seq_given, notes)
         _check_degrees(spec, world, notes)
@@ -381,7 +411,9 @@ def describe(sub: Submission, free: int | None = None) -> list[str]:
             lines.append(f"recipe: {recipe_words(t)}")
     elif spec.kind == "infer" and spec.infer:
         i = spec.infer
-        sampling = "greedy" if i.temperature == 0 else f"temperature {i.temperature:g}, top-p {i.top_p:g}, seed {i.seed}"
+        sampling = (
+            "greedy" if i.temperature == 0 else f"temperature {i.temperature:g}, top-p {i.top_p:g}, seed {i.seed}"
+        )
         batch = "vLLM batches the prompts itself" if i.backend == "vllm" else f"batch {i.batch_size}"
         lines.append(f"inference: {i.precision}, up to {i.max_new_tokens} new tokens, {batch}, {sampling}")
     ram = sub.host_ram
@@ -675,7 +707,9 @@ def _oom_suggestion(par: Any) -> str:
     if par.get("checkpointing", "none") == "none":
         return "turn on activation checkpointing, or re-plan with 'rigpilot plan' for this machine"
     if (par.get("micro_batch") or 1) > 1:
-        return f"halve the micro-batch (--micro-batch {max(par['micro_batch'] // 2, 1)}) and double gradient accumulation"
+        return (
+            f"halve the micro-batch (--micro-batch {max(par['micro_batch'] // 2, 1)}) and double gradient accumulation"
+        )
     if (par.get("zero_stage") or 0) < 3 and (par.get("dp") or 1) > 1:
         return "shard parameters, gradients and optimizer state (--fsdp) instead of replicating them"
     return "train LoRA adapters instead (--method lora), or use more GPUs"
@@ -738,6 +772,59 @@ def check_plan_runs(spec: JobSpec, plan: Plan) -> None:
             f"this plan was made for {made_for}, not for a {spec.kind} job; "
             f"plan this job with 'rigpilot plan' and submit that plan"
         )
+
+
+def check_plan_machine(plan: Plan, machine: Machine) -> None:
+    """Refuse a plan whose GPUs are not this machine's: its memory and speed were worked out for other GPUs.
+
+    The GPUs' names decide, not the label, so a plan made on another host with the same GPUs runs.
+    """
+    names = {g.index: short_gpu_name(g.name) for g in machine.gpus}  # as the plan names them
+    indices = plan.parallelism.gpu_indices
+    if not plan.gpu_names or not isinstance(indices, list) or len(indices) != len(plan.gpu_names):
+        return  # a plan saved before it named its GPUs: _check_gpus still checks that they exist
+    if all(names.get(i) == name for i, name in zip(indices, plan.gpu_names, strict=True)):
+        return
+    raise UserError(
+        f"this plan was made for {plan.machine or 'other GPUs'}, and the engine serves {machine.label}: "
+        "plan the job for this machine, or switch the engine's machine first",
+        reason="plan_other_machine",
+        plan_machine=plan.machine,
+        machine=machine.label,
+    )
+
+
+def apply_plan_method(spec: JobSpec, plan: Plan, given: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The plan's training method and adapters where the submission left them open (`given`: its own train fields).
+
+    A plan sized for QLoRA run as a full fine-tune would need several times the memory it shows, so a
+    method the submission gives that differs from the plan's is refused, not overridden either way.
+    """
+    t = spec.train
+    method, lora = plan.workload.method, plan.workload.lora
+    words = TRAIN_SETTINGS["method"].choice_word
+    if t is None or plan.workload.task != "train" or method not in (m.value for m in FINE_TUNE_METHODS):
+        return {}, []
+    asked = given.get("method")
+    if asked is not None and asked != method and not (asked == TrainMethod.SCRATCH and method == TrainMethod.FULL):
+        raise UserError(
+            f"this plan was made for {words(method)}, and the job asks for {words(asked)}: "
+            f"plan again with --method {asked}, or leave the method out to train as planned",
+            reason="plan_other_method",
+            plan_method=method,
+            method=asked,
+        )
+    taken: dict[str, Any] = {}
+    if asked is None and t.method != method:
+        t.method = taken["method"] = method
+    if lora is not None and t.method in ADAPTER_METHODS:
+        targets = [n for n in lora.targets if n != "all-linear"] or None
+        for name, value in (("lora_rank", lora.rank), ("lora_alpha", lora.alpha), ("lora_dropout", lora.dropout),
+                            ("lora_targets", targets)):  # fmt: skip
+            if name not in given and value is not None and getattr(t, name) != value:
+                setattr(t, name, value)
+                taken[name] = value
+    return taken, []
 
 
 def apply_plan_layout(spec: JobSpec, plan: Plan) -> tuple[dict[str, Any], list[str]]:

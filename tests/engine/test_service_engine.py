@@ -254,6 +254,18 @@ def test_clients_start_the_service_and_replace_a_stale_socket(engine):
         quiet = subprocess.run([sys.executable, "-m", "rigpilot.engine.service", "--background"], cwd=REPO, timeout=60)
         assert quiet.returncode == 0
         c.request("shutdown")
+    # Clients that come while the service stops (it may still greet them, then hang up) get the next one.
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+        with EngineClient(timeout=10) as c:
+            assert c.request("jobs")["jobs"] == []
+            last = c.hello["pid"]
+    assert last != pid
+    wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 15,
+             what="the first service to stop")  # fmt: skip
+    with EngineClient(timeout=10) as c:
+        c.request("shutdown")
+    pid = last
     wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 15,
              what="the service to stop")  # fmt: skip
     assert not stale.exists()
@@ -532,6 +544,22 @@ def test_check_prints_what_would_run_or_the_refusal_and_starts_nothing(engine, c
     assert err.startswith("rigpilot: error: QLoRA") and err.count("\n") == 1
     assert cli_main([*tiny, "--method", "scratch", "--pp", "2", "--check"]) == 0
     assert "pipeline 1F1B, 2 micro-batches" in capsys.readouterr().out
+    # A plan's method and adapters are taken where the job leaves them open; a different method is refused.
+    assert cli_main(["plan", "--model", "gpt2", "--method", "lora", "--lora-rank", "8", "--no-verify", "--json"]) == 0
+    (tmp_path / "lora.json").write_text(capsys.readouterr().out)
+    gpt2 = ["run", "train", "--model", "gpt2", "--data", str(SHAKESPEARE), "--plan", str(tmp_path / "lora.json")]
+    assert cli_main([*gpt2, "--check"]) == 0
+    assert capsys.readouterr().out.startswith("would run: train (lora) of gpt2")
+    assert cli_main([*gpt2, "--method", "full", "--check"]) == 2
+    assert capsys.readouterr().err == (
+        "rigpilot: error: this plan was made for LoRA, and the job asks for Full fine-tune: plan again with "
+        "--method full, or leave the method out to train as planned\n"
+    )
+    # A plan for other GPUs is refused, naming both machines.
+    assert cli_main(["plan", "--simulate", "8x-h100-sxm", "--model", "gpt2", "--no-verify", "--json"]) == 0
+    (tmp_path / "h100.json").write_text(capsys.readouterr().out)
+    assert cli_main([*base, "--plan", str(tmp_path / "h100.json"), "--check"]) == 2
+    assert capsys.readouterr().err.startswith("rigpilot: error: this plan was made for simulated: 8×H100")
     assert list(paths.jobs_dir().iterdir()) == []
     with engine.client() as c:
         assert c.request("jobs")["jobs"] == []

@@ -143,7 +143,7 @@ def _plan(par: Parallelism, task: str = "train") -> Plan:
                            overhead=0, total=3, capacity=2**40, headroom=2**40 - 3) for g in par.gpu_indices]  # fmt: skip
     return Plan(workload=Workload(model="tiny", task=task, seq_len=64, precision="fp32"), parallelism=par, memory=mem,
                 host=HostMemory(needed=1, available=None), timing=Timing(step_s=1, compute_s=1, exposed_comm_s=0,
-                bubble_s=0), machine="simulated", gpu_names=["GPU"] * len(par.gpu_indices), model_params=10**6)  # fmt: skip
+                bubble_s=0), machine="simulated: 4×RTX 4090", gpu_names=["RTX 4090"] * len(par.gpu_indices), model_params=10**6)  # fmt: skip
 
 
 def test_every_sharding_option_maps_to_one_layout_in_the_plan_the_job_and_the_mesh() -> None:
