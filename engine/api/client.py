@@ -43,6 +43,7 @@ _IDEMPOTENT = frozenset(
 )
 # A client waits this long for a service it started to come up (discovery, SQLite, sockets).
 START_TIMEOUT_S = 30.0
+RESTART_GAP_S = 0.5  # between starts while a stopping service still holds the lock (each start is a process)
 TOKEN_ENV = "RIGPILOT_ENGINE_TOKEN"  # a remote client's copy of the service machine's token
 # A TCP login the engine cut short to make room (a flood of connections from this host) is tried again this long.
 LOGIN_RETRY_S = 10.0
@@ -150,10 +151,23 @@ class EngineClient:
         if self.tcp:
             self.hello = self._login_with_retries()
             return self.hello
-        self._sock = self._open()
-        self._buf.clear()
-        self.hello = self._call("hello", {"versions": list(protocol.SUPPORTED_VERSIONS), "client": self.client_name})
-        return self.hello
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            self._sock = self._open()
+            self._buf.clear()
+            try:
+                hello = {"versions": list(protocol.SUPPORTED_VERSIONS), "client": self.client_name}
+                self.hello = self._call("hello", hello)
+                return self.hello
+            except ConnectionError:
+                # A service that is stopping still accepts on its socket for a moment, then hangs up:
+                # wait for it to go, and (autostart) for the one that takes its place.
+                self.close()
+                if not self.autostart or time.monotonic() > deadline:
+                    raise EngineUnavailable(
+                        "the engine service hung up before it answered: it is stopping; run the command again"
+                    ) from None
+                time.sleep(0.1)
 
     # -- TCP: TLS and the login --------------------------------------------------
 
@@ -258,15 +272,19 @@ class EngineClient:
 
     def _start_and_connect(self, path: Path) -> socket.socket:
         log_start = _size(paths.service_log_path())  # what this start writes is what explains its failure
-        proc = start_service()
-        deadline = time.monotonic() + START_TIMEOUT_S
+        proc, started = start_service(), time.monotonic()
+        deadline = started + START_TIMEOUT_S
         while True:
             try:
                 return _connect_unix(path)
             except OSError:
                 pass
-            # Exit code 0 means another client's service won the race; keep waiting for its socket.
-            if proc.poll() not in (None, 0) or time.monotonic() > deadline:
+            # Exit code 0: another service held the lock (another client's start won the race, or a
+            # service that is stopping). Without its socket it is stopping: start again once it is gone.
+            now = time.monotonic()
+            if proc.poll() == 0 and not path.exists() and now < deadline and now - started > RESTART_GAP_S:
+                proc, started = start_service(), now
+            elif proc.poll() not in (None, 0) or now > deadline:
                 state = paths.engine_state_dir()
                 if no_room(state):  # its log is on that disk too, and could not say so
                     raise EngineUnavailable(f"the engine service did not start: {disk_full(state).line()}")
@@ -478,7 +496,9 @@ def _read_token() -> str:
     try:
         return paths.token_path().read_text().strip()
     except OSError:
-        raise EngineUnavailable(f"remote access needs the token from the service machine's {paths.token_path()}") from None
+        raise EngineUnavailable(
+            f"remote access needs the token from the service machine's {paths.token_path()}"
+        ) from None
 
 
 def _size(path: Path) -> int:

@@ -290,6 +290,8 @@ class EngineService:
 
     def stop(self) -> None:
         self._stop.set()
+        # New clients then start the next service instead of greeting this one as it goes.
+        self._remove_socket_file()
 
     def close(self) -> None:
         self._stop.set()
