@@ -32,11 +32,11 @@ class GpuModelChoice(QWidget):
         # Newest products last within each vendor, as the table lists them; the memory tells variants apart.
         for spec in sorted(load_specs(), key=lambda s: (s.vendor != "NVIDIA", s.vendor)):
             self.models.addItem(f"{spec.vendor} {spec.name} ({spec.memory_gib:g} GB)", spec.key)
-        self.models.currentIndexChanged.connect(lambda _: self.use.setEnabled(self.models.currentData() is not None))
         self.use = QPushButton("Use this model")
         self.use.setObjectName("useGpuModel")
         self.use.setEnabled(False)
         self.use.clicked.connect(self._choose)
+        self.models.currentIndexChanged.connect(lambda _: self.use.setEnabled(self.models.currentData() is not None))
         row = QHBoxLayout(self)
         row.setContentsMargins(0, 0, 0, 0)
         row.addWidget(self.label, 1)
@@ -50,7 +50,8 @@ class GpuModelChoice(QWidget):
         self._machine = d if unknown else None
         self.setVisible(bool(unknown))
         if unknown:
-            gpus = "its GPUs" if len(unknown) == len(d["gpus"]) else f"GPU {', '.join(map(str, unknown))}"  # type: ignore[index]
+            every = len(unknown) == len((d or {}).get("gpus") or [])
+            gpus = "its GPUs" if every else f"GPU {', '.join(map(str, unknown))}"
             self.label.setText(f"Which GPU is it? The imported topo -m output names no model for {gpus}, so "
                                "their memory is unknown; choose it to plan for this machine.")  # fmt: skip
             self.models.setCurrentIndex(0)
