@@ -239,6 +239,34 @@ def test_drawing_follows_a_dark_palette(qtbot):
     assert page.graph_view.gpu_items[0].text.brush().color() == QColor("#e8eaed")
 
 
+@pytest.mark.parametrize("dark", [False, True])
+def test_each_link_kind_has_its_own_colour_and_the_legend_shows_the_matrixs(qtbot, dark):
+    from rigpilot.app.topology.matrix import TopoLegend, TopoMatrixTable
+    from rigpilot.app.topology.model import Matrix
+
+    codes = ["NV4", "PIX", "PHB", "NODE", "SYS"]  # PXB is a switch path like PIX
+    matrix, legend = TopoMatrixTable(), TopoLegend()
+    for w in (matrix, legend):
+        qtbot.addWidget(w)
+        if dark:
+            pal = QPalette(w.palette())
+            pal.setColor(QPalette.ColorRole.Base, QColor("#17181a"))
+            w.setPalette(pal)
+    matrix.show_matrix(Matrix(codes, ["GPU0"], [codes]))
+    cells = [matrix.item(0, c).background().color().name() for c in range(len(codes))]
+    assert len(set(cells)) == len(codes), dict(zip(codes, cells, strict=True))  # NODE is not PHB's colour
+    swatches = {}
+    for (swatch, _), code in zip(legend._swatches, legend_codes(), strict=True):
+        swatches[code] = swatch.pixmap().toImage().pixelColor(7, 7).name()
+    assert [swatches[c if not c.startswith("NV") else "NV#"] for c in codes] == cells
+
+
+def legend_codes() -> list[str]:
+    from rigpilot.engine.hardware.machine import PCIE_LEGEND
+
+    return list(PCIE_LEGEND)
+
+
 TOPO_ONLY = "case08_4xRTX6000Ada_dual_socket_genoa_4nics.txt"
 SMI_Q = "case21_smiq_4xA100_sxm4_80gb_nvidia-smi-q.txt"
 
