@@ -68,6 +68,7 @@ from rigpilot.engine.schema import (
 )  # fmt: skip
 
 KINDS = ("train", "infer", "script", "calibrate")
+ENGINE_FIELDS = frozenset({"id", "spec_version", "simulated", "upgrade_notes"})  # a submission's are ignored
 # Room every job needs besides its checkpoints and model: its logs, metrics and record.
 JOB_ROOM_BYTES = 1 << 20
 
@@ -142,9 +143,10 @@ def prepare(
 
 
 def _given_fields(spec_data: dict[str, Any]) -> dict[str, Any]:
-    """The submission's own JobSpec fields, checked by type; the id, version and simulated flag are the engine's."""
-    check_dataclass(JobSpec, spec_data, "spec", ignore=frozenset({"id", "spec_version", "simulated"}))
-    data = {k: v for k, v in spec_data.items() if k not in ("id", "spec_version", "simulated")}
+    """The submission's own JobSpec fields, checked by type; the id, version, simulated flag and upgrade notes are
+    the engine's, and ignored in a submission (as a job.json sent back would carry them)."""
+    check_dataclass(JobSpec, spec_data, "spec", ignore=ENGINE_FIELDS)
+    data = {k: v for k, v in spec_data.items() if k not in ENGINE_FIELDS}
     if data.get("kind") not in KINDS:
         raise UserError(f"unknown job kind {data.get('kind')!r}; choose one of {', '.join(KINDS)}")
     return data
