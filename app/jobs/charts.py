@@ -316,6 +316,11 @@ class JobCharts(QWidget):
         self._stagger = QTimer(self)
         self._stagger.setInterval(STAGGER_MS)
         self._stagger.timeout.connect(self._draw_next)
+        # Charts whose first paint waits for its own event-loop turn (hold_first_paint).
+        self._held: list[QWidget] = []
+        self._reveal = QTimer(self)
+        self._reveal.setInterval(STAGGER_MS)
+        self._reveal.timeout.connect(self._reveal_next)
 
     def _lay_out(self, columns: int) -> None:
         if columns == self.columns:
@@ -421,11 +426,34 @@ class JobCharts(QWidget):
         self._pending = [part for part in self._parts if part is not self._draw_loss]
         self._draw_loss()
         if force:
+            self._reveal_all()
             while self._pending:
                 self._pending.pop(0)()
         elif not self._stagger.isActive():
             self._stagger.start()
         return True
+
+    def hold_first_paint(self) -> None:
+        """Paint the charts one per STAGGER_MS when they are next shown, not all eight in one frame.
+
+        A chart's first paint lays out and draws its axes and title (a few milliseconds, ten times that
+        on a busy machine); all eight in the frame that first shows the job page held the window for
+        up to a second (benchmarks/gui_job_open.py).
+        """
+        self._held = [c for c in self.charts() if c.updatesEnabled()]
+        for chart in self._held:
+            chart.setUpdatesEnabled(False)
+        self._reveal.start()
+
+    def _reveal_next(self) -> None:
+        if self._held:
+            self._held.pop(0).setUpdatesEnabled(True)
+        if not self._held:
+            self._reveal.stop()
+
+    def _reveal_all(self) -> None:
+        while self._held:
+            self._reveal_next()
 
     def _draw_next(self) -> None:
         if self._pending:

@@ -224,13 +224,19 @@ class JobDetail(QWidget):
     def show_handle(self, handle: JobHandle | None, *, local_folder: bool = True) -> None:
         self.handle = handle
         self._local_folder = local_folder
-        self.stack.setCurrentIndex(0 if handle is None else 1)
         self.log.set_handle(handle)
         if handle is None:
+            self.stack.setCurrentIndex(0)
             self.charts.set_job(None, [], 1, None)
             self.try_it.set_model(self.link, None, {})
             return
+        # Filled in while still hidden: on a shown page some setters repaint at once (QProgressBar's
+        # setValue does), and the first of them painted the whole page, its eight charts included,
+        # inside the click (benchmarks/gui_job_open.py). Shown afterwards, it paints in the next turn.
+        if self.stack.currentIndex() != 1:
+            self.charts.hold_first_paint()
         self.update_record()
+        self.stack.setCurrentIndex(1)
 
     def update_record(self) -> None:
         """The record changed: header, buttons, failure cause, plan figures."""

@@ -1,0 +1,123 @@
+"""Opening a job page keeps the window answering: the history is sifted and folded off the GUI thread,
+the page is filled before it is shown, and the charts show exactly what the old in-place fold showed."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from rigpilot.app.jobs import handle as handle_module
+from rigpilot.app.jobs.series import STEP_FIELDS, JobSeries
+from rigpilot.engine.jobs.metrics import read_records
+
+from support.gui_fakes import FakeLink
+from support.gui_jobs import a_job, open_job, open_page, step_record
+
+STEPS = 500
+
+
+def write_store(job_dir: Path) -> Path:
+    """A two-rank job's metric files as the workers write them: 500 steps, some figures missing, evals."""
+    metrics = job_dir / "metrics"
+    metrics.mkdir(parents=True)
+    for rank in (0, 1):
+        with (metrics / f"rank{rank}.jsonl").open("w") as f:
+            for step in range(1, STEPS + 1):
+                rec = step_record(step, rank, mfu=None if step % 7 == 0 else 0.3 + step / 10_000)
+                f.write(json.dumps(rec) + "\n")
+                if rank == 0 and step % 50 == 0:
+                    f.write(json.dumps({"time": rec["time"] + 0.5, "rank": 0, "step": step, "kind": "eval",
+                                        "eval_loss": 3.0 - step / 1000}) + "\n")  # fmt: skip
+    return metrics
+
+
+@pytest.fixture
+def store_link(tmp_path) -> tuple[FakeLink, Path]:
+    link = FakeLink("4x-rtx4090")
+    link.jobs = [a_job("j1", "completed", ended=a_job("x")["started"] + 600)]
+    metrics = write_store(tmp_path / "j1")
+    link.replies.update(
+        job=lambda job: {"job": link.jobs[0]},
+        metrics=lambda job, since_cursor=None, max_bytes=0: dict(
+            zip(("records", "cursor", "more"), read_records(metrics, since_cursor, max_bytes=max_bytes), strict=True),
+            job=job,
+        ),
+        telemetry_history=lambda **_: {"samples": [], "more": False, "next_since": None},
+    )  # fmt: skip
+    return link, metrics
+
+
+def test_opening_a_job_folds_its_history_off_the_gui_thread_and_charts_the_same_points(qtbot, store_link, monkeypatch):
+    link, metrics = store_link
+    gui = threading.current_thread()
+    folded_on: list[threading.Thread] = []
+    fold = handle_module.fold
+
+    def spy_fold(records: list[dict[str, Any]]) -> Any:
+        folded_on.append(threading.current_thread())
+        return fold(records)
+
+    added_on_gui: list[int] = []
+    add = JobSeries.add
+
+    def spy_add(self: JobSeries, records: list[dict[str, Any]]) -> None:
+        added_on_gui.append(len(records))
+        add(self, records)
+
+    monkeypatch.setattr(handle_module, "fold", spy_fold)
+    monkeypatch.setattr(JobSeries, "add", spy_add)
+    monkeypatch.setattr(handle_module, "METRICS_PAGE_BYTES", 32 * 1024)  # several pages, as a long job has
+    page = open_page(qtbot, link)
+    open_job(qtbot, page, "j1")
+    handle = page.current_handle
+
+    assert len(link.requests("metrics")) > 2
+    assert folded_on and gui not in folded_on  # every page was folded on a worker
+    assert not added_on_gui  # and none in place on the GUI thread
+
+    # The old path: every record read at once and folded in place.
+    records, _, more = read_records(metrics, None, max_bytes=1 << 30)
+    assert not more
+    before = JobSeries()
+    add(before, records)
+    assert handle.series.records == before.records == 2 * STEPS + STEPS // 50
+    for name in STEP_FIELDS:
+        np.testing.assert_array_equal(handle.series.series(name)[0], before.series(name)[0])
+        np.testing.assert_array_equal(handle.series.series(name)[1], before.series(name)[1])
+    assert handle.series.peak_memory == before.peak_memory
+    assert handle.series.measured() == before.measured()
+
+    charts = page.detail.charts
+    x, y = charts.loss_raw.getData()
+    np.testing.assert_array_equal(x, before.series("loss")[0])
+    np.testing.assert_array_equal(y, before.series("loss")[1])
+    np.testing.assert_array_equal(charts.eval_loss.getData()[1], before.eval_loss()[1])
+    x, y = charts.mfu_curve.getData()
+    assert len(x) == STEPS and math.isnan(y[6]) and y[0] == pytest.approx(30.01)
+
+
+def test_the_job_page_is_filled_before_it_is_shown_and_its_charts_paint_in_turns(qtbot, store_link):
+    link, _ = store_link
+    page = open_page(qtbot, link)
+    shown_when_filled: list[bool] = []
+    detail = page.detail
+    update_record = detail.update_record
+
+    def spy() -> None:
+        shown_when_filled.append(detail.stack.currentIndex() == 1)
+        update_record()
+
+    detail.update_record = spy  # type: ignore[method-assign]
+    page.open_job("j1")
+    # QProgressBar.setValue repaints a shown bar at once: filled while hidden, nothing paints in the click.
+    assert shown_when_filled[0] is False
+    assert detail.stack.currentIndex() == 1
+    held = [c for c in detail.charts.charts() if not c.updatesEnabled()]
+    assert held  # each waits for an event-loop turn of its own
+    qtbot.waitUntil(lambda: all(c.updatesEnabled() for c in detail.charts.charts()))
