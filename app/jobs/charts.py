@@ -19,6 +19,7 @@ from PySide6.QtCore import QEvent, Qt, QTimer
 from PySide6.QtGui import QResizeEvent
 from PySide6.QtWidgets import QGridLayout, QWidget
 
+from rigpilot.app.jobs.gaps import break_gaps
 from rigpilot.app.jobs.series import GIB, GpuUsage, JobSeries
 from rigpilot.app.widgets.chart_view import ZOOM_HINT, ChartView
 from rigpilot.app.widgets.decimate import minmax_bins
@@ -477,18 +478,18 @@ class JobCharts(QWidget):
         self._draw_compare()
 
     def _thin(self, plot: StepPlot, steps: np.ndarray, *rows: np.ndarray) -> tuple[np.ndarray, ...]:
-        """At most two points (the lowest and the highest) per pixel column of `plot`.
+        """At most two points (the lowest and the highest) per pixel column of `plot`, broken at gaps.
 
         A long job has tens of thousands of steps; handing them all to pyqtgraph makes every frame
         bin them again and search them for the y range. Bins are a power of two steps wide, so
         they stay put as the job goes on and the curve does not shimmer.
         """
         if len(steps) < 2 * THIN_POINTS:
-            return (steps, *rows)
+            return break_gaps(steps, *rows)
         pixels = max(plot.getPlotItem().getViewBox().width(), 100.0)
         width = 2.0 ** math.ceil(math.log2(max((steps[-1] - steps[0]) / pixels, 1.0)))
         thinned_steps, thinned = minmax_bins(steps, np.vstack(rows), width)
-        return (thinned_steps, *thinned)
+        return break_gaps(thinned_steps, *thinned)
 
     def _fit(self, plot: StepPlot, steps: np.ndarray) -> None:
         if len(steps):
@@ -532,8 +533,8 @@ class JobCharts(QWidget):
 
     def _draw_gpu_memory(self) -> None:
         since = (self.usage.last_time or 0.0) - TELEMETRY_WINDOW_S
-        self.gpu_memory.set_data(*self.usage.memory(since))
+        self.gpu_memory.set_data(*break_gaps(*self.usage.memory(since)))
 
     def _draw_gpu_util(self) -> None:
         since = (self.usage.last_time or 0.0) - TELEMETRY_WINDOW_S
-        self.gpu_util.set_data(*self.usage.utilization(since))
+        self.gpu_util.set_data(*break_gaps(*self.usage.utilization(since)))

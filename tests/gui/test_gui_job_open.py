@@ -17,7 +17,7 @@ from rigpilot.app.jobs.series import STEP_FIELDS, JobSeries
 from rigpilot.engine.jobs.metrics import read_records
 
 from support.gui_fakes import FakeLink
-from support.gui_jobs import a_job, open_job, open_page, step_record
+from support.gui_jobs import FakeJobs, a_job, open_job, open_page, step_record
 
 STEPS = 500
 
@@ -121,3 +121,15 @@ def test_the_job_page_is_filled_before_it_is_shown_and_its_charts_paint_in_turns
     held = [c for c in detail.charts.charts() if not c.updatesEnabled()]
     assert held  # each waits for an event-loop turn of its own
     qtbot.waitUntil(lambda: all(c.updatesEnabled() for c in detail.charts.charts()))
+
+
+def test_steps_a_job_did_not_report_break_the_line_instead_of_a_ramp(qtbot):
+    link = FakeLink("4x-rtx4090")
+    jobs = FakeJobs(link, [a_job("g1", "completed")], page_records=1000)
+    jobs.records["g1"] = [step_record(s) for s in (*range(1, 101), *range(200, 301))]
+    page = open_page(qtbot, link)
+    open_job(qtbot, page, "g1")
+    for curve in (page.detail.charts.loss_raw, page.detail.charts.loss_ema, page.detail.charts.lr_curve):
+        x, y = curve.getData()
+        hole = np.flatnonzero(np.isnan(y))
+        assert len(hole) == 1 and x[hole[0] - 1] == 100 and x[hole[0] + 1] == 200
