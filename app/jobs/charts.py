@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QEvent, Qt, QTimer
-from PySide6.QtGui import QResizeEvent
-from PySide6.QtWidgets import QGridLayout, QWidget
+from PySide6.QtGui import QPalette, QResizeEvent
+from PySide6.QtWidgets import QGridLayout, QLabel, QWidget
 
 from rigpilot.app.jobs.gaps import break_gaps
 from rigpilot.app.jobs.series import GIB, GpuUsage, JobSeries
@@ -35,6 +35,11 @@ COLUMNS = 4
 NARROW_PX, WIDE_PX = 980, 1030  # below the first, two columns; from the second, four again
 THIN_POINTS = 1000  # series shorter than twice this are drawn point for point
 STAGGER_MS = 25  # between drawing one chart and the next: eight charts in 200 ms, well inside a refresh
+# The workers divide by the device's peak FLOP/s (engine/workers/metrics.py), which a CPU rank has not.
+NO_MFU_ON_CPU = (
+    "No MFU on CPU ranks: it is the share of a GPU's peak arithmetic a step uses, and this job runs on the "
+    "CPU of a simulated machine, where there is no peak to measure against."
+)
 SIMULATED_PLAN = "the plan is for the machine's real GPUs; this run is on CPU ranks of a simulated machine"
 
 
@@ -93,6 +98,8 @@ class StepPlot(ChartView):
         self.off_scale = False  # the plan's figure is too far from the measured one to draw on this scale
         self.plan_note = ""  # what the tooltip says about the plan's figure
         self.missing = False  # the job reports steps but not this figure
+        self.why = ""  # why it does not, where that is known: shown in the chart's place
+        self.reason: QLabel | None = None
         item.addItem(self.prediction, ignoreBounds=False)
         apply_plot_theme(self, self.palette())
 
@@ -175,12 +182,39 @@ class StepPlot(ChartView):
             self.prediction.setVisible(visible)
             self.getPlotItem().getViewBox().updateAutoRange()  # a hidden line no longer counts
 
-    def show_missing(self, missing: bool) -> None:
-        """Say so in the title when the job's steps come without this figure (an empty chart says nothing)."""
-        if missing != self.missing:
-            self.missing = missing
-            self._set_title(self.title)
-            self.setToolTip(f"{self.about}\n" + ("This job's ranks do not report it.\n" if missing else "") + ZOOM_HINT)
+    def show_missing(self, missing: bool, why: str = "") -> None:
+        """Say so in the title when the job's steps come without this figure (an empty chart says nothing),
+        and `why`, where it is known, in the chart's place."""
+        why = why if missing else ""
+        if missing == self.missing and why == self.why:
+            return
+        self.missing, self.why = missing, why
+        self._set_title(self.title)
+        said = ("This job's ranks do not report it." + (f" {why}" if why else "") + "\n") if missing else ""
+        self.setToolTip(f"{self.about}\n{said}{ZOOM_HINT}")
+        if why and self.reason is None:
+            self.reason = QLabel(self.viewport())
+            self.reason.setObjectName("chartReason")
+            self.reason.setWordWrap(True)
+            self.reason.setAlignment(Qt.AlignmentFlag.AlignCenter)
+            self.reason.setForegroundRole(QPalette.ColorRole.PlaceholderText)
+            self.reason.setAttribute(Qt.WidgetAttribute.WA_TransparentForMouseEvents)
+            # Opaque, over the empty axes: an axis with nothing on it reads as a broken chart.
+            self.reason.setAutoFillBackground(True)
+            self.reason.setBackgroundRole(QPalette.ColorRole.Base)
+        if self.reason is not None:
+            self.reason.setText(why)
+            self.reason.setVisible(bool(why))
+            self._place_reason()
+
+    def _place_reason(self) -> None:
+        reason = getattr(self, "reason", None)  # GraphicsView resizes itself before __init__ gets this far
+        if reason is not None:
+            reason.setGeometry(self.viewport().rect().adjusted(0, 22, 0, 0))  # the title stays in view
+
+    def resizeEvent(self, event: QResizeEvent) -> None:
+        super().resizeEvent(event)
+        self._place_reason()
 
     def _set_title(self, title: str) -> None:
         self.set_title(f"{self.title} · not reported" if self.missing else title, self.title)
@@ -504,7 +538,8 @@ class JobCharts(QWidget):
         steps, values = s.series(name)
         curve.setData(*self._thin(plot, steps, values * scale if scale != 1.0 else values))
         self._fit(plot, steps)
-        plot.show_missing(bool(len(steps)) and not np.isfinite(values).any())
+        missing = bool(len(steps)) and not np.isfinite(values).any()
+        plot.show_missing(missing, NO_MFU_ON_CPU if plot is self.mfu and self.simulated else "")
         p = self.predicted or {}
         if plot is self.speed:
             total = p.get("tokens_per_s")

@@ -133,3 +133,25 @@ def test_steps_a_job_did_not_report_break_the_line_instead_of_a_ramp(qtbot):
         x, y = curve.getData()
         hole = np.flatnonzero(np.isnan(y))
         assert len(hole) == 1 and x[hole[0] - 1] == 100 and x[hole[0] + 1] == 200
+
+
+@pytest.mark.parametrize("simulated", [True, False])
+def test_an_empty_mfu_chart_on_cpu_ranks_says_why_in_its_place(qtbot, simulated):
+    link = FakeLink("4x-rtx4090")
+    FakeJobs(link, [a_job("m1", "completed", simulated=simulated)]).records["m1"] = [
+        step_record(s, mfu=None) for s in range(1, 21)
+    ]
+    page = open_page(qtbot, link)
+    open_job(qtbot, page, "m1")
+    mfu = page.detail.charts.mfu
+    assert mfu.title_text() == "MFU (%) · not reported"
+    if simulated:
+        assert mfu.reason is not None and mfu.reason.isVisible()
+        assert "CPU" in mfu.reason.text() and "peak" in mfu.reason.text()
+        assert mfu.reason.text() in mfu.toolTip()
+        assert mfu.viewport().rect().contains(mfu.reason.geometry())
+    else:
+        assert mfu.reason is None or not mfu.reason.isVisible()
+    link.push_metrics("m1", [step_record(21, mfu=0.4)])  # a figure at last: the chart draws it, nothing covers it
+    page.refresh(force=True)
+    assert mfu.reason is None or not mfu.reason.isVisible()
