@@ -9,7 +9,6 @@ only while the page is visible and only when something new arrived.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from PySide6.QtCore import QByteArray, QModelIndex, QPersistentModelIndex, QRect, QSettings, Qt, QTimer, QUrl, Signal
@@ -49,6 +48,7 @@ from rigpilot.app.jobs.model import (
     JobListModel,
 )
 from rigpilot.app.jobs.outcome import model_of, settings_of
+from rigpilot.app.jobs.telemetry_window import job_window
 from rigpilot.engine.schema import FINE_TUNE_METHODS
 
 CONNECTED = "connected"  # EngineLink's state name
@@ -508,22 +508,39 @@ class JobsPage(QWidget):
             self._select_row(self._current)
 
     def _on_telemetry(self, sample: dict[str, Any]) -> None:
-        if self._current is not None:
-            self.detail.charts.add_telemetry([sample])
+        handle = self.current_handle
+        if handle is None:
+            return
+        _, until = job_window(handle.record, TELEMETRY_WINDOW_S)
+        when = sample.get("time")
+        if until is not None and (not isinstance(when, int | float) or when > until):
+            return  # the job has ended: its charts keep its own window, not what the GPUs do now
+        self.detail.charts.add_telemetry([sample])
 
     def _load_telemetry(self, handle: JobHandle) -> None:
-        """The job's GPUs over the last minutes, so the usage charts do not start empty.
+        """The job's GPUs over the last minutes (or, once it ended, its last minutes), so the usage charts
+        do not start empty.
 
         Asked once the record says which GPUs the job has: samples of unknown GPUs have nowhere to go.
         """
         if self._telemetry_for == handle.id or not handle.record.get("gpus"):
             return
         self._telemetry_for = job_id = handle.id
-        since = time.time() - TELEMETRY_WINDOW_S
+        since, until = job_window(handle.record, TELEMETRY_WINDOW_S)
+        self._ask_telemetry(job_id, since, until)
 
+    def _ask_telemetry(self, job_id: str, since: float, until: float | None) -> None:
         def done(reply: dict[str, Any]) -> None:
-            if self._current == job_id:
-                self.detail.charts.add_telemetry(reply.get("samples") or [])
+            if self._current != job_id or self._telemetry_for != job_id:
+                return
+            samples = reply.get("samples") or []
+            if until is not None:
+                samples = [s for s in samples if isinstance(s.get("time"), int | float) and s["time"] <= until]
+            self.detail.charts.add_telemetry(samples)
+            after = reply.get("next_since")
+            # An ended job's window may be more than one reply; a live job's fills from the stream.
+            if until is not None and reply.get("more") and isinstance(after, int | float) and since < after < until:
+                self._ask_telemetry(job_id, after, until)
 
         # Without the history the charts fill from live samples: nothing to tell the user.
         self.link.call(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,11 +14,12 @@ import numpy as np
 import pytest
 
 from rigpilot.app.jobs import handle as handle_module
+from rigpilot.app.jobs.charts import TELEMETRY_WINDOW_S
 from rigpilot.app.jobs.series import STEP_FIELDS, JobSeries
 from rigpilot.engine.jobs.metrics import read_records
 
 from support.gui_fakes import FakeLink
-from support.gui_jobs import FakeJobs, a_job, open_job, open_page, step_record
+from support.gui_jobs import GIB, T0, FakeJobs, a_job, open_job, open_page, step_record
 
 STEPS = 500
 
@@ -155,3 +157,42 @@ def test_an_empty_mfu_chart_on_cpu_ranks_says_why_in_its_place(qtbot, simulated)
     link.push_metrics("m1", [step_record(21, mfu=0.4)])  # a figure at last: the chart draws it, nothing covers it
     page.refresh(force=True)
     assert mfu.reason is None or not mfu.reason.isVisible()
+
+
+def gpu_sample(t: float, used_gib: float) -> dict[str, Any]:
+    return {"time": t, "gpus": [{"index": g, "memory_used": used_gib * GIB, "memory_total": 24 * GIB, "gpu_util": 50.0}
+                                for g in (0, 1)]}  # fmt: skip
+
+
+def test_a_finished_job_shows_its_own_recorded_telemetry_not_what_the_gpus_do_now(qtbot):
+    link = FakeLink("4x-rtx4090")
+    started, ended = T0, T0 + 3600
+    FakeJobs(link, [a_job("f1", "completed", started=started, ended=ended)]).records["f1"] = [step_record(1)]
+    asked: list[float] = []
+
+    def history(since: float, limit: int = 0, **_: Any) -> dict[str, Any]:
+        asked.append(since)
+        # The job's last minutes at 1 Hz in two replies, then the machine idle long after the job ended.
+        times = [t for t in range(int(ended) - 700, int(ended) + 100) if t > since][:400]
+        return {"samples": [gpu_sample(t, 20.0 if t <= ended else 1.0) for t in times], "more": len(times) == 400,
+                "next_since": times[-1] if times else since}  # fmt: skip
+
+    link.replies["telemetry_history"] = history
+    page = open_page(qtbot, link)
+    open_job(qtbot, page, "f1")
+    qtbot.waitUntil(lambda: len(asked) >= 2 and page.detail.charts.usage.last_time == ended)
+    assert asked[0] == ended - TELEMETRY_WINDOW_S  # its last ten minutes, not the last ten minutes of now
+    link.sig_telemetry.emit(gpu_sample(ended + 5000, 2.0))  # what the GPUs do now
+    times, memory = page.detail.charts.usage.memory()
+    assert times[-1] == ended and times[0] >= ended - TELEMETRY_WINDOW_S
+    assert np.all(memory == 20.0)
+
+
+def test_a_running_job_still_follows_the_live_telemetry(qtbot):
+    link = FakeLink("4x-rtx4090")
+    FakeJobs(link, [a_job("r1", "running")]).records["r1"] = [step_record(1)]
+    page = open_page(qtbot, link)
+    open_job(qtbot, page, "r1")
+    now = time.time()
+    link.sig_telemetry.emit(gpu_sample(now, 3.0))
+    assert page.detail.charts.usage.last_time == now
