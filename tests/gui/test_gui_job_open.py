@@ -15,6 +15,7 @@ import pytest
 
 from rigpilot.app.jobs import handle as handle_module
 from rigpilot.app.jobs.charts import TELEMETRY_WINDOW_S
+from rigpilot.app.jobs.page import LIST_ROWS, LIST_SPLITTER_KEY
 from rigpilot.app.jobs.series import STEP_FIELDS, JobSeries
 from rigpilot.engine.jobs.metrics import read_records
 
@@ -196,3 +197,26 @@ def test_a_running_job_still_follows_the_live_telemetry(qtbot):
     now = time.time()
     link.sig_telemetry.emit(gpu_sample(now, 3.0))
     assert page.detail.charts.usage.last_time == now
+
+
+def test_the_job_list_shows_several_rows_and_keeps_the_height_a_user_drags_it_to(qtbot, settings):
+    link = FakeLink("4x-rtx4090")
+    FakeJobs(link, [a_job(f"l{n}", "completed") for n in range(8)])
+    page = open_page(qtbot, link)
+    page.resize(1280, 720)  # the Jobs page of a first window on a 1280x800 screen
+    qtbot.waitUntil(lambda: page.table.viewport().height() >= LIST_ROWS * page.table.rowHeight(0))
+    assert not page.splitter.isCollapsible(0)
+    page.save_state(settings, "jobs")
+    assert settings.value(f"jobs/{LIST_SPLITTER_KEY}") is None  # nothing chosen, nothing saved
+
+    total = sum(page.splitter.sizes())
+    page.splitter.setSizes([300, total - 300])
+    page.splitter.splitterMoved.emit(300, 1)  # what a drag of the handle sends
+    page.resize(1280, 700)  # the user's height stays through a resize
+    assert page.splitter.sizes()[0] == 300
+    page.save_state(settings, "jobs")
+
+    again = open_page(qtbot, link)
+    again.restore_state(settings, "jobs")
+    again.resize(1280, 720)
+    qtbot.waitUntil(lambda: again.splitter.sizes()[0] == 300)
