@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from PySide6.QtCore import Qt
+from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import QAction, QPalette
 from PySide6.QtWidgets import (
     QDoubleSpinBox,
@@ -233,10 +233,17 @@ class JobDetail(QWidget):
         # Filled in while still hidden: on a shown page some setters repaint at once (QProgressBar's
         # setValue does), and the first of them painted the whole page, its eight charts included,
         # inside the click (benchmarks/gui_job_open.py). Shown afterwards, it paints in the next turn.
-        if self.stack.currentIndex() != 1:
+        first = self.stack.currentIndex() != 1
+        if first:
             self.charts.hold_first_paint()
         self.update_record()
-        self.stack.setCurrentIndex(1)
+        if first:
+            # Showing lays out and polishes every widget of the pane for the first time: a turn of its own.
+            QTimer.singleShot(0, self, lambda: self._show_body(handle))
+
+    def _show_body(self, handle: JobHandle) -> None:
+        if self.handle is handle:
+            self.stack.setCurrentIndex(1)
 
     def update_record(self) -> None:
         """The record changed: header, buttons, failure cause, plan figures."""
