@@ -27,6 +27,7 @@ from rigpilot.app.widgets.palette import BAD, apply_plot_theme, series_color
 from rigpilot.app.widgets.time_chart import TimeChart
 
 TELEMETRY_WINDOW_S = 600.0
+JOB_END = "job end"  # the newest point of a finished job's GPU charts
 EMPTY = np.empty(0)
 OFF_SCALE = 10.0  # a plan figure this many times above or below what was measured is not drawn
 # Two rows of four charts fit the job page of a 1280x800 window; below this height a row scrolls.
@@ -393,13 +394,17 @@ class JobCharts(QWidget):
         ranks: int,
         predicted: dict[str, Any] | None,
         simulated: bool = False,
+        ended: bool = False,
     ) -> None:
         """Show another job (or the same one with a new record): its series, GPUs and the plan's figures.
 
         `simulated`: the job runs as CPU ranks standing in for a simulated machine's GPUs, so the
         plan's figures (for those GPUs) are labelled as GPU predictions rather than compared.
+        `ended`: the GPU charts show the job's own last minutes, whose newest point is its end, not now.
         """
         self.simulated = simulated
+        for chart in (self.gpu_memory, self.gpu_util):
+            chart.set_latest_name(JOB_END if ended else "now")
         if series is not self.series:
             self.series = series
             self.usage = GpuUsage()

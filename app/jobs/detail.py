@@ -281,7 +281,7 @@ class JobDetail(QWidget):
         else:
             self.charts.set_job(
                 h.series, list(job.get("gpus") or []), int(job.get("ranks") or 1), job.get("predicted"),
-                simulated=bool(job.get("simulated")),
+                simulated=bool(job.get("simulated")), ended=job.get("state") in FINISHED,
             )  # fmt: skip
         self._show_tabs(inference, job.get("state") in FINISHED and job.get("kind") == "train")
         self.show_diff()

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from rigpilot.app.jobs import handle as handle_module
-from rigpilot.app.jobs.charts import TELEMETRY_WINDOW_S
+from rigpilot.app.jobs.charts import JOB_END, TELEMETRY_WINDOW_S
 from rigpilot.app.jobs.page import LIST_ROWS, LIST_SPLITTER_KEY
 from rigpilot.app.jobs.series import STEP_FIELDS, JobSeries
 from rigpilot.engine.jobs.metrics import read_records
@@ -188,6 +188,10 @@ def test_a_finished_job_shows_its_own_recorded_telemetry_not_what_the_gpus_do_no
     times, memory = page.detail.charts.usage.memory()
     assert times[-1] == ended and times[0] >= ended - TELEMETRY_WINDOW_S
     assert np.all(memory == 20.0)
+    page.refresh(force=True)
+    gpu_memory = page.detail.charts.gpu_memory
+    assert gpu_memory.readout.text().startswith(f"{JOB_END} — GPU 0: 20")  # not "now"
+    assert JOB_END in gpu_memory._axis.tickStrings([0.0], 1.0, gpu_memory._axis._major)
 
 
 def test_a_running_job_still_follows_the_live_telemetry(qtbot):
@@ -198,6 +202,8 @@ def test_a_running_job_still_follows_the_live_telemetry(qtbot):
     now = time.time()
     link.sig_telemetry.emit(gpu_sample(now, 3.0))
     assert page.detail.charts.usage.last_time == now
+    axis = page.detail.charts.gpu_memory._axis
+    assert axis.tickStrings([0.0], 1.0, axis._major) == ["now"]
 
 
 def test_the_job_list_shows_several_rows_and_keeps_the_height_a_user_drags_it_to(qtbot, settings):
