@@ -573,8 +573,14 @@ class JobCharts(QWidget):
 
     def _draw_gpu_memory(self) -> None:
         since = (self.usage.last_time or 0.0) - TELEMETRY_WINDOW_S
-        self.gpu_memory.set_data(*break_gaps(*self.usage.memory(since)))
+        self.gpu_memory.set_data(*_two(break_gaps(*self.usage.memory(since))))
 
     def _draw_gpu_util(self) -> None:
         since = (self.usage.last_time or 0.0) - TELEMETRY_WINDOW_S
-        self.gpu_util.set_data(*break_gaps(*self.usage.utilization(since)))
+        self.gpu_util.set_data(*_two(break_gaps(*self.usage.utilization(since))))
+
+
+def _two(arrays: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Times and values, as TimeChart.set_data takes them (break_gaps returns as many arrays as it was given)."""
+    t, values = arrays
+    return t, values

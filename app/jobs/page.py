@@ -666,10 +666,13 @@ class JobsPage(QWidget):
         if self._list_sized_by_user or total <= 0:
             return
         box = self.table.parentWidget()
-        margins = box.layout().contentsMargins()
+        layout = box.layout() if box is not None else None
+        if layout is None:
+            return
+        margins = layout.contentsMargins()
         header = self.table.horizontalHeader()
         want = (
-            margins.top() + margins.bottom() + box.layout().spacing() + self._list_head.sizeHint().height()
+            margins.top() + margins.bottom() + layout.spacing() + self._list_head.sizeHint().height()
             + max(header.height(), header.sizeHint().height()) + 2 * self.table.frameWidth()
             + LIST_ROWS * self.table.verticalHeader().defaultSectionSize()
         )  # fmt: skip
