@@ -379,32 +379,6 @@ def try_it(d: Desktop, main: str) -> None:
     d.screenshot("try-it", main)
 
 
-def switch_the_machine_in_settings(d: Desktop, main: str, wanted: str = "H100") -> None:
-    """Settings (Ctrl+5) → the simulated machine → Save: the engine, every page and `rigpilot gpus` follow."""
-    d.press(main, "ctrl+5")
-    combo = d.widget("simulatedProfile")
-    target = next(i for i, text in enumerate(combo["items"]) if wanted in text)
-    d.click(combo["rect"])  # its list opens on the current entry
-    time.sleep(0.5)
-    steps = target - combo["current"]
-    for _ in range(abs(steps)):
-        d.xdotool("key", "Down" if steps > 0 else "Up")
-    d.xdotool("key", "Return")
-    d.widget("simulatedProfile", when=lambda w: w["current"] == target)
-    d.click(d.widget("save", when=lambda w: w["enabled"])["rect"])
-    label = wait_for(lambda: wanted in cli_machine(d)["label"] and cli_machine(d)["label"], 30, what="the engine on the new machine")
-    wait_for(lambda: d.xdotool("getwindowname", main) == f"{MAIN_TITLE}{label}", 20, what="the window title to follow")
-    d.screenshot("settings", main)
-    gpus = len(cli_machine(d)["gpus"])
-    d.press(main, "ctrl+1")  # the dashboard: one card per GPU of the new machine
-    d.widget(f"gpuCard{gpus - 1}")
-    d.screenshot("dashboard-after-switch", main)
-    d.press(main, "ctrl+2")
-    d.widget("machineTitle", when=lambda w: wanted in w.get("text", ""))
-    d.press(main, "ctrl+3")  # the Planner's GPU check boxes
-    d.widget(f"gpu-{gpus - 1}")
-
-
 def a_planner_change_marks_the_plan_stale(d: Desktop, main: str) -> None:
     """Planner (Ctrl+3): a model typed and Enter plans it; one more sequence in the batch marks the plan shown
     stale (a banner, Launch disabled) until it is planned again."""
@@ -449,9 +423,9 @@ def scroll_into_view(d: Desktop, name: str, area: str, at_least: int = 10_000) -
     raise AssertionError(f"{name} did not scroll into view inside {area}")
 
 
-def the_scaling_study_draws_a_correct_chart(d: Desktop, main: str, job_id: str) -> None:
-    """On the Summary tab, "How does this scale?" on 1 and 2 GPUs: the start answers at once, the button stays
-    disabled while the study runs, each point's progress shows, and the chart has GPUs on x, speed-up on y."""
+def start_a_scaling_study(d: Desktop, main: str, job_id: str) -> str:
+    """On the Summary tab, "How does this scale?" on 1 and 2 GPUs: the start answers at once and the button
+    stays disabled while the study runs, each point's progress shows; returns the study's id."""
     scroll_into_view(d, "scaleButton", "jobTabs")
     d.click(d.widget("scaleCounts", when=lambda w: w["enabled"])["rect"])
     d.xdotool("key", "--clearmodifiers", "ctrl+a")
@@ -462,6 +436,12 @@ def the_scaling_study_draws_a_correct_chart(d: Desktop, main: str, job_id: str) 
     (study,) = d.engine_request("scaling_studies", job=job_id)["studies"]
     d.widget("scaleProgress", when=lambda w: "1 GPU (job" in w["text"], timeout=120)
     d.screenshot("scaling-running", main)
+    return study["id"]
+
+
+def the_scaling_study_draws_a_correct_chart(d: Desktop, main: str, study_id: str) -> None:
+    """Back on the job's Summary tab: the study ends, its chart has GPUs on x and speed-up on y from 0."""
+    d.press(main, "ctrl+4")
     done = d.widget("scaleProgress", when=lambda w: "points measured" in w["text"] or "did not finish" in w["text"],
                     timeout=JOB_TIMEOUT_S)  # fmt: skip
     assert "all 2 points measured" in done["text"], done["text"]
@@ -475,9 +455,57 @@ def the_scaling_study_draws_a_correct_chart(d: Desktop, main: str, job_id: str) 
     measured = chart["curves"]["measured"][0] + chart["curves"]["noise (not a result)"][0]
     assert sorted(measured) == [1.0, 2.0], chart["curves"]  # every point drawn, as a result or as noise
     assert d.widget("scaleButton")["enabled"]
-    shown = d.engine_request("scaling_study", study=study["id"])["study"]
+    shown = d.engine_request("scaling_study", study=study_id)["study"]
     assert shown["state"] == "completed" and [p["gpus"] for p in shown["points"]] == [1, 2]
     d.screenshot("scaling-study", main)
+
+
+def switch_the_machine_while_jobs_run(d: Desktop, main: str, wanted: str = "H100") -> str:
+    """Settings (Ctrl+5) → the simulated machine → Save while the study's jobs run: the switch is kept and made
+    when they end, and Settings says so; returns the label the engine served before."""
+    before = cli_machine(d)["label"]
+    d.press(main, "ctrl+5")
+    combo = d.widget("simulatedProfile")
+    target = next(i for i, text in enumerate(combo["items"]) if wanted in text)
+    d.click(combo["rect"])  # its list opens on the current entry
+    time.sleep(0.5)
+    steps = target - combo["current"]
+    for _ in range(abs(steps)):
+        d.xdotool("key", "Down" if steps > 0 else "Up")
+    d.xdotool("key", "Return")
+    d.widget("simulatedProfile", when=lambda w: w["current"] == target)
+    d.click(d.widget("save", when=lambda w: w["enabled"])["rect"])
+    said = d.widget("settingsStatus", when=lambda w: "Saved" in w["text"])["text"]
+    assert "switches to" in said and "when its" in said, said
+    assert cli_machine(d)["label"] == before  # not while they run
+    d.screenshot("settings-switch-deferred", main)
+    return before
+
+
+def the_deferred_switch_happens_and_every_page_follows(d: Desktop, main: str, wanted: str = "H100") -> None:
+    """Once the last job ended the engine serves the new machine by itself; Settings says it switched, the
+    window title follows, and the 8-GPU dashboard shows every card whole on the screen."""
+    label = wait_for(lambda: wanted in cli_machine(d)["label"] and cli_machine(d)["label"], 60,
+                     what="the engine to switch when the jobs ended")  # fmt: skip
+    wait_for(lambda: d.xdotool("getwindowname", main) == f"{MAIN_TITLE}{label}", 20, what="the window title to follow")
+    d.press(main, "ctrl+5")
+    d.widget("settingsStatus", when=lambda w: "it switched when its jobs ended" in w["text"])
+    d.screenshot("settings", main)
+    gpus = len(cli_machine(d)["gpus"])
+    assert gpus == 8
+    d.press(main, "ctrl+1")  # the dashboard: all 8 cards whole inside the window, above the chart
+    window = next(w for w in d.probe()["windows"] if w["title"].startswith(MAIN_TITLE))["rect"]
+    cards = [d.widget(f"gpuCard{i}") for i in range(gpus)]
+    ax, ay, aw, ah = d.widget("cardsArea")["rect"]  # the pane the cards scroll in, above the chart
+    for card in cards:
+        x, y, w, h = card["rect"]
+        inside = window[0] <= x and x + w <= window[0] + window[2] and window[1] <= y and y + h <= window[1] + window[3]
+        assert inside and ax <= x and x + w <= ax + aw and ay <= y and y + h <= ay + ah, (card, window, (ax, ay, aw, ah))
+    d.screenshot("dashboard-after-switch", main)
+    d.press(main, "ctrl+2")
+    d.widget("machineTitle", when=lambda w: wanted in w.get("text", ""))
+    d.press(main, "ctrl+3")  # the Planner's GPU check boxes
+    d.widget(f"gpu-{gpus - 1}")
 
 
 def test_a_user_runs_the_example_tries_its_model_and_switches_the_machine(desktop):
@@ -494,9 +522,11 @@ def test_a_user_runs_the_example_tries_its_model_and_switches_the_machine(deskto
     the_cli_and_the_window_show_the_same_machine(desktop, main)
     open_the_summary(desktop, main, job_id)
     try_it(desktop, main)
-    the_scaling_study_draws_a_correct_chart(desktop, main, job_id)
-    a_planner_change_marks_the_plan_stale(desktop, main)
-    switch_the_machine_in_settings(desktop, main)
+    study = start_a_scaling_study(desktop, main, job_id)
+    switch_the_machine_while_jobs_run(desktop, main)
+    the_scaling_study_draws_a_correct_chart(desktop, main, study)
+    the_deferred_switch_happens_and_every_page_follows(desktop, main)
     the_cli_and_the_window_show_the_same_machine(desktop, main)
+    a_planner_change_marks_the_plan_stale(desktop, main)
     assert desktop.app is not None and desktop.app.poll() is None, "the app exited"
     no_traceback_reached_the_user(desktop)
