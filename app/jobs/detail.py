@@ -45,7 +45,7 @@ from rigpilot.app.jobs.try_it import TryIt
 from rigpilot.app.widgets.units import NA
 from rigpilot.engine.schema import TERMINAL_STATES
 
-CHARTS_TAB, PLAN_TAB, LOG_TAB, SUMMARY_TAB, RESULTS_TAB = range(5)
+CHARTS_TAB, PLAN_TAB, LOG_TAB, SUMMARY_TAB, RESULTS_TAB, TRY_TAB = range(6)
 FINISHED = TERMINAL_STATES
 
 
@@ -115,7 +115,6 @@ class JobDetail(QWidget):
             buttons.addWidget(b)
         buttons.addStretch(1)
         self.try_it = TryIt()
-        self.try_it.hide()
 
         self.failure = FailurePanel()
         self.restarts = RestartTimeline()
@@ -179,8 +178,10 @@ class JobDetail(QWidget):
         self.tabs.addTab(summary_area, "Summary")
         self.results = ResultsView()
         self.tabs.addTab(self.results, "Results")
-        self.tabs.setTabVisible(SUMMARY_TAB, False)
-        self.tabs.setTabVisible(RESULTS_TAB, False)
+        # A tab of its own: above the tabs it took the height the summary and the charts need at 1280×800.
+        self.tabs.addTab(self.try_it, "Try it")
+        for tab in (SUMMARY_TAB, RESULTS_TAB, TRY_TAB):
+            self.tabs.setTabVisible(tab, False)
         self.link: Any = None
         self._compared: dict[str, Any] | None = None  # the record of the job whose loss is overlaid
         self.diff_jobs: dict[str, dict[str, Any]] = {}  # more runs in the settings comparison, by id
@@ -197,7 +198,6 @@ class JobDetail(QWidget):
         self.energy_line.setObjectName("jobEnergy")
         body_layout.addWidget(self.energy_line)
         body_layout.addLayout(buttons)
-        body_layout.addWidget(self.try_it)
         body_layout.addWidget(self.failure)
         body_layout.addWidget(self.restarts)
         body_layout.addWidget(self.tabs, 1)
@@ -229,6 +229,7 @@ class JobDetail(QWidget):
             self.stack.setCurrentIndex(0)
             self.charts.set_job(None, [], 1, None)
             self.try_it.set_model(self.link, None, {})
+            self.tabs.setTabVisible(TRY_TAB, False)
             return
         # Filled in while still hidden: on a shown page some setters repaint at once (QProgressBar's
         # setValue does), and the first of them painted the whole page, its eight charts included,
@@ -308,6 +309,7 @@ class JobDetail(QWidget):
             else f"No model to use: {choice.why}"
         )  # fmt: skip
         self.try_it.set_model(self.link, choice.path, h.record)
+        self.tabs.setTabVisible(TRY_TAB, choice.path is not None)
         busy = h.active
         self.delete_button.setEnabled(not busy)
         self.delete_button.setToolTip(

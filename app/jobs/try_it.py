@@ -78,8 +78,7 @@ class TryIt(QWidget):
             self.status.setText("")
             self.output.clear()
             self.output.hide()
-        self.model, self.job = model, job
-        self.setVisible(model is not None)
+        self.model, self.job = model, job  # the job page shows its tab only with a model to try
 
     def submit(self) -> None:
         text = self.prompt.text().strip()

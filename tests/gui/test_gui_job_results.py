@@ -13,7 +13,7 @@ from PySide6.QtCore import QRect, Qt
 from PySide6.QtGui import QColor, QImage, QPainter, QPalette
 from PySide6.QtWidgets import QApplication, QInputDialog, QMessageBox, QStyleFactory, QStyleOptionViewItem
 
-from rigpilot.app.jobs.detail import CHARTS_TAB, RESULTS_TAB, SUMMARY_TAB
+from rigpilot.app.jobs.detail import CHARTS_TAB, RESULTS_TAB, SUMMARY_TAB, TRY_TAB
 from rigpilot.app.jobs.model import PROGRESS
 from rigpilot.app.jobs.outcome import eval_trend, load_snippets, model_of, settings_diff
 from rigpilot.app.jobs.page import ProgressDelegate
@@ -184,7 +184,7 @@ def test_a_job_that_finishes_while_open_shows_what_it_saved(qtbot):
     link.jobs[0] = a_training_job("t")  # what the engine's `job` answer says once it has ended
     link.sig_job.emit({"id": "t", "state": "completed"})  # the event alone, as the engine sends it
     qtbot.waitUntil(lambda: page.detail.tabs.isTabVisible(SUMMARY_TAB))
-    qtbot.waitUntil(lambda: page.detail.try_it.isVisibleTo(page.detail))
+    qtbot.waitUntil(lambda: page.detail.tabs.isTabVisible(TRY_TAB))
     assert "/tmp/rigpilot-jobs/t/output" in page.detail.summary_panel.rows()["Saved to"]
 
 
@@ -273,6 +273,8 @@ def test_try_it_runs_one_prompt_on_the_trained_model_and_shows_the_completion(qt
     page = open_page(qtbot, link)
     open_job(qtbot, page, "t")
     box = page.detail.try_it
+    assert page.detail.tabs.isTabVisible(TRY_TAB)
+    page.detail.tabs.setCurrentIndex(TRY_TAB)
     assert box.isVisibleTo(page)
     qtbot.keyClicks(box.prompt, "Hello")
     qtbot.keyClick(box.prompt, Qt.Key.Key_Return)
@@ -294,6 +296,7 @@ def test_try_it_says_so_when_the_model_answers_with_blank_space_only(qtbot):
     page = open_page(qtbot, link)
     open_job(qtbot, page, "t")
     box = page.detail.try_it
+    page.detail.tabs.setCurrentIndex(TRY_TAB)
     qtbot.keyClicks(box.prompt, "Hi")
     qtbot.keyClick(box.prompt, Qt.Key.Key_Return)
     qtbot.waitUntil(lambda: box.running == "try1")
@@ -308,7 +311,7 @@ def test_try_it_is_offered_only_for_a_model_that_can_run(qtbot):
     FakeJobs(link, [a_training_job("l", output="lora"), a_job("r", "running", kind="train")])
     page = open_page(qtbot, link)
     open_job(qtbot, page, "l")
-    assert not page.detail.try_it.isVisibleTo(page) and not page.detail.use_button.isEnabled()
+    assert not page.detail.tabs.isTabVisible(TRY_TAB) and not page.detail.use_button.isEnabled()
     assert "only its LoRA adapter" in page.detail.use_button.toolTip()
 
 

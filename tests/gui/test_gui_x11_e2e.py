@@ -358,6 +358,8 @@ def open_the_summary(d: Desktop, main: str, job_id: str) -> None:
 def try_it(d: Desktop, main: str) -> None:
     """A prompt typed into "Try it" runs a small inference job on the trained model; its completion shows."""
     before = {j["id"] for j in jobs(d)}
+    tabs = d.widget("jobTabs", when=lambda w: any(t["text"] == "Try it" for t in w.get("tabs", [])))
+    d.click(next(t for t in tabs["tabs"] if t["text"] == "Try it")["rect"])
     d.click(d.widget("tryPrompt", when=lambda w: w["enabled"])["rect"])
     d.type_text("ROMEO:")
     d.xdotool("key", "--clearmodifiers", "Return")
@@ -426,6 +428,8 @@ def scroll_into_view(d: Desktop, name: str, area: str, at_least: int = 10_000) -
 def start_a_scaling_study(d: Desktop, main: str, job_id: str) -> str:
     """On the Summary tab, "How does this scale?" on 1 and 2 GPUs: the start answers at once and the button
     stays disabled while the study runs, each point's progress shows; returns the study's id."""
+    tabs = d.widget("jobTabs")
+    d.click(next(t for t in tabs["tabs"] if t["text"] == "Summary")["rect"])
     scroll_into_view(d, "scaleButton", "jobTabs")
     d.click(d.widget("scaleCounts", when=lambda w: w["enabled"])["rect"])
     d.xdotool("key", "--clearmodifiers", "ctrl+a")
