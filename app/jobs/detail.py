@@ -34,7 +34,7 @@ from rigpilot.app.jobs.handle import JobHandle
 from rigpilot.app.jobs.log_view import LogView
 from rigpilot.app.jobs.model import duration, eta_of, gpus_text, progress_of
 from rigpilot.app.jobs.outcome import model_of
-from rigpilot.app.jobs.prediction import PredictionTable
+from rigpilot.app.jobs.prediction import PredictionTable, measured_beside_plan
 from rigpilot.app.jobs.restarts import RestartTimeline
 from rigpilot.app.jobs.results_view import ResultsView
 from rigpilot.app.jobs.scaling_view import ScalingPanel
@@ -338,7 +338,7 @@ class JobDetail(QWidget):
         self.energy_line.setText(live_line(job))
         self.energy_line.setVisible(bool(self.energy_line.text()))
         predicted = job.get("predicted")
-        self.prediction.show_values(predicted, h.series.measured(), simulated=bool(job.get("simulated")))
+        self.prediction.show_values(predicted, measured_beside_plan(job, h.series), simulated=bool(job.get("simulated")))
         # `predicted` may carry only the engine's notes on a job submitted without a plan.
         planned = isinstance(predicted, dict) and any(
             predicted.get(k) is not None for k in ("peak_memory_bytes", "tokens_per_s", "step_time_s")

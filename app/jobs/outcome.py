@@ -127,8 +127,9 @@ def summary_rows(job: dict[str, Any], series: Any) -> list[tuple[str, str]]:
     wall, run = job.get("wall_s"), job.get("run") or 1  # the engine's figure: every run added up
     if isinstance(wall, int | float):
         rows.append(("Wall time", duration(wall) + (f" in {run} runs" if run > 1 else "")))
-    if isinstance(progress.get("tokens_per_s"), int | float):
-        rows.append(("Speed", si(progress["tokens_per_s"], "tokens/s")))
+    speed = steady_speed(progress)
+    if speed is not None:
+        rows.append(("Speed", si(speed, "tokens/s")))
     folder = output_of(job).get("folder")
     if folder and output_of(job).get("model"):
         rows.append(("Saved to", folder))
@@ -229,3 +230,13 @@ def settings_diff(jobs: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
     """(label, value per job) for each compared setting whose values are not all the same."""
     values = [[_value(settings_of(j), path) for j in jobs] for _, path in COMPARED]
     return [(label, row) for (label, _), row in zip(COMPARED, values, strict=True) if len(set(row)) > 1]
+
+
+def steady_speed(progress: dict[str, Any]) -> float | None:
+    """The job's tokens/s as the engine measures it beside the plan (the median of its latest steps); an older
+    engine's latest rate where it sends no steady figure."""
+    for key in ("steady_tokens_per_s", "tokens_per_s"):
+        v = progress.get(key)
+        if isinstance(v, int | float) and not isinstance(v, bool):
+            return float(v)
+    return None

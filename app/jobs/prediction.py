@@ -28,6 +28,19 @@ SIMULATED_NOTE = (
 )
 
 
+def measured_beside_plan(job: dict[str, Any], series: Any) -> dict[str, float | None]:
+    """The measured column: the engine's steady speed and step time (the same figures the Summary and
+    `rigpilot metrics` show), the peak memory from the job's own records; the series' where an older engine
+    sends no steady figures."""
+    measured = dict(series.measured())
+    progress = job.get("progress") or job.get("measured") or {}
+    for key, steady in (("tokens_per_s", "steady_tokens_per_s"), ("step_time_s", "steady_step_time_s")):
+        v = progress.get(steady)
+        if isinstance(v, int | float) and not isinstance(v, bool):
+            measured[key] = float(v)
+    return measured
+
+
 def _format(key: str, value: float | None) -> str:
     if value is None:
         return NA

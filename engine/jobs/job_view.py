@@ -44,8 +44,8 @@ def compare(predicted: dict[str, Any] | None, progress: dict[str, Any] | None) -
     peaks = (progress.get("peak_memory_by_rank") or {}).values()
     measured = {
         "peak_memory_bytes": max(peaks) if peaks else None,
-        "tokens_per_s": progress.get("tokens_per_s"),
-        "step_time_s": 1 / progress["steps_per_s"] if progress.get("steps_per_s") else None,
+        "tokens_per_s": progress.get("steady_tokens_per_s"),
+        "step_time_s": progress.get("steady_step_time_s"),
     }
     return {k: {"predicted": predicted.get(k), "measured": v} for k, v in measured.items()}
 

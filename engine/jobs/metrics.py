@@ -18,13 +18,18 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections import deque
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 _RANK_FILE = re.compile(r"^rank(\d+)\.jsonl$")
 # Names a peak-memory figure (bytes) may go by in a record. engine.workers reports "peak_memory" with
 # every step (the allocator's peak on a GPU, the process's peak RSS on a CPU) and "max_allocated" in
 # its out-of-memory error record; scripts may use the longer names.
+# The steady speed is the median of the latest this many steps: one step jitters, the first ones compile and
+# warm the allocator, and a long job's speed drifts (thermal limits, other work), so its latest steps say most.
+STEADY_STEPS = 10
 PEAK_MEMORY_KEYS = ("peak_memory", "peak_memory_bytes", "max_memory_allocated", "max_allocated")
 Cursor = dict[str, int]
 
@@ -139,6 +144,10 @@ class MetricsSummary:
         self._rate_start: tuple[float, int] | None = None  # (time, step) of the first step record
         self._rate_end: tuple[float, int] | None = None
         self._tokens_by_rank: dict[int, float] = {}  # each rank's latest tokens/s (per rank)
+        # The steady speed every view shows beside the plan: each rank's last STEADY_STEPS rates, and the step
+        # times (a step's is its slowest rank's) of the last STEADY_STEPS steps.
+        self._recent_tps: dict[int, deque[float]] = {}
+        self._recent_step_s: dict[tuple[int, int], float] = {}  # (run, step) -> slowest rank's step time
         # Tokens processed, every run's steps included (a resumed run's repeats cost energy too): the sum over
         # step records of tokens/s × step_time, the per-rank figures adding up to the job's (engine.report).
         self.tokens = 0.0
@@ -196,9 +205,15 @@ class MetricsSummary:
             # Per rank, by convention (engine.report): the job's rate is the sum of each rank's latest.
             self._tokens_by_rank[rank] = float(tps)
             self.tokens_per_s = sum(self._tokens_by_rank.values())
+            self._recent_tps.setdefault(rank, deque(maxlen=STEADY_STEPS)).append(float(tps))
             dt = rec.get("step_time")
             if isinstance(dt, int | float) and not isinstance(dt, bool) and dt > 0 and math.isfinite(tps * dt):
                 self.tokens += tps * dt
+                if isinstance(step, int) and not isinstance(step, bool):
+                    at = (_run_of(rec), step)
+                    self._recent_step_s[at] = max(self._recent_step_s.get(at, 0.0), float(dt))
+                    while len(self._recent_step_s) > STEADY_STEPS:
+                        del self._recent_step_s[min(self._recent_step_s)]
 
     def to_dict(self, now: float | None = None) -> dict[str, Any]:
         fraction = eta = rate = None
@@ -219,6 +234,8 @@ class MetricsSummary:
             "steps_per_s": rate,
             "loss": self.loss,
             "tokens_per_s": self.tokens_per_s,
+            "steady_tokens_per_s": sum(median(d) for d in self._recent_tps.values()) if self._recent_tps else None,
+            "steady_step_time_s": median(self._recent_step_s.values()) if self._recent_step_s else None,
             "tokens": (self.tokens + sum(self._generated.values())) or None,
             "phase": self.phase,
             "eval": self.eval,

@@ -17,7 +17,7 @@ from rigpilot.app.jobs.series import JobSeries, ema, final_timeline
 from rigpilot.engine.api.client import EngineError
 
 from support.gui_fakes import FakeLink, focusable_widgets, tab_through
-from support.gui_jobs import GIB, T0, FakeJobs, a_job, open_job, open_page, step_record
+from support.gui_jobs import GIB, T0, FakeJobs, a_job, a_training_job, open_job, open_page, step_record
 
 
 def loss_steps(page: JobsPage) -> list[int]:
@@ -311,6 +311,24 @@ def test_predictions_sit_beside_the_measured_memory_and_speed(qtbot):
     assert charts.memory_per_rank.prediction.isVisible() and charts.memory_per_rank.prediction.value() == 10.0
     assert charts.speed.prediction.value() == 2000.0  # the plan's job rate, per GPU (two ranks)
     assert charts.speed.prediction.isVisible() and not charts.speed.off_scale
+
+
+def test_the_summary_and_plan_vs_measured_show_one_speed_the_engines_steady_one(qtbot):
+    from rigpilot.app.jobs.detail import SUMMARY_TAB
+
+    link = FakeLink()
+    job = a_training_job("t")
+    job["predicted"] = {"tokens_per_s": 4000.0, "step_time_s": 0.25}
+    job["progress"].update(tokens_per_s=2222.0, steady_tokens_per_s=2031.0, steady_step_time_s=0.5)
+    engine = FakeJobs(link, [job])
+    engine.records["t"] = [step_record(s, rank) for s in range(1, 21) for rank in (0, 1)]
+    page = open_page(qtbot, link)
+    open_job(qtbot, page, "t")
+    page.detail.tabs.setCurrentIndex(SUMMARY_TAB)
+    qtbot.waitUntil(lambda: "Speed" in page.detail.summary_panel.rows())
+    assert page.detail.summary_panel.rows()["Speed"] == "2.03k tokens/s"
+    assert page.detail.prediction.text("tokens_per_s", 1) == "2,031"  # the same figure, not the latest rate
+    assert page.detail.prediction.text("step_time_s", 1) == "500 ms"
 
 
 def test_a_plan_far_off_the_measured_scale_is_named_not_drawn(qtbot):
