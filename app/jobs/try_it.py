@@ -53,8 +53,7 @@ class TryIt(QWidget):
         self.output = QPlainTextEdit()
         self.output.setObjectName("tryOutput")
         self.output.setAccessibleName("Completion")
-        self.output.setReadOnly(True)
-        self.output.setMaximumHeight(90)
+        self.output.setReadOnly(True)  # a tab of its own (the job page's "Try it"): the completion takes its height
         self.output.hide()
         row = QHBoxLayout()
         row.addWidget(label)
@@ -63,7 +62,8 @@ class TryIt(QWidget):
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addLayout(row)
         layout.addWidget(self.status)
-        layout.addWidget(self.output)
+        layout.addWidget(self.output, 1)
+        layout.addStretch(0)  # with no completion yet, the prompt and the status stay at the top
 
     def set_model(self, link: Any, model: str | None, job: dict[str, Any]) -> None:
         if link is not self.link:
