@@ -334,6 +334,8 @@ class Studies:
                     self._save(study)  # after each job, so a failure half-way leaves a study that names its jobs
                 study.pop("phase", None)
                 self._save(study)
+                # Planned, under the same lock as the submissions: a cancel from now on finds the jobs to cancel.
+                self._planning.pop(sid, None)
         except UserError as e:
             self._fail(study, {"code": e.reason, "message": str(e), **e.fields})
         except Exception:  # a bug must not leave the study planning for ever: it fails, the log says why
