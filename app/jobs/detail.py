@@ -104,7 +104,6 @@ class JobDetail(QWidget):
         self.use_button = QToolButton()
         self.use_button.setObjectName("useModel")
         self.use_button.setText("&Use this model")
-        set_icon(self.use_button, "model")
         self.use_button.setMenu(self.use_menu)
         self.use_button.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)
         self.rename_button = QPushButton("Re&name…")

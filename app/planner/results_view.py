@@ -294,10 +294,10 @@ class PlanResults(QWidget):
                 item.setToolTip(value)
                 if c == RUNS_HERE_COLUMN and not runs:
                     # The reason in full: beside the Launch button when the plan is shown, and here on hover.
-                    item.setForeground(BAD)
+                    item.setForeground(status_text(BAD, self.palette()))
                     item.setToolTip(f"The engine does not run this plan: {row.runs_here}")
                 if c == FULLEST_COLUMN and not row.fits:
-                    item.setForeground(BAD)
+                    item.setForeground(status_text(BAD, self.palette()))
                     item.setToolTip(f"Does not fit: the fullest GPU would need {value}")
                 self.table.setItem(r, c, item)
         # Without a token budget no plan has a time to finish: its column would only take the layout's room.

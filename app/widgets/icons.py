@@ -9,7 +9,9 @@ change without any widget setting its icons again.
 Names mean an action or a place ("launch", "jobs"), not a picture: which picture
 stands for which meaning is decided once, in ICONS, so one action looks the same on
 every page. tests/gui/test_look.py checks that every name used in app/ is here and
-that every file is shipped.
+that every file is shipped. To add one: copy its SVG from the lucide-static npm package's icons/ folder (the
+version in the SVG's first line) into resources/ui-icons, and name it here; one Lucide took from Feather (its
+LICENSE lists them) is listed in the .deb's copyright file by itself (packaging/debcopyright.py).
 """
 
 from __future__ import annotations
@@ -40,7 +42,6 @@ ICONS: dict[str, str] = {
     "run": "play",
     "pause": "pause",
     "delete": "trash-2",
-    "try-it": "message-square",
     "open-folder": "folder-open",
     "copy": "copy",
     "clone": "copy-plus",
@@ -60,7 +61,6 @@ ICONS: dict[str, str] = {
     "dismiss": "x",
     "back": "arrow-left",
     "log": "file-text",
-    "model": "box",
 }
 
 _svgs: dict[str, bytes] = {}

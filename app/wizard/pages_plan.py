@@ -38,7 +38,7 @@ from rigpilot.app.planner.model import (
 )
 from rigpilot.app.widgets.form_row import form_row
 from rigpilot.app.widgets.icons import set_icon
-from rigpilot.app.widgets.palette import BAD
+from rigpilot.app.widgets.palette import BAD, status_text
 from rigpilot.app.widgets.style import set_status
 from rigpilot.app.wizard.data_check import CHAT, INSTRUCTION
 from rigpilot.app.wizard.host import HYPER, REVIEW, WizardHost
@@ -346,7 +346,7 @@ class PlanPage(StepPage):
             text = f"{label}: {plan['parallelism']['family']} — {speed}\n{summary_lines(plan)[0]}"
             item = QListWidgetItem(text if runs else f"{text}\nDoes not run here: {why}")
             if not runs:
-                item.setForeground(BAD)
+                item.setForeground(status_text(BAD, self.palette()))
                 item.setToolTip(f"The engine does not run this plan: {why}")
             item.setData(Qt.ItemDataRole.UserRole, plan)
             self.alternatives.addItem(item)
