@@ -35,6 +35,7 @@ from rigpilot.app.engine_link import CONNECTED
 from rigpilot.app.settings.model import read_refresh_hz
 from rigpilot.app.widgets.engine_messages import machine_from_message
 from rigpilot.app.widgets.icons import set_icon
+from rigpilot.app.widgets.style import heading
 from rigpilot.app.widgets.time_chart import TimeChart
 from rigpilot.engine.hardware.machine import Gpu
 
@@ -190,7 +191,7 @@ class DashboardPage(QWidget):
         proc_box = QWidget()
         proc_layout = QVBoxLayout(proc_box)
         proc_head = QHBoxLayout()
-        proc_head.addWidget(QLabel("<b>Processes</b>"))
+        proc_head.addWidget(heading("Processes"))
         proc_head.addWidget(self.process_filter)
         proc_head.addStretch(1)
         proc_layout.addLayout(proc_head)

@@ -16,7 +16,7 @@ from typing import Literal
 
 from PySide6.QtCore import QEvent, QObject
 from PySide6.QtGui import QColor, QPalette
-from PySide6.QtWidgets import QApplication, QWidget
+from PySide6.QtWidgets import QApplication, QLabel, QWidget
 
 from rigpilot.app.widgets.palette import ACCENT, BAD, GOOD, WARN, blend, status_text, tint
 
@@ -190,3 +190,10 @@ def mark_primary(button: QWidget) -> None:
     """Style `button` as the main action of its page."""
     button.setProperty("primary", True)
     _repolish(button)
+
+
+def heading(text: str, role: Role = "section") -> QLabel:
+    """A label that heads a part of a page (a section, or the page's title)."""
+    label = QLabel(text)
+    set_role(label, role)
+    return label

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 from PySide6.QtCore import QSize
-from PySide6.QtGui import QColor, QIcon, QPalette
+from PySide6.QtGui import QColor, QFont, QIcon, QPalette
 from PySide6.QtWidgets import (
     QApplication,
     QGroupBox,
@@ -124,9 +124,8 @@ def _sample_page() -> QWidget:
     nav = QListWidget()
     nav.setObjectName("navigation")
     nav.addItem("Dashboard")
-    title, section = QLabel("Title"), QLabel("Section")
+    title, section = QLabel("Title"), style.heading("Section")
     style.set_role(title, "title")
-    style.set_role(section, "section")
     statuses = []
     for status in ("good", "warn", "bad", "info"):
         label = QLabel(status)
@@ -159,6 +158,10 @@ def test_the_stylesheet_parses_and_colours_statuses_from_the_palette(qtbot, qapp
     assert not [m for m in messages.messages if "parse" in m.lower() or "stylesheet" in m.lower()], messages.messages
     # The sheet was rebuilt for this palette (install once; a palette change restyles).
     assert QColor(theme["Text"]).name() in qapp.styleSheet()
+    title, section = page.findChildren(QLabel)[:2]
+    for heading in (title, section):  # headings are larger and heavier than body text
+        assert heading.font().pointSizeF() > qapp.font().pointSizeF() and heading.font().weight() >= QFont.Weight.DemiBold
+    assert title.font().pointSizeF() > section.font().pointSizeF()
     bad = page.findChildren(QLabel)[2 + 2]
     assert bad.text() == "bad"
     assert bad.palette().color(QPalette.ColorRole.WindowText).name() == status_text(BAD, qapp.palette()).name()
