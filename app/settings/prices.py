@@ -97,7 +97,8 @@ class PricesBox(QGroupBox):
         self.table.setMaximumHeight(160)
         self.table.setTabKeyNavigation(False)  # Tab leaves the table, as on the rest of the page
         add, remove = QPushButton("Add machine"), QPushButton("Remove machine")
-        set_icon(add, "add"), set_icon(remove, "remove")
+        set_icon(add, "add")
+        set_icon(remove, "remove")
         add.clicked.connect(lambda: self.add_row({}))
         remove.clicked.connect(self._remove_selected)
         self.rented_error = _error()

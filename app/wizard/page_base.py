@@ -17,7 +17,7 @@ from PySide6.QtWidgets import QLabel, QPushButton, QVBoxLayout, QWizardPage
 
 from rigpilot.app.planner.model import error_text
 from rigpilot.app.tasks import run_in_background
-from rigpilot.app.widgets.style import set_status
+from rigpilot.app.widgets.style import Status, set_status
 from rigpilot.app.wizard.host import DATA, GPUS, HYPER, LAUNCH, MODEL, PLAN, REVIEW, TASK, WizardHost
 
 if TYPE_CHECKING:
@@ -79,7 +79,8 @@ class StepPage(QWizardPage):
         self.problem = problem
         text = problem or note
         if text:
-            set_status(self.message, "bad" if problem else {"ok": "good", "warn": "warn"}.get(tone))
+            tones: dict[str, Status] = {"ok": "good", "warn": "warn"}
+            set_status(self.message, "bad" if problem else tones.get(tone))
             self.message.setText(text)
         self.message.setVisible(bool(text))
         self.completeChanged.emit()
