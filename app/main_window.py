@@ -116,12 +116,15 @@ class Pages(Mapping[str, QWidget]):
         return len(_KEYS)
 
 
-def _banner(name: str) -> QLabel:
-    """A hidden full-width line of bold text across the top of the window (simulated machine, engine gone),
-    coloured by its name in the app's stylesheet (app/widgets/style.py)."""
+def _banner(name: str, status: style.Status) -> QLabel:
+    """A hidden full-width line of bold text across the top of the window (simulated machine, engine gone)."""
     label = QLabel()
     label.setObjectName(name)
     label.setWordWrap(True)
+    font = label.font()
+    font.setBold(True)
+    label.setFont(font)
+    style.set_banner(label, status)
     label.hide()
     return label
 
@@ -129,7 +132,7 @@ def _banner(name: str) -> QLabel:
 class MainWindow(QMainWindow):
     def __init__(self, link: EngineLink | None = None):
         super().__init__()
-        # Here rather than in main(): every way of opening the window (the app, screenshots, tests) is styled.
+        # Here rather than in main(): every way of opening the window (the app, screenshots, tests) follows a theme.
         app = QApplication.instance()
         if isinstance(app, QApplication):
             style.install(app)
@@ -142,9 +145,9 @@ class MainWindow(QMainWindow):
         self._exit_after_first_paint = os.environ.get(EXIT_AFTER_FIRST_PAINT) == "1"
         self._painted = False
 
-        self.banner = _banner("simulatedBanner")
+        self.banner = _banner("simulatedBanner", "warn")
         # Rigpilot uninstalled under the open window (EngineLink's GONE): one line, and no more reconnecting.
-        self.gone_bar = _banner("engineGoneBanner")
+        self.gone_bar = _banner("engineGoneBanner", "bad")
         # What the engine did by itself (a job list rebuilt from the job folders): told once, so it stays
         # on screen until the user has read it and dismisses it.
         self.notice_text = QLabel()
@@ -156,6 +159,7 @@ class MainWindow(QMainWindow):
         dismiss.setObjectName("dismissNotice")
         self.notice_bar = QFrame()
         self.notice_bar.setObjectName("noticeBar")
+        style.set_banner(self.notice_bar, "info")
         notice_row = QHBoxLayout(self.notice_bar)
         notice_row.setContentsMargins(10, 4, 10, 4)
         notice_row.addWidget(self.notice_text, 1)
@@ -167,6 +171,7 @@ class MainWindow(QMainWindow):
         self.nav.setObjectName("navigation")
         self.nav.setMinimumWidth(110)
         self.nav.setIconSize(QSize(18, 18))
+        style.style_navigation(self.nav)
         self.stack = QStackedWidget()
         # Only the page on screen is built before the first frame; the others after it (one per turn of the
         # event loop, see _build_next_page), or at once when the user asks for one first.
@@ -182,7 +187,7 @@ class MainWindow(QMainWindow):
 
         rail = QWidget()
         rail.setObjectName("navigationRail")
-        rail.setAttribute(Qt.WidgetAttribute.WA_StyledBackground)  # its background is the stylesheet's
+        style.set_surface(rail, "rail")
         rail_layout = QVBoxLayout(rail)
         rail_layout.setContentsMargins(6, 6, 6, 6)
         rail_layout.setSpacing(6)

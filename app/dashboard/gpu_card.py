@@ -12,7 +12,7 @@ from PySide6.QtWidgets import QFrame, QGridLayout, QHBoxLayout, QLabel, QSizePol
 from rigpilot.app.widgets.meter import Meter
 from rigpilot.app.widgets.palette import series_color
 from rigpilot.app.widgets.sparkline import Sparkline
-from rigpilot.app.widgets.style import set_status
+from rigpilot.app.widgets.style import set_status, set_surface
 from rigpilot.app.widgets.units import NA, celsius, gib, mhz, percent, watts
 from rigpilot.app.widgets.value_label import ValueLabel
 from rigpilot.engine.hardware.machine import Gpu, short_gpu_name
@@ -91,6 +91,7 @@ class GpuCard(QFrame):
         self.index = gpu.index
         self.gpu = gpu
         self.setObjectName(f"gpuCard{gpu.index}")
+        set_surface(self, "card")
         self.setFrameShape(QFrame.Shape.StyledPanel)
         self.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Maximum)
         self._shown: tuple[Any, ...] | None = None

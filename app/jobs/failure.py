@@ -16,6 +16,7 @@ from PySide6.QtGui import QFontDatabase
 from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QVBoxLayout, QWidget
 
 from rigpilot.app.widgets.icons import set_icon
+from rigpilot.app.widgets.style import set_banner
 from rigpilot.app.widgets.units import gib
 from rigpilot.engine.diskspace import human_size
 from rigpilot.engine.jobs.store import FAILED, INTERRUPTED
@@ -71,6 +72,7 @@ class FailurePanel(QFrame):
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
         self.setObjectName("failurePanel")
+        set_banner(self, "bad")
         self.setFrameShape(QFrame.Shape.StyledPanel)
         self.title = QLabel()
         self.title.setObjectName("failureTitle")

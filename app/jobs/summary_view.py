@@ -26,6 +26,7 @@ from rigpilot.app.jobs.energy_view import EnergySection
 from rigpilot.app.jobs.outcome import eval_trend, load_snippets, model_of, output_of, settings_diff, summary_rows
 from rigpilot.app.widgets.form_row import form_texts
 from rigpilot.app.widgets.icons import set_icon
+from rigpilot.app.widgets.style import set_banner
 
 
 class SummaryPanel(QWidget):
@@ -36,6 +37,7 @@ class SummaryPanel(QWidget):
         self.heading.setWordWrap(True)
         self.warning = QLabel()
         self.warning.setObjectName("evalWarning")
+        set_banner(self.warning, "warn")
         self.warning.setWordWrap(True)
         self.warning.hide()
         self.form = QFormLayout()

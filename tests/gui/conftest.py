@@ -34,12 +34,3 @@ def _gui_test_isolation(request):
 def settings(tmp_path) -> QSettings:
     """The wizard's own settings file, private to the test."""
     return QSettings(str(tmp_path / "wizard.ini"), QSettings.Format.IniFormat)
-
-
-@pytest.fixture(autouse=True, scope="session")
-def _app_style(qapp):
-    """Every GUI test sees the widgets as users do, with the app's stylesheet (app/widgets/style.py) from the first
-    test on, not only after some test has built a main window (which installs it): sizes do not depend on order."""
-    from rigpilot.app.widgets.style import install
-
-    install(qapp)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PySide6.QtCore import QSettings
 from PySide6.QtGui import QColor, QImage, QPalette
-from PySide6.QtWidgets import QApplication, QLabel
+from PySide6.QtWidgets import QLabel
 
 from rigpilot.app.dashboard.model import HISTORY_ROWS, METRICS, DashboardModel
 from rigpilot.app.dashboard.page import DashboardPage
@@ -299,12 +299,8 @@ def test_plot_background_follows_the_palette(qtbot):
     dark.setColor(QPalette.ColorRole.Window, QColor("#202124"))
     dark.setColor(QPalette.ColorRole.Base, QColor("#17181a"))
     dark.setColor(QPalette.ColorRole.Text, QColor("#e8eaed"))
-    before = QPalette(QApplication.palette())
-    QApplication.setPalette(dark)  # a theme is the app's palette: with the app's stylesheet, widgets inherit no other
-    try:
-        assert page.chart.plot.backgroundBrush().color() == QColor("#17181a")
-    finally:
-        QApplication.setPalette(before)
+    page.setPalette(dark)
+    assert page.chart.plot.backgroundBrush().color() == QColor("#17181a")
 
 
 def test_tab_reaches_every_control(qtbot):

@@ -11,19 +11,16 @@ from PySide6.QtCore import QSize
 from PySide6.QtGui import QColor, QFont, QIcon, QPalette
 from PySide6.QtWidgets import (
     QApplication,
-    QGroupBox,
     QLabel,
     QListWidget,
     QPushButton,
-    QTableWidget,
-    QTabWidget,
     QVBoxLayout,
     QWidget,
 )
 
 from rigpilot.app.main_window import PAGES, MainWindow
 from rigpilot.app.widgets import icons, style
-from rigpilot.app.widgets.palette import BAD, status_text
+from rigpilot.app.widgets.palette import ACCENT, BAD, GOOD, WARN, status_text, tint
 from rigpilot.resources import path as resource_path
 
 from support.gui_fakes import FakeLink, QtMessages
@@ -118,12 +115,10 @@ def test_an_icon_follows_a_palette_change_without_being_set_again(qapp):
 
 
 def _sample_page() -> QWidget:
-    """One of each widget the sheet styles, with each role, status and the primary mark."""
+    """One of each look the style module gives: a title, a heading, each status, a primary button, a banner, a card
+    and the navigation list."""
     page = QWidget()
     layout = QVBoxLayout(page)
-    nav = QListWidget()
-    nav.setObjectName("navigation")
-    nav.addItem("Dashboard")
     title, section = QLabel("Title"), style.heading("Section")
     style.set_role(title, "title")
     statuses = []
@@ -133,18 +128,19 @@ def _sample_page() -> QWidget:
         statuses.append(label)
     primary = QPushButton("Plan")
     style.mark_primary(primary)
-    box = QGroupBox("Workload")
-    QVBoxLayout(box).addWidget(QPushButton("Search hub"))
-    tabs = QTabWidget()
-    tabs.addTab(QTableWidget(2, 2), "Table")
     banner = QLabel("Simulated machine")
-    banner.setObjectName("simulatedBanner")
-    for w in (nav, title, section, *statuses, primary, box, tabs, banner):
+    style.set_banner(banner, "warn")
+    card = QWidget()
+    style.set_surface(card, "card")
+    nav = QListWidget()
+    nav.addItem("Dashboard")
+    style.style_navigation(nav)
+    for w in (title, section, *statuses, primary, banner, card, nav):
         layout.addWidget(w)
     return page
 
 
-def test_the_stylesheet_parses_and_colours_statuses_from_the_palette(qtbot, qapp, theme):
+def test_every_look_takes_its_colours_from_the_palette_and_the_navigation_sheet_parses(qtbot, qapp, theme):
     messages = QtMessages()
     messages.install()
     try:
@@ -156,17 +152,48 @@ def test_the_stylesheet_parses_and_colours_statuses_from_the_palette(qtbot, qapp
     finally:
         messages.uninstall()
     assert not [m for m in messages.messages if "parse" in m.lower() or "stylesheet" in m.lower()], messages.messages
-    # The sheet was rebuilt for this palette (install once; a palette change restyles).
-    assert QColor(theme["Text"]).name() in qapp.styleSheet()
-    title, section = page.findChildren(QLabel)[:2]
+    labels = page.findChildren(QLabel)
+    title, section, good, warn, bad, info, banner = labels[:7]
+    assert good.palette().color(QPalette.ColorRole.WindowText) == status_text(GOOD, qapp.palette())
+    assert info.palette().color(QPalette.ColorRole.WindowText) == status_text(ACCENT, qapp.palette())
     for heading in (title, section):  # headings are larger and heavier than body text
         assert heading.font().pointSizeF() > qapp.font().pointSizeF() and heading.font().weight() >= QFont.Weight.DemiBold
     assert title.font().pointSizeF() > section.font().pointSizeF()
-    bad = page.findChildren(QLabel)[2 + 2]
-    assert bad.text() == "bad"
-    assert bad.palette().color(QPalette.ColorRole.WindowText).name() == status_text(BAD, qapp.palette()).name()
+    palette = qapp.palette()
+    assert bad.palette().color(QPalette.ColorRole.WindowText) == status_text(BAD, palette) and bad.font().bold()
+    assert warn.palette().color(QPalette.ColorRole.WindowText) == status_text(WARN, palette)
+    assert banner.palette().color(QPalette.ColorRole.Window) == tint(WARN, palette, style.BANNER_TINT)
+    assert banner.palette().color(QPalette.ColorRole.WindowText) == QColor(theme["WindowText"])  # read in the ink
+    primary = page.findChild(QPushButton)
+    assert primary.palette().color(QPalette.ColorRole.Button) == tint(ACCENT, palette, style.PRIMARY_TINT)
+    assert primary.palette().color(QPalette.ColorRole.ButtonText) == QColor(theme["ButtonText"])
+    nav = page.findChild(QListWidget)
+    assert QColor(theme["Highlight"]).name() in nav.styleSheet()
     style.set_status(bad, None)  # back to plain text
-    assert bad.palette().color(QPalette.ColorRole.WindowText).name() == QColor(theme["WindowText"]).name()
+    assert bad.palette().color(QPalette.ColorRole.WindowText) == QColor(theme["WindowText"]) and not bad.font().bold()
+
+
+def test_a_theme_switch_recolours_what_was_styled_before_it(qtbot, qapp):
+    before = QPalette(qapp.palette())
+    style.install(qapp)
+    try:
+        qapp.setPalette(_palette(LIGHT))
+        page = _sample_page()
+        qtbot.addWidget(page)
+        page.show()
+        qapp.setPalette(_palette(DARK))
+        qapp.processEvents()
+        dark = qapp.palette()
+        bad = page.findChildren(QLabel)[4]
+        assert bad.palette().color(QPalette.ColorRole.WindowText) == status_text(BAD, dark)
+        assert page.findChildren(QLabel)[6].palette().color(QPalette.ColorRole.Window) == tint(
+            WARN, dark, style.BANNER_TINT
+        )
+        # A role the style does not set follows the new theme.
+        assert bad.palette().color(QPalette.ColorRole.Window) == QColor(DARK["Window"])
+        assert DARK["Highlight"] in page.findChild(QListWidget).styleSheet()
+    finally:
+        qapp.setPalette(before)
 
 
 def test_a_status_reads_on_both_themes():
@@ -185,5 +212,6 @@ def test_the_navigation_rows_and_the_new_job_button_have_icons(qtbot):
         assert not window.nav.item(row).icon().isNull(), window.nav.item(row).text()
     assert not window.new_job_action.icon().isNull()
     assert window.new_job_button.property("primary") is True
-    assert QApplication.instance().styleSheet()  # the window styles the app, however it was opened
+    # No application-wide stylesheet: it would route every widget through Qt's slow stylesheet style.
+    assert QApplication.instance().styleSheet() == ""
     window.close()

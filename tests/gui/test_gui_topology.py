@@ -6,7 +6,6 @@ import pytest
 from PySide6.QtCore import QPoint, QSettings, Qt
 from PySide6.QtGui import QColor, QPalette
 from PySide6.QtTest import QTest
-from PySide6.QtWidgets import QApplication
 
 from rigpilot.app.topology.imported import ImportedMachines
 from rigpilot.app.topology.model import build_graph, measured_bandwidth, nvlink_link_gbs, topo_matrix
@@ -235,13 +234,9 @@ def test_drawing_follows_a_dark_palette(qtbot):
     dark = QPalette(page.palette())
     dark.setColor(QPalette.ColorRole.Base, QColor("#17181a"))
     dark.setColor(QPalette.ColorRole.Text, QColor("#e8eaed"))
-    before = QPalette(QApplication.palette())
-    QApplication.setPalette(dark)  # a theme is the app's palette: with the app's stylesheet, widgets inherit no other
-    try:
-        assert page.graph_view.scene().backgroundBrush().color() == QColor("#17181a")
-        assert page.graph_view.gpu_items[0].text.brush().color() == QColor("#e8eaed")
-    finally:
-        QApplication.setPalette(before)
+    page.setPalette(dark)
+    assert page.graph_view.scene().backgroundBrush().color() == QColor("#17181a")
+    assert page.graph_view.gpu_items[0].text.brush().color() == QColor("#e8eaed")
 
 
 TOPO_ONLY = "case08_4xRTX6000Ada_dual_socket_genoa_4nics.txt"
