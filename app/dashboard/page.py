@@ -431,6 +431,8 @@ class DashboardPage(QWidget):
         self._apply_refresh_rate()  # the Settings page may have changed it while we were hidden
         self.timer.start()
         self.refresh(force=True)
+        # Cards made while hidden (a machine switched from Settings) were laid out with no size to fit to.
+        QTimer.singleShot(0, self, self.fit_cards_pane)
 
     def hideEvent(self, event: QHideEvent) -> None:
         super().hideEvent(event)

@@ -16,9 +16,10 @@ from typing import Any
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QEvent, Qt, QTimer
-from PySide6.QtGui import QResizeEvent
-from PySide6.QtWidgets import QGridLayout, QWidget
+from PySide6.QtGui import QPalette, QResizeEvent
+from PySide6.QtWidgets import QGridLayout, QLabel, QWidget
 
+from rigpilot.app.jobs.gaps import break_gaps
 from rigpilot.app.jobs.series import GIB, GpuUsage, JobSeries
 from rigpilot.app.widgets.chart_view import ZOOM_HINT, ChartView
 from rigpilot.app.widgets.decimate import minmax_bins
@@ -26,6 +27,7 @@ from rigpilot.app.widgets.palette import BAD, apply_plot_theme, series_color
 from rigpilot.app.widgets.time_chart import TimeChart
 
 TELEMETRY_WINDOW_S = 600.0
+JOB_END = "job end"  # the newest point of a finished job's GPU charts
 EMPTY = np.empty(0)
 OFF_SCALE = 10.0  # a plan figure this many times above or below what was measured is not drawn
 # Two rows of four charts fit the job page of a 1280x800 window; below this height a row scrolls.
@@ -34,6 +36,11 @@ COLUMNS = 4
 NARROW_PX, WIDE_PX = 980, 1030  # below the first, two columns; from the second, four again
 THIN_POINTS = 1000  # series shorter than twice this are drawn point for point
 STAGGER_MS = 25  # between drawing one chart and the next: eight charts in 200 ms, well inside a refresh
+# The workers divide by the device's peak FLOP/s (engine/workers/metrics.py), which a CPU rank has not.
+NO_MFU_ON_CPU = (
+    "No MFU on CPU ranks: it is the share of a GPU's peak arithmetic a step uses, and this job runs on the "
+    "CPU of a simulated machine, where there is no peak to measure against."
+)
 SIMULATED_PLAN = "the plan is for the machine's real GPUs; this run is on CPU ranks of a simulated machine"
 
 
@@ -92,6 +99,8 @@ class StepPlot(ChartView):
         self.off_scale = False  # the plan's figure is too far from the measured one to draw on this scale
         self.plan_note = ""  # what the tooltip says about the plan's figure
         self.missing = False  # the job reports steps but not this figure
+        self.why = ""  # why it does not, where that is known: shown in the chart's place
+        self.reason: QLabel | None = None
         item.addItem(self.prediction, ignoreBounds=False)
         apply_plot_theme(self, self.palette())
 
@@ -174,12 +183,39 @@ class StepPlot(ChartView):
             self.prediction.setVisible(visible)
             self.getPlotItem().getViewBox().updateAutoRange()  # a hidden line no longer counts
 
-    def show_missing(self, missing: bool) -> None:
-        """Say so in the title when the job's steps come without this figure (an empty chart says nothing)."""
-        if missing != self.missing:
-            self.missing = missing
-            self._set_title(self.title)
-            self.setToolTip(f"{self.about}\n" + ("This job's ranks do not report it.\n" if missing else "") + ZOOM_HINT)
+    def show_missing(self, missing: bool, why: str = "") -> None:
+        """Say so in the title when the job's steps come without this figure (an empty chart says nothing),
+        and `why`, where it is known, in the chart's place."""
+        why = why if missing else ""
+        if missing == self.missing and why == self.why:
+            return
+        self.missing, self.why = missing, why
+        self._set_title(self.title)
+        said = ("This job's ranks do not report it." + (f" {why}" if why else "") + "\n") if missing else ""
+        self.setToolTip(f"{self.about}\n{said}{ZOOM_HINT}")
+        if why and self.reason is None:
+            self.reason = QLabel(self.viewport())
+            self.reason.setObjectName("chartReason")
+            self.reason.setWordWrap(True)
+            self.reason.setAlignment(Qt.AlignmentFlag.AlignCenter)
+            self.reason.setForegroundRole(QPalette.ColorRole.PlaceholderText)
+            self.reason.setAttribute(Qt.WidgetAttribute.WA_TransparentForMouseEvents)
+            # Opaque, over the empty axes: an axis with nothing on it reads as a broken chart.
+            self.reason.setAutoFillBackground(True)
+            self.reason.setBackgroundRole(QPalette.ColorRole.Base)
+        if self.reason is not None:
+            self.reason.setText(why)
+            self.reason.setVisible(bool(why))
+            self._place_reason()
+
+    def _place_reason(self) -> None:
+        reason = getattr(self, "reason", None)  # GraphicsView resizes itself before __init__ gets this far
+        if reason is not None:
+            reason.setGeometry(self.viewport().rect().adjusted(0, 22, 0, 0))  # the title stays in view
+
+    def resizeEvent(self, event: QResizeEvent) -> None:
+        super().resizeEvent(event)
+        self._place_reason()
 
     def _set_title(self, title: str) -> None:
         self.set_title(f"{self.title} · not reported" if self.missing else title, self.title)
@@ -316,6 +352,11 @@ class JobCharts(QWidget):
         self._stagger = QTimer(self)
         self._stagger.setInterval(STAGGER_MS)
         self._stagger.timeout.connect(self._draw_next)
+        # Charts whose first paint waits for its own event-loop turn (hold_first_paint).
+        self._held: list[QWidget] = []
+        self._reveal = QTimer(self)
+        self._reveal.setInterval(STAGGER_MS)
+        self._reveal.timeout.connect(self._reveal_next)
 
     def _lay_out(self, columns: int) -> None:
         if columns == self.columns:
@@ -353,13 +394,17 @@ class JobCharts(QWidget):
         ranks: int,
         predicted: dict[str, Any] | None,
         simulated: bool = False,
+        ended: bool = False,
     ) -> None:
         """Show another job (or the same one with a new record): its series, GPUs and the plan's figures.
 
         `simulated`: the job runs as CPU ranks standing in for a simulated machine's GPUs, so the
         plan's figures (for those GPUs) are labelled as GPU predictions rather than compared.
+        `ended`: the GPU charts show the job's own last minutes, whose newest point is its end, not now.
         """
         self.simulated = simulated
+        for chart in (self.gpu_memory, self.gpu_util):
+            chart.set_latest_name(JOB_END if ended else "now")
         if series is not self.series:
             self.series = series
             self.usage = GpuUsage()
@@ -421,11 +466,34 @@ class JobCharts(QWidget):
         self._pending = [part for part in self._parts if part is not self._draw_loss]
         self._draw_loss()
         if force:
+            self._reveal_all()
             while self._pending:
                 self._pending.pop(0)()
         elif not self._stagger.isActive():
             self._stagger.start()
         return True
+
+    def hold_first_paint(self) -> None:
+        """Paint the charts one per STAGGER_MS when they are next shown, not all eight in one frame.
+
+        A chart's first paint lays out and draws its axes and title (a few milliseconds, ten times that
+        on a busy machine); all eight in the frame that first shows the job page held the window for
+        up to a second (benchmarks/gui_job_open.py).
+        """
+        self._held = [c for c in self.charts() if c.updatesEnabled()]
+        for chart in self._held:
+            chart.setUpdatesEnabled(False)
+        self._reveal.start()
+
+    def _reveal_next(self) -> None:
+        if self._held:
+            self._held.pop(0).setUpdatesEnabled(True)
+        if not self._held:
+            self._reveal.stop()
+
+    def _reveal_all(self) -> None:
+        while self._held:
+            self._reveal_next()
 
     def _draw_next(self) -> None:
         if self._pending:
@@ -449,18 +517,18 @@ class JobCharts(QWidget):
         self._draw_compare()
 
     def _thin(self, plot: StepPlot, steps: np.ndarray, *rows: np.ndarray) -> tuple[np.ndarray, ...]:
-        """At most two points (the lowest and the highest) per pixel column of `plot`.
+        """At most two points (the lowest and the highest) per pixel column of `plot`, broken at gaps.
 
         A long job has tens of thousands of steps; handing them all to pyqtgraph makes every frame
         bin them again and search them for the y range. Bins are a power of two steps wide, so
         they stay put as the job goes on and the curve does not shimmer.
         """
         if len(steps) < 2 * THIN_POINTS:
-            return (steps, *rows)
+            return break_gaps(steps, *rows)
         pixels = max(plot.getPlotItem().getViewBox().width(), 100.0)
         width = 2.0 ** math.ceil(math.log2(max((steps[-1] - steps[0]) / pixels, 1.0)))
         thinned_steps, thinned = minmax_bins(steps, np.vstack(rows), width)
-        return (thinned_steps, *thinned)
+        return break_gaps(thinned_steps, *thinned)
 
     def _fit(self, plot: StepPlot, steps: np.ndarray) -> None:
         if len(steps):
@@ -475,7 +543,8 @@ class JobCharts(QWidget):
         steps, values = s.series(name)
         curve.setData(*self._thin(plot, steps, values * scale if scale != 1.0 else values))
         self._fit(plot, steps)
-        plot.show_missing(bool(len(steps)) and not np.isfinite(values).any())
+        missing = bool(len(steps)) and not np.isfinite(values).any()
+        plot.show_missing(missing, NO_MFU_ON_CPU if plot is self.mfu and self.simulated else "")
         p = self.predicted or {}
         if plot is self.speed:
             total = p.get("tokens_per_s")
@@ -504,8 +573,14 @@ class JobCharts(QWidget):
 
     def _draw_gpu_memory(self) -> None:
         since = (self.usage.last_time or 0.0) - TELEMETRY_WINDOW_S
-        self.gpu_memory.set_data(*self.usage.memory(since))
+        self.gpu_memory.set_data(*_two(break_gaps(*self.usage.memory(since))))
 
     def _draw_gpu_util(self) -> None:
         since = (self.usage.last_time or 0.0) - TELEMETRY_WINDOW_S
-        self.gpu_util.set_data(*self.usage.utilization(since))
+        self.gpu_util.set_data(*_two(break_gaps(*self.usage.utilization(since))))
+
+
+def _two(arrays: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Times and values, as TimeChart.set_data takes them (break_gaps returns as many arrays as it was given)."""
+    t, values = arrays
+    return t, values

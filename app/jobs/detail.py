@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from PySide6.QtCore import Qt
+from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import QAction, QPalette
 from PySide6.QtWidgets import (
     QDoubleSpinBox,
@@ -231,13 +231,26 @@ class JobDetail(QWidget):
     def show_handle(self, handle: JobHandle | None, *, local_folder: bool = True) -> None:
         self.handle = handle
         self._local_folder = local_folder
-        self.stack.setCurrentIndex(0 if handle is None else 1)
         self.log.set_handle(handle)
         if handle is None:
+            self.stack.setCurrentIndex(0)
             self.charts.set_job(None, [], 1, None)
             self.try_it.set_model(self.link, None, {})
             return
+        # Filled in while still hidden: on a shown page some setters repaint at once (QProgressBar's
+        # setValue does), and the first of them painted the whole page, its eight charts included,
+        # inside the click (benchmarks/gui_job_open.py). Shown afterwards, it paints in the next turn.
+        first = self.stack.currentIndex() != 1
+        if first:
+            self.charts.hold_first_paint()
         self.update_record()
+        if first:
+            # Showing lays out and polishes every widget of the pane for the first time: a turn of its own.
+            QTimer.singleShot(0, self, lambda: self._show_body(handle))
+
+    def _show_body(self, handle: JobHandle) -> None:
+        if self.handle is handle:
+            self.stack.setCurrentIndex(1)
 
     def update_record(self) -> None:
         """The record changed: header, buttons, failure cause, plan figures."""
@@ -275,7 +288,7 @@ class JobDetail(QWidget):
         else:
             self.charts.set_job(
                 h.series, list(job.get("gpus") or []), int(job.get("ranks") or 1), job.get("predicted"),
-                simulated=bool(job.get("simulated")),
+                simulated=bool(job.get("simulated")), ended=job.get("state") in FINISHED,
             )  # fmt: skip
         self._show_tabs(inference, job.get("state") in FINISHED and job.get("kind") == "train")
         self.show_diff()

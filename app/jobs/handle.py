@@ -18,17 +18,20 @@ the wait happens off the GUI thread.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
-from rigpilot.app.jobs.series import JobSeries
+from rigpilot.app.jobs.series import Folded, JobSeries, fold
+from rigpilot.app.tasks import run_in_background
 from rigpilot.engine.api.protocol import NOT_FOUND
 from rigpilot.engine.jobs.store import ACTIVE_STATES, QUEUED, RESUMABLE_STATES, TERMINAL_STATES
 
 CONNECTED = "connected"  # EngineLink's state name
-# A page is decoded and folded in while the GUI thread waits (the decoding holds the GIL): pages of
-# 128 KiB keep each wait short when a long job's history is paged in (benchmarks/gui_charts.py).
+# A page is decoded and folded on worker threads, but the JSON decoder holds the GIL while it runs:
+# pages of 128 KiB keep each hold short when a long job's history is paged in (benchmarks/gui_charts.py,
+# benchmarks/gui_job_open.py).
 METRICS_PAGE_BYTES = 128 * 1024
 # While records stream in, the cursor catches up this often, so a reconnect re-reads little.
 CATCH_UP_MS = 30_000
@@ -49,21 +52,25 @@ class RecordDeduper:
 
     def __init__(self) -> None:
         self._seen: set[int] = set()
+        # History pages are sifted on a worker thread while the stream's records are on the GUI thread.
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._seen)
 
     def fresh(self, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out = []
-        for rec in records:
-            key = (rec.get("rank"), rec.get("kind"), rec.get("step"), rec.get("time"))
-            try:
-                digest = hash(key)
-            except TypeError:  # a script reported an odd step (report() checks values, not the step)
-                digest = hash(repr(key))
-            if digest not in self._seen:
-                self._seen.add(digest)
-                out.append(rec)
+        with self._lock:
+            seen = self._seen
+            for rec in records:
+                key = (rec.get("rank"), rec.get("kind"), rec.get("step"), rec.get("time"))
+                try:
+                    digest = hash(key)
+                except TypeError:  # a script reported an odd step (report() checks values, not the step)
+                    digest = hash(repr(key))
+                if digest not in seen:
+                    seen.add(digest)
+                    out.append(rec)
         return out
 
 
@@ -208,8 +215,23 @@ class JobHandle(QObject):
             self.metrics_cursor = dict(cursor)
         self.pages += 1
         self._history_received += len(records)
-        self._take(records)
-        if reply.get("more") and (records or moved):
+        more = bool(reply.get("more") and (records or moved))
+        # Sifting and folding a page of thousands of records takes the GUI thread tens of milliseconds
+        # on a busy machine: a worker does it, and the GUI thread merges the arrays it makes.
+        run_in_background(
+            lambda: fold(self._dedupe.fresh(records)),
+            lambda folded: self._on_page_folded(folded, more),
+            self._on_page_error,
+        )
+
+    def _on_page_folded(self, folded: Folded, more: bool) -> None:
+        if not self._open:
+            self._metrics_busy = False
+            return
+        if folded.records:
+            self.series.apply(folded)
+            self.sig_metrics.emit(folded.records)
+        if more:
             self._request_page()
             return
         self._metrics_busy = False

@@ -9,11 +9,19 @@ only while the page is visible and only when something new arrived.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from PySide6.QtCore import QByteArray, QModelIndex, QPersistentModelIndex, QRect, QSettings, Qt, QTimer, QUrl, Signal
-from PySide6.QtGui import QDesktopServices, QHideEvent, QKeySequence, QPainter, QPalette, QShortcut, QShowEvent
+from PySide6.QtGui import (
+    QDesktopServices,
+    QHideEvent,
+    QKeySequence,
+    QPainter,
+    QPalette,
+    QResizeEvent,
+    QShortcut,
+    QShowEvent,
+)
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QApplication,
@@ -49,11 +57,18 @@ from rigpilot.app.jobs.model import (
     JobListModel,
 )
 from rigpilot.app.jobs.outcome import model_of, settings_of
+from rigpilot.app.jobs.telemetry_window import job_window
 from rigpilot.app.widgets.style import heading
 from rigpilot.engine.schema import FINE_TUNE_METHODS
 
 CONNECTED = "connected"  # EngineLink's state name
 REFRESH_MS = 500
+# The job list's height until the user drags the splitter: enough rows to pick from, while the eight
+# charts below still fit a 1280x800 screen.
+LIST_ROWS = 5
+LIST_SHARE = 0.4
+# "splitter" held the old two-row default whether or not the user chose it; only a dragged one is kept now.
+LIST_SPLITTER_KEY = "list_splitter"
 FILTERS: list[tuple[str, frozenset[str] | None]] = [
     ("All states", None),
     ("Active (queued, starting, running)", frozenset(ACTIVE)),
@@ -172,6 +187,7 @@ class JobsPage(QWidget):
         list_head.addStretch(1)
         list_head.addWidget(self.count_label)
         list_box = QWidget()
+        self._list_head = list_head
         list_layout = QVBoxLayout(list_box)
         list_layout.addLayout(list_head)
         list_layout.addWidget(self.table)
@@ -204,7 +220,11 @@ class JobsPage(QWidget):
         self.splitter.addWidget(list_box)
         self.splitter.addWidget(self.detail)
         self.splitter.setStretchFactor(1, 1)
-        self.splitter.setSizes([130, 770])  # the job list shows a few rows; the charts get the height
+        self.splitter.setCollapsible(0, False)  # a list dragged out of sight is a list the user cannot find
+        self.splitter.setSizes([130, 770])  # until fit_list knows the fonts and the height
+        # Until the user drags the splitter, the list is LIST_ROWS rows tall; once they do, theirs is kept.
+        self._list_sized_by_user = False
+        self.splitter.splitterMoved.connect(self._on_splitter_moved)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(self.splitter, 1)
@@ -509,22 +529,39 @@ class JobsPage(QWidget):
             self._select_row(self._current)
 
     def _on_telemetry(self, sample: dict[str, Any]) -> None:
-        if self._current is not None:
-            self.detail.charts.add_telemetry([sample])
+        handle = self.current_handle
+        if handle is None:
+            return
+        _, until = job_window(handle.record, TELEMETRY_WINDOW_S)
+        when = sample.get("time")
+        if until is not None and (not isinstance(when, int | float) or when > until):
+            return  # the job has ended: its charts keep its own window, not what the GPUs do now
+        self.detail.charts.add_telemetry([sample])
 
     def _load_telemetry(self, handle: JobHandle) -> None:
-        """The job's GPUs over the last minutes, so the usage charts do not start empty.
+        """The job's GPUs over the last minutes (or, once it ended, its last minutes), so the usage charts
+        do not start empty.
 
         Asked once the record says which GPUs the job has: samples of unknown GPUs have nowhere to go.
         """
         if self._telemetry_for == handle.id or not handle.record.get("gpus"):
             return
         self._telemetry_for = job_id = handle.id
-        since = time.time() - TELEMETRY_WINDOW_S
+        since, until = job_window(handle.record, TELEMETRY_WINDOW_S)
+        self._ask_telemetry(job_id, since, until)
 
+    def _ask_telemetry(self, job_id: str, since: float, until: float | None) -> None:
         def done(reply: dict[str, Any]) -> None:
-            if self._current == job_id:
-                self.detail.charts.add_telemetry(reply.get("samples") or [])
+            if self._current != job_id or self._telemetry_for != job_id:
+                return
+            samples = reply.get("samples") or []
+            if until is not None:
+                samples = [s for s in samples if isinstance(s.get("time"), int | float) and s["time"] <= until]
+            self.detail.charts.add_telemetry(samples)
+            after = reply.get("next_since")
+            # An ended job's window may be more than one reply; a live job's fills from the stream.
+            if until is not None and reply.get("more") and isinstance(after, int | float) and since < after < until:
+                self._ask_telemetry(job_id, after, until)
 
         # Without the history the charts fill from live samples: nothing to tell the user.
         self.link.call(
@@ -621,8 +658,36 @@ class JobsPage(QWidget):
             self.detail.update_live()
         self.detail.charts.refresh(force)
 
+    def _on_splitter_moved(self, *_: object) -> None:
+        self._list_sized_by_user = True
+
+    def fit_list(self) -> None:
+        """Give the job list LIST_ROWS rows (at most LIST_SHARE of the page), the charts the rest."""
+        total = sum(self.splitter.sizes())
+        if self._list_sized_by_user or total <= 0:
+            return
+        box = self.table.parentWidget()
+        layout = box.layout() if box is not None else None
+        if layout is None:
+            return
+        margins = layout.contentsMargins()
+        header = self.table.horizontalHeader()
+        want = (
+            margins.top() + margins.bottom() + layout.spacing() + self._list_head.sizeHint().height()
+            + max(header.height(), header.sizeHint().height()) + 2 * self.table.frameWidth()
+            + LIST_ROWS * self.table.verticalHeader().defaultSectionSize()
+        )  # fmt: skip
+        want = min(want, int(total * LIST_SHARE))
+        if self.splitter.sizes()[0] != want:
+            self.splitter.setSizes([want, total - want])
+
+    def resizeEvent(self, event: QResizeEvent) -> None:
+        super().resizeEvent(event)
+        self.fit_list()
+
     def showEvent(self, event: QShowEvent) -> None:
         super().showEvent(event)
+        self.fit_list()
         self.timer.start()
         self.refresh(force=True)
 
@@ -649,17 +714,20 @@ class JobsPage(QWidget):
 
     # -- persistence ----------------------------------------------------------------------------------
     def save_state(self, settings: QSettings, prefix: str) -> None:
-        settings.setValue(f"{prefix}/splitter", self.splitter.saveState())
+        if self._list_sized_by_user:  # otherwise the list's height follows the fonts and the window
+            settings.setValue(f"{prefix}/{LIST_SPLITTER_KEY}", self.splitter.saveState())
         settings.setValue(f"{prefix}/filter", self.state_filter.currentIndex())
         settings.setValue(f"{prefix}/header", self.table.horizontalHeader().saveState())
         settings.setValue(f"{prefix}/tab", self.detail.tabs.currentIndex())
         settings.setValue(f"{prefix}/smoothing", self.detail.smoothing.value())
 
     def restore_state(self, settings: QSettings, prefix: str) -> None:
-        for key, target in (("splitter", self.splitter), ("header", self.table.horizontalHeader())):
-            state = settings.value(f"{prefix}/{key}")
-            if isinstance(state, QByteArray):
-                target.restoreState(state)
+        state = settings.value(f"{prefix}/{LIST_SPLITTER_KEY}")
+        if isinstance(state, QByteArray) and self.splitter.restoreState(state):
+            self._list_sized_by_user = True
+        state = settings.value(f"{prefix}/header")
+        if isinstance(state, QByteArray):
+            self.table.horizontalHeader().restoreState(state)
         for key, setter, count in (
             ("filter", self.state_filter.setCurrentIndex, len(FILTERS)),
             ("tab", self.detail.tabs.setCurrentIndex, self.detail.tabs.count()),

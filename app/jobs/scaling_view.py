@@ -13,6 +13,7 @@ from typing import Any
 import pyqtgraph as pg
 import pyqtgraph.exporters
 from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtGui import QWheelEvent
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QFileDialog,
@@ -28,16 +29,33 @@ from PySide6.QtWidgets import (
 )
 
 from rigpilot.app.widgets.icons import set_icon
-from rigpilot.app.widgets.palette import apply_plot_theme, series_color
+from rigpilot.app.widgets.palette import WARN, apply_plot_theme, series_color, tint
 from rigpilot.app.widgets.style import mark_primary
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.jobs import scaling_table
 
 POLL_MS = 1000
+ACTIVE = ("planning", "running")  # engine.jobs.scaling.ACTIVE: a study's states before it ends
+START_TIP = ("Run this job's training again for a few steps on each GPU count, one after another, "
+             "and compare the measured speed-up with linear and with the planner's prediction")  # fmt: skip
 
 
 def default_counts(gpus: int) -> list[int]:
     return [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= max(gpus, 1)]
+
+
+class StillPlot(pg.PlotWidget):
+    """A chart inside a page that scrolls: the wheel scrolls the page and never zooms the axes (a user scrolling
+    down over the chart once zoomed it out to −6000 … 3800), and dragging does not pan them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setMouseEnabled(x=False, y=False)
+        self.setMenuEnabled(False)
+        self.hideButtons()
+
+    def wheelEvent(self, event: QWheelEvent) -> None:
+        event.ignore()  # to the scroll area around the page
 
 
 class ScalingPanel(QWidget):
@@ -59,10 +77,7 @@ class ScalingPanel(QWidget):
         set_icon(self.start_button, "scale")
         mark_primary(self.start_button)
         self.start_button.setObjectName("scaleButton")
-        self.start_button.setToolTip(
-            "Run this job's training again for a few steps on each GPU count, one after another, "
-            "and compare the measured speed-up with linear and with the planner's prediction"
-        )
+        self.start_button.setToolTip(START_TIP)
         self.start_button.clicked.connect(self.start)
         self.cancel_button = QPushButton("Cancel study")
         set_icon(self.cancel_button, "cancel")
@@ -88,7 +103,7 @@ class ScalingPanel(QWidget):
         self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
         self.table.verticalHeader().hide()
         self.table.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-        self.chart = pg.PlotWidget()
+        self.chart = StillPlot()
         self.chart.setObjectName("scaleChart")
         apply_plot_theme(self.chart, self.palette())
         self.chart.setMinimumHeight(220)
@@ -101,6 +116,9 @@ class ScalingPanel(QWidget):
             "linear": self.chart.plot(name="linear", pen=pg.mkPen(series_color(7), width=1, style=Qt.PenStyle.DashLine)),
             "predicted": self.chart.plot(name="predicted", pen=pg.mkPen(series_color(2), width=2), symbol="t",
                                          symbolBrush=series_color(2)),
+            # Points whose measurement is noise: shown where they fell, hollow and unjoined, not as a result.
+            "noise": self.chart.plot(name="noise (not a result)", pen=None, symbol="o", symbolSize=9,
+                                     symbolPen=pg.mkPen(WARN, width=2), symbolBrush=None),
         }  # fmt: skip
         self.notes = QLabel()
         self.notes.setObjectName("scaleNotes")
@@ -185,8 +203,17 @@ class ScalingPanel(QWidget):
         self.show_study(reply["study"])
 
     def _failed(self, error: BaseException) -> None:
+        fields = getattr(error, "fields", None) or {}
+        if getattr(error, "reason", None) == "study_running" and fields.get("study"):
+            # Started from another window or the terminal: follow that one instead.
+            self.progress.setText(f"Study {fields['study']} of this job is still running; it is shown below.")
+            self.link.call("scaling_study", study=fields["study"], on_done=lambda r: self.show_study(r["study"]),
+                           on_error=lambda e: None)  # fmt: skip
+            return
         self.start_button.setEnabled(True)
         self.progress.setText(f"The study could not start: {error}")
+        # A reply lost on the way (the engine busy, the connection cut) may hide a study that did start.
+        self.link.call("scaling_studies", job=self.job_id, on_done=self._past, on_error=lambda e: None)
 
     def _poll(self) -> None:
         if self.study is not None and self.link is not None:
@@ -195,15 +222,23 @@ class ScalingPanel(QWidget):
 
     def show_study(self, study: dict[str, Any]) -> None:
         self.study = study
-        running = study.get("state") == "running"
-        self.start_button.setEnabled(not running)
-        self.cancel_button.setVisible(running)
-        self.cancel_button.setEnabled(running)
-        if running:
+        active = study.get("state") in ACTIVE
+        self.start_button.setEnabled(not active)
+        self.start_button.setToolTip(
+            f"Study {study.get('id')} of this job is still {study.get('state')}: wait for it, or cancel it to start "
+            "another" if active else START_TIP
+        )
+        self.cancel_button.setVisible(active)
+        self.cancel_button.setEnabled(active)
+        if active:
             self._timer.start()
         else:
             self._timer.stop()
         self.progress.setText(progress_text(study))
+        if not study.get("points"):  # planning, or refused before any job: nothing to tabulate yet
+            self.results.hide()
+            self.sig_study.emit(study)
+            return
         self._fill_table(study)
         self._draw(study)
         self.notes.setText("\n".join(f"• {n}" for n in study.get("notes") or []))
@@ -217,11 +252,16 @@ class ScalingPanel(QWidget):
         self.table.setColumnCount(len(heads))
         self.table.setRowCount(len(rows))
         self.table.setHorizontalHeaderLabels(heads)
+        table = study.get("table") or []
         for r, values in enumerate(rows):
+            noise = table[r].get("noise")
             for c, value in enumerate(values):
                 item = QTableWidgetItem(value)
                 if c >= 4:
                     item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+                if noise:
+                    item.setBackground(tint(WARN, self.palette()))
+                    item.setToolTip(f"Noise, not a result: {noise}")
                 self.table.setItem(r, c, item)
         self.table.resizeRowsToContents()
         # Every row shown, no scroll bar: a study has a handful of points.
@@ -231,8 +271,17 @@ class ScalingPanel(QWidget):
 
     def _draw(self, study: dict[str, Any]) -> None:
         series = chart_series(study)
-        for name, (xs, ys) in series.items():
-            self.curves[name].setData(xs, ys)
+        # Both axes from 0, wide enough for every result: autorange of one or two points drew nonsense. A noise
+        # point far off the scale (18× linear) sits on the top edge rather than squash the results flat.
+        xs = [x for xs_, _ in series.values() for x in xs_] or [1]
+        top = max([y for name, (_, ys) in series.items() if name != "noise" for y in ys] or [1]) * 1.15
+        xs_noise, ys_noise = series["noise"]
+        series["noise"] = (xs_noise, [min(y, top) for y in ys_noise])
+        for name, (x, y) in series.items():
+            self.curves[name].setData(x, y)
+        self.chart.getPlotItem().disableAutoRange()
+        self.chart.setXRange(0, max(xs) * 1.1 + 0.2, padding=0)
+        self.chart.setYRange(0, top, padding=0)
         base = (study.get("points") or [{}])[0].get("gpus", 1)
         title = f"Speed-up against {base} GPU{'s' * (base != 1)}"
         self.chart.setTitle(
@@ -281,29 +330,47 @@ def progress_text(study: dict[str, Any]) -> str:
     points = study.get("points") or []
     done = sum(p.get("state") == "completed" for p in points)
     where = "on CPU ranks (simulated machine)" if study.get("simulated") else ""
-    if study.get("state") == "running":
-        current = next((p for p in points if p.get("state") in ("starting", "running")), None)
-        if current is None:
-            return f"Study {study['id']}: {done} of {len(points)} points done, the next is waiting for its GPUs…"
-        n = current["gpus"]
-        return (f"Study {study['id']}: running the {n}-GPU point (job {current['job']}) {where}, "
-                f"{done} of {len(points)} done…").replace("  ", " ")  # fmt: skip
-    if study.get("state") == "completed":
+    state = study.get("state")
+    if state == "planning":
+        counts = study.get("counts") or []
+        return (f"Study {study['id']}: planning GPU counts {', '.join(map(str, counts))} "
+                f"({study.get('planned') or 0} of {len(counts)} planned)…")  # fmt: skip
+    if state == "running":
+        steps = (study.get("settings") or {}).get("steps")
+        lines = [f"Study {study['id']} {where}: {done} of {len(points)} points done".replace("  ", " ")]
+        lines += [point_progress(p, steps) for p in points]
+        return "\n".join(lines)
+    if state == "completed":
         return f"Study {study['id']}: all {len(points)} points measured {where}".rstrip()
-    if study.get("state") == "cancelled":
+    if state == "cancelled":
         return f"Study {study['id']} was cancelled: {done} of {len(points)} points measured"
+    if study.get("error") and not points:
+        return f"The study could not start: {study['error'].get('message')}"
     failed = [p.get("error") for p in points if p.get("error")]
     return f"Study {study['id']} did not finish: " + ("; ".join(failed) or "a job ended early")
 
 
+def point_progress(point: dict[str, Any], steps: int | None) -> str:
+    """One point's line while its study runs: "2 GPUs (job j2): step 4 of 10"."""
+    n, state = point["gpus"], point.get("state") or "queued"
+    what = state
+    if state == "running" and point.get("step") is not None:
+        what = f"step {point['step']} of {steps}" if steps else f"step {point['step']}"
+    elif state == "queued":
+        what = "waiting for its GPUs"
+    return f"• {n} GPU{'s' * (n != 1)} (job {point.get('job')}): {what}"
+
+
 def chart_series(study: dict[str, Any]) -> dict[str, tuple[list[float], list[float]]]:
-    """Speed-up against GPUs: measured, linear from the first point, and the plan's prediction."""
+    """Speed-up against GPUs: measured, linear from the first point, the plan's prediction, and noise apart."""
     rows = study.get("table") or []
     base = rows[0]["gpus"] if rows else 1
-    measured = [(r["gpus"], r["speedup"]) for r in rows if r["speedup"] is not None]
+    measured = [(r["gpus"], r["speedup"]) for r in rows if r["speedup"] is not None and not r.get("noise")]
+    noise = [(r["gpus"], r["speedup"]) for r in rows if r["speedup"] is not None and r.get("noise")]
     predicted = [(r["gpus"], r["predicted_speedup"]) for r in rows if r["predicted_speedup"] is not None]
     return {
         "measured": ([x for x, _ in measured], [y for _, y in measured]),
         "linear": ([r["gpus"] for r in rows], [r["gpus"] / base for r in rows]),
         "predicted": ([x for x, _ in predicted], [y for _, y in predicted]),
+        "noise": ([x for x, _ in noise], [y for _, y in noise]),
     }

@@ -91,6 +91,103 @@ def ema_from(values: np.ndarray, weight: float, state: EmaState) -> tuple[np.nda
     return out, EmaState(biased, count, last)
 
 
+def _peak_field(rec: dict[str, Any]) -> float | None:
+    for key in PEAK_MEMORY_FIELDS:
+        v = _number(rec.get(key))
+        if v is not None:
+            return v
+    return None  # a gap in the chart: not reported, or not finite (report() sends NaN as null)
+
+
+@dataclasses.dataclass
+class Folded:
+    """Metric records turned into what `JobSeries.apply` merges: arrays and a few small lists.
+
+    Made by `fold`, which touches no shared state, so a page of history is folded on a worker
+    thread and the GUI thread only merges arrays.
+    """
+
+    records: int = 0
+    step_times_of_rows: np.ndarray = dataclasses.field(default_factory=lambda: np.empty(0))
+    step_rows: np.ndarray = dataclasses.field(default_factory=lambda: np.empty((0, 1 + len(STEP_FIELDS))))
+    eval_times: np.ndarray = dataclasses.field(default_factory=lambda: np.empty(0))
+    eval_rows: np.ndarray = dataclasses.field(default_factory=lambda: np.empty((0, 2)))
+    peak_memory: dict[int, float] = dataclasses.field(default_factory=dict)  # rank -> the highest in these records
+    speeds: dict[int, list[float]] = dataclasses.field(default_factory=dict)  # rank -> tokens/s in record order
+    step_times: list[float] = dataclasses.field(default_factory=list)
+    errors: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
+    phase: str | None = None
+
+
+def fold(records: list[dict[str, Any]]) -> Folded:
+    """What `records` add to a job's charts, computed without touching a `JobSeries`."""
+    out = Folded(records=len(records))
+    # The common record (a rank's step) takes one pass with local names, no per-field function calls.
+    step_t: list[float] = []
+    step_rows: list[list[float]] = []
+    eval_t: list[float] = []
+    eval_rows: list[tuple[float, float]] = []
+    peak, speeds_by_rank, step_times = out.peak_memory, out.speeds, out.step_times
+    number = _number
+    for rec in records:
+        rank = rec.get("rank")
+        if type(rank) is not int:
+            rank = 0
+        kind = rec.get("kind")
+        for key in PEAK_MEMORY_FIELDS:
+            if key in rec:
+                v = number(rec[key])
+                if v is not None:
+                    peak[rank] = max(peak.get(rank, 0.0), v)
+        if kind is not None:
+            _fold_other(out, rec, kind, rank, eval_t, eval_rows)
+            continue
+        t = number(rec.get("time"))
+        step = number(rec.get("step"))
+        if t is None or step is None:
+            continue
+        tps = number(rec.get("tokens_per_s"))
+        if tps is not None:
+            speeds = speeds_by_rank.get(rank)
+            if speeds is None:
+                speeds = speeds_by_rank[rank] = []
+            speeds.append(tps)
+        if rank != CHART_RANK:
+            continue
+        row = [step]
+        for name in STEP_FIELDS:
+            v = number(rec.get(name)) if name != "peak_memory" else _peak_field(rec)
+            row.append(math.nan if v is None else v)
+        step_t.append(t)
+        step_rows.append(row)
+        if not math.isnan(row[_STEP_TIME_COLUMN]):
+            step_times.append(row[_STEP_TIME_COLUMN])
+    if step_t:
+        out.step_times_of_rows, out.step_rows = np.array(step_t), np.array(step_rows, dtype=np.float64)
+    if eval_t:
+        out.eval_times, out.eval_rows = np.array(eval_t), np.array(eval_rows, dtype=np.float64)
+    return out
+
+
+def _fold_other(out: Folded, rec: dict[str, Any], kind: Any, rank: int, eval_t: list, eval_rows: list) -> None:
+    """Records other than steps: errors, notes, status, eval losses (the rest is not charted here)."""
+    if kind == "error":
+        out.errors = [*out.errors[-(KEPT_ERRORS - 1) :], rec]
+    elif kind == "note":
+        note = rec.get("message")
+        if isinstance(note, str) and note not in out.notes and len(out.notes) < KEPT_NOTES:
+            out.notes.append(note)
+    elif kind == "status":
+        if rank == CHART_RANK and isinstance(rec.get("phase"), str):
+            out.phase = rec["phase"]
+    elif kind == "eval" and rank == CHART_RANK:
+        t, step, loss = _number(rec.get("time")), _number(rec.get("step")), _number(rec.get("eval_loss"))
+        if t is not None and step is not None and loss is not None:
+            eval_t.append(t)
+            eval_rows.append((step, loss))
+
+
 class JobSeries:
     """Everything charted about one job, fed record by record (deduplicated by the caller)."""
 
@@ -112,80 +209,34 @@ class JobSeries:
 
     # -- input ----------------------------------------------------------------------------
     def add(self, records: list[dict[str, Any]]) -> None:
-        # A long job's history comes in pages of thousands of records on the GUI thread: the common
-        # record (a rank's step) takes one pass with local names, no per-field function calls.
-        step_t: list[float] = []
-        step_rows: list[list[float]] = []
-        eval_t: list[float] = []
-        eval_rows: list[tuple[float, float]] = []
+        """Fold `records` in here and now (the live stream's few records a tick)."""
+        self.apply(fold(records))
+
+    def apply(self, folded: Folded) -> None:
+        """Take records `fold` prepared (off the GUI thread, for a page of history): a merge of arrays."""
         peak = self.peak_memory
-        number, field = _number, self._field
-        for rec in records:
-            self.records += 1
-            rank = rec.get("rank")
-            if type(rank) is not int:
-                rank = 0
-            kind = rec.get("kind")
-            for key in PEAK_MEMORY_FIELDS:
-                if key in rec:
-                    v = number(rec[key])
-                    if v is not None:
-                        peak[rank] = max(peak.get(rank, 0.0), v)
-            if kind is not None:
-                self._add_other(rec, kind, rank, eval_t, eval_rows)
-                continue
-            t = number(rec.get("time"))
-            step = number(rec.get("step"))
-            if t is None or step is None:
-                continue
-            tps = number(rec.get("tokens_per_s"))
-            if tps is not None:
-                speeds = self._speed.get(rank)
-                if speeds is None:
-                    speeds = self._speed[rank] = deque(maxlen=RECENT)
-                speeds.append(tps)
-            if rank != CHART_RANK:
-                continue
-            row = [step]
-            for name in STEP_FIELDS:
-                v = number(rec.get(name)) if name != "peak_memory" else field(rec, name)
-                row.append(math.nan if v is None else v)
-            step_t.append(t)
-            step_rows.append(row)
-            if not math.isnan(row[_STEP_TIME_COLUMN]):
-                self._step_times.append(row[_STEP_TIME_COLUMN])
-        if step_t:
-            self._steps.merge(np.array(step_t), np.array(step_rows, dtype=np.float64))
-        if eval_t:
-            self._evals.merge(np.array(eval_t), np.array(eval_rows, dtype=np.float64))
-        if records:
-            self.revision += 1
-
-    def _add_other(self, rec: dict[str, Any], kind: Any, rank: int, eval_t: list, eval_rows: list) -> None:
-        """Records other than steps: errors, notes, status, eval losses (the rest is not charted here)."""
-        if kind == "error":
-            self.errors = [*self.errors[-(KEPT_ERRORS - 1) :], rec]
-        elif kind == "note":
-            note = rec.get("message")
-            if isinstance(note, str) and note not in self.notes and len(self.notes) < KEPT_NOTES:
+        for rank, v in folded.peak_memory.items():
+            peak[rank] = max(peak.get(rank, 0.0), v)
+        for rank, speeds in folded.speeds.items():
+            kept = self._speed.get(rank)
+            if kept is None:
+                kept = self._speed[rank] = deque(maxlen=RECENT)
+            kept.extend(speeds)
+        self._step_times.extend(folded.step_times)
+        if folded.errors:
+            self.errors = [*self.errors, *folded.errors][-KEPT_ERRORS:]
+        for note in folded.notes:
+            if note not in self.notes and len(self.notes) < KEPT_NOTES:
                 self.notes.append(note)
-        elif kind == "status":
-            if rank == CHART_RANK and isinstance(rec.get("phase"), str):
-                self.phase = rec["phase"]
-        elif kind == "eval" and rank == CHART_RANK:
-            t, step, loss = _number(rec.get("time")), _number(rec.get("step")), _number(rec.get("eval_loss"))
-            if t is not None and step is not None and loss is not None:
-                eval_t.append(t)
-                eval_rows.append((step, loss))
-
-    @staticmethod
-    def _field(rec: dict[str, Any], name: str) -> float | None:
-        names = PEAK_MEMORY_FIELDS if name == "peak_memory" else (name,)
-        for key in names:
-            v = _number(rec.get(key))
-            if v is not None:
-                return v
-        return None  # a gap in the chart: not reported, or not finite (report() sends NaN as null)
+        if folded.phase is not None:
+            self.phase = folded.phase
+        if len(folded.step_times_of_rows):
+            self._steps.merge(folded.step_times_of_rows, folded.step_rows)
+        if len(folded.eval_times):
+            self._evals.merge(folded.eval_times, folded.eval_rows)
+        self.records += folded.records
+        if folded.records:
+            self.revision += 1
 
     # -- output -----------------------------------------------------------------------------
     def _rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

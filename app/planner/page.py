@@ -51,7 +51,7 @@ from rigpilot.app.planner.model import (
 from rigpilot.app.planner.results_view import TABLE_COLUMNS, PlanResults
 from rigpilot.app.planner.workload_form import WorkloadForm
 from rigpilot.app.topology.imported import HERE, ImportedMachines
-from rigpilot.app.widgets.engine_messages import machine_dict
+from rigpilot.app.widgets.engine_messages import machine_dict, machine_identity
 from rigpilot.app.widgets.icons import set_icon
 from rigpilot.app.widgets.style import mark_primary
 from rigpilot.engine.recipe import RECIPE_SETTINGS
@@ -222,11 +222,11 @@ class PlannerPage(QWidget):
         d = machine_dict(message)
         if not d:
             return
-        before = (self.choice.here or {}).get("label")
+        before = machine_identity(self.choice.here)
         self.choice.set_here(d)
         if not self.choice.is_here():
             return
-        if before is not None and before != d.get("label"):
+        if before is not None and before != machine_identity(d):
             # The engine's machine was switched: a plan for the one before says nothing about this one.
             self._serial += 1
             self._end_check()
@@ -236,6 +236,7 @@ class PlannerPage(QWidget):
             self.results.hide_message()
             self.results.show_result(None)
             self.results.planned_here(True)
+            self.rented.clear()  # its comparison was for the machine before
         self.gpus.set_machine(d)
         if self._default_selection or not self.gpus.selected():
             self._default_selection = True

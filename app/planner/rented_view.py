@@ -145,6 +145,11 @@ class RentedTable(QWidget):
 
         RentedPlans(link, request, (result or {}).get("best"), machine).start(done, failed)
 
+    def clear(self) -> None:
+        """Nothing compared; an answer still on its way for the plan before is dropped."""
+        self._serial += 1
+        self._show(None, NO_BUDGET)
+
     def _show(self, comparison: dict[str, Any] | None, empty: str) -> None:
         self.comparison = comparison
         rows = (comparison or {}).get("rows") or []

@@ -14,6 +14,7 @@ from typing import Any
 from PySide6.QtCore import QSignalBlocker, Qt, Signal
 from PySide6.QtWidgets import (
     QAbstractItemView,
+    QGraphicsOpacityEffect,
     QHBoxLayout,
     QHeaderView,
     QLabel,
@@ -55,6 +56,7 @@ SPEED_COLUMN = TABLE_COLUMNS.index("Tokens/s")
 # Suggestions that change what is asked on this machine can be applied to the form; hardware ones cannot.
 APPLICABLE_SUGGESTIONS = ("method", "quantize", "seq", "batch", "gpus")
 EMPTY = "Choose a model and GPUs, then Plan."
+STALE_OPACITY = 0.45  # a plan for other inputs: still readable, plainly not current
 
 
 def _label(name: str, *, selectable: bool = True) -> QLabel:
@@ -219,8 +221,12 @@ class PlanResults(QWidget):
         """Mark the result shown as planned for other inputs than the form's now (dimmed, with a banner)."""
         stale = stale and self.result is not None
         self.stale.setVisible(stale)
+        # Dimmed, not disabled: the old plan stays readable to compare with, its tabs open and its text scrolls.
         for part in (self.summary, self.results_splitter):
-            part.setEnabled(not stale)
+            if stale and part.graphicsEffect() is None:
+                part.setGraphicsEffect(QGraphicsOpacityEffect(part, opacity=STALE_OPACITY))
+            elif not stale:
+                part.setGraphicsEffect(None)  # type: ignore[arg-type]  # None removes it (Qt's documented use)
 
     def planned_here(self, here: bool) -> None:
         """The engine's verdict on a layout holds on any machine; on another one, "here" would say the wrong thing."""

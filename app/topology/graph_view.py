@@ -372,8 +372,10 @@ class TopologyGraphView(QGraphicsView):
             self.focused_gpu = order[(pos + step) % len(order)]
             self._restyle_gpus()
             self.ensureVisible(self.gpu_items[self.focused_gpu])
-        elif key in (Qt.Key.Key_Space, Qt.Key.Key_Return, Qt.Key.Key_Enter) and self.focused_gpu is not None:
-            self.toggle_gpu(self.focused_gpu)
+        elif key == Qt.Key.Key_Space and self.focused_gpu is not None:
+            self.toggle_gpu(self.focused_gpu)  # as a check box ticks; Return is the dialog's (the wizard's Next)
+        elif key in (Qt.Key.Key_Return, Qt.Key.Key_Enter):
+            event.ignore()
         elif key == Qt.Key.Key_Escape and self.selected:
             self.set_selection([])
         elif key == Qt.Key.Key_A and event.modifiers() & Qt.KeyboardModifier.ControlModifier:

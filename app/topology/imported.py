@@ -30,7 +30,7 @@ def plan_block(d: dict[str, Any]) -> str:
         return ""
     return (
         f"The memory of GPU {', '.join(map(str, unknown))} is unknown (topo -m lists no GPU models): "
-        "import this machine's `nvidia-smi -q` output together with its topo -m to plan for it"
+        "choose its GPU model on the Topology page, or import its `nvidia-smi -q` output together with its topo -m"
     )
 
 

@@ -19,16 +19,9 @@ from rigpilot.app.topology.model import Matrix, code_category
 from rigpilot.app.widgets.palette import ACCENT, BAD, GOOD, WARN, blend, tint
 from rigpilot.engine.hardware.machine import PCIE_LEGEND
 
-CATEGORY_COLOR = {"nvlink": GOOD, "switch": ACCENT, "bridge": WARN, "sys": BAD}
-CATEGORY_OF_LEGEND = {
-    "X": "self",
-    "SYS": "sys",
-    "NODE": "bridge",
-    "PHB": "bridge",
-    "PXB": "switch",
-    "PIX": "switch",
-    "NV#": "nvlink",
-}
+# From the fastest path to the slowest: NVLink, a PCIe switch, one host bridge (PHB), host bridges of one NUMA
+# node (NODE, a step slower than PHB: own colour, between PHB's and SYS's), across CPU sockets (SYS).
+CATEGORY_COLOR = {"nvlink": GOOD, "switch": ACCENT, "bridge": WARN, "node": blend(WARN, BAD, 0.5), "sys": BAD}
 
 
 def _read_only(table: QTableWidget) -> None:
@@ -102,7 +95,7 @@ class TopoLegend(QWidget):
         self._swatches: list[tuple[QLabel, str]] = []
         for row, (code, text) in enumerate(PCIE_LEGEND.items()):
             swatch = QLabel()
-            self._swatches.append((swatch, CATEGORY_OF_LEGEND.get(code, "")))
+            self._swatches.append((swatch, code_category(code)))  # "NV#" reads as NVLink
             self._grid.addWidget(swatch, row, 0)
             self._grid.addWidget(QLabel(f"<b>{code}</b>"), row, 1)
             label = QLabel(text)

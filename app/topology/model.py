@@ -445,11 +445,11 @@ def topo_matrix(machine: Machine) -> Matrix:
 
 
 def code_category(code: str) -> str:
-    """Colour class of a matrix cell: nvlink, switch (PIX/PXB), bridge (PHB/NODE), sys, self or unknown."""
+    """Colour class of a matrix cell: nvlink, switch (PIX/PXB), bridge (PHB), node (NODE), sys, self or unknown."""
     code = code.strip()
     if code.startswith("NV"):
         return "nvlink"
-    return {"PIX": "switch", "PXB": "switch", "PHB": "bridge", "NODE": "bridge", "SYS": "sys", "X": "self"}.get(
+    return {"PIX": "switch", "PXB": "switch", "PHB": "bridge", "NODE": "node", "SYS": "sys", "X": "self"}.get(
         code, "unknown"
     )
 

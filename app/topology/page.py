@@ -30,6 +30,7 @@ from PySide6.QtWidgets import (
 
 from rigpilot.app.engine_link import CONNECTED
 from rigpilot.app.tasks import run_in_background
+from rigpilot.app.topology.gpu_model import GpuModelChoice
 from rigpilot.app.topology.graph_view import TopologyGraphView
 from rigpilot.app.topology.imported import HERE, ImportedMachines, plan_block
 from rigpilot.app.topology.matrix import BandwidthHeatMap, TopoLegend, TopoMatrixTable
@@ -105,6 +106,8 @@ class TopologyPage(QWidget):
         self.error.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         set_status(self.error, "bad")
         self.error.hide()
+        self.gpu_model = GpuModelChoice()
+        self.gpu_model.sig_chosen.connect(self._on_gpu_model)
         self.notes = QLabel()
         self.notes.setObjectName("machineNotes")
         self.notes.setWordWrap(True)
@@ -169,6 +172,7 @@ class TopologyPage(QWidget):
         layout = QVBoxLayout(self)
         layout.addLayout(head)
         layout.addWidget(self.error)
+        layout.addWidget(self.gpu_model)
         layout.addWidget(self.notes)
         layout.addWidget(self.splitter, 1)
         self.set_measured_bandwidth({})
@@ -236,6 +240,7 @@ class TopologyPage(QWidget):
         self.back_button.setVisible(imported)
         self._select_choice(key)
         blocked = plan_block(d)
+        self.gpu_model.show_machine(d if imported else None)
         self.plan_button.setEnabled(not blocked)
         self.plan_button.setToolTip(blocked or "Open the Planner with this machine as the one to plan for")
         notes = list(d.get("notes") or [])
@@ -318,6 +323,10 @@ class TopologyPage(QWidget):
     def _on_imported(self, d: dict[str, Any]) -> None:
         self.import_button.setEnabled(True)
         entry = self.machines.add(d)
+        self._show(d, imported=True, key=entry.key)
+
+    def _on_gpu_model(self, d: dict[str, Any]) -> None:
+        entry = self.machines.add(d)  # the same files: it replaces the entry without a model
         self._show(d, imported=True, key=entry.key)
 
     def _on_import_failed(self, error: BaseException) -> None:

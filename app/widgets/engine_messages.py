@@ -19,3 +19,13 @@ def machine_dict(message: dict[str, Any] | None) -> dict[str, Any] | None:
 def machine_from_message(message: dict[str, Any] | None) -> Machine | None:
     d = machine_dict(message)
     return Machine.from_dict(d) if d else None
+
+
+def machine_identity(d: dict[str, Any] | None) -> tuple[Any, ...] | None:
+    """What makes two machine messages the same machine to plan for: its label, GPUs and how they are wired (not
+    its notes or calibration). Two simulated profiles can share a label and differ in their links."""
+    if not d:
+        return None
+    gpus = tuple((g.get("index"), g.get("name"), g.get("memory_total"), g.get("uuid")) for g in d.get("gpus") or [])
+    pairs = tuple((p.get("a"), p.get("b"), p.get("topo")) for p in d.get("pairs") or [])
+    return (d.get("label"), d.get("profile"), gpus, pairs)

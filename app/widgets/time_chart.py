@@ -48,6 +48,7 @@ class AgoAxis(pg.AxisItem):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._major = 60.0
+        self.latest = "now"  # what the newest point is called ("job end" on a finished job's chart)
 
     def tickSpacing(self, minVal: float, maxVal: float, size: float) -> list[tuple[float, float]]:
         span = max(maxVal - minVal, 1e-9)
@@ -61,7 +62,7 @@ class AgoAxis(pg.AxisItem):
             if spacing < self._major or abs(v / self._major - round(v / self._major)) > 1e-6:
                 out.append("")  # minor ticks carry no label, so labels never mix seconds and minutes
             elif abs(v) < 1e-6:
-                out.append("now")
+                out.append(self.latest)
             elif self._major >= 60:
                 out.append(f"{v / 60:.0f} min")
             else:
@@ -101,7 +102,8 @@ class TimeChart(QWidget):
         # A long read-out or many series must not widen a chart that shares a row with others;
         # what does not fit is in the tooltips.
         self.readout.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
-        self.plot = ChartView(axisItems={"bottom": AgoAxis(orientation="bottom")})
+        self._axis = AgoAxis(orientation="bottom")
+        self.plot = ChartView(axisItems={"bottom": self._axis})
         self.plot.setObjectName("chartPlot")
         self.plot.setAccessibleName("Telemetry chart")
         self.plot.setMinimumHeight(180)
@@ -249,7 +251,7 @@ class TimeChart(QWidget):
             self.hover_at(self._hover_time)  # x is relative to the newest point, which just moved
         elif time.monotonic() - self._readout_written >= READOUT_PERIOD_S:
             self._readout_written = time.monotonic()
-            self._set_readout(self._readout_at(len(t) - 1, "now"))
+            self._set_readout(self._readout_at(len(t) - 1, self.latest_name))
 
     def data(self) -> tuple[np.ndarray, np.ndarray]:
         """What the chart was last given: times and one row per series."""
@@ -312,7 +314,21 @@ class TimeChart(QWidget):
     def leave_hover(self) -> None:
         self._hover_time = None
         self.crosshair.setVisible(False)
-        self._set_readout(self._readout_at(len(self._t) - 1, "now"))
+        self._set_readout(self._readout_at(len(self._t) - 1, self.latest_name))
+
+    @property
+    def latest_name(self) -> str:
+        return self._axis.latest
+
+    def set_latest_name(self, name: str) -> None:
+        """Call the newest point `name` on the axis and in the read-out: "now" while data is live, something
+        else ("job end") where the chart shows a stretch that is over."""
+        if name != self._axis.latest:
+            self._axis.latest = name
+            self._axis.picture = None  # the tick labels are cached in the axis's picture
+            self._axis.update()
+            if self._hover_time is None and len(self._t):
+                self._set_readout(self._readout_at(len(self._t) - 1, name))
 
     def _set_readout(self, text: str) -> None:
         self.readout.setText(text)

@@ -860,8 +860,7 @@ def cmd_scaling(args: argparse.Namespace) -> int:
     if args.csv is not None:  # before the study, not after: a FIFO would block the write forever
         check_given_path(args.csv, "--csv file", missing_ok=True)
         check_given_path(args.csv.expanduser().absolute().parent, "--csv folder", expect=FOLDER)
-    # Planning every point happens inside the start request: give it room beyond one plan's deadline.
-    with EngineClient(timeout=300, on_notice=print_notice) as c:
+    with EngineClient(on_notice=print_notice) as c:
         if args.list:
             studies = c.request("scaling_studies")["studies"]
             if args.json:
@@ -882,10 +881,12 @@ def cmd_scaling(args: argparse.Namespace) -> int:
         else:
             study = c.request("scaling_start", cwd=os.getcwd(), **_scaling_request(args, c))["study"]
             if not args.json:
-                jobs = ", ".join(f"{p['gpus']} GPU{'s' * (p['gpus'] != 1)}: job {p['job']}" for p in study["points"])
-                print(f"scaling study {study['id']} started ({jobs})", flush=True)
+                counts = ", ".join(str(n) for n in study.get("counts") or [])
+                print(f"scaling study {study['id']} started: planning GPU counts {counts}", flush=True)
             if not args.detach:
                 study = _follow_study(c, study, quiet=args.json)
+                if study["state"] == "failed" and study.get("error") and not study["points"]:
+                    raise UserError(study["error"]["message"])  # refused while planned: one line, as before
     if args.csv is not None:
         try:
             args.csv.write_text(scaling_table.to_csv(study))
@@ -931,11 +932,20 @@ def _local(path: str, what: str) -> Path:
     return check_given_path(path, what, expect=EITHER, missing_ok=True)
 
 
+def _planning_line(study: dict[str, Any]) -> str:
+    counts = study.get("counts") or []
+    return f"planning: {study.get('planned') or 0} of {len(counts)} GPU counts planned"
+
+
 def _follow_study(client: Any, study: dict[str, Any], *, quiet: bool) -> dict[str, Any]:
     """Poll the study until every point has ended, one line per change; Ctrl-C stops following, not the study."""
     shown: dict[int, str] = {}
     try:
         while True:
+            if study["state"] == "planning" and shown.get(0) != (line := _planning_line(study)):
+                shown[0] = line
+                if not quiet:
+                    print(line, flush=True)
             for p in study["points"]:
                 m = p.get("measured") or {}
                 line = f"{p['gpus']} GPU{'s' * (p['gpus'] != 1)} (job {p['job']}): {p['state']}"
@@ -945,7 +955,7 @@ def _follow_study(client: Any, study: dict[str, Any], *, quiet: bool) -> dict[st
                     shown[p["gpus"]] = line
                     if not quiet:
                         print(line, flush=True)
-            if study["state"] != "running":
+            if study["state"] not in scaling.ACTIVE:
                 return study
             time.sleep(1.0)
             study = client.request("scaling_study", study=study["id"])["study"]

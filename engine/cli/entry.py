@@ -45,6 +45,11 @@ def _machine_options() -> _Parser:
         help="describe a machine from nvidia-smi output: 'topo -m' text, '-q' text or '-q -x' XML, "
         "'nvlink --status'; repeat to combine files of one machine",
     )
+    g.add_argument(
+        "--gpu-model", metavar="KEY",
+        help="with --import of a 'topo -m' file alone (it names no GPU model): the GPUs' model, a key of the GPU "
+        "spec table (e.g. rtx-4090, a100-sxm4-80gb, h100-sxm5)",
+    )  # fmt: skip
     return p
 
 
@@ -158,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _discover(args: argparse.Namespace):
     from rigpilot.engine.hardware.discovery import open_backend
 
-    return open_backend(simulate=getattr(args, "simulate", None), import_paths=getattr(args, "import_paths", None))
+    return open_backend(simulate=getattr(args, "simulate", None), import_paths=getattr(args, "import_paths", None),
+                        gpu_model=getattr(args, "gpu_model", None))  # fmt: skip
 
 
 def _machine(args: argparse.Namespace):
@@ -170,6 +176,8 @@ def _machine(args: argparse.Namespace):
     """
     from rigpilot.engine.api.client import EngineUnavailable
 
+    if getattr(args, "gpu_model", None) and not getattr(args, "import_paths", None):
+        raise UserError("--gpu-model names the GPUs of an imported topo -m file: add --import FILE")
     client = _running_engine(args)
     if client is not None:
         try:

@@ -32,6 +32,8 @@ from typing import Any
 from rigpilot.engine import schema
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import MISSING, PathRefused, check_given_path, shown
+from rigpilot.engine.hardware.importers import unknown_model_gpus
+from rigpilot.engine.hardware.machine import Source
 from rigpilot.engine.planner import verify
 from rigpilot.engine.planner.amounts import fmt_gib
 from rigpilot.engine.planner.calibration import MachineCalibration, apply_stored
@@ -222,6 +224,14 @@ def run_plan(args: argparse.Namespace) -> int:
     if factory is None:
         raise UserError("no machine to plan for")
     machine = factory()
+    unnamed = unknown_model_gpus(machine) if machine.source is Source.IMPORTED else []
+    if unnamed:
+        raise UserError(
+            f"the model of GPU {', '.join(map(str, unnamed))} is unknown (topo -m names none), so neither is its "
+            "memory: give it with --gpu-model KEY (e.g. rtx-4090, a100-sxm4-80gb, h100-sxm5), or import the "
+            "machine's `nvidia-smi -q` output too",
+            reason="gpu_model_unknown", gpus=unnamed,
+        )  # fmt: skip
     spec = describe_model(args.model)
     workload = workload_from_args(args, spec.max_position_embeddings)
     nodes = parse_nodes(args.nodes)

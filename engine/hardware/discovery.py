@@ -80,6 +80,7 @@ def open_backend(
     simulate: str | None = None,
     import_paths: list[Path] | None = None,
     settings: Settings | None = None,
+    gpu_model: str | None = None,
 ) -> Discovery:
     if simulate and import_paths:
         raise UserError("--simulate and --import cannot be used together")
@@ -89,12 +90,14 @@ def open_backend(
         backend = SimulatedBackend(served_machine(simulate))
         return Discovery(backend, backend.machine())
     if import_paths:
-        from rigpilot.engine.hardware.importers import MachineImportError, import_machine
+        from rigpilot.engine.hardware.importers import MachineImportError, import_machine, with_gpu_model
 
         try:
             machine = import_machine(list(import_paths))
         except MachineImportError as e:
             raise UserError(str(e)) from e
+        if gpu_model:
+            machine = with_gpu_model(machine, gpu_model)
         return Discovery(StaticBackend(machine), machine, list(machine.notes))
 
     from rigpilot.engine.hardware.nvml_backend import NvmlBackend, NvmlFailure, NvmlUnavailable

@@ -314,6 +314,25 @@ def _coverage(spec: GpuSpec, name: str) -> int:
     return longest
 
 
+def driver_name(spec: GpuSpec) -> str:
+    """A name as a driver reports this product ("NVIDIA A100-SXM4-80GB"), one `match_spec` maps back onto this row
+    at its nominal memory: for a GPU known only by the row a user chose (an imported `topo -m` names no model)."""
+    memory = int(spec.memory_gib * 2**30)
+    spelled = []
+    for pattern in spec.match:  # the patterns' own spelling, without the regular-expression syntax
+        text = re.sub(r"\((\w+ ?)\)\?", r"\1", pattern)  # "(NVIDIA )?" → "NVIDIA "
+        text = re.sub(r"\[([^\]])[^\]]*\]", r"\1", text)  # "[- ]" → "-"
+        text = re.sub(r"(\w)\?", r"\1", text)  # "SXM4?" → "SXM4"
+        spelled.append(text.replace("\\b", "").replace("^", "").replace("$", "").replace("\\", ""))
+    candidates = [*spelled, spec.name]
+    candidates = [*(c if c.startswith(spec.vendor) else f"{spec.vendor} {c}" for c in candidates), *candidates]
+    for name in candidates:
+        found = match_spec(name, memory)
+        if found is not None and found.key == spec.key:
+            return name
+    return f"{spec.vendor} {spec.name}"
+
+
 def spec_by_key(key: str) -> GpuSpec:
     """The row with this key; a typo raises KeyError listing the closest keys."""
     specs = load_specs()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import secrets
@@ -31,19 +32,26 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeGuard
 
-from rigpilot.engine.errors import UserError
+from rigpilot.engine.errors import UserError, jsonable
 from rigpilot.engine.given_path import is_given_file
 from rigpilot.engine.jobs.scaling_table import check_counts
 from rigpilot.engine.jobs.submission import default_seq_len
 from rigpilot.engine.jobspec.spec import TRAIN_SETTINGS
 from rigpilot.engine.schema import TERMINAL_STATES, UNSUCCESSFUL_STATES
 
+log = logging.getLogger(__name__)
+
 SCHEMA = "rigpilot.scaling/1"
 DEFAULT_STEPS = 10
 DEFAULT_WARMUP = 2
 DEFAULT_GLOBAL_BATCH = 8
 NOISY = 0.25  # step times spread wider than this (std/mean) make a point's throughput a guess
+MIN_STEPS = 3  # fewer measured steps than this give a spread that means nothing
+# More than this times linear from the smallest point is not scaling: one of the two was measured while
+# something else slowed it (CPU ranks sharing cores, another job), so the ratio is not shown as a result.
+IMPLAUSIBLE = 1.5
 TERMINAL = TERMINAL_STATES
+ACTIVE = ("planning", "running")  # a study's states before it ends
 _TRAIN = TRAIN_SETTINGS  # the study's defaults are a training job's
 # -- input --------------------------------------------------------------------------------------------------
 
@@ -120,11 +128,18 @@ def table(study: dict[str, Any]) -> list[dict[str, Any]]:
     base_n = base.get("gpus") or 1
     base_tps = (base.get("measured") or {}).get("tokens_per_s")
     base_pred = (base.get("predicted") or {}).get("tokens_per_s")
+    base_noise = noise(base.get("measured"))
     rows = []
     for p in points:
         m, pred, n = p.get("measured") or {}, p.get("predicted") or {}, p["gpus"]
         tps, ptps = m.get("tokens_per_s"), pred.get("tokens_per_s")
         speedup = tps / base_tps if tps and base_tps else None
+        why = noise(p.get("measured"))
+        if why is None and speedup is not None and p is not base:
+            if base_noise is not None:
+                why = f"measured against the {base_n}-GPU point, which is noise: {base_noise}"
+            elif speedup / (n / base_n) > IMPLAUSIBLE:
+                why = f"{speedup / (n / base_n):.1f}× linear is not scaling: a point was slowed by something else"
         rows.append({
             "gpus": n, "ranks": p.get("ranks"), "job": p.get("job"), "state": p.get("state"),
             "layout": (p.get("plan") or {}).get("layout"), "micro_batch": (p.get("plan") or {}).get("micro_batch"),
@@ -135,13 +150,28 @@ def table(study: dict[str, Any]) -> list[dict[str, Any]]:
             "predicted_tokens_per_s": ptps,
             "predicted_speedup": ptps / base_pred if ptps and base_pred else None,
             "measured_vs_predicted": tps / ptps if tps and ptps else None,
+            "noise": why,  # why this row's speed-up and efficiency mean nothing; None where they do
         })  # fmt: skip
     return rows
+
+
+def noise(measured: dict[str, Any] | None) -> str | None:
+    """Why a point's measurement is too noisy to compare (too few steps, step times spread too wide), or None."""
+    if not measured:
+        return None
+    steps, spread = measured.get("steps"), measured.get("step_time_spread")
+    if steps is not None and steps < MIN_STEPS:
+        return f"only {steps} step{'s' * (steps != 1)} measured (at least {MIN_STEPS} needed)"
+    if spread is not None and spread > NOISY:
+        return f"step times varied by {spread:.0%} (more than {NOISY:.0%})"
+    return None
 
 
 def notes(study: dict[str, Any]) -> list[str]:
     """What the numbers are: the workload every point shares, and on a simulated machine what measured them."""
     s = study["settings"]
+    if not study["points"]:
+        return []
     out = [
         f"every point trains on the same global batch of {s['global_batch']} sequences × {s['seq_len']} tokens at "
         f"micro-batch {s.get('micro_batch')} ({s['precision']}, {s['method']}); each point runs the planner's best "
@@ -185,6 +215,18 @@ def layout_of(par: dict[str, Any]) -> str:
     return text
 
 
+def _point(n: int, spec: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
+    """One point of a study: its job's spec and plan (until submitted), the plan's layout and prediction."""
+    best = result["best"]
+    par, timing = best.get("parallelism") or {}, best.get("timing") or {}
+    return {
+        "gpus": n, "gpu_indices": list(range(n)), "spec": spec, "result": result,
+        "plan": {"layout": layout_of(par), "micro_batch": par.get("micro_batch"), "grad_accum": par.get("grad_accum"),
+                 "dp": par.get("dp"), "tp": par.get("tp"), "pp": par.get("pp"), "zero_stage": par.get("zero_stage")},
+        "predicted": {"tokens_per_s": timing.get("tokens_per_s"), "step_s": timing.get("step_s")},
+    }  # fmt: skip
+
+
 # -- the engine's side --------------------------------------------------------------------------------------
 
 
@@ -197,15 +239,20 @@ class Studies:
         self.supervisor = supervisor
         self.plan = plan  # planner request args → SearchResult dict (the engine's planner pool)
         self.write = write
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._planning: dict[str, int] = {}  # studies being planned here: how many of their counts are planned
+        self._stop_planning: set[str] = set()  # of those, the ones cancelled: their jobs are never submitted
 
     def start(self, request: dict[str, Any], cwd: str | None) -> dict[str, Any]:
+        """Check the request, store the study and answer at once; its points are planned and submitted in
+        the background (planning every count takes a minute on a busy machine), as `show` then tells."""
         sup = self.supervisor
         counts = check_counts(list(request.get("gpus") or []), len(sup.machine.gpus))
         steps = int(request.get("steps") or DEFAULT_STEPS)
         warmup = int(request["warmup"]) if request.get("warmup") is not None else DEFAULT_WARMUP
         if steps < 1 or warmup < 0 or steps <= warmup:
             raise UserError(f"{steps} steps leave nothing to measure after {warmup} warm-up steps; give more --steps")
+        job = None
         if request.get("job"):
             job = sup.detail(request["job"])
             if job.get("kind") != "train":
@@ -223,46 +270,88 @@ class Studies:
                 "seq_len": int(request.get("seq_len") or default_seq_len(request["model"], cwd)),
                 "global_batch": int(request.get("global_batch") or DEFAULT_GLOBAL_BATCH),
             }  # fmt: skip
-        settings.update(steps=steps, warmup=warmup)
-        study_id = self._new_id()
-        micro = request.get("micro_batch")
-        if micro is None:
-            # The micro-batch the most GPUs' plan picks fits every smaller count's replicas (they hold more
-            # sequences each), so every point runs it, with more accumulation on fewer GPUs.
-            micro = self._best(settings, counts[-1], None)["parallelism"]["micro_batch"]
-        settings["micro_batch"] = micro
-        # Plan and check every point before submitting any: a study that cannot run leaves no job behind.
-        points = []
-        # Two at a time: the engine keeps two planner processes.
-        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="scaling-plan") as pool:
-            results = list(pool.map(lambda n: self._plan_result(settings, n, micro), counts))
-        for n, result in zip(counts, results, strict=True):
-            best = result["best"]
-            spec = point_spec(settings, study_id, n)
-            sup.check(spec, result, cwd)
-            par = best.get("parallelism") or {}
-            timing = best.get("timing") or {}
-            points.append({
-                "gpus": n, "gpu_indices": list(range(n)), "spec": spec, "result": result,
-                "plan": {"layout": layout_of(par), "micro_batch": par.get("micro_batch"),
-                         "grad_accum": par.get("grad_accum"), "dp": par.get("dp"), "tp": par.get("tp"),
-                         "pp": par.get("pp"), "zero_stage": par.get("zero_stage")},
-                "predicted": {"tokens_per_s": timing.get("tokens_per_s"), "step_s": timing.get("step_s")},
-            })  # fmt: skip
-        study = {
-            "schema": SCHEMA, "id": study_id, "created": time.time(), "model": settings["model"],
-            "from_job": (request.get("job") and job["id"]) or None, "settings": settings,
-            "machine": sup.machine.label, "simulated": sup.machine.simulated, "cpu_cores": _cpu_cores(),
-            "points": [],
-        }  # fmt: skip
+        settings.update(steps=steps, warmup=warmup, micro_batch=request.get("micro_batch"))
         with self._lock:
-            for p in points:
-                view = sup.submit(p.pop("spec"), p.pop("result"), cwd)
-                self._tag(view["id"], study_id)
-                p["job"] = view["id"]
-                study["points"].append(p)
-                self._save(study)  # after each job, so a failure half-way leaves a study that names its jobs
+            if job is not None:
+                self._refuse_a_second(job["id"])
+            study = {
+                "schema": SCHEMA, "id": self._new_id(), "created": time.time(), "model": settings["model"],
+                "from_job": job["id"] if job else None, "settings": settings, "counts": counts,
+                "machine": sup.machine.label, "simulated": sup.machine.simulated, "cpu_cores": _cpu_cores(),
+                "points": [], "phase": "planning",
+            }  # fmt: skip
+            self._planning[study["id"]] = 0
+            self._save(study)
+        threading.Thread(
+            target=self._plan_and_submit, args=(study, cwd), name=f"scaling-{study['id']}", daemon=True
+        ).start()
         return self.show(study)
+
+    def _refuse_a_second(self, job_id: str) -> None:
+        for other in self.list(job_id):
+            if other["state"] in ACTIVE:
+                raise UserError(
+                    f"scaling study {other['id']} of job {job_id} is still {other['state']}: wait for it or cancel it "
+                    "first",
+                    reason="study_running", study=other["id"], job=job_id,
+                )  # fmt: skip
+
+    def _plan_and_submit(self, study: dict[str, Any], cwd: str | None) -> None:
+        """Plan every point, check each, then submit one job per point; a refusal fails the study in one line."""
+        sid, settings, counts = study["id"], study["settings"], study["counts"]
+        try:
+            if settings["micro_batch"] is None:
+                # The micro-batch the most GPUs' plan picks fits every smaller count's replicas (they hold
+                # more sequences each), so every point runs it, with more accumulation on fewer GPUs.
+                settings["micro_batch"] = self._best(settings, counts[-1], None)["parallelism"]["micro_batch"]
+            micro = settings["micro_batch"]
+
+            def planned(n: int) -> dict[str, Any]:
+                result = self._plan_result(settings, n, micro)
+                with self._lock:
+                    self._planning[sid] = self._planning.get(sid, 0) + 1
+                return result
+
+            # Plan and check every point before submitting any: a study that cannot run leaves no job behind.
+            with ThreadPoolExecutor(max_workers=2, thread_name_prefix="scaling-plan") as pool:  # the planner pool's 2
+                results = list(pool.map(planned, counts))
+            points = []
+            for n, result in zip(counts, results, strict=True):
+                spec = point_spec(settings, sid, n)
+                self.supervisor.check(spec, result, cwd)
+                points.append(_point(n, spec, result))
+            with self._lock:
+                if sid in self._stop_planning:  # cancelled while it planned: nothing was submitted
+                    study.pop("phase", None)
+                    study["cancelled"] = True
+                    self._save(study)
+                    return
+                for p in points:
+                    view = self.supervisor.submit(p.pop("spec"), p.pop("result"), cwd)
+                    self._tag(view["id"], sid)
+                    p["job"] = view["id"]
+                    study["points"].append(p)
+                    self._save(study)  # after each job, so a failure half-way leaves a study that names its jobs
+                study.pop("phase", None)
+                self._save(study)
+        except UserError as e:
+            self._fail(study, {"code": e.reason, "message": str(e), **e.fields})
+        except Exception:  # a bug must not leave the study planning for ever: it fails, the log says why
+            log.exception("scaling study %s: planning failed", sid)
+            self._fail(study, {"code": "internal", "message": "planning the study failed; the engine log says why"})
+        finally:
+            with self._lock:
+                self._planning.pop(sid, None)
+                self._stop_planning.discard(sid)
+
+    def _fail(self, study: dict[str, Any], error: dict[str, Any]) -> None:
+        with self._lock:
+            study.pop("phase", None)
+            study["error"] = jsonable(error)
+            self._save(study)
+        for p in study["points"]:  # submitted before a later point's submission failed: they measure nothing now
+            with contextlib.suppress(UserError):
+                self.supervisor.cancel(p["job"])
 
     def _plan_result(self, settings: dict[str, Any], n: int, micro: int | None) -> dict[str, Any]:
         """The engine planner's search for GPUs 0 … n-1 (at micro-batch `micro` when given); one line if none fits."""
@@ -296,8 +385,8 @@ class Studies:
 
     def _save(self, study: dict[str, Any]) -> None:
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        stored = {k: v for k, v in study.items() if k not in ("table", "notes", "state", "current")}
-        stored["points"] = [{k: v for k, v in p.items() if k not in ("measured", "state", "ranks", "error")}
+        stored = {k: v for k, v in study.items() if k not in ("table", "notes", "state", "current", "planned")}
+        stored["points"] = [{k: v for k, v in p.items() if k not in ("measured", "state", "ranks", "error", "step")}
                             for p in study["points"]]  # fmt: skip
         self.write(self.root / f"{study['id']}.json", json.dumps(stored, indent=1))
 
@@ -335,6 +424,10 @@ class Studies:
     def cancel(self, ref: str) -> dict[str, Any]:
         """Cancel the study's jobs that have not ended; the points measured so far stay in its table."""
         study = self.load(ref)
+        with self._lock:
+            if study["id"] in self._planning:
+                self._stop_planning.add(study["id"])
+                return {**self.show(study), "state": "cancelled"}  # the planning thread stores it so
         for p in study["points"]:
             rec = self.supervisor.store.get(p["job"])
             if rec is not None and rec.state not in TERMINAL:
@@ -348,6 +441,15 @@ class Studies:
 
         sup = self.supervisor
         study = dict(study)
+        if study.get("phase") == "planning":
+            with self._lock:
+                planned = self._planning.get(study["id"])
+            if planned is None:  # planned by an engine that stopped before it submitted the jobs
+                study.pop("phase")
+                study["error"] = {"code": "study_interrupted",
+                                  "message": "the engine stopped while it planned this study; start it again"}  # fmt: skip
+            else:
+                study["planned"] = planned
         points = []
         for p in study["points"]:
             p = dict(p)
@@ -362,7 +464,9 @@ class Studies:
                     records += more_records
                     if not more:
                         break
-                p.update(state=rec.state, ranks=rec.ranks, measured=measure(records, study["settings"]["warmup"]))
+                p.update(state=rec.state, ranks=rec.ranks, measured=measure(records, study["settings"]["warmup"]),
+                         step=max((r["step"] for r in records if r.get("kind") is None and isinstance(r.get("step"), int)),
+                                  default=None))  # fmt: skip
                 if rec.state in UNSUCCESSFUL_STATES:
                     p["error"] = f"job {rec.id} {rec.state}: {rec.exit_reason or 'no reason recorded'}"
             points.append(p)
@@ -374,7 +478,14 @@ def summarize(study: dict[str, Any]) -> dict[str, Any]:
     """Fill in the study's `state`, `current`, `table` and `notes` from its points' states and measurements."""
     points = study["points"]
     states = [p["state"] for p in points]
-    if all(s == "completed" for s in states):
+    if study.get("error"):
+        study["state"] = "failed"
+    elif study.get("phase") == "planning":
+        study["state"] = "planning"
+    elif not points:
+        # Cancelled while it planned, or stored with neither jobs nor an error: nothing will measure it.
+        study["state"] = "cancelled" if study.get("cancelled") else "failed"
+    elif all(s == "completed" for s in states):
         study["state"] = "completed"
     elif all(s in (*TERMINAL, "deleted") for s in states):
         # Cancelled by the user where nothing failed: the points it measured are still its results.

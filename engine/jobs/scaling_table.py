@@ -15,6 +15,7 @@ MAX_POINTS = 8
 CSV_COLUMNS = (
     "gpus", "ranks", "job", "state", "layout", "micro_batch", "grad_accum", "measured_steps", "tokens_per_s",
     "steps_per_s", "speedup", "efficiency", "predicted_tokens_per_s", "predicted_speedup", "measured_vs_predicted",
+    "noise",
 )  # fmt: skip
 
 
@@ -50,8 +51,8 @@ def cells(row: dict[str, Any]) -> list[str]:
         row["state"] or "-",
         _f(row["tokens_per_s"], "{:,.0f}"),
         _f(row["steps_per_s"], "{:.3g}"),
-        _f(row["speedup"], "{:.2f}×"),
-        _f(row["efficiency"], "{:.0%}"),
+        _f(row["speedup"], "{:.2f}×") if not row.get("noise") else "noise",
+        _f(row["efficiency"], "{:.0%}") if not row.get("noise") else "noise",
         _f(row["predicted_tokens_per_s"], "{:,.0f}"),
         _f(row["predicted_speedup"], "{:.2f}×"),
         _f(row["measured_vs_predicted"], "{:.3g}"),
@@ -84,6 +85,11 @@ def text_lines(study: dict[str, Any]) -> list[str]:
             lines.append(f"  plan for {p['gpus']} GPU{'s' * (p['gpus'] != 1)}: {p['plan']['layout']}")
         if p.get("error"):
             lines.append(f"  {p['gpus']} GPU{'s' * (p['gpus'] != 1)}: {p['error']}")
+    for r in study["table"]:
+        if r.get("noise"):
+            lines.append(f"  {r['gpus']} GPU{'s' * (r['gpus'] != 1)}: noise, speed-up not meaningful: {r['noise']}")
+    if study.get("error"):
+        lines.append(f"error: {study['error'].get('message')}")
     lines += [f"note: {n}" for n in study["notes"]]
     return lines
 

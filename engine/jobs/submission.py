@@ -65,9 +65,10 @@ from rigpilot.engine.schema import (
     MasterWeights,
     Precision,
     TrainMethod,
-)
+)  # fmt: skip
 
 KINDS = ("train", "infer", "script", "calibrate")
+ENGINE_FIELDS = frozenset({"id", "spec_version", "simulated", "upgrade_notes"})  # a submission's are ignored
 # Room every job needs besides its checkpoints and model: its logs, metrics and record.
 JOB_ROOM_BYTES = 1 << 20
 
@@ -136,25 +137,16 @@ def prepare(
         predicted = {**(predicted or {}), "from_plan": from_plan, "plan_notes": notes}
     need, need_what = disk_need(spec, _model_config(spec.model, base)[1] if spec.kind == "train" and spec.model else {})
     return Submission(
-        spec,
-        plan,
-        ranks,
-        str(base) if base else None,
-        predicted,
-        from_plan,
-        notes,
-        model_type,
-        host_ram,
-        backend,
-        need,
-        need_what,
+        spec, plan, ranks, str(base) if base else None, predicted, from_plan, notes, model_type, host_ram, backend,
+        need, need_what,
     )
 
 
 def _given_fields(spec_data: dict[str, Any]) -> dict[str, Any]:
-    """The submission's own JobSpec fields, checked by type; the id, version and simulated flag are the engine's."""
-    check_dataclass(JobSpec, spec_data, "spec", ignore=frozenset({"id", "spec_version", "simulated"}))
-    data = {k: v for k, v in spec_data.items() if k not in ("id", "spec_version", "simulated")}
+    """The submission's own JobSpec fields, checked by type; the id, version, simulated flag and upgrade notes are
+    the engine's, and ignored in a submission (as a job.json sent back would carry them)."""
+    check_dataclass(JobSpec, spec_data, "spec", ignore=ENGINE_FIELDS)
+    data = {k: v for k, v in spec_data.items() if k not in ENGINE_FIELDS}
     if data.get("kind") not in KINDS:
         raise UserError(f"unknown job kind {data.get('kind')!r}; choose one of {', '.join(KINDS)}")
     return data
@@ -174,9 +166,7 @@ def _take_plan_layout(spec: JobSpec, planned: Plan, nodes: int, machine: Machine
     return apply_plan_layout(spec, planned)
 
 
-def _place_ranks(
-    spec: JobSpec, machine: Machine, max_cpu_ranks: int, nodes: int, notes: list[str]
-) -> tuple[int, float]:
+def _place_ranks(spec: JobSpec, machine: Machine, max_cpu_ranks: int, nodes: int, notes: list[str]) -> tuple[int, float]:
     """The job's GPUs and its ranks on this node, and how many times fewer data-parallel replicas run than the
     layout has (more than 1 where simulated GPUs became fewer CPU ranks)."""
     spec.gpus = _check_gpus(spec.gpus or _default_gpus(spec, machine, nodes), machine)
@@ -211,9 +201,7 @@ def _check_kind(
                 notes += more
         if dp_shrink > 1:
             _keep_global_batch(spec.train, dp_shrink, notes)
-        _pipeline_defaults(
-            spec, "pp_microbatches" in (data.get("parallelism") or {}) or "pp_microbatches" in from_plan, notes
-        )
+        _pipeline_defaults(spec, "pp_microbatches" in (data.get("parallelism") or {}) or "pp_microbatches" in from_plan, notes)
         seq_given = "seq_len" in (data.get("train") or {}) or "seq_len" in from_plan
         model_type = _check_train(spec, base, seq_given, notes)
         _check_degrees(spec, world, notes)
@@ -411,9 +399,7 @@ def describe(sub: Submission, free: int | None = None) -> list[str]:
             lines.append(f"recipe: {recipe_words(t)}")
     elif spec.kind == "infer" and spec.infer:
         i = spec.infer
-        sampling = (
-            "greedy" if i.temperature == 0 else f"temperature {i.temperature:g}, top-p {i.top_p:g}, seed {i.seed}"
-        )
+        sampling = "greedy" if i.temperature == 0 else f"temperature {i.temperature:g}, top-p {i.top_p:g}, seed {i.seed}"
         batch = "vLLM batches the prompts itself" if i.backend == "vllm" else f"batch {i.batch_size}"
         lines.append(f"inference: {i.precision}, up to {i.max_new_tokens} new tokens, {batch}, {sampling}")
     ram = sub.host_ram
@@ -707,9 +693,7 @@ def _oom_suggestion(par: Any) -> str:
     if par.get("checkpointing", "none") == "none":
         return "turn on activation checkpointing, or re-plan with 'rigpilot plan' for this machine"
     if (par.get("micro_batch") or 1) > 1:
-        return (
-            f"halve the micro-batch (--micro-batch {max(par['micro_batch'] // 2, 1)}) and double gradient accumulation"
-        )
+        return f"halve the micro-batch (--micro-batch {max(par['micro_batch'] // 2, 1)}) and double gradient accumulation"
     if (par.get("zero_stage") or 0) < 3 and (par.get("dp") or 1) > 1:
         return "shard parameters, gradients and optimizer state (--fsdp) instead of replicating them"
     return "train LoRA adapters instead (--method lora), or use more GPUs"

@@ -338,12 +338,14 @@ class JobSpec:
         default_words="3 for training longer than its checkpoint interval, else 0",
     )
     spec_version: int = SPEC_VERSION
-    # What reading an older job.json changed, for the job's notes (not written back: the file then says it).
+    # What reading an older job.json changed, for the job's notes. Written back with the upgraded job.json (a
+    # resume or a restart rewrites it), so every later run still says why it runs otherwise than first asked.
     upgrade_notes: list[str] = field(default_factory=list, compare=False, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        del d["upgrade_notes"]
+        if not d["upgrade_notes"]:
+            del d["upgrade_notes"]  # job.json files stay as they were unless an upgrade changed the job
         return d
 
     @classmethod
@@ -357,6 +359,8 @@ class JobSpec:
         known = {f.name for f in dataclasses.fields(cls)}
         spec = cls(**{k: v for k, v in d.items() if k in known and k != "upgrade_notes"})
         old = d.get("spec_version")  # absent: a submission, not a stored job; it is refused as asked, not changed
+        if isinstance(old, int) and isinstance(d.get("upgrade_notes"), list):
+            spec.upgrade_notes = [n for n in d["upgrade_notes"] if isinstance(n, str)]
         if isinstance(old, int) and old < 2 and spec.train and spec.train.optimizer_in_backward:
             if spec.parallelism.runs_ddp:
                 spec.parallelism = spec.parallelism.sharded()

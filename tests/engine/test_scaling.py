@@ -19,6 +19,7 @@ from rigpilot.engine.jobs import scaling, scaling_table
 
 from support.engine import Engine, engine_home, leftover_job_processes
 from support.paths import REPO
+from support.waiting import wait_for
 
 TINY = REPO / "examples" / "models" / "tiny-llama" / "config.json"
 SHAKESPEARE = REPO / "examples" / "data" / "shakespeare.txt"
@@ -80,6 +81,118 @@ def test_table_speedup_efficiency_and_prediction():
     assert four["speedup"] is None and four["predicted_speedup"] == 3.0
 
 
+def test_noise_rows_are_marked_with_the_reason_and_not_shown_as_a_speedup():
+    def point(n, tps, steps=7, spread=0.05):
+        return {"gpus": n, "measured": {"tokens_per_s": tps, "steps": steps, "step_time_spread": spread},
+                "predicted": {}}  # fmt: skip
+
+    # 2 GPUs at 36.7× the 1-GPU point: 1836% of linear (the figure a busy machine once showed)
+    one, two, four = scaling.table({"points": [point(1, 100.0), point(2, 3672.0), point(4, 380.0, spread=0.3)]})
+    assert one["noise"] is None and two["efficiency"] == pytest.approx(18.36)
+    assert two["noise"] == "18.4× linear is not scaling: a point was slowed by something else"
+    assert four["noise"] == "step times varied by 30% (more than 25%)"
+    cells = [scaling_table.cells(r) for r in (one, two, four)]
+    assert [c[6:8] for c in cells] == [["1.00×", "100%"], ["noise", "noise"], ["noise", "noise"]]
+    # a base point that is noise makes every ratio against it noise; too few steps is noise
+    base, other = scaling.table({"points": [point(1, 100.0, steps=2), point(2, 190.0)]})
+    assert base["noise"] == "only 2 steps measured (at least 3 needed)"
+    assert other["noise"] == "measured against the 1-GPU point, which is noise: only 2 steps measured (at least 3 needed)"
+    assert scaling.table({"points": [point(1, 100.0), point(2, 190.0)]})[1]["noise"] is None  # 95%: a result
+
+
+class _Supervisor:
+    """The supervisor's side a study uses, with jobs as plain records: the study's threading is under test."""
+
+    def __init__(self, tmp_path: Path):
+        from types import SimpleNamespace
+
+        self.machine = SimpleNamespace(gpus=[0, 1], label="simulated: 2×GPU", simulated=True)
+        self.jobs: dict[str, SimpleNamespace] = {
+            "t": SimpleNamespace(id="t", state="completed", ranks=1, exit_reason=None),
+        }
+        self.store = SimpleNamespace(get=self.jobs.get)
+        self.tmp = tmp_path
+        self.cancelled: list[str] = []
+
+    def detail(self, job):
+        settings = {"kind": "train", "model": "tiny", "train": {"micro_batch": 2, "grad_accum": 2, "seq_len": 32}}
+        return {"id": job, "kind": "train", "settings": settings}
+
+    def check(self, spec, result, cwd):
+        pass
+
+    def submit(self, spec, result, cwd):
+        from types import SimpleNamespace
+
+        job = f"p{len(self.jobs)}"
+        self.jobs[job] = SimpleNamespace(id=job, state="queued", ranks=len(spec["gpus"]), exit_reason=None)
+        return {"id": job}
+
+    def tag_study(self, job, study):
+        pass
+
+    def job_dir(self, job):
+        return self.tmp / job
+
+    def cancel(self, job):
+        self.cancelled.append(job)
+        self.jobs[job].state = "cancelled"
+
+
+def test_a_study_answers_at_once_while_its_points_are_planned_and_a_second_is_refused(tmp_path):
+    import threading
+
+    gate, asked = threading.Event(), []
+
+    def plan(request):  # as slow as the gate: the planner on a busy machine
+        asked.append(request["gpus"])
+        assert gate.wait(30)
+        best = {"parallelism": {"micro_batch": 2, "grad_accum": 1, "dp": len(request["gpus"])},
+                "timing": {"tokens_per_s": 1000.0 * len(request["gpus"])}}  # fmt: skip
+        return {"best": best}
+
+    sup = _Supervisor(tmp_path)
+    studies = scaling.Studies(tmp_path / "scaling", sup, plan, paths.write_private)
+    study = studies.start({"job": "t", "gpus": [1, 2]}, None)
+    assert (study["state"], study["points"], study["counts"], study["planned"]) == ("planning", [], [1, 2], 0)
+    assert study["table"] == [] and study["notes"] == []
+    with pytest.raises(UserError) as refused:
+        studies.start({"job": "t", "gpus": [1]}, None)
+    assert refused.value.reason == "study_running" and refused.value.fields == {"study": study["id"], "job": "t"}
+    gate.set()
+    shown = wait_for(lambda: (s := studies.get(study["id"]))["state"] == "running" and s, 30, what="the jobs")
+    assert [(p["gpus"], p["job"], p["state"]) for p in shown["points"]] == [(1, "p1", "queued"), (2, "p2", "queued")]
+    assert shown["settings"]["micro_batch"] == 2 and "planned" not in shown
+    # cancelled while it plans: no job is ever submitted
+    for job in ("p1", "p2"):
+        sup.jobs[job].state = "completed"
+    gate.clear()
+    again = studies.start({"job": "t", "gpus": [1, 2]}, None)
+    assert studies.cancel(again["id"])["state"] == "cancelled"
+    gate.set()
+    wait_for(lambda: studies.get(again["id"])["state"] == "cancelled" and again["id"] not in studies._planning, 30,
+             what="the planning thread to end")  # fmt: skip
+    assert set(sup.jobs) == {"t", "p1", "p2"}
+
+
+def test_a_study_refused_while_planned_fails_in_one_line_and_one_the_engine_lost_says_so(tmp_path):
+    sup = _Supervisor(tmp_path)
+
+    def plan(request):
+        return {"best": None, "rejected": [{"reason": "needs 90 GiB per GPU; has 24 GiB"}]}
+
+    studies = scaling.Studies(tmp_path / "scaling", sup, plan, paths.write_private)
+    sid = studies.start({"job": "t", "gpus": [1, 2]}, None)["id"]
+    failed = wait_for(lambda: (s := studies.get(sid))["state"] == "failed" and s, 30, what="the study to fail")
+    assert failed["error"]["message"] == "no plan fits on 2 GPUs: needs 90 GiB per GPU; has 24 GiB"
+    assert failed["points"] == [] and set(sup.jobs) == {"t"}
+    # A study stored as planning by an engine that then stopped is not planning for ever.
+    stored = json.loads((tmp_path / "scaling" / f"{sid}.json").read_text())
+    (tmp_path / "scaling" / "slost00.json").write_text(json.dumps({**stored, "id": "slost00", "phase": "planning"}))
+    lost = scaling.Studies(tmp_path / "scaling", sup, plan, paths.write_private).get("slost00")
+    assert lost["state"] == "failed" and lost["error"]["code"] == "study_interrupted"
+
+
 @pytest.mark.parametrize(
     ("text", "words"),
     [("0", "start at 1"), ("1,1", "twice"), ("a", "like 1,2,4"), ("", "which GPU counts")],
@@ -125,7 +238,9 @@ def test_bad_study_input_is_refused_in_one_line_and_submits_nothing(engine, caps
     assert code == 2 and "nothing to measure" in err and err.count("\n") == 1
     with engine.client() as c:
         assert c.request("jobs")["jobs"] == []
-        assert c.request("scaling_studies")["studies"] == []
+        # the model is found missing while the study is planned: it stays listed as failed, with no job
+        [study] = c.request("scaling_studies")["studies"]
+    assert (study["model"], study["state"], study["points"]) == ("no-such-model-here", "failed", [])
 
 
 def own_tokens_per_s(job_dir: Path, warmup: int, tokens_per_step: int) -> float:
@@ -189,7 +304,13 @@ def test_a_study_on_one_and_two_cpu_ranks_matches_the_jobs_own_records(engine, c
     )
     assert code == 0, err
     again = json.loads(out)
-    assert again["from_job"] == rows[1]["job"] and again["state"] == "running"
+    # The start answers at once, before any point is planned; a second study of the job is refused meanwhile.
+    assert again["from_job"] == rows[1]["job"] and again["state"] == "planning" and again["points"] == []
+    code, _, err = run_cli(capsys, "scaling", "--job", rows[1]["job"], "--gpus", "1", "--steps", "3", "--detach")
+    assert code == 2 and err.startswith(f"rigpilot: error: scaling study {again['id']} of job {rows[1]['job']} is still")
+    with engine.client() as c:
+        again = wait_for(lambda: (s := c.request("scaling_study", study=again["id"])["study"])["state"] == "running" and s,
+                         60, what="the study's job to be submitted")  # fmt: skip
     assert {k: again["settings"][k] for k in ("global_batch", "seq_len", "method", "precision")} == {
         "global_batch": batch,
         "seq_len": seq,

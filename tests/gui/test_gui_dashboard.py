@@ -386,3 +386,31 @@ def test_every_card_of_an_8_gpu_box_shows_whole_at_1280_by_800(qtbot, profile, c
         if compact:
             assert card.readings.isVisible() and card.readings.text() == card.readings.full_text
             assert "°C" in card.readings.text() and not card.sparks["gpu_util"].isVisible()
+
+
+def test_cards_of_a_machine_switched_to_while_the_dashboard_was_hidden_show_whole(qtbot):
+    """Settings switched the machine to 8 GPUs while another page was shown: back on the dashboard, its pane
+    is fitted to the eight cards (it had kept the four cards' height, cutting the second row)."""
+    from support.gui_fakes import make_machine
+
+    link = FakeLink("4x-rtx4090", history_seconds=30)
+    page = DashboardPage(link)
+    qtbot.addWidget(page)
+    page.resize(1118, 700)
+    page.show()
+    qtbot.waitExposed(page)
+    link.connect_engine()
+    qtbot.wait(50)
+    page.hide()
+    link.machine_obj = make_machine("8x-h100-sxm")
+    link.machine = link.machine_obj.to_dict()
+    link.sig_machine.emit(link.machine)
+    qtbot.wait(50)
+    page.show()
+    qtbot.wait(50)
+    area = page.cards_area
+    assert len(page.cards) == 8 and not area.verticalScrollBar().isVisible()
+    view = area.viewport().rect()
+    for card in page.cards.values():
+        corner = card.mapTo(area.viewport(), card.rect().topLeft())
+        assert view.contains(corner + card.rect().bottomRight()), card.index

@@ -665,7 +665,8 @@ def test_a_change_to_any_input_marks_the_plan_shown_stale_and_disables_launch(qt
     def changes_and_back(change, back) -> None:
         change()
         assert page.results.is_stale and not page.launch_button.isEnabled()
-        assert page.results.stale.isVisible() and not page.table.isEnabled()
+        assert page.results.stale.isVisible() and page.results.results_splitter.graphicsEffect() is not None
+        assert page.table.isEnabled() and page.results.tabs.isEnabled()  # dimmed, still readable and scrollable
         assert "plan again" in page.launch_note.text()
         back()
         assert not page.results.is_stale and page.launch_button.isEnabled(), "back as planned: current again"
@@ -696,6 +697,16 @@ def test_a_change_to_any_input_marks_the_plan_shown_stale_and_disables_launch(qt
     assert page.result is None and not page.launch_button.isEnabled()
     assert "8×H100" in page.status.text() and "plan again" in page.status.text()
     assert "4×RTX 4090" not in page.summary.text() + page.explanation.toPlainText()
+    # Another machine under the same label (other links between the same GPUs) is another machine too.
+    with qtbot.waitSignal(page.sig_plan_ready, timeout=20000):
+        page.plan_button.click()
+    rewired = link.machine_obj.to_dict()
+    rewired["pairs"] = [{**p, "topo": "SYS", "pcie": "SYS", "nvlink_count": 0, "nvswitch": False}
+                        for p in rewired["pairs"]]  # fmt: skip
+    assert rewired["label"] == link.machine["label"]
+    link.sig_machine.emit(rewired)
+    assert page.result is None and "plan again" in page.status.text()
+    assert page.rented.comparison is None
 
 
 def test_every_plans_layout_reads_whole_at_1280_by_800(qtbot):

@@ -8,8 +8,9 @@ import copy
 import csv
 from typing import Any
 
-from PySide6.QtCore import Qt
-from PySide6.QtGui import QImage
+from PySide6.QtCore import QPoint, QPointF, Qt
+from PySide6.QtGui import QImage, QWheelEvent
+from PySide6.QtWidgets import QApplication
 
 from rigpilot.app.jobs.detail import SUMMARY_TAB
 from rigpilot.engine.jobs import scaling, scaling_table
@@ -35,13 +36,21 @@ def a_study(states: tuple[str, str], measured: tuple[float | None, float | None]
     return scaling.summarize(study)
 
 
+def planning_study(counts: list[int]) -> dict[str, Any]:
+    study = {**a_study(("queued", "queued"), (None, None)), "points": [], "phase": "planning", "counts": counts,
+             "planned": 0}  # fmt: skip
+    return scaling.summarize(study)
+
+
 def test_how_does_this_scale_runs_a_study_and_draws_it(qtbot, tmp_path):
     link = FakeLink()
     jobs = FakeJobs(link, [a_training_job("t")])
     jobs.records["t"] = [step_record(s) for s in range(1, 11)]
+    first = a_study(("running", "queued"), (None, None))
     running = a_study(("completed", "running"), (20_000.0, None))
+    running["points"][1]["step"] = 4
     done = a_study(("completed", "completed"), (20_000.0, 30_000.0))
-    replies = iter([running, done])
+    replies = iter([first, running, done])
     last: dict[str, Any] = {}
 
     def study(study: str) -> dict[str, Any]:
@@ -50,7 +59,7 @@ def test_how_does_this_scale_runs_a_study_and_draws_it(qtbot, tmp_path):
 
     link.replies.update(
         scaling_studies=lambda **_: {"studies": []},
-        scaling_start=lambda job, gpus, **_: {"study": a_study(("running", "queued"), (None, None))},
+        scaling_start=lambda job, gpus, **_: {"study": planning_study(gpus)},
         scaling_study=study,
     )
     page = open_page(qtbot, link)
@@ -62,9 +71,12 @@ def test_how_does_this_scale_runs_a_study_and_draws_it(qtbot, tmp_path):
     assert panel.counts.text() == "1,2,4"  # the machine's 4 GPUs
     panel.counts.setText("1,2")
     qtbot.mouseClick(panel.start_button, Qt.MouseButton.LeftButton)
-    qtbot.waitUntil(lambda: "running the 1-GPU point (job p1)" in panel.progress.text())
+    qtbot.waitUntil(lambda: "planning GPU counts 1, 2 (0 of 2 planned)" in panel.progress.text())
     assert ("scaling_start", {"job": "t", "gpus": [1, 2]}) in link.calls and not panel.start_button.isEnabled()
-    qtbot.waitUntil(lambda: "running the 2-GPU point (job p2)" in panel.progress.text(), timeout=5000)
+    assert "still planning" in panel.start_button.toolTip() and panel.cancel_button.isVisibleTo(panel)
+    qtbot.waitUntil(lambda: "1 GPU (job p1): running" in panel.progress.text(), timeout=5000)
+    assert "2 GPUs (job p2): waiting for its GPUs" in panel.progress.text()
+    qtbot.waitUntil(lambda: "2 GPUs (job p2): step 4 of 5" in panel.progress.text(), timeout=5000)
     qtbot.waitUntil(lambda: "all 2 points measured" in panel.progress.text(), timeout=5000)
     assert panel.start_button.isEnabled()
 
@@ -77,6 +89,9 @@ def test_how_does_this_scale_runs_a_study_and_draws_it(qtbot, tmp_path):
     assert list(panel.curves["measured"].getData()[1]) == [1.0, 1.5]
     assert list(panel.curves["linear"].getData()[1]) == [1.0, 2.0]
     assert list(panel.curves["predicted"].getData()[1]) == [1.0, 1.8]
+    assert list(panel.curves["measured"].getData()[0]) == [1, 2]  # GPUs on x
+    (x0, x1), (y0, y1) = panel.chart.getPlotItem().viewRange()
+    assert x0 == 0 and 2 < x1 < 3 and y0 == 0 and 2 < y1 < 2.5  # from 0, room for linear's 2.0
     assert "CPU ranks" in panel.notes.text()
 
     png, table = tmp_path / "s.png", tmp_path / "s.csv"
@@ -129,3 +144,37 @@ def test_a_running_study_can_be_cancelled_from_the_panel(qtbot):
     assert ("scaling_cancel", {"study": "sabc123"}) in link.calls
     assert not panel.cancel_button.isVisibleTo(page.detail) and panel.start_button.isEnabled()
     assert panel.table.rowCount() == 2
+
+
+def test_noise_rows_are_marked_and_drawn_apart_and_a_second_study_is_followed_not_started(qtbot):
+    from rigpilot.engine.api.client import EngineError
+
+    link = FakeLink()
+    FakeJobs(link, [a_training_job("t")])
+    noisy = a_study(("completed", "completed"), (100.0, 3672.0))  # 2 GPUs at 18× linear: noise
+    link.replies["scaling_studies"] = lambda job=None, **_: {"studies": [noisy] if job == "t" else []}
+
+    def refuse(**_: Any) -> Any:
+        raise EngineError("invalid", "scaling study sabc123 of job t is still running", {"study": "sabc123", "job": "t"},
+                          reason="study_running")  # fmt: skip
+
+    link.replies.update(scaling_start=refuse, scaling_study=lambda study: {"study": copy.deepcopy(noisy)})
+    page = open_page(qtbot, link)
+    open_job(qtbot, page, "t")
+    panel = page.detail.scaling
+    qtbot.waitUntil(lambda: panel.table.rowCount() == 2)
+    assert panel.table_cells()[1][6:8] == ["noise", "noise"]
+    assert panel.table.item(1, 7).toolTip().startswith("Noise, not a result: 18.4× linear")
+    assert list(panel.curves["measured"].getData()[0]) == [1] and list(panel.curves["noise"].getData()[0]) == [2]
+    (_, _), (y0, y1) = panel.chart.getPlotItem().viewRange()
+    assert y0 == 0 and y1 < 3 and max(panel.curves["noise"].getData()[1]) <= y1  # not squashed by 36.7×
+    # The wheel over the chart (scrolling the Summary page down) leaves its axes alone.
+    before = panel.chart.getPlotItem().viewRange()
+    at = QPointF(panel.chart.width() / 2, panel.chart.height() / 2)
+    wheel = QWheelEvent(at, panel.chart.mapToGlobal(at), QPoint(0, -120), QPoint(0, -120), Qt.MouseButton.NoButton,
+                        Qt.KeyboardModifier.NoModifier, Qt.ScrollPhase.NoScrollPhase, False)  # fmt: skip
+    QApplication.sendEvent(panel.chart.viewport(), wheel)
+    assert panel.chart.getPlotItem().viewRange() == before
+    panel.start()  # refused (study_running): the panel follows the study that runs instead of failing
+    qtbot.waitUntil(lambda: ("scaling_study", {"study": "sabc123"}) in link.calls)
+    assert "could not start" not in panel.progress.text()

@@ -239,6 +239,34 @@ def test_drawing_follows_a_dark_palette(qtbot):
     assert page.graph_view.gpu_items[0].text.brush().color() == QColor("#e8eaed")
 
 
+@pytest.mark.parametrize("dark", [False, True])
+def test_each_link_kind_has_its_own_colour_and_the_legend_shows_the_matrixs(qtbot, dark):
+    from rigpilot.app.topology.matrix import TopoLegend, TopoMatrixTable
+    from rigpilot.app.topology.model import Matrix
+
+    codes = ["NV4", "PIX", "PHB", "NODE", "SYS"]  # PXB is a switch path like PIX
+    matrix, legend = TopoMatrixTable(), TopoLegend()
+    for w in (matrix, legend):
+        qtbot.addWidget(w)
+        if dark:
+            pal = QPalette(w.palette())
+            pal.setColor(QPalette.ColorRole.Base, QColor("#17181a"))
+            w.setPalette(pal)
+    matrix.show_matrix(Matrix(codes, ["GPU0"], [codes]))
+    cells = [matrix.item(0, c).background().color().name() for c in range(len(codes))]
+    assert len(set(cells)) == len(codes), dict(zip(codes, cells, strict=True))  # NODE is not PHB's colour
+    swatches = {}
+    for (swatch, _), code in zip(legend._swatches, legend_codes(), strict=True):
+        swatches[code] = swatch.pixmap().toImage().pixelColor(7, 7).name()
+    assert [swatches[c if not c.startswith("NV") else "NV#"] for c in codes] == cells
+
+
+def legend_codes() -> list[str]:
+    from rigpilot.engine.hardware.machine import PCIE_LEGEND
+
+    return list(PCIE_LEGEND)
+
+
 TOPO_ONLY = "case08_4xRTX6000Ada_dual_socket_genoa_4nics.txt"
 SMI_Q = "case21_smiq_4xA100_sxm4_80gb_nvidia-smi-q.txt"
 
@@ -279,8 +307,41 @@ def test_gpus_from_topo_m_alone_say_their_name_is_unknown(qtbot, smi_data):
     tip = next(n.tooltip for n in page.graph.nodes if n.gpu == 0)
     assert tip.splitlines()[0] == "GPU 0 (name unknown: topo -m lists no model)"
     assert page.title.text() == f"imported: 4 GPUs, models unknown (topo -m lists none) ({TOPO_ONLY})"
-    # Nothing to plan against without the GPUs' memory: the button says what to import.
+    # Nothing to plan against without the GPUs' memory: the button says what to choose or import.
     assert not page.plan_button.isEnabled() and "nvidia-smi -q" in page.plan_button.toolTip()
+    assert page.gpu_model.isVisible() and "names no model for its GPUs" in page.gpu_model.label.text()
+    assert not page.gpu_model.use.isEnabled()  # nothing chosen yet
+
+
+def test_choosing_the_gpu_model_of_a_topo_file_makes_it_plannable_and_kept(qtbot, smi_data, tmp_path):
+    from rigpilot.app.main_window import MainWindow
+
+    link = FakeLink("4x-rtx4090")
+    link.replies["plan"] = real_plan_reply(link.machine_obj)
+    w = MainWindow(link)
+    qtbot.addWidget(w)
+    w.show()
+    link.connect_engine()
+    topology, planner = w.show_page("topology"), w.pages["planner"]
+    with qtbot.waitSignal(topology.sig_machine_shown, timeout=10000):
+        topology.import_files([smi_data / TOPO_ONLY])
+    key = topology.shown_key
+    choice = topology.gpu_model
+    choice.models.setCurrentIndex(choice.models.findData("rtx-4090"))
+    assert choice.models.currentText() == "NVIDIA GeForce RTX 4090 (24 GB)"
+    with qtbot.waitSignal(topology.sig_machine_shown):
+        qtbot.mouseClick(choice.use, Qt.MouseButton.LeftButton)
+    assert not choice.isVisible() and topology.plan_button.isEnabled() and topology.shown_key == key
+    assert topology.title.text() == f"imported: 4×RTX 4090 ({TOPO_ONLY})"
+    # kept in the one list, replacing the entry without a model: the Planner plans for it at once
+    (entry,) = [m for m in topology.machines.items() if m.key == key]
+    assert {g["memory_total"] for g in entry.machine["gpus"]} == {24 * 2**30}
+    planner.picker.set_model("llama-2-7b", chosen=False)
+    with qtbot.waitSignal(planner.sig_plan_ready, timeout=20000):
+        topology.plan_button.click()
+    assert link.requests("plan")[-1]["machine"]["gpus"][0]["name"] == "NVIDIA GeForce RTX 4090"
+    assert planner.target_key() == "import:" + key
+    w.close()
 
 
 def test_imports_are_kept_in_one_list_and_shown_again(qtbot, smi_data, tmp_path):

@@ -833,3 +833,23 @@ def test_a_plan_made_for_bf16_master_weights_opens_the_wizard_with_them(qtbot, s
     base = default_state(link.machine)
     base.train.master_weights = "bf16"
     assert state_from_plan(plan, base).train.master_weights == "bf16"
+
+
+def test_return_on_the_gpus_page_goes_next_and_space_ticks(qtbot, settings):
+    from PySide6.QtCore import Qt
+
+    link, _ = make_link()
+    wizard = open_wizard(qtbot, link, settings, state=default_state(link.machine))
+    go_to(qtbot, wizard, GPUS)
+    graph = wizard.gpu_page.selector.graph
+    graph.setFocus()
+    graph.focused_gpu = 0
+    chosen = list(wizard.state.gpus)
+    qtbot.keyClick(graph, Qt.Key.Key_Space)  # Space ticks (or unticks) the GPU in focus, as on a check box
+    assert wizard.state.gpus != chosen
+    qtbot.keyClick(graph, Qt.Key.Key_Space)
+    assert wizard.state.gpus == chosen
+    settled(qtbot, wizard)
+    qtbot.keyClick(graph, Qt.Key.Key_Return)  # Return is Next, the GPUs stay as they are
+    qtbot.waitUntil(lambda: wizard.currentId() == PLAN)
+    assert wizard.state.gpus == chosen

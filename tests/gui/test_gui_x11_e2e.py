@@ -435,6 +435,51 @@ def no_traceback_reached_the_user(d: Desktop) -> None:
 # -- the flow --------------------------------------------------------------------------------------------------
 
 
+def scroll_into_view(d: Desktop, name: str, area: str, at_least: int = 10_000) -> dict[str, Any]:
+    """Turn the mouse wheel over the middle of the widget `area` until the widget `name` shows inside it (whole,
+    or its top `at_least` pixels), as a user scrolls a page down to what they look for; returns the widget."""
+    for _ in range(40):
+        w, box = d.widget(name), d.widget(area)
+        (_, y, _, height), (bx, by, bw, bh) = w["rect"], box["rect"]
+        if by <= y and y + min(height, at_least) <= by + bh:
+            return w
+        d.xdotool("mousemove", "--sync", str(bx + bw // 2), str(by + bh // 2))
+        d.xdotool("click", "5" if y + height > by + bh else "4")
+        time.sleep(0.5)  # the probe writes every 0.4 s
+    raise AssertionError(f"{name} did not scroll into view inside {area}")
+
+
+def the_scaling_study_draws_a_correct_chart(d: Desktop, main: str, job_id: str) -> None:
+    """On the Summary tab, "How does this scale?" on 1 and 2 GPUs: the start answers at once, the button stays
+    disabled while the study runs, each point's progress shows, and the chart has GPUs on x, speed-up on y."""
+    scroll_into_view(d, "scaleButton", "jobTabs")
+    d.click(d.widget("scaleCounts", when=lambda w: w["enabled"])["rect"])
+    d.xdotool("key", "--clearmodifiers", "ctrl+a")
+    d.type_text("1,2")
+    d.click(d.widget("scaleButton", when=lambda w: w["enabled"])["rect"])
+    d.widget("scaleProgress", when=lambda w: "planning GPU counts 1, 2" in w["text"] or "GPU (job" in w["text"])
+    assert not d.widget("scaleButton")["enabled"]  # a second click cannot start a second study
+    (study,) = d.engine_request("scaling_studies", job=job_id)["studies"]
+    d.widget("scaleProgress", when=lambda w: "1 GPU (job" in w["text"], timeout=120)
+    d.screenshot("scaling-running", main)
+    done = d.widget("scaleProgress", when=lambda w: "points measured" in w["text"] or "did not finish" in w["text"],
+                    timeout=JOB_TIMEOUT_S)  # fmt: skip
+    assert "all 2 points measured" in done["text"], done["text"]
+    # The wheel turned over the page (and so over the chart) scrolls it; it never zooms the chart.
+    scroll_into_view(d, "scaleChart", "jobTabs", at_least=150)
+    chart = d.widget("scaleChart", when=lambda w: len(w["curves"].get("linear", [[]])[0]) == 2)
+    (x0, x1), (y0, y1) = chart["view_range"]
+    assert x0 == 0 and x1 > 2 and y0 == 0 and y1 > 0, chart["view_range"]
+    assert chart["curves"]["linear"] == [[1.0, 2.0], [1.0, 2.0]]
+    assert chart["curves"]["predicted"][0] == [1.0, 2.0] and all(y > 0 for y in chart["curves"]["predicted"][1])
+    measured = chart["curves"]["measured"][0] + chart["curves"]["noise (not a result)"][0]
+    assert sorted(measured) == [1.0, 2.0], chart["curves"]  # every point drawn, as a result or as noise
+    assert d.widget("scaleButton")["enabled"]
+    shown = d.engine_request("scaling_study", study=study["id"])["study"]
+    assert shown["state"] == "completed" and [p["gpus"] for p in shown["points"]] == [1, 2]
+    d.screenshot("scaling-study", main)
+
+
 def test_a_user_runs_the_example_tries_its_model_and_switches_the_machine(desktop):
     from rigpilot.app.wizard.state import examples_present
 
@@ -449,6 +494,7 @@ def test_a_user_runs_the_example_tries_its_model_and_switches_the_machine(deskto
     the_cli_and_the_window_show_the_same_machine(desktop, main)
     open_the_summary(desktop, main, job_id)
     try_it(desktop, main)
+    the_scaling_study_draws_a_correct_chart(desktop, main, job_id)
     a_planner_change_marks_the_plan_stale(desktop, main)
     switch_the_machine_in_settings(desktop, main)
     the_cli_and_the_window_show_the_same_machine(desktop, main)

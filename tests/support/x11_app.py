@@ -50,6 +50,13 @@ def describe(w: Any) -> dict[str, Any]:
         d["current"] = w.currentIndex()
     if isinstance(w, QAbstractItemView) and w.model() is not None:
         d["rows"] = w.model().rowCount()
+    if hasattr(w, "getPlotItem"):  # a pyqtgraph chart: its axes' ranges and each named curve's points
+        item = w.getPlotItem()
+        d["view_range"] = item.viewRange()
+        d["curves"] = {
+            c.name(): [list(map(float, xs)) if xs is not None else [] for xs in c.getData()]
+            for c in item.listDataItems() if c.name()
+        }  # fmt: skip
     for bar in [w] if isinstance(w, QTabBar) else w.findChildren(QTabBar, options=_direct()):
         tabs = []
         for i in range(bar.count()):

@@ -210,10 +210,18 @@ def test_a_stored_job_json_from_before_the_refusal_runs_its_replicas_as_fsdp2(tm
     assert (spec.parallelism.dp_replicate, spec.parallelism.dp_shard) == (1, 4)
     assert spec.upgrade_notes and "FSDP2 over the 4 ranks" in spec.upgrade_notes[0]
     assert recipe_why_not(Recipe.of(spec.train), spec.parallelism, RecipeContext()) is None
-    assert spec.to_dict()["spec_version"] == 2 and "upgrade_notes" not in spec.to_dict()
+    assert spec.to_dict()["spec_version"] == 2 and spec.to_dict()["upgrade_notes"] == spec.upgrade_notes
+    # A resume or a restart writes the job.json back: the note stays, said by every later run of the job.
+    spec.resume = True
     spec.write(tmp_path)
     again = JobSpec.read(tmp_path)
-    assert again.parallelism == spec.parallelism and not again.upgrade_notes
+    assert again.parallelism == spec.parallelism and again.upgrade_notes == spec.upgrade_notes
+    assert "upgrade_notes" not in JobSpec.from_dict({**old, "spec_version": 2}).to_dict()  # unless it changed
+    # The engine's own fields in a submission are ignored, not taken.
+    mine = {"kind": "train", "model": "llama-2-7b", "train": {"method": "full", "dataset": [str(SHAKESPEARE)]}}
+    sub = prepare({**mine, "id": "x", "spec_version": 1, "simulated": False, "upgrade_notes": ["made up"]}, None,
+                  str(tmp_path), job_id="again", machine=load_profile("4x-rtx4090"), max_cpu_ranks=2)  # fmt: skip
+    assert (sub.spec.upgrade_notes, sub.spec.id, sub.spec.spec_version, sub.spec.simulated) == ([], "again", 2, True)
     # Only the step in backward under DDP changes: a version-1 DDP job without it, or sharded already, reads as is.
     for train, par in ((False, {"dp_replicate": 4}), (True, {"dp_shard": 4}), (True, {"dp_replicate": 2, "tp": 2})):
         d = {**old, "parallelism": {**par}, "train": {**old["train"], "optimizer_in_backward": train}}

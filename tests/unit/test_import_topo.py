@@ -377,3 +377,44 @@ def test_a_nic_legend_shorter_than_the_matrix_names_what_it_lists() -> None:
     assert "the NIC Legend of topo -m does not list NIC1: their device names are unknown" in machine.notes
     assert not any(note.startswith("no NIC Legend") for note in machine.notes)
     assert [format_cpu_list(g.cpu_affinity) for g in machine.gpus] == ["0-15", "0-15", "16-31", "16-31"]
+
+
+def test_a_gpu_model_chosen_for_a_topo_file_gives_its_gpus_the_tables_name_and_memory() -> None:
+    from rigpilot.engine.errors import UserError
+    from rigpilot.engine.hardware.importers import unknown_model_gpus, with_gpu_model
+    from rigpilot.engine.hardware.specs import load_specs, match_spec
+
+    topo = import_machine([DATA / "topo_short_nic_legend.txt"])
+    assert unknown_model_gpus(topo) == [0, 1, 2, 3]
+    for spec in load_specs():  # every row: the name given maps back onto the row chosen, at its memory
+        gpu = with_gpu_model(topo, spec.key).gpus[0]
+        assert gpu.memory_total == int(spec.memory_gib * 2**30)
+        assert match_spec(gpu.name, gpu.memory_total) == spec, (spec.key, gpu.name)
+    chosen = with_gpu_model(topo, "rtx-4090")
+    assert chosen.label == "imported: 4×RTX 4090 (topo_short_nic_legend.txt)" and unknown_model_gpus(chosen) == []
+    assert chosen.pairs == topo.pairs and chosen.host == topo.host  # only the GPUs' model changes
+    assert "GPU 0, 1, 2, 3: GeForce RTX 4090 as chosen by the user (topo -m names no model)" in chosen.notes
+    assert not any(n.startswith("topo -m does not name the GPUs") for n in chosen.notes)
+    assert Machine.from_dict(chosen.to_dict()).gpus == chosen.gpus  # kept as the app keeps imported machines
+    with pytest.raises(UserError, match="did you mean rtx-4090") as typo:
+        with_gpu_model(topo, "rtx4090")
+    assert typo.value.reason == "unknown_gpu_model"
+    with pytest.raises(UserError, match="name every GPU's model already") as known:
+        with_gpu_model(chosen, "h100-sxm5")
+    assert known.value.reason == "gpu_model_known"
+
+
+def test_planning_for_a_topo_file_alone_asks_for_the_gpu_model_and_plans_with_it(capsys) -> None:
+    from rigpilot.engine.cli.entry import main
+
+    topo = str(DATA / "topo_short_nic_legend.txt")
+    assert main(["plan", "--import", topo, "--model", "gpt2", "--no-verify"]) == 2
+    assert capsys.readouterr().err == (
+        "rigpilot: error: the model of GPU 0, 1, 2, 3 is unknown (topo -m names none), so neither is its memory: "
+        "give it with --gpu-model KEY (e.g. rtx-4090, a100-sxm4-80gb, h100-sxm5), or import the machine's "
+        "`nvidia-smi -q` output too\n"
+    )
+    assert main(["plan", "--import", topo, "--gpu-model", "rtx-4090", "--model", "gpt2", "--no-verify"]) == 0
+    assert "imported: 4×RTX 4090 (topo_short_nic_legend.txt), GPUs 0,1,2,3" in capsys.readouterr().out
+    assert main(["plan", "--gpu-model", "rtx-4090", "--model", "gpt2"]) == 2
+    assert "add --import FILE" in capsys.readouterr().err

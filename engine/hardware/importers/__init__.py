@@ -22,7 +22,10 @@ from rigpilot.engine.hardware.importers import nvlink_status, smi_query, topo_te
 from rigpilot.engine.hardware.importers.common import MachineImportError
 from rigpilot.engine.hardware.machine import Gpu, Host, Machine
 
-__all__ = ["FileKind", "MachineImportError", "decode_text", "import_machine", "import_text", "sniff"]
+__all__ = [
+    "FileKind", "MachineImportError", "decode_text", "import_machine", "import_text", "sniff", "unknown_model_gpus",
+    "with_gpu_model",
+]  # fmt: skip
 
 # nvidia-smi output is a few hundred kB at most; anything far larger is not one.
 _MAX_BYTES = 64 * 1024 * 1024
@@ -218,3 +221,38 @@ def _merge_details(machine: Machine, base_origin: str, other: Machine, origin: s
         elif old != new:
             machine.notes.append(f"host {name} is {old!r} in {base_origin}, {new!r} in {origin}; kept the first")
     machine.notes.extend(other.notes)
+
+
+def unknown_model_gpus(machine: Machine) -> list[int]:
+    """The GPUs a `topo -m` file alone described: it names no model, so their memory is unknown."""
+    return [g.index for g in machine.gpus if "name" in g.unavailable or not g.memory_total]
+
+
+def with_gpu_model(machine: Machine, key: str) -> Machine:
+    """The imported machine with the GPU model a user chose (a key of the GPU spec table) for the GPUs its files
+    left unnamed: their name and memory from the table's row. GPUs the files named keep what the files said."""
+    from rigpilot.engine.errors import UserError
+    from rigpilot.engine.hardware.specs import driver_name, spec_by_key
+
+    try:
+        spec = spec_by_key(key)
+    except KeyError as e:
+        raise UserError(str(e.args[0]), reason="unknown_gpu_model", key=key) from None
+    unknown = unknown_model_gpus(machine)
+    if not unknown:
+        raise UserError(
+            f"the files name every GPU's model already ({machine.summary_name}); a GPU model is for a topo -m file "
+            "imported on its own",
+            reason="gpu_model_known", key=key,
+        )  # fmt: skip
+    name = driver_name(spec)  # so every lookup of the table (match_spec) lands on this row
+    gpus = [
+        dataclasses.replace(
+            g, name=name, memory_total=int(spec.memory_gib * 2**30),
+            unavailable={k: v for k, v in g.unavailable.items() if k not in ("name", "memory_total")},
+        ) if g.index in unknown else g
+        for g in machine.gpus
+    ]
+    note = f"GPU {', '.join(map(str, unknown))}: {spec.name} as chosen by the user (topo -m names no model)"
+    notes = [n for n in machine.notes if not n.startswith("topo -m does not name the GPUs")]
+    return dataclasses.replace(machine, gpus=gpus, notes=[*notes, note])
