@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Mapping
 from html import escape
 from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
-from PySide6.QtCore import QSettings, Qt, QTimer
+from PySide6.QtCore import QSettings, QSize, Qt, QTimer
 from PySide6.QtGui import QAction, QCloseEvent, QIcon, QKeySequence, QPaintEvent
 from PySide6.QtWidgets import (
     QApplication,
@@ -39,6 +39,8 @@ from PySide6.QtWidgets import (
 from rigpilot.app import tasks
 from rigpilot.app.engine_link import CONNECTED, CONNECTING, GONE, EngineLink
 from rigpilot.app.identity import APP_ID, APP_NAME
+from rigpilot.app.widgets import style
+from rigpilot.app.widgets.icons import icon, set_icon
 from rigpilot.app.widgets.window_size import first_size, keep_on_screen
 from rigpilot.engine.api.protocol import JOB_DATABASE_REBUILT, JOBS_PUT_BACK, TELEMETRY_RESET
 from rigpilot.engine.hardware.machine import is_simulated
@@ -114,12 +116,15 @@ class Pages(Mapping[str, QWidget]):
         return len(_KEYS)
 
 
-def _banner(name: str, background: str, color: str) -> QLabel:
+def _banner(name: str, status: style.Status) -> QLabel:
     """A hidden full-width line of bold text across the top of the window (simulated machine, engine gone)."""
     label = QLabel()
     label.setObjectName(name)
     label.setWordWrap(True)
-    label.setStyleSheet(f"#{name} {{ background: {background}; color: {color}; padding: 6px 10px; font-weight: bold; }}")
+    font = label.font()
+    font.setBold(True)
+    label.setFont(font)
+    style.set_banner(label, status)
     label.hide()
     return label
 
@@ -127,6 +132,10 @@ def _banner(name: str, background: str, color: str) -> QLabel:
 class MainWindow(QMainWindow):
     def __init__(self, link: EngineLink | None = None):
         super().__init__()
+        # Here rather than in main(): every way of opening the window (the app, screenshots, tests) follows a theme.
+        app = QApplication.instance()
+        if isinstance(app, QApplication):
+            style.install(app)
         self.setWindowTitle(APP_NAME)
         self.setWindowIcon(QIcon.fromTheme(APP_ID))
         self.link = link or EngineLink()
@@ -136,9 +145,9 @@ class MainWindow(QMainWindow):
         self._exit_after_first_paint = os.environ.get(EXIT_AFTER_FIRST_PAINT) == "1"
         self._painted = False
 
-        self.banner = _banner("simulatedBanner", background="#fff3cd", color="#664d03")
+        self.banner = _banner("simulatedBanner", "warn")
         # Rigpilot uninstalled under the open window (EngineLink's GONE): one line, and no more reconnecting.
-        self.gone_bar = _banner("engineGoneBanner", background="#f8d7da", color="#58151c")
+        self.gone_bar = _banner("engineGoneBanner", "bad")
         # What the engine did by itself (a job list rebuilt from the job folders): told once, so it stays
         # on screen until the user has read it and dismisses it.
         self.notice_text = QLabel()
@@ -146,10 +155,11 @@ class MainWindow(QMainWindow):
         self.notice_text.setWordWrap(True)
         self.notice_text.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         dismiss = QPushButton("Dismiss")
+        set_icon(dismiss, "dismiss")
         dismiss.setObjectName("dismissNotice")
         self.notice_bar = QFrame()
         self.notice_bar.setObjectName("noticeBar")
-        self.notice_bar.setStyleSheet("#noticeBar { background: #cff4fc; } #engineNotice { color: #055160; }")
+        style.set_banner(self.notice_bar, "info")
         notice_row = QHBoxLayout(self.notice_bar)
         notice_row.setContentsMargins(10, 4, 10, 4)
         notice_row.addWidget(self.notice_text, 1)
@@ -160,6 +170,8 @@ class MainWindow(QMainWindow):
         self.nav = QListWidget()
         self.nav.setObjectName("navigation")
         self.nav.setMinimumWidth(110)
+        self.nav.setIconSize(QSize(18, 18))
+        style.style_navigation(self.nav)
         self.stack = QStackedWidget()
         # Only the page on screen is built before the first frame; the others after it (one per turn of the
         # event loop, see _build_next_page), or at once when the user asks for one first.
@@ -168,15 +180,17 @@ class MainWindow(QMainWindow):
             placeholder = QWidget()
             placeholder.setObjectName(f"placeholder-{key}")
             self.stack.addWidget(placeholder)
-            item = QListWidgetItem(title)
+            item = QListWidgetItem(icon(key), title)
             item.setData(Qt.ItemDataRole.UserRole, key)
             self.nav.addItem(item)
         self.nav.currentRowChanged.connect(self._show_row)
 
         rail = QWidget()
+        rail.setObjectName("navigationRail")
+        style.set_surface(rail, "rail")
         rail_layout = QVBoxLayout(rail)
-        rail_layout.setContentsMargins(0, 0, 0, 0)
-        rail_layout.setSpacing(2)
+        rail_layout.setContentsMargins(6, 6, 6, 6)
+        rail_layout.setSpacing(6)
         rail_layout.addWidget(self.nav, 1)
         self.splitter = QSplitter()
         self.splitter.addWidget(rail)
@@ -201,7 +215,7 @@ class MainWindow(QMainWindow):
         tasks.set_error_sink(lambda e: self.statusBar().showMessage(f"Error: {e}", 10000))
 
         self.wizard: QWidget | None = None  # the last wizard "New job…" opened
-        self.new_job_action = QAction(QIcon.fromTheme("document-new"), "&New job…", self)
+        self.new_job_action = QAction(icon("new-job"), "&New job…", self)
         self.new_job_action.setObjectName("newJob")
         self.new_job_action.setIconText("New job…")  # a tool button would drop the "…" of the text
         self.new_job_action.setShortcut(QKeySequence.StandardKey.New)
@@ -218,6 +232,7 @@ class MainWindow(QMainWindow):
         self.new_job_button.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
         self.new_job_button.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
         self.new_job_button.setToolTip("Open the job wizard (Ctrl+N)")
+        style.mark_primary(self.new_job_button)
         rail_layout.insertWidget(0, self.new_job_button)
 
         for i, (key, _, _) in enumerate(PAGES):

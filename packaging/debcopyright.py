@@ -109,6 +109,31 @@ def _qt_paragraphs(prefix: str, lib: Path) -> list[str]:
     return out
 
 
+ICONS = HERE.parent / "resources" / "ui-icons"  # the app's interface icons, copied from lucide-static
+
+
+def icon_paragraphs(prefix: str, icons: Path = ICONS) -> list[str]:
+    """Lucide's icons in rigpilot/resources/ui-icons: ISC; the ones Lucide took from Feather are also under Feather's
+    MIT license. Both texts, and which icons are Feather's, come from the LICENSE shipped beside them."""
+    text = (icons / "LICENSE").read_text()
+    isc, _, rest = text.partition("\n---\n")
+    listed = re.search(r"derived from the Feather project:\s*\n(.+?)\n\s*\n", rest, re.S)
+    feather = {n.strip() for n in listed.group(1).split(",")} if listed else set()
+    mit = rest[rest.find("The MIT License") :].split("\n", 1)[-1] if "The MIT License" in rest else ""
+    where = f"{prefix}/*/rigpilot/resources/ui-icons"
+    out = [_paragraph(
+        [f"{where}/*"], "\n".join(_copyrights([isc])), "ISC", isc.strip(),
+        "Lucide icons (https://lucide.dev, the lucide-static npm package), the app's interface icons.",
+    )]  # fmt: skip
+    derived = sorted(p.stem for p in icons.glob("*.svg") if p.stem in feather)
+    if derived and mit:
+        out.append(_paragraph(
+            [f"{where}/{name}.svg" for name in derived], "\n".join(_copyrights([isc, mit])), "ISC and Expat",
+            f"{isc.strip()}\n\n{mit.strip()}", "Lucide icons derived from Feather (https://feathericons.com).",
+        ))  # fmt: skip
+    return out
+
+
 def _normalise(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
@@ -376,6 +401,7 @@ def generate(lib: Path, prefix: str, own: dict[str, str]) -> str:
                 [f"{prefix}/*/{pattern}"], bcopy, blic, "\n\n".join(texts) or None, f"{names}, bundled with {d.name}.",
             ))  # fmt: skip
     paragraphs += _qt_paragraphs(prefix, lib)
+    paragraphs += icon_paragraphs(prefix)
     used.update({"GPL-3", "LGPL-3", "GPL-2"} if any("PySide6" in p for p in paragraphs) else set())
     for name in sorted(n for n in used if n.rstrip("+") in COMMON):
         base = name.rstrip("+")

@@ -10,8 +10,9 @@ from PySide6.QtGui import QFont, QResizeEvent
 from PySide6.QtWidgets import QFrame, QGridLayout, QHBoxLayout, QLabel, QSizePolicy, QWidget
 
 from rigpilot.app.widgets.meter import Meter
-from rigpilot.app.widgets.palette import BAD, series_color
+from rigpilot.app.widgets.palette import series_color
 from rigpilot.app.widgets.sparkline import Sparkline
+from rigpilot.app.widgets.style import set_status, set_surface
 from rigpilot.app.widgets.units import NA, celsius, gib, mhz, percent, watts
 from rigpilot.app.widgets.value_label import ValueLabel
 from rigpilot.engine.hardware.machine import Gpu, short_gpu_name
@@ -90,6 +91,7 @@ class GpuCard(QFrame):
         self.index = gpu.index
         self.gpu = gpu
         self.setObjectName(f"gpuCard{gpu.index}")
+        set_surface(self, "card")
         self.setFrameShape(QFrame.Shape.StyledPanel)
         self.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Maximum)
         self._shown: tuple[Any, ...] | None = None
@@ -222,7 +224,7 @@ class GpuCard(QFrame):
         text, tip = flag_text(sample) if has_reading else (NA, "no reading yet")
         self.flags.setText(text)
         self.flags.setToolTip(tip)
-        self.flags.setStyleSheet("" if text.startswith("ok") or text == NA else f"color: {BAD.name()};")
+        set_status(self.flags, None if text.startswith("ok") or text == NA else "bad")
         if jobs:
             self.job.set_full_text(
                 "Job: " + ", ".join(f"{j.get('name') or j['id']} ({j.get('state')})" for j in jobs),

@@ -9,6 +9,7 @@ from PySide6.QtWidgets import QFrame, QGridLayout, QLabel, QWidget
 
 from rigpilot.app.widgets.meter import Meter
 from rigpilot.app.widgets.sparkline import Sparkline
+from rigpilot.app.widgets.style import heading, set_surface
 from rigpilot.app.widgets.units import NA, gib
 
 SPARK_SECONDS = 60.0
@@ -18,8 +19,9 @@ class HostPanel(QFrame):
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
         self.setObjectName("hostPanel")
+        set_surface(self, "card")
         self.setFrameShape(QFrame.Shape.StyledPanel)
-        self.title = QLabel("<b>Host</b>")
+        self.title = heading("Host")
         self.cpu = Meter("Host CPU load")
         self.cpu.setObjectName("hostCpu")
         self.cpu_spark = Sparkline(y_range=(0.0, 100.0))

@@ -34,6 +34,8 @@ from rigpilot.app.dashboard.process_table import ProcessTable
 from rigpilot.app.engine_link import CONNECTED
 from rigpilot.app.settings.model import read_refresh_hz
 from rigpilot.app.widgets.engine_messages import machine_from_message
+from rigpilot.app.widgets.icons import set_icon
+from rigpilot.app.widgets.style import heading
 from rigpilot.app.widgets.time_chart import TimeChart
 from rigpilot.engine.hardware.machine import Gpu
 
@@ -143,14 +145,17 @@ class DashboardPage(QWidget):
             window_row.addWidget(button)
         self.window_buttons[0].setChecked(True)
         self.pause_button = QPushButton("Pause")
+        set_icon(self.pause_button, "pause")
         self.pause_button.setObjectName("pause")
         self.pause_button.setCheckable(True)
         self.pause_button.setToolTip("Freeze the chart to read it, zoom and pan; data keeps being recorded")
         self.pause_button.toggled.connect(self.set_paused)
         self.png_button = QPushButton("Export PNG…")
+        set_icon(self.png_button, "image")
         self.png_button.setObjectName("exportPng")
         self.png_button.clicked.connect(self._ask_png)
         self.csv_button = QPushButton("Export CSV…")
+        set_icon(self.csv_button, "export")
         self.csv_button.setObjectName("exportCsv")
         self.csv_button.clicked.connect(self._ask_csv)
         controls = QHBoxLayout()
@@ -186,7 +191,7 @@ class DashboardPage(QWidget):
         proc_box = QWidget()
         proc_layout = QVBoxLayout(proc_box)
         proc_head = QHBoxLayout()
-        proc_head.addWidget(QLabel("<b>Processes</b>"))
+        proc_head.addWidget(heading("Processes"))
         proc_head.addWidget(self.process_filter)
         proc_head.addStretch(1)
         proc_layout.addLayout(proc_head)

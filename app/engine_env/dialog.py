@@ -52,8 +52,9 @@ from PySide6.QtWidgets import (
 )
 
 from rigpilot.app.tasks import run_in_background
-from rigpilot.app.widgets.palette import BAD, GOOD, WARN
+from rigpilot.app.widgets.icons import set_icon
 from rigpilot.app.widgets.path_field import path_field
+from rigpilot.app.widgets.style import Status, mark_primary, set_status
 from rigpilot.engine.given_path import FOLDER, MISSING, PathRefused, check_given_path
 
 log = logging.getLogger(__name__)
@@ -206,7 +207,7 @@ class EngineEnvDialog(QDialog):
         self.form_error = QLabel()
         self.form_error.setObjectName("engineEnvFormError")
         self.form_error.setWordWrap(True)
-        self.form_error.setStyleSheet(f"color: {BAD.name()};")
+        set_status(self.form_error, "bad")
         self.form_error.hide()
         self.offline = QCheckBox(OFFLINE_CHOICE)
         self.offline.setObjectName("offlineInstall")
@@ -257,10 +258,13 @@ class EngineEnvDialog(QDialog):
         self.terminal.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
 
         self.run_button = QPushButton("Install" if action == INSTALL else "Repair")
+        set_icon(self.run_button, "repair")
+        mark_primary(self.run_button)
         self.run_button.setObjectName("runEngineEnv")
         self.run_button.setDefault(True)
         self.run_button.clicked.connect(self.start)
         self.stop_button = QPushButton("Stop")
+        set_icon(self.stop_button, "cancel")
         self.stop_button.setObjectName("stopEngineEnv")
         self.stop_button.setToolTip("Stop the installer; Resume continues where it stopped")
         self.stop_button.setEnabled(False)
@@ -364,7 +368,7 @@ class EngineEnvDialog(QDialog):
         process.errorOccurred.connect(self._error)
         self.process = process
         self._set_running(True)
-        self.step.setStyleSheet("")
+        set_status(self.step, None)
         self.step.setTextFormat(Qt.TextFormat.PlainText)
         self.step.setText("Starting…")
         process.start(self.command[0], args)
@@ -550,13 +554,13 @@ class EngineEnvDialog(QDialog):
             if elsewhere:
                 text += ". Nothing to install here"
             problems = st.get("problems") or []
-            colour = WARN.darker(130) if problems else GOOD.darker(120)
+            status: Status = "warn" if problems else "good"
             self.step.setText("<br>".join([_escape(text + "."), *(_escape(p) for p in problems)]))
             self.run_button.setEnabled(False)
             self.close_button.setDefault(True)
             self.close_button.setFocus()
         else:
-            colour = BAD
+            status = "bad"
             # Whatever stopped it, installing again continues: a repair resumes as an install.
             self.action = INSTALL
             self.run_button.setText("Resume")
@@ -567,7 +571,7 @@ class EngineEnvDialog(QDialog):
             self.step.setText(_escape(text))
             self._update_terminal_line()
         self.step.setTextFormat(Qt.TextFormat.RichText)
-        self.step.setStyleSheet(f"color: {colour.name()}; font-weight: bold;")
+        set_status(self.step, status)
         self.sig_done.emit(ok, dict(st))
 
     def closeEvent(self, event: QCloseEvent) -> None:

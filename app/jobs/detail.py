@@ -42,6 +42,7 @@ from rigpilot.app.jobs.series import DEFAULT_SMOOTHING
 from rigpilot.app.jobs.slurm_state import slurm_detail
 from rigpilot.app.jobs.summary_view import SettingsDiff, SummaryPanel
 from rigpilot.app.jobs.try_it import TryIt
+from rigpilot.app.widgets.icons import set_icon
 from rigpilot.app.widgets.units import NA
 from rigpilot.engine.schema import TERMINAL_STATES
 
@@ -78,15 +79,19 @@ class JobDetail(QWidget):
         self.progress.setTextVisible(True)
 
         self.cancel_button = QPushButton("&Cancel job")
+        set_icon(self.cancel_button, "cancel")
         self.cancel_button.setObjectName("cancelJob")
         self.cancel_button.setToolTip("Stop the job; workers save a checkpoint first, so it can be resumed")
         self.resume_button = QPushButton("&Resume")
+        set_icon(self.resume_button, "resume")
         self.resume_button.setObjectName("resumeJob")
         self.resume_button.setToolTip("Run the job again from its newest checkpoint")
         self.clone_button = QPushButton("C&lone into wizard…")
+        set_icon(self.clone_button, "clone")
         self.clone_button.setObjectName("cloneJob")
         self.clone_button.setToolTip("Start a new job with this one's settings")
         self.folder_button = QPushButton("Open job &folder")
+        set_icon(self.folder_button, "open-folder")
         self.folder_button.setObjectName("openJobFolder")
         self.folder_button.setToolTip("Logs, metrics, checkpoints and output of this job")
         # What a finished job's model is good for; the page answers each action.
@@ -102,9 +107,11 @@ class JobDetail(QWidget):
         self.use_button.setMenu(self.use_menu)
         self.use_button.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)
         self.rename_button = QPushButton("Re&name…")
+        set_icon(self.rename_button, "rename")
         self.rename_button.setObjectName("renameJob")
         self.rename_button.setToolTip("Give the job a new name (F2 in the job list)")
         self.delete_button = QPushButton("&Delete…")
+        set_icon(self.delete_button, "delete")
         self.delete_button.setObjectName("deleteJob")
         self.delete_button.setToolTip(
             "Remove the job with its folder: logs, checkpoints, output (Delete in the job list)"

@@ -14,6 +14,8 @@ from PySide6.QtCore import QAbstractItemModel, Qt, Signal
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
 
 from rigpilot.app.widgets.engine_messages import machine_dict
+from rigpilot.app.widgets.icons import set_icon
+from rigpilot.app.widgets.style import mark_primary
 from rigpilot.app.wizard.state import examples_present
 
 NO_JOBS = (
@@ -39,6 +41,8 @@ class JobsEmptyState(QWidget):
         self.text.setAlignment(Qt.AlignmentFlag.AlignCenter)
         self.text.setWordWrap(True)
         self.example_button = QPushButton("&Run the example job")
+        set_icon(self.example_button, "run")
+        mark_primary(self.example_button)
         self.example_button.setObjectName("runExample")
         self.example_button.setToolTip(
             "Trains the shipped tiny model (tiny-llama) on the shipped text for 30 steps, "
@@ -49,6 +53,7 @@ class JobsEmptyState(QWidget):
             self.example_button.setEnabled(False)
             self.example_button.setToolTip(NO_EXAMPLE)
         self.new_button = QPushButton("New job…")
+        set_icon(self.new_button, "new-job")
         self.new_button.setObjectName("newJobButton")
         self.new_button.setToolTip("Open the job wizard (Ctrl+N, from any page)")
         self.new_button.clicked.connect(self.new_job)

@@ -15,7 +15,8 @@ from PySide6.QtCore import Signal
 from PySide6.QtGui import QFontDatabase
 from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QVBoxLayout, QWidget
 
-from rigpilot.app.widgets.palette import BAD, tint
+from rigpilot.app.widgets.icons import set_icon
+from rigpilot.app.widgets.style import set_banner
 from rigpilot.app.widgets.units import gib
 from rigpilot.engine.diskspace import human_size
 from rigpilot.engine.jobs.store import FAILED, INTERRUPTED
@@ -71,6 +72,7 @@ class FailurePanel(QFrame):
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
         self.setObjectName("failurePanel")
+        set_banner(self, "bad")
         self.setFrameShape(QFrame.Shape.StyledPanel)
         self.title = QLabel()
         self.title.setObjectName("failureTitle")
@@ -94,6 +96,7 @@ class FailurePanel(QFrame):
         self.last_log.setFont(QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont))
         self.last_log.setMaximumHeight(150)
         self.show_log = QPushButton("Open the full log")
+        set_icon(self.show_log, "log")
         self.show_log.setObjectName("failureShowLog")
         self.show_log.clicked.connect(lambda: self.sig_show_log.emit(self._rank if self._rank is not None else -1))
         self._rank: int | None = None
@@ -106,7 +109,6 @@ class FailurePanel(QFrame):
         layout.addWidget(self.reason)
         layout.addWidget(self.fix)
         layout.addWidget(self.last_log)
-        self.setStyleSheet(f"#failurePanel {{ background: {tint(BAD, self.palette(), 0.18).name()}; }}")
         self.hide()
 
     def show_job(self, record: dict[str, Any], streamed_oom: dict[str, Any] | None = None) -> None:

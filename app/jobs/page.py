@@ -58,6 +58,7 @@ from rigpilot.app.jobs.model import (
 )
 from rigpilot.app.jobs.outcome import model_of, settings_of
 from rigpilot.app.jobs.telemetry_window import job_window
+from rigpilot.app.widgets.style import heading
 from rigpilot.engine.schema import FINE_TUNE_METHODS
 
 CONNECTED = "connected"  # EngineLink's state name
@@ -179,7 +180,7 @@ class JobsPage(QWidget):
         filter_label = QLabel("S&how")
         filter_label.setBuddy(self.state_filter)
         list_head = QHBoxLayout()
-        list_head.addWidget(QLabel("<b>Jobs</b>"))
+        list_head.addWidget(heading("Jobs"))
         list_head.addSpacing(12)
         list_head.addWidget(filter_label)
         list_head.addWidget(self.state_filter)

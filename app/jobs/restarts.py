@@ -18,7 +18,7 @@ from PySide6.QtGui import QBrush, QPainter, QPalette, QPen
 from PySide6.QtWidgets import QFrame, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
 from rigpilot.app.jobs.model import gpus_text
-from rigpilot.app.widgets.palette import ACCENT, BAD, WARN, tint
+from rigpilot.app.widgets.palette import ACCENT, BAD, WARN, status_text, tint
 
 
 @dataclass
@@ -136,7 +136,7 @@ class RestartTimeline(QFrame):
         self.strip.runs = t.runs
         self.strip.setVisible(bool(t.rows))
         self.strip.update()
-        warn = WARN.darker(150).name()
+        warn = status_text(WARN, self.palette()).name()
         lines = []
         for r in t.rows:
             line = f"{r.when}  {_escape(r.text)}"

@@ -28,6 +28,7 @@ from PySide6.QtWidgets import (
 )
 
 from rigpilot.app.jobs.outcome import backend_of
+from rigpilot.app.widgets.icons import set_icon
 from rigpilot.app.widgets.table_model import ColumnsModel, Index
 from rigpilot.app.widgets.units import NA, gib, si
 
@@ -152,13 +153,16 @@ class ResultsView(QWidget):
         copy = QShortcut(QKeySequence.StandardKey.Copy, self.table, self.copy_selection)
         copy.setContext(Qt.ShortcutContext.WidgetShortcut)
         self.copy_button = QPushButton("&Copy rows")
+        set_icon(self.copy_button, "copy")
         self.copy_button.setObjectName("copyCompletions")
         self.copy_button.setToolTip("Copy the selected rows (all rows when none is selected) as tab-separated text")
         self.copy_button.clicked.connect(lambda: self.copy_selection(all_if_none=True))
         self.csv_button = QPushButton("Export C&SV…")
+        set_icon(self.csv_button, "export")
         self.csv_button.setObjectName("exportCsv")
         self.csv_button.clicked.connect(lambda: self.export("csv"))
         self.jsonl_button = QPushButton("Export &JSONL…")
+        set_icon(self.jsonl_button, "export")
         self.jsonl_button.setObjectName("exportJsonl")
         self.jsonl_button.clicked.connect(lambda: self.export("jsonl"))
         buttons = QHBoxLayout()

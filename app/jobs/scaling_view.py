@@ -28,7 +28,9 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from rigpilot.app.widgets.icons import set_icon
 from rigpilot.app.widgets.palette import WARN, apply_plot_theme, series_color, tint
+from rigpilot.app.widgets.style import mark_primary
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.jobs import scaling_table
 
@@ -72,10 +74,13 @@ class ScalingPanel(QWidget):
         self.counts.setToolTip("GPU counts to measure, e.g. 1,2,4 (GPUs 0 … n-1 each)")
         self.counts.setMaximumWidth(120)
         self.start_button = QPushButton("How does this scale?")
+        set_icon(self.start_button, "scale")
+        mark_primary(self.start_button)
         self.start_button.setObjectName("scaleButton")
         self.start_button.setToolTip(START_TIP)
         self.start_button.clicked.connect(self.start)
         self.cancel_button = QPushButton("Cancel study")
+        set_icon(self.cancel_button, "cancel")
         self.cancel_button.setObjectName("scaleCancel")
         self.cancel_button.setToolTip("Cancel the study's jobs that have not ended; the GPU counts measured so far stay")
         self.cancel_button.clicked.connect(self.cancel)
@@ -119,9 +124,11 @@ class ScalingPanel(QWidget):
         self.notes.setObjectName("scaleNotes")
         self.notes.setWordWrap(True)
         self.png_button = QPushButton("Save chart as PNG…")
+        set_icon(self.png_button, "image")
         self.png_button.setObjectName("scalePng")
         self.png_button.clicked.connect(lambda: self._save("PNG image (*.png)", ".png", self.export_png))
         self.csv_button = QPushButton("Save table as CSV…")
+        set_icon(self.csv_button, "export")
         self.csv_button.setObjectName("scaleCsv")
         self.csv_button.clicked.connect(lambda: self._save("CSV (*.csv)", ".csv", self.export_csv))
         exports = QHBoxLayout()

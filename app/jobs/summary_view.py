@@ -25,7 +25,8 @@ from PySide6.QtWidgets import (
 from rigpilot.app.jobs.energy_view import EnergySection
 from rigpilot.app.jobs.outcome import eval_trend, load_snippets, model_of, output_of, settings_diff, summary_rows
 from rigpilot.app.widgets.form_row import form_texts
-from rigpilot.app.widgets.palette import WARN
+from rigpilot.app.widgets.icons import set_icon
+from rigpilot.app.widgets.style import set_banner
 
 
 class SummaryPanel(QWidget):
@@ -36,10 +37,8 @@ class SummaryPanel(QWidget):
         self.heading.setWordWrap(True)
         self.warning = QLabel()
         self.warning.setObjectName("evalWarning")
+        set_banner(self.warning, "warn")
         self.warning.setWordWrap(True)
-        self.warning.setStyleSheet(
-            f"#evalWarning {{ background: {WARN.lighter(170).name()}; color: #3d2e00; padding: 4px 8px; }}"
-        )
         self.warning.hide()
         self.form = QFormLayout()
         self.form.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.AllNonFixedFieldsGrow)
@@ -103,6 +102,7 @@ class SummaryPanel(QWidget):
             head.addWidget(QLabel(f"How to load it with <b>{title}</b>"))
             head.addStretch(1)
             copy = QPushButton("Copy")
+            set_icon(copy, "copy")
             copy.setObjectName("copySnippet")
             copy.setToolTip(f"Copy the {title} snippet")
             head.addWidget(copy)

@@ -11,6 +11,7 @@ from PySide6.QtWidgets import QFileDialog, QHBoxLayout, QLabel, QPushButton, QWi
 from rigpilot.app.planner.exports import EXPORT_TARGETS, TARGETS, unsupported, write_export
 from rigpilot.app.planner.model import error_text
 from rigpilot.app.tasks import run_in_background
+from rigpilot.app.widgets.icons import set_icon
 
 
 class ExportBar(QWidget):
@@ -28,6 +29,7 @@ class ExportBar(QWidget):
             layout.addWidget(QLabel(title))
         for t in EXPORT_TARGETS:
             button = QPushButton(t.label + "…")
+            set_icon(button, "export")
             button.setObjectName(f"export-{t.key}")
             button.setToolTip(f"Save the plan as {t.label} ({t.default_name})")
             button.clicked.connect(lambda _=False, key=t.key: self.ask_export(key))

@@ -16,7 +16,7 @@ from PySide6.QtWidgets import QCheckBox, QHBoxLayout, QLabel, QPushButton, QVBox
 from rigpilot.app.topology.graph_view import TopologyGraphView
 from rigpilot.app.topology.model import build_graph, gpu_model, gpu_title
 from rigpilot.app.widgets.engine_messages import machine_dict
-from rigpilot.app.widgets.palette import WARN
+from rigpilot.app.widgets.style import set_status
 from rigpilot.engine.hardware.machine import Machine
 from rigpilot.engine.jobs.store import ACTIVE_STATES
 
@@ -155,9 +155,9 @@ class GpuSelector(QWidget):
                 names = ", ".join(jobs)
                 text += f" — busy: {names if len(names) <= 24 else names[:23] + '…'}"
                 tip += f"\nIn use by: {names}"
-                box.setStyleSheet(f"color: {WARN.darker(130).name()};")
+                set_status(box, "warn")
             else:
-                box.setStyleSheet("")
+                set_status(box, None)
             box.setText(text)
             box.setToolTip(tip)
 

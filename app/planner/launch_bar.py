@@ -8,7 +8,8 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
 
 from rigpilot.app.planner.export_bar import ExportBar
-from rigpilot.app.widgets.palette import BAD
+from rigpilot.app.widgets.icons import set_icon
+from rigpilot.app.widgets.style import mark_primary, set_status
 
 
 class LaunchBar(QWidget):
@@ -20,13 +21,15 @@ class LaunchBar(QWidget):
         self.exports = ExportBar()
         self.exports.sig_exported.connect(self._exported)
         self.launch_button = QPushButton("Launch with this plan…")
+        set_icon(self.launch_button, "launch")
+        mark_primary(self.launch_button)
         self.launch_button.setObjectName("launchPlan")
         self.launch_button.setEnabled(False)
         self.launch_button.clicked.connect(lambda _=False: self.sig_launch.emit())
         self.launch_note = QLabel("")
         self.launch_note.setObjectName("launchNote")
         self.launch_note.setWordWrap(True)
-        self.launch_note.setStyleSheet(f"color: {BAD.name()};")
+        set_status(self.launch_note, "bad")
         self.launch_note.hide()
         self.export_note = QLabel("")
         self.export_note.setObjectName("exportNote")

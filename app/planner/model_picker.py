@@ -26,6 +26,7 @@ from PySide6.QtWidgets import (
 from rigpilot.app.planner.hub_search import HubResults, search_hub
 from rigpilot.app.planner.model import error_text
 from rigpilot.app.tasks import run_in_background
+from rigpilot.app.widgets.icons import set_icon
 from rigpilot.engine.given_path import is_given_folder
 from rigpilot.engine.models.presets import list_presets
 
@@ -57,6 +58,7 @@ class ModelPicker(QWidget):
             self.presets.setItemData(self.presets.count() - 1, p.repo_id, Qt.ItemDataRole.ToolTipRole)
         self.presets.activated.connect(self._preset_chosen)
         self.folder_button = QPushButton("Folder…")
+        set_icon(self.folder_button, "open-folder")
         self.folder_button.setObjectName("modelFolder")
         self.folder_button.setToolTip("A local folder with config.json (and weights)")
         self.folder_button.clicked.connect(self._ask_folder)
@@ -67,6 +69,7 @@ class ModelPicker(QWidget):
             self.config_button.setToolTip("A model configuration to train from scratch")
             self.config_button.clicked.connect(self._ask_config)
         self.search_button = QPushButton("Search hub")
+        set_icon(self.search_button, "search")
         self.search_button.setObjectName("modelSearch")
         self.search_button.setToolTip("Search the Hugging Face hub for the text typed (cached models when offline)")
         self.search_button.clicked.connect(self.search)

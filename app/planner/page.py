@@ -52,6 +52,8 @@ from rigpilot.app.planner.results_view import TABLE_COLUMNS, PlanResults
 from rigpilot.app.planner.workload_form import WorkloadForm
 from rigpilot.app.topology.imported import HERE, ImportedMachines
 from rigpilot.app.widgets.engine_messages import machine_dict, machine_identity
+from rigpilot.app.widgets.icons import set_icon
+from rigpilot.app.widgets.style import mark_primary
 from rigpilot.engine.recipe import RECIPE_SETTINGS
 
 __all__ = ["TABLE_COLUMNS", "PlannerPage", "duration_short"]
@@ -149,6 +151,8 @@ class PlannerPage(QWidget):
 
     def _lay_out(self) -> None:
         self.plan_button = QPushButton("Plan")
+        set_icon(self.plan_button, "plan")
+        mark_primary(self.plan_button)
         self.plan_button.setObjectName("planButton")
         self.plan_button.setDefault(True)
         self.plan_button.setToolTip("Find the fastest way to split this workload over the selected GPUs")
@@ -157,6 +161,7 @@ class PlannerPage(QWidget):
         self.status.setObjectName("planStatus")
         self.status.setWordWrap(True)
         self.cancel_check = QPushButton("Cancel memory check")
+        set_icon(self.cancel_check, "cancel")
         self.cancel_check.setObjectName("cancelMemoryCheck")
         self.cancel_check.setToolTip("Stop tracing the plans' memory: the formula's figures stand")
         self.cancel_check.clicked.connect(self.cancel_memory_check)

@@ -40,7 +40,8 @@ from rigpilot.app.planner.model import (
     summary_lines,
 )
 from rigpilot.app.planner.rented_view import RentedTable
-from rigpilot.app.widgets.palette import BAD, GOOD
+from rigpilot.app.widgets.palette import BAD, GOOD, status_text
+from rigpilot.app.widgets.style import set_status
 from rigpilot.engine.planner.amounts import gib_pair
 from rigpilot.engine.planner.calibration import NOT_CALIBRATED
 
@@ -136,7 +137,7 @@ class PlanResults(QWidget):
 
     def _headlines(self) -> None:
         self.message = _label("planMessage")
-        self.message.setStyleSheet(f"color: {BAD.name()}; font-weight: bold;")
+        set_status(self.message, "bad")
         self.message.hide()
         # A refusal with a known fix (a sequence longer than the model's context) offers it in one click.
         self.fix_button = QPushButton()
@@ -158,7 +159,7 @@ class PlanResults(QWidget):
         # The result stays on screen after the inputs change (to compare), marked as not theirs.
         self.stale = _label("planStale", selectable=False)
         self.stale.setText("The inputs changed since this plan was made: press Plan to plan for them.")
-        self.stale.setStyleSheet(f"color: {BAD.name()}; font-weight: bold;")
+        set_status(self.stale, "bad")
         self.stale.hide()
 
     def _details(self) -> QTabWidget:
@@ -299,10 +300,10 @@ class PlanResults(QWidget):
                 item.setToolTip(value)
                 if c == RUNS_HERE_COLUMN and not runs:
                     # The reason in full: beside the Launch button when the plan is shown, and here on hover.
-                    item.setForeground(BAD)
+                    item.setForeground(status_text(BAD, self.palette()))
                     item.setToolTip(f"The engine does not run this plan: {row.runs_here}")
                 if c == FULLEST_COLUMN and not row.fits:
-                    item.setForeground(BAD)
+                    item.setForeground(status_text(BAD, self.palette()))
                     item.setToolTip(f"Does not fit: the fullest GPU would need {value}")
                 self.table.setItem(r, c, item)
         # Without a token budget no plan has a time to finish: its column would only take the layout's room.
@@ -373,7 +374,7 @@ class PlanResults(QWidget):
         self.chart.show_memory(plan.get("memory") or [])
         lines = summary_lines(plan)
         fits = all(m["headroom"] >= 0 for m in plan.get("memory") or [])
-        colour = GOOD if fits else BAD
+        colour = status_text(GOOD if fits else BAD, self.palette())
         if not heading and self.other_machine is not None:
             heading = f"Plan for {html.escape(self.other_machine)}:"
         head = f"<b>{heading or 'Plan'}</b> <span style='color:{colour.name()}'>{lines[0]}</span>"

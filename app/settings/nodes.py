@@ -27,7 +27,8 @@ from PySide6.QtWidgets import (
     QTableWidgetItem,
 )
 
-from rigpilot.app.widgets.palette import BAD
+from rigpilot.app.widgets.icons import set_icon
+from rigpilot.app.widgets.style import set_status
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.service.nodes import REMOTE_HINT, check_node
 
@@ -81,18 +82,21 @@ class NodesBox(QGroupBox):
         self.fingerprint.setAccessibleName("Node certificate fingerprint")
         self.fingerprint.setPlaceholderText("optional: SHA256:… from 'rigpilot engine --fingerprint' there")
         self.add_button = QPushButton("Add node")
+        set_icon(self.add_button, "add")
         self.add_button.setObjectName("addNode")
         self.add_button.clicked.connect(self.add)
         self.remove_button = QPushButton("Remove")
+        set_icon(self.remove_button, "remove")
         self.remove_button.setObjectName("removeNode")
         self.remove_button.clicked.connect(self.remove_selected)
         self.refresh_button = QPushButton("Check again")
+        set_icon(self.refresh_button, "refresh")
         self.refresh_button.setObjectName("refreshNodes")
         self.refresh_button.clicked.connect(self.refresh)
         self.error = QLabel()
         self.error.setObjectName("error-node")
         self.error.setWordWrap(True)
-        self.error.setStyleSheet(f"color: {BAD.name()};")
+        set_status(self.error, "bad")
         self.error.hide()
         self.status = QLabel()
         self.status.setObjectName("nodesStatus")

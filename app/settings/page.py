@@ -46,7 +46,8 @@ from rigpilot.app.settings.model import (
 from rigpilot.app.settings.nodes import NodesBox
 from rigpilot.app.settings.prices import PricesBox
 from rigpilot.app.tasks import run_in_background
-from rigpilot.app.widgets.palette import BAD
+from rigpilot.app.widgets.icons import set_icon
+from rigpilot.app.widgets.style import mark_primary, set_status
 from rigpilot.engine.api.client import EngineUnavailable
 from rigpilot.engine.api.pins import pinned
 from rigpilot.engine.errors import UserError
@@ -58,7 +59,7 @@ def _error_label(name: str) -> QLabel:
     label = QLabel()
     label.setObjectName(f"error-{name}")
     label.setWordWrap(True)
-    label.setStyleSheet(f"color: {BAD.name()};")
+    set_status(label, "bad")
     label.hide()
     return label
 
@@ -132,6 +133,7 @@ class SettingsPage(QWidget):
         self.engine_env_command: list[str] | None = None
         self.engine_env_dialog: QWidget | None = None
         self.repair_button = QPushButton("Repair engine environment…")
+        set_icon(self.repair_button, "repair")
         self.repair_button.setObjectName("repairEngineEnv")
         self.repair_button.clicked.connect(self.repair_engine_env)
         repair_row = QHBoxLayout()
@@ -178,6 +180,7 @@ class SettingsPage(QWidget):
         ))  # fmt: skip
         remote_form.addRow("Environment", repair_row)
         self.restart_button = QPushButton("Restart engine…")
+        set_icon(self.restart_button, "restart")
         self.restart_button.setObjectName("restartEngine")
         self.restart_button.clicked.connect(self.ask_restart)
         restart_row = QHBoxLayout()
@@ -212,10 +215,13 @@ class SettingsPage(QWidget):
         display_form.addRow(_note("Light or dark: Rigpilot follows the system theme."))
 
         self.save_button = QPushButton("Save")
+        set_icon(self.save_button, "save")
+        mark_primary(self.save_button)
         self.save_button.setObjectName("save")
         self.save_button.setDefault(True)
         self.save_button.clicked.connect(self.save)
         self.revert_button = QPushButton("Revert")
+        set_icon(self.revert_button, "revert")
         self.revert_button.setObjectName("revert")
         self.revert_button.clicked.connect(self.load)
         self.status = QLabel()

@@ -27,7 +27,8 @@ from PySide6.QtWidgets import (
 )
 
 from rigpilot.app.tasks import run_in_background
-from rigpilot.app.widgets.palette import BAD
+from rigpilot.app.widgets.icons import set_icon
+from rigpilot.app.widgets.style import set_status
 from rigpilot.engine.settings import RENTED_EXAMPLE, Settings, check_currency, check_price, check_rented_machine
 
 COLUMNS = [("name", "Name"), ("gpu", "GPU model"), ("gpus", "GPUs"), ("price_per_gpu_hour", "Price per GPU-hour"),
@@ -96,10 +97,13 @@ class PricesBox(QGroupBox):
         self.table.setMaximumHeight(160)
         self.table.setTabKeyNavigation(False)  # Tab leaves the table, as on the rest of the page
         add, remove = QPushButton("Add machine"), QPushButton("Remove machine")
+        set_icon(add, "add")
+        set_icon(remove, "remove")
         add.clicked.connect(lambda: self.add_row({}))
         remove.clicked.connect(self._remove_selected)
         self.rented_error = _error()
         self.save_button = QPushButton("Save prices")
+        set_icon(self.save_button, "save")
         self.save_button.setObjectName("savePrices")
         self.save_button.clicked.connect(self.save)
         self.status = QLabel()
@@ -182,6 +186,6 @@ class PricesBox(QGroupBox):
 def _error() -> QLabel:
     label = QLabel()
     label.setWordWrap(True)
-    label.setStyleSheet(f"color: {BAD.name()};")
+    set_status(label, "bad")
     label.hide()
     return label

@@ -37,7 +37,8 @@ from rigpilot.app.topology.matrix import BandwidthHeatMap, TopoLegend, TopoMatri
 from rigpilot.app.topology.model import TopologyGraph, build_graph, machine_title, measured_bandwidth, topo_matrix
 from rigpilot.app.widgets.elided_label import ElidedLabel
 from rigpilot.app.widgets.engine_messages import machine_dict
-from rigpilot.app.widgets.palette import BAD
+from rigpilot.app.widgets.icons import set_icon
+from rigpilot.app.widgets.style import set_status
 from rigpilot.engine.hardware.importers import import_machine
 from rigpilot.engine.hardware.machine import Machine
 from rigpilot.engine.hardware.topology import describe
@@ -74,10 +75,12 @@ class TopologyPage(QWidget):
         font.setPointSizeF(font.pointSizeF() * 1.15)
         self.title.setFont(font)
         self.import_button = QPushButton("Import nvidia-smi output…")
+        set_icon(self.import_button, "import")
         self.import_button.setObjectName("importMachine")
         self.import_button.setToolTip("Show another machine from saved `nvidia-smi topo -m`, `-q` or `-q -x` output")
         self.import_button.clicked.connect(self._ask_import)
         self.back_button = QPushButton("Back to this machine")
+        set_icon(self.back_button, "back")
         self.back_button.setObjectName("backToLocal")
         self.back_button.clicked.connect(self.show_local)
         self.back_button.hide()
@@ -88,6 +91,7 @@ class TopologyPage(QWidget):
         self.choice.setMinimumContentsLength(CHOICE_WIDTH)
         self.choice.activated.connect(self._choice_activated)
         self.plan_button = QPushButton("Plan for this machine")
+        set_icon(self.plan_button, "plan")
         self.plan_button.setObjectName("planForMachine")
         self.plan_button.clicked.connect(lambda: self.sig_plan_for_machine.emit(self.shown_key))
         head = QHBoxLayout()
@@ -100,7 +104,7 @@ class TopologyPage(QWidget):
         self.error.setObjectName("importError")
         self.error.setWordWrap(True)
         self.error.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.error.setStyleSheet(f"color: {BAD.name()}; font-weight: bold;")
+        set_status(self.error, "bad")
         self.error.hide()
         self.gpu_model = GpuModelChoice()
         self.gpu_model.sig_chosen.connect(self._on_gpu_model)

@@ -51,3 +51,9 @@ def apply_plot_theme(plot: pg.PlotWidget, palette: QPalette) -> None:
         axis = plot.getPlotItem().getAxis(name)
         axis.setPen(pg.mkPen(faint))
         axis.setTextPen(pg.mkPen(ink))
+
+
+def status_text(color: QColor, palette: QPalette) -> QColor:
+    """A status colour as text that reads on the palette's background: drawn towards its ink (darker on a light
+    theme, lighter on a dark one), so warnings in yellow stay legible on white."""
+    return blend(color, palette.color(QPalette.ColorRole.Text), 0.72)

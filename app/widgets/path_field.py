@@ -12,6 +12,8 @@ from collections.abc import Callable
 
 from PySide6.QtWidgets import QHBoxLayout, QLineEdit, QPushButton
 
+from rigpilot.app.widgets.icons import set_icon
+
 
 def path_field(
     name: str, browse_name: str, placeholder: str, on_browse: Callable[[], object], *, accessible: str = "",
@@ -25,6 +27,7 @@ def path_field(
         edit.setAccessibleName(accessible)
     edit.setClearButtonEnabled(clear_button)
     browse = QPushButton("Browse…")
+    set_icon(browse, "open-folder")
     browse.setObjectName(browse_name)
     browse.clicked.connect(on_browse)
     row = QHBoxLayout()

@@ -17,7 +17,7 @@ from PySide6.QtWidgets import QLabel, QPushButton, QVBoxLayout, QWizardPage
 
 from rigpilot.app.planner.model import error_text
 from rigpilot.app.tasks import run_in_background
-from rigpilot.app.widgets.palette import BAD, GOOD, WARN
+from rigpilot.app.widgets.style import Status, set_status
 from rigpilot.app.wizard.host import DATA, GPUS, HYPER, LAUNCH, MODEL, PLAN, REVIEW, TASK, WizardHost
 
 if TYPE_CHECKING:
@@ -79,8 +79,8 @@ class StepPage(QWizardPage):
         self.problem = problem
         text = problem or note
         if text:
-            colour = BAD if problem else {"ok": GOOD.darker(120), "warn": WARN.darker(130)}.get(tone)
-            self.message.setStyleSheet(f"color: {colour.name()}; font-weight: bold;" if colour else "")
+            tones: dict[str, Status] = {"ok": "good", "warn": "warn"}
+            set_status(self.message, "bad" if problem else tones.get(tone))
             self.message.setText(text)
         self.message.setVisible(bool(text))
         self.completeChanged.emit()

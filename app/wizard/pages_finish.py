@@ -12,6 +12,7 @@ from PySide6.QtWidgets import QFormLayout, QHBoxLayout, QLabel, QLineEdit, QPlai
 from rigpilot.app.planner.export_bar import ExportBar
 from rigpilot.app.planner.model import error_text, summary_lines
 from rigpilot.app.widgets.form_row import form_row
+from rigpilot.app.widgets.icons import set_icon
 from rigpilot.app.wizard.host import LAUNCH, WizardHost
 from rigpilot.app.wizard.page_base import StepPage
 from rigpilot.app.wizard.state import (
@@ -99,6 +100,7 @@ class ReviewPage(StepPage):
         self.engine_view.setTabChangesFocus(True)
         self.engine_view.setMaximumHeight(120)
         self.recheck = QPushButton("Check again")
+        set_icon(self.recheck, "refresh")
         self.recheck.setObjectName("recheck")
         self.recheck.clicked.connect(self.validate)
         self.recheck.hide()
@@ -119,6 +121,7 @@ class ReviewPage(StepPage):
         mono.setStyleHint(QFont.StyleHint.Monospace)
         self.command.setFont(mono)
         self.copy_button = QPushButton("Copy command")
+        set_icon(self.copy_button, "copy")
         self.copy_button.setObjectName("copyCommand")
         self.copy_button.clicked.connect(lambda: QGuiApplication.clipboard().setText(self.command.toPlainText()))
         self.exports = ExportBar(title="Export the plan:")
@@ -205,6 +208,7 @@ class LaunchPage(StepPage):
         self.status.setObjectName("launchStatus")
         self.status.setWordWrap(True)
         self.retry = QPushButton("Try again")
+        set_icon(self.retry, "refresh")
         self.retry.setObjectName("retryLaunch")
         self.retry.clicked.connect(self.submit)
         self.retry.hide()

@@ -37,7 +37,9 @@ from rigpilot.app.planner.model import (
     tokens_per_s,
 )
 from rigpilot.app.widgets.form_row import form_row
-from rigpilot.app.widgets.palette import BAD, WARN
+from rigpilot.app.widgets.icons import set_icon
+from rigpilot.app.widgets.palette import BAD, status_text
+from rigpilot.app.widgets.style import set_status
 from rigpilot.app.wizard.data_check import CHAT, INSTRUCTION
 from rigpilot.app.wizard.host import HYPER, REVIEW, WizardHost
 from rigpilot.app.wizard.page_base import StepPage
@@ -189,9 +191,11 @@ class PlanPage(StepPage):
         self.cpu_offload = QCheckBox("Offload to host RAM (FSDP2)")
         self.cpu_offload.setObjectName("overrideCpuOffload")
         self.reset_button = QPushButton("Back to this alternative as planned")
+        set_icon(self.reset_button, "revert")
         self.reset_button.setObjectName("resetOverrides")
         self.reset_button.clicked.connect(lambda: self._show_alternative(self.base))
         self.replan_button = QPushButton("Plan again")
+        set_icon(self.replan_button, "plan")
         self.replan_button.setObjectName("replan")
         self.replan_button.clicked.connect(self.request_plan)
         overrides = QGroupBox("Your changes")
@@ -342,7 +346,7 @@ class PlanPage(StepPage):
             text = f"{label}: {plan['parallelism']['family']} — {speed}\n{summary_lines(plan)[0]}"
             item = QListWidgetItem(text if runs else f"{text}\nDoes not run here: {why}")
             if not runs:
-                item.setForeground(BAD)
+                item.setForeground(status_text(BAD, self.palette()))
                 item.setToolTip(f"The engine does not run this plan: {why}")
             item.setData(Qt.ItemDataRole.UserRole, plan)
             self.alternatives.addItem(item)
@@ -545,7 +549,7 @@ class HyperPage(StepPage):
         )
         self.trust_warning.setObjectName("trustWarning")
         self.trust_warning.setWordWrap(True)
-        self.trust_warning.setStyleSheet(f"color: {WARN.darker(140).name()};")
+        set_status(self.trust_warning, "warn")
         self.trust.toggled.connect(self._changed)
 
         content = QWidget()

@@ -29,6 +29,7 @@ from PySide6.QtWidgets import (
 from rigpilot.app.planner.gpu_selector import GpuSelector
 from rigpilot.app.planner.model_picker import ModelPicker
 from rigpilot.app.widgets.form_row import form_row
+from rigpilot.app.widgets.icons import set_icon
 from rigpilot.app.widgets.path_field import path_field
 from rigpilot.app.wizard.data_check import DataReport, inspect_dataset, inspect_prompts, tokens_text
 from rigpilot.app.wizard.host import DATA, GPUS, MODEL, PLAN, REVIEW, WizardHost
@@ -293,9 +294,11 @@ class DataPage(StepPage):
         self.files.setAccessibleName("Data files")
         self.files.setMaximumHeight(110)
         self.add_button = QPushButton("Add files…")
+        set_icon(self.add_button, "add")
         self.add_button.setObjectName("addData")
         self.add_button.clicked.connect(self._ask_files)
         self.remove_button = QPushButton("Remove")
+        set_icon(self.remove_button, "remove")
         self.remove_button.setObjectName("removeData")
         self.remove_button.clicked.connect(self._remove_selected)
         self.text_field = QComboBox()
