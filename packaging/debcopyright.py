@@ -118,15 +118,18 @@ def icon_paragraphs(prefix: str, icons: Path = ICONS) -> list[str]:
     text = (icons / "LICENSE").read_text()
     isc, _, rest = text.partition("\n---\n")
     listed = re.search(r"derived from the Feather project:\s*\n(.+?)\n\s*\n", rest, re.S)
-    feather = {n.strip() for n in listed.group(1).split(",")} if listed else set()
-    mit = rest[rest.find("The MIT License") :].split("\n", 1)[-1] if "The MIT License" in rest else ""
+    if listed is None or "The MIT License" not in rest:
+        # A new LICENSE worded otherwise must stop the build, not drop the MIT paragraph from the copyright file.
+        raise ValueError(f"{icons / 'LICENSE'}: no list of Feather-derived icons or no MIT text where expected")
+    feather = {n.strip() for n in listed.group(1).split(",")}
+    mit = rest[rest.find("The MIT License") :].split("\n", 1)[-1]
     where = f"{prefix}/*/rigpilot/resources/ui-icons"
     out = [_paragraph(
         [f"{where}/*"], "\n".join(_copyrights([isc])), "ISC", isc.strip(),
         "Lucide icons (https://lucide.dev, the lucide-static npm package), the app's interface icons.",
     )]  # fmt: skip
     derived = sorted(p.stem for p in icons.glob("*.svg") if p.stem in feather)
-    if derived and mit:
+    if derived:
         out.append(_paragraph(
             [f"{where}/{name}.svg" for name in derived], "\n".join(_copyrights([isc, mit])), "ISC and Expat",
             f"{isc.strip()}\n\n{mit.strip()}", "Lucide icons derived from Feather (https://feathericons.com).",

@@ -233,10 +233,6 @@ def settings_diff(jobs: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
 
 
 def steady_speed(progress: dict[str, Any]) -> float | None:
-    """The job's tokens/s as the engine measures it beside the plan (the median of its latest steps); an older
-    engine's latest rate where it sends no steady figure."""
-    for key in ("steady_tokens_per_s", "tokens_per_s"):
-        v = progress.get(key)
-        if isinstance(v, int | float) and not isinstance(v, bool):
-            return float(v)
-    return None
+    """The job's tokens/s as the engine measures it beside the plan (the median of its latest steps)."""
+    v = progress.get("steady_tokens_per_s")
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None

@@ -33,9 +33,9 @@ from rigpilot.app.widgets.palette import WARN, apply_plot_theme, series_color, t
 from rigpilot.app.widgets.style import mark_primary
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.jobs import scaling_table
+from rigpilot.engine.jobs.scaling_table import ACTIVE
 
 POLL_MS = 1000
-ACTIVE = ("planning", "running")  # engine.jobs.scaling.ACTIVE: a study's states before it ends
 START_TIP = ("Run this job's training again for a few steps on each GPU count, one after another, "
              "and compare the measured speed-up with linear and with the planner's prediction")  # fmt: skip
 
@@ -346,7 +346,8 @@ def progress_text(study: dict[str, Any]) -> str:
         return f"Study {study['id']} was cancelled: {done} of {len(points)} points measured"
     if study.get("error") and not points:
         return f"The study could not start: {study['error'].get('message')}"
-    failed = [p.get("error") for p in points if p.get("error")]
+    failed = [study["error"].get("message")] if study.get("error") else []
+    failed += [p.get("error") for p in points if p.get("error")]
     return f"Study {study['id']} did not finish: " + ("; ".join(failed) or "a job ended early")
 
 

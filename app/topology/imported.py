@@ -16,6 +16,7 @@ from typing import Any
 from PySide6.QtCore import QObject, QSettings, Signal
 
 from rigpilot.app.topology.model import machine_title
+from rigpilot.engine.hardware.importers import unknown_model_gpus
 from rigpilot.engine.hardware.machine import Machine
 
 SETTINGS_KEY = "machines/imported"
@@ -25,7 +26,7 @@ HERE = "here"  # the engine's machine, where a key names a machine (the Topology
 
 def plan_block(d: dict[str, Any]) -> str:
     """Why a machine cannot be planned for ('' when it can): a GPU whose memory no source gave."""
-    unknown = [g["index"] for g in d.get("gpus") or [] if not g.get("memory_total")]
+    unknown = unknown_model_gpus(Machine.from_dict(d))  # the engine's rule: `rigpilot plan` refuses the same
     if not unknown:
         return ""
     return (

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import itertools
 import os
 import select
@@ -279,11 +280,12 @@ class EngineClient:
                 return _connect_unix(path)
             except OSError:
                 pass
-            # Exit code 0: another service held the lock (another client's start won the race, or a
-            # service that is stopping). Without its socket it is stopping: start again once it is gone.
+            # Exit code 0: another service held the lock: another client's start that won the race (its socket
+            # comes once it has found the GPUs), or a service that is stopping. Start again only once the lock
+            # is free, so a service that is still starting is waited for, not raced every half second.
             now = time.monotonic()
-            if proc.poll() == 0 and not path.exists() and now < deadline and now - started > RESTART_GAP_S:
-                proc, started = start_service(), now
+            if proc.poll() == 0 and now < deadline and now - started > RESTART_GAP_S and _lock_free():
+                proc, started = start_service(), now  # the one that held the lock (a stopping service) is gone
             elif proc.poll() not in (None, 0) or now > deadline:
                 state = paths.engine_state_dir()
                 if no_room(state):  # its log is on that disk too, and could not say so
@@ -433,6 +435,19 @@ def readable(source: socket.socket | int, timeout: float | None) -> bool:
     p = select.poll()
     p.register(source, select.POLLIN)
     return bool(p.poll(None if timeout is None else timeout * 1000))
+
+
+def _lock_free() -> bool:
+    """Whether no service holds the engine's lock (engine.service.server.acquire_lock), tried without waiting."""
+    try:
+        with paths.lock_path().open("a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(f, fcntl.LOCK_UN)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True  # no lock file to hold: nothing runs
+    return True
 
 
 def _connect_unix(path: Path) -> socket.socket:

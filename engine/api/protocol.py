@@ -93,8 +93,9 @@ has `settings`, the job's spec without its environment, and `output`, what its o
     node_add {name, address, token, fingerprint?} → {node};  node_remove {name} → {removed}
           (nodes and node_add list each node's pinned certificate `fingerprint`)
     scaling_start {gpus: [counts], job? | model, dataset?, method?, precision?, seq_len?, global_batch?, micro_batch?, steps?,
-          warmup?, trust_remote_code?, cwd?} → {study}: plans each count and submits one training job per
-          count (engine.jobs.scaling); a study that cannot run is refused in one line and submits nothing
+          warmup?, trust_remote_code?, cwd?} → {study}: answers at once (state planning), then plans each count in
+          the background and submits one training job per count (engine.jobs.scaling); a study that cannot run
+          fails in one line (its `error`) and submits nothing; a second one of a job is refused (study_running)
     scaling_study {study}                   → {study}: with each point's state, measurement, `table` and `notes`
     scaling_studies {job?}                  → {studies}: newest first; job: only those repeating that job
     scaling_cancel {study}                  → {study}: its jobs that have not ended are cancelled; measured points stay

@@ -955,7 +955,7 @@ def _follow_study(client: Any, study: dict[str, Any], *, quiet: bool) -> dict[st
                     shown[p["gpus"]] = line
                     if not quiet:
                         print(line, flush=True)
-            if study["state"] not in scaling.ACTIVE:
+            if study["state"] not in scaling_table.ACTIVE:
                 return study
             time.sleep(1.0)
             study = client.request("scaling_study", study=study["id"])["study"]

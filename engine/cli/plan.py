@@ -230,7 +230,7 @@ def run_plan(args: argparse.Namespace) -> int:
             f"the model of GPU {', '.join(map(str, unnamed))} is unknown (topo -m names none), so neither is its "
             "memory: give it with --gpu-model KEY (e.g. rtx-4090, a100-sxm4-80gb, h100-sxm5), or import the "
             "machine's `nvidia-smi -q` output too",
-            reason="gpu_model_unknown", gpus=unnamed,
+            reason="gpu_model_needed", gpus=unnamed,
         )  # fmt: skip
     spec = describe_model(args.model)
     workload = workload_from_args(args, spec.max_position_embeddings)

@@ -23,7 +23,7 @@ def job_view(rec: JobRecord, runs: Mapping[str, Run], job_dir: Path, *, detail: 
     run = runs.get(rec.id)
     d = rec.to_dict()
     d["job_dir"] = str(job_dir)
-    progress = run.summary.to_dict(time.time()) if run else (rec.measured or None)
+    progress = run.summary.to_dict(time.time()) if run else with_steady(rec.measured)
     d["progress"] = progress
     d["energy"] = energy.job_energy(rec, run.energy if run else None, time.time())
     d["energy_cost"] = energy.cost(d["energy"], progress, energy.electricity_price())
@@ -35,6 +35,16 @@ def job_view(rec: JobRecord, runs: Mapping[str, Run], job_dir: Path, *, detail: 
     if detail:
         d["comparison"] = compare(rec.predicted, progress)
     return d
+
+
+def with_steady(measured: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A finished job's frozen progress, with the steady speed and step time an engine before them did not
+    store: its latest rate, and its wall time per step (the figures it showed then)."""
+    if not measured or "steady_tokens_per_s" in measured:
+        return measured or None
+    rate = measured.get("steps_per_s")
+    return {**measured, "steady_tokens_per_s": measured.get("tokens_per_s"),
+            "steady_step_time_s": 1 / rate if isinstance(rate, int | float) and rate > 0 else None}  # fmt: skip
 
 
 def compare(predicted: dict[str, Any] | None, progress: dict[str, Any] | None) -> dict[str, Any] | None:

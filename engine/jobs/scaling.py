@@ -34,7 +34,7 @@ from typing import Any, TypeGuard
 
 from rigpilot.engine.errors import UserError, jsonable
 from rigpilot.engine.given_path import is_given_file
-from rigpilot.engine.jobs.scaling_table import check_counts
+from rigpilot.engine.jobs.scaling_table import ACTIVE, check_counts
 from rigpilot.engine.jobs.submission import default_seq_len
 from rigpilot.engine.jobspec.spec import TRAIN_SETTINGS
 from rigpilot.engine.schema import TERMINAL_STATES, UNSUCCESSFUL_STATES
@@ -51,7 +51,6 @@ MIN_STEPS = 3  # fewer measured steps than this give a spread that means nothing
 # something else slowed it (CPU ranks sharing cores, another job), so the ratio is not shown as a result.
 IMPLAUSIBLE = 1.5
 TERMINAL = TERMINAL_STATES
-ACTIVE = ("planning", "running")  # a study's states before it ends
 _TRAIN = TRAIN_SETTINGS  # the study's defaults are a training job's
 # -- input --------------------------------------------------------------------------------------------------
 
@@ -179,12 +178,6 @@ def notes(study: dict[str, Any]) -> list[str]:
         f"throughput from steps {s['warmup'] + 1}–{s['steps']} of each job (the first {s['warmup']} are warm-up); "
         f"speed-up and efficiency against the {study['points'][0]['gpus']}-GPU point",
     ]
-    noisy = [p["gpus"] for p in study["points"] if ((p.get("measured") or {}).get("step_time_spread") or 0) > NOISY]
-    if noisy:
-        out.append(
-            f"step times varied by more than {NOISY:.0%} at {', '.join(map(str, noisy))} GPU(s): something else was "
-            "using this machine, or too few steps were measured; repeat with more --steps before trusting the speed-up"
-        )
     if study.get("simulated"):
         cores = study.get("cpu_cores") or 1
         out.append(
@@ -215,6 +208,10 @@ def layout_of(par: dict[str, Any]) -> str:
     return text
 
 
+class _Cancelled(Exception):
+    """The user cancelled a study while it was planned."""
+
+
 def _point(n: int, spec: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
     """One point of a study: its job's spec and plan (until submitted), the plan's layout and prediction."""
     best = result["best"]
@@ -240,8 +237,9 @@ class Studies:
         self.plan = plan  # planner request args → SearchResult dict (the engine's planner pool)
         self.write = write
         self._lock = threading.RLock()
-        self._planning: dict[str, int] = {}  # studies being planned here: how many of their counts are planned
-        self._stop_planning: set[str] = set()  # of those, the ones cancelled: their jobs are never submitted
+        # Studies this engine is planning and submitting, by id: the very dicts their thread works on, read under
+        # the lock. A file that says "planning" with no entry here was planned by an engine that stopped.
+        self._live: dict[str, dict[str, Any]] = {}
 
     def start(self, request: dict[str, Any], cwd: str | None) -> dict[str, Any]:
         """Check the request, store the study and answer at once; its points are planned and submitted in
@@ -278,9 +276,9 @@ class Studies:
                 "schema": SCHEMA, "id": self._new_id(), "created": time.time(), "model": settings["model"],
                 "from_job": job["id"] if job else None, "settings": settings, "counts": counts,
                 "machine": sup.machine.label, "simulated": sup.machine.simulated, "cpu_cores": _cpu_cores(),
-                "points": [], "phase": "planning",
+                "points": [], "phase": "planning", "planned": 0,
             }  # fmt: skip
-            self._planning[study["id"]] = 0
+            self._live[study["id"]] = study
             self._save(study)
         threading.Thread(
             target=self._plan_and_submit, args=(study, cwd), name=f"scaling-{study['id']}", daemon=True
@@ -289,7 +287,7 @@ class Studies:
 
     def _refuse_a_second(self, job_id: str) -> None:
         for other in self.list(job_id):
-            if other["state"] in ACTIVE:
+            if other["state"] in ACTIVE:  # one cancelled while it plans shows as cancelled at once
                 raise UserError(
                     f"scaling study {other['id']} of job {job_id} is still {other['state']}: wait for it or cancel it "
                     "first",
@@ -297,7 +295,8 @@ class Studies:
                 )  # fmt: skip
 
     def _plan_and_submit(self, study: dict[str, Any], cwd: str | None) -> None:
-        """Plan every point, check each, then submit one job per point; a refusal fails the study in one line."""
+        """Plan every point, check each, then submit one job per point; a refusal fails the study in one line,
+        a cancel stops it before its next count is planned and before any job is submitted."""
         sid, settings, counts = study["id"], study["settings"], study["counts"]
         try:
             if settings["micro_batch"] is None:
@@ -307,9 +306,10 @@ class Studies:
             micro = settings["micro_batch"]
 
             def planned(n: int) -> dict[str, Any]:
+                self._stop_if_cancelled(study)
                 result = self._plan_result(settings, n, micro)
                 with self._lock:
-                    self._planning[sid] = self._planning.get(sid, 0) + 1
+                    study["planned"] += 1
                 return result
 
             # Plan and check every point before submitting any: a study that cannot run leaves no job behind.
@@ -321,36 +321,39 @@ class Studies:
                 self.supervisor.check(spec, result, cwd)
                 points.append(_point(n, spec, result))
             with self._lock:
-                if sid in self._stop_planning:  # cancelled while it planned: nothing was submitted
-                    study.pop("phase", None)
-                    study["cancelled"] = True
-                    self._save(study)
-                    return
+                self._stop_if_cancelled(study)
                 for p in points:
                     view = self.supervisor.submit(p.pop("spec"), p.pop("result"), cwd)
                     self._tag(view["id"], sid)
                     p["job"] = view["id"]
                     study["points"].append(p)
                     self._save(study)  # after each job, so a failure half-way leaves a study that names its jobs
-                study.pop("phase", None)
-                self._save(study)
-                # Planned, under the same lock as the submissions: a cancel from now on finds the jobs to cancel.
-                self._planning.pop(sid, None)
+                self._end_planning(study)
+        except _Cancelled:
+            self._end_planning(study)
         except UserError as e:
             self._fail(study, {"code": e.reason, "message": str(e), **e.fields})
         except Exception:  # a bug must not leave the study planning for ever: it fails, the log says why
             log.exception("scaling study %s: planning failed", sid)
             self._fail(study, {"code": "internal", "message": "planning the study failed; the engine log says why"})
-        finally:
-            with self._lock:
-                self._planning.pop(sid, None)
-                self._stop_planning.discard(sid)
+
+    def _stop_if_cancelled(self, study: dict[str, Any]) -> None:
+        with self._lock:
+            if study.get("cancelled"):
+                raise _Cancelled
+
+    def _end_planning(self, study: dict[str, Any]) -> None:
+        """The study's planning is over (its jobs submitted, or cancelled first): stored so, and no longer live."""
+        with self._lock:
+            study.pop("phase", None)
+            self._save(study)
+            self._live.pop(study["id"], None)
 
     def _fail(self, study: dict[str, Any], error: dict[str, Any]) -> None:
         with self._lock:
-            study.pop("phase", None)
-            study["error"] = jsonable(error)
-            self._save(study)
+            if not study.get("cancelled"):  # a failure after the user cancelled is the cancel's
+                study["error"] = jsonable(error)
+            self._end_planning(study)
         for p in study["points"]:  # submitted before a later point's submission failed: they measure nothing now
             with contextlib.suppress(UserError):
                 self.supervisor.cancel(p["job"])
@@ -393,6 +396,10 @@ class Studies:
         self.write(self.root / f"{study['id']}.json", json.dumps(stored, indent=1))
 
     def load(self, ref: str) -> dict[str, Any]:
+        with self._lock:
+            live = self._live.get(ref)
+            if live is not None:  # as its thread has it now, not as last saved
+                return {**live, "settings": dict(live["settings"]), "points": [dict(p) for p in live["points"]]}
         # A study id is short and plain (s1a2b3c): anything else is no study, and never a file name to try.
         if not (len(ref) <= 64 and ref.isascii() and ref.replace("-", "").isalnum()):
             raise UserError(f"no scaling study {ref[:64]!r} (see 'rigpilot scaling --list')")
@@ -415,8 +422,8 @@ class Studies:
             else []
         ):
             try:
-                study = json.loads(f.read_text())
-            except (OSError, ValueError):
+                study = self.load(f.stem) if f.stem in self._live else json.loads(f.read_text())
+            except (OSError, ValueError, UserError):
                 continue
             if job is not None and study.get("from_job") != job:
                 continue
@@ -425,11 +432,12 @@ class Studies:
 
     def cancel(self, ref: str) -> dict[str, Any]:
         """Cancel the study's jobs that have not ended; the points measured so far stay in its table."""
-        study = self.load(ref)
         with self._lock:
-            if study["id"] in self._planning:
-                self._stop_planning.add(study["id"])
-                return {**self.show(study), "state": "cancelled"}  # the planning thread stores it so
+            live = self._live.get(ref)
+            if live is not None and not live["points"]:  # still planning: it stops before submitting any job
+                live["cancelled"] = True
+                return self.show(self.load(ref))
+            study = self.load(ref)  # under the lock: a submission in progress has ended, its jobs are named
         for p in study["points"]:
             rec = self.supervisor.store.get(p["job"])
             if rec is not None and rec.state not in TERMINAL:
@@ -445,13 +453,11 @@ class Studies:
         study = dict(study)
         if study.get("phase") == "planning":
             with self._lock:
-                planned = self._planning.get(study["id"])
-            if planned is None:  # planned by an engine that stopped before it submitted the jobs
+                live = study["id"] in self._live
+            if not live:  # planned by an engine that stopped before it submitted the jobs
                 study.pop("phase")
                 study["error"] = {"code": "study_interrupted",
                                   "message": "the engine stopped while it planned this study; start it again"}  # fmt: skip
-            else:
-                study["planned"] = planned
         points = []
         for p in study["points"]:
             p = dict(p)
@@ -482,11 +488,12 @@ def summarize(study: dict[str, Any]) -> dict[str, Any]:
     states = [p["state"] for p in points]
     if study.get("error"):
         study["state"] = "failed"
+    elif study.get("cancelled") and not points:
+        study["state"] = "cancelled"  # while it planned: no job was submitted
     elif study.get("phase") == "planning":
         study["state"] = "planning"
     elif not points:
-        # Cancelled while it planned, or stored with neither jobs nor an error: nothing will measure it.
-        study["state"] = "cancelled" if study.get("cancelled") else "failed"
+        study["state"] = "failed"  # stored with neither jobs nor an error: nothing will measure it
     elif all(s == "completed" for s in states):
         study["state"] = "completed"
     elif all(s in (*TERMINAL, "deleted") for s in states):

@@ -10,6 +10,7 @@ from typing import Any
 from rigpilot.engine.errors import UserError
 
 MAX_POINTS = 8
+ACTIVE = ("planning", "running")  # a study's states before it ends
 
 
 CSV_COLUMNS = (

@@ -131,6 +131,7 @@ def a_training_job(job_id: str, *, output: str | None = "full", merged: bool = F
         kind="train", started=1000.0, ended=1000.0 + 3725, wall_s=3725.0, settings=settings,
         output={"folder": folder, "model": output, "merged": f"{folder}/merged" if merged else None, "results": False,
                 "architectures": ["LlamaForCausalLM"], "base_model": "org/base" if output == "lora" else None},
-        progress={"fraction": 1.0, "step": 10, "max_steps": 10, "tokens_per_s": 14_719_000.0},
+        progress={"fraction": 1.0, "step": 10, "max_steps": 10, "tokens_per_s": 14_719_000.0,
+                  "steady_tokens_per_s": 14_719_000.0},
     )  # fmt: skip
     return job

@@ -375,6 +375,16 @@ def test_the_steady_speed_is_each_ranks_median_of_its_latest_ten_steps_and_the_s
 
     assert compare({"tokens_per_s": 3200.0}, d)["tokens_per_s"] == {"predicted": 3200.0, "measured": 1600.0}
     assert compare({"step_time_s": 1.0}, d)["step_time_s"] == {"predicted": 1.0, "measured": 1.5}
+    # A job finished under an engine before the steady figures: its frozen progress reads as it did then.
+    from rigpilot.engine.jobs.job_view import with_steady
+
+    old = {"tokens_per_s": 2050.0, "steps_per_s": 0.5}
+    assert compare({"tokens_per_s": 3200.0, "step_time_s": 1.0}, with_steady(old)) == {
+        "peak_memory_bytes": {"predicted": None, "measured": None},
+        "tokens_per_s": {"predicted": 3200.0, "measured": 2050.0},
+        "step_time_s": {"predicted": 1.0, "measured": 2.0},
+    }
+    assert with_steady(d) is d and with_steady(None) is None
 
 
 def test_the_loss_shown_is_the_latest_steps_whichever_node_its_rank_zero_is_on():
