@@ -302,7 +302,7 @@ class Generator:
         so it is never made by cutting batches smaller.
         """
         if self.pp == 1:
-            return 1
+            return min(1, micro_batches)  # none where this replica got no prompt (fewer prompts than replicas)
         return min(self.pp + 1 if micro_batches > self.pp else self.pp, micro_batches)
 
     def _start(self, prompts: list[str], slot: int, batch: int, rows: list[int], encoded: dict) -> _MicroBatch:

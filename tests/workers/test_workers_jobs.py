@@ -341,6 +341,16 @@ def test_sharded_greedy_generation_equals_the_unsplit_model(
     assert shown["step"] == shown["max_steps"] == batches  # one record per batch, not per token
 
 
+def test_fewer_prompts_than_replicas_generate_on_the_ones_that_have_one(root: Path, random_llama: Path) -> None:
+    """One prompt on two data-parallel ranks: the rank without a prompt waits for the other, it does not fail
+    (it raised IndexError: `rigpilot run infer --prompt …` on the default GPUs of a simulated machine)."""
+    job = write_job(root / "one-prompt-dp2", kind="infer", model=str(random_llama), parallelism={"dp_replicate": 2},
+                    infer={"prompts": [PROMPTS[0]], "max_new_tokens": 6, "batch_size": 2, "precision": "fp32"})  # fmt: skip
+    run_job(job)
+    (result,) = [json.loads(line) for line in (job / "output" / "results.jsonl").read_text().splitlines()]
+    assert result["tokens"] == reference_tokens(random_llama, [PROMPTS[0]], batch_size=1, max_new=6)[0]
+
+
 # --- cancellation, scripts, errors, calibration ---------------------------------------------------
 
 
