@@ -361,10 +361,10 @@ def search(
         if why:
             best.notes.append(why)
         if _plan_fill(best) > TIGHT_FILL:
+            room = "a smaller micro-batch or more checkpointing" if best.workload.training else "a smaller batch"
             best.notes.append(
                 f"tight: it fills {_plan_fill(best):.1%} of its fullest GPU and no plan leaving {1 - TIGHT_FILL:.0%} "
-                "free fits; fragmentation over a long run may still run it out of memory (a smaller micro-batch or "
-                "checkpointing leaves room)"
+                f"free fits; fragmentation over a long run may still run it out of memory ({room} leaves room)"
             )
         said = _recipe_line(best, fitting[0], recipes, topo, cands)
         if said:

@@ -312,6 +312,16 @@ def test_a_faster_plan_over_the_threshold_ranks_after_a_roomier_one_and_the_best
     assert any("a plan over 90% is ranked after the plans that leave that headroom" in n for n in r.best.notes)
 
 
+def test_a_tight_plan_is_still_the_best_when_nothing_roomier_fits_and_says_so():
+    from rigpilot.engine.models.describe import describe_model
+    from rigpilot.engine.planner.search import TIGHT_FILL, _plan_fill
+
+    r = search(describe_model("mistral-7b"), load_profile("1x-rtx4090"), Workload(model="mistral-7b", task="infer", seq_len=4096, global_batch=8, new_tokens=256))
+    assert r.best is not None and _plan_fill(r.best) > TIGHT_FILL
+    tight = [n for n in r.best.notes if n.startswith("tight:")]
+    assert len(tight) == 1 and "no plan leaving 10% free fits" in tight[0] and "a smaller batch leaves room" in tight[0]
+
+
 def test_rank_recommends_offload_only_when_it_is_over_15_percent_faster():
     from rigpilot.engine.planner.search import rank
 
