@@ -53,7 +53,7 @@ from rigpilot.engine.hardware.specs import match_spec
 from rigpilot.engine.jobspec.spec import TRAIN_SETTINGS
 from rigpilot.engine.layout import MICROBATCH_RANGE, Layout
 from rigpilot.engine.models.spec import ModelSpec
-from rigpilot.engine.planner.amounts import fmt_gib, gib_pair
+from rigpilot.engine.planner.amounts import TIGHT_FILL, fmt_gib, gib_pair
 from rigpilot.engine.planner.cluster import DEFAULT_LINK, Cluster, build_cluster, check_nodes, node_link
 from rigpilot.engine.planner.explain import explain, number_word
 from rigpilot.engine.planner.links import Calibration, Topology, no_bf16
@@ -417,15 +417,6 @@ OFFLOAD_MARGIN = 0.15
 # Plans that leave at least this share of their fullest GPU free count as equally roomy: beyond the formula's 10%
 # error bound and the allocator's fragmentation, more free memory buys nothing, and the faster plan wins.
 ROOMY_FILL = 0.80
-# Plans that fill more of their fullest GPU than this rank after every plan that leaves the rest free. The memory
-# model already counts the CUDA context, NCCL and the caching allocator's modelled reserve, but it is within about
-# 5% of measured peaks, fragmentation grows over a long run (PyTorch's CUDA semantics notes offer
-# expandable_segments against it) and a long run meets its longest batch or a checkpoint save late. Practitioners
-# leave this share: vLLM's gpu_memory_utilization defaults to 0.9 (docs.vllm.ai, engine arguments), and its
-# memory guide (docs.vllm.ai/projects/vllm-omni/en/latest/configuration/gpu_memory_utilization/) calls 1.0 "not
-# recommended, leaves no buffer". A tight plan is never rejected for it: when nothing roomier fits it is the best
-# plan, with a note saying so.
-TIGHT_FILL = 0.90
 RANKING = (
     f"best first: within {SPEED_TIE:.0%} of the fastest, the one with the most free memory "
     f"(up to {1 - ROOMY_FILL:.0%} free); offload only where the best plan without it is more than "
