@@ -363,7 +363,7 @@ def search(
         if _plan_fill(best) > TIGHT_FILL:
             room = "a smaller micro-batch or more checkpointing" if best.workload.training else "a smaller batch"
             best.notes.append(
-                f"tight: it fills {_plan_fill(best):.1%} of its fullest GPU and no plan leaving {1 - TIGHT_FILL:.0%} "
+                f"tight: it fills {_fill_words(best)} of its fullest GPU and no plan leaving {1 - TIGHT_FILL:.0%} "
                 f"free fits; fragmentation over a long run may still run it out of memory ({room} leaves room)"
             )
         said = _recipe_line(best, fitting[0], recipes, topo, cands)
@@ -420,7 +420,7 @@ ROOMY_FILL = 0.80
 RANKING = (
     f"best first: within {SPEED_TIE:.0%} of the fastest, the one with the most free memory "
     f"(up to {1 - ROOMY_FILL:.0%} free); offload only where the best plan without it is more than "
-    f"{OFFLOAD_MARGIN:.0%} slower"
+    f"{OFFLOAD_MARGIN:.0%} slower; a plan filling over {TIGHT_FILL:.0%} of a GPU (tight) after those that leave more"
 )
 
 
@@ -484,6 +484,16 @@ def _plan_fill(p: Plan) -> float:
     return (peak.capacity - peak.headroom) / max(peak.capacity, 1)
 
 
+def _fill_words(p: Plan) -> str:
+    """A tight plan's share of its fullest GPU, with the digits it takes not to read as TIGHT_FILL itself."""
+    fill = _plan_fill(p)
+    for digits in (0, 1, 2):
+        text = f"{fill:.{digits}%}"
+        if float(text[:-1]) / 100 > TIGHT_FILL:
+            break
+    return text
+
+
 def _why_not_fastest(best: Plan, runners: list[Plan]) -> str:
     """Why a faster runner-up the engine runs ranks below the best plan, in one line ("" when none is faster)."""
     faster = [p for p in runners if p.runs_here == best.runs_here and p.timing.tokens_per_s > best.timing.tokens_per_s * 1.001]
@@ -505,7 +515,7 @@ def _why_not_fastest(best: Plan, runners: list[Plan]) -> str:
     beyond_tie = f.timing.tokens_per_s * (1.0 - SPEED_TIE) > best.timing.tokens_per_s
     if beyond_tie and _plan_fill(f) > TIGHT_FILL >= _plan_fill(best):
         return (
-            f"ranked above {name}, which is {gain:.1%} faster but fills {_plan_fill(f):.1%} of its fullest GPU: "
+            f"ranked above {name}, which is {gain:.1%} faster but fills {_fill_words(f)} of its fullest GPU: "
             f"a plan over {TIGHT_FILL:.0%} is ranked after the plans that leave that headroom"
         )
     return (

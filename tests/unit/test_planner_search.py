@@ -310,6 +310,13 @@ def test_a_faster_plan_over_the_threshold_ranks_after_a_roomier_one_and_the_best
     tight = [p for p in r.runners_up if _plan_fill(p) > TIGHT_FILL]
     assert tight and max(p.timing.tokens_per_s for p in tight) > r.best.timing.tokens_per_s / (1 - SPEED_TIE)
     assert any("a plan over 90% is ranked after the plans that leave that headroom" in n for n in r.best.notes)
+    # The CLI's table marks it, under a heading that says the rule.
+    from rigpilot.engine.cli.plan import render_text
+
+    text = render_text(r)
+    assert any("tight" in line and "over 90% of a GPU" in line for line in text)
+    rows = [line for line in text if line.lstrip().startswith(("best", "#"))]
+    assert sum("(tight)" in line for line in rows) == len(tight) and "(tight)" not in rows[0]
 
 
 def test_a_tight_plan_is_still_the_best_when_nothing_roomier_fits_and_says_so():
