@@ -76,7 +76,10 @@ def plans_table() -> QTableWidget:
     """The ranked plans, best first: one row selected at a time, arrows move between plans."""
     table = QTableWidget(0, len(TABLE_COLUMNS))
     table.setObjectName("planTable")
-    table.setAccessibleName("Ranked plans, best first: within 5% of the fastest, the most free memory")
+    table.setAccessibleName(
+        "Ranked plans, best first: within 5% of the fastest, the most free memory; "
+        f"plans over {TIGHT_FILL:.0%} of a GPU (tight) after the rest"
+    )
     table.setHorizontalHeaderLabels(TABLE_COLUMNS)
     table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
     table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
