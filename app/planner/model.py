@@ -13,6 +13,7 @@ from typing import Any
 
 from rigpilot.app.widgets import units
 from rigpilot.engine.errors import UserError
+from rigpilot.engine.planner.amounts import TIGHT_FILL
 from rigpilot.engine.planner.cluster import DEFAULT_LINK, MAX_NODES, NODE_LINKS
 from rigpilot.engine.planner.durations import duration_text
 from rigpilot.engine.planner.plan import LoraSettings, Plan
@@ -216,6 +217,7 @@ class PlanRow:
     to_budget: str
     fits: bool
     runs_here: str  # "yes", or why the engine cannot run it
+    tight: bool = False  # fits, but fills more than TIGHT_FILL of its fullest GPU (ranked after roomier plans)
 
 
 def plans_of(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -241,6 +243,7 @@ def plan_row(plan: dict[str, Any], rank: str) -> PlanRow:
         to_budget=seconds(timing.get("time_to_budget_s")) if timing.get("time_to_budget_s") else "—",
         fits=all(m["headroom"] >= 0 for m in memory),
         runs_here="yes" if runs else (why or "no"),
+        tight=peak is not None and peak["headroom"] >= 0 and shown_total(peak) / max(peak["capacity"], 1) > TIGHT_FILL,
     )
 
 

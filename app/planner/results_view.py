@@ -40,9 +40,9 @@ from rigpilot.app.planner.model import (
     summary_lines,
 )
 from rigpilot.app.planner.rented_view import RentedTable
-from rigpilot.app.widgets.palette import BAD, GOOD, status_text
+from rigpilot.app.widgets.palette import BAD, GOOD, WARN, status_text
 from rigpilot.app.widgets.style import set_status
-from rigpilot.engine.planner.amounts import gib_pair
+from rigpilot.engine.planner.amounts import TIGHT_FILL, gib_pair
 from rigpilot.engine.planner.calibration import NOT_CALIBRATED
 
 # The layout is the answer: its column takes the room the figures leave and wraps, whole, at 1280 pixels wide.
@@ -56,6 +56,10 @@ SPEED_COLUMN = TABLE_COLUMNS.index("Tokens/s")
 # Suggestions that change what is asked on this machine can be applied to the form; hardware ones cannot.
 APPLICABLE_SUGGESTIONS = ("method", "quantize", "seq", "batch", "gpus")
 EMPTY = "Choose a model and GPUs, then Plan."
+TIGHT_TIP = (
+    f"Tight: over {TIGHT_FILL:.0%} of the GPU's memory. It fits as predicted, but allocator fragmentation over a "
+    "long run may still run it out of memory; it ranks after every plan that leaves more free."
+)
 STALE_OPACITY = 0.45  # a plan for other inputs: still readable, plainly not current
 
 
@@ -72,7 +76,10 @@ def plans_table() -> QTableWidget:
     """The ranked plans, best first: one row selected at a time, arrows move between plans."""
     table = QTableWidget(0, len(TABLE_COLUMNS))
     table.setObjectName("planTable")
-    table.setAccessibleName("Ranked plans, best first: within 5% of the fastest, the most free memory")
+    table.setAccessibleName(
+        "Ranked plans, best first: within 5% of the fastest, the most free memory; "
+        f"plans over {TIGHT_FILL:.0%} of a GPU (tight) after the rest"
+    )
     table.setHorizontalHeaderLabels(TABLE_COLUMNS)
     table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
     table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
@@ -305,6 +312,10 @@ class PlanResults(QWidget):
                 if c == FULLEST_COLUMN and not row.fits:
                     item.setForeground(status_text(BAD, self.palette()))
                     item.setToolTip(f"Does not fit: the fullest GPU would need {value}")
+                elif c == FULLEST_COLUMN and row.tight:
+                    item.setText(f"{value}\ntight")  # a second line: the layout keeps the width
+                    item.setForeground(status_text(WARN, self.palette()))
+                    item.setToolTip(TIGHT_TIP)
                 self.table.setItem(r, c, item)
         # Without a token budget no plan has a time to finish: its column would only take the layout's room.
         self.table.setColumnHidden(TO_FINISH_COLUMN, all(row.to_budget == "—" for row in rows))

@@ -35,7 +35,7 @@ from rigpilot.engine.given_path import MISSING, PathRefused, check_given_path, s
 from rigpilot.engine.hardware.importers import unknown_model_gpus
 from rigpilot.engine.hardware.machine import Source
 from rigpilot.engine.planner import verify
-from rigpilot.engine.planner.amounts import fmt_gib
+from rigpilot.engine.planner.amounts import TIGHT_FILL, fmt_gib
 from rigpilot.engine.planner.calibration import MachineCalibration, apply_stored
 from rigpilot.engine.planner.calibration import apply as apply_calibration
 from rigpilot.engine.planner.cluster import DEFAULT_LINK, NODE_LINKS, check_nodes, node_link
@@ -383,6 +383,8 @@ def _table(plans: list[Plan], w: Workload, *, nodes: bool = False) -> list[str]:
              "step" if w.training else "total", "fullest GPU")]  # fmt: skip
     for i, p in enumerate(plans):
         mb = p.peak_memory
+        marks = [*(("traced",) if (mb.traced or 0) > mb.total else ()),
+                 *(("tight",) if mb.headroom >= 0 and mb.shown_total > TIGHT_FILL * mb.capacity else ())]  # fmt: skip
         rows.append(
             (
                 _rank(i) + ("" if p.runs_here else " ✗"),
@@ -392,7 +394,7 @@ def _table(plans: list[Plan], w: Workload, *, nodes: bool = False) -> list[str]:
                 *((recipes[i],) if shown else ()),
                 f"{p.timing.tokens_per_s:,.0f}",
                 f"{p.timing.step_s:.2f} s",
-                f"{fmt_gib(mb.shown_total)} / {fmt_gib(mb.capacity)}" + (" (traced)" if (mb.traced or 0) > mb.total else ""),
+                f"{fmt_gib(mb.shown_total)} / {fmt_gib(mb.capacity)}" + (f" ({', '.join(marks)})" if marks else ""),
             )
         )
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]

@@ -1,9 +1,21 @@
 """How the planner words an amount of memory: one rounding rule for the CLI, the engine's sentences and the GUI
-(which reads plan data but never imports the memory model)."""
+(which reads plan data but never imports the memory model), and the one share of a GPU above which a plan reads
+as tight to all three."""
 
 from __future__ import annotations
 
 GIB = 1024**3
+
+# Plans that fill more of their fullest GPU than this rank after every plan that leaves the rest free
+# (engine.planner.search.rank) and are marked tight in the Planner's table. The memory
+# model already counts the CUDA context, NCCL and the caching allocator's modelled reserve, but it is within about
+# 5% of measured peaks, fragmentation grows over a long run (PyTorch's CUDA semantics notes offer
+# expandable_segments against it) and a long run meets its longest batch or a checkpoint save late. Practitioners
+# leave this share: vLLM's gpu_memory_utilization defaults to 0.9 (docs.vllm.ai, engine arguments), and its
+# memory guide (docs.vllm.ai/projects/vllm-omni/en/latest/configuration/gpu_memory_utilization/) calls 1.0 "not
+# recommended, leaves no buffer". A tight plan is never rejected for it: when nothing roomier fits it is the best
+# plan, with a note saying so.
+TIGHT_FILL = 0.90
 
 
 def fmt_gib(n: float) -> str:

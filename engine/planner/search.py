@@ -53,7 +53,7 @@ from rigpilot.engine.hardware.specs import match_spec
 from rigpilot.engine.jobspec.spec import TRAIN_SETTINGS
 from rigpilot.engine.layout import MICROBATCH_RANGE, Layout
 from rigpilot.engine.models.spec import ModelSpec
-from rigpilot.engine.planner.amounts import fmt_gib, gib_pair
+from rigpilot.engine.planner.amounts import TIGHT_FILL, fmt_gib, gib_pair
 from rigpilot.engine.planner.cluster import DEFAULT_LINK, Cluster, build_cluster, check_nodes, node_link
 from rigpilot.engine.planner.explain import explain, number_word
 from rigpilot.engine.planner.links import Calibration, Topology, no_bf16
@@ -360,6 +360,12 @@ def search(
         why = _why_not_fastest(best, runners)
         if why:
             best.notes.append(why)
+        if _plan_fill(best) > TIGHT_FILL:
+            room = "a smaller micro-batch or more checkpointing" if best.workload.training else "a smaller batch"
+            best.notes.append(
+                f"tight: it fills {_fill_words(best)} of its fullest GPU and no plan leaving {1 - TIGHT_FILL:.0%} "
+                f"free fits; fragmentation over a long run may still run it out of memory ({room} leaves room)"
+            )
         said = _recipe_line(best, fitting[0], recipes, topo, cands)
         if said:
             best.notes.insert(0, said)
@@ -414,7 +420,7 @@ ROOMY_FILL = 0.80
 RANKING = (
     f"best first: within {SPEED_TIE:.0%} of the fastest, the one with the most free memory "
     f"(up to {1 - ROOMY_FILL:.0%} free); offload only where the best plan without it is more than "
-    f"{OFFLOAD_MARGIN:.0%} slower"
+    f"{OFFLOAD_MARGIN:.0%} slower; a plan filling over {TIGHT_FILL:.0%} of a GPU (tight) after those that leave more"
 )
 
 
@@ -426,38 +432,66 @@ def _fill(c: Candidate) -> float:
     return c.worst_total / max(c.worst_capacity, 1)
 
 
+def _tight(c: Candidate) -> bool:
+    return _fill(c) > TIGHT_FILL
+
+
 def rank(fitting: list[Candidate]) -> list[Candidate]:
     """Fitting candidates in the order the plan table shows them, best first.
 
-    Plans the engine refuses come after every plan it runs. Among the rest, the next plan is taken from
-    those within SPEED_TIE of the fastest left (offload counted at its speed less OFFLOAD_MARGIN): the one
-    with the most free memory on its fullest GPU (in steps of 1% of capacity, every plan using at most
-    ROOMY_FILL of it counting as equal), then the faster, the simpler family, fewer GPUs; before all that,
-    the plan on fewer nodes (multi-node searches). An offloading plan is taken by headroom only while the fastest left offloads too,
-    so a plan without offload within the margin always comes first.
+    Plans the engine refuses come after every plan it runs, and plans filling more than TIGHT_FILL of their
+    fullest GPU after every plan that leaves that headroom (a tight plan is still shown, and is the best when
+    nothing roomier fits). Within each of those, the next plan is taken from those within SPEED_TIE of the
+    fastest left (offload counted at its speed less OFFLOAD_MARGIN): the one with the most free memory on its
+    fullest GPU (in steps of 1% of capacity, every plan using at most ROOMY_FILL of it counting as equal), then
+    the faster, the simpler family, fewer GPUs; before all that, the plan on fewer nodes (multi-node searches).
+    An offloading plan is taken by headroom only while the fastest left offloads too, so a plan without offload
+    within the margin always comes first.
     """
     out: list[Candidate] = []
-    for group in ([c for c in fitting if c.runs_here], [c for c in fitting if not c.runs_here]):
-        by_speed = sorted(group, key=lambda c: -_score(c))
-        taken = [False] * len(by_speed)
-        heaps: dict[bool, list[tuple]] = {False: [], True: []}
-        head = nxt = 0
-        while head < len(by_speed):
-            top = _score(by_speed[head])
-            while nxt < len(by_speed) and _score(by_speed[nxt]) >= top * (1.0 - SPEED_TIE):
-                c = by_speed[nxt]
-                # Fewer machines first: another node is worth its link only when it is more than SPEED_TIE faster.
-                key = (c.par.nodes, round(max(_fill(c), ROOMY_FILL), 2), -_score(c), FAMILY_ORDER.index(c.family), c.par.world_size, nxt)
-                heapq.heappush(heaps[c.par.offload], key)
-                nxt += 1
-            pools = [heaps[False], heaps[True]] if by_speed[head].par.offload else [heaps[False]]
-            pool = min((h for h in pools if h), key=lambda h: h[0])
-            i = heapq.heappop(pool)[-1]
-            taken[i] = True
-            out.append(by_speed[i])
-            while head < len(by_speed) and taken[head]:
-                head += 1
+    for runs_here in (True, False):
+        for tight in (False, True):
+            out += _rank_by_speed([c for c in fitting if c.runs_here == runs_here and _tight(c) == tight])
     return out
+
+
+def _rank_by_speed(group: list[Candidate]) -> list[Candidate]:
+    out: list[Candidate] = []
+    by_speed = sorted(group, key=lambda c: -_score(c))
+    taken = [False] * len(by_speed)
+    heaps: dict[bool, list[tuple]] = {False: [], True: []}
+    head = nxt = 0
+    while head < len(by_speed):
+        top = _score(by_speed[head])
+        while nxt < len(by_speed) and _score(by_speed[nxt]) >= top * (1.0 - SPEED_TIE):
+            c = by_speed[nxt]
+            # Fewer machines first: another node is worth its link only when it is more than SPEED_TIE faster.
+            key = (c.par.nodes, round(max(_fill(c), ROOMY_FILL), 2), -_score(c), FAMILY_ORDER.index(c.family), c.par.world_size, nxt)
+            heapq.heappush(heaps[c.par.offload], key)
+            nxt += 1
+        pools = [heaps[False], heaps[True]] if by_speed[head].par.offload else [heaps[False]]
+        pool = min((h for h in pools if h), key=lambda h: h[0])
+        i = heapq.heappop(pool)[-1]
+        taken[i] = True
+        out.append(by_speed[i])
+        while head < len(by_speed) and taken[head]:
+            head += 1
+    return out
+
+
+def _plan_fill(p: Plan) -> float:
+    peak = p.peak_memory
+    return (peak.capacity - peak.headroom) / max(peak.capacity, 1)
+
+
+def _fill_words(p: Plan) -> str:
+    """A tight plan's share of its fullest GPU, with the digits it takes not to read as TIGHT_FILL itself."""
+    fill = _plan_fill(p)
+    for digits in (0, 1, 2):
+        text = f"{fill:.{digits}%}"
+        if float(text[:-1]) / 100 > TIGHT_FILL:
+            break
+    return text
 
 
 def _why_not_fastest(best: Plan, runners: list[Plan]) -> str:
@@ -477,6 +511,12 @@ def _why_not_fastest(best: Plan, runners: list[Plan]) -> str:
         return (
             f"ranked above {name}, which is {gain:.0%} faster: offload is recommended only where the best plan "
             f"without it is more than {OFFLOAD_MARGIN:.0%} slower"
+        )
+    beyond_tie = f.timing.tokens_per_s * (1.0 - SPEED_TIE) > best.timing.tokens_per_s
+    if beyond_tie and _plan_fill(f) > TIGHT_FILL >= _plan_fill(best):
+        return (
+            f"ranked above {name}, which is {gain:.1%} faster but fills {_fill_words(f)} of its fullest GPU: "
+            f"a plan over {TIGHT_FILL:.0%} is ranked after the plans that leave that headroom"
         )
     return (
         f"ranked above {name}, which is {gain:.1%} faster: within {SPEED_TIE:.0%} this plan leaves "

@@ -730,3 +730,13 @@ def test_every_plans_layout_reads_whole_at_1280_by_800(qtbot):
         assert len(text) > 40, text  # the whole sentence, not a short form
         need = fm.boundingRect(QRect(0, 0, width, 10_000), int(Qt.TextFlag.TextWordWrap), text).height()
         assert table.rowHeight(r) >= need, (r, text, table.rowHeight(r), need)
+    # A plan over 90% of its fullest GPU says "tight" on its own line there, with why on hover.
+    from rigpilot.app.planner.model import plans_of, shown_total
+    from rigpilot.app.planner.results_view import FULLEST_COLUMN, TIGHT_TIP
+
+    fills = [max(shown_total(m) / m["capacity"] for m in p["memory"]) for p in plans_of(page.result)]
+    assert any(f > 0.9 for f in fills) and any(f <= 0.9 for f in fills)  # both kinds on this machine
+    for r, fill in enumerate(fills):
+        cell = table.item(r, FULLEST_COLUMN)
+        assert cell.text().endswith("\ntight") == (0.9 < fill <= 1.0), (r, fill, cell.text())
+        assert (cell.toolTip() == TIGHT_TIP) == (0.9 < fill <= 1.0)
