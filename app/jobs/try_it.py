@@ -13,6 +13,7 @@ from PySide6.QtWidgets import QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QV
 
 from rigpilot.app.jobs.outcome import settings_of
 from rigpilot.app.wizard.state import INFER, WizardState
+from rigpilot.engine.jobs.results import STOP_WORDS
 from rigpilot.engine.jobs.store import COMPLETED, TERMINAL_STATES
 from rigpilot.engine.jobspec.spec import InferSettings
 
@@ -40,6 +41,7 @@ class TryIt(QWidget):
         self.model: str | None = None
         self.job: dict[str, Any] = {}
         self.running: str | None = None  # the try job we wait for
+        self.last_completion = ""  # as generated (the box may mark its blank space)
         self.prompt = QLineEdit()
         self.prompt.setObjectName("tryPrompt")
         self.prompt.setAccessibleName("Try it: a prompt for this model")
@@ -120,15 +122,14 @@ class TryIt(QWidget):
             if not results:
                 self.status.setText(f"Job {job_id} wrote no completion.")
                 return
-            completion = results[0].get("completion", "")
-            if completion.strip():
-                self.status.setText(f"Completion from job {job_id}:")
-            else:  # a blank box would read as "nothing happened"
-                n = results[0].get("new_tokens", 0)
-                self.status.setText(f"Completion from job {job_id}: {n} token(s) of blank space only (shown as ⏎ and ·).")
-                completion = completion.replace(" ", "·").replace("\n", "⏎\n")
-            self.output.setPlainText(completion)
+            result = results[0]
+            completion = result.get("completion", "")
+            shown, said = shown_completion(completion, result.get("new_tokens"))
+            stop = STOP_WORDS.get(result.get("stop_reason") or "")
+            self.status.setText(f"Completion from job {job_id}: {said}" + (f"; stopped: {stop}." if stop else ""))
+            self.output.setPlainText(shown)
             self.output.show()
+            self.last_completion = completion
 
         def failed(error: BaseException) -> None:
             self.status.setText(f"Job {job_id}: {error}")
@@ -136,4 +137,30 @@ class TryIt(QWidget):
         self.link.call("results", job=job_id, limit=1, on_done=done, on_error=failed)
 
     def completion(self) -> str:
-        return self.output.toPlainText() if self.output.isVisible() else ""
+        return self.last_completion if self.output.isVisible() else ""
+
+
+def shown_completion(text: str, new_tokens: int | None) -> tuple[str, str]:
+    """(How the box shows a completion, what the status line says of it).
+
+    Where blank space is most of an answer ("s" and 62 line breaks), the box marks it (⏎ for a line break,
+    · for a space, → for a tab) and the line counts it, so a lone letter does not read as the whole answer.
+    """
+    tokens = f"{new_tokens} token(s)" if isinstance(new_tokens, int) else "the completion"
+    blank = sum(ch.isspace() for ch in text)
+    if not text.strip():
+        return _marked(text), f"{tokens} of blank space only (shown as ⏎ and ·)"
+    if blank > len(text) - blank:
+        letters = len(text) - blank
+        breaks = text.count("\n")
+        parts = [f"{letters} visible character{'s' * (letters != 1)}"]
+        if breaks:
+            parts.append(f"{breaks} line break{'s' * (breaks != 1)}")
+        if blank - breaks:
+            parts.append(f"{blank - breaks} space{'s' * (blank - breaks != 1)} or tabs")
+        return _marked(text), f"{tokens}, mostly blank space: {', '.join(parts)} (shown as ⏎, · and →)"
+    return text, tokens
+
+
+def _marked(text: str) -> str:
+    return text.replace(" ", "·").replace("\t", "→").replace("\n", "⏎\n")

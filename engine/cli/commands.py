@@ -20,6 +20,7 @@ from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import EITHER, FOLDER, check_given_path, open_given_file, shown
 from rigpilot.engine.jobs import scaling, scaling_table
 from rigpilot.engine.jobs.metrics import mark_superseded
+from rigpilot.engine.jobs.results import STOP_WORDS
 from rigpilot.engine.jobspec.secrets import shown_text
 from rigpilot.engine.jobspec.spec import INFER_SETTINGS, JOB_SETTINGS, TRAIN_SETTINGS
 from rigpilot.engine.layout import LAYOUT_SETTINGS, Layout
@@ -733,6 +734,8 @@ def cmd_results(args: argparse.Namespace) -> int:
         print(f"--- prompt {r['index'] + 1}: {printable(r['prompt'])}")
         # Generated text keeps its lines; anything else that could drive the terminal is escaped.
         print("\n".join(printable(line) for line in r["completion"].split("\n")))
+        if r.get("stop_reason") in STOP_WORDS:
+            print(f"--- ({r['new_tokens']} new tokens; stopped: {STOP_WORDS[r['stop_reason']]})")
     print(f"{len(results)} completion(s) of job {reply['job']}; all of it in {reply['path']}")
     return 0
 

@@ -19,6 +19,9 @@ from typing import Any
 from rigpilot.engine.errors import UserError
 
 RESULTS_FILE = Path("output") / "results.jsonl"
+# Why a completion ended, as the worker records it, in the words the CLI and the app show.
+STOP_WORDS = {"end_of_sequence": "the model ended its answer", "max_tokens": "it reached the new-token limit"}
+STOP_REASONS = tuple(STOP_WORDS)
 MAX_TEXT = 16 * 1024  # characters of one prompt or completion sent; the file keeps the rest
 MAX_LINE = 4 << 20  # a longer line is not one the worker wrote
 MAX_LISTED = 200  # output files named in a job's description
@@ -88,6 +91,8 @@ def _completion(line: bytes, path: Path, number: int) -> dict[str, Any]:
         "completion": completion[:MAX_TEXT],
         "new_tokens": len(tokens) if isinstance(tokens, list) else None,
         "cut": len(prompt) > MAX_TEXT or len(completion) > MAX_TEXT,
+        # Why generation stopped (`end_of_sequence`, `max_tokens`); None in files written before it was recorded.
+        "stop_reason": rec.get("stop_reason") if rec.get("stop_reason") in STOP_REASONS else None,
     }
 
 

@@ -397,6 +397,13 @@ class Generator:
         return BatchResult(tokens, ttft, time.perf_counter() - t0)
 
 
+def stop_reason(tokens: list[int], eos: int | None) -> str:
+    """Why a completion ended: the model's end-of-sequence token, or the limit of new tokens."""
+    if eos is not None and tokens and tokens[-1] == eos:
+        return "end_of_sequence"
+    return "max_tokens"
+
+
 def _until_eos(row: list[int], eos: int | None) -> list[int]:
     if eos is not None and eos in row:
         return row[: row.index(eos) + 1]
@@ -498,9 +505,9 @@ def run_infer(spec: JobSpec, job_dir: Path) -> int:
         out_dir = job_dir / "output"
         out_dir.mkdir(parents=True, exist_ok=True)
         tmp = out_dir / "results.jsonl.tmp"
-        tmp.write_text(
-            "".join(json.dumps({k: r[k] for k in ("prompt", "completion", "tokens")}) + "\n" for r in merged)
-        )
+        rows = [{**{k: r[k] for k in ("prompt", "completion", "tokens")}, "stop_reason": stop_reason(r["tokens"], gen.eos)}
+                for r in merged]  # fmt: skip
+        tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
         tmp.replace(out_dir / "results.jsonl")
         print(f"[rank0] {len(merged)} completions written to {out_dir / 'results.jsonl'}", flush=True)
     status("done", exit_code=EXIT_OK)

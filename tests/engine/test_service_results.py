@@ -40,6 +40,13 @@ def test_completions_are_read_as_json_in_pages_without_their_token_ids(tmp_path)
     assert not rest["more"]
     # A byte budget stops the page early, but never before one completion.
     assert len(read_results(path, max_bytes=1)["results"]) == 1
+    assert {r["stop_reason"] for r in first["results"] + rest["results"]} == {None}  # files from before it
+    stopped = write_results(tmp_path / "stopped.jsonl", [
+        {"prompt": "a", "completion": "b", "tokens": [5, 1], "stop_reason": "end_of_sequence"},
+        {"prompt": "a", "completion": "b", "tokens": [5, 5], "stop_reason": "max_tokens"},
+        {"prompt": "a", "completion": "b", "tokens": [5], "stop_reason": "\x1b[2J made up"},
+    ])  # fmt: skip
+    assert [r["stop_reason"] for r in read_results(stopped)["results"]] == ["end_of_sequence", "max_tokens", None]
 
 
 def test_long_text_is_cut_and_marked(tmp_path):

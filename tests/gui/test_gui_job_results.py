@@ -306,6 +306,33 @@ def test_try_it_says_so_when_the_model_answers_with_blank_space_only(qtbot):
     assert box.output.toPlainText() == "⏎\n⏎\n·"
 
 
+def test_try_it_marks_an_answer_that_is_mostly_blank_space_and_says_why_it_stopped(qtbot):
+    from rigpilot.app.jobs.try_it import shown_completion
+
+    link = FakeLink()
+    FakeJobs(link, [a_training_job("t")])
+    link.replies["submit"] = lambda spec, **_: {"job": a_job("try1", "queued", kind="infer")}
+    answer = "s" + "\n" * 62
+    serve_results(link, [{"index": 0, "prompt": "Hi", "completion": answer, "new_tokens": 63, "cut": False,
+                          "stop_reason": "max_tokens"}])  # fmt: skip
+    page = open_page(qtbot, link)
+    open_job(qtbot, page, "t")
+    box = page.detail.try_it
+    page.detail.tabs.setCurrentIndex(TRY_TAB)
+    qtbot.keyClicks(box.prompt, "Hi")
+    qtbot.keyClick(box.prompt, Qt.Key.Key_Return)
+    qtbot.waitUntil(lambda: box.running == "try1")
+    link.push_job(a_job("try1", "completed", kind="infer"))
+    qtbot.waitUntil(lambda: box.output.isVisibleTo(page))
+    assert box.status.text() == (
+        "Completion from job try1: 63 token(s), mostly blank space: 1 visible character, 62 line breaks "
+        "(shown as ⏎, · and →); stopped: it reached the new-token limit."
+    )
+    assert box.output.toPlainText() == "s" + "⏎\n" * 62 and box.completion() == answer
+    # An ordinary answer is shown as it is; an old engine's result without a stop reason says none.
+    assert shown_completion("To be, or not to be", 6) == ("To be, or not to be", "6 token(s)")
+
+
 def test_try_it_is_offered_only_for_a_model_that_can_run(qtbot):
     link = FakeLink()
     FakeJobs(link, [a_training_job("l", output="lora"), a_job("r", "running", kind="train")])

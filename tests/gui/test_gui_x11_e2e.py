@@ -377,7 +377,7 @@ def try_it(d: Desktop, main: str) -> None:
     shown = d.widget("tryOutput", when=lambda w: w.get("text"))["text"]
     assert result["new_tokens"] > 0, result
     # A barely trained model may answer with blank lines only; the box then shows them as ⏎.
-    assert shown.replace("⏎", "").replace("·", " ") == result["completion"], (result, shown)
+    assert shown.replace("⏎", "").replace("·", " ").replace("→", "\t") == result["completion"], (result, shown)
     d.screenshot("try-it", main)
 
 

@@ -349,6 +349,11 @@ def test_fewer_prompts_than_replicas_generate_on_the_ones_that_have_one(root: Pa
     run_job(job)
     (result,) = [json.loads(line) for line in (job / "output" / "results.jsonl").read_text().splitlines()]
     assert result["tokens"] == reference_tokens(random_llama, [PROMPTS[0]], batch_size=1, max_new=6)[0]
+    # Why it stopped, from the tokens: the model's end token last, or the limit of 6 reached.
+    eos = json.loads((random_llama / "config.json").read_text()).get("eos_token_id")
+    ended = result["tokens"][-1] == eos
+    assert result["stop_reason"] == ("end_of_sequence" if ended else "max_tokens")
+    assert ended or len(result["tokens"]) == 6
 
 
 # --- cancellation, scripts, errors, calibration ---------------------------------------------------
