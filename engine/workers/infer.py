@@ -505,9 +505,9 @@ def run_infer(spec: JobSpec, job_dir: Path) -> int:
         out_dir = job_dir / "output"
         out_dir.mkdir(parents=True, exist_ok=True)
         tmp = out_dir / "results.jsonl.tmp"
-        rows = [{**{k: r[k] for k in ("prompt", "completion", "tokens")}, "stop_reason": stop_reason(r["tokens"], gen.eos)}
-                for r in merged]  # fmt: skip
-        tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        lines = [{**{k: r[k] for k in ("prompt", "completion", "tokens")}, "stop_reason": stop_reason(r["tokens"], gen.eos)}
+                 for r in merged]  # fmt: skip
+        tmp.write_text("".join(json.dumps(line) + "\n" for line in lines))
         tmp.replace(out_dir / "results.jsonl")
         print(f"[rank0] {len(merged)} completions written to {out_dir / 'results.jsonl'}", flush=True)
     status("done", exit_code=EXIT_OK)
