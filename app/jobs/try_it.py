@@ -42,6 +42,7 @@ class TryIt(QWidget):
         self.job: dict[str, Any] = {}
         self.running: str | None = None  # the try job we wait for
         self.last_completion = ""  # as generated (the box may mark its blank space)
+        self.partial = ""  # the running job's completion so far, as streamed
         self.prompt = QLineEdit()
         self.prompt.setObjectName("tryPrompt")
         self.prompt.setAccessibleName("Try it: a prompt for this model")
@@ -71,9 +72,11 @@ class TryIt(QWidget):
         if link is not self.link:
             if self.link is not None:
                 self.link.sig_job.disconnect(self._on_job)
+                self.link.sig_metrics.disconnect(self._on_metrics)
             self.link = link
             if link is not None:
                 link.sig_job.connect(self._on_job)
+                link.sig_metrics.connect(self._on_metrics)
         if model != self.model:
             self.running = None
             self.prompt.clear()
@@ -97,9 +100,10 @@ class TryIt(QWidget):
             job = reply.get("job") or {}
             if model != self.model or not job.get("id"):
                 return
-            self.running = job["id"]
+            self.running, self.partial = job["id"], ""
+            self.link.watch_metrics(job["id"])  # its completion streams in as `partial` records
             self.status.setText(
-                f"Job {job['id']} generates up to {MAX_NEW_TOKENS} tokens; the completion appears here."
+                f"Job {job['id']} generates up to {MAX_NEW_TOKENS} tokens; the completion appears here as it comes."
             )
             self.sig_submitted.emit(job["id"])
 
@@ -109,10 +113,26 @@ class TryIt(QWidget):
 
         self.link.call("submit", spec=spec, on_done=done, on_error=failed)
 
+    def _on_metrics(self, job_id: str, records: list[dict[str, Any]]) -> None:
+        """The completion as the worker streams it, until the job's results replace it."""
+        if job_id != self.running:
+            return
+        grown = False
+        for r in records:
+            if r.get("kind") == "partial" and r.get("index") == 0 and isinstance(r.get("text"), str):
+                self.partial = r["text"] if r.get("again") else self.partial + r["text"]
+                grown = True
+        if grown:
+            shown, _ = shown_completion(self.partial, None)
+            self.output.setPlainText(shown)
+            self.output.show()
+            self.status.setText(f"Job {job_id} is generating…")
+
     def _on_job(self, job: dict[str, Any]) -> None:
         if not self.running or job.get("id") != self.running or job.get("state") not in TERMINAL_STATES:
             return
         job_id, self.running = self.running, None
+        self.link.unwatch_metrics(job_id)
         if job["state"] != COMPLETED:
             self.status.setText(f"Job {job_id} {job['state']}: {job.get('exit_reason') or 'see its log'}")
             return

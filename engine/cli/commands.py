@@ -466,6 +466,8 @@ class _ProgressPrinter:
     def records(self, records: list[dict[str, Any]]) -> None:
         for r in records:
             kind = r.get("kind")
+            if kind == "partial":  # a completion as it grows: the completion itself is printed at the end
+                continue
             now = time.monotonic()
             if kind is None and now - self._last < 0.5 and r is not records[-1]:
                 continue

@@ -21,7 +21,7 @@ import inspect
 import json
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,10 @@ from rigpilot.engine.workers.pipeline import DecoderStage, decoder_parts
 # Positions per prefill forward in a pipeline (Generator._prefill_chunks): small enough that the next stage
 # starts soon, large enough that each chunk's fixed cost (reading every weight) stays a small part.
 PREFILL_CHUNK = 16
+# A job of a few prompts (the app's "Try it", a terminal's `run infer --prompt`) streams its completions as
+# they grow, every STREAM_EVERY_S at most: a person waits for them. Larger batches are read when done.
+STREAM_PROMPTS = 4
+STREAM_EVERY_S = 0.25
 
 
 def load_prompts(s: InferSettings) -> list[str]:
@@ -132,6 +136,7 @@ class _MicroBatch:
     recv: Any = None  # its pending receive from the last stage (stages before the last)
     inbox: tuple[Any, torch.Tensor] | None = None  # the receive of its next input from the stage before
     chunks: deque[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=deque)  # prefill left
+    streamed_at: float = 0.0  # perf_counter() when its tokens so far were last streamed
 
 
 class Generator:
@@ -179,6 +184,9 @@ class Generator:
         self._sends: list[Any] = []
         self.first_token_at: float | None = None  # perf_counter() when run() took in its first token
         self._batch_rows: dict[int, list[int]] = {}  # run()'s batches: their rows, in order
+        # Called with (rows, tokens so far of each row) as tokens come, at most every STREAM_EVERY_S a
+        # micro-batch; set on the rank that writes the completions (run_infer's streaming).
+        self.on_tokens: Callable[[list[int], list[list[int]]], None] | None = None
 
     @property
     def holds_logits(self) -> bool:
@@ -261,7 +269,11 @@ class Generator:
         mb.generated.append(token)
         if self.eos is not None:
             mb.finished |= token == self.eos
-        if len(mb.generated) >= self.s.max_new_tokens or (self.eos is not None and bool(mb.finished.all())):
+        ending = len(mb.generated) >= self.s.max_new_tokens or (self.eos is not None and bool(mb.finished.all()))
+        if self.on_tokens is not None and (ending or time.perf_counter() - mb.streamed_at >= STREAM_EVERY_S):
+            mb.streamed_at = time.perf_counter()  # its last tokens always go: the stream adds up to the completion
+            self.on_tokens(mb.rows, [_until_eos(r, self.eos) for r in torch.stack(mb.generated, dim=1).tolist()])
+        if ending:
             return False
         mb.ids = token[:, None]
         mb.mask = torch.cat([mb.mask, torch.ones_like(mb.mask[:, :1])], dim=1)
@@ -397,6 +409,26 @@ class Generator:
         return BatchResult(tokens, ttft, time.perf_counter() - t0)
 
 
+class _Streamer:
+    """A completion's new text as it grows, as `partial` metric records: {"index", "text"} where text is what
+    came since the last record of that prompt (the engine pushes metric records to the clients watching)."""
+
+    def __init__(self, tokenizer: Any, mine: list[int]) -> None:
+        self.tok, self.mine = tokenizer, mine
+        self.sent: dict[int, str] = {}
+
+    def send(self, rows: list[int], tokens: list[list[int]]) -> None:
+        for r, toks in zip(rows, tokens, strict=True):
+            i = self.mine[r]
+            text = self.tok.decode(toks, skip_special_tokens=True)
+            before = self.sent.get(i, "")
+            # A token's bytes may complete a character the last decode showed as U+FFFD: then resend it all.
+            new, again = (text[len(before):], False) if text.startswith(before) else (text, True)
+            if new or again:
+                report(kind="partial", index=i, text=new, again=again or None)
+                self.sent[i] = text
+
+
 def stop_reason(tokens: list[int], eos: int | None) -> str:
     """Why a completion ended: the model's end-of-sequence token, or the limit of new tokens."""
     if eos is not None and tokens and tokens[-1] == eos:
@@ -443,6 +475,8 @@ def run_infer(spec: JobSpec, job_dir: Path) -> int:
     tokenizer.padding_side = "left"  # new tokens go on the right, right after every prompt
     gen = Generator(runtime, model, tokenizer, config, s, dtype)
     mine = list(range(runtime.dp_rank, len(prompts), runtime.dims.dp))
+    if len(prompts) <= STREAM_PROMPTS and gen.holds_logits and runtime.tp_rank == 0:
+        gen.on_tokens = _Streamer(tokenizer, mine).send
     batches = -(-len(mine) // s.batch_size)
     status("generating", prompts=len(mine))
     results: list[dict[str, Any]] = []

@@ -333,6 +333,31 @@ def test_try_it_marks_an_answer_that_is_mostly_blank_space_and_says_why_it_stopp
     assert shown_completion("To be, or not to be", 6) == ("To be, or not to be", "6 token(s)")
 
 
+def test_try_it_shows_the_completion_as_it_streams_then_the_final_one(qtbot):
+    link = FakeLink()
+    FakeJobs(link, [a_training_job("t")])
+    link.replies["submit"] = lambda spec, **_: {"job": a_job("try1", "queued", kind="infer")}
+    serve_results(link, [{"index": 0, "prompt": "Hi", "completion": " there, friend", "new_tokens": 4, "cut": False,
+                          "stop_reason": "end_of_sequence"}])  # fmt: skip
+    page = open_page(qtbot, link)
+    open_job(qtbot, page, "t")
+    box = page.detail.try_it
+    page.detail.tabs.setCurrentIndex(TRY_TAB)
+    qtbot.keyClicks(box.prompt, "Hi")
+    qtbot.keyClick(box.prompt, Qt.Key.Key_Return)
+    qtbot.waitUntil(lambda: box.running == "try1")
+    assert "try1" in link.watched  # its metrics stream in
+    link.push_metrics("try1", [{"kind": "partial", "index": 0, "text": " there"}, {"kind": "status", "phase": "x"}])
+    assert box.output.toPlainText() == " there" and "generating" in box.status.text()
+    link.push_metrics("other", [{"kind": "partial", "index": 0, "text": "!!"}])  # another job's: not ours
+    link.push_metrics("try1", [{"kind": "partial", "index": 0, "text": ","}])
+    link.push_metrics("try1", [{"kind": "partial", "index": 0, "text": " there, fr", "again": True}])
+    assert box.output.toPlainText() == " there, fr"
+    link.push_job(a_job("try1", "completed", kind="infer"))
+    qtbot.waitUntil(lambda: box.completion() == " there, friend")
+    assert "try1" not in link.watched and box.status.text().endswith("stopped: the model ended its answer.")
+
+
 def test_try_it_is_offered_only_for_a_model_that_can_run(qtbot):
     link = FakeLink()
     FakeJobs(link, [a_training_job("l", output="lora"), a_job("r", "running", kind="train")])

@@ -354,6 +354,12 @@ def test_fewer_prompts_than_replicas_generate_on_the_ones_that_have_one(root: Pa
     ended = result["tokens"][-1] == eos
     assert result["stop_reason"] == ("end_of_sequence" if ended else "max_tokens")
     assert ended or len(result["tokens"]) == 6
+    # A job of a few prompts streams its completion: the pieces, put together, are the completion.
+    pieces = [r for rank in range(2) for r in records(job, rank) if r.get("kind") == "partial"]
+    streamed = ""
+    for r in pieces:
+        streamed = r["text"] if r.get("again") else streamed + r["text"]
+    assert pieces and all(r["index"] == 0 for r in pieces) and streamed == result["completion"]
 
 
 # --- cancellation, scripts, errors, calibration ---------------------------------------------------
