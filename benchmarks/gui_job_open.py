@@ -33,6 +33,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 HERE = Path(__file__).resolve().parent
@@ -50,30 +51,47 @@ JOBS = ("open1", "open2")
 
 def _probe_window(stop, out) -> None:
     """An empty Qt window with the same probe, in a process of its own: the machine's own stalls."""
-    from PySide6.QtCore import Qt, QTimer
     from PySide6.QtWidgets import QApplication, QWidget
 
     app = QApplication([])
     window = QWidget()
     window.resize(400, 300)
     window.show()
-    late: list[float] = []
-    last = [time.perf_counter()]
-
-    def tick() -> None:
-        now = time.perf_counter()
-        late.append(max(0.0, (now - last[0]) * 1000 - PROBE_MS))
-        last[0] = now
-        if stop.is_set():
-            app.exit(0)
-
-    timer = QTimer()
-    timer.setTimerType(Qt.TimerType.PreciseTimer)
-    timer.setInterval(PROBE_MS)
-    timer.timeout.connect(tick)
-    timer.start()
+    probe = Probe(on_tick=lambda: app.exit(0) if stop.is_set() else None)
+    probe.start()
     app.exec()
-    out.put(late)
+    out.put(probe.late)
+
+
+class Probe:
+    """A PROBE_MS timer on the GUI thread: how late each tick fires is how long the window could not answer."""
+
+    def __init__(self, on_tick: Any = None) -> None:
+        from PySide6.QtCore import Qt, QTimer
+
+        self.late: list[float] = []
+        self.last = time.perf_counter()
+        self.on_tick = on_tick
+        self.timer = QTimer()
+        self.timer.setTimerType(Qt.TimerType.PreciseTimer)
+        self.timer.setInterval(PROBE_MS)
+        self.timer.timeout.connect(self.tick)
+
+    def start(self) -> None:
+        self.late.clear()
+        self.last = time.perf_counter()
+        self.timer.start()
+
+    def stop(self) -> None:
+        self.timer.stop()
+        self.tick()
+
+    def tick(self) -> None:
+        now = time.perf_counter()
+        self.late.append(max(0.0, (now - self.last) * 1000 - PROBE_MS))
+        self.last = now
+        if self.on_tick is not None:
+            self.on_tick()
 
 
 def _spin(stop) -> None:
@@ -82,7 +100,7 @@ def _spin(stop) -> None:
 
 
 def measure(args: argparse.Namespace) -> dict:
-    from PySide6.QtCore import QObject, Qt, QTimer, Signal
+    from PySide6.QtCore import QObject, Signal
     from PySide6.QtWidgets import QApplication
 
     from rigpilot.app.jobs.page import JobsPage
@@ -169,23 +187,10 @@ def measure(args: argparse.Namespace) -> dict:
         p.start()
     time.sleep(2.0)  # the empty window's Qt starts up before the measuring does
 
-    late: list[float] = []
-    last = [time.perf_counter()]
-
-    def tick() -> None:
-        now = time.perf_counter()
-        late.append(max(0.0, (now - last[0]) * 1000 - PROBE_MS))
-        last[0] = now
-
-    probe = QTimer()
-    probe.setTimerType(Qt.TimerType.PreciseTimer)
-    probe.setInterval(PROBE_MS)
-    probe.timeout.connect(tick)
+    probe = Probe()
     longest, load_s = [], []
     for n in range(args.opens):
         job_id = JOBS[n % len(JOBS)]
-        late.clear()
-        last[0] = time.perf_counter()
         probe.start()
         t0 = time.perf_counter()
         page.open_job(job_id)  # the click; its own time counts as the first tick's lateness
@@ -200,8 +205,7 @@ def measure(args: argparse.Namespace) -> dict:
             app.processEvents()
             time.sleep(0.001)
         probe.stop()
-        tick()
-        longest.append(max(late))
+        longest.append(max(probe.late))
         if handle.series.records != len(history):
             raise SystemExit(f"{job_id}: {handle.series.records} of {len(history)} records charted")
     stop.set()
