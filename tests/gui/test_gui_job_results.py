@@ -288,11 +288,12 @@ def test_try_it_runs_one_prompt_on_the_trained_model_and_shows_the_completion(qt
     assert link.requests("results")[-1]["job"] == "try1"
 
 
-def test_try_it_says_so_when_the_model_answers_with_blank_space_only(qtbot):
+def try_hi(qtbot, completion: dict[str, Any]) -> tuple[Any, Any, FakeLink]:
+    """The Try it tab of a finished training job, "Hi" sent and its job (try1) running; `completion` its result."""
     link = FakeLink()
     FakeJobs(link, [a_training_job("t")])
     link.replies["submit"] = lambda spec, **_: {"job": a_job("try1", "queued", kind="infer")}
-    serve_results(link, [{"index": 0, "prompt": "Hi", "completion": "\n\n ", "new_tokens": 3, "cut": False}])
+    serve_results(link, [{"index": 0, "prompt": "Hi", "cut": False, **completion}])
     page = open_page(qtbot, link)
     open_job(qtbot, page, "t")
     box = page.detail.try_it
@@ -300,6 +301,11 @@ def test_try_it_says_so_when_the_model_answers_with_blank_space_only(qtbot):
     qtbot.keyClicks(box.prompt, "Hi")
     qtbot.keyClick(box.prompt, Qt.Key.Key_Return)
     qtbot.waitUntil(lambda: box.running == "try1")
+    return page, box, link
+
+
+def test_try_it_says_so_when_the_model_answers_with_blank_space_only(qtbot):
+    page, box, link = try_hi(qtbot, {"completion": "\n\n ", "new_tokens": 3})
     link.push_job(a_job("try1", "completed", kind="infer"))
     qtbot.waitUntil(lambda: box.output.isVisibleTo(page))
     assert "3 token(s) of blank space only" in box.status.text()
@@ -309,19 +315,8 @@ def test_try_it_says_so_when_the_model_answers_with_blank_space_only(qtbot):
 def test_try_it_marks_an_answer_that_is_mostly_blank_space_and_says_why_it_stopped(qtbot):
     from rigpilot.app.jobs.try_it import shown_completion
 
-    link = FakeLink()
-    FakeJobs(link, [a_training_job("t")])
-    link.replies["submit"] = lambda spec, **_: {"job": a_job("try1", "queued", kind="infer")}
     answer = "s" + "\n" * 62
-    serve_results(link, [{"index": 0, "prompt": "Hi", "completion": answer, "new_tokens": 63, "cut": False,
-                          "stop_reason": "max_tokens"}])  # fmt: skip
-    page = open_page(qtbot, link)
-    open_job(qtbot, page, "t")
-    box = page.detail.try_it
-    page.detail.tabs.setCurrentIndex(TRY_TAB)
-    qtbot.keyClicks(box.prompt, "Hi")
-    qtbot.keyClick(box.prompt, Qt.Key.Key_Return)
-    qtbot.waitUntil(lambda: box.running == "try1")
+    page, box, link = try_hi(qtbot, {"completion": answer, "new_tokens": 63, "stop_reason": "max_tokens"})
     link.push_job(a_job("try1", "completed", kind="infer"))
     qtbot.waitUntil(lambda: box.output.isVisibleTo(page))
     assert box.status.text() == (
@@ -334,18 +329,7 @@ def test_try_it_marks_an_answer_that_is_mostly_blank_space_and_says_why_it_stopp
 
 
 def test_try_it_shows_the_completion_as_it_streams_then_the_final_one(qtbot):
-    link = FakeLink()
-    FakeJobs(link, [a_training_job("t")])
-    link.replies["submit"] = lambda spec, **_: {"job": a_job("try1", "queued", kind="infer")}
-    serve_results(link, [{"index": 0, "prompt": "Hi", "completion": " there, friend", "new_tokens": 4, "cut": False,
-                          "stop_reason": "end_of_sequence"}])  # fmt: skip
-    page = open_page(qtbot, link)
-    open_job(qtbot, page, "t")
-    box = page.detail.try_it
-    page.detail.tabs.setCurrentIndex(TRY_TAB)
-    qtbot.keyClicks(box.prompt, "Hi")
-    qtbot.keyClick(box.prompt, Qt.Key.Key_Return)
-    qtbot.waitUntil(lambda: box.running == "try1")
+    _, box, link = try_hi(qtbot, {"completion": " there, friend", "new_tokens": 4, "stop_reason": "end_of_sequence"})
     assert "try1" in link.watched  # its metrics stream in
     link.push_metrics("try1", [{"kind": "partial", "index": 0, "text": " there"}, {"kind": "status", "phase": "x"}])
     assert box.output.toPlainText() == " there" and "generating" in box.status.text()
