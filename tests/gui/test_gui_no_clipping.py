@@ -120,3 +120,54 @@ def test_the_appearance_setting_applies_at_once_and_is_kept(qtbot):
         assert read_theme() == "system"
     finally:
         apply_theme(app, before)
+
+
+@pytest.mark.parametrize("theme", ["light", "dark"])
+def test_the_planner_with_a_plan_fits(window, qtbot, theme):
+    from rigpilot.app.planner.model import PlanRequest
+
+    apply_theme(QApplication.instance(), theme)
+    planner = window.show_page("planner")
+    answers: list[object] = []
+    planner.sig_plan_ready.connect(answers.append)
+    planner.sig_plan_failed.connect(answers.append)
+    planner.set_request(PlanRequest(model="llama-2-7b", task="train", method="full", precision="bf16",
+                                    seq_len=2048, batch=16, gpus=[0, 1, 2, 3]))  # fmt: skip
+    planner.request_plan()
+    qtbot.waitUntil(lambda: bool(answers), timeout=60_000)
+    assert isinstance(answers[0], dict), answers[0]
+    qtbot.wait(100)
+    problems = clipped_text(window)
+    assert not problems, f"planner with a plan ({theme}) clips:\n" + "\n".join(problems)
+
+
+def test_the_measure_finds_cut_text_and_passes_what_fits(qtbot):
+    """The helper itself: each kind of cut it must see, and the deliberate elision it must let through."""
+    from PySide6.QtWidgets import QLabel, QPushButton, QVBoxLayout, QWidget
+
+    from rigpilot.app.widgets.elided_label import ElidedLabel
+
+    root = QWidget()
+    qtbot.addWidget(root)
+    layout = QVBoxLayout(root)
+    fits = QLabel("OK")
+    cut = QLabel("a label far too long for forty pixels")
+    cut.setFixedWidth(40)
+    wrapped = QLabel("a wrapped label with many words that needs several lines at this width")
+    wrapped.setWordWrap(True)
+    wrapped.setFixedSize(80, 20)
+    button = QPushButton("A button with a long text")
+    button.setFixedWidth(50)
+    elided = ElidedLabel("an elided label with its whole text in the tooltip")
+    elided.setFixedWidth(60)
+    for w in (fits, cut, wrapped, button, elided):
+        layout.addWidget(w)
+    root.show()
+    qtbot.waitExposed(root)
+    problems = clipped_text(root)
+    assert len(problems) == 3, problems
+    assert any("far too long" in p for p in problems)
+    assert any("wrapped label" in p and "high" in p for p in problems)
+    assert any("A button" in p for p in problems)
+    elided.setToolTip("")
+    assert any("elided without" in p for p in clipped_text(root))

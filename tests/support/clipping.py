@@ -111,6 +111,8 @@ def _button(button: QAbstractButton) -> str | None:
         needed += style.pixelMetric(QStyle.PixelMetric.PM_CheckBoxLabelSpacing, None, button)
     elif isinstance(button, QPushButton):
         needed += 2 * style.pixelMetric(QStyle.PixelMetric.PM_ButtonMargin, None, button) // 2
+        if button.menu() is not None:  # the arrow is drawn inside the button, beside the text
+            needed += style.pixelMetric(QStyle.PixelMetric.PM_MenuButtonIndicator, None, button)
     width = button.contentsRect().width()
     if needed > width + SLACK_PX:
         return f"{_name(button, text)}: needs {needed} px, has {width} px"
