@@ -21,12 +21,15 @@ def main(argv: list[str] | None = None) -> int:
 
         return self_test(Path(argv[1]) if len(argv) > 1 else None)
     if argv and argv[0] == "--screenshots":
-        if len(argv) != 2:
-            print("usage: rigpilot --screenshots DIR", file=sys.stderr)
+        themes: tuple[str, ...] = ("light", "dark")
+        if len(argv) == 4 and argv[2] == "--theme" and argv[3] in themes:
+            themes = (argv[3],)
+        elif len(argv) != 2:
+            print("usage: rigpilot --screenshots DIR [--theme light|dark]", file=sys.stderr)
             return 2
         from rigpilot.app.screenshots import main as screenshots
 
-        return screenshots(Path(argv[1]))
+        return screenshots(Path(argv[1]), themes)
     if argv:
         # Imported here: the CLI's modules (the engine's settings, its client) are not needed to open the app.
         from rigpilot.engine.cli import entry as cli

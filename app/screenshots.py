@@ -1,4 +1,5 @@
-"""`rigpilot --screenshots DIR`: a PNG of every main view and every job-wizard page, for the README and bug reports.
+"""`rigpilot --screenshots DIR [--theme light|dark]`: a PNG of every page and every job-wizard page, in the light
+and the dark theme (DIR/light/*.png, DIR/dark/*.png; one theme with --theme), for the README and bug reports.
 
 It runs offscreen against a real engine service on a simulated 4×RTX 4090, in
 a throw-away set of XDG folders and Qt settings (the user's jobs, settings and
@@ -12,7 +13,12 @@ main window opens at on a 1280×800 screen (1272×756: app/widgets/window_size.p
 prints each file's path; it exits 1 naming what did not happen (pictures
 taken until then are kept), and always stops the service it started.
 
+Each moment is shot in every theme asked for (the theme is switched, the window redraws, it is grabbed),
+so the two sets show the same data and one run makes both.
+
     rigpilot --screenshots docs/screenshots
+
+It runs offscreen unless QT_QPA_PLATFORM is already set (xcb: a real X server, e.g. Xvfb with openbox).
 """
 
 from __future__ import annotations
@@ -117,11 +123,17 @@ def quiet_offscreen_messages() -> None:
     qInstallMessageHandler(handle)
 
 
+THEMES = ("light", "dark")
+
+
 class Shooter:
-    def __init__(self, app: Any, out: Path):
+    def __init__(self, app: Any, out: Path, themes: tuple[str, ...] = THEMES):
         self.app = app
         self.out = out
+        self.themes = themes
         self.saved: list[Path] = []
+        for theme in themes:
+            (out / theme).mkdir(parents=True, exist_ok=True)
 
     def wait(self, predicate: Callable[[], Any], timeout: float, what: str) -> Any:
         from PySide6.QtCore import QEventLoop
@@ -141,16 +153,24 @@ class Shooter:
         end = time.monotonic() + seconds
         self.wait(lambda: time.monotonic() >= end, seconds + 5, "time passing")
 
-    def shoot(self, widget: Any, name: str) -> Path:
+    def shoot(self, widget: Any, name: str) -> list[Path]:
+        """`name`.png in each theme's folder; the first theme is left applied."""
+        paths = [self._grab(widget, name, theme) for theme in reversed(self.themes)]
+        return paths[::-1]
+
+    def _grab(self, widget: Any, name: str, theme: str) -> Path:
         from PySide6.QtCore import QSize
 
+        from rigpilot.app.widgets.theme import apply_theme, parse_theme
+
+        apply_theme(self.app, parse_theme(theme))
         self.settle(0.3)
         widget.resize(*SIZE)
         self.app.processEvents()
         pixmap = widget.grab()
         if pixmap.size() != QSize(*SIZE):  # a window the screen kept smaller, say
             pixmap = pixmap.scaled(*SIZE)
-        path = self.out / f"{name}.png"
+        path = self.out / theme / f"{name}.png"
         if not pixmap.toImage().save(str(path), "PNG", 0):  # 0: the smallest file zlib makes
             raise ShotError(f"could not write {path}")
         self.saved.append(path)
@@ -247,6 +267,9 @@ def take(shooter: Shooter) -> None:
 
         jobs = window.show_page("jobs")
         jobs.open_job(job_id)
+        if job_state() == "running":
+            shooter.settle(2.0)
+            shooter.shoot(window, "job-running")
         shooter.wait(lambda: job_state() in ("completed", "failed", "cancelled"), JOB_TIMEOUT_S, "end of the job")
         if job_state() != "completed":
             record = window.jobs.get(job_id) or {}
@@ -260,6 +283,15 @@ def take(shooter: Shooter) -> None:
         shooter.wait(lambda: loss_points() >= steps, 30, "loss curve on the Jobs page")
         jobs.refresh(force=True)
         shooter.shoot(window, "jobs")
+        tabs = jobs.detail.tabs
+        for title, name in (("Summary", "job-summary"), ("Try it", "try-it")):
+            index = next((i for i in range(tabs.count()) if tabs.tabText(i).replace("&", "") == title), -1)
+            if index < 0 or not tabs.isTabVisible(index):
+                raise ShotError(f"no {title} tab on the finished job's page")
+            tabs.setCurrentIndex(index)
+            shooter.settle(0.5)
+            shooter.shoot(window, name)
+        tabs.setCurrentIndex(0)
         window.show_page("dashboard")
     finally:
         window.link.stop()
@@ -267,8 +299,9 @@ def take(shooter: Shooter) -> None:
         window.deleteLater()
 
 
-def main(out: Path) -> int:
-    os.environ["QT_QPA_PLATFORM"] = "offscreen"  # the same pictures on any desktop, and without one
+def main(out: Path, themes: tuple[str, ...] = THEMES) -> int:
+    # The same pictures on any desktop, and without one; a caller that sets a platform (xcb) gets it.
+    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="rigpilot-shots-"))
     isolate(tmp)
@@ -283,7 +316,7 @@ def main(out: Path) -> int:
     for fmt in (QSettings.Format.NativeFormat, QSettings.Format.IniFormat):
         QSettings.setPath(fmt, QSettings.Scope.UserScope, str(tmp / "qt"))
     quiet_offscreen_messages()
-    shooter = Shooter(app, out)
+    shooter = Shooter(app, out, themes)
     engine = start_engine(tmp)
     rc = 0
     try:

@@ -17,12 +17,14 @@ from typing import Any
 
 from PySide6.QtCore import QSettings
 
+from rigpilot.app.widgets.theme import Theme, parse_theme
 from rigpilot.engine.hardware.simulated import DEFAULT_PROFILE, list_profiles
 from rigpilot.engine.settings import Settings
 
 KEY_ADDRESS = "engine/address"
 KEY_TOKEN = "engine/token"
 KEY_REFRESH_HZ = "telemetry/refresh_hz"
+KEY_THEME = "appearance/theme"
 DEFAULT_REFRESH_HZ = 10.0
 REFRESH_RANGE = (0.5, 10.0)  # charts never redraw faster than 10 Hz: more costs CPU and shows nothing new
 DEFAULT_CPU_RANKS = 4
@@ -41,6 +43,18 @@ def read_refresh_hz(settings: QSettings | None = None) -> float:
     except (TypeError, ValueError):
         return DEFAULT_REFRESH_HZ
     return min(max(hz, REFRESH_RANGE[0]), REFRESH_RANGE[1])
+
+
+def read_theme(settings: QSettings | None = None) -> Theme:
+    """System, light or dark; anything else stored reads as system."""
+    return parse_theme((settings or QSettings()).value(KEY_THEME, "system"))
+
+
+def save_theme(theme: Theme, settings: QSettings | None = None) -> None:
+    """Stored at once, apart from Save: the theme is applied as it is picked, so it is kept as it is picked."""
+    s = settings or QSettings()
+    s.setValue(KEY_THEME, theme)
+    s.sync()
 
 
 def engine_link_options(settings: QSettings | None = None) -> dict[str, str | None]:

@@ -40,14 +40,17 @@ from rigpilot.app.settings.model import (
     cpu_ranks_note,
     load_engine_side,
     load_gui_side,
+    read_theme,
     save_engine_side,
     save_gui_side,
+    save_theme,
 )
 from rigpilot.app.settings.nodes import NodesBox
 from rigpilot.app.settings.prices import PricesBox
 from rigpilot.app.tasks import run_in_background
 from rigpilot.app.widgets.icons import set_icon
 from rigpilot.app.widgets.style import mark_primary, set_status
+from rigpilot.app.widgets.theme import THEME_LABELS, THEMES, Theme, apply_theme
 from rigpilot.engine.api.client import EngineUnavailable
 from rigpilot.engine.api.pins import pinned
 from rigpilot.engine.errors import UserError
@@ -212,7 +215,16 @@ class SettingsPage(QWidget):
             f"Charts redraw at most this often ({REFRESH_RANGE[0]:g}–{REFRESH_RANGE[1]:g}), and only while visible. "
             "The engine samples the GPUs about once a second."
         ))  # fmt: skip
-        display_form.addRow(_note("Light or dark: Rigpilot follows the system theme."))
+        self.appearance = QComboBox()
+        self.appearance.setObjectName("appearance")
+        self.appearance.setAccessibleName("Appearance")
+        for theme in THEMES:
+            self.appearance.addItem(THEME_LABELS[theme], theme)
+        self.appearance.setCurrentIndex(THEMES.index(read_theme()))
+        self.appearance.currentIndexChanged.connect(lambda _: self.set_theme(self.appearance.currentData()))
+        display_form.addRow("Appearance", self.appearance)
+        display_form.addRow(_note("System follows the desktop's light or dark setting. Applies and is kept at "
+                                  "once, without Save."))  # fmt: skip
 
         self.save_button = QPushButton("Save")
         set_icon(self.save_button, "save")
@@ -289,6 +301,13 @@ class SettingsPage(QWidget):
             )
         else:
             self.certificate.setText(f"{fingerprint} (pinned: another certificate at this address is refused)")
+
+    def set_theme(self, theme: Theme) -> None:
+        """Applied and stored as picked, like the desktop's own appearance switch: no Save, no restart."""
+        from PySide6.QtWidgets import QApplication
+
+        save_theme(theme)
+        apply_theme(QApplication.instance(), theme)
 
     # -- the engine environment ------------------------------------------------------------------------
     def repair_engine_env(self) -> QWidget:

@@ -196,13 +196,21 @@ def test_screenshots_of_every_view_and_wizard_page(tmp_path):
     r = subprocess.run([sys.executable, "-m", "rigpilot.app.launcher", "--screenshots", str(out)], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
-    names = {"dashboard", "topology", "planner", "jobs", "jobs-empty", "settings", "wizard-task", "wizard-model", "wizard-data",
-             "wizard-gpus", "wizard-plan", "wizard-hyper", "wizard-review", "wizard-launch"}  # fmt: skip
-    assert {p.stem for p in out.glob("*.png")} == names
-    assert {str(out / f"{n}.png") for n in names} <= set(r.stdout.splitlines())
-    for png in out.glob("*.png"):
+    names = {"dashboard", "topology", "planner", "jobs", "jobs-empty", "settings", "job-summary", "try-it",
+             "wizard-task", "wizard-model", "wizard-data", "wizard-gpus", "wizard-plan", "wizard-hyper",
+             "wizard-review", "wizard-launch"}  # fmt: skip
+    for theme in ("light", "dark"):
+        # The running job's page is shot only if the job is still running when the Jobs page opens it.
+        assert {p.stem for p in (out / theme).glob("*.png")} - {"job-running"} == names, theme
+        assert {str(out / theme / f"{n}.png") for n in names} <= set(r.stdout.splitlines())
+    assert not list(out.glob("*.png"))
+    for png in out.glob("*/*.png"):
         image = QImage(str(png))
         assert (image.width(), image.height()) == SIZE, png.name
+    # The same moment in two themes: the dark picture is darker.
+    light, dark = QImage(str(out / "light" / "settings.png")), QImage(str(out / "dark" / "settings.png"))
+    x, y = SIZE[0] // 2, SIZE[1] - 5
+    assert light.pixelColor(x, y).lightness() > dark.pixelColor(x, y).lightness()
     assert "propagateSizeHints" not in r.stderr
 
 
@@ -210,3 +218,6 @@ def test_screenshots_needs_a_folder():
     r = subprocess.run([sys.executable, "-m", "rigpilot.app.launcher", "--screenshots"], cwd=REPO, capture_output=True,
                        text=True, timeout=60)  # fmt: skip
     assert r.returncode == 2 and "usage: rigpilot --screenshots DIR" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "rigpilot.app.launcher", "--screenshots", "x", "--theme", "purple"],
+                       cwd=REPO, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 2 and "[--theme light|dark]" in r.stderr
