@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 from PySide6.QtCore import QEvent, QSize, Qt
-from PySide6.QtGui import QFont, QResizeEvent
+from PySide6.QtGui import QFont, QPixmap, QResizeEvent
 from PySide6.QtWidgets import QFrame, QGridLayout, QHBoxLayout, QLabel, QSizePolicy, QWidget
 
 from rigpilot.app.widgets.meter import Meter
@@ -102,7 +102,13 @@ class GpuCard(QFrame):
         self.title.setFont(font)
         self.title.set_full_text(f"GPU {gpu.index} · {short_gpu_name(gpu.name)}",
                                  f"{gpu.name}\nBus {gpu.pci_bus_id or NA}\nUUID {gpu.uuid or NA}")  # fmt: skip
-        self.title.setStyleSheet(f"border-left: 4px solid {series_color(gpu.index).name()}; padding-left: 4px;")
+        # The GPU's colour in the charts, as a swatch: a style sheet on the title kept its text in the colours of
+        # the theme it was made under (dark on dark after a switch) and never drew its stripe.
+        self.swatch = QLabel()
+        self.swatch.setObjectName("gpuSwatch")
+        swatch = QPixmap(6, 14)
+        swatch.fill(series_color(gpu.index))
+        self.swatch.setPixmap(swatch)
         self.flags = QLabel(NA)
         self.flags.setObjectName("flags")
 
@@ -135,6 +141,7 @@ class GpuCard(QFrame):
         grid.setVerticalSpacing(2)
         head = QHBoxLayout()  # the title takes the row, ahead of the flags, whatever the columns below need
         head.setContentsMargins(0, 0, 0, 0)
+        head.addWidget(self.swatch)
         head.addWidget(self.title, 1)
         head.addWidget(self.flags)
         grid.addLayout(head, 0, 0, 1, 3)

@@ -8,7 +8,7 @@ xfail naming what clips: it turns into a failure the day it is fixed, to be unma
 
 import pytest
 from PySide6.QtCore import QSettings
-from PySide6.QtGui import QFont
+from PySide6.QtGui import QFont, QPalette
 from PySide6.QtWidgets import QApplication
 
 from rigpilot.app.main_window import PAGES, MainWindow
@@ -171,3 +171,16 @@ def test_the_measure_finds_cut_text_and_passes_what_fits(qtbot):
     assert any("A button" in p for p in problems)
     elided.setToolTip("")
     assert any("elided without" in p for p in clipped_text(root))
+
+
+def test_a_theme_switch_recolours_the_gpu_cards_titles(window, qtbot):
+    """A card's title follows the theme it is shown in (a style sheet on it once kept the light theme's dark text
+    on the dark theme's card); the GPU's chart colour is a swatch beside it."""
+    app = QApplication.instance()
+    window.show_page("dashboard")
+    card = next(iter(window.pages["dashboard"].cards.values()))
+    for theme in ("light", "dark", "light"):
+        apply_theme(app, theme)
+        qtbot.wait(20)
+        assert card.title.palette().color(card.title.foregroundRole()) == app.palette().color(QPalette.ColorRole.WindowText)
+        assert not card.title.styleSheet() and not card.swatch.pixmap().isNull()
