@@ -162,6 +162,9 @@ class JobsPage(QWidget):
         self.table.verticalHeader().hide()
         self.table.horizontalHeader().setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
         self.table.horizontalHeader().setSectionResizeMode(PROGRESS, QHeaderView.ResizeMode.Interactive)
+        # One line per job: the submission time wrapped onto two ("2026-11-29 / 01:36") made every row double.
+        self.table.setWordWrap(False)
+        self.table.horizontalHeader().setSectionResizeMode(SUBMITTED, QHeaderView.ResizeMode.ResizeToContents)
         self.table.setColumnWidth(PROGRESS, 170)
         self._progress_delegate = ProgressDelegate(self.table)
         self.table.setItemDelegateForColumn(PROGRESS, self._progress_delegate)

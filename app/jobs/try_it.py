@@ -62,7 +62,7 @@ class TryIt(QWidget):
         row.addWidget(label)
         row.addWidget(self.prompt, 1)
         layout = QVBoxLayout(self)
-        layout.setContentsMargins(0, 0, 0, 0)
+        layout.setContentsMargins(8, 8, 8, 8)  # a tab's page: off its edges
         layout.addLayout(row)
         layout.addWidget(self.status)
         layout.addWidget(self.output, 1)
