@@ -269,6 +269,9 @@ class Studies:
                 "global_batch": int(request.get("global_batch") or DEFAULT_GLOBAL_BATCH),
             }  # fmt: skip
         settings.update(steps=steps, warmup=warmup, micro_batch=request.get("micro_batch"))
+        # Its model, data and folder are checked now, as a job's are when submitted: a bad path is refused in one
+        # line and leaves no study behind; only the planning, which takes long, waits for the thread.
+        sup.check(point_spec(settings, "check", counts[0]), None, cwd)
         with self._lock:
             if job is not None:
                 self._refuse_a_second(job["id"])
@@ -280,10 +283,12 @@ class Studies:
             }  # fmt: skip
             self._live[study["id"]] = study
             self._save(study)
+            # The answer is made before the thread starts: once it plans, its submissions hold the lock.
+            answer = self.show(self.load(study["id"]))
         threading.Thread(
             target=self._plan_and_submit, args=(study, cwd), name=f"scaling-{study['id']}", daemon=True
         ).start()
-        return self.show(study)
+        return answer
 
     def _refuse_a_second(self, job_id: str) -> None:
         for other in self.list(job_id):

@@ -202,7 +202,7 @@ def test_a_study_read_or_cancelled_while_its_jobs_are_submitted_is_never_taken_f
     reader.join(30)
     canceller.join(30)
     # Both waited for the submission: the reader saw the jobs, the cancel cancelled them.
-    assert sorted(seen) == ["cancelled", "running"] or seen == ["cancelled", "cancelled"], seen
+    assert sorted(seen) == ["cancelled", "running"] or seen == ["cancelled", "cancelled"], (seen, studies.get(sid))
     assert set(sup.cancelled) == {"p1", "p2"} and studies.get(sid)["state"] == "cancelled"
 
 
