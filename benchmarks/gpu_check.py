@@ -14,6 +14,9 @@ workers under torchrun), in a private scratch home so nothing of the user's is t
    QLoRA. For each: the plan's peak memory and tokens/s beside the job's own peak (`max_memory_allocated`, as the
    workers report it) and steady tokens/s, and MFU.
 3. inference: the engine's greedy completion beside transformers' `generate()` on the same weights.
+4. `rigpilot doctor` (run second, before the training): per GPU, matmul at each precision against the spec
+   sheet's peak, memory bandwidth, NVML against `nvidia-smi -q`, health; per pair (none on one GPU) the peer
+   copies and all-reduces. Its table is printed as the CLI prints it.
 
 Without a GPU (`torch.cuda.is_available()` false) the same code runs on the simulated machine with the tiny
 example model and CPU ranks, a few steps each: a dry run of the whole path, labelled as such, whose figures
@@ -91,12 +94,13 @@ class Check:
         self.report: dict[str, Any] = {
             "schema": "rigpilot.gpu-check/1", "started": time.time(), "dry_run": not self.gpu,
             "python": sys.version.split()[0], "torch": _torch_version(), "steps": self.steps,
-            "machine": None, "training": [], "inference": None,
+            "machine": None, "doctor": None, "training": [], "inference": None,
         }  # fmt: skip
 
     # -- the steps ------------------------------------------------------------------------------------------
     def run(self) -> None:
         self.report["machine"] = self._step(self.machine)
+        self.report["doctor"] = self._step(self.doctor)
         model = self._step(self.model_folder)
         if isinstance(model, dict) and model.get("path"):
             trained = None
@@ -142,6 +146,14 @@ class Check:
             or abs(a["power_limit_w"] - b["power_limit_w"]) < 1 for a, b in zip(mine, theirs, strict=False)
         )  # fmt: skip
         return row
+
+    def doctor(self) -> dict[str, Any]:
+        """`rigpilot doctor` as a user runs it: the job, then the stored report (exit 1 only says it found a fault)."""
+        r = subprocess.run([sys.executable, "-m", "rigpilot.engine.cli", "doctor"], capture_output=True, text=True,
+                           env=self.env, timeout=CALL_TIMEOUT_S, cwd=self.home)  # fmt: skip
+        report = json.loads(self.cli("doctor", "--show", "--json")).get("report")
+        table = r.stdout[r.stdout.find("Machine check of") :] if "Machine check of" in r.stdout else r.stdout[-2000:]
+        return {"exit": r.returncode, "report": report, "table": table.strip(), "stderr": r.stderr.strip()[-500:]}
 
     def model_folder(self) -> dict[str, Any]:
         """The ~1.1B Llama (the tiny one on a dry run) with random weights, saved once: LoRA and QLoRA load them."""
@@ -269,6 +281,9 @@ class Check:
         lines = [f"Rigpilot GPU check — torch {r['torch']}, {r['steps']} steps per recipe. {head}".rstrip()]
         m = r.get("machine") or {}
         lines.append(f"machine: {m.get('label', m.get('error', '?'))}; nvidia-smi agrees: {m.get('agree', m.get('nvidia_smi'))}")
+        doc = r.get("doctor") or {}
+        lines.append("rigpilot doctor: " + (doc.get("error") or doc.get("stderr") or f"exit {doc.get('exit')}"))
+        lines += ["  " + line for line in (doc.get("table") or "").splitlines()]
         lines.append(f"{'recipe':<24} {'state':<10} {'peak GiB':>9} {'plan':>7} {'ratio':>6} {'tok/s':>9} "
                      f"{'plan':>9} {'ratio':>6} {'MFU':>6} {'plan':>6}")  # fmt: skip
         for t in r["training"]:

@@ -140,6 +140,13 @@ def calibration_path() -> Path:
     return engine_state_dir() / "calibration.json"
 
 
+def doctor_dir() -> Path:
+    """The machine checks' reports, one per machine and driver (engine.jobs.doctor_store)."""
+    d = engine_state_dir() / "doctor"
+    _private_dir(d)
+    return d
+
+
 def jobs_dir() -> Path:
     d = engine_state_dir() / "jobs"
     _private_dir(d)

@@ -74,6 +74,12 @@ has `settings`, the job's spec without its environment, and `output`, what its o
     delete {job}                            → {id, deleted}
     simulate_fault {gpu, fault?}            → {gpu, fault, health}: a simulated GPU reports "lost", "ecc" or "xid N"
           as NVML would, and automatic recovery leaves it out (null clears); refused (user_error) on real GPUs
+    doctor_start {gpus?, deadline_s?}       → {job}: a machine check (a job of kind "doctor") on the GPUs (default all);
+          refused while one runs (doctor_running) and on an imported machine (doctor_imported_machine)
+    doctor_report {}                        → {report: rigpilot.doctor/1 | null, why: null | "never" |
+          "driver_changed" | "unreadable", running: job id | null}: the check stored for this machine and driver
+    simulate_link_fault {gpus: [a, b], fault?} → {gpus, fault}: a simulated link's copies "corrupt" or its
+          all-reduce "hang" in the next machine check (null clears); refused (not_simulated) on real GPUs
     rename {job, name}                      → {job}       (name: one printable line, 1–100 characters)
     results {job, start?, limit?, max_bytes?} → {results: [{index, prompt, completion, new_tokens, cut}], start,
           more, path, size, state}: an inference job's completions (output/results.jsonl, read as JSON only);

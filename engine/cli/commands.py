@@ -75,6 +75,9 @@ def register(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     k.set_defaults(func=cmd_run)
 
     register_nodes(sub, js)
+    from rigpilot.engine.cli.doctor import register as register_doctor
+
+    register_doctor(sub, js)
     p = sub.add_parser(
         "scaling", parents=[_scaling_model_options(), workload, js],
         help="run the same training on 1, 2, 4 … GPUs: measured speed-up against linear and against the plan",
@@ -479,6 +482,9 @@ def format_record(r: dict[str, Any]) -> str:
     kind = r.get("kind")
     if kind == "status":
         what = f" {r['module']}" if isinstance(r.get("module"), str) else ""  # "importing torch"
+        if isinstance(r.get("check"), str):  # the machine check: "checking all_reduce on GPUs 0,1"
+            on = r.get("gpus") if r.get("gpus") is not None else r.get("gpu")
+            what = f" {r['check']}" + (f" on GPU{'s' * isinstance(on, str)} {on}" if on is not None else "")
         return f"[rank {r.get('rank')}] {r.get('phase') or r.get('status') or 'status'}{what}"
     if kind == "error":
         detail = ", ".join(f"{k}={v}" for k, v in r.items() if k not in ("time", "rank", "step", "kind"))

@@ -51,6 +51,10 @@ from typing import Any
 from rigpilot.engine.errors import UserError
 
 SCHEMA = "rigpilot.doctor/1"
+# What the engine tells a doctor job's ranks through their environment: how long a collective may take, and a
+# simulated machine's planted link faults ("0-1:corrupt,2-3:hang").
+DEADLINE_ENV = "RIGPILOT_DOCTOR_DEADLINE_S"
+FAULTS_ENV = "RIGPILOT_SIMULATED_LINK_FAULTS"
 STATUSES = ("ok", "warn", "fail", "timeout", "skipped")
 SEVERITIES = ("fail", "warn", "info")
 
@@ -246,11 +250,15 @@ def findings_of(report: DoctorReport) -> list[Finding]:
     for g in report.gpus:
         for c in g.checks:
             out += _gpu_findings(g.gpu, c, simulated=report.simulated)
+    # One line for every pair the driver gives no peer access: on a consumer box that is most of them.
+    no_p2p = [list(p.gpus) for p in report.pairs if p.p2p_reported == "unsupported"]
+    if no_p2p:
+        everyone = len(no_p2p) == len(report.pairs)
+        out.append(Finding("p2p_not_supported", "info", sorted({g for pair in no_p2p for g in pair}),
+                           {"pairs": no_p2p, "all": everyone}))  # fmt: skip
     for p in report.pairs:
         a, b = p.gpus
         link = p.link or "?"
-        if p.p2p_reported == "unsupported":
-            out.append(Finding("p2p_not_supported", "info", [a, b], {"link": link}))
         copy = p.check("p2p_copy")
         if copy and copy.status == "fail" and copy.figures.get("correct") is False:
             out.append(Finding("p2p_corrupt", "fail", [a, b], {"link": link, "mismatched": copy.figures.get("mismatched"),
@@ -281,22 +289,22 @@ def findings_of(report: DoctorReport) -> list[Finding]:
 
 
 def _slower(figures: dict[str, Any]) -> bool:
-    gbs, host = figures.get("gbs"), figures.get("host_gbs")
-    return isinstance(gbs, (int, float)) and isinstance(host, (int, float)) and 0 < gbs < host
+    gbs, host = _figure(figures.get("gbs")), _figure(figures.get("host_gbs"))
+    return gbs is not None and host is not None and gbs < host
 
 
 def _gpu_findings(gpu: int, c: Check, *, simulated: bool) -> list[Finding]:
     f = c.figures
     if c.check == "matmul" and not simulated:
         out = []
-        for dtype, got in (f.get("tflops") or {}).items():
-            peak = (f.get("peak_tflops") or {}).get(dtype)
-            if _positive(got) and _positive(peak) and got < SLOW_MATMUL_SHARE * peak:
+        for dtype, value in (f.get("tflops") or {}).items():
+            got, peak = _figure(value), _figure((f.get("peak_tflops") or {}).get(dtype))
+            if got and peak and got < SLOW_MATMUL_SHARE * peak:
                 out.append(Finding("matmul_slow", "warn", [gpu], {"dtype": dtype, "tflops": got, "peak_tflops": peak}))
         return out
     if c.check == "memory_bandwidth" and not simulated:
-        got, peak = f.get("gbs"), f.get("peak_gbs")
-        if _positive(got) and _positive(peak) and got < SLOW_MEMORY_SHARE * peak:
+        got, peak = _figure(f.get("gbs")), _figure(f.get("peak_gbs"))
+        if got and peak and got < SLOW_MEMORY_SHARE * peak:
             return [Finding("memory_slow", "warn", [gpu], {"gbs": got, "peak_gbs": peak})]
         return []
     if c.check == "nvml_vs_smi":
@@ -316,8 +324,9 @@ def _gpu_findings(gpu: int, c: Check, *, simulated: bool) -> list[Finding]:
     return []
 
 
-def _positive(v: Any) -> bool:
-    return isinstance(v, (int, float)) and math.isfinite(v) and v > 0
+def _figure(v: Any) -> float | None:
+    """A measured or published figure that means something (a positive finite number), else None."""
+    return float(v) if isinstance(v, (int, float)) and math.isfinite(v) and v > 0 else None
 
 
 # -- what the engine does about it --------------------------------------------------------------------
@@ -386,7 +395,12 @@ def describe(f: Finding) -> str:
                 ": jobs on both run with NCCL_P2P_DISABLE=1" if len(f.gpus) == 2 else ""
             )
         case "p2p_not_supported":
-            return f"The driver reports no peer-to-peer access between {_gpus(f.gpus)}{link}: traffic goes through host memory"
+            pairs = x.get("pairs") or [f.gpus]
+            between = "any of the GPUs" if x.get("all") else ", ".join(f"{a}-{b}" for a, b in pairs)
+            what = "GPUs" if x.get("all") else f"GPU pair{'s' * (len(pairs) != 1)}"
+            return (
+                f"The driver reports no peer-to-peer access between {between}: {what} exchange data through host memory"
+            )
         case "matmul_slow":
             return (
                 f"{_gpus(f.gpus)} reaches {_n(x.get('tflops'))} TFLOP/s in {x.get('dtype')}, under half its spec "

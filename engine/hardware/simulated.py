@@ -38,6 +38,7 @@ from rigpilot.engine.hardware.telemetry import SLOW_FIELDS, GpuProcess, GpuSampl
 MIB = 1024**2
 GIB = 1024**3
 DEFAULT_PROFILE = "4x-rtx4090"
+LINK_FAULTS = ("corrupt", "hang")  # what a simulated link can be told to do (SimulatedBackend.set_link_fault)
 
 # NVLink bandwidth per link and direction by generation (GB/s), for simulated traffic ceilings.
 _NVLINK_LINK_GBS = {1: 20.0, 2: 25.0, 3: 25.0, 4: 25.0, 5: 50.0}
@@ -233,6 +234,7 @@ class SimulatedBackend:
         self._last = clock()
         self._state = [self._idle_state(g) for g in machine.gpus]
         self._faults: dict[int, tuple[str, int | None]] = {}
+        self._link_faults: dict[tuple[int, int], str] = {}
 
     def machine(self) -> Machine:
         return self._machine
@@ -249,6 +251,25 @@ class SimulatedBackend:
                 self._faults.pop(gpu, None)
             else:
                 self._faults[gpu] = parsed
+
+    def set_link_fault(self, a: int, b: int, fault: str | None) -> None:
+        """Make the link between two GPUs misbehave as broken peer paths do: "corrupt" (copies return wrong
+        data) or "hang" (an all-reduce over the pair never finishes); None clears it. The machine check's ranks
+        are told (engine.workers.doctor), so its detection and what the engine does about it can be exercised."""
+        self._machine.gpu(a), self._machine.gpu(b)  # KeyError on a GPU that does not exist
+        if a == b:
+            raise ValueError("a link joins two different GPUs")
+        if fault not in (None, *LINK_FAULTS):
+            raise ValueError(f"unknown link fault {str(fault)[:40]!r}; choose one of {', '.join(LINK_FAULTS)}, or clear")
+        with self._lock:
+            if fault is None:
+                self._link_faults.pop((min(a, b), max(a, b)), None)
+            else:
+                self._link_faults[(min(a, b), max(a, b))] = fault
+
+    def link_faults(self) -> dict[tuple[int, int], str]:
+        with self._lock:
+            return dict(self._link_faults)
 
     def health(self) -> dict[int, str | None]:
         """{GPU index: why it must not run a job again, or None}, judged as NVML's answers are (engine.hardware.health)."""

@@ -67,7 +67,7 @@ from rigpilot.engine.schema import (
     TrainMethod,
 )  # fmt: skip
 
-KINDS = ("train", "infer", "script", "calibrate")
+KINDS = ("train", "infer", "script", "calibrate", "doctor")
 ENGINE_FIELDS = frozenset({"id", "spec_version", "simulated", "upgrade_notes"})  # a submission's are ignored
 # Room every job needs besides its checkpoints and model: its logs, metrics and record.
 JOB_ROOM_BYTES = 1 << 20
@@ -174,7 +174,9 @@ def _place_ranks(spec: JobSpec, machine: Machine, max_cpu_ranks: int, nodes: int
     dp_shrink = 1.0
     if machine.simulated:
         # Simulated GPUs become CPU ranks; more ranks than cores only makes every rank slower.
-        ranks = max(1, min(ranks, max_cpu_ranks))
+        # The machine check tests every pair of GPUs, so each simulated GPU keeps a rank of its own: its
+        # checks are short and small, and fewer ranks would leave pairs untested.
+        ranks = ranks if spec.kind == "doctor" else max(1, min(ranks, max_cpu_ranks))
         if spec.kind != "script" and spec.parallelism.world_size == nodes * len(spec.gpus) > nodes * ranks:
             dp_before = spec.parallelism.dp
             # the degrees fit the GPUs, not the CPU ranks
@@ -208,6 +210,8 @@ def _check_kind(
     elif spec.kind == "infer":
         spec.infer = spec.infer or InferSettings()
         model_type = _check_infer(spec, base)
+        _check_degrees(spec, world)
+    elif spec.kind == "doctor":
         _check_degrees(spec, world)
     elif spec.kind == "calibrate":
         _check_degrees(spec, world)

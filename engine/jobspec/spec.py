@@ -35,7 +35,7 @@ from rigpilot.engine.schema import (
     setting,
 )
 
-JobKind = Literal["train", "infer", "script", "calibrate"]
+JobKind = Literal["train", "infer", "script", "calibrate", "doctor"]
 # 2: the optimizer step in backward no longer runs under DDP (engine.capability refuses it there); a version-1
 # job.json asking for it runs its replicas as FSDP2 shards (JobSpec.from_dict).
 SPEC_VERSION = 2

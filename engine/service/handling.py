@@ -53,6 +53,7 @@ class Engine(Protocol):
     tcp_address: tuple[str, int] | None
     identity: Identity | None  # the TLS certificate's, on TCP
     token: str  # "" unless the engine listens on TCP
+    doctor_keeping: set[str]  # doctor jobs that ended and whose report is being stored
 
     def machine_message(self) -> dict[str, Any]: ...
 

@@ -14,7 +14,7 @@ from typing import Any
 from rigpilot.engine.api import protocol
 from rigpilot.engine.api.protocol import Request
 from rigpilot.engine.service.connection import Connection
-from rigpilot.engine.service.handlers import cluster, jobs, machine, output, scaling, session
+from rigpilot.engine.service.handlers import cluster, doctor, jobs, machine, output, scaling, session
 from rigpilot.engine.service.handling import Arguments, Engine, RequestGroup, RequestType
 
 
@@ -29,7 +29,7 @@ def _gather(groups: Iterable[RequestGroup]) -> Mapping[str, RequestType]:
 
 
 REQUESTS: Mapping[str, RequestType] = _gather(
-    m.REQUESTS for m in (session, machine, jobs, cluster, output, scaling)
+    m.REQUESTS for m in (session, machine, jobs, cluster, output, scaling, doctor)
 )
 
 # type -> (required args, optional args), read-only: what protocol.parse_request checks `args` against.

@@ -61,7 +61,7 @@ from rigpilot.engine.diskspace import disk_full, is_disk_full, no_room
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.discovery import open_backend
 from rigpilot.engine.hardware.sampler import Sampler
-from rigpilot.engine.jobs import calibration_store
+from rigpilot.engine.jobs import calibration_store, doctor_store
 from rigpilot.engine.jobs.conditions import Conditions
 from rigpilot.engine.jobs.resilient_store import Recovery, ResilientJobStore, ResilientTelemetryStore
 from rigpilot.engine.jobs.scaling import Studies
@@ -111,6 +111,8 @@ class EngineService:
         self._machine_lock = threading.Lock()  # one machine switch at a time
         # A switch Settings asked for while jobs used the machine: made when the last of them ends.
         self._switch_pending = False
+        self.doctor_kept: set[str] = set()  # doctor jobs whose report the engine has stored (or given up on)
+        self.doctor_keeping: set[str] = set()
         self._ended_since_trim = 0  # connections ended since memory was last handed back
         self._trimmed = 0.0
         # What the engine did by itself that its users should hear of (a damaged database it rebuilt): each
@@ -607,6 +609,11 @@ class EngineService:
     def _publish_job(self, job: dict[str, Any]) -> None:
         if job.get("kind") == "calibrate" and job.get("state") == COMPLETED and job.get("job_dir"):
             calibration_store.keep(Path(job["job_dir"]), paths.calibration_path())
+        if job.get("kind") == "doctor" and job.get("state") in TERMINAL_STATES and job.get("job_dir"):
+            if job["id"] not in self.doctor_kept:
+                self.doctor_keeping.add(job["id"])
+                # nvidia-smi can take seconds: off the supervisor's thread, and told again once kept.
+                threading.Thread(target=self._keep_doctor, args=(job,), name="doctor-keep", daemon=True).start()
         if self._switch_pending and job.get("state") in TERMINAL_STATES:
             # Off the supervisor's thread, which holds its lock while it tells us: the switch asks it again.
             threading.Thread(target=self._switch_when_free, name="machine-switch", daemon=True).start()
@@ -617,6 +624,16 @@ class EngineService:
             data = protocol.encode(protocol.event("job", job=job))
             for c in subs:
                 c.send_bytes(data)
+
+    def _keep_doctor(self, job: dict[str, Any]) -> None:
+        try:
+            doctor_store.keep(Path(job["job_dir"]), self.machine, self.discovery.backend, paths.doctor_dir())
+        except Exception:  # a report that cannot be completed is logged; the job itself has ended either way
+            log.exception("machine check %s not kept", job.get("id"))
+        finally:
+            self.doctor_kept.add(job["id"])
+            self.doctor_keeping.discard(job["id"])
+        self._publish_job(job)  # clients that saw it end ask for the report again
 
     def _switch_when_free(self) -> None:
         """The switch Settings asked for while jobs ran, now that one ended: made if none is left, else still

@@ -65,7 +65,7 @@ def _import_phases() -> None:
 
 def run(spec: JobSpec, job_dir: Path) -> int:
     global _skip_interpreter_teardown
-    if spec.kind in {"train", "infer", "calibrate"}:
+    if spec.kind in {"train", "infer", "calibrate", "doctor"}:
         _skip_interpreter_teardown = True
         # The training loop swaps in its own handler, which finishes the step and checkpoints.
         signal.signal(signal.SIGTERM, _stop_now)
@@ -87,11 +87,15 @@ def run(spec: JobSpec, job_dir: Path) -> int:
         from rigpilot.engine.workers.calibrate import run_calibrate
 
         return run_calibrate(spec, job_dir)
+    if spec.kind == "doctor":
+        from rigpilot.engine.workers.doctor import run_doctor
+
+        return run_doctor(spec, job_dir)
     if spec.kind == "script":
         from rigpilot.engine.workers.script import run_script
 
         return run_script(spec, job_dir)
-    raise UserError(f"unknown job kind {spec.kind!r}: use train, infer, calibrate or script")
+    raise UserError(f"unknown job kind {spec.kind!r}: use train, infer, calibrate, doctor or script")
 
 
 def first_line(e: BaseException) -> str:

@@ -104,7 +104,7 @@ def p2p_bandwidth(device: torch.device, rank: int, world: int, nbytes: int) -> l
     return rows
 
 
-def _machine_index(spec: JobSpec, rank: int, local_rank: int) -> int:
+def machine_index(spec: JobSpec, rank: int, local_rank: int) -> int:
     """The machine's GPU index this rank measured (the supervisor lists them in RIGPILOT_GPUS)."""
     listed = [int(x) for x in os.environ.get("RIGPILOT_GPUS", "").split(",") if x.strip()]
     if local_rank < len(listed):
@@ -151,7 +151,7 @@ def run_calibrate(spec: JobSpec, job_dir: Path) -> int:
         report(None, kind="calibration", test="p2p", **row)
     gathered: list[Any] | None = [None] * world if rank == 0 else None
     name = torch.cuda.get_device_name(device) if gpu else platform.processor() or platform.machine()
-    index = _machine_index(spec, rank, runtime.local_rank)
+    index = machine_index(spec, rank, runtime.local_rank)
     mine = {"rank": rank, "gpu": index, "device": name, "matmul_tflops": tflops, "p2p": p2p}
     dist.gather_object(mine, gathered, dst=0)
     if rank == 0:
