@@ -2,6 +2,7 @@
 
     sh benchmarks/gpu_check.sh                       # on the lent machine: installs Rigpilot, runs this, into $OUT
     .venv/bin/python benchmarks/gpu_check.py --out DIR [--quick]   # anywhere; without a GPU it is a dry run
+    .venv/bin/python benchmarks/gpu_check.py --out DIR --dry-run   # the CPU path even where a GPU is (CI runs it)
 
 Everything goes through Rigpilot as a user drives it (the CLI, the engine service it starts, jobs run by
 workers under torchrun), in a private scratch home so nothing of the user's is touched:
@@ -67,6 +68,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="folder for gpu_check.json and gpu_check.txt")
     p.add_argument("--quick", action="store_true", help="the first two recipes and inference only")
+    p.add_argument("--dry-run", action="store_true",
+                   help="run the same code on the simulated machine's CPU ranks with the tiny model, GPU or not")  # fmt: skip
     p.add_argument("--steps", type=int, default=None, help="training steps per recipe (default 15 on a GPU, 4 dry)")
     p.add_argument("--recipes", default=None, metavar="1,3,…",
                    help="only these recipes, by number (1-based, in the order of RECIPES): to split the check "
@@ -74,7 +77,7 @@ def main() -> int:
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     chosen = [RECIPES[int(i) - 1] for i in args.recipes.split(",")] if args.recipes else None
-    check = Check(args.out, quick=args.quick, steps=args.steps, recipes=chosen)
+    check = Check(args.out, quick=args.quick, steps=args.steps, recipes=chosen, dry_run=args.dry_run)
     try:
         check.run()
     finally:
@@ -83,9 +86,11 @@ def main() -> int:
 
 
 class Check:
-    def __init__(self, out: Path, *, quick: bool, steps: int | None, recipes: list[Any] | None = None):
+    def __init__(
+        self, out: Path, *, quick: bool, steps: int | None, recipes: list[Any] | None = None, dry_run: bool = False
+    ):
         self.out = out
-        self.gpu = _cuda_available()
+        self.gpu = not dry_run and _cuda_available()
         self.quick = quick
         self.recipes = recipes
         self.steps = steps or (15 if self.gpu else 4)
