@@ -455,7 +455,7 @@ def _report_end(job: dict[str, Any]) -> int:
         print(f"last lines of the {where} log:")
         for line in job["last_log"]:
             print(f"  | {line}")
-    if job.get("resumable"):
+    if job.get("resumable") and job.get("kind") != "doctor":  # a machine check is run again, not resumed
         print(f"resume with: rigpilot resume {job['id']}")
     return 1
 

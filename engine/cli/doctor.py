@@ -96,7 +96,9 @@ def text_lines(r: DoctorReport) -> list[str]:
     if r.simulated:
         lines.append(f"  simulated: CPU ranks over {r.backend or 'gloo'}; every figure below is the CPU's, not a GPU's")
     if not r.complete and r.stopped:
-        lines.append(f"  stopped early: {describe(r.stopped)}; the checks after it were not run")
+        check = (r.stopped.fields or {}).get("check") or r.stopped.code
+        on = ",".join(map(str, r.stopped.gpus))
+        lines.append(f"  stopped early: {check} on GPUs {on} did not finish; the checks after it were not run")
     lines.append("")
     if r.findings:
         lines.append("Found:")
@@ -134,8 +136,11 @@ def text_lines(r: DoctorReport) -> list[str]:
         ]
         for p in r.pairs:
             copy, ar = p.check("p2p_copy"), p.check("all_reduce")
-            correct = "-" if copy is None else "ok" if copy.figures.get("correct") else "WRONG"
-            speed = "-" if copy is None else f"{_n(copy.figures.get('gbs'))} ({_n(copy.figures.get('host_gbs'))})"
+            if copy is None or copy.status == "timeout":
+                correct, speed = ("-" if copy is None else "hung"), "-"
+            else:
+                correct = "ok" if copy.figures.get("correct") else "WRONG"
+                speed = f"{_n(copy.figures.get('gbs'))} ({_n(copy.figures.get('host_gbs'))})"
             if ar is None:
                 reduce = "not run"
             elif ar.status == "timeout":

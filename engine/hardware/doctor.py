@@ -55,11 +55,14 @@ SCHEMA = "rigpilot.doctor/1"
 # simulated machine's planted link faults ("0-1:corrupt,2-3:hang").
 DEADLINE_ENV = "RIGPILOT_DOCTOR_DEADLINE_S"
 FAULTS_ENV = "RIGPILOT_SIMULATED_LINK_FAULTS"
+# What a simulated link can be told to do: its peer copies return flipped words ("corrupt"), its all-reduce
+# never finishes ("hang"), its peer copy never returns ("stall").
+LINK_FAULTS = ("corrupt", "hang", "stall")
 STATUSES = ("ok", "warn", "fail", "timeout", "skipped")
 SEVERITIES = ("fail", "warn", "info")
 
 # Findings that make the engine turn NCCL's peer-to-peer transport off for jobs on both GPUs of the pair.
-P2P_OFF_BECAUSE = ("p2p_corrupt", "all_reduce_hung", "p2p_slower_than_host")
+P2P_OFF_BECAUSE = ("p2p_corrupt", "all_reduce_hung", "p2p_copy_hung", "p2p_slower_than_host")
 NCCL_P2P_OFF = {"NCCL_P2P_DISABLE": "1"}
 
 # Below these shares of the spec sheet's peak a GPU is reported as slow (a warning, never a refusal).
@@ -266,6 +269,10 @@ def findings_of(report: DoctorReport) -> list[Finding]:
         elif copy and copy.status == "ok" and not report.simulated and _slower(copy.figures):
             out.append(Finding("p2p_slower_than_host", "warn", [a, b], {
                 "link": link, "gbs": copy.figures["gbs"], "host_gbs": copy.figures["host_gbs"]}))  # fmt: skip
+        if copy and copy.status == "timeout":
+            out.append(
+                Finding("p2p_copy_hung", "fail", [a, b], {"link": link, "deadline_s": copy.figures.get("deadline_s")})
+            )
         ar = p.check("all_reduce")
         if ar and ar.status == "timeout":
             out.append(
@@ -282,7 +289,7 @@ def findings_of(report: DoctorReport) -> list[Finding]:
                     {"link": "all", "deadline_s": ar.figures.get("deadline_s")},
                 )
             )
-    if not report.complete and report.stopped and report.stopped.code != "all_reduce_hung":
+    if not report.complete and report.stopped and report.stopped.code not in ("all_reduce_hung", "p2p_copy_hung"):
         out.append(report.stopped)
     order = {s: i for i, s in enumerate(SEVERITIES)}
     return sorted(out, key=lambda f: (order[f.severity], f.gpus))
@@ -393,6 +400,11 @@ def describe(f: Finding) -> str:
         case "all_reduce_hung":
             return f"An all-reduce over {_gpus(f.gpus)}{link} did not finish within {_n(x.get('deadline_s'))} s" + (
                 ": jobs on both run with NCCL_P2P_DISABLE=1" if len(f.gpus) == 2 else ""
+            )
+        case "p2p_copy_hung":
+            return (
+                f"A peer-to-peer copy between {_gpus(f.gpus)}{link} did not finish within "
+                f"{_n(x.get('deadline_s'))} s: jobs on both run with NCCL_P2P_DISABLE=1"
             )
         case "p2p_not_supported":
             pairs = x.get("pairs") or [f.gpus]

@@ -21,6 +21,7 @@ from typing import Any
 
 from rigpilot import resources
 from rigpilot.engine.errors import UserError
+from rigpilot.engine.hardware.doctor import LINK_FAULTS
 from rigpilot.engine.hardware.health import fault_of, parse_simulated_fault
 from rigpilot.engine.hardware.machine import (
     P2P,
@@ -38,7 +39,6 @@ from rigpilot.engine.hardware.telemetry import SLOW_FIELDS, GpuProcess, GpuSampl
 MIB = 1024**2
 GIB = 1024**3
 DEFAULT_PROFILE = "4x-rtx4090"
-LINK_FAULTS = ("corrupt", "hang")  # what a simulated link can be told to do (SimulatedBackend.set_link_fault)
 
 # NVLink bandwidth per link and direction by generation (GB/s), for simulated traffic ceilings.
 _NVLINK_LINK_GBS = {1: 20.0, 2: 25.0, 3: 25.0, 4: 25.0, 5: 50.0}
@@ -253,8 +253,8 @@ class SimulatedBackend:
                 self._faults[gpu] = parsed
 
     def set_link_fault(self, a: int, b: int, fault: str | None) -> None:
-        """Make the link between two GPUs misbehave as broken peer paths do: "corrupt" (copies return wrong
-        data) or "hang" (an all-reduce over the pair never finishes); None clears it. The machine check's ranks
+        """Make the link between two GPUs misbehave as broken peer paths do (engine.hardware.doctor LINK_FAULTS:
+        wrong data, a hung all-reduce, a stalled copy); None clears it. The machine check's ranks
         are told (engine.workers.doctor), so its detection and what the engine does about it can be exercised."""
         self._machine.gpu(a), self._machine.gpu(b)  # KeyError on a GPU that does not exist
         if a == b:

@@ -17,31 +17,36 @@ corrupt pair's copies come back with flipped words, a hung pair's second rank ne
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import json
 import os
 import platform
+import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from rigpilot.engine.hardware.doctor import DEADLINE_ENV, FAULTS_ENV, SCHEMA
+from rigpilot.engine.hardware.doctor import DEADLINE_ENV, FAULTS_ENV, LINK_FAULTS, SCHEMA
 from rigpilot.engine.jobspec.spec import JobSpec
 from rigpilot.engine.planner.calibration import now_iso
-from rigpilot.engine.workers import EXIT_OK
+from rigpilot.engine.report import report
+from rigpilot.engine.workers import ERROR_PREFIX, EXIT_OK
 from rigpilot.engine.workers.calibrate import machine_index
 from rigpilot.engine.workers.metrics import status
 from rigpilot.engine.workers.parallel_dims import init_runtime
 
 MIB = 1 << 20
 GPU_DEADLINE_S = 30.0  # NCCL's first collective on a pair connects it: seconds, not milliseconds
-CPU_DEADLINE_S = 8.0
+CPU_DEADLINE_S = 15.0  # gloo on a busy 2-core machine: a sound pair must never look hung
 OUTPUT = Path("output") / "doctor.json"
+EXIT_HUNG = 3  # a check outlived its deadline: the job ends failed, its report written and naming the check
 
 
 class Sizes:
@@ -54,12 +59,13 @@ class Sizes:
 
 
 def parse_faults(text: str | None) -> dict[tuple[int, int], str]:
-    """{(a, b): "corrupt" | "hang"} from "0-1:corrupt,2-3:hang"; anything unreadable is left out."""
+    """{(a, b): fault} from "0-1:corrupt,2-3:hang"; anything unreadable is left out (engine.hardware.simulated
+    LINK_FAULTS says what each does)."""
     out: dict[tuple[int, int], str] = {}
     for item in (text or "").split(","):
         pair, _, fault = item.strip().partition(":")
         a, _, b = pair.partition("-")
-        if a.isdigit() and b.isdigit() and a != b and fault in ("corrupt", "hang"):
+        if a.isdigit() and b.isdigit() and a != b and fault in LINK_FAULTS:
             out[(min(int(a), int(b)), max(int(a), int(b)))] = fault
     return out
 
@@ -162,10 +168,13 @@ def _pattern(nbytes: int, seed: int, device: torch.device) -> torch.Tensor:
 
 
 def copy_check(
-    a: int, b: int, devices: dict[int, torch.device], sizes: Sizes, corrupt: bool
+    a: int, b: int, devices: dict[int, torch.device], sizes: Sizes, fault: str | None
 ) -> dict[str, Any]:  # fmt: skip
     """A pattern copied GPU a -> b and b -> a, compared word for word; the copy's rate against the host path."""
     t0 = time.perf_counter()
+    corrupt = fault == "corrupt"
+    if fault == "stall":  # the simulated peer copy that never returns: the watchdog's to catch
+        time.sleep(3600)
     da, db = devices[a], devices[b]
     mismatched = 0
     for src, dst, seed in ((da, db, a * 1000 + b), (db, da, b * 1000 + a)):
@@ -233,6 +242,80 @@ def _done(work: Any) -> bool:
         return False
 
 
+# -- the report as far as it got ---------------------------------------------------------------------------
+class Draft:
+    """What rank 0 has measured so far, written as the ranks' half of the report (the engine completes it)."""
+
+    def __init__(
+        self, job_dir: Path, spec: JobSpec, backend: str, device: torch.device, started: float,
+        per_gpu: list[Any], pairs: list[tuple[int, int]], results: dict[tuple[int, int], list[dict[str, Any]]],
+    ) -> None:  # fmt: skip
+        self.job_dir, self.spec, self.backend, self.device, self.started = job_dir, spec, backend, device, started
+        self.per_gpu, self.pairs, self.results = per_gpu, pairs, results
+        self.stopped: dict[str, Any] | None = None
+        self.group_checks: list[dict[str, Any]] = []
+
+    def write(self) -> None:
+        gpus = sorted(r["gpu"] for r in self.per_gpu)
+        body = {
+            "schema": SCHEMA,
+            "measured_at": now_iso(),
+            "duration_s": round(time.perf_counter() - self.started, 2),
+            "simulated": bool(self.spec.simulated or self.device.type != "cuda"),
+            "device_type": self.device.type,
+            "backend": self.backend,
+            "machine": {"gpus": {str(r["gpu"]): r["name"] for r in self.per_gpu}, "torch": torch.__version__},
+            "complete": self.stopped is None,
+            "stopped": self.stopped,
+            "gpus": [{"gpu": r["gpu"], "name": r["name"], "checks": r["checks"]}
+                     for r in sorted(self.per_gpu, key=lambda r: r["gpu"])],
+            "pairs": [{"gpus": [a, b], "checks": self.results[(a, b)]} for a, b in self.pairs],
+            "groups": [{"gpus": gpus, "checks": self.group_checks}] if self.group_checks else [],
+            "findings": [],
+            "actions": {},
+        }  # fmt: skip
+        out = self.job_dir / OUTPUT
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(".doctor.json.tmp")
+        tmp.write_text(json.dumps(body, indent=2) + "\n")
+        os.replace(tmp, out)
+        print(f"[rank0] machine check written to {out}", flush=True)
+
+
+class Watchdog:
+    """Bounds a check that has no deadline of its own (a peer copy blocks in the driver): when it outlives the
+    deadline, what was measured is written with the check named, and the rank ends, which ends the job."""
+
+    def __init__(self, deadline_s: float):
+        self.deadline_s = deadline_s
+
+    @contextlib.contextmanager
+    def arm(self, draft: Draft, gpus: list[int], check: str) -> Iterator[None]:
+        timer = threading.Timer(self.deadline_s, self._fire, args=(draft, gpus, check))
+        timer.daemon = True
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.cancel()
+
+    def _fire(self, draft: Draft, gpus: list[int], check: str) -> None:
+        a, b = gpus
+        draft.results[(a, b)].append({"check": check, "status": "timeout", "seconds": self.deadline_s,
+                                      "figures": {"deadline_s": self.deadline_s}, "why": f"{check}_hung"})  # fmt: skip
+        draft.stopped = {"code": f"{check}_hung", "severity": "fail", "gpus": gpus,
+                         "fields": {"deadline_s": self.deadline_s, "check": check}}  # fmt: skip
+        try:
+            draft.write()
+        finally:
+            # The job's reason (engine.jobs.runs reads the failed rank's error record): a code, its facts, a line.
+            what = "a peer-to-peer copy" if check == "p2p_copy" else check
+            line = f"{what} between GPUs {a} and {b} did not finish within {self.deadline_s:g} s"
+            report(kind="error", error=f"{check}_hung", message=line, gpus=f"{a},{b}", deadline_s=self.deadline_s)
+            print(f"{ERROR_PREFIX} the machine check stopped: {line}", file=sys.stderr, flush=True)
+            os._exit(EXIT_HUNG)
+
+
 # -- the job ---------------------------------------------------------------------------------------------
 def run_doctor(spec: JobSpec, job_dir: Path) -> int:
     runtime = init_runtime(spec)
@@ -261,13 +344,19 @@ def run_doctor(spec: JobSpec, job_dir: Path) -> int:
     gpus = sorted(ranks_of)
     pairs = [(a, b) for i, a in enumerate(gpus) for b in gpus[i + 1 :]]
     results: dict[tuple[int, int], list[dict[str, Any]]] = {p: [] for p in pairs}
+    draft = Draft(job_dir, spec, runtime.backend, device, started, per_gpu, pairs, results)
+    watchdog = Watchdog(deadline)
 
     if rank == 0:  # rank 0 sees every GPU of the job (CUDA_VISIBLE_DEVICES lists them all)
         devices = {g: torch.device("cuda", ranks_of[g]) if gpu else device for g in gpus}
         for a, b in pairs:
             status("checking", check="p2p_copy", gpus=f"{a},{b}")
-            results[(a, b)].append(copy_check(a, b, devices, sizes, faults.get((a, b)) == "corrupt"))
-    dist.barrier(group=control)
+            with watchdog.arm(draft, [a, b], "p2p_copy"):
+                results[(a, b)].append(copy_check(a, b, devices, sizes, faults.get((a, b))))
+    try:
+        dist.barrier(group=control)
+    except RuntimeError:  # rank 0's watchdog ended the check: it wrote the report and said why
+        os._exit(EXIT_HUNG)
 
     stopped = None
     for a, b in pairs:
@@ -302,29 +391,9 @@ def run_doctor(spec: JobSpec, job_dir: Path) -> int:
             stopped = {"code": "all_reduce_hung", "severity": "fail", "gpus": gpus,
                        "fields": {"deadline_s": deadline, "check": "all_reduce"}}  # fmt: skip
 
+    draft.stopped, draft.group_checks = stopped, group_checks
     if rank == 0:
-        report = {
-            "schema": SCHEMA,
-            "measured_at": now_iso(),
-            "duration_s": round(time.perf_counter() - started, 2),
-            "simulated": bool(spec.simulated or not gpu),
-            "device_type": device.type,
-            "backend": runtime.backend,
-            "machine": {"gpus": {str(r["gpu"]): r["name"] for r in per_gpu}, "torch": torch.__version__},
-            "complete": stopped is None,
-            "stopped": stopped,
-            "gpus": [{"gpu": r["gpu"], "name": r["name"], "checks": r["checks"]} for r in sorted(per_gpu, key=lambda r: r["gpu"])],
-            "pairs": [{"gpus": [a, b], "checks": results[(a, b)]} for a, b in pairs],
-            "groups": [{"gpus": gpus, "checks": group_checks}] if group_checks else [],
-            "findings": [],
-            "actions": {},
-        }  # fmt: skip
-        out = job_dir / OUTPUT
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(".doctor.json.tmp")
-        tmp.write_text(json.dumps(report, indent=2) + "\n")
-        os.replace(tmp, out)
-        print(f"[rank0] machine check written to {out}", flush=True)
+        draft.write()
     status("done", exit_code=EXIT_OK)
     if stopped is not None:
         # A hung collective stays queued on its GPU: tearing the groups down would wait on it forever.

@@ -69,7 +69,7 @@ def test_every_code_is_worded_without_gaps():
               "tflops": 60.0, "peak_tflops": 165.0, "peak_gbs": 1008.0, "field": "power_limit_w", "nvml": 450,
               "smi": 400, "count": 2, "xid": 79, "reasons": ["hw_slowdown"], "cuda_torch": "12.8",
               "cuda_driver": "12.4", "driver": "550.90", "check": "all_reduce", "error": "gone"}  # fmt: skip
-    codes = ["p2p_corrupt", "p2p_slower_than_host", "all_reduce_hung", "p2p_not_supported", "matmul_slow",
+    codes = ["p2p_corrupt", "p2p_slower_than_host", "all_reduce_hung", "p2p_copy_hung", "p2p_not_supported", "matmul_slow",
              "memory_slow", "nvml_smi_disagree", "ecc_errors", "xid", "throttled", "cuda_too_new", "check_failed"]
     for code in codes:
         words = d.describe(d.Finding(code, "warn", [0, 1], fields))
