@@ -16,7 +16,8 @@ PROTOCOL_1 = {
     "hello", "machine", "topology", "telemetry_history", "plan", "submit", "check", "submit_member", "check_member",
     "resume_member", "nodes", "node_add", "node_remove", "jobs", "job", "cancel", "resume", "delete",
     "simulate_fault", "rename", "results", "logs", "metrics", "subscribe", "unsubscribe", "shutdown",
-    "reload_machine", "scaling_start", "scaling_study", "scaling_studies", "scaling_cancel",
+    "reload_machine", "scaling_start", "scaling_study", "scaling_studies", "scaling_cancel", "doctor_start",
+    "doctor_report", "simulate_link_fault",
 }  # fmt: skip
 
 
