@@ -54,7 +54,11 @@ def plan(machine: Any, model: str, workload: dict[str, Any] | None = None, gpus:
     `verify` false: the formula's answer alone, at once; its `trace` says how many plans a client may then
     trace one by one (`pending`) before asking again with `verify` on, which finds them in the trace cache."""
     if recheck is not None:
-        return {"result": _recheck(machine, model, recheck, gpus, trust_remote_code)}
+        from rigpilot.engine.planner import machine_check
+
+        # The links the plan was searched on: a change in the wizard must not bring back a P2P the check turned off.
+        searched_on = machine_check.use(doctor if not node_machines else None, machine, gpus).machine
+        return {"result": _recheck(searched_on, model, recheck, gpus, trust_remote_code)}
     if trace is not None:
         return {"result": _trace(trace, trust_remote_code)}
     from rigpilot.engine.models.job_model import describe_for_job

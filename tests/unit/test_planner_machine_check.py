@@ -153,3 +153,25 @@ def test_another_machine_is_planned_without_this_machines_check():
     here = p2p_4090s()
     other = plan(here, machine="4x-rtx4090", doctor=four_gpu_report().to_dict())
     assert not any("Machine check" in line for line in other["explanation"])
+
+
+def test_rigpilot_plan_reads_the_stored_check_it_is_handed(capsys):
+    from rigpilot.engine.cli.entry import build_parser
+    from rigpilot.engine.cli.plan import run_plan
+
+    args = build_parser().parse_args(["plan", "--model", "qwen2.5-0.5b", "--gpus", "0,1", "--seq", "1024", "--json"])
+    args.machine_factory = p2p_4090s
+    args.stored_doctor = lambda: four_gpu_report().to_dict()  # what the engine's doctor_store.latest gives
+    assert run_plan(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert bus(result) == {"bus bandwidth, sharding group (host memory (no P2P))": 10.081}
+    assert result["explanation"][-1].startswith("Machine check of 2026-11-29 (simulated, on CPU ranks): Peer-to-peer")
+
+
+def test_a_change_in_the_wizard_is_rechecked_on_the_links_the_plan_was_searched_on():
+    here, report = p2p_4090s(), four_gpu_report().to_dict()
+    best = plan(here, gpus=[0, 1], doctor=report)["best"]
+    again = plan(here, gpus=[0, 1], doctor=report, recheck={"plan": best, "overrides": {}})["plan"]
+    assert bus({"best": again}) == {"bus bandwidth, sharding group (host memory (no P2P))": 10.081}
+    unchecked = plan(here, gpus=[0, 1], recheck={"plan": best, "overrides": {}})["plan"]
+    assert bus({"best": unchecked}) == {"bus bandwidth, sharding group (PCIe P2P (NODE))": 17.138}
