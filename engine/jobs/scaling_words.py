@@ -12,7 +12,8 @@ a check or a calibration measured it):
 
 The link is blamed only where the plan's own share accounts for at least half of what was lost; otherwise the
 sentence says the link explains little of it. A noisy point (scaling.noise) gets no sentence: its speed-up
-means nothing. `words` is pure; `of_study` gathers its inputs from the machine and the stored machine check.
+means nothing. On a simulated machine CPU ranks measured the speed-up, so no GPU link is blamed for it: the
+sentence gives the measured figures and, apart, what the plan expects of the link on the real GPUs. `words` is pure; `of_study` gathers its inputs from the machine and the stored machine check.
 """
 
 from __future__ import annotations
@@ -60,6 +61,13 @@ def words(rows: list[dict[str, Any]], points: list[dict[str, Any]], links: dict[
         what = _link_words(link)
         given = f"{n} GPUs give {speedup:.1f}×"
         share = shares.get(n)
+        if simulated:
+            # CPU ranks over gloo measured it: the GPUs' link is not what they waited on, so it is not blamed.
+            line = f"On CPU ranks (simulated): {given} ({eff:.0%} of linear)"
+            if what and share is not None:
+                line += f"; on the real GPUs the plan expects {what} to cost {share:.0%} of each step"
+            out.append(line)
+            continue
         if eff >= WELL:
             line = f"{given}, {eff:.0%} of linear" + (f": {what} keeps up" if what else "")
         elif what and link is not None and share is not None and share >= BLAME * (1 - eff):
@@ -72,7 +80,7 @@ def words(rows: list[dict[str, Any]], points: list[dict[str, Any]], links: dict[
                     f"{share:.0%} of each step at {link.gbs:.3g} GB/s; the rest is time the plan does not count")  # fmt: skip
         else:
             line = f"{given} ({eff:.0%} of linear)"
-        out.append(f"On CPU ranks (simulated): {line}" if simulated else line)
+        out.append(line)
     return out
 
 
