@@ -241,7 +241,9 @@ def run_plan(args: argparse.Namespace) -> int:
     # The machine the engine runs on: its latest machine check counts here as in the engine's planner.
     stored_check = getattr(args, "stored_doctor", None)
     gpus = parse_gpus(args.gpus)
-    looked_at = machine_check.use(stored_check() if stored_check is not None and not node_machines else None, machine, gpus)
+    looked_at = machine_check.use(
+        stored_check(machine) if stored_check is not None and not node_machines else None, machine, gpus
+    )
     if args.calibration is None and stored is not None:
         # Its latest calibration too.
         calibrated = apply_stored(stored(), machine, workload.precision, checked=looked_at.calibration)

@@ -489,7 +489,7 @@ class Studies:
             points.append(p)
         study["points"] = points
         study = summarize(study)
-        study["words"] = scaling_words.of_study(study, sup.machine, sup.stored_check())
+        study["words"] = scaling_words.of_study(study, sup.machine, sup.stored_check(sup.machine))
         return study
 
 

@@ -63,7 +63,7 @@ def test_a_job_on_the_broken_pair_runs_with_p2p_off_unless_its_own_env_says_othe
     script.write_text(PRINT_ENV)
     store = JobStore(tmp_path / "engine.db")
     sup = Supervisor(store, tmp_path / "jobs", load_profile("4x-rtx4090"))
-    sup.stored_check = lambda: four_gpu_report().to_dict()
+    sup.stored_check = lambda machine: four_gpu_report().to_dict()
     checked = sup.check({"kind": "script", "script": [str(script)], "gpus": [0, 1]}, None, str(tmp_path))
     assert CORRUPT_0_1 in checked["lines"]
     sup.start()

@@ -108,7 +108,7 @@ class _Supervisor:
         from types import SimpleNamespace
 
         self.machine = load_profile("2x-rtx3090-nvlink")
-        self.stored_check = lambda: None  # no machine check: the study's words use the planner's priors
+        self.stored_check = lambda machine: None  # no machine check: the study's words use the planner's priors
         self.jobs: dict[str, SimpleNamespace] = {
             "t": SimpleNamespace(id="t", state="completed", ranks=1, exit_reason=None),
         }

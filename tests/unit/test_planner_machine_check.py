@@ -161,7 +161,7 @@ def test_rigpilot_plan_reads_the_stored_check_it_is_handed(capsys):
 
     args = build_parser().parse_args(["plan", "--model", "qwen2.5-0.5b", "--gpus", "0,1", "--seq", "1024", "--json"])
     args.machine_factory = p2p_4090s
-    args.stored_doctor = lambda: four_gpu_report().to_dict()  # what the engine's doctor_store.latest gives
+    args.stored_doctor = lambda machine: four_gpu_report().to_dict()  # what the engine's doctor_store.latest gives
     assert run_plan(args) == 0
     result = json.loads(capsys.readouterr().out)
     assert bus(result) == {"bus bandwidth, sharding group (host memory (no P2P))": 10.081}
