@@ -44,6 +44,7 @@ from rigpilot.app.jobs.summary_view import SettingsDiff, SummaryPanel
 from rigpilot.app.jobs.try_it import TryIt
 from rigpilot.app.widgets.icons import set_icon
 from rigpilot.app.widgets.units import NA
+from rigpilot.engine.jobs.machine_check import lines as machine_check_lines
 from rigpilot.engine.schema import TERMINAL_STATES
 
 CHARTS_TAB, PLAN_TAB, LOG_TAB, SUMMARY_TAB, RESULTS_TAB, TRY_TAB = range(6)
@@ -369,6 +370,8 @@ class JobDetail(QWidget):
             return
         predicted = h.record.get("predicted") if isinstance(h.record.get("predicted"), dict) else {}
         engine_notes = [n for n in predicted.get("plan_notes") or [] if isinstance(n, str)]
+        # What the machine check set for this job's ranks, and why (engine.jobs.machine_check words it).
+        engine_notes += machine_check_lines(h.record.get("machine_check"))
         notes = [*engine_notes, *(n for n in h.series.notes if n not in engine_notes)]
         self.notes.setText("\n".join(f"• {n}" for n in notes))
         self.notes.setVisible(bool(notes))

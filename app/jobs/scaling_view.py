@@ -120,6 +120,11 @@ class ScalingPanel(QWidget):
             "noise": self.chart.plot(name="noise (not a result)", pen=None, symbol="o", symbolSize=9,
                                      symbolPen=pg.mkPen(WARN, width=2), symbolBrush=None),
         }  # fmt: skip
+        # The measured speed-ups in words, with the link the plan says they wait on (engine.jobs.scaling_words).
+        self.words = QLabel()
+        self.words.setObjectName("scaleWords")
+        self.words.setWordWrap(True)
+        self.words.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.notes = QLabel()
         self.notes.setObjectName("scaleNotes")
         self.notes.setWordWrap(True)
@@ -140,6 +145,7 @@ class ScalingPanel(QWidget):
         inner.setContentsMargins(0, 0, 0, 0)
         inner.addWidget(self.table)
         inner.addWidget(self.chart)
+        inner.addWidget(self.words)
         inner.addWidget(self.notes)
         inner.addLayout(exports)
         self.results.hide()
@@ -241,6 +247,9 @@ class ScalingPanel(QWidget):
             return
         self._fill_table(study)
         self._draw(study)
+        said = study.get("words") or []
+        self.words.setText("\n".join(said))
+        self.words.setVisible(bool(said))
         self.notes.setText("\n".join(f"• {n}" for n in study.get("notes") or []))
         self.results.show()
         self.sig_study.emit(study)

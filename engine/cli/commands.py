@@ -19,6 +19,7 @@ from rigpilot.engine.capability import backend_words
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import EITHER, FOLDER, check_given_path, open_given_file, shown
 from rigpilot.engine.jobs import scaling, scaling_table
+from rigpilot.engine.jobs.machine_check import lines as machine_check_lines
 from rigpilot.engine.jobs.metrics import mark_superseded
 from rigpilot.engine.jobs.results import STOP_WORDS
 from rigpilot.engine.jobspec.secrets import shown_text
@@ -368,6 +369,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"  across {n['count']} nodes ({', '.join(n['names'])}), {ranks} on each; rendezvous {n['endpoint']}")
         for note in (job.get("predicted") or {}).get("plan_notes") or []:
             print(f"  note: {note}")
+        for line in machine_check_lines(job.get("machine_check")):
+            print(f"  note: {line}")
         if args.detach:
             _print_hints(job["id"])
             return 0
@@ -649,6 +652,8 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     if job.get("exit_reason"):
         print(f"  {job['exit_reason']}")
     for line in restart_lines(job):
+        print(f"  {line}")
+    for line in machine_check_lines(job.get("machine_check")):
         print(f"  {line}")
     return 0
 

@@ -34,7 +34,7 @@ from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import MISSING, PathRefused, check_given_path, shown
 from rigpilot.engine.hardware.importers import unknown_model_gpus
 from rigpilot.engine.hardware.machine import Source
-from rigpilot.engine.planner import verify
+from rigpilot.engine.planner import machine_check, verify
 from rigpilot.engine.planner.amounts import TIGHT_FILL, fmt_gib
 from rigpilot.engine.planner.calibration import MachineCalibration, apply_stored
 from rigpilot.engine.planner.calibration import apply as apply_calibration
@@ -238,17 +238,25 @@ def run_plan(args: argparse.Namespace) -> int:
     node_link(args.internode)  # a bad --internode is refused before any work
     node_machines = [load_node_machine(x) for x in args.node_machines] if args.node_machines else None
     stored = getattr(args, "stored_calibration", None)
+    # The machine the engine runs on: its latest machine check counts here as in the engine's planner.
+    stored_check = getattr(args, "stored_doctor", None)
+    gpus = parse_gpus(args.gpus)
+    looked_at = machine_check.use(
+        stored_check(machine) if stored_check is not None and not node_machines else None, machine, gpus
+    )
     if args.calibration is None and stored is not None:
-        # The machine the engine runs on: its latest calibration counts here as in the engine's planner.
-        calibrated = apply_stored(stored(), machine, workload.precision)
+        # Its latest calibration too.
+        calibrated = apply_stored(stored(), machine, workload.precision, checked=looked_at.calibration)
     else:
-        calibrated = apply_calibration(_calibration(args.calibration), machine, workload.precision)
+        calibrated = apply_calibration(
+            _calibration(args.calibration), machine, workload.precision, checked=looked_at.calibration
+        )
     # One search, with or without --export: the export translates the plan `plan` shows into the tool's terms.
     searched = functools.partial(
-        search_checked, spec, machine, workload, calibrated, gpus=parse_gpus(args.gpus),
+        search_checked, spec, machine, workload, calibrated, gpus=gpus,
         options=SearchOptions(force_tp=bool(args.force_tp), offload=args.offload or P["offload"].default, nodes=nodes,
                               internode=args.internode),
-        node_machines=node_machines,
+        node_machines=node_machines, machine_check=looked_at,
     )  # fmt: skip
     checked = not getattr(args, "no_verify", False) and verify.enabled()
     if checked and not getattr(args, "json", False) and not args.export and not getattr(args, "compare_rented", False):

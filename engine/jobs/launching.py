@@ -21,6 +21,7 @@ from typing import IO
 import psutil
 
 from rigpilot.engine import paths
+from rigpilot.engine.jobs import machine_check
 from rigpilot.engine.jobs.processes import RUN_TOKEN_ENV
 from rigpilot.engine.jobs.runs import Run, local_gpus_in_use, run_token
 from rigpilot.engine.jobs.store import JobRecord
@@ -85,7 +86,8 @@ def command(rec: JobRecord, spec: JobSpec, job_dir: Path, port: int, python: str
 def environment(rec: JobRecord, spec: JobSpec, job_dir: Path, python: str, warm_tending: WarmTending) -> dict[str, str]:
     """The run's environment, less the job's secrets (the caller adds them): the engine's own, the job's
     plain values, the ranks' settings, the run's marker, and a ready warm worker's socket where one fits."""
-    base = {**os.environ, **job_secrets.plain(spec.env)}
+    # What the machine check sets goes under the job's own values: a user's --env of the same name wins.
+    base = {**os.environ, **machine_check.job_env(rec.machine_check), **job_secrets.plain(spec.env)}
     env = rank_environment(base, job_id=rec.id, job_dir=job_dir, run=rec.run, gpus=rec.gpus, ranks=rec.ranks,
                            simulated=rec.simulated)
     env[RUN_TOKEN_ENV] = run_token(rec)

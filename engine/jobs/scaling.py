@@ -34,6 +34,7 @@ from typing import Any, TypeGuard
 
 from rigpilot.engine.errors import UserError, jsonable
 from rigpilot.engine.given_path import is_given_file
+from rigpilot.engine.jobs import scaling_words
 from rigpilot.engine.jobs.scaling_table import ACTIVE, check_counts
 from rigpilot.engine.jobs.submission import default_seq_len
 from rigpilot.engine.jobspec.spec import TRAIN_SETTINGS
@@ -216,11 +217,14 @@ def _point(n: int, spec: dict[str, Any], result: dict[str, Any]) -> dict[str, An
     """One point of a study: its job's spec and plan (until submitted), the plan's layout and prediction."""
     best = result["best"]
     par, timing = best.get("parallelism") or {}, best.get("timing") or {}
+    # The communication most of the step waits on: its GPUs are where the study's words look for the link.
+    comm = max(timing.get("comm") or [], key=lambda c: c.get("exposed_seconds") or 0.0, default=None)
     return {
         "gpus": n, "gpu_indices": list(range(n)), "spec": spec, "result": result,
         "plan": {"layout": layout_of(par), "micro_batch": par.get("micro_batch"), "grad_accum": par.get("grad_accum"),
                  "dp": par.get("dp"), "tp": par.get("tp"), "pp": par.get("pp"), "zero_stage": par.get("zero_stage")},
-        "predicted": {"tokens_per_s": timing.get("tokens_per_s"), "step_s": timing.get("step_s")},
+        "predicted": {"tokens_per_s": timing.get("tokens_per_s"), "step_s": timing.get("step_s"),
+                      "exposed_comm_s": timing.get("exposed_comm_s"), "comm_group": (comm or {}).get("group")},
     }  # fmt: skip
 
 
@@ -484,7 +488,9 @@ class Studies:
                     p["error"] = f"job {rec.id} {rec.state}: {rec.exit_reason or 'no reason recorded'}"
             points.append(p)
         study["points"] = points
-        return summarize(study)
+        study = summarize(study)
+        study["words"] = scaling_words.of_study(study, sup.machine, sup.stored_check(sup.machine))
+        return study
 
 
 def summarize(study: dict[str, Any]) -> dict[str, Any]:

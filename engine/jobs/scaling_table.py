@@ -91,6 +91,7 @@ def text_lines(study: dict[str, Any]) -> list[str]:
             lines.append(f"  {r['gpus']} GPU{'s' * (r['gpus'] != 1)}: noise, speed-up not meaningful: {r['noise']}")
     if study.get("error"):
         lines.append(f"error: {study['error'].get('message')}")
+    lines += study.get("words") or []
     lines += [f"note: {n}" for n in study["notes"]]
     return lines
 

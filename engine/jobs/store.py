@@ -79,6 +79,8 @@ class JobRecord:
     # GPU energy (engine.jobs.energy): per run and in all, per GPU, with the seconds no power reading covered.
     energy: dict[str, Any] | None = None
     study: str | None = None  # the scaling study this job is a point of (engine.jobs.scaling)
+    # What the machine check set in the job's environment and why (engine.jobs.machine_check), or None.
+    machine_check: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -91,7 +93,7 @@ _DEFAULTS = {
     for f in dataclasses.fields(JobRecord)
     if f.default_factory is not dataclasses.MISSING or (f.default is not dataclasses.MISSING and f.default is not None)
 }
-_JSON_FIELDS = {"gpus", "last_log", "predicted", "measured", "error", "slurm", "restarts", "nodes", "energy"}
+_JSON_FIELDS = {"gpus", "last_log", "predicted", "measured", "error", "slurm", "restarts", "nodes", "energy", "machine_check"}
 _BOOL_FIELDS = {"simulated", "cancel_requested", "resumable"}
 
 

@@ -43,6 +43,7 @@ from rigpilot.engine.diskspace import human_size
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import EITHER, FILE, FOLDER, Expect, check_given_path, open_given_file
 from rigpilot.engine.hardware.machine import Machine, short_gpu_name
+from rigpilot.engine.jobs import machine_check as machine_checks
 from rigpilot.engine.jobs.limits import check_job_settings
 from rigpilot.engine.jobspec.spec import (
     IN_BACKWARD_UNDER_DDP_NOTE,
@@ -87,6 +88,7 @@ class Submission:
     backend: BackendChoice | None = None  # inference jobs: the generator that runs and why
     disk_need: int = JOB_ROOM_BYTES  # bytes the job needs free in the state folder (see disk_need)
     disk_need_what: str = ""  # what they are for, in words, where more than logs and metrics
+    machine_check: dict[str, Any] | None = None  # what the machine check sets for the job (engine.jobs.machine_check)
 
 
 def prepare(
@@ -100,6 +102,7 @@ def prepare(
     nodes: int = 1,
     slurm: bool = False,
     worker_vllm: Callable[[], WorkerVllm] | None = None,
+    machine_check: dict[str, Any] | None = None,
 ) -> Submission:
     """A checked, complete JobSpec for `spec_data` (JobSpec fields; `id` is the service's to give).
 
@@ -108,6 +111,8 @@ def prepare(
     An inference job that runs on vLLM has one process (`ranks` 1): vLLM starts a worker per GPU itself.
     `worker_vllm` says whether vLLM is installed where the job runs (default: engine.runtime.worker_vllm);
     it is asked only when nothing else rules vLLM out. `slurm`: the job goes to a SLURM cluster.
+    `machine_check`: the engine's stored machine check of this machine (its JSON), which may set variables for
+    the job's ranks (engine.jobs.machine_check).
     """
     data = _given_fields(spec_data)
     base = _working_folder(cwd)
@@ -138,7 +143,7 @@ def prepare(
     need, need_what = disk_need(spec, _model_config(spec.model, base)[1] if spec.kind == "train" and spec.model else {})
     return Submission(
         spec, plan, ranks, str(base) if base else None, predicted, from_plan, notes, model_type, host_ram, backend,
-        need, need_what,
+        need, need_what, machine_checks.for_job(machine_check, spec, slurm=slurm),
     )
 
 
@@ -406,6 +411,7 @@ def describe(sub: Submission, free: int | None = None) -> list[str]:
         sampling = "greedy" if i.temperature == 0 else f"temperature {i.temperature:g}, top-p {i.top_p:g}, seed {i.seed}"
         batch = "vLLM batches the prompts itself" if i.backend == "vllm" else f"batch {i.batch_size}"
         lines.append(f"inference: {i.precision}, up to {i.max_new_tokens} new tokens, {batch}, {sampling}")
+    lines += machine_checks.lines(sub.machine_check)
     ram = sub.host_ram
     if "plan_needs" in ram:
         if ram.get("simulated"):

@@ -120,6 +120,9 @@ class Supervisor:
         # head waits for its other nodes' last records: engine.service.multinode).
         self.finish_ready: Callable[[JobRecord, float], bool] = lambda rec, waited_s: True
         self.warm_tending = WarmTending(jobs_root.parent / "warm-worker.log")
+        # The engine's stored machine check of a machine (its JSON, or None; doctor_store.latest): what it found
+        # broken sets variables for the jobs submitted after it (engine.jobs.machine_check).
+        self.stored_check: Callable[[Machine], dict[str, Any] | None] = lambda machine: None
         self._conditions = Conditions(log)
         self._room_check_at = 0.0
 
@@ -243,7 +246,7 @@ class Supervisor:
         slurm_options = slurm.check_options(slurm_options) if slurm_options is not None else None
         sub = submission.prepare(
             spec_data, plan, cwd, job_id="check", machine=self.machine, max_cpu_ranks=self.max_cpu_ranks,
-            nodes=nodes, slurm=slurm_options is not None,
+            nodes=nodes, slurm=slurm_options is not None, machine_check=self.stored_check(self.machine),
         )
         self._check_room(sub, None)
         lines = submission.describe(sub, free_bytes(self.jobs_root))
@@ -264,7 +267,7 @@ class Supervisor:
         machine = self.machine
         sub = submission.prepare(
             spec_data, plan, cwd, job_id=job_id, machine=machine, max_cpu_ranks=self.max_cpu_ranks,
-            nodes=int((nodes or {}).get("count", 1)), slurm=slurm_options is not None,
+            nodes=int((nodes or {}).get("count", 1)), slurm=slurm_options is not None, machine_check=self.stored_check(machine),
         )
         spec = sub.spec
         self._check_room(sub, nodes)
@@ -285,7 +288,7 @@ class Supervisor:
             # A multi-node job is restarted by nobody yet: one node's engine alone would relaunch its own
             # part into a rendezvous the others have left.
             max_restarts=0 if nodes else recovery.max_restarts_of(spec),
-            nodes=nodes,
+            nodes=nodes, machine_check=sub.machine_check,
         )
         try:
             job_dir.mkdir(mode=0o700, parents=True, exist_ok=True)

@@ -189,13 +189,53 @@ class CalibrationStatus:
 
 
 def apply(
-    cal: MachineCalibration | None, machine: Machine, dtype: str, *, strict: bool = True
+    cal: MachineCalibration | None, machine: Machine, dtype: str, *, strict: bool = True,
+    checked: MachineCalibration | None = None,
 ) -> tuple[Calibration | None, CalibrationStatus]:
     """The numbers a search should use, and the line saying so.
 
     strict: a calibration of another machine is refused (UserError), as for a file the user named;
     otherwise (the engine's stored calibration after a GPU was swapped) it is left out and the line says why.
+    checked: what the machine check measured on this machine's GPUs (engine.planner.machine_check, which
+    leaves out a simulated check's or another machine's): it counts beside the calibration, the newer
+    measurement of each figure winning (`newer_wins`).
     """
+    numbers, status = _apply(cal, machine, dtype, strict=strict)
+    if checked is None:
+        return numbers, status
+    if status.applied and cal is not None:
+        both = newer_wins(cal, checked)
+        line = (f"Calibrated {cal.date} and machine check of {checked.date} (both measured on this machine; "
+                f"the newer figure of each wins): {both.summary(dtype)}.")  # fmt: skip
+        return both.numbers(dtype), CalibrationStatus("applied", line, both.measured_at)
+    line = f"Machine check of {checked.date} (measured on this machine): {checked.summary(dtype)}."
+    if status.state != "none":
+        line += " " + status.line
+    return checked.numbers(dtype), CalibrationStatus("applied", line, checked.measured_at)
+
+
+def newer_wins(a: MachineCalibration, b: MachineCalibration) -> MachineCalibration:
+    """Two measurements of one machine as one: each figure (a GPU's matmul rate in a dtype, a group's all-reduce
+    bus bandwidth, a pair's copy rate) from the newer of the two where both measured it, else from the one that did.
+
+    Per figure, not per file: a calibrate job measures matmuls in every dtype and the all-GPU group, the machine
+    check every pair and the all-GPU group, so neither replaces the other whole; and a figure measured again
+    later (a driver update, a card reseated) describes the machine as it is now.
+    """
+    old, new = sorted((a, b), key=lambda c: parse_time(c.measured_at))
+    matmul = {d: dict(by) for d, by in old.matmul_tflops.items()}
+    for d, by in new.matmul_tflops.items():
+        matmul.setdefault(d, {}).update(by)
+    return dataclasses.replace(
+        new, gpus={**old.gpus, **new.gpus}, matmul_tflops=matmul,
+        bus_bandwidth_gbs={**old.bus_bandwidth_gbs, **new.bus_bandwidth_gbs}, p2p_gbs={**old.p2p_gbs, **new.p2p_gbs},
+        detail={"measured_at": [old.measured_at, new.measured_at]},
+    )  # fmt: skip
+
+
+def _apply(
+    cal: MachineCalibration | None, machine: Machine, dtype: str, *, strict: bool
+) -> tuple[Calibration | None, CalibrationStatus]:
     if cal is None:
         return None, CalibrationStatus("none", NOT_CALIBRATED)
     if cal.simulated or cal.device_type != "cuda":
@@ -216,17 +256,23 @@ def apply(
     return cal.numbers(dtype), CalibrationStatus("applied", line, cal.measured_at)
 
 
-def apply_stored(raw: dict[str, Any] | None, machine: Machine, dtype: str) -> tuple[Calibration | None, CalibrationStatus]:
+def apply_stored(
+    raw: dict[str, Any] | None, machine: Machine, dtype: str, *, checked: MachineCalibration | None = None
+) -> tuple[Calibration | None, CalibrationStatus]:
     """`apply` for the engine's stored calibration (JSON as kept): one that cannot be read is said and left out."""
-    if raw is None:
-        return apply(None, machine, dtype)
-    try:
-        if "unreadable" in raw and "schema" not in raw:
-            raise UserError(str(raw["unreadable"]))
-        cal = MachineCalibration.from_dict(raw, "the engine's stored calibration")
-    except UserError as e:
-        return None, CalibrationStatus("unreadable", f"Calibration not applied: {e}; calibrate again.")
-    return apply(cal, machine, dtype, strict=False)
+    cal = None
+    if raw is not None:
+        try:
+            if "unreadable" in raw and "schema" not in raw:
+                raise UserError(str(raw["unreadable"]))
+            cal = MachineCalibration.from_dict(raw, "the engine's stored calibration")
+        except UserError as e:
+            unreadable = CalibrationStatus("unreadable", f"Calibration not applied: {e}; calibrate again.")
+            if checked is None:
+                return None, unreadable
+            numbers, status = apply(None, machine, dtype, strict=False, checked=checked)
+            return numbers, dataclasses.replace(status, line=f"{status.line} {unreadable.line}")
+    return apply(cal, machine, dtype, strict=False, checked=checked)
 
 
 def now_iso() -> str:

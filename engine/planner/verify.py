@@ -41,6 +41,7 @@ from rigpilot.engine.planner import trace_cache
 from rigpilot.engine.planner.amounts import fmt_gib
 from rigpilot.engine.planner.calibration import CalibrationStatus
 from rigpilot.engine.planner.links import Calibration
+from rigpilot.engine.planner.machine_check import MachineCheckUse
 from rigpilot.engine.planner.plan import Plan, Workload
 from rigpilot.engine.planner.result import SearchResult
 from rigpilot.engine.planner.search import SearchOptions, search
@@ -403,19 +404,24 @@ def search_checked(
     spec: ModelSpec, machine: Machine, workload: Workload, calibrated: tuple[Calibration | None, CalibrationStatus], *,
     gpus: list[int] | None = None, options: SearchOptions | None = None, verify: bool = True,
     trust_remote_code: bool = False, budget_s: float | None = None, node_machines: list[Machine] | None = None,
-    memo: dict[str, dict[str, Any]] | None = None,
+    memo: dict[str, dict[str, Any]] | None = None, machine_check: MachineCheckUse | None = None,
 ) -> SearchResult:  # fmt: skip
     """The search `rigpilot plan` and the engine's planner both run: calibrated, its top plans traced (unless
     `verify` is off or RIGPILOT_PLAN_VERIFY=0), and the explanation ending with what the calibration did.
-    `memo`: answers traced already in this run (trace_all's), so the same plans are not traced twice."""
+    `memo`: answers traced already in this run (trace_all's), so the same plans are not traced twice.
+    `machine_check` (planner.machine_check.use): the machine as the check left it is planned for, and the
+    explanation ends with what the check changed."""
     numbers, status = calibrated
     verifier = None
     if verify and enabled():
         verifier = functools.partial(check, trust_remote_code=trust_remote_code, budget_s=budget_s, memo=memo)
+    planned = machine_check.machine if machine_check is not None else machine
     result = search(
-        spec, machine, workload, gpus=gpus, calibration=numbers, options=options, verifier=verifier, node_machines=node_machines,
+        spec, planned, workload, gpus=gpus, calibration=numbers, options=options, verifier=verifier, node_machines=node_machines,
     )  # fmt: skip
     result.explanation.append(status.line)
+    if machine_check is not None:
+        result.explanation += machine_check.lines
     return result
 
 

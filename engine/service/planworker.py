@@ -42,8 +42,10 @@ def plan(machine: Any, model: str, workload: dict[str, Any] | None = None, gpus:
          options: dict[str, Any] | None = None, trust_remote_code: bool = False,
          calibration: dict[str, Any] | None = None, verify: bool = True,
          node_machines: list[Any] | None = None, recheck: dict[str, Any] | None = None,
-         trace: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
-    """One search. `calibration`: the machine's stored calibration file (the service's, never a client's).
+         trace: dict[str, Any] | None = None, doctor: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """One search. `calibration`: the machine's stored calibration file (the service's, never a client's);
+    `doctor`: its stored machine check (rigpilot.doctor/1, the service's too), whose broken links and measured
+    figures count (planner.machine_check).
 
     Several machines: `options` carries `nodes` and `internode` (SearchOptions, checked like every option);
     `node_machines` are each node's machine, each checked as `plan_machine` checks the `machine`.
@@ -52,10 +54,15 @@ def plan(machine: Any, model: str, workload: dict[str, Any] | None = None, gpus:
     `verify` false: the formula's answer alone, at once; its `trace` says how many plans a client may then
     trace one by one (`pending`) before asking again with `verify` on, which finds them in the trace cache."""
     if recheck is not None:
-        return {"result": _recheck(machine, model, recheck, gpus, trust_remote_code)}
+        from rigpilot.engine.planner import machine_check
+
+        # The links the plan was searched on: a change in the wizard must not bring back a P2P the check turned off.
+        searched_on = machine_check.use(doctor if not node_machines else None, machine, gpus).machine
+        return {"result": _recheck(searched_on, model, recheck, gpus, trust_remote_code)}
     if trace is not None:
         return {"result": _trace(trace, trust_remote_code)}
     from rigpilot.engine.models.job_model import describe_for_job
+    from rigpilot.engine.planner import machine_check
     from rigpilot.engine.planner.calibration import apply_stored
     from rigpilot.engine.planner.plan import PRECISIONS, LoraSettings, Workload
     from rigpilot.engine.planner.search import SearchOptions
@@ -84,11 +91,14 @@ def plan(machine: Any, model: str, workload: dict[str, Any] | None = None, gpus:
             except ProtocolError as e:
                 raise ProtocolError(e.code, e.message.replace("plan.machine", f"plan.node_machines[{i}]", 1)) from None
     w = Workload(model=model, **work)
-    calibrated = apply_stored(calibration, machine, w.precision if w.precision in PRECISIONS else "bf16")
+    checked = machine_check.use(doctor if not nodes else None, machine, gpus)
+    calibrated = apply_stored(
+        calibration, machine, w.precision if w.precision in PRECISIONS else "bf16", checked=checked.calibration
+    )
     # Within the service's deadline for a plan: past the budget the rest stay "not verified".
     result = search_checked(
         spec, machine, w, calibrated, gpus=gpus, options=SearchOptions(**(options or {})), verify=verify,
-        trust_remote_code=trust_remote_code, budget_s=VERIFY_BUDGET_S, node_machines=nodes,
+        trust_remote_code=trust_remote_code, budget_s=VERIFY_BUDGET_S, node_machines=nodes, machine_check=checked,
     )  # fmt: skip
     status = calibrated[1]
     if not verify:
@@ -242,10 +252,10 @@ def _answer(machine: Any, line: bytes) -> dict[str, Any]:
     try:
         args = json.loads(line)
         if args.get("machine") is not None:
-            # Another machine: this machine's calibration measured other GPUs and links, so it does not apply.
-            machine, args["calibration"] = plan_machine(args["machine"]), None
+            # Another machine: this machine's calibration and check measured other GPUs and links: they do not apply.
+            machine, args["calibration"], args["doctor"] = plan_machine(args["machine"]), None, None
         if args.get("node_machines"):
-            args["calibration"] = None  # measured on this machine, not on the nodes named
+            args["calibration"], args["doctor"] = None, None  # measured on this machine, not on the nodes named
         args.pop("machine", None)
         return plan(machine, **args)
     except ProtocolError as e:

@@ -15,6 +15,7 @@ import pytest
 from rigpilot.engine import paths
 from rigpilot.engine.cli.entry import main as cli_main
 from rigpilot.engine.errors import UserError
+from rigpilot.engine.hardware.simulated import load_profile
 from rigpilot.engine.jobs import scaling, scaling_table
 
 from support.engine import Engine, engine_home, leftover_job_processes
@@ -106,7 +107,8 @@ class _Supervisor:
     def __init__(self, tmp_path: Path):
         from types import SimpleNamespace
 
-        self.machine = SimpleNamespace(gpus=[0, 1], label="simulated: 2×GPU", simulated=True)
+        self.machine = load_profile("2x-rtx3090-nvlink")
+        self.stored_check = lambda machine: None  # no machine check: the study's words use the planner's priors
         self.jobs: dict[str, SimpleNamespace] = {
             "t": SimpleNamespace(id="t", state="completed", ranks=1, exit_reason=None),
         }

@@ -15,7 +15,10 @@ from rigpilot.app.jobs.model import STATE, STATES, duration
 from rigpilot.app.jobs.page import JobsPage
 from rigpilot.app.jobs.series import JobSeries, ema, final_timeline
 from rigpilot.engine.api.client import EngineError
+from rigpilot.engine.jobs import machine_check
+from rigpilot.engine.jobspec.spec import JobSpec
 
+from support.doctor_reports import four_gpu_report
 from support.gui_fakes import FakeLink, focusable_widgets, tab_through
 from support.gui_jobs import GIB, T0, FakeJobs, a_job, a_training_job, open_job, open_page, step_record
 
@@ -593,7 +596,8 @@ def test_state_survives_a_restart(qtbot):
 def test_the_engines_and_the_workers_notes_are_shown_once_each(qtbot):
     link = FakeLink()
     engine_note = "simulated: 4 GPUs run as 2 CPU ranks (at most 2 per job)"
-    engine = FakeJobs(link, [a_job("n1", predicted={"plan_notes": [engine_note]})])
+    checked = machine_check.for_job(four_gpu_report().to_dict(), JobSpec(id="n1", kind="script", gpus=[0, 1]))
+    engine = FakeJobs(link, [a_job("n1", predicted={"plan_notes": [engine_note]}, machine_check=checked)])
     worker_note = {"time": T0, "rank": 0, "kind": "note", "step": None, "message": "sequence parallel: split 2 ways"}
     engine.records["n1"] = [worker_note, {**worker_note, "rank": 1}, *(step_record(s) for s in range(1, 5))]
     page = open_page(qtbot, link)
@@ -601,7 +605,12 @@ def test_the_engines_and_the_workers_notes_are_shown_once_each(qtbot):
     detail = page.detail
     qtbot.waitUntil(lambda: "sequence parallel" in detail.notes.text(), timeout=5000)
     assert detail.notes.isVisible()
-    assert detail.notes.text().splitlines() == [f"• {engine_note}", "• sequence parallel: split 2 ways"]
+    assert detail.notes.text().splitlines() == [
+        f"• {engine_note}",
+        "• Machine check of 2026-11-29 (simulated): Peer-to-peer copies between GPUs 0 and 1 over NODE returned "
+        "wrong data: jobs on both run with NCCL_P2P_DISABLE=1 (traffic through host memory)",
+        "• sequence parallel: split 2 ways",
+    ]
     # Notes alone are not a plan: nothing to compare with.
     assert "No plan was attached" in detail.plan_note.text()
 

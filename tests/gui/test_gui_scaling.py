@@ -93,6 +93,7 @@ def test_how_does_this_scale_runs_a_study_and_draws_it(qtbot, tmp_path):
     (x0, x1), (y0, y1) = panel.chart.getPlotItem().viewRange()
     assert x0 == 0 and 2 < x1 < 3 and y0 == 0 and 2 < y1 < 2.5  # from 0, room for linear's 2.0
     assert "CPU ranks" in panel.notes.text()
+    assert not panel.words.isVisibleTo(panel)  # a study without words (an older engine's) shows no empty line
 
     png, table = tmp_path / "s.png", tmp_path / "s.csv"
     panel.export_png(png)
@@ -106,12 +107,15 @@ def test_a_past_study_of_the_job_shows_when_the_job_is_opened(qtbot):
     link = FakeLink()
     FakeJobs(link, [a_training_job("t")])
     done = a_study(("completed", "completed"), (20_000.0, 10_000.0))
+    # The engine's words for the measured speed-up (engine.jobs.scaling_words), shown as they come.
+    done["words"] = ["On CPU ranks (simulated): 2 GPUs give 0.5× (25% of linear)"]
     link.replies["scaling_studies"] = lambda job=None, **_: {"studies": [done] if job == "t" else []}
     page = open_page(qtbot, link)
     open_job(qtbot, page, "t")
     panel = page.detail.scaling
     qtbot.waitUntil(lambda: panel.table.rowCount() == 2)
     assert panel.table_cells()[1][6:8] == ["0.50×", "25%"]
+    assert panel.words.text() == done["words"][0] and panel.words.isVisibleTo(panel)
 
 
 def test_no_scaling_button_on_a_study_point_or_an_unfinished_job(qtbot):
