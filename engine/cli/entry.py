@@ -190,6 +190,14 @@ def _machine(args: argparse.Namespace):
     return d.machine, d.notes
 
 
+def _stored_doctor(machine: Any) -> dict[str, Any] | None:
+    """The engine's machine check of this machine on this driver (what a finished `rigpilot doctor` left)."""
+    from rigpilot.engine import paths
+    from rigpilot.engine.jobs import doctor_store
+
+    return doctor_store.latest(machine, paths.doctor_dir())[0]
+
+
 def _stored_calibration() -> dict[str, Any] | None:
     """The engine's latest calibration of this machine (what a finished `rigpilot run calibrate` left)."""
     from rigpilot.engine import paths
@@ -676,6 +684,7 @@ def main(argv: list[str] | None = None) -> int:
     args.machine_factory = lambda: _machine(args)[0]
     if not (getattr(args, "simulate", None) or getattr(args, "import_paths", None)):
         args.stored_calibration = _stored_calibration
+        args.stored_doctor = _stored_doctor
     try:
         return func(args)
     except UserError as e:

@@ -167,6 +167,8 @@ class EngineService:
             ),
             on_job=self._publish_job, on_metrics=self._publish_metrics, telemetry=self.telemetry,
         )  # fmt: skip
+        # Jobs on a pair the machine check found broken run with NCCL's P2P off (engine.jobs.machine_check).
+        self.supervisor.stored_check = lambda machine: doctor_store.latest(machine, paths.doctor_dir())[0]
         self.multinode = MultiNode(self.supervisor)
         self.sampler = self._new_sampler(self.discovery.backend)
         self._listen_unix()
@@ -576,7 +578,8 @@ class EngineService:
 
     def _plan_for_study(self, args: dict[str, Any]) -> dict[str, Any]:
         assert self.planners is not None
-        args = {**args, "calibration": calibration_store.stored(paths.calibration_path())}
+        args = {**args, "calibration": calibration_store.stored(paths.calibration_path()),
+                "doctor": doctor_store.latest(self.machine, paths.doctor_dir())[0]}  # fmt: skip
         return self.planners.plan(args, time.monotonic() + self.options.plan_deadline_s, lambda: False)
 
     # -- fan-out --------------------------------------------------------------

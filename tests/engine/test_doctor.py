@@ -63,6 +63,17 @@ def test_planted_corruption_and_hang_are_found_named_and_acted_on(engine):
         assert names["nvml_vs_smi"]["status"] == "skipped" and names["nvml_vs_smi"]["why"] == "simulated"
         assert names["health"]["status"] == "ok"
 
+    # What the engine does about it: a job holding a broken pair runs with NCCL's P2P off, and says why.
+    with engine.client() as c:
+        script = engine.script("env.py", "import os; print('P2P', os.environ.get('NCCL_P2P_DISABLE'))\n")
+        ran = engine.submit(c, script, gpus=[0, 1])
+        untouched = engine.submit(c, script, gpus=[1, 2])
+        assert ran["machine_check"]["env"] == {"NCCL_P2P_DISABLE": "1"} and untouched.get("machine_check") is None
+        ran = wait_job_state(c, ran["id"], "completed", timeout=120)
+        wait_job_state(c, untouched["id"], "completed", timeout=120)
+    log = next((p for p in engine.tmp.rglob(f"{ran['id']}/logs/rank0.log")), None)
+    assert log is not None and "P2P 1" in log.read_text()
+
     shown = cli("doctor", "--show")
     assert shown.returncode == 1, shown.stderr  # a failure found: a script can tell
     assert "Peer-to-peer copies between GPUs 0 and 1 over NODE returned wrong data" in shown.stdout

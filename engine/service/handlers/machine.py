@@ -11,7 +11,7 @@ from rigpilot.engine.api import protocol
 from rigpilot.engine.api.protocol import Limit, Number, Path_, Text
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.simulated import SimulatedBackend
-from rigpilot.engine.jobs import calibration_store
+from rigpilot.engine.jobs import calibration_store, doctor_store
 from rigpilot.engine.service.connection import Connection
 from rigpilot.engine.service.handling import Engine, RequestGroup
 
@@ -104,4 +104,5 @@ def plan(
         args["verify"] = False
     other = machine is not None or bool(node_machines)
     args["calibration"] = None if other else calibration_store.stored(paths.calibration_path())
+    args["doctor"] = None if other else doctor_store.latest(engine.machine, paths.doctor_dir())[0]
     return {"result": engine.planners.plan(args, time.monotonic() + budget, conn.client_gone)}
