@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from PySide6.QtCore import Signal
-from PySide6.QtWidgets import QFrame, QHBoxLayout, QPushButton, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
 
 from rigpilot.app.doctor.model import CheckState, headline
 from rigpilot.app.doctor.source import CheckSource
@@ -30,13 +30,20 @@ class CheckCard(QFrame):
         # the host panel beside it, so the GPU cards below keep their room.
         self.text = ElidedLabel("Machine check: asking the engine…")
         self.text.setObjectName("machineCheckLine")
+        self.title = QLabel("Machine check")
+        self.title.setObjectName("machineCheckTitle")
+        font = self.title.font()
+        font.setBold(True)
+        self.title.setFont(font)
         self.button = QPushButton("Details…")
         self.button.setObjectName("openMachineCheck")
         set_icon(self.button, "check-machine")
+        self.headline = ""  # the whole line the card says, as headline() words it
         self._starts = False  # the button runs a check (none stored for this machine and driver)
         self.button.clicked.connect(lambda: self.sig_open.emit(self._starts))
         column = QVBoxLayout(self)
         column.setContentsMargins(8, 6, 8, 6)
+        column.addWidget(self.title)
         column.addWidget(self.text)
         row = QHBoxLayout()
         row.addStretch(1)
@@ -54,7 +61,13 @@ class CheckCard(QFrame):
         self._starts = state.report is None and not state.running and not state.error
         if self._starts:
             line = f"{line} — check this machine's GPUs and links" if state.why in (None, "never") else line
-        self.text.setText(line)
+        self.headline = line
+        # "Machine check: 2 problems" above, the worst finding's words under it (whole in the tooltip).
+        title, _, rest = line.partition(" — ")
+        split = bool(rest) and title.startswith("Machine check")
+        self.title.setText(title if split else "Machine check")
+        self.text.setText(rest if split else line)
+        self.text.setToolTip(line)
         self.button.setText("Check this machine" if self._starts else "Details…")
         self.button.setToolTip("Open Settings → Check this machine" + (" and start a check" if self._starts else ""))
         set_banner(self, status)  # type: ignore[arg-type]

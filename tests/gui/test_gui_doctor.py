@@ -184,7 +184,9 @@ def test_dashboard_card_summarises_and_opens_the_view(qtbot):
     with qtbot.waitSignal(page.check_card.source.sig_changed, timeout=5000):
         link.connect_engine()
     card = page.check_card
-    assert card.text.text() == f"Machine check: 2 problems — {broken_words()[0]}"
+    assert card.headline == f"Machine check: 2 problems — {broken_words()[0]}"
+    assert card.title.text() == "Machine check: 2 problems" and card.text.text() == broken_words()[0]
+    assert card.height() <= page.host_panel.height()  # beside the host, taking no room from the GPU cards
     assert card.property("banner") == "bad" and card.button.text() == "Details…"
     with qtbot.waitSignal(page.sig_open_machine_check) as opened:
         card.button.click()
@@ -193,7 +195,7 @@ def test_dashboard_card_summarises_and_opens_the_view(qtbot):
     link.replies["doctor_report"] = reply(None, "never")
     with qtbot.waitSignal(card.source.sig_changed, timeout=5000):
         card.source.refresh()
-    assert card.text.text() == "Not checked yet — check this machine's GPUs and links"
+    assert card.headline == "Not checked yet — check this machine's GPUs and links"
     assert card.property("banner") == "info" and card.button.text() == "Check this machine"
     with qtbot.waitSignal(page.sig_open_machine_check) as opened:
         card.button.click()
@@ -262,3 +264,19 @@ def test_headline_counts_only_problems():
     state = state_of(reply(broken_report()))
     assert headline(state)[0] == "bad"
     assert headline(state_of(reply(None, "unreadable"))) == ("warn", "The stored check cannot be read: check again")
+
+
+def test_an_imported_machine_shows_no_marks_of_this_ones_check(qtbot, smi_data):
+    link = FakeLink(replies={"doctor_report": reply(broken_report())})
+    page = TopologyPage(link)
+    qtbot.addWidget(page)
+    page.show()
+    with qtbot.waitSignal(page.check.sig_changed, timeout=5000):
+        link.connect_engine()
+    assert page.graph_view.mark_items
+    with qtbot.waitSignal(page.sig_machine_shown, timeout=10000):
+        page.import_files([smi_data / "case08_4xRTX6000Ada_dual_socket_genoa_4nics.txt"])
+    assert page.graph_view.mark_items == {} and page.matrix.item(0, 1).text() == page.matrix.code(0, 1)
+    assert not page.check_note.isVisible()
+    page.back_button.click()  # this machine again: its check's marks come back
+    assert set(page.graph_view.mark_items) == set(link_marks(DoctorReport.from_dict(broken_report())))
