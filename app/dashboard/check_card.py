@@ -66,8 +66,7 @@ class CheckCard(QFrame):
         title, _, rest = line.partition(" — ")
         split = bool(rest) and title.startswith("Machine check")
         self.title.setText(title if split else "Machine check")
-        self.text.setText(rest if split else line)
-        self.text.setToolTip(line)
+        self.text.setText(rest if split else line)  # its tooltip holds the whole of it
         self.button.setText("Check this machine" if self._starts else "Details…")
         self.button.setToolTip("Open Settings → Check this machine" + (" and start a check" if self._starts else ""))
         set_banner(self, status)  # type: ignore[arg-type]
