@@ -38,8 +38,9 @@ class CheckSource(QObject):
         self._retries = 0
         self._retry = QTimer(self, singleShot=True, interval=KEEP_RETRY_MS)
         self._retry.timeout.connect(self.refresh)
+        self._machine = (getattr(link, "machine", None) or {}).get("label")
         link.sig_state.connect(self._on_link_state)
-        link.sig_machine.connect(lambda _m: self.refresh())
+        link.sig_machine.connect(self._on_machine)
         link.sig_job.connect(self.on_job)
         if follow_progress:
             link.sig_metrics.connect(self._on_metrics)
@@ -54,6 +55,14 @@ class CheckSource(QObject):
         if state == CONNECTED:
             self._retries = 0
             self.refresh()
+
+    def _on_machine(self, machine: dict[str, Any]) -> None:
+        # A check stands for one machine: another one (Settings switched it) has its own, or none. The machine
+        # a connection brings is asked about on CONNECTED already.
+        label = machine.get("label") if isinstance(machine, dict) else None
+        if label != self._machine and self._machine is not None:
+            self.refresh()
+        self._machine = label
 
     def _on_reply(self, reply: Any) -> None:
         state = state_of(reply)

@@ -175,8 +175,10 @@ class MachineCheckView(QWidget):
         self.action = _label("checkAction")
         self.gpu_title = heading("Per GPU")
         self.gpu_table = CheckTable("checkGpus", GPU_COLUMNS)
+        self.gpu_table.setAccessibleName("Machine check per GPU")
         self.pair_title = heading("Per GPU pair")
         self.pair_table = CheckTable("checkPairs", PAIR_COLUMNS)
+        self.pair_table.setAccessibleName("Machine check per GPU pair")
         self.groups = _label("checkGroups")
 
         layout = QVBoxLayout(self)

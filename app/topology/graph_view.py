@@ -34,6 +34,8 @@ ARC_ROOM = 56.0  # below the GPU row, for NVLink arcs between neighbours and the
 MIN_SCALE = 0.7  # below this the labels are unreadable; scroll instead
 ROW_Y = {"cpu": 40.0, "bridge": 110.0, "switch": 180.0}
 PAD = 14.0
+# The machine check's arcs drawn for every GPU pair up to this many pairs (4 GPUs); beyond, the broken ones only.
+MAX_DRAWN_PAIRS = 6
 
 
 class NodeItem(QGraphicsPathItem):
@@ -167,6 +169,8 @@ class TopologyGraphView(QGraphicsView):
         has_nvlink_pairs = any(len(e.gpus) == 2 for e in self.graph.nvlink_edges)
         gpu_rects = {n.gpu: rects[n.id] for n in self.graph.gpu_nodes if n.gpu is not None}
         marks = {p: m for p, m in self.link_marks.items() if p[0] in gpu_rects and p[1] in gpu_rects}
+        if len(marks) > MAX_DRAWN_PAIRS:  # a web of arcs hides the machine: the matrix has every pair's figure
+            marks = {p: m for p, m in marks.items() if m.broken}
         below = self._marks_room(marks, gpu_rects, has_nvlink_pairs)
         for b, box in enumerate(self.graph.boxes):
             members = [rects[n.id] for n in self.graph.nodes if n.box == b]

@@ -33,7 +33,7 @@ from rigpilot.app.doctor.source import CheckSource
 from rigpilot.app.engine_link import CONNECTED
 from rigpilot.app.tasks import run_in_background
 from rigpilot.app.topology.gpu_model import GpuModelChoice
-from rigpilot.app.topology.graph_view import TopologyGraphView
+from rigpilot.app.topology.graph_view import MAX_DRAWN_PAIRS, TopologyGraphView
 from rigpilot.app.topology.imported import HERE, ImportedMachines, plan_block
 from rigpilot.app.topology.matrix import BandwidthHeatMap, TopoLegend, TopoMatrixTable
 from rigpilot.app.topology.model import TopologyGraph, build_graph, machine_title, measured_bandwidth, topo_matrix
@@ -322,7 +322,11 @@ class TopologyPage(QWidget):
             self.check_note.hide()
             return
         sim = " (simulated: CPU figures)" if report.simulated else ""
-        line = f"On each GPU pair: the all-reduce the machine check measured{sim}, GB/s."
+        if len(marks) <= MAX_DRAWN_PAIRS:
+            line = f"On each GPU pair's link, drawn and in the matrix: the all-reduce the machine check measured{sim}."
+        else:
+            line = (f"Under each GPU pair's link in the matrix: the all-reduce the machine check measured{sim}; "
+                    "the drawing shows the broken links only.")  # fmt: skip
         if broken:
             line += " Broken links in red: " + "; ".join(m.findings[0] for m in broken if m.findings)
         self.check_note.setText(line)

@@ -280,3 +280,29 @@ def test_an_imported_machine_shows_no_marks_of_this_ones_check(qtbot, smi_data):
     assert not page.check_note.isVisible()
     page.back_button.click()  # this machine again: its check's marks come back
     assert set(page.graph_view.mark_items) == set(link_marks(DoctorReport.from_dict(broken_report())))
+
+
+def test_an_8_gpu_drawing_shows_only_the_broken_links_and_the_matrix_every_figure(qtbot):
+    link = FakeLink("8x-a100-pcie", replies={"doctor_report": reply(broken_report(gpus=8))})
+    page = TopologyPage(link)
+    qtbot.addWidget(page)
+    page.show()
+    with qtbot.waitSignal(page.check.sig_changed, timeout=5000):
+        link.connect_engine()
+    assert set(page.graph_view.mark_items) == {(0, 1), (2, 3)}  # 28 arcs would hide the machine
+    marks = link_marks(DoctorReport.from_dict(broken_report(gpus=8)))
+    assert len(marks) == 28 and page.matrix.item(4, 7).text() == f"{page.matrix.code(4, 7)}\n{marks[(4, 7)].text}"
+    assert "the drawing shows the broken links only" in page.check_note.text()
+
+
+def test_another_machine_is_asked_about_once_and_the_same_one_not_again(qtbot):
+    link = FakeLink(replies={"doctor_report": reply(broken_report())})
+    view = open_view(qtbot, link)
+    assert len(link.requests("doctor_report")) == 1  # connecting brought the machine: one question, not two
+    link.sig_machine.emit(dict(link.machine))
+    qtbot.wait(20)
+    assert len(link.requests("doctor_report")) == 1
+    link.replies["doctor_report"] = reply(None, "never")
+    with qtbot.waitSignal(view.sig_shown, timeout=5000):
+        link.sig_machine.emit({**link.machine, "label": "simulated: 8×H100 80GB HBM3"})
+    assert view.headline.text() == "Not checked yet" and not view.gpu_table.isVisible()

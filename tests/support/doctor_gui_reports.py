@@ -23,7 +23,6 @@ from rigpilot.engine.hardware.doctor import (
 
 MEASURED_AT = "2026-11-29T05:00:00Z"
 DEADLINE_S = 10.0
-PAIRS = [(0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3)]
 LINKS = {(0, 1): "NODE", (2, 3): "NODE"}  # as the 4x-rtx4090 profile wires them: the rest cross sockets
 
 
@@ -55,12 +54,16 @@ def _pair(
     return PairResult((a, b), LINKS.get((a, b), "SYS"), p2p, checks)
 
 
-def _report(pairs: list[PairResult], groups: list[GroupResult], stopped: Finding | None) -> DoctorReport:
+def _pairs(n: int) -> list[tuple[int, int]]:
+    return [(a, b) for a in range(n) for b in range(a + 1, n)]
+
+
+def _report(pairs: list[PairResult], groups: list[GroupResult], stopped: Finding | None, n: int = 4) -> DoctorReport:
     report = DoctorReport(
         measured_at=MEASURED_AT, simulated=True, device_type="cpu", backend="gloo", duration_s=12.4,
         machine={"identity": "simulated:4x-rtx4090", "label": "simulated: 4×RTX 4090",
-                 "gpus": {str(i): "NVIDIA GeForce RTX 4090" for i in range(4)}, "driver": None, "torch": "2.9.0"},
-        complete=stopped is None, stopped=stopped, gpus=[_gpu(i) for i in range(4)], pairs=pairs, groups=groups,
+                 "gpus": {str(i): "NVIDIA GeForce RTX 4090" for i in range(n)}, "driver": None, "torch": "2.9.0"},
+        complete=stopped is None, stopped=stopped, gpus=[_gpu(i) for i in range(n)], pairs=pairs, groups=groups,
     )  # fmt: skip
     # As the engine completes a report (engine/hardware/doctor_host.complete): its findings and actions.
     report.findings = findings_of(report)
@@ -68,16 +71,17 @@ def _report(pairs: list[PairResult], groups: list[GroupResult], stopped: Finding
     return report
 
 
-def broken_report() -> dict[str, Any]:
-    """P2P copies 0↔1 corrupt; the all-reduce 2↔3 hung, which stopped the check before the all-GPU one."""
-    pairs = [_pair(a, b, corrupt=(a, b) == (0, 1), hung=(a, b) == (2, 3)) for a, b in PAIRS]
+def broken_report(gpus: int = 4) -> dict[str, Any]:
+    """P2P copies 0↔1 corrupt; the all-reduce 2↔3 hung, which stopped the check (on more than 4 GPUs this
+    report has every pair's all-reduce, as though the hang came last: a drawing with many pairs to show)."""
+    pairs = [_pair(a, b, corrupt=(a, b) == (0, 1), hung=(a, b) == (2, 3)) for a, b in _pairs(gpus)]
     stopped = Finding("all_reduce_hung", "fail", [2, 3], {"deadline_s": DEADLINE_S, "check": "all_reduce"})
-    return _report(pairs, [], stopped).to_dict()
+    return _report(pairs, [], stopped, gpus).to_dict()
 
 
 def clean_report() -> dict[str, Any]:
     """Nothing found at all: every pair has peer access, every copy is right, every all-reduce finishes."""
-    pairs = [_pair(a, b, p2p="ok") for a, b in PAIRS]
+    pairs = [_pair(a, b, p2p="ok") for a, b in _pairs(4)]
     group = GroupResult([0, 1, 2, 3], [Check("all_reduce", "ok", 0.9, {"bytes": 1 << 22, "busbw_gbs": 2.2,
                                                                        "deadline_s": DEADLINE_S})])  # fmt: skip
     return _report(pairs, [group], None).to_dict()
