@@ -166,6 +166,7 @@ class MachineCheckView(QWidget):
         set_status(self.progress, "info")
         self.message = _label("checkMessage")
         set_status(self.message, "bad")
+        self.message.hide()  # until the engine refuses or fails something asked here
         self.findings_box = QWidget()
         self.findings_box.setObjectName("checkFindings")
         self.findings_layout = QVBoxLayout(self.findings_box)

@@ -54,6 +54,7 @@ def test_a_report_shows_its_findings_tables_and_simulated_label(qtbot):
     assert view.pair_table.cell_text(hung, 5) == "hung after 10 s" and view.pair_table.cell_status(hung, 5) == "bad"
     assert view.pair_table.cell_text(fine, 3) == "yes" and view.pair_table.cell_text(fine, 5).endswith("GB/s")
     assert view.check_button.isVisible() and not view.cancel_button.isVisible()
+    assert not view.message.isVisible() and not view.progress.isVisible()  # no empty lines between the parts
 
 
 def test_a_clean_report_says_nothing_was_found(qtbot):
