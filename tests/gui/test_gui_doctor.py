@@ -307,3 +307,30 @@ def test_another_machine_is_asked_about_once_and_the_same_one_not_again(qtbot):
     with qtbot.waitSignal(view.sig_shown, timeout=5000):
         link.sig_machine.emit({**link.machine, "label": "simulated: 8×H100 80GB HBM3"})
     assert view.headline.text() == "Not checked yet" and not view.gpu_table.isVisible()
+
+
+def test_the_card_says_a_check_runs_and_then_what_it_found(qtbot):
+    link = FakeLink(replies={"doctor_report": reply(None, "never")})
+    page = DashboardPage(link)
+    qtbot.addWidget(page)
+    page.show()
+    with qtbot.waitSignal(page.check_card.source.sig_changed, timeout=5000):
+        link.connect_engine()
+    card = page.check_card
+    with qtbot.waitSignal(card.source.sig_changed, timeout=5000):
+        link.push_job(doctor_job("doctor-5", state="running"))
+    assert card.headline == "Machine check running…" and card.button.text() == "Details…"
+    link.replies["doctor_report"] = reply(clean_report())
+    with qtbot.waitSignal(card.source.sig_changed, timeout=5000):
+        link.push_job(doctor_job("doctor-5", state="completed"))
+    assert card.headline == "Machine check: nothing wrong found" and card.property("banner") == "good"
+
+
+def test_a_failed_cancel_says_so_in_one_line(qtbot):
+    link = FakeLink(replies={"doctor_report": reply(None, "never", running="doctor-4")})
+    view = open_view(qtbot, link)
+    link.replies["cancel"] = EngineError("not_found", "no job doctor-4")
+    view.cancel_button.click()
+    qtbot.waitUntil(lambda: view.message.isVisible())
+    assert view.message.text() == "Could not cancel the machine check: no job doctor-4"
+    assert view.cancel_button.isEnabled()

@@ -55,3 +55,22 @@ def test_check_this_machine_runs_a_real_check_and_shows_what_it_found(qtbot, eng
         assert view.pair_table.cell_text(pairs["0–1"], 3) == "WRONG DATA"
     finally:
         link.stop()
+
+
+def test_cancel_stops_the_real_check_and_the_view_offers_it_again(qtbot, engine):
+    link = EngineLink()
+    view = MachineCheckView(link)
+    qtbot.addWidget(view)
+    view.show()
+    link.start()
+    try:
+        qtbot.waitUntil(lambda: link.state == CONNECTED and view.check_button.isVisible(), timeout=20000)
+        with qtbot.waitSignal(view.sig_started, timeout=20000) as started:
+            view.check_button.click()
+        view.cancel_button.click()
+        qtbot.waitUntil(lambda: view.check_button.isVisible(), timeout=120_000)
+        with engine.client() as c:
+            assert c.request("job", job=started.args[0]["id"])["job"]["state"] == "cancelled"
+        assert view.headline.text() == "Not checked yet" and not view.progress.isVisible()
+    finally:
+        link.stop()
