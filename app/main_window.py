@@ -269,6 +269,10 @@ class MainWindow(QMainWindow):
             cast("TopologyPage", page).sig_plan_for_machine.connect(
                 lambda k: self.show_page("planner").select_machine(k, plan=True)
             )
+        elif key == "dashboard":  # the machine-check card opens Settings → Check this machine
+            cast("DashboardPage", page).sig_open_machine_check.connect(
+                lambda start: self.show_page("settings").show_machine_check(start)
+            )
         elif key == "jobs":
             cast("JobsPage", page).sig_plan_model.connect(self.plan_model)  # "Plan from this model" opens the Planner
         restore = getattr(page, "restore_state", None)

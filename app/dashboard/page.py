@@ -27,6 +27,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from rigpilot.app.dashboard.check_card import CheckCard
 from rigpilot.app.dashboard.gpu_card import SPARK_METRICS, SPARK_SECONDS, GpuCard
 from rigpilot.app.dashboard.host_panel import HostPanel
 from rigpilot.app.dashboard.model import HISTORY_SECONDS, METRIC_BY_KEY, METRICS, WINDOWS, DashboardModel
@@ -53,6 +54,7 @@ class DashboardPage(QWidget):
     sig_history_loaded = Signal(int)  # samples received in total
     sig_exported = Signal(str)  # path
     sig_message = Signal(str)  # a line shown under the chart (export done, errors)
+    sig_open_machine_check = Signal(bool)  # the machine-check card's button; True: start a check too
 
     def __init__(self, link: Any, parent: QWidget | None = None):
         super().__init__(parent)
@@ -67,6 +69,8 @@ class DashboardPage(QWidget):
         self._loading_history = False
         self._job_events: dict[str, dict[str, Any]] | None = None  # job events since the `jobs` request went out
 
+        self.check_card = CheckCard(link)
+        self.check_card.sig_open.connect(self.sig_open_machine_check.emit)
         self.cards_area = self._build_cards_area()
         chart_box = self._build_chart_box()
         proc_box = self._build_process_box()
@@ -112,7 +116,11 @@ class DashboardPage(QWidget):
         self._cards_grid.addWidget(self.no_gpus, 0, 0)
         top = QWidget()
         top_layout = QVBoxLayout(top)
-        top_layout.addWidget(self.host_panel)
+        # Beside the host, not above it: no height taken from the GPU cards (an 8-GPU box shows them whole).
+        host_row = QHBoxLayout()
+        host_row.addWidget(self.host_panel, 3)
+        host_row.addWidget(self.check_card, 2)
+        top_layout.addLayout(host_row)
         top_layout.addWidget(self._cards_box)
         top_layout.addStretch(1)
         area = QScrollArea()

@@ -32,6 +32,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from rigpilot.app.doctor.view import MachineCheckView
 from rigpilot.app.settings.model import (
     DEFAULT_CPU_RANKS,
     MAX_CPU_RANKS,
@@ -246,6 +247,20 @@ class SettingsPage(QWidget):
 
         body = QWidget()
         body_layout = QVBoxLayout(body)
+        self.machine_check: MachineCheckView | None = None
+        self.machine_check_box: QGroupBox | None = None
+        if link is not None and hasattr(link, "sig_job"):  # a page built without an engine has nothing to check
+            self.machine_check = MachineCheckView(link)
+            self.machine_check_box = QGroupBox("Check this machine")
+            self.machine_check_box.setObjectName("machineCheckBox")
+            check_layout = QVBoxLayout(self.machine_check_box)
+            check_layout.addWidget(self.machine_check)
+            check_layout.addWidget(_note(
+                "Measures each GPU and the link between each pair, and acts on what it finds: where peer-to-peer "
+                "copies are wrong or slower than through host memory, jobs on those GPUs run with "
+                "NCCL_P2P_DISABLE=1. Runs as a job, at once, apart from Save."
+            ))  # fmt: skip
+            body_layout.addWidget(self.machine_check_box)
         body_layout.addWidget(sim)
         body_layout.addWidget(remote)
         self.nodes_box = NodesBox(link)  # saved on its own: each change goes to the engine at once
@@ -260,6 +275,7 @@ class SettingsPage(QWidget):
         area.setWidgetResizable(True)
         area.setWidget(body)
         area.setFocusPolicy(Qt.FocusPolicy.NoFocus)
+        self.area = area
         layout = QVBoxLayout(self)
         layout.addWidget(area, 1)
         layout.addLayout(buttons)
@@ -301,6 +317,16 @@ class SettingsPage(QWidget):
             )
         else:
             self.certificate.setText(f"{fingerprint} (pinned: another certificate at this address is refused)")
+
+    def show_machine_check(self, start: bool = False) -> MachineCheckView | None:
+        """Scroll to the machine check (the Dashboard's card links here); `start` runs one unless one runs."""
+        view, box = self.machine_check, self.machine_check_box
+        if view is None or box is None:
+            return None
+        self.area.ensureWidgetVisible(box, 0, 0)
+        if start and view.check_button.isVisible():
+            view.start_check()
+        return view
 
     def set_theme(self, theme: Theme) -> None:
         """Applied and stored as picked, like the desktop's own appearance switch: no Save, no restart."""

@@ -21,8 +21,9 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from rigpilot.app.doctor.model import LinkMark
 from rigpilot.app.topology.model import Edge, Node, TopologyGraph, edge_throughput, pcie_throughput
-from rigpilot.app.widgets.palette import ACCENT, BAD, GOOD, WARN, blend, tint
+from rigpilot.app.widgets.palette import ACCENT, BAD, GOOD, WARN, blend, status_text, tint
 from rigpilot.engine.hardware.machine import Machine
 
 COL = 134.0  # horizontal pitch of one GPU column
@@ -33,6 +34,8 @@ ARC_ROOM = 56.0  # below the GPU row, for NVLink arcs between neighbours and the
 MIN_SCALE = 0.7  # below this the labels are unreadable; scroll instead
 ROW_Y = {"cpu": 40.0, "bridge": 110.0, "switch": 180.0}
 PAD = 14.0
+# The machine check's arcs drawn for every GPU pair up to this many pairs (4 GPUs); beyond, the broken ones only.
+MAX_DRAWN_PAIRS = 6
 
 
 class NodeItem(QGraphicsPathItem):
@@ -94,6 +97,8 @@ class TopologyGraphView(QGraphicsView):
         self.busy: dict[int, list[str]] = {}  # GPU -> names of the jobs on it
         self.focused_gpu: int | None = None
         self._sample: dict[str, Any] | None = None
+        self.link_marks: dict[tuple[int, int], LinkMark] = {}  # the machine check's, per GPU pair
+        self.mark_items: dict[tuple[int, int], tuple[QGraphicsPathItem, QGraphicsSimpleTextItem]] = {}
 
     # -- content ----------------------------------------------------------------------------
     def show_graph(self, machine: Machine, graph: TopologyGraph) -> None:
@@ -104,6 +109,12 @@ class TopologyGraphView(QGraphicsView):
             self.focused_gpu = min(valid) if valid else None
         self._sample = None
         self._rebuild()
+
+    def set_link_marks(self, marks: dict[tuple[int, int], LinkMark]) -> None:
+        """Draw the machine check's figure on each GPU pair, its broken links in the fail colour."""
+        if marks != self.link_marks:
+            self.link_marks = dict(marks)
+            self._rebuild()
 
     def set_busy(self, busy: dict[int, list[str]]) -> None:
         if busy != self.busy:
@@ -147,7 +158,7 @@ class TopologyGraphView(QGraphicsView):
     def _rebuild(self) -> None:
         scene = self.scene()
         scene.clear()
-        self.gpu_items, self.edge_items = {}, []
+        self.gpu_items, self.edge_items, self.mark_items = {}, [], {}
         if self.graph is None:
             return
         pal = self.palette()
@@ -156,13 +167,18 @@ class TopologyGraphView(QGraphicsView):
         gpu_y, _ = self._rows()
         rects = {n.id: self._rect(n) for n in self.graph.nodes}
         has_nvlink_pairs = any(len(e.gpus) == 2 for e in self.graph.nvlink_edges)
+        gpu_rects = {n.gpu: rects[n.id] for n in self.graph.gpu_nodes if n.gpu is not None}
+        marks = {p: m for p, m in self.link_marks.items() if p[0] in gpu_rects and p[1] in gpu_rects}
+        if len(marks) > MAX_DRAWN_PAIRS:  # a web of arcs hides the machine: the matrix has every pair's figure
+            marks = {p: m for p, m in marks.items() if m.broken}
+        below = self._marks_room(marks, gpu_rects, has_nvlink_pairs)
         for b, box in enumerate(self.graph.boxes):
             members = [rects[n.id] for n in self.graph.nodes if n.box == b]
             if not members:
                 continue
             left = min(r.left() for r in members) - PAD
             right = max(r.right() for r in members) + PAD
-            bottom = gpu_y + GPU_H + PAD + (ARC_ROOM if has_nvlink_pairs else 0)
+            bottom = gpu_y + GPU_H + PAD + max(ARC_ROOM if has_nvlink_pairs else 0, below)
             frame = QGraphicsRectItem(QRectF(left, 0, right - left, bottom))
             frame.setPen(QPen(blend(ink, pal.color(QPalette.ColorRole.Base), 0.35), 1, Qt.PenStyle.DashLine))
             frame.setBrush(QBrush(pal.color(QPalette.ColorRole.AlternateBase)))
@@ -174,6 +190,8 @@ class TopologyGraphView(QGraphicsView):
             title.setPos(left + 6, 4)
         for edge in self.graph.edges:
             self._add_edge(edge, rects[edge.a], rects[edge.b], ink)
+        for pair, mark in sorted(marks.items()):
+            self._add_mark(pair, mark, gpu_rects[pair[0]], gpu_rects[pair[1]], ink, has_nvlink_pairs)
         for node in self.graph.nodes:
             item = NodeItem(node, rects[node.id], self)
             item.text.setBrush(QBrush(ink))
@@ -250,6 +268,54 @@ class TopologyGraphView(QGraphicsView):
             self._place_label(text, label_at, beside=edge.kind == "pcie")
             backing.setVisible(bool(edge.label))
         self.edge_items.append((edge, item, text))
+
+    @staticmethod
+    def _mark_depth(ra: QRectF, rb: QRectF, under_nvlink: bool) -> float:
+        """How far below the GPU row a measured pair's arc reaches: deeper the farther apart (so labels of
+        pairs at one distance sit side by side, and other distances below them), under any NVLink arcs."""
+        return (ARC_ROOM if under_nvlink else 0) + 36 + 0.3 * abs(rb.center().x() - ra.center().x())
+
+    def _marks_room(self, marks: dict[tuple[int, int], LinkMark], rects: dict[int, QRectF], nvlink: bool) -> float:
+        if not marks:
+            return 0.0
+        return max(self._mark_depth(rects[a], rects[b], nvlink) / 2 for a, b in marks) + 22
+
+    def _add_mark(
+        self, pair: tuple[int, int], mark: LinkMark, ra: QRectF, rb: QRectF, ink: QColor, under_nvlink: bool
+    ) -> None:
+        """The machine check's result for a GPU pair: a dotted arc below the GPUs, labelled with the measured
+        all-reduce; a broken link (wrong data, a hang) solid in the fail colour with the finding's words."""
+        pal = self.palette()
+        a, b = QPointF(ra.center().x() + 8, ra.bottom()), QPointF(rb.center().x() - 8, rb.bottom())
+        depth = self._mark_depth(ra, rb, under_nvlink)
+        control = QPointF((a.x() + b.x()) / 2, a.y() + depth)
+        path = QPainterPath()
+        path.moveTo(a)
+        path.quadTo(control, b)
+        color = BAD if mark.broken else blend(ink, pal.color(QPalette.ColorRole.Base), 0.55)
+        pen = QPen(color, 2.5 if mark.broken else 1.2, Qt.PenStyle.SolidLine if mark.broken else Qt.PenStyle.DotLine)
+        pen.setCosmetic(True)
+        item = QGraphicsPathItem(path)
+        item.setPen(pen)
+        item.setToolTip(mark.tooltip)
+        item.setZValue(2)
+        self.scene().addItem(item)
+        text = QGraphicsSimpleTextItem(("✗ " if mark.broken else "") + mark.text)
+        font = QFont(text.font())
+        font.setPointSizeF(max(font.pointSizeF() * 0.85, 7))
+        font.setBold(mark.broken)
+        text.setFont(font)
+        text.setBrush(QBrush(status_text(BAD, pal) if mark.broken else ink))
+        text.setToolTip(mark.tooltip)
+        backing = QGraphicsRectItem()
+        backing.setBrush(QBrush(pal.color(QPalette.ColorRole.Base)))
+        backing.setPen(QPen(Qt.PenStyle.NoPen))
+        backing.setZValue(4)
+        backing.setToolTip(mark.tooltip)
+        text.setParentItem(backing)
+        self.scene().addItem(backing)
+        self._place_label(text, QPointF(control.x(), a.y() + depth / 2))  # the arc's lowest point
+        self.mark_items[pair] = (item, text)
 
     @staticmethod
     def _place_label(text: QGraphicsSimpleTextItem, at: QPointF, beside: bool = False) -> None:

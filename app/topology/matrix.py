@@ -15,6 +15,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from rigpilot.app.doctor.model import LinkMark
 from rigpilot.app.topology.model import Matrix, code_category
 from rigpilot.app.widgets.palette import ACCENT, BAD, GOOD, WARN, blend, tint
 from rigpilot.engine.hardware.machine import PCIE_LEGEND
@@ -22,6 +23,15 @@ from rigpilot.engine.hardware.machine import PCIE_LEGEND
 # From the fastest path to the slowest: NVLink, a PCIe switch, one host bridge (PHB), host bridges of one NUMA
 # node (NODE, a step slower than PHB: own colour, between PHB's and SYS's), across CPU sockets (SYS).
 CATEGORY_COLOR = {"nvlink": GOOD, "switch": ACCENT, "bridge": WARN, "node": blend(WARN, BAD, 0.5), "sys": BAD}
+
+
+BROKEN_TINT = 0.75  # a link the machine check found broken: the fail colour, stronger than a slow link's
+CODE_ROLE = Qt.ItemDataRole.UserRole + 1  # a cell's `topo -m` code, whatever else its text shows
+
+
+def _gpu_of(name: str) -> int | None:
+    """The GPU index of a matrix row or column ("GPU3"), or None for a NIC or an affinity column."""
+    return int(name[3:]) if name.startswith("GPU") and name[3:].isdigit() else None
 
 
 def _read_only(table: QTableWidget) -> None:
@@ -42,9 +52,26 @@ class TopoMatrixTable(QTableWidget):
         self.setAccessibleName("Topology matrix in nvidia-smi topo -m notation")
         _read_only(self)
         self._matrix: Matrix | None = None
+        self._marks: dict[tuple[int, int], LinkMark] = {}
 
     def show_matrix(self, matrix: Matrix) -> None:
         self._matrix = matrix
+        self._fill()
+
+    def set_link_marks(self, marks: dict[tuple[int, int], LinkMark]) -> None:
+        """The machine check's figure on each GPU pair's cell, and its broken links in the fail colour."""
+        self._marks = dict(marks)
+        self._fill()
+
+    def _pair(self, row: int, column: int) -> tuple[int, int] | None:
+        assert self._matrix is not None
+        a, b = (_gpu_of(name) for name in (self._matrix.rows[row], self._matrix.headers[column]))
+        return None if a is None or b is None or a == b else (min(a, b), max(a, b))
+
+    def _fill(self) -> None:
+        matrix = self._matrix
+        if matrix is None:
+            return
         self.clear()
         self.setRowCount(len(matrix.rows))
         self.setColumnCount(len(matrix.headers))
@@ -52,7 +79,10 @@ class TopoMatrixTable(QTableWidget):
         self.setVerticalHeaderLabels(matrix.rows)
         for r, row in enumerate(matrix.cells):
             for c, code in enumerate(row):
-                item = QTableWidgetItem(code)
+                pair = self._pair(r, c)
+                mark = self._marks.get(pair) if pair else None
+                item = QTableWidgetItem(f"{code}\n{mark.text}" if mark else code)
+                item.setData(CODE_ROLE, code)
                 item.setTextAlignment(Qt.AlignmentFlag.AlignCenter)
                 self.setItem(r, c, item)
         self._colour()
@@ -66,16 +96,27 @@ class TopoMatrixTable(QTableWidget):
                 item = self.item(r, c)
                 if item is None:
                     continue
-                color = CATEGORY_COLOR.get(code_category(item.text()))
-                item.setBackground(QBrush(tint(color, pal)) if color else QBrush())
-                code = item.text()
-                item.setToolTip(
-                    PCIE_LEGEND["NV#"].replace("#", code[2:]) if code.startswith("NV") else PCIE_LEGEND.get(code, "")
-                )
+                code = self.code(r, c)
+                pair = self._pair(r, c)
+                mark = self._marks.get(pair) if pair else None
+                broken = mark is not None and mark.broken
+                # Stronger than SYS's own red tint: a broken link must stand out among slow ones.
+                color = BAD if broken else CATEGORY_COLOR.get(code_category(code))
+                item.setBackground(QBrush(tint(color, pal, BROKEN_TINT if broken else 0.35)) if color else QBrush())
+                font = item.font()
+                font.setBold(broken)
+                item.setFont(font)
+                legend = PCIE_LEGEND["NV#"].replace("#", code[2:]) if code.startswith("NV") else PCIE_LEGEND.get(code, "")
+                item.setToolTip("\n".join(t for t in (mark.tooltip if mark else "", legend) if t))
 
     def code(self, row: int, column: int) -> str:
+        """The `topo -m` code of a cell (without the machine check's figure under it)."""
         item = self.item(row, column)
-        return item.text() if item else ""
+        return str(item.data(CODE_ROLE) or "") if item else ""
+
+    def mark(self, row: int, column: int) -> LinkMark | None:
+        pair = self._pair(row, column) if self._matrix is not None else None
+        return self._marks.get(pair) if pair else None
 
     def changeEvent(self, event: QEvent) -> None:
         super().changeEvent(event)

@@ -28,10 +28,12 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from rigpilot.app.doctor.model import link_marks
+from rigpilot.app.doctor.source import CheckSource
 from rigpilot.app.engine_link import CONNECTED
 from rigpilot.app.tasks import run_in_background
 from rigpilot.app.topology.gpu_model import GpuModelChoice
-from rigpilot.app.topology.graph_view import TopologyGraphView
+from rigpilot.app.topology.graph_view import MAX_DRAWN_PAIRS, TopologyGraphView
 from rigpilot.app.topology.imported import HERE, ImportedMachines, plan_block
 from rigpilot.app.topology.matrix import BandwidthHeatMap, TopoLegend, TopoMatrixTable
 from rigpilot.app.topology.model import TopologyGraph, build_graph, machine_title, measured_bandwidth, topo_matrix
@@ -175,7 +177,15 @@ class TopologyPage(QWidget):
         layout.addWidget(self.gpu_model)
         layout.addWidget(self.notes)
         layout.addWidget(self.splitter, 1)
+        self.check_note = QLabel()
+        self.check_note.setObjectName("checkNote")
+        self.check_note.setWordWrap(True)
+        self.check_note.hide()
+        words_layout.insertWidget(2, self.check_note)
         self.set_measured_bandwidth({})
+        # The machine check's figures and broken links, drawn on this machine's links (never on an import's).
+        self.check = CheckSource(link, self)
+        self.check.sig_changed.connect(lambda _state: self._show_check())
         self.machines.sig_changed.connect(self._fill_choice)
         self._fill_choice()
 
@@ -252,6 +262,7 @@ class TopologyPage(QWidget):
         self.matrix.show_matrix(topo_matrix(machine))
         self.summary.setText("\n".join(f"• {line}" for line in describe(machine)))
         self.set_measured_bandwidth(measured_bandwidth(d))
+        self._show_check()
         self._mark_busy()
         self._show_selection(sorted(self.graph_view.selected))
         self.sig_machine_shown.emit(d)
@@ -300,6 +311,27 @@ class TopologyPage(QWidget):
             self.show_local()
         elif key:
             self.show_imported(key)
+
+    def _show_check(self) -> None:
+        report = self.check.state.report if not self.imported else None
+        marks = link_marks(report)
+        self.graph_view.set_link_marks(marks)
+        self.matrix.set_link_marks(marks)
+        broken = [m for m in marks.values() if m.broken]
+        if report is None:
+            self.check_note.hide()
+            return
+        sim = " (simulated: CPU figures)" if report.simulated else ""
+        if len(marks) <= MAX_DRAWN_PAIRS:
+            line = f"On each GPU pair's link, drawn and in the matrix: the all-reduce the machine check measured{sim}."
+        else:
+            line = (f"Under each GPU pair's link in the matrix: the all-reduce the machine check measured{sim}; "
+                    "the drawing shows the broken links only.")  # fmt: skip
+        if broken:
+            line += " Broken links in red: " + "; ".join(m.findings[0] for m in broken if m.findings)
+        self.check_note.setText(line)
+        set_status(self.check_note, "bad" if broken else None)
+        self.check_note.show()
 
     def set_measured_bandwidth(self, values: dict[tuple[int, int], float]) -> None:
         """The hook for calibration results: GPU pair (a < b) -> measured GB/s; empty hides the heat map."""

@@ -61,6 +61,7 @@ ICONS: dict[str, str] = {
     "dismiss": "x",
     "back": "arrow-left",
     "log": "file-text",
+    "check-machine": "gauge",  # measuring the GPUs and their links
 }
 
 _svgs: dict[str, bytes] = {}

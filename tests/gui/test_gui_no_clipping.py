@@ -16,6 +16,7 @@ from rigpilot.app.screenshots import SIZE
 from rigpilot.app.widgets.theme import apply_theme, current_theme
 
 from support.clipping import clipped_text
+from support.doctor_gui_reports import broken_report, reply
 from support.gui_fakes import FakeLink, make_job, real_plan_reply
 
 FONT = QFont("DejaVu Sans", 9)
@@ -26,7 +27,8 @@ KNOWN_CLIPS: dict[str, str] = {}
 
 @pytest.fixture(scope="module")
 def window(tmp_path_factory):
-    """The main window on a simulated 4×RTX 4090 with a running and a finished job, in private settings."""
+    """The main window on a simulated 4×RTX 4090 with a running and a finished job and a machine check that found
+    two broken links, in private settings."""
     mp = pytest.MonkeyPatch()
     tmp = tmp_path_factory.mktemp("clipping")
     mp.setenv("XDG_CONFIG_HOME", str(tmp / "config"))
@@ -40,6 +42,8 @@ def window(tmp_path_factory):
     finished = make_job("job-2", gpus=[2, 3], state="completed", name="tiny-llama shakespeare")
     link = FakeLink("4x-rtx4090", jobs=[make_job("job-1", gpus=[0, 1]), finished])
     link.replies["plan"] = real_plan_reply(link.machine_obj)
+    # A machine check with two broken links: its card, its view in Settings and its marks on the Topology page.
+    link.replies["doctor_report"] = reply(broken_report())
     w = MainWindow(link)
     w.resize(*SIZE)
     w.show()

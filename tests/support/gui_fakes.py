@@ -128,6 +128,7 @@ class FakeLink(QObject):
             "job": lambda job, **_: {"job": next(j for j in self.jobs if j["id"] == job)},
             "metrics": lambda job, **_: {"job": job, "records": [], "cursor": {}, "more": False, "state": "running"},
             "plan": EngineError("unavailable", "no plan reply configured in FakeLink"),
+            "doctor_report": lambda **_: {"report": None, "why": "never", "running": None},
         }
         self.replies.update(replies or {})
 
