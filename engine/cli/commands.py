@@ -76,9 +76,6 @@ def register(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     k.set_defaults(func=cmd_run)
 
     register_nodes(sub, js)
-    from rigpilot.engine.cli.doctor import register as register_doctor
-
-    register_doctor(sub, js)
     p = sub.add_parser(
         "scaling", parents=[_scaling_model_options(), workload, js],
         help="run the same training on 1, 2, 4 … GPUs: measured speed-up against linear and against the plan",

@@ -157,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     from rigpilot.engine.cli.commands import register as register_jobs
 
     register_jobs(sub, parents=[machine, js])
+    from rigpilot.engine.cli.doctor import register as register_doctor
+
+    register_doctor(sub, js)
     return parser
 
 
