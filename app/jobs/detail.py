@@ -47,7 +47,7 @@ from rigpilot.app.widgets.units import NA
 from rigpilot.engine.jobs.machine_check import lines as machine_check_lines
 from rigpilot.engine.schema import TERMINAL_STATES
 
-CHARTS_TAB, PLAN_TAB, LOG_TAB, SUMMARY_TAB, RESULTS_TAB, TRY_TAB = range(6)
+CHARTS_TAB, PLAN_TAB, LOG_TAB, SUMMARY_TAB, RESULTS_TAB, TRY_TAB, CHECK_TAB = range(7)
 FINISHED = TERMINAL_STATES
 
 
@@ -188,7 +188,13 @@ class JobDetail(QWidget):
         self.tabs.addTab(self.results, "Results")
         # A tab of its own: above the tabs it took the height the summary and the charts need at 1280×800.
         self.tabs.addTab(self.try_it, "Try it")
-        for tab in (SUMMARY_TAB, RESULTS_TAB, TRY_TAB):
+        # A machine check's page shows what it found (the view Settings holds), made the first time one is opened.
+        self.check_box = QWidget()
+        self.check_layout = QVBoxLayout(self.check_box)
+        self.check_layout.setContentsMargins(0, 0, 0, 0)
+        self.check_view: Any = None
+        self.tabs.addTab(self.check_box, "Machine check")
+        for tab in (SUMMARY_TAB, RESULTS_TAB, TRY_TAB, CHECK_TAB):
             self.tabs.setTabVisible(tab, False)
         self.link: Any = None
         self._compared: dict[str, Any] | None = None  # the record of the job whose loss is overlaid
@@ -275,8 +281,10 @@ class JobDetail(QWidget):
             parts.append(slurm_detail(job))
         self.summary.setText(" · ".join(parts))
         self.cancel_button.setEnabled(h.can_cancel)
-        self.resume_button.setEnabled(h.can_resume)
-        self.clone_button.setEnabled(bool(job.get("kind")))
+        check = job.get("kind") == "doctor"
+        # A machine check is run again (its tab's button), not resumed, and the job wizard makes no checks.
+        self.resume_button.setEnabled(h.can_resume and not check)
+        self.clone_button.setEnabled(bool(job.get("kind")) and not check)
         has_folder = bool(job.get("job_dir")) and self._local_folder
         self.folder_button.setEnabled(has_folder)
         self.folder_button.setToolTip(
@@ -285,26 +293,41 @@ class JobDetail(QWidget):
             else "The engine has not said where this job's folder is"
         )  # fmt: skip
         inference = job.get("kind") == "infer"
-        if inference:  # no loss or learning rate to draw, and nothing of the job shown before may stay
+        if inference or check:  # no loss or learning rate to draw, and nothing of the job shown before may stay
             self.charts.set_job(None, [], 1, None)
         else:
             self.charts.set_job(
                 h.series, list(job.get("gpus") or []), int(job.get("ranks") or 1), job.get("predicted"),
                 simulated=bool(job.get("simulated")), ended=job.get("state") in FINISHED,
             )  # fmt: skip
-        self._show_tabs(inference, job.get("state") in FINISHED and job.get("kind") == "train")
+        if check:
+            self._show_check()
+        self._show_tabs(inference, job.get("state") in FINISHED and job.get("kind") == "train", check=check)
         self.show_diff()
         self._show_model_actions()
         self.update_live()
 
-    def _show_tabs(self, inference: bool, summary: bool) -> None:
+    def _show_tabs(self, inference: bool, summary: bool, *, check: bool = False) -> None:
         current = self.tabs.currentIndex()  # hiding the current tab moves Qt's choice on to a neighbour
-        visible = {CHARTS_TAB: not inference, RESULTS_TAB: inference, SUMMARY_TAB: summary}
+        visible = {CHARTS_TAB: not (inference or check), PLAN_TAB: not check, RESULTS_TAB: inference,
+                   SUMMARY_TAB: summary, CHECK_TAB: check}  # fmt: skip
         for tab, shown in visible.items():
             self.tabs.setTabVisible(tab, shown)
         if not visible.get(current, True) or (inference and current == CHARTS_TAB):
-            current = RESULTS_TAB if inference else SUMMARY_TAB if summary else CHARTS_TAB
+            current = CHECK_TAB if check else RESULTS_TAB if inference else SUMMARY_TAB if summary else CHARTS_TAB
         self.tabs.setCurrentIndex(current)
+
+    def _show_check(self) -> None:
+        if self.check_view is None and self.link is not None:
+            from rigpilot.app.doctor.view import MachineCheckView
+
+            # The latest check of this machine: the engine keeps one per machine and driver, a newer one replaces it.
+            self.check_view = MachineCheckView(self.link)
+            area = QScrollArea()
+            area.setObjectName("checkArea")
+            area.setWidgetResizable(True)
+            area.setWidget(self.check_view)
+            self.check_layout.addWidget(area)
 
     def _show_model_actions(self) -> None:
         h = self.handle

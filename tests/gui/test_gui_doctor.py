@@ -8,6 +8,7 @@ from PySide6.QtGui import QColor
 from rigpilot.app.dashboard.page import DashboardPage
 from rigpilot.app.doctor.model import headline, link_marks, progress_line, state_of
 from rigpilot.app.doctor.view import MachineCheckView
+from rigpilot.app.jobs.page import JobsPage
 from rigpilot.app.settings.page import SettingsPage
 from rigpilot.app.topology.matrix import BROKEN_TINT
 from rigpilot.app.topology.page import TopologyPage
@@ -334,3 +335,22 @@ def test_a_failed_cancel_says_so_in_one_line(qtbot):
     qtbot.waitUntil(lambda: view.message.isVisible())
     assert view.message.text() == "Could not cancel the machine check: no job doctor-4"
     assert view.cancel_button.isEnabled()
+
+
+def test_a_machine_check_job_shows_what_it_found_not_training_charts(qtbot):
+    """A doctor job's page: the Machine check tab (the view Settings holds), no loss charts, nothing to resume."""
+    from rigpilot.app.jobs.detail import CHARTS_TAB, CHECK_TAB, PLAN_TAB
+
+    job = doctor_job("d0c7", state="failed")
+    link = FakeLink("4x-rtx4090", jobs=[job])
+    link.replies["doctor_report"] = reply(broken_report())
+    page = JobsPage(link)
+    qtbot.addWidget(page)
+    link.connect_engine()
+    page.open_job("d0c7")
+    detail = page.detail
+    qtbot.waitUntil(lambda: detail.tabs.isTabVisible(CHECK_TAB))
+    assert not detail.tabs.isTabVisible(CHARTS_TAB) and not detail.tabs.isTabVisible(PLAN_TAB)
+    assert detail.tabs.currentIndex() == CHECK_TAB
+    assert not detail.resume_button.isEnabled() and not detail.clone_button.isEnabled()
+    qtbot.waitUntil(lambda: "2 problems" in detail.check_view.headline.text())
