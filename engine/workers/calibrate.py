@@ -39,20 +39,20 @@ GPU_COMM_BYTES = (1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB)
 CPU_COMM_BYTES = (256 * 1024, 1 * MIB, 4 * MIB)  # gloo on loopback: keep a CPU run short
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _timed(fn: Callable[[], Any], device: torch.device, iters: int, warmup: int = 2) -> float:
+def timed(fn: Callable[[], Any], device: torch.device, iters: int, warmup: int = 2) -> float:
     """Mean seconds per call after warm-up."""
     for _ in range(warmup):
         fn()
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     for _ in range(iters):
         fn()
-    _sync(device)
+    sync(device)
     return (time.perf_counter() - t0) / iters
 
 
@@ -62,7 +62,7 @@ def matmul_tflops(device: torch.device, dtype: torch.dtype, sizes: tuple[int, ..
         a = torch.randn(n, n, device=device, dtype=dtype)
         b = torch.randn(n, n, device=device, dtype=dtype)
         iters = 20 if device.type == "cuda" else 3
-        seconds = _timed(functools.partial(torch.mm, a, b), device, iters)
+        seconds = timed(functools.partial(torch.mm, a, b), device, iters)
         out[n] = 2 * n**3 / seconds / 1e12
     return out
 
@@ -73,7 +73,7 @@ def all_reduce_bandwidth(device: torch.device, world: int, sizes: tuple[int, ...
         t = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
         iters = 20 if device.type == "cuda" else 3
         dist.barrier()
-        seconds = _timed(functools.partial(dist.all_reduce, t), device, iters)
+        seconds = timed(functools.partial(dist.all_reduce, t), device, iters)
         algbw = nbytes / seconds / 1e9
         rows.append(
             {"bytes": nbytes, "time_s": seconds, "algbw_gbps": algbw, "busbw_gbps": algbw * 2 * (world - 1) / world}
@@ -92,9 +92,9 @@ def p2p_bandwidth(device: torch.device, rank: int, world: int, nbytes: int) -> l
                 continue
             dist.barrier()
             if rank == src:
-                seconds = _timed(functools.partial(dist.send, t, dst=dst), device, iters, warmup=1)
+                seconds = timed(functools.partial(dist.send, t, dst=dst), device, iters, warmup=1)
             elif rank == dst:
-                seconds = _timed(functools.partial(dist.recv, t, src=src), device, iters, warmup=1)
+                seconds = timed(functools.partial(dist.recv, t, src=src), device, iters, warmup=1)
             else:
                 continue
             if rank == dst:  # the receiver's clock includes the whole transfer

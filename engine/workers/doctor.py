@@ -26,7 +26,7 @@ import platform
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ from rigpilot.engine.jobspec.spec import JobSpec
 from rigpilot.engine.planner.calibration import now_iso
 from rigpilot.engine.report import report
 from rigpilot.engine.workers import ERROR_PREFIX, EXIT_OK
-from rigpilot.engine.workers.calibrate import machine_index
+from rigpilot.engine.workers.calibrate import machine_index, sync, timed
 from rigpilot.engine.workers.metrics import status
 from rigpilot.engine.workers.parallel_dims import init_runtime
 
@@ -70,21 +70,6 @@ def parse_faults(text: str | None) -> dict[tuple[int, int], str]:
     return out
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _timed(fn: Callable[[], Any], device: torch.device, iters: int) -> float:
-    fn()
-    _sync(device)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    _sync(device)
-    return (time.perf_counter() - t0) / iters
-
-
 def _check(name: str, status_: str, seconds: float, figures: dict[str, Any], why: str | None = None) -> dict[str, Any]:
     return {"check": name, "status": status_, "seconds": round(seconds, 4), "figures": figures, "why": why}
 
@@ -107,7 +92,7 @@ def matmul_check(device: torch.device, sizes: Sizes, peaks: dict[str, float | No
         for n in sizes.matmul:
             a = torch.randn(n, n, device=device, dtype=dtype)
             b = torch.randn(n, n, device=device, dtype=dtype)
-            seconds = _timed(functools.partial(torch.mm, a, b), device, sizes.iters)
+            seconds = timed(functools.partial(torch.mm, a, b), device, sizes.iters, warmup=1)
             best = max(best, 2 * n**3 / seconds / 1e12)
         tflops[name] = round(best, 3)
     if gpu:
@@ -120,7 +105,7 @@ def memory_check(device: torch.device, sizes: Sizes, peak_gbs: float | None) -> 
     t0 = time.perf_counter()
     src = torch.empty(sizes.memory, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    seconds = _timed(functools.partial(dst.copy_, src), device, sizes.iters)
+    seconds = timed(functools.partial(dst.copy_, src), device, sizes.iters, warmup=1)
     gbs = 2 * sizes.memory / seconds / 1e9  # a copy reads and writes every byte
     del src, dst  # 1 GiB each on a GPU: not held through the pair checks
     return _check("memory_bandwidth", "ok", time.perf_counter() - t0, {"gbs": round(gbs, 2), "peak_gbs": peak_gbs})
@@ -182,20 +167,20 @@ def copy_check(
         y = x.to(dst, copy=True)  # on CPU ranks `to` the same device would hand back x itself
         if corrupt:  # the simulated broken peer path: what a bad P2P copy looks like, a few words flipped
             y.view(-1)[:: max(1, y.numel() // 7)] ^= 0x5A5A5A5A
-        _sync(dst)
+        sync(dst)
         mismatched += int((y.cpu() != x.cpu()).sum())
     x = _pattern(sizes.copy, 7, da)
     out = torch.empty_like(x, device=db)
-    peer_s = _timed(lambda: out.copy_(x, non_blocking=True), da, sizes.iters)
-    _sync(db)
+    peer_s = timed(lambda: out.copy_(x, non_blocking=True), da, sizes.iters, warmup=1)
+    sync(db)
     staged = torch.empty(x.shape, dtype=x.dtype, pin_memory=da.type == "cuda")
 
     def through_host() -> None:
         staged.copy_(x)
         out.copy_(staged)
 
-    host_s = _timed(through_host, da, sizes.iters)
-    _sync(db)
+    host_s = timed(through_host, da, sizes.iters, warmup=1)
+    sync(db)
     figures = {
         "bytes": sizes.copy,
         "correct": mismatched == 0,
@@ -221,14 +206,14 @@ def all_reduce_check(
     started = None
     for i in range(1 + sizes.iters):  # the first connects the group and is left out of the timing
         if i == 1:
-            _sync(device)
+            sync(device)
             started = time.perf_counter()
         work = dist.all_reduce(t, group=group, async_op=True)
         while not _done(work):
             if time.monotonic() > end:
                 return _check("all_reduce", "timeout", time.perf_counter() - t0, figures, "all_reduce_hung")
             time.sleep(0.002)
-    _sync(device)
+    sync(device)
     seconds = (time.perf_counter() - (started or t0)) / sizes.iters
     algbw = sizes.all_reduce / seconds / 1e9
     figures["busbw_gbs"] = round(algbw * 2 * (members - 1) / members, 3)
