@@ -1,4 +1,4 @@
-"""No visible text is cut short on any page at 1280×800, in the light theme and in the dark one.
+"""No visible text is cut short on any page or job-wizard page at 1280×800, in the light theme and the dark one.
 
 One window for the module (pages are visited in turn, so this stays cheap), at the size the main window
 opens at on a 1280×800 screen, with a fixed font so the measure is the same on every machine. Each page is
@@ -16,7 +16,7 @@ from rigpilot.app.screenshots import SIZE
 from rigpilot.app.widgets.theme import apply_theme, current_theme
 
 from support.clipping import clipped_text
-from support.gui_fakes import FakeLink, make_job, real_plan_reply
+from support.gui_fakes import FakeLink, accept_checks, make_job, real_plan_reply
 
 FONT = QFont("DejaVu Sans", 9)
 
@@ -40,6 +40,7 @@ def window(tmp_path_factory):
     finished = make_job("job-2", gpus=[2, 3], state="completed", name="tiny-llama shakespeare")
     link = FakeLink("4x-rtx4090", jobs=[make_job("job-1", gpus=[0, 1]), finished])
     link.replies["plan"] = real_plan_reply(link.machine_obj)
+    accept_checks(link)  # the wizard's Review page asks the engine what it would run
     w = MainWindow(link)
     w.resize(*SIZE)
     w.show()
@@ -160,7 +161,10 @@ def test_the_measure_finds_cut_text_and_passes_what_fits(qtbot):
     button.setFixedWidth(50)
     elided = ElidedLabel("an elided label with its whole text in the tooltip")
     elided.setFixedWidth(60)
-    for w in (fits, cut, wrapped, button, elided):
+    indented = QLabel("an indented note")  # its indent takes width only, as a task's note under its radio button
+    indented.setWordWrap(True)
+    indented.setIndent(24)
+    for w in (fits, cut, wrapped, button, elided, indented):
         layout.addWidget(w)
     root.show()
     qtbot.waitExposed(root)
@@ -184,3 +188,50 @@ def test_a_theme_switch_recolours_the_gpu_cards_titles(window, qtbot):
         qtbot.wait(20)
         assert card.title.palette().color(card.title.foregroundRole()) == app.palette().color(QPalette.ColorRole.WindowText)
         assert not card.title.styleSheet() and not card.swatch.pixmap().isNull()
+
+
+# The pages the job wizard walks with its defaults (the shipped tiny example), Launch aside: it only submits.
+WIZARD_WALK = ("TASK", "MODEL", "DATA", "GPUS", "PLAN", "HYPER", "REVIEW")
+
+
+@pytest.mark.parametrize("theme", ["light", "dark"])
+def test_the_wizard_pages_fit(window, qtbot, theme):
+    """Each wizard page as New job… opens it, at the size the wizard opens at on a 1280×800 screen and at the
+    screenshots' size. The defaults' GPUs run the module's job, so the GPUs page is measured with its refusal
+    shown too, before the job is told to queue."""
+    from PySide6.QtCore import QSize
+
+    from rigpilot.app.widgets.window_size import small_screen_size
+    from rigpilot.app.wizard import page_base
+    from rigpilot.app.wizard.wizard import DESIGN_SIZE, SETTINGS_KEY
+
+    apply_theme(QApplication.instance(), theme)
+    window.new_job_action.trigger()
+    wizard = window.wizard
+    qtbot.waitExposed(wizard)
+    problems: list[str] = []
+
+    def measure(what: str) -> None:
+        for size in (small_screen_size(DESIGN_SIZE), QSize(*SIZE)):
+            wizard.resize(size)
+            qtbot.waitUntil(lambda s=size: wizard.size() == s)
+            qtbot.wait(50)  # layouts settle after the resize
+            problems.extend(f"{what} at {size.width()}×{size.height()}: {p}" for p in clipped_text(wizard))
+
+    try:
+        for name in WIZARD_WALK:
+            assert wizard.currentId() == getattr(page_base, name)
+            page = wizard.currentPage()
+            qtbot.waitUntil(lambda p=page: not p.busy, timeout=20_000)
+            if name == "GPUS":
+                assert not page.isComplete()  # GPUs 0 and 1 are busy
+                measure("GPUS (busy)")
+                page.queue.setChecked(True)
+                qtbot.waitUntil(page.isComplete, timeout=20_000)
+            measure(name)
+            assert page.isComplete(), f"{name}: {page.message.text()}"
+            wizard.next()
+    finally:
+        wizard.reject()
+        QSettings().remove(SETTINGS_KEY)  # the other theme's walk starts from the same defaults
+    assert not problems, f"the wizard ({theme}) clips:\n" + "\n".join(problems)
