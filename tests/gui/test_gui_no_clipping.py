@@ -279,3 +279,28 @@ def test_the_use_this_model_arrow_sits_beside_its_text(window, qtbot, theme):
     assert width <= text_room.width(), (width, text_room)
     assert text_room.center().x() + (width + 1) // 2 < arrow_left, (text_room, width, arrow_left)
     assert button.width() >= button.sizeHint().width() >= width + arrow
+
+
+def test_the_planner_shows_five_ranked_plans(window, qtbot):
+    """At 1280×800 with a plan (the best and four runners-up, their layouts wrapped), every ranked plan shows whole
+    in the table: the chart and the details below give it the room."""
+    from rigpilot.app.planner.model import PlanRequest
+    from rigpilot.app.planner.results_view import TABLE_ROWS
+
+    planner = window.show_page("planner")
+    # Which GPUs the running job holds is known first: the default selection follows it, and a change after the
+    # plan would mark it stale (a banner above the table).
+    qtbot.waitUntil(lambda: bool(planner.busy.busy))
+    with qtbot.waitSignal(planner.sig_plan_ready, timeout=60_000):
+        planner.set_request(PlanRequest(model="llama-2-7b", task="train", method="full", precision="bf16",
+                                        seq_len=2048, batch=16, gpus=[0, 1, 2, 3]))  # fmt: skip
+        planner.request_plan()
+    table = planner.results.table
+    assert table.rowCount() >= TABLE_ROWS and not planner.results.is_stale
+
+    def whole_rows() -> int:
+        height = table.viewport().height()
+        return sum(0 <= table.rowViewportPosition(r) <= height - table.rowHeight(r) for r in range(table.rowCount()))
+
+    qtbot.waitUntil(lambda: whole_rows() >= TABLE_ROWS)
+    assert max(table.rowHeight(r) for r in range(TABLE_ROWS)) > table.verticalHeader().defaultSectionSize()  # wrapped
