@@ -304,3 +304,24 @@ def test_the_planner_shows_five_ranked_plans(window, qtbot):
 
     qtbot.waitUntil(lambda: whole_rows() >= TABLE_ROWS)
     assert max(table.rowHeight(r) for r in range(TABLE_ROWS)) > table.verticalHeader().defaultSectionSize()  # wrapped
+
+
+def test_a_theme_switch_recolours_every_chart(window, qtbot):
+    """Every chart of the finished job's page takes the theme's background when the theme changes (the peak
+    memory chart once kept the light one in the dark theme)."""
+    from rigpilot.app.widgets.chart_view import ChartView
+    from rigpilot.app.widgets.theme import palette_for
+
+    app = QApplication.instance()
+    jobs = window.show_page("jobs")
+    jobs.open_job("job-2")
+    charts = jobs.findChildren(ChartView)
+    assert any(c.objectName() == "peakMemoryChart" for c in charts)
+
+    def themed(theme: str) -> None:
+        base = palette_for(theme).color(QPalette.ColorRole.Base)
+        assert [c.objectName() for c in charts if c.backgroundBrush().color() != base] == [], theme
+
+    for theme in ("dark", "light"):
+        apply_theme(app, theme)  # the widgets hear of it in posted events
+        qtbot.waitUntil(lambda t=theme: themed(t))
