@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QEvent, Qt, QTimer
+from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import QPalette, QResizeEvent
 from PySide6.QtWidgets import QGridLayout, QLabel, QWidget
 
@@ -219,13 +219,6 @@ class StepPlot(ChartView):
 
     def _set_title(self, title: str) -> None:
         self.set_title(f"{self.title} · not reported" if self.missing else title, self.title)
-
-    def changeEvent(self, event: QEvent) -> None:
-        # GraphicsView's own set-up changes the palette before the plot item exists.
-        themed = event.type() in (QEvent.Type.PaletteChange, QEvent.Type.ApplicationPaletteChange)
-        if themed and getattr(self, "plotItem", None) is not None:
-            apply_plot_theme(self, self.palette())
-        super().changeEvent(event)
 
 
 class MemoryPerRankPlot(ChartView):

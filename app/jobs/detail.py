@@ -21,7 +21,6 @@ from PySide6.QtWidgets import (
     QScrollArea,
     QStackedWidget,
     QTabWidget,
-    QToolButton,
     QVBoxLayout,
     QWidget,
 )
@@ -102,11 +101,11 @@ class JobDetail(QWidget):
         self.use_menu = QMenu(self)
         for a in (self.plan_action, self.infer_action, self.finetune_action):
             self.use_menu.addAction(a)
-        self.use_button = QToolButton()
+        # A push button like its neighbours: with a menu it keeps room for the arrow beside its text (a tool
+        # button's instant-popup arrow is drawn over the text's end).
+        self.use_button = QPushButton("&Use this model")
         self.use_button.setObjectName("useModel")
-        self.use_button.setText("&Use this model")
         self.use_button.setMenu(self.use_menu)
-        self.use_button.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)
         self.rename_button = QPushButton("Re&name…")
         set_icon(self.rename_button, "rename")
         self.rename_button.setObjectName("renameJob")

@@ -19,6 +19,8 @@ from rigpilot.app.widgets.chart_view import ChartView
 from rigpilot.app.widgets.palette import BAD, apply_plot_theme, series_color
 
 BAR_WIDTH = 0.6
+# Low enough that the ranked plans above keep five rows at 1280×800; the bars still read against their lines.
+PLOT_MIN_HEIGHT = 100
 
 
 class MemoryChart(QWidget):
@@ -28,7 +30,7 @@ class MemoryChart(QWidget):
         self.plot = ChartView()
         self.plot.setObjectName("memoryChart")
         self.plot.setAccessibleName("Predicted memory per GPU")
-        self.plot.setMinimumHeight(160)
+        self.plot.setMinimumHeight(PLOT_MIN_HEIGHT)
         self.plot.setFocusPolicy(Qt.FocusPolicy.NoFocus)  # nothing to do with the keyboard in it
         item = self.plot.getPlotItem()
         item.setMenuEnabled(False)

@@ -58,6 +58,9 @@ from rigpilot.engine.recipe import RECIPE_SETTINGS
 
 __all__ = ["TABLE_COLUMNS", "PlannerPage", "duration_short"]
 
+# "results_splitter" held the splitter below the form's results whether or not the user dragged it (and so kept a
+# two-row table); only a dragged one is kept now, under this key.
+RESULTS_SPLITTER_KEY = "plans_splitter"
 # The form's settings as QSettings keys: (key, PlanRequest field, type).
 _SAVED = [("model", "model", str), ("task", "task", str), ("method", "method", str), ("precision", "precision", str),
           ("master_weights", "master_weights", str),
@@ -562,7 +565,8 @@ class PlannerPage(QWidget):
         settings.setValue(f"{prefix}/force_tp", int(r.force_tp))
         settings.setValue(f"{prefix}/machine", self.target_key())
         settings.setValue(f"{prefix}/splitter", self.splitter.saveState())
-        settings.setValue(f"{prefix}/results_splitter", self.results_splitter.saveState())
+        if self.results.sized_by_user:  # otherwise the table's height follows its rows and the window
+            settings.setValue(f"{prefix}/{RESULTS_SPLITTER_KEY}", self.results_splitter.saveState())
 
     def restore_state(self, settings: QSettings, prefix: str) -> None:
         def value(key: str, default: Any, kind: type) -> Any:
@@ -579,7 +583,9 @@ class PlannerPage(QWidget):
         r.nodes = min(max(r.nodes, 1), NODES_MAX)
         self.set_request(r)
         self.select_machine(value("machine", HERE, str))
-        for key, splitter in (("splitter", self.splitter), ("results_splitter", self.results_splitter)):
-            state = settings.value(f"{prefix}/{key}")
-            if isinstance(state, QByteArray):
-                splitter.restoreState(state)
+        state = settings.value(f"{prefix}/splitter")
+        if isinstance(state, QByteArray):
+            self.splitter.restoreState(state)
+        state = settings.value(f"{prefix}/{RESULTS_SPLITTER_KEY}")
+        if isinstance(state, QByteArray) and self.results_splitter.restoreState(state):
+            self.results.sized_by_user = True

@@ -119,6 +119,7 @@ class RentedTable(QWidget):
         self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
         self.table.horizontalHeader().setStretchLastSection(True)
         layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)  # as the other details tabs: their text starts at the tab's edge
         layout.addWidget(self.note)
         layout.addWidget(self.table, 1)
         self.comparison: dict[str, Any] | None = None

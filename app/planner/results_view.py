@@ -1,6 +1,9 @@
 """The Planner page's answer: one inline line for a failure, the headline of the plan shown, the ranked plans,
 the memory chart, and tabs for why it won, the rejected layouts, suggestions and rented machines.
 
+The ranked plans come first: until the user drags the splitter below them, the table is as tall as its rows
+(TABLE_ROWS, all a search keeps), and the chart and the details share what is left.
+
 It shows what it is given and says what the user picked (`sig_plan_shown`, `sig_apply`); asking the
 engine is the page's business.
 """
@@ -11,7 +14,7 @@ import html
 from collections.abc import Callable
 from typing import Any
 
-from PySide6.QtCore import QSignalBlocker, Qt, Signal
+from PySide6.QtCore import QEvent, QObject, QSignalBlocker, Qt, QTimer, Signal
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QGraphicsOpacityEffect,
@@ -61,6 +64,11 @@ TIGHT_TIP = (
     "long run may still run it out of memory; it ranks after every plan that leaves more free."
 )
 STALE_OPACITY = 0.45  # a plan for other inputs: still readable, plainly not current
+# The ranked plans the table shows without scrolling, until the user drags the splitter: all a search keeps (the
+# best and four runners-up), at 1280×800. The chart and the details share the rest, the chart the larger part.
+TABLE_ROWS = 5
+CHART_SHARE = 0.6
+DETAILS_LINES = 3  # the fewest lines of text a details tab keeps when the table takes the room
 
 
 def _label(name: str, *, selectable: bool = True) -> QLabel:
@@ -130,7 +138,17 @@ class PlanResults(QWidget):
         self.results_splitter.addWidget(self.table)
         self.results_splitter.addWidget(self.chart)
         self.results_splitter.addWidget(self.tabs)
-        self.results_splitter.setSizes([200, 300, 140])
+        self.results_splitter.setSizes([200, 300, 140])  # until fit_table knows the fonts and the rows
+        self.sized_by_user = False  # a dragged splitter is kept; until then the table fits its rows
+        self.results_splitter.splitterMoved.connect(self._splitter_dragged)
+        # Rows change height as the layout column's width changes, and the splitter's height with the lines above
+        # it: the table is fitted once they have settled.
+        self._fit_timer = QTimer(self)
+        self._fit_timer.setSingleShot(True)
+        self._fit_timer.setInterval(0)
+        self._fit_timer.timeout.connect(self.fit_table)
+        self.table.verticalHeader().sectionResized.connect(self._fit_timer.start)
+        self.results_splitter.installEventFilter(self)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         message_row = QHBoxLayout()
@@ -186,17 +204,58 @@ class PlanResults(QWidget):
         suggestions_box = QWidget()
         sl = QVBoxLayout(suggestions_box)
         sl.setContentsMargins(0, 0, 0, 0)
-        sl.addWidget(QLabel("The smallest changes that make it fit, each checked by planning again:"))
+        intro = QLabel("The smallest changes that make it fit, each checked by planning again:")
+        intro.setWordWrap(True)
+        # The button beside the words, not under the list: one row less when the ranked plans take the room.
+        head = QHBoxLayout()
+        head.addWidget(intro, 1)
+        head.addWidget(self.apply_button, 0, Qt.AlignmentFlag.AlignTop)
+        sl.addLayout(head)
         sl.addWidget(self.suggestions, 1)
-        sl.addWidget(self.apply_button, 0, Qt.AlignmentFlag.AlignLeft)
+        self.rented = RentedTable()  # this job here against the rented machines of Settings
+        # Short when the ranked plans take the room: a few lines, which scroll.
+        for view in (self.explanation, self.rejected, self.suggestions, self.rented.table):
+            view.setMinimumHeight(DETAILS_LINES * view.fontMetrics().lineSpacing() + 2 * view.frameWidth())
         tabs = QTabWidget()
         tabs.setObjectName("planDetails")
         tabs.addTab(self.explanation, "Why this plan")
         tabs.addTab(self.rejected, "Rejected")
         tabs.addTab(suggestions_box, "Suggestions")
-        self.rented = RentedTable()  # this job here against the rented machines of Settings
         tabs.addTab(self.rented, "Rented machines")
         return tabs
+
+    # -- how the height is shared -------------------------------------------------------------------------
+    def _splitter_dragged(self, *_: object) -> None:
+        self.sized_by_user = True
+
+    def table_height(self) -> int:
+        """The table's height with its first TABLE_ROWS rows whole (with none yet, TABLE_ROWS plain rows)."""
+        t = self.table
+        shown = min(t.rowCount(), TABLE_ROWS)
+        rows = sum(t.rowHeight(r) for r in range(shown)) if shown else TABLE_ROWS * t.verticalHeader().defaultSectionSize()
+        header = t.horizontalHeader()
+        return rows + max(header.height(), header.sizeHint().height()) + 2 * t.frameWidth()
+
+    def fit_table(self) -> None:
+        """Give the table its rows, the chart and the details the rest (each at least its minimum), until the user
+        drags the splitter."""
+        sizes = self.results_splitter.sizes()
+        total = sum(sizes)
+        if self.sized_by_user or total <= 0:
+            return
+        chart_min = self.chart.minimumSizeHint().height()
+        tabs_min = self.tabs.minimumSizeHint().height()
+        table = max(min(self.table_height(), total - chart_min - tabs_min), 0)
+        rest = total - table
+        chart = min(max(int(rest * CHART_SHARE), chart_min), rest - tabs_min)
+        wanted = [table, chart, total - table - chart]
+        if wanted != sizes:
+            self.results_splitter.setSizes(wanted)
+
+    def eventFilter(self, watched: QObject, event: QEvent) -> bool:
+        if watched is self.results_splitter and event.type() in (QEvent.Type.Resize, QEvent.Type.Show):
+            self._fit_timer.start()
+        return super().eventFilter(watched, event)
 
     # -- one line above the results ------------------------------------------------------------------
     def show_message(self, text: str) -> None:
@@ -320,6 +379,7 @@ class PlanResults(QWidget):
         # Without a token budget no plan has a time to finish: its column would only take the layout's room.
         self.table.setColumnHidden(TO_FINISH_COLUMN, all(row.to_budget == "—" for row in rows))
         self.table.resizeRowsToContents()
+        self._fit_timer.start()
         return len(rows)
 
     def _show_calibration(self, result: dict[str, Any] | None) -> None:

@@ -10,8 +10,10 @@ reach the plot and zoom it (where the chart lets itself be zoomed).
 from __future__ import annotations
 
 import pyqtgraph as pg
-from PySide6.QtCore import Qt
+from PySide6.QtCore import QEvent, Qt
 from PySide6.QtGui import QFont, QFontMetricsF, QResizeEvent, QWheelEvent
+
+from rigpilot.app.widgets.palette import apply_plot_theme
 
 ZOOM_MODIFIER = Qt.KeyboardModifier.ControlModifier
 ZOOM_HINT = "Ctrl+wheel zooms; the wheel alone scrolls the page"
@@ -48,6 +50,14 @@ class ChartView(pg.PlotWidget):
     def resizeEvent(self, event: QResizeEvent) -> None:
         super().resizeEvent(event)
         self._fit_title()
+
+    def changeEvent(self, event: QEvent) -> None:
+        # Every chart follows the theme it is shown in: one left to set its own kept the light background in dark.
+        # (GraphicsView's own set-up changes the palette before the plot item exists.)
+        themed = event.type() in (QEvent.Type.PaletteChange, QEvent.Type.ApplicationPaletteChange)
+        if themed and getattr(self, "plotItem", None) is not None:
+            apply_plot_theme(self, self.palette())
+        super().changeEvent(event)
 
     def wheelEvent(self, event: QWheelEvent) -> None:
         if event.modifiers() & ZOOM_MODIFIER:

@@ -50,6 +50,8 @@ from rigpilot.app.wizard.state import (
 from rigpilot.engine.planner.overrides import Overrides
 
 SETTINGS_KEY = "wizard/last"
+# The wizard's window where the screen has room (a 1280×800 one has): its pages are laid out for it.
+DESIGN_SIZE = QSize(1000, 720)
 _KIND_OF_JOB = {"train": FINETUNE, "infer": INFER, "script": SCRIPT, "calibrate": CALIBRATE}
 
 
@@ -124,7 +126,7 @@ class JobWizard(QWizard):
         for keys in ("Ctrl+Return", "Ctrl+Enter"):
             QShortcut(QKeySequence(keys), self, self._next_by_key)
         self.button(QWizard.WizardButton.NextButton).setToolTip("Next (Ctrl+Enter)")
-        self.resize(first_size(self.screen(), QSize(1000, 720)))  # smaller where the screen is, title bar included
+        self.resize(first_size(self.screen(), DESIGN_SIZE))  # smaller where the screen is, title bar included
         link.sig_machine.connect(self._on_machine)
 
     def _next_by_key(self) -> None:

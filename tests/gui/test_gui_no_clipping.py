@@ -1,4 +1,4 @@
-"""No visible text is cut short on any page at 1280×800, in the light theme and in the dark one.
+"""No visible text is cut short on any page or job-wizard page at 1280×800, in the light theme and the dark one.
 
 One window for the module (pages are visited in turn, so this stays cheap), at the size the main window
 opens at on a 1280×800 screen, with a fixed font so the measure is the same on every machine. Each page is
@@ -17,7 +17,7 @@ from rigpilot.app.widgets.theme import apply_theme, current_theme
 
 from support.clipping import clipped_text
 from support.doctor_gui_reports import broken_report, reply
-from support.gui_fakes import FakeLink, make_job, real_plan_reply
+from support.gui_fakes import FakeLink, accept_checks, make_job, real_plan_reply
 
 FONT = QFont("DejaVu Sans", 9)
 
@@ -44,6 +44,7 @@ def window(tmp_path_factory):
     link.replies["plan"] = real_plan_reply(link.machine_obj)
     # A machine check with two broken links: its card, its view in Settings and its marks on the Topology page.
     link.replies["doctor_report"] = reply(broken_report())
+    accept_checks(link)  # the wizard's Review page asks the engine what it would run
     w = MainWindow(link)
     w.resize(*SIZE)
     w.show()
@@ -54,6 +55,24 @@ def window(tmp_path_factory):
     apply_theme(app, theme)
     app.setFont(font)
     mp.undo()
+
+
+def settled_clips(qtbot, root) -> list[str]:
+    """What clips under `root` once its layouts have settled. A page shown or filled for the first time lays out
+    in events posted one after another (on a busy machine a label measured mid-way had its old width), so a
+    clip is reported only if it is still there after a while."""
+    qtbot.wait(50)  # the first layouts run before anything is measured: a widget not laid out yet shows nothing
+    problems: list[str] = []
+
+    def clean() -> bool:
+        problems[:] = clipped_text(root)
+        return not problems
+
+    try:
+        qtbot.waitUntil(clean, timeout=2000)
+    except qtbot.TimeoutError:
+        pass
+    return problems
 
 
 def _cases():
@@ -71,8 +90,7 @@ def test_no_text_is_clipped(window, qtbot, theme, page):
     apply_theme(app, theme)
     window.show_page(page)
     qtbot.waitUntil(lambda: window.stack.currentWidget() is window.pages[page])
-    qtbot.wait(50)  # layouts settle after the page is shown
-    problems = clipped_text(window)
+    problems = settled_clips(qtbot, window)
     assert not problems, f"{page} ({theme}) clips:\n" + "\n".join(problems)
 
 
@@ -82,8 +100,7 @@ def test_a_finished_job_fits(window, qtbot, theme):
     apply_theme(QApplication.instance(), theme)
     jobs = window.show_page("jobs")
     jobs.open_job("job-2")
-    qtbot.wait(100)
-    problems = clipped_text(window)
+    problems = settled_clips(qtbot, window)
     assert not problems, f"jobs with a job open ({theme}) clips:\n" + "\n".join(problems)
 
 
@@ -140,8 +157,7 @@ def test_the_planner_with_a_plan_fits(window, qtbot, theme):
     planner.request_plan()
     qtbot.waitUntil(lambda: bool(answers), timeout=60_000)
     assert isinstance(answers[0], dict), answers[0]
-    qtbot.wait(100)
-    problems = clipped_text(window)
+    problems = settled_clips(qtbot, window)
     assert not problems, f"planner with a plan ({theme}) clips:\n" + "\n".join(problems)
 
 
@@ -164,7 +180,10 @@ def test_the_measure_finds_cut_text_and_passes_what_fits(qtbot):
     button.setFixedWidth(50)
     elided = ElidedLabel("an elided label with its whole text in the tooltip")
     elided.setFixedWidth(60)
-    for w in (fits, cut, wrapped, button, elided):
+    indented = QLabel("an indented note")  # its indent takes width only, as a task's note under its radio button
+    indented.setWordWrap(True)
+    indented.setIndent(24)
+    for w in (fits, cut, wrapped, button, elided, indented):
         layout.addWidget(w)
     root.show()
     qtbot.waitExposed(root)
@@ -188,3 +207,125 @@ def test_a_theme_switch_recolours_the_gpu_cards_titles(window, qtbot):
         qtbot.wait(20)
         assert card.title.palette().color(card.title.foregroundRole()) == app.palette().color(QPalette.ColorRole.WindowText)
         assert not card.title.styleSheet() and not card.swatch.pixmap().isNull()
+
+
+# The pages the job wizard walks with its defaults (the shipped tiny example), Launch aside: it only submits.
+WIZARD_WALK = ("TASK", "MODEL", "DATA", "GPUS", "PLAN", "HYPER", "REVIEW")
+
+
+@pytest.mark.parametrize("theme", ["light", "dark"])
+def test_the_wizard_pages_fit(window, qtbot, theme):
+    """Each wizard page as New job… opens it, at the size the wizard opens at on a 1280×800 screen and at the
+    screenshots' size. The defaults' GPUs run the module's job, so the GPUs page is measured with its refusal
+    shown too, before the job is told to queue."""
+    from PySide6.QtCore import QSize
+
+    from rigpilot.app.widgets.window_size import small_screen_size
+    from rigpilot.app.wizard import page_base
+    from rigpilot.app.wizard.wizard import DESIGN_SIZE, SETTINGS_KEY
+
+    apply_theme(QApplication.instance(), theme)
+    window.new_job_action.trigger()
+    wizard = window.wizard
+    qtbot.waitExposed(wizard)
+    problems: list[str] = []
+
+    def measure(what: str) -> None:
+        for size in (small_screen_size(DESIGN_SIZE), QSize(*SIZE)):
+            wizard.resize(size)
+            qtbot.waitUntil(lambda s=size: wizard.size() == s)
+            problems.extend(f"{what} at {size.width()}×{size.height()}: {p}" for p in settled_clips(qtbot, wizard))
+
+    try:
+        for name in WIZARD_WALK:
+            assert wizard.currentId() == getattr(page_base, name)
+            page = wizard.currentPage()
+            qtbot.waitUntil(lambda p=page: not p.busy, timeout=20_000)
+            if name == "GPUS":
+                assert not page.isComplete()  # GPUs 0 and 1 are busy
+                measure("GPUS (busy)")
+                page.queue.setChecked(True)
+                qtbot.waitUntil(page.isComplete, timeout=20_000)
+            measure(name)
+            assert page.isComplete(), f"{name}: {page.message.text()}"
+            wizard.next()
+    finally:
+        wizard.reject()
+        QSettings().remove(SETTINGS_KEY)  # the other theme's walk starts from the same defaults
+    assert not problems, f"the wizard ({theme}) clips:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("theme", ["light", "dark"])
+def test_the_use_this_model_arrow_sits_beside_its_text(window, qtbot, theme):
+    """The finished job's "Use this model" menu button: the style keeps the arrow a region of its own at the
+    button's right end (as QCommonStyle draws a push button's menu arrow) and the text fits beside it; a tool
+    button's instant-popup arrow was drawn over the text's end."""
+    from PySide6.QtGui import QFontMetrics
+    from PySide6.QtWidgets import QPushButton, QStyle, QStyleOptionButton
+
+    apply_theme(QApplication.instance(), theme)
+    jobs = window.show_page("jobs")
+    jobs.open_job("job-2")
+    button = jobs.detail.use_button
+    qtbot.waitUntil(button.isVisible)
+    qtbot.wait(50)  # layouts settle after the job is shown
+    assert isinstance(button, QPushButton), type(button)
+    option = QStyleOptionButton()
+    button.initStyleOption(option)
+    assert option.features & QStyleOptionButton.ButtonFeature.HasMenu
+    style = button.style()
+    arrow = style.pixelMetric(QStyle.PixelMetric.PM_MenuButtonIndicator, option, button)
+    # CE_PushButtonLabel centres the text in the contents less the arrow's width; the arrow starts 2 px into it.
+    text_room = style.subElementRect(QStyle.SubElement.SE_PushButtonContents, option, button).adjusted(0, 0, -arrow, 0)
+    arrow_left = button.rect().right() - arrow + 2
+    text = button.text().replace("&", "")
+    width = QFontMetrics(button.font()).horizontalAdvance(text)
+    assert width <= text_room.width(), (width, text_room)
+    assert text_room.center().x() + (width + 1) // 2 < arrow_left, (text_room, width, arrow_left)
+    assert button.width() >= button.sizeHint().width() >= width + arrow
+
+
+def test_the_planner_shows_five_ranked_plans(window, qtbot):
+    """At 1280×800 with a plan (the best and four runners-up, their layouts wrapped), every ranked plan shows whole
+    in the table: the chart and the details below give it the room."""
+    from rigpilot.app.planner.model import PlanRequest
+    from rigpilot.app.planner.results_view import TABLE_ROWS
+
+    planner = window.show_page("planner")
+    # Which GPUs the running job holds is known first: the default selection follows it, and a change after the
+    # plan would mark it stale (a banner above the table).
+    qtbot.waitUntil(lambda: bool(planner.busy.busy))
+    with qtbot.waitSignal(planner.sig_plan_ready, timeout=60_000):
+        planner.set_request(PlanRequest(model="llama-2-7b", task="train", method="full", precision="bf16",
+                                        seq_len=2048, batch=16, gpus=[0, 1, 2, 3]))  # fmt: skip
+        planner.request_plan()
+    table = planner.results.table
+    assert table.rowCount() >= TABLE_ROWS and not planner.results.is_stale
+
+    def whole_rows() -> int:
+        height = table.viewport().height()
+        return sum(0 <= table.rowViewportPosition(r) <= height - table.rowHeight(r) for r in range(table.rowCount()))
+
+    qtbot.waitUntil(lambda: whole_rows() >= TABLE_ROWS)
+    assert max(table.rowHeight(r) for r in range(TABLE_ROWS)) > table.verticalHeader().defaultSectionSize()  # wrapped
+
+
+def test_a_theme_switch_recolours_every_chart(window, qtbot):
+    """Every chart of the finished job's page takes the theme's background when the theme changes (the peak
+    memory chart once kept the light one in the dark theme)."""
+    from rigpilot.app.widgets.chart_view import ChartView
+    from rigpilot.app.widgets.theme import palette_for
+
+    app = QApplication.instance()
+    jobs = window.show_page("jobs")
+    jobs.open_job("job-2")
+    charts = jobs.findChildren(ChartView)
+    assert any(c.objectName() == "peakMemoryChart" for c in charts)
+
+    def themed(theme: str) -> None:
+        base = palette_for(theme).color(QPalette.ColorRole.Base)
+        assert [c.objectName() for c in charts if c.backgroundBrush().color() != base] == [], theme
+
+    for theme in ("dark", "light"):
+        apply_theme(app, theme)  # the widgets hear of it in posted events
+        qtbot.waitUntil(lambda t=theme: themed(t))

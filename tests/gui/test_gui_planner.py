@@ -375,6 +375,26 @@ def test_form_is_saved_and_restored(qtbot, tmp_path):
     assert other.plan_request().master_weights == "bf16"
 
 
+def test_the_plans_table_fits_its_rows_until_the_splitter_is_dragged(qtbot, tmp_path):
+    from rigpilot.app.planner.page import RESULTS_SPLITTER_KEY
+
+    page, _ = open_page(qtbot, "4x-rtx4090")
+    plan_for(qtbot, page, method="full")
+    results = page.results
+    qtbot.waitUntil(lambda: results.results_splitter.sizes()[0] == results.table_height())
+    settings = QSettings(str(tmp_path / "s.ini"), QSettings.Format.IniFormat)
+    page.save_state(settings, "pages/planner")
+    assert not settings.contains(f"pages/planner/{RESULTS_SPLITTER_KEY}")  # it follows the rows and the window
+    results.results_splitter.moveSplitter(80, 1)  # as a drag of the handle does
+    page.save_state(settings, "pages/planner")
+    other, _ = open_page(qtbot, "4x-rtx4090")
+    other.restore_state(settings, "pages/planner")
+    assert other.results.sized_by_user
+    plan_for(qtbot, other, method="full")
+    qtbot.wait(50)
+    assert other.results.results_splitter.sizes()[0] < other.results.table_height()  # the user's height stays
+
+
 def test_a_plan_the_engine_does_not_run_says_why_and_cannot_be_launched(qtbot):
     page, link = open_page(qtbot, "4x-rtx4090")
     planner = real_plan_reply(link.machine_obj)

@@ -68,6 +68,15 @@ def _shown(w: QWidget, root: QWidget) -> bool:
     return True
 
 
+def _indent(label: QLabel, axis: Qt.AlignmentFlag) -> int:
+    """The indent QLabel takes from its text's room along `axis`: only on the edge its alignment names (an
+    indent of a left-aligned label costs width, never height)."""
+    edges = {Qt.AlignmentFlag.AlignHorizontal_Mask: (Qt.AlignmentFlag.AlignLeft, Qt.AlignmentFlag.AlignRight),
+             Qt.AlignmentFlag.AlignVertical_Mask: (Qt.AlignmentFlag.AlignTop, Qt.AlignmentFlag.AlignBottom)}[axis]
+    align = QStyle.visualAlignment(label.layoutDirection(), label.alignment())
+    return max(label.indent(), 0) if any(align & edge for edge in edges) else 0
+
+
 def _label(label: QLabel) -> str | None:
     if isinstance(label, ElidedLabel):
         full = label.text()
@@ -83,12 +92,12 @@ def _label(label: QLabel) -> str | None:
         return None
     fm = QFontMetrics(label.font())
     rect = label.contentsRect()
-    inset = 2 * max(label.margin(), 0) + max(label.indent(), 0)
-    width = rect.width() - inset
+    width = rect.width() - 2 * max(label.margin(), 0) - _indent(label, Qt.AlignmentFlag.AlignHorizontal_Mask)
+    height = rect.height() - 2 * max(label.margin(), 0) - _indent(label, Qt.AlignmentFlag.AlignVertical_Mask)
     if label.wordWrap():
         needed = fm.boundingRect(QRect(0, 0, max(width, 1), 100_000), int(Qt.TextFlag.TextWordWrap), text).height()
-        if needed > rect.height() - inset + SLACK_PX:
-            return f"{_name(label, text)}: needs {needed} px high, has {rect.height()} px"
+        if needed > height + SLACK_PX:
+            return f"{_name(label, text)}: needs {needed} px high, has {height} px"
         return None
     needed = max(fm.horizontalAdvance(line) for line in text.split("\n"))
     if needed > width + SLACK_PX:

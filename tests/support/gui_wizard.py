@@ -5,7 +5,7 @@ from __future__ import annotations
 from PySide6.QtCore import QSettings
 from PySide6.QtWidgets import QWizard
 
-from rigpilot.app.wizard.wizard import JobWizard
+from rigpilot.app.wizard.wizard import DESIGN_SIZE, JobWizard
 
 from support.gui_fakes import FakeLink, accept_submissions, real_plan_reply
 
@@ -26,7 +26,7 @@ def searches(link: FakeLink) -> list[dict]:
 def open_wizard(qtbot, link: FakeLink, settings: QSettings, **kw) -> JobWizard:
     wizard = JobWizard(link, settings=settings, **kw)
     qtbot.addWidget(wizard)
-    wizard.resize(1000, 720)
+    wizard.resize(DESIGN_SIZE)
     wizard.show()
     qtbot.waitExposed(wizard)
     return wizard
