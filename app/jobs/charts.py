@@ -19,7 +19,7 @@ from PySide6.QtCore import QEvent, Qt, QTimer
 from PySide6.QtGui import QPalette, QResizeEvent
 from PySide6.QtWidgets import QGridLayout, QLabel, QWidget
 
-from rigpilot.app.jobs.chart_turns import paint_steps
+from rigpilot.app.jobs.chart_turns import Pacer, paint_steps
 from rigpilot.app.jobs.gaps import break_gaps
 from rigpilot.app.jobs.series import GIB, GpuUsage, JobSeries
 from rigpilot.app.widgets.chart_view import ZOOM_HINT, ChartView
@@ -365,6 +365,7 @@ class JobCharts(QWidget):
         self._turn = QTimer(self)
         self._turn.setSingleShot(True)
         self._turn.timeout.connect(self._next_turn)
+        self._pacer = Pacer()
 
     def _lay_out(self, columns: int) -> None:
         if columns == self.columns:
@@ -465,7 +466,8 @@ class JobCharts(QWidget):
         The loss chart's data is drawn at once; then each chart in turn, STAGGER_MS apart, is drawn
         and its paint prepared in turns of its own (chart_turns) while its updates are off, so no
         turn holds more than a millisecond or two of one chart's work (all eight in one frame kept
-        a busy machine's window from answering for a few hundred milliseconds). `force` draws
+        a busy machine's window from answering for a few hundred milliseconds). On a busy machine
+        the turns rest as long as they were kept waiting (chart_turns.Pacer). `force` draws
         everything now.
         """
         state = self._state()
@@ -483,6 +485,7 @@ class JobCharts(QWidget):
             chart.setUpdatesEnabled(False)
         self._draw(self.loss)
         if not self._turn.isActive() and self._current is None:
+            self._pacer.start()
             self._next_turn()
         return True
 
@@ -505,6 +508,7 @@ class JobCharts(QWidget):
         self._to_show.update(held)
         self._pending = [c for c in self.charts() if c is not self._current]
         if not self._turn.isActive() and self._current is None:
+            self._pacer.start()
             self._turn.start(STAGGER_MS)
 
     def _draw(self, chart: QWidget) -> None:
@@ -533,11 +537,12 @@ class JobCharts(QWidget):
             self._steps = self._chart_steps(self._current)
         self._steps.pop(0)()
         if self._steps:
-            self._turn.start(0)  # the next piece in the next turn: the window answers in between
+            # The next piece in a later turn: the window answers in between.
+            self._turn.start(self._pacer.rest_ms())
             return
         self._current = None
         if self._pending:
-            self._turn.start(STAGGER_MS)
+            self._turn.start(self._pacer.rest_ms(STAGGER_MS))
 
     def _finish_now(self) -> None:
         self._turn.stop()

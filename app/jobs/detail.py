@@ -27,6 +27,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from rigpilot.app.jobs.chart_turns import Pacer
 from rigpilot.app.jobs.charts import JobCharts
 from rigpilot.app.jobs.compare import ComparePicker
 from rigpilot.app.jobs.energy_view import live_line
@@ -226,6 +227,7 @@ class JobDetail(QWidget):
         self._turn = QTimer(self)
         self._turn.setSingleShot(True)
         self._turn.timeout.connect(self._next_turn)
+        self._pacer = Pacer()
 
     def set_placeholder(self, widget: QWidget) -> None:
         """Show `widget` instead of the "select a job" line while no job is open."""
@@ -279,13 +281,14 @@ class JobDetail(QWidget):
         # the next timer, so the window would not answer in between (benchmarks/gui_job_open.py).
         self._turns.append(step)
         if not self._turn.isActive():
+            self._pacer.start()
             self._turn.start(0)
 
     def _next_turn(self) -> None:
         if self._turns:
             self._turns.pop(0)()
         if self._turns:
-            self._turn.start(0)
+            self._turn.start(self._pacer.rest_ms())
 
     def update_record(self) -> None:
         """The record changed: header, buttons, failure cause, plan figures."""
