@@ -19,6 +19,7 @@ from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import QPalette, QResizeEvent
 from PySide6.QtWidgets import QGridLayout, QLabel, QWidget
 
+from rigpilot.app.jobs.chart_turns import Pacer, paint_steps
 from rigpilot.app.jobs.gaps import break_gaps
 from rigpilot.app.jobs.series import GIB, GpuUsage, JobSeries
 from rigpilot.app.widgets.chart_view import ZOOM_HINT, ChartView
@@ -281,6 +282,8 @@ class JobCharts(QWidget):
         self._drawn: tuple[Any, ...] | None = None
 
         self.simulated = False
+        self._gpu_names: list[str] = []
+        self._latest_name = "now"
 
         self.loss = StepPlot("Loss", name="lossChart", about="Training loss of rank 0 against the step: "
                              "raw, smoothed (the Smoothing weight), and the eval loss as dots.")
@@ -330,26 +333,32 @@ class JobCharts(QWidget):
         self.grid.setSpacing(4)
         self.columns = 0
         self._lay_out(COLUMNS)
+        for held in self.charts():
+            # A chart held back from its first show (hold_first_paint) keeps its cell: the others stay put.
+            policy = held.sizePolicy()
+            policy.setRetainSizeWhenHidden(True)
+            held.setSizePolicy(policy)
 
-        self._parts: list[Callable[[], None]] = [
-            self._draw_loss,
-            lambda: self._draw_step_chart(self.lr, self.lr_curve, "lr"),
-            lambda: self._draw_step_chart(self.speed, self.speed_curve, "tokens_per_s"),
-            lambda: self._draw_step_chart(self.step_time, self.step_time_curve, "step_time"),
-            lambda: self._draw_step_chart(self.mfu, self.mfu_curve, "mfu", 100.0),
-            self._draw_memory_per_rank,
-            self._draw_gpu_memory,
-            self._draw_gpu_util,
-        ]
-        self._pending: list[Callable[[], None]] = []
-        self._stagger = QTimer(self)
-        self._stagger.setInterval(STAGGER_MS)
-        self._stagger.timeout.connect(self._draw_next)
-        # Charts whose first paint waits for its own event-loop turn (hold_first_paint).
-        self._held: list[QWidget] = []
-        self._reveal = QTimer(self)
-        self._reveal.setInterval(STAGGER_MS)
-        self._reveal.timeout.connect(self._reveal_next)
+        # Each chart's draw; the loss chart's also draws the compared run.
+        self._draws: dict[QWidget, Callable[[], None]] = {
+            self.loss: self._draw_loss,
+            self.lr: lambda: self._draw_step_chart(self.lr, self.lr_curve, "lr"),
+            self.speed: lambda: self._draw_step_chart(self.speed, self.speed_curve, "tokens_per_s"),
+            self.step_time: lambda: self._draw_step_chart(self.step_time, self.step_time_curve, "step_time"),
+            self.mfu: lambda: self._draw_step_chart(self.mfu, self.mfu_curve, "mfu", 100.0),
+            self.memory_per_rank: self._draw_memory_per_rank,
+            self.gpu_memory: self._draw_gpu_memory,
+            self.gpu_util: self._draw_gpu_util,
+        }
+        self._to_draw: set[QWidget] = set()  # charts whose data changed since they were drawn
+        self._to_show: set[QWidget] = set()  # charts held back from their first show (hold_first_paint)
+        self._pending: list[QWidget] = []  # charts waiting for their turns, in grid order
+        self._current: QWidget | None = None  # the chart whose turns are under way
+        self._steps: list[Callable[[], None]] = []  # the rest of its turns
+        self._turn = QTimer(self)
+        self._turn.setSingleShot(True)
+        self._turn.timeout.connect(self._next_turn)
+        self._pacer = Pacer()
 
     def _lay_out(self, columns: int) -> None:
         if columns == self.columns:
@@ -396,15 +405,14 @@ class JobCharts(QWidget):
         `ended`: the GPU charts show the job's own last minutes, whose newest point is its end, not now.
         """
         self.simulated = simulated
-        for chart in (self.gpu_memory, self.gpu_util):
-            chart.set_latest_name(JOB_END if ended else "now")
+        # The GPU charts take their names when they are drawn: a new set of GPUs builds curves and
+        # check boxes, which is the chart's own turn's work, not the click's.
+        self._gpu_names = [f"GPU {g}" for g in gpus]
+        self._latest_name = JOB_END if ended else "now"
         if series is not self.series:
             self.series = series
             self.usage = GpuUsage()
         self.usage.set_gpus(gpus)
-        names = [f"GPU {g}" for g in gpus]
-        self.gpu_memory.set_series(names)
-        self.gpu_util.set_series(names)
         self.ranks = max(ranks, 1)
         self.predicted = predicted
         self._drawn = None
@@ -448,51 +456,96 @@ class JobCharts(QWidget):
     def refresh(self, force: bool = False) -> bool:
         """Redraw if visible and changed (or forced); True when it drew.
 
-        The loss chart is drawn at once; the others one per STAGGER_MS after it, so the frames Qt
-        paints each hold one chart's changes rather than all eight (which, on a busy machine, kept
-        the window from answering for a few hundred milliseconds). `force` draws everything now.
+        The loss chart's data is drawn at once; then each chart in turn, STAGGER_MS apart, is drawn
+        and its paint prepared in turns of its own (chart_turns) while its updates are off, so no
+        turn holds more than a millisecond or two of one chart's work (all eight in one frame kept
+        a busy machine's window from answering for a few hundred milliseconds). On a busy machine
+        the turns rest as long as they were kept waiting (chart_turns.Pacer). `force` draws
+        everything now.
         """
         state = self._state()
         if not force and (not self.isVisible() or state == self._drawn):
             return False
         self._drawn = state
-        self._pending = [part for part in self._parts if part is not self._draw_loss]
-        self._draw_loss()
+        self._to_draw = set(self._draws)
         if force:
-            self._reveal_all()
-            while self._pending:
-                self._pending.pop(0)()
-        elif not self._stagger.isActive():
-            self._stagger.start()
+            self._finish_now()
+            return True
+        self._pending = [c for c in self.charts() if c is not self._current]
+        for chart in self._pending:
+            # Until its turn a chart keeps what it showed: a change made now (a new job's GPUs) would
+            # otherwise paint in the same turn as the click that made it.
+            chart.setUpdatesEnabled(False)
+        self._draw(self.loss)
+        if not self._turn.isActive() and self._current is None:
+            self._pacer.start()
+            self._next_turn()
         return True
 
+    @property
+    def drawing(self) -> bool:
+        """Charts are still being drawn or shown, a turn at a time."""
+        return bool(self._pending or self._current is not None)
+
     def hold_first_paint(self) -> None:
-        """Paint the charts one per STAGGER_MS when they are next shown, not all eight in one frame.
+        """Show the charts one per STAGGER_MS when they are next shown, not all eight in one frame.
 
-        A chart's first paint lays out and draws its axes and title (a few milliseconds, ten times that
-        on a busy machine); all eight in the frame that first shows the job page held the window for
-        up to a second (benchmarks/gui_job_open.py).
+        A chart's first show lays it out and its first paint draws its axes and title (a few
+        milliseconds, ten times that on a busy machine); all eight in the turn that first shows the
+        job page held the window for up to a second (benchmarks/gui_job_open.py). A held chart keeps
+        its cell in the grid, so the others do not move as it appears.
         """
-        self._held = [c for c in self.charts() if c.updatesEnabled()]
-        for chart in self._held:
-            chart.setUpdatesEnabled(False)
-        self._reveal.start()
+        held = [c for c in self.charts() if not c.isHidden()]
+        for chart in held:
+            chart.hide()
+        self._to_show.update(held)
+        self._pending = [c for c in self.charts() if c is not self._current]
+        if not self._turn.isActive() and self._current is None:
+            self._pacer.start()
+            self._turn.start(STAGGER_MS)
 
-    def _reveal_next(self) -> None:
-        if self._held:
-            self._held.pop(0).setUpdatesEnabled(True)
-        if not self._held:
-            self._reveal.stop()
+    def _draw(self, chart: QWidget) -> None:
+        """Draw `chart`'s data with its updates off: its paint waits until its turns have prepared it."""
+        chart.setUpdatesEnabled(False)
+        if chart in self._to_draw:
+            self._to_draw.discard(chart)
+            self._draws[chart]()
 
-    def _reveal_all(self) -> None:
-        while self._held:
-            self._reveal_next()
+    def _chart_steps(self, chart: QWidget) -> list[Callable[[], None]]:
+        def begin() -> None:
+            self._draw(chart)
+            if chart in self._to_show:
+                self._to_show.discard(chart)
+                chart.show()
 
-    def _draw_next(self) -> None:
+        view = chart.plot if isinstance(chart, TimeChart) else chart
+        assert isinstance(view, pg.PlotWidget)  # a StepPlot or the peak memory chart
+        return [begin, *paint_steps(view), lambda: chart.setUpdatesEnabled(True)]
+
+    def _next_turn(self) -> None:
+        if self._current is None:
+            if not self._pending:
+                return
+            self._current = self._pending.pop(0)
+            self._steps = self._chart_steps(self._current)
+        self._steps.pop(0)()
+        if self._steps:
+            # The next piece in a later turn: the window answers in between.
+            self._turn.start(self._pacer.rest_ms())
+            return
+        self._current = None
         if self._pending:
-            self._pending.pop(0)()
-        if not self._pending:
-            self._stagger.stop()
+            self._turn.start(self._pacer.rest_ms(STAGGER_MS))
+
+    def _finish_now(self) -> None:
+        self._turn.stop()
+        self._pending, self._current, self._steps = [], None, []
+        for chart in self.charts():
+            self._draw(chart)
+            if chart in self._to_show:
+                self._to_show.discard(chart)
+                chart.show()
+            chart.setUpdatesEnabled(True)
 
     def _draw_loss(self) -> None:
         s = self.series
@@ -564,11 +617,17 @@ class JobCharts(QWidget):
         self.compare_raw.setData(x, loss)
         self.compare_ema.setData(x, smoothed)
 
+    def _name_gpu_series(self, chart: TimeChart) -> None:
+        chart.set_series(self._gpu_names)
+        chart.set_latest_name(self._latest_name)
+
     def _draw_gpu_memory(self) -> None:
+        self._name_gpu_series(self.gpu_memory)
         since = (self.usage.last_time or 0.0) - TELEMETRY_WINDOW_S
         self.gpu_memory.set_data(*_two(break_gaps(*self.usage.memory(since))))
 
     def _draw_gpu_util(self) -> None:
+        self._name_gpu_series(self.gpu_util)
         since = (self.usage.last_time or 0.0) - TELEMETRY_WINDOW_S
         self.gpu_util.set_data(*_two(break_gaps(*self.usage.utilization(since))))
 

@@ -7,6 +7,7 @@ answers the buttons.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from PySide6.QtCore import Qt, QTimer
@@ -25,6 +26,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from rigpilot.app.jobs.chart_turns import Pacer
 from rigpilot.app.jobs.charts import JobCharts
 from rigpilot.app.jobs.compare import ComparePicker
 from rigpilot.app.jobs.energy_view import live_line
@@ -195,12 +197,15 @@ class JobDetail(QWidget):
         self.tabs.addTab(self.check_box, "Machine check")
         for tab in (SUMMARY_TAB, RESULTS_TAB, TRY_TAB, CHECK_TAB):
             self.tabs.setTabVisible(tab, False)
+        policy = self.tabs.sizePolicy()
+        policy.setRetainSizeWhenHidden(True)  # held back from the pane's first paint, it keeps its place
+        self.tabs.setSizePolicy(policy)
         self.link: Any = None
         self._compared: dict[str, Any] | None = None  # the record of the job whose loss is overlaid
         self.diff_jobs: dict[str, dict[str, Any]] = {}  # more runs in the settings comparison, by id
         self.failure.sig_show_log.connect(self.show_log)
 
-        body = QWidget()
+        body = self.body = QWidget()
         body_layout = QVBoxLayout(body)
         body_layout.setContentsMargins(0, 0, 0, 0)
         body_layout.addWidget(self.title)
@@ -224,6 +229,11 @@ class JobDetail(QWidget):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(self.stack)
+        self._turns: list[Callable[[], None]] = []  # what shows or repaints after the click, a turn each
+        self._turn = QTimer(self)
+        self._turn.setSingleShot(True)
+        self._turn.timeout.connect(self._next_turn)
+        self._pacer = Pacer()
 
     def set_placeholder(self, widget: QWidget) -> None:
         """Show `widget` instead of the "select a job" line while no job is open."""
@@ -250,14 +260,41 @@ class JobDetail(QWidget):
         first = self.stack.currentIndex() != 1
         if first:
             self.charts.hold_first_paint()
+            self.tabs.hide()  # shown a turn after the rest: the pane's first paint in two halves
+        else:
+            self.paint_later(self.body)
         self.update_record()
         if first:
-            # Showing lays out and polishes every widget of the pane for the first time: a turn of its own.
-            QTimer.singleShot(0, self, lambda: self._show_body(handle))
+            self._later(self._show_pane)
+            self._later(self.tabs.show)
 
-    def _show_body(self, handle: JobHandle) -> None:
-        if self.handle is handle:
-            self.stack.setCurrentIndex(1)
+    @property
+    def settling(self) -> bool:
+        """The pane is still being shown or repainted a turn at a time after the last click."""
+        return bool(self._turns)
+
+    def _show_pane(self) -> None:
+        if self.handle is not None:
+            self.stack.setCurrentIndex(1)  # its first layout and paint
+
+    def paint_later(self, widget: QWidget) -> None:
+        """Hold `widget`'s repaint for a turn of its own after this one (one widget a turn, in order)."""
+        widget.setUpdatesEnabled(False)
+        self._later(lambda: widget.setUpdatesEnabled(True))
+
+    def _later(self, step: Callable[[], None]) -> None:
+        # A timer, not a queued call: queued calls and the repaints they cause all run in one go before
+        # the next timer, so the window would not answer in between (benchmarks/gui_job_open.py).
+        self._turns.append(step)
+        if not self._turn.isActive():
+            self._pacer.start()
+            self._turn.start(0)
+
+    def _next_turn(self) -> None:
+        if self._turns:
+            self._turns.pop(0)()
+        if self._turns:
+            self._turn.start(self._pacer.rest_ms())
 
     def update_record(self) -> None:
         """The record changed: header, buttons, failure cause, plan figures."""

@@ -266,6 +266,8 @@ class JobsPage(QWidget):
         """Select `job_id` in the list and show it; works before the engine has told us about the job."""
         if self.model.job(job_id) is None:
             self.model.upsert({"id": job_id})  # a just-submitted job: its record follows
+        if job_id != self._current:
+            self.detail.paint_later(self.table)  # the list's new selection, then the pane, a turn each
         self._select_row(job_id)
         if job_id == self._current:
             return
@@ -277,7 +279,8 @@ class JobsPage(QWidget):
         self._offer_compare()
         self._telemetry_for = None
         self._load_telemetry(handle)
-        self._live_drawn = None
+        # show_handle has just filled the pane from this state: the refresh only starts the charts.
+        self._live_drawn = (id(handle), handle.series.revision, id(handle.record))
         self.refresh()
         self.sig_job_opened.emit(job_id)
 

@@ -11,9 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyqtgraph as pg
 import pytest
 
 from rigpilot.app.jobs import handle as handle_module
+from rigpilot.app.jobs.chart_turns import AXES
 from rigpilot.app.jobs.charts import JOB_END, TELEMETRY_WINDOW_S
 from rigpilot.app.jobs.page import LIST_ROWS, LIST_SPLITTER_KEY
 from rigpilot.app.jobs.series import STEP_FIELDS, JobSeries
@@ -122,9 +124,10 @@ def test_the_job_page_is_filled_before_it_is_shown_and_its_charts_paint_in_turns
     assert shown_when_filled[0] is False
     assert detail.stack.currentIndex() == 0  # shown in a turn of its own: its first layout is not in the click
     qtbot.waitUntil(lambda: detail.stack.currentIndex() == 1)
-    held = [c for c in detail.charts.charts() if not c.updatesEnabled()]
-    assert held  # each waits for an event-loop turn of its own
-    qtbot.waitUntil(lambda: all(c.updatesEnabled() for c in detail.charts.charts()))
+    held = [c for c in detail.charts.charts() if c.isHidden() or not c.updatesEnabled()]
+    assert held  # each waits for event-loop turns of its own
+    qtbot.waitUntil(lambda: all(c.isVisible() and c.updatesEnabled() for c in detail.charts.charts()))
+    assert detail.tabs.isVisible() and detail.body.updatesEnabled() and page.table.updatesEnabled()
 
 
 def test_steps_a_job_did_not_report_break_the_line_instead_of_a_ramp(qtbot):
@@ -227,3 +230,46 @@ def test_the_job_list_shows_several_rows_and_keeps_the_height_a_user_drags_it_to
     again.restore_state(settings, "jobs")
     again.resize(1280, 720)
     qtbot.waitUntil(lambda: again.splitter.sizes()[0] == 300)
+
+
+def test_each_charts_axes_are_drawn_in_turns_of_their_own_before_it_paints(qtbot, store_link, monkeypatch):
+    """Drawing an axis's labels was most of a chart's paint: one slice the window could not answer in."""
+    link, _ = store_link
+    painting: list[object] = []
+    painted: list[object] = []
+    drawn_in_paint: list[object] = []
+    paint, specs = pg.GraphicsView.paintEvent, pg.AxisItem.generateDrawSpecs
+
+    def spy_paint(self: Any, event: Any) -> Any:
+        painting.append(self)
+        painted.append(self)
+        try:
+            return paint(self, event)
+        finally:
+            painting.pop()
+
+    def spy_specs(self: Any, painter: Any) -> Any:
+        if painting:
+            drawn_in_paint.append(self)
+        return specs(self, painter)
+
+    monkeypatch.setattr(pg.GraphicsView, "paintEvent", spy_paint)
+    monkeypatch.setattr(pg.AxisItem, "generateDrawSpecs", spy_specs)
+    page = open_page(qtbot, link)
+    page.open_job("j1")
+    charts = page.detail.charts
+    handle = page.current_handle
+    qtbot.waitUntil(
+        lambda: handle.history_loaded and not charts.drawing and all(c.isVisible() for c in charts.charts())
+    )
+    views = [c.plot if hasattr(c, "set_data") else c for c in charts.charts()]
+    for view in views:
+        for name in AXES:
+            view.getPlotItem().getAxis(name).picture = None  # every axis has to be drawn again
+    painted.clear()
+    drawn_in_paint.clear()
+    charts.set_smoothing(0.5)
+    assert page.detail.charts.refresh()
+    qtbot.waitUntil(lambda: not charts.drawing and all(c.updatesEnabled() for c in charts.charts()))
+    qtbot.waitUntil(lambda: set(views) <= set(painted))
+    assert not drawn_in_paint  # the paints only replayed the pictures the turns had drawn

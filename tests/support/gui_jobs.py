@@ -110,7 +110,9 @@ def open_job(qtbot, page: JobsPage, job_id: str) -> None:
     page.open_job(job_id)
     handle = page.current_handle
     assert handle is not None
+    # The pane shows a piece per event-loop turn after the click: wait for the last one too.
     qtbot.waitUntil(lambda: handle.history_loaded and handle.record.get("state") is not None)
+    qtbot.waitUntil(lambda: not page.detail.settling)
     page.refresh(force=True)
 
 

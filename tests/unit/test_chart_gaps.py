@@ -28,3 +28,12 @@ def test_rows_of_several_series_break_together():
     bt, bv = break_gaps(t, values)
     assert bt[4] == 16.5
     assert bv.shape == (2, 7) and np.isnan(bv[:, 4]).all()
+
+
+def test_the_usual_step_is_numpys_median_of_odd_and_even_counts():
+    from rigpilot.app.jobs.gaps import _median
+
+    rng = np.random.default_rng(7)
+    for n in range(1, 40):
+        values = rng.random(n) * 10
+        assert _median(values) == float(np.median(values))
