@@ -23,11 +23,12 @@ import pyqtgraph as pg
 import pyqtgraph.exporters
 from PySide6.QtCore import QEvent, QObject, QPointF, Qt, Signal
 from PySide6.QtGui import QColor, QIcon, QPalette, QPixmap
-from PySide6.QtWidgets import QCheckBox, QHBoxLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QCheckBox, QHBoxLayout, QSizePolicy, QVBoxLayout, QWidget
 
 from rigpilot.app.tasks import run_in_background
 from rigpilot.app.widgets.chart_view import ChartView
 from rigpilot.app.widgets.decimate import IncrementalMinMax
+from rigpilot.app.widgets.elided_label import ElidedLabel
 from rigpilot.app.widgets.palette import apply_plot_theme, series_color
 from rigpilot.app.widgets.units import NA
 
@@ -96,12 +97,12 @@ class TimeChart(QWidget):
         self._paused = False
         self._title, self._unit, self._fmt = "", "", "{:.1f}"
 
-        self.readout = QLabel(NA)
+        # A long read-out or many series must not widen a chart that shares a row with others: what does not
+        # fit ends in "…" (a cut without one read as a broken line on a 4-GPU job's small charts), and the
+        # whole read-out is in the tooltip.
+        self.readout = ElidedLabel(NA)
         self.readout.setObjectName("chartReadout")
         self.readout.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        # A long read-out or many series must not widen a chart that shares a row with others;
-        # what does not fit is in the tooltips.
-        self.readout.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         self._axis = AgoAxis(orientation="bottom")
         self.plot = ChartView(axisItems={"bottom": self._axis})
         self.plot.setObjectName("chartPlot")
@@ -331,8 +332,7 @@ class TimeChart(QWidget):
                 self._set_readout(self._readout_at(len(self._t) - 1, name))
 
     def _set_readout(self, text: str) -> None:
-        self.readout.setText(text)
-        self.readout.setToolTip(text)
+        self.readout.setText(text)  # and its tooltip
 
     def _readout_at(self, i: int, when: str) -> str:
         if i < 0 or not self._names:

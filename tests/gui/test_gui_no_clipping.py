@@ -39,7 +39,8 @@ def window(tmp_path_factory):
     assert isinstance(app, QApplication)
     font, theme = app.font(), current_theme()
     app.setFont(FONT)
-    finished = make_job("job-2", gpus=[2, 3], state="completed", name="tiny-llama shakespeare")
+    # Four GPUs: a simulated 4×RTX 4090's default job, whose GPU charts read out four values in a small chart.
+    finished = make_job("job-2", gpus=[0, 1, 2, 3], state="completed", name="tiny-llama shakespeare")
     link = FakeLink("4x-rtx4090", jobs=[make_job("job-1", gpus=[0, 1]), finished])
     link.replies["plan"] = real_plan_reply(link.machine_obj)
     # A machine check with two broken links: its card, its view in Settings and its marks on the Topology page.
