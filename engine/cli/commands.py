@@ -79,6 +79,9 @@ def register(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     from rigpilot.engine.cli.doctor import register as register_doctor
 
     register_doctor(sub, js)
+    from rigpilot.engine.cli.serve import register as register_serve
+
+    register_serve(sub)
     p = sub.add_parser(
         "scaling", parents=[_scaling_model_options(), workload, js],
         help="run the same training on 1, 2, 4 … GPUs: measured speed-up against linear and against the plan",
