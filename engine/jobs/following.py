@@ -54,6 +54,9 @@ def read_ranks(run: Run, failure_grace_s: float) -> None:
 def has_started(run: Run) -> bool:
     if run.stepped:
         return True
+    # A server reports no steps: it runs once it listens (engine.workers.serve's "serving" status).
+    if run.rec.kind == "serve":
+        return run.summary.phase == "serving"
     # A script need not report steps; it runs once every rank has started it.
     if run.rec.kind == "script":
         if run.summary.records:

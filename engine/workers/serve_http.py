@@ -91,13 +91,21 @@ def build_app(served: ServedModel) -> Starlette:
         try:
             body = await _read_json(request)
             req, events = _make_request(served, body, chat)
-            stream = body.get("stream") is True
+            streamed = body.get("stream") is True
             served.submit(req)
             ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-            if stream:
-                include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-                stream_gen = _stream(ident, served.name, chat, req, events, release, include_usage)
-                return StreamingResponse(stream_gen, media_type="text/event-stream")
+            if streamed:
+                options = body.get("stream_options")
+                include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+                stream = _stream(ident, served.name, chat, events, include_usage)
+
+                def closed() -> None:
+                    # A request still in the batch (its client left) is dropped at the next step; one that ended
+                    # is in it no more, and this changes nothing.
+                    req.cancelled = True
+                    release()
+
+                return _EventStream(stream, closed)
             try:
                 return JSONResponse(await _whole(ident, served.name, chat, req, events, request))
             finally:
@@ -320,8 +328,9 @@ async def _whole(ident: str, name: str, chat: bool, req: Request, events: asynci
             "model": name, "choices": [choice], "usage": _usage(event)}  # fmt: skip
 
 
-async def _stream(ident: str, name: str, chat: bool, req: Request, events: asyncio.Queue[Event],
-                  release: Callable[[], None], include_usage: bool) -> AsyncIterator[str]:  # fmt: skip
+async def _stream(
+    ident: str, name: str, chat: bool, events: asyncio.Queue[Event], include_usage: bool
+) -> AsyncIterator[str]:
     created = int(time.time())
     obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -336,25 +345,30 @@ async def _stream(ident: str, name: str, chat: bool, req: Request, events: async
         data = {"id": ident, "object": obj, "created": created, "model": name, "choices": [choice]}
         return f"data: {json.dumps(data)}\n\n"
 
-    ended = False
-    try:
-        if chat:
-            yield chunk(None, None, first=True)
-        while True:
-            event = await events.get()
-            if event.text or event.finish_reason:
-                yield chunk(event.text, event.finish_reason)
-            if event.finish_reason is not None:
-                ended = True
-                break
-        if include_usage:
-            data = {"id": ident, "object": obj, "created": created, "model": name, "choices": [],
-                    "usage": _usage(event)}  # fmt: skip
-            yield f"data: {json.dumps(data)}\n\n"
-        yield "data: [DONE]\n\n"
-    finally:
-        # Also when the client went away mid-stream (Starlette cancels this generator): the batch drops the
-        # request at its next step, and the slot is free again.
-        if not ended:
-            req.cancelled = True
-        release()
+    if chat:
+        yield chunk(None, None, first=True)
+    while True:
+        event = await events.get()
+        if event.text or event.finish_reason:
+            yield chunk(event.text, event.finish_reason)
+        if event.finish_reason is not None:
+            break
+    if include_usage:
+        data = {"id": ident, "object": obj, "created": created, "model": name, "choices": [], "usage": _usage(event)}
+        yield f"data: {json.dumps(data)}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that call `on_close` however the response ends: its last event sent, its client gone
+    mid-stream (Starlette cancels the events), or gone before the first one (they never start)."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self.on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
