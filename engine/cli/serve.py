@@ -31,7 +31,7 @@ def register(sub: Any) -> None:
         "and listens on 127.0.0.1 only; stop it with rigpilot cancel JOB.",
     )  # fmt: skip
     p.add_argument("model", metavar="MODEL|JOB")
-    add_option(p, JOB_SETTINGS["gpus"])
+    add_option(p, JOB_SETTINGS["gpus"], help="the GPU to serve on (default: the first; one in this version)")
     add_option(p, JOB_SETTINGS["name"])
     add_options(p, SERVE_SETTINGS)
     for name in ("tp", "pp"):
