@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from rigpilot.engine.errors import UserError
 from rigpilot.engine.workers.infer import next_token_logits, select_tokens
 
 # How long the idle loop waits for a request before it looks at the stop flag again.
@@ -90,6 +91,7 @@ class Batcher:
         self.mask: torch.Tensor | None = None
         self.last: torch.Tensor | None = None  # each row's newest token, not yet in the cache
         self.counters = Counters()
+        _check_cache(config)
 
     def submit(self, request: Request) -> None:
         """Thread-safe: the HTTP side's way in."""
@@ -255,6 +257,20 @@ class Batcher:
             r.sent += new
             r.emit(Event(new))
         return False
+
+
+def _check_cache(config: Any) -> None:
+    """Refuse a model whose KV cache is not one plain tensor per layer (sliding-window or static layers): padding
+    and cutting columns on the left, as joining and leaving the batch do, would misplace its positions."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    kinds = {type(layer).__name__ for layer in DynamicCache(config=config).layers if type(layer) is not DynamicLayer}
+    if kinds:
+        raise UserError(
+            f"serving a model with {', '.join(sorted(kinds))} cache layers (sliding-window attention) is not yet in "
+            "this version", reason="serve_model_unsupported", layers=sorted(kinds),
+        )  # fmt: skip
 
 
 def _safe_prefix(text: str, stops: list[str]) -> str:

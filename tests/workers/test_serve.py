@@ -270,6 +270,19 @@ def test_cancel_stops_the_server_cleanly(server):
         exchange(f"{server['url']}/models")
 
 
+def test_a_model_with_sliding_window_attention_is_refused_until_a_later_version():
+    from transformers import MistralConfig
+
+    from rigpilot.engine.errors import UserError
+    from rigpilot.engine.workers.serve_batch import _check_cache
+
+    config = MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, sliding_window=16)  # fmt: skip
+    with pytest.raises(UserError) as e:
+        _check_cache(config)
+    assert e.value.reason == "serve_model_unsupported" and "not yet in this version" in str(e.value)
+
+
 def _wait_until(check, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while not check():
