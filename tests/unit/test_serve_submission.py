@@ -48,3 +48,49 @@ def test_what_comes_later_is_refused_in_one_line_before_anything_starts(flag, ca
     assert main(["serve", TINY, *flag]) == 2
     err = capsys.readouterr().err.strip()
     assert err.endswith("not yet in this version") and "\n" not in err
+
+
+class Jobs:
+    """Answers the `job` request as the engine does, for a fixed set of jobs."""
+
+    def __init__(self, *jobs: dict) -> None:
+        self.jobs = {j["id"]: j for j in jobs}
+
+    def request(self, rtype: str, **args):
+        from rigpilot.engine.api.client import EngineError
+
+        assert rtype == "job"
+        if args["job"] not in self.jobs:
+            raise EngineError("not_found", f"no job {args['job']!r}")
+        return {"job": self.jobs[args["job"]]}
+
+
+def trained(tmp_path: Path, job_id: str, state: str = "completed", *files: str) -> dict:
+    out = tmp_path / job_id / "output"
+    for f in files:
+        (out / f).parent.mkdir(parents=True, exist_ok=True)
+        (out / f).write_text("{}")
+    return {"id": job_id, "kind": "train", "state": state, "name": f"run-{job_id}", "job_dir": str(tmp_path / job_id)}
+
+
+def test_a_training_job_is_served_from_its_model_folder_under_its_name(tmp_path):
+    from rigpilot.engine.cli.serve import _what_to_serve
+
+    full = trained(tmp_path, "aaaaaa", "completed", "config.json")
+    lora = trained(tmp_path, "bbbbbb", "completed", "adapter_config.json", "merged/config.json")
+    client = Jobs(full, lora)
+    assert _what_to_serve(client, "aaaaaa") == (str(tmp_path / "aaaaaa" / "output"), "run-aaaaaa")
+    assert _what_to_serve(client, "bbbbbb") == (str(tmp_path / "bbbbbb" / "output" / "merged"), "run-bbbbbb")
+    assert _what_to_serve(client, "Qwen/Qwen2.5-0.5B") == ("Qwen/Qwen2.5-0.5B", "")  # no such job: a model
+
+
+@pytest.mark.parametrize(
+    ("state", "files", "reason"),
+    [("running", (), "serve_job_not_finished"), ("completed", ("adapter_config.json",), "serve_not_yet")],
+)
+def test_a_training_job_without_a_model_to_serve_is_refused_with_its_reason(tmp_path, state, files, reason):
+    from rigpilot.engine.cli.serve import _what_to_serve
+
+    with pytest.raises(UserError) as e:
+        _what_to_serve(Jobs(trained(tmp_path, "cccccc", state, *files)), "cccccc")
+    assert e.value.reason == reason and e.value.fields["job"] == "cccccc"
