@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import signal
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -38,6 +39,7 @@ from rigpilot.engine.workers.serve_http import ServedModel, build_app
 
 HOST = "127.0.0.1"  # loopback only in this version: --listen with API keys comes later
 METRICS_EVERY_S = 2.0
+SWITCH_INTERVAL_S = 0.0005
 DRAIN_S = 10  # how long requests in flight may finish after a SIGTERM (the engine's grace is longer)
 
 
@@ -68,6 +70,9 @@ def run_serve(spec: JobSpec, job_dir: Path) -> int:
         name, tokenizer, getattr(config, "max_position_embeddings", None), s.max_new_tokens, s.max_prompt_tokens,
         s.max_concurrent, batcher.submit,
     )  # fmt: skip
+    # The HTTP thread waits for the GIL while a forward holds it between torch calls: at the default 5 ms
+    # switch interval, every token's event and every new request waited up to that long.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
     sock = _listen(s.port)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -61,6 +62,7 @@ class ServedModel:
 
 def build_app(served: ServedModel) -> Starlette:
     state = {"active": 0}
+    boxes: dict[str, _Mailbox] = {}  # the event loop's, made on its first request (it runs only then)
     created = int(time.time())
 
     async def models(request: HttpRequest) -> Response:
@@ -90,7 +92,9 @@ def build_app(served: ServedModel) -> Starlette:
 
         try:
             body = await _read_json(request)
-            req, events = _make_request(served, body, chat)
+            if "mailbox" not in boxes:
+                boxes["mailbox"] = _Mailbox(asyncio.get_running_loop())
+            req, events = _make_request(served, body, chat, boxes["mailbox"])
             streamed = body.get("stream") is True
             served.submit(req)
             ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -161,7 +165,9 @@ async def _read_json(request: HttpRequest) -> dict[str, Any]:
     return body
 
 
-def _make_request(served: ServedModel, body: dict[str, Any], chat: bool) -> tuple[Request, asyncio.Queue[Event]]:
+def _make_request(
+    served: ServedModel, body: dict[str, Any], chat: bool, mailbox: _Mailbox
+) -> tuple[Request, asyncio.Queue[Event]]:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise ApiError(400, "model is required: the name /v1/models lists", param="model", code="missing_model")
@@ -206,13 +212,35 @@ def _make_request(served: ServedModel, body: dict[str, Any], chat: bool) -> tupl
     stop = _stops(body.get("stop"))
     bias = _logit_bias(body.get("logit_bias"), len(served.tokenizer))
     events: asyncio.Queue[Event] = asyncio.Queue()
-    loop = asyncio.get_running_loop()
 
     def emit(event: Event) -> None:
-        loop.call_soon_threadsafe(events.put_nowait, event)
+        mailbox.put(events, event)
 
     sampling = Sampling(temperature, top_p, None if seed is None else int(seed) % 2**63, bias)
     return Request(prompt_ids, min(asked, room), sampling, stop, emit), events
+
+
+class _Mailbox:
+    """Events from the generation thread into the event loop, one wake-up for all that came meanwhile: a decode
+    step of 16 requests is one wake-up of the loop (a write to its self-pipe), not 16."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.lock = threading.Lock()
+        self.pending: list[tuple[asyncio.Queue[Event], Event]] = []
+
+    def put(self, events: asyncio.Queue[Event], event: Event) -> None:
+        with self.lock:
+            self.pending.append((events, event))
+            if len(self.pending) > 1:
+                return  # a flush is on its way already
+        self.loop.call_soon_threadsafe(self._flush)
+
+    def _flush(self) -> None:
+        with self.lock:
+            items, self.pending = self.pending, []
+        for events, event in items:
+            events.put_nowait(event)
 
 
 def _prompt_ids(served: ServedModel, body: dict[str, Any]) -> list[int]:
