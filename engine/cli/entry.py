@@ -160,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     from rigpilot.engine.cli.doctor import register as register_doctor
 
     register_doctor(sub, js)
+    from rigpilot.engine.cli.serve import register as register_serve
+
+    register_serve(sub)
     return parser
 
 

@@ -51,16 +51,17 @@ def read_ranks(run: Run, failure_grace_s: float) -> None:
             run.kill_at = time.monotonic() + failure_grace_s
 
 
-# Job kinds without steps, and the status phase their ranks report while they measure (engine.workers).
-MEASURING = {"doctor": "checking", "calibrate": "calibrating"}
+# Job kinds without steps, and the status phase their ranks report once they run (engine.workers).
+MEASURING = {"doctor": "checking", "calibrate": "calibrating", "serve": "serving"}
 
 
 def has_started(run: Run) -> bool:
     if run.stepped:
         return True
-    # The machine check and a calibration take no steps: they run once their ranks say they measure.
-    if run.rec.kind in MEASURING and run.summary.phase == MEASURING[run.rec.kind]:
-        return True
+    # The machine check, a calibration and a server take no steps: they run once their ranks say they measure
+    # (or, a server, once it listens: engine.workers.serve's "serving" status).
+    if run.rec.kind in MEASURING:
+        return run.summary.phase == MEASURING[run.rec.kind]
     # A script need not report steps; it runs once every rank has started it.
     if run.rec.kind == "script":
         if run.summary.records:

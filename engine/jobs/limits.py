@@ -14,7 +14,7 @@ from typing import Any
 
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import check_path_length
-from rigpilot.engine.jobspec.spec import INFER_SETTINGS, SETTINGS, TRAIN_SETTINGS
+from rigpilot.engine.jobspec.spec import INFER_SETTINGS, SERVE_SETTINGS, SETTINGS, TRAIN_SETTINGS
 from rigpilot.engine.schema import check_group
 
 PATH_MAX = 4096  # Linux's PATH_MAX: a longer path cannot name a file
@@ -31,7 +31,7 @@ PROMPT_MAX = 1024 * 1024
 
 def check_job_settings(spec: Any) -> None:
     """Raise a one-line UserError for the first setting of a JobSpec outside its allowed values."""
-    for section, declared in (("train", TRAIN_SETTINGS), ("infer", INFER_SETTINGS)):
+    for section, declared in (("train", TRAIN_SETTINGS), ("infer", INFER_SETTINGS), ("serve", SERVE_SETTINGS)):
         part = getattr(spec, section, None)
         if part is not None and is_dataclass(part):
             check_group(part, declared)

@@ -50,6 +50,7 @@ from rigpilot.engine.jobspec.spec import (
     TRAIN_SETTINGS,
     InferSettings,
     JobSpec,
+    ServeSettings,
     TrainSettings,
 )
 from rigpilot.engine.layout import Layout, accumulation_of_plan, schedule_name
@@ -68,7 +69,7 @@ from rigpilot.engine.schema import (
     TrainMethod,
 )  # fmt: skip
 
-KINDS = ("train", "infer", "script", "calibrate", "doctor")
+KINDS = ("train", "infer", "script", "calibrate", "doctor", "serve")
 ENGINE_FIELDS = frozenset({"id", "spec_version", "simulated", "upgrade_notes"})  # a submission's are ignored
 # Room every job needs besides its checkpoints and model: its logs, metrics and record.
 JOB_ROOM_BYTES = 1 << 20
@@ -216,6 +217,9 @@ def _check_kind(
         spec.infer = spec.infer or InferSettings()
         model_type = _check_infer(spec, base)
         _check_degrees(spec, world)
+    elif spec.kind == "serve":
+        spec.serve = spec.serve or ServeSettings()
+        model_type = _check_serve(spec, base, world)
     elif spec.kind == "doctor":
         _check_degrees(spec, world)
     elif spec.kind == "calibrate":
@@ -411,6 +415,13 @@ def describe(sub: Submission, free: int | None = None) -> list[str]:
         sampling = "greedy" if i.temperature == 0 else f"temperature {i.temperature:g}, top-p {i.top_p:g}, seed {i.seed}"
         batch = "vLLM batches the prompts itself" if i.backend == "vllm" else f"batch {i.batch_size}"
         lines.append(f"inference: {i.precision}, up to {i.max_new_tokens} new tokens, {batch}, {sampling}")
+    elif spec.kind == "serve" and spec.serve:
+        v = spec.serve
+        port = f"port {v.port}" if v.port else "a free port"
+        lines.append(
+            f"serving: an OpenAI-compatible API on 127.0.0.1, {port}; {v.precision}, up to {v.max_batch} requests "
+            f"decoded together, {v.max_concurrent} at once, {v.max_new_tokens} new tokens a request"
+        )
     lines += machine_checks.lines(sub.machine_check)
     ram = sub.host_ram
     if "plan_needs" in ram:
@@ -491,6 +502,8 @@ def _per_node(total: int, nodes: int) -> int:
 
 
 def _default_gpus(spec: JobSpec, machine: Machine, nodes: int = 1) -> list[int]:
+    if spec.kind == "serve":
+        return [g.index for g in machine.gpus][:1]  # one rank in this version (_check_serve)
     want = spec.parallelism.world_size // nodes if spec.parallelism.world_size % nodes == 0 else 1
     all_gpus = [g.index for g in machine.gpus]
     return all_gpus[:want] if want > 1 else all_gpus
@@ -561,6 +574,21 @@ def _check_infer(spec: JobSpec, base: Path | None) -> str | None:
         i.prompts_file = str(_check_data_file(i.prompts_file, base, "prompts file"))
     elif not [p for p in i.prompts if p.strip()]:
         raise UserError("an inference job needs prompts (--prompts FILE or --prompt TEXT)")
+    return model_type
+
+
+def _check_serve(spec: JobSpec, base: Path | None, world: int) -> str | None:
+    """A served model runs on one rank in this version: split layouts (tp, pp, replicas) come later."""
+    if not spec.model:
+        raise UserError("a served model needs a model (a preset, a model folder or a Hugging Face repo id)")
+    p = spec.parallelism
+    if world > 1 or p.world_size > 1:
+        raise UserError(
+            f"serving runs on one GPU in this version, not {max(world, p.world_size)} (tp {p.tp}, pp {p.pp}): "
+            "give one GPU (--gpus 0)",
+            reason="serve_layout_unsupported", ranks=max(world, p.world_size), tp=p.tp, pp=p.pp,
+        )  # fmt: skip
+    spec.model, model_type = _check_model(spec.model, base)
     return model_type
 
 

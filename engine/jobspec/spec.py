@@ -35,7 +35,7 @@ from rigpilot.engine.schema import (
     setting,
 )
 
-JobKind = Literal["train", "infer", "script", "calibrate", "doctor"]
+JobKind = Literal["train", "infer", "script", "calibrate", "doctor", "serve"]
 # 2: the optimizer step in backward no longer runs under DDP (engine.capability refuses it there); a version-1
 # job.json asking for it runs its replicas as FSDP2 shards (JobSpec.from_dict).
 SPEC_VERSION = 2
@@ -304,6 +304,63 @@ class InferSettings:
 
 
 @dataclass
+class ServeSettings:
+    """An OpenAI-compatible server on the job's one rank (engine.workers.serve); it runs until cancelled."""
+
+    port: int = setting(
+        0,
+        flags="--port",
+        range=Range(0, 65535),
+        metavar="PORT",
+        label="Port",
+        default_words="0: a free port, which the job reports",
+        help="The loopback port the server listens on.",
+    )
+    max_batch: int = setting(
+        16,
+        flags="--max-batch",
+        range=Range(1, 4096),
+        metavar="N",
+        unit="requests",
+        label="Batch",
+        help="Requests decoded together at most: faster for many clients, and more KV-cache memory.",
+    )
+    max_new_tokens: int = setting(
+        512,
+        flags="--max-new-tokens",
+        range=Range(1, 2**21),
+        metavar="N",
+        unit="tokens",
+        label="New tokens",
+        help="The most tokens one request may ask for (its max_tokens).",
+    )
+    max_prompt_tokens: int = setting(
+        4096,
+        flags="--max-prompt-tokens",
+        range=Range(1, 2**21),
+        metavar="N",
+        unit="tokens",
+        label="Prompt tokens",
+        help="The longest prompt a request may send; longer ones are refused.",
+    )
+    max_concurrent: int = setting(
+        64,
+        flags="--max-concurrent",
+        range=Range(1, 65536),
+        metavar="N",
+        unit="requests",
+        label="Concurrent requests",
+        help="Requests running or waiting at once; one more is answered 429 (busy).",
+    )
+    precision: str = setting(
+        Precision.BF16, flags="--precision", choices=Precision, label="Precision", help="The weights' dtype."
+    )
+    seed: int = setting(
+        1234, flags="--seed", range=SEED, metavar="N", label="Seed", help="Sampling's seed for requests without one."
+    )
+
+
+@dataclass
 class JobSpec:
     id: str
     kind: JobKind
@@ -323,6 +380,7 @@ class JobSpec:
     parallelism: Layout = field(default_factory=Layout)
     train: TrainSettings | None = None
     infer: InferSettings | None = None
+    serve: ServeSettings | None = None
     script: list[str] | None = None  # argv of a user script: ["path/to/script.py", "--flag", ...]
     env: dict[str, str] = field(default_factory=dict)
     resume: bool = False  # continue from the newest complete checkpoint
@@ -356,6 +414,8 @@ class JobSpec:
             d["train"] = TrainSettings(**d["train"])
         if d.get("infer") is not None:
             d["infer"] = InferSettings(**d["infer"])
+        if d.get("serve") is not None:
+            d["serve"] = ServeSettings(**d["serve"])
         known = {f.name for f in dataclasses.fields(cls)}
         spec = cls(**{k: v for k, v in d.items() if k in known and k != "upgrade_notes"})
         old = d.get("spec_version")  # absent: a submission, not a stored job; it is refused as asked, not changed
@@ -391,6 +451,7 @@ class UnreadableSpec(ValueError):
 
 TRAIN_SETTINGS: dict[str, Setting] = declared(TrainSettings, "train")
 INFER_SETTINGS: dict[str, Setting] = declared(InferSettings, "infer")
+SERVE_SETTINGS: dict[str, Setting] = declared(ServeSettings, "serve")
 JOB_SETTINGS: dict[str, Setting] = declared(JobSpec)
 # Every declared setting by its key ("train.micro_batch", "max_restarts").
-SETTINGS: dict[str, Setting] = {s.key: s for g in (TRAIN_SETTINGS, INFER_SETTINGS, JOB_SETTINGS) for s in g.values()}
+SETTINGS: dict[str, Setting] = {s.key: s for g in (TRAIN_SETTINGS, INFER_SETTINGS, SERVE_SETTINGS, JOB_SETTINGS) for s in g.values()}

@@ -65,7 +65,7 @@ def _import_phases() -> None:
 
 def run(spec: JobSpec, job_dir: Path) -> int:
     global _skip_interpreter_teardown
-    if spec.kind in {"train", "infer", "calibrate", "doctor"}:
+    if spec.kind in {"train", "infer", "calibrate", "doctor", "serve"}:
         _skip_interpreter_teardown = True
         # The training loop swaps in its own handler, which finishes the step and checkpoints.
         signal.signal(signal.SIGTERM, _stop_now)
@@ -83,6 +83,10 @@ def run(spec: JobSpec, job_dir: Path) -> int:
         from rigpilot.engine.workers.infer import run_infer
 
         return run_infer(spec, job_dir)
+    if spec.kind == "serve":
+        from rigpilot.engine.workers.serve import run_serve
+
+        return run_serve(spec, job_dir)
     if spec.kind == "calibrate":
         from rigpilot.engine.workers.calibrate import run_calibrate
 
@@ -95,7 +99,7 @@ def run(spec: JobSpec, job_dir: Path) -> int:
         from rigpilot.engine.workers.script import run_script
 
         return run_script(spec, job_dir)
-    raise UserError(f"unknown job kind {spec.kind!r}: use train, infer, calibrate, doctor or script")
+    raise UserError(f"unknown job kind {spec.kind!r}: use train, infer, serve, calibrate, doctor or script")
 
 
 def first_line(e: BaseException) -> str:

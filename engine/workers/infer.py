@@ -442,10 +442,13 @@ def _until_eos(row: list[int], eos: int | None) -> list[int]:
     return row
 
 
-def build_replica_model(spec: JobSpec, runtime: Runtime, dtype: torch.dtype) -> tuple[torch.nn.Module, Any, Any]:
-    s = spec.infer
-    assert s is not None
-    loaded = load_model(spec, dtype=dtype, for_training=False, seed=s.seed)
+def build_replica_model(
+    spec: JobSpec, runtime: Runtime, dtype: torch.dtype, seed: int
+) -> tuple[torch.nn.Module, Any, Any]:
+    """The model one replica generates with (its stage and TP shard on this rank), its tokenizer and config.
+
+    `seed`: set before any random initialisation (engine.workers.model_loading.load_model)."""
+    loaded = load_model(spec, dtype=dtype, for_training=False, seed=seed)
     if loaded.objective != "causal":
         raise UserError(f"model {loaded.source.ref} is an encoder (no causal-LM head): it cannot generate text")
     model: torch.nn.Module = loaded.model
@@ -471,7 +474,7 @@ def run_infer(spec: JobSpec, job_dir: Path) -> int:
     if runtime.device.type == "cpu" and dtype == torch.float16:
         dtype = torch.bfloat16  # few CPU kernels take fp16
     status("loading model")
-    model, tokenizer, config = build_replica_model(spec, runtime, dtype)
+    model, tokenizer, config = build_replica_model(spec, runtime, dtype, s.seed)
     tokenizer.padding_side = "left"  # new tokens go on the right, right after every prompt
     gen = Generator(runtime, model, tokenizer, config, s, dtype)
     mine = list(range(runtime.dp_rank, len(prompts), runtime.dims.dp))

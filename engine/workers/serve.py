@@ -1,0 +1,153 @@
+"""Serving (kind "serve"): an OpenAI-compatible server for the job's model, on one rank, until cancelled.
+
+Two threads. The main thread loads the model and then runs the generation loop (engine.workers.serve_batch:
+continuous batching, requests joining and leaving the running batch between decode steps); uvicorn runs the
+HTTP side (engine.workers.serve_http) on a thread of its own, so torch is only ever called from one thread
+and the event loop never waits on a forward.
+
+The server listens on loopback only. Once it listens the job reports a status record, phase "serving", with
+its `url` (…/v1) and `model` (the name requests give); then every METRICS_EVERY_S, while anything happens,
+a "serve" record: requests finished, requests/s, tokens/s, mean time to first token, queue depth, the
+requests in the batch and those dropped because their client left.
+
+SIGTERM (the engine's cancel) stops the server accepting, lets the requests in flight finish for up to
+DRAIN_S, drops what is left, and exits with EXIT_CANCELLED: the job ends cancelled.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.jobspec.spec import JobSpec
+from rigpilot.engine.report import report
+from rigpilot.engine.workers import EXIT_CANCELLED
+from rigpilot.engine.workers.infer import build_replica_model
+from rigpilot.engine.workers.metrics import peak_memory, status
+from rigpilot.engine.workers.parallel_dims import init_runtime
+from rigpilot.engine.workers.parallelize import precision_dtype
+from rigpilot.engine.workers.serve_batch import Batcher, Counters
+from rigpilot.engine.workers.serve_http import ServedModel, build_app
+
+HOST = "127.0.0.1"  # loopback only in this version: --listen with API keys comes later
+METRICS_EVERY_S = 2.0
+SWITCH_INTERVAL_S = 0.0005
+DRAIN_S = 10  # how long requests in flight may finish after a SIGTERM (the engine's grace is longer)
+
+
+def served_name(spec: JobSpec) -> str:
+    """The name requests give as `model`: the job's name, else the model as submitted (its folder's name)."""
+    if spec.name:
+        return spec.name
+    model = (spec.model or "model").rstrip("/")
+    return Path(model).name if Path(model).is_absolute() else model
+
+
+def run_serve(spec: JobSpec, job_dir: Path) -> int:
+    s = spec.serve
+    if s is None:
+        raise UserError("serve job without serve settings")
+    runtime = init_runtime(spec)
+    if runtime.world_size != 1:
+        raise UserError(f"serving runs on one rank in this version, not {runtime.world_size}",
+                        reason="serve_layout_unsupported", ranks=runtime.world_size)  # fmt: skip
+    dtype = precision_dtype(s.precision)
+    if runtime.device.type == "cpu" and dtype == torch.float16:
+        dtype = torch.bfloat16  # few CPU kernels take fp16
+    status("loading model")
+    model, tokenizer, config = build_replica_model(spec, runtime, dtype, s.seed)
+    batcher = Batcher(model, tokenizer, config, runtime.device, s.max_batch, s.seed)
+    name = served_name(spec)
+    served = ServedModel(
+        name, tokenizer, getattr(config, "max_position_embeddings", None), s.max_new_tokens, s.max_prompt_tokens,
+        s.max_concurrent, batcher.submit,
+    )  # fmt: skip
+    # The HTTP thread waits for the GIL while a forward holds it between torch calls: at the default 5 ms
+    # switch interval, every token's event and every new request waited up to that long.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+    sock = _listen(s.port)
+    server = _start_http(served, sock)
+    url = f"http://{HOST}:{sock.getsockname()[1]}/v1"
+    status("serving", url=url, model=name, max_batch=s.max_batch, max_concurrent=s.max_concurrent)
+    print(f"[rank0] serving {name} at {url}", flush=True)
+    meter = _Meter(batcher.counters, runtime.device)
+    while not stop.is_set():
+        batcher.run_once()
+        meter.tick(batcher)
+    server.should_exit = True  # stop accepting; connections in flight go on
+    drain_until = time.monotonic() + DRAIN_S
+    while batcher.busy and time.monotonic() < drain_until:
+        batcher.run_once()
+    dropped = batcher.drop_all()
+    meter.tick(batcher, force=True)
+    status("cancelled", exit_code=EXIT_CANCELLED, dropped=dropped)
+    print(f"rigpilot-worker: SIGTERM: server stopped ({dropped} request(s) in flight dropped)", flush=True)
+    return EXIT_CANCELLED
+
+
+def _listen(port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((HOST, port))
+    except OSError as e:
+        sock.close()
+        raise UserError(f"cannot listen on {HOST}:{port}: {e.strerror}", reason="port_unavailable", port=port) from None
+    sock.listen(128)
+    return sock
+
+
+def _start_http(served: ServedModel, sock: socket.socket) -> Any:
+    import uvicorn
+
+    config = uvicorn.Config(
+        build_app(served), log_level="warning", lifespan="off", access_log=False, timeout_graceful_shutdown=DRAIN_S
+    )
+    server = uvicorn.Server(config)
+    # Off the main thread, uvicorn installs no signal handlers: SIGTERM stays this module's.
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="serve-http", daemon=True).start()
+    return server
+
+
+class _Meter:
+    """The periodic "serve" record: figures over the window since the last one, written only when there is news."""
+
+    def __init__(self, counters: Counters, device: torch.device) -> None:
+        self.c, self.device = counters, device
+        self.at = time.perf_counter()
+        self.seen = (0, 0, 0, 0.0, 0)
+
+    def tick(self, batcher: Batcher, force: bool = False) -> None:
+        now = time.perf_counter()
+        if now - self.at < METRICS_EVERY_S and not force:
+            return
+        c = self.c
+        figures = (c.finished, c.dropped, c.new_tokens, c.ttft_sum, c.ttft_count)
+        quiet = figures == self.seen and not batcher.busy
+        if quiet and not force:
+            self.at = now
+            return
+        finished, _, tokens, ttft_sum, ttft_count = (a - b for a, b in zip(figures, self.seen, strict=True))
+        span = now - self.at
+        report(
+            kind="serve",
+            requests=c.finished,
+            requests_per_s=finished / span,
+            tokens_per_s=tokens / span,
+            time_to_first_token=ttft_sum / ttft_count if ttft_count else None,
+            queue_depth=batcher.queue_depth,
+            running=len(batcher.rows),
+            dropped=c.dropped,
+            peak_memory=peak_memory(self.device),
+        )
+        self.at, self.seen = now, figures

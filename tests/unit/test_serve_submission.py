@@ -1,0 +1,96 @@
+"""A "serve" job through the submission path, and `rigpilot serve`'s refusals of what comes in later versions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rigpilot.engine.cli.entry import main
+from rigpilot.engine.errors import UserError
+from rigpilot.engine.hardware.simulated import load_profile
+from rigpilot.engine.jobs.submission import describe, prepare
+
+from support.paths import TINY_LLAMA_CONFIG
+
+TINY = str(TINY_LLAMA_CONFIG.parent)
+
+
+def submit(tmp_path: Path, **spec):
+    return prepare({"kind": "serve", "model": TINY, **spec}, None, str(tmp_path), job_id="s1",
+                   machine=load_profile("4x-rtx4090"), max_cpu_ranks=2)  # fmt: skip
+
+
+def test_a_served_model_runs_on_one_rank_of_the_first_gpu_with_its_settings(tmp_path):
+    sub = submit(tmp_path, serve={"port": 8123, "max_batch": 4})
+    assert (sub.ranks, sub.spec.gpus) == (1, [0])
+    assert (sub.spec.serve.port, sub.spec.serve.max_batch, sub.spec.serve.max_concurrent) == (8123, 4, 64)
+    assert any(line.startswith("serving: ") and "port 8123" in line for line in describe(sub))
+
+
+@pytest.mark.parametrize("spec", [{"parallelism": {"tp": 2}}, {"parallelism": {"pp": 2}}, {"gpus": [0, 1]}])
+def test_a_split_layout_is_refused_with_its_reason_until_a_later_version(tmp_path, spec):
+    with pytest.raises(UserError) as e:
+        submit(tmp_path, **spec)
+    assert e.value.reason == "serve_layout_unsupported"
+    assert e.value.fields["ranks"] == 2
+    assert "\n" not in str(e.value)
+
+
+def test_a_port_out_of_range_names_the_setting(tmp_path):
+    with pytest.raises(UserError) as e:
+        submit(tmp_path, serve={"port": 70000})
+    assert e.value.reason == "out_of_range" and e.value.fields["setting"] == "serve.port"
+
+
+@pytest.mark.parametrize("flag", [["--adapter", "a=b"], ["--listen", "0.0.0.0:8000"]])
+def test_what_comes_later_is_refused_in_one_line_before_anything_starts(flag, capsys):
+    assert main(["serve", TINY, *flag]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("not yet in this version") and "\n" not in err
+
+
+class Jobs:
+    """Answers the `job` request as the engine does, for a fixed set of jobs."""
+
+    def __init__(self, *jobs: dict) -> None:
+        self.jobs = {j["id"]: j for j in jobs}
+
+    def request(self, rtype: str, **args):
+        from rigpilot.engine.api.client import EngineError
+
+        assert rtype == "job"
+        if args["job"] not in self.jobs:
+            raise EngineError("not_found", f"no job {args['job']!r}")
+        return {"job": self.jobs[args["job"]]}
+
+
+def trained(tmp_path: Path, job_id: str, state: str = "completed", *files: str) -> dict:
+    out = tmp_path / job_id / "output"
+    for f in files:
+        (out / f).parent.mkdir(parents=True, exist_ok=True)
+        (out / f).write_text("{}")
+    return {"id": job_id, "kind": "train", "state": state, "name": f"run-{job_id}", "job_dir": str(tmp_path / job_id)}
+
+
+def test_a_training_job_is_served_from_its_model_folder_under_its_name(tmp_path):
+    from rigpilot.engine.cli.serve import _what_to_serve
+
+    full = trained(tmp_path, "aaaaaa", "completed", "config.json")
+    lora = trained(tmp_path, "bbbbbb", "completed", "adapter_config.json", "merged/config.json")
+    client = Jobs(full, lora)
+    assert _what_to_serve(client, "aaaaaa") == (str(tmp_path / "aaaaaa" / "output"), "run-aaaaaa")
+    assert _what_to_serve(client, "bbbbbb") == (str(tmp_path / "bbbbbb" / "output" / "merged"), "run-bbbbbb")
+    assert _what_to_serve(client, "Qwen/Qwen2.5-0.5B") == ("Qwen/Qwen2.5-0.5B", "")  # no such job: a model
+
+
+@pytest.mark.parametrize(
+    ("state", "files", "reason"),
+    [("running", (), "serve_job_not_finished"), ("completed", ("adapter_config.json",), "serve_not_yet")],
+)
+def test_a_training_job_without_a_model_to_serve_is_refused_with_its_reason(tmp_path, state, files, reason):
+    from rigpilot.engine.cli.serve import _what_to_serve
+
+    with pytest.raises(UserError) as e:
+        _what_to_serve(Jobs(trained(tmp_path, "cccccc", state, *files)), "cccccc")
+    assert e.value.reason == reason and e.value.fields["job"] == "cccccc"
