@@ -1,13 +1,17 @@
 """`rigpilot serve MODEL|JOB`: serve a model, or a finished training job's model, through an OpenAI-compatible
-API on this machine's loopback; the job runs in the engine until `rigpilot cancel`.
+API (loopback unless --listen); the job runs in the engine until `rigpilot cancel`.
 
-It submits a "serve" job (engine.workers.serve), waits until the job reports its URL, prints it and returns
-(or, with --follow, follows the job as `rigpilot run` does).
+It submits a "serve" job (engine.workers.serve), waits until the job reports its URL, prints it (and, beyond
+loopback, the job's API key, this once) and returns (or, with --follow, follows the job as `rigpilot run` does).
+
+A finished LoRA job is served unmerged: its base under the name "base" and base + adapter under the job's
+name. `--adapter NAME=FOLDER` serves more adapters beside the base; FOLDER may be a finished LoRA job too.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from pathlib import Path
@@ -20,15 +24,16 @@ from rigpilot.engine.schema import TERMINAL_STATES, add_option, add_options, giv
 from rigpilot.engine.terminal import printable
 
 WAIT_FOR_URL_S = 600.0  # loading a large model from a slow disk; the job's own failure ends the wait sooner
-NOT_YET = "not yet in this version"
+LORA_BASE_NAME = "base"  # what the base of a served LoRA job is called in requests
 
 
 def register(sub: Any) -> None:
     p = sub.add_parser(
         "serve", help="serve a model (or a finished training job's) through an OpenAI-compatible API",
         description="rigpilot serve MODEL|JOB: a preset, a model folder, a Hugging Face repo id, or a finished "
-        "training job whose model to serve. Runs as an engine job on one GPU (a CPU rank on a simulated machine) "
-        "and listens on 127.0.0.1 only; stop it with rigpilot cancel JOB.",
+        "training job whose model to serve (a LoRA job: base + adapter as the job's name, the base as 'base'). "
+        "Runs as an engine job on one GPU (a CPU rank on a simulated machine) and listens on 127.0.0.1 unless "
+        "--listen; stop it with rigpilot cancel JOB.",
     )  # fmt: skip
     p.add_argument("model", metavar="MODEL|JOB")
     add_option(p, JOB_SETTINGS["gpus"], help="the GPU to serve on (default: the first; one in this version)")
@@ -38,8 +43,9 @@ def register(sub: Any) -> None:
         add_option(p, LAYOUT_SETTINGS[name])  # the engine says these are for a later version
     p.add_argument("--trust-remote-code", action="store_true", help="allow the model's own Python code to run")
     p.add_argument("--follow", action="store_true", help="follow the job after it serves (Ctrl-C stops following)")
-    p.add_argument("--adapter", action="append", metavar="NAME=FOLDER", help=f"LoRA adapters by name ({NOT_YET})")
-    p.add_argument("--listen", metavar="ADDR", help=f"listen beyond loopback, with an API key ({NOT_YET})")
+    p.add_argument("--adapter", action="append", metavar="NAME=FOLDER",
+                   help="serve a LoRA adapter (a peft folder, or a finished LoRA job) unmerged beside the base, "
+                   "as the model NAME in requests; repeatable")  # fmt: skip
     p.set_defaults(func=cmd_serve)
 
 
@@ -47,44 +53,94 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from rigpilot.engine.api.client import EngineClient
     from rigpilot.engine.cli.commands import follow, print_notice
 
-    for flag, value in (("--adapter", args.adapter), ("--listen", args.listen)):
-        if value:
-            raise UserError(f"rigpilot serve {flag}: {NOT_YET}", reason="serve_not_yet", feature=flag.lstrip("-"))
     if not args.model.strip():
         raise UserError("serve what? name a model (a preset, a folder, a repo id) or a finished training job")
+    pairs = [_adapter_pair(a) for a in args.adapter or []]
+    if args.listen is not None:
+        from rigpilot.engine.workers.serve_setup import parse_listen
+
+        parse_listen(args.listen)  # a bad address is told before anything starts; the engine checks it again
     with EngineClient(on_notice=print_notice) as client:
-        model, name = _what_to_serve(client, args.model)
+        model, name, adapters = _what_to_serve(client, args.model)
         spec: dict[str, Any] = {"kind": "serve", "model": model, **given(args, JOB_SETTINGS)}
         spec.setdefault("name", name)
         spec["serve"] = given(args, SERVE_SETTINGS)
+        if adapters:  # a LoRA job: its name is the adapter's, and the base goes by "base"
+            spec["serve"]["base_name"] = LORA_BASE_NAME
+            adapters = {spec["name"]: next(iter(adapters.values()))}  # under --name where given
+        for adapter, folder in pairs:
+            if adapter in adapters:
+                raise UserError(f"--adapter {adapter}: that name is given twice", reason="serve_adapter_invalid",
+                                adapter=adapter)  # fmt: skip
+            adapters[adapter] = _adapter_folder(client, adapter, folder)
+        if adapters:
+            spec["serve"]["adapters"] = adapters
         degrees = given(args, LAYOUT_SETTINGS)
         if degrees:
             spec["parallelism"] = degrees
         if args.trust_remote_code:
             spec["trust_remote_code"] = True
         job = client.request("submit", spec=spec, plan=None, cwd=os.getcwd())["job"]
-        url = _wait_for_url(client, job["id"])
-        if url is None:
+        serving = _wait_for_url(client, job["id"])
+        if serving is None:
             return follow(client, job["id"])  # it ended before serving: say how, as `rigpilot run` does
-        served = printable(spec.get("name") or model)
+        served = printable(str(serving.get("model") or spec.get("name") or model))
+        url = printable(str(serving["url"]))
         print(f"serving {served} at {url} (job {job['id']}; stop with: rigpilot cancel {job['id']})", flush=True)
+        for adapter in str(serving.get("adapters") or "").split(","):
+            if adapter:
+                print(f"  adapter {printable(adapter)}: give its name as the model", flush=True)
+        if isinstance(serving.get("api_key_file"), str):
+            print(_api_key_line(Path(serving["api_key_file"])), flush=True)
         return follow(client, job["id"]) if args.follow else 0
 
 
-def _what_to_serve(client: Any, given_name: str) -> tuple[str, str]:
-    """(the model to load, the name requests give): a folder, preset or repo id as it is, or a training job's
-    model folder (its merged weights where it saved both an adapter and those)."""
+def _api_key_line(path: Path) -> str:
+    try:
+        key = path.read_text().strip()
+    except OSError:
+        return f"API key: in {printable(str(path))} (send it as Authorization: Bearer KEY)"
+    return f"API key (send it as Authorization: Bearer KEY; it is also in {printable(str(path))}): {key}"
+
+
+def _adapter_pair(given_text: str) -> tuple[str, str]:
+    name, sep, folder = given_text.partition("=")
+    if not sep or not name.strip() or not folder.strip():
+        raise UserError(f"--adapter {given_text!r}: give NAME=FOLDER (a LoRA adapter folder or a finished LoRA job)",
+                        reason="serve_adapter_invalid", adapter=name.strip())  # fmt: skip
+    return name.strip(), folder.strip()
+
+
+def _adapter_folder(client: Any, name: str, given_folder: str) -> str:
+    """An adapter's folder: as given where it exists, else a finished LoRA job's (by id or name)."""
+    path = Path(given_folder).expanduser()
+    if path.exists():
+        return str(path.resolve())
+    job = _job(client, given_folder)
+    if job is None:
+        raise UserError(f"--adapter {name}: {given_folder} is neither a folder nor a job", reason="serve_adapter_invalid",
+                        adapter=name, folder=given_folder)  # fmt: skip
+    out = _finished_output(job)
+    if not (out / "adapter_config.json").is_file():
+        raise UserError(f"--adapter {name}: job {job['id']} saved no LoRA adapter (it trained all the weights): "
+                        f"serve it as a model instead", reason="serve_adapter_invalid", adapter=name,
+                        job=job["id"])  # fmt: skip
+    return str(out)
+
+
+def _job(client: Any, ref: str) -> dict[str, Any] | None:
     from rigpilot.engine.api import protocol
     from rigpilot.engine.api.client import EngineError
 
-    if Path(given_name).expanduser().exists():
-        return given_name, ""
     try:
-        job = client.request("job", job=given_name)["job"]
+        return dict(client.request("job", job=ref)["job"])
     except EngineError as e:
         if e.code == protocol.NOT_FOUND:
-            return given_name, ""  # a preset or a Hugging Face repo id; the engine checks it
+            return None
         raise
+
+
+def _finished_output(job: dict[str, Any]) -> Path:
     if job.get("kind") != "train":
         raise UserError(f"job {job['id']} is a {job.get('kind')} job: only a training job has a model to serve",
                         reason="serve_job_not_trained", job=job["id"], kind=job.get("kind"))  # fmt: skip
@@ -92,16 +148,45 @@ def _what_to_serve(client: Any, given_name: str) -> tuple[str, str]:
     if job.get("state") != "completed" or not out.is_dir():
         raise UserError(f"job {job['id']} has not finished training ({job.get('state')}): serve it once it has",
                         reason="serve_job_not_finished", job=job["id"], state=job.get("state"))  # fmt: skip
-    for folder in (out, out / "merged"):
-        if (folder / "config.json").is_file():
-            return str(folder), job.get("name") or job["id"]
-    raise UserError(f"job {job['id']} saved a LoRA adapter without merged weights: serving an adapter by name is "
-                    f"{NOT_YET} (train with --save-merged)", reason="serve_not_yet", feature="adapter",
-                    job=job["id"])  # fmt: skip
+    return out
 
 
-def _wait_for_url(client: Any, job_id: str) -> str | None:
-    """The URL the job reports once it listens; None when it ended first."""
+def _what_to_serve(client: Any, given_name: str) -> tuple[str, str, dict[str, str]]:
+    """(the model to load, the name requests give, the adapters to serve on it): a folder, preset or repo id as
+    it is; a full training job's model folder; a LoRA job's base model with its adapter (keyed by the job's name
+    or id), unmerged even where it saved merged weights too."""
+    if Path(given_name).expanduser().exists():
+        return given_name, "", {}
+    job = _job(client, given_name)
+    if job is None:
+        return given_name, "", {}  # a preset or a Hugging Face repo id; the engine checks it
+    out = _finished_output(job)
+    name = job.get("name") or job["id"]
+    if (out / "adapter_config.json").is_file():
+        return _lora_base(job, out), name, {name: str(out)}
+    if (out / "config.json").is_file():
+        return str(out), name, {}
+    raise UserError(f"job {job['id']} saved no model in {out}", reason="serve_job_not_trained", job=job["id"],
+                    kind=job.get("kind"))  # fmt: skip
+
+
+def _lora_base(job: dict[str, Any], out: Path) -> str:
+    """The model a LoRA job trained on: its job.json's (as the engine resolved it), else the adapter's own note."""
+    for file, key in ((Path(job.get("job_dir") or "") / "job.json", "model"),
+                      (out / "adapter_config.json", "base_model_name_or_path")):  # fmt: skip
+        try:
+            model = json.loads(file.read_text()).get(key)
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(model, str) and model:
+            return model
+    raise UserError(f"job {job['id']}: its base model is named neither in its job.json nor in its adapter",
+                    reason="serve_adapter_invalid", job=job["id"])  # fmt: skip
+
+
+def _wait_for_url(client: Any, job_id: str) -> dict[str, Any] | None:
+    """The status record the job reports once it listens (its url, model, adapters, api_key_file); None when it
+    ended first."""
     deadline = time.monotonic() + WAIT_FOR_URL_S
     client.request("subscribe", topics=[f"metrics:{job_id}"], metrics_cursors={job_id: {}})
     while time.monotonic() < deadline:
@@ -109,7 +194,7 @@ def _wait_for_url(client: Any, job_id: str) -> str | None:
         if ev is not None and ev.get("event") == "metrics":
             for r in ev.get("records") or []:
                 if r.get("kind") == "status" and r.get("phase") == "serving" and isinstance(r.get("url"), str):
-                    return str(r["url"])
+                    return dict(r)
         if ev is None and client.request("job", job=job_id)["job"]["state"] in TERMINAL_STATES:
             return None
     raise UserError(f"job {job_id} reported no URL in {WAIT_FOR_URL_S:.0f} s; see rigpilot logs {job_id}")

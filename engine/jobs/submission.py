@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -419,9 +420,13 @@ def describe(sub: Submission, free: int | None = None) -> list[str]:
         v = spec.serve
         port = f"port {v.port}" if v.port else "a free port"
         lines.append(
-            f"serving: an OpenAI-compatible API on 127.0.0.1, {port}; {v.precision}, up to {v.max_batch} requests "
+            f"serving: an OpenAI-compatible API on {v.listen}, {port}; {v.precision}, up to {v.max_batch} requests "
             f"decoded together, {v.max_concurrent} at once, {v.max_new_tokens} new tokens a request"
         )
+        if v.tls_cert:
+            lines.append("access: TLS with the engine's certificate, and the job's API key (printed once it serves)")
+        if v.adapters:
+            lines.append(f"LoRA adapters, unmerged, by name: {', '.join(sorted(v.adapters))}")
     lines += machine_checks.lines(sub.machine_check)
     ram = sub.host_ram
     if "plan_needs" in ram:
@@ -589,7 +594,54 @@ def _check_serve(spec: JobSpec, base: Path | None, world: int) -> str | None:
             reason="serve_layout_unsupported", ranks=max(world, p.world_size), tp=p.tp, pp=p.pp,
         )  # fmt: skip
     spec.model, model_type = _check_model(spec.model, base)
+    _check_serve_access(spec.serve)
+    _check_adapters(spec, base)
     return model_type
+
+
+def _check_serve_access(s: ServeSettings | None) -> None:
+    """Beyond loopback, the engine's own TLS certificate (made on first use, as for its --tcp)."""
+    from rigpilot.engine.workers.serve_setup import parse_listen
+
+    if s is None:
+        return
+    s.listen, loopback = parse_listen(s.listen)
+    s.tls_cert = s.tls_key = ""  # the engine's to name, never the submitter's
+    if loopback:
+        return
+    from rigpilot.engine.api.tls import load_or_create_identity
+
+    try:
+        identity = load_or_create_identity()
+    except UserError as e:
+        raise UserError(f"listening on {s.listen} needs TLS, and {e}", reason="serve_tls_unavailable",
+                        listen=s.listen) from None  # fmt: skip
+    s.tls_cert, s.tls_key = str(identity.cert), str(identity.key)
+
+
+_ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
+
+
+def _check_adapters(spec: JobSpec, base: Path | None) -> None:
+    from rigpilot.engine.workers.serve_setup import check_adapter_folder
+
+    s = spec.serve
+    if s is None or not s.adapters:
+        return
+    if not isinstance(s.adapters, dict):
+        raise UserError("serve.adapters maps adapter names to their folders", reason="serve_adapter_invalid")
+    resolved = {}
+    for name, folder in s.adapters.items():
+        if not isinstance(name, str) or not _ADAPTER_NAME.fullmatch(name) or not isinstance(folder, str):
+            raise UserError(f"adapter {name!r}: a name is letters, digits and . _ - : / (as model names are)",
+                            reason="serve_adapter_invalid", adapter=str(name))  # fmt: skip
+        if name == (s.base_name or spec.name):
+            raise UserError(f"adapter {name!r} has the base model's name: give it another",
+                            reason="serve_adapter_invalid", adapter=name)  # fmt: skip
+        path = str(_resolve(folder, base, f"adapter {name}", FOLDER))
+        check_adapter_folder(name, path)
+        resolved[name] = path
+    s.adapters = resolved
 
 
 def _check_data_file(path: str, base: Path | None, what: str = "data file") -> Path:

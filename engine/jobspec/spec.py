@@ -314,7 +314,16 @@ class ServeSettings:
         metavar="PORT",
         label="Port",
         default_words="0: a free port, which the job reports",
-        help="The loopback port the server listens on.",
+        help="The port the server listens on.",
+    )
+    listen: str = setting(
+        "127.0.0.1",
+        flags="--listen",
+        metavar="ADDR",
+        label="Listen on",
+        default_words="127.0.0.1: this machine only",
+        help="The address the server listens on. Any but loopback needs an API key (made for the job, printed "
+        "once) and TLS (the engine's certificate).",
     )
     max_batch: int = setting(
         16,
@@ -358,6 +367,13 @@ class ServeSettings:
     seed: int = setting(
         1234, flags="--seed", range=SEED, metavar="N", label="Seed", help="Sampling's seed for requests without one."
     )
+    # LoRA adapters served by name on the one base, selected by a request's `model` (engine.workers.serve_adapters):
+    # name -> peft adapter folder, resolved by the client (a finished LoRA job names its output folder).
+    adapters: dict[str, str] = field(default_factory=dict)
+    base_name: str = ""  # the base model's name in requests; empty: the job's (engine.workers.serve.served_name)
+    # Written by the engine at submit when `listen` is beyond loopback: its TLS certificate and key.
+    tls_cert: str = ""
+    tls_key: str = ""
 
 
 @dataclass

@@ -87,7 +87,7 @@ def select_tokens(logits: torch.Tensor, temperature: float, top_p: float, genera
 
 
 def next_token_logits(
-    model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any
+    model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any, **extra: Any
 ) -> torch.Tensor:
     """One forward of a whole causal LM (or its TP shard) against `cache`: each row's next-token logits, fp32.
 
@@ -95,10 +95,13 @@ def next_token_logits(
     over every prompt position a prefill would hold batch × prompt × vocab logits, on a 128k vocabulary
     more than all of a layer's activations. A model whose forward lacks the argument (some remote
     code) gets the whole head: whatever it does after the head (scaling, soft-capping) stays its own.
+    `extra`: more arguments of the forward (a served peft model's `adapter_names`).
     """
+    # A peft wrapper takes **kwargs and hands them on: what the head takes is its base model's to say.
+    inner: torch.nn.Module = getattr(model, "get_base_model", lambda: model)()
     out = model(
         input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
-        **_keep_last(type(model)),
+        **_keep_last(type(inner)), **extra,
     )  # fmt: skip
     return out.logits[:, -1, :].float()
 

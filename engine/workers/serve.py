@@ -5,10 +5,13 @@ continuous batching, requests joining and leaving the running batch between deco
 HTTP side (engine.workers.serve_http) on a thread of its own, so torch is only ever called from one thread
 and the event loop never waits on a forward.
 
-The server listens on loopback only. Once it listens the job reports a status record, phase "serving", with
-its `url` (…/v1) and `model` (the name requests give); then every METRICS_EVERY_S, while anything happens,
-a "serve" record: requests finished, requests/s, tokens/s, mean time to first token, queue depth, the
-requests in the batch and those dropped because their client left.
+The server listens on loopback unless `listen` says otherwise (engine.workers.serve_setup: beyond loopback,
+an API key and TLS). LoRA adapters are served by name beside the base (engine.workers.serve_adapters). Once
+it listens the job reports a status record, phase "serving", with its `url` (…/v1), `model` (the base's name
+in requests), `adapters` (their names, comma-separated) and, with an API key, `api_key_file`; then every
+METRICS_EVERY_S, while anything happens, a "serve" record: requests finished, requests/s, tokens/s, mean time
+to first token, queue depth, the requests in the batch, those dropped because their client left, and the KV
+cache's bytes.
 
 SIGTERM (the engine's cancel) stops the server accepting, lets the requests in flight finish for up to
 DRAIN_S, drops what is left, and exits with EXIT_CANCELLED: the job ends cancelled.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import signal
 import socket
+import ssl
 import sys
 import threading
 import time
@@ -34,17 +38,21 @@ from rigpilot.engine.workers.infer import build_replica_model
 from rigpilot.engine.workers.metrics import peak_memory, status
 from rigpilot.engine.workers.parallel_dims import init_runtime
 from rigpilot.engine.workers.parallelize import precision_dtype
+from rigpilot.engine.workers.serve_adapters import attach_adapters
 from rigpilot.engine.workers.serve_batch import Batcher, Counters
 from rigpilot.engine.workers.serve_http import ServedModel, build_app
+from rigpilot.engine.workers.serve_setup import api_key, family, parse_listen, url_host
 
-HOST = "127.0.0.1"  # loopback only in this version: --listen with API keys comes later
 METRICS_EVERY_S = 2.0
 SWITCH_INTERVAL_S = 0.0005
 DRAIN_S = 10  # how long requests in flight may finish after a SIGTERM (the engine's grace is longer)
 
 
 def served_name(spec: JobSpec) -> str:
-    """The name requests give as `model`: the job's name, else the model as submitted (its folder's name)."""
+    """The base's name in requests: `base_name` where given, the job's name, else the model as submitted (its
+    folder's name)."""
+    if spec.serve is not None and spec.serve.base_name:
+        return spec.serve.base_name
     if spec.name:
         return spec.name
     model = (spec.model or "model").rstrip("/")
@@ -63,22 +71,32 @@ def run_serve(spec: JobSpec, job_dir: Path) -> int:
     if runtime.device.type == "cpu" and dtype == torch.float16:
         dtype = torch.bfloat16  # few CPU kernels take fp16
     status("loading model")
+    host, loopback = parse_listen(s.listen)
+    if not loopback and not (s.tls_cert and s.tls_key):
+        raise UserError(f"listening on {host} needs TLS, and this job names no certificate (submit it through the "
+                        "engine, which names its own)", reason="serve_tls_unavailable", listen=host)  # fmt: skip
+    key, key_file = api_key(job_dir) if not loopback else (None, None)
     model, tokenizer, config = build_replica_model(spec, runtime, dtype, s.seed)
-    batcher = Batcher(model, tokenizer, config, runtime.device, s.max_batch, s.seed)
+    if s.adapters:
+        status("loading adapters", adapters=",".join(s.adapters))
+    model = attach_adapters(model, s.adapters, runtime.device)
+    batcher = Batcher(model, tokenizer, config, runtime.device, s.max_batch, s.seed, adapters=bool(s.adapters))
     name = served_name(spec)
     served = ServedModel(
         name, tokenizer, getattr(config, "max_position_embeddings", None), s.max_new_tokens, s.max_prompt_tokens,
-        s.max_concurrent, batcher.submit,
+        s.max_concurrent, batcher.submit, tuple(s.adapters), key,
     )  # fmt: skip
     # The HTTP thread waits for the GIL while a forward holds it between torch calls: at the default 5 ms
     # switch interval, every token's event and every new request waited up to that long.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
-    sock = _listen(s.port)
-    server = _start_http(served, sock)
-    url = f"http://{HOST}:{sock.getsockname()[1]}/v1"
-    status("serving", url=url, model=name, max_batch=s.max_batch, max_concurrent=s.max_concurrent)
+    sock = _listen(host, s.port)
+    server = _start_http(served, sock, (s.tls_cert, s.tls_key) if not loopback else None)
+    scheme = "http" if loopback else "https"
+    url = f"{scheme}://{url_host(host)}:{sock.getsockname()[1]}/v1"
+    status("serving", url=url, model=name, adapters=",".join(s.adapters), max_batch=s.max_batch,
+           max_concurrent=s.max_concurrent, api_key_file=str(key_file) if key_file else None)  # fmt: skip
     print(f"[rank0] serving {name} at {url}", flush=True)
     meter = _Meter(batcher.counters, runtime.device)
     while not stop.is_set():
@@ -95,24 +113,32 @@ def run_serve(spec: JobSpec, job_dir: Path) -> int:
     return EXIT_CANCELLED
 
 
-def _listen(port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+def _listen(host: str, port: int) -> socket.socket:
+    sock = socket.socket(family(host), socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((HOST, port))
+        sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise UserError(f"cannot listen on {HOST}:{port}: {e.strerror}", reason="port_unavailable", port=port) from None
+        raise UserError(f"cannot listen on {host} port {port}: {e.strerror}", reason="port_unavailable", port=port,
+                        listen=host) from None  # fmt: skip
     sock.listen(128)
     return sock
 
 
-def _start_http(served: ServedModel, sock: socket.socket) -> Any:
+def _start_http(served: ServedModel, sock: socket.socket, tls: tuple[str, str] | None) -> Any:
     import uvicorn
 
+    if tls:  # uvicorn loads them on its own thread, where a failure would leave a job serving nothing
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(*tls)
+        except (OSError, ssl.SSLError) as e:
+            raise UserError(f"the TLS certificate {tls[0]} cannot be used: {getattr(e, 'strerror', None) or e}",
+                            reason="serve_tls_unavailable", cert=tls[0]) from None  # fmt: skip
     config = uvicorn.Config(
-        build_app(served), log_level="warning", lifespan="off", access_log=False, timeout_graceful_shutdown=DRAIN_S
-    )
+        build_app(served), log_level="warning", lifespan="off", access_log=False, timeout_graceful_shutdown=DRAIN_S,
+        ssl_certfile=tls[0] if tls else None, ssl_keyfile=tls[1] if tls else None,
+    )  # fmt: skip
     server = uvicorn.Server(config)
     # Off the main thread, uvicorn installs no signal handlers: SIGTERM stays this module's.
     threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="serve-http", daemon=True).start()
@@ -148,6 +174,7 @@ class _Meter:
             queue_depth=batcher.queue_depth,
             running=len(batcher.rows),
             dropped=c.dropped,
+            kv_cache_bytes=batcher.kv_cache_bytes,
             peak_memory=peak_memory(self.device),
         )
         self.at, self.seen = now, figures

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.workers.infer import next_token_logits, select_tokens
+from rigpilot.engine.workers.serve_adapters import forward_kwargs
 
 # How long the idle loop waits for a request before it looks at the stop flag again.
 IDLE_POLL_S = 0.05
@@ -63,6 +64,7 @@ class Request:
     tokens: list[int] = field(default_factory=list)
     sent: str = ""  # text already emitted
     generator: torch.Generator | None = None
+    adapter: str | None = None  # the LoRA adapter it runs (engine.workers.serve_adapters); None: the base
 
 
 @dataclass
@@ -78,8 +80,9 @@ class Counters:
 
 class Batcher:
     def __init__(self, model: torch.nn.Module, tokenizer: Any, config: Any, device: torch.device,
-                 max_batch: int, seed: int) -> None:  # fmt: skip
+                 max_batch: int, seed: int, adapters: bool = False) -> None:  # fmt: skip
         self.model, self.tok, self.config, self.device = model, tokenizer, config, device
+        self.adapters = adapters  # whether `model` is a peft model whose rows each name their adapter
         self.max_batch = max_batch
         self.eos = tokenizer.eos_token_id
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (self.eos or 0)
@@ -100,6 +103,13 @@ class Batcher:
     @property
     def busy(self) -> bool:
         return bool(self.rows or self.waiting or not self.inbox.empty())
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """What the running batch's KV cache holds now, padding included."""
+        if self.cache is None:
+            return 0
+        return sum(t.numel() * t.element_size() for layer in self.cache.layers for t in (layer.keys, layer.values))
 
     @property
     def queue_depth(self) -> int:
@@ -162,7 +172,7 @@ class Batcher:
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
         cache = DynamicCache(config=self.config)
-        logits = next_token_logits(self.model, ids, mask, positions, cache)
+        logits = next_token_logits(self.model, ids, mask, positions, cache, **self._adapter_kwargs(joining))
         self._join(joining, cache, mask)
         self._take(joining, logits, range(len(self.rows) - len(joining), len(self.rows)))
 
@@ -204,8 +214,13 @@ class Batcher:
         assert self.mask is not None and self.last is not None
         self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
         positions = self.mask.sum(-1, keepdim=True) - 1
-        logits = next_token_logits(self.model, self.last[:, None], self.mask, positions, self.cache)
+        logits = next_token_logits(
+            self.model, self.last[:, None], self.mask, positions, self.cache, **self._adapter_kwargs(self.rows)
+        )
         self._take(self.rows, logits, range(len(self.rows)))
+
+    def _adapter_kwargs(self, rows: list[Request]) -> dict[str, Any]:
+        return forward_kwargs([r.adapter for r in rows] if self.adapters else None)
 
     def _take(self, rows: list[Request], logits: torch.Tensor, at: range) -> None:
         """Choose each row's next token, tell its client, and cut out the rows that ended."""

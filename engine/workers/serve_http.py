@@ -7,11 +7,16 @@ shape ending with `data: [DONE]`. Errors keep OpenAI's shape ({"error": {"messag
 a client that disconnects has its request dropped from the batch, which frees its slot.
 
 Only text goes back and forth: request bodies are JSON, nothing is ever unpickled.
+
+A request's `model` picks the base (its name) or one of the LoRA adapters served beside it. With an API key
+(a server listening beyond loopback), every request must carry `Authorization: Bearer KEY`; anything else is
+answered 401 in OpenAI's shape, the key compared in constant time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import threading
 import time
@@ -40,7 +45,9 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def response(self) -> JSONResponse:
-        kind = {404: "not_found_error", 429: "rate_limit_error"}.get(self.status, "invalid_request_error")
+        kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
+            self.status, "invalid_request_error"
+        )
         if self.status >= 500:
             kind = "server_error"
         body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
@@ -58,15 +65,22 @@ class ServedModel:
     max_prompt_tokens: int
     max_concurrent: int
     submit: Callable[[Request], None]  # thread-safe: hands a request to the generation thread
+    adapters: tuple[str, ...] = ()  # LoRA adapters served on the base, by the name a request's `model` gives
+    api_key: str | None = None  # required of every request when set
+
+    @property
+    def names(self) -> list[str]:
+        return [self.name, *self.adapters]
 
 
-def build_app(served: ServedModel) -> Starlette:
+def build_app(served: ServedModel) -> Any:
+    """The ASGI app: Starlette's routes, behind the API key's check where there is one."""
     state = {"active": 0}
     boxes: dict[str, _Mailbox] = {}  # the event loop's, made on its first request (it runs only then)
     created = int(time.time())
 
     async def models(request: HttpRequest) -> Response:
-        return JSONResponse({"object": "list", "data": [_model_card(served.name, created)]})
+        return JSONResponse({"object": "list", "data": [_model_card(n, created) for n in served.names]})
 
     async def health(request: HttpRequest) -> Response:
         return JSONResponse({"status": "ok", "active": state["active"]})
@@ -101,7 +115,7 @@ def build_app(served: ServedModel) -> Starlette:
             if streamed:
                 options = body.get("stream_options")
                 include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
-                stream = _stream(ident, served.name, chat, events, include_usage)
+                stream = _stream(ident, body["model"], chat, events, include_usage)
 
                 def closed() -> None:
                     # A request still in the batch (its client left) is dropped at the next step; one that ended
@@ -111,7 +125,7 @@ def build_app(served: ServedModel) -> Starlette:
 
                 return _EventStream(stream, closed)
             try:
-                return JSONResponse(await _whole(ident, served.name, chat, req, events, request))
+                return JSONResponse(await _whole(ident, body["model"], chat, req, events, request))
             finally:
                 release()
         except ApiError as e:
@@ -138,7 +152,26 @@ def build_app(served: ServedModel) -> Starlette:
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
     ]
-    return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_allowed, 500: server_error})
+    app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_allowed, 500: server_error})
+    return _RequireKey(app, served.api_key) if served.api_key else app
+
+
+class _RequireKey:
+    """Every HTTP request carries `Authorization: Bearer <key>`, or is answered 401 before the app sees it."""
+
+    def __init__(self, app: Any, key: str) -> None:
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                said = "no API key given" if not given else "the API key is not this server's"
+                error = ApiError(401, f"{said}: send Authorization: Bearer KEY (rigpilot serve printed the key)",
+                                 code="invalid_api_key")  # fmt: skip
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _model_card(name: str, created: int) -> dict[str, Any]:
@@ -171,8 +204,9 @@ def _make_request(
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise ApiError(400, "model is required: the name /v1/models lists", param="model", code="missing_model")
-    if model != served.name:
-        raise ApiError(404, f"the model {model!r} is not served here; this server serves {served.name!r}",
+    if model not in served.names:
+        names = ", ".join(repr(n) for n in served.names)
+        raise ApiError(404, f"the model {model!r} is not served here; this server serves {names}",
                        param="model", code="model_not_found")  # fmt: skip
     n = body.get("n", 1)
     if n not in (1, None):
@@ -217,7 +251,8 @@ def _make_request(
         mailbox.put(events, event)
 
     sampling = Sampling(temperature, top_p, None if seed is None else int(seed) % 2**63, bias)
-    return Request(prompt_ids, min(asked, room), sampling, stop, emit), events
+    adapter = model if model != served.name else None
+    return Request(prompt_ids, min(asked, room), sampling, stop, emit, adapter=adapter), events
 
 
 class _Mailbox:

@@ -43,11 +43,40 @@ def test_a_port_out_of_range_names_the_setting(tmp_path):
     assert e.value.reason == "out_of_range" and e.value.fields["setting"] == "serve.port"
 
 
-@pytest.mark.parametrize("flag", [["--adapter", "a=b"], ["--listen", "0.0.0.0:8000"]])
-def test_what_comes_later_is_refused_in_one_line_before_anything_starts(flag, capsys):
+@pytest.mark.parametrize(
+    ("flag", "reason"),
+    [(["--adapter", "nofolder"], "serve_adapter_invalid"), (["--listen", "0.0.0.0:8000"], "serve_listen_invalid"),
+     (["--listen", "example.com"], "serve_listen_invalid")],
+)  # fmt: skip
+def test_a_bad_adapter_or_address_is_refused_in_one_line_before_anything_starts(flag, reason, capsys):
     assert main(["serve", TINY, *flag]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.endswith("not yet in this version") and "\n" not in err
+    assert err.startswith("rigpilot: error: ") and "\n" not in err and flag[1] in err
+
+
+def test_loopback_needs_no_certificate_and_a_submitter_cannot_name_one(tmp_path):
+    sub = submit(tmp_path, serve={"listen": "localhost", "tls_cert": "/etc/x.pem", "tls_key": "/etc/x.key"})
+    assert (sub.spec.serve.listen, sub.spec.serve.tls_cert, sub.spec.serve.tls_key) == ("127.0.0.1", "", "")
+
+
+def test_listening_beyond_loopback_serves_with_the_engines_certificate(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    sub = submit(tmp_path, serve={"listen": "0.0.0.0"})
+    assert Path(sub.spec.serve.tls_cert).is_file() and Path(sub.spec.serve.tls_key).is_file()
+    assert any(line.startswith("access: TLS") for line in describe(sub))
+
+
+def test_an_adapter_folder_is_resolved_and_checked(tmp_path):
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    good.mkdir(), bad.mkdir()
+    (good / "adapter_config.json").write_text('{"peft_type": "LORA"}')
+    (bad / "adapter_config.json").write_text('{"peft_type": "IA3"}')
+    sub = submit(tmp_path, name="m", serve={"adapters": {"a": str(good)}})
+    assert sub.spec.serve.adapters == {"a": str(good)}
+    for adapters in ({"a": str(bad)}, {"a": str(tmp_path)}, {"m": str(good)}):
+        with pytest.raises(UserError) as e:
+            submit(tmp_path, name="m", serve={"adapters": adapters})
+        assert e.value.reason == "serve_adapter_invalid" and "\n" not in str(e.value)
 
 
 class Jobs:
@@ -78,15 +107,30 @@ def test_a_training_job_is_served_from_its_model_folder_under_its_name(tmp_path)
 
     full = trained(tmp_path, "aaaaaa", "completed", "config.json")
     lora = trained(tmp_path, "bbbbbb", "completed", "adapter_config.json", "merged/config.json")
+    (tmp_path / "bbbbbb" / "job.json").write_text('{"model": "/models/base"}')
     client = Jobs(full, lora)
-    assert _what_to_serve(client, "aaaaaa") == (str(tmp_path / "aaaaaa" / "output"), "run-aaaaaa")
-    assert _what_to_serve(client, "bbbbbb") == (str(tmp_path / "bbbbbb" / "output" / "merged"), "run-bbbbbb")
-    assert _what_to_serve(client, "Qwen/Qwen2.5-0.5B") == ("Qwen/Qwen2.5-0.5B", "")  # no such job: a model
+    assert _what_to_serve(client, "aaaaaa") == (str(tmp_path / "aaaaaa" / "output"), "run-aaaaaa", {})
+    # A LoRA job: its base, with its adapter unmerged under the job's name.
+    out = str(tmp_path / "bbbbbb" / "output")
+    assert _what_to_serve(client, "bbbbbb") == ("/models/base", "run-bbbbbb", {"run-bbbbbb": out})
+    assert _what_to_serve(client, "Qwen/Qwen2.5-0.5B") == ("Qwen/Qwen2.5-0.5B", "", {})  # no such job: a model
+
+
+def test_a_finished_lora_job_is_an_adapter_folder_and_a_full_one_is_not(tmp_path):
+    from rigpilot.engine.cli.serve import _adapter_folder
+
+    client = Jobs(trained(tmp_path, "aaaaaa", "completed", "config.json"),
+                  trained(tmp_path, "bbbbbb", "completed", "adapter_config.json"))  # fmt: skip
+    assert _adapter_folder(client, "x", "bbbbbb") == str(tmp_path / "bbbbbb" / "output")
+    for ref in ("aaaaaa", "nosuchjob"):
+        with pytest.raises(UserError) as e:
+            _adapter_folder(client, "x", ref)
+        assert e.value.reason == "serve_adapter_invalid"
 
 
 @pytest.mark.parametrize(
     ("state", "files", "reason"),
-    [("running", (), "serve_job_not_finished"), ("completed", ("adapter_config.json",), "serve_not_yet")],
+    [("running", (), "serve_job_not_finished"), ("completed", ("weights.bin",), "serve_job_not_trained")],
 )
 def test_a_training_job_without_a_model_to_serve_is_refused_with_its_reason(tmp_path, state, files, reason):
     from rigpilot.engine.cli.serve import _what_to_serve
