@@ -82,6 +82,9 @@ def run_serve(spec: JobSpec, job_dir: Path) -> int:
     model = attach_adapters(model, s.adapters, runtime.device)
     batcher = Batcher(model, tokenizer, config, runtime.device, s.max_batch, s.seed, adapters=bool(s.adapters))
     name = served_name(spec)
+    if name in s.adapters:  # the engine refuses this at submission; a job.json written by hand may not be
+        raise UserError(f"adapter {name!r} has the base model's name: give it another", reason="serve_adapter_invalid",
+                        adapter=name)  # fmt: skip
     served = ServedModel(
         name, tokenizer, getattr(config, "max_position_embeddings", None), s.max_new_tokens, s.max_prompt_tokens,
         s.max_concurrent, batcher.submit, tuple(s.adapters), key,

@@ -1,5 +1,7 @@
 """`rigpilot serve` through a real engine service: the job is submitted, reports its URL, answers the openai
-client, and `rigpilot cancel` ends it as cancelled."""
+client, and `rigpilot cancel` ends it as cancelled. Served beyond loopback with an adapter, so the engine's own
+certificate, the printed API key and the adapter's name all go the whole way (loopback alone is the workers'
+test's)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ from rigpilot.engine.cli.entry import main as cli_main
 from support.engine import Engine, engine_home, leftover_job_processes, wait_job_state
 from support.worker_jobs import save_random_llama
 
-LINE = re.compile(r"^serving (\S+) at (http://127\.0\.0\.1:\d+/v1) \(job (\w+); stop with: rigpilot cancel \3\)$")
+LINE = re.compile(r"^serving (\S+) at https://\S+:(\d+)/v1 \(job (\w+); stop with: rigpilot cancel \3\)$")
+KEY = re.compile(r"^API key \(send it as Authorization: Bearer KEY; it is also in (\S+)\): (rp-\S+)$")
 
 
 @pytest.fixture
@@ -30,16 +33,25 @@ def engine(tmp_path, monkeypatch):
 
 
 def test_serve_prints_the_url_serves_and_cancel_ends_it(engine, tmp_path, capsys):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
     model = save_random_llama(tmp_path / "tiny", initializer_range=0.2)
-    assert cli_main(["serve", str(model), "--precision", "fp32", "--name", "my-tiny"]) == 0
-    line = capsys.readouterr().out.strip().splitlines()[-1]
-    match = LINE.match(line)
-    assert match, line
-    name, url, job_id = match.groups()
-    assert name == "my-tiny"
-    client = openai.OpenAI(base_url=url, api_key="loopback", max_retries=0, timeout=120)
-    assert [m.id for m in client.models.list().data] == ["my-tiny"]
-    r = client.completions.create(model="my-tiny", prompt="Hello", max_tokens=3, temperature=0)
+    base = AutoModelForCausalLM.from_pretrained(model)
+    get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(tmp_path / "lora")
+    argv = ["serve", str(model), "--precision", "fp32", "--name", "my-tiny", "--listen", "0.0.0.0",
+            "--adapter", f"tuned={tmp_path / 'lora'}"]  # fmt: skip
+    assert cli_main(argv) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    match = next(m for m in map(LINE.match, lines) if m)
+    name, port, job_id = match.groups()
+    key_file, key = next(m for m in map(KEY.match, lines) if m).groups()
+    assert name == "my-tiny" and "  adapter tuned: give its name as the model" in lines
+    assert key_file.startswith(str(tmp_path)) and key_file.endswith("/api-key")
+    client = openai.OpenAI(base_url=f"https://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=120,
+                           http_client=openai.DefaultHttpxClient(verify=False))  # fmt: skip
+    assert [m.id for m in client.models.list().data] == ["my-tiny", "tuned"]
+    r = client.completions.create(model="tuned", prompt="Hello", max_tokens=3, temperature=0)
     assert r.usage.completion_tokens >= 1
 
     with engine.client() as c:
