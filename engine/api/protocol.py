@@ -67,7 +67,8 @@ has `settings`, the job's spec without its environment, and `output`, what its o
     submit {spec: JobSpec fields, plan?, cwd?, slurm?} → {job}; slurm {partition?, account?, time?, login?}:
           submitted to SLURM with sbatch, the job's `slurm` field then follows SLURM's queue state
           (a spec of kind "serve" is an OpenAI-compatible server on one rank until cancelled: its `serve` settings
-          (engine.jobspec.spec.ServeSettings); its metrics' status record "serving" carries the `url`)
+          (engine.jobspec.spec.ServeSettings); its metrics' status record "serving" carries the `url`, and
+          beyond loopback `api_key_file`)
     check {spec, plan?, cwd?} → {ok: true, lines: [what would run, in words], would_run: {ranks, gpus,
           parallelism, method, precision, micro_batch, grad_accum, seq_len, notes, host_ram, ...}}; creates
           nothing, and refuses exactly as submit would (error `user_error`, one line)

@@ -619,6 +619,7 @@ def _check_serve_access(s: ServeSettings | None) -> None:
     s.tls_cert, s.tls_key = str(identity.cert), str(identity.key)
 
 
+MAX_ADAPTERS = 64  # every one is in memory and in every forward's bookkeeping
 _ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
 
 
@@ -630,6 +631,9 @@ def _check_adapters(spec: JobSpec, base: Path | None) -> None:
         return
     if not isinstance(s.adapters, dict):
         raise UserError("serve.adapters maps adapter names to their folders", reason="serve_adapter_invalid")
+    if len(s.adapters) > MAX_ADAPTERS:
+        raise UserError(f"{len(s.adapters)} adapters: one server takes {MAX_ADAPTERS} at most",
+                        reason="serve_adapter_invalid", adapters=len(s.adapters))  # fmt: skip
     resolved = {}
     for name, folder in s.adapters.items():
         if not isinstance(name, str) or not _ADAPTER_NAME.fullmatch(name) or not isinstance(folder, str):

@@ -49,9 +49,34 @@ def test_a_port_out_of_range_names_the_setting(tmp_path):
      (["--listen", "example.com"], "serve_listen_invalid")],
 )  # fmt: skip
 def test_a_bad_adapter_or_address_is_refused_in_one_line_before_anything_starts(flag, reason, capsys):
+    from rigpilot.engine.cli.serve import _adapter_pair
+    from rigpilot.engine.workers.serve_setup import parse_listen
+
     assert main(["serve", TINY, *flag]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("rigpilot: error: ") and "\n" not in err and flag[1] in err
+    with pytest.raises(UserError) as e:
+        (_adapter_pair if flag[0] == "--adapter" else parse_listen)(flag[1])
+    assert e.value.reason == reason
+
+
+def test_listen_addresses_and_the_url_they_give():
+    from rigpilot.engine.workers.serve_setup import parse_listen, url_host
+
+    assert parse_listen("localhost") == ("127.0.0.1", True)
+    assert parse_listen("[::1]") == ("::1", True)
+    assert parse_listen("0.0.0.0") == ("0.0.0.0", False)
+    assert parse_listen("192.168.1.5") == ("192.168.1.5", False)
+    assert url_host("192.168.1.5") == "192.168.1.5" and url_host("fe80::1") == "[fe80::1]"
+    assert url_host("0.0.0.0") not in ("0.0.0.0", "")  # this machine's name: where a client reaches it
+
+
+def test_a_jobs_api_key_is_private_and_kept_over_a_restart(tmp_path):
+    from rigpilot.engine.workers.serve_setup import api_key
+
+    key, path = api_key(tmp_path)
+    assert key.startswith("rp-") and len(key) > 40 and path.stat().st_mode & 0o777 == 0o600
+    assert api_key(tmp_path) == (key, path)
 
 
 def test_loopback_needs_no_certificate_and_a_submitter_cannot_name_one(tmp_path):
