@@ -322,8 +322,8 @@ class ServeSettings:
         metavar="ADDR",
         label="Listen on",
         default_words="127.0.0.1: this machine only",
-        help="The address the server listens on. Any but loopback needs an API key (made for the job, printed "
-        "once) and TLS (the engine's certificate).",
+        help="The address the server listens on. Any but loopback needs an API key, made for the job and printed "
+        "once, and TLS on the engine's certificate.",
     )
     max_batch: int = setting(
         16,

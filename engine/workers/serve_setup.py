@@ -33,9 +33,9 @@ def parse_listen(addr: str) -> tuple[str, bool]:
     try:
         ip = ipaddress.ip_address(text)
     except ValueError:
-        raise UserError(f"--listen {addr!r}: give an IP address of this machine (127.0.0.1, 0.0.0.0, ::, or one of "
+        raise UserError(f"--listen {addr[:80]!r}: give an IP address of this machine (127.0.0.1, 0.0.0.0, ::, or one of "
                         "its interfaces'), not a host name; the port is --port", reason="serve_listen_invalid",
-                        listen=addr) from None  # fmt: skip
+                        listen=addr[:80]) from None  # fmt: skip
     return str(ip), ip.is_loopback
 
 
