@@ -76,15 +76,15 @@ def run_serve(spec: JobSpec, job_dir: Path) -> int:
         raise UserError(f"listening on {host} needs TLS, and this job names no certificate (submit it through the "
                         "engine, which names its own)", reason="serve_tls_unavailable", listen=host)  # fmt: skip
     key, key_file = api_key(job_dir) if not loopback else (None, None)
+    name = served_name(spec)
+    if name in s.adapters:  # the engine refuses this at submission; a job.json written by hand may not be
+        raise UserError(f"adapter {name!r} has the base model's name: give it another", reason="serve_adapter_invalid",
+                        adapter=name)  # fmt: skip
     model, tokenizer, config = build_replica_model(spec, runtime, dtype, s.seed)
     if s.adapters:
         status("loading adapters", adapters=",".join(s.adapters))
     model = attach_adapters(model, s.adapters, runtime.device)
     batcher = Batcher(model, tokenizer, config, runtime.device, s.max_batch, s.seed, adapters=bool(s.adapters))
-    name = served_name(spec)
-    if name in s.adapters:  # the engine refuses this at submission; a job.json written by hand may not be
-        raise UserError(f"adapter {name!r} has the base model's name: give it another", reason="serve_adapter_invalid",
-                        adapter=name)  # fmt: skip
     served = ServedModel(
         name, tokenizer, getattr(config, "max_position_embeddings", None), s.max_new_tokens, s.max_prompt_tokens,
         s.max_concurrent, batcher.submit, tuple(s.adapters), key,
