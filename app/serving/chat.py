@@ -125,7 +125,7 @@ class ChatPanel(QWidget):
         layout.addLayout(row)
         layout.addLayout(options)
         layout.addWidget(self.status)
-        self.set_server(None, None)
+        self._set_server(None, None)
 
     @property
     def generating(self) -> bool:
@@ -133,8 +133,10 @@ class ChatPanel(QWidget):
 
     def set_server(self, url: str | None, model: str | None) -> None:
         """Chat with `model` at `url` (…/v1); None: nothing to chat with."""
-        if (url, model) == (self.url, self.model):
-            return
+        if (url, model) != (self.url, self.model):
+            self._set_server(url, model)
+
+    def _set_server(self, url: str | None, model: str | None) -> None:
         self.stop()
         self._generation += 1  # what the old server still sends is dropped
         self.url, self.model = url, model

@@ -81,6 +81,7 @@ class ServingPage(QWidget):
         self.empty = QLabel(NOTHING_SERVED)
         self.empty.setObjectName("nothingServed")
         self.empty.setWordWrap(True)
+        self.empty.setAlignment(Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignTop)  # under the heading
 
         self.copy_button = QPushButton("&Copy URL")
         self.copy_button.setObjectName("copyServedUrl")
@@ -111,7 +112,7 @@ class ServingPage(QWidget):
         top_layout = QVBoxLayout(top)
         top_layout.addLayout(head)
         top_layout.addWidget(self.table, 1)
-        top_layout.addWidget(self.empty)
+        top_layout.addWidget(self.empty, 1)  # in the table's place while there is none
         top_layout.addLayout(buttons)
         bottom = QWidget()
         bottom_layout = QVBoxLayout(bottom)

@@ -135,6 +135,7 @@ def test_the_serving_page_lists_what_is_served_copies_its_url_and_stops_it(qtbot
     page = ServingPage(link)
     qtbot.addWidget(page)
     page.show()
+    assert page.empty.isVisible() and not page.chat.send_button.isEnabled()  # nothing to chat with yet
     link.connect_engine()
     qtbot.waitUntil(lambda: page.table.rowCount() == 1 and page.table.item(0, 1).text() == URL)
     assert page.table.item(0, 0).text() == "tiny-llama" and page.table.item(0, 3).text() == "serving on a CPU rank (simulated machine)"
