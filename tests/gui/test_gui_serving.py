@@ -1,6 +1,8 @@
-"""Serving in the app: the chat panel against a real served tiny Llama (one serve worker for the module, as
-tests/workers/test_serve.py starts it), held to what the official openai client gets for the same request; and the
-Serving page, "Serve this model" and "Try it" over a FakeLink.
+"""Serving in the app, end to end: a real engine service (a subprocess on the simulated 4×RTX 4090) serves a tiny
+random Llama as a "serve" job of one CPU rank, submitted with the spec the app's Serve action sends; the Serving
+page finds it through a real EngineLink, and its chat streams from the real server, held to what the official
+openai client gets for the same request. Stop serving cancels the job, and the chat then says the model is gone.
+"Serve this model" and Try it are tested over a FakeLink.
 """
 
 from __future__ import annotations
@@ -13,15 +15,18 @@ import pytest
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QApplication
 
+from rigpilot.app.engine_link import EngineLink
 from rigpilot.app.jobs.detail import TRY_TAB
 from rigpilot.app.serving.chat import ChatPanel
 from rigpilot.app.serving.page import ServingPage
-from rigpilot.app.serving.served import serving_url
+from rigpilot.app.serving.served import serve_spec, serving_url
 from rigpilot.app.serving.stream import GONE, ChatError, stream_chat
+from rigpilot.engine.cli.serve import _wait_for_url
 
+from support.engine import Engine, engine_home, leftover_job_processes
 from support.gui_fakes import FakeLink
 from support.gui_jobs import FakeJobs, a_job, a_training_job, open_job, open_page
-from support.served import serve_worker
+from support.paths import REPO
 from support.worker_jobs import save_random_llama
 
 MESSAGE = "Say something."
@@ -29,20 +34,41 @@ MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    model = save_random_llama(tmp_path_factory.mktemp("served") / "tiny", initializer_range=0.2)
-    serve = {"precision": "fp32", "max_batch": 4, "max_concurrent": 5, "max_new_tokens": 64}
-    with serve_worker(tmp_path_factory.mktemp("jobs") / "serve1", model, **serve) as served:
-        yield served
+def served(tmp_path_factory):
+    """{"engine", "job", "url"}: the engine's serve job of a tiny Llama, listening."""
+    mp = pytest.MonkeyPatch()
+    base = tmp_path_factory.mktemp("engine")
+    engine_home(base, mp)
+    mp.setenv("PYTHONPATH", str(REPO))
+    model = save_random_llama(base / "tiny", initializer_range=0.2)
+    engine = Engine(base)
+    engine.start()
+    try:
+        spec = serve_spec(str(model), "tiny", [0])
+        spec["serve"] = {"precision": "fp32", "max_batch": 4, "max_concurrent": 5, "max_new_tokens": 64}
+        with engine.client() as c:
+            job = c.request("submit", spec=spec, plan=None)["job"]["id"]
+            url = _wait_for_url(c, job)
+        assert url, (base / "engine.log").read_text()[-4000:]
+        yield {"engine": engine, "job": job, "url": url}
+    finally:
+        engine.stop()
+        for p in leftover_job_processes(base):
+            p.kill()
+        mp.undo()
 
 
 def chat_panel(qtbot, url: str, model: str = "tiny") -> ChatPanel:
     panel = ChatPanel()
     qtbot.addWidget(panel)
     panel.set_server(url, model)
+    chat_greedily(panel)
+    return panel
+
+
+def chat_greedily(panel: ChatPanel) -> None:
     panel.temperature.setValue(0)
     panel.max_tokens.setValue(MAX_TOKENS)
-    return panel
 
 
 def send(qtbot, panel: ChatPanel, text: str) -> Any:
@@ -52,14 +78,33 @@ def send(qtbot, panel: ChatPanel, text: str) -> Any:
     return finished.args[0]
 
 
-@pytest.mark.slow  # the server's start: a worker process importing torch and loading the model
-def test_the_chat_streams_tokens_with_the_counts_and_stop_reason_the_openai_client_gets(qtbot, server):
-    panel = chat_panel(qtbot, server["url"])
-    pieces: list[str] = []
-    panel.sig_text.connect(pieces.append)
-    reply = send(qtbot, panel, MESSAGE)
+@pytest.fixture
+def serving_page(qtbot, served):
+    link = EngineLink()
+    page = ServingPage(link)
+    qtbot.addWidget(page)
+    page.show()
+    link.start()
+    try:
+        qtbot.waitUntil(lambda: page.table.rowCount() == 1 and page.table.item(0, 1).text() == served["url"],
+                        timeout=30_000)  # fmt: skip
+        yield page
+    finally:
+        link.stop()
 
-    client = openai.OpenAI(base_url=server["url"], api_key="unused-on-loopback", max_retries=0, timeout=60)
+
+@pytest.mark.slow  # the engine and its server: a worker process importing torch and loading the model
+def test_the_served_model_is_listed_and_its_chat_streams_what_the_openai_client_gets(qtbot, served, serving_page):
+    page = serving_page
+    assert page.table.item(0, 0).text() == "tiny"
+    assert page.table.item(0, 3).text() == "serving on a CPU rank (simulated machine)"
+    assert page.chat.url == served["url"] and page.chat.model == "tiny"
+    chat_greedily(page.chat)
+    pieces: list[str] = []
+    page.chat.sig_text.connect(pieces.append)
+    reply = send(qtbot, page.chat, MESSAGE)
+
+    client = openai.OpenAI(base_url=served["url"], api_key="unused-on-loopback", max_retries=0, timeout=60)
     messages: Any = [{"role": "user", "content": MESSAGE}]
     chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=MAX_TOKENS,
                                                  temperature=0, stream=True, stream_options={"include_usage": True}))  # fmt: skip
@@ -70,15 +115,18 @@ def test_the_chat_streams_tokens_with_the_counts_and_stop_reason_the_openai_clie
     assert (reply.prompt_tokens, reply.completion_tokens, reply.finish_reason) == (
         usage.prompt_tokens, usage.completion_tokens, finish,
     )  # fmt: skip
-    assert panel.transcript.toPlainText() == f"You: {MESSAGE}\n\ntiny: {text}"
-    assert f"{usage.completion_tokens} token(s) generated for a prompt of {usage.prompt_tokens}" in panel.status.text()
-    assert panel.messages[-1] == {"role": "assistant", "content": text}
-    assert not panel.generating and panel.send_button.isEnabled()
+    assert page.chat.transcript.toPlainText() == f"You: {MESSAGE}\n\ntiny: {text}"
+    status = page.chat.status.text()
+    assert f"{usage.completion_tokens} token(s) generated for a prompt of {usage.prompt_tokens}" in status
+    assert page.chat.messages[-1] == {"role": "assistant", "content": text}
+    assert not page.chat.generating and page.chat.send_button.isEnabled()
+    page.copy_button.click()
+    assert QApplication.clipboard().text() == served["url"]
 
 
 @pytest.mark.slow
-def test_a_refused_message_is_one_line_and_leaves_the_conversation_as_it_was(qtbot, server):
-    panel = chat_panel(qtbot, server["url"], model="not-served")
+def test_a_refused_message_is_one_line_and_leaves_the_conversation_as_it_was(qtbot, served):
+    panel = chat_panel(qtbot, served["url"], model="not-served")
     error = send(qtbot, panel, "Hello")
     assert isinstance(error, ChatError)
     assert panel.status.text() == ("The server refused the message: the model 'not-served' is not served here; "
@@ -87,21 +135,30 @@ def test_a_refused_message_is_one_line_and_leaves_the_conversation_as_it_was(qtb
 
 
 @pytest.mark.slow
-def test_stopping_before_the_first_token_closes_the_stream(server):
-    reply = stream_chat(server["url"], "tiny", [{"role": "user", "content": "Hi"}], lambda _t: None, lambda: True)
+def test_stopping_before_the_first_token_closes_the_stream(served):
+    reply = stream_chat(served["url"], "tiny", [{"role": "user", "content": "Hi"}], lambda _t: None, lambda: True)
     assert reply.stopped and reply.text == "" and reply.finish_reason is None
 
 
-def test_a_model_no_longer_served_is_said_so(qtbot):
+@pytest.mark.slow  # last of the engine's tests: it stops the server
+def test_stop_serving_cancels_the_job_and_the_chat_then_says_the_model_is_gone(qtbot, served, serving_page):
+    panel = chat_panel(qtbot, served["url"])  # still open on the old URL once the page has moved on
+    serving_page.stop_button.click()
+    qtbot.waitUntil(lambda: serving_page.table.rowCount() == 0, timeout=60_000)
+    with served["engine"].client() as c:
+        assert c.request("job", job=served["job"])["job"]["state"] == "cancelled"
+    assert serving_page.empty.isVisible() and not serving_page.chat.send_button.isEnabled()
+    send(qtbot, panel, "Hi")
+    assert panel.status.text() == "The model is no longer served."
+
+
+def test_a_model_no_longer_served_is_said_so():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again: nothing listens there
     with pytest.raises(ChatError) as e:
         stream_chat(f"http://127.0.0.1:{port}/v1", "tiny", [{"role": "user", "content": "Hi"}], lambda _t: None)
     assert e.value.reason == GONE
-    panel = chat_panel(qtbot, f"http://127.0.0.1:{port}/v1")
-    send(qtbot, panel, "Hi")
-    assert panel.status.text() == "The model is no longer served."
 
 
 # -- the Serving page, "Serve this model", Try it (FakeLink) ------------------------------------------------------
