@@ -7,8 +7,6 @@ The request runs on a worker thread (app.tasks); each piece of text is handed to
 
 from __future__ import annotations
 
-import threading
-
 from PySide6.QtCore import Signal
 from PySide6.QtGui import QTextCursor
 from PySide6.QtWidgets import (
@@ -24,7 +22,7 @@ from PySide6.QtWidgets import (
 )
 
 from rigpilot.app import tasks
-from rigpilot.app.serving.stream import GONE, NO_ANSWER, ChatError, ChatReply, stream_chat
+from rigpilot.app.serving.stream import GONE, NO_ANSWER, ChatError, ChatReply, Stop, stream_chat
 from rigpilot.app.widgets.icons import set_icon
 
 # OpenAI's finish reasons, in the user's words.
@@ -65,7 +63,7 @@ class ChatPanel(QWidget):
         self.model: str | None = None
         self.messages: list[dict[str, str]] = []  # the conversation so far, sent whole with each message
         self._generation = 0  # which answer the arriving text belongs to
-        self._stop: threading.Event | None = None
+        self._stop: Stop | None = None
         self._answer = ""
 
         self.transcript = QPlainTextEdit()
@@ -159,7 +157,7 @@ class ChatPanel(QWidget):
         self.messages.append({"role": "user", "content": text})
         self._append(("\n\n" if self.transcript.toPlainText() else "") + f"You: {text}\n\n{self.model}: ")
         self._generation += 1
-        generation, stop = self._generation, threading.Event()
+        generation, stop = self._generation, Stop()
         self._stop, self._answer = stop, ""
         self.stop_button.setEnabled(True)
         self.send_button.setEnabled(False)
@@ -170,7 +168,7 @@ class ChatPanel(QWidget):
         def work() -> tuple[int, ChatReply | Exception]:
             try:
                 return generation, stream_chat(
-                    url, model, messages, lambda t: tasks.run_on_gui_thread(self._on_text, (generation, t)), stop.is_set,
+                    url, model, messages, lambda t: tasks.run_on_gui_thread(self._on_text, (generation, t)), stop,
                     max_tokens=max_tokens, temperature=temperature,
                 )
             except Exception as e:  # worded on the GUI thread, with the answer it belongs to
@@ -180,7 +178,7 @@ class ChatPanel(QWidget):
         tasks.run_in_background(work, self._on_end)
 
     def stop(self) -> None:
-        """Stop generating: the stream is closed at its next token, which frees the server's slot."""
+        """Stop generating: the stream is shut at once, which frees the server's slot."""
         if self._stop is not None:
             self._stop.set()
             self.status.setText("Stopping…")

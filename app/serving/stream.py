@@ -6,9 +6,11 @@ No Qt and no torch: the chat panel runs `stream_chat` on a worker thread and get
 
 from __future__ import annotations
 
+import http.client
 import json
-import urllib.error
-import urllib.request
+import socket
+import threading
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,52 +39,89 @@ class ChatReply:
     stopped: bool = False  # the user's Stop ended it before the server did
 
 
+class Stop:
+    """Stop generating, from any thread: the request's connection is shut at once (also while the server is still
+    reading a long prompt), which frees its slot on the server."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._set = False
+        self._sock: socket.socket | None = None
+
+    def set(self) -> None:
+        with self._lock:
+            self._set, sock = True, self._sock
+        if sock is not None:
+            _shut(sock)
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def _attach(self, sock: socket.socket | None) -> None:
+        with self._lock:
+            self._sock = sock
+            stopped = self._set
+        if stopped and sock is not None:
+            _shut(sock)
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)  # the reading thread's recv returns at once
+    except OSError:
+        pass  # closed already
+
+
 def stream_chat(
     url: str,
     model: str,
     messages: list[dict[str, str]],
     on_text: Callable[[str], None],
-    stopped: Callable[[], bool] = lambda: False,
+    stop: Stop | None = None,
     *,
     max_tokens: int | None = None,
     temperature: float | None = None,
     timeout: float = READ_TIMEOUT_S,
 ) -> ChatReply:
     """POST `messages` to `url`/chat/completions with streaming and usage on; `on_text` gets each piece of the
-    answer as it arrives. Once `stopped()` is true the connection is closed, which frees the request's slot on
-    the server."""
+    answer as it arrives, until the answer ends or `stop` is set."""
     body: dict[str, Any] = {"model": model, "messages": messages, "stream": True,
                             "stream_options": {"include_usage": True}}  # fmt: skip
     if max_tokens is not None:
         body["max_tokens"] = max_tokens
     if temperature is not None:
         body["temperature"] = temperature
-    request = urllib.request.Request(
-        url.rstrip("/") + "/chat/completions", data=json.dumps(body).encode(), method="POST",
-        headers={"Content-Type": "application/json", "Accept": "text/event-stream"},
-    )  # fmt: skip
+    stop = stop or Stop()
+    where = urllib.parse.urlsplit(url)
+    connection = (http.client.HTTPSConnection if where.scheme == "https" else http.client.HTTPConnection)(
+        where.hostname or "127.0.0.1", where.port, timeout=timeout
+    )
     reply = ChatReply()
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            for raw in response:
-                if stopped():
-                    reply.stopped = True
-                    break
-                if _take(raw, reply, on_text):
-                    break
-            else:
-                if reply.finish_reason is None:
-                    raise ChatError(NO_ANSWER, "the stream ended before the answer did")
-    except urllib.error.HTTPError as e:
-        raise ChatError(REFUSED, _error_message(e)) from None
-    except urllib.error.URLError as e:
-        if isinstance(e.reason, ConnectionRefusedError | FileNotFoundError):
-            raise ChatError(GONE) from None
-        raise ChatError(NO_ANSWER, str(e.reason)) from None
-    except ConnectionRefusedError:
+        connection.connect()
+        stop._attach(connection.sock)
+        connection.request("POST", where.path.rstrip("/") + "/chat/completions", body=json.dumps(body).encode(),
+                           headers={"Content-Type": "application/json", "Accept": "text/event-stream"})  # fmt: skip
+        response = connection.getresponse()
+        if response.status >= 400:
+            raise ChatError(REFUSED, _error_message(response))
+        while not stop.is_set():
+            line = response.readline()
+            if not line or _take(line, reply, on_text):
+                break
+        if stop.is_set():
+            reply.stopped = reply.finish_reason is None
+        elif reply.finish_reason is None:
+            raise ChatError(NO_ANSWER, "the stream ended before the answer did")
+    except (ConnectionRefusedError, FileNotFoundError):
         raise ChatError(GONE) from None
-    except OSError as e:  # reset mid-stream, or silent past the timeout
-        raise ChatError(NO_ANSWER, str(e) or type(e).__name__) from None
+    except (OSError, http.client.HTTPException) as e:  # reset mid-stream, silent past the timeout, or stopped
+        if not stop.is_set():
+            raise ChatError(NO_ANSWER, str(e) or type(e).__name__) from None
+        reply.stopped = True
+    finally:
+        stop._attach(None)
+        connection.close()
     return reply
 
 
@@ -123,11 +162,11 @@ def _int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def _error_message(e: urllib.error.HTTPError) -> str:
+def _error_message(response: http.client.HTTPResponse) -> str:
     """The message of an error in OpenAI's shape ({"error": {"message": ...}}), else the HTTP status."""
     try:
-        error = json.loads(e.read(64 * 1024) or b"{}").get("error")
+        error = json.loads(response.read(64 * 1024) or b"{}").get("error")
     except (ValueError, OSError, AttributeError):
         error = None
     message = error.get("message") if isinstance(error, dict) else None
-    return str(message) if message else f"HTTP {e.code} {e.reason}"
+    return str(message) if message else f"HTTP {response.status} {response.reason}"

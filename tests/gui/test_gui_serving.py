@@ -135,9 +135,18 @@ def test_a_refused_message_is_one_line_and_leaves_the_conversation_as_it_was(qtb
 
 
 @pytest.mark.slow
-def test_stopping_before_the_first_token_closes_the_stream(served):
-    reply = stream_chat(served["url"], "tiny", [{"role": "user", "content": "Hi"}], lambda _t: None, lambda: True)
-    assert reply.stopped and reply.text == "" and reply.finish_reason is None
+def test_stop_generating_ends_the_answer_at_once_and_the_next_message_is_answered(qtbot, served):
+    panel = chat_panel(qtbot, served["url"])
+    panel.max_tokens.setValue(64)
+    qtbot.keyClicks(panel.message, "Tell me a long story.")
+    with qtbot.waitSignal(panel.sig_finished, timeout=60_000) as finished:
+        qtbot.keyClick(panel.message, Qt.Key.Key_Return)
+        panel.stop_button.click()  # before the server has had a turn to answer
+    reply = finished.args[0]
+    assert reply.stopped and reply.finish_reason is None
+    assert panel.status.text().startswith("Stopped generating") and not panel.stop_button.isEnabled()
+    panel.max_tokens.setValue(MAX_TOKENS)
+    assert send(qtbot, panel, "Hi").finish_reason in ("stop", "length")  # the chat goes on
 
 
 @pytest.mark.slow  # last of the engine's tests: it stops the server
