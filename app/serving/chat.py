@@ -86,7 +86,7 @@ class ChatPanel(QWidget):
         self.stop_button.setObjectName("chatStop")
         self.stop_button.clicked.connect(self.stop)
         self.stop_button.setEnabled(False)
-        self.new_button = QPushButton("New c&hat")
+        self.new_button = QPushButton("Ne&w chat")
         self.new_button.setObjectName("chatNew")
         self.new_button.setToolTip("Forget the conversation: the next message starts a new one")
         self.new_button.clicked.connect(self.new_chat)
