@@ -85,10 +85,6 @@ class ServedModels(QObject):
             ))  # fmt: skip
         return out
 
-    def serving(self, model: str | None) -> ServedJob | None:
-        """A listening server of `model` (as the job names it), if one runs."""
-        return next((r for r in self.rows() if model and r.model == model and r.listening), None)
-
     # -- engine events ------------------------------------------------------------------------
     def _on_state(self, state: str, _detail: str) -> None:
         if state == CONNECTED:
