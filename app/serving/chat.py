@@ -135,19 +135,27 @@ class ChatPanel(QWidget):
             self._set_server(url, model)
 
     def _set_server(self, url: str | None, model: str | None) -> None:
-        self.stop()
-        self._generation += 1  # what the old server still sends is dropped
         self.url, self.model = url, model
-        self.new_chat()
         served = url is not None and model is not None
-        for w in (self.message, self.send_button, self.new_button):
+        for w in (self.message, self.new_button):
             w.setEnabled(served)
-        self.status.setText(f"Chat with {model} at {url}" if served else "No served model to chat with.")
+        self.new_chat()
 
     def new_chat(self) -> None:
-        self.stop()
+        """Forget the conversation (and drop an answer still coming)."""
+        self._drop_answer()
         self.messages = []
         self.transcript.clear()
+        served = self.url is not None and self.model is not None
+        self.status.setText(f"Chat with {self.model} at {self.url}" if served else "No served model to chat with.")
+
+    def _drop_answer(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+            self._stop = None
+        self._generation += 1  # what still arrives for it is dropped
+        self.stop_button.setEnabled(False)
+        self.send_button.setEnabled(self.url is not None and self.model is not None)
 
     def send(self) -> None:
         text = self.message.text().strip()
@@ -196,7 +204,7 @@ class ChatPanel(QWidget):
             return
         self._stop = None
         self.stop_button.setEnabled(False)
-        self.send_button.setEnabled(self.url is not None)
+        self.send_button.setEnabled(True)
         if isinstance(result, ChatReply):
             self.messages.append({"role": "assistant", "content": result.text})
             self.status.setText(reply_line(result))

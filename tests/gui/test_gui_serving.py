@@ -161,6 +161,23 @@ def test_stop_serving_cancels_the_job_and_the_chat_then_says_the_model_is_gone(q
     assert panel.status.text() == "The model is no longer served."
 
 
+def test_new_chat_drops_the_answer_still_coming(qtbot):
+    panel = ChatPanel()
+    qtbot.addWidget(panel)
+    with socket.socket() as s:  # a server that takes the request and never answers
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        panel.set_server(f"http://127.0.0.1:{s.getsockname()[1]}/v1", "tiny")
+        qtbot.keyClicks(panel.message, "Hello")
+        qtbot.keyClick(panel.message, Qt.Key.Key_Return)
+        assert panel.generating and panel.messages == [{"role": "user", "content": "Hello"}]
+        panel.new_button.click()
+        assert not panel.generating and panel.messages == [] and panel.transcript.toPlainText() == ""
+        assert panel.send_button.isEnabled() and not panel.stop_button.isEnabled()
+        qtbot.wait(200)  # the dropped request's end, worded nowhere
+        assert panel.status.text() == f"Chat with tiny at {panel.url}" and panel.messages == []
+
+
 def test_a_model_no_longer_served_is_said_so():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
