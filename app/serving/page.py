@@ -47,7 +47,8 @@ def state_text(row: ServedJob) -> str:
 
 
 def uptime(row: ServedJob, now: float) -> str:
-    return duration(now - row.started) if row.started is not None and row.listening else ""
+    since = row.since if row.since is not None else row.started
+    return duration(now - since) if since is not None and row.listening else ""
 
 
 class ServingPage(QWidget):

@@ -27,9 +27,10 @@ class ServedJob:
     name: str  # the job's name
     model: str  # what it loads: a folder, a preset, a repo id ("" until the engine said)
     state: str
-    started: float | None  # when it began running (seconds since the epoch)
+    started: float | None  # when the job began (seconds since the epoch)
     url: str | None  # …/v1, once it listens
     served_name: str | None  # the model name requests give
+    since: float | None = None  # when it began to listen: its uptime runs from here, not from loading the model
     simulated: bool = False  # on a simulated machine: a CPU rank
 
     @property
@@ -48,12 +49,20 @@ def serve_spec(model: str, name: str, gpus: list[int]) -> dict[str, Any]:
     return spec
 
 
-def serving_url(records: list[dict[str, Any]]) -> tuple[str, str | None] | None:
-    """(URL, served model name) from a serve job's metric records: its "serving" status."""
+@dataclass(frozen=True)
+class Listening:
+    url: str
+    name: str | None  # the model name requests give
+    since: float | None
+
+
+def serving_url(records: list[dict[str, Any]]) -> Listening | None:
+    """Where and since when a serve job listens, from its metric records: its "serving" status."""
     for r in records:
         if r.get("kind") == "status" and r.get("phase") == "serving" and isinstance(r.get("url"), str):
-            name = r.get("model")
-            return r["url"], name if isinstance(name, str) else None
+            name, since = r.get("model"), r.get("time")
+            return Listening(r["url"], name if isinstance(name, str) else None,
+                             since if isinstance(since, int | float) else None)  # fmt: skip
     return None
 
 
@@ -64,7 +73,7 @@ class ServedModels(QObject):
         super().__init__()
         self.link = link
         self.jobs: dict[str, dict[str, Any]] = {}  # unfinished serve jobs by id
-        self.urls: dict[str, tuple[str, str | None]] = {}
+        self.urls: dict[str, Listening] = {}
         self.models: dict[str, str] = {}  # what each loads: the job list leaves a job's settings out
         self._asking: set[str] = set()
         self._asking_model: set[str] = set()
@@ -76,12 +85,13 @@ class ServedModels(QObject):
     def rows(self) -> list[ServedJob]:
         out = []
         for job_id, job in self.jobs.items():
-            url, served = self.urls.get(job_id, (None, None))
+            listening = self.urls.get(job_id)
             started = job.get("started")
             out.append(ServedJob(
                 id=job_id, name=str(job.get("name") or job_id), model=self.models.get(job_id, ""),
                 state=str(job.get("state") or ""), started=started if isinstance(started, int | float) else None,
-                url=url, served_name=served, simulated=bool(job.get("simulated")),
+                url=listening.url if listening else None, served_name=listening.name if listening else None,
+                since=listening.since if listening else None, simulated=bool(job.get("simulated")),
             ))  # fmt: skip
         return out
 

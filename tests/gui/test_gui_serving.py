@@ -8,6 +8,7 @@ openai client gets for the same request. Stop serving cancels the job, and the c
 from __future__ import annotations
 
 import socket
+import time
 from typing import Any
 
 import openai
@@ -19,7 +20,7 @@ from rigpilot.app.engine_link import EngineLink
 from rigpilot.app.jobs.detail import TRY_TAB
 from rigpilot.app.serving.chat import ChatPanel
 from rigpilot.app.serving.page import ServingPage
-from rigpilot.app.serving.served import serve_spec, serving_url
+from rigpilot.app.serving.served import Listening, serve_spec, serving_url
 from rigpilot.app.serving.stream import GONE, ChatError, stream_chat
 from rigpilot.engine.cli.serve import _wait_for_url
 
@@ -195,20 +196,21 @@ MODEL = "/tmp/rigpilot-jobs/t/output"  # a_training_job("t")'s model
 
 def a_serve_job(job_id: str = "s1", state: str = "running") -> dict[str, Any]:
     job = a_job(job_id, state)
-    job.update(kind="serve", name="tiny-llama", gpus=[0], started=1000.0, settings={"kind": "serve", "model": MODEL})
+    job.update(kind="serve", name="tiny-llama", gpus=[0], started=time.time() - 3600, settings={"kind": "serve", "model": MODEL})
     return job
 
 
 def serving(link: FakeLink, jobs: FakeJobs, job_id: str = "s1") -> None:
     jobs.records[job_id] = [
         {"kind": "status", "phase": "loading model", "rank": 0, "time": 1.0},
-        {"kind": "status", "phase": "serving", "url": URL, "model": "tiny-llama", "rank": 0, "time": 2.0},
+        {"kind": "status", "phase": "serving", "url": URL, "model": "tiny-llama", "rank": 0, "time": time.time() - 150},
     ]
 
 
 def test_serving_url_is_the_serving_status():
     assert serving_url([{"kind": "status", "phase": "loading model"}]) is None
-    assert serving_url([{"kind": "status", "phase": "serving", "url": URL, "model": "m"}]) == (URL, "m")
+    found = serving_url([{"kind": "status", "phase": "serving", "url": URL, "model": "m", "time": 5.0}])
+    assert found == Listening(URL, "m", 5.0)
 
 
 def test_the_serving_page_lists_what_is_served_copies_its_url_and_stops_it(qtbot):
@@ -222,7 +224,7 @@ def test_the_serving_page_lists_what_is_served_copies_its_url_and_stops_it(qtbot
     link.connect_engine()
     qtbot.waitUntil(lambda: page.table.rowCount() == 1 and page.table.item(0, 1).text() == URL)
     assert page.table.item(0, 0).text() == "tiny-llama" and page.table.item(0, 3).text() == "serving on a CPU rank (simulated machine)"
-    assert page.table.item(0, 2).text().endswith(("d", "h", "min"))  # up since `started`
+    assert page.table.item(0, 2).text() == "2 min"  # up since it listened, not since the job started an hour ago
     assert page.chat.url == URL and page.chat.model == "tiny-llama" and page.chat.message.isEnabled()
     page.copy_button.click()
     assert QApplication.clipboard().text() == URL
