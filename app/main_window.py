@@ -50,6 +50,7 @@ if TYPE_CHECKING:  # the pages are imported when first shown (start-up time); th
     from rigpilot.app.dashboard.page import DashboardPage
     from rigpilot.app.jobs.page import JobsPage
     from rigpilot.app.planner.page import PlannerPage
+    from rigpilot.app.serving.page import ServingPage
     from rigpilot.app.settings.page import SettingsPage
     from rigpilot.app.topology.page import TopologyPage
 
@@ -59,6 +60,7 @@ PAGES: list[tuple[str, str, str]] = [
     ("topology", "Topology", "rigpilot.app.topology.page:TopologyPage"),
     ("planner", "Planner", "rigpilot.app.planner.page:PlannerPage"),
     ("jobs", "Jobs", "rigpilot.app.jobs.page:JobsPage"),
+    ("serving", "Serving", "rigpilot.app.serving.page:ServingPage"),
     ("settings", "Settings", "rigpilot.app.settings.page:SettingsPage"),
 ]
 
@@ -96,6 +98,8 @@ class Pages(Mapping[str, QWidget]):
     def __getitem__(self, key: Literal["planner"]) -> PlannerPage: ...
     @overload
     def __getitem__(self, key: Literal["jobs"]) -> JobsPage: ...
+    @overload
+    def __getitem__(self, key: Literal["serving"]) -> ServingPage: ...
     @overload
     def __getitem__(self, key: Literal["settings"]) -> SettingsPage: ...
     @overload
@@ -274,7 +278,9 @@ class MainWindow(QMainWindow):
                 lambda start: self.show_page("settings").show_machine_check(start)
             )
         elif key == "jobs":
-            cast("JobsPage", page).sig_plan_model.connect(self.plan_model)  # "Plan from this model" opens the Planner
+            jobs = cast("JobsPage", page)
+            jobs.sig_plan_model.connect(self.plan_model)  # "Plan from this model" opens the Planner
+            jobs.sig_serving.connect(self.show_served)  # "Serve" opens the Serving page on the new server
         restore = getattr(page, "restore_state", None)
         if restore is not None:
             restore(self.settings, f"pages/{key}")
@@ -308,6 +314,8 @@ class MainWindow(QMainWindow):
     @overload
     def show_page(self, key: Literal["jobs"]) -> JobsPage: ...
     @overload
+    def show_page(self, key: Literal["serving"]) -> ServingPage: ...
+    @overload
     def show_page(self, key: Literal["settings"]) -> SettingsPage: ...
     @overload
     def show_page(self, key: str) -> QWidget: ...
@@ -319,6 +327,9 @@ class MainWindow(QMainWindow):
 
     def plan_model(self, model: str) -> None:
         self.show_page("planner").picker.set_model(model)  # a deliberate pick: the Planner plans it at once
+
+    def show_served(self, job_id: str) -> None:
+        self.show_page("serving").select_job(job_id)
 
     def current_page_key(self) -> str:
         return PAGES[max(self.nav.currentRow(), 0)][0]

@@ -43,7 +43,7 @@ from rigpilot.app.jobs.series import DEFAULT_SMOOTHING
 from rigpilot.app.jobs.slurm_state import slurm_detail
 from rigpilot.app.jobs.summary_view import SettingsDiff, SummaryPanel
 from rigpilot.app.jobs.try_it import TryIt
-from rigpilot.app.widgets.icons import set_icon
+from rigpilot.app.widgets.icons import icon, set_icon
 from rigpilot.app.widgets.units import NA
 from rigpilot.engine.jobs.machine_check import lines as machine_check_lines
 from rigpilot.engine.schema import TERMINAL_STATES
@@ -100,8 +100,11 @@ class JobDetail(QWidget):
         self.plan_action = QAction("&Plan from this model", self)
         self.infer_action = QAction("&Infer from this model…", self)
         self.finetune_action = QAction("&Fine-tune from this model…", self)
+        self.serve_action = QAction("&Serve this model", self)
+        self.serve_action.setIcon(icon("serve"))
+        self.serve_action.setToolTip("Serve it through an OpenAI-compatible API on this machine, and chat with it")
         self.use_menu = QMenu(self)
-        for a in (self.plan_action, self.infer_action, self.finetune_action):
+        for a in (self.plan_action, self.infer_action, self.finetune_action, self.serve_action):
             self.use_menu.addAction(a)
         # A push button like its neighbours: with a menu it keeps room for the arrow beside its text (a tool
         # button's instant-popup arrow is drawn over the text's end).
@@ -372,7 +375,7 @@ class JobDetail(QWidget):
         choice = model_of(h.record)
         self.use_button.setEnabled(choice.path is not None)
         self.use_button.setToolTip(
-            f"Plan, infer or fine-tune from {choice.what}: {choice.path}" if choice.path
+            f"Plan, infer, fine-tune or serve {choice.what}: {choice.path}" if choice.path
             else f"No model to use: {choice.why}"
         )  # fmt: skip
         self.try_it.set_model(self.link, choice.path, h.record)

@@ -58,6 +58,7 @@ from rigpilot.app.jobs.model import (
 )
 from rigpilot.app.jobs.outcome import model_of, settings_of
 from rigpilot.app.jobs.telemetry_window import job_window
+from rigpilot.app.serving.served import serve_spec, served_models
 from rigpilot.app.widgets.style import heading
 from rigpilot.engine.schema import FINE_TUNE_METHODS
 
@@ -122,6 +123,7 @@ class JobsPage(QWidget):
     sig_clone_requested = Signal(dict)  # the record of a job to start a new one from
     sig_message = Signal(str)  # a line for the user (errors of requests, folder not found)
     sig_plan_model = Signal(str)  # "Plan from this model": the model for the Planner to plan
+    sig_serving = Signal(str)  # "Serve this model": the id of the serve job it submitted
 
     def __init__(self, link: Any, parent: QWidget | None = None):
         super().__init__(parent)
@@ -205,6 +207,8 @@ class JobsPage(QWidget):
         self.detail.plan_action.triggered.connect(self.plan_from_model)
         self.detail.infer_action.triggered.connect(self.infer_from_model)
         self.detail.finetune_action.triggered.connect(self.finetune_from_model)
+        self.detail.serve_action.triggered.connect(self.serve_model)
+        self.detail.try_it.sig_serve.connect(self.serve_model)
         self.detail.rename_button.clicked.connect(self.rename_job)
         self.detail.delete_button.clicked.connect(self.delete_job)
         self.detail.results.sig_message.connect(self.sig_message.emit)
@@ -381,6 +385,28 @@ class JobsPage(QWidget):
         gpus = list(handle.record.get("gpus") or [])
         self._open_wizard({"spec_version": 1, "kind": "train", "model": model, "gpus": gpus, "train": train})
 
+    def serve_model(self) -> None:
+        """Serve the shown job's model as `rigpilot serve JOB` does, on the first GPU the job ran on."""
+        model = self._model()
+        handle = self.current_handle
+        if not model or handle is None:
+            return
+        already = next((r for r in served_models(self.link).rows() if r.model == model), None)
+        if already is not None:  # one server per model is enough: show the one that runs
+            self.sig_message.emit(f"{handle.name} is served already (job {already.id})")
+            self.sig_serving.emit(already.id)
+            return
+        spec = serve_spec(model, handle.name, list(handle.record.get("gpus") or []))
+
+        def done(reply: dict[str, Any]) -> None:
+            job_id = (reply.get("job") or {}).get("id")
+            if job_id:
+                self.sig_message.emit(f"Serve job {job_id} loads {handle.name}; the Serving page shows its URL")
+                self.sig_serving.emit(job_id)
+
+        self.link.call("submit", spec=spec, plan=None, on_done=done,
+                       on_error=lambda e: self.sig_message.emit(f"Could not serve {handle.name}: {e}"))  # fmt: skip
+
     def rename_job(self) -> None:
         handle = self.current_handle
         if handle is None:
@@ -461,7 +487,8 @@ class JobsPage(QWidget):
             menu.addAction(text, slot).setEnabled(enabled)
         menu.addSeparator()
         has_model = model_of(handle.record).path is not None
-        for action in (self.detail.plan_action, self.detail.infer_action, self.detail.finetune_action):
+        for action in (self.detail.plan_action, self.detail.infer_action, self.detail.finetune_action,
+                       self.detail.serve_action):  # fmt: skip
             action.setEnabled(has_model)
             menu.addAction(action)
         menu.addSeparator()

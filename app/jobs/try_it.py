@@ -1,6 +1,7 @@
-""" "Try it": one prompt to a finished job's model, run as a small inference job, and its completion.
+""" "Try it": a chat with a finished job's model once it is served (app.serving), or one prompt to it run as a
+small inference job, and its completion.
 
-The job is built by the wizard's own spec builder (`WizardState.to_spec`), so it is
+The inference job is built by the wizard's own spec builder (`WizardState.to_spec`), so it is
 exactly what the wizard would submit for an inference job with that prompt.
 """
 
@@ -9,9 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 from PySide6.QtCore import Signal
-from PySide6.QtWidgets import QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QPushButton, QVBoxLayout, QWidget
 
 from rigpilot.app.jobs.outcome import settings_of
+from rigpilot.app.serving.chat import ChatPanel
+from rigpilot.app.serving.served import ServedModels, served_models
+from rigpilot.app.widgets.icons import set_icon
 from rigpilot.app.wizard.state import INFER, WizardState
 from rigpilot.engine.jobs.results import STOP_WORDS
 from rigpilot.engine.jobs.store import COMPLETED, TERMINAL_STATES
@@ -34,6 +38,7 @@ def try_spec(model: str, prompt: str, job: dict[str, Any]) -> dict[str, Any]:
 
 class TryIt(QWidget):
     sig_submitted = Signal(str)  # the id of the inference job a prompt started
+    sig_serve = Signal()  # "Serve to chat": the page submits the serve job
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
@@ -58,12 +63,31 @@ class TryIt(QWidget):
         self.output.setAccessibleName("Completion")
         self.output.setReadOnly(True)  # a tab of its own (the job page's "Try it"): the completion takes its height
         self.output.hide()
-        row = QHBoxLayout()
+        # Served, the model answers in a chat, token by token; until then one prompt runs as a small job.
+        self.served: ServedModels | None = None
+        self.serve_line = QLabel()
+        self.serve_line.setObjectName("tryServeLine")
+        self.serve_line.setWordWrap(True)
+        self.serve_button = QPushButton("&Serve to chat")
+        set_icon(self.serve_button, "serve")
+        self.serve_button.setObjectName("tryServe")
+        self.serve_button.setToolTip("Serve this model through an OpenAI-compatible API on this machine")
+        self.serve_button.clicked.connect(self.sig_serve.emit)
+        self.chat = ChatPanel()
+        self.chat.hide()
+        serve_row = QHBoxLayout()
+        serve_row.addWidget(self.serve_line, 1)
+        serve_row.addWidget(self.serve_button)
+        self.one_prompt = QWidget()
+        row = QHBoxLayout(self.one_prompt)
+        row.setContentsMargins(0, 0, 0, 0)
         row.addWidget(label)
         row.addWidget(self.prompt, 1)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(8, 8, 8, 8)  # a tab's page: off its edges
-        layout.addLayout(row)
+        layout.addLayout(serve_row)
+        layout.addWidget(self.chat, 1)
+        layout.addWidget(self.one_prompt)
         layout.addWidget(self.status)
         layout.addWidget(self.output, 1)
         layout.addStretch(0)  # with no completion yet, the prompt and the status stay at the top
@@ -73,10 +97,14 @@ class TryIt(QWidget):
             if self.link is not None:
                 self.link.sig_job.disconnect(self._on_job)
                 self.link.sig_metrics.disconnect(self._on_metrics)
-            self.link = link
+            if self.served is not None:
+                self.served.sig_changed.disconnect(self._show_served)
+            self.link, self.served = link, None
             if link is not None:
                 link.sig_job.connect(self._on_job)
                 link.sig_metrics.connect(self._on_metrics)
+                self.served = served_models(link)
+                self.served.sig_changed.connect(self._show_served)
         if model != self.model:
             self.running = None
             self.prompt.clear()
@@ -84,6 +112,26 @@ class TryIt(QWidget):
             self.output.clear()
             self.output.hide()
         self.model, self.job = model, job  # the job page shows its tab only with a model to try
+        self._show_served()
+
+    def _show_served(self) -> None:
+        """The chat where this model is served; else Serve, and the one-prompt job."""
+        rows = self.served.rows() if self.served is not None and self.model else []
+        mine = [r for r in rows if r.model == self.model]
+        listening = next((r for r in mine if r.listening), None)
+        if listening is not None:
+            self.chat.set_server(listening.url, listening.served_name or listening.name)
+            self.serve_line.setText(f"Served at {listening.url} (job {listening.id}; the Serving page stops it).")
+        else:
+            self.chat.set_server(None, None)
+            self.serve_line.setText(
+                f"Job {mine[0].id} is loading the model to serve it; the chat opens here once it listens." if mine
+                else "Serve this model to chat with it, its answers streaming as they come."
+            )  # fmt: skip
+        self.serve_button.setVisible(not mine)
+        self.chat.setVisible(listening is not None)
+        for w in (self.one_prompt, self.status, self.output):
+            w.setVisible(listening is None and (w is not self.output or bool(self.output.toPlainText())))
 
     def submit(self) -> None:
         text = self.prompt.text().strip()

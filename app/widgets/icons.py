@@ -32,11 +32,13 @@ ICONS: dict[str, str] = {
     "topology": "network",
     "planner": "calculator",
     "jobs": "list-checks",
+    "serving": "server",
     "settings": "settings",
     "new-job": "plus",
     # actions
     "plan": "calculator",
     "launch": "rocket",
+    "serve": "server",
     "cancel": "circle-stop",
     "resume": "play",
     "run": "play",

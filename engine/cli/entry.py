@@ -65,7 +65,7 @@ APP_OPTIONS_TITLE = "the app (each of these comes first, on its own)"
 SELF_TEST_HELP = (
     "check this installation and exit: start the app offscreen, connect to your engine service "
     "(starting it if it is not running) and receive the machine and two telemetry samples, build and draw every "
-    "page (Dashboard, Topology, Planner, Jobs, Settings), and export the Dashboard's chart as CSV. It prints "
+    "page (Dashboard, Topology, Planner, Jobs, Serving, Settings), and export the Dashboard's chart as CSV. It prints "
     "'self-test passed' and exits 0, or names the first check that failed and exits 1, within 90 s. With DIR, "
     "each page's PNG and telemetry.csv are kept there. Needs no display and no PyTorch"
 )

@@ -41,7 +41,16 @@ def window(tmp_path_factory):
     app.setFont(FONT)
     # Four GPUs: a simulated 4×RTX 4090's default job, whose GPU charts read out four values in a small chart.
     finished = make_job("job-2", gpus=[0, 1, 2, 3], state="completed", name="tiny-llama shakespeare")
-    link = FakeLink("4x-rtx4090", jobs=[make_job("job-1", gpus=[0, 1]), finished])
+    # A served model, listening: its row and the chat on the Serving page.
+    served = {**make_job("job-3", gpus=[3], name="tiny-llama shakespeare"), "kind": "serve",
+              "settings": {"kind": "serve", "model": "/tmp/rigpilot-jobs/job-2/output"}}  # fmt: skip
+    link = FakeLink("4x-rtx4090", jobs=[make_job("job-1", gpus=[0, 1]), finished, served])
+    serving = [{"kind": "status", "phase": "serving", "url": "http://127.0.0.1:41234/v1", "model": served["name"]}]
+    metrics = link.replies["metrics"]
+    link.replies["metrics"] = lambda job, **kw: (
+        {"job": job, "records": serving, "cursor": {}, "more": False, "state": "running"} if job == "job-3"
+        else metrics(job=job, **kw)
+    )  # fmt: skip
     link.replies["plan"] = real_plan_reply(link.machine_obj)
     # A machine check with two broken links: its card, its view in Settings and its marks on the Topology page.
     link.replies["doctor_report"] = reply(broken_report())

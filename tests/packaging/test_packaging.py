@@ -190,8 +190,8 @@ def test_man_page_comes_from_the_parsers_and_is_clean(tmp_path):
     assert '.SS "rigpilot run train"' in text and "\\-\\-max\\-new\\-tokens" in text
     # The options the launcher takes before argparse: in the synopsis and with what they do, as --help has them.
     assert "\\fBrigpilot \\-\\-self\\-test\\fR [\\fIDIR\\fR]" in text
-    assert "draw every page (Dashboard, Topology, Planner, Jobs, Settings)" in text.replace("\\-", "-")
-    assert [title for _, title, _ in PAGES] == ["Dashboard", "Topology", "Planner", "Jobs", "Settings"]
+    assert "draw every page (Dashboard, Topology, Planner, Jobs, Serving, Settings)" in text.replace("\\-", "-")
+    assert [title for _, title, _ in PAGES] == ["Dashboard", "Topology", "Planner", "Jobs", "Serving", "Settings"]
     if shutil.which("man"):
         lint = run(["man", "--warnings", "-E", "UTF-8", "-l", "-Tutf8", "-Z", str(page)],
                    env={**os.environ, "LC_ALL": "C.UTF-8"}, timeout=60)  # fmt: skip

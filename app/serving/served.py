@@ -1,0 +1,174 @@
+"""The models the engine serves now: its unfinished "serve" jobs, and the URL each reported once it listened.
+
+One `ServedModels` per EngineLink (`served_models(link)`), shared by the Serving page and "Try it", so a job's
+metrics are asked for once. A serve job is running once it listens (engine.jobs.following), and its first
+"serving" status record carries the URL: that record is asked for when the job runs, not streamed.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+from PySide6.QtCore import QObject, Signal
+
+from rigpilot.app.engine_link import CONNECTED
+from rigpilot.engine.schema import UNFINISHED_STATES, JobState
+
+SERVE = "serve"
+METRICS_PAGES = 8  # the status comes first in a server's metrics; a bound in case it never does
+_UNFINISHED = {s.value for s in UNFINISHED_STATES}
+
+
+@dataclass(frozen=True)
+class ServedJob:
+    id: str
+    name: str  # the job's name
+    model: str  # what it loads: a folder, a preset, a repo id ("" until the engine said)
+    state: str
+    started: float | None  # when the job began (seconds since the epoch)
+    url: str | None  # …/v1, once it listens
+    served_name: str | None  # the model name requests give
+    since: float | None = None  # when it began to listen: its uptime runs from here, not from loading the model
+    simulated: bool = False  # on a simulated machine: a CPU rank
+
+    @property
+    def listening(self) -> bool:
+        return self.url is not None and self.state == JobState.RUNNING.value
+
+
+def serve_spec(model: str, name: str, gpus: list[int]) -> dict[str, Any]:
+    """The `submit` spec `rigpilot serve` sends for `model` (engine/cli/serve.py), on the first of `gpus`; the
+    engine picks the port and the settings' defaults."""
+    spec: dict[str, Any] = {"kind": SERVE, "model": model, "serve": {}}
+    if name:
+        spec["name"] = name
+    if gpus:
+        spec["gpus"] = gpus[:1]
+    return spec
+
+
+@dataclass(frozen=True)
+class Listening:
+    url: str
+    name: str | None  # the model name requests give
+    since: float | None
+
+
+def serving_url(records: list[dict[str, Any]]) -> Listening | None:
+    """Where and since when a serve job listens, from its metric records: its "serving" status."""
+    for r in records:
+        if r.get("kind") == "status" and r.get("phase") == "serving" and isinstance(r.get("url"), str):
+            name, since = r.get("model"), r.get("time")
+            return Listening(r["url"], name if isinstance(name, str) else None,
+                             since if isinstance(since, int | float) else None)  # fmt: skip
+    return None
+
+
+class ServedModels(QObject):
+    sig_changed = Signal()
+
+    def __init__(self, link: Any) -> None:
+        super().__init__()
+        self.link = link
+        self.jobs: dict[str, dict[str, Any]] = {}  # unfinished serve jobs by id
+        self.urls: dict[str, Listening] = {}
+        self.models: dict[str, str] = {}  # what each loads: the job list leaves a job's settings out
+        self._asking: set[str] = set()
+        self._asking_model: set[str] = set()
+        link.sig_state.connect(self._on_state)
+        link.sig_job.connect(self._on_job)
+        if getattr(link, "state", None) == CONNECTED:
+            self._on_state(CONNECTED, "")
+
+    def rows(self) -> list[ServedJob]:
+        out = []
+        for job_id, job in self.jobs.items():
+            listening = self.urls.get(job_id)
+            started = job.get("started")
+            out.append(ServedJob(
+                id=job_id, name=str(job.get("name") or job_id), model=self.models.get(job_id, ""),
+                state=str(job.get("state") or ""), started=started if isinstance(started, int | float) else None,
+                url=listening.url if listening else None, served_name=listening.name if listening else None,
+                since=listening.since if listening else None, simulated=bool(job.get("simulated")),
+            ))  # fmt: skip
+        return out
+
+    # -- engine events ------------------------------------------------------------------------
+    def _on_state(self, state: str, _detail: str) -> None:
+        if state == CONNECTED:
+            self.link.call("jobs", on_done=self._on_jobs, on_error=lambda _e: None)  # the Jobs page says why
+
+    def _on_jobs(self, reply: dict[str, Any]) -> None:
+        jobs = [j for j in reply.get("jobs") or [] if isinstance(j, dict)]
+        self.jobs = {}
+        for job in jobs:
+            self._take(job)
+        self.urls = {k: v for k, v in self.urls.items() if k in self.jobs}
+        self.models = {k: v for k, v in self.models.items() if k in self.jobs}
+        self.sig_changed.emit()
+
+    def _on_job(self, job: dict[str, Any]) -> None:
+        if job.get("id") in self.jobs or job.get("kind") == SERVE:
+            merged = {**self.jobs.get(job["id"], {}), **job}
+            self._take(merged)
+            self.sig_changed.emit()
+
+    def _take(self, job: dict[str, Any]) -> None:
+        job_id = job.get("id")
+        if job.get("kind") != SERVE or not isinstance(job_id, str):
+            return
+        if job.get("state") not in _UNFINISHED:
+            self.jobs.pop(job_id, None)
+            self.urls.pop(job_id, None)
+            self.models.pop(job_id, None)
+            return
+        self.jobs[job_id] = job
+        if job_id not in self.models and job_id not in self._asking_model:
+            self._ask_model(job_id)
+        if job.get("state") == JobState.RUNNING.value and job_id not in self.urls:
+            self._ask_url(job_id, {}, 0)
+
+    def _ask_model(self, job_id: str) -> None:
+        self._asking_model.add(job_id)
+
+        def done(reply: dict[str, Any]) -> None:
+            self._asking_model.discard(job_id)
+            settings = (reply.get("job") or {}).get("settings")
+            model = settings.get("model") if isinstance(settings, dict) else None
+            if isinstance(model, str) and job_id in self.jobs:
+                self.models[job_id] = model
+                self.sig_changed.emit()
+
+        self.link.call("job", job=job_id, on_done=done, on_error=lambda _e: self._asking_model.discard(job_id))
+
+    def _ask_url(self, job_id: str, cursor: dict[str, Any], pages: int) -> None:
+        if job_id in self._asking and not cursor:
+            return
+        self._asking.add(job_id)
+
+        def done(reply: dict[str, Any]) -> None:
+            found = serving_url(reply.get("records") or [])
+            if found is not None and job_id in self.jobs:
+                self._asking.discard(job_id)
+                self.urls[job_id] = found
+                self.sig_changed.emit()
+            elif reply.get("more") and isinstance(reply.get("cursor"), dict) and pages + 1 < METRICS_PAGES:
+                self._ask_url(job_id, reply["cursor"], pages + 1)
+            else:
+                self._asking.discard(job_id)
+
+        self.link.call("metrics", job=job_id, since_cursor=cursor, on_done=done,
+                       on_error=lambda _e: self._asking.discard(job_id))  # fmt: skip
+
+
+_shared: weakref.WeakKeyDictionary[Any, ServedModels] = weakref.WeakKeyDictionary()
+
+
+def served_models(link: Any) -> ServedModels:
+    """The one ServedModels of `link`."""
+    found = _shared.get(link)
+    if found is None:
+        found = _shared[link] = ServedModels(link)
+    return found
