@@ -258,15 +258,16 @@ class JobDetail(QWidget):
         # setValue does), and the first of them painted the whole page, its eight charts included,
         # inside the click (benchmarks/gui_job_open.py). Shown afterwards, it paints in the next turn.
         first = self.stack.currentIndex() != 1
+        # Another job's charts must not stand for this one's while its history loads: hidden until drawn.
+        self.charts.hold_until_drawn()
         if first:
-            self.charts.hold_first_paint()
             self.tabs.hide()  # shown a turn after the rest: the pane's first paint in two halves
         else:
             self.paint_later(self.body)
         self.update_record()
         if first:
-            self._later(self._show_pane)
-            self._later(self.tabs.show)
+            self.later(self._show_pane)
+            self.later(self.tabs.show)
 
     @property
     def settling(self) -> bool:
@@ -280,9 +281,10 @@ class JobDetail(QWidget):
     def paint_later(self, widget: QWidget) -> None:
         """Hold `widget`'s repaint for a turn of its own after this one (one widget a turn, in order)."""
         widget.setUpdatesEnabled(False)
-        self._later(lambda: widget.setUpdatesEnabled(True))
+        self.later(lambda: widget.setUpdatesEnabled(True))
 
-    def _later(self, step: Callable[[], None]) -> None:
+    def later(self, step: Callable[[], None]) -> None:
+        """Run `step` in a turn of its own after the pane's earlier ones (each rests as the Pacer says)."""
         # A timer, not a queued call: queued calls and the repaints they cause all run in one go before
         # the next timer, so the window would not answer in between (benchmarks/gui_job_open.py).
         self._turns.append(step)

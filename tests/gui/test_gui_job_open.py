@@ -16,7 +16,7 @@ import pytest
 
 from rigpilot.app.jobs import handle as handle_module
 from rigpilot.app.jobs.chart_turns import AXES
-from rigpilot.app.jobs.charts import JOB_END, TELEMETRY_WINDOW_S
+from rigpilot.app.jobs.charts import JOB_END, TELEMETRY_WINDOW_S, JobCharts
 from rigpilot.app.jobs.page import LIST_ROWS, LIST_SPLITTER_KEY
 from rigpilot.app.jobs.series import STEP_FIELDS, JobSeries
 from rigpilot.engine.jobs.metrics import read_records
@@ -273,3 +273,30 @@ def test_each_charts_axes_are_drawn_in_turns_of_their_own_before_it_paints(qtbot
     qtbot.waitUntil(lambda: not charts.drawing and all(c.updatesEnabled() for c in charts.charts()))
     qtbot.waitUntil(lambda: set(views) <= set(painted))
     assert not drawn_in_paint  # the paints only replayed the pictures the turns had drawn
+
+
+def test_charts_are_drawn_once_the_history_is_in_and_hide_the_last_jobs_while_it_loads(qtbot, monkeypatch):
+    """Drawn empty while the history loads and again once it is in, a page paid twice for its charts."""
+    link = FakeLink("4x-rtx4090")
+    jobs = FakeJobs(link, [a_job("h1", "completed"), a_job("h2", "completed")], page_records=10)
+    for job_id in ("h1", "h2"):
+        jobs.records[job_id] = [step_record(s, rank) for s in range(1, 41) for rank in (0, 1)]
+    drawn_with: list[tuple[str, bool]] = []
+    draw_loss = JobCharts._draw_loss
+
+    def spy(charts: JobCharts) -> None:
+        handle = page.current_handle
+        drawn_with.append((handle.id, handle.history_loaded))
+        draw_loss(charts)
+
+    monkeypatch.setattr(JobCharts, "_draw_loss", spy)  # before the page binds its charts' draws
+    page = open_page(qtbot, link)
+    open_job(qtbot, page, "h1")
+    page.open_job("h2")
+    charts = page.detail.charts
+    assert all(c.isHidden() for c in charts.charts())  # not h1's lines under h2's title
+    qtbot.waitUntil(lambda: not charts.drawing and all(c.isVisible() for c in charts.charts()))
+    assert ("h2", True) in drawn_with
+    assert all(loaded for _, loaded in drawn_with)  # never drawn from a history still paging in
+    assert [int(s) for s in charts.loss_raw.getData()[0]] == list(range(1, 41))
+
