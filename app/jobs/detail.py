@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from PySide6.QtCore import Qt, QTimer
-from PySide6.QtGui import QAction, QPalette
+from PySide6.QtGui import QAction, QPalette, QShowEvent
 from PySide6.QtWidgets import (
     QDoubleSpinBox,
     QHBoxLayout,
@@ -43,11 +43,12 @@ from rigpilot.app.jobs.series import DEFAULT_SMOOTHING
 from rigpilot.app.jobs.slurm_state import slurm_detail
 from rigpilot.app.jobs.summary_view import SettingsDiff, SummaryPanel
 from rigpilot.app.jobs.try_it import TryIt
-from rigpilot.app.widgets.icons import set_icon
+from rigpilot.app.widgets.icons import prerender, set_icon
 from rigpilot.app.widgets.units import NA
 from rigpilot.engine.jobs.machine_check import lines as machine_check_lines
 from rigpilot.engine.schema import TERMINAL_STATES
 
+RENDER_REST_MS = 20  # between two buttons' icons rendered at idle: the window answers in between
 CHARTS_TAB, PLAN_TAB, LOG_TAB, SUMMARY_TAB, RESULTS_TAB, TRY_TAB, CHECK_TAB = range(7)
 FINISHED = TERMINAL_STATES
 
@@ -234,6 +235,25 @@ class JobDetail(QWidget):
         self._turn.setSingleShot(True)
         self._turn.timeout.connect(self._next_turn)
         self._pacer = Pacer()
+        # The buttons' icons are rendered at idle once the page is first shown, not in a job's first paint.
+        self._unrendered: list[QPushButton] = [
+            self.cancel_button, self.resume_button, self.clone_button, self.folder_button,
+            self.rename_button, self.delete_button,
+        ]  # fmt: skip
+        self._render_turn = QTimer(self)
+        self._render_turn.setInterval(RENDER_REST_MS)
+        self._render_turn.timeout.connect(self._render_next_icon)
+
+    def showEvent(self, event: QShowEvent) -> None:
+        super().showEvent(event)
+        if self._unrendered and not self._render_turn.isActive():
+            self._render_turn.start()
+
+    def _render_next_icon(self) -> None:
+        if self._unrendered:
+            prerender(self._unrendered.pop(0))
+        if not self._unrendered:
+            self._render_turn.stop()
 
     def set_placeholder(self, widget: QWidget) -> None:
         """Show `widget` instead of the "select a job" line while no job is open."""

@@ -19,6 +19,7 @@ from rigpilot.app.jobs.chart_turns import AXES
 from rigpilot.app.jobs.charts import JOB_END, TELEMETRY_WINDOW_S, JobCharts
 from rigpilot.app.jobs.page import LIST_ROWS, LIST_SPLITTER_KEY
 from rigpilot.app.jobs.series import STEP_FIELDS, JobSeries
+from rigpilot.app.widgets import icons
 from rigpilot.engine.jobs.metrics import read_records
 
 from support.gui_fakes import FakeLink
@@ -300,3 +301,10 @@ def test_charts_are_drawn_once_the_history_is_in_and_hide_the_last_jobs_while_it
     assert all(loaded for _, loaded in drawn_with)  # never drawn from a history still paging in
     assert [int(s) for s in charts.loss_raw.getData()[0]] == list(range(1, 41))
 
+
+def test_the_panes_button_icons_are_rendered_at_idle_before_a_job_is_opened(qtbot):
+    icons._pixmaps.clear()
+    page = open_page(qtbot, FakeLink("4x-rtx4090"))
+    wanted = {"cancel", "resume", "clone", "open-folder", "rename", "delete"}
+    qtbot.waitUntil(lambda: wanted <= {key[0] for key in icons._pixmaps})
+    assert page.current_handle is None  # no job was opened: the first one finds them ready
