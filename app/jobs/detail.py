@@ -276,18 +276,25 @@ class JobDetail(QWidget):
             return
         # Filled in while still hidden: on a shown page some setters repaint at once (QProgressBar's
         # setValue does), and the first of them painted the whole page, its eight charts included,
-        # inside the click (benchmarks/gui_job_open.py). Shown afterwards, it paints in the next turn.
+        # inside the click (benchmarks/gui_job_open.py). Filled in a turn after the click (most of
+        # its work), then shown or repainted in the turn after that.
         first = self.stack.currentIndex() != 1
         # Another job's charts must not stand for this one's while its history loads: hidden until drawn.
         self.charts.hold_until_drawn()
         if first:
             self.tabs.hide()  # shown a turn after the rest: the pane's first paint in two halves
         else:
-            self.paint_later(self.body)
-        self.update_record()
+            self.body.setUpdatesEnabled(False)
+        self.later(self._fill)
         if first:
             self.later(self._show_pane)
             self.later(self.tabs.show)
+        else:
+            self.later(lambda: self.body.setUpdatesEnabled(True))
+
+    def _fill(self) -> None:
+        if self.handle is not None:
+            self.update_record()
 
     @property
     def settling(self) -> bool:
