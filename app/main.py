@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     from rigpilot.app.engine_link import EngineLink
     from rigpilot.app.main_window import MainWindow
     from rigpilot.app.settings.model import engine_link_options, read_theme
+    from rigpilot.app.tasks import start as start_tasks
     from rigpilot.app.widgets.theme import apply_theme
 
     QGuiApplication.setDesktopFileName(APP_ID)
@@ -46,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     app.setOrganizationName(ORGANIZATION)
     QGuiApplication.setWindowIcon(QIcon.fromTheme(APP_ID))  # static: instance() is typed as QCoreApplication
     apply_theme(app, read_theme())  # before the first window: it is built in its colours
+    start_tasks()  # the background threads, before any page needs one
     # A remote engine (Settings → Engine address) drives a workstation from another computer.
     window = MainWindow(EngineLink(**engine_link_options()))
     window.show()

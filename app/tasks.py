@@ -10,6 +10,7 @@ they go to the application's error sink (a status-bar message).
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -38,7 +39,8 @@ class _Dispatcher(QObject):
         fn(arg)
 
 
-_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="gui-task")
+WORKERS = 4
+_pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="gui-task")
 _dispatcher: _Dispatcher | None = None
 _error_sink: Callable[[BaseException], None] = lambda e: log.error("background task failed: %s", e)  # noqa: E731
 
@@ -53,10 +55,35 @@ def report_error(error: BaseException) -> None:
     _error_sink(error)
 
 
-def _dispatch() -> _Dispatcher:
+def start() -> None:
+    """Make the dispatcher and start every worker thread now, on the GUI thread, once QApplication exists.
+
+    The app calls it at start-up; the first `run_in_background` does it otherwise. The pool would start a
+    thread on each of its first submits, and `Thread.start` waits until the new thread has run: on a busy
+    machine that wait, inside the click that opened a job page (four requests at once), was the longest
+    stall of the session's first open (benchmarks/gui_job_open.py).
+    """
     global _dispatcher
-    if _dispatcher is None:  # created lazily, on the GUI thread, after QApplication exists
-        _dispatcher = _Dispatcher()
+    if _dispatcher is not None:
+        return
+    _dispatcher = _Dispatcher()
+    # Each worker waits for the others, so none is idle for the next submit to reuse: WORKERS threads.
+    met = threading.Barrier(WORKERS)
+    for _ in range(WORKERS):
+        _pool.submit(_meet, met)
+
+
+def _meet(met: threading.Barrier) -> None:
+    try:
+        met.wait(timeout=10)
+    except threading.BrokenBarrierError:  # a thread that could not start in time: the pool starts it later
+        pass
+
+
+def _dispatch() -> _Dispatcher:
+    if _dispatcher is None:
+        start()
+    assert _dispatcher is not None
     return _dispatcher
 
 

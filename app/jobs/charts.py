@@ -334,7 +334,7 @@ class JobCharts(QWidget):
         self.columns = 0
         self._lay_out(COLUMNS)
         for held in self.charts():
-            # A chart held back from its first show (hold_first_paint) keeps its cell: the others stay put.
+            # A chart held back from its first show (hold_until_drawn) keeps its cell: the others stay put.
             policy = held.sizePolicy()
             policy.setRetainSizeWhenHidden(True)
             held.setSizePolicy(policy)
@@ -351,7 +351,7 @@ class JobCharts(QWidget):
             self.gpu_util: self._draw_gpu_util,
         }
         self._to_draw: set[QWidget] = set()  # charts whose data changed since they were drawn
-        self._to_show: set[QWidget] = set()  # charts held back from their first show (hold_first_paint)
+        self._to_show: set[QWidget] = set()  # charts held back from their first show (hold_until_drawn)
         self._pending: list[QWidget] = []  # charts waiting for their turns, in grid order
         self._current: QWidget | None = None  # the chart whose turns are under way
         self._steps: list[Callable[[], None]] = []  # the rest of its turns
@@ -456,11 +456,11 @@ class JobCharts(QWidget):
     def refresh(self, force: bool = False) -> bool:
         """Redraw if visible and changed (or forced); True when it drew.
 
-        The loss chart's data is drawn at once; then each chart in turn, STAGGER_MS apart, is drawn
-        and its paint prepared in turns of its own (chart_turns) while its updates are off, so no
-        turn holds more than a millisecond or two of one chart's work (all eight in one frame kept
-        a busy machine's window from answering for a few hundred milliseconds). On a busy machine
-        the turns rest as long as they were kept waiting (chart_turns.Pacer). `force` draws
+        The loss chart's data is drawn at once; from the next turn on, each chart in turn, STAGGER_MS
+        apart, is drawn and its paint prepared in turns of its own (chart_turns) while its updates are
+        off, so no turn holds more than a millisecond or two of one chart's work (all eight in one
+        frame kept a busy machine's window from answering for a few hundred milliseconds). On a busy
+        machine the turns rest as long as they were kept waiting (chart_turns.Pacer). `force` draws
         everything now.
         """
         state = self._state()
@@ -479,7 +479,7 @@ class JobCharts(QWidget):
         self._draw(self.loss)
         if not self._turn.isActive() and self._current is None:
             self._pacer.start()
-            self._next_turn()
+            self._turn.start(0)  # its first show and paint: not in the caller's turn
         return True
 
     @property
@@ -487,22 +487,22 @@ class JobCharts(QWidget):
         """Charts are still being drawn or shown, a turn at a time."""
         return bool(self._pending or self._current is not None)
 
-    def hold_first_paint(self) -> None:
-        """Show the charts one per STAGGER_MS when they are next shown, not all eight in one frame.
+    def hold_until_drawn(self) -> None:
+        """Hide the charts until the next `refresh` draws them, each shown in its own turns.
 
         A chart's first show lays it out and its first paint draws its axes and title (a few
         milliseconds, ten times that on a busy machine); all eight in the turn that first shows the
         job page held the window for up to a second (benchmarks/gui_job_open.py). A held chart keeps
-        its cell in the grid, so the others do not move as it appears.
+        its cell in the grid, so the others do not move as it appears. Nothing is drawn until then:
+        a job's charts drawn empty while its history loads, and again once it is in, cost twice the
+        turns for a picture nobody needs (the page refreshes when the history is in).
         """
+        self._turn.stop()
+        self._pending, self._current, self._steps = [], None, []
         held = [c for c in self.charts() if not c.isHidden()]
         for chart in held:
             chart.hide()
         self._to_show.update(held)
-        self._pending = [c for c in self.charts() if c is not self._current]
-        if not self._turn.isActive() and self._current is None:
-            self._pacer.start()
-            self._turn.start(STAGGER_MS)
 
     def _draw(self, chart: QWidget) -> None:
         """Draw `chart`'s data with its updates off: its paint waits until its turns have prepared it."""

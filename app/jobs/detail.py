@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from PySide6.QtCore import Qt, QTimer
-from PySide6.QtGui import QAction, QPalette
+from PySide6.QtGui import QAction, QPalette, QShowEvent
 from PySide6.QtWidgets import (
     QDoubleSpinBox,
     QHBoxLayout,
@@ -43,11 +43,12 @@ from rigpilot.app.jobs.series import DEFAULT_SMOOTHING
 from rigpilot.app.jobs.slurm_state import slurm_detail
 from rigpilot.app.jobs.summary_view import SettingsDiff, SummaryPanel
 from rigpilot.app.jobs.try_it import TryIt
-from rigpilot.app.widgets.icons import icon, set_icon
+from rigpilot.app.widgets.icons import icon, prerender, set_icon
 from rigpilot.app.widgets.units import NA
 from rigpilot.engine.jobs.machine_check import lines as machine_check_lines
 from rigpilot.engine.schema import TERMINAL_STATES
 
+RENDER_REST_MS = 20  # between two buttons' icons rendered at idle: the window answers in between
 CHARTS_TAB, PLAN_TAB, LOG_TAB, SUMMARY_TAB, RESULTS_TAB, TRY_TAB, CHECK_TAB = range(7)
 FINISHED = TERMINAL_STATES
 
@@ -237,6 +238,25 @@ class JobDetail(QWidget):
         self._turn.setSingleShot(True)
         self._turn.timeout.connect(self._next_turn)
         self._pacer = Pacer()
+        # The buttons' icons are rendered at idle once the page is first shown, not in a job's first paint.
+        self._unrendered: list[QPushButton] = [
+            self.cancel_button, self.resume_button, self.clone_button, self.folder_button,
+            self.rename_button, self.delete_button,
+        ]  # fmt: skip
+        self._render_turn = QTimer(self)
+        self._render_turn.setInterval(RENDER_REST_MS)
+        self._render_turn.timeout.connect(self._render_next_icon)
+
+    def showEvent(self, event: QShowEvent) -> None:
+        super().showEvent(event)
+        if self._unrendered and not self._render_turn.isActive():
+            self._render_turn.start()
+
+    def _render_next_icon(self) -> None:
+        if self._unrendered:
+            prerender(self._unrendered.pop(0))
+        if not self._unrendered:
+            self._render_turn.stop()
 
     def set_placeholder(self, widget: QWidget) -> None:
         """Show `widget` instead of the "select a job" line while no job is open."""
@@ -259,17 +279,25 @@ class JobDetail(QWidget):
             return
         # Filled in while still hidden: on a shown page some setters repaint at once (QProgressBar's
         # setValue does), and the first of them painted the whole page, its eight charts included,
-        # inside the click (benchmarks/gui_job_open.py). Shown afterwards, it paints in the next turn.
+        # inside the click (benchmarks/gui_job_open.py). Filled in a turn after the click (most of
+        # its work), then shown or repainted in the turn after that.
         first = self.stack.currentIndex() != 1
+        # Another job's charts must not stand for this one's while its history loads: hidden until drawn.
+        self.charts.hold_until_drawn()
         if first:
-            self.charts.hold_first_paint()
             self.tabs.hide()  # shown a turn after the rest: the pane's first paint in two halves
         else:
-            self.paint_later(self.body)
-        self.update_record()
+            self.body.setUpdatesEnabled(False)
+        self.later(self._fill)
         if first:
-            self._later(self._show_pane)
-            self._later(self.tabs.show)
+            self.later(self._show_pane)
+            self.later(self.tabs.show)
+        else:
+            self.later(lambda: self.body.setUpdatesEnabled(True))
+
+    def _fill(self) -> None:
+        if self.handle is not None:
+            self.update_record()
 
     @property
     def settling(self) -> bool:
@@ -283,9 +311,10 @@ class JobDetail(QWidget):
     def paint_later(self, widget: QWidget) -> None:
         """Hold `widget`'s repaint for a turn of its own after this one (one widget a turn, in order)."""
         widget.setUpdatesEnabled(False)
-        self._later(lambda: widget.setUpdatesEnabled(True))
+        self.later(lambda: widget.setUpdatesEnabled(True))
 
-    def _later(self, step: Callable[[], None]) -> None:
+    def later(self, step: Callable[[], None]) -> None:
+        """Run `step` in a turn of its own after the pane's earlier ones (each rests as the Pacer says)."""
         # A timer, not a queued call: queued calls and the repaints they cause all run in one go before
         # the next timer, so the window would not answer in between (benchmarks/gui_job_open.py).
         self._turns.append(step)

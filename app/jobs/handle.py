@@ -132,6 +132,11 @@ class JobHandle(QObject):
     def is_open(self) -> bool:
         return self._open
 
+    @property
+    def loading_history(self) -> bool:
+        """The paged history is on its way (False once it is in, or once asking for it failed)."""
+        return self._open and self._metrics_busy and not self.history_loaded
+
     # -- the record -------------------------------------------------------------------------
     @property
     def state(self) -> str | None:

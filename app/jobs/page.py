@@ -608,6 +608,7 @@ class JobsPage(QWidget):
             handle = JobHandle(self.link, job_id, self.model.job(job_id))
             handle.sig_record.connect(self._on_handle_record)
             handle.sig_error.connect(self.sig_message.emit)
+            handle.sig_history_loaded.connect(self._on_history_loaded)
             self._handles[job_id] = handle
             handle.open()
         self._users[job_id] = self._users.get(job_id, 0) + 1
@@ -623,6 +624,7 @@ class JobsPage(QWidget):
             handle.close()
             handle.sig_record.disconnect(self._on_handle_record)
             handle.sig_error.disconnect(self.sig_message.emit)
+            handle.sig_history_loaded.disconnect(self._on_history_loaded)
 
     def _on_handle_record(self, record: dict[str, Any]) -> None:
         job_id = record.get("id")
@@ -689,7 +691,13 @@ class JobsPage(QWidget):
         if force or live != self._live_drawn:
             self._live_drawn = live
             self.detail.update_live()
-        self.detail.charts.refresh(force)
+        if force or not handle.loading_history:  # drawn once the history is in (_on_history_loaded)
+            self.detail.charts.refresh(force)
+
+    def _on_history_loaded(self, _records: int) -> None:
+        if self.sender() is self.current_handle:
+            # A turn after the one that merged the last page: each is a piece of work of its own.
+            self.detail.later(self.refresh)
 
     def _on_splitter_moved(self, *_: object) -> None:
         self._list_sized_by_user = True

@@ -145,6 +145,20 @@ def icon(name: str) -> QIcon:
     return QIcon(_PaletteIconEngine(name))
 
 
+def prerender(button: QAbstractButton) -> None:
+    """Render the pixmaps `button`'s paints take, enabled and disabled, into the cache now.
+
+    An icon is rendered from its SVG the first time it is painted at a size and in a colour (half a
+    millisecond to a few each): a page with a row of buttons paid for all of them in its first paint
+    (benchmarks/gui_job_open.py). Called at idle, one button a turn, the first paint finds them ready.
+    """
+    ic = button.icon()
+    if ic.isNull():
+        return
+    for mode in (QIcon.Mode.Normal, QIcon.Mode.Disabled):
+        ic.pixmap(button.iconSize(), button.devicePixelRatioF(), mode)
+
+
 def set_icon(button: QAbstractButton, name: str) -> None:
     """Give `button` the icon for `name`."""
     button.setIcon(icon(name))

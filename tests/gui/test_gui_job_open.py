@@ -16,9 +16,10 @@ import pytest
 
 from rigpilot.app.jobs import handle as handle_module
 from rigpilot.app.jobs.chart_turns import AXES
-from rigpilot.app.jobs.charts import JOB_END, TELEMETRY_WINDOW_S
+from rigpilot.app.jobs.charts import JOB_END, TELEMETRY_WINDOW_S, JobCharts
 from rigpilot.app.jobs.page import LIST_ROWS, LIST_SPLITTER_KEY
 from rigpilot.app.jobs.series import STEP_FIELDS, JobSeries
+from rigpilot.app.widgets import icons
 from rigpilot.engine.jobs.metrics import read_records
 
 from support.gui_fakes import FakeLink
@@ -120,10 +121,11 @@ def test_the_job_page_is_filled_before_it_is_shown_and_its_charts_paint_in_turns
 
     detail.update_record = spy  # type: ignore[method-assign]
     page.open_job("j1")
-    # QProgressBar.setValue repaints a shown bar at once: filled while hidden, nothing paints in the click.
-    assert shown_when_filled[0] is False
+    assert not shown_when_filled  # filled in a turn after the click, which does little else
     assert detail.stack.currentIndex() == 0  # shown in a turn of its own: its first layout is not in the click
     qtbot.waitUntil(lambda: detail.stack.currentIndex() == 1)
+    # QProgressBar.setValue repaints a shown bar at once: filled while hidden, nothing paints as it is filled.
+    assert shown_when_filled[0] is False
     held = [c for c in detail.charts.charts() if c.isHidden() or not c.updatesEnabled()]
     assert held  # each waits for event-loop turns of its own
     qtbot.waitUntil(lambda: all(c.isVisible() and c.updatesEnabled() for c in detail.charts.charts()))
@@ -273,3 +275,37 @@ def test_each_charts_axes_are_drawn_in_turns_of_their_own_before_it_paints(qtbot
     qtbot.waitUntil(lambda: not charts.drawing and all(c.updatesEnabled() for c in charts.charts()))
     qtbot.waitUntil(lambda: set(views) <= set(painted))
     assert not drawn_in_paint  # the paints only replayed the pictures the turns had drawn
+
+
+def test_charts_are_drawn_once_the_history_is_in_and_hide_the_last_jobs_while_it_loads(qtbot, monkeypatch):
+    """Drawn empty while the history loads and again once it is in, a page paid twice for its charts."""
+    link = FakeLink("4x-rtx4090")
+    jobs = FakeJobs(link, [a_job("h1", "completed"), a_job("h2", "completed")], page_records=10)
+    for job_id in ("h1", "h2"):
+        jobs.records[job_id] = [step_record(s, rank) for s in range(1, 41) for rank in (0, 1)]
+    drawn_with: list[tuple[str, bool]] = []
+    draw_loss = JobCharts._draw_loss
+
+    def spy(charts: JobCharts) -> None:
+        handle = page.current_handle
+        drawn_with.append((handle.id, handle.history_loaded))
+        draw_loss(charts)
+
+    monkeypatch.setattr(JobCharts, "_draw_loss", spy)  # before the page binds its charts' draws
+    page = open_page(qtbot, link)
+    open_job(qtbot, page, "h1")
+    page.open_job("h2")
+    charts = page.detail.charts
+    assert all(c.isHidden() for c in charts.charts())  # not h1's lines under h2's title
+    qtbot.waitUntil(lambda: not charts.drawing and all(c.isVisible() for c in charts.charts()))
+    assert ("h2", True) in drawn_with
+    assert all(loaded for _, loaded in drawn_with)  # never drawn from a history still paging in
+    assert [int(s) for s in charts.loss_raw.getData()[0]] == list(range(1, 41))
+
+
+def test_the_panes_button_icons_are_rendered_at_idle_before_a_job_is_opened(qtbot):
+    icons._pixmaps.clear()
+    page = open_page(qtbot, FakeLink("4x-rtx4090"))
+    wanted = {"cancel", "resume", "clone", "open-folder", "rename", "delete"}
+    qtbot.waitUntil(lambda: wanted <= {key[0] for key in icons._pixmaps})
+    assert page.current_handle is None  # no job was opened: the first one finds them ready
