@@ -490,6 +490,8 @@ def pytest_workers(pytest_args: list[str]) -> list[str]:
     .deb). More processes than cores would make the multi-rank jobs wait on each other for the CPU.
     Nothing is added where the arguments choose for themselves (-n, -p no:xdist) or ask for one test
     process (--pdb, --trace, --lf, --sw).
+    A test process that crashes ends the run (--max-worker-restart 0): its test fails either way, and a
+    replacement process once left a run waiting until CI's limit with no summary printed.
     """
     own = ("-n", "--numprocesses", "--dist", "-d", "--pdb", "--trace", "--lf", "--last-failed", "--sw", "--stepwise")
     if any(a.split("=")[0] in own or (a.startswith("-n") and a[2:].isdigit()) for a in pytest_args):
@@ -497,7 +499,7 @@ def pytest_workers(pytest_args: list[str]) -> list[str]:
     if "-pno:xdist" in pytest_args or any(pair == ("-p", "no:xdist") for pair in itertools.pairwise(pytest_args)):
         return []
     workers = min(len(os.sched_getaffinity(0)), MAX_TEST_WORKERS)
-    return ["-n", str(workers), "--dist", "loadfile"] if workers > 1 else []
+    return ["-n", str(workers), "--dist", "loadfile", "--max-worker-restart", "0"] if workers > 1 else []
 
 
 def cmd_test(args: list[str]) -> int:

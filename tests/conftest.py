@@ -20,8 +20,13 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 os.environ.setdefault("RIGPILOT_PLAN_VERIFY", "0")
 # Traces are kept on disk between plans (engine.planner.trace_cache): tests of the cache give it a folder of their own.
 os.environ.setdefault("RIGPILOT_TRACE_CACHE", "off")
-# Every test engine would import torch in a warm worker while idle: only the warm-worker tests turn it on.
+# Every test engine would import torch in a warm worker while idle: only the warm-worker tests turn it on. The
+# suite keeps one warm worker per test process instead, which every test job's ranks fork from
+# (support.worker_jobs.warm_socket).
 os.environ.setdefault("RIGPILOT_WARM_WORKER", "0")
+# The hub is never reached from a test (tests of hub code serve their own, or patch huggingface_hub's constants);
+# and a job's import-time variables must equal the warm worker's for its ranks to fork from it.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def _run_folder() -> Path:

@@ -26,25 +26,20 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from rigpilot.app.doctor.model import (
-    GPU_COLUMNS,
-    PAIR_COLUMNS,
-    Cell,
-    CheckState,
-    action_line,
-    finding_lines,
-    gpu_rows,
-    group_lines,
-    headline,
-    measured_line,
-    pair_rows,
-    progress_line,
-    simulated_line,
-)
+from rigpilot.app.doctor.model import CheckState, finding_lines, headline, measured_line, progress_line, simulated_line
 from rigpilot.app.doctor.source import CheckSource
 from rigpilot.app.widgets.icons import set_icon
 from rigpilot.app.widgets.palette import status_text
 from rigpilot.app.widgets.style import STATUS_COLORS, heading, mark_primary, set_role, set_status
+from rigpilot.engine.hardware.doctor_table import (
+    GPU_COLUMNS,
+    PAIR_COLUMNS,
+    Cell,
+    action_line,
+    gpu_rows,
+    group_lines,
+    pair_rows,
+)
 
 STATUS_ROLE = Qt.ItemDataRole.UserRole + 1
 

@@ -14,7 +14,15 @@ from typing import Any
 
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.doctor import DoctorReport, describe
-from rigpilot.engine.hardware.machine import short_gpu_name
+from rigpilot.engine.hardware.doctor_table import (
+    GPU_COLUMNS,
+    PAIR_COLUMNS,
+    Cell,
+    action_line,
+    gpu_rows,
+    group_lines,
+    pair_rows,
+)
 from rigpilot.engine.jobspec.spec import gpu_indices
 
 KEEP_WAIT_S = 60.0  # nvidia-smi and the store, after the job itself has ended
@@ -105,72 +113,18 @@ def text_lines(r: DoctorReport) -> list[str]:
         lines += [f"  {MARK[f.severity]} {describe(f)}" for f in r.findings]
     else:
         lines.append("Found nothing wrong.")
-    lines += [
-        "",
-        f"{'GPU':<4} {'name':<16} {'matmul TFLOP/s (share of peak)':<50} {'memory GB/s (peak)':<20} {'nvidia-smi':<11} health",
-    ]
-    for g in r.gpus:
-        mm = g.check("matmul")
-        flops = ""
-        if mm:
-            peaks = mm.figures.get("peak_tflops") or {}
-            # "bf16 150 (91%)": the share of the spec sheet's peak is what says whether a GPU is well
-            flops = "  ".join(
-                f"{d} {_n(v)}" + (f" ({v / peaks[d]:.0%})" if peaks.get(d) else "")
-                for d, v in (mm.figures.get("tflops") or {}).items()
-            )
-        mem = g.check("memory_bandwidth")
-        membw = ""
-        if mem:
-            membw = _n(mem.figures.get("gbs")) + (
-                f" ({_n(mem.figures['peak_gbs'])})" if mem.figures.get("peak_gbs") else ""
-            )
-        smi, health = g.check("nvml_vs_smi"), g.check("health")
-        lines.append(
-            f"{g.gpu:<4} {short_gpu_name(g.name)[:16]:<16} {flops:<50} {membw:<20} {_state(smi):<11} {_state(health)}"
-        )
+    lines += ["", *_table(GPU_COLUMNS, gpu_rows(r))]
     if r.pairs:
-        lines += [
-            "",
-            f"{'GPUs':<6} {'link':<5} {'P2P (driver)':<13} {'copy':<6} {'peer GB/s (host)':<18} all-reduce GB/s",
-        ]
-        for p in r.pairs:
-            copy, ar = p.check("p2p_copy"), p.check("all_reduce")
-            if copy is None or copy.status == "timeout":
-                correct, speed = ("-" if copy is None else "hung"), "-"
-            else:
-                correct = "ok" if copy.figures.get("correct") else "WRONG"
-                speed = f"{_n(copy.figures.get('gbs'))} ({_n(copy.figures.get('host_gbs'))})"
-            if ar is None:
-                reduce = "not run"
-            elif ar.status == "timeout":
-                reduce = f"hung (> {_n(ar.figures.get('deadline_s'))} s)"
-            else:
-                reduce = _n(ar.figures.get("busbw_gbs"))
-            lines.append(
-                f"{p.gpus[0]}-{p.gpus[1]:<4} {p.link or '?':<5} {p.p2p_reported:<13} {correct:<6} {speed:<18} {reduce}"
-            )
-    for grp in r.groups:
-        ar = grp.check("all_reduce")
-        if ar is not None:
-            figure = "hung" if ar.status == "timeout" else f"{_n(ar.figures.get('busbw_gbs'))} GB/s"
-            lines.append(f"all-reduce over GPUs {','.join(map(str, grp.gpus))}: {figure}")
-    env = (r.actions or {}).get("nccl_env")
-    if env:
-        pairs = ", ".join(f"{a}-{b}" for a, b in r.actions.get("pairs") or [])
-        setting = " ".join(f"{k}={v}" for k, v in env.items())
-        lines += ["", f"Jobs on GPU pairs {pairs} run with {setting} (a job's own setting of it wins)."]
+        lines += ["", *_table(PAIR_COLUMNS, pair_rows(r))]
+    lines += [text for _, text in group_lines(r)]
+    action = action_line(r)
+    if action:
+        lines += ["", action]
     return lines
 
 
-def _state(c: Any) -> str:
-    if c is None:
-        return "-"
-    return {"ok": "ok", "warn": "differs" if c.check == "nvml_vs_smi" else "warn", "fail": "FAIL",
-            "skipped": "skipped", "timeout": "timeout"}[c.status]  # fmt: skip
-
-
-def _n(v: Any) -> str:
-    if not isinstance(v, (int, float)):
-        return "?"
-    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
+def _table(columns: list[str], rows: list[list[Cell]]) -> list[str]:
+    """The app's table as plain columns (the same cells, so the same words)."""
+    texts = [[c.text for c in row] for row in rows]
+    widths = [max(len(x) for x in col) for col in zip(columns, *texts, strict=True)]
+    return ["  ".join(x.ljust(w) for x, w in zip(line, widths, strict=True)).rstrip() for line in [columns, *texts]]

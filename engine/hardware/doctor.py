@@ -296,7 +296,7 @@ def findings_of(report: DoctorReport) -> list[Finding]:
 
 
 def _slower(figures: dict[str, Any]) -> bool:
-    gbs, host = _figure(figures.get("gbs")), _figure(figures.get("host_gbs"))
+    gbs, host = figure(figures.get("gbs")), figure(figures.get("host_gbs"))
     return gbs is not None and host is not None and gbs < host
 
 
@@ -305,12 +305,12 @@ def _gpu_findings(gpu: int, c: Check, *, simulated: bool) -> list[Finding]:
     if c.check == "matmul" and not simulated:
         out = []
         for dtype, value in (f.get("tflops") or {}).items():
-            got, peak = _figure(value), _figure((f.get("peak_tflops") or {}).get(dtype))
+            got, peak = figure(value), figure((f.get("peak_tflops") or {}).get(dtype))
             if got and peak and got < SLOW_MATMUL_SHARE * peak:
                 out.append(Finding("matmul_slow", "warn", [gpu], {"dtype": dtype, "tflops": got, "peak_tflops": peak}))
         return out
     if c.check == "memory_bandwidth" and not simulated:
-        got, peak = _figure(f.get("gbs")), _figure(f.get("peak_gbs"))
+        got, peak = figure(f.get("gbs")), figure(f.get("peak_gbs"))
         if got and peak and got < SLOW_MEMORY_SHARE * peak:
             return [Finding("memory_slow", "warn", [gpu], {"gbs": got, "peak_gbs": peak})]
         return []
@@ -331,9 +331,10 @@ def _gpu_findings(gpu: int, c: Check, *, simulated: bool) -> list[Finding]:
     return []
 
 
-def _figure(v: Any) -> float | None:
-    """A measured or published figure that means something (a positive finite number), else None."""
-    return float(v) if isinstance(v, (int, float)) and math.isfinite(v) and v > 0 else None
+def figure(v: Any) -> float | None:
+    """A measured or published figure that means something (a positive finite number, not a bool), else None."""
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+    return float(v) if ok else None
 
 
 # -- what the engine does about it --------------------------------------------------------------------
@@ -378,10 +379,12 @@ def _gpus(gpus: list[int]) -> str:
     return "GPUs " + ", ".join(map(str, gpus))
 
 
-def _n(v: Any) -> str:
-    if not isinstance(v, (int, float)):
+def number(v: Any) -> str:
+    """A figure as the CLI, the GUI and the findings' words all print it; "?" where nothing was measured."""
+    x = figure(v)
+    if x is None:
         return "?"
-    return f"{v:,.0f}" if abs(v) >= 10 else f"{v:.3g}"
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
 
 
 def describe(f: Finding) -> str:
@@ -394,17 +397,17 @@ def describe(f: Finding) -> str:
                     "NCCL_P2P_DISABLE=1 (traffic through host memory)")  # fmt: skip
         case "p2p_slower_than_host":
             return (
-                f"Peer-to-peer copies between {_gpus(f.gpus)}{link} ({_n(x.get('gbs'))} GB/s) are slower than "
-                f"through host memory ({_n(x.get('host_gbs'))} GB/s): jobs on both run with NCCL_P2P_DISABLE=1"
+                f"Peer-to-peer copies between {_gpus(f.gpus)}{link} ({number(x.get('gbs'))} GB/s) are slower than "
+                f"through host memory ({number(x.get('host_gbs'))} GB/s): jobs on both run with NCCL_P2P_DISABLE=1"
             )
         case "all_reduce_hung":
-            return f"An all-reduce over {_gpus(f.gpus)}{link} did not finish within {_n(x.get('deadline_s'))} s" + (
+            return f"An all-reduce over {_gpus(f.gpus)}{link} did not finish within {number(x.get('deadline_s'))} s" + (
                 ": jobs on both run with NCCL_P2P_DISABLE=1" if len(f.gpus) == 2 else ""
             )
         case "p2p_copy_hung":
             return (
                 f"A peer-to-peer copy between {_gpus(f.gpus)}{link} did not finish within "
-                f"{_n(x.get('deadline_s'))} s: jobs on both run with NCCL_P2P_DISABLE=1"
+                f"{number(x.get('deadline_s'))} s: jobs on both run with NCCL_P2P_DISABLE=1"
             )
         case "p2p_not_supported":
             pairs = x.get("pairs") or [f.gpus]
@@ -415,11 +418,11 @@ def describe(f: Finding) -> str:
             )
         case "matmul_slow":
             return (
-                f"{_gpus(f.gpus)} reaches {_n(x.get('tflops'))} TFLOP/s in {x.get('dtype')}, under half its spec "
-                f"sheet's {_n(x.get('peak_tflops'))}: check its clocks, power limit and cooling"
+                f"{_gpus(f.gpus)} reaches {number(x.get('tflops'))} TFLOP/s in {x.get('dtype')}, under half its spec "
+                f"sheet's {number(x.get('peak_tflops'))}: check its clocks, power limit and cooling"
             )
         case "memory_slow":
-            return f"{_gpus(f.gpus)} copies memory at {_n(x.get('gbs'))} GB/s of a spec sheet's {_n(x.get('peak_gbs'))}"
+            return f"{_gpus(f.gpus)} copies memory at {number(x.get('gbs'))} GB/s of a spec sheet's {number(x.get('peak_gbs'))}"
         case "nvml_smi_disagree":
             return (
                 f"{_gpus(f.gpus)}: NVML reads {x.get('field')} as {x.get('nvml')} but nvidia-smi shows {x.get('smi')}"

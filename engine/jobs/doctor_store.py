@@ -52,16 +52,27 @@ def keep(job_dir: Path, machine: Machine, backend: Any, folder: Path) -> DoctorR
     return report
 
 
+# The last report read, by path, with the file's inode, mtime and size: every submission and plan asks for it, and it
+# changes once per check. Callers treat the JSON as read-only.
+_read: dict[Path, tuple[tuple[int, int, int], dict[str, Any]]] = {}
+
+
 def latest(machine: Machine, folder: Path) -> tuple[dict[str, Any] | None, str | None]:
     """(the stored report as JSON, None), or (None, why): never checked, checked on another driver, unreadable."""
     ident, driver = identity(machine)
     path = folder / store_key(ident, driver)
     try:
+        st = path.stat()
+        stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+        cached = _read.get(path)
+        if cached is not None and cached[0] == stamp:
+            return cached[1], None
         raw = json.loads(path.read_text())
         DoctorReport.from_dict(raw)
+        _read[path] = (stamp, raw)
         return raw, None
     except FileNotFoundError:
-        pass
+        _read.pop(path, None)
     except (OSError, ValueError, UserError) as e:
         log.warning("stored machine check %s unreadable: %s", path, e)
         return None, UNREADABLE

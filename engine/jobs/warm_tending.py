@@ -75,6 +75,9 @@ class WarmTending:
         """The socket of a ready worker that runs `python`, for ranks to start through; None: start afresh."""
         if self.worker is not None and self.worker.ready() and self.worker.python == python:
             return str(self.worker.socket_path)
+        shared = os.environ.get(warm.SHARED_ENV)
+        if shared and os.path.exists(shared):
+            return shared  # it declines a rank whose interpreter or import-time variables differ from its own
         return None
 
     def stop(self) -> None:

@@ -53,6 +53,9 @@ from pathlib import Path
 from typing import Any
 
 SOCKET_ENV = "RIGPILOT_WARM_SOCKET"  # set in a job's environment when a warm worker is ready
+# In the engine's environment: the socket of a warm worker it did not start, used while its own is not ready
+# (the test suite keeps one for all its engines, which would otherwise each import torch for a job or two).
+SHARED_ENV = "RIGPILOT_WARM_SHARED"
 ENABLE_ENV = "RIGPILOT_WARM_WORKER"  # "0" in the engine's environment turns warm workers off
 SOCKET_NAME = "warm.sock"
 # "Memory allows": the warm worker holds about 0.5-1 GiB (torch and transformers imported); it is started

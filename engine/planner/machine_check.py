@@ -20,12 +20,19 @@ and describe no GPU: only its findings count.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from rigpilot.engine.errors import UserError
-from rigpilot.engine.hardware.doctor import Check, DoctorReport, Finding, describe, nccl_env_for, p2p_off_pairs
+from rigpilot.engine.hardware.doctor import (
+    Check,
+    DoctorReport,
+    Finding,
+    describe,
+    figure,
+    nccl_env_for,
+    p2p_off_pairs,
+)
 from rigpilot.engine.hardware.machine import P2P, Machine
 from rigpilot.engine.planner.calibration import DTYPES, MachineCalibration, parse_time
 
@@ -98,8 +105,9 @@ def calibration_from_doctor(report: DoctorReport) -> MachineCalibration | None:
         if c is None or c.status not in MEASURED:
             continue
         for dtype, v in (c.figures.get("tflops") or {}).items():
-            if dtype in DTYPES and _positive(v):
-                matmul.setdefault(dtype, {})[g.gpu] = float(v)
+            tflops = figure(v)
+            if dtype in DTYPES and tflops is not None:
+                matmul.setdefault(dtype, {})[g.gpu] = tflops
     bus: dict[str, float] = {}
     for p in report.pairs:
         v = _busbw(p.check("all_reduce"))
@@ -129,12 +137,7 @@ def calibration_from_doctor(report: DoctorReport) -> MachineCalibration | None:
 def _busbw(c: Check | None) -> float | None:
     if c is None or c.status not in MEASURED:
         return None
-    v = c.figures.get("busbw_gbs")
-    return float(v) if v is not None and _positive(v) else None
-
-
-def _positive(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+    return figure(c.figures.get("busbw_gbs"))
 
 
 def _source(report: DoctorReport) -> str:

@@ -87,7 +87,7 @@ def test_a_clean_check_from_the_command_line_and_its_refusals(engine):
     run = cli("doctor", "--gpus", "0,1")
     assert run.returncode == 0, run.stdout + run.stderr
     assert "machine check started" in run.stdout and "checking p2p_copy on GPUs 0,1" in run.stdout
-    assert "copy" in run.stdout and "WRONG" not in run.stdout
+    assert "Copy correct?" in run.stdout and "WRONG" not in run.stdout
     assert "The driver reports no peer-to-peer access between any of the GPUs" in run.stdout
     as_json = json.loads(cli("doctor", "--show", "--json").stdout)
     assert as_json["report"]["complete"] is True and as_json["report"]["actions"] == {}

@@ -5,7 +5,8 @@ gui_planner, gui_settings, gui_wizard).
 """
 
 import pytest
-from PySide6.QtCore import QSettings
+from PySide6.QtCore import QSettings, QTimer
+from PySide6.QtWidgets import QDialog, QFileDialog, QInputDialog, QMessageBox
 
 from support.gui_fakes import fail_on_qt_warnings, isolated_config
 
@@ -28,6 +29,54 @@ def _gui_test_isolation(request):
         next(warnings, None)  # fails the test here if Qt warned
     finally:
         next(config, None)
+
+
+# How long a modal dialog may wait for its answer in a test. Tests answer theirs within milliseconds (a timer
+# clicks the button); one nobody answers would block the test in Qt's own event loop, where pytest-timeout's
+# signal cannot interrupt it, and hang the whole run.
+UNANSWERED_DIALOG_S = 30
+STATIC_DIALOGS = {
+    QMessageBox: ("question", "information", "warning", "critical", "about"),
+    QInputDialog: ("getText", "getInt", "getDouble", "getItem", "getMultiLineText"),
+    QFileDialog: ("getOpenFileName", "getOpenFileNames", "getSaveFileName", "getExistingDirectory"),
+}
+
+
+@pytest.fixture(autouse=True)
+def _no_unanswered_dialog(monkeypatch):
+    """A modal dialog nobody answers fails its test (closed after UNANSWERED_DIALOG_S) instead of hanging the run;
+    the static ones (QMessageBox.question, QFileDialog.getOpenFileName, ...) fail at once unless the test
+    replaced them with its answer."""
+    left: list[str] = []
+    for cls in (QDialog, QMessageBox):
+        original = cls.exec
+
+        def exec_guarded(self, *args, _original=original):
+            def give_up() -> None:
+                if self.isVisible():
+                    text = self.text() if isinstance(self, QMessageBox) else ""
+                    left.append(f"{type(self).__name__} {self.windowTitle()!r} {text!r}")
+                    self.reject()
+
+            timer = QTimer(self)
+            timer.setSingleShot(True)
+            timer.timeout.connect(give_up)
+            timer.start(UNANSWERED_DIALOG_S * 1000)
+            try:
+                return _original(self, *args)
+            finally:
+                timer.stop()
+
+        monkeypatch.setattr(cls, "exec", exec_guarded)
+    for cls, names in STATIC_DIALOGS.items():
+        for name in names:
+
+            def refuse(*args, _name=f"{cls.__name__}.{name}", **kwargs):
+                raise AssertionError(f"{_name} opened a modal dialog the test does not answer")
+
+            monkeypatch.setattr(cls, name, refuse)
+    yield
+    assert not left, f"a modal dialog was left unanswered: {left}"
 
 
 @pytest.fixture

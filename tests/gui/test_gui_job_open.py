@@ -274,7 +274,11 @@ def test_each_charts_axes_are_drawn_in_turns_of_their_own_before_it_paints(qtbot
     assert page.detail.charts.refresh()
     qtbot.waitUntil(lambda: not charts.drawing and all(c.updatesEnabled() for c in charts.charts()))
     qtbot.waitUntil(lambda: set(views) <= set(painted))
-    assert not drawn_in_paint  # the paints only replayed the pictures the turns had drawn
+    # The paints only replayed the pictures the turns had drawn. (A telemetry chart's "ago" axis is redrawn as
+    # time passes, by design.)
+    from rigpilot.app.widgets.time_chart import AgoAxis
+
+    assert not [axis for axis in drawn_in_paint if not isinstance(axis, AgoAxis)]
 
 
 def test_charts_are_drawn_once_the_history_is_in_and_hide_the_last_jobs_while_it_loads(qtbot, monkeypatch):

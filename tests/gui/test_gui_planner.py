@@ -306,7 +306,10 @@ def test_offline_hub_search_says_so_and_offers_cache_and_presets(qtbot, tmp_path
 
 
 def test_hub_search_online_and_when_the_hub_fails(monkeypatch):
+    from huggingface_hub import constants
+
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # as read at import (tests/conftest.py sets it)
     monkeypatch.setattr(hub_search, "cached_models", lambda q="": [])
 
     class Model:

@@ -305,8 +305,8 @@ def test_in_debian13_only_ci_installs_the_test_packages_and_leaves_no_service_en
 
 
 @pytest.mark.parametrize("args, cores, expected", [
-    ([], 2, ["-n", "2", "--dist", "loadfile"]),
-    (["tests/unit/test_cli.py", "-k", "plan"], 16, ["-n", "4", "--dist", "loadfile"]),  # never more than four
+    ([], 2, ["-n", "2", "--dist", "loadfile", "--max-worker-restart", "0"]),
+    (["tests/unit/test_cli.py", "-k", "plan"], 16, ["-n", "4", "--dist", "loadfile", "--max-worker-restart", "0"]),  # never more than four
     ([], 1, []),
     (["-n", "1"], 2, []), (["-n3"], 2, []), (["--numprocesses=3"], 2, []), (["-p", "no:xdist"], 2, []),
     (["-pno:xdist"], 2, []), (["--pdb"], 2, []), (["--lf"], 2, []), (["--stepwise"], 2, []),

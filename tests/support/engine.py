@@ -5,6 +5,7 @@ file so the test decides when its job ends. The `engine` fixture built on this l
 """
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -13,9 +14,11 @@ from pathlib import Path
 import psutil
 
 from rigpilot.engine.api.client import EngineClient
+from rigpilot.engine.launch import warm
 
 from support.paths import REPO
 from support.waiting import wait_for
+from support.worker_jobs import warm_socket
 
 GATE_SCRIPT = """
 import os, sys, time, pathlib
@@ -71,8 +74,10 @@ sys.exit(1)
 class Engine:
     """A service subprocess plus helpers; the XDG folders live in tmp_path."""
 
-    def __init__(self, tmp: Path):
+    def __init__(self, tmp: Path, *, warm_shared: bool = True):
         self.tmp = tmp
+        # Its ranks fork from the test process's warm worker (support.worker_jobs.warm_socket) where they can.
+        self.warm_shared = warm_shared
         self.proc: subprocess.Popen | None = None
         self.scripts = tmp / "scripts"
         self.scripts.mkdir(exist_ok=True)
@@ -81,7 +86,11 @@ class Engine:
         self.log = (self.tmp / "engine.log").open("ab")
         cmd = [sys.executable, "-m", "rigpilot.engine.service", "--grace", "3", "--failure-grace", "2",
                "--telemetry-period", "0.25", *extra]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=self.log)
+        env = dict(os.environ)
+        shared = warm_socket(wait=False) if self.warm_shared else None
+        if shared:
+            env[warm.SHARED_ENV] = shared
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=self.log, env=env)
         wait_for(self._answers, 30, what="the engine service to start")
 
     def _answers(self) -> bool:

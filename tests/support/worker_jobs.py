@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,12 @@ from rigpilot.engine.jobspec.spec import JobSpec
 from support.paths import REPO, SHAKESPEARE, TINY_LLAMA_CONFIG
 
 JOB_TIMEOUT_S = 300
+WARM_RANK = Path(__file__).with_name("warm_rank.py")
+WARM_READY_S = 120  # the warm worker's imports, on a machine the other test worker keeps busy
+# The environment the run started with: the warm worker's (a job whose import-time variables a test changed
+# since is declined by it, and starts afresh, as it would in the engine).
+_SESSION_ENV = dict(os.environ)
+_warm: Any = None  # this test process's warm worker (engine.launch.warm.WarmWorker), started on first use
 
 
 # One training recipe for every Llama run, so runs with the same data-parallel degree see the same
@@ -50,20 +58,61 @@ def write_job(job_dir: Path, **spec: Any) -> Path:
     return job_dir
 
 
-def torchrun(job_dir: Path, nproc: int = 2, *, log_dir: Path | None = None) -> list[str]:
+def torchrun(job_dir: Path, nproc: int = 2, *, log_dir: Path | None = None, warm: bool = False) -> list[str]:
+    """torchrun over the job's ranks; `warm`: each rank through support/warm_rank.py (forked when it can be)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     if log_dir is not None:
         cmd += ["--log-dir", str(log_dir), "--redirects", "3"]
+    if warm:
+        return [*cmd, str(WARM_RANK), sys.executable, "-u", "-m", "rigpilot.engine.workers", str(job_dir)]
     return [*cmd, "-m", "rigpilot.engine.workers", str(job_dir)]
 
 
+def warm_socket(wait: bool = True) -> str | None:
+    """The socket of this test process's warm worker, started on first use; None when it cannot be had.
+    `wait=False`: where its socket will be, without waiting for its imports (the engine looks when a job starts)."""
+    global _warm
+    from rigpilot.engine.launch import warm
+
+    if _SESSION_ENV.get("RIGPILOT_TEST_WARM") == "0":  # every rank a fresh interpreter, as before
+        return None
+    if _warm is None:
+        base = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR", "/nonexistent")).parent
+        if not base.is_dir():
+            return None
+        folder = base / f"warm-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}"
+        folder.mkdir(mode=0o700, exist_ok=True)
+        _warm = warm.WarmWorker(folder, folder / "warm-worker.log")
+        env = {**_SESSION_ENV, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
+               "OMP_NUM_THREADS": "1"}  # fmt: skip
+        env.pop(warm.SOCKET_ENV, None)
+        _warm.start(sys.executable, env)
+        atexit.register(_warm.stop)
+        # Engines started later in this process, however (CLI, app, benchmarks), look for it too.
+        os.environ[warm.SHARED_ENV] = str(_warm.socket_path)
+    end = time.monotonic() + WARM_READY_S
+    while wait and not _warm.ready():
+        if not _warm.running() or time.monotonic() > end:
+            return None
+        time.sleep(0.1)
+    return str(_warm.socket_path) if _warm.running() else None
+
+
 def run_job(
-    job_dir: Path, nproc: int = 2, expect: int = 0, log_dir: Path | None = None, env: dict[str, str] | None = None
+    job_dir: Path,
+    nproc: int = 2,
+    expect: int = 0,
+    log_dir: Path | None = None,
+    env: dict[str, str] | None = None,
+    *,
+    warm: bool = True,
 ) -> subprocess.CompletedProcess:
+    """Run the job under torchrun; `warm=False`: every rank a fresh interpreter, never forked."""
+    socket_path = warm_socket() if warm else None
     proc = subprocess.run(
-        torchrun(job_dir, nproc, log_dir=log_dir),
+        torchrun(job_dir, nproc, log_dir=log_dir, warm=socket_path is not None),
         cwd=REPO,
-        env={**job_env(job_dir), **(env or {})},
+        env={**job_env(job_dir), **({"RIGPILOT_WARM_SOCKET": socket_path} if socket_path else {}), **(env or {})},
         capture_output=True,
         text=True,
         timeout=JOB_TIMEOUT_S,

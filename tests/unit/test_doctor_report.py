@@ -147,5 +147,5 @@ def test_the_command_line_table_of_a_gpu_report():
     text = "\n".join(text_lines(r))
     assert "Machine check of lab: 2×RTX 4090" in text and "simulated" not in text
     assert "bf16 150 (91%)" in text and "900 (1,008)" in text
-    assert "0-1    PHB   ok            WRONG  20 (12)" in text and "18.5" in text
-    assert "Jobs on GPU pairs 0-1 run with NCCL_P2P_DISABLE=1" in text
+    assert "0–1   PHB   ok            WRONG DATA     20 (12)           18.5 GB/s" in text
+    assert "Jobs on GPU pairs 0–1 run with NCCL_P2P_DISABLE=1" in text

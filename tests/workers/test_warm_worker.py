@@ -127,7 +127,7 @@ print(s.makefile().readline().strip() or json.dumps({"closed": True}))
 def test_a_job_runs_through_the_warm_worker_survives_its_death_and_matches_the_plain_path(monkeypatch, capsys):
     # A short runtime folder that another user can be let into (pytest's tmp folders are private to root).
     base = Path(tempfile.mkdtemp(prefix="rpwarm", dir="/tmp"))
-    engine = Engine(base)
+    engine = Engine(base, warm_shared=False)  # its own warm worker, not the test run's
     try:
         engine_home(base, monkeypatch)
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -192,7 +192,7 @@ def test_a_job_runs_through_the_warm_worker_survives_its_death_and_matches_the_p
 
         plain = write_job(base / "plain", kind="train", model=str(TINY_LLAMA_CONFIG),
                           parallelism={"dp_replicate": 2}, train=TRAIN)  # fmt: skip
-        run_job(plain, 2, env={"OMP_NUM_THREADS": "1"})
+        run_job(plain, 2, env={"OMP_NUM_THREADS": "1"}, warm=False)
         assert losses(job_dir) == losses(plain) and len(losses(plain)) == 4  # bit for bit
     finally:
         engine.stop()
