@@ -49,8 +49,9 @@ def served(tmp_path_factory):
         spec["serve"] = {"precision": "fp32", "max_batch": 4, "max_concurrent": 5, "max_new_tokens": 64}
         with engine.client() as c:
             job = c.request("submit", spec=spec, plan=None)["job"]["id"]
-            url = _wait_for_url(c, job)
-        assert url, (base / "engine.log").read_text()[-4000:]
+            serving = _wait_for_url(c, job)
+        assert serving, (base / "engine.log").read_text()[-4000:]
+        url = serving["url"]
         yield {"engine": engine, "job": job, "url": url}
     finally:
         engine.stop()
