@@ -10,8 +10,6 @@ from __future__ import annotations
 import http.client
 import json
 import signal
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.parse
@@ -23,11 +21,10 @@ import openai
 import pytest
 import torch
 
-from support.paths import REPO
-from support.worker_jobs import job_env, records, save_random_llama, write_job
+from support.serving import serve_worker
+from support.worker_jobs import records, save_random_llama, write_job
 
 MAX_NEW = 200  # the server's cap; the model's context is 256
-START_TIMEOUT_S = 180
 PROMPTS = [
     "The quick brown fox",
     "Once upon a time there was",
@@ -59,32 +56,8 @@ def server(tmp_path_factory, model_dir):
         tmp_path_factory.mktemp("jobs") / "serve1", kind="serve", model=str(model_dir), gpus=[0],
         serve={"precision": "fp32", "max_batch": 16, "max_concurrent": 17, "max_new_tokens": MAX_NEW},
     )  # fmt: skip
-    log = (job / "worker.log").open("w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rigpilot.engine.workers", str(job)], cwd=REPO, env=job_env(job), stdout=log,
-        stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    try:
-        url = _wait_for_url(job, proc)
-        yield {"url": url, "proc": proc, "job": job}
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
-
-
-def _wait_for_url(job: Path, proc: subprocess.Popen) -> str:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"the server exited {proc.returncode}:\n{(job / 'worker.log').read_text()[-4000:]}")
-        if (job / "metrics" / "rank0.jsonl").exists():
-            for r in records(job):
-                if r.get("phase") == "serving":
-                    return r["url"]
-        time.sleep(0.2)
-    pytest.fail("the server reported no URL")
+    with serve_worker(job) as (proc, serving):
+        yield {"url": serving["url"], "proc": proc, "job": job}
 
 
 @pytest.fixture(scope="module")

@@ -26,11 +26,11 @@ import pytest
 import torch
 
 from support.paths import REPO
-from support.worker_jobs import job_env, records, save_random_llama, write_job
+from support.serving import serve_worker
+from support.worker_jobs import records, save_random_llama, write_job
 
 pytestmark = pytest.mark.slow  # a worker, peft and three reference models: about 20 s on 2 idle cores
 
-START_TIMEOUT_S = 180
 ADAPTERS = {"tuned": 1, "other": 2}  # name -> the seed of its random LoRA weights
 PROMPTS = ["The quick brown fox", "Once upon a time", "1 2 3 4 5", "Roses are red,"]
 
@@ -63,31 +63,9 @@ def server(tmp_path_factory, folders):
                "adapters": {n: str(folders[n]) for n in ADAPTERS},
                "tls_cert": str(tls / "engine-cert.pem"), "tls_key": str(tls / "engine-key.pem")},
     )  # fmt: skip
-    log = (job / "worker.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "rigpilot.engine.workers", str(job)], cwd=REPO, env=job_env(job),
-                            stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
-    try:
-        serving = _wait_for_serving(job, proc)
+    with serve_worker(job) as (_, serving):
         port = urllib.parse.urlsplit(serving["url"]).port
         yield {"serving": serving, "job": job, "local": f"https://127.0.0.1:{port}/v1"}
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
-
-
-def _wait_for_serving(job: Path, proc: subprocess.Popen) -> dict:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"the server exited {proc.returncode}:\n{(job / 'worker.log').read_text()[-4000:]}")
-        if (job / "metrics" / "rank0.jsonl").exists():
-            for r in records(job):
-                if r.get("phase") == "serving":
-                    return r
-        time.sleep(0.2)
-    pytest.fail("the server reported no URL")
 
 
 def client_with(server, key: str) -> openai.OpenAI:
