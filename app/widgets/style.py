@@ -17,8 +17,10 @@ pays for it. The rest keeps the platform style (Fusion), already consistent acro
 
 from __future__ import annotations
 
+import weakref
 from typing import Literal
 
+import shiboken6
 from PySide6.QtCore import QEvent
 from PySide6.QtGui import QColor, QFont, QPalette
 from PySide6.QtWidgets import QApplication, QLabel, QListWidget, QWidget
@@ -79,8 +81,24 @@ def _colours(widget: QWidget, palette: QPalette) -> QPalette | None:
     return own
 
 
+# The widgets given a look here, by id: a palette change restyles these alone. Not QApplication.allWidgets(),
+# whose wrappers of widgets Qt made itself can outlive them (a scroll bar, a popup, deleted in C++ unseen by
+# shiboken), so touching them after a page changed crashed the app (a segfault in a theme switch).
+# Weak: a widget nothing else keeps is still let go.
+_styled: dict[int, weakref.ref[QWidget]] = {}
+
+
+def _keep(widget: QWidget) -> None:
+    key = id(widget)
+    known = _styled.get(key)
+    if known is None or known() is not widget:  # an id is reused once its object is gone
+        ref = _styled[key] = weakref.ref(widget)
+        widget.destroyed.connect(lambda *_: _styled.get(key) is ref and _styled.pop(key))
+
+
 def restyle(widget: QWidget, palette: QPalette | None = None) -> None:
     """Give `widget` the colours of what it is (its properties), from `palette` or the application's."""
+    _keep(widget)
     pal = palette or QApplication.palette()
     if widget.property("navigation"):
         widget.setStyleSheet(navigation_sheet(pal))
@@ -98,8 +116,9 @@ class _Restyler(QWidget):
     def changeEvent(self, event: QEvent) -> None:
         if event.type() in (QEvent.Type.PaletteChange, QEvent.Type.ApplicationPaletteChange):
             palette = QApplication.palette()
-            for widget in QApplication.allWidgets():
-                if any(widget.property(name) for name in _PROPERTIES):
+            for ref in list(_styled.values()):
+                widget = ref()
+                if widget is not None and shiboken6.isValid(widget) and any(widget.property(n) for n in _PROPERTIES):
                     restyle(widget, palette)
         super().changeEvent(event)
 
@@ -121,6 +140,7 @@ def set_status(widget: QWidget, status: Status | None) -> None:
     if widget.property("status") == status:
         return
     widget.setProperty("status", status)
+    _keep(widget)
     font = QFont(widget.font())
     font.setBold(status == "bad")
     widget.setFont(font)

@@ -465,10 +465,10 @@ def the_scaling_study_draws_a_correct_chart(d: Desktop, main: str, study_id: str
 
 
 def switch_the_machine_while_jobs_run(d: Desktop, main: str, wanted: str = "H100") -> str:
-    """Settings (Ctrl+5) → the simulated machine → Save while the study's jobs run: the switch is kept and made
+    """Settings (Ctrl+6) → the simulated machine → Save while the study's jobs run: the switch is kept and made
     when they end, and Settings says so; returns the label the engine served before."""
     before = cli_machine(d)["label"]
-    d.press(main, "ctrl+5")
+    d.press(main, "ctrl+6")
     combo = d.widget("simulatedProfile")
     target = next(i for i, text in enumerate(combo["items"]) if wanted in text)
     d.click(combo["rect"])  # its list opens on the current entry
@@ -492,7 +492,7 @@ def the_deferred_switch_happens_and_every_page_follows(d: Desktop, main: str, wa
     label = wait_for(lambda: wanted in cli_machine(d)["label"] and cli_machine(d)["label"], 60,
                      what="the engine to switch when the jobs ended")  # fmt: skip
     wait_for(lambda: d.xdotool("getwindowname", main) == f"{MAIN_TITLE}{label}", 20, what="the window title to follow")
-    d.press(main, "ctrl+5")
+    d.press(main, "ctrl+6")
     d.widget("settingsStatus", when=lambda w: "it switched when its jobs ended" in w["text"])
     d.screenshot("settings", main)
     gpus = len(cli_machine(d)["gpus"])
