@@ -15,6 +15,7 @@ from PySide6.QtCore import QObject, Signal
 
 from rigpilot.app.engine_link import CONNECTED
 from rigpilot.engine.schema import UNFINISHED_STATES, JobState
+from rigpilot.engine.workers.serve_setup import serving_status
 
 SERVE = "serve"
 METRICS_PAGES = 8  # the status comes first in a server's metrics; a bound in case it never does
@@ -58,12 +59,12 @@ class Listening:
 
 def serving_url(records: list[dict[str, Any]]) -> Listening | None:
     """Where and since when a serve job listens, from its metric records: its "serving" status."""
-    for r in records:
-        if r.get("kind") == "status" and r.get("phase") == "serving" and isinstance(r.get("url"), str):
-            name, since = r.get("model"), r.get("time")
-            return Listening(r["url"], name if isinstance(name, str) else None,
-                             since if isinstance(since, int | float) else None)  # fmt: skip
-    return None
+    r = serving_status(records)
+    if r is None:
+        return None
+    name, since = r.get("model"), r.get("time")
+    return Listening(r["url"], name if isinstance(name, str) else None,
+                     since if isinstance(since, int | float) else None)  # fmt: skip
 
 
 class ServedModels(QObject):

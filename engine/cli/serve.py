@@ -22,6 +22,7 @@ from rigpilot.engine.jobspec.spec import JOB_SETTINGS, SERVE_SETTINGS
 from rigpilot.engine.layout import LAYOUT_SETTINGS
 from rigpilot.engine.schema import TERMINAL_STATES, add_option, add_options, given
 from rigpilot.engine.terminal import printable
+from rigpilot.engine.workers.serve_setup import serving_status
 
 WAIT_FOR_URL_S = 600.0  # loading a large model from a slow disk; the job's own failure ends the wait sooner
 LORA_BASE_NAME = "base"  # what the base of a served LoRA job is called in requests
@@ -192,9 +193,9 @@ def _wait_for_url(client: Any, job_id: str) -> dict[str, Any] | None:
     while time.monotonic() < deadline:
         ev = client.next_event(1.0)
         if ev is not None and ev.get("event") == "metrics":
-            for r in ev.get("records") or []:
-                if r.get("kind") == "status" and r.get("phase") == "serving" and isinstance(r.get("url"), str):
-                    return dict(r)
+            found = serving_status(ev.get("records") or [])
+            if found is not None:
+                return dict(found)
         if ev is None and client.request("job", job=job_id)["job"]["state"] in TERMINAL_STATES:
             return None
     raise UserError(f"job {job_id} reported no URL in {WAIT_FOR_URL_S:.0f} s; see rigpilot logs {job_id}")

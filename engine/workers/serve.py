@@ -41,7 +41,7 @@ from rigpilot.engine.workers.parallelize import precision_dtype
 from rigpilot.engine.workers.serve_adapters import attach_adapters
 from rigpilot.engine.workers.serve_batch import Batcher, Counters
 from rigpilot.engine.workers.serve_http import ServedModel, build_app
-from rigpilot.engine.workers.serve_setup import api_key, family, parse_listen, url_host
+from rigpilot.engine.workers.serve_setup import SERVING, api_key, family, parse_listen, url_host
 
 METRICS_EVERY_S = 2.0
 SWITCH_INTERVAL_S = 0.0005
@@ -98,7 +98,7 @@ def run_serve(spec: JobSpec, job_dir: Path) -> int:
     server = _start_http(served, sock, (s.tls_cert, s.tls_key) if not loopback else None)
     scheme = "http" if loopback else "https"
     url = f"{scheme}://{url_host(host)}:{sock.getsockname()[1]}/v1"
-    status("serving", url=url, model=name, adapters=",".join(s.adapters), max_batch=s.max_batch,
+    status(SERVING, url=url, model=name, adapters=",".join(s.adapters), max_batch=s.max_batch,
            max_concurrent=s.max_concurrent, api_key_file=str(key_file) if key_file else None)  # fmt: skip
     print(f"[rank0] serving {name} at {url}", flush=True)
     meter = _Meter(batcher.counters, runtime.device)

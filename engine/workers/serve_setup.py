@@ -14,12 +14,25 @@ import ipaddress
 import json
 import secrets
 import socket
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.paths import write_private
 
 API_KEY_FILE = "api-key"  # in the job's folder, 0600
+# The phase of the status record a serve job reports once it listens: its url, model, adapters, api_key_file.
+SERVING = "serving"
+
+
+def serving_status(records: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
+    """The "serving" status record among a serve job's metric records (the CLI, the app and the tests wait for
+    it), or None while it has not listened yet."""
+    for r in records:
+        if r.get("kind") == "status" and r.get("phase") == SERVING and isinstance(r.get("url"), str):
+            return r
+    return None
 
 
 def parse_listen(addr: str) -> tuple[str, bool]:

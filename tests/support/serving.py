@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from rigpilot.engine.workers.serve_setup import serving_status
+
 from support.paths import REPO
 from support.worker_jobs import job_env, records
 
@@ -38,9 +40,8 @@ def _wait_for_serving(job: Path, proc: subprocess.Popen) -> dict[str, Any]:
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             pytest.fail(f"the server exited {proc.returncode}:\n{(job / 'worker.log').read_text()[-4000:]}")
-        if (job / "metrics" / "rank0.jsonl").exists():
-            for r in records(job):
-                if r.get("phase") == "serving":
-                    return r
+        found = serving_status(records(job)) if (job / "metrics" / "rank0.jsonl").exists() else None
+        if found is not None:
+            return found
         time.sleep(0.2)
     pytest.fail("the server reported no URL")
