@@ -59,6 +59,14 @@ class ChartView(pg.PlotWidget):
             apply_plot_theme(self, self.palette())
         super().changeEvent(event)
 
+    def viewportEvent(self, event: QEvent | None) -> bool:
+        # QGraphicsView (de)activates its scene on every show and hide of its viewport, an event to each of
+        # the plot's items; pyqtgraph's items need no activation, and holding a job's eight charts back
+        # while they are drawn (JobCharts.hold_until_drawn) spent milliseconds of the click on it.
+        if event is not None and event.type() in (QEvent.Type.Show, QEvent.Type.Hide):
+            return False
+        return super().viewportEvent(event)
+
     def wheelEvent(self, event: QWheelEvent) -> None:
         if event.modifiers() & ZOOM_MODIFIER:
             super().wheelEvent(event)
