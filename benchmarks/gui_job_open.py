@@ -1,6 +1,6 @@
 """How long the GUI thread stalls when a user opens a 500-step job page on a busy machine.
 
-    .venv/bin/python benchmarks/gui_job_open.py [--steps 500] [--opens 6] [--busy 2] [--before DIR]
+    .venv/bin/python benchmarks/gui_job_open.py [--steps 500] [--opens 6] [--busy 2] [--as-job] [--before DIR]
 
 Offscreen. The Jobs page at 1280x800 holds two finished two-rank training jobs
 of `--steps` steps; the benchmark opens them in turn, `--opens` times, as a
@@ -8,7 +8,11 @@ user clicking from one job to the other. Each open pages the history in
 through JobHandle (the replies JSON-decoded on the task pool, as EngineClient
 does), builds the page and draws its eight charts. `--busy N` keeps N other
 processes spinning (two, on two cores: the load of a simulated job's CPU
-ranks).
+ranks). By default they run at the user's priority in the window's own
+session, the worst case (a build started from the same session); `--as-job`
+starts them as the engine starts a job's ranks, in a session of their own
+at engine.priority's niceness (`--nice N`, `--own-session`: one of
+the two).
 
 The probe is a 5 ms timer on the GUI thread: how late it fires is how long
 the window could not answer. The same probe runs beside it in an empty Qt
@@ -106,8 +110,33 @@ class Probe:
 
 
 def _spin(stop) -> None:
+    # The event is a lock shared by every spinner and the empty window: asked on every pass, it was a
+    # storm of lock hand-overs between them, which measured the lock's waits, not the machine's load.
     while not stop.is_set():
-        pass
+        for _ in range(100_000):
+            pass
+
+
+def _busy(stop, count: int, niceness: int, own_session: bool) -> None:
+    """`count` spinning processes: this one and its children, at `niceness`, in a session of their own or not.
+
+    A job as the engine starts it is both (engine.jobs.launching): where the kernel groups a session's
+    processes for fair shares (autogroup; a desktop's cgroup per app or unit), the job then shares the CPUs
+    with the window as one group, however many ranks it has; where it does not, the niceness is what leaves
+    the window its share."""
+    if own_session:
+        os.setsid()
+    os.nice(niceness)
+    children = []
+    for _ in range(count - 1):
+        pid = os.fork()
+        if pid == 0:
+            _spin(stop)
+            os._exit(0)
+        children.append(pid)
+    _spin(stop)
+    for pid in children:
+        os.waitpid(pid, 0)
 
 
 def _drawing(charts: Any) -> bool:
@@ -197,7 +226,8 @@ def measure(args: argparse.Namespace) -> dict:
     # Spawned, not forked: a fork would inherit this process's QApplication.
     ctx = multiprocessing.get_context("spawn")
     stop, late_q = ctx.Event(), ctx.Queue()
-    spinners = [ctx.Process(target=_spin, args=(stop,), daemon=True) for _ in range(args.busy)]
+    busy = (stop, args.busy, args.nice, args.own_session)
+    spinners = [ctx.Process(target=_busy, args=busy, daemon=True)] if args.busy else []
     empty = ctx.Process(target=_probe_window, args=(stop, late_q), daemon=True)
     for p in (*spinners, empty):
         p.start()
@@ -252,22 +282,32 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=500, help="steps of each job's history (default 500)")
     parser.add_argument("--opens", type=int, default=6, help="how many times a job page is opened (default 6)")
     parser.add_argument("--busy", type=int, default=2, help="spinning processes beside the GUI (default 2)")
+    parser.add_argument("--nice", type=int, default=0, help="the busy processes' niceness (default 0)")
+    parser.add_argument("--own-session", action="store_true", help="the busy processes in a session of their own")
+    parser.add_argument("--as-job", action="store_true",
+                        help="the busy processes as the engine starts a job's ranks: --own-session at its niceness")
     parser.add_argument("--before", help="measure this checkout (the code before a change) first, to compare")
     parser.add_argument("--tree", help="import Rigpilot from this checkout (used by --before)")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON line")
     args = parser.parse_args()
+    if args.as_job:
+        from rigpilot.engine import priority
+
+        args.nice, args.own_session = priority.NICENESS, True
     if args.json:
         print(json.dumps(measure(args)))
         return 0
     results = {}
     if args.before:
         cmd = [sys.executable, __file__, "--json", "--tree", args.before, "--steps", str(args.steps),
-               "--opens", str(args.opens), "--busy", str(args.busy)]  # fmt: skip
+               "--opens", str(args.opens), "--busy", str(args.busy), "--nice", str(args.nice),
+               *(["--own-session"] if args.own_session else [])]  # fmt: skip
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         results["before"] = json.loads(out.strip().splitlines()[-1])
     results["now"] = measure(args)
     print(f"Opening a {args.steps}-step job page ({RANKS} ranks, {results['now']['records']:,} records), "
-          f"{args.opens} times, Jobs page at 1280x800, offscreen, {args.busy} busy processes, "
+          f"{args.opens} times, Jobs page at 1280x800, offscreen, {args.busy} busy processes at niceness {args.nice} "
+          f"({'in a session of their own' if args.own_session else 'in the window’s session'}), "
           f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}")  # fmt: skip
     print(f"\n{'':<8} {'longest':>9} {'median':>9} {'history s':>10} {'empty window':>12} {'GUI CPU':>12}"
           f"   stall in ms; target longest <= {STALL_TARGET_MS:g} ms")  # fmt: skip

@@ -18,6 +18,8 @@ from typing import Any
 
 import platformdirs
 
+from rigpilot.engine import priority
+
 APP = "rigpilot"
 
 
@@ -49,6 +51,8 @@ class Settings:
     rented_machines: list[dict[str, Any]] = field(default_factory=list)
     # Keep a process with torch imported while the engine is idle, so jobs start sooner (engine.launch.warm).
     warm_worker: bool = True
+    # How much jobs give way to the desktop when the CPUs are short: a niceness, 0 to 19 (engine.priority).
+    job_niceness: int = priority.NICENESS
     warnings: list[str] = field(default_factory=list, repr=False, compare=False)
 
     @classmethod
@@ -93,6 +97,10 @@ class Settings:
             except ValueError as e:
                 self.warnings.append(f"rented machine ignored: {e}")
         self.rented_machines = kept
+        n = self.job_niceness
+        if not (isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= priority.MAX_NICENESS):
+            self.warnings.append(f"job_niceness ignored: {n!r} is not a whole number from 0 to {priority.MAX_NICENESS}")
+            self.job_niceness = Settings.job_niceness
 
     def price(self) -> dict[str, Any] | None:
         """The electricity price as the energy figures use it: {"per_kwh", "currency"}, or None when not set."""

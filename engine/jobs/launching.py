@@ -20,7 +20,7 @@ from typing import IO
 
 import psutil
 
-from rigpilot.engine import paths
+from rigpilot.engine import paths, priority
 from rigpilot.engine.jobs import machine_check
 from rigpilot.engine.jobs.processes import RUN_TOKEN_ENV
 from rigpilot.engine.jobs.runs import Run, local_gpus_in_use, run_token
@@ -100,11 +100,15 @@ def environment(rec: JobRecord, spec: JobSpec, job_dir: Path, python: str, warm_
     return env
 
 
-def popen_launcher(rec: JobRecord, job_dir: Path, cmd: list[str], env: dict[str, str], launcher_log: IO[bytes]) -> subprocess.Popen:
-    """Start torchrun in a session of its own, in the script's folder for a script; raises OSError."""
+def popen_launcher(
+    rec: JobRecord, job_dir: Path, cmd: list[str], env: dict[str, str], launcher_log: IO[bytes],
+    niceness: int = priority.NICENESS,
+) -> subprocess.Popen:
+    """Start torchrun in a session of its own, giving way to the desktop (engine.priority), in the
+    script's folder for a script; raises OSError."""
     cwd = rec.cwd if rec.kind == "script" and rec.cwd and Path(rec.cwd).is_dir() else str(job_dir)
     return subprocess.Popen(
-        cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=launcher_log, stderr=subprocess.STDOUT,
+        priority.yielding(cmd, niceness), cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=launcher_log, stderr=subprocess.STDOUT,
         start_new_session=True,
     )
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from rigpilot.engine import paths
+from rigpilot.engine import paths, priority
 from rigpilot.engine.diskspace import DiskFull, check_room, disk_full, folder_bytes, free_bytes, is_disk_full
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.health import gpu_faults
@@ -80,6 +80,7 @@ class SupervisorOptions:
     # Keep a warm worker (engine.launch.warm) while idle so ranks start without importing torch;
     # RIGPILOT_WARM_WORKER=0 in the engine's environment turns it off too.
     warm_worker: bool = True
+    job_niceness: int = priority.NICENESS  # how much jobs give way to the desktop (engine.priority)
 
 
 class Supervisor:
@@ -213,7 +214,8 @@ class Supervisor:
 
     def _tend_warm(self) -> None:
         """Start or stop the warm worker (engine.jobs.warm_tending); idle: no job running, starting or queued."""
-        self.warm_tending.tend(self.options.warm_worker, lambda: bool(self._runs or self.store.list({QUEUED})))
+        self.warm_tending.tend(self.options.warm_worker, lambda: bool(self._runs or self.store.list({QUEUED})),
+                               self.options.job_niceness)
 
     def replace_machine(self, machine: Machine, backend: Any = None) -> None:
         """Run later jobs on `machine`; refused (UserError naming them) while any job is queued or running.
@@ -540,7 +542,7 @@ class Supervisor:
         launcher_log.write(f"--- run {rec.run}: {' '.join(cmd)}\n".encode())
         launcher_log.flush()
         try:
-            popen = launching.popen_launcher(rec, job_dir, cmd, env, launcher_log)
+            popen = launching.popen_launcher(rec, job_dir, cmd, env, launcher_log, self.options.job_niceness)
         except OSError as e:
             launcher_log.close()
             self._end_without_run(rec, f"cannot start torchrun: {e}")

@@ -33,8 +33,9 @@ class WarmTending:
         self._retry_at = 0.0
         self._failures = 0
 
-    def tend(self, wanted: bool, busy: Callable[[], bool]) -> None:
-        """Start the worker when `wanted`, the engine is not `busy` and memory allows; stop it when memory runs short."""
+    def tend(self, wanted: bool, busy: Callable[[], bool], niceness: int) -> None:
+        """Start the worker (at the jobs' `niceness`) when `wanted`, the engine is not `busy` and memory allows;
+        stop it when memory runs short."""
         now = time.monotonic()
         if not (wanted and warm.enabled()) or now < self.check_at:
             return
@@ -64,7 +65,7 @@ class WarmTending:
             return
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
-        w.start(python, env)
+        w.start(python, env, niceness)
 
     def make_way(self) -> None:
         """A job is starting: a worker still importing would take the CPU its ranks need to start."""

@@ -52,6 +52,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rigpilot.engine import priority
+
 SOCKET_ENV = "RIGPILOT_WARM_SOCKET"  # set in a job's environment when a warm worker is ready
 # In the engine's environment: the socket of a warm worker it did not start, used while its own is not ready
 # (the test suite keeps one for all its engines, which would otherwise each import torch for a job or two).
@@ -238,7 +240,7 @@ class WarmWorker:
     def running(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
 
-    def start(self, python: str, env: dict[str, str]) -> None:
+    def start(self, python: str, env: dict[str, str], niceness: int = priority.NICENESS) -> None:
         import subprocess
 
         self.stop()
@@ -248,7 +250,8 @@ class WarmWorker:
         with open(self.log_path, "ab") as log:
             os.chmod(self.log_path, 0o600)
             self.popen = subprocess.Popen(
-                [python, "-m", "rigpilot.engine.launch.warm_worker", str(self.socket_path)],
+                # The ranks it forks are jobs' ranks: they give way to the desktop as a launched job's do.
+                priority.yielding([python, "-m", "rigpilot.engine.launch.warm_worker", str(self.socket_path)], niceness),
                 cwd=str(self.socket_path.parent), env=env, stdin=subprocess.DEVNULL, stdout=log,
                 stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip

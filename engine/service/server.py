@@ -163,7 +163,7 @@ class EngineService:
             SupervisorOptions(
                 grace_s=self.options.grace_s, failure_grace_s=self.options.failure_grace_s,
                 max_cpu_ranks=self.options.max_cpu_ranks or _setting_max_cpu_ranks(),
-                warm_worker=_setting_warm_worker(),
+                warm_worker=_setting_warm_worker(), job_niceness=_setting_job_niceness(),
             ),
             on_job=self._publish_job, on_metrics=self._publish_metrics, telemetry=self.telemetry,
         )  # fmt: skip
@@ -717,6 +717,12 @@ def _setting_warm_worker() -> bool:
     from rigpilot.engine.settings import Settings
 
     return Settings.load().warm_worker is not False
+
+
+def _setting_job_niceness() -> int:
+    from rigpilot.engine.settings import Settings
+
+    return Settings.load().job_niceness
 
 
 def run_service(options: ServiceOptions | None = None, *, quiet_if_running: bool = False) -> int:

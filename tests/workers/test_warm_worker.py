@@ -75,7 +75,7 @@ def test_no_warm_worker_when_turned_off(tmp_path, monkeypatch):
 
     engine_home(tmp_path, monkeypatch)
     started: list[str] = []
-    monkeypatch.setattr(warm.WarmWorker, "start", lambda self, python, env: started.append(python))
+    monkeypatch.setattr(warm.WarmWorker, "start", lambda self, python, env, niceness: started.append(python))
     store = JobStore(tmp_path / "engine.db")
 
     def tended(options: SupervisorOptions | None = None) -> Supervisor:
