@@ -507,8 +507,8 @@ def _per_node(total: int, nodes: int) -> int:
 
 
 def _default_gpus(spec: JobSpec, machine: Machine, nodes: int = 1) -> list[int]:
-    if spec.kind == "serve":
-        return [g.index for g in machine.gpus][:1]  # one rank in this version (_check_serve)
+    if spec.kind == "serve":  # one rank, or as many as its tensor parallel degree (_check_serve)
+        return [g.index for g in machine.gpus][: spec.parallelism.tp]
     want = spec.parallelism.world_size // nodes if spec.parallelism.world_size % nodes == 0 else 1
     all_gpus = [g.index for g in machine.gpus]
     return all_gpus[:want] if want > 1 else all_gpus
@@ -583,14 +583,23 @@ def _check_infer(spec: JobSpec, base: Path | None) -> str | None:
 
 
 def _check_serve(spec: JobSpec, base: Path | None, world: int) -> str | None:
-    """A served model runs on one rank in this version: split layouts (tp, pp, replicas) come later."""
+    """A served model runs on one rank, or split by tensor parallelism over its GPUs (the degree not given: all
+    of them); pipeline stages and replicas come later, and adapters are served on one rank."""
     if not spec.model:
         raise UserError("a served model needs a model (a preset, a model folder or a Hugging Face repo id)")
     p = spec.parallelism
-    if world > 1 or p.world_size > 1:
+    if p.world_size == 1 and world > 1:
+        p = spec.parallelism = dataclasses.replace(p, tp=world)
+    assert spec.serve is not None
+    if p.world_size != p.tp or world != p.tp or (p.tp > 1 and spec.serve.adapters):
+        if p.tp > 1 and spec.serve.adapters and p.world_size == p.tp == world:
+            why = "LoRA adapters are served on one GPU in this version: give one GPU (--gpus 0)"
+        elif p.world_size == p.tp:
+            why = f"tensor parallel {p.tp} needs {p.tp} GPUs, and {world} are given: give as many (--gpus)"
+        else:
+            why = "a served model is split by tensor parallelism alone in this version: give --tp, not --pp or --dp"
         raise UserError(
-            f"serving runs on one GPU in this version, not {max(world, p.world_size)} (tp {p.tp}, pp {p.pp}): "
-            "give one GPU (--gpus 0)",
+            f"serving on {max(world, p.world_size)} ranks (tp {p.tp}, pp {p.pp}) is not in this version: {why}",
             reason="serve_layout_unsupported", ranks=max(world, p.world_size), tp=p.tp, pp=p.pp,
         )  # fmt: skip
     spec.model, model_type = _check_model(spec.model, base)

@@ -1,4 +1,5 @@
-"""Serving (kind "serve"): an OpenAI-compatible server for the job's model, on one rank, until cancelled.
+"""Serving (kind "serve"): an OpenAI-compatible server for the job's model, on one rank or split by tensor
+parallelism (rank 0 serves, the others repeat its steps: engine.workers.serve_lockstep), until cancelled.
 
 Two threads. The main thread loads the model and then runs the generation loop (engine.workers.serve_batch:
 continuous batching, requests joining and leaving the running batch between decode steps); uvicorn runs the
@@ -39,8 +40,9 @@ from rigpilot.engine.workers.metrics import peak_memory, status
 from rigpilot.engine.workers.parallel_dims import init_runtime
 from rigpilot.engine.workers.parallelize import precision_dtype
 from rigpilot.engine.workers.serve_adapters import attach_adapters
-from rigpilot.engine.workers.serve_batch import Batcher, Counters
+from rigpilot.engine.workers.serve_batch import Batcher, Counters, KVBatch
 from rigpilot.engine.workers.serve_http import ServedModel, build_app
+from rigpilot.engine.workers.serve_lockstep import Channel, Leader, follow
 from rigpilot.engine.workers.serve_setup import SERVING, api_key, family, parse_listen, url_host
 
 METRICS_EVERY_S = 2.0
@@ -64,9 +66,11 @@ def run_serve(spec: JobSpec, job_dir: Path) -> int:
     if s is None:
         raise UserError("serve job without serve settings")
     runtime = init_runtime(spec)
-    if runtime.world_size != 1:
-        raise UserError(f"serving runs on one rank in this version, not {runtime.world_size}",
-                        reason="serve_layout_unsupported", ranks=runtime.world_size)  # fmt: skip
+    dims = runtime.dims
+    if runtime.world_size != dims.tp or (dims.tp > 1 and s.adapters):  # the engine refuses these at submission
+        raise UserError(f"serving runs on one rank or tensor parallel without adapters in this version, not "
+                        f"{runtime.world_size} ranks (tp {dims.tp}, pp {dims.pp})", reason="serve_layout_unsupported",
+                        ranks=runtime.world_size, tp=dims.tp, pp=dims.pp)  # fmt: skip
     dtype = precision_dtype(s.precision)
     if runtime.device.type == "cpu" and dtype == torch.float16:
         dtype = torch.bfloat16  # few CPU kernels take fp16
@@ -80,11 +84,21 @@ def run_serve(spec: JobSpec, job_dir: Path) -> int:
     if name in s.adapters:  # the engine refuses this at submission; a job.json written by hand may not be
         raise UserError(f"adapter {name!r} has the base model's name: give it another", reason="serve_adapter_invalid",
                         adapter=name)  # fmt: skip
+    if runtime.rank != 0:
+        # Rank 0 stops the others once its requests are done (serve_lockstep); a SIGTERM here would leave it
+        # alone in a broadcast.
+        signal.signal(signal.SIGTERM, lambda signum, frame: None)
     model, tokenizer, config = build_replica_model(spec, runtime, dtype, s.seed)
+    if runtime.rank != 0:
+        follow(KVBatch(model, config, runtime.device), Channel(runtime.device))
+        status("cancelled", exit_code=EXIT_CANCELLED)
+        return EXIT_CANCELLED
     if s.adapters:
         status("loading adapters", adapters=",".join(s.adapters))
     model = attach_adapters(model, s.adapters, runtime.device)
-    batcher = Batcher(model, tokenizer, config, runtime.device, s.max_batch, s.seed, adapters=bool(s.adapters))
+    local = KVBatch(model, config, runtime.device)
+    kv = Leader(local, Channel(runtime.device)) if runtime.world_size > 1 else local
+    batcher = Batcher(kv, tokenizer, config, runtime.device, s.max_batch, s.seed, adapters=bool(s.adapters))
     served = ServedModel(
         name, tokenizer, getattr(config, "max_position_embeddings", None), s.max_new_tokens, s.max_prompt_tokens,
         s.max_concurrent, batcher.submit, tuple(s.adapters), key,
@@ -105,11 +119,15 @@ def run_serve(spec: JobSpec, job_dir: Path) -> int:
     while not stop.is_set():
         batcher.run_once()
         meter.tick(batcher)
+        if isinstance(kv, Leader):
+            kv.channel.heartbeat()
     server.should_exit = True  # stop accepting; connections in flight go on
     drain_until = time.monotonic() + DRAIN_S
     while batcher.busy and time.monotonic() < drain_until:
         batcher.run_once()
     dropped = batcher.drop_all()
+    if isinstance(kv, Leader):
+        kv.stop()
     meter.tick(batcher, force=True)
     status("cancelled", exit_code=EXIT_CANCELLED, dropped=dropped)
     print(f"rigpilot-worker: SIGTERM: server stopped ({dropped} request(s) in flight dropped)", flush=True)

@@ -78,11 +78,90 @@ class Counters:
     ttft_count: int = 0
 
 
+class KVBatch:
+    """The running batch's tensors: its KV cache, its attention mask and each row's newest token (not yet in
+    the cache), and the forwards that grow them. Rows are only numbers here; which request a row is, is the
+    Batcher's. On tensor parallel ranks each rank holds its heads' share of the cache and does exactly what
+    rank 0 does, told by engine.workers.serve_lockstep."""
+
+    def __init__(self, model: torch.nn.Module, config: Any, device: torch.device) -> None:
+        self.model, self.config, self.device = model, config, device
+        self.cache: Any = None
+        self.mask: torch.Tensor | None = None
+        self.last: torch.Tensor | None = None
+
+    @property
+    def size(self) -> int:
+        return 0 if self.mask is None else int(self.mask.shape[0])
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """What the running batch's KV cache holds now, padding included."""
+        if self.cache is None:
+            return 0
+        return sum(t.numel() * t.element_size() for layer in self.cache.layers for t in (layer.keys, layer.values))
+
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor, **extra: Any) -> torch.Tensor:
+        """Run new rows' prompts (left-padded `ids`, `mask`) and join them to the batch: their next-token logits."""
+        from transformers import DynamicCache
+
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        cache = DynamicCache(config=self.config)
+        logits = next_token_logits(self.model, ids, mask, positions, cache, **extra)
+        self._join(cache, mask)
+        return logits
+
+    def decode(self, **extra: Any) -> torch.Tensor:
+        """One step of every row: each row's newest token into the cache; the next-token logits."""
+        assert self.mask is not None and self.last is not None
+        self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
+        positions = self.mask.sum(-1, keepdim=True) - 1
+        return next_token_logits(self.model, self.last[:, None], self.mask, positions, self.cache, **extra)
+
+    def set_last(self, start: int, tokens: torch.Tensor) -> None:
+        """Rows `start`… chose `tokens`: their newest, fed to the next decode."""
+        assert self.last is not None
+        self.last[start : start + len(tokens)] = tokens
+
+    def _join(self, cache: Any, mask: torch.Tensor) -> None:
+        """Pad the newcomers' cache or the batch's on the left to one length, and stack them."""
+        new_last = torch.zeros(mask.shape[0], dtype=torch.long, device=self.device)
+        if self.mask is None:
+            self.cache, self.mask, self.last = cache, mask, new_last
+            return
+        assert self.last is not None
+        width = max(self.mask.shape[1], mask.shape[1])
+        for old, new in zip(self.cache.layers, cache.layers, strict=True):
+            old.keys = torch.cat([_pad_left(old.keys, width, dim=-2), _pad_left(new.keys, width, dim=-2)])
+            old.values = torch.cat([_pad_left(old.values, width, dim=-2), _pad_left(new.values, width, dim=-2)])
+        self.mask = torch.cat([_pad_left(self.mask, width, dim=1), _pad_left(mask, width, dim=1)])
+        self.last = torch.cat([self.last, new_last])
+
+    def keep(self, keep: list[int]) -> None:
+        """Cut the batch down to the rows `keep`, and the columns no row uses any more off the left."""
+        if len(keep) == self.size:
+            return
+        if not keep:
+            self.cache, self.mask, self.last = None, None, None
+            return
+        assert self.mask is not None and self.last is not None
+        index = torch.tensor(keep, device=self.device)
+        self.mask, self.last = self.mask[index], self.last[index]
+        unused = int((self.mask.sum(0) == 0).long().cumprod(0).sum())  # leading columns padding in every row
+        self.mask = self.mask[:, unused:]
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[index, :, unused:]
+            layer.values = layer.values[index, :, unused:]
+
+
 class Batcher:
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, config: Any, device: torch.device,
+    """Requests in, rows of the running batch (`kv`: a KVBatch, or on tensor parallel ranks one that tells the
+    other ranks each step, engine.workers.serve_lockstep), tokens chosen and sent back."""
+
+    def __init__(self, kv: Any, tokenizer: Any, config: Any, device: torch.device,
                  max_batch: int, seed: int, adapters: bool = False) -> None:  # fmt: skip
-        self.model, self.tok, self.config, self.device = model, tokenizer, config, device
-        self.adapters = adapters  # whether `model` is a peft model whose rows each name their adapter
+        self.kv, self.tok, self.config, self.device = kv, tokenizer, config, device
+        self.adapters = adapters  # whether the model is a peft model whose rows each name their adapter
         self.max_batch = max_batch
         self.eos = tokenizer.eos_token_id
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (self.eos or 0)
@@ -90,9 +169,6 @@ class Batcher:
         self.inbox: queue.Queue[Request] = queue.Queue()
         self.waiting: list[Request] = []
         self.rows: list[Request] = []
-        self.cache: Any = None
-        self.mask: torch.Tensor | None = None
-        self.last: torch.Tensor | None = None  # each row's newest token, not yet in the cache
         self.counters = Counters()
         _check_cache(config)
 
@@ -106,10 +182,7 @@ class Batcher:
 
     @property
     def kv_cache_bytes(self) -> int:
-        """What the running batch's KV cache holds now, padding included."""
-        if self.cache is None:
-            return 0
-        return sum(t.numel() * t.element_size() for layer in self.cache.layers for t in (layer.keys, layer.values))
+        return int(self.kv.kv_cache_bytes)
 
     @property
     def queue_depth(self) -> int:
@@ -154,8 +227,6 @@ class Batcher:
         return r.cancelled
 
     def _prefill(self, joining: list[Request]) -> None:
-        from transformers import DynamicCache
-
         width = max(len(r.prompt_ids) for r in joining)
         ids = torch.full((len(joining), width), self.pad, dtype=torch.long)
         mask = torch.zeros((len(joining), width), dtype=torch.long)
@@ -169,54 +240,21 @@ class Batcher:
                     else int(torch.randint(2**62, (1,), generator=self.seeds))
                 )
                 r.generator = torch.Generator(device=self.device).manual_seed(seed)
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
-        cache = DynamicCache(config=self.config)
-        logits = next_token_logits(self.model, ids, mask, positions, cache, **self._adapter_kwargs(joining))
-        self._join(joining, cache, mask)
+        logits = self.kv.prefill(ids.to(self.device), mask.to(self.device), **self._adapter_kwargs(joining))
+        self.rows += joining
         self._take(joining, logits, range(len(self.rows) - len(joining), len(self.rows)))
 
-    def _join(self, joining: list[Request], cache: Any, mask: torch.Tensor) -> None:
-        """Pad the newcomers' cache or the batch's on the left to one length, and stack them."""
-        if not self.rows:
-            self.rows, self.cache, self.mask = list(joining), cache, mask
-            self.last = torch.zeros(len(joining), dtype=torch.long, device=self.device)
-            return
-        assert self.mask is not None and self.last is not None
-        width = max(self.mask.shape[1], mask.shape[1])
-        for old, new in zip(self.cache.layers, cache.layers, strict=True):
-            old.keys = torch.cat([_pad_left(old.keys, width, dim=-2), _pad_left(new.keys, width, dim=-2)])
-            old.values = torch.cat([_pad_left(old.values, width, dim=-2), _pad_left(new.values, width, dim=-2)])
-        self.mask = torch.cat([_pad_left(self.mask, width, dim=1), _pad_left(mask, width, dim=1)])
-        self.last = torch.cat([self.last, torch.zeros(len(joining), dtype=torch.long, device=self.device)])
-        self.rows += joining
-
     def _keep(self, keep: list[int]) -> None:
-        """Cut the batch down to the rows `keep`, and the columns no row uses any more off the left."""
+        """Cut the batch down to the rows `keep`."""
         if len(keep) == len(self.rows):
             return
-        if not keep:
-            self.rows, self.cache, self.mask, self.last = [], None, None, None
-            return
-        assert self.mask is not None and self.last is not None
-        index = torch.tensor(keep, device=self.device)
         self.rows = [self.rows[i] for i in keep]
-        self.mask, self.last = self.mask[index], self.last[index]
-        unused = int((self.mask.sum(0) == 0).long().cumprod(0).sum())  # leading columns padding in every row
-        self.mask = self.mask[:, unused:]
-        for layer in self.cache.layers:
-            layer.keys = layer.keys[index, :, unused:]
-            layer.values = layer.values[index, :, unused:]
+        self.kv.keep(keep)
 
     # --- decoding -----------------------------------------------------------------------------
 
     def _decode(self) -> None:
-        assert self.mask is not None and self.last is not None
-        self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
-        positions = self.mask.sum(-1, keepdim=True) - 1
-        logits = next_token_logits(
-            self.model, self.last[:, None], self.mask, positions, self.cache, **self._adapter_kwargs(self.rows)
-        )
+        logits = self.kv.decode(**self._adapter_kwargs(self.rows))
         self._take(self.rows, logits, range(len(self.rows)))
 
     def _adapter_kwargs(self, rows: list[Request]) -> dict[str, Any]:
@@ -224,7 +262,6 @@ class Batcher:
 
     def _take(self, rows: list[Request], logits: torch.Tensor, at: range) -> None:
         """Choose each row's next token, tell its client, and cut out the rows that ended."""
-        assert self.last is not None
         for i, r in enumerate(rows):
             if r.sampling.logit_bias:
                 ids = torch.tensor(list(r.sampling.logit_bias), device=logits.device)
@@ -234,7 +271,7 @@ class Batcher:
             if r.sampling.temperature > 0:
                 assert r.generator is not None
                 chosen[i] = select_tokens(logits[i : i + 1], r.sampling.temperature, r.sampling.top_p, r.generator)[0]
-        self.last[at.start : at.stop] = chosen
+        self.kv.set_last(at.start, chosen)
         now = time.perf_counter()
         ended = set()
         for i, (r, token) in enumerate(zip(rows, chosen.tolist(), strict=True)):

@@ -69,3 +69,20 @@ def test_serving_a_job_that_is_not_training_is_refused_in_one_line(engine, capsy
     assert cli_main(["serve", job["id"]]) == 2
     err = capsys.readouterr().err.strip()
     assert "only a training job has a model to serve" in err and "\n" not in err
+
+
+def test_serve_split_by_tensor_parallelism_through_the_engine_ends_cancelled(engine, tmp_path, capsys):
+    model = save_random_llama(tmp_path / "tiny", initializer_range=0.2)
+    assert cli_main(["serve", str(model), "--precision", "fp32", "--name", "split", "--tp", "2"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    match = re.match(r"^serving split at (http://127\.0\.0\.1:\d+/v1) \(job (\w+);", line)
+    assert match, line
+    url, job_id = match.groups()
+    client = openai.OpenAI(base_url=url, api_key="unused-on-loopback", max_retries=0, timeout=120)
+    r = client.completions.create(model="split", prompt="Hello", max_tokens=3, temperature=0)
+    assert r.usage.completion_tokens >= 1
+    with engine.client() as c:
+        assert c.request("job", job=job_id)["job"]["gpus"] == [0, 1]
+        assert cli_main(["cancel", job_id]) == 0
+        job = wait_job_state(c, job_id, "cancelled", "completed", "failed", timeout=90)
+    assert job["state"] == "cancelled", job.get("exit_reason")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -15,22 +17,30 @@ import pytest
 from rigpilot.engine.workers.serve_setup import serving_status
 
 from support.paths import REPO
-from support.worker_jobs import job_env, records
+from support.worker_jobs import job_env, records, torchrun, warm_socket
 
 START_TIMEOUT_S = 180  # importing torch and loading the model, on a machine the other test process keeps busy
 
 
 @contextmanager
-def serve_worker(job: Path) -> Iterator[tuple[subprocess.Popen, dict[str, Any]]]:
-    """(the worker's process, its serving status record); the worker is killed on the way out."""
+def serve_worker(job: Path, ranks: int = 1) -> Iterator[tuple[subprocess.Popen, dict[str, Any]]]:
+    """(the worker's process, its serving status record); the worker is killed on the way out.
+
+    `ranks` > 1: torchrun over that many ranks (tensor parallel), in a session of its own as the engine starts
+    it, so that a signal to its process group reaches every rank as the engine's cancel does."""
     log = (job / "worker.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "rigpilot.engine.workers", str(job)], cwd=REPO, env=job_env(job),
-                            stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    env = job_env(job)
+    cmd = [sys.executable, "-m", "rigpilot.engine.workers", str(job)]
+    if ranks > 1:
+        socket_path = warm_socket()
+        cmd = torchrun(job, ranks, warm=socket_path is not None)
+        env.update({"RIGPILOT_WARM_SOCKET": socket_path} if socket_path else {})
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         yield proc, _wait_for_serving(job, proc)
     finally:
         if proc.poll() is None:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         log.close()
 
