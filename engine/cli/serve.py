@@ -33,17 +33,17 @@ def register(sub: Any) -> None:
         "serve", help="serve a model (or a finished training job's) through an OpenAI-compatible API",
         description="rigpilot serve MODEL|JOB: a preset, a model folder, a Hugging Face repo id, or a finished "
         "training job whose model to serve (a LoRA job: base + adapter as the job's name, the base as 'base'). "
-        "Runs as an engine job on one GPU (a CPU rank on a simulated machine), or split by tensor parallelism over "
-        "--gpus, and listens on 127.0.0.1 unless "
+        "Runs as an engine job on one GPU (a CPU rank on a simulated machine), or split over --gpus (tensor "
+        "parallel, or --pp stages), and listens on 127.0.0.1 unless "
         "--listen; stop it with rigpilot cancel JOB.",
     )  # fmt: skip
     p.add_argument("model", metavar="MODEL|JOB")
-    add_option(p, JOB_SETTINGS["gpus"], help="the GPUs to serve on (default: the first, or as many as --tp); "
-               "several split the model by tensor parallelism")  # fmt: skip
+    add_option(p, JOB_SETTINGS["gpus"], help="the GPUs to serve on (default: the first, or as many as --tp or "
+               "--pp); several split the model by tensor parallelism unless --pp")  # fmt: skip
     add_option(p, JOB_SETTINGS["name"])
     add_options(p, SERVE_SETTINGS)
     for name in ("tp", "pp"):
-        add_option(p, LAYOUT_SETTINGS[name])  # --tp splits the served model; the engine says --pp is for later
+        add_option(p, LAYOUT_SETTINGS[name])  # one of the two splits the served model
     p.add_argument("--trust-remote-code", action="store_true", help="allow the model's own Python code to run")
     p.add_argument("--follow", action="store_true", help="follow the job after it serves (Ctrl-C stops following)")
     p.add_argument("--adapter", action="append", metavar="NAME=FOLDER",

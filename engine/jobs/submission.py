@@ -507,8 +507,8 @@ def _per_node(total: int, nodes: int) -> int:
 
 
 def _default_gpus(spec: JobSpec, machine: Machine, nodes: int = 1) -> list[int]:
-    if spec.kind == "serve":  # one rank, or as many as its tensor parallel degree (_check_serve)
-        return [g.index for g in machine.gpus][: spec.parallelism.tp]
+    if spec.kind == "serve":  # one rank, or as many as its degrees (_check_serve)
+        return [g.index for g in machine.gpus][: spec.parallelism.world_size]
     want = spec.parallelism.world_size // nodes if spec.parallelism.world_size % nodes == 0 else 1
     all_gpus = [g.index for g in machine.gpus]
     return all_gpus[:want] if want > 1 else all_gpus
@@ -583,21 +583,23 @@ def _check_infer(spec: JobSpec, base: Path | None) -> str | None:
 
 
 def _check_serve(spec: JobSpec, base: Path | None, world: int) -> str | None:
-    """A served model runs on one rank, or split by tensor parallelism over its GPUs (the degree not given: all
-    of them); pipeline stages and replicas come later, and adapters are served on one rank."""
+    """A served model runs on one rank, or split over its GPUs by tensor parallelism (the degree not given: all
+    of them) or into pipeline stages; replicas and mixed layouts come later, and adapters are served on one
+    rank."""
     if not spec.model:
         raise UserError("a served model needs a model (a preset, a model folder or a Hugging Face repo id)")
     p = spec.parallelism
     if p.world_size == 1 and world > 1:
         p = spec.parallelism = dataclasses.replace(p, tp=world)
     assert spec.serve is not None
-    if p.world_size != p.tp or world != p.tp or (p.tp > 1 and spec.serve.adapters):
-        if p.tp > 1 and spec.serve.adapters and p.world_size == p.tp == world:
-            why = "LoRA adapters are served on one GPU in this version: give one GPU (--gpus 0)"
-        elif p.world_size == p.tp:
-            why = f"tensor parallel {p.tp} needs {p.tp} GPUs, and {world} are given: give as many (--gpus)"
+    one_way = p.world_size in (p.tp, p.pp)
+    if not one_way or world != p.world_size or (p.world_size > 1 and spec.serve.adapters):
+        if not one_way:
+            why = "a served model is split one way in this version: give --tp or --pp, not both, nor --dp"
+        elif world != p.world_size:
+            why = f"it needs {p.world_size} GPUs, and {world} are given: give as many (--gpus)"
         else:
-            why = "a served model is split by tensor parallelism alone in this version: give --tp, not --pp or --dp"
+            why = "LoRA adapters are served on one GPU in this version: give one GPU (--gpus 0)"
         raise UserError(
             f"serving on {max(world, p.world_size)} ranks (tp {p.tp}, pp {p.pp}) is not in this version: {why}",
             reason="serve_layout_unsupported", ranks=max(world, p.world_size), tp=p.tp, pp=p.pp,

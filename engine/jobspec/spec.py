@@ -305,8 +305,8 @@ class InferSettings:
 
 @dataclass
 class ServeSettings:
-    """An OpenAI-compatible server on the job's rank, or tensor parallel over its ranks (engine.workers.serve); it runs
-    until cancelled."""
+    """An OpenAI-compatible server on the job's rank, or split over its ranks (engine.workers.serve); it runs until
+    cancelled."""
 
     port: int = setting(
         0,

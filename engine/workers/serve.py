@@ -1,5 +1,6 @@
 """Serving (kind "serve"): an OpenAI-compatible server for the job's model, on one rank or split by tensor
-parallelism (rank 0 serves, the others repeat its steps: engine.workers.serve_lockstep), until cancelled.
+parallelism or into pipeline stages (rank 0 serves, the others repeat its batch's steps:
+engine.workers.serve_lockstep, engine.workers.serve_pipeline), until cancelled.
 
 Two threads. The main thread loads the model and then runs the generation loop (engine.workers.serve_batch:
 continuous batching, requests joining and leaving the running batch between decode steps); uvicorn runs the
@@ -43,6 +44,7 @@ from rigpilot.engine.workers.serve_adapters import attach_adapters
 from rigpilot.engine.workers.serve_batch import Batcher, Counters, KVBatch
 from rigpilot.engine.workers.serve_http import ServedModel, build_app
 from rigpilot.engine.workers.serve_lockstep import Channel, Leader, follow
+from rigpilot.engine.workers.serve_pipeline import StageForward
 from rigpilot.engine.workers.serve_setup import SERVING, api_key, family, parse_listen, url_host
 
 METRICS_EVERY_S = 2.0
@@ -67,8 +69,10 @@ def run_serve(spec: JobSpec, job_dir: Path) -> int:
         raise UserError("serve job without serve settings")
     runtime = init_runtime(spec)
     dims = runtime.dims
-    if runtime.world_size != dims.tp or (dims.tp > 1 and s.adapters):  # the engine refuses these at submission
-        raise UserError(f"serving runs on one rank or tensor parallel without adapters in this version, not "
+    split = runtime.world_size > 1
+    if runtime.world_size not in (dims.tp, dims.pp) or (split and s.adapters):  # refused at submission too
+        raise UserError(f"serving runs on one rank, tensor parallel or pipelined, without adapters on a split "
+                        f"model in this version, not "
                         f"{runtime.world_size} ranks (tp {dims.tp}, pp {dims.pp})", reason="serve_layout_unsupported",
                         ranks=runtime.world_size, tp=dims.tp, pp=dims.pp)  # fmt: skip
     dtype = precision_dtype(s.precision)
@@ -89,15 +93,16 @@ def run_serve(spec: JobSpec, job_dir: Path) -> int:
         # alone in a broadcast.
         signal.signal(signal.SIGTERM, lambda signum, frame: None)
     model, tokenizer, config = build_replica_model(spec, runtime, dtype, s.seed)
+    forward = StageForward(runtime, config, dtype) if dims.pp > 1 else None
     if runtime.rank != 0:
-        follow(KVBatch(model, config, runtime.device), Channel(runtime.device))
+        follow(KVBatch(model, config, runtime.device, forward), Channel(runtime.device))
         status("cancelled", exit_code=EXIT_CANCELLED)
         return EXIT_CANCELLED
     if s.adapters:
         status("loading adapters", adapters=",".join(s.adapters))
     model = attach_adapters(model, s.adapters, runtime.device)
-    local = KVBatch(model, config, runtime.device)
-    kv = Leader(local, Channel(runtime.device)) if runtime.world_size > 1 else local
+    local = KVBatch(model, config, runtime.device, forward)
+    kv = Leader(local, Channel(runtime.device)) if split else local
     batcher = Batcher(kv, tokenizer, config, runtime.device, s.max_batch, s.seed, adapters=bool(s.adapters))
     served = ServedModel(
         name, tokenizer, getattr(config, "max_position_embeddings", None), s.max_new_tokens, s.max_prompt_tokens,

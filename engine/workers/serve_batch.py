@@ -84,8 +84,12 @@ class KVBatch:
     Batcher's. On tensor parallel ranks each rank holds its heads' share of the cache and does exactly what
     rank 0 does, told by engine.workers.serve_lockstep."""
 
-    def __init__(self, model: torch.nn.Module, config: Any, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, config: Any, device: torch.device, forward: Any = None) -> None:
+        """`forward(model, ids, mask, positions, cache, **extra)`: one forward, the next-token logits (on the rank
+        that chooses tokens; None on a pipeline stage that only passes hidden states on); next_token_logits
+        by default."""
         self.model, self.config, self.device = model, config, device
+        self.forward = forward or next_token_logits
         self.cache: Any = None
         self.mask: torch.Tensor | None = None
         self.last: torch.Tensor | None = None
@@ -99,24 +103,24 @@ class KVBatch:
         """What the running batch's KV cache holds now, padding included."""
         if self.cache is None:
             return 0
-        return sum(t.numel() * t.element_size() for layer in self.cache.layers for t in (layer.keys, layer.values))
+        return sum(t.numel() * t.element_size() for layer in _held(self.cache) for t in (layer.keys, layer.values))
 
-    def prefill(self, ids: torch.Tensor, mask: torch.Tensor, **extra: Any) -> torch.Tensor:
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor, **extra: Any) -> torch.Tensor | None:
         """Run new rows' prompts (left-padded `ids`, `mask`) and join them to the batch: their next-token logits."""
         from transformers import DynamicCache
 
         positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
         cache = DynamicCache(config=self.config)
-        logits = next_token_logits(self.model, ids, mask, positions, cache, **extra)
+        logits = self.forward(self.model, ids, mask, positions, cache, **extra)
         self._join(cache, mask)
         return logits
 
-    def decode(self, **extra: Any) -> torch.Tensor:
+    def decode(self, **extra: Any) -> torch.Tensor | None:
         """One step of every row: each row's newest token into the cache; the next-token logits."""
         assert self.mask is not None and self.last is not None
         self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
         positions = self.mask.sum(-1, keepdim=True) - 1
-        return next_token_logits(self.model, self.last[:, None], self.mask, positions, self.cache, **extra)
+        return self.forward(self.model, self.last[:, None], self.mask, positions, self.cache, **extra)
 
     def set_last(self, start: int, tokens: torch.Tensor) -> None:
         """Rows `start`… chose `tokens`: their newest, fed to the next decode."""
@@ -131,7 +135,7 @@ class KVBatch:
             return
         assert self.last is not None
         width = max(self.mask.shape[1], mask.shape[1])
-        for old, new in zip(self.cache.layers, cache.layers, strict=True):
+        for old, new in zip(_held(self.cache), _held(cache), strict=True):
             old.keys = torch.cat([_pad_left(old.keys, width, dim=-2), _pad_left(new.keys, width, dim=-2)])
             old.values = torch.cat([_pad_left(old.values, width, dim=-2), _pad_left(new.values, width, dim=-2)])
         self.mask = torch.cat([_pad_left(self.mask, width, dim=1), _pad_left(mask, width, dim=1)])
@@ -149,7 +153,7 @@ class KVBatch:
         self.mask, self.last = self.mask[index], self.last[index]
         unused = int((self.mask.sum(0) == 0).long().cumprod(0).sum())  # leading columns padding in every row
         self.mask = self.mask[:, unused:]
-        for layer in self.cache.layers:
+        for layer in _held(self.cache):
             layer.keys = layer.keys[index, :, unused:]
             layer.values = layer.values[index, :, unused:]
 
@@ -241,6 +245,7 @@ class Batcher:
                 )
                 r.generator = torch.Generator(device=self.device).manual_seed(seed)
         logits = self.kv.prefill(ids.to(self.device), mask.to(self.device), **self._adapter_kwargs(joining))
+        assert logits is not None  # rank 0, which chooses the tokens, always has them
         self.rows += joining
         self._take(joining, logits, range(len(self.rows) - len(joining), len(self.rows)))
 
@@ -255,6 +260,7 @@ class Batcher:
 
     def _decode(self) -> None:
         logits = self.kv.decode(**self._adapter_kwargs(self.rows))
+        assert logits is not None
         self._take(self.rows, logits, range(len(self.rows)))
 
     def _adapter_kwargs(self, rows: list[Request]) -> dict[str, Any]:
@@ -309,6 +315,11 @@ class Batcher:
             r.sent += new
             r.emit(Event(new))
         return False
+
+
+def _held(cache: Any) -> list[Any]:
+    """The cache's layers this rank fills: all of them, or a pipeline stage's own (the others stay empty)."""
+    return [layer for layer in cache.layers if layer.is_initialized]
 
 
 def _check_cache(config: Any) -> None:

@@ -1,7 +1,8 @@
-"""A served model split by tensor parallelism: rank 0 serves, and every other rank repeats its batch's steps.
+"""A served model split over ranks: rank 0 serves, and every other rank repeats its batch's steps.
 
 Under TP every rank runs the whole forward on the same tokens (each holding its share of the heads, the MLP
-and the KV cache); only rank 0 has the requests. So rank 0's batch (engine.workers.serve_batch.KVBatch) is a
+and the KV cache); in a pipeline every stage runs its layers on the same rows (engine.workers.serve_pipeline
+passes the hidden states on). Only rank 0 has the requests. So rank 0's batch (engine.workers.serve_batch.KVBatch) is a
 `Leader`: each step it takes — rows kept, new rows prefilled, a decode, the tokens chosen — is broadcast to
 the other ranks before it is taken, and each of them, a `follow` loop, takes the same step on its own
 KVBatch. The messages are int64 tensors over the job's process group (no pickling): a header
@@ -70,12 +71,12 @@ class Leader:
     def kv_cache_bytes(self) -> int:
         return self.kv.kv_cache_bytes
 
-    def prefill(self, ids: torch.Tensor, mask: torch.Tensor, **extra: Any) -> torch.Tensor:
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor, **extra: Any) -> torch.Tensor | None:
         assert not extra, "adapters are served on one rank"
         self.channel.send(PREFILL, *ids.shape, ids, mask)
         return self.kv.prefill(ids, mask)
 
-    def decode(self, **extra: Any) -> torch.Tensor:
+    def decode(self, **extra: Any) -> torch.Tensor | None:
         assert not extra, "adapters are served on one rank"
         self.channel.send(DECODE)
         return self.kv.decode()

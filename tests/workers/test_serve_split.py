@@ -1,5 +1,6 @@
-"""A served tiny Llama split by tensor parallelism over two CPU ranks (torchrun, gloo), driven by the official
-`openai` client: rank 0 serves, rank 1 repeats its steps (engine.workers.serve_lockstep).
+"""A served tiny Llama split over two CPU ranks (torchrun, gloo), by tensor parallelism and into two pipeline
+stages, driven by the official `openai` client: rank 0 serves, rank 1 repeats its batch's steps
+(engine.workers.serve_lockstep, engine.workers.serve_pipeline).
 
 Greedy tokens are held to transformers' generate() of the unsplit model for each prompt alone, with sixteen
 clients at once (so rows join and leave the running batch on both ranks); the cancel test runs last, and
@@ -34,11 +35,11 @@ def model_dir(tmp_path_factory) -> Path:
     return save_random_llama(tmp_path_factory.mktemp("served") / "tiny", initializer_range=0.2)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, model_dir):
+@pytest.fixture(scope="module", params=[{"tp": 2}, {"pp": 2}], ids=["tp2", "pp2"])
+def server(request, tmp_path_factory, model_dir):
     job = write_job(
-        tmp_path_factory.mktemp("jobs") / "servetp", kind="serve", model=str(model_dir), gpus=[0, 1],
-        parallelism={"tp": 2}, serve={"precision": "fp32", "max_batch": 16, "max_concurrent": 16, "max_new_tokens": 64},
+        tmp_path_factory.mktemp("jobs") / "servesplit", kind="serve", model=str(model_dir), gpus=[0, 1],
+        parallelism=request.param, serve={"precision": "fp32", "max_batch": 16, "max_concurrent": 16, "max_new_tokens": 64},
     )  # fmt: skip
     with serve_worker(job, ranks=2) as (proc, serving):
         yield {"url": serving["url"], "proc": proc, "job": job}
