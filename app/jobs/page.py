@@ -386,17 +386,22 @@ class JobsPage(QWidget):
         self._open_wizard({"spec_version": 1, "kind": "train", "model": model, "gpus": gpus, "train": train})
 
     def serve_model(self) -> None:
-        """Serve the shown job's model as `rigpilot serve JOB` does, on the first GPU the job ran on."""
+        """Serve the shown job's model as `rigpilot serve JOB` does, on the first GPU the job ran on: a training
+        job by its id (the engine serves what it trained, a LoRA adapter unmerged beside its base), else the
+        model it ran."""
         model = self._model()
         handle = self.current_handle
         if not model or handle is None:
             return
-        already = next((r for r in served_models(self.link).rows() if r.model == model), None)
+        trained = handle.record.get("kind") == "train"
+        already = next((r for r in served_models(self.link).rows() if r.serves(handle.id if trained else "", model)),
+                       None)  # fmt: skip
         if already is not None:  # one server per model is enough: show the one that runs
             self.sig_message.emit(f"{handle.name} is served already (job {already.id})")
             self.sig_serving.emit(already.id)
             return
-        spec = serve_spec(model, handle.name, list(handle.record.get("gpus") or []))
+        spec = serve_spec(handle.id if trained else model, list(handle.record.get("gpus") or []),
+                          "" if trained else handle.name)  # fmt: skip
 
         def done(reply: dict[str, Any]) -> None:
             job_id = (reply.get("job") or {}).get("id")

@@ -117,10 +117,10 @@ class TryIt(QWidget):
     def _show_served(self) -> None:
         """The chat where this model is served; else Serve, and the one-prompt job."""
         rows = self.served.rows() if self.served is not None and self.model else []
-        mine = [r for r in rows if r.model == self.model]
+        mine = [r for r in rows if r.serves(str(self.job.get("id") or ""), self.model)]
         listening = next((r for r in mine if r.listening), None)
         if listening is not None:
-            self.chat.set_server(listening.url, listening.served_name or listening.name)
+            self.chat.set_server(listening.url, listening.chat_name)
             self.serve_line.setText(f"Served at {listening.url} (job {listening.id}; the Serving page stops it).")
         else:
             self.chat.set_server(None, None)

@@ -33,15 +33,27 @@ class ServedJob:
     served_name: str | None  # the model name requests give
     since: float | None = None  # when it began to listen: its uptime runs from here, not from loading the model
     simulated: bool = False  # on a simulated machine: a CPU rank
+    source_job: str = ""  # the training job whose model it serves, where it was started from one
+    adapters: tuple[str, ...] = ()  # LoRA adapters it serves beside the base, by name
 
     @property
     def listening(self) -> bool:
         return self.url is not None and self.state == JobState.RUNNING.value
 
+    @property
+    def chat_name(self) -> str:
+        """The model a chat asks for: a LoRA job's tuned model (its adapter, under the job's name), else the base."""
+        return self.name if self.name in self.adapters else (self.served_name or self.name)
 
-def serve_spec(model: str, name: str, gpus: list[int]) -> dict[str, Any]:
-    """The `submit` spec `rigpilot serve` sends for `model` (engine/cli/serve.py), on the first of `gpus`; the
-    engine picks the port and the settings' defaults."""
+    def serves(self, job_id: str, model: str | None) -> bool:
+        """Whether this is the server of training job `job_id`, or of `model`."""
+        return bool(job_id and self.source_job == job_id) or bool(model and self.model == model)
+
+
+def serve_spec(model: str, gpus: list[int], name: str = "") -> dict[str, Any]:
+    """The `submit` spec `rigpilot serve MODEL|JOB` sends (engine/cli/serve.py), on the first of `gpus`: `model` a
+    model, or a finished training job's id (the engine serves what it trained: engine.jobs.serve_source). The
+    engine picks the port, the name (a job's own) and the settings' defaults."""
     spec: dict[str, Any] = {"kind": SERVE, "model": model, "serve": {}}
     if name:
         spec["name"] = name
@@ -55,6 +67,7 @@ class Listening:
     url: str
     name: str | None  # the model name requests give
     since: float | None
+    adapters: tuple[str, ...] = ()
 
 
 def serving_url(records: list[dict[str, Any]]) -> Listening | None:
@@ -62,9 +75,10 @@ def serving_url(records: list[dict[str, Any]]) -> Listening | None:
     r = serving_status(records)
     if r is None:
         return None
-    name, since = r.get("model"), r.get("time")
+    name, since, adapters = r.get("model"), r.get("time"), r.get("adapters")
     return Listening(r["url"], name if isinstance(name, str) else None,
-                     since if isinstance(since, int | float) else None)  # fmt: skip
+                     since if isinstance(since, int | float) else None,
+                     tuple(a for a in adapters.split(",") if a) if isinstance(adapters, str) else ())  # fmt: skip
 
 
 class ServedModels(QObject):
@@ -76,6 +90,7 @@ class ServedModels(QObject):
         self.jobs: dict[str, dict[str, Any]] = {}  # unfinished serve jobs by id
         self.urls: dict[str, Listening] = {}
         self.models: dict[str, str] = {}  # what each loads: the job list leaves a job's settings out
+        self.sources: dict[str, str] = {}  # the training job each serves, where it was started from one
         self._asking: set[str] = set()
         self._asking_model: set[str] = set()
         link.sig_state.connect(self._on_state)
@@ -93,6 +108,7 @@ class ServedModels(QObject):
                 state=str(job.get("state") or ""), started=started if isinstance(started, int | float) else None,
                 url=listening.url if listening else None, served_name=listening.name if listening else None,
                 since=listening.since if listening else None, simulated=bool(job.get("simulated")),
+                source_job=self.sources.get(job_id, ""), adapters=listening.adapters if listening else (),
             ))  # fmt: skip
         return out
 
@@ -108,6 +124,7 @@ class ServedModels(QObject):
             self._take(job)
         self.urls = {k: v for k, v in self.urls.items() if k in self.jobs}
         self.models = {k: v for k, v in self.models.items() if k in self.jobs}
+        self.sources = {k: v for k, v in self.sources.items() if k in self.jobs}
         self.sig_changed.emit()
 
     def _on_job(self, job: dict[str, Any]) -> None:
@@ -124,6 +141,7 @@ class ServedModels(QObject):
             self.jobs.pop(job_id, None)
             self.urls.pop(job_id, None)
             self.models.pop(job_id, None)
+            self.sources.pop(job_id, None)
             return
         self.jobs[job_id] = job
         if job_id not in self.models and job_id not in self._asking_model:
@@ -140,6 +158,9 @@ class ServedModels(QObject):
             model = settings.get("model") if isinstance(settings, dict) else None
             if isinstance(model, str) and job_id in self.jobs:
                 self.models[job_id] = model
+                source = (settings.get("serve") or {}).get("source_job") if isinstance(settings, dict) else None
+                if isinstance(source, str) and source:
+                    self.sources[job_id] = source
                 self.sig_changed.emit()
 
         self.link.call("job", job=job_id, on_done=done, on_error=lambda _e: self._asking_model.discard(job_id))

@@ -11,7 +11,6 @@ name. `--adapter NAME=FOLDER` serves more adapters beside the base; FOLDER may b
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
@@ -25,7 +24,6 @@ from rigpilot.engine.terminal import printable
 from rigpilot.engine.workers.serve_setup import serving_status
 
 WAIT_FOR_URL_S = 600.0  # loading a large model from a slow disk; the job's own failure ends the wait sooner
-LORA_BASE_NAME = "base"  # what the base of a served LoRA job is called in requests
 
 
 def register(sub: Any) -> None:
@@ -64,18 +62,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         parse_listen(args.listen)  # a bad address is told before anything starts; the engine checks it again
     with EngineClient(on_notice=print_notice) as client:
-        model, name, adapters = _what_to_serve(client, args.model)
-        spec: dict[str, Any] = {"kind": "serve", "model": model, **given(args, JOB_SETTINGS)}
-        spec.setdefault("name", name)
+        # A job's name or id goes as it is: the engine puts in what the job trained (engine.jobs.serve_source).
+        spec: dict[str, Any] = {"kind": "serve", "model": args.model, **given(args, JOB_SETTINGS)}
         spec["serve"] = given(args, SERVE_SETTINGS)
-        if adapters:  # a LoRA job: its name is the adapter's, and the base goes by "base"
-            spec["serve"]["base_name"] = LORA_BASE_NAME
-            adapters = {spec["name"]: next(iter(adapters.values()))}  # under --name where given
+        adapters: dict[str, str] = {}
         for adapter, folder in pairs:
             if adapter in adapters:
                 raise UserError(f"--adapter {adapter}: that name is given twice", reason="serve_adapter_invalid",
                                 adapter=adapter)  # fmt: skip
-            adapters[adapter] = _adapter_folder(client, adapter, folder)
+            adapters[adapter] = folder
         if adapters:
             spec["serve"]["adapters"] = adapters
         degrees = given(args, LAYOUT_SETTINGS)
@@ -87,7 +82,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         serving = _wait_for_url(client, job["id"])
         if serving is None:
             return follow(client, job["id"])  # it ended before serving: say how, as `rigpilot run` does
-        served = printable(str(serving.get("model") or spec.get("name") or model))
+        served = printable(str(serving.get("model") or spec.get("name") or args.model))
         url = printable(str(serving["url"]))
         print(f"serving {served} at {url} (job {job['id']}; stop with: rigpilot cancel {job['id']})", flush=True)
         for adapter in str(serving.get("adapters") or "").split(","):
@@ -112,79 +107,6 @@ def _adapter_pair(given_text: str) -> tuple[str, str]:
         raise UserError(f"--adapter {given_text!r}: give NAME=FOLDER (a LoRA adapter folder or a finished LoRA job)",
                         reason="serve_adapter_invalid", adapter=name.strip())  # fmt: skip
     return name.strip(), folder.strip()
-
-
-def _adapter_folder(client: Any, name: str, given_folder: str) -> str:
-    """An adapter's folder: as given where it exists, else a finished LoRA job's (by id or name)."""
-    path = Path(given_folder).expanduser()
-    if path.exists():
-        return str(path.resolve())
-    job = _job(client, given_folder)
-    if job is None:
-        raise UserError(f"--adapter {name}: {given_folder} is neither a folder nor a job", reason="serve_adapter_invalid",
-                        adapter=name, folder=given_folder)  # fmt: skip
-    out = _finished_output(job)
-    if not (out / "adapter_config.json").is_file():
-        raise UserError(f"--adapter {name}: job {job['id']} saved no LoRA adapter (it trained all the weights): "
-                        f"serve it as a model instead", reason="serve_adapter_invalid", adapter=name,
-                        job=job["id"])  # fmt: skip
-    return str(out)
-
-
-def _job(client: Any, ref: str) -> dict[str, Any] | None:
-    from rigpilot.engine.api import protocol
-    from rigpilot.engine.api.client import EngineError
-
-    try:
-        return dict(client.request("job", job=ref)["job"])
-    except EngineError as e:
-        if e.code == protocol.NOT_FOUND:
-            return None
-        raise
-
-
-def _finished_output(job: dict[str, Any]) -> Path:
-    if job.get("kind") != "train":
-        raise UserError(f"job {job['id']} is a {job.get('kind')} job: only a training job has a model to serve",
-                        reason="serve_job_not_trained", job=job["id"], kind=job.get("kind"))  # fmt: skip
-    out = Path(job.get("job_dir") or "") / "output"
-    if job.get("state") != "completed" or not out.is_dir():
-        raise UserError(f"job {job['id']} has not finished training ({job.get('state')}): serve it once it has",
-                        reason="serve_job_not_finished", job=job["id"], state=job.get("state"))  # fmt: skip
-    return out
-
-
-def _what_to_serve(client: Any, given_name: str) -> tuple[str, str, dict[str, str]]:
-    """(the model to load, the name requests give, the adapters to serve on it): a folder, preset or repo id as
-    it is; a full training job's model folder; a LoRA job's base model with its adapter (keyed by the job's name
-    or id), unmerged even where it saved merged weights too."""
-    if Path(given_name).expanduser().exists():
-        return given_name, "", {}
-    job = _job(client, given_name)
-    if job is None:
-        return given_name, "", {}  # a preset or a Hugging Face repo id; the engine checks it
-    out = _finished_output(job)
-    name = job.get("name") or job["id"]
-    if (out / "adapter_config.json").is_file():
-        return _lora_base(job, out), name, {name: str(out)}
-    if (out / "config.json").is_file():
-        return str(out), name, {}
-    raise UserError(f"job {job['id']} saved no model in {out}", reason="serve_job_not_trained", job=job["id"],
-                    kind=job.get("kind"))  # fmt: skip
-
-
-def _lora_base(job: dict[str, Any], out: Path) -> str:
-    """The model a LoRA job trained on: its job.json's (as the engine resolved it), else the adapter's own note."""
-    for file, key in ((Path(job.get("job_dir") or "") / "job.json", "model"),
-                      (out / "adapter_config.json", "base_model_name_or_path")):  # fmt: skip
-        try:
-            model = json.loads(file.read_text()).get(key)
-        except (OSError, ValueError, AttributeError):
-            continue
-        if isinstance(model, str) and model:
-            return model
-    raise UserError(f"job {job['id']}: its base model is named neither in its job.json nor in its adapter",
-                    reason="serve_adapter_invalid", job=job["id"])  # fmt: skip
 
 
 def _wait_for_url(client: Any, job_id: str) -> dict[str, Any] | None:

@@ -45,7 +45,9 @@ from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import EITHER, FILE, FOLDER, Expect, check_given_path, open_given_file
 from rigpilot.engine.hardware.machine import Machine, short_gpu_name
 from rigpilot.engine.jobs import machine_check as machine_checks
+from rigpilot.engine.jobs import serve_source
 from rigpilot.engine.jobs.limits import check_job_settings
+from rigpilot.engine.jobs.store import JobRecord
 from rigpilot.engine.jobspec.spec import (
     IN_BACKWARD_UNDER_DDP_NOTE,
     TRAIN_SETTINGS,
@@ -105,6 +107,7 @@ def prepare(
     slurm: bool = False,
     worker_vllm: Callable[[], WorkerVllm] | None = None,
     machine_check: dict[str, Any] | None = None,
+    jobs: tuple[Callable[[str], list[JobRecord]], Path] | None = None,
 ) -> Submission:
     """A checked, complete JobSpec for `spec_data` (JobSpec fields; `id` is the service's to give).
 
@@ -114,10 +117,14 @@ def prepare(
     `worker_vllm` says whether vLLM is installed where the job runs (default: engine.runtime.worker_vllm);
     it is asked only when nothing else rules vLLM out. `slurm`: the job goes to a SLURM cluster.
     `machine_check`: the engine's stored machine check of this machine (its JSON), which may set variables for
-    the job's ranks (engine.jobs.machine_check).
+    the job's ranks (engine.jobs.machine_check). `jobs`: (find, the jobs' folder) of the engine's jobs, which a
+    serve submission may name in place of a model or an adapter (engine.jobs.serve_source).
     """
     data = _given_fields(spec_data)
     base = _working_folder(cwd)
+    if jobs is not None:
+        find, root = jobs
+        data = serve_source.with_job_folders(data, base, find, lambda job_id: root / job_id)
     # A script only gets the plan's predictions (plan_prediction reads them): how it splits the work is its own.
     planned = parse_plan(plan) if data.get("kind") != "script" else None
     spec = JobSpec.from_dict({**data, "id": job_id})

@@ -249,6 +249,7 @@ class Supervisor:
         sub = submission.prepare(
             spec_data, plan, cwd, job_id="check", machine=self.machine, max_cpu_ranks=self.max_cpu_ranks,
             nodes=nodes, slurm=slurm_options is not None, machine_check=self.stored_check(self.machine),
+            jobs=(self.store.find, self.jobs_root),
         )
         self._check_room(sub, None)
         lines = submission.describe(sub, free_bytes(self.jobs_root))
@@ -270,6 +271,7 @@ class Supervisor:
         sub = submission.prepare(
             spec_data, plan, cwd, job_id=job_id, machine=machine, max_cpu_ranks=self.max_cpu_ranks,
             nodes=int((nodes or {}).get("count", 1)), slurm=slurm_options is not None, machine_check=self.stored_check(machine),
+            jobs=(self.store.find, self.jobs_root),
         )
         spec = sub.spec
         self._check_room(sub, nodes)
@@ -473,7 +475,8 @@ class Supervisor:
             raise JobNotFound(f"no job {ref!r} (see 'rigpilot jobs')")
         if len(matches) > 1:
             ids = ", ".join(m.id for m in matches[:5])
-            raise UserError(f"{ref!r} could mean several jobs ({ids}); give more of the id")
+            raise UserError(f"{ref!r} could mean several jobs ({ids}); give more of the id", reason="job_ambiguous",
+                            ref=ref, jobs=[m.id for m in matches[:5]])  # fmt: skip
         run = self._runs.get(matches[0].id)
         return run.rec if run else matches[0]  # the live record carries fields not yet re-read
 

@@ -369,8 +369,9 @@ class ServeSettings:
         1234, flags="--seed", range=SEED, metavar="N", label="Seed", help="Sampling's seed for requests without one."
     )
     # LoRA adapters served by name on the one base, selected by a request's `model` (engine.workers.serve_adapters):
-    # name -> peft adapter folder, resolved by the client (a finished LoRA job names its output folder).
+    # name -> peft adapter folder (a finished LoRA job named in its place is resolved by engine.jobs.serve_source).
     adapters: dict[str, str] = field(default_factory=dict)
+    source_job: str = ""  # the finished training job whose model this serves, where one was named (its id)
     base_name: str = ""  # the base model's name in requests; empty: the job's (engine.workers.serve.served_name)
     # Written by the engine at submit when `listen` is beyond loopback: its TLS certificate and key.
     tls_cert: str = ""

@@ -45,7 +45,7 @@ def served(tmp_path_factory):
     engine = Engine(base)
     engine.start()
     try:
-        spec = serve_spec(str(model), "tiny", [0])
+        spec = serve_spec(str(model), [0], "tiny")
         spec["serve"] = {"precision": "fp32", "max_batch": 4, "max_concurrent": 5, "max_new_tokens": 64}
         with engine.client() as c:
             job = c.request("submit", spec=spec, plan=None)["job"]["id"]
@@ -259,7 +259,8 @@ def test_serve_this_model_submits_a_serve_job_and_try_it_chats_once_it_listens(q
     assert page.detail.serve_action.isEnabled()
     page.detail.serve_action.trigger()
     qtbot.waitUntil(lambda: opened == ["s1"])
-    assert submitted == [{"kind": "serve", "model": MODEL, "serve": {}, "name": "run t", "gpus": [0]}]
+    # The job by its id: the engine serves what it trained (engine.jobs.serve_source), under the job's name.
+    assert submitted == [{"kind": "serve", "model": "t", "serve": {}, "gpus": [0]}]
     link.push_job(a_serve_job("s1", "starting"))
     qtbot.waitUntil(lambda: "loading the model" in box.serve_line.text())
     assert not box.serve_button.isVisible()

@@ -9,6 +9,8 @@ import pytest
 from rigpilot.engine.cli.entry import main
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.simulated import load_profile
+from rigpilot.engine.jobs.serve_source import with_job_folders
+from rigpilot.engine.jobs.store import JobRecord
 from rigpilot.engine.jobs.submission import describe, prepare
 
 from support.paths import TINY_LLAMA_CONFIG
@@ -117,62 +119,94 @@ def test_an_adapter_folder_is_resolved_and_checked(tmp_path):
         assert e.value.reason == "serve_adapter_invalid" and "\n" not in str(e.value)
 
 
-class Jobs:
-    """Answers the `job` request as the engine does, for a fixed set of jobs."""
-
-    def __init__(self, *jobs: dict) -> None:
-        self.jobs = {j["id"]: j for j in jobs}
-
-    def request(self, rtype: str, **args):
-        from rigpilot.engine.api.client import EngineError
-
-        assert rtype == "job"
-        if args["job"] not in self.jobs:
-            raise EngineError("not_found", f"no job {args['job']!r}")
-        return {"job": self.jobs[args["job"]]}
-
-
-def trained(tmp_path: Path, job_id: str, state: str = "completed", *files: str) -> dict:
-    out = tmp_path / job_id / "output"
+def trained(tmp_path: Path, job_id: str, state: str = "completed", *files: str, kind: str = "train") -> JobRecord:
+    out = tmp_path / "jobs" / job_id / "output"
     for f in files:
         (out / f).parent.mkdir(parents=True, exist_ok=True)
         (out / f).write_text("{}")
-    return {"id": job_id, "kind": "train", "state": state, "name": f"run-{job_id}", "job_dir": str(tmp_path / job_id)}
+    return JobRecord(id=job_id, seq=1, kind=kind, name=f"run-{job_id}", state=state, gpus=[0], ranks=1,
+                     simulated=True, created=0.0)  # fmt: skip
+
+
+def served(tmp_path: Path, data: dict, *jobs: JobRecord) -> dict:
+    """The submission as the engine sees it once the jobs it names are put in (engine.jobs.serve_source)."""
+    by_id = {j.id: j for j in jobs}
+
+    def find(ref: str) -> list[JobRecord]:
+        return [by_id[ref]] if ref in by_id else [j for j in jobs if j.name == ref]
+
+    work = tmp_path / "work"  # the client's folder
+    work.mkdir(exist_ok=True)
+    return with_job_folders({"kind": "serve", **data}, work, find, lambda job_id: tmp_path / "jobs" / job_id)
 
 
 def test_a_training_job_is_served_from_its_model_folder_under_its_name(tmp_path):
-    from rigpilot.engine.cli.serve import _what_to_serve
-
     full = trained(tmp_path, "aaaaaa", "completed", "config.json")
     lora = trained(tmp_path, "bbbbbb", "completed", "adapter_config.json", "merged/config.json")
-    (tmp_path / "bbbbbb" / "job.json").write_text('{"model": "/models/base"}')
-    client = Jobs(full, lora)
-    assert _what_to_serve(client, "aaaaaa") == (str(tmp_path / "aaaaaa" / "output"), "run-aaaaaa", {})
-    # A LoRA job: its base, with its adapter unmerged under the job's name.
-    out = str(tmp_path / "bbbbbb" / "output")
-    assert _what_to_serve(client, "bbbbbb") == ("/models/base", "run-bbbbbb", {"run-bbbbbb": out})
-    assert _what_to_serve(client, "Qwen/Qwen2.5-0.5B") == ("Qwen/Qwen2.5-0.5B", "", {})  # no such job: a model
+    (tmp_path / "jobs" / "bbbbbb" / "job.json").write_text('{"model": "/models/base"}')
+    got = served(tmp_path, {"model": "aaaaaa"}, full, lora)
+    assert (got["model"], got["name"], got["serve"]) == (str(tmp_path / "jobs" / "aaaaaa" / "output"), "run-aaaaaa",
+                                                          {"source_job": "aaaaaa"})  # fmt: skip
+    # A LoRA job: its base, with its adapter unmerged under the job's name (by name here), the base as "base".
+    out = str(tmp_path / "jobs" / "bbbbbb" / "output")
+    got = served(tmp_path, {"model": "run-bbbbbb"}, full, lora)
+    assert (got["model"], got["name"], got["serve"]) == ("/models/base", "run-bbbbbb", {
+        "base_name": "base", "adapters": {"run-bbbbbb": out}, "source_job": "bbbbbb"})  # fmt: skip
+    got = served(tmp_path, {"model": "bbbbbb", "name": "mine"}, full, lora)
+    assert got["serve"]["adapters"] == {"mine": out}
+    assert served(tmp_path, {"model": "Qwen/Qwen2.5-0.5B"}, full)["model"] == "Qwen/Qwen2.5-0.5B"  # no job: a model
+    (tmp_path / "work" / "aaaaaa").mkdir()
+    assert served(tmp_path, {"model": "aaaaaa"}, full)["model"] == "aaaaaa"  # a folder stays a folder
 
 
 def test_a_finished_lora_job_is_an_adapter_folder_and_a_full_one_is_not(tmp_path):
-    from rigpilot.engine.cli.serve import _adapter_folder
-
-    client = Jobs(trained(tmp_path, "aaaaaa", "completed", "config.json"),
-                  trained(tmp_path, "bbbbbb", "completed", "adapter_config.json"))  # fmt: skip
-    assert _adapter_folder(client, "x", "bbbbbb") == str(tmp_path / "bbbbbb" / "output")
+    full = trained(tmp_path, "aaaaaa", "completed", "config.json")
+    lora = trained(tmp_path, "bbbbbb", "completed", "adapter_config.json")
+    got = served(tmp_path, {"model": "m", "serve": {"adapters": {"x": "bbbbbb"}}}, full, lora)
+    assert got["serve"]["adapters"] == {"x": str(tmp_path / "jobs" / "bbbbbb" / "output")}
     for ref in ("aaaaaa", "nosuchjob"):
         with pytest.raises(UserError) as e:
-            _adapter_folder(client, "x", ref)
+            served(tmp_path, {"model": "m", "serve": {"adapters": {"x": ref}}}, full, lora)
         assert e.value.reason == "serve_adapter_invalid"
 
 
 @pytest.mark.parametrize(
-    ("state", "files", "reason"),
-    [("running", (), "serve_job_not_finished"), ("completed", ("weights.bin",), "serve_job_not_trained")],
-)
-def test_a_training_job_without_a_model_to_serve_is_refused_with_its_reason(tmp_path, state, files, reason):
-    from rigpilot.engine.cli.serve import _what_to_serve
-
+    ("state", "files", "kind", "reason"),
+    [("running", (), "train", "serve_job_not_finished"), ("completed", ("weights.bin",), "train", "serve_job_not_trained"),
+     ("completed", (), "infer", "serve_job_not_trained")],
+)  # fmt: skip
+def test_a_training_job_without_a_model_to_serve_is_refused_with_its_reason(tmp_path, state, files, kind, reason):
     with pytest.raises(UserError) as e:
-        _what_to_serve(Jobs(trained(tmp_path, "cccccc", state, *files)), "cccccc")
+        served(tmp_path, {"model": "cccccc"}, trained(tmp_path, "cccccc", state, *files, kind=kind))
     assert e.value.reason == reason and e.value.fields["job"] == "cccccc"
+
+
+def test_a_name_two_jobs_share_is_refused_as_ambiguous(tmp_path):
+    a, b = trained(tmp_path, "aaaaaa", "completed", "config.json"), trained(tmp_path, "bbbbbb", "completed")
+    b.name = a.name
+    with pytest.raises(UserError) as e:
+        served(tmp_path, {"model": a.name}, a, b)
+    assert e.value.reason == "job_ambiguous" and e.value.fields["jobs"] == ["aaaaaa", "bbbbbb"]
+
+
+def test_the_engine_serves_a_finished_lora_job_named_by_its_id_as_its_base_with_the_adapter(tmp_path, monkeypatch):
+    """What `rigpilot serve JOB` and the app's "Serve this model" send, through the supervisor's own check."""
+    from rigpilot.engine.jobs.store import JobStore
+    from rigpilot.engine.jobs.supervisor import Supervisor
+
+    from support.engine import engine_home
+
+    engine_home(tmp_path, monkeypatch)
+    store = JobStore(tmp_path / "engine.db")
+    sup = Supervisor(store, tmp_path / "jobs", load_profile("4x-rtx4090"))
+    job = trained(tmp_path, "abc123", "completed")
+    job.name = "my-lora"
+    store.insert(job)
+    out = tmp_path / "jobs" / "abc123" / "output"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "adapter_config.json").write_text('{"peft_type": "LORA", "base_model_name_or_path": "%s"}' % TINY)
+    checked = sup.check({"kind": "serve", "model": "abc123"}, None, str(tmp_path))
+    assert any(line == "LoRA adapters, unmerged, by name: my-lora" for line in checked["lines"]), checked["lines"]
+    with pytest.raises(UserError) as e:
+        sup.check({"kind": "serve", "model": "m", "serve": {"adapters": {"x": "nosuchjob"}}}, None, str(tmp_path))
+    assert e.value.reason == "serve_adapter_invalid"
