@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -204,7 +205,7 @@ def test_the_engine_serves_a_finished_lora_job_named_by_its_id_as_its_base_with_
     store.insert(job)
     out = tmp_path / "jobs" / "abc123" / "output"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "adapter_config.json").write_text('{"peft_type": "LORA", "base_model_name_or_path": "%s"}' % TINY)
+    (out / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": TINY}))
     checked = sup.check({"kind": "serve", "model": "abc123"}, None, str(tmp_path))
     assert any(line == "LoRA adapters, unmerged, by name: my-lora" for line in checked["lines"]), checked["lines"]
     with pytest.raises(UserError) as e:
