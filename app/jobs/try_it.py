@@ -120,7 +120,7 @@ class TryIt(QWidget):
         mine = [r for r in rows if r.serves(str(self.job.get("id") or ""), self.model)]
         listening = next((r for r in mine if r.listening), None)
         if listening is not None:
-            self.chat.set_server(listening.url, listening.chat_name)
+            self.chat.set_server(listening.url, listening.chat_name, listening.access())
             self.serve_line.setText(f"Served at {listening.url} (job {listening.id}; the Serving page stops it).")
         else:
             self.chat.set_server(None, None)

@@ -22,7 +22,7 @@ from PySide6.QtWidgets import (
 )
 
 from rigpilot.app import tasks
-from rigpilot.app.serving.stream import GONE, NO_ANSWER, ChatError, ChatReply, Stop, stream_chat
+from rigpilot.app.serving.stream import GONE, NO_ANSWER, UNTRUSTED, Access, ChatError, ChatReply, Stop, stream_chat
 from rigpilot.app.widgets.icons import set_icon
 
 # OpenAI's finish reasons, in the user's words.
@@ -37,6 +37,8 @@ def said(error: BaseException) -> str:
             return "The model is no longer served."
         if error.reason == NO_ANSWER:
             return f"The server stopped answering: {error.detail}"
+        if error.reason == UNTRUSTED:
+            return f"Not sent: the server is not the one its job started ({error.detail})."
         return f"The server refused the message: {error.detail}"
     return f"The message could not be sent: {error}"
 
@@ -60,6 +62,7 @@ class ChatPanel(QWidget):
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.url: str | None = None
+        self.access = Access()  # beyond loopback: the API key and the certificate to pin
         self.model: str | None = None
         self.messages: list[dict[str, str]] = []  # the conversation so far, sent whole with each message
         self._generation = 0  # which answer the arriving text belongs to
@@ -129,8 +132,9 @@ class ChatPanel(QWidget):
     def generating(self) -> bool:
         return self._stop is not None
 
-    def set_server(self, url: str | None, model: str | None) -> None:
-        """Chat with `model` at `url` (…/v1); None: nothing to chat with."""
+    def set_server(self, url: str | None, model: str | None, access: Access | None = None) -> None:
+        """Chat with `model` at `url` (…/v1), with `access` beyond loopback; None: nothing to chat with."""
+        self.access = access or Access()
         if (url, model) != (self.url, self.model):
             self._set_server(url, model)
 
@@ -170,14 +174,14 @@ class ChatPanel(QWidget):
         self.stop_button.setEnabled(True)
         self.send_button.setEnabled(False)
         self.status.setText("Generating…")
-        url, model, messages = self.url, self.model, list(self.messages)
+        url, model, messages, access = self.url, self.model, list(self.messages), self.access
         temperature, max_tokens = self.temperature.value(), self.max_tokens.value() or None
 
         def work() -> tuple[int, ChatReply | Exception]:
             try:
                 return generation, stream_chat(
                     url, model, messages, lambda t: tasks.run_on_gui_thread(self._on_text, (generation, t)), stop,
-                    max_tokens=max_tokens, temperature=temperature,
+                    max_tokens=max_tokens, temperature=temperature, access=access,
                 )
             except Exception as e:  # worded on the GUI thread, with the answer it belongs to
                 return generation, e

@@ -189,7 +189,7 @@ class ServingPage(QWidget):
         self.stop_button.setEnabled(row is not None)
         if row is not None and row.listening:
             self.chat_title.setText(f"Chat with {row.name}")
-            self.chat.set_server(row.url, row.chat_name)
+            self.chat.set_server(row.url, row.chat_name, row.access())
         else:
             self.chat_title.setText("Chat")
             self.chat.set_server(None, None)

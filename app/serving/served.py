@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from PySide6.QtCore import QObject, Signal
 
 from rigpilot.app.engine_link import CONNECTED
+from rigpilot.app.serving.stream import Access
 from rigpilot.engine.schema import UNFINISHED_STATES, JobState
 from rigpilot.engine.workers.serve_setup import serving_status
 
@@ -35,6 +37,8 @@ class ServedJob:
     simulated: bool = False  # on a simulated machine: a CPU rank
     source_job: str = ""  # the training job whose model it serves, where it was started from one
     adapters: tuple[str, ...] = ()  # LoRA adapters it serves beside the base, by name
+    api_key_file: str | None = None  # beyond loopback: where the job keeps its API key (on the engine's machine)
+    tls_fingerprint: str | None = None  # beyond loopback: the engine's certificate, which the server presents
 
     @property
     def listening(self) -> bool:
@@ -44,6 +48,17 @@ class ServedJob:
     def chat_name(self) -> str:
         """The model a chat asks for: a LoRA job's tuned model (its adapter, under the job's name), else the base."""
         return self.name if self.name in self.adapters else (self.served_name or self.name)
+
+    def access(self) -> Access:
+        """What a chat sends to this server beyond loopback: its API key (read from the job's file, which a client
+        of a remote engine cannot: then none, and the server answers 401) and the fingerprint to pin."""
+        key = None
+        if self.api_key_file:
+            try:
+                key = Path(self.api_key_file).read_text().strip() or None
+            except OSError:
+                key = None
+        return Access(key, self.tls_fingerprint)
 
     def serves(self, job_id: str, model: str | None) -> bool:
         """Whether this is the server of training job `job_id`, or of `model`."""
@@ -68,6 +83,8 @@ class Listening:
     name: str | None  # the model name requests give
     since: float | None
     adapters: tuple[str, ...] = ()
+    api_key_file: str | None = None
+    tls_fingerprint: str | None = None
 
 
 def serving_url(records: list[dict[str, Any]]) -> Listening | None:
@@ -76,9 +93,12 @@ def serving_url(records: list[dict[str, Any]]) -> Listening | None:
     if r is None:
         return None
     name, since, adapters = r.get("model"), r.get("time"), r.get("adapters")
+    key_file, fingerprint = r.get("api_key_file"), r.get("tls_fingerprint")
     return Listening(r["url"], name if isinstance(name, str) else None,
                      since if isinstance(since, int | float) else None,
-                     tuple(a for a in adapters.split(",") if a) if isinstance(adapters, str) else ())  # fmt: skip
+                     tuple(a for a in adapters.split(",") if a) if isinstance(adapters, str) else (),
+                     key_file if isinstance(key_file, str) else None,
+                     fingerprint if isinstance(fingerprint, str) else None)  # fmt: skip
 
 
 class ServedModels(QObject):
@@ -109,6 +129,8 @@ class ServedModels(QObject):
                 url=listening.url if listening else None, served_name=listening.name if listening else None,
                 since=listening.since if listening else None, simulated=bool(job.get("simulated")),
                 source_job=self.sources.get(job_id, ""), adapters=listening.adapters if listening else (),
+                api_key_file=listening.api_key_file if listening else None,
+                tls_fingerprint=listening.tls_fingerprint if listening else None,
             ))  # fmt: skip
         return out
 

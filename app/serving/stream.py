@@ -2,6 +2,11 @@
 
 No Qt and no torch: the chat panel runs `stream_chat` on a worker thread and gets each piece of text through
 `on_text`. Server-sent events are read only as far as their `data:` lines, which is all the server sends.
+
+A server listening beyond loopback (`rigpilot serve --listen`) speaks TLS with the engine's self-signed
+certificate and wants the job's API key: the job reports both (its "serving" status: `tls_fingerprint`,
+`api_key_file`), and `Access` carries them here. The certificate is checked by that fingerprint after the
+handshake, as the engine's own clients check it (engine.api.tls), and the key goes in the Authorization header.
 """
 
 from __future__ import annotations
@@ -15,10 +20,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rigpilot.engine.api import tls
+
 # Why a chat request failed, for the panel to word (ChatError.reason).
 GONE = "gone"  # nothing listens at the URL any more: the serve job ended
 REFUSED = "refused"  # the server answered with an error (OpenAI's shape: its message is in `detail`)
 NO_ANSWER = "no_answer"  # it stopped answering mid-way, or what it sent is not an event stream
+UNTRUSTED = "untrusted"  # TLS with a certificate other than the one its job reported (or none known to check)
 
 READ_TIMEOUT_S = 120.0  # between two pieces of the stream: a long prompt's first token on a slow CPU
 
@@ -28,6 +36,14 @@ class ChatError(Exception):
         super().__init__(reason, detail)
         self.reason = reason
         self.detail = detail
+
+
+@dataclass(frozen=True)
+class Access:
+    """What a server beyond loopback asks of its clients: the job's API key and its certificate's fingerprint."""
+
+    api_key: str | None = None
+    fingerprint: str | None = None
 
 
 @dataclass
@@ -82,6 +98,7 @@ def stream_chat(
     max_tokens: int | None = None,
     temperature: float | None = None,
     timeout: float = READ_TIMEOUT_S,
+    access: Access | None = None,
 ) -> ChatReply:
     """POST `messages` to `url`/chat/completions with streaming and usage on; `on_text` gets each piece of the
     answer as it arrives, until the answer ends or `stop` is set."""
@@ -92,16 +109,27 @@ def stream_chat(
     if temperature is not None:
         body["temperature"] = temperature
     stop = stop or Stop()
+    access = access or Access()
     where = urllib.parse.urlsplit(url)
-    connection = (http.client.HTTPSConnection if where.scheme == "https" else http.client.HTTPConnection)(
-        where.hostname or "127.0.0.1", where.port, timeout=timeout
-    )
+    host = where.hostname or "127.0.0.1"
+    connection: http.client.HTTPConnection
+    if where.scheme == "https":
+        if not access.fingerprint:
+            raise ChatError(UNTRUSTED, "the server's job reported no certificate to check it by")
+        connection = http.client.HTTPSConnection(host, where.port, timeout=timeout, context=tls.client_context())
+    else:
+        connection = http.client.HTTPConnection(host, where.port, timeout=timeout)
+    headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+    if access.api_key:
+        headers["Authorization"] = f"Bearer {access.api_key}"
     reply = ChatReply()
     try:
         connection.connect()
         stop._attach(connection.sock)
+        if where.scheme == "https":
+            _check_certificate(connection.sock, access.fingerprint)
         connection.request("POST", where.path.rstrip("/") + "/chat/completions", body=json.dumps(body).encode(),
-                           headers={"Content-Type": "application/json", "Accept": "text/event-stream"})  # fmt: skip
+                           headers=headers)  # fmt: skip
         response = connection.getresponse()
         if response.status >= 400:
             raise ChatError(REFUSED, _error_message(response))
@@ -123,6 +151,14 @@ def stream_chat(
         stop._attach(None)
         connection.close()
     return reply
+
+
+def _check_certificate(sock: Any, fingerprint: str | None) -> None:
+    """Before the key or a message goes out: the certificate is the one the job reported."""
+    der = sock.getpeercert(binary_form=True) if sock is not None else None
+    seen = tls.fingerprint_of(der) if der else "none"
+    if seen != fingerprint:
+        raise ChatError(UNTRUSTED, f"it presents certificate {seen}, not the engine's {fingerprint}")
 
 
 def _take(raw: bytes, reply: ChatReply, on_text: Callable[[str], None]) -> bool:

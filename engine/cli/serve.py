@@ -90,6 +90,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 print(f"  adapter {printable(adapter)}: give its name as the model", flush=True)
         if isinstance(serving.get("api_key_file"), str):
             print(_api_key_line(Path(serving["api_key_file"])), flush=True)
+        if isinstance(serving.get("tls_fingerprint"), str):
+            print(f"TLS certificate: the engine's own, self-signed, {printable(serving['tls_fingerprint'])} (pin it)",
+                  flush=True)  # fmt: skip
         return follow(client, job["id"]) if args.follow else 0
 
 

@@ -624,7 +624,7 @@ def _check_serve_access(s: ServeSettings | None) -> None:
     if s is None:
         return
     s.listen, loopback = parse_listen(s.listen)
-    s.tls_cert = s.tls_key = ""  # the engine's to name, never the submitter's
+    s.tls_cert = s.tls_key = s.tls_fingerprint = ""  # the engine's to name, never the submitter's
     if loopback:
         return
     from rigpilot.engine.api.tls import load_or_create_identity
@@ -634,7 +634,7 @@ def _check_serve_access(s: ServeSettings | None) -> None:
     except UserError as e:
         raise UserError(f"listening on {s.listen} needs TLS, and {e}", reason="serve_tls_unavailable",
                         listen=s.listen) from None  # fmt: skip
-    s.tls_cert, s.tls_key = str(identity.cert), str(identity.key)
+    s.tls_cert, s.tls_key, s.tls_fingerprint = str(identity.cert), str(identity.key), identity.fingerprint
 
 
 MAX_ADAPTERS = 64  # every one is in memory and in every forward's bookkeeping

@@ -373,9 +373,11 @@ class ServeSettings:
     adapters: dict[str, str] = field(default_factory=dict)
     source_job: str = ""  # the finished training job whose model this serves, where one was named (its id)
     base_name: str = ""  # the base model's name in requests; empty: the job's (engine.workers.serve.served_name)
-    # Written by the engine at submit when `listen` is beyond loopback: its TLS certificate and key.
+    # Written by the engine at submit when `listen` is beyond loopback: its TLS certificate and key, and the
+    # certificate's fingerprint, which the job reports for clients to pin (the certificate is self-signed).
     tls_cert: str = ""
     tls_key: str = ""
+    tls_fingerprint: str = ""
 
 
 @dataclass

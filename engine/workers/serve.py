@@ -10,7 +10,8 @@ and the event loop never waits on a forward.
 The server listens on loopback unless `listen` says otherwise (engine.workers.serve_setup: beyond loopback,
 an API key and TLS). LoRA adapters are served by name beside the base (engine.workers.serve_adapters). Once
 it listens the job reports a status record, phase "serving", with its `url` (…/v1), `model` (the base's name
-in requests), `adapters` (their names, comma-separated) and, with an API key, `api_key_file`; then every
+in requests), `adapters` (their names, comma-separated) and, beyond loopback, `api_key_file` and
+`tls_fingerprint` (the engine's self-signed certificate, for clients to pin); then every
 METRICS_EVERY_S, while anything happens, a "serve" record: requests finished, requests/s, tokens/s, mean time
 to first token, queue depth, the requests in the batch, those dropped because their client left, and the KV
 cache's bytes.
@@ -118,7 +119,8 @@ def run_serve(spec: JobSpec, job_dir: Path) -> int:
     scheme = "http" if loopback else "https"
     url = f"{scheme}://{url_host(host)}:{sock.getsockname()[1]}/v1"
     status(SERVING, url=url, model=name, adapters=",".join(s.adapters), max_batch=s.max_batch,
-           max_concurrent=s.max_concurrent, api_key_file=str(key_file) if key_file else None)  # fmt: skip
+           max_concurrent=s.max_concurrent, api_key_file=str(key_file) if key_file else None,
+           tls_fingerprint=(s.tls_fingerprint or None) if not loopback else None)  # fmt: skip
     print(f"[rank0] serving {name} at {url}", flush=True)
     meter = _Meter(batcher.counters, runtime.device)
     while not stop.is_set():

@@ -10,7 +10,9 @@ import re
 import openai
 import pytest
 
+from rigpilot.app.serving.stream import REFUSED, UNTRUSTED, Access, ChatError, stream_chat
 from rigpilot.engine.cli.entry import main as cli_main
+from rigpilot.engine.workers.serve_setup import serving_status
 
 from support.engine import Engine, engine_home, leftover_job_processes, wait_job_state
 from support.worker_jobs import save_random_llama
@@ -53,6 +55,21 @@ def test_serve_prints_the_url_serves_and_cancel_ends_it(engine, tmp_path, capsys
     assert [m.id for m in client.models.list().data] == ["my-tiny", "tuned"]
     r = client.completions.create(model="tuned", prompt="Hello", max_tokens=3, temperature=0)
     assert r.usage.completion_tokens >= 1
+    fingerprint = next(line for line in lines if line.startswith("TLS certificate:")).split()[-3]
+    assert fingerprint.startswith("SHA256:")
+
+    # The app's chat: the job's key, and the engine's certificate pinned by the fingerprint the job reported.
+    with engine.client() as c:
+        serving = serving_status(c.request("metrics", job=job_id)["records"])
+    assert serving["tls_fingerprint"] == fingerprint and serving["api_key_file"] == key_file
+    url, ask = f"https://127.0.0.1:{port}/v1", [{"role": "user", "content": "Hi"}]
+    reply = stream_chat(url, "tuned", ask, lambda text: None, max_tokens=3, temperature=0, access=Access(key, fingerprint))
+    assert reply.completion_tokens == 3
+    for access, reason in ((Access(key, "SHA256:" + "A" * 43), UNTRUSTED), (Access(key, None), UNTRUSTED),
+                           (Access(None, fingerprint), REFUSED)):  # fmt: skip
+        with pytest.raises(ChatError) as e:
+            stream_chat(url, "tuned", ask, lambda text: None, max_tokens=3, access=access)
+        assert e.value.reason == reason, e.value.detail
 
     with engine.client() as c:
         assert c.request("job", job=job_id)["job"]["state"] == "running"
