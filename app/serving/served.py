@@ -33,6 +33,7 @@ class ServedJob:
     served_name: str | None  # the model name requests give
     since: float | None = None  # when it began to listen: its uptime runs from here, not from loading the model
     simulated: bool = False  # on a simulated machine: a CPU rank
+    gpus: tuple[int, ...] = ()  # the GPUs its ranks run on
 
     @property
     def listening(self) -> bool:
@@ -93,6 +94,7 @@ class ServedModels(QObject):
                 state=str(job.get("state") or ""), started=started if isinstance(started, int | float) else None,
                 url=listening.url if listening else None, served_name=listening.name if listening else None,
                 since=listening.since if listening else None, simulated=bool(job.get("simulated")),
+                gpus=tuple(g for g in job.get("gpus") or [] if isinstance(g, int)),
             ))  # fmt: skip
         return out
 
