@@ -18,8 +18,10 @@ from typing import Any
 
 import numpy as np
 
+from rigpilot.app.jobs.serve_series import SERVE_FIELDS, ServeSeries, serve_row
 from rigpilot.app.widgets.ring_buffer import RingBuffer
 from rigpilot.engine.jobs.metrics import PEAK_MEMORY_KEYS
+from rigpilot.engine.workers.serve_setup import LOAD_RECORD
 
 GIB = 1024**3
 CHART_RANK = 0
@@ -118,6 +120,9 @@ class Folded:
     errors: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
     phase: str | None = None
+    serve_times: np.ndarray = dataclasses.field(default_factory=lambda: np.empty(0))
+    serve_rows: np.ndarray = dataclasses.field(default_factory=lambda: np.empty((0, len(SERVE_FIELDS))))
+    serve_latest: dict[str, Any] | None = None  # the newest "serve" record among these
 
 
 def fold(records: list[dict[str, Any]]) -> Folded:
@@ -128,6 +133,8 @@ def fold(records: list[dict[str, Any]]) -> Folded:
     step_rows: list[list[float]] = []
     eval_t: list[float] = []
     eval_rows: list[tuple[float, float]] = []
+    serve_t: list[float] = []
+    serve_rows: list[list[float]] = []
     peak, speeds_by_rank, step_times = out.peak_memory, out.speeds, out.step_times
     number = _number
     for rec in records:
@@ -140,6 +147,14 @@ def fold(records: list[dict[str, Any]]) -> Folded:
                 v = number(rec[key])
                 if v is not None:
                     peak[rank] = max(peak.get(rank, 0.0), v)
+        if kind == LOAD_RECORD:
+            load = serve_row(rec) if rank == CHART_RANK else None  # rank 0 serves; the others only compute
+            if load is not None:
+                serve_t.append(load[0])
+                serve_rows.append(load[1])
+                if out.serve_latest is None or load[0] >= out.serve_latest["time"]:
+                    out.serve_latest = rec
+            continue
         if kind is not None:
             _fold_other(out, rec, kind, rank, eval_t, eval_rows)
             continue
@@ -167,6 +182,8 @@ def fold(records: list[dict[str, Any]]) -> Folded:
         out.step_times_of_rows, out.step_rows = np.array(step_t), np.array(step_rows, dtype=np.float64)
     if eval_t:
         out.eval_times, out.eval_rows = np.array(eval_t), np.array(eval_rows, dtype=np.float64)
+    if serve_t:
+        out.serve_times, out.serve_rows = np.array(serve_t), np.array(serve_rows, dtype=np.float64)
     return out
 
 
@@ -201,6 +218,7 @@ class JobSeries:
         self.errors: list[dict[str, Any]] = []  # the newest few kind="error" records
         self.notes: list[str] = []  # what the workers noted about how they run the job (each once)
         self.phase: str | None = None
+        self.serve = ServeSeries()  # a serve job's load (its "serve" records)
         self.records = 0
         self.revision = 0  # bumps on every change, so charts redraw only when something is new
         self._view: tuple[int, np.ndarray, np.ndarray, np.ndarray] | None = None  # revision, times, steps, values
@@ -234,6 +252,7 @@ class JobSeries:
             self._steps.merge(folded.step_times_of_rows, folded.step_rows)
         if len(folded.eval_times):
             self._evals.merge(folded.eval_times, folded.eval_rows)
+        self.serve.merge(folded.serve_times, folded.serve_rows, folded.serve_latest)
         self.records += folded.records
         if folded.records:
             self.revision += 1

@@ -1,5 +1,5 @@
 """The Serving page: the models the engine serves now (name, URL, uptime), Copy URL and Stop, and a chat with
-the one selected.
+the one selected beside its load (app.serving.load).
 
 A served model is a "serve" job (engine.workers.serve); its rows come from ServedModels and Stop cancels it.
 """
@@ -26,6 +26,7 @@ from PySide6.QtWidgets import (
 
 from rigpilot.app.jobs.model import duration
 from rigpilot.app.serving.chat import ChatPanel
+from rigpilot.app.serving.load import ServeLoad
 from rigpilot.app.serving.served import ServedJob, served_models
 from rigpilot.app.widgets.icons import set_icon
 from rigpilot.app.widgets.style import heading
@@ -100,6 +101,7 @@ class ServingPage(QWidget):
 
         self.chat_title = heading("Chat")
         self.chat = ChatPanel()
+        self.load = ServeLoad(link)
         self.status = QLabel()
         self.status.setObjectName("servingStatus")
         self.status.setWordWrap(True)
@@ -115,17 +117,30 @@ class ServingPage(QWidget):
         top_layout.addWidget(self.table, 1)
         top_layout.addWidget(self.empty, 1)  # in the table's place while there is none
         top_layout.addLayout(buttons)
-        bottom = QWidget()
-        bottom_layout = QVBoxLayout(bottom)
-        bottom_layout.addWidget(self.chat_title)
-        bottom_layout.addWidget(self.chat, 1)
+        chat = QWidget()
+        chat_layout = QVBoxLayout(chat)
+        chat_layout.addWidget(self.chat_title)
+        chat_layout.addWidget(self.chat, 1)
+        load = QWidget()
+        load_layout = QVBoxLayout(load)
+        load_layout.addWidget(self.load)
+        # Side by side, so that the chat keeps the lower half's height and its answers show their load as
+        # they come.
+        bottom = QSplitter(Qt.Orientation.Horizontal)
+        bottom.setObjectName("chatLoadSplitter")
+        bottom.addWidget(chat)
+        bottom.addWidget(load)
+        bottom.setStretchFactor(0, 1)
+        bottom.setStretchFactor(1, 1)
+        # The chat a little wider; kept when the Load area's charts give way to a line of text.
+        bottom.setSizes([1100, 900])
         splitter = QSplitter(Qt.Orientation.Vertical)
         splitter.setObjectName("servingSplitter")
         splitter.addWidget(top)
         splitter.addWidget(bottom)
         splitter.setCollapsible(0, False)
         splitter.setStretchFactor(1, 1)
-        splitter.setSizes([260, 540])
+        splitter.setSizes([200, 600])  # a few rows; the chat and the charts want the height
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(splitter, 1)
@@ -185,6 +200,7 @@ class ServingPage(QWidget):
 
     def _on_selection(self) -> None:
         row = self.selected()
+        self.load.set_job(row)
         self.copy_button.setEnabled(row is not None and row.url is not None)
         self.stop_button.setEnabled(row is not None)
         if row is not None and row.listening:

@@ -39,6 +39,7 @@ class ServedJob:
     adapters: tuple[str, ...] = ()  # LoRA adapters it serves beside the base, by name
     api_key_file: str | None = None  # beyond loopback: where the job keeps its API key (on the engine's machine)
     tls_fingerprint: str | None = None  # beyond loopback: the engine's certificate, which the server presents
+    gpus: tuple[int, ...] = ()  # the GPUs its ranks run on
 
     @property
     def listening(self) -> bool:
@@ -131,6 +132,7 @@ class ServedModels(QObject):
                 source_job=self.sources.get(job_id, ""), adapters=listening.adapters if listening else (),
                 api_key_file=listening.api_key_file if listening else None,
                 tls_fingerprint=listening.tls_fingerprint if listening else None,
+                gpus=tuple(g for g in job.get("gpus") or [] if isinstance(g, int)),
             ))  # fmt: skip
         return out
 

@@ -46,9 +46,16 @@ from rigpilot.engine.workers.serve_batch import Batcher, Counters, KVBatch
 from rigpilot.engine.workers.serve_http import ServedModel, build_app
 from rigpilot.engine.workers.serve_lockstep import Channel, Leader, follow
 from rigpilot.engine.workers.serve_pipeline import StageForward
-from rigpilot.engine.workers.serve_setup import SERVING, api_key, family, parse_listen, url_host
+from rigpilot.engine.workers.serve_setup import (
+    LOAD_RECORD,
+    METRICS_EVERY_S,
+    SERVING,
+    api_key,
+    family,
+    parse_listen,
+    url_host,
+)
 
-METRICS_EVERY_S = 2.0
 SWITCH_INTERVAL_S = 0.0005
 DRAIN_S = 10  # how long requests in flight may finish after a SIGTERM (the engine's grace is longer)
 
@@ -194,7 +201,7 @@ class _Meter:
         finished, _, tokens, ttft_sum, ttft_count = (a - b for a, b in zip(figures, self.seen, strict=True))
         span = now - self.at
         report(
-            kind="serve",
+            kind=LOAD_RECORD,
             requests=c.finished,
             requests_per_s=finished / span,
             tokens_per_s=tokens / span,

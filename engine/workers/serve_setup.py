@@ -24,6 +24,10 @@ from rigpilot.engine.paths import write_private
 API_KEY_FILE = "api-key"  # in the job's folder, 0600
 # The phase of the status record a serve job reports once it listens: its url, model, adapters, api_key_file.
 SERVING = "serving"
+# The kind of the periodic load record rank 0 writes (engine.workers.serve._Meter), and how often at most: the
+# app's load charts read the one as their records and the other as the spacing that tells idle gaps apart.
+LOAD_RECORD = "serve"
+METRICS_EVERY_S = 2.0
 
 
 def serving_status(records: Iterable[dict[str, Any]]) -> dict[str, Any] | None:

@@ -7,10 +7,13 @@ openai client gets for the same request. Stop serving cancels the job, and the c
 
 from __future__ import annotations
 
+import math
 import socket
 import time
+from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import openai
 import pytest
 from PySide6.QtCore import Qt
@@ -18,9 +21,11 @@ from PySide6.QtWidgets import QApplication
 
 from rigpilot.app.engine_link import EngineLink
 from rigpilot.app.jobs.detail import TRY_TAB
+from rigpilot.app.jobs.serve_series import SERVE_FIELDS, with_idle
 from rigpilot.app.serving.chat import ChatPanel
+from rigpilot.app.serving.load import NO_REQUESTS, NOTHING_SELECTED, where
 from rigpilot.app.serving.page import ServingPage
-from rigpilot.app.serving.served import Listening, serve_spec, serving_url
+from rigpilot.app.serving.served import Listening, ServedJob, serve_spec, serving_url
 from rigpilot.app.serving.stream import GONE, ChatError, stream_chat
 from rigpilot.engine.cli.serve import _wait_for_url
 
@@ -124,6 +129,11 @@ def test_the_served_model_is_listed_and_its_chat_streams_what_the_openai_client_
     assert not page.chat.generating and page.chat.send_button.isEnabled()
     page.copy_button.click()
     assert QApplication.clipboard().text() == served["url"]
+    # The two answers show in the Load area: the server's "serve" records, read through the engine.
+    qtbot.waitUntil(lambda: page.load.readout.text().startswith("Requests served: 2"), timeout=30_000)
+    assert page.load.box.isVisible() and page.load.title.text() == "Load of tiny — simulated (CPU rank)"
+    t, (tokens,) = page.load.charts["serveTokensChart"].data()
+    assert len(t) and max(tokens) > 0
 
 
 @pytest.mark.slow
@@ -272,3 +282,104 @@ def test_serve_this_model_submits_a_serve_job_and_try_it_chats_once_it_listens(q
     page.detail.serve_action.trigger()  # served already: its row, not a second server
     qtbot.waitUntil(lambda: opened == ["s1", "s1"])
     assert len(submitted) == 1
+
+
+# -- the Load area: the selected served model's "serve" records as charts (FakeLink) ----------------------------
+
+
+def load_record(t: float, requests: int, **figures: Any) -> dict[str, Any]:
+    """A "serve" record as engine.workers.serve._Meter writes it."""
+    rec = {"kind": "serve", "rank": 0, "run": 1, "step": None, "time": t, "requests": requests, "requests_per_s": 0.5,
+           "tokens_per_s": 40.0, "time_to_first_token": 0.25, "queue_depth": 1, "running": 2, "dropped": 0,
+           "kv_cache_bytes": 48 * 2**20, "peak_memory": 2**30}  # fmt: skip
+    rec.update(figures)
+    return rec
+
+
+def test_idle_gaps_are_drawn_as_idle_and_a_server_idle_since_its_last_record_too():
+    times = np.array([100.0, 102.0, 110.0])
+    values = np.array([[1.0, 2.0, 3.0], [0.3, 0.2, 0.1]] * 3)[: len(SERVE_FIELDS)]
+    t, v = with_idle(times, values, every=2.0)
+    assert t.tolist() == [100.0, 102.0, 104.0, 108.0, 110.0]
+    assert v[0].tolist() == [1.0, 2.0, 0.0, 0.0, 3.0]
+    assert np.isnan(v[SERVE_FIELDS.index("time_to_first_token"), 2:4]).all()  # no request: no time to its token
+    t, v = with_idle(times[:2], values[:, :2], until=120.0, every=2.0)
+    assert t.tolist() == [100.0, 102.0, 104.0, 120.0] and v[0].tolist() == [1.0, 2.0, 0.0, 0.0]
+    assert with_idle(times[:2], values[:, :2], until=103.0, every=2.0)[0].tolist() == [100.0, 102.0]
+
+
+def test_the_load_says_where_the_model_runs():
+    row = ServedJob("s1", "m", "", "running", None, URL, "m")
+    assert where(replace(row, gpus=(1,))) == "GPU 1" and where(replace(row, gpus=(0, 1))) == "GPUs 0, 1"
+    assert where(replace(row, gpus=(0,), simulated=True)) == "simulated (CPU rank)"
+
+
+def load_page(qtbot, jobs_records: dict[str, list[dict[str, Any]]]) -> tuple[ServingPage, FakeLink]:
+    link = FakeLink()
+    serve_jobs = [a_serve_job(job_id) for job_id in jobs_records]
+    jobs = FakeJobs(link, serve_jobs, page_records=2)  # several pages of history
+    for job_id, records in jobs_records.items():
+        serving(link, jobs, job_id)
+        jobs.records[job_id] += records
+    page = ServingPage(link)
+    qtbot.addWidget(page)
+    page.resize(1280, 800)
+    page.show()
+    link.connect_engine()
+    qtbot.waitUntil(lambda: page.table.rowCount() == len(jobs_records) and page.selected() is not None
+                    and page.selected().listening)  # fmt: skip
+    return page, link
+
+
+def chart(page: ServingPage, name: str) -> tuple[list[float], list[list[float]]]:
+    t, values = page.load.charts[name].data()
+    return t.tolist(), values.tolist()
+
+
+def test_the_load_charts_show_the_history_then_append_live_records(qtbot):
+    t0 = time.time() - 6
+    history = [load_record(t0, 3, tokens_per_s=30.0, time_to_first_token=0.2),
+               load_record(t0 + 2, 5, tokens_per_s=50.0, time_to_first_token=None, queue_depth=0, running=1),
+               load_record(t0 + 4, 9, tokens_per_s=70.0, time_to_first_token=0.4, dropped=1, kv_cache_bytes=3 * 2**30)]  # fmt: skip
+    page, link = load_page(qtbot, {"s1": history})
+    load = page.load
+    qtbot.waitUntil(lambda: len(chart(page, "serveTokensChart")[0]) == 3)
+    assert link.watched == {"s1"} and load.box.isVisible() and not load.empty.isVisible()
+    assert load.title.text() == "Load of tiny-llama — simulated (CPU rank)"
+    t, (tokens,) = chart(page, "serveTokensChart")
+    assert t == [t0, t0 + 2, t0 + 4] and tokens == [30.0, 50.0, 70.0]
+    _, (ttft,) = chart(page, "serveTtftChart")
+    assert ttft[0] == pytest.approx(200.0) and math.isnan(ttft[1]) and ttft[2] == pytest.approx(400.0)  # ms
+    assert chart(page, "serveQueueChart")[1] == [[1.0, 0.0, 1.0], [2.0, 1.0, 2.0]]  # queued, running
+    assert load.readout.text().startswith("Requests served: 9   dropped: 1   KV cache: 3.0 GiB")
+
+    link.push_metrics("s1", [load_record(t0 + 6, 12, tokens_per_s=90.0)])
+    qtbot.waitUntil(lambda: len(chart(page, "serveTokensChart")[0]) == 4)
+    assert chart(page, "serveTokensChart")[1] == [[30.0, 50.0, 70.0, 90.0]]
+    assert "Requests served: 12" in load.readout.text() and "KV cache: 48 MiB" in load.readout.text()
+
+
+def test_selecting_another_served_model_switches_the_job_watched(qtbot):
+    now = time.time()
+    page, link = load_page(qtbot, {"s1": [load_record(now - 2, 1, tokens_per_s=11.0)],
+                                   "s2": [load_record(now - 2, 4, tokens_per_s=22.0)]})  # fmt: skip
+    qtbot.waitUntil(lambda: page.load.handle is not None and page.load.handle.history_loaded)
+    first = page.load.handle.id
+    other = "s2" if first == "s1" else "s1"
+    assert link.watched == {first}
+    page.select_job(other)
+    assert link.watched == {other} and chart(page, "serveTokensChart")[0] == []  # the old job's points are gone
+    qtbot.waitUntil(lambda: bool(chart(page, "serveTokensChart")[0]))
+    assert chart(page, "serveTokensChart")[1][0][0] == (22.0 if other == "s2" else 11.0)
+    link.push_metrics(first, [load_record(now, 2, tokens_per_s=99.0)])  # the old job's stream: not shown
+    qtbot.wait(10)
+    assert 99.0 not in chart(page, "serveTokensChart")[1][0]
+
+
+def test_a_served_model_with_no_requests_yet_says_so_instead_of_empty_axes(qtbot):
+    page, link = load_page(qtbot, {"s1": []})
+    qtbot.waitUntil(lambda: page.load.empty.text() == NO_REQUESTS)
+    assert page.load.empty.isVisible() and not page.load.box.isVisible() and not page.load.readout.isVisible()
+    link.push_job({**a_serve_job(), "state": "cancelled"})
+    qtbot.waitUntil(lambda: page.table.rowCount() == 0)
+    assert page.load.empty.text() == NOTHING_SELECTED and link.watched == set()
