@@ -22,6 +22,7 @@ It costs about a minute on a 2-core machine.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -33,8 +34,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
+from support.engine import leftover_job_processes
 from support.paths import REPO
 from support.waiting import wait_for
 
@@ -161,6 +164,21 @@ def _stop_engine(proc: subprocess.Popen) -> None:
         _stop(proc)
 
 
+def _stop_any_engine() -> None:
+    """Shut down an engine of this test's runtime folder that the test did not start (the app's autostart)."""
+    from rigpilot.engine.api.client import EngineClient
+
+    try:
+        with EngineClient(autostart=False, timeout=10) as c:
+            pid = c.hello.get("pid")
+            c.request("shutdown")
+    except Exception:  # none answers: nothing to stop
+        return
+    if isinstance(pid, int):
+        with contextlib.suppress(psutil.Error):
+            psutil.Process(pid).wait(20)
+
+
 def _window_manager_up(d: Desktop) -> bool:
     """Up once it has put its check window on the root window (EWMH); without xprop, after a second."""
     if shutil.which("xprop") is None:
@@ -207,6 +225,10 @@ def desktop(tmp_path, monkeypatch):
             _stop_engine(d.engine)
         for proc in reversed(d.processes):
             _stop(proc)
+        if d.engine is None:
+            _stop_any_engine()  # one the app started itself, before the test's own (a step failed early)
+        for leftover in leftover_job_processes(tmp_path):
+            leftover.kill()
         _stop(xvfb)
         if xvfb.stdout is not None:
             xvfb.stdout.close()
