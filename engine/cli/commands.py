@@ -411,7 +411,7 @@ def follow(client: Any, job_id: str) -> int:
                                     cursor = ev["cursor"]
                                     printer.records(ev["records"])
                             return _report_end(job)
-                        print(f"state: {state_name}" + _waiting(job), flush=True)
+                        print(f"state: {state_name}" + waiting(job), flush=True)
                     ev = client.next_event(1.0)
                     if ev is None:
                         continue
@@ -430,7 +430,8 @@ def follow(client: Any, job_id: str) -> int:
         return 0
 
 
-def _waiting(job: dict[str, Any]) -> str:
+def waiting(job: dict[str, Any]) -> str:
+    """Why a queued job waits, as " (…)", or ""."""
     if job.get("slurm"):
         from rigpilot.engine.jobs.slurm_state import describe
 
@@ -573,7 +574,7 @@ def _note(j: dict[str, Any]) -> str:
 
 def _end_note(j: dict[str, Any]) -> str:
     if j["state"] == "queued":
-        return _waiting(j).strip(" ()")
+        return waiting(j).strip(" ()")
     if j["state"] == "failed" and j.get("failed_rank") is not None:
         return f"rank {j['failed_rank']}: {j.get('exit_reason') or ''}"
     return j.get("exit_reason") or ""

@@ -115,14 +115,27 @@ def _adapter_pair(given_text: str) -> tuple[str, str]:
 def _wait_for_url(client: Any, job_id: str) -> dict[str, Any] | None:
     """The status record the job reports once it listens (its url, model, adapters, api_key_file); None when it
     ended first."""
+    from rigpilot.engine.cli.commands import waiting
+
     deadline = time.monotonic() + WAIT_FOR_URL_S
     client.request("subscribe", topics=[f"metrics:{job_id}"], metrics_cursors={job_id: {}})
+    said = ""
     while time.monotonic() < deadline:
         ev = client.next_event(1.0)
         if ev is not None and ev.get("event") == "metrics":
             found = serving_status(ev.get("records") or [])
             if found is not None:
                 return dict(found)
-        if ev is None and client.request("job", job=job_id)["job"]["state"] in TERMINAL_STATES:
-            return None
+        if ev is None:
+            job = client.request("job", job=job_id)["job"]
+            if job["state"] in TERMINAL_STATES:
+                return None
+            # A queued job may wait long for its GPUs: say so (once per reason), not nothing for minutes.
+            note = f"queued{waiting(job)}" if job["state"] == "queued" else ""
+            if note and note != said:
+                print(f"job {job_id} is {printable(note)}; it serves once it runs (Ctrl-C leaves it queued)",
+                      flush=True)  # fmt: skip
+                said = note
+            if job["state"] == "queued":
+                deadline = time.monotonic() + WAIT_FOR_URL_S  # the wait for the URL starts once it runs
     raise UserError(f"job {job_id} reported no URL in {WAIT_FOR_URL_S:.0f} s; see rigpilot logs {job_id}")

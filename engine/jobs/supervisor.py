@@ -716,7 +716,10 @@ def _default_name(spec: JobSpec) -> str:
         model = Path(spec.model)
         if spec.model.startswith("/"):  # a folder, or a config.json named after its folder
             model = model.parent if model.suffix == ".json" else model
-        return f"{spec.kind} {model.name if spec.model.startswith('/') else spec.model}"
+        name = model.name if spec.model.startswith("/") else spec.model
+        # A served model's job name is its name in requests (engine.workers.serve.served_name): "tiny", not
+        # "serve tiny", which a client would have to quote with its space.
+        return name if spec.kind == "serve" else f"{spec.kind} {name}"
     return spec.kind
 
 

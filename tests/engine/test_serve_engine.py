@@ -6,6 +6,7 @@ test's)."""
 from __future__ import annotations
 
 import re
+import threading
 
 import openai
 import pytest
@@ -15,6 +16,7 @@ from rigpilot.engine.cli.entry import main as cli_main
 from rigpilot.engine.workers.serve_setup import serving_status
 
 from support.engine import Engine, engine_home, leftover_job_processes, wait_job_state
+from support.waiting import wait_for
 from support.worker_jobs import save_random_llama
 
 LINE = re.compile(r"^serving (\S+) at https://\S+:(\d+)/v1 \(job (\w+); stop with: rigpilot cancel \3\)$")
@@ -89,8 +91,19 @@ def test_serving_a_job_that_is_not_training_is_refused_in_one_line(engine, capsy
 
 
 def test_serve_split_by_tensor_parallelism_through_the_engine_ends_cancelled(engine, tmp_path, capsys):
+    """Queued first behind a job on GPU 1: `rigpilot serve` says so while it waits, then serves."""
     model = save_random_llama(tmp_path / "tiny", initializer_range=0.2)
-    assert cli_main(["serve", str(model), "--precision", "fp32", "--name", "split", "--tp", "2"]) == 0
+    with engine.client() as c:
+        holder = engine.submit(c, engine.script("hold.py", "import time\ntime.sleep(600)\n"), gpus=[1])["id"]
+        wait_job_state(c, holder, "running")
+    served: list[int] = []
+    argv = ["serve", str(model), "--precision", "fp32", "--name", "split", "--tp", "2"]
+    thread = threading.Thread(target=lambda: served.append(cli_main(argv)))
+    thread.start()
+    wait_for(lambda: "is queued (waiting for GPU 1 to be free)" in capsys.readouterr().out, 60, 0.2, "the queued line")
+    assert cli_main(["cancel", holder]) == 0
+    thread.join(240)
+    assert served == [0]
     line = capsys.readouterr().out.strip().splitlines()[-1]
     match = re.match(r"^serving split at (http://127\.0\.0\.1:\d+/v1) \(job (\w+);", line)
     assert match, line
