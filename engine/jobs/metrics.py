@@ -256,3 +256,16 @@ def summarize(metrics_dir: Path, max_steps: int | None = None) -> tuple[MetricsS
             summary.add(r)
         if not more:
             return summary, cursor
+
+
+def held_out(progress: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A training job's last loss on its held-out split (the eval record, `eval_fraction` of the data), with its
+    perplexity (exp of the mean token loss) and the step it was measured at; None where the job measured none.
+    The one reader of it for the CLI and the app, from the job's own records as `progress` folds them."""
+    rec = (progress or {}).get("eval") or {}
+    loss = rec.get("eval_loss")
+    if not isinstance(loss, int | float) or isinstance(loss, bool) or not math.isfinite(loss):
+        return None
+    step = rec.get("step")
+    perplexity = math.exp(loss) if loss < 700 else math.inf  # exp overflows a float past ~709
+    return {"eval_loss": float(loss), "perplexity": perplexity, "step": step if isinstance(step, int) else None}
