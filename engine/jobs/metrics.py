@@ -267,5 +267,9 @@ def held_out(progress: dict[str, Any] | None) -> dict[str, Any] | None:
     if not isinstance(loss, int | float) or isinstance(loss, bool) or not math.isfinite(loss):
         return None
     step = rec.get("step")
-    perplexity = math.exp(loss) if loss < 700 else math.inf  # exp overflows a float past ~709
-    return {"eval_loss": float(loss), "perplexity": perplexity, "step": step if isinstance(step, int) else None}
+    return {"eval_loss": float(loss), "perplexity": perplexity(loss), "step": step if isinstance(step, int) else None}
+
+
+def perplexity(loss: float) -> float:
+    """exp of a mean token cross-entropy: the number of equally likely tokens the model's uncertainty is worth."""
+    return math.exp(loss) if loss < 700 else math.inf  # exp overflows a float past ~709
