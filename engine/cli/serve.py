@@ -11,21 +11,20 @@ name. `--adapter NAME=FOLDER` serves more adapters beside the base; FOLDER may b
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import time
 from pathlib import Path
 from typing import Any
 
+from rigpilot.engine.cli.trained_jobs import LORA_BASE_NAME
+from rigpilot.engine.cli.trained_jobs import finished_output as _finished_output
+from rigpilot.engine.cli.trained_jobs import job_by_ref as _job
+from rigpilot.engine.cli.trained_jobs import lora_base as _lora_base
+from rigpilot.engine.cli.trained_jobs import wait_for_url as _wait_for_url
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.jobspec.spec import JOB_SETTINGS, SERVE_SETTINGS
 from rigpilot.engine.layout import LAYOUT_SETTINGS
-from rigpilot.engine.schema import TERMINAL_STATES, add_option, add_options, given
+from rigpilot.engine.schema import add_option, add_options, given
 from rigpilot.engine.terminal import printable
-from rigpilot.engine.workers.serve_setup import serving_status
-
-WAIT_FOR_URL_S = 600.0  # loading a large model from a slow disk; the job's own failure ends the wait sooner
-LORA_BASE_NAME = "base"  # what the base of a served LoRA job is called in requests
 
 
 def register(sub: Any) -> None:
@@ -131,29 +130,6 @@ def _adapter_folder(client: Any, name: str, given_folder: str) -> str:
     return str(out)
 
 
-def _job(client: Any, ref: str) -> dict[str, Any] | None:
-    from rigpilot.engine.api import protocol
-    from rigpilot.engine.api.client import EngineError
-
-    try:
-        return dict(client.request("job", job=ref)["job"])
-    except EngineError as e:
-        if e.code == protocol.NOT_FOUND:
-            return None
-        raise
-
-
-def _finished_output(job: dict[str, Any]) -> Path:
-    if job.get("kind") != "train":
-        raise UserError(f"job {job['id']} is a {job.get('kind')} job: only a training job has a model to serve",
-                        reason="serve_job_not_trained", job=job["id"], kind=job.get("kind"))  # fmt: skip
-    out = Path(job.get("job_dir") or "") / "output"
-    if job.get("state") != "completed" or not out.is_dir():
-        raise UserError(f"job {job['id']} has not finished training ({job.get('state')}): serve it once it has",
-                        reason="serve_job_not_finished", job=job["id"], state=job.get("state"))  # fmt: skip
-    return out
-
-
 def _what_to_serve(client: Any, given_name: str) -> tuple[str, str, dict[str, str]]:
     """(the model to load, the name requests give, the adapters to serve on it): a folder, preset or repo id as
     it is; a full training job's model folder; a LoRA job's base model with its adapter (keyed by the job's name
@@ -172,32 +148,3 @@ def _what_to_serve(client: Any, given_name: str) -> tuple[str, str, dict[str, st
     raise UserError(f"job {job['id']} saved no model in {out}", reason="serve_job_not_trained", job=job["id"],
                     kind=job.get("kind"))  # fmt: skip
 
-
-def _lora_base(job: dict[str, Any], out: Path) -> str:
-    """The model a LoRA job trained on: its job.json's (as the engine resolved it), else the adapter's own note."""
-    for file, key in ((Path(job.get("job_dir") or "") / "job.json", "model"),
-                      (out / "adapter_config.json", "base_model_name_or_path")):  # fmt: skip
-        try:
-            model = json.loads(file.read_text()).get(key)
-        except (OSError, ValueError, AttributeError):
-            continue
-        if isinstance(model, str) and model:
-            return model
-    raise UserError(f"job {job['id']}: its base model is named neither in its job.json nor in its adapter",
-                    reason="serve_adapter_invalid", job=job["id"])  # fmt: skip
-
-
-def _wait_for_url(client: Any, job_id: str) -> dict[str, Any] | None:
-    """The status record the job reports once it listens (its url, model, adapters, api_key_file); None when it
-    ended first."""
-    deadline = time.monotonic() + WAIT_FOR_URL_S
-    client.request("subscribe", topics=[f"metrics:{job_id}"], metrics_cursors={job_id: {}})
-    while time.monotonic() < deadline:
-        ev = client.next_event(1.0)
-        if ev is not None and ev.get("event") == "metrics":
-            found = serving_status(ev.get("records") or [])
-            if found is not None:
-                return dict(found)
-        if ev is None and client.request("job", job=job_id)["job"]["state"] in TERMINAL_STATES:
-            return None
-    raise UserError(f"job {job_id} reported no URL in {WAIT_FOR_URL_S:.0f} s; see rigpilot logs {job_id}")

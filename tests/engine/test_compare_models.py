@@ -10,14 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from rigpilot.engine.cli.compare import comparison_lines, comparison_plan, held_out_line
+from rigpilot.engine.cli.compare import comparison_lines
+from rigpilot.engine.cli.comparison import comparison_plan, held_out_line
 from rigpilot.engine.cli.entry import main as cli_main
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.jobs.metrics import held_out
 
-from support.engine import wait_job_state
-from support.paths import SHAKESPEARE
-from support.worker_jobs import save_random_llama
+from support.engine import Engine, engine_home, leftover_job_processes, wait_job_state
+from support.paths import REPO, SHAKESPEARE
+from support.worker_jobs import save_random_llama, warm_socket
 
 PROMPTS = ["To be, or not", "My lord"]
 NEW_TOKENS = 6
@@ -35,48 +36,104 @@ def reference(model, tokenizer, prompts: list[str]) -> list[str]:
     return out
 
 
-@pytest.mark.slow
-def test_a_lora_job_compared_with_its_base_equals_generate_of_both(engine, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """{"engine", "tiny", "base", "tuned"}: an engine that trained the tiny LoRA job "tiny-lora" on a random tiny
+    Llama, and generate()'s completions of PROMPTS by the base and by peft's merged model of the job's adapter."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    mp = pytest.MonkeyPatch()
+    root = tmp_path_factory.mktemp("engine")
+    engine_home(root, mp)
+    mp.setenv("PYTHONPATH", str(REPO))  # the ranks run this checkout
+    engine = Engine(root)
     engine.start()
-    tiny = save_random_llama(tmp_path / "tiny", initializer_range=0.2)
-    train = ["run", "train", "--model", str(tiny), "--method", "lora", "--data", str(SHAKESPEARE), "--gpus", "0",
-             "--steps", "2", "--precision", "fp32", "--seq", "32", "--micro-batch", "2", "--lr", "0.05",
-             "--name", "tiny-lora"]  # fmt: skip
-    assert cli_main(train) == 0
-    capsys.readouterr()
+    try:
+        tiny = save_random_llama(root / "tiny", initializer_range=0.2)
+        warm_socket()  # the training's rank forks from the warm worker too, rather than import torch afresh
+        train = ["run", "train", "--model", str(tiny), "--method", "lora", "--data", str(SHAKESPEARE), "--gpus", "0",
+                 "--steps", "2", "--precision", "fp32", "--seq", "32", "--micro-batch", "2", "--lr", "0.05",
+                 "--name", "tiny-lora", "--detach"]  # fmt: skip
+        assert cli_main(train) == 0
+        with engine.client() as c:
+            job = wait_job_state(c, "tiny-lora", "completed", "failed", timeout=120)
+        assert job["state"] == "completed", job.get("exit_reason")
+        tok = AutoTokenizer.from_pretrained(tiny)
+        base = AutoModelForCausalLM.from_pretrained(tiny, torch_dtype="float32")
+        base_texts = reference(base, tok, PROMPTS)
+        merged = PeftModel.from_pretrained(base, str(Path(job["job_dir"]) / "output")).merge_and_unload()
+        yield {"engine": engine, "tiny": tiny, "base": base_texts, "tuned": reference(merged, tok, PROMPTS)}
+    finally:
+        engine.stop()
+        for p in leftover_job_processes(root):
+            p.kill()
+        mp.undo()
+
+
+def only_server_ends(engine) -> dict:
+    """The one serve job a comparison ran, once it ended."""
+    with engine.client() as c:
+        (served,) = [j for j in c.request("jobs")["jobs"] if j["kind"] == "serve"]  # base and adapter: one server
+        return wait_job_state(c, served["id"], "cancelled", "completed", "failed", timeout=90)
+
+
+@pytest.mark.slow  # a LoRA job trained and a model served by a real engine
+def test_a_lora_job_compared_with_its_base_equals_generate_of_both(trained, capsys):
     argv = ["compare-models", "tiny-lora", "--prompt", PROMPTS[0], "--prompt", PROMPTS[1],
             "--max-tokens", str(NEW_TOKENS)]  # fmt: skip
+    capsys.readouterr()
     assert cli_main([*argv, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["schema"] == "rigpilot.compare/1" and doc["method"] == "lora" and doc["base_model"] == str(tiny)
+    assert doc["schema"] == "rigpilot.compare/1" and doc["method"] == "lora"
+    assert doc["base_model"] == str(trained["tiny"]) and doc["name"] == "tiny-lora"
     assert [r["prompt"] for r in doc["results"]] == PROMPTS
     figures = doc["held_out"]
     assert figures["eval_loss"] > 0 and math.isclose(figures["perplexity"], math.exp(figures["eval_loss"]))
+    assert [r["base"] for r in doc["results"]] == trained["base"]
+    assert [r["tuned"] for r in doc["results"]] == trained["tuned"]
+    assert trained["tuned"] != trained["base"]  # the adapter was trained and served
 
-    tok = AutoTokenizer.from_pretrained(tiny)
-    base = AutoModelForCausalLM.from_pretrained(tiny, torch_dtype="float32")
-    assert [r["base"] for r in doc["results"]] == reference(base, tok, PROMPTS)
-    merged = PeftModel.from_pretrained(base, doc["tuned_model"]).merge_and_unload()
-    tuned = reference(merged, tok, PROMPTS)
-    assert [r["tuned"] for r in doc["results"]] == tuned
-    assert tuned != [r["base"] for r in doc["results"]]  # the adapter was trained and served
+    server = only_server_ends(trained["engine"])
+    assert server["state"] == "cancelled", server.get("exit_reason")
+    assert cli_main(["metrics", "tiny-lora"]) == 0
+    assert f"  {held_out_line(figures)}" in capsys.readouterr().out.splitlines()
+    # The server is no training job: refused in one line, as `rigpilot serve` refuses it.
+    assert cli_main(["compare-models", server["id"], "--prompt", "x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "only a training job" in err and "\n" not in err
+    assert cli_main(["compare-models", "no-such-job", "--prompt", "x"]) == 2
+    assert "no job no-such-job" in capsys.readouterr().err
 
-    with engine.client() as c:
-        jobs = c.request("jobs")["jobs"]
-        served = [j for j in jobs if j["kind"] == "serve"]
-        assert len(served) == 1  # base and adapter from one server
-        wait_job_state(c, served[0]["id"], "cancelled", "completed", "failed", timeout=90)
-        assert cli_main(["metrics", "tiny-lora"]) == 0
-        assert f"  {held_out_line(figures)}" in capsys.readouterr().out.splitlines()
-        # The server is no training job: refused in one line, as `rigpilot serve` refuses it.
-        assert cli_main(["compare-models", served[0]["id"], "--prompt", "x"]) == 2
-        err = capsys.readouterr().err.strip()
-        assert "only a training job" in err and "\n" not in err
-        assert cli_main(["compare-models", "no-such-job", "--prompt", "x"]) == 2
-        assert "no job no-such-job" in capsys.readouterr().err
+
+@pytest.mark.slow
+def test_the_summarys_compare_with_base_model_shows_the_same_completions(qtbot, trained):
+    from rigpilot.app.engine_link import EngineLink
+    from rigpilot.app.jobs.compare_base import CompareWithBase
+
+    with trained["engine"].client() as c:
+        job = c.request("job", job="tiny-lora")["job"]
+        before = {j["id"] for j in c.request("jobs")["jobs"]}
+    link = EngineLink()
+    panel = CompareWithBase()
+    qtbot.addWidget(panel)
+    panel.show_job(link, job)
+    assert not panel.isHidden()  # offered: a completed training job
+    panel.max_tokens = NEW_TOKENS
+    panel.compare()
+    assert panel.status.text() == "Type at least one prompt, one a line."
+    panel.prompts.setPlainText("\n".join(PROMPTS) + "\n\n")
+    panel.compare()
+    assert not panel.button.isEnabled()
+    try:
+        qtbot.waitUntil(lambda: not panel.running, timeout=120_000)
+    finally:
+        link.stop()
+    assert panel.status.text().startswith("Held-out loss: "), panel.status.text()
+    assert panel.rows() == [[p, b, t] for p, b, t in zip(PROMPTS, trained["base"], trained["tuned"], strict=True)]
+    with trained["engine"].client() as c:
+        (server,) = [j for j in c.request("jobs")["jobs"] if j["id"] not in before]
+        assert wait_job_state(c, server["id"], "cancelled", "completed", "failed", timeout=90)["state"] == "cancelled"
 
 
 def test_no_prompts_or_a_bad_prompts_file_is_refused_before_the_engine_is_asked(tmp_path, capsys):
@@ -125,9 +182,9 @@ def test_held_out_figures_come_from_the_last_eval_record():
 
 
 def test_the_side_by_side_prints_each_prompt_with_both_completions_safely():
-    job, plan = {"id": "j1", "name": "chat"}, {"method": "lora", "base_model": "org/base"}
     rows = [{"prompt": "Hi", "base": "there\x1b[2J", "tuned": " friend\nof mine"}]
-    lines = comparison_lines(job, plan, None, rows)
+    doc = {"job": "j1", "name": "chat", "method": "lora", "base_model": "org/base", "held_out": None, "results": rows}
+    lines = comparison_lines(doc)
     assert lines[:2] == ["job j1 (chat): lora of org/base", "  held-out loss: not measured (the job evaluated no "
                          "held-out data)"]  # fmt: skip
     assert lines[3] == "prompt: Hi" and lines[4].startswith("  base:  there") and lines[5].startswith("  tuned: ")
