@@ -43,7 +43,7 @@ def compare_models(client: Any, job_ref: str, prompts: list[str], *, base: str |
     precision = precision or _trained_precision(job)
     completions: dict[str, list[str]] = {}
     for serving in plan["servings"]:
-        completions.update(_complete(client, serving, precision, prompts, max_tokens, temperature))
+        completions.update(_complete(client, job["id"], serving, precision, prompts, max_tokens, temperature))
     rows = [{"prompt": p, "base": completions["base"][i], "tuned": completions["tuned"][i]}
             for i, p in enumerate(prompts)]  # fmt: skip
     return {"schema": "rigpilot.compare/1", "job": job["id"], "name": job.get("name") or "", "method": plan["method"],
@@ -112,12 +112,12 @@ def _trained_precision(job: dict[str, Any]) -> str | None:
     return precision if isinstance(precision, str) else None
 
 
-def _complete(client: Any, serving: dict[str, Any], precision: str | None, prompts: list[str], max_tokens: int,
-              temperature: float) -> dict[str, list[str]]:  # fmt: skip
+def _complete(client: Any, trained_id: str, serving: dict[str, Any], precision: str | None, prompts: list[str],
+              max_tokens: int, temperature: float) -> dict[str, list[str]]:  # fmt: skip
     """Each of the serving's models' completions of every prompt, from one serve job, which is cancelled after."""
     names = serving["names"]
-    spec: dict[str, Any] = {"kind": "serve", "model": serving["model"], "name": f"compare: {next(iter(names))}",
-                            "serve": {"max_new_tokens": max_tokens}}  # fmt: skip
+    spec: dict[str, Any] = {"kind": "serve", "model": serving["model"], "serve": {"max_new_tokens": max_tokens},
+                            "name": f"compare {trained_id}: {' and '.join(names)}"}  # fmt: skip
     if serving["adapters"]:
         spec["serve"]["base_name"] = LORA_BASE_NAME
         spec["serve"]["adapters"] = serving["adapters"]
