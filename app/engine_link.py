@@ -111,6 +111,22 @@ class EngineLink(QObject):
 
         self._in_background(lambda: self._client().request(rtype, **args), on_done, on_error)
 
+    def with_client(
+        self, work: Callable[[EngineClient], Any], on_done: Callable[[Any], None] | None = None,
+        on_error: Callable[[BaseException], None] | None = None,
+    ) -> None:  # fmt: skip
+        """`work(client)` off the GUI thread on a client of its own, closed after: for an exchange of several
+        requests and events (a comparison that serves models and waits for them), which must not leave
+        subscriptions on the thread's shared client. Its answer comes back as `call`'s does."""
+        if self._closed:
+            return
+
+        def run() -> Any:
+            with self._factory(client_name="gui", on_notice=self._on_notice) as client:
+                return work(client)
+
+        self._in_background(run, on_done, on_error)
+
     def _in_background(
         self, work: Callable[[], Any], on_done: Callable[[Any], None] | None,
         on_error: Callable[[BaseException], None] | None,

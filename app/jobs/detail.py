@@ -29,6 +29,7 @@ from PySide6.QtWidgets import (
 from rigpilot.app.jobs.chart_turns import Pacer
 from rigpilot.app.jobs.charts import JobCharts
 from rigpilot.app.jobs.compare import ComparePicker
+from rigpilot.app.jobs.compare_base import CompareWithBase
 from rigpilot.app.jobs.energy_view import live_line
 from rigpilot.app.jobs.failure import FailurePanel
 from rigpilot.app.jobs.handle import JobHandle
@@ -186,6 +187,9 @@ class JobDetail(QWidget):
         summary_box = QWidget()
         summary_layout = QVBoxLayout(summary_box)
         summary_layout.addWidget(self.summary_panel)
+        self.compare_base = CompareWithBase()
+        self.compare_base.hide()
+        summary_layout.addWidget(self.compare_base)
         summary_layout.addWidget(self.scaling)
         summary_area.setWidget(summary_box)
         self.tabs.addTab(summary_area, "Summary")
@@ -454,6 +458,7 @@ class JobDetail(QWidget):
         elif self.tabs.isTabVisible(SUMMARY_TAB):
             self.summary_panel.show_job(job, h.series)
             self.scaling.show_job(self.link, job)
+            self.compare_base.show_job(self.link, job)
 
     def _show_notes(self) -> None:
         h = self.handle

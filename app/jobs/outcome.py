@@ -16,6 +16,7 @@ import numpy as np
 from rigpilot.app.jobs.model import duration
 from rigpilot.app.widgets.units import si
 from rigpilot.engine.capability import backend_words
+from rigpilot.engine.jobs.metrics import perplexity
 from rigpilot.engine.jobs.store import COMPLETED
 from rigpilot.engine.jobspec.spec import INFER_SETTINGS, SETTINGS, TRAIN_SETTINGS
 
@@ -117,9 +118,11 @@ def summary_rows(job: dict[str, Any], series: Any) -> list[tuple[str, str]]:
         e_steps, e_loss = eval_steps[ok], eval_losses[ok]
         best = int(np.argmin(e_loss))
         rows.append(("Final eval loss", f"{e_loss[-1]:.4f} (step {int(e_steps[-1])})"))
+        rows.append(("Held-out perplexity", f"{perplexity(float(e_loss[-1])):.4g} (step {int(e_steps[-1])})"))
         rows.append(("Best eval loss", f"{e_loss[best]:.4f} (step {int(e_steps[best])})"))
     elif isinstance((progress.get("eval") or {}).get("eval_loss"), int | float):
         rows.append(("Final eval loss", f"{progress['eval']['eval_loss']:.4f}"))
+        rows.append(("Held-out perplexity", f"{perplexity(progress['eval']['eval_loss']):.4g}"))
     step = series.last_step if series.last_step is not None else progress.get("step")
     tokens = tokens_processed(job, step)
     if tokens:

@@ -16,11 +16,12 @@ from typing import Any
 
 from rigpilot.engine.argtypes import positive_int, read_json_object
 from rigpilot.engine.capability import backend_words
+from rigpilot.engine.cli.serve_wait import waiting
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import EITHER, FOLDER, check_given_path, open_given_file, shown
 from rigpilot.engine.jobs import scaling, scaling_table
 from rigpilot.engine.jobs.machine_check import lines as machine_check_lines
-from rigpilot.engine.jobs.metrics import mark_superseded
+from rigpilot.engine.jobs.metrics import held_out, mark_superseded
 from rigpilot.engine.jobs.results import STOP_WORDS
 from rigpilot.engine.jobspec.secrets import shown_text
 from rigpilot.engine.jobspec.spec import INFER_SETTINGS, JOB_SETTINGS, TRAIN_SETTINGS
@@ -430,16 +431,6 @@ def follow(client: Any, job_id: str) -> int:
         return 0
 
 
-def waiting(job: dict[str, Any]) -> str:
-    """Why a queued job waits, as " (…)", or ""."""
-    if job.get("slurm"):
-        from rigpilot.engine.jobs.slurm_state import describe
-
-        return f" ({describe(job['slurm'])})"
-    busy = job.get("waiting_for")
-    return f" (waiting for GPU {_gpus(busy)} to be free)" if busy else ""
-
-
 def _report_end(job: dict[str, Any]) -> int:
     took = _duration(job.get("wall_s") or 0)
     if job["state"] == "completed":
@@ -631,6 +622,11 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     for label, key in (("loss", "loss"), ("tokens/s", "tokens_per_s"), ("phase", "phase")):
         if p.get(key) is not None:
             print(f"  {label}: {_num(p[key])}")
+    figures = held_out(p)
+    if figures is not None:
+        from rigpilot.engine.cli.compare import held_out_line
+
+        print(f"  {held_out_line(figures)}")
     backend = backend_line(job)
     if backend:
         print(f"  backend: {backend}")

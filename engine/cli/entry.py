@@ -163,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     from rigpilot.engine.cli.serve import register as register_serve
 
     register_serve(sub)
+    from rigpilot.engine.cli.compare import register as register_compare
+
+    register_compare(sub, js)
     return parser
 
 

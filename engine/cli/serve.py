@@ -12,18 +12,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from pathlib import Path
 from typing import Any
 
+from rigpilot.engine.cli.serve_wait import wait_for_url
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.jobspec.spec import JOB_SETTINGS, SERVE_SETTINGS
 from rigpilot.engine.layout import LAYOUT_SETTINGS
-from rigpilot.engine.schema import TERMINAL_STATES, add_option, add_options, given
+from rigpilot.engine.schema import add_option, add_options, given
 from rigpilot.engine.terminal import printable
-from rigpilot.engine.workers.serve_setup import serving_status
-
-WAIT_FOR_URL_S = 600.0  # loading a large model from a slow disk; the job's own failure ends the wait sooner
 
 
 def register(sub: Any) -> None:
@@ -79,7 +76,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.trust_remote_code:
             spec["trust_remote_code"] = True
         job = client.request("submit", spec=spec, plan=None, cwd=os.getcwd())["job"]
-        serving = _wait_for_url(client, job["id"])
+        serving = wait_for_url(client, job["id"], on_queued=lambda why: print(
+            f"job {job['id']} is {printable(why)}; it serves once it runs (Ctrl-C leaves it queued)", flush=True))
         if serving is None:
             return follow(client, job["id"])  # it ended before serving: say how, as `rigpilot run` does
         served = printable(str(serving.get("model") or spec.get("name") or args.model))
@@ -112,30 +110,3 @@ def _adapter_pair(given_text: str) -> tuple[str, str]:
     return name.strip(), folder.strip()
 
 
-def _wait_for_url(client: Any, job_id: str) -> dict[str, Any] | None:
-    """The status record the job reports once it listens (its url, model, adapters, api_key_file); None when it
-    ended first."""
-    from rigpilot.engine.cli.commands import waiting
-
-    deadline = time.monotonic() + WAIT_FOR_URL_S
-    client.request("subscribe", topics=[f"metrics:{job_id}"], metrics_cursors={job_id: {}})
-    said = ""
-    while time.monotonic() < deadline:
-        ev = client.next_event(1.0)
-        if ev is not None and ev.get("event") == "metrics":
-            found = serving_status(ev.get("records") or [])
-            if found is not None:
-                return dict(found)
-        if ev is None:
-            job = client.request("job", job=job_id)["job"]
-            if job["state"] in TERMINAL_STATES:
-                return None
-            # A queued job may wait long for its GPUs: say so (once per reason), not nothing for minutes.
-            note = f"queued{waiting(job)}" if job["state"] == "queued" else ""
-            if note and note != said:
-                print(f"job {job_id} is {printable(note)}; it serves once it runs (Ctrl-C leaves it queued)",
-                      flush=True)  # fmt: skip
-                said = note
-            if job["state"] == "queued":
-                deadline = time.monotonic() + WAIT_FOR_URL_S  # the wait for the URL starts once it runs
-    raise UserError(f"job {job_id} reported no URL in {WAIT_FOR_URL_S:.0f} s; see rigpilot logs {job_id}")

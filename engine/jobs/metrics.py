@@ -256,3 +256,20 @@ def summarize(metrics_dir: Path, max_steps: int | None = None) -> tuple[MetricsS
             summary.add(r)
         if not more:
             return summary, cursor
+
+
+def held_out(progress: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A training job's last loss on its held-out split (the eval record, `eval_fraction` of the data), with its
+    perplexity (exp of the mean token loss) and the step it was measured at; None where the job measured none.
+    The one reader of it for the CLI and the app, from the job's own records as `progress` folds them."""
+    rec = (progress or {}).get("eval") or {}
+    loss = rec.get("eval_loss")
+    if not isinstance(loss, int | float) or isinstance(loss, bool) or not math.isfinite(loss):
+        return None
+    step = rec.get("step")
+    return {"eval_loss": float(loss), "perplexity": perplexity(loss), "step": step if isinstance(step, int) else None}
+
+
+def perplexity(loss: float) -> float:
+    """exp of a mean token cross-entropy: the number of equally likely tokens the model's uncertainty is worth."""
+    return math.exp(loss) if loss < 700 else math.inf  # exp overflows a float past ~709

@@ -38,6 +38,7 @@ from rigpilot.engine.workers.model_loading import load_model
 from rigpilot.engine.workers.parallel_dims import Runtime, init_runtime
 from rigpilot.engine.workers.parallelize import apply_tensor_parallel, precision_dtype
 from rigpilot.engine.workers.pipeline import DecoderStage, decoder_parts
+from rigpilot.engine.workers.prompts import read_prompts
 
 # Positions per prefill forward in a pipeline (Generator._prefill_chunks): small enough that the next stage
 # starts soon, large enough that each chunk's fixed cost (reading every weight) stays a small part.
@@ -49,27 +50,7 @@ STREAM_EVERY_S = 0.25
 
 
 def load_prompts(s: InferSettings) -> list[str]:
-    prompts: list[str] = []
-    if s.prompts_file:
-        path = Path(s.prompts_file).expanduser()
-        if not path.is_file():
-            raise UserError(f"prompts file {path} not found")
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"prompts file {path} line {n}: not valid JSON ({e.msg})") from e
-            if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
-                raise UserError(f'prompts file {path} line {n}: needs a "prompt" string')
-            prompts.append(rec["prompt"])
-    prompts.extend(s.prompts)
-    if any(not p.strip() for p in prompts):
-        raise UserError("an empty prompt: every prompt needs some text to continue")
-    if not prompts:
-        raise UserError('no prompts: give infer.prompts or a prompts_file (JSONL with a "prompt" field)')
-    return prompts
+    return read_prompts(s.prompts_file, s.prompts)
 
 
 def select_tokens(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:

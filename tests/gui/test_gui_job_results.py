@@ -221,6 +221,8 @@ def test_a_completed_training_job_summarises_its_run_and_how_to_load_its_model(q
     assert detail.tabs.isTabVisible(SUMMARY_TAB) and not detail.tabs.isTabVisible(RESULTS_TAB)
     rows = detail.summary_panel.rows()
     assert rows["Final eval loss"] == "1.6000 (step 10)" and rows["Best eval loss"] == "1.4000 (step 6)"
+    assert rows["Held-out perplexity"] == "4.953 (step 10)"  # exp(1.6)
+    assert not detail.compare_base.isHidden()  # "Compare with base model" is offered for a completed training job
     assert rows["Final train loss"].endswith("(step 10)")
     # 10 steps × micro-batch 2 × accumulation 4 × 2 data-parallel ranks × 64 tokens
     assert rows["Tokens processed"] == "10.2k (10 steps)"

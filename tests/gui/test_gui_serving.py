@@ -27,7 +27,7 @@ from rigpilot.app.serving.load import NO_REQUESTS, NOTHING_SELECTED, where
 from rigpilot.app.serving.page import ServingPage
 from rigpilot.app.serving.served import Listening, ServedJob, serve_spec, serving_url
 from rigpilot.app.serving.stream import GONE, ChatError, stream_chat
-from rigpilot.engine.cli.serve import _wait_for_url
+from rigpilot.engine.cli.serve_wait import wait_for_url
 
 from support.engine import Engine, engine_home, leftover_job_processes
 from support.gui_fakes import FakeLink
@@ -54,7 +54,7 @@ def served(tmp_path_factory):
         spec["serve"] = {"precision": "fp32", "max_batch": 4, "max_concurrent": 5, "max_new_tokens": 64}
         with engine.client() as c:
             job = c.request("submit", spec=spec, plan=None)["job"]["id"]
-            serving = _wait_for_url(c, job)
+            serving = wait_for_url(c, job)
         assert serving, (base / "engine.log").read_text()[-4000:]
         url = serving["url"]
         yield {"engine": engine, "job": job, "url": url}
