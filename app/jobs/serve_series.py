@@ -6,7 +6,7 @@ the totals (requests served, dropped, KV cache) that a chart of rates leaves out
 
 The meter writes nothing while the server is idle. A line drawn straight across such a gap would say the
 load went on; `with_idle` puts the idle stretch back as zeros (and no time to first token, which is
-undefined with no request).
+undefined with no request), and starts each time to first token at the beginning of the period it measured.
 """
 
 from __future__ import annotations
@@ -88,6 +88,10 @@ def with_idle(
     new_t = np.concatenate([times[gaps] + every, before])
     idle = np.zeros((values.shape[0], len(new_t)))
     idle[TTFT] = math.nan
+    # A record's time to first token is the mean over the period before it: drawn from the start of that
+    # period, it is a short line where it would otherwise be a lone point, which a line chart leaves out.
+    resumed = gaps < len(times) - 1
+    idle[TTFT, len(gaps) :][resumed] = values[TTFT, gaps[resumed] + 1]
     all_t = np.concatenate([times, new_t])
     all_v = np.concatenate([values, idle], axis=1)
     order = np.argsort(all_t, kind="stable")

@@ -302,7 +302,9 @@ def test_idle_gaps_are_drawn_as_idle_and_a_server_idle_since_its_last_record_too
     t, v = with_idle(times, values, every=2.0)
     assert t.tolist() == [100.0, 102.0, 104.0, 108.0, 110.0]
     assert v[0].tolist() == [1.0, 2.0, 0.0, 0.0, 3.0]
-    assert np.isnan(v[SERVE_FIELDS.index("time_to_first_token"), 2:4]).all()  # no request: no time to its token
+    ttft = v[SERVE_FIELDS.index("time_to_first_token")]
+    assert np.isnan(ttft[2])  # no request: no time to its token
+    assert ttft[3:].tolist() == [3.0, 3.0]  # the mean over the period before 110: from its start, a line
     t, v = with_idle(times[:2], values[:, :2], until=120.0, every=2.0)
     assert t.tolist() == [100.0, 102.0, 104.0, 120.0] and v[0].tolist() == [1.0, 2.0, 0.0, 0.0]
     assert with_idle(times[:2], values[:, :2], until=103.0, every=2.0)[0].tolist() == [100.0, 102.0]
