@@ -24,6 +24,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from rigpilot.app.jobs.outcome import settings_of
 from rigpilot.engine.cli.comparison import compare_models, held_out_line
 from rigpilot.engine.jobs.store import COMPLETED
 
@@ -78,7 +79,9 @@ class CompareWithBase(QWidget):
             if not self.running:
                 self.status.setText("")
         self.link, self.job = link, job
-        self.setVisible(job.get("kind") == "train" and job.get("state") == COMPLETED)
+        # A model trained from scratch has no base to compare with (the command line takes --base MODEL).
+        scratch = (settings_of(job).get("train") or {}).get("method") == "scratch"
+        self.setVisible(job.get("kind") == "train" and job.get("state") == COMPLETED and not scratch)
 
     def compare(self) -> None:
         prompts = [line for line in self.prompts.toPlainText().splitlines() if line.strip()]
@@ -116,8 +119,18 @@ class CompareWithBase(QWidget):
     def _failed(self, error: BaseException) -> None:
         self.running = False
         self.button.setEnabled(True)
-        self.status.setText(f"Could not compare: {' '.join(str(error).split())}")
+        self.status.setText(f"Could not compare: {_said(error)}")
 
     def rows(self) -> list[list[str]]:
         return [[self.table.item(r, c).text() for c in range(self.table.columnCount())]  # type: ignore[union-attr]
                 for r in range(self.table.rowCount())]  # fmt: skip
+
+
+def _said(error: BaseException) -> str:
+    """A refusal in the app's words where its code has some (the engine's sentence names command-line flags)."""
+    reason = getattr(error, "reason", None)
+    if reason == "compare_base_missing":
+        return "the job names no base model to compare its model with."
+    if reason == "compare_server_failed":
+        return f"the server of the models did not start (job {getattr(error, 'fields', {}).get('job')}: its log says why)."
+    return " ".join(str(error).split())

@@ -223,6 +223,10 @@ def test_a_completed_training_job_summarises_its_run_and_how_to_load_its_model(q
     assert rows["Final eval loss"] == "1.6000 (step 10)" and rows["Best eval loss"] == "1.4000 (step 6)"
     assert rows["Held-out perplexity"] == "4.953 (step 10)"  # exp(1.6)
     assert not detail.compare_base.isHidden()  # "Compare with base model" is offered for a completed training job
+    scratch = a_training_job("t", method="scratch")
+    detail.compare_base.show_job(page.link, scratch)
+    assert detail.compare_base.isHidden()  # trained from scratch: no base model to compare with
+    detail.compare_base.show_job(page.link, a_training_job("t"))
     assert rows["Final train loss"].endswith("(step 10)")
     # 10 steps × micro-batch 2 × accumulation 4 × 2 data-parallel ranks × 64 tokens
     assert rows["Tokens processed"] == "10.2k (10 steps)"
