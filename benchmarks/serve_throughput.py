@@ -2,7 +2,7 @@
 batched generate(), at 1, 4 and 16 concurrent clients, in one run.
 
     .venv/bin/python benchmarks/serve_throughput.py [--model tiny|small] [--prompts 16] [--new 32]
-                                                   [--clients 1,4,16] [--threads 2]
+                                                   [--clients 1,4,16] [--threads 2] [--split tp|pp]
 
 The model: a Llama with seeded random weights (benchmarks/inference_speed.py's), fp32, greedy. The workload:
 --prompts prompts, served to C closed-loop clients (client k sends prompts k, k+C, ... one after another).
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -110,17 +111,25 @@ def batched_at(runs: list[dict[str, Any]]) -> tuple[float, float]:
     return sum(r["tokens"] for r in runs) / seconds, ttft
 
 
-def start_server(folder: Path, root: Path, threads: int, max_batch: int) -> tuple[subprocess.Popen, str]:
+def start_server(folder: Path, root: Path, threads: int, max_batch: int, split: str | None) -> tuple[subprocess.Popen, str]:
+    """The server on one rank, or on two split by `split` ("tp" or "pp"), its ranks sharing the threads."""
     from rigpilot.engine.jobspec.spec import JobSpec
 
     job = root / "serve"
-    JobSpec.from_dict({"id": "serve", "kind": "serve", "model": str(folder), "gpus": [0],
+    ranks = 2 if split else 1
+    JobSpec.from_dict({"id": "serve", "kind": "serve", "model": str(folder), "gpus": list(range(ranks)),
+                       "parallelism": {split: 2} if split else {},
                        "serve": {"precision": "fp32", "max_batch": max_batch}}).write(job)  # fmt: skip
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=str(threads))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               OMP_NUM_THREADS=str(max(1, threads // ranks)))  # fmt: skip
     env["RIGPILOT_METRICS_DIR"] = str(job / "metrics")
     log = (root / "serve.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "rigpilot.engine.workers", str(job)], cwd=REPO, env=env,
-                            stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    cmd = [sys.executable, "-m", "rigpilot.engine.workers", str(job)]
+    if split:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *cmd[1:]]
+    # A session of its own: the end of the run stops torchrun and every rank together.
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)  # fmt: skip
     metrics = job / "metrics" / "rank0.jsonl"
     while proc.poll() is None:
         if metrics.exists():
@@ -176,6 +185,7 @@ def main() -> int:
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--clients", default="1,4,16")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--split", choices=("tp", "pp"), help="serve on two ranks split this way (they share --threads)")
     args = ap.parse_args()
     clients = [int(c) for c in args.clients.split(",")]
     prompts = make_prompts(args.prompts)
@@ -186,7 +196,7 @@ def main() -> int:
         ref = reference(folder, prompts, args.new, clients, args.threads)
         # The served name is the job's model folder's name.
         renamed = folder.rename(root / "serve-bench")
-        proc, url = start_server(renamed, root, args.threads, max(clients))
+        proc, url = start_server(renamed, root, args.threads, max(clients), args.split)
         try:
             drive(url, prompts[:1], args.new, 1)  # warm-up
             rows = []
@@ -196,9 +206,10 @@ def main() -> int:
                 same &= got["texts"] == [r["text"] for r in ref["naive"]]
                 rows.append((c, got, naive_at(ref["naive"], c), batched_at(ref["batched"][str(c)])))
         finally:
-            proc.terminate()
+            os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=60)
-    print(f"model {args.model}, {args.prompts} prompts, up to {args.new} new tokens, fp32, greedy, "
+    layout = f"server on 2 ranks split by {args.split.upper()}" if args.split else "server on 1 rank"
+    print(f"model {args.model}, {layout}, {args.prompts} prompts, up to {args.new} new tokens, fp32, greedy, "
           f"{args.threads} threads; tokens/s (higher is better), mean time to first token in ms (lower is better)")  # fmt: skip
     head = f"{'clients':>7} | {'server':>8} {'naive':>8} {'batched':>8} | {'×naive':>6} {'×batched':>8} | "
     head += f"{'TTFT server':>11} {'naive':>8} {'batched':>8}"
