@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rigpilot.engine.jobs.metrics import Cursor, read_records
+from rigpilot.engine.jobs.metrics import PEAK_MEMORY_KEYS, Cursor, read_records
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ FOLDER = "tensorboard"
 TRAINING = "training"
 GPUS = "gpus"
 # Figures each rank reports for itself (engine.report): one curve per rank. Every other figure is rank 0's.
-PER_RANK = ("tokens_per_s", "peak_memory")
+PER_RANK = ("tokens_per_s", *PEAK_MEMORY_KEYS)
 # What a record carries besides its figures.
 _BOOKKEEPING = frozenset({"time", "rank", "run", "step", "kind", "nonfinite"})
 _FIGURE_KINDS = (None, "eval")  # step records and evaluations; status, notes and errors are not curves
