@@ -480,6 +480,8 @@ class HyperPage(StepPage):
         self.keep_checkpoints = _setting_spin("keepCheckpoints", TRAIN["keep_checkpoints"])
         self.max_restarts = _spin("maxRestarts", -1, 100)
         self.max_restarts.setSpecialValueText("automatic")
+        self.tensorboard = QCheckBox("Also write TensorBoard event files")
+        self.tensorboard.setObjectName("tensorboard")
         self.save_merged = QCheckBox("Also save the weights with the adapters merged in")
         self.save_merged.setObjectName("saveMerged")
         self.train_on_prompts = QCheckBox("Train on the prompts too")
@@ -497,6 +499,7 @@ class HyperPage(StepPage):
         _setting_row(t, TRAIN["keep_checkpoints"], self.keep_checkpoints)
         restarts = JOB_SETTINGS["max_restarts"]
         form_row(t, restarts.label, self.max_restarts, f"{restarts.help} Automatic: {restarts.default_words}.")
+        _setting_row(t, JOB_SETTINGS["tensorboard"], self.tensorboard)
         self.prompts_row = form_row(
             t,
             "Chat data",
@@ -581,6 +584,7 @@ class HyperPage(StepPage):
         self.max_restarts.valueChanged.connect(self._changed)
         self.train_on_prompts.toggled.connect(self._changed)
         self.save_merged.toggled.connect(self._changed)
+        self.tensorboard.toggled.connect(self._changed)
         self.backend.currentIndexChanged.connect(self._changed)
         for combo in (*self.choices.values(), *self.recipe.values()):
             combo.currentIndexChanged.connect(self._changed)
@@ -610,6 +614,7 @@ class HyperPage(StepPage):
         self.checkpoint_every.setValue(t.checkpoint_every)
         self.keep_checkpoints.setValue(t.keep_checkpoints)
         self.max_restarts.setValue(-1 if s.max_restarts is None else s.max_restarts)
+        self.tensorboard.setChecked(s.tensorboard)
         self.train_on_prompts.setChecked(t.train_on_prompts)
         self.save_merged.setChecked(t.save_merged)
         self.eval_every.setValue(t.eval_every)
@@ -667,6 +672,7 @@ class HyperPage(StepPage):
             elif name not in s.pinned_recipe or value != getattr(t, name):  # the user's choice, pinned
                 s.pin_recipe(name, value)
         s.max_restarts = None if self.max_restarts.value() < 0 else self.max_restarts.value()
+        s.tensorboard = self.tensorboard.isChecked()
         targets = [x.strip() for x in self.lora_targets.text().split(",") if x.strip()]
         t.lora_targets = targets or None
         i.temperature, i.top_p, i.seed = self.temperature.value(), self.top_p.value(), self.infer_seed.value()

@@ -89,6 +89,7 @@ class WizardState:
     infer: InferSettings = field(default_factory=InferSettings)
     trust_remote_code: bool = False
     max_restarts: int | None = None  # automatic restarts after a rank fails; None: the engine's default
+    tensorboard: bool = False  # TensorBoard event files in the job's folder (engine.jobs.tensorboard)
     nodes: list[str] = field(default_factory=list)  # other engines the job spans besides this one (Settings → Nodes)
     slurm: dict[str, str] | None = None  # submit to SLURM with these options (partition, account, time, login)
 
@@ -240,6 +241,7 @@ class WizardState:
             gpus=self.job_gpus(),
             parallelism=self.parallelism(),
             max_restarts=self.max_restarts if kind == "train" else None,
+            tensorboard=self.tensorboard,
         )
         if kind == "train":
             spec.train = dataclasses.replace(self.train, dataset=list(self.dataset), method=self.train_method,
@@ -260,6 +262,8 @@ class WizardState:
         # Parts the job does not have are left out rather than sent as null; so is a setting at its declared
         # default, which the engine fills in itself: an engine from before a setting existed still takes the job.
         out = {k: v for k, v in spec.to_dict().items() if v is not None}
+        if not out["tensorboard"]:
+            del out["tensorboard"]  # the default, as below: an engine from before the setting still takes the job
         for section in ("train", "infer"):
             if isinstance(out.get(section), dict):
                 out[section] = {k: v for k, v in out[section].items()
@@ -370,6 +374,7 @@ def state_from_spec(spec: dict[str, Any], plan: dict[str, Any] | None = None) ->
     s = JobSpec.from_dict({"id": "", **spec})
     state = WizardState(name=s.name, model=s.model or "", gpus=list(s.gpus), trust_remote_code=s.trust_remote_code)
     state.max_restarts = s.max_restarts
+    state.tensorboard = s.tensorboard
     if s.kind == "train":
         t = s.train or TrainSettings()
         state.kind = SCRATCH if t.method == "scratch" else FINETUNE
@@ -467,6 +472,7 @@ def run_command(state: WizardState) -> str:
     if spec.trust_remote_code:
         words.append("--trust-remote-code")
     words += flag_words(JOB_SETTINGS["max_restarts"], spec.max_restarts) or []
+    words += flag_words(JOB_SETTINGS["tensorboard"], spec.tensorboard) or []
     p = spec.parallelism
     for flag, value in (("--dp", p.dp_replicate), ("--fsdp", p.dp_shard), ("--tp", p.tp), ("--pp", p.pp)):
         if value > 1:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -159,6 +160,7 @@ def _common_run_options() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the submitted job as JSON (implies --detach)")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="environment for the ranks; repeatable")
     add_option(p, JOB_SETTINGS["max_restarts"])
+    add_option(p, JOB_SETTINGS["tensorboard"])
     p.add_argument("--nodes", type=_node_list, metavar="local,NODE",
                    help="run across these engines ('local' is this one; others from 'rigpilot nodes add')")
     p.add_argument("--shared-dir", metavar="DIR",
@@ -649,6 +651,8 @@ def cmd_metrics(args: argparse.Namespace) -> int:
         print(f"  {line}")
     for line in machine_check_lines(job.get("machine_check")):
         print(f"  {line}")
+    if job.get("tensorboard_dir"):
+        print(f"  TensorBoard: tensorboard --logdir {shlex.quote(job['tensorboard_dir'])}")
     return 0
 
 

@@ -31,6 +31,8 @@ def read_metrics(run: Run) -> bool:
             break
     if got:
         run.dirty = True
+        if run.tensorboard is not None:
+            run.tensorboard.catch_up()
     return got
 
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from rigpilot.engine.jobs import energy
+from rigpilot.engine.jobs import energy, tensorboard
 from rigpilot.engine.jobs.runs import Run, local_gpus_in_use
 from rigpilot.engine.jobs.store import QUEUED, STARTING, JobRecord
 
@@ -34,6 +34,8 @@ def job_view(rec: JobRecord, runs: Mapping[str, Run], job_dir: Path, *, detail: 
         d["startup_phase"] = startup_phase(run.summary.phase if run else None)
     if detail:
         d["comparison"] = compare(rec.predicted, progress)
+        if tensorboard.folder(job_dir).is_dir():
+            d["tensorboard_dir"] = str(tensorboard.folder(job_dir))
     return d
 
 

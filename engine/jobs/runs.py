@@ -19,6 +19,7 @@ from rigpilot.engine.diskspace import NO_ROOM_BYTES, DiskFull, free_bytes
 from rigpilot.engine.jobs import energy
 from rigpilot.engine.jobs.metrics import Cursor, MetricsSummary
 from rigpilot.engine.jobs.store import CANCELLED, COMPLETED, FAILED, INTERRUPTED, JobRecord
+from rigpilot.engine.jobs.tensorboard import TensorboardLog
 from rigpilot.engine.jobspec.spec import JobSpec
 from rigpilot.engine.workers import EXIT_DISK_FULL
 
@@ -43,6 +44,7 @@ class Run:
     dirty: bool = False
     stepped: bool = False  # a step of this run was reported (the summary also holds earlier runs')
     energy: energy.EnergyMeter | None = None
+    tensorboard: TensorboardLog | None = None  # the job asked for TensorBoard event files (engine.jobs.tensorboard)
     launcher_ended: float | None = None  # monotonic: when the launcher was first seen gone
 
     @property

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from rigpilot.engine import paths
 from rigpilot.engine.errors import UserError
-from rigpilot.engine.jobs import following, recovery
+from rigpilot.engine.jobs import following, recovery, tensorboard
 from rigpilot.engine.jobs.metrics import summarize
 from rigpilot.engine.jobs.runs import Run, log_tail, max_steps_of, newest_checkpoint, run_outcome
 from rigpilot.engine.jobs.store import (
@@ -441,6 +441,7 @@ def finish(sup: Supervisor, run: Run, status: SlurmStatus) -> None:
         from_step=(newest_checkpoint(run.job_dir) or {}).get("step") if rec.kind == "train" else None,
     )  # fmt: skip
     measured = run.summary.to_dict(time.time())
+    tensorboard.finish(run.tensorboard, None)
     sup.store.update(rec, ended=time.time(), measured=measured, **outcome)
     del sup._runs[rec.id]
     sup._queue_dirty = True
@@ -463,9 +464,12 @@ def adopt(sup: Supervisor, rec: JobRecord) -> Run:
     """A SLURM job the engine followed before it restarted: it runs on without the engine, so follow it again."""
     job_dir = sup.job_dir(rec.id)
     try:
-        max_steps = max_steps_of(JobSpec.read(job_dir))
+        spec: JobSpec | None = JobSpec.read(job_dir)
     except (OSError, ValueError):
-        max_steps = None
-    run = Run(rec, job_dir, None)
-    run.summary, run.cursor = summarize(job_dir / "metrics", max_steps)
+        spec = None
+    # The training figures only: the job's GPUs are the cluster's, whose telemetry this engine does not sample.
+    run = Run(rec, job_dir, None, tensorboard=tensorboard.for_run(spec, job_dir, []))
+    run.summary, run.cursor = summarize(job_dir / "metrics", max_steps_of(spec) if spec is not None else None)
+    if run.tensorboard is not None:
+        run.tensorboard.catch_up()
     return run

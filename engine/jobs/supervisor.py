@@ -32,7 +32,7 @@ from rigpilot.engine.errors import UserError
 from rigpilot.engine.hardware.health import gpu_faults
 from rigpilot.engine.hardware.machine import Machine
 from rigpilot.engine.hardware.simulated import SimulatedBackend
-from rigpilot.engine.jobs import energy, following, launching, processes, recovery, slurm, submission
+from rigpilot.engine.jobs import energy, following, launching, processes, recovery, slurm, submission, tensorboard
 from rigpilot.engine.jobs.conditions import Conditions
 from rigpilot.engine.jobs.job_view import job_view
 from rigpilot.engine.jobs.limits import check_env
@@ -554,7 +554,8 @@ class Supervisor:
             rec, state=STARTING, started=time.time(), ended=None, launcher_pid=popen.pid,
             launcher_start=launching.started_at(popen), port=port,
         )  # fmt: skip
-        run = Run(rec, job_dir, popen, launcher_log, energy=energy.new_meter(rec, self._telemetry))
+        run = Run(rec, job_dir, popen, launcher_log, energy=energy.new_meter(rec, self._telemetry),
+                  tensorboard=tensorboard.for_run(spec, job_dir, rec.gpus))  # fmt: skip
         # A resumed job appends to its metric files; the summary carries on from the last run.
         run.summary, run.cursor = summarize(job_dir / "metrics", max_steps_of(spec))
         run.summary.phase = None  # the last run's final phase is not this run's
@@ -606,6 +607,8 @@ class Supervisor:
         apply_load(self._simulated_backend, run)
         if run.energy is not None:
             energy.catch_up(run.energy, self._telemetry, now=time.monotonic())
+        if run.tensorboard is not None:
+            run.tensorboard.catch_up_telemetry(self._telemetry, time.monotonic())
         if not processes.launcher_alive(run):
             if run.launcher_ended is None:
                 run.launcher_ended = time.monotonic()
@@ -663,6 +666,7 @@ class Supervisor:
         )  # fmt: skip
         ended = time.time()
         spent = energy.finish(rec, run.energy, self._telemetry, ended)
+        tensorboard.finish(run.tensorboard, self._telemetry)
         self.store.update(rec, **{"ended": ended, "measured": measured, "energy": spent, **outcome})
         del self._runs[rec.id]
         self._queue_dirty = True
@@ -679,10 +683,14 @@ class Supervisor:
                 continue
             job_dir = self.job_dir(rec.id)
             try:
-                max_steps = max_steps_of(JobSpec.read(job_dir))
+                spec: JobSpec | None = JobSpec.read(job_dir)
             except (OSError, ValueError):
-                max_steps = None
-            run = Run(rec, job_dir, None, energy=energy.new_meter(rec, self._telemetry))
+                spec = None
+            max_steps = max_steps_of(spec) if spec is not None else None
+            run = Run(rec, job_dir, None, energy=energy.new_meter(rec, self._telemetry),
+                      tensorboard=tensorboard.for_run(spec, job_dir, rec.gpus))  # fmt: skip
+            if run.tensorboard is not None:
+                run.tensorboard.catch_up()
             run.summary, run.cursor = summarize(job_dir / "metrics", max_steps)
             if rec.cancel_requested:
                 run.stop_reason = "cancel"
@@ -697,6 +705,7 @@ class Supervisor:
             clear_load(self._simulated_backend, rec)
             ended = time.time()
             spent = energy.finish(rec, run.energy, self._telemetry, ended)
+            tensorboard.finish(run.tensorboard, self._telemetry)
             self.store.update(rec, ended=ended, measured=run.summary.to_dict(), energy=spent, **outcome)
         self._queue_dirty = True
 

@@ -415,6 +415,13 @@ class JobSpec:
         "a hardware fault, up to this many times in a row (0: never).",
         default_words="3 for training longer than its checkpoint interval, else 0",
     )
+    tensorboard: bool = setting(
+        False,
+        flags="--tensorboard",
+        label="TensorBoard",
+        help="Also write the job's figures (loss, learning rate, tokens/s, MFU, memory, its GPUs' use) as "
+        "TensorBoard event files in its folder, for `tensorboard --logdir`.",
+    )
     spec_version: int = SPEC_VERSION
     # What reading an older job.json changed, for the job's notes. Written back with the upgraded job.json (a
     # resume or a restart rewrites it), so every later run still says why it runs otherwise than first asked.

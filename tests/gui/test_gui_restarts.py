@@ -69,7 +69,7 @@ def test_the_list_and_the_job_page_show_the_restarts(qtbot):
     qtbot.waitUntil(lambda: not timeline.isVisible())
 
 
-def test_the_wizard_sets_the_restart_limit_and_the_command_line_carries_it(qtbot, tmp_path):
+def test_the_wizard_sets_the_restart_limit_and_tensorboard_and_the_command_line_carries_them(qtbot, tmp_path):
     from rigpilot.app.wizard.page_base import HYPER
     from rigpilot.app.wizard.state import WizardState, default_state, state_from_spec
 
@@ -91,3 +91,10 @@ def test_the_wizard_sets_the_restart_limit_and_the_command_line_carries_it(qtbot
     assert WizardState.from_json(wizard.state.to_json()).max_restarts == 2
     box.setValue(0)
     assert wizard.state.to_spec()["max_restarts"] == 0
+
+    # TensorBoard: off is the engine's default and goes unsaid; on, the spec, the command and a copy carry it.
+    assert "tensorboard" not in wizard.state.to_spec() and "--tensorboard" not in wizard.state.command()
+    wizard.hyper_page.tensorboard.setChecked(True)
+    spec = wizard.state.to_spec()
+    assert spec["tensorboard"] is True and "--tensorboard" in shlex.split(wizard.state.command().splitlines()[0])
+    assert state_from_spec(spec).tensorboard and WizardState.from_json(wizard.state.to_json()).tensorboard
