@@ -626,7 +626,7 @@ def cmd_metrics(args: argparse.Namespace) -> int:
             print(f"  {label}: {_num(p[key])}")
     figures = held_out(p)
     if figures is not None:
-        from rigpilot.engine.cli.compare import held_out_line
+        from rigpilot.engine.cli.comparison import held_out_line
 
         print(f"  {held_out_line(figures)}")
     backend = backend_line(job)
