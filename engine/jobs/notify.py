@@ -48,7 +48,7 @@ def event_of(job: dict[str, Any], before: tuple[int, str] | None) -> str | None:
     seen since the engine started: a view of a job that ended before then, say renamed, is no news)."""
     if before is None or job.get("id") is None:
         return None
-    run, state = job.get("run"), job.get("state")
+    run, state = int(job.get("run") or 0), str(job.get("state"))
     if (run, state) == before:
         return None
     if state == COMPLETED:
@@ -56,7 +56,7 @@ def event_of(job: dict[str, Any], before: tuple[int, str] | None) -> str | None:
     if state in (FAILED, INTERRUPTED):
         return "failed"
     restarts = job.get("restarts") or []
-    if state == QUEUED and isinstance(run, int) and restarts and restarts[-1].get("run") == run - 1:
+    if state == QUEUED and restarts and restarts[-1].get("run") == run - 1:
         return "restarted"  # a user's resume also queues the next run, without a restart entry for it
     return None
 
