@@ -14,8 +14,9 @@ Started detached, so the window never waits on a busy notification daemon.
 
 from __future__ import annotations
 
+import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,9 +80,17 @@ def command_for(n: Notification, which: Callable[[str], str | None] = shutil.whi
     return None
 
 
+def has_session_bus(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether a session bus is there to ask: without one, gdbus and notify-send would autolaunch a bus daemon."""
+    if environ.get("DBUS_SESSION_BUS_ADDRESS"):
+        return True
+    runtime = environ.get("XDG_RUNTIME_DIR")
+    return runtime is not None and runtime != "" and os.path.exists(os.path.join(runtime, "bus"))
+
+
 def send(n: Notification) -> bool:
     """Show `n` on the desktop; False when there is no way to (the caller then says it in the window)."""
-    argv = command_for(n)
+    argv = command_for(n) if has_session_bus() else None
     if argv is None:
         return False
     ok, _pid = QProcess.startDetached(argv[0], argv[1:])

@@ -66,6 +66,19 @@ def test_the_settings_checkbox_keeps_the_choice_at_once(qtbot):
     assert not desktop_notify.enabled()
 
 
+def test_no_session_bus_means_no_notification_command(tmp_path):
+    assert not desktop_notify.has_session_bus({})
+    assert not desktop_notify.has_session_bus({"XDG_RUNTIME_DIR": str(tmp_path)})
+    (tmp_path / "bus").touch()
+    assert desktop_notify.has_session_bus({"XDG_RUNTIME_DIR": str(tmp_path)})
+    note = desktop_notify.Notification("completed", "a completed", "Job a (ab12cd) completed.", 1)
+    assert desktop_notify.command_for(note, lambda name: None) is None
+    assert desktop_notify.command_for(note, lambda name: f"/usr/bin/{name}" if name == "notify-send" else None) == [
+        "/usr/bin/notify-send", "--app-name=Rigpilot", f"--icon={desktop_notify.ICON}", "--urgency=normal", "--",
+        "a completed", "Job a (ab12cd) completed.",
+    ]  # fmt: skip
+
+
 @pytest.mark.skipif(not (shutil.which("dbus-daemon") and shutil.which("gdbus")), reason="needs dbus-daemon and gdbus")
 def test_a_notification_reaches_the_notifications_service_on_the_session_bus(tmp_path, monkeypatch):
     bus = subprocess.Popen(
