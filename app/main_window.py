@@ -36,7 +36,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from rigpilot.app import tasks
+from rigpilot.app import desktop_notify, tasks
 from rigpilot.app.engine_link import CONNECTED, CONNECTING, GONE, EngineLink
 from rigpilot.app.identity import APP_ID, APP_NAME
 from rigpilot.app.widgets import style
@@ -145,6 +145,7 @@ class MainWindow(QMainWindow):
         self.link = link or EngineLink()
         self.settings = QSettings()
         self.jobs: dict[str, dict[str, Any]] = {}
+        self.send_notification: Callable[[desktop_notify.Notification], bool] = desktop_notify.send
         self._asked_on_close = False
         self._exit_after_first_paint = os.environ.get(EXIT_AFTER_FIRST_PAINT) == "1"
         self._painted = False
@@ -389,17 +390,24 @@ class MainWindow(QMainWindow):
         self._update_tray()
 
     def _on_job(self, job: dict) -> None:
-        before = self.jobs.get(job["id"], {}).get("state")
+        before = self.jobs.get(job["id"])
         self.jobs[job["id"]] = job
         self._update_tray()
-        state = job.get("state")
-        if before != state and state in ("completed", "failed"):
-            name = job.get("name") or job["id"]
-            if state == "completed":
-                self._notify(f"{name} finished", "The job completed.", QSystemTrayIcon.MessageIcon.Information)
-            else:
-                reason = job.get("exit_reason") or "see its page for the cause"
-                self._notify(f"{name} failed", reason, QSystemTrayIcon.MessageIcon.Critical)
+        note = desktop_notify.notification_for(job, before)
+        if note is not None:
+            self._notify(note)
+
+    def _notify(self, note: desktop_notify.Notification) -> None:
+        """A popup only for a user looking elsewhere; one looking at the window sees the job change in place."""
+        if not self.isActiveWindow() and desktop_notify.enabled(self.settings):
+            if self.send_notification(note):
+                return
+            if self.tray is not None and self.tray.supportsMessages():  # no notification service: the tray's balloon
+                kind = QSystemTrayIcon.MessageIcon
+                icon = kind.Critical if note.urgency == 2 else kind.Information
+                self.tray.showMessage(note.title, note.body, icon, desktop_notify.EXPIRE_MS)
+                return
+        self.statusBar().showMessage(f"{note.title}: {note.body}", 15000)
 
     def _on_notice(self, notice: dict) -> None:
         title = NOTICE_TITLES.get(str(notice.get("code")), "The engine service says")
@@ -434,12 +442,6 @@ class MainWindow(QMainWindow):
         text = f"{APP_NAME}: {n} job{'s' if n != 1 else ''} running" if n else f"{APP_NAME}: no jobs running"
         if self.tray is not None:
             self.tray.setToolTip(text)
-
-    def _notify(self, title: str, message: str, icon: QSystemTrayIcon.MessageIcon) -> None:
-        if self.tray is not None and self.tray.supportsMessages():
-            self.tray.showMessage(title, message, icon, 10000)
-        else:
-            self.statusBar().showMessage(f"{title}: {message}", 15000)
 
     def _raise(self) -> None:
         self.showNormal()

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,11 @@ class Settings:
     warm_worker: bool = True
     # How much jobs give way to the desktop when the CPUs are short: a niceness, 0 to 19 (engine.priority).
     job_niceness: int = priority.NICENESS
+    # Where the engine tells a headless user that a job ended, failed or restarted (engine.jobs.notify):
+    # an http(s) URL that gets a JSON POST, and a command (argv list, or a string split like a shell's words,
+    # never run by one) that gets the same JSON on stdin. None: not set.
+    notify_webhook: str | None = None
+    notify_command: list[str] | str | None = None
     warnings: list[str] = field(default_factory=list, repr=False, compare=False)
 
     @classmethod
@@ -101,6 +107,18 @@ class Settings:
         if not (isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= priority.MAX_NICENESS):
             self.warnings.append(f"job_niceness ignored: {n!r} is not a whole number from 0 to {priority.MAX_NICENESS}")
             self.job_niceness = Settings.job_niceness
+        if self.notify_webhook is not None:
+            try:
+                self.notify_webhook = check_webhook(self.notify_webhook)
+            except ValueError as e:
+                self.warnings.append(f"notify_webhook ignored: {e}")
+                self.notify_webhook = None
+        if self.notify_command is not None:
+            try:
+                check_command(self.notify_command)
+            except ValueError as e:
+                self.warnings.append(f"notify_command ignored: {e}")
+                self.notify_command = None
 
     def price(self) -> dict[str, Any] | None:
         """The electricity price as the energy figures use it: {"per_kwh", "currency"}, or None when not set."""
@@ -143,6 +161,40 @@ def check_currency(value: Any) -> str:
     if not _CURRENCY.fullmatch(text):
         raise ValueError(f"currency must be a three-letter code like EUR or USD, not {str(value or '')[:20]!r}")
     return text
+
+
+def check_webhook(value: Any) -> str:
+    """An http:// or https:// URL with a host. The one line never repeats the URL: it may hold a token."""
+    from urllib.parse import urlsplit
+
+    text = value.strip() if isinstance(value, str) else ""
+    try:
+        parts = urlsplit(text)
+        _ = parts.port  # raises ValueError on a port that is not a number
+    except ValueError:
+        raise ValueError("the URL cannot be read as a URL") from None
+    if parts.scheme.lower() not in ("http", "https"):
+        given = f", not {parts.scheme[:20]}:" if parts.scheme else ""
+        raise ValueError(f"it must be an http:// or https:// URL{given}")
+    if not parts.hostname:
+        raise ValueError("the URL names no host")
+    return text
+
+
+def check_command(value: Any) -> list[str]:
+    """The argv of the notify command: a non-empty list of strings as given, or a string split into words."""
+    if isinstance(value, str):
+        try:
+            argv = shlex.split(value)
+        except ValueError as e:
+            raise ValueError(f"the command cannot be split into words ({e})") from None
+    elif isinstance(value, list) and all(isinstance(a, str) for a in value):
+        argv = list(value)
+    else:
+        raise ValueError("it must be a command line or a list of its words")
+    if not argv or not argv[0].strip():
+        raise ValueError("the command is empty")
+    return argv
 
 
 def check_rented_machine(entry: Any) -> dict[str, Any]:

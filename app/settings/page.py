@@ -32,6 +32,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from rigpilot.app import desktop_notify
 from rigpilot.app.doctor.view import MachineCheckView
 from rigpilot.app.settings.model import (
     DEFAULT_CPU_RANKS,
@@ -226,6 +227,13 @@ class SettingsPage(QWidget):
         display_form.addRow("Appearance", self.appearance)
         display_form.addRow(_note("System follows the desktop's light or dark setting. Applies and is kept at "
                                   "once, without Save."))  # fmt: skip
+        self.desktop_notifications = QCheckBox("Notify the desktop when a job completes, fails or restarts")
+        self.desktop_notifications.setObjectName("desktopNotifications")
+        self.desktop_notifications.setChecked(desktop_notify.enabled())
+        self.desktop_notifications.toggled.connect(lambda on: desktop_notify.save_enabled(on))
+        display_form.addRow("Notifications", self.desktop_notifications)
+        display_form.addRow(_note("Only while the Rigpilot window is not the active one. Kept at once, without "
+                                  "Save. A headless engine can call a webhook or command instead: see the README."))  # fmt: skip
 
         self.save_button = QPushButton("Save")
         set_icon(self.save_button, "save")

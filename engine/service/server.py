@@ -63,6 +63,7 @@ from rigpilot.engine.hardware.discovery import open_backend
 from rigpilot.engine.hardware.sampler import Sampler
 from rigpilot.engine.jobs import calibration_store, doctor_store
 from rigpilot.engine.jobs.conditions import Conditions
+from rigpilot.engine.jobs.notify import Notifier
 from rigpilot.engine.jobs.resilient_store import Recovery, ResilientJobStore, ResilientTelemetryStore
 from rigpilot.engine.jobs.scaling import Studies
 from rigpilot.engine.jobs.store import COMPLETED
@@ -113,6 +114,7 @@ class EngineService:
         self._switch_pending = False
         self.doctor_kept: set[str] = set()  # doctor jobs whose report the engine has stored (or given up on)
         self.doctor_keeping: set[str] = set()
+        self.notifier = Notifier()  # a job's end, failure or restart, to the webhook or command in Settings
         self._ended_since_trim = 0  # connections ended since memory was last handed back
         self._trimmed = 0.0
         # What the engine did by itself that its users should hear of (a damaged database it rebuilt): each
@@ -610,6 +612,7 @@ class EngineService:
             c.send_bytes(data)
 
     def _publish_job(self, job: dict[str, Any]) -> None:
+        self.notifier.observe(job)
         if job.get("kind") == "calibrate" and job.get("state") == COMPLETED and job.get("job_dir"):
             calibration_store.keep(Path(job["job_dir"]), paths.calibration_path())
         if job.get("kind") == "doctor" and job.get("state") in TERMINAL_STATES and job.get("job_dir"):

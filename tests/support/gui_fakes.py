@@ -309,6 +309,9 @@ def isolated_config(tmp_path: Any, monkeypatch: Any):
 
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    # A job that ends while the window is inactive pops up a desktop notification (app.desktop_notify): never on
+    # the desktop of whoever runs the tests. A bus address that leads nowhere (unset, gdbus would autolaunch one).
+    monkeypatch.setenv("DBUS_SESSION_BUS_ADDRESS", f"unix:path={tmp_path / 'no-session-bus'}")
     org, app = QCoreApplication.organizationName(), QCoreApplication.applicationName()
     QCoreApplication.setOrganizationName("RigpilotTests")
     QCoreApplication.setApplicationName("Rigpilot")
