@@ -220,12 +220,8 @@ def catch_up(meter: EnergyMeter, telemetry: Any, *, now: float, force: bool = Fa
         return
     meter._next_read = now + _READ_EVERY_S  # type: ignore[attr-defined]
     try:
-        while True:
-            samples, more = telemetry.since(meter.last_time, limit=2000)
-            for s in samples:
-                meter.add(s)
-            if not more or not samples:
-                return
+        for s in telemetry.each_since(meter.last_time):
+            meter.add(s)
     except Exception:  # the figure must never stop a job from being watched or ended: a hole is reported instead
         log.exception("cannot read telemetry for a job's energy")
 

@@ -15,7 +15,7 @@ import sqlite3
 import threading
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +105,16 @@ class TelemetryStore:
             size += len(raw)
             out.append(json.loads(raw))
         return out, len(rows) > limit
+
+    def each_since(self, since: float | None, page: int = 2000) -> Iterator[dict[str, Any]]:
+        """Every stored sample newer than `since`, oldest first, read a page at a time (a job's whole history
+        at once would hold it all in memory)."""
+        while True:
+            samples, more = self.since(since, limit=page)
+            yield from samples
+            if not more or not samples:
+                return
+            since = samples[-1].get("time", since)
 
     def count(self) -> int:
         with self._lock:

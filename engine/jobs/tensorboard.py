@@ -180,12 +180,8 @@ class TensorboardLog:
             return
         self.next_telemetry_read = now + TELEMETRY_EVERY_S
         try:
-            while True:
-                samples, more = telemetry.since(self.telemetry_time, limit=2000)
-                for s in samples:
-                    self.add_telemetry(s)
-                if not more or not samples:
-                    break
+            for s in telemetry.each_since(self.telemetry_time):
+                self.add_telemetry(s)
         except Exception:  # a chart elsewhere must never stop a job from being watched or ended
             log.exception("cannot write telemetry to TensorBoard")
         self._flush(GPUS)

@@ -166,7 +166,7 @@ def test_a_telemetry_store_that_fails_leaves_a_hole_not_a_stuck_job():
     class Broken:
         min_interval = 1.0
 
-        def since(self, *a, **k):
+        def each_since(self, *a, **k):
             raise OSError("disk I/O error")
 
     class Rec:
