@@ -17,7 +17,7 @@ from typing import Any
 
 from rigpilot.engine.argtypes import positive_int, read_json_object
 from rigpilot.engine.capability import backend_words
-from rigpilot.engine.cli.serve_wait import waiting
+from rigpilot.engine.cli.serve_wait import gpu_list, waiting
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.given_path import EITHER, FOLDER, check_given_path, open_given_file, shown
 from rigpilot.engine.jobs import scaling, scaling_table
@@ -363,7 +363,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"job {job['id']} submitted to SLURM{where} as job {job['slurm']['job_id']}: {job['kind']} "
                   f"'{printable(job['name'])}' ({ranks}); script {job['slurm']['script']}")  # fmt: skip
         else:
-            print(f"job {job['id']} submitted: {job['kind']} '{printable(job['name'])}' on GPUs {_gpus(job['gpus'])} ({ranks})")
+            print(f"job {job['id']} submitted: {job['kind']} '{printable(job['name'])}' on GPUs {gpu_list(job['gpus'])} ({ranks})")
         if job.get("nodes"):
             n = job["nodes"]
             print(f"  across {n['count']} nodes ({', '.join(n['names'])}), {ranks} on each; rendezvous {n['endpoint']}")
@@ -533,7 +533,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     rows = [("ID", "NAME", "KIND", "STATE", "GPUS", "PROGRESS", "TIME", "ENERGY", "NOTE")]
     for j in jobs:
         rows.append(
-            (j["id"], _clip(printable(j["name"]), 24), j["kind"], j["state"], _gpus(j["gpus"]),
+            (j["id"], _clip(printable(j["name"]), 24), j["kind"], j["state"], gpu_list(j["gpus"]),
              _progress(j.get("progress")), _job_time(j), _energy_cell(j), _clip(printable(_note(j)), 60))
         )  # fmt: skip
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -752,10 +752,6 @@ def cmd_results(args: argparse.Namespace) -> int:
 
 
 # -- formatting ------------------------------------------------------------------
-
-
-def _gpus(gpus: list[int]) -> str:
-    return ",".join(str(g) for g in gpus) or "-"
 
 
 def _clip(text: str, n: int) -> str:

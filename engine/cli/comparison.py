@@ -25,6 +25,7 @@ from typing import Any
 from rigpilot.engine.cli.serve_wait import wait_for_url
 from rigpilot.engine.errors import UserError
 from rigpilot.engine.jobs.metrics import held_out
+from rigpilot.engine.jobs.serve_source import LORA_BASE_NAME
 from rigpilot.engine.terminal import printable
 
 DEFAULT_MAX_TOKENS = 64
@@ -96,7 +97,8 @@ def comparison_plan(job: dict[str, Any], base: str | None) -> dict[str, Any]:
     method = str(((job.get("settings") or {}).get("train") or {}).get("method") or "full")
     if output.get("model") == "lora":
         base_model = base or _trained_from(job)
-        serving = {"model": base_model, "names": {"base": "base", "tuned": "tuned"}, "adapters": {"tuned": job["id"]}}
+        names = {"base": LORA_BASE_NAME, "tuned": "tuned"}  # the served names of the base and the adapter
+        serving = {"model": base_model, "names": names, "adapters": {"tuned": job["id"]}}
         return {"method": method, "base_model": base_model, "tuned_model": tuned, "servings": [serving]}
     if output.get("model") != "full":
         raise UserError(f"job {job['id']} saved no model in {tuned}", reason="serve_job_not_trained", job=job["id"],
@@ -132,7 +134,7 @@ def _complete(client: Any, trained_id: str, serving: dict[str, Any], precision: 
     spec: dict[str, Any] = {"kind": "serve", "model": serving["model"], "serve": {"max_new_tokens": max_tokens},
                             "name": f"compare {trained_id}: {' and '.join(names)}"}  # fmt: skip
     if serving["adapters"]:
-        spec["serve"]["base_name"] = "base"
+        spec["serve"]["base_name"] = LORA_BASE_NAME
         spec["serve"]["adapters"] = serving["adapters"]
     if precision:
         spec["serve"]["precision"] = precision

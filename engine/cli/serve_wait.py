@@ -21,10 +21,11 @@ def waiting(job: dict[str, Any]) -> str:
 
         return f" ({describe(job['slurm'])})"
     busy = job.get("waiting_for")
-    return f" (waiting for GPU {_gpus(busy)} to be free)" if busy else ""
+    return f" (waiting for GPU {gpu_list(busy)} to be free)" if busy else ""
 
 
-def _gpus(gpus: list[int]) -> str:
+def gpu_list(gpus: list[int]) -> str:
+    """GPU indices as the command line writes them: 0,1 (or - for none)."""
     return ",".join(str(g) for g in gpus) or "-"
 
 
